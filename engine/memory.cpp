@@ -1,0 +1,163 @@
+#include "engine/memory.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <new>
+
+namespace cw {
+
+namespace {
+constexpr size_t kAlign = 64;  // one cache line; also what AVX-512 loads like
+size_t round_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+}  // namespace
+
+HostBuffer::HostBuffer(size_t bytes) : bytes_(bytes) {
+  if (bytes == 0) return;
+  data_ = std::aligned_alloc(kAlign, round_up(bytes));
+  CW_CHECK_HINT(data_ != nullptr, "reduce the sequence length, batch or model size",
+                "out of host memory allocating {} bytes", bytes);
+  std::memset(data_, 0, round_up(bytes));
+}
+
+HostBuffer::HostBuffer(HostBuffer&& o) noexcept : data_(o.data_), bytes_(o.bytes_) {
+  o.data_ = nullptr;
+  o.bytes_ = 0;
+}
+
+HostBuffer& HostBuffer::operator=(HostBuffer&& o) noexcept {
+  if (this != &o) {
+    std::free(data_);
+    data_ = o.data_;
+    bytes_ = o.bytes_;
+    o.data_ = nullptr;
+    o.bytes_ = 0;
+  }
+  return *this;
+}
+
+HostBuffer::~HostBuffer() { std::free(data_); }
+
+Tensor HostBuffer::as(DType dtype, std::initializer_list<int64_t> shape) const {
+  Tensor t(data_, dtype, Device::host(), shape);
+  CW_CHECK(t.bytes() <= bytes_, "view {} needs {} bytes of a {}-byte buffer", t.describe(), t.bytes(), bytes_);
+  return t;
+}
+
+OwnedTensor::OwnedTensor(DType dtype, std::initializer_list<int64_t> shape) {
+  Tensor probe(nullptr, dtype, Device::host(), shape);
+  buffer = HostBuffer(probe.bytes());
+  tensor = Tensor(buffer.data(), dtype, Device::host(), shape);
+}
+
+Arena::Arena(size_t block_bytes, size_t max_bytes) : block_bytes_(block_bytes), max_bytes_(max_bytes) {}
+
+void* Arena::alloc_bytes(size_t bytes) {
+  const size_t need = round_up(bytes == 0 ? 1 : bytes);
+  if (max_bytes_ != 0) {
+    CW_CHECK_HINT(in_use_ + need <= max_bytes_, "plan a larger arena or use a smaller chunk",
+                  "arena of {} bytes exhausted: {} in use, {} more requested", max_bytes_, in_use_, need);
+  }
+  // Move to the next block that can hold the request, adding one when none is left.
+  while (current_ < blocks_.size() && offset_ + need > blocks_[current_].bytes()) {
+    in_use_ += blocks_[current_].bytes() - offset_;  // the tail of a block is lost until reset
+    ++current_;
+    offset_ = 0;
+  }
+  if (current_ == blocks_.size()) {
+    blocks_.emplace_back(std::max(block_bytes_, need));
+    offset_ = 0;
+  }
+  void* p = static_cast<char*>(blocks_[current_].data()) + offset_;
+  offset_ += need;
+  in_use_ += need;
+  if (in_use_ > high_water_) high_water_ = in_use_;
+  return p;
+}
+
+Tensor Arena::alloc(DType dtype, std::initializer_list<int64_t> shape) {
+  Tensor probe(nullptr, dtype, Device::host(), shape);
+  return Tensor(alloc_bytes(probe.bytes()), dtype, Device::host(), shape);
+}
+
+void Arena::reset(const Mark& m) {
+  CW_CHECK(m.in_use <= in_use_, "arena reset to a mark taken after the current state");
+  current_ = m.block;
+  offset_ = m.offset;
+  in_use_ = m.in_use;
+}
+
+size_t Arena::reserved() const {
+  size_t total = 0;
+  for (const auto& b : blocks_) total += b.bytes();
+  return total;
+}
+
+namespace {
+template <class F> void for_each_index(const Tensor& t, F&& f) {
+  // Visits every element offset (in elements) of a strided tensor in row-major order.
+  if (t.numel() == 0) return;
+  std::array<int64_t, Tensor::kMaxDims> idx{};
+  const int64_t n = t.numel();
+  for (int64_t i = 0; i < n; ++i) {
+    int64_t off = 0;
+    for (int d = 0; d < t.ndim; ++d) off += idx[d] * t.stride[d];
+    f(i, off);
+    for (int d = t.ndim - 1; d >= 0; --d) {
+      if (++idx[d] < t.shape[d]) break;
+      idx[d] = 0;
+    }
+  }
+}
+
+double load(const Tensor& t, int64_t off) {
+  switch (t.dtype) {
+    case DType::f64: return static_cast<const double*>(t.data)[off];
+    case DType::f32: return static_cast<const float*>(t.data)[off];
+    case DType::bf16: return static_cast<const bf16*>(t.data)[off].to_float();
+    case DType::i32: return static_cast<const int32_t*>(t.data)[off];
+  }
+  return 0;
+}
+
+void store(const Tensor& t, int64_t off, double v) {
+  switch (t.dtype) {
+    case DType::f64: static_cast<double*>(t.data)[off] = v; break;
+    // f64 -> f32 -> bf16: double rounding cannot differ from direct rounding here because every
+    // bf16 source in the engine is at most f32-precise.
+    case DType::f32: static_cast<float*>(t.data)[off] = static_cast<float>(v); break;
+    case DType::bf16: static_cast<bf16*>(t.data)[off] = bf16::from_float(static_cast<float>(v)); break;
+    case DType::i32: static_cast<int32_t*>(t.data)[off] = static_cast<int32_t>(v); break;
+  }
+}
+}  // namespace
+
+void fill(const Tensor& t, double value) {
+  CW_CHECK(t.device.is_cpu(), "fill of a {} tensor needs the device backend", device_name(t.device));
+  for_each_index(t, [&](int64_t, int64_t off) { store(t, off, value); });
+}
+
+void copy_convert(const Tensor& dst, const Tensor& src) {
+  check_same_shape(dst, src, "copy destination", "copy source");
+  CW_CHECK(dst.device.is_cpu() && src.device.is_cpu(), "copy_convert between {} and {} needs the device backend",
+           device_name(dst.device), device_name(src.device));
+  CW_CHECK((dst.dtype == DType::i32) == (src.dtype == DType::i32), "cannot convert {} to {}", dtype_name(src.dtype),
+           dtype_name(dst.dtype));
+  if (dst.dtype == src.dtype && dst.contiguous() && src.contiguous()) {
+    std::memcpy(dst.data, src.data, dst.bytes());
+    return;
+  }
+  // Two strided walks in the same row-major order; offsets of dst recomputed alongside.
+  std::vector<int64_t> dst_offsets;
+  dst_offsets.reserve(static_cast<size_t>(dst.numel()));
+  for_each_index(dst, [&](int64_t, int64_t off) { dst_offsets.push_back(off); });
+  for_each_index(src, [&](int64_t i, int64_t off) { store(dst, dst_offsets[static_cast<size_t>(i)], load(src, off)); });
+}
+
+}  // namespace cw
+
+namespace cw {
+void scale_inplace(const Tensor& t, double factor) {
+  CW_CHECK(t.device.is_cpu(), "scale_inplace of a {} tensor needs the device backend", device_name(t.device));
+  for_each_index(t, [&](int64_t, int64_t off) { store(t, off, load(t, off) * factor); });
+}
+}  // namespace cw

@@ -1,0 +1,117 @@
+// chunkwise engine: owning memory.
+//
+// HostBuffer owns one aligned host allocation. Arena hands out tensors from memory it owns by bump
+// allocation; mark()/reset() release everything allocated after a mark (ArenaScope does it on
+// scope exit). Ops never allocate: a layer or a schedule plans its buffers in an arena, and an op
+// that needs scratch space takes an Arena and returns it as it found it. The arena records its
+// high-water mark, which is how the tests show that SeCO's activation memory does not grow with the
+// sequence length.
+//
+// On the CPU an arena grows by adding blocks (existing tensors never move); a fixed capacity can be
+// set to make an over-plan an error instead.
+#pragma once
+
+#include "engine/tensor.h"
+
+#include <cstddef>
+#include <memory>
+#include <vector>
+
+namespace cw {
+
+class HostBuffer {
+ public:
+  HostBuffer() = default;
+  explicit HostBuffer(size_t bytes);  // zero-filled, 64-byte aligned
+  HostBuffer(HostBuffer&&) noexcept;
+  HostBuffer& operator=(HostBuffer&&) noexcept;
+  HostBuffer(const HostBuffer&) = delete;
+  HostBuffer& operator=(const HostBuffer&) = delete;
+  ~HostBuffer();
+
+  void* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
+  // The whole buffer as a packed tensor of the given dtype and shape (element count must fit).
+  Tensor as(DType dtype, std::initializer_list<int64_t> shape) const;
+
+ private:
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+};
+
+// A tensor together with the memory it views.
+struct OwnedTensor {
+  HostBuffer buffer;
+  Tensor tensor;
+
+  OwnedTensor() = default;
+  OwnedTensor(DType dtype, std::initializer_list<int64_t> shape);
+  template <class Container> static OwnedTensor of_shape(DType dtype, const Container& shape) {
+    OwnedTensor o;
+    int64_t n = 1;
+    for (auto s : shape) n *= s;
+    o.buffer = HostBuffer(static_cast<size_t>(n) * dtype_size(dtype));
+    o.tensor = Tensor::packed(o.buffer.data(), dtype, Device::host(), shape);
+    return o;
+  }
+  operator const Tensor&() const { return tensor; }
+};
+
+class Arena {
+ public:
+  struct Mark {
+    size_t block = 0;
+    size_t offset = 0;
+    size_t in_use = 0;
+  };
+
+  // block_bytes: size of each block the arena adds; max_bytes: 0 = unbounded.
+  explicit Arena(size_t block_bytes = size_t(64) << 20, size_t max_bytes = 0);
+
+  Tensor alloc(DType dtype, std::initializer_list<int64_t> shape);
+  template <class Container> Tensor alloc_shape(DType dtype, const Container& shape) {
+    int64_t n = 1;
+    for (auto s : shape) n *= s;
+    return Tensor::packed(alloc_bytes(static_cast<size_t>(n) * dtype_size(dtype)), dtype, Device::host(), shape);
+  }
+  void* alloc_bytes(size_t bytes);
+
+  Mark mark() const { return {current_, offset_, in_use_}; }
+  void reset(const Mark& m);
+
+  size_t in_use() const { return in_use_; }          // bytes handed out and not yet released
+  size_t high_water() const { return high_water_; }  // largest in_use() seen
+  void reset_high_water() { high_water_ = in_use_; }
+  size_t reserved() const;                           // bytes held from the system
+
+ private:
+  size_t block_bytes_, max_bytes_;
+  std::vector<HostBuffer> blocks_;
+  size_t current_ = 0, offset_ = 0, in_use_ = 0, high_water_ = 0;
+};
+
+// Releases on scope exit everything the arena handed out inside the scope.
+class ArenaScope {
+ public:
+  explicit ArenaScope(Arena& a) : arena_(a), mark_(a.mark()) {}
+  ~ArenaScope() { arena_.reset(mark_); }
+  ArenaScope(const ArenaScope&) = delete;
+  ArenaScope& operator=(const ArenaScope&) = delete;
+
+ private:
+  Arena& arena_;
+  Arena::Mark mark_;
+};
+
+// Fills a tensor of any dtype with one value (used to poison outputs and zero accumulators).
+void fill(const Tensor& t, double value);
+// Copies between tensors of the same shape, converting dtype (f64/f32/bf16; i32 only to i32).
+// bf16 is rounded to nearest even.
+void copy_convert(const Tensor& dst, const Tensor& src);
+
+}  // namespace cw
+
+namespace cw {
+// Multiplies every element of a (possibly strided) CPU tensor by factor.
+void scale_inplace(const Tensor& t, double factor);
+}  // namespace cw

@@ -1,0 +1,146 @@
+#include "engine/ops/attention.h"
+
+#include "engine/ops/cpu_common.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+namespace cw {
+
+namespace {
+constexpr int64_t kQueryBlock = 64;  // query rows per score block: bounds scratch to 64 x S
+
+struct Dims {
+  int64_t B, c, H, D, S, Hkv, p;
+};
+
+Dims check_operands(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const AttentionSaved& saved) {
+  CW_CHECK(q.ndim == 4 && k.ndim == 4, "attention q {} and k {} must be [B, c, H, D] and [B, S, Hkv, D]",
+           q.describe(), k.describe());
+  Dims d{q.size(0), q.size(1), q.size(2), q.size(3), k.size(1), k.size(2), 0};
+  d.p = d.S - d.c;
+  CW_CHECK(d.p >= 0, "attention: {} queries but only {} keys (keys must cover [0, p + c))", d.c, d.S);
+  CW_CHECK(d.Hkv > 0 && d.H % d.Hkv == 0, "attention: {} query heads not a multiple of {} K/V heads", d.H, d.Hkv);
+  check_shape(k, {d.B, d.S, d.Hkv, d.D}, "attention k");
+  check_same_shape(v, k, "attention v", "attention k");
+  check_same_shape(out, q, "attention out", "attention q");
+  check_shape(saved.lse, {d.B, d.H, d.c}, "attention saved lse");
+  check_contiguous(q, "attention q");
+  check_contiguous(out, "attention out");
+  check_contiguous(saved.lse, "attention saved lse");
+  for (const Tensor* t : {&k, &v})
+    CW_CHECK(t->stride[1] == d.Hkv * d.D && t->stride[2] == d.D && t->stride[3] == 1,
+             "attention k/v {}: the [S, Hkv, D] part must be packed (only the batch stride may differ)", t->describe());
+  for (const Tensor* t : {&q, &k, &v, &out}) {
+    check_dtype(*t, q.dtype, "attention operand");
+    cpu::check_cpu(*t, "attention operand");
+  }
+  check_dtype(saved.lse, accum_dtype(q.dtype), "attention saved lse");
+  return d;
+}
+
+// Scores of query rows [i0, i0+rows) against keys [0, keys) of one (batch, head), masked causally:
+// P holds exp(s - lse) (with lse computed here when `compute_lse`), zero where masked.
+template <class T>
+void probabilities(cpu::MatrixMap<T> P, const cpu::ConstMatrixMap<T>& Q, const cpu::ConstMatrixMap<T>& K, T scale,
+                   int64_t first_query_pos, T* lse, bool compute_lse) {
+  const int64_t rows = P.rows(), keys = P.cols();
+  P.noalias() = (Q * K.topRows(keys).transpose()) * scale;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t visible = first_query_pos + r + 1;  // keys [0, visible) are not masked
+    if (compute_lse) {
+      T m = -std::numeric_limits<T>::infinity();
+      for (int64_t j = 0; j < visible; ++j) m = std::max(m, P(r, j));
+      T sum = 0;
+      for (int64_t j = 0; j < visible; ++j) sum += std::exp(P(r, j) - m);
+      lse[r] = m + std::log(sum);
+    }
+    for (int64_t j = 0; j < visible; ++j) P(r, j) = std::exp(P(r, j) - lse[r]);
+    for (int64_t j = visible; j < keys; ++j) P(r, j) = T(0);
+  }
+}
+}  // namespace
+
+void attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
+                       const Tensor& v, double scale, Arena& scratch) {
+  const Dims d = check_operands(q, k, v, out, saved);
+  cpu::dispatch_float(q.dtype, "attention_forward", [&](auto zero) {
+    using T = decltype(zero);
+    ArenaScope scope(scratch);
+    T* score_block = scratch.alloc(q.dtype, {std::min(kQueryBlock, d.c) * d.S}).template ptr<T>();
+    const int64_t group = d.H / d.Hkv, row_stride = d.H * d.D, kv_row_stride = d.Hkv * d.D;
+    for (int64_t b = 0; b < d.B; ++b)
+      for (int64_t h = 0; h < d.H; ++h) {
+        const int64_t g = h / group;
+        const auto K = cpu::cmatrix<T>(k.ptr<T>() + b * k.stride[0] + g * d.D, d.S, d.D, kv_row_stride);
+        const auto V = cpu::cmatrix<T>(v.ptr<T>() + b * v.stride[0] + g * d.D, d.S, d.D, kv_row_stride);
+        for (int64_t i0 = 0; i0 < d.c; i0 += kQueryBlock) {
+          const int64_t rows = std::min(kQueryBlock, d.c - i0), keys = d.p + i0 + rows;
+          const int64_t q_off = ((b * d.c + i0) * d.H + h) * d.D;
+          const auto Q = cpu::cmatrix<T>(q.ptr<T>() + q_off, rows, d.D, row_stride);
+          auto P = cpu::matrix<T>(score_block, rows, keys, keys);
+          T* lse = saved.lse.ptr<T>() + (b * d.H + h) * d.c + i0;
+          probabilities<T>(P, Q, K, T(scale), d.p + i0, lse, true);
+          cpu::matrix<T>(out.ptr<T>() + q_off, rows, d.D, row_stride).noalias() = P * V.topRows(keys);
+        }
+      }
+  });
+}
+
+void attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,
+                        const AttentionSaved& saved, const Tensor& q, const Tensor& k, const Tensor& v,
+                        const Tensor& out, double scale, GradMode mode, Arena& scratch) {
+  const Dims d = check_operands(q, k, v, out, saved);
+  check_same_shape(d_q, q, "attention d_q", "attention q");
+  check_same_shape(d_out, q, "attention d_out", "attention q");
+  check_contiguous(d_q, "attention d_q");
+  check_contiguous(d_out, "attention d_out");
+  for (const Tensor* t : {&d_k, &d_v}) {
+    check_same_shape(*t, k, "attention d_k/d_v", "attention k");
+    check_dtype(*t, accum_dtype(q.dtype), "attention d_k/d_v");
+    CW_CHECK(t->stride[1] == d.Hkv * d.D && t->stride[2] == d.D && t->stride[3] == 1,
+             "attention d_k/d_v {}: the [S, Hkv, D] part must be packed", t->describe());
+  }
+  cpu::dispatch_float(q.dtype, "attention_backward", [&](auto zero) {
+    using T = decltype(zero);
+    ArenaScope scope(scratch);
+    const int64_t block = std::min(kQueryBlock, d.c);
+    T* p_block = scratch.alloc(q.dtype, {block * d.S}).template ptr<T>();
+    T* dp_block = scratch.alloc(q.dtype, {block * d.S}).template ptr<T>();
+    const int64_t group = d.H / d.Hkv, row_stride = d.H * d.D, kv_row_stride = d.Hkv * d.D;
+    for (int64_t b = 0; b < d.B; ++b)
+      for (int64_t h = 0; h < d.H; ++h) {
+        const int64_t g = h / group;
+        const auto K = cpu::cmatrix<T>(k.ptr<T>() + b * k.stride[0] + g * d.D, d.S, d.D, kv_row_stride);
+        const auto V = cpu::cmatrix<T>(v.ptr<T>() + b * v.stride[0] + g * d.D, d.S, d.D, kv_row_stride);
+        auto dK = cpu::matrix<T>(d_k.ptr<T>() + b * d_k.stride[0] + g * d.D, d.S, d.D, kv_row_stride);
+        auto dV = cpu::matrix<T>(d_v.ptr<T>() + b * d_v.stride[0] + g * d.D, d.S, d.D, kv_row_stride);
+        for (int64_t i0 = 0; i0 < d.c; i0 += kQueryBlock) {
+          const int64_t rows = std::min(kQueryBlock, d.c - i0), keys = d.p + i0 + rows;
+          const int64_t q_off = ((b * d.c + i0) * d.H + h) * d.D;
+          const auto Q = cpu::cmatrix<T>(q.ptr<T>() + q_off, rows, d.D, row_stride);
+          const auto O = cpu::cmatrix<T>(out.ptr<T>() + q_off, rows, d.D, row_stride);
+          const auto dO = cpu::cmatrix<T>(d_out.ptr<T>() + q_off, rows, d.D, row_stride);
+          auto P = cpu::matrix<T>(p_block, rows, keys, keys);
+          auto dS = cpu::matrix<T>(dp_block, rows, keys, keys);
+          T* lse = saved.lse.ptr<T>() + (b * d.H + h) * d.c + i0;
+          probabilities<T>(P, Q, K, T(scale), d.p + i0, lse, false);
+          dS.noalias() = dO * V.topRows(keys).transpose();  // dP
+          for (int64_t r = 0; r < rows; ++r) {
+            const T delta = dO.row(r).dot(O.row(r));
+            dS.row(r) = (P.row(r).array() * (dS.row(r).array() - delta)).matrix();
+          }
+          auto dQ = cpu::matrix<T>(d_q.ptr<T>() + q_off, rows, d.D, row_stride);
+          if (mode == GradMode::accumulate)
+            dQ.noalias() += (dS * K.topRows(keys)) * T(scale);
+          else
+            dQ.noalias() = (dS * K.topRows(keys)) * T(scale);
+          dK.topRows(keys).noalias() += (dS.transpose() * Q) * T(scale);
+          dV.topRows(keys).noalias() += P.transpose() * dO;
+        }
+      }
+  });
+}
+
+}  // namespace cw

@@ -1,0 +1,46 @@
+// Internal to engine/ops: dtype dispatch for the templated CPU kernels and Eigen views of tensors.
+// Not part of the public interface.
+#pragma once
+
+#include "engine/error.h"
+#include "engine/tensor.h"
+
+#include <Eigen/Core>
+
+namespace cw::cpu {
+
+template <class T> using RowMatrix = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+template <class T> using MatrixMap = Eigen::Map<RowMatrix<T>, 0, Eigen::OuterStride<>>;
+template <class T> using ConstMatrixMap = Eigen::Map<const RowMatrix<T>, 0, Eigen::OuterStride<>>;
+
+// A [rows, cols] row-major view starting at p with `row_stride` elements between rows.
+template <class T> MatrixMap<T> matrix(T* p, int64_t rows, int64_t cols, int64_t row_stride) {
+  return MatrixMap<T>(p, rows, cols, Eigen::OuterStride<>(row_stride));
+}
+template <class T> ConstMatrixMap<T> cmatrix(const T* p, int64_t rows, int64_t cols, int64_t row_stride) {
+  return ConstMatrixMap<T>(p, rows, cols, Eigen::OuterStride<>(row_stride));
+}
+// A contiguous 2-d tensor as a matrix.
+template <class T> MatrixMap<T> matrix(const Tensor& t) {
+  return matrix<T>(t.ptr<T>(), t.size(0), t.size(1), t.size(1));
+}
+template <class T> ConstMatrixMap<T> cmatrix(const Tensor& t) {
+  return cmatrix<T>(t.ptr<T>(), t.size(0), t.size(1), t.size(1));
+}
+
+// Calls f(T{}) with T = double or float according to the dtype; the CPU has no bf16 compute path.
+template <class F> void dispatch_float(DType dtype, const char* op, F&& f) {
+  switch (dtype) {
+    case DType::f64: f(double{}); return;
+    case DType::f32: f(float{}); return;
+    default:
+      fail(fmt::format("{} on the CPU supports f64 and f32, not {}", op, dtype_name(dtype)),
+           "run bf16 on a GPU, or choose --dtype f32");
+  }
+}
+
+inline void check_cpu(const Tensor& t, const char* what) {
+  CW_CHECK(t.device.is_cpu(), "{} is on {}; this op has no backend for it in this build", what, device_name(t.device));
+}
+
+}  // namespace cw::cpu

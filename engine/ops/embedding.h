@@ -1,0 +1,16 @@
+// Embedding lookup.
+//   forward:  out[n, :] = table[ids[n], :]
+//   backward: d_table[ids[n], :] += d_out[n, :]   (accumulates; rows visited in order n = 0..N-1,
+//             so the result is deterministic)
+// Shapes: ids [N] i32, table [V, C], out / d_out [N, C]. Saves nothing. Every id is checked to lie in
+// [0, V). Tested in tests/engine/test_ops.cpp.
+#pragma once
+
+#include "engine/tensor.h"
+
+namespace cw {
+
+void embedding_forward(const Tensor& out, const Tensor& ids, const Tensor& table);
+void embedding_backward(const Tensor& d_table, const Tensor& d_out, const Tensor& ids);
+
+}  // namespace cw

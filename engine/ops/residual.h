@@ -1,0 +1,17 @@
+// The residual connection and plain gradient accumulation.
+//   residual_forward:  out = x + delta            (out may alias x: the stream updated in place)
+//   residual_backward: d_x (op)= d_out; d_delta (op)= d_out, each with its own mode
+//   accumulate:        dst += src                 (gradient sums: a schedule adding a chunk's result)
+// Shapes: all operands the same shape; f64/f32. Saves nothing. Tested in tests/engine/test_ops.cpp.
+#pragma once
+
+#include "engine/tensor.h"
+
+namespace cw {
+
+void residual_forward(const Tensor& out, const Tensor& x, const Tensor& delta);
+void residual_backward(const Tensor& d_x, GradMode mode_x, const Tensor& d_delta, GradMode mode_delta,
+                       const Tensor& d_out);
+void accumulate(const Tensor& dst, const Tensor& src);
+
+}  // namespace cw

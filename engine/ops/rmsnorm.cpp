@@ -1,0 +1,82 @@
+#include "engine/ops/rmsnorm.h"
+
+#include "engine/ops/cpu_common.h"
+
+#include <cmath>
+
+namespace cw {
+
+namespace {
+void check_operands(const Tensor& y, const RmsNormSaved& saved, const Tensor& x, const Tensor& w, const char* op) {
+  const int64_t N = x.size(0), C = x.size(1);
+  check_shape(x, {N, C}, op);
+  check_shape(y, {N, C}, op);
+  check_shape(w, {C}, "rmsnorm weight");
+  check_shape(saved.rstd, {N}, "rmsnorm saved rstd");
+  check_dtype(y, x.dtype, "rmsnorm out/d_x");
+  check_dtype(w, x.dtype, "rmsnorm weight");
+  check_dtype(saved.rstd, accum_dtype(x.dtype), "rmsnorm saved rstd");
+  for (const Tensor* t : {&y, &x, &w, &saved.rstd}) {
+    check_contiguous(*t, op);
+    cpu::check_cpu(*t, op);
+  }
+}
+}  // namespace
+
+void rmsnorm_forward(const Tensor& out, const RmsNormSaved& saved, const Tensor& x, const Tensor& weight, double eps) {
+  check_operands(out, saved, x, weight, "rmsnorm_forward");
+  CW_CHECK(out.data != x.data, "rmsnorm_forward: out must not alias x (the backward reads x)");
+  cpu::dispatch_float(x.dtype, "rmsnorm_forward", [&](auto zero) {
+    using T = decltype(zero);
+    const int64_t N = x.size(0), C = x.size(1);
+    const T* xp = x.ptr<T>();
+    const T* w = weight.ptr<T>();
+    T* y = out.ptr<T>();
+    T* rstd = saved.rstd.ptr<T>();
+    for (int64_t n = 0; n < N; ++n) {
+      const T* row = xp + n * C;
+      T sum_sq = 0;
+      for (int64_t c = 0; c < C; ++c) sum_sq += row[c] * row[c];
+      const T r = T(1) / std::sqrt(sum_sq / T(C) + T(eps));
+      rstd[n] = r;
+      for (int64_t c = 0; c < C; ++c) y[n * C + c] = row[c] * r * w[c];
+    }
+  });
+}
+
+void rmsnorm_backward(const Tensor& d_x, const Tensor& d_weight, const Tensor& d_out, const RmsNormSaved& saved,
+                      const Tensor& x, const Tensor& weight, GradMode mode) {
+  check_operands(d_x, saved, x, weight, "rmsnorm_backward");
+  check_same_shape(d_out, x, "rmsnorm d_out", "rmsnorm x");
+  check_same_shape(d_weight, weight, "rmsnorm d_weight", "rmsnorm weight");
+  check_dtype(d_out, x.dtype, "rmsnorm d_out");
+  check_dtype(d_weight, x.dtype, "rmsnorm d_weight");
+  cpu::dispatch_float(x.dtype, "rmsnorm_backward", [&](auto zero) {
+    using T = decltype(zero);
+    const int64_t N = x.size(0), C = x.size(1);
+    const T* xp = x.ptr<T>();
+    const T* w = weight.ptr<T>();
+    const T* dy = d_out.ptr<T>();
+    const T* rstd = saved.rstd.ptr<T>();
+    T* dx = d_x.ptr<T>();
+    T* dw = d_weight.ptr<T>();
+    for (int64_t n = 0; n < N; ++n) {
+      const T r = rstd[n];
+      const T* xr = xp + n * C;
+      const T* dyr = dy + n * C;
+      // mean_c(g * xhat), the projection of g onto xhat that normalisation removes
+      T dot = 0;
+      for (int64_t c = 0; c < C; ++c) dot += dyr[c] * w[c] * xr[c] * r;
+      const T mean_dot = dot / T(C);
+      T* dxr = dx + n * C;
+      for (int64_t c = 0; c < C; ++c) {
+        const T xhat = xr[c] * r;
+        const T g = r * (dyr[c] * w[c] - xhat * mean_dot);
+        dxr[c] = (mode == GradMode::accumulate ? dxr[c] : T(0)) + g;
+        dw[c] += dyr[c] * xhat;
+      }
+    }
+  });
+}
+
+}  // namespace cw

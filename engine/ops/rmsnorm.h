@@ -1,0 +1,23 @@
+// RMSNorm (Zhang & Sennrich 2019), as in Llama.
+//   forward:  r[n] = 1 / sqrt(mean_c x[n,c]^2 + eps);  out[n,c] = x[n,c] * r[n] * w[c]
+//   backward: g = d_out * w;  xhat = x * r
+//             d_x[n,:] = r[n] * (g[n,:] - xhat[n,:] * mean_c(g[n,c] * xhat[n,c]))   (overwrite or accumulate)
+//             d_w[c]  += sum_n d_out[n,c] * xhat[n,c]                                 (always accumulates)
+// Shapes: x, out, d_out, d_x [N, C]; w, d_w [C]; saved.rstd [N] in the accumulation dtype.
+// Saved: rstd (so the backward needs no reduction over C to recompute it). out must not alias x.
+// Tested in tests/engine/test_ops.cpp (fp64 finite differences, f32 against f64).
+#pragma once
+
+#include "engine/tensor.h"
+
+namespace cw {
+
+struct RmsNormSaved {
+  Tensor rstd;  // [N], accum_dtype(x.dtype)
+};
+
+void rmsnorm_forward(const Tensor& out, const RmsNormSaved& saved, const Tensor& x, const Tensor& weight, double eps);
+void rmsnorm_backward(const Tensor& d_x, const Tensor& d_weight, const Tensor& d_out, const RmsNormSaved& saved,
+                      const Tensor& x, const Tensor& weight, GradMode mode);
+
+}  // namespace cw

@@ -1,0 +1,114 @@
+#include "engine/ops/rope.h"
+
+#include "engine/ops/cpu_common.h"
+
+#include <cmath>
+#include <numbers>
+
+namespace cw {
+
+std::vector<double> rope_inv_freq(int64_t head_dim, double theta, const RopeScaling& s) {
+  CW_CHECK(head_dim > 0 && head_dim % 2 == 0, "rope head_dim {} must be even", head_dim);
+  std::vector<double> inv(static_cast<size_t>(head_dim / 2));
+  for (int64_t i = 0; i < head_dim / 2; ++i)
+    inv[i] = 1.0 / std::pow(theta, static_cast<double>(2 * i) / static_cast<double>(head_dim));
+  if (s.type == RopeScaling::Type::linear) {
+    for (double& f : inv) f /= s.factor;
+  } else if (s.type == RopeScaling::Type::llama3) {
+    const double low_wavelen = static_cast<double>(s.original_max_position) / s.low_freq_factor;
+    const double high_wavelen = static_cast<double>(s.original_max_position) / s.high_freq_factor;
+    for (double& f : inv) {
+      const double wavelen = 2.0 * std::numbers::pi / f;
+      if (wavelen > low_wavelen) {
+        f /= s.factor;  // low frequency: stretched fully
+      } else if (wavelen >= high_wavelen) {
+        // between the two thresholds: blend the stretched and the original frequency
+        const double smooth = (static_cast<double>(s.original_max_position) / wavelen - s.low_freq_factor) /
+                              (s.high_freq_factor - s.low_freq_factor);
+        f = (1.0 - smooth) * f / s.factor + smooth * f;
+      }  // high frequency: unchanged
+    }
+  }
+  return inv;
+}
+
+void rope_tables(const Tensor& cos, const Tensor& sin, int64_t head_dim, double theta, const RopeScaling& scaling) {
+  const int64_t P = cos.size(0), half = head_dim / 2;
+  check_shape(cos, {P, half}, "rope cos table");
+  check_shape(sin, {P, half}, "rope sin table");
+  const std::vector<double> inv = rope_inv_freq(head_dim, theta, scaling);
+  cpu::dispatch_float(cos.dtype, "rope_tables", [&](auto zero) {
+    using T = decltype(zero);
+    for (int64_t p = 0; p < P; ++p)
+      for (int64_t i = 0; i < half; ++i) {
+        const double a = static_cast<double>(p) * inv[i];
+        cos.ptr<T>()[p * half + i] = static_cast<T>(std::cos(a));
+        sin.ptr<T>()[p * half + i] = static_cast<T>(std::sin(a));
+      }
+  });
+}
+
+namespace {
+void check_operands(const Tensor& y, const Tensor& x, const Tensor& cos, const Tensor& sin, int64_t pos0) {
+  check_same_shape(y, x, "rope out", "rope in");
+  CW_CHECK(x.ndim == 4, "rope input must be [B, T, H, D], got {}", x.describe());
+  const int64_t T = x.size(1), half = x.size(3) / 2;
+  CW_CHECK(x.size(3) % 2 == 0, "rope head dim {} must be even", x.size(3));
+  check_shape(cos, {-1, half}, "rope cos table");
+  check_same_shape(sin, cos, "rope sin table", "rope cos table");
+  CW_CHECK(pos0 >= 0 && pos0 + T <= cos.size(0), "rope positions [{}, {}) exceed the table of {} positions", pos0,
+           pos0 + T, cos.size(0));
+  for (const Tensor* t : {&y, &x, &cos, &sin}) {
+    check_contiguous(*t, "rope operand");
+    cpu::check_cpu(*t, "rope operand");
+    check_dtype(*t, x.dtype, "rope operand");
+  }
+}
+
+// Rotates every head of x by +angle (sign = 1) or -angle (sign = -1) into y; y may alias x.
+template <class T>
+void rotate(T* y, const T* x, const Tensor& shape, const T* cos, const T* sin, int64_t pos0, T sign, bool accumulate) {
+  const int64_t B = shape.size(0), Tn = shape.size(1), H = shape.size(2), D = shape.size(3), half = D / 2;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < Tn; ++t) {
+      const T* c = cos + (pos0 + t) * half;
+      const T* s = sin + (pos0 + t) * half;
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t base = ((b * Tn + t) * H + h) * D;
+        for (int64_t i = 0; i < half; ++i) {
+          const T x1 = x[base + i], x2 = x[base + i + half];
+          const T y1 = x1 * c[i] - sign * x2 * s[i];
+          const T y2 = x2 * c[i] + sign * x1 * s[i];
+          if (accumulate) {
+            y[base + i] += y1;
+            y[base + i + half] += y2;
+          } else {
+            y[base + i] = y1;
+            y[base + i + half] = y2;
+          }
+        }
+      }
+    }
+}
+}  // namespace
+
+void rope_forward(const Tensor& out, const Tensor& x, const Tensor& cos, const Tensor& sin, int64_t pos0) {
+  check_operands(out, x, cos, sin, pos0);
+  cpu::dispatch_float(x.dtype, "rope_forward", [&](auto zero) {
+    using T = decltype(zero);
+    rotate<T>(out.ptr<T>(), x.ptr<T>(), x, cos.ptr<T>(), sin.ptr<T>(), pos0, T(1), false);
+  });
+}
+
+void rope_backward(const Tensor& d_x, const Tensor& d_out, const Tensor& cos, const Tensor& sin, int64_t pos0,
+                   GradMode mode) {
+  check_operands(d_x, d_out, cos, sin, pos0);
+  CW_CHECK(mode == GradMode::overwrite || d_x.data != d_out.data, "rope_backward: accumulate needs d_x != d_out");
+  cpu::dispatch_float(d_out.dtype, "rope_backward", [&](auto zero) {
+    using T = decltype(zero);
+    rotate<T>(d_x.ptr<T>(), d_out.ptr<T>(), d_out, cos.ptr<T>(), sin.ptr<T>(), pos0, T(-1),
+              mode == GradMode::accumulate);
+  });
+}
+
+}  // namespace cw

@@ -1,0 +1,54 @@
+#include "engine/ops/swiglu.h"
+
+#include "engine/ops/cpu_common.h"
+
+#include <cmath>
+
+namespace cw {
+
+namespace {
+void check_operands(std::initializer_list<const Tensor*> ts, const char* op) {
+  const Tensor& first = **ts.begin();
+  for (const Tensor* t : ts) {
+    check_same_shape(*t, first, op, "swiglu gate");
+    check_dtype(*t, first.dtype, op);
+    check_contiguous(*t, op);
+    cpu::check_cpu(*t, op);
+  }
+}
+}  // namespace
+
+void swiglu_forward(const Tensor& out, const Tensor& gate, const Tensor& up) {
+  check_operands({&gate, &up, &out}, "swiglu_forward");
+  cpu::dispatch_float(gate.dtype, "swiglu_forward", [&](auto zero) {
+    using T = decltype(zero);
+    const T* g = gate.ptr<T>();
+    const T* u = up.ptr<T>();
+    T* y = out.ptr<T>();
+    for (int64_t i = 0; i < gate.numel(); ++i) y[i] = g[i] / (T(1) + std::exp(-g[i])) * u[i];
+  });
+}
+
+void swiglu_backward(const Tensor& d_gate, const Tensor& d_up, const Tensor& d_out, const Tensor& gate,
+                     const Tensor& up, GradMode mode) {
+  check_operands({&gate, &up, &d_out, &d_gate, &d_up}, "swiglu_backward");
+  cpu::dispatch_float(gate.dtype, "swiglu_backward", [&](auto zero) {
+    using T = decltype(zero);
+    const T* g = gate.ptr<T>();
+    const T* u = up.ptr<T>();
+    const T* dy = d_out.ptr<T>();
+    T* dg = d_gate.ptr<T>();
+    T* du = d_up.ptr<T>();
+    const bool acc = mode == GradMode::accumulate;
+    for (int64_t i = 0; i < gate.numel(); ++i) {
+      const T sig = T(1) / (T(1) + std::exp(-g[i]));
+      const T silu = g[i] * sig;
+      const T dgi = dy[i] * u[i] * sig * (T(1) + g[i] * (T(1) - sig));
+      const T dui = dy[i] * silu;
+      dg[i] = acc ? dg[i] + dgi : dgi;
+      du[i] = acc ? du[i] + dui : dui;
+    }
+  });
+}
+
+}  // namespace cw

@@ -1,0 +1,302 @@
+#include "model/config.h"
+
+#include "engine/error.h"
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+
+namespace cw {
+
+namespace {
+using nlohmann::json;
+
+// Reads an integer key; absent -> fallback when one is given, else an error naming file and key.
+int64_t get_int(const json& j, const char* key, const std::string& src, const int64_t* fallback = nullptr) {
+  if (!j.contains(key) || j[key].is_null()) {
+    if (fallback) return *fallback;
+    fail(fmt::format("{}: missing key '{}'", src, key), "is this a Llama config.json? add the key");
+  }
+  const json& v = j[key];
+  if (v.is_number_integer() || v.is_number_unsigned()) return v.get<int64_t>();
+  if (v.is_number_float() && std::floor(v.get<double>()) == v.get<double>()) return static_cast<int64_t>(v.get<double>());
+  fail(fmt::format("{}: key '{}' must be an integer, got {}", src, key, v.dump()), "fix the value in the config");
+}
+
+double get_double(const json& j, const char* key, const std::string& src, double fallback, bool required = false) {
+  if (!j.contains(key) || j[key].is_null()) {
+    if (required) fail(fmt::format("{}: missing key '{}'", src, key), "add the key to the config");
+    return fallback;
+  }
+  if (!j[key].is_number()) fail(fmt::format("{}: key '{}' must be a number, got {}", src, key, j[key].dump()));
+  return j[key].get<double>();
+}
+
+RopeScaling parse_rope_scaling(const json& s, const std::string& src, const char* where) {
+  RopeScaling r;
+  if (s.is_null()) return r;
+  if (!s.is_object()) fail(fmt::format("{}: '{}' must be an object or null", src, where));
+  std::string type = "default";
+  if (s.contains("rope_type") && !s["rope_type"].is_null()) type = s["rope_type"].get<std::string>();
+  else if (s.contains("type") && !s["type"].is_null()) type = s["type"].get<std::string>();
+  if (type == "default") return r;
+  const std::string key = fmt::format("{}.rope_type", where);
+  if (type == "linear") {
+    r.type = RopeScaling::Type::linear;
+    r.factor = get_double(s, "factor", src + ": " + where, 1.0, true);
+  } else if (type == "llama3") {
+    r.type = RopeScaling::Type::llama3;
+    const std::string ctx = src + ": " + where;
+    r.factor = get_double(s, "factor", ctx, 1.0, true);
+    r.low_freq_factor = get_double(s, "low_freq_factor", ctx, 1.0, true);
+    r.high_freq_factor = get_double(s, "high_freq_factor", ctx, 4.0, true);
+    r.original_max_position = get_int(s, "original_max_position_embeddings", ctx);
+    if (!(r.high_freq_factor > r.low_freq_factor))
+      fail(fmt::format("{}: {}: high_freq_factor {} must exceed low_freq_factor {}", src, where, r.high_freq_factor,
+                       r.low_freq_factor));
+  } else {
+    fail(fmt::format("{}: unknown {} '{}'", src, key, type), "chunkwise supports default, linear and llama3 RoPE");
+  }
+  if (!(r.factor > 0)) fail(fmt::format("{}: {}.factor must be positive", src, where));
+  return r;
+}
+}  // namespace
+
+LlamaConfig LlamaConfig::from_json(const json& j, const std::string& src) {
+  if (!j.is_object()) fail(fmt::format("{}: config must be a JSON object", src));
+  if (j.contains("architectures") && j["architectures"].is_array()) {
+    bool llama = false;
+    for (const auto& a : j["architectures"]) llama = llama || (a.is_string() && a.get<std::string>() == "LlamaForCausalLM");
+    if (!llama)
+      fail(fmt::format("{}: architectures {} does not include LlamaForCausalLM", src, j["architectures"].dump()),
+           "chunkwise trains Llama-architecture models");
+  }
+  LlamaConfig c;
+  c.vocab_size = get_int(j, "vocab_size", src);
+  c.hidden_size = get_int(j, "hidden_size", src);
+  c.intermediate_size = get_int(j, "intermediate_size", src);
+  c.num_hidden_layers = get_int(j, "num_hidden_layers", src);
+  c.num_attention_heads = get_int(j, "num_attention_heads", src);
+  c.num_key_value_heads = get_int(j, "num_key_value_heads", src, &c.num_attention_heads);
+  if (c.num_attention_heads > 0 && !j.contains("head_dim")) {
+    if (c.hidden_size % c.num_attention_heads != 0)
+      fail(fmt::format("{}: hidden_size {} is not divisible by num_attention_heads {} and head_dim is absent", src,
+                       c.hidden_size, c.num_attention_heads), "give head_dim explicitly");
+  }
+  const int64_t derived_head_dim = c.num_attention_heads > 0 ? c.hidden_size / c.num_attention_heads : 0;
+  c.head_dim = get_int(j, "head_dim", src, &derived_head_dim);
+  const int64_t default_max_pos = 2048;
+  c.max_position_embeddings = get_int(j, "max_position_embeddings", src, &default_max_pos);
+  c.rms_norm_eps = get_double(j, "rms_norm_eps", src, 1e-6);
+  c.initializer_range = get_double(j, "initializer_range", src, 0.02);
+  if (j.contains("tie_word_embeddings") && !j["tie_word_embeddings"].is_null()) {
+    if (!j["tie_word_embeddings"].is_boolean()) fail(fmt::format("{}: key 'tie_word_embeddings' must be true or false", src));
+    c.tie_word_embeddings = j["tie_word_embeddings"].get<bool>();
+  }
+  // v5 keeps theta and scaling together in rope_parameters; v4 has rope_theta and rope_scaling.
+  if (j.contains("rope_parameters") && !j["rope_parameters"].is_null()) {
+    const json& rp = j["rope_parameters"];
+    if (!rp.is_object()) fail(fmt::format("{}: 'rope_parameters' must be an object", src));
+    c.rope_theta = get_double(rp, "rope_theta", src + ": rope_parameters", 10000.0);
+    c.rope_scaling = parse_rope_scaling(rp, src, "rope_parameters");
+  } else {
+    c.rope_theta = get_double(j, "rope_theta", src, 10000.0);
+    if (j.contains("rope_scaling")) c.rope_scaling = parse_rope_scaling(j["rope_scaling"], src, "rope_scaling");
+  }
+  const int64_t none = -1;
+  c.bos_token_id = get_int(j, "bos_token_id", src, &none);
+  if (j.contains("eos_token_id") && !j["eos_token_id"].is_null()) {
+    const json& e = j["eos_token_id"];
+    if (e.is_array()) {
+      for (const auto& x : e) {
+        if (!x.is_number_integer()) fail(fmt::format("{}: 'eos_token_id' list must hold integers", src));
+        c.eos_token_ids.push_back(x.get<int64_t>());
+      }
+    } else if (e.is_number_integer()) {
+      c.eos_token_ids.push_back(e.get<int64_t>());
+    } else {
+      fail(fmt::format("{}: 'eos_token_id' must be an integer or a list of integers", src));
+    }
+  }
+  for (const char* key : {"dtype", "torch_dtype"})
+    if (j.contains(key) && j[key].is_string()) {
+      c.torch_dtype = j[key].get<std::string>();
+      break;
+    }
+  c.validate(src);
+  return c;
+}
+
+LlamaConfig LlamaConfig::from_file(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) fail(fmt::format("cannot open model config '{}'", path), "check the path");
+  json j;
+  try {
+    j = json::parse(in);
+  } catch (const json::exception& e) {
+    fail(fmt::format("{}: not valid JSON ({})", path, e.what()), "fix or re-download config.json");
+  }
+  try {
+    return from_json(j, path);
+  } catch (const json::exception& e) {
+    fail(fmt::format("{}: unexpected value type ({})", path, e.what()), "compare with a transformers LlamaConfig");
+  }
+}
+
+void LlamaConfig::validate(const std::string& src) const {
+  auto positive = [&](int64_t v, const char* key) {
+    if (v <= 0) fail(fmt::format("{}: '{}' must be positive, got {}", src, key, v));
+  };
+  positive(vocab_size, "vocab_size");
+  positive(hidden_size, "hidden_size");
+  positive(intermediate_size, "intermediate_size");
+  positive(num_hidden_layers, "num_hidden_layers");
+  positive(num_attention_heads, "num_attention_heads");
+  positive(num_key_value_heads, "num_key_value_heads");
+  positive(head_dim, "head_dim");
+  positive(max_position_embeddings, "max_position_embeddings");
+  if (num_attention_heads % num_key_value_heads != 0)
+    fail(fmt::format("{}: num_attention_heads {} is not a multiple of num_key_value_heads {}", src,
+                     num_attention_heads, num_key_value_heads), "grouped-query attention needs whole groups");
+  if (head_dim % 2 != 0) fail(fmt::format("{}: head_dim {} must be even for RoPE", src, head_dim));
+  if (!(rms_norm_eps > 0)) fail(fmt::format("{}: 'rms_norm_eps' must be positive", src));
+  if (!(rope_theta > 0)) fail(fmt::format("{}: 'rope_theta' must be positive", src));
+}
+
+json LlamaConfig::to_json() const {
+  json j = {
+      {"architectures", {"LlamaForCausalLM"}},
+      {"model_type", "llama"},
+      {"vocab_size", vocab_size},
+      {"hidden_size", hidden_size},
+      {"intermediate_size", intermediate_size},
+      {"num_hidden_layers", num_hidden_layers},
+      {"num_attention_heads", num_attention_heads},
+      {"num_key_value_heads", num_key_value_heads},
+      {"head_dim", head_dim},
+      {"max_position_embeddings", max_position_embeddings},
+      {"rms_norm_eps", rms_norm_eps},
+      {"rope_theta", rope_theta},
+      {"tie_word_embeddings", tie_word_embeddings},
+      {"initializer_range", initializer_range},
+      {"hidden_act", "silu"},
+      {"attention_bias", false},
+      {"mlp_bias", false},
+      {"torch_dtype", torch_dtype},
+  };
+  switch (rope_scaling.type) {
+    case RopeScaling::Type::none: j["rope_scaling"] = nullptr; break;
+    case RopeScaling::Type::linear: j["rope_scaling"] = {{"rope_type", "linear"}, {"factor", rope_scaling.factor}}; break;
+    case RopeScaling::Type::llama3:
+      j["rope_scaling"] = {{"rope_type", "llama3"},
+                           {"factor", rope_scaling.factor},
+                           {"low_freq_factor", rope_scaling.low_freq_factor},
+                           {"high_freq_factor", rope_scaling.high_freq_factor},
+                           {"original_max_position_embeddings", rope_scaling.original_max_position}};
+      break;
+  }
+  if (bos_token_id >= 0) j["bos_token_id"] = bos_token_id;
+  if (eos_token_ids.size() == 1) j["eos_token_id"] = eos_token_ids[0];
+  else if (!eos_token_ids.empty()) j["eos_token_id"] = eos_token_ids;
+  return j;
+}
+
+int64_t LlamaConfig::parameter_count() const {
+  const int64_t C = hidden_size, F = intermediate_size;
+  const int64_t per_layer = 2 * C + C * q_dim() + 2 * C * kv_dim() + q_dim() * C + 3 * C * F;
+  return vocab_size * C * (tie_word_embeddings ? 1 : 2) + num_hidden_layers * per_layer + C;
+}
+
+namespace {
+LlamaConfig llama3_family(int64_t C, int64_t F, int64_t L, int64_t H, int64_t D, bool tied, double factor) {
+  LlamaConfig c;
+  c.vocab_size = 128256;
+  c.hidden_size = C;
+  c.intermediate_size = F;
+  c.num_hidden_layers = L;
+  c.num_attention_heads = H;
+  c.num_key_value_heads = 8;
+  c.head_dim = D;
+  c.max_position_embeddings = 131072;
+  c.rms_norm_eps = 1e-5;
+  c.rope_theta = 500000.0;
+  c.rope_scaling = {RopeScaling::Type::llama3, factor, 1.0, 4.0, 8192};
+  c.tie_word_embeddings = tied;
+  c.bos_token_id = 128000;
+  c.eos_token_ids = {128001};
+  c.torch_dtype = "bfloat16";
+  return c;
+}
+}  // namespace
+
+std::vector<std::string> LlamaConfig::preset_names() {
+  return {"tiny", "small", "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b"};
+}
+
+LlamaConfig LlamaConfig::preset(const std::string& name) {
+  LlamaConfig c;
+  if (name == "tiny") {
+    // For tests: every feature at toy size. GQA 2:1, llama3 RoPE scaling that bites at these lengths
+    // (original context 32), untied (tests flip tie_word_embeddings).
+    c.vocab_size = 61;
+    c.hidden_size = 24;
+    c.intermediate_size = 40;
+    c.num_hidden_layers = 2;
+    c.num_attention_heads = 4;
+    c.num_key_value_heads = 2;
+    c.head_dim = 6;
+    c.max_position_embeddings = 4096;
+    c.rms_norm_eps = 1e-5;
+    c.rope_theta = 10000.0;
+    c.rope_scaling = {RopeScaling::Type::llama3, 4.0, 1.0, 4.0, 32};
+    c.initializer_range = 0.2;  // large enough that every path carries signal in gradient checks
+  } else if (name == "small") {
+    // The CPU demo: byte-level vocabulary (258 ids padded to 320), trains in minutes on two cores.
+    c.vocab_size = 320;
+    c.hidden_size = 192;
+    c.intermediate_size = 512;
+    c.num_hidden_layers = 4;
+    c.num_attention_heads = 6;
+    c.num_key_value_heads = 2;
+    c.head_dim = 32;
+    c.max_position_embeddings = 4096;
+    c.rms_norm_eps = 1e-5;
+    c.rope_theta = 10000.0;
+    c.tie_word_embeddings = true;
+    c.bos_token_id = 256;
+    c.eos_token_ids = {257};
+  } else if (name == "llama-3.2-1b") {
+    c = llama3_family(2048, 8192, 16, 32, 64, true, 32.0);
+  } else if (name == "llama-3.2-3b") {
+    c = llama3_family(3072, 8192, 28, 24, 128, true, 32.0);
+  } else if (name == "llama-3.1-8b") {
+    c = llama3_family(4096, 14336, 32, 32, 128, false, 8.0);
+    c.eos_token_ids = {128001, 128008, 128009};
+  } else {
+    std::string names;
+    for (const auto& n : preset_names()) names += (names.empty() ? "" : ", ") + n;
+    fail(fmt::format("unknown model preset '{}'", name), fmt::format("use one of {}, or a config.json path", names));
+  }
+  c.validate("preset " + name);
+  return c;
+}
+
+LlamaConfig LlamaConfig::resolve(const std::string& spec) {
+  namespace fs = std::filesystem;
+  if (fs::is_directory(spec)) {
+    const fs::path p = fs::path(spec) / "config.json";
+    if (!fs::exists(p)) fail(fmt::format("model directory '{}' has no config.json", spec), "point at an HF checkpoint directory");
+    return from_file(p.string());
+  }
+  if (fs::exists(spec)) return from_file(spec);
+  const auto names = preset_names();
+  if (std::find(names.begin(), names.end(), spec) != names.end()) return preset(spec);
+  if (spec.find('/') != std::string::npos || spec.ends_with(".json"))
+    fail(fmt::format("model '{}' does not exist", spec), "give a preset name, a config.json or a checkpoint directory");
+  return preset(spec);  // raises the unknown-preset error listing the names
+}
+
+}  // namespace cw

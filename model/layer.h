@@ -1,0 +1,59 @@
+// One Llama decoder block over a chunk of tokens, forward and backward, built from engine ops.
+//
+// A chunk is B sequences x c tokens at positions [p, p+c); rows are n = b*c + t, N = B*c.
+//   h1   = rmsnorm(x_in; attn_norm)
+//   q    = rope(h1 Wqᵀ, p)          k = rope(h1 Wkᵀ, p)        v = h1 Wvᵀ        -> K/V store [p, p+c)
+//   attn = attention(q, K[0, p+c), V[0, p+c))                 (bottom-right causal, grouped heads)
+//   x_mid = x_in + attn Woᵀ
+//   h2   = rmsnorm(x_mid; mlp_norm)
+//   act  = silu(h2 W_gateᵀ) * (h2 W_upᵀ)
+//   x_out = x_mid + act W_downᵀ
+// The backward runs these lines in reverse. Its attention step ADDS dK, dV for all keys [0, p+c) into
+// the store's gradient accumulators; then the chunk's own K/V gradient is read back from the
+// accumulator over [p, p+c) — its local part plus whatever later chunks added before — and carried
+// through RoPE and the K/V projections. With one chunk covering the sequence this is plain backprop;
+// with many (SeCO) it is the same gradient, exactly.
+// Parameter gradients accumulate (+=). d_x enters as the gradient of x_out and leaves as that of x_in.
+#pragma once
+
+#include "engine/memory.h"
+#include "engine/ops/attention.h"
+#include "engine/ops/rmsnorm.h"
+#include "model/config.h"
+#include "model/kv_store.h"
+#include "model/params.h"
+
+namespace cw {
+
+// What a block's backward reads, for one chunk. Shapes with N = B*c.
+struct LayerActivations {
+  Tensor h1;                  // [N, C]    attn_norm(x_in)
+  RmsNormSaved norm1;         // rstd [N]
+  Tensor q;                   // [B, c, H, D] post-RoPE queries
+  Tensor attn;                // [B, c, H, D] attention output, before o_proj
+  AttentionSaved attn_saved;  // lse [B, H, c]
+  Tensor x_mid;               // [N, C]    residual stream after attention
+  Tensor h2;                  // [N, C]    mlp_norm(x_mid)
+  RmsNormSaved norm2;         // rstd [N]
+  Tensor gate, up, act;       // [N, F]    gate and up projections, silu(gate) * up
+
+  static LayerActivations allocate(Arena& arena, const LlamaConfig& config, int64_t B, int64_t c, DType dtype);
+  static size_t bytes(const LlamaConfig& config, int64_t B, int64_t c, DType dtype);
+};
+
+// The chunk a block works on and the tables and scratch it uses.
+struct BlockContext {
+  const LlamaConfig& config;
+  const Tensor& rope_cos;     // [P, D/2], P >= p + c
+  const Tensor& rope_sin;
+  int64_t B, c, pos0;         // batch, chunk length, position of the chunk's first token
+  Arena& scratch;
+};
+
+// keep == nullptr: nothing is saved (prefill); the activations live in scratch for the call.
+void block_forward(const Tensor& x_out, LayerActivations* keep, const Tensor& x_in, const LayerWeights& w,
+                   KVStore& kv, int layer, const BlockContext& ctx);
+void block_backward(const Tensor& d_x, const LayerWeights& grads, const LayerActivations& act, const Tensor& x_in,
+                    const LayerWeights& w, KVStore& kv, int layer, const BlockContext& ctx);
+
+}  // namespace cw

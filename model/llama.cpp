@@ -1,0 +1,152 @@
+#include "model/llama.h"
+
+#include "engine/ops/embedding.h"
+#include "engine/ops/linear.h"
+#include "engine/ops/lm_head_loss.h"
+#include "engine/ops/rmsnorm.h"
+
+namespace cw {
+
+LlamaModel::LlamaModel(const LlamaConfig& config, DType dtype) : config_(config), dtype_(dtype), params_(config, dtype) {
+  config_.validate("model config");
+  ensure_positions(256);
+}
+
+void LlamaModel::ensure_positions(int64_t n) {
+  if (rope_cos_.tensor.ndim == 2 && rope_cos_.tensor.size(0) >= n) return;
+  const int64_t half = config_.head_dim / 2;
+  rope_cos_ = OwnedTensor(dtype_, {n, half});
+  rope_sin_ = OwnedTensor(dtype_, {n, half});
+  rope_tables(rope_cos_, rope_sin_, config_.head_dim, config_.rope_theta, config_.rope_scaling);
+}
+
+ChunkActivations ChunkActivations::allocate(Arena& arena, const LlamaConfig& cf, int64_t B, int64_t c, DType dt) {
+  ChunkActivations a;
+  const int64_t N = B * c, C = cf.hidden_size;
+  for (int64_t l = 0; l <= cf.num_hidden_layers; ++l) a.stream.push_back(arena.alloc(dt, {N, C}));
+  for (int64_t l = 0; l < cf.num_hidden_layers; ++l) a.layers.push_back(LayerActivations::allocate(arena, cf, B, c, dt));
+  a.normed = arena.alloc(dt, {N, C});
+  a.final_norm.rstd = arena.alloc(accum_dtype(dt), {N});
+  return a;
+}
+
+size_t ChunkActivations::bytes(const LlamaConfig& cf, int64_t B, int64_t c, DType dt) {
+  const size_t N = static_cast<size_t>(B * c), C = static_cast<size_t>(cf.hidden_size);
+  return static_cast<size_t>(cf.num_hidden_layers) * LayerActivations::bytes(cf, B, c, dt) +
+         (static_cast<size_t>(cf.num_hidden_layers) + 2) * N * C * dtype_size(dt) + N * dtype_size(accum_dtype(dt));
+}
+
+namespace {
+// Runs embedding and the blocks, leaving x_L in stream.back(); stream tensors either kept or scratch.
+void run_blocks(ChunkActivations& a, KVStore& kv, const LlamaModel& model, const ChunkTokens& chunk, bool keep,
+                Arena& scratch) {
+  const LlamaConfig& cf = model.config();
+  const ModelWeights w = model.weights();
+  const BlockContext ctx{cf, model.rope_cos(), model.rope_sin(), chunk.B, chunk.c, chunk.pos0, scratch};
+  embedding_forward(a.stream[0], chunk.ids, w.embedding);
+  for (int l = 0; l < cf.num_hidden_layers; ++l)
+    block_forward(a.stream[static_cast<size_t>(l) + 1], keep ? &a.layers[static_cast<size_t>(l)] : nullptr,
+                  a.stream[static_cast<size_t>(l)], w.layers[static_cast<size_t>(l)], kv, l, ctx);
+  rmsnorm_forward(a.normed, a.final_norm, a.stream.back(), w.final_norm, cf.rms_norm_eps);
+}
+
+void check_chunk(const LlamaModel& model, const ChunkTokens& chunk, const KVStore& kv) {
+  const int64_t N = chunk.B * chunk.c;
+  check_shape(chunk.ids, {N}, "chunk ids");
+  if (chunk.labels.data) check_shape(chunk.labels, {N}, "chunk labels");
+  CW_CHECK(chunk.pos0 + chunk.c <= kv.tokens(), "chunk [{}, {}) beyond the K/V store's {} tokens", chunk.pos0,
+           chunk.pos0 + chunk.c, kv.tokens());
+  CW_CHECK(chunk.B == kv.batch(), "chunk batch {} but K/V store batch {}", chunk.B, kv.batch());
+  CW_CHECK(model.rope_cos().size(0) >= chunk.pos0 + chunk.c, "RoPE tables cover {} positions, chunk needs {}",
+           model.rope_cos().size(0), chunk.pos0 + chunk.c);
+}
+}  // namespace
+
+double forward_chunk(ChunkActivations* keep, KVStore& kv, const LlamaModel& model, const ChunkTokens& chunk,
+                     double normaliser, bool with_loss, Arena& scratch) {
+  check_chunk(model, chunk, kv);
+  const LlamaConfig& cf = model.config();
+  const int64_t N = chunk.B * chunk.c;
+  if (keep) {
+    run_blocks(*keep, kv, model, chunk, true, scratch);
+    return 0.0;
+  }
+  ArenaScope scope(scratch);
+  // Without keep, only two residual-stream buffers are needed: blocks ping-pong between them.
+  ChunkActivations a;
+  Tensor ping = scratch.alloc(model.dtype(), {N, cf.hidden_size}), pong = scratch.alloc(model.dtype(), {N, cf.hidden_size});
+  for (int64_t l = 0; l <= cf.num_hidden_layers; ++l) a.stream.push_back(l % 2 == 0 ? ping : pong);
+  a.normed = scratch.alloc(model.dtype(), {N, cf.hidden_size});
+  a.final_norm.rstd = scratch.alloc(accum_dtype(model.dtype()), {N});
+  run_blocks(a, kv, model, chunk, false, scratch);
+  if (!with_loss) return 0.0;
+  CW_CHECK(chunk.labels.data, "forward_chunk with_loss needs labels");
+  Tensor row_loss = scratch.alloc(accum_dtype(model.dtype()), {N});
+  lm_head_loss_forward(row_loss, LmHeadSaved{}, a.normed, model.weights().lm_head, chunk.labels, normaliser, scratch,
+                       kLmHeadBlockRows);
+  double loss = 0;
+  OwnedTensor row64(DType::f64, {N});
+  copy_convert(row64, row_loss);
+  for (int64_t n = 0; n < N; ++n) loss += row64.tensor.ptr<double>()[n];
+  return loss;
+}
+
+double backward_chunk(const ParamSet& grads, const ChunkActivations& a, KVStore& kv, const LlamaModel& model,
+                      const ChunkTokens& chunk, double normaliser, Arena& scratch, double loss_weight) {
+  check_chunk(model, chunk, kv);
+  CW_CHECK(chunk.labels.data, "backward_chunk needs labels");
+  CW_CHECK(loss_weight > 0, "loss weight {} must be positive", loss_weight);
+  const LlamaConfig& cf = model.config();
+  const int64_t N = chunk.B * chunk.c;
+  const ModelWeights w = model.weights();
+  const ModelWeights g = grads.weights();
+  const BlockContext ctx{cf, model.rope_cos(), model.rope_sin(), chunk.B, chunk.c, chunk.pos0, scratch};
+  ArenaScope scope(scratch);
+
+  // LM head and loss, fused: the loss for reporting, the gradient scaled by loss_weight.
+  Tensor row_loss = scratch.alloc(accum_dtype(model.dtype()), {N});
+  Tensor d_normed = scratch.alloc(model.dtype(), {N, cf.hidden_size});
+  const double grad_normaliser = normaliser / loss_weight;
+  lm_head_loss_fused(row_loss, d_normed, g.lm_head, a.normed, w.lm_head, chunk.labels, grad_normaliser,
+                     GradMode::overwrite, scratch, kLmHeadBlockRows);
+  OwnedTensor row64(DType::f64, {N});
+  copy_convert(row64, row_loss);
+  double loss = 0;
+  for (int64_t n = 0; n < N; ++n) loss += row64.tensor.ptr<double>()[n];
+  loss *= loss_weight;  // row_loss was divided by grad_normaliser; report the unweighted loss
+
+  Tensor d_x = scratch.alloc(model.dtype(), {N, cf.hidden_size});
+  rmsnorm_backward(d_x, g.final_norm, d_normed, a.final_norm, a.stream.back(), w.final_norm, GradMode::overwrite);
+  for (int l = cf.num_hidden_layers - 1; l >= 0; --l)
+    block_backward(d_x, g.layers[static_cast<size_t>(l)], a.layers[static_cast<size_t>(l)], a.stream[static_cast<size_t>(l)],
+                   w.layers[static_cast<size_t>(l)], kv, l, ctx);
+  embedding_backward(g.embedding, d_x, chunk.ids);
+  return loss;
+}
+
+void chunk_logits(const Tensor& logits, KVStore& kv, const LlamaModel& model, const ChunkTokens& chunk,
+                  bool all_positions, Arena& scratch) {
+  check_chunk(model, chunk, kv);
+  const LlamaConfig& cf = model.config();
+  const int64_t N = chunk.B * chunk.c, C = cf.hidden_size;
+  ArenaScope scope(scratch);
+  ChunkActivations a;
+  Tensor ping = scratch.alloc(model.dtype(), {N, C}), pong = scratch.alloc(model.dtype(), {N, C});
+  for (int64_t l = 0; l <= cf.num_hidden_layers; ++l) a.stream.push_back(l % 2 == 0 ? ping : pong);
+  a.normed = scratch.alloc(model.dtype(), {N, C});
+  a.final_norm.rstd = scratch.alloc(accum_dtype(model.dtype()), {N});
+  run_blocks(a, kv, model, chunk, false, scratch);
+  const Tensor head = model.weights().lm_head;
+  if (all_positions) {
+    check_shape(logits, {N, cf.vocab_size}, "logits");
+    linear_forward(logits, a.normed, head);
+    return;
+  }
+  check_shape(logits, {chunk.B, cf.vocab_size}, "logits");
+  Tensor last = scratch.alloc(model.dtype(), {chunk.B, C});
+  for (int64_t b = 0; b < chunk.B; ++b)
+    copy_convert(last.slice(0, b, 1), a.normed.slice(0, (b + 1) * chunk.c - 1, 1));
+  linear_forward(logits, last, head);
+}
+
+}  // namespace cw

@@ -1,0 +1,78 @@
+// The Llama model over one chunk of tokens: embedding, L blocks, final norm, LM head + loss.
+//
+// Every schedule is built from two calls on a chunk (B sequences x c tokens at positions [p, p+c)):
+//   forward_chunk:  x_0 = embed(ids); x_{l+1} = block_l(x_l) writing K/V of [p, p+c) into the store;
+//                   normed = rmsnorm(x_L); with `keep`, everything the backward needs is saved (and
+//                   the loss is left to backward_chunk, which computes it fused with its gradient);
+//                   without, only the loss (when asked) is computed, and nothing outlives the call.
+//   backward_chunk: loss and d(normed) from the fused LM head; final norm, blocks L-1..0 and the
+//                   embedding in reverse; parameter gradients accumulate into `grads`, K/V gradients
+//                   into the store's accumulators (see model/layer.h).
+// Losses are sums of per-token losses divided by the caller's normaliser (the batch's count of
+// supervised tokens), so the chunk losses of a batch add up to its mean loss.
+#pragma once
+
+#include "engine/memory.h"
+#include "model/config.h"
+#include "model/kv_store.h"
+#include "model/layer.h"
+#include "model/params.h"
+
+#include <vector>
+
+namespace cw {
+
+class LlamaModel {
+ public:
+  LlamaModel(const LlamaConfig& config, DType dtype);
+
+  const LlamaConfig& config() const { return config_; }
+  DType dtype() const { return dtype_; }
+  ParamSet& params() { return params_; }
+  const ParamSet& params() const { return params_; }
+  ModelWeights weights() const { return params_.weights(); }
+
+  // RoPE tables for positions [0, n); grown on demand (a schedule calls this before a step).
+  void ensure_positions(int64_t n);
+  const Tensor& rope_cos() const { return rope_cos_.tensor; }
+  const Tensor& rope_sin() const { return rope_sin_.tensor; }
+
+ private:
+  LlamaConfig config_;
+  DType dtype_;
+  ParamSet params_;
+  OwnedTensor rope_cos_, rope_sin_;
+};
+
+// The ids and labels of one chunk, contiguous, rows n = b*c + t.
+struct ChunkTokens {
+  Tensor ids;     // [N] i32
+  Tensor labels;  // [N] i32, -100 where no loss
+  int64_t B = 0, c = 0, pos0 = 0;
+};
+
+struct ChunkActivations {
+  std::vector<Tensor> stream;              // L+1 tensors [N, C]: stream[l] enters layer l; stream[L] = x_L
+  std::vector<LayerActivations> layers;    // L
+  Tensor normed;                           // [N, C] final_norm(x_L)
+  RmsNormSaved final_norm;                 // rstd [N]
+
+  static ChunkActivations allocate(Arena& arena, const LlamaConfig& config, int64_t B, int64_t c, DType dtype);
+  static size_t bytes(const LlamaConfig& config, int64_t B, int64_t c, DType dtype);
+};
+
+// Rows per LM-head block: bounds the logits scratch to kLmHeadBlockRows x V.
+constexpr int64_t kLmHeadBlockRows = 256;
+
+// Returns the chunk's loss (0 unless with_loss and keep == nullptr).
+double forward_chunk(ChunkActivations* keep, KVStore& kv, const LlamaModel& model, const ChunkTokens& chunk,
+                     double normaliser, bool with_loss, Arena& scratch);
+// Returns the chunk's loss. loss_weight scales the gradient (not the returned loss): SpaCO's k/t.
+double backward_chunk(const ParamSet& grads, const ChunkActivations& act, KVStore& kv, const LlamaModel& model,
+                      const ChunkTokens& chunk, double normaliser, Arena& scratch, double loss_weight = 1.0);
+
+// Logits of the last position of every sequence of the chunk, [B, V] (sampling, HF comparisons).
+void chunk_logits(const Tensor& logits, KVStore& kv, const LlamaModel& model, const ChunkTokens& chunk,
+                  bool all_positions, Arena& scratch);
+
+}  // namespace cw

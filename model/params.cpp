@@ -1,0 +1,109 @@
+#include "model/params.h"
+
+#include "engine/random.h"
+
+#include <fmt/format.h>
+
+#include <cstring>
+
+namespace cw {
+
+int64_t ParamSpec::numel() const {
+  int64_t n = 1;
+  for (int64_t s : shape) n *= s;
+  return n;
+}
+
+std::vector<ParamSpec> parameter_table(const LlamaConfig& c) {
+  const int64_t V = c.vocab_size, C = c.hidden_size, F = c.intermediate_size;
+  std::vector<ParamSpec> t;
+  t.push_back({"model.embed_tokens.weight", {V, C}, ParamRole::embedding});
+  for (int l = 0; l < c.num_hidden_layers; ++l) {
+    const std::string p = fmt::format("model.layers.{}.", l);
+    t.push_back({p + "input_layernorm.weight", {C}, ParamRole::attn_norm, l});
+    t.push_back({p + "self_attn.q_proj.weight", {c.q_dim(), C}, ParamRole::wq, l});
+    t.push_back({p + "self_attn.k_proj.weight", {c.kv_dim(), C}, ParamRole::wk, l});
+    t.push_back({p + "self_attn.v_proj.weight", {c.kv_dim(), C}, ParamRole::wv, l});
+    t.push_back({p + "self_attn.o_proj.weight", {C, c.q_dim()}, ParamRole::wo, l});
+    t.push_back({p + "post_attention_layernorm.weight", {C}, ParamRole::mlp_norm, l});
+    t.push_back({p + "mlp.gate_proj.weight", {F, C}, ParamRole::w_gate, l});
+    t.push_back({p + "mlp.up_proj.weight", {F, C}, ParamRole::w_up, l});
+    t.push_back({p + "mlp.down_proj.weight", {C, F}, ParamRole::w_down, l});
+  }
+  t.push_back({"model.norm.weight", {C}, ParamRole::final_norm});
+  if (!c.tie_word_embeddings) t.push_back({"lm_head.weight", {V, C}, ParamRole::lm_head});
+  return t;
+}
+
+ParamSet::ParamSet(const LlamaConfig& config, DType dtype)
+    : specs_(parameter_table(config)), dtype_(dtype), tied_(config.tie_word_embeddings) {
+  for (const auto& s : specs_) numel_ += s.numel();
+  buffer_ = HostBuffer(static_cast<size_t>(numel_) * dtype_size(dtype));
+  size_t offset = 0;
+  for (const auto& s : specs_) {
+    tensors_.push_back(Tensor::packed(static_cast<char*>(buffer_.data()) + offset, dtype, Device::host(), s.shape));
+    offset += static_cast<size_t>(s.numel()) * dtype_size(dtype);
+  }
+}
+
+int ParamSet::find(const std::string& name) const {
+  for (size_t i = 0; i < specs_.size(); ++i)
+    if (specs_[i].name == name) return static_cast<int>(i);
+  return -1;
+}
+
+const Tensor& ParamSet::get(const std::string& name) const {
+  const int i = find(name);
+  CW_CHECK(i >= 0, "no parameter named '{}'", name);
+  return tensors_[static_cast<size_t>(i)];
+}
+
+Tensor ParamSet::flat() const { return Tensor(buffer_.data(), dtype_, Device::host(), {numel_}); }
+
+void ParamSet::zero() {
+  if (buffer_.bytes()) std::memset(buffer_.data(), 0, buffer_.bytes());
+}
+
+ModelWeights ParamSet::weights() const {
+  ModelWeights w;
+  for (size_t i = 0; i < specs_.size(); ++i) {
+    const ParamSpec& s = specs_[i];
+    const Tensor& t = tensors_[i];
+    if (s.layer >= 0 && static_cast<size_t>(s.layer) >= w.layers.size()) w.layers.resize(static_cast<size_t>(s.layer) + 1);
+    LayerWeights* L = s.layer >= 0 ? &w.layers[static_cast<size_t>(s.layer)] : nullptr;
+    switch (s.role) {
+      case ParamRole::embedding: w.embedding = t; break;
+      case ParamRole::attn_norm: L->attn_norm = t; break;
+      case ParamRole::wq: L->wq = t; break;
+      case ParamRole::wk: L->wk = t; break;
+      case ParamRole::wv: L->wv = t; break;
+      case ParamRole::wo: L->wo = t; break;
+      case ParamRole::mlp_norm: L->mlp_norm = t; break;
+      case ParamRole::w_gate: L->w_gate = t; break;
+      case ParamRole::w_up: L->w_up = t; break;
+      case ParamRole::w_down: L->w_down = t; break;
+      case ParamRole::final_norm: w.final_norm = t; break;
+      case ParamRole::lm_head: w.lm_head = t; break;
+    }
+  }
+  if (tied_) w.lm_head = w.embedding;
+  return w;
+}
+
+void init_parameters(ParamSet& params, uint64_t seed, double initializer_range, double norm_jitter) {
+  for (size_t i = 0; i < params.size(); ++i) {
+    const ParamSpec& s = params.specs()[i];
+    // Each tensor draws from its own stream (its index in the table), so initialisation does not
+    // depend on the order tensors are visited in.
+    if (s.is_norm()) {
+      if (norm_jitter > 0)
+        fill_normal(params[i], seed, i, 1.0, norm_jitter);
+      else
+        fill(params[i], 1.0);
+    } else {
+      fill_normal(params[i], seed, i, 0.0, initializer_range);
+    }
+  }
+}
+
+}  // namespace cw

@@ -1,0 +1,57 @@
+// The `full` schedule: plain backprop over the whole sequence, every activation kept. The reference
+// that seco must reproduce exactly; also the fastest when the sequence fits.
+#include "optim/schedules_impl.h"
+
+namespace cw {
+
+KVStore& step_store(std::optional<KVStore>& store, const LlamaModel& model, int64_t B, int64_t T) {
+  if (!store || store->batch() != B || store->tokens() != T || store->dtype() != model.dtype())
+    store.emplace(model.config(), B, T, model.dtype(), true);
+  store->reset();
+  return *store;
+}
+
+double prefill(KVStore& kv, const LlamaModel& model, const Batch& batch, const std::vector<int64_t>& bounds,
+               double normaliser, bool with_loss, Arena& arena) {
+  double loss = 0;
+  for (size_t i = 0; i + 1 < bounds.size(); ++i) {
+    ArenaScope scope(arena);
+    const ChunkTokens chunk = slice_chunk(batch, bounds[i], bounds[i + 1], arena);
+    loss += forward_chunk(nullptr, kv, model, chunk, normaliser, with_loss, arena);
+  }
+  return loss;
+}
+
+namespace {
+class FullSchedule : public Schedule {
+ public:
+  using Schedule::Schedule;
+
+  StepStats step(LlamaModel& model, const Batch& batch, const ParamSet& grads, double normaliser, uint64_t) override {
+    StepStats st;
+    st.supervised = batch.supervised();
+    const double norm = normaliser > 0 ? normaliser : std::max<double>(1.0, static_cast<double>(st.supervised));
+    model.ensure_positions(batch.T());
+    KVStore& kv = step_store(store_, model, batch.B(), batch.T());
+    arena_.reset_high_water();
+    {
+      ArenaScope scope(arena_);
+      const ChunkTokens chunk = slice_chunk(batch, 0, batch.T(), arena_);
+      ChunkActivations act = ChunkActivations::allocate(arena_, model.config(), batch.B(), batch.T(), model.dtype());
+      forward_chunk(&act, kv, model, chunk, norm, false, arena_);
+      st.loss = backward_chunk(grads, act, kv, model, chunk, norm, arena_);
+    }
+    st.chunks = st.chunks_visited = 1;
+    st.activation_high_water = arena_.high_water();
+    st.kv_bytes = kv.bytes();
+    return st;
+  }
+
+ private:
+  std::optional<KVStore> store_;
+};
+}  // namespace
+
+std::unique_ptr<Schedule> make_full_schedule(const ScheduleOptions& o) { return std::make_unique<FullSchedule>(o); }
+
+}  // namespace cw

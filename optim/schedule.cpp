@@ -1,0 +1,99 @@
+#include "optim/schedule.h"
+
+#include "engine/ops/lm_head_loss.h"
+#include "engine/random.h"
+#include "optim/schedules_impl.h"
+
+namespace cw {
+
+int64_t Batch::supervised() const {
+  int64_t n = 0;
+  const int32_t* l = labels.tensor.ptr<int32_t>();
+  for (int64_t i = 0; i < labels.tensor.numel(); ++i) n += l[i] != kIgnoreLabel;
+  return n;
+}
+
+Batch causal_lm_batch(const std::vector<int32_t>& ids, int64_t B, int64_t T) {
+  CW_CHECK(static_cast<int64_t>(ids.size()) == B * T, "{} ids for a batch of {} x {}", ids.size(), B, T);
+  Batch b{OwnedTensor(DType::i32, {B, T}), OwnedTensor(DType::i32, {B, T})};
+  int32_t* x = b.ids.tensor.ptr<int32_t>();
+  int32_t* y = b.labels.tensor.ptr<int32_t>();
+  for (int64_t s = 0; s < B; ++s)
+    for (int64_t t = 0; t < T; ++t) {
+      x[s * T + t] = ids[static_cast<size_t>(s * T + t)];
+      y[s * T + t] = t + 1 < T ? ids[static_cast<size_t>(s * T + t + 1)] : kIgnoreLabel;
+    }
+  return b;
+}
+
+Batch window_batch(const std::vector<uint32_t>& w, int64_t B, int64_t T) {
+  CW_CHECK(static_cast<int64_t>(w.size()) == B * (T + 1), "{} ids for {} windows of {} + 1", w.size(), B, T);
+  Batch b{OwnedTensor(DType::i32, {B, T}), OwnedTensor(DType::i32, {B, T})};
+  for (int64_t s = 0; s < B; ++s)
+    for (int64_t t = 0; t < T; ++t) {
+      b.ids.tensor.ptr<int32_t>()[s * T + t] = static_cast<int32_t>(w[static_cast<size_t>(s * (T + 1) + t)]);
+      b.labels.tensor.ptr<int32_t>()[s * T + t] = static_cast<int32_t>(w[static_cast<size_t>(s * (T + 1) + t + 1)]);
+    }
+  return b;
+}
+
+Batch random_batch(int64_t B, int64_t T, int64_t vocab, uint64_t seed) {
+  Rng rng(seed);
+  std::vector<int32_t> ids(static_cast<size_t>(B * T));
+  for (auto& id : ids) id = static_cast<int32_t>(rng.below(static_cast<uint64_t>(vocab)));
+  return causal_lm_batch(ids, B, T);
+}
+
+void ScheduleOptions::validate() const {
+  if (name != "full" && name != "seco" && name != "spaco")
+    fail(fmt::format("unknown schedule '{}'", name), "use full, seco or spaco");
+  if (chunk < 0) fail(fmt::format("schedule.chunk must be >= 0, got {}", chunk));
+  if (bwd_chunk < 0) fail(fmt::format("schedule.bwd_chunk must be >= 0, got {}", bwd_chunk));
+  if (keep < 0) fail(fmt::format("schedule.keep must be >= 0, got {}", keep));
+  if (relay_cap < 0) fail(fmt::format("schedule.relay_cap must be >= 0, got {}", relay_cap));
+  if (name != "spaco" && (keep != 0 || stratified || scale_relay || drop_relay))
+    fail(fmt::format("schedule '{}' does not take spaco options (keep, stratified, scale_relay, drop_relay)", name),
+         "choose schedule spaco");
+}
+
+std::vector<int64_t> chunk_bounds(int64_t T, int64_t c) {
+  if (c <= 0 || c > T) c = T;
+  std::vector<int64_t> b;
+  for (int64_t t = 0; t < T; t += c) b.push_back(t);
+  b.push_back(T);
+  return b;
+}
+
+ChunkTokens slice_chunk(const Batch& batch, int64_t t0, int64_t t1, Arena& arena) {
+  const int64_t B = batch.B(), T = batch.T(), c = t1 - t0;
+  ChunkTokens ct;
+  ct.B = B;
+  ct.c = c;
+  ct.pos0 = t0;
+  ct.ids = arena.alloc(DType::i32, {B * c});
+  ct.labels = arena.alloc(DType::i32, {B * c});
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < c; ++t) {
+      ct.ids.ptr<int32_t>()[b * c + t] = batch.ids.tensor.ptr<int32_t>()[b * T + t0 + t];
+      ct.labels.ptr<int32_t>()[b * c + t] = batch.labels.tensor.ptr<int32_t>()[b * T + t0 + t];
+    }
+  return ct;
+}
+
+std::unique_ptr<Schedule> Schedule::create(const ScheduleOptions& o) {
+  o.validate();
+  if (o.name == "full") return make_full_schedule(o);
+  if (o.name == "seco") return make_seco_schedule(o);
+  return make_spaco_schedule(o);
+}
+
+}  // namespace cw
+
+namespace cw {
+double batch_loss(const LlamaModel& model, const Batch& batch, int64_t chunk, Arena& arena, double normaliser) {
+  const double norm = normaliser > 0 ? normaliser : std::max<double>(1.0, static_cast<double>(batch.supervised()));
+  const_cast<LlamaModel&>(model).ensure_positions(batch.T());
+  KVStore kv(model.config(), batch.B(), batch.T(), model.dtype(), false);
+  return prefill(kv, model, batch, chunk_bounds(batch.T(), chunk), norm, true, arena);
+}
+}  // namespace cw

@@ -1,0 +1,96 @@
+// Gradient schedules: how one step's loss and gradients are computed from a batch.
+//
+// Every schedule takes a batch of B token sequences of length T (ids and already-shifted labels) and
+// ADDS the gradient of the batch's mean loss into `grads` (so micro-batches accumulate), returning the
+// loss. They differ only in what they keep and what they recompute:
+//   full    one chunk covering the sequence, every activation kept, one backward. The reference.
+//   seco    Sequential Chunk-wise Optimization: prefill all chunks keeping only K/V, then for the
+//           chunks last to first recompute one chunk and backprop it, relaying dK/dV to earlier
+//           tokens through the store's accumulators. Exact: equal to `full` up to rounding.
+//   spaco   Sparse Chunk-wise Optimization: seco's prefill, but the reverse sweep visits a sample of
+//           t of the k chunks. An estimator; see optim/spaco.cpp's header for what it is unbiased for.
+// The loss normaliser is the count of supervised labels (!= -100) in the batch, or a caller-given
+// total when a step is split into micro-batches (so accumulation equals one large batch).
+#pragma once
+
+#include "engine/memory.h"
+#include "model/llama.h"
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace cw {
+
+// B sequences of T tokens: labels[b, t] is the id to predict at position t (-100: no loss there).
+struct Batch {
+  OwnedTensor ids;     // [B, T] i32
+  OwnedTensor labels;  // [B, T] i32
+  int64_t B() const { return ids.tensor.size(0); }
+  int64_t T() const { return ids.tensor.size(1); }
+  int64_t supervised() const;  // count of labels != -100
+};
+
+// HF causal-LM convention from B x T ids: labels = ids shifted left by one, the last position -100.
+Batch causal_lm_batch(const std::vector<int32_t>& ids, int64_t B, int64_t T);
+// From B windows of T+1 ids (training data): inputs the first T, labels the last T.
+Batch window_batch(const std::vector<uint32_t>& windows, int64_t B, int64_t T);
+// Seeded random ids in [0, vocab).
+Batch random_batch(int64_t B, int64_t T, int64_t vocab, uint64_t seed);
+
+struct ScheduleOptions {
+  std::string name = "full";    // full | seco | spaco
+  int64_t chunk = 0;            // prefill chunk length (seco, spaco); 0: the whole sequence
+  int64_t bwd_chunk = 0;        // reverse-sweep chunk length; 0: same as chunk
+  // spaco
+  int64_t keep = 0;             // t: reverse-sweep chunks visited out of k; 0: all (= seco)
+  uint64_t seed = 0;            // the chunk sample of step s uses (seed, s)
+  bool stratified = false;      // sample supervised and unsupervised chunks in proportion
+  bool scale_loss = true;       // visited chunks' loss gradient x k/t
+  bool scale_relay = false;     // relay into a visited chunk x k/t per hop ...
+  double relay_cap = 0.0;       // ... until the cumulative factor reaches this (0: no cap)
+  bool drop_relay = false;      // discard all cross-chunk relay (the chunk-local gradient)
+
+  void validate() const;        // throws naming the option
+};
+
+struct StepStats {
+  double loss = 0;                   // the batch's mean loss (all chunks, also for spaco)
+  int64_t supervised = 0;            // labels that carry loss in this batch
+  int64_t chunks = 0;                // reverse-sweep chunks (k)
+  int64_t chunks_visited = 0;        // of them backpropagated (t)
+  size_t activation_high_water = 0;  // bytes: the arena's peak during the step
+  size_t kv_bytes = 0;               // bytes of the K/V store and its gradients
+};
+
+class Schedule {
+ public:
+  explicit Schedule(const ScheduleOptions& options) : options_(options) {}
+  virtual ~Schedule() = default;
+
+  // Adds the gradient of the batch's loss into grads (same config and dtype as the model).
+  // normaliser 0: the batch's own supervised count. step_index seeds spaco's sample.
+  virtual StepStats step(LlamaModel& model, const Batch& batch, const ParamSet& grads, double normaliser = 0,
+                         uint64_t step_index = 0) = 0;
+  const ScheduleOptions& options() const { return options_; }
+  Arena& arena() { return arena_; }
+
+  static std::unique_ptr<Schedule> create(const ScheduleOptions& options);
+
+ protected:
+  ScheduleOptions options_;
+  Arena arena_;
+};
+
+// Boundaries [0, c, 2c, ..., T] of chunks of length c (the last may be shorter).
+std::vector<int64_t> chunk_bounds(int64_t T, int64_t c);
+
+// Copies tokens [t0, t1) of every sequence into contiguous chunk ids and labels allocated in arena.
+ChunkTokens slice_chunk(const Batch& batch, int64_t t0, int64_t t1, Arena& arena);
+
+}  // namespace cw
+
+namespace cw {
+// The batch's mean loss, forward only (chunks of `chunk` tokens; 0: whole sequence). No gradients.
+double batch_loss(const LlamaModel& model, const Batch& batch, int64_t chunk, Arena& arena, double normaliser = 0);
+}  // namespace cw

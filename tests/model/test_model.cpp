@@ -1,0 +1,96 @@
+// The whole tiny Llama: fp64 gradients along random directions against finite differences (tied and
+// untied embeddings, GQA 2:1, llama3 RoPE scaling), f32 against f64, and the chunk-against-cache
+// forward equal to the whole-sequence forward.
+#include "model/llama.h"
+#include "optim/schedule.h"
+#include "tests/support.h"
+#include "tools/gradcheck.h"
+
+#include <sstream>
+
+using namespace cw;
+
+namespace {
+double last_max_rel_err(const std::string& out) {
+  const auto pos = out.rfind("max_rel_err=");
+  REQUIRE(pos != std::string::npos);
+  return std::stod(out.substr(pos + 12));
+}
+
+// f32 rounding accumulated through two layers and a softmax over 61 classes.
+constexpr double kF32ModelTol = 1e-4;
+}  // namespace
+
+TEST_CASE("tiny model fp64 gradients match finite differences (untied and tied)") {
+  for (int tied : {0, 1}) {
+    GradcheckOptions o;
+    o.model = "tiny";
+    o.seq = 16;
+    o.batch = 2;
+    o.tie_embeddings = tied;
+    std::ostringstream out;
+    const int rc = run_gradcheck(o, out);
+    INFO(out.str());
+    CHECK(rc == 0);
+    CHECK(last_max_rel_err(out.str()) <= test::kFiniteDifferenceTol);
+  }
+}
+
+TEST_CASE("tiny model f32 gradients track f64") {
+  const LlamaConfig cfg = LlamaConfig::preset("tiny");
+  LlamaModel m64(cfg, DType::f64), m32(cfg, DType::f32);
+  init_parameters(m64.params(), 5, cfg.initializer_range, 0.1);
+  copy_convert(m32.params().flat(), m64.params().flat());
+  const Batch batch = random_batch(2, 24, cfg.vocab_size, 6);
+  ParamSet g64(cfg, DType::f64), g32(cfg, DType::f32);
+  ScheduleOptions full;
+  const double l64 = Schedule::create(full)->step(m64, batch, g64).loss;
+  const double l32 = Schedule::create(full)->step(m32, batch, g32).loss;
+  CHECK(l32 == doctest::Approx(l64).epsilon(1e-6));
+  for (size_t i = 0; i < g64.size(); ++i) {
+    const test::Worst w = test::compare(g32[i], g64[i]);
+    INFO(g64.specs()[i].name, ": ", w.str());
+    CHECK(w.rel < kF32ModelTol);
+  }
+}
+
+TEST_CASE("chunked forward with the K/V store equals the whole-sequence forward") {
+  const LlamaConfig cfg = LlamaConfig::preset("tiny");
+  LlamaModel model(cfg, DType::f64);
+  init_parameters(model.params(), 7, cfg.initializer_range, 0.1);
+  const int64_t B = 2, T = 40;  // past the llama3 scaling's original context of 32
+  const Batch batch = random_batch(B, T, cfg.vocab_size, 8);
+  model.ensure_positions(T);
+  Arena arena;
+  KVStore kv_full(cfg, B, T, DType::f64, false), kv_chunks(cfg, B, T, DType::f64, false);
+  OwnedTensor whole(DType::f64, {B * T, cfg.vocab_size});
+  chunk_logits(whole, kv_full, model, slice_chunk(batch, 0, T, arena), true, arena);
+  const std::vector<int64_t> bounds = chunk_bounds(T, 7);
+  for (size_t i = 0; i + 1 < bounds.size(); ++i) {
+    const int64_t s = bounds[i], c = bounds[i + 1] - s;
+    ArenaScope scope(arena);
+    OwnedTensor part(DType::f64, {B * c, cfg.vocab_size});
+    chunk_logits(part, kv_chunks, model, slice_chunk(batch, s, s + c, arena), true, arena);
+    for (int64_t b = 0; b < B; ++b) {
+      const test::Worst w = test::compare(part.tensor.slice(0, b * c, c), whole.tensor.slice(0, b * T + s, c));
+      INFO("chunk at ", s, " sequence ", b, ": ", w.str());
+      CHECK(w.rel < test::kSameMathF64Tol);
+    }
+  }
+  // The loss through chunks equals the loss in one piece.
+  CHECK(batch_loss(model, batch, 7, arena) == doctest::Approx(batch_loss(model, batch, 0, arena)).epsilon(1e-14));
+}
+
+TEST_CASE("causal-LM labels: shifted by one, last position ignored") {
+  const Batch b = causal_lm_batch({5, 6, 7, 8, 1, 2, 3, 4}, 2, 4);
+  const int32_t* lab = b.labels.tensor.ptr<int32_t>();
+  CHECK(lab[0] == 6);
+  CHECK(lab[2] == 8);
+  CHECK(lab[3] == -100);
+  CHECK(lab[4] == 2);
+  CHECK(b.supervised() == 6);
+  const Batch w = window_batch({1, 2, 3, 4, 5, 6, 7, 8}, 2, 3);
+  CHECK(w.ids.tensor.ptr<int32_t>()[3] == 5);
+  CHECK(w.labels.tensor.ptr<int32_t>()[3] == 6);
+  CHECK(w.supervised() == 6);
+}

@@ -1,0 +1,78 @@
+// Shared helpers for the tests: tolerances, comparisons that report the worst element, and
+// temporary directories.
+#pragma once
+
+#include "engine/memory.h"
+#include "engine/tensor.h"
+
+#include <doctest/doctest.h>
+#include <fmt/format.h>
+
+#include <cmath>
+#include <filesystem>
+#include <string>
+#include <unistd.h>
+
+namespace cw::test {
+
+// Central finite differences with a fourth-order stencil in f64: the truncation error is O(h^4)
+// and the rounding error O(eps / h), both far below this bound at h = 1e-3.
+constexpr double kFiniteDifferenceTol = 1e-7;
+// Two exact computations of the same f64 quantity in different association orders.
+constexpr double kSameMathF64Tol = 1e-12;
+
+struct Worst {
+  double rel = 0;      // ||a - b|| / ||b||
+  double max_abs = 0;  // worst |a_i - b_i|
+  int64_t index = -1;
+  double a = 0, b = 0;
+  std::string str() const {
+    return fmt::format("rel_err={:.3e} worst element #{}: {:.17g} vs {:.17g}", rel, index, a, b);
+  }
+};
+
+// Relative L2 error of a against b (both any float dtype on the CPU), with the worst element.
+inline Worst compare(const Tensor& a, const Tensor& b) {
+  check_same_shape(a, b, "compared", "reference");
+  OwnedTensor a64 = OwnedTensor::of_shape(DType::f64, std::vector<int64_t>(a.shape.begin(), a.shape.begin() + a.ndim));
+  OwnedTensor b64 = OwnedTensor::of_shape(DType::f64, std::vector<int64_t>(b.shape.begin(), b.shape.begin() + b.ndim));
+  copy_convert(a64, a);
+  copy_convert(b64, b);
+  Worst w;
+  double num = 0, den = 0;
+  for (int64_t i = 0; i < a.numel(); ++i) {
+    const double x = a64.tensor.ptr<double>()[i], y = b64.tensor.ptr<double>()[i];
+    num += (x - y) * (x - y);
+    den += y * y;
+    if (std::abs(x - y) > w.max_abs || w.index < 0) {
+      w.max_abs = std::abs(x - y);
+      w.index = i;
+      w.a = x;
+      w.b = y;
+    }
+  }
+  w.rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+  return w;
+}
+
+// A fresh empty directory under the system temp dir, removed on destruction.
+struct TempDir {
+  std::filesystem::path path;
+  explicit TempDir(const std::string& tag);
+  ~TempDir();
+  std::string file(const std::string& name) const { return (path / name).string(); }
+};
+
+inline TempDir::TempDir(const std::string& tag) {
+  static int counter = 0;
+  path = std::filesystem::temp_directory_path() /
+         fmt::format("chunkwise-test-{}-{}-{}", tag, static_cast<long>(::getpid()), counter++);
+  std::filesystem::remove_all(path);
+  std::filesystem::create_directories(path);
+}
+inline TempDir::~TempDir() {
+  std::error_code ec;
+  std::filesystem::remove_all(path, ec);
+}
+
+}  // namespace cw::test

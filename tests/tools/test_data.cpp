@@ -1,0 +1,509 @@
+// Token files, the train/eval split, the window sampler and the byte tokenizer.
+#include "engine/error.h"
+#include "tests/support.h"
+#include "tools/data/tokenizer.h"
+#include "tools/data/tokens.h"
+
+#include <doctest/doctest.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <numeric>
+
+namespace cw {
+namespace {
+
+namespace fs = std::filesystem;
+
+void write_bytes(const std::string& path, const std::vector<unsigned char>& bytes) {
+  std::ofstream f(path, std::ios::binary);
+  f.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+  REQUIRE(f.good());
+}
+
+void write_text(const std::string& path, const std::string& text) {
+  std::ofstream f(path, std::ios::binary);
+  f << text;
+  REQUIRE(f.good());
+}
+
+std::vector<unsigned char> read_bytes(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
+}
+
+void put_le(std::vector<unsigned char>& out, uint32_t v, int bytes) {
+  for (int i = 0; i < bytes; ++i) out.push_back(static_cast<unsigned char>(v >> (8 * i)));
+}
+
+uint32_t get_le32(const std::vector<unsigned char>& b, size_t at) {
+  return uint32_t{b[at]} | uint32_t{b[at + 1]} << 8 | uint32_t{b[at + 2]} << 16 | uint32_t{b[at + 3]} << 24;
+}
+
+// A shard built by hand (not by our writer), so reader and writer are checked independently.
+std::vector<unsigned char> hand_shard(int32_t magic, int32_t version, int32_t count, const std::vector<uint32_t>& ids,
+                                      int token_bytes) {
+  std::vector<unsigned char> b;
+  put_le(b, static_cast<uint32_t>(magic), 4);
+  put_le(b, static_cast<uint32_t>(version), 4);
+  put_le(b, static_cast<uint32_t>(count), 4);
+  b.resize(1024, 0);
+  for (uint32_t id : ids) put_le(b, id, token_bytes);
+  return b;
+}
+
+// The message of the cw::Error that f throws ("" and a failed check when it does not throw).
+template <class F> std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  FAIL_CHECK("expected a cw::Error");
+  return "";
+}
+
+bool has(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+std::vector<uint32_t> iota_tokens(int64_t n) {
+  std::vector<uint32_t> t(static_cast<size_t>(n));
+  std::iota(t.begin(), t.end(), 0u);
+  return t;
+}
+
+}  // namespace
+
+TEST_CASE("token shard: u16 write and read round trip") {
+  test::TempDir dir("data");
+  const std::string path = dir.file("a.bin");
+  const std::vector<uint32_t> ids = {0, 1, 256, 257, 65535, 12345, 7};
+  const TokenFileInfo written = write_token_shard(path, ids);
+  CHECK(written.token_bytes == 2);
+
+  const auto raw = read_bytes(path);
+  REQUIRE(raw.size() == 1024 + 2 * ids.size());
+  CHECK(get_le32(raw, 0) == 20240520u);
+  CHECK(get_le32(raw, 4) == 1u);
+  CHECK(get_le32(raw, 8) == ids.size());
+  CHECK(raw[1024 + 2 * 4] == 0xff);  // 65535, little-endian
+  CHECK(raw[1024 + 2 * 4 + 1] == 0xff);
+
+  TokenFileInfo info;
+  CHECK(read_token_file(path, TokenFormat::shard, 65536, &info) == ids);
+  CHECK(info.version == 1);
+  CHECK(info.count == static_cast<int64_t>(ids.size()));
+  CHECK(info.token_bytes == 2);
+  // The temporary file is gone and nothing else was left beside the shard.
+  int entries = 0;
+  for ([[maybe_unused]] const auto& e : fs::directory_iterator(dir.path)) ++entries;
+  CHECK(entries == 1);
+}
+
+TEST_CASE("token shard: u32 write and read round trip, overwriting") {
+  test::TempDir dir("data");
+  const std::string path = dir.file("a.bin");
+  write_token_shard(path, std::vector<uint32_t>{1, 2, 3});
+  const std::vector<uint32_t> ids = {0, 70000, 65536, 0xfffffffeu, 42};
+  const TokenFileInfo written = write_token_shard(path, ids);
+  CHECK(written.token_bytes == 4);
+  const auto raw = read_bytes(path);
+  REQUIRE(raw.size() == 1024 + 4 * ids.size());
+  CHECK(get_le32(raw, 0) == 20240801u);
+  CHECK(get_le32(raw, 1024 + 4) == 70000u);
+  TokenFileInfo info;
+  CHECK(read_token_file(path, TokenFormat::shard, kAnyVocab, &info) == ids);
+  CHECK(info.version == 7);
+  // A hand-made shard with another version is accepted and its version reported.
+  write_bytes(path, hand_shard(kShardMagicU32, 2, 2, {5, 99999}, 4));
+  CHECK(read_token_file(path, TokenFormat::shard, 100000, &info) == std::vector<uint32_t>{5, 99999});
+  CHECK(info.version == 2);
+  // An empty shard is a valid file.
+  write_token_shard(path, std::vector<uint32_t>{});
+  CHECK(read_token_file(path, TokenFormat::shard, 10).empty());
+}
+
+TEST_CASE("headerless u16 and u32 token files") {
+  test::TempDir dir("data");
+  std::vector<unsigned char> b16, b32;
+  for (uint32_t id : {3u, 500u, 65535u}) put_le(b16, id, 2);
+  for (uint32_t id : {3u, 70000u, 1u}) put_le(b32, id, 4);
+  write_bytes(dir.file("x.u16"), b16);
+  write_bytes(dir.file("x.u32"), b32);
+  CHECK(read_token_file(dir.file("x.u16"), TokenFormat::u16, 65536) == std::vector<uint32_t>{3, 500, 65535});
+  CHECK(read_token_file(dir.file("x.u32"), TokenFormat::u32, 70001) == std::vector<uint32_t>{3, 70000, 1});
+  CHECK(parse_token_format("u16") == TokenFormat::u16);
+  CHECK(parse_token_format("u32") == TokenFormat::u32);
+  CHECK(parse_token_format("shard") == TokenFormat::shard);
+  CHECK(has(error_of([] { parse_token_format("u8", "--format"); }), "--format 'u8'"));
+
+  b32.pop_back();  // 11 bytes: not a whole number of u32 ids
+  write_bytes(dir.file("odd.u32"), b32);
+  const std::string msg = error_of([&] { read_token_file(dir.file("odd.u32"), TokenFormat::u32, 100000); });
+  CHECK(has(msg, dir.file("odd.u32")));
+  CHECK(has(msg, "11 bytes"));
+  CHECK(has(msg, "multiple of 4"));
+}
+
+TEST_CASE("token file errors name the file and what is wrong") {
+  test::TempDir dir("data");
+
+  SUBCASE("bad magic") {
+    const std::string path = dir.file("bad.bin");
+    write_bytes(path, hand_shard(12345, 1, 2, {1, 2}, 2));
+    const std::string msg = error_of([&] { read_token_file(path, TokenFormat::shard, 100); });
+    CHECK(has(msg, path));
+    CHECK(has(msg, "bad magic 12345"));
+    CHECK(has(msg, "byte offset 0"));
+    CHECK(has(msg, "hint:"));
+  }
+  SUBCASE("truncated shard") {
+    const std::string path = dir.file("short.bin");
+    write_token_shard(path, iota_tokens(10));
+    fs::resize_file(path, 1024 + 2 * 10 - 2);
+    const std::string msg = error_of([&] { TokenDataset::open({path}, {TokenFormat::shard, 100}); });
+    CHECK(has(msg, path));
+    CHECK(has(msg, "size is 1042 bytes, expected 1044"));
+    CHECK(has(msg, "truncated"));
+  }
+  SUBCASE("too small for the header") {
+    const std::string path = dir.file("tiny.bin");
+    write_bytes(path, {1, 2, 3});
+    const std::string msg = error_of([&] { read_token_file(path, TokenFormat::shard, 100); });
+    CHECK(has(msg, path));
+    CHECK(has(msg, "too small"));
+  }
+  SUBCASE("id outside the vocabulary: shard") {
+    const std::string path = dir.file("big.bin");
+    write_token_shard(path, std::vector<uint32_t>{1, 2, 300, 4});
+    const std::string msg = error_of([&] { TokenDataset::open({path}, {TokenFormat::shard, 258}); });
+    CHECK(has(msg, path));
+    CHECK(has(msg, "token #2"));
+    CHECK(has(msg, "byte offset 1028"));
+    CHECK(has(msg, "id 300"));
+    CHECK(has(msg, "258"));
+    CHECK(has(msg, "tokenizer/vocab mismatch"));
+  }
+  SUBCASE("id outside the vocabulary: headerless u32") {
+    const std::string path = dir.file("big.u32");
+    std::vector<unsigned char> b;
+    for (uint32_t id : {1u, 2u, 3u, 9u}) put_le(b, id, 4);
+    write_bytes(path, b);
+    const std::string msg = error_of([&] { read_token_file(path, TokenFormat::u32, 9); });
+    CHECK(has(msg, "token #3 (byte offset 12) is id 9"));
+  }
+  SUBCASE("id outside the vocabulary: in memory") {
+    CHECK(has(error_of([] { TokenDataset::from_tokens({1, 5}, 5, "gen"); }), "'gen': token #1 is id 5"));
+  }
+  SUBCASE("missing file") {
+    const std::string path = dir.file("nope.bin");
+    const std::string msg = error_of([&] { TokenDataset::open({path}, {TokenFormat::shard, 100}); });
+    CHECK(has(msg, path));
+    CHECK(has(msg, "cannot open"));
+  }
+  SUBCASE("glob matching nothing") {
+    write_token_shard(dir.file("a.bin"), iota_tokens(4));
+    const std::string pattern = dir.file("*.tokens");
+    const std::string msg = error_of([&] { TokenDataset::open({dir.file("a.bin"), pattern}, {TokenFormat::shard, 100}); });
+    CHECK(has(msg, pattern));
+    CHECK(has(msg, "matches no file"));
+  }
+  SUBCASE("a file listed twice") {
+    write_token_shard(dir.file("a.bin"), iota_tokens(4));
+    const std::string msg =
+        error_of([&] { TokenDataset::open({dir.file("a.bin"), dir.file("*.bin")}, {TokenFormat::shard, 100}); });
+    CHECK(has(msg, "more than once"));
+  }
+  SUBCASE("no files") {
+    CHECK(has(error_of([] { TokenDataset::open({}, {TokenFormat::shard, 100}); }), "no token data files"));
+  }
+}
+
+TEST_CASE("dataset: globs expand sorted, files concatenate in order, windows span files") {
+  test::TempDir dir("data");
+  write_token_shard(dir.file("b.bin"), std::vector<uint32_t>{10, 11, 12, 13, 14});
+  write_token_shard(dir.file("a.bin"), std::vector<uint32_t>{0, 1, 2, 3, 4});
+  write_token_shard(dir.file("c.bin"), std::vector<uint32_t>{20, 21, 22, 23, 24});
+
+  const TokenDataset d = TokenDataset::open({dir.file("*.bin")}, {TokenFormat::shard, 100});
+  REQUIRE(d.files().size() == 3);
+  CHECK(d.files()[0].path == dir.file("a.bin"));
+  CHECK(d.files()[1].path == dir.file("b.bin"));
+  CHECK(d.files()[2].stream_offset == 10);
+  CHECK(d.size() == 15);
+  CHECK(d.tokens()[5] == 10);
+  CHECK(has(d.describe(), "and 2 more files"));
+
+  // Literal entries keep their place before a pattern's sorted matches.
+  const TokenDataset e = TokenDataset::open({dir.file("c.bin"), dir.file("[ab].bin")}, {TokenFormat::shard, 100});
+  CHECK(e.tokens() == std::vector<uint32_t>{20, 21, 22, 23, 24, 0, 1, 2, 3, 4, 10, 11, 12, 13, 14});
+
+  // 15 tokens at T = 4: floor(14 / 4) = 3 windows; window 1 crosses from a.bin into b.bin.
+  const WindowSet w = d.windows(4);
+  CHECK(w.size() == 3);
+  const auto w1 = w.window(1);
+  CHECK(std::vector<uint32_t>(w1.begin(), w1.end()) == std::vector<uint32_t>{4, 10, 11, 12, 13});
+  const auto w2 = w.window(2);
+  CHECK(w2.front() == w1.back());  // consecutive windows share one token
+  CHECK(has(error_of([&] { (void)d.windows(15); }), "fewer than one window of 16"));
+}
+
+TEST_CASE("split: eval fraction from the end, disjoint from training") {
+  const TokenDataset d = TokenDataset::from_tokens(iota_tokens(101), 101);
+  const int64_t T = 10;  // 101 tokens: 10 windows
+
+  const WindowSplit s = split_by_fraction(d, T, 0.2);
+  CHECK(s.eval.size() == 2);
+  CHECK(s.eval.first_token() == 80);  // the last 2*10+1 tokens
+  CHECK(s.eval.window(1).back() == 100);
+  CHECK(s.train.size() == 7);  // 80 tokens before the eval stream: floor(79 / 10)
+  CHECK(s.train.window(6).back() == 70);
+  CHECK(s.train.window(6).back() < s.eval.window(0).front());
+
+  const WindowSplit none = split_by_fraction(d, T, 0.0);
+  CHECK(none.train.size() == 10);
+  CHECK(none.eval.empty());
+
+  CHECK(split_by_fraction(d, T, 0.01).eval.size() == 1);  // asking for eval gives at least one window
+  CHECK(split_by_fraction(d, T, 0.34).eval.size() == 3);  // round(3.4)
+
+  CHECK(has(error_of([&] { split_by_fraction(d, T, 1.0); }), "outside [0, 1)"));
+  CHECK(has(error_of([&] { split_by_fraction(d, T, 0.9); }), "leaves none for training"));
+  const TokenDataset tiny = TokenDataset::from_tokens(iota_tokens(5), 5, "tiny");
+  CHECK(has(error_of([&] { split_by_fraction(tiny, T, 0.1); }), "'tiny' holds 5 tokens"));
+
+  // Eval batches in stream order; the last one may be short.
+  const WindowSplit s3 = split_by_fraction(d, T, 0.3);
+  REQUIRE(s3.eval.size() == 3);
+  CHECK(s3.eval.num_batches(2) == 2);
+  const auto b0 = s3.eval.batch_in_order(0, 2), b1 = s3.eval.batch_in_order(1, 2);
+  CHECK(b0.size() == 2 * 11);
+  CHECK(b1.size() == 1 * 11);
+  CHECK(b0[0] == 70);
+  CHECK(b0[11] == 80);
+  CHECK(b1[0] == 90);
+  CHECK(b1[10] == 100);
+}
+
+TEST_CASE("split: separate eval files") {
+  test::TempDir dir("data");
+  write_token_shard(dir.file("train.bin"), iota_tokens(41));
+  write_token_shard(dir.file("eval.bin"), iota_tokens(21));
+  const TokenDatasetOptions opt{TokenFormat::shard, 100};
+  const TokenDataset train = TokenDataset::open({dir.file("train.bin")}, opt);
+  const TokenDataset eval = TokenDataset::open({dir.file("eval.bin")}, opt);
+  const WindowSplit s = split_by_files(train, eval, 10);
+  CHECK(s.train.size() == 4);
+  CHECK(s.eval.size() == 2);
+  const std::string msg = error_of([&] { split_by_files(train, train, 10); });
+  CHECK(has(msg, "also a training file"));
+  CHECK(has(msg, dir.file("train.bin")));
+}
+
+TEST_CASE("window sampler: seeded, every window once per epoch, resumable") {
+  const int64_t T = 4, W = 37;
+  const TokenDataset d = TokenDataset::from_tokens(iota_tokens(W * T + 1), W * T + 1);
+  const WindowSet windows = d.windows(T);
+  REQUIRE(windows.size() == W);
+
+  SUBCASE("rows are windows, and the same seed gives the same batches") {
+    WindowSampler a(windows, 7), b(windows, 7);
+    for (int i = 0; i < 30; ++i) {
+      const auto batch = a.next_batch(5);
+      REQUIRE(batch.size() == 5 * (T + 1));
+      for (int r = 0; r < 5; ++r) {
+        const uint32_t first = batch[static_cast<size_t>(r * (T + 1))];
+        CHECK(first % T == 0);
+        for (int k = 0; k <= T; ++k) CHECK(batch[static_cast<size_t>(r * (T + 1) + k)] == first + k);
+      }
+      CHECK(batch == b.next_batch(5));
+    }
+  }
+  SUBCASE("a different seed gives a different order") {
+    WindowSampler a(windows, 7), b(windows, 8);
+    CHECK(a.order() != b.order());
+    CHECK(a.next_batch(8) != b.next_batch(8));
+  }
+  SUBCASE("each epoch visits every window exactly once, in a new order") {
+    WindowSampler s(windows, 3);
+    std::vector<std::vector<int64_t>> epochs;
+    // Batches of 3 do not divide 37: batches straddle the epoch boundaries.
+    std::vector<int64_t> drawn;
+    for (int i = 0; i < W; ++i) {
+      const auto batch = s.next_batch(3);
+      for (int r = 0; r < 3; ++r) drawn.push_back(batch[static_cast<size_t>(r * (T + 1))] / T);
+    }
+    for (int e = 0; e < 3; ++e) {
+      std::vector<int64_t> epoch(drawn.begin() + e * W, drawn.begin() + (e + 1) * W);
+      epochs.push_back(epoch);
+      std::sort(epoch.begin(), epoch.end());
+      std::vector<int64_t> all(W);
+      std::iota(all.begin(), all.end(), int64_t{0});
+      CHECK(epoch == all);
+    }
+    CHECK(epochs[0] != epochs[1]);
+    CHECK(epochs[1] != epochs[2]);
+    CHECK(s.state().epoch == 3);
+    CHECK(s.state().position == 0);
+  }
+  SUBCASE("a restored state reproduces the following batches") {
+    WindowSampler a(windows, 11);
+    for (int i = 0; i < 4; ++i) a.next_batch(5);
+    const SamplerState saved = a.state();
+    CHECK(saved == SamplerState{11, 0, 20, W});
+    std::vector<std::vector<uint32_t>> expected;
+    for (int i = 0; i < 15; ++i) expected.push_back(a.next_batch(5));  // crosses into epoch 2
+
+    WindowSampler b(windows, 999);
+    const nlohmann::json j = nlohmann::json::parse(saved.to_json().dump());
+    b.restore(SamplerState::from_json(j, "ckpt/state.json"));
+    CHECK(b.state() == saved);
+    for (int i = 0; i < 15; ++i) CHECK(b.next_batch(5) == expected[static_cast<size_t>(i)]);
+    CHECK(b.state() == a.state());
+  }
+  SUBCASE("restore refuses a state from different data or a damaged record") {
+    WindowSampler a(windows, 1);
+    CHECK(has(error_of([&] { a.restore(SamplerState{1, 0, 0, W + 1}); }), "saved over 38 training windows"));
+    CHECK(has(error_of([&] { a.restore(SamplerState{1, 0, W, W}); }), "position 37"));
+    nlohmann::json j = a.state().to_json();
+    j.erase("position");
+    const std::string msg = error_of([&] { SamplerState::from_json(j, "ckpt/state.json"); });
+    CHECK(has(msg, "ckpt/state.json"));
+    CHECK(has(msg, "'position'"));
+  }
+}
+
+TEST_CASE("byte tokenizer: UTF-8 round trip, BOS/EOS, invalid bytes") {
+  const ByteTokenizer tok;
+  const std::string text = "h\xc3\xa9llo, \xe4\xb8\x96\xe7\x95\x8c \xf0\x9f\x99\x82\n";  // héllo, 世界 🙂
+  const auto ids = tok.encode(text);
+  CHECK(ids.size() == text.size());
+  CHECK(ids[1] == 0xc3);
+  CHECK(ids[2] == 0xa9);
+  for (uint32_t id : ids) CHECK(id < 256);
+  CHECK(tok.decode(ids) == text);
+
+  std::vector<uint32_t> framed = {ByteTokenizer::kBos};
+  tok.encode_into(text, framed);
+  framed.push_back(ByteTokenizer::kEos);
+  framed.push_back(ByteTokenizer::kBos);
+  CHECK(tok.decode(framed) == text);
+
+  CHECK(tok.decode(std::vector<uint32_t>{0xff, 'a', 0xc3}) == std::string("\xff" "a" "\xc3"));
+  const std::string msg = error_of([&] { tok.decode(std::vector<uint32_t>{'a', 300}); });
+  CHECK(has(msg, "id 300 at position 1"));
+
+  CHECK(!find_invalid_utf8(text).has_value());
+  CHECK(find_invalid_utf8("ab\xc3(") == size_t{2});          // a lead byte without its continuation
+  CHECK(find_invalid_utf8("\xc0\x80") == size_t{0});         // overlong NUL
+  CHECK(find_invalid_utf8("x\xed\xa0\x80") == size_t{1});    // a UTF-16 surrogate
+  CHECK(find_invalid_utf8("a\xe4\xb8") == size_t{1});        // cut off at the end
+  CHECK(find_invalid_utf8("\xf4\x90\x80\x80") == size_t{0}); // above U+10FFFF
+  CHECK(find_invalid_utf8("\x80") == size_t{0});             // a stray continuation byte
+}
+
+TEST_CASE("tokenizer description: recorded and checked") {
+  const nlohmann::json j = tokenizer_json();
+  CHECK(j.at("name") == "bytes");
+  CHECK(j.at("vocab_size") == 258);
+  CHECK(j.at("bos_token_id") == 256);
+  CHECK(j.at("eos_token_id") == 257);
+  (void)ByteTokenizer::from_json(j, "run/tokenizer.json");
+
+  nlohmann::json other = j;
+  other["name"] = "gpt2";
+  CHECK(has(error_of([&] { ByteTokenizer::from_json(other, "run/tokenizer.json"); }), "key 'name' is 'gpt2'"));
+  other = j;
+  other["vocab_size"] = 320;
+  const std::string msg = error_of([&] { ByteTokenizer::from_json(other, "run/tokenizer.json"); });
+  CHECK(has(msg, "run/tokenizer.json"));
+  CHECK(has(msg, "key 'vocab_size' is 320"));
+  other = j;
+  other.erase("eos_token_id");
+  CHECK(has(error_of([&] { ByteTokenizer::from_json(other, "t"); }), "'eos_token_id' is missing"));
+
+  test::TempDir dir("data");
+  write_text(dir.file("tokenizer.json"), j.dump(2));
+  (void)ByteTokenizer::from_file(dir.file("tokenizer.json"));
+  write_text(dir.file("broken.json"), "{\"name\": ");
+  CHECK(has(error_of([&] { ByteTokenizer::from_file(dir.file("broken.json")); }), "not valid JSON"));
+}
+
+TEST_CASE("split_documents: whole file or blank-line separated") {
+  const std::string text = "p1 l1\np1 l2\n\n  \n\np2\r\n\r\np3";
+  const auto docs = split_documents(text, true);
+  REQUIRE(docs.size() == 3);
+  CHECK(docs[0] == "p1 l1\np1 l2\n");
+  CHECK(docs[1] == "p2\r\n");
+  CHECK(docs[2] == "p3");
+  CHECK(split_documents(text, false) == std::vector<std::string_view>{text});
+  CHECK(split_documents("", false).empty());
+  CHECK(split_documents("\n \n", true).empty());
+}
+
+TEST_CASE("tokenize_files: text files to a shard, end to end") {
+  test::TempDir dir("data");
+  const std::string a = "Gr\xc3\xbc\xc3\x9f Gott!\n\nZweiter Absatz \xe2\x82\xac.\n";  // Grüß Gott! ... €.
+  const std::string b = "plain ascii";
+  write_text(dir.file("1.txt"), a);
+  write_text(dir.file("2.txt"), b);
+  write_text(dir.file("3.txt"), "");
+  const ByteTokenizer tok;
+
+  SUBCASE("one document per file") {
+    const TokenizeCounts c = tokenize_files({dir.file("*.txt")}, dir.file("out.bin"));
+    CHECK(c.files == 3);
+    CHECK(c.documents == 2);  // the empty file adds nothing
+    CHECK(c.bytes == static_cast<int64_t>(a.size() + b.size()));
+    CHECK(c.tokens == c.bytes + 2);
+    CHECK(fs::file_size(dir.file("out.bin")) == static_cast<uintmax_t>(1024 + 2 * c.tokens));  // u16 shard
+
+    const TokenDataset d =
+        TokenDataset::open({dir.file("out.bin")}, {TokenFormat::shard, ByteTokenizer::kVocabSize});
+    CHECK(d.size() == c.tokens);
+    CHECK(d.tokens()[0] == ByteTokenizer::kBos);
+    CHECK(d.tokens()[a.size() + 1] == ByteTokenizer::kBos);
+    CHECK(tok.decode(d.tokens()) == a + b);
+    // A model whose vocabulary lacks BOS/EOS is refused at load.
+    CHECK(has(error_of([&] { TokenDataset::open({dir.file("out.bin")}, {TokenFormat::shard, 256}); }),
+              "token #0 (byte offset 1024) is id 256"));
+  }
+  SUBCASE("split on blank lines, with EOS") {
+    TokenizeOptions opt;
+    opt.split_on_blank_lines = true;
+    opt.add_eos = true;
+    const TokenizeCounts c = tokenize_files({dir.file("1.txt"), dir.file("2.txt")}, dir.file("out.bin"), opt);
+    CHECK(c.files == 2);
+    CHECK(c.documents == 3);
+    CHECK(c.bytes == static_cast<int64_t>(a.size() - 1 + b.size()));  // the blank separator line is not a document
+    CHECK(c.tokens == c.bytes + 2 * 3);
+    const std::vector<uint32_t> ids = read_token_file(dir.file("out.bin"), TokenFormat::shard, 258);
+    int bos = 0, eos = 0;
+    for (uint32_t id : ids) {
+      bos += id == ByteTokenizer::kBos;
+      eos += id == ByteTokenizer::kEos;
+    }
+    CHECK(bos == 3);
+    CHECK(eos == 3);
+    CHECK(ids.back() == ByteTokenizer::kEos);
+    CHECK(tok.decode(ids) == "Gr\xc3\xbc\xc3\x9f Gott!\nZweiter Absatz \xe2\x82\xac.\nplain ascii");
+  }
+  SUBCASE("errors") {
+    write_text(dir.file("bad.txt"), std::string("ok\xff\xfe"));
+    const std::string msg = error_of([&] { tokenize_files({dir.file("bad.txt")}, dir.file("out.bin")); });
+    CHECK(has(msg, dir.file("bad.txt")));
+    CHECK(has(msg, "invalid UTF-8 at byte offset 2"));
+    CHECK(!fs::exists(dir.file("out.bin")));
+    TokenizeOptions raw;
+    raw.require_utf8 = false;
+    CHECK(tokenize_files({dir.file("bad.txt")}, dir.file("out.bin"), raw).tokens == 5);
+
+    CHECK(has(error_of([&] { tokenize_files({dir.file("3.txt")}, dir.file("none.bin")); }), "hold no document"));
+    CHECK(has(error_of([&] { tokenize_files({dir.file("*.md")}, dir.file("none.bin")); }),
+              "text pattern '" + dir.file("*.md") + "' matches no file"));
+    CHECK(has(error_of([&] { tokenize_files({dir.file("missing.txt")}, dir.file("none.bin")); }), "cannot open"));
+  }
+}
+
+}  // namespace cw

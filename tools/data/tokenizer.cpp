@@ -1,0 +1,207 @@
+#include "tools/data/tokenizer.h"
+
+#include "engine/error.h"
+#include "tools/data/tokens.h"
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+
+namespace cw {
+
+namespace {
+
+std::string read_whole_file(const std::string& path, const char* what) {
+  std::unique_ptr<FILE, int (*)(FILE*)> f(std::fopen(path.c_str(), "rb"), &std::fclose);
+  if (!f) fail(fmt::format("{} file '{}': cannot open: {}", what, path, std::strerror(errno)), "check the path");
+  std::string text;
+  char buffer[1 << 16];
+  size_t got;
+  while ((got = std::fread(buffer, 1, sizeof buffer, f.get())) > 0) text.append(buffer, got);
+  if (std::ferror(f.get()))
+    fail(fmt::format("{} file '{}': read failed after {} bytes", what, path, text.size()),
+         "check that it is a readable regular file");
+  return text;
+}
+
+bool is_blank_line(std::string_view line) {
+  for (char c : line)
+    if (c != ' ' && c != '\t' && c != '\r' && c != '\n' && c != '\f' && c != '\v') return false;
+  return true;
+}
+
+// Fails naming `source` and `key` unless j[key] is the integer `expected`.
+void expect_integer(const nlohmann::json& j, const char* key, int64_t expected, const std::string& source) {
+  if (!j.contains(key) || !j.at(key).is_number_integer())
+    fail(fmt::format("tokenizer description '{}': key '{}' is missing or not an integer", source, key),
+         "the run directory's tokenizer record is damaged; restore it or re-create the run");
+  if (j.at(key).get<int64_t>() != expected)
+    fail(fmt::format("tokenizer description '{}': key '{}' is {}, the byte tokenizer's is {}", source, key,
+                     j.at(key).get<int64_t>(), expected),
+         "the run was made with a different tokenizer; use data and a model of the same tokenizer");
+}
+
+}  // namespace
+
+std::vector<uint32_t> ByteTokenizer::encode(std::string_view text) const {
+  std::vector<uint32_t> ids;
+  encode_into(text, ids);
+  return ids;
+}
+
+void ByteTokenizer::encode_into(std::string_view text, std::vector<uint32_t>& out) const {
+  out.reserve(out.size() + text.size());
+  for (char c : text) out.push_back(static_cast<unsigned char>(c));
+}
+
+std::string ByteTokenizer::decode(std::span<const uint32_t> ids) const {
+  std::string text;
+  text.reserve(ids.size());
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const uint32_t id = ids[i];
+    if (id < 256) {
+      text.push_back(static_cast<char>(static_cast<unsigned char>(id)));
+    } else if (id != kBos && id != kEos) {
+      fail(fmt::format("byte tokenizer: id {} at position {} is not a token (vocabulary size {})", id, i,
+                       kVocabSize),
+           "the model's padded vocabulary rows are not tokens; mask logits of ids >= 258 before sampling");
+    }
+  }
+  return text;
+}
+
+nlohmann::json ByteTokenizer::to_json() const {
+  return {{"name", kName},
+          {"vocab_size", kVocabSize},
+          {"bos_token_id", kBos},
+          {"eos_token_id", kEos},
+          {"description", "byte-level: ids 0-255 are the UTF-8 bytes of the text, 256 is BOS, 257 is EOS"}};
+}
+
+nlohmann::json tokenizer_json() { return ByteTokenizer().to_json(); }
+
+ByteTokenizer ByteTokenizer::from_json(const nlohmann::json& j, const std::string& source) {
+  if (!j.is_object())
+    fail(fmt::format("tokenizer description '{}' is not a JSON object", source),
+         "the run directory's tokenizer record is damaged; restore it or re-create the run");
+  if (!j.contains("name") || !j.at("name").is_string())
+    fail(fmt::format("tokenizer description '{}': key 'name' is missing or not a string", source),
+         "the run directory's tokenizer record is damaged; restore it or re-create the run");
+  const std::string name = j.at("name").get<std::string>();
+  if (name != kName)
+    fail(fmt::format("tokenizer description '{}': key 'name' is '{}', but this build knows only '{}'", source, name,
+                     kName),
+         "the run was made with a different tokenizer; use data and a model of the byte tokenizer");
+  expect_integer(j, "vocab_size", kVocabSize, source);
+  expect_integer(j, "bos_token_id", kBos, source);
+  expect_integer(j, "eos_token_id", kEos, source);
+  return ByteTokenizer();
+}
+
+ByteTokenizer ByteTokenizer::from_file(const std::string& path) {
+  const std::string text = read_whole_file(path, "tokenizer description");
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::parse_error& e) {
+    fail(fmt::format("tokenizer description '{}': not valid JSON at byte offset {}", path, e.byte),
+         "the file is damaged; restore it or re-create the run");
+  }
+  return from_json(j, path);
+}
+
+std::optional<size_t> find_invalid_utf8(std::string_view text) {
+  const auto* s = reinterpret_cast<const unsigned char*>(text.data());
+  const size_t n = text.size();
+  size_t i = 0;
+  while (i < n) {
+    const unsigned c = s[i];
+    if (c < 0x80) {
+      ++i;
+      continue;
+    }
+    size_t len;
+    uint32_t cp, min;
+    if ((c >> 5) == 0x6) {
+      len = 2, cp = c & 0x1f, min = 0x80;
+    } else if ((c >> 4) == 0xe) {
+      len = 3, cp = c & 0x0f, min = 0x800;
+    } else if ((c >> 3) == 0x1e) {
+      len = 4, cp = c & 0x07, min = 0x10000;
+    } else {
+      return i;  // a continuation byte with no lead, or 0xf8..0xff
+    }
+    if (len > n - i) return i;
+    for (size_t k = 1; k < len; ++k) {
+      if ((s[i + k] & 0xc0) != 0x80) return i;
+      cp = cp << 6 | (s[i + k] & 0x3f);
+    }
+    // Overlong forms would give one character two encodings; surrogates are UTF-16's, not characters.
+    if (cp < min || cp > 0x10ffff || (cp >= 0xd800 && cp <= 0xdfff)) return i;
+    i += len;
+  }
+  return std::nullopt;
+}
+
+std::vector<std::string_view> split_documents(std::string_view text, bool split_on_blank_lines) {
+  std::vector<std::string_view> docs;
+  if (!split_on_blank_lines) {
+    if (!text.empty()) docs.push_back(text);
+    return docs;
+  }
+  size_t doc_begin = std::string_view::npos, doc_end = 0;
+  size_t pos = 0;
+  while (pos < text.size()) {
+    const size_t nl = text.find('\n', pos);
+    const size_t end = nl == std::string_view::npos ? text.size() : nl + 1;  // the line, its '\n' included
+    if (is_blank_line(text.substr(pos, end - pos))) {
+      if (doc_begin != std::string_view::npos) docs.push_back(text.substr(doc_begin, doc_end - doc_begin));
+      doc_begin = std::string_view::npos;
+    } else {
+      if (doc_begin == std::string_view::npos) doc_begin = pos;
+      doc_end = end;
+    }
+    pos = end;
+  }
+  if (doc_begin != std::string_view::npos) docs.push_back(text.substr(doc_begin, doc_end - doc_begin));
+  return docs;
+}
+
+TokenizeCounts tokenize_files(const std::vector<std::string>& inputs, const std::string& output_shard,
+                              const TokenizeOptions& options) {
+  const ByteTokenizer tokenizer;
+  TokenizeCounts counts;
+  std::vector<uint32_t> ids;
+  for (const std::string& path : expand_token_paths(inputs, "text")) {
+    const std::string text = read_whole_file(path, "text");
+    if (options.require_utf8) {
+      if (const auto bad = find_invalid_utf8(text))
+        fail(fmt::format("text file '{}': invalid UTF-8 at byte offset {} (byte 0x{:02x})", path, *bad,
+                         static_cast<unsigned char>(text[*bad])),
+             "convert the file to UTF-8 (e.g. with iconv), or turn the UTF-8 check off to tokenize its bytes as "
+             "they are");
+    }
+    ++counts.files;
+    for (std::string_view doc : split_documents(text, options.split_on_blank_lines)) {
+      ids.push_back(ByteTokenizer::kBos);
+      tokenizer.encode_into(doc, ids);
+      if (options.add_eos) ids.push_back(ByteTokenizer::kEos);
+      ++counts.documents;
+      counts.bytes += static_cast<int64_t>(doc.size());
+    }
+  }
+  if (counts.documents == 0)
+    fail(fmt::format("text inputs ('{}'{}) hold no document: every file is empty{}", inputs.front(),
+                     inputs.size() > 1 ? fmt::format(" and {} more", inputs.size() - 1) : std::string(),
+                     options.split_on_blank_lines ? " or blank" : ""),
+         "give text files with content");
+  counts.tokens = static_cast<int64_t>(ids.size());
+  write_token_shard(output_shard, ids);
+  return counts;
+}
+
+}  // namespace cw

@@ -1,0 +1,80 @@
+// Byte-level tokenizer: the demo's tokenizer, which needs no vocabulary file.
+//
+// Ids 0..255 are the bytes of the text (id = byte value); BOS = 256 and EOS = 257. The vocabulary
+// size is 258. The demo model's embedding has more rows (its config pads the vocabulary up to a
+// multiple of 64 for the matmul shapes); that padding belongs to the model config, not here: ids
+// 258 and up are never produced, and decode refuses them.
+//
+// encode copies bytes, so every text round-trips exactly, whatever its encoding. decode
+// concatenates the bytes of the ids and skips BOS/EOS; it does not repair invalid UTF-8 (an
+// untrained model can emit any byte sequence): such sequences come out as the bytes themselves.
+//
+// tokenize_files turns text files into one llm.c shard (tools/data/tokens.h). A document is one
+// file, or, with split_on_blank_lines, each run of non-blank lines of a file (a blank line is empty
+// or holds only spaces, tabs and CRs). Each document becomes BOS, its bytes exactly as in the file
+// (line ends included), and optionally EOS. Files with no document (empty, or only blank lines when
+// splitting) contribute nothing. Inputs are checked to be UTF-8 unless the option is turned off, so
+// a binary file passed by mistake fails by name instead of becoming training data.
+#pragma once
+
+#include <nlohmann/json_fwd.hpp>
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace cw {
+
+class ByteTokenizer {
+ public:
+  static constexpr uint32_t kBos = 256;
+  static constexpr uint32_t kEos = 257;
+  static constexpr int64_t kVocabSize = 258;
+  static constexpr const char* kName = "bytes";
+
+  std::vector<uint32_t> encode(std::string_view text) const;
+  // Appends the ids of `text` to `out`.
+  void encode_into(std::string_view text, std::vector<uint32_t>& out) const;
+  // Skips BOS and EOS; fails on an id outside the vocabulary, naming its position.
+  std::string decode(std::span<const uint32_t> ids) const;
+
+  // What a run directory records: {"name": "bytes", "vocab_size": 258, "bos_token_id": 256,
+  // "eos_token_id": 257, ...}.
+  nlohmann::json to_json() const;
+  // Checks a recorded description; fails naming `source` and the key that does not match.
+  static ByteTokenizer from_json(const nlohmann::json& j, const std::string& source);
+  static ByteTokenizer from_file(const std::string& path);
+};
+
+// ByteTokenizer().to_json().
+nlohmann::json tokenizer_json();
+
+// The byte offset where `text` stops being well-formed UTF-8 (a bad lead byte, a missing or stray
+// continuation byte, an overlong form, a surrogate, or a code point above U+10FFFF), or none.
+std::optional<size_t> find_invalid_utf8(std::string_view text);
+
+// The documents of one file's text, as views into it (see the header comment).
+std::vector<std::string_view> split_documents(std::string_view text, bool split_on_blank_lines);
+
+struct TokenizeOptions {
+  bool split_on_blank_lines = false;  // one document per paragraph instead of per file
+  bool add_eos = false;               // EOS after each document (BOS before each is always written)
+  bool require_utf8 = true;
+};
+
+struct TokenizeCounts {
+  int64_t files = 0;      // input files read
+  int64_t documents = 0;  // BOS written
+  int64_t bytes = 0;      // text bytes tokenized (document bytes; blank separator lines excluded)
+  int64_t tokens = 0;     // ids in the shard
+};
+
+// Reads the inputs (paths or glob patterns, in order) and writes one shard atomically. Fails naming
+// the file for an unreadable or non-UTF-8 input, and when the inputs hold no document at all.
+TokenizeCounts tokenize_files(const std::vector<std::string>& inputs, const std::string& output_shard,
+                              const TokenizeOptions& options = {});
+
+}  // namespace cw

@@ -1,0 +1,188 @@
+#include "tools/gradcheck.h"
+
+#include "engine/random.h"
+#include "model/checkpoint.h"
+#include "model/safetensors.h"
+
+#include <fmt/format.h>
+#include <fmt/ostream.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <ostream>
+
+namespace cw {
+
+namespace {
+Batch load_batch(const GradcheckOptions& o, int64_t vocab) {
+  if (o.tokens_file.empty()) return random_batch(o.batch, o.seq, vocab, o.seed + 1);
+  std::ifstream in(o.tokens_file, std::ios::binary);
+  if (!in) fail(fmt::format("cannot open token file '{}'", o.tokens_file), "check the path");
+  const int64_t n = o.batch * o.seq;
+  const auto size = std::filesystem::file_size(o.tokens_file);
+  if (size != static_cast<uintmax_t>(n) * 4)
+    fail(fmt::format("{}: {} bytes, expected {} (batch {} x seq {} little-endian uint32 ids)", o.tokens_file, size,
+                     n * 4, o.batch, o.seq), "pass --batch and --seq matching the file");
+  std::vector<int32_t> ids(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) {
+    unsigned char b[4];
+    in.read(reinterpret_cast<char*>(b), 4);
+    const uint32_t id = b[0] | (b[1] << 8) | (b[2] << 16) | (static_cast<uint32_t>(b[3]) << 24);
+    if (id >= static_cast<uint64_t>(vocab))
+      fail(fmt::format("{}: token {} at byte offset {} is not below vocab_size {}", o.tokens_file, id, i * 4, vocab),
+           "the tokens must come from the model's tokenizer");
+    ids[static_cast<size_t>(i)] = static_cast<int32_t>(id);
+  }
+  return causal_lm_batch(ids, o.batch, o.seq);
+}
+
+std::string shape_str(const std::vector<int64_t>& s) {
+  std::string r = "[";
+  for (size_t i = 0; i < s.size(); ++i) r += fmt::format("{}{}", i ? ", " : "", s[i]);
+  return r + "]";
+}
+
+// Gradient of the batch loss under a schedule, into a fresh zeroed ParamSet.
+StepStats gradients(const ScheduleOptions& so, LlamaModel& model, const Batch& batch, const ParamSet& grads) {
+  auto schedule = Schedule::create(so);
+  return schedule->step(model, batch, grads);
+}
+
+double dot(const Tensor& a, const Tensor& b) {
+  OwnedTensor a64 = OwnedTensor::of_shape(DType::f64, std::vector<int64_t>{a.numel()});
+  OwnedTensor b64 = OwnedTensor::of_shape(DType::f64, std::vector<int64_t>{b.numel()});
+  copy_convert(a64, a.view({a.numel()}));
+  copy_convert(b64, b.view({b.numel()}));
+  double s = 0;
+  for (int64_t i = 0; i < a.numel(); ++i) s += a64.tensor.ptr<double>()[i] * b64.tensor.ptr<double>()[i];
+  return s;
+}
+}  // namespace
+
+int run_gradcheck(const GradcheckOptions& o, std::ostream& out) {
+  o.schedule.validate();
+  LlamaConfig config = LlamaConfig::resolve(o.model);
+  if (o.tie_embeddings >= 0) config.tie_word_embeddings = o.tie_embeddings == 1;
+  const DType dtype = parse_dtype(o.dtype);
+  if (dtype == DType::bf16) fail("gradcheck runs in f64 or f32 on the CPU", "use --dtype f64");
+  if (o.seq < 2 || o.batch < 1) fail(fmt::format("gradcheck needs --seq >= 2 and --batch >= 1 (got {} and {})", o.seq, o.batch));
+  const std::string against = o.against.empty() ? (o.schedule.name == "full" ? "fd" : "full") : o.against;
+  if (against != "fd" && against != "full") fail(fmt::format("unknown --against '{}'", against), "use fd or full");
+  const double tol = o.tol >= 0 ? o.tol : (against == "fd" ? 1e-7 : (dtype == DType::f64 ? 1e-12 : 1e-5));
+
+  LlamaModel model(config, dtype);
+  namespace fs = std::filesystem;
+  const bool from_checkpoint = fs::is_directory(o.model) && (fs::exists(fs::path(o.model) / "model.safetensors") ||
+                                                             fs::exists(fs::path(o.model) / "model.safetensors.index.json"));
+  if (from_checkpoint) {
+    load_checkpoint_weights(model.params(), o.model);
+  } else {
+    init_parameters(model.params(), o.seed, config.initializer_range, o.norm_jitter);
+  }
+  const Batch batch = load_batch(o, config.vocab_size);
+
+  ParamSet grads(config, dtype);
+  const StepStats st = gradients(o.schedule, model, batch, grads);
+  out << fmt::format("gradcheck: model {} ({} parameters, {} layers, tied={}), dtype {}, batch {} x {} tokens, "
+                     "schedule {} (chunk {}, bwd chunk {}, visited {}/{}), against {}\n",
+                     o.model, config.parameter_count(), config.num_hidden_layers, config.tie_word_embeddings, o.dtype,
+                     o.batch, o.seq, o.schedule.name, o.schedule.chunk, o.schedule.bwd_chunk, st.chunks_visited,
+                     st.chunks, against);
+  double max_rel = 0;
+  Arena arena;
+  if (against == "fd") {
+    out << fmt::format("{:<48} {:<14} {:>13} {:>13} {:>10}\n", "tensor", "shape", "g.v", "fd", "rel_err");
+    for (size_t i = 0; i < model.params().size(); ++i) {
+      const Tensor p = model.params()[i];
+      OwnedTensor original = OwnedTensor::of_shape(dtype, std::vector<int64_t>{p.numel()});
+      copy_convert(original, p.view({p.numel()}));
+      OwnedTensor dir = OwnedTensor::of_shape(DType::f64, std::vector<int64_t>{p.numel()});
+      double worst = 0, worst_gv = 0, worst_fd = 0;
+      for (int d = 0; d < o.directions; ++d) {
+        fill_normal(dir, o.seed ^ 0xd1ec7, i * 1000 + static_cast<uint64_t>(d));
+        double norm = 0;
+        for (int64_t k = 0; k < p.numel(); ++k) norm += dir.tensor.ptr<double>()[k] * dir.tensor.ptr<double>()[k];
+        scale_inplace(dir, 1.0 / std::sqrt(norm));
+        auto loss_at = [&](double t) {
+          // p = original + t * dir, computed in f64 and stored in the model's dtype
+          OwnedTensor moved = OwnedTensor::of_shape(DType::f64, std::vector<int64_t>{p.numel()});
+          copy_convert(moved, original);
+          for (int64_t k = 0; k < p.numel(); ++k) moved.tensor.ptr<double>()[k] += t * dir.tensor.ptr<double>()[k];
+          copy_convert(p.view({p.numel()}), moved);
+          return batch_loss(model, batch, 0, arena);
+        };
+        const double h = o.step;
+        const double fd = (-loss_at(2 * h) + 8 * loss_at(h) - 8 * loss_at(-h) + loss_at(-2 * h)) / (12 * h);
+        copy_convert(p.view({p.numel()}), original);
+        const double gv = dot(grads[i], dir);
+        const double denom = std::max(std::abs(gv), std::abs(fd));
+        const double rel = denom > 0 ? std::abs(gv - fd) / denom : 0.0;
+        if (rel >= worst) {
+          worst = rel;
+          worst_gv = gv;
+          worst_fd = fd;
+        }
+      }
+      max_rel = std::max(max_rel, worst);
+      out << fmt::format("{:<48} {:<14} {:>13.6e} {:>13.6e} {:>10.3e}\n", model.params().specs()[i].name,
+                         shape_str(model.params().specs()[i].shape), worst_gv, worst_fd, worst);
+    }
+    out << fmt::format("loss={:.17g}\n", st.loss);
+  } else {
+    ScheduleOptions ref;
+    ref.name = "full";
+    ParamSet ref_grads(config, dtype);
+    const StepStats ref_st = gradients(ref, model, batch, ref_grads);
+    out << fmt::format("{:<48} {:<14} {:>13} {:>10} {:>28}\n", "tensor", "shape", "||g_full||", "rel_err",
+                       "worst element (ours / full)");
+    for (size_t i = 0; i < grads.size(); ++i) {
+      const Tensor a = grads[i], b = ref_grads[i];
+      OwnedTensor a64 = OwnedTensor::of_shape(DType::f64, std::vector<int64_t>{a.numel()});
+      OwnedTensor b64 = OwnedTensor::of_shape(DType::f64, std::vector<int64_t>{b.numel()});
+      copy_convert(a64, a.view({a.numel()}));
+      copy_convert(b64, b.view({b.numel()}));
+      double num = 0, den = 0, worst_abs = -1, wa = 0, wb = 0;
+      for (int64_t k = 0; k < a.numel(); ++k) {
+        const double x = a64.tensor.ptr<double>()[k], y = b64.tensor.ptr<double>()[k];
+        num += (x - y) * (x - y);
+        den += y * y;
+        if (std::abs(x - y) > worst_abs) {
+          worst_abs = std::abs(x - y);
+          wa = x;
+          wb = y;
+        }
+      }
+      const double rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+      max_rel = std::max(max_rel, rel);
+      out << fmt::format("{:<48} {:<14} {:>13.6e} {:>10.3e} {:>28}\n", grads.specs()[i].name,
+                         shape_str(grads.specs()[i].shape), std::sqrt(den), rel, fmt::format("{:.6e} / {:.6e}", wa, wb));
+    }
+    const double loss_rel = std::abs(st.loss - ref_st.loss) / std::max(std::abs(ref_st.loss), 1e-300);
+    max_rel = std::max(max_rel, loss_rel);
+    out << fmt::format("{:<48} {:<14} {:>13.6e} {:>10.3e} {:>28}\n", "loss", "[]", std::abs(ref_st.loss), loss_rel,
+                       fmt::format("{:.10e} / {:.10e}", st.loss, ref_st.loss));
+  }
+  if (!o.save_grads.empty()) {
+    std::vector<OwnedTensor> keep;
+    std::vector<std::pair<std::string, Tensor>> tensors;
+    keep.emplace_back(DType::f64, std::initializer_list<int64_t>{1});
+    keep.back().tensor.ptr<double>()[0] = st.loss;
+    tensors.emplace_back("loss", keep.back().tensor);
+    for (size_t i = 0; i < grads.size(); ++i) {
+      keep.push_back(OwnedTensor::of_shape(DType::f64, grads.specs()[i].shape));
+      copy_convert(keep.back(), grads[i]);
+      tensors.emplace_back(grads.specs()[i].name, keep.back().tensor);
+    }
+    write_safetensors(o.save_grads, tensors, {{"format", "pt"}, {"content", "chunkwise gradcheck gradients"}});
+    out << fmt::format("wrote loss and {} gradients to {}\n", grads.size(), o.save_grads);
+  }
+  out << fmt::format("max_rel_err={:.3e}\n", max_rel);
+  if (max_rel > tol) {
+    out << fmt::format("FAIL: max_rel_err {:.3e} exceeds --tol {:.1e}\n", max_rel, tol);
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace cw

@@ -1,0 +1,42 @@
+// `chunkwise gradcheck`: are the gradients right?
+//
+// Two comparisons, one row per parameter tensor, last line `max_rel_err=<x>`:
+//   against fd   (default for --schedule full): finite differences of the loss along random unit
+//                directions v of each tensor, fourth-order central stencil
+//                fd = (-L(+2h) + 8 L(+h) - 8 L(-h) + L(-2h)) / 12h, against the analytic g.v;
+//                rel_err = |g.v - fd| / max(|g.v|, |fd|), worst over the directions.
+//   against full (default for seco / spaco): the schedule's gradients against the full schedule's on
+//                the same model and batch; rel_err = ||a - b||_2 / ||b||_2 per tensor (worst element
+//                shown), and a row for the loss.
+// The run fails (non-zero exit) when max_rel_err exceeds --tol (1e-7 against fd, 1e-12 against full
+// in f64).
+#pragma once
+
+#include "optim/schedule.h"
+
+#include <iosfwd>
+#include <string>
+
+namespace cw {
+
+struct GradcheckOptions {
+  std::string model = "tiny";      // preset, config.json, or HF checkpoint directory
+  int64_t seq = 16;
+  int64_t batch = 1;
+  std::string dtype = "f64";
+  ScheduleOptions schedule;        // name, chunk, bwd_chunk, keep, ...
+  std::string against;             // "fd" | "full"; empty: fd for full, full otherwise
+  double tol = -1;                 // < 0: the default for the comparison
+  int directions = 3;              // random directions per tensor (fd)
+  double step = 1e-3;              // fd step h along a unit direction
+  uint64_t seed = 1234;            // model init, batch, directions
+  double norm_jitter = 0.1;        // random init only: norm weights 1 + N(0, jitter)
+  int tie_embeddings = -1;         // -1: as configured; 0 / 1: override
+  std::string tokens_file;         // headerless little-endian uint32, batch x seq ids
+  std::string save_grads;          // write loss and gradients (f64, HF names) as safetensors
+};
+
+// Runs the check, printing the table to out; returns the process exit code (0 pass, 1 fail).
+int run_gradcheck(const GradcheckOptions& options, std::ostream& out);
+
+}  // namespace cw
