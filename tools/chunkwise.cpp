@@ -3,7 +3,11 @@
 #include "chunkwise_config.h"
 #include "engine/device.h"
 #include "engine/error.h"
+#include "tools/data/tokenizer.h"
 #include "tools/gradcheck.h"
+#include "tools/train/run_config.h"
+#include "tools/train/sample.h"
+#include "tools/train/train.h"
 
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
@@ -55,6 +59,38 @@ int main(int argc, char** argv) {
 
   CLI::App* devices = app.add_subcommand("devices", "list the build's features and the devices it sees");
 
+  std::string config_path, run_dir;
+  std::vector<std::string> overrides;
+  bool resume = false;
+  CLI::App* train = app.add_subcommand("train", "train a model (no --config: the embedded demo)");
+  train->add_option("--config", config_path, "run configuration (TOML)");
+  train->add_option("--set", overrides, "override a key: section.key=value (repeatable)");
+  train->add_option("--run-dir", run_dir, "run directory (default: runs/<date-time>, printed at start)");
+  train->add_flag("--resume", resume, "continue from the latest complete checkpoint in the run directory");
+  int64_t stop_after = 0;
+  train->add_option("--stop-after", stop_after, "stop after N steps of this invocation, saving a checkpoint");
+
+  cw::SampleOptions so;
+  int64_t sample_step = 0;
+  CLI::App* sample = app.add_subcommand("sample", "generate text from a run's checkpoint");
+  sample->add_option("--run", run_dir, "run directory")->required();
+  sample->add_option("--step", sample_step, "checkpoint step (default: the latest complete)");
+  sample->add_option("--prompt", so.prompt, "prompt text")->capture_default_str();
+  sample->add_option("--tokens", so.tokens, "tokens to generate")->capture_default_str();
+  sample->add_option("--temperature", so.temperature, "0: greedy")->capture_default_str();
+  sample->add_option("--top-k", so.top_k, "0: off")->capture_default_str();
+  sample->add_option("--top-p", so.top_p, "1: off")->capture_default_str();
+  sample->add_option("--seed", so.seed, "sampling seed")->capture_default_str();
+
+  std::vector<std::string> text_inputs;
+  std::string shard_out;
+  cw::TokenizeOptions to;
+  CLI::App* tokenize = app.add_subcommand("tokenize", "UTF-8 text files to an llm.c token shard (byte tokenizer)");
+  tokenize->add_option("inputs", text_inputs, "text files or globs")->required();
+  tokenize->add_option("--out", shard_out, "output shard")->required();
+  tokenize->add_flag("--split-paragraphs", to.split_on_blank_lines, "one document per blank-line separated paragraph");
+  tokenize->add_flag("--eos", to.add_eos, "EOS after each document");
+
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
@@ -62,6 +98,28 @@ int main(int argc, char** argv) {
   }
   try {
     if (*gradcheck) return cw::run_gradcheck(gc, std::cout);
+    if (*train) {
+      cw::RunConfig rc = config_path.empty() ? cw::RunConfig::from_toml(cw::kDefaultRunToml, "<embedded default>")
+                                             : cw::RunConfig::from_file(config_path);
+      for (const auto& o : overrides) rc.apply_override(o);
+      rc.validate();
+      cw::TrainOptions topt;
+      topt.run_dir = run_dir;
+      topt.resume = resume;
+      topt.stop_after = stop_after;
+      const cw::TrainResult r = cw::run_training(rc, topt, std::cout);
+      return r.interrupted ? cw::kExitInterrupted : 0;
+    }
+    if (*sample) {
+      std::cout << so.prompt << cw::sample_from_run(run_dir, sample_step, so) << "\n";
+      return 0;
+    }
+    if (*tokenize) {
+      const cw::TokenizeCounts c = cw::tokenize_files(text_inputs, shard_out, to);
+      std::cout << fmt::format("tokenize: {} files, {} documents, {} bytes -> {} tokens in {}\n", c.files, c.documents,
+                               c.bytes, c.tokens, shard_out);
+      return 0;
+    }
     if (*devices) {
       std::cout << cw::describe_devices();
       return 0;

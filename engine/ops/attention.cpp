@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <vector>
 
 namespace cw {
 
@@ -49,18 +50,38 @@ void probabilities(cpu::MatrixMap<T> P, const cpu::ConstMatrixMap<T>& Q, const c
   P.noalias() = (Q * K.topRows(keys).transpose()) * scale;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t visible = first_query_pos + r + 1;  // keys [0, visible) are not masked
+    auto row = P.row(r).head(visible).array();
     if (compute_lse) {
-      T m = -std::numeric_limits<T>::infinity();
-      for (int64_t j = 0; j < visible; ++j) m = std::max(m, P(r, j));
-      T sum = 0;
-      for (int64_t j = 0; j < visible; ++j) sum += std::exp(P(r, j) - m);
-      lse[r] = m + std::log(sum);
+      const T m = row.maxCoeff();
+      lse[r] = m + std::log((row - m).exp().sum());  // Eigen's exp is vectorised
     }
-    for (int64_t j = 0; j < visible; ++j) P(r, j) = std::exp(P(r, j) - lse[r]);
-    for (int64_t j = visible; j < keys; ++j) P(r, j) = T(0);
+    row = (row - lse[r]).exp();
+    P.row(r).tail(keys - visible).setZero();
   }
 }
+
+// Scratch for one thread: two score blocks of up to kQueryBlock x S.
+template <class T> struct ThreadScratch {
+  T* a;
+  T* b;
+};
+
+template <class T>
+std::vector<ThreadScratch<T>> thread_scratch(Arena& scratch, DType dtype, int64_t block, int64_t S, bool two) {
+  std::vector<ThreadScratch<T>> out(static_cast<size_t>(cpu::max_threads()));
+  for (auto& t : out) {
+    t.a = scratch.alloc(dtype, {block * S}).template ptr<T>();
+    t.b = two ? scratch.alloc(dtype, {block * S}).template ptr<T>() : nullptr;
+  }
+  return out;
+}
 }  // namespace
+
+size_t attention_scratch_bytes(int64_t c, int64_t S, DType dtype, bool backward) {
+  const size_t block = static_cast<size_t>(std::min(kQueryBlock, c) * S) * dtype_size(dtype);
+  const size_t aligned = (block + 63) / 64 * 64;  // the arena's alignment
+  return static_cast<size_t>(cpu::max_threads()) * (backward ? 2 : 1) * aligned;
+}
 
 void attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
                        const Tensor& v, double scale, Arena& scratch) {
@@ -68,11 +89,15 @@ void attention_forward(const Tensor& out, const AttentionSaved& saved, const Ten
   cpu::dispatch_float(q.dtype, "attention_forward", [&](auto zero) {
     using T = decltype(zero);
     ArenaScope scope(scratch);
-    T* score_block = scratch.alloc(q.dtype, {std::min(kQueryBlock, d.c) * d.S}).template ptr<T>();
+    const auto per_thread = thread_scratch<T>(scratch, q.dtype, std::min(kQueryBlock, d.c), d.S, false);
     const int64_t group = d.H / d.Hkv, row_stride = d.H * d.D, kv_row_stride = d.Hkv * d.D;
-    for (int64_t b = 0; b < d.B; ++b)
-      for (int64_t h = 0; h < d.H; ++h) {
-        const int64_t g = h / group;
+    // Threads take whole (sequence, K/V group) pairs: their outputs are disjoint, so the result does
+    // not depend on the thread count or order.
+#pragma omp parallel for schedule(static)
+    for (int64_t bg = 0; bg < d.B * d.Hkv; ++bg)
+      for (int64_t h = (bg % d.Hkv) * group; h < (bg % d.Hkv + 1) * group; ++h) {
+        const int64_t b = bg / d.Hkv, g = bg % d.Hkv;
+        T* score_block = per_thread[static_cast<size_t>(cpu::thread_index())].a;
         const auto K = cpu::cmatrix<T>(k.ptr<T>() + b * k.stride[0] + g * d.D, d.S, d.D, kv_row_stride);
         const auto V = cpu::cmatrix<T>(v.ptr<T>() + b * v.stride[0] + g * d.D, d.S, d.D, kv_row_stride);
         for (int64_t i0 = 0; i0 < d.c; i0 += kQueryBlock) {
@@ -105,13 +130,16 @@ void attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v,
   cpu::dispatch_float(q.dtype, "attention_backward", [&](auto zero) {
     using T = decltype(zero);
     ArenaScope scope(scratch);
-    const int64_t block = std::min(kQueryBlock, d.c);
-    T* p_block = scratch.alloc(q.dtype, {block * d.S}).template ptr<T>();
-    T* dp_block = scratch.alloc(q.dtype, {block * d.S}).template ptr<T>();
+    const auto per_thread = thread_scratch<T>(scratch, q.dtype, std::min(kQueryBlock, d.c), d.S, true);
     const int64_t group = d.H / d.Hkv, row_stride = d.H * d.D, kv_row_stride = d.Hkv * d.D;
-    for (int64_t b = 0; b < d.B; ++b)
-      for (int64_t h = 0; h < d.H; ++h) {
-        const int64_t g = h / group;
+    // As in the forward: a (sequence, K/V group) pair per thread, so each dK/dV row has one writer
+    // and its heads add into it in a fixed order.
+#pragma omp parallel for schedule(static)
+    for (int64_t bg = 0; bg < d.B * d.Hkv; ++bg)
+      for (int64_t h = (bg % d.Hkv) * group; h < (bg % d.Hkv + 1) * group; ++h) {
+        const int64_t b = bg / d.Hkv, g = bg % d.Hkv;
+        T* p_block = per_thread[static_cast<size_t>(cpu::thread_index())].a;
+        T* dp_block = per_thread[static_cast<size_t>(cpu::thread_index())].b;
         const auto K = cpu::cmatrix<T>(k.ptr<T>() + b * k.stride[0] + g * d.D, d.S, d.D, kv_row_stride);
         const auto V = cpu::cmatrix<T>(v.ptr<T>() + b * v.stride[0] + g * d.D, d.S, d.D, kv_row_stride);
         auto dK = cpu::matrix<T>(d_k.ptr<T>() + b * d_k.stride[0] + g * d.D, d.S, d.D, kv_row_stride);

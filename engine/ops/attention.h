@@ -12,7 +12,8 @@
 // accumulation dtype (f32 for f32/bf16, f64 for f64). k, v, d_k, d_v may have any batch stride
 // (a slice of the K/V store); their inner [S, Hkv, D] must be packed.
 // Saved: lse [B, H, c] in the accumulation dtype; the backward recomputes P from q, k and lse.
-// Scratch: the CPU path takes score blocks of up to 64 query rows x S keys from `scratch`.
+// Scratch: the CPU path takes, per thread, score blocks of up to 64 query rows x S keys from
+// `scratch` (one in the forward, two in the backward): attention_scratch_bytes says how much.
 // Tested in tests/engine/test_ops.cpp (fp64 finite differences, chunked against whole-sequence).
 #pragma once
 
@@ -24,6 +25,9 @@ namespace cw {
 struct AttentionSaved {
   Tensor lse;  // [B, H, c]
 };
+
+// Bytes of scratch the CPU attention takes for c queries against S keys (forward or backward).
+size_t attention_scratch_bytes(int64_t c, int64_t S, DType dtype, bool backward);
 
 void attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
                        const Tensor& v, double scale, Arena& scratch);

@@ -7,6 +7,10 @@
 
 #include <Eigen/Core>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 namespace cw::cpu {
 
 template <class T> using RowMatrix = Eigen::Matrix<T, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
@@ -37,6 +41,22 @@ template <class F> void dispatch_float(DType dtype, const char* op, F&& f) {
       fail(fmt::format("{} on the CPU supports f64 and f32, not {}", op, dtype_name(dtype)),
            "run bf16 on a GPU, or choose --dtype f32");
   }
+}
+
+// OpenMP threads available to a parallel loop, and this thread's index in one (1 and 0 without OpenMP).
+inline int max_threads() {
+#ifdef _OPENMP
+  return omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+inline int thread_index() {
+#ifdef _OPENMP
+  return omp_get_thread_num();
+#else
+  return 0;
+#endif
 }
 
 inline void check_cpu(const Tensor& t, const char* what) {

@@ -22,10 +22,9 @@ void swiglu_forward(const Tensor& out, const Tensor& gate, const Tensor& up) {
   check_operands({&gate, &up, &out}, "swiglu_forward");
   cpu::dispatch_float(gate.dtype, "swiglu_forward", [&](auto zero) {
     using T = decltype(zero);
-    const T* g = gate.ptr<T>();
-    const T* u = up.ptr<T>();
-    T* y = out.ptr<T>();
-    for (int64_t i = 0; i < gate.numel(); ++i) y[i] = g[i] / (T(1) + std::exp(-g[i])) * u[i];
+    using Array = Eigen::Array<T, Eigen::Dynamic, 1>;
+    const Eigen::Map<const Array> g(gate.ptr<T>(), gate.numel()), u(up.ptr<T>(), up.numel());
+    Eigen::Map<Array>(out.ptr<T>(), out.numel()) = g / (T(1) + (-g).exp()) * u;  // vectorised exp
   });
 }
 
@@ -40,6 +39,7 @@ void swiglu_backward(const Tensor& d_gate, const Tensor& d_up, const Tensor& d_o
     T* dg = d_gate.ptr<T>();
     T* du = d_up.ptr<T>();
     const bool acc = mode == GradMode::accumulate;
+#pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < gate.numel(); ++i) {
       const T sig = T(1) / (T(1) + std::exp(-g[i]));
       const T silu = g[i] * sig;

@@ -1,0 +1,243 @@
+#include "optim/adamw.h"
+
+#include "model/safetensors.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <map>
+#include <utility>
+#include <vector>
+
+namespace cw {
+namespace {
+
+// A ParamSet does not keep the config it was built from, but its table depends only on V, C, F, L,
+// H*D, Hkv*D and tying. This rebuilds a config with those (heads of size 1: the table never looks at
+// the split) and checks it reproduces the table exactly, so the state can be allocated from `like`.
+LlamaConfig table_config(const ParamSet& like) {
+  LlamaConfig c;
+  for (const ParamSpec& s : like.specs()) {
+    switch (s.role) {
+      case ParamRole::embedding:
+        c.vocab_size = s.shape.at(0);
+        c.hidden_size = s.shape.at(1);
+        break;
+      case ParamRole::wq: c.num_attention_heads = s.shape.at(0); break;
+      case ParamRole::wk: c.num_key_value_heads = s.shape.at(0); break;
+      case ParamRole::w_gate: c.intermediate_size = s.shape.at(0); break;
+      default: break;
+    }
+    if (s.layer >= 0 && s.layer + 1 > c.num_hidden_layers) c.num_hidden_layers = s.layer + 1;
+  }
+  c.head_dim = 1;
+  c.tie_word_embeddings = like.find("lm_head.weight") < 0;
+  const std::vector<ParamSpec> rebuilt = parameter_table(c);
+  bool same = rebuilt.size() == like.specs().size();
+  for (size_t i = 0; same && i < rebuilt.size(); ++i)
+    same = rebuilt[i].name == like.specs()[i].name && rebuilt[i].shape == like.specs()[i].shape;
+  CW_CHECK(same, "AdamW: the parameter set does not follow the Llama parameter table");
+  return c;
+}
+
+void check_same_table(const ParamSet& a, const ParamSet& b, const char* what_a, const char* what_b) {
+  CW_CHECK(a.size() == b.size() && a.numel() == b.numel(), "AdamW: {} ({} tensors, {} elements) and {} ({} tensors, {} elements) differ",
+           what_a, a.size(), a.numel(), what_b, b.size(), b.numel());
+  for (size_t i = 0; i < a.size(); ++i)
+    CW_CHECK(a.specs()[i].name == b.specs()[i].name && a.specs()[i].shape == b.specs()[i].shape,
+             "AdamW: tensor #{} is {} in {} but {} in {}", i, a[i].describe(), what_a, b[i].describe(), what_b);
+}
+
+void check_float_dtype(DType t, const char* what) {
+  CW_CHECK(t == DType::f32 || t == DType::f64, "AdamW: {} must be f32 or f64, got {}", what, dtype_name(t));
+}
+
+// The update of one tensor; P is the parameter/state type, G the gradient type.
+template <class P, class G>
+void update(P* p, P* m, P* v, const G* g, int64_t n, double b1, double b2, double bc1, double bc2, double eps,
+            double lr, double wd) {
+  for (int64_t i = 0; i < n; ++i) {
+    const double gi = static_cast<double>(g[i]);
+    const double mi = b1 * static_cast<double>(m[i]) + (1.0 - b1) * gi;
+    const double vi = b2 * static_cast<double>(v[i]) + (1.0 - b2) * gi * gi;
+    const double pi = static_cast<double>(p[i]);
+    const double mhat = mi / bc1, vhat = vi / bc2;
+    m[i] = static_cast<P>(mi);
+    v[i] = static_cast<P>(vi);
+    p[i] = static_cast<P>(pi - lr * (mhat / (std::sqrt(vhat) + eps) + wd * pi));
+  }
+}
+
+template <class P>
+void update_tensor(const Tensor& p, const Tensor& m, const Tensor& v, const Tensor& g, double b1, double b2,
+                   double bc1, double bc2, double eps, double lr, double wd) {
+  if (g.dtype == DType::f64)
+    update(p.ptr<P>(), m.ptr<P>(), v.ptr<P>(), g.ptr<double>(), p.numel(), b1, b2, bc1, bc2, eps, lr, wd);
+  else
+    update(p.ptr<P>(), m.ptr<P>(), v.ptr<P>(), g.ptr<float>(), p.numel(), b1, b2, bc1, bc2, eps, lr, wd);
+}
+
+std::string bool_text(bool b) { return b ? "true" : "false"; }
+
+}  // namespace
+
+void AdamWOptions::validate() const {
+  const auto in_unit = [](double b) { return std::isfinite(b) && b >= 0.0 && b < 1.0; };
+  if (!in_unit(beta1)) fail(fmt::format("optimizer.beta1 = {} is not in [0, 1)", beta1), "the usual value is 0.9");
+  if (!in_unit(beta2)) fail(fmt::format("optimizer.beta2 = {} is not in [0, 1)", beta2), "the usual values are 0.95 to 0.999");
+  if (!(std::isfinite(eps) && eps > 0.0)) fail(fmt::format("optimizer.eps = {} must be positive", eps), "the usual value is 1e-8");
+  if (!(std::isfinite(weight_decay) && weight_decay >= 0.0))
+    fail(fmt::format("optimizer.weight_decay = {} must be >= 0", weight_decay), "use 0 for no decay; the usual value is 0.1");
+}
+
+AdamW::AdamW(const ParamSet& like, const AdamWOptions& options) : AdamW(table_config(like), like.dtype(), options) {}
+
+AdamW::AdamW(const LlamaConfig& config, DType dtype, const AdamWOptions& options)
+    : options_(options), table_(config) {
+  options_.validate();
+  check_float_dtype(dtype, "the master weights");
+  exp_avg_ = ParamSet(config, dtype);     // zero-filled by HostBuffer
+  exp_avg_sq_ = ParamSet(config, dtype);
+}
+
+bool AdamW::decays(const ParamSpec& spec) const {
+  if (spec.is_norm()) return options_.decay_norms;
+  if (spec.role == ParamRole::embedding) return options_.decay_embeddings;
+  return true;  // linear weights and an untied lm_head
+}
+
+void AdamW::step(const ParamSet& params, const ParamSet& grads, double lr) {
+  CW_CHECK(std::isfinite(lr) && lr >= 0.0, "AdamW: learning rate {} must be finite and >= 0", lr);
+  check_same_table(params, exp_avg_, "the parameters", "the optimizer state");
+  check_same_table(grads, exp_avg_, "the gradients", "the optimizer state");
+  CW_CHECK(params.dtype() == exp_avg_.dtype(), "AdamW: parameters are {} but the optimizer state is {}",
+           dtype_name(params.dtype()), dtype_name(exp_avg_.dtype()));
+  check_float_dtype(grads.dtype(), "the gradients");
+
+  ++step_;
+  const double b1 = options_.beta1, b2 = options_.beta2;
+  const double t = static_cast<double>(step_);
+  const double bc1 = 1.0 - std::pow(b1, t), bc2 = 1.0 - std::pow(b2, t);
+  for (size_t i = 0; i < params.size(); ++i) {
+    const double wd = decays(params.specs()[i]) ? options_.weight_decay : 0.0;
+    if (params.dtype() == DType::f64)
+      update_tensor<double>(params[i], exp_avg_[i], exp_avg_sq_[i], grads[i], b1, b2, bc1, bc2, options_.eps, lr, wd);
+    else
+      update_tensor<float>(params[i], exp_avg_[i], exp_avg_sq_[i], grads[i], b1, b2, bc1, bc2, options_.eps, lr, wd);
+  }
+}
+
+void AdamW::save(const std::string& path) const {
+  std::vector<std::pair<std::string, Tensor>> tensors;
+  tensors.reserve(2 * exp_avg_.size());
+  for (size_t i = 0; i < exp_avg_.size(); ++i) tensors.emplace_back("exp_avg/" + exp_avg_.specs()[i].name, exp_avg_[i]);
+  for (size_t i = 0; i < exp_avg_sq_.size(); ++i)
+    tensors.emplace_back("exp_avg_sq/" + exp_avg_sq_.specs()[i].name, exp_avg_sq_[i]);
+  // "{}" prints the shortest text that reads back to the same double.
+  const std::map<std::string, std::string> metadata = {
+      {"step", fmt::format("{}", step_)},
+      {"beta1", fmt::format("{}", options_.beta1)},
+      {"beta2", fmt::format("{}", options_.beta2)},
+      {"eps", fmt::format("{}", options_.eps)},
+      {"weight_decay", fmt::format("{}", options_.weight_decay)},
+      {"decay_norms", bool_text(options_.decay_norms)},
+      {"decay_embeddings", bool_text(options_.decay_embeddings)},
+  };
+  write_safetensors(path, tensors, metadata);
+}
+
+void AdamW::load(const std::string& path) {
+  const SafetensorsReader reader(path);
+  const char* stored_dtype = exp_avg_.dtype() == DType::f64 ? "F64" : "F32";
+  const std::string hint = "the optimizer state must come from a run of the same model and master-weight dtype";
+
+  const auto meta = reader.metadata().find("step");
+  if (meta == reader.metadata().end()) fail(fmt::format("{}: optimizer state has no \"step\" metadata", path), hint);
+  char* end = nullptr;
+  const long long step = std::strtoll(meta->second.c_str(), &end, 10);
+  if (meta->second.empty() || *end != '\0' || step < 0)
+    fail(fmt::format("{}: optimizer state metadata \"step\" = \"{}\" is not a non-negative integer", path, meta->second));
+
+  // Every expected tensor, checked before anything is read so a bad file leaves the state intact.
+  std::map<std::string, bool> expected;
+  for (const char* prefix : {"exp_avg/", "exp_avg_sq/"}) {
+    for (size_t i = 0; i < exp_avg_.size(); ++i) {
+      const ParamSpec& s = exp_avg_.specs()[i];
+      const std::string name = prefix + s.name;
+      expected[name] = true;
+      const SafetensorsEntry* e = reader.find(name);
+      if (!e) fail(fmt::format("{}: optimizer state lacks tensor '{}'", path, name), hint);
+      if (e->shape != s.shape)
+        fail(fmt::format("{}: optimizer state tensor '{}' has shape [{}], expected [{}]", path, name,
+                         fmt::join(e->shape, ", "), fmt::join(s.shape, ", ")),
+             hint);
+      // Restoring bit-exactly needs the stored precision to be the state's.
+      if (e->dtype != stored_dtype)
+        fail(fmt::format("{}: optimizer state tensor '{}' is {}, expected {}", path, name, e->dtype, stored_dtype), hint);
+    }
+  }
+  for (const SafetensorsEntry& e : reader.entries())
+    if (!expected.count(e.name)) fail(fmt::format("{}: unexpected tensor '{}' in optimizer state", path, e.name), hint);
+
+  ParamSet m(table_, exp_avg_.dtype()), v(table_, exp_avg_sq_.dtype());
+  for (size_t i = 0; i < m.size(); ++i) {
+    reader.read_into("exp_avg/" + m.specs()[i].name, m[i]);
+    reader.read_into("exp_avg_sq/" + v.specs()[i].name, v[i]);
+  }
+  exp_avg_ = std::move(m);
+  exp_avg_sq_ = std::move(v);
+  step_ = step;
+}
+
+namespace {
+template <class T> double sum_squares(const T* x, int64_t n) {
+  double s = 0.0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double d = static_cast<double>(x[i]);
+    s += d * d;
+  }
+  return s;
+}
+}  // namespace
+
+double grad_global_norm(const ParamSet& grads) {
+  const Tensor f = grads.flat();
+  check_float_dtype(f.dtype, "the gradients");
+  const double s = f.dtype == DType::f64 ? sum_squares(f.ptr<double>(), f.numel()) : sum_squares(f.ptr<float>(), f.numel());
+  return std::sqrt(s);
+}
+
+double clip_grad_norm(const ParamSet& grads, double max_norm) {
+  const double norm = grad_global_norm(grads);
+  if (max_norm > 0.0 && std::isfinite(norm) && norm > max_norm) scale_inplace(grads.flat(), max_norm / norm);
+  return norm;
+}
+
+namespace {
+template <class T> bool finite_all(const T* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    if (!std::isfinite(x[i])) return false;
+  return true;
+}
+}  // namespace
+
+bool all_finite(const ParamSet& set) {
+  const Tensor f = set.flat();
+  switch (f.dtype) {
+    case DType::f64: return finite_all(f.ptr<double>(), f.numel());
+    case DType::f32: return finite_all(f.ptr<float>(), f.numel());
+    case DType::bf16: {
+      // Inf and NaN are the values whose exponent bits are all ones.
+      const uint16_t* bits = static_cast<const uint16_t*>(f.data);
+      for (int64_t i = 0; i < f.numel(); ++i)
+        if ((bits[i] & 0x7f80u) == 0x7f80u) return false;
+      return true;
+    }
+    case DType::i32: return true;
+  }
+  return true;
+}
+
+}  // namespace cw

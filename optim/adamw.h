@@ -1,0 +1,90 @@
+// AdamW (Loshchilov & Hutter, "Decoupled Weight Decay Regularization") on CPU master weights, and
+// the gradient helpers a training step needs before it: global norm, clipping, finiteness.
+//
+// For every parameter element p with gradient g, at optimizer step t = 1, 2, ...:
+//   m     = b1 m + (1 - b1) g
+//   v     = b2 v + (1 - b2) g^2
+//   mhat  = m / (1 - b1^t)                 bias correction: m and v start at 0
+//   vhat  = v / (1 - b2^t)
+//   p    -= lr (mhat / (sqrt(vhat) + eps) + wd p)
+// The decay term uses p before the update and is decoupled: it is not fed through m and v, so it is
+// not rescaled by the adaptive denominator. lr is given per step (optim/lr_schedule.h); wd is
+// applied only to the tensors selected for decay, and is 0 for the others:
+//   decayed   the linear weights (q/k/v/o, gate/up/down) and an untied lm_head.weight
+//   optional  the norm weights (decay_norms) and model.embed_tokens.weight (decay_embeddings); a tied
+//             model's embedding is also its head and follows decay_embeddings
+// Pulling norm gains (which sit at 1) or embedding rows (most of which see no gradient in a step)
+// towards zero is not a regulariser anyone wants by default.
+//
+// State layout: two ParamSets with the parameters' table and dtype (f32 or f64): exp_avg holds m and
+// exp_avg_sq holds v, element for element with the parameters, plus the step count t (the number of
+// completed steps). The arithmetic of one element is done in f64 and rounded once to the state
+// dtype. One plain loop in table order, no threads: the same inputs give the same bits.
+//
+// On disk (save/load) the state is one safetensors file holding "exp_avg/<HF name>" and
+// "exp_avg_sq/<HF name>" for every parameter, in the state's dtype, and the metadata
+//   {"step": "<t>", "beta1", "beta2", "eps", "weight_decay", "decay_norms", "decay_embeddings"}.
+// load restores the moments and t bit-exactly. The hyperparameters in the file are a record, not
+// a setting: a resumed run uses this optimizer's options (it may change them on purpose).
+#pragma once
+
+#include "model/params.h"
+
+#include <cstdint>
+#include <string>
+
+namespace cw {
+
+struct AdamWOptions {
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double weight_decay = 0.1;
+  bool decay_norms = false;       // also decay the RMSNorm gains
+  bool decay_embeddings = false;  // also decay model.embed_tokens.weight (tied: the head too)
+
+  void validate() const;  // throws naming the option ("optimizer.beta1", ...)
+};
+
+class AdamW {
+ public:
+  // State for parameters with the table and dtype of `like` (f32 or f64), moments zero, t = 0.
+  AdamW(const ParamSet& like, const AdamWOptions& options = {});
+  AdamW(const LlamaConfig& config, DType dtype, const AdamWOptions& options = {});
+
+  // One step at learning rate lr (>= 0, finite): updates params in place. grads (f32 or f64) must
+  // have the parameters' table; params must have the state's dtype.
+  void step(const ParamSet& params, const ParamSet& grads, double lr);
+
+  // Whether the tensor with this spec receives weight decay under these options.
+  bool decays(const ParamSpec& spec) const;
+
+  int64_t steps() const { return step_; }
+  const AdamWOptions& options() const { return options_; }
+  const ParamSet& exp_avg() const { return exp_avg_; }
+  const ParamSet& exp_avg_sq() const { return exp_avg_sq_; }
+
+  // Writes the state atomically (see the header). Throws naming the path on failure.
+  void save(const std::string& path) const;
+  // Replaces the state with the file's. Every tensor must be present, with the state's shape and
+  // dtype, and no other tensor may be there; "step" must be a non-negative integer. Throws naming
+  // the file and the tensor or key, leaving the state unchanged.
+  void load(const std::string& path);
+
+ private:
+  AdamWOptions options_;
+  LlamaConfig table_;  // a config whose parameter table is the state's (to allocate copies of it)
+  ParamSet exp_avg_, exp_avg_sq_;
+  int64_t step_ = 0;
+};
+
+// sqrt of the sum of every squared element (f32 or f64), accumulated in f64 in table order.
+double grad_global_norm(const ParamSet& grads);
+// Scales grads in place by max_norm / norm when norm > max_norm, so that their global norm becomes
+// max_norm; returns the norm before clipping. max_norm <= 0 disables clipping. A non-finite norm is
+// returned without scaling (scaling would only spread the NaN): the caller skips such a step.
+double clip_grad_norm(const ParamSet& grads, double max_norm);
+// Whether every element (f32, f64 or bf16) is finite.
+bool all_finite(const ParamSet& set);
+
+}  // namespace cw

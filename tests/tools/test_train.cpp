@@ -1,0 +1,226 @@
+// The training program end to end on a small model and corpus: resume is bit-identical, gradient
+// accumulation equals one large batch, train then sample works, and resume errors are clear.
+#include "model/checkpoint.h"
+#include "optim/schedule.h"
+#include "tests/support.h"
+#include "tools/data/tokenizer.h"
+#include "tools/data/tokens.h"
+#include "tools/train/sample.h"
+#include "tools/train/train.h"
+
+#include <nlohmann/json.hpp>
+
+#include <sys/wait.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+using namespace cw;
+namespace fs = std::filesystem;
+
+namespace {
+// A small byte-level model (vocab 320) written as a config.json, and a corpus shard.
+struct Fixture {
+  test::TempDir dir{"train"};
+  std::string model_json, shard;
+  Fixture() {
+    LlamaConfig c = LlamaConfig::preset("small");
+    c.hidden_size = 32;
+    c.intermediate_size = 48;
+    c.num_hidden_layers = 2;
+    c.num_attention_heads = 4;
+    c.num_key_value_heads = 2;
+    c.head_dim = 8;
+    model_json = dir.file("model.json");
+    std::ofstream(model_json) << c.to_json().dump(2);
+    std::string text;
+    for (int i = 0; i < 120; ++i) text += "the quick brown fox jumps over the lazy dog. ";
+    std::vector<uint32_t> ids = ByteTokenizer().encode(text);
+    shard = dir.file("corpus.bin");
+    write_token_shard(shard, ids);
+  }
+  RunConfig config(int64_t steps) const {
+    RunConfig rc = RunConfig::defaults();
+    rc.model.source = model_json;
+    rc.data.train = {shard};
+    rc.data.seq_len = 32;
+    rc.data.batch_size = 2;
+    rc.data.grad_accum = 2;
+    rc.schedule.chunk = 10;
+    rc.train.steps = steps;
+    rc.optimizer.warmup_steps = 2;
+    rc.eval.every = 3;
+    rc.eval.batches = 2;
+    rc.checkpoint.every = 2;
+    rc.sample.tokens = 0;
+    return rc;
+  }
+};
+
+std::vector<double> logged_losses(const std::string& run_dir) {
+  std::ifstream f(fs::path(run_dir) / "metrics.jsonl");
+  std::vector<double> losses;
+  std::string line;
+  while (std::getline(f, line)) {
+    const auto j = nlohmann::json::parse(line);
+    if (j.contains("loss")) losses.push_back(j["loss"].get<double>());
+  }
+  return losses;
+}
+
+std::string file_bytes(const fs::path& p) {
+  std::ifstream f(p, std::ios::binary);
+  return std::string(std::istreambuf_iterator<char>(f), {});
+}
+}  // namespace
+
+TEST_CASE("train: a stopped and resumed run is bit-identical to an uninterrupted one") {
+  Fixture fx;
+  std::ostringstream log;
+  TrainOptions straight;
+  straight.run_dir = fx.dir.file("straight");
+  const TrainResult a = run_training(fx.config(8), straight, log);
+  CHECK(a.last_step == 8);
+  REQUIRE(a.last_eval_loss.has_value());
+
+  TrainOptions first;
+  first.run_dir = fx.dir.file("resumed");
+  first.stop_after = 5;
+  const TrainResult b1 = run_training(fx.config(8), first, log);
+  CHECK(b1.interrupted);
+  CHECK(b1.last_step == 5);
+  TrainOptions second;
+  second.run_dir = first.run_dir;
+  second.resume = true;
+  const TrainResult b2 = run_training(fx.config(8), second, log);
+  CHECK(b2.last_step == 8);
+
+  const std::vector<double> la = logged_losses(straight.run_dir), lb = logged_losses(second.run_dir);
+  REQUIRE(la.size() == 8);
+  REQUIRE(lb.size() == 8);  // the metrics log holds each step once
+  for (size_t i = 0; i < la.size(); ++i) CHECK(la[i] == lb[i]);  // exactly, not approximately
+  CHECK(file_bytes(fs::path(straight.run_dir) / "step-000008" / "model.safetensors") ==
+        file_bytes(fs::path(second.run_dir) / "step-000008" / "model.safetensors"));
+  CHECK(file_bytes(fs::path(straight.run_dir) / "step-000008" / "optimizer.safetensors") ==
+        file_bytes(fs::path(second.run_dir) / "step-000008" / "optimizer.safetensors"));
+  CHECK(fs::exists(fs::path(straight.run_dir) / "loss.png"));
+  CHECK(fs::exists(fs::path(straight.run_dir) / "config.toml"));
+  CHECK(la.back() < la.front());  // it learns something
+}
+
+TEST_CASE("train: resume finds the last complete checkpoint and says what it skipped") {
+  Fixture fx;
+  std::ostringstream log;
+  TrainOptions o;
+  o.run_dir = fx.dir.file("run");
+  o.resume = true;
+  CHECK_THROWS_WITH_AS(run_training(fx.config(4), o, log), doctest::Contains("no complete checkpoint"), Error);
+  o.resume = false;
+  o.stop_after = 2;
+  run_training(fx.config(6), o, log);
+  // A half-written later checkpoint (no manifest) must be skipped with a message.
+  fs::create_directories(fs::path(o.run_dir) / "step-000004");
+  std::ofstream(fs::path(o.run_dir) / "step-000004" / "model.safetensors") << "partial";
+  o.resume = true;
+  o.stop_after = 0;
+  std::ostringstream log2;
+  const TrainResult r = run_training(fx.config(6), o, log2);
+  CHECK(r.last_step == 6);
+  CHECK(log2.str().find("step-000004") != std::string::npos);
+  CHECK(log2.str().find("resumed from") != std::string::npos);
+}
+
+TEST_CASE("train then sample: the checkpoint generates text through the K/V cache") {
+  Fixture fx;
+  std::ostringstream log;
+  TrainOptions o;
+  o.run_dir = fx.dir.file("run");
+  run_training(fx.config(4), o, log);
+  SampleOptions so;
+  so.prompt = "the ";
+  so.tokens = 20;
+  so.stop_at_eos = false;
+  const std::string a = sample_from_run(o.run_dir, 0, so), b = sample_from_run(o.run_dir, 4, so);
+  CHECK(a.size() >= 1);
+  CHECK(a == b);  // the latest is step 4; same seed, same text
+  so.seed = 2;
+  so.temperature = 0;  // greedy ignores the seed
+  CHECK(sample_from_run(o.run_dir, 0, so) == sample_from_run(o.run_dir, 0, so));
+  CHECK_THROWS_AS(sample_from_run(o.run_dir, 3, so), Error);  // never saved
+  CHECK_THROWS_AS(sample_from_run(fx.dir.file("nowhere"), 0, so), Error);
+}
+
+TEST_CASE("gradient accumulation equals one large batch (f64, 1e-12)") {
+  const LlamaConfig cfg = LlamaConfig::preset("tiny");
+  LlamaModel model(cfg, DType::f64);
+  init_parameters(model.params(), 21, cfg.initializer_range, 0.1);
+  const int64_t T = 16;
+  std::vector<int32_t> ids(4 * T);
+  for (size_t i = 0; i < ids.size(); ++i) ids[i] = static_cast<int32_t>((i * 13 + 5) % cfg.vocab_size);
+  const Batch big = causal_lm_batch(ids, 4, T);
+  const Batch half1 = causal_lm_batch(std::vector<int32_t>(ids.begin(), ids.begin() + 2 * T), 2, T);
+  const Batch half2 = causal_lm_batch(std::vector<int32_t>(ids.begin() + 2 * T, ids.end()), 2, T);
+  for (const char* name : {"full", "seco"}) {
+    ScheduleOptions so;
+    so.name = name;
+    so.chunk = name == std::string("seco") ? 5 : 0;
+    auto s = Schedule::create(so);
+    ParamSet g_big(cfg, DType::f64), g_acc(cfg, DType::f64);
+    const double l_big = s->step(model, big, g_big).loss;
+    const double norm = static_cast<double>(half1.supervised() + half2.supervised());
+    const double l_acc = s->step(model, half1, g_acc, norm).loss + s->step(model, half2, g_acc, norm).loss;
+    CHECK(l_acc == doctest::Approx(l_big).epsilon(1e-14));
+    for (size_t i = 0; i < g_big.size(); ++i) CHECK(test::compare(g_acc[i], g_big[i]).rel <= test::kSameMathF64Tol);
+  }
+}
+
+TEST_CASE("train guards: non-finite loss stops or skips; an oversized run fails before step 1") {
+  Fixture fx;
+  // A checkpoint whose weights hold a NaN: every loss is NaN.
+  LlamaModel m(LlamaConfig::from_file(fx.model_json), DType::f32);
+  init_parameters(m.params(), 1, 0.02);
+  m.params()[0].ptr<float>()[5] = std::nanf("");
+  const std::string bad = fx.dir.file("nan-model");
+  save_checkpoint_weights(m.params(), m.config(), bad, DType::f32);
+  RunConfig rc = fx.config(3);
+  rc.model.source = bad;
+  rc.train.nonfinite = "stop";
+  std::ostringstream log;
+  TrainOptions o;
+  o.run_dir = fx.dir.file("nan-stop");
+  CHECK_THROWS_WITH_AS(run_training(rc, o, log), doctest::Contains("step 1: non-finite loss"), Error);
+  rc.train.nonfinite = "skip";
+  o.run_dir = fx.dir.file("nan-skip");
+  const TrainResult r = run_training(rc, o, log);
+  CHECK(r.last_step == 3);
+  CHECK(log.str().find("update skipped") != std::string::npos);
+
+  RunConfig huge = fx.config(1);
+  huge.model.source = "llama-3.1-8b";
+  huge.data.seq_len = 32;
+  o.run_dir = fx.dir.file("huge");
+  // The 8B model's 32 GB of f32 parameters alone exceed this machine; the error says what it needs.
+  CHECK_THROWS_WITH_AS(run_training(huge, o, log), doctest::Contains("needs about"), Error);
+}
+
+TEST_CASE("train: SIGINT finishes the step, saves, and exits with the distinct code") {
+  Fixture fx;
+  RunConfig rc = fx.config(100000);
+  rc.checkpoint.every = 0;
+  rc.eval.every = 0;
+  const std::string cfg = fx.dir.file("long.toml"), run = fx.dir.file("sig");
+  std::ofstream(cfg) << rc.to_toml();
+  const std::string cmd = fmt::format("timeout --preserve-status -s INT 3 {} train --config {} --run-dir {} >{} 2>&1",
+                                      CW_CHUNKWISE_EXE, cfg, run, fx.dir.file("sig.log"));
+  const int status = std::system(cmd.c_str());
+  REQUIRE(WIFEXITED(status));
+  std::ifstream lf(fx.dir.file("sig.log"));
+  const std::string out((std::istreambuf_iterator<char>(lf)), {});
+  INFO(out);
+  CHECK(WEXITSTATUS(status) == kExitInterrupted);
+  CHECK(out.find("stopped: saved step") != std::string::npos);
+  CHECK(fs::exists(fs::path(run) / "latest"));
+}

@@ -1,0 +1,144 @@
+// The configuration of `chunkwise train`: one plain struct, read from TOML, adjusted by
+// `--set section.key=value` overrides, checked, and written back into the run directory.
+//
+// Layers, later ones winning: defaults() (equal to kDefaultRunToml apart from data.train), then the
+// file given with --config (only the keys it names change), then each --set in order. from_toml and
+// apply_override check names and types only, so a value that is out of range in the file can still
+// be fixed by a later --set; validate() checks the values once everything is applied.
+//
+// Errors are one line naming where the value came from (the file, with line:column, or "--set") and
+// the key as "section.key", with a hint: unknown sections and keys suggest the closest known name,
+// and a value of the wrong type says what was expected and what was found. An integer is accepted
+// where a float is expected (lr = 3 means 3.0), never the other way round, since a truncated
+// fraction of a step count or a token count is a mistake, not an intention.
+//
+// to_toml() writes every resolved value, so a run directory's copy reproduces the run on its own;
+// from_toml(to_toml()) gives back exactly the same config (floats are written in the shortest form
+// that reads back to the same double).
+#pragma once
+
+#include "optim/schedule.h"
+
+#include <nlohmann/json_fwd.hpp>
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace cw {
+
+struct RunConfig {
+  struct Model {
+    std::string source = "small";         // preset name, config.json path, or HF checkpoint directory
+    std::string dtype = "f32";            // f64 | f32 | bf16
+    uint64_t init_seed = 1234;            // random initialisation (ignored for a checkpoint)
+    std::optional<bool> tie_embeddings;   // unset: as the model configures it
+    bool operator==(const Model&) const = default;
+  };
+  struct Data {
+    std::vector<std::string> train;       // paths and glob patterns (tools/data/tokens.h)
+    std::vector<std::string> eval;        // empty: the last eval_fraction of the training stream
+    std::string format = "shard";         // shard | u16 | u32
+    double eval_fraction = 0.05;          // used only when eval is empty; 0: no evaluation data
+    int64_t seq_len = 256;                // T: tokens per sequence
+    int64_t batch_size = 8;               // B: sequences per micro-batch
+    int64_t grad_accum = 1;               // micro-batches per optimizer step
+    uint64_t seed = 1;                    // the window sampler's shuffle
+    std::string tokenizer = "bytes";      // how the sample prompt is encoded and output decoded
+    bool operator==(const Data&) const = default;
+  };
+  struct Schedule {
+    std::string name = "seco";            // full | seco | spaco
+    int64_t chunk = 64;                   // prefill chunk length; 0: the whole sequence
+    int64_t bwd_chunk = 0;                // reverse-sweep chunk length; 0: same as chunk
+    int64_t keep = 0;                     // spaco: chunks visited per step; 0: all
+    uint64_t seed = 0;                    // spaco: the chunk sample
+    bool stratified = false;              // spaco options, as in optim/schedule.h
+    bool scale_loss = true;
+    bool scale_relay = false;
+    double relay_cap = 0.0;
+    bool drop_relay = false;
+    bool operator==(const Schedule&) const = default;
+  };
+  struct Optimizer {
+    double lr = 3e-3;                     // peak learning rate, reached after warmup
+    double min_lr = 3e-4;                 // where the decay ends
+    int64_t warmup_steps = 20;            // linear warmup from 0
+    std::string decay = "cosine";         // cosine | linear | constant
+    double beta1 = 0.9;                   // AdamW moments
+    double beta2 = 0.95;
+    double eps = 1e-8;
+    double weight_decay = 0.1;            // decoupled
+    double grad_clip = 1.0;               // global L2 norm; 0: no clipping
+    bool operator==(const Optimizer&) const = default;
+  };
+  struct Train {
+    int64_t steps = 300;                  // optimizer steps
+    std::string device = "auto";          // auto | cpu | cuda
+    std::string nonfinite = "skip";       // a NaN/inf loss or gradient: skip the step, or stop
+    int64_t threads = 0;                  // CPU threads; 0: all cores
+    bool operator==(const Train&) const = default;
+  };
+  struct Eval {
+    int64_t every = 50;                   // steps between evaluations; 0: never
+    int64_t batches = 8;                  // eval batches per evaluation
+    bool operator==(const Eval&) const = default;
+  };
+  struct Checkpoint {
+    int64_t every = 100;                  // steps between checkpoints; 0: none periodically
+    int64_t keep_last = 2;                // older checkpoints are deleted
+    bool resume = false;                  // continue from the run directory's latest checkpoint
+    bool operator==(const Checkpoint&) const = default;
+  };
+  struct Log {
+    std::string run_dir;                  // empty: the trainer picks one
+    int64_t every = 1;                    // steps between log lines
+    bool plot = true;                     // write loss curves as PNG
+    bool operator==(const Log&) const = default;
+  };
+  struct Sample {
+    std::string prompt = "The ";          // text generated from at the end of the run
+    int64_t tokens = 200;                 // tokens to generate; 0: no sample
+    double temperature = 0.8;             // 0: greedy
+    int64_t top_k = 40;                   // 0: no top-k cut
+    double top_p = 0.95;                  // 1: no nucleus cut
+    uint64_t seed = 1;
+    bool operator==(const Sample&) const = default;
+  };
+
+  Model model;
+  Data data;
+  Schedule schedule;
+  Optimizer optimizer;
+  Train train;
+  Eval eval;
+  Checkpoint checkpoint;
+  Log log;
+  Sample sample;
+
+  bool operator==(const RunConfig&) const = default;
+
+  static RunConfig defaults();
+  // Defaults overridden by the keys the text gives. `source` names the text in errors (a path).
+  static RunConfig from_toml(const std::string& text, const std::string& source);
+  static RunConfig from_file(const std::string& path);
+
+  // "section.key=value", the value read as TOML (256, 0.5, true, "x", ["a", "b"]). String keys also
+  // take the text after '=' verbatim when it is not a quoted TOML string (so model.source=tiny and
+  // log.run_dir=runs/a work unquoted), and list keys take a single string as a one-element list.
+  void apply_override(const std::string& assignment);
+
+  void validate() const;  // value ranges and enum names; throws naming "section.key"
+
+  ScheduleOptions schedule_options() const;
+
+  std::string to_toml() const;
+  nlohmann::json to_json() const;  // {"section": {"key": value}}; an unset tie_embeddings is null
+};
+
+// The config `chunkwise train` runs without --config: commented TOML, equal to defaults() except
+// data.train = ["@demo"], a placeholder the trainer resolves to the demo corpus.
+extern const char* const kDefaultRunToml;
+
+}  // namespace cw
