@@ -5,6 +5,7 @@
 #include "engine/error.h"
 #include "tools/data/tokenizer.h"
 #include "tools/gradcheck.h"
+#include "tools/model_io.h"
 #include "tools/train/run_config.h"
 #include "tools/train/sample.h"
 #include "tools/train/train.h"
@@ -58,6 +59,25 @@ int main(int argc, char** argv) {
   gradcheck->add_option("--save-grads", gc.save_grads, "write the loss and gradients (f64, HF names) as safetensors");
 
   CLI::App* devices = app.add_subcommand("devices", "list the build's features and the devices it sees");
+
+  cw::InitOptions io;
+  CLI::App* init = app.add_subcommand("init", "write a randomly initialised HF checkpoint");
+  init->add_option("--model", io.model, "preset or config.json")->capture_default_str();
+  init->add_option("--out", io.out, "output directory")->required();
+  init->add_option("--dtype", io.dtype, "stored dtype: f32 | bf16 | f64")->capture_default_str();
+  init->add_option("--seed", io.seed, "initialisation seed")->capture_default_str();
+  init->add_option("--norm-jitter", io.norm_jitter, "norm weights 1 + N(0, jitter)")->capture_default_str();
+  init->add_option("--tie-embeddings", io.tie_embeddings, "override tie_word_embeddings (0 or 1)");
+
+  cw::LogitsOptions lo;
+  CLI::App* logits = app.add_subcommand("logits", "write the logits of a token batch (to compare with other frameworks)");
+  logits->add_option("--model", lo.model, "preset, config.json or checkpoint directory")->required();
+  logits->add_option("--tokens", lo.tokens, "headerless little-endian uint32 file of batch x seq ids")->required();
+  logits->add_option("--batch", lo.batch, "sequences")->capture_default_str();
+  logits->add_option("--seq", lo.seq, "tokens per sequence")->required();
+  logits->add_option("--dtype", lo.dtype, "f64 | f32")->capture_default_str();
+  logits->add_option("--chunk", lo.chunk, "run in chunks against the K/V store (0: whole sequence)")->capture_default_str();
+  logits->add_option("--out", lo.out, "output safetensors (tensor 'logits' [batch*seq, vocab])")->required();
 
   std::string config_path, run_dir;
   std::vector<std::string> overrides;
@@ -118,6 +138,16 @@ int main(int argc, char** argv) {
       const cw::TokenizeCounts c = cw::tokenize_files(text_inputs, shard_out, to);
       std::cout << fmt::format("tokenize: {} files, {} documents, {} bytes -> {} tokens in {}\n", c.files, c.documents,
                                c.bytes, c.tokens, shard_out);
+      return 0;
+    }
+    if (*init) {
+      cw::init_checkpoint(io);
+      std::cout << "wrote " << io.out << "\n";
+      return 0;
+    }
+    if (*logits) {
+      cw::write_logits(lo);
+      std::cout << "wrote " << lo.out << "\n";
       return 0;
     }
     if (*devices) {

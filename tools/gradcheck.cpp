@@ -2,6 +2,7 @@
 
 #include "engine/random.h"
 #include "model/checkpoint.h"
+#include "tools/model_io.h"
 #include "model/safetensors.h"
 
 #include <fmt/format.h>
@@ -17,24 +18,7 @@ namespace cw {
 namespace {
 Batch load_batch(const GradcheckOptions& o, int64_t vocab) {
   if (o.tokens_file.empty()) return random_batch(o.batch, o.seq, vocab, o.seed + 1);
-  std::ifstream in(o.tokens_file, std::ios::binary);
-  if (!in) fail(fmt::format("cannot open token file '{}'", o.tokens_file), "check the path");
-  const int64_t n = o.batch * o.seq;
-  const auto size = std::filesystem::file_size(o.tokens_file);
-  if (size != static_cast<uintmax_t>(n) * 4)
-    fail(fmt::format("{}: {} bytes, expected {} (batch {} x seq {} little-endian uint32 ids)", o.tokens_file, size,
-                     n * 4, o.batch, o.seq), "pass --batch and --seq matching the file");
-  std::vector<int32_t> ids(static_cast<size_t>(n));
-  for (int64_t i = 0; i < n; ++i) {
-    unsigned char b[4];
-    in.read(reinterpret_cast<char*>(b), 4);
-    const uint32_t id = b[0] | (b[1] << 8) | (b[2] << 16) | (static_cast<uint32_t>(b[3]) << 24);
-    if (id >= static_cast<uint64_t>(vocab))
-      fail(fmt::format("{}: token {} at byte offset {} is not below vocab_size {}", o.tokens_file, id, i * 4, vocab),
-           "the tokens must come from the model's tokenizer");
-    ids[static_cast<size_t>(i)] = static_cast<int32_t>(id);
-  }
-  return causal_lm_batch(ids, o.batch, o.seq);
+  return read_token_batch(o.tokens_file, o.batch, o.seq, vocab);
 }
 
 std::string shape_str(const std::vector<int64_t>& s) {
@@ -72,14 +56,7 @@ int run_gradcheck(const GradcheckOptions& o, std::ostream& out) {
   const double tol = o.tol >= 0 ? o.tol : (against == "fd" ? 1e-7 : (dtype == DType::f64 ? 1e-12 : 1e-5));
 
   LlamaModel model(config, dtype);
-  namespace fs = std::filesystem;
-  const bool from_checkpoint = fs::is_directory(o.model) && (fs::exists(fs::path(o.model) / "model.safetensors") ||
-                                                             fs::exists(fs::path(o.model) / "model.safetensors.index.json"));
-  if (from_checkpoint) {
-    load_checkpoint_weights(model.params(), o.model);
-  } else {
-    init_parameters(model.params(), o.seed, config.initializer_range, o.norm_jitter);
-  }
+  load_or_init(model, o.model, o.seed, o.norm_jitter);
   const Batch batch = load_batch(o, config.vocab_size);
 
   ParamSet grads(config, dtype);

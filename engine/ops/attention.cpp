@@ -93,7 +93,7 @@ void attention_forward(const Tensor& out, const AttentionSaved& saved, const Ten
     const int64_t group = d.H / d.Hkv, row_stride = d.H * d.D, kv_row_stride = d.Hkv * d.D;
     // Threads take whole (sequence, K/V group) pairs: their outputs are disjoint, so the result does
     // not depend on the thread count or order.
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (cpu::worth_threads(2.0 * d.B * d.H * d.c * d.S * d.D))
     for (int64_t bg = 0; bg < d.B * d.Hkv; ++bg)
       for (int64_t h = (bg % d.Hkv) * group; h < (bg % d.Hkv + 1) * group; ++h) {
         const int64_t b = bg / d.Hkv, g = bg % d.Hkv;
@@ -134,7 +134,7 @@ void attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v,
     const int64_t group = d.H / d.Hkv, row_stride = d.H * d.D, kv_row_stride = d.Hkv * d.D;
     // As in the forward: a (sequence, K/V group) pair per thread, so each dK/dV row has one writer
     // and its heads add into it in a fixed order.
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (cpu::worth_threads(2.0 * d.B * d.H * d.c * d.S * d.D))
     for (int64_t bg = 0; bg < d.B * d.Hkv; ++bg)
       for (int64_t h = (bg % d.Hkv) * group; h < (bg % d.Hkv + 1) * group; ++h) {
         const int64_t b = bg / d.Hkv, g = bg % d.Hkv;

@@ -59,6 +59,10 @@ inline int thread_index() {
 #endif
 }
 
+// Below this much arithmetic a parallel region costs more than it saves (opening one on 16 threads
+// takes tens of microseconds); `#pragma omp parallel for if(worth_threads(flops))`.
+inline bool worth_threads(double flops) { return flops >= 4.0e6; }
+
 inline void check_cpu(const Tensor& t, const char* what) {
   CW_CHECK(t.device.is_cpu(), "{} is on {}; this op has no backend for it in this build", what, device_name(t.device));
 }

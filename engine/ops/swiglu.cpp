@@ -39,7 +39,7 @@ void swiglu_backward(const Tensor& d_gate, const Tensor& d_up, const Tensor& d_o
     T* dg = d_gate.ptr<T>();
     T* du = d_up.ptr<T>();
     const bool acc = mode == GradMode::accumulate;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (cpu::worth_threads(20.0 * gate.numel()))
     for (int64_t i = 0; i < gate.numel(); ++i) {
       const T sig = T(1) / (T(1) + std::exp(-g[i]));
       const T silu = g[i] * sig;

@@ -1,0 +1,42 @@
+// Small model utilities behind `chunkwise init` and `chunkwise logits`, and the token-batch reader
+// that gradcheck shares: the pieces a user needs to compare chunkwise with another framework on the
+// same checkpoint and the same tokens (tools/bench/hf_compare.py does exactly that).
+#pragma once
+
+#include "optim/schedule.h"
+
+#include <string>
+
+namespace cw {
+
+// B x T ids from a headerless little-endian uint32 file, as a causal-LM batch (labels = ids shifted
+// left by one, the last position -100). Errors name the file: wrong size, id >= vocab.
+Batch read_token_batch(const std::string& path, int64_t B, int64_t T, int64_t vocab);
+
+// Loads a model from a preset / config.json (random init with `seed`, norms 1 + N(0, norm_jitter))
+// or from an HF checkpoint directory (its weights).
+void load_or_init(LlamaModel& model, const std::string& spec, uint64_t seed, double norm_jitter);
+
+struct InitOptions {
+  std::string model = "tiny";
+  std::string out;
+  std::string dtype = "f32";   // storage dtype of model.safetensors
+  uint64_t seed = 1234;
+  double norm_jitter = 0.0;
+  int tie_embeddings = -1;     // -1: as configured
+};
+// Writes a randomly initialised HF checkpoint (config.json + model.safetensors).
+void init_checkpoint(const InitOptions& options);
+
+struct LogitsOptions {
+  std::string model;           // preset, config.json or checkpoint directory
+  std::string tokens;          // headerless u32 file of batch x seq ids
+  int64_t batch = 1, seq = 0;
+  std::string dtype = "f32";   // compute dtype on the CPU (f64 or f32)
+  int64_t chunk = 0;           // > 0: run the sequence in chunks against the K/V store
+  std::string out;             // safetensors with "logits" [batch * seq, V] (f32, or f64 in f64)
+  uint64_t seed = 1234;        // random init when `model` is not a checkpoint
+};
+void write_logits(const LogitsOptions& options);
+
+}  // namespace cw
