@@ -99,3 +99,17 @@ TEST_CASE("the chunkwise binary: gradcheck output and clear errors") {
   CHECK(run_cli("devices", out) == 0);
   CHECK(out.find("build: cuda=") != std::string::npos);
 }
+
+TEST_CASE("gradcheck seco --against fd: the chunked gradient against finite differences") {
+  GradcheckOptions o;
+  o.seq = 20;
+  o.schedule.name = "seco";
+  o.schedule.chunk = 6;
+  o.schedule.bwd_chunk = 4;
+  o.against = "fd";
+  o.directions = 1;
+  std::ostringstream out;
+  CHECK(run_gradcheck(o, out) == 0);
+  INFO(out.str());
+  CHECK(max_rel_err(out.str()) <= test::kFiniteDifferenceTol);
+}

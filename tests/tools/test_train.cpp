@@ -198,11 +198,18 @@ TEST_CASE("train guards: non-finite loss stops or skips; an oversized run fails 
   CHECK(r.last_step == 3);
   CHECK(log.str().find("update skipped") != std::string::npos);
 
+  // A model no machine holds (about 2e15 bytes of parameters and optimizer state): the guard must
+  // refuse it before allocating anything, whatever this machine's memory.
+  LlamaConfig giant = LlamaConfig::from_file(fx.model_json);
+  giant.hidden_size = 65536;
+  giant.head_dim = 16384;
+  giant.intermediate_size = 65536;
+  giant.vocab_size = 1 << 20;
+  const std::string giant_json = fx.dir.file("giant.json");
+  std::ofstream(giant_json) << giant.to_json().dump();
   RunConfig huge = fx.config(1);
-  huge.model.source = "llama-3.1-8b";
-  huge.data.seq_len = 32;
+  huge.model.source = giant_json;
   o.run_dir = fx.dir.file("huge");
-  // The 8B model's 32 GB of f32 parameters alone exceed this machine; the error says what it needs.
   CHECK_THROWS_WITH_AS(run_training(huge, o, log), doctest::Contains("needs about"), Error);
 }
 
