@@ -1,5 +1,7 @@
 #include "engine/memory.h"
 
+#include "engine/cuda/runtime.h"
+
 #include <cstdlib>
 #include <cstring>
 #include <new>
@@ -11,34 +13,49 @@ constexpr size_t kAlign = 64;  // one cache line; also what AVX-512 loads like
 size_t round_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 }  // namespace
 
-HostBuffer::HostBuffer(size_t bytes) : bytes_(bytes) {
+Buffer::Buffer(size_t bytes, Device device) : bytes_(bytes), device_(device) {
   if (bytes == 0) return;
+  if (!device.is_cpu()) {
+    data_ = gpu::device_alloc(round_up(bytes), device.index);
+    gpu::device_memset_zero(data_, round_up(bytes), device.index);
+    return;
+  }
   data_ = std::aligned_alloc(kAlign, round_up(bytes));
   CW_CHECK_HINT(data_ != nullptr, "reduce the sequence length, batch or model size",
                 "out of host memory allocating {} bytes", bytes);
   std::memset(data_, 0, round_up(bytes));
 }
 
-HostBuffer::HostBuffer(HostBuffer&& o) noexcept : data_(o.data_), bytes_(o.bytes_) {
+Buffer::Buffer(Buffer&& o) noexcept : data_(o.data_), bytes_(o.bytes_), device_(o.device_) {
   o.data_ = nullptr;
   o.bytes_ = 0;
 }
 
-HostBuffer& HostBuffer::operator=(HostBuffer&& o) noexcept {
+Buffer& Buffer::operator=(Buffer&& o) noexcept {
   if (this != &o) {
-    std::free(data_);
+    release();
     data_ = o.data_;
     bytes_ = o.bytes_;
+    device_ = o.device_;
     o.data_ = nullptr;
     o.bytes_ = 0;
   }
   return *this;
 }
 
-HostBuffer::~HostBuffer() { std::free(data_); }
+void Buffer::release() {
+  if (!data_) return;
+  if (device_.is_cpu())
+    std::free(data_);
+  else
+    gpu::device_free(data_, device_.index);
+  data_ = nullptr;
+}
 
-Tensor HostBuffer::as(DType dtype, std::initializer_list<int64_t> shape) const {
-  Tensor t(data_, dtype, Device::host(), shape);
+Buffer::~Buffer() { release(); }
+
+Tensor Buffer::as(DType dtype, std::initializer_list<int64_t> shape) const {
+  Tensor t(data_, dtype, device_, shape);
   CW_CHECK(t.bytes() <= bytes_, "view {} needs {} bytes of a {}-byte buffer", t.describe(), t.bytes(), bytes_);
   return t;
 }
@@ -49,7 +66,18 @@ OwnedTensor::OwnedTensor(DType dtype, std::initializer_list<int64_t> shape) {
   tensor = Tensor(buffer.data(), dtype, Device::host(), shape);
 }
 
+OwnedTensor OwnedTensor::on(Device device, DType dtype, std::initializer_list<int64_t> shape) {
+  OwnedTensor o;
+  Tensor probe(nullptr, dtype, device, shape);
+  o.buffer = Buffer(probe.bytes(), device);
+  o.tensor = Tensor(o.buffer.data(), dtype, device, shape);
+  return o;
+}
+
 Arena::Arena(size_t block_bytes, size_t max_bytes) : block_bytes_(block_bytes), max_bytes_(max_bytes) {}
+
+Arena::Arena(Device device, size_t block_bytes, size_t max_bytes)
+    : block_bytes_(block_bytes), max_bytes_(max_bytes), device_(device) {}
 
 void* Arena::alloc_bytes(size_t bytes) {
   const size_t need = round_up(bytes == 0 ? 1 : bytes);
@@ -64,7 +92,7 @@ void* Arena::alloc_bytes(size_t bytes) {
     offset_ = 0;
   }
   if (current_ == blocks_.size()) {
-    blocks_.emplace_back(std::max(block_bytes_, need));
+    blocks_.emplace_back(std::max(block_bytes_, need), device_);
     offset_ = 0;
   }
   void* p = static_cast<char*>(blocks_[current_].data()) + offset_;
@@ -75,8 +103,8 @@ void* Arena::alloc_bytes(size_t bytes) {
 }
 
 Tensor Arena::alloc(DType dtype, std::initializer_list<int64_t> shape) {
-  Tensor probe(nullptr, dtype, Device::host(), shape);
-  return Tensor(alloc_bytes(probe.bytes()), dtype, Device::host(), shape);
+  Tensor probe(nullptr, dtype, device_, shape);
+  return Tensor(alloc_bytes(probe.bytes()), dtype, device_, shape);
 }
 
 void Arena::reset(const Mark& m) {
@@ -132,14 +160,13 @@ void store(const Tensor& t, int64_t off, double v) {
 }  // namespace
 
 void fill(const Tensor& t, double value) {
-  CW_CHECK(t.device.is_cpu(), "fill of a {} tensor needs the device backend", device_name(t.device));
+  if (!t.device.is_cpu()) return gpu::fill(t, value);
   for_each_index(t, [&](int64_t, int64_t off) { store(t, off, value); });
 }
 
 void copy_convert(const Tensor& dst, const Tensor& src) {
   check_same_shape(dst, src, "copy destination", "copy source");
-  CW_CHECK(dst.device.is_cpu() && src.device.is_cpu(), "copy_convert between {} and {} needs the device backend",
-           device_name(dst.device), device_name(src.device));
+  if (!dst.device.is_cpu() || !src.device.is_cpu()) return gpu::copy_convert(dst, src);
   CW_CHECK((dst.dtype == DType::i32) == (src.dtype == DType::i32), "cannot convert {} to {}", dtype_name(src.dtype),
            dtype_name(dst.dtype));
   if (dst.dtype == src.dtype && dst.contiguous() && src.contiguous()) {
@@ -157,7 +184,7 @@ void copy_convert(const Tensor& dst, const Tensor& src) {
 
 namespace cw {
 void scale_inplace(const Tensor& t, double factor) {
-  CW_CHECK(t.device.is_cpu(), "scale_inplace of a {} tensor needs the device backend", device_name(t.device));
+  if (!t.device.is_cpu()) return gpu::scale_inplace(t, factor);
   for_each_index(t, [&](int64_t, int64_t off) { store(t, off, load(t, off) * factor); });
 }
 }  // namespace cw

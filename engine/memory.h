@@ -19,25 +19,31 @@
 
 namespace cw {
 
-class HostBuffer {
+// One owning allocation, zero-filled: 64-byte aligned host memory, or device memory from the
+// GPU's caching pool (engine/cuda/runtime.h).
+class Buffer {
  public:
-  HostBuffer() = default;
-  explicit HostBuffer(size_t bytes);  // zero-filled, 64-byte aligned
-  HostBuffer(HostBuffer&&) noexcept;
-  HostBuffer& operator=(HostBuffer&&) noexcept;
-  HostBuffer(const HostBuffer&) = delete;
-  HostBuffer& operator=(const HostBuffer&) = delete;
-  ~HostBuffer();
+  Buffer() = default;
+  explicit Buffer(size_t bytes, Device device = Device::host());
+  Buffer(Buffer&&) noexcept;
+  Buffer& operator=(Buffer&&) noexcept;
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  ~Buffer();
 
   void* data() const { return data_; }
   size_t bytes() const { return bytes_; }
+  Device device() const { return device_; }
   // The whole buffer as a packed tensor of the given dtype and shape (element count must fit).
   Tensor as(DType dtype, std::initializer_list<int64_t> shape) const;
 
  private:
+  void release();
   void* data_ = nullptr;
   size_t bytes_ = 0;
+  Device device_{};
 };
+using HostBuffer = Buffer;  // most owners are host buffers; the name says so where it matters
 
 // A tensor together with the memory it views.
 struct OwnedTensor {
@@ -46,6 +52,7 @@ struct OwnedTensor {
 
   OwnedTensor() = default;
   OwnedTensor(DType dtype, std::initializer_list<int64_t> shape);
+  static OwnedTensor on(Device device, DType dtype, std::initializer_list<int64_t> shape);
   template <class Container> static OwnedTensor of_shape(DType dtype, const Container& shape) {
     OwnedTensor o;
     int64_t n = 1;
@@ -67,12 +74,15 @@ class Arena {
 
   // block_bytes: size of each block the arena adds; max_bytes: 0 = unbounded.
   explicit Arena(size_t block_bytes = size_t(64) << 20, size_t max_bytes = 0);
+  // An arena of device memory (blocks from the GPU's caching pool).
+  explicit Arena(Device device, size_t block_bytes = size_t(64) << 20, size_t max_bytes = 0);
+  Device device() const { return device_; }
 
   Tensor alloc(DType dtype, std::initializer_list<int64_t> shape);
   template <class Container> Tensor alloc_shape(DType dtype, const Container& shape) {
     int64_t n = 1;
     for (auto s : shape) n *= s;
-    return Tensor::packed(alloc_bytes(static_cast<size_t>(n) * dtype_size(dtype)), dtype, Device::host(), shape);
+    return Tensor::packed(alloc_bytes(static_cast<size_t>(n) * dtype_size(dtype)), dtype, device_, shape);
   }
   void* alloc_bytes(size_t bytes);
 
@@ -86,7 +96,8 @@ class Arena {
 
  private:
   size_t block_bytes_, max_bytes_;
-  std::vector<HostBuffer> blocks_;
+  Device device_{};
+  std::vector<Buffer> blocks_;
   size_t current_ = 0, offset_ = 0, in_use_ = 0, high_water_ = 0;
 };
 
@@ -104,9 +115,10 @@ class ArenaScope {
 };
 
 // Fills a tensor of any dtype with one value (used to poison outputs and zero accumulators).
+// Host or device.
 void fill(const Tensor& t, double value);
 // Copies between tensors of the same shape, converting dtype (f64/f32/bf16; i32 only to i32).
-// bf16 is rounded to nearest even.
+// bf16 is rounded to nearest even. Host or device, either direction (device rules: runtime.h).
 void copy_convert(const Tensor& dst, const Tensor& src);
 
 }  // namespace cw

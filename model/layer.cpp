@@ -94,7 +94,7 @@ void block_backward(const Tensor& d_x, const LayerWeights& g, const LayerActivat
   Tensor d_h = s.alloc(dt, {N, C});
   linear_backward(d_h, g.w_gate, d_gate, a.h2, w.w_gate, GradMode::overwrite);
   linear_backward(d_h, g.w_up, d_up, a.h2, w.w_up, GradMode::accumulate);
-  rmsnorm_backward(d_x, g.mlp_norm, d_h, a.norm2, a.x_mid, w.mlp_norm, GradMode::accumulate);  // now d(x_mid)
+  rmsnorm_backward(d_x, g.mlp_norm, d_h, a.norm2, a.x_mid, w.mlp_norm, GradMode::accumulate, s);  // now d(x_mid)
 
   // Attention half, in reverse.
   Tensor d_attn = s.alloc(dt, {N, cf.q_dim()});
@@ -113,7 +113,7 @@ void block_backward(const Tensor& d_x, const LayerWeights& g, const LayerActivat
   linear_backward(d_h, g.wq, d_q.view({N, cf.q_dim()}), a.h1, w.wq, GradMode::overwrite);
   linear_backward(d_h, g.wk, d_k.view({N, cf.kv_dim()}), a.h1, w.wk, GradMode::accumulate);
   linear_backward(d_h, g.wv, d_v.view({N, cf.kv_dim()}), a.h1, w.wv, GradMode::accumulate);
-  rmsnorm_backward(d_x, g.attn_norm, d_h, a.norm1, x_in, w.attn_norm, GradMode::accumulate);  // now d(x_in)
+  rmsnorm_backward(d_x, g.attn_norm, d_h, a.norm1, x_in, w.attn_norm, GradMode::accumulate, s);  // now d(x_in)
 }
 
 }  // namespace cw

@@ -116,7 +116,7 @@ double backward_chunk(const ParamSet& grads, const ChunkActivations& a, KVStore&
   loss *= loss_weight;  // row_loss was divided by grad_normaliser; report the unweighted loss
 
   Tensor d_x = scratch.alloc(model.dtype(), {N, cf.hidden_size});
-  rmsnorm_backward(d_x, g.final_norm, d_normed, a.final_norm, a.stream.back(), w.final_norm, GradMode::overwrite);
+  rmsnorm_backward(d_x, g.final_norm, d_normed, a.final_norm, a.stream.back(), w.final_norm, GradMode::overwrite, scratch);
   for (int l = cf.num_hidden_layers - 1; l >= 0; --l)
     block_backward(d_x, g.layers[static_cast<size_t>(l)], a.layers[static_cast<size_t>(l)], a.stream[static_cast<size_t>(l)],
                    w.layers[static_cast<size_t>(l)], kv, l, ctx);

@@ -1,4 +1,22 @@
-// The test runner: doctest's own main, so `chunkwise-tests --help` lists doctest's filters
-// (-tc="name*", -ts=suite, -s for successful checks). Every failed check fails the run.
-#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+// The test runner: doctest's own command line (`chunkwise-tests --help` lists the filters:
+// -tc="name*", -ts=suite, -s for successful checks, --duration=true). Every failed check fails the
+// run. Before the tests, one line says whether the GPU tests run or are skipped, and why.
+#define DOCTEST_CONFIG_IMPLEMENT
 #include <doctest/doctest.h>
+
+#include "chunkwise_config.h"
+#include "tests/gpu_support.h"
+
+#include <cstdio>
+
+int main(int argc, char** argv) {
+  if (!CW_HAVE_CUDA)
+    std::printf("GPU tests: not built (this build has no CUDA)\n");
+  else if (!cw::test::gpu_ready())
+    std::printf("GPU tests: SKIPPED: no GPU visible on this machine (they run on the GPU machine: tools/gpu-check)\n");
+  else
+    std::printf("GPU tests: running on %d GPU(s)\n", cw::gpu::device_count());
+  std::fflush(stdout);
+  doctest::Context context(argc, argv);
+  return context.run();
+}

@@ -2,8 +2,23 @@
 // Not part of the public interface.
 #pragma once
 
+#include "chunkwise_config.h"
 #include "engine/error.h"
 #include "engine/tensor.h"
+
+#if CW_HAVE_CUDA
+#include "engine/cuda/ops.h"
+// At a public op entry: tensors on a GPU go to the CUDA implementation (engine/cuda/ops.h), which
+// checks its own operands; the rest of the function is the CPU path.
+#define CW_DISPATCH_GPU(tensor, call)                 \
+  do {                                                \
+    if (!(tensor).device.is_cpu()) return ::cw::gpu::call; \
+  } while (0)
+#else
+#define CW_DISPATCH_GPU(tensor, call) \
+  do {                                \
+  } while (0)
+#endif
 
 #include <Eigen/Core>
 

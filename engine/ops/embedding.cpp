@@ -16,6 +16,7 @@ void check_ids(const Tensor& ids, int64_t vocab) {
 }  // namespace
 
 void embedding_forward(const Tensor& out, const Tensor& ids, const Tensor& table) {
+  CW_DISPATCH_GPU(out, embedding_forward(out, ids, table));
   const int64_t N = ids.numel(), C = table.size(1), V = table.size(0);
   check_shape(ids, {N}, "embedding ids");
   check_dtype(ids, DType::i32, "embedding ids");
@@ -32,6 +33,7 @@ void embedding_forward(const Tensor& out, const Tensor& ids, const Tensor& table
 }
 
 void embedding_backward(const Tensor& d_table, const Tensor& d_out, const Tensor& ids) {
+  CW_DISPATCH_GPU(d_table, embedding_backward(d_table, d_out, ids));
   const int64_t N = ids.numel(), C = d_table.size(1), V = d_table.size(0);
   check_shape(d_out, {N, C}, "embedding d_out");
   check_dtype(ids, DType::i32, "embedding ids");

@@ -19,6 +19,7 @@ void check_operands(const Tensor& x, const Tensor& w, const Tensor& y, const cha
 }  // namespace
 
 void linear_forward(const Tensor& out, const Tensor& x, const Tensor& weight) {
+  CW_DISPATCH_GPU(x, linear_forward(out, x, weight));
   check_operands(x, weight, out, "linear out");
   cpu::dispatch_float(x.dtype, "linear_forward", [&](auto zero) {
     using T = decltype(zero);
@@ -28,6 +29,7 @@ void linear_forward(const Tensor& out, const Tensor& x, const Tensor& weight) {
 
 void linear_backward(const Tensor& d_x, const Tensor& d_weight, const Tensor& d_out, const Tensor& x,
                      const Tensor& weight, GradMode mode) {
+  CW_DISPATCH_GPU(x, linear_backward(d_x, d_weight, d_out, x, weight, mode));
   check_operands(x, weight, d_out, "linear d_out");
   if (d_x.data) check_same_shape(d_x, x, "linear d_x", "linear x");
   if (d_weight.data) check_same_shape(d_weight, weight, "linear d_weight", "linear weight");

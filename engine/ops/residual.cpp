@@ -30,11 +30,13 @@ void add(const Tensor& dst, bool acc, const Tensor& a, const Tensor* b, const ch
 }  // namespace
 
 void residual_forward(const Tensor& out, const Tensor& x, const Tensor& delta) {
+  CW_DISPATCH_GPU(x, residual_forward(out, x, delta));
   add(out, false, x, &delta, "residual_forward");
 }
 
 void residual_backward(const Tensor& d_x, GradMode mode_x, const Tensor& d_delta, GradMode mode_delta,
                        const Tensor& d_out) {
+  CW_DISPATCH_GPU(d_out, residual_backward(d_x, mode_x, d_delta, mode_delta, d_out));
   if (d_x.data == d_out.data) {
     // The stream's gradient buffer is passed straight through: nothing to write.
     CW_CHECK(mode_x == GradMode::overwrite, "residual_backward: d_x aliases d_out, so it cannot also accumulate");
@@ -44,6 +46,9 @@ void residual_backward(const Tensor& d_x, GradMode mode_x, const Tensor& d_delta
   if (d_delta.data) add(d_delta, mode_delta == GradMode::accumulate, d_out, nullptr, "residual_backward d_delta");
 }
 
-void accumulate(const Tensor& dst, const Tensor& src) { add(dst, true, src, nullptr, "accumulate"); }
+void accumulate(const Tensor& dst, const Tensor& src) {
+  CW_DISPATCH_GPU(dst, accumulate(dst, src));
+  add(dst, true, src, nullptr, "accumulate");
+}
 
 }  // namespace cw

@@ -24,6 +24,7 @@ void check_operands(const Tensor& y, const RmsNormSaved& saved, const Tensor& x,
 }  // namespace
 
 void rmsnorm_forward(const Tensor& out, const RmsNormSaved& saved, const Tensor& x, const Tensor& weight, double eps) {
+  CW_DISPATCH_GPU(x, rmsnorm_forward(out, saved, x, weight, eps));
   check_operands(out, saved, x, weight, "rmsnorm_forward");
   CW_CHECK(out.data != x.data, "rmsnorm_forward: out must not alias x (the backward reads x)");
   cpu::dispatch_float(x.dtype, "rmsnorm_forward", [&](auto zero) {
@@ -45,7 +46,9 @@ void rmsnorm_forward(const Tensor& out, const RmsNormSaved& saved, const Tensor&
 }
 
 void rmsnorm_backward(const Tensor& d_x, const Tensor& d_weight, const Tensor& d_out, const RmsNormSaved& saved,
-                      const Tensor& x, const Tensor& weight, GradMode mode) {
+                      const Tensor& x, const Tensor& weight, GradMode mode, Arena& scratch) {
+  CW_DISPATCH_GPU(x, rmsnorm_backward(d_x, d_weight, d_out, saved, x, weight, mode, scratch));
+  (void)scratch;  // the CPU needs no scratch
   check_operands(d_x, saved, x, weight, "rmsnorm_backward");
   check_same_shape(d_out, x, "rmsnorm d_out", "rmsnorm x");
   check_same_shape(d_weight, weight, "rmsnorm d_weight", "rmsnorm weight");

@@ -5,9 +5,12 @@
 //             d_w[c]  += sum_n d_out[n,c] * xhat[n,c]                                 (always accumulates)
 // Shapes: x, out, d_out, d_x [N, C]; w, d_w [C]; saved.rstd [N] in the accumulation dtype.
 // Saved: rstd (so the backward needs no reduction over C to recompute it). out must not alias x.
+// Scratch: the GPU backward sums d_w over rows through per-block partials taken from `scratch`
+// (deterministic, no atomics); the CPU ignores it.
 // Tested in tests/engine/test_ops.cpp (fp64 finite differences, f32 against f64).
 #pragma once
 
+#include "engine/memory.h"
 #include "engine/tensor.h"
 
 namespace cw {
@@ -18,6 +21,6 @@ struct RmsNormSaved {
 
 void rmsnorm_forward(const Tensor& out, const RmsNormSaved& saved, const Tensor& x, const Tensor& weight, double eps);
 void rmsnorm_backward(const Tensor& d_x, const Tensor& d_weight, const Tensor& d_out, const RmsNormSaved& saved,
-                      const Tensor& x, const Tensor& weight, GradMode mode);
+                      const Tensor& x, const Tensor& weight, GradMode mode, Arena& scratch);
 
 }  // namespace cw

@@ -93,6 +93,7 @@ void rotate(T* y, const T* x, const Tensor& shape, const T* cos, const T* sin, i
 }  // namespace
 
 void rope_forward(const Tensor& out, const Tensor& x, const Tensor& cos, const Tensor& sin, int64_t pos0) {
+  CW_DISPATCH_GPU(x, rope_forward(out, x, cos, sin, pos0));
   check_operands(out, x, cos, sin, pos0);
   cpu::dispatch_float(x.dtype, "rope_forward", [&](auto zero) {
     using T = decltype(zero);
@@ -102,6 +103,7 @@ void rope_forward(const Tensor& out, const Tensor& x, const Tensor& cos, const T
 
 void rope_backward(const Tensor& d_x, const Tensor& d_out, const Tensor& cos, const Tensor& sin, int64_t pos0,
                    GradMode mode) {
+  CW_DISPATCH_GPU(d_out, rope_backward(d_x, d_out, cos, sin, pos0, mode));
   check_operands(d_x, d_out, cos, sin, pos0);
   CW_CHECK(mode == GradMode::overwrite || d_x.data != d_out.data, "rope_backward: accumulate needs d_x != d_out");
   cpu::dispatch_float(d_out.dtype, "rope_backward", [&](auto zero) {

@@ -19,6 +19,7 @@ void check_operands(std::initializer_list<const Tensor*> ts, const char* op) {
 }  // namespace
 
 void swiglu_forward(const Tensor& out, const Tensor& gate, const Tensor& up) {
+  CW_DISPATCH_GPU(gate, swiglu_forward(out, gate, up));
   check_operands({&gate, &up, &out}, "swiglu_forward");
   cpu::dispatch_float(gate.dtype, "swiglu_forward", [&](auto zero) {
     using T = decltype(zero);
@@ -30,6 +31,7 @@ void swiglu_forward(const Tensor& out, const Tensor& gate, const Tensor& up) {
 
 void swiglu_backward(const Tensor& d_gate, const Tensor& d_up, const Tensor& d_out, const Tensor& gate,
                      const Tensor& up, GradMode mode) {
+  CW_DISPATCH_GPU(gate, swiglu_backward(d_gate, d_up, d_out, gate, up, mode));
   check_operands({&gate, &up, &d_out, &d_gate, &d_up}, "swiglu_backward");
   cpu::dispatch_float(gate.dtype, "swiglu_backward", [&](auto zero) {
     using T = decltype(zero);

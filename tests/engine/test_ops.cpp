@@ -50,8 +50,9 @@ TEST_CASE("rmsnorm: gradients of x and w; accumulate adds; f32 tracks f64") {
   const int64_t N = 5, C = 8;
   OwnedTensor x = randn({N, C}, 3), w = randn({C}, 4, 0.3, 1.0), R = randn({N, C}, 5);
   OwnedTensor out(DType::f64, {N, C}), rstd(DType::f64, {N}), dx(DType::f64, {N, C}), dw(DType::f64, {C});
+  Arena scratch_;
   rmsnorm_forward(out, {rstd}, x, w, 1e-5);
-  rmsnorm_backward(dx, dw, R, {rstd}, x, w, GradMode::overwrite);
+  rmsnorm_backward(dx, dw, R, {rstd}, x, w, GradMode::overwrite, scratch_);
   check_gradients({{"x", x, dx}, {"w", w, dw}}, [&] {
     rmsnorm_forward(out, {rstd}, x, w, 1e-5);
     return inner(out, R);
@@ -59,7 +60,7 @@ TEST_CASE("rmsnorm: gradients of x and w; accumulate adds; f32 tracks f64") {
   // accumulate: a second backward adds the same again
   OwnedTensor dx2(DType::f64, {N, C}), dw2(DType::f64, {C});
   copy_convert(dx2, dx);
-  rmsnorm_backward(dx2, dw2, R, {rstd}, x, w, GradMode::accumulate);
+  rmsnorm_backward(dx2, dw2, R, {rstd}, x, w, GradMode::accumulate, scratch_);
   for (int64_t i = 0; i < N * C; ++i) CHECK(dx2.tensor.ptr<double>()[i] == doctest::Approx(2 * dx.tensor.ptr<double>()[i]));
   // f32 (recompute the f64 forward: the finite-difference loop left a perturbed one in `out`)
   rmsnorm_forward(out, {rstd}, x, w, 1e-5);

@@ -220,11 +220,22 @@ TEST_CASE("train: SIGINT finishes the step, saves, and exits with the distinct c
   rc.eval.every = 0;
   const std::string cfg = fx.dir.file("long.toml"), run = fx.dir.file("sig");
   std::ofstream(cfg) << rc.to_toml();
-  const std::string cmd = fmt::format("timeout --preserve-status -s INT 3 {} train --config {} --run-dir {} >{} 2>&1",
-                                      CW_CHUNKWISE_EXE, cfg, run, fx.dir.file("sig.log"));
-  const int status = std::system(cmd.c_str());
+  // Start the run, wait until it has logged a step (so its handler is installed), then SIGINT it.
+  const std::string log_path = fx.dir.file("sig.log"), status_path = fx.dir.file("sig.status");
+  const std::string script = fmt::format(
+      "{} train --config {} --run-dir {} >{} 2>&1 & pid=$!; "
+      "for i in $(seq 1 600); do grep -q '^step ' {} && break; sleep 0.1; done; "
+      "kill -INT $pid; wait $pid; echo $? >{}",
+      CW_CHUNKWISE_EXE, cfg, run, log_path, log_path, status_path);
+  const std::string script_path = fx.dir.file("sig.sh");
+  std::ofstream(script_path) << script << "\n";
+  REQUIRE(std::system(("bash " + script_path).c_str()) == 0);
+  std::ifstream sf(status_path);
+  int code = -1;
+  sf >> code;
+  const int status = code << 8;  // as if from waitpid: the tests below read WEXITSTATUS
   REQUIRE(WIFEXITED(status));
-  std::ifstream lf(fx.dir.file("sig.log"));
+  std::ifstream lf(log_path);
   const std::string out((std::istreambuf_iterator<char>(lf)), {});
   INFO(out);
   CHECK(WEXITSTATUS(status) == kExitInterrupted);

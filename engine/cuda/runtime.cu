@@ -1,0 +1,310 @@
+// The CUDA runtime of the engine: caching device allocator, per-device stream, copies with dtype
+// conversion, fills, and the error helpers behind CW_CUDA_CHECK / CW_CUBLAS_CHECK.
+//
+// Caching pool: sizes are rounded to a class (512 B steps below 1 MiB, 2 MiB steps above); a freed
+// block goes to its class's free list and the next request of that class takes it, so a training
+// step that repeats the previous step's allocations never reaches cudaMalloc. When cudaMalloc runs
+// out of memory the pool returns its cached blocks to the driver and tries once more; failing that,
+// the error reports what is in use, what is cached and the peak.
+#include "engine/cuda/common.cuh"
+#include "engine/cuda/runtime.h"
+#include "engine/memory.h"
+
+#include <cublas_v2.h>
+
+#include <array>
+#include <map>
+#include <mutex>
+#include <unordered_map>
+#include <vector>
+
+namespace cw::gpu {
+
+void raise_cuda(cudaError_t e, const char* expr, const char* file, int line) {
+  cudaGetLastError();  // clear a non-sticky error so later calls are not blamed for it
+  const std::string hint = e == cudaErrorMemoryAllocation
+                               ? "the GPU is out of memory: lower the batch, sequence or chunk length"
+                               : (e == cudaErrorNoDevice || e == cudaErrorInsufficientDriver
+                                      ? "no usable GPU: run on a machine with an NVIDIA GPU and driver, or use --device cpu"
+                                      : "");
+  ::cw::detail::raise(expr, file, line, CW_FORMAT("CUDA error {}: {}", cudaGetErrorName(e), cudaGetErrorString(e)),
+                      hint);
+}
+
+void raise_cublas(cublasStatus_t s, const char* expr, const char* file, int line) {
+  ::cw::detail::raise(expr, file, line, CW_FORMAT("cuBLAS error {}: {}", static_cast<int>(s), cublasGetStatusString(s)));
+}
+
+namespace {
+constexpr int kMaxDevices = 16;
+
+size_t size_class(size_t bytes) {
+  constexpr size_t small = 512, large = size_t(2) << 20;
+  if (bytes < (size_t(1) << 20)) return (bytes + small - 1) / small * small;
+  return (bytes + large - 1) / large * large;
+}
+
+struct Pool {
+  std::mutex mutex;
+  std::multimap<size_t, void*> free_blocks;      // size class -> cached block
+  std::unordered_map<void*, size_t> live;        // block -> size class
+  PoolStats stats;
+};
+
+Pool& pool(int device) {
+  static std::array<Pool, kMaxDevices> pools;
+  CW_CHECK(device >= 0 && device < kMaxDevices, "GPU index {} out of range", device);
+  return pools[static_cast<size_t>(device)];
+}
+
+void release_locked(Pool& p) {
+  for (auto& [size, ptr] : p.free_blocks) {
+    cudaFree(ptr);
+    p.stats.cached -= size;
+  }
+  p.free_blocks.clear();
+}
+
+// A tensor as rows of contiguous elements: rows x row_elems with `pitch` elements between row starts.
+// Contiguous tensors are one row; K/V store slices are B rows with the store's batch stride.
+struct Rows {
+  int64_t rows, row_elems, pitch;
+};
+Rows as_rows(const Tensor& t, const char* what) {
+  if (t.contiguous()) return {1, t.numel(), t.numel()};
+  int64_t inner = 1;
+  for (int d = t.ndim - 1; d >= 1; --d) {
+    CW_CHECK(t.stride[d] == inner || t.shape[d] == 1, "{} {}: on the GPU only dimension 0 may be strided", what,
+             t.describe());
+    inner *= t.shape[d];
+  }
+  return {t.shape[0], inner, t.stride[0]};
+}
+
+template <class Src, class Dst>
+__global__ void convert_kernel(Dst* dst, int64_t dst_pitch, const Src* src, int64_t src_pitch, int64_t rows,
+                               int64_t row_elems) {
+  const int64_t n = rows * row_elems;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / row_elems, c = i % row_elems;
+    dst[r * dst_pitch + c] = static_cast<Dst>(static_cast<float>(src[r * src_pitch + c]));
+  }
+}
+template <class Src>
+__global__ void convert_to_bf16_kernel(__nv_bfloat16* dst, int64_t dst_pitch, const Src* src, int64_t src_pitch,
+                                       int64_t rows, int64_t row_elems) {
+  const int64_t n = rows * row_elems;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / row_elems, c = i % row_elems;
+    dst[r * dst_pitch + c] = __float2bfloat16_rn(static_cast<float>(src[r * src_pitch + c]));
+  }
+}
+__global__ void convert_from_bf16_kernel_f32(float* dst, int64_t dst_pitch, const __nv_bfloat16* src,
+                                             int64_t src_pitch, int64_t rows, int64_t row_elems) {
+  const int64_t n = rows * row_elems;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / row_elems, c = i % row_elems;
+    dst[r * dst_pitch + c] = __bfloat162float(src[r * src_pitch + c]);
+  }
+}
+
+template <class T> __global__ void fill_kernel(T* p, int64_t pitch, int64_t rows, int64_t row_elems, T value) {
+  const int64_t n = rows * row_elems;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    p[(i / row_elems) * pitch + i % row_elems] = value;
+}
+
+template <class T> __global__ void scale_kernel(T* p, int64_t pitch, int64_t rows, int64_t row_elems, float f) {
+  const int64_t n = rows * row_elems;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    T& x = p[(i / row_elems) * pitch + i % row_elems];
+    x = from_f32<T>(to_f32(x) * f);
+  }
+}
+
+unsigned grid_for(int64_t n) { return static_cast<unsigned>(std::min<int64_t>(4096, (n + 255) / 256)); }
+}  // namespace
+
+bool available() { return device_count() > 0; }
+
+int device_count() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+cudaStream_t current_stream(int device) {
+  static std::array<cudaStream_t, kMaxDevices> streams{};
+  static std::mutex mutex;
+  std::lock_guard lock(mutex);
+  CW_CHECK(device >= 0 && device < kMaxDevices, "GPU index {} out of range", device);
+  CW_CUDA_CHECK(cudaSetDevice(device));
+  if (!streams[static_cast<size_t>(device)])
+    CW_CUDA_CHECK(cudaStreamCreateWithFlags(&streams[static_cast<size_t>(device)], cudaStreamNonBlocking));
+  return streams[static_cast<size_t>(device)];
+}
+
+void* device_alloc(size_t bytes, int device) {
+  Pool& p = pool(device);
+  const size_t size = size_class(std::max<size_t>(bytes, 1));
+  std::lock_guard lock(p.mutex);
+  void* ptr = nullptr;
+  if (auto it = p.free_blocks.find(size); it != p.free_blocks.end()) {
+    ptr = it->second;
+    p.free_blocks.erase(it);
+    p.stats.cached -= size;
+  } else {
+    CW_CUDA_CHECK(cudaSetDevice(device));
+    cudaError_t e = cudaMalloc(&ptr, size);
+    if (e == cudaErrorMemoryAllocation) {
+      cudaGetLastError();
+      release_locked(p);
+      e = cudaMalloc(&ptr, size);
+    }
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      fail(CW_FORMAT("cuda:{}: cannot allocate {} MiB ({}; in use {} MiB, peak {} MiB)", device,
+                       double(size) / (1 << 20), cudaGetErrorString(e), double(p.stats.in_use) / (1 << 20),
+                       double(p.stats.peak_in_use) / (1 << 20)),
+           "lower the batch, sequence or chunk length, or use a schedule that keeps less (seco)");
+    }
+    ++p.stats.cuda_mallocs;
+  }
+  p.live[ptr] = size;
+  p.stats.in_use += size;
+  p.stats.peak_in_use = std::max(p.stats.peak_in_use, p.stats.in_use);
+  return ptr;
+}
+
+void device_free(void* ptr, int device) {
+  if (!ptr) return;
+  Pool& p = pool(device);
+  std::lock_guard lock(p.mutex);
+  auto it = p.live.find(ptr);
+  if (it == p.live.end()) return;  // not ours: never free what we did not allocate
+  // The block may still be read by queued kernels; ordering on the one stream makes reuse safe.
+  p.free_blocks.emplace(it->second, ptr);
+  p.stats.in_use -= it->second;
+  p.stats.cached += it->second;
+  p.live.erase(it);
+}
+
+void device_memset_zero(void* ptr, size_t bytes, int device) {
+  CW_CUDA_CHECK(cudaMemsetAsync(ptr, 0, bytes, current_stream(device)));
+}
+
+PoolStats pool_stats(int device) {
+  Pool& p = pool(device);
+  std::lock_guard lock(p.mutex);
+  return p.stats;
+}
+
+void release_cached(int device) {
+  Pool& p = pool(device);
+  synchronize(device);
+  std::lock_guard lock(p.mutex);
+  release_locked(p);
+}
+
+void synchronize(int device) { CW_CUDA_CHECK(cudaStreamSynchronize(current_stream(device))); }
+
+std::string memory_report(int device) {
+  const PoolStats s = pool_stats(device);
+  size_t free_b = 0, total_b = 0;
+  CW_CUDA_CHECK(cudaSetDevice(device));
+  CW_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+  return CW_FORMAT("cuda:{}: in use {} MiB, cached {} MiB, peak {} MiB, {} cudaMalloc calls, "
+                     "device free {} of {} GiB",
+                     device, double(s.in_use) / (1 << 20), double(s.cached) / (1 << 20),
+                     double(s.peak_in_use) / (1 << 20), s.cuda_mallocs, double(free_b) / (1ull << 30),
+                     double(total_b) / (1ull << 30));
+}
+
+void copy_convert(const Tensor& dst, const Tensor& src) {
+  check_same_shape(dst, src, "copy destination", "copy source");
+  if (dst.numel() == 0) return;
+  const bool dst_dev = !dst.device.is_cpu(), src_dev = !src.device.is_cpu();
+  const int device = dst_dev ? dst.device.index : src.device.index;
+  cudaStream_t stream = current_stream(device);
+  if (dst.dtype != src.dtype && dst_dev != src_dev) {
+    // Convert on the host side, then move the bytes: host conversion is exact (round to nearest even).
+    if (src_dev) {
+      OwnedTensor staged = OwnedTensor::of_shape(src.dtype, std::vector<int64_t>(src.shape.begin(), src.shape.begin() + src.ndim));
+      gpu::copy_convert(staged.tensor, src);
+      ::cw::copy_convert(dst, staged.tensor);
+    } else {
+      OwnedTensor staged = OwnedTensor::of_shape(dst.dtype, std::vector<int64_t>(dst.shape.begin(), dst.shape.begin() + dst.ndim));
+      ::cw::copy_convert(staged.tensor, src);
+      gpu::copy_convert(dst, staged.tensor);
+    }
+    return;
+  }
+  const Rows d = as_rows(dst, "copy destination"), s = as_rows(src, "copy source");
+  CW_CHECK(d.rows == s.rows || (d.rows == 1 && s.rows == 1), "copy between {} and {}: row layouts differ",
+           dst.describe(), src.describe());
+  const int64_t rows = std::max(d.rows, s.rows), row_elems = dst.numel() / rows;
+  if (dst.dtype == src.dtype) {
+    const size_t es = dtype_size(dst.dtype);
+    CW_CUDA_CHECK(cudaMemcpy2DAsync(dst.data, static_cast<size_t>(d.rows == 1 ? row_elems : d.pitch) * es, src.data,
+                                    static_cast<size_t>(s.rows == 1 ? row_elems : s.pitch) * es,
+                                    static_cast<size_t>(row_elems) * es, static_cast<size_t>(rows), cudaMemcpyDefault,
+                                    stream));
+    if (!dst_dev || !src_dev) CW_CUDA_CHECK(cudaStreamSynchronize(stream));  // host data valid on return
+    return;
+  }
+  // Both on the device, different dtypes.
+  const int64_t dp = d.rows == 1 ? row_elems : d.pitch, sp = s.rows == 1 ? row_elems : s.pitch;
+  const unsigned grid = grid_for(rows * row_elems);
+  auto bf = [](const Tensor& t) { return static_cast<__nv_bfloat16*>(t.data); };
+  if (dst.dtype == DType::bf16 && src.dtype == DType::f32)
+    convert_to_bf16_kernel<float><<<grid, 256, 0, stream>>>(bf(dst), dp, static_cast<const float*>(src.data), sp, rows, row_elems);
+  else if (dst.dtype == DType::bf16 && src.dtype == DType::f64)
+    convert_to_bf16_kernel<double><<<grid, 256, 0, stream>>>(bf(dst), dp, static_cast<const double*>(src.data), sp, rows, row_elems);
+  else if (dst.dtype == DType::f32 && src.dtype == DType::bf16)
+    convert_from_bf16_kernel_f32<<<grid, 256, 0, stream>>>(static_cast<float*>(dst.data), dp, bf(src), sp, rows, row_elems);
+  else if (dst.dtype == DType::f32 && src.dtype == DType::f64)
+    convert_kernel<double, float><<<grid, 256, 0, stream>>>(static_cast<float*>(dst.data), dp, static_cast<const double*>(src.data), sp, rows, row_elems);
+  else if (dst.dtype == DType::f64 && src.dtype == DType::f32)
+    convert_kernel<float, double><<<grid, 256, 0, stream>>>(static_cast<double*>(dst.data), dp, static_cast<const float*>(src.data), sp, rows, row_elems);
+  else
+    fail(CW_FORMAT("GPU copy from {} to {} is not supported", dtype_name(src.dtype), dtype_name(dst.dtype)));
+  CW_KERNEL_CHECK();
+}
+
+void fill(const Tensor& t, double value) {
+  if (t.numel() == 0) return;
+  const Rows r = as_rows(t, "fill target");
+  const int64_t pitch = r.rows == 1 ? r.row_elems : r.pitch;
+  cudaStream_t stream = current_stream(t.device.index);
+  const unsigned grid = grid_for(t.numel());
+  switch (t.dtype) {
+    case DType::f32: fill_kernel<float><<<grid, 256, 0, stream>>>(static_cast<float*>(t.data), pitch, r.rows, r.row_elems, float(value)); break;
+    case DType::f64: fill_kernel<double><<<grid, 256, 0, stream>>>(static_cast<double*>(t.data), pitch, r.rows, r.row_elems, value); break;
+    case DType::bf16:
+      fill_kernel<__nv_bfloat16><<<grid, 256, 0, stream>>>(static_cast<__nv_bfloat16*>(t.data), pitch, r.rows, r.row_elems,
+                                                           __float2bfloat16_rn(float(value)));
+      break;
+    case DType::i32: fill_kernel<int32_t><<<grid, 256, 0, stream>>>(static_cast<int32_t*>(t.data), pitch, r.rows, r.row_elems, int32_t(value)); break;
+  }
+  CW_KERNEL_CHECK();
+}
+
+void scale_inplace(const Tensor& t, double factor) {
+  if (t.numel() == 0) return;
+  const Rows r = as_rows(t, "scale target");
+  const int64_t pitch = r.rows == 1 ? r.row_elems : r.pitch;
+  cudaStream_t stream = current_stream(t.device.index);
+  const unsigned grid = grid_for(t.numel());
+  if (t.dtype == DType::f32)
+    scale_kernel<float><<<grid, 256, 0, stream>>>(static_cast<float*>(t.data), pitch, r.rows, r.row_elems, float(factor));
+  else if (t.dtype == DType::bf16)
+    scale_kernel<__nv_bfloat16><<<grid, 256, 0, stream>>>(static_cast<__nv_bfloat16*>(t.data), pitch, r.rows, r.row_elems, float(factor));
+  else
+    fail(CW_FORMAT("GPU scale of a {} tensor is not supported", dtype_name(t.dtype)));
+  CW_KERNEL_CHECK();
+}
+
+}  // namespace cw::gpu

@@ -1,0 +1,43 @@
+// chunkwise engine: the CUDA runtime as the rest of the engine sees it (no CUDA headers here).
+//
+// Memory: device allocations come from one caching pool per device (freed blocks are kept by size
+// class and reused, so steady-state steps never call cudaMalloc); Buffer, OwnedTensor and Arena
+// (engine/memory.h) take a Device and allocate through it. Streams: every op launches on the
+// current stream of its device (one per device, created on first use; ops never synchronise).
+// Errors: every CUDA, cuBLAS and kernel-launch failure becomes a cw::Error naming the call, the
+// library's message and file:line (engine/cuda/common.cuh has the check macros).
+// In a build without CUDA every function here throws a clear error (gpu::available() is false).
+#pragma once
+
+#include "engine/tensor.h"
+
+#include <cstddef>
+#include <string>
+
+namespace cw::gpu {
+
+bool available();        // this build has CUDA and the runtime sees at least one GPU
+int device_count();
+
+void* device_alloc(size_t bytes, int device);   // from the caching pool; never nullptr
+void device_free(void* p, int device);          // back to the pool
+void device_memset_zero(void* p, size_t bytes, int device);
+
+struct PoolStats {
+  size_t in_use = 0, cached = 0, peak_in_use = 0, cuda_mallocs = 0;
+};
+PoolStats pool_stats(int device);
+void release_cached(int device);                // give cached blocks back to the driver
+
+// Copies between any two tensors of the same shape where at least one is on a GPU, converting
+// dtype (f32 <-> bf16 <-> f64) as needed. Supports contiguous tensors and tensors whose only gap is
+// the batch stride (dimension 0), as K/V store slices have. Ordered on the current stream;
+// copies that read or write host memory synchronise before returning (host data is then valid).
+void copy_convert(const Tensor& dst, const Tensor& src);
+void fill(const Tensor& t, double value);        // device tensor, any float dtype or i32
+void scale_inplace(const Tensor& t, double factor);
+
+void synchronize(int device = 0);               // waits for the device's stream
+std::string memory_report(int device = 0);      // one line: in use, cached, peak, mallocs
+
+}  // namespace cw::gpu

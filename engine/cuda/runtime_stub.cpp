@@ -1,0 +1,27 @@
+// A build without CUDA: the runtime says so, clearly, whenever a GPU tensor is asked for.
+#include "engine/cuda/runtime.h"
+
+#include "engine/error.h"
+
+namespace cw::gpu {
+
+namespace {
+[[noreturn]] void no_cuda() {
+  fail("this build of chunkwise has no CUDA backend", "install the CUDA toolkit (nvcc, cuBLAS) and rebuild, or use the CPU");
+}
+}  // namespace
+
+bool available() { return false; }
+int device_count() { return 0; }
+void* device_alloc(size_t, int) { no_cuda(); }
+void device_free(void*, int) {}
+void device_memset_zero(void*, size_t, int) { no_cuda(); }
+PoolStats pool_stats(int) { return {}; }
+void release_cached(int) {}
+void copy_convert(const Tensor&, const Tensor&) { no_cuda(); }
+void fill(const Tensor&, double) { no_cuda(); }
+void scale_inplace(const Tensor&, double) { no_cuda(); }
+void synchronize(int) {}
+std::string memory_report(int) { return "no CUDA in this build"; }
+
+}  // namespace cw::gpu
