@@ -4,6 +4,7 @@
 #include "engine/device.h"
 #include "engine/error.h"
 #include "tools/data/tokenizer.h"
+#include "tools/bench_ops.h"
 #include "tools/gradcheck.h"
 #include "tools/model_io.h"
 #include "tools/train/run_config.h"
@@ -79,6 +80,18 @@ int main(int argc, char** argv) {
   logits->add_option("--chunk", lo.chunk, "run in chunks against the K/V store (0: whole sequence)")->capture_default_str();
   logits->add_option("--out", lo.out, "output safetensors (tensor 'logits' [batch*seq, vocab])")->required();
 
+  cw::BenchOpsOptions bo;
+  CLI::App* bench_ops = app.add_subcommand("bench-ops", "time the GPU ops on one shape set (a benchmark)");
+  bench_ops->add_option("--tokens", bo.tokens, "rows N")->capture_default_str();
+  bench_ops->add_option("--hidden", bo.hidden, "C")->capture_default_str();
+  bench_ops->add_option("--ffn", bo.ffn, "F")->capture_default_str();
+  bench_ops->add_option("--heads", bo.heads, "query heads")->capture_default_str();
+  bench_ops->add_option("--head-dim", bo.head_dim, "D")->capture_default_str();
+  bench_ops->add_option("--vocab", bo.vocab, "embedding rows")->capture_default_str();
+  bench_ops->add_option("--dtype", bo.dtype, "bf16 | f32")->capture_default_str();
+  bench_ops->add_option("--repeat", bo.repeat, "timed runs (median)")->capture_default_str();
+  bench_ops->add_option("--json", bo.json, "also write the results as JSON");
+
   std::string config_path, run_dir;
   std::vector<std::string> overrides;
   bool resume = false;
@@ -148,6 +161,10 @@ int main(int argc, char** argv) {
     if (*logits) {
       cw::write_logits(lo);
       std::cout << "wrote " << lo.out << "\n";
+      return 0;
+    }
+    if (*bench_ops) {
+      cw::run_bench_ops(bo, std::cout);
       return 0;
     }
     if (*devices) {

@@ -12,6 +12,7 @@
 
 #include <cublas_v2.h>
 
+#include <algorithm>
 #include <array>
 #include <map>
 #include <mutex>
@@ -307,4 +308,26 @@ void scale_inplace(const Tensor& t, double factor) {
   CW_KERNEL_CHECK();
 }
 
+}  // namespace cw::gpu
+
+namespace cw::gpu {
+double median_ms(const std::function<void()>& fn, int device, int warmup, int repeat) {
+  cudaStream_t stream = current_stream(device);
+  for (int i = 0; i < warmup; ++i) fn();
+  cudaEvent_t start, stop;
+  CW_CUDA_CHECK(cudaEventCreate(&start));
+  CW_CUDA_CHECK(cudaEventCreate(&stop));
+  std::vector<float> ms(static_cast<size_t>(repeat));
+  for (int i = 0; i < repeat; ++i) {
+    CW_CUDA_CHECK(cudaEventRecord(start, stream));
+    fn();
+    CW_CUDA_CHECK(cudaEventRecord(stop, stream));
+    CW_CUDA_CHECK(cudaEventSynchronize(stop));
+    CW_CUDA_CHECK(cudaEventElapsedTime(&ms[static_cast<size_t>(i)], start, stop));
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
 }  // namespace cw::gpu

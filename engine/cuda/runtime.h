@@ -41,3 +41,11 @@ void synchronize(int device = 0);               // waits for the device's stream
 std::string memory_report(int device = 0);      // one line: in use, cached, peak, mallocs
 
 }  // namespace cw::gpu
+
+#include <functional>
+
+namespace cw::gpu {
+// Median milliseconds of `fn` over `repeat` timed runs after `warmup` untimed ones, measured with
+// CUDA events on the device's stream (for benchmarks, never for tests).
+double median_ms(const std::function<void()>& fn, int device = 0, int warmup = 3, int repeat = 20);
+}  // namespace cw::gpu

@@ -25,3 +25,7 @@ void synchronize(int) {}
 std::string memory_report(int) { return "no CUDA in this build"; }
 
 }  // namespace cw::gpu
+
+namespace cw::gpu {
+double median_ms(const std::function<void()>&, int, int, int) { no_cuda(); }
+}  // namespace cw::gpu
