@@ -1,5 +1,7 @@
 #include "optim/adamw.h"
 
+#include "engine/ops/adamw_update.h"
+
 #include "model/safetensors.h"
 
 #include <fmt/format.h>
@@ -54,31 +56,6 @@ void check_float_dtype(DType t, const char* what) {
   CW_CHECK(t == DType::f32 || t == DType::f64, "AdamW: {} must be f32 or f64, got {}", what, dtype_name(t));
 }
 
-// The update of one tensor; P is the parameter/state type, G the gradient type.
-template <class P, class G>
-void update(P* p, P* m, P* v, const G* g, int64_t n, double b1, double b2, double bc1, double bc2, double eps,
-            double lr, double wd) {
-  for (int64_t i = 0; i < n; ++i) {
-    const double gi = static_cast<double>(g[i]);
-    const double mi = b1 * static_cast<double>(m[i]) + (1.0 - b1) * gi;
-    const double vi = b2 * static_cast<double>(v[i]) + (1.0 - b2) * gi * gi;
-    const double pi = static_cast<double>(p[i]);
-    const double mhat = mi / bc1, vhat = vi / bc2;
-    m[i] = static_cast<P>(mi);
-    v[i] = static_cast<P>(vi);
-    p[i] = static_cast<P>(pi - lr * (mhat / (std::sqrt(vhat) + eps) + wd * pi));
-  }
-}
-
-template <class P>
-void update_tensor(const Tensor& p, const Tensor& m, const Tensor& v, const Tensor& g, double b1, double b2,
-                   double bc1, double bc2, double eps, double lr, double wd) {
-  if (g.dtype == DType::f64)
-    update(p.ptr<P>(), m.ptr<P>(), v.ptr<P>(), g.ptr<double>(), p.numel(), b1, b2, bc1, bc2, eps, lr, wd);
-  else
-    update(p.ptr<P>(), m.ptr<P>(), v.ptr<P>(), g.ptr<float>(), p.numel(), b1, b2, bc1, bc2, eps, lr, wd);
-}
-
 std::string bool_text(bool b) { return b ? "true" : "false"; }
 
 }  // namespace
@@ -117,15 +94,11 @@ void AdamW::step(const ParamSet& params, const ParamSet& grads, double lr) {
   check_float_dtype(grads.dtype(), "the gradients");
 
   ++step_;
-  const double b1 = options_.beta1, b2 = options_.beta2;
-  const double t = static_cast<double>(step_);
-  const double bc1 = 1.0 - std::pow(b1, t), bc2 = 1.0 - std::pow(b2, t);
+  // One formula, in engine/ops/adamw_update.h: the same op updates CPU and GPU parameter sets.
   for (size_t i = 0; i < params.size(); ++i) {
     const double wd = decays(params.specs()[i]) ? options_.weight_decay : 0.0;
-    if (params.dtype() == DType::f64)
-      update_tensor<double>(params[i], exp_avg_[i], exp_avg_sq_[i], grads[i], b1, b2, bc1, bc2, options_.eps, lr, wd);
-    else
-      update_tensor<float>(params[i], exp_avg_[i], exp_avg_sq_[i], grads[i], b1, b2, bc1, bc2, options_.eps, lr, wd);
+    adamw_update(params[i], exp_avg_[i], exp_avg_sq_[i], grads[i], Tensor{},
+                 AdamWHyper{lr, options_.beta1, options_.beta2, options_.eps, wd, step_});
   }
 }
 

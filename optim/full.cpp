@@ -22,6 +22,19 @@ double prefill(KVStore& kv, const LlamaModel& model, const Batch& batch, const s
   return loss;
 }
 
+double step_normaliser(const Batch& batch, double given) {
+  return given > 0 ? given : std::max<double>(1.0, static_cast<double>(batch.supervised()));
+}
+
+double backprop_chunk(KVStore& kv, const LlamaModel& model, const Batch& batch, int64_t t0, int64_t t1,
+                      const ParamSet& grads, double normaliser, Arena& arena, double loss_weight) {
+  ArenaScope scope(arena);
+  const ChunkTokens chunk = slice_chunk(batch, t0, t1, arena);
+  ChunkActivations act = ChunkActivations::allocate(arena, model.config(), batch.B(), chunk.c, model.dtype());
+  forward_chunk(&act, kv, model, chunk, normaliser, false, arena);
+  return backward_chunk(grads, act, kv, model, chunk, normaliser, arena, loss_weight);
+}
+
 namespace {
 class FullSchedule : public Schedule {
  public:
@@ -30,17 +43,11 @@ class FullSchedule : public Schedule {
   StepStats step(LlamaModel& model, const Batch& batch, const ParamSet& grads, double normaliser, uint64_t) override {
     StepStats st;
     st.supervised = batch.supervised();
-    const double norm = normaliser > 0 ? normaliser : std::max<double>(1.0, static_cast<double>(st.supervised));
+    const double norm = step_normaliser(batch, normaliser);
     model.ensure_positions(batch.T());
     KVStore& kv = step_store(store_, model, batch.B(), batch.T());
     arena_.reset_high_water();
-    {
-      ArenaScope scope(arena_);
-      const ChunkTokens chunk = slice_chunk(batch, 0, batch.T(), arena_);
-      ChunkActivations act = ChunkActivations::allocate(arena_, model.config(), batch.B(), batch.T(), model.dtype());
-      forward_chunk(&act, kv, model, chunk, norm, false, arena_);
-      st.loss = backward_chunk(grads, act, kv, model, chunk, norm, arena_);
-    }
+    st.loss = backprop_chunk(kv, model, batch, 0, batch.T(), grads, norm, arena_);
     st.chunks = st.chunks_visited = 1;
     st.activation_high_water = arena_.high_water();
     st.kv_bytes = kv.bytes();

@@ -19,4 +19,15 @@ KVStore& step_store(std::optional<KVStore>& store, const LlamaModel& model, int6
 double prefill(KVStore& kv, const LlamaModel& model, const Batch& batch, const std::vector<int64_t>& bounds,
                double normaliser, bool with_loss, Arena& arena);
 
+// The step's loss normaliser: the caller's total over micro-batches, else the batch's own count of
+// supervised labels (at least 1, so a batch with none gives loss 0 and no gradient).
+double step_normaliser(const Batch& batch, double given);
+
+// Tokens [t0, t1) of every sequence: recompute the chunk through all layers keeping its
+// activations (against the store's K/V of [0, t0)), then backprop its loss, adding parameter
+// gradients into `grads` and K/V gradients into the store. Returns the chunk's loss. Everything it
+// allocates is released on return. loss_weight scales the gradient (spaco's k/t).
+double backprop_chunk(KVStore& kv, const LlamaModel& model, const Batch& batch, int64_t t0, int64_t t1,
+                      const ParamSet& grads, double normaliser, Arena& arena, double loss_weight = 1.0);
+
 }  // namespace cw

@@ -25,7 +25,7 @@ class SecoSchedule : public Schedule {
   StepStats step(LlamaModel& model, const Batch& batch, const ParamSet& grads, double normaliser, uint64_t) override {
     StepStats st;
     st.supervised = batch.supervised();
-    const double norm = normaliser > 0 ? normaliser : std::max<double>(1.0, static_cast<double>(st.supervised));
+    const double norm = step_normaliser(batch, normaliser);
     const int64_t B = batch.B(), T = batch.T();
     model.ensure_positions(T);
     KVStore& kv = step_store(store_, model, B, T);
@@ -33,11 +33,7 @@ class SecoSchedule : public Schedule {
     prefill(kv, model, batch, chunk_bounds(T, options_.chunk), norm, false, arena_);
     const std::vector<int64_t> bounds = chunk_bounds(T, options_.bwd_chunk > 0 ? options_.bwd_chunk : options_.chunk);
     for (size_t i = bounds.size() - 1; i-- > 0;) {
-      ArenaScope scope(arena_);
-      const ChunkTokens chunk = slice_chunk(batch, bounds[i], bounds[i + 1], arena_);
-      ChunkActivations act = ChunkActivations::allocate(arena_, model.config(), B, chunk.c, model.dtype());
-      forward_chunk(&act, kv, model, chunk, norm, false, arena_);
-      st.loss += backward_chunk(grads, act, kv, model, chunk, norm, arena_);
+      st.loss += backprop_chunk(kv, model, batch, bounds[i], bounds[i + 1], grads, norm, arena_);
       kv.release_from(bounds[i]);
     }
     st.chunks = st.chunks_visited = static_cast<int64_t>(bounds.size()) - 1;

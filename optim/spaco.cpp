@@ -62,7 +62,7 @@ class SpacoSchedule : public Schedule {
                  uint64_t step_index) override {
     StepStats st;
     st.supervised = batch.supervised();
-    const double norm = normaliser > 0 ? normaliser : std::max<double>(1.0, static_cast<double>(st.supervised));
+    const double norm = step_normaliser(batch, normaliser);
     const int64_t B = batch.B(), T = batch.T();
     model.ensure_positions(T);
     KVStore& kv = step_store(store_, model, B, T);
@@ -95,11 +95,7 @@ class SpacoSchedule : public Schedule {
           }
         }
       }
-      ArenaScope scope(arena_);
-      const ChunkTokens chunk = slice_chunk(batch, s, e, arena_);
-      ChunkActivations act = ChunkActivations::allocate(arena_, model.config(), B, chunk.c, model.dtype());
-      forward_chunk(&act, kv, model, chunk, norm, false, arena_);
-      backward_chunk(grads, act, kv, model, chunk, norm, arena_, weight[static_cast<size_t>(i)]);
+      backprop_chunk(kv, model, batch, s, e, grads, norm, arena_, weight[static_cast<size_t>(i)]);
       kv.release_from(s);
       later_visited = true;
     }
