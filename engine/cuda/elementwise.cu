@@ -6,10 +6,26 @@
 // destination with a T source (a gradient summed in f32). Arithmetic is f32; every output element is
 // rounded to its dtype once.
 //
-// Launch shapes: one thread per element (per rotated pair for rope), 256 threads per block, a
-// grid-stride loop over int64 indices with at most kMaxBlocks blocks. Loads are scalar and coalesced;
-// a faster version would use 16-byte vector loads when the pointers and sizes allow (this is where
-// it would go: the loops below are memory bound).
+// Memory traffic: every kernel here is memory bound, and each reads its inputs and writes its
+// outputs exactly once (swiglu forward: 2 reads + 1 write per element; backward: 3 reads (+2 in
+// accumulate mode) + 2 writes; residual: 2 + 1; rope: 1 (+1) + 1, plus the f32 cos/sin rows, which
+// are shared by all heads of a token and come from L2).
+//
+// Launch shapes: 256 threads per block, a grid-stride loop over int64 indices with at most
+// kMaxBlocks blocks (65536 x 256 = 16M threads: one or a few iterations per thread at realistic
+// sizes, thousands of loads in flight per SM, enough to fill all 132 SMs of an H100). Two paths,
+// chosen on the host per call:
+//   Vector path: every pointer 16-byte aligned. One thread per 16-byte vector of the narrowest
+//     dtype (8 bf16 or 4 f32 elements; an f32 destination of a bf16 source takes two 16-byte
+//     accesses), one 128-bit load or store per access, coalesced. swiglu/residual/accumulate run
+//     over n / kN vectors and then the n % kN tail elements with scalar accesses in the same kernel
+//     (so any n works). rope also needs half = D / 2 to be a multiple of kN: one thread loads kN
+//     elements of each half of a head (x[j .. j+kN) and x[half+j .. half+j+kN)) and the matching
+//     kN cos/sin values (f32, 16-byte aligned since half is a multiple of kN).
+//   Scalar path (unaligned views, rope with half not a multiple of kN, e.g. D = 10): one thread per
+//     element (per rotated pair for rope), scalar coalesced loads.
+// Both paths compute every element with the same f32 expression and round it once, so they give
+// the same bits.
 //
 // Determinism: every output element is computed by one thread from its own inputs; no reductions,
 // no atomics, so the results are bitwise reproducible. Aliasing: each thread reads all of an
@@ -20,6 +36,7 @@
 #include "engine/cuda/ops.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <type_traits>
 
 namespace cw::gpu {
@@ -51,6 +68,72 @@ void check_gpu(const Tensor& t, const Tensor& ref, const char* what) {
 
 template <class T> T* dptr(const Tensor& t) { return static_cast<T*>(t.data); }
 
+bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// 16 bytes of T (4 f32 or 8 bf16) as raw 32-bit words: one 128-bit load/store (16-byte aligned
+// address), get(k) widens element k to f32 exactly (a bf16 is the top half of an f32), pack()
+// rounds each f32 to T once (nearest even, the same as from_f32). Indices must be constants after
+// unrolling so the words stay in registers.
+template <class T> struct Vec16 {
+  static constexpr int kN = 16 / static_cast<int>(sizeof(T));
+  uint32_t w[4];
+
+  __device__ __forceinline__ void load(const T* p) {
+    const uint4 q = *reinterpret_cast<const uint4*>(p);
+    w[0] = q.x, w[1] = q.y, w[2] = q.z, w[3] = q.w;
+  }
+  __device__ __forceinline__ void store(T* p) const { *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]); }
+  __device__ __forceinline__ float get(int k) const {
+    if constexpr (sizeof(T) == 4) {
+      return __uint_as_float(w[k]);
+    } else {
+      return __uint_as_float((k & 1) ? (w[k >> 1] & 0xffff0000u) : (w[k >> 1] << 16));
+    }
+  }
+  __device__ __forceinline__ static Vec16 pack(const float* v) {
+    Vec16 r;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if constexpr (sizeof(T) == 4) {
+        r.w[i] = __float_as_uint(v[i]);
+      } else {
+        const uint32_t lo = __bfloat16_as_ushort(__float2bfloat16_rn(v[2 * i]));
+        const uint32_t hi = __bfloat16_as_ushort(__float2bfloat16_rn(v[2 * i + 1]));
+        r.w[i] = lo | (hi << 16);
+      }
+    }
+    return r;
+  }
+};
+
+// N consecutive elements of T (N a multiple of Vec16<T>::kN, p 16-byte aligned) to/from f32.
+template <int N, class T> __device__ __forceinline__ void load_f32(const T* p, float (&v)[N]) {
+  constexpr int kN = Vec16<T>::kN;
+  static_assert(N % kN == 0);
+#pragma unroll
+  for (int m = 0; m < N / kN; ++m) {
+    Vec16<T> q;
+    q.load(p + m * kN);
+#pragma unroll
+    for (int k = 0; k < kN; ++k) v[m * kN + k] = q.get(k);
+  }
+}
+template <int N, class T> __device__ __forceinline__ void store_f32(T* p, const float (&v)[N]) {
+  constexpr int kN = Vec16<T>::kN;
+  static_assert(N % kN == 0);
+#pragma unroll
+  for (int m = 0; m < N / kN; ++m) Vec16<T>::pack(v + m * kN).store(p + m * kN);
+}
+// Read-only f32 table rows (rope cos/sin: nothing writes them during the kernel).
+template <int N> __device__ __forceinline__ void load_f32_ro(const float* p, float (&v)[N]) {
+  static_assert(N % 4 == 0);
+#pragma unroll
+  for (int m = 0; m < N / 4; ++m) {
+    const float4 q = __ldg(reinterpret_cast<const float4*>(p) + m);
+    v[4 * m] = q.x, v[4 * m + 1] = q.y, v[4 * m + 2] = q.z, v[4 * m + 3] = q.w;
+  }
+}
+
 #define CW_GRID_STRIDE(i, n)                                                              \
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < (n); \
        i += static_cast<int64_t>(gridDim.x) * blockDim.x)
@@ -81,6 +164,48 @@ __global__ void rope_kernel(T* y, const T* x, const float* cos, const float* sin
   }
 }
 
+// Vector path: one thread per (row, j) with j a multiple of kN: elements [j, j + kN) of the first
+// half and [half + j, half + j + kN) of the second half of one head of one token. Requires half %
+// kN == 0 and x, y, cos, sin 16-byte aligned. Same per-element expression as rope_kernel. I is the
+// index type: uint32_t when the whole tensor has < 2^31 elements (cheaper divisions), else int64_t.
+template <class T, class I>
+__global__ void rope_vec_kernel(T* y, const T* x, const float* cos, const float* sin, I items, I Tn, I H, I half,
+                                int64_t pos0, float sign, bool accumulate) {
+  constexpr int kN = Vec16<T>::kN;
+  const I per_row = half / kN;  // vectors per half-head
+  for (I i = static_cast<I>(blockIdx.x) * blockDim.x + threadIdx.x; i < items;
+       i += static_cast<I>(gridDim.x) * blockDim.x) {
+    const I row = i / per_row;  // (b * Tn + t) * H + h
+    const I j = (i - row * per_row) * kN;
+    const I t = (row / H) % Tn;
+    const int64_t base = static_cast<int64_t>(row) * 2 * half;
+    const int64_t p = (pos0 + static_cast<int64_t>(t)) * half + j;
+    float x1[kN], x2[kN], c[kN], s[kN];
+    load_f32(x + base + j, x1);
+    load_f32(x + base + half + j, x2);
+    load_f32_ro(cos + p, c);
+    load_f32_ro(sin + p, s);
+    float y1[kN], y2[kN];
+    if (accumulate) {
+      load_f32(y + base + j, y1);
+      load_f32(y + base + half + j, y2);
+    }
+#pragma unroll
+    for (int k = 0; k < kN; ++k) {
+      float a = x1[k] * c[k] - sign * x2[k] * s[k];
+      float b = x2[k] * c[k] + sign * x1[k] * s[k];
+      if (accumulate) {
+        a = y1[k] + a;
+        b = y2[k] + b;
+      }
+      y1[k] = a;
+      y2[k] = b;
+    }
+    store_f32(y + base + j, y1);
+    store_f32(y + base + half + j, y2);
+  }
+}
+
 void check_rope(const Tensor& y, const Tensor& x, const Tensor& cos, const Tensor& sin, int64_t pos0,
                 const char* op) {
   check_same_shape(y, x, "rope out / d_x", "rope in / d_out");
@@ -108,9 +233,25 @@ void rope_launch(const Tensor& y, const Tensor& x, const Tensor& cos, const Tens
   cudaStream_t stream = current_stream(x.device.index);
   dispatch_compute(x.dtype, op, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    rope_kernel<T><<<grid_for(pairs), kThreads, 0, stream>>>(dptr<T>(y), dptr<const T>(x), dptr<const float>(cos),
-                                                            dptr<const float>(sin), pairs, Tn, H, half, pos0, sign,
-                                                            accumulate);
+    constexpr int kN = Vec16<T>::kN;
+    if (half % kN == 0 && aligned16(y.data) && aligned16(x.data) && aligned16(cos.data) && aligned16(sin.data)) {
+      const int64_t items = pairs / kN;
+      if (x.numel() < (int64_t{1} << 31)) {
+        // i < 2^31 and i + stride < 2^31 + 2^24: no uint32_t overflow.
+        using I = uint32_t;
+        rope_vec_kernel<T, I><<<grid_for(items), kThreads, 0, stream>>>(
+            dptr<T>(y), dptr<const T>(x), dptr<const float>(cos), dptr<const float>(sin), static_cast<I>(items),
+            static_cast<I>(Tn), static_cast<I>(H), static_cast<I>(half), pos0, sign, accumulate);
+      } else {
+        rope_vec_kernel<T, int64_t><<<grid_for(items), kThreads, 0, stream>>>(
+            dptr<T>(y), dptr<const T>(x), dptr<const float>(cos), dptr<const float>(sin), items, Tn, H, half, pos0,
+            sign, accumulate);
+      }
+    } else {
+      rope_kernel<T><<<grid_for(pairs), kThreads, 0, stream>>>(dptr<T>(y), dptr<const T>(x), dptr<const float>(cos),
+                                                              dptr<const float>(sin), pairs, Tn, H, half, pos0, sign,
+                                                              accumulate);
+    }
     CW_KERNEL_CHECK();
   });
 }
@@ -125,10 +266,79 @@ template <class T> __global__ void swiglu_forward_kernel(T* out, const T* gate, 
   }
 }
 
+// Vector path: one thread per kN elements (all pointers 16-byte aligned), then the n % kN tail.
+template <class T> __global__ void swiglu_forward_vec_kernel(T* out, const T* gate, const T* up, int64_t n) {
+  constexpr int kN = Vec16<T>::kN;
+  const int64_t nv = n / kN;
+  CW_GRID_STRIDE(i, nv) {
+    float g[kN], u[kN], o[kN];
+    load_f32(gate + i * kN, g);
+    load_f32(up + i * kN, u);
+#pragma unroll
+    for (int k = 0; k < kN; ++k) {
+      const float sig = 1.0f / (1.0f + expf(-g[k]));
+      o[k] = g[k] * sig * u[k];
+    }
+    store_f32(out + i * kN, o);
+  }
+  CW_GRID_STRIDE(r, n - nv * kN) {
+    const int64_t i = nv * kN + r;
+    const float g = to_f32(gate[i]);
+    const float sig = 1.0f / (1.0f + expf(-g));
+    out[i] = from_f32<T>(g * sig * to_f32(up[i]));
+  }
+}
+
 template <class T>
 __global__ void swiglu_backward_kernel(T* d_gate, T* d_up, const T* d_out, const T* gate, const T* up, int64_t n,
                                        bool accumulate) {
   CW_GRID_STRIDE(i, n) {
+    const float g = to_f32(gate[i]), u = to_f32(up[i]), dy = to_f32(d_out[i]);
+    const float sig = 1.0f / (1.0f + expf(-g));
+    const float silu = g * sig;
+    float dg = dy * u * sig * (1.0f + g * (1.0f - sig));
+    float du = dy * silu;
+    if (accumulate) {
+      dg = to_f32(d_gate[i]) + dg;
+      du = to_f32(d_up[i]) + du;
+    }
+    d_gate[i] = from_f32<T>(dg);
+    d_up[i] = from_f32<T>(du);
+  }
+}
+
+template <class T>
+__global__ void swiglu_backward_vec_kernel(T* d_gate, T* d_up, const T* d_out, const T* gate, const T* up, int64_t n,
+                                           bool accumulate) {
+  constexpr int kN = Vec16<T>::kN;
+  const int64_t nv = n / kN;
+  CW_GRID_STRIDE(i, nv) {
+    float g[kN], u[kN], dy[kN], dg[kN], du[kN];
+    load_f32(gate + i * kN, g);
+    load_f32(up + i * kN, u);
+    load_f32(d_out + i * kN, dy);
+    if (accumulate) {
+      load_f32(d_gate + i * kN, dg);
+      load_f32(d_up + i * kN, du);
+    }
+#pragma unroll
+    for (int k = 0; k < kN; ++k) {
+      const float sig = 1.0f / (1.0f + expf(-g[k]));
+      const float silu = g[k] * sig;
+      float a = dy[k] * u[k] * sig * (1.0f + g[k] * (1.0f - sig));
+      float b = dy[k] * silu;
+      if (accumulate) {
+        a = dg[k] + a;
+        b = du[k] + b;
+      }
+      dg[k] = a;
+      du[k] = b;
+    }
+    store_f32(d_gate + i * kN, dg);
+    store_f32(d_up + i * kN, du);
+  }
+  CW_GRID_STRIDE(r, n - nv * kN) {
+    const int64_t i = nv * kN + r;
     const float g = to_f32(gate[i]), u = to_f32(up[i]), dy = to_f32(d_out[i]);
     const float sig = 1.0f / (1.0f + expf(-g));
     const float silu = g * sig;
@@ -164,6 +374,40 @@ __global__ void add_kernel(D* dst, const S* a, const S* b, int64_t n, bool accum
   }
 }
 
+// Vector path: kN = the source's 16-byte width (an f32 destination of a bf16 source takes two
+// 16-byte accesses per 8 elements); then the n % kN tail. dst may alias a (residual in place).
+template <class D, class S>
+__global__ void add_vec_kernel(D* dst, const S* a, const S* b, int64_t n, bool accumulate) {
+  constexpr int kN = Vec16<S>::kN;
+  const int64_t nv = n / kN;
+  CW_GRID_STRIDE(i, nv) {
+    float v[kN], av[kN];
+    if (accumulate) {
+      load_f32(dst + i * kN, v);
+    } else {
+#pragma unroll
+      for (int k = 0; k < kN; ++k) v[k] = 0.0f;
+    }
+    load_f32(a + i * kN, av);
+#pragma unroll
+    for (int k = 0; k < kN; ++k) v[k] += av[k];
+    if (b) {
+      float bv[kN];
+      load_f32(b + i * kN, bv);
+#pragma unroll
+      for (int k = 0; k < kN; ++k) v[k] += bv[k];
+    }
+    store_f32(dst + i * kN, v);
+  }
+  CW_GRID_STRIDE(r, n - nv * kN) {
+    const int64_t i = nv * kN + r;
+    float v = accumulate ? to_f32(dst[i]) : 0.0f;
+    v += to_f32(a[i]);
+    if (b) v += to_f32(b[i]);
+    dst[i] = from_f32<D>(v);
+  }
+}
+
 // Checks and launches dst (op)= a (+ b). dst's dtype is a's, or f32 when `f32_dst_ok` (accumulate).
 void add(const Tensor& dst, bool accumulate, const Tensor& a, const Tensor* b, bool f32_dst_ok, const char* op) {
   check_same_shape(dst, a, op, "its source");
@@ -183,11 +427,22 @@ void add(const Tensor& dst, bool accumulate, const Tensor& a, const Tensor* b, b
   dispatch_compute(a.dtype, op, [&](auto tag) {
     using S = typename decltype(tag)::type;
     const S* pb = b ? dptr<const S>(*b) : nullptr;
+    const bool vec = aligned16(dst.data) && aligned16(a.data) && aligned16(pb);  // nullptr is aligned
+    const unsigned grid_v = grid_for(std::max<int64_t>(n / Vec16<S>::kN, 1));
     if (dst.dtype == a.dtype) {
-      add_kernel<S, S><<<grid_for(n), kThreads, 0, stream>>>(dptr<S>(dst), dptr<const S>(a), pb, n, accumulate);
+      if (vec) {
+        add_vec_kernel<S, S><<<grid_v, kThreads, 0, stream>>>(dptr<S>(dst), dptr<const S>(a), pb, n, accumulate);
+      } else {
+        add_kernel<S, S><<<grid_for(n), kThreads, 0, stream>>>(dptr<S>(dst), dptr<const S>(a), pb, n, accumulate);
+      }
     } else {
-      add_kernel<float, S><<<grid_for(n), kThreads, 0, stream>>>(dptr<float>(dst), dptr<const S>(a), pb, n,
-                                                                 accumulate);
+      if (vec) {
+        add_vec_kernel<float, S><<<grid_v, kThreads, 0, stream>>>(dptr<float>(dst), dptr<const S>(a), pb, n,
+                                                                  accumulate);
+      } else {
+        add_kernel<float, S><<<grid_for(n), kThreads, 0, stream>>>(dptr<float>(dst), dptr<const S>(a), pb, n,
+                                                                   accumulate);
+      }
     }
     CW_KERNEL_CHECK();
   });
@@ -216,8 +471,13 @@ void swiglu_forward(const Tensor& out, const Tensor& gate, const Tensor& up) {
   cudaStream_t stream = current_stream(gate.device.index);
   dispatch_compute(gate.dtype, "swiglu_forward", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    swiglu_forward_kernel<T><<<grid_for(n), kThreads, 0, stream>>>(dptr<T>(out), dptr<const T>(gate),
-                                                                   dptr<const T>(up), n);
+    if (aligned16(out.data) && aligned16(gate.data) && aligned16(up.data)) {
+      swiglu_forward_vec_kernel<T><<<grid_for(std::max<int64_t>(n / Vec16<T>::kN, 1)), kThreads, 0, stream>>>(
+          dptr<T>(out), dptr<const T>(gate), dptr<const T>(up), n);
+    } else {
+      swiglu_forward_kernel<T><<<grid_for(n), kThreads, 0, stream>>>(dptr<T>(out), dptr<const T>(gate),
+                                                                     dptr<const T>(up), n);
+    }
     CW_KERNEL_CHECK();
   });
 }
@@ -231,9 +491,16 @@ void swiglu_backward(const Tensor& d_gate, const Tensor& d_up, const Tensor& d_o
   cudaStream_t stream = current_stream(gate.device.index);
   dispatch_compute(gate.dtype, "swiglu_backward", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    swiglu_backward_kernel<T><<<grid_for(n), kThreads, 0, stream>>>(
-        dptr<T>(d_gate), dptr<T>(d_up), dptr<const T>(d_out), dptr<const T>(gate), dptr<const T>(up), n,
-        mode == GradMode::accumulate);
+    if (aligned16(d_gate.data) && aligned16(d_up.data) && aligned16(d_out.data) && aligned16(gate.data) &&
+        aligned16(up.data)) {
+      swiglu_backward_vec_kernel<T><<<grid_for(std::max<int64_t>(n / Vec16<T>::kN, 1)), kThreads, 0, stream>>>(
+          dptr<T>(d_gate), dptr<T>(d_up), dptr<const T>(d_out), dptr<const T>(gate), dptr<const T>(up), n,
+          mode == GradMode::accumulate);
+    } else {
+      swiglu_backward_kernel<T><<<grid_for(n), kThreads, 0, stream>>>(
+          dptr<T>(d_gate), dptr<T>(d_up), dptr<const T>(d_out), dptr<const T>(gate), dptr<const T>(up), n,
+          mode == GradMode::accumulate);
+    }
     CW_KERNEL_CHECK();
   });
 }

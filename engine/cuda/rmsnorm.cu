@@ -3,24 +3,55 @@
 // Dtypes: x, w, out, d_out, d_x in the compute dtype T (f32 or bf16); saved rstd [N] f32; d_weight
 // [C] f32 and always accumulated. Arithmetic is f32; each T output is rounded once.
 //
-// Launch shapes:
-//   forward, backward d_x: one block of kRowThreads (256) threads per row; the threads stride over
-//     the row's C columns (coalesced scalar loads) and reduce through warp shuffles and a 32-float
-//     shared array. rstd = 1 / sqrtf(mean + eps) with IEEE division and square root (not rsqrtf),
-//     so f32 results track the CPU to a few ulps. A faster version would use 16-byte vector loads
-//     and keep the row in registers between the reduction and the write (here the row is read
-//     twice; the second read mostly hits L1/L2).
-//   backward d_weight: two kernels. The first gives each block kColThreads columns (one thread per
-//     column) and a fixed range of `rows_per_block` rows, which it sums in row order into
-//     partials[block_row, c] (scratch, f32 [num_row_blocks, C]); the second has one thread per
-//     column summing the partials over row blocks in order and adding the total into d_weight.
-//     A faster version would fuse the partial sums into the d_x kernel (one read of x and d_out).
-// Determinism: every sum has a fixed order that depends only on N and C (not on the GPU or on
-// timing): block reductions go through a fixed shuffle tree, rows_per_block is a function of N, and
-// there are no atomics. Results are bitwise reproducible on a given GPU architecture and build.
-// Aliasing: out must not alias x (as on the CPU). In the backward the d_weight partials are computed
-// before d_x is written, so d_x may alias d_out (each d_x row is written only after the block has
-// read the whole row of d_out for its reduction).
+// Memory traffic (the floor these kernels aim at): the forward reads x once and writes out once
+// (+ rstd, N floats); the backward reads x and d_out once and writes d_x once (+ reads d_x in
+// accumulate mode), plus the d_weight partials (row_blocks x C f32, written once and read once:
+// 512 x C x 8 bytes, a few percent of the row traffic at realistic N). w is C elements, read from
+// L1/L2.
+//
+// Two paths, chosen on the host per call:
+//   Vector path (the fast one): every pointer 16-byte aligned and C a multiple of the vector width
+//     kN (8 bf16 or 4 f32 = 16 bytes), and C <= kN * kVecs * max threads (forward 32768 bf16 /
+//     16384 f32; backward 8192). Each row is split into 16-byte
+//     vectors; thread t of a row's block owns vectors t, t + threads, ..., t + (kVecs - 1) threads
+//     (a warp's access is 512 contiguous bytes: coalesced, one 128-bit instruction per vector) and
+//     keeps them in registers (as raw 16-byte words, converted to f32 on use), so x is read from
+//     global memory once: sum of squares, block reduction, then scale and write from registers.
+//     `threads` = C / kN / kVecs rounded up to a warp, a function of C only (kVecs: forward 4
+//     vectors; backward 16 elements, i.e. 2 bf16 or 4 f32 vectors).
+//     forward: one block per row (grid = N). Small blocks (64 or 128 threads for C = 2048) let up
+//       to 32 rows be resident per SM, i.e. tens of KB of loads in flight per SM, which is what it
+//       takes to cover the DRAM latency; blocks are short, so the tail of the grid is short too.
+//     backward: one fused kernel. Block b owns the fixed row range [b * rows_per_block, +rows_per_
+//       block) (rows_per_block = max(4, ceil(N / 512)): a function of N only, at most 512 blocks,
+//       so the partials stay small; at C = 2048, 128-thread blocks of 99 (bf16) / 127 (f32)
+//       registers fit 5 / 4 per SM, so all 512 are resident at once on 132 SMs: one wave). For each row
+//       it loads x and d_out once into registers (the next row's loads are issued before this
+//       row's reduction, so loads stay in flight across the barrier), reduces sum_c d_out w x,
+//       writes d_x from registers, and adds d_out x r into per-thread f32 d_weight accumulators
+//       (its columns, rows in order). At the end it writes partials[b, its columns] (vector
+//       stores). So x and d_out are read once in total for both d_x and d_weight.
+//   Scalar path (odd C, unaligned views, huge C): the original kernels: one block of kRowThreads
+//     (256) threads per row striding over the columns with scalar coalesced loads (the row is read
+//     twice; the second read mostly hits L1/L2); the d_weight partials by a separate kernel with
+//     one thread per column and rows_per_block = max(64, ceil(N / 65535)) rows per block, run
+//     before the d_x kernel.
+//   Both paths then sum the partials over row blocks with sum_partials_kernel: a block per 32
+//     columns, 16 lanes per column each summing row blocks lane, lane + 16, ... in order, then
+//     lane 0 adding the 16 lane sums in order into d_weight (enough blocks and threads to keep
+//     the loads of a 512 x C array in flight; the order is fixed).
+// rstd = 1 / sqrtf(mean + eps) with IEEE division and square root (not rsqrtf), so f32 results
+// track the CPU to a few ulps.
+// Determinism: every sum has a fixed order that depends only on N, C and the path (not on the GPU or
+// on timing): block reductions go through a fixed shuffle tree over a block size that is a function
+// of C, rows_per_block is a function of N, and there are no atomics. Results are bitwise
+// reproducible on a given GPU architecture and build for the same shapes and the same path (the
+// path depends on C and on the operands' 16-byte alignment).
+// Aliasing: out must not alias x (as on the CPU). d_x may alias d_out: on the scalar path the
+// d_weight partials are computed before d_x is written; on the vector path each d_x row is written
+// only by the block that owns the row, after the row's block reduction, which is a barrier that
+// every thread reaches only after it has loaded its part of that row of d_out and x (and the next
+// row's prefetch only touches a row no thread has written yet). No pointer is __restrict__.
 // Scratch: the partials come from `scratch` (a GPU arena) inside an ArenaScope; the arena's memory
 // is handed back when this function returns, while the kernels may still be running. That is safe
 // because everything that later reuses the arena launches on the same stream, after these kernels.
@@ -29,6 +60,7 @@
 #include "engine/cuda/ops.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <type_traits>
 
 namespace cw::gpu {
@@ -39,6 +71,21 @@ constexpr int kRowThreads = 256;  // threads per row block (a multiple of 32, at
 constexpr int kColThreads = 256;  // columns per block in the d_weight kernels
 constexpr int64_t kMinRowsPerBlock = 64;
 constexpr int64_t kMaxRowBlocks = 65535;  // gridDim.y limit
+// Vector path: 16-byte vectors per thread kept in registers (so at most kVecs * max threads vectors
+// per row), and the fixed row blocking of the fused backward.
+constexpr int kFwdVecs = 4;                  // forward: 4 vectors (64 bytes of x) per thread
+// Backward: 16 elements per thread (4 f32 or 2 bf16 vectors) each of x, d_out, the next row's x
+// and d_out, and w, plus 16 f32 d_weight sums: ~100-130 registers per thread. Capping its blocks
+// at 512 threads lets it use up to 128 registers without spilling; so the vector backward takes
+// C <= 16 * 512 = 8192.
+constexpr int kBwdElems = 16;
+constexpr int kBwdMaxThreads = 512;
+constexpr int kFwdMaxThreads = 1024;
+constexpr int64_t kVecMinRowsPerBlock = 4;   // backward rows per block: at least this many
+constexpr int64_t kVecTargetRowBlocks = 512; // ... and at most about this many row blocks
+// sum_partials_kernel: kSumCols columns x kSumLanes lanes per block.
+constexpr int kSumCols = 32;
+constexpr int kSumLanes = 16;
 
 template <class F> void dispatch_compute(DType dtype, const char* op, F&& f) {
   switch (dtype) {
@@ -75,6 +122,193 @@ __device__ __forceinline__ float block_sum(float v, float* shared) {
   const float total = shared[0];
   __syncthreads();  // shared may be reused by a following block_sum
   return total;
+}
+
+// 16 bytes of T (4 f32 or 8 bf16) held as raw 32-bit words. Loads and stores are single 128-bit
+// accesses (the address must be 16-byte aligned); get(k) widens element k to f32 exactly (a bf16
+// is the top half of an f32), pack() rounds each f32 to T once (round to nearest even, the same as
+// from_f32). Call get/pack with indices that are constants after unrolling so the words stay in
+// registers.
+template <class T> struct Vec16 {
+  static constexpr int kN = 16 / static_cast<int>(sizeof(T));
+  uint32_t w[4];
+
+  __device__ __forceinline__ void load(const T* p) {
+    const uint4 q = *reinterpret_cast<const uint4*>(p);
+    w[0] = q.x, w[1] = q.y, w[2] = q.z, w[3] = q.w;
+  }
+  // Through the read-only cache: only for data no thread writes during the kernel (the weight).
+  __device__ __forceinline__ void load_ro(const T* p) {
+    const uint4 q = __ldg(reinterpret_cast<const uint4*>(p));
+    w[0] = q.x, w[1] = q.y, w[2] = q.z, w[3] = q.w;
+  }
+  __device__ __forceinline__ void store(T* p) const { *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]); }
+  __device__ __forceinline__ float get(int k) const {
+    if constexpr (sizeof(T) == 4) {
+      return __uint_as_float(w[k]);
+    } else {
+      return __uint_as_float((k & 1) ? (w[k >> 1] & 0xffff0000u) : (w[k >> 1] << 16));
+    }
+  }
+  __device__ __forceinline__ static Vec16 pack(const float* v) {
+    Vec16 r;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if constexpr (sizeof(T) == 4) {
+        r.w[i] = __float_as_uint(v[i]);
+      } else {
+        const uint32_t lo = __bfloat16_as_ushort(__float2bfloat16_rn(v[2 * i]));
+        const uint32_t hi = __bfloat16_as_ushort(__float2bfloat16_rn(v[2 * i + 1]));
+        r.w[i] = lo | (hi << 16);
+      }
+    }
+    return r;
+  }
+};
+
+// Forward, vector path: one block of `threads` (= blockDim.x) per row; thread t owns the row's
+// vectors t + j * threads, j < kVecs (those < nvec = C / kN), loaded once into registers.
+template <class T, int kVecs>
+__global__ void __launch_bounds__(kFwdMaxThreads)
+    rmsnorm_forward_vec_kernel(T* y, float* rstd, const T* x, const T* w, int64_t C, int nvec, float eps) {
+  using V = Vec16<T>;
+  constexpr int kN = V::kN;
+  __shared__ float red[32];
+  const int64_t n = blockIdx.x;
+  const T* xr = x + n * C;
+  T* yr = y + n * C;
+  V xv[kVecs], wv[kVecs];
+  // Issue every load (x from DRAM, w from L1/L2) before the reduction so they are in flight together.
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j) {
+    const int v = static_cast<int>(threadIdx.x) + j * static_cast<int>(blockDim.x);
+    if (v < nvec) {
+      xv[j].load(xr + static_cast<int64_t>(v) * kN);
+      wv[j].load_ro(w + static_cast<int64_t>(v) * kN);
+    }
+  }
+  float sum_sq = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j) {
+    const int v = static_cast<int>(threadIdx.x) + j * static_cast<int>(blockDim.x);
+    if (v < nvec) {
+#pragma unroll
+      for (int k = 0; k < kN; ++k) {
+        const float a = xv[j].get(k);
+        sum_sq += a * a;
+      }
+    }
+  }
+  sum_sq = block_sum(sum_sq, red);
+  const float r = 1.0f / sqrtf(sum_sq / static_cast<float>(C) + eps);
+  if (threadIdx.x == 0) rstd[n] = r;
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j) {
+    const int v = static_cast<int>(threadIdx.x) + j * static_cast<int>(blockDim.x);
+    if (v < nvec) {
+      float o[kN];
+#pragma unroll
+      for (int k = 0; k < kN; ++k) o[k] = xv[j].get(k) * r * wv[j].get(k);
+      V::pack(o).store(yr + static_cast<int64_t>(v) * kN);
+    }
+  }
+}
+
+// Backward, vector path, fused: block b owns rows [b * rows_per_block, min(N, +rows_per_block)) and,
+// in each, thread t owns vectors t + j * threads (as in the forward). Per row: d_x (overwrite or
+// accumulate) from registers, and d_out x r added into the thread's f32 accumulators in row order;
+// at the end partials[b, c] = those sums for the thread's columns.
+template <class T, int kVecs>
+__global__ void __launch_bounds__(kBwdMaxThreads)
+    rmsnorm_backward_vec_kernel(T* dx, float* partials, const T* dy, const T* x, const T* w, const float* rstd,
+                                int64_t N, int64_t C, int nvec, int64_t rows_per_block, bool accumulate) {
+  using V = Vec16<T>;
+  constexpr int kN = V::kN;
+  __shared__ float red[32];
+  const int64_t n0 = static_cast<int64_t>(blockIdx.x) * rows_per_block;  // < N: row_blocks = ceil(N / rpb)
+  const int64_t n1 = n0 + rows_per_block < N ? n0 + rows_per_block : N;
+  const int tid = static_cast<int>(threadIdx.x), nthreads = static_cast<int>(blockDim.x);
+
+  V wv[kVecs], xc[kVecs], dc[kVecs];  // weight; this row's x and d_out
+  float acc[kVecs][kN];               // d_weight sums of this block's rows, the thread's columns
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j) {
+    const int v = tid + j * nthreads;
+#pragma unroll
+    for (int k = 0; k < kN; ++k) acc[j][k] = 0.0f;
+    if (v < nvec) {
+      const int64_t off = n0 * C + static_cast<int64_t>(v) * kN;
+      wv[j].load_ro(w + static_cast<int64_t>(v) * kN);
+      xc[j].load(x + off);
+      dc[j].load(dy + off);
+    }
+  }
+
+  for (int64_t n = n0; n < n1; ++n) {
+    // Prefetch the next row of the block (no thread has written it: d_x rows are written only after
+    // their own reduction barrier), so its loads overlap this row's reduction and stores.
+    V xn[kVecs], dn[kVecs];
+    const bool has_next = n + 1 < n1;
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {
+      const int v = tid + j * nthreads;
+      if (has_next && v < nvec) {
+        const int64_t off = (n + 1) * C + static_cast<int64_t>(v) * kN;
+        xn[j].load(x + off);
+        dn[j].load(dy + off);
+      }
+    }
+    const float r = rstd[n];
+    float dot = 0.0f;  // sum_c d_out w x; times r / C below gives mean_c(g xhat)
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {
+      const int v = tid + j * nthreads;
+      if (v < nvec) {
+#pragma unroll
+        for (int k = 0; k < kN; ++k) dot += dc[j].get(k) * wv[j].get(k) * xc[j].get(k);
+      }
+    }
+    dot = block_sum(dot, red);  // also a barrier: the block has read this row of d_out before any d_x write
+    const float mean_dot = dot * r / static_cast<float>(C);
+    T* dxr = dx + n * C;
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {
+      const int v = tid + j * nthreads;
+      if (v < nvec) {
+        V old;
+        if (accumulate) old.load(dxr + static_cast<int64_t>(v) * kN);
+        float o[kN];
+#pragma unroll
+        for (int k = 0; k < kN; ++k) {
+          const float xk = xc[j].get(k), dyk = dc[j].get(k);
+          const float xhat = xk * r;
+          float g = r * (dyk * wv[j].get(k) - xhat * mean_dot);
+          if (accumulate) g = old.get(k) + g;
+          o[k] = g;
+          acc[j][k] += dyk * (xk * r);
+        }
+        V::pack(o).store(dxr + static_cast<int64_t>(v) * kN);
+      }
+    }
+    if (has_next) {
+#pragma unroll
+      for (int j = 0; j < kVecs; ++j) xc[j] = xn[j], dc[j] = dn[j];
+    }
+  }
+
+  // partials row b: 16-byte aligned (partials base aligned, C a multiple of kN >= 4 floats).
+  float* pr = partials + static_cast<int64_t>(blockIdx.x) * C;
+#pragma unroll
+  for (int j = 0; j < kVecs; ++j) {
+    const int v = tid + j * nthreads;
+    if (v < nvec) {
+#pragma unroll
+      for (int q = 0; q < kN / 4; ++q) {
+        *reinterpret_cast<float4*>(pr + static_cast<int64_t>(v) * kN + 4 * q) =
+            make_float4(acc[j][4 * q], acc[j][4 * q + 1], acc[j][4 * q + 2], acc[j][4 * q + 3]);
+      }
+    }
+  }
 }
 
 template <class T>
@@ -132,14 +366,36 @@ __global__ void __launch_bounds__(kColThreads)
   partials[static_cast<int64_t>(blockIdx.y) * C + c] = s;
 }
 
-// d_weight[c] += sum_b partials[b, c], b in order.
-__global__ void __launch_bounds__(kColThreads)
+// d_weight[c] += sum_b partials[b, c] in a fixed order: lane l (threadIdx.y) sums b = l, l + kSumLanes,
+// ... in order; then lane 0 adds the kSumLanes lane sums in lane order. blockDim = (kSumCols,
+// kSumLanes); each warp reads kSumCols consecutive floats of one partials row (coalesced).
+__global__ void __launch_bounds__(kSumCols * kSumLanes)
     sum_partials_kernel(float* dw, const float* partials, int64_t row_blocks, int64_t C) {
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (c >= C) return;
+  __shared__ float lane_sum[kSumLanes][kSumCols];
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * kSumCols + threadIdx.x;
   float s = 0.0f;
-  for (int64_t b = 0; b < row_blocks; ++b) s += partials[b * C + c];
-  dw[c] += s;
+  if (c < C) {
+    for (int64_t b = threadIdx.y; b < row_blocks; b += kSumLanes) s += partials[b * C + c];
+  }
+  lane_sum[threadIdx.y][threadIdx.x] = s;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < C) {
+    float t = 0.0f;
+#pragma unroll
+    for (int l = 0; l < kSumLanes; ++l) t += lane_sum[l][threadIdx.x];
+    dw[c] += t;
+  }
+}
+
+bool aligned16(const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data) % 16 == 0; }
+
+// Threads per row block on the vector path for nvec vectors per row and `vecs` per thread: enough
+// threads to cover the row, rounded up to a warp; 0 when that exceeds max_threads (the row does
+// not fit in registers: use the scalar path).
+int vec_threads(int64_t nvec, int vecs, int max_threads) {
+  const int64_t t = (nvec + vecs - 1) / vecs;
+  if (t > max_threads) return 0;
+  return static_cast<int>(std::max<int64_t>(32, (t + 31) / 32 * 32));
 }
 
 void check_operands(const Tensor& y, const RmsNormSaved& saved, const Tensor& x, const Tensor& w, const char* op) {
@@ -168,8 +424,17 @@ void rmsnorm_forward(const Tensor& out, const RmsNormSaved& saved, const Tensor&
   cudaStream_t stream = current_stream(x.device.index);
   dispatch_compute(x.dtype, "rmsnorm_forward", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    rmsnorm_forward_kernel<T><<<static_cast<unsigned>(N), kRowThreads, 0, stream>>>(
-        dptr<T>(out), dptr<float>(saved.rstd), dptr<const T>(x), dptr<const T>(weight), C, static_cast<float>(eps));
+    constexpr int kN = Vec16<T>::kN;
+    const int threads = C % kN == 0 ? vec_threads(C / kN, kFwdVecs, kFwdMaxThreads) : 0;
+    if (threads > 0 && aligned16(out) && aligned16(x) && aligned16(weight)) {
+      rmsnorm_forward_vec_kernel<T, kFwdVecs><<<static_cast<unsigned>(N), threads, 0, stream>>>(
+          dptr<T>(out), dptr<float>(saved.rstd), dptr<const T>(x), dptr<const T>(weight), C,
+          static_cast<int>(C / kN), static_cast<float>(eps));
+    } else {
+      rmsnorm_forward_kernel<T><<<static_cast<unsigned>(N), kRowThreads, 0, stream>>>(
+          dptr<T>(out), dptr<float>(saved.rstd), dptr<const T>(x), dptr<const T>(weight), C,
+          static_cast<float>(eps));
+    }
     CW_KERNEL_CHECK();
   });
 }
@@ -187,31 +452,52 @@ void rmsnorm_backward(const Tensor& d_x, const Tensor& d_weight, const Tensor& d
   if (N == 0 || C == 0) return;  // nothing to add to d_weight, no d_x rows
   CW_CHECK(N <= 0x7fffffff, "rmsnorm_backward: {} rows exceed the grid", N);
 
-  // Row blocks of the d_weight partials: a function of N only (so the summation order is too).
-  const int64_t rows_per_block = std::max(kMinRowsPerBlock, (N + kMaxRowBlocks - 1) / kMaxRowBlocks);
-  const int64_t row_blocks = (N + rows_per_block - 1) / rows_per_block;
-  const unsigned col_blocks = blocks_for(C, kColThreads);
-
-  ArenaScope scope(scratch);
-  const Tensor partials = scratch.alloc(DType::f32, {row_blocks, C});
-  CW_CHECK(partials.device == x.device, "rmsnorm_backward: the scratch arena is on {} but x is on {}",
-           device_name(partials.device), device_name(x.device));
-
   cudaStream_t stream = current_stream(x.device.index);
+  const unsigned sum_blocks = blocks_for(C, kSumCols);
   dispatch_compute(x.dtype, "rmsnorm_backward", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    // d_weight first: it reads d_out and x, which d_x may alias.
-    rmsnorm_dw_partial_kernel<T><<<dim3(col_blocks, static_cast<unsigned>(row_blocks)), kColThreads, 0, stream>>>(
-        dptr<float>(partials), dptr<const T>(d_out), dptr<const T>(x), dptr<const float>(saved.rstd), N, C,
-        rows_per_block);
-    CW_KERNEL_CHECK();
-    sum_partials_kernel<<<col_blocks, kColThreads, 0, stream>>>(dptr<float>(d_weight), dptr<const float>(partials),
-                                                                row_blocks, C);
-    CW_KERNEL_CHECK();
-    rmsnorm_backward_dx_kernel<T><<<static_cast<unsigned>(N), kRowThreads, 0, stream>>>(
-        dptr<T>(d_x), dptr<const T>(d_out), dptr<const T>(x), dptr<const T>(weight), dptr<const float>(saved.rstd), C,
-        mode == GradMode::accumulate);
-    CW_KERNEL_CHECK();
+    constexpr int kN = Vec16<T>::kN;
+    constexpr int kBwdVecs = kBwdElems / kN;
+    const int threads = C % kN == 0 ? vec_threads(C / kN, kBwdVecs, kBwdMaxThreads) : 0;
+    const bool vec = threads > 0 && aligned16(d_x) && aligned16(d_out) && aligned16(x) && aligned16(weight);
+
+    // Row blocks of the d_weight partials: a function of N (and the path) only, so the summation
+    // order is too.
+    const int64_t rows_per_block =
+        vec ? std::max(kVecMinRowsPerBlock, (N + kVecTargetRowBlocks - 1) / kVecTargetRowBlocks)
+            : std::max(kMinRowsPerBlock, (N + kMaxRowBlocks - 1) / kMaxRowBlocks);
+    const int64_t row_blocks = (N + rows_per_block - 1) / rows_per_block;
+
+    ArenaScope scope(scratch);
+    const Tensor partials = scratch.alloc(DType::f32, {row_blocks, C});
+    CW_CHECK(partials.device == x.device, "rmsnorm_backward: the scratch arena is on {} but x is on {}",
+             device_name(partials.device), device_name(x.device));
+
+    if (vec && aligned16(partials)) {
+      // One pass: d_x and the partials from a single read of x and d_out.
+      rmsnorm_backward_vec_kernel<T, kBwdVecs><<<static_cast<unsigned>(row_blocks), threads, 0, stream>>>(
+          dptr<T>(d_x), dptr<float>(partials), dptr<const T>(d_out), dptr<const T>(x), dptr<const T>(weight),
+          dptr<const float>(saved.rstd), N, C, static_cast<int>(C / kN), rows_per_block,
+          mode == GradMode::accumulate);
+      CW_KERNEL_CHECK();
+      sum_partials_kernel<<<sum_blocks, dim3(kSumCols, kSumLanes), 0, stream>>>(
+          dptr<float>(d_weight), dptr<const float>(partials), row_blocks, C);
+      CW_KERNEL_CHECK();
+    } else {
+      const unsigned col_blocks = blocks_for(C, kColThreads);
+      // d_weight first: it reads d_out and x, which d_x may alias.
+      rmsnorm_dw_partial_kernel<T><<<dim3(col_blocks, static_cast<unsigned>(row_blocks)), kColThreads, 0, stream>>>(
+          dptr<float>(partials), dptr<const T>(d_out), dptr<const T>(x), dptr<const float>(saved.rstd), N, C,
+          rows_per_block);
+      CW_KERNEL_CHECK();
+      sum_partials_kernel<<<sum_blocks, dim3(kSumCols, kSumLanes), 0, stream>>>(
+          dptr<float>(d_weight), dptr<const float>(partials), row_blocks, C);
+      CW_KERNEL_CHECK();
+      rmsnorm_backward_dx_kernel<T><<<static_cast<unsigned>(N), kRowThreads, 0, stream>>>(
+          dptr<T>(d_x), dptr<const T>(d_out), dptr<const T>(x), dptr<const T>(weight), dptr<const float>(saved.rstd),
+          C, mode == GradMode::accumulate);
+      CW_KERNEL_CHECK();
+    }
   });
 }
 
