@@ -5,11 +5,20 @@
 #include "engine/ops/rope.h"
 #include "engine/ops/swiglu.h"
 
+#include <algorithm>
 #include <cmath>
+#include <vector>
 
 namespace cw {
 
-LayerActivations LayerActivations::allocate(Arena& arena, const LlamaConfig& cf, int64_t B, int64_t c, DType dt) {
+int64_t resolve_mlp_shards(int64_t requested, const LlamaConfig& cf, int64_t rows) {
+  CW_CHECK(requested >= 0, "mlp_shards must be >= 0 (0: automatic), got {}", requested);
+  const int64_t n = requested == 0 ? (cf.intermediate_size + cf.hidden_size - 1) / cf.hidden_size : requested;
+  return std::max<int64_t>(1, std::min(n, rows));
+}
+
+LayerActivations LayerActivations::allocate(Arena& arena, const LlamaConfig& cf, int64_t B, int64_t c, DType dt,
+                                            bool keep_mlp) {
   const int64_t N = B * c, C = cf.hidden_size, F = cf.intermediate_size, H = cf.num_attention_heads, D = cf.head_dim;
   const DType acc = accum_dtype(dt);
   LayerActivations a;
@@ -21,31 +30,66 @@ LayerActivations LayerActivations::allocate(Arena& arena, const LlamaConfig& cf,
   a.x_mid = arena.alloc(dt, {N, C});
   a.h2 = arena.alloc(dt, {N, C});
   a.norm2.rstd = arena.alloc(acc, {N});
-  a.gate = arena.alloc(dt, {N, F});
-  a.up = arena.alloc(dt, {N, F});
-  a.act = arena.alloc(dt, {N, F});
+  if (keep_mlp) {
+    a.gate = arena.alloc(dt, {N, F});
+    a.up = arena.alloc(dt, {N, F});
+    a.act = arena.alloc(dt, {N, F});
+  }
   return a;
 }
 
-size_t LayerActivations::bytes(const LlamaConfig& cf, int64_t B, int64_t c, DType dt) {
+size_t LayerActivations::bytes(const LlamaConfig& cf, int64_t B, int64_t c, DType dt, bool keep_mlp) {
   const int64_t N = B * c;
   const size_t e = dtype_size(dt), a = dtype_size(accum_dtype(dt));
-  return static_cast<size_t>(N) * (e * static_cast<size_t>(3 * cf.hidden_size + 2 * cf.q_dim() + 3 * cf.intermediate_size) +
+  const int64_t mlp = keep_mlp ? 3 * cf.intermediate_size : 0;
+  return static_cast<size_t>(N) * (e * static_cast<size_t>(3 * cf.hidden_size + 2 * cf.q_dim() + mlp) +
                                    a * static_cast<size_t>(2 + cf.num_attention_heads));
 }
+
+namespace {
+// Rows [r0, r1) of the MLP: gate, up and act for those rows into the given [rows, F] tensors.
+void mlp_rows_forward(const Tensor& gate, const Tensor& up, const Tensor& act, const Tensor& h2_rows,
+                      const LayerWeights& w) {
+  linear_forward(gate, h2_rows, w.w_gate);
+  linear_forward(up, h2_rows, w.w_up);
+  swiglu_forward(act, gate, up);
+}
+
+// Backward of the MLP rows given their gate/up/act: d_h rows (overwritten) from d_out rows;
+// weight gradients accumulate.
+void mlp_rows_backward(const Tensor& d_h_rows, const LayerWeights& g, const Tensor& d_out_rows, const Tensor& gate,
+                       const Tensor& up, const Tensor& act, const Tensor& h2_rows, const LayerWeights& w, Arena& s) {
+  ArenaScope scope(s);
+  const int64_t rows = gate.size(0), F = gate.size(1);
+  Tensor d_act = s.alloc(gate.dtype, {rows, F});
+  linear_backward(d_act, g.w_down, d_out_rows, act, w.w_down, GradMode::overwrite);
+  Tensor d_gate = s.alloc(gate.dtype, {rows, F}), d_up = s.alloc(gate.dtype, {rows, F});
+  swiglu_backward(d_gate, d_up, d_act, gate, up, GradMode::overwrite);
+  linear_backward(d_h_rows, g.w_gate, d_gate, h2_rows, w.w_gate, GradMode::overwrite);
+  linear_backward(d_h_rows, g.w_up, d_up, h2_rows, w.w_up, GradMode::accumulate);
+}
+
+// Row shards [bounds[i], bounds[i+1]) of N rows.
+std::vector<int64_t> row_shards(int64_t N, int64_t shards) {
+  std::vector<int64_t> b;
+  for (int64_t i = 0; i <= shards; ++i) b.push_back(N * i / shards);
+  return b;
+}
+}  // namespace
 
 void block_forward(const Tensor& x_out, LayerActivations* keep, const Tensor& x_in, const LayerWeights& w,
                    KVStore& kv, int layer, const BlockContext& ctx) {
   const LlamaConfig& cf = ctx.config;
-  const int64_t B = ctx.B, c = ctx.c, p = ctx.pos0, N = B * c, C = cf.hidden_size;
+  const int64_t B = ctx.B, c = ctx.c, p = ctx.pos0, N = B * c, C = cf.hidden_size, F = cf.intermediate_size;
   const int64_t H = cf.num_attention_heads, Hkv = cf.num_key_value_heads, D = cf.head_dim;
   const DType dt = x_in.dtype;
   check_shape(x_in, {N, C}, "block input");
   check_shape(x_out, {N, C}, "block output");
   Arena& s = ctx.scratch;
   ArenaScope scope(s);
+  const int64_t shards = resolve_mlp_shards(ctx.mlp_shards, cf, N);
   LayerActivations local;
-  LayerActivations& a = keep ? *keep : (local = LayerActivations::allocate(s, cf, B, c, dt));
+  LayerActivations& a = keep ? *keep : (local = LayerActivations::allocate(s, cf, B, c, dt, shards == 1));
 
   // Attention half.
   rmsnorm_forward(a.h1, a.norm1, x_in, w.attn_norm, cf.rms_norm_eps);
@@ -68,11 +112,21 @@ void block_forward(const Tensor& x_out, LayerActivations* keep, const Tensor& x_
 
   // MLP half.
   rmsnorm_forward(a.h2, a.norm2, a.x_mid, w.mlp_norm, cf.rms_norm_eps);
-  linear_forward(a.gate, a.h2, w.w_gate);
-  linear_forward(a.up, a.h2, w.w_up);
-  swiglu_forward(a.act, a.gate, a.up);
   Tensor m = s.alloc(dt, {N, C});
-  linear_forward(m, a.act, w.w_down);
+  if (a.gate.data) {
+    mlp_rows_forward(a.gate, a.up, a.act, a.h2, w);
+    linear_forward(m, a.act, w.w_down);
+  } else {
+    // Tiled: one shard's [rows, F] intermediates at a time.
+    const std::vector<int64_t> b = row_shards(N, shards);
+    for (size_t i = 0; i + 1 < b.size(); ++i) {
+      ArenaScope shard_scope(s);
+      const int64_t r0 = b[i], rows = b[i + 1] - b[i];
+      Tensor gate = s.alloc(dt, {rows, F}), up = s.alloc(dt, {rows, F}), act = s.alloc(dt, {rows, F});
+      mlp_rows_forward(gate, up, act, a.h2.slice(0, r0, rows), w);
+      linear_forward(m.slice(0, r0, rows), act, w.w_down);
+    }
+  }
   residual_forward(x_out, a.x_mid, m);
 }
 
@@ -87,13 +141,21 @@ void block_backward(const Tensor& d_x, const LayerWeights& g, const LayerActivat
   ArenaScope scope(s);
 
   // MLP half, in reverse. d_x holds d(x_out); the residual passes it to x_mid unchanged.
-  Tensor d_act = s.alloc(dt, {N, F});
-  linear_backward(d_act, g.w_down, d_x, a.act, w.w_down, GradMode::overwrite);
-  Tensor d_gate = s.alloc(dt, {N, F}), d_up = s.alloc(dt, {N, F});
-  swiglu_backward(d_gate, d_up, d_act, a.gate, a.up, GradMode::overwrite);
   Tensor d_h = s.alloc(dt, {N, C});
-  linear_backward(d_h, g.w_gate, d_gate, a.h2, w.w_gate, GradMode::overwrite);
-  linear_backward(d_h, g.w_up, d_up, a.h2, w.w_up, GradMode::accumulate);
+  if (a.gate.data) {
+    mlp_rows_backward(d_h, g, d_x, a.gate, a.up, a.act, a.h2, w, s);
+  } else {
+    // Tiled: recompute each shard's gate/up/act from the kept h2, then its backward.
+    const std::vector<int64_t> b = row_shards(N, resolve_mlp_shards(ctx.mlp_shards, cf, N));
+    for (size_t i = 0; i + 1 < b.size(); ++i) {
+      ArenaScope shard_scope(s);
+      const int64_t r0 = b[i], rows = b[i + 1] - b[i];
+      Tensor gate = s.alloc(dt, {rows, F}), up = s.alloc(dt, {rows, F}), act = s.alloc(dt, {rows, F});
+      const Tensor h2_rows = a.h2.slice(0, r0, rows);
+      mlp_rows_forward(gate, up, act, h2_rows, w);
+      mlp_rows_backward(d_h.slice(0, r0, rows), g, d_x.slice(0, r0, rows), gate, up, act, h2_rows, w, s);
+    }
+  }
   rmsnorm_backward(d_x, g.mlp_norm, d_h, a.norm2, a.x_mid, w.mlp_norm, GradMode::accumulate, s);  // now d(x_mid)
 
   // Attention half, in reverse.

@@ -35,10 +35,13 @@ struct LayerActivations {
   Tensor x_mid;               // [N, C]    residual stream after attention
   Tensor h2;                  // [N, C]    mlp_norm(x_mid)
   RmsNormSaved norm2;         // rstd [N]
-  Tensor gate, up, act;       // [N, F]    gate and up projections, silu(gate) * up
+  Tensor gate, up, act;       // [N, F]    gate and up projections, silu(gate) * up; undefined when the
+                              //           MLP is tiled (recomputed shard by shard in the backward)
 
-  static LayerActivations allocate(Arena& arena, const LlamaConfig& config, int64_t B, int64_t c, DType dtype);
-  static size_t bytes(const LlamaConfig& config, int64_t B, int64_t c, DType dtype);
+  // keep_mlp = false: no [N, F] tensors (a tiled MLP recomputes them per shard).
+  static LayerActivations allocate(Arena& arena, const LlamaConfig& config, int64_t B, int64_t c, DType dtype,
+                                   bool keep_mlp = true);
+  static size_t bytes(const LlamaConfig& config, int64_t B, int64_t c, DType dtype, bool keep_mlp = true);
 };
 
 // The chunk a block works on and the tables and scratch it uses.
@@ -48,7 +51,15 @@ struct BlockContext {
   const Tensor& rope_sin;
   int64_t B, c, pos0;         // batch, chunk length, position of the chunk's first token
   Arena& scratch;
+  // Tiled MLP: > 1 runs the MLP in this many row shards, so its [rows, F] intermediates exist for one
+  // shard at a time; with activations kept, gate/up/act are not kept but recomputed per shard in
+  // the backward (the MLP is row-wise, so shards are exact). 1: untiled.
+  int64_t mlp_shards = 1;
 };
+
+// The shard count `mlp_shards = 0` (automatic) means: ceil(F / C), so one shard's [rows, F]
+// intermediates are about the size of one [N, C] residual-stream tensor.
+int64_t resolve_mlp_shards(int64_t requested, const LlamaConfig& config, int64_t rows);
 
 // keep == nullptr: nothing is saved (prefill); the activations live in scratch for the call.
 void block_forward(const Tensor& x_out, LayerActivations* keep, const Tensor& x_in, const LayerWeights& w,

@@ -20,32 +20,42 @@ void LlamaModel::ensure_positions(int64_t n) {
   rope_tables(rope_cos_, rope_sin_, config_.head_dim, config_.rope_theta, config_.rope_scaling);
 }
 
-ChunkActivations ChunkActivations::allocate(Arena& arena, const LlamaConfig& cf, int64_t B, int64_t c, DType dt) {
+ChunkActivations ChunkActivations::allocate(Arena& arena, const LlamaConfig& cf, int64_t B, int64_t c, DType dt,
+                                            const ActivationPolicy& policy) {
   ChunkActivations a;
+  a.policy = policy;
   const int64_t N = B * c, C = cf.hidden_size;
+  const bool keep_mlp = resolve_mlp_shards(policy.mlp_shards, cf, N) == 1;
   for (int64_t l = 0; l <= cf.num_hidden_layers; ++l) a.stream.push_back(arena.alloc(dt, {N, C}));
-  for (int64_t l = 0; l < cf.num_hidden_layers; ++l) a.layers.push_back(LayerActivations::allocate(arena, cf, B, c, dt));
+  if (policy.keep_layers)
+    for (int64_t l = 0; l < cf.num_hidden_layers; ++l)
+      a.layers.push_back(LayerActivations::allocate(arena, cf, B, c, dt, keep_mlp));
   a.normed = arena.alloc(dt, {N, C});
   a.final_norm.rstd = arena.alloc(accum_dtype(dt), {N});
   return a;
 }
 
-size_t ChunkActivations::bytes(const LlamaConfig& cf, int64_t B, int64_t c, DType dt) {
+size_t ChunkActivations::bytes(const LlamaConfig& cf, int64_t B, int64_t c, DType dt, const ActivationPolicy& policy) {
   const size_t N = static_cast<size_t>(B * c), C = static_cast<size_t>(cf.hidden_size);
-  return static_cast<size_t>(cf.num_hidden_layers) * LayerActivations::bytes(cf, B, c, dt) +
+  const bool keep_mlp = resolve_mlp_shards(policy.mlp_shards, cf, B * c) == 1;
+  // Recomputing layers still needs one layer's activations at a time.
+  const size_t layers = policy.keep_layers ? static_cast<size_t>(cf.num_hidden_layers) : 1;
+  return layers * LayerActivations::bytes(cf, B, c, dt, keep_mlp) +
          (static_cast<size_t>(cf.num_hidden_layers) + 2) * N * C * dtype_size(dt) + N * dtype_size(accum_dtype(dt));
 }
 
 namespace {
 // Runs embedding and the blocks, leaving x_L in stream.back(); stream tensors either kept or scratch.
 void run_blocks(ChunkActivations& a, KVStore& kv, const LlamaModel& model, const ChunkTokens& chunk, bool keep,
-                Arena& scratch) {
+                Arena& scratch, int64_t mlp_shards) {
   const LlamaConfig& cf = model.config();
   const ModelWeights w = model.weights();
-  const BlockContext ctx{cf, model.rope_cos(), model.rope_sin(), chunk.B, chunk.c, chunk.pos0, scratch};
+  const BlockContext ctx{cf, model.rope_cos(), model.rope_sin(), chunk.B, chunk.c, chunk.pos0, scratch, mlp_shards};
   embedding_forward(a.stream[0], chunk.ids, w.embedding);
+  // Layer activations are kept only when the policy allocated them; otherwise just the stream is.
+  const bool keep_layers = keep && !a.layers.empty();
   for (int l = 0; l < cf.num_hidden_layers; ++l)
-    block_forward(a.stream[static_cast<size_t>(l) + 1], keep ? &a.layers[static_cast<size_t>(l)] : nullptr,
+    block_forward(a.stream[static_cast<size_t>(l) + 1], keep_layers ? &a.layers[static_cast<size_t>(l)] : nullptr,
                   a.stream[static_cast<size_t>(l)], w.layers[static_cast<size_t>(l)], kv, l, ctx);
   rmsnorm_forward(a.normed, a.final_norm, a.stream.back(), w.final_norm, cf.rms_norm_eps);
 }
@@ -63,12 +73,12 @@ void check_chunk(const LlamaModel& model, const ChunkTokens& chunk, const KVStor
 }  // namespace
 
 double forward_chunk(ChunkActivations* keep, KVStore& kv, const LlamaModel& model, const ChunkTokens& chunk,
-                     double normaliser, bool with_loss, Arena& scratch) {
+                     double normaliser, bool with_loss, Arena& scratch, int64_t mlp_shards) {
   check_chunk(model, chunk, kv);
   const LlamaConfig& cf = model.config();
   const int64_t N = chunk.B * chunk.c;
   if (keep) {
-    run_blocks(*keep, kv, model, chunk, true, scratch);
+    run_blocks(*keep, kv, model, chunk, true, scratch, keep->policy.mlp_shards);
     return 0.0;
   }
   ArenaScope scope(scratch);
@@ -78,7 +88,7 @@ double forward_chunk(ChunkActivations* keep, KVStore& kv, const LlamaModel& mode
   for (int64_t l = 0; l <= cf.num_hidden_layers; ++l) a.stream.push_back(l % 2 == 0 ? ping : pong);
   a.normed = scratch.alloc(model.dtype(), {N, cf.hidden_size});
   a.final_norm.rstd = scratch.alloc(accum_dtype(model.dtype()), {N});
-  run_blocks(a, kv, model, chunk, false, scratch);
+  run_blocks(a, kv, model, chunk, false, scratch, mlp_shards);
   if (!with_loss) return 0.0;
   CW_CHECK(chunk.labels.data, "forward_chunk with_loss needs labels");
   Tensor row_loss = scratch.alloc(accum_dtype(model.dtype()), {N});
@@ -100,7 +110,8 @@ double backward_chunk(const ParamSet& grads, const ChunkActivations& a, KVStore&
   const int64_t N = chunk.B * chunk.c;
   const ModelWeights w = model.weights();
   const ModelWeights g = grads.weights();
-  const BlockContext ctx{cf, model.rope_cos(), model.rope_sin(), chunk.B, chunk.c, chunk.pos0, scratch};
+  const BlockContext ctx{cf, model.rope_cos(), model.rope_sin(), chunk.B, chunk.c, chunk.pos0, scratch,
+                         a.policy.mlp_shards};
   ArenaScope scope(scratch);
 
   // LM head and loss, fused: the loss for reporting, the gradient scaled by loss_weight.
@@ -117,9 +128,21 @@ double backward_chunk(const ParamSet& grads, const ChunkActivations& a, KVStore&
 
   Tensor d_x = scratch.alloc(model.dtype(), {N, cf.hidden_size});
   rmsnorm_backward(d_x, g.final_norm, d_normed, a.final_norm, a.stream.back(), w.final_norm, GradMode::overwrite, scratch);
-  for (int l = cf.num_hidden_layers - 1; l >= 0; --l)
-    block_backward(d_x, g.layers[static_cast<size_t>(l)], a.layers[static_cast<size_t>(l)], a.stream[static_cast<size_t>(l)],
-                   w.layers[static_cast<size_t>(l)], kv, l, ctx);
+  const bool keep_mlp = resolve_mlp_shards(a.policy.mlp_shards, cf, N) == 1;
+  for (int l = cf.num_hidden_layers - 1; l >= 0; --l) {
+    const size_t li = static_cast<size_t>(l);
+    if (!a.layers.empty()) {
+      block_backward(d_x, g.layers[li], a.layers[li], a.stream[li], w.layers[li], kv, l, ctx);
+      continue;
+    }
+    // Checkpointed: recompute this layer's activations from its kept input, then its backward. The
+    // recompute rewrites the layer's K/V of this chunk in the store with the same values.
+    ArenaScope layer_scope(scratch);
+    LayerActivations la = LayerActivations::allocate(scratch, cf, chunk.B, chunk.c, model.dtype(), keep_mlp);
+    Tensor recomputed_out = scratch.alloc(model.dtype(), {N, cf.hidden_size});
+    block_forward(recomputed_out, &la, a.stream[li], w.layers[li], kv, l, ctx);
+    block_backward(d_x, g.layers[li], la, a.stream[li], w.layers[li], kv, l, ctx);
+  }
   embedding_backward(g.embedding, d_x, chunk.ids);
   return loss;
 }
@@ -135,7 +158,7 @@ void chunk_logits(const Tensor& logits, KVStore& kv, const LlamaModel& model, co
   for (int64_t l = 0; l <= cf.num_hidden_layers; ++l) a.stream.push_back(l % 2 == 0 ? ping : pong);
   a.normed = scratch.alloc(model.dtype(), {N, C});
   a.final_norm.rstd = scratch.alloc(accum_dtype(model.dtype()), {N});
-  run_blocks(a, kv, model, chunk, false, scratch);
+  run_blocks(a, kv, model, chunk, false, scratch, 1);
   const Tensor head = model.weights().lm_head;
   if (all_positions) {
     check_shape(logits, {N, cf.vocab_size}, "logits");

@@ -51,22 +51,37 @@ struct ChunkTokens {
   int64_t B = 0, c = 0, pos0 = 0;
 };
 
+// What a chunk's forward keeps for its backward.
+//   keep_layers = true:  every layer's activations (model/layer.h).
+//   keep_layers = false: only each layer's input (the residual stream); the backward recomputes a
+//                        layer's activations from its input just before that layer's backward
+//                        (activation checkpointing at layer granularity: L x [N, C] kept).
+//   mlp_shards:          the tiled MLP's row shards (model/layer.h BlockContext); 1 = untiled,
+//                        0 = automatic.
+struct ActivationPolicy {
+  bool keep_layers = true;
+  int64_t mlp_shards = 1;
+};
+
 struct ChunkActivations {
   std::vector<Tensor> stream;              // L+1 tensors [N, C]: stream[l] enters layer l; stream[L] = x_L
-  std::vector<LayerActivations> layers;    // L
+  std::vector<LayerActivations> layers;    // L, or empty when the policy recomputes layers
   Tensor normed;                           // [N, C] final_norm(x_L)
   RmsNormSaved final_norm;                 // rstd [N]
+  ActivationPolicy policy;
 
-  static ChunkActivations allocate(Arena& arena, const LlamaConfig& config, int64_t B, int64_t c, DType dtype);
-  static size_t bytes(const LlamaConfig& config, int64_t B, int64_t c, DType dtype);
+  static ChunkActivations allocate(Arena& arena, const LlamaConfig& config, int64_t B, int64_t c, DType dtype,
+                                   const ActivationPolicy& policy = {});
+  static size_t bytes(const LlamaConfig& config, int64_t B, int64_t c, DType dtype, const ActivationPolicy& policy = {});
 };
 
 // Rows per LM-head block: bounds the logits scratch to kLmHeadBlockRows x V.
 constexpr int64_t kLmHeadBlockRows = 256;
 
 // Returns the chunk's loss (0 unless with_loss and keep == nullptr).
+// mlp_shards applies when keep == nullptr (with keep, the activations' policy says).
 double forward_chunk(ChunkActivations* keep, KVStore& kv, const LlamaModel& model, const ChunkTokens& chunk,
-                     double normaliser, bool with_loss, Arena& scratch);
+                     double normaliser, bool with_loss, Arena& scratch, int64_t mlp_shards = 1);
 // Returns the chunk's loss. loss_weight scales the gradient (not the returned loss): SpaCO's k/t.
 double backward_chunk(const ParamSet& grads, const ChunkActivations& act, KVStore& kv, const LlamaModel& model,
                       const ChunkTokens& chunk, double normaliser, Arena& scratch, double loss_weight = 1.0);

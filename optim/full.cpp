@@ -1,5 +1,6 @@
 // The `full` schedule: plain backprop over the whole sequence, every activation kept. The reference
-// that seco must reproduce exactly; also the fastest when the sequence fits.
+// that seco must reproduce exactly; also the fastest when the sequence fits. `checkpointed` is the
+// same pass keeping only each layer's input and recomputing each layer before its backward.
 #include "optim/schedules_impl.h"
 
 namespace cw {
@@ -11,13 +12,17 @@ KVStore& step_store(std::optional<KVStore>& store, const LlamaModel& model, int6
   return *store;
 }
 
+ActivationPolicy activation_policy(const ScheduleOptions& o) {
+  return {!(o.name == "checkpointed" && o.recompute == "full"), o.mlp_shards};
+}
+
 double prefill(KVStore& kv, const LlamaModel& model, const Batch& batch, const std::vector<int64_t>& bounds,
-               double normaliser, bool with_loss, Arena& arena) {
+               double normaliser, bool with_loss, Arena& arena, int64_t mlp_shards) {
   double loss = 0;
   for (size_t i = 0; i + 1 < bounds.size(); ++i) {
     ArenaScope scope(arena);
     const ChunkTokens chunk = slice_chunk(batch, bounds[i], bounds[i + 1], arena);
-    loss += forward_chunk(nullptr, kv, model, chunk, normaliser, with_loss, arena);
+    loss += forward_chunk(nullptr, kv, model, chunk, normaliser, with_loss, arena, mlp_shards);
   }
   return loss;
 }
@@ -27,10 +32,11 @@ double step_normaliser(const Batch& batch, double given) {
 }
 
 double backprop_chunk(KVStore& kv, const LlamaModel& model, const Batch& batch, int64_t t0, int64_t t1,
-                      const ParamSet& grads, double normaliser, Arena& arena, double loss_weight) {
+                      const ParamSet& grads, double normaliser, Arena& arena, const ActivationPolicy& policy,
+                      double loss_weight) {
   ArenaScope scope(arena);
   const ChunkTokens chunk = slice_chunk(batch, t0, t1, arena);
-  ChunkActivations act = ChunkActivations::allocate(arena, model.config(), batch.B(), chunk.c, model.dtype());
+  ChunkActivations act = ChunkActivations::allocate(arena, model.config(), batch.B(), chunk.c, model.dtype(), policy);
   forward_chunk(&act, kv, model, chunk, normaliser, false, arena);
   return backward_chunk(grads, act, kv, model, chunk, normaliser, arena, loss_weight);
 }
@@ -47,7 +53,7 @@ class FullSchedule : public Schedule {
     model.ensure_positions(batch.T());
     KVStore& kv = step_store(store_, model, batch.B(), batch.T());
     arena_.reset_high_water();
-    st.loss = backprop_chunk(kv, model, batch, 0, batch.T(), grads, norm, arena_);
+    st.loss = backprop_chunk(kv, model, batch, 0, batch.T(), grads, norm, arena_, activation_policy(options_));
     st.chunks = st.chunks_visited = 1;
     st.activation_high_water = arena_.high_water();
     st.kv_bytes = kv.bytes();

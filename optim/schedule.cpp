@@ -45,8 +45,11 @@ Batch random_batch(int64_t B, int64_t T, int64_t vocab, uint64_t seed) {
 }
 
 void ScheduleOptions::validate() const {
-  if (name != "full" && name != "seco" && name != "spaco")
-    fail(fmt::format("unknown schedule '{}'", name), "use full, seco or spaco");
+  if (name != "full" && name != "checkpointed" && name != "seco" && name != "spaco")
+    fail(fmt::format("unknown schedule '{}'", name), "use full, checkpointed, seco or spaco");
+  if (recompute != "full" && recompute != "none")
+    fail(fmt::format("unknown schedule.recompute '{}'", recompute), "use full (keep layer inputs only) or none");
+  if (mlp_shards < 0) fail(fmt::format("schedule.mlp_shards must be >= 0 (0: automatic), got {}", mlp_shards));
   if (chunk < 0) fail(fmt::format("schedule.chunk must be >= 0, got {}", chunk));
   if (bwd_chunk < 0) fail(fmt::format("schedule.bwd_chunk must be >= 0, got {}", bwd_chunk));
   if (keep < 0) fail(fmt::format("schedule.keep must be >= 0, got {}", keep));
@@ -82,7 +85,7 @@ ChunkTokens slice_chunk(const Batch& batch, int64_t t0, int64_t t1, Arena& arena
 
 std::unique_ptr<Schedule> Schedule::create(const ScheduleOptions& o) {
   o.validate();
-  if (o.name == "full") return make_full_schedule(o);
+  if (o.name == "full" || o.name == "checkpointed") return make_full_schedule(o);
   if (o.name == "seco") return make_seco_schedule(o);
   return make_spaco_schedule(o);
 }
@@ -94,6 +97,6 @@ double batch_loss(const LlamaModel& model, const Batch& batch, int64_t chunk, Ar
   const double norm = normaliser > 0 ? normaliser : std::max<double>(1.0, static_cast<double>(batch.supervised()));
   const_cast<LlamaModel&>(model).ensure_positions(batch.T());
   KVStore kv(model.config(), batch.B(), batch.T(), model.dtype(), false);
-  return prefill(kv, model, batch, chunk_bounds(batch.T(), chunk), norm, true, arena);
+  return prefill(kv, model, batch, chunk_bounds(batch.T(), chunk), norm, true, arena, 1);
 }
 }  // namespace cw

@@ -4,6 +4,8 @@
 // ADDS the gradient of the batch's mean loss into `grads` (so micro-batches accumulate), returning the
 // loss. They differ only in what they keep and what they recompute:
 //   full    one chunk covering the sequence, every activation kept, one backward. The reference.
+//   checkpointed  one chunk covering the sequence keeping only each layer's input (recompute =
+//           full): each layer is recomputed just before its backward. Exact, like full.
 //   seco    Sequential Chunk-wise Optimization: prefill all chunks keeping only K/V, then for the
 //           chunks last to first recompute one chunk and backprop it, relaying dK/dV to earlier
 //           tokens through the store's accumulators. Exact: equal to `full` up to rounding.
@@ -39,7 +41,9 @@ Batch window_batch(const std::vector<uint32_t>& windows, int64_t B, int64_t T);
 Batch random_batch(int64_t B, int64_t T, int64_t vocab, uint64_t seed);
 
 struct ScheduleOptions {
-  std::string name = "full";    // full | seco | spaco
+  std::string name = "full";    // full | checkpointed | seco | spaco
+  std::string recompute = "full";  // checkpointed: full (keep layer inputs only) | none (keep everything)
+  int64_t mlp_shards = 1;       // tiled MLP row shards, any schedule: 1 untiled, 0 automatic (ceil(F / C))
   int64_t chunk = 0;            // prefill chunk length (seco, spaco); 0: the whole sequence
   int64_t bwd_chunk = 0;        // reverse-sweep chunk length; 0: same as chunk
   // spaco

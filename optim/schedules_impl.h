@@ -17,7 +17,11 @@ KVStore& step_store(std::optional<KVStore>& store, const LlamaModel& model, int6
 // Prefill: every chunk of `bounds` forward, nothing kept but K/V. Returns the summed loss when
 // with_loss (spaco reports the whole batch's loss although it backprops only some chunks).
 double prefill(KVStore& kv, const LlamaModel& model, const Batch& batch, const std::vector<int64_t>& bounds,
-               double normaliser, bool with_loss, Arena& arena);
+               double normaliser, bool with_loss, Arena& arena, int64_t mlp_shards);
+
+// The activation policy a schedule's options ask for (checkpointed with recompute = full keeps
+// layer inputs only; every schedule may tile the MLP).
+ActivationPolicy activation_policy(const ScheduleOptions& o);
 
 // The step's loss normaliser: the caller's total over micro-batches, else the batch's own count of
 // supervised labels (at least 1, so a batch with none gives loss 0 and no gradient).
@@ -28,6 +32,7 @@ double step_normaliser(const Batch& batch, double given);
 // gradients into `grads` and K/V gradients into the store. Returns the chunk's loss. Everything it
 // allocates is released on return. loss_weight scales the gradient (spaco's k/t).
 double backprop_chunk(KVStore& kv, const LlamaModel& model, const Batch& batch, int64_t t0, int64_t t1,
-                      const ParamSet& grads, double normaliser, Arena& arena, double loss_weight = 1.0);
+                      const ParamSet& grads, double normaliser, Arena& arena, const ActivationPolicy& policy,
+                      double loss_weight = 1.0);
 
 }  // namespace cw

@@ -30,10 +30,11 @@ class SecoSchedule : public Schedule {
     model.ensure_positions(T);
     KVStore& kv = step_store(store_, model, B, T);
     arena_.reset_high_water();
-    prefill(kv, model, batch, chunk_bounds(T, options_.chunk), norm, false, arena_);
+    prefill(kv, model, batch, chunk_bounds(T, options_.chunk), norm, false, arena_, options_.mlp_shards);
     const std::vector<int64_t> bounds = chunk_bounds(T, options_.bwd_chunk > 0 ? options_.bwd_chunk : options_.chunk);
     for (size_t i = bounds.size() - 1; i-- > 0;) {
-      st.loss += backprop_chunk(kv, model, batch, bounds[i], bounds[i + 1], grads, norm, arena_);
+      st.loss += backprop_chunk(kv, model, batch, bounds[i], bounds[i + 1], grads, norm, arena_,
+                                activation_policy(options_));
       kv.release_from(bounds[i]);
     }
     st.chunks = st.chunks_visited = static_cast<int64_t>(bounds.size()) - 1;

@@ -67,7 +67,7 @@ class SpacoSchedule : public Schedule {
     model.ensure_positions(T);
     KVStore& kv = step_store(store_, model, B, T);
     arena_.reset_high_water();
-    st.loss = prefill(kv, model, batch, chunk_bounds(T, options_.chunk), norm, true, arena_);
+    st.loss = prefill(kv, model, batch, chunk_bounds(T, options_.chunk), norm, true, arena_, options_.mlp_shards);
 
     const std::vector<int64_t> bounds = chunk_bounds(T, options_.bwd_chunk > 0 ? options_.bwd_chunk : options_.chunk);
     const int64_t k = static_cast<int64_t>(bounds.size()) - 1;
@@ -95,7 +95,8 @@ class SpacoSchedule : public Schedule {
           }
         }
       }
-      backprop_chunk(kv, model, batch, s, e, grads, norm, arena_, weight[static_cast<size_t>(i)]);
+      backprop_chunk(kv, model, batch, s, e, grads, norm, arena_, activation_policy(options_),
+                     weight[static_cast<size_t>(i)]);
       kv.release_from(s);
       later_visited = true;
     }

@@ -19,7 +19,10 @@
 namespace {
 
 void add_schedule_options(CLI::App* app, cw::ScheduleOptions& s) {
-  app->add_option("--schedule", s.name, "full | seco | spaco")->capture_default_str();
+  app->add_option("--schedule", s.name, "full | checkpointed | seco | spaco")->capture_default_str();
+  app->add_option("--recompute", s.recompute, "checkpointed: full (keep layer inputs only) | none")
+      ->capture_default_str();
+  app->add_option("--mlp-shards", s.mlp_shards, "tiled MLP row shards (1: untiled, 0: automatic)")->capture_default_str();
   app->add_option("--chunk", s.chunk, "prefill chunk length in tokens (seco, spaco); 0: whole sequence")
       ->capture_default_str();
   app->add_option("--bwd-chunk", s.bwd_chunk, "reverse-sweep chunk length; 0: same as --chunk")->capture_default_str();

@@ -230,3 +230,55 @@ TEST_CASE("seco activation memory is bounded by one chunk, whatever T") {
   const StepStats big = Schedule::create(full)->step(model, random_batch(1, 256, cfg.vocab_size, 19), g);
   CHECK(big.activation_high_water > 10 * first);
 }
+
+TEST_CASE("checkpointed and tiled-MLP schedules equal full backprop in fp64; they keep less") {
+  const LlamaConfig cfg = LlamaConfig::preset("tiny");  // F = 40, C = 24: automatic shards = 2
+  LlamaModel model(cfg, DType::f64);
+  init_parameters(model.params(), 31, cfg.initializer_range, 0.1);
+  Batch batch = random_batch(2, 24, cfg.vocab_size, 32);
+  for (int64_t i = 0; i < 2 * 24; i += 5) batch.labels.tensor.ptr<int32_t>()[i] = kIgnoreLabel;
+  ParamSet g_full(cfg, DType::f64);
+  const Result rf = run(ScheduleOptions{}, model, batch, g_full);
+  struct Variant {
+    const char* name;
+    ScheduleOptions o;
+  };
+  auto opts = [](const char* name, int64_t shards, int64_t chunk = 0) {
+    ScheduleOptions o;
+    o.name = name;
+    o.mlp_shards = shards;
+    o.chunk = chunk;
+    return o;
+  };
+  const Variant variants[] = {
+      {"checkpointed (layer inputs only)", opts("checkpointed", 1)},
+      {"checkpointed + tiled MLP, 3 shards", opts("checkpointed", 3)},
+      {"full + tiled MLP, automatic shards", opts("full", 0)},
+      {"full + tiled MLP, 7 shards (uneven)", opts("full", 7)},
+      {"seco + tiled MLP, 2 shards", opts("seco", 2, 7)},
+  };
+  for (const Variant& v : variants) {
+    INFO(std::string(v.name));
+    ParamSet g(cfg, DType::f64);
+    const Result r = run(v.o, model, batch, g);
+    std::string report;
+    const double rel = max_rel(g, g_full, &report);
+    MESSAGE(std::string(v.name), ": max_rel_err=", rel, " (", report, "), activation high-water ",
+            r.stats.activation_high_water, " bytes vs full ", rf.stats.activation_high_water);
+    CHECK(rel <= test::kSameMathF64Tol);
+    CHECK(std::abs(r.loss - rf.loss) <= kLossTol * rf.loss);
+  }
+  // What they keep: checkpointing drops every layer's activations but one at a time; tiling drops
+  // the [N, F] intermediates. Measured at a length where activations dominate the arena.
+  const Batch longer = random_batch(1, 256, cfg.vocab_size, 33);
+  ParamSet g(cfg, DType::f64);
+  const size_t full_hw = run(ScheduleOptions{}, model, longer, g).stats.activation_high_water;
+  const size_t ckpt_hw = run(opts("checkpointed", 1), model, longer, g).stats.activation_high_water;
+  const size_t tiled_hw = run(opts("full", 4), model, longer, g).stats.activation_high_water;
+  MESSAGE("T=256 activation high-water: full ", full_hw, ", checkpointed ", ckpt_hw, ", tiled MLP x4 ", tiled_hw);
+  CHECK(ckpt_hw < full_hw);
+  CHECK(tiled_hw < full_hw);
+  ScheduleOptions bad;
+  bad.recompute = "selective-ish";
+  CHECK_THROWS_AS(bad.validate(), Error);
+}

@@ -59,6 +59,8 @@ std::vector<Field> fields_of(RunConfig& c) {
       {"schedule", "scale_relay", &c.schedule.scale_relay},
       {"schedule", "relay_cap", &c.schedule.relay_cap},
       {"schedule", "drop_relay", &c.schedule.drop_relay},
+      {"schedule", "recompute", &c.schedule.recompute},
+      {"schedule", "mlp_shards", &c.schedule.mlp_shards},
       {"optimizer", "lr", &c.optimizer.lr},
       {"optimizer", "min_lr", &c.optimizer.min_lr},
       {"optimizer", "warmup_steps", &c.optimizer.warmup_steps},
@@ -502,7 +504,9 @@ void RunConfig::validate() const {
   check_seed("data.seed", data.seed);
   check(!data.tokenizer.empty(), "data.tokenizer", "must not be empty", "e.g. tokenizer = \"bytes\"");
 
-  check_one_of("schedule.name", schedule.name, {"full", "seco", "spaco"});
+  check_one_of("schedule.name", schedule.name, {"full", "checkpointed", "seco", "spaco"});
+  check_one_of("schedule.recompute", schedule.recompute, {"full", "none"});
+  check(schedule.mlp_shards >= 0, "schedule.mlp_shards", fmt::format("must be >= 0 (0: automatic), got {}", schedule.mlp_shards));
   check(schedule.chunk >= 0, "schedule.chunk", fmt::format("must be >= 0, got {}", schedule.chunk));
   check(schedule.bwd_chunk >= 0, "schedule.bwd_chunk", fmt::format("must be >= 0, got {}", schedule.bwd_chunk));
   check(schedule.keep >= 0, "schedule.keep", fmt::format("must be >= 0, got {}", schedule.keep));
@@ -585,6 +589,8 @@ ScheduleOptions RunConfig::schedule_options() const {
   o.scale_relay = schedule.scale_relay;
   o.relay_cap = schedule.relay_cap;
   o.drop_relay = schedule.drop_relay;
+  o.recompute = schedule.recompute;
+  o.mlp_shards = schedule.mlp_shards;
   return o;
 }
 
@@ -658,8 +664,9 @@ seed = 1
 tokenizer = "bytes"
 
 [schedule]
-# How gradients are computed: full (everything kept) | seco (exact, chunk by chunk, keeping only
-# K/V) | spaco (seco visiting a sample of the chunks on the way back).
+# How gradients are computed: full (everything kept) | checkpointed (layer inputs kept, each layer
+# recomputed before its backward) | seco (exact, chunk by chunk, keeping only K/V) | spaco (seco
+# visiting a sample of the chunks on the way back).
 name = "seco"
 # Prefill chunk length (0: the whole sequence) and reverse-sweep chunk length (0: same as chunk).
 chunk = 64
@@ -673,6 +680,11 @@ scale_loss = true
 scale_relay = false
 relay_cap = 0.0
 drop_relay = false
+# checkpointed: what is recomputed (full: everything but each layer's input; none: nothing). Any
+# schedule: the MLP in row shards, its [rows, F] intermediates recomputed per shard (1: untiled,
+# 0: automatic, ceil(F / hidden)).
+recompute = "full"
+mlp_shards = 1
 
 [optimizer]
 # AdamW. The rate rises linearly from 0 over warmup_steps to lr, then decays to min_lr by the last

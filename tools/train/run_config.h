@@ -59,6 +59,8 @@ struct RunConfig {
     bool scale_relay = false;
     double relay_cap = 0.0;
     bool drop_relay = false;
+    std::string recompute = "full";       // checkpointed: full (keep layer inputs only) | none
+    int64_t mlp_shards = 1;               // tiled MLP row shards: 1 untiled, 0 automatic
     bool operator==(const Schedule&) const = default;
   };
   struct Optimizer {

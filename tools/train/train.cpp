@@ -86,9 +86,10 @@ double planned_bytes(const LlamaConfig& c, DType dt, const RunConfig& rc) {
   const double params = static_cast<double>(c.parameter_count());
   const int64_t B = rc.data.batch_size, T = rc.data.seq_len;
   const ScheduleOptions so = rc.schedule_options();
-  int64_t chunk = so.name == "full" ? T : std::max(so.chunk, so.bwd_chunk);
+  int64_t chunk = (so.name == "full" || so.name == "checkpointed") ? T : std::max(so.chunk, so.bwd_chunk);
   if (chunk <= 0 || chunk > T) chunk = T;
-  const double acts = static_cast<double>(ChunkActivations::bytes(c, B, chunk, dt));
+  const ActivationPolicy policy{!(so.name == "checkpointed" && so.recompute == "full"), so.mlp_shards};
+  const double acts = static_cast<double>(ChunkActivations::bytes(c, B, chunk, dt, policy));
   const double kv = static_cast<double>(c.num_hidden_layers * B * T * c.kv_dim()) * 2 * (e + a);
   const double scratch = static_cast<double>(kLmHeadBlockRows * c.vocab_size) * e +
                          static_cast<double>(B * chunk * (2 * c.hidden_size + 3 * c.intermediate_size)) * e;
