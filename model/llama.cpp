@@ -60,6 +60,28 @@ void run_blocks(ChunkActivations& a, KVStore& kv, const LlamaModel& model, const
   rmsnorm_forward(a.normed, a.final_norm, a.stream.back(), w.final_norm, cf.rms_norm_eps);
 }
 
+// Activations for a forward that keeps nothing, in scratch: the blocks ping-pong between two
+// residual-stream buffers, plus the final norm's output and statistics.
+ChunkActivations transient_activations(const LlamaModel& model, int64_t N, Arena& scratch) {
+  const LlamaConfig& cf = model.config();
+  ChunkActivations a;
+  const Tensor ping = scratch.alloc(model.dtype(), {N, cf.hidden_size});
+  const Tensor pong = scratch.alloc(model.dtype(), {N, cf.hidden_size});
+  for (int64_t l = 0; l <= cf.num_hidden_layers; ++l) a.stream.push_back(l % 2 == 0 ? ping : pong);
+  a.normed = scratch.alloc(model.dtype(), {N, cf.hidden_size});
+  a.final_norm.rstd = scratch.alloc(accum_dtype(model.dtype()), {N});
+  return a;
+}
+
+// The sum of per-row losses (any float dtype), accumulated in f64.
+double sum_rows(const Tensor& row_loss) {
+  OwnedTensor row64 = OwnedTensor::of_shape(DType::f64, std::vector<int64_t>{row_loss.numel()});
+  copy_convert(row64, row_loss);
+  double sum = 0;
+  for (int64_t n = 0; n < row_loss.numel(); ++n) sum += row64.tensor.ptr<double>()[n];
+  return sum;
+}
+
 void check_chunk(const LlamaModel& model, const ChunkTokens& chunk, const KVStore& kv) {
   const int64_t N = chunk.B * chunk.c;
   check_shape(chunk.ids, {N}, "chunk ids");
@@ -75,30 +97,20 @@ void check_chunk(const LlamaModel& model, const ChunkTokens& chunk, const KVStor
 double forward_chunk(ChunkActivations* keep, KVStore& kv, const LlamaModel& model, const ChunkTokens& chunk,
                      double normaliser, bool with_loss, Arena& scratch, int64_t mlp_shards) {
   check_chunk(model, chunk, kv);
-  const LlamaConfig& cf = model.config();
   const int64_t N = chunk.B * chunk.c;
   if (keep) {
     run_blocks(*keep, kv, model, chunk, true, scratch, keep->policy.mlp_shards);
     return 0.0;
   }
   ArenaScope scope(scratch);
-  // Without keep, only two residual-stream buffers are needed: blocks ping-pong between them.
-  ChunkActivations a;
-  Tensor ping = scratch.alloc(model.dtype(), {N, cf.hidden_size}), pong = scratch.alloc(model.dtype(), {N, cf.hidden_size});
-  for (int64_t l = 0; l <= cf.num_hidden_layers; ++l) a.stream.push_back(l % 2 == 0 ? ping : pong);
-  a.normed = scratch.alloc(model.dtype(), {N, cf.hidden_size});
-  a.final_norm.rstd = scratch.alloc(accum_dtype(model.dtype()), {N});
+  ChunkActivations a = transient_activations(model, N, scratch);
   run_blocks(a, kv, model, chunk, false, scratch, mlp_shards);
   if (!with_loss) return 0.0;
   CW_CHECK(chunk.labels.data, "forward_chunk with_loss needs labels");
   Tensor row_loss = scratch.alloc(accum_dtype(model.dtype()), {N});
   lm_head_loss_forward(row_loss, LmHeadSaved{}, a.normed, model.weights().lm_head, chunk.labels, normaliser, scratch,
                        kLmHeadBlockRows);
-  double loss = 0;
-  OwnedTensor row64(DType::f64, {N});
-  copy_convert(row64, row_loss);
-  for (int64_t n = 0; n < N; ++n) loss += row64.tensor.ptr<double>()[n];
-  return loss;
+  return sum_rows(row_loss);
 }
 
 double backward_chunk(const ParamSet& grads, const ChunkActivations& a, KVStore& kv, const LlamaModel& model,
@@ -120,11 +132,8 @@ double backward_chunk(const ParamSet& grads, const ChunkActivations& a, KVStore&
   const double grad_normaliser = normaliser / loss_weight;
   lm_head_loss_fused(row_loss, d_normed, g.lm_head, a.normed, w.lm_head, chunk.labels, grad_normaliser,
                      GradMode::overwrite, scratch, kLmHeadBlockRows);
-  OwnedTensor row64(DType::f64, {N});
-  copy_convert(row64, row_loss);
-  double loss = 0;
-  for (int64_t n = 0; n < N; ++n) loss += row64.tensor.ptr<double>()[n];
-  loss *= loss_weight;  // row_loss was divided by grad_normaliser; report the unweighted loss
+  // row_loss was divided by grad_normaliser; report the unweighted loss.
+  const double loss = sum_rows(row_loss) * loss_weight;
 
   Tensor d_x = scratch.alloc(model.dtype(), {N, cf.hidden_size});
   rmsnorm_backward(d_x, g.final_norm, d_normed, a.final_norm, a.stream.back(), w.final_norm, GradMode::overwrite, scratch);
@@ -153,11 +162,7 @@ void chunk_logits(const Tensor& logits, KVStore& kv, const LlamaModel& model, co
   const LlamaConfig& cf = model.config();
   const int64_t N = chunk.B * chunk.c, C = cf.hidden_size;
   ArenaScope scope(scratch);
-  ChunkActivations a;
-  Tensor ping = scratch.alloc(model.dtype(), {N, C}), pong = scratch.alloc(model.dtype(), {N, C});
-  for (int64_t l = 0; l <= cf.num_hidden_layers; ++l) a.stream.push_back(l % 2 == 0 ? ping : pong);
-  a.normed = scratch.alloc(model.dtype(), {N, C});
-  a.final_norm.rstd = scratch.alloc(accum_dtype(model.dtype()), {N});
+  ChunkActivations a = transient_activations(model, N, scratch);
   run_blocks(a, kv, model, chunk, false, scratch, 1);
   const Tensor head = model.weights().lm_head;
   if (all_positions) {
