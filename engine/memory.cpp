@@ -77,7 +77,8 @@ OwnedTensor OwnedTensor::on(Device device, DType dtype, std::initializer_list<in
 Arena::Arena(size_t block_bytes, size_t max_bytes) : block_bytes_(block_bytes), max_bytes_(max_bytes) {}
 
 Arena::Arena(Device device, size_t block_bytes, size_t max_bytes)
-    : block_bytes_(block_bytes), max_bytes_(max_bytes), device_(device) {}
+    : block_bytes_(block_bytes != 0 ? block_bytes : (device.is_cpu() ? size_t(64) << 20 : size_t(256) << 20)),
+      max_bytes_(max_bytes), device_(device) {}
 
 void* Arena::alloc_bytes(size_t bytes) {
   const size_t need = round_up(bytes == 0 ? 1 : bytes);

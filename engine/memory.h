@@ -75,7 +75,10 @@ class Arena {
   // block_bytes: size of each block the arena adds; max_bytes: 0 = unbounded.
   explicit Arena(size_t block_bytes = size_t(64) << 20, size_t max_bytes = 0);
   // An arena of device memory (blocks from the GPU's caching pool).
-  explicit Arena(Device device, size_t block_bytes = size_t(64) << 20, size_t max_bytes = 0);
+  // block_bytes 0: 64 MiB on the host, 256 MiB on a GPU (a long chunk's [N, F] tensors are hundreds
+  // of MiB, and a request that does not fit the current block's tail leaves that tail unused until
+  // the next reset).
+  explicit Arena(Device device, size_t block_bytes = 0, size_t max_bytes = 0);
   Device device() const { return device_; }
 
   Tensor alloc(DType dtype, std::initializer_list<int64_t> shape);

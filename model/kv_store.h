@@ -26,7 +26,10 @@ namespace cw {
 
 class KVStore {
  public:
-  KVStore(const LlamaConfig& config, int64_t batch, int64_t tokens, DType dtype, bool with_grads);
+  // device: where the buffers live (host memory, or one GPU's: the GPU backend keeps the whole store
+  // on the device; bf16 K/V with f32 gradients under the GPU precision policy).
+  KVStore(const LlamaConfig& config, int64_t batch, int64_t tokens, DType dtype, bool with_grads,
+          Device device = Device::host());
 
   Tensor keys(int layer, int64_t t0, int64_t t1) const { return view(k_, layer, t0, t1); }
   Tensor values(int layer, int64_t t0, int64_t t1) const { return view(v_, layer, t0, t1); }
@@ -41,6 +44,7 @@ class KVStore {
   int64_t tokens() const { return T_; }
   bool has_grads() const { return !dk_.empty(); }
   DType dtype() const { return dtype_; }
+  Device device() const { return device_; }
   DType grad_dtype() const { return accum_dtype(dtype_); }
   size_t bytes() const;          // all buffers
   size_t bytes_per_token() const;
@@ -50,6 +54,7 @@ class KVStore {
 
   int64_t L_, B_, T_, Hkv_, D_;
   DType dtype_;
+  Device device_;
   int64_t live_end_;
   std::vector<HostBuffer> k_, v_, dk_, dv_;
 };

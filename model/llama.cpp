@@ -1,13 +1,16 @@
 #include "model/llama.h"
 
+#include "engine/cuda/runtime.h"
 #include "engine/ops/embedding.h"
 #include "engine/ops/linear.h"
 #include "engine/ops/lm_head_loss.h"
 #include "engine/ops/rmsnorm.h"
+#include "engine/ops/rope.h"
 
 namespace cw {
 
-LlamaModel::LlamaModel(const LlamaConfig& config, DType dtype) : config_(config), dtype_(dtype), params_(config, dtype) {
+LlamaModel::LlamaModel(const LlamaConfig& config, DType dtype, Device device)
+    : config_(config), dtype_(dtype), device_(device), params_(config, dtype, device) {
   config_.validate("model config");
   ensure_positions(256);
 }
@@ -15,21 +18,54 @@ LlamaModel::LlamaModel(const LlamaConfig& config, DType dtype) : config_(config)
 void LlamaModel::ensure_positions(int64_t n) {
   if (rope_cos_.tensor.ndim == 2 && rope_cos_.tensor.size(0) >= n) return;
   const int64_t half = config_.head_dim / 2;
-  rope_cos_ = OwnedTensor(dtype_, {n, half});
-  rope_sin_ = OwnedTensor(dtype_, {n, half});
-  rope_tables(rope_cos_, rope_sin_, config_.head_dim, config_.rope_theta, config_.rope_scaling);
+  if (device_.is_cpu()) {
+    rope_cos_ = OwnedTensor(dtype_, {n, half});
+    rope_sin_ = OwnedTensor(dtype_, {n, half});
+    rope_tables(rope_cos_, rope_sin_, config_.head_dim, config_.rope_theta, config_.rope_scaling);
+    return;
+  }
+  // GPU: computed on the host in f64, stored as f32 whatever the compute dtype.
+  OwnedTensor cos_host(DType::f64, {n, half}), sin_host(DType::f64, {n, half});
+  rope_tables(cos_host, sin_host, config_.head_dim, config_.rope_theta, config_.rope_scaling);
+  rope_cos_ = OwnedTensor::on(device_, DType::f32, {n, half});
+  rope_sin_ = OwnedTensor::on(device_, DType::f32, {n, half});
+  copy_convert(rope_cos_, cos_host);
+  copy_convert(rope_sin_, sin_host);
 }
+
+// Pinned host buffers for layer inputs [0, L), and the ticket of each buffer's last side-stream copy.
+struct OffloadedInputs {
+  int device = 0;
+  size_t bytes = 0;  // of one [N, C] layer input
+  std::vector<void*> host;
+  std::vector<uint64_t> to_host;  // ticket of the copy device -> host of layer l's input (0: none)
+  ~OffloadedInputs() {
+    for (void* p : host) gpu::pinned_free(p);
+  }
+};
 
 ChunkActivations ChunkActivations::allocate(Arena& arena, const LlamaConfig& cf, int64_t B, int64_t c, DType dt,
                                             const ActivationPolicy& policy) {
   ChunkActivations a;
   a.policy = policy;
-  const int64_t N = B * c, C = cf.hidden_size;
-  const bool keep_mlp = resolve_mlp_shards(policy.mlp_shards, cf, N) == 1;
-  for (int64_t l = 0; l <= cf.num_hidden_layers; ++l) a.stream.push_back(arena.alloc(dt, {N, C}));
+  const int64_t N = B * c, C = cf.hidden_size, L = cf.num_hidden_layers;
+  const bool keep_mlp = resolve_mlp_shards(policy.mlp_shards, cf, N) == 1 && !policy.recompute_mlp;
+  if (policy.offload_inputs) {
+    CW_CHECK(!policy.keep_layers && !arena.device().is_cpu(),
+             "offloading layer inputs needs a GPU and a policy that keeps only layer inputs");
+    const Tensor ping = arena.alloc(dt, {N, C}), pong = arena.alloc(dt, {N, C});
+    for (int64_t l = 0; l < L; ++l) a.stream.push_back(l % 2 == 0 ? ping : pong);
+    a.stream.push_back(arena.alloc(dt, {N, C}));  // x_L stays on the device for the final norm
+    a.offloaded = std::make_shared<OffloadedInputs>();
+    a.offloaded->device = arena.device().index;
+    a.offloaded->bytes = ping.bytes();
+    for (int64_t l = 0; l < L; ++l) a.offloaded->host.push_back(gpu::pinned_alloc(ping.bytes()));
+    a.offloaded->to_host.assign(static_cast<size_t>(L), 0);
+  } else {
+    for (int64_t l = 0; l <= L; ++l) a.stream.push_back(arena.alloc(dt, {N, C}));
+  }
   if (policy.keep_layers)
-    for (int64_t l = 0; l < cf.num_hidden_layers; ++l)
-      a.layers.push_back(LayerActivations::allocate(arena, cf, B, c, dt, keep_mlp));
+    for (int64_t l = 0; l < L; ++l) a.layers.push_back(LayerActivations::allocate(arena, cf, B, c, dt, keep_mlp));
   a.normed = arena.alloc(dt, {N, C});
   a.final_norm.rstd = arena.alloc(accum_dtype(dt), {N});
   return a;
@@ -37,11 +73,12 @@ ChunkActivations ChunkActivations::allocate(Arena& arena, const LlamaConfig& cf,
 
 size_t ChunkActivations::bytes(const LlamaConfig& cf, int64_t B, int64_t c, DType dt, const ActivationPolicy& policy) {
   const size_t N = static_cast<size_t>(B * c), C = static_cast<size_t>(cf.hidden_size);
-  const bool keep_mlp = resolve_mlp_shards(policy.mlp_shards, cf, B * c) == 1;
+  const bool keep_mlp = resolve_mlp_shards(policy.mlp_shards, cf, B * c) == 1 && !policy.recompute_mlp;
   // Recomputing layers still needs one layer's activations at a time.
   const size_t layers = policy.keep_layers ? static_cast<size_t>(cf.num_hidden_layers) : 1;
-  return layers * LayerActivations::bytes(cf, B, c, dt, keep_mlp) +
-         (static_cast<size_t>(cf.num_hidden_layers) + 2) * N * C * dtype_size(dt) + N * dtype_size(accum_dtype(dt));
+  const size_t streams = policy.offload_inputs ? 3 : static_cast<size_t>(cf.num_hidden_layers) + 1;
+  return layers * LayerActivations::bytes(cf, B, c, dt, keep_mlp) + (streams + 1) * N * C * dtype_size(dt) +
+         N * dtype_size(accum_dtype(dt));
 }
 
 namespace {
@@ -54,9 +91,18 @@ void run_blocks(ChunkActivations& a, KVStore& kv, const LlamaModel& model, const
   embedding_forward(a.stream[0], chunk.ids, w.embedding);
   // Layer activations are kept only when the policy allocated them; otherwise just the stream is.
   const bool keep_layers = keep && !a.layers.empty();
-  for (int l = 0; l < cf.num_hidden_layers; ++l)
-    block_forward(a.stream[static_cast<size_t>(l) + 1], keep_layers ? &a.layers[static_cast<size_t>(l)] : nullptr,
-                  a.stream[static_cast<size_t>(l)], w.layers[static_cast<size_t>(l)], kv, l, ctx);
+  OffloadedInputs* off = keep ? a.offloaded.get() : nullptr;
+  for (int l = 0; l < cf.num_hidden_layers; ++l) {
+    const size_t li = static_cast<size_t>(l);
+    if (off) {
+      // Layer l's input goes to the host while the layer runs; its output buffer held layer l-1's
+      // input, whose copy must be done before the layer overwrites it.
+      off->to_host[li] = gpu::copy_on_side_stream(off->host[li], a.stream[li].data, off->bytes, off->device);
+      if (l >= 1)
+        gpu::wait_for_copy(off->to_host[li - 1], off->device);
+    }
+    block_forward(a.stream[li + 1], keep_layers ? &a.layers[li] : nullptr, a.stream[li], w.layers[li], kv, l, ctx);
+  }
   rmsnorm_forward(a.normed, a.final_norm, a.stream.back(), w.final_norm, cf.rms_norm_eps);
 }
 
@@ -137,9 +183,23 @@ double backward_chunk(const ParamSet& grads, const ChunkActivations& a, KVStore&
 
   Tensor d_x = scratch.alloc(model.dtype(), {N, cf.hidden_size});
   rmsnorm_backward(d_x, g.final_norm, d_normed, a.final_norm, a.stream.back(), w.final_norm, GradMode::overwrite, scratch);
-  const bool keep_mlp = resolve_mlp_shards(a.policy.mlp_shards, cf, N) == 1;
+  const bool keep_mlp = resolve_mlp_shards(a.policy.mlp_shards, cf, N) == 1 && !a.policy.recompute_mlp;
+  OffloadedInputs* off = a.offloaded.get();
+  std::vector<uint64_t> to_device(static_cast<size_t>(cf.num_hidden_layers), 0);
+  // Offloaded inputs come back one layer ahead: layer l's while layer l+1 runs its backward.
+  auto fetch = [&](int l) {
+    if (off && l >= 0)
+      to_device[static_cast<size_t>(l)] = gpu::copy_on_side_stream(a.stream[static_cast<size_t>(l)].data,
+                                                                   off->host[static_cast<size_t>(l)], off->bytes,
+                                                                   off->device);
+  };
+  fetch(cf.num_hidden_layers - 1);
   for (int l = cf.num_hidden_layers - 1; l >= 0; --l) {
     const size_t li = static_cast<size_t>(l);
+    if (off) {
+      gpu::wait_for_copy(to_device[li], off->device);
+      fetch(l - 1);  // into the other buffer, after the previous layer's backward is done with it
+    }
     if (!a.layers.empty()) {
       block_backward(d_x, g.layers[li], a.layers[li], a.stream[li], w.layers[li], kv, l, ctx);
       continue;

@@ -18,16 +18,20 @@
 #include "model/layer.h"
 #include "model/params.h"
 
+#include <memory>
 #include <vector>
 
 namespace cw {
 
 class LlamaModel {
  public:
-  LlamaModel(const LlamaConfig& config, DType dtype);
+  // device: where weights, RoPE tables and everything the model's chunks allocate live. On a GPU the
+  // compute dtype is bf16 (training) or f32 (checks); the RoPE tables are f32 there.
+  LlamaModel(const LlamaConfig& config, DType dtype, Device device = Device::host());
 
   const LlamaConfig& config() const { return config_; }
   DType dtype() const { return dtype_; }
+  Device device() const { return device_; }
   ParamSet& params() { return params_; }
   const ParamSet& params() const { return params_; }
   ModelWeights weights() const { return params_.weights(); }
@@ -40,6 +44,7 @@ class LlamaModel {
  private:
   LlamaConfig config_;
   DType dtype_;
+  Device device_;
   ParamSet params_;
   OwnedTensor rope_cos_, rope_sin_;
 };
@@ -58,10 +63,21 @@ struct ChunkTokens {
 //                        (activation checkpointing at layer granularity: L x [N, C] kept).
 //   mlp_shards:          the tiled MLP's row shards (model/layer.h BlockContext); 1 = untiled,
 //                        0 = automatic.
+//   recompute_mlp:       with keep_layers, the MLP's [N, F] intermediates (gate, up, act) are not
+//                        kept but recomputed from the kept h2 in the backward ("selective"
+//                        recompute: most of a layer's activation bytes for a fifth of its FLOPs).
+//   offload_inputs:      without keep_layers, on a GPU: each layer's input goes to pinned host memory
+//                        on the side stream as soon as it is written, and comes back one layer ahead
+//                        of its backward, so only two [N, C] device buffers hold layer inputs.
 struct ActivationPolicy {
   bool keep_layers = true;
   int64_t mlp_shards = 1;
+  bool recompute_mlp = false;
+  bool offload_inputs = false;
 };
+
+// The pinned host copies of offloaded layer inputs and the side-stream copies in flight (llama.cpp).
+struct OffloadedInputs;
 
 struct ChunkActivations {
   std::vector<Tensor> stream;              // L+1 tensors [N, C]: stream[l] enters layer l; stream[L] = x_L
@@ -69,6 +85,8 @@ struct ChunkActivations {
   Tensor normed;                           // [N, C] final_norm(x_L)
   RmsNormSaved final_norm;                 // rstd [N]
   ActivationPolicy policy;
+  std::shared_ptr<OffloadedInputs> offloaded;  // with policy.offload_inputs: stream[0..L) live here;
+                                               // the stream tensors alternate between two buffers
 
   static ChunkActivations allocate(Arena& arena, const LlamaConfig& config, int64_t B, int64_t c, DType dtype,
                                    const ActivationPolicy& policy = {});

@@ -35,13 +35,13 @@ std::vector<ParamSpec> parameter_table(const LlamaConfig& c) {
   return t;
 }
 
-ParamSet::ParamSet(const LlamaConfig& config, DType dtype)
-    : specs_(parameter_table(config)), dtype_(dtype), tied_(config.tie_word_embeddings) {
+ParamSet::ParamSet(const LlamaConfig& config, DType dtype, Device device)
+    : config_(config), specs_(parameter_table(config)), dtype_(dtype), tied_(config.tie_word_embeddings) {
   for (const auto& s : specs_) numel_ += s.numel();
-  buffer_ = HostBuffer(static_cast<size_t>(numel_) * dtype_size(dtype));
+  buffer_ = Buffer(static_cast<size_t>(numel_) * dtype_size(dtype), device);
   size_t offset = 0;
   for (const auto& s : specs_) {
-    tensors_.push_back(Tensor::packed(static_cast<char*>(buffer_.data()) + offset, dtype, Device::host(), s.shape));
+    tensors_.push_back(Tensor::packed(static_cast<char*>(buffer_.data()) + offset, dtype, device, s.shape));
     offset += static_cast<size_t>(s.numel()) * dtype_size(dtype);
   }
 }
@@ -58,10 +58,17 @@ const Tensor& ParamSet::get(const std::string& name) const {
   return tensors_[static_cast<size_t>(i)];
 }
 
-Tensor ParamSet::flat() const { return Tensor(buffer_.data(), dtype_, Device::host(), {numel_}); }
+Tensor ParamSet::flat() const { return Tensor(buffer_.data(), dtype_, buffer_.device(), {numel_}); }
 
-void ParamSet::zero() {
-  if (buffer_.bytes()) std::memset(buffer_.data(), 0, buffer_.bytes());
+void ParamSet::zero() const {
+  if (buffer_.bytes()) cw::fill(flat(), 0.0);
+}
+
+void copy_params(const ParamSet& dst, const ParamSet& src) {
+  CW_CHECK(dst.size() == src.size() && dst.numel() == src.numel(),
+           "copy_params: parameter sets of {} and {} tensors ({} and {} elements) differ", dst.size(), src.size(),
+           dst.numel(), src.numel());
+  if (dst.numel() > 0) copy_convert(dst.flat(), src.flat());
 }
 
 ModelWeights ParamSet::weights() const {
@@ -91,6 +98,13 @@ ModelWeights ParamSet::weights() const {
 }
 
 void init_parameters(ParamSet& params, uint64_t seed, double initializer_range, double norm_jitter) {
+  if (!params.device().is_cpu()) {
+    // Draw on the host in f64 (the host path's own rounding), then one converting copy.
+    ParamSet host(params.config(), DType::f64);
+    init_parameters(host, seed, initializer_range, norm_jitter);
+    copy_params(params, host);
+    return;
+  }
   for (size_t i = 0; i < params.size(); ++i) {
     const ParamSpec& s = params.specs()[i];
     // Each tensor draws from its own stream (its index in the table), so initialisation does not

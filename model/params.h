@@ -49,9 +49,12 @@ struct ModelWeights {
 class ParamSet {
  public:
   ParamSet() = default;
-  ParamSet(const LlamaConfig& config, DType dtype);
+  // Zero-filled; device: host memory or one GPU's (the GPU's compute weights, master weights,
+  // gradients and optimizer moments are ParamSets on the device).
+  ParamSet(const LlamaConfig& config, DType dtype, Device device = Device::host());
 
   const std::vector<ParamSpec>& specs() const { return specs_; }
+  const LlamaConfig& config() const { return config_; }  // the config the table was built from
   size_t size() const { return tensors_.size(); }
   const Tensor& operator[](size_t i) const { return tensors_[i]; }
   const Tensor& get(const std::string& name) const;  // throws naming the tensor
@@ -59,10 +62,13 @@ class ParamSet {
   Tensor flat() const;                               // every element, [numel] in table order
   int64_t numel() const { return numel_; }
   DType dtype() const { return dtype_; }
+  Device device() const { return buffer_.device(); }
+  size_t bytes() const { return buffer_.bytes(); }
   ModelWeights weights() const;
-  void zero();
+  void zero() const;  // the values, not the set: callable through a const reference
 
  private:
+  LlamaConfig config_;
   std::vector<ParamSpec> specs_;
   std::vector<Tensor> tensors_;
   HostBuffer buffer_;
@@ -71,8 +77,13 @@ class ParamSet {
   bool tied_ = false;
 };
 
-// HF's initialisation: linear and embedding weights N(0, initializer_range), norms 1.
+// HF's initialisation: linear and embedding weights N(0, initializer_range), norms 1. Device sets are
+// drawn on the host (f64) and copied, so a GPU run starts from the same values as a CPU run.
 // norm_jitter > 0 adds N(0, norm_jitter) to the norm weights (gradient checks want no special point).
+// Copies every element of src into dst (same table), converting dtype and crossing devices as needed
+// (bf16 rounded to nearest even): master weights to the compute copy, device to host for a checkpoint.
+void copy_params(const ParamSet& dst, const ParamSet& src);
+
 void init_parameters(ParamSet& params, uint64_t seed, double initializer_range, double norm_jitter = 0.0);
 
 }  // namespace cw

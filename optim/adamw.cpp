@@ -1,5 +1,6 @@
 #include "optim/adamw.h"
 
+#include "engine/cuda/runtime.h"
 #include "engine/ops/adamw_update.h"
 
 #include "model/safetensors.h"
@@ -69,14 +70,15 @@ void AdamWOptions::validate() const {
     fail(fmt::format("optimizer.weight_decay = {} must be >= 0", weight_decay), "use 0 for no decay; the usual value is 0.1");
 }
 
-AdamW::AdamW(const ParamSet& like, const AdamWOptions& options) : AdamW(table_config(like), like.dtype(), options) {}
+AdamW::AdamW(const ParamSet& like, const AdamWOptions& options)
+    : AdamW(table_config(like), like.dtype(), options, like.device()) {}
 
-AdamW::AdamW(const LlamaConfig& config, DType dtype, const AdamWOptions& options)
+AdamW::AdamW(const LlamaConfig& config, DType dtype, const AdamWOptions& options, Device device)
     : options_(options), table_(config) {
   options_.validate();
   check_float_dtype(dtype, "the master weights");
-  exp_avg_ = ParamSet(config, dtype);     // zero-filled by HostBuffer
-  exp_avg_sq_ = ParamSet(config, dtype);
+  exp_avg_ = ParamSet(config, dtype, device);     // zero-filled by Buffer
+  exp_avg_sq_ = ParamSet(config, dtype, device);
 }
 
 bool AdamW::decays(const ParamSpec& spec) const {
@@ -85,7 +87,7 @@ bool AdamW::decays(const ParamSpec& spec) const {
   return true;  // linear weights and an untied lm_head
 }
 
-void AdamW::step(const ParamSet& params, const ParamSet& grads, double lr) {
+void AdamW::step(const ParamSet& params, const ParamSet& grads, double lr, const ParamSet* compute_copy) {
   CW_CHECK(std::isfinite(lr) && lr >= 0.0, "AdamW: learning rate {} must be finite and >= 0", lr);
   check_same_table(params, exp_avg_, "the parameters", "the optimizer state");
   check_same_table(grads, exp_avg_, "the gradients", "the optimizer state");
@@ -97,17 +99,28 @@ void AdamW::step(const ParamSet& params, const ParamSet& grads, double lr) {
   // One formula, in engine/ops/adamw_update.h: the same op updates CPU and GPU parameter sets.
   for (size_t i = 0; i < params.size(); ++i) {
     const double wd = decays(params.specs()[i]) ? options_.weight_decay : 0.0;
-    adamw_update(params[i], exp_avg_[i], exp_avg_sq_[i], grads[i], Tensor{},
+    adamw_update(params[i], exp_avg_[i], exp_avg_sq_[i], grads[i], compute_copy ? (*compute_copy)[i] : Tensor{},
                  AdamWHyper{lr, options_.beta1, options_.beta2, options_.eps, wd, step_});
   }
 }
 
 void AdamW::save(const std::string& path) const {
+  // Device state is staged through host copies (the writer reads host memory).
+  ParamSet m_host, v_host;
+  const ParamSet* m = &exp_avg_;
+  const ParamSet* v = &exp_avg_sq_;
+  if (!exp_avg_.device().is_cpu()) {
+    m_host = ParamSet(table_, exp_avg_.dtype());
+    v_host = ParamSet(table_, exp_avg_sq_.dtype());
+    copy_params(m_host, exp_avg_);
+    copy_params(v_host, exp_avg_sq_);
+    m = &m_host;
+    v = &v_host;
+  }
   std::vector<std::pair<std::string, Tensor>> tensors;
   tensors.reserve(2 * exp_avg_.size());
-  for (size_t i = 0; i < exp_avg_.size(); ++i) tensors.emplace_back("exp_avg/" + exp_avg_.specs()[i].name, exp_avg_[i]);
-  for (size_t i = 0; i < exp_avg_sq_.size(); ++i)
-    tensors.emplace_back("exp_avg_sq/" + exp_avg_sq_.specs()[i].name, exp_avg_sq_[i]);
+  for (size_t i = 0; i < m->size(); ++i) tensors.emplace_back("exp_avg/" + m->specs()[i].name, (*m)[i]);
+  for (size_t i = 0; i < v->size(); ++i) tensors.emplace_back("exp_avg_sq/" + v->specs()[i].name, (*v)[i]);
   // "{}" prints the shortest text that reads back to the same double.
   const std::map<std::string, std::string> metadata = {
       {"step", fmt::format("{}", step_)},
@@ -159,8 +172,13 @@ void AdamW::load(const std::string& path) {
     reader.read_into("exp_avg/" + m.specs()[i].name, m[i]);
     reader.read_into("exp_avg_sq/" + v.specs()[i].name, v[i]);
   }
-  exp_avg_ = std::move(m);
-  exp_avg_sq_ = std::move(v);
+  if (!exp_avg_.device().is_cpu()) {  // read on the host, then into the device state
+    copy_params(exp_avg_, m);
+    copy_params(exp_avg_sq_, v);
+  } else {
+    exp_avg_ = std::move(m);
+    exp_avg_sq_ = std::move(v);
+  }
   step_ = step;
 }
 
@@ -178,6 +196,7 @@ template <class T> double sum_squares(const T* x, int64_t n) {
 double grad_global_norm(const ParamSet& grads) {
   const Tensor f = grads.flat();
   check_float_dtype(f.dtype, "the gradients");
+  if (!f.device.is_cpu()) return std::sqrt(gpu::sum_squares(f));
   const double s = f.dtype == DType::f64 ? sum_squares(f.ptr<double>(), f.numel()) : sum_squares(f.ptr<float>(), f.numel());
   return std::sqrt(s);
 }
@@ -198,6 +217,7 @@ template <class T> bool finite_all(const T* x, int64_t n) {
 
 bool all_finite(const ParamSet& set) {
   const Tensor f = set.flat();
+  if (!f.device.is_cpu()) return f.dtype == DType::i32 || std::isfinite(gpu::sum_squares(f));
   switch (f.dtype) {
     case DType::f64: return finite_all(f.ptr<double>(), f.numel());
     case DType::f32: return finite_all(f.ptr<float>(), f.numel());

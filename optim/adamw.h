@@ -48,13 +48,15 @@ struct AdamWOptions {
 
 class AdamW {
  public:
-  // State for parameters with the table and dtype of `like` (f32 or f64), moments zero, t = 0.
+  // State for parameters with the table, dtype (f32 or f64) and device of `like`, moments zero, t = 0.
   AdamW(const ParamSet& like, const AdamWOptions& options = {});
-  AdamW(const LlamaConfig& config, DType dtype, const AdamWOptions& options = {});
+  AdamW(const LlamaConfig& config, DType dtype, const AdamWOptions& options = {}, Device device = Device::host());
 
-  // One step at learning rate lr (>= 0, finite): updates params in place. grads (f32 or f64) must
-  // have the parameters' table; params must have the state's dtype.
-  void step(const ParamSet& params, const ParamSet& grads, double lr);
+  // One step at learning rate lr (>= 0, finite): updates params (the master weights) in place.
+  // grads (f32 or f64) must have the parameters' table and device; params must have the state's
+  // dtype. compute_copy (the GPU's bf16 compute weights, same table and device), when given,
+  // receives the updated master weights rounded to bf16 in the same kernel.
+  void step(const ParamSet& params, const ParamSet& grads, double lr, const ParamSet* compute_copy = nullptr);
 
   // Whether the tensor with this spec receives weight decay under these options.
   bool decays(const ParamSpec& spec) const;
@@ -78,13 +80,14 @@ class AdamW {
   int64_t step_ = 0;
 };
 
-// sqrt of the sum of every squared element (f32 or f64), accumulated in f64 in table order.
+// sqrt of the sum of every squared element (f32 or f64), accumulated in f64 in table order (on a
+// GPU: in a fixed order of per-block f64 partials, gpu::sum_squares).
 double grad_global_norm(const ParamSet& grads);
 // Scales grads in place by max_norm / norm when norm > max_norm, so that their global norm becomes
 // max_norm; returns the norm before clipping. max_norm <= 0 disables clipping. A non-finite norm is
 // returned without scaling (scaling would only spread the NaN): the caller skips such a step.
 double clip_grad_norm(const ParamSet& grads, double max_norm);
-// Whether every element (f32, f64 or bf16) is finite.
+// Whether every element (f32, f64 or bf16) is finite (on a GPU: whether the sum of squares is).
 bool all_finite(const ParamSet& set);
 
 }  // namespace cw

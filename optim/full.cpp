@@ -6,14 +6,23 @@
 namespace cw {
 
 KVStore& step_store(std::optional<KVStore>& store, const LlamaModel& model, int64_t B, int64_t T) {
-  if (!store || store->batch() != B || store->tokens() != T || store->dtype() != model.dtype())
-    store.emplace(model.config(), B, T, model.dtype(), true);
+  if (!store || store->batch() != B || store->tokens() != T || store->dtype() != model.dtype() ||
+      !(store->device() == model.device())) {
+    store.reset();  // free the old store before allocating the new one
+    store.emplace(model.config(), B, T, model.dtype(), true, model.device());
+  }
   store->reset();
   return *store;
 }
 
 ActivationPolicy activation_policy(const ScheduleOptions& o) {
-  return {!(o.name == "checkpointed" && o.recompute == "full"), o.mlp_shards};
+  const bool checkpointed = o.name == "checkpointed";
+  ActivationPolicy p;
+  p.keep_layers = !(checkpointed && o.recompute == "full");
+  p.mlp_shards = o.mlp_shards;
+  p.recompute_mlp = checkpointed && o.recompute == "selective";
+  p.offload_inputs = checkpointed && o.offload;
+  return p;
 }
 
 double prefill(KVStore& kv, const LlamaModel& model, const Batch& batch, const std::vector<int64_t>& bounds,
@@ -52,7 +61,7 @@ class FullSchedule : public Schedule {
     const double norm = step_normaliser(batch, normaliser);
     model.ensure_positions(batch.T());
     KVStore& kv = step_store(store_, model, batch.B(), batch.T());
-    arena_.reset_high_water();
+    arena_on(model.device()).reset_high_water();
     st.loss = backprop_chunk(kv, model, batch, 0, batch.T(), grads, norm, arena_, activation_policy(options_));
     st.chunks = st.chunks_visited = 1;
     st.activation_high_water = arena_.high_water();

@@ -47,8 +47,12 @@ Batch random_batch(int64_t B, int64_t T, int64_t vocab, uint64_t seed) {
 void ScheduleOptions::validate() const {
   if (name != "full" && name != "checkpointed" && name != "seco" && name != "spaco")
     fail(fmt::format("unknown schedule '{}'", name), "use full, checkpointed, seco or spaco");
-  if (recompute != "full" && recompute != "none")
-    fail(fmt::format("unknown schedule.recompute '{}'", recompute), "use full (keep layer inputs only) or none");
+  if (recompute != "full" && recompute != "selective" && recompute != "none")
+    fail(fmt::format("unknown schedule.recompute '{}'", recompute),
+         "use full (keep layer inputs only), selective (recompute the MLP intermediates) or none");
+  if (offload && !(name == "checkpointed" && recompute == "full"))
+    fail("schedule.offload applies to schedule checkpointed with recompute = full (the kept layer inputs)",
+         "set schedule.name = checkpointed and schedule.recompute = full, or offload = false");
   if (mlp_shards < 0) fail(fmt::format("schedule.mlp_shards must be >= 0 (0: automatic), got {}", mlp_shards));
   if (chunk < 0) fail(fmt::format("schedule.chunk must be >= 0, got {}", chunk));
   if (bwd_chunk < 0) fail(fmt::format("schedule.bwd_chunk must be >= 0, got {}", bwd_chunk));
@@ -75,12 +79,26 @@ ChunkTokens slice_chunk(const Batch& batch, int64_t t0, int64_t t1, Arena& arena
   ct.pos0 = t0;
   ct.ids = arena.alloc(DType::i32, {B * c});
   ct.labels = arena.alloc(DType::i32, {B * c});
-  for (int64_t b = 0; b < B; ++b)
-    for (int64_t t = 0; t < c; ++t) {
-      ct.ids.ptr<int32_t>()[b * c + t] = batch.ids.tensor.ptr<int32_t>()[b * T + t0 + t];
-      ct.labels.ptr<int32_t>()[b * c + t] = batch.labels.tensor.ptr<int32_t>()[b * T + t0 + t];
-    }
+  if (arena.device().is_cpu()) {
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < c; ++t) {
+        ct.ids.ptr<int32_t>()[b * c + t] = batch.ids.tensor.ptr<int32_t>()[b * T + t0 + t];
+        ct.labels.ptr<int32_t>()[b * c + t] = batch.labels.tensor.ptr<int32_t>()[b * T + t0 + t];
+      }
+    return ct;
+  }
+  // A device arena: the window packed on the host, then one upload per tensor.
+  OwnedTensor ids(DType::i32, {B, c}), labels(DType::i32, {B, c});
+  copy_convert(ids, batch.ids.tensor.slice(1, t0, c));
+  copy_convert(labels, batch.labels.tensor.slice(1, t0, c));
+  copy_convert(ct.ids.view({B, c}), ids);
+  copy_convert(ct.labels.view({B, c}), labels);
   return ct;
+}
+
+Arena& Schedule::arena_on(Device device) {
+  if (!(arena_.device() == device)) arena_ = Arena(device);
+  return arena_;
 }
 
 std::unique_ptr<Schedule> Schedule::create(const ScheduleOptions& o) {
@@ -96,7 +114,7 @@ namespace cw {
 double batch_loss(const LlamaModel& model, const Batch& batch, int64_t chunk, Arena& arena, double normaliser) {
   const double norm = normaliser > 0 ? normaliser : std::max<double>(1.0, static_cast<double>(batch.supervised()));
   const_cast<LlamaModel&>(model).ensure_positions(batch.T());
-  KVStore kv(model.config(), batch.B(), batch.T(), model.dtype(), false);
+  KVStore kv(model.config(), batch.B(), batch.T(), model.dtype(), false, model.device());
   return prefill(kv, model, batch, chunk_bounds(batch.T(), chunk), norm, true, arena, 1);
 }
 }  // namespace cw

@@ -42,7 +42,11 @@ Batch random_batch(int64_t B, int64_t T, int64_t vocab, uint64_t seed);
 
 struct ScheduleOptions {
   std::string name = "full";    // full | checkpointed | seco | spaco
-  std::string recompute = "full";  // checkpointed: full (keep layer inputs only) | none (keep everything)
+  // checkpointed: full (keep layer inputs only, recompute each layer) | selective (keep every layer's
+  // activations but the MLP's [N, F] intermediates, recomputed in the backward) | none (keep everything)
+  std::string recompute = "full";
+  bool offload = false;         // checkpointed, recompute full: the kept layer inputs live in pinned host
+                                // memory (GPU), copied out and back on a side stream
   int64_t mlp_shards = 1;       // tiled MLP row shards, any schedule: 1 untiled, 0 automatic (ceil(F / C))
   int64_t chunk = 0;            // prefill chunk length (seco, spaco); 0: the whole sequence
   int64_t bwd_chunk = 0;        // reverse-sweep chunk length; 0: same as chunk
@@ -78,6 +82,9 @@ class Schedule {
                          uint64_t step_index = 0) = 0;
   const ScheduleOptions& options() const { return options_; }
   Arena& arena() { return arena_; }
+  // The schedule's arena, rebuilt on `device` when it is elsewhere (a step on a GPU model plans its
+  // activations in device memory).
+  Arena& arena_on(Device device);
 
   static std::unique_ptr<Schedule> create(const ScheduleOptions& options);
 

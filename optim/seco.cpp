@@ -29,7 +29,7 @@ class SecoSchedule : public Schedule {
     const int64_t B = batch.B(), T = batch.T();
     model.ensure_positions(T);
     KVStore& kv = step_store(store_, model, B, T);
-    arena_.reset_high_water();
+    arena_on(model.device()).reset_high_water();
     prefill(kv, model, batch, chunk_bounds(T, options_.chunk), norm, false, arena_, options_.mlp_shards);
     const std::vector<int64_t> bounds = chunk_bounds(T, options_.bwd_chunk > 0 ? options_.bwd_chunk : options_.chunk);
     for (size_t i = bounds.size() - 1; i-- > 0;) {

@@ -66,7 +66,7 @@ class SpacoSchedule : public Schedule {
     const int64_t B = batch.B(), T = batch.T();
     model.ensure_positions(T);
     KVStore& kv = step_store(store_, model, B, T);
-    arena_.reset_high_water();
+    arena_on(model.device()).reset_high_water();
     st.loss = prefill(kv, model, batch, chunk_bounds(T, options_.chunk), norm, true, arena_, options_.mlp_shards);
 
     const std::vector<int64_t> bounds = chunk_bounds(T, options_.bwd_chunk > 0 ? options_.bwd_chunk : options_.chunk);

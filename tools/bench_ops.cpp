@@ -1,7 +1,10 @@
 #include "tools/bench_ops.h"
 
+#include "chunkwise_config.h"
 #include "engine/cuda/runtime.h"
+#include "engine/ops/attention.h"
 #include "engine/ops/embedding.h"
+#include "engine/ops/lm_head_loss.h"
 #include "engine/ops/linear.h"
 #include "engine/ops/residual.h"
 #include "engine/ops/rmsnorm.h"
@@ -9,9 +12,17 @@
 #include "engine/ops/swiglu.h"
 #include "engine/random.h"
 
+#if CW_HAVE_CUDA
+#include "engine/cuda/ops.h"  // attention implementation choice (set_attention_impl, cudnn_attention_supports)
+#endif
+
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
+#include <cmath>
+#include <deque>
+#include <exception>
 #include <fstream>
 #include <ostream>
 
@@ -19,12 +30,153 @@ namespace cw {
 
 namespace {
 // A device tensor of random values (drawn on the host in f32, converted on upload).
-OwnedTensor random_on_gpu(DType dt, std::initializer_list<int64_t> shape, uint64_t stream, double mean = 0.0) {
+OwnedTensor random_on_gpu(DType dt, std::initializer_list<int64_t> shape, uint64_t stream, double mean = 0.0,
+                          double stddev = 1.0) {
   OwnedTensor host(DType::f32, shape);
-  fill_normal(host, 77, stream, mean, 1.0);
+  fill_normal(host, 77, stream, mean, stddev);
   OwnedTensor dev = OwnedTensor::on(Device::gpu(0), dt, shape);
   copy_convert(dev, host);
   return dev;
+}
+
+// Uniform labels / ids in [0, n) on the device.
+OwnedTensor random_ids_on_gpu(int64_t count, int64_t n, uint64_t seed) {
+  OwnedTensor host(DType::i32, {count}), dev = OwnedTensor::on(Device::gpu(0), DType::i32, {count});
+  Rng rng(seed);
+  for (int64_t i = 0; i < count; ++i)
+    host.tensor.ptr<int32_t>()[i] = static_cast<int32_t>(rng.below(static_cast<uint64_t>(n)));
+  copy_convert(dev, host);
+  return dev;
+}
+
+struct Row {
+  Row(std::string name, double ms_, double bytes_, double flops_)
+      : op(std::move(name)), ms(ms_), bytes(bytes_), flops(flops_) {}
+  std::string op;
+  double ms = 0, bytes = 0, flops = 0;
+  std::string status = "ok";  // ok | unsupported | error (the new rows; the old ones are always ok)
+  std::string note;           // implementation, reason, extra memory: free text for the table
+  nlohmann::json extra = nlohmann::json::object();  // more JSON fields for this row
+};
+
+// The first line of an exception's message: a row note, not a report.
+std::string first_line(const std::exception& e) {
+  std::string m = e.what();
+  return m.substr(0, m.find('\n'));
+}
+
+// Times attention forward and backward for one shape and one implementation. Rows named
+// "attn fwd|bwd H/Hkv/D T impl" (ops_vs_torch.py builds the same names).
+void bench_attention(std::vector<Row>& rows, DType dt, int64_t T, int64_t H, int64_t Hkv, int64_t D, int repeat,
+                     bool cudnn) {
+  const std::string shape = fmt::format("{}/{}/{} {}", H, Hkv, D, T), impl = cudnn ? "cudnn" : "flash";
+  const double fwd_flops = 4.0 * double(H) * double(T) * double(T) * double(D) / 2.0;
+  Row fwd{fmt::format("attn fwd {} {}", shape, impl), 0, 0, fwd_flops};
+  Row bwd{fmt::format("attn bwd {} {}", shape, impl), 0, 0, 2.5 * fwd_flops};
+  for (Row* r : {&fwd, &bwd}) r->extra = {{"kind", "attention"}, {"impl", impl}, {"tokens", T}, {"heads", H},
+                                          {"kv_heads", Hkv}, {"head_dim", D}};
+#if CW_HAVE_CUDA
+  try {
+    const Device g = Device::gpu(0);
+    Arena scratch(g);
+    OwnedTensor q = random_on_gpu(dt, {1, T, H, D}, 40), k = random_on_gpu(dt, {1, T, Hkv, D}, 41);
+    OwnedTensor v = random_on_gpu(dt, {1, T, Hkv, D}, 42), d_out = random_on_gpu(dt, {1, T, H, D}, 43);
+    OwnedTensor out = OwnedTensor::on(g, dt, {1, T, H, D}), lse = OwnedTensor::on(g, DType::f32, {1, H, T});
+    OwnedTensor d_q = OwnedTensor::on(g, dt, {1, T, H, D});
+    OwnedTensor d_k = OwnedTensor::on(g, DType::f32, {1, T, Hkv, D});
+    OwnedTensor d_v = OwnedTensor::on(g, DType::f32, {1, T, Hkv, D});
+    gpu::fill(d_k, 0.0);
+    gpu::fill(d_v, 0.0);
+    std::string why;
+    if (cudnn && !gpu::cudnn_attention_supports(q, k, &why)) {
+      for (Row* r : {&fwd, &bwd}) r->status = "unsupported", r->note = "cudnn unsupported: " + why;
+    } else {
+      const gpu::AttentionImpl previous = gpu::attention_impl();
+      gpu::set_attention_impl(cudnn ? gpu::AttentionImpl::cudnn : gpu::AttentionImpl::flash);
+      const double scale = 1.0 / std::sqrt(double(D));
+      const AttentionSaved saved{lse};
+      try {
+        auto forward = [&] {
+          ArenaScope s(scratch);
+          attention_forward(out, saved, q, k, v, scale, scratch);
+        };
+        fwd.ms = gpu::median_ms(forward, 0, 3, repeat);
+        forward();  // out and lse of these inputs for the backward
+        // d_k, d_v keep accumulating over the repeats (the op adds): values grow by ~repeat x, harmless.
+        bwd.ms = gpu::median_ms([&] {
+          ArenaScope s(scratch);
+          attention_backward(d_q, d_k, d_v, d_out, saved, q, k, v, out, scale, GradMode::overwrite, scratch);
+        }, 0, 3, repeat);
+      } catch (...) {
+        gpu::set_attention_impl(previous);
+        throw;
+      }
+      gpu::set_attention_impl(previous);
+      fwd.note = bwd.note = impl;
+    }
+  } catch (const std::exception& e) {
+    for (Row* r : {&fwd, &bwd}) r->status = "error", r->note = impl + ": " + first_line(e);
+  }
+#else
+  (void)dt, (void)repeat;
+  for (Row* r : {&fwd, &bwd}) r->status = "unsupported", r->note = "no CUDA in this build";
+#endif
+  rows.push_back(std::move(fwd));
+  rows.push_back(std::move(bwd));
+}
+
+// The fused LM head + cross-entropy at each N in `tokens` (ascending), with its extra peak memory.
+// Runs before anything else allocates on the device: then the pool's peak equals its current use
+// and peak - in_use is exactly what the calls added. Operands are allocated once at the largest N
+// (smaller N use the leading rows) and each N gets a fresh arena that is kept alive afterwards, so
+// the next N again starts with peak == in use.
+std::vector<Row> bench_lm_head(std::vector<int64_t> tokens, DType dt, int64_t C, int64_t V, int repeat) {
+  std::vector<Row> rows;
+  tokens.erase(std::remove_if(tokens.begin(), tokens.end(), [](int64_t n) { return n <= 0; }), tokens.end());
+  std::sort(tokens.begin(), tokens.end());
+  tokens.erase(std::unique(tokens.begin(), tokens.end()), tokens.end());
+  if (tokens.empty()) return rows;
+  const Device g = Device::gpu(0);
+  const int64_t nmax = tokens.back();
+  // cuBLASLt's handle and workspace are made on the first GEMM of the process and kept: make them
+  // here so they do not count as the LM head's memory.
+  OwnedTensor wa = random_on_gpu(dt, {64, 64}, 30), wb = random_on_gpu(dt, {64, 64}, 31);
+  OwnedTensor wc = OwnedTensor::on(g, dt, {64, 64});
+  linear_forward(wc, wa, wb);
+  // Weights at the usual init scale (std 0.02): logits of a realistic spread, not saturated softmaxes.
+  OwnedTensor x = random_on_gpu(dt, {nmax, C}, 32), w = random_on_gpu(dt, {V, C}, 33, 0.0, 0.02);
+  OwnedTensor labels = random_ids_on_gpu(nmax, V, 34);
+  OwnedTensor d_x = OwnedTensor::on(g, dt, {nmax, C}), d_w = OwnedTensor::on(g, DType::f32, {V, C});
+  OwnedTensor row_loss = OwnedTensor::on(g, DType::f32, {nmax});
+  gpu::fill(d_w, 0.0);
+  std::deque<Arena> arenas;  // kept until every N is measured (see above)
+  for (const int64_t N : tokens) {
+    Row r{fmt::format("lm head+CE fused {}", N), 0, 0, 6.0 * double(N) * double(C) * double(V)};
+    r.extra = {{"kind", "lm_head"}, {"tokens", N}, {"hidden", C}, {"vocab", V}};
+    try {
+      Arena& scratch = arenas.emplace_back(g);
+      const Tensor xn = x.tensor.slice(0, 0, N), dxn = d_x.tensor.slice(0, 0, N);
+      const Tensor ln = labels.tensor.slice(0, 0, N), rl = row_loss.tensor.slice(0, 0, N);
+      gpu::synchronize(0);
+      const gpu::PoolStats before = gpu::pool_stats(0);
+      r.ms = gpu::median_ms([&] {
+        lm_head_loss_fused(rl, dxn, d_w, xn, w, ln, double(N), GradMode::overwrite, scratch);
+      }, 0, 3, repeat);
+      gpu::synchronize(0);
+      const gpu::PoolStats after = gpu::pool_stats(0);
+      const double extra = double(after.peak_in_use) - double(before.in_use);
+      const bool exact = before.peak_in_use <= before.in_use;
+      r.extra["extra_bytes"] = extra;
+      r.extra["extra_exact"] = exact;
+      r.extra["outputs_bytes"] = double(dxn.bytes() + d_w.tensor.bytes() + rl.bytes());
+      r.note = fmt::format("extra peak {}{:.2f} GiB", exact ? "" : ">= ", extra / double(1ull << 30));
+    } catch (const std::exception& e) {
+      r.status = "error";
+      r.note = first_line(e);
+    }
+    rows.push_back(std::move(r));
+  }
+  return rows;
 }
 }  // namespace
 
@@ -34,6 +186,8 @@ void run_bench_ops(const BenchOpsOptions& o, std::ostream& out) {
   const int64_t N = o.tokens, C = o.hidden, F = o.ffn, H = o.heads, D = o.head_dim, V = o.vocab;
   const double es = static_cast<double>(dtype_size(dt));
   const Device g = Device::gpu(0);
+  // First, while nothing else is allocated (its memory figure depends on it).
+  std::vector<Row> lm_rows = bench_lm_head(o.lm_head_tokens, dt, C, V, o.repeat);
   Arena scratch(g);
 
   OwnedTensor x = random_on_gpu(dt, {N, C}, 1), y = OwnedTensor::on(g, dt, {N, C}), w = random_on_gpu(dt, {C}, 2, 1.0);
@@ -54,10 +208,6 @@ void run_bench_ops(const BenchOpsOptions& o, std::ostream& out) {
   OwnedTensor wsq = random_on_gpu(dt, {C, C}, 10), dwsq = OwnedTensor::on(g, DType::f32, {C, C});
   OwnedTensor wup = random_on_gpu(dt, {F, C}, 11), hup = OwnedTensor::on(g, dt, {N, F});
 
-  struct Row {
-    std::string op;
-    double ms, bytes, flops;
-  };
   std::vector<Row> rows;
   auto bench = [&](const std::string& name, double bytes, double flops, const std::function<void()>& fn) {
     rows.push_back({name, gpu::median_ms(fn, 0, 3, o.repeat), bytes, flops});
@@ -79,18 +229,38 @@ void run_bench_ops(const BenchOpsOptions& o, std::ostream& out) {
   bench("linear bwd NxCxC", 0, 4.0 * nc * C, [&] { linear_backward(dx, dwsq, dy, x, wsq, GradMode::overwrite); });
   bench("linear fwd NxCxF", 0, 2.0 * nf * C, [&] { linear_forward(hup, x, wup); });
 
+  // The two attention shapes of BENCHMARKS.md's op table (1B and 3B), cuDNN then our flash kernel.
+  for (const int64_t T : o.attention_tokens) {
+    if (T <= 0) continue;
+    for (const auto& [ah, akv, ad] : {std::tuple<int64_t, int64_t, int64_t>{32, 8, 64}, {24, 8, 128}})
+      for (const bool cudnn : {true, false}) bench_attention(rows, dt, T, ah, akv, ad, o.repeat, cudnn);
+  }
+  for (Row& r : lm_rows) rows.push_back(std::move(r));
+
   const double copy_gbs = rows[0].bytes / (rows[0].ms * 1e-3) / 1e9;
+  size_t name_w = 20;
+  for (const Row& r : rows) name_w = std::max(name_w, r.op.size());
   out << fmt::format("bench-ops: {} tokens, hidden {}, ffn {}, {} heads x {}, dtype {}, median of {} (CUDA events)\n",
                      N, C, F, H, D, o.dtype, o.repeat);
-  out << fmt::format("{:<20} {:>9} {:>10} {:>10} {:>10}\n", "op", "ms", "GB/s", "% copy", "TFLOP/s");
+  out << fmt::format("{:<{}} {:>9} {:>10} {:>10} {:>10}  {}\n", "op", name_w, "ms", "GB/s", "% copy", "TFLOP/s",
+                     "note");
   nlohmann::json j = nlohmann::json::array();
   for (const Row& r : rows) {
-    const double gbs = r.bytes > 0 ? r.bytes / (r.ms * 1e-3) / 1e9 : 0;
-    const double tflops = r.flops > 0 ? r.flops / (r.ms * 1e-3) / 1e12 : 0;
-    out << fmt::format("{:<20} {:>9.4f} {:>10} {:>10} {:>10}\n", r.op, r.ms, gbs > 0 ? fmt::format("{:.0f}", gbs) : "",
+    const bool timed = r.status == "ok" && r.ms > 0;
+    const double gbs = timed && r.bytes > 0 ? r.bytes / (r.ms * 1e-3) / 1e9 : 0;
+    const double tflops = timed && r.flops > 0 ? r.flops / (r.ms * 1e-3) / 1e12 : 0;
+    out << fmt::format("{:<{}} {:>9} {:>10} {:>10} {:>10}  {}\n", r.op, name_w,
+                       timed ? fmt::format("{:.4f}", r.ms) : "-", gbs > 0 ? fmt::format("{:.0f}", gbs) : "",
                        gbs > 0 ? fmt::format("{:.0f}%", 100 * gbs / copy_gbs) : "",
-                       tflops > 0 ? fmt::format("{:.0f}", tflops) : "");
-    j.push_back({{"op", r.op}, {"ms", r.ms}, {"gb_s", gbs}, {"tflop_s", tflops}, {"copy_share", gbs / copy_gbs}});
+                       tflops > 0 ? fmt::format("{:.0f}", tflops) : "", r.note);
+    nlohmann::json row = {{"op", r.op}, {"ms", r.ms}, {"gb_s", gbs}, {"tflop_s", tflops},
+                          {"copy_share", gbs / copy_gbs}};
+    if (!r.extra.empty() || r.status != "ok") {
+      row["status"] = r.status;
+      row["note"] = r.note;
+      row.update(r.extra);
+    }
+    j.push_back(std::move(row));
   }
   if (!o.json.empty()) std::ofstream(o.json) << j.dump(2) << "\n";
 }

@@ -5,10 +5,30 @@
 // read once, outputs written once) per second and that rate as a share of a device-to-device copy
 // measured in the same run; GEMMs report TFLOP/s. tools/bench/ops_vs_torch.py runs this and torch's
 // equivalents on the same shapes and prints both side by side.
+//
+// Attention rows (per token count in attention_tokens; B = 1, p = 0, causal, bf16): the shapes of
+// ../shared/BENCHMARKS.md's op table, H / Hkv / D = 32 / 8 / 64 (Llama-3.2-1B) and 24 / 8 / 128
+// (Llama-3.2-3B), once per implementation (gpu::set_attention_impl: cudnn, then flash). TFLOP/s
+// counts the causal half of the score matrix: forward 4 * H * T^2 * D / 2 (QK^T and PV, 2 FLOP per
+// multiply-add), backward 2.5 times that (five T x T x D products: QK^T recomputed, dP = dO V^T,
+// dV = P^T dO, dQ = dS K, dK = dS^T Q). The backward row times the backward alone (after one
+// forward that produced out and lse); d_k, d_v are the op's f32 accumulators. A cuDNN row on operands
+// cudnn_attention_supports rejects (or a build without cuDNN) is kept as a row with status
+// "unsupported" and the reason, and no timing.
+//
+// LM head rows (per token count in lm_head_tokens; C = hidden, V = vocab, bf16; labels uniform in
+// [0, V)): lm_head_loss_fused, the loss and both gradients in one call, i.e. forward + backward,
+// TFLOP/s counting 6 * N * C * V (the logits GEMM, d_x and d_W). Also its extra peak device memory:
+// the caching pool's peak in-use bytes during the calls minus the bytes in use just before them,
+// with the operands AND the outputs (d_x, f32 d_W, row_loss) already allocated: the memory the
+// fused loss itself needs (its logits block in scratch), measured before any other row allocates
+// (so the pool's peak is the current use and the delta is exact; "exact" says so in the JSON).
 #pragma once
 
+#include <cstdint>
 #include <iosfwd>
 #include <string>
+#include <vector>
 
 namespace cw {
 
@@ -20,6 +40,8 @@ struct BenchOpsOptions {
   int64_t vocab = 128256;  // embedding table rows
   std::string dtype = "bf16";
   int repeat = 20;
+  std::vector<int64_t> attention_tokens{8192};  // attention rows at these T (empty: none)
+  std::vector<int64_t> lm_head_tokens{8192};    // LM head rows at these N (empty: none), e.g. {8192, 32768}
   std::string json;        // also write the results as JSON here
 };
 

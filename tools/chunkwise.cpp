@@ -4,6 +4,7 @@
 #include "engine/device.h"
 #include "engine/error.h"
 #include "tools/data/tokenizer.h"
+#include "tools/bench_model.h"
 #include "tools/bench_ops.h"
 #include "tools/gradcheck.h"
 #include "tools/model_io.h"
@@ -94,6 +95,27 @@ int main(int argc, char** argv) {
   bench_ops->add_option("--dtype", bo.dtype, "bf16 | f32")->capture_default_str();
   bench_ops->add_option("--repeat", bo.repeat, "timed runs (median)")->capture_default_str();
   bench_ops->add_option("--json", bo.json, "also write the results as JSON");
+  bench_ops->add_option("--attention-tokens", bo.attention_tokens, "attention rows at these sequence lengths")
+      ->capture_default_str();
+  bench_ops->add_option("--lm-head-tokens", bo.lm_head_tokens, "LM head rows at these token counts, e.g. 8192 32768")
+      ->capture_default_str();
+
+  cw::BenchModelOptions bm;
+  CLI::App* bench = app.add_subcommand("bench", "time training steps of a whole model on the GPU (a benchmark)");
+  bench->add_option("--model", bm.model, "preset, config.json or checkpoint directory")->capture_default_str();
+  bench->add_option("--seq", bm.seq, "tokens per sequence")->capture_default_str();
+  bench->add_option("--batch", bm.batch, "sequences per step")->capture_default_str();
+  bench->add_option("--schedule", bm.schedule, "full | checkpointed | seco | spaco")->capture_default_str();
+  bench->add_option("--recompute", bm.recompute, "checkpointed: full | selective | none")->capture_default_str();
+  bench->add_option("--chunk", bm.chunk, "seco/spaco prefill chunk (0: whole sequence)")->capture_default_str();
+  bench->add_option("--bwd-chunk", bm.bwd_chunk, "seco/spaco backward chunk (0: = chunk)")->capture_default_str();
+  bench->add_option("--mlp-shards", bm.mlp_shards, "tiled MLP shards (1: untiled, 0: automatic)")->capture_default_str();
+  bench->add_flag("--offload", bm.offload, "checkpointed: keep saved layer inputs in pinned host memory");
+  bench->add_option("--dtype", bm.dtype, "bf16 | f32")->capture_default_str();
+  bench->add_option("--steps", bm.steps, "timed steps (median)")->capture_default_str();
+  bench->add_option("--warmup", bm.warmup, "untimed steps first")->capture_default_str();
+  bench->add_option("--peak-tflops", bm.peak_tflops, "bf16 peak for MFU (0: measure)")->capture_default_str();
+  bench->add_option("--json", bm.json, "also write the result as JSON");
 
   std::string config_path, run_dir;
   std::vector<std::string> overrides;
@@ -103,6 +125,8 @@ int main(int argc, char** argv) {
   train->add_option("--set", overrides, "override a key: section.key=value (repeatable)");
   train->add_option("--run-dir", run_dir, "run directory (default: runs/<date-time>, printed at start)");
   train->add_flag("--resume", resume, "continue from the latest complete checkpoint in the run directory");
+  std::string train_device;
+  train->add_option("--device", train_device, "auto | cpu | cuda (same as --set train.device=...)");
   int64_t stop_after = 0;
   train->add_option("--stop-after", stop_after, "stop after N steps of this invocation, saving a checkpoint");
 
@@ -138,6 +162,7 @@ int main(int argc, char** argv) {
       cw::RunConfig rc = config_path.empty() ? cw::RunConfig::from_toml(cw::kDefaultRunToml, "<embedded default>")
                                              : cw::RunConfig::from_file(config_path);
       for (const auto& o : overrides) rc.apply_override(o);
+      if (!train_device.empty()) rc.apply_override("train.device=\"" + train_device + "\"");
       rc.validate();
       cw::TrainOptions topt;
       topt.run_dir = run_dir;
@@ -170,6 +195,7 @@ int main(int argc, char** argv) {
       cw::run_bench_ops(bo, std::cout);
       return 0;
     }
+    if (*bench) return cw::run_bench_model(bm, std::cout);
     if (*devices) {
       std::cout << cw::describe_devices();
       return 0;

@@ -42,6 +42,7 @@
 // stream with its own workspace, the same inputs give the same bits on every call
 // (tests/engine/test_cuda_linear.cpp checks it).
 #include "engine/cuda/common.cuh"
+#include "engine/cuda/gemm.cuh"
 #include "engine/cuda/ops.h"
 #include "engine/cuda/runtime.h"
 
@@ -183,8 +184,11 @@ const Plan& get_plan(DeviceContext& ctx, int device, int64_t m, int64_t n, int64
   return *g_plans.emplace(key, std::move(plan)).first->second;
 }
 
-// The one matmul entry: D = alpha op(A) op(B) + beta D on `dst`'s device and stream. `dst` is the
-// tensor behind D (used for the k == 0 case, where the product is empty and D = beta D).
+}  // namespace
+
+// The one matmul entry (declared in engine/cuda/gemm.cuh): D = op(A) op(B) + beta D on `dst`'s
+// device and stream. `dst` is the tensor behind D (used for the k == 0 case, where the product is
+// empty and D = beta D).
 void matmul(int device, int64_t m, int64_t n, int64_t k, bool trans_a, bool trans_b, const void* A, int64_t lda,
             const void* B, int64_t ldb, void* D, int64_t ldd, DType ab, DType cd, float beta, const Tensor& dst) {
   if (m == 0 || n == 0) return;
@@ -200,6 +204,8 @@ void matmul(int device, int64_t m, int64_t n, int64_t k, bool trans_a, bool tran
   CW_CUBLAS_CHECK(cublasLtMatmul(ctx.handle, plan.desc, &alpha, A, plan.a, B, plan.b, &beta, D, plan.c, D, plan.c,
                                  &plan.algo, ctx.workspace, plan.workspace_bytes, current_stream(device)));
 }
+
+namespace {
 
 void check_gpu_2d(const Tensor& t, const char* what, int device) {
   CW_CHECK(t.ndim == 2, "{} must be 2-d, got {}", what, t.describe());

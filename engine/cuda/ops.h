@@ -9,8 +9,12 @@
 #pragma once
 
 #include "engine/memory.h"
+#include "engine/ops/attention.h"
+#include "engine/ops/lm_head_loss.h"
 #include "engine/ops/rmsnorm.h"
 #include "engine/tensor.h"
+
+#include <string>
 
 namespace cw::gpu {
 
@@ -36,5 +40,52 @@ void accumulate(const Tensor& dst, const Tensor& src);  // dst (f32 or the compu
 void linear_forward(const Tensor& out, const Tensor& x, const Tensor& weight);
 void linear_backward(const Tensor& d_x, const Tensor& d_weight, const Tensor& d_out, const Tensor& x,
                      const Tensor& weight, GradMode mode);
+
+// Attention (engine/ops/attention.h). The entry points pick an implementation (engine/cuda/attention.cu):
+// cuDNN's fused attention where it serves (bf16, head dim a multiple of 8 up to 128, a cuDNN that
+// knows bottom-right causal masks), else our own flash-style kernel. lse is f32; d_k, d_v are f32
+// and ADDED into.
+enum class AttentionImpl { automatic, cudnn, flash };
+void set_attention_impl(AttentionImpl impl);   // process-wide; automatic by default (env CW_ATTENTION)
+AttentionImpl attention_impl();
+const char* attention_impl_name(AttentionImpl impl);
+void attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
+                       const Tensor& v, double scale, Arena& scratch);
+void attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,
+                        const AttentionSaved& saved, const Tensor& q, const Tensor& k, const Tensor& v,
+                        const Tensor& out, double scale, GradMode mode, Arena& scratch);
+
+// Our own fused flash-style kernels (engine/cuda/attention_flash.cu): any even head dim up to 128 in
+// f32 and bf16; tensor cores for bf16 at head dim 64 and 128.
+void flash_attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
+                             const Tensor& v, double scale, Arena& scratch);
+void flash_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,
+                              const AttentionSaved& saved, const Tensor& q, const Tensor& k, const Tensor& v,
+                              const Tensor& out, double scale, GradMode mode, Arena& scratch);
+
+// cuDNN fused attention through the graph backend API (engine/cuda/attention_cudnn.cu; only in builds
+// with cuDNN). cudnn_attention_supports says whether these operands can take this path (and why not).
+bool cudnn_attention_supports(const Tensor& q, const Tensor& k, std::string* why_not = nullptr);
+// The forward alone (its output and lse are what the flash backward reads, so `automatic` may pair a
+// cuDNN forward with the flash backward).
+bool cudnn_attention_forward_supports(const Tensor& q, const Tensor& k, std::string* why_not = nullptr);
+void cudnn_attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
+                             const Tensor& v, double scale, Arena& scratch);
+void cudnn_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,
+                              const AttentionSaved& saved, const Tensor& q, const Tensor& k, const Tensor& v,
+                              const Tensor& out, double scale, GradMode mode, Arena& scratch);
+
+// LM head fused with cross-entropy (engine/cuda/lm_head.cu; math in engine/ops/lm_head_loss.h).
+// x, weight in the compute dtype (bf16 or f32); row_loss, lse f32; d_weight f32 (accumulated);
+// d_x in the compute dtype. block_rows is the CPU's block; the GPU picks its own, larger row block
+// (bounded logits scratch; see lm_head.cu).
+void lm_head_loss_forward(const Tensor& row_loss, const LmHeadSaved& saved, const Tensor& x, const Tensor& weight,
+                          const Tensor& labels, double normaliser, Arena& scratch, int64_t block_rows);
+void lm_head_loss_backward(const Tensor& d_x, const Tensor& d_weight, const LmHeadSaved& saved, const Tensor& x,
+                           const Tensor& weight, const Tensor& labels, double normaliser, GradMode mode,
+                           Arena& scratch, int64_t block_rows);
+void lm_head_loss_fused(const Tensor& row_loss, const Tensor& d_x, const Tensor& d_weight, const Tensor& x,
+                        const Tensor& weight, const Tensor& labels, double normaliser, GradMode mode, Arena& scratch,
+                        int64_t block_rows);
 
 }  // namespace cw::gpu

@@ -244,7 +244,9 @@ void copy_convert(const Tensor& dst, const Tensor& src) {
     return;
   }
   const Rows d = as_rows(dst, "copy destination"), s = as_rows(src, "copy source");
-  CW_CHECK(d.rows == s.rows || (d.rows == 1 && s.rows == 1), "copy between {} and {}: row layouts differ",
+  // A packed side (rows == 1) is read as rows of the other side's length: the shapes are equal, so
+  // a row is everything but dimension 0 on both sides.
+  CW_CHECK(d.rows == s.rows || d.rows == 1 || s.rows == 1, "copy between {} and {}: row layouts differ",
            dst.describe(), src.describe());
   const int64_t rows = std::max(d.rows, s.rows), row_elems = dst.numel() / rows;
   if (dst.dtype == src.dtype) {
@@ -329,5 +331,177 @@ double median_ms(const std::function<void()>& fn, int device, int warmup, int re
   cudaEventDestroy(stop);
   std::sort(ms.begin(), ms.end());
   return ms[ms.size() / 2];
+}
+}  // namespace cw::gpu
+
+namespace cw::gpu {
+namespace {
+constexpr int kSumBlocks = 1024, kSumThreads = 256;
+
+// Pass 1: each block sums the squares of a fixed grid-stride share of the elements in f64 and writes
+// one partial; the element-to-thread assignment depends only on n, so the result is reproducible.
+template <class T> __global__ void sum_squares_partials(const T* x, int64_t n, double* partials) {
+  __shared__ double lane[kSumThreads];
+  double s = 0.0;
+  for (int64_t i = blockIdx.x * int64_t(kSumThreads) + threadIdx.x; i < n; i += int64_t(kSumBlocks) * kSumThreads) {
+    const double d = static_cast<double>(to_f32(x[i]));
+    s += d * d;
+  }
+  lane[threadIdx.x] = s;
+  __syncthreads();
+  for (int w = kSumThreads / 2; w > 0; w /= 2) {
+    if (threadIdx.x < w) lane[threadIdx.x] += lane[threadIdx.x + w];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) partials[blockIdx.x] = lane[0];
+}
+__global__ void sum_squares_partials_f64(const double* x, int64_t n, double* partials) {
+  __shared__ double lane[kSumThreads];
+  double s = 0.0;
+  for (int64_t i = blockIdx.x * int64_t(kSumThreads) + threadIdx.x; i < n; i += int64_t(kSumBlocks) * kSumThreads)
+    s += x[i] * x[i];
+  lane[threadIdx.x] = s;
+  __syncthreads();
+  for (int w = kSumThreads / 2; w > 0; w /= 2) {
+    if (threadIdx.x < w) lane[threadIdx.x] += lane[threadIdx.x + w];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) partials[blockIdx.x] = lane[0];
+}
+// Pass 2: one thread adds the partials in index order.
+__global__ void sum_partials(const double* partials, int n, double* out) {
+  double s = 0.0;
+  for (int i = 0; i < n; ++i) s += partials[i];
+  *out = s;
+}
+}  // namespace
+
+double sum_squares(const Tensor& t) {
+  CW_CHECK(!t.device.is_cpu() && t.contiguous(), "gpu::sum_squares needs a contiguous device tensor, got {}",
+           t.describe());
+  if (t.numel() == 0) return 0.0;
+  const int device = t.device.index;
+  cudaStream_t stream = current_stream(device);
+  double* partials = static_cast<double*>(device_alloc((kSumBlocks + 1) * sizeof(double), device));
+  switch (t.dtype) {
+    case DType::f32:
+      sum_squares_partials<float><<<kSumBlocks, kSumThreads, 0, stream>>>(static_cast<const float*>(t.data), t.numel(), partials);
+      break;
+    case DType::bf16:
+      sum_squares_partials<__nv_bfloat16><<<kSumBlocks, kSumThreads, 0, stream>>>(
+          static_cast<const __nv_bfloat16*>(t.data), t.numel(), partials);
+      break;
+    case DType::f64:
+      sum_squares_partials_f64<<<kSumBlocks, kSumThreads, 0, stream>>>(static_cast<const double*>(t.data), t.numel(), partials);
+      break;
+    case DType::i32: device_free(partials, device); fail("gpu::sum_squares of an i32 tensor");
+  }
+  CW_KERNEL_CHECK();
+  sum_partials<<<1, 1, 0, stream>>>(partials, kSumBlocks, partials + kSumBlocks);
+  CW_KERNEL_CHECK();
+  double result = 0.0;
+  CW_CUDA_CHECK(cudaMemcpyAsync(&result, partials + kSumBlocks, sizeof(double), cudaMemcpyDeviceToHost, stream));
+  CW_CUDA_CHECK(cudaStreamSynchronize(stream));
+  device_free(partials, device);
+  return result;
+}
+
+MemoryInfo memory_info(int device) {
+  int previous = 0;
+  CW_CUDA_CHECK(cudaGetDevice(&previous));
+  if (previous != device) CW_CUDA_CHECK(cudaSetDevice(device));
+  size_t free_b = 0, total_b = 0;
+  const cudaError_t e = cudaMemGetInfo(&free_b, &total_b);
+  if (previous != device) cudaSetDevice(previous);
+  CW_CUDA_CHECK(e);
+  return {free_b, total_b};
+}
+}  // namespace cw::gpu
+
+// Pinned host memory and the side ("copy") stream.
+namespace cw::gpu {
+namespace {
+struct PinnedPool {
+  std::mutex mutex;
+  std::multimap<size_t, void*> free_blocks;  // cudaHostAlloc is slow (it pins pages): blocks are reused
+  std::map<void*, size_t> live;
+};
+PinnedPool& pinned_pool() {
+  static PinnedPool* p = new PinnedPool;  // never destroyed: blocks may be returned during exit
+  return *p;
+}
+
+struct SideStreams {
+  std::mutex mutex;
+  std::array<cudaStream_t, kMaxDevices> streams{};
+  std::map<uint64_t, cudaEvent_t> tickets;
+  uint64_t next = 1;
+};
+SideStreams& side_streams() {
+  static SideStreams* s = new SideStreams;
+  return *s;
+}
+}  // namespace
+
+void* pinned_alloc(size_t bytes) {
+  PinnedPool& p = pinned_pool();
+  std::lock_guard lock(p.mutex);
+  if (auto it = p.free_blocks.find(bytes); it != p.free_blocks.end()) {
+    void* ptr = it->second;
+    p.free_blocks.erase(it);
+    p.live[ptr] = bytes;
+    return ptr;
+  }
+  void* ptr = nullptr;
+  const cudaError_t e = cudaHostAlloc(&ptr, std::max<size_t>(bytes, 1), cudaHostAllocPortable);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    fail(CW_FORMAT("cannot pin {} MiB of host memory ({})", double(bytes) / (1 << 20), cudaGetErrorString(e)),
+         "offload less (a shorter sequence) or turn schedule.offload off");
+  }
+  p.live[ptr] = bytes;
+  return ptr;
+}
+
+void pinned_free(void* ptr) {
+  if (!ptr) return;
+  PinnedPool& p = pinned_pool();
+  std::lock_guard lock(p.mutex);
+  auto it = p.live.find(ptr);
+  if (it == p.live.end()) return;
+  p.free_blocks.emplace(it->second, ptr);
+  p.live.erase(it);
+}
+
+uint64_t copy_on_side_stream(void* dst, const void* src, size_t bytes, int device) {
+  cudaStream_t compute = current_stream(device);  // also makes `device` current
+  SideStreams& s = side_streams();
+  std::lock_guard lock(s.mutex);
+  cudaStream_t& side = s.streams[static_cast<size_t>(device)];
+  if (!side) CW_CUDA_CHECK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+  // The copy starts after everything already queued on the compute stream (its source is final and
+  // its destination no longer read).
+  cudaEvent_t after_compute, done;
+  CW_CUDA_CHECK(cudaEventCreateWithFlags(&after_compute, cudaEventDisableTiming));
+  CW_CUDA_CHECK(cudaEventRecord(after_compute, compute));
+  CW_CUDA_CHECK(cudaStreamWaitEvent(side, after_compute, 0));
+  CW_CUDA_CHECK(cudaEventDestroy(after_compute));  // released once the wait has been satisfied
+  CW_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, side));
+  CW_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+  CW_CUDA_CHECK(cudaEventRecord(done, side));
+  const uint64_t ticket = s.next++;
+  s.tickets[ticket] = done;
+  return ticket;
+}
+
+void wait_for_copy(uint64_t ticket, int device) {
+  cudaStream_t compute = current_stream(device);
+  SideStreams& s = side_streams();
+  std::lock_guard lock(s.mutex);
+  auto it = s.tickets.find(ticket);
+  if (it == s.tickets.end()) return;  // already waited for
+  CW_CUDA_CHECK(cudaStreamWaitEvent(compute, it->second, 0));
+  CW_CUDA_CHECK(cudaEventDestroy(it->second));
+  s.tickets.erase(it);
 }
 }  // namespace cw::gpu

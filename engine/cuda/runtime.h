@@ -37,6 +37,26 @@ void copy_convert(const Tensor& dst, const Tensor& src);
 void fill(const Tensor& t, double value);        // device tensor, any float dtype or i32
 void scale_inplace(const Tensor& t, double factor);
 
+// The sum of squares of every element (f32, bf16 or f64; contiguous), accumulated in f64 in a fixed
+// order (the same bits on every call); NaN or inf in the input shows in the result. Waits for it.
+double sum_squares(const Tensor& t);
+
+struct MemoryInfo {
+  size_t free = 0, total = 0;  // bytes, as the driver reports them (cudaMemGetInfo)
+};
+MemoryInfo memory_info(int device = 0);
+
+// Pinned (page-locked) host memory, which asynchronous copies need; blocks are cached and reused.
+void* pinned_alloc(size_t bytes);
+void pinned_free(void* p);
+
+// A copy of `bytes` between any two of host (pinned) and device memory on the device's side stream,
+// ordered after everything queued on its compute stream so far, so it overlaps the compute queued
+// next. Returns a ticket; wait_for_copy(ticket) makes the compute stream wait for the copy (the host
+// does not block). Used to offload saved layer inputs to host memory and bring them back.
+uint64_t copy_on_side_stream(void* dst, const void* src, size_t bytes, int device);
+void wait_for_copy(uint64_t ticket, int device);
+
 void synchronize(int device = 0);               // waits for the device's stream
 std::string memory_report(int device = 0);      // one line: in use, cached, peak, mallocs
 

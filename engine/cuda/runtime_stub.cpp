@@ -21,6 +21,12 @@ void release_cached(int) {}
 void copy_convert(const Tensor&, const Tensor&) { no_cuda(); }
 void fill(const Tensor&, double) { no_cuda(); }
 void scale_inplace(const Tensor&, double) { no_cuda(); }
+double sum_squares(const Tensor&) { no_cuda(); }
+MemoryInfo memory_info(int) { no_cuda(); }
+void* pinned_alloc(size_t) { no_cuda(); }
+void pinned_free(void*) {}
+uint64_t copy_on_side_stream(void*, const void*, size_t, int) { no_cuda(); }
+void wait_for_copy(uint64_t, int) { no_cuda(); }
 void synchronize(int) {}
 std::string memory_report(int) { return "no CUDA in this build"; }
 

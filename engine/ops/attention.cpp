@@ -85,6 +85,7 @@ size_t attention_scratch_bytes(int64_t c, int64_t S, DType dtype, bool backward)
 
 void attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
                        const Tensor& v, double scale, Arena& scratch) {
+  CW_DISPATCH_GPU(q, attention_forward(out, saved, q, k, v, scale, scratch));
   const Dims d = check_operands(q, k, v, out, saved);
   cpu::dispatch_float(q.dtype, "attention_forward", [&](auto zero) {
     using T = decltype(zero);
@@ -116,6 +117,7 @@ void attention_forward(const Tensor& out, const AttentionSaved& saved, const Ten
 void attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,
                         const AttentionSaved& saved, const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& out, double scale, GradMode mode, Arena& scratch) {
+  CW_DISPATCH_GPU(q, attention_backward(d_q, d_k, d_v, d_out, saved, q, k, v, out, scale, mode, scratch));
   const Dims d = check_operands(q, k, v, out, saved);
   check_same_shape(d_q, q, "attention d_q", "attention q");
   check_same_shape(d_out, q, "attention d_out", "attention q");

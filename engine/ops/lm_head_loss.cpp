@@ -102,6 +102,7 @@ void check_outputs(const Tensor* row_loss, const Tensor* lse, const Tensor* d_x,
 
 void lm_head_loss_forward(const Tensor& row_loss, const LmHeadSaved& saved, const Tensor& x, const Tensor& weight,
                           const Tensor& labels, double normaliser, Arena& scratch, int64_t block_rows) {
+  CW_DISPATCH_GPU(x, lm_head_loss_forward(row_loss, saved, x, weight, labels, normaliser, scratch, block_rows));
   check_operands(x, weight, labels, normaliser, block_rows);
   const Tensor* lse = saved.lse.data ? &saved.lse : nullptr;
   check_outputs(&row_loss, lse, nullptr, nullptr, x, weight);
@@ -114,6 +115,8 @@ void lm_head_loss_forward(const Tensor& row_loss, const LmHeadSaved& saved, cons
 void lm_head_loss_backward(const Tensor& d_x, const Tensor& d_weight, const LmHeadSaved& saved, const Tensor& x,
                            const Tensor& weight, const Tensor& labels, double normaliser, GradMode mode,
                            Arena& scratch, int64_t block_rows) {
+  CW_DISPATCH_GPU(x, lm_head_loss_backward(d_x, d_weight, saved, x, weight, labels, normaliser, mode, scratch,
+                                           block_rows));
   check_operands(x, weight, labels, normaliser, block_rows);
   const Tensor* dx = d_x.data ? &d_x : nullptr;
   const Tensor* dw = d_weight.data ? &d_weight : nullptr;
@@ -126,6 +129,8 @@ void lm_head_loss_backward(const Tensor& d_x, const Tensor& d_weight, const LmHe
 void lm_head_loss_fused(const Tensor& row_loss, const Tensor& d_x, const Tensor& d_weight, const Tensor& x,
                         const Tensor& weight, const Tensor& labels, double normaliser, GradMode mode, Arena& scratch,
                         int64_t block_rows) {
+  CW_DISPATCH_GPU(x, lm_head_loss_fused(row_loss, d_x, d_weight, x, weight, labels, normaliser, mode, scratch,
+                                        block_rows));
   check_operands(x, weight, labels, normaliser, block_rows);
   const Tensor* dx = d_x.data ? &d_x : nullptr;
   const Tensor* dw = d_weight.data ? &d_weight : nullptr;

@@ -250,12 +250,19 @@ TEST_CASE("checkpointed and tiled-MLP schedules equal full backprop in fp64; the
     o.chunk = chunk;
     return o;
   };
+  auto selective = [&](int64_t shards) {
+    ScheduleOptions o = opts("checkpointed", shards);
+    o.recompute = "selective";
+    return o;
+  };
   const Variant variants[] = {
       {"checkpointed (layer inputs only)", opts("checkpointed", 1)},
       {"checkpointed + tiled MLP, 3 shards", opts("checkpointed", 3)},
       {"full + tiled MLP, automatic shards", opts("full", 0)},
       {"full + tiled MLP, 7 shards (uneven)", opts("full", 7)},
       {"seco + tiled MLP, 2 shards", opts("seco", 2, 7)},
+      {"checkpointed, selective recompute (MLP intermediates)", selective(1)},
+      {"checkpointed, selective recompute, 3 shards", selective(3)},
   };
   for (const Variant& v : variants) {
     INFO(std::string(v.name));
@@ -275,9 +282,15 @@ TEST_CASE("checkpointed and tiled-MLP schedules equal full backprop in fp64; the
   const size_t full_hw = run(ScheduleOptions{}, model, longer, g).stats.activation_high_water;
   const size_t ckpt_hw = run(opts("checkpointed", 1), model, longer, g).stats.activation_high_water;
   const size_t tiled_hw = run(opts("full", 4), model, longer, g).stats.activation_high_water;
-  MESSAGE("T=256 activation high-water: full ", full_hw, ", checkpointed ", ckpt_hw, ", tiled MLP x4 ", tiled_hw);
+  const size_t selective_hw = run(selective(1), model, longer, g).stats.activation_high_water;
+  MESSAGE("T=256 activation high-water: full ", full_hw, ", checkpointed ", ckpt_hw, ", tiled MLP x4 ", tiled_hw,
+          ", selective ", selective_hw);
   CHECK(ckpt_hw < full_hw);
   CHECK(tiled_hw < full_hw);
+  CHECK(selective_hw < full_hw);
+  ScheduleOptions offload_without_checkpointing;
+  offload_without_checkpointing.offload = true;
+  CHECK_THROWS_AS(offload_without_checkpointing.validate(), Error);
   ScheduleOptions bad;
   bad.recompute = "selective-ish";
   CHECK_THROWS_AS(bad.validate(), Error);

@@ -61,6 +61,7 @@ std::vector<Field> fields_of(RunConfig& c) {
       {"schedule", "drop_relay", &c.schedule.drop_relay},
       {"schedule", "recompute", &c.schedule.recompute},
       {"schedule", "mlp_shards", &c.schedule.mlp_shards},
+      {"schedule", "offload", &c.schedule.offload},
       {"optimizer", "lr", &c.optimizer.lr},
       {"optimizer", "min_lr", &c.optimizer.min_lr},
       {"optimizer", "warmup_steps", &c.optimizer.warmup_steps},
@@ -489,7 +490,7 @@ void RunConfig::apply_override(const std::string& assignment) {
 void RunConfig::validate() const {
   check(!model.source.empty(), "model.source", "must not be empty",
         "a preset name, a config.json or a checkpoint directory");
-  check_one_of("model.dtype", model.dtype, {"f64", "f32", "bf16"});
+  check_one_of("model.dtype", model.dtype, {"auto", "f64", "f32", "bf16"});
   check_seed("model.init_seed", model.init_seed);
 
   for (const std::string& p : data.train) check(!p.empty(), "data.train", "holds an empty path");
@@ -505,7 +506,7 @@ void RunConfig::validate() const {
   check(!data.tokenizer.empty(), "data.tokenizer", "must not be empty", "e.g. tokenizer = \"bytes\"");
 
   check_one_of("schedule.name", schedule.name, {"full", "checkpointed", "seco", "spaco"});
-  check_one_of("schedule.recompute", schedule.recompute, {"full", "none"});
+  check_one_of("schedule.recompute", schedule.recompute, {"full", "selective", "none"});
   check(schedule.mlp_shards >= 0, "schedule.mlp_shards", fmt::format("must be >= 0 (0: automatic), got {}", schedule.mlp_shards));
   check(schedule.chunk >= 0, "schedule.chunk", fmt::format("must be >= 0, got {}", schedule.chunk));
   check(schedule.bwd_chunk >= 0, "schedule.bwd_chunk", fmt::format("must be >= 0, got {}", schedule.bwd_chunk));
@@ -591,6 +592,7 @@ ScheduleOptions RunConfig::schedule_options() const {
   o.drop_relay = schedule.drop_relay;
   o.recompute = schedule.recompute;
   o.mlp_shards = schedule.mlp_shards;
+  o.offload = schedule.offload;
   return o;
 }
 
@@ -638,8 +640,8 @@ const char* const kDefaultRunToml = R"toml(# chunkwise train: the default run.
 # A preset name (tiny, small, ...), the path of an HF config.json (random initialisation), or an HF
 # checkpoint directory (config.json + safetensors) to continue training from.
 source = "small"
-# Parameter and activation precision: f64 | f32 | bf16.
-dtype = "f32"
+# Compute precision: auto (bf16 with f32 master weights on a GPU, f32 on the CPU) | f64 (CPU) | f32 | bf16 (GPU).
+dtype = "auto"
 # Seed of the random initialisation (unused when source is a checkpoint).
 init_seed = 1234
 # tie_embeddings = true    # unset: as the model config says; true/false overrides it
@@ -680,10 +682,13 @@ scale_loss = true
 scale_relay = false
 relay_cap = 0.0
 drop_relay = false
-# checkpointed: what is recomputed (full: everything but each layer's input; none: nothing). Any
+# checkpointed: what is recomputed (full: everything but each layer's input; selective: only the
+# MLP's [tokens, ffn] intermediates; none: nothing), and whether the kept layer inputs are offloaded
+# to pinned host memory (GPU, recompute = full). Any
 # schedule: the MLP in row shards, its [rows, F] intermediates recomputed per shard (1: untiled,
 # 0: automatic, ceil(F / hidden)).
 recompute = "full"
+offload = false
 mlp_shards = 1
 
 [optimizer]

@@ -31,7 +31,7 @@ namespace cw {
 struct RunConfig {
   struct Model {
     std::string source = "small";         // preset name, config.json path, or HF checkpoint directory
-    std::string dtype = "f32";            // f64 | f32 | bf16
+    std::string dtype = "auto";           // auto (GPU: bf16, CPU: f32) | f64 | f32 | bf16
     uint64_t init_seed = 1234;            // random initialisation (ignored for a checkpoint)
     std::optional<bool> tie_embeddings;   // unset: as the model configures it
     bool operator==(const Model&) const = default;
@@ -61,6 +61,7 @@ struct RunConfig {
     bool drop_relay = false;
     std::string recompute = "full";       // checkpointed: full (keep layer inputs only) | none
     int64_t mlp_shards = 1;               // tiled MLP row shards: 1 untiled, 0 automatic
+    bool offload = false;                 // checkpointed: kept layer inputs in pinned host memory
     bool operator==(const Schedule&) const = default;
   };
   struct Optimizer {

@@ -5,6 +5,8 @@
 #include "optim/adamw.h"
 #include "optim/lr_schedule.h"
 #include "optim/schedule.h"
+#include "optim/training.h"
+#include "engine/cuda/runtime.h"
 #include "tools/data/tokenizer.h"
 #include "tools/data/tokens.h"
 #include "tools/plot.h"
@@ -79,8 +81,9 @@ std::string duration(double s) {
   return t >= 3600 ? fmt::format("{}h{:02}m", t / 3600, (t / 60) % 60) : fmt::format("{}m{:02}s", t / 60, t % 60);
 }
 
-// Memory the run will need on the host: parameters, gradients, two moments, one chunk's activations,
-// the K/V store with its gradients, the LM-head and attention scratch.
+// Memory the run will need on its device: parameters (compute copy, f32 master for bf16), gradients
+// and two moments in the master dtype, one chunk's activations, the K/V store with its gradients,
+// the LM-head and attention scratch.
 double planned_bytes(const LlamaConfig& c, DType dt, const RunConfig& rc) {
   const double e = static_cast<double>(dtype_size(dt)), a = static_cast<double>(dtype_size(accum_dtype(dt)));
   const double params = static_cast<double>(c.parameter_count());
@@ -93,7 +96,37 @@ double planned_bytes(const LlamaConfig& c, DType dt, const RunConfig& rc) {
   const double kv = static_cast<double>(c.num_hidden_layers * B * T * c.kv_dim()) * 2 * (e + a);
   const double scratch = static_cast<double>(kLmHeadBlockRows * c.vocab_size) * e +
                          static_cast<double>(B * chunk * (2 * c.hidden_size + 3 * c.intermediate_size)) * e;
-  return params * e * 4 + acts + kv + scratch;
+  const double master = dt == DType::bf16 ? 4.0 : e;
+  return params * (e + (dt == DType::bf16 ? master : 0.0) + 3 * master) + acts + kv + scratch;
+}
+
+Device resolve_train_device(const std::string& setting) {
+  if (setting == "cpu") return Device::host();
+  if (setting == "cuda") {
+    if (!gpu::available())
+      fail("train.device = cuda but no GPU is usable (this build has no CUDA, or the driver sees no device)",
+           "use train.device = cpu (or auto)");
+    return Device::gpu(0);
+  }
+  return gpu::available() ? Device::gpu(0) : Device::host();  // auto
+}
+
+// model.dtype = auto: bf16 compute on a GPU (fp32 master weights), f32 on the CPU.
+DType resolve_train_dtype(const std::string& setting, Device device) {
+  if (setting == "auto") return device.is_cpu() ? DType::f32 : DType::bf16;
+  const DType dt = parse_dtype(setting);
+  if (dt == DType::bf16 && device.is_cpu())
+    fail("model.dtype = bf16 needs the GPU backend", "use model.dtype = f32 (or f64, or auto) on the CPU");
+  if (dt == DType::f64 && !device.is_cpu())
+    fail("model.dtype = f64 runs on the CPU only", "use bf16 or f32 on the GPU, or train.device = cpu");
+  return dt;
+}
+
+// Loads a checkpoint's weights (any stored dtype) as the run's master weights.
+void load_master_from(TrainingState& state, const std::string& dir) {
+  ParamSet host(state.model().config(), state.master_dtype());
+  load_checkpoint_weights(host, dir);
+  state.load_master(host);
 }
 
 std::vector<std::string> resolve_demo(const std::vector<std::string>& specs) {
@@ -122,11 +155,8 @@ TrainResult run_training(const RunConfig& rc, const TrainOptions& opt, std::ostr
   // Model and device.
   LlamaConfig mc = LlamaConfig::resolve(rc.model.source);
   if (rc.model.tie_embeddings) mc.tie_word_embeddings = *rc.model.tie_embeddings;
-  const DType dtype = parse_dtype(rc.model.dtype);
-  if (rc.train.device == "cuda")
-    fail("train.device = cuda: this build has no CUDA training backend yet", "use train.device = cpu or auto");
-  if (dtype == DType::bf16)
-    fail("model.dtype = bf16 needs the GPU backend", "use model.dtype = f32 (or f64) on the CPU");
+  const Device device = resolve_train_device(rc.train.device);
+  const DType dtype = resolve_train_dtype(rc.model.dtype, device);
 
   // Data.
   const ByteTokenizer tokenizer;
@@ -143,20 +173,22 @@ TrainResult run_training(const RunConfig& rc, const TrainOptions& opt, std::ostr
   WindowSampler sampler(split.train, rc.data.seed);
 
   // Memory guard: fail before step 1, not in the middle of it.
-  const double need = planned_bytes(mc, dtype, rc), have = available_bytes();
+  const double need = planned_bytes(mc, dtype, rc);
+  const double have = device.is_cpu() ? available_bytes() : static_cast<double>(gpu::memory_info(device.index).free);
   if (have > 0 && need > have)
-    fail(fmt::format("this run needs about {} of memory and the machine has {} available", human_bytes(need),
-                     human_bytes(have)),
+    fail(fmt::format("this run needs about {} of {} memory and the {} has {} available", human_bytes(need),
+                     device.is_cpu() ? "host" : "device", device_name(device), human_bytes(have)),
          "lower data.batch_size, data.seq_len or schedule.chunk, or use schedule.name = seco");
 
-  LlamaModel model(mc, dtype);
-  ParamSet grads(mc, dtype);
   AdamWOptions aopt;
   aopt.beta1 = rc.optimizer.beta1;
   aopt.beta2 = rc.optimizer.beta2;
   aopt.eps = rc.optimizer.eps;
   aopt.weight_decay = rc.optimizer.weight_decay;
-  AdamW adamw(model.params(), aopt);
+  TrainingState state(mc, dtype, device, aopt);
+  LlamaModel& model = state.model();
+  const ParamSet& grads = state.grads();
+  AdamW& adamw = state.optimizer();
   LrSchedule lr_schedule{rc.optimizer.lr, rc.optimizer.min_lr, rc.optimizer.warmup_steps, rc.train.steps,
                          LrSchedule::parse(rc.optimizer.decay)};
   auto schedule = Schedule::create(rc.schedule_options());
@@ -172,7 +204,7 @@ TrainResult run_training(const RunConfig& rc, const TrainOptions& opt, std::ostr
     if (!ref)
       fail(fmt::format("--resume: no complete checkpoint in '{}'", result.run_dir),
            "start without --resume, or point --run-dir at the run to continue");
-    load_checkpoint_weights(model.params(), ref->path);
+    load_master_from(state, ref->path);
     adamw.load((fs::path(ref->path) / "optimizer.safetensors").string());
     std::ifstream sf(fs::path(ref->path) / "state.json");
     nlohmann::json state;
@@ -189,9 +221,9 @@ TrainResult run_training(const RunConfig& rc, const TrainOptions& opt, std::ostr
   } else if (fs::is_directory(rc.model.source) && fs::exists(fs::path(rc.model.source) / "config.json") &&
              (fs::exists(fs::path(rc.model.source) / "model.safetensors") ||
               fs::exists(fs::path(rc.model.source) / "model.safetensors.index.json"))) {
-    load_checkpoint_weights(model.params(), rc.model.source);
+    load_master_from(state, rc.model.source);
   } else {
-    init_parameters(model.params(), rc.model.init_seed, mc.initializer_range);
+    state.init(rc.model.init_seed, mc.initializer_range);
   }
 
   write_text_atomic((fs::path(result.run_dir) / "config.toml").string(), rc.to_toml());
@@ -201,10 +233,11 @@ TrainResult run_training(const RunConfig& rc, const TrainOptions& opt, std::ostr
   const int64_t B = rc.data.batch_size, T = rc.data.seq_len, accum = rc.data.grad_accum;
   const int64_t tokens_per_step = B * T * accum;
   out << fmt::format("run dir: {}\n", result.run_dir);
-  out << fmt::format("model {}: {} layers, hidden {}, {} heads ({} K/V), vocab {}, {:.2f} M parameters, {}\n",
+  out << fmt::format("model {}: {} layers, hidden {}, {} heads ({} K/V), vocab {}, {:.2f} M parameters, {} on {}{}\n",
                      rc.model.source, mc.num_hidden_layers, mc.hidden_size, mc.num_attention_heads,
                      mc.num_key_value_heads, mc.vocab_size, static_cast<double>(mc.parameter_count()) / 1e6,
-                     rc.model.dtype);
+                     dtype_name(dtype), device_name(device),
+                     dtype == DType::bf16 ? " (f32 master weights, f32 gradients)" : "");
   out << fmt::format("data: {} ({} tokens): {} train windows, {} eval windows of {} tokens\n", train_data.describe(),
                      train_data.size(), split.train.size(), split.eval.size(), T);
   out << fmt::format("schedule {} (chunk {}, bwd chunk {}), {} x {} x {} = {} tokens per step, {} steps, "
@@ -217,7 +250,7 @@ TrainResult run_training(const RunConfig& rc, const TrainOptions& opt, std::ostr
   const bool tty = isatty(STDOUT_FILENO) && &out == &std::cout;
   SignalGuard signals;
   std::vector<double> plot_tokens, plot_loss, eval_tokens, eval_loss;
-  Arena eval_arena;
+  Arena eval_arena(device);
   auto evaluate = [&]() {
     double sum = 0;
     int64_t count = 0;
@@ -236,7 +269,8 @@ TrainResult run_training(const RunConfig& rc, const TrainOptions& opt, std::ostr
     run_dir.save_checkpoint(
         step,
         [&](const std::string& dir) {
-          save_checkpoint_weights(model.params(), mc, dir, dtype);
+          // The master weights (f32 for a bf16 run), so that a resume continues bit-exactly.
+          save_checkpoint_weights(state.master_on_host(), mc, dir, state.master_dtype());
           adamw.save((fs::path(dir) / "optimizer.safetensors").string());
           nlohmann::json state = {{"step", step},
                                   {"tokens_seen", tokens_seen},
@@ -262,9 +296,12 @@ TrainResult run_training(const RunConfig& rc, const TrainOptions& opt, std::ostr
       normaliser += static_cast<double>(micro.back().supervised());
     }
     double loss = 0;
-    for (int64_t m = 0; m < accum; ++m)
-      loss += schedule->step(model, micro[static_cast<size_t>(m)], grads, normaliser,
-                             static_cast<uint64_t>(step * accum + m)).loss;
+    StepStats stats;
+    for (int64_t m = 0; m < accum; ++m) {
+      stats = schedule->step(model, micro[static_cast<size_t>(m)], grads, normaliser,
+                             static_cast<uint64_t>(step * accum + m));
+      loss += stats.loss;
+    }
     const double grad_norm = grad_global_norm(grads);
     const double lr = lr_schedule.at(step);
     bool skipped = false;
@@ -276,7 +313,7 @@ TrainResult run_training(const RunConfig& rc, const TrainOptions& opt, std::ostr
       skipped = true;
     } else {
       clip_grad_norm(grads, rc.optimizer.grad_clip);
-      adamw.step(model.params(), grads, lr);
+      state.optimizer_step(lr);
     }
     tokens_seen += tokens_per_step;
     last_loss = loss;
@@ -301,6 +338,14 @@ TrainResult run_training(const RunConfig& rc, const TrainOptions& opt, std::ostr
       } else {
         out << line << "\n" << std::flush;
       }
+    }
+    if (step == start_step + 1) {
+      // Where the memory goes, once the first step has shown the activation and K/V peaks.
+      const MemoryReport mem = memory_report(state, stats.activation_high_water, stats.kv_bytes);
+      out << (tty ? "\r\033[K" : "") << fmt::format("memory ({}): {}\n", device_name(device), mem.line());
+      nlohmann::json mj = {{"step", step}};
+      for (const auto& [name, bytes] : mem.categories()) mj["memory_" + name] = bytes;
+      metrics.append(mj);
     }
     const bool last = step == rc.train.steps;
     if ((rc.eval.every > 0 && step % rc.eval.every == 0) || last) {
@@ -345,7 +390,10 @@ TrainResult run_training(const RunConfig& rc, const TrainOptions& opt, std::ostr
     so.top_k = rc.sample.top_k;
     so.top_p = rc.sample.top_p;
     so.seed = rc.sample.seed;
-    out << "sample:\n" << rc.sample.prompt << generate(model, tokenizer, so) << "\n";
+    // Sampling runs on the host, from the master weights.
+    LlamaModel host_model(mc, state.master_dtype());
+    copy_params(host_model.params(), state.master_on_host());
+    out << "sample:\n" << rc.sample.prompt << generate(host_model, tokenizer, so) << "\n";
   }
   return result;
 }

@@ -1,0 +1,989 @@
+// cuDNN fused attention (flash-style SDPA) through the cuDNN graph BACKEND API.
+//
+// The math is the op's (engine/ops/attention.h): chunk-against-cache causal attention with grouped
+// K/V heads. The c queries of a chunk sit at positions [p, p + c) and see keys j <= p + i of the
+// S = p + c keys: a causal mask aligned BOTTOM-RIGHT (for c < S it differs from the top-left mask
+// that p = 0 gives).
+//   forward:  s_ij = scale q_i . k_j (masked), lse_i = log sum_j exp(s_ij), out_i = sum_j P_ij v_j
+//   backward: Delta_i = d_out_i . out_i, dS_ij = P_ij (d_out_i . v_j - Delta_i),
+//             d_q = scale dS K (overwrite or accumulate), d_k += scale dS^T Q, d_v += P^T d_out.
+//
+// Why graphs of generic operations. cuDNN serves fused attention from a "specialized runtime
+// fusion engine" that it selects when the operation graph has the SDPA shape, built from generic
+// backend operations (this is what the cudnn-frontend library builds internally; we do not use or
+// copy that library, only the documented backend API). cuDNN 9.19's dedicated
+// CUDNN_BACKEND_OPERATION_SDPA_FWD/BWD descriptors (attributes: Q, K, V, O, stats, scale, block
+// mask, page tables, sequence lengths) have no causal attribute at all, and the system cuDNN on the
+// GPU machine is 9.14, so the generic graph is the portable way to state an exact bottom-right mask:
+//   forward:  S = Q K^T (f32) -> S * scale -> causal mask -> softmax as
+//             max = reduce_max(S), E = exp(S - max), sum = reduce_add(E),
+//             stats = max + log(sum)  [our lse: natural-log log-sum-exp of the scaled, masked scores]
+//             P = E / sum -> O = P V
+//   backward: Delta = reduce_add(dO * O); S as above; P = exp(S - stats); dV = P^T dO;
+//             dP = dO V^T; dS = (dP - Delta) * P * scale; dK = dS^T Q; dQ = dS K.
+//   causal mask: row = GEN_INDEX(axis 2), col = GEN_INDEX(axis 3) (int32), row' = row + S - c
+//             (two by-value int32 scalars; absent for p = 0, where both alignments agree),
+//             keep = (row' >= col), S = BINARY_SELECT(keep ? S : lowest float).
+// The exact rules cuDNN's pattern matcher applies to intermediate data types (which virtual tensors
+// must be bf16, whether dK/dV may be f32, whether GQA dK/dV come straight from the matmul or through
+// an explicit head reduction, whether Delta must live in memory) are not all documented, so each
+// graph is described by a few switches (GraphVariant) and the plan builder tries a short ordered
+// list of variants, keeping the first that cuDNN finalizes. With CW_CUDNN_VERBOSE=1 in the
+// environment each plan built is described on stderr (engine, numerical notes, workspace, variant);
+// when every variant fails, the error carries cuDNN's message for each.
+//
+// Layouts (no copies): q, out, d_q, d_out [B, c, H, D] are cuDNN tensors (B, H, c, D) with strides
+// (c H D, D, H D, 1); k, v [B, S, Hkv, D] with batch stride kb are (B, Hkv, S, D) with strides
+// (kb, D, Hkv D, 1), K^T for Q K^T is (B, Hkv, D, S) with strides (kb, D, 1, Hkv D); cuDNN takes K/V
+// with fewer heads than Q directly (grouped-query attention: query head h reads K/V head
+// h / (H / Hkv)). lse [B, H, c] f32 is the stats tensor (B, H, c, 1).
+// Backward with GQA: cuDNN's matmuls broadcast the K/V heads but the graph cannot reduce dK/dV over
+// a group (a matmul's output must have the broadcast shape; the explicit head-reduction graph that
+// cuDNN accepts gave wrong dK/dV), so the backward expands K/V to H heads in scratch and sums each
+// group's per-head dK/dV in add_kv_grouped_kernel (fixed order).
+// Delta = rowsum(dO * O) is a real f32 tensor of the backward graph, filled by delta_kernel before
+// cuDNN runs (see STATUS).
+// Backward outputs: cuDNN overwrites its outputs, while the op ADDS d_k, d_v into the caller's f32
+// buffers (which may have any batch stride). So cuDNN writes dK, dV into packed scratch
+// (bf16: the one dK/dV type whose values the device run validated, dV within 2.4e-3; f32 outputs are
+// accepted by cuDNN's graph check but are only a fallback variant) and add_kv_kernel adds both into
+// d_k, d_v in f32 honouring the batch strides. d_q (bf16) is written directly in overwrite mode;
+// in accumulate mode cuDNN writes scratch and add_q_kernel adds it (two bf16 roundings).
+//
+// Plans: building one (heuristics, then NVRTC compilation inside cuDNN) takes from tens of ms to
+// seconds, so finalized execution plans are cached per (device, direction, B, H, Hkv, c, S, D, K/V
+// batch strides, dtype); p = S - c is part of the shape, so each chunk offset of a chunked
+// schedule gets its own plan once. The per-call path looks the plan up, fills a variant pack
+// (device pointers; the scale and the mask offsets are by-value scalars read from host memory at
+// execute time) and executes. One cudnnHandle per device, bound to gpu::current_stream(device).
+// Workspace comes from the `scratch` arena (inside an ArenaScope; safe to hand back before the
+// kernels finish because all later users of the arena launch on the same stream).
+// Determinism: the backward prefers engine configurations that do not carry cuDNN's
+// CUDNN_NUMERICAL_NOTE_NONDETERMINISTIC note (cuDNN's dQ accumulation can use atomics); if only
+// non-deterministic ones exist it takes the first and says so in the plan description. The add
+// kernels are elementwise (no atomics).
+// STATUS (H100, 2026-11-21, cuDNN 9.14): forward and backward pass the GPU tests against the f64 CPU
+// op (tests/engine/test_cuda_attention_cudnn.cpp: MHA and GQA 4, head dims 64 and 128, c < S with
+// sizes not multiples of the tiles, a padded K/V batch stride; d_q overwrite and accumulate, d_k/d_v
+// added), and the backward is bitwise repeatable. What made it right: the engines READ the graph's
+// Delta tensor rather than computing it (a zero Delta gave dQ/dK ~15% off), so delta_kernel fills it
+// first; and GQA runs on expanded K/V (the head-reduction graph gave wrong dK/dV).
+// Version: bottom-right causal attention through the fused engine needs cuDNN >= 9.3 (the
+// frontend's support check for bottom-right causal masks; earlier 9.x versions only fuse top-left
+// masks); we require a 9.x runtime at least that new (cudnnGetVersion() at run time).
+#include "chunkwise_config.h"
+#include "engine/cuda/common.cuh"
+#include "engine/cuda/ops.h"
+
+#include <cudnn.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace cw::gpu {
+
+namespace {
+
+[[noreturn]] void raise_cudnn(cudnnStatus_t s, const char* expr, const char* file, int line) {
+  char last[1024] = {0};
+  cudnnGetLastErrorString(last, sizeof(last));
+  detail::raise(expr, file, line,
+                CW_FORMAT("cuDNN error {} ({}){}{}", static_cast<int>(s), cudnnGetErrorString(s),
+                          last[0] ? ": " : "", last));
+}
+
+}  // namespace
+
+}  // namespace cw::gpu
+
+// Every cuDNN call: the status name and cuDNN's own last error message become the cw::Error.
+#define CW_CUDNN_CHECK(expr)                                                                  \
+  do {                                                                                        \
+    const cudnnStatus_t cw_dnn_st_ = (expr);                                                  \
+    if (cw_dnn_st_ != CUDNN_STATUS_SUCCESS) ::cw::gpu::raise_cudnn(cw_dnn_st_, #expr, __FILE__, __LINE__); \
+  } while (0)
+
+namespace cw::gpu {
+
+namespace {
+
+constexpr int64_t kMinCudnnVersion = 90300;  // bottom-right causal masks in the fused engine
+constexpr int64_t kMaxHeadDim = 128;
+constexpr int64_t kAlignment = 16;  // bytes; every real tensor's base and non-unit strides
+
+// ---------------------------------------------------------------------------------------------
+// Backend descriptors.
+
+// One backend descriptor, destroyed with its owner.
+struct Desc {
+  cudnnBackendDescriptor_t d = nullptr;
+  explicit Desc(cudnnBackendDescriptorType_t type) { CW_CUDNN_CHECK(cudnnBackendCreateDescriptor(type, &d)); }
+  ~Desc() {
+    if (d) cudnnBackendDestroyDescriptor(d);
+  }
+  Desc(const Desc&) = delete;
+  Desc& operator=(const Desc&) = delete;
+};
+
+void set_attr(cudnnBackendDescriptor_t d, cudnnBackendAttributeName_t name, cudnnBackendAttributeType_t type,
+              int64_t count, const void* value) {
+  CW_CUDNN_CHECK(cudnnBackendSetAttribute(d, name, type, count, value));
+}
+void set_desc(cudnnBackendDescriptor_t d, cudnnBackendAttributeName_t name, cudnnBackendDescriptor_t value) {
+  set_attr(d, name, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &value);
+}
+
+using Dims = std::array<int64_t, 4>;
+
+// Packed row-major strides of a 4-d shape.
+Dims packed_strides(const Dims& d) { return {d[1] * d[2] * d[3], d[2] * d[3], d[3], 1}; }
+
+// The descriptors of one operation graph, kept alive as long as its plan.
+class GraphBuilder {
+ public:
+  explicit GraphBuilder(cudnnHandle_t handle) : handle_(handle) {}
+
+  // A real (non-virtual) tensor, bound to a device pointer in the variant pack.
+  cudnnBackendDescriptor_t tensor(int64_t uid, cudnnDataType_t dt, const Dims& dims, const Dims& strides) {
+    return make_tensor(uid, dt, dims, strides, false, false);
+  }
+  // A by-value scalar: the variant pack points at host memory holding the value.
+  cudnnBackendDescriptor_t scalar(int64_t uid, cudnnDataType_t dt) {
+    return make_tensor(uid, dt, {1, 1, 1, 1}, {1, 1, 1, 1}, false, true);
+  }
+  // An intermediate the fused kernel keeps on chip.
+  cudnnBackendDescriptor_t virt(cudnnDataType_t dt, const Dims& dims, const Dims& strides) {
+    return make_tensor(next_virtual_++, dt, dims, strides, true, false);
+  }
+  cudnnBackendDescriptor_t virt(cudnnDataType_t dt, const Dims& dims) { return virt(dt, dims, packed_strides(dims)); }
+
+  // y = mode(x [, b [, t]]); GEN_INDEX takes an axis.
+  void pointwise(cudnnPointwiseMode_t mode, cudnnDataType_t math, cudnnBackendDescriptor_t x,
+                 cudnnBackendDescriptor_t b, cudnnBackendDescriptor_t y, cudnnBackendDescriptor_t t = nullptr,
+                 int64_t axis = -1) {
+    Desc& pw = keep(CUDNN_BACKEND_POINTWISE_DESCRIPTOR);
+    set_attr(pw.d, CUDNN_ATTR_POINTWISE_MODE, CUDNN_TYPE_POINTWISE_MODE, 1, &mode);
+    set_attr(pw.d, CUDNN_ATTR_POINTWISE_MATH_PREC, CUDNN_TYPE_DATA_TYPE, 1, &math);
+    if (axis >= 0) set_attr(pw.d, CUDNN_ATTR_POINTWISE_AXIS, CUDNN_TYPE_INT64, 1, &axis);
+    CW_CUDNN_CHECK(cudnnBackendFinalize(pw.d));
+    Desc& op = keep(CUDNN_BACKEND_OPERATION_POINTWISE_DESCRIPTOR);
+    set_desc(op.d, CUDNN_ATTR_OPERATION_POINTWISE_PW_DESCRIPTOR, pw.d);
+    set_desc(op.d, CUDNN_ATTR_OPERATION_POINTWISE_XDESC, x);
+    if (b) set_desc(op.d, CUDNN_ATTR_OPERATION_POINTWISE_BDESC, b);
+    if (t) set_desc(op.d, CUDNN_ATTR_OPERATION_POINTWISE_TDESC, t);
+    set_desc(op.d, CUDNN_ATTR_OPERATION_POINTWISE_YDESC, y);
+    finalize_op(op);
+  }
+  void matmul(cudnnBackendDescriptor_t a, cudnnBackendDescriptor_t b, cudnnBackendDescriptor_t c) {
+    Desc& mm = keep(CUDNN_BACKEND_MATMUL_DESCRIPTOR);
+    const cudnnDataType_t comp = CUDNN_DATA_FLOAT;
+    set_attr(mm.d, CUDNN_ATTR_MATMUL_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &comp);
+    CW_CUDNN_CHECK(cudnnBackendFinalize(mm.d));
+    Desc& op = keep(CUDNN_BACKEND_OPERATION_MATMUL_DESCRIPTOR);
+    set_desc(op.d, CUDNN_ATTR_OPERATION_MATMUL_ADESC, a);
+    set_desc(op.d, CUDNN_ATTR_OPERATION_MATMUL_BDESC, b);
+    set_desc(op.d, CUDNN_ATTR_OPERATION_MATMUL_CDESC, c);
+    set_desc(op.d, CUDNN_ATTR_OPERATION_MATMUL_DESC, mm.d);
+    finalize_op(op);
+  }
+  // y = reduce(x) over the dimensions where y has extent 1 (or fewer heads).
+  void reduction(cudnnReduceTensorOp_t mode, cudnnBackendDescriptor_t x, cudnnBackendDescriptor_t y) {
+    Desc& rd = keep(CUDNN_BACKEND_REDUCTION_DESCRIPTOR);
+    const cudnnDataType_t comp = CUDNN_DATA_FLOAT;
+    set_attr(rd.d, CUDNN_ATTR_REDUCTION_OPERATOR, CUDNN_TYPE_REDUCTION_OPERATOR_TYPE, 1, &mode);
+    set_attr(rd.d, CUDNN_ATTR_REDUCTION_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &comp);
+    CW_CUDNN_CHECK(cudnnBackendFinalize(rd.d));
+    Desc& op = keep(CUDNN_BACKEND_OPERATION_REDUCTION_DESCRIPTOR);
+    set_desc(op.d, CUDNN_ATTR_OPERATION_REDUCTION_DESC, rd.d);
+    set_desc(op.d, CUDNN_ATTR_OPERATION_REDUCTION_XDESC, x);
+    set_desc(op.d, CUDNN_ATTR_OPERATION_REDUCTION_YDESC, y);
+    finalize_op(op);
+  }
+  // y is x with other dimensions/strides (a transpose view).
+  void reshape(cudnnBackendDescriptor_t x, cudnnBackendDescriptor_t y) {
+    Desc& op = keep(CUDNN_BACKEND_OPERATION_RESHAPE_DESCRIPTOR);
+    set_desc(op.d, CUDNN_ATTR_OPERATION_RESHAPE_XDESC, x);
+    set_desc(op.d, CUDNN_ATTR_OPERATION_RESHAPE_YDESC, y);
+    finalize_op(op);
+  }
+
+  // Finalizes the operation graph; returns it.
+  cudnnBackendDescriptor_t finish() {
+    Desc& g = keep(CUDNN_BACKEND_OPERATIONGRAPH_DESCRIPTOR);
+    set_attr(g.d, CUDNN_ATTR_OPERATIONGRAPH_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle_);
+    set_attr(g.d, CUDNN_ATTR_OPERATIONGRAPH_OPS, CUDNN_TYPE_BACKEND_DESCRIPTOR, static_cast<int64_t>(ops_.size()),
+             ops_.data());
+    CW_CUDNN_CHECK(cudnnBackendFinalize(g.d));
+    return g.d;
+  }
+
+  std::vector<std::unique_ptr<Desc>> take() { return std::move(descs_); }
+
+ private:
+  Desc& keep(cudnnBackendDescriptorType_t type) {
+    descs_.push_back(std::make_unique<Desc>(type));
+    return *descs_.back();
+  }
+  void finalize_op(Desc& op) {
+    CW_CUDNN_CHECK(cudnnBackendFinalize(op.d));
+    ops_.push_back(op.d);
+  }
+  cudnnBackendDescriptor_t make_tensor(int64_t uid, cudnnDataType_t dt, const Dims& dims, const Dims& strides,
+                                       bool is_virtual, bool by_value) {
+    Desc& t = keep(CUDNN_BACKEND_TENSOR_DESCRIPTOR);
+    set_attr(t.d, CUDNN_ATTR_TENSOR_UNIQUE_ID, CUDNN_TYPE_INT64, 1, &uid);
+    set_attr(t.d, CUDNN_ATTR_TENSOR_DATA_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &dt);
+    set_attr(t.d, CUDNN_ATTR_TENSOR_DIMENSIONS, CUDNN_TYPE_INT64, 4, dims.data());
+    set_attr(t.d, CUDNN_ATTR_TENSOR_STRIDES, CUDNN_TYPE_INT64, 4, strides.data());
+    const int64_t align = kAlignment;
+    set_attr(t.d, CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT, CUDNN_TYPE_INT64, 1, &align);
+    set_attr(t.d, CUDNN_ATTR_TENSOR_IS_VIRTUAL, CUDNN_TYPE_BOOLEAN, 1, &is_virtual);
+    if (by_value) set_attr(t.d, CUDNN_ATTR_TENSOR_IS_BY_VALUE, CUDNN_TYPE_BOOLEAN, 1, &by_value);
+    CW_CUDNN_CHECK(cudnnBackendFinalize(t.d));
+    return t.d;
+  }
+
+  cudnnHandle_t handle_;
+  std::vector<std::unique_ptr<Desc>> descs_;
+  std::vector<cudnnBackendDescriptor_t> ops_;
+  int64_t next_virtual_ = 1000;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Problem shapes, graph variants and the plans.
+
+// Tensor UIDs of the variant pack.
+enum Uid : int64_t {
+  kQ = 1, kK, kV, kO, kStats, kScale, kNegInf, kSkv, kSq, kDO, kDQ, kDK, kDV, kKForDQ, kDelta
+};
+
+struct Shape {
+  int device;
+  bool backward;
+  int64_t B, H, Hkv, c, S, D, k_batch_stride, v_batch_stride;
+  auto key() const { return std::tie(device, backward, B, H, Hkv, c, S, D, k_batch_stride, v_batch_stride); }
+  bool operator<(const Shape& o) const { return key() < o.key(); }
+  int64_t p() const { return S - c; }
+};
+
+// The switches of a graph (see the top of the file: the undocumented parts of the pattern).
+struct GraphVariant {
+  bool mask_one_add = false;  // row + p in one by-value add instead of row + S - c
+  bool p_f32 = false;         // the probabilities feeding the P V / P^T dO matmul stay f32 (else bf16)
+  bool dkv_f32 = true;        // backward: dK/dV scratch in f32 (else bf16)
+  bool delta_in_memory = false;  // backward: Delta = rowsum(dO * O) a real f32 tensor (else virtual)
+  bool ds_f32 = false;        // backward: dS stays f32 into its matmuls (else bf16)
+  bool gqa_reduce = false;    // backward, GQA: per-query-head dK/dV, then an explicit head reduction
+  std::string str() const {
+    std::string s;
+    s += mask_one_add ? "mask=row+p" : "mask=row+S-c";
+    s += p_f32 ? ",P=f32" : ",P=bf16";
+    s += dkv_f32 ? ",dKV=f32" : ",dKV=bf16";
+    s += delta_in_memory ? ",Delta=memory" : ",Delta=virtual";
+    s += ds_f32 ? ",dS=f32" : ",dS=bf16";
+    s += gqa_reduce ? ",gqa=reduce" : ",gqa=direct";
+    return s;
+  }
+};
+
+struct Plan {
+  std::vector<std::unique_ptr<Desc>> descs;  // the graph's descriptors (kept alive with the plan)
+  std::unique_ptr<Desc> engine_cfg, plan;
+  int64_t workspace = 0;
+  GraphVariant variant;
+  std::string info;  // engine index, notes, variant
+};
+
+struct DeviceState {
+  cudnnHandle_t handle = nullptr;
+  std::map<Shape, std::unique_ptr<Plan>> plans;
+  std::map<Shape, std::string> rejected;  // shapes no variant could serve, with cuDNN's reasons
+};
+
+std::mutex g_mutex;  // guards g_devices (plans are immutable once built)
+std::map<int, DeviceState> g_devices;
+
+DeviceState& device_state(int device) {
+  DeviceState& st = g_devices[device];
+  if (!st.handle) {
+    cudaStream_t stream = current_stream(device);  // also makes `device` current
+    CW_CUDNN_CHECK(cudnnCreate(&st.handle));
+    CW_CUDNN_CHECK(cudnnSetStream(st.handle, stream));
+  }
+  return st;
+}
+
+// Applies the causal mask to the scaled scores `s`; returns the masked scores.
+cudnnBackendDescriptor_t build_mask(GraphBuilder& g, const Shape& sh, const GraphVariant& v,
+                                    cudnnBackendDescriptor_t s) {
+  const Dims sdims{sh.B, sh.H, sh.c, sh.S};
+  cudnnBackendDescriptor_t row = g.virt(CUDNN_DATA_INT32, sdims);
+  cudnnBackendDescriptor_t col = g.virt(CUDNN_DATA_INT32, sdims);
+  g.pointwise(CUDNN_POINTWISE_GEN_INDEX, CUDNN_DATA_INT32, s, nullptr, row, nullptr, 2);
+  g.pointwise(CUDNN_POINTWISE_GEN_INDEX, CUDNN_DATA_INT32, s, nullptr, col, nullptr, 3);
+  if (sh.p() > 0) {  // bottom-right: query row i is at position p + i
+    if (v.mask_one_add) {
+      cudnnBackendDescriptor_t shifted = g.virt(CUDNN_DATA_INT32, sdims);
+      g.pointwise(CUDNN_POINTWISE_ADD, CUDNN_DATA_INT32, row, g.scalar(kSkv, CUDNN_DATA_INT32), shifted);
+      row = shifted;
+    } else {
+      cudnnBackendDescriptor_t plus = g.virt(CUDNN_DATA_INT32, sdims);
+      cudnnBackendDescriptor_t shifted = g.virt(CUDNN_DATA_INT32, sdims);
+      g.pointwise(CUDNN_POINTWISE_ADD, CUDNN_DATA_INT32, row, g.scalar(kSkv, CUDNN_DATA_INT32), plus);
+      g.pointwise(CUDNN_POINTWISE_SUB, CUDNN_DATA_INT32, plus, g.scalar(kSq, CUDNN_DATA_INT32), shifted);
+      row = shifted;
+    }
+  }
+  cudnnBackendDescriptor_t keep = g.virt(CUDNN_DATA_BOOLEAN, sdims);
+  g.pointwise(CUDNN_POINTWISE_CMP_GE, CUDNN_DATA_INT32, row, col, keep);
+  cudnnBackendDescriptor_t masked = g.virt(CUDNN_DATA_FLOAT, sdims);
+  // BINARY_SELECT: y = t ? x : b.
+  g.pointwise(CUDNN_POINTWISE_BINARY_SELECT, CUDNN_DATA_FLOAT, s, g.scalar(kNegInf, CUDNN_DATA_FLOAT), masked, keep);
+  return masked;
+}
+
+Dims q_strides(const Shape& sh) { return {sh.c * sh.H * sh.D, sh.D, sh.H * sh.D, 1}; }
+Dims kv_strides(const Shape& sh, int64_t batch_stride) { return {batch_stride, sh.D, sh.Hkv * sh.D, 1}; }
+Dims kv_t_strides(const Shape& sh, int64_t batch_stride) { return {batch_stride, sh.D, 1, sh.Hkv * sh.D}; }
+
+// S = scale * Q K^T, causally masked (shared by both directions).
+cudnnBackendDescriptor_t build_scores(GraphBuilder& g, const Shape& sh, const GraphVariant& v,
+                                      cudnnBackendDescriptor_t q) {
+  const Dims sdims{sh.B, sh.H, sh.c, sh.S};
+  cudnnBackendDescriptor_t kt =
+      g.tensor(kK, CUDNN_DATA_BFLOAT16, {sh.B, sh.Hkv, sh.D, sh.S}, kv_t_strides(sh, sh.k_batch_stride));
+  cudnnBackendDescriptor_t s = g.virt(CUDNN_DATA_FLOAT, sdims);
+  g.matmul(q, kt, s);
+  cudnnBackendDescriptor_t scaled = g.virt(CUDNN_DATA_FLOAT, sdims);
+  g.pointwise(CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, s, g.scalar(kScale, CUDNN_DATA_FLOAT), scaled);
+  return build_mask(g, sh, v, scaled);
+}
+
+cudnnBackendDescriptor_t build_forward(GraphBuilder& g, const Shape& sh, const GraphVariant& v) {
+  const Dims sdims{sh.B, sh.H, sh.c, sh.S}, rdims{sh.B, sh.H, sh.c, 1};
+  cudnnBackendDescriptor_t q = g.tensor(kQ, CUDNN_DATA_BFLOAT16, {sh.B, sh.H, sh.c, sh.D}, q_strides(sh));
+  cudnnBackendDescriptor_t s = build_scores(g, sh, v, q);
+  cudnnBackendDescriptor_t mx = g.virt(CUDNN_DATA_FLOAT, rdims);
+  g.reduction(CUDNN_REDUCE_TENSOR_MAX, s, mx);
+  cudnnBackendDescriptor_t centred = g.virt(CUDNN_DATA_FLOAT, sdims);
+  g.pointwise(CUDNN_POINTWISE_SUB, CUDNN_DATA_FLOAT, s, mx, centred);
+  cudnnBackendDescriptor_t e = g.virt(CUDNN_DATA_FLOAT, sdims);
+  g.pointwise(CUDNN_POINTWISE_EXP, CUDNN_DATA_FLOAT, centred, nullptr, e);
+  cudnnBackendDescriptor_t sum = g.virt(CUDNN_DATA_FLOAT, rdims);
+  g.reduction(CUDNN_REDUCE_TENSOR_ADD, e, sum);
+  cudnnBackendDescriptor_t log_sum = g.virt(CUDNN_DATA_FLOAT, rdims);
+  g.pointwise(CUDNN_POINTWISE_LOG, CUDNN_DATA_FLOAT, sum, nullptr, log_sum);
+  cudnnBackendDescriptor_t stats = g.tensor(kStats, CUDNN_DATA_FLOAT, rdims, {sh.H * sh.c, sh.c, 1, 1});
+  g.pointwise(CUDNN_POINTWISE_ADD, CUDNN_DATA_FLOAT, mx, log_sum, stats);
+  cudnnBackendDescriptor_t p = g.virt(v.p_f32 ? CUDNN_DATA_FLOAT : CUDNN_DATA_BFLOAT16, sdims);
+  g.pointwise(CUDNN_POINTWISE_DIV, CUDNN_DATA_FLOAT, e, sum, p);
+  cudnnBackendDescriptor_t vt =
+      g.tensor(kV, CUDNN_DATA_BFLOAT16, {sh.B, sh.Hkv, sh.S, sh.D}, kv_strides(sh, sh.v_batch_stride));
+  cudnnBackendDescriptor_t o = g.tensor(kO, CUDNN_DATA_BFLOAT16, {sh.B, sh.H, sh.c, sh.D}, q_strides(sh));
+  g.matmul(p, vt, o);
+  return g.finish();
+}
+
+// dX = A^T-shaped matmul producing a K/V-shaped gradient: directly with Hkv heads, or per query head
+// followed by a reduction over each group of H / Hkv heads.
+void kv_grad(GraphBuilder& g, const Shape& sh, const GraphVariant& v, cudnnBackendDescriptor_t a,
+             cudnnBackendDescriptor_t b, int64_t uid) {
+  const cudnnDataType_t dt = v.dkv_f32 ? CUDNN_DATA_FLOAT : CUDNN_DATA_BFLOAT16;
+  // scratch [B, S, Hkv, D] packed
+  cudnnBackendDescriptor_t out =
+      g.tensor(uid, dt, {sh.B, sh.Hkv, sh.S, sh.D}, {sh.S * sh.Hkv * sh.D, sh.D, sh.Hkv * sh.D, 1});
+  if (v.gqa_reduce && sh.H != sh.Hkv) {
+    cudnnBackendDescriptor_t full = g.virt(CUDNN_DATA_FLOAT, {sh.B, sh.H, sh.S, sh.D});
+    g.matmul(a, b, full);
+    g.reduction(CUDNN_REDUCE_TENSOR_ADD, full, out);
+  } else {
+    g.matmul(a, b, out);
+  }
+}
+
+cudnnBackendDescriptor_t build_backward(GraphBuilder& g, const Shape& sh, const GraphVariant& v) {
+  const Dims sdims{sh.B, sh.H, sh.c, sh.S}, rdims{sh.B, sh.H, sh.c, 1}, qdims{sh.B, sh.H, sh.c, sh.D};
+  const Dims tdims{sh.B, sh.H, sh.S, sh.c}, tstrides{sh.H * sh.c * sh.S, sh.c * sh.S, 1, sh.S};
+  const cudnnDataType_t bf = CUDNN_DATA_BFLOAT16;
+  cudnnBackendDescriptor_t q = g.tensor(kQ, bf, qdims, q_strides(sh));
+  cudnnBackendDescriptor_t o = g.tensor(kO, bf, qdims, q_strides(sh));
+  cudnnBackendDescriptor_t d_o = g.tensor(kDO, bf, qdims, q_strides(sh));
+  cudnnBackendDescriptor_t stats = g.tensor(kStats, CUDNN_DATA_FLOAT, rdims, {sh.H * sh.c, sh.c, 1, 1});
+
+  // Delta = rowsum(dO * O)
+  cudnnBackendDescriptor_t d_o_o = g.virt(CUDNN_DATA_FLOAT, qdims);
+  g.pointwise(CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, d_o, o, d_o_o);
+  cudnnBackendDescriptor_t delta = v.delta_in_memory
+                                       ? g.tensor(kDelta, CUDNN_DATA_FLOAT, rdims, {sh.H * sh.c, sh.c, 1, 1})
+                                       : g.virt(CUDNN_DATA_FLOAT, rdims);
+  g.reduction(CUDNN_REDUCE_TENSOR_ADD, d_o_o, delta);
+
+  // P = exp(S - lse)
+  cudnnBackendDescriptor_t s = build_scores(g, sh, v, q);
+  cudnnBackendDescriptor_t centred = g.virt(CUDNN_DATA_FLOAT, sdims);
+  g.pointwise(CUDNN_POINTWISE_SUB, CUDNN_DATA_FLOAT, s, stats, centred);
+  cudnnBackendDescriptor_t p = g.virt(v.p_f32 ? CUDNN_DATA_FLOAT : bf, sdims);
+  g.pointwise(CUDNN_POINTWISE_EXP, CUDNN_DATA_FLOAT, centred, nullptr, p);
+
+  // dV = P^T dO
+  cudnnBackendDescriptor_t p_t = g.virt(bf, tdims, tstrides);
+  g.reshape(p, p_t);
+  kv_grad(g, sh, v, p_t, d_o, kDV);
+
+  // dS = P * (dO V^T - Delta) * scale
+  cudnnBackendDescriptor_t v_t =
+      g.tensor(kV, bf, {sh.B, sh.Hkv, sh.D, sh.S}, kv_t_strides(sh, sh.v_batch_stride));
+  cudnnBackendDescriptor_t dp = g.virt(CUDNN_DATA_FLOAT, sdims);
+  g.matmul(d_o, v_t, dp);
+  cudnnBackendDescriptor_t dp_centred = g.virt(CUDNN_DATA_FLOAT, sdims);
+  g.pointwise(CUDNN_POINTWISE_SUB, CUDNN_DATA_FLOAT, dp, delta, dp_centred);
+  cudnnBackendDescriptor_t ds_unscaled = g.virt(CUDNN_DATA_FLOAT, sdims);
+  g.pointwise(CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, dp_centred, p, ds_unscaled);
+  cudnnBackendDescriptor_t ds = g.virt(v.ds_f32 ? CUDNN_DATA_FLOAT : bf, sdims);
+  g.pointwise(CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, ds_unscaled, g.scalar(kScale, CUDNN_DATA_FLOAT), ds);
+
+  // dK = dS^T Q
+  cudnnBackendDescriptor_t ds_t = g.virt(bf, tdims, tstrides);
+  g.reshape(ds, ds_t);
+  kv_grad(g, sh, v, ds_t, q, kDK);
+
+  // dQ = dS K
+  cudnnBackendDescriptor_t k =
+      g.tensor(kKForDQ, bf, {sh.B, sh.Hkv, sh.S, sh.D}, kv_strides(sh, sh.k_batch_stride));
+  cudnnBackendDescriptor_t dq = g.tensor(kDQ, bf, qdims, q_strides(sh));
+  g.matmul(ds, k, dq);
+  return g.finish();
+}
+
+std::vector<GraphVariant> variants_for(const Shape& sh) {
+  std::vector<GraphVariant> out;
+  if (!sh.backward) {
+    for (bool one_add : {false, true}) {
+      if (one_add && sh.p() == 0) continue;  // no offset at all for p = 0
+      for (bool p_f32 : {false, true}) {
+        GraphVariant v;
+        v.mask_one_add = one_add;
+        v.p_f32 = p_f32;
+        out.push_back(v);
+      }
+    }
+    return out;
+  }
+  // Backward (GQA runs as MHA on expanded K/V, see cudnn_attention_backward): Delta must be a real
+  // tensor (with a virtual Delta the engines accept the graph and then fault at run time, on 9.14
+  // and 9.19 alike); bf16 dK/dV first (the only dK/dV type the device run validated).
+  for (bool dkv_f32 : {false, true})
+    for (bool p_f32 : {true, false})
+      for (bool ds_f32 : {false, true}) {
+        GraphVariant v;
+        v.dkv_f32 = dkv_f32;
+        v.delta_in_memory = true;
+        v.p_f32 = p_f32;
+        v.ds_f32 = ds_f32;
+        out.push_back(v);
+      }
+  return out;
+}
+
+std::string numerical_notes(cudnnBackendDescriptor_t engine, bool* nondeterministic) {
+  std::array<cudnnBackendNumericalNote_t, CUDNN_NUMERICAL_NOTE_TYPE_COUNT> notes{};
+  int64_t n = 0;
+  *nondeterministic = false;
+  if (cudnnBackendGetAttribute(engine, CUDNN_ATTR_ENGINE_NUMERICAL_NOTE, CUDNN_TYPE_NUMERICAL_NOTE,
+                               static_cast<int64_t>(notes.size()), &n, notes.data()) != CUDNN_STATUS_SUCCESS)
+    return "?";
+  static const char* names[] = {"tensor_core", "down_convert_inputs", "reduced_precision_reduction", "fft",
+                                "nondeterministic", "winograd", "winograd4", "winograd6", "winograd13",
+                                "strict_nan_prop"};
+  std::string s;
+  for (int64_t i = 0; i < n; ++i) {
+    const int id = static_cast<int>(notes[static_cast<size_t>(i)]);
+    if (id == CUDNN_NUMERICAL_NOTE_NONDETERMINISTIC) *nondeterministic = true;
+    if (!s.empty()) s += "|";
+    s += id >= 0 && id < 10 ? names[id] : "?";
+  }
+  return s.empty() ? "none" : s;
+}
+
+std::string last_cudnn_error() {
+  char msg[1024] = {0};
+  cudnnGetLastErrorString(msg, sizeof(msg));
+  return msg;
+}
+
+// Builds the graph of one variant and finds an execution plan for it; nullptr (with the reason in
+// *why) where cuDNN does not serve the variant.
+std::unique_ptr<Plan> try_variant(cudnnHandle_t handle, const Shape& sh, const GraphVariant& v, std::string* why) {
+  auto plan = std::make_unique<Plan>();
+  plan->variant = v;
+  GraphBuilder g(handle);
+  cudnnBackendDescriptor_t graph = nullptr;
+  try {
+    graph = sh.backward ? build_backward(g, sh, v) : build_forward(g, sh, v);
+  } catch (const Error& e) {
+    *why = std::string("graph: ") + e.what();
+    return nullptr;
+  }
+  plan->descs = g.take();
+
+  std::string errors;
+  for (cudnnBackendHeurMode_t mode : {CUDNN_HEUR_MODE_A, CUDNN_HEUR_MODE_FALLBACK}) {
+    Desc heur(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR);
+    set_desc(heur.d, CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, graph);
+    set_attr(heur.d, CUDNN_ATTR_ENGINEHEUR_MODE, CUDNN_TYPE_HEUR_MODE, 1, &mode);
+    cudnnStatus_t st = cudnnBackendFinalize(heur.d);
+    if (st != CUDNN_STATUS_SUCCESS) {
+      errors += CW_FORMAT(" heuristics({}): {} {};", static_cast<int>(mode), cudnnGetErrorString(st), last_cudnn_error());
+      continue;
+    }
+    int64_t count = 0;
+    st = cudnnBackendGetAttribute(heur.d, CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR, 0, &count,
+                                  nullptr);
+    if (st != CUDNN_STATUS_SUCCESS || count == 0) {
+      errors += CW_FORMAT(" heuristics({}): {} configs ({} {});", static_cast<int>(mode), count,
+                          cudnnGetErrorString(st), last_cudnn_error());
+      continue;
+    }
+    std::vector<std::unique_ptr<Desc>> cfgs;
+    std::vector<cudnnBackendDescriptor_t> raw;
+    for (int64_t i = 0; i < count; ++i) {
+      cfgs.push_back(std::make_unique<Desc>(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR));
+      raw.push_back(cfgs.back()->d);
+    }
+    int64_t got = 0;
+    CW_CUDNN_CHECK(cudnnBackendGetAttribute(heur.d, CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR,
+                                            count, &got, raw.data()));
+    // Two passes in the backward: deterministic configurations first.
+    for (int pass = 0; pass < (sh.backward ? 2 : 1); ++pass) {
+      for (int64_t i = 0; i < got; ++i) {
+        Desc engine(CUDNN_BACKEND_ENGINE_DESCRIPTOR);
+        int64_t n = 0, index = -1;
+        bool nondet = false;
+        std::string notes = "?";
+        if (cudnnBackendGetAttribute(raw[static_cast<size_t>(i)], CUDNN_ATTR_ENGINECFG_ENGINE,
+                                     CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &n, &engine.d) == CUDNN_STATUS_SUCCESS) {
+          cudnnBackendGetAttribute(engine.d, CUDNN_ATTR_ENGINE_GLOBAL_INDEX, CUDNN_TYPE_INT64, 1, &n, &index);
+          notes = numerical_notes(engine.d, &nondet);
+        }
+        if (sh.backward && pass == 0 && nondet) continue;
+        if (sh.backward && pass == 1 && !nondet) continue;  // already tried
+        auto ep = std::make_unique<Desc>(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR);
+        set_attr(ep->d, CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle);
+        set_desc(ep->d, CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, raw[static_cast<size_t>(i)]);
+        st = cudnnBackendFinalize(ep->d);
+        if (st != CUDNN_STATUS_SUCCESS) {
+          errors += CW_FORMAT(" engine {}: {} {};", index, cudnnGetErrorString(st), last_cudnn_error());
+          continue;
+        }
+        int64_t ws = 0;
+        CW_CUDNN_CHECK(cudnnBackendGetAttribute(ep->d, CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, CUDNN_TYPE_INT64, 1,
+                                                &n, &ws));
+        plan->workspace = ws;
+        plan->plan = std::move(ep);
+        plan->engine_cfg = std::move(cfgs[static_cast<size_t>(i)]);
+        plan->info = CW_FORMAT("engine {} (heuristic mode {}, config {} of {}; notes {}{}); workspace {} bytes; {}",
+                               index, static_cast<int>(mode), i, got, notes,
+                               nondet ? "; NON-DETERMINISTIC: no deterministic config was offered" : "", ws, v.str());
+        return plan;
+      }
+    }
+  }
+  *why = errors.empty() ? "no engine" : errors;
+  return nullptr;
+}
+
+bool verbose() {
+  static const bool v = [] {
+    const char* e = std::getenv("CW_CUDNN_VERBOSE");
+    return e != nullptr && *e != '\0' && std::strcmp(e, "0") != 0;
+  }();
+  return v;
+}
+
+// The cached plan for `sh`, built on first use; nullptr (with cuDNN's reasons) if no variant works.
+const Plan* get_plan(const Shape& sh, std::string* why) {
+  std::lock_guard lock(g_mutex);
+  DeviceState& st = device_state(sh.device);
+  if (auto it = st.plans.find(sh); it != st.plans.end()) return it->second.get();
+  if (auto it = st.rejected.find(sh); it != st.rejected.end()) {
+    if (why) *why = it->second;
+    return nullptr;
+  }
+  current_stream(sh.device);  // make the device current for the build
+  std::string reasons;
+  std::vector<GraphVariant> variants = variants_for(sh);
+  // Diagnostic: CW_CUDNN_ATTENTION_VARIANT=i tries only variant i of the list.
+  if (const char* e = std::getenv("CW_CUDNN_ATTENTION_VARIANT"); e != nullptr && *e != '\0') {
+    const size_t i = static_cast<size_t>(std::atoi(e));
+    if (i < variants.size()) variants = {variants[i]};
+  }
+  for (const GraphVariant& v : variants) {
+    std::string r;
+    if (auto plan = try_variant(st.handle, sh, v, &r)) {
+      const Plan* p = plan.get();
+      std::string tail;
+      if (!reasons.empty()) {
+        tail = "\n  after rejected variants:\n";
+        tail += reasons;
+      }
+      if (verbose())
+        std::fprintf(stderr, "cuDNN attention %s plan B=%lld H=%lld Hkv=%lld c=%lld S=%lld D=%lld: %s%s\n",
+                     sh.backward ? "backward" : "forward", static_cast<long long>(sh.B), static_cast<long long>(sh.H),
+                     static_cast<long long>(sh.Hkv), static_cast<long long>(sh.c), static_cast<long long>(sh.S),
+                     static_cast<long long>(sh.D), p->info.c_str(), tail.c_str());
+      st.plans.emplace(sh, std::move(plan));
+      return p;
+    }
+    reasons += "[" + v.str() + "]" + r + "\n";
+  }
+  st.rejected.emplace(sh, reasons);
+  if (why) *why = reasons;
+  return nullptr;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Checks.
+
+int64_t runtime_version() { return static_cast<int64_t>(cudnnGetVersion()); }
+
+bool aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % kAlignment == 0; }
+
+// Static conditions of the fused path (cheap; no plan is built). Empty string: served.
+std::string static_reason(const Tensor& q, const Tensor& k) {
+  const int64_t v = runtime_version();
+  if (v < kMinCudnnVersion)
+    return CW_FORMAT("the cuDNN library loaded at run time is version {}; bottom-right causal fused attention "
+                     "needs {} or newer",
+                     v, kMinCudnnVersion);
+  if (q.device.is_cpu() || k.device.is_cpu()) return "operands are not on a GPU";
+  if (q.dtype != DType::bf16 || k.dtype != DType::bf16)
+    return CW_FORMAT("dtype {} (the cuDNN path takes bf16 only)", dtype_name(q.dtype));
+  if (q.ndim != 4 || k.ndim != 4) return "q and k must be 4-d";
+  const int64_t D = q.size(3), H = q.size(2), Hkv = k.size(2), c = q.size(1), S = k.size(1);
+  if (D % 8 != 0 || D > kMaxHeadDim || D <= 0)
+    return CW_FORMAT("head dim {} (cuDNN needs a multiple of 8 up to {})", D, kMaxHeadDim);
+  if (k.size(3) != D || k.size(0) != q.size(0)) return "q and k shapes disagree";
+  if (Hkv <= 0 || H % Hkv != 0) return "query heads not a multiple of K/V heads";
+  if (c <= 0 || S < c) return "needs 1 <= c <= S";
+  if (!q.contiguous()) return "q is not contiguous";
+  if (k.stride[1] != Hkv * D || k.stride[2] != D || k.stride[3] != 1) return "k's [S, Hkv, D] is not packed";
+  if (k.stride[0] % 8 != 0 || !aligned(k.data) || !aligned(q.data))
+    return "operands not 16-byte aligned (K/V batch stride must be a multiple of 8 elements)";
+  int major = 0;
+  CW_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, q.device.index));
+  if (major < 8) return CW_FORMAT("compute capability {}.x (cuDNN fused attention needs 8.0+)", major);
+  return "";
+}
+
+Shape shape_of(const Tensor& q, const Tensor& k, const Tensor& v, bool backward) {
+  return Shape{q.device.index, backward,   q.size(0), q.size(2), k.size(2), q.size(1),
+               k.size(1),      q.size(3),  k.stride[0], v.stride[0]};
+}
+
+void check_gpu_operand(const Tensor& t, const Tensor& q, const char* what) {
+  CW_CHECK(!t.device.is_cpu(), "cuDNN attention: {} is on {}", what, device_name(t.device));
+  check_same_device(t, q, what, "attention q");
+  CW_CHECK(aligned(t.data), "cuDNN attention: {} is not 16-byte aligned", what);
+}
+
+// The operand checks of the op (engine/ops/attention.cpp), for device tensors.
+void check_common(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const AttentionSaved& saved) {
+  std::string why = static_reason(q, k);
+  CW_CHECK(why.empty(), "cuDNN attention cannot take q {} k {}: {}", q.describe(), k.describe(), why);
+  const int64_t B = q.size(0), c = q.size(1), H = q.size(2), D = q.size(3), S = k.size(1), Hkv = k.size(2);
+  check_same_shape(v, k, "attention v", "attention k");
+  check_same_shape(out, q, "attention out", "attention q");
+  check_shape(saved.lse, {B, H, c}, "attention saved lse");
+  check_dtype(saved.lse, DType::f32, "attention saved lse");
+  check_dtype(v, DType::bf16, "attention v");
+  check_dtype(out, DType::bf16, "attention out");
+  check_contiguous(out, "attention out");
+  check_contiguous(saved.lse, "attention saved lse");
+  CW_CHECK(v.stride[1] == Hkv * D && v.stride[2] == D && v.stride[3] == 1 && v.stride[0] % 8 == 0,
+           "attention v {}: [S, Hkv, D] must be packed and the batch stride a multiple of 8", v.describe());
+  (void)S;
+  for (const Tensor* t : {&k, &v, &out, &saved.lse}) check_gpu_operand(*t, q, "attention operand");
+}
+
+void execute(const Plan& plan, int device, const std::vector<int64_t>& uids, const std::vector<void*>& ptrs,
+             Arena& scratch) {
+  ArenaScope scope(scratch);
+  void* ws = nullptr;
+  if (plan.workspace > 0) {
+    CW_CHECK(scratch.device() == Device::gpu(device), "cuDNN attention: the scratch arena is on {}, not cuda:{}",
+             device_name(scratch.device()), device);
+    ws = scratch.alloc_bytes(static_cast<size_t>(plan.workspace));
+  }
+  cudnnHandle_t handle;
+  {
+    std::lock_guard lock(g_mutex);
+    handle = device_state(device).handle;
+  }
+  current_stream(device);  // make the device current
+  Desc pack(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR);
+  set_attr(pack.d, CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, CUDNN_TYPE_INT64, static_cast<int64_t>(uids.size()), uids.data());
+  set_attr(pack.d, CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, CUDNN_TYPE_VOID_PTR, static_cast<int64_t>(ptrs.size()),
+           ptrs.data());
+  set_attr(pack.d, CUDNN_ATTR_VARIANT_PACK_WORKSPACE, CUDNN_TYPE_VOID_PTR, 1, &ws);
+  CW_CUDNN_CHECK(cudnnBackendFinalize(pack.d));
+  CW_CUDNN_CHECK(cudnnBackendExecute(handle, plan.plan->d, pack.d));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Adding the scratch gradients into the caller's buffers.
+
+constexpr int kAddThreads = 256;
+
+// dst[b, r] += src[b, r] for r < row (row = S Hkv D elements per batch entry; dst batch stride
+// dst_bs, src packed). blockIdx.y = b, blockIdx.z picks the (K, V) pair. Each thread adds 4
+// consecutive elements (row is a multiple of 8: D is).
+template <class S>
+__global__ void add_kv_kernel(float* dk, float* dv, const S* sk, const S* sv, int64_t row, int64_t dk_bs,
+                              int64_t dv_bs) {
+  const int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 4;
+  if (i >= row) return;
+  const int64_t b = blockIdx.y;
+  float* d = blockIdx.z == 0 ? dk + b * dk_bs : dv + b * dv_bs;
+  const S* s = (blockIdx.z == 0 ? sk : sv) + b * row;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) d[i + j] += to_f32(s[i + j]);
+}
+
+// GQA backward: K/V [B, S, Hkv, D] (batch stride kv_bs) copied to packed [B, S, H, D], query head h
+// reading K/V head h / g. One thread per 8 bf16 (16 bytes; D is a multiple of 8).
+__global__ void expand_kv_kernel(uint4* dst, const __nv_bfloat16* src, int64_t B, int64_t S, int64_t H, int64_t Hkv,
+                                 int64_t D, int64_t kv_bs) {
+  const int64_t vecs = B * S * H * D / 8;
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= vecs) return;
+  const int64_t e = i * 8, d = e % D, h = (e / D) % H, s = (e / (D * H)) % S, b = e / (D * H * S);
+  const int64_t g = H / Hkv;
+  dst[i] = *reinterpret_cast<const uint4*>(src + b * kv_bs + (s * Hkv + h / g) * D + d);
+}
+
+// d_k[b, s, kh, :] += sum_{r < g} dK[b, s, kh g + r, :] (and the same for V): the per-query-head
+// gradients of the expanded backward summed over each group in a fixed order (deterministic), then
+// added in f32. Scratch packed [B, S, Hkv g, D]; d_k/d_v batch strides honoured. blockIdx.z picks K/V.
+template <class S>
+__global__ void add_kv_grouped_kernel(float* dk, float* dv, const S* sk, const S* sv, int64_t B, int64_t Sn,
+                                      int64_t Hkv, int64_t D, int64_t g, int64_t dk_bs, int64_t dv_bs) {
+  const int64_t per_batch = Sn * Hkv * D;
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= per_batch) return;
+  const int64_t b = blockIdx.y, d = i % D, kh = (i / D) % Hkv, s = i / (D * Hkv);
+  const S* src = (blockIdx.z == 0 ? sk : sv) + ((b * Sn + s) * Hkv * g + kh * g) * D + d;
+  float sum = 0.0f;
+  for (int64_t r = 0; r < g; ++r) sum += to_f32(src[r * D]);
+  float* dst = blockIdx.z == 0 ? dk + b * dk_bs : dv + b * dv_bs;
+  dst[i] += sum;
+}
+
+// Delta[b, h, i] = sum_d dO[b, i, h, d] O[b, i, h, d] in f32: one warp per (b, i, h) row, a fixed
+// shuffle order. Written before cuDNN runs: the engines read the graph's in-memory Delta tensor.
+__global__ void delta_kernel(float* delta, const __nv_bfloat16* d_o, const __nv_bfloat16* o, int64_t B, int64_t c,
+                             int64_t H, int64_t D) {
+  const int64_t row = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = static_cast<int>(threadIdx.x & 31);
+  if (row >= B * c * H) return;
+  float sum = 0.0f;
+  for (int64_t d = lane; d < D; d += 32)
+    sum += __bfloat162float(d_o[row * D + d]) * __bfloat162float(o[row * D + d]);
+  for (int k = 16; k > 0; k >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, k);
+  if (lane == 0) {
+    const int64_t h = row % H, i = (row / H) % c, b = row / (H * c);
+    delta[(b * H + h) * c + i] = sum;
+  }
+}
+
+// d_q += src, both bf16 [n] packed; the sum is formed in f32 and rounded once.
+__global__ void add_q_kernel(__nv_bfloat16* dq, const __nv_bfloat16* src, int64_t n) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) dq[i] = __float2bfloat16_rn(__bfloat162float(dq[i]) + __bfloat162float(src[i]));
+}
+
+// The by-value int32 offsets of the bottom-right mask (none for p = 0): row + S - c, or row + p.
+struct MaskScalars {
+  int32_t first = 0, second = 0;
+  bool any = false, two = false;
+  MaskScalars(const Shape& sh, const GraphVariant& v) {
+    any = sh.p() > 0;
+    two = !v.mask_one_add;
+    first = static_cast<int32_t>(v.mask_one_add ? sh.p() : sh.S);
+    second = static_cast<int32_t>(sh.c);
+  }
+  void add_to(std::vector<int64_t>& uids, std::vector<void*>& ptrs) {
+    if (!any) return;
+    uids.push_back(kSkv);
+    ptrs.push_back(&first);
+    if (two) {
+      uids.push_back(kSq);
+      ptrs.push_back(&second);
+    }
+  }
+};
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Entry points.
+
+namespace {
+// What both directions share: the static rules, then shapes cuDNN already rejected in `direction`.
+bool supports(const Tensor& q, const Tensor& k, bool backward, std::string* why_not) {
+  std::string why = static_reason(q, k);
+  if (why.empty()) {
+    // Shapes cuDNN already rejected (every variant) are not offered again.
+    std::lock_guard lock(g_mutex);
+    auto it = g_devices.find(q.device.index);
+    if (it != g_devices.end()) {
+      const Shape sh = shape_of(q, k, k, backward);
+      if (auto r = it->second.rejected.find(sh); r != it->second.rejected.end())
+        why = "cuDNN rejected this shape: " + r->second;
+    }
+  }
+  if (why_not) *why_not = why;
+  return why.empty();
+}
+}  // namespace
+
+bool cudnn_attention_supports(const Tensor& q, const Tensor& k, std::string* why_not) {
+  return supports(q, k, false, why_not) && supports(q, k, true, why_not);
+}
+
+bool cudnn_attention_forward_supports(const Tensor& q, const Tensor& k, std::string* why_not) {
+  return supports(q, k, false, why_not);
+}
+
+void cudnn_attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
+                             const Tensor& v, double scale, Arena& scratch) {
+  check_common(q, k, v, out, saved);
+  const Shape sh = shape_of(q, k, v, false);
+  std::string why;
+  const Plan* plan = get_plan(sh, &why);
+  CW_CHECK(plan != nullptr, "cuDNN has no fused attention plan for q {} k {}:\n{}", q.describe(), k.describe(), why);
+  float scale_f = static_cast<float>(scale), neg = std::numeric_limits<float>::lowest();
+  MaskScalars m(sh, plan->variant);
+  std::vector<int64_t> uids{kQ, kK, kV, kO, kStats, kScale, kNegInf};
+  std::vector<void*> ptrs{q.data, k.data, v.data, out.data, saved.lse.data, &scale_f, &neg};
+  m.add_to(uids, ptrs);
+  execute(*plan, sh.device, uids, ptrs, scratch);
+}
+
+void cudnn_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,
+                              const AttentionSaved& saved, const Tensor& q, const Tensor& k, const Tensor& v,
+                              const Tensor& out, double scale, GradMode mode, Arena& scratch) {
+  check_common(q, k, v, out, saved);
+  check_same_shape(d_q, q, "attention d_q", "attention q");
+  check_same_shape(d_out, q, "attention d_out", "attention q");
+  check_dtype(d_q, DType::bf16, "attention d_q");
+  check_dtype(d_out, DType::bf16, "attention d_out");
+  check_contiguous(d_q, "attention d_q");
+  check_contiguous(d_out, "attention d_out");
+  check_gpu_operand(d_q, q, "attention d_q");
+  check_gpu_operand(d_out, q, "attention d_out");
+  const int64_t B = q.size(0), c = q.size(1), H = q.size(2), D = q.size(3), S = k.size(1), Hkv = k.size(2);
+  for (const Tensor* t : {&d_k, &d_v}) {
+    check_same_shape(*t, k, "attention d_k/d_v", "attention k");
+    check_dtype(*t, DType::f32, "attention d_k/d_v");
+    CW_CHECK(t->stride[1] == Hkv * D && t->stride[2] == D && t->stride[3] == 1,
+             "attention d_k/d_v {}: the [S, Hkv, D] part must be packed", t->describe());
+    CW_CHECK(!t->device.is_cpu() && t->device == q.device, "attention d_k/d_v {} must be on {}", t->describe(),
+             device_name(q.device));
+  }
+  const int dev = q.device.index;
+  cudaStream_t stream = current_stream(dev);
+  ArenaScope scope(scratch);
+  CW_CHECK(scratch.device() == q.device, "cuDNN attention: the scratch arena is on {}, not {}",
+           device_name(scratch.device()), device_name(q.device));
+
+  // GQA: the cuDNN backward graph takes K/V with as many heads as Q (its matmuls broadcast inputs but
+  // cannot reduce the per-query-head dK/dV of a group; the explicit head-reduction graph that cuDNN
+  // accepts computed wrong dK/dV on the device). So K/V are expanded to H heads in scratch
+  // (B S H D bf16 each, a copy at memory speed) and the group sums are formed in the add kernel.
+  const int64_t g = H / Hkv;
+  Tensor k_used = k, v_used = v;
+  if (g > 1) {
+    k_used = scratch.alloc(DType::bf16, {B, S, H, D});
+    v_used = scratch.alloc(DType::bf16, {B, S, H, D});
+    const int64_t vecs = B * S * H * D / 8;
+    expand_kv_kernel<<<blocks_for(vecs, kAddThreads), kAddThreads, 0, stream>>>(
+        static_cast<uint4*>(k_used.data), static_cast<const __nv_bfloat16*>(k.data), B, S, H, Hkv, D, k.stride[0]);
+    CW_KERNEL_CHECK();
+    expand_kv_kernel<<<blocks_for(vecs, kAddThreads), kAddThreads, 0, stream>>>(
+        static_cast<uint4*>(v_used.data), static_cast<const __nv_bfloat16*>(v.data), B, S, H, Hkv, D, v.stride[0]);
+    CW_KERNEL_CHECK();
+  }
+  const Shape sh = shape_of(q, k_used, v_used, true);
+  std::string why;
+  const Plan* plan = get_plan(sh, &why);
+  CW_CHECK(plan != nullptr, "cuDNN has no fused attention backward plan for q {} k {}:\n{}", q.describe(),
+           k.describe(), why);
+
+  const int64_t Hs = sh.Hkv;  // heads of the scratch dK/dV: H for GQA (expanded), else Hkv
+  const DType kv_dt = plan->variant.dkv_f32 ? DType::f32 : DType::bf16;
+  const Tensor dk_s = scratch.alloc(kv_dt, {B, S, Hs, D}), dv_s = scratch.alloc(kv_dt, {B, S, Hs, D});
+  const bool accumulate = mode == GradMode::accumulate;
+  const Tensor dq_s = accumulate ? scratch.alloc(DType::bf16, {B, c, H, D}) : d_q;
+  const Tensor delta = scratch.alloc(DType::f32, {B, H, c});
+  delta_kernel<<<blocks_for(B * c * H * 32, kAddThreads), kAddThreads, 0, stream>>>(
+      static_cast<float*>(delta.data), static_cast<const __nv_bfloat16*>(d_out.data),
+      static_cast<const __nv_bfloat16*>(out.data), B, c, H, D);
+  CW_KERNEL_CHECK();
+
+  float scale_f = static_cast<float>(scale), neg = std::numeric_limits<float>::lowest();
+  MaskScalars m(sh, plan->variant);
+  std::vector<int64_t> uids{kQ, kK, kKForDQ, kV, kO, kDO, kStats, kDQ, kDK, kDV, kScale, kNegInf, kDelta};
+  std::vector<void*> ptrs{q.data,    k_used.data, k_used.data, v_used.data, out.data,  d_out.data, saved.lse.data,
+                          dq_s.data, dk_s.data,   dv_s.data,   &scale_f,    &neg,      delta.data};
+  m.add_to(uids, ptrs);
+  execute(*plan, dev, uids, ptrs, scratch);
+
+  // d_k += dK, d_v += dV (group sums for GQA; batch strides honoured), then d_q += dQ in accumulate mode.
+  const int64_t row = S * Hkv * D;
+  CW_CHECK(B <= 65535, "cuDNN attention: {} batch entries exceed the grid", B);
+  if (g == 1) {
+    const dim3 grid(blocks_for(row / 4, kAddThreads), static_cast<unsigned>(B), 2);
+    if (kv_dt == DType::f32) {
+      add_kv_kernel<float><<<grid, kAddThreads, 0, stream>>>(
+          static_cast<float*>(d_k.data), static_cast<float*>(d_v.data), static_cast<const float*>(dk_s.data),
+          static_cast<const float*>(dv_s.data), row, d_k.stride[0], d_v.stride[0]);
+    } else {
+      add_kv_kernel<__nv_bfloat16><<<grid, kAddThreads, 0, stream>>>(
+          static_cast<float*>(d_k.data), static_cast<float*>(d_v.data),
+          static_cast<const __nv_bfloat16*>(dk_s.data), static_cast<const __nv_bfloat16*>(dv_s.data), row,
+          d_k.stride[0], d_v.stride[0]);
+    }
+  } else {
+    const dim3 grid(blocks_for(row, kAddThreads), static_cast<unsigned>(B), 2);
+    if (kv_dt == DType::f32) {
+      add_kv_grouped_kernel<float><<<grid, kAddThreads, 0, stream>>>(
+          static_cast<float*>(d_k.data), static_cast<float*>(d_v.data), static_cast<const float*>(dk_s.data),
+          static_cast<const float*>(dv_s.data), B, S, Hkv, D, g, d_k.stride[0], d_v.stride[0]);
+    } else {
+      add_kv_grouped_kernel<__nv_bfloat16><<<grid, kAddThreads, 0, stream>>>(
+          static_cast<float*>(d_k.data), static_cast<float*>(d_v.data),
+          static_cast<const __nv_bfloat16*>(dk_s.data), static_cast<const __nv_bfloat16*>(dv_s.data), B, S, Hkv, D,
+          g, d_k.stride[0], d_v.stride[0]);
+    }
+  }
+  CW_KERNEL_CHECK();
+  if (accumulate) {
+    const int64_t n = q.numel();
+    add_q_kernel<<<blocks_for(n, kAddThreads), kAddThreads, 0, stream>>>(
+        static_cast<__nv_bfloat16*>(d_q.data), static_cast<const __nv_bfloat16*>(dq_s.data), n);
+    CW_KERNEL_CHECK();
+  }
+}
+
+}  // namespace cw::gpu

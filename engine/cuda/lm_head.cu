@@ -1,0 +1,489 @@
+// The LM head fused with cross-entropy on the GPU (the math of engine/ops/lm_head_loss.h):
+//   logits[n, :] = x[n, :] Wᵀ                        x [N, C], W [V, C] (compute dtype T: bf16 or f32)
+//   lse[n]       = log sum_v exp(logits[n, v])        f32
+//   row_loss[n]  = (lse[n] - logits[n, label[n]]) / normaliser,  0 where label[n] = -100     f32
+//   G[n, v]      = (softmax(logits[n])[v] - [v == label[n]]) / normaliser,  0 rows where ignored
+//   d_x  = G W     [N, C] T    (GradMode overwrite: beta 0, accumulate: beta 1)
+//   d_W += Gᵀ x    [V, C] f32  (always accumulated: beta 1)
+// labels [N] i32 on the device. Saved for the backward: lse (f32 [N]).
+//
+// The [N, V] logits never exist in full. Rows go in blocks; per block of R rows:
+//   1. logits_blk [R, V] (T, in scratch) = x_blk Wᵀ                 gpu::matmul, f32 accumulation
+//   2. one CUDA block per row (softmax_xent_kernel): an online max / sum-of-exponentials pass over
+//      the row in f32 (16-byte vector loads) gives lse and the loss; a second pass overwrites the
+//      row in place with G, rounded once to T. The backward (not fused) skips the first pass and
+//      reads the saved lse.
+//   3. d_W += Gᵀ x_blk (f32 output, beta 1), then d_x_blk = G W (beta 0 or 1)   gpu::matmul
+// Forward only: steps 1 and 2's first pass. Backward: 1, 2's second pass, 3 (logits recomputed).
+// Fused: all of it in one pass, so the logits GEMM runs once per training step instead of twice.
+//
+// GEMM mapping (cuBLASLt is column-major; linear.cu's header works the mapping through, with
+// linear's I = C and O = V): a row-major [R, K] buffer with row stride ld is the column-major
+// [K, R] matrix with leading dimension ld. op() is T (transposed) or N:
+//   logits: Lc[V, R] (ld Vp) = Wcᵀ · Xc    m = V, n = R, k = C;  A = W (ld C, op T),     B = x_blk (ld C, op N)
+//   d_W:    dWc[C, V] += Xc · Gcᵀ          m = C, n = V, k = R;  A = x_blk (ld C, op N), B = G (ld Vp, op T)
+//   d_x:    dXc[C, R] = Wc · Gc            m = C, n = R, k = V;  A = W (ld C, op N),     B = G (ld Vp, op N)
+//
+// Row block: the GPU ignores the CPU's block_rows (256: far too small to fill the GPU) and picks
+// R = min(N, kMaxBlockRows, kLogitsBudgetBytes / (Vp * sizeof(T))) rounded down to a multiple of
+// kRowQuantum (at least kRowQuantum). The logits scratch is then at most 512 MiB (R x Vp x sizeof(T);
+// only a vocabulary above 4M tokens would push a 64-row block past it). At V = 128256 that is
+// R = 2048 rows in bf16 (501 MiB), 1024 rows in f32 (501 MiB). kMaxBlockRows caps small vocabularies:
+// beyond 2048 rows the block GEMMs (2048 x V x C) already fill the GPU and larger blocks only cost
+// memory. Vp is V rounded up to a 16-byte multiple of T elements (8 bf16 / 4 f32): every logits
+// row then starts 16-byte aligned, so the row kernel always takes 16-byte vector loads; the padding
+// columns are never written by the GEMM, never read as logits (masked), written as 0 in G and never
+// read by the later GEMMs (their k / n is V).
+// Extra device memory per call: the logits block and 8 bytes for the label check, in one allocation
+// from `scratch`, and gpu::matmul's 32 MiB cuBLASLt workspace (allocated once per process, shared
+// with every GEMM).
+//
+// Cost at N = 8192, C = 2048, V = 128256, bf16 (4 blocks of 2048 rows): 3 GEMMs of 4.3 TFLOP each,
+// about 20 ms at cuBLASLt's 600-650 TFLOP/s on an H100, and the row kernel's 1.5 GB of logits traffic
+// per block (fused: read, read, write), well under 1 ms per block since the GEMM leaves part of the
+// block in L2. Measured on an H100 80GB HBM3 (2026-11-21, a standalone build of this file with
+// linear.cu and runtime.cu; median of 20 after 3 warm-ups, random inputs): fused 22.6 ms (forward
+// 7.2 ms, backward 20.0 ms; the GEMMs alone about 21 ms) against 34.3 ms for torch 2.11's F.linear +
+// F.cross_entropy on fp32 logits, forward + backward, in the same run. Extra device memory at
+// N = 32768: 534 MiB (the 501 MiB logits block and the 32 MiB cuBLASLt workspace), against 54 GiB
+// for torch.
+//
+// Precision: GEMMs accumulate in f32 (f32 mode without TF32: the exactness-check mode); the logits
+// are stored in T (bf16 in bf16 mode, like any bf16 linear output); lse, the loss and G are
+// computed in f32 from them, and G is rounded once to T. exp is exp2f on a pre-scaled argument (2
+// ulp), log is logf.
+//
+// Labels: every call checks on the device that each label is in [0, V) or -100, before any
+// output is touched: a small kernel records the first bad row (integer atomicMin) and the host
+// reads that word back once per call. This is the op's one host synchronisation (it waits for the
+// work queued before the call, not for the LM head itself); a bad label raises a cw::Error naming
+// the row and the value, and leaves every output (d_W included) as it was.
+//
+// Determinism: the row kernel's reductions follow a fixed thread layout (a function of V only) and
+// a fixed shuffle tree; no floating-point atomics; every GEMM goes through gpu::matmul's cached
+// plans (one fixed algorithm per shape) on one stream; d_W accumulates block after block in row
+// order. Same inputs, same shapes, same bits. The fused op gives the same bits as forward then
+// backward (the same row-kernel code, the same f32 lse value, the same GEMM plans; the tests check it).
+//
+// Aliasing: d_x must not alias x (each block's x rows are read by its d_W GEMM). Scratch memory
+// is handed back on return while kernels may still run; anything that reuses the arena launches on
+// the same stream, after them. Everything runs on current_stream(device) of x's device.
+#include "engine/cuda/common.cuh"
+#include "engine/cuda/gemm.cuh"
+#include "engine/cuda/ops.h"
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+#include <type_traits>
+
+namespace cw::gpu {
+
+namespace {
+
+constexpr size_t kLogitsBudgetBytes = size_t(512) << 20;  // the logits block's scratch, at most
+constexpr int64_t kMaxBlockRows = 2048;
+constexpr int64_t kRowQuantum = 64;
+// Row kernel: up to 512 threads per row, each issuing kUnroll 16-byte loads before using them (at
+// V = 128256 bf16: 16032 vectors per row, 512 threads, about 8 iterations; 4 resident blocks per SM
+// keep 128 KB of loads in flight per SM, enough to cover DRAM latency).
+constexpr int kMaxThreads = 512;
+constexpr int kUnroll = 4;
+constexpr float kLog2e = 1.4426950408889634f;
+
+template <class F> void dispatch_compute(DType dtype, const char* op, F&& f) {
+  switch (dtype) {
+    case DType::f32: f(std::type_identity<float>{}); return;
+    case DType::bf16: f(std::type_identity<__nv_bfloat16>{}); return;
+    default:
+      fail(CW_FORMAT("{} on the GPU supports f32 and bf16, not {}", op, dtype_name(dtype)),
+           "choose --dtype bf16 or f32 for GPU runs");
+  }
+}
+
+template <class T> T* dptr(const Tensor& t) { return static_cast<T*>(t.data); }
+
+// Makes `device` current for the scope (kernel launches go to the current device's context).
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) : device_(device) {
+    CW_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (previous_ != device_) CW_CUDA_CHECK(cudaSetDevice(device_));
+  }
+  ~DeviceGuard() {
+    if (previous_ != device_) cudaSetDevice(previous_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0, device_ = 0;
+};
+
+// 16 bytes of T (4 f32 or 8 bf16) as raw 32-bit words: one 128-bit load/store (16-byte aligned
+// address); get(k) widens element k to f32 exactly; pack() rounds each f32 to T once (nearest
+// even). Indices must be constants after unrolling so the words stay in registers.
+template <class T> struct Vec16 {
+  static constexpr int kN = 16 / static_cast<int>(sizeof(T));
+  uint32_t w[4];
+
+  __device__ __forceinline__ void load(const T* p) {
+    const uint4 q = *reinterpret_cast<const uint4*>(p);
+    w[0] = q.x, w[1] = q.y, w[2] = q.z, w[3] = q.w;
+  }
+  __device__ __forceinline__ void store(T* p) const { *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]); }
+  __device__ __forceinline__ float get(int k) const {
+    if constexpr (sizeof(T) == 4) {
+      return __uint_as_float(w[k]);
+    } else {
+      return __uint_as_float((k & 1) ? (w[k >> 1] & 0xffff0000u) : (w[k >> 1] << 16));
+    }
+  }
+  __device__ __forceinline__ static Vec16 pack(const float* v) {
+    Vec16 r;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if constexpr (sizeof(T) == 4) {
+        r.w[i] = __float_as_uint(v[i]);
+      } else {
+        const uint32_t lo = __bfloat16_as_ushort(__float2bfloat16_rn(v[2 * i]));
+        const uint32_t hi = __bfloat16_as_ushort(__float2bfloat16_rn(v[2 * i + 1]));
+        r.w[i] = lo | (hi << 16);
+      }
+    }
+    return r;
+  }
+};
+
+// (m, s) <- the pair describing both sets: max M, and sum of exp(z - M) over both.
+// An empty set is (-inf, 0).
+__device__ __forceinline__ void combine(float& m, float& s, float m2, float s2) {
+  const float M = fmaxf(m, m2);
+  if (M == -INFINITY) return;  // both empty
+  s = s * exp2f((m - M) * kLog2e) + s2 * exp2f((m2 - M) * kLog2e);
+  m = M;
+}
+
+// Combines every thread's (m, s) over the block (blockDim.x a multiple of 32) through a fixed
+// shuffle tree; every thread returns the block's pair. `sm`, `ss` hold 32 floats each.
+__device__ __forceinline__ void block_max_sum(float& m, float& s, float* sm, float* ss) {
+  for (int o = 16; o > 0; o >>= 1) combine(m, s, __shfl_xor_sync(0xffffffffu, m, o), __shfl_xor_sync(0xffffffffu, s, o));
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  if (lane == 0) sm[warp] = m, ss[warp] = s;
+  __syncthreads();
+  if (warp == 0) {
+    const int warps = blockDim.x >> 5;
+    float wm = lane < warps ? sm[lane] : -INFINITY, ws = lane < warps ? ss[lane] : 0.0f;
+    for (int o = 16; o > 0; o >>= 1)
+      combine(wm, ws, __shfl_xor_sync(0xffffffffu, wm, o), __shfl_xor_sync(0xffffffffu, ws, o));
+    if (lane == 0) sm[0] = wm, ss[0] = ws;
+  }
+  __syncthreads();
+  m = sm[0];
+  s = ss[0];
+}
+
+// One block per row r of the logits block (row stride ld, a multiple of the vector width; columns
+// [V, ld) are padding). Thread t owns the row's vectors t + j * blockDim.x (kUnroll loads in flight).
+//   kStats: lse over the row (online max / sum in f32), written to lse_out (if given); row_loss.
+//           Rows with an ignored label skip it when no lse is wanted (the fused op).
+//   !kStats: lse comes from lse_in (the backward).
+//   kGrad:  the row is overwritten in place with G (0 for ignored rows and for the padding).
+template <class T, bool kStats, bool kGrad>
+__global__ void __launch_bounds__(kMaxThreads)
+    softmax_xent_kernel(T* logits, int64_t ld, int64_t V, const int32_t* labels, float* row_loss, float* lse_out,
+                        const float* lse_in, float inv_norm) {
+  using Vt = Vec16<T>;
+  constexpr int kN = Vt::kN;
+  __shared__ float red_m[32], red_s[32];
+  const int64_t r = blockIdx.x;
+  T* row = logits + r * ld;
+  const int32_t label = labels[r];
+  // Labels were validated before this launch; the range test only keeps a stray one in bounds.
+  const bool supervised = label >= 0 && label < V;
+  const int nvec = static_cast<int>(ld / kN);
+  const int tid = static_cast<int>(threadIdx.x), nt = static_cast<int>(blockDim.x);
+
+  float lse = 0.0f;
+  if constexpr (kStats) {
+    if (supervised || lse_out != nullptr) {
+      // Read before any thread overwrites the row with G (after the reduction's barriers).
+      const float z_label = (tid == 0 && supervised) ? to_f32(row[label]) : 0.0f;
+      float m = -INFINITY, s = 0.0f;
+      for (int base = tid; base < nvec; base += kUnroll * nt) {
+        Vt v[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int i = base + u * nt;
+          if (i < nvec) v[u].load(row + static_cast<int64_t>(i) * kN);
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const int i = base + u * nt;
+          if (i < nvec) {
+            const int64_t e0 = static_cast<int64_t>(i) * kN;
+            const int valid = V - e0 < kN ? static_cast<int>(V - e0) : kN;
+            float lm = -INFINITY;
+#pragma unroll
+            for (int k = 0; k < kN; ++k)
+              if (k < valid) lm = fmaxf(lm, v[u].get(k));
+            if (lm > m) {  // rescale the running sum to the new maximum
+              s *= exp2f((m - lm) * kLog2e);
+              m = lm;
+            }
+#pragma unroll
+            for (int k = 0; k < kN; ++k)
+              if (k < valid) s += exp2f((v[u].get(k) - m) * kLog2e);
+          }
+        }
+      }
+      block_max_sum(m, s, red_m, red_s);
+      lse = m + logf(s);
+      if (tid == 0) {
+        if (lse_out) lse_out[r] = lse;
+        if (row_loss) row_loss[r] = supervised ? (lse - z_label) * inv_norm : 0.0f;
+      }
+    } else if (tid == 0 && row_loss) {
+      row_loss[r] = 0.0f;
+    }
+  } else {
+    lse = lse_in[r];
+  }
+
+  if constexpr (kGrad) {
+    if (!supervised) {
+      const Vt zero{};
+      for (int i = tid; i < nvec; i += nt) zero.store(row + static_cast<int64_t>(i) * kN);
+      return;
+    }
+    for (int base = tid; base < nvec; base += kUnroll * nt) {
+      Vt v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int i = base + u * nt;
+        if (i < nvec) v[u].load(row + static_cast<int64_t>(i) * kN);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int i = base + u * nt;
+        if (i < nvec) {
+          const int64_t e0 = static_cast<int64_t>(i) * kN;
+          float g[kN];
+#pragma unroll
+          for (int k = 0; k < kN; ++k) {
+            const int64_t e = e0 + k;
+            g[k] = e < V ? exp2f((v[u].get(k) - lse) * kLog2e) * inv_norm : 0.0f;
+            if (e == label) g[k] -= inv_norm;
+          }
+          Vt::pack(g).store(row + e0);
+        }
+      }
+    }
+  }
+}
+
+// first_bad = the smallest row whose label is neither -100 nor in [0, V) (left as is when none).
+__global__ void check_labels_kernel(const int32_t* labels, int64_t N, int64_t V, unsigned long long* first_bad) {
+  for (int64_t n = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; n < N; n += int64_t(gridDim.x) * blockDim.x) {
+    const int32_t l = labels[n];
+    if (l != kIgnoreLabel && (l < 0 || l >= V)) atomicMin(first_bad, static_cast<unsigned long long>(n));
+  }
+}
+
+// Threads per row for nvec vectors: enough that one kUnroll group covers the row, in whole warps,
+// at most kMaxThreads. A function of V and T only, so the reduction order is too.
+int row_threads(int64_t nvec) {
+  const int64_t t = (nvec + kUnroll - 1) / kUnroll;
+  return static_cast<int>(std::clamp<int64_t>((t + 31) / 32 * 32, 32, kMaxThreads));
+}
+
+// Rows per block (see the header): within the logits budget, capped, in whole quanta, at most N.
+int64_t block_rows_for(int64_t N, int64_t ld, size_t elem_bytes) {
+  int64_t rows = static_cast<int64_t>(kLogitsBudgetBytes / (static_cast<size_t>(ld) * elem_bytes));
+  rows = std::min(rows, kMaxBlockRows) / kRowQuantum * kRowQuantum;
+  rows = std::max(rows, kRowQuantum);
+  return std::min(rows, N);
+}
+
+void check_gpu(const Tensor& t, const Tensor& x, const char* what) {
+  CW_CHECK(!t.device.is_cpu(), "{} is on {}; the GPU LM head needs it on a GPU", what, device_name(t.device));
+  check_same_device(t, x, what, "lm_head x");
+  check_contiguous(t, what);
+  CW_CHECK(t.data != nullptr || t.empty(), "{} has no data", what);
+}
+
+// x [N, C] and W [V, C] in one compute dtype, labels [N] i32, all on x's GPU; a device arena.
+void check_operands(const Tensor& x, const Tensor& w, const Tensor& labels, double normaliser, int64_t block_rows,
+                    const Arena& scratch) {
+  CW_CHECK(x.ndim == 2, "lm_head x must be [N, C], got {}", x.describe());
+  CW_CHECK(w.ndim == 2, "lm_head weight must be [V, C], got {}", w.describe());
+  const int64_t N = x.size(0), C = x.size(1);
+  check_shape(w, {w.size(0), C}, "lm_head weight");
+  check_shape(labels, {N}, "lm_head labels");
+  CW_CHECK(x.dtype == DType::bf16 || x.dtype == DType::f32, "lm_head on the GPU takes bf16 or f32, got {}",
+           dtype_name(x.dtype));
+  check_dtype(w, x.dtype, "lm_head weight");
+  check_dtype(labels, DType::i32, "lm_head labels");
+  check_gpu(x, x, "lm_head x");
+  check_gpu(w, x, "lm_head weight");
+  check_gpu(labels, x, "lm_head labels");
+  CW_CHECK(w.size(0) > 0, "lm_head weight has an empty vocabulary ({})", w.describe());
+  CW_CHECK(normaliser > 0, "lm_head loss normaliser {} must be positive (the count of supervised tokens)", normaliser);
+  CW_CHECK(block_rows > 0, "lm_head block_rows {} must be positive", block_rows);
+  CW_CHECK(scratch.device() == x.device, "lm_head scratch arena is on {} but x is on {}",
+           device_name(scratch.device()), device_name(x.device));
+}
+
+// row_loss / lse: f32 [N] on x's GPU.
+void check_stat(const Tensor& t, const Tensor& x, const char* what) {
+  check_shape(t, {x.size(0)}, what);
+  check_dtype(t, DType::f32, what);
+  check_gpu(t, x, what);
+}
+
+void check_grads(const Tensor* d_x, const Tensor* d_w, const Tensor& x, const Tensor& w) {
+  if (d_x) {
+    check_same_shape(*d_x, x, "lm_head d_x", "lm_head x");
+    check_dtype(*d_x, x.dtype, "lm_head d_x");
+    check_gpu(*d_x, x, "lm_head d_x");
+    CW_CHECK(d_x->data != x.data || x.empty(), "lm_head d_x must not alias x (the d_W GEMM reads x)");
+  }
+  if (d_w) {
+    check_same_shape(*d_w, w, "lm_head d_weight", "lm_head weight");
+    check_dtype(*d_w, DType::f32, "lm_head d_weight (parameter gradients are f32 on the GPU)");
+    check_gpu(*d_w, x, "lm_head d_weight");
+  }
+}
+
+// Raises when a label is neither -100 nor in [0, V). `first_bad` is 8 bytes of device scratch.
+// Waits for the stream (see the header).
+void validate_labels(const Tensor& labels, int64_t V, unsigned long long* first_bad, cudaStream_t stream) {
+  const int64_t N = labels.size(0);
+  CW_CUDA_CHECK(cudaMemsetAsync(first_bad, 0xff, sizeof(unsigned long long), stream));
+  const unsigned blocks = std::min<unsigned>(blocks_for(N, 256), 1024u);
+  check_labels_kernel<<<blocks, 256, 0, stream>>>(dptr<const int32_t>(labels), N, V, first_bad);
+  CW_KERNEL_CHECK();
+  unsigned long long bad = 0;
+  CW_CUDA_CHECK(cudaMemcpyAsync(&bad, first_bad, sizeof(bad), cudaMemcpyDeviceToHost, stream));
+  CW_CUDA_CHECK(cudaStreamSynchronize(stream));
+  if (bad == ULLONG_MAX) return;
+  int32_t value = 0;
+  CW_CUDA_CHECK(cudaMemcpyAsync(&value, dptr<const int32_t>(labels) + bad, sizeof(value), cudaMemcpyDeviceToHost,
+                                stream));
+  CW_CUDA_CHECK(cudaStreamSynchronize(stream));
+  fail(CW_FORMAT("lm_head label {} at row {} is outside [0, {}) and is not -100 (ignored)", value, bad, V),
+       "labels are token ids of the model's vocabulary, or -100 for positions without a loss");
+}
+
+// One pass over row blocks (see the header). row_loss / lse_out written when given; lse_in read
+// instead of computing the statistics (the backward); d_x / d_w computed when given.
+template <class T>
+void run(const Tensor* row_loss, const Tensor* lse_out, const Tensor* lse_in, const Tensor* d_x, const Tensor* d_w,
+         const Tensor& x, const Tensor& w, const Tensor& labels, double normaliser, GradMode mode, Arena& scratch) {
+  const int device = x.device.index;
+  const int64_t N = x.size(0), C = x.size(1), V = w.size(0);
+  if (N == 0) return;
+  const bool stats = lse_in == nullptr, grad = d_x != nullptr || d_w != nullptr;
+  if (!stats && !grad) return;  // a backward with no gradient wanted
+  DeviceGuard guard(device);
+  cudaStream_t stream = current_stream(device);
+
+  constexpr int kN = Vec16<T>::kN;
+  const DType dt = x.dtype;
+  const int64_t ld = (V + kN - 1) / kN * kN;
+  const int64_t rows_max = block_rows_for(N, ld, sizeof(T));
+  const int threads = row_threads(ld / kN);
+  const float inv_norm = static_cast<float>(1.0 / normaliser);
+  const float beta_dx = mode == GradMode::accumulate ? 1.0f : 0.0f;
+  const size_t elem = sizeof(T);
+
+  // One scratch allocation: the logits block, then the label check's word (16-byte aligned: ld * elem
+  // is a multiple of 16), so the arena never splits the call over two blocks.
+  ArenaScope scope(scratch);
+  const size_t block_bytes = static_cast<size_t>(rows_max * ld) * elem;
+  char* mem = static_cast<char*>(scratch.alloc_bytes(block_bytes + sizeof(unsigned long long)));
+  void* block = mem;
+  validate_labels(labels, V, reinterpret_cast<unsigned long long*>(mem + block_bytes), stream);
+  float* loss_p = row_loss ? dptr<float>(*row_loss) : nullptr;
+  float* lse_p = lse_out ? dptr<float>(*lse_out) : nullptr;
+  const float* lse_in_p = lse_in ? dptr<const float>(*lse_in) : nullptr;
+  for (int64_t n0 = 0; n0 < N; n0 += rows_max) {
+    const int64_t rows = std::min(rows_max, N - n0);
+    const Tensor logits(block, dt, x.device, {rows, ld});
+    const void* x_blk = static_cast<const char*>(x.data) + static_cast<size_t>(n0 * C) * elem;
+    // Lc[V, R] = Wcᵀ · Xc
+    matmul(device, V, rows, C, /*trans_a=*/true, /*trans_b=*/false, w.data, C, x_blk, C, block, ld, dt, dt, 0.0f,
+           logits);
+    const unsigned grid = static_cast<unsigned>(rows);
+    T* lp = static_cast<T*>(block);
+    const int32_t* lab = dptr<const int32_t>(labels) + n0;
+    float* loss_blk = loss_p ? loss_p + n0 : nullptr;
+    float* lse_blk = lse_p ? lse_p + n0 : nullptr;
+    const float* lse_in_blk = lse_in_p ? lse_in_p + n0 : nullptr;
+    if (stats && grad)
+      softmax_xent_kernel<T, true, true><<<grid, threads, 0, stream>>>(lp, ld, V, lab, loss_blk, lse_blk, nullptr,
+                                                                       inv_norm);
+    else if (stats)
+      softmax_xent_kernel<T, true, false><<<grid, threads, 0, stream>>>(lp, ld, V, lab, loss_blk, lse_blk, nullptr,
+                                                                        inv_norm);
+    else
+      softmax_xent_kernel<T, false, true><<<grid, threads, 0, stream>>>(lp, ld, V, lab, nullptr, nullptr, lse_in_blk,
+                                                                        inv_norm);
+    CW_KERNEL_CHECK();
+    if (d_w) {
+      // dWc[C, V] += Xc · Gcᵀ  (f32)
+      matmul(device, C, V, rows, /*trans_a=*/false, /*trans_b=*/true, x_blk, C, block, ld, d_w->data, C, dt,
+             DType::f32, 1.0f, *d_w);
+    }
+    if (d_x) {
+      // dXc[C, R] = Wc · Gc
+      const Tensor dx_blk = d_x->slice(0, n0, rows);
+      matmul(device, C, rows, V, /*trans_a=*/false, /*trans_b=*/false, w.data, C, block, ld, dx_blk.data, C, dt, dt,
+             beta_dx, dx_blk);
+    }
+  }
+}
+
+}  // namespace
+
+void lm_head_loss_forward(const Tensor& row_loss, const LmHeadSaved& saved, const Tensor& x, const Tensor& weight,
+                          const Tensor& labels, double normaliser, Arena& scratch, int64_t block_rows) {
+  check_operands(x, weight, labels, normaliser, block_rows, scratch);
+  check_stat(row_loss, x, "lm_head row_loss");
+  const Tensor* lse = saved.lse.data ? &saved.lse : nullptr;
+  if (lse) check_stat(*lse, x, "lm_head saved lse (f32 on the GPU)");
+  dispatch_compute(x.dtype, "lm_head_loss_forward", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    run<T>(&row_loss, lse, nullptr, nullptr, nullptr, x, weight, labels, normaliser, GradMode::overwrite, scratch);
+  });
+}
+
+void lm_head_loss_backward(const Tensor& d_x, const Tensor& d_weight, const LmHeadSaved& saved, const Tensor& x,
+                           const Tensor& weight, const Tensor& labels, double normaliser, GradMode mode,
+                           Arena& scratch, int64_t block_rows) {
+  check_operands(x, weight, labels, normaliser, block_rows, scratch);
+  check_stat(saved.lse, x, "lm_head saved lse (f32 on the GPU)");
+  const Tensor* dx = d_x.data ? &d_x : nullptr;
+  const Tensor* dw = d_weight.data ? &d_weight : nullptr;
+  check_grads(dx, dw, x, weight);
+  dispatch_compute(x.dtype, "lm_head_loss_backward", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    run<T>(nullptr, nullptr, &saved.lse, dx, dw, x, weight, labels, normaliser, mode, scratch);
+  });
+}
+
+void lm_head_loss_fused(const Tensor& row_loss, const Tensor& d_x, const Tensor& d_weight, const Tensor& x,
+                        const Tensor& weight, const Tensor& labels, double normaliser, GradMode mode, Arena& scratch,
+                        int64_t block_rows) {
+  check_operands(x, weight, labels, normaliser, block_rows, scratch);
+  check_stat(row_loss, x, "lm_head row_loss");
+  const Tensor* dx = d_x.data ? &d_x : nullptr;
+  const Tensor* dw = d_weight.data ? &d_weight : nullptr;
+  check_grads(dx, dw, x, weight);
+  dispatch_compute(x.dtype, "lm_head_loss_fused", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    run<T>(&row_loss, nullptr, nullptr, dx, dw, x, weight, labels, normaliser, mode, scratch);
+  });
+}
+
+}  // namespace cw::gpu

@@ -1,0 +1,95 @@
+#include "optim/training.h"
+
+#include "engine/cuda/runtime.h"
+#include "engine/random.h"
+
+#include <algorithm>
+
+#include <fmt/format.h>
+
+namespace cw {
+
+namespace {
+DType master_dtype_for(DType compute) { return compute == DType::bf16 ? DType::f32 : compute; }
+}  // namespace
+
+TrainingState::TrainingState(const LlamaConfig& config, DType compute, Device device, const AdamWOptions& options)
+    : model_(config, compute, device),
+      master_(compute == DType::bf16 ? std::optional<ParamSet>(ParamSet(config, DType::f32, device)) : std::nullopt),
+      grads_(config, master_dtype_for(compute), device),
+      adamw_(master_ ? *master_ : model_.params(), options) {
+  CW_CHECK(compute != DType::bf16 || !device.is_cpu(), "bf16 training needs the GPU backend");
+}
+
+void TrainingState::sync_compute_copy() {
+  if (master_) copy_params(model_.params(), *master_);
+}
+
+void TrainingState::load_master(const ParamSet& host) {
+  copy_params(master(), host);
+  sync_compute_copy();
+}
+
+void TrainingState::init(uint64_t seed, double initializer_range) {
+  init_parameters(master(), seed, initializer_range);
+  sync_compute_copy();
+}
+
+void TrainingState::init_tiled(uint64_t seed, double initializer_range) {
+  const ParamSet& m = master();
+  const int64_t block = std::min<int64_t>(int64_t(16) << 20, m.numel());
+  OwnedTensor host(m.dtype(), {block});
+  fill_normal(host, seed, 0, 0.0, initializer_range);
+  const Tensor flat = m.flat();
+  for (int64_t off = 0; off < m.numel(); off += block) {
+    const int64_t n = std::min(block, m.numel() - off);
+    copy_convert(flat.slice(0, off, n), host.tensor.slice(0, 0, n));
+  }
+  for (size_t i = 0; i < m.size(); ++i)
+    if (m.specs()[i].is_norm()) fill(m[i], 1.0);
+  sync_compute_copy();
+}
+
+ParamSet TrainingState::master_on_host() const {
+  ParamSet host(model_.config(), master().dtype());
+  copy_params(host, master());
+  return host;
+}
+
+void TrainingState::optimizer_step(double lr) {
+  adamw_.step(master(), grads_, lr, master_ ? &model_.params() : nullptr);
+}
+
+size_t MemoryReport::other() const {
+  const size_t named = weights + master + optimizer + gradients + activations + kv;
+  return device_peak > named ? device_peak - named : 0;
+}
+
+std::vector<std::pair<std::string, size_t>> MemoryReport::categories() const {
+  return {{"weights", weights},   {"master", master}, {"optimizer", optimizer}, {"gradients", gradients},
+          {"activations", activations}, {"kv", kv}, {"other", other()},   {"peak", device_peak}};
+}
+
+std::string MemoryReport::line() const {
+  std::string s;
+  for (const auto& [name, bytes] : categories()) {
+    if (!s.empty()) s += " | ";
+    s += fmt::format("{} {:.2f} GiB", name, static_cast<double>(bytes) / double(1ull << 30));
+  }
+  return s;
+}
+
+MemoryReport memory_report(const TrainingState& st, size_t activation_high_water, size_t kv_bytes) {
+  MemoryReport r;
+  r.weights = st.model().params().bytes();
+  const bool separate_master = &st.master() != &st.model().params();
+  r.master = separate_master ? st.master().bytes() : 0;
+  r.optimizer = st.master().bytes() * 2;  // exp_avg and exp_avg_sq
+  r.gradients = st.grads().bytes();
+  r.activations = activation_high_water;
+  r.kv = kv_bytes;
+  if (!st.device().is_cpu()) r.device_peak = gpu::pool_stats(st.device().index).peak_in_use;
+  return r;
+}
+
+}  // namespace cw

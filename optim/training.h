@@ -1,0 +1,70 @@
+// The state a training run updates, under the precision policy of DESIGN.md section 6, on the CPU
+// or a GPU, and the memory it takes by category.
+//
+//   compute weights  the model's parameters in the compute dtype: bf16 on a GPU (training), f32 or
+//                    f64 for checks (and on the CPU)
+//   master weights   f32 when the compute dtype is bf16 (AdamW updates these and writes the bf16
+//                    compute copy in the same kernel); otherwise the compute weights themselves
+//   gradients        f32 (f64 in f64 mode), accumulated over chunks and micro-batches
+//   AdamW moments    the master weights' dtype
+// Everything lives on `device`. Checkpoints read and write the master weights through host copies,
+// so a bf16 GPU run saves f32 weights and resumes bit-exactly.
+#pragma once
+
+#include "model/llama.h"
+#include "optim/adamw.h"
+
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace cw {
+
+class TrainingState {
+ public:
+  TrainingState(const LlamaConfig& config, DType compute, Device device, const AdamWOptions& options);
+
+  LlamaModel& model() { return model_; }
+  const LlamaModel& model() const { return model_; }
+  const ParamSet& master() const { return master_ ? *master_ : model_.params(); }
+  ParamSet& master() { return master_ ? *master_ : model_.params(); }
+  const ParamSet& grads() const { return grads_; }
+  AdamW& optimizer() { return adamw_; }
+  Device device() const { return model_.device(); }
+  DType master_dtype() const { return master().dtype(); }
+
+  // Master weights from a host parameter set (any dtype: converted), then the compute copy.
+  void load_master(const ParamSet& host);
+  // Seeded initialisation of the master weights (drawn on the host), then the compute copy.
+  void init(uint64_t seed, double initializer_range);
+  // For benchmarks: one block of 16 Mi values drawn on the host (N(0, initializer_range)) tiled over
+  // every weight, norm gains 1, then the compute copy: random values without drawing a billion of
+  // them on the host.
+  void init_tiled(uint64_t seed, double initializer_range);
+  // The master weights as a host parameter set of the master dtype (for checkpoints and sampling).
+  ParamSet master_on_host() const;
+  // One AdamW step on the accumulated gradients (updates master and compute weights).
+  void optimizer_step(double lr);
+
+ private:
+  void sync_compute_copy();
+
+  LlamaModel model_;
+  std::optional<ParamSet> master_;
+  ParamSet grads_;
+  AdamW adamw_;
+};
+
+// Bytes by category, for the memory report of train and bench. activations and kv come from the
+// schedule's last step (the arena's high-water mark, the K/V store); device_peak is the caching
+// pool's peak (GPU) and `other` what the peak holds beyond the named categories (LM-head and
+// attention scratch outside the arena, cuBLASLt/cuDNN workspaces, pool slack).
+struct MemoryReport {
+  size_t weights = 0, master = 0, optimizer = 0, gradients = 0, activations = 0, kv = 0, device_peak = 0;
+  size_t other() const;
+  std::string line() const;  // "weights 2.30 GiB | master ... | peak ..."
+  std::vector<std::pair<std::string, size_t>> categories() const;
+};
+MemoryReport memory_report(const TrainingState& state, size_t activation_high_water, size_t kv_bytes);
+
+}  // namespace cw

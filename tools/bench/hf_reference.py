@@ -1,0 +1,217 @@
+#!/usr/bin/env python3
+"""The reference a user would pick instead of chunkwise: HF transformers Llama training steps on one GPU.
+
+Setup (../shared/BENCHMARKS.md, "What a user would pick instead"): LlamaForCausalLM built from a
+hard-coded config of the named shape with random init; fp32 master weights, the step under bf16
+autocast; attn_implementation="sdpa"; fused AdamW (torch.optim.AdamW(fused=True)); random token ids
+(never zeros) with labels = input ids (HF shifts them inside the loss); optionally gradient
+checkpointing (gradient_checkpointing_enable, use_reentrant=False).
+
+One step = forward + backward + optimizer.step() + zero_grad, timed with torch.cuda.synchronize() on
+both sides. The figure is the median of --steps timed steps after --warmup untimed ones (the first
+step allocates the AdamW state). Peak memory is torch.cuda.max_memory_allocated() (and
+max_memory_reserved()) over the timed steps, after a reset at their start: the steady state, with
+weights, gradients, optimizer state and activations all live.
+
+MFU = tokens/s * flops_per_token / peak, with
+  flops_per_token = 6 * P_matmul + 12 * L * H * D * (T / 2)
+  P_matmul = L * (C*H*D [q] + 2*C*Hkv*D [k, v] + H*D*C [o] + 3*C*F [gate, up, down]) + V*C [LM head]
+6 per matmul parameter: 2 forward + 4 backward. Causal attention: QK^T and PV are 2 * 2 * T * D per
+query head and token over the T/2 keys a causal row sees on average, times 3 for forward + backward
+(12 * H * D * T/2 per layer and token). About 9.0 GFLOP/token for the 1B shape at 8K tokens.
+The peak is a measured bf16 matmul (8192^3, median of 10) unless --peak-tflops is given.
+
+Out of memory (anywhere: building the model, a step) is a result, status "oom", not a crash; the
+JSON is always written. Exit status 0 for "ok" and "oom", 1 for "error".
+Runs on the GPU machine's torch (/opt/torch/.venv/bin/python3); chunkwise never imports torch.
+"""
+import argparse
+import datetime
+import json
+import math
+import statistics
+import sys
+import time
+import traceback
+
+# HF config.json fields of the shapes chunkwise's presets name (model/config.cpp). Legacy (v4)
+# field names, as the Hub's config.json files have them; rope is normalised below for v5.
+LLAMA3_ROPE = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0,
+                   original_max_position_embeddings=8192)
+
+
+def llama3(hidden, ffn, layers, heads, head_dim, tied, factor):
+    return dict(hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers, num_attention_heads=heads,
+                num_key_value_heads=8, head_dim=head_dim, vocab_size=128256, tie_word_embeddings=tied,
+                rope_theta=500000.0, rope_scaling=dict(LLAMA3_ROPE, factor=factor), rms_norm_eps=1e-5,
+                max_position_embeddings=131072, bos_token_id=128000, eos_token_id=128001)
+
+
+PRESETS = {
+    "llama-3.2-1b": llama3(2048, 8192, 16, 32, 64, True, 32.0),
+    "llama-3.2-3b": llama3(3072, 8192, 28, 24, 128, True, 32.0),
+    "llama-3.1-8b": llama3(4096, 14336, 32, 32, 128, False, 8.0),
+    # chunkwise's test and demo shapes: for trying the script, not for figures.
+    "tiny": dict(hidden_size=24, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=6, vocab_size=61, tie_word_embeddings=False, rope_theta=10000.0,
+                 rope_scaling=dict(rope_type="llama3", factor=4.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                   original_max_position_embeddings=32),
+                 rms_norm_eps=1e-5, max_position_embeddings=4096),
+    "small": dict(hidden_size=192, intermediate_size=512, num_hidden_layers=4, num_attention_heads=6,
+                  num_key_value_heads=2, head_dim=32, vocab_size=320, tie_word_embeddings=True, rope_theta=10000.0,
+                  rms_norm_eps=1e-5, max_position_embeddings=4096),
+}
+
+
+def load_config_dict(spec):
+    if spec in PRESETS:
+        return dict(PRESETS[spec])
+    with open(spec) as f:  # a config.json path (e.g. one `chunkwise init` wrote)
+        return json.load(f)
+
+
+def make_config(d):
+    from transformers import LlamaConfig
+    cfg = LlamaConfig.from_dict(d)
+    # transformers 5 keeps rope settings in config.rope_parameters; set them explicitly so the model
+    # gets exactly this RoPE whatever the legacy-field conversion of the installed version does.
+    if hasattr(cfg, "rope_parameters"):
+        rp = dict(rope_type="default", rope_theta=float(d.get("rope_theta", 10000.0)))
+        if d.get("rope_scaling"):
+            rp.update(d["rope_scaling"])
+            rp["rope_type"] = rp.pop("type", rp.get("rope_type", "default"))
+        cfg.rope_parameters = rp
+    return cfg
+
+
+def flops_per_token(d, seq):
+    C, F, L = d["hidden_size"], d["intermediate_size"], d["num_hidden_layers"]
+    H, Hkv, V = d["num_attention_heads"], d["num_key_value_heads"], d["vocab_size"]
+    D = d.get("head_dim") or C // H
+    p_matmul = L * (C * H * D + 2 * C * Hkv * D + H * D * C + 3 * C * F) + V * C
+    return 6 * p_matmul + 12 * L * H * D * (seq / 2)
+
+
+def measure_peak_tflops(n=8192, repeat=10):
+    """bf16 GEMM n^3 through torch.matmul (cuBLAS): the ceiling MFU is measured against."""
+    import torch
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    for _ in range(3):
+        torch.matmul(a, b)
+    times = []
+    for _ in range(repeat):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        torch.matmul(a, b)
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) * 1e-3)
+    del a, b
+    torch.cuda.empty_cache()
+    return 2.0 * n ** 3 / statistics.median(times) / 1e12
+
+
+def run(args, res):
+    import torch
+    import transformers
+    from transformers import LlamaForCausalLM
+    res["transformers"] = transformers.__version__
+    d = load_config_dict(args.model)
+    res["flops_per_token"] = flops_per_token(d, args.seq)
+    res["peak_tflops"] = args.peak_tflops if args.peak_tflops > 0 else measure_peak_tflops()
+    torch.manual_seed(args.seed)
+    cfg = make_config(d)
+    res["rope"] = getattr(cfg, "rope_parameters", None) or dict(rope_theta=getattr(cfg, "rope_theta", None),
+                                                              rope_scaling=getattr(cfg, "rope_scaling", None))
+    with torch.device("cuda"):  # initialise on the device: the 8B shape would take minutes on the CPU
+        model = LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa")
+    model.float()  # fp32 master weights whatever default dtype the installed version picks
+    model.train()
+    res["attn_implementation"] = model.config._attn_implementation
+    if args.checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    res["params"] = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    ids = torch.randint(0, d["vocab_size"], (args.batch, args.seq), device="cuda")
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    for _ in range(args.warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    times, losses = [], []
+    for _ in range(args.steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = step()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+        losses.append(float(loss))
+    step_s = statistics.median(times)
+    tps = args.batch * args.seq / step_s
+    res.update(step_s=step_s, step_times=times, tokens_per_s=tps, loss=losses[-1],
+               mfu=tps * res["flops_per_token"] / (res["peak_tflops"] * 1e12),
+               peak_bytes=torch.cuda.max_memory_allocated(), reserved_bytes=torch.cuda.max_memory_reserved())
+    res["peak_gib"] = res["peak_bytes"] / 2 ** 30
+    res["reserved_gib"] = res["reserved_bytes"] / 2 ** 30
+    if not all(math.isfinite(x) for x in losses):
+        res.update(status="error", error=f"non-finite loss {losses}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="llama-3.2-1b", help=f"{' | '.join(PRESETS)} or a config.json path")
+    ap.add_argument("--seq", type=int, default=8192)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing (use_reentrant=False)")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps (median)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--peak-tflops", type=float, default=0.0, help="bf16 peak for MFU; 0 = measure (8192^3 matmul)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default="", help="write the result object here")
+    args = ap.parse_args()
+    import torch  # here, not at the top: model_vs_hf.py imports this file's presets without torch
+
+    res = dict(impl="hf", model=args.model, seq=args.seq, batch=args.batch,
+               schedule="checkpointed" if args.checkpointing else "full", step_s=None, tokens_per_s=None, mfu=None,
+               peak_bytes=None, peak_gib=None, reserved_gib=None, flops_per_token=None, peak_tflops=None,
+               device=None, torch=torch.__version__, transformers=None, status="ok", error="",
+               date=datetime.date.today().isoformat())
+    try:
+        if not torch.cuda.is_available():
+            raise RuntimeError("no CUDA device visible to torch")
+        res["device"] = torch.cuda.get_device_name()
+        run(args, res)
+    except torch.OutOfMemoryError as e:
+        res.update(status="oom", error=str(e).split("\n")[0][:300], step_s=None, tokens_per_s=None, mfu=None)
+        try:  # how far it got: the peak before the failing allocation
+            res["peak_bytes"] = torch.cuda.max_memory_allocated()
+            res["peak_gib"] = res["peak_bytes"] / 2 ** 30
+            res["reserved_gib"] = torch.cuda.max_memory_reserved() / 2 ** 30
+        except Exception:
+            pass
+    except Exception as e:  # a result row, not a crash: the caller tabulates it
+        res.update(status="error", error=f"{type(e).__name__}: {e}"[:500])
+        traceback.print_exc()
+    text = json.dumps(res, indent=2)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(text + "\n")
+    print(text)
+    if res["status"] == "ok":
+        print(f"hf {args.model} seq {args.seq} {res['schedule']}: {res['step_s']:.3f} s/step, "
+              f"{res['tokens_per_s']:,.0f} tok/s, MFU {100 * res['mfu']:.1f}% of {res['peak_tflops']:.0f} TFLOP/s, "
+              f"peak {res['peak_gib']:.1f} GiB", file=sys.stderr)
+    sys.exit(1 if res["status"] == "error" else 0)
+
+
+if __name__ == "__main__":
+    main()

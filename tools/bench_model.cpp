@@ -1,0 +1,141 @@
+#include "tools/bench_model.h"
+
+#include "chunkwise_config.h"
+#include "engine/cuda/runtime.h"
+#if CW_HAVE_CUDA
+#include "engine/cuda/ops.h"
+#endif
+#include "engine/ops/linear.h"
+#include "engine/random.h"
+#include "optim/schedule.h"
+#include "optim/training.h"
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <fstream>
+#include <ostream>
+#include <vector>
+
+namespace cw {
+
+namespace {
+
+// The bf16 GEMM rate of this GPU through our own cuBLASLt path: 8192^3, median of 10 (TFLOP/s).
+double measure_bf16_peak(Device g) {
+  const int64_t n = 8192;
+  double ms = 0;
+  {
+    OwnedTensor host(DType::f32, {n, n});
+    fill_normal(host, 5, 0, 0.0, 1.0);
+    OwnedTensor a = OwnedTensor::on(g, DType::bf16, {n, n}), b = OwnedTensor::on(g, DType::bf16, {n, n});
+    OwnedTensor c = OwnedTensor::on(g, DType::bf16, {n, n});
+    copy_convert(a, host);
+    copy_convert(b, host);
+    ms = gpu::median_ms([&] { linear_forward(c, a, b); }, g.index, 3, 10);
+  }
+  gpu::release_cached(g.index);
+  return 2.0 * double(n) * double(n) * double(n) / (ms * 1e-3) / 1e12;
+}
+
+double flops_per_token(const LlamaConfig& c, int64_t T) {
+  const double C = double(c.hidden_size), F = double(c.intermediate_size);
+  const double per_layer = C * double(c.q_dim()) * 2 + C * double(c.kv_dim()) * 2 + 3 * C * F;
+  const double matmul_params = per_layer * double(c.num_hidden_layers) + double(c.vocab_size) * C;
+  const double attention = 12.0 * double(c.num_hidden_layers) * double(c.num_attention_heads) * double(c.head_dim) *
+                           double(T) / 2.0;
+  return 6.0 * matmul_params + attention;
+}
+
+bool is_out_of_memory(const std::string& what) {
+  return what.find("out of memory") != std::string::npos || what.find("cannot allocate") != std::string::npos;
+}
+
+}  // namespace
+
+int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
+  if (!gpu::available()) fail("bench needs a GPU", "run it on the GPU machine (tools/gpu-check)");
+  const Device g = Device::gpu(0);
+  const LlamaConfig cfg = LlamaConfig::resolve(o.model);
+  const DType dt = parse_dtype(o.dtype);
+  if (dt != DType::bf16 && dt != DType::f32) fail(fmt::format("bench --dtype {}: use bf16 or f32", o.dtype));
+  CW_CHECK(o.steps >= 1 && o.warmup >= 0, "bench needs --steps >= 1 and --warmup >= 0");
+
+  ScheduleOptions so;
+  so.name = o.schedule;
+  so.recompute = o.recompute;
+  so.chunk = o.chunk;
+  so.bwd_chunk = o.bwd_chunk;
+  so.mlp_shards = o.mlp_shards;
+  so.offload = o.offload;
+  so.validate();
+
+  nlohmann::json r = {{"impl", "chunkwise"}, {"model", o.model}, {"seq", o.seq}, {"batch", o.batch},
+                      {"schedule", o.schedule}, {"recompute", o.recompute}, {"chunk", o.chunk},
+                      {"mlp_shards", o.mlp_shards}, {"offload", o.offload}, {"dtype", o.dtype},
+                      {"device", device_name(g)}};
+#if CW_HAVE_CUDA
+  r["attention"] = gpu::attention_impl_name(gpu::attention_impl());
+#endif
+  const double peak = o.peak_tflops > 0 ? o.peak_tflops : measure_bf16_peak(g);
+  const double fpt = flops_per_token(cfg, o.seq);
+  r["peak_tflops"] = peak;
+  r["flops_per_token"] = fpt;
+  std::vector<double> step_s;
+  try {
+    AdamWOptions ao;
+    TrainingState st(cfg, dt, g, ao);
+    st.init_tiled(1, cfg.initializer_range);
+    auto schedule = Schedule::create(so);
+    StepStats stats;
+    for (int s = 0; s < o.warmup + o.steps; ++s) {
+      const Batch batch = random_batch(o.batch, o.seq, cfg.vocab_size, 1000 + static_cast<uint64_t>(s));
+      gpu::synchronize(g.index);
+      const auto t0 = std::chrono::steady_clock::now();
+      st.grads().zero();
+      stats = schedule->step(st.model(), batch, st.grads());
+      clip_grad_norm(st.grads(), 1.0);
+      st.optimizer_step(1e-5);
+      gpu::synchronize(g.index);
+      const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      out << fmt::format("step {}{}: {:.3f} s, loss {:.4f}\n", s + 1, s < o.warmup ? " (warm-up)" : "", sec, stats.loss)
+          << std::flush;
+      if (s >= o.warmup) step_s.push_back(sec);
+    }
+    const MemoryReport mem = memory_report(st, stats.activation_high_water, stats.kv_bytes);
+    nlohmann::json mj;
+    for (const auto& [name, bytes] : mem.categories()) mj[name] = bytes;
+    r["memory"] = mj;
+    out << "memory: " << mem.line() << "\n";
+    std::sort(step_s.begin(), step_s.end());
+    const double med = step_s[step_s.size() / 2];
+    const double tps = double(o.batch * o.seq) / med;
+    r["status"] = "ok";
+    r["step_s"] = med;
+    r["step_times"] = step_s;
+    r["tokens_per_s"] = tps;
+    r["mfu"] = tps * fpt / (peak * 1e12);
+  } catch (const std::exception& e) {
+    const std::string what = e.what();
+    r["status"] = is_out_of_memory(what) ? "oom" : "error";
+    r["error"] = what;
+    out << "bench: " << r["status"].get<std::string>() << ": " << what << "\n";
+  }
+  const gpu::PoolStats ps = gpu::pool_stats(g.index);
+  r["peak_bytes"] = ps.peak_in_use;
+  r["peak_gib"] = double(ps.peak_in_use) / double(1ull << 30);
+  if (r["status"] == "ok")
+    out << fmt::format("{} {} T={} B={}: {:.3f} s/step, {:.0f} tokens/s, MFU {:.1f}% of {:.0f} TFLOP/s, peak {:.2f} GiB\n",
+                       o.model, o.schedule, o.seq, o.batch, r["step_s"].get<double>(), r["tokens_per_s"].get<double>(),
+                       100 * r["mfu"].get<double>(), peak, r["peak_gib"].get<double>());
+  if (!o.json.empty()) {
+    std::ofstream f(o.json);
+    if (!f) fail(fmt::format("bench: cannot write '{}'", o.json), "check the directory exists and is writable");
+    f << r.dump(2) << "\n";
+  }
+  return r["status"] == "error" ? 1 : 0;
+}
+
+}  // namespace cw

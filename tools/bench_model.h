@@ -1,0 +1,40 @@
+// `chunkwise bench`: training steps of a whole model on the GPU at given settings (a benchmark, not
+// a test), the figures tools/bench/model_vs_hf.py sets beside HF transformers'.
+//
+// Setup (as ../shared/BENCHMARKS.md describes the reference): random initialisation, bf16 compute
+// weights with f32 master weights and f32 gradients, AdamW, random token ids (never zeros), batch B
+// of T tokens, labels the next token. Each step is a full training step: zero the gradients, the
+// schedule's forward and backward, the global gradient norm and clipping, the AdamW update; the GPU
+// is synchronised at the end of each step and the step's wall time recorded. After `warmup` untimed
+// steps the median of `steps` timed ones gives tokens/s = B * T / step_s.
+// MFU = tokens/s * flops_per_token / peak, with flops_per_token = 6 * (matmul parameters, LM head
+// included) + 12 * L * H * D * T / 2 (causal attention, forward and backward), and peak the bf16
+// GEMM rate measured in the same process (8192^3 through our cuBLASLt path) unless given.
+// Memory: the caching pool's peak in-use bytes over the whole run (weights included), and the
+// training state's bytes by category (optim/training.h). Running out of device memory is a result
+// (status "oom"), not a crash.
+#pragma once
+
+#include <cstdint>
+#include <iosfwd>
+#include <string>
+
+namespace cw {
+
+struct BenchModelOptions {
+  std::string model = "llama-3.2-1b";  // preset, config.json or checkpoint directory
+  int64_t seq = 4096, batch = 1;
+  std::string schedule = "full";       // full | checkpointed | seco | spaco
+  std::string recompute = "full";      // checkpointed: full | selective | none
+  int64_t chunk = 0, bwd_chunk = 0, mlp_shards = 1;
+  bool offload = false;                // checkpointed: saved layer inputs to pinned host memory
+  std::string dtype = "bf16";          // bf16 | f32
+  int steps = 3, warmup = 1;
+  double peak_tflops = 0;              // 0: measure
+  std::string json;                    // also write the result as JSON here
+};
+
+// Returns the process exit code (0 also for an out-of-memory result, which the JSON records).
+int run_bench_model(const BenchModelOptions& options, std::ostream& out);
+
+}  // namespace cw
