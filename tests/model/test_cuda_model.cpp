@@ -99,7 +99,7 @@ TEST_CASE("cuda: one training step of the tiny model on the GPU matches the CPU 
   }
 }
 
-TEST_CASE("cuda: seco and checkpointed equal full on the GPU (f32, tiled MLP too)" *
+TEST_CASE("cuda: seco and checkpointed (offload, selective, tiled MLP) equal full on the GPU (f32)" *
           doctest::skip(!cw::test::gpu_ready())) {
   const LlamaConfig cfg = tiny_config();
   const Batch batch = random_batch(2, 40, cfg.vocab_size, 12);
@@ -114,12 +114,16 @@ TEST_CASE("cuda: seco and checkpointed equal full on the GPU (f32, tiled MLP too
   ScheduleOptions ckpt = named("checkpointed");
   ScheduleOptions tiled = named("checkpointed");
   tiled.mlp_shards = 3;
-  for (const ScheduleOptions& o : {seco, ckpt, tiled}) {
+  ScheduleOptions offload = named("checkpointed");
+  offload.offload = true;  // layer inputs through pinned host memory on the side stream
+  ScheduleOptions selective = named("checkpointed");
+  selective.recompute = "selective";
+  for (const ScheduleOptions& o : {seco, ckpt, tiled, offload, selective}) {
     CAPTURE(o.name);
     gradients(model, batch, other, o, &loss);
     const Compared c = compare_sets(other, full);
-    MESSAGE(o.name, " (chunk ", o.chunk, ", mlp shards ", o.mlp_shards, ") vs full on the GPU: worst ", c.name, " rel ",
-            c.worst);
+    MESSAGE(o.name, " (chunk ", o.chunk, ", mlp shards ", o.mlp_shards, ", recompute ", o.recompute, ", offload ",
+            o.offload, ") vs full on the GPU: worst ", c.name, " rel ", c.worst);
     CHECK(c.worst <= kScheduleF32Tol);
     CHECK(std::abs(loss - full_loss) <= 1e-6 * std::abs(full_loss));
   }
