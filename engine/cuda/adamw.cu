@@ -40,21 +40,6 @@ __global__ void adamw_kernel(float* __restrict__ p, float* __restrict__ m, float
   }
 }
 
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) : device_(device) {
-    CW_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (previous_ != device_) CW_CUDA_CHECK(cudaSetDevice(device_));
-  }
-  ~DeviceGuard() {
-    if (previous_ != device_) cudaSetDevice(previous_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int device_ = 0, previous_ = 0;
-};
 
 }  // namespace
 

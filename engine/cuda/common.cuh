@@ -1,4 +1,5 @@
-// Internal to engine/cuda: check macros, the current stream, element conversions, launch helpers.
+// Internal to engine/cuda: check macros, the current stream, element conversions, launch helpers,
+// 16-byte vector access (Vec16) and the device guard.
 #pragma once
 
 #include "engine/error.h"
@@ -7,6 +8,8 @@
 #include <cublasLt.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
+
+#include <cstdint>
 
 namespace cw::gpu {
 
@@ -45,3 +48,68 @@ inline unsigned blocks_for(int64_t n, int threads) { return static_cast<unsigned
 
 // After every kernel launch: a bad configuration shows here, not at some later call.
 #define CW_KERNEL_CHECK() CW_CUDA_CHECK(cudaGetLastError())
+
+// Helpers that use the macros above.
+namespace cw::gpu {
+
+// 16 bytes of T (4 f32 or 8 bf16) held as raw 32-bit words. Loads and stores are single 128-bit
+// accesses (the address must be 16-byte aligned); get(k) widens element k to f32 exactly (a bf16
+// is the top half of an f32), pack() rounds each f32 to T once (round to nearest even, the same as
+// from_f32). Call get/pack with indices that are constants after unrolling so the words stay in
+// registers.
+template <class T> struct Vec16 {
+  static constexpr int kN = 16 / static_cast<int>(sizeof(T));
+  uint32_t w[4];
+
+  __device__ __forceinline__ void load(const T* p) {
+    const uint4 q = *reinterpret_cast<const uint4*>(p);
+    w[0] = q.x, w[1] = q.y, w[2] = q.z, w[3] = q.w;
+  }
+  // Through the read-only cache: only for data no thread writes during the kernel (the weight).
+  __device__ __forceinline__ void load_ro(const T* p) {
+    const uint4 q = __ldg(reinterpret_cast<const uint4*>(p));
+    w[0] = q.x, w[1] = q.y, w[2] = q.z, w[3] = q.w;
+  }
+  __device__ __forceinline__ void store(T* p) const { *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]); }
+  __device__ __forceinline__ float get(int k) const {
+    if constexpr (sizeof(T) == 4) {
+      return __uint_as_float(w[k]);
+    } else {
+      return __uint_as_float((k & 1) ? (w[k >> 1] & 0xffff0000u) : (w[k >> 1] << 16));
+    }
+  }
+  __device__ __forceinline__ static Vec16 pack(const float* v) {
+    Vec16 r;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if constexpr (sizeof(T) == 4) {
+        r.w[i] = __float_as_uint(v[i]);
+      } else {
+        const uint32_t lo = __bfloat16_as_ushort(__float2bfloat16_rn(v[2 * i]));
+        const uint32_t hi = __bfloat16_as_ushort(__float2bfloat16_rn(v[2 * i + 1]));
+        r.w[i] = lo | (hi << 16);
+      }
+    }
+    return r;
+  }
+};
+
+// Makes `device` current for the scope (kernel launches and cuBLASLt calls go to the current
+// device's context) and restores the previous device after.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) : device_(device) {
+    CW_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (previous_ != device_) CW_CUDA_CHECK(cudaSetDevice(device_));
+  }
+  ~DeviceGuard() {
+    if (previous_ != device_) cudaSetDevice(previous_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int device_ = 0, previous_ = 0;
+};
+
+}  // namespace cw::gpu

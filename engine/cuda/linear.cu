@@ -57,23 +57,6 @@ namespace {
 
 constexpr size_t kWorkspaceBytes = size_t(32) << 20;
 
-// Makes `device` current for the scope (cuBLASLt queries and launches target the current device).
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) {
-    CW_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (previous_ != device) CW_CUDA_CHECK(cudaSetDevice(device));
-    device_ = device;
-  }
-  ~DeviceGuard() {
-    if (previous_ != device_) cudaSetDevice(previous_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
-
- private:
-  int previous_ = 0, device_ = 0;
-};
 
 struct DeviceContext {
   cublasLtHandle_t handle = nullptr;

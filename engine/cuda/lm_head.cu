@@ -103,57 +103,7 @@ template <class F> void dispatch_compute(DType dtype, const char* op, F&& f) {
 
 template <class T> T* dptr(const Tensor& t) { return static_cast<T*>(t.data); }
 
-// Makes `device` current for the scope (kernel launches go to the current device's context).
-class DeviceGuard {
- public:
-  explicit DeviceGuard(int device) : device_(device) {
-    CW_CUDA_CHECK(cudaGetDevice(&previous_));
-    if (previous_ != device_) CW_CUDA_CHECK(cudaSetDevice(device_));
-  }
-  ~DeviceGuard() {
-    if (previous_ != device_) cudaSetDevice(previous_);
-  }
-  DeviceGuard(const DeviceGuard&) = delete;
-  DeviceGuard& operator=(const DeviceGuard&) = delete;
 
- private:
-  int previous_ = 0, device_ = 0;
-};
-
-// 16 bytes of T (4 f32 or 8 bf16) as raw 32-bit words: one 128-bit load/store (16-byte aligned
-// address); get(k) widens element k to f32 exactly; pack() rounds each f32 to T once (nearest
-// even). Indices must be constants after unrolling so the words stay in registers.
-template <class T> struct Vec16 {
-  static constexpr int kN = 16 / static_cast<int>(sizeof(T));
-  uint32_t w[4];
-
-  __device__ __forceinline__ void load(const T* p) {
-    const uint4 q = *reinterpret_cast<const uint4*>(p);
-    w[0] = q.x, w[1] = q.y, w[2] = q.z, w[3] = q.w;
-  }
-  __device__ __forceinline__ void store(T* p) const { *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]); }
-  __device__ __forceinline__ float get(int k) const {
-    if constexpr (sizeof(T) == 4) {
-      return __uint_as_float(w[k]);
-    } else {
-      return __uint_as_float((k & 1) ? (w[k >> 1] & 0xffff0000u) : (w[k >> 1] << 16));
-    }
-  }
-  __device__ __forceinline__ static Vec16 pack(const float* v) {
-    Vec16 r;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      if constexpr (sizeof(T) == 4) {
-        r.w[i] = __float_as_uint(v[i]);
-      } else {
-        const uint32_t lo = __bfloat16_as_ushort(__float2bfloat16_rn(v[2 * i]));
-        const uint32_t hi = __bfloat16_as_ushort(__float2bfloat16_rn(v[2 * i + 1]));
-        r.w[i] = lo | (hi << 16);
-      }
-    }
-    return r;
-  }
-};
 
 // (m, s) <- the pair describing both sets: max M, and sum of exp(z - M) over both.
 // An empty set is (-inf, 0).

@@ -124,47 +124,6 @@ __device__ __forceinline__ float block_sum(float v, float* shared) {
   return total;
 }
 
-// 16 bytes of T (4 f32 or 8 bf16) held as raw 32-bit words. Loads and stores are single 128-bit
-// accesses (the address must be 16-byte aligned); get(k) widens element k to f32 exactly (a bf16
-// is the top half of an f32), pack() rounds each f32 to T once (round to nearest even, the same as
-// from_f32). Call get/pack with indices that are constants after unrolling so the words stay in
-// registers.
-template <class T> struct Vec16 {
-  static constexpr int kN = 16 / static_cast<int>(sizeof(T));
-  uint32_t w[4];
-
-  __device__ __forceinline__ void load(const T* p) {
-    const uint4 q = *reinterpret_cast<const uint4*>(p);
-    w[0] = q.x, w[1] = q.y, w[2] = q.z, w[3] = q.w;
-  }
-  // Through the read-only cache: only for data no thread writes during the kernel (the weight).
-  __device__ __forceinline__ void load_ro(const T* p) {
-    const uint4 q = __ldg(reinterpret_cast<const uint4*>(p));
-    w[0] = q.x, w[1] = q.y, w[2] = q.z, w[3] = q.w;
-  }
-  __device__ __forceinline__ void store(T* p) const { *reinterpret_cast<uint4*>(p) = make_uint4(w[0], w[1], w[2], w[3]); }
-  __device__ __forceinline__ float get(int k) const {
-    if constexpr (sizeof(T) == 4) {
-      return __uint_as_float(w[k]);
-    } else {
-      return __uint_as_float((k & 1) ? (w[k >> 1] & 0xffff0000u) : (w[k >> 1] << 16));
-    }
-  }
-  __device__ __forceinline__ static Vec16 pack(const float* v) {
-    Vec16 r;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      if constexpr (sizeof(T) == 4) {
-        r.w[i] = __float_as_uint(v[i]);
-      } else {
-        const uint32_t lo = __bfloat16_as_ushort(__float2bfloat16_rn(v[2 * i]));
-        const uint32_t hi = __bfloat16_as_ushort(__float2bfloat16_rn(v[2 * i + 1]));
-        r.w[i] = lo | (hi << 16);
-      }
-    }
-    return r;
-  }
-};
 
 // Forward, vector path: one block of `threads` (= blockDim.x) per row; thread t owns the row's
 // vectors t + j * threads, j < kVecs (those < nvec = C / kN), loaded once into registers.
