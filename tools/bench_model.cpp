@@ -77,7 +77,9 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
                       {"mlp_shards", o.mlp_shards}, {"offload", o.offload}, {"dtype", o.dtype},
                       {"device", device_name(g)}};
 #if CW_HAVE_CUDA
+  gpu::set_deterministic(o.deterministic);
   r["attention"] = gpu::attention_impl_name(gpu::attention_impl());
+  r["deterministic"] = gpu::deterministic();
 #endif
   const double peak = o.peak_tflops > 0 ? o.peak_tflops : measure_bf16_peak(g);
   const double fpt = flops_per_token(cfg, o.seq);

@@ -111,6 +111,7 @@ int main(int argc, char** argv) {
   bench->add_option("--bwd-chunk", bm.bwd_chunk, "seco/spaco backward chunk (0: = chunk)")->capture_default_str();
   bench->add_option("--mlp-shards", bm.mlp_shards, "tiled MLP shards (1: untiled, 0: automatic)")->capture_default_str();
   bench->add_flag("--offload", bm.offload, "checkpointed: keep saved layer inputs in pinned host memory");
+  bench->add_flag("--deterministic", bm.deterministic, "bitwise-reproducible gradients (deterministic kernels only)");
   bench->add_option("--dtype", bm.dtype, "bf16 | f32")->capture_default_str();
   bench->add_option("--steps", bm.steps, "timed steps (median)")->capture_default_str();
   bench->add_option("--warmup", bm.warmup, "untimed steps first")->capture_default_str();
@@ -127,6 +128,9 @@ int main(int argc, char** argv) {
   train->add_flag("--resume", resume, "continue from the latest complete checkpoint in the run directory");
   std::string train_device;
   train->add_option("--device", train_device, "auto | cpu | cuda (same as --set train.device=...)");
+  bool train_deterministic = false;
+  train->add_flag("--deterministic", train_deterministic,
+                  "bitwise-reproducible GPU gradients (same as --set train.deterministic=true)");
   int64_t stop_after = 0;
   train->add_option("--stop-after", stop_after, "stop after N steps of this invocation, saving a checkpoint");
 
@@ -163,6 +167,7 @@ int main(int argc, char** argv) {
                                              : cw::RunConfig::from_file(config_path);
       for (const auto& o : overrides) rc.apply_override(o);
       if (!train_device.empty()) rc.apply_override("train.device=\"" + train_device + "\"");
+      if (train_deterministic) rc.apply_override("train.deterministic=true");
       rc.validate();
       cw::TrainOptions topt;
       topt.run_dir = run_dir;

@@ -2,19 +2,27 @@
 //
 // Choice (process-wide, `set_attention_impl` or the environment variable CW_ATTENTION = auto | cudnn |
 // flash, read once): `automatic` takes cuDNN where it serves (bf16, head dim a multiple of 8 up to
-// 128, a cuDNN that supports bottom-right causal masks), each direction on its own: the forward where
-// cudnn_attention_forward_supports() says so; the backward always on the flash kernel (see use_cudnn:
-// cuDNN's backward workspace grows with S^2); a cuDNN forward's out and lse feed the flash backward
-// unchanged (both are the op's contract).
-// The flash kernel serves everything else (f32 checks, small or odd head dims, builds without cuDNN). `cudnn` forces
-// cuDNN and makes an unsupported case an error naming the reason; `flash` forces our kernel.
-// Both implementations share the op's contract (engine/ops/attention.h): lse saved in f32, dK/dV
-// ADDED in f32 into the caller's buffers over all S keys.
+// 128, a cuDNN that supports bottom-right causal masks), each direction on its own:
+//  * forward: cuDNN where cudnn_attention_forward_supports() says so (its workspace is tiny);
+//  * backward: cuDNN only while determinism is not requested and its plan's workspace fits the
+//    attention workspace budget, else the flash kernel. Every backward engine cuDNN offers (9.14)
+//    stages the f32 scores of all c x S pairs in its workspace (B H c S 4 bytes: 8 GiB at 8K tokens
+//    with 32 heads, 32 GiB at 16K), and the fast one sums dQ with atomics. The budget is a quarter
+//    of the device memory free when the first backward asks (at least 256 MiB), fixed for the
+//    process; CW_ATTENTION_WORKSPACE_MIB=N sets it. So a run with memory to spare (full backprop at
+//    8K on an 80 GB GPU) buys cuDNN's faster backward with it, and a run near the memory limit
+//    (checkpointed at 16K and beyond) keeps the flash backward, whose scratch is O(c).
+// A cuDNN forward's out and lse feed the flash backward unchanged (both are the op's contract).
 #include "chunkwise_config.h"
 #include "engine/cuda/ops.h"
 
+#include "engine/cuda/runtime.h"
+
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
+#include <map>
+#include <mutex>
 #include <cstring>
 #include <string>
 
@@ -31,16 +39,38 @@ AttentionImpl impl_from_env() {
 }
 
 std::atomic<int> g_impl{-1};  // -1: not yet read from the environment
+std::atomic<int> g_deterministic{-1};
 
-bool use_cudnn(const Tensor& q, const Tensor& k, bool backward) {
+constexpr int64_t kMinWorkspaceBudget = int64_t{256} << 20;
+
+// The attention backward's workspace budget on `device` (see the top of the file), fixed on first use.
+int64_t workspace_budget(int device) {
+  static std::mutex mutex;
+  static std::map<int, int64_t> budgets;
+  std::lock_guard lock(mutex);
+  if (auto it = budgets.find(device); it != budgets.end()) return it->second;
+  int64_t budget = 0;
+  if (const char* e = std::getenv("CW_ATTENTION_WORKSPACE_MIB"); e != nullptr && *e != '\0') {
+    char* end = nullptr;
+    const long long mib = std::strtoll(e, &end, 10);
+    if (end == e || *end != '\0' || mib < 0)
+      fail(std::string("environment variable CW_ATTENTION_WORKSPACE_MIB='") + e + "' is not a number of MiB",
+           "set it to a whole number, e.g. 1024, or unset it for a quarter of the free device memory");
+    budget = static_cast<int64_t>(mib) << 20;
+  } else {
+    budget = std::max(kMinWorkspaceBudget, static_cast<int64_t>(memory_info(device).free / 4));
+  }
+  budgets.emplace(device, budget);
+  return budget;
+}
+
+bool use_cudnn(const Tensor& q, const Tensor& k, const Tensor& v, bool backward) {
   switch (attention_impl()) {
     case AttentionImpl::flash: return false;
     case AttentionImpl::automatic:
-      // The cuDNN backward is correct but, with the graphs we can build, takes a workspace that grows
-      // with S^2 (about 12 GiB at 8K tokens, 48 GiB at 16K on the H100) and is slower than torch's
-      // cuDNN backend, so `automatic` pairs the cuDNN forward with the flash backward; CW_ATTENTION=cudnn
-      // still runs both directions on cuDNN.
-      return backward ? false : cudnn_attention_forward_supports(q, k);
+      if (!backward) return cudnn_attention_forward_supports(q, k);
+      return !deterministic() && cudnn_attention_forward_supports(q, k) &&
+             cudnn_attention_backward_fits(q, k, v, workspace_budget(q.device.index));
     case AttentionImpl::cudnn: {
       std::string why;
       if (!(backward ? cudnn_attention_supports(q, k, &why) : cudnn_attention_forward_supports(q, k, &why)))
@@ -55,6 +85,24 @@ bool use_cudnn(const Tensor& q, const Tensor& k, bool backward) {
 }  // namespace
 
 void set_attention_impl(AttentionImpl impl) { g_impl.store(static_cast<int>(impl)); }
+
+void set_deterministic(bool on) { g_deterministic.store(on ? 1 : 0); }
+
+bool deterministic() {
+  int v = g_deterministic.load();
+  if (v < 0) {
+    const char* e = std::getenv("CW_DETERMINISTIC");
+    if (e == nullptr || *e == '\0' || std::strcmp(e, "0") == 0)
+      v = 0;
+    else if (std::strcmp(e, "1") == 0)
+      v = 1;
+    else
+      fail(std::string("environment variable CW_DETERMINISTIC='") + e + "' is not 0 or 1",
+           "use CW_DETERMINISTIC=1 for bitwise-reproducible gradients, 0 (the default) for the fastest kernels");
+    g_deterministic.store(v);
+  }
+  return v == 1;
+}
 
 AttentionImpl attention_impl() {
   int v = g_impl.load();
@@ -76,14 +124,14 @@ const char* attention_impl_name(AttentionImpl impl) {
 
 void attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
                        const Tensor& v, double scale, Arena& scratch) {
-  if (use_cudnn(q, k, false)) return cudnn_attention_forward(out, saved, q, k, v, scale, scratch);
+  if (use_cudnn(q, k, v, false)) return cudnn_attention_forward(out, saved, q, k, v, scale, scratch);
   flash_attention_forward(out, saved, q, k, v, scale, scratch);
 }
 
 void attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,
                         const AttentionSaved& saved, const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& out, double scale, GradMode mode, Arena& scratch) {
-  if (use_cudnn(q, k, true)) return cudnn_attention_backward(d_q, d_k, d_v, d_out, saved, q, k, v, out, scale, mode, scratch);
+  if (use_cudnn(q, k, v, true)) return cudnn_attention_backward(d_q, d_k, d_v, d_out, saved, q, k, v, out, scale, mode, scratch);
   flash_attention_backward(d_q, d_k, d_v, d_out, saved, q, k, v, out, scale, mode, scratch);
 }
 
@@ -94,6 +142,9 @@ bool cudnn_attention_supports(const Tensor&, const Tensor&, std::string* why_not
   return false;
 }
 bool cudnn_attention_forward_supports(const Tensor& q, const Tensor& k, std::string* why_not) {
+  return cudnn_attention_supports(q, k, why_not);
+}
+bool cudnn_attention_backward_fits(const Tensor& q, const Tensor& k, const Tensor&, int64_t, std::string* why_not) {
   return cudnn_attention_supports(q, k, why_not);
 }
 void cudnn_attention_forward(const Tensor&, const AttentionSaved&, const Tensor&, const Tensor&, const Tensor&, double,

@@ -37,10 +37,10 @@
 // (kb, D, Hkv D, 1), K^T for Q K^T is (B, Hkv, D, S) with strides (kb, D, 1, Hkv D); cuDNN takes K/V
 // with fewer heads than Q directly (grouped-query attention: query head h reads K/V head
 // h / (H / Hkv)). lse [B, H, c] f32 is the stats tensor (B, H, c, 1).
-// Backward with GQA: cuDNN's matmuls broadcast the K/V heads but the graph cannot reduce dK/dV over
-// a group (a matmul's output must have the broadcast shape; the explicit head-reduction graph that
-// cuDNN accepts gave wrong dK/dV), so the backward expands K/V to H heads in scratch and sums each
-// group's per-head dK/dV in add_kv_grouped_kernel (fixed order).
+// Backward with GQA: cuDNN's matmuls broadcast the Hkv K/V heads to the H query heads, and a
+// matmul's output has the broadcast shape, so dK/dV come out per query head ([B, S, H, D] scratch)
+// and add_kv_grouped_kernel sums each group in a fixed order (the explicit head-reduction graph
+// that cuDNN accepts gave wrong dK/dV). A fallback variant copies K/V to H heads first.
 // Delta = rowsum(dO * O) is a real f32 tensor of the backward graph, filled by delta_kernel before
 // cuDNN runs (see STATUS).
 // Backward outputs: cuDNN overwrites its outputs, while the op ADDS d_k, d_v into the caller's f32
@@ -58,16 +58,23 @@
 // execute time) and executes. One cudnnHandle per device, bound to gpu::current_stream(device).
 // Workspace comes from the `scratch` arena (inside an ArenaScope; safe to hand back before the
 // kernels finish because all later users of the arena launch on the same stream).
-// Determinism: the backward prefers engine configurations that do not carry cuDNN's
-// CUDNN_NUMERICAL_NOTE_NONDETERMINISTIC note (cuDNN's dQ accumulation can use atomics); if only
-// non-deterministic ones exist it takes the first and says so in the plan description. The add
-// kernels are elementwise (no atomics).
+// Backward forms and determinism. Two forms of dQ = dS K: into an f32 accumulator in cuDNN's own
+// tile order (then cast to bf16 dQ), or straight into dQ. cuDNN 9.14 serves both with engines
+// whose workspace holds the f32 scores of all c x S pairs (B H c S 4 bytes; no configuration offers
+// less, and no engine has a workspace knob); the accumulator form is faster (8K tokens, 32 heads,
+// D 64: 1.90 ms against 2.64) but adds dQ with atomics without carrying cuDNN's non-determinism
+// note, so with gpu::deterministic() only the direct form is built (and configurations carrying the
+// note are skipped). Among the configurations the heuristics offer, the first needing at most
+// kWorkspaceLimit is taken, else the one needing least. engine/cuda/attention.cu decides whether
+// `automatic` may spend that workspace. The add kernels are elementwise (no atomics).
 // STATUS (H100, 2026-11-21, cuDNN 9.14): forward and backward pass the GPU tests against the f64 CPU
 // op (tests/engine/test_cuda_attention_cudnn.cpp: MHA and GQA 4, head dims 64 and 128, c < S with
 // sizes not multiples of the tiles, a padded K/V batch stride; d_q overwrite and accumulate, d_k/d_v
-// added), and the backward is bitwise repeatable. What made it right: the engines READ the graph's
-// Delta tensor rather than computing it (a zero Delta gave dQ/dK ~15% off), so delta_kernel fills it
-// first; and GQA runs on expanded K/V (the head-reduction graph gave wrong dK/dV).
+// added; both backward forms), and the deterministic backward is bitwise repeatable. What made it
+// right: the engines READ the graph's Delta tensor rather than computing it (a zero Delta gave
+// dQ/dK ~15% off), so delta_kernel fills it first; and GQA dK/dV per query head, summed by us.
+// Speed at 8K tokens (ops_vs_torch.py): forward 0.57 ms (D 64) / 0.68 ms (D 128), faster than
+// torch's cuDNN backend; backward 1.90 / 2.30 ms against torch's 1.82-1.83 / 2.14-2.27.
 // Version: bottom-right causal attention through the fused engine needs cuDNN >= 9.3 (the
 // frontend's support check for bottom-right causal masks; earlier 9.x versions only fuse top-left
 // masks); we require a 9.x runtime at least that new (cudnnGetVersion() at run time).
@@ -121,6 +128,8 @@ namespace {
 constexpr int64_t kMinCudnnVersion = 90300;  // bottom-right causal masks in the fused engine
 constexpr int64_t kMaxHeadDim = 128;
 constexpr int64_t kAlignment = 16;  // bytes; every real tensor's base and non-unit strides
+// Plans needing more workspace than this are taken only when no configuration needs less.
+constexpr int64_t kWorkspaceLimit = int64_t{256} << 20;
 
 // ---------------------------------------------------------------------------------------------
 // Backend descriptors.
@@ -157,6 +166,11 @@ class GraphBuilder {
   // A real (non-virtual) tensor, bound to a device pointer in the variant pack.
   cudnnBackendDescriptor_t tensor(int64_t uid, cudnnDataType_t dt, const Dims& dims, const Dims& strides) {
     return make_tensor(uid, dt, dims, strides, false, false);
+  }
+  // A real tensor whose memory layout belongs to cuDNN (reordering F16x16: the engine's own tile
+  // order); only cuDNN reads or writes it, so only its size matters to us.
+  cudnnBackendDescriptor_t reordered_tensor(int64_t uid, cudnnDataType_t dt, const Dims& dims, const Dims& strides) {
+    return make_tensor(uid, dt, dims, strides, false, false, CUDNN_TENSOR_REORDERING_F16x16);
   }
   // A by-value scalar: the variant pack points at host memory holding the value.
   cudnnBackendDescriptor_t scalar(int64_t uid, cudnnDataType_t dt) {
@@ -240,7 +254,8 @@ class GraphBuilder {
     ops_.push_back(op.d);
   }
   cudnnBackendDescriptor_t make_tensor(int64_t uid, cudnnDataType_t dt, const Dims& dims, const Dims& strides,
-                                       bool is_virtual, bool by_value) {
+                                       bool is_virtual, bool by_value,
+                                       cudnnBackendTensorReordering_t reorder = CUDNN_TENSOR_REORDERING_NONE) {
     Desc& t = keep(CUDNN_BACKEND_TENSOR_DESCRIPTOR);
     set_attr(t.d, CUDNN_ATTR_TENSOR_UNIQUE_ID, CUDNN_TYPE_INT64, 1, &uid);
     set_attr(t.d, CUDNN_ATTR_TENSOR_DATA_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &dt);
@@ -250,6 +265,8 @@ class GraphBuilder {
     set_attr(t.d, CUDNN_ATTR_TENSOR_BYTE_ALIGNMENT, CUDNN_TYPE_INT64, 1, &align);
     set_attr(t.d, CUDNN_ATTR_TENSOR_IS_VIRTUAL, CUDNN_TYPE_BOOLEAN, 1, &is_virtual);
     if (by_value) set_attr(t.d, CUDNN_ATTR_TENSOR_IS_BY_VALUE, CUDNN_TYPE_BOOLEAN, 1, &by_value);
+    if (reorder != CUDNN_TENSOR_REORDERING_NONE)
+      set_attr(t.d, CUDNN_ATTR_TENSOR_REORDERING_MODE, CUDNN_TYPE_TENSOR_REORDERING_MODE, 1, &reorder);
     CW_CUDNN_CHECK(cudnnBackendFinalize(t.d));
     return t.d;
   }
@@ -265,14 +282,17 @@ class GraphBuilder {
 
 // Tensor UIDs of the variant pack.
 enum Uid : int64_t {
-  kQ = 1, kK, kV, kO, kStats, kScale, kNegInf, kSkv, kSq, kDO, kDQ, kDK, kDV, kKForDQ, kDelta
+  kQ = 1, kK, kV, kO, kStats, kScale, kNegInf, kSkv, kSq, kDO, kDQ, kDK, kDV, kKForDQ, kDelta, kDQAccum
 };
 
 struct Shape {
   int device;
   bool backward;
   int64_t B, H, Hkv, c, S, D, k_batch_stride, v_batch_stride;
-  auto key() const { return std::tie(device, backward, B, H, Hkv, c, S, D, k_batch_stride, v_batch_stride); }
+  bool deterministic = false;  // backward: only engine configurations without the non-determinism note
+  auto key() const {
+    return std::tie(device, backward, B, H, Hkv, c, S, D, k_batch_stride, v_batch_stride, deterministic);
+  }
   bool operator<(const Shape& o) const { return key() < o.key(); }
   int64_t p() const { return S - c; }
 };
@@ -285,14 +305,18 @@ struct GraphVariant {
   bool delta_in_memory = false;  // backward: Delta = rowsum(dO * O) a real f32 tensor (else virtual)
   bool ds_f32 = false;        // backward: dS stays f32 into its matmuls (else bf16)
   bool gqa_reduce = false;    // backward, GQA: per-query-head dK/dV, then an explicit head reduction
+  bool dq_accum = false;      // backward: dQ = dS K into an f32 accumulator (cuDNN's layout), then a cast
+  bool gqa_expand = false;    // backward, GQA: K/V copied to H heads first (else the matmuls broadcast
+                              // the Hkv heads); dK/dV come out per query head either way
   std::string str() const {
     std::string s;
+    s += dq_accum ? "dQ=f32 accumulator," : "dQ=direct,";
     s += mask_one_add ? "mask=row+p" : "mask=row+S-c";
     s += p_f32 ? ",P=f32" : ",P=bf16";
     s += dkv_f32 ? ",dKV=f32" : ",dKV=bf16";
     s += delta_in_memory ? ",Delta=memory" : ",Delta=virtual";
     s += ds_f32 ? ",dS=f32" : ",dS=bf16";
-    s += gqa_reduce ? ",gqa=reduce" : ",gqa=direct";
+    s += gqa_reduce ? ",gqa=reduce" : gqa_expand ? ",gqa=expanded K/V" : ",gqa=broadcast K/V";
     return s;
   }
 };
@@ -300,7 +324,9 @@ struct GraphVariant {
 struct Plan {
   std::vector<std::unique_ptr<Desc>> descs;  // the graph's descriptors (kept alive with the plan)
   std::unique_ptr<Desc> engine_cfg, plan;
+  std::vector<std::unique_ptr<Desc>> cfg_parts;  // engine/knob descriptors of a built configuration
   int64_t workspace = 0;
+  bool nondeterministic = false;  // the engine carries cuDNN's non-determinism note (atomic dQ sums)
   GraphVariant variant;
   std::string info;  // engine index, notes, variant
 };
@@ -309,6 +335,10 @@ struct DeviceState {
   cudnnHandle_t handle = nullptr;
   std::map<Shape, std::unique_ptr<Plan>> plans;
   std::map<Shape, std::string> rejected;  // shapes no variant could serve, with cuDNN's reasons
+  // The variant that last served each (direction, determinism, head dim), tried first for a new
+  // shape: a chunked schedule builds one plan per chunk offset and should not re-try the variants
+  // cuDNN rejected for the previous one.
+  std::map<std::tuple<bool, bool, int64_t>, size_t> preferred;
 };
 
 std::mutex g_mutex;  // guards g_devices (plans are immutable once built)
@@ -354,15 +384,28 @@ cudnnBackendDescriptor_t build_mask(GraphBuilder& g, const Shape& sh, const Grap
 }
 
 Dims q_strides(const Shape& sh) { return {sh.c * sh.H * sh.D, sh.D, sh.H * sh.D, 1}; }
-Dims kv_strides(const Shape& sh, int64_t batch_stride) { return {batch_stride, sh.D, sh.Hkv * sh.D, 1}; }
-Dims kv_t_strides(const Shape& sh, int64_t batch_stride) { return {batch_stride, sh.D, 1, sh.Hkv * sh.D}; }
+
+// The K/V operands as the graph sees them: the caller's [B, S, Hkv, D] (batch strides as given), or
+// for an expanding GQA backward the packed [B, S, H, D] copies in scratch.
+struct KvView {
+  int64_t heads, k_batch_stride, v_batch_stride;
+};
+KvView kv_view(const Shape& sh, const GraphVariant& v) {
+  if (v.gqa_expand && sh.H != sh.Hkv) return {sh.H, sh.S * sh.H * sh.D, sh.S * sh.H * sh.D};
+  return {sh.Hkv, sh.k_batch_stride, sh.v_batch_stride};
+}
+Dims kv_dims(const Shape& sh, const KvView& kv) { return {sh.B, kv.heads, sh.S, sh.D}; }
+Dims kv_t_dims(const Shape& sh, const KvView& kv) { return {sh.B, kv.heads, sh.D, sh.S}; }
+Dims kv_strides(const KvView& kv, int64_t batch_stride, int64_t D) { return {batch_stride, D, kv.heads * D, 1}; }
+Dims kv_t_strides(const KvView& kv, int64_t batch_stride, int64_t D) { return {batch_stride, D, 1, kv.heads * D}; }
 
 // S = scale * Q K^T, causally masked (shared by both directions).
 cudnnBackendDescriptor_t build_scores(GraphBuilder& g, const Shape& sh, const GraphVariant& v,
                                       cudnnBackendDescriptor_t q) {
   const Dims sdims{sh.B, sh.H, sh.c, sh.S};
+  const KvView kv = kv_view(sh, v);
   cudnnBackendDescriptor_t kt =
-      g.tensor(kK, CUDNN_DATA_BFLOAT16, {sh.B, sh.Hkv, sh.D, sh.S}, kv_t_strides(sh, sh.k_batch_stride));
+      g.tensor(kK, CUDNN_DATA_BFLOAT16, kv_t_dims(sh, kv), kv_t_strides(kv, kv.k_batch_stride, sh.D));
   cudnnBackendDescriptor_t s = g.virt(CUDNN_DATA_FLOAT, sdims);
   g.matmul(q, kt, s);
   cudnnBackendDescriptor_t scaled = g.virt(CUDNN_DATA_FLOAT, sdims);
@@ -388,21 +431,23 @@ cudnnBackendDescriptor_t build_forward(GraphBuilder& g, const Shape& sh, const G
   g.pointwise(CUDNN_POINTWISE_ADD, CUDNN_DATA_FLOAT, mx, log_sum, stats);
   cudnnBackendDescriptor_t p = g.virt(v.p_f32 ? CUDNN_DATA_FLOAT : CUDNN_DATA_BFLOAT16, sdims);
   g.pointwise(CUDNN_POINTWISE_DIV, CUDNN_DATA_FLOAT, e, sum, p);
+  const KvView kv = kv_view(sh, v);
   cudnnBackendDescriptor_t vt =
-      g.tensor(kV, CUDNN_DATA_BFLOAT16, {sh.B, sh.Hkv, sh.S, sh.D}, kv_strides(sh, sh.v_batch_stride));
+      g.tensor(kV, CUDNN_DATA_BFLOAT16, kv_dims(sh, kv), kv_strides(kv, kv.v_batch_stride, sh.D));
   cudnnBackendDescriptor_t o = g.tensor(kO, CUDNN_DATA_BFLOAT16, {sh.B, sh.H, sh.c, sh.D}, q_strides(sh));
   g.matmul(p, vt, o);
   return g.finish();
 }
 
-// dX = A^T-shaped matmul producing a K/V-shaped gradient: directly with Hkv heads, or per query head
-// followed by a reduction over each group of H / Hkv heads.
+// dX = A^T-shaped matmul producing a K/V-shaped gradient into packed scratch: per query head (H
+// heads; for GQA the caller sums each group), or, with gqa_reduce, per query head followed by a
+// reduction to the Hkv heads inside the graph.
 void kv_grad(GraphBuilder& g, const Shape& sh, const GraphVariant& v, cudnnBackendDescriptor_t a,
              cudnnBackendDescriptor_t b, int64_t uid) {
   const cudnnDataType_t dt = v.dkv_f32 ? CUDNN_DATA_FLOAT : CUDNN_DATA_BFLOAT16;
-  // scratch [B, S, Hkv, D] packed
+  const int64_t heads = v.gqa_reduce ? sh.Hkv : sh.H;  // scratch [B, S, heads, D] packed
   cudnnBackendDescriptor_t out =
-      g.tensor(uid, dt, {sh.B, sh.Hkv, sh.S, sh.D}, {sh.S * sh.Hkv * sh.D, sh.D, sh.Hkv * sh.D, 1});
+      g.tensor(uid, dt, {sh.B, heads, sh.S, sh.D}, {sh.S * heads * sh.D, sh.D, heads * sh.D, 1});
   if (v.gqa_reduce && sh.H != sh.Hkv) {
     cudnnBackendDescriptor_t full = g.virt(CUDNN_DATA_FLOAT, {sh.B, sh.H, sh.S, sh.D});
     g.matmul(a, b, full);
@@ -442,8 +487,8 @@ cudnnBackendDescriptor_t build_backward(GraphBuilder& g, const Shape& sh, const 
   kv_grad(g, sh, v, p_t, d_o, kDV);
 
   // dS = P * (dO V^T - Delta) * scale
-  cudnnBackendDescriptor_t v_t =
-      g.tensor(kV, bf, {sh.B, sh.Hkv, sh.D, sh.S}, kv_t_strides(sh, sh.v_batch_stride));
+  const KvView kv = kv_view(sh, v);
+  cudnnBackendDescriptor_t v_t = g.tensor(kV, bf, kv_t_dims(sh, kv), kv_t_strides(kv, kv.v_batch_stride, sh.D));
   cudnnBackendDescriptor_t dp = g.virt(CUDNN_DATA_FLOAT, sdims);
   g.matmul(d_o, v_t, dp);
   cudnnBackendDescriptor_t dp_centred = g.virt(CUDNN_DATA_FLOAT, sdims);
@@ -459,10 +504,20 @@ cudnnBackendDescriptor_t build_backward(GraphBuilder& g, const Shape& sh, const 
   kv_grad(g, sh, v, ds_t, q, kDK);
 
   // dQ = dS K
-  cudnnBackendDescriptor_t k =
-      g.tensor(kKForDQ, bf, {sh.B, sh.Hkv, sh.S, sh.D}, kv_strides(sh, sh.k_batch_stride));
+  cudnnBackendDescriptor_t k = g.tensor(kKForDQ, bf, kv_dims(sh, kv), kv_strides(kv, kv.k_batch_stride, sh.D));
   cudnnBackendDescriptor_t dq = g.tensor(kDQ, bf, qdims, q_strides(sh));
-  g.matmul(ds, k, dq);
+  if (v.dq_accum) {
+    // Each key block's dS K is added into an f32 accumulator in cuDNN's own tile order (zeroed by
+    // us before the call), then cast to dQ. Measured on the H100 (cuDNN 9.14, 8K tokens, 32 heads,
+    // D 64): 1.96 ms against 2.64 ms for the direct form, but not deterministic, and like the
+    // direct form every engine cuDNN offers stages the scores of all c x S pairs in f32 in its
+    // workspace (B H c S 4 bytes: 8 GiB there; no engine offers a workspace knob).
+    cudnnBackendDescriptor_t acc = g.reordered_tensor(kDQAccum, CUDNN_DATA_FLOAT, qdims, q_strides(sh));
+    g.matmul(ds, k, acc);
+    g.pointwise(CUDNN_POINTWISE_IDENTITY, CUDNN_DATA_FLOAT, acc, nullptr, dq);
+  } else {
+    g.matmul(ds, k, dq);
+  }
   return g.finish();
 }
 
@@ -480,19 +535,33 @@ std::vector<GraphVariant> variants_for(const Shape& sh) {
     }
     return out;
   }
-  // Backward (GQA runs as MHA on expanded K/V, see cudnn_attention_backward): Delta must be a real
-  // tensor (with a virtual Delta the engines accept the graph and then fault at run time, on 9.14
-  // and 9.19 alike); bf16 dK/dV first (the only dK/dV type the device run validated).
-  for (bool dkv_f32 : {false, true})
-    for (bool p_f32 : {true, false})
-      for (bool ds_f32 : {false, true}) {
-        GraphVariant v;
-        v.dkv_f32 = dkv_f32;
-        v.delta_in_memory = true;
-        v.p_f32 = p_f32;
-        v.ds_f32 = ds_f32;
-        out.push_back(v);
-      }
+  // Backward: Delta must be a real tensor (with a virtual Delta the engines accept the graph and
+  // then fault at run time, on 9.14 and 9.19 alike); bf16 dK/dV first (the only dK/dV type the
+  // device run validated); the f32 dQ accumulator form first (faster); for GQA, K/V heads
+  // broadcast by the matmuls before K/V expanded to H heads in scratch (see
+  // cudnn_attention_backward); dK/dV per query head either way.
+  const bool gqa = sh.H != sh.Hkv;
+  for (bool dq_accum : {true, false}) {
+    // The accumulator form's engine adds dQ with atomics but does not carry cuDNN's
+    // non-determinism note (measured: repeated runs differ), so a deterministic backward never
+    // builds it.
+    if (dq_accum && sh.deterministic) continue;
+    for (bool expand : {false, true}) {  // GQA: broadcast K/V heads first (no copies), then expanded
+      if (expand && !gqa) continue;
+      for (bool dkv_f32 : {false, true})
+        for (bool p_f32 : {true, false})
+          for (bool ds_f32 : {dq_accum, !dq_accum}) {  // the accumulator form as in its engine: dS f32
+            GraphVariant v;
+            v.dq_accum = dq_accum;
+            v.gqa_expand = expand;
+            v.dkv_f32 = dkv_f32;
+            v.delta_in_memory = true;
+            v.p_f32 = p_f32;
+            v.ds_f32 = ds_f32;
+            out.push_back(v);
+          }
+    }
+  }
   return out;
 }
 
@@ -522,8 +591,164 @@ std::string last_cudnn_error() {
   return msg;
 }
 
+bool verbose();
+
+// Descriptor arrays the backend hands out: `count` fresh descriptors of `type` filled by attribute
+// `name` of `d` (the backend API needs them created before it can fill them).
+std::vector<std::unique_ptr<Desc>> get_descs(cudnnBackendDescriptor_t d, cudnnBackendAttributeName_t name,
+                                             cudnnBackendDescriptorType_t type) {
+  std::vector<std::unique_ptr<Desc>> out;
+  int64_t count = 0;
+  if (cudnnBackendGetAttribute(d, name, CUDNN_TYPE_BACKEND_DESCRIPTOR, 0, &count, nullptr) != CUDNN_STATUS_SUCCESS ||
+      count <= 0)
+    return out;
+  std::vector<cudnnBackendDescriptor_t> raw;
+  for (int64_t i = 0; i < count; ++i) {
+    out.push_back(std::make_unique<Desc>(type));
+    raw.push_back(out.back()->d);
+  }
+  int64_t got = 0;
+  if (cudnnBackendGetAttribute(d, name, CUDNN_TYPE_BACKEND_DESCRIPTOR, count, &got, raw.data()) != CUDNN_STATUS_SUCCESS)
+    return {};
+  out.resize(static_cast<size_t>(std::min(got, count)));
+  return out;
+}
+
+using Knobs = std::vector<std::pair<cudnnBackendKnobType_t, int64_t>>;
+
+Knobs knob_choices(cudnnBackendDescriptor_t cfg) {
+  Knobs k;
+  for (const auto& c : get_descs(cfg, CUDNN_ATTR_ENGINECFG_KNOB_CHOICES, CUDNN_BACKEND_KNOB_CHOICE_DESCRIPTOR)) {
+    cudnnBackendKnobType_t type{};
+    int64_t value = 0, n = 0;
+    if (cudnnBackendGetAttribute(c->d, CUDNN_ATTR_KNOB_CHOICE_KNOB_TYPE, CUDNN_TYPE_KNOB_TYPE, 1, &n, &type) ==
+            CUDNN_STATUS_SUCCESS &&
+        cudnnBackendGetAttribute(c->d, CUDNN_ATTR_KNOB_CHOICE_KNOB_VALUE, CUDNN_TYPE_INT64, 1, &n, &value) ==
+            CUDNN_STATUS_SUCCESS)
+      k.emplace_back(type, value);
+  }
+  return k;
+}
+
+std::string knobs_str(const Knobs& k) {
+  std::string s;
+  for (const auto& [type, value] : k) s += CW_FORMAT("{}{}={}", s.empty() ? "" : ",", static_cast<int>(type), value);
+  return s.empty() ? "-" : s;
+}
+
+// One way cuDNN could run a graph: an engine configuration (from the heuristics, or one of them
+// with its workspace knob changed) and, once finalized, its execution plan.
+struct Candidate {
+  std::unique_ptr<Desc> cfg;
+  std::vector<std::unique_ptr<Desc>> parts;  // the engine and knob descriptors `cfg` refers to
+  int64_t engine = -1;
+  Knobs knobs;
+  std::string source;
+};
+
+// A configuration of engine `index` with the given knob choices; nullptr where cuDNN refuses it.
+std::unique_ptr<Candidate> make_config(cudnnBackendDescriptor_t graph, int64_t index, const Knobs& knobs,
+                                       std::string source) {
+  auto c = std::make_unique<Candidate>();
+  c->engine = index;
+  c->knobs = knobs;
+  c->source = std::move(source);
+  auto engine = std::make_unique<Desc>(CUDNN_BACKEND_ENGINE_DESCRIPTOR);
+  if (cudnnBackendSetAttribute(engine->d, CUDNN_ATTR_ENGINE_OPERATION_GRAPH, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1,
+                               &graph) != CUDNN_STATUS_SUCCESS ||
+      cudnnBackendSetAttribute(engine->d, CUDNN_ATTR_ENGINE_GLOBAL_INDEX, CUDNN_TYPE_INT64, 1, &index) !=
+          CUDNN_STATUS_SUCCESS ||
+      cudnnBackendFinalize(engine->d) != CUDNN_STATUS_SUCCESS)
+    return nullptr;
+  std::vector<cudnnBackendDescriptor_t> choices;
+  for (const auto& [type, value] : knobs) {
+    auto kc = std::make_unique<Desc>(CUDNN_BACKEND_KNOB_CHOICE_DESCRIPTOR);
+    if (cudnnBackendSetAttribute(kc->d, CUDNN_ATTR_KNOB_CHOICE_KNOB_TYPE, CUDNN_TYPE_KNOB_TYPE, 1, &type) !=
+            CUDNN_STATUS_SUCCESS ||
+        cudnnBackendSetAttribute(kc->d, CUDNN_ATTR_KNOB_CHOICE_KNOB_VALUE, CUDNN_TYPE_INT64, 1, &value) !=
+            CUDNN_STATUS_SUCCESS ||
+        cudnnBackendFinalize(kc->d) != CUDNN_STATUS_SUCCESS)
+      return nullptr;
+    choices.push_back(kc->d);
+    c->parts.push_back(std::move(kc));
+  }
+  c->cfg = std::make_unique<Desc>(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR);
+  if (cudnnBackendSetAttribute(c->cfg->d, CUDNN_ATTR_ENGINECFG_ENGINE, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &engine->d) !=
+          CUDNN_STATUS_SUCCESS ||
+      (!choices.empty() &&
+       cudnnBackendSetAttribute(c->cfg->d, CUDNN_ATTR_ENGINECFG_KNOB_CHOICES, CUDNN_TYPE_BACKEND_DESCRIPTOR,
+                                static_cast<int64_t>(choices.size()), choices.data()) != CUDNN_STATUS_SUCCESS) ||
+      cudnnBackendFinalize(c->cfg->d) != CUDNN_STATUS_SUCCESS)
+    return nullptr;
+  c->parts.push_back(std::move(engine));
+  return c;
+}
+
+// The heuristics' configurations for `graph` (mode A, then the fallback list), each followed by its
+// siblings with the other values of the engine's WORKSPACE knob where it has one: cuDNN's fused
+// attention backward engine stages the score gradients in a c x S workspace by default (8 GiB at
+// 8K tokens and 32 heads) and also runs without it, the choice being that knob.
+std::vector<std::unique_ptr<Candidate>> candidates(cudnnBackendDescriptor_t graph, std::string* errors) {
+  std::vector<std::unique_ptr<Candidate>> out;
+  for (cudnnBackendHeurMode_t mode : {CUDNN_HEUR_MODE_A, CUDNN_HEUR_MODE_FALLBACK}) {
+    Desc heur(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR);
+    set_desc(heur.d, CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, graph);
+    set_attr(heur.d, CUDNN_ATTR_ENGINEHEUR_MODE, CUDNN_TYPE_HEUR_MODE, 1, &mode);
+    if (cudnnStatus_t st = cudnnBackendFinalize(heur.d); st != CUDNN_STATUS_SUCCESS) {
+      *errors += CW_FORMAT(" heuristics({}): {} {};", static_cast<int>(mode), cudnnGetErrorString(st), last_cudnn_error());
+      continue;
+    }
+    auto cfgs = get_descs(heur.d, CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_BACKEND_ENGINECFG_DESCRIPTOR);
+    if (cfgs.empty()) *errors += CW_FORMAT(" heuristics({}): no configs ({});", static_cast<int>(mode), last_cudnn_error());
+    for (size_t i = 0; i < cfgs.size(); ++i) {
+      auto c = std::make_unique<Candidate>();
+      c->source = CW_FORMAT("heuristic mode {} config {} of {}", static_cast<int>(mode), i, cfgs.size());
+      c->knobs = knob_choices(cfgs[i]->d);
+      Desc engine(CUDNN_BACKEND_ENGINE_DESCRIPTOR);
+      int64_t n = 0;
+      std::vector<std::unique_ptr<Desc>> infos;
+      if (cudnnBackendGetAttribute(cfgs[i]->d, CUDNN_ATTR_ENGINECFG_ENGINE, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &n,
+                                   &engine.d) == CUDNN_STATUS_SUCCESS) {
+        cudnnBackendGetAttribute(engine.d, CUDNN_ATTR_ENGINE_GLOBAL_INDEX, CUDNN_TYPE_INT64, 1, &n, &c->engine);
+        infos = get_descs(engine.d, CUDNN_ATTR_ENGINE_KNOB_INFO, CUDNN_BACKEND_KNOB_INFO_DESCRIPTOR);
+      }
+      c->cfg = std::move(cfgs[i]);
+      const int64_t index = c->engine;
+      const Knobs base = c->knobs;
+      const std::string source = c->source;
+      out.push_back(std::move(c));
+      for (const auto& info : infos) {
+        cudnnBackendKnobType_t type{};
+        int64_t lo = 0, hi = 0, stride = 1;
+        if (cudnnBackendGetAttribute(info->d, CUDNN_ATTR_KNOB_INFO_TYPE, CUDNN_TYPE_KNOB_TYPE, 1, &n, &type) !=
+                CUDNN_STATUS_SUCCESS ||
+            type != CUDNN_KNOB_TYPE_WORKSPACE)
+          continue;
+        cudnnBackendGetAttribute(info->d, CUDNN_ATTR_KNOB_INFO_MINIMUM_VALUE, CUDNN_TYPE_INT64, 1, &n, &lo);
+        cudnnBackendGetAttribute(info->d, CUDNN_ATTR_KNOB_INFO_MAXIMUM_VALUE, CUDNN_TYPE_INT64, 1, &n, &hi);
+        cudnnBackendGetAttribute(info->d, CUDNN_ATTR_KNOB_INFO_STRIDE, CUDNN_TYPE_INT64, 1, &n, &stride);
+        stride = std::max<int64_t>(stride, 1);
+        for (int64_t value = lo, tries = 0; value <= hi && tries < 4; value += stride, ++tries) {
+          Knobs k = base;
+          auto it = std::find_if(k.begin(), k.end(), [](const auto& kv) { return kv.first == CUDNN_KNOB_TYPE_WORKSPACE; });
+          if (it != k.end() && it->second == value) continue;  // the heuristic's own choice
+          if (it != k.end())
+            it->second = value;
+          else
+            k.emplace_back(CUDNN_KNOB_TYPE_WORKSPACE, value);
+          if (auto alt = make_config(graph, index, k, source + ", workspace knob " + std::to_string(value)))
+            out.push_back(std::move(alt));
+        }
+      }
+    }
+  }
+  return out;
+}
+
 // Builds the graph of one variant and finds an execution plan for it; nullptr (with the reason in
-// *why) where cuDNN does not serve the variant.
+// *why) where cuDNN does not serve the variant. Candidates are finalized in order; the first that
+// honours the determinism policy and needs at most kWorkspaceLimit bytes of workspace wins; if
+// none fits the limit, the one with the smallest workspace (still correct, just memory-hungry).
 std::unique_ptr<Plan> try_variant(cudnnHandle_t handle, const Shape& sh, const GraphVariant& v, std::string* why) {
   auto plan = std::make_unique<Plan>();
   plan->variant = v;
@@ -537,70 +762,58 @@ std::unique_ptr<Plan> try_variant(cudnnHandle_t handle, const Shape& sh, const G
   }
   plan->descs = g.take();
 
-  std::string errors;
-  for (cudnnBackendHeurMode_t mode : {CUDNN_HEUR_MODE_A, CUDNN_HEUR_MODE_FALLBACK}) {
-    Desc heur(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR);
-    set_desc(heur.d, CUDNN_ATTR_ENGINEHEUR_OPERATION_GRAPH, graph);
-    set_attr(heur.d, CUDNN_ATTR_ENGINEHEUR_MODE, CUDNN_TYPE_HEUR_MODE, 1, &mode);
-    cudnnStatus_t st = cudnnBackendFinalize(heur.d);
-    if (st != CUDNN_STATUS_SUCCESS) {
-      errors += CW_FORMAT(" heuristics({}): {} {};", static_cast<int>(mode), cudnnGetErrorString(st), last_cudnn_error());
+  std::string errors, tried;
+  std::unique_ptr<Candidate> best;
+  std::unique_ptr<Desc> best_plan;
+  int64_t best_ws = 0;
+  bool best_nondet = false;
+  std::string best_notes;
+  for (auto& c : candidates(graph, &errors)) {
+    Desc engine(CUDNN_BACKEND_ENGINE_DESCRIPTOR);
+    int64_t n = 0;
+    bool nondet = false;
+    std::string notes = "?";
+    if (cudnnBackendGetAttribute(c->cfg->d, CUDNN_ATTR_ENGINECFG_ENGINE, CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &n,
+                                 &engine.d) == CUDNN_STATUS_SUCCESS)
+      notes = numerical_notes(engine.d, &nondet);
+    if (sh.deterministic && nondet) {
+      tried += CW_FORMAT("\n    engine {} knobs {} ({}): skipped, non-deterministic", c->engine, knobs_str(c->knobs), c->source);
       continue;
     }
-    int64_t count = 0;
-    st = cudnnBackendGetAttribute(heur.d, CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR, 0, &count,
-                                  nullptr);
-    if (st != CUDNN_STATUS_SUCCESS || count == 0) {
-      errors += CW_FORMAT(" heuristics({}): {} configs ({} {});", static_cast<int>(mode), count,
-                          cudnnGetErrorString(st), last_cudnn_error());
+    auto ep = std::make_unique<Desc>(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR);
+    set_attr(ep->d, CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle);
+    set_desc(ep->d, CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, c->cfg->d);
+    if (cudnnStatus_t st = cudnnBackendFinalize(ep->d); st != CUDNN_STATUS_SUCCESS) {
+      errors += CW_FORMAT(" engine {} knobs {}: {} {};", c->engine, knobs_str(c->knobs), cudnnGetErrorString(st),
+                          last_cudnn_error());
       continue;
     }
-    std::vector<std::unique_ptr<Desc>> cfgs;
-    std::vector<cudnnBackendDescriptor_t> raw;
-    for (int64_t i = 0; i < count; ++i) {
-      cfgs.push_back(std::make_unique<Desc>(CUDNN_BACKEND_ENGINECFG_DESCRIPTOR));
-      raw.push_back(cfgs.back()->d);
+    int64_t ws = 0;
+    CW_CUDNN_CHECK(cudnnBackendGetAttribute(ep->d, CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, CUDNN_TYPE_INT64, 1, &n, &ws));
+    tried += CW_FORMAT("\n    engine {} knobs {} ({}; notes {}): workspace {} bytes", c->engine, knobs_str(c->knobs),
+                       c->source, notes, ws);
+    if (!best || ws < best_ws) {
+      best = std::move(c);
+      best_plan = std::move(ep);
+      best_ws = ws;
+      best_nondet = nondet;
+      best_notes = notes;
     }
-    int64_t got = 0;
-    CW_CUDNN_CHECK(cudnnBackendGetAttribute(heur.d, CUDNN_ATTR_ENGINEHEUR_RESULTS, CUDNN_TYPE_BACKEND_DESCRIPTOR,
-                                            count, &got, raw.data()));
-    // Two passes in the backward: deterministic configurations first.
-    for (int pass = 0; pass < (sh.backward ? 2 : 1); ++pass) {
-      for (int64_t i = 0; i < got; ++i) {
-        Desc engine(CUDNN_BACKEND_ENGINE_DESCRIPTOR);
-        int64_t n = 0, index = -1;
-        bool nondet = false;
-        std::string notes = "?";
-        if (cudnnBackendGetAttribute(raw[static_cast<size_t>(i)], CUDNN_ATTR_ENGINECFG_ENGINE,
-                                     CUDNN_TYPE_BACKEND_DESCRIPTOR, 1, &n, &engine.d) == CUDNN_STATUS_SUCCESS) {
-          cudnnBackendGetAttribute(engine.d, CUDNN_ATTR_ENGINE_GLOBAL_INDEX, CUDNN_TYPE_INT64, 1, &n, &index);
-          notes = numerical_notes(engine.d, &nondet);
-        }
-        if (sh.backward && pass == 0 && nondet) continue;
-        if (sh.backward && pass == 1 && !nondet) continue;  // already tried
-        auto ep = std::make_unique<Desc>(CUDNN_BACKEND_EXECUTION_PLAN_DESCRIPTOR);
-        set_attr(ep->d, CUDNN_ATTR_EXECUTION_PLAN_HANDLE, CUDNN_TYPE_HANDLE, 1, &handle);
-        set_desc(ep->d, CUDNN_ATTR_EXECUTION_PLAN_ENGINE_CONFIG, raw[static_cast<size_t>(i)]);
-        st = cudnnBackendFinalize(ep->d);
-        if (st != CUDNN_STATUS_SUCCESS) {
-          errors += CW_FORMAT(" engine {}: {} {};", index, cudnnGetErrorString(st), last_cudnn_error());
-          continue;
-        }
-        int64_t ws = 0;
-        CW_CUDNN_CHECK(cudnnBackendGetAttribute(ep->d, CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, CUDNN_TYPE_INT64, 1,
-                                                &n, &ws));
-        plan->workspace = ws;
-        plan->plan = std::move(ep);
-        plan->engine_cfg = std::move(cfgs[static_cast<size_t>(i)]);
-        plan->info = CW_FORMAT("engine {} (heuristic mode {}, config {} of {}; notes {}{}); workspace {} bytes; {}",
-                               index, static_cast<int>(mode), i, got, notes,
-                               nondet ? "; NON-DETERMINISTIC: no deterministic config was offered" : "", ws, v.str());
-        return plan;
-      }
-    }
+    if (best_ws <= kWorkspaceLimit) break;
   }
-  *why = errors.empty() ? "no engine" : errors;
-  return nullptr;
+  if (!best) {
+    *why = errors.empty() ? "no engine" : errors;
+    return nullptr;
+  }
+  plan->workspace = best_ws;
+  plan->nondeterministic = best_nondet;
+  plan->plan = std::move(best_plan);
+  plan->engine_cfg = std::move(best->cfg);
+  plan->cfg_parts = std::move(best->parts);
+  plan->info = CW_FORMAT("engine {} knobs {} ({}; notes {}); workspace {} bytes; {}{}", best->engine,
+                         knobs_str(best->knobs), best->source, best_notes, best_ws, v.str(),
+                         verbose() ? "\n  candidates:" + tried : "");
+  return plan;
 }
 
 bool verbose() {
@@ -628,9 +841,17 @@ const Plan* get_plan(const Shape& sh, std::string* why) {
     const size_t i = static_cast<size_t>(std::atoi(e));
     if (i < variants.size()) variants = {variants[i]};
   }
-  for (const GraphVariant& v : variants) {
+  std::vector<size_t> order(variants.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  const auto family = std::make_tuple(sh.backward, sh.deterministic, sh.D);
+  if (auto it = st.preferred.find(family); it != st.preferred.end() && it->second < order.size())
+    std::rotate(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(it->second),
+                order.begin() + static_cast<std::ptrdiff_t>(it->second) + 1);
+  for (const size_t vi : order) {
+    const GraphVariant& v = variants[vi];
     std::string r;
     if (auto plan = try_variant(st.handle, sh, v, &r)) {
+      st.preferred[family] = vi;
       const Plan* p = plan.get();
       std::string tail;
       if (!reasons.empty()) {
@@ -687,8 +908,8 @@ std::string static_reason(const Tensor& q, const Tensor& k) {
 }
 
 Shape shape_of(const Tensor& q, const Tensor& k, const Tensor& v, bool backward) {
-  return Shape{q.device.index, backward,   q.size(0), q.size(2), k.size(2), q.size(1),
-               k.size(1),      q.size(3),  k.stride[0], v.stride[0]};
+  return Shape{q.device.index, backward,   q.size(0), q.size(2),   k.size(2), q.size(1),
+               k.size(1),      q.size(3),  k.stride[0], v.stride[0], backward && deterministic()};
 }
 
 void check_gpu_operand(const Tensor& t, const Tensor& q, const char* what) {
@@ -865,6 +1086,25 @@ bool cudnn_attention_forward_supports(const Tensor& q, const Tensor& k, std::str
   return supports(q, k, false, why_not);
 }
 
+bool cudnn_attention_backward_fits(const Tensor& q, const Tensor& k, const Tensor& v, int64_t max_workspace,
+                                   std::string* why_not) {
+  if (!supports(q, k, true, why_not)) return false;
+  std::string why;
+  const Shape sh = shape_of(q, k, v, true);
+  const Plan* plan = get_plan(sh, &why);
+  if (plan == nullptr) {
+    if (why_not) *why_not = "cuDNN has no backward plan: " + why;
+    return false;
+  }
+  if (plan->workspace > max_workspace) {
+    if (why_not)
+      *why_not = CW_FORMAT("cuDNN's backward plan wants {} MiB of workspace (limit {} MiB): {}",
+                           plan->workspace >> 20, max_workspace >> 20, plan->info);
+    return false;
+  }
+  return true;
+}
+
 void cudnn_attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
                              const Tensor& v, double scale, Arena& scratch) {
   check_common(q, k, v, out, saved);
@@ -907,13 +1147,18 @@ void cudnn_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor
   CW_CHECK(scratch.device() == q.device, "cuDNN attention: the scratch arena is on {}, not {}",
            device_name(scratch.device()), device_name(q.device));
 
-  // GQA: the cuDNN backward graph takes K/V with as many heads as Q (its matmuls broadcast inputs but
-  // cannot reduce the per-query-head dK/dV of a group; the explicit head-reduction graph that cuDNN
-  // accepts computed wrong dK/dV on the device). So K/V are expanded to H heads in scratch
-  // (B S H D bf16 each, a copy at memory speed) and the group sums are formed in the add kernel.
+  const Shape sh = shape_of(q, k, v, true);
+  std::string why;
+  const Plan* plan = get_plan(sh, &why);
+  CW_CHECK(plan != nullptr, "cuDNN has no fused attention backward plan for q {} k {}:\n{}", q.describe(),
+           k.describe(), why);
+
+  // GQA: dK/dV come out per query head (a matmul's output has the broadcast shape) and the add
+  // kernel sums each group in a fixed order. Where cuDNN only served the graph with K/V expanded to
+  // H heads, they are copied to scratch first (B S H D bf16 each, at memory speed).
   const int64_t g = H / Hkv;
   Tensor k_used = k, v_used = v;
-  if (g > 1) {
+  if (g > 1 && plan->variant.gqa_expand) {
     k_used = scratch.alloc(DType::bf16, {B, S, H, D});
     v_used = scratch.alloc(DType::bf16, {B, S, H, D});
     const int64_t vecs = B * S * H * D / 8;
@@ -924,18 +1169,18 @@ void cudnn_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor
         static_cast<uint4*>(v_used.data), static_cast<const __nv_bfloat16*>(v.data), B, S, H, Hkv, D, v.stride[0]);
     CW_KERNEL_CHECK();
   }
-  const Shape sh = shape_of(q, k_used, v_used, true);
-  std::string why;
-  const Plan* plan = get_plan(sh, &why);
-  CW_CHECK(plan != nullptr, "cuDNN has no fused attention backward plan for q {} k {}:\n{}", q.describe(),
-           k.describe(), why);
-
-  const int64_t Hs = sh.Hkv;  // heads of the scratch dK/dV: H for GQA (expanded), else Hkv
+  const int64_t Hs = g > 1 ? H : Hkv;  // heads of the scratch dK/dV
   const DType kv_dt = plan->variant.dkv_f32 ? DType::f32 : DType::bf16;
   const Tensor dk_s = scratch.alloc(kv_dt, {B, S, Hs, D}), dv_s = scratch.alloc(kv_dt, {B, S, Hs, D});
   const bool accumulate = mode == GradMode::accumulate;
   const Tensor dq_s = accumulate ? scratch.alloc(DType::bf16, {B, c, H, D}) : d_q;
   const Tensor delta = scratch.alloc(DType::f32, {B, H, c});
+  void* dq_accum = nullptr;
+  if (plan->variant.dq_accum) {  // cuDNN adds every key block's share into it: zero first
+    const size_t bytes = static_cast<size_t>(B * c * H * D) * sizeof(float);
+    dq_accum = scratch.alloc_bytes(bytes);
+    CW_CUDA_CHECK(cudaMemsetAsync(dq_accum, 0, bytes, stream));
+  }
   delta_kernel<<<blocks_for(B * c * H * 32, kAddThreads), kAddThreads, 0, stream>>>(
       static_cast<float*>(delta.data), static_cast<const __nv_bfloat16*>(d_out.data),
       static_cast<const __nv_bfloat16*>(out.data), B, c, H, D);
@@ -946,6 +1191,10 @@ void cudnn_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor
   std::vector<int64_t> uids{kQ, kK, kKForDQ, kV, kO, kDO, kStats, kDQ, kDK, kDV, kScale, kNegInf, kDelta};
   std::vector<void*> ptrs{q.data,    k_used.data, k_used.data, v_used.data, out.data,  d_out.data, saved.lse.data,
                           dq_s.data, dk_s.data,   dv_s.data,   &scale_f,    &neg,      delta.data};
+  if (dq_accum) {
+    uids.push_back(kDQAccum);
+    ptrs.push_back(dq_accum);
+  }
   m.add_to(uids, ptrs);
   execute(*plan, dev, uids, ptrs, scratch);
 

@@ -4,8 +4,12 @@
 //
 // GPU dtype rules (DESIGN.md section 6): activations and weights bf16 or f32 (one compute dtype per
 // call); statistics (rstd, lse), losses and parameter gradients f32; K/V gradients f32. Arithmetic
-// inside kernels is f32. Kernels are deterministic: no atomics on floating-point sums; reductions
-// across rows go through per-block partials in `scratch`, summed in a fixed order.
+// inside kernels is f32. Our kernels are deterministic: no atomics on floating-point sums; reductions
+// across rows go through per-block partials in `scratch`, summed in a fixed order. The one exception
+// is cuDNN's fused attention backward, whose fast engine adds dQ block by block with f32 atomics:
+// `automatic` attention uses it only while determinism is not requested (set_deterministic, env
+// CW_DETERMINISTIC=1, `chunkwise train --deterministic`) and its workspace fits the budget
+// (engine/cuda/attention.cu); with determinism on, every GPU result is bitwise reproducible.
 #pragma once
 
 #include "engine/memory.h"
@@ -49,6 +53,11 @@ enum class AttentionImpl { automatic, cudnn, flash };
 void set_attention_impl(AttentionImpl impl);   // process-wide; automatic by default (env CW_ATTENTION)
 AttentionImpl attention_impl();
 const char* attention_impl_name(AttentionImpl impl);
+// Bitwise-reproducible gradients (process-wide; off by default, env CW_DETERMINISTIC=1 turns it on).
+// Off: the attention backward may use cuDNN's engine with atomic dQ sums (rounding order varies
+// run to run, values agree to f32 rounding). On: only deterministic kernels.
+void set_deterministic(bool on);
+bool deterministic();
 void attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
                        const Tensor& v, double scale, Arena& scratch);
 void attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,
@@ -69,6 +78,10 @@ bool cudnn_attention_supports(const Tensor& q, const Tensor& k, std::string* why
 // The forward alone (its output and lse are what the flash backward reads, so `automatic` may pair a
 // cuDNN forward with the flash backward).
 bool cudnn_attention_forward_supports(const Tensor& q, const Tensor& k, std::string* why_not = nullptr);
+// Whether the backward serves these operands with a plan whose workspace is at most max_workspace
+// bytes (builds and caches the plan; honours deterministic()).
+bool cudnn_attention_backward_fits(const Tensor& q, const Tensor& k, const Tensor& v, int64_t max_workspace,
+                                   std::string* why_not = nullptr);
 void cudnn_attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
                              const Tensor& v, double scale, Arena& scratch);
 void cudnn_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,

@@ -42,40 +42,11 @@ constexpr double kFlashBf16Tol = 2e-2;
 // tensor-core path uses the approximate base-2 exponential (about 2 ulp) and log2f: errors near 1e-6.
 constexpr double kFlashLseTol = 1e-5;
 
-constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 constexpr uint64_t kSeed = 777;
 
-Device gpu0() { return Device::gpu(0); }
-std::vector<int64_t> shape_of(const Tensor& t) { return {t.shape.begin(), t.shape.begin() + t.ndim}; }
-
-struct Input {
-  OwnedTensor ref;  // f64, host
-  OwnedTensor dev;  // dt, GPU 0
-};
-
-template <class Shape> Input make_input(DType dt, const Shape& shape, uint64_t stream, double std = 1.0) {
-  OwnedTensor f64 = OwnedTensor::of_shape(DType::f64, shape);
-  fill_normal(f64, kSeed, stream, 0.0, std);
-  OwnedTensor rounded = OwnedTensor::of_shape(dt, shape);
-  copy_convert(rounded, f64);  // round to dt (nearest even)
-  copy_convert(f64, rounded);  // the reference sees the rounded values
-  OwnedTensor dev;
-  dev.buffer = Buffer(rounded.tensor.bytes(), gpu0());
-  dev.tensor = Tensor::packed(dev.buffer.data(), dt, gpu0(), shape);
-  gpu::copy_convert(dev, rounded);
-  return Input{std::move(f64), std::move(dev)};
-}
-
-OwnedTensor poisoned(DType dt, std::initializer_list<int64_t> shape) {
-  OwnedTensor t = OwnedTensor::on(gpu0(), dt, shape);
-  gpu::fill(t, kNaN);
-  return t;
-}
-
-OwnedTensor fetch(const Tensor& dev) {
-  OwnedTensor h = OwnedTensor::of_shape(DType::f64, shape_of(dev));
-  gpu::copy_convert(h, dev);
-  return h;
+using Input = GpuInput;
+Input make_input(DType dt, const std::vector<int64_t>& shape, uint64_t stream, double std = 1.0) {
+  return make_gpu_input(dt, shape, kSeed, stream, std);
 }
 
 // after - before, elementwise (f64 host tensors of one shape).
@@ -90,13 +61,6 @@ void expect_close(const Tensor& got, const Tensor& ref, double tol, const char* 
   const Worst w = compare(got, ref);
   INFO(what, ": ", w.str(), " (tolerance ", tol, ")");
   CHECK(w.rel <= tol);
-}
-
-void expect_same_bits(const Tensor& a, const Tensor& b, const char* what) {
-  const OwnedTensor ha = fetch(a), hb = fetch(b);
-  INFO(what);
-  CHECK((ha.tensor.bytes() == hb.tensor.bytes() &&
-         std::memcmp(ha.tensor.data, hb.tensor.data, ha.tensor.bytes()) == 0));
 }
 
 struct Case {

@@ -10,7 +10,10 @@
 // Cases: p = 0 (full causal), chunk against cache (c < S, p > 0, sizes not multiples of 64/128:
 // the bottom-right mask), GQA ratios 1 and 4, head dims 64 and 128, B = 2 with padded K/V batch
 // stride. On machines where cudnn_attention_supports() says no (no cuDNN 9.3+, an old GPU) the cases
-// are skipped with the reason printed.
+// are skipped with the reason printed. Two backward engines: by default cuDNN's flash engine (dQ
+// summed with f32 atomics into an accumulator), and with gpu::set_deterministic(true) only
+// deterministic engine configurations; both are checked against f64, and the deterministic one for
+// bitwise repeatability.
 #include "chunkwise_config.h"
 #include "engine/cuda/ops.h"
 #include "engine/cuda/runtime.h"
@@ -35,6 +38,18 @@ namespace {
 // The tests call the cuDNN entry points directly, whatever CW_ATTENTION says.
 void opt_in() {}
 
+// Sets gpu::deterministic() for one scope and restores what it was.
+class DeterminismScope {
+ public:
+  explicit DeterminismScope(bool on) : saved_(gpu::deterministic()) { gpu::set_deterministic(on); }
+  ~DeterminismScope() { gpu::set_deterministic(saved_); }
+  DeterminismScope(const DeterminismScope&) = delete;
+  DeterminismScope& operator=(const DeterminismScope&) = delete;
+
+ private:
+  bool saved_;
+};
+
 // bf16 outputs (out, d_q): rounding the result once costs up to 2^-9 relative per element, and
 // cuDNN's flash kernels round P and dS to bf16 before their second matmuls (as every bf16 flash
 // attention does), which adds errors of the same order averaged over the keys; measured relative
@@ -52,36 +67,12 @@ constexpr double kLseTol = 1e-4;
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 constexpr uint64_t kSeed = 5150;
 
-Device gpu0() { return Device::gpu(0); }
-
-// Random values rounded to `dt`: the f64 host copy holds exactly the device's values.
-struct Input {
-  OwnedTensor ref;  // f64, host
-  OwnedTensor dev;  // dt, GPU 0
-};
-
-Input make_input(DType dt, std::initializer_list<int64_t> shape, uint64_t stream, double std = 1.0) {
-  OwnedTensor f64(DType::f64, shape);
-  fill_normal(f64, kSeed, stream, 0.0, std);
-  OwnedTensor rounded(dt, shape);
-  copy_convert(rounded, f64);
-  copy_convert(f64, rounded);
-  Input in{std::move(f64), OwnedTensor::on(gpu0(), dt, shape)};
-  gpu::copy_convert(in.dev, rounded);
-  return in;
+using Input = GpuInput;
+Input make_input(DType dt, const std::vector<int64_t>& shape, uint64_t stream, double std = 1.0) {
+  return make_gpu_input(dt, shape, kSeed, stream, std);
 }
-
-OwnedTensor fetch(const Tensor& dev) {
-  OwnedTensor h = OwnedTensor::of_shape(DType::f64, std::vector<int64_t>(dev.shape.begin(), dev.shape.begin() + dev.ndim));
-  gpu::copy_convert(h, dev);
-  return h;
-}
-
 void expect_close(const Tensor& dev, const Tensor& ref, double tol, const char* what) {
-  const OwnedTensor got = fetch(dev);
-  const Worst w = compare(got, ref);
-  INFO(what, ": ", w.str(), " (tolerance ", tol, ")");
-  CHECK(w.rel <= tol);
+  expect_close_gpu(dev, ref, tol, what);
 }
 
 // A K/V store of `store_len` >= S positions per batch entry; the op sees the [B, S, Hkv, D] slice at
@@ -175,19 +166,52 @@ void run_case(const Case& cs) {
 
 TEST_CASE("cuda: cudnn attention, full causal (p = 0), MHA and GQA, head dims 64 and 128" *
           doctest::skip(!cw::test::gpu_ready())) {
-  run_case({1, 96, 96, 4, 4, 64, 96});     // MHA, D 64
-  run_case({2, 77, 77, 8, 2, 128, 80});    // GQA 4, D 128, padded K/V batch stride
+  for (bool det : {false, true}) {
+    INFO((det ? "deterministic engine" : "fast engine (atomic dQ)"));
+    DeterminismScope scope(det);
+    run_case({1, 96, 96, 4, 4, 64, 96});     // MHA, D 64
+    run_case({2, 77, 77, 8, 2, 128, 80});    // GQA 4, D 128, padded K/V batch stride
+  }
 }
 
 TEST_CASE("cuda: cudnn attention, chunk against cache (bottom-right causal mask)" *
           doctest::skip(!cw::test::gpu_ready())) {
-  run_case({2, 50, 173, 8, 2, 64, 181});   // GQA 4, p = 123, padded store
-  run_case({1, 64, 200, 2, 2, 128, 200});  // MHA, D 128, p = 136
-  run_case({2, 100, 300, 4, 1, 64, 301});  // GQA 4 (one K/V head), p = 200
-  run_case({1, 1, 130, 4, 1, 64, 130});    // a single query at position 129
+  for (bool det : {false, true}) {
+    INFO((det ? "deterministic engine" : "fast engine (atomic dQ)"));
+    DeterminismScope scope(det);
+    run_case({2, 50, 173, 8, 2, 64, 181});   // GQA 4, p = 123, padded store
+    run_case({1, 64, 200, 2, 2, 128, 200});  // MHA, D 128, p = 136
+    run_case({2, 100, 300, 4, 1, 64, 301});  // GQA 4 (one K/V head), p = 200
+    run_case({1, 1, 130, 4, 1, 64, 130});    // a single query at position 129
+  }
 }
 
-TEST_CASE("cuda: cudnn attention backward is bitwise repeatable" * doctest::skip(!cw::test::gpu_ready())) {
+TEST_CASE("cuda: cudnn attention backward states its workspace against a budget" *
+          doctest::skip(!cw::test::gpu_ready())) {
+  // `automatic` takes the cuDNN backward only where its plan's workspace fits the budget: every
+  // engine cuDNN offers stages the f32 scores of all c x S pairs (B H c S 4 bytes), so at 2048
+  // tokens and 8 heads the plan needs about 128 MiB; a 1 MiB budget must say no (and why), 1 GiB yes.
+  const int64_t c = 2048, H = 8, Hkv = 2, D = 64;
+  OwnedTensor q = OwnedTensor::on(gpu0(), DType::bf16, {1, c, H, D}), k = OwnedTensor::on(gpu0(), DType::bf16, {1, c, Hkv, D});
+  std::string why;
+  opt_in();
+  if (!gpu::cudnn_attention_supports(q, k, &why)) {
+    MESSAGE("cuDNN fused attention not available here, skipped: ", why);
+    return;
+  }
+  for (bool det : {false, true}) {
+    INFO((det ? "deterministic" : "fast"));
+    DeterminismScope scope(det);
+    why.clear();
+    CHECK_FALSE(gpu::cudnn_attention_backward_fits(q, k, k, int64_t{1} << 20, &why));
+    CHECK_MESSAGE(why.find("workspace") != std::string::npos, why);
+    CHECK_MESSAGE(gpu::cudnn_attention_backward_fits(q, k, k, int64_t{1} << 30, &why), why);
+  }
+}
+
+TEST_CASE("cuda: cudnn attention backward is bitwise repeatable when determinism is asked" *
+          doctest::skip(!cw::test::gpu_ready())) {
+  DeterminismScope scope(true);
   const int64_t B = 1, c = 128, S = 384, H = 8, Hkv = 2, D = 64;
   Input q = make_input(DType::bf16, {B, c, H, D}, 11), k = make_input(DType::bf16, {B, S, Hkv, D}, 12),
         v = make_input(DType::bf16, {B, S, Hkv, D}, 13), d_out = make_input(DType::bf16, {B, c, H, D}, 14);

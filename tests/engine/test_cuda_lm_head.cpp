@@ -41,63 +41,23 @@ constexpr double kLmF32Tol = 1e-5;
 constexpr double kLmBf16Tol = 2e-2;
 
 constexpr DType kDtypes[] = {DType::f32, DType::bf16};
-constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 constexpr uint64_t kSeed = 7171;
 constexpr int64_t kCpuBlockRows = 256;  // the block_rows argument: the CPU's; the GPU picks its own
 
 double tol_for(DType dt) { return dt == DType::bf16 ? kLmBf16Tol : kLmF32Tol; }
-Device gpu0() { return Device::gpu(0); }
-std::vector<int64_t> shape_of(const Tensor& t) { return {t.shape.begin(), t.shape.begin() + t.ndim}; }
 
-struct Input {
-  OwnedTensor ref;  // f64, host
-  OwnedTensor dev;  // dt, GPU 0, the same values
-};
-
-Input make_input(DType dt, std::initializer_list<int64_t> shape, uint64_t stream, double std = 1.0) {
-  OwnedTensor f64(DType::f64, shape);
-  fill_normal(f64, kSeed, stream, 0.0, std);
-  OwnedTensor rounded = OwnedTensor::of_shape(dt, shape_of(f64));
-  copy_convert(rounded, f64);
-  copy_convert(f64, rounded);
-  Input in{std::move(f64), OwnedTensor::on(gpu0(), dt, shape)};
-  gpu::copy_convert(in.dev, rounded);
-  return in;
+using Input = GpuInput;
+Input make_input(DType dt, const std::vector<int64_t>& shape, uint64_t stream, double std = 1.0) {
+  return make_gpu_input(dt, shape, kSeed, stream, std);
 }
-
-OwnedTensor poisoned(DType dt, std::initializer_list<int64_t> shape) {
-  OwnedTensor t = OwnedTensor::on(gpu0(), dt, shape);
-  gpu::fill(t, kNaN);
-  return t;
-}
-
-OwnedTensor fetch(const Tensor& dev) {
-  OwnedTensor h = OwnedTensor::of_shape(DType::f64, shape_of(dev));
-  gpu::copy_convert(h, dev);
-  return h;
+void expect_close(const Tensor& dev, const Tensor& ref, double tol, const std::string& what) {
+  expect_close_gpu(dev, ref, tol, what);
 }
 
 double rms(const Tensor& t) {  // f64 host tensor
   double s = 0;
   for (int64_t i = 0; i < t.numel(); ++i) s += t.ptr<double>()[i] * t.ptr<double>()[i];
   return t.numel() > 0 ? std::sqrt(s / static_cast<double>(t.numel())) : 0.0;
-}
-
-void expect_close(const Tensor& dev, const Tensor& ref, double tol, const std::string& what) {
-  const OwnedTensor got = fetch(dev);
-  const Worst w = compare(got, ref);
-  INFO(what, ": ", w.str(), " (tolerance ", tol, ")");
-  CHECK(w.rel <= tol);
-}
-
-// Bitwise equality of two device tensors, compared in their own dtype's bytes.
-void expect_same_bits(const Tensor& a, const Tensor& b, const std::string& what) {
-  OwnedTensor ha = OwnedTensor::of_shape(a.dtype, shape_of(a)), hb = OwnedTensor::of_shape(b.dtype, shape_of(b));
-  gpu::copy_convert(ha, a);
-  gpu::copy_convert(hb, b);
-  INFO(what);
-  CHECK((ha.tensor.bytes() == hb.tensor.bytes() &&
-         std::memcmp(ha.tensor.data, hb.tensor.data, ha.tensor.bytes()) == 0));
 }
 
 // Labels on the host and the device: pseudo-random ids in [0, V) with the first and last ids

@@ -41,63 +41,16 @@ constexpr double kGpuF32Tol = 1e-5;
 constexpr double kGpuBf16Tol = 2e-2;
 
 constexpr DType kDtypes[] = {DType::f32, DType::bf16};
-constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 constexpr uint64_t kSeed = 4242;
 
 double tol_for(DType dt) { return dt == DType::bf16 ? kGpuBf16Tol : kGpuF32Tol; }
-Device gpu0() { return Device::gpu(0); }
-std::vector<int64_t> shape_of(const Tensor& t) { return {t.shape.begin(), t.shape.begin() + t.ndim}; }
 
-// An input: random values rounded to `dt`, as an f64 host tensor (the reference's input) and a
-// device tensor of dtype dt holding exactly the same values.
-struct Input {
-  OwnedTensor ref;  // f64, host
-  OwnedTensor dev;  // dt, GPU 0
-};
-
-Input make_input(DType dt, std::initializer_list<int64_t> shape, uint64_t stream, double std = 1.0, double mean = 0.0) {
-  OwnedTensor f64(DType::f64, shape);
-  fill_normal(f64, kSeed, stream, mean, std);
-  OwnedTensor rounded = OwnedTensor::of_shape(dt, shape_of(f64));
-  copy_convert(rounded, f64);  // round to dt (nearest even)
-  copy_convert(f64, rounded);  // the reference sees the rounded values
-  Input in{std::move(f64), OwnedTensor::on(gpu0(), dt, shape)};
-  gpu::copy_convert(in.dev, rounded);
-  return in;
+using Input = GpuInput;
+Input make_input(DType dt, const std::vector<int64_t>& shape, uint64_t stream, double std = 1.0, double mean = 0.0) {
+  return make_gpu_input(dt, shape, kSeed, stream, std, mean);
 }
-
-// A device tensor every element of which is NaN.
-OwnedTensor poisoned(DType dt, std::initializer_list<int64_t> shape) {
-  OwnedTensor t = OwnedTensor::on(gpu0(), dt, shape);
-  gpu::fill(t, kNaN);
-  return t;
-}
-
-// A device tensor copied back to the host as f64 (exact for f32 and bf16; waits for the GPU, so a
-// failed kernel surfaces here at the latest).
-OwnedTensor fetch(const Tensor& dev) {
-  OwnedTensor h = OwnedTensor::of_shape(DType::f64, shape_of(dev));
-  gpu::copy_convert(h, dev);
-  return h;
-}
-
-bool same_bits(const Tensor& a, const Tensor& b) {
-  return a.bytes() == b.bytes() && std::memcmp(a.data, b.data, a.bytes()) == 0;
-}
-
-// The GPU result `dev` against the f64 reference `ref`.
 void expect_close(const Tensor& dev, const Tensor& ref, double tol, const char* what) {
-  const OwnedTensor got = fetch(dev);
-  const Worst w = compare(got, ref);
-  INFO(what, ": ", w.str(), " (tolerance ", tol, ")");
-  CHECK(w.rel <= tol);
-}
-
-// Two device tensors hold bitwise the same values.
-void expect_same_bits(const Tensor& a, const Tensor& b, const char* what) {
-  const OwnedTensor ha = fetch(a), hb = fetch(b);
-  INFO(what);
-  CHECK(same_bits(ha, hb));
+  expect_close_gpu(dev, ref, tol, what);
 }
 
 }  // namespace

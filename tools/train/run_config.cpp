@@ -74,6 +74,7 @@ std::vector<Field> fields_of(RunConfig& c) {
       {"train", "steps", &c.train.steps},
       {"train", "device", &c.train.device},
       {"train", "nonfinite", &c.train.nonfinite},
+      {"train", "deterministic", &c.train.deterministic},
       {"train", "threads", &c.train.threads},
       {"eval", "every", &c.eval.every},
       {"eval", "batches", &c.eval.batches},
@@ -713,6 +714,9 @@ steps = 300
 device = "auto"
 # A step whose loss or gradient is NaN/inf: skip it, or stop the run.
 nonfinite = "skip"
+# GPU: bitwise-reproducible gradients run to run. false lets the attention backward use cuDNN's
+# fastest engine, which sums dQ with atomics (same values up to f32 rounding order).
+deterministic = false
 # CPU threads (0: all cores).
 threads = 0
 

@@ -80,6 +80,7 @@ struct RunConfig {
     int64_t steps = 300;                  // optimizer steps
     std::string device = "auto";          // auto | cpu | cuda
     std::string nonfinite = "skip";       // a NaN/inf loss or gradient: skip the step, or stop
+    bool deterministic = false;           // GPU: bitwise-reproducible gradients (slower attention backward)
     int64_t threads = 0;                  // CPU threads; 0: all cores
     bool operator==(const Train&) const = default;
   };

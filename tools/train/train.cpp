@@ -6,7 +6,11 @@
 #include "optim/lr_schedule.h"
 #include "optim/schedule.h"
 #include "optim/training.h"
+#include "chunkwise_config.h"
 #include "engine/cuda/runtime.h"
+#if CW_HAVE_CUDA
+#include "engine/cuda/ops.h"  // gpu::set_deterministic
+#endif
 #include "tools/data/tokenizer.h"
 #include "tools/data/tokens.h"
 #include "tools/plot.h"
@@ -157,6 +161,9 @@ TrainResult run_training(const RunConfig& rc, const TrainOptions& opt, std::ostr
   if (rc.model.tie_embeddings) mc.tie_word_embeddings = *rc.model.tie_embeddings;
   const Device device = resolve_train_device(rc.train.device);
   const DType dtype = resolve_train_dtype(rc.model.dtype, device);
+#if CW_HAVE_CUDA
+  if (!device.is_cpu()) gpu::set_deterministic(rc.train.deterministic);
+#endif
 
   // Data.
   const ByteTokenizer tokenizer;
