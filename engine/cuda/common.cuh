@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 namespace cw::gpu {
 
@@ -31,6 +32,24 @@ template <> __device__ __forceinline__ float from_f32<float>(float x) { return x
 template <> __device__ __forceinline__ __nv_bfloat16 from_f32<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
 inline unsigned blocks_for(int64_t n, int threads) { return static_cast<unsigned>((n + threads - 1) / threads); }
+
+// A tensor's data as T* (T a device element type: float, __nv_bfloat16, int32_t, ...).
+template <class T> T* dptr(const Tensor& t) { return static_cast<T*>(t.data); }
+
+// 16-byte aligned: the condition for one 128-bit load or store.
+inline bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
+// Calls f(std::type_identity<T>{}) with T = float or __nv_bfloat16 for the compute dtype; any other
+// dtype is a clear error naming the op.
+template <class F> void dispatch_compute(DType dtype, const char* op, F&& f) {
+  switch (dtype) {
+    case DType::f32: f(std::type_identity<float>{}); return;
+    case DType::bf16: f(std::type_identity<__nv_bfloat16>{}); return;
+    default:
+      fail(CW_FORMAT("{} on the GPU supports f32 and bf16, not {}", op, dtype_name(dtype)),
+           "choose --dtype bf16 or f32 for GPU runs");
+  }
+}
 
 }  // namespace cw::gpu
 

@@ -48,28 +48,12 @@ constexpr int64_t kMaxBlocks = 65536;
 
 unsigned grid_for(int64_t n) { return static_cast<unsigned>(std::min<int64_t>(blocks_for(n, kThreads), kMaxBlocks)); }
 
-// Calls f(std::type_identity<T>{}) with T = float or __nv_bfloat16 for the compute dtype.
-template <class F> void dispatch_compute(DType dtype, const char* op, F&& f) {
-  switch (dtype) {
-    case DType::f32: f(std::type_identity<float>{}); return;
-    case DType::bf16: f(std::type_identity<__nv_bfloat16>{}); return;
-    default:
-      fail(CW_FORMAT("{} on the GPU supports f32 and bf16, not {}", op, dtype_name(dtype)),
-           "choose --dtype bf16 or f32 for GPU runs");
-  }
-}
-
 // A contiguous tensor on a GPU, on the same device as `ref`.
 void check_gpu(const Tensor& t, const Tensor& ref, const char* what) {
   CW_CHECK(!t.device.is_cpu(), "{} is on {}; the GPU op needs it on a GPU", what, device_name(t.device));
   check_same_device(t, ref, what, "the op's first operand");
   check_contiguous(t, what);
 }
-
-template <class T> T* dptr(const Tensor& t) { return static_cast<T*>(t.data); }
-
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
-
 
 // N consecutive elements of T (N a multiple of Vec16<T>::kN, p 16-byte aligned) to/from f32.
 template <int N, class T> __device__ __forceinline__ void load_f32(const T* p, float (&v)[N]) {

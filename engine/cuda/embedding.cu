@@ -66,25 +66,11 @@ constexpr int kBwdBatch = 8;           // backward: rows of a segment loaded tog
 constexpr int64_t kMaxBlocks = 65536;
 constexpr int64_t kMaxGridY = 65535;
 
-template <class F> void dispatch_compute(DType dtype, const char* op, F&& f) {
-  switch (dtype) {
-    case DType::f32: f(std::type_identity<float>{}); return;
-    case DType::bf16: f(std::type_identity<__nv_bfloat16>{}); return;
-    default:
-      fail(CW_FORMAT("{} on the GPU supports f32 and bf16, not {}", op, dtype_name(dtype)),
-           "choose --dtype bf16 or f32 for GPU runs");
-  }
-}
-
 void check_gpu(const Tensor& t, const Tensor& ref, const char* what) {
   CW_CHECK(!t.device.is_cpu(), "{} is on {}; the GPU op needs it on a GPU", what, device_name(t.device));
   check_same_device(t, ref, what, "embedding ids");
   check_contiguous(t, what);
 }
-
-template <class T> T* dptr(const Tensor& t) { return static_cast<T*>(t.data); }
-
-bool aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 int sm_count(int device) {
   int n = 0;

@@ -91,20 +91,6 @@ constexpr int kMaxThreads = 512;
 constexpr int kUnroll = 4;
 constexpr float kLog2e = 1.4426950408889634f;
 
-template <class F> void dispatch_compute(DType dtype, const char* op, F&& f) {
-  switch (dtype) {
-    case DType::f32: f(std::type_identity<float>{}); return;
-    case DType::bf16: f(std::type_identity<__nv_bfloat16>{}); return;
-    default:
-      fail(CW_FORMAT("{} on the GPU supports f32 and bf16, not {}", op, dtype_name(dtype)),
-           "choose --dtype bf16 or f32 for GPU runs");
-  }
-}
-
-template <class T> T* dptr(const Tensor& t) { return static_cast<T*>(t.data); }
-
-
-
 // (m, s) <- the pair describing both sets: max M, and sum of exp(z - M) over both.
 // An empty set is (-inf, 0).
 __device__ __forceinline__ void combine(float& m, float& s, float m2, float s2) {

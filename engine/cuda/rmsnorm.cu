@@ -87,23 +87,11 @@ constexpr int64_t kVecTargetRowBlocks = 512; // ... and at most about this many 
 constexpr int kSumCols = 32;
 constexpr int kSumLanes = 16;
 
-template <class F> void dispatch_compute(DType dtype, const char* op, F&& f) {
-  switch (dtype) {
-    case DType::f32: f(std::type_identity<float>{}); return;
-    case DType::bf16: f(std::type_identity<__nv_bfloat16>{}); return;
-    default:
-      fail(CW_FORMAT("{} on the GPU supports f32 and bf16, not {}", op, dtype_name(dtype)),
-           "choose --dtype bf16 or f32 for GPU runs");
-  }
-}
-
 void check_gpu(const Tensor& t, const Tensor& ref, const char* what) {
   CW_CHECK(!t.device.is_cpu(), "{} is on {}; the GPU op needs it on a GPU", what, device_name(t.device));
   check_same_device(t, ref, what, "rmsnorm x");
   check_contiguous(t, what);
 }
-
-template <class T> T* dptr(const Tensor& t) { return static_cast<T*>(t.data); }
 
 // Sum of v over the block (blockDim.x a multiple of 32), returned to every thread. `shared` holds
 // 32 floats. The order of additions is fixed by the thread layout, so the result is deterministic.
@@ -123,7 +111,6 @@ __device__ __forceinline__ float block_sum(float v, float* shared) {
   __syncthreads();  // shared may be reused by a following block_sum
   return total;
 }
-
 
 // Forward, vector path: one block of `threads` (= blockDim.x) per row; thread t owns the row's
 // vectors t + j * threads, j < kVecs (those < nvec = C / kN), loaded once into registers.
