@@ -8,6 +8,7 @@
 // reported); bitwise comparisons of two device results in their own dtype.
 #pragma once
 
+#include "engine/cuda/ops.h"
 #include "engine/cuda/runtime.h"
 #include "engine/memory.h"
 #include "engine/random.h"
@@ -95,5 +96,17 @@ inline void expect_same_bits(const Tensor& a, const Tensor& b, const std::string
   INFO(what);
   CHECK(same_bits(ha, hb));
 }
+
+// Sets gpu::deterministic() for one scope and restores what it was.
+class DeterminismScope {
+ public:
+  explicit DeterminismScope(bool on) : saved_(gpu::deterministic()) { gpu::set_deterministic(on); }
+  ~DeterminismScope() { gpu::set_deterministic(saved_); }
+  DeterminismScope(const DeterminismScope&) = delete;
+  DeterminismScope& operator=(const DeterminismScope&) = delete;
+
+ private:
+  bool saved_;
+};
 
 }  // namespace cw::test

@@ -65,11 +65,14 @@ std::string first_line(const std::exception& e) {
   return m.substr(0, m.find('\n'));
 }
 
-// Times attention forward and backward for one shape and one implementation. Rows named
+// Times attention forward and backward for one shape and one implementation: "cudnn", "flash"
+// (our kernel as training runs it by default: the fused backward with atomic dQ) or "flash-det"
+// (our kernel with gpu::deterministic() on: the two-kernel backward). Rows named
 // "attn fwd|bwd H/Hkv/D T impl" (ops_vs_torch.py builds the same names).
 void bench_attention(std::vector<Row>& rows, DType dt, int64_t T, int64_t H, int64_t Hkv, int64_t D, int repeat,
-                     bool cudnn) {
-  const std::string shape = fmt::format("{}/{}/{} {}", H, Hkv, D, T), impl = cudnn ? "cudnn" : "flash";
+                     const std::string& impl) {
+  const std::string shape = fmt::format("{}/{}/{} {}", H, Hkv, D, T);
+  const bool cudnn = impl == "cudnn";
   const double fwd_flops = 4.0 * double(H) * double(T) * double(T) * double(D) / 2.0;
   Row fwd{fmt::format("attn fwd {} {}", shape, impl), 0, 0, fwd_flops};
   Row bwd{fmt::format("attn bwd {} {}", shape, impl), 0, 0, 2.5 * fwd_flops};
@@ -92,7 +95,10 @@ void bench_attention(std::vector<Row>& rows, DType dt, int64_t T, int64_t H, int
       for (Row* r : {&fwd, &bwd}) r->status = "unsupported", r->note = "cudnn unsupported: " + why;
     } else {
       const gpu::AttentionImpl previous = gpu::attention_impl();
+      const bool previous_deterministic = gpu::deterministic();
       gpu::set_attention_impl(cudnn ? gpu::AttentionImpl::cudnn : gpu::AttentionImpl::flash);
+      if (impl == "flash-det") gpu::set_deterministic(true);
+      else if (impl == "flash") gpu::set_deterministic(false);
       const double scale = 1.0 / std::sqrt(double(D));
       const AttentionSaved saved{lse};
       try {
@@ -109,9 +115,11 @@ void bench_attention(std::vector<Row>& rows, DType dt, int64_t T, int64_t H, int
         }, 0, 3, repeat);
       } catch (...) {
         gpu::set_attention_impl(previous);
+        gpu::set_deterministic(previous_deterministic);
         throw;
       }
       gpu::set_attention_impl(previous);
+      gpu::set_deterministic(previous_deterministic);
       fwd.note = bwd.note = impl;
     }
   } catch (const std::exception& e) {
@@ -229,11 +237,12 @@ void run_bench_ops(const BenchOpsOptions& o, std::ostream& out) {
   bench("linear bwd NxCxC", 0, 4.0 * nc * C, [&] { linear_backward(dx, dwsq, dy, x, wsq, GradMode::overwrite); });
   bench("linear fwd NxCxF", 0, 2.0 * nf * C, [&] { linear_forward(hup, x, wup); });
 
-  // The two attention shapes of BENCHMARKS.md's op table (1B and 3B), cuDNN then our flash kernel.
+  // The two attention shapes of BENCHMARKS.md's op table (1B and 3B): cuDNN, then our flash kernel
+  // with its default (fused) backward, then with the deterministic backward.
   for (const int64_t T : o.attention_tokens) {
     if (T <= 0) continue;
     for (const auto& [ah, akv, ad] : {std::tuple<int64_t, int64_t, int64_t>{32, 8, 64}, {24, 8, 128}})
-      for (const bool cudnn : {true, false}) bench_attention(rows, dt, T, ah, akv, ad, o.repeat, cudnn);
+      for (const char* impl : {"cudnn", "flash", "flash-det"}) bench_attention(rows, dt, T, ah, akv, ad, o.repeat, impl);
   }
   for (Row& r : lm_rows) rows.push_back(std::move(r));
 

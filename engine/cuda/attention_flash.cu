@@ -28,7 +28,7 @@
 //                scores, the softmax state and O in registers; key blocks past the causal
 //                diagonal are never visited, and only blocks that straddle it (or the end of the
 //                keys) are masked.
-//      backward: (a) delta_kernel: Delta = rowsum(d_out * out) into f32 scratch [B, H, c];
+//      backward: (a) delta_tc_kernel: Delta = rowsum(d_out * out) into f32 scratch [B, H, c];
 //                (b) dK/dV: a CTA per (b, K/V head, block of 16 NW keys); each warp owns 16 keys
 //                    and holds their dK, dV in registers while it loops over every (head of the
 //                    group, query block) that can see those keys, computing S^T = K Q^T,
@@ -38,12 +38,17 @@
 //                (c) dQ: a CTA per (b, head, query block) loops over the visible key blocks,
 //                    recomputing S and dP, and accumulates dQ += dS K in registers; d_q is written
 //                    once (overwrite or accumulate).
-//    Why two kernels: FlashAttention-2's backward is one kernel of five products per tile (S, dP,
-//    dV, dK, dQ) that adds each block's dQ contribution with f32 atomics. Atomics make the order of
-//    the additions, hence the bits of d_q, depend on timing. Here the dQ kernel recomputes S and dP
-//    (7 products per tile instead of 5: 1.4x the matmul FLOPs, and the exponentials twice). We
-//    accept that cost for bitwise-reproducible gradients, and it also saves FA2's f32 dQ
-//    accumulator ([B, c, H, D] f32 scratch) and its conversion pass.
+//                Two forms of (b) + (c), chosen by gpu::deterministic():
+//                 * deterministic (two kernels, as above): the dQ kernel recomputes S and dP
+//                   (7 products per tile instead of 5: 1.4x the matmul FLOPs, the exponentials
+//                   twice) so that every sum has a fixed order and d_q is bitwise reproducible;
+//                 * fused (the default, like FlashAttention-2): one dK/dV kernel of 8 warps
+//                   (128 keys) also writes each step's dS^T tile to shared memory and, after a
+//                   barrier, computes dQ += dS K for the tile (5 products per tile), adding it into
+//                   an f32 [B, c, H, D] accumulator with 8-byte atomics (zeroed by the Delta
+//                   kernel); dq_convert_kernel then writes d_q = scale * accumulator. The atomics
+//                   add in a timing-dependent order: d_q varies in its last bits run to run (d_k,
+//                   d_v keep one writer per element and stay bitwise reproducible).
 //  * Generic SIMT path: f32 (any even head dim up to 128) and bf16 at other head dims (the model
 //    presets use 6 and 32) or with unaligned operands. Same online-softmax algorithm in plain f32
 //    arithmetic, tiled through shared memory; it is the readable reference of the algorithm and the
@@ -53,16 +58,19 @@
 // 4 H T^2 D / 2 forward and 2.5x that backward; medians of 20 after warm-up; torch 2.11's
 // scaled_dot_product_attention with the flash backend, enable_gqa, in the same run):
 //   H 32 / Hkv 8 / D 64:   forward 0.998 ms (275 TFLOP/s; torch 1.009 ms)
-//                          backward 3.203 ms (214 TFLOP/s; torch 3.017 ms): dK/dV 1.91 + dQ 1.25 + Delta 0.07
+//                          backward fused 2.97 ms (232 TFLOP/s); deterministic 3.21 ms (torch 2.9-3.0 ms)
 //   H 24 / Hkv 8 / D 128:  forward 1.354 ms (305 TFLOP/s; torch 1.360 ms)
-//                          backward 4.686 ms (220 TFLOP/s; torch 3.998 ms): dK/dV 2.67 + dQ 1.93 + Delta 0.05
-// The forward matches torch. The backward's gap is the dQ kernel's recomputation (see above): it
-// does 1.4x torch's matmul work, at a higher rate per FLOP than torch (about 300 TFLOP/s of real
-// work at D = 64), but not 1.4x higher.
+//                          backward fused 4.19 ms (246 TFLOP/s); deterministic 4.61 ms (torch 3.96-4.0 ms)
+// Fused-backward tiles timed (D 64 / 128, ms): 4 warps (64 keys) 3.27 / 4.74; 8 warps 2.97 / 4.19;
+// 8 warps with dS^T double-buffered and dQ deferred to the next step (one barrier a step) 3.03 /
+// 4.29; 8 warps with 16-byte atomics (lane pairs swap halves by shuffle) 3.18 / 4.40.
+// The deterministic backward's gap is the dQ kernel's recomputation: 1.4x torch's matmul work.
 //
-// Determinism: no atomics; every sum has a fixed order given the shapes and the path. Scratch: the
-// backward's Delta [B, H, c] f32 comes from `scratch` in an ArenaScope (later users of the arena
-// launch on the same stream, after these kernels). Everything runs on current_stream(device).
+// Determinism: the forward, the generic path and the deterministic backward use no atomics (every
+// sum has a fixed order given the shapes and the path); the fused backward's d_q does (above).
+// Scratch: the backward's Delta [B, H, c] f32 and the fused backward's dQ accumulator [B, c, H, D]
+// f32 come from `scratch` in an ArenaScope (later users of the arena launch on the same stream,
+// after these kernels). Everything runs on current_stream(device).
 #include "engine/cuda/common.cuh"
 #include "engine/cuda/ops.h"
 
@@ -101,6 +109,7 @@ template <class T> struct Operands {
   float* delta;    // backward: Delta [B, H, c]
   float* d_k;
   float* d_v;
+  float* dq_accum = nullptr;  // fused backward: f32 [B, c, H, D] sums of dS K (unscaled); delta_tc_kernel zeroes it
 };
 
 __device__ __forceinline__ int64_t q_offset(const Problem& pr, int b, int i, int h) {
@@ -126,6 +135,38 @@ template <class T> __global__ void delta_kernel(const Operands<T> a, const Probl
   for (int d = lane; d < pr.D; d += 32) sum += to_f32(o[d]) * to_f32(dy[d]);
   for (int s = 16; s > 0; s >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, s);
   if (lane == 0) {
+    const int h = static_cast<int>(row % pr.H);
+    const int64_t bi = row / pr.H;
+    const int i = static_cast<int>(bi % pr.c), b = static_cast<int>(bi / pr.c);
+    a.delta[stat_offset(pr, b, h, i)] = sum;
+  }
+}
+
+// The tensor-core path's Delta (bf16, D = 64 or 128, 16-byte aligned rows): D / 8 threads per row,
+// one 16-byte load of out and of d_out each, summed in a fixed shuffle order; the same threads zero
+// the row of the fused backward's dQ accumulator.
+template <int D> __global__ void delta_tc_kernel(const Operands<__nv_bfloat16> a, const Problem pr) {
+  constexpr int kLanes = D / 8;
+  const int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t row = idx / kLanes, rows = static_cast<int64_t>(pr.B) * pr.c * pr.H;
+  const int part = static_cast<int>(idx % kLanes);
+  const bool valid = row < rows;  // no early return: every lane takes part in the shuffles
+  float sum = 0.0f;
+  if (valid) {
+    Vec16<__nv_bfloat16> o, dy;
+    o.load(a.out + row * D + part * 8);
+    dy.load(a.d_out + row * D + part * 8);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) sum += o.get(k) * dy.get(k);
+  }
+#pragma unroll
+  for (int s = kLanes / 2; s > 0; s >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, s);
+  if (!valid) return;
+  if (a.dq_accum != nullptr) {
+    float4* z = reinterpret_cast<float4*>(a.dq_accum + row * D + part * 8);
+    z[0] = z[1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  }
+  if (part == 0) {
     const int h = static_cast<int>(row % pr.H);
     const int64_t bi = row / pr.H;
     const int i = static_cast<int>(bi % pr.c), b = static_cast<int>(bi / pr.c);
@@ -648,16 +689,68 @@ __global__ void __launch_bounds__(NW * 32) tc_forward_kernel(const Operands<bf16
 // ------------------------------------------------------------------------------------------------
 // Tensor-core dK/dV. CTA: NW warps, BC = NW * 16 keys of one (b, g); query blocks of BR, double
 // buffered (Q, dO, lse, Delta). Warp w owns keys [16 w, 16 w + 16) of the block.
+// FUSED_DQ (the non-deterministic backward): each step also writes its dS^T tile (bf16, keys x
+// queries) to shared memory and, after a second barrier, all warps compute the tile's dQ
+// contribution dS (BR x BC) K (BC x D) together (fused_dq_tile) and add it into the f32
+// accumulator with 8-byte atomics.
 // ------------------------------------------------------------------------------------------------
-template <int D, int NW, int BR> struct TcDkdv {
+template <int D, int NW, int BR, bool FUSED_DQ> struct TcDkdv {
   static constexpr int kThreads = NW * 32, kKeys = NW * 16;
-  static constexpr int kSmem = (2 * kKeys + 4 * BR) * D * static_cast<int>(sizeof(bf16_t)) + 4 * BR * 4;
+  static constexpr int kDsBytes = FUSED_DQ ? kKeys * BR * static_cast<int>(sizeof(bf16_t)) : 0;
+  static constexpr int kSmem = (2 * kKeys + 4 * BR) * D * static_cast<int>(sizeof(bf16_t)) + 4 * BR * 4 + kDsBytes;
   static constexpr bool kKVInRegs = D <= 64;  // the warp's K and V fragments in registers
+  static_assert(!FUSED_DQ || BR % 64 == 0, "the dS^T tile's swizzle needs rows of 8+ 16-byte chunks");
 };
 
-template <int D, int NW, int BR>
+// dQ accumulator += X, two neighbouring f32 (one 8-byte vector atomic on sm_90).
+__device__ __forceinline__ void atomic_add2(float* dst, float x, float y) {
+  atomicAdd(reinterpret_cast<float2*>(dst), make_float2(x, y));
+}
+
+// dQ rows [q0, q0 + BR) of head h += dS K for one step's tile: sdS is the BC x BR dS^T tile
+// (keys-major, swizzled), sK the CTA's BC x D keys. The BR x D output is cut into 16-row x
+// DQN-column units dealt round-robin to the warps; each unit reads its dS fragments with
+// ldmatrix.trans (matrix m of the x4 covers query half m & 1 and key half m >> 1).
+template <class Cfg, int D, int BR>
+__device__ __forceinline__ void fused_dq_tile(const Operands<bf16_t>& a, const Problem& pr, const bf16_t* sdS,
+                                              const bf16_t* sK, int b, int h, int q0, int warp, int lane) {
+  constexpr int BC = Cfg::kKeys, NW = Cfg::kThreads / 32;
+  // Units of 16 query rows x DQN head-dim columns: at least one per warp where the tile allows.
+  constexpr int DQN = (BR / 16) * D / NW >= 64 ? 64 : ((BR / 16) * D / NW >= 32 ? 32 : 16);
+  constexpr int UNIT_COLS = D / DQN, UNITS = (BR / 16) * UNIT_COLS;
+  static_assert(D % DQN == 0 && BR % 16 == 0, "dQ units must tile the BR x D output");
+  const int t = lane & 3;
+#pragma unroll 1
+  for (int unit = warp; unit < UNITS; unit += NW) {
+    const int row0 = unit / UNIT_COLS * 16, col0 = unit % UNIT_COLS * DQN;
+    float dq[DQN / 8][4] = {};
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; ++kk) {
+      uint32_t af[4];
+      ldsm_x4_trans(af, smem_addr(sdS + swz<BR>(kk * 16 + ((lane >> 4) & 1) * 8 + (lane & 7),
+                                                row0 / 8 + ((lane >> 3) & 1))));
+#pragma unroll
+      for (int dp = 0; dp < DQN / 16; ++dp) {
+        uint32_t bf[4];
+        ldsm_x4_trans(bf, bk_addr<D>(sK, kk * 16, col0 / 16 + dp, lane));
+        mma(dq[2 * dp], af, bf[0], bf[1]);
+        mma(dq[2 * dp + 1], af, bf[2], bf[3]);
+      }
+    }
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int i = q0 + row0 + (lane >> 2) + hh * 8;
+      if (i >= pr.c) continue;
+      float* acc = a.dq_accum + q_offset(pr, b, i, h) + col0 + 2 * t;
+#pragma unroll
+      for (int dt = 0; dt < DQN / 8; ++dt) atomic_add2(acc + dt * 8, dq[dt][2 * hh], dq[dt][2 * hh + 1]);
+    }
+  }
+}
+
+template <int D, int NW, int BR, bool FUSED_DQ>
 __global__ void __launch_bounds__(NW * 32) tc_dkdv_kernel(const Operands<bf16_t> a, const Problem pr) {
-  using Cfg = TcDkdv<D, NW, BR>;
+  using Cfg = TcDkdv<D, NW, BR, FUSED_DQ>;
   constexpr int BC = Cfg::kKeys, NQ = BR / 8, DT = D / 8;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   bf16_t* sK = reinterpret_cast<bf16_t*>(smem_raw);
@@ -666,6 +759,7 @@ __global__ void __launch_bounds__(NW * 32) tc_dkdv_kernel(const Operands<bf16_t>
   bf16_t* sdO = sQ + 2 * BR * D;  // [2][BR * D]
   float* sLse = reinterpret_cast<float*>(sdO + 2 * BR * D);  // [2][BR]
   float* sDelta = sLse + 2 * BR;                              // [2][BR]
+  bf16_t* sdS = reinterpret_cast<bf16_t*>(sDelta + 2 * BR);   // FUSED_DQ: [BC keys][BR queries], swizzled
   const Block blk = key_block_of(pr);
   const int kb = blk.block, g = blk.head, b = blk.b;
   const int k0 = kb * BC, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
@@ -725,8 +819,22 @@ __global__ void __launch_bounds__(NW * 32) tc_dkdv_kernel(const Operands<bf16_t>
         st[nt][e] = p;
         dpt[nt][e] = p * (dpt[nt][e] - sDelta[stage * BR + col]);
       }
+    if constexpr (FUSED_DQ) {
+      // The warp's 16 rows of dS^T, rounded to bf16 as the dK product rounds them. Free to
+      // overwrite: every warp finished reading the previous step's tile before the loop's barrier.
+#pragma unroll
+      for (int nt = 0; nt < NQ; ++nt)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+          *reinterpret_cast<uint32_t*>(sdS + swz<BR>(wkey + (lane >> 2) + hh * 8, nt) + 2 * t) =
+              pack_bf16(dpt[nt][2 * hh], dpt[nt][2 * hh + 1]);
+    }
     mma_xb<D, BR>(dv, st, cdO, lane);
     mma_xb<D, BR>(dk, dpt, cQ, lane);
+    if constexpr (FUSED_DQ) {
+      __syncthreads();  // the whole BC x BR dS^T tile is in shared memory
+      fused_dq_tile<Cfg, D, BR>(a, pr, sdS, sK, b, g * pr.group + step / nq, q0, warp, lane);
+    }
   }
 
   // One writer per element: the add into the caller's f32 buffers is deterministic.
@@ -845,6 +953,27 @@ __global__ void __launch_bounds__(NW * 32) tc_dq_kernel(const Operands<bf16_t> a
 }
 
 // ------------------------------------------------------------------------------------------------
+// The fused backward's last pass: d_q = scale * accumulator (+ d_q when accumulating), four
+// elements per thread and iteration (d_q is 16-byte aligned with D a multiple of 64 on this path).
+// ------------------------------------------------------------------------------------------------
+__global__ void dq_convert_kernel(const float* __restrict__ acc, bf16_t* d_q, int64_t quads, float scale,
+                                  bool accumulate) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < quads;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float4 x = reinterpret_cast<const float4*>(acc)[i];
+    float v[4] = {scale * x.x, scale * x.y, scale * x.z, scale * x.w};
+    uint2* dst = reinterpret_cast<uint2*>(d_q) + i;
+    if (accumulate) {
+      const uint2 old = *dst;
+      const __nv_bfloat162 lo = *reinterpret_cast<const __nv_bfloat162*>(&old.x);
+      const __nv_bfloat162 hi = *reinterpret_cast<const __nv_bfloat162*>(&old.y);
+      v[0] += __low2float(lo), v[1] += __high2float(lo), v[2] += __low2float(hi), v[3] += __high2float(hi);
+    }
+    *dst = make_uint2(pack_bf16(v[0], v[1]), pack_bf16(v[2], v[3]));
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
 // Launchers.
 // ------------------------------------------------------------------------------------------------
 template <class Kernel> void set_smem(Kernel kernel, size_t bytes) {
@@ -862,10 +991,10 @@ void launch_tc_forward(const Operands<bf16_t>& a, const Problem& pr, cudaStream_
   CW_KERNEL_CHECK();
 }
 
-template <int D, int NW, int BR>
+template <int D, int NW, int BR, bool FUSED_DQ>
 void launch_tc_dkdv(const Operands<bf16_t>& a, const Problem& pr, cudaStream_t stream) {
-  using Cfg = TcDkdv<D, NW, BR>;
-  auto kernel = tc_dkdv_kernel<D, NW, BR>;
+  using Cfg = TcDkdv<D, NW, BR, FUSED_DQ>;
+  auto kernel = tc_dkdv_kernel<D, NW, BR, FUSED_DQ>;
   set_smem(kernel, Cfg::kSmem);
   const unsigned grid = static_cast<unsigned>((pr.S + Cfg::kKeys - 1) / Cfg::kKeys * pr.Hkv * pr.B);
   kernel<<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(a, pr);
@@ -879,6 +1008,20 @@ void launch_tc_dq(const Operands<bf16_t>& a, const Problem& pr, cudaStream_t str
   set_smem(kernel, Cfg::kSmem);
   const unsigned grid = static_cast<unsigned>((pr.c + Cfg::kRows - 1) / Cfg::kRows * pr.H * pr.B);
   kernel<<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(a, pr);
+  CW_KERNEL_CHECK();
+}
+
+void launch_dq_convert(const Operands<bf16_t>& a, const Problem& pr, cudaStream_t stream) {
+  const int64_t quads = static_cast<int64_t>(pr.B) * pr.c * pr.H * pr.D / 4;
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>((quads + 255) / 256, 65535));
+  dq_convert_kernel<<<grid, 256, 0, stream>>>(a.dq_accum, a.o, quads, pr.scale, pr.accumulate);
+  CW_KERNEL_CHECK();
+}
+
+void launch_delta_tc(const Operands<bf16_t>& a, const Problem& pr, cudaStream_t stream) {
+  const int64_t threads = static_cast<int64_t>(pr.B) * pr.c * pr.H * (pr.D / 8);
+  if (pr.D == 64) delta_tc_kernel<64><<<blocks_for(threads, 256), 256, 0, stream>>>(a, pr);
+  else delta_tc_kernel<128><<<blocks_for(threads, 256), 256, 0, stream>>>(a, pr);
   CW_KERNEL_CHECK();
 }
 
@@ -911,16 +1054,22 @@ template <class T> void launch_generic_backward(const Operands<T>& a, const Prob
 // B = 1, S = c = 8192 (H = 32, Hkv = 8 at D = 64; H = 24, Hkv = 8 at D = 128); see the header.
 //   forward D = 64:  4 warps x 16 rows (BR 64), BC 64    D = 128: 4 warps x 32 rows (BR 128), BC 64
 //   dK/dV:           4 warps x 16 keys (BC 64), BR 64    dQ:      4 warps x 16 rows (BR 64), BC 64
+//   fused dK/dV/dQ:  8 warps x 16 keys (BC 128), BR 64, dQ inline after a second barrier, 8-byte atomics
 void tc_forward(const Operands<bf16_t>& a, const Problem& pr, cudaStream_t stream) {
   if (pr.D == 64) return launch_tc_forward<64, 4, 1, 64>(a, pr, stream);
   launch_tc_forward<128, 4, 2, 64>(a, pr, stream);
 }
 void tc_backward(const Operands<bf16_t>& a, const Problem& pr, cudaStream_t stream) {
+  if (a.dq_accum != nullptr) {  // fused: one pass over the tiles, dQ by atomics, then d_q from the sums
+    if (pr.D == 64) launch_tc_dkdv<64, 8, 64, true>(a, pr, stream);
+    else launch_tc_dkdv<128, 8, 64, true>(a, pr, stream);
+    return launch_dq_convert(a, pr, stream);
+  }
   if (pr.D == 64) {
-    launch_tc_dkdv<64, 4, 64>(a, pr, stream);
+    launch_tc_dkdv<64, 4, 64, false>(a, pr, stream);
     return launch_tc_dq<64, 4, 64>(a, pr, stream);
   }
-  launch_tc_dkdv<128, 4, 64>(a, pr, stream);
+  launch_tc_dkdv<128, 4, 64, false>(a, pr, stream);
   launch_tc_dq<128, 4, 64>(a, pr, stream);
 }
 
@@ -1044,9 +1193,15 @@ void flash_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor
                        static_cast<float*>(d_v.data)};
   };
   if (q.dtype == DType::bf16) {
-    const Operands<bf16_t> a = operands(bf16_t{});
+    Operands<bf16_t> a = operands(bf16_t{});
+    // Without the determinism switch the tensor-core path fuses dQ into the dK/dV pass (f32
+    // atomics into [B, c, H, D] scratch, zeroed by the Delta kernel).
+    if (tc && !deterministic()) a.dq_accum = scratch.alloc(DType::f32, {pr.B, pr.c, pr.H, pr.D}).ptr<float>();
+    if (tc) {
+      launch_delta_tc(a, pr, stream);
+      return tc_backward(a, pr, stream);
+    }
     launch_delta(a, pr, stream);
-    if (tc) return tc_backward(a, pr, stream);
     launch_generic_backward(a, pr, stream);
   } else {
     const Operands<float> a = operands(float{});

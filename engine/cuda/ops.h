@@ -5,11 +5,12 @@
 // GPU dtype rules (DESIGN.md section 6): activations and weights bf16 or f32 (one compute dtype per
 // call); statistics (rstd, lse), losses and parameter gradients f32; K/V gradients f32. Arithmetic
 // inside kernels is f32. Our kernels are deterministic: no atomics on floating-point sums; reductions
-// across rows go through per-block partials in `scratch`, summed in a fixed order. The one exception
-// is cuDNN's fused attention backward, whose fast engine adds dQ block by block with f32 atomics:
-// `automatic` attention uses it only while determinism is not requested (set_deterministic, env
-// CW_DETERMINISTIC=1, `chunkwise train --deterministic`) and its workspace fits the budget
-// (engine/cuda/attention.cu); with determinism on, every GPU result is bitwise reproducible.
+// across rows go through per-block partials in `scratch`, summed in a fixed order. The exceptions
+// are the attention backwards that add dQ block by block with f32 atomics: cuDNN's fast engine, and
+// our flash kernel's fused backward. They run only while determinism is not requested
+// (set_deterministic, env CW_DETERMINISTIC=1, `chunkwise train --deterministic`; cuDNN's also needs
+// its workspace to fit the budget, engine/cuda/attention.cu); with determinism on, every GPU result
+// is bitwise reproducible.
 #pragma once
 
 #include "engine/memory.h"
@@ -54,8 +55,9 @@ void set_attention_impl(AttentionImpl impl);   // process-wide; automatic by def
 AttentionImpl attention_impl();
 const char* attention_impl_name(AttentionImpl impl);
 // Bitwise-reproducible gradients (process-wide; off by default, env CW_DETERMINISTIC=1 turns it on).
-// Off: the attention backward may use cuDNN's engine with atomic dQ sums (rounding order varies
-// run to run, values agree to f32 rounding). On: only deterministic kernels.
+// Off: the attention backward may use cuDNN's engine or our fused flash backward, both with atomic
+// dQ sums (rounding order varies run to run, values agree to f32 rounding). On: only deterministic
+// kernels (our two-kernel flash backward).
 void set_deterministic(bool on);
 bool deterministic();
 void attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,

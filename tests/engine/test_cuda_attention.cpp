@@ -97,9 +97,14 @@ std::string describe(const Case& c, DType dt) {
          " D=" + std::to_string(c.D) + " T=" + std::to_string(c.T);
 }
 
-// Forward, backward (overwrite, then accumulate), and bitwise repeatability of both, for one case.
-void check_case(const Case& cs, DType dt) {
-  INFO(describe(cs, dt));
+// Forward, backward (overwrite, then accumulate), and repeatability of both, for one case, with
+// gpu::deterministic() set to `deterministic`. Everything is bitwise repeatable except d_q of the
+// fused tensor-core backward (deterministic off, bf16, D 64/128), whose f32 atomics may add in any
+// order: there d_q must agree with the first run to within its rounding.
+void check_case(const Case& cs, DType dt, bool deterministic = true) {
+  INFO(describe(cs, dt), deterministic ? " deterministic" : " fused (atomic dQ)");
+  DeterminismScope determinism(deterministic);
+  const bool atomic_dq = !deterministic && dt == DType::bf16 && (cs.D == 64 || cs.D == 128);
   const bool bf16 = dt == DType::bf16;
   const double tol = bf16 ? kFlashBf16Tol : kFlashF32Tol;
   Problem pb(cs, dt);
@@ -160,8 +165,16 @@ void check_case(const Case& cs, DType dt) {
                                 {lse}, pb.q.dev, pb.k_dev, pb.v_dev, out, pb.scale, GradMode::overwrite, scratch);
   gpu::flash_attention_backward(dqb, dkb.dev.tensor.slice(1, 0, S), dvb.dev.tensor.slice(1, 0, S), pb.d_out.dev,
                                 {lse}, pb.q.dev, pb.k_dev, pb.v_dev, out, pb.scale, GradMode::overwrite, scratch);
-  expect_same_bits(dqa, dq, "d_q is reproducible");
-  expect_same_bits(dqb, dq, "d_q is reproducible (again)");
+  if (atomic_dq) {
+    // Different addition orders round the f32 sums differently before the bf16 rounding of d_q:
+    // at most an ulp of bf16 (2^-8 relative) in a few elements.
+    const OwnedTensor dq_first = fetch(dq);
+    expect_close(fetch(dqa), dq_first, 4e-3, "d_q repeats to within bf16 rounding");
+    expect_close(fetch(dqb), dq_first, 4e-3, "d_q repeats to within bf16 rounding (again)");
+  } else {
+    expect_same_bits(dqa, dq, "d_q is reproducible");
+    expect_same_bits(dqb, dq, "d_q is reproducible (again)");
+  }
   expect_same_bits(dka.dev, dkb.dev, "d_k is reproducible");
   expect_same_bits(dva.dev, dvb.dev, "d_v is reproducible");
 }
@@ -186,11 +199,14 @@ TEST_CASE("cuda: flash attention f32 (generic path) matches the CPU in f64" * do
 
 TEST_CASE("cuda: flash attention bf16 tensor-core path (head dim 64, 128) matches the CPU in f64" *
           doctest::skip(!cw::test::gpu_ready())) {
-  for (const int64_t D : {64, 128})
-    for (const Case& cs : cases_for(D)) check_case(cs, DType::bf16);
-  // p = 0 with several query and key blocks of the tensor-core tiles, the last ones partial.
-  check_case(Case{1, 300, 300, 2, 2, 64, 300}, DType::bf16);
-  check_case(Case{1, 300, 300, 2, 1, 128, 300}, DType::bf16);
+  // Both backwards: the deterministic two-kernel one and the fused one with atomic dQ.
+  for (const bool deterministic : {true, false}) {
+    for (const int64_t D : {64, 128})
+      for (const Case& cs : cases_for(D)) check_case(cs, DType::bf16, deterministic);
+    // p = 0 with several query and key blocks of the tensor-core tiles, the last ones partial.
+    check_case(Case{1, 300, 300, 2, 2, 64, 300}, DType::bf16, deterministic);
+    check_case(Case{1, 300, 300, 2, 1, 128, 300}, DType::bf16, deterministic);
+  }
 }
 
 TEST_CASE("cuda: flash attention bf16 generic path (head dim 32, 6) matches the CPU in f64" *

@@ -38,18 +38,6 @@ namespace {
 // The tests call the cuDNN entry points directly, whatever CW_ATTENTION says.
 void opt_in() {}
 
-// Sets gpu::deterministic() for one scope and restores what it was.
-class DeterminismScope {
- public:
-  explicit DeterminismScope(bool on) : saved_(gpu::deterministic()) { gpu::set_deterministic(on); }
-  ~DeterminismScope() { gpu::set_deterministic(saved_); }
-  DeterminismScope(const DeterminismScope&) = delete;
-  DeterminismScope& operator=(const DeterminismScope&) = delete;
-
- private:
-  bool saved_;
-};
-
 // bf16 outputs (out, d_q): rounding the result once costs up to 2^-9 relative per element, and
 // cuDNN's flash kernels round P and dS to bf16 before their second matmuls (as every bf16 flash
 // attention does), which adds errors of the same order averaged over the keys; measured relative
