@@ -913,8 +913,7 @@ Shape shape_of(const Tensor& q, const Tensor& k, const Tensor& v, bool backward)
 }
 
 void check_gpu_operand(const Tensor& t, const Tensor& q, const char* what) {
-  CW_CHECK(!t.device.is_cpu(), "cuDNN attention: {} is on {}", what, device_name(t.device));
-  check_same_device(t, q, what, "attention q");
+  check_device_operand(t, q, what, "attention q", /*contiguous=*/false);
   CW_CHECK(aligned(t.data), "cuDNN attention: {} is not 16-byte aligned", what);
 }
 

@@ -1059,28 +1059,23 @@ void tc_forward(const Operands<bf16_t>& a, const Problem& pr, cudaStream_t strea
   if (pr.D == 64) return launch_tc_forward<64, 4, 1, 64>(a, pr, stream);
   launch_tc_forward<128, 4, 2, 64>(a, pr, stream);
 }
-void tc_backward(const Operands<bf16_t>& a, const Problem& pr, cudaStream_t stream) {
+// One head dim's backward kernels (the same tiles at D 64 and 128); tc_backward picks D.
+template <int D> void tc_backward_at(const Operands<bf16_t>& a, const Problem& pr, cudaStream_t stream) {
   if (a.dq_accum != nullptr) {  // fused: one pass over the tiles, dQ by atomics, then d_q from the sums
-    if (pr.D == 64) launch_tc_dkdv<64, 8, 64, true>(a, pr, stream);
-    else launch_tc_dkdv<128, 8, 64, true>(a, pr, stream);
+    launch_tc_dkdv<D, 8, 64, true>(a, pr, stream);
     return launch_dq_convert(a, pr, stream);
   }
-  if (pr.D == 64) {
-    launch_tc_dkdv<64, 4, 64, false>(a, pr, stream);
-    return launch_tc_dq<64, 4, 64>(a, pr, stream);
-  }
-  launch_tc_dkdv<128, 4, 64, false>(a, pr, stream);
-  launch_tc_dq<128, 4, 64>(a, pr, stream);
+  launch_tc_dkdv<D, 4, 64, false>(a, pr, stream);
+  launch_tc_dq<D, 4, 64>(a, pr, stream);
+}
+void tc_backward(const Operands<bf16_t>& a, const Problem& pr, cudaStream_t stream) {
+  if (pr.D == 64) tc_backward_at<64>(a, pr, stream);
+  else tc_backward_at<128>(a, pr, stream);
 }
 
 // ------------------------------------------------------------------------------------------------
 // Operand checks and dispatch.
 // ------------------------------------------------------------------------------------------------
-void check_gpu(const Tensor& t, const Tensor& ref, const char* what) {
-  CW_CHECK(!t.device.is_cpu(), "flash attention: {} is on {}; it must be on a GPU", what, device_name(t.device));
-  check_same_device(t, ref, what, "attention q");
-}
-
 void check_kv_layout(const Tensor& t, int64_t Hkv, int64_t D, const char* what) {
   CW_CHECK(t.stride[1] == Hkv * D && t.stride[2] == D && t.stride[3] == 1 && t.stride[0] >= t.size(1) * Hkv * D,
            "flash attention {} {}: the [S, Hkv, D] part must be packed (only the batch stride may be larger)", what,
@@ -1108,8 +1103,8 @@ Problem check_common(const Tensor& out, const AttentionSaved& saved, const Tenso
   check_contiguous(saved.lse, "flash attention saved lse");
   check_kv_layout(k, Hkv, D, "k");
   check_kv_layout(v, Hkv, D, "v");
-  check_gpu(q, q, "q");
-  for (const Tensor* t : {&k, &v, &out, &saved.lse}) check_gpu(*t, q, "k/v/out/lse");
+  for (const Tensor* t : {&q, &k, &v, &out, &saved.lse})
+    check_device_operand(*t, q, "flash attention q/k/v/out/lse", "attention q", /*contiguous=*/false);
   // Grids: (query or key blocks of at least 16) x heads x batch CTAs in one dimension (tensor-core
   // path), blocks x H x B (generic path).
   CW_CHECK((S + 15) / 16 * H * B < (int64_t(1) << 31) && B < 65536 && H < 65536 && S < (int64_t(1) << 30),
@@ -1173,7 +1168,8 @@ void flash_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor
     check_dtype(*t, DType::f32, "flash attention d_k/d_v (f32 on the GPU)");
     check_kv_layout(*t, pr.Hkv, pr.D, "d_k/d_v");
   }
-  for (const Tensor* t : {&d_q, &d_out, &d_k, &d_v}) check_gpu(*t, q, "d_q/d_out/d_k/d_v");
+  for (const Tensor* t : {&d_q, &d_out, &d_k, &d_v})
+    check_device_operand(*t, q, "flash attention d_q/d_out/d_k/d_v", "attention q", /*contiguous=*/false);
   CW_CHECK(scratch.device() == q.device, "flash attention backward: scratch is on {}, the operands on {}",
            device_name(scratch.device()), device_name(q.device));
   if (pr.B == 0 || pr.c == 0 || pr.H == 0) return;

@@ -43,17 +43,13 @@ namespace cw::gpu {
 
 namespace {
 
+// How the operand checks name the tensor every other operand must share a device with.
+constexpr const char* kFirstOperand = "the op's first operand";
+
 constexpr int kThreads = 256;
 constexpr int64_t kMaxBlocks = 65536;
 
 unsigned grid_for(int64_t n) { return static_cast<unsigned>(std::min<int64_t>(blocks_for(n, kThreads), kMaxBlocks)); }
-
-// A contiguous tensor on a GPU, on the same device as `ref`.
-void check_gpu(const Tensor& t, const Tensor& ref, const char* what) {
-  CW_CHECK(!t.device.is_cpu(), "{} is on {}; the GPU op needs it on a GPU", what, device_name(t.device));
-  check_same_device(t, ref, what, "the op's first operand");
-  check_contiguous(t, what);
-}
 
 // N consecutive elements of T (N a multiple of Vec16<T>::kN, p 16-byte aligned) to/from f32.
 template <int N, class T> __device__ __forceinline__ void load_f32(const T* p, float (&v)[N]) {
@@ -168,10 +164,10 @@ void check_rope(const Tensor& y, const Tensor& x, const Tensor& cos, const Tenso
   check_dtype(y, x.dtype, "rope out / d_x");
   check_dtype(cos, DType::f32, "rope cos table (f32 on the GPU)");
   check_dtype(sin, DType::f32, "rope sin table (f32 on the GPU)");
-  check_gpu(x, x, "rope in / d_out");
-  check_gpu(y, x, "rope out / d_x");
-  check_gpu(cos, x, "rope cos table");
-  check_gpu(sin, x, "rope sin table");
+  check_device_operand(x, x, "rope in / d_out", kFirstOperand);
+  check_device_operand(y, x, "rope out / d_x", kFirstOperand);
+  check_device_operand(cos, x, "rope cos table", kFirstOperand);
+  check_device_operand(sin, x, "rope sin table", kFirstOperand);
 }
 
 void rope_launch(const Tensor& y, const Tensor& x, const Tensor& cos, const Tensor& sin, int64_t pos0, float sign,
@@ -206,13 +202,20 @@ void rope_launch(const Tensor& y, const Tensor& x, const Tensor& cos, const Tens
 }
 
 // ---------------------------------------------------------------------------------------------
-// SwiGLU: out = silu(g) u. expf (not __expf) keeps f32 results within a few ulps of the CPU.
+// SwiGLU of one element: out = silu(g) u = g sig(g) u; and its gradients d_gate = dy u sig (1 + g
+// (1 - sig)), d_up = dy silu(g). expf (not __expf) keeps f32 results within a few ulps of the CPU.
+__device__ __forceinline__ float swiglu_value(float g, float u) {
+  const float sig = 1.0f / (1.0f + expf(-g));
+  return g * sig * u;
+}
+__device__ __forceinline__ void swiglu_grads(float g, float u, float dy, float& dg, float& du) {
+  const float sig = 1.0f / (1.0f + expf(-g));
+  dg = dy * u * sig * (1.0f + g * (1.0f - sig));
+  du = dy * (g * sig);
+}
+
 template <class T> __global__ void swiglu_forward_kernel(T* out, const T* gate, const T* up, int64_t n) {
-  CW_GRID_STRIDE(i, n) {
-    const float g = to_f32(gate[i]);
-    const float sig = 1.0f / (1.0f + expf(-g));
-    out[i] = from_f32<T>(g * sig * to_f32(up[i]));
-  }
+  CW_GRID_STRIDE(i, n) out[i] = from_f32<T>(swiglu_value(to_f32(gate[i]), to_f32(up[i])));
 }
 
 // Vector path: one thread per kN elements (all pointers 16-byte aligned), then the n % kN tail.
@@ -224,17 +227,12 @@ template <class T> __global__ void swiglu_forward_vec_kernel(T* out, const T* ga
     load_f32(gate + i * kN, g);
     load_f32(up + i * kN, u);
 #pragma unroll
-    for (int k = 0; k < kN; ++k) {
-      const float sig = 1.0f / (1.0f + expf(-g[k]));
-      o[k] = g[k] * sig * u[k];
-    }
+    for (int k = 0; k < kN; ++k) o[k] = swiglu_value(g[k], u[k]);
     store_f32(out + i * kN, o);
   }
   CW_GRID_STRIDE(r, n - nv * kN) {
     const int64_t i = nv * kN + r;
-    const float g = to_f32(gate[i]);
-    const float sig = 1.0f / (1.0f + expf(-g));
-    out[i] = from_f32<T>(g * sig * to_f32(up[i]));
+    out[i] = from_f32<T>(swiglu_value(to_f32(gate[i]), to_f32(up[i])));
   }
 }
 
@@ -242,11 +240,8 @@ template <class T>
 __global__ void swiglu_backward_kernel(T* d_gate, T* d_up, const T* d_out, const T* gate, const T* up, int64_t n,
                                        bool accumulate) {
   CW_GRID_STRIDE(i, n) {
-    const float g = to_f32(gate[i]), u = to_f32(up[i]), dy = to_f32(d_out[i]);
-    const float sig = 1.0f / (1.0f + expf(-g));
-    const float silu = g * sig;
-    float dg = dy * u * sig * (1.0f + g * (1.0f - sig));
-    float du = dy * silu;
+    float dg, du;
+    swiglu_grads(to_f32(gate[i]), to_f32(up[i]), to_f32(d_out[i]), dg, du);
     if (accumulate) {
       dg = to_f32(d_gate[i]) + dg;
       du = to_f32(d_up[i]) + du;
@@ -272,10 +267,8 @@ __global__ void swiglu_backward_vec_kernel(T* d_gate, T* d_up, const T* d_out, c
     }
 #pragma unroll
     for (int k = 0; k < kN; ++k) {
-      const float sig = 1.0f / (1.0f + expf(-g[k]));
-      const float silu = g[k] * sig;
-      float a = dy[k] * u[k] * sig * (1.0f + g[k] * (1.0f - sig));
-      float b = dy[k] * silu;
+      float a, b;
+      swiglu_grads(g[k], u[k], dy[k], a, b);
       if (accumulate) {
         a = dg[k] + a;
         b = du[k] + b;
@@ -288,11 +281,8 @@ __global__ void swiglu_backward_vec_kernel(T* d_gate, T* d_up, const T* d_out, c
   }
   CW_GRID_STRIDE(r, n - nv * kN) {
     const int64_t i = nv * kN + r;
-    const float g = to_f32(gate[i]), u = to_f32(up[i]), dy = to_f32(d_out[i]);
-    const float sig = 1.0f / (1.0f + expf(-g));
-    const float silu = g * sig;
-    float dg = dy * u * sig * (1.0f + g * (1.0f - sig));
-    float du = dy * silu;
+    float dg, du;
+    swiglu_grads(to_f32(gate[i]), to_f32(up[i]), to_f32(d_out[i]), dg, du);
     if (accumulate) {
       dg = to_f32(d_gate[i]) + dg;
       du = to_f32(d_up[i]) + du;
@@ -307,7 +297,7 @@ void check_same_all(std::initializer_list<const Tensor*> ts, const char* op) {
   for (const Tensor* t : ts) {
     check_same_shape(*t, first, op, "its first operand");
     check_dtype(*t, first.dtype, op);
-    check_gpu(*t, first, op);
+    check_device_operand(*t, first, op, kFirstOperand);
   }
 }
 
@@ -363,12 +353,12 @@ void add(const Tensor& dst, bool accumulate, const Tensor& a, const Tensor* b, b
   CW_CHECK(dst.dtype == a.dtype || (f32_dst_ok && dst.dtype == DType::f32),
            "{}: destination dtype {} with source dtype {} (allowed: the same dtype, or an f32 destination)", op,
            dtype_name(dst.dtype), dtype_name(a.dtype));
-  check_gpu(a, a, op);
-  check_gpu(dst, a, op);
+  check_device_operand(a, a, op, kFirstOperand);
+  check_device_operand(dst, a, op, kFirstOperand);
   if (b) {
     check_same_shape(*b, a, op, "its second source");
     check_dtype(*b, a.dtype, op);
-    check_gpu(*b, a, op);
+    check_device_operand(*b, a, op, kFirstOperand);
   }
   const int64_t n = a.numel();
   if (n == 0) return;

@@ -66,12 +66,6 @@ constexpr int kBwdBatch = 8;           // backward: rows of a segment loaded tog
 constexpr int64_t kMaxBlocks = 65536;
 constexpr int64_t kMaxGridY = 65535;
 
-void check_gpu(const Tensor& t, const Tensor& ref, const char* what) {
-  CW_CHECK(!t.device.is_cpu(), "{} is on {}; the GPU op needs it on a GPU", what, device_name(t.device));
-  check_same_device(t, ref, what, "embedding ids");
-  check_contiguous(t, what);
-}
-
 int sm_count(int device) {
   int n = 0;
   CW_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
@@ -290,9 +284,9 @@ void embedding_forward(const Tensor& out, const Tensor& ids, const Tensor& table
   check_dtype(ids, DType::i32, "embedding ids");
   check_shape(out, {N, C}, "embedding out");
   check_dtype(out, table.dtype, "embedding out");
-  check_gpu(ids, ids, "embedding ids (on the device, validated on the host before upload)");
-  check_gpu(table, ids, "embedding table");
-  check_gpu(out, ids, "embedding out");
+  check_device_operand(ids, ids, "embedding ids (on the device, validated on the host before upload)", "embedding ids");
+  check_device_operand(table, ids, "embedding table", "embedding ids");
+  check_device_operand(out, ids, "embedding out", "embedding ids");
   const int64_t total = N * C;
   if (total == 0) return;
   cudaStream_t stream = current_stream(ids.device.index);
@@ -317,9 +311,9 @@ void embedding_backward(const Tensor& d_table, const Tensor& d_out, const Tensor
   check_dtype(ids, DType::i32, "embedding ids");
   check_dtype(d_table, DType::f32, "embedding d_table (f32 on the GPU)");
   check_shape(d_out, {N, C}, "embedding d_out");
-  check_gpu(ids, ids, "embedding ids (on the device, validated on the host before upload)");
-  check_gpu(d_table, ids, "embedding d_table");
-  check_gpu(d_out, ids, "embedding d_out");
+  check_device_operand(ids, ids, "embedding ids (on the device, validated on the host before upload)", "embedding ids");
+  check_device_operand(d_table, ids, "embedding d_table", "embedding ids");
+  check_device_operand(d_out, ids, "embedding d_out", "embedding ids");
   if (N == 0 || C == 0 || V == 0) return;  // V == 0: every id is invalid, nothing to add
   // Row indices are sorted as i32 and CUB counts items in int.
   CW_CHECK(N <= std::numeric_limits<int32_t>::max(), "embedding backward supports at most 2^31 - 1 ids, got {}", N);

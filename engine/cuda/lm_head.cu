@@ -119,6 +119,25 @@ __device__ __forceinline__ void block_max_sum(float& m, float& s, float* sm, flo
   s = ss[0];
 }
 
+// Visits this thread's 16-byte vectors of a row of nvec vectors (tid, tid + nt, ...): kUnroll
+// loads in flight before any is used, then f(vector, index of its first element) for each.
+template <int kUnroll, class Vt, class T, class F>
+__device__ __forceinline__ void for_row_vectors(const T* row, int nvec, int tid, int nt, F&& f) {
+  for (int base = tid; base < nvec; base += kUnroll * nt) {
+    Vt v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int i = base + u * nt;
+      if (i < nvec) v[u].load(row + static_cast<int64_t>(i) * Vt::kN);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int i = base + u * nt;
+      if (i < nvec) f(v[u], static_cast<int64_t>(i) * Vt::kN);
+    }
+  }
+}
+
 // One block per row r of the logits block (row stride ld, a multiple of the vector width; columns
 // [V, ld) are padding). Thread t owns the row's vectors t + j * blockDim.x (kUnroll loads in flight).
 //   kStats: lse over the row (online max / sum in f32), written to lse_out (if given); row_loss.
@@ -146,33 +165,20 @@ __global__ void __launch_bounds__(kMaxThreads)
       // Read before any thread overwrites the row with G (after the reduction's barriers).
       const float z_label = (tid == 0 && supervised) ? to_f32(row[label]) : 0.0f;
       float m = -INFINITY, s = 0.0f;
-      for (int base = tid; base < nvec; base += kUnroll * nt) {
-        Vt v[kUnroll];
+      for_row_vectors<kUnroll, Vt>(row, nvec, tid, nt, [&](const Vt& v, int64_t e0) {
+        const int valid = V - e0 < kN ? static_cast<int>(V - e0) : kN;
+        float lm = -INFINITY;
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const int i = base + u * nt;
-          if (i < nvec) v[u].load(row + static_cast<int64_t>(i) * kN);
+        for (int k = 0; k < kN; ++k)
+          if (k < valid) lm = fmaxf(lm, v.get(k));
+        if (lm > m) {  // rescale the running sum to the new maximum
+          s *= exp2f((m - lm) * kLog2e);
+          m = lm;
         }
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const int i = base + u * nt;
-          if (i < nvec) {
-            const int64_t e0 = static_cast<int64_t>(i) * kN;
-            const int valid = V - e0 < kN ? static_cast<int>(V - e0) : kN;
-            float lm = -INFINITY;
-#pragma unroll
-            for (int k = 0; k < kN; ++k)
-              if (k < valid) lm = fmaxf(lm, v[u].get(k));
-            if (lm > m) {  // rescale the running sum to the new maximum
-              s *= exp2f((m - lm) * kLog2e);
-              m = lm;
-            }
-#pragma unroll
-            for (int k = 0; k < kN; ++k)
-              if (k < valid) s += exp2f((v[u].get(k) - m) * kLog2e);
-          }
-        }
-      }
+        for (int k = 0; k < kN; ++k)
+          if (k < valid) s += exp2f((v.get(k) - m) * kLog2e);
+      });
       block_max_sum(m, s, red_m, red_s);
       lse = m + logf(s);
       if (tid == 0) {
@@ -192,29 +198,17 @@ __global__ void __launch_bounds__(kMaxThreads)
       for (int i = tid; i < nvec; i += nt) zero.store(row + static_cast<int64_t>(i) * kN);
       return;
     }
-    for (int base = tid; base < nvec; base += kUnroll * nt) {
-      Vt v[kUnroll];
+    // Each vector is read (kUnroll in flight) and then overwritten in place by its own thread.
+    for_row_vectors<kUnroll, Vt>(row, nvec, tid, nt, [&](const Vt& v, int64_t e0) {
+      float g[kN];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int i = base + u * nt;
-        if (i < nvec) v[u].load(row + static_cast<int64_t>(i) * kN);
+      for (int k = 0; k < kN; ++k) {
+        const int64_t e = e0 + k;
+        g[k] = e < V ? exp2f((v.get(k) - lse) * kLog2e) * inv_norm : 0.0f;
+        if (e == label) g[k] -= inv_norm;
       }
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int i = base + u * nt;
-        if (i < nvec) {
-          const int64_t e0 = static_cast<int64_t>(i) * kN;
-          float g[kN];
-#pragma unroll
-          for (int k = 0; k < kN; ++k) {
-            const int64_t e = e0 + k;
-            g[k] = e < V ? exp2f((v[u].get(k) - lse) * kLog2e) * inv_norm : 0.0f;
-            if (e == label) g[k] -= inv_norm;
-          }
-          Vt::pack(g).store(row + e0);
-        }
-      }
-    }
+      Vt::pack(g).store(row + e0);
+    });
   }
 }
 
@@ -242,9 +236,7 @@ int64_t block_rows_for(int64_t N, int64_t ld, size_t elem_bytes) {
 }
 
 void check_gpu(const Tensor& t, const Tensor& x, const char* what) {
-  CW_CHECK(!t.device.is_cpu(), "{} is on {}; the GPU LM head needs it on a GPU", what, device_name(t.device));
-  check_same_device(t, x, what, "lm_head x");
-  check_contiguous(t, what);
+  check_device_operand(t, x, what, "lm_head x");
   CW_CHECK(t.data != nullptr || t.empty(), "{} has no data", what);
 }
 

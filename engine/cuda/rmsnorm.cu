@@ -87,12 +87,6 @@ constexpr int64_t kVecTargetRowBlocks = 512; // ... and at most about this many 
 constexpr int kSumCols = 32;
 constexpr int kSumLanes = 16;
 
-void check_gpu(const Tensor& t, const Tensor& ref, const char* what) {
-  CW_CHECK(!t.device.is_cpu(), "{} is on {}; the GPU op needs it on a GPU", what, device_name(t.device));
-  check_same_device(t, ref, what, "rmsnorm x");
-  check_contiguous(t, what);
-}
-
 // Sum of v over the block (blockDim.x a multiple of 32), returned to every thread. `shared` holds
 // 32 floats. The order of additions is fixed by the thread layout, so the result is deterministic.
 __device__ __forceinline__ float block_sum(float v, float* shared) {
@@ -353,10 +347,10 @@ void check_operands(const Tensor& y, const RmsNormSaved& saved, const Tensor& x,
   check_dtype(y, x.dtype, "rmsnorm out / d_x");
   check_dtype(w, x.dtype, "rmsnorm weight");
   check_dtype(saved.rstd, DType::f32, "rmsnorm saved rstd (f32 on the GPU)");
-  check_gpu(x, x, "rmsnorm x");
-  check_gpu(y, x, "rmsnorm out / d_x");
-  check_gpu(w, x, "rmsnorm weight");
-  check_gpu(saved.rstd, x, "rmsnorm saved rstd");
+  check_device_operand(x, x, "rmsnorm x", "rmsnorm x");
+  check_device_operand(y, x, "rmsnorm out / d_x", "rmsnorm x");
+  check_device_operand(w, x, "rmsnorm weight", "rmsnorm x");
+  check_device_operand(saved.rstd, x, "rmsnorm saved rstd", "rmsnorm x");
 }
 
 }  // namespace
@@ -392,8 +386,8 @@ void rmsnorm_backward(const Tensor& d_x, const Tensor& d_weight, const Tensor& d
   check_same_shape(d_weight, weight, "rmsnorm d_weight", "rmsnorm weight");
   check_dtype(d_out, x.dtype, "rmsnorm d_out");
   check_dtype(d_weight, DType::f32, "rmsnorm d_weight (f32 on the GPU)");
-  check_gpu(d_out, x, "rmsnorm d_out");
-  check_gpu(d_weight, x, "rmsnorm d_weight");
+  check_device_operand(d_out, x, "rmsnorm d_out", "rmsnorm x");
+  check_device_operand(d_weight, x, "rmsnorm d_weight", "rmsnorm x");
   const int64_t N = x.size(0), C = x.size(1);
   if (N == 0 || C == 0) return;  // nothing to add to d_weight, no d_x rows
   CW_CHECK(N <= 0x7fffffff, "rmsnorm_backward: {} rows exceed the grid", N);
