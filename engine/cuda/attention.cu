@@ -5,13 +5,13 @@
 // 128, a cuDNN that supports bottom-right causal masks), each direction on its own:
 //  * forward: cuDNN where cudnn_attention_forward_supports() says so (its workspace is tiny);
 //  * backward: cuDNN only while determinism is not requested and its plan's workspace fits the
-//    attention workspace budget, else the flash kernel. Every backward engine cuDNN offers (9.14)
-//    stages the f32 scores of all c x S pairs in its workspace (B H c S 4 bytes: 8 GiB at 8K tokens
-//    with 32 heads, 32 GiB at 16K), and the fast one sums dQ with atomics. The budget is a quarter
-//    of the device memory free when the first backward asks (at least 256 MiB), fixed for the
-//    process; CW_ATTENTION_WORKSPACE_MIB=N sets it. So a run with memory to spare (full backprop at
-//    8K on an 80 GB GPU) buys cuDNN's faster backward with it, and a run near the memory limit
-//    (checkpointed at 16K and beyond) keeps the flash backward, whose scratch is O(c).
+//    attention workspace budget, else the flash kernel. cuDNN's fast backward (dQ summed with f32
+//    atomics) needs O(S) workspace in the graph form attention_cudnn.cu builds (the per-query-head
+//    f32 dK/dV of its GQA head reduction: 128 MiB at 16K tokens with 32 heads); its deterministic
+//    engine stages dS for all c x S pairs (B H c S 2 bytes) and its older graph forms staged f32
+//    scores (B H c S 4 bytes: 32 GiB at 16K). The budget is a quarter of the device memory free
+//    when the first backward asks (at least 256 MiB), fixed for the process;
+//    CW_ATTENTION_WORKSPACE_MIB=N sets it. The flash backward's scratch is O(c) whatever happens.
 // A cuDNN forward's out and lse feed the flash backward unchanged (both are the op's contract).
 #include "chunkwise_config.h"
 #include "engine/cuda/ops.h"

@@ -19,8 +19,10 @@
 //             max = reduce_max(S), E = exp(S - max), sum = reduce_add(E),
 //             stats = max + log(sum)  [our lse: natural-log log-sum-exp of the scaled, masked scores]
 //             P = E / sum -> O = P V
-//   backward: Delta = reduce_add(dO * O); S as above; P = exp(S - stats); dV = P^T dO;
-//             dP = dO V^T; dS = (dP - Delta) * P * scale; dK = dS^T Q; dQ = dS K.
+//   backward: Delta = 1 * reduce_add(dO * O) (a real f32 tensor, written by cuDNN); S as above;
+//             P = exp(S - stats); dV = P^T dO; dP = dO V^T; dS = (dP - Delta) * P * scale;
+//             dK = dS^T Q; dQ = dS reshape(K^T) into a plain f32 accumulator, cast to bf16 dQ;
+//             for GQA, dK and dV per query head (bf16, virtual) reduced to the K/V heads.
 //   causal mask: row = GEN_INDEX(axis 2), col = GEN_INDEX(axis 3) (int32), row' = row + S - c
 //             (two by-value int32 scalars; absent for p = 0, where both alignments agree),
 //             keep = (row' >= col), S = BINARY_SELECT(keep ? S : lowest float).
@@ -38,11 +40,13 @@
 // with fewer heads than Q directly (grouped-query attention: query head h reads K/V head
 // h / (H / Hkv)). lse [B, H, c] f32 is the stats tensor (B, H, c, 1).
 // Backward with GQA: cuDNN's matmuls broadcast the Hkv K/V heads to the H query heads, and a
-// matmul's output has the broadcast shape, so dK/dV come out per query head ([B, S, H, D] scratch)
-// and add_kv_grouped_kernel sums each group in a fixed order (the explicit head-reduction graph
-// that cuDNN accepts gave wrong dK/dV). A fallback variant copies K/V to H heads first.
-// Delta = rowsum(dO * O) is a real f32 tensor of the backward graph, filled by delta_kernel before
-// cuDNN runs (see STATUS).
+// matmul's output has the broadcast shape, so dK/dV come out per query head. In the frontend form
+// a bf16 virtual per-query-head tensor is reduced to the Hkv heads inside the graph; in the older
+// forms (where that reduction with an f32 intermediate gave wrong dK/dV) they come out per query
+// head ([B, S, H, D] scratch) and add_kv_grouped_kernel sums each group in a fixed order. A fallback
+// variant copies K/V to H heads first.
+// Delta = rowsum(dO * O) is a real f32 tensor of the backward graph: written by cuDNN in the
+// frontend form, filled by delta_kernel before cuDNN runs in the others (see STATUS).
 // Backward outputs: cuDNN overwrites its outputs, while the op ADDS d_k, d_v into the caller's f32
 // buffers (which may have any batch stride). So cuDNN writes dK, dV into packed scratch
 // (bf16: the one dK/dV type whose values the device run validated, dV within 2.4e-3; f32 outputs are
@@ -58,23 +62,33 @@
 // execute time) and executes. One cudnnHandle per device, bound to gpu::current_stream(device).
 // Workspace comes from the `scratch` arena (inside an ArenaScope; safe to hand back before the
 // kernels finish because all later users of the arena launch on the same stream).
-// Backward forms and determinism. Two forms of dQ = dS K: into an f32 accumulator in cuDNN's own
-// tile order (then cast to bf16 dQ), or straight into dQ. cuDNN 9.14 serves both with engines
-// whose workspace holds the f32 scores of all c x S pairs (B H c S 4 bytes; no configuration offers
-// less, and no engine has a workspace knob); the accumulator form is faster (8K tokens, 32 heads,
-// D 64: 1.90 ms against 2.64) but adds dQ with atomics without carrying cuDNN's non-determinism
-// note, so with gpu::deterministic() only the direct form is built (and configurations carrying the
-// note are skipped). Among the configurations the heuristics offer, the first needing at most
-// kWorkspaceLimit is taken, else the one needing least. engine/cuda/attention.cu decides whether
-// `automatic` may spend that workspace. The add kernels are elementwise (no atomics).
+// Backward forms and determinism. Two forms of dQ = dS K: into an f32 accumulator (then cast to
+// bf16 dQ), or straight into dQ. The accumulator form is the fast one (8K tokens, 32 heads, D 64:
+// 1.82 ms against 2.64) but adds dQ with atomics without carrying cuDNN's non-determinism note, so
+// with gpu::deterministic() only the direct form is built (and configurations carrying the note are
+// skipped). Workspace: built as above (GraphVariant::frontend_form, the arrangement the cuDNN
+// frontend library uses), the accumulator form needs only the GQA head reduction's per-query-head
+// f32 staging (B H S D 4 bytes); every other arrangement we tried (Delta straight out of the
+// reduction, a second K tensor for dQ, cuDNN's reordered accumulator layout) made cuDNN 9.14 pick a
+// configuration staging the f32 scores of all c x S pairs (B H c S 4 bytes: 32 GiB at 16K tokens
+// and 32 heads), with no knob to avoid it. The direct form stages dS (bf16, B H c S 2 bytes). Among
+// the configurations the heuristics offer, the first needing at most kWorkspaceLimit is taken, else
+// the one needing least (timed on the H100: the heuristics' first is also the fastest, the others
+// 2-2.5x slower). engine/cuda/attention.cu decides whether `automatic` may spend the workspace.
+// The add kernels are elementwise (no atomics).
 // STATUS (H100, 2026-11-21, cuDNN 9.14): forward and backward pass the GPU tests against the f64 CPU
 // op (tests/engine/test_cuda_attention_cudnn.cpp: MHA and GQA 4, head dims 64 and 128, c < S with
 // sizes not multiples of the tiles, a padded K/V batch stride; d_q overwrite and accumulate, d_k/d_v
 // added; both backward forms), and the deterministic backward is bitwise repeatable. What made it
-// right: the engines READ the graph's Delta tensor rather than computing it (a zero Delta gave
-// dQ/dK ~15% off), so delta_kernel fills it first; and GQA dK/dV per query head, summed by us.
-// Speed at 8K tokens (ops_vs_torch.py): forward 0.57 ms (D 64) / 0.68 ms (D 128), faster than
-// torch's cuDNN backend; backward 1.90 / 2.30 ms against torch's 1.82-1.83 / 2.14-2.27.
+// right: in the older graph forms the engines READ the graph's Delta tensor rather than computing
+// it (a zero Delta gave dQ/dK ~15% off), so delta_kernel fills it first; in the frontend form cuDNN
+// writes Delta itself (we poison it with NaN before the call, so a read-only engine would show) and
+// zeroes its own accumulator (cuDNN >= 9.6; the tests' second backward on the same scratch would
+// catch a stale one). GQA dK/dV through the in-graph head reduction in the frontend form; per query
+// head, summed by us, in the others.
+// Speed at 8K tokens (ops_vs_torch.py, same call): forward 0.58 ms (D 64) / 0.70 ms (D 128), at or
+// above torch's cuDNN backend (cuDNN 9.19 inside torch); backward 1.82 / 2.21 ms against torch's
+// 1.90 / 2.11.
 // Version: bottom-right causal attention through the fused engine needs cuDNN >= 9.3 (the
 // frontend's support check for bottom-right causal masks; earlier 9.x versions only fuse top-left
 // masks); we require a 9.x runtime at least that new (cudnnGetVersion() at run time).
@@ -282,7 +296,7 @@ class GraphBuilder {
 
 // Tensor UIDs of the variant pack.
 enum Uid : int64_t {
-  kQ = 1, kK, kV, kO, kStats, kScale, kNegInf, kSkv, kSq, kDO, kDQ, kDK, kDV, kKForDQ, kDelta, kDQAccum
+  kQ = 1, kK, kV, kO, kStats, kScale, kNegInf, kSkv, kSq, kDO, kDQ, kDK, kDV, kKForDQ, kDelta, kDQAccum, kOne
 };
 
 struct Shape {
@@ -308,6 +322,15 @@ struct GraphVariant {
   bool dq_accum = false;      // backward: dQ = dS K into an f32 accumulator (cuDNN's layout), then a cast
   bool gqa_expand = false;    // backward, GQA: K/V copied to H heads first (else the matmuls broadcast
                               // the Hkv heads); dK/dV come out per query head either way
+  // backward: the arrangement the cuDNN frontend library builds for the same math: Delta written
+  // by a unit-scale pointwise op after the row reduction (cuDNN then computes it in its own
+  // pre-pass), dQ = dS K reading K as a reshape of the K^T operand of Q K^T (one K tensor in the
+  // graph), the f32 dQ accumulator in plain [B, H, c, D] layout, per-query-head dK/dV for a head
+  // reduction in bf16. Measured on the H100 (cuDNN 9.14): the only arrangement whose fast
+  // (accumulator) engine needs no c x S workspace (256 bytes instead of B H c S 4: 32 GiB at 16K
+  // tokens and 32 heads); each switch alone either keeps the big workspace or is refused for some
+  // shapes.
+  bool frontend_form = false;
   std::string str() const {
     std::string s;
     s += dq_accum ? "dQ=f32 accumulator," : "dQ=direct,";
@@ -317,6 +340,7 @@ struct GraphVariant {
     s += delta_in_memory ? ",Delta=memory" : ",Delta=virtual";
     s += ds_f32 ? ",dS=f32" : ",dS=bf16";
     s += gqa_reduce ? ",gqa=reduce" : gqa_expand ? ",gqa=expanded K/V" : ",gqa=broadcast K/V";
+    if (frontend_form) s += ",frontend form";
     return s;
   }
 };
@@ -400,14 +424,16 @@ Dims kv_strides(const KvView& kv, int64_t batch_stride, int64_t D) { return {bat
 Dims kv_t_strides(const KvView& kv, int64_t batch_stride, int64_t D) { return {batch_stride, D, 1, kv.heads * D}; }
 
 // S = scale * Q K^T, causally masked (shared by both directions).
+// *kt_out (if given) receives the K^T operand.
 cudnnBackendDescriptor_t build_scores(GraphBuilder& g, const Shape& sh, const GraphVariant& v,
-                                      cudnnBackendDescriptor_t q) {
+                                      cudnnBackendDescriptor_t q, cudnnBackendDescriptor_t* kt_out = nullptr) {
   const Dims sdims{sh.B, sh.H, sh.c, sh.S};
   const KvView kv = kv_view(sh, v);
   cudnnBackendDescriptor_t kt =
       g.tensor(kK, CUDNN_DATA_BFLOAT16, kv_t_dims(sh, kv), kv_t_strides(kv, kv.k_batch_stride, sh.D));
   cudnnBackendDescriptor_t s = g.virt(CUDNN_DATA_FLOAT, sdims);
   g.matmul(q, kt, s);
+  if (kt_out) *kt_out = kt;
   cudnnBackendDescriptor_t scaled = g.virt(CUDNN_DATA_FLOAT, sdims);
   g.pointwise(CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, s, g.scalar(kScale, CUDNN_DATA_FLOAT), scaled);
   return build_mask(g, sh, v, scaled);
@@ -449,7 +475,7 @@ void kv_grad(GraphBuilder& g, const Shape& sh, const GraphVariant& v, cudnnBacke
   cudnnBackendDescriptor_t out =
       g.tensor(uid, dt, {sh.B, heads, sh.S, sh.D}, {sh.S * heads * sh.D, sh.D, heads * sh.D, 1});
   if (v.gqa_reduce && sh.H != sh.Hkv) {
-    cudnnBackendDescriptor_t full = g.virt(CUDNN_DATA_FLOAT, {sh.B, sh.H, sh.S, sh.D});
+    cudnnBackendDescriptor_t full = g.virt(v.frontend_form ? CUDNN_DATA_BFLOAT16 : CUDNN_DATA_FLOAT, {sh.B, sh.H, sh.S, sh.D});
     g.matmul(a, b, full);
     g.reduction(CUDNN_REDUCE_TENSOR_ADD, full, out);
   } else {
@@ -469,13 +495,21 @@ cudnnBackendDescriptor_t build_backward(GraphBuilder& g, const Shape& sh, const 
   // Delta = rowsum(dO * O)
   cudnnBackendDescriptor_t d_o_o = g.virt(CUDNN_DATA_FLOAT, qdims);
   g.pointwise(CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, d_o, o, d_o_o);
-  cudnnBackendDescriptor_t delta = v.delta_in_memory
-                                       ? g.tensor(kDelta, CUDNN_DATA_FLOAT, rdims, {sh.H * sh.c, sh.c, 1, 1})
-                                       : g.virt(CUDNN_DATA_FLOAT, rdims);
-  g.reduction(CUDNN_REDUCE_TENSOR_ADD, d_o_o, delta);
+  cudnnBackendDescriptor_t delta = nullptr;
+  if (v.frontend_form) {
+    cudnnBackendDescriptor_t sum = g.virt(CUDNN_DATA_FLOAT, rdims);
+    g.reduction(CUDNN_REDUCE_TENSOR_ADD, d_o_o, sum);
+    delta = g.tensor(kDelta, CUDNN_DATA_FLOAT, rdims, {sh.H * sh.c, sh.c, 1, 1});
+    g.pointwise(CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, sum, g.scalar(kOne, CUDNN_DATA_FLOAT), delta);
+  } else {
+    delta = v.delta_in_memory ? g.tensor(kDelta, CUDNN_DATA_FLOAT, rdims, {sh.H * sh.c, sh.c, 1, 1})
+                              : g.virt(CUDNN_DATA_FLOAT, rdims);
+    g.reduction(CUDNN_REDUCE_TENSOR_ADD, d_o_o, delta);
+  }
 
   // P = exp(S - lse)
-  cudnnBackendDescriptor_t s = build_scores(g, sh, v, q);
+  cudnnBackendDescriptor_t kt = nullptr;
+  cudnnBackendDescriptor_t s = build_scores(g, sh, v, q, &kt);
   cudnnBackendDescriptor_t centred = g.virt(CUDNN_DATA_FLOAT, sdims);
   g.pointwise(CUDNN_POINTWISE_SUB, CUDNN_DATA_FLOAT, s, stats, centred);
   cudnnBackendDescriptor_t p = g.virt(v.p_f32 ? CUDNN_DATA_FLOAT : bf, sdims);
@@ -504,7 +538,13 @@ cudnnBackendDescriptor_t build_backward(GraphBuilder& g, const Shape& sh, const 
   kv_grad(g, sh, v, ds_t, q, kDK);
 
   // dQ = dS K
-  cudnnBackendDescriptor_t k = g.tensor(kKForDQ, bf, kv_dims(sh, kv), kv_strides(kv, kv.k_batch_stride, sh.D));
+  cudnnBackendDescriptor_t k = nullptr;
+  if (v.frontend_form) {
+    k = g.virt(bf, kv_dims(sh, kv), kv_strides(kv, kv.k_batch_stride, sh.D));
+    g.reshape(kt, k);
+  } else {
+    k = g.tensor(kKForDQ, bf, kv_dims(sh, kv), kv_strides(kv, kv.k_batch_stride, sh.D));
+  }
   cudnnBackendDescriptor_t dq = g.tensor(kDQ, bf, qdims, q_strides(sh));
   if (v.dq_accum) {
     // Each key block's dS K is added into an f32 accumulator in cuDNN's own tile order (zeroed by
@@ -512,7 +552,9 @@ cudnnBackendDescriptor_t build_backward(GraphBuilder& g, const Shape& sh, const 
     // D 64): 1.96 ms against 2.64 ms for the direct form, but not deterministic, and like the
     // direct form every engine cuDNN offers stages the scores of all c x S pairs in f32 in its
     // workspace (B H c S 4 bytes: 8 GiB there; no engine offers a workspace knob).
-    cudnnBackendDescriptor_t acc = g.reordered_tensor(kDQAccum, CUDNN_DATA_FLOAT, qdims, q_strides(sh));
+    cudnnBackendDescriptor_t acc =
+        v.frontend_form ? g.tensor(kDQAccum, CUDNN_DATA_FLOAT, qdims, packed_strides(qdims))
+                         : g.reordered_tensor(kDQAccum, CUDNN_DATA_FLOAT, qdims, q_strides(sh));
     g.matmul(ds, k, acc);
     g.pointwise(CUDNN_POINTWISE_IDENTITY, CUDNN_DATA_FLOAT, acc, nullptr, dq);
   } else {
@@ -541,6 +583,21 @@ std::vector<GraphVariant> variants_for(const Shape& sh) {
   // broadcast by the matmuls before K/V expanded to H heads in scratch (see
   // cudnn_attention_backward); dK/dV per query head either way.
   const bool gqa = sh.H != sh.Hkv;
+  // First the frontend library's arrangement (see GraphVariant::frontend_form): for GQA with the
+  // head reduction inside the graph, then with per-query-head dK/dV summed by us.
+  for (bool reduce : {true, false}) {
+    if (reduce && !gqa) continue;
+    GraphVariant v;
+    v.frontend_form = true;
+    v.dq_accum = !sh.deterministic;
+    v.gqa_reduce = reduce;
+    v.dkv_f32 = false;
+    v.delta_in_memory = true;
+    v.p_f32 = true;
+    v.ds_f32 = v.dq_accum;
+    out.push_back(v);
+  }
+  // Then the arrangements earlier cuDNN versions served (each needs the c x S workspace on 9.14).
   for (bool dq_accum : {true, false}) {
     // The accumulator form's engine adds dQ with atomics but does not carry cuDNN's
     // non-determinism note (measured: repeated runs differ), so a deterministic backward never
@@ -768,6 +825,9 @@ std::unique_ptr<Plan> try_variant(cudnnHandle_t handle, const Shape& sh, const G
   int64_t best_ws = 0;
   bool best_nondet = false;
   std::string best_notes;
+  // Diagnostic: CW_CUDNN_CONFIG=i takes the i-th configuration that finalizes (whatever its workspace).
+  int64_t forced = -1, finalized = 0;
+  if (const char* e = std::getenv("CW_CUDNN_CONFIG"); e != nullptr && *e != '\0') forced = std::atoi(e);
   for (auto& c : candidates(graph, &errors)) {
     Desc engine(CUDNN_BACKEND_ENGINE_DESCRIPTOR);
     int64_t n = 0;
@@ -792,14 +852,15 @@ std::unique_ptr<Plan> try_variant(cudnnHandle_t handle, const Shape& sh, const G
     CW_CUDNN_CHECK(cudnnBackendGetAttribute(ep->d, CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, CUDNN_TYPE_INT64, 1, &n, &ws));
     tried += CW_FORMAT("\n    engine {} knobs {} ({}; notes {}): workspace {} bytes", c->engine, knobs_str(c->knobs),
                        c->source, notes, ws);
-    if (!best || ws < best_ws) {
+    if (forced >= 0 && finalized++ != forced) continue;
+    if (!best || ws < best_ws || forced >= 0) {
       best = std::move(c);
       best_plan = std::move(ep);
       best_ws = ws;
       best_nondet = nondet;
       best_notes = notes;
     }
-    if (best_ws <= kWorkspaceLimit) break;
+    if (best_ws <= kWorkspaceLimit || forced >= 0) break;
   }
   if (!best) {
     *why = errors.empty() ? "no engine" : errors;
@@ -1152,12 +1213,26 @@ void cudnn_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor
   CW_CHECK(plan != nullptr, "cuDNN has no fused attention backward plan for q {} k {}:\n{}", q.describe(),
            k.describe(), why);
 
-  // GQA: dK/dV come out per query head (a matmul's output has the broadcast shape) and the add
-  // kernel sums each group in a fixed order. Where cuDNN only served the graph with K/V expanded to
-  // H heads, they are copied to scratch first (B S H D bf16 each, at memory speed).
+  // The f32 dQ accumulator first, so that it sits at the same scratch address call after call
+  // (the tests' second backward then catches an accumulator left unzeroed).
+  const GraphVariant& variant = plan->variant;
+  void* dq_accum = nullptr;
+  if (variant.dq_accum) {
+    const size_t bytes = static_cast<size_t>(B * c * H * D) * sizeof(float);
+    dq_accum = scratch.alloc_bytes(bytes);
+    // cuDNN 9.6 and newer zero the frontend form's accumulator themselves (the frontend library
+    // stopped doing it there); older versions and the other forms add into what they are given.
+    if (!variant.frontend_form || runtime_version() < 90600)
+      CW_CUDA_CHECK(cudaMemsetAsync(dq_accum, 0, bytes, stream));
+  }
+
+  // GQA: dK/dV come out per query head (a matmul's output has the broadcast shape) unless the
+  // graph reduces the heads itself, and the add kernel then sums each group in a fixed order.
+  // Where cuDNN only served the graph with K/V expanded to H heads, they are copied to scratch
+  // first (B S H D bf16 each, at memory speed).
   const int64_t g = H / Hkv;
   Tensor k_used = k, v_used = v;
-  if (g > 1 && plan->variant.gqa_expand) {
+  if (g > 1 && variant.gqa_expand) {
     k_used = scratch.alloc(DType::bf16, {B, S, H, D});
     v_used = scratch.alloc(DType::bf16, {B, S, H, D});
     const int64_t vecs = B * S * H * D / 8;
@@ -1168,28 +1243,38 @@ void cudnn_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor
         static_cast<uint4*>(v_used.data), static_cast<const __nv_bfloat16*>(v.data), B, S, H, Hkv, D, v.stride[0]);
     CW_KERNEL_CHECK();
   }
-  const int64_t Hs = g > 1 ? H : Hkv;  // heads of the scratch dK/dV
-  const DType kv_dt = plan->variant.dkv_f32 ? DType::f32 : DType::bf16;
+  const bool per_query_head = g > 1 && !variant.gqa_reduce;
+  const int64_t Hs = per_query_head ? H : Hkv;  // heads of the scratch dK/dV
+  const DType kv_dt = variant.dkv_f32 ? DType::f32 : DType::bf16;
   const Tensor dk_s = scratch.alloc(kv_dt, {B, S, Hs, D}), dv_s = scratch.alloc(kv_dt, {B, S, Hs, D});
   const bool accumulate = mode == GradMode::accumulate;
   const Tensor dq_s = accumulate ? scratch.alloc(DType::bf16, {B, c, H, D}) : d_q;
   const Tensor delta = scratch.alloc(DType::f32, {B, H, c});
-  void* dq_accum = nullptr;
-  if (plan->variant.dq_accum) {  // cuDNN adds every key block's share into it: zero first
-    const size_t bytes = static_cast<size_t>(B * c * H * D) * sizeof(float);
-    dq_accum = scratch.alloc_bytes(bytes);
-    CW_CUDA_CHECK(cudaMemsetAsync(dq_accum, 0, bytes, stream));
+  if (variant.frontend_form) {
+    // cuDNN computes Delta itself in this form and writes it here; poisoned (NaN) so that an engine
+    // reading it instead would show in every gradient.
+    CW_CUDA_CHECK(cudaMemsetAsync(delta.data, 0xff, static_cast<size_t>(B * H * c) * sizeof(float), stream));
+  } else {
+    // The older forms' engines read Delta from memory: computed here first.
+    delta_kernel<<<blocks_for(B * c * H * 32, kAddThreads), kAddThreads, 0, stream>>>(
+        static_cast<float*>(delta.data), static_cast<const __nv_bfloat16*>(d_out.data),
+        static_cast<const __nv_bfloat16*>(out.data), B, c, H, D);
+    CW_KERNEL_CHECK();
   }
-  delta_kernel<<<blocks_for(B * c * H * 32, kAddThreads), kAddThreads, 0, stream>>>(
-      static_cast<float*>(delta.data), static_cast<const __nv_bfloat16*>(d_out.data),
-      static_cast<const __nv_bfloat16*>(out.data), B, c, H, D);
-  CW_KERNEL_CHECK();
 
   float scale_f = static_cast<float>(scale), neg = std::numeric_limits<float>::lowest();
   MaskScalars m(sh, plan->variant);
-  std::vector<int64_t> uids{kQ, kK, kKForDQ, kV, kO, kDO, kStats, kDQ, kDK, kDV, kScale, kNegInf, kDelta};
-  std::vector<void*> ptrs{q.data,    k_used.data, k_used.data, v_used.data, out.data,  d_out.data, saved.lse.data,
-                          dq_s.data, dk_s.data,   dv_s.data,   &scale_f,    &neg,      delta.data};
+  float one = 1.0f;
+  std::vector<int64_t> uids{kQ, kK, kV, kO, kDO, kStats, kDQ, kDK, kDV, kScale, kNegInf, kDelta};
+  std::vector<void*> ptrs{q.data,    k_used.data, v_used.data, out.data, d_out.data, saved.lse.data,
+                          dq_s.data, dk_s.data,   dv_s.data,   &scale_f, &neg,       delta.data};
+  if (!variant.frontend_form) {
+    uids.push_back(kKForDQ);
+    ptrs.push_back(k_used.data);
+  } else {
+    uids.push_back(kOne);
+    ptrs.push_back(&one);
+  }
   if (dq_accum) {
     uids.push_back(kDQAccum);
     ptrs.push_back(dq_accum);
@@ -1200,7 +1285,7 @@ void cudnn_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor
   // d_k += dK, d_v += dV (group sums for GQA; batch strides honoured), then d_q += dQ in accumulate mode.
   const int64_t row = S * Hkv * D;
   CW_CHECK(B <= 65535, "cuDNN attention: {} batch entries exceed the grid", B);
-  if (g == 1) {
+  if (!per_query_head) {
     const dim3 grid(blocks_for(row / 4, kAddThreads), static_cast<unsigned>(B), 2);
     if (kv_dt == DType::f32) {
       add_kv_kernel<float><<<grid, kAddThreads, 0, stream>>>(
