@@ -981,34 +981,33 @@ template <class Kernel> void set_smem(Kernel kernel, size_t bytes) {
                                                             static_cast<int>(bytes)));
 }
 
+// One tiled kernel over `tiles` tiles of its dimension (queries or keys) per (batch, head) pair:
+// the tile config supplies the threads and the dynamic shared memory.
+template <class Cfg, class Kernel>
+void launch_tiled(Kernel kernel, int64_t extent, int64_t tile, int64_t heads, const Operands<bf16_t>& a,
+                  const Problem& pr, cudaStream_t stream) {
+  set_smem(kernel, Cfg::kSmem);
+  const unsigned grid = static_cast<unsigned>((extent + tile - 1) / tile * heads * pr.B);
+  kernel<<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(a, pr);
+  CW_KERNEL_CHECK();
+}
+
 template <int D, int NW, int MT, int BC>
 void launch_tc_forward(const Operands<bf16_t>& a, const Problem& pr, cudaStream_t stream) {
   using Cfg = TcForward<D, NW, MT, BC>;
-  auto kernel = tc_forward_kernel<D, NW, MT, BC>;
-  set_smem(kernel, Cfg::kSmem);
-  const unsigned grid = static_cast<unsigned>((pr.c + Cfg::kRows - 1) / Cfg::kRows * pr.H * pr.B);
-  kernel<<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(a, pr);
-  CW_KERNEL_CHECK();
+  launch_tiled<Cfg>(tc_forward_kernel<D, NW, MT, BC>, pr.c, Cfg::kRows, pr.H, a, pr, stream);
 }
 
 template <int D, int NW, int BR, bool FUSED_DQ>
 void launch_tc_dkdv(const Operands<bf16_t>& a, const Problem& pr, cudaStream_t stream) {
   using Cfg = TcDkdv<D, NW, BR, FUSED_DQ>;
-  auto kernel = tc_dkdv_kernel<D, NW, BR, FUSED_DQ>;
-  set_smem(kernel, Cfg::kSmem);
-  const unsigned grid = static_cast<unsigned>((pr.S + Cfg::kKeys - 1) / Cfg::kKeys * pr.Hkv * pr.B);
-  kernel<<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(a, pr);
-  CW_KERNEL_CHECK();
+  launch_tiled<Cfg>(tc_dkdv_kernel<D, NW, BR, FUSED_DQ>, pr.S, Cfg::kKeys, pr.Hkv, a, pr, stream);
 }
 
 template <int D, int NW, int BC>
 void launch_tc_dq(const Operands<bf16_t>& a, const Problem& pr, cudaStream_t stream) {
   using Cfg = TcDq<D, NW, BC>;
-  auto kernel = tc_dq_kernel<D, NW, BC>;
-  set_smem(kernel, Cfg::kSmem);
-  const unsigned grid = static_cast<unsigned>((pr.c + Cfg::kRows - 1) / Cfg::kRows * pr.H * pr.B);
-  kernel<<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(a, pr);
-  CW_KERNEL_CHECK();
+  launch_tiled<Cfg>(tc_dq_kernel<D, NW, BC>, pr.c, Cfg::kRows, pr.H, a, pr, stream);
 }
 
 void launch_dq_convert(const Operands<bf16_t>& a, const Problem& pr, cudaStream_t stream) {

@@ -236,19 +236,24 @@ template <class T> __global__ void swiglu_forward_vec_kernel(T* out, const T* ga
   }
 }
 
+// The backward of element i, one scalar at a time (the unaligned kernel and the vector kernel's tail).
+template <class T>
+__device__ __forceinline__ void swiglu_backward_at(int64_t i, T* d_gate, T* d_up, const T* d_out, const T* gate,
+                                                   const T* up, bool accumulate) {
+  float dg, du;
+  swiglu_grads(to_f32(gate[i]), to_f32(up[i]), to_f32(d_out[i]), dg, du);
+  if (accumulate) {
+    dg = to_f32(d_gate[i]) + dg;
+    du = to_f32(d_up[i]) + du;
+  }
+  d_gate[i] = from_f32<T>(dg);
+  d_up[i] = from_f32<T>(du);
+}
+
 template <class T>
 __global__ void swiglu_backward_kernel(T* d_gate, T* d_up, const T* d_out, const T* gate, const T* up, int64_t n,
                                        bool accumulate) {
-  CW_GRID_STRIDE(i, n) {
-    float dg, du;
-    swiglu_grads(to_f32(gate[i]), to_f32(up[i]), to_f32(d_out[i]), dg, du);
-    if (accumulate) {
-      dg = to_f32(d_gate[i]) + dg;
-      du = to_f32(d_up[i]) + du;
-    }
-    d_gate[i] = from_f32<T>(dg);
-    d_up[i] = from_f32<T>(du);
-  }
+  CW_GRID_STRIDE(i, n) swiglu_backward_at(i, d_gate, d_up, d_out, gate, up, accumulate);
 }
 
 template <class T>
@@ -279,17 +284,7 @@ __global__ void swiglu_backward_vec_kernel(T* d_gate, T* d_up, const T* d_out, c
     store_f32(d_gate + i * kN, dg);
     store_f32(d_up + i * kN, du);
   }
-  CW_GRID_STRIDE(r, n - nv * kN) {
-    const int64_t i = nv * kN + r;
-    float dg, du;
-    swiglu_grads(to_f32(gate[i]), to_f32(up[i]), to_f32(d_out[i]), dg, du);
-    if (accumulate) {
-      dg = to_f32(d_gate[i]) + dg;
-      du = to_f32(d_up[i]) + du;
-    }
-    d_gate[i] = from_f32<T>(dg);
-    d_up[i] = from_f32<T>(du);
-  }
+  CW_GRID_STRIDE(r, n - nv * kN) swiglu_backward_at(nv * kN + r, d_gate, d_up, d_out, gate, up, accumulate);
 }
 
 void check_same_all(std::initializer_list<const Tensor*> ts, const char* op) {

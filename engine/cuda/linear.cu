@@ -212,15 +212,20 @@ void check_x_weight(const Tensor& x, const Tensor& weight) {
   check_shape(weight, {weight.size(0), x.size(1)}, "linear weight");
 }
 
+// One operand: a 2-d contiguous tensor on `device` of the given shape and dtype.
+void check_operand_2d(const Tensor& t, std::initializer_list<int64_t> shape, DType dtype, const char* what, int device) {
+  check_gpu_2d(t, what, device);
+  check_shape(t, shape, what);
+  check_dtype(t, dtype, what);
+}
+
 }  // namespace
 
 void linear_forward(const Tensor& out, const Tensor& x, const Tensor& weight) {
   check_x_weight(x, weight);
   const int device = x.device.index;
   const int64_t N = x.size(0), I = x.size(1), O = weight.size(0);
-  check_gpu_2d(out, "linear out", device);
-  check_shape(out, {N, O}, "linear out");
-  check_dtype(out, x.dtype, "linear out");
+  check_operand_2d(out, {N, O}, x.dtype, "linear out", device);
   // Yc[O, N] = Wcᵀ · Xc  (see the header)
   matmul(device, O, N, I, /*trans_a=*/true, /*trans_b=*/false, weight.data, I, x.data, I, out.data, O, x.dtype, x.dtype,
          0.0f, out);
@@ -231,19 +236,10 @@ void linear_backward(const Tensor& d_x, const Tensor& d_weight, const Tensor& d_
   check_x_weight(x, weight);
   const int device = x.device.index;
   const int64_t N = x.size(0), I = x.size(1), O = weight.size(0);
-  check_gpu_2d(d_out, "linear d_out", device);
-  check_shape(d_out, {N, O}, "linear d_out");
-  check_dtype(d_out, x.dtype, "linear d_out");
-  if (d_x.data) {
-    check_gpu_2d(d_x, "linear d_x", device);
-    check_shape(d_x, {N, I}, "linear d_x");
-    check_dtype(d_x, x.dtype, "linear d_x");
-  }
-  if (d_weight.data) {
-    check_gpu_2d(d_weight, "linear d_weight", device);
-    check_shape(d_weight, {O, I}, "linear d_weight");
-    check_dtype(d_weight, DType::f32, "linear d_weight (parameter gradients are f32 on the GPU)");
-  }
+  check_operand_2d(d_out, {N, O}, x.dtype, "linear d_out", device);
+  if (d_x.data) check_operand_2d(d_x, {N, I}, x.dtype, "linear d_x", device);
+  if (d_weight.data)
+    check_operand_2d(d_weight, {O, I}, DType::f32, "linear d_weight (parameter gradients are f32 on the GPU)", device);
   if (d_x.data) {
     // dXc[I, N] = Wc · dYc
     matmul(device, I, N, O, /*trans_a=*/false, /*trans_b=*/false, weight.data, I, d_out.data, O, d_x.data, I, x.dtype,

@@ -277,34 +277,42 @@ void copy_convert(const Tensor& dst, const Tensor& src) {
   CW_KERNEL_CHECK();
 }
 
+namespace {
+// The launch geometry of an in-place kernel over a tensor seen as rows (contiguous, or rows at a pitch).
+struct InPlace {
+  int64_t pitch, rows, row_elems;
+  cudaStream_t stream;
+  unsigned grid;
+};
+InPlace in_place(const Tensor& t, const char* what) {
+  const Rows r = as_rows(t, what);
+  return {r.rows == 1 ? r.row_elems : r.pitch, r.rows, r.row_elems, current_stream(t.device.index), grid_for(t.numel())};
+}
+}  // namespace
+
 void fill(const Tensor& t, double value) {
   if (t.numel() == 0) return;
-  const Rows r = as_rows(t, "fill target");
-  const int64_t pitch = r.rows == 1 ? r.row_elems : r.pitch;
-  cudaStream_t stream = current_stream(t.device.index);
-  const unsigned grid = grid_for(t.numel());
+  const InPlace g = in_place(t, "fill target");
+  auto launch = [&](auto* data, auto v) {
+    fill_kernel<<<g.grid, 256, 0, g.stream>>>(data, g.pitch, g.rows, g.row_elems, v);
+  };
   switch (t.dtype) {
-    case DType::f32: fill_kernel<float><<<grid, 256, 0, stream>>>(static_cast<float*>(t.data), pitch, r.rows, r.row_elems, float(value)); break;
-    case DType::f64: fill_kernel<double><<<grid, 256, 0, stream>>>(static_cast<double*>(t.data), pitch, r.rows, r.row_elems, value); break;
-    case DType::bf16:
-      fill_kernel<__nv_bfloat16><<<grid, 256, 0, stream>>>(static_cast<__nv_bfloat16*>(t.data), pitch, r.rows, r.row_elems,
-                                                           __float2bfloat16_rn(float(value)));
-      break;
-    case DType::i32: fill_kernel<int32_t><<<grid, 256, 0, stream>>>(static_cast<int32_t*>(t.data), pitch, r.rows, r.row_elems, int32_t(value)); break;
+    case DType::f32: launch(static_cast<float*>(t.data), float(value)); break;
+    case DType::f64: launch(static_cast<double*>(t.data), value); break;
+    case DType::bf16: launch(static_cast<__nv_bfloat16*>(t.data), __float2bfloat16_rn(float(value))); break;
+    case DType::i32: launch(static_cast<int32_t*>(t.data), int32_t(value)); break;
   }
   CW_KERNEL_CHECK();
 }
 
 void scale_inplace(const Tensor& t, double factor) {
   if (t.numel() == 0) return;
-  const Rows r = as_rows(t, "scale target");
-  const int64_t pitch = r.rows == 1 ? r.row_elems : r.pitch;
-  cudaStream_t stream = current_stream(t.device.index);
-  const unsigned grid = grid_for(t.numel());
+  const InPlace g = in_place(t, "scale target");
   if (t.dtype == DType::f32)
-    scale_kernel<float><<<grid, 256, 0, stream>>>(static_cast<float*>(t.data), pitch, r.rows, r.row_elems, float(factor));
+    scale_kernel<<<g.grid, 256, 0, g.stream>>>(static_cast<float*>(t.data), g.pitch, g.rows, g.row_elems, float(factor));
   else if (t.dtype == DType::bf16)
-    scale_kernel<__nv_bfloat16><<<grid, 256, 0, stream>>>(static_cast<__nv_bfloat16*>(t.data), pitch, r.rows, r.row_elems, float(factor));
+    scale_kernel<<<g.grid, 256, 0, g.stream>>>(static_cast<__nv_bfloat16*>(t.data), g.pitch, g.rows, g.row_elems,
+                                               float(factor));
   else
     fail(CW_FORMAT("GPU scale of a {} tensor is not supported", dtype_name(t.dtype)));
   CW_KERNEL_CHECK();
