@@ -147,6 +147,8 @@ bool cudnn_attention_forward_supports(const Tensor& q, const Tensor& k, std::str
 bool cudnn_attention_backward_fits(const Tensor& q, const Tensor& k, const Tensor&, int64_t, std::string* why_not) {
   return cudnn_attention_supports(q, k, why_not);
 }
+void set_cudnn_autotune(bool) {}
+bool cudnn_autotune() { return false; }
 void cudnn_attention_forward(const Tensor&, const AttentionSaved&, const Tensor&, const Tensor&, const Tensor&, double,
                              Arena&) {
   fail("attention: this build has no cuDNN", "rebuild with cuDNN installed, or use CW_ATTENTION=flash");

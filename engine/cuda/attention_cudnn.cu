@@ -86,9 +86,9 @@
 // zeroes its own accumulator (cuDNN >= 9.6; the tests' second backward on the same scratch would
 // catch a stale one). GQA dK/dV through the in-graph head reduction in the frontend form; per query
 // head, summed by us, in the others.
-// Speed at 8K tokens (ops_vs_torch.py, same call): forward 0.58 ms (D 64) / 0.70 ms (D 128), at or
-// above torch's cuDNN backend (cuDNN 9.19 inside torch); backward 1.82 / 2.21 ms against torch's
-// 1.90 / 2.11.
+// Speed at 8K tokens (ops_vs_torch.py, same call): forward 0.57 ms (D 64) / 0.68 ms (D 128), at or
+// above torch's cuDNN backend (cuDNN 9.19 inside torch); backward 1.80 / 2.14 ms against torch's
+// 1.80 / 2.12 (cuDNN's engine alone 1.75 / 2.06; the rest is the dK/dV add and per-call setup).
 // Version: bottom-right causal attention through the fused engine needs cuDNN >= 9.3 (the
 // frontend's support check for bottom-right causal masks; earlier 9.x versions only fuse top-left
 // masks); we require a 9.x runtime at least that new (cudnnGetVersion() at run time).
@@ -100,10 +100,12 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <map>
 #include <memory>
@@ -345,11 +347,23 @@ struct GraphVariant {
   }
 };
 
+// One finalized way to run a graph: its configuration and execution plan.
+struct Alternative {
+  std::unique_ptr<Desc> engine_cfg, plan;
+  std::vector<std::unique_ptr<Desc>> cfg_parts;  // engine/knob descriptors `engine_cfg` refers to
+  int64_t workspace = 0;
+  std::string what;  // engine index and knobs
+};
+
 struct Plan {
   std::vector<std::unique_ptr<Desc>> descs;  // the graph's descriptors (kept alive with the plan)
   std::unique_ptr<Desc> engine_cfg, plan;
   std::vector<std::unique_ptr<Desc>> cfg_parts;  // engine/knob descriptors of a built configuration
   int64_t workspace = 0;
+  // With CW_CUDNN_AUTOTUNE=1: the other configurations within kWorkspaceLimit, timed against the
+  // chosen one on the first call (then cleared).
+  std::vector<Alternative> alternatives;
+  std::string what;  // engine index and knobs of the chosen configuration
   bool nondeterministic = false;  // the engine carries cuDNN's non-determinism note (atomic dQ sums)
   GraphVariant variant;
   std::string info;  // engine index, notes, variant
@@ -649,6 +663,8 @@ std::string last_cudnn_error() {
 }
 
 bool verbose();
+bool autotune();
+constexpr size_t kMaxAlternatives = 32;  // configurations timed per plan with CW_CUDNN_AUTOTUNE
 
 // Descriptor arrays the backend hands out: `count` fresh descriptors of `type` filled by attribute
 // `name` of `d` (the backend API needs them created before it can fill them).
@@ -745,7 +761,8 @@ std::unique_ptr<Candidate> make_config(cudnnBackendDescriptor_t graph, int64_t i
 // siblings with the other values of the engine's WORKSPACE knob where it has one: cuDNN's fused
 // attention backward engine stages the score gradients in a c x S workspace by default (8 GiB at
 // 8K tokens and 32 heads) and also runs without it, the choice being that knob.
-std::vector<std::unique_ptr<Candidate>> candidates(cudnnBackendDescriptor_t graph, std::string* errors) {
+// With `autotune`, the siblings cover every knob of the engine (a few values each), for timing.
+std::vector<std::unique_ptr<Candidate>> candidates(cudnnBackendDescriptor_t graph, bool autotune, std::string* errors) {
   std::vector<std::unique_ptr<Candidate>> out;
   for (cudnnBackendHeurMode_t mode : {CUDNN_HEUR_MODE_A, CUDNN_HEUR_MODE_FALLBACK}) {
     Desc heur(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR);
@@ -779,21 +796,23 @@ std::vector<std::unique_ptr<Candidate>> candidates(cudnnBackendDescriptor_t grap
         int64_t lo = 0, hi = 0, stride = 1;
         if (cudnnBackendGetAttribute(info->d, CUDNN_ATTR_KNOB_INFO_TYPE, CUDNN_TYPE_KNOB_TYPE, 1, &n, &type) !=
                 CUDNN_STATUS_SUCCESS ||
-            type != CUDNN_KNOB_TYPE_WORKSPACE)
+            (type != CUDNN_KNOB_TYPE_WORKSPACE && !autotune))
           continue;
         cudnnBackendGetAttribute(info->d, CUDNN_ATTR_KNOB_INFO_MINIMUM_VALUE, CUDNN_TYPE_INT64, 1, &n, &lo);
         cudnnBackendGetAttribute(info->d, CUDNN_ATTR_KNOB_INFO_MAXIMUM_VALUE, CUDNN_TYPE_INT64, 1, &n, &hi);
         cudnnBackendGetAttribute(info->d, CUDNN_ATTR_KNOB_INFO_STRIDE, CUDNN_TYPE_INT64, 1, &n, &stride);
         stride = std::max<int64_t>(stride, 1);
-        for (int64_t value = lo, tries = 0; value <= hi && tries < 4; value += stride, ++tries) {
+        const int max_tries = type == CUDNN_KNOB_TYPE_WORKSPACE ? 4 : 8;
+        for (int64_t value = lo, tries = 0; value <= hi && tries < max_tries; value += stride, ++tries) {
           Knobs k = base;
-          auto it = std::find_if(k.begin(), k.end(), [](const auto& kv) { return kv.first == CUDNN_KNOB_TYPE_WORKSPACE; });
+          auto it = std::find_if(k.begin(), k.end(), [type](const auto& kv) { return kv.first == type; });
           if (it != k.end() && it->second == value) continue;  // the heuristic's own choice
           if (it != k.end())
             it->second = value;
           else
-            k.emplace_back(CUDNN_KNOB_TYPE_WORKSPACE, value);
-          if (auto alt = make_config(graph, index, k, source + ", workspace knob " + std::to_string(value)))
+            k.emplace_back(type, value);
+          if (auto alt = make_config(graph, index, k,
+                                     source + CW_FORMAT(", knob {}={}", static_cast<int>(type), value)))
             out.push_back(std::move(alt));
         }
       }
@@ -820,6 +839,7 @@ std::unique_ptr<Plan> try_variant(cudnnHandle_t handle, const Shape& sh, const G
   plan->descs = g.take();
 
   std::string errors, tried;
+  const bool tune = autotune();
   std::unique_ptr<Candidate> best;
   std::unique_ptr<Desc> best_plan;
   int64_t best_ws = 0;
@@ -828,7 +848,7 @@ std::unique_ptr<Plan> try_variant(cudnnHandle_t handle, const Shape& sh, const G
   // Diagnostic: CW_CUDNN_CONFIG=i takes the i-th configuration that finalizes (whatever its workspace).
   int64_t forced = -1, finalized = 0;
   if (const char* e = std::getenv("CW_CUDNN_CONFIG"); e != nullptr && *e != '\0') forced = std::atoi(e);
-  for (auto& c : candidates(graph, &errors)) {
+  for (auto& c : candidates(graph, tune, &errors)) {
     Desc engine(CUDNN_BACKEND_ENGINE_DESCRIPTOR);
     int64_t n = 0;
     bool nondet = false;
@@ -853,6 +873,18 @@ std::unique_ptr<Plan> try_variant(cudnnHandle_t handle, const Shape& sh, const G
     tried += CW_FORMAT("\n    engine {} knobs {} ({}; notes {}): workspace {} bytes", c->engine, knobs_str(c->knobs),
                        c->source, notes, ws);
     if (forced >= 0 && finalized++ != forced) continue;
+    if (tune && forced < 0 && best && best_ws <= kWorkspaceLimit && ws <= kWorkspaceLimit) {
+      if (plan->alternatives.size() < kMaxAlternatives) {
+        Alternative alt;
+        alt.engine_cfg = std::move(c->cfg);
+        alt.cfg_parts = std::move(c->parts);
+        alt.plan = std::move(ep);
+        alt.workspace = ws;
+        alt.what = CW_FORMAT("engine {} knobs {}", c->engine, knobs_str(c->knobs));
+        plan->alternatives.push_back(std::move(alt));
+      }
+      continue;
+    }
     if (!best || ws < best_ws || forced >= 0) {
       best = std::move(c);
       best_plan = std::move(ep);
@@ -860,7 +892,7 @@ std::unique_ptr<Plan> try_variant(cudnnHandle_t handle, const Shape& sh, const G
       best_nondet = nondet;
       best_notes = notes;
     }
-    if (best_ws <= kWorkspaceLimit || forced >= 0) break;
+    if ((best_ws <= kWorkspaceLimit && !tune) || forced >= 0) break;
   }
   if (!best) {
     *why = errors.empty() ? "no engine" : errors;
@@ -871,19 +903,26 @@ std::unique_ptr<Plan> try_variant(cudnnHandle_t handle, const Shape& sh, const G
   plan->plan = std::move(best_plan);
   plan->engine_cfg = std::move(best->cfg);
   plan->cfg_parts = std::move(best->parts);
+  plan->what = CW_FORMAT("engine {} knobs {}", best->engine, knobs_str(best->knobs));
   plan->info = CW_FORMAT("engine {} knobs {} ({}; notes {}); workspace {} bytes; {}{}", best->engine,
                          knobs_str(best->knobs), best->source, best_notes, best_ws, v.str(),
                          verbose() ? "\n  candidates:" + tried : "");
   return plan;
 }
 
+bool env_flag(const char* name) {
+  const char* e = std::getenv(name);
+  return e != nullptr && *e != '\0' && std::strcmp(e, "0") != 0;
+}
 bool verbose() {
-  static const bool v = [] {
-    const char* e = std::getenv("CW_CUDNN_VERBOSE");
-    return e != nullptr && *e != '\0' && std::strcmp(e, "0") != 0;
-  }();
+  static const bool v = env_flag("CW_CUDNN_VERBOSE");
   return v;
 }
+std::atomic<bool>& autotune_switch() {
+  static std::atomic<bool> on{env_flag("CW_CUDNN_AUTOTUNE")};
+  return on;
+}
+bool autotune() { return autotune_switch().load(); }
 
 // The cached plan for `sh`, built on first use; nullptr (with cuDNN's reasons) if no variant works.
 const Plan* get_plan(const Shape& sh, std::string* why) {
@@ -997,27 +1036,84 @@ void check_common(const Tensor& q, const Tensor& k, const Tensor& v, const Tenso
   for (const Tensor* t : {&k, &v, &out, &saved.lse}) check_gpu_operand(*t, q, "attention operand");
 }
 
-void execute(const Plan& plan, int device, const std::vector<int64_t>& uids, const std::vector<void*>& ptrs,
-             Arena& scratch) {
+// Runs `plan` on the operands of the variant pack. With CW_CUDNN_AUTOTUNE=1 the first call of a
+// plan first times its alternatives against it on these operands (every output of the graph is
+// overwritten, so the runs may repeat; `reset` restores what a run consumes, here the dQ
+// accumulator where we zero it) and keeps the fastest for the process.
+void execute(const Plan& cplan, int device, const std::vector<int64_t>& uids, const std::vector<void*>& ptrs,
+             Arena& scratch, const std::function<void()>& reset = {}) {
   ArenaScope scope(scratch);
+  Plan& plan = const_cast<Plan&>(cplan);  // only the tuning below changes it, under g_mutex
+  std::unique_lock tune_lock(g_mutex, std::defer_lock);
+  if (!plan.alternatives.empty()) tune_lock.lock();
+  const bool tuning = !plan.alternatives.empty();  // re-read under the lock: another call may have tuned
+  if (!tuning && tune_lock.owns_lock()) tune_lock.unlock();
+  int64_t ws_bytes = plan.workspace;
+  for (const Alternative& alt : plan.alternatives) ws_bytes = std::max(ws_bytes, alt.workspace);
   void* ws = nullptr;
-  if (plan.workspace > 0) {
+  if (ws_bytes > 0) {
     CW_CHECK(scratch.device() == Device::gpu(device), "cuDNN attention: the scratch arena is on {}, not cuda:{}",
              device_name(scratch.device()), device);
-    ws = scratch.alloc_bytes(static_cast<size_t>(plan.workspace));
+    ws = scratch.alloc_bytes(static_cast<size_t>(ws_bytes));
   }
   cudnnHandle_t handle;
   {
-    std::lock_guard lock(g_mutex);
+    std::unique_lock lock(g_mutex, std::defer_lock);
+    if (!tuning) lock.lock();
     handle = device_state(device).handle;
   }
-  current_stream(device);  // make the device current
+  cudaStream_t stream = current_stream(device);  // also makes the device current
   Desc pack(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR);
   set_attr(pack.d, CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, CUDNN_TYPE_INT64, static_cast<int64_t>(uids.size()), uids.data());
   set_attr(pack.d, CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, CUDNN_TYPE_VOID_PTR, static_cast<int64_t>(ptrs.size()),
            ptrs.data());
   set_attr(pack.d, CUDNN_ATTR_VARIANT_PACK_WORKSPACE, CUDNN_TYPE_VOID_PTR, 1, &ws);
   CW_CUDNN_CHECK(cudnnBackendFinalize(pack.d));
+  if (tuning) {
+    // Median-free but warm: one untimed run, then the mean of three, per configuration.
+    auto time_ms = [&](cudnnBackendDescriptor_t ep) {
+      cudaEvent_t start, stop;
+      CW_CUDA_CHECK(cudaEventCreate(&start));
+      CW_CUDA_CHECK(cudaEventCreate(&stop));
+      if (reset) reset();
+      CW_CUDNN_CHECK(cudnnBackendExecute(handle, ep, pack.d));
+      CW_CUDA_CHECK(cudaEventRecord(start, stream));
+      for (int r = 0; r < 3; ++r) {
+        if (reset) reset();
+        CW_CUDNN_CHECK(cudnnBackendExecute(handle, ep, pack.d));
+      }
+      CW_CUDA_CHECK(cudaEventRecord(stop, stream));
+      CW_CUDA_CHECK(cudaEventSynchronize(stop));
+      float ms = 0;
+      CW_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+      cudaEventDestroy(start);
+      cudaEventDestroy(stop);
+      return ms / 3;
+    };
+    const float chosen_ms = time_ms(plan.plan->d);
+    float best_ms = chosen_ms;
+    std::string table = CW_FORMAT("  {} (heuristics' choice): {} ms", plan.what, chosen_ms);
+    size_t best = plan.alternatives.size();
+    for (size_t i = 0; i < plan.alternatives.size(); ++i) {
+      const float ms = time_ms(plan.alternatives[i].plan->d);
+      table += CW_FORMAT("\n  {}: {} ms", plan.alternatives[i].what, ms);
+      if (ms < best_ms) best_ms = ms, best = i;
+    }
+    if (best < plan.alternatives.size()) {
+      Alternative& alt = plan.alternatives[best];
+      std::swap(plan.engine_cfg, alt.engine_cfg);
+      std::swap(plan.plan, alt.plan);
+      std::swap(plan.cfg_parts, alt.cfg_parts);
+      std::swap(plan.workspace, alt.workspace);
+      std::swap(plan.what, alt.what);
+      plan.info = plan.what + " (autotuned); " + plan.info;
+    }
+    if (verbose())
+      std::fprintf(stderr, "cuDNN attention autotune (%zu configurations): kept %s, %.4f ms\n%s\n",
+                   plan.alternatives.size() + 1, plan.what.c_str(), static_cast<double>(best_ms), table.c_str());
+    plan.alternatives.clear();
+  }
+  if (reset && tuning) reset();
   CW_CUDNN_CHECK(cudnnBackendExecute(handle, plan.plan->d, pack.d));
 }
 
@@ -1027,18 +1123,54 @@ void execute(const Plan& plan, int device, const std::vector<int64_t>& uids, con
 constexpr int kAddThreads = 256;
 
 // dst[b, r] += src[b, r] for r < row (row = S Hkv D elements per batch entry; dst batch stride
-// dst_bs, src packed). blockIdx.y = b, blockIdx.z picks the (K, V) pair. Each thread adds 4
-// consecutive elements (row is a multiple of 8: D is).
-template <class S>
+// dst_bs, src packed). blockIdx.y = b, blockIdx.z picks the (K, V) pair. Each thread adds 8
+// consecutive elements (row is a multiple of 8: D is); with kVec (every row start 16-byte aligned)
+// through 16-byte loads and stores: the pass moves 10 bytes an element (bf16 in, f32 in and out)
+// and at head dim 128 is about a twentieth of the backward, so it runs at memory speed.
+template <class S, bool kVec>
 __global__ void add_kv_kernel(float* dk, float* dv, const S* sk, const S* sv, int64_t row, int64_t dk_bs,
                               int64_t dv_bs) {
-  const int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 4;
+  const int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 8;
   if (i >= row) return;
   const int64_t b = blockIdx.y;
-  float* d = blockIdx.z == 0 ? dk + b * dk_bs : dv + b * dv_bs;
-  const S* s = (blockIdx.z == 0 ? sk : sv) + b * row;
+  float* d = (blockIdx.z == 0 ? dk + b * dk_bs : dv + b * dv_bs) + i;
+  const S* s = (blockIdx.z == 0 ? sk : sv) + b * row + i;
+  if constexpr (kVec) {
+    float v[8];
+    if constexpr (sizeof(S) == 2) {
+      const uint4 raw = *reinterpret_cast<const uint4*>(s);
+      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
 #pragma unroll
-  for (int j = 0; j < 4; ++j) d[i + j] += to_f32(s[i + j]);
+      for (int j = 0; j < 4; ++j) v[2 * j] = __low2float(h[j]), v[2 * j + 1] = __high2float(h[j]);
+    } else {
+      const float4 a = reinterpret_cast<const float4*>(s)[0], c = reinterpret_cast<const float4*>(s)[1];
+      v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = c.x, v[5] = c.y, v[6] = c.z, v[7] = c.w;
+    }
+    float4* d4 = reinterpret_cast<float4*>(d);
+    float4 lo = d4[0], hi = d4[1];
+    lo.x += v[0], lo.y += v[1], lo.z += v[2], lo.w += v[3];
+    hi.x += v[4], hi.y += v[5], hi.z += v[6], hi.w += v[7];
+    d4[0] = lo;
+    d4[1] = hi;
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) d[j] += to_f32(s[j]);
+  }
+}
+
+template <class S>
+void launch_add_kv(const Tensor& d_k, const Tensor& d_v, const void* sk, const void* sv, int64_t B, int64_t row,
+                   cudaStream_t stream) {
+  const dim3 grid(blocks_for(row / 8, kAddThreads), static_cast<unsigned>(B), 2);
+  auto row_aligned = [](const Tensor& t) {
+    return reinterpret_cast<uintptr_t>(t.data) % 16 == 0 && (t.size(0) == 1 || t.stride[0] % 4 == 0);
+  };
+  float *dk = static_cast<float*>(d_k.data), *dv = static_cast<float*>(d_v.data);
+  const S *s_k = static_cast<const S*>(sk), *s_v = static_cast<const S*>(sv);
+  if (row_aligned(d_k) && row_aligned(d_v))
+    add_kv_kernel<S, true><<<grid, kAddThreads, 0, stream>>>(dk, dv, s_k, s_v, row, d_k.stride[0], d_v.stride[0]);
+  else
+    add_kv_kernel<S, false><<<grid, kAddThreads, 0, stream>>>(dk, dv, s_k, s_v, row, d_k.stride[0], d_v.stride[0]);
 }
 
 // GQA backward: K/V [B, S, Hkv, D] (batch stride kv_bs) copied to packed [B, S, H, D], query head h
@@ -1142,6 +1274,9 @@ bool cudnn_attention_supports(const Tensor& q, const Tensor& k, std::string* why
   return supports(q, k, false, why_not) && supports(q, k, true, why_not);
 }
 
+void set_cudnn_autotune(bool on) { autotune_switch().store(on); }
+bool cudnn_autotune() { return autotune(); }
+
 bool cudnn_attention_forward_supports(const Tensor& q, const Tensor& k, std::string* why_not) {
   return supports(q, k, false, why_not);
 }
@@ -1217,13 +1352,16 @@ void cudnn_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor
   // (the tests' second backward then catches an accumulator left unzeroed).
   const GraphVariant& variant = plan->variant;
   void* dq_accum = nullptr;
+  std::function<void()> zero_accum;
   if (variant.dq_accum) {
     const size_t bytes = static_cast<size_t>(B * c * H * D) * sizeof(float);
     dq_accum = scratch.alloc_bytes(bytes);
     // cuDNN 9.6 and newer zero the frontend form's accumulator themselves (the frontend library
     // stopped doing it there); older versions and the other forms add into what they are given.
-    if (!variant.frontend_form || runtime_version() < 90600)
-      CW_CUDA_CHECK(cudaMemsetAsync(dq_accum, 0, bytes, stream));
+    if (!variant.frontend_form || runtime_version() < 90600) {
+      zero_accum = [=] { CW_CUDA_CHECK(cudaMemsetAsync(dq_accum, 0, bytes, stream)); };
+      zero_accum();
+    }
   }
 
   // GQA: dK/dV come out per query head (a matmul's output has the broadcast shape) unless the
@@ -1280,23 +1418,16 @@ void cudnn_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor
     ptrs.push_back(dq_accum);
   }
   m.add_to(uids, ptrs);
-  execute(*plan, dev, uids, ptrs, scratch);
+  execute(*plan, dev, uids, ptrs, scratch, zero_accum);
 
   // d_k += dK, d_v += dV (group sums for GQA; batch strides honoured), then d_q += dQ in accumulate mode.
   const int64_t row = S * Hkv * D;
   CW_CHECK(B <= 65535, "cuDNN attention: {} batch entries exceed the grid", B);
   if (!per_query_head) {
-    const dim3 grid(blocks_for(row / 4, kAddThreads), static_cast<unsigned>(B), 2);
-    if (kv_dt == DType::f32) {
-      add_kv_kernel<float><<<grid, kAddThreads, 0, stream>>>(
-          static_cast<float*>(d_k.data), static_cast<float*>(d_v.data), static_cast<const float*>(dk_s.data),
-          static_cast<const float*>(dv_s.data), row, d_k.stride[0], d_v.stride[0]);
-    } else {
-      add_kv_kernel<__nv_bfloat16><<<grid, kAddThreads, 0, stream>>>(
-          static_cast<float*>(d_k.data), static_cast<float*>(d_v.data),
-          static_cast<const __nv_bfloat16*>(dk_s.data), static_cast<const __nv_bfloat16*>(dv_s.data), row,
-          d_k.stride[0], d_v.stride[0]);
-    }
+    if (kv_dt == DType::f32)
+      launch_add_kv<float>(d_k, d_v, dk_s.data, dv_s.data, B, row, stream);
+    else
+      launch_add_kv<__nv_bfloat16>(d_k, d_v, dk_s.data, dv_s.data, B, row, stream);
   } else {
     const dim3 grid(blocks_for(row, kAddThreads), static_cast<unsigned>(B), 2);
     if (kv_dt == DType::f32) {

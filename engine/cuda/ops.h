@@ -84,6 +84,13 @@ bool cudnn_attention_forward_supports(const Tensor& q, const Tensor& k, std::str
 // bytes (builds and caches the plan; honours deterministic()).
 bool cudnn_attention_backward_fits(const Tensor& q, const Tensor& k, const Tensor& v, int64_t max_workspace,
                                    std::string* why_not = nullptr);
+// Autotuning (off by default; env CW_CUDNN_AUTOTUNE=1 turns it on at start): a plan built while it
+// is on times every engine configuration cuDNN offers within 256 MiB of workspace (each knob a few
+// values) on its first call and keeps the fastest for the process. On the H100 the heuristics'
+// first choice was the fastest for every attention shape we timed; the switch is for other GPUs
+// and cuDNN versions.
+void set_cudnn_autotune(bool on);
+bool cudnn_autotune();
 void cudnn_attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
                              const Tensor& v, double scale, Arena& scratch);
 void cudnn_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,
