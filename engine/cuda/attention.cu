@@ -91,14 +91,10 @@ void set_deterministic(bool on) { g_deterministic.store(on ? 1 : 0); }
 bool deterministic() {
   int v = g_deterministic.load();
   if (v < 0) {
-    const char* e = std::getenv("CW_DETERMINISTIC");
-    if (e == nullptr || *e == '\0' || std::strcmp(e, "0") == 0)
-      v = 0;
-    else if (std::strcmp(e, "1") == 0)
-      v = 1;
-    else
-      fail(std::string("environment variable CW_DETERMINISTIC='") + e + "' is not 0 or 1",
-           "use CW_DETERMINISTIC=1 for bitwise-reproducible gradients, 0 (the default) for the fastest kernels");
+    v = env_switch("CW_DETERMINISTIC",
+                   "use CW_DETERMINISTIC=1 for bitwise-reproducible gradients, 0 (the default) for the fastest kernels")
+            ? 1
+            : 0;
     g_deterministic.store(v);
   }
   return v == 1;

@@ -95,6 +95,7 @@
 #include "chunkwise_config.h"
 #include "engine/cuda/common.cuh"
 #include "engine/cuda/ops.h"
+#include "engine/cuda/runtime.h"
 
 #include <cudnn.h>
 
@@ -845,9 +846,6 @@ std::unique_ptr<Plan> try_variant(cudnnHandle_t handle, const Shape& sh, const G
   int64_t best_ws = 0;
   bool best_nondet = false;
   std::string best_notes;
-  // Diagnostic: CW_CUDNN_CONFIG=i takes the i-th configuration that finalizes (whatever its workspace).
-  int64_t forced = -1, finalized = 0;
-  if (const char* e = std::getenv("CW_CUDNN_CONFIG"); e != nullptr && *e != '\0') forced = std::atoi(e);
   for (auto& c : candidates(graph, tune, &errors)) {
     Desc engine(CUDNN_BACKEND_ENGINE_DESCRIPTOR);
     int64_t n = 0;
@@ -872,8 +870,7 @@ std::unique_ptr<Plan> try_variant(cudnnHandle_t handle, const Shape& sh, const G
     CW_CUDNN_CHECK(cudnnBackendGetAttribute(ep->d, CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, CUDNN_TYPE_INT64, 1, &n, &ws));
     tried += CW_FORMAT("\n    engine {} knobs {} ({}; notes {}): workspace {} bytes", c->engine, knobs_str(c->knobs),
                        c->source, notes, ws);
-    if (forced >= 0 && finalized++ != forced) continue;
-    if (tune && forced < 0 && best && best_ws <= kWorkspaceLimit && ws <= kWorkspaceLimit) {
+    if (tune && best && best_ws <= kWorkspaceLimit && ws <= kWorkspaceLimit) {
       if (plan->alternatives.size() < kMaxAlternatives) {
         Alternative alt;
         alt.engine_cfg = std::move(c->cfg);
@@ -885,14 +882,14 @@ std::unique_ptr<Plan> try_variant(cudnnHandle_t handle, const Shape& sh, const G
       }
       continue;
     }
-    if (!best || ws < best_ws || forced >= 0) {
+    if (!best || ws < best_ws) {
       best = std::move(c);
       best_plan = std::move(ep);
       best_ws = ws;
       best_nondet = nondet;
       best_notes = notes;
     }
-    if ((best_ws <= kWorkspaceLimit && !tune) || forced >= 0) break;
+    if (best_ws <= kWorkspaceLimit && !tune) break;
   }
   if (!best) {
     *why = errors.empty() ? "no engine" : errors;
@@ -910,16 +907,13 @@ std::unique_ptr<Plan> try_variant(cudnnHandle_t handle, const Shape& sh, const G
   return plan;
 }
 
-bool env_flag(const char* name) {
-  const char* e = std::getenv(name);
-  return e != nullptr && *e != '\0' && std::strcmp(e, "0") != 0;
-}
 bool verbose() {
-  static const bool v = env_flag("CW_CUDNN_VERBOSE");
+  static const bool v = env_switch("CW_CUDNN_VERBOSE", "CW_CUDNN_VERBOSE=1 describes each cuDNN attention plan on stderr");
   return v;
 }
 std::atomic<bool>& autotune_switch() {
-  static std::atomic<bool> on{env_flag("CW_CUDNN_AUTOTUNE")};
+  static std::atomic<bool> on{env_switch(
+      "CW_CUDNN_AUTOTUNE", "CW_CUDNN_AUTOTUNE=1 times every cuDNN attention configuration on a plan's first call")};
   return on;
 }
 bool autotune() { return autotune_switch().load(); }
@@ -1036,31 +1030,80 @@ void check_common(const Tensor& q, const Tensor& k, const Tensor& v, const Tenso
   for (const Tensor* t : {&k, &v, &out, &saved.lse}) check_gpu_operand(*t, q, "attention operand");
 }
 
+// Mean ms of three runs of execution plan `ep` after one untimed run; `reset` (if any) before each.
+float time_plan(cudnnHandle_t handle, cudnnBackendDescriptor_t ep, cudnnBackendDescriptor_t pack, cudaStream_t stream,
+                const std::function<void()>& reset) {
+  auto run = [&] {
+    if (reset) reset();
+    CW_CUDNN_CHECK(cudnnBackendExecute(handle, ep, pack));
+  };
+  cudaEvent_t start, stop;
+  CW_CUDA_CHECK(cudaEventCreate(&start));
+  CW_CUDA_CHECK(cudaEventCreate(&stop));
+  run();
+  CW_CUDA_CHECK(cudaEventRecord(start, stream));
+  for (int r = 0; r < 3; ++r) run();
+  CW_CUDA_CHECK(cudaEventRecord(stop, stream));
+  CW_CUDA_CHECK(cudaEventSynchronize(stop));
+  float ms = 0;
+  CW_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  return ms / 3;
+}
+
+// Times the plan's configuration and its alternatives on the operands of `pack` (every output of
+// the graph is overwritten, so the runs may repeat; `reset` restores what a run consumes), keeps
+// the fastest in `plan` and drops the rest. Called with g_mutex held.
+void autotune_plan(Plan& plan, cudnnHandle_t handle, cudnnBackendDescriptor_t pack, cudaStream_t stream,
+                   const std::function<void()>& reset) {
+  float best_ms = time_plan(handle, plan.plan->d, pack, stream, reset);
+  std::string table = CW_FORMAT("  {} (heuristics' choice): {} ms", plan.what, best_ms);
+  size_t best = plan.alternatives.size();
+  for (size_t i = 0; i < plan.alternatives.size(); ++i) {
+    const float ms = time_plan(handle, plan.alternatives[i].plan->d, pack, stream, reset);
+    table += CW_FORMAT("\n  {}: {} ms", plan.alternatives[i].what, ms);
+    if (ms < best_ms) best_ms = ms, best = i;
+  }
+  if (best < plan.alternatives.size()) {
+    Alternative& alt = plan.alternatives[best];
+    std::swap(plan.engine_cfg, alt.engine_cfg);
+    std::swap(plan.plan, alt.plan);
+    std::swap(plan.cfg_parts, alt.cfg_parts);
+    std::swap(plan.workspace, alt.workspace);
+    std::swap(plan.what, alt.what);
+    plan.info = plan.what + " (autotuned); " + plan.info;
+  }
+  if (verbose())
+    std::fprintf(stderr, "cuDNN attention autotune (%zu configurations): kept %s, %.4f ms\n%s\n",
+                 plan.alternatives.size() + 1, plan.what.c_str(), static_cast<double>(best_ms), table.c_str());
+  plan.alternatives.clear();
+}
+
 // Runs `plan` on the operands of the variant pack. With CW_CUDNN_AUTOTUNE=1 the first call of a
-// plan first times its alternatives against it on these operands (every output of the graph is
-// overwritten, so the runs may repeat; `reset` restores what a run consumes, here the dQ
-// accumulator where we zero it) and keeps the fastest for the process.
+// plan first tunes it on these operands (autotune_plan; `reset` restores what a run consumes, here
+// the dQ accumulator where we zero it).
 void execute(const Plan& cplan, int device, const std::vector<int64_t>& uids, const std::vector<void*>& ptrs,
              Arena& scratch, const std::function<void()>& reset = {}) {
   ArenaScope scope(scratch);
-  Plan& plan = const_cast<Plan&>(cplan);  // only the tuning below changes it, under g_mutex
+  cudnnHandle_t handle;
+  {
+    std::lock_guard lock(g_mutex);
+    handle = device_state(device).handle;
+  }
+  // Plans are immutable once tuned; the tuning itself (first call only) changes one under g_mutex.
+  Plan& plan = const_cast<Plan&>(cplan);
   std::unique_lock tune_lock(g_mutex, std::defer_lock);
   if (!plan.alternatives.empty()) tune_lock.lock();
-  const bool tuning = !plan.alternatives.empty();  // re-read under the lock: another call may have tuned
-  if (!tuning && tune_lock.owns_lock()) tune_lock.unlock();
+  const bool tuning = tune_lock.owns_lock() && !plan.alternatives.empty();  // another call may have tuned it
   int64_t ws_bytes = plan.workspace;
-  for (const Alternative& alt : plan.alternatives) ws_bytes = std::max(ws_bytes, alt.workspace);
+  if (tuning)
+    for (const Alternative& alt : plan.alternatives) ws_bytes = std::max(ws_bytes, alt.workspace);
   void* ws = nullptr;
   if (ws_bytes > 0) {
     CW_CHECK(scratch.device() == Device::gpu(device), "cuDNN attention: the scratch arena is on {}, not cuda:{}",
              device_name(scratch.device()), device);
     ws = scratch.alloc_bytes(static_cast<size_t>(ws_bytes));
-  }
-  cudnnHandle_t handle;
-  {
-    std::unique_lock lock(g_mutex, std::defer_lock);
-    if (!tuning) lock.lock();
-    handle = device_state(device).handle;
   }
   cudaStream_t stream = current_stream(device);  // also makes the device current
   Desc pack(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR);
@@ -1070,50 +1113,9 @@ void execute(const Plan& cplan, int device, const std::vector<int64_t>& uids, co
   set_attr(pack.d, CUDNN_ATTR_VARIANT_PACK_WORKSPACE, CUDNN_TYPE_VOID_PTR, 1, &ws);
   CW_CUDNN_CHECK(cudnnBackendFinalize(pack.d));
   if (tuning) {
-    // Median-free but warm: one untimed run, then the mean of three, per configuration.
-    auto time_ms = [&](cudnnBackendDescriptor_t ep) {
-      cudaEvent_t start, stop;
-      CW_CUDA_CHECK(cudaEventCreate(&start));
-      CW_CUDA_CHECK(cudaEventCreate(&stop));
-      if (reset) reset();
-      CW_CUDNN_CHECK(cudnnBackendExecute(handle, ep, pack.d));
-      CW_CUDA_CHECK(cudaEventRecord(start, stream));
-      for (int r = 0; r < 3; ++r) {
-        if (reset) reset();
-        CW_CUDNN_CHECK(cudnnBackendExecute(handle, ep, pack.d));
-      }
-      CW_CUDA_CHECK(cudaEventRecord(stop, stream));
-      CW_CUDA_CHECK(cudaEventSynchronize(stop));
-      float ms = 0;
-      CW_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-      cudaEventDestroy(start);
-      cudaEventDestroy(stop);
-      return ms / 3;
-    };
-    const float chosen_ms = time_ms(plan.plan->d);
-    float best_ms = chosen_ms;
-    std::string table = CW_FORMAT("  {} (heuristics' choice): {} ms", plan.what, chosen_ms);
-    size_t best = plan.alternatives.size();
-    for (size_t i = 0; i < plan.alternatives.size(); ++i) {
-      const float ms = time_ms(plan.alternatives[i].plan->d);
-      table += CW_FORMAT("\n  {}: {} ms", plan.alternatives[i].what, ms);
-      if (ms < best_ms) best_ms = ms, best = i;
-    }
-    if (best < plan.alternatives.size()) {
-      Alternative& alt = plan.alternatives[best];
-      std::swap(plan.engine_cfg, alt.engine_cfg);
-      std::swap(plan.plan, alt.plan);
-      std::swap(plan.cfg_parts, alt.cfg_parts);
-      std::swap(plan.workspace, alt.workspace);
-      std::swap(plan.what, alt.what);
-      plan.info = plan.what + " (autotuned); " + plan.info;
-    }
-    if (verbose())
-      std::fprintf(stderr, "cuDNN attention autotune (%zu configurations): kept %s, %.4f ms\n%s\n",
-                   plan.alternatives.size() + 1, plan.what.c_str(), static_cast<double>(best_ms), table.c_str());
-    plan.alternatives.clear();
+    autotune_plan(plan, handle, pack.d, stream, reset);
+    if (reset) reset();
   }
-  if (reset && tuning) reset();
   CW_CUDNN_CHECK(cudnnBackendExecute(handle, plan.plan->d, pack.d));
 }
 

@@ -186,6 +186,16 @@ constexpr int kGenRows = 16;                              // query rows per tile
 constexpr int kGenKeys = 32;                              // keys per tile
 constexpr int kGenRowThreads = kGenThreads / kGenRows;    // 8 threads share a query row
 constexpr int kGenRowDims = 128 / kGenRowThreads;         // dims per thread (D <= 128)
+
+// f(n, d) for the head dims d this thread owns in its row (d = part + n kGenRowThreads < D; n
+// indexes the thread's register array).
+template <class F> __device__ __forceinline__ void for_row_dims(int part, int D, F&& f) {
+#pragma unroll
+  for (int n = 0; n < kGenRowDims; ++n) {
+    const int d = part + n * kGenRowThreads;
+    if (d < D) f(n, d);
+  }
+}
 constexpr int kGenKeyThreads = kGenThreads / kGenKeys;    // 4 threads share a key (dK/dV)
 constexpr int kGenKeyDims = 128 / kGenKeyThreads;
 constexpr int kGenScoreStride = kGenKeys + 1;
@@ -257,22 +267,14 @@ template <class T> __global__ void __launch_bounds__(kGenThreads) generic_forwar
     for (int jj = 0; jj < kGenKeys; ++jj) {
       const float pj = expf(srow[jj] - m_use);
       l += pj;
-#pragma unroll
-      for (int n = 0; n < kGenRowDims; ++n) {
-        const int d = part + n * kGenRowThreads;
-        if (d < D) o[n] += pj * sV[jj * D + d];
-      }
+      for_row_dims(part, D, [&](int n, int d) { o[n] += pj * sV[jj * D + d]; });
     }
     m = m_new;
   }
   const int i = i0 + row;
   if (i >= pr.c) return;
   T* out = a.o + q_offset(pr, b, i, h);
-#pragma unroll
-  for (int n = 0; n < kGenRowDims; ++n) {
-    const int d = part + n * kGenRowThreads;
-    if (d < D) out[d] = from_f32<T>(o[n] / l);
-  }
+  for_row_dims(part, D, [&](int n, int d) { out[d] = from_f32<T>(o[n] / l); });
   if (part == 0) a.lse[stat_offset(pr, b, h, i)] = m + logf(l);
 }
 
@@ -316,21 +318,15 @@ template <class T> __global__ void __launch_bounds__(kGenThreads) generic_dq_ker
     __syncthreads();
     for (int jj = 0; jj < kGenKeys; ++jj) {
       const float ds = sdS[row * kGenScoreStride + jj];
-#pragma unroll
-      for (int n = 0; n < kGenRowDims; ++n) {
-        const int d = part + n * kGenRowThreads;
-        if (d < D) dq[n] += ds * sK[jj * (D + 1) + d];
-      }
+      for_row_dims(part, D, [&](int n, int d) { dq[n] += ds * sK[jj * (D + 1) + d]; });
     }
   }
   const int i = i0 + row;
   if (i >= pr.c) return;
   T* d_q = a.o + q_offset(pr, b, i, h);
-#pragma unroll
-  for (int n = 0; n < kGenRowDims; ++n) {
-    const int d = part + n * kGenRowThreads;
-    if (d < D) d_q[d] = from_f32<T>((pr.accumulate ? to_f32(d_q[d]) : 0.0f) + pr.scale * dq[n]);
-  }
+  for_row_dims(part, D, [&](int n, int d) {
+    d_q[d] = from_f32<T>((pr.accumulate ? to_f32(d_q[d]) : 0.0f) + pr.scale * dq[n]);
+  });
 }
 
 // dK/dV: grid (key tiles, Hkv, B). Thread (key = tid / 4, dims part, part + 4, ...) owns its dK and

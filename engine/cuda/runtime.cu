@@ -16,6 +16,7 @@
 #include <array>
 #include <map>
 #include <mutex>
+#include <type_traits>
 #include <unordered_map>
 #include <vector>
 
@@ -348,26 +349,18 @@ constexpr int kSumBlocks = 1024, kSumThreads = 256;
 
 // Pass 1: each block sums the squares of a fixed grid-stride share of the elements in f64 and writes
 // one partial; the element-to-thread assignment depends only on n, so the result is reproducible.
+// f64 inputs are read as they are, the others widened from f32.
 template <class T> __global__ void sum_squares_partials(const T* x, int64_t n, double* partials) {
   __shared__ double lane[kSumThreads];
   double s = 0.0;
   for (int64_t i = blockIdx.x * int64_t(kSumThreads) + threadIdx.x; i < n; i += int64_t(kSumBlocks) * kSumThreads) {
-    const double d = static_cast<double>(to_f32(x[i]));
+    double d;
+    if constexpr (std::is_same_v<T, double>)
+      d = x[i];
+    else
+      d = static_cast<double>(to_f32(x[i]));
     s += d * d;
   }
-  lane[threadIdx.x] = s;
-  __syncthreads();
-  for (int w = kSumThreads / 2; w > 0; w /= 2) {
-    if (threadIdx.x < w) lane[threadIdx.x] += lane[threadIdx.x + w];
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) partials[blockIdx.x] = lane[0];
-}
-__global__ void sum_squares_partials_f64(const double* x, int64_t n, double* partials) {
-  __shared__ double lane[kSumThreads];
-  double s = 0.0;
-  for (int64_t i = blockIdx.x * int64_t(kSumThreads) + threadIdx.x; i < n; i += int64_t(kSumBlocks) * kSumThreads)
-    s += x[i] * x[i];
   lane[threadIdx.x] = s;
   __syncthreads();
   for (int w = kSumThreads / 2; w > 0; w /= 2) {
@@ -400,7 +393,8 @@ double sum_squares(const Tensor& t) {
           static_cast<const __nv_bfloat16*>(t.data), t.numel(), partials);
       break;
     case DType::f64:
-      sum_squares_partials_f64<<<kSumBlocks, kSumThreads, 0, stream>>>(static_cast<const double*>(t.data), t.numel(), partials);
+      sum_squares_partials<double><<<kSumBlocks, kSumThreads, 0, stream>>>(static_cast<const double*>(t.data), t.numel(),
+                                                                          partials);
       break;
     case DType::i32: device_free(partials, device); fail("gpu::sum_squares of an i32 tensor");
   }

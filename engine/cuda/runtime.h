@@ -9,12 +9,24 @@
 // In a build without CUDA every function here throws a clear error (gpu::available() is false).
 #pragma once
 
+#include "engine/error.h"
 #include "engine/tensor.h"
 
 #include <cstddef>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 
 namespace cw::gpu {
+
+// An on/off switch from the environment: unset, empty or "0" is off, "1" is on; anything else is a
+// clear error naming the variable (`hint` says what the switch does).
+inline bool env_switch(const char* name, const char* hint) {
+  const char* e = std::getenv(name);
+  if (e == nullptr || *e == '\0' || std::strcmp(e, "0") == 0) return false;
+  if (std::strcmp(e, "1") == 0) return true;
+  fail(std::string("environment variable ") + name + "='" + e + "' is not 0 or 1", hint);
+}
 
 bool available();        // this build has CUDA and the runtime sees at least one GPU
 int device_count();
