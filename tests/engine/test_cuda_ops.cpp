@@ -396,3 +396,20 @@ TEST_CASE("cuda: embedding guards against invalid device ids and checks operands
   CHECK_THROWS_AS(gpu::embedding_backward(dtab_bf16, dy.dev, ids), Error);
   CHECK_THROWS_AS(gpu::embedding_forward(out_bad, ids, table.dev), Error);
 }
+
+TEST_CASE("cuda: sum_squares matches the CPU f64 sum in f32, bf16 and f64, and repeats bitwise" *
+          doctest::skip(!cw::test::gpu_ready())) {
+  // The squares of the (rounded) inputs are summed in f64 on both sides; only the order differs,
+  // so 1e-12 relative is far above the difference and far below any dropped or doubled element
+  // (one of 2^20 + 37 terms is ~1e-6 of the sum).
+  for (DType dt : {DType::f32, DType::bf16, DType::f64}) {
+    INFO("dtype ", dtype_name(dt));
+    const int64_t n = (int64_t{1} << 20) + 37;
+    Input x = make_input(dt, {n}, 60);
+    double expect = 0.0;
+    for (int64_t i = 0; i < n; ++i) expect += x.ref.tensor.ptr<double>()[i] * x.ref.tensor.ptr<double>()[i];
+    const double got = gpu::sum_squares(x.dev);
+    CHECK(std::abs(got - expect) <= 1e-12 * expect);
+    CHECK(gpu::sum_squares(x.dev) == got);
+  }
+}
