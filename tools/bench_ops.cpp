@@ -66,8 +66,9 @@ std::string first_line(const std::exception& e) {
 }
 
 // Times attention forward and backward for one shape and one implementation: "cudnn", "flash"
-// (our kernel as training runs it by default: the fused backward with atomic dQ) or "flash-det"
-// (our kernel with gpu::deterministic() on: the two-kernel backward). Rows named
+// (our kernel as training runs it by default: the wgmma kernels on an H100, the fused backward with
+// atomic dQ), "flash-mma" (the same with the mma.sync kernels forced) or "flash-det" (our kernel
+// with gpu::deterministic() on: the two-kernel mma.sync backward). Rows named
 // "attn fwd|bwd H/Hkv/D T impl" (ops_vs_torch.py builds the same names).
 void bench_attention(std::vector<Row>& rows, DType dt, int64_t T, int64_t H, int64_t Hkv, int64_t D, int repeat,
                      const std::string& impl) {
@@ -96,9 +97,16 @@ void bench_attention(std::vector<Row>& rows, DType dt, int64_t T, int64_t H, int
     } else {
       const gpu::AttentionImpl previous = gpu::attention_impl();
       const bool previous_deterministic = gpu::deterministic();
+      const gpu::FlashKernels previous_kernels = gpu::flash_kernels();
       gpu::set_attention_impl(cudnn ? gpu::AttentionImpl::cudnn : gpu::AttentionImpl::flash);
       if (impl == "flash-det") gpu::set_deterministic(true);
-      else if (impl == "flash") gpu::set_deterministic(false);
+      else if (impl == "flash" || impl == "flash-mma") gpu::set_deterministic(false);
+      if (impl == "flash-mma") gpu::set_flash_kernels(gpu::FlashKernels::mma);
+      auto restore = [&] {
+        gpu::set_attention_impl(previous);
+        gpu::set_deterministic(previous_deterministic);
+        gpu::set_flash_kernels(previous_kernels);
+      };
       const double scale = 1.0 / std::sqrt(double(D));
       const AttentionSaved saved{lse};
       try {
@@ -114,12 +122,10 @@ void bench_attention(std::vector<Row>& rows, DType dt, int64_t T, int64_t H, int
           attention_backward(d_q, d_k, d_v, d_out, saved, q, k, v, out, scale, GradMode::overwrite, scratch);
         }, 0, 3, repeat);
       } catch (...) {
-        gpu::set_attention_impl(previous);
-        gpu::set_deterministic(previous_deterministic);
+        restore();
         throw;
       }
-      gpu::set_attention_impl(previous);
-      gpu::set_deterministic(previous_deterministic);
+      restore();
       fwd.note = bwd.note = impl;
     }
   } catch (const std::exception& e) {
@@ -242,7 +248,7 @@ void run_bench_ops(const BenchOpsOptions& o, std::ostream& out) {
   for (const int64_t T : o.attention_tokens) {
     if (T <= 0) continue;
     for (const auto& [ah, akv, ad] : {std::tuple<int64_t, int64_t, int64_t>{32, 8, 64}, {24, 8, 128}})
-      for (const char* impl : {"cudnn", "flash", "flash-det"}) bench_attention(rows, dt, T, ah, akv, ad, o.repeat, impl);
+      for (const char* impl : {"cudnn", "flash", "flash-mma", "flash-det"}) bench_attention(rows, dt, T, ah, akv, ad, o.repeat, impl);
   }
   for (Row& r : lm_rows) rows.push_back(std::move(r));
 

@@ -49,6 +49,9 @@
 //                   kernel); dq_convert_kernel then writes d_q = scale * accumulator. The atomics
 //                   add in a timing-dependent order: d_q varies in its last bits run to run (d_k,
 //                   d_v keep one writer per element and stay bitwise reproducible).
+//    On an H100 (sm_90a builds, compute capability 9.0) the forward and the fused backward run
+//    instead on Hopper's warpgroup MMA (attention_flash_hopper.cu: same operands, same algorithm,
+//    1.25-1.5x faster); gpu::set_flash_kernels / CW_FLASH_KERNELS=mma forces the kernels here.
 //  * Generic SIMT path: f32 (any even head dim up to 128) and bf16 at other head dims (the model
 //    presets use 6 and 32) or with unaligned operands. Same online-softmax algorithm in plain f32
 //    arithmetic, tiled through shared memory; it is the readable reference of the algorithm and the
@@ -71,53 +74,21 @@
 // Scratch: the backward's Delta [B, H, c] f32 and the fused backward's dQ accumulator [B, c, H, D]
 // f32 come from `scratch` in an ArenaScope (later users of the arena launch on the same stream,
 // after these kernels). Everything runs on current_stream(device).
-#include "engine/cuda/common.cuh"
+#include "engine/cuda/attention_flash.cuh"
 #include "engine/cuda/ops.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <string>
 #include <type_traits>
 
 namespace cw::gpu {
 namespace {
-
-using bf16_t = __nv_bfloat16;
-constexpr float kLog2e = 1.4426950408889634f;
-constexpr float kLn2 = 0.6931471805599453f;
-constexpr float kInf = __builtin_huge_valf();
-
-// Everything the kernels need to index the operands (all strides in elements).
-struct Problem {
-  int B, c, H, Hkv, D, S, p, group;  // group = H / Hkv query heads per K/V head
-  int64_t q_row;                     // H * D: between consecutive queries (q, out, d_q, d_out)
-  int64_t kv_row;                    // Hkv * D: between consecutive keys (k, v, d_k, d_v)
-  int64_t k_batch, v_batch, dk_batch, dv_batch;
-  float scale;                       // softmax scale
-  float scale_log2;                  // scale * log2(e): scores in the base-2 domain
-  bool accumulate;                   // d_q: add into it instead of overwriting
-};
-
-template <class T> struct Operands {
-  const T* q;
-  const T* k;
-  const T* v;
-  const T* out;    // backward only
-  const T* d_out;  // backward only
-  T* o;            // forward: out; backward: d_q
-  float* lse;      // forward writes, backward reads
-  float* delta;    // backward: Delta [B, H, c]
-  float* d_k;
-  float* d_v;
-  float* dq_accum = nullptr;  // fused backward: f32 [B, c, H, D] sums of dS K (unscaled); delta_tc_kernel zeroes it
-};
-
-__device__ __forceinline__ int64_t q_offset(const Problem& pr, int b, int i, int h) {
-  return ((static_cast<int64_t>(b) * pr.c + i) * pr.H + h) * pr.D;
-}
-__device__ __forceinline__ int64_t stat_offset(const Problem& pr, int b, int h, int i) {
-  return (static_cast<int64_t>(b) * pr.H + h) * pr.c + i;
-}
+using namespace flash;
 
 // ------------------------------------------------------------------------------------------------
 // Delta_i = d_out_i . out_i, one warp per (b, i, h) row, f32 sums in a fixed shuffle order.
@@ -409,20 +380,6 @@ template <class T> __global__ void __launch_bounds__(kGenThreads) generic_dkdv_k
 // ------------------------------------------------------------------------------------------------
 // Tensor-core path (bf16, D = 64 or 128): PTX wrappers.
 // ------------------------------------------------------------------------------------------------
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-// 16 bytes global -> shared, bypassing L1; when !valid nothing is read and the 16 bytes are zeroed
-// (rows past the end of q or k must be zeros, not garbage: 0 x NaN would poison the products).
-__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool valid) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
-
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
@@ -440,17 +397,6 @@ __device__ __forceinline__ void mma(float (&acc)[4], const uint32_t (&a)[4], uin
                : "+f"(acc[0]), "+f"(acc[1]), "+f"(acc[2]), "+f"(acc[3])
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
-__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
-  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-// 2^x on the special-function unit (about 2 ulp; exp2(-inf) = 0): the bf16 path's exponential.
-__device__ __forceinline__ float fast_exp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
 // Fragment layouts of mma.m16n8k16 (g = lane / 4, t = lane % 4):
 //   A 16x16: a0 (row g, cols 2t, 2t+1), a1 (row g+8, same cols), a2 (row g, cols 2t+8, +9), a3 (g+8, 2t+8).
 //   B 16x8:  b0 (rows 2t, 2t+1, col g), b1 (rows 2t+8, 2t+9, col g).
@@ -543,23 +489,6 @@ __device__ __forceinline__ void mma_xb(float (&acc)[D / 8][4], const float (&x)[
       mma(acc[2 * dp + 1], a, b[2], b[3]);
     }
   }
-}
-
-// Which block a CTA of the tensor-core kernels owns. The grid is one-dimensional and ordered
-// longest work first across all heads and sequences (the dynamic CTA scheduler then packs the
-// short blocks into the tail): query blocks from the last (it sees the most keys) to the first,
-// key blocks from the first (seen by the most queries) to the last; heads and batch vary fastest,
-// so the heads of one K/V group run side by side and share its K/V tiles in L2.
-struct Block {
-  int block, head, b;
-};
-__device__ __forceinline__ Block query_block_of(const Problem& pr, int rows) {
-  const int nqb = (pr.c + rows - 1) / rows, r = static_cast<int>(blockIdx.x) / pr.H;
-  return {nqb - 1 - r / pr.B, static_cast<int>(blockIdx.x) % pr.H, r % pr.B};
-}
-__device__ __forceinline__ Block key_block_of(const Problem& pr) {
-  const int r = static_cast<int>(blockIdx.x) / pr.Hkv;
-  return {r / pr.B, static_cast<int>(blockIdx.x) % pr.Hkv, r % pr.B};
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -697,11 +626,6 @@ template <int D, int NW, int BR, bool FUSED_DQ> struct TcDkdv {
   static constexpr bool kKVInRegs = D <= 64;  // the warp's K and V fragments in registers
   static_assert(!FUSED_DQ || BR % 64 == 0, "the dS^T tile's swizzle needs rows of 8+ 16-byte chunks");
 };
-
-// dQ accumulator += X, two neighbouring f32 (one 8-byte vector atomic on sm_90).
-__device__ __forceinline__ void atomic_add2(float* dst, float x, float y) {
-  atomicAdd(reinterpret_cast<float2*>(dst), make_float2(x, y));
-}
 
 // dQ rows [q0, q0 + BR) of head h += dS K for one step's tile: sdS is the BC x BR dS^T tile
 // (keys-major, swizzled), sK the CTA's BC x D keys. The BR x D output is cut into 16-row x
@@ -972,22 +896,6 @@ __global__ void dq_convert_kernel(const float* __restrict__ acc, bf16_t* d_q, in
 // ------------------------------------------------------------------------------------------------
 // Launchers.
 // ------------------------------------------------------------------------------------------------
-template <class Kernel> void set_smem(Kernel kernel, size_t bytes) {
-  if (bytes > 48 * 1024) CW_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                            static_cast<int>(bytes)));
-}
-
-// One tiled kernel over `tiles` tiles of its dimension (queries or keys) per (batch, head) pair:
-// the tile config supplies the threads and the dynamic shared memory.
-template <class Cfg, class Kernel>
-void launch_tiled(Kernel kernel, int64_t extent, int64_t tile, int64_t heads, const Operands<bf16_t>& a,
-                  const Problem& pr, cudaStream_t stream) {
-  set_smem(kernel, Cfg::kSmem);
-  const unsigned grid = static_cast<unsigned>((extent + tile - 1) / tile * heads * pr.B);
-  kernel<<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(a, pr);
-  CW_KERNEL_CHECK();
-}
-
 template <int D, int NW, int MT, int BC>
 void launch_tc_forward(const Operands<bf16_t>& a, const Problem& pr, cudaStream_t stream) {
   using Cfg = TcForward<D, NW, MT, BC>;
@@ -1050,22 +958,50 @@ template <class T> void launch_generic_backward(const Operands<T>& a, const Prob
 //   forward D = 64:  4 warps x 16 rows (BR 64), BC 64    D = 128: 4 warps x 32 rows (BR 128), BC 64
 //   dK/dV:           4 warps x 16 keys (BC 64), BR 64    dQ:      4 warps x 16 rows (BR 64), BC 64
 //   fused dK/dV/dQ:  8 warps x 16 keys (BC 128), BR 64, dQ inline after a second barrier, 8-byte atomics
-void tc_forward(const Operands<bf16_t>& a, const Problem& pr, cudaStream_t stream) {
+void tc_forward(const Operands<bf16_t>& a, const Problem& pr, bool wgmma, cudaStream_t stream) {
+  if (wgmma) return wgmma_forward(a, pr, stream);
   if (pr.D == 64) return launch_tc_forward<64, 4, 1, 64>(a, pr, stream);
   launch_tc_forward<128, 4, 2, 64>(a, pr, stream);
 }
 // One head dim's backward kernels (the same tiles at D 64 and 128); tc_backward picks D.
-template <int D> void tc_backward_at(const Operands<bf16_t>& a, const Problem& pr, cudaStream_t stream) {
+template <int D> void tc_backward_at(const Operands<bf16_t>& a, const Problem& pr, bool wgmma, cudaStream_t stream) {
   if (a.dq_accum != nullptr) {  // fused: one pass over the tiles, dQ by atomics, then d_q from the sums
-    launch_tc_dkdv<D, 8, 64, true>(a, pr, stream);
+    if (wgmma) wgmma_backward_fused(a, pr, stream);
+    else launch_tc_dkdv<D, 8, 64, true>(a, pr, stream);
     return launch_dq_convert(a, pr, stream);
   }
   launch_tc_dkdv<D, 4, 64, false>(a, pr, stream);
   launch_tc_dq<D, 4, 64>(a, pr, stream);
 }
-void tc_backward(const Operands<bf16_t>& a, const Problem& pr, cudaStream_t stream) {
-  if (pr.D == 64) tc_backward_at<64>(a, pr, stream);
-  else tc_backward_at<128>(a, pr, stream);
+void tc_backward(const Operands<bf16_t>& a, const Problem& pr, bool wgmma, cudaStream_t stream) {
+  if (pr.D == 64) tc_backward_at<64>(a, pr, wgmma, stream);
+  else tc_backward_at<128>(a, pr, wgmma, stream);
+}
+
+// ------------------------------------------------------------------------------------------------
+// The choice between the wgmma (Hopper) and mma.sync tensor-core kernels.
+// ------------------------------------------------------------------------------------------------
+std::atomic<int> g_flash_kernels{-1};  // -1: not read from the environment yet
+
+FlashKernels flash_kernels_from_env() {
+  const char* e = std::getenv("CW_FLASH_KERNELS");
+  if (e == nullptr || *e == '\0' || std::strcmp(e, "auto") == 0) return FlashKernels::automatic;
+  if (std::strcmp(e, "wgmma") == 0) return FlashKernels::wgmma;
+  if (std::strcmp(e, "mma") == 0) return FlashKernels::mma;
+  fail(std::string("environment variable CW_FLASH_KERNELS='") + e + "' is not auto, wgmma or mma",
+       "use auto (the default: wgmma where the GPU and the build allow), wgmma or mma");
+}
+
+// Whether this call's tensor-core kernels are the wgmma ones.
+bool use_wgmma(int device) {
+  const FlashKernels kernels = flash_kernels();
+  if (kernels == FlashKernels::mma) return false;
+  const bool available = flash_wgmma_available(device);
+  if (kernels == FlashKernels::wgmma && !available)
+    fail(std::string("flash attention: the wgmma kernels were requested (CW_FLASH_KERNELS=wgmma) but ") +
+             (wgmma_built() ? "the GPU is not compute capability 9.0" : "this build is not for sm_90a"),
+         "use CW_FLASH_KERNELS=auto or mma, or build with -Dgpu_arch=90a and run on an H100/H200");
+  return available;
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -1126,6 +1062,25 @@ bool tensor_core_path(const Problem& pr, DType dtype, std::initializer_list<cons
 
 }  // namespace
 
+void set_flash_kernels(FlashKernels kernels) { g_flash_kernels.store(static_cast<int>(kernels)); }
+
+FlashKernels flash_kernels() {
+  int v = g_flash_kernels.load();
+  if (v < 0) {
+    v = static_cast<int>(flash_kernels_from_env());
+    g_flash_kernels.store(v);
+  }
+  return static_cast<FlashKernels>(v);
+}
+
+bool flash_wgmma_available(int device) {
+  if (!wgmma_built()) return false;
+  int major = 0, minor = 0;
+  CW_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  CW_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  return major == 9 && minor == 0;
+}
+
 void flash_attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
                              const Tensor& v, double scale, Arena& /*scratch: the forward needs none*/) {
   const Problem pr = check_common(out, saved, q, k, v, scale);
@@ -1135,7 +1090,7 @@ void flash_attention_forward(const Tensor& out, const AttentionSaved& saved, con
     const Operands<bf16_t> a{static_cast<const bf16_t*>(q.data), static_cast<const bf16_t*>(k.data),
                              static_cast<const bf16_t*>(v.data), nullptr, nullptr, static_cast<bf16_t*>(out.data),
                              static_cast<float*>(saved.lse.data), nullptr, nullptr, nullptr};
-    return tc_forward(a, pr, stream);
+    return tc_forward(a, pr, use_wgmma(q.device.index), stream);
   }
   auto run = [&](auto tag) {
     using T = decltype(tag);
@@ -1190,7 +1145,7 @@ void flash_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor
     if (tc && !deterministic()) a.dq_accum = scratch.alloc(DType::f32, {pr.B, pr.c, pr.H, pr.D}).ptr<float>();
     if (tc) {
       launch_delta_tc(a, pr, stream);
-      return tc_backward(a, pr, stream);
+      return tc_backward(a, pr, !deterministic() && use_wgmma(q.device.index), stream);
     }
     launch_delta(a, pr, stream);
     launch_generic_backward(a, pr, stream);

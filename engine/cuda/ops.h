@@ -74,6 +74,16 @@ void flash_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor
                               const AttentionSaved& saved, const Tensor& q, const Tensor& k, const Tensor& v,
                               const Tensor& out, double scale, GradMode mode, Arena& scratch);
 
+// Which tensor-core kernels our flash attention runs for bf16 at head dim 64 and 128 (process-wide;
+// env CW_FLASH_KERNELS=auto|wgmma|mma): `wgmma` the Hopper kernels (engine/cuda/attention_flash_hopper.cu:
+// warpgroup MMA, builds for sm_90a on compute capability 9.0), `mma` the FlashAttention-2 style
+// mma.sync kernels (any GPU), `automatic` wgmma wherever it runs. Forward and fused backward; the
+// deterministic backward is always the mma.sync two-kernel one.
+enum class FlashKernels { automatic, wgmma, mma };
+void set_flash_kernels(FlashKernels kernels);
+FlashKernels flash_kernels();
+bool flash_wgmma_available(int device);
+
 // cuDNN fused attention through the graph backend API (engine/cuda/attention_cudnn.cu; only in builds
 // with cuDNN). cudnn_attention_supports says whether these operands can take this path (and why not).
 bool cudnn_attention_supports(const Tensor& q, const Tensor& k, std::string* why_not = nullptr);

@@ -199,14 +199,28 @@ TEST_CASE("cuda: flash attention f32 (generic path) matches the CPU in f64" * do
 
 TEST_CASE("cuda: flash attention bf16 tensor-core path (head dim 64, 128) matches the CPU in f64" *
           doctest::skip(!cw::test::gpu_ready())) {
-  // Both backwards: the deterministic two-kernel one and the fused one with atomic dQ.
-  for (const bool deterministic : {true, false}) {
-    for (const int64_t D : {64, 128})
-      for (const Case& cs : cases_for(D)) check_case(cs, DType::bf16, deterministic);
-    // p = 0 with several query and key blocks of the tensor-core tiles, the last ones partial.
-    check_case(Case{1, 300, 300, 2, 2, 64, 300}, DType::bf16, deterministic);
-    check_case(Case{1, 300, 300, 2, 1, 128, 300}, DType::bf16, deterministic);
+  // Both kernel families (the mma.sync kernels everywhere; the wgmma kernels where the GPU and the
+  // build have them) and both backwards: the deterministic two-kernel one (always mma.sync) and the
+  // fused one with atomic dQ.
+  std::vector<gpu::FlashKernels> families{gpu::FlashKernels::mma};
+  if (gpu::flash_wgmma_available(0)) families.push_back(gpu::FlashKernels::wgmma);
+  else MESSAGE("the wgmma kernels need an sm_90a build on a compute capability 9.0 GPU: only mma.sync is checked");
+  const gpu::FlashKernels saved = gpu::flash_kernels();
+  for (const gpu::FlashKernels family : families) {
+    INFO("kernels: " << (family == gpu::FlashKernels::wgmma ? "wgmma" : "mma.sync"));
+    gpu::set_flash_kernels(family);
+    for (const bool deterministic : {true, false}) {
+      for (const int64_t D : {64, 128})
+        for (const Case& cs : cases_for(D)) check_case(cs, DType::bf16, deterministic);
+      // p = 0 with several query and key blocks of the tensor-core tiles, the last ones partial.
+      check_case(Case{1, 300, 300, 2, 2, 64, 300}, DType::bf16, deterministic);
+      check_case(Case{1, 300, 300, 2, 1, 128, 300}, DType::bf16, deterministic);
+      // A chunk against a longer cache, GQA 2: query blocks that start inside a key block.
+      check_case(Case{1, 520, 700, 4, 2, 128, 700}, DType::bf16, deterministic);
+      check_case(Case{1, 520, 700, 4, 2, 64, 700}, DType::bf16, deterministic);
+    }
   }
+  gpu::set_flash_kernels(saved);
 }
 
 TEST_CASE("cuda: flash attention bf16 generic path (head dim 32, 6) matches the CPU in f64" *

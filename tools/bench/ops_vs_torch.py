@@ -21,8 +21,9 @@ median of CUDA-event timings after a warm-up, on random data. Ratios > 1 mean ch
     figure with the gradients allocated inside the measurement.)
 Each row carries the target ../shared/BENCHMARKS.md sets, and whether it is met:
   attention: ours >= the faster of torch's two backends (cuDNN rows), >= torch's flash backend
-  (flash rows: our kernel with its default fused backward, atomic dQ like torch's; flash-det rows:
-  our deterministic two-kernel backward, against the same bar); LM head: <= 25 ms at 8K tokens (scaled linearly for other N); memory-bound ops:
+  (flash rows: our kernel as training runs it, the wgmma kernels on an H100, fused backward with
+  atomic dQ like torch's; flash-mma rows: our mma.sync kernels; flash-det rows: our deterministic
+  two-kernel backward; all against the same bar); LM head: <= 25 ms at 8K tokens (scaled linearly for other N); memory-bound ops:
   >= 70% of the copy bandwidth. GEMMs and the copy have no target here.
 """
 import argparse
@@ -222,17 +223,18 @@ def main():
             for i, direction in enumerate(("fwd", "bwd")):
                 flops = fl * (1.0 if direction == "fwd" else 2.5)
                 fastest = min((tt[b][i] for b in tt if tt[b][i]), default=None)
-                for impl in ("cudnn", "flash", "flash-det"):
+                for impl in ("cudnn", "flash", "flash-mma", "flash-det"):
                     if impl == "flash-det" and direction == "fwd":
                         continue  # the forward does not depend on the determinism switch
                     op = f"attn {direction} {Hh}/{Hkv}/{Dd} {T} {impl}"
-                    ref = tt["flash" if impl == "flash-det" else impl][i]
+                    torch_impl = "cudnn" if impl == "cudnn" else "flash"
+                    ref = tt[torch_impl][i]
                     bar = fastest if impl == "cudnn" else tt["flash"][i]
                     o = ours.get(op, {})
                     met = bool(bar and o.get("ms") and o.get("status", "ok") == "ok" and o["ms"] <= bar)
                     add(op, ref, flops / (ref * 1e-3) / 1e12 if ref else 0.0,
                         target="<= torch fastest" if impl == "cudnn" else "<= torch flash", met=met if bar else None,
-                        note=tt["flash" if impl == "flash-det" else impl][2], torch_flash_ms=tt["flash"][i],
+                        note=tt[torch_impl][2], torch_flash_ms=tt["flash"][i],
                         torch_cudnn_ms=tt["cudnn"][i])
 
     # LM head + cross-entropy.

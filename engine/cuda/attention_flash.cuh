@@ -1,0 +1,123 @@
+// Internal to engine/cuda: what our flash attention kernels share (attention_flash.cu, the
+// mma.sync tensor-core and SIMT kernels; attention_flash_hopper.cu, the wgmma kernels of sm_90a):
+// the problem description, the operand pointers, cp.async and bf16 helpers, the CTA-to-block
+// mapping and the launch helper. The math and the layouts are described in attention_flash.cu.
+#pragma once
+
+#include "engine/cuda/common.cuh"
+
+#include <cstdint>
+
+namespace cw::gpu::flash {
+
+using bf16_t = __nv_bfloat16;
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+constexpr float kInf = __builtin_huge_valf();
+
+// Everything the kernels need to index the operands (all strides in elements).
+struct Problem {
+  int B, c, H, Hkv, D, S, p, group;  // group = H / Hkv query heads per K/V head
+  int64_t q_row;                     // H * D: between consecutive queries (q, out, d_q, d_out)
+  int64_t kv_row;                    // Hkv * D: between consecutive keys (k, v, d_k, d_v)
+  int64_t k_batch, v_batch, dk_batch, dv_batch;
+  float scale;                       // softmax scale
+  float scale_log2;                  // scale * log2(e): scores in the base-2 domain
+  bool accumulate;                   // d_q: add into it instead of overwriting
+};
+
+template <class T> struct Operands {
+  const T* q;
+  const T* k;
+  const T* v;
+  const T* out;    // backward only
+  const T* d_out;  // backward only
+  T* o;            // forward: out; backward: d_q
+  float* lse;      // forward writes, backward reads
+  float* delta;    // backward: Delta [B, H, c]
+  float* d_k;
+  float* d_v;
+  float* dq_accum = nullptr;  // fused backward: f32 [B, c, H, D] sums of dS K (unscaled); delta_tc_kernel zeroes it
+};
+
+__device__ __forceinline__ int64_t q_offset(const Problem& pr, int b, int i, int h) {
+  return ((static_cast<int64_t>(b) * pr.c + i) * pr.H + h) * pr.D;
+}
+__device__ __forceinline__ int64_t stat_offset(const Problem& pr, int b, int h, int i) {
+  return (static_cast<int64_t>(b) * pr.H + h) * pr.c + i;
+}
+
+// PTX wrappers shared by the tensor-core kernels.
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+// 16 bytes global -> shared, bypassing L1; when !valid nothing is read and the 16 bytes are zeroed
+// (rows past the end of q or k must be zeros, not garbage: 0 x NaN would poison the products).
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+// 2^x on the special-function unit (about 2 ulp; exp2(-inf) = 0): the bf16 path's exponential.
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// dQ accumulator += X, two neighbouring f32 (one 8-byte vector atomic on sm_90).
+__device__ __forceinline__ void atomic_add2(float* dst, float x, float y) {
+  atomicAdd(reinterpret_cast<float2*>(dst), make_float2(x, y));
+}
+
+// Which block a CTA of the tensor-core kernels owns. The grid is one-dimensional and ordered
+// longest work first across all heads and sequences (the dynamic CTA scheduler then packs the
+// short blocks into the tail): query blocks from the last (it sees the most keys) to the first,
+// key blocks from the first (seen by the most queries) to the last; heads and batch vary fastest,
+// so the heads of one K/V group run side by side and share its K/V tiles in L2.
+struct Block {
+  int block, head, b;
+};
+__device__ __forceinline__ Block query_block_of(const Problem& pr, int rows) {
+  const int nqb = (pr.c + rows - 1) / rows, r = static_cast<int>(blockIdx.x) / pr.H;
+  return {nqb - 1 - r / pr.B, static_cast<int>(blockIdx.x) % pr.H, r % pr.B};
+}
+__device__ __forceinline__ Block key_block_of(const Problem& pr) {
+  const int r = static_cast<int>(blockIdx.x) / pr.Hkv;
+  return {r / pr.B, static_cast<int>(blockIdx.x) % pr.Hkv, r % pr.B};
+}
+
+template <class Kernel> void set_smem(Kernel kernel, size_t bytes) {
+  if (bytes > 48 * 1024) CW_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                            static_cast<int>(bytes)));
+}
+
+// One tiled kernel over `tiles` tiles of its dimension (queries or keys) per (batch, head) pair:
+// the tile config supplies the threads and the dynamic shared memory.
+template <class Cfg, class Kernel>
+void launch_tiled(Kernel kernel, int64_t extent, int64_t tile, int64_t heads, const Operands<bf16_t>& a,
+                  const Problem& pr, cudaStream_t stream) {
+  set_smem(kernel, Cfg::kSmem);
+  const unsigned grid = static_cast<unsigned>((extent + tile - 1) / tile * heads * pr.B);
+  kernel<<<grid, Cfg::kThreads, Cfg::kSmem, stream>>>(a, pr);
+  CW_KERNEL_CHECK();
+}
+
+
+// The Hopper kernels (attention_flash_hopper.cu): warpgroup MMA (wgmma) on 128-byte-swizzled
+// shared-memory tiles, bf16 at head dim 64 or 128, the same operands and results as the mma.sync
+// tensor-core kernels. wgmma_built(): this build compiled them (gpu_arch 90a); the caller checks
+// that the device is compute capability 9.0.
+bool wgmma_built();
+void wgmma_forward(const Operands<bf16_t>& a, const Problem& pr, cudaStream_t stream);
+// The fused backward's dK/dV/dQ pass (Delta and the zeroed dq_accum come first, the dQ conversion after).
+void wgmma_backward_fused(const Operands<bf16_t>& a, const Problem& pr, cudaStream_t stream);
+
+}  // namespace cw::gpu::flash
