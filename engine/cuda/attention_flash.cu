@@ -49,8 +49,8 @@
 //                   kernel); dq_convert_kernel then writes d_q = scale * accumulator. The atomics
 //                   add in a timing-dependent order: d_q varies in its last bits run to run (d_k,
 //                   d_v keep one writer per element and stay bitwise reproducible).
-//    On an H100 (sm_90a builds, compute capability 9.0) the forward and the fused backward run
-//    instead on Hopper's warpgroup MMA (attention_flash_hopper.cu: same operands, same algorithm,
+//    On an H100 (sm_90a builds, compute capability 9.0) all of these run instead on Hopper's
+//    warpgroup MMA (attention_flash_hopper.cu: same operands, same algorithm and tiles' roles,
 //    1.25-1.5x faster); gpu::set_flash_kernels / CW_FLASH_KERNELS=mma forces the kernels here.
 //  * Generic SIMT path: f32 (any even head dim up to 128) and bf16 at other head dims (the model
 //    presets use 6 and 32) or with unaligned operands. Same online-softmax algorithm in plain f32
@@ -965,9 +965,13 @@ void tc_forward(const Operands<bf16_t>& a, const Problem& pr, bool wgmma, cudaSt
 }
 // One head dim's backward kernels (the same tiles at D 64 and 128); tc_backward picks D.
 template <int D> void tc_backward_at(const Operands<bf16_t>& a, const Problem& pr, bool wgmma, cudaStream_t stream) {
+  if (wgmma) {
+    wgmma_backward(a, pr, stream);
+    if (a.dq_accum != nullptr) launch_dq_convert(a, pr, stream);
+    return;
+  }
   if (a.dq_accum != nullptr) {  // fused: one pass over the tiles, dQ by atomics, then d_q from the sums
-    if (wgmma) wgmma_backward_fused(a, pr, stream);
-    else launch_tc_dkdv<D, 8, 64, true>(a, pr, stream);
+    launch_tc_dkdv<D, 8, 64, true>(a, pr, stream);
     return launch_dq_convert(a, pr, stream);
   }
   launch_tc_dkdv<D, 4, 64, false>(a, pr, stream);
@@ -1145,7 +1149,7 @@ void flash_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor
     if (tc && !deterministic()) a.dq_accum = scratch.alloc(DType::f32, {pr.B, pr.c, pr.H, pr.D}).ptr<float>();
     if (tc) {
       launch_delta_tc(a, pr, stream);
-      return tc_backward(a, pr, !deterministic() && use_wgmma(q.device.index), stream);
+      return tc_backward(a, pr, use_wgmma(q.device.index), stream);
     }
     launch_delta(a, pr, stream);
     launch_generic_backward(a, pr, stream);

@@ -117,7 +117,8 @@ void launch_tiled(Kernel kernel, int64_t extent, int64_t tile, int64_t heads, co
 // that the device is compute capability 9.0.
 bool wgmma_built();
 void wgmma_forward(const Operands<bf16_t>& a, const Problem& pr, cudaStream_t stream);
-// The fused backward's dK/dV/dQ pass (Delta and the zeroed dq_accum come first, the dQ conversion after).
-void wgmma_backward_fused(const Operands<bf16_t>& a, const Problem& pr, cudaStream_t stream);
+// The backward after Delta: with a.dq_accum (zeroed by the Delta kernel; the caller converts it to
+// d_q after) the fused dK/dV/dQ pass, dQ by atomics; without, the deterministic pair: dK/dV, then dQ.
+void wgmma_backward(const Operands<bf16_t>& a, const Problem& pr, cudaStream_t stream);
 
 }  // namespace cw::gpu::flash

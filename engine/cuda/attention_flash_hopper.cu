@@ -39,11 +39,17 @@
 // 16-byte atomics (the dQ sums are what this kernel spends most on after the products: see the
 // timings at the atomics). dK and dV stay in registers for the whole loop and are added into the
 // caller's f32 buffers once, by one thread per element.
+// Deterministic backward (gpu::deterministic()): the same dK/dV kernel without dQ, then a dQ kernel
+// shaped like the forward (128 queries a CTA, key blocks of 64) that recomputes S and dP and sums
+// dQ += dS K in registers, in key order, and writes d_q once: bitwise reproducible.
 //
 // Measured (H100 80GB HBM3, 2026-11-21, B = 1, S = c = 8192, causal, bf16; chunkwise bench-ops,
 // medians of 20; FLOPs as in attention_flash.cu), against the mma.sync kernels in the same run:
-//   H 32 / Hkv 8 / D 64:   forward 0.94 ms (291 TFLOP/s; mma.sync 0.97), backward 2.29 ms (300; 2.96)
-//   H 24 / Hkv 8 / D 128:  forward 1.08 ms (382 TFLOP/s; mma.sync 1.35), backward 2.83 ms (364; 4.19)
+//   H 32 / Hkv 8 / D 64:   forward 0.97 ms (284 TFLOP/s; mma.sync 0.99), backward 2.27 ms (303; 3.00),
+//                          deterministic backward 2.55 ms (269; mma.sync 3.18)
+//   H 24 / Hkv 8 / D 128:  forward 1.09 ms (380 TFLOP/s; mma.sync 1.36), backward 2.80 ms (368; 4.21),
+//                          deterministic backward 2.99 ms (345; mma.sync 4.68)
+// (torch 2.11's flash backend in the calls of the same day: forward 1.02 / 1.36 ms, backward 2.95 / 4.23.)
 // What is left on the table (FlashAttention-3 has it): each product waits for its predecessor
 // (no overlap of the softmax with the next S inside a warpgroup, no producer warp with TMA loads),
 // and the backward without its dQ sums would take 1.84 / 2.08 ms.
@@ -338,7 +344,8 @@ __global__ void __launch_bounds__(256, 1) wg_forward_kernel(const Operands<bf16_
 }
 
 // ------------------------------------------------------------------------------------------------
-// Fused backward. CTA: 2 warpgroups, 128 keys of one (b, g); query blocks of 64 in two stages.
+// dK/dV (and, when FUSED_DQ, dQ by atomics). CTA: 2 warpgroups, 128 keys of one (b, g); query
+// blocks of 64 in two stages.
 // ------------------------------------------------------------------------------------------------
 template <int D> struct WgBackward {
   static constexpr int kThreads = 256, kKeys = 128, kRows = 64;
@@ -352,7 +359,7 @@ template <int D> struct WgBackward {
   static constexpr int kDqCols = D / 2;
 };
 
-template <int D>
+template <int D, bool FUSED_DQ>
 __global__ void __launch_bounds__(256, 1) wg_backward_kernel(const Operands<bf16_t> a, const Problem pr) {
 #if CW_WGMMA_BODY
   using Cfg = WgBackward<D>;
@@ -429,12 +436,14 @@ __global__ void __launch_bounds__(256, 1) wg_backward_kernel(const Operands<bf16
         dpt[nt][e] = p * (dpt[nt][e] - sDelta[stage * BR + col]);
       }
     // dS^T rows of this warp into shared memory (bf16, as the products round it) for dQ.
+    if constexpr (FUSED_DQ) {
 #pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
+      for (int nt = 0; nt < 8; ++nt)
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh)
-        *reinterpret_cast<uint32_t*>(sdS + sw128<BC>(wkey + (lane >> 2) + hh * 8, nt * 8) + 2 * t) =
-            pack_bf16(dpt[nt][2 * hh], dpt[nt][2 * hh + 1]);
+        for (int hh = 0; hh < 2; ++hh)
+          *reinterpret_cast<uint32_t*>(sdS + sw128<BC>(wkey + (lane >> 2) + hh * 8, nt * 8) + 2 * t) =
+              pack_bf16(dpt[nt][2 * hh], dpt[nt][2 * hh + 1]);
+    }
     uint32_t pf[4][4], df[4][4];
     pack_a_frags<8>(pf, st);
     pack_a_frags<8>(df, dpt);
@@ -449,6 +458,12 @@ __global__ void __launch_bounds__(256, 1) wg_backward_kernel(const Operands<bf16
 #pragma unroll
       for (int db = 0; db < DB; ++db) wgmma_rs<1>(dk[db], df[kk], desc_mn_major<BR>(cQ, kk * 16, db * 64), 1);
     wgmma_commit();
+    if constexpr (!FUSED_DQ) {
+      wgmma_wait_all();
+#pragma unroll
+      for (int db = 0; db < DB; ++db) settle(dk[db]), settle(dv[db]);
+      continue;
+    } else {
     fence_async_shared();
     __syncthreads();  // both warpgroups' dS^T rows are in shared memory
 
@@ -486,6 +501,7 @@ __global__ void __launch_bounds__(256, 1) wg_backward_kernel(const Operands<bf16
       if (i < pr.c) atomicAdd(reinterpret_cast<float4*>(a.dq_accum + q_offset(pr, b, i, h) + col0 + quad * 4), x);
     }
     __syncwarp();  // the staging rows are read before the next step overwrites them
+    }
   }
 
   // One writer per element: the add into the caller's f32 buffers is deterministic.
@@ -513,6 +529,122 @@ __global__ void __launch_bounds__(256, 1) wg_backward_kernel(const Operands<bf16
 #endif
 }
 
+// ------------------------------------------------------------------------------------------------
+// dQ of the deterministic backward. CTA: 2 warpgroups, 128 queries of one (b, h); key blocks of
+// 64 in two stages. Per block: S = Q K^T and dP = dO V^T (SS), dS = P (dP - Delta) in registers,
+// dQ += dS K (dS from registers, K as the MN-major operand). Each d_q element is summed by one
+// thread in key order and written once: bitwise reproducible.
+// ------------------------------------------------------------------------------------------------
+template <int D> struct WgDq {
+  static constexpr int kThreads = 256, kRows = 128, kKeys = 64;
+  static constexpr int kSmem = (2 * kRows + 4 * kKeys) * D * static_cast<int>(sizeof(bf16_t)) + 1024;
+};
+
+template <int D>
+__global__ void __launch_bounds__(256, 1) wg_dq_kernel(const Operands<bf16_t> a, const Problem pr) {
+#if CW_WGMMA_BODY
+  constexpr int BR = WgDq<D>::kRows, BC = WgDq<D>::kKeys, NT = BC / 8, DB = D / 64;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  bf16_t* sQ = aligned_smem(smem_raw);
+  bf16_t* sdO = sQ + BR * D;
+  bf16_t* sK = sdO + BR * D;     // [2][BC * D]
+  bf16_t* sV = sK + 2 * BC * D;  // [2][BC * D]
+  const Block blk = query_block_of(pr, BR);
+  const int qb = blk.block, h = blk.head, b = blk.b, g = h / pr.group;
+  const int wg = threadIdx.x >> 7, lane = threadIdx.x & 31, t = lane & 3;
+  const int q0 = qb * BR, wrow = wg * 64 + ((threadIdx.x >> 5) & 3) * 16;
+  const bf16_t* kg = a.k + b * pr.k_batch + g * D;
+  const bf16_t* vg = a.v + b * pr.v_batch + g * D;
+
+  const int key_end = min(pr.S, pr.p + q0 + BR);
+  const int nkb = (key_end + BC - 1) / BC;
+  load_tile_sw128<D, BR, 256>(sQ, a.q + q_offset(pr, b, q0, h), pr.q_row, pr.c - q0, a.q);
+  load_tile_sw128<D, BR, 256>(sdO, a.d_out + q_offset(pr, b, q0, h), pr.q_row, pr.c - q0, a.d_out);
+  load_tile_sw128<D, BC, 256>(sK, kg, pr.kv_row, pr.S, a.k);
+  load_tile_sw128<D, BC, 256>(sV, vg, pr.kv_row, pr.S, a.v);
+  cp_async_commit();
+
+  float lse2[2], delta[2];
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int i = q0 + wrow + (lane >> 2) + hh * 8;
+    lse2[hh] = i < pr.c ? a.lse[stat_offset(pr, b, h, i)] * kLog2e : 0.0f;
+    delta[hh] = i < pr.c ? a.delta[stat_offset(pr, b, h, i)] : 0.0f;
+  }
+  float dq[DB][8][4] = {};
+  for (int kb = 0; kb < nkb; ++kb) {
+    cp_async_wait_all();
+    fence_async_shared();
+    __syncthreads();
+    if (kb + 1 < nkb) {
+      const int k1 = (kb + 1) * BC, st = (kb + 1) & 1;
+      load_tile_sw128<D, BC, 256>(sK + st * BC * D, kg + k1 * pr.kv_row, pr.kv_row, pr.S - k1, a.k);
+      load_tile_sw128<D, BC, 256>(sV + st * BC * D, vg + k1 * pr.kv_row, pr.kv_row, pr.S - k1, a.v);
+    }
+    cp_async_commit();
+    const bf16_t* cK = sK + (kb & 1) * BC * D;
+    const bf16_t* cV = sV + (kb & 1) * BC * D;
+
+    float s[NT][4], dp[NT][4];
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks)
+      wgmma_ss<0, 0>(s, desc_k_major<BR>(sQ, wg * 64, ks), desc_k_major<BC>(cK, 0, ks), ks > 0);
+#pragma unroll
+    for (int ks = 0; ks < D / 16; ++ks)
+      wgmma_ss<0, 0>(dp, desc_k_major<BR>(sdO, wg * 64, ks), desc_k_major<BC>(cV, 0, ks), ks > 0);
+    wgmma_commit();
+    wgmma_wait_all();
+    settle(s);
+    settle(dp);
+    const int k0 = kb * BC;
+    const bool masked = k0 + BC - 1 > pr.p + q0 || k0 + BC > pr.S;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int hh = e >> 1, key = k0 + nt * 8 + 2 * t + (e & 1);
+        const int qpos = pr.p + q0 + wrow + (lane >> 2) + hh * 8;
+        float p = fast_exp2(s[nt][e] * pr.scale_log2 - lse2[hh]);
+        if (masked && (key > qpos || key >= pr.S)) p = 0.0f;
+        s[nt][e] = p * (dp[nt][e] - delta[hh]);  // dS
+      }
+    uint32_t sf[BC / 16][4];
+    pack_a_frags<NT>(sf, s);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < BC / 16; ++kk)
+#pragma unroll
+      for (int db = 0; db < DB; ++db) wgmma_rs<1>(dq[db], sf[kk], desc_mn_major<BC>(cK, kk * 16, db * 64), 1);
+    wgmma_commit();
+    wgmma_wait_all();
+#pragma unroll
+    for (int db = 0; db < DB; ++db) settle(dq[db]);
+  }
+
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int i = q0 + wrow + (lane >> 2) + hh * 8;
+    if (i >= pr.c) continue;
+    bf16_t* d_q = a.o + q_offset(pr, b, i, h) + 2 * t;
+#pragma unroll
+    for (int db = 0; db < DB; ++db)
+#pragma unroll
+      for (int dt = 0; dt < 8; ++dt) {
+        float x = pr.scale * dq[db][dt][2 * hh], y = pr.scale * dq[db][dt][2 * hh + 1];
+        uint32_t* dst = reinterpret_cast<uint32_t*>(d_q + db * 64 + dt * 8);
+        if (pr.accumulate) {
+          const __nv_bfloat162 old = *reinterpret_cast<const __nv_bfloat162*>(dst);
+          x += __low2float(old), y += __high2float(old);
+        }
+        *dst = pack_bf16(x, y);
+      }
+  }
+#else
+  __trap();
+#endif
+}
+
 }  // namespace
 
 bool wgmma_built() {
@@ -532,13 +664,17 @@ void wgmma_forward(const Operands<bf16_t>& a, const Problem& pr, cudaStream_t st
   launch_tiled<Cfg>(wg_forward_kernel<128, 128>, pr.c, Cfg::kRows, pr.H, a, pr, stream);
 }
 
-void wgmma_backward_fused(const Operands<bf16_t>& a, const Problem& pr, cudaStream_t stream) {
-  if (pr.D == 64) {
-    using Cfg = WgBackward<64>;
-    return launch_tiled<Cfg>(wg_backward_kernel<64>, pr.S, Cfg::kKeys, pr.Hkv, a, pr, stream);
-  }
-  using Cfg = WgBackward<128>;
-  launch_tiled<Cfg>(wg_backward_kernel<128>, pr.S, Cfg::kKeys, pr.Hkv, a, pr, stream);
+template <int D> void wgmma_backward_at(const Operands<bf16_t>& a, const Problem& pr, cudaStream_t stream) {
+  using Cfg = WgBackward<D>;
+  if (a.dq_accum != nullptr)
+    return launch_tiled<Cfg>(wg_backward_kernel<D, true>, pr.S, Cfg::kKeys, pr.Hkv, a, pr, stream);
+  launch_tiled<Cfg>(wg_backward_kernel<D, false>, pr.S, Cfg::kKeys, pr.Hkv, a, pr, stream);
+  launch_tiled<WgDq<D>>(wg_dq_kernel<D>, pr.c, WgDq<D>::kRows, pr.H, a, pr, stream);
+}
+
+void wgmma_backward(const Operands<bf16_t>& a, const Problem& pr, cudaStream_t stream) {
+  if (pr.D == 64) wgmma_backward_at<64>(a, pr, stream);
+  else wgmma_backward_at<128>(a, pr, stream);
 }
 
 }  // namespace cw::gpu::flash

@@ -77,8 +77,8 @@ void flash_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor
 // Which tensor-core kernels our flash attention runs for bf16 at head dim 64 and 128 (process-wide;
 // env CW_FLASH_KERNELS=auto|wgmma|mma): `wgmma` the Hopper kernels (engine/cuda/attention_flash_hopper.cu:
 // warpgroup MMA, builds for sm_90a on compute capability 9.0), `mma` the FlashAttention-2 style
-// mma.sync kernels (any GPU), `automatic` wgmma wherever it runs. Forward and fused backward; the
-// deterministic backward is always the mma.sync two-kernel one.
+// mma.sync kernels (any GPU), `automatic` wgmma wherever it runs. Both families have the forward,
+// the fused backward (dQ by atomics) and the deterministic two-kernel backward.
 enum class FlashKernels { automatic, wgmma, mma };
 void set_flash_kernels(FlashKernels kernels);
 FlashKernels flash_kernels();

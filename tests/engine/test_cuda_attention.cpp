@@ -200,8 +200,8 @@ TEST_CASE("cuda: flash attention f32 (generic path) matches the CPU in f64" * do
 TEST_CASE("cuda: flash attention bf16 tensor-core path (head dim 64, 128) matches the CPU in f64" *
           doctest::skip(!cw::test::gpu_ready())) {
   // Both kernel families (the mma.sync kernels everywhere; the wgmma kernels where the GPU and the
-  // build have them) and both backwards: the deterministic two-kernel one (always mma.sync) and the
-  // fused one with atomic dQ.
+  // build have them) and, in each, both backwards: the deterministic two-kernel one and the fused
+  // one with atomic dQ.
   std::vector<gpu::FlashKernels> families{gpu::FlashKernels::mma};
   if (gpu::flash_wgmma_available(0)) families.push_back(gpu::FlashKernels::wgmma);
   else MESSAGE("the wgmma kernels need an sm_90a build on a compute capability 9.0 GPU: only mma.sync is checked");
