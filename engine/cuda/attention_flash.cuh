@@ -77,6 +77,29 @@ __device__ __forceinline__ void atomic_add2(float* dst, float x, float y) {
   atomicAdd(reinterpret_cast<float2*>(dst), make_float2(x, y));
 }
 
+// The elementwise middle of a dK/dV step, shared by the mma.sync and wgmma kernels. A warp holds
+// S^T and dP^T for its 16 keys (rows key0 + lane / 4, + 8) against the NQ * 8 queries of a block
+// starting at q0, in the accumulator layout of mma.m16n8k16; lse and delta are the block's rows in
+// shared memory. In place: st becomes P^T = exp(scale S^T - lse), dpt becomes
+// dS^T = P^T (dP^T - Delta); entries past the causal diagonal or the ends of the sequence are 0.
+template <int NQ>
+__device__ __forceinline__ void probs_and_score_grads_t(float (&st)[NQ][4], float (&dpt)[NQ][4], const float* lse,
+                                                        const float* delta, const Problem& pr, int key0, int q0,
+                                                        bool masked, int lane) {
+  const int t = lane & 3;
+#pragma unroll
+  for (int nt = 0; nt < NQ; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int col = nt * 8 + 2 * t + (e & 1);  // query within the block
+      const int key = key0 + (lane >> 2) + (e >> 1) * 8;
+      float p = fast_exp2(st[nt][e] * pr.scale_log2 - lse[col] * kLog2e);
+      if (masked && (key > pr.p + q0 + col || q0 + col >= pr.c || key >= pr.S)) p = 0.0f;
+      st[nt][e] = p;
+      dpt[nt][e] = p * (dpt[nt][e] - delta[col]);
+    }
+}
+
 // Which block a CTA of the tensor-core kernels owns. The grid is one-dimensional and ordered
 // longest work first across all heads and sequences (the dynamic CTA scheduler then packs the
 // short blocks into the tail): query blocks from the last (it sees the most keys) to the first,

@@ -423,18 +423,7 @@ __global__ void __launch_bounds__(256, 1) wg_backward_kernel(const Operands<bf16
     settle(dpt);
 
     const bool masked = k0 + BC - 1 > pr.p + q0 || q0 + BR > pr.c || k0 + BC > pr.S;
-#pragma unroll
-    for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int col = nt * 8 + 2 * t + (e & 1);  // query within the block
-        const int key = k0 + wkey + (lane >> 2) + (e >> 1) * 8;
-        const float lse2 = sLse[stage * BR + col] * kLog2e;
-        float p = fast_exp2(st[nt][e] * pr.scale_log2 - lse2);
-        if (masked && (key > pr.p + q0 + col || q0 + col >= pr.c || key >= pr.S)) p = 0.0f;
-        st[nt][e] = p;
-        dpt[nt][e] = p * (dpt[nt][e] - sDelta[stage * BR + col]);
-      }
+    probs_and_score_grads_t(st, dpt, sLse + stage * BR, sDelta + stage * BR, pr, k0 + wkey, q0, masked, lane);
     // dS^T rows of this warp into shared memory (bf16, as the products round it) for dQ.
     if constexpr (FUSED_DQ) {
 #pragma unroll
