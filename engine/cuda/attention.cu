@@ -29,13 +29,9 @@
 namespace cw::gpu {
 namespace {
 
+// CW_ATTENTION: the choices in the order of AttentionImpl.
 AttentionImpl impl_from_env() {
-  const char* e = std::getenv("CW_ATTENTION");
-  if (e == nullptr || *e == '\0' || std::strcmp(e, "auto") == 0) return AttentionImpl::automatic;
-  if (std::strcmp(e, "cudnn") == 0) return AttentionImpl::cudnn;
-  if (std::strcmp(e, "flash") == 0) return AttentionImpl::flash;
-  fail(std::string("environment variable CW_ATTENTION='") + e + "' is not an attention implementation",
-       "use auto, cudnn or flash");
+  return static_cast<AttentionImpl>(env_choice("CW_ATTENTION", {"auto", "cudnn", "flash"}, "use auto, cudnn or flash"));
 }
 
 std::atomic<int> g_impl{-1};  // -1: not yet read from the environment

@@ -76,6 +76,7 @@
 // after these kernels). Everything runs on current_stream(device).
 #include "engine/cuda/attention_flash.cuh"
 #include "engine/cuda/ops.h"
+#include "engine/cuda/runtime.h"
 
 #include <algorithm>
 #include <atomic>
@@ -83,6 +84,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <string>
 #include <type_traits>
 
@@ -478,9 +480,8 @@ template <int D, int K>
 __device__ __forceinline__ void mma_xb(float (&acc)[D / 8][4], const float (&x)[K / 8][4], const bf16_t* bk, int lane) {
 #pragma unroll
   for (int kk = 0; kk < K / 16; ++kk) {
-    const uint32_t a[4] = {pack_bf16(x[2 * kk][0], x[2 * kk][1]), pack_bf16(x[2 * kk][2], x[2 * kk][3]),
-                           pack_bf16(x[2 * kk + 1][0], x[2 * kk + 1][1]),
-                           pack_bf16(x[2 * kk + 1][2], x[2 * kk + 1][3])};
+    uint32_t a[4];
+    a_frag_from_acc(a, x, kk);
 #pragma unroll
     for (int dp = 0; dp < D / 16; ++dp) {
       uint32_t b[4];
@@ -746,23 +747,7 @@ __global__ void __launch_bounds__(NW * 32) tc_dkdv_kernel(const Operands<bf16_t>
     }
   }
 
-  // One writer per element: the add into the caller's f32 buffers is deterministic.
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    const int key = k0 + wkey + (lane >> 2) + hh * 8;
-    if (key >= pr.S) continue;
-    float* d_k = a.d_k + b * pr.dk_batch + key * pr.kv_row + g * D + 2 * t;
-    float* d_v = a.d_v + b * pr.dv_batch + key * pr.kv_row + g * D + 2 * t;
-#pragma unroll
-    for (int dt = 0; dt < DT; ++dt) {
-      float2 x = *reinterpret_cast<float2*>(d_k + dt * 8);
-      x.x += pr.scale * dk[dt][2 * hh], x.y += pr.scale * dk[dt][2 * hh + 1];
-      *reinterpret_cast<float2*>(d_k + dt * 8) = x;
-      float2 y = *reinterpret_cast<float2*>(d_v + dt * 8);
-      y.x += dv[dt][2 * hh], y.y += dv[dt][2 * hh + 1];
-      *reinterpret_cast<float2*>(d_v + dt * 8) = y;
-    }
-  }
+  add_key_grads<D>(a, pr, b, g, k0 + wkey, dk, dv, lane);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -849,15 +834,7 @@ __global__ void __launch_bounds__(NW * 32) tc_dq_kernel(const Operands<bf16_t> a
     if (i >= pr.c) continue;
     bf16_t* d_q = a.o + q_offset(pr, b, i, h) + 2 * t;
 #pragma unroll
-    for (int dt = 0; dt < DT; ++dt) {
-      float x = pr.scale * dq[dt][2 * hh], y = pr.scale * dq[dt][2 * hh + 1];
-      uint32_t* dst = reinterpret_cast<uint32_t*>(d_q + dt * 8);
-      if (pr.accumulate) {
-        const __nv_bfloat162 old = *reinterpret_cast<const __nv_bfloat162*>(dst);
-        x += __low2float(old), y += __high2float(old);
-      }
-      *dst = pack_bf16(x, y);
-    }
+    for (int dt = 0; dt < DT; ++dt) write_d_q_pair(d_q + dt * 8, pr, dq[dt][2 * hh], dq[dt][2 * hh + 1]);
   }
 }
 
@@ -976,13 +953,10 @@ void tc_backward(const Operands<bf16_t>& a, const Problem& pr, bool wgmma, cudaS
 // ------------------------------------------------------------------------------------------------
 std::atomic<int> g_flash_kernels{-1};  // -1: not read from the environment yet
 
+// CW_FLASH_KERNELS: the choices in the order of FlashKernels.
 FlashKernels flash_kernels_from_env() {
-  const char* e = std::getenv("CW_FLASH_KERNELS");
-  if (e == nullptr || *e == '\0' || std::strcmp(e, "auto") == 0) return FlashKernels::automatic;
-  if (std::strcmp(e, "wgmma") == 0) return FlashKernels::wgmma;
-  if (std::strcmp(e, "mma") == 0) return FlashKernels::mma;
-  fail(std::string("environment variable CW_FLASH_KERNELS='") + e + "' is not auto, wgmma or mma",
-       "use auto (the default: wgmma where the GPU and the build allow), wgmma or mma");
+  return static_cast<FlashKernels>(env_choice("CW_FLASH_KERNELS", {"auto", "wgmma", "mma"},
+                                              "use auto (the default: wgmma where the GPU and the build allow), wgmma or mma"));
 }
 
 // Whether this call's tensor-core kernels are the wgmma ones.
@@ -1068,10 +1042,17 @@ FlashKernels flash_kernels() {
 
 bool flash_wgmma_available(int device) {
   if (!wgmma_built()) return false;
+  // Asked on every attention call: the answer per device is kept (-1: not asked yet).
+  static std::atomic<int> known[64] = {};
+  static std::once_flag init;
+  std::call_once(init, [] { for (auto& k : known) k.store(-1); });
+  if (device >= 0 && device < 64 && known[device].load() >= 0) return known[device].load() == 1;
   int major = 0, minor = 0;
   CW_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   CW_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  return major == 9 && minor == 0;
+  const bool hopper = major == 9 && minor == 0;
+  if (device >= 0 && device < 64) known[device].store(hopper ? 1 : 0);
+  return hopper;
 }
 
 void flash_attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,

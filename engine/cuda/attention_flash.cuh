@@ -77,6 +77,53 @@ __device__ __forceinline__ void atomic_add2(float* dst, float x, float y) {
   atomicAdd(reinterpret_cast<float2*>(dst), make_float2(x, y));
 }
 
+// The bf16 A fragment (mma.m16n8k16 layout, which wgmma's register A shares) of k-step kk of a
+// product whose left operand is held as f32 accumulators of 8-column tiles: tiles 2kk and 2kk + 1.
+// P and dS go from the score accumulators into P V, dS K, P^T dO and dS^T Q this way.
+template <int NT>
+__device__ __forceinline__ void a_frag_from_acc(uint32_t (&f)[4], const float (&x)[NT][4], int kk) {
+  f[0] = pack_bf16(x[2 * kk][0], x[2 * kk][1]);
+  f[1] = pack_bf16(x[2 * kk][2], x[2 * kk][3]);
+  f[2] = pack_bf16(x[2 * kk + 1][0], x[2 * kk + 1][1]);
+  f[3] = pack_bf16(x[2 * kk + 1][2], x[2 * kk + 1][3]);
+}
+
+// d_q[0..1] = scale * (x, y), or += when the problem accumulates (bf16 d_q, one writer per element).
+__device__ __forceinline__ void write_d_q_pair(bf16_t* d_q, const Problem& pr, float x, float y) {
+  x *= pr.scale, y *= pr.scale;
+  uint32_t* dst = reinterpret_cast<uint32_t*>(d_q);
+  if (pr.accumulate) {
+    const __nv_bfloat162 old = *reinterpret_cast<const __nv_bfloat162*>(dst);
+    x += __low2float(old), y += __high2float(old);
+  }
+  *dst = pack_bf16(x, y);
+}
+
+// The end of a dK/dV kernel: a warp's 16 keys (rows key0 + lane / 4, + 8; columns in the
+// accumulator layout over the head dim D) are added into the caller's f32 d_k (times the softmax
+// scale) and d_v. One writer per element: the add is deterministic.
+template <int D>
+__device__ __forceinline__ void add_key_grads(const Operands<bf16_t>& a, const Problem& pr, int b, int g, int key0,
+                                              const float (&dk)[D / 8][4], const float (&dv)[D / 8][4], int lane) {
+  const int t = lane & 3;
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    const int key = key0 + (lane >> 2) + hh * 8;
+    if (key >= pr.S) continue;
+    float* d_k = a.d_k + b * pr.dk_batch + key * pr.kv_row + g * D + 2 * t;
+    float* d_v = a.d_v + b * pr.dv_batch + key * pr.kv_row + g * D + 2 * t;
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+      float2 x = *reinterpret_cast<float2*>(d_k + dt * 8);
+      x.x += pr.scale * dk[dt][2 * hh], x.y += pr.scale * dk[dt][2 * hh + 1];
+      *reinterpret_cast<float2*>(d_k + dt * 8) = x;
+      float2 y = *reinterpret_cast<float2*>(d_v + dt * 8);
+      y.x += dv[dt][2 * hh], y.y += dv[dt][2 * hh + 1];
+      *reinterpret_cast<float2*>(d_v + dt * 8) = y;
+    }
+  }
+}
+
 // The elementwise middle of a dK/dV step, shared by the mma.sync and wgmma kernels. A warp holds
 // S^T and dP^T for its 16 keys (rows key0 + lane / 4, + 8) against the NQ * 8 queries of a block
 // starting at q0, in the accumulator layout of mma.m16n8k16; lse and delta are the block's rows in

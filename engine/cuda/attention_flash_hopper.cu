@@ -205,15 +205,10 @@ __device__ __forceinline__ bf16_t* aligned_smem(unsigned char* raw) {
   return reinterpret_cast<bf16_t*>(raw + ((1024 - (a & 1023)) & 1023));
 }
 
-// bf16 A fragments of the next product from f32 accumulators: k-step kk takes n-tiles 2kk, 2kk + 1.
+// bf16 A fragments of every k-step of the next product from f32 accumulators.
 template <int NT> __device__ __forceinline__ void pack_a_frags(uint32_t (&f)[NT / 2][4], const float (&x)[NT][4]) {
 #pragma unroll
-  for (int kk = 0; kk < NT / 2; ++kk) {
-    f[kk][0] = pack_bf16(x[2 * kk][0], x[2 * kk][1]);
-    f[kk][1] = pack_bf16(x[2 * kk][2], x[2 * kk][3]);
-    f[kk][2] = pack_bf16(x[2 * kk + 1][0], x[2 * kk + 1][1]);
-    f[kk][3] = pack_bf16(x[2 * kk + 1][2], x[2 * kk + 1][3]);
-  }
+  for (int kk = 0; kk < NT / 2; ++kk) a_frag_from_acc(f[kk], x, kk);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -493,26 +488,9 @@ __global__ void __launch_bounds__(256, 1) wg_backward_kernel(const Operands<bf16
     }
   }
 
-  // One writer per element: the add into the caller's f32 buffers is deterministic.
-#pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    const int key = k0 + wkey + (lane >> 2) + hh * 8;
-    if (key >= pr.S) continue;
-    float* d_k = a.d_k + b * pr.dk_batch + key * pr.kv_row + g * D + 2 * t;
-    float* d_v = a.d_v + b * pr.dv_batch + key * pr.kv_row + g * D + 2 * t;
-#pragma unroll
-    for (int db = 0; db < DB; ++db)
-#pragma unroll
-      for (int dt = 0; dt < 8; ++dt) {
-        const int off = db * 64 + dt * 8;
-        float2 x = *reinterpret_cast<float2*>(d_k + off);
-        x.x += pr.scale * dk[db][dt][2 * hh], x.y += pr.scale * dk[db][dt][2 * hh + 1];
-        *reinterpret_cast<float2*>(d_k + off) = x;
-        float2 y = *reinterpret_cast<float2*>(d_v + off);
-        y.x += dv[db][dt][2 * hh], y.y += dv[db][dt][2 * hh + 1];
-        *reinterpret_cast<float2*>(d_v + off) = y;
-      }
-  }
+  // dk[DB][8][4] is the accumulator layout of D / 8 column tiles.
+  add_key_grads<D>(a, pr, b, g, k0 + wkey, reinterpret_cast<const float(&)[D / 8][4]>(dk),
+                   reinterpret_cast<const float(&)[D / 8][4]>(dv), lane);
 #else
   __trap();
 #endif
@@ -619,15 +597,8 @@ __global__ void __launch_bounds__(256, 1) wg_dq_kernel(const Operands<bf16_t> a,
 #pragma unroll
     for (int db = 0; db < DB; ++db)
 #pragma unroll
-      for (int dt = 0; dt < 8; ++dt) {
-        float x = pr.scale * dq[db][dt][2 * hh], y = pr.scale * dq[db][dt][2 * hh + 1];
-        uint32_t* dst = reinterpret_cast<uint32_t*>(d_q + db * 64 + dt * 8);
-        if (pr.accumulate) {
-          const __nv_bfloat162 old = *reinterpret_cast<const __nv_bfloat162*>(dst);
-          x += __low2float(old), y += __high2float(old);
-        }
-        *dst = pack_bf16(x, y);
-      }
+      for (int dt = 0; dt < 8; ++dt)
+        write_d_q_pair(d_q + db * 64 + dt * 8, pr, dq[db][dt][2 * hh], dq[db][dt][2 * hh + 1]);
   }
 #else
   __trap();
