@@ -20,11 +20,46 @@
 #include "engine/memory.h"
 #include "engine/tensor.h"
 
+#include <string>
+
 namespace cw {
 
 struct AttentionSaved {
   Tensor lse;  // [B, H, c]
 };
+
+// The kernel families that implement this op. Every attention call goes through
+// choose_attention_kernel, which picks one from the call's shape, device and flags; tests and
+// benchmarks force a family with set_attention_kernel (engine/engine.h).
+//   cpu          Eigen, f64/f32 (the reference)
+//   cudnn        cuDNN's fused attention (engine/cuda/attention_cudnn.cu)
+//   flash_wgmma  our flash kernels on Hopper warpgroup MMA, bf16, D 64/128 (attention_flash_wgmma.cu)
+//   flash_mma    our flash kernels on mma.sync tensor cores, bf16, D 64/128 (attention_flash_mma.cu)
+//   flash_simt   our flash kernels without tensor cores: f32, any even D <= 128 (attention_flash_simt.cu)
+enum class AttentionKernel { automatic, cpu, cudnn, flash_wgmma, flash_mma, flash_simt };
+const char* attention_kernel_name(AttentionKernel kernel);        // "auto", "cpu", "cudnn", ...
+AttentionKernel parse_attention_kernel(const std::string& name);  // throws naming the choices
+
+// One attention call as the chooser sees it.
+struct AttentionCall {
+  Device device;
+  DType dtype;
+  int64_t B, c, S, H, Hkv, D;
+  int64_t kv_batch_stride;  // elements between sequences of k/v (a K/V store slice: T * Hkv * D)
+  bool backward;
+};
+AttentionCall attention_call(const Tensor& q, const Tensor& k, bool backward);
+struct AttentionFlags {
+  AttentionKernel forced = AttentionKernel::automatic;  // the setting (engine.h) unless a caller says
+  bool deterministic = false;                           // only bitwise-reproducible kernels
+};
+struct AttentionChoice {
+  AttentionKernel kernel;
+  std::string reason;  // why this one (and why not the ones before it), for logs and errors
+};
+// The one place that decides which kernel runs an attention call. Forced families that cannot take
+// the call are an error naming the reason.
+AttentionChoice choose_attention_kernel(const AttentionCall& call, const AttentionFlags& flags);
 
 // Bytes of scratch the CPU attention takes for c queries against S keys (forward or backward).
 size_t attention_scratch_bytes(int64_t c, int64_t S, DType dtype, bool backward);

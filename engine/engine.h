@@ -1,0 +1,68 @@
+// chunkwise engine: the settings and queries of the engine as a whole. Together with engine/ops/*.h,
+// engine/memory.h and engine/residency.h this is everything the layers above (model/, optim/,
+// tools/) see of the engine: nothing above engine/ names a CUDA symbol or includes engine/cuda/.
+//
+// Settings are process-wide; each has an environment variable read once, on first use, and a
+// setter that overrides it (tests and benchmarks force choices through the setters).
+#pragma once
+
+#include "engine/ops/attention.h"
+#include "engine/tensor.h"
+
+#include <cstddef>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace cw {
+
+// ---- What this build and this machine have ----
+struct BuildFeatures {
+  bool cuda, cudnn, nccl;
+};
+BuildFeatures build_features();
+
+struct GpuInfo {
+  int index;
+  std::string name;
+  int sm_major, sm_minor, multiprocessors;
+  size_t memory_bytes;
+};
+// The GPUs the CUDA runtime sees; empty in a CPU-only build or on a machine without a GPU.
+std::vector<GpuInfo> list_gpus();
+bool gpu_available();  // this build has CUDA and the runtime sees at least one GPU
+// One line per device, starting with the CPU; used by `chunkwise devices` and test skip messages.
+std::string describe_devices();
+
+// ---- Determinism (env CW_DETERMINISTIC=0|1; off by default) ----
+// On: every GPU result is bitwise reproducible (only deterministic kernels run). Off: the attention
+// backward may sum dQ with f32 atomics (values agree to f32 rounding; the order varies).
+void set_deterministic(bool on);
+bool deterministic();
+
+// ---- Attention kernel (env CW_ATTENTION; `auto` by default) ----
+// Forces the kernel family every attention call runs (engine/ops/attention.h: choose_attention_kernel
+// says what `automatic` picks and why). Forcing a family that cannot take a call is a clear error.
+void set_attention_kernel(AttentionKernel kernel);
+AttentionKernel attention_kernel();
+
+// ---- Device memory ----
+struct DeviceMemory {
+  size_t free = 0, total = 0;  // bytes, as the driver reports them
+};
+DeviceMemory device_memory(Device device);
+struct PoolStats {
+  size_t in_use = 0, cached = 0, peak_in_use = 0, cuda_mallocs = 0;
+};
+PoolStats pool_stats(Device device);      // the device's caching pool
+void reset_pool_peak(Device device);      // peak_in_use := in_use
+void release_cached(Device device);       // cached blocks back to the driver
+std::string memory_report(Device device); // one line: in use, cached, peak, mallocs
+
+// ---- Ordering and timing ----
+void synchronize(Device device);          // waits for everything queued on the device
+// Median milliseconds of fn over `repeat` timed runs after `warmup` untimed ones (CUDA events on the
+// device's stream; wall clock on the CPU). For benchmarks, never for tests.
+double median_ms(const std::function<void()>& fn, Device device, int warmup = 3, int repeat = 20);
+
+}  // namespace cw
