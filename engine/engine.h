@@ -54,10 +54,9 @@ DeviceMemory device_memory(Device device);
 struct PoolStats {
   size_t in_use = 0, cached = 0, peak_in_use = 0, cuda_mallocs = 0;
 };
-PoolStats pool_stats(Device device);      // the device's caching pool
-void reset_pool_peak(Device device);      // peak_in_use := in_use
+PoolStats pool_stats(Device device);      // the device's caching pool (zeros for the CPU)
 void release_cached(Device device);       // cached blocks back to the driver
-std::string memory_report(Device device); // one line: in use, cached, peak, mallocs
+std::string memory_report(Device device); // one line: in use, cached, peak, mallocs, free
 
 // ---- Ordering and timing ----
 void synchronize(Device device);          // waits for everything queued on the device

@@ -2,6 +2,8 @@
 
 #include "engine/cuda/runtime.h"
 
+#include <fmt/format.h>
+
 #include <cstdlib>
 #include <cstring>
 #include <new>
@@ -187,5 +189,31 @@ namespace cw {
 void scale_inplace(const Tensor& t, double factor) {
   if (!t.device.is_cpu()) return gpu::scale_inplace(t, factor);
   for_each_index(t, [&](int64_t, int64_t off) { store(t, off, load(t, off) * factor); });
+}
+}  // namespace cw
+
+namespace cw {
+double sum_squares(const Tensor& t) {
+  check_contiguous(t, "sum_squares input");
+  if (!t.device.is_cpu()) return gpu::sum_squares(t);
+  double s = 0.0;
+  const auto add = [&](auto* x) {
+    for (int64_t i = 0; i < t.numel(); ++i) {
+      const double d = static_cast<double>(x[i]);
+      s += d * d;
+    }
+  };
+  switch (t.dtype) {
+    case DType::f64: add(t.ptr<double>()); break;
+    case DType::f32: add(t.ptr<float>()); break;
+    case DType::bf16:
+      for (int64_t i = 0; i < t.numel(); ++i) {
+        const double d = static_cast<double>(t.ptr<bf16>()[i].to_float());
+        s += d * d;
+      }
+      break;
+    default: fail(fmt::format("sum_squares takes a float tensor, not {}", dtype_name(t.dtype)));
+  }
+  return s;
 }
 }  // namespace cw

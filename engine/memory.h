@@ -129,4 +129,8 @@ void copy_convert(const Tensor& dst, const Tensor& src);
 namespace cw {
 // Multiplies every element of a (possibly strided) CPU tensor by factor.
 void scale_inplace(const Tensor& t, double factor);
+// The sum of squares of every element of a contiguous tensor (f64, f32 or bf16; host or device),
+// accumulated in f64 in a fixed order, so the same input gives the same bits; a NaN or inf in the
+// input shows in the result. Waits for a device result.
+double sum_squares(const Tensor& t);
 }  // namespace cw

@@ -1,6 +1,5 @@
 #include "optim/adamw.h"
 
-#include "engine/cuda/runtime.h"
 #include "engine/ops/adamw_update.h"
 
 #include "model/safetensors.h"
@@ -182,23 +181,11 @@ void AdamW::load(const std::string& path) {
   step_ = step;
 }
 
-namespace {
-template <class T> double sum_squares(const T* x, int64_t n) {
-  double s = 0.0;
-  for (int64_t i = 0; i < n; ++i) {
-    const double d = static_cast<double>(x[i]);
-    s += d * d;
-  }
-  return s;
-}
-}  // namespace
 
 double grad_global_norm(const ParamSet& grads) {
   const Tensor f = grads.flat();
   check_float_dtype(f.dtype, "the gradients");
-  if (!f.device.is_cpu()) return std::sqrt(gpu::sum_squares(f));
-  const double s = f.dtype == DType::f64 ? sum_squares(f.ptr<double>(), f.numel()) : sum_squares(f.ptr<float>(), f.numel());
-  return std::sqrt(s);
+  return std::sqrt(sum_squares(f));
 }
 
 double clip_grad_norm(const ParamSet& grads, double max_norm) {
@@ -217,7 +204,7 @@ template <class T> bool finite_all(const T* x, int64_t n) {
 
 bool all_finite(const ParamSet& set) {
   const Tensor f = set.flat();
-  if (!f.device.is_cpu()) return f.dtype == DType::i32 || std::isfinite(gpu::sum_squares(f));
+  if (!f.device.is_cpu()) return f.dtype == DType::i32 || std::isfinite(sum_squares(f));
   switch (f.dtype) {
     case DType::f64: return finite_all(f.ptr<double>(), f.numel());
     case DType::f32: return finite_all(f.ptr<float>(), f.numel());

@@ -81,7 +81,7 @@ class AdamW {
 };
 
 // sqrt of the sum of every squared element (f32 or f64), accumulated in f64 in table order (on a
-// GPU: in a fixed order of per-block f64 partials, gpu::sum_squares).
+// GPU: in a fixed order of per-block f64 partials, cw::sum_squares).
 double grad_global_norm(const ParamSet& grads);
 // Scales grads in place by max_norm / norm when norm > max_norm, so that their global norm becomes
 // max_norm; returns the norm before clipping. max_norm <= 0 disables clipping. A non-finite norm is

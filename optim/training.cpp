@@ -1,6 +1,6 @@
 #include "optim/training.h"
 
-#include "engine/cuda/runtime.h"
+#include "engine/engine.h"
 #include "engine/random.h"
 
 #include <algorithm>
@@ -88,7 +88,7 @@ MemoryReport memory_report(const TrainingState& st, size_t activation_high_water
   r.gradients = st.grads().bytes();
   r.activations = activation_high_water;
   r.kv = kv_bytes;
-  if (!st.device().is_cpu()) r.device_peak = gpu::pool_stats(st.device().index).peak_in_use;
+  if (!st.device().is_cpu()) r.device_peak = pool_stats(st.device()).peak_in_use;
   return r;
 }
 

@@ -10,6 +10,7 @@
 
 #include "engine/cuda/ops.h"
 #include "engine/cuda/runtime.h"
+#include "engine/engine.h"
 #include "engine/memory.h"
 #include "engine/random.h"
 #include "engine/tensor.h"
@@ -97,16 +98,28 @@ inline void expect_same_bits(const Tensor& a, const Tensor& b, const std::string
   CHECK(same_bits(ha, hb));
 }
 
-// Sets gpu::deterministic() for one scope and restores what it was.
+// Sets cw::deterministic() for one scope and restores what it was.
 class DeterminismScope {
  public:
-  explicit DeterminismScope(bool on) : saved_(gpu::deterministic()) { gpu::set_deterministic(on); }
-  ~DeterminismScope() { gpu::set_deterministic(saved_); }
+  explicit DeterminismScope(bool on) : saved_(cw::deterministic()) { cw::set_deterministic(on); }
+  ~DeterminismScope() { cw::set_deterministic(saved_); }
   DeterminismScope(const DeterminismScope&) = delete;
   DeterminismScope& operator=(const DeterminismScope&) = delete;
 
  private:
   bool saved_;
+};
+
+// Forces the attention kernel family (cw::set_attention_kernel) for one scope and restores the setting.
+class AttentionKernelScope {
+ public:
+  explicit AttentionKernelScope(AttentionKernel k) : saved_(cw::attention_kernel()) { cw::set_attention_kernel(k); }
+  ~AttentionKernelScope() { cw::set_attention_kernel(saved_); }
+  AttentionKernelScope(const AttentionKernelScope&) = delete;
+  AttentionKernelScope& operator=(const AttentionKernelScope&) = delete;
+
+ private:
+  AttentionKernel saved_;
 };
 
 }  // namespace cw::test

@@ -1,9 +1,8 @@
 #include "tools/bench_model.h"
 
 #include "chunkwise_config.h"
-#include "engine/cuda/runtime.h"
+#include "engine/engine.h"
 #if CW_HAVE_CUDA
-#include "engine/cuda/ops.h"
 #endif
 #include "engine/ops/linear.h"
 #include "engine/random.h"
@@ -34,9 +33,9 @@ double measure_bf16_peak(Device g) {
     OwnedTensor c = OwnedTensor::on(g, DType::bf16, {n, n});
     copy_convert(a, host);
     copy_convert(b, host);
-    ms = gpu::median_ms([&] { linear_forward(c, a, b); }, g.index, 3, 10);
+    ms = median_ms([&] { linear_forward(c, a, b); }, g, 3, 10);
   }
-  gpu::release_cached(g.index);
+  release_cached(g);
   return 2.0 * double(n) * double(n) * double(n) / (ms * 1e-3) / 1e12;
 }
 
@@ -56,7 +55,7 @@ bool is_out_of_memory(const std::string& what) {
 }  // namespace
 
 int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
-  if (!gpu::available()) fail("bench needs a GPU", "run it on the GPU machine (tools/gpu-check)");
+  if (!gpu_available()) fail("bench needs a GPU", "run it on the GPU machine (tools/gpu-check)");
   const Device g = Device::gpu(0);
   const LlamaConfig cfg = LlamaConfig::resolve(o.model);
   const DType dt = parse_dtype(o.dtype);
@@ -77,9 +76,9 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
                       {"mlp_shards", o.mlp_shards}, {"offload", o.offload}, {"dtype", o.dtype},
                       {"device", device_name(g)}};
 #if CW_HAVE_CUDA
-  gpu::set_deterministic(o.deterministic);
-  r["attention"] = gpu::attention_impl_name(gpu::attention_impl());
-  r["deterministic"] = gpu::deterministic();
+  set_deterministic(o.deterministic);
+  r["attention"] = attention_kernel_name(attention_kernel());
+  r["deterministic"] = deterministic();
 #endif
   const double peak = o.peak_tflops > 0 ? o.peak_tflops : measure_bf16_peak(g);
   const double fpt = flops_per_token(cfg, o.seq);
@@ -94,13 +93,13 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
     StepStats stats;
     for (int s = 0; s < o.warmup + o.steps; ++s) {
       const Batch batch = random_batch(o.batch, o.seq, cfg.vocab_size, 1000 + static_cast<uint64_t>(s));
-      gpu::synchronize(g.index);
+      synchronize(g);
       const auto t0 = std::chrono::steady_clock::now();
       st.grads().zero();
       stats = schedule->step(st.model(), batch, st.grads());
       clip_grad_norm(st.grads(), 1.0);
       st.optimizer_step(1e-5);
-      gpu::synchronize(g.index);
+      synchronize(g);
       const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       out << fmt::format("step {}{}: {:.3f} s, loss {:.4f}\n", s + 1, s < o.warmup ? " (warm-up)" : "", sec, stats.loss)
           << std::flush;
@@ -125,7 +124,7 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
     r["error"] = what;
     out << "bench: " << r["status"].get<std::string>() << ": " << what << "\n";
   }
-  const gpu::PoolStats ps = gpu::pool_stats(g.index);
+  const PoolStats ps = pool_stats(g);
   r["peak_bytes"] = ps.peak_in_use;
   r["peak_gib"] = double(ps.peak_in_use) / double(1ull << 30);
   if (r["status"] == "ok")

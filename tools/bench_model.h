@@ -28,7 +28,7 @@ struct BenchModelOptions {
   std::string recompute = "full";      // checkpointed: full | selective | none
   int64_t chunk = 0, bwd_chunk = 0, mlp_shards = 1;
   bool offload = false;                // checkpointed: saved layer inputs to pinned host memory
-  bool deterministic = false;          // deterministic kernels only (gpu::set_deterministic)
+  bool deterministic = false;          // deterministic kernels only (cw::set_deterministic)
   std::string dtype = "bf16";          // bf16 | f32
   int steps = 3, warmup = 1;
   double peak_tflops = 0;              // 0: measure

@@ -1,7 +1,7 @@
 #include "tools/bench_ops.h"
 
 #include "chunkwise_config.h"
-#include "engine/cuda/runtime.h"
+#include "engine/engine.h"
 #include "engine/ops/attention.h"
 #include "engine/ops/embedding.h"
 #include "engine/ops/lm_head_loss.h"
@@ -13,7 +13,7 @@
 #include "engine/random.h"
 
 #if CW_HAVE_CUDA
-#include "engine/cuda/ops.h"  // attention implementation choice (set_attention_impl, cudnn_attention_supports)
+#include "engine/engine.h"
 #endif
 
 #include <fmt/format.h>
@@ -68,7 +68,7 @@ std::string first_line(const std::exception& e) {
 // Times attention forward and backward for one shape and one implementation: "cudnn", "flash"
 // (our kernel as training runs it by default: the wgmma kernels on an H100, the fused backward with
 // atomic dQ), "flash-mma" (the same with the mma.sync kernels forced) or "flash-det" (our kernel
-// with gpu::deterministic() on: the two-kernel mma.sync backward). Rows named
+// with cw::deterministic() on: the two-kernel mma.sync backward). Rows named
 // "attn fwd|bwd H/Hkv/D T impl" (ops_vs_torch.py builds the same names).
 void bench_attention(std::vector<Row>& rows, DType dt, int64_t T, int64_t H, int64_t Hkv, int64_t D, int repeat,
                      const std::string& impl) {
@@ -89,23 +89,28 @@ void bench_attention(std::vector<Row>& rows, DType dt, int64_t T, int64_t H, int
     OwnedTensor d_q = OwnedTensor::on(g, dt, {1, T, H, D});
     OwnedTensor d_k = OwnedTensor::on(g, DType::f32, {1, T, Hkv, D});
     OwnedTensor d_v = OwnedTensor::on(g, DType::f32, {1, T, Hkv, D});
-    gpu::fill(d_k, 0.0);
-    gpu::fill(d_v, 0.0);
+    fill(d_k, 0.0);
+    fill(d_v, 0.0);
     std::string why;
-    if (cudnn && !gpu::cudnn_attention_supports(q, k, &why)) {
+    if (cudnn) {  // the chooser says whether cuDNN can take both directions (and why not)
+      try {
+        choose_attention_kernel(attention_call(q, k, v, out, &d_q.tensor, &d_out.tensor, &d_k.tensor, &d_v.tensor),
+                                {AttentionKernel::cudnn, false});
+      } catch (const Error& e) {
+        why = first_line(e);
+      }
+    }
+    if (!why.empty()) {
       for (Row* r : {&fwd, &bwd}) r->status = "unsupported", r->note = "cudnn unsupported: " + why;
     } else {
-      const gpu::AttentionImpl previous = gpu::attention_impl();
-      const bool previous_deterministic = gpu::deterministic();
-      const gpu::FlashKernels previous_kernels = gpu::flash_kernels();
-      gpu::set_attention_impl(cudnn ? gpu::AttentionImpl::cudnn : gpu::AttentionImpl::flash);
-      if (impl == "flash-det") gpu::set_deterministic(true);
-      else if (impl == "flash" || impl == "flash-mma") gpu::set_deterministic(false);
-      if (impl == "flash-mma") gpu::set_flash_kernels(gpu::FlashKernels::mma);
+      const AttentionKernel previous = attention_kernel();
+      const bool previous_deterministic = deterministic();
+      set_attention_kernel(cudnn ? AttentionKernel::cudnn
+                                 : impl == "flash-mma" ? AttentionKernel::flash_mma : AttentionKernel::flash);
+      set_deterministic(impl == "flash-det");
       auto restore = [&] {
-        gpu::set_attention_impl(previous);
-        gpu::set_deterministic(previous_deterministic);
-        gpu::set_flash_kernels(previous_kernels);
+        set_attention_kernel(previous);
+        set_deterministic(previous_deterministic);
       };
       const double scale = 1.0 / std::sqrt(double(D));
       const AttentionSaved saved{lse};
@@ -114,13 +119,13 @@ void bench_attention(std::vector<Row>& rows, DType dt, int64_t T, int64_t H, int
           ArenaScope s(scratch);
           attention_forward(out, saved, q, k, v, scale, scratch);
         };
-        fwd.ms = gpu::median_ms(forward, 0, 3, repeat);
+        fwd.ms = median_ms(forward, Device::gpu(0), 3, repeat);
         forward();  // out and lse of these inputs for the backward
         // d_k, d_v keep accumulating over the repeats (the op adds): values grow by ~repeat x, harmless.
-        bwd.ms = gpu::median_ms([&] {
+        bwd.ms = median_ms([&] {
           ArenaScope s(scratch);
           attention_backward(d_q, d_k, d_v, d_out, saved, q, k, v, out, scale, GradMode::overwrite, scratch);
-        }, 0, 3, repeat);
+        }, Device::gpu(0), 3, repeat);
       } catch (...) {
         restore();
         throw;
@@ -162,7 +167,7 @@ std::vector<Row> bench_lm_head(std::vector<int64_t> tokens, DType dt, int64_t C,
   OwnedTensor labels = random_ids_on_gpu(nmax, V, 34);
   OwnedTensor d_x = OwnedTensor::on(g, dt, {nmax, C}), d_w = OwnedTensor::on(g, DType::f32, {V, C});
   OwnedTensor row_loss = OwnedTensor::on(g, DType::f32, {nmax});
-  gpu::fill(d_w, 0.0);
+  fill(d_w, 0.0);
   std::deque<Arena> arenas;  // kept until every N is measured (see above)
   for (const int64_t N : tokens) {
     Row r{fmt::format("lm head+CE fused {}", N), 0, 0, 6.0 * double(N) * double(C) * double(V)};
@@ -171,13 +176,13 @@ std::vector<Row> bench_lm_head(std::vector<int64_t> tokens, DType dt, int64_t C,
       Arena& scratch = arenas.emplace_back(g);
       const Tensor xn = x.tensor.slice(0, 0, N), dxn = d_x.tensor.slice(0, 0, N);
       const Tensor ln = labels.tensor.slice(0, 0, N), rl = row_loss.tensor.slice(0, 0, N);
-      gpu::synchronize(0);
-      const gpu::PoolStats before = gpu::pool_stats(0);
-      r.ms = gpu::median_ms([&] {
+      synchronize(Device::gpu(0));
+      const PoolStats before = pool_stats(Device::gpu(0));
+      r.ms = median_ms([&] {
         lm_head_loss_fused(rl, dxn, d_w, xn, w, ln, double(N), GradMode::overwrite, scratch);
-      }, 0, 3, repeat);
-      gpu::synchronize(0);
-      const gpu::PoolStats after = gpu::pool_stats(0);
+      }, Device::gpu(0), 3, repeat);
+      synchronize(Device::gpu(0));
+      const PoolStats after = pool_stats(Device::gpu(0));
       const double extra = double(after.peak_in_use) - double(before.in_use);
       const bool exact = before.peak_in_use <= before.in_use;
       r.extra["extra_bytes"] = extra;
@@ -195,7 +200,7 @@ std::vector<Row> bench_lm_head(std::vector<int64_t> tokens, DType dt, int64_t C,
 }  // namespace
 
 void run_bench_ops(const BenchOpsOptions& o, std::ostream& out) {
-  if (!gpu::available()) fail("bench-ops needs a GPU", "run it on the GPU machine (tools/gpu-check)");
+  if (!gpu_available()) fail("bench-ops needs a GPU", "run it on the GPU machine (tools/gpu-check)");
   const DType dt = parse_dtype(o.dtype);
   const int64_t N = o.tokens, C = o.hidden, F = o.ffn, H = o.heads, D = o.head_dim, V = o.vocab;
   const double es = static_cast<double>(dtype_size(dt));
@@ -224,7 +229,7 @@ void run_bench_ops(const BenchOpsOptions& o, std::ostream& out) {
 
   std::vector<Row> rows;
   auto bench = [&](const std::string& name, double bytes, double flops, const std::function<void()>& fn) {
-    rows.push_back({name, gpu::median_ms(fn, 0, 3, o.repeat), bytes, flops});
+    rows.push_back({name, median_ms(fn, Device::gpu(0), 3, o.repeat), bytes, flops});
   };
   const double nc = double(N) * double(C), nf = double(N) * double(F), nq = double(N) * double(H) * double(D);
   bench("copy (d2d)", 2 * nc * es, 0, [&] { copy_convert(y, x); });

@@ -8,7 +8,7 @@
 //
 // Attention rows (per token count in attention_tokens; B = 1, p = 0, causal, bf16): the shapes of
 // ../shared/BENCHMARKS.md's op table, H / Hkv / D = 32 / 8 / 64 (Llama-3.2-1B) and 24 / 8 / 128
-// (Llama-3.2-3B), once per implementation (gpu::set_attention_impl: cudnn, then flash). TFLOP/s
+// (Llama-3.2-3B), once per implementation (cw::set_attention_kernel: cudnn, then flash). TFLOP/s
 // counts the causal half of the score matrix: forward 4 * H * T^2 * D / 2 (QK^T and PV, 2 FLOP per
 // multiply-add), backward 2.5 times that (five T x T x D products: QK^T recomputed, dP = dO V^T,
 // dV = P^T dO, dQ = dS K, dK = dS^T Q). The backward row times the backward alone (after one

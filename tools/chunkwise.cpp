@@ -1,7 +1,7 @@
 // `chunkwise`: the command line. Each subcommand is a thin layer over a library function in tools/,
 // optim/ or model/, so tests call the same code. Errors end in one clear line and a non-zero exit.
 #include "chunkwise_config.h"
-#include "engine/device.h"
+#include "engine/engine.h"
 #include "engine/error.h"
 #include "tools/data/tokenizer.h"
 #include "tools/bench_model.h"

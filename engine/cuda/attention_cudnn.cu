@@ -65,7 +65,7 @@
 // Backward forms and determinism. Two forms of dQ = dS K: into an f32 accumulator (then cast to
 // bf16 dQ), or straight into dQ. The accumulator form is the fast one (8K tokens, 32 heads, D 64:
 // 1.82 ms against 2.64) but adds dQ with atomics without carrying cuDNN's non-determinism note, so
-// with gpu::deterministic() only the direct form is built (and configurations carrying the note are
+// with cw::deterministic() only the direct form is built (and configurations carrying the note are
 // skipped). Workspace: built as above (GraphVariant::frontend_form, the arrangement the cuDNN
 // frontend library uses), the accumulator form needs only the GQA head reduction's per-query-head
 // f32 staging (B H S D 4 bytes); every other arrangement we tried (Delta straight out of the
@@ -74,7 +74,7 @@
 // and 32 heads), with no knob to avoid it. The direct form stages dS (bf16, B H c S 2 bytes). Among
 // the configurations the heuristics offer, the first needing at most kWorkspaceLimit is taken, else
 // the one needing least (timed on the H100: the heuristics' first is also the fastest, the others
-// 2-2.5x slower). engine/cuda/attention.cu decides whether `automatic` may spend the workspace.
+// 2-2.5x slower). The chooser (engine/ops/attention.cpp) decides whether `automatic` may spend it.
 // The add kernels are elementwise (no atomics).
 // STATUS (H100, 2026-11-21, cuDNN 9.14): forward and backward pass the GPU tests against the f64 CPU
 // op (tests/engine/test_cuda_attention_cudnn.cpp: MHA and GQA 4, head dims 64 and 128, c < S with
@@ -96,6 +96,7 @@
 #include "engine/cuda/common.cuh"
 #include "engine/cuda/ops.h"
 #include "engine/cuda/runtime.h"
+#include "engine/engine.h"
 
 #include <cudnn.h>
 
@@ -1003,7 +1004,7 @@ std::string static_reason(const Tensor& q, const Tensor& k) {
 
 Shape shape_of(const Tensor& q, const Tensor& k, const Tensor& v, bool backward) {
   return Shape{q.device.index, backward,   q.size(0), q.size(2),   k.size(2), q.size(1),
-               k.size(1),      q.size(3),  k.stride[0], v.stride[0], backward && deterministic()};
+               k.size(1),      q.size(3),  k.stride[0], v.stride[0], backward && cw::deterministic()};
 }
 
 void check_gpu_operand(const Tensor& t, const Tensor& q, const char* what) {

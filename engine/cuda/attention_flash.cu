@@ -18,8 +18,8 @@
 // the last block out = o / l and lse = m + log l, without ever holding a row of scores. The backward
 // recomputes P from q, k and the saved lse (nothing of size c x S is stored).
 //
-// Two implementations, chosen per call:
-//  * Tensor-core path: bf16 at head dim 64 or 128 with 16-byte aligned operands. FlashAttention-2
+// Three families, named per call by the chooser:
+//  * Tensor-core families (mma, wgmma): bf16 at head dim 64 or 128 with 16-byte aligned operands. FlashAttention-2
 //    structure on mma.sync.m16n8k16 (bf16 inputs, f32 accumulation), ldmatrix from XOR-swizzled
 //    shared memory (16-byte chunk c of row r stored at chunk c ^ (r & 7), so the 8 rows one ldmatrix
 //    phase reads fall in 8 different bank groups) and cp.async double buffering: the next K/V (or
@@ -38,7 +38,7 @@
 //                (c) dQ: a CTA per (b, head, query block) loops over the visible key blocks,
 //                    recomputing S and dP, and accumulates dQ += dS K in registers; d_q is written
 //                    once (overwrite or accumulate).
-//                Two forms of (b) + (c), chosen by gpu::deterministic():
+//                Two forms of (b) + (c), chosen by the caller's `deterministic`:
 //                 * deterministic (two kernels, as above): the dQ kernel recomputes S and dP
 //                   (7 products per tile instead of 5: 1.4x the matmul FLOPs, the exponentials
 //                   twice) so that every sum has a fixed order and d_q is bitwise reproducible;
@@ -49,25 +49,12 @@
 //                   kernel); dq_convert_kernel then writes d_q = scale * accumulator. The atomics
 //                   add in a timing-dependent order: d_q varies in its last bits run to run (d_k,
 //                   d_v keep one writer per element and stay bitwise reproducible).
-//    On an H100 (sm_90a builds, compute capability 9.0) all of these run instead on Hopper's
-//    warpgroup MMA (attention_flash_hopper.cu: same operands, same algorithm and tiles' roles,
-//    1.25-1.5x faster); gpu::set_flash_kernels / CW_FLASH_KERNELS=mma forces the kernels here.
-//  * Generic SIMT path: f32 (any even head dim up to 128) and bf16 at other head dims (the model
+//    The wgmma family (attention_flash_hopper.cu) runs the same algorithm and tiles' roles on
+//    Hopper's warpgroup MMA; the chooser (engine/ops/attention.cpp) names the family per call.
+//  * SIMT family: f32 (any even head dim up to 128) and bf16 at other head dims (the model
 //    presets use 6 and 32) or with unaligned operands. Same online-softmax algorithm in plain f32
 //    arithmetic, tiled through shared memory; it is the readable reference of the algorithm and the
 //    f32 exactness path (expf/logf, not the approximate exp2 of the tensor-core path).
-//
-// Measured (H100 80GB HBM3, 2026-11-21, B = 1, p = 0, S = c = 8192, bf16, causal; FLOPs counted as
-// 4 H T^2 D / 2 forward and 2.5x that backward; medians of 20 after warm-up; torch 2.11's
-// scaled_dot_product_attention with the flash backend, enable_gqa, in the same run):
-//   H 32 / Hkv 8 / D 64:   forward 0.998 ms (275 TFLOP/s; torch 1.009 ms)
-//                          backward fused 2.97 ms (232 TFLOP/s); deterministic 3.21 ms (torch 2.9-3.0 ms)
-//   H 24 / Hkv 8 / D 128:  forward 1.354 ms (305 TFLOP/s; torch 1.360 ms)
-//                          backward fused 4.19 ms (246 TFLOP/s); deterministic 4.61 ms (torch 3.96-4.0 ms)
-// Fused-backward tiles timed (D 64 / 128, ms): 4 warps (64 keys) 3.27 / 4.74; 8 warps 2.97 / 4.19;
-// 8 warps with dS^T double-buffered and dQ deferred to the next step (one barrier a step) 3.03 /
-// 4.29; 8 warps with 16-byte atomics (lane pairs swap halves by shuffle) 3.18 / 4.40.
-// The deterministic backward's gap is the dQ kernel's recomputation: 1.4x torch's matmul work.
 //
 // Determinism: the forward, the generic path and the deterministic backward use no atomics (every
 // sum has a fixed order given the shapes and the path); the fused backward's d_q does (above).
@@ -920,7 +907,7 @@ template <class T> void launch_generic_backward(const Operands<T>& a, const Prob
 }
 
 // The tile shapes of the tensor-core path, chosen by timing the candidates on an H100 at
-// B = 1, S = c = 8192 (H = 32, Hkv = 8 at D = 64; H = 24, Hkv = 8 at D = 128); see the header.
+// B = 1, S = c = 8192 (H = 32, Hkv = 8 at D = 64; H = 24, Hkv = 8 at D = 128; RESULTS.md).
 //   forward D = 64:  4 warps x 16 rows (BR 64), BC 64    D = 128: 4 warps x 32 rows (BR 128), BC 64
 //   dK/dV:           4 warps x 16 keys (BC 64), BR 64    dQ:      4 warps x 16 rows (BR 64), BC 64
 //   fused dK/dV/dQ:  8 warps x 16 keys (BC 128), BR 64, dQ inline after a second barrier, 8-byte atomics
@@ -949,31 +936,12 @@ void tc_backward(const Operands<bf16_t>& a, const Problem& pr, bool wgmma, cudaS
 }
 
 // ------------------------------------------------------------------------------------------------
-// The choice between the wgmma (Hopper) and mma.sync tensor-core kernels.
-// ------------------------------------------------------------------------------------------------
-std::atomic<int> g_flash_kernels{-1};  // -1: not read from the environment yet
-
-// CW_FLASH_KERNELS: the choices in the order of FlashKernels.
-FlashKernels flash_kernels_from_env() {
-  return static_cast<FlashKernels>(env_choice("CW_FLASH_KERNELS", {"auto", "wgmma", "mma"},
-                                              "use auto (the default: wgmma where the GPU and the build allow), wgmma or mma"));
-}
-
-// Whether this call's tensor-core kernels are the wgmma ones.
-bool use_wgmma(int device) {
-  const FlashKernels kernels = flash_kernels();
-  if (kernels == FlashKernels::mma) return false;
-  const bool available = flash_wgmma_available(device);
-  if (kernels == FlashKernels::wgmma && !available)
-    fail(std::string("flash attention: the wgmma kernels were requested (CW_FLASH_KERNELS=wgmma) but ") +
-             (wgmma_built() ? "the GPU is not compute capability 9.0" : "this build is not for sm_90a"),
-         "use CW_FLASH_KERNELS=auto or mma, or build with -Dgpu_arch=90a and run on an H100/H200");
-  return available;
-}
-
-// ------------------------------------------------------------------------------------------------
 // Operand checks and dispatch.
 // ------------------------------------------------------------------------------------------------
+const char* family_name(FlashFamily f) {
+  return f == FlashFamily::wgmma ? "wgmma" : f == FlashFamily::mma ? "mma" : "simt";
+}
+
 void check_kv_layout(const Tensor& t, int64_t Hkv, int64_t D, const char* what) {
   CW_CHECK(t.stride[1] == Hkv * D && t.stride[2] == D && t.stride[3] == 1 && t.stride[0] >= t.size(1) * Hkv * D,
            "flash attention {} {}: the [S, Hkv, D] part must be packed (only the batch stride may be larger)", what,
@@ -1029,17 +997,6 @@ bool tensor_core_path(const Problem& pr, DType dtype, std::initializer_list<cons
 
 }  // namespace
 
-void set_flash_kernels(FlashKernels kernels) { g_flash_kernels.store(static_cast<int>(kernels)); }
-
-FlashKernels flash_kernels() {
-  int v = g_flash_kernels.load();
-  if (v < 0) {
-    v = static_cast<int>(flash_kernels_from_env());
-    g_flash_kernels.store(v);
-  }
-  return static_cast<FlashKernels>(v);
-}
-
 bool flash_wgmma_available(int device) {
   if (!wgmma_built()) return false;
   // Asked on every attention call: the answer per device is kept (-1: not asked yet).
@@ -1056,15 +1013,17 @@ bool flash_wgmma_available(int device) {
 }
 
 void flash_attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
-                             const Tensor& v, double scale, Arena& /*scratch: the forward needs none*/) {
+                             const Tensor& v, double scale, FlashFamily family) {
   const Problem pr = check_common(out, saved, q, k, v, scale);
   if (pr.B == 0 || pr.c == 0 || pr.H == 0) return;
   cudaStream_t stream = current_stream(q.device.index);
-  if (tensor_core_path(pr, q.dtype, {&q, &k, &v, &out})) {
+  if (family != FlashFamily::simt) {
+    CW_CHECK(tensor_core_path(pr, q.dtype, {&q, &k, &v, &out}),
+             "flash attention ({}): needs bf16, head dim 64 or 128 and 16-byte aligned operands", family_name(family));
     const Operands<bf16_t> a{static_cast<const bf16_t*>(q.data), static_cast<const bf16_t*>(k.data),
                              static_cast<const bf16_t*>(v.data), nullptr, nullptr, static_cast<bf16_t*>(out.data),
                              static_cast<float*>(saved.lse.data), nullptr, nullptr, nullptr};
-    return tc_forward(a, pr, use_wgmma(q.device.index), stream);
+    return tc_forward(a, pr, family == FlashFamily::wgmma, stream);
   }
   auto run = [&](auto tag) {
     using T = decltype(tag);
@@ -1079,7 +1038,8 @@ void flash_attention_forward(const Tensor& out, const AttentionSaved& saved, con
 
 void flash_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,
                               const AttentionSaved& saved, const Tensor& q, const Tensor& k, const Tensor& v,
-                              const Tensor& out, double scale, GradMode mode, Arena& scratch) {
+                              const Tensor& out, double scale, GradMode mode, Arena& scratch, FlashFamily family,
+                              bool deterministic) {
   Problem pr = check_common(out, saved, q, k, v, scale);
   check_same_shape(d_q, q, "flash attention d_q", "flash attention q");
   check_same_shape(d_out, q, "flash attention d_out", "flash attention q");
@@ -1103,8 +1063,10 @@ void flash_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor
   ArenaScope scope(scratch);
   float* delta = scratch.alloc(DType::f32, {pr.B, pr.H, pr.c}).ptr<float>();
 
-  const bool tc = tensor_core_path(pr, q.dtype, {&q, &k, &v, &out, &d_out, &d_q}) && aligned(d_k, 8) &&
-                  aligned(d_v, 8) && pr.dk_batch % 2 == 0 && pr.dv_batch % 2 == 0;
+  const bool tc = family != FlashFamily::simt;
+  CW_CHECK(!tc || (tensor_core_path(pr, q.dtype, {&q, &k, &v, &out, &d_out, &d_q}) && aligned(d_k, 8) &&
+                   aligned(d_v, 8) && pr.dk_batch % 2 == 0 && pr.dv_batch % 2 == 0),
+           "flash attention ({}): needs bf16, head dim 64 or 128 and aligned operands", family_name(family));
   auto operands = [&](auto tag) {
     using T = decltype(tag);
     return Operands<T>{static_cast<const T*>(q.data), static_cast<const T*>(k.data), static_cast<const T*>(v.data),
@@ -1116,10 +1078,10 @@ void flash_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor
     Operands<bf16_t> a = operands(bf16_t{});
     // Without the determinism switch the tensor-core path fuses dQ into the dK/dV pass (f32
     // atomics into [B, c, H, D] scratch, zeroed by the Delta kernel).
-    if (tc && !deterministic()) a.dq_accum = scratch.alloc(DType::f32, {pr.B, pr.c, pr.H, pr.D}).ptr<float>();
+    if (tc && !deterministic) a.dq_accum = scratch.alloc(DType::f32, {pr.B, pr.c, pr.H, pr.D}).ptr<float>();
     if (tc) {
       launch_delta_tc(a, pr, stream);
-      return tc_backward(a, pr, use_wgmma(q.device.index), stream);
+      return tc_backward(a, pr, family == FlashFamily::wgmma, stream);
     }
     launch_delta(a, pr, stream);
     launch_generic_backward(a, pr, stream);

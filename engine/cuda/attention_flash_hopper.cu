@@ -39,7 +39,7 @@
 // 16-byte atomics (the dQ sums are what this kernel spends most on after the products: see the
 // timings at the atomics). dK and dV stay in registers for the whole loop and are added into the
 // caller's f32 buffers once, by one thread per element.
-// Deterministic backward (gpu::deterministic()): the same dK/dV kernel without dQ, then a dQ kernel
+// Deterministic backward (the caller's `deterministic`): the same dK/dV kernel without dQ, then a dQ kernel
 // shaped like the forward (128 queries a CTA, key blocks of 64) that recomputes S and dP and sums
 // dQ += dS K in registers, in key order, and writes d_q once: bitwise reproducible.
 //

@@ -1,6 +1,6 @@
 // Lists the GPUs the CUDA runtime sees. A machine with the driver but no GPU (the development
 // machines) answers "no device", which is not an error here: the build is CPU-only in effect.
-#include "engine/device.h"
+#include "engine/engine.h"
 
 #include <cuda_runtime.h>
 

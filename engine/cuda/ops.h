@@ -7,10 +7,9 @@
 // inside kernels is f32. Our kernels are deterministic: no atomics on floating-point sums; reductions
 // across rows go through per-block partials in `scratch`, summed in a fixed order. The exceptions
 // are the attention backwards that add dQ block by block with f32 atomics: cuDNN's fast engine, and
-// our flash kernel's fused backward. They run only while determinism is not requested
-// (set_deterministic, env CW_DETERMINISTIC=1, `chunkwise train --deterministic`; cuDNN's also needs
-// its workspace to fit the budget, engine/cuda/attention.cu); with determinism on, every GPU result
-// is bitwise reproducible.
+// our flash kernels' fused backward. The chooser (engine/ops/attention.cpp) runs them only while
+// determinism is off (cw::set_deterministic, env CW_DETERMINISTIC=1, `chunkwise train
+// --deterministic`); with determinism on, every GPU result is bitwise reproducible.
 #pragma once
 
 #include "engine/memory.h"
@@ -46,59 +45,35 @@ void linear_forward(const Tensor& out, const Tensor& x, const Tensor& weight);
 void linear_backward(const Tensor& d_x, const Tensor& d_weight, const Tensor& d_out, const Tensor& x,
                      const Tensor& weight, GradMode mode);
 
-// Attention (engine/ops/attention.h). The entry points pick an implementation (engine/cuda/attention.cu):
-// cuDNN's fused attention where it serves (bf16, head dim a multiple of 8 up to 128, a cuDNN that
-// knows bottom-right causal masks), else our own flash-style kernel. lse is f32; d_k, d_v are f32
-// and ADDED into.
-enum class AttentionImpl { automatic, cudnn, flash };
-void set_attention_impl(AttentionImpl impl);   // process-wide; automatic by default (env CW_ATTENTION)
-AttentionImpl attention_impl();
-const char* attention_impl_name(AttentionImpl impl);
-// Bitwise-reproducible gradients (process-wide; off by default, env CW_DETERMINISTIC=1 turns it on).
-// Off: the attention backward may use cuDNN's engine or our fused flash backward, both with atomic
-// dQ sums (rounding order varies run to run, values agree to f32 rounding). On: only deterministic
-// kernels (our two-kernel flash backward).
-void set_deterministic(bool on);
-bool deterministic();
-void attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
-                       const Tensor& v, double scale, Arena& scratch);
-void attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,
-                        const AttentionSaved& saved, const Tensor& q, const Tensor& k, const Tensor& v,
-                        const Tensor& out, double scale, GradMode mode, Arena& scratch);
+// Attention (engine/ops/attention.h): the GPU kernel families. engine/ops/attention.cpp checks the
+// op's contract, chooses the family (choose_attention_kernel) and calls one of these; each checks
+// only what is its own. lse is f32; d_k, d_v are f32 and ADDED into.
 
-// Our own fused flash-style kernels (engine/cuda/attention_flash.cu): any even head dim up to 128 in
-// f32 and bf16; tensor cores for bf16 at head dim 64 and 128.
+// Our flash kernels (engine/cuda/attention_flash*.cu): one entry per direction, the family named.
+//   wgmma: Hopper warpgroup MMA (sm_90a build, compute capability 9.0), bf16, D 64/128, 16-byte aligned
+//   mma:   mma.sync tensor cores (any GPU we build for), bf16, D 64/128, 16-byte aligned
+//   simt:  no tensor cores: f32 or bf16, any even D <= 128 (the readable reference and the f32 path)
+// The tensor-core backward is fused (dQ summed with f32 atomics) unless `deterministic`, which runs
+// the two-kernel form whose every sum has a fixed order.
+enum class FlashFamily { wgmma, mma, simt };
+bool flash_wgmma_available(int device);
 void flash_attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
-                             const Tensor& v, double scale, Arena& scratch);
+                             const Tensor& v, double scale, FlashFamily family);
 void flash_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,
                               const AttentionSaved& saved, const Tensor& q, const Tensor& k, const Tensor& v,
-                              const Tensor& out, double scale, GradMode mode, Arena& scratch);
+                              const Tensor& out, double scale, GradMode mode, Arena& scratch, FlashFamily family,
+                              bool deterministic);
 
-// Which tensor-core kernels our flash attention runs for bf16 at head dim 64 and 128 (process-wide;
-// env CW_FLASH_KERNELS=auto|wgmma|mma): `wgmma` the Hopper kernels (engine/cuda/attention_flash_hopper.cu:
-// warpgroup MMA, builds for sm_90a on compute capability 9.0), `mma` the FlashAttention-2 style
-// mma.sync kernels (any GPU), `automatic` wgmma wherever it runs. Both families have the forward,
-// the fused backward (dQ by atomics) and the deterministic two-kernel backward.
-enum class FlashKernels { automatic, wgmma, mma };
-void set_flash_kernels(FlashKernels kernels);
-FlashKernels flash_kernels();
-bool flash_wgmma_available(int device);
-
-// cuDNN fused attention through the graph backend API (engine/cuda/attention_cudnn.cu; only in builds
-// with cuDNN). cudnn_attention_supports says whether these operands can take this path (and why not).
+// cuDNN fused attention (engine/cuda/attention_cudnn.cu; builds with cuDNN only).
+// Whether cuDNN can take these operands in both directions / the forward (and why not).
 bool cudnn_attention_supports(const Tensor& q, const Tensor& k, std::string* why_not = nullptr);
-// The forward alone (its output and lse are what the flash backward reads, so `automatic` may pair a
-// cuDNN forward with the flash backward).
 bool cudnn_attention_forward_supports(const Tensor& q, const Tensor& k, std::string* why_not = nullptr);
 // Whether the backward serves these operands with a plan whose workspace is at most max_workspace
-// bytes (builds and caches the plan; honours deterministic()).
+// bytes (builds and caches the plan; honours cw::deterministic()).
 bool cudnn_attention_backward_fits(const Tensor& q, const Tensor& k, const Tensor& v, int64_t max_workspace,
                                    std::string* why_not = nullptr);
-// Autotuning (off by default; env CW_CUDNN_AUTOTUNE=1 turns it on at start): a plan built while it
-// is on times every engine configuration cuDNN offers within 256 MiB of workspace (each knob a few
-// values) on its first call and keeps the fastest for the process. On the H100 the heuristics'
-// first choice was the fastest for every attention shape we timed; the switch is for other GPUs
-// and cuDNN versions.
+// Autotuning (off by default; env CW_CUDNN_AUTOTUNE=1): a plan's first call times every engine
+// configuration within 256 MiB of workspace and keeps the fastest.
 void set_cudnn_autotune(bool on);
 bool cudnn_autotune();
 void cudnn_attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,

@@ -1,176 +1,301 @@
+// The attention op's public entry: the contract checked once, then one chooser picks the kernel
+// family that runs the call (engine/ops/attention.h lists them), and a switch dispatches to it.
+// Backends check only what is theirs (alignment, a plan cuDNN can build).
 #include "engine/ops/attention.h"
 
-#include "engine/ops/cpu_common.h"
+#include "chunkwise_config.h"
+#include "engine/cpu/attention.h"
+#include "engine/cuda/runtime.h"
+#include "engine/engine.h"
+#if CW_HAVE_CUDA
+#include "engine/cuda/ops.h"
+#endif
 
 #include <algorithm>
-#include <cmath>
-#include <limits>
-#include <vector>
+#include <array>
+#include <atomic>
+#include <cstdlib>
+#include <map>
+#include <mutex>
 
 namespace cw {
 
+// ---- The settings (engine/engine.h) ----
 namespace {
-constexpr int64_t kQueryBlock = 64;  // query rows per score block: bounds scratch to 64 x S
+constexpr std::array<const char*, 7> kKernelNames{"auto", "cpu", "cudnn", "flash", "flash-wgmma", "flash-mma",
+                                                  "flash-simt"};
+std::atomic<int> g_kernel{-1};         // -1: not yet read from CW_ATTENTION
+std::atomic<int> g_deterministic{-1};  // -1: not yet read from CW_DETERMINISTIC
+}  // namespace
 
-struct Dims {
-  int64_t B, c, H, D, S, Hkv, p;
-};
+const char* attention_kernel_name(AttentionKernel kernel) { return kKernelNames[static_cast<size_t>(kernel)]; }
 
-Dims check_operands(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const AttentionSaved& saved) {
+AttentionKernel parse_attention_kernel(const std::string& name) {
+  for (size_t i = 0; i < kKernelNames.size(); ++i)
+    if (name == kKernelNames[i]) return static_cast<AttentionKernel>(i);
+  fail("unknown attention kernel '" + name + "'",
+       "use auto, cpu, cudnn, flash (our best flash family), flash-wgmma, flash-mma or flash-simt");
+}
+
+void set_attention_kernel(AttentionKernel kernel) { g_kernel.store(static_cast<int>(kernel)); }
+
+AttentionKernel attention_kernel() {
+  int v = g_kernel.load();
+  if (v < 0) {
+    const char* e = std::getenv("CW_ATTENTION");
+    v = static_cast<int>(e == nullptr || *e == '\0' ? AttentionKernel::automatic : parse_attention_kernel(e));
+    g_kernel.store(v);
+  }
+  return static_cast<AttentionKernel>(v);
+}
+
+void set_deterministic(bool on) { g_deterministic.store(on ? 1 : 0); }
+
+bool deterministic() {
+  int v = g_deterministic.load();
+  if (v < 0) {
+    v = gpu::env_switch("CW_DETERMINISTIC",
+                        "use CW_DETERMINISTIC=1 for bitwise-reproducible gradients, 0 (the default) for the fastest kernels")
+            ? 1
+            : 0;
+    g_deterministic.store(v);
+  }
+  return v == 1;
+}
+
+AttentionFlags attention_flags() { return {attention_kernel(), deterministic()}; }
+
+// ---- The contract ----
+namespace {
+bool packed_kv(const Tensor& t, int64_t Hkv, int64_t D) {
+  return t.stride[1] == Hkv * D && t.stride[2] == D && t.stride[3] == 1 && t.stride[0] >= t.size(1) * Hkv * D;
+}
+
+void check_forward_operands(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                            const AttentionSaved& saved) {
   CW_CHECK(q.ndim == 4 && k.ndim == 4, "attention q {} and k {} must be [B, c, H, D] and [B, S, Hkv, D]",
            q.describe(), k.describe());
-  Dims d{q.size(0), q.size(1), q.size(2), q.size(3), k.size(1), k.size(2), 0};
-  d.p = d.S - d.c;
-  CW_CHECK(d.p >= 0, "attention: {} queries but only {} keys (keys must cover [0, p + c))", d.c, d.S);
-  CW_CHECK(d.Hkv > 0 && d.H % d.Hkv == 0, "attention: {} query heads not a multiple of {} K/V heads", d.H, d.Hkv);
-  check_shape(k, {d.B, d.S, d.Hkv, d.D}, "attention k");
+  const int64_t B = q.size(0), c = q.size(1), H = q.size(2), D = q.size(3), S = k.size(1), Hkv = k.size(2);
+  CW_CHECK(S >= c, "attention: {} queries but only {} keys (keys must cover [0, p + c))", c, S);
+  CW_CHECK(Hkv > 0 && H % Hkv == 0, "attention: {} query heads not a multiple of {} K/V heads", H, Hkv);
+  check_shape(k, {B, S, Hkv, D}, "attention k");
   check_same_shape(v, k, "attention v", "attention k");
   check_same_shape(out, q, "attention out", "attention q");
-  check_shape(saved.lse, {d.B, d.H, d.c}, "attention saved lse");
+  check_shape(saved.lse, {B, H, c}, "attention saved lse");
   check_contiguous(q, "attention q");
   check_contiguous(out, "attention out");
   check_contiguous(saved.lse, "attention saved lse");
   for (const Tensor* t : {&k, &v})
-    CW_CHECK(t->stride[1] == d.Hkv * d.D && t->stride[2] == d.D && t->stride[3] == 1,
-             "attention k/v {}: the [S, Hkv, D] part must be packed (only the batch stride may differ)", t->describe());
-  for (const Tensor* t : {&q, &k, &v, &out}) {
-    check_dtype(*t, q.dtype, "attention operand");
-    cpu::check_cpu(*t, "attention operand");
+    CW_CHECK(packed_kv(*t, Hkv, D), "attention k/v {}: the [S, Hkv, D] part must be packed (only the batch stride may differ)",
+             t->describe());
+  for (const Tensor* t : {&k, &v, &out}) {
+    check_dtype(*t, q.dtype, "attention k/v/out");
+    CW_CHECK(t->device == q.device, "attention: an operand is on {}, q on {}", device_name(t->device),
+             device_name(q.device));
   }
   check_dtype(saved.lse, accum_dtype(q.dtype), "attention saved lse");
-  return d;
+  CW_CHECK(saved.lse.device == q.device, "attention: lse on {}, q on {}", device_name(saved.lse.device),
+           device_name(q.device));
 }
 
-// Scores of query rows [i0, i0+rows) against keys [0, keys) of one (batch, head), masked causally:
-// P holds exp(s - lse) (with lse computed here when `compute_lse`), zero where masked.
-template <class T>
-void probabilities(cpu::MatrixMap<T> P, const cpu::ConstMatrixMap<T>& Q, const cpu::ConstMatrixMap<T>& K, T scale,
-                   int64_t first_query_pos, T* lse, bool compute_lse) {
-  const int64_t rows = P.rows(), keys = P.cols();
-  P.noalias() = (Q * K.topRows(keys).transpose()) * scale;
-  for (int64_t r = 0; r < rows; ++r) {
-    const int64_t visible = first_query_pos + r + 1;  // keys [0, visible) are not masked
-    auto row = P.row(r).head(visible).array();
-    if (compute_lse) {
-      const T m = row.maxCoeff();
-      lse[r] = m + std::log((row - m).exp().sum());  // Eigen's exp is vectorised
-    }
-    row = (row - lse[r]).exp();
-    P.row(r).tail(keys - visible).setZero();
-  }
-}
-
-// Scratch for one thread: two score blocks of up to kQueryBlock x S.
-template <class T> struct ThreadScratch {
-  T* a;
-  T* b;
-};
-
-template <class T>
-std::vector<ThreadScratch<T>> thread_scratch(Arena& scratch, DType dtype, int64_t block, int64_t S, bool two) {
-  std::vector<ThreadScratch<T>> out(static_cast<size_t>(cpu::max_threads()));
-  for (auto& t : out) {
-    t.a = scratch.alloc(dtype, {block * S}).template ptr<T>();
-    t.b = two ? scratch.alloc(dtype, {block * S}).template ptr<T>() : nullptr;
-  }
-  return out;
-}
-}  // namespace
-
-size_t attention_scratch_bytes(int64_t c, int64_t S, DType dtype, bool backward) {
-  const size_t block = static_cast<size_t>(std::min(kQueryBlock, c) * S) * dtype_size(dtype);
-  const size_t aligned = (block + 63) / 64 * 64;  // the arena's alignment
-  return static_cast<size_t>(cpu::max_threads()) * (backward ? 2 : 1) * aligned;
-}
-
-void attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
-                       const Tensor& v, double scale, Arena& scratch) {
-  CW_DISPATCH_GPU(q, attention_forward(out, saved, q, k, v, scale, scratch));
-  const Dims d = check_operands(q, k, v, out, saved);
-  cpu::dispatch_float(q.dtype, "attention_forward", [&](auto zero) {
-    using T = decltype(zero);
-    ArenaScope scope(scratch);
-    const auto per_thread = thread_scratch<T>(scratch, q.dtype, std::min(kQueryBlock, d.c), d.S, false);
-    const int64_t group = d.H / d.Hkv, row_stride = d.H * d.D, kv_row_stride = d.Hkv * d.D;
-    // Threads take whole (sequence, K/V group) pairs: their outputs are disjoint, so the result does
-    // not depend on the thread count or order.
-#pragma omp parallel for schedule(static) if (cpu::worth_threads(2.0 * d.B * d.H * d.c * d.S * d.D))
-    for (int64_t bg = 0; bg < d.B * d.Hkv; ++bg)
-      for (int64_t h = (bg % d.Hkv) * group; h < (bg % d.Hkv + 1) * group; ++h) {
-        const int64_t b = bg / d.Hkv, g = bg % d.Hkv;
-        T* score_block = per_thread[static_cast<size_t>(cpu::thread_index())].a;
-        const auto K = cpu::cmatrix<T>(k.ptr<T>() + b * k.stride[0] + g * d.D, d.S, d.D, kv_row_stride);
-        const auto V = cpu::cmatrix<T>(v.ptr<T>() + b * v.stride[0] + g * d.D, d.S, d.D, kv_row_stride);
-        for (int64_t i0 = 0; i0 < d.c; i0 += kQueryBlock) {
-          const int64_t rows = std::min(kQueryBlock, d.c - i0), keys = d.p + i0 + rows;
-          const int64_t q_off = ((b * d.c + i0) * d.H + h) * d.D;
-          const auto Q = cpu::cmatrix<T>(q.ptr<T>() + q_off, rows, d.D, row_stride);
-          auto P = cpu::matrix<T>(score_block, rows, keys, keys);
-          T* lse = saved.lse.ptr<T>() + (b * d.H + h) * d.c + i0;
-          probabilities<T>(P, Q, K, T(scale), d.p + i0, lse, true);
-          cpu::matrix<T>(out.ptr<T>() + q_off, rows, d.D, row_stride).noalias() = P * V.topRows(keys);
-        }
-      }
-  });
-}
-
-void attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,
-                        const AttentionSaved& saved, const Tensor& q, const Tensor& k, const Tensor& v,
-                        const Tensor& out, double scale, GradMode mode, Arena& scratch) {
-  CW_DISPATCH_GPU(q, attention_backward(d_q, d_k, d_v, d_out, saved, q, k, v, out, scale, mode, scratch));
-  const Dims d = check_operands(q, k, v, out, saved);
+void check_backward_operands(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,
+                             const Tensor& q, const Tensor& k) {
   check_same_shape(d_q, q, "attention d_q", "attention q");
   check_same_shape(d_out, q, "attention d_out", "attention q");
+  check_dtype(d_q, q.dtype, "attention d_q");
+  check_dtype(d_out, q.dtype, "attention d_out");
   check_contiguous(d_q, "attention d_q");
   check_contiguous(d_out, "attention d_out");
   for (const Tensor* t : {&d_k, &d_v}) {
     check_same_shape(*t, k, "attention d_k/d_v", "attention k");
     check_dtype(*t, accum_dtype(q.dtype), "attention d_k/d_v");
-    CW_CHECK(t->stride[1] == d.Hkv * d.D && t->stride[2] == d.D && t->stride[3] == 1,
-             "attention d_k/d_v {}: the [S, Hkv, D] part must be packed", t->describe());
+    CW_CHECK(packed_kv(*t, k.size(2), k.size(3)), "attention d_k/d_v {}: the [S, Hkv, D] part must be packed",
+             t->describe());
   }
-  cpu::dispatch_float(q.dtype, "attention_backward", [&](auto zero) {
-    using T = decltype(zero);
-    ArenaScope scope(scratch);
-    const auto per_thread = thread_scratch<T>(scratch, q.dtype, std::min(kQueryBlock, d.c), d.S, true);
-    const int64_t group = d.H / d.Hkv, row_stride = d.H * d.D, kv_row_stride = d.Hkv * d.D;
-    // As in the forward: a (sequence, K/V group) pair per thread, so each dK/dV row has one writer
-    // and its heads add into it in a fixed order.
-#pragma omp parallel for schedule(static) if (cpu::worth_threads(2.0 * d.B * d.H * d.c * d.S * d.D))
-    for (int64_t bg = 0; bg < d.B * d.Hkv; ++bg)
-      for (int64_t h = (bg % d.Hkv) * group; h < (bg % d.Hkv + 1) * group; ++h) {
-        const int64_t b = bg / d.Hkv, g = bg % d.Hkv;
-        T* p_block = per_thread[static_cast<size_t>(cpu::thread_index())].a;
-        T* dp_block = per_thread[static_cast<size_t>(cpu::thread_index())].b;
-        const auto K = cpu::cmatrix<T>(k.ptr<T>() + b * k.stride[0] + g * d.D, d.S, d.D, kv_row_stride);
-        const auto V = cpu::cmatrix<T>(v.ptr<T>() + b * v.stride[0] + g * d.D, d.S, d.D, kv_row_stride);
-        auto dK = cpu::matrix<T>(d_k.ptr<T>() + b * d_k.stride[0] + g * d.D, d.S, d.D, kv_row_stride);
-        auto dV = cpu::matrix<T>(d_v.ptr<T>() + b * d_v.stride[0] + g * d.D, d.S, d.D, kv_row_stride);
-        for (int64_t i0 = 0; i0 < d.c; i0 += kQueryBlock) {
-          const int64_t rows = std::min(kQueryBlock, d.c - i0), keys = d.p + i0 + rows;
-          const int64_t q_off = ((b * d.c + i0) * d.H + h) * d.D;
-          const auto Q = cpu::cmatrix<T>(q.ptr<T>() + q_off, rows, d.D, row_stride);
-          const auto O = cpu::cmatrix<T>(out.ptr<T>() + q_off, rows, d.D, row_stride);
-          const auto dO = cpu::cmatrix<T>(d_out.ptr<T>() + q_off, rows, d.D, row_stride);
-          auto P = cpu::matrix<T>(p_block, rows, keys, keys);
-          auto dS = cpu::matrix<T>(dp_block, rows, keys, keys);
-          T* lse = saved.lse.ptr<T>() + (b * d.H + h) * d.c + i0;
-          probabilities<T>(P, Q, K, T(scale), d.p + i0, lse, false);
-          dS.noalias() = dO * V.topRows(keys).transpose();  // dP
-          for (int64_t r = 0; r < rows; ++r) {
-            const T delta = dO.row(r).dot(O.row(r));
-            dS.row(r) = (P.row(r).array() * (dS.row(r).array() - delta)).matrix();
-          }
-          auto dQ = cpu::matrix<T>(d_q.ptr<T>() + q_off, rows, d.D, row_stride);
-          if (mode == GradMode::accumulate)
-            dQ.noalias() += (dS * K.topRows(keys)) * T(scale);
-          else
-            dQ.noalias() = (dS * K.topRows(keys)) * T(scale);
-          dK.topRows(keys).noalias() += (dS.transpose() * Q) * T(scale);
-          dV.topRows(keys).noalias() += P.transpose() * dO;
-        }
+  for (const Tensor* t : {&d_q, &d_out, &d_k, &d_v})
+    CW_CHECK(t->device == q.device, "attention: a gradient is on {}, q on {}", device_name(t->device),
+             device_name(q.device));
+}
+
+bool aligned(const Tensor* t, size_t bytes) {
+  return t == nullptr || reinterpret_cast<uintptr_t>(t->data) % bytes == 0;
+}
+
+#if CW_HAVE_CUDNN
+// The attention backward's workspace budget on a device: a quarter of the memory free when the
+// first backward asks (at least 256 MiB), fixed for the process; CW_ATTENTION_WORKSPACE_MIB=N sets it.
+int64_t workspace_budget(int device) {
+  static std::mutex mutex;
+  static std::map<int, int64_t> budgets;
+  std::lock_guard lock(mutex);
+  if (auto it = budgets.find(device); it != budgets.end()) return it->second;
+  int64_t budget = 0;
+  if (const char* e = std::getenv("CW_ATTENTION_WORKSPACE_MIB"); e != nullptr && *e != '\0') {
+    char* end = nullptr;
+    const long long mib = std::strtoll(e, &end, 10);
+    if (end == e || *end != '\0' || mib < 0)
+      fail(std::string("environment variable CW_ATTENTION_WORKSPACE_MIB='") + e + "' is not a number of MiB",
+           "set it to a whole number, e.g. 1024, or unset it for a quarter of the free device memory");
+    budget = static_cast<int64_t>(mib) << 20;
+  } else {
+    budget = std::max(int64_t{256} << 20, static_cast<int64_t>(gpu::memory_info(device).free / 4));
+  }
+  budgets.emplace(device, budget);
+  return budget;
+}
+#endif
+
+// Whether `kernel` (a concrete family) can take the call; if not, *why says so.
+bool serves(AttentionKernel kernel, const AttentionCall& call, const AttentionFlags& flags, bool forced,
+            std::string* why) {
+  const bool cpu = call.device.is_cpu();
+  const bool tensor_cores = call.dtype == DType::bf16 && (call.D == 64 || call.D == 128) && call.tensor_core_operands;
+  switch (kernel) {
+    case AttentionKernel::cpu:
+      *why = "the operands are on a GPU";
+      return cpu;
+    case AttentionKernel::cudnn:
+#if CW_HAVE_CUDNN
+      if (cpu) break;
+      if (!call.backward) return gpu::cudnn_attention_forward_supports(*call.q, *call.k, why);
+      // Forced: cuDNN's own deterministic form serves the deterministic switch. Automatic: cuDNN's
+      // backward only with determinism off (its fast engine sums dQ with atomics) and when its
+      // workspace fits the budget; the flash backward needs O(c) scratch whatever happens.
+      if (forced) return gpu::cudnn_attention_supports(*call.q, *call.k, why);
+      if (flags.deterministic) {
+        *why = "determinism is on";
+        return false;
       }
-  });
+      return gpu::cudnn_attention_forward_supports(*call.q, *call.k, why) &&
+             gpu::cudnn_attention_backward_fits(*call.q, *call.k, *call.v, workspace_budget(call.device.index), why);
+#else
+      if (cpu) break;
+      *why = "this build has no cuDNN";
+      return false;
+#endif
+    case AttentionKernel::flash_wgmma:
+#if CW_HAVE_CUDA
+      if (cpu) break;
+      if (!tensor_cores) {
+        *why = "needs bf16, head dim 64 or 128 and 16-byte aligned operands";
+        return false;
+      }
+      if (!gpu::flash_wgmma_available(call.device.index)) {
+        *why = "needs an sm_90a build on a compute capability 9.0 GPU";
+        return false;
+      }
+      return true;
+#endif
+      break;
+    case AttentionKernel::flash_mma:
+      if (cpu) break;
+      *why = "needs bf16, head dim 64 or 128 and 16-byte aligned operands";
+      return tensor_cores;
+    case AttentionKernel::flash_simt:
+      if (cpu) break;
+      *why = "needs an even head dim of at most 128";
+      return call.D % 2 == 0 && call.D <= 128;
+    case AttentionKernel::automatic:
+    case AttentionKernel::flash: break;
+  }
+  *why = cpu ? "the operands are on the CPU" : "this build has no CUDA";
+  return false;
+}
+}  // namespace
+
+AttentionCall attention_call(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor* d_q,
+                             const Tensor* d_out, const Tensor* d_k, const Tensor* d_v) {
+  AttentionCall call{q.device, q.dtype, q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3),
+                     d_q != nullptr, false, &q, &k, &v};
+  // The tensor-core kernels load rows with 16-byte copies and add dK/dV with 8-byte vectors.
+  call.tensor_core_operands = aligned(&q, 16) && aligned(&k, 16) && aligned(&v, 16) && aligned(&out, 16) &&
+                              aligned(d_q, 16) && aligned(d_out, 16) && aligned(d_k, 8) && aligned(d_v, 8) &&
+                              k.stride[0] % 8 == 0 && v.stride[0] % 8 == 0 && (!d_k || d_k->stride[0] % 2 == 0) &&
+                              (!d_v || d_v->stride[0] % 2 == 0);
+  return call;
+}
+
+AttentionChoice choose_attention_kernel(const AttentionCall& call, const AttentionFlags& flags) {
+  // The CPU has one kernel; the setting chooses among the GPU families (a test may force one and
+  // still compute its CPU reference).
+  if (call.device.is_cpu()) return {AttentionKernel::cpu, "the operands are on the CPU"};
+  std::string why, reasons;
+  const AttentionKernel forced = flags.forced;
+  const auto try_kernel = [&](AttentionKernel k, bool is_forced) {
+    if (serves(k, call, flags, is_forced, &why)) return true;
+    reasons += std::string(reasons.empty() ? "" : "; ") + attention_kernel_name(k) + ": " + why;
+    return false;
+  };
+  if (forced != AttentionKernel::automatic && forced != AttentionKernel::flash) {
+    if (try_kernel(forced, true)) return {forced, std::string("forced (CW_ATTENTION / set_attention_kernel)")};
+    fail(fmt::format("attention: kernel {} was requested but cannot take this call ({} q [{}, {}, {}, {}] against {} "
+                     "keys, {} heads of K/V, {}): {}",
+                     attention_kernel_name(forced), device_name(call.device), call.B, call.c, call.H, call.D, call.S,
+                     call.Hkv, call.backward ? "backward" : "forward", reasons),
+         "use CW_ATTENTION=auto (or set_attention_kernel(AttentionKernel::automatic))");
+  }
+  // automatic: cuDNN where it serves; then our flash families, fastest first.
+  if (forced == AttentionKernel::automatic && try_kernel(AttentionKernel::cudnn, false))
+    return {AttentionKernel::cudnn, "cuDNN serves this shape"};
+  for (AttentionKernel k : {AttentionKernel::flash_wgmma, AttentionKernel::flash_mma, AttentionKernel::flash_simt})
+    if (try_kernel(k, false)) return {k, reasons.empty() ? "the fastest flash family here" : reasons};
+  fail(fmt::format("attention: no kernel can take {} q [{}, {}, {}, {}] against {} keys: {}", device_name(call.device),
+                   call.B, call.c, call.H, call.D, call.S, reasons),
+       "use head dims that are even and at most 128, f32 or bf16 on a GPU");
+}
+
+// ---- The op ----
+void attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
+                       const Tensor& v, double scale, Arena& scratch) {
+  check_forward_operands(q, k, v, out, saved);
+  const AttentionChoice choice = choose_attention_kernel(attention_call(q, k, v, out), attention_flags());
+  switch (choice.kernel) {
+    case AttentionKernel::cpu: return cpu::attention_forward(out, saved, q, k, v, scale, scratch);
+#if CW_HAVE_CUDNN
+    case AttentionKernel::cudnn: return gpu::cudnn_attention_forward(out, saved, q, k, v, scale, scratch);
+#endif
+#if CW_HAVE_CUDA
+    case AttentionKernel::flash_wgmma:
+      return gpu::flash_attention_forward(out, saved, q, k, v, scale, gpu::FlashFamily::wgmma);
+    case AttentionKernel::flash_mma:
+      return gpu::flash_attention_forward(out, saved, q, k, v, scale, gpu::FlashFamily::mma);
+    case AttentionKernel::flash_simt:
+      return gpu::flash_attention_forward(out, saved, q, k, v, scale, gpu::FlashFamily::simt);
+#endif
+    default: fail(std::string("attention: kernel ") + attention_kernel_name(choice.kernel) + " is not in this build");
+  }
+}
+
+void attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,
+                        const AttentionSaved& saved, const Tensor& q, const Tensor& k, const Tensor& v,
+                        const Tensor& out, double scale, GradMode mode, Arena& scratch) {
+  check_forward_operands(q, k, v, out, saved);
+  check_backward_operands(d_q, d_k, d_v, d_out, q, k);
+  CW_CHECK(scratch.device() == q.device, "attention backward: scratch is on {}, the operands on {}",
+           device_name(scratch.device()), device_name(q.device));
+  const AttentionFlags flags = attention_flags();
+  const AttentionChoice choice =
+      choose_attention_kernel(attention_call(q, k, v, out, &d_q, &d_out, &d_k, &d_v), flags);
+  switch (choice.kernel) {
+    case AttentionKernel::cpu:
+      return cpu::attention_backward(d_q, d_k, d_v, d_out, saved, q, k, v, out, scale, mode, scratch);
+#if CW_HAVE_CUDNN
+    case AttentionKernel::cudnn:
+      return gpu::cudnn_attention_backward(d_q, d_k, d_v, d_out, saved, q, k, v, out, scale, mode, scratch);
+#endif
+#if CW_HAVE_CUDA
+    case AttentionKernel::flash_wgmma:
+    case AttentionKernel::flash_mma:
+    case AttentionKernel::flash_simt: {
+      const gpu::FlashFamily family = choice.kernel == AttentionKernel::flash_wgmma ? gpu::FlashFamily::wgmma
+                                      : choice.kernel == AttentionKernel::flash_mma ? gpu::FlashFamily::mma
+                                                                                    : gpu::FlashFamily::simt;
+      return gpu::flash_attention_backward(d_q, d_k, d_v, d_out, saved, q, k, v, out, scale, mode, scratch, family,
+                                           flags.deterministic);
+    }
+#endif
+    default: fail(std::string("attention: kernel ") + attention_kernel_name(choice.kernel) + " is not in this build");
+  }
 }
 
 }  // namespace cw

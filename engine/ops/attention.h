@@ -13,7 +13,7 @@
 // (a slice of the K/V store); their inner [S, Hkv, D] must be packed.
 // Saved: lse [B, H, c] in the accumulation dtype; the backward recomputes P from q, k and lse.
 // Scratch: the CPU path takes, per thread, score blocks of up to 64 query rows x S keys from
-// `scratch` (one in the forward, two in the backward): attention_scratch_bytes says how much.
+// `scratch` (one in the forward, two in the backward).
 // Tested in tests/engine/test_ops.cpp (fp64 finite differences, chunked against whole-sequence).
 #pragma once
 
@@ -28,41 +28,48 @@ struct AttentionSaved {
   Tensor lse;  // [B, H, c]
 };
 
-// The kernel families that implement this op. Every attention call goes through
-// choose_attention_kernel, which picks one from the call's shape, device and flags; tests and
-// benchmarks force a family with set_attention_kernel (engine/engine.h).
-//   cpu          Eigen, f64/f32 (the reference)
-//   cudnn        cuDNN's fused attention (engine/cuda/attention_cudnn.cu)
+// The kernel families that implement this op. Every call goes through choose_attention_kernel,
+// which picks one from the call's shape, device and flags; tests and benchmarks force a family with
+// set_attention_kernel (engine/engine.h; env CW_ATTENTION).
+//   cpu          Eigen, f64/f32: the reference                       (engine/cpu/attention.cpp)
+//   cudnn        cuDNN's fused attention, bf16                       (engine/cuda/attention_cudnn.cu)
+//   flash        the best of our flash families for the call (a request, never a result)
 //   flash_wgmma  our flash kernels on Hopper warpgroup MMA, bf16, D 64/128 (attention_flash_wgmma.cu)
 //   flash_mma    our flash kernels on mma.sync tensor cores, bf16, D 64/128 (attention_flash_mma.cu)
-//   flash_simt   our flash kernels without tensor cores: f32, any even D <= 128 (attention_flash_simt.cu)
-enum class AttentionKernel { automatic, cpu, cudnn, flash_wgmma, flash_mma, flash_simt };
-const char* attention_kernel_name(AttentionKernel kernel);        // "auto", "cpu", "cudnn", ...
+//   flash_simt   our flash kernels without tensor cores: f32 or bf16, even D <= 128 (attention_flash_simt.cu)
+enum class AttentionKernel { automatic, cpu, cudnn, flash, flash_wgmma, flash_mma, flash_simt };
+const char* attention_kernel_name(AttentionKernel kernel);        // "auto", "cpu", "cudnn", "flash-wgmma", ...
 AttentionKernel parse_attention_kernel(const std::string& name);  // throws naming the choices
 
-// One attention call as the chooser sees it.
+// One attention call as the chooser sees it: shape, device, dtype, direction and whether the
+// operands suit the tensor-core kernels (16-byte aligned rows; K/V batch strides multiples of 8).
 struct AttentionCall {
   Device device;
   DType dtype;
   int64_t B, c, S, H, Hkv, D;
-  int64_t kv_batch_stride;  // elements between sequences of k/v (a K/V store slice: T * Hkv * D)
   bool backward;
+  bool tensor_core_operands;
+  const Tensor* q;  // the operands themselves, for backends that build plans from them (cuDNN)
+  const Tensor* k;
+  const Tensor* v;
 };
-AttentionCall attention_call(const Tensor& q, const Tensor& k, bool backward);
+// out and, in the backward, d_q, d_out, d_k, d_v take part in the alignment rule.
+AttentionCall attention_call(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                             const Tensor* d_q = nullptr, const Tensor* d_out = nullptr, const Tensor* d_k = nullptr,
+                             const Tensor* d_v = nullptr);
 struct AttentionFlags {
-  AttentionKernel forced = AttentionKernel::automatic;  // the setting (engine.h) unless a caller says
+  AttentionKernel forced = AttentionKernel::automatic;  // what set_attention_kernel says, by default
   bool deterministic = false;                           // only bitwise-reproducible kernels
 };
 struct AttentionChoice {
-  AttentionKernel kernel;
-  std::string reason;  // why this one (and why not the ones before it), for logs and errors
+  AttentionKernel kernel;  // never automatic or flash
+  std::string reason;      // why this one, and why not the ones before it (logs, bench output)
 };
-// The one place that decides which kernel runs an attention call. Forced families that cannot take
-// the call are an error naming the reason.
+// The one place that decides which kernel runs an attention call. A forced family that cannot take
+// the call is an error naming the reason.
 AttentionChoice choose_attention_kernel(const AttentionCall& call, const AttentionFlags& flags);
-
-// Bytes of scratch the CPU attention takes for c queries against S keys (forward or backward).
-size_t attention_scratch_bytes(int64_t c, int64_t S, DType dtype, bool backward);
+// The flags of the process-wide settings (engine/engine.h: attention_kernel(), deterministic()).
+AttentionFlags attention_flags();
 
 void attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
                        const Tensor& v, double scale, Arena& scratch);

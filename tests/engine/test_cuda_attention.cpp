@@ -12,6 +12,9 @@
 // K and V of the B = 2 cases are slices [0, S) of a [B, T, Hkv, D] store with T > S: their batch
 // stride is larger than packed, as the K/V store's is in SeCO.
 #include "engine/cuda/ops.h"
+#include "engine/engine.h"
+
+#include <optional>
 #include "engine/cuda/runtime.h"
 #include "engine/ops/attention.h"
 #include "engine/random.h"
@@ -98,12 +101,15 @@ std::string describe(const Case& c, DType dt) {
 }
 
 // Forward, backward (overwrite, then accumulate), and repeatability of both, for one case, with
-// gpu::deterministic() set to `deterministic`. Everything is bitwise repeatable except d_q of the
+// cw::deterministic() set to `deterministic`. Everything is bitwise repeatable except d_q of the
 // fused tensor-core backward (deterministic off, bf16, D 64/128), whose f32 atomics may add in any
 // order: there d_q must agree with the first run to within its rounding.
 void check_case(const Case& cs, DType dt, bool deterministic = true) {
   INFO(describe(cs, dt), deterministic ? " deterministic" : " fused (atomic dQ)");
   DeterminismScope determinism(deterministic);
+  // Our flash kernels: the family a caller forced, else the best flash family for the call.
+  AttentionKernelScope kernels(attention_kernel() == AttentionKernel::automatic ? AttentionKernel::flash
+                                                                                 : attention_kernel());
   const bool atomic_dq = !deterministic && dt == DType::bf16 && (cs.D == 64 || cs.D == 128);
   const bool bf16 = dt == DType::bf16;
   const double tol = bf16 ? kFlashBf16Tol : kFlashF32Tol;
@@ -114,14 +120,14 @@ void check_case(const Case& cs, DType dt, bool deterministic = true) {
 
   // forward
   OwnedTensor out = poisoned(dt, {B, c, H, D}), lse = poisoned(DType::f32, {B, H, c});
-  gpu::flash_attention_forward(out, {lse}, pb.q.dev, pb.k_dev, pb.v_dev, pb.scale, scratch);
+  attention_forward(out, {lse}, pb.q.dev, pb.k_dev, pb.v_dev, pb.scale, scratch);
   OwnedTensor out64(DType::f64, {B, c, H, D}), lse64(DType::f64, {B, H, c});
   attention_forward(out64, {lse64}, pb.q.ref, pb.k_ref, pb.v_ref, pb.scale, host_scratch);
   const OwnedTensor out_got = fetch(out), lse_got = fetch(lse);
   expect_close(out_got, out64, tol, "out");
   expect_close(lse_got, lse64, kFlashLseTol, "lse");
   OwnedTensor out2 = poisoned(dt, {B, c, H, D}), lse2 = poisoned(DType::f32, {B, H, c});
-  gpu::flash_attention_forward(out2, {lse2}, pb.q.dev, pb.k_dev, pb.v_dev, pb.scale, scratch);
+  attention_forward(out2, {lse2}, pb.q.dev, pb.k_dev, pb.v_dev, pb.scale, scratch);
   expect_same_bits(out, out2, "forward out is reproducible");
   expect_same_bits(lse, lse2, "forward lse is reproducible");
 
@@ -131,7 +137,7 @@ void check_case(const Case& cs, DType dt, bool deterministic = true) {
   const OwnedTensor dk_before = fetch(dk_store.dev), dv_before = fetch(dv_store.dev);
   const Tensor dk_dev = dk_store.dev.tensor.slice(1, 0, S), dv_dev = dv_store.dev.tensor.slice(1, 0, S);
   OwnedTensor dq = poisoned(dt, {B, c, H, D});
-  gpu::flash_attention_backward(dq, dk_dev, dv_dev, pb.d_out.dev, {lse}, pb.q.dev, pb.k_dev, pb.v_dev, out, pb.scale,
+  attention_backward(dq, dk_dev, dv_dev, pb.d_out.dev, {lse}, pb.q.dev, pb.k_dev, pb.v_dev, out, pb.scale,
                                 GradMode::overwrite, scratch);
   CHECK(scratch.in_use() == 0);  // scratch handed back as found
   // The reference starts from the same stores and uses the GPU's out and lse.
@@ -145,7 +151,7 @@ void check_case(const Case& cs, DType dt, bool deterministic = true) {
 
   // backward, accumulate: d_q starts from random values; d_k, d_v are added to a second time.
   Input dq_acc = make_input(dt, std::vector<int64_t>{B, c, H, D}, 7);
-  gpu::flash_attention_backward(dq_acc.dev, dk_dev, dv_dev, pb.d_out.dev, {lse}, pb.q.dev, pb.k_dev, pb.v_dev, out,
+  attention_backward(dq_acc.dev, dk_dev, dv_dev, pb.d_out.dev, {lse}, pb.q.dev, pb.k_dev, pb.v_dev, out,
                                 pb.scale, GradMode::accumulate, scratch);
   attention_backward(dq_acc.ref, dk_store.ref.tensor.slice(1, 0, S), dv_store.ref.tensor.slice(1, 0, S), pb.d_out.ref,
                      {lse_got}, pb.q.ref, pb.k_ref, pb.v_ref, out_got, pb.scale, GradMode::accumulate, host_scratch);
@@ -161,9 +167,9 @@ void check_case(const Case& cs, DType dt, bool deterministic = true) {
   Input dva = make_input(DType::f32, std::vector<int64_t>{B, T, Hkv, D}, 9);
   Input dvb = make_input(DType::f32, std::vector<int64_t>{B, T, Hkv, D}, 9);
   OwnedTensor dqa = poisoned(dt, {B, c, H, D}), dqb = poisoned(dt, {B, c, H, D});
-  gpu::flash_attention_backward(dqa, dka.dev.tensor.slice(1, 0, S), dva.dev.tensor.slice(1, 0, S), pb.d_out.dev,
+  attention_backward(dqa, dka.dev.tensor.slice(1, 0, S), dva.dev.tensor.slice(1, 0, S), pb.d_out.dev,
                                 {lse}, pb.q.dev, pb.k_dev, pb.v_dev, out, pb.scale, GradMode::overwrite, scratch);
-  gpu::flash_attention_backward(dqb, dkb.dev.tensor.slice(1, 0, S), dvb.dev.tensor.slice(1, 0, S), pb.d_out.dev,
+  attention_backward(dqb, dkb.dev.tensor.slice(1, 0, S), dvb.dev.tensor.slice(1, 0, S), pb.d_out.dev,
                                 {lse}, pb.q.dev, pb.k_dev, pb.v_dev, out, pb.scale, GradMode::overwrite, scratch);
   if (atomic_dq) {
     // Different addition orders round the f32 sums differently before the bf16 rounding of d_q:
@@ -202,13 +208,12 @@ TEST_CASE("cuda: flash attention bf16 tensor-core path (head dim 64, 128) matche
   // Both kernel families (the mma.sync kernels everywhere; the wgmma kernels where the GPU and the
   // build have them) and, in each, both backwards: the deterministic two-kernel one and the fused
   // one with atomic dQ.
-  std::vector<gpu::FlashKernels> families{gpu::FlashKernels::mma};
-  if (gpu::flash_wgmma_available(0)) families.push_back(gpu::FlashKernels::wgmma);
+  std::vector<AttentionKernel> families{AttentionKernel::flash_mma};
+  if (gpu::flash_wgmma_available(0)) families.push_back(AttentionKernel::flash_wgmma);
   else MESSAGE("the wgmma kernels need an sm_90a build on a compute capability 9.0 GPU: only mma.sync is checked");
-  const gpu::FlashKernels saved = gpu::flash_kernels();
-  for (const gpu::FlashKernels family : families) {
-    INFO("kernels: " << (family == gpu::FlashKernels::wgmma ? "wgmma" : "mma.sync"));
-    gpu::set_flash_kernels(family);
+  for (const AttentionKernel family : families) {
+    INFO("kernels: " << attention_kernel_name(family));
+    AttentionKernelScope forced(family);
     for (const bool deterministic : {true, false}) {
       for (const int64_t D : {64, 128})
         for (const Case& cs : cases_for(D)) check_case(cs, DType::bf16, deterministic);
@@ -220,7 +225,6 @@ TEST_CASE("cuda: flash attention bf16 tensor-core path (head dim 64, 128) matche
       check_case(Case{1, 520, 700, 4, 2, 64, 700}, DType::bf16, deterministic);
     }
   }
-  gpu::set_flash_kernels(saved);
 }
 
 TEST_CASE("cuda: flash attention bf16 generic path (head dim 32, 6) matches the CPU in f64" *
@@ -235,22 +239,22 @@ TEST_CASE("cuda: attention dispatcher falls back to flash for f32; forcing flash
   Problem pb(cs, DType::f32);
   Arena scratch(gpu0());
   const int64_t B = cs.B, c = cs.c, H = cs.H, D = cs.D, S = cs.S, Hkv = cs.Hkv;
-  const gpu::AttentionImpl saved_impl = gpu::attention_impl();
-
-  // The flash functions called directly: the reference bits.
+  // The generic flash kernel forced: the reference bits.
+  std::optional<AttentionKernelScope> simt(std::in_place, AttentionKernel::flash_simt);
   OwnedTensor out = poisoned(DType::f32, {B, c, H, D}), lse = poisoned(DType::f32, {B, H, c});
-  gpu::flash_attention_forward(out, {lse}, pb.q.dev, pb.k_dev, pb.v_dev, pb.scale, scratch);
+  attention_forward(out, {lse}, pb.q.dev, pb.k_dev, pb.v_dev, pb.scale, scratch);
   OwnedTensor dq = poisoned(DType::f32, {B, c, H, D});
   OwnedTensor dk = OwnedTensor::on(gpu0(), DType::f32, {B, S, Hkv, D}), dv = OwnedTensor::on(gpu0(), DType::f32, {B, S, Hkv, D});
   gpu::fill(dk, 0.0);
   gpu::fill(dv, 0.0);
-  gpu::flash_attention_backward(dq, dk, dv, pb.d_out.dev, {lse}, pb.q.dev, pb.k_dev, pb.v_dev, out, pb.scale,
+  attention_backward(dq, dk, dv, pb.d_out.dev, {lse}, pb.q.dev, pb.k_dev, pb.v_dev, out, pb.scale,
                                 GradMode::overwrite, scratch);
 
+  simt.reset();
   auto through_dispatcher = [&](const char* what) {
     INFO(what);
     OwnedTensor out2 = poisoned(DType::f32, {B, c, H, D}), lse2 = poisoned(DType::f32, {B, H, c});
-    gpu::attention_forward(out2, {lse2}, pb.q.dev, pb.k_dev, pb.v_dev, pb.scale, scratch);
+    attention_forward(out2, {lse2}, pb.q.dev, pb.k_dev, pb.v_dev, pb.scale, scratch);
     expect_same_bits(out2, out, "out");
     expect_same_bits(lse2, lse, "lse");
     OwnedTensor dq2 = poisoned(DType::f32, {B, c, H, D});
@@ -258,20 +262,21 @@ TEST_CASE("cuda: attention dispatcher falls back to flash for f32; forcing flash
     OwnedTensor dv2 = OwnedTensor::on(gpu0(), DType::f32, {B, S, Hkv, D});
     gpu::fill(dk2, 0.0);
     gpu::fill(dv2, 0.0);
-    gpu::attention_backward(dq2, dk2, dv2, pb.d_out.dev, {lse2}, pb.q.dev, pb.k_dev, pb.v_dev, out2, pb.scale,
+    attention_backward(dq2, dk2, dv2, pb.d_out.dev, {lse2}, pb.q.dev, pb.k_dev, pb.v_dev, out2, pb.scale,
                             GradMode::overwrite, scratch);
     expect_same_bits(dq2, dq, "d_q");
     expect_same_bits(dk2, dk, "d_k");
     expect_same_bits(dv2, dv, "d_v");
   };
   // With CW_ATTENTION unset the choice is automatic, and automatic takes flash for f32.
-  if (std::getenv("CW_ATTENTION") == nullptr) {
-    gpu::set_attention_impl(gpu::AttentionImpl::automatic);
-    through_dispatcher("automatic (CW_ATTENTION unset)");
+  {
+    AttentionKernelScope automatic(AttentionKernel::automatic);
+    through_dispatcher("automatic");
+    CHECK(choose_attention_kernel(attention_call(pb.q.dev, pb.k_dev, pb.v_dev, out), attention_flags()).kernel ==
+          AttentionKernel::flash_simt);
   }
-  gpu::set_attention_impl(gpu::AttentionImpl::flash);
+  AttentionKernelScope flash(AttentionKernel::flash);
   through_dispatcher("flash forced");
-  gpu::set_attention_impl(saved_impl);
 }
 
 TEST_CASE("cuda: flash attention rejects bad operands" * doctest::skip(!cw::test::gpu_ready())) {
@@ -286,20 +291,20 @@ TEST_CASE("cuda: flash attention rejects bad operands" * doctest::skip(!cw::test
   OwnedTensor q_odd = dev(DType::f32, {1, 4, 4, 7}), k_odd = dev(DType::f32, {1, 6, 2, 7}), v_odd = dev(DType::f32, {1, 6, 2, 7});
   OwnedTensor out_odd = dev(DType::f32, {1, 4, 4, 7});
   OwnedTensor host_q(DType::f32, {1, 4, 4, 8});
-  CHECK_THROWS_AS(gpu::flash_attention_forward(out, {lse_bf16}, q, k, v, scale, scratch), Error);  // lse must be f32
-  CHECK_THROWS_AS(gpu::flash_attention_forward(out, {lse}, q, k_bf16, v, scale, scratch), Error);  // mixed dtypes
-  CHECK_THROWS_AS(gpu::flash_attention_forward(out, {lse}, q, k3, v3, scale, scratch), Error);     // 4 % 3 heads
-  CHECK_THROWS_AS(gpu::flash_attention_forward(out, {lse}, q, k_short, v_short, scale, scratch), Error);  // S < c
-  CHECK_THROWS_AS(gpu::flash_attention_forward(out_odd, {lse}, q_odd, k_odd, v_odd, scale, scratch), Error);  // odd D
-  CHECK_THROWS_AS(gpu::flash_attention_forward(out, {lse}, host_q, k, v, scale, scratch), Error);  // host operand
+  CHECK_THROWS_AS(attention_forward(out, {lse_bf16}, q, k, v, scale, scratch), Error);  // lse must be f32
+  CHECK_THROWS_AS(attention_forward(out, {lse}, q, k_bf16, v, scale, scratch), Error);  // mixed dtypes
+  CHECK_THROWS_AS(attention_forward(out, {lse}, q, k3, v3, scale, scratch), Error);     // 4 % 3 heads
+  CHECK_THROWS_AS(attention_forward(out, {lse}, q, k_short, v_short, scale, scratch), Error);  // S < c
+  CHECK_THROWS_AS(attention_forward(out_odd, {lse}, q_odd, k_odd, v_odd, scale, scratch), Error);  // odd D
+  CHECK_THROWS_AS(attention_forward(out, {lse}, host_q, k, v, scale, scratch), Error);  // host operand
   // d_k must be f32 and shaped like k
   OwnedTensor dq = dev(DType::f32, {1, 4, 4, 8}), dk = dev(DType::f32, {1, 6, 2, 8}), dv = dev(DType::f32, {1, 6, 2, 8});
-  CHECK_THROWS_AS(gpu::flash_attention_backward(dq, k_bf16, dv, q, {lse}, q, k, v, out, scale, GradMode::overwrite,
+  CHECK_THROWS_AS(attention_backward(dq, k_bf16, dv, q, {lse}, q, k, v, out, scale, GradMode::overwrite,
                                                 scratch),
                   Error);
-  CHECK_THROWS_AS(gpu::flash_attention_backward(dq, dk, k3, q, {lse}, q, k, v, out, scale, GradMode::overwrite, scratch),
+  CHECK_THROWS_AS(attention_backward(dq, dk, k3, q, {lse}, q, k, v, out, scale, GradMode::overwrite, scratch),
                   Error);
   // a K/V slice whose inner part is not packed (a slice along the head axis)
   OwnedTensor k_wide = dev(DType::f32, {1, 6, 4, 8});
-  CHECK_THROWS_AS(gpu::flash_attention_forward(out, {lse}, q, k_wide.tensor.slice(2, 0, 2), v, scale, scratch), Error);
+  CHECK_THROWS_AS(attention_forward(out, {lse}, q, k_wide.tensor.slice(2, 0, 2), v, scale, scratch), Error);
 }

@@ -2,7 +2,7 @@
 // its loss to 1e-14; spaco with t = k must equal seco; spaco with t < k is a seeded estimator whose
 // documented unbiasedness claim is checked over many seeds; seco's activation memory does not grow
 // with the sequence length.
-#include "engine/ops/attention.h"
+#include "engine/cpu/attention.h"
 #include "engine/ops/lm_head_loss.h"
 #include "optim/schedule.h"
 #include "tests/support.h"
@@ -218,7 +218,7 @@ TEST_CASE("seco activation memory is bounded by one chunk, whatever T") {
     MESSAGE("T=", T, ": activation high-water ", st.activation_high_water, " bytes, K/V store ", st.kv_bytes, " bytes");
     // The CPU attention's scratch holds 8-row blocks of scores against all T keys: O(T) but tiny next
     // to the activations; everything else is O(chunk). Allow exactly that term and nothing more.
-    const size_t score_rows = attention_scratch_bytes(8, T, DType::f64, true);
+    const size_t score_rows = cpu::attention_scratch_bytes(8, T, DType::f64, true);
     if (first == 0) first = st.activation_high_water - score_rows;
     CHECK(st.activation_high_water - score_rows <= first);
     CHECK(st.kv_bytes > kv_prev);  // the store is what grows

@@ -7,9 +7,8 @@
 #include "optim/schedule.h"
 #include "optim/training.h"
 #include "chunkwise_config.h"
-#include "engine/cuda/runtime.h"
+#include "engine/engine.h"
 #if CW_HAVE_CUDA
-#include "engine/cuda/ops.h"  // gpu::set_deterministic
 #endif
 #include "tools/data/tokenizer.h"
 #include "tools/data/tokens.h"
@@ -107,12 +106,12 @@ double planned_bytes(const LlamaConfig& c, DType dt, const RunConfig& rc) {
 Device resolve_train_device(const std::string& setting) {
   if (setting == "cpu") return Device::host();
   if (setting == "cuda") {
-    if (!gpu::available())
+    if (!gpu_available())
       fail("train.device = cuda but no GPU is usable (this build has no CUDA, or the driver sees no device)",
            "use train.device = cpu (or auto)");
     return Device::gpu(0);
   }
-  return gpu::available() ? Device::gpu(0) : Device::host();  // auto
+  return gpu_available() ? Device::gpu(0) : Device::host();  // auto
 }
 
 // model.dtype = auto: bf16 compute on a GPU (fp32 master weights), f32 on the CPU.
@@ -162,7 +161,7 @@ TrainResult run_training(const RunConfig& rc, const TrainOptions& opt, std::ostr
   const Device device = resolve_train_device(rc.train.device);
   const DType dtype = resolve_train_dtype(rc.model.dtype, device);
 #if CW_HAVE_CUDA
-  if (!device.is_cpu()) gpu::set_deterministic(rc.train.deterministic);
+  if (!device.is_cpu()) set_deterministic(rc.train.deterministic);
 #endif
 
   // Data.
@@ -181,7 +180,7 @@ TrainResult run_training(const RunConfig& rc, const TrainOptions& opt, std::ostr
 
   // Memory guard: fail before step 1, not in the middle of it.
   const double need = planned_bytes(mc, dtype, rc);
-  const double have = device.is_cpu() ? available_bytes() : static_cast<double>(gpu::memory_info(device.index).free);
+  const double have = device.is_cpu() ? available_bytes() : static_cast<double>(device_memory(device).free);
   if (have > 0 && need > have)
     fail(fmt::format("this run needs about {} of {} memory and the {} has {} available", human_bytes(need),
                      device.is_cpu() ? "host" : "device", device_name(device), human_bytes(have)),

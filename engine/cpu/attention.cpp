@@ -1,0 +1,144 @@
+// The attention op on the CPU (math and contract: engine/ops/attention.h), f64 and f32 through Eigen.
+// Query rows go in blocks of kQueryBlock against all visible keys, so scratch is O(block x S) per
+// thread, never c x S. The public entry (engine/ops/attention.cpp) has checked the operands.
+#include "engine/cpu/attention.h"
+
+#include "engine/ops/cpu_common.h"
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace cw::cpu {
+
+namespace {
+constexpr int64_t kQueryBlock = 64;  // query rows per score block: bounds scratch to 64 x S
+
+struct Dims {
+  int64_t B, c, H, D, S, Hkv, p;
+};
+Dims dims_of(const Tensor& q, const Tensor& k) {
+  return {q.size(0), q.size(1), q.size(2), q.size(3), k.size(1), k.size(2), k.size(1) - q.size(1)};
+}
+
+// Scores of query rows [i0, i0+rows) against keys [0, keys) of one (batch, head), masked causally:
+// P holds exp(s - lse) (with lse computed here when `compute_lse`), zero where masked.
+template <class T>
+void probabilities(MatrixMap<T> P, const ConstMatrixMap<T>& Q, const ConstMatrixMap<T>& K, T scale,
+                   int64_t first_query_pos, T* lse, bool compute_lse) {
+  const int64_t rows = P.rows(), keys = P.cols();
+  P.noalias() = (Q * K.topRows(keys).transpose()) * scale;
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t visible = first_query_pos + r + 1;  // keys [0, visible) are not masked
+    auto row = P.row(r).head(visible).array();
+    if (compute_lse) {
+      const T m = row.maxCoeff();
+      lse[r] = m + std::log((row - m).exp().sum());  // Eigen's exp is vectorised
+    }
+    row = (row - lse[r]).exp();
+    P.row(r).tail(keys - visible).setZero();
+  }
+}
+
+// Scratch for one thread: two score blocks of up to kQueryBlock x S.
+template <class T> struct ThreadScratch {
+  T* a;
+  T* b;
+};
+
+template <class T>
+std::vector<ThreadScratch<T>> thread_scratch(Arena& scratch, DType dtype, int64_t block, int64_t S, bool two) {
+  std::vector<ThreadScratch<T>> out(static_cast<size_t>(max_threads()));
+  for (auto& t : out) {
+    t.a = scratch.alloc(dtype, {block * S}).template ptr<T>();
+    t.b = two ? scratch.alloc(dtype, {block * S}).template ptr<T>() : nullptr;
+  }
+  return out;
+}
+}  // namespace
+
+size_t attention_scratch_bytes(int64_t c, int64_t S, DType dtype, bool backward) {
+  const size_t block = static_cast<size_t>(std::min(kQueryBlock, c) * S) * dtype_size(dtype);
+  const size_t aligned = (block + 63) / 64 * 64;  // the arena's alignment
+  return static_cast<size_t>(max_threads()) * (backward ? 2 : 1) * aligned;
+}
+
+void attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
+                       const Tensor& v, double scale, Arena& scratch) {
+  const Dims d = dims_of(q, k);
+  dispatch_float(q.dtype, "attention_forward", [&](auto zero) {
+    using T = decltype(zero);
+    ArenaScope scope(scratch);
+    const auto per_thread = thread_scratch<T>(scratch, q.dtype, std::min(kQueryBlock, d.c), d.S, false);
+    const int64_t group = d.H / d.Hkv, row_stride = d.H * d.D, kv_row_stride = d.Hkv * d.D;
+    // Threads take whole (sequence, K/V group) pairs: their outputs are disjoint, so the result does
+    // not depend on the thread count or order.
+#pragma omp parallel for schedule(static) if (worth_threads(2.0 * d.B * d.H * d.c * d.S * d.D))
+    for (int64_t bg = 0; bg < d.B * d.Hkv; ++bg)
+      for (int64_t h = (bg % d.Hkv) * group; h < (bg % d.Hkv + 1) * group; ++h) {
+        const int64_t b = bg / d.Hkv, g = bg % d.Hkv;
+        T* score_block = per_thread[static_cast<size_t>(thread_index())].a;
+        const auto K = cmatrix<T>(k.ptr<T>() + b * k.stride[0] + g * d.D, d.S, d.D, kv_row_stride);
+        const auto V = cmatrix<T>(v.ptr<T>() + b * v.stride[0] + g * d.D, d.S, d.D, kv_row_stride);
+        for (int64_t i0 = 0; i0 < d.c; i0 += kQueryBlock) {
+          const int64_t rows = std::min(kQueryBlock, d.c - i0), keys = d.p + i0 + rows;
+          const int64_t q_off = ((b * d.c + i0) * d.H + h) * d.D;
+          const auto Q = cmatrix<T>(q.ptr<T>() + q_off, rows, d.D, row_stride);
+          auto P = matrix<T>(score_block, rows, keys, keys);
+          T* lse = saved.lse.ptr<T>() + (b * d.H + h) * d.c + i0;
+          probabilities<T>(P, Q, K, T(scale), d.p + i0, lse, true);
+          matrix<T>(out.ptr<T>() + q_off, rows, d.D, row_stride).noalias() = P * V.topRows(keys);
+        }
+      }
+  });
+}
+
+void attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,
+                        const AttentionSaved& saved, const Tensor& q, const Tensor& k, const Tensor& v,
+                        const Tensor& out, double scale, GradMode mode, Arena& scratch) {
+  const Dims d = dims_of(q, k);
+  dispatch_float(q.dtype, "attention_backward", [&](auto zero) {
+    using T = decltype(zero);
+    ArenaScope scope(scratch);
+    const auto per_thread = thread_scratch<T>(scratch, q.dtype, std::min(kQueryBlock, d.c), d.S, true);
+    const int64_t group = d.H / d.Hkv, row_stride = d.H * d.D, kv_row_stride = d.Hkv * d.D;
+    // As in the forward: a (sequence, K/V group) pair per thread, so each dK/dV row has one writer
+    // and its heads add into it in a fixed order.
+#pragma omp parallel for schedule(static) if (worth_threads(2.0 * d.B * d.H * d.c * d.S * d.D))
+    for (int64_t bg = 0; bg < d.B * d.Hkv; ++bg)
+      for (int64_t h = (bg % d.Hkv) * group; h < (bg % d.Hkv + 1) * group; ++h) {
+        const int64_t b = bg / d.Hkv, g = bg % d.Hkv;
+        T* p_block = per_thread[static_cast<size_t>(thread_index())].a;
+        T* dp_block = per_thread[static_cast<size_t>(thread_index())].b;
+        const auto K = cmatrix<T>(k.ptr<T>() + b * k.stride[0] + g * d.D, d.S, d.D, kv_row_stride);
+        const auto V = cmatrix<T>(v.ptr<T>() + b * v.stride[0] + g * d.D, d.S, d.D, kv_row_stride);
+        auto dK = matrix<T>(d_k.ptr<T>() + b * d_k.stride[0] + g * d.D, d.S, d.D, kv_row_stride);
+        auto dV = matrix<T>(d_v.ptr<T>() + b * d_v.stride[0] + g * d.D, d.S, d.D, kv_row_stride);
+        for (int64_t i0 = 0; i0 < d.c; i0 += kQueryBlock) {
+          const int64_t rows = std::min(kQueryBlock, d.c - i0), keys = d.p + i0 + rows;
+          const int64_t q_off = ((b * d.c + i0) * d.H + h) * d.D;
+          const auto Q = cmatrix<T>(q.ptr<T>() + q_off, rows, d.D, row_stride);
+          const auto O = cmatrix<T>(out.ptr<T>() + q_off, rows, d.D, row_stride);
+          const auto dO = cmatrix<T>(d_out.ptr<T>() + q_off, rows, d.D, row_stride);
+          auto P = matrix<T>(p_block, rows, keys, keys);
+          auto dS = matrix<T>(dp_block, rows, keys, keys);
+          T* lse = saved.lse.ptr<T>() + (b * d.H + h) * d.c + i0;
+          probabilities<T>(P, Q, K, T(scale), d.p + i0, lse, false);
+          dS.noalias() = dO * V.topRows(keys).transpose();  // dP
+          for (int64_t r = 0; r < rows; ++r) {
+            const T delta = dO.row(r).dot(O.row(r));
+            dS.row(r) = (P.row(r).array() * (dS.row(r).array() - delta)).matrix();
+          }
+          auto dQ = matrix<T>(d_q.ptr<T>() + q_off, rows, d.D, row_stride);
+          if (mode == GradMode::accumulate)
+            dQ.noalias() += (dS * K.topRows(keys)) * T(scale);
+          else
+            dQ.noalias() = (dS * K.topRows(keys)) * T(scale);
+          dK.topRows(keys).noalias() += (dS.transpose() * Q) * T(scale);
+          dV.topRows(keys).noalias() += P.transpose() * dO;
+        }
+      }
+  });
+}
+
+}  // namespace cw::cpu

@@ -1,0 +1,20 @@
+// The CPU kernels of the attention op (engine/ops/attention.h has the math and the contract; its
+// public entry checks the operands and calls these for host tensors). f64 and f32.
+#pragma once
+
+#include "engine/memory.h"
+#include "engine/ops/attention.h"
+
+namespace cw::cpu {
+
+// Bytes of scratch these kernels take for c queries against S keys (per thread: score blocks of
+// up to 64 rows x S; one in the forward, two in the backward).
+size_t attention_scratch_bytes(int64_t c, int64_t S, DType dtype, bool backward);
+
+void attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
+                       const Tensor& v, double scale, Arena& scratch);
+void attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,
+                        const AttentionSaved& saved, const Tensor& q, const Tensor& k, const Tensor& v,
+                        const Tensor& out, double scale, GradMode mode, Arena& scratch);
+
+}  // namespace cw::cpu

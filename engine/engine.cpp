@@ -1,0 +1,79 @@
+// The engine's public settings and queries (engine/engine.h): CPU answers here, GPU ones from the
+// CUDA runtime (engine/cuda/runtime.h; in a build without CUDA its stub says so).
+#include "engine/engine.h"
+
+#include "chunkwise_config.h"
+#include "engine/cuda/runtime.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <thread>
+
+namespace cw {
+
+#if CW_HAVE_CUDA
+std::vector<GpuInfo> cuda_list_gpus();  // engine/cuda/device_query.cu
+#endif
+
+BuildFeatures build_features() { return {CW_HAVE_CUDA != 0, CW_HAVE_CUDNN != 0, CW_HAVE_NCCL != 0}; }
+
+std::vector<GpuInfo> list_gpus() {
+#if CW_HAVE_CUDA
+  return cuda_list_gpus();
+#else
+  return {};
+#endif
+}
+
+bool gpu_available() { return gpu::available(); }
+
+std::string describe_devices() {
+  const BuildFeatures f = build_features();
+  std::string s = fmt::format("build: cuda={} cudnn={} nccl={}\ncpu: {} hardware threads\n", f.cuda, f.cudnn, f.nccl,
+                              std::thread::hardware_concurrency());
+  for (const GpuInfo& g : list_gpus())
+    s += fmt::format("cuda:{}: {} (sm_{}{}, {} SMs, {:.1f} GiB)\n", g.index, g.name, g.sm_major, g.sm_minor,
+                     g.multiprocessors, static_cast<double>(g.memory_bytes) / (1ull << 30));
+  return s;
+}
+
+DeviceMemory device_memory(Device device) {
+  CW_CHECK(!device.is_cpu(), "device_memory asks about a GPU; host memory is the operating system's");
+  const gpu::MemoryInfo m = gpu::memory_info(device.index);
+  return {m.free, m.total};
+}
+
+PoolStats pool_stats(Device device) {
+  if (device.is_cpu()) return {};
+  const gpu::PoolStats s = gpu::pool_stats(device.index);
+  return {s.in_use, s.cached, s.peak_in_use, s.cuda_mallocs};
+}
+
+void release_cached(Device device) {
+  if (!device.is_cpu()) gpu::release_cached(device.index);
+}
+
+std::string memory_report(Device device) {
+  return device.is_cpu() ? std::string("cpu: host memory (no pool)") : gpu::memory_report(device.index);
+}
+
+void synchronize(Device device) {
+  if (!device.is_cpu()) gpu::synchronize(device.index);
+}
+
+double median_ms(const std::function<void()>& fn, Device device, int warmup, int repeat) {
+  if (!device.is_cpu()) return gpu::median_ms(fn, device.index, warmup, repeat);
+  for (int i = 0; i < warmup; ++i) fn();
+  std::vector<double> ms;
+  for (int i = 0; i < std::max(repeat, 1); ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    fn();
+    ms.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::nth_element(ms.begin(), ms.begin() + static_cast<std::ptrdiff_t>(ms.size() / 2), ms.end());
+  return ms[ms.size() / 2];
+}
+
+}  // namespace cw

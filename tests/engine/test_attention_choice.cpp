@@ -1,0 +1,82 @@
+// The attention chooser (engine/ops/attention.cpp): what it picks for a call and what a forced
+// family that cannot serve says. GPU-only choices (cuDNN, wgmma) are checked on the GPU in
+// tests/engine/test_cuda_attention.cpp.
+#include "engine/engine.h"
+#include "engine/memory.h"
+#include "engine/ops/attention.h"
+
+#include <doctest/doctest.h>
+
+#include <string>
+
+using namespace cw;
+
+namespace {
+// A call as the chooser sees it, on a device the test need not have: the flash_mma and flash_simt
+// rules read only the shape, dtype and alignment.
+AttentionCall gpu_call(DType dtype, int64_t D, bool tensor_core_operands = true) {
+  return AttentionCall{Device::gpu(0), dtype, 1, 16, 32, 4, 2, D, true, tensor_core_operands, nullptr, nullptr, nullptr};
+}
+std::string error_of(const AttentionCall& call, AttentionKernel forced) {
+  try {
+    choose_attention_kernel(call, {forced, false});
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+}  // namespace
+
+TEST_CASE("attention kernel names round-trip; unknown names are a clear error") {
+  for (AttentionKernel k : {AttentionKernel::automatic, AttentionKernel::cpu, AttentionKernel::cudnn,
+                            AttentionKernel::flash, AttentionKernel::flash_wgmma, AttentionKernel::flash_mma,
+                            AttentionKernel::flash_simt})
+    CHECK(parse_attention_kernel(attention_kernel_name(k)) == k);
+  CHECK(std::string(attention_kernel_name(AttentionKernel::flash_wgmma)) == "flash-wgmma");
+  try {
+    parse_attention_kernel("fast");
+    FAIL("no error");
+  } catch (const Error& e) {
+    CHECK(std::string(e.what()).find("unknown attention kernel 'fast'") != std::string::npos);
+  }
+}
+
+TEST_CASE("attention chooser: CPU operands run the CPU kernel whatever the setting") {
+  OwnedTensor q(DType::f64, {1, 4, 2, 8}), k(DType::f64, {1, 6, 1, 8}), v(DType::f64, {1, 6, 1, 8});
+  OwnedTensor out(DType::f64, {1, 4, 2, 8});
+  const AttentionCall call = attention_call(q, k, v, out);
+  CHECK(call.S == 6);
+  CHECK(call.c == 4);
+  CHECK_FALSE(call.backward);
+  for (AttentionKernel forced : {AttentionKernel::automatic, AttentionKernel::flash_mma, AttentionKernel::cudnn})
+    CHECK(choose_attention_kernel(call, {forced, false}).kernel == AttentionKernel::cpu);
+}
+
+TEST_CASE("attention chooser: a forced family that cannot take the call names why") {
+  // mma.sync tensor cores: bf16 at head dim 64 or 128 with aligned operands only.
+  const std::string f32 = error_of(gpu_call(DType::f32, 64), AttentionKernel::flash_mma);
+  CHECK(f32.find("flash-mma was requested") != std::string::npos);
+  CHECK(f32.find("needs bf16, head dim 64 or 128") != std::string::npos);
+  CHECK(f32.find("CW_ATTENTION=auto") != std::string::npos);
+  CHECK_FALSE(error_of(gpu_call(DType::bf16, 32), AttentionKernel::flash_mma).empty());
+  CHECK_FALSE(error_of(gpu_call(DType::bf16, 64, false), AttentionKernel::flash_mma).empty());
+  CHECK(choose_attention_kernel(gpu_call(DType::bf16, 128), {AttentionKernel::flash_mma, false}).kernel ==
+        AttentionKernel::flash_mma);
+  // The SIMT kernels take any even head dim up to 128, f32 or bf16.
+  CHECK(choose_attention_kernel(gpu_call(DType::f32, 6), {AttentionKernel::flash_simt, false}).kernel ==
+        AttentionKernel::flash_simt);
+  CHECK(error_of(gpu_call(DType::f32, 7), AttentionKernel::flash_simt).find("even head dim") != std::string::npos);
+  CHECK_FALSE(error_of(gpu_call(DType::bf16, 256), AttentionKernel::flash_simt).empty());
+}
+
+TEST_CASE("attention settings: set_attention_kernel and set_deterministic are read back") {
+  const AttentionKernel saved_kernel = attention_kernel();
+  const bool saved_det = deterministic();
+  set_attention_kernel(AttentionKernel::flash_simt);
+  set_deterministic(true);
+  CHECK(attention_flags().forced == AttentionKernel::flash_simt);
+  CHECK(attention_flags().deterministic);
+  set_attention_kernel(saved_kernel);
+  set_deterministic(saved_det);
+  CHECK(attention_kernel() == saved_kernel);
+}
