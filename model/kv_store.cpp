@@ -1,38 +1,133 @@
 #include "model/kv_store.h"
 
+#include <algorithm>
 #include <cstring>
 
 namespace cw {
 
-KVStore::KVStore(const LlamaConfig& c, int64_t batch, int64_t tokens, DType dtype, bool with_grads, Device device)
+KVStore::KVStore(const LlamaConfig& c, int64_t batch, int64_t tokens, DType dtype, bool with_grads, Device device,
+                 int64_t offload_window)
     : L_(c.num_hidden_layers), B_(batch), T_(tokens), Hkv_(c.num_key_value_heads), D_(c.head_dim), dtype_(dtype),
-      device_(device), live_end_(tokens) {
+      device_(device), with_grads_(with_grads), live_end_(tokens) {
   CW_CHECK(batch > 0 && tokens > 0, "K/V store for batch {} and {} tokens", batch, tokens);
-  const size_t elems = static_cast<size_t>(B_ * T_ * Hkv_ * D_);
-  for (int64_t l = 0; l < L_; ++l) {
-    k_.emplace_back(elems * dtype_size(dtype), device);
-    v_.emplace_back(elems * dtype_size(dtype), device);
-    if (with_grads) {
-      dk_.emplace_back(elems * dtype_size(accum_dtype(dtype)), device);
-      dv_.emplace_back(elems * dtype_size(accum_dtype(dtype)), device);
-    }
+  CW_CHECK(offload_window >= 0, "schedule.offload_window must be >= 0 (0: the whole K/V store on the device), got {}",
+           offload_window);
+  const int parts = with_grads ? 4 : 2;
+  if (offload_window > 0 && offload_window < L_) {
+    std::vector<size_t> part_bytes;
+    for (int p = 0; p < parts; ++p) part_bytes.push_back(row_bytes(static_cast<Part>(p)) * static_cast<size_t>(B_ * T_));
+    res_ = std::make_unique<Residency>(device, part_bytes, static_cast<int>(L_), static_cast<int>(offload_window));
+    dev_kv_end_.assign(static_cast<size_t>(L_), 0);
+    dev_grad_end_.assign(static_cast<size_t>(L_), 0);
+    host_kv_end_.assign(static_cast<size_t>(L_), 0);
+    return;
   }
+  for (int64_t l = 0; l < L_; ++l)
+    for (int p = 0; p < parts; ++p)
+      bufs_[p].emplace_back(row_bytes(static_cast<Part>(p)) * static_cast<size_t>(B_ * T_), device);
 }
 
-Tensor KVStore::view(const std::vector<HostBuffer>& bufs, int layer, int64_t t0, int64_t t1) const {
-  CW_CHECK(!bufs.empty(), "K/V store was built without gradient accumulators");
+size_t KVStore::row_bytes(Part part) const {
+  const DType dt = part >= kDKeys ? accum_dtype(dtype_) : dtype_;
+  return static_cast<size_t>(Hkv_ * D_) * dtype_size(dt);
+}
+
+size_t KVStore::host_bytes_needed(const LlamaConfig& c, int64_t batch, int64_t tokens, DType dtype, bool with_grads) {
+  const size_t row = static_cast<size_t>(c.num_key_value_heads * c.head_dim);
+  const size_t per_token = 2 * row * dtype_size(dtype) + (with_grads ? 2 * row * dtype_size(accum_dtype(dtype)) : 0);
+  return per_token * static_cast<size_t>(c.num_hidden_layers * batch * tokens);
+}
+
+Tensor KVStore::view(Part part, int layer, int64_t t0, int64_t t1) const {
+  CW_CHECK(with_grads_ || part < kDKeys, "K/V store was built without gradient accumulators");
   CW_CHECK(layer >= 0 && layer < L_, "K/V store has no layer {}", layer);
   CW_CHECK(0 <= t0 && t0 <= t1 && t1 <= T_, "K/V store range [{}, {}) outside [0, {})", t0, t1, T_);
   CW_CHECK(t1 <= live_end_, "K/V store range [{}, {}) reaches released tokens (live up to {})", t0, t1, live_end_);
-  const DType dt = (&bufs == &dk_ || &bufs == &dv_) ? accum_dtype(dtype_) : dtype_;
-  Tensor whole = Tensor(bufs[static_cast<size_t>(layer)].data(), dt, device_, {B_, T_, Hkv_, D_});
-  return whole.slice(1, t0, t1 - t0);
+  const DType dt = part >= kDKeys ? accum_dtype(dtype_) : dtype_;
+  void* data = res_ ? res_->device(layer, part) : bufs_[part][static_cast<size_t>(layer)].data();
+  return Tensor(data, dt, device_, {B_, T_, Hkv_, D_}).slice(1, t0, t1 - t0);
+}
+
+// The byte spans of rows [t0, t1) of every sequence, for parts first..last.
+std::vector<Residency::Span> KVStore::spans(Part first, Part last, int64_t t0, int64_t t1) const {
+  std::vector<Residency::Span> out;
+  if (t1 <= t0) return out;
+  for (int p = first; p <= last; ++p) {
+    const size_t row = row_bytes(static_cast<Part>(p));
+    for (int64_t b = 0; b < B_; ++b)
+      out.push_back({p, (static_cast<size_t>(b * T_ + t0)) * row, static_cast<size_t>(t1 - t0) * row});
+  }
+  return out;
+}
+
+void KVStore::begin_layer(int layer, Use use, int64_t t0, int64_t t1) {
+  if (!res_) return;
+  const size_t l = static_cast<size_t>(layer);
+  if (!res_->resident(layer)) dev_kv_end_[l] = dev_grad_end_[l] = 0;
+  // Forward: K, V [0, t0) must be current (the chunk writes [t0, t1)). Backward: K, V [0, t1) and dK, dV
+  // [0, t1). What the slot already holds is not copied again.
+  const int64_t kv_end = use == Use::forward ? t0 : t1;
+  std::vector<Residency::Span> need;
+  if (dev_kv_end_[l] < kv_end) need = spans(kKeys, kValues, dev_kv_end_[l], kv_end);
+  if (use == Use::backward && dev_grad_end_[l] < t1) {
+    const auto g = spans(kDKeys, kDValues, dev_grad_end_[l], t1);
+    need.insert(need.end(), g.begin(), g.end());
+  }
+  res_->fetch(layer, need);
+  dev_kv_end_[l] = std::max(dev_kv_end_[l], kv_end);
+  if (use == Use::backward) dev_grad_end_[l] = std::max(dev_grad_end_[l], t1);
+  res_->ready(layer);
+  // The next layer in the direction of travel comes in while this one computes (with one slot there
+  // is nowhere to put it). Forward wraps to layer 0 of the next chunk.
+  if (res_->slots() > 1) {
+    const int next = use == Use::forward ? (layer + 1) % static_cast<int>(L_) : layer - 1;
+    if (next >= 0 && next != layer) prefetch(next, use);
+  }
+}
+
+void KVStore::prefetch(int layer, Use use) {
+  const size_t l = static_cast<size_t>(layer);
+  if (!res_->resident(layer)) dev_kv_end_[l] = dev_grad_end_[l] = 0;
+  // Everything the host holds that a coming call may read: K, V written so far (up to the live end);
+  // in the backward also dK, dV up to the live end.
+  const int64_t kv_end = std::min(host_kv_end_[l], live_end_);
+  std::vector<Residency::Span> need;
+  if (dev_kv_end_[l] < kv_end) need = spans(kKeys, kValues, dev_kv_end_[l], kv_end);
+  if (use == Use::backward && dev_grad_end_[l] < live_end_) {
+    const auto g = spans(kDKeys, kDValues, dev_grad_end_[l], live_end_);
+    need.insert(need.end(), g.begin(), g.end());
+  }
+  res_->fetch(layer, need);
+  dev_kv_end_[l] = std::max(dev_kv_end_[l], kv_end);
+  if (use == Use::backward) dev_grad_end_[l] = std::max(dev_grad_end_[l], live_end_);
+}
+
+void KVStore::end_layer(int layer, Use use, int64_t t0, int64_t t1) {
+  if (!res_) return;
+  const size_t l = static_cast<size_t>(layer);
+  if (use == Use::forward) {
+    // The chunk's K, V go home (a recompute writes the same values again: the copy is small, and
+    // keeping it unconditional keeps the host the single truth for everything a layer wrote).
+    res_->store(layer, spans(kKeys, kValues, t0, t1));
+    dev_kv_end_[l] = std::max(dev_kv_end_[l], t1);
+    host_kv_end_[l] = std::max(host_kv_end_[l], t1);
+  } else {
+    res_->store(layer, spans(kDKeys, kDValues, 0, t1));  // every key up to t1 got its share of dK, dV
+  }
 }
 
 void KVStore::zero_grads() {
-  for (auto* bufs : {&dk_, &dv_})
-    for (auto& b : *bufs)
-      if (b.bytes()) fill(Tensor(b.data(), DType::f32, device_, {static_cast<int64_t>(b.bytes() / 4)}), 0.0);
+  if (!with_grads_) return;
+  if (res_) {
+    res_->wait_idle();  // copies in flight may still write the host copies
+    for (int64_t l = 0; l < L_; ++l)
+      for (Part p : {kDKeys, kDValues})
+        std::memset(res_->host(static_cast<int>(l), p), 0, row_bytes(p) * static_cast<size_t>(B_ * T_));
+    res_->evict_all();
+    return;
+  }
+  for (Part p : {kDKeys, kDValues})
+    for (auto& b : bufs_[p]) fill(Tensor(b.data(), DType::f32, device_, {static_cast<int64_t>(b.bytes() / 4)}), 0.0);
 }
 
 void KVStore::release_from(int64_t t) {
@@ -42,16 +137,24 @@ void KVStore::release_from(int64_t t) {
 
 void KVStore::reset() {
   live_end_ = T_;
+  if (res_) {
+    std::fill(host_kv_end_.begin(), host_kv_end_.end(), 0);
+    std::fill(dev_kv_end_.begin(), dev_kv_end_.end(), 0);
+    std::fill(dev_grad_end_.begin(), dev_grad_end_.end(), 0);
+  }
   zero_grads();
 }
 
 size_t KVStore::bytes() const {
+  if (res_) return res_->device_bytes();
   size_t n = 0;
-  for (auto* bufs : {&k_, &v_, &dk_, &dv_})
-    for (const auto& b : *bufs) n += b.bytes();
+  for (const auto& part : bufs_)
+    for (const auto& b : part) n += b.bytes();
   return n;
 }
 
-size_t KVStore::bytes_per_token() const { return bytes() / static_cast<size_t>(B_ * T_); }
+size_t KVStore::host_bytes() const { return res_ ? res_->host_bytes() : 0; }
+
+size_t KVStore::bytes_per_token() const { return (bytes() + host_bytes()) / static_cast<size_t>(B_ * T_); }
 
 }  // namespace cw

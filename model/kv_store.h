@@ -18,23 +18,35 @@
 #pragma once
 
 #include "engine/memory.h"
+#include "engine/residency.h"
 #include "model/config.h"
 
+#include <memory>
 #include <vector>
 
 namespace cw {
 
 class KVStore {
  public:
-  // device: where the buffers live (host memory, or one GPU's: the GPU backend keeps the whole store
-  // on the device; bf16 K/V with f32 gradients under the GPU precision policy).
+  // device: where attention reads the store (host memory, or one GPU's). offload_window W > 0 (and
+  // below the layer count): every layer's K, V, dK, dV live in host memory (pinned for a GPU),
+  // layer-major, and W device slots hold the layers in use (engine/residency.h); the layer loops
+  // call begin_layer / end_layer around each layer, which move what the layer needs and prefetch the
+  // next layer in the direction of travel. W = 0: everything on `device`, and those calls do nothing.
   KVStore(const LlamaConfig& config, int64_t batch, int64_t tokens, DType dtype, bool with_grads,
-          Device device = Device::host());
+          Device device = Device::host(), int64_t offload_window = 0);
 
-  Tensor keys(int layer, int64_t t0, int64_t t1) const { return view(k_, layer, t0, t1); }
-  Tensor values(int layer, int64_t t0, int64_t t1) const { return view(v_, layer, t0, t1); }
-  Tensor d_keys(int layer, int64_t t0, int64_t t1) const { return view(dk_, layer, t0, t1); }
-  Tensor d_values(int layer, int64_t t0, int64_t t1) const { return view(dv_, layer, t0, t1); }
+  Tensor keys(int layer, int64_t t0, int64_t t1) const { return view(kKeys, layer, t0, t1); }
+  Tensor values(int layer, int64_t t0, int64_t t1) const { return view(kValues, layer, t0, t1); }
+  Tensor d_keys(int layer, int64_t t0, int64_t t1) const { return view(kDKeys, layer, t0, t1); }
+  Tensor d_values(int layer, int64_t t0, int64_t t1) const { return view(kDValues, layer, t0, t1); }
+
+  // The named points of the layer loops, for a chunk of tokens [t0, t1):
+  //   forward:  the layer reads K, V [0, t0) and writes K, V [t0, t1) (end_layer sends them home);
+  //   backward: the layer reads K, V [0, t1) and adds into dK, dV [0, t1) (end_layer sends those home).
+  enum class Use { forward, backward };
+  void begin_layer(int layer, Use use, int64_t t0, int64_t t1);
+  void end_layer(int layer, Use use, int64_t t0, int64_t t1);
 
   void zero_grads();
   void release_from(int64_t t);  // tokens [t, T) are no longer readable
@@ -42,21 +54,34 @@ class KVStore {
 
   int64_t batch() const { return B_; }
   int64_t tokens() const { return T_; }
-  bool has_grads() const { return !dk_.empty(); }
+  bool has_grads() const { return with_grads_; }
   DType dtype() const { return dtype_; }
   Device device() const { return device_; }
   DType grad_dtype() const { return accum_dtype(dtype_); }
-  size_t bytes() const;          // all buffers
+  int64_t offload_window() const { return res_ ? res_->slots() : 0; }
+  size_t bytes() const;          // all buffers on `device` (with offload: the window's slots)
+  size_t host_bytes() const;     // with offload: the host copies of every layer; else 0
   size_t bytes_per_token() const;
+  size_t bytes_moved() const { return res_ ? res_->bytes_moved() : 0; }  // host <-> device so far
+  // Host bytes a store of these dimensions needs with offload (for checks before allocating).
+  static size_t host_bytes_needed(const LlamaConfig& config, int64_t batch, int64_t tokens, DType dtype,
+                                  bool with_grads);
 
  private:
-  Tensor view(const std::vector<HostBuffer>& bufs, int layer, int64_t t0, int64_t t1) const;
+  enum Part { kKeys = 0, kValues = 1, kDKeys = 2, kDValues = 3 };
+  Tensor view(Part part, int layer, int64_t t0, int64_t t1) const;
+  size_t row_bytes(Part part) const;  // one token of one sequence
+  std::vector<Residency::Span> spans(Part first, Part last, int64_t t0, int64_t t1) const;
+  void prefetch(int layer, Use use);
 
   int64_t L_, B_, T_, Hkv_, D_;
   DType dtype_;
   Device device_;
+  bool with_grads_;
   int64_t live_end_;
-  std::vector<HostBuffer> k_, v_, dk_, dv_;
+  std::vector<HostBuffer> bufs_[4];  // without offload: [part][layer] on `device`
+  std::unique_ptr<Residency> res_;   // with offload
+  std::vector<int64_t> dev_kv_end_, dev_grad_end_, host_kv_end_;  // rows [0, end) current, per layer
 };
 
 }  // namespace cw

@@ -1,6 +1,5 @@
 #include "model/llama.h"
 
-#include "engine/cuda/runtime.h"
 #include "engine/ops/embedding.h"
 #include "engine/ops/linear.h"
 #include "engine/ops/lm_head_loss.h"
@@ -33,16 +32,11 @@ void LlamaModel::ensure_positions(int64_t n) {
   copy_convert(rope_sin_, sin_host);
 }
 
-// Pinned host buffers for layer inputs [0, L), and the ticket of each buffer's last side-stream copy.
-struct OffloadedInputs {
-  int device = 0;
-  size_t bytes = 0;  // of one [N, C] layer input
-  std::vector<void*> host;
-  std::vector<uint64_t> to_host;  // ticket of the copy device -> host of layer l's input (0: none)
-  ~OffloadedInputs() {
-    for (void* p : host) gpu::pinned_free(p);
-  }
-};
+Tensor ChunkActivations::input(int layer) const {
+  if (!offloaded) return stream[static_cast<size_t>(layer)];
+  const Tensor& x_L = stream.back();
+  return Tensor(offloaded->device(layer, 0), x_L.dtype, x_L.device, {x_L.size(0), x_L.size(1)});
+}
 
 ChunkActivations ChunkActivations::allocate(Arena& arena, const LlamaConfig& cf, int64_t B, int64_t c, DType dt,
                                             const ActivationPolicy& policy) {
@@ -51,16 +45,11 @@ ChunkActivations ChunkActivations::allocate(Arena& arena, const LlamaConfig& cf,
   const int64_t N = B * c, C = cf.hidden_size, L = cf.num_hidden_layers;
   const bool keep_mlp = resolve_mlp_shards(policy.mlp_shards, cf, N) == 1 && !policy.recompute_mlp;
   if (policy.offload_inputs) {
-    CW_CHECK(!policy.keep_layers && !arena.device().is_cpu(),
-             "offloading layer inputs needs a GPU and a policy that keeps only layer inputs");
-    const Tensor ping = arena.alloc(dt, {N, C}), pong = arena.alloc(dt, {N, C});
-    for (int64_t l = 0; l < L; ++l) a.stream.push_back(l % 2 == 0 ? ping : pong);
+    CW_CHECK(!policy.keep_layers, "offloading layer inputs needs a policy that keeps only layer inputs");
+    a.stream.assign(static_cast<size_t>(L), Tensor{});
     a.stream.push_back(arena.alloc(dt, {N, C}));  // x_L stays on the device for the final norm
-    a.offloaded = std::make_shared<OffloadedInputs>();
-    a.offloaded->device = arena.device().index;
-    a.offloaded->bytes = ping.bytes();
-    for (int64_t l = 0; l < L; ++l) a.offloaded->host.push_back(gpu::pinned_alloc(ping.bytes()));
-    a.offloaded->to_host.assign(static_cast<size_t>(L), 0);
+    a.offloaded = std::make_shared<Residency>(arena.device(), std::vector<size_t>{a.stream.back().bytes()},
+                                              static_cast<int>(L), 2);
   } else {
     for (int64_t l = 0; l <= L; ++l) a.stream.push_back(arena.alloc(dt, {N, C}));
   }
@@ -88,20 +77,30 @@ void run_blocks(ChunkActivations& a, KVStore& kv, const LlamaModel& model, const
   const LlamaConfig& cf = model.config();
   const ModelWeights w = model.weights();
   const BlockContext ctx{cf, model.rope_cos(), model.rope_sin(), chunk.B, chunk.c, chunk.pos0, scratch, mlp_shards};
-  embedding_forward(a.stream[0], chunk.ids, w.embedding);
   // Layer activations are kept only when the policy allocated them; otherwise just the stream is.
   const bool keep_layers = keep && !a.layers.empty();
-  OffloadedInputs* off = keep ? a.offloaded.get() : nullptr;
-  for (int l = 0; l < cf.num_hidden_layers; ++l) {
+  Residency* off = keep ? a.offloaded.get() : nullptr;
+  const int64_t t0 = chunk.pos0, t1 = chunk.pos0 + chunk.c;
+  const int L = cf.num_hidden_layers;
+  // With offloaded inputs, layer l's input takes a device slot before it is written (waiting for the
+  // copy out of that slot's previous input) and goes home once written, while layer l runs.
+  auto claim = [&](int l) {
+    if (!off) return;
+    off->fetch(l, {});
+    off->ready(l);
+  };
+  claim(0);
+  embedding_forward(a.input(0), chunk.ids, w.embedding);
+  for (int l = 0; l < L; ++l) {
     const size_t li = static_cast<size_t>(l);
     if (off) {
-      // Layer l's input goes to the host while the layer runs; its output buffer held layer l-1's
-      // input, whose copy must be done before the layer overwrites it.
-      off->to_host[li] = gpu::copy_on_side_stream(off->host[li], a.stream[li].data, off->bytes, off->device);
-      if (l >= 1)
-        gpu::wait_for_copy(off->to_host[li - 1], off->device);
+      off->store(l, {{0, 0, a.stream.back().bytes()}});
+      if (l + 1 < L) claim(l + 1);
     }
-    block_forward(a.stream[li + 1], keep_layers ? &a.layers[li] : nullptr, a.stream[li], w.layers[li], kv, l, ctx);
+    kv.begin_layer(l, KVStore::Use::forward, t0, t1);
+    block_forward(l + 1 < L ? a.input(l + 1) : a.stream.back(), keep_layers ? &a.layers[li] : nullptr, a.input(l),
+                  w.layers[li], kv, l, ctx);
+    kv.end_layer(l, KVStore::Use::forward, t0, t1);
   }
   rmsnorm_forward(a.normed, a.final_norm, a.stream.back(), w.final_norm, cf.rms_norm_eps);
 }
@@ -184,33 +183,34 @@ double backward_chunk(const ParamSet& grads, const ChunkActivations& a, KVStore&
   Tensor d_x = scratch.alloc(model.dtype(), {N, cf.hidden_size});
   rmsnorm_backward(d_x, g.final_norm, d_normed, a.final_norm, a.stream.back(), w.final_norm, GradMode::overwrite, scratch);
   const bool keep_mlp = resolve_mlp_shards(a.policy.mlp_shards, cf, N) == 1 && !a.policy.recompute_mlp;
-  OffloadedInputs* off = a.offloaded.get();
-  std::vector<uint64_t> to_device(static_cast<size_t>(cf.num_hidden_layers), 0);
-  // Offloaded inputs come back one layer ahead: layer l's while layer l+1 runs its backward.
-  auto fetch = [&](int l) {
-    if (off && l >= 0)
-      to_device[static_cast<size_t>(l)] = gpu::copy_on_side_stream(a.stream[static_cast<size_t>(l)].data,
-                                                                   off->host[static_cast<size_t>(l)], off->bytes,
-                                                                   off->device);
+  Residency* off = a.offloaded.get();
+  const int64_t t0 = chunk.pos0, t1 = chunk.pos0 + chunk.c;
+  // Offloaded inputs come back one layer ahead: layer l-1's while layer l runs its backward.
+  auto bring = [&](int l) {
+    if (!off || l < 0) return;
+    const bool resident = off->resident(l);
+    off->fetch(l, resident ? std::vector<Residency::Span>{} : std::vector<Residency::Span>{{0, 0, a.stream.back().bytes()}});
   };
-  fetch(cf.num_hidden_layers - 1);
   for (int l = cf.num_hidden_layers - 1; l >= 0; --l) {
     const size_t li = static_cast<size_t>(l);
     if (off) {
-      gpu::wait_for_copy(to_device[li], off->device);
-      fetch(l - 1);  // into the other buffer, after the previous layer's backward is done with it
+      bring(l);
+      off->ready(l);
+      bring(l - 1);  // into the other slot, after this layer's backward is queued before it
     }
+    kv.begin_layer(l, KVStore::Use::backward, t0, t1);
     if (!a.layers.empty()) {
-      block_backward(d_x, g.layers[li], a.layers[li], a.stream[li], w.layers[li], kv, l, ctx);
-      continue;
+      block_backward(d_x, g.layers[li], a.layers[li], a.input(l), w.layers[li], kv, l, ctx);
+    } else {
+      // Checkpointed: recompute this layer's activations from its kept input, then its backward. The
+      // recompute rewrites the layer's K/V of this chunk in the store with the same values.
+      ArenaScope layer_scope(scratch);
+      LayerActivations la = LayerActivations::allocate(scratch, cf, chunk.B, chunk.c, model.dtype(), keep_mlp);
+      Tensor recomputed_out = scratch.alloc(model.dtype(), {N, cf.hidden_size});
+      block_forward(recomputed_out, &la, a.input(l), w.layers[li], kv, l, ctx);
+      block_backward(d_x, g.layers[li], la, a.input(l), w.layers[li], kv, l, ctx);
     }
-    // Checkpointed: recompute this layer's activations from its kept input, then its backward. The
-    // recompute rewrites the layer's K/V of this chunk in the store with the same values.
-    ArenaScope layer_scope(scratch);
-    LayerActivations la = LayerActivations::allocate(scratch, cf, chunk.B, chunk.c, model.dtype(), keep_mlp);
-    Tensor recomputed_out = scratch.alloc(model.dtype(), {N, cf.hidden_size});
-    block_forward(recomputed_out, &la, a.stream[li], w.layers[li], kv, l, ctx);
-    block_backward(d_x, g.layers[li], la, a.stream[li], w.layers[li], kv, l, ctx);
+    kv.end_layer(l, KVStore::Use::backward, t0, t1);
   }
   embedding_backward(g.embedding, d_x, chunk.ids);
   return loss;

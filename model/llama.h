@@ -13,6 +13,7 @@
 #pragma once
 
 #include "engine/memory.h"
+#include "engine/residency.h"
 #include "model/config.h"
 #include "model/kv_store.h"
 #include "model/layer.h"
@@ -76,17 +77,18 @@ struct ActivationPolicy {
   bool offload_inputs = false;
 };
 
-// The pinned host copies of offloaded layer inputs and the side-stream copies in flight (llama.cpp).
-struct OffloadedInputs;
-
 struct ChunkActivations {
   std::vector<Tensor> stream;              // L+1 tensors [N, C]: stream[l] enters layer l; stream[L] = x_L
+                                           // (with offloaded inputs only stream[L] is set: see input())
   std::vector<LayerActivations> layers;    // L, or empty when the policy recomputes layers
   Tensor normed;                           // [N, C] final_norm(x_L)
   RmsNormSaved final_norm;                 // rstd [N]
   ActivationPolicy policy;
-  std::shared_ptr<OffloadedInputs> offloaded;  // with policy.offload_inputs: stream[0..L) live here;
-                                               // the stream tensors alternate between two buffers
+  // With policy.offload_inputs: layer l's input is item l of this residency (home in pinned host
+  // memory, two device slots), moved at the named points of the layer loops (llama.cpp).
+  std::shared_ptr<Residency> offloaded;
+
+  Tensor input(int layer) const;           // the device view of layer `layer`'s input
 
   static ChunkActivations allocate(Arena& arena, const LlamaConfig& config, int64_t B, int64_t c, DType dtype,
                                    const ActivationPolicy& policy = {});

@@ -5,14 +5,28 @@
 
 namespace cw {
 
-KVStore& step_store(std::optional<KVStore>& store, const LlamaModel& model, int64_t B, int64_t T) {
+KVStore& step_store(std::optional<KVStore>& store, const LlamaModel& model, int64_t B, int64_t T,
+                    int64_t offload_window) {
+  const int64_t window = offload_window >= model.config().num_hidden_layers ? 0 : offload_window;
   if (!store || store->batch() != B || store->tokens() != T || store->dtype() != model.dtype() ||
-      !(store->device() == model.device())) {
+      !(store->device() == model.device()) || store->offload_window() != window) {
     store.reset();  // free the old store before allocating the new one
-    store.emplace(model.config(), B, T, model.dtype(), true, model.device());
+    if (window > 0) check_host_memory(model, B, T);
+    store.emplace(model.config(), B, T, model.dtype(), true, model.device(), window);
   }
   store->reset();
   return *store;
+}
+
+void check_host_memory(const LlamaModel& model, int64_t B, int64_t T) {
+  const size_t need = KVStore::host_bytes_needed(model.config(), B, T, model.dtype(), true);
+  const size_t have = host_memory_available();
+  // Pinned memory cannot be swapped: leave the system a margin rather than risk a swap storm.
+  if (have > 0 && need > have / 10 * 9)
+    fail(fmt::format("the K/V store with offload needs {:.1f} GiB of host memory for {} x {} tokens; {:.1f} GiB are "
+                     "available",
+                     double(need) / double(1ull << 30), B, T, double(have) / double(1ull << 30)),
+         "lower --seq or --batch, or free host memory (schedule.offload_window keeps only the window on the device)");
 }
 
 ActivationPolicy activation_policy(const ScheduleOptions& o) {

@@ -54,6 +54,11 @@ void ScheduleOptions::validate() const {
     fail("schedule.offload applies to schedule checkpointed with recompute = full (the kept layer inputs)",
          "set schedule.name = checkpointed and schedule.recompute = full, or offload = false");
   if (mlp_shards < 0) fail(fmt::format("schedule.mlp_shards must be >= 0 (0: automatic), got {}", mlp_shards));
+  if (offload_window < 0)
+    fail(fmt::format("schedule.offload_window must be >= 0 (0: the whole K/V store on the device), got {}", offload_window));
+  if (offload_window > 0 && name != "seco" && name != "spaco")
+    fail("schedule.offload_window applies to schedules seco and spaco (their K/V store outlives a chunk)",
+         "set schedule.name = seco or spaco, or offload_window = 0");
   if (chunk < 0) fail(fmt::format("schedule.chunk must be >= 0, got {}", chunk));
   if (bwd_chunk < 0) fail(fmt::format("schedule.bwd_chunk must be >= 0, got {}", bwd_chunk));
   if (keep < 0) fail(fmt::format("schedule.keep must be >= 0, got {}", keep));

@@ -47,6 +47,8 @@ struct ScheduleOptions {
   std::string recompute = "full";
   bool offload = false;         // checkpointed, recompute full: the kept layer inputs live in pinned host
                                 // memory (GPU), copied out and back on a side stream
+  int64_t offload_window = 0;   // seco, spaco: K/V store layers resident on the device; the rest in (pinned)
+                                // host memory, moved a layer ahead of use; 0: the whole store on the device
   int64_t mlp_shards = 1;       // tiled MLP row shards, any schedule: 1 untiled, 0 automatic (ceil(F / C))
   int64_t chunk = 0;            // prefill chunk length (seco, spaco); 0: the whole sequence
   int64_t bwd_chunk = 0;        // reverse-sweep chunk length; 0: same as chunk
@@ -68,7 +70,9 @@ struct StepStats {
   int64_t chunks = 0;                // reverse-sweep chunks (k)
   int64_t chunks_visited = 0;        // of them backpropagated (t)
   size_t activation_high_water = 0;  // bytes: the arena's peak during the step
-  size_t kv_bytes = 0;               // bytes of the K/V store and its gradients
+  size_t kv_bytes = 0;               // bytes of the K/V store and its gradients on the model's device
+  size_t kv_host_bytes = 0;          // with offload_window: the store's host copies
+  size_t kv_bytes_moved = 0;         // with offload_window: host <-> device bytes copied during the step
 };
 
 class Schedule {

@@ -12,7 +12,11 @@ std::unique_ptr<Schedule> make_seco_schedule(const ScheduleOptions& o);
 std::unique_ptr<Schedule> make_spaco_schedule(const ScheduleOptions& o);
 
 // The K/V store a chunked schedule keeps between steps (rebuilt only when the shape changes).
-KVStore& step_store(std::optional<KVStore>& store, const LlamaModel& model, int64_t B, int64_t T);
+// offload_window > 0 (and below the layer count): the store's layers live in host memory with that many
+// on the device; host memory is checked first (a clear error, never a swap storm).
+KVStore& step_store(std::optional<KVStore>& store, const LlamaModel& model, int64_t B, int64_t T,
+                    int64_t offload_window = 0);
+void check_host_memory(const LlamaModel& model, int64_t B, int64_t T);
 
 // Prefill: every chunk of `bounds` forward, nothing kept but K/V. Returns the summed loss when
 // with_loss (spaco reports the whole batch's loss although it backprops only some chunks).

@@ -28,7 +28,8 @@ class SecoSchedule : public Schedule {
     const double norm = step_normaliser(batch, normaliser);
     const int64_t B = batch.B(), T = batch.T();
     model.ensure_positions(T);
-    KVStore& kv = step_store(store_, model, B, T);
+    KVStore& kv = step_store(store_, model, B, T, options_.offload_window);
+    const size_t moved_before = kv.bytes_moved();
     arena_on(model.device()).reset_high_water();
     prefill(kv, model, batch, chunk_bounds(T, options_.chunk), norm, false, arena_, options_.mlp_shards);
     const std::vector<int64_t> bounds = chunk_bounds(T, options_.bwd_chunk > 0 ? options_.bwd_chunk : options_.chunk);
@@ -40,6 +41,8 @@ class SecoSchedule : public Schedule {
     st.chunks = st.chunks_visited = static_cast<int64_t>(bounds.size()) - 1;
     st.activation_high_water = arena_.high_water();
     st.kv_bytes = kv.bytes();
+    st.kv_host_bytes = kv.host_bytes();
+    st.kv_bytes_moved = kv.bytes_moved() - moved_before;
     return st;
   }
 

@@ -65,7 +65,8 @@ class SpacoSchedule : public Schedule {
     const double norm = step_normaliser(batch, normaliser);
     const int64_t B = batch.B(), T = batch.T();
     model.ensure_positions(T);
-    KVStore& kv = step_store(store_, model, B, T);
+    KVStore& kv = step_store(store_, model, B, T, options_.offload_window);
+    const size_t moved_before = kv.bytes_moved();
     arena_on(model.device()).reset_high_water();
     st.loss = prefill(kv, model, batch, chunk_bounds(T, options_.chunk), norm, true, arena_, options_.mlp_shards);
 
@@ -104,6 +105,8 @@ class SpacoSchedule : public Schedule {
     st.chunks_visited = t;
     st.activation_high_water = arena_.high_water();
     st.kv_bytes = kv.bytes();
+    st.kv_host_bytes = kv.host_bytes();
+    st.kv_bytes_moved = kv.bytes_moved() - moved_before;
     return st;
   }
 

@@ -62,18 +62,13 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
   if (dt != DType::bf16 && dt != DType::f32) fail(fmt::format("bench --dtype {}: use bf16 or f32", o.dtype));
   CW_CHECK(o.steps >= 1 && o.warmup >= 0, "bench needs --steps >= 1 and --warmup >= 0");
 
-  ScheduleOptions so;
-  so.name = o.schedule;
-  so.recompute = o.recompute;
-  so.chunk = o.chunk;
-  so.bwd_chunk = o.bwd_chunk;
-  so.mlp_shards = o.mlp_shards;
-  so.offload = o.offload;
+  const ScheduleOptions& so = o.schedule;
   so.validate();
 
   nlohmann::json r = {{"impl", "chunkwise"}, {"model", o.model}, {"seq", o.seq}, {"batch", o.batch},
-                      {"schedule", o.schedule}, {"recompute", o.recompute}, {"chunk", o.chunk},
-                      {"mlp_shards", o.mlp_shards}, {"offload", o.offload}, {"dtype", o.dtype},
+                      {"schedule", so.name}, {"recompute", so.recompute}, {"chunk", so.chunk},
+                      {"bwd_chunk", so.bwd_chunk}, {"mlp_shards", so.mlp_shards}, {"offload", so.offload},
+                      {"offload_window", so.offload_window}, {"keep", so.keep}, {"dtype", o.dtype},
                       {"device", device_name(g)}};
 #if CW_HAVE_CUDA
   set_deterministic(o.deterministic);
@@ -109,6 +104,14 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
     nlohmann::json mj;
     for (const auto& [name, bytes] : mem.categories()) mj[name] = bytes;
     r["memory"] = mj;
+    r["chunks"] = stats.chunks;
+    r["chunks_visited"] = stats.chunks_visited;
+    r["kv_host_gib"] = double(stats.kv_host_bytes) / double(1ull << 30);
+    r["kv_moved_gib_per_step"] = double(stats.kv_bytes_moved) / double(1ull << 30);
+    if (stats.kv_host_bytes > 0)
+      out << fmt::format("K/V store: {:.2f} GiB on the device, {:.2f} GiB in pinned host memory, {:.1f} GiB moved a step\n",
+                         double(stats.kv_bytes) / double(1ull << 30), double(stats.kv_host_bytes) / double(1ull << 30),
+                         double(stats.kv_bytes_moved) / double(1ull << 30));
     out << "memory: " << mem.line() << "\n";
     std::sort(step_s.begin(), step_s.end());
     const double med = step_s[step_s.size() / 2];
@@ -129,7 +132,7 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
   r["peak_gib"] = double(ps.peak_in_use) / double(1ull << 30);
   if (r["status"] == "ok")
     out << fmt::format("{} {} T={} B={}: {:.3f} s/step, {:.0f} tokens/s, MFU {:.1f}% of {:.0f} TFLOP/s, peak {:.2f} GiB\n",
-                       o.model, o.schedule, o.seq, o.batch, r["step_s"].get<double>(), r["tokens_per_s"].get<double>(),
+                       o.model, so.name, o.seq, o.batch, r["step_s"].get<double>(), r["tokens_per_s"].get<double>(),
                        100 * r["mfu"].get<double>(), peak, r["peak_gib"].get<double>());
   if (!o.json.empty()) {
     std::ofstream f(o.json);

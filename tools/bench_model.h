@@ -17,6 +17,8 @@
 
 #include <cstdint>
 #include <iosfwd>
+#include "optim/schedule.h"
+
 #include <string>
 
 namespace cw {
@@ -24,10 +26,7 @@ namespace cw {
 struct BenchModelOptions {
   std::string model = "llama-3.2-1b";  // preset, config.json or checkpoint directory
   int64_t seq = 4096, batch = 1;
-  std::string schedule = "full";       // full | checkpointed | seco | spaco
-  std::string recompute = "full";      // checkpointed: full | selective | none
-  int64_t chunk = 0, bwd_chunk = 0, mlp_shards = 1;
-  bool offload = false;                // checkpointed: saved layer inputs to pinned host memory
+  ScheduleOptions schedule;            // every schedule option, as train and gradcheck take them
   bool deterministic = false;          // deterministic kernels only (cw::set_deterministic)
   std::string dtype = "bf16";          // bf16 | f32
   int steps = 3, warmup = 1;

@@ -21,7 +21,12 @@ namespace {
 
 void add_schedule_options(CLI::App* app, cw::ScheduleOptions& s) {
   app->add_option("--schedule", s.name, "full | checkpointed | seco | spaco")->capture_default_str();
-  app->add_option("--recompute", s.recompute, "checkpointed: full (keep layer inputs only) | none")
+  app->add_option("--recompute", s.recompute,
+                  "checkpointed: full (keep layer inputs only) | selective (recompute the MLP intermediates) | none")
+      ->capture_default_str();
+  app->add_flag("--offload", s.offload, "checkpointed, recompute full: kept layer inputs in pinned host memory");
+  app->add_option("--offload-window", s.offload_window,
+                  "seco/spaco: K/V store layers kept on the device, the rest in pinned host memory (0: all on the device)")
       ->capture_default_str();
   app->add_option("--mlp-shards", s.mlp_shards, "tiled MLP row shards (1: untiled, 0: automatic)")->capture_default_str();
   app->add_option("--chunk", s.chunk, "prefill chunk length in tokens (seco, spaco); 0: whole sequence")
@@ -105,12 +110,7 @@ int main(int argc, char** argv) {
   bench->add_option("--model", bm.model, "preset, config.json or checkpoint directory")->capture_default_str();
   bench->add_option("--seq", bm.seq, "tokens per sequence")->capture_default_str();
   bench->add_option("--batch", bm.batch, "sequences per step")->capture_default_str();
-  bench->add_option("--schedule", bm.schedule, "full | checkpointed | seco | spaco")->capture_default_str();
-  bench->add_option("--recompute", bm.recompute, "checkpointed: full | selective | none")->capture_default_str();
-  bench->add_option("--chunk", bm.chunk, "seco/spaco prefill chunk (0: whole sequence)")->capture_default_str();
-  bench->add_option("--bwd-chunk", bm.bwd_chunk, "seco/spaco backward chunk (0: = chunk)")->capture_default_str();
-  bench->add_option("--mlp-shards", bm.mlp_shards, "tiled MLP shards (1: untiled, 0: automatic)")->capture_default_str();
-  bench->add_flag("--offload", bm.offload, "checkpointed: keep saved layer inputs in pinned host memory");
+  add_schedule_options(bench, bm.schedule);
   bench->add_flag("--deterministic", bm.deterministic, "bitwise-reproducible gradients (deterministic kernels only)");
   bench->add_option("--dtype", bm.dtype, "bf16 | f32")->capture_default_str();
   bench->add_option("--steps", bm.steps, "timed steps (median)")->capture_default_str();

@@ -436,7 +436,7 @@ PinnedPool& pinned_pool() {
 struct SideStreams {
   std::mutex mutex;
   std::array<cudaStream_t, kMaxDevices> streams{};
-  std::map<uint64_t, cudaEvent_t> tickets;
+  std::map<uint64_t, std::pair<int, cudaEvent_t>> tickets;  // ticket -> (device, its copy's event)
   uint64_t next = 1;
 };
 SideStreams& side_streams() {
@@ -492,7 +492,7 @@ uint64_t copy_on_side_stream(void* dst, const void* src, size_t bytes, int devic
   CW_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
   CW_CUDA_CHECK(cudaEventRecord(done, side));
   const uint64_t ticket = s.next++;
-  s.tickets[ticket] = done;
+  s.tickets[ticket] = {device, done};
   return ticket;
 }
 
@@ -502,8 +502,23 @@ void wait_for_copy(uint64_t ticket, int device) {
   std::lock_guard lock(s.mutex);
   auto it = s.tickets.find(ticket);
   if (it == s.tickets.end()) return;  // already waited for
-  CW_CUDA_CHECK(cudaStreamWaitEvent(compute, it->second, 0));
-  CW_CUDA_CHECK(cudaEventDestroy(it->second));
-  s.tickets.erase(it);
+  CW_CUDA_CHECK(cudaStreamWaitEvent(compute, it->second.second, 0));
+  // A device's side stream runs its copies in order, so waiting for this one covers every earlier
+  // ticket of the device: their events are released too (safe before they complete).
+  for (auto e = s.tickets.begin(); e != s.tickets.end() && e->first <= ticket;) {
+    if (e->second.first != device) {
+      ++e;
+      continue;
+    }
+    CW_CUDA_CHECK(cudaEventDestroy(e->second.second));
+    e = s.tickets.erase(e);
+  }
+}
+
+void wait_for_all_copies(int device) {
+  SideStreams& s = side_streams();
+  std::lock_guard lock(s.mutex);
+  cudaStream_t side = s.streams[static_cast<size_t>(device)];
+  if (side) CW_CUDA_CHECK(cudaStreamSynchronize(side));
 }
 }  // namespace cw::gpu

@@ -82,6 +82,7 @@ void pinned_free(void* p);
 // does not block). Used to offload saved layer inputs to host memory and bring them back.
 uint64_t copy_on_side_stream(void* dst, const void* src, size_t bytes, int device);
 void wait_for_copy(uint64_t ticket, int device);
+void wait_for_all_copies(int device);           // the host waits until every side-stream copy is done
 
 void synchronize(int device = 0);               // waits for the device's stream
 std::string memory_report(int device = 0);      // one line: in use, cached, peak, mallocs

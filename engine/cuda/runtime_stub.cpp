@@ -27,6 +27,7 @@ void* pinned_alloc(size_t) { no_cuda(); }
 void pinned_free(void*) {}
 uint64_t copy_on_side_stream(void*, const void*, size_t, int) { no_cuda(); }
 void wait_for_copy(uint64_t, int) { no_cuda(); }
+void wait_for_all_copies(int) {}
 void synchronize(int) {}
 std::string memory_report(int) { return "no CUDA in this build"; }
 

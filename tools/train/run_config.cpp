@@ -62,6 +62,7 @@ std::vector<Field> fields_of(RunConfig& c) {
       {"schedule", "recompute", &c.schedule.recompute},
       {"schedule", "mlp_shards", &c.schedule.mlp_shards},
       {"schedule", "offload", &c.schedule.offload},
+      {"schedule", "offload_window", &c.schedule.offload_window},
       {"optimizer", "lr", &c.optimizer.lr},
       {"optimizer", "min_lr", &c.optimizer.min_lr},
       {"optimizer", "warmup_steps", &c.optimizer.warmup_steps},
@@ -509,6 +510,8 @@ void RunConfig::validate() const {
   check_one_of("schedule.name", schedule.name, {"full", "checkpointed", "seco", "spaco"});
   check_one_of("schedule.recompute", schedule.recompute, {"full", "selective", "none"});
   check(schedule.mlp_shards >= 0, "schedule.mlp_shards", fmt::format("must be >= 0 (0: automatic), got {}", schedule.mlp_shards));
+  check(schedule.offload_window >= 0, "schedule.offload_window",
+        fmt::format("must be >= 0 (0: the whole K/V store on the device), got {}", schedule.offload_window));
   check(schedule.chunk >= 0, "schedule.chunk", fmt::format("must be >= 0, got {}", schedule.chunk));
   check(schedule.bwd_chunk >= 0, "schedule.bwd_chunk", fmt::format("must be >= 0, got {}", schedule.bwd_chunk));
   check(schedule.keep >= 0, "schedule.keep", fmt::format("must be >= 0, got {}", schedule.keep));
@@ -594,6 +597,7 @@ ScheduleOptions RunConfig::schedule_options() const {
   o.recompute = schedule.recompute;
   o.mlp_shards = schedule.mlp_shards;
   o.offload = schedule.offload;
+  o.offload_window = schedule.offload_window;
   return o;
 }
 
@@ -691,6 +695,8 @@ drop_relay = false
 recompute = "full"
 offload = false
 mlp_shards = 1
+# seco, spaco: K/V store layers kept on the GPU, the rest in pinned host memory (0: all on the GPU).
+offload_window = 0
 
 [optimizer]
 # AdamW. The rate rises linearly from 0 over warmup_steps to lr, then decays to min_lr by the last

@@ -59,9 +59,10 @@ struct RunConfig {
     bool scale_relay = false;
     double relay_cap = 0.0;
     bool drop_relay = false;
-    std::string recompute = "full";       // checkpointed: full (keep layer inputs only) | none
+    std::string recompute = "full";       // checkpointed: full (keep layer inputs only) | selective | none
     int64_t mlp_shards = 1;               // tiled MLP row shards: 1 untiled, 0 automatic
     bool offload = false;                 // checkpointed: kept layer inputs in pinned host memory
+    int64_t offload_window = 0;           // seco, spaco: K/V store layers on the GPU (0: all)
     bool operator==(const Schedule&) const = default;
   };
   struct Optimizer {

@@ -1,0 +1,149 @@
+#include "engine/residency.h"
+
+#include "engine/cuda/runtime.h"
+#include "engine/error.h"
+
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+namespace cw {
+
+namespace {
+void* allocate(size_t bytes, Device where, bool pinned_host) {
+  if (!where.is_cpu()) return gpu::device_alloc(bytes, where.index);
+  if (pinned_host) return gpu::pinned_alloc(bytes);
+  void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+  CW_CHECK(p != nullptr, "cannot allocate {} MiB of host memory", bytes >> 20);
+  return p;
+}
+void release(void* p, Device where, bool pinned_host) {
+  if (!where.is_cpu()) return gpu::device_free(p, where.index);
+  if (pinned_host) return gpu::pinned_free(p);
+  std::free(p);
+}
+}  // namespace
+
+Residency::Residency(Device device, std::vector<size_t> part_bytes, int items, int slots)
+    : device_(device), part_bytes_(std::move(part_bytes)) {
+  CW_CHECK(items > 0 && slots > 0 && slots <= items, "residency: {} slots for {} items", slots, items);
+  const bool pinned = !device_.is_cpu();
+  for (int i = 0; i < items; ++i) {
+    auto& parts = host_.emplace_back();
+    for (size_t b : part_bytes_) {
+      parts.push_back(allocate(b, Device::host(), pinned));
+      std::memset(parts.back(), 0, b);
+    }
+  }
+  for (int s = 0; s < slots; ++s) {
+    auto& parts = slots_.emplace_back();
+    for (size_t b : part_bytes_) parts.push_back(allocate(b, device_, false));
+  }
+  slot_of_.assign(static_cast<size_t>(items), -1);
+  slot_item_.assign(static_cast<size_t>(slots), -1);
+  slot_used_.assign(static_cast<size_t>(slots), 0);
+  slot_ticket_.assign(static_cast<size_t>(slots), 0);
+}
+
+Residency::~Residency() {
+  const bool pinned = !device_.is_cpu();
+  wait_idle();  // no kernel or copy may still read or write what we free
+  for (auto& parts : host_)
+    for (void* p : parts) release(p, Device::host(), pinned);
+  for (auto& parts : slots_)
+    for (void* p : parts) release(p, device_, false);
+}
+
+size_t Residency::item_bytes() const {
+  size_t n = 0;
+  for (size_t b : part_bytes_) n += b;
+  return n;
+}
+
+void* Residency::host(int item, int part) const {
+  return host_[static_cast<size_t>(item)][static_cast<size_t>(part)];
+}
+
+void* Residency::device(int item, int part) const {
+  const int s = slot_of_[static_cast<size_t>(item)];
+  CW_CHECK(s >= 0, "residency: item {} is not on the device (fetch it first)", item);
+  return slots_[static_cast<size_t>(s)][static_cast<size_t>(part)];
+}
+
+void Residency::copy(void* dst, const void* src, size_t bytes, size_t slot) {
+  if (bytes == 0) return;
+  bytes_moved_ += bytes;
+  if (device_.is_cpu()) {
+    std::memcpy(dst, src, bytes);
+    return;
+  }
+  slot_ticket_[slot] = gpu::copy_on_side_stream(dst, src, bytes, device_.index);
+}
+
+bool Residency::fetch(int item, const std::vector<Span>& spans) {
+  CW_CHECK(item >= 0 && item < items(), "residency: no item {}", item);
+  int s = slot_of_[static_cast<size_t>(item)];
+  const bool was_resident = s >= 0;
+  if (!was_resident) {
+    s = 0;  // the least recently used slot
+    for (int i = 1; i < slots(); ++i)
+      if (slot_used_[static_cast<size_t>(i)] < slot_used_[static_cast<size_t>(s)]) s = i;
+    if (const int old = slot_item_[static_cast<size_t>(s)]; old >= 0) slot_of_[static_cast<size_t>(old)] = -1;
+    slot_item_[static_cast<size_t>(s)] = item;
+    slot_of_[static_cast<size_t>(item)] = s;
+  }
+  slot_used_[static_cast<size_t>(s)] = ++clock_;
+  for (const Span& sp : spans) {
+    CW_CHECK(sp.offset + sp.bytes <= part_bytes_[static_cast<size_t>(sp.part)], "residency: span beyond part {}",
+             sp.part);
+    copy(static_cast<char*>(device(item, sp.part)) + sp.offset, static_cast<const char*>(host(item, sp.part)) + sp.offset,
+         sp.bytes, static_cast<size_t>(s));
+  }
+  return was_resident;
+}
+
+void Residency::ready(int item) {
+  const int s = slot_of_[static_cast<size_t>(item)];
+  CW_CHECK(s >= 0, "residency: item {} is not on the device (fetch it first)", item);
+  slot_used_[static_cast<size_t>(s)] = ++clock_;
+  if (uint64_t& t = slot_ticket_[static_cast<size_t>(s)]; t != 0) {
+    gpu::wait_for_copy(t, device_.index);
+    t = 0;
+  }
+}
+
+void Residency::store(int item, const std::vector<Span>& spans) {
+  const int s = slot_of_[static_cast<size_t>(item)];
+  CW_CHECK(s >= 0, "residency: item {} is not on the device (nothing to store)", item);
+  for (const Span& sp : spans)
+    copy(static_cast<char*>(host(item, sp.part)) + sp.offset, static_cast<const char*>(device(item, sp.part)) + sp.offset,
+         sp.bytes, static_cast<size_t>(s));
+}
+
+void Residency::wait_idle() {
+  if (device_.is_cpu()) return;
+  gpu::synchronize(device_.index);
+  gpu::wait_for_all_copies(device_.index);
+}
+
+void Residency::evict_all() {
+  for (int& i : slot_of_) i = -1;
+  for (int& i : slot_item_) i = -1;
+}
+
+size_t host_memory_available() {
+  std::ifstream in("/proc/meminfo");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("MemAvailable:", 0) != 0) continue;
+    std::istringstream fields(line.substr(13));
+    size_t kib = 0;
+    fields >> kib;
+    return kib * 1024;
+  }
+  return 0;
+}
+
+}  // namespace cw

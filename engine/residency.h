@@ -1,0 +1,81 @@
+// Residency: what lives where, and when it moves.
+//
+// A Residency owns `items` (e.g. a model's layers), each made of `parts` (e.g. K, V, dK, dV) of fixed
+// byte sizes. Every part has its home in host memory (pinned when the device is a GPU, so copies are
+// asynchronous). A bounded number of device slots hold the items in use; an item in a slot is
+// "resident". The caller moves bytes at named points:
+//   fetch(item, spans)   make the item resident (taking the least recently used other slot; nothing is
+//                        written back implicitly: the caller stores what it changed) and copy the
+//                        spans host -> device;
+//   ready(item)          the compute stream waits until every copy into or out of the item's slot
+//                        has finished (call it before compute reads or overwrites the slot);
+//   store(item, spans)   copy the spans device -> host behind the compute queued so far.
+// Ordering (GPU): all copies run in order on the device's side stream, each after everything the
+// compute stream had queued when it was issued; so a fetch never overwrites a slot that queued
+// compute still reads, and a store never copies bytes compute has not finished writing. The host
+// never blocks. On a CPU "device" (tests) the slots are host memory and every copy is a memcpy at
+// the call, so the same schedule logic runs exactly in f64.
+// Tested in tests/engine/test_residency.cpp and through the K/V store (tests/optim/test_schedules.cpp).
+#pragma once
+
+#include "engine/tensor.h"
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace cw {
+
+class Residency {
+ public:
+  struct Span {
+    int part;
+    size_t offset, bytes;  // within the part
+  };
+
+  Residency(Device device, std::vector<size_t> part_bytes, int items, int slots);
+  ~Residency();
+  Residency(const Residency&) = delete;
+  Residency& operator=(const Residency&) = delete;
+
+  void* host(int item, int part) const;
+  void* device(int item, int part) const;  // the item must be resident
+  bool resident(int item) const { return slot_of_[static_cast<size_t>(item)] >= 0; }
+
+  // Claims a slot for `item` if it has none (evicting the least recently used other item) and copies
+  // the spans in. Returns whether the item was already resident.
+  bool fetch(int item, const std::vector<Span>& spans);
+  void ready(int item);
+  void store(int item, const std::vector<Span>& spans);
+  // Forgets every slot's item (their device bytes become garbage); pending copies stay ordered.
+  void evict_all();
+  // The host waits until all queued compute and every copy are done (before touching host homes).
+  void wait_idle();
+
+  Device device() const { return device_; }
+  int items() const { return static_cast<int>(slot_of_.size()); }
+  int slots() const { return static_cast<int>(slot_item_.size()); }
+  size_t item_bytes() const;
+  size_t host_bytes() const { return item_bytes() * static_cast<size_t>(items()); }
+  size_t device_bytes() const { return item_bytes() * static_cast<size_t>(slots()); }
+  size_t bytes_moved() const { return bytes_moved_; }  // host <-> device, since construction
+
+ private:
+  void copy(void* dst, const void* src, size_t bytes, size_t slot);
+
+  Device device_;
+  std::vector<size_t> part_bytes_;
+  std::vector<std::vector<void*>> host_;   // [item][part]
+  std::vector<std::vector<void*>> slots_;  // [slot][part]
+  std::vector<int> slot_of_;               // item -> slot or -1
+  std::vector<int> slot_item_;             // slot -> item or -1
+  std::vector<uint64_t> slot_used_;        // slot -> last use (LRU clock)
+  std::vector<uint64_t> slot_ticket_;      // slot -> last side-stream copy into or out of it (0: none)
+  uint64_t clock_ = 0;
+  size_t bytes_moved_ = 0;
+};
+
+// Bytes of host memory the operating system can still give (MemAvailable), or 0 if unknown.
+size_t host_memory_available();
+
+}  // namespace cw
