@@ -121,6 +121,20 @@ def run(args, res):
     res["flops_per_token"] = flops_per_token(d, args.seq)
     res["peak_tflops"] = args.peak_tflops if args.peak_tflops > 0 else measure_peak_tflops()
     torch.manual_seed(args.seed)
+    if args.liger:
+        # The long-context peer: Liger's Triton kernels patched into HF's Llama before it is built
+        # (RoPE, RMSNorm, SwiGLU, and the LM head fused with cross-entropy, which never materialises
+        # the [tokens, vocab] logits).
+        try:
+            import liger_kernel
+            from liger_kernel.transformers import apply_liger_kernel_to_llama
+        except ImportError as e:
+            raise RuntimeError(f"--liger: liger_kernel is not importable ({e}); install the wheel: python3 -m pip "
+                               "install --no-index --no-deps --target DIR .whl/liger_kernel-*.whl and set "
+                               "PYTHONPATH=DIR (tools/bench/model_vs_hf.py --peers liger does it)")
+        apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
+                                    fused_linear_cross_entropy=True)
+        res["liger"] = getattr(liger_kernel, "__version__", None) or "installed"
     cfg = make_config(d)
     res["rope"] = getattr(cfg, "rope_parameters", None) or dict(rope_theta=getattr(cfg, "rope_theta", None),
                                                               rope_scaling=getattr(cfg, "rope_scaling", None))
@@ -172,6 +186,8 @@ def main():
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing (use_reentrant=False)")
+    ap.add_argument("--liger", action="store_true",
+                    help="apply Liger kernels (apply_liger_kernel_to_llama with the fused linear cross-entropy) first")
     ap.add_argument("--steps", type=int, default=3, help="timed steps (median)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--peak-tflops", type=float, default=0.0, help="bf16 peak for MFU; 0 = measure (8192^3 matmul)")

@@ -11,6 +11,13 @@ other's allocator state):
 and prints tokens/s, MFU and peak device memory of each side, with the ratios ours / HF
 (tokens/s: > 1 is faster; memory: < 1 is leaner). Writes model_vs_hf.json and model_vs_hf.md to --out.
 
+Peers (--peers, comma-separated): `hf` (plain HF, as above) and `liger` (HF with Liger kernels:
+hf_reference.py --liger, what a user picks today for long context). When liger_kernel is not
+importable by --python, the wheel in .whl/ (python3 -m pip download --no-deps -d .whl
+liger-kernel==0.8.5 on a machine with network) is installed into --out/site with
+pip --no-index --no-deps --target and put on the peer's PYTHONPATH. --long-context runs the
+SeCO-at-scale table: seco at 16K-256K (chunk 4096; 8192 at 256K) against HF+Liger checkpointed.
+
 MFU: both sides are divided by the SAME bf16 peak, the one chunkwise measured in this run (its JSON's
 peak_tflops; also handed to hf_reference.py so it does not measure its own), or --peak-tflops; and
 the same FLOP count per token (hf_reference.flops_per_token: 6 per matmul parameter incl. the LM head
@@ -22,6 +29,7 @@ crash. Run on the GPU machine: python3 tools/bench/model_vs_hf.py --out $OUT (HF
 """
 import argparse
 import datetime
+import glob
 import json
 import os
 import shlex
@@ -34,6 +42,9 @@ sys.path.insert(0, HERE)
 import hf_reference  # noqa: E402  (presets and the FLOP count; torch is imported only when it runs)
 
 DEFAULT_CASES = "full:4096,full:8192,checkpointed:16384,checkpointed:32768"
+LONG_CONTEXT_CASES = ("seco:16384:--chunk 4096,seco:32768:--chunk 4096,seco:65536:--chunk 4096,"
+                      "seco:131072:--chunk 4096,seco:262144:--chunk 8192")
+PEER_NAMES = {"hf": "HF", "liger": "HF+Liger"}
 TORCH_PY = "/opt/torch/.venv/bin/python3"
 
 
@@ -45,20 +56,20 @@ def parse_cases(text):
             continue
         sched, _, rest = item.partition(":")
         seq, _, extra = rest.partition(":")
-        if sched not in ("full", "checkpointed", "seco") or not seq.isdigit():
-            sys.exit(f"bad case '{item}': want SCHEDULE:TOKENS[:EXTRA ARGS] with SCHEDULE full | checkpointed | seco")
+        if sched not in ("full", "checkpointed", "seco", "spaco") or not seq.isdigit():
+            sys.exit(f"bad case '{item}': want SCHEDULE:TOKENS[:EXTRA ARGS] with SCHEDULE full | checkpointed | seco | spaco")
         cases.append((sched, int(seq), extra.strip()))
     return cases
 
 
-def run_side(name, cmd, json_path, log_path, timeout):
+def run_side(name, cmd, json_path, log_path, timeout, env=None):
     """Runs one side; returns its result object (from its JSON, or a status row when there is none)."""
     if os.path.exists(json_path):
         os.remove(json_path)
     t0 = time.time()
     status, err, rc = None, "", None
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
         rc, out = r.returncode, r.stdout + r.stderr
     except subprocess.TimeoutExpired as e:
         status, err = "timeout", f"no result after {timeout} s"
@@ -82,6 +93,24 @@ def run_side(name, cmd, json_path, log_path, timeout):
     res.setdefault("status", "error")
     res.update(impl=name, rc=rc, wall_s=round(time.time() - t0, 1), log=os.path.basename(log_path))
     return res
+
+
+def peer_env(python, out_dir):
+    """The environment for the Liger peer: liger_kernel importable, from .whl/ if need be."""
+    env = dict(os.environ)
+    if subprocess.run([python, "-c", "import liger_kernel"], capture_output=True).returncode == 0:
+        return env
+    wheels = sorted(glob.glob(os.path.join(HERE, "..", "..", ".whl", "liger_kernel-*.whl")))
+    if not wheels:
+        sys.exit("--peers liger: liger_kernel is not importable and there is no .whl/liger_kernel-*.whl; "
+                 "run `python3 -m pip download --no-deps -d .whl liger-kernel==0.8.5` where there is network")
+    site = os.path.join(out_dir, "site")
+    r = subprocess.run([python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", site, wheels[-1]],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.exit(f"--peers liger: installing {wheels[-1]} failed: {r.stderr.strip()[-400:]}")
+    env["PYTHONPATH"] = site + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return env
 
 
 def fmt_num(v, spec, suffix=""):
@@ -109,8 +138,17 @@ def main():
                     help="more arguments for `chunkwise bench`, as one string: --extra=\"--chunk 2048\"")
     ap.add_argument("--hf-extra", default="", help="more arguments for hf_reference.py")
     ap.add_argument("--out", default="model_vs_hf-out")
+    ap.add_argument("--peers", default="hf", help="comma-separated: hf (plain HF) and/or liger (HF + Liger kernels)")
+    ap.add_argument("--long-context", action="store_true",
+                    help=f"the SeCO-at-scale table: cases {LONG_CONTEXT_CASES} against HF+Liger")
     a = ap.parse_args()
     os.makedirs(a.out, exist_ok=True)
+    if a.long_context:
+        a.cases, a.peers = LONG_CONTEXT_CASES, "liger"
+    peers = [p.strip() for p in a.peers.split(",") if p.strip()]
+    if not peers or any(p not in PEER_NAMES for p in peers):
+        sys.exit(f"--peers {a.peers}: choose from {', '.join(PEER_NAMES)}")
+    envs = {p: (peer_env(a.python, a.out) if p == "liger" else None) for p in peers}
     cases = parse_cases(a.cases)
     try:
         cfg = hf_reference.load_config_dict(a.model)
@@ -130,21 +168,21 @@ def main():
         ours = run_side("chunkwise", cmd, ours_json, os.path.join(a.out, f"ours-{tag}.log"), a.timeout)
         if peak is None and ours.get("peak_tflops"):
             peak = float(ours["peak_tflops"])
-        hf_key = ("full" if sched == "full" else "checkpointed", seq)
-        if hf_key in hf_done:
-            rows.append(dict(case=tag, schedule=sched, seq=seq, hf_schedule=hf_key[0], ours=ours,
+        hf_sched = "full" if sched == "full" else "checkpointed"
+        for peer in peers:
+            hf_key = (peer, hf_sched, seq)
+            if hf_key not in hf_done:
+                print(f"== {tag}: {PEER_NAMES[peer]} ({hf_sched})", flush=True)
+                hf_json = os.path.join(a.out, f"{peer}-{tag}.json")
+                cmd = [a.python, os.path.join(HERE, "hf_reference.py"), "--model", a.model, "--seq", str(seq),
+                       "--batch", str(a.batch), "--steps", str(a.steps), "--warmup", str(a.warmup), "--json", hf_json]
+                cmd += ["--checkpointing"] if hf_sched == "checkpointed" else []
+                cmd += ["--liger"] if peer == "liger" else []
+                cmd += ["--peak-tflops", str(peak)] if peak else []
+                hf_done[hf_key] = run_side(peer, cmd + shlex.split(a.hf_extra), hf_json,
+                                           os.path.join(a.out, f"{peer}-{tag}.log"), a.timeout, envs[peer])
+            rows.append(dict(case=tag, schedule=sched, seq=seq, peer=peer, hf_schedule=hf_sched, ours=ours,
                              hf=dict(hf_done[hf_key])))
-            continue
-        print(f"== {tag}: hf ({'checkpointed' if sched != 'full' else 'full'})", flush=True)
-        hf_json = os.path.join(a.out, f"hf-{tag}.json")
-        cmd = [a.python, os.path.join(HERE, "hf_reference.py"), "--model", a.model, "--seq", str(seq), "--batch",
-               str(a.batch), "--steps", str(a.steps), "--warmup", str(a.warmup), "--json", hf_json]
-        cmd += ["--checkpointing"] if sched != "full" else []
-        cmd += ["--peak-tflops", str(peak)] if peak else []
-        hf = run_side("hf", cmd + shlex.split(a.hf_extra), hf_json, os.path.join(a.out, f"hf-{tag}.log"), a.timeout)
-        hf_done[hf_key] = hf
-        rows.append(dict(case=tag, schedule=sched, seq=seq, hf_schedule="full" if sched == "full" else "checkpointed",
-                         ours=ours, hf=hf))
 
     # One FLOP count and one peak for both sides' MFU: --peak-tflops, else chunkwise's measurement,
     # else (chunkwise produced none) HF's.
@@ -167,8 +205,8 @@ def main():
 
     device = next((r[s]["device"] for r in rows for s in ("ours", "hf") if r[s].get("device")), "unknown device")
     date = datetime.date.today().isoformat()
-    head = ["case", "HF ckpt", "ours tok/s", "HF tok/s", "ours/HF tok/s", "ours MFU", "HF MFU", "ours peak GiB",
-            "HF peak GiB", "ours/HF mem"]
+    head = ["case", "peer", "peer ckpt", "ours tok/s", "peer tok/s", "ours/peer tok/s", "ours MFU", "peer MFU",
+            "ours peak GiB", "peer peak GiB", "ours/peer mem"]
 
     def cell(s, key, spec, suffix=""):
         if s.get("status") != "ok":
@@ -180,13 +218,13 @@ def main():
     table = []
     for r in rows:
         o, h = r["ours"], r["hf"]
-        table.append([r["case"], "yes" if r["hf_schedule"] == "checkpointed" else "no",
+        table.append([r["case"], PEER_NAMES[r["peer"]], "yes" if r["hf_schedule"] == "checkpointed" else "no",
                       cell(o, "tokens_per_s", ",.0f"), cell(h, "tokens_per_s", ",.0f"),
                       fmt_num(r["tokens_ratio"], ".2f", "x"), cell(o, "mfu_common", ".1f", "%"),
                       cell(h, "mfu_common", ".1f", "%"), cell(o, "peak_gib", ".1f"), cell(h, "peak_gib", ".1f"),
                       fmt_num(r["memory_ratio"], ".2f", "x")])
     widths = [max(len(str(x[i])) for x in table + [head]) for i in range(len(head))]
-    title = (f"chunkwise vs HF transformers: {a.model}, batch {a.batch}, median of {a.steps} steps; {device}, {date}; "
+    title = (f"chunkwise vs {' and '.join(PEER_NAMES[p] for p in peers)}: {a.model}, batch {a.batch}, median of {a.steps} steps; {device}, {date}; "
              f"MFU of {fmt_num(peak, '.0f')} TFLOP/s (bf16 peak measured by "
              f"{peak_source} in this run) for both sides")
     print("\n" + title)
@@ -198,7 +236,8 @@ def main():
         for side in ("ours", "hf"):
             s = r[side]
             if s.get("status") != "ok":
-                notes.append(f"{r['case']} {side}: {s.get('status')}: {s.get('error', '')} (log {s.get('log')})")
+                who = "chunkwise" if side == "ours" else PEER_NAMES[r["peer"]]
+                notes.append(f"{r['case']} {who}: {s.get('status')}: {s.get('error', '')} (log {s.get('log')})")
     for n in notes:
         print("  " + n)
 
@@ -209,7 +248,7 @@ def main():
     with open(os.path.join(a.out, "model_vs_hf.md"), "w") as f:
         f.write("\n".join(md) + "\n")
     with open(os.path.join(a.out, "model_vs_hf.json"), "w") as f:
-        json.dump(dict(model=a.model, batch=a.batch, steps=a.steps, device=device, date=date, peak_tflops=peak,
+        json.dump(dict(model=a.model, batch=a.batch, steps=a.steps, device=device, date=date, peak_tflops=peak, peers=peers,
                        peak_source=peak_source,
                        extra=a.extra, rows=rows), f, indent=2)
 
