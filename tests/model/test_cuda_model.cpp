@@ -129,6 +129,47 @@ TEST_CASE("cuda: seco and checkpointed (offload, selective, tiled MLP) equal ful
   }
 }
 
+TEST_CASE("cuda: seco and spaco with the K/V store offloaded equal the store on the device, bitwise (deterministic)" *
+          doctest::skip(!cw::test::gpu_ready())) {
+  // With determinism on every kernel's sums have a fixed order, so moving the store through pinned
+  // host memory on the side stream must not change a bit: a missed wait or a stale slot would.
+  test::DeterminismScope deterministic(true);
+  LlamaConfig cfg = tiny_config();
+  cfg.num_hidden_layers = 4;
+  for (const DType dt : {DType::f32, DType::bf16}) {
+    CAPTURE(dtype_name(dt));
+    const Batch batch = random_batch(2, 56, cfg.vocab_size, 13);
+    LlamaModel model(cfg, dt, Device::gpu(0));
+    init_parameters(model.params(), 7, 0.2, 0.1);
+    ParamSet on_device(cfg, DType::f32, Device::gpu(0)), offloaded(cfg, DType::f32, Device::gpu(0));
+    for (const char* name : {"seco", "spaco"}) {
+      ScheduleOptions o = named(name, 9);
+      o.bwd_chunk = 6;
+      if (o.name == "spaco") o.keep = 5, o.seed = 3;
+      double loss_dev = 0, loss_off = 0;
+      gradients(model, batch, on_device, o, &loss_dev);
+      for (int64_t window : {1, 2, 3}) {
+        CAPTURE(window);
+        o.offload_window = window;
+        gradients(model, batch, offloaded, o, &loss_off);
+        for (size_t i = 0; i < on_device.size(); ++i) test::expect_same_bits(offloaded[i], on_device[i], "gradient");
+        CHECK(loss_off == loss_dev);
+      }
+    }
+  }
+}
+
+TEST_CASE("cuda: the offloaded K/V store keeps the window's layers on the device, every layer in host memory" *
+          doctest::skip(!cw::test::gpu_ready())) {
+  const LlamaConfig cfg = LlamaConfig::preset("small");
+  for (const int64_t T : {1024, 4096}) {
+    KVStore kv(cfg, 1, T, DType::bf16, true, Device::gpu(0), 2);
+    MESSAGE("T=", T, ": device ", kv.bytes(), " bytes, host ", kv.host_bytes(), " bytes");
+    CHECK(kv.host_bytes() == KVStore::host_bytes_needed(cfg, 1, T, DType::bf16, true));
+    CHECK(kv.bytes() * static_cast<size_t>(cfg.num_hidden_layers) == kv.host_bytes() * 2);
+  }
+}
+
 TEST_CASE("cuda: a bf16 training run tracks the same run in f32" * doctest::skip(!cw::test::gpu_ready())) {
   // A learnable corpus: a fixed random sequence of 97 tokens repeated, so the loss falls fast and
   // far; both runs start from the same master weights and see the same batches.
