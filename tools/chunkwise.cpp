@@ -6,6 +6,7 @@
 #include "tools/data/tokenizer.h"
 #include "tools/bench_model.h"
 #include "tools/bench_ops.h"
+#include "tools/plan.h"
 #include "tools/gradcheck.h"
 #include "tools/model_io.h"
 #include "tools/train/run_config.h"
@@ -118,6 +119,23 @@ int main(int argc, char** argv) {
   bench->add_option("--peak-tflops", bm.peak_tflops, "bf16 peak for MFU (0: measure)")->capture_default_str();
   bench->add_option("--json", bm.json, "also write the result as JSON");
 
+  cw::PlanOptions po;  // tools/plan.h
+  CLI::App* plan = app.add_subcommand("plan", "predicted peak memory and step time of a training step");
+  plan->add_option("--model", po.model)->capture_default_str();
+  plan->add_option("--seq", po.seq)->capture_default_str();
+  plan->add_option("--batch", po.batch)->capture_default_str();
+  plan->add_option("--schedule", po.schedule, "full | checkpointed | seco | spaco")->capture_default_str();
+  plan->add_option("--chunk", po.chunk, "seco/spaco chunk, or auto (the fastest that fits)")->capture_default_str();
+  plan->add_option("--bwd-chunk", po.bwd_chunk)->capture_default_str();
+  plan->add_option("--offload-window", po.offload_window, "K/V layers on the device (0: all), or auto")
+      ->capture_default_str();
+  plan->add_option("--recompute", po.recompute, "checkpointed: full | selective | none")->capture_default_str();
+  plan->add_option("--mlp-shards", po.mlp_shards)->capture_default_str();
+  plan->add_flag("--offload", po.offload, "checkpointed: layer inputs in pinned host memory");
+  plan->add_option("--dtype", po.dtype)->capture_default_str();
+  plan->add_option("--device-memory", po.device_memory_gib, "GiB (default: the GPU's, else 80)");
+  plan->add_option("--json", po.json, "also write the plan as JSON");
+
   std::string config_path, run_dir;
   std::vector<std::string> overrides;
   bool resume = false;
@@ -201,6 +219,7 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (*bench) return cw::run_bench_model(bm, std::cout);
+    if (*plan) return cw::run_plan(po, std::cout);
     if (*devices) {
       std::cout << cw::describe_devices();
       return 0;

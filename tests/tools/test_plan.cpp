@@ -1,0 +1,171 @@
+// `chunkwise plan` (tools/plan.h): its predictions against the peaks and step times `chunkwise
+// bench` recorded on an H100, and the choices and outputs built on them.
+#include "tests/support.h"
+#include "tools/plan.h"
+
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <fstream>
+#include <sstream>
+
+using namespace cw;
+
+namespace {
+// The bar for the memory model: every recorded peak within 10%.
+constexpr double kPeakTol = 0.10;
+// Step time from FLOPs and fixed throughputs: a loose check (kernels' rates vary with shape).
+constexpr double kStepTimeTol = 0.25;
+
+struct Recorded {
+  const char* source;  // where the figure is written down
+  ScheduleOptions schedule;
+  int64_t T;
+  double peak_gib, tokens_per_s;
+};
+
+ScheduleOptions sched(const std::string& name, int64_t chunk = 0, const std::string& recompute = "full",
+                      int64_t mlp_shards = 1, bool offload = false) {
+  ScheduleOptions o;
+  o.name = name;
+  o.chunk = chunk;
+  o.recompute = recompute;
+  o.mlp_shards = mlp_shards;
+  o.offload = offload;
+  return o;
+}
+
+// Llama-3.2-1B shape, batch 1, bf16; `chunkwise bench` peak_gib (the caching pool's peak) and tokens/s,
+// median of 3 steps after 1 warm-up, on an H100 80GB HBM3.
+const Recorded kRecorded[] = {
+    {"RESULTS.md, H100, 2026-11-21 (full 4096)", sched("full"), 4096, 27.1, 47791},
+    {"RESULTS.md, H100, 2026-11-21 (full 8192)", sched("full"), 8192, 32.8, 49913},
+    {"RESULTS.md, H100, 2026-11-21 (checkpointed 16384, selective, 4 shards)",
+     sched("checkpointed", 0, "selective", 4), 16384, 31.3, 40343},
+    {"RESULTS.md, H100, 2026-11-21 (checkpointed 32768, selective, 4 shards)",
+     sched("checkpointed", 0, "selective", 4), 32768, 43.8, 30703},
+    {"RESULTS.md, H100, 2026-11-21 (checkpointed 16384, full recompute)", sched("checkpointed"), 16384, 26.0, 28635},
+    {"RESULTS.md, H100, 2026-11-21 (checkpointed 16384, offloaded inputs)", sched("checkpointed", 0, "full", 1, true),
+     16384, 25.0, 28786},
+    {"RESULTS.md, H100, 2026-11-21 (checkpointed 32768, full recompute)", sched("checkpointed"), 32768, 32.0, 19347},
+    {"BENCHMARKS.md, H100, 2026-11-24 (seco 16K, chunk 4096)", sched("seco", 4096), 16384, 28.3, 31414},
+    {"BENCHMARKS.md, H100, 2026-11-24 (seco 32K, chunk 4096)", sched("seco", 4096), 32768, 29.8, 22919},
+    {"BENCHMARKS.md, H100, 2026-11-24 (seco 64K, chunk 4096)", sched("seco", 4096), 65536, 33.3, 14972},
+    {"BENCHMARKS.md, H100, 2026-11-24 (seco 128K, chunk 4096)", sched("seco", 4096), 131072, 39.8, 8746},
+    {"BENCHMARKS.md, H100, 2026-11-24 (seco 256K, chunk 8192)", sched("seco", 8192), 262144, 58.6, 4884},
+};
+
+const LlamaConfig& one_b() {
+  static const LlamaConfig c = LlamaConfig::preset("llama-3.2-1b");
+  return c;
+}
+}  // namespace
+
+TEST_CASE("plan: predicted peaks and step times against the recorded H100 runs") {
+  double worst_peak = 0, worst_time = 0;
+  for (const Recorded& r : kRecorded) {
+    const PlanReport p = plan_step(one_b(), 1, r.T, r.schedule, DType::bf16, 80);
+    const double peak_err = p.peak_device_gib() / r.peak_gib - 1;
+    const double time_err = p.step_s / (double(r.T) / r.tokens_per_s) - 1;
+    MESSAGE(fmt::format("{}: peak {:.2f} GiB predicted, {:.1f} measured ({:+.1f}%); step {:.3f} s predicted, "
+                        "{:.3f} measured ({:+.1f}%)",
+                        r.source, p.peak_device_gib(), r.peak_gib, 100 * peak_err, p.step_s,
+                        double(r.T) / r.tokens_per_s, 100 * time_err));
+    CHECK_MESSAGE(std::abs(peak_err) <= kPeakTol, r.source);
+    CHECK_MESSAGE(std::abs(time_err) <= kStepTimeTol, r.source);
+    CHECK(p.fits);
+    worst_peak = std::max(worst_peak, std::abs(peak_err));
+    worst_time = std::max(worst_time, std::abs(time_err));
+  }
+  MESSAGE(fmt::format("worst peak error {:.1f}%, worst step-time error {:.1f}%", 100 * worst_peak, 100 * worst_time));
+}
+
+TEST_CASE("plan: the K/V store moves to pinned host memory with an offload window") {
+  const ScheduleOptions all = sched("seco", 4096);
+  ScheduleOptions windowed = all;
+  windowed.offload_window = 2;
+  const PlanReport a = plan_step(one_b(), 1, 131072, all, DType::bf16, 80);
+  const PlanReport w = plan_step(one_b(), 1, 131072, windowed, DType::bf16, 80);
+  // 16 layers x 128K tokens x (bf16 K, V + f32 dK, dV) x 8 heads x 64 = 12 GiB in all.
+  const double kv_gib = 16.0 * 131072 * 2 * (2 + 4) * 8 * 64 / double(1 << 30);
+  CHECK(a.peak_host_gib() == 0);
+  CHECK(w.peak_host_gib() == doctest::Approx(kv_gib));
+  CHECK(a.peak_device_gib() - w.peak_device_gib() == doctest::Approx(kv_gib * 14 / 16).epsilon(0.01));
+}
+
+TEST_CASE("plan: a run that cannot fit says which knob to turn; auto picks the fastest chunk that fits") {
+  const PlanReport full = plan_step(one_b(), 1, 65536, sched("full"), DType::bf16, 80);
+  CHECK_FALSE(full.fits);
+  CHECK(full.advice.find("seco") != std::string::npos);
+  const PlanReport seco = plan_step(one_b(), 1, 262144, sched("seco", 32768), DType::bf16, 40);
+  CHECK_FALSE(seco.fits);
+  CHECK(seco.advice.find("--chunk") != std::string::npos);
+
+  // 80 GiB at 256K: the chosen chunk fits and no fitting candidate is predicted faster; 32K does not fit.
+  const ScheduleOptions base = sched("seco");
+  const int64_t c = choose_chunk(one_b(), 1, 262144, base, DType::bf16, 80);
+  REQUIRE(c > 0);
+  ScheduleOptions chosen = base;
+  chosen.chunk = c;
+  const PlanReport best = plan_step(one_b(), 1, 262144, chosen, DType::bf16, 80);
+  CHECK(best.fits);
+  for (int64_t other : chunk_candidates()) {
+    ScheduleOptions o = base;
+    o.chunk = other;
+    const PlanReport p = plan_step(one_b(), 1, 262144, o, DType::bf16, 80);
+    if (p.fits) CHECK(best.step_s <= p.step_s * 1.01);  // plan.cpp: within 1%, the larger chunk
+    if (p.fits && other > c) CHECK(p.step_s > best.step_s * 1.01);
+  }
+  ScheduleOptions too_big = base;
+  too_big.chunk = 32768;
+  CHECK_FALSE(plan_step(one_b(), 1, 262144, too_big, DType::bf16, 80).fits);
+  CHECK(choose_chunk(one_b(), 1, 262144, base, DType::bf16, 20) == 0);  // fixed state alone is 20.7 GiB
+
+  // The window: none needed at 64K on 80 GiB; at 256K in 40 GiB some layers must leave the device.
+  CHECK(choose_offload_window(one_b(), 1, 65536, sched("seco", 4096), DType::bf16, 80) == 0);
+  const int64_t w = choose_offload_window(one_b(), 1, 262144, sched("seco", 4096), DType::bf16, 40);
+  CHECK(w > 0);
+  CHECK(w < 16);
+}
+
+TEST_CASE("plan: the CLI's table and JSON") {
+  test::TempDir dir("plan");
+  PlanOptions o;
+  o.seq = 65536;
+  o.schedule = "seco";
+  o.chunk = "auto";
+  o.device_memory_gib = 80;
+  o.json = dir.file("plan.json");
+  std::ostringstream out;
+  CHECK(run_plan(o, out) == 0);
+  CHECK(out.str().find("kv") != std::string::npos);
+  CHECK(out.str().find("fits in 80.0 GiB") != std::string::npos);
+  std::ifstream f(o.json);
+  const nlohmann::json j = nlohmann::json::parse(f);
+  for (const char* key : {"peak_device_gib", "peak_host_gib", "step_s", "categories", "fits", "chunk"})
+    CHECK_MESSAGE(j.contains(key), key);
+  CHECK(j["categories"]["device"].contains("activations"));
+  CHECK(j["chunk"].get<int64_t>() > 0);
+
+  o.seq = 262144;  // 40 GiB: no chunk fits with the whole K/V store (24 GiB) on the device
+  o.device_memory_gib = 40;
+  o.json.clear();
+  std::ostringstream none;
+  CHECK_THROWS_WITH_AS(run_plan(o, none), doctest::Contains("--offload-window"), Error);
+  o.offload_window = "auto";
+  std::ostringstream windowed;
+  CHECK(run_plan(o, windowed) == 0);
+  CHECK(windowed.str().find("pinned host") != std::string::npos);
+
+  o.seq = 65536;
+  o.device_memory_gib = 80;
+  o.offload_window = "0";
+  o.chunk = "4096";
+  o.schedule = "full";
+  o.json.clear();
+  std::ostringstream refused;
+  CHECK(run_plan(o, refused) == 1);  // full backprop at 64K cannot fit in 80 GiB
+  CHECK(refused.str().find("DOES NOT FIT") != std::string::npos);
+  o.chunk = "many";
+  CHECK_THROWS_WITH_AS(run_plan(o, refused), doctest::Contains("--chunk many"), Error);
+}

@@ -1,0 +1,507 @@
+#include "tools/plan.h"
+
+#include "engine/engine.h"
+#include "engine/error.h"
+#include "model/layer.h"
+#include "model/params.h"
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <ostream>
+
+namespace cw {
+
+namespace {
+constexpr size_t kMiB = size_t(1) << 20;
+constexpr double kGiB = double(size_t(1) << 30);
+
+// ---- What the code allocates (each constant names its source) ----
+constexpr size_t kArenaBlockBytes = 256 * kMiB;        // engine/memory.cpp: a device arena's block
+constexpr size_t kArenaAlign = 64;                     // engine/memory.cpp: round_up
+constexpr size_t kCublasWorkspaceBytes = 32 * kMiB;    // engine/cuda/linear.cu: kWorkspaceBytes
+constexpr size_t kLogitsBudgetBytes = 512 * kMiB;      // engine/cuda/lm_head.cu: the logits block, at most
+constexpr int64_t kLmHeadMaxRows = 2048;               // engine/cuda/lm_head.cu: kMaxBlockRows
+constexpr int64_t kLmHeadRowQuantum = 64;              // engine/cuda/lm_head.cu: kRowQuantum
+constexpr size_t kCudaContextBytes = 512 * kMiB;       // outside the pool (driver, kernels, cuDNN/cuBLAS handles)
+constexpr double kDefaultDeviceGib = 80;
+
+// ---- Throughputs (H100 80GB HBM3, measured 2026-11-21..24) ----
+// The model's GEMMs (2048-8192 wide, bf16, f32 accumulate through cuBLASLt): 84% of the 774 TFLOP/s
+// 8192^3 GEMM `chunkwise bench` measured (RESULTS.md); with the other terms fixed, this rate puts
+// the recorded full 4K/8K step times within 10%.
+constexpr double kMatmulTflops = 650;
+// cuDNN fused attention, forward and backward (ours 1.00x torch's cuDNN backend): 394-442 TFLOP/s at
+// 8K-32K tokens, D 64 (BENCHMARKS.md, "Single ops on the H100").
+constexpr double kAttentionTflops = 410;
+// Memory-bound ops at 70% of the 3.0 TB/s device copy (BENCHMARKS.md's bar for them; they meet it).
+constexpr double kElementwiseBytesPerS = 0.7 * 3.0e12;
+
+size_t round_to(size_t n, size_t q) { return (n + q - 1) / q * q; }
+// engine/cuda/runtime.cu: size_class (512 bytes below 1 MiB, else 2 MiB).
+size_t pool_block(size_t bytes) {
+  bytes = std::max<size_t>(round_to(std::max<size_t>(bytes, 1), kArenaAlign), 1);
+  return bytes < kMiB ? round_to(bytes, 512) : round_to(bytes, 2 * kMiB);
+}
+
+// engine/memory.cpp's Arena, replayed: the same block choice, tails and scopes, no memory.
+class ArenaReplay {
+ public:
+  struct Mark {
+    size_t block, offset, in_use;
+  };
+  void alloc(size_t bytes) {
+    const size_t need = round_to(bytes == 0 ? 1 : bytes, kArenaAlign);
+    while (current_ < blocks_.size() && offset_ + need > blocks_[current_]) {
+      in_use_ += blocks_[current_] - offset_;
+      ++current_;
+      offset_ = 0;
+    }
+    if (current_ == blocks_.size()) {
+      blocks_.push_back(std::max(kArenaBlockBytes, need));
+      offset_ = 0;
+    }
+    offset_ += need;
+    in_use_ += need;
+  }
+  Mark mark() const { return {current_, offset_, in_use_}; }
+  void reset(const Mark& m) {
+    current_ = m.block;
+    offset_ = m.offset;
+    in_use_ = m.in_use;
+  }
+  size_t reserved() const {  // what the pool holds for the arena
+    size_t n = 0;
+    for (size_t b : blocks_) n += pool_block(b);
+    return n;
+  }
+
+ private:
+  std::vector<size_t> blocks_;
+  size_t current_ = 0, offset_ = 0, in_use_ = 0;
+};
+
+struct Scope {
+  ArenaReplay& a;
+  ArenaReplay::Mark m;
+  explicit Scope(ArenaReplay& arena) : a(arena), m(arena.mark()) {}
+  ~Scope() { a.reset(m); }
+};
+
+// The shapes of one chunk: B sequences of c tokens attending S keys.
+struct Shape {
+  const LlamaConfig& cf;
+  int64_t B, c, S;
+  size_t e, acc;  // compute and accumulator element bytes
+  size_t N() const { return size_t(B * c); }
+  size_t row(int64_t width) const { return N() * size_t(width) * e; }
+};
+
+// optim/full.cpp: activation_policy.
+ActivationPolicy policy_of(const ScheduleOptions& o) {
+  const bool checkpointed = o.name == "checkpointed";
+  ActivationPolicy p;
+  p.keep_layers = !(checkpointed && o.recompute == "full");
+  p.mlp_shards = o.mlp_shards;
+  p.recompute_mlp = checkpointed && o.recompute == "selective";
+  p.offload_inputs = checkpointed && o.offload;
+  return p;
+}
+
+// model/layer.cpp: LayerActivations::allocate.
+void layer_activations(ArenaReplay& a, const Shape& s, bool keep_mlp) {
+  const LlamaConfig& cf = s.cf;
+  a.alloc(s.row(cf.hidden_size));                                  // h1
+  a.alloc(s.N() * s.acc);                                          // rstd
+  a.alloc(s.row(cf.q_dim()));                                      // q
+  a.alloc(s.row(cf.q_dim()));                                      // attn
+  a.alloc(size_t(s.B * cf.num_attention_heads * s.c) * s.acc);     // lse
+  a.alloc(s.row(cf.hidden_size));                                  // x_mid
+  a.alloc(s.row(cf.hidden_size));                                  // h2
+  a.alloc(s.N() * s.acc);                                          // rstd
+  if (keep_mlp)
+    for (int i = 0; i < 3; ++i) a.alloc(s.row(cf.intermediate_size));  // gate, up, act
+}
+
+std::vector<int64_t> shard_rows(int64_t N, int64_t shards) {
+  std::vector<int64_t> rows;
+  for (int64_t i = 0; i < shards; ++i) rows.push_back(N * (i + 1) / shards - N * i / shards);
+  return rows;
+}
+
+// model/layer.cpp: block_forward's scratch (keep: the activations are given).
+void block_forward(ArenaReplay& a, const Shape& s, bool keep, int64_t mlp_shards) {
+  const LlamaConfig& cf = s.cf;
+  Scope scope(a);
+  const int64_t shards = resolve_mlp_shards(mlp_shards, cf, int64_t(s.N()));
+  if (!keep) layer_activations(a, s, shards == 1);
+  a.alloc(s.row(cf.q_dim()));   // q_pre
+  a.alloc(s.row(cf.kv_dim()));  // k_pre
+  a.alloc(s.row(cf.kv_dim()));  // v
+  a.alloc(s.row(cf.hidden_size));  // o (cuDNN's forward needs no workspace beyond its 256-byte minimum)
+  a.alloc(s.row(cf.hidden_size));  // m
+  if (shards > 1) {
+    for (int64_t rows : shard_rows(int64_t(s.N()), shards)) {
+      Scope shard(a);
+      for (int i = 0; i < 3; ++i) a.alloc(size_t(rows * cf.intermediate_size) * s.e);
+    }
+  }
+}
+
+void mlp_rows_backward(ArenaReplay& a, const Shape& s, int64_t rows) {
+  Scope scope(a);
+  for (int i = 0; i < 3; ++i) a.alloc(size_t(rows * s.cf.intermediate_size) * s.e);  // d_act, d_gate, d_up
+}
+
+// model/layer.cpp: block_backward's scratch, with engine/cuda/attention_cudnn.cu's backward (the
+// frontend form: f32 dQ accumulator, bf16 dK/dV scratch over the Hkv heads, and the workspace
+// staging the per-query-head dK and dV of all S keys, bf16, for the head reduction in the graph).
+void block_backward(ArenaReplay& a, const Shape& s, bool keep_mlp, int64_t mlp_shards) {
+  const LlamaConfig& cf = s.cf;
+  const int64_t H = cf.num_attention_heads, Hkv = cf.num_key_value_heads, D = cf.head_dim;
+  Scope scope(a);
+  a.alloc(s.row(cf.hidden_size));  // d_h
+  if (keep_mlp) {
+    mlp_rows_backward(a, s, int64_t(s.N()));
+  } else {
+    for (int64_t rows : shard_rows(int64_t(s.N()), resolve_mlp_shards(mlp_shards, cf, int64_t(s.N())))) {
+      Scope shard(a);
+      for (int i = 0; i < 3; ++i) a.alloc(size_t(rows * cf.intermediate_size) * s.e);
+      mlp_rows_backward(a, s, rows);
+    }
+  }
+  a.alloc(s.row(cf.q_dim()));  // d_attn
+  a.alloc(s.row(cf.q_dim()));  // d_q
+  {
+    Scope attention(a);
+    a.alloc(s.N() * size_t(H * D) * 4);                   // dQ accumulator, f32
+    a.alloc(size_t(s.B * s.S * Hkv * D) * 2);             // dK scratch
+    a.alloc(size_t(s.B * s.S * Hkv * D) * 2);             // dV scratch
+    a.alloc(size_t(s.B * H * s.c) * 4);                   // Delta
+    const bool gqa = H != Hkv;
+    a.alloc(gqa ? 2 * size_t(s.B * H * s.S * D) * 2 : 256);  // workspace
+  }
+  a.alloc(s.row(cf.kv_dim()));  // d_k
+  a.alloc(s.row(cf.kv_dim()));  // d_v
+}
+
+// engine/cuda/lm_head.cu: the logits block of `block_rows_for`.
+size_t lm_head_block(const Shape& s) {
+  const int64_t kN = int64_t(16 / s.e), V = s.cf.vocab_size;
+  const int64_t ld = (V + kN - 1) / kN * kN;
+  int64_t rows = int64_t(kLogitsBudgetBytes / (size_t(ld) * s.e));
+  rows = std::max(std::min(rows, kLmHeadMaxRows) / kLmHeadRowQuantum * kLmHeadRowQuantum, kLmHeadRowQuantum);
+  rows = std::min<int64_t>(rows, int64_t(s.N()));
+  return size_t(rows * ld) * s.e + 8;
+}
+
+// optim/full.cpp prefill: one chunk forward, nothing kept.
+void prefill_chunk(ArenaReplay& a, const Shape& s, int64_t mlp_shards, bool with_loss) {
+  Scope scope(a);
+  a.alloc(s.N() * 4);  // ids
+  a.alloc(s.N() * 4);  // labels
+  Scope forward(a);
+  a.alloc(s.row(s.cf.hidden_size));  // ping
+  a.alloc(s.row(s.cf.hidden_size));  // pong
+  a.alloc(s.row(s.cf.hidden_size));  // normed
+  a.alloc(s.N() * s.acc);            // rstd
+  block_forward(a, s, false, mlp_shards);  // every layer alike: the scratch of one
+  if (with_loss) {
+    a.alloc(s.N() * s.acc);  // row_loss
+    a.alloc(lm_head_block(s));
+  }
+}
+
+// optim/full.cpp backprop_chunk: ChunkActivations, the forward keeping them, then backward_chunk.
+void backprop_chunk(ArenaReplay& a, const Shape& s, const ActivationPolicy& p) {
+  const LlamaConfig& cf = s.cf;
+  const int64_t L = cf.num_hidden_layers;
+  const bool keep_mlp = resolve_mlp_shards(p.mlp_shards, cf, int64_t(s.N())) == 1 && !p.recompute_mlp;
+  Scope scope(a);
+  a.alloc(s.N() * 4);  // ids
+  a.alloc(s.N() * 4);  // labels
+  const int64_t streams = p.offload_inputs ? 3 : L + 1;
+  for (int64_t i = 0; i < streams; ++i) a.alloc(s.row(cf.hidden_size));
+  if (p.keep_layers)
+    for (int64_t l = 0; l < L; ++l) layer_activations(a, s, keep_mlp);
+  a.alloc(s.row(cf.hidden_size));  // normed
+  a.alloc(s.N() * s.acc);          // rstd
+  block_forward(a, s, p.keep_layers, p.mlp_shards);
+  Scope backward(a);
+  a.alloc(s.N() * s.acc);           // row_loss
+  a.alloc(s.row(cf.hidden_size));   // d_normed
+  {
+    Scope head(a);
+    a.alloc(lm_head_block(s));
+  }
+  a.alloc(s.row(cf.hidden_size));  // d_x
+  if (p.keep_layers) {
+    block_backward(a, s, keep_mlp, p.mlp_shards);
+    return;
+  }
+  Scope layer(a);
+  layer_activations(a, s, keep_mlp);
+  a.alloc(s.row(cf.hidden_size));  // recomputed_out
+  block_forward(a, s, true, p.mlp_shards);
+  block_backward(a, s, keep_mlp, p.mlp_shards);
+}
+
+bool chunked(const ScheduleOptions& o) { return o.name == "seco" || o.name == "spaco"; }
+
+std::string describe(const ScheduleOptions& o) {
+  std::string s = o.name;
+  if (o.name == "checkpointed") s += " recompute " + o.recompute + (o.offload ? " offload" : "");
+  if (chunked(o)) s += fmt::format(" chunk {} bwd-chunk {}", o.chunk, o.bwd_chunk > 0 ? o.bwd_chunk : o.chunk);
+  if (o.mlp_shards != 1) s += fmt::format(" mlp-shards {}", o.mlp_shards);
+  if (o.offload_window > 0) s += fmt::format(" offload-window {}", o.offload_window);
+  return s;
+}
+
+// Causal attention pairs of queries [p, p+c) against keys [0, p+c), summed over chunks of length c.
+double causal_pairs(int64_t T, int64_t c) {
+  double pairs = 0;
+  for (int64_t p = 0; p < T; p += c) {
+    const double n = double(std::min(c, T - p));
+    pairs += n * double(p) + n * (n + 1) / 2;
+  }
+  return pairs;
+}
+}  // namespace
+
+double PlanReport::peak_device_gib() const { return double(peak_device_bytes) / kGiB; }
+double PlanReport::peak_host_gib() const { return double(peak_host_bytes) / kGiB; }
+
+PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const ScheduleOptions& o, DType dtype,
+                     double device_gib) {
+  CW_CHECK(B > 0 && T > 0, "plan: batch {} and sequence {} must be positive", B, T);
+  CW_CHECK(dtype == DType::bf16 || dtype == DType::f32, "plan: --dtype {} (the GPU trains in bf16 or f32)",
+           dtype_name(dtype));
+  CW_CHECK(o.name == "full" || o.name == "checkpointed" || chunked(o),
+           "plan: --schedule {} (want full | checkpointed | seco | spaco)", o.name);
+  const int64_t L = cf.num_hidden_layers, C = cf.hidden_size, F = cf.intermediate_size, V = cf.vocab_size;
+  const int64_t H = cf.num_attention_heads, Hkv = cf.num_key_value_heads, D = cf.head_dim;
+  CW_CHECK(o.offload_window >= 0 && o.offload_window <= L, "plan: --offload-window {} outside [0, {}] layers",
+           o.offload_window, L);
+  PlanReport r;
+  r.schedule = describe(o);
+  r.B = B;
+  r.T = T;
+  r.chunk = chunked(o) && o.chunk > 0 ? std::min(o.chunk, T) : T;
+  r.bwd_chunk = chunked(o) && o.bwd_chunk > 0 ? std::min(o.bwd_chunk, T) : r.chunk;
+  r.offload_window = o.offload_window;
+  r.device_gib = device_gib;
+  const size_t e = dtype_size(dtype), acc = dtype_size(accum_dtype(dtype));
+
+  // Fixed: one pool block per parameter set (model/params.cpp), RoPE tables (f32, T positions).
+  int64_t numel = 0;
+  for (const ParamSpec& p : parameter_table(cf)) numel += p.numel();
+  const size_t n = size_t(numel);
+  r.device.emplace_back("weights", pool_block(n * e));
+  if (dtype == DType::bf16) r.device.emplace_back("master", pool_block(n * 4));
+  r.device.emplace_back("optimizer", 2 * pool_block(n * acc));
+  r.device.emplace_back("gradients", pool_block(n * acc));
+
+  // The K/V store: per layer K, V in the compute dtype, dK, dV in the accumulator dtype.
+  const size_t kv_elems = size_t(B * T * Hkv * D);
+  const size_t kv_layer = 2 * pool_block(kv_elems * e) + 2 * pool_block(kv_elems * acc);
+  const int64_t device_layers = o.offload_window > 0 ? o.offload_window : L;
+  r.device.emplace_back("kv", kv_layer * size_t(device_layers));
+  if (o.offload_window > 0) r.host.emplace_back("kv", 2 * kv_elems * (e + acc) * size_t(L));
+
+  // Activations: the arena over the step, the backward chunk that attends all T keys last (the
+  // arena keeps its largest extent, so the order of phases does not matter).
+  const ActivationPolicy policy = policy_of(o);
+  ArenaReplay arena;
+  if (chunked(o))
+    prefill_chunk(arena, Shape{cf, B, r.chunk, T, e, acc}, o.mlp_shards, o.name == "spaco");
+  backprop_chunk(arena, Shape{cf, B, r.bwd_chunk, T, e, acc}, policy);
+  r.device.emplace_back("activations", arena.reserved());
+  if (policy.offload_inputs) r.host.emplace_back("layer inputs", size_t(L) * size_t(B * T * C) * e);
+  r.device.emplace_back("other", 2 * pool_block(size_t(T) * size_t(D / 2) * 4) + kCublasWorkspaceBytes);
+
+  for (const auto& [name, bytes] : r.device) r.peak_device_bytes += bytes;
+  for (const auto& [name, bytes] : r.host) r.peak_host_bytes += bytes;
+  r.context_bytes = kCudaContextBytes;
+  r.fits = double(r.peak_device_bytes + r.context_bytes) <= device_gib * kGiB;
+
+  // Time. Passes of the layers' work over the reverse tokens (spaco visits keep of k chunks).
+  double reverse = 1;
+  if (o.name == "spaco" && o.keep > 0) {
+    const double k = std::ceil(double(T) / double(r.bwd_chunk));
+    reverse = std::min(1.0, double(o.keep) / k);
+  }
+  const double tokens = double(B * T);
+  const double layer_matmul = 2.0 * double(L) * double(C * H * D + 2 * C * Hkv * D + H * D * C + 3 * C * F);
+  const double mlp_gate_up = 2.0 * double(L) * double(2 * C * F);
+  // Forward passes of every layer: the prefill (seco, spaco: all tokens), the forward of the reverse
+  // tokens, one recompute more for checkpointed full; the backward counts as two (dX and dW).
+  const double prefill = chunked(o) ? 1 : 0;
+  const double extra_forward = !chunked(o) && !policy.keep_layers ? 1 : 0;
+  const double passes = prefill + reverse * (1 + extra_forward + 2);
+  double matmul = tokens * layer_matmul * passes;
+  // Selective recompute and the tiled MLP with kept activations run gate/up again in the backward.
+  const bool keep_mlp = resolve_mlp_shards(o.mlp_shards, cf, B * r.bwd_chunk) == 1 && !policy.recompute_mlp;
+  if (policy.keep_layers && !keep_mlp) matmul += tokens * reverse * mlp_gate_up;
+  // The fused LM head: logits, dX and dW over the reverse tokens; spaco's prefill also takes the loss.
+  const double head = 2.0 * double(V * C) * tokens * (3 * reverse + (o.name == "spaco" ? 1 : 0));
+  // Attention: 4 H D flops per (query, key) pair and layer forward, 2.5x that backward.
+  const double per_pair = 4.0 * double(H * D) * double(L) * double(B);
+  const double attention = per_pair * (prefill * causal_pairs(T, r.chunk) +
+                                       reverse * causal_pairs(T, r.bwd_chunk) * (1 + extra_forward + 2.5));
+  const double elementwise = tokens * double(L) * passes * double(16 * C + 6 * F) * double(e);
+  const double optimizer = double(n) * (dtype == DType::bf16 ? 38.0 : 36.0);
+  r.flops = matmul + head + attention;
+  r.time = {{"matmul", matmul / (kMatmulTflops * 1e12)},
+            {"lm_head", head / (kMatmulTflops * 1e12)},
+            {"attention", attention / (kAttentionTflops * 1e12)},
+            {"elementwise", elementwise / kElementwiseBytesPerS},
+            {"optimizer", optimizer / kElementwiseBytesPerS}};
+  for (const auto& [name, s] : r.time) r.step_s += s;
+
+  if (!r.fits) {
+    if (chunked(o))
+      r.advice = "lower --chunk / --bwd-chunk (activations grow with it), or set --offload-window to keep only "
+                 "that many layers of the K/V store on the device";
+    else if (o.name == "full")
+      r.advice = "use --schedule checkpointed (--recompute selective) or seco with --chunk 4096";
+    else
+      r.advice = "use --schedule seco with --chunk 4096 (activations O(chunk) instead of O(T))";
+  }
+  return r;
+}
+
+const std::vector<int64_t>& chunk_candidates() {
+  static const std::vector<int64_t> c = {1024, 2048, 4096, 8192, 16384, 32768};
+  return c;
+}
+
+int64_t choose_chunk(const LlamaConfig& config, int64_t B, int64_t T, const ScheduleOptions& schedule, DType dtype,
+                     double device_gib, const std::vector<int64_t>& candidates) {
+  int64_t best = 0;
+  double best_s = 0;
+  for (int64_t c : candidates) {
+    if (c > T) continue;
+    ScheduleOptions o = schedule;
+    o.chunk = c;
+    o.bwd_chunk = 0;
+    const PlanReport r = plan_step(config, B, T, o, dtype, device_gib);
+    // The time model is blind to kernel efficiency at small row counts: a chunk predicted within 1%
+    // of a smaller one's time wins (fewer, larger kernels).
+    if (r.fits && (best == 0 || r.step_s <= best_s * 1.01)) {
+      best = c;
+      best_s = std::min(best_s == 0 ? r.step_s : best_s, r.step_s);
+    }
+  }
+  return best;
+}
+
+int64_t choose_offload_window(const LlamaConfig& config, int64_t B, int64_t T, const ScheduleOptions& schedule,
+                              DType dtype, double device_gib) {
+  ScheduleOptions o = schedule;
+  for (int64_t w = 0; w <= config.num_hidden_layers; ++w) {
+    o.offload_window = w == 0 ? 0 : w;
+    if (plan_step(config, B, T, o, dtype, device_gib).fits) return w;
+  }
+  return -1;
+}
+
+std::string plan_table(const PlanReport& r) {
+  std::string s = fmt::format("plan: {} x {} tokens, {}\n", r.B, r.T, r.schedule);
+  s += fmt::format("  {:14} {:>10}\n", "device", "GiB");
+  for (const auto& [name, bytes] : r.device) s += fmt::format("  {:14} {:10.2f}\n", name, double(bytes) / kGiB);
+  s += fmt::format("  {:14} {:10.2f}   (the caching pool's peak: `chunkwise bench` peak_gib)\n", "peak",
+                   r.peak_device_gib());
+  s += fmt::format("  {:14} {:10.2f}   (outside the pool)\n", "cuda context", double(r.context_bytes) / kGiB);
+  if (!r.host.empty()) {
+    s += fmt::format("  {:14} {:>10}\n", "pinned host", "GiB");
+    for (const auto& [name, bytes] : r.host) s += fmt::format("  {:14} {:10.2f}\n", name, double(bytes) / kGiB);
+    s += fmt::format("  {:14} {:10.2f}\n", "peak", r.peak_host_gib());
+  }
+  s += fmt::format("  {:14} {:>10}\n", "time", "s");
+  for (const auto& [name, sec] : r.time) s += fmt::format("  {:14} {:10.3f}\n", name, sec);
+  s += fmt::format("  {:14} {:10.3f}   ({:.0f} tokens/s, {:.1f} TFLOP executed)\n", "step", r.step_s,
+                   r.tokens_per_s(), r.flops / 1e12);
+  s += fmt::format("{} in {:.1f} GiB of device memory{}\n", r.fits ? "fits" : "DOES NOT FIT", r.device_gib,
+                   r.fits ? "" : ": " + r.advice);
+  return s;
+}
+
+std::string plan_json(const PlanReport& r) {
+  nlohmann::json j;
+  j["schedule"] = r.schedule;
+  j["batch"] = r.B;
+  j["seq"] = r.T;
+  j["chunk"] = r.chunk;
+  j["bwd_chunk"] = r.bwd_chunk;
+  j["offload_window"] = r.offload_window;
+  j["peak_device_gib"] = r.peak_device_gib();
+  j["peak_host_gib"] = r.peak_host_gib();
+  j["cuda_context_gib"] = double(r.context_bytes) / kGiB;
+  j["step_s"] = r.step_s;
+  j["tokens_per_s"] = r.tokens_per_s();
+  j["flops"] = r.flops;
+  j["device_memory_gib"] = r.device_gib;
+  j["fits"] = r.fits;
+  if (!r.fits) j["advice"] = r.advice;
+  for (const auto& [name, bytes] : r.device) j["categories"]["device"][name] = double(bytes) / kGiB;
+  for (const auto& [name, bytes] : r.host) j["categories"]["host"][name] = double(bytes) / kGiB;
+  for (const auto& [name, sec] : r.time) j["categories"]["time_s"][name] = sec;
+  return j.dump(2);
+}
+
+int run_plan(const PlanOptions& po, std::ostream& out) {
+  const LlamaConfig cf = LlamaConfig::resolve(po.model);
+  const DType dtype = parse_dtype(po.dtype);
+  double gib = po.device_memory_gib;
+  if (gib <= 0) {
+    const std::vector<GpuInfo> gpus = list_gpus();
+    gib = gpus.empty() ? kDefaultDeviceGib : double(gpus.front().memory_bytes) / kGiB;
+  }
+  ScheduleOptions o;
+  o.name = po.schedule;
+  o.recompute = po.recompute;
+  o.mlp_shards = po.mlp_shards;
+  o.offload = po.offload;
+  o.bwd_chunk = po.bwd_chunk;
+  auto number = [](const std::string& v, const char* flag) {
+    try {
+      size_t used = 0;
+      const long long x = std::stoll(v, &used);
+      CW_CHECK(used == v.size() && x >= 0, "");
+      return int64_t(x);
+    } catch (...) {
+      fail(fmt::format("plan: {} {}: want a non-negative number or auto", flag, v));
+    }
+  };
+  const bool auto_chunk = po.chunk == "auto", auto_window = po.offload_window == "auto";
+  CW_CHECK(!auto_chunk || chunked(o), "plan: --chunk auto is for --schedule seco or spaco");
+  if (!auto_chunk) o.chunk = number(po.chunk, "--chunk");
+  if (!auto_window) o.offload_window = number(po.offload_window, "--offload-window");
+  // auto: the fastest chunk with the whole K/V store on the device, else with the smallest window
+  // that lets one fit (each layer moved to the host costs transfers, which this model does not time).
+  for (int64_t w = 0; w <= (auto_window ? int64_t(cf.num_hidden_layers) : 0); ++w) {
+    if (auto_window) o.offload_window = w;
+    if (auto_chunk) o.chunk = choose_chunk(cf, po.batch, po.seq, o, dtype, gib);
+    if ((!auto_chunk || o.chunk > 0) && (!auto_window || plan_step(cf, po.batch, po.seq, o, dtype, gib).fits)) break;
+  }
+  if (auto_chunk && o.chunk == 0) {
+    std::string sizes;
+    for (int64_t c : chunk_candidates()) sizes += (sizes.empty() ? "" : ", ") + std::to_string(c);
+    fail(fmt::format("plan: no chunk length of {} fits {:.1f} GiB{}", sizes, gib,
+                     auto_window ? " with any K/V offload window" : ""),
+         auto_window ? "lower --seq or --batch" : "set --offload-window (or auto), or lower --seq or --batch");
+  }
+  const PlanReport r = plan_step(cf, po.batch, po.seq, o, dtype, gib);
+  out << plan_table(r);
+  if (!po.json.empty()) {
+    std::ofstream f(po.json);
+    CW_CHECK_HINT(f.good(), "check the --json path", "plan: cannot write {}", po.json);
+    f << plan_json(r) << "\n";
+  }
+  return r.fits ? 0 : 1;
+}
+
+}  // namespace cw

@@ -1,0 +1,96 @@
+// `chunkwise plan`: the predicted peak device and pinned host memory of one training step, by
+// category, and its predicted time, from the code's own allocation pattern (not from curve fits).
+//
+// Device memory = the caching pool's peak (engine/cuda/runtime.cu: 512-byte / 2 MiB size classes),
+// the figure `chunkwise bench` reports as peak_gib:
+//   fixed        bf16 compute weights, f32 master weights, AdamW's two f32 moments, f32 gradients
+//                (optim/training.h), one pool block per parameter tensor; RoPE tables; the cuBLASLt
+//                workspace (engine/cuda/linear.cu)
+//   K/V store    bf16 K, V and f32 dK, dV of every layer and token (model/kv_store.cpp); with an
+//                offload window W > 0, W layers on the device and all L in pinned host memory
+//   activations  the schedule's arena (engine/memory.cpp: 256 MiB blocks, a request larger than a
+//                block gets its own, a block's tail is lost when the next request does not fit),
+//                replayed request by request over the prefill and the backward of the chunk that
+//                attends the most keys: ChunkActivations for the schedule's ActivationPolicy, the
+//                blocks' forward and backward scratch, the LM head's logits block
+//                (engine/cuda/lm_head.cu) and cuDNN attention's dQ accumulator, dK/dV scratch and
+//                O(S) head-reduction workspace (engine/cuda/attention_cudnn.cu)
+// Pinned host memory: offloaded layer inputs (checkpointed --offload) and the K/V store's host copy.
+// The CUDA context (about 0.5 GiB) is outside the pool: it counts only for `fits`.
+//
+// Step time = matmul FLOPs / kMatmulTflops + attention FLOPs / kAttentionTflops + elementwise
+// traffic / bandwidth + the optimizer's traffic / bandwidth, with the passes each schedule runs
+// (full: forward + backward; checkpointed and seco: one forward more; selective: the MLP's gate/up
+// once more). Throughputs are H100 measurements (plan.cpp names their source).
+// Tested in tests/tools/test_plan.cpp against the peaks and step times recorded in RESULTS.md and
+// BENCHMARKS.md.
+#pragma once
+
+#include "engine/dtype.h"
+#include "model/config.h"
+#include "optim/schedule.h"
+
+#include <cstdint>
+#include <iosfwd>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace cw {
+
+struct PlanReport {
+  std::string schedule;                                  // the options it was planned for, as text
+  int64_t B = 0, T = 0, chunk = 0, bwd_chunk = 0, offload_window = 0;
+  std::vector<std::pair<std::string, size_t>> device;    // bytes by category (the pool's peak)
+  std::vector<std::pair<std::string, size_t>> host;      // pinned host bytes by category
+  std::vector<std::pair<std::string, double>> time;      // seconds by category
+  size_t peak_device_bytes = 0, peak_host_bytes = 0;
+  size_t context_bytes = 0;                              // CUDA context, outside the pool
+  double step_s = 0, flops = 0;                          // flops: what the step executes (with recompute)
+  double device_gib = 0;                                 // the memory it was checked against
+  bool fits = false;
+  std::string advice;                                    // when it does not fit: which knob to turn
+
+  double peak_device_gib() const;
+  double peak_host_gib() const;
+  double tokens_per_s() const { return step_s > 0 ? double(B * T) / step_s : 0; }
+};
+
+// The plan of one step of `schedule` (its chunk / bwd_chunk / offload_window / recompute /
+// mlp_shards / offload) for B sequences of T tokens in `dtype`, against device_gib of device memory.
+PlanReport plan_step(const LlamaConfig& config, int64_t B, int64_t T, const ScheduleOptions& schedule, DType dtype,
+                     double device_gib);
+
+// The default candidates for `--chunk auto` (seco, spaco).
+const std::vector<int64_t>& chunk_candidates();
+// The fastest chunk length of `candidates` (<= T) whose plan fits device_gib (the backward chunk
+// follows it; a larger chunk within 1% of a smaller one's time wins); 0 when none fits. The
+// schedule's own chunk is ignored. `--chunk auto` on `chunkwise plan`.
+int64_t choose_chunk(const LlamaConfig& config, int64_t B, int64_t T, const ScheduleOptions& schedule, DType dtype,
+                     double device_gib, const std::vector<int64_t>& candidates = chunk_candidates());
+// The smallest K/V offload window (0 = everything on the device, then 1..L) whose plan fits at the
+// schedule's chunk; -1 when none. (`--offload-window auto` with `--chunk auto` searches both.)
+int64_t choose_offload_window(const LlamaConfig& config, int64_t B, int64_t T, const ScheduleOptions& schedule,
+                              DType dtype, double device_gib);
+
+std::string plan_table(const PlanReport& report);  // the human table, device and host by category
+std::string plan_json(const PlanReport& report);   // peak_device_gib, peak_host_gib, step_s, categories, ...
+
+struct PlanOptions {
+  std::string model = "llama-3.2-1b";
+  int64_t seq = 4096, batch = 1;
+  std::string schedule = "seco";
+  std::string chunk = "0";           // a length, or "auto"
+  int64_t bwd_chunk = 0;
+  std::string offload_window = "0";  // layers of the K/V store on the device (0: all), or "auto"
+  std::string recompute = "full";
+  int64_t mlp_shards = 1;
+  bool offload = false;
+  std::string dtype = "bf16";
+  double device_memory_gib = 0;      // 0: the GPU's when one is present, else 80
+  std::string json;                  // also write the report as JSON here
+};
+// Prints the table (and writes the JSON); returns 0 when the step fits, 1 when it does not.
+int run_plan(const PlanOptions& options, std::ostream& out);
+
+}  // namespace cw
