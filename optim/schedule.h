@@ -52,9 +52,6 @@ struct ScheduleOptions {
   int64_t mlp_shards = 1;       // tiled MLP row shards, any schedule: 1 untiled, 0 automatic (ceil(F / C))
   int64_t chunk = 0;            // prefill chunk length (seco, spaco); 0: the whole sequence
   int64_t bwd_chunk = 0;        // reverse-sweep chunk length; 0: same as chunk
-  int64_t offload_window = 0;   // layers of the K/V store on the device, all L in pinned host memory
-                                // (0: everything on the device); read by tools/plan.h so far
-  // spaco
   int64_t keep = 0;             // t: reverse-sweep chunks visited out of k; 0: all (= seco)
   uint64_t seed = 0;            // the chunk sample of step s uses (seed, s)
   bool stratified = false;      // sample supervised and unsupervised chunks in proportion
