@@ -6,46 +6,75 @@
 namespace cw {
 
 KVStore::KVStore(const LlamaConfig& c, int64_t batch, int64_t tokens, DType dtype, bool with_grads, Device device,
-                 int64_t offload_window)
-    : L_(c.num_hidden_layers), B_(batch), T_(tokens), Hkv_(c.num_key_value_heads), D_(c.head_dim), dtype_(dtype),
-      device_(device), with_grads_(with_grads), live_end_(tokens) {
+                 int64_t offload_window, bool attention_outputs)
+    : L_(c.num_hidden_layers), B_(batch), T_(tokens), H_(c.num_attention_heads), Hkv_(c.num_key_value_heads),
+      D_(c.head_dim), dtype_(dtype), device_(device), with_grads_(with_grads), with_outputs_(attention_outputs),
+      live_end_(tokens) {
   CW_CHECK(batch > 0 && tokens > 0, "K/V store for batch {} and {} tokens", batch, tokens);
   CW_CHECK(offload_window >= 0, "schedule.offload_window must be >= 0 (0: the whole K/V store on the device), got {}",
            offload_window);
-  const int parts = with_grads ? 4 : 2;
+  CW_CHECK(with_grads || !attention_outputs, "saved attention outputs need a K/V store with gradient accumulators");
+  const int parts = attention_outputs ? kParts : with_grads ? 4 : 2;
   if (offload_window > 0 && offload_window < L_) {
-    std::vector<size_t> part_bytes;
-    for (int p = 0; p < parts; ++p) part_bytes.push_back(row_bytes(static_cast<Part>(p)) * static_cast<size_t>(B_ * T_));
-    res_ = std::make_unique<Residency>(device, part_bytes, static_cast<int>(L_), static_cast<int>(offload_window));
+    std::vector<size_t> sizes;
+    for (int p = 0; p < parts; ++p) sizes.push_back(part_bytes(static_cast<Part>(p)));
+    res_ = std::make_unique<Residency>(device, sizes, static_cast<int>(L_), static_cast<int>(offload_window));
     dev_kv_end_.assign(static_cast<size_t>(L_), 0);
     dev_grad_end_.assign(static_cast<size_t>(L_), 0);
     host_kv_end_.assign(static_cast<size_t>(L_), 0);
+    dev_out_.assign(static_cast<size_t>(L_), {0, 0});
     return;
   }
   for (int64_t l = 0; l < L_; ++l)
-    for (int p = 0; p < parts; ++p)
-      bufs_[p].emplace_back(row_bytes(static_cast<Part>(p)) * static_cast<size_t>(B_ * T_), device);
+    for (int p = 0; p < parts; ++p) bufs_[p].emplace_back(part_bytes(static_cast<Part>(p)), device);
 }
 
 size_t KVStore::row_bytes(Part part) const {
-  const DType dt = part >= kDKeys ? accum_dtype(dtype_) : dtype_;
-  return static_cast<size_t>(Hkv_ * D_) * dtype_size(dt);
+  switch (part) {
+    case kKeys: case kValues: return static_cast<size_t>(Hkv_ * D_) * dtype_size(dtype_);
+    case kDKeys: case kDValues: return static_cast<size_t>(Hkv_ * D_) * dtype_size(accum_dtype(dtype_));
+    case kOut: return static_cast<size_t>(H_ * D_) * dtype_size(dtype_);
+    default: return static_cast<size_t>(H_) * dtype_size(accum_dtype(dtype_));  // kLse
+  }
 }
 
-size_t KVStore::host_bytes_needed(const LlamaConfig& c, int64_t batch, int64_t tokens, DType dtype, bool with_grads) {
-  const size_t row = static_cast<size_t>(c.num_key_value_heads * c.head_dim);
-  const size_t per_token = 2 * row * dtype_size(dtype) + (with_grads ? 2 * row * dtype_size(accum_dtype(dtype)) : 0);
+size_t KVStore::host_bytes_needed(const LlamaConfig& c, int64_t batch, int64_t tokens, DType dtype, bool with_grads,
+                                  bool attention_outputs) {
+  const size_t row = static_cast<size_t>(c.num_key_value_heads * c.head_dim), acc = dtype_size(accum_dtype(dtype));
+  size_t per_token = 2 * row * dtype_size(dtype) + (with_grads ? 2 * row * acc : 0);
+  if (attention_outputs)
+    per_token += static_cast<size_t>(c.num_attention_heads * c.head_dim) * dtype_size(dtype) +
+                 static_cast<size_t>(c.num_attention_heads) * acc;
   return per_token * static_cast<size_t>(c.num_hidden_layers * batch * tokens);
+}
+
+void KVStore::check_range(int layer, int64_t t0, int64_t t1) const {
+  CW_CHECK(layer >= 0 && layer < L_, "K/V store has no layer {}", layer);
+  CW_CHECK(0 <= t0 && t0 <= t1 && t1 <= T_, "K/V store range [{}, {}) outside [0, {})", t0, t1, T_);
+  CW_CHECK(t1 <= live_end_, "K/V store range [{}, {}) reaches released tokens (live up to {})", t0, t1, live_end_);
+}
+
+void* KVStore::part_data(Part part, int layer) const {
+  return res_ ? res_->device(layer, part) : bufs_[part][static_cast<size_t>(layer)].data();
 }
 
 Tensor KVStore::view(Part part, int layer, int64_t t0, int64_t t1) const {
   CW_CHECK(with_grads_ || part < kDKeys, "K/V store was built without gradient accumulators");
-  CW_CHECK(layer >= 0 && layer < L_, "K/V store has no layer {}", layer);
-  CW_CHECK(0 <= t0 && t0 <= t1 && t1 <= T_, "K/V store range [{}, {}) outside [0, {})", t0, t1, T_);
-  CW_CHECK(t1 <= live_end_, "K/V store range [{}, {}) reaches released tokens (live up to {})", t0, t1, live_end_);
+  check_range(layer, t0, t1);
   const DType dt = part >= kDKeys ? accum_dtype(dtype_) : dtype_;
-  void* data = res_ ? res_->device(layer, part) : bufs_[part][static_cast<size_t>(layer)].data();
-  return Tensor(data, dt, device_, {B_, T_, Hkv_, D_}).slice(1, t0, t1 - t0);
+  return Tensor(part_data(part, layer), dt, device_, {B_, T_, Hkv_, D_}).slice(1, t0, t1 - t0);
+}
+
+Tensor KVStore::outputs(int layer, int64_t t0, int64_t t1) const {
+  CW_CHECK(with_outputs_, "K/V store was built without saved attention outputs");
+  check_range(layer, t0, t1);
+  return Tensor(part_data(kOut, layer), dtype_, device_, {B_, T_, H_, D_}).slice(1, t0, t1 - t0);
+}
+
+Tensor KVStore::output_lse(int layer, int64_t t0, int64_t t1) const {
+  CW_CHECK(with_outputs_, "K/V store was built without saved attention outputs");
+  check_range(layer, t0, t1);
+  return Tensor(part_data(kLse, layer), accum_dtype(dtype_), device_, {B_ * H_, T_}).slice(1, t0, t1 - t0);
 }
 
 // The byte spans of rows [t0, t1) of every sequence, for parts first..last.
@@ -60,10 +89,42 @@ std::vector<Residency::Span> KVStore::spans(Part first, Part last, int64_t t0, i
   return out;
 }
 
+// O rows [t0, t1) of every sequence and lse columns [t0, t1) of every (sequence, head) row.
+std::vector<Residency::Span> KVStore::output_spans(int64_t t0, int64_t t1) const {
+  std::vector<Residency::Span> out = spans(kOut, kOut, t0, t1);
+  if (t1 <= t0) return out;
+  const size_t e = dtype_size(accum_dtype(dtype_));
+  for (int64_t r = 0; r < B_ * H_; ++r)
+    out.push_back({kLse, static_cast<size_t>(r * T_ + t0) * e, static_cast<size_t>(t1 - t0) * e});
+  return out;
+}
+
+// Adds the saved outputs [t0, t1) to `need` unless the layer's slot holds them already.
+void KVStore::fetch_outputs(int layer, int64_t t0, int64_t t1, std::vector<Residency::Span>& need) {
+  auto& have = dev_out_[static_cast<size_t>(layer)];
+  if (have.first <= t0 && t1 <= have.second) return;
+  CW_CHECK(t1 <= outputs_end_, "saved attention outputs of tokens [{}, {}) were not written (prefill wrote [0, {}))",
+           t0, t1, outputs_end_);
+  const auto o = output_spans(t0, t1);
+  need.insert(need.end(), o.begin(), o.end());
+  have = {t0, t1};
+}
+
 void KVStore::begin_layer(int layer, Use use, int64_t t0, int64_t t1) {
   if (!res_) return;
   const size_t l = static_cast<size_t>(layer);
-  if (!res_->resident(layer)) dev_kv_end_[l] = dev_grad_end_[l] = 0;
+  if (!res_->resident(layer)) {
+    dev_kv_end_[l] = dev_grad_end_[l] = 0;
+    dev_out_[l] = {0, 0};
+  }
+  if (use == Use::recompute) {
+    std::vector<Residency::Span> need;
+    fetch_outputs(layer, t0, t1, need);
+    res_->fetch(layer, need);
+    res_->ready(layer);
+    if (res_->slots() > 1 && layer + 1 < L_) prefetch(layer + 1, use, t0, t1);
+    return;
+  }
   // Forward: K, V [0, t0) must be current (the chunk writes [t0, t1)). Backward: K, V [0, t1) and dK, dV
   // [0, t1). What the slot already holds is not copied again.
   const int64_t kv_end = use == Use::forward ? t0 : t1;
@@ -73,6 +134,7 @@ void KVStore::begin_layer(int layer, Use use, int64_t t0, int64_t t1) {
     const auto g = spans(kDKeys, kDValues, dev_grad_end_[l], t1);
     need.insert(need.end(), g.begin(), g.end());
   }
+  if (use == Use::backward && with_outputs_) fetch_outputs(layer, t0, t1, need);
   res_->fetch(layer, need);
   dev_kv_end_[l] = std::max(dev_kv_end_[l], kv_end);
   if (use == Use::backward) dev_grad_end_[l] = std::max(dev_grad_end_[l], t1);
@@ -81,13 +143,24 @@ void KVStore::begin_layer(int layer, Use use, int64_t t0, int64_t t1) {
   // is nowhere to put it). Forward wraps to layer 0 of the next chunk.
   if (res_->slots() > 1) {
     const int next = use == Use::forward ? (layer + 1) % static_cast<int>(L_) : layer - 1;
-    if (next >= 0 && next != layer) prefetch(next, use);
+    if (next >= 0 && next != layer) prefetch(next, use, t0, t1);
   }
 }
 
-void KVStore::prefetch(int layer, Use use) {
+// What layer `layer` will read next, fetched ahead. [t0, t1): the chunk now in flight (the next
+// layer of a backward or recompute works on the same chunk).
+void KVStore::prefetch(int layer, Use use, int64_t t0, int64_t t1) {
   const size_t l = static_cast<size_t>(layer);
-  if (!res_->resident(layer)) dev_kv_end_[l] = dev_grad_end_[l] = 0;
+  if (!res_->resident(layer)) {
+    dev_kv_end_[l] = dev_grad_end_[l] = 0;
+    dev_out_[l] = {0, 0};
+  }
+  if (use == Use::recompute) {
+    std::vector<Residency::Span> need;
+    fetch_outputs(layer, t0, t1, need);
+    res_->fetch(layer, need);
+    return;
+  }
   // Everything the host holds that a coming call may read: K, V written so far (up to the live end);
   // in the backward also dK, dV up to the live end.
   const int64_t kv_end = std::min(host_kv_end_[l], live_end_);
@@ -97,18 +170,28 @@ void KVStore::prefetch(int layer, Use use) {
     const auto g = spans(kDKeys, kDValues, dev_grad_end_[l], live_end_);
     need.insert(need.end(), g.begin(), g.end());
   }
+  if (use == Use::backward && with_outputs_ && t1 <= outputs_end_) fetch_outputs(layer, t0, t1, need);
   res_->fetch(layer, need);
   dev_kv_end_[l] = std::max(dev_kv_end_[l], kv_end);
   if (use == Use::backward) dev_grad_end_[l] = std::max(dev_grad_end_[l], live_end_);
 }
 
 void KVStore::end_layer(int layer, Use use, int64_t t0, int64_t t1) {
-  if (!res_) return;
+  // Every layer has written its outputs of [t0, t1) once the last one has.
+  if (use == Use::forward && with_outputs_ && layer == L_ - 1) outputs_end_ = std::max(outputs_end_, t1);
+  if (!res_ || use == Use::recompute) return;  // a recompute from saved outputs writes nothing
   const size_t l = static_cast<size_t>(layer);
   if (use == Use::forward) {
-    // The chunk's K, V go home (a recompute writes the same values again: the copy is small, and
-    // keeping it unconditional keeps the host the single truth for everything a layer wrote).
-    res_->store(layer, spans(kKeys, kValues, t0, t1));
+    // The chunk's K, V (and saved outputs) go home (a recompute writes the same values again: the
+    // copy is small, and keeping it unconditional keeps the host the single truth for everything a
+    // layer wrote).
+    std::vector<Residency::Span> out = spans(kKeys, kValues, t0, t1);
+    if (with_outputs_) {
+      const auto o = output_spans(t0, t1);
+      out.insert(out.end(), o.begin(), o.end());
+      dev_out_[l] = {t0, t1};
+    }
+    res_->store(layer, out);
     dev_kv_end_[l] = std::max(dev_kv_end_[l], t1);
     host_kv_end_[l] = std::max(host_kv_end_[l], t1);
   } else {
@@ -137,10 +220,12 @@ void KVStore::release_from(int64_t t) {
 
 void KVStore::reset() {
   live_end_ = T_;
+  outputs_end_ = 0;
   if (res_) {
     std::fill(host_kv_end_.begin(), host_kv_end_.end(), 0);
     std::fill(dev_kv_end_.begin(), dev_kv_end_.end(), 0);
     std::fill(dev_grad_end_.begin(), dev_grad_end_.end(), 0);
+    std::fill(dev_out_.begin(), dev_out_.end(), std::pair<int64_t, int64_t>{0, 0});
   }
   zero_grads();
 }

@@ -15,6 +15,14 @@
 // Who writes what (SeCO): the prefill writes K, V of each chunk; the reverse sweep's recompute
 // rewrites the chunk's own K, V; each chunk's attention backward ADDS into dK, dV over [0, p+c);
 // the chunk then reads dK, dV over its own [p, p+c) (local plus everything later chunks added).
+//
+// Saved attention outputs (optional, `attention_outputs`): per layer also the attention output O
+// [B, T, H, D] in the compute dtype and its log-sum-exp [B*H, T] in the accumulation dtype, written
+// by the prefill. A query's output and lse depend only on the keys at or before it, so they are the
+// same whatever the chunking; the reverse sweep's recompute then reads them back instead of running
+// the attention forward again (and needs neither K, V of earlier tokens nor the chunk's own K, V
+// projections). With offload they live with the layer's K/V in host memory and only the chunk's rows
+// move.
 #pragma once
 
 #include "engine/memory.h"
@@ -34,17 +42,23 @@ class KVStore {
   // call begin_layer / end_layer around each layer, which move what the layer needs and prefetch the
   // next layer in the direction of travel. W = 0: everything on `device`, and those calls do nothing.
   KVStore(const LlamaConfig& config, int64_t batch, int64_t tokens, DType dtype, bool with_grads,
-          Device device = Device::host(), int64_t offload_window = 0);
+          Device device = Device::host(), int64_t offload_window = 0, bool attention_outputs = false);
 
   Tensor keys(int layer, int64_t t0, int64_t t1) const { return view(kKeys, layer, t0, t1); }
   Tensor values(int layer, int64_t t0, int64_t t1) const { return view(kValues, layer, t0, t1); }
   Tensor d_keys(int layer, int64_t t0, int64_t t1) const { return view(kDKeys, layer, t0, t1); }
   Tensor d_values(int layer, int64_t t0, int64_t t1) const { return view(kDValues, layer, t0, t1); }
+  // Saved attention outputs (has_outputs()): O [B, t1-t0, H, D] (batch stride T*H*D) and lse
+  // [B*H, t1-t0] (row stride T), to be copied to or from the attention op's [B, c, H, D] / [B, H, c].
+  Tensor outputs(int layer, int64_t t0, int64_t t1) const;
+  Tensor output_lse(int layer, int64_t t0, int64_t t1) const;
 
   // The named points of the layer loops, for a chunk of tokens [t0, t1):
   //   forward:  the layer reads K, V [0, t0) and writes K, V [t0, t1) (end_layer sends them home);
-  //   backward: the layer reads K, V [0, t1) and adds into dK, dV [0, t1) (end_layer sends those home).
-  enum class Use { forward, backward };
+  //   backward: the layer reads K, V [0, t1) and adds into dK, dV [0, t1) (end_layer sends those home);
+  //   recompute: (saved outputs only) the layer reads its saved outputs [t0, t1) and nothing else.
+  // With saved outputs, forward also writes O and lse [t0, t1), and backward also reads them.
+  enum class Use { forward, backward, recompute };
   void begin_layer(int layer, Use use, int64_t t0, int64_t t1);
   void end_layer(int layer, Use use, int64_t t0, int64_t t1);
 
@@ -55,6 +69,8 @@ class KVStore {
   int64_t batch() const { return B_; }
   int64_t tokens() const { return T_; }
   bool has_grads() const { return with_grads_; }
+  bool has_outputs() const { return with_outputs_; }
+  int64_t outputs_written() const { return outputs_end_; }  // saved outputs exist for tokens [0, this)
   DType dtype() const { return dtype_; }
   Device device() const { return device_; }
   DType grad_dtype() const { return accum_dtype(dtype_); }
@@ -65,23 +81,30 @@ class KVStore {
   size_t bytes_moved() const { return res_ ? res_->bytes_moved() : 0; }  // host <-> device so far
   // Host bytes a store of these dimensions needs with offload (for checks before allocating).
   static size_t host_bytes_needed(const LlamaConfig& config, int64_t batch, int64_t tokens, DType dtype,
-                                  bool with_grads);
+                                  bool with_grads, bool attention_outputs = false);
 
  private:
-  enum Part { kKeys = 0, kValues = 1, kDKeys = 2, kDValues = 3 };
+  enum Part { kKeys = 0, kValues = 1, kDKeys = 2, kDValues = 3, kOut = 4, kLse = 5, kParts = 6 };
   Tensor view(Part part, int layer, int64_t t0, int64_t t1) const;
+  void* part_data(Part part, int layer) const;
+  void check_range(int layer, int64_t t0, int64_t t1) const;
   size_t row_bytes(Part part) const;  // one token of one sequence
+  size_t part_bytes(Part part) const { return row_bytes(part) * static_cast<size_t>(B_ * T_); }
   std::vector<Residency::Span> spans(Part first, Part last, int64_t t0, int64_t t1) const;
-  void prefetch(int layer, Use use);
+  std::vector<Residency::Span> output_spans(int64_t t0, int64_t t1) const;  // O and lse rows [t0, t1)
+  void fetch_outputs(int layer, int64_t t0, int64_t t1, std::vector<Residency::Span>& need);
+  void prefetch(int layer, Use use, int64_t t0, int64_t t1);
 
-  int64_t L_, B_, T_, Hkv_, D_;
+  int64_t L_, B_, T_, H_, Hkv_, D_;
   DType dtype_;
   Device device_;
-  bool with_grads_;
+  bool with_grads_, with_outputs_;
   int64_t live_end_;
-  std::vector<HostBuffer> bufs_[4];  // without offload: [part][layer] on `device`
-  std::unique_ptr<Residency> res_;   // with offload
+  int64_t outputs_end_ = 0;
+  std::vector<HostBuffer> bufs_[kParts];  // without offload: [part][layer] on `device`
+  std::unique_ptr<Residency> res_;        // with offload
   std::vector<int64_t> dev_kv_end_, dev_grad_end_, host_kv_end_;  // rows [0, end) current, per layer
+  std::vector<std::pair<int64_t, int64_t>> dev_out_;               // saved-output rows current in the slot
 };
 
 }  // namespace cw

@@ -92,20 +92,32 @@ void block_forward(const Tensor& x_out, LayerActivations* keep, const Tensor& x_
   LayerActivations& a = keep ? *keep : (local = LayerActivations::allocate(s, cf, B, c, dt, shards == 1));
 
   // Attention half.
+  const bool from_saved = ctx.attention_from_store;
   rmsnorm_forward(a.h1, a.norm1, x_in, w.attn_norm, cf.rms_norm_eps);
   Tensor q_pre = s.alloc(dt, {N, cf.q_dim()});
   linear_forward(q_pre, a.h1, w.wq);
   rope_forward(a.q, q_pre.view({B, c, H, D}), ctx.rope_cos, ctx.rope_sin, p);
-  Tensor k_pre = s.alloc(dt, {N, cf.kv_dim()});
-  linear_forward(k_pre, a.h1, w.wk);
-  Tensor k_rot = k_pre.view({B, c, Hkv, D});
-  rope_forward(k_rot, k_rot, ctx.rope_cos, ctx.rope_sin, p);
-  copy_convert(kv.keys(layer, p, p + c), k_rot);
-  Tensor v = s.alloc(dt, {N, cf.kv_dim()});
-  linear_forward(v, a.h1, w.wv);
-  copy_convert(kv.values(layer, p, p + c), v.view({B, c, Hkv, D}));
-  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
-  attention_forward(a.attn, a.attn_saved, a.q, kv.keys(layer, 0, p + c), kv.values(layer, 0, p + c), scale, s);
+  if (from_saved) {
+    CW_CHECK(p + c <= kv.outputs_written(), "layer {}: saved attention outputs of tokens [{}, {}) were not written by "
+             "a prefill (it reached {})", layer, p, p + c, kv.outputs_written());
+    copy_convert(a.attn, kv.outputs(layer, p, p + c));
+    copy_convert(a.attn_saved.lse.view({B * H, c}), kv.output_lse(layer, p, p + c));
+  } else {
+    Tensor k_pre = s.alloc(dt, {N, cf.kv_dim()});
+    linear_forward(k_pre, a.h1, w.wk);
+    Tensor k_rot = k_pre.view({B, c, Hkv, D});
+    rope_forward(k_rot, k_rot, ctx.rope_cos, ctx.rope_sin, p);
+    copy_convert(kv.keys(layer, p, p + c), k_rot);
+    Tensor v = s.alloc(dt, {N, cf.kv_dim()});
+    linear_forward(v, a.h1, w.wv);
+    copy_convert(kv.values(layer, p, p + c), v.view({B, c, Hkv, D}));
+    const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+    attention_forward(a.attn, a.attn_saved, a.q, kv.keys(layer, 0, p + c), kv.values(layer, 0, p + c), scale, s);
+    if (kv.has_outputs()) {  // the prefill saves them for the recompute
+      copy_convert(kv.outputs(layer, p, p + c), a.attn);
+      copy_convert(kv.output_lse(layer, p, p + c), a.attn_saved.lse.view({B * H, c}));
+    }
+  }
   Tensor o = s.alloc(dt, {N, C});
   linear_forward(o, a.attn.view({N, cf.q_dim()}), w.wo);
   residual_forward(a.x_mid, x_in, o);

@@ -55,6 +55,9 @@ struct BlockContext {
   // shard at a time; with activations kept, gate/up/act are not kept but recomputed per shard in
   // the backward (the MLP is row-wise, so shards are exact). 1: untiled.
   int64_t mlp_shards = 1;
+  // The reverse sweep's recompute with saved attention outputs (kv_store.h): the chunk's attention
+  // output and lse are read from the store instead of computed, and its K, V are not rewritten.
+  bool attention_from_store = false;
 };
 
 // The shard count `mlp_shards = 0` (automatic) means: ceil(F / C), so one shard's [rows, F]

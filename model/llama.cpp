@@ -76,12 +76,17 @@ void run_blocks(ChunkActivations& a, KVStore& kv, const LlamaModel& model, const
                 Arena& scratch, int64_t mlp_shards) {
   const LlamaConfig& cf = model.config();
   const ModelWeights w = model.weights();
-  const BlockContext ctx{cf, model.rope_cos(), model.rope_sin(), chunk.B, chunk.c, chunk.pos0, scratch, mlp_shards};
+  // A store with saved attention outputs makes every forward that keeps activations the reverse
+  // sweep's recompute (kv_store.h): it reads the chunk's saved outputs and writes nothing.
+  const bool recompute = keep && kv.has_outputs();
+  const BlockContext ctx{cf, model.rope_cos(), model.rope_sin(), chunk.B, chunk.c, chunk.pos0, scratch, mlp_shards,
+                         recompute};
   // Layer activations are kept only when the policy allocated them; otherwise just the stream is.
   const bool keep_layers = keep && !a.layers.empty();
   Residency* off = keep ? a.offloaded.get() : nullptr;
   const int64_t t0 = chunk.pos0, t1 = chunk.pos0 + chunk.c;
   const int L = cf.num_hidden_layers;
+  const KVStore::Use use = recompute ? KVStore::Use::recompute : KVStore::Use::forward;
   // With offloaded inputs, layer l's input takes a device slot before it is written (waiting for the
   // copy out of that slot's previous input) and goes home once written, while layer l runs.
   auto claim = [&](int l) {
@@ -97,10 +102,10 @@ void run_blocks(ChunkActivations& a, KVStore& kv, const LlamaModel& model, const
       off->store(l, {{0, 0, a.stream.back().bytes()}});
       if (l + 1 < L) claim(l + 1);
     }
-    kv.begin_layer(l, KVStore::Use::forward, t0, t1);
+    kv.begin_layer(l, use, t0, t1);
     block_forward(l + 1 < L ? a.input(l + 1) : a.stream.back(), keep_layers ? &a.layers[li] : nullptr, a.input(l),
                   w.layers[li], kv, l, ctx);
-    kv.end_layer(l, KVStore::Use::forward, t0, t1);
+    kv.end_layer(l, use, t0, t1);
   }
   rmsnorm_forward(a.normed, a.final_norm, a.stream.back(), w.final_norm, cf.rms_norm_eps);
 }
@@ -168,7 +173,7 @@ double backward_chunk(const ParamSet& grads, const ChunkActivations& a, KVStore&
   const ModelWeights w = model.weights();
   const ModelWeights g = grads.weights();
   const BlockContext ctx{cf, model.rope_cos(), model.rope_sin(), chunk.B, chunk.c, chunk.pos0, scratch,
-                         a.policy.mlp_shards};
+                         a.policy.mlp_shards, kv.has_outputs()};
   ArenaScope scope(scratch);
 
   // LM head and loss, fused: the loss for reporting, the gradient scaled by loss_weight.

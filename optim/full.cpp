@@ -6,20 +6,21 @@
 namespace cw {
 
 KVStore& step_store(std::optional<KVStore>& store, const LlamaModel& model, int64_t B, int64_t T,
-                    int64_t offload_window) {
+                    int64_t offload_window, bool attention_outputs) {
   const int64_t window = offload_window >= model.config().num_hidden_layers ? 0 : offload_window;
   if (!store || store->batch() != B || store->tokens() != T || store->dtype() != model.dtype() ||
-      !(store->device() == model.device()) || store->offload_window() != window) {
+      !(store->device() == model.device()) || store->offload_window() != window ||
+      store->has_outputs() != attention_outputs) {
     store.reset();  // free the old store before allocating the new one
-    if (window > 0) check_host_memory(model, B, T);
-    store.emplace(model.config(), B, T, model.dtype(), true, model.device(), window);
+    if (window > 0) check_host_memory(model, B, T, attention_outputs);
+    store.emplace(model.config(), B, T, model.dtype(), true, model.device(), window, attention_outputs);
   }
   store->reset();
   return *store;
 }
 
-void check_host_memory(const LlamaModel& model, int64_t B, int64_t T) {
-  const size_t need = KVStore::host_bytes_needed(model.config(), B, T, model.dtype(), true);
+void check_host_memory(const LlamaModel& model, int64_t B, int64_t T, bool attention_outputs) {
+  const size_t need = KVStore::host_bytes_needed(model.config(), B, T, model.dtype(), true, attention_outputs);
   const size_t have = host_memory_available();
   // Pinned memory cannot be swapped: leave the system a margin rather than risk a swap storm.
   if (have > 0 && need > have / 10 * 9)

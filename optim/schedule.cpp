@@ -56,6 +56,10 @@ void ScheduleOptions::validate() const {
   if (mlp_shards < 0) fail(fmt::format("schedule.mlp_shards must be >= 0 (0: automatic), got {}", mlp_shards));
   if (offload_window < 0)
     fail(fmt::format("schedule.offload_window must be >= 0 (0: the whole K/V store on the device), got {}", offload_window));
+  if (save_attention && name != "seco" && name != "spaco")
+    fail("schedule.save_attention applies to schedules seco and spaco (the prefill saves what their reverse sweep "
+         "recomputes)",
+         "set schedule.name = seco or spaco, or save_attention = false");
   if (offload_window > 0 && name != "seco" && name != "spaco")
     fail("schedule.offload_window applies to schedules seco and spaco (their K/V store outlives a chunk)",
          "set schedule.name = seco or spaco, or offload_window = 0");

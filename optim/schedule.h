@@ -49,6 +49,9 @@ struct ScheduleOptions {
                                 // memory (GPU), copied out and back on a side stream
   int64_t offload_window = 0;   // seco, spaco: K/V store layers resident on the device; the rest in (pinned)
                                 // host memory, moved a layer ahead of use; 0: the whole store on the device
+  bool save_attention = false;  // seco, spaco: the prefill saves every layer's attention output and lse in
+                                // the store (offloaded with it), so the reverse sweep does not run the
+                                // attention forward again; costs H*D + H values per token and layer
   int64_t mlp_shards = 1;       // tiled MLP row shards, any schedule: 1 untiled, 0 automatic (ceil(F / C))
   int64_t chunk = 0;            // prefill chunk length (seco, spaco); 0: the whole sequence
   int64_t bwd_chunk = 0;        // reverse-sweep chunk length; 0: same as chunk

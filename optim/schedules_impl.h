@@ -15,8 +15,8 @@ std::unique_ptr<Schedule> make_spaco_schedule(const ScheduleOptions& o);
 // offload_window > 0 (and below the layer count): the store's layers live in host memory with that many
 // on the device; host memory is checked first (a clear error, never a swap storm).
 KVStore& step_store(std::optional<KVStore>& store, const LlamaModel& model, int64_t B, int64_t T,
-                    int64_t offload_window = 0);
-void check_host_memory(const LlamaModel& model, int64_t B, int64_t T);
+                    int64_t offload_window = 0, bool attention_outputs = false);
+void check_host_memory(const LlamaModel& model, int64_t B, int64_t T, bool attention_outputs = false);
 
 // Prefill: every chunk of `bounds` forward, nothing kept but K/V. Returns the summed loss when
 // with_loss (spaco reports the whole batch's loss although it backprops only some chunks).

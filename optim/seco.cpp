@@ -28,7 +28,7 @@ class SecoSchedule : public Schedule {
     const double norm = step_normaliser(batch, normaliser);
     const int64_t B = batch.B(), T = batch.T();
     model.ensure_positions(T);
-    KVStore& kv = step_store(store_, model, B, T, options_.offload_window);
+    KVStore& kv = step_store(store_, model, B, T, options_.offload_window, options_.save_attention);
     const size_t moved_before = kv.bytes_moved();
     arena_on(model.device()).reset_high_water();
     prefill(kv, model, batch, chunk_bounds(T, options_.chunk), norm, false, arena_, options_.mlp_shards);

@@ -29,6 +29,9 @@ void add_schedule_options(CLI::App* app, cw::ScheduleOptions& s) {
   app->add_option("--offload-window", s.offload_window,
                   "seco/spaco: K/V store layers kept on the device, the rest in pinned host memory (0: all on the device)")
       ->capture_default_str();
+  app->add_flag("--save-attention", s.save_attention,
+                "seco/spaco: the prefill saves each layer's attention output and lse (offloaded with the K/V "
+                "store), so the reverse sweep skips the attention forward");
   app->add_option("--mlp-shards", s.mlp_shards, "tiled MLP row shards (1: untiled, 0: automatic)")->capture_default_str();
   app->add_option("--chunk", s.chunk, "prefill chunk length in tokens (seco, spaco); 0: whole sequence")
       ->capture_default_str();
@@ -132,6 +135,8 @@ int main(int argc, char** argv) {
   plan->add_option("--recompute", po.recompute, "checkpointed: full | selective | none")->capture_default_str();
   plan->add_option("--mlp-shards", po.mlp_shards)->capture_default_str();
   plan->add_flag("--offload", po.offload, "checkpointed: layer inputs in pinned host memory");
+  plan->add_flag("--save-attention", po.save_attention,
+                 "seco/spaco: the prefill saves attention outputs, the reverse sweep skips attention forward");
   plan->add_option("--dtype", po.dtype)->capture_default_str();
   plan->add_option("--device-memory", po.device_memory_gib, "GiB (default: the GPU's, else 80)");
   plan->add_option("--json", po.json, "also write the plan as JSON");

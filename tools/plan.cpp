@@ -132,15 +132,18 @@ std::vector<int64_t> shard_rows(int64_t N, int64_t shards) {
   return rows;
 }
 
-// model/layer.cpp: block_forward's scratch (keep: the activations are given).
-void block_forward(ArenaReplay& a, const Shape& s, bool keep, int64_t mlp_shards) {
+// model/layer.cpp: block_forward's scratch (keep: the activations are given; from_saved: the
+// attention output is read from the store, so no K/V projections).
+void block_forward(ArenaReplay& a, const Shape& s, bool keep, int64_t mlp_shards, bool from_saved = false) {
   const LlamaConfig& cf = s.cf;
   Scope scope(a);
   const int64_t shards = resolve_mlp_shards(mlp_shards, cf, int64_t(s.N()));
   if (!keep) layer_activations(a, s, shards == 1);
   a.alloc(s.row(cf.q_dim()));   // q_pre
-  a.alloc(s.row(cf.kv_dim()));  // k_pre
-  a.alloc(s.row(cf.kv_dim()));  // v
+  if (!from_saved) {
+    a.alloc(s.row(cf.kv_dim()));  // k_pre
+    a.alloc(s.row(cf.kv_dim()));  // v
+  }
   a.alloc(s.row(cf.hidden_size));  // o (cuDNN's forward needs no workspace beyond its 256-byte minimum)
   a.alloc(s.row(cf.hidden_size));  // m
   if (shards > 1) {
@@ -216,7 +219,7 @@ void prefill_chunk(ArenaReplay& a, const Shape& s, int64_t mlp_shards, bool with
 }
 
 // optim/full.cpp backprop_chunk: ChunkActivations, the forward keeping them, then backward_chunk.
-void backprop_chunk(ArenaReplay& a, const Shape& s, const ActivationPolicy& p) {
+void backprop_chunk(ArenaReplay& a, const Shape& s, const ActivationPolicy& p, bool from_saved) {
   const LlamaConfig& cf = s.cf;
   const int64_t L = cf.num_hidden_layers;
   const bool keep_mlp = resolve_mlp_shards(p.mlp_shards, cf, int64_t(s.N())) == 1 && !p.recompute_mlp;
@@ -229,7 +232,7 @@ void backprop_chunk(ArenaReplay& a, const Shape& s, const ActivationPolicy& p) {
     for (int64_t l = 0; l < L; ++l) layer_activations(a, s, keep_mlp);
   a.alloc(s.row(cf.hidden_size));  // normed
   a.alloc(s.N() * s.acc);          // rstd
-  block_forward(a, s, p.keep_layers, p.mlp_shards);
+  block_forward(a, s, p.keep_layers, p.mlp_shards, from_saved);
   Scope backward(a);
   a.alloc(s.N() * s.acc);           // row_loss
   a.alloc(s.row(cf.hidden_size));   // d_normed
@@ -245,7 +248,7 @@ void backprop_chunk(ArenaReplay& a, const Shape& s, const ActivationPolicy& p) {
   Scope layer(a);
   layer_activations(a, s, keep_mlp);
   a.alloc(s.row(cf.hidden_size));  // recomputed_out
-  block_forward(a, s, true, p.mlp_shards);
+  block_forward(a, s, true, p.mlp_shards, from_saved);
   block_backward(a, s, keep_mlp, p.mlp_shards);
 }
 
@@ -257,6 +260,7 @@ std::string describe(const ScheduleOptions& o) {
   if (chunked(o)) s += fmt::format(" chunk {} bwd-chunk {}", o.chunk, o.bwd_chunk > 0 ? o.bwd_chunk : o.chunk);
   if (o.mlp_shards != 1) s += fmt::format(" mlp-shards {}", o.mlp_shards);
   if (o.offload_window > 0) s += fmt::format(" offload-window {}", o.offload_window);
+  if (o.save_attention) s += " save-attention";
   return s;
 }
 
@@ -304,12 +308,16 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
   r.device.emplace_back("optimizer", 2 * pool_block(n * acc));
   r.device.emplace_back("gradients", pool_block(n * acc));
 
-  // The K/V store: per layer K, V in the compute dtype, dK, dV in the accumulator dtype.
-  const size_t kv_elems = size_t(B * T * Hkv * D);
-  const size_t kv_layer = 2 * pool_block(kv_elems * e) + 2 * pool_block(kv_elems * acc);
+  // The K/V store: per layer K, V in the compute dtype, dK, dV in the accumulator dtype; with saved
+  // attention outputs also O [B, T, H, D] and lse [B, H, T].
+  const bool saved = chunked(o) && o.save_attention;
+  const size_t kv_elems = size_t(B * T * Hkv * D), out_elems = size_t(B * T * H * D), lse_elems = size_t(B * T * H);
+  size_t kv_layer = 2 * pool_block(kv_elems * e) + 2 * pool_block(kv_elems * acc);
+  if (saved) kv_layer += pool_block(out_elems * e) + pool_block(lse_elems * acc);
   const int64_t device_layers = o.offload_window > 0 ? o.offload_window : L;
   r.device.emplace_back("kv", kv_layer * size_t(device_layers));
-  if (o.offload_window > 0) r.host.emplace_back("kv", 2 * kv_elems * (e + acc) * size_t(L));
+  if (o.offload_window > 0)
+    r.host.emplace_back("kv", (2 * kv_elems * (e + acc) + (saved ? out_elems * e + lse_elems * acc : 0)) * size_t(L));
 
   // Activations: the arena over the step, the backward chunk that attends all T keys last (the
   // arena keeps its largest extent, so the order of phases does not matter).
@@ -317,7 +325,7 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
   ArenaReplay arena;
   if (chunked(o))
     prefill_chunk(arena, Shape{cf, B, r.chunk, T, e, acc}, o.mlp_shards, o.name == "spaco");
-  backprop_chunk(arena, Shape{cf, B, r.bwd_chunk, T, e, acc}, policy);
+  backprop_chunk(arena, Shape{cf, B, r.bwd_chunk, T, e, acc}, policy, saved);
   r.device.emplace_back("activations", arena.reserved());
   if (policy.offload_inputs) r.host.emplace_back("layer inputs", size_t(L) * size_t(B * T * C) * e);
   r.device.emplace_back("other", 2 * pool_block(size_t(T) * size_t(D / 2) * 4) + kCublasWorkspaceBytes);
@@ -342,6 +350,8 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
   const double extra_forward = !chunked(o) && !policy.keep_layers ? 1 : 0;
   const double passes = prefill + reverse * (1 + extra_forward + 2);
   double matmul = tokens * layer_matmul * passes;
+  // A recompute from saved attention outputs skips the K and V projections.
+  if (saved) matmul -= tokens * reverse * 2.0 * double(L) * double(2 * C * Hkv * D);
   // Selective recompute and the tiled MLP with kept activations run gate/up again in the backward.
   const bool keep_mlp = resolve_mlp_shards(o.mlp_shards, cf, B * r.bwd_chunk) == 1 && !policy.recompute_mlp;
   if (policy.keep_layers && !keep_mlp) matmul += tokens * reverse * mlp_gate_up;
@@ -349,8 +359,10 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
   const double head = 2.0 * double(V * C) * tokens * (3 * reverse + (o.name == "spaco" ? 1 : 0));
   // Attention: 4 H D flops per (query, key) pair and layer forward, 2.5x that backward.
   const double per_pair = 4.0 * double(H * D) * double(L) * double(B);
+  // With saved outputs the reverse sweep runs no attention forward.
+  const double reverse_forward = saved ? 0 : 1;
   const double attention = per_pair * (prefill * causal_pairs(T, r.chunk) +
-                                       reverse * causal_pairs(T, r.bwd_chunk) * (1 + extra_forward + 2.5));
+                                       reverse * causal_pairs(T, r.bwd_chunk) * (reverse_forward + extra_forward + 2.5));
   const double elementwise = tokens * double(L) * passes * double(16 * C + 6 * F) * double(e);
   const double optimizer = double(n) * (dtype == DType::bf16 ? 38.0 : 36.0);
   r.flops = matmul + head + attention;
@@ -466,6 +478,8 @@ int run_plan(const PlanOptions& po, std::ostream& out) {
   o.mlp_shards = po.mlp_shards;
   o.offload = po.offload;
   o.bwd_chunk = po.bwd_chunk;
+  o.save_attention = po.save_attention;
+  o.validate();
   auto number = [](const std::string& v, const char* flag) {
     try {
       size_t used = 0;

@@ -80,6 +80,7 @@ struct PlanOptions {
   std::string model = "llama-3.2-1b";
   int64_t seq = 4096, batch = 1;
   std::string schedule = "seco";
+  bool save_attention = false;
   std::string chunk = "0";           // a length, or "auto"
   int64_t bwd_chunk = 0;
   std::string offload_window = "0";  // layers of the K/V store on the device (0: all), or "auto"

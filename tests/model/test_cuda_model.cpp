@@ -118,7 +118,9 @@ TEST_CASE("cuda: seco and checkpointed (offload, selective, tiled MLP) equal ful
   offload.offload = true;  // layer inputs through pinned host memory on the side stream
   ScheduleOptions selective = named("checkpointed");
   selective.recompute = "selective";
-  for (const ScheduleOptions& o : {seco, ckpt, tiled, offload, selective}) {
+  ScheduleOptions saved = seco;  // the reverse sweep re-splits the prefill's saved attention outputs
+  saved.save_attention = true;
+  for (const ScheduleOptions& o : {seco, saved, ckpt, tiled, offload, selective}) {
     CAPTURE(o.name);
     gradients(model, batch, other, o, &loss);
     const Compared c = compare_sets(other, full);
@@ -154,6 +156,37 @@ TEST_CASE("cuda: seco and spaco with the K/V store offloaded equal the store on 
         gradients(model, batch, offloaded, o, &loss_off);
         for (size_t i = 0; i < on_device.size(); ++i) test::expect_same_bits(offloaded[i], on_device[i], "gradient");
         CHECK(loss_off == loss_dev);
+      }
+    }
+  }
+}
+
+TEST_CASE("cuda: seco and spaco with saved attention outputs equal them without, bitwise (deterministic)" *
+          doctest::skip(!cw::test::gpu_ready())) {
+  // Same chunks forward and backward: the prefill's attention output and lse are the bits the
+  // recompute would produce, so reading them back (from the device or through pinned host memory)
+  // must not change a bit.
+  test::DeterminismScope deterministic(true);
+  LlamaConfig cfg = tiny_config();
+  cfg.num_hidden_layers = 4;
+  for (const DType dt : {DType::f32, DType::bf16}) {
+    CAPTURE(dtype_name(dt));
+    const Batch batch = random_batch(2, 56, cfg.vocab_size, 14);
+    LlamaModel model(cfg, dt, Device::gpu(0));
+    init_parameters(model.params(), 8, 0.2, 0.1);
+    ParamSet plain(cfg, DType::f32, Device::gpu(0)), saved(cfg, DType::f32, Device::gpu(0));
+    for (const char* name : {"seco", "spaco"}) {
+      ScheduleOptions o = named(name, 8);
+      if (o.name == "spaco") o.keep = 4, o.seed = 3;
+      double loss_plain = 0, loss_saved = 0;
+      gradients(model, batch, plain, o, &loss_plain);
+      o.save_attention = true;
+      for (int64_t window : {0, 1, 2}) {
+        CAPTURE(window);
+        o.offload_window = window;
+        gradients(model, batch, saved, o, &loss_saved);
+        for (size_t i = 0; i < plain.size(); ++i) test::expect_same_bits(saved[i], plain[i], "gradient");
+        CHECK(loss_saved == loss_plain);
       }
     }
   }

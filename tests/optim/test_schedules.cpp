@@ -145,6 +145,68 @@ TEST_CASE("seco and spaco with the K/V store offloaded (window of layers) equal 
   CHECK_THROWS_WITH_AS(bad.validate(), doctest::Contains("offload_window applies to schedules seco and spaco"), Error);
 }
 
+TEST_CASE("seco and spaco with saved attention outputs equal them without; offloaded too, bitwise") {
+  // The prefill's attention output of a query equals the recompute's when the chunks are the same,
+  // so reading it back changes no bit; with other backward chunks it is the same math (1e-12).
+  Case c{"saved", 2, 40, 7, 0, 2, false, 1};
+  LlamaConfig cfg = config_for(c);
+  cfg.num_hidden_layers = 4;
+  LlamaModel model(cfg, DType::f64);
+  init_parameters(model.params(), 31, cfg.initializer_range, 0.1);
+  const Batch batch = batch_for(c, cfg, 32);
+  ParamSet g_full(cfg, DType::f64), g_plain(cfg, DType::f64), g_saved(cfg, DType::f64);
+  ScheduleOptions full;
+  run(full, model, batch, g_full);
+  for (const char* name : {"seco", "spaco"}) {
+    ScheduleOptions o;
+    o.name = name;
+    o.chunk = c.chunk;
+    if (o.name == "spaco") o.keep = 4, o.seed = 5;
+    for (int64_t window : {0, 1, 2, 3}) {
+      INFO(name, " offload_window ", window);
+      o.offload_window = window;
+      o.save_attention = false;
+      const Result plain = run(o, model, batch, g_plain);
+      o.save_attention = true;
+      auto s = Schedule::create(o);
+      for (int step = 0; step < 2; ++step) {  // the second step reuses the store
+        g_saved.zero();
+        const StepStats st = s->step(model, batch, g_saved);
+        CHECK(max_rel(g_saved, g_plain) == 0.0);
+        CHECK(st.loss == plain.loss);
+      }
+    }
+    if (o.name == "seco") CHECK(max_rel(g_saved, g_full) <= test::kSameMathF64Tol);
+  }
+  // Backward chunks other than the prefill's: the saved rows are re-split.
+  ScheduleOptions o;
+  o.name = "seco";
+  o.chunk = 7;
+  o.bwd_chunk = 5;
+  o.save_attention = true;
+  for (int64_t window : {0, 2}) {
+    o.offload_window = window;
+    run(o, model, batch, g_saved);
+    CHECK(max_rel(g_saved, g_full) <= test::kSameMathF64Tol);
+  }
+  // Offloaded, the recompute reads only the chunk's saved rows instead of the K/V prefix, which
+  // outweighs writing the outputs once many chunks attend a long prefix (here 24 chunks).
+  const Batch long_batch = random_batch(1, 96, cfg.vocab_size, 33);
+  o.chunk = o.bwd_chunk = 4;
+  o.offload_window = 2;
+  o.save_attention = false;
+  const Result plain = run(o, model, long_batch, g_plain);
+  o.save_attention = true;
+  const Result saved = run(o, model, long_batch, g_saved);
+  MESSAGE("bytes moved over 96 tokens in chunks of 4: ", plain.stats.kv_bytes_moved, " without saved outputs, ",
+          saved.stats.kv_bytes_moved, " with");
+  CHECK(saved.stats.kv_bytes_moved < plain.stats.kv_bytes_moved);
+  CHECK(max_rel(g_saved, g_plain) == 0.0);
+  ScheduleOptions bad;
+  bad.save_attention = true;  // full recomputes nothing
+  CHECK_THROWS_WITH_AS(bad.validate(), doctest::Contains("save_attention applies to schedules seco and spaco"), Error);
+}
+
 TEST_CASE("checkpointed with offloaded layer inputs equals checkpointed, bitwise") {
   Case c{"offload inputs", 2, 24, 0};
   LlamaConfig cfg = config_for(c);

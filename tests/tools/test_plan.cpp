@@ -93,6 +93,28 @@ TEST_CASE("plan: the K/V store moves to pinned host memory with an offload windo
   CHECK(a.peak_device_gib() - w.peak_device_gib() == doctest::Approx(kv_gib * 14 / 16).epsilon(0.01));
 }
 
+TEST_CASE("plan: saved attention outputs cost store memory and save the reverse sweep's attention forward") {
+  ScheduleOptions plain = sched("seco", 4096);
+  plain.offload_window = 2;
+  ScheduleOptions saved = plain;
+  saved.save_attention = true;
+  const PlanReport a = plan_step(one_b(), 1, 131072, plain, DType::bf16, 80);
+  const PlanReport s = plan_step(one_b(), 1, 131072, saved, DType::bf16, 80);
+  // 16 layers x 128K tokens x (bf16 O over 32 heads x 64 + f32 lse over 32 heads) = 8.25 GiB more host.
+  const double out_gib = 16.0 * 131072 * (32 * 64 * 2 + 32 * 4) / double(1 << 30);
+  CHECK(s.peak_host_gib() - a.peak_host_gib() == doctest::Approx(out_gib));
+  auto seconds = [](const PlanReport& r, const std::string& what) {
+    for (const auto& [name, t] : r.time)
+      if (name == what) return t;
+    return -1.0;
+  };
+  // Attention passes over the reverse tokens: forward + backward (2.5) -> backward only; the prefill
+  // keeps its one forward: (1 + 3.5) -> (1 + 2.5) of the same pairs.
+  CHECK(seconds(s, "attention") == doctest::Approx(seconds(a, "attention") * 3.5 / 4.5));
+  CHECK(s.step_s < a.step_s);
+  CHECK(s.schedule.find("save-attention") != std::string::npos);
+}
+
 TEST_CASE("plan: a run that cannot fit says which knob to turn; auto picks the fastest chunk that fits") {
   const PlanReport full = plan_step(one_b(), 1, 65536, sched("full"), DType::bf16, 80);
   CHECK_FALSE(full.fits);

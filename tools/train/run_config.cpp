@@ -63,6 +63,7 @@ std::vector<Field> fields_of(RunConfig& c) {
       {"schedule", "mlp_shards", &c.schedule.mlp_shards},
       {"schedule", "offload", &c.schedule.offload},
       {"schedule", "offload_window", &c.schedule.offload_window},
+      {"schedule", "save_attention", &c.schedule.save_attention},
       {"optimizer", "lr", &c.optimizer.lr},
       {"optimizer", "min_lr", &c.optimizer.min_lr},
       {"optimizer", "warmup_steps", &c.optimizer.warmup_steps},
@@ -598,6 +599,7 @@ ScheduleOptions RunConfig::schedule_options() const {
   o.mlp_shards = schedule.mlp_shards;
   o.offload = schedule.offload;
   o.offload_window = schedule.offload_window;
+  o.save_attention = schedule.save_attention;
   return o;
 }
 
@@ -697,6 +699,9 @@ offload = false
 mlp_shards = 1
 # seco, spaco: K/V store layers kept on the GPU, the rest in pinned host memory (0: all on the GPU).
 offload_window = 0
+# seco, spaco: the prefill saves each layer's attention output and log-sum-exp (with the K/V store,
+# offloaded with it), so the reverse sweep does not run the attention forward again.
+save_attention = false
 
 [optimizer]
 # AdamW. The rate rises linearly from 0 over warmup_steps to lr, then decays to min_lr by the last

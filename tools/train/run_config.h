@@ -63,6 +63,7 @@ struct RunConfig {
     int64_t mlp_shards = 1;               // tiled MLP row shards: 1 untiled, 0 automatic
     bool offload = false;                 // checkpointed: kept layer inputs in pinned host memory
     int64_t offload_window = 0;           // seco, spaco: K/V store layers on the GPU (0: all)
+    bool save_attention = false;          // seco, spaco: reverse sweep reads attention outputs saved by the prefill
     bool operator==(const Schedule&) const = default;
   };
   struct Optimizer {
