@@ -2,7 +2,7 @@
 
 #include "engine/ops/lm_head_loss.h"
 #include "engine/random.h"
-#include "optim/schedules_impl.h"
+#include "optim/chunks.h"
 
 namespace cw {
 
@@ -72,39 +72,6 @@ void ScheduleOptions::validate() const {
          "choose schedule spaco");
 }
 
-std::vector<int64_t> chunk_bounds(int64_t T, int64_t c) {
-  if (c <= 0 || c > T) c = T;
-  std::vector<int64_t> b;
-  for (int64_t t = 0; t < T; t += c) b.push_back(t);
-  b.push_back(T);
-  return b;
-}
-
-ChunkTokens slice_chunk(const Batch& batch, int64_t t0, int64_t t1, Arena& arena) {
-  const int64_t B = batch.B(), T = batch.T(), c = t1 - t0;
-  ChunkTokens ct;
-  ct.B = B;
-  ct.c = c;
-  ct.pos0 = t0;
-  ct.ids = arena.alloc(DType::i32, {B * c});
-  ct.labels = arena.alloc(DType::i32, {B * c});
-  if (arena.device().is_cpu()) {
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t t = 0; t < c; ++t) {
-        ct.ids.ptr<int32_t>()[b * c + t] = batch.ids.tensor.ptr<int32_t>()[b * T + t0 + t];
-        ct.labels.ptr<int32_t>()[b * c + t] = batch.labels.tensor.ptr<int32_t>()[b * T + t0 + t];
-      }
-    return ct;
-  }
-  // A device arena: the window packed on the host, then one upload per tensor.
-  OwnedTensor ids(DType::i32, {B, c}), labels(DType::i32, {B, c});
-  copy_convert(ids, batch.ids.tensor.slice(1, t0, c));
-  copy_convert(labels, batch.labels.tensor.slice(1, t0, c));
-  copy_convert(ct.ids.view({B, c}), ids);
-  copy_convert(ct.labels.view({B, c}), labels);
-  return ct;
-}
-
 Arena& Schedule::arena_on(Device device) {
   if (!(arena_.device() == device)) arena_ = Arena(device);
   return arena_;
@@ -117,13 +84,4 @@ std::unique_ptr<Schedule> Schedule::create(const ScheduleOptions& o) {
   return make_spaco_schedule(o);
 }
 
-}  // namespace cw
-
-namespace cw {
-double batch_loss(const LlamaModel& model, const Batch& batch, int64_t chunk, Arena& arena, double normaliser) {
-  const double norm = normaliser > 0 ? normaliser : std::max<double>(1.0, static_cast<double>(batch.supervised()));
-  const_cast<LlamaModel&>(model).ensure_positions(batch.T());
-  KVStore kv(model.config(), batch.B(), batch.T(), model.dtype(), false, model.device());
-  return prefill(kv, model, batch, chunk_bounds(batch.T(), chunk), norm, true, arena, 1);
-}
 }  // namespace cw

@@ -13,7 +13,7 @@
 // crossings are exactly what the accumulators carry. The prefill and backward chunk sizes are
 // independent for the same reason (the store can be re-split at any boundary).
 // Memory: one chunk's activations at a time (O(bwd_chunk)), plus the store, which grows with T.
-#include "optim/schedules_impl.h"
+#include "optim/chunks.h"
 
 namespace cw {
 
@@ -23,27 +23,16 @@ class SecoSchedule : public Schedule {
   using Schedule::Schedule;
 
   StepStats step(LlamaModel& model, const Batch& batch, const ParamSet& grads, double normaliser, uint64_t) override {
-    StepStats st;
-    st.supervised = batch.supervised();
-    const double norm = step_normaliser(batch, normaliser);
-    const int64_t B = batch.B(), T = batch.T();
-    model.ensure_positions(T);
-    KVStore& kv = step_store(store_, model, B, T, options_.offload_window, options_.save_attention);
-    const size_t moved_before = kv.bytes_moved();
-    arena_on(model.device()).reset_high_water();
-    prefill(kv, model, batch, chunk_bounds(T, options_.chunk), norm, false, arena_, options_.mlp_shards);
-    const std::vector<int64_t> bounds = chunk_bounds(T, options_.bwd_chunk > 0 ? options_.bwd_chunk : options_.chunk);
-    for (size_t i = bounds.size() - 1; i-- > 0;) {
-      st.loss += backprop_chunk(kv, model, batch, bounds[i], bounds[i + 1], grads, norm, arena_,
-                                activation_policy(options_));
-      kv.release_from(bounds[i]);
+    StepFrame f(*this, store_, model, batch, normaliser);
+    f.prefill(/*with_loss=*/false);  // 1. K/V of every token into the store
+    const std::vector<int64_t> b = f.sweep_bounds();
+    double loss = 0;
+    for (size_t i = b.size() - 1; i-- > 0;) {  // 2. chunks last to first
+      loss += f.backprop(b[i], b[i + 1], grads);  // reads dK/dV relayed by later chunks, adds its own
+      f.kv.release_from(b[i]);
     }
-    st.chunks = st.chunks_visited = static_cast<int64_t>(bounds.size()) - 1;
-    st.activation_high_water = arena_.high_water();
-    st.kv_bytes = kv.bytes();
-    st.kv_host_bytes = kv.host_bytes();
-    st.kv_bytes_moved = kv.bytes_moved() - moved_before;
-    return st;
+    const int64_t k = static_cast<int64_t>(b.size()) - 1;
+    return f.finish(loss, /*chunks=*/k, /*visited=*/k);
   }
 
  private:

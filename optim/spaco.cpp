@@ -26,7 +26,7 @@
 //     would make exactly the one-hop terms unbiased, but no per-hop constant fixes all orders.
 //   * The loss it reports is exact: the prefill computes every chunk's loss.
 #include "engine/random.h"
-#include "optim/schedules_impl.h"
+#include "optim/chunks.h"
 
 #include <algorithm>
 #include <cmath>
@@ -60,59 +60,51 @@ class SpacoSchedule : public Schedule {
 
   StepStats step(LlamaModel& model, const Batch& batch, const ParamSet& grads, double normaliser,
                  uint64_t step_index) override {
-    StepStats st;
-    st.supervised = batch.supervised();
-    const double norm = step_normaliser(batch, normaliser);
-    const int64_t B = batch.B(), T = batch.T();
-    model.ensure_positions(T);
-    KVStore& kv = step_store(store_, model, B, T, options_.offload_window, options_.save_attention);
-    const size_t moved_before = kv.bytes_moved();
-    arena_on(model.device()).reset_high_water();
-    st.loss = prefill(kv, model, batch, chunk_bounds(T, options_.chunk), norm, true, arena_, options_.mlp_shards);
-
-    const std::vector<int64_t> bounds = chunk_bounds(T, options_.bwd_chunk > 0 ? options_.bwd_chunk : options_.chunk);
-    const int64_t k = static_cast<int64_t>(bounds.size()) - 1;
+    StepFrame f(*this, store_, model, batch, normaliser);
+    const double loss = f.prefill(/*with_loss=*/true);  // seco's prefill; every chunk's loss
+    const std::vector<int64_t> b = f.sweep_bounds();
+    const int64_t k = static_cast<int64_t>(b.size()) - 1;
     const int64_t t = options_.keep > 0 ? std::min(options_.keep, k) : k;
-    std::vector<double> weight(static_cast<size_t>(k), 0.0);  // 0: not visited; else the loss weight
-    choose(batch, bounds, k, t, step_index, weight);
+    const std::vector<double> weight = choose(batch, b, t, step_index);  // 0: not visited; else the loss weight
 
     const double relay_factor = static_cast<double>(k) / static_cast<double>(t);
     double cumulative_relay = 1.0;
     bool later_visited = false;
-    for (int64_t i = k - 1; i >= 0; --i) {
+    for (int64_t i = k - 1; i >= 0; --i) {  // seco's reverse sweep over the visited chunks
       if (weight[static_cast<size_t>(i)] == 0.0) continue;
-      const int64_t s = bounds[static_cast<size_t>(i)], e = bounds[static_cast<size_t>(i) + 1];
+      const int64_t s = b[static_cast<size_t>(i)], e = b[static_cast<size_t>(i) + 1];
       if (later_visited && (options_.drop_relay || options_.scale_relay)) {
-        double f = 0.0;
+        double factor = 0.0;  // drop_relay
         if (!options_.drop_relay) {
-          f = relay_factor;
-          if (options_.relay_cap > 0) f = std::max(1.0, std::min(f, options_.relay_cap / cumulative_relay));
-          cumulative_relay *= f;
+          factor = relay_factor;
+          if (options_.relay_cap > 0) factor = std::max(1.0, std::min(factor, options_.relay_cap / cumulative_relay));
+          cumulative_relay *= factor;
         }
-        for (int l = 0; l < model.config().num_hidden_layers; ++l) {
-          for (const Tensor& g : {kv.d_keys(l, s, e), kv.d_values(l, s, e)}) {
-            if (f == 0.0) fill(g, 0.0);
-            else scale_inplace(g, f);
-          }
-        }
+        scale_relay(f.kv, model.config().num_hidden_layers, s, e, factor);
       }
-      backprop_chunk(kv, model, batch, s, e, grads, norm, arena_, activation_policy(options_),
-                     weight[static_cast<size_t>(i)]);
-      kv.release_from(s);
+      f.backprop(s, e, grads, weight[static_cast<size_t>(i)]);
+      f.kv.release_from(s);
       later_visited = true;
     }
-    st.chunks = k;
-    st.chunks_visited = t;
-    st.activation_high_water = arena_.high_water();
-    st.kv_bytes = kv.bytes();
-    st.kv_host_bytes = kv.host_bytes();
-    st.kv_bytes_moved = kv.bytes_moved() - moved_before;
-    return st;
+    return f.finish(loss, /*chunks=*/k, /*visited=*/t);
   }
 
  private:
-  void choose(const Batch& batch, const std::vector<int64_t>& bounds, int64_t k, int64_t t, uint64_t step_index,
-              std::vector<double>& weight) const {
+  // Multiplies the dK/dV that later chunks relayed into tokens [s, e) by `factor` (0: discards it).
+  static void scale_relay(const KVStore& kv, int64_t layers, int64_t s, int64_t e, double factor) {
+    for (int l = 0; l < layers; ++l) {
+      for (const Tensor& g : {kv.d_keys(l, s, e), kv.d_values(l, s, e)}) {
+        if (factor == 0.0) fill(g, 0.0);
+        else scale_inplace(g, factor);
+      }
+    }
+  }
+
+  // The sample: per chunk of `bounds` 0 when not visited, else its loss weight.
+  std::vector<double> choose(const Batch& batch, const std::vector<int64_t>& bounds, int64_t t,
+                             uint64_t step_index) const {
+    const int64_t k = static_cast<int64_t>(bounds.size()) - 1;
+    std::vector<double> weight(static_cast<size_t>(k), 0.0);
     Rng rng(mix64(options_.seed) ^ mix64(step_index + 0x9e37));
     std::vector<std::vector<int64_t>> strata(1);
     if (options_.stratified) {
@@ -140,6 +132,7 @@ class SpacoSchedule : public Schedule {
       const double w = options_.scale_loss ? static_cast<double>(strata[s].size()) / static_cast<double>(take[s]) : 1.0;
       for (int64_t i : sample(strata[s], take[s], rng)) weight[static_cast<size_t>(i)] = w;
     }
+    return weight;
   }
 
   std::optional<KVStore> store_;

@@ -100,7 +100,7 @@ struct Shape {
   size_t row(int64_t width) const { return N() * size_t(width) * e; }
 };
 
-// optim/full.cpp: activation_policy.
+// optim/chunks.cpp: activation_policy.
 ActivationPolicy policy_of(const ScheduleOptions& o) {
   const bool checkpointed = o.name == "checkpointed";
   ActivationPolicy p;
@@ -201,7 +201,7 @@ size_t lm_head_block(const Shape& s) {
   return size_t(rows * ld) * s.e + 8;
 }
 
-// optim/full.cpp prefill: one chunk forward, nothing kept.
+// optim/chunks.cpp prefill: one chunk forward, nothing kept.
 void prefill_chunk(ArenaReplay& a, const Shape& s, int64_t mlp_shards, bool with_loss) {
   Scope scope(a);
   a.alloc(s.N() * 4);  // ids
@@ -218,7 +218,7 @@ void prefill_chunk(ArenaReplay& a, const Shape& s, int64_t mlp_shards, bool with
   }
 }
 
-// optim/full.cpp backprop_chunk: ChunkActivations, the forward keeping them, then backward_chunk.
+// optim/chunks.cpp backprop_chunk: ChunkActivations, the forward keeping them, then backward_chunk.
 void backprop_chunk(ArenaReplay& a, const Shape& s, const ActivationPolicy& p, bool from_saved) {
   const LlamaConfig& cf = s.cf;
   const int64_t L = cf.num_hidden_layers;

@@ -324,6 +324,42 @@ TEST_CASE("spaco is unbiased for the chunk-local gradient (statistical, many see
   CHECK(biased > 50.0);
 }
 
+TEST_CASE("spaco's relay scaling multiplies exactly the relayed term (t = 2: one hop)") {
+  // With t = 2 visited chunks i < j, chunk i's backward sees the loss term A and the relay R from j:
+  // relay kept gives A + R, drop_relay A, scale_relay A + f R with f = k/t (or the cap). Backprop is
+  // linear in the relayed dK/dV, so scale_relay = drop + f (kept - drop) up to rounding.
+  const Case c{"relay", 1, 24, 4};
+  const LlamaConfig cfg = config_for(c);
+  LlamaModel model(cfg, DType::f64);
+  init_parameters(model.params(), 21, cfg.initializer_range, 0.1);
+  const Batch batch = batch_for(c, cfg, 22);
+  ScheduleOptions kept;
+  kept.name = "spaco";
+  kept.chunk = 4;  // k = 6
+  kept.keep = 2;
+  kept.seed = 3;
+  ScheduleOptions dropped = kept, scaled = kept, capped = kept;
+  dropped.drop_relay = true;
+  scaled.scale_relay = true;
+  capped.scale_relay = true;
+  capped.relay_cap = 2.0;
+  ParamSet g_kept(cfg, DType::f64), g_drop(cfg, DType::f64), g(cfg, DType::f64), want(cfg, DType::f64);
+  run(kept, model, batch, g_kept);
+  run(dropped, model, batch, g_drop);
+  REQUIRE(max_rel(g_kept, g_drop) > 1e-3);  // the relay matters
+  for (const auto& [o, f] : {std::pair{scaled, 3.0}, std::pair{capped, 2.0}}) {
+    run(o, model, batch, g);
+    for (size_t i = 0; i < g.size(); ++i) {
+      const double* k = g_kept[i].ptr<double>();
+      const double* d = g_drop[i].ptr<double>();
+      double* w = want[i].ptr<double>();
+      for (int64_t n = 0; n < g[i].numel(); ++n) w[n] = d[n] + f * (k[n] - d[n]);
+    }
+    CAPTURE(f);
+    CHECK(max_rel(g, want) <= test::kSameMathF64Tol);
+  }
+}
+
 TEST_CASE("seco activation memory is bounded by one chunk, whatever T") {
   const LlamaConfig cfg = LlamaConfig::preset("tiny");
   LlamaModel model(cfg, DType::f64);

@@ -1,0 +1,163 @@
+// The chunk machinery and the step frame (see chunks.h), and batch_loss, a prefill with loss.
+#include "optim/chunks.h"
+
+#include <algorithm>
+
+namespace cw {
+
+std::vector<int64_t> chunk_bounds(int64_t T, int64_t c) {
+  if (c <= 0 || c > T) c = T;
+  std::vector<int64_t> b;
+  for (int64_t t = 0; t < T; t += c) b.push_back(t);
+  b.push_back(T);
+  return b;
+}
+
+ChunkTokens slice_chunk(const Batch& batch, int64_t t0, int64_t t1, Arena& arena) {
+  const int64_t B = batch.B(), T = batch.T(), c = t1 - t0;
+  ChunkTokens ct;
+  ct.B = B;
+  ct.c = c;
+  ct.pos0 = t0;
+  ct.ids = arena.alloc(DType::i32, {B * c});
+  ct.labels = arena.alloc(DType::i32, {B * c});
+  if (arena.device().is_cpu()) {
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t t = 0; t < c; ++t) {
+        ct.ids.ptr<int32_t>()[b * c + t] = batch.ids.tensor.ptr<int32_t>()[b * T + t0 + t];
+        ct.labels.ptr<int32_t>()[b * c + t] = batch.labels.tensor.ptr<int32_t>()[b * T + t0 + t];
+      }
+    return ct;
+  }
+  // A device arena: the window packed on the host, then one upload per tensor.
+  OwnedTensor ids(DType::i32, {B, c}), labels(DType::i32, {B, c});
+  copy_convert(ids, batch.ids.tensor.slice(1, t0, c));
+  copy_convert(labels, batch.labels.tensor.slice(1, t0, c));
+  copy_convert(ct.ids.view({B, c}), ids);
+  copy_convert(ct.labels.view({B, c}), labels);
+  return ct;
+}
+
+ActivationPolicy activation_policy(const ScheduleOptions& o) {
+  const bool checkpointed = o.name == "checkpointed";
+  ActivationPolicy p;
+  p.keep_layers = !(checkpointed && o.recompute == "full");
+  p.mlp_shards = o.mlp_shards;
+  p.recompute_mlp = checkpointed && o.recompute == "selective";
+  p.offload_inputs = checkpointed && o.offload;
+  return p;
+}
+
+double prefill(KVStore& kv, const LlamaModel& model, const Batch& batch, const std::vector<int64_t>& bounds,
+               double normaliser, bool with_loss, Arena& arena, int64_t mlp_shards) {
+  double loss = 0;
+  for (size_t i = 0; i + 1 < bounds.size(); ++i) {
+    ArenaScope scope(arena);
+    const ChunkTokens chunk = slice_chunk(batch, bounds[i], bounds[i + 1], arena);
+    loss += forward_chunk(nullptr, kv, model, chunk, normaliser, with_loss, arena, mlp_shards);
+  }
+  return loss;
+}
+
+double backprop_chunk(KVStore& kv, const LlamaModel& model, const Batch& batch, int64_t t0, int64_t t1,
+                      const ParamSet& grads, double normaliser, Arena& arena, const ActivationPolicy& policy,
+                      double loss_weight) {
+  ArenaScope scope(arena);
+  const ChunkTokens chunk = slice_chunk(batch, t0, t1, arena);
+  ChunkActivations act = ChunkActivations::allocate(arena, model.config(), batch.B(), chunk.c, model.dtype(), policy);
+  forward_chunk(&act, kv, model, chunk, normaliser, false, arena);
+  return backward_chunk(grads, act, kv, model, chunk, normaliser, arena, loss_weight);
+}
+
+namespace {
+// The loss normaliser: the caller's total over micro-batches, else the batch's own count of
+// supervised labels (at least 1, so a batch with none gives loss 0 and no gradient).
+double step_normaliser(double given, int64_t supervised) {
+  return given > 0 ? given : std::max<double>(1.0, static_cast<double>(supervised));
+}
+
+// Pinned memory cannot be swapped: an offloaded store must leave the system a margin (a clear error,
+// never a swap storm).
+void check_host_memory(const LlamaModel& model, int64_t B, int64_t T, bool attention_outputs) {
+  const size_t need = KVStore::host_bytes_needed(model.config(), B, T, model.dtype(), true, attention_outputs);
+  const size_t have = host_memory_available();
+  if (have > 0 && need > have / 10 * 9)
+    fail(fmt::format("the K/V store with offload needs {:.1f} GiB of host memory for {} x {} tokens; {:.1f} GiB are "
+                     "available",
+                     double(need) / double(1ull << 30), B, T, double(have) / double(1ull << 30)),
+         "lower --seq or --batch, or free host memory (schedule.offload_window keeps only the window on the device)");
+}
+
+// RoPE positions for the batch's T tokens, then the schedule's K/V store for B x T, kept between steps
+// (rebuilt only when the shape, dtype, device, window or saved outputs change) and reset.
+// offload_window > 0 (and below the layer count): the store's layers live in host memory with that
+// many on the device. attention_outputs: the store also keeps the prefill's attention outputs.
+KVStore& step_store(std::optional<KVStore>& store, LlamaModel& model, int64_t B, int64_t T, int64_t offload_window,
+                    bool attention_outputs) {
+  model.ensure_positions(T);
+  const int64_t window = offload_window >= model.config().num_hidden_layers ? 0 : offload_window;
+  if (!store || store->batch() != B || store->tokens() != T || store->dtype() != model.dtype() ||
+      !(store->device() == model.device()) || store->offload_window() != window ||
+      store->has_outputs() != attention_outputs) {
+    store.reset();  // free the old store before allocating the new one
+    if (window > 0) check_host_memory(model, B, T, attention_outputs);
+    store.emplace(model.config(), B, T, model.dtype(), true, model.device(), window, attention_outputs);
+  }
+  store->reset();
+  return *store;
+}
+
+// The schedule's arena on the model's device, its high-water mark from now.
+Arena& step_arena(Schedule& schedule, Device device) {
+  Arena& arena = schedule.arena_on(device);
+  arena.reset_high_water();
+  return arena;
+}
+}  // namespace
+
+StepFrame::StepFrame(Schedule& schedule, std::optional<KVStore>& store, LlamaModel& model, const Batch& batch,
+                     double normaliser)
+    : options(schedule.options()),
+      model(model),
+      batch(batch),
+      supervised(batch.supervised()),
+      norm(step_normaliser(normaliser, supervised)),
+      kv(step_store(store, model, batch.B(), batch.T(), options.offload_window, options.save_attention)),
+      arena(step_arena(schedule, model.device())),
+      policy_(activation_policy(options)),
+      moved_before_(kv.bytes_moved()) {}
+
+double StepFrame::prefill(bool with_loss) {
+  return cw::prefill(kv, model, batch, chunk_bounds(batch.T(), options.chunk), norm, with_loss, arena,
+                     options.mlp_shards);
+}
+
+std::vector<int64_t> StepFrame::sweep_bounds() const {
+  return chunk_bounds(batch.T(), options.bwd_chunk > 0 ? options.bwd_chunk : options.chunk);
+}
+
+double StepFrame::backprop(int64_t t0, int64_t t1, const ParamSet& grads, double loss_weight) {
+  return backprop_chunk(kv, model, batch, t0, t1, grads, norm, arena, policy_, loss_weight);
+}
+
+StepStats StepFrame::finish(double loss, int64_t chunks, int64_t visited) const {
+  StepStats st;
+  st.loss = loss;
+  st.supervised = supervised;
+  st.chunks = chunks;
+  st.chunks_visited = visited;
+  st.activation_high_water = arena.high_water();
+  st.kv_bytes = kv.bytes();
+  st.kv_host_bytes = kv.host_bytes();
+  st.kv_bytes_moved = kv.bytes_moved() - moved_before_;
+  return st;
+}
+
+double batch_loss(const LlamaModel& model, const Batch& batch, int64_t chunk, Arena& arena, double normaliser) {
+  const double norm = step_normaliser(normaliser, batch.supervised());
+  const_cast<LlamaModel&>(model).ensure_positions(batch.T());
+  KVStore kv(model.config(), batch.B(), batch.T(), model.dtype(), false, model.device());
+  return prefill(kv, model, batch, chunk_bounds(batch.T(), chunk), norm, true, arena, 1);
+}
+
+}  // namespace cw

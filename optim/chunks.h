@@ -1,0 +1,72 @@
+// Internal to optim/: the chunk machinery every schedule is built from, the frame a step runs in, and
+// the constructors of the concrete schedules.
+//
+// Chunk machinery: a chunk is tokens [t0, t1) of every sequence of the batch (chunk_bounds and
+// slice_chunk, declared in schedule.h). `prefill` runs chunks forward keeping nothing but their K/V
+// in the store; `backprop_chunk` recomputes one chunk keeping its activations and backprops its loss,
+// the attention backward adding dK/dV of keys [0, t1) into the store's accumulators and the chunk's
+// own K/V gradient read back from them (the relay from later chunks included).
+//
+// StepFrame: what every step does before and after its algorithm. Constructed, it counts the batch's
+// labels, fixes the loss normaliser, extends the RoPE tables to T, takes the schedule's K/V store
+// (rebuilt only when the shape changes, zeroed) and its arena on the model's device with the
+// high-water mark reset; finish() fills in StepStats (loss, chunks, the arena's peak, the store's
+// bytes and what it moved to and from the host during the step).
+#pragma once
+
+#include "optim/schedule.h"
+
+#include <optional>
+
+namespace cw {
+
+std::unique_ptr<Schedule> make_full_schedule(const ScheduleOptions& o);
+std::unique_ptr<Schedule> make_seco_schedule(const ScheduleOptions& o);
+std::unique_ptr<Schedule> make_spaco_schedule(const ScheduleOptions& o);
+
+// The activation policy a schedule's options ask for (checkpointed with recompute = full keeps
+// layer inputs only; every schedule may tile the MLP).
+ActivationPolicy activation_policy(const ScheduleOptions& o);
+
+// Prefill: every chunk of `bounds` forward, nothing kept but K/V. Returns the summed loss when
+// with_loss (spaco reports the whole batch's loss although it backprops only some chunks).
+double prefill(KVStore& kv, const LlamaModel& model, const Batch& batch, const std::vector<int64_t>& bounds,
+               double normaliser, bool with_loss, Arena& arena, int64_t mlp_shards);
+
+// Tokens [t0, t1) of every sequence: recompute the chunk through all layers keeping its
+// activations (against the store's K/V of [0, t0)), then backprop its loss, adding parameter
+// gradients into `grads` and K/V gradients into the store. Returns the chunk's loss. Everything it
+// allocates is released on return. loss_weight scales the gradient (spaco's k/t).
+double backprop_chunk(KVStore& kv, const LlamaModel& model, const Batch& batch, int64_t t0, int64_t t1,
+                      const ParamSet& grads, double normaliser, Arena& arena, const ActivationPolicy& policy,
+                      double loss_weight = 1.0);
+
+class StepFrame {
+ public:
+  // `store` is the schedule's, kept between steps; the options' offload_window places it.
+  StepFrame(Schedule& schedule, std::optional<KVStore>& store, LlamaModel& model, const Batch& batch,
+            double normaliser);
+
+  // Every prefill chunk (options.chunk) forward into the store; the summed loss when with_loss.
+  double prefill(bool with_loss);
+  // The reverse sweep's chunk boundaries (options.bwd_chunk, else options.chunk).
+  std::vector<int64_t> sweep_bounds() const;
+  // backprop_chunk of tokens [t0, t1) under the options' activation policy; the chunk's loss.
+  double backprop(int64_t t0, int64_t t1, const ParamSet& grads, double loss_weight = 1.0);
+  // The step's statistics: `chunks` reverse-sweep chunks of which `visited` were backpropagated.
+  StepStats finish(double loss, int64_t chunks, int64_t visited) const;
+
+  const ScheduleOptions& options;
+  const LlamaModel& model;
+  const Batch& batch;
+  const int64_t supervised;  // labels that carry loss
+  const double norm;         // the loss normaliser
+  KVStore& kv;
+  Arena& arena;
+
+ private:
+  const ActivationPolicy policy_;
+  const size_t moved_before_;  // the store's host <-> device bytes before the step
+};
+
+}  // namespace cw
