@@ -13,6 +13,9 @@
 // crossings are exactly what the accumulators carry. The prefill and backward chunk sizes are
 // independent for the same reason (the store can be re-split at any boundary).
 // Memory: one chunk's activations at a time (O(bwd_chunk)), plus the store, which grows with T.
+// With schedule.save_attention the prefill also keeps each layer's attention output and lse in the
+// store, and step 2's recompute reads them instead of attending again (model/kv_store.h): the same
+// values, one attention forward fewer per token.
 #include "optim/chunks.h"
 
 namespace cw {
