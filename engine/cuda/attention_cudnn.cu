@@ -43,12 +43,8 @@
 
 #include <algorithm>
 #include <array>
-#include <atomic>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
-#include <functional>
 #include <limits>
 #include <map>
 #include <memory>
@@ -58,7 +54,6 @@
 #include <vector>
 
 namespace cw::gpu {
-
 namespace {
 
 [[noreturn]] void raise_cudnn(cudnnStatus_t s, const char* expr, const char* file, int line) {
@@ -69,20 +64,12 @@ namespace {
                           last[0] ? ": " : "", last));
 }
 
-}  // namespace
-
-}  // namespace cw::gpu
-
 // Every cuDNN call: the status name and cuDNN's own last error message become the cw::Error.
 #define CW_CUDNN_CHECK(expr)                                                                  \
   do {                                                                                        \
     const cudnnStatus_t cw_dnn_st_ = (expr);                                                  \
-    if (cw_dnn_st_ != CUDNN_STATUS_SUCCESS) ::cw::gpu::raise_cudnn(cw_dnn_st_, #expr, __FILE__, __LINE__); \
+    if (cw_dnn_st_ != CUDNN_STATUS_SUCCESS) raise_cudnn(cw_dnn_st_, #expr, __FILE__, __LINE__); \
   } while (0)
-
-namespace cw::gpu {
-
-namespace {
 
 constexpr int64_t kMinCudnnVersion = 90300;  // bottom-right causal masks in the fused engine
 constexpr int64_t kMaxHeadDim = 128;
@@ -255,23 +242,11 @@ struct Shape {
   }
 };
 
-// One finalized way to run a graph: its configuration and execution plan.
-struct Alternative {
-  std::unique_ptr<Desc> engine_cfg, plan;
-  std::vector<std::unique_ptr<Desc>> cfg_parts;  // engine/knob descriptors `engine_cfg` refers to
-  int64_t workspace = 0;
-  std::string what;  // engine index and knobs
-};
-
 struct Plan {
   std::vector<std::unique_ptr<Desc>> descs;  // the graph's descriptors (kept alive with the plan)
   std::unique_ptr<Desc> engine_cfg, plan;
   std::vector<std::unique_ptr<Desc>> cfg_parts;  // engine/knob descriptors of a built configuration
   int64_t workspace = 0;
-  // With CW_CUDNN_AUTOTUNE=1: the other configurations within kWorkspaceLimit, timed against the
-  // chosen one on the first call (then cleared).
-  std::vector<Alternative> alternatives;
-  std::string what;  // engine index and knobs of the chosen configuration
   std::string info;  // engine index, notes, form
 };
 
@@ -464,8 +439,6 @@ std::string last_cudnn_error() {
 }
 
 bool verbose();
-bool autotune();
-constexpr size_t kMaxAlternatives = 32;  // configurations timed per plan with CW_CUDNN_AUTOTUNE
 
 // Descriptor arrays the backend hands out: `count` fresh descriptors of `type` filled by attribute
 // `name` of `d` (the backend API needs them created before it can fill them).
@@ -559,11 +532,9 @@ std::unique_ptr<Candidate> make_config(cudnnBackendDescriptor_t graph, int64_t i
 }
 
 // The heuristics' configurations for `graph` (mode A, then the fallback list), each followed by its
-// siblings with the other values of the engine's WORKSPACE knob where it has one: cuDNN's fused
-// attention backward engine stages the score gradients in a c x S workspace by default (8 GiB at
-// 8K tokens and 32 heads) and also runs without it, the choice being that knob.
-// With `autotune`, the siblings cover every knob of the engine (a few values each), for timing.
-std::vector<std::unique_ptr<Candidate>> candidates(cudnnBackendDescriptor_t graph, bool autotune, std::string* errors) {
+// siblings with the other values of the engine's WORKSPACE knob where it has one (an engine may
+// stage the score gradients in a c x S workspace or run without it, the choice being that knob).
+std::vector<std::unique_ptr<Candidate>> candidates(cudnnBackendDescriptor_t graph, std::string* errors) {
   std::vector<std::unique_ptr<Candidate>> out;
   for (cudnnBackendHeurMode_t mode : {CUDNN_HEUR_MODE_A, CUDNN_HEUR_MODE_FALLBACK}) {
     Desc heur(CUDNN_BACKEND_ENGINEHEUR_DESCRIPTOR);
@@ -597,14 +568,13 @@ std::vector<std::unique_ptr<Candidate>> candidates(cudnnBackendDescriptor_t grap
         int64_t lo = 0, hi = 0, stride = 1;
         if (cudnnBackendGetAttribute(info->d, CUDNN_ATTR_KNOB_INFO_TYPE, CUDNN_TYPE_KNOB_TYPE, 1, &n, &type) !=
                 CUDNN_STATUS_SUCCESS ||
-            (type != CUDNN_KNOB_TYPE_WORKSPACE && !autotune))
+            type != CUDNN_KNOB_TYPE_WORKSPACE)
           continue;
         cudnnBackendGetAttribute(info->d, CUDNN_ATTR_KNOB_INFO_MINIMUM_VALUE, CUDNN_TYPE_INT64, 1, &n, &lo);
         cudnnBackendGetAttribute(info->d, CUDNN_ATTR_KNOB_INFO_MAXIMUM_VALUE, CUDNN_TYPE_INT64, 1, &n, &hi);
         cudnnBackendGetAttribute(info->d, CUDNN_ATTR_KNOB_INFO_STRIDE, CUDNN_TYPE_INT64, 1, &n, &stride);
         stride = std::max<int64_t>(stride, 1);
-        const int max_tries = type == CUDNN_KNOB_TYPE_WORKSPACE ? 4 : 8;
-        for (int64_t value = lo, tries = 0; value <= hi && tries < max_tries; value += stride, ++tries) {
+        for (int64_t value = lo, tries = 0; value <= hi && tries < 4; value += stride, ++tries) {
           Knobs k = base;
           auto it = std::find_if(k.begin(), k.end(), [type](const auto& kv) { return kv.first == type; });
           if (it != k.end() && it->second == value) continue;  // the heuristic's own choice
@@ -639,12 +609,11 @@ std::unique_ptr<Plan> build_plan(cudnnHandle_t handle, const Shape& sh, std::str
   plan->descs = g.take();
 
   std::string errors, tried;
-  const bool tune = autotune();
   std::unique_ptr<Candidate> best;
   std::unique_ptr<Desc> best_plan;
   int64_t best_ws = 0;
   std::string best_notes;
-  for (auto& c : candidates(graph, tune, &errors)) {
+  for (auto& c : candidates(graph, &errors)) {
     Desc engine(CUDNN_BACKEND_ENGINE_DESCRIPTOR);
     int64_t n = 0;
     bool nondet = false;
@@ -668,25 +637,13 @@ std::unique_ptr<Plan> build_plan(cudnnHandle_t handle, const Shape& sh, std::str
     CW_CUDNN_CHECK(cudnnBackendGetAttribute(ep->d, CUDNN_ATTR_EXECUTION_PLAN_WORKSPACE_SIZE, CUDNN_TYPE_INT64, 1, &n, &ws));
     tried += CW_FORMAT("\n    engine {} knobs {} ({}; notes {}): workspace {} bytes", c->engine, knobs_str(c->knobs),
                        c->source, notes, ws);
-    if (tune && best && best_ws <= kWorkspaceLimit && ws <= kWorkspaceLimit) {
-      if (plan->alternatives.size() < kMaxAlternatives) {
-        Alternative alt;
-        alt.engine_cfg = std::move(c->cfg);
-        alt.cfg_parts = std::move(c->parts);
-        alt.plan = std::move(ep);
-        alt.workspace = ws;
-        alt.what = CW_FORMAT("engine {} knobs {}", c->engine, knobs_str(c->knobs));
-        plan->alternatives.push_back(std::move(alt));
-      }
-      continue;
-    }
     if (!best || ws < best_ws) {
       best = std::move(c);
       best_plan = std::move(ep);
       best_ws = ws;
       best_notes = notes;
     }
-    if (best_ws <= kWorkspaceLimit && !tune) break;
+    if (best_ws <= kWorkspaceLimit) break;
   }
   if (!best) {
     *why = errors.empty() ? "no engine" : errors;
@@ -696,7 +653,6 @@ std::unique_ptr<Plan> build_plan(cudnnHandle_t handle, const Shape& sh, std::str
   plan->plan = std::move(best_plan);
   plan->engine_cfg = std::move(best->cfg);
   plan->cfg_parts = std::move(best->parts);
-  plan->what = CW_FORMAT("engine {} knobs {}", best->engine, knobs_str(best->knobs));
   plan->info = CW_FORMAT("engine {} knobs {} ({}; notes {}); workspace {} bytes; {}{}", best->engine,
                          knobs_str(best->knobs), best->source, best_notes, best_ws, sh.form(),
                          verbose() ? "\n  candidates:" + tried : "");
@@ -707,13 +663,6 @@ bool verbose() {
   static const bool v = env_switch("CW_CUDNN_VERBOSE", "CW_CUDNN_VERBOSE=1 describes each cuDNN attention plan on stderr");
   return v;
 }
-std::atomic<bool>& autotune_switch() {
-  static std::atomic<bool> on{env_switch(
-      "CW_CUDNN_AUTOTUNE", "CW_CUDNN_AUTOTUNE=1 times every cuDNN attention configuration on a plan's first call")};
-  return on;
-}
-bool autotune() { return autotune_switch().load(); }
-
 // The cached plan for `sh`, built on first use; nullptr (with cuDNN's reasons) if cuDNN cannot serve it.
 const Plan* get_plan(const Shape& sh, std::string* why) {
   std::lock_guard lock(g_mutex);
@@ -780,116 +729,40 @@ Shape shape_of(const Tensor& q, const Tensor& k, const Tensor& v, bool backward)
                k.size(1),      q.size(3),  k.stride[0], v.stride[0], backward && cw::deterministic()};
 }
 
-void check_gpu_operand(const Tensor& t, const Tensor& q, const char* what) {
-  check_device_operand(t, q, what, "attention q", /*contiguous=*/false);
-  CW_CHECK(aligned(t.data), "cuDNN attention: {} is not 16-byte aligned", what);
-}
-
-// The operand checks of the op (engine/ops/attention.cpp), for device tensors.
-void check_common(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const AttentionSaved& saved) {
-  std::string why = static_reason(q, k);
+// What is cuDNN's own on top of the op's contract (engine/ops/attention.cpp checks shapes, dtypes,
+// layouts and devices before any backend runs): the static conditions, a V batch stride that keeps
+// rows 16-byte aligned, and 16-byte aligned operands.
+void check_operands(const Tensor& q, const Tensor& k, const Tensor& v, std::initializer_list<const Tensor*> others) {
+  const std::string why = static_reason(q, k);
   CW_CHECK(why.empty(), "cuDNN attention cannot take q {} k {}: {}", q.describe(), k.describe(), why);
-  const int64_t B = q.size(0), c = q.size(1), H = q.size(2), D = q.size(3), S = k.size(1), Hkv = k.size(2);
-  check_same_shape(v, k, "attention v", "attention k");
-  check_same_shape(out, q, "attention out", "attention q");
-  check_shape(saved.lse, {B, H, c}, "attention saved lse");
-  check_dtype(saved.lse, DType::f32, "attention saved lse");
-  check_dtype(v, DType::bf16, "attention v");
-  check_dtype(out, DType::bf16, "attention out");
-  check_contiguous(out, "attention out");
-  check_contiguous(saved.lse, "attention saved lse");
-  CW_CHECK(v.stride[1] == Hkv * D && v.stride[2] == D && v.stride[3] == 1 && v.stride[0] % 8 == 0,
-           "attention v {}: [S, Hkv, D] must be packed and the batch stride a multiple of 8", v.describe());
-  (void)S;
-  for (const Tensor* t : {&k, &v, &out, &saved.lse}) check_gpu_operand(*t, q, "attention operand");
+  CW_CHECK(v.stride[0] % 8 == 0, "cuDNN attention: v {} needs a batch stride that is a multiple of 8", v.describe());
+  for (const Tensor* t : others)
+    CW_CHECK(!t->device.is_cpu() && aligned(t->data), "cuDNN attention: operand {} is not a 16-byte aligned device tensor",
+             t->describe());
 }
 
-// Mean ms of three runs of execution plan `ep` after one untimed run; `reset` (if any) before each.
-float time_plan(cudnnHandle_t handle, cudnnBackendDescriptor_t ep, cudnnBackendDescriptor_t pack, cudaStream_t stream,
-                const std::function<void()>& reset) {
-  auto run = [&] {
-    if (reset) reset();
-    CW_CUDNN_CHECK(cudnnBackendExecute(handle, ep, pack));
-  };
-  cudaEvent_t start, stop;
-  CW_CUDA_CHECK(cudaEventCreate(&start));
-  CW_CUDA_CHECK(cudaEventCreate(&stop));
-  run();
-  CW_CUDA_CHECK(cudaEventRecord(start, stream));
-  for (int r = 0; r < 3; ++r) run();
-  CW_CUDA_CHECK(cudaEventRecord(stop, stream));
-  CW_CUDA_CHECK(cudaEventSynchronize(stop));
-  float ms = 0;
-  CW_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  return ms / 3;
-}
-
-// Times the plan's configuration and its alternatives on the operands of `pack` (every output of
-// the graph is overwritten, so the runs may repeat; `reset` restores what a run consumes), keeps
-// the fastest in `plan` and drops the rest. Called with g_mutex held.
-void autotune_plan(Plan& plan, cudnnHandle_t handle, cudnnBackendDescriptor_t pack, cudaStream_t stream,
-                   const std::function<void()>& reset) {
-  float best_ms = time_plan(handle, plan.plan->d, pack, stream, reset);
-  std::string table = CW_FORMAT("  {} (heuristics' choice): {} ms", plan.what, best_ms);
-  size_t best = plan.alternatives.size();
-  for (size_t i = 0; i < plan.alternatives.size(); ++i) {
-    const float ms = time_plan(handle, plan.alternatives[i].plan->d, pack, stream, reset);
-    table += CW_FORMAT("\n  {}: {} ms", plan.alternatives[i].what, ms);
-    if (ms < best_ms) best_ms = ms, best = i;
-  }
-  if (best < plan.alternatives.size()) {
-    Alternative& alt = plan.alternatives[best];
-    std::swap(plan.engine_cfg, alt.engine_cfg);
-    std::swap(plan.plan, alt.plan);
-    std::swap(plan.cfg_parts, alt.cfg_parts);
-    std::swap(plan.workspace, alt.workspace);
-    std::swap(plan.what, alt.what);
-    plan.info = plan.what + " (autotuned); " + plan.info;
-  }
-  if (verbose())
-    std::fprintf(stderr, "cuDNN attention autotune (%zu configurations): kept %s, %.4f ms\n%s\n",
-                 plan.alternatives.size() + 1, plan.what.c_str(), static_cast<double>(best_ms), table.c_str());
-  plan.alternatives.clear();
-}
-
-// Runs `plan` on the operands of the variant pack. With CW_CUDNN_AUTOTUNE=1 the first call of a
-// plan first tunes it on these operands (autotune_plan; `reset` restores what a run consumes, here
-// the dQ accumulator where we zero it).
-void execute(const Plan& cplan, int device, const std::vector<int64_t>& uids, const std::vector<void*>& ptrs,
-             Arena& scratch, const std::function<void()>& reset = {}) {
+// Runs `plan` on the operands of the variant pack, its workspace from `scratch`.
+void execute(const Plan& plan, int device, const std::vector<int64_t>& uids, const std::vector<void*>& ptrs,
+             Arena& scratch) {
   ArenaScope scope(scratch);
   cudnnHandle_t handle;
   {
     std::lock_guard lock(g_mutex);
     handle = device_state(device).handle;
   }
-  // Plans are immutable once tuned; the tuning itself (first call only) changes one under g_mutex.
-  Plan& plan = const_cast<Plan&>(cplan);
-  std::unique_lock tune_lock(g_mutex, std::defer_lock);
-  if (!plan.alternatives.empty()) tune_lock.lock();
-  const bool tuning = tune_lock.owns_lock() && !plan.alternatives.empty();  // another call may have tuned it
-  int64_t ws_bytes = plan.workspace;
-  if (tuning)
-    for (const Alternative& alt : plan.alternatives) ws_bytes = std::max(ws_bytes, alt.workspace);
   void* ws = nullptr;
-  if (ws_bytes > 0) {
+  if (plan.workspace > 0) {
     CW_CHECK(scratch.device() == Device::gpu(device), "cuDNN attention: the scratch arena is on {}, not cuda:{}",
              device_name(scratch.device()), device);
-    ws = scratch.alloc_bytes(static_cast<size_t>(ws_bytes));
+    ws = scratch.alloc_bytes(static_cast<size_t>(plan.workspace));
   }
-  cudaStream_t stream = current_stream(device);  // also makes the device current
+  current_stream(device);  // makes the device current
   Desc pack(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR);
   set_attr(pack.d, CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, CUDNN_TYPE_INT64, static_cast<int64_t>(uids.size()), uids.data());
   set_attr(pack.d, CUDNN_ATTR_VARIANT_PACK_DATA_POINTERS, CUDNN_TYPE_VOID_PTR, static_cast<int64_t>(ptrs.size()),
            ptrs.data());
   set_attr(pack.d, CUDNN_ATTR_VARIANT_PACK_WORKSPACE, CUDNN_TYPE_VOID_PTR, 1, &ws);
   CW_CUDNN_CHECK(cudnnBackendFinalize(pack.d));
-  if (tuning) {
-    autotune_plan(plan, handle, pack.d, stream, reset);
-    if (reset) reset();
-  }
   CW_CUDNN_CHECK(cudnnBackendExecute(handle, plan.plan->d, pack.d));
 }
 
@@ -991,8 +864,6 @@ bool cudnn_attention_supports(const Tensor& q, const Tensor& k, std::string* why
   return supports(q, k, false, why_not) && supports(q, k, true, why_not);
 }
 
-void set_cudnn_autotune(bool on) { autotune_switch().store(on); }
-bool cudnn_autotune() { return autotune(); }
 
 bool cudnn_attention_forward_supports(const Tensor& q, const Tensor& k, std::string* why_not) {
   return supports(q, k, false, why_not);
@@ -1019,7 +890,7 @@ bool cudnn_attention_backward_fits(const Tensor& q, const Tensor& k, const Tenso
 
 void cudnn_attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
                              const Tensor& v, double scale, Arena& scratch) {
-  check_common(q, k, v, out, saved);
+  check_operands(q, k, v, {&v, &out, &saved.lse});
   const Shape sh = shape_of(q, k, v, false);
   std::string why;
   const Plan* plan = get_plan(sh, &why);
@@ -1035,24 +906,8 @@ void cudnn_attention_forward(const Tensor& out, const AttentionSaved& saved, con
 void cudnn_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,
                               const AttentionSaved& saved, const Tensor& q, const Tensor& k, const Tensor& v,
                               const Tensor& out, double scale, GradMode mode, Arena& scratch) {
-  check_common(q, k, v, out, saved);
-  check_same_shape(d_q, q, "attention d_q", "attention q");
-  check_same_shape(d_out, q, "attention d_out", "attention q");
-  check_dtype(d_q, DType::bf16, "attention d_q");
-  check_dtype(d_out, DType::bf16, "attention d_out");
-  check_contiguous(d_q, "attention d_q");
-  check_contiguous(d_out, "attention d_out");
-  check_gpu_operand(d_q, q, "attention d_q");
-  check_gpu_operand(d_out, q, "attention d_out");
+  check_operands(q, k, v, {&v, &out, &saved.lse, &d_q, &d_out});
   const int64_t B = q.size(0), c = q.size(1), H = q.size(2), D = q.size(3), S = k.size(1), Hkv = k.size(2);
-  for (const Tensor* t : {&d_k, &d_v}) {
-    check_same_shape(*t, k, "attention d_k/d_v", "attention k");
-    check_dtype(*t, DType::f32, "attention d_k/d_v");
-    CW_CHECK(t->stride[1] == Hkv * D && t->stride[2] == D && t->stride[3] == 1,
-             "attention d_k/d_v {}: the [S, Hkv, D] part must be packed", t->describe());
-    CW_CHECK(!t->device.is_cpu() && t->device == q.device, "attention d_k/d_v {} must be on {}", t->describe(),
-             device_name(q.device));
-  }
   const int dev = q.device.index;
   cudaStream_t stream = current_stream(dev);
   ArenaScope scope(scratch);
@@ -1068,15 +923,11 @@ void cudnn_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor
   // The f32 dQ accumulator first, so that it sits at the same scratch address call after call
   // (the tests' second backward then catches an accumulator left unzeroed).
   void* dq_accum = nullptr;
-  std::function<void()> zero_accum;
   if (sh.dq_accum()) {
     const size_t bytes = static_cast<size_t>(B * c * H * D) * sizeof(float);
     dq_accum = scratch.alloc_bytes(bytes);
     // cuDNN 9.6 and newer zero the accumulator themselves; older versions add into what they get.
-    if (runtime_version() < 90600) {
-      zero_accum = [=] { CW_CUDA_CHECK(cudaMemsetAsync(dq_accum, 0, bytes, stream)); };
-      zero_accum();
-    }
+    if (runtime_version() < 90600) CW_CUDA_CHECK(cudaMemsetAsync(dq_accum, 0, bytes, stream));
   }
   const Tensor dk_s = scratch.alloc(DType::bf16, {B, S, Hkv, D}), dv_s = scratch.alloc(DType::bf16, {B, S, Hkv, D});
   const bool accumulate = mode == GradMode::accumulate;
@@ -1096,7 +947,7 @@ void cudnn_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor
     ptrs.push_back(dq_accum);
   }
   m.add_to(uids, ptrs);
-  execute(*plan, dev, uids, ptrs, scratch, zero_accum);
+  execute(*plan, dev, uids, ptrs, scratch);
 
   // d_k += dK, d_v += dV (batch strides honoured), then d_q += dQ in accumulate mode.
   CW_CHECK(B <= 65535, "cuDNN attention: {} batch entries exceed the grid", B);
