@@ -1,7 +1,19 @@
-// Internal to engine/cuda: what our flash attention kernels share (attention_flash.cu, the
-// mma.sync tensor-core and SIMT kernels; attention_flash_hopper.cu, the wgmma kernels of sm_90a):
-// the problem description, the operand pointers, cp.async and bf16 helpers, the CTA-to-block
-// mapping and the launch helper. The math and the layouts are described in attention_flash.cu.
+// Internal to engine/cuda: what the flash attention families share. The families (one file each)
+// compute the op of engine/ops/attention.h; attention_flash.cu checks the operands and runs the one
+// the chooser named.
+//   Math (batch b, query head h, its K/V head g = h / group; query i at position p + i sees keys
+//   j <= p + i of the S = p + c keys):
+//     s_ij = scale q_i . k_j,  lse_i = log sum_j exp(s_ij),  P_ij = exp(s_ij - lse_i),  out_i = sum_j P_ij v_j;
+//     Delta_i = d_out_i . out_i,  dS_ij = P_ij (d_out_i . v_j - Delta_i),
+//     d_q_i = scale sum_j dS_ij k_j (overwrite or accumulate),
+//     d_k_j += scale sum_{h in group, i} dS_ij q_i,  d_v_j += sum_{h in group, i} P_ij d_out_i.
+//   Layouts: q, out, d_q, d_out [B, c, H, D] contiguous; k, v [B, S, Hkv, D] and d_k, d_v (f32) with
+//   any batch stride and a packed [S, Hkv, D] part; lse, Delta [B, H, c] f32 (natural log).
+//   Algorithm (every family): online softmax over key blocks (running max m, sum l and unnormalised
+//   o rescaled by exp(m - m') when the max grows; out = o / l, lse = m + log l); the backward
+//   recomputes P from q, k and lse, so nothing of size c x S is ever stored.
+// This header: the problem description, the operand pointers, the PTX and fragment helpers the two
+// tensor-core families share, the CTA-to-block mapping, the launch helper and each family's entry points.
 #pragma once
 
 #include "engine/cuda/common.cuh"
@@ -181,14 +193,21 @@ void launch_tiled(Kernel kernel, int64_t extent, int64_t tile, int64_t heads, co
 }
 
 
-// The Hopper kernels (attention_flash_hopper.cu): warpgroup MMA (wgmma) on 128-byte-swizzled
-// shared-memory tiles, bf16 at head dim 64 or 128, the same operands and results as the mma.sync
-// tensor-core kernels. wgmma_built(): this build compiled them (gpu_arch 90a); the caller checks
-// that the device is compute capability 9.0.
+// ---- The families' entry points (the caller has checked the operands and built `pr`) ----
+// SIMT (attention_flash_simt.cu), T = float or bf16_t; the backward computes Delta itself.
+template <class T> void simt_forward(const Operands<T>& a, const Problem& pr, cudaStream_t stream);
+template <class T> void simt_backward(const Operands<T>& a, const Problem& pr, cudaStream_t stream);
+// The tensor-core backwards run after the shared Delta pass (attention_flash.cu) and write d_k,
+// d_v; with a.dq_accum (zeroed by that pass) they add dS K into it by atomics and the caller
+// converts it to d_q; without, they write d_q themselves in a fixed order (bitwise repeatable).
+// mma.sync (attention_flash_mma.cu): bf16, D 64 or 128.
+void mma_forward(const Operands<bf16_t>& a, const Problem& pr, cudaStream_t stream);
+void mma_backward(const Operands<bf16_t>& a, const Problem& pr, cudaStream_t stream);
+// wgmma (attention_flash_wgmma.cu): the same operands and results on Hopper's warpgroup MMA.
+// wgmma_built(): this build compiled them (gpu_arch 90a); the caller checks that the device is
+// compute capability 9.0.
 bool wgmma_built();
 void wgmma_forward(const Operands<bf16_t>& a, const Problem& pr, cudaStream_t stream);
-// The backward after Delta: with a.dq_accum (zeroed by the Delta kernel; the caller converts it to
-// d_q after) the fused dK/dV/dQ pass, dQ by atomics; without, the deterministic pair: dK/dV, then dQ.
 void wgmma_backward(const Operands<bf16_t>& a, const Problem& pr, cudaStream_t stream);
 
 }  // namespace cw::gpu::flash

@@ -72,10 +72,6 @@ bool cudnn_attention_forward_supports(const Tensor& q, const Tensor& k, std::str
 // bytes (builds and caches the plan; honours cw::deterministic()).
 bool cudnn_attention_backward_fits(const Tensor& q, const Tensor& k, const Tensor& v, int64_t max_workspace,
                                    std::string* why_not = nullptr);
-// Autotuning (off by default; env CW_CUDNN_AUTOTUNE=1): a plan's first call times every engine
-// configuration within 256 MiB of workspace and keeps the fastest.
-void set_cudnn_autotune(bool on);
-bool cudnn_autotune();
 void cudnn_attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
                              const Tensor& v, double scale, Arena& scratch);
 void cudnn_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,

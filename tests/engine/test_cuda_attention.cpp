@@ -1,4 +1,4 @@
-// Our flash attention kernels (engine/cuda/attention_flash.cu) against the CPU attention op
+// Our flash attention kernels (engine/cuda/attention_flash*.cu) against the CPU attention op
 // (engine/ops/attention.cpp) computed in f64 on the same inputs.
 //
 // Pattern (as in test_cuda_ops.cpp): inputs are drawn in f64, rounded to the compute dtype on the

@@ -1,61 +1,39 @@
-// Our flash attention on Hopper's warpgroup MMA (wgmma, sm_90a): the forward and the fused
-// backward of the tensor-core path (bf16, head dim 64 or 128) with the operands, results and
-// algorithm of attention_flash.cu (its header states the math); only the matrix products change.
-//
-// Why a second set of kernels: the mma.sync kernels feed every 16 x 8 x 16 product from registers
-// loaded by ldmatrix, so each warp re-reads its shared-memory operands and the SM's shared-memory
-// bandwidth (128 bytes a clock) limits the backward at head dim 128 (about 750 KB read per step of
-// 64 queries x 128 keys, against 3,800 clocks of tensor work). wgmma multiplies 64 x N x 16 per
-// warpgroup (4 warps) straight from shared memory, reading each operand once per warpgroup: the
-// same step reads about 290 KB.
+// Flash attention, wgmma family (flash_wgmma): the tensor-core kernels on Hopper's warpgroup MMA
+// (sm_90a), with the operands, results and algorithm of the mma.sync family (attention_flash_mma.cu);
+// only the matrix products change.
+//   Operands: bf16, head dim 64 or 128, 16-byte aligned rows; d_k/d_v f32, 8-byte aligned.
+//   Forward: a CTA of two warpgroups owns 128 queries of one head (64 each); key blocks of 128 in
+//     two cp.async stages; S = Q K^T from shared memory, online softmax in registers, O += P V
+//     with P from registers.
+//   Backward, dQ fused (a.dq_accum set: determinism off): a CTA of two warpgroups owns 128 keys of
+//     one K/V head and loops over every (head of the group, block of 64 queries) that sees them;
+//     per step S^T, dP^T, P^T, dS^T, dV += P^T dO, dK += dS^T Q, and dS^T to shared memory; after a
+//     barrier dQ += dS K, warpgroup w taking head-dim columns [w D / 2, (w + 1) D / 2), each warp
+//     adding its staged dQ rows into the f32 accumulator with 16-byte atomics (d_q varies in its
+//     last bits run to run). dK, dV stay in registers and are added once, one writer per element.
+//   Backward, deterministic (no a.dq_accum): the same dK/dV kernel without dQ, then a dQ kernel
+//     shaped like the forward that recomputes S and dP and sums dQ in key order: bitwise repeatable.
+//   Chosen by the chooser first among our families for bf16 at D 64/128 on a compute capability 9.0
+//   GPU in an sm_90a build (CW_ATTENTION=flash-wgmma forces it). Elsewhere the kernel bodies trap
+//   and wgmma_built() says false.
+// Why a second tensor-core family: mma.sync feeds every product from registers loaded by ldmatrix,
+// so each warp re-reads its shared-memory operands and shared-memory bandwidth bounds the backward;
+// wgmma multiplies 64 x N x 16 per warpgroup straight from shared memory, reading each operand once.
 //
 // wgmma in brief (PTX ISA, "asynchronous warpgroup level matrix instructions"):
 //  * D[64 x N] (+)= A[64 x 16] B[16 x N]; warp w of the warpgroup owns rows 16w .. 16w + 15 of D in
 //    the accumulator layout of mma.m16n8k16 (so the softmax code of the mma.sync kernels applies
-//    unchanged), and A may come from registers in the matching A-fragment layout (P and dS go
-//    straight from the score accumulators into the next product, as in the mma.sync kernels).
+//    unchanged), and A may come from registers in the matching A-fragment layout.
 //  * Shared-memory operands are named by a 64-bit descriptor: start address, the byte distance
 //    between 8-row groups (SBO) and between 64-element column blocks (LBO), and the swizzle mode.
 //    All tiles here use the 128-byte swizzle: a ROWS x D tile is D / 64 column blocks of ROWS rows
 //    x 128 bytes, and 16-byte chunk c of row r is stored at chunk c ^ (r & 7) (the repeat is 1024
 //    bytes, so every tile starts on a 1024-byte boundary).
-//  * The same tile serves as a "K-major" operand (the contraction runs along its rows: S = Q K^T
-//    reads both Q and K this way) and, with the transpose bit, as an "MN-major" operand (the
-//    contraction runs down its rows: O += P V reads V this way, dQ += dS K reads K).
+//  * The same tile serves as a "K-major" operand (S = Q K^T reads Q and K this way) and, with the
+//    transpose bit, as an "MN-major" operand (O += P V reads V this way, dQ += dS K reads K).
 //  * The instructions are asynchronous: wgmma.fence before (registers written by ordinary
 //    instructions), commit_group after, wait_group before the results are read. Shared memory
 //    written by ordinary stores or cp.async is made visible to them by fence.proxy.async.
-//
-// Forward: a CTA of two warpgroups owns 128 queries of one head (64 per warpgroup); key blocks of
-// 128 in two cp.async stages. S = Q K^T (SS, N = 128), online softmax in registers, O += P V (P
-// from registers, V as the MN-major operand, one m64n64 product per 64 head-dim columns).
-// Backward (fused, dQ by atomics like the mma.sync fused kernel): a CTA of two warpgroups owns 128
-// keys of one K/V head (64 per warpgroup) and loops over every (head of the group, block of 64
-// queries) that sees them, Q / dO / lse / Delta in two stages. Per step, each warpgroup computes
-// S^T = K Q^T and dP^T = V dO^T for its 64 keys (SS), P^T and dS^T in registers, dV += P^T dO and
-// dK += dS^T Q (A from registers), and writes dS^T (bf16) to shared memory; after a CTA barrier,
-// dQ += dS K with warpgroup w taking head-dim columns [w D / 2, (w + 1) D / 2) over all 128 keys.
-// Each warp stages its dQ rows in shared memory and adds them into the f32 accumulator with
-// 16-byte atomics (the dQ sums are what this kernel spends most on after the products: see the
-// timings at the atomics). dK and dV stay in registers for the whole loop and are added into the
-// caller's f32 buffers once, by one thread per element.
-// Deterministic backward (the caller's `deterministic`): the same dK/dV kernel without dQ, then a dQ kernel
-// shaped like the forward (128 queries a CTA, key blocks of 64) that recomputes S and dP and sums
-// dQ += dS K in registers, in key order, and writes d_q once: bitwise reproducible.
-//
-// Measured (H100 80GB HBM3, 2026-11-21, B = 1, S = c = 8192, causal, bf16; chunkwise bench-ops,
-// medians of 20; FLOPs as in attention_flash.cu), against the mma.sync kernels in the same run:
-//   H 32 / Hkv 8 / D 64:   forward 0.97 ms (284 TFLOP/s; mma.sync 0.99), backward 2.27 ms (303; 3.00),
-//                          deterministic backward 2.55 ms (269; mma.sync 3.18)
-//   H 24 / Hkv 8 / D 128:  forward 1.09 ms (380 TFLOP/s; mma.sync 1.36), backward 2.80 ms (368; 4.21),
-//                          deterministic backward 2.99 ms (345; mma.sync 4.68)
-// (torch 2.11's flash backend in the calls of the same day: forward 1.02 / 1.36 ms, backward 2.95 / 4.23.)
-// What is left on the table (FlashAttention-3 has it): each product waits for its predecessor
-// (no overlap of the softmax with the next S inside a warpgroup, no producer warp with TMA loads),
-// and the backward without its dQ sums would take 1.84 / 2.08 ms.
-//
-// These kernels exist only in builds for sm_90a (meson -Dgpu_arch=90a, the default); elsewhere
-// their bodies trap and wgmma_built() says false, and the mma.sync kernels serve.
 #include "engine/cuda/attention_flash.cuh"
 
 namespace cw::gpu::flash {
@@ -464,9 +442,8 @@ __global__ void __launch_bounds__(256, 1) wg_backward_kernel(const Operands<bf16
     for (int db = 0; db < DB; ++db) settle(dk[db]), settle(dv[db]);
     // The warp's 16 rows of dQ columns [col0, col0 + DQC) go through shared memory (the staging
     // rows are the warp's own: __syncwarp orders them) and into the f32 accumulator with 16-byte
-    // atomics, each warp request covering whole row segments. Timed on the H100 (D 64 / 128, ms):
-    // 8-byte atomics straight from the accumulator fragments 2.44 / 3.02; one bulk asynchronous
-    // reduction per row (cp.reduce.async.bulk) 2.68 / 3.13; this 2.29 / 2.83; no dQ at all 1.84 / 2.08.
+    // atomics, each warp request covering whole row segments (faster than 8-byte atomics from the
+    // fragments or one bulk asynchronous reduction per row).
     const int col0 = wg * DQC;
     float* rows = sDq + (wg * 64 + warp * 16) * Cfg::kDqStride;
 #pragma unroll
