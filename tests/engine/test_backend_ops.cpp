@@ -48,6 +48,7 @@
 #include <functional>
 #include <limits>
 #include <map>
+#include <numeric>
 #include <optional>
 #include <random>
 #include <string>
@@ -528,8 +529,7 @@ bool in_view(const Arg& a, int64_t e) {
 
 OwnedTensor alloc(Device device, DType dt, const std::vector<int64_t>& shape) {
   OwnedTensor t;
-  int64_t n = 1;
-  for (const int64_t s : shape) n *= s;
+  const int64_t n = std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<>());
   t.buffer = Buffer(static_cast<size_t>(n) * dtype_size(dt), device);
   t.tensor = Tensor::packed(t.buffer.data(), dt, device, shape);
   return t;
@@ -686,7 +686,8 @@ class VariantScope {
 
 // The row in dtype dt on `device` (with the variant's settings on a GPU) against the CPU in f64.
 void compare_run(const Row& row, Device device, DType dt, const Variant& variant, uint64_t seed, Outcome& outcome) {
-  const std::string where = fmt::format("{} {} {}", device_name(device), dtype_name(dt), device.is_cpu() ? "" : variant.name);
+  const std::string where =
+      fmt::format("{} {}{}", device_name(device), dtype_name(dt), device.is_cpu() ? "" : " " + variant.name);
   INFO(row.name, " | ", where, " | seed ", seed, " (CW_TEST_SEED=", seed, " repeats this run)");
   std::optional<VariantScope> scope;
   if (!device.is_cpu()) scope.emplace(variant);
@@ -727,7 +728,7 @@ void compare_run(const Row& row, Device device, DType dt, const Variant& variant
   poison_results(row, tst);
   row.forward(tst.t, scratch);
   for (size_t i = 0; i < n; ++i)
-    if (got[i].tensor.defined() && got[i].tensor.data != nullptr) {
+    if (got[i].tensor.data != nullptr) {
       INFO(row.args[i].name, ": a second forward gives the same bits");
       CHECK(same_bits(fetch64(tst.store[i]), got[i]));
     }
@@ -765,7 +766,8 @@ void fd_run(const Row& row, uint64_t seed, Outcome& outcome) {
   }
   int64_t elements = 0;
   for (const Arg& a : row.args)
-    if (a.role == Role::grad && a.acc != Acc::writes) elements += OwnedTensor::of_shape(DType::f64, a.shape).tensor.numel();
+    if (a.role == Role::grad && a.acc != Acc::writes)
+      elements += std::accumulate(a.shape.begin(), a.shape.end(), int64_t{1}, std::multiplies<>());
   if (elements > kFdMaxElements) {
     auto& s = outcome.skipped["rows too large for finite differences"];
     if (s.first++ == 0) s.second = row.name;
