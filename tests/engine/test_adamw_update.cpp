@@ -1,5 +1,5 @@
 // engine/ops/adamw_update.h on the CPU: the AdamW update op against a hand computation. (The GPU
-// kernel is checked against this CPU op in tests/engine/test_cuda_linear.cpp.)
+// kernel is checked against this CPU op in tests/engine/test_backend_ops.cpp.)
 #include "engine/memory.h"
 #include "engine/ops/adamw_update.h"
 #include "tests/support.h"

@@ -1,6 +1,6 @@
 // The attention chooser (engine/ops/attention.cpp): what it picks for a call and what a forced
 // family that cannot serve says. GPU-only choices (cuDNN, wgmma) are checked on the GPU in
-// tests/engine/test_cuda_attention.cpp.
+// tests/engine/test_backend_ops.cpp (every family forced on every attention row) and test_cuda_attention.cpp.
 #include "engine/engine.h"
 #include "engine/memory.h"
 #include "engine/ops/attention.h"

@@ -1,0 +1,835 @@
+// Every op of engine/ops on every backend, from one table (the idea of ggml's test-backend-ops).
+//
+// ADDING AN OP OR A KERNEL MEANS ADDING ROWS:
+//   an op:     a function returning a Row (its tensors: inputs and how they are drawn, outputs, saved
+//              tensors, cotangents, gradients and whether each is overwritten or added to; its
+//              forward and backward calls; tolerances per dtype), called with a few shapes in
+//              table(). Every runner below takes every row.
+//   a kernel:  a Variant (its name and the settings that force it: attention kernel family,
+//              determinism, cuDNN autotuning) in the variants of the rows it serves; the row's
+//              `unsupported` asks the chooser whether the family takes the call, so the GPU runner
+//              runs every variant the device supports and reports what it skipped and why.
+//
+// Runners (doctest cases; `-tc='backend ops*'` runs them all, CW_TEST_OPS=<text> only the rows whose
+// name contains the text, CW_TEST_SEED=<n> repeats a run: every run draws a fresh seed, printed with
+// any failure):
+//   cpu f64 against finite differences  L = sum_o <R_o, out_o> with random cotangents R_o;
+//       fourth-order central differences for every input with a gradient (rows of at most
+//       kFdMaxElements such inputs); then accumulate mode adds exactly what overwrite writes.
+//   cpu f32 against cpu f64              every row the CPU takes.
+//   cuda against cpu f64                 every (row, GPU dtype, variant) the device supports.
+// Both comparing runners: inputs drawn in f64, rounded to the tested dtype and the rounded values
+// widened back for the f64 reference, so both sides see the same numbers; outputs, saved tensors
+// and overwritten gradients poisoned with NaN first (an unwritten element fails); gradients that are
+// added to pre-filled with random values at the gradient's scale, and (after - before) compared
+// with the reference gradient; the rows of a K/V store past the slice the op sees must come back
+// untouched; the reference backward reads the tested side's forward results (out, lse, rstd), so
+// the backward is checked on its own; every call is repeated and must give the same bits (for
+// variants whose backward is not deterministic, only the forward). Relative L2 error, worst element
+// reported (tests/support.h).
+#include "chunkwise_config.h"
+#include "engine/engine.h"
+#include "engine/ops/adamw_update.h"
+#include "engine/ops/attention.h"
+#include "engine/ops/embedding.h"
+#include "engine/ops/linear.h"
+#include "engine/ops/lm_head_loss.h"
+#include "engine/ops/residual.h"
+#include "engine/ops/rmsnorm.h"
+#include "engine/ops/rope.h"
+#include "engine/ops/swiglu.h"
+#include "engine/random.h"
+#include "tests/engine/fd_check.h"
+#include "tests/gpu_support.h"
+
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <functional>
+#include <limits>
+#include <map>
+#include <numeric>
+#include <optional>
+#include <random>
+#include <string>
+#include <vector>
+
+using namespace cw;
+using namespace cw::test;
+
+namespace {
+
+// ---- Tolerances (relative L2 error against f64) ----
+struct Tol {
+  double f32, bf16;  // for runs in f32 and in bf16 (the CPU f32 runner uses f32)
+};
+// f32 arithmetic (6e-8 relative per operation) over reductions of up to a few thousand terms, f32
+// transcendental functions within a few ulps: errors near 1e-6.
+constexpr double kF32Tol = 1e-5;
+// bf16 keeps 8 significant bits: rounding an output once costs up to 2^-9 (2e-3) relative; the
+// tensor-core attention and the LM head also round P, dS or the logits to bf16 before a product.
+// 2e-2 leaves a margin of five to ten.
+constexpr double kBf16Tol = 2e-2;
+constexpr Tol kDefaultTol{kF32Tol, kBf16Tol};
+// f32 results of bf16 runs computed from exactly representable inputs with f32 sums (rstd, rmsnorm
+// d_w, embedding d_table, an f32 gradient sum): f32-level errors.
+constexpr Tol kF32ResultTol{kF32Tol, kF32Tol};
+// linear d_W (f32) of bf16 runs: products of bf16 values are exact in f32, only the f32 accumulation
+// remains; loose on purpose (a bf16 rounding would be ~1e-3).
+constexpr Tol kLinearDwTol{kF32Tol, 1e-3};
+// attention lse (f32): a log-sum-exp of f32 scores; the tensor-core paths use approximate base-2
+// exponentials (2 ulp), cuDNN its own: 1e-4 still catches any masking or scaling mistake (O(1)).
+constexpr Tol kLseTol{kF32Tol, 1e-4};
+constexpr Tol kExact{0, 0};
+// AdamW: the GPU computes in f32, the CPU in f64 rounded once: a few f32 ulps.
+constexpr Tol kAdamWTol{1e-6, 1e-6};
+// Its bf16 compute copy: the master rounded to bf16; an ulp apart (2^-8) where the f32 masters
+// straddle a rounding boundary.
+constexpr Tol kBf16CopyTol{1e-2, 1e-2};
+// The finite-difference runner's inputs with a gradient, in elements (4 forwards each).
+constexpr int64_t kFdMaxElements = 3000;
+
+// ---- Rows ----
+enum class Role { input, output, saved, state, cotangent, grad };
+// How the backward treats a gradient buffer: by the call's GradMode (overwrite or add), by the
+// opposite mode, always adds (parameter gradients, d_k/d_v), or always writes (an output of a fused
+// backward, not a gradient).
+enum class Acc { mode, flipped, adds, writes };
+// An arg's dtype for a run in compute dtype dt: dt; accum_dtype(dt); i32; bf16.
+enum class Dt { compute, accum, i32, bf16 };
+
+// Fills the host tensor (f64, or i32 for Dt::i32; the whole store) with an arg's values.
+using Init = std::function<void(const Tensor& host, uint64_t seed, uint64_t stream)>;
+
+struct Arg {
+  std::string name;
+  Role role;
+  std::vector<int64_t> shape;  // empty for a gradient or cotangent: the shape of `of`
+  Dt dt = Dt::compute;
+  std::string of;        // cotangent: its output; grad: its input (empty for Acc::writes)
+  Acc acc = Acc::mode;
+  Init init;             // inputs, state, cotangents; default standard normal
+  int64_t store = 0;     // > 0: the op sees [0, shape[1]) of a store this long along dim 1
+  std::optional<Tol> tol;
+
+  Arg& normal(double mean, double std) {
+    init = [=](const Tensor& t, uint64_t seed, uint64_t stream) { fill_normal(t, seed, stream, mean, std); };
+    return *this;
+  }
+  Arg& with(Init f) { init = std::move(f); return *this; }
+  Arg& in_store(int64_t len) { store = len; return *this; }
+  Arg& tolerance(Tol t) { tol = t; return *this; }
+  Arg& dtype(Dt d) { dt = d; return *this; }
+};
+
+Arg arg(std::string name, Role role, std::vector<int64_t> shape, Dt dt = Dt::compute, std::string of = "",
+        Acc acc = Acc::mode) {
+  Arg a;
+  a.name = std::move(name), a.role = role, a.shape = std::move(shape), a.dt = dt, a.of = std::move(of), a.acc = acc;
+  return a;
+}
+Arg in(std::string name, std::vector<int64_t> shape) { return arg(std::move(name), Role::input, std::move(shape)); }
+Arg out(std::string name, std::vector<int64_t> shape) { return arg(std::move(name), Role::output, std::move(shape)); }
+Arg saved(std::string name, std::vector<int64_t> shape) { return arg(std::move(name), Role::saved, std::move(shape), Dt::accum); }
+Arg state(std::string name, std::vector<int64_t> shape) { return arg(std::move(name), Role::state, std::move(shape)); }
+Arg cot(std::string name, std::string of) { return arg(std::move(name), Role::cotangent, {}, Dt::compute, std::move(of)); }
+Arg grad(std::string name, std::string of, Acc acc = Acc::mode) {
+  return arg(std::move(name), Role::grad, {}, acc == Acc::adds ? Dt::accum : Dt::compute, std::move(of), acc);
+}
+
+// The tensors of one run, by name (a name no arg has is an error naming it).
+struct Tensors {
+  std::map<std::string, Tensor> by_name;
+  const Tensor& operator()(const std::string& name) const {
+    const auto it = by_name.find(name);
+    CW_CHECK(it != by_name.end(), "test_backend_ops: no tensor named '{}' in this row", name);
+    return it->second;
+  }
+};
+using Forward = std::function<void(const Tensors&, Arena& scratch)>;
+using Backward = std::function<void(const Tensors&, GradMode, Arena& scratch)>;
+
+// A kernel family and the settings that force it (GPU runs only).
+struct Variant {
+  std::string name;
+  AttentionKernel kernel = AttentionKernel::automatic;
+  bool deterministic = false;
+  bool repeatable_backward = true;  // false: the backward may sum in any order (f32 atomics)
+};
+const Variant kCuda{"cuda"};
+
+struct Row {
+  std::string name;  // op and shape: "rmsnorm N=37 C=203"
+  std::vector<Arg> args;
+  Forward forward;
+  Backward backward;  // empty: no backward (an update op)
+  Tol tol = kDefaultTol;
+  std::vector<DType> gpu_dtypes{DType::f32, DType::bf16};
+  bool cpu = true;  // false: a large shape only the GPU runner takes
+  std::vector<Variant> variants{kCuda};
+  // With the variant's settings in force: why it cannot run on these (device) tensors, "" if it can.
+  std::function<std::string(const Tensors&)> unsupported;
+
+  const Arg* find(const std::string& n) const {
+    for (const Arg& a : args)
+      if (a.name == n) return &a;
+    return nullptr;
+  }
+};
+
+Row make_row(std::string name, std::vector<Arg> args, Forward forward, Backward backward = {}) {
+  Row r;
+  r.name = std::move(name), r.args = std::move(args), r.forward = std::move(forward), r.backward = std::move(backward);
+  return r;
+}
+
+// Gradients and cotangents take the shape (and store) of what they belong to; every reference names
+// an arg of the right role.
+Row finish(Row r) {
+  for (Arg& a : r.args) {
+    if (a.role != Role::grad && a.role != Role::cotangent) continue;
+    if (a.role == Role::grad && a.acc == Acc::writes) continue;
+    const Arg* of = r.find(a.of);
+    CW_CHECK(of != nullptr && (a.role == Role::grad ? of->role == Role::input : of->role == Role::output),
+             "test_backend_ops row {}: {} refers to '{}', which is no {}", r.name, a.name, a.of,
+             a.role == Role::grad ? "input" : "output");
+    if (a.shape.empty()) {
+      a.shape = of->shape;
+      a.store = of->store;
+    }
+  }
+  return r;
+}
+Row gpu_only(Row r) {
+  r.cpu = false;
+  return r;
+}
+
+// ---- The rows of each op ----
+Init ids_in(int64_t V) {  // token ids, half of them from the first 5 (repeats), the first V - 1, the last 0
+  return [V](const Tensor& t, uint64_t seed, uint64_t stream) {
+    Rng rng(mix64(seed ^ mix64(stream)));
+    int32_t* p = t.ptr<int32_t>();
+    const int64_t N = t.numel();
+    for (int64_t n = 0; n < N; ++n)
+      p[n] = static_cast<int32_t>(rng.below(static_cast<uint64_t>(n % 2 != 0 ? V : std::min<int64_t>(V, 5))));
+    p[0] = static_cast<int32_t>(V - 1);
+    p[N - 1] = 0;
+  };
+}
+
+Row embedding(int64_t N, int64_t V, int64_t C) {
+  return finish(make_row(fmt::format("embedding N={} V={} C={}", N, V, C),
+                 {in("ids", {N}).dtype(Dt::i32).with(ids_in(V)), in("table", {V, C}), out("out", {N, C}).tolerance(kExact),
+                  cot("d_out", "out"), grad("d_table", "table", Acc::adds).tolerance(kF32ResultTol)},
+                 [](const Tensors& t, Arena&) { embedding_forward(t("out"), t("ids"), t("table")); },
+                 [](const Tensors& t, GradMode, Arena&) { embedding_backward(t("d_table"), t("d_out"), t("ids")); }));
+}
+
+Row rmsnorm(int64_t N, int64_t C) {
+  return finish(make_row(fmt::format("rmsnorm N={} C={}", N, C),
+                 {in("x", {N, C}), in("w", {C}).normal(1.0, 0.3), out("out", {N, C}),
+                  saved("rstd", {N}).tolerance(kF32ResultTol), cot("d_out", "out"), grad("d_x", "x"),
+                  grad("d_w", "w", Acc::adds).tolerance(kF32ResultTol)},
+                 [](const Tensors& t, Arena&) { rmsnorm_forward(t("out"), {t("rstd")}, t("x"), t("w"), 1e-5); },
+                 [](const Tensors& t, GradMode m, Arena& s) {
+                   rmsnorm_backward(t("d_x"), t("d_w"), t("d_out"), {t("rstd")}, t("x"), t("w"), m, s);
+                 }));
+}
+
+// cos and sin tables [P, D/2] with llama3 scaling (rounded to the run's accumulation dtype, as the
+// GPU's f32 tables are).
+Init rope_table(int64_t D, bool want_sin) {
+  return [=](const Tensor& t, uint64_t, uint64_t) {
+    OwnedTensor other = OwnedTensor::of_shape(DType::f64, shape_of(t));
+    const RopeScaling scaling{RopeScaling::Type::llama3, 4.0, 1.0, 4.0, 16};
+    if (want_sin) rope_tables(other, t, D, 10000.0, scaling);
+    else rope_tables(t, other, D, 10000.0, scaling);
+  };
+}
+
+Row rope(int64_t B, int64_t T, int64_t H, int64_t D, int64_t P, int64_t pos0) {
+  return finish(make_row(fmt::format("rope B={} T={} H={} D={} P={} pos0={}", B, T, H, D, P, pos0),
+                 {in("x", {B, T, H, D}), in("cos", {P, D / 2}).dtype(Dt::accum).with(rope_table(D, false)),
+                  in("sin", {P, D / 2}).dtype(Dt::accum).with(rope_table(D, true)), out("out", {B, T, H, D}),
+                  cot("d_out", "out"), grad("d_x", "x")},
+                 [=](const Tensors& t, Arena&) { rope_forward(t("out"), t("x"), t("cos"), t("sin"), pos0); },
+                 [=](const Tensors& t, GradMode m, Arena&) {
+                   rope_backward(t("d_x"), t("d_out"), t("cos"), t("sin"), pos0, m);
+                 }));
+}
+
+// with_dx / with_dw false: that gradient skipped (Tensor{}), as for the first layer's input or a
+// frozen weight.
+Row linear(int64_t N, int64_t I, int64_t O, bool with_dx = true, bool with_dw = true) {
+  Row r = make_row(fmt::format("linear N={} I={} O={}{}{}", N, I, O, with_dx ? "" : " (no d_x)", with_dw ? "" : " (no d_W)"),
+        {in("x", {N, I}), in("W", {O, I}), out("out", {N, O}), cot("d_out", "out")},
+        [](const Tensors& t, Arena&) { linear_forward(t("out"), t("x"), t("W")); },
+        [=](const Tensors& t, GradMode m, Arena&) {
+          linear_backward(with_dx ? t("d_x") : Tensor{}, with_dw ? t("d_W") : Tensor{}, t("d_out"), t("x"), t("W"), m);
+        });
+  if (with_dx) r.args.push_back(grad("d_x", "x"));
+  if (with_dw) r.args.push_back(grad("d_W", "W", Acc::adds).tolerance(kLinearDwTol));
+  return finish(r);
+}
+
+Row swiglu(int64_t N, int64_t F) {
+  return finish(make_row(fmt::format("swiglu N={} F={}", N, F),
+                 {in("gate", {N, F}).normal(0.0, 2.0), in("up", {N, F}), out("out", {N, F}), cot("d_out", "out"),
+                  grad("d_gate", "gate"), grad("d_up", "up")},
+                 [](const Tensors& t, Arena&) { swiglu_forward(t("out"), t("gate"), t("up")); },
+                 [](const Tensors& t, GradMode m, Arena&) {
+                   swiglu_backward(t("d_gate"), t("d_up"), t("d_out"), t("gate"), t("up"), m);
+                 }));
+}
+
+// d_x by the call's mode, d_delta by the opposite one (or skipped).
+Row residual(int64_t N, int64_t C, bool with_d_delta = true) {
+  Row r = make_row(fmt::format("residual N={} C={}{}", N, C, with_d_delta ? "" : " (no d_delta)"),
+        {in("x", {N, C}), in("delta", {N, C}), out("out", {N, C}), cot("d_out", "out"), grad("d_x", "x")},
+        [](const Tensors& t, Arena&) { residual_forward(t("out"), t("x"), t("delta")); },
+        [=](const Tensors& t, GradMode m, Arena&) {
+          const GradMode other = m == GradMode::overwrite ? GradMode::accumulate : GradMode::overwrite;
+          residual_backward(t("d_x"), m, with_d_delta ? t("d_delta") : Tensor{}, other, t("d_out"));
+        });
+  if (with_d_delta) r.args.push_back(grad("d_delta", "delta", Acc::flipped));
+  return finish(r);
+}
+
+// dst += src, dst of the compute dtype or (f32_dst) of the accumulation dtype.
+Row accumulate_op(int64_t N, int64_t C, bool f32_dst) {
+  Arg dst = state("dst", {N, C});
+  if (f32_dst) dst.dtype(Dt::accum).tolerance(kF32ResultTol);
+  return finish(make_row(fmt::format("accumulate N={} C={}{}", N, C, f32_dst ? " (dst f32)" : ""),
+                 {dst, in("src", {N, C})},
+                 [](const Tensors& t, Arena&) { accumulate(t("dst"), t("src")); }));
+}
+
+// Chunk against cache: c queries at [p, p + c), p = S - c; K/V (and d_K/d_V) the [0, S) slice of a
+// store of T >= S positions (a larger batch stride when T > S, as the K/V store's).
+struct AttnShape {
+  int64_t B, c, S, H, Hkv, D, T;
+};
+std::vector<Variant> attention_families() {
+  return {{"cudnn deterministic", AttentionKernel::cudnn, true},
+          {"cudnn", AttentionKernel::cudnn, false, false},
+          {"flash-wgmma deterministic", AttentionKernel::flash_wgmma, true},
+          {"flash-wgmma (atomic dQ)", AttentionKernel::flash_wgmma, false, false},
+          {"flash-mma deterministic", AttentionKernel::flash_mma, true},
+          {"flash-mma (atomic dQ)", AttentionKernel::flash_mma, false, false},
+          {"flash-simt", AttentionKernel::flash_simt, true}};
+}
+Row attention(AttnShape a, std::vector<Variant> variants = attention_families()) {
+  const double scale = 1.0 / std::sqrt(static_cast<double>(a.D));
+  Row r = finish(make_row(fmt::format("attention B={} c={} S={} (p={}) H={} Hkv={} D={} T={}", a.B, a.c, a.S, a.S - a.c, a.H,
+                              a.Hkv, a.D, a.T),
+                  {in("q", {a.B, a.c, a.H, a.D}), in("k", {a.B, a.S, a.Hkv, a.D}).in_store(a.T),
+                   in("v", {a.B, a.S, a.Hkv, a.D}).in_store(a.T), out("out", {a.B, a.c, a.H, a.D}),
+                   saved("lse", {a.B, a.H, a.c}).tolerance(kLseTol), cot("d_out", "out"), grad("d_q", "q"),
+                   grad("d_k", "k", Acc::adds), grad("d_v", "v", Acc::adds)},
+                  [=](const Tensors& t, Arena& s) { attention_forward(t("out"), {t("lse")}, t("q"), t("k"), t("v"), scale, s); },
+                  [=](const Tensors& t, GradMode m, Arena& s) {
+                    attention_backward(t("d_q"), t("d_k"), t("d_v"), t("d_out"), {t("lse")}, t("q"), t("k"), t("v"),
+                                       t("out"), scale, m, s);
+                  }));
+  r.variants = std::move(variants);
+  r.unsupported = [](const Tensors& t) -> std::string {
+    try {
+      choose_attention_kernel(attention_call(t("q"), t("k"), t("v"), t("out")), attention_flags());
+      choose_attention_kernel(attention_call(t("q"), t("k"), t("v"), t("out"), &t("d_q"), &t("d_out"), &t("d_k"), &t("d_v")),
+                              attention_flags());
+    } catch (const Error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  return r;
+}
+
+// Labels in [0, V): every 7th row and the rows [ignore_from, ignore_to) ignored, the first 0, the last V - 1.
+Init labels_in(int64_t V, int64_t ignore_from, int64_t ignore_to) {
+  return [=](const Tensor& t, uint64_t seed, uint64_t stream) {
+    Rng rng(mix64(seed ^ mix64(stream)));
+    int32_t* p = t.ptr<int32_t>();
+    const int64_t N = t.numel();
+    for (int64_t n = 0; n < N; ++n) {
+      p[n] = static_cast<int32_t>(rng.below(static_cast<uint64_t>(V)));
+      if (n % 7 == 3 || (n >= ignore_from && n < ignore_to)) p[n] = kIgnoreLabel;
+    }
+    p[0] = 0;
+    if (N > 1) p[N - 1] = static_cast<int32_t>(V - 1);
+  };
+}
+
+// The LM head with cross-entropy; L = sum of row_loss (the cotangent is ones, implicit in the op).
+// fused: the backward is lm_head_loss_fused (loss and gradients in one pass) instead of
+// lm_head_loss_backward. block_rows: the CPU's row blocks (the GPU picks its own: lm_head.cu).
+Row lm_head(int64_t N, int64_t C, int64_t V, bool fused, int64_t block_rows = 256, int64_t ignore_from = 0,
+            int64_t ignore_to = 0) {
+  const double norm = 0.75 * static_cast<double>(N);  // any positive normaliser
+  Row r = make_row(fmt::format("lm_head_loss{} N={} C={} V={} block_rows={}{}", fused ? "_fused" : "", N, C, V, block_rows,
+                    ignore_to > ignore_from ? fmt::format(" ignoring [{}, {})", ignore_from, ignore_to) : ""),
+        {in("x", {N, C}), in("W", {V, C}).normal(0.0, 2.0 / std::sqrt(static_cast<double>(C))),
+         in("labels", {N}).dtype(Dt::i32).with(labels_in(V, ignore_from, ignore_to)), out("row_loss", {N}).dtype(Dt::accum),
+         saved("lse", {N}),
+         cot("d_row_loss", "row_loss").dtype(Dt::accum).with([](const Tensor& t, uint64_t, uint64_t) { fill(t, 1.0); }),
+         grad("d_x", "x"), grad("d_W", "W", Acc::adds)},
+        [=](const Tensors& t, Arena& s) {
+          lm_head_loss_forward(t("row_loss"), {t("lse")}, t("x"), t("W"), t("labels"), norm, s, block_rows);
+        },
+        [=](const Tensors& t, GradMode m, Arena& s) {
+          if (fused)
+            lm_head_loss_fused(t("fused_loss"), t("d_x"), t("d_W"), t("x"), t("W"), t("labels"), norm, m, s, block_rows);
+          else
+            lm_head_loss_backward(t("d_x"), t("d_W"), {t("lse")}, t("x"), t("W"), t("labels"), norm, m, s, block_rows);
+        });
+  if (fused) r.args.push_back(arg("fused_loss", Role::grad, {N}, Dt::accum, "", Acc::writes));
+  return finish(r);
+}
+
+Row adamw(int64_t n) {
+  Row r = make_row(fmt::format("adamw_update n={}", n),
+        {state("param", {n}), state("exp_avg", {n}).normal(0.0, 0.05),
+         state("exp_avg_sq", {n}).with([](const Tensor& t, uint64_t seed, uint64_t stream) {
+           fill_uniform(t, seed, stream, 0.0, 0.02);
+         }),
+         in("grad", {n}).normal(0.0, 0.5), out("copy", {n}).dtype(Dt::bf16).tolerance(kBf16CopyTol)},
+        [](const Tensors& t, Arena&) {
+          adamw_update(t("param"), t("exp_avg"), t("exp_avg_sq"), t("grad"), t("copy"), {3e-2, 0.9, 0.95, 1e-8, 0.1, 3});
+        });
+  r.tol = kAdamWTol;
+  r.gpu_dtypes = {DType::f32};
+  return finish(r);
+}
+
+std::vector<Row> build_table() {
+  std::vector<Row> t;
+  // embedding: repeated ids (the backward sums them)
+  t.push_back(embedding(9, 7, 5));
+  t.push_back(embedding(37, 50, 203));
+  t.push_back(gpu_only(embedding(512, 1000, 2048)));
+  // rmsnorm: C not a multiple of 32 or 4; N = 300: several d_w row blocks, the last partial
+  t.push_back(rmsnorm(5, 8));
+  t.push_back(rmsnorm(3, 17));
+  t.push_back(rmsnorm(37, 203));
+  t.push_back(gpu_only(rmsnorm(300, 64)));
+  t.push_back(gpu_only(rmsnorm(512, 2048)));
+  // rope: offsets pos0 > 0, an odd half head dim (D = 10), a realistic head
+  t.push_back(rope(2, 5, 3, 8, 16, 7));
+  t.push_back(rope(1, 3, 2, 10, 8, 2));
+  t.push_back(rope(2, 37, 3, 10, 64, 5));
+  t.push_back(gpu_only(rope(2, 37, 3, 128, 64, 5)));
+  // linear: odd sizes, 1 x 1 x 1, each gradient alone, a realistic layer
+  t.push_back(linear(4, 6, 3));
+  t.push_back(linear(1, 1, 1));
+  t.push_back(linear(5, 7, 3, true, false));
+  t.push_back(linear(5, 7, 3, false, true));
+  t.push_back(linear(37, 203, 61));
+  t.push_back(gpu_only(linear(1024, 2048, 2048)));
+  // swiglu
+  t.push_back(swiglu(3, 7));
+  t.push_back(swiglu(37, 203));
+  t.push_back(gpu_only(swiglu(64, 1376)));
+  // residual and accumulate
+  t.push_back(residual(2, 3));
+  t.push_back(residual(37, 203));
+  t.push_back(residual(37, 203, false));
+  t.push_back(accumulate_op(37, 203, false));
+  t.push_back(accumulate_op(37, 203, true));
+  // attention. Small (finite differences): chunk against cache with GQA 2, p = 0 in a padded store, decode.
+  t.push_back(attention({2, 3, 8, 4, 2, 4, 8}));
+  t.push_back(attention({1, 5, 5, 2, 1, 6, 7}));
+  t.push_back(attention({1, 1, 6, 2, 2, 4, 6}));
+  t.push_back(attention({2, 45, 150, 8, 2, 32, 200}));
+  // The GPU shapes, every head dim: p = 0 (GQA 1); c < S with 130 and 1000 no multiples of any tile
+  // (GQA 4); decode; B = 2 with K/V batch stride 200 rows > S = 150 (GQA 4).
+  for (const int64_t D : {6, 32, 64, 128}) {
+    t.push_back(gpu_only(attention({1, 77, 77, 4, 4, D, 77})));
+    t.push_back(gpu_only(attention({1, 130, 1000, 4, 1, D, 1000})));
+    t.push_back(gpu_only(attention({1, 1, 300, 4, 4, D, 300})));
+    t.push_back(gpu_only(attention({2, 45, 150, 8, 2, D, 200})));
+  }
+  // Several tensor-core query and key blocks, the last partial; query blocks starting inside a key block.
+  t.push_back(gpu_only(attention({1, 300, 300, 2, 2, 64, 300})));
+  t.push_back(gpu_only(attention({1, 300, 300, 2, 1, 128, 300})));
+  t.push_back(gpu_only(attention({1, 520, 700, 4, 2, 128, 700})));
+  t.push_back(gpu_only(attention({1, 520, 700, 4, 2, 64, 700})));
+  // cuDNN's cases: bottom-right causal masks at p = 123, 136, 200, a single query at 129, padded stores.
+  t.push_back(gpu_only(attention({1, 96, 96, 4, 4, 64, 96})));
+  t.push_back(gpu_only(attention({2, 77, 77, 8, 2, 128, 80})));
+  t.push_back(gpu_only(attention({2, 50, 173, 8, 2, 64, 181})));
+  t.push_back(gpu_only(attention({1, 64, 200, 2, 2, 128, 200})));
+  t.push_back(gpu_only(attention({2, 100, 300, 4, 1, 64, 301})));
+  t.push_back(gpu_only(attention({1, 1, 130, 4, 1, 64, 130})));
+  // LM head: CPU row blocks of 3 with ignored rows; one GPU block with V = 101 (no multiple of the
+  // 16-byte vector); three GPU blocks (2048, 2048, 37) with the second wholly ignored; long rows.
+  for (const bool fused : {false, true}) {
+    t.push_back(lm_head(7, 5, 11, fused, 3));
+    t.push_back(lm_head(7, 5, 11, fused, 100));
+    t.push_back(lm_head(37, 64, 101, fused));
+    t.push_back(gpu_only(lm_head(4133, 64, 96, fused, 256, 2048, 4096)));
+    t.push_back(gpu_only(lm_head(64, 64, 20011, fused)));
+  }
+  // AdamW: an odd tail; more elements than one pass of the GPU grid (4096 blocks x 256 threads)
+  t.push_back(adamw(37));
+  t.push_back(gpu_only(adamw((int64_t{1} << 21) + 37)));
+  return t;
+}
+
+// The rows this run takes (CW_TEST_OPS=<text>: those whose name contains it).
+const std::vector<Row>& table() {
+  static const std::vector<Row> rows = [] {
+    std::vector<Row> all = build_table(), picked;
+    const char* filter = std::getenv("CW_TEST_OPS");
+    for (Row& r : all)
+      if (filter == nullptr || r.name.find(filter) != std::string::npos) picked.push_back(std::move(r));
+    return picked;
+  }();
+  return rows;
+}
+
+uint64_t run_seed() {
+  static const uint64_t seed = []() -> uint64_t {
+    if (const char* e = std::getenv("CW_TEST_SEED"); e != nullptr && *e != '\0') return std::strtoull(e, nullptr, 10);
+    return mix64(std::random_device{}() ^ static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count()));
+  }();
+  return seed;
+}
+
+// ---- Running a row ----
+DType resolve(Dt d, DType compute) {
+  switch (d) {
+    case Dt::compute: return compute;
+    case Dt::accum: return accum_dtype(compute);
+    case Dt::i32: return DType::i32;
+    case Dt::bf16: return DType::bf16;
+  }
+  return compute;
+}
+
+std::vector<int64_t> store_shape(const Arg& a) {
+  std::vector<int64_t> s = a.shape;
+  if (a.store > 0) s[1] = a.store;
+  return s;
+}
+
+// Whether element e (row-major in the whole store) is one the op sees.
+bool in_view(const Arg& a, int64_t e) {
+  if (a.store == 0) return true;
+  int64_t inner = 1;
+  for (size_t d = 2; d < a.shape.size(); ++d) inner *= a.shape[d];
+  return (e / inner) % a.store < a.shape[1];
+}
+
+OwnedTensor alloc(Device device, DType dt, const std::vector<int64_t>& shape) {
+  OwnedTensor t;
+  const int64_t n = std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<>());
+  t.buffer = Buffer(static_cast<size_t>(n) * dtype_size(dt), device);
+  t.tensor = Tensor::packed(t.buffer.data(), dt, device, shape);
+  return t;
+}
+
+OwnedTensor fetch64(const Tensor& t) {
+  OwnedTensor h = OwnedTensor::of_shape(DType::f64, shape_of(t));
+  copy_convert(h, t);
+  return h;
+}
+
+// One row's tensors on one device in one compute dtype: per arg its whole store, and the views.
+struct Instance {
+  std::vector<OwnedTensor> store;
+  Tensors t;
+};
+Instance make_instance(const Row& row, Device device, DType dt) {
+  Instance in;
+  for (const Arg& a : row.args) {
+    OwnedTensor s = alloc(device, resolve(a.dt, dt), store_shape(a));
+    in.t.by_name[a.name] = a.store > 0 ? s.tensor.slice(1, 0, a.shape[1]) : s.tensor;
+    in.store.push_back(std::move(s));
+  }
+  return in;
+}
+
+// An arg's values (whole store) drawn in f64 and rounded to `dt`: what both sides get.
+OwnedTensor draw(const Arg& a, DType dt, uint64_t seed, uint64_t stream) {
+  OwnedTensor v = OwnedTensor::of_shape(dt == DType::i32 ? DType::i32 : DType::f64, store_shape(a));
+  if (a.init) a.init(v, seed, stream);
+  else fill_normal(v, seed, stream);
+  if (dt == DType::f32 || dt == DType::bf16) {
+    OwnedTensor r = OwnedTensor::of_shape(dt, store_shape(a));
+    copy_convert(r, v);
+    copy_convert(v, r);
+  }
+  return v;
+}
+
+bool is_fwd_result(Role r) { return r == Role::output || r == Role::saved; }
+bool is_given(Role r) { return r == Role::input || r == Role::state || r == Role::cotangent; }
+bool adds_in(Acc a, GradMode m) {
+  switch (a) {
+    case Acc::adds: return true;
+    case Acc::writes: return false;
+    case Acc::mode: return m == GradMode::accumulate;
+    case Acc::flipped: return m == GradMode::overwrite;
+  }
+  return false;
+}
+const char* mode_name(GradMode m) { return m == GradMode::overwrite ? "overwrite" : "accumulate"; }
+
+double rms(const Tensor& t) {
+  double s = 0;
+  for (int64_t i = 0; i < t.numel(); ++i) s += t.ptr<double>()[i] * t.ptr<double>()[i];
+  return std::sqrt(s / static_cast<double>(std::max<int64_t>(t.numel(), 1)));
+}
+
+void expect_close(const std::string& what, const Tensor& got, const Tensor& ref, double tol) {
+  const Worst w = compare(got, ref);
+  INFO(what, ": ", w.str(), " (tolerance ", tol, ")");
+  CHECK(w.rel <= tol);  // NaN (an element never written) fails
+}
+
+void poison_results(const Row& row, Instance& in) {
+  for (size_t i = 0; i < row.args.size(); ++i)
+    if (is_fwd_result(row.args[i].role)) fill(in.store[i], std::numeric_limits<double>::quiet_NaN());
+}
+
+// The backward in `mode`: the buffers it overwrites poisoned, those it adds to set to `prefill`
+// (zeros when null). Returns per gradient arg what the call wrote (whole store, f64): the buffer
+// after, less the pre-fill where it adds. Store rows past the op's slice must come back as they were
+// (and are then zero in the result).
+std::vector<OwnedTensor> backward_pass(const Row& row, Instance& in, GradMode mode,
+                                       const std::vector<OwnedTensor>* prefill, Arena& scratch) {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  for (size_t i = 0; i < row.args.size(); ++i) {
+    const Arg& a = row.args[i];
+    if (a.role != Role::grad) continue;
+    if (!adds_in(a.acc, mode)) fill(in.store[i], nan);
+    else if (prefill != nullptr) copy_convert(in.store[i], (*prefill)[i]);
+    else fill(in.store[i], 0.0);
+  }
+  row.backward(in.t, mode, scratch);
+  CHECK(scratch.in_use() == 0);  // scratch handed back as found
+  std::vector<OwnedTensor> written(row.args.size());
+  for (size_t i = 0; i < row.args.size(); ++i) {
+    const Arg& a = row.args[i];
+    if (a.role != Role::grad) continue;
+    written[i] = fetch64(in.store[i]);
+    double* w = written[i].tensor.ptr<double>();
+    const bool adds = adds_in(a.acc, mode);
+    int64_t touched = 0;
+    for (int64_t e = 0; e < written[i].tensor.numel(); ++e) {
+      if (adds && prefill != nullptr) w[e] -= (*prefill)[i].tensor.ptr<double>()[e];
+      if (in_view(a, e)) continue;
+      touched += adds ? w[e] != 0.0 : !std::isnan(w[e]);
+      w[e] = 0.0;
+    }
+    INFO(a.name, " (", mode_name(mode), "): ", touched, " elements of the store past the op's slice changed");
+    CHECK(touched == 0);
+  }
+  return written;
+}
+
+double tol_for(const Row& row, const Arg& a, DType dt) {
+  const Tol t = a.tol.value_or(row.tol);
+  return dt == DType::bf16 ? t.bf16 : t.f32;
+}
+
+// Random values at the scale of each reference gradient, rounded to the tested dtype.
+std::vector<OwnedTensor> prefills(const Row& row, const std::vector<OwnedTensor>& G, DType dt, uint64_t seed) {
+  std::vector<OwnedTensor> P(row.args.size());
+  for (size_t i = 0; i < row.args.size(); ++i) {
+    const Arg& a = row.args[i];
+    if (a.role != Role::grad) continue;
+    const double scale = rms(G[i]) > 0 ? rms(G[i]) : 1.0;
+    Arg fill_arg = a;
+    fill_arg.normal(0.0, scale);
+    P[i] = draw(fill_arg, resolve(a.dt, dt), seed, 1000 + i);
+  }
+  return P;
+}
+
+struct Outcome {
+  int runs = 0;
+  std::map<std::string, std::pair<int, std::string>> skipped;  // what -> (count, an example reason)
+  std::string summary(const char* what) const {
+    std::string s = fmt::format("{}: {} runs", what, runs);
+    for (const auto& [k, v] : skipped) s += fmt::format("\n  skipped {} x {}: e.g. {}", v.first, k, v.second);
+    return s;
+  }
+};
+
+// The settings a GPU variant forces, for one scope.
+class VariantScope {
+ public:
+  explicit VariantScope(const Variant& v) : det_(v.deterministic), kernel_(v.kernel) {}
+
+ private:
+  DeterminismScope det_;
+  AttentionKernelScope kernel_;
+};
+
+// The row in dtype dt on `device` (with the variant's settings on a GPU) against the CPU in f64.
+void compare_run(const Row& row, Device device, DType dt, const Variant& variant, uint64_t seed, Outcome& outcome) {
+  const std::string where =
+      fmt::format("{} {}{}", device_name(device), dtype_name(dt), device.is_cpu() ? "" : " " + variant.name);
+  INFO(row.name, " | ", where, " | seed ", seed, " (CW_TEST_SEED=", seed, " repeats this run)");
+  std::optional<VariantScope> scope;
+  if (!device.is_cpu()) scope.emplace(variant);
+  Instance ref = make_instance(row, Device::host(), DType::f64), tst = make_instance(row, device, dt);
+  if (!device.is_cpu() && row.unsupported) {
+    if (const std::string why = row.unsupported(tst.t); !why.empty()) {
+      auto& s = outcome.skipped[fmt::format("{} {}", variant.name, dtype_name(dt))];
+      if (s.first++ == 0) s.second = why;
+      return;
+    }
+  }
+  ++outcome.runs;
+  Arena ref_scratch, scratch(device);
+  const size_t n = row.args.size();
+
+  // forward
+  std::vector<OwnedTensor> values(n), got(n);
+  for (size_t i = 0; i < n; ++i) {
+    if (!is_given(row.args[i].role)) continue;
+    values[i] = draw(row.args[i], resolve(row.args[i].dt, dt), seed, i);
+    copy_convert(ref.store[i], values[i]);
+    copy_convert(tst.store[i], values[i]);
+  }
+  poison_results(row, ref);
+  poison_results(row, tst);
+  row.forward(ref.t, ref_scratch);
+  row.forward(tst.t, scratch);
+  CHECK(scratch.in_use() == 0);
+  for (size_t i = 0; i < n; ++i) {
+    const Arg& a = row.args[i];
+    if (!is_fwd_result(a.role) && a.role != Role::state) continue;
+    got[i] = fetch64(tst.store[i]);
+    expect_close(a.name, got[i], ref.store[i], tol_for(row, a, dt));
+  }
+  // the same call again: the same bits (state restored first)
+  for (size_t i = 0; i < n; ++i)
+    if (row.args[i].role == Role::state) copy_convert(tst.store[i], values[i]);
+  poison_results(row, tst);
+  row.forward(tst.t, scratch);
+  for (size_t i = 0; i < n; ++i)
+    if (got[i].tensor.data != nullptr) {
+      INFO(row.args[i].name, ": a second forward gives the same bits");
+      CHECK(same_bits(fetch64(tst.store[i]), got[i]));
+    }
+  if (!row.backward) return;
+
+  // backward: the reference reads the tested side's forward results
+  for (size_t i = 0; i < n; ++i)
+    if (is_fwd_result(row.args[i].role)) copy_convert(ref.store[i], got[i]);
+  const std::vector<OwnedTensor> G = backward_pass(row, ref, GradMode::overwrite, nullptr, ref_scratch);
+  const std::vector<OwnedTensor> P = prefills(row, G, dt, seed);
+  for (const GradMode mode : {GradMode::overwrite, GradMode::accumulate}) {
+    const std::vector<OwnedTensor> W = backward_pass(row, tst, mode, &P, scratch);
+    std::vector<OwnedTensor> again;
+    if (variant.repeatable_backward || device.is_cpu()) again = backward_pass(row, tst, mode, &P, scratch);
+    for (size_t i = 0; i < n; ++i) {
+      const Arg& a = row.args[i];
+      if (a.role != Role::grad) continue;
+      expect_close(fmt::format("{} ({}{})", a.name, mode_name(mode), adds_in(a.acc, mode) ? ": what it added" : ""), W[i],
+                   G[i], tol_for(row, a, dt));
+      if (!again.empty()) {
+        INFO(a.name, " (", mode_name(mode), "): a second backward gives the same bits");
+        CHECK(same_bits(again[i], W[i]));
+      }
+    }
+  }
+}
+
+// The row in f64 on the CPU against finite differences; accumulate mode adds what overwrite writes.
+void fd_run(const Row& row, uint64_t seed, Outcome& outcome) {
+  INFO(row.name, " | cpu f64 | seed ", seed, " (CW_TEST_SEED=", seed, " repeats this run)");
+  if (!row.backward) {
+    auto& s = outcome.skipped["rows without a backward"];
+    if (s.first++ == 0) s.second = row.name;
+    return;
+  }
+  int64_t elements = 0;
+  for (const Arg& a : row.args)
+    if (a.role == Role::grad && a.acc != Acc::writes)
+      elements += std::accumulate(a.shape.begin(), a.shape.end(), int64_t{1}, std::multiplies<>());
+  if (elements > kFdMaxElements) {
+    auto& s = outcome.skipped["rows too large for finite differences"];
+    if (s.first++ == 0) s.second = row.name;
+    return;
+  }
+  ++outcome.runs;
+  Instance x = make_instance(row, Device::host(), DType::f64);
+  Arena scratch;
+  for (size_t i = 0; i < row.args.size(); ++i)
+    if (is_given(row.args[i].role))
+      copy_convert(x.store[i], draw(row.args[i], resolve(row.args[i].dt, DType::f64), seed, i));
+  poison_results(row, x);
+  row.forward(x.t, scratch);
+  const std::vector<OwnedTensor> G = backward_pass(row, x, GradMode::overwrite, nullptr, scratch);
+  const std::vector<OwnedTensor> P = prefills(row, G, DType::f64, seed);
+  for (const GradMode mode : {GradMode::overwrite, GradMode::accumulate}) {
+    const std::vector<OwnedTensor> W = backward_pass(row, x, mode, &P, scratch);
+    for (size_t i = 0; i < row.args.size(); ++i)
+      if (row.args[i].role == Role::grad)
+        expect_close(fmt::format("{} ({}) against the backward from zero", row.args[i].name, mode_name(mode)), W[i], G[i],
+                     kSameMathF64Tol);
+  }
+  const auto loss = [&] {
+    row.forward(x.t, scratch);
+    double s = 0;
+    for (const Arg& a : row.args)
+      if (a.role == Role::cotangent) s += inner(x.t(a.name), x.t(a.of));
+    return s;
+  };
+  for (size_t i = 0; i < row.args.size(); ++i) {
+    const Arg& g = row.args[i];
+    if (g.role != Role::grad || g.acc == Acc::writes) continue;
+    size_t j = 0;
+    while (row.args[j].name != g.of) ++j;
+    std::vector<int64_t> offsets;
+    for (int64_t e = 0; e < x.store[j].tensor.numel(); ++e)
+      if (in_view(row.args[j], e)) offsets.push_back(e);
+    const std::vector<double> numeric = numeric_gradient(x.store[j].tensor.ptr<double>(), offsets, loss);
+    OwnedTensor num(DType::f64, {static_cast<int64_t>(offsets.size())}), ana(DType::f64, {static_cast<int64_t>(offsets.size())});
+    for (size_t k = 0; k < offsets.size(); ++k) {
+      num.tensor.ptr<double>()[k] = numeric[k];
+      ana.tensor.ptr<double>()[k] = G[i].tensor.ptr<double>()[offsets[k]];
+    }
+    expect_close(fmt::format("{} against finite differences", g.name), ana, num, kFiniteDifferenceTol);
+  }
+}
+
+}  // namespace
+
+TEST_CASE("backend ops: a NaN (an element never written) fails the comparison") {
+  // The premise of the poisoned outputs.
+  OwnedTensor ref(DType::f64, {3, 5}), got(DType::f64, {3, 5});
+  fill_normal(ref, 1, 1);
+  copy_convert(got, ref);
+  CHECK(compare(got, ref).rel == 0);
+  got.tensor.ptr<double>()[7] = std::numeric_limits<double>::quiet_NaN();
+  CHECK_FALSE(compare(got, ref).rel <= kBf16Tol);
+}
+
+TEST_CASE("backend ops: cpu f64 against finite differences") {
+  Outcome outcome;
+  for (const Row& row : table())
+    if (row.cpu) fd_run(row, run_seed(), outcome);
+  MESSAGE(outcome.summary("cpu f64 against finite differences"));
+}
+
+TEST_CASE("backend ops: cpu f32 against cpu f64") {
+  Outcome outcome;
+  for (const Row& row : table())
+    if (row.cpu) compare_run(row, Device::host(), DType::f32, kCuda, run_seed(), outcome);
+  MESSAGE(outcome.summary("cpu f32 against cpu f64"));
+}
+
+TEST_CASE("backend ops: cuda against cpu f64" * doctest::skip(!cw::test::gpu_ready())) {
+  Outcome outcome;
+  for (const Row& row : table())
+    for (const DType dt : row.gpu_dtypes)
+      for (const Variant& v : row.variants) compare_run(row, gpu0(), dt, v, run_seed(), outcome);
+  MESSAGE(outcome.summary("cuda against cpu f64"));
+  CHECK(outcome.runs > 0);
+}
