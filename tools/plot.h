@@ -1,25 +1,21 @@
-// Line charts written as PNG: training loss curves (train and eval loss against tokens seen) and
-// memory-over-time plots, with no plotting library behind them.
+// Line charts written as SVG: a training run's loss curves, learning rate and memory against tokens
+// seen. SVG is text, so there is no raster, no font data and no library behind it; any browser shows
+// it, and the tests read it back as text.
 //
-// The chart is rasterised here into an RGB buffer (white background, framed plot area, light grid,
-// ticks at 1/2/5 x 10^k with compact labels such as 200M / 1.5G, title, axis labels, legend) and
-// then encoded with libpng. Text uses a small built-in 5x7 bitmap font (ASCII 32..126; any other
-// byte is drawn as '?'), scaled up by whole pixels on large images, so no font files are needed.
-// Lines are 2 px wide and anti-aliased by coverage (distance from each pixel centre to the
-// segment); each series is rendered into its own coverage mask and composited once, so the joints
-// of a polyline are not darkened by blending the same colour twice.
+// A chart is a title, one shared x axis and one or more panels stacked vertically, each with its own
+// y axis: framed plot area, light grid at "nice" ticks (1/2/5 x 10^k) with compact labels such as
+// 200M / 1.5G, y-axis label, and a legend of the panel's labelled series in the inside corner that
+// covers the fewest points. x tick labels and the x-axis label go under the bottom panel.
 //
-// Data rules: points whose x or y is not finite (or, with log_y, whose y is not positive) are
-// skipped and break the line there, so a NaN loss shows as a gap. A single point, a constant
-// series or no drawable points at all still give a chart (the empty range is widened), never a
-// division by zero. Series are drawn in order, the later on top; markers (for the few eval points)
-// are discs with a white rim so they stay visible on top of another series' line. The legend,
-// listing the series that have a label, goes in the inside corner of the plot with the least ink
-// under it.
+// Data rules: points whose x or y is not finite are skipped and break the line there, so a NaN loss
+// shows as a gap; a run of one finite point between gaps is drawn as a dot. A single point, a
+// constant series, or no finite points at all still give a chart (the empty range is widened; a
+// panel with nothing to draw says "no data"), never a division by zero. x and y of different
+// lengths, no panels, or a size out of bounds throw cw::Error. A long series is thinned to at most
+// four points a pixel column (first, lowest, highest, last), so the file stays small.
 //
-// The PNG is written to `<path>.tmp-<pid>` and renamed over `path`, so a reader (a dashboard
-// polling the file during training) never sees a half-written image. Built without libpng
-// (CW_HAVE_PNG=0) write_line_chart throws a cw::Error saying so; render_line_chart still works.
+// write_svg writes `<path>.tmp-<pid>` and renames it over `path`, so a reader polling the file
+// during training never sees half a picture.
 #pragma once
 
 #include <cstddef>
@@ -30,38 +26,35 @@
 namespace cw {
 
 struct Series {
-  std::string label;        // legend text; an empty label keeps the series out of the legend
+  std::string label;         // legend text; an empty label keeps the series out of the legend
   std::vector<double> x, y;  // same length; non-finite points are gaps
   uint32_t rgb = 0x1F77B4;   // 0xRRGGBB
-  bool markers = false;      // a disc at every point as well as the line
+  bool markers = false;      // a dot at every point as well as the line
 };
 
-struct ChartOptions {
-  std::string title, x_label, y_label;
-  int width = 960, height = 540;  // pixels; text and lines scale by whole pixels from 1920x1080 up
-  bool log_y = false;
+struct Panel {
+  std::string y_label;
+  std::vector<Series> series;
+  int height = 300;  // of the plot area, pixels (80..4096)
 };
 
-// An RGB image, 3 bytes a pixel, rows top to bottom.
-struct ChartImage {
-  int width = 0, height = 0;
-  std::vector<uint8_t> rgb;
-  uint32_t pixel(int x, int y) const {
-    const size_t i = (static_cast<size_t>(y) * static_cast<size_t>(width) + static_cast<size_t>(x)) * 3;
-    return (uint32_t{rgb[i]} << 16) | (uint32_t{rgb[i + 1]} << 8) | uint32_t{rgb[i + 2]};
-  }
+struct Chart {
+  std::string title, x_label;
+  std::vector<Panel> panels;  // top to bottom, sharing the x axis
+  int width = 960;            // pixels (300..16384)
 };
 
-// Renders the chart and writes it to png_path atomically. Throws cw::Error naming the file on bad
-// input (x and y of different lengths, a size outside 200x150..16384x16384), on a write failure,
-// and when the build has no libpng.
-void write_line_chart(const std::string& png_path, const std::vector<Series>& series, const ChartOptions& opt);
+// The chart as an SVG document. Throws cw::Error on bad input (see above).
+std::string render_svg(const Chart& chart);
 
-// The chart as pixels, exactly what write_line_chart encodes.
-ChartImage render_line_chart(const std::vector<Series>& series, const ChartOptions& opt);
+// Renders the chart and writes it to `path` atomically; errors name the file.
+void write_svg(const std::string& path, const Chart& chart);
 
-// Whether this build can write PNG files (it was compiled against libpng).
-bool png_output_available();
+// The picture of a training run from its metrics log (metrics.jsonl, as tools/train writes it):
+// train loss and eval loss, learning rate, and host memory (rss_mib), each against "tokens". A
+// panel is left out when no record has its field; an unparseable line (a torn last line while the
+// run is writing) is skipped. Throws cw::Error when the file cannot be read or holds no loss.
+Chart run_chart(const std::string& metrics_path, const std::string& title);
 
 // A colour for the i-th series of a chart (cycles through 8 well-separated colours).
 uint32_t chart_palette(size_t i);
@@ -71,20 +64,15 @@ uint32_t chart_palette(size_t i);
 // lo > hi is swapped; lo == hi gives {lo}; a non-finite bound gives none.
 std::vector<double> nice_ticks(double lo, double hi, int max_count);
 
-// Ticks for a logarithmic axis on [lo, hi] (lo > 0): powers of ten, or 1/2/5 or 1..9 times them
-// when the range spans too few decades for three ticks; decades are thinned when there are more
-// than max_count. A range too narrow for any of these falls back to nice_ticks.
-std::vector<double> log_ticks(double lo, double hi, int max_count);
-
 // A short label for any number: three significant digits, trailing zeros dropped, SI suffixes
 // k/M/G/T from 1000 up (1500000 -> "1.5M", 2e9 -> "2G", 1234 -> "1.23k", 3.14159 -> "3.14"),
 // scientific below 0.001 or from 1e15 up (0.00025 -> "2.5e-4").
 std::string format_compact(double v);
 
-// Labels for one axis' ticks, precise enough that neighbours differ: evenly spaced ticks get as many
-// decimals as their step needs (plain numbers keep the same count of decimals, so 2.0 2.5 3.0;
-// suffixed ones drop trailing zeros, so 500k 1M 1.5M); unevenly spaced (log) ticks use
-// format_compact.
+// Labels for evenly spaced ticks, precise enough that neighbours differ: as many decimals as the
+// step needs (plain numbers keep the same count of decimals, so 2.0 2.5 3.0; suffixed ones drop
+// trailing zeros, so 500k 1M 1.5M; tiny ones are scientific, so 1e-4 2e-4). One tick alone, or
+// unevenly spaced ones, use format_compact.
 std::vector<std::string> format_tick_labels(const std::vector<double>& ticks);
 
 }  // namespace cw

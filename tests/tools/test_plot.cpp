@@ -1,5 +1,7 @@
-// Line charts: the tick chooser and number labels, the raster (colours present, white background,
-// gaps at NaN, degenerate data), and the PNG file read back through libpng.
+// Line charts as SVG: the tick chooser and number labels, then the document read back as text:
+// well-formed (balanced tags, escaped text), polyline points equal to the data mapped through the
+// axes that the tick labels state, gaps at NaN/inf, degenerate data, thinning, the legend's corner,
+// the file, and a run's chart from its metrics log.
 #include "tools/plot.h"
 
 #include "engine/error.h"
@@ -7,25 +9,25 @@
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
-#include <cstdio>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <limits>
 #include <random>
+#include <regex>
+#include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
-
-#if __has_include(<png.h>)
-#include <png.h>
-#define CW_TEST_CAN_READ_PNG 1
-#else
-#define CW_TEST_CAN_READ_PNG 0
-#endif
 
 namespace {
 
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+constexpr uint32_t kBlue = 0x1F77B4, kOrange = 0xFF7F0E;
+// Pixel coordinates are written with one decimal; an axis fitted through two rounded ticks adds as much.
+constexpr double kTol = 0.15;
 
 void check_ticks(const std::vector<double>& got, const std::vector<double>& want) {
   INFO("got ", got.size(), " ticks, want ", want.size());
@@ -42,56 +44,139 @@ bool is_nice_step(double step) {
   return false;
 }
 
-int64_t count_colour(const cw::ChartImage& img, uint32_t rgb) {
-  int64_t n = 0;
-  for (int y = 0; y < img.height; ++y)
-    for (int x = 0; x < img.width; ++x) n += img.pixel(x, y) == rgb;
-  return n;
+// "" when every tag is closed in order, the text between tags holds no stray '<' or '>' and every
+// '&' starts an entity; else what is wrong.
+std::string well_formed(const std::string& svg) {
+  if (svg.rfind("<?xml", 0) != 0) return "no XML declaration";
+  std::vector<std::string> open;
+  size_t pos = svg.find("?>") + 2;
+  bool root_seen = false;
+  while (pos < svg.size()) {
+    const size_t lt = svg.find('<', pos);
+    const std::string text = svg.substr(pos, lt == std::string::npos ? std::string::npos : lt - pos);
+    if (text.find('>') != std::string::npos) return "stray '>' in text: " + text;
+    for (size_t a = text.find('&'); a != std::string::npos; a = text.find('&', a + 1))
+      if (!std::regex_search(text.substr(a), std::regex("^&(amp|lt|gt|quot|#[0-9]+);"))) return "bare '&' in " + text;
+    if (lt == std::string::npos) break;
+    if (open.empty() && root_seen) return "content after the root element";
+    const size_t gt = svg.find('>', lt);
+    if (gt == std::string::npos) return "unterminated tag";
+    const std::string tag = svg.substr(lt + 1, gt - lt - 1);
+    if (tag.find('<') != std::string::npos) return "'<' inside tag " + tag;
+    if (std::count(tag.begin(), tag.end(), '"') % 2 != 0) return "unbalanced quotes in " + tag;
+    const std::string name = tag.substr(tag[0] == '/' ? 1 : 0, tag.find_first_of(" /", 1) - (tag[0] == '/' ? 1 : 0));
+    if (tag[0] == '/') {
+      if (open.empty() || open.back() != name) return "</" + name + "> closes " + (open.empty() ? "nothing" : open.back());
+      open.pop_back();
+    } else if (tag.back() != '/') {
+      open.push_back(name);
+    }
+    root_seen = true;
+    pos = gt + 1;
+  }
+  if (!open.empty()) return "<" + open.back() + "> never closed";
+  return root_seen ? "" : "no root element";
 }
 
-// Columns holding at least one pixel of exactly this colour.
-std::vector<int> columns_with(const cw::ChartImage& img, uint32_t rgb) {
-  std::vector<int> cols;
-  for (int x = 0; x < img.width; ++x)
-    for (int y = 0; y < img.height; ++y)
-      if (img.pixel(x, y) == rgb) {
-        cols.push_back(x);
-        break;
-      }
-  return cols;
+double attr(const std::string& tag, const std::string& name) {
+  std::smatch m;
+  const std::regex re(" " + name + "=\"([^\"]*)\"");
+  REQUIRE_MESSAGE(std::regex_search(tag, m, re), tag, " has no ", name);
+  return std::stod(m[1]);
 }
 
-bool column_has(const cw::ChartImage& img, int x, uint32_t rgb) {
-  for (int y = 0; y < img.height; ++y)
-    if (img.pixel(x, y) == rgb) return true;
-  return false;
+std::vector<std::string> tags(const std::string& svg, const std::string& start) {
+  std::vector<std::string> out;
+  for (size_t p = svg.find(start); p != std::string::npos; p = svg.find(start, p + 1))
+    out.push_back(svg.substr(p, svg.find('>', p) - p + 1));
+  return out;
 }
 
-constexpr uint32_t kBlue = 0x1F77B4, kOrange = 0xFF7F0E;
+using Points = std::vector<std::pair<double, double>>;
 
-// A decaying noisy train curve and a few eval points, as a training run logs them.
-std::vector<cw::Series> loss_series() {
-  cw::Series train{"train", {}, {}, kBlue, false}, eval{"eval", {}, {}, kOrange, true};
-  std::mt19937 rng(3);
-  std::normal_distribution<double> noise(0.0, 0.05);
-  for (int i = 1; i <= 200; ++i) {
-    const double tokens = i * 5e6, loss = 3.0 + 8.0 * std::exp(-i / 15.0);
-    train.x.push_back(tokens);
-    train.y.push_back(loss + noise(rng));
-    if (i % 40 == 0) {
-      eval.x.push_back(tokens);
-      eval.y.push_back(loss + 0.05);
+std::vector<Points> polylines(const std::string& svg) {
+  std::vector<Points> out;
+  for (const std::string& tag : tags(svg, "<polyline")) {
+    // Not a regex: std::regex recurses per character and overflows the stack on long point lists.
+    const size_t begin = tag.find("points=\"");
+    REQUIRE(begin != std::string::npos);
+    std::istringstream in(tag.substr(begin + 8, tag.find('"', begin + 8) - begin - 8));
+    Points pts;
+    std::string pair;
+    while (in >> pair) pts.emplace_back(std::stod(pair), std::stod(pair.substr(pair.find(',') + 1)));
+    out.push_back(pts);
+  }
+  return out;
+}
+
+Points circles(const std::string& svg) {
+  Points out;
+  for (const std::string& tag : tags(svg, "<circle")) out.emplace_back(attr(tag, "cx"), attr(tag, "cy"));
+  return out;
+}
+
+// A tick label back to its number: "1.5M" -> 1.5e6, "2e-4" -> 2e-4, "3.0" -> 3.
+double label_value(const std::string& label) {
+  char* end = nullptr;
+  double v = std::strtod(label.c_str(), &end);
+  const std::string suffix(end);
+  if (suffix == "k") v *= 1e3;
+  if (suffix == "M") v *= 1e6;
+  if (suffix == "G") v *= 1e9;
+  if (suffix == "T") v *= 1e12;
+  REQUIRE_MESSAGE((suffix.empty() || suffix == "k" || suffix == "M" || suffix == "G" || suffix == "T"), label);
+  return v;
+}
+
+// The ticks of one axis ("xtick" or "ytick") as (value, pixel), in document order.
+Points ticks(const std::string& svg, const std::string& cls, const std::string& coord) {
+  Points out;
+  const std::regex re("<text class=\"" + cls + "\"[^>]*>([^<]*)</text>");
+  for (std::sregex_iterator it(svg.begin(), svg.end(), re), end; it != end; ++it)
+    out.emplace_back(label_value((*it)[1]), attr(it->str(), coord));
+  return out;
+}
+
+// The pixel of a value on an axis, fitted through its first and last tick; checks that every tick
+// lies on that line and that the ticks step evenly by a nice amount.
+struct AxisMap {
+  double a = 0, b = 0;
+  double operator()(double v) const { return a * v + b; }
+};
+AxisMap axis_from_ticks(const Points& t) {
+  REQUIRE(t.size() >= 2);
+  AxisMap m;
+  m.a = (t.back().second - t.front().second) / (t.back().first - t.front().first);
+  m.b = t.front().second - m.a * t.front().first;
+  for (size_t i = 0; i < t.size(); ++i) {
+    CHECK(std::abs(m(t[i].first) - t[i].second) < 0.11);
+    if (i > 0) {
+      CHECK(is_nice_step(t[i].first - t[i - 1].first));
+      CHECK((t[i].first - t[i - 1].first) == doctest::Approx(t[1].first - t[0].first));
     }
   }
-  return {train, eval};
+  return m;
 }
 
-cw::ChartOptions loss_options() {
-  cw::ChartOptions opt;
-  opt.title = "loss";
-  opt.x_label = "tokens";
-  opt.y_label = "loss";
-  return opt;
+cw::Chart one_panel(std::vector<cw::Series> series, std::string title = "chart") {
+  return cw::Chart{std::move(title), "tokens", {cw::Panel{"loss", std::move(series), 300}}, 960};
+}
+
+struct Frame {
+  double x, y, w, h;
+};
+std::vector<Frame> frames(const std::string& svg) {
+  std::vector<Frame> out;
+  for (const std::string& tag : tags(svg, "<rect class=\"frame\""))
+    out.push_back({attr(tag, "x"), attr(tag, "y"), attr(tag, "width"), attr(tag, "height")});
+  return out;
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream s;
+  s << in.rdbuf();
+  return s.str();
 }
 
 }  // namespace
@@ -147,23 +232,6 @@ TEST_CASE("nice_ticks: random ranges give few, nice, in-range ticks") {
   }
 }
 
-TEST_CASE("log_ticks: decades, then 1/2/5, then a linear fallback") {
-  check_ticks(cw::log_ticks(1e-3, 10, 10), {1e-3, 1e-2, 1e-1, 1, 10});
-  // Less than a decade: 1, 2, 5 times powers of ten.
-  check_ticks(cw::log_ticks(0.15, 6, 10), {0.2, 0.5, 1, 2, 5});
-  // 2.5..10.5 (a log loss axis): 1..9 x 10^k.
-  check_ticks(cw::log_ticks(2.5, 10.5, 10), {3, 4, 5, 6, 7, 8, 9, 10});
-  // Thirty decades into at most 8 ticks: every few decades.
-  const std::vector<double> wide = cw::log_ticks(1e-10, 1e20, 8);
-  CHECK(wide.size() <= 8);
-  CHECK(wide.size() >= 3);
-  // A narrow range falls back to evenly spaced ticks.
-  const std::vector<double> narrow = cw::log_ticks(2.01, 2.09, 5);
-  REQUIRE(narrow.size() >= 2);
-  CHECK(narrow.front() >= 2.01);
-  CHECK(narrow.back() <= 2.09);
-}
-
 TEST_CASE("format_compact: three significant digits with SI suffixes") {
   CHECK(cw::format_compact(1500000) == "1.5M");
   CHECK(cw::format_compact(2e9) == "2G");
@@ -190,7 +258,7 @@ TEST_CASE("format_tick_labels: compact, distinct, consistent") {
   CHECK(cw::format_tick_labels({0, 0.5, 1.0}) == V{"0.0", "0.5", "1.0"});
   CHECK(cw::format_tick_labels({0, 500, 1000, 1500}) == V{"0", "500", "1k", "1.5k"});
   CHECK(cw::format_tick_labels({0, 1e-4, 2e-4}) == V{"0", "1e-4", "2e-4"});
-  CHECK(cw::format_tick_labels({1, 10, 100, 1000}) == V{"1", "10", "100", "1k"});
+  CHECK(cw::format_tick_labels({7.5}) == V{"7.5"});
   // Ticks finer than three significant digits still get labels that differ.
   const std::vector<std::string> fine = cw::format_tick_labels(cw::nice_ticks(1.0e6, 1.01e6, 6));
   REQUIRE(fine.size() >= 2);
@@ -198,112 +266,230 @@ TEST_CASE("format_tick_labels: compact, distinct, consistent") {
   CHECK(fine.front() == "1M");
 }
 
-TEST_CASE("render: size, white background, both series colours") {
-  const cw::ChartImage img = cw::render_line_chart(loss_series(), loss_options());
-  CHECK(img.width == 960);
-  CHECK(img.height == 540);
-  REQUIRE(img.rgb.size() == size_t{960} * 540 * 3);
-  for (const auto& [x, y] : std::vector<std::pair<int, int>>{{0, 0}, {959, 0}, {0, 539}, {959, 539}})
-    CHECK(img.pixel(x, y) == 0xFFFFFF);
-  // Line interiors are fully covered, so the exact series colours appear; the eval series has
-  // markers, so plenty of its colour too.
-  CHECK(count_colour(img, kBlue) > 500);
-  CHECK(count_colour(img, kOrange) > 100);
-  // Text and frame: some dark pixels.
-  CHECK(count_colour(img, 0x222222) > 200);
+TEST_CASE("well_formed (the test's checker) catches broken documents") {
+  const std::string head = "<?xml version=\"1.0\"?>\n";
+  CHECK(well_formed(head + "<svg><g><rect/></g><text>a &amp; b</text></svg>\n") == "");
+  CHECK(well_formed(head + "<svg><g></svg>") != "");
+  CHECK(well_formed(head + "<svg><g></g>") != "");
+  CHECK(well_formed(head + "<svg><text>a < b</text></svg>") != "");
+  CHECK(well_formed(head + "<svg><text>a & b</text></svg>") != "");
+  CHECK(well_formed(head + "<svg x=\"1></svg>") != "");
 }
 
-TEST_CASE("render: a NaN breaks the line into a gap") {
-  cw::ChartOptions opt;
-  const cw::Series s{"", {0, 1, 2, 3, 4}, {0, 0, kNaN, 0, 0}, kBlue, false};
-  const cw::ChartImage img = cw::render_line_chart({s}, opt);
-  const std::vector<int> cols = columns_with(img, kBlue);
-  REQUIRE(cols.size() > 100);
-  const int first = cols.front(), last = cols.back();
-  // x = 2 sits halfway; x = 0.5 and 3.5 lie on drawn segments.
-  CHECK_FALSE(column_has(img, (first + last) / 2, kBlue));
-  CHECK(column_has(img, first + (last - first) / 8, kBlue));
-  CHECK(column_has(img, last - (last - first) / 8, kBlue));
-}
-
-TEST_CASE("render: constant, single-point, all-NaN and empty data do not divide by zero") {
-  cw::ChartOptions opt;
-  opt.title = "degenerate";
-  const cw::Series constant{"constant", {0, 1, 2, 3}, {2, 2, kNaN, 2}, kBlue, false};
-  const cw::Series single{"one point", {5}, {7}, kOrange, true};
-  const cw::Series nans{"all nan", {0, 1}, {kNaN, INFINITY}, 0x2CA02C, false};
-  CHECK(count_colour(cw::render_line_chart({constant}, opt), kBlue) > 50);
-  CHECK(count_colour(cw::render_line_chart({single}, opt), kOrange) > 10);
-  CHECK(count_colour(cw::render_line_chart({constant, single, nans}, opt), kOrange) > 10);
-  CHECK(count_colour(cw::render_line_chart({nans}, opt), 0x2CA02C) > 0);  // legend sample only
-  CHECK_NOTHROW(cw::render_line_chart({}, opt));
-  CHECK_NOTHROW(cw::render_line_chart({cw::Series{"x constant", {3, 3, 3}, {1, 2, 3}, kBlue, false}}, opt));
-}
-
-TEST_CASE("render: log_y skips values that are not positive") {
-  cw::ChartOptions opt;
-  opt.log_y = true;
-  const cw::Series s{"", {0, 1, 2, 3, 4}, {1, 10, 0, -1, 1000}, kBlue, false};
-  CHECK(count_colour(cw::render_line_chart({s}, opt), kBlue) > 50);
-  CHECK_NOTHROW(cw::render_line_chart({cw::Series{"", {0, 1}, {0, -1}, kBlue, false}}, opt));
-}
-
-TEST_CASE("write_line_chart writes a PNG that reads back as the rendered image") {
-  cw::test::TempDir dir("plot");
-  const std::string path = dir.file("loss.png");
-  const std::vector<cw::Series> series = loss_series();
-  cw::ChartOptions opt = loss_options();
-  opt.width = 640;
-  opt.height = 400;
-  if (!cw::png_output_available()) {
-    CHECK_THROWS_WITH_AS(cw::write_line_chart(path, series, opt), doctest::Contains("libpng"), cw::Error);
-    return;
+TEST_CASE("render_svg: a well-formed document with title, labels and legend as text") {
+  cw::Series train{"train loss", {}, {}, kBlue, false}, eval{"eval loss", {}, {}, kOrange, true};
+  for (int i = 1; i <= 200; ++i) {
+    train.x.push_back(i * 5e6);
+    train.y.push_back(3.0 + 8.0 * std::exp(-i / 15.0));
+    if (i % 40 == 0) eval.x.push_back(i * 5e6), eval.y.push_back(3.1 + 8.0 * std::exp(-i / 15.0));
   }
-  cw::write_line_chart(path, series, opt);
-  cw::write_line_chart(path, series, opt);  // replacing an existing chart works too
-  // Only the chart is left: the temporary file was renamed over it.
-  int files = 0;
-  for ([[maybe_unused]] const auto& entry : std::filesystem::directory_iterator(dir.path)) ++files;
-  CHECK(files == 1);
-
-  std::ifstream in(path, std::ios::binary);
-  char signature[8] = {};
-  in.read(signature, 8);
-  CHECK(std::string(signature, 8) == std::string("\x89PNG\r\n\x1a\n", 8));
-
-#if CW_TEST_CAN_READ_PNG
-  png_image image{};
-  image.version = PNG_IMAGE_VERSION;
-  REQUIRE(png_image_begin_read_from_file(&image, path.c_str()));
-  CHECK(image.width == 640);
-  CHECK(image.height == 400);
-  image.format = PNG_FORMAT_RGB;
-  std::vector<uint8_t> pixels(PNG_IMAGE_SIZE(image));
-  REQUIRE(png_image_finish_read(&image, nullptr, pixels.data(), 0, nullptr));
-  const cw::ChartImage want = cw::render_line_chart(series, opt);
-  CHECK(pixels == want.rgb);
-  const cw::ChartImage got{640, 400, pixels};
-  CHECK(got.pixel(0, 0) == 0xFFFFFF);
-  CHECK(count_colour(got, kBlue) > 300);
-  CHECK(count_colour(got, kOrange) > 50);
-#endif
+  cw::Chart chart = one_panel({train, eval}, "tiny / seco: <loss> & \"lr\"");
+  chart.panels.push_back({"learning rate", {cw::Series{"", train.x, std::vector<double>(200, 3e-4), 0x2CA02C, false}}, 120});
+  const std::string svg = cw::render_svg(chart);
+  INFO(svg.substr(0, 600));
+  CHECK(well_formed(svg) == "");
+  CHECK(svg.find("<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"960\"") != std::string::npos);
+  CHECK(svg.find(">tiny / seco: &lt;loss&gt; &amp; &quot;lr&quot;</text>") != std::string::npos);
+  CHECK(svg.find(">tokens</text>") != std::string::npos);
+  CHECK(svg.find(">loss</text>") != std::string::npos);
+  CHECK(svg.find(">learning rate</text>") != std::string::npos);
+  CHECK(tags(svg, "<g class=\"legend\"").size() == 1);  // the lr panel's series has no label
+  CHECK(svg.find(">train loss</text>") != std::string::npos);
+  CHECK(svg.find(">eval loss</text>") != std::string::npos);
+  CHECK(svg.find("stroke=\"#1f77b4\"") != std::string::npos);
+  CHECK(svg.find("fill=\"#ff7f0e\"") != std::string::npos);
+  CHECK(frames(svg).size() == 2);
+  CHECK(polylines(svg).size() == 3);          // train, eval, lr
+  CHECK(circles(svg).size() == 5 + 1);        // the eval markers and the legend's
+  CHECK(ticks(svg, "xtick", "x").size() >= 4);  // under the bottom panel only
+  CHECK(svg.find("nan") == std::string::npos);
+  CHECK(svg.find("inf") == std::string::npos);
 }
 
-TEST_CASE("write_line_chart errors name the file") {
-  cw::test::TempDir dir("plot-errors");
-  const std::string path = dir.file("bad.png");
-  cw::ChartOptions opt;
-  CHECK_THROWS_WITH_AS(cw::write_line_chart(path, {cw::Series{"short", {0, 1, 2}, {0, 1}, kBlue, false}}, opt),
-                       doctest::Contains(path.c_str()), cw::Error);
-  CHECK_THROWS_WITH_AS(cw::write_line_chart(path, {cw::Series{"short", {0, 1, 2}, {0, 1}, kBlue, false}}, opt),
-                       doctest::Contains("3 x values but 2 y values"), cw::Error);
-  cw::ChartOptions tiny;
-  tiny.width = 50;
-  CHECK_THROWS_WITH_AS(cw::write_line_chart(path, {}, tiny), doctest::Contains(path.c_str()), cw::Error);
-  const std::string missing = dir.file("no/such/dir/chart.png");
-  CHECK_THROWS_WITH_AS(cw::write_line_chart(missing, loss_series(), opt), doctest::Contains(missing.c_str()),
-                       cw::Error);
-  CHECK_FALSE(std::filesystem::exists(path));
+TEST_CASE("render_svg: polyline points are the data mapped through the axes the tick labels state") {
+  cw::Series s{"", {}, {}, kBlue, false};
+  for (int i = 0; i <= 20; ++i) s.x.push_back(1e6 + i * 2.5e5), s.y.push_back(2.0 + 0.01 * i * i);
+  const std::string svg = cw::render_svg(one_panel({s}));
+  REQUIRE(well_formed(svg) == "");
+  const AxisMap mx = axis_from_ticks(ticks(svg, "xtick", "x")), my = axis_from_ticks(ticks(svg, "ytick", "y"));
+  CHECK(mx.a > 0);
+  CHECK(my.a < 0);  // y grows upwards
+  const std::vector<Points> lines = polylines(svg);
+  REQUIRE(lines.size() == 1);
+  REQUIRE(lines[0].size() == s.x.size());
+  const std::vector<Frame> f = frames(svg);
+  REQUIRE(f.size() == 1);
+  for (size_t i = 0; i < s.x.size(); ++i) {
+    INFO("point ", i);
+    CHECK(std::abs(lines[0][i].first - mx(s.x[i])) < kTol);
+    CHECK(std::abs(lines[0][i].second - my(s.y[i])) < kTol);
+    CHECK(lines[0][i].first >= f[0].x - 0.05);
+    CHECK(lines[0][i].first <= f[0].x + f[0].w + 0.05);
+    CHECK(lines[0][i].second >= f[0].y);
+    CHECK(lines[0][i].second <= f[0].y + f[0].h);
+  }
+  // The x range is the data's, end to end.
+  CHECK(lines[0].front().first == doctest::Approx(f[0].x));
+  CHECK(lines[0].back().first == doctest::Approx(f[0].x + f[0].w));
+}
+
+TEST_CASE("render_svg: NaN and inf break the line; a lone point between gaps is a dot") {
+  const cw::Series s{"", {0, 1, 2, 3, 4, 5, 6, 7}, {1, 2, kNaN, 3, 4, INFINITY, 5, -INFINITY}, kBlue, false};
+  const std::string svg = cw::render_svg(one_panel({s}));
+  REQUIRE(well_formed(svg) == "");
+  const AxisMap mx = axis_from_ticks(ticks(svg, "xtick", "x")), my = axis_from_ticks(ticks(svg, "ytick", "y"));
+  const std::vector<Points> lines = polylines(svg);
+  REQUIRE(lines.size() == 2);
+  REQUIRE(lines[0].size() == 2);
+  REQUIRE(lines[1].size() == 2);
+  CHECK(std::abs(lines[0][1].first - mx(1)) < kTol);
+  CHECK(std::abs(lines[1][0].first - mx(3)) < kTol);
+  CHECK(std::abs(lines[1][1].second - my(4)) < kTol);
+  const Points dots = circles(svg);
+  REQUIRE(dots.size() == 1);
+  CHECK(std::abs(dots[0].first - mx(6)) < kTol);
+  CHECK(std::abs(dots[0].second - my(5)) < kTol);
+  // A non-finite x is a gap too.
+  CHECK(polylines(cw::render_svg(one_panel({cw::Series{"", {0, kNaN, 2, 3}, {1, 1, 2, 3}, kBlue, false}})))[0].size() == 2);
+}
+
+TEST_CASE("render_svg: single point, constant, all-NaN and empty data give a chart") {
+  const std::string single = cw::render_svg(one_panel({cw::Series{"one", {5}, {7}, kOrange, false}}));
+  CHECK(well_formed(single) == "");
+  CHECK(polylines(single).empty());
+  CHECK(circles(single).size() == 1);
+  const Points yt = ticks(single, "ytick", "y");
+  REQUIRE(!yt.empty());
+  CHECK(yt.front().first <= 7);
+  CHECK(yt.back().first >= 7);
+
+  const std::string constant = cw::render_svg(one_panel({cw::Series{"", {0, 1, 2, 3}, {2, 2, 2, 2}, kBlue, false}}));
+  CHECK(well_formed(constant) == "");
+  const std::vector<Points> lines = polylines(constant);
+  REQUIRE(lines.size() == 1);
+  const AxisMap my = axis_from_ticks(ticks(constant, "ytick", "y"));
+  for (const auto& p : lines[0]) CHECK(std::abs(p.second - my(2)) < kTol);
+  CHECK(std::abs(lines[0][0].second - (frames(constant)[0].y + frames(constant)[0].h / 2)) < kTol);  // centred
+
+  for (const cw::Chart& c : {one_panel({cw::Series{"nan", {0, 1}, {kNaN, INFINITY}, kBlue, false}}), one_panel({}),
+                             one_panel({cw::Series{"empty", {}, {}, kBlue, false}})}) {
+    const std::string svg = cw::render_svg(c);
+    CHECK(well_formed(svg) == "");
+    CHECK(svg.find(">no data</text>") != std::string::npos);
+    CHECK(polylines(svg).empty());
+    CHECK(ticks(svg, "ytick", "y").size() >= 2);
+  }
+  CHECK(cw::render_svg(one_panel({cw::Series{"", {0, 1}, {0, 1}, kBlue, false}})).find("no data") == std::string::npos);
+}
+
+TEST_CASE("render_svg: a short panel over a narrow range still labels two ticks") {
+  // 262..331 MiB in 80 px: room for two ticks at most, and a step of 50 would leave only "300".
+  cw::Chart chart = one_panel({cw::Series{"", {0, 1, 2}, {262, 331, 300}, kBlue, false}});
+  chart.panels[0].height = 80;
+  const std::string svg = cw::render_svg(chart);
+  const Points yt = ticks(svg, "ytick", "y");
+  CHECK(yt.size() >= 2);
+  CHECK(std::abs(polylines(svg)[0][1].second - axis_from_ticks(yt)(331)) < kTol);
+}
+
+TEST_CASE("render_svg: bad input is a clear error") {
+  CHECK_THROWS_WITH_AS(cw::render_svg(one_panel({cw::Series{"train", {0, 1, 2}, {1, 2}, kBlue, false}})),
+                       doctest::Contains("series 'train' has 3 x values but 2 y values"), cw::Error);
+  CHECK_THROWS_WITH_AS(cw::render_svg(cw::Chart{"t", "x", {}, 960}), doctest::Contains("no panels"), cw::Error);
+  cw::Chart narrow = one_panel({});
+  narrow.width = 100;
+  CHECK_THROWS_WITH_AS(cw::render_svg(narrow), doctest::Contains("width 100"), cw::Error);
+  cw::Chart flat = one_panel({});
+  flat.panels[0].height = 10;
+  CHECK_THROWS_WITH_AS(cw::render_svg(flat), doctest::Contains("height 10"), cw::Error);
+}
+
+TEST_CASE("render_svg: a long series is thinned per pixel column, keeping its extremes") {
+  cw::Series s{"", {}, {}, kBlue, false};
+  std::mt19937 rng(5);
+  std::normal_distribution<double> noise(0.0, 0.1);
+  for (int i = 0; i < 200000; ++i) s.x.push_back(i), s.y.push_back(3 + noise(rng));
+  s.y[123456] = 10;  // a spike
+  s.y[7] = -5;
+  const std::string svg = cw::render_svg(one_panel({s}));
+  CHECK(well_formed(svg) == "");
+  CHECK(svg.size() < 200000);
+  const std::vector<Points> lines = polylines(svg);
+  REQUIRE(lines.size() == 1);
+  CHECK(lines[0].size() <= 4 * 860);
+  const AxisMap my = axis_from_ticks(ticks(svg, "ytick", "y"));
+  double top = 1e9, bottom = -1e9;
+  for (const auto& p : lines[0]) top = std::min(top, p.second), bottom = std::max(bottom, p.second);
+  CHECK(std::abs(top - my(10)) < kTol);
+  CHECK(std::abs(bottom - my(-5)) < kTol);
+}
+
+TEST_CASE("render_svg: the legend goes in the inside corner with the least data under it") {
+  const auto legend_x = [](const cw::Series& s) {
+    const std::string svg = cw::render_svg(one_panel({s}));
+    const size_t legend = svg.find("<g class=\"legend\">");
+    REQUIRE(legend != std::string::npos);
+    const std::vector<std::string> box = tags(svg.substr(legend), "<rect");
+    return attr(box[0], "x") < 480 ? "left" : "right";
+  };
+  // Falling, like a loss: top right is free. Rising: top left is.
+  CHECK(std::string(legend_x(cw::Series{"falling", {0, 1, 2, 3}, {4, 3, 2, 1}, kBlue, false})) == "right");
+  CHECK(std::string(legend_x(cw::Series{"rising", {0, 1, 2, 3}, {1, 2, 3, 4}, kBlue, false})) == "left");
+}
+
+TEST_CASE("write_svg writes the rendered document atomically and names the file on failure") {
+  cw::test::TempDir dir("plot");
+  const std::string path = dir.file("loss.svg");
+  const cw::Chart chart = one_panel({cw::Series{"train", {0, 1, 2}, {3, 2, 1}, kBlue, false}});
+  cw::write_svg(path, chart);
+  CHECK(read_file(path) == cw::render_svg(chart));
+  for (const auto& e : std::filesystem::directory_iterator(dir.path)) CHECK(e.path().filename() == "loss.svg");
+  const std::string missing = dir.file("no/such/dir/chart.svg");
+  CHECK_THROWS_WITH_AS(cw::write_svg(missing, chart), doctest::Contains(missing.c_str()), cw::Error);
+}
+
+TEST_CASE("run_chart: loss, eval loss, learning rate and host memory from metrics.jsonl") {
+  cw::test::TempDir dir("plot-run");
+  const std::string path = dir.file("metrics.jsonl");
+  {
+    std::ofstream out(path);
+    out << R"({"step":1,"loss":5.0,"lr":1e-4,"tokens":100,"rss_mib":1500.0,"skipped":false})" << "\n"
+        << R"({"step":1,"memory_weights":1234})" << "\n"
+        << R"({"step":2,"loss":null,"lr":2e-4,"tokens":200,"rss_mib":1600.0,"skipped":true})" << "\n"
+        << R"({"step":3,"loss":4.0,"lr":3e-4,"tokens":300,"rss_mib":2048.0})" << "\n"
+        << R"({"step":3,"eval_loss":4.2,"tokens":300})" << "\n"
+        << "\n"
+        << R"({"step":4,"loss":3.5,"lr":)";  // torn by a writer still at work
+  }
+  const cw::Chart c = cw::run_chart(path, "run");
+  CHECK(c.title == "run");
+  CHECK(c.x_label == "tokens seen");
+  REQUIRE(c.panels.size() == 3);
+  REQUIRE(c.panels[0].series.size() == 2);
+  const cw::Series& train = c.panels[0].series[0];
+  CHECK(train.label == "train loss");
+  CHECK(train.x == std::vector<double>{100, 200, 300});
+  REQUIRE(train.y.size() == 3);
+  CHECK(train.y[0] == 5.0);
+  CHECK(std::isnan(train.y[1]));  // a skipped step's NaN loss is a gap
+  CHECK(c.panels[0].series[1].label == "eval loss");
+  CHECK(c.panels[0].series[1].markers);
+  CHECK(c.panels[0].series[1].y == std::vector<double>{4.2});
+  CHECK(c.panels[1].y_label == "learning rate");
+  CHECK(c.panels[1].series[0].y == std::vector<double>{1e-4, 2e-4, 3e-4});
+  CHECK(c.panels[2].y_label == "host memory (GiB)");
+  CHECK(c.panels[2].series[0].y.back() == 2.0);
+  CHECK(well_formed(cw::render_svg(c)) == "");
+
+  // An older log with loss only: one panel, no legend entry for a missing eval.
+  {
+    std::ofstream out(path);
+    out << R"({"step":1,"loss":5.0,"tokens":100})" << "\n";
+  }
+  const cw::Chart lean = cw::run_chart(path, "run");
+  REQUIRE(lean.panels.size() == 1);
+  CHECK(lean.panels[0].series.size() == 1);
+  CHECK_THROWS_WITH_AS(cw::run_chart(dir.file("absent.jsonl"), "run"), doctest::Contains("absent.jsonl"), cw::Error);
 }
 
 }  // TEST_SUITE

@@ -106,7 +106,7 @@ TEST_CASE("train: a stopped and resumed run is bit-identical to an uninterrupted
         file_bytes(fs::path(second.run_dir) / "step-000008" / "model.safetensors"));
   CHECK(file_bytes(fs::path(straight.run_dir) / "step-000008" / "optimizer.safetensors") ==
         file_bytes(fs::path(second.run_dir) / "step-000008" / "optimizer.safetensors"));
-  CHECK(fs::exists(fs::path(straight.run_dir) / "loss.png"));
+  CHECK(fs::exists(fs::path(straight.run_dir) / "loss.svg"));
   CHECK(fs::exists(fs::path(straight.run_dir) / "config.toml"));
   CHECK(la.back() < la.front());  // it learns something
 }

@@ -746,7 +746,7 @@ resume = false
 [log]
 # Where the run writes its log, config, checkpoints and plots (empty: the trainer chooses).
 run_dir = ""
-# Log a line every this many steps; plot the loss curves as PNG.
+# Log a line every this many steps; plot loss, learning rate and memory as loss.svg.
 every = 1
 plot = true
 

@@ -100,7 +100,7 @@ struct RunConfig {
   struct Log {
     std::string run_dir;                  // empty: the trainer picks one
     int64_t every = 1;                    // steps between log lines
-    bool plot = true;                     // write loss curves as PNG
+    bool plot = true;                     // write loss.svg (loss, learning rate, memory)
     bool operator==(const Log&) const = default;
   };
   struct Sample {

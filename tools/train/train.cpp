@@ -255,7 +255,6 @@ TrainResult run_training(const RunConfig& rc, const TrainOptions& opt, std::ostr
 
   const bool tty = isatty(STDOUT_FILENO) && &out == &std::cout;
   SignalGuard signals;
-  std::vector<double> plot_tokens, plot_loss, eval_tokens, eval_loss;
   Arena eval_arena(device);
   auto evaluate = [&]() {
     double sum = 0;
@@ -330,8 +329,6 @@ TrainResult run_training(const RunConfig& rc, const TrainOptions& opt, std::ostr
     const double tok_s = static_cast<double>(tokens_per_step) / step_s;
     metrics.append({{"step", step}, {"loss", loss}, {"lr", lr}, {"grad_norm", grad_norm}, {"tokens", tokens_seen},
                     {"tokens_per_s", tok_s}, {"step_s", step_s}, {"skipped", skipped}, {"rss_mib", rss_mib()}});
-    plot_tokens.push_back(static_cast<double>(tokens_seen));
-    plot_loss.push_back(loss);
     if (step % rc.log.every == 0 || step == rc.train.steps || step == start_step + 1) {
       const std::string line = fmt::format(
           "step {:>5}/{} | loss {:.4f} | grad norm {:.3f} | lr {:.2e} | {:.0f} tok/s | {} elapsed, ETA {} | mem {:.0f} MiB",
@@ -357,8 +354,6 @@ TrainResult run_training(const RunConfig& rc, const TrainOptions& opt, std::ostr
     if ((rc.eval.every > 0 && step % rc.eval.every == 0) || last) {
       const double el = evaluate();
       metrics.append({{"step", step}, {"eval_loss", el}, {"tokens", tokens_seen}});
-      eval_tokens.push_back(static_cast<double>(tokens_seen));
-      eval_loss.push_back(el);
       result.last_eval_loss = el;
       out << (tty ? "\r\033[K" : "") << fmt::format("step {:>5}: eval loss {:.4f} ({:.3f} bits per token)\n", step, el,
                                                  el / std::log(2.0));
@@ -375,14 +370,10 @@ TrainResult run_training(const RunConfig& rc, const TrainOptions& opt, std::ostr
   if (tty) out << "\r\033[K";
   result.last_step = step;
   result.last_loss = last_loss;
-  if (rc.log.plot && !plot_tokens.empty() && png_output_available()) {
-    ChartOptions co;
-    co.title = fmt::format("{} / {}: loss against tokens", rc.model.source, rc.schedule.name);
-    co.x_label = "tokens seen";
-    co.y_label = "loss (nats per token)";
-    std::vector<Series> series{{"train loss", plot_tokens, plot_loss, chart_palette(0), false}};
-    if (!eval_tokens.empty()) series.push_back({"eval loss", eval_tokens, eval_loss, chart_palette(1), true});
-    write_line_chart((fs::path(result.run_dir) / "loss.png").string(), series, co);
+  if (rc.log.plot) {  // from the metrics log, so a resumed run's picture has its whole history
+    write_svg((fs::path(result.run_dir) / "loss.svg").string(),
+              run_chart(metrics_path, fmt::format("{} / {}: training against tokens seen", rc.model.source,
+                                                  rc.schedule.name)));
   }
   const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
   out << fmt::format("done: step {}, loss {:.4f}{}, {} in {}\n", step, last_loss,
