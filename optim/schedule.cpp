@@ -44,33 +44,7 @@ Batch random_batch(int64_t B, int64_t T, int64_t vocab, uint64_t seed) {
   return causal_lm_batch(ids, B, T);
 }
 
-void ScheduleOptions::validate() const {
-  if (name != "full" && name != "checkpointed" && name != "seco" && name != "spaco")
-    fail(fmt::format("unknown schedule '{}'", name), "use full, checkpointed, seco or spaco");
-  if (recompute != "full" && recompute != "selective" && recompute != "none")
-    fail(fmt::format("unknown schedule.recompute '{}'", recompute),
-         "use full (keep layer inputs only), selective (recompute the MLP intermediates) or none");
-  if (offload && !(name == "checkpointed" && recompute == "full"))
-    fail("schedule.offload applies to schedule checkpointed with recompute = full (the kept layer inputs)",
-         "set schedule.name = checkpointed and schedule.recompute = full, or offload = false");
-  if (mlp_shards < 0) fail(fmt::format("schedule.mlp_shards must be >= 0 (0: automatic), got {}", mlp_shards));
-  if (offload_window < 0)
-    fail(fmt::format("schedule.offload_window must be >= 0 (0: the whole K/V store on the device), got {}", offload_window));
-  if (save_attention && name != "seco" && name != "spaco")
-    fail("schedule.save_attention applies to schedules seco and spaco (the prefill saves what their reverse sweep "
-         "recomputes)",
-         "set schedule.name = seco or spaco, or save_attention = false");
-  if (offload_window > 0 && name != "seco" && name != "spaco")
-    fail("schedule.offload_window applies to schedules seco and spaco (their K/V store outlives a chunk)",
-         "set schedule.name = seco or spaco, or offload_window = 0");
-  if (chunk < 0) fail(fmt::format("schedule.chunk must be >= 0, got {}", chunk));
-  if (bwd_chunk < 0) fail(fmt::format("schedule.bwd_chunk must be >= 0, got {}", bwd_chunk));
-  if (keep < 0) fail(fmt::format("schedule.keep must be >= 0, got {}", keep));
-  if (relay_cap < 0) fail(fmt::format("schedule.relay_cap must be >= 0, got {}", relay_cap));
-  if (name != "spaco" && (keep != 0 || stratified || scale_relay || drop_relay))
-    fail(fmt::format("schedule '{}' does not take spaco options (keep, stratified, scale_relay, drop_relay)", name),
-         "choose schedule spaco");
-}
+// ScheduleOptions::validate(): optim/options.cpp, beside the table of the options.
 
 Arena& Schedule::arena_on(Device device) {
   if (!(arena_.device() == device)) arena_ = Arena(device);

@@ -40,6 +40,8 @@ Batch window_batch(const std::vector<uint32_t>& windows, int64_t B, int64_t T);
 // Seeded random ids in [0, vocab).
 Batch random_batch(int64_t B, int64_t T, int64_t vocab, uint64_t seed);
 
+// The options of a schedule. Their TOML keys ([schedule]), CLI flags, accepted values and help are
+// the rows of schedule_option_table() (optim/options.h); the defaults are the ones below.
 struct ScheduleOptions {
   std::string name = "full";    // full | checkpointed | seco | spaco
   // checkpointed: full (keep layer inputs only, recompute each layer) | selective (keep every layer's
@@ -63,7 +65,8 @@ struct ScheduleOptions {
   double relay_cap = 0.0;       // ... until the cumulative factor reaches this (0: no cap)
   bool drop_relay = false;      // discard all cross-chunk relay (the chunk-local gradient)
 
-  void validate() const;        // throws naming the option
+  bool operator==(const ScheduleOptions&) const = default;
+  void validate() const;        // the table's rules and the rules between options; throws naming the option
 };
 
 struct StepStats {

@@ -6,6 +6,7 @@
 #include "tools/data/tokenizer.h"
 #include "tools/bench_model.h"
 #include "tools/bench_ops.h"
+#include "tools/cli_options.h"
 #include "tools/plan.h"
 #include "tools/gradcheck.h"
 #include "tools/model_io.h"
@@ -18,37 +19,6 @@
 
 #include <iostream>
 
-namespace {
-
-void add_schedule_options(CLI::App* app, cw::ScheduleOptions& s) {
-  app->add_option("--schedule", s.name, "full | checkpointed | seco | spaco")->capture_default_str();
-  app->add_option("--recompute", s.recompute,
-                  "checkpointed: full (keep layer inputs only) | selective (recompute the MLP intermediates) | none")
-      ->capture_default_str();
-  app->add_flag("--offload", s.offload, "checkpointed, recompute full: kept layer inputs in pinned host memory");
-  app->add_option("--offload-window", s.offload_window,
-                  "seco/spaco: K/V store layers kept on the device, the rest in pinned host memory (0: all on the device)")
-      ->capture_default_str();
-  app->add_flag("--save-attention", s.save_attention,
-                "seco/spaco: the prefill saves each layer's attention output and lse (offloaded with the K/V "
-                "store), so the reverse sweep skips the attention forward");
-  app->add_option("--mlp-shards", s.mlp_shards, "tiled MLP row shards (1: untiled, 0: automatic)")->capture_default_str();
-  app->add_option("--chunk", s.chunk, "prefill chunk length in tokens (seco, spaco); 0: whole sequence")
-      ->capture_default_str();
-  app->add_option("--bwd-chunk", s.bwd_chunk, "reverse-sweep chunk length; 0: same as --chunk")->capture_default_str();
-  app->add_option("--keep", s.keep, "spaco: chunks backpropagated per step (t of k); 0: all")->capture_default_str();
-  app->add_option("--spaco-seed", s.seed, "spaco: seed of the chunk sample")->capture_default_str();
-  app->add_flag("--stratified", s.stratified, "spaco: sample chunks with and without labels in proportion");
-  app->add_option("--scale-loss", s.scale_loss, "spaco: scale visited chunks' loss gradient by k/t")
-      ->capture_default_str();
-  app->add_flag("--scale-relay", s.scale_relay, "spaco: scale relayed dK/dV by k/t per hop");
-  app->add_option("--relay-cap", s.relay_cap, "spaco: cap of the cumulative relay factor (0: none)")
-      ->capture_default_str();
-  app->add_flag("--drop-relay", s.drop_relay, "spaco: discard all cross-chunk relay (chunk-local gradient)");
-}
-
-}  // namespace
-
 int main(int argc, char** argv) {
   CLI::App app{"chunkwise: exact long-sequence training of Llama models (SeCO / SpaCO)"};
   app.set_version_flag("--version", std::string("chunkwise ") + CW_VERSION);
@@ -60,7 +30,7 @@ int main(int argc, char** argv) {
   gradcheck->add_option("--seq", gc.seq, "tokens per sequence")->capture_default_str();
   gradcheck->add_option("--batch", gc.batch, "sequences")->capture_default_str();
   gradcheck->add_option("--dtype", gc.dtype, "f64 | f32")->capture_default_str();
-  add_schedule_options(gradcheck, gc.schedule);
+  cw::add_schedule_flags(*gradcheck, gc.schedule);
   gradcheck->add_option("--against", gc.against, "fd | full (default: fd for full, full otherwise)");
   gradcheck->add_option("--tol", gc.tol, "fail above this max_rel_err (default 1e-7 fd, 1e-12 full in f64)");
   gradcheck->add_option("--directions", gc.directions, "random directions per tensor (fd)")->capture_default_str();
@@ -114,7 +84,7 @@ int main(int argc, char** argv) {
   bench->add_option("--model", bm.model, "preset, config.json or checkpoint directory")->capture_default_str();
   bench->add_option("--seq", bm.seq, "tokens per sequence")->capture_default_str();
   bench->add_option("--batch", bm.batch, "sequences per step")->capture_default_str();
-  add_schedule_options(bench, bm.schedule);
+  cw::add_schedule_flags(*bench, bm.schedule);
   bench->add_flag("--deterministic", bm.deterministic, "bitwise-reproducible gradients (deterministic kernels only)");
   bench->add_option("--dtype", bm.dtype, "bf16 | f32")->capture_default_str();
   bench->add_option("--steps", bm.steps, "timed steps (median)")->capture_default_str();
@@ -127,16 +97,13 @@ int main(int argc, char** argv) {
   plan->add_option("--model", po.model)->capture_default_str();
   plan->add_option("--seq", po.seq)->capture_default_str();
   plan->add_option("--batch", po.batch)->capture_default_str();
-  plan->add_option("--schedule", po.schedule, "full | checkpointed | seco | spaco")->capture_default_str();
-  plan->add_option("--chunk", po.chunk, "seco/spaco chunk, or auto (the fastest that fits)")->capture_default_str();
-  plan->add_option("--bwd-chunk", po.bwd_chunk)->capture_default_str();
-  plan->add_option("--offload-window", po.offload_window, "K/V layers on the device (0: all), or auto")
+  // --chunk and --offload-window also take "auto" (the planner chooses); the rest as everywhere.
+  cw::add_schedule_flags(*plan, po.schedule, {"chunk", "offload_window"});
+  plan->add_option("--chunk", po.chunk, "seco, spaco: prefill chunk length in tokens, or auto (the fastest that fits)")
       ->capture_default_str();
-  plan->add_option("--recompute", po.recompute, "checkpointed: full | selective | none")->capture_default_str();
-  plan->add_option("--mlp-shards", po.mlp_shards)->capture_default_str();
-  plan->add_flag("--offload", po.offload, "checkpointed: layer inputs in pinned host memory");
-  plan->add_flag("--save-attention", po.save_attention,
-                 "seco/spaco: the prefill saves attention outputs, the reverse sweep skips attention forward");
+  plan->add_option("--offload-window", po.offload_window,
+                   "seco, spaco: K/V store layers kept on the device (0: all), or auto (the fewest moved that fit)")
+      ->capture_default_str();
   plan->add_option("--dtype", po.dtype)->capture_default_str();
   plan->add_option("--device-memory", po.device_memory_gib, "GiB (default: the GPU's, else 80)");
   plan->add_option("--json", po.json, "also write the plan as JSON");
@@ -144,16 +111,16 @@ int main(int argc, char** argv) {
   std::string config_path, run_dir;
   std::vector<std::string> overrides;
   bool resume = false;
-  CLI::App* train = app.add_subcommand("train", "train a model (no --config: the embedded demo)");
+  CLI::App* train = app.add_subcommand("train", "train a model (no --config: the demo run)");
   train->add_option("--config", config_path, "run configuration (TOML)");
   train->add_option("--set", overrides, "override a key: section.key=value (repeatable)");
   train->add_option("--run-dir", run_dir, "run directory (default: runs/<date-time>, printed at start)");
   train->add_flag("--resume", resume, "continue from the latest complete checkpoint in the run directory");
-  std::string train_device;
-  train->add_option("--device", train_device, "auto | cpu | cuda (same as --set train.device=...)");
-  bool train_deterministic = false;
-  train->add_flag("--deterministic", train_deterministic,
-                  "bitwise-reproducible GPU gradients (same as --set train.deterministic=true)");
+  // The flags of the config's rows that name one (--device, --deterministic, the schedule's), written
+  // here and applied after --config and --set.
+  cw::RunConfig train_flags = cw::RunConfig::defaults();
+  const std::vector<cw::OptionRef> train_flag_options = train_flags.options();
+  const std::vector<CLI::Option*> train_flag_given = cw::add_option_flags(*train, train_flag_options);
   int64_t stop_after = 0;
   train->add_option("--stop-after", stop_after, "stop after N steps of this invocation, saving a checkpoint");
 
@@ -168,6 +135,11 @@ int main(int argc, char** argv) {
   sample->add_option("--top-k", so.top_k, "0: off")->capture_default_str();
   sample->add_option("--top-p", so.top_p, "1: off")->capture_default_str();
   sample->add_option("--seed", so.seed, "sampling seed")->capture_default_str();
+
+  bool options_toml = false, options_markdown = false;
+  CLI::App* options = app.add_subcommand("options", "every option of a training run: the README's table (markdown)");
+  options->add_flag("--markdown", options_markdown, "the table of keys, flags, types, defaults, values and help (the default)");
+  options->add_flag("--toml", options_toml, "the default run as TOML, each key with its help");
 
   std::vector<std::string> text_inputs;
   std::string shard_out;
@@ -186,11 +158,9 @@ int main(int argc, char** argv) {
   try {
     if (*gradcheck) return cw::run_gradcheck(gc, std::cout);
     if (*train) {
-      cw::RunConfig rc = config_path.empty() ? cw::RunConfig::from_toml(cw::kDefaultRunToml, "<embedded default>")
-                                             : cw::RunConfig::from_file(config_path);
+      cw::RunConfig rc = config_path.empty() ? cw::RunConfig::default_run() : cw::RunConfig::from_file(config_path);
       for (const auto& o : overrides) rc.apply_override(o);
-      if (!train_device.empty()) rc.apply_override("train.device=\"" + train_device + "\"");
-      if (train_deterministic) rc.apply_override("train.deterministic=true");
+      cw::copy_given_flags(train_flag_given, train_flag_options, rc.options());
       rc.validate();
       cw::TrainOptions topt;
       topt.run_dir = run_dir;
@@ -198,6 +168,10 @@ int main(int argc, char** argv) {
       topt.stop_after = stop_after;
       const cw::TrainResult r = cw::run_training(rc, topt, std::cout);
       return r.interrupted ? cw::kExitInterrupted : 0;
+    }
+    if (*options) {
+      std::cout << (options_toml ? cw::RunConfig::default_run().commented_toml() : cw::RunConfig::options_markdown());
+      return 0;
     }
     if (*sample) {
       std::cout << so.prompt << cw::sample_from_run(run_dir, sample_step, so) << "\n";

@@ -472,14 +472,7 @@ int run_plan(const PlanOptions& po, std::ostream& out) {
     const std::vector<GpuInfo> gpus = list_gpus();
     gib = gpus.empty() ? kDefaultDeviceGib : double(gpus.front().memory_bytes) / kGiB;
   }
-  ScheduleOptions o;
-  o.name = po.schedule;
-  o.recompute = po.recompute;
-  o.mlp_shards = po.mlp_shards;
-  o.offload = po.offload;
-  o.bwd_chunk = po.bwd_chunk;
-  o.save_attention = po.save_attention;
-  o.validate();
+  ScheduleOptions o = po.schedule;
   auto number = [](const std::string& v, const char* flag) {
     try {
       size_t used = 0;

@@ -79,14 +79,9 @@ std::string plan_json(const PlanReport& report);   // peak_device_gib, peak_host
 struct PlanOptions {
   std::string model = "llama-3.2-1b";
   int64_t seq = 4096, batch = 1;
-  std::string schedule = "seco";
-  bool save_attention = false;
-  std::string chunk = "0";           // a length, or "auto"
-  int64_t bwd_chunk = 0;
-  std::string offload_window = "0";  // layers of the K/V store on the device (0: all), or "auto"
-  std::string recompute = "full";
-  int64_t mlp_shards = 1;
-  bool offload = false;
+  ScheduleOptions schedule{.name = "seco"};  // its chunk and offload_window: the two below
+  std::string chunk = "0";                   // a length, or "auto"
+  std::string offload_window = "0";          // layers of the K/V store on the device (0: all), or "auto"
   std::string dtype = "bf16";
   double device_memory_gib = 0;      // 0: the GPU's when one is present, else 80
   std::string json;                  // also write the report as JSON here

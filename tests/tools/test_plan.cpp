@@ -154,7 +154,7 @@ TEST_CASE("plan: the CLI's table and JSON") {
   test::TempDir dir("plan");
   PlanOptions o;
   o.seq = 65536;
-  o.schedule = "seco";
+  o.schedule.name = "seco";
   o.chunk = "auto";
   o.device_memory_gib = 80;
   o.json = dir.file("plan.json");
@@ -183,7 +183,7 @@ TEST_CASE("plan: the CLI's table and JSON") {
   o.device_memory_gib = 80;
   o.offload_window = "0";
   o.chunk = "4096";
-  o.schedule = "full";
+  o.schedule.name = "full";
   o.json.clear();
   std::ostringstream refused;
   CHECK(run_plan(o, refused) == 1);  // full backprop at 64K cannot fit in 80 GiB

@@ -1,4 +1,4 @@
-// The `chunkwise train` configuration: defaults and the embedded default TOML, exact round trips,
+// The `chunkwise train` configuration: defaults and the default run, exact round trips,
 // --set overrides of every value type, and that each mistake fails with one line naming where it
 // came from (file:line:column or --set) and the key.
 #include "tools/train/run_config.h"
@@ -69,20 +69,22 @@ TEST_CASE("run config: defaults are valid and convert to schedule options") {
   CHECK(c.to_json()["model"]["tie_embeddings"].is_null());
 }
 
-TEST_CASE("run config: the embedded default TOML is the defaults with the demo corpus") {
-  RunConfig parsed = RunConfig::from_toml(kDefaultRunToml, "<default>");
-  CHECK(parsed.data.train == std::vector<std::string>{"@demo"});
-  CHECK_NOTHROW(parsed.validate());
-  parsed.data.train.clear();
-  CHECK(parsed.to_json() == RunConfig::defaults().to_json());
-  CHECK(parsed == RunConfig::defaults());
-  // Every key is written out (so the text documents it), except the one that has no TOML value
-  // while unset.
-  const std::string text = kDefaultRunToml;
+TEST_CASE("run config: the default run is the defaults with the demo corpus; its commented TOML reads back") {
+  RunConfig run = RunConfig::default_run();
+  CHECK(run.data.train == std::vector<std::string>{"@demo"});
+  CHECK_NOTHROW(run.validate());
+  const RunConfig parsed = RunConfig::from_toml(run.commented_toml(), "<default>");
+  CHECK(parsed == run);
+  run.data.train.clear();
+  CHECK(run == RunConfig::defaults());
+  // Every key is written out with its help (so the text documents it), except the one that has no
+  // TOML value while unset.
+  const std::string text = RunConfig::default_run().commented_toml();
   const nlohmann::json defaults = RunConfig::defaults().to_json();
   for (const auto& [section, keys] : defaults.items())
     for (const auto& [key, value] : keys.items())
       if (key != "tie_embeddings") CHECK(contains(text, "\n" + key + " = "));
+  CHECK(contains(text, "# spaco: chunks backpropagated per step (t of k); 0: all (>= 0)\nkeep = 0\n"));
 }
 
 TEST_CASE("run config: to_toml round-trips exactly") {

@@ -1,5 +1,6 @@
-// RunConfig: one table of (section, key, field) drives reading, overriding, writing and the error
-// messages, so a key added to the struct is added here once and every path knows it.
+// RunConfig: the option tables of its sections (the schedule's in optim/options.cpp) drive reading,
+// overriding, validating, writing and the error messages, so a key added to a struct is added to
+// its table once and every path knows it.
 #include "tools/train/run_config.h"
 
 #include "engine/error.h"
@@ -21,79 +22,94 @@ namespace cw {
 
 namespace {
 
-// Where a field lives in the struct; the alternative is the field's TOML type.
-using Target = std::variant<int64_t*, uint64_t*, double*, bool*, std::optional<bool>*, std::string*,
-                            std::vector<std::string>*>;
+using Model = RunConfig::Model;
+using Data = RunConfig::Data;
+using Optimizer = RunConfig::Optimizer;
+using Train = RunConfig::Train;
+using Eval = RunConfig::Eval;
+using Checkpoint = RunConfig::Checkpoint;
+using Log = RunConfig::Log;
+using Sample = RunConfig::Sample;
 
-struct Field {
-  std::string_view section;
-  std::string_view key;
-  Target target;
-  std::string name() const { return fmt::format("{}.{}", section, key); }
+// Every option of every section but [schedule] (optim/options.cpp), in the order to_toml writes
+// them. The defaults are the structs' (run_config.h).
+// clang-format off
+const std::vector<Option<Model>> model_options = {
+  // key            flag  member                  values                                help
+  {"source",         "", &Model::source,          non_empty(),                          "a preset name (tiny, small, llama-3.2-1b, ...), an HF config.json (random initialisation), or an HF checkpoint directory to continue from"},
+  {"dtype",          "", &Model::dtype,           one_of({"auto", "f64", "f32", "bf16"}), "compute precision: auto (GPU: bf16 with f32 master weights; CPU: f32) | f64 (CPU) | f32 | bf16 (GPU)"},
+  {"init_seed",      "", &Model::init_seed,       {},                                   "seed of the random initialisation (unused for a checkpoint)"},
+  {"tie_embeddings", "", &Model::tie_embeddings,  {},                                   "tie the LM head to the embedding; unset: as the model configures it"},
 };
+const std::vector<Option<Data>> data_options = {
+  {"train",          "", &Data::train,            no_empty_path(),                         "token files: paths and glob patterns, concatenated in order (globs sorted); \"@demo\": the demo corpus"},
+  {"eval",           "", &Data::eval,             no_empty_path(),                         "held-out token files; empty: the last eval_fraction of the training stream"},
+  {"format",         "", &Data::format,           one_of({"shard", "u16", "u32"}),      "file format: shard (llm.c, with header) | u16 | u32 (headerless ids)"},
+  {"eval_fraction",  "", &Data::eval_fraction,    between(0, 1, false, true),           "held out of the training stream when eval is empty; 0: no evaluation data"},
+  {"seq_len",        "", &Data::seq_len,          at_least(2),                          "T: tokens per sequence"},
+  {"batch_size",     "", &Data::batch_size,       at_least(1),                          "B: sequences per micro-batch"},
+  {"grad_accum",     "", &Data::grad_accum,       at_least(1),                          "micro-batches per optimizer step (a step sees seq_len * batch_size * grad_accum tokens)"},
+  {"seed",           "", &Data::seed,             {},                                   "seed of the shuffle of training windows"},
+  {"tokenizer",      "", &Data::tokenizer,        non_empty(),                          "how the sample's prompt is encoded and its output decoded (bytes)"},
+};
+const std::vector<Option<Optimizer>> optimizer_options = {
+  {"lr",             "", &Optimizer::lr,          above(0),                             "AdamW: the peak learning rate, reached linearly from 0 after warmup_steps"},
+  {"min_lr",         "", &Optimizer::min_lr,      at_least(0),                          "where the decay ends, at the last step (<= lr unless decay is constant)"},
+  {"warmup_steps",   "", &Optimizer::warmup_steps, at_least(0),                         "steps of linear warmup from 0"},
+  {"decay",          "", &Optimizer::decay,       one_of({"cosine", "linear", "constant"}), "from lr down to min_lr: cosine | linear | constant (stays at lr)"},
+  {"beta1",          "", &Optimizer::beta1,       between(0, 1, false, true),           "AdamW first-moment decay"},
+  {"beta2",          "", &Optimizer::beta2,       between(0, 1, false, true),           "AdamW second-moment decay"},
+  {"eps",            "", &Optimizer::eps,         above(0),                             "AdamW denominator epsilon"},
+  {"weight_decay",   "", &Optimizer::weight_decay, at_least(0),                         "decoupled weight decay"},
+  {"grad_clip",      "", &Optimizer::grad_clip,   at_least(0, "off"),                   "clip the global gradient L2 norm to this; 0: no clipping"},
+};
+const std::vector<Option<Train>> train_options = {
+  {"steps",          "",                &Train::steps,         at_least(1),           "optimizer steps"},
+  {"device",         "--device",        &Train::device,        one_of({"auto", "cpu", "cuda"}), "auto (CUDA when available) | cpu | cuda"},
+  {"nonfinite",      "",                &Train::nonfinite,     one_of({"skip", "stop"}), "a step whose loss or gradient is NaN/inf: skip its update, or stop the run"},
+  {"deterministic",  "--deterministic", &Train::deterministic, {},                    "GPU: bitwise-reproducible gradients run to run (attention's dQ summed without atomics: slower)"},
+  {"threads",        "",                &Train::threads,       at_least(0, "all cores"), "CPU threads; 0: all cores"},
+};
+const std::vector<Option<Eval>> eval_options = {
+  {"every",          "", &Eval::every,            at_least(0, "never"),                 "evaluate every this many steps and at the end; 0: never"},
+  {"batches",        "", &Eval::batches,          at_least(1),                          "eval batches per evaluation"},
+};
+const std::vector<Option<Checkpoint>> checkpoint_options = {
+  {"every",          "", &Checkpoint::every,      at_least(0, "never"),                 "save every this many steps and at the end; 0: only at the end"},
+  {"keep_last",      "", &Checkpoint::keep_last,  at_least(1),                          "checkpoints kept; older ones are deleted"},
+  {"resume",         "", &Checkpoint::resume,     {},                                   "continue from the run directory's latest complete checkpoint (as --resume)"},
+};
+const std::vector<Option<Log>> log_options = {
+  {"run_dir",        "", &Log::run_dir,           {},                                   "where the run writes its log, config, checkpoints and plots; empty: runs/<date-time> (--run-dir overrides)"},
+  {"every",          "", &Log::every,             at_least(1),                          "steps between log lines"},
+  {"plot",           "", &Log::plot,              {},                                   "plot the loss curves (loss.png)"},
+};
+const std::vector<Option<Sample>> sample_options = {
+  {"prompt",         "", &Sample::prompt,         {},                                   "text the trained model continues at the end of the run"},
+  {"tokens",         "", &Sample::tokens,         at_least(0, "no sample"),             "tokens to generate; 0: no sample"},
+  {"temperature",    "", &Sample::temperature,    at_least(0, "greedy"),                "sampling temperature; 0: greedy"},
+  {"top_k",          "", &Sample::top_k,          at_least(0, "off"),                   "keep the k most likely tokens; 0: off"},
+  {"top_p",          "", &Sample::top_p,          between(0, 1, true, false),           "nucleus: keep the most likely tokens up to this probability; 1: off"},
+  {"seed",           "", &Sample::seed,           {},                                   "sampling seed"},
+};
+// clang-format on
 
-// Every key, in the order to_toml writes them. Takes a mutable config because the same table serves
-// reading (writes through the pointers) and writing (reads through them).
-std::vector<Field> fields_of(RunConfig& c) {
-  return {
-      {"model", "source", &c.model.source},
-      {"model", "dtype", &c.model.dtype},
-      {"model", "init_seed", &c.model.init_seed},
-      {"model", "tie_embeddings", &c.model.tie_embeddings},
-      {"data", "train", &c.data.train},
-      {"data", "eval", &c.data.eval},
-      {"data", "format", &c.data.format},
-      {"data", "eval_fraction", &c.data.eval_fraction},
-      {"data", "seq_len", &c.data.seq_len},
-      {"data", "batch_size", &c.data.batch_size},
-      {"data", "grad_accum", &c.data.grad_accum},
-      {"data", "seed", &c.data.seed},
-      {"data", "tokenizer", &c.data.tokenizer},
-      {"schedule", "name", &c.schedule.name},
-      {"schedule", "chunk", &c.schedule.chunk},
-      {"schedule", "bwd_chunk", &c.schedule.bwd_chunk},
-      {"schedule", "keep", &c.schedule.keep},
-      {"schedule", "seed", &c.schedule.seed},
-      {"schedule", "stratified", &c.schedule.stratified},
-      {"schedule", "scale_loss", &c.schedule.scale_loss},
-      {"schedule", "scale_relay", &c.schedule.scale_relay},
-      {"schedule", "relay_cap", &c.schedule.relay_cap},
-      {"schedule", "drop_relay", &c.schedule.drop_relay},
-      {"schedule", "recompute", &c.schedule.recompute},
-      {"schedule", "mlp_shards", &c.schedule.mlp_shards},
-      {"schedule", "offload", &c.schedule.offload},
-      {"schedule", "offload_window", &c.schedule.offload_window},
-      {"schedule", "save_attention", &c.schedule.save_attention},
-      {"optimizer", "lr", &c.optimizer.lr},
-      {"optimizer", "min_lr", &c.optimizer.min_lr},
-      {"optimizer", "warmup_steps", &c.optimizer.warmup_steps},
-      {"optimizer", "decay", &c.optimizer.decay},
-      {"optimizer", "beta1", &c.optimizer.beta1},
-      {"optimizer", "beta2", &c.optimizer.beta2},
-      {"optimizer", "eps", &c.optimizer.eps},
-      {"optimizer", "weight_decay", &c.optimizer.weight_decay},
-      {"optimizer", "grad_clip", &c.optimizer.grad_clip},
-      {"train", "steps", &c.train.steps},
-      {"train", "device", &c.train.device},
-      {"train", "nonfinite", &c.train.nonfinite},
-      {"train", "deterministic", &c.train.deterministic},
-      {"train", "threads", &c.train.threads},
-      {"eval", "every", &c.eval.every},
-      {"eval", "batches", &c.eval.batches},
-      {"checkpoint", "every", &c.checkpoint.every},
-      {"checkpoint", "keep_last", &c.checkpoint.keep_last},
-      {"checkpoint", "resume", &c.checkpoint.resume},
-      {"log", "run_dir", &c.log.run_dir},
-      {"log", "every", &c.log.every},
-      {"log", "plot", &c.log.plot},
-      {"sample", "prompt", &c.sample.prompt},
-      {"sample", "tokens", &c.sample.tokens},
-      {"sample", "temperature", &c.sample.temperature},
-      {"sample", "top_k", &c.sample.top_k},
-      {"sample", "top_p", &c.sample.top_p},
-      {"sample", "seed", &c.sample.seed},
-  };
+std::vector<OptionRef> fields_of(RunConfig& c) {
+  std::vector<OptionRef> out;
+  bind_options(out, "model", model_options, c.model);
+  bind_options(out, "data", data_options, c.data);
+  bind_options(out, "schedule", schedule_option_table(), c.schedule);
+  bind_options(out, "optimizer", optimizer_options, c.optimizer);
+  bind_options(out, "train", train_options, c.train);
+  bind_options(out, "eval", eval_options, c.eval);
+  bind_options(out, "checkpoint", checkpoint_options, c.checkpoint);
+  bind_options(out, "log", log_options, c.log);
+  bind_options(out, "sample", sample_options, c.sample);
+  return out;
 }
+
+using Field = OptionRef;
+using Target = OptionTarget;
 
 // The names only (for suggestions and listings), from a config that lives as long as the program.
 const std::vector<Field>& schema() {
@@ -158,62 +174,6 @@ std::string shown(std::string_view s) {
     else out += ch;
   }
   return out;
-}
-
-// ---- TOML text of values ----
-
-std::string toml_string(std::string_view s) {
-  std::string out = "\"";
-  for (const char ch : s) {
-    const auto byte = static_cast<unsigned char>(ch);
-    switch (ch) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\t': out += "\\t"; break;
-      case '\r': out += "\\r"; break;
-      case '\b': out += "\\b"; break;
-      case '\f': out += "\\f"; break;
-      default:
-        // TOML basic strings may not hold other control characters raw.
-        if (byte < 0x20 || byte == 0x7f)
-          out += fmt::format("\\u{:04X}", static_cast<unsigned>(byte));
-        else
-          out += ch;
-    }
-  }
-  return out + "\"";
-}
-
-// fmt's "{}" is the shortest text that reads back to the same double; TOML needs a '.' or an
-// exponent to read it as a float rather than an integer ("inf" and "nan" are floats already).
-std::string toml_float(double v) {
-  std::string s = fmt::format("{}", v);
-  if (s.find_first_of(".en") == std::string::npos) s += ".0";
-  return s;
-}
-
-std::string toml_list(const std::vector<std::string>& items) {
-  std::string out = "[";
-  for (size_t i = 0; i < items.size(); ++i) out += (i ? ", " : "") + toml_string(items[i]);
-  return out + "]";
-}
-
-// The value as TOML text; nullopt for an unset optional (TOML has no null).
-std::optional<std::string> toml_value(const Target& target) {
-  return std::visit(
-      [](auto* p) -> std::optional<std::string> {
-        using T = std::remove_pointer_t<decltype(p)>;
-        if constexpr (std::is_same_v<T, int64_t> || std::is_same_v<T, uint64_t>) return fmt::format("{}", *p);
-        else if constexpr (std::is_same_v<T, double>) return toml_float(*p);
-        else if constexpr (std::is_same_v<T, bool>) return *p ? "true" : "false";
-        else if constexpr (std::is_same_v<T, std::optional<bool>>) {
-          if (!p->has_value()) return std::nullopt;
-          return **p ? "true" : "false";
-        } else if constexpr (std::is_same_v<T, std::string>) return toml_string(*p);
-        else return toml_list(*p);
-      },
-      target);
 }
 
 // What a field takes, for "must be ..." messages.
@@ -371,31 +331,6 @@ std::optional<toml::table> parse_value(const std::string& raw) {
 }
 
 
-// ---- validation ----
-
-void check(bool ok, std::string_view key, const std::string& problem, const std::string& hint = "") {
-  if (!ok) fail(fmt::format("{} {}", key, problem), hint);
-}
-
-void check_one_of(std::string_view key, const std::string& value, std::initializer_list<std::string_view> options) {
-  for (std::string_view o : options)
-    if (value == o) return;
-  std::string list;
-  for (std::string_view o : options) list += (list.empty() ? "" : " | ") + std::string(o);
-  fail(fmt::format("{} must be one of {}, got {}", key, list, toml_string(value)));
-}
-
-// Seeds are unsigned in the engine but written as TOML integers, which are signed 64-bit.
-void check_seed(std::string_view key, uint64_t seed) {
-  check(seed <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()), key,
-        fmt::format("must be < 2^63 to be written as a TOML integer, got {}", seed));
-}
-
-// Non-finite values pass or fail comparisons by accident; name them explicitly.
-void check_finite(std::string_view key, double v) {
-  check(std::isfinite(v), key, fmt::format("must be a finite number, got {}", v));
-}
-
 }  // namespace
 
 RunConfig RunConfig::defaults() { return RunConfig{}; }
@@ -491,132 +426,89 @@ void RunConfig::apply_override(const std::string& assignment) {
 }
 
 void RunConfig::validate() const {
-  check(!model.source.empty(), "model.source", "must not be empty",
-        "a preset name, a config.json or a checkpoint directory");
-  check_one_of("model.dtype", model.dtype, {"auto", "f64", "f32", "bf16"});
-  check_seed("model.init_seed", model.init_seed);
-
-  for (const std::string& p : data.train) check(!p.empty(), "data.train", "holds an empty path");
-  for (const std::string& p : data.eval) check(!p.empty(), "data.eval", "holds an empty path");
-  check_one_of("data.format", data.format, {"shard", "u16", "u32"});
-  check_finite("data.eval_fraction", data.eval_fraction);
-  check(data.eval_fraction >= 0 && data.eval_fraction < 1, "data.eval_fraction",
-        fmt::format("must be in [0, 1), got {}", data.eval_fraction));
-  check(data.seq_len >= 2, "data.seq_len", fmt::format("must be >= 2, got {}", data.seq_len));
-  check(data.batch_size >= 1, "data.batch_size", fmt::format("must be >= 1, got {}", data.batch_size));
-  check(data.grad_accum >= 1, "data.grad_accum", fmt::format("must be >= 1, got {}", data.grad_accum));
-  check_seed("data.seed", data.seed);
-  check(!data.tokenizer.empty(), "data.tokenizer", "must not be empty", "e.g. tokenizer = \"bytes\"");
-
-  check_one_of("schedule.name", schedule.name, {"full", "checkpointed", "seco", "spaco"});
-  check_one_of("schedule.recompute", schedule.recompute, {"full", "selective", "none"});
-  check(schedule.mlp_shards >= 0, "schedule.mlp_shards", fmt::format("must be >= 0 (0: automatic), got {}", schedule.mlp_shards));
-  check(schedule.offload_window >= 0, "schedule.offload_window",
-        fmt::format("must be >= 0 (0: the whole K/V store on the device), got {}", schedule.offload_window));
-  check(schedule.chunk >= 0, "schedule.chunk", fmt::format("must be >= 0, got {}", schedule.chunk));
-  check(schedule.bwd_chunk >= 0, "schedule.bwd_chunk", fmt::format("must be >= 0, got {}", schedule.bwd_chunk));
-  check(schedule.keep >= 0, "schedule.keep", fmt::format("must be >= 0, got {}", schedule.keep));
-  check_seed("schedule.seed", schedule.seed);
-  check_finite("schedule.relay_cap", schedule.relay_cap);
-  check(schedule.relay_cap >= 0, "schedule.relay_cap", fmt::format("must be >= 0, got {}", schedule.relay_cap));
-  // Name the first spaco-only option set on another schedule, rather than the whole group.
-  if (schedule.name != "spaco") {
-    const std::string why = fmt::format("is a spaco option; schedule.name is {}", toml_string(schedule.name));
-    check(schedule.keep == 0, "schedule.keep", why, "set schedule.name = \"spaco\" or remove it");
-    check(!schedule.stratified, "schedule.stratified", why, "set schedule.name = \"spaco\" or remove it");
-    check(!schedule.scale_relay, "schedule.scale_relay", why, "set schedule.name = \"spaco\" or remove it");
-    check(!schedule.drop_relay, "schedule.drop_relay", why, "set schedule.name = \"spaco\" or remove it");
-  }
-  // The schedule's own rules, should they grow beyond the ones above.
-  schedule_options().validate();
-
-  check_finite("optimizer.lr", optimizer.lr);
-  check(optimizer.lr > 0, "optimizer.lr", fmt::format("must be > 0, got {}", optimizer.lr));
-  check_finite("optimizer.min_lr", optimizer.min_lr);
-  check(optimizer.min_lr >= 0, "optimizer.min_lr", fmt::format("must be >= 0, got {}", optimizer.min_lr));
-  check_one_of("optimizer.decay", optimizer.decay, {"cosine", "linear", "constant"});
+  // Each value against its row's rule, in table order; the table only reads through its pointers.
+  for (const OptionRef& o : fields_of(const_cast<RunConfig&>(*this))) check_option(o);
+  // Then the rules between options.
+  schedule.validate();
   // A constant rate never reaches min_lr, so only a decay makes the pair inconsistent.
-  if (optimizer.decay != "constant")
-    check(optimizer.min_lr <= optimizer.lr, "optimizer.min_lr",
-          fmt::format("must be <= optimizer.lr ({}), got {}", optimizer.lr, optimizer.min_lr),
-          "the decay goes from lr down to min_lr");
-  check(optimizer.warmup_steps >= 0, "optimizer.warmup_steps",
-        fmt::format("must be >= 0, got {}", optimizer.warmup_steps));
-  check_finite("optimizer.beta1", optimizer.beta1);
-  check(optimizer.beta1 >= 0 && optimizer.beta1 < 1, "optimizer.beta1",
-        fmt::format("must be in [0, 1), got {}", optimizer.beta1));
-  check_finite("optimizer.beta2", optimizer.beta2);
-  check(optimizer.beta2 >= 0 && optimizer.beta2 < 1, "optimizer.beta2",
-        fmt::format("must be in [0, 1), got {}", optimizer.beta2));
-  check_finite("optimizer.eps", optimizer.eps);
-  check(optimizer.eps > 0, "optimizer.eps", fmt::format("must be > 0, got {}", optimizer.eps));
-  check_finite("optimizer.weight_decay", optimizer.weight_decay);
-  check(optimizer.weight_decay >= 0, "optimizer.weight_decay",
-        fmt::format("must be >= 0, got {}", optimizer.weight_decay));
-  check_finite("optimizer.grad_clip", optimizer.grad_clip);
-  check(optimizer.grad_clip >= 0, "optimizer.grad_clip",
-        fmt::format("must be >= 0 (0: off), got {}", optimizer.grad_clip));
-
-  check(train.steps >= 1, "train.steps", fmt::format("must be >= 1, got {}", train.steps));
-  check_one_of("train.device", train.device, {"auto", "cpu", "cuda"});
-  check_one_of("train.nonfinite", train.nonfinite, {"skip", "stop"});
-  check(train.threads >= 0, "train.threads", fmt::format("must be >= 0 (0: all cores), got {}", train.threads));
-
-  check(eval.every >= 0, "eval.every", fmt::format("must be >= 0 (0: never), got {}", eval.every));
-  check(eval.batches >= 1, "eval.batches", fmt::format("must be >= 1, got {}", eval.batches));
-  check(eval.every == 0 || !data.eval.empty() || data.eval_fraction > 0, "eval.every",
-        fmt::format("is {} but there is no eval data (data.eval is empty and data.eval_fraction is 0)", eval.every),
-        "set eval.every = 0, give data.eval, or set data.eval_fraction > 0");
-
-  check(checkpoint.every >= 0, "checkpoint.every", fmt::format("must be >= 0 (0: never), got {}", checkpoint.every));
-  check(checkpoint.keep_last >= 1, "checkpoint.keep_last", fmt::format("must be >= 1, got {}", checkpoint.keep_last));
-
-  check(log.every >= 1, "log.every", fmt::format("must be >= 1, got {}", log.every));
-
-  check(sample.tokens >= 0, "sample.tokens", fmt::format("must be >= 0 (0: no sample), got {}", sample.tokens));
-  check_finite("sample.temperature", sample.temperature);
-  check(sample.temperature >= 0, "sample.temperature",
-        fmt::format("must be >= 0 (0: greedy), got {}", sample.temperature));
-  check(sample.top_k >= 0, "sample.top_k", fmt::format("must be >= 0 (0: off), got {}", sample.top_k));
-  check_finite("sample.top_p", sample.top_p);
-  check(sample.top_p > 0 && sample.top_p <= 1, "sample.top_p", fmt::format("must be in (0, 1], got {}", sample.top_p));
-  check_seed("sample.seed", sample.seed);
+  if (optimizer.decay != "constant" && optimizer.min_lr > optimizer.lr)
+    fail(fmt::format("optimizer.min_lr must be <= optimizer.lr ({}), got {}", optimizer.lr, optimizer.min_lr),
+         "the decay goes from lr down to min_lr");
+  if (eval.every != 0 && data.eval.empty() && data.eval_fraction <= 0)
+    fail(fmt::format("eval.every is {} but there is no eval data (data.eval is empty and data.eval_fraction is 0)",
+                     eval.every),
+         "set eval.every = 0, give data.eval, or set data.eval_fraction > 0");
 }
 
-ScheduleOptions RunConfig::schedule_options() const {
-  ScheduleOptions o;
-  o.name = schedule.name;
-  o.chunk = schedule.chunk;
-  o.bwd_chunk = schedule.bwd_chunk;
-  o.keep = schedule.keep;
-  o.seed = schedule.seed;
-  o.stratified = schedule.stratified;
-  o.scale_loss = schedule.scale_loss;
-  o.scale_relay = schedule.scale_relay;
-  o.relay_cap = schedule.relay_cap;
-  o.drop_relay = schedule.drop_relay;
-  o.recompute = schedule.recompute;
-  o.mlp_shards = schedule.mlp_shards;
-  o.offload = schedule.offload;
-  o.offload_window = schedule.offload_window;
-  o.save_attention = schedule.save_attention;
-  return o;
-}
+namespace {
 
-std::string RunConfig::to_toml() const {
-  // The field table only reads through its pointers here.
-  RunConfig& self = const_cast<RunConfig&>(*this);
-  std::string out = "# chunkwise train: the resolved configuration of this run.\n";
+// [section] headers and key = value lines; with help, each key preceded by its help as a comment.
+std::string write_toml(const RunConfig& config, std::string_view header, bool with_help) {
+  std::string out(header);
   std::string_view section;
-  for (const Field& f : fields_of(self)) {
+  for (const OptionRef& f : fields_of(const_cast<RunConfig&>(config))) {  // read only
     if (f.section != section) {
       section = f.section;
       out += fmt::format("\n[{}]\n", section);
+    }
+    if (with_help) {
+      const std::string values = f.rule->describe();
+      out += fmt::format("# {}{}\n", f.help, values.empty() || f.rule->words.size() ? "" : " (" + values + ")");
     }
     if (const std::optional<std::string> v = toml_value(f.target))
       out += fmt::format("{} = {}\n", f.key, *v);
     else
       out += fmt::format("# {} is unset: as the model configures it\n", f.key);
+  }
+  return out;
+}
+
+// A markdown table cell: '|' escaped, code in backticks.
+std::string cell(std::string_view text) {
+  std::string out;
+  for (const char ch : text) out += ch == '|' ? std::string("\\|") : std::string(1, ch);
+  return out;
+}
+std::string code(std::string_view text) { return text.empty() ? "" : "`" + cell(text) + "`"; }
+
+}  // namespace
+
+RunConfig RunConfig::default_run() {
+  RunConfig c = defaults();
+  c.data.train = {"@demo"};
+  return c;
+}
+
+std::vector<OptionRef> RunConfig::options() { return fields_of(*this); }
+
+std::string RunConfig::to_toml() const {
+  return write_toml(*this, "# chunkwise train: the resolved configuration of this run.\n", false);
+}
+
+std::string RunConfig::commented_toml() const {
+  return write_toml(*this,
+                    "# chunkwise train: a run configuration, every key with its help and accepted values.\n"
+                    "# A --config file need only name the keys it changes; --set section.key=value overrides\n"
+                    "# either (e.g. --set optimizer.lr=1e-3 --set data.train=my.bin). \"@demo\" in data.train\n"
+                    "# is the demo corpus.\n",
+                    true);
+}
+
+std::string RunConfig::options_markdown() {
+  RunConfig train = defaults();
+  ScheduleOptions library;  // the defaults of bench, gradcheck (and ScheduleOptions itself)
+  const std::vector<OptionRef> library_schedule = bind_options("schedule", schedule_option_table(), library);
+  std::string out =
+      "| key | flag | type | default | values | meaning |\n"
+      "|---|---|---|---|---|---|\n";
+  for (const OptionRef& f : fields_of(train)) {
+    const std::optional<std::string> toml = toml_value(f.target);
+    std::string value = toml ? code(*toml) : "unset";
+    for (const OptionRef& l : library_schedule)
+      if (f.section == l.section && f.key == l.key && !option_values_equal(f.target, l.target))
+        value += fmt::format(" (bench, gradcheck: {})", code(*toml_value(l.target)));
+    out += fmt::format("| {} | {} | {} | {} | {} | {} |\n", code(f.name()), code(f.flag),
+                       option_type_name(f.target), value, cell(f.rule->describe()), cell(f.help));
   }
   return out;
 }
@@ -637,128 +529,5 @@ nlohmann::json RunConfig::to_json() const {
   }
   return j;
 }
-
-const char* const kDefaultRunToml = R"toml(# chunkwise train: the default run.
-#
-# Every key below is at its default value; a --config file need only name the keys it changes, and
-# --set section.key=value overrides either (e.g. --set optimizer.lr=1e-3 --set data.train=my.bin).
-
-[model]
-# A preset name (tiny, small, ...), the path of an HF config.json (random initialisation), or an HF
-# checkpoint directory (config.json + safetensors) to continue training from.
-source = "small"
-# Compute precision: auto (bf16 with f32 master weights on a GPU, f32 on the CPU) | f64 (CPU) | f32 | bf16 (GPU).
-dtype = "auto"
-# Seed of the random initialisation (unused when source is a checkpoint).
-init_seed = 1234
-# tie_embeddings = true    # unset: as the model config says; true/false overrides it
-
-[data]
-# Token files: paths and glob patterns, concatenated in order (globs sorted). "@demo" is the small
-# built-in demo corpus.
-train = ["@demo"]
-# Held-out token files; when empty, the last eval_fraction of the training stream is held out.
-eval = []
-eval_fraction = 0.05
-# File format: shard (llm.c, with header) | u16 | u32 (headerless ids).
-format = "shard"
-# Tokens per sequence, sequences per micro-batch, and micro-batches per optimizer step: a step sees
-# seq_len * batch_size * grad_accum tokens.
-seq_len = 256
-batch_size = 8
-grad_accum = 1
-# Seed of the shuffle of training windows.
-seed = 1
-# Tokenizer for the sample's prompt and output.
-tokenizer = "bytes"
-
-[schedule]
-# How gradients are computed: full (everything kept) | checkpointed (layer inputs kept, each layer
-# recomputed before its backward) | seco (exact, chunk by chunk, keeping only K/V) | spaco (seco
-# visiting a sample of the chunks on the way back).
-name = "seco"
-# Prefill chunk length (0: the whole sequence) and reverse-sweep chunk length (0: same as chunk).
-chunk = 64
-bwd_chunk = 0
-# spaco only: chunks backpropagated per step (0: all), the sample's seed, sampling supervised and
-# unsupervised chunks in proportion, and how the estimate is rescaled (see optim/schedule.h).
-keep = 0
-seed = 0
-stratified = false
-scale_loss = true
-scale_relay = false
-relay_cap = 0.0
-drop_relay = false
-# checkpointed: what is recomputed (full: everything but each layer's input; selective: only the
-# MLP's [tokens, ffn] intermediates; none: nothing), and whether the kept layer inputs are offloaded
-# to pinned host memory (GPU, recompute = full). Any
-# schedule: the MLP in row shards, its [rows, F] intermediates recomputed per shard (1: untiled,
-# 0: automatic, ceil(F / hidden)).
-recompute = "full"
-offload = false
-mlp_shards = 1
-# seco, spaco: K/V store layers kept on the GPU, the rest in pinned host memory (0: all on the GPU).
-offload_window = 0
-# seco, spaco: the prefill saves each layer's attention output and log-sum-exp (with the K/V store,
-# offloaded with it), so the reverse sweep does not run the attention forward again.
-save_attention = false
-
-[optimizer]
-# AdamW. The rate rises linearly from 0 over warmup_steps to lr, then decays to min_lr by the last
-# step: cosine | linear | constant (stays at lr).
-lr = 0.003
-min_lr = 0.0003
-warmup_steps = 20
-decay = "cosine"
-beta1 = 0.9
-beta2 = 0.95
-eps = 1e-8
-# Decoupled weight decay.
-weight_decay = 0.1
-# Clip the global gradient L2 norm to this (0: no clipping).
-grad_clip = 1.0
-
-[train]
-# Optimizer steps.
-steps = 300
-# auto (CUDA when available) | cpu | cuda.
-device = "auto"
-# A step whose loss or gradient is NaN/inf: skip it, or stop the run.
-nonfinite = "skip"
-# GPU: bitwise-reproducible gradients run to run. false lets the attention backward use cuDNN's
-# fastest engine, which sums dQ with atomics (same values up to f32 rounding order).
-deterministic = false
-# CPU threads (0: all cores).
-threads = 0
-
-[eval]
-# Evaluate every this many steps (0: never) on this many eval batches.
-every = 50
-batches = 8
-
-[checkpoint]
-# Save every this many steps (0: never), keeping the newest keep_last; resume continues from the
-# run directory's latest checkpoint.
-every = 100
-keep_last = 2
-resume = false
-
-[log]
-# Where the run writes its log, config, checkpoints and plots (empty: the trainer chooses).
-run_dir = ""
-# Log a line every this many steps; plot loss, learning rate and memory as loss.svg.
-every = 1
-plot = true
-
-[sample]
-# Text generated from the trained model at the end of the run (tokens = 0: none).
-prompt = "The "
-tokens = 200
-# Sampling: temperature (0: greedy), top-k (0: off), nucleus top-p (1: off), seed.
-temperature = 0.8
-top_k = 40
-top_p = 0.95
-seed = 1
-)toml";
 
 }  // namespace cw

@@ -1,10 +1,17 @@
 // The configuration of `chunkwise train`: one plain struct, read from TOML, adjusted by
-// `--set section.key=value` overrides, checked, and written back into the run directory.
+// `--set section.key=value` overrides and the command line's flags, checked, and written back into
+// the run directory.
 //
-// Layers, later ones winning: defaults() (equal to kDefaultRunToml apart from data.train), then the
-// file given with --config (only the keys it names change), then each --set in order. from_toml and
-// apply_override check names and types only, so a value that is out of range in the file can still
-// be fixed by a later --set; validate() checks the values once everything is applied.
+// Every key is a row of an option table (optim/options.h): the sections' tables are in
+// run_config.cpp, [schedule]'s is schedule_option_table() beside ScheduleOptions. The defaults are
+// the structs' below; `chunkwise train` without --config runs default_run(), which differs from
+// them only in data.train = ["@demo"], the demo corpus. `chunkwise options --markdown` prints the
+// table README.md shows, `--toml` the default run as commented TOML.
+//
+// Layers, later ones winning: defaults(), then the file given with --config (only the keys it names
+// change), then each --set in order, then the flags. from_toml and apply_override check names and
+// types only, so a value that is out of range in the file can still be fixed by a later --set;
+// validate() checks the values once everything is applied.
 //
 // Errors are one line naming where the value came from (the file, with line:column, or "--set") and
 // the key as "section.key", with a hint: unknown sections and keys suggest the closest known name,
@@ -17,6 +24,7 @@
 // that reads back to the same double).
 #pragma once
 
+#include "optim/options.h"
 #include "optim/schedule.h"
 
 #include <nlohmann/json_fwd.hpp>
@@ -47,24 +55,6 @@ struct RunConfig {
     uint64_t seed = 1;                    // the window sampler's shuffle
     std::string tokenizer = "bytes";      // how the sample prompt is encoded and output decoded
     bool operator==(const Data&) const = default;
-  };
-  struct Schedule {
-    std::string name = "seco";            // full | seco | spaco
-    int64_t chunk = 64;                   // prefill chunk length; 0: the whole sequence
-    int64_t bwd_chunk = 0;                // reverse-sweep chunk length; 0: same as chunk
-    int64_t keep = 0;                     // spaco: chunks visited per step; 0: all
-    uint64_t seed = 0;                    // spaco: the chunk sample
-    bool stratified = false;              // spaco options, as in optim/schedule.h
-    bool scale_loss = true;
-    bool scale_relay = false;
-    double relay_cap = 0.0;
-    bool drop_relay = false;
-    std::string recompute = "full";       // checkpointed: full (keep layer inputs only) | selective | none
-    int64_t mlp_shards = 1;               // tiled MLP row shards: 1 untiled, 0 automatic
-    bool offload = false;                 // checkpointed: kept layer inputs in pinned host memory
-    int64_t offload_window = 0;           // seco, spaco: K/V store layers on the GPU (0: all)
-    bool save_attention = false;          // seco, spaco: reverse sweep reads attention outputs saved by the prefill
-    bool operator==(const Schedule&) const = default;
   };
   struct Optimizer {
     double lr = 3e-3;                     // peak learning rate, reached after warmup
@@ -115,7 +105,8 @@ struct RunConfig {
 
   Model model;
   Data data;
-  Schedule schedule;
+  // [schedule]: ScheduleOptions (optim/schedule.h), with the two defaults a training run changes.
+  ScheduleOptions schedule{.name = "seco", .chunk = 64};
   Optimizer optimizer;
   Train train;
   Eval eval;
@@ -125,7 +116,8 @@ struct RunConfig {
 
   bool operator==(const RunConfig&) const = default;
 
-  static RunConfig defaults();
+  static RunConfig defaults();     // RunConfig{}
+  static RunConfig default_run();  // `chunkwise train` without --config: defaults(), data.train = ["@demo"]
   // Defaults overridden by the keys the text gives. `source` names the text in errors (a path).
   static RunConfig from_toml(const std::string& text, const std::string& source);
   static RunConfig from_file(const std::string& path);
@@ -135,16 +127,19 @@ struct RunConfig {
   // log.run_dir=runs/a work unquoted), and list keys take a single string as a one-element list.
   void apply_override(const std::string& assignment);
 
-  void validate() const;  // value ranges and enum names; throws naming "section.key"
+  // Each value against its table row's rule, then the rules between options; throws naming "section.key".
+  void validate() const;
 
-  ScheduleOptions schedule_options() const;
+  ScheduleOptions schedule_options() const { return schedule; }
 
-  std::string to_toml() const;
+  // Every option, bound to this config, in table order (section by section).
+  std::vector<OptionRef> options();
+
+  std::string to_toml() const;         // every key = value, section by section
+  std::string commented_toml() const;  // the same, each key preceded by its help and accepted values
+  // The README's options table: key, flag, type, default, accepted values, help, one row per option.
+  static std::string options_markdown();
   nlohmann::json to_json() const;  // {"section": {"key": value}}; an unset tie_embeddings is null
 };
-
-// The config `chunkwise train` runs without --config: commented TOML, equal to defaults() except
-// data.train = ["@demo"], a placeholder the trainer resolves to the demo corpus.
-extern const char* const kDefaultRunToml;
 
 }  // namespace cw

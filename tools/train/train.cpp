@@ -137,6 +137,324 @@ std::vector<std::string> resolve_demo(const std::vector<std::string>& specs) {
   for (const auto& s : specs) out.push_back(s == "@demo" ? demo_data_path() : s);
   return out;
 }
+
+// ---- the steps of run_training, in order ----
+
+// Where and how the run computes: the model's config, the device and the compute dtype.
+struct Placement {
+  LlamaConfig model;
+  Device device;
+  DType dtype;
+};
+
+Placement resolve_placement(const RunConfig& rc) {
+  LlamaConfig mc = LlamaConfig::resolve(rc.model.source);
+  if (rc.model.tie_embeddings) mc.tie_word_embeddings = *rc.model.tie_embeddings;
+  const Device device = resolve_train_device(rc.train.device);
+  const DType dtype = resolve_train_dtype(rc.model.dtype, device);
+#if CW_HAVE_CUDA
+  if (!device.is_cpu()) set_deterministic(rc.train.deterministic);
+#endif
+  return {mc, device, dtype};
+}
+
+struct TrainData {
+  TokenDataset train;
+  WindowSplit split;  // train and eval windows
+};
+
+TrainData load_data(const RunConfig& rc, const LlamaConfig& mc) {
+  const std::vector<std::string> train_specs = resolve_demo(rc.data.train);
+  if (train_specs.empty()) fail("data.train is empty", "list token shards or globs in data.train");
+  const TokenDatasetOptions dopt{parse_token_format(rc.data.format, "data.format"), mc.vocab_size};
+  TrainData d{TokenDataset::open(train_specs, dopt), {}};
+  if (rc.data.eval.empty()) {
+    d.split = split_by_fraction(d.train, rc.data.seq_len, rc.data.eval_fraction);
+  } else {
+    d.split = split_by_files(d.train, TokenDataset::open(resolve_demo(rc.data.eval), dopt), rc.data.seq_len);
+  }
+  return d;
+}
+
+// Memory guard: fail before step 1, not in the middle of it. Returns the planned bytes.
+double check_memory(const Placement& p, const RunConfig& rc) {
+  const double need = planned_bytes(p.model, p.dtype, rc);
+  const double have = p.device.is_cpu() ? available_bytes() : static_cast<double>(device_memory(p.device).free);
+  if (have > 0 && need > have)
+    fail(fmt::format("this run needs about {} of {} memory and the {} has {} available", human_bytes(need),
+                     p.device.is_cpu() ? "host" : "device", device_name(p.device), human_bytes(have)),
+         "lower data.batch_size, data.seq_len or schedule.chunk, or use schedule.name = seco");
+  return need;
+}
+
+AdamWOptions adamw_options(const RunConfig& rc) {
+  AdamWOptions aopt;
+  aopt.beta1 = rc.optimizer.beta1;
+  aopt.beta2 = rc.optimizer.beta2;
+  aopt.eps = rc.optimizer.eps;
+  aopt.weight_decay = rc.optimizer.weight_decay;
+  return aopt;
+}
+
+// Where the loop starts: step 0, or the resumed checkpoint's step and token count.
+struct Progress {
+  int64_t step = 0;
+  int64_t tokens_seen = 0;
+};
+
+// Resume from the run directory's latest complete checkpoint (weights, optimizer moments, step,
+// sampler position, metrics truncated after it), or load the model.source checkpoint, or initialise.
+Progress resume_or_initialise(const RunConfig& rc, bool resume, RunDirectory& run_dir, const std::string& run_path,
+                              const std::string& metrics_path, TrainingState& state, WindowSampler& sampler,
+                              std::ostream& out) {
+  Progress p;
+  if (resume) {
+    std::vector<std::string> skipped;
+    const auto ref = run_dir.latest_complete(&skipped);
+    for (const auto& s : skipped) out << "resume: skipped " << s << "\n";
+    if (!ref)
+      fail(fmt::format("--resume: no complete checkpoint in '{}'", run_path),
+           "start without --resume, or point --run-dir at the run to continue");
+    load_master_from(state, ref->path);
+    state.optimizer().load((fs::path(ref->path) / "optimizer.safetensors").string());
+    std::ifstream sf(fs::path(ref->path) / "state.json");
+    nlohmann::json saved;
+    try {
+      saved = nlohmann::json::parse(sf);
+    } catch (const nlohmann::json::exception& e) {
+      fail(fmt::format("{}/state.json: not valid JSON ({})", ref->path, e.what()), "the checkpoint is damaged");
+    }
+    p.step = saved.at("step").get<int64_t>();
+    p.tokens_seen = saved.at("tokens_seen").get<int64_t>();
+    sampler.restore(SamplerState::from_json(saved.at("sampler"), ref->path + "/state.json"));
+    truncate_metrics_after(metrics_path, p.step);
+    out << fmt::format("resumed from {} (step {})\n", ref->path, p.step);
+  } else if (fs::is_directory(rc.model.source) && fs::exists(fs::path(rc.model.source) / "config.json") &&
+             (fs::exists(fs::path(rc.model.source) / "model.safetensors") ||
+              fs::exists(fs::path(rc.model.source) / "model.safetensors.index.json"))) {
+    load_master_from(state, rc.model.source);
+  } else {
+    state.init(rc.model.init_seed, state.model().config().initializer_range);
+  }
+  return p;
+}
+
+// The lines printed before step 1: the run directory, model, data, schedule, the resolved config.
+void print_header(const RunConfig& rc, const Placement& p, const TrainData& data, double planned,
+                  const std::string& run_path, std::ostream& out) {
+  const LlamaConfig& mc = p.model;
+  const int64_t B = rc.data.batch_size, T = rc.data.seq_len, accum = rc.data.grad_accum;
+  out << fmt::format("run dir: {}\n", run_path);
+  out << fmt::format("model {}: {} layers, hidden {}, {} heads ({} K/V), vocab {}, {:.2f} M parameters, {} on {}{}\n",
+                     rc.model.source, mc.num_hidden_layers, mc.hidden_size, mc.num_attention_heads,
+                     mc.num_key_value_heads, mc.vocab_size, static_cast<double>(mc.parameter_count()) / 1e6,
+                     dtype_name(p.dtype), device_name(p.device),
+                     p.dtype == DType::bf16 ? " (f32 master weights, f32 gradients)" : "");
+  out << fmt::format("data: {} ({} tokens): {} train windows, {} eval windows of {} tokens\n", data.train.describe(),
+                     data.train.size(), data.split.train.size(), data.split.eval.size(), T);
+  out << fmt::format("schedule {} (chunk {}, bwd chunk {}), {} x {} x {} = {} tokens per step, {} steps, "
+                     "planned memory {}\n",
+                     rc.schedule.name, rc.schedule.chunk, rc.schedule.bwd_chunk, accum, B, T, B * T * accum,
+                     rc.train.steps, human_bytes(planned));
+  out << "config:\n" << rc.to_toml() << "\n";
+  out.flush();
+}
+
+// The optimizer steps from progress.step + 1 to train.steps: micro-batches through the schedule,
+// the non-finite guard, clipping, AdamW; logging, the first step's memory report, evaluation,
+// checkpoints, and stopping on a signal or --stop-after.
+class TrainLoop {
+ public:
+  TrainLoop(const RunConfig& rc, const TrainOptions& opt, const Placement& placement, const WindowSplit& split,
+            TrainingState& state, Schedule& schedule, WindowSampler& sampler, RunDirectory& run_dir,
+            MetricsLog& metrics, const ByteTokenizer& tokenizer, std::ostream& out)
+      : rc_(rc), opt_(opt), placement_(placement), split_(split), state_(state), schedule_(schedule),
+        sampler_(sampler), run_dir_(run_dir), metrics_(metrics), tokenizer_(tokenizer), out_(out),
+        lr_schedule_{rc.optimizer.lr, rc.optimizer.min_lr, rc.optimizer.warmup_steps, rc.train.steps,
+                     LrSchedule::parse(rc.optimizer.decay)},
+        eval_arena_(placement.device),
+        tty_(isatty(STDOUT_FILENO) && &out == &std::cout) {}
+
+  // Runs to the end (or a stop), filling result's last step, loss, eval loss and interrupted.
+  void run(Progress progress, TrainResult& result) {
+    SignalGuard signals;
+    start_step_ = progress.step;
+    tokens_seen_ = progress.tokens_seen;
+    const auto t_loop = std::chrono::steady_clock::now();
+    int64_t step = start_step_;
+    double last_loss = std::nan("");
+    while (step < rc_.train.steps) {
+      ++step;
+      const auto t0 = std::chrono::steady_clock::now();
+      const StepOutcome o = train_step(step);
+      tokens_seen_ += tokens_per_step();
+      last_loss = o.loss;
+      const auto t1 = std::chrono::steady_clock::now();
+      log_step(step, o, std::chrono::duration<double>(t1 - t0).count(),
+               std::chrono::duration<double>(t1 - t_loop).count());
+      if (step == start_step_ + 1) report_memory(step, o.stats);
+      const bool last = step == rc_.train.steps;
+      if ((rc_.eval.every > 0 && step % rc_.eval.every == 0) || last) {
+        const double el = evaluate();
+        metrics_.append({{"step", step}, {"eval_loss", el}, {"tokens", tokens_seen_}});
+        result.last_eval_loss = el;
+        out_ << clear_line() << fmt::format("step {:>5}: eval loss {:.4f} ({:.3f} bits per token)\n", step, el,
+                                            el / std::log(2.0));
+      }
+      const bool stop = g_signals.load() > 0 || (opt_.stop_after > 0 && step - start_step_ >= opt_.stop_after && !last);
+      if ((rc_.checkpoint.every > 0 && step % rc_.checkpoint.every == 0) || last || stop) save(step);
+      if (stop) {
+        out_ << clear_line() << fmt::format("stopped: saved step {} in {}; continue with --resume\n", step,
+                                            result.run_dir);
+        result.interrupted = true;
+        break;
+      }
+    }
+    if (tty_) out_ << "\r\033[K";
+    result.last_step = step;
+    result.last_loss = last_loss;
+  }
+
+ private:
+  struct StepOutcome {
+    double loss = 0, grad_norm = 0, lr = 0;
+    bool skipped = false;
+    StepStats stats;  // the last micro-batch's
+  };
+
+  int64_t tokens_per_step() const { return rc_.data.batch_size * rc_.data.seq_len * rc_.data.grad_accum; }
+  const char* clear_line() const { return tty_ ? "\r\033[K" : ""; }
+
+  // One optimizer step: the micro-batches' gradients summed (the loss normalised by the step's
+  // supervised count), then the guard, clipping and the update.
+  StepOutcome train_step(int64_t step) {
+    const int64_t B = rc_.data.batch_size, T = rc_.data.seq_len, accum = rc_.data.grad_accum;
+    const ParamSet& grads = state_.grads();
+    grads.zero();
+    std::vector<Batch> micro;
+    double normaliser = 0;
+    for (int64_t m = 0; m < accum; ++m) {
+      micro.push_back(window_batch(sampler_.next_batch(B), B, T));
+      normaliser += static_cast<double>(micro.back().supervised());
+    }
+    StepOutcome o;
+    for (int64_t m = 0; m < accum; ++m) {
+      o.stats = schedule_.step(state_.model(), micro[static_cast<size_t>(m)], grads, normaliser,
+                               static_cast<uint64_t>(step * accum + m));
+      o.loss += o.stats.loss;
+    }
+    o.grad_norm = grad_global_norm(grads);
+    o.lr = lr_schedule_.at(step);
+    if (!std::isfinite(o.loss) || !std::isfinite(o.grad_norm)) {
+      const std::string what = fmt::format("step {}: non-finite {} (loss {}, grad norm {}) over {} micro-batches",
+                                           step, std::isfinite(o.loss) ? "gradient" : "loss", o.loss, o.grad_norm,
+                                           accum);
+      if (rc_.train.nonfinite == "stop") fail(what, "lower optimizer.lr or set train.nonfinite = skip");
+      out_ << "warning: " << what << "; update skipped\n";
+      o.skipped = true;
+    } else {
+      clip_grad_norm(grads, rc_.optimizer.grad_clip);
+      state_.optimizer_step(o.lr);
+    }
+    return o;
+  }
+
+  // The metrics line of every step; the log line (and the progress bar on a terminal) every log.every.
+  void log_step(int64_t step, const StepOutcome& o, double step_s, double elapsed) {
+    const double eta = elapsed / static_cast<double>(step - start_step_) * static_cast<double>(rc_.train.steps - step);
+    const double tok_s = static_cast<double>(tokens_per_step()) / step_s;
+    metrics_.append({{"step", step}, {"loss", o.loss}, {"lr", o.lr}, {"grad_norm", o.grad_norm},
+                     {"tokens", tokens_seen_}, {"tokens_per_s", tok_s}, {"step_s", step_s}, {"skipped", o.skipped},
+                     {"rss_mib", rss_mib()}});
+    if (step % rc_.log.every != 0 && step != rc_.train.steps && step != start_step_ + 1) return;
+    const std::string line = fmt::format(
+        "step {:>5}/{} | loss {:.4f} | grad norm {:.3f} | lr {:.2e} | {:.0f} tok/s | {} elapsed, ETA {} | mem {:.0f} MiB",
+        step, rc_.train.steps, o.loss, o.grad_norm, o.lr, tok_s, duration(elapsed), duration(eta), rss_mib());
+    if (tty_) {
+      const int width = 30, done = static_cast<int>(width * step / rc_.train.steps);
+      out_ << "\r\033[K" << line << "\n"
+           << "[" << std::string(static_cast<size_t>(done), '#') << std::string(static_cast<size_t>(width - done), '.')
+           << "] " << fmt::format("{}%", 100 * step / rc_.train.steps) << std::flush;
+    } else {
+      out_ << line << "\n" << std::flush;
+    }
+  }
+
+  // Where the memory goes, once the first step has shown the activation and K/V peaks.
+  void report_memory(int64_t step, const StepStats& stats) {
+    const MemoryReport mem = memory_report(state_, stats.activation_high_water, stats.kv_bytes);
+    out_ << clear_line() << fmt::format("memory ({}): {}\n", device_name(placement_.device), mem.line());
+    nlohmann::json mj = {{"step", step}};
+    for (const auto& [name, bytes] : mem.categories()) mj["memory_" + name] = bytes;
+    metrics_.append(mj);
+  }
+
+  // The mean loss over eval.batches batches of the eval windows, in order.
+  double evaluate() {
+    const int64_t B = rc_.data.batch_size, T = rc_.data.seq_len;
+    double sum = 0;
+    int64_t count = 0;
+    const int64_t n = std::min<int64_t>(rc_.eval.batches, split_.eval.num_batches(B));
+    for (int64_t i = 0; i < n; ++i) {
+      const std::vector<uint32_t> w = split_.eval.batch_in_order(i, B);
+      const int64_t rows = static_cast<int64_t>(w.size()) / (T + 1);
+      const Batch batch = window_batch(w, rows, T);
+      sum += batch_loss(state_.model(), batch, rc_.schedule.chunk, eval_arena_) * static_cast<double>(batch.supervised());
+      count += batch.supervised();
+    }
+    return count > 0 ? sum / static_cast<double>(count) : std::nan("");
+  }
+
+  // A checkpoint: the master weights (f32 for a bf16 run, so that a resume continues bit-exactly),
+  // the optimizer moments, the step, token count and sampler position, the config.
+  void save(int64_t step) {
+    const SamplerState ss = sampler_.state();
+    run_dir_.save_checkpoint(
+        step,
+        [&](const std::string& dir) {
+          save_checkpoint_weights(state_.master_on_host(), placement_.model, dir, state_.master_dtype());
+          state_.optimizer().save((fs::path(dir) / "optimizer.safetensors").string());
+          nlohmann::json saved = {{"step", step},
+                                  {"tokens_seen", tokens_seen_},
+                                  {"sampler", ss.to_json()},
+                                  {"tokenizer", tokenizer_.to_json()}};
+          write_text_atomic((fs::path(dir) / "state.json").string(), saved.dump(2) + "\n");
+          write_text_atomic((fs::path(dir) / "run.toml").string(), rc_.to_toml());
+        },
+        rc_.checkpoint.keep_last);
+  }
+
+  const RunConfig& rc_;
+  const TrainOptions& opt_;
+  const Placement& placement_;
+  const WindowSplit& split_;
+  TrainingState& state_;
+  Schedule& schedule_;
+  WindowSampler& sampler_;
+  RunDirectory& run_dir_;
+  MetricsLog& metrics_;
+  const ByteTokenizer& tokenizer_;
+  std::ostream& out_;
+  LrSchedule lr_schedule_;
+  Arena eval_arena_;
+  const bool tty_;
+  int64_t start_step_ = 0, tokens_seen_ = 0;
+};
+
+// The text the trained model continues from sample.prompt (on the host, from the master weights).
+void print_sample(const RunConfig& rc, const LlamaConfig& mc, TrainingState& state, const ByteTokenizer& tokenizer,
+                  std::ostream& out) {
+  SampleOptions so;
+  so.prompt = rc.sample.prompt;
+  so.tokens = rc.sample.tokens;
+  so.temperature = rc.sample.temperature;
+  so.top_k = rc.sample.top_k;
+  so.top_p = rc.sample.top_p;
+  so.seed = rc.sample.seed;
+  LlamaModel host_model(mc, state.master_dtype());
+  copy_params(host_model.params(), state.master_on_host());
+  out << "sample:\n" << rc.sample.prompt << generate(host_model, tokenizer, so) << "\n";
+}
 }  // namespace
 
 std::string demo_data_path() {
@@ -148,6 +466,7 @@ std::string demo_data_path() {
   return p;
 }
 
+
 TrainResult run_training(const RunConfig& rc, const TrainOptions& opt, std::ostream& out) {
   rc.validate();
   const auto t_start = std::chrono::steady_clock::now();
@@ -155,243 +474,39 @@ TrainResult run_training(const RunConfig& rc, const TrainOptions& opt, std::ostr
   result.run_dir = !opt.run_dir.empty() ? opt.run_dir : (!rc.log.run_dir.empty() ? rc.log.run_dir : default_run_dir());
   const bool resume = opt.resume || rc.checkpoint.resume;
 
-  // Model and device.
-  LlamaConfig mc = LlamaConfig::resolve(rc.model.source);
-  if (rc.model.tie_embeddings) mc.tie_word_embeddings = *rc.model.tie_embeddings;
-  const Device device = resolve_train_device(rc.train.device);
-  const DType dtype = resolve_train_dtype(rc.model.dtype, device);
-#if CW_HAVE_CUDA
-  if (!device.is_cpu()) set_deterministic(rc.train.deterministic);
-#endif
-
-  // Data.
+  const Placement placement = resolve_placement(rc);
+  const LlamaConfig& mc = placement.model;
   const ByteTokenizer tokenizer;
-  const std::vector<std::string> train_specs = resolve_demo(rc.data.train);
-  if (train_specs.empty()) fail("data.train is empty", "list token shards or globs in data.train");
-  const TokenDatasetOptions dopt{parse_token_format(rc.data.format, "data.format"), mc.vocab_size};
-  const TokenDataset train_data = TokenDataset::open(train_specs, dopt);
-  WindowSplit split;
-  if (rc.data.eval.empty()) {
-    split = split_by_fraction(train_data, rc.data.seq_len, rc.data.eval_fraction);
-  } else {
-    split = split_by_files(train_data, TokenDataset::open(resolve_demo(rc.data.eval), dopt), rc.data.seq_len);
-  }
-  WindowSampler sampler(split.train, rc.data.seed);
+  const TrainData data = load_data(rc, mc);
+  WindowSampler sampler(data.split.train, rc.data.seed);
+  const double planned = check_memory(placement, rc);
 
-  // Memory guard: fail before step 1, not in the middle of it.
-  const double need = planned_bytes(mc, dtype, rc);
-  const double have = device.is_cpu() ? available_bytes() : static_cast<double>(device_memory(device).free);
-  if (have > 0 && need > have)
-    fail(fmt::format("this run needs about {} of {} memory and the {} has {} available", human_bytes(need),
-                     device.is_cpu() ? "host" : "device", device_name(device), human_bytes(have)),
-         "lower data.batch_size, data.seq_len or schedule.chunk, or use schedule.name = seco");
-
-  AdamWOptions aopt;
-  aopt.beta1 = rc.optimizer.beta1;
-  aopt.beta2 = rc.optimizer.beta2;
-  aopt.eps = rc.optimizer.eps;
-  aopt.weight_decay = rc.optimizer.weight_decay;
-  TrainingState state(mc, dtype, device, aopt);
-  LlamaModel& model = state.model();
-  const ParamSet& grads = state.grads();
-  AdamW& adamw = state.optimizer();
-  LrSchedule lr_schedule{rc.optimizer.lr, rc.optimizer.min_lr, rc.optimizer.warmup_steps, rc.train.steps,
-                         LrSchedule::parse(rc.optimizer.decay)};
+  TrainingState state(mc, placement.dtype, placement.device, adamw_options(rc));
   auto schedule = Schedule::create(rc.schedule_options());
 
   RunDirectory run_dir(result.run_dir);
   run_dir.remove_stale_temporaries();
   const std::string metrics_path = (fs::path(result.run_dir) / "metrics.jsonl").string();
-  int64_t start_step = 0, tokens_seen = 0;
-  if (resume) {
-    std::vector<std::string> skipped;
-    const auto ref = run_dir.latest_complete(&skipped);
-    for (const auto& s : skipped) out << "resume: skipped " << s << "\n";
-    if (!ref)
-      fail(fmt::format("--resume: no complete checkpoint in '{}'", result.run_dir),
-           "start without --resume, or point --run-dir at the run to continue");
-    load_master_from(state, ref->path);
-    adamw.load((fs::path(ref->path) / "optimizer.safetensors").string());
-    std::ifstream sf(fs::path(ref->path) / "state.json");
-    nlohmann::json state;
-    try {
-      state = nlohmann::json::parse(sf);
-    } catch (const nlohmann::json::exception& e) {
-      fail(fmt::format("{}/state.json: not valid JSON ({})", ref->path, e.what()), "the checkpoint is damaged");
-    }
-    start_step = state.at("step").get<int64_t>();
-    tokens_seen = state.at("tokens_seen").get<int64_t>();
-    sampler.restore(SamplerState::from_json(state.at("sampler"), ref->path + "/state.json"));
-    truncate_metrics_after(metrics_path, start_step);
-    out << fmt::format("resumed from {} (step {})\n", ref->path, start_step);
-  } else if (fs::is_directory(rc.model.source) && fs::exists(fs::path(rc.model.source) / "config.json") &&
-             (fs::exists(fs::path(rc.model.source) / "model.safetensors") ||
-              fs::exists(fs::path(rc.model.source) / "model.safetensors.index.json"))) {
-    load_master_from(state, rc.model.source);
-  } else {
-    state.init(rc.model.init_seed, mc.initializer_range);
-  }
-
+  const Progress progress = resume_or_initialise(rc, resume, run_dir, result.run_dir, metrics_path, state, sampler, out);
   write_text_atomic((fs::path(result.run_dir) / "config.toml").string(), rc.to_toml());
   write_text_atomic((fs::path(result.run_dir) / "tokenizer.json").string(), tokenizer.to_json().dump(2) + "\n");
   MetricsLog metrics(metrics_path);
+  print_header(rc, placement, data, planned, result.run_dir, out);
 
-  const int64_t B = rc.data.batch_size, T = rc.data.seq_len, accum = rc.data.grad_accum;
-  const int64_t tokens_per_step = B * T * accum;
-  out << fmt::format("run dir: {}\n", result.run_dir);
-  out << fmt::format("model {}: {} layers, hidden {}, {} heads ({} K/V), vocab {}, {:.2f} M parameters, {} on {}{}\n",
-                     rc.model.source, mc.num_hidden_layers, mc.hidden_size, mc.num_attention_heads,
-                     mc.num_key_value_heads, mc.vocab_size, static_cast<double>(mc.parameter_count()) / 1e6,
-                     dtype_name(dtype), device_name(device),
-                     dtype == DType::bf16 ? " (f32 master weights, f32 gradients)" : "");
-  out << fmt::format("data: {} ({} tokens): {} train windows, {} eval windows of {} tokens\n", train_data.describe(),
-                     train_data.size(), split.train.size(), split.eval.size(), T);
-  out << fmt::format("schedule {} (chunk {}, bwd chunk {}), {} x {} x {} = {} tokens per step, {} steps, "
-                     "planned memory {}\n",
-                     rc.schedule.name, rc.schedule.chunk, rc.schedule.bwd_chunk, accum, B, T, tokens_per_step,
-                     rc.train.steps, human_bytes(need));
-  out << "config:\n" << rc.to_toml() << "\n";
-  out.flush();
+  TrainLoop(rc, opt, placement, data.split, state, *schedule, sampler, run_dir, metrics, tokenizer, out)
+      .run(progress, result);
 
-  const bool tty = isatty(STDOUT_FILENO) && &out == &std::cout;
-  SignalGuard signals;
-  Arena eval_arena(device);
-  auto evaluate = [&]() {
-    double sum = 0;
-    int64_t count = 0;
-    const int64_t n = std::min<int64_t>(rc.eval.batches, split.eval.num_batches(B));
-    for (int64_t i = 0; i < n; ++i) {
-      const std::vector<uint32_t> w = split.eval.batch_in_order(i, B);
-      const int64_t rows = static_cast<int64_t>(w.size()) / (T + 1);
-      const Batch batch = window_batch(w, rows, T);
-      sum += batch_loss(model, batch, rc.schedule.chunk, eval_arena) * static_cast<double>(batch.supervised());
-      count += batch.supervised();
-    }
-    return count > 0 ? sum / static_cast<double>(count) : std::nan("");
-  };
-  auto save = [&](int64_t step) {
-    const SamplerState ss = sampler.state();
-    run_dir.save_checkpoint(
-        step,
-        [&](const std::string& dir) {
-          // The master weights (f32 for a bf16 run), so that a resume continues bit-exactly.
-          save_checkpoint_weights(state.master_on_host(), mc, dir, state.master_dtype());
-          adamw.save((fs::path(dir) / "optimizer.safetensors").string());
-          nlohmann::json state = {{"step", step},
-                                  {"tokens_seen", tokens_seen},
-                                  {"sampler", ss.to_json()},
-                                  {"tokenizer", tokenizer.to_json()}};
-          write_text_atomic((fs::path(dir) / "state.json").string(), state.dump(2) + "\n");
-          write_text_atomic((fs::path(dir) / "run.toml").string(), rc.to_toml());
-        },
-        rc.checkpoint.keep_last);
-  };
-
-  const auto t_loop = std::chrono::steady_clock::now();
-  int64_t step = start_step;
-  double last_loss = std::nan("");
-  while (step < rc.train.steps) {
-    ++step;
-    const auto t0 = std::chrono::steady_clock::now();
-    grads.zero();
-    std::vector<Batch> micro;
-    double normaliser = 0;
-    for (int64_t m = 0; m < accum; ++m) {
-      micro.push_back(window_batch(sampler.next_batch(B), B, T));
-      normaliser += static_cast<double>(micro.back().supervised());
-    }
-    double loss = 0;
-    StepStats stats;
-    for (int64_t m = 0; m < accum; ++m) {
-      stats = schedule->step(model, micro[static_cast<size_t>(m)], grads, normaliser,
-                             static_cast<uint64_t>(step * accum + m));
-      loss += stats.loss;
-    }
-    const double grad_norm = grad_global_norm(grads);
-    const double lr = lr_schedule.at(step);
-    bool skipped = false;
-    if (!std::isfinite(loss) || !std::isfinite(grad_norm)) {
-      const std::string what = fmt::format("step {}: non-finite {} (loss {}, grad norm {}) over {} micro-batches",
-                                           step, std::isfinite(loss) ? "gradient" : "loss", loss, grad_norm, accum);
-      if (rc.train.nonfinite == "stop") fail(what, "lower optimizer.lr or set train.nonfinite = skip");
-      out << "warning: " << what << "; update skipped\n";
-      skipped = true;
-    } else {
-      clip_grad_norm(grads, rc.optimizer.grad_clip);
-      state.optimizer_step(lr);
-    }
-    tokens_seen += tokens_per_step;
-    last_loss = loss;
-    const auto t1 = std::chrono::steady_clock::now();
-    const double step_s = std::chrono::duration<double>(t1 - t0).count();
-    const double elapsed = std::chrono::duration<double>(t1 - t_loop).count();
-    const double eta = elapsed / static_cast<double>(step - start_step) * static_cast<double>(rc.train.steps - step);
-    const double tok_s = static_cast<double>(tokens_per_step) / step_s;
-    metrics.append({{"step", step}, {"loss", loss}, {"lr", lr}, {"grad_norm", grad_norm}, {"tokens", tokens_seen},
-                    {"tokens_per_s", tok_s}, {"step_s", step_s}, {"skipped", skipped}, {"rss_mib", rss_mib()}});
-    if (step % rc.log.every == 0 || step == rc.train.steps || step == start_step + 1) {
-      const std::string line = fmt::format(
-          "step {:>5}/{} | loss {:.4f} | grad norm {:.3f} | lr {:.2e} | {:.0f} tok/s | {} elapsed, ETA {} | mem {:.0f} MiB",
-          step, rc.train.steps, loss, grad_norm, lr, tok_s, duration(elapsed), duration(eta), rss_mib());
-      if (tty) {
-        const int width = 30, done = static_cast<int>(width * step / rc.train.steps);
-        out << "\r\033[K" << line << "\n"
-            << "[" << std::string(static_cast<size_t>(done), '#') << std::string(static_cast<size_t>(width - done), '.')
-            << "] " << fmt::format("{}%", 100 * step / rc.train.steps) << std::flush;
-      } else {
-        out << line << "\n" << std::flush;
-      }
-    }
-    if (step == start_step + 1) {
-      // Where the memory goes, once the first step has shown the activation and K/V peaks.
-      const MemoryReport mem = memory_report(state, stats.activation_high_water, stats.kv_bytes);
-      out << (tty ? "\r\033[K" : "") << fmt::format("memory ({}): {}\n", device_name(device), mem.line());
-      nlohmann::json mj = {{"step", step}};
-      for (const auto& [name, bytes] : mem.categories()) mj["memory_" + name] = bytes;
-      metrics.append(mj);
-    }
-    const bool last = step == rc.train.steps;
-    if ((rc.eval.every > 0 && step % rc.eval.every == 0) || last) {
-      const double el = evaluate();
-      metrics.append({{"step", step}, {"eval_loss", el}, {"tokens", tokens_seen}});
-      result.last_eval_loss = el;
-      out << (tty ? "\r\033[K" : "") << fmt::format("step {:>5}: eval loss {:.4f} ({:.3f} bits per token)\n", step, el,
-                                                 el / std::log(2.0));
-    }
-    const bool stop = g_signals.load() > 0 || (opt.stop_after > 0 && step - start_step >= opt.stop_after && !last);
-    if ((rc.checkpoint.every > 0 && step % rc.checkpoint.every == 0) || last || stop) save(step);
-    if (stop) {
-      out << (tty ? "\r\033[K" : "") << fmt::format("stopped: saved step {} in {}; continue with --resume\n", step,
-                                                 result.run_dir);
-      result.interrupted = true;
-      break;
-    }
-  }
-  if (tty) out << "\r\033[K";
-  result.last_step = step;
-  result.last_loss = last_loss;
-  if (rc.log.plot) {  // from the metrics log, so a resumed run's picture has its whole history
+  const int64_t step = result.last_step;
+  const double last_loss = result.last_loss;
+  if (rc.log.plot)  // from the metrics log, so a resumed run's picture has its whole history
     write_svg((fs::path(result.run_dir) / "loss.svg").string(),
               run_chart(metrics_path, fmt::format("{} / {}: training against tokens seen", rc.model.source,
                                                   rc.schedule.name)));
-  }
   const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
   out << fmt::format("done: step {}, loss {:.4f}{}, {} in {}\n", step, last_loss,
                      result.last_eval_loss ? fmt::format(", eval loss {:.4f}", *result.last_eval_loss) : "",
                      result.interrupted ? "interrupted" : "finished", duration(total));
-  if (opt.print_sample && !result.interrupted && rc.sample.tokens > 0) {
-    SampleOptions so;
-    so.prompt = rc.sample.prompt;
-    so.tokens = rc.sample.tokens;
-    so.temperature = rc.sample.temperature;
-    so.top_k = rc.sample.top_k;
-    so.top_p = rc.sample.top_p;
-    so.seed = rc.sample.seed;
-    // Sampling runs on the host, from the master weights.
-    LlamaModel host_model(mc, state.master_dtype());
-    copy_params(host_model.params(), state.master_on_host());
-    out << "sample:\n" << rc.sample.prompt << generate(host_model, tokenizer, so) << "\n";
-  }
+  if (opt.print_sample && !result.interrupted && rc.sample.tokens > 0) print_sample(rc, mc, state, tokenizer, out);
   return result;
 }
 

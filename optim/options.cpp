@@ -1,0 +1,255 @@
+#include "optim/options.h"
+
+#include "engine/error.h"
+
+#include <fmt/format.h>
+
+#include <cmath>
+#include <limits>
+#include <type_traits>
+
+namespace cw {
+
+// clang-format off
+const std::vector<Option<ScheduleOptions>>& schedule_option_table() {
+  using S = ScheduleOptions;
+  static const std::vector<Option<S>> table = {
+    // key             flag               member             values                    help
+    {"name",           "--schedule",      &S::name,          one_of({"full", "checkpointed", "seco", "spaco"}),
+     "how gradients are computed: full (everything kept) | checkpointed (layer inputs kept, each layer recomputed "
+     "before its backward) | seco (exact, chunk by chunk, keeping only K/V) | spaco (seco visiting a sample of the "
+     "chunks on the way back)"},
+    {"chunk",          "--chunk",         &S::chunk,         at_least(0),              "seco, spaco: prefill chunk length in tokens; 0: the whole sequence"},
+    {"bwd_chunk",      "--bwd-chunk",     &S::bwd_chunk,     at_least(0),              "seco, spaco: reverse-sweep chunk length; 0: same as chunk"},
+    {"keep",           "--keep",          &S::keep,          at_least(0),              "spaco: chunks backpropagated per step (t of k); 0: all"},
+    {"seed",           "--spaco-seed",    &S::seed,          {},                       "spaco: seed of the chunk sample (step s draws with (seed, s))"},
+    {"stratified",     "--stratified",    &S::stratified,    {},                       "spaco: sample chunks with and without labels in proportion"},
+    {"scale_loss",     "--scale-loss",    &S::scale_loss,    {},                       "spaco: scale visited chunks' loss gradient by k/t"},
+    {"scale_relay",    "--scale-relay",   &S::scale_relay,   {},                       "spaco: scale relayed dK/dV by k/t per hop, up to relay_cap"},
+    {"relay_cap",      "--relay-cap",     &S::relay_cap,     at_least(0),              "spaco: cap of the cumulative relay factor; 0: none"},
+    {"drop_relay",     "--drop-relay",    &S::drop_relay,    {},                       "spaco: discard all cross-chunk relay (the chunk-local gradient)"},
+    {"recompute",      "--recompute",     &S::recompute,     one_of({"full", "selective", "none"}),
+     "checkpointed: full (keep layer inputs only, recompute each layer) | selective (keep all but the MLP's "
+     "[tokens, ffn] intermediates, recomputed in the backward) | none (keep everything)"},
+    {"mlp_shards",     "--mlp-shards",    &S::mlp_shards,    at_least(0, "automatic"), "any schedule: tiled MLP row shards; 1: untiled, 0: automatic (ceil(ffn / hidden))"},
+    {"offload",        "--offload",       &S::offload,       {},                       "checkpointed, recompute full: the kept layer inputs in pinned host memory (GPU)"},
+    {"offload_window", "--offload-window", &S::offload_window, at_least(0, "the whole K/V store on the device"),
+     "seco, spaco: K/V store layers kept on the device, the rest in pinned host memory; 0: all on the device"},
+    {"save_attention", "--save-attention", &S::save_attention, {},
+     "seco, spaco: the prefill saves each layer's attention output and lse in the K/V store (offloaded with it), so "
+     "the reverse sweep does not run the attention forward again"},
+  };
+  return table;
+}
+// clang-format on
+
+void ScheduleOptions::validate() const {
+  // The table's rules read through the bound pointers only.
+  for (const OptionRef& o : bind_options("schedule", schedule_option_table(), const_cast<ScheduleOptions&>(*this)))
+    check_option(o);
+  if (offload && !(name == "checkpointed" && recompute == "full"))
+    fail("schedule.offload applies to schedule checkpointed with recompute = full (the kept layer inputs)",
+         "set schedule.name = checkpointed and schedule.recompute = full, or offload = false");
+  if (save_attention && name != "seco" && name != "spaco")
+    fail("schedule.save_attention applies to schedules seco and spaco (the prefill saves what their reverse sweep "
+         "recomputes)",
+         "set schedule.name = seco or spaco, or save_attention = false");
+  if (offload_window > 0 && name != "seco" && name != "spaco")
+    fail("schedule.offload_window applies to schedules seco and spaco (their K/V store outlives a chunk)",
+         "set schedule.name = seco or spaco, or offload_window = 0");
+  // Name the first spaco-only option set on another schedule, rather than the whole group.
+  if (name != "spaco") {
+    const std::pair<const char*, bool> spaco_only[] = {
+        {"keep", keep != 0}, {"stratified", stratified}, {"scale_relay", scale_relay}, {"drop_relay", drop_relay}};
+    for (const auto& [key, set] : spaco_only)
+      if (set)
+        fail(fmt::format("schedule.{} is a spaco option; schedule.name is {}", key, toml_string(name)),
+             "set schedule.name = \"spaco\" (--schedule spaco) or remove it");
+  }
+}
+
+// ---- rules ----
+
+OptionRule at_least(double min, std::string_view zero) {
+  OptionRule r;
+  r.min = min;
+  r.zero = zero;
+  return r;
+}
+OptionRule above(double min) {
+  OptionRule r;
+  r.min = min;
+  r.min_open = true;
+  return r;
+}
+OptionRule between(double min, double max, bool min_open, bool max_open) {
+  OptionRule r;
+  r.min = min;
+  r.max = max;
+  r.min_open = min_open;
+  r.max_open = max_open;
+  return r;
+}
+OptionRule one_of(std::initializer_list<std::string_view> words) {
+  OptionRule r;
+  r.words = words;
+  return r;
+}
+OptionRule non_empty() {
+  OptionRule r;
+  r.non_empty = true;
+  return r;
+}
+OptionRule no_empty_path() {
+  OptionRule r;
+  r.no_empty_path = true;
+  return r;
+}
+
+std::string OptionRule::describe() const {
+  if (min && max)
+    return fmt::format("in {}{}, {}{}", min_open ? '(' : '[', *min, *max, max_open ? ')' : ']');
+  if (min) return fmt::format("{} {}", min_open ? ">" : ">=", *min);
+  if (max) return fmt::format("{} {}", max_open ? "<" : "<=", *max);
+  if (!words.empty()) {
+    std::string out;
+    for (std::string_view w : words) out += (out.empty() ? "" : " | ") + std::string(w);
+    return out;
+  }
+  if (non_empty) return "not empty";
+  if (no_empty_path) return "no empty path";
+  return "";
+}
+
+std::string OptionRef::name() const { return fmt::format("{}.{}", section, key); }
+
+namespace {
+
+void check_range(const OptionRef& o, double v, const std::string& shown) {
+  const OptionRule& r = *o.rule;
+  const bool low = r.min && (r.min_open ? !(v > *r.min) : !(v >= *r.min));
+  const bool high = r.max && (r.max_open ? !(v < *r.max) : !(v <= *r.max));
+  if (low || high)
+    fail(fmt::format("{} must be {}{}, got {}", o.name(), r.describe(),
+                     r.zero.empty() ? "" : fmt::format(" (0: {})", r.zero), shown));
+}
+
+}  // namespace
+
+void check_option(const OptionRef& o) {
+  const OptionRule& r = *o.rule;
+  std::visit(
+      [&](auto* p) {
+        using T = std::remove_pointer_t<decltype(p)>;
+        if constexpr (std::is_same_v<T, int64_t>) {
+          check_range(o, static_cast<double>(*p), fmt::format("{}", *p));
+        } else if constexpr (std::is_same_v<T, uint64_t>) {
+          if (*p > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
+            fail(fmt::format("{} must be < 2^63 to be written as a TOML integer, got {}", o.name(), *p));
+          check_range(o, static_cast<double>(*p), fmt::format("{}", *p));
+        } else if constexpr (std::is_same_v<T, double>) {
+          // Non-finite values pass or fail comparisons by accident; name them explicitly.
+          if (!std::isfinite(*p)) fail(fmt::format("{} must be a finite number, got {}", o.name(), *p));
+          check_range(o, *p, fmt::format("{}", *p));
+        } else if constexpr (std::is_same_v<T, std::string>) {
+          if (r.non_empty && p->empty()) fail(fmt::format("{} must not be empty", o.name()), std::string(o.help));
+          if (!r.words.empty()) {
+            for (std::string_view w : r.words)
+              if (*p == w) return;
+            fail(fmt::format("{} must be one of {}, got {}", o.name(), r.describe(), toml_string(*p)));
+          }
+        } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
+          if (r.no_empty_path)
+            for (const std::string& item : *p)
+              if (item.empty()) fail(fmt::format("{} holds an empty path", o.name()), std::string(o.help));
+        }
+      },
+      o.target);
+}
+
+std::string_view option_type_name(const OptionTarget& target) {
+  switch (target.index()) {
+    case 0: return "integer";
+    case 1: return "unsigned integer";
+    case 2: return "number";
+    case 3: return "boolean";
+    case 4: return "boolean or unset";
+    case 5: return "string";
+    default: return "list of strings";
+  }
+}
+
+void copy_option_value(const OptionTarget& to, const OptionTarget& from) {
+  std::visit(
+      [&](auto* dst) {
+        using P = decltype(dst);
+        *dst = *std::get<P>(from);
+      },
+      to);
+}
+
+bool option_values_equal(const OptionTarget& a, const OptionTarget& b) {
+  return std::visit(
+      [&](auto* x) {
+        using P = decltype(x);
+        const auto* y = std::get_if<P>(&b);
+        return y && **y == *x;
+      },
+      a);
+}
+
+// ---- TOML text of values ----
+
+std::string toml_string(std::string_view s) {
+  std::string out = "\"";
+  for (const char ch : s) {
+    const auto byte = static_cast<unsigned char>(ch);
+    switch (ch) {
+      case '"': out += "\\\""; break;
+      case '\\': out += "\\\\"; break;
+      case '\n': out += "\\n"; break;
+      case '\t': out += "\\t"; break;
+      case '\r': out += "\\r"; break;
+      case '\b': out += "\\b"; break;
+      case '\f': out += "\\f"; break;
+      default:
+        // TOML basic strings may not hold other control characters raw.
+        if (byte < 0x20 || byte == 0x7f)
+          out += fmt::format("\\u{:04X}", static_cast<unsigned>(byte));
+        else
+          out += ch;
+    }
+  }
+  return out + "\"";
+}
+
+// fmt's "{}" is the shortest text that reads back to the same double; TOML needs a '.' or an
+// exponent to read it as a float rather than an integer ("inf" and "nan" are floats already).
+std::string toml_float(double v) {
+  std::string s = fmt::format("{}", v);
+  if (s.find_first_of(".en") == std::string::npos) s += ".0";
+  return s;
+}
+
+std::optional<std::string> toml_value(const OptionTarget& target) {
+  return std::visit(
+      [](auto* p) -> std::optional<std::string> {
+        using T = std::remove_pointer_t<decltype(p)>;
+        if constexpr (std::is_same_v<T, int64_t> || std::is_same_v<T, uint64_t>) return fmt::format("{}", *p);
+        else if constexpr (std::is_same_v<T, double>) return toml_float(*p);
+        else if constexpr (std::is_same_v<T, bool>) return *p ? "true" : "false";
+        else if constexpr (std::is_same_v<T, std::optional<bool>>) {
+          if (!p->has_value()) return std::nullopt;
+          return **p ? "true" : "false";
+        } else if constexpr (std::is_same_v<T, std::string>) {
+          return toml_string(*p);
+        } else {
+          std::string out = "[";
+          for (size_t i = 0; i < p->size(); ++i) out += (i ? ", " : "") + toml_string((*p)[i]);
+          return out + "]";
+        }
+      },
+      target);
+}
+
+}  // namespace cw

@@ -1,0 +1,109 @@
+// Option tables: one row per option of a settings struct, from which every spelling of it is made.
+//
+// A row names the option's TOML key (within its section), its command-line flag, the struct member
+// that holds it, the values it accepts and one line of help. The struct's default-constructed value
+// is the one source of defaults; nothing here repeats them. From the rows come: the CLI flags of
+// train, bench, gradcheck and plan (tools/cli_options.h), reading TOML and `--set section.key=value`,
+// the resolved config.toml of a run (tools/train/run_config.h), validation with one-line errors
+// naming "section.key", and the options tables of README.md (`chunkwise options --markdown`, which
+// a test compares with the README).
+//
+// The schedule's table is here, beside ScheduleOptions (optim/schedule.h); the other sections of
+// the training run's configuration are in tools/train/run_config.cpp, in the same form.
+#pragma once
+
+#include "optim/schedule.h"
+
+#include <cstdint>
+#include <initializer_list>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <variant>
+#include <vector>
+
+namespace cw {
+
+// Where one option's value lives in one struct; the alternative is the option's type.
+using OptionTarget = std::variant<int64_t*, uint64_t*, double*, bool*, std::optional<bool>*, std::string*,
+                                  std::vector<std::string>*>;
+
+// The same, as a member of S (a table row is about the struct, not one instance of it).
+template <class S>
+using OptionMember = std::variant<int64_t S::*, uint64_t S::*, double S::*, bool S::*, std::optional<bool> S::*,
+                                  std::string S::*, std::vector<std::string> S::*>;
+
+// The values an option accepts beyond its type. Numbers: a range; strings: one of some words, or
+// not empty; lists of paths: no empty path. Always: floats finite, unsigned integers below 2^63 (TOML
+// integers are signed 64-bit).
+struct OptionRule {
+  std::optional<double> min, max;
+  bool min_open = false, max_open = false;  // > min rather than >= min; < max rather than <= max
+  std::vector<std::string_view> words;      // a string option: one of these
+  bool non_empty = false;                   // a string: not empty
+  bool no_empty_path = false;               // a list of paths: none of them empty
+  std::string_view zero;                    // what 0 means, shown in range errors: "(0: automatic)"
+
+  std::string describe() const;             // ">= 0", "in [0, 1)", "full | seco", "not empty"; "" for none
+};
+
+OptionRule at_least(double min, std::string_view zero = {});  // >= min
+OptionRule above(double min);                                  // > min
+OptionRule between(double min, double max, bool min_open, bool max_open);
+OptionRule one_of(std::initializer_list<std::string_view> words);
+OptionRule non_empty();
+OptionRule no_empty_path();
+
+// One row of a table of the options of S.
+template <class S>
+struct Option {
+  std::string_view key;    // the TOML key in its section
+  std::string_view flag;   // the command-line flag ("--chunk"); empty: none
+  OptionMember<S> member;
+  OptionRule rule;
+  std::string_view help;   // one line: CLI help, README, the commented TOML
+};
+
+// A row bound to one instance: what the readers, writers and checks work on.
+struct OptionRef {
+  std::string_view section, key, flag, help;
+  const OptionRule* rule = nullptr;
+  OptionTarget target;
+  std::string name() const;  // "section.key"
+};
+
+template <class S>
+void bind_options(std::vector<OptionRef>& out, std::string_view section, const std::vector<Option<S>>& table,
+                  S& instance) {
+  for (const Option<S>& o : table)
+    out.push_back(OptionRef{section, o.key, o.flag, o.help, &o.rule,
+                            std::visit([&](auto member) -> OptionTarget { return &(instance.*member); }, o.member)});
+}
+
+template <class S>
+std::vector<OptionRef> bind_options(std::string_view section, const std::vector<Option<S>>& table, S& instance) {
+  std::vector<OptionRef> out;
+  bind_options(out, section, table, instance);
+  return out;
+}
+
+// Throws a one-line cw::Error "section.key must be ..., got ..." when the value breaks its rule
+// (the hint: the option's help).
+void check_option(const OptionRef& option);
+
+// The type as the README names it: integer, unsigned integer, number, boolean, string, list of strings.
+std::string_view option_type_name(const OptionTarget& target);
+// Copies the value of `from` into `to` (the same option of two instances).
+void copy_option_value(const OptionTarget& to, const OptionTarget& from);
+bool option_values_equal(const OptionTarget& a, const OptionTarget& b);
+
+// Values as TOML text: "seco" quoted and escaped, floats in the shortest form that reads back to
+// the same double, with a '.' or exponent; nullopt for an unset optional (TOML has no null).
+std::string toml_string(std::string_view s);
+std::string toml_float(double v);
+std::optional<std::string> toml_value(const OptionTarget& target);
+
+// [schedule]: every option of ScheduleOptions.
+const std::vector<Option<ScheduleOptions>>& schedule_option_table();
+
+}  // namespace cw

@@ -1,0 +1,225 @@
+// The option tables (optim/options.h): README.md's table is the generated one; every row
+// round-trips through each of its spellings (CLI flag, TOML, --set, the resolved dump); every rule
+// rejects a value that breaks it with a one-line message naming the key; train's flags win over
+// --config and --set.
+#include "optim/options.h"
+#include "tools/cli_options.h"
+#include "tools/train/run_config.h"
+
+#include "engine/error.h"
+
+#include <CLI/CLI.hpp>
+#include <doctest/doctest.h>
+#include <fmt/format.h>
+
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <sstream>
+#include <string>
+#include <vector>
+
+namespace cw {
+namespace {
+
+// A valid value other than the option's current one, written into its target.
+void change(const OptionRef& o) {
+  std::visit(
+      [&](auto* p) {
+        using T = std::remove_pointer_t<decltype(p)>;
+        if constexpr (std::is_same_v<T, int64_t> || std::is_same_v<T, uint64_t>) {
+          *p += 3;  // integer rules are lower bounds only
+        } else if constexpr (std::is_same_v<T, double>) {
+          *p = o.rule->max ? (*p + *o.rule->max) / 2 : *p + 0.5;
+        } else if constexpr (std::is_same_v<T, bool>) {
+          *p = !*p;
+        } else if constexpr (std::is_same_v<T, std::optional<bool>>) {
+          *p = !p->value_or(true);
+        } else if constexpr (std::is_same_v<T, std::string>) {
+          if (o.rule->words.empty()) *p = *p + " changed";
+          else *p = std::string(o.rule->words[0] == *p ? o.rule->words[1] : o.rule->words[0]);
+        } else {
+          *p = {"a.bin", "dir with space/*.bin"};
+        }
+      },
+      o.target);
+}
+
+// The value as a command-line argument (the text after the flag; booleans that are flags: none).
+std::vector<std::string> cli_args(const OptionRef& o, const OptionTarget& value, bool default_value_of_bool) {
+  std::vector<std::string> args{std::string(o.flag)};
+  std::visit(
+      [&](auto* p) {
+        using T = std::remove_pointer_t<decltype(p)>;
+        if constexpr (std::is_same_v<T, bool>) {
+          if (default_value_of_bool) args.push_back(*p ? "true" : "false");  // an option taking a value
+        } else if constexpr (std::is_same_v<T, std::string>) {
+          args.push_back(*p);
+        } else if constexpr (std::is_same_v<T, double> || std::is_same_v<T, int64_t> || std::is_same_v<T, uint64_t>) {
+          args.push_back(fmt::format("{}", *p));
+        }
+      },
+      value);
+  return args;
+}
+
+std::string readme_table() {
+  std::ifstream f(std::filesystem::path(CW_SOURCE_ROOT) / "README.md");
+  std::stringstream text;
+  text << f.rdbuf();
+  const std::string s = text.str();
+  const std::string begin = "<!-- options table:", end = "<!-- end of options table -->";
+  const auto b = s.find(begin);
+  const auto e = s.find(end);
+  REQUIRE(b != std::string::npos);
+  REQUIRE(e != std::string::npos);
+  const auto first = s.find('\n', b) + 1;
+  return s.substr(first, e - first);
+}
+
+TEST_CASE("options: README.md's table is `chunkwise options --markdown`") {
+  // On a mismatch: build/tools/chunkwise options --markdown, and paste it between the markers.
+  CHECK(readme_table() == RunConfig::options_markdown());
+}
+
+TEST_CASE("options: every row of the run config round-trips through TOML, --set, the dump and its flag") {
+  RunConfig all = RunConfig::defaults();
+  const std::vector<OptionRef> all_options = all.options();
+  for (size_t i = 0; i < all_options.size(); ++i) {
+    RunConfig expected = RunConfig::defaults();
+    const OptionRef o = expected.options()[i];
+    INFO(o.name());
+    change(o);
+    change(all_options[i]);
+    const std::string value = toml_value(o.target).value();
+    // TOML.
+    CHECK(RunConfig::from_toml(fmt::format("[{}]\n{} = {}\n", o.section, o.key, value), "one.toml") == expected);
+    // --set, with the value as TOML.
+    RunConfig set = RunConfig::defaults();
+    set.apply_override(fmt::format("{}={}", o.name(), value));
+    CHECK(set == expected);
+    // The flag, where the row has one, as train applies it (after the file and --set).
+    if (!o.flag.empty()) {
+      RunConfig given = RunConfig::defaults();
+      const std::vector<OptionRef> given_options = given.options();
+      CLI::App app;
+      const std::vector<CLI::Option*> flags = add_option_flags(app, given_options);
+      std::vector<std::string> args = cli_args(o, o.target, std::get_if<bool*>(&o.target) && !**std::get_if<bool*>(&o.target));
+      std::reverse(args.begin(), args.end());  // CLI11 takes argv reversed
+      app.parse(args);
+      RunConfig applied = RunConfig::defaults();
+      copy_given_flags(flags, given_options, applied.options());
+      CHECK(applied == expected);
+    }
+  }
+  // Every value changed at once: the dump reads back to the same config.
+  CHECK(all != RunConfig::defaults());
+  CHECK(RunConfig::from_toml(all.to_toml(), "resolved.toml") == all);
+  CHECK(RunConfig::from_toml(all.commented_toml(), "commented.toml") == all);
+}
+
+TEST_CASE("options: the schedule's flags (bench, gradcheck, plan) write every ScheduleOptions field") {
+  const std::vector<Option<ScheduleOptions>>& table = schedule_option_table();
+  for (size_t i = 0; i < table.size(); ++i) {
+    ScheduleOptions expected;
+    const OptionRef o = bind_options("schedule", table, expected)[i];
+    INFO(o.name());
+    REQUIRE(!o.flag.empty());
+    const bool default_true_bool = std::get_if<bool*>(&o.target) && **std::get_if<bool*>(&o.target);
+    change(o);
+    ScheduleOptions parsed;
+    CLI::App app;
+    add_schedule_flags(app, parsed);
+    std::vector<std::string> args = cli_args(o, o.target, default_true_bool);
+    std::reverse(args.begin(), args.end());
+    app.parse(args);
+    CHECK(parsed == expected);
+  }
+  // plan spells chunk and offload_window itself (they take "auto").
+  ScheduleOptions s;
+  CLI::App app;
+  add_schedule_flags(app, s, {"chunk", "offload_window"});
+  CHECK(app.get_option_no_throw("--chunk") == nullptr);
+  CHECK(app.get_option_no_throw("--offload-window") == nullptr);
+  CHECK(app.get_option_no_throw("--keep") != nullptr);
+}
+
+TEST_CASE("options: every rule rejects a value that breaks it, naming the key") {
+  const size_t n = RunConfig::defaults().options().size();
+  int checked = 0;
+  for (size_t i = 0; i < n; ++i) {
+    RunConfig c = RunConfig::defaults();
+    const OptionRef o = c.options()[i];
+    const OptionRule& r = *o.rule;
+    bool broken = true;
+    std::visit(
+        [&](auto* p) {
+          using T = std::remove_pointer_t<decltype(p)>;
+          if constexpr (std::is_same_v<T, int64_t>) {
+            if (r.min) *p = static_cast<int64_t>(*r.min) - 1;
+            else broken = false;
+          } else if constexpr (std::is_same_v<T, uint64_t>) {
+            *p = uint64_t(1) << 63;  // not a TOML integer
+          } else if constexpr (std::is_same_v<T, double>) {
+            if (r.max) *p = r.max_open ? *r.max : *r.max + 1;
+            else if (r.min) *p = r.min_open ? *r.min : *r.min - 1;
+            else *p = std::numeric_limits<double>::quiet_NaN();
+          } else if constexpr (std::is_same_v<T, std::string>) {
+            if (!r.words.empty()) *p = "bogus";
+            else if (r.non_empty) *p = "";
+            else broken = false;
+          } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
+            if (r.no_empty_path) *p = {"a.bin", ""};
+            else broken = false;
+          } else {
+            broken = false;
+          }
+        },
+        o.target);
+    if (!broken) continue;
+    INFO(o.name());
+    ++checked;
+    std::string message;
+    try {
+      c.validate();
+    } catch (const Error& e) {
+      message = e.what();
+    }
+    CHECK(message.find(o.name() + " ") != std::string::npos);
+    CHECK(message.find('\n') == std::string::npos);
+    if (o.section == "schedule") {  // the same from ScheduleOptions alone (bench, gradcheck)
+      CHECK_THROWS_WITH_AS(c.schedule.validate(), doctest::Contains(o.name().c_str()), Error);
+    }
+  }
+  CHECK(checked >= 30);
+  // Non-finite numbers, for every number.
+  for (size_t i = 0; i < n; ++i) {
+    RunConfig c = RunConfig::defaults();
+    const OptionRef o = c.options()[i];
+    if (auto* p = std::get_if<double*>(&o.target)) {
+      INFO(o.name());
+      **p = std::numeric_limits<double>::infinity();
+      CHECK_THROWS_WITH_AS(c.validate(), doctest::Contains((o.name() + " must be a finite number").c_str()), Error);
+    }
+  }
+}
+
+TEST_CASE("options: train's flags are applied after --config and --set; flags not given change nothing") {
+  RunConfig given = RunConfig::defaults();
+  const std::vector<OptionRef> given_options = given.options();
+  CLI::App app;
+  const std::vector<CLI::Option*> flags = add_option_flags(app, given_options);
+  app.parse(std::vector<std::string>{"cpu", "--device", "32", "--chunk", "--deterministic"});
+  RunConfig rc = RunConfig::from_toml("[schedule]\nchunk = 16\nbwd_chunk = 8\n[train]\ndevice = \"cuda\"\n", "cfg.toml");
+  rc.apply_override("train.steps=5");
+  copy_given_flags(flags, given_options, rc.options());
+  CHECK(rc.schedule.chunk == 32);
+  CHECK(rc.schedule.bwd_chunk == 8);
+  CHECK(rc.train.device == "cpu");
+  CHECK(rc.train.deterministic);
+  CHECK(rc.train.steps == 5);
+  CHECK(rc.schedule.name == "seco");
+}
+
+}  // namespace
+}  // namespace cw
