@@ -1,6 +1,7 @@
 #include "tools/train/train.h"
 
 #include "engine/random.h"
+#include "engine/trace.h"
 #include "model/checkpoint.h"
 #include "optim/adamw.h"
 #include "optim/lr_schedule.h"
@@ -293,6 +294,8 @@ TrainResult run_training(const RunConfig& rc, const TrainOptions& opt, std::ostr
   double last_loss = std::nan("");
   while (step < rc.train.steps) {
     ++step;
+    const bool traced = !opt.trace.empty() && step == start_step + 1;
+    if (traced) trace::start(device);
     const auto t0 = std::chrono::steady_clock::now();
     grads.zero();
     std::vector<Batch> micro;
@@ -324,6 +327,10 @@ TrainResult run_training(const RunConfig& rc, const TrainOptions& opt, std::ostr
     tokens_seen += tokens_per_step;
     last_loss = loss;
     const auto t1 = std::chrono::steady_clock::now();
+    if (traced) {
+      trace::stop().write(opt.trace);
+      out << fmt::format("trace of step {}: {}\n", step, opt.trace);
+    }
     const double step_s = std::chrono::duration<double>(t1 - t0).count();
     const double elapsed = std::chrono::duration<double>(t1 - t_loop).count();
     const double eta = elapsed / static_cast<double>(step - start_step) * static_cast<double>(rc.train.steps - step);
