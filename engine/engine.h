@@ -1,6 +1,7 @@
 // chunkwise engine: the settings and queries of the engine as a whole. Together with engine/ops/*.h,
-// engine/memory.h and engine/residency.h this is everything the layers above (model/, optim/,
-// tools/) see of the engine: nothing above engine/ names a CUDA symbol or includes engine/cuda/.
+// engine/memory.h, engine/residency.h and engine/trace.h this is everything the layers above
+// (model/, optim/, tools/) see of the engine: nothing above engine/ names a CUDA symbol or includes
+// engine/cuda/.
 //
 // Settings are process-wide; each has an environment variable read once, on first use, and a
 // setter that overrides it (tests and benchmarks force choices through the setters).

@@ -2,6 +2,7 @@
 
 #include "engine/cuda/runtime.h"
 #include "engine/error.h"
+#include "engine/trace.h"
 
 #include <cstdlib>
 #include <cstring>
@@ -19,6 +20,11 @@ void* allocate(size_t bytes, Device where, bool pinned_host) {
   CW_CHECK(p != nullptr, "cannot allocate {} MiB of host memory", bytes >> 20);
   return p;
 }
+size_t total_bytes(const std::vector<Residency::Span>& spans) {
+  size_t n = 0;
+  for (const Residency::Span& sp : spans) n += sp.bytes;
+  return n;
+}
 void release(void* p, Device where, bool pinned_host) {
   if (!where.is_cpu()) return gpu::device_free(p, where.index);
   if (pinned_host) return gpu::pinned_free(p);
@@ -26,8 +32,8 @@ void release(void* p, Device where, bool pinned_host) {
 }
 }  // namespace
 
-Residency::Residency(Device device, std::vector<size_t> part_bytes, int items, int slots)
-    : device_(device), part_bytes_(std::move(part_bytes)) {
+Residency::Residency(Device device, std::vector<size_t> part_bytes, int items, int slots, const char* what)
+    : device_(device), what_(what), part_bytes_(std::move(part_bytes)) {
   CW_CHECK(items > 0 && slots > 0 && slots <= items, "residency: {} slots for {} items", slots, items);
   const bool pinned = !device_.is_cpu();
   for (int i = 0; i < items; ++i) {
@@ -95,6 +101,7 @@ bool Residency::fetch(int item, const std::vector<Span>& spans) {
     slot_of_[static_cast<size_t>(item)] = s;
   }
   slot_used_[static_cast<size_t>(s)] = ++clock_;
+  trace::CopyScope traced(device_, "fetch", what_, item, trace::on() ? total_bytes(spans) : 0);
   for (const Span& sp : spans) {
     CW_CHECK(sp.offset + sp.bytes <= part_bytes_[static_cast<size_t>(sp.part)], "residency: span beyond part {}",
              sp.part);
@@ -117,6 +124,7 @@ void Residency::ready(int item) {
 void Residency::store(int item, const std::vector<Span>& spans) {
   const int s = slot_of_[static_cast<size_t>(item)];
   CW_CHECK(s >= 0, "residency: item {} is not on the device (nothing to store)", item);
+  trace::CopyScope traced(device_, "store", what_, item, trace::on() ? total_bytes(spans) : 0);
   for (const Span& sp : spans)
     copy(static_cast<char*>(host(item, sp.part)) + sp.offset, static_cast<const char*>(device(item, sp.part)) + sp.offset,
          sp.bytes, static_cast<size_t>(s));

@@ -15,6 +15,7 @@
 // compute still reads, and a store never copies bytes compute has not finished writing. The host
 // never blocks. On a CPU "device" (tests) the slots are host memory and every copy is a memcpy at
 // the call, so the same schedule logic runs exactly in f64.
+// Every fetch and store that moves bytes is one copy event of a trace (engine/trace.h).
 // Tested in tests/engine/test_residency.cpp and through the K/V store (tests/optim/test_schedules.cpp).
 #pragma once
 
@@ -33,7 +34,8 @@ class Residency {
     size_t offset, bytes;  // within the part
   };
 
-  Residency(Device device, std::vector<size_t> part_bytes, int items, int slots);
+  // `what` names an item in traces (engine/trace.h): "kv layer" gives copies "fetch kv layer 3".
+  Residency(Device device, std::vector<size_t> part_bytes, int items, int slots, const char* what = "item");
   ~Residency();
   Residency(const Residency&) = delete;
   Residency& operator=(const Residency&) = delete;
@@ -64,6 +66,7 @@ class Residency {
   void copy(void* dst, const void* src, size_t bytes, size_t slot);
 
   Device device_;
+  const char* what_;
   std::vector<size_t> part_bytes_;
   std::vector<std::vector<void*>> host_;   // [item][part]
   std::vector<std::vector<void*>> slots_;  // [slot][part]

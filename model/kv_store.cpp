@@ -18,7 +18,7 @@ KVStore::KVStore(const LlamaConfig& c, int64_t batch, int64_t tokens, DType dtyp
   if (offload_window > 0 && offload_window < L_) {
     std::vector<size_t> sizes;
     for (int p = 0; p < parts; ++p) sizes.push_back(part_bytes(static_cast<Part>(p)));
-    res_ = std::make_unique<Residency>(device, sizes, static_cast<int>(L_), static_cast<int>(offload_window));
+    res_ = std::make_unique<Residency>(device, sizes, static_cast<int>(L_), static_cast<int>(offload_window), "kv layer");
     dev_kv_end_.assign(static_cast<size_t>(L_), 0);
     dev_grad_end_.assign(static_cast<size_t>(L_), 0);
     host_kv_end_.assign(static_cast<size_t>(L_), 0);

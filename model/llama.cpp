@@ -5,6 +5,7 @@
 #include "engine/ops/lm_head_loss.h"
 #include "engine/ops/rmsnorm.h"
 #include "engine/ops/rope.h"
+#include "engine/trace.h"
 
 namespace cw {
 
@@ -49,7 +50,7 @@ ChunkActivations ChunkActivations::allocate(Arena& arena, const LlamaConfig& cf,
     a.stream.assign(static_cast<size_t>(L), Tensor{});
     a.stream.push_back(arena.alloc(dt, {N, C}));  // x_L stays on the device for the final norm
     a.offloaded = std::make_shared<Residency>(arena.device(), std::vector<size_t>{a.stream.back().bytes()},
-                                              static_cast<int>(L), 2);
+                                              static_cast<int>(L), 2, "input layer");
   } else {
     for (int64_t l = 0; l <= L; ++l) a.stream.push_back(arena.alloc(dt, {N, C}));
   }
@@ -98,6 +99,8 @@ void run_blocks(ChunkActivations& a, KVStore& kv, const LlamaModel& model, const
   embedding_forward(a.input(0), chunk.ids, w.embedding);
   for (int l = 0; l < L; ++l) {
     const size_t li = static_cast<size_t>(l);
+    TraceScope traced(keep ? "layer {layer} recompute" : "layer {layer} forward",
+                      {{"layer", l}, {"t0", t0}, {"t1", t1}});
     if (off) {
       off->store(l, {{0, 0, a.stream.back().bytes()}});
       if (l + 1 < L) claim(l + 1);
@@ -157,6 +160,7 @@ double forward_chunk(ChunkActivations* keep, KVStore& kv, const LlamaModel& mode
   run_blocks(a, kv, model, chunk, false, scratch, mlp_shards);
   if (!with_loss) return 0.0;
   CW_CHECK(chunk.labels.data, "forward_chunk with_loss needs labels");
+  TraceScope traced("lm head + loss", {{"t0", chunk.pos0}, {"t1", chunk.pos0 + chunk.c}});
   Tensor row_loss = scratch.alloc(accum_dtype(model.dtype()), {N});
   lm_head_loss_forward(row_loss, LmHeadSaved{}, a.normed, model.weights().lm_head, chunk.labels, normaliser, scratch,
                        kLmHeadBlockRows);
@@ -177,6 +181,8 @@ double backward_chunk(const ParamSet& grads, const ChunkActivations& a, KVStore&
   ArenaScope scope(scratch);
 
   // LM head and loss, fused: the loss for reporting, the gradient scaled by loss_weight.
+  const int64_t t0 = chunk.pos0, t1 = chunk.pos0 + chunk.c;
+  TraceScope head_traced("lm head + loss", {{"t0", t0}, {"t1", t1}});
   Tensor row_loss = scratch.alloc(accum_dtype(model.dtype()), {N});
   Tensor d_normed = scratch.alloc(model.dtype(), {N, cf.hidden_size});
   const double grad_normaliser = normaliser / loss_weight;
@@ -187,9 +193,9 @@ double backward_chunk(const ParamSet& grads, const ChunkActivations& a, KVStore&
 
   Tensor d_x = scratch.alloc(model.dtype(), {N, cf.hidden_size});
   rmsnorm_backward(d_x, g.final_norm, d_normed, a.final_norm, a.stream.back(), w.final_norm, GradMode::overwrite, scratch);
+  head_traced.end();
   const bool keep_mlp = resolve_mlp_shards(a.policy.mlp_shards, cf, N) == 1 && !a.policy.recompute_mlp;
   Residency* off = a.offloaded.get();
-  const int64_t t0 = chunk.pos0, t1 = chunk.pos0 + chunk.c;
   // Offloaded inputs come back one layer ahead: layer l-1's while layer l runs its backward.
   auto bring = [&](int l) {
     if (!off || l < 0) return;
@@ -198,6 +204,7 @@ double backward_chunk(const ParamSet& grads, const ChunkActivations& a, KVStore&
   };
   for (int l = cf.num_hidden_layers - 1; l >= 0; --l) {
     const size_t li = static_cast<size_t>(l);
+    TraceScope traced("layer {layer} backward", {{"layer", l}, {"t0", t0}, {"t1", t1}});
     if (off) {
       bring(l);
       off->ready(l);

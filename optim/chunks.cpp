@@ -1,6 +1,8 @@
 // The chunk machinery and the step frame (see chunks.h), and batch_loss, a prefill with loss.
 #include "optim/chunks.h"
 
+#include "engine/trace.h"
+
 #include <algorithm>
 
 namespace cw {
@@ -52,6 +54,8 @@ double prefill(KVStore& kv, const LlamaModel& model, const Batch& batch, const s
                double normaliser, bool with_loss, Arena& arena, int64_t mlp_shards) {
   double loss = 0;
   for (size_t i = 0; i + 1 < bounds.size(); ++i) {
+    TraceScope traced("prefill chunk {chunk}",
+                      {{"chunk", static_cast<int64_t>(i)}, {"t0", bounds[i]}, {"t1", bounds[i + 1]}});
     ArenaScope scope(arena);
     const ChunkTokens chunk = slice_chunk(batch, bounds[i], bounds[i + 1], arena);
     loss += forward_chunk(nullptr, kv, model, chunk, normaliser, with_loss, arena, mlp_shards);
@@ -136,7 +140,13 @@ std::vector<int64_t> StepFrame::sweep_bounds() const {
   return chunk_bounds(batch.T(), options.bwd_chunk > 0 ? options.bwd_chunk : options.chunk);
 }
 
+int64_t StepFrame::sweep_chunk_index(int64_t t0) const {
+  const int64_t c = options.bwd_chunk > 0 ? options.bwd_chunk : options.chunk;
+  return c <= 0 || c > batch.T() ? 0 : t0 / c;  // as chunk_bounds splits
+}
+
 double StepFrame::backprop(int64_t t0, int64_t t1, const ParamSet& grads, double loss_weight) {
+  TraceScope traced("backprop chunk {chunk}", {{"chunk", sweep_chunk_index(t0)}, {"t0", t0}, {"t1", t1}});
   return backprop_chunk(kv, model, batch, t0, t1, grads, norm, arena, policy_, loss_weight);
 }
 

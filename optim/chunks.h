@@ -51,6 +51,8 @@ class StepFrame {
   double prefill(bool with_loss);
   // The reverse sweep's chunk boundaries (options.bwd_chunk, else options.chunk).
   std::vector<int64_t> sweep_bounds() const;
+  // The index of the reverse-sweep chunk that starts at t0 (for traces).
+  int64_t sweep_chunk_index(int64_t t0) const;
   // backprop_chunk of tokens [t0, t1) under the options' activation policy; the chunk's loss.
   double backprop(int64_t t0, int64_t t1, const ParamSet& grads, double loss_weight = 1.0);
   // The step's statistics: `chunks` reverse-sweep chunks of which `visited` were backpropagated.

@@ -6,6 +6,7 @@
 #endif
 #include "engine/ops/linear.h"
 #include "engine/random.h"
+#include "engine/trace.h"
 #include "optim/schedule.h"
 #include "optim/training.h"
 
@@ -89,6 +90,8 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
     for (int s = 0; s < o.warmup + o.steps; ++s) {
       const Batch batch = random_batch(o.batch, o.seq, cfg.vocab_size, 1000 + static_cast<uint64_t>(s));
       synchronize(g);
+      const bool traced = !o.trace.empty() && s + 1 == o.warmup + o.steps;
+      if (traced) trace::start(g);
       const auto t0 = std::chrono::steady_clock::now();
       st.grads().zero();
       stats = schedule->step(st.model(), batch, st.grads());
@@ -96,6 +99,7 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
       st.optimizer_step(1e-5);
       synchronize(g);
       const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (traced) trace::stop().write(o.trace);
       out << fmt::format("step {}{}: {:.3f} s, loss {:.4f}\n", s + 1, s < o.warmup ? " (warm-up)" : "", sec, stats.loss)
           << std::flush;
       if (s >= o.warmup) step_s.push_back(sec);
@@ -113,6 +117,7 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
                          double(stats.kv_bytes) / double(1ull << 30), double(stats.kv_host_bytes) / double(1ull << 30),
                          double(stats.kv_bytes_moved) / double(1ull << 30));
     out << "memory: " << mem.line() << "\n";
+    if (!o.trace.empty()) out << "trace of step " << o.warmup + o.steps << ": " << o.trace << "\n";
     std::sort(step_s.begin(), step_s.end());
     const double med = step_s[step_s.size() / 2];
     const double tps = double(o.batch * o.seq) / med;

@@ -32,6 +32,7 @@ struct BenchModelOptions {
   int steps = 3, warmup = 1;
   double peak_tflops = 0;              // 0: measure
   std::string json;                    // also write the result as JSON here
+  std::string trace;                   // write a Chrome trace of the last timed step here (engine/trace.h)
 };
 
 // Returns the process exit code (0 also for an out-of-memory result, which the JSON records).

@@ -91,6 +91,7 @@ int main(int argc, char** argv) {
   bench->add_option("--warmup", bm.warmup, "untimed steps first")->capture_default_str();
   bench->add_option("--peak-tflops", bm.peak_tflops, "bf16 peak for MFU (0: measure)")->capture_default_str();
   bench->add_option("--json", bm.json, "also write the result as JSON");
+  bench->add_option("--trace", bm.trace, "write a Chrome trace (chrome://tracing, Perfetto) of the last timed step");
 
   cw::PlanOptions po;  // tools/plan.h
   CLI::App* plan = app.add_subcommand("plan", "predicted peak memory and step time of a training step");
@@ -123,6 +124,8 @@ int main(int argc, char** argv) {
   const std::vector<CLI::Option*> train_flag_given = cw::add_option_flags(*train, train_flag_options);
   int64_t stop_after = 0;
   train->add_option("--stop-after", stop_after, "stop after N steps of this invocation, saving a checkpoint");
+  std::string train_trace;
+  train->add_option("--trace", train_trace, "write a Chrome trace (chrome://tracing, Perfetto) of the first step");
 
   cw::SampleOptions so;
   int64_t sample_step = 0;
@@ -166,6 +169,7 @@ int main(int argc, char** argv) {
       topt.run_dir = run_dir;
       topt.resume = resume;
       topt.stop_after = stop_after;
+      topt.trace = train_trace;
       const cw::TrainResult r = cw::run_training(rc, topt, std::cout);
       return r.interrupted ? cw::kExitInterrupted : 0;
     }

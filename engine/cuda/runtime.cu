@@ -443,6 +443,20 @@ SideStreams& side_streams() {
   static SideStreams* s = new SideStreams;
   return *s;
 }
+// The device's side stream, created on first use; the caller holds s.mutex.
+cudaStream_t side_stream_locked(SideStreams& s, int device) {
+  cudaStream_t& side = s.streams[static_cast<size_t>(device)];
+  if (!side) CW_CUDA_CHECK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+  return side;
+}
+// Makes `side` wait for everything queued on `compute` so far.
+void side_after_compute(cudaStream_t side, cudaStream_t compute) {
+  cudaEvent_t after_compute;
+  CW_CUDA_CHECK(cudaEventCreateWithFlags(&after_compute, cudaEventDisableTiming));
+  CW_CUDA_CHECK(cudaEventRecord(after_compute, compute));
+  CW_CUDA_CHECK(cudaStreamWaitEvent(side, after_compute, 0));
+  CW_CUDA_CHECK(cudaEventDestroy(after_compute));  // released once the wait has been satisfied
+}
 }  // namespace
 
 void* pinned_alloc(size_t bytes) {
@@ -479,16 +493,12 @@ uint64_t copy_on_side_stream(void* dst, const void* src, size_t bytes, int devic
   cudaStream_t compute = current_stream(device);  // also makes `device` current
   SideStreams& s = side_streams();
   std::lock_guard lock(s.mutex);
-  cudaStream_t& side = s.streams[static_cast<size_t>(device)];
-  if (!side) CW_CUDA_CHECK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
+  cudaStream_t side = side_stream_locked(s, device);
   // The copy starts after everything already queued on the compute stream (its source is final and
   // its destination no longer read).
-  cudaEvent_t after_compute, done;
-  CW_CUDA_CHECK(cudaEventCreateWithFlags(&after_compute, cudaEventDisableTiming));
-  CW_CUDA_CHECK(cudaEventRecord(after_compute, compute));
-  CW_CUDA_CHECK(cudaStreamWaitEvent(side, after_compute, 0));
-  CW_CUDA_CHECK(cudaEventDestroy(after_compute));  // released once the wait has been satisfied
+  side_after_compute(side, compute);
   CW_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, side));
+  cudaEvent_t done;
   CW_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
   CW_CUDA_CHECK(cudaEventRecord(done, side));
   const uint64_t ticket = s.next++;
@@ -520,5 +530,67 @@ void wait_for_all_copies(int device) {
   std::lock_guard lock(s.mutex);
   cudaStream_t side = s.streams[static_cast<size_t>(device)];
   if (side) CW_CUDA_CHECK(cudaStreamSynchronize(side));
+}
+}  // namespace cw::gpu
+
+// Timing marks of the trace recorder: events with timing, kept until resolved.
+namespace cw::gpu {
+namespace {
+struct TraceMarks {
+  std::mutex mutex;
+  std::vector<cudaEvent_t> events;
+};
+TraceMarks& trace_marks() {
+  static TraceMarks* m = new TraceMarks;
+  return *m;
+}
+}  // namespace
+
+size_t trace_mark(int device, bool side, bool after_compute) {
+  cudaStream_t compute = current_stream(device);  // also makes `device` current
+  cudaStream_t stream = compute;
+  if (side) {
+    SideStreams& s = side_streams();
+    std::lock_guard lock(s.mutex);
+    stream = side_stream_locked(s, device);
+    if (after_compute) side_after_compute(stream, compute);
+  }
+  cudaEvent_t e;
+  CW_CUDA_CHECK(cudaEventCreate(&e));  // with timing
+  CW_CUDA_CHECK(cudaEventRecord(e, stream));
+  TraceMarks& m = trace_marks();
+  std::lock_guard lock(m.mutex);
+  m.events.push_back(e);
+  return m.events.size() - 1;
+}
+
+std::vector<double> trace_marks_resolve(int device) {
+  synchronize(device);
+  wait_for_all_copies(device);
+  struct Taken {  // the marks, destroyed however this returns
+    std::vector<cudaEvent_t> events;
+    ~Taken() {
+      for (cudaEvent_t e : events) cudaEventDestroy(e);
+    }
+  } taken;
+  {
+    TraceMarks& m = trace_marks();
+    std::lock_guard lock(m.mutex);
+    taken.events.swap(m.events);
+  }
+  std::vector<double> ms(taken.events.size(), 0.0);
+  for (size_t i = 1; i < taken.events.size(); ++i) {
+    float t = 0;
+    CW_CUDA_CHECK(cudaEventElapsedTime(&t, taken.events[0], taken.events[i]));
+    ms[i] = t;
+  }
+  return ms;
+}
+
+void trace_marks_clear() {
+  TraceMarks& m = trace_marks();
+  std::lock_guard lock(m.mutex);
+  for (cudaEvent_t e : m.events) cudaEventDestroy(e);
+  m.events.clear();
 }
 }  // namespace cw::gpu

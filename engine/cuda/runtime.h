@@ -17,6 +17,7 @@
 #include <cstring>
 #include <initializer_list>
 #include <string>
+#include <vector>
 
 namespace cw::gpu {
 
@@ -83,6 +84,15 @@ void pinned_free(void* p);
 uint64_t copy_on_side_stream(void* dst, const void* src, size_t bytes, int device);
 void wait_for_copy(uint64_t ticket, int device);
 void wait_for_all_copies(int device);           // the host waits until every side-stream copy is done
+
+// Timing marks for the trace recorder (engine/trace.h): a CUDA event with timing recorded on the
+// device's compute stream, or on its side stream (after_compute: the side stream first waits for
+// everything queued on the compute stream so far, as each copy does, so the mark is the copy's
+// start). Returns the mark's index (0, 1, ...). trace_marks_resolve waits for both streams, returns
+// every mark's time in milliseconds after mark 0 (which must be on `device`) and forgets the marks.
+size_t trace_mark(int device, bool side, bool after_compute);
+std::vector<double> trace_marks_resolve(int device);
+void trace_marks_clear();
 
 void synchronize(int device = 0);               // waits for the device's stream
 std::string memory_report(int device = 0);      // one line: in use, cached, peak, mallocs

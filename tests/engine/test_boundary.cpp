@@ -1,7 +1,7 @@
 // The layering rule of the engine (engine/README.md): above engine/ (model/, optim/, parallel/,
 // tools/) nothing includes engine/cuda/ or names the gpu:: namespace; the public engine is
-// engine/engine.h, engine/ops/*.h, engine/memory.h and engine/residency.h. A violation fails naming
-// the file and line.
+// engine/engine.h, engine/ops/*.h, engine/memory.h, engine/residency.h and engine/trace.h. A
+// violation fails naming the file and line.
 #include <doctest/doctest.h>
 
 #include <filesystem>

@@ -242,3 +242,30 @@ TEST_CASE("train: SIGINT finishes the step, saves, and exits with the distinct c
   CHECK(out.find("stopped: saved step") != std::string::npos);
   CHECK(fs::exists(fs::path(run) / "latest"));
 }
+
+TEST_CASE("train --trace: a Chrome trace of the first step, every micro-batch's chunks in it") {
+  Fixture fx;
+  RunConfig rc = fx.config(2);
+  rc.schedule.name = "seco";
+  rc.schedule.offload_window = 1;
+  rc.eval.every = 0;
+  rc.checkpoint.every = 0;
+  TrainOptions o;
+  o.run_dir = fx.dir.file("traced");
+  o.print_sample = false;
+  o.trace = fx.dir.file("step.json");
+  std::ostringstream log;
+  run_training(rc, o, log);
+  CHECK(log.str().find("trace of step 1: " + o.trace) != std::string::npos);
+  std::ifstream in(o.trace);
+  REQUIRE(in);
+  const nlohmann::json j = nlohmann::json::parse(in);
+  int64_t backprop = 0, copies = 0;
+  for (const auto& e : j["traceEvents"]) {
+    if (e["ph"] != "X") continue;
+    if (e["name"].get<std::string>().rfind("backprop chunk ", 0) == 0) ++backprop;
+    if (e["cat"] == "copy") ++copies;
+  }
+  CHECK(backprop == rc.data.grad_accum * 4);  // 32 tokens in chunks of 10, per micro-batch, one step
+  CHECK(copies > 0);
+}

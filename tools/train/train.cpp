@@ -1,6 +1,7 @@
 #include "tools/train/train.h"
 
 #include "engine/random.h"
+#include "engine/trace.h"
 #include "model/checkpoint.h"
 #include "optim/adamw.h"
 #include "optim/lr_schedule.h"
@@ -285,11 +286,17 @@ class TrainLoop {
     double last_loss = std::nan("");
     while (step < rc_.train.steps) {
       ++step;
+      const bool traced = !opt_.trace.empty() && step == start_step_ + 1;
+      if (traced) trace::start(placement_.device);
       const auto t0 = std::chrono::steady_clock::now();
       const StepOutcome o = train_step(step);
       tokens_seen_ += tokens_per_step();
       last_loss = o.loss;
       const auto t1 = std::chrono::steady_clock::now();
+      if (traced) {
+        trace::stop().write(opt_.trace);
+        out_ << fmt::format("trace of step {}: {}\n", step, opt_.trace);
+      }
       log_step(step, o, std::chrono::duration<double>(t1 - t0).count(),
                std::chrono::duration<double>(t1 - t_loop).count());
       if (step == start_step_ + 1) report_memory(step, o.stats);

@@ -25,6 +25,7 @@ struct TrainOptions {
   bool resume = false;  // overrides checkpoint.resume when true
   bool print_sample = true;
   int64_t stop_after = 0;  // > 0: stop after this many steps of this invocation, saving (as a signal would)
+  std::string trace;       // write a Chrome trace of this invocation's first step here (engine/trace.h)
 };
 
 struct TrainResult {
