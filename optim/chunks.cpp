@@ -43,9 +43,10 @@ ChunkTokens slice_chunk(const Batch& batch, int64_t t0, int64_t t1, Arena& arena
 ActivationPolicy activation_policy(const ScheduleOptions& o) {
   const bool checkpointed = o.name == "checkpointed";
   ActivationPolicy p;
-  p.keep_layers = !(checkpointed && o.recompute == "full");
+  const std::string mode = o.recompute_mode();
+  p.keep_layers = mode != "full";
   p.mlp_shards = o.mlp_shards;
-  p.recompute_mlp = checkpointed && o.recompute == "selective";
+  p.recompute_mlp = mode == "selective";
   p.offload_inputs = checkpointed && o.offload;
   return p;
 }

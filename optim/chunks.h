@@ -24,8 +24,8 @@ std::unique_ptr<Schedule> make_full_schedule(const ScheduleOptions& o);
 std::unique_ptr<Schedule> make_seco_schedule(const ScheduleOptions& o);
 std::unique_ptr<Schedule> make_spaco_schedule(const ScheduleOptions& o);
 
-// The activation policy a schedule's options ask for (checkpointed with recompute = full keeps
-// layer inputs only; every schedule may tile the MLP).
+// The activation policy a schedule's options ask for (recompute = full keeps layer inputs only,
+// selective drops the MLP's intermediates; every schedule may tile the MLP).
 ActivationPolicy activation_policy(const ScheduleOptions& o);
 
 // Prefill: every chunk of `bounds` forward, nothing kept but K/V. Returns the summed loss when

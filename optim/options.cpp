@@ -28,9 +28,10 @@ const std::vector<Option<ScheduleOptions>>& schedule_option_table() {
     {"scale_relay",    "--scale-relay",   &S::scale_relay,   {},                       "spaco: scale relayed dK/dV by k/t per hop, up to relay_cap"},
     {"relay_cap",      "--relay-cap",     &S::relay_cap,     at_least(0),              "spaco: cap of the cumulative relay factor; 0: none"},
     {"drop_relay",     "--drop-relay",    &S::drop_relay,    {},                       "spaco: discard all cross-chunk relay (the chunk-local gradient)"},
-    {"recompute",      "--recompute",     &S::recompute,     one_of({"full", "selective", "none"}),
-     "checkpointed: full (keep layer inputs only, recompute each layer) | selective (keep all but the MLP's "
-     "[tokens, ffn] intermediates, recomputed in the backward) | none (keep everything)"},
+    {"recompute",      "--recompute",     &S::recompute,     one_of({"auto", "full", "selective", "none"}),
+     "what each chunk's backward recomputes (seco, spaco: inside every reverse-sweep chunk): full (keep layer "
+     "inputs only, recompute each layer) | selective (keep all but the MLP's [tokens, ffn] intermediates, "
+     "recomputed in the backward) | none (keep everything) | auto (checkpointed: full; the others: none)"},
     {"mlp_shards",     "--mlp-shards",    &S::mlp_shards,    at_least(0, "automatic"), "any schedule: tiled MLP row shards; 1: untiled, 0: automatic (ceil(ffn / hidden))"},
     {"offload",        "--offload",       &S::offload,       {},                       "checkpointed, recompute full: the kept layer inputs in pinned host memory (GPU)"},
     {"offload_window", "--offload-window", &S::offload_window, at_least(0, "the whole K/V store on the device"),
@@ -43,11 +44,16 @@ const std::vector<Option<ScheduleOptions>>& schedule_option_table() {
 }
 // clang-format on
 
+std::string ScheduleOptions::recompute_mode() const {
+  if (recompute != "auto") return recompute;
+  return name == "checkpointed" ? "full" : "none";
+}
+
 void ScheduleOptions::validate() const {
   // The table's rules read through the bound pointers only.
   for (const OptionRef& o : bind_options("schedule", schedule_option_table(), const_cast<ScheduleOptions&>(*this)))
     check_option(o);
-  if (offload && !(name == "checkpointed" && recompute == "full"))
+  if (offload && !(name == "checkpointed" && recompute_mode() == "full"))
     fail("schedule.offload applies to schedule checkpointed with recompute = full (the kept layer inputs)",
          "set schedule.name = checkpointed and schedule.recompute = full, or offload = false");
   if (save_attention && name != "seco" && name != "spaco")

@@ -44,9 +44,12 @@ Batch random_batch(int64_t B, int64_t T, int64_t vocab, uint64_t seed);
 // the rows of schedule_option_table() (optim/options.h); the defaults are the ones below.
 struct ScheduleOptions {
   std::string name = "full";    // full | checkpointed | seco | spaco
-  // checkpointed: full (keep layer inputs only, recompute each layer) | selective (keep every layer's
-  // activations but the MLP's [N, F] intermediates, recomputed in the backward) | none (keep everything)
-  std::string recompute = "full";
+  // What a chunk's backward recomputes (for seco/spaco: inside each reverse-sweep chunk): full (keep
+  // layer inputs only, recompute each layer before its backward) | selective (keep every layer's
+  // activations but the MLP's [N, F] intermediates) | none (keep everything) | auto (checkpointed:
+  // full; the others: none). recompute_mode() resolves auto.
+  std::string recompute = "auto";
+  std::string recompute_mode() const;
   bool offload = false;         // checkpointed, recompute full: the kept layer inputs live in pinned host
                                 // memory (GPU), copied out and back on a side stream
   int64_t offload_window = 0;   // seco, spaco: K/V store layers resident on the device; the rest in (pinned)

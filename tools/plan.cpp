@@ -1,5 +1,7 @@
 #include "tools/plan.h"
 
+#include "optim/chunks.h"
+
 #include "engine/engine.h"
 #include "engine/error.h"
 #include "model/layer.h"
@@ -99,17 +101,6 @@ struct Shape {
   size_t N() const { return size_t(B * c); }
   size_t row(int64_t width) const { return N() * size_t(width) * e; }
 };
-
-// optim/chunks.cpp: activation_policy.
-ActivationPolicy policy_of(const ScheduleOptions& o) {
-  const bool checkpointed = o.name == "checkpointed";
-  ActivationPolicy p;
-  p.keep_layers = !(checkpointed && o.recompute == "full");
-  p.mlp_shards = o.mlp_shards;
-  p.recompute_mlp = checkpointed && o.recompute == "selective";
-  p.offload_inputs = checkpointed && o.offload;
-  return p;
-}
 
 // model/layer.cpp: LayerActivations::allocate.
 void layer_activations(ArenaReplay& a, const Shape& s, bool keep_mlp) {
@@ -256,7 +247,8 @@ bool chunked(const ScheduleOptions& o) { return o.name == "seco" || o.name == "s
 
 std::string describe(const ScheduleOptions& o) {
   std::string s = o.name;
-  if (o.name == "checkpointed") s += " recompute " + o.recompute + (o.offload ? " offload" : "");
+  if (o.name == "checkpointed" || o.recompute_mode() != "none")
+    s += " recompute " + o.recompute_mode() + (o.offload ? " offload" : "");
   if (chunked(o)) s += fmt::format(" chunk {} bwd-chunk {}", o.chunk, o.bwd_chunk > 0 ? o.bwd_chunk : o.chunk);
   if (o.mlp_shards != 1) s += fmt::format(" mlp-shards {}", o.mlp_shards);
   if (o.offload_window > 0) s += fmt::format(" offload-window {}", o.offload_window);
@@ -321,7 +313,7 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
 
   // Activations: the arena over the step, the backward chunk that attends all T keys last (the
   // arena keeps its largest extent, so the order of phases does not matter).
-  const ActivationPolicy policy = policy_of(o);
+  const ActivationPolicy policy = activation_policy(o);
   ArenaReplay arena;
   if (chunked(o))
     prefill_chunk(arena, Shape{cf, B, r.chunk, T, e, acc}, o.mlp_shards, o.name == "spaco");
@@ -347,11 +339,11 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
   // Forward passes of every layer: the prefill (seco, spaco: all tokens), the forward of the reverse
   // tokens, one recompute more for checkpointed full; the backward counts as two (dX and dW).
   const double prefill = chunked(o) ? 1 : 0;
-  const double extra_forward = !chunked(o) && !policy.keep_layers ? 1 : 0;
+  const double extra_forward = !policy.keep_layers ? 1 : 0;
   const double passes = prefill + reverse * (1 + extra_forward + 2);
   double matmul = tokens * layer_matmul * passes;
   // A recompute from saved attention outputs skips the K and V projections.
-  if (saved) matmul -= tokens * reverse * 2.0 * double(L) * double(2 * C * Hkv * D);
+  if (saved) matmul -= tokens * reverse * (1 + extra_forward) * 2.0 * double(L) * double(2 * C * Hkv * D);
   // Selective recompute and the tiled MLP with kept activations run gate/up again in the backward.
   const bool keep_mlp = resolve_mlp_shards(o.mlp_shards, cf, B * r.bwd_chunk) == 1 && !policy.recompute_mlp;
   if (policy.keep_layers && !keep_mlp) matmul += tokens * reverse * mlp_gate_up;
@@ -359,10 +351,10 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
   const double head = 2.0 * double(V * C) * tokens * (3 * reverse + (o.name == "spaco" ? 1 : 0));
   // Attention: 4 H D flops per (query, key) pair and layer forward, 2.5x that backward.
   const double per_pair = 4.0 * double(H * D) * double(L) * double(B);
-  // With saved outputs the reverse sweep runs no attention forward.
-  const double reverse_forward = saved ? 0 : 1;
+  // With saved outputs the reverse sweep's forwards (and a layer recompute) run no attention.
+  const double reverse_forward = saved ? 0 : 1 + extra_forward;
   const double attention = per_pair * (prefill * causal_pairs(T, r.chunk) +
-                                       reverse * causal_pairs(T, r.bwd_chunk) * (reverse_forward + extra_forward + 2.5));
+                                       reverse * causal_pairs(T, r.bwd_chunk) * (reverse_forward + 2.5));
   const double elementwise = tokens * double(L) * passes * double(16 * C + 6 * F) * double(e);
   const double optimizer = double(n) * (dtype == DType::bf16 ? 38.0 : 36.0);
   r.flops = matmul + head + attention;

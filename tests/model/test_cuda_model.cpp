@@ -120,7 +120,9 @@ TEST_CASE("cuda: seco and checkpointed (offload, selective, tiled MLP) equal ful
   selective.recompute = "selective";
   ScheduleOptions saved = seco;  // the reverse sweep re-splits the prefill's saved attention outputs
   saved.save_attention = true;
-  for (const ScheduleOptions& o : {seco, saved, ckpt, tiled, offload, selective}) {
+  ScheduleOptions saved_recompute = saved;  // and recomputes each layer inside the chunk from its input
+  saved_recompute.recompute = "full";
+  for (const ScheduleOptions& o : {seco, saved, saved_recompute, ckpt, tiled, offload, selective}) {
     CAPTURE(o.name);
     gradients(model, batch, other, o, &loss);
     const Compared c = compare_sets(other, full);
@@ -161,7 +163,7 @@ TEST_CASE("cuda: seco and spaco with the K/V store offloaded equal the store on 
   }
 }
 
-TEST_CASE("cuda: seco and spaco with saved attention outputs equal them without, bitwise (deterministic)" *
+TEST_CASE("cuda: seco and spaco with saved attention outputs (and layer recompute) equal them without, bitwise (deterministic)" *
           doctest::skip(!cw::test::gpu_ready())) {
   // Same chunks forward and backward: the prefill's attention output and lse are the bits the
   // recompute would produce, so reading them back (from the device or through pinned host memory)
@@ -181,12 +183,16 @@ TEST_CASE("cuda: seco and spaco with saved attention outputs equal them without,
       double loss_plain = 0, loss_saved = 0;
       gradients(model, batch, plain, o, &loss_plain);
       o.save_attention = true;
-      for (int64_t window : {0, 1, 2}) {
-        CAPTURE(window);
-        o.offload_window = window;
-        gradients(model, batch, saved, o, &loss_saved);
-        for (size_t i = 0; i < plain.size(); ++i) test::expect_same_bits(saved[i], plain[i], "gradient");
-        CHECK(loss_saved == loss_plain);
+      for (const char* recompute : {"auto", "full"}) {
+        o.recompute = recompute;
+        for (int64_t window : {0, 1, 2}) {
+          CAPTURE(recompute);
+          CAPTURE(window);
+          o.offload_window = window;
+          gradients(model, batch, saved, o, &loss_saved);
+          for (size_t i = 0; i < plain.size(); ++i) test::expect_same_bits(saved[i], plain[i], "gradient");
+          CHECK(loss_saved == loss_plain);
+        }
       }
     }
   }

@@ -24,7 +24,7 @@ struct Recorded {
   double peak_gib, tokens_per_s;
 };
 
-ScheduleOptions sched(const std::string& name, int64_t chunk = 0, const std::string& recompute = "full",
+ScheduleOptions sched(const std::string& name, int64_t chunk = 0, const std::string& recompute = "auto",
                       int64_t mlp_shards = 1, bool offload = false) {
   ScheduleOptions o;
   o.name = name;

@@ -274,7 +274,7 @@ TEST_CASE("run config: validate names the key that is out of range") {
       {"model.dtype=f16", "model.dtype must be one of auto | f64 | f32 | bf16"},
       {"model.source=\"\"", "model.source must not be empty"},
       {"schedule.name=fast", "schedule.name must be one of full | checkpointed | seco | spaco"},
-      {"schedule.recompute=partial", "schedule.recompute must be one of full | selective | none"},
+      {"schedule.recompute=partial", "schedule.recompute must be one of auto | full | selective | none"},
       {"schedule.mlp_shards=-2", "schedule.mlp_shards must be >= 0"},
       {"schedule.chunk=-1", "schedule.chunk must be >= 0"},
       {"schedule.keep=2", "schedule.keep is a spaco option"},

@@ -4,6 +4,7 @@
 #include "engine/trace.h"
 #include "model/checkpoint.h"
 #include "optim/adamw.h"
+#include "optim/chunks.h"
 #include "optim/lr_schedule.h"
 #include "optim/schedule.h"
 #include "optim/training.h"
@@ -95,7 +96,7 @@ double planned_bytes(const LlamaConfig& c, DType dt, const RunConfig& rc) {
   const ScheduleOptions so = rc.schedule_options();
   int64_t chunk = (so.name == "full" || so.name == "checkpointed") ? T : std::max(so.chunk, so.bwd_chunk);
   if (chunk <= 0 || chunk > T) chunk = T;
-  const ActivationPolicy policy{!(so.name == "checkpointed" && so.recompute == "full"), so.mlp_shards};
+  const ActivationPolicy policy = activation_policy(so);
   const double acts = static_cast<double>(ChunkActivations::bytes(c, B, chunk, dt, policy));
   const double kv = static_cast<double>(c.num_hidden_layers * B * T * c.kv_dim()) * 2 * (e + a);
   const double scratch = static_cast<double>(kLmHeadBlockRows * c.vocab_size) * e +
