@@ -82,11 +82,6 @@ class Arena {
   Device device() const { return device_; }
 
   Tensor alloc(DType dtype, std::initializer_list<int64_t> shape);
-  template <class Container> Tensor alloc_shape(DType dtype, const Container& shape) {
-    int64_t n = 1;
-    for (auto s : shape) n *= s;
-    return Tensor::packed(alloc_bytes(static_cast<size_t>(n) * dtype_size(dtype)), dtype, device_, shape);
-  }
   void* alloc_bytes(size_t bytes);
 
   Mark mark() const { return {current_, offset_, in_use_}; }

@@ -16,7 +16,8 @@
 // never blocks. On a CPU "device" (tests) the slots are host memory and every copy is a memcpy at
 // the call, so the same schedule logic runs exactly in f64.
 // Every fetch and store that moves bytes is one copy event of a trace (engine/trace.h).
-// Tested in tests/engine/test_residency.cpp and through the K/V store (tests/optim/test_schedules.cpp).
+// Tested through its users: the K/V store and the checkpointed input offload (tests/optim/test_schedules.cpp,
+// tests/model/test_cuda_model.cpp) and the trace of copies (tests/engine/test_trace.cpp).
 #pragma once
 
 #include "engine/tensor.h"

@@ -14,7 +14,8 @@
 // Saved: lse [B, H, c] in the accumulation dtype; the backward recomputes P from q, k and lse.
 // Scratch: the CPU path takes, per thread, score blocks of up to 64 query rows x S keys from
 // `scratch` (one in the forward, two in the backward).
-// Tested in tests/engine/test_ops.cpp (fp64 finite differences, chunked against whole-sequence).
+// Tested in tests/engine/test_backend_ops.cpp (the op table, every kernel family) and
+// tests/engine/test_ops.cpp (chunked against whole-sequence).
 #pragma once
 
 #include "engine/memory.h"

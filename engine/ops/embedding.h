@@ -3,7 +3,7 @@
 //   backward: d_table[ids[n], :] += d_out[n, :]   (accumulates; rows visited in order n = 0..N-1,
 //             so the result is deterministic)
 // Shapes: ids [N] i32, table [V, C], out / d_out [N, C]. Saves nothing. Every id is checked to lie in
-// [0, V). Tested in tests/engine/test_ops.cpp.
+// [0, V). Tested in tests/engine/test_backend_ops.cpp (the op table).
 #pragma once
 
 #include "engine/tensor.h"

@@ -4,7 +4,7 @@
 //             d_W += d_outᵀ x          (always accumulates)
 // Shapes: x, d_x [N, I]; W, d_W [O, I]; out, d_out [N, O]. Saves nothing (the backward reads x).
 // Either gradient may be skipped by passing an undefined Tensor{} (a frozen weight, or the first
-// layer's input). Tested in tests/engine/test_ops.cpp.
+// layer's input). Tested in tests/engine/test_backend_ops.cpp (the op table).
 #pragma once
 
 #include "engine/tensor.h"

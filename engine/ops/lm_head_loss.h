@@ -12,7 +12,7 @@
 // Shapes: x, d_x [N, C]; W, d_W [V, C]; labels [N] i32; row_loss, saved.lse [N] accumulation dtype.
 // Saved: lse. lm_head_loss_backward recomputes each block's logits from x, W and lse;
 // lm_head_loss_fused computes loss and gradients in one pass (no recompute), for training steps
-// that need both at once. Tested in tests/engine/test_ops.cpp.
+// that need both at once. Tested in tests/engine/test_backend_ops.cpp (the op table).
 #pragma once
 
 #include "engine/memory.h"

@@ -1,8 +1,10 @@
 // The residual connection and plain gradient accumulation.
 //   residual_forward:  out = x + delta            (out may alias x: the stream updated in place)
-//   residual_backward: d_x (op)= d_out; d_delta (op)= d_out, each with its own mode
+//   residual_backward: d_x (op)= d_out; d_delta (op)= d_out, each with its own mode (the op's
+//                      explicit backward; model/layer.cpp passes d_x through in place instead)
 //   accumulate:        dst += src                 (gradient sums: a schedule adding a chunk's result)
-// Shapes: all operands the same shape; f64/f32. Saves nothing. Tested in tests/engine/test_ops.cpp.
+// Shapes: all operands the same shape; f64/f32. Saves nothing.
+// Tested in tests/engine/test_backend_ops.cpp (the op table).
 #pragma once
 
 #include "engine/tensor.h"

@@ -7,7 +7,8 @@
 // Saved: rstd (so the backward needs no reduction over C to recompute it). out must not alias x.
 // Scratch: the GPU backward sums d_w over rows through per-block partials taken from `scratch`
 // (deterministic, no atomics); the CPU ignores it.
-// Tested in tests/engine/test_ops.cpp (fp64 finite differences, f32 against f64).
+// Tested in tests/engine/test_backend_ops.cpp (the op table: f64 finite differences, f32 against f64,
+// every GPU kernel against CPU f64).
 #pragma once
 
 #include "engine/memory.h"

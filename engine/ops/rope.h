@@ -11,7 +11,7 @@
 // inv_freq[i] = theta^(-2i/D), optionally rescaled: "linear" divides by factor; "llama3" (Llama 3.1)
 // divides low frequencies (wavelength > original_max / low_freq_factor) by factor, keeps high ones
 // (wavelength < original_max / high_freq_factor) and blends in between. Tables are computed in f64.
-// Tested in tests/engine/test_ops.cpp.
+// Tested in tests/engine/test_backend_ops.cpp (the op table).
 #pragma once
 
 #include "engine/tensor.h"

@@ -4,7 +4,7 @@
 //             d_gate = d_out * up * sigmoid(gate) * (1 + gate * (1 - sigmoid(gate)))
 //             (both overwritten or both accumulated)
 // Shapes: gate, up, out, d_* [N, F]. Saves nothing: the backward reads gate and up.
-// Tested in tests/engine/test_ops.cpp.
+// Tested in tests/engine/test_backend_ops.cpp (the op table).
 #pragma once
 
 #include "engine/tensor.h"
