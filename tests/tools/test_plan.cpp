@@ -35,6 +35,13 @@ ScheduleOptions sched(const std::string& name, int64_t chunk = 0, const std::str
   return o;
 }
 
+// With the prefill's attention outputs saved, optionally the K/V store offloaded with a window.
+ScheduleOptions saved(ScheduleOptions o, int64_t offload_window = 0) {
+  o.save_attention = true;
+  o.offload_window = offload_window;
+  return o;
+}
+
 // Llama-3.2-1B shape, batch 1, bf16; `chunkwise bench` peak_gib (the caching pool's peak) and tokens/s,
 // median of 3 steps after 1 warm-up, on an H100 80GB HBM3.
 const Recorded kRecorded[] = {
@@ -53,6 +60,18 @@ const Recorded kRecorded[] = {
     {"BENCHMARKS.md, H100, 2026-11-24 (seco 64K, chunk 4096)", sched("seco", 4096), 65536, 33.3, 14972},
     {"BENCHMARKS.md, H100, 2026-11-24 (seco 128K, chunk 4096)", sched("seco", 4096), 131072, 39.8, 8746},
     {"BENCHMARKS.md, H100, 2026-11-24 (seco 256K, chunk 8192)", sched("seco", 8192), 262144, 58.6, 4884},
+    {"RESULTS.md, H100, 2026-11-25 (seco 16K, chunk 4096, saved attention)", saved(sched("seco", 4096)), 16384, 29.3,
+     34618},
+    {"RESULTS.md, H100, 2026-11-25 (seco 64K, chunk 4096, saved attention)", saved(sched("seco", 4096)), 65536, 37.4,
+     17686},
+    {"RESULTS.md, H100, 2026-11-25 (seco 128K, chunk 4096, saved attention)", saved(sched("seco", 4096)), 131072, 48.0,
+     10601},
+    {"RESULTS.md, H100, 2026-11-25 (seco 32K, chunk 4096, saved attention, offload 2, recompute full)",
+     saved(sched("seco", 4096, "full"), 2), 32768, 22.64, 19885},
+    {"RESULTS.md, H100, 2026-11-25 (seco 64K, chunk 8192, saved attention, offload 2, recompute full)",
+     saved(sched("seco", 8192, "full"), 2), 65536, 24.53, 14434},
+    {"RESULTS.md, H100, 2026-11-25 (seco 128K, chunk 4096, saved attention, offload 2)",
+     saved(sched("seco", 4096), 2), 131072, 30.31, 9561},
 };
 
 const LlamaConfig& one_b() {
