@@ -1,0 +1,55 @@
+// Collective communication between the ranks of a job: the one interface data and tensor parallelism
+// use, with two backends behind it.
+//   threads  every rank is a thread of this process, tensors in host memory (f64, f32): the exactness
+//            tests run DP/TP against one process in CI. Sums are taken in rank order 0, 1, ..., n-1
+//            for every element, so every rank gets the same bits whatever the threads' timing.
+//   nccl     one process per GPU, tensors in device memory, the collectives on the device's compute
+//            stream (or the stream named by the call); across processes and machines it is NCCL.
+// Collectives (sum is the only reduction; dtypes f64, f32, bf16 where the backend has them):
+//   all_reduce(t)              t <- sum over ranks of t                                     (in place)
+//   reduce_scatter(out, in)    in [size * n] on every rank; out [n] <- sum over ranks of in[rank * n, +n)
+//   all_gather(out, in)        in [n] on every rank; out [size * n], rank r's in at [r * n, +n)
+//   broadcast(t, root)         t <- root's t                                                (in place)
+//   barrier()                  returns once every rank has entered it
+// Every tensor is contiguous; shapes and dtypes agree across ranks (checked where the backend can).
+// Calls are asynchronous: each returns a CommWork whose wait() blocks the host (threads) or makes the
+// compute stream wait (nccl) until the collective is complete; a CommWork destroyed unwaited waits.
+// Every rank must issue the same collectives in the same order (as NCCL requires).
+#pragma once
+
+#include "engine/tensor.h"
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+namespace cw {
+
+class CommWork {
+ public:
+  virtual ~CommWork() = default;
+  virtual void wait() = 0;
+};
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  virtual Device device() const = 0;  // where its tensors live
+  virtual std::string backend() const = 0;  // "threads" | "nccl"
+
+  virtual std::unique_ptr<CommWork> all_reduce(const Tensor& t) = 0;
+  virtual std::unique_ptr<CommWork> reduce_scatter(const Tensor& out, const Tensor& in) = 0;
+  virtual std::unique_ptr<CommWork> all_gather(const Tensor& out, const Tensor& in) = 0;
+  virtual std::unique_ptr<CommWork> broadcast(const Tensor& t, int root) = 0;
+  virtual void barrier() = 0;
+};
+
+// Runs fn(comm) on `size` threads, one per rank of a threads-backend group, and returns when all
+// have; an exception on any rank is rethrown here (the first, by rank) after the others have been
+// released (their pending and later collectives throw instead of waiting forever).
+void run_thread_ranks(int size, const std::function<void(Communicator&)>& fn);
+
+}  // namespace cw
