@@ -941,6 +941,8 @@ void expect_refused(const std::string& error, const Row& row, const std::string&
 void contract_run(const Row& row, Device device, DType dt, uint64_t seed, Outcome& outcome) {
   const std::string where = fmt::format("{} {}", device_name(device), dtype_name(dt));
   INFO(row.name, " | ", where, " | seed ", seed);
+  std::optional<VariantScope> scope;  // the default settings (attention kernel auto), whatever the environment
+  if (!device.is_cpu()) scope.emplace(kCuda);
   Instance in = make_instance(row, device, dt);
   for (size_t i = 0; i < row.args.size(); ++i)
     if (is_given(row.args[i].role)) copy_convert(in.store[i], draw(row.args[i], resolve(row.args[i].dt, dt), seed, i));
