@@ -3,6 +3,8 @@
 // must abort at once.
 #include "parallel/watchdog.h"
 
+#include "parallel/comm_nccl.h"
+
 #include "engine/error.h"
 
 #include <doctest/doctest.h>
@@ -23,6 +25,13 @@ constexpr double kLateSeconds = 2.0;
 
 using Clock = std::chrono::steady_clock;
 double seconds_since(Clock::time_point t) { return Seconds(Clock::now() - t).count(); }
+
+// An "is it done?" that says yes once `seconds` have passed: a watchdog that should have fired by
+// then lets wait() return normally, so the test fails instead of hanging.
+std::function<bool()> done_after(double seconds) {
+  const auto until = Clock::now() + std::chrono::duration_cast<Clock::duration>(Seconds(seconds));
+  return [until] { return Clock::now() > until; };
+}
 
 // Records every abort call.
 struct AbortLog {
@@ -50,9 +59,9 @@ TEST_CASE("watchdog: a work that never completes fails within the timeout, namin
   Watchdog watchdog(Seconds(timeout), log.hooks(), "what to do");
   const std::string what = "all_reduce of 1024 x bf16 on rank 0 of 2 (GPU 0)";
   const auto start = Clock::now();
-  watchdog.watch(what, [] { return false; });
+  watchdog.watch(what, done_after(timeout + kLateSeconds));
   const std::string expected = what + " did not finish within 0.3 s";
-  CHECK_THROWS_WITH_AS(watchdog.wait([] { return false; }), doctest::Contains(expected.c_str()), Error);
+  CHECK_THROWS_WITH_AS(watchdog.wait(done_after(timeout + kLateSeconds)), doctest::Contains(expected.c_str()), Error);
   const double elapsed = seconds_since(start);
   CHECK(elapsed >= timeout);
   CHECK(elapsed < timeout + kLateSeconds);
@@ -66,7 +75,7 @@ TEST_CASE("watchdog: a work that never completes fails within the timeout, namin
   // From now on every call throws the same failure, with the hint.
   CHECK_THROWS_WITH_AS(watchdog.throw_if_failed(), doctest::Contains("(hint: what to do)"), Error);
   CHECK_THROWS_WITH_AS(watchdog.watch("broadcast", [] { return true; }), doctest::Contains(what.c_str()), Error);
-  CHECK_THROWS_WITH_AS(watchdog.wait_all(), doctest::Contains(what.c_str()), Error);
+  CHECK_THROWS_WITH_AS(watchdog.wait_all(), doctest::Contains(what.c_str()), Error);  // the failed work
   std::this_thread::sleep_for(std::chrono::milliseconds(100));
   std::lock_guard lock(log.mutex);
   CHECK(log.calls == 1);  // once only
@@ -101,7 +110,7 @@ TEST_CASE("watchdog: works that complete never fire it, and the oldest overdue o
   Watchdog watchdog(Seconds(0.1), second.hooks());
   watchdog.watch("first", [] { return false; });
   watchdog.watch("second", [] { return false; });
-  CHECK_THROWS_WITH_AS(watchdog.wait([] { return false; }), doctest::Contains("first did not finish"), Error);
+  CHECK_THROWS_WITH_AS(watchdog.wait(done_after(0.1 + kLateSeconds)), doctest::Contains("first did not finish"), Error);
 }
 
 TEST_CASE("watchdog: the health check's error aborts at once, and setup runs on its thread") {
@@ -117,7 +126,7 @@ TEST_CASE("watchdog: the health check's error aborts at once, and setup runs on 
   CHECK_FALSE(watchdog.failed());
   const auto start = Clock::now();
   peer_died = true;
-  CHECK_THROWS_WITH_AS(watchdog.wait([] { return false; }), doctest::Contains("remote process exited"), Error);
+  CHECK_THROWS_WITH_AS(watchdog.wait(done_after(kLateSeconds)), doctest::Contains("remote process exited"), Error);
   CHECK(seconds_since(start) < kLateSeconds);  // not the 600 s timeout
   std::lock_guard lock(log.mutex);
   CHECK(log.calls == 1);
@@ -131,4 +140,15 @@ TEST_CASE("watchdog: the collective timeout from the environment") {
   CHECK_THROWS_WITH_AS(comm_timeout_from(environment_from({{"CHUNKWISE_COMM_TIMEOUT_S", "ten"}})),
                        doctest::Contains("CHUNKWISE_COMM_TIMEOUT_S='ten' is not a positive number of seconds"), Error);
   CHECK_THROWS_WITH_AS(Watchdog(Seconds(0), AbortLog().hooks()), doctest::Contains("timeout must be positive"), Error);
+}
+
+TEST_CASE("watchdog: the NCCL backend's timeouts from the environment") {
+  NcclOptions o = NcclOptions::from_environment(environment_from({}));
+  CHECK(o.bootstrap_timeout.count() == 300);
+  CHECK(o.collective_timeout.count() == 600);
+  CHECK(o.exit_on_failure);
+  o = NcclOptions::from_environment(
+      environment_from({{"CHUNKWISE_BOOTSTRAP_TIMEOUT_S", "20"}, {"CHUNKWISE_COMM_TIMEOUT_S", "45.5"}}));
+  CHECK(o.bootstrap_timeout.count() == 20);
+  CHECK(o.collective_timeout.count() == 45.5);
 }
