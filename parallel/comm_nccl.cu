@@ -6,13 +6,16 @@
 // a call may return ncclInProgress, and is complete (its kernels queued on the stream) once
 // ncclCommGetAsyncError says ncclSuccess; the mutex is released between those polls, so an abort
 // never waits behind a call.
+// Layering: like every file above engine/, this one sees only the public engine (engine.h gives the
+// compute stream as an opaque handle); the CUDA runtime calls it makes itself are for its events and
+// the current device, checked by its own macro below.
 #include "parallel/comm_nccl.h"
 
-#include "engine/cuda/common.cuh"
-#include "engine/cuda/runtime.h"
+#include "engine/engine.h"
 #include "engine/memory.h"
 #include "parallel/watchdog.h"
 
+#include <cuda_runtime.h>
 #include <nccl.h>
 
 #include <atomic>
@@ -34,6 +37,35 @@ using Clock = std::chrono::steady_clock;
 constexpr const char* kFailureHint =
     "every rank must issue the same collectives in the same order with the same sizes; the other ranks' "
     "output says whether one of them died; CHUNKWISE_COMM_TIMEOUT_S sets the timeout; NCCL_DEBUG=WARN shows NCCL's view";
+
+[[noreturn]] void raise_cuda(cudaError_t e, const char* expr, const char* file, int line) {
+  detail::raise(expr, file, line, CW_FORMAT("CUDA: {}: {}", cudaGetErrorName(e), cudaGetErrorString(e)));
+}
+
+#define CW_COMM_CUDA_CHECK(expr)                                                        \
+  do {                                                                                  \
+    const cudaError_t cw_cuda_e_ = (expr);                                              \
+    if (cw_cuda_e_ != cudaSuccess) raise_cuda(cw_cuda_e_, #expr, __FILE__, __LINE__);   \
+  } while (0)
+
+// Makes `device` current for the scope and restores the previous one after.
+class CurrentDevice {
+ public:
+  explicit CurrentDevice(int device) {
+    CW_COMM_CUDA_CHECK(cudaGetDevice(&previous_));
+    if (previous_ != device) CW_COMM_CUDA_CHECK(cudaSetDevice(device));
+    changed_ = previous_ != device;
+  }
+  ~CurrentDevice() {
+    if (changed_) cudaSetDevice(previous_);
+  }
+  CurrentDevice(const CurrentDevice&) = delete;
+  CurrentDevice& operator=(const CurrentDevice&) = delete;
+
+ private:
+  int previous_ = 0;
+  bool changed_ = false;
+};
 
 [[noreturn]] void raise_nccl(ncclResult_t r, ncclComm_t comm, const char* expr, const char* file, int line) {
   const char* last = ncclGetLastError(comm);
@@ -69,15 +101,15 @@ class CollectiveEvent {
  public:
   // On `device`: an event must belong to the device of the stream it is recorded on.
   explicit CollectiveEvent(int device) {
-    gpu::DeviceGuard guard(device);
-    CW_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
+    CurrentDevice current(device);
+    CW_COMM_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
   }
   ~CollectiveEvent() { cudaEventDestroy(event_); }
   CollectiveEvent(const CollectiveEvent&) = delete;
   CollectiveEvent& operator=(const CollectiveEvent&) = delete;
 
   void record(cudaStream_t stream) {
-    CW_CUDA_CHECK(cudaEventRecord(event_, stream));
+    CW_COMM_CUDA_CHECK(cudaEventRecord(event_, stream));
     state_.store(kRecorded, std::memory_order_release);
   }
   // The collective was never queued (its NCCL call failed): nothing to wait for.
@@ -113,7 +145,7 @@ class NcclWork final : public CommWork {
     if (waited_) return;
     waited_ = true;
     watchdog_.throw_if_failed();
-    CW_CUDA_CHECK(cudaStreamWaitEvent(stream_, event_->get(), 0));
+    CW_COMM_CUDA_CHECK(cudaStreamWaitEvent(stream_, event_->get(), 0));
   }
 
  private:
@@ -137,14 +169,15 @@ class NcclCommunicator final : public Communicator {
         device_(device),
         exit_on_failure_(options.exit_on_failure),
         collective_timeout_(options.collective_timeout) {
-    const int visible = gpu::device_count();
+    const int visible = static_cast<int>(list_gpus().size());
     CW_CHECK_HINT(device >= 0 && device < visible,
                   "run one process per GPU, each with its own local rank (torchrun --nproc-per-node <= GPUs), or "
                   "set CUDA_VISIBLE_DEVICES",
                   "rank {} of {}: GPU {} does not exist ({} visible)", rank_, size_, device, visible);
-    stream_ = gpu::current_stream(device_);  // makes the device current for this thread, and creates the stream
+    // The ops' stream; this also makes the device current for this thread.
+    stream_ = static_cast<cudaStream_t>(compute_stream(Device::gpu(device_)));
     scratch_ = Buffer(sizeof(float), Device::gpu(device_));
-    gpu::device_memset_zero(scratch_.data(), scratch_.bytes(), device_);
+    CW_COMM_CUDA_CHECK(cudaMemsetAsync(scratch_.data(), 0, scratch_.bytes(), stream_));
 
     ncclUniqueId id{};
     std::vector<uint8_t> blob;
@@ -157,7 +190,7 @@ class NcclCommunicator final : public Communicator {
              blob.size(), sizeof(id));
     std::memcpy(&id, blob.data(), sizeof(id));
 
-    CW_CUDA_CHECK(cudaSetDevice(device_));  // ncclCommInitRank binds the communicator to the current device
+    CW_COMM_CUDA_CHECK(cudaSetDevice(device_));  // ncclCommInitRank binds the communicator to the current device
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
     const ncclResult_t r = ncclCommInitRankConfig(&comm_, size_, id, rank_, &config);
@@ -338,7 +371,7 @@ class NcclCommunicator final : public Communicator {
 
   // Watches the collective from now (its enqueue included), queues it, records its event.
   template <class Call> void issue_with(const std::string& what, const std::shared_ptr<CollectiveEvent>& event, Call&& call) {
-    gpu::DeviceGuard guard(device_);
+    CurrentDevice current(device_);
     watchdog_->watch(what, [event] { return event->done(); });
     try {
       ncclResult_t r;

@@ -7,7 +7,7 @@
 //   3. ncclCommInitRankConfig in non-blocking mode, polled until ready within the bootstrap timeout.
 //      Non-blocking because then no NCCL call can block the host indefinitely (a first collective's
 //      connection setup included), and ncclCommAbort can always be called.
-// Collectives run on the engine's compute stream of the device (gpu::current_stream), in the
+// Collectives run on the engine's compute stream of the device (engine.h: compute_stream), in the
 // order issued; dtypes f32, bf16, f64 (sum); tensors contiguous, on this device, shapes as comm.h
 // states (checked on this rank; a mismatch between ranks cannot be seen locally: it hangs, and the
 // watchdog names the collective). Each returns a CommWork holding a CUDA event recorded after the
@@ -54,7 +54,7 @@ inline NcclOptions NcclOptions::from_environment(const Environment& env) {
   return options;
 }
 
-// This build has NCCL (whether a GPU is present is gpu::available()).
+// This build has NCCL (whether a GPU is present is gpu_available(), engine/engine.h).
 bool nccl_available();
 
 // The communicator of rank info.rank of info.world_size on GPU `device` (usually info.local_rank).
