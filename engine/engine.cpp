@@ -63,6 +63,11 @@ void synchronize(Device device) {
   if (!device.is_cpu()) gpu::synchronize(device.index);
 }
 
+void* compute_stream(Device device) {
+  CW_CHECK(!device.is_cpu(), "compute_stream: {} has no stream; a GPU has", device_name(device));
+  return gpu::compute_stream_handle(device.index);
+}
+
 double median_ms(const std::function<void()>& fn, Device device, int warmup, int repeat) {
   if (!device.is_cpu()) return gpu::median_ms(fn, device.index, warmup, repeat);
   for (int i = 0; i < warmup; ++i) fn();

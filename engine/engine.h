@@ -61,6 +61,10 @@ std::string memory_report(Device device); // one line: in use, cached, peak, mal
 
 // ---- Ordering and timing ----
 void synchronize(Device device);          // waits for everything queued on the device
+// The GPU's compute stream (every op's) as an opaque handle, a cudaStream_t: for a library that must
+// queue its work in order with the ops (the NCCL communicator, parallel/comm_nccl.cu). Makes the
+// device current for the calling thread.
+void* compute_stream(Device device);
 // Median milliseconds of fn over `repeat` timed runs after `warmup` untimed ones (CUDA events on the
 // device's stream; wall clock on the CPU). For benchmarks, never for tests.
 double median_ms(const std::function<void()>& fn, Device device, int warmup = 3, int repeat = 20);

@@ -16,6 +16,10 @@ int main(int argc, char** argv) {
     std::printf("GPU tests: SKIPPED: no GPU visible on this machine (they run on the GPU machine: tools/gpu-check)\n");
   else
     std::printf("GPU tests: running on %d GPU(s)\n", cw::gpu::device_count());
+  if (CW_HAVE_CUDA && !CW_HAVE_NCCL)
+    std::printf("NCCL tests: SKIPPED: this build has no NCCL\n");
+  else if (CW_HAVE_NCCL && cw::test::gpu_ready() && cw::gpu::device_count() < 2)
+    std::printf("NCCL tests across 2 GPUs: SKIPPED: one GPU visible\n");
   std::fflush(stdout);
   doctest::Context context(argc, argv);
   return context.run();

@@ -213,6 +213,8 @@ void release_cached(int device) {
 
 void synchronize(int device) { CW_CUDA_CHECK(cudaStreamSynchronize(current_stream(device))); }
 
+void* compute_stream_handle(int device) { return current_stream(device); }
+
 std::string memory_report(int device) {
   const PoolStats s = pool_stats(device);
   size_t free_b = 0, total_b = 0;

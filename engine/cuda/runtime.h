@@ -97,6 +97,7 @@ std::vector<double> trace_marks_resolve(int device);
 void trace_marks_clear();
 
 void synchronize(int device = 0);               // waits for the device's stream
+void* compute_stream_handle(int device);        // current_stream(device) as an opaque pointer
 std::string memory_report(int device = 0);      // one line: in use, cached, peak, mallocs
 
 }  // namespace cw::gpu

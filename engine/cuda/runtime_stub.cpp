@@ -33,6 +33,7 @@ size_t trace_mark(int, bool, bool) { no_cuda(); }
 std::vector<double> trace_marks_resolve(int) { no_cuda(); }
 void trace_marks_clear() {}
 void synchronize(int) {}
+void* compute_stream_handle(int) { no_cuda(); }
 std::string memory_report(int) { return "no CUDA in this build"; }
 
 }  // namespace cw::gpu
