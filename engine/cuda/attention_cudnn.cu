@@ -42,10 +42,11 @@
 //   kSharedAlign (every key tile the engine reads then lies inside [0, S): whatever the store
 //   holds past S, garbage or NaN, is never touched, and P V never meets 0 x NaN) and cuDNN >= 9.10;
 //   not for the deterministic backward (its dS workspace grows with the extent). Keys that fill
-//   the store (S = cap, as every packed K/V has) take a shared plan only if one is already built.
-//   A SeCO step then builds one forward plan and two backward plans (the reverse sweep's first
-//   chunk has S = T) per chunk length. Other calls, cw::set_cudnn_plans(exact) (env
-//   CW_CUDNN_PLANS=exact), or a shared graph cuDNN refuses: a plan per S as before.
+//   the store (S = cap, as every packed K/V has) keep their exact plan, so which plan a call runs
+//   depends on the call alone. A SeCO step then builds two plans per direction and chunk length
+//   (the shared one and the exact one of the chunk with S = T). Other calls,
+//   cw::set_cudnn_plans(exact) (env CW_CUDNN_PLANS=exact), or a shared graph cuDNN refuses: a plan
+//   per S as before.
 //   Chosen by the chooser (engine/ops/attention.cpp) for bf16 forwards it serves, and for backwards
 //   when determinism is off and the plan's workspace fits the budget; forced (CW_ATTENTION=cudnn)
 //   the deterministic form serves the determinism switch.
@@ -824,19 +825,12 @@ int64_t shared_extent(const Tensor& k, const Tensor& v, bool backward) {
   const int64_t S = k.size(1), row = k.size(2) * k.size(3);
   if (S % kSharedAlign != 0 || k.stride[0] % row != 0 || v.stride[0] % row != 0) return 0;
   const int64_t extent = std::min(k.stride[0], v.stride[0]) / row;
-  return extent >= S && extent <= std::numeric_limits<int32_t>::max() ? extent : 0;
-}
-
-bool plan_cached(const Shape& sh) {
-  std::lock_guard lock(g_mutex);
-  auto it = g_devices.find(sh.device);
-  return it != g_devices.end() && it->second.plans.count(sh) > 0;
+  return extent > S && extent <= std::numeric_limits<int32_t>::max() ? extent : 0;
 }
 
 // The plan a call runs: the shared plan where the call qualifies and cuDNN builds it, else the
 // exact one (nullptr, with cuDNN's reasons, where neither exists). *sh receives the plan's shape.
-// Keys that fill the whole store (S = extent: also every packed K/V, full-sequence attention) take
-// a shared plan only if one is already built, and otherwise the exact plan they always had.
+// Which plan a call runs depends only on the call, never on what ran before (determinism).
 const Plan* resolve_plan(const Tensor& q, const Tensor& k, const Tensor& v, bool backward, Shape* sh,
                          std::string* why) {
   *sh = shape_of(q, k, v, backward);
@@ -844,11 +838,9 @@ const Plan* resolve_plan(const Tensor& q, const Tensor& k, const Tensor& v, bool
     Shape wide = *sh;
     wide.S = extent;
     wide.shared = true;
-    if (extent > sh->S || plan_cached(wide)) {
-      if (const Plan* plan = get_plan(wide, nullptr)) {
-        *sh = wide;
-        return plan;
-      }
+    if (const Plan* plan = get_plan(wide, nullptr)) {
+      *sh = wide;
+      return plan;
     }
   }
   return get_plan(*sh, why);

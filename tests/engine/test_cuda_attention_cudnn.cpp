@@ -172,8 +172,8 @@ bool untouched_past(const Tensor& store, int64_t S) {
 TEST_CASE("cuda: cudnn shared plans agree with exact plans and the CPU across chunk offsets" *
           doctest::skip(!cw::test::gpu_ready())) {
   // GQA (4 query heads on 2 K/V heads), two sequences, a chunk of 384 queries (not a power of two)
-  // against a store of 2048 positions. Key counts that are multiples of 256 run the shared plan
-  // (extent 2048); the others (S = 461, 384) the exact one. The store's rows past S hold NaN while
+  // against a store of 2048 positions. Key counts below 2048 that are multiples of 256 run the
+  // shared plan (extent 2048); the others (S = 2048, 461, 384) their exact one. The store's rows past S hold NaN while
   // each call runs, so a plan that read a key it should not would show NaN in every result.
   DeterminismScope fast(false);
   Chunked ch(2, 384, 4, 2, 64, 2048, 4242);
@@ -221,10 +221,9 @@ TEST_CASE("cuda: cudnn shared plans: a sweep of chunk offsets builds one plan pe
           doctest::skip(!cw::test::gpu_ready())) {
   // A shape family no other test uses (the plan cache lives as long as the process): one sequence,
   // 6 query heads on 3 K/V heads, chunks of 512 against a store of 4096. The forward sweeps p up
-  // (the prefill), the backward down (the reverse sweep). Shared: the forward builds one plan (the
-  // store's extent; S = 4096 then uses it too); the backward builds an exact plan for S = 4096 (the
-  // first call, no shared plan exists yet; a call whose keys fill the store takes a shared plan only
-  // if one is there) and one shared plan for the other seven. Exact: one plan per call.
+  // (the prefill), the backward down (the reverse sweep). Shared: each direction builds one plan
+  // of the store's extent for S < 4096 and the exact plan of S = 4096 (keys that fill the store
+  // keep their exact plan). Exact: one plan per call.
   DeterminismScope fast(false);
   const int64_t c = 512, T = 4096;
   const Chunked ch(1, c, 6, 3, 64, T, 99);
@@ -269,7 +268,7 @@ TEST_CASE("cuda: cudnn shared plans: a sweep of chunk offsets builds one plan pe
   };
   {
     const auto [forward, backward] = sweep(c, T / c);
-    CHECK(forward == 1);
+    CHECK(forward == 2);
     CHECK(backward == 2);
   }
   {
