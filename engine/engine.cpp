@@ -16,6 +16,11 @@ namespace cw {
 #if CW_HAVE_CUDA
 std::vector<GpuInfo> cuda_list_gpus();  // engine/cuda/device_query.cu
 #endif
+#if CW_HAVE_CUDNN
+namespace gpu {
+AttentionPlanStats cudnn_plan_stats();  // engine/cuda/attention_cudnn.cu
+}  // namespace gpu
+#endif
 
 BuildFeatures build_features() { return {CW_HAVE_CUDA != 0, CW_HAVE_CUDNN != 0, CW_HAVE_NCCL != 0}; }
 
@@ -37,6 +42,14 @@ std::string describe_devices() {
     s += fmt::format("cuda:{}: {} (sm_{}{}, {} SMs, {:.1f} GiB)\n", g.index, g.name, g.sm_major, g.sm_minor,
                      g.multiprocessors, static_cast<double>(g.memory_bytes) / (1ull << 30));
   return s;
+}
+
+AttentionPlanStats attention_plan_stats() {
+#if CW_HAVE_CUDNN
+  return gpu::cudnn_plan_stats();
+#else
+  return {};
+#endif
 }
 
 DeviceMemory device_memory(Device device) {

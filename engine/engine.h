@@ -11,6 +11,7 @@
 #include "engine/tensor.h"
 
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <string>
 #include <vector>
@@ -46,6 +47,23 @@ bool deterministic();
 // says what `automatic` picks and why). Forcing a family that cannot take a call is a clear error.
 void set_attention_kernel(AttentionKernel kernel);
 AttentionKernel attention_kernel();
+
+// ---- cuDNN attention plans (env CW_CUDNN_PLANS=shared|exact; shared by default) ----
+// cuDNN runs each attention problem through an execution plan that costs ~0.1-0.2 s to build.
+// shared: a call whose K/V are a slice of a longer store (SeCO's K/V store) runs the plan of the
+// store's whole extent, the real key count given at run time, so a step builds one plan per
+// direction instead of one per chunk offset (engine/cuda/attention_cudnn.cu says when it applies).
+// exact: one plan per key count. The results agree to rounding (tested on the GPU).
+enum class CudnnPlans { shared, exact };
+void set_cudnn_plans(CudnnPlans plans);
+CudnnPlans cudnn_plans();
+// Plans built since the process started (all devices), those cuDNN refused (a shared plan it
+// refuses falls back to the exact one), and the seconds spent building both. Zeros without cuDNN.
+struct AttentionPlanStats {
+  int64_t built = 0, refused = 0;
+  double seconds = 0;
+};
+AttentionPlanStats attention_plan_stats();
 
 // ---- Device memory ----
 struct DeviceMemory {

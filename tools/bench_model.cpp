@@ -81,6 +81,7 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
   r["peak_tflops"] = peak;
   r["flops_per_token"] = fpt;
   std::vector<double> step_s;
+  nlohmann::json plan_steps = nlohmann::json::array();  // per step: attention plans built and their build seconds
   try {
     AdamWOptions ao;
     TrainingState st(cfg, dt, g, ao);
@@ -92,6 +93,7 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
       synchronize(g);
       const bool traced = !o.trace.empty() && s + 1 == o.warmup + o.steps;
       if (traced) trace::start(g);
+      const AttentionPlanStats plans0 = attention_plan_stats();
       const auto t0 = std::chrono::steady_clock::now();
       st.grads().zero();
       stats = schedule->step(st.model(), batch, st.grads());
@@ -100,7 +102,17 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
       synchronize(g);
       const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       if (traced) trace::stop().write(o.trace);
-      out << fmt::format("step {}{}: {:.3f} s, loss {:.4f}\n", s + 1, s < o.warmup ? " (warm-up)" : "", sec, stats.loss)
+      const AttentionPlanStats plans1 = attention_plan_stats();
+      const int64_t built = plans1.built - plans0.built, refused = plans1.refused - plans0.refused;
+      const double plan_s = plans1.seconds - plans0.seconds;
+      plan_steps.push_back({{"built", built}, {"refused", refused}, {"seconds", plan_s}});
+      // The first step builds the attention plans (cuDNN); what that cost is part of its time.
+      const std::string plan_note =
+          built + refused > 0 ? fmt::format(", attention plans: {} built{} in {:.2f} s", built,
+                                            refused > 0 ? fmt::format(" ({} refused)", refused) : "", plan_s)
+                              : "";
+      out << fmt::format("step {}{}: {:.3f} s, loss {:.4f}{}\n", s + 1, s < o.warmup ? " (warm-up)" : "", sec,
+                         stats.loss, plan_note)
           << std::flush;
       if (s >= o.warmup) step_s.push_back(sec);
     }
@@ -124,6 +136,7 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
     r["status"] = "ok";
     r["step_s"] = med;
     r["step_times"] = step_s;
+    r["attention_plans"] = plan_steps;
     r["tokens_per_s"] = tps;
     r["mfu"] = tps * fpt / (peak * 1e12);
   } catch (const std::exception& e) {

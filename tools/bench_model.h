@@ -10,6 +10,8 @@
 // MFU = tokens/s * flops_per_token / peak, with flops_per_token = 6 * (matmul parameters, LM head
 // included) + 12 * L * H * D * T / 2 (causal attention, forward and backward), and peak the bf16
 // GEMM rate measured in the same process (8192^3 through our cuBLASLt path) unless given.
+// Each step's line also says how many cuDNN attention plans it built and the seconds that took
+// (cw::attention_plan_stats; the first step builds them, the JSON has them per step).
 // Memory: the caching pool's peak in-use bytes over the whole run (weights included), and the
 // training state's bytes by category (optim/training.h). Running out of device memory is a result
 // (status "oom"), not a crash.

@@ -25,11 +25,28 @@
 //   Saved: nothing beyond lse. Accumulates: cuDNN overwrites its outputs, so dK, dV (bf16) go to
 //   packed scratch and add_kv_kernel adds them into the caller's f32 d_k, d_v (any batch stride);
 //   in accumulate mode d_q comes to scratch too and add_q_kernel adds it. No atomics of ours.
-//   Plans: built once per shape (device, direction, B, H, Hkv, c, S, D, K/V batch strides,
-//   determinism; p = S - c is part of the shape) and cached; among the heuristics' configurations
-//   (each followed by its WORKSPACE-knob siblings) the first within kWorkspaceLimit is taken, else
-//   the one needing least. One cudnnHandle per device on gpu::current_stream(device); workspace
-//   from the `scratch` arena. CW_CUDNN_VERBOSE=1 describes each plan on stderr.
+//   Plans: built once per shape (device, direction, B, H, Hkv, c, D, K/V batch strides,
+//   determinism, and the key extent below) and cached; among the heuristics' configurations (each
+//   followed by its WORKSPACE-knob siblings) the first within kWorkspaceLimit is taken, else the one
+//   needing least. One cudnnHandle per device on gpu::current_stream(device); workspace from the
+//   `scratch` arena. CW_CUDNN_VERBOSE=1 describes each plan on stderr, with its build time;
+//   cw::attention_plan_stats() counts plans and build seconds (a plan costs ~0.1-0.2 s to build).
+//   Key extent: a plan per S would make a SeCO step build one plan per chunk offset in each
+//   direction. So where the K/V operands are a slice of a longer store (batch stride = cap Hkv D
+//   with cap > S: SeCO's K/V store, cap = T) the plan is built for the store's extent cap and
+//   shared by every S: the graph then carries the frontend's padding mask, seq_len_q = c and
+//   seq_len_kv = S as device int32 tensors [B, 1, 1, 1] (filled by fill_lengths_kernel, also the
+//   matmuls' M/N/K overrides), and the bottom-right mask reads its offset S - c from them: keys in
+//   [S, cap) are masked, and the engine bounds its key loop by seq_len_kv, so it does not read
+//   them (the GPU test holds it to that with NaN in those rows). Only for S a multiple of
+//   kSharedAlign (every key tile the engine reads then lies inside [0, S): whatever the store
+//   holds past S, garbage or NaN, is never touched, and P V never meets 0 x NaN) and cuDNN >= 9.10;
+//   not for the deterministic backward (its dS workspace grows with the extent). Keys that fill
+//   the store (S = cap, as every packed K/V has) keep their exact plan, so which plan a call runs
+//   depends on the call alone. A SeCO step then builds two plans per direction and chunk length
+//   (the shared one and the exact one of the chunk with S = T). Other calls,
+//   cw::set_cudnn_plans(exact) (env CW_CUDNN_PLANS=exact), or a shared graph cuDNN refuses: a plan
+//   per S as before.
 //   Chosen by the chooser (engine/ops/attention.cpp) for bf16 forwards it serves, and for backwards
 //   when determinism is off and the plan's workspace fits the budget; forced (CW_ATTENTION=cudnn)
 //   the deterministic form serves the determinism switch.
@@ -43,6 +60,7 @@
 
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cstdint>
 #include <cstdio>
 #include <limits>
@@ -76,6 +94,12 @@ constexpr int64_t kMaxHeadDim = 128;
 constexpr int64_t kAlignment = 16;  // bytes; every real tensor's base and non-unit strides
 // Plans needing more workspace than this are taken only when no configuration needs less.
 constexpr int64_t kWorkspaceLimit = int64_t{256} << 20;
+// Shared plans (one per store extent, the header says why): only for key counts that are a
+// multiple of this, a multiple of every key tile the fused engines use (64 or 128 keys), so that no
+// tile the engine reads reaches past the S real keys; and only from this cuDNN on (9.0-9.9 wanted
+// a second padding select in the backward, which this file does not build).
+constexpr int64_t kSharedAlign = 256;
+constexpr int64_t kMinSharedVersion = 91000;
 
 // ---------------------------------------------------------------------------------------------
 // Backend descriptors.
@@ -140,7 +164,11 @@ class GraphBuilder {
     set_desc(op.d, CUDNN_ATTR_OPERATION_POINTWISE_YDESC, y);
     finalize_op(op);
   }
-  void matmul(cudnnBackendDescriptor_t a, cudnnBackendDescriptor_t b, cudnnBackendDescriptor_t c) {
+  // c = a b; the optional overrides are [B, 1, 1, 1] int32 tensors giving the real M, N or K per
+  // batch entry (the padding-mask form: the engine bounds its loops by them).
+  void matmul(cudnnBackendDescriptor_t a, cudnnBackendDescriptor_t b, cudnnBackendDescriptor_t c,
+              cudnnBackendDescriptor_t m_override = nullptr, cudnnBackendDescriptor_t n_override = nullptr,
+              cudnnBackendDescriptor_t k_override = nullptr) {
     Desc& mm = keep(CUDNN_BACKEND_MATMUL_DESCRIPTOR);
     const cudnnDataType_t comp = CUDNN_DATA_FLOAT;
     set_attr(mm.d, CUDNN_ATTR_MATMUL_COMP_TYPE, CUDNN_TYPE_DATA_TYPE, 1, &comp);
@@ -150,6 +178,9 @@ class GraphBuilder {
     set_desc(op.d, CUDNN_ATTR_OPERATION_MATMUL_BDESC, b);
     set_desc(op.d, CUDNN_ATTR_OPERATION_MATMUL_CDESC, c);
     set_desc(op.d, CUDNN_ATTR_OPERATION_MATMUL_DESC, mm.d);
+    if (m_override) set_desc(op.d, CUDNN_ATTR_OPERATION_MATMUL_GEMM_M_OVERRIDE_DESC, m_override);
+    if (n_override) set_desc(op.d, CUDNN_ATTR_OPERATION_MATMUL_GEMM_N_OVERRIDE_DESC, n_override);
+    if (k_override) set_desc(op.d, CUDNN_ATTR_OPERATION_MATMUL_GEMM_K_OVERRIDE_DESC, k_override);
     finalize_op(op);
   }
   // y = reduce(x) over the dimensions where y has extent 1 (or fewer heads).
@@ -220,25 +251,31 @@ class GraphBuilder {
 
 // Tensor UIDs of the variant pack.
 enum Uid : int64_t {
-  kQ = 1, kK, kV, kO, kStats, kScale, kNegInf, kSkv, kSq, kDO, kDQ, kDK, kDV, kDelta = 15, kDQAccum, kOne
+  kQ = 1, kK, kV, kO, kStats, kScale, kNegInf, kSkv, kSq, kDO, kDQ, kDK, kDV, kDelta = 15, kDQAccum, kOne,
+  kSeqLenQ, kSeqLenKv  // shared plans: the real query and key counts, int32 [B, 1, 1, 1] on the device
 };
 
+// A plan's problem. S is the key extent of the graph: the call's key count for an exact plan, the
+// store's capacity for a shared one (`shared`: the call's key count comes at run time, masked by
+// the graph's padding mask).
 struct Shape {
   int device;
   bool backward;
   int64_t B, H, Hkv, c, S, D, k_batch_stride, v_batch_stride;
   bool deterministic = false;  // backward: the direct-dQ form, only configurations without the non-determinism note
+  bool shared = false;         // S is the store's extent; seq_len_q/seq_len_kv tensors give the real lengths
   auto key() const {
-    return std::tie(device, backward, B, H, Hkv, c, S, D, k_batch_stride, v_batch_stride, deterministic);
+    return std::tie(device, backward, B, H, Hkv, c, S, D, k_batch_stride, v_batch_stride, deterministic, shared);
   }
   bool operator<(const Shape& o) const { return key() < o.key(); }
-  int64_t p() const { return S - c; }
+  int64_t p() const { return S - c; }  // exact plans only
   bool dq_accum() const { return backward && !deterministic; }  // the fast backward form
   bool gqa() const { return H != Hkv; }
   std::string form() const {
-    if (!backward) return "forward";
+    const std::string keys = shared ? CW_FORMAT(", shared by every S <= {} (padding mask)", S) : "";
+    if (!backward) return "forward" + keys;
     return std::string(dq_accum() ? "backward, dQ=f32 accumulator" : "backward, dQ=direct") +
-           (gqa() ? ", GQA head reduction in the graph" : "");
+           (gqa() ? ", GQA head reduction in the graph" : "") + keys;
   }
 };
 
@@ -256,8 +293,9 @@ struct DeviceState {
   std::map<Shape, std::string> rejected;  // shapes cuDNN could not serve, with its reasons
 };
 
-std::mutex g_mutex;  // guards g_devices (plans are immutable once built)
+std::mutex g_mutex;  // guards g_devices and g_stats (plans are immutable once built)
 std::map<int, DeviceState> g_devices;
+AttentionPlanStats g_stats;  // every build, all devices (cw::attention_plan_stats)
 
 DeviceState& device_state(int device) {
   DeviceState& st = g_devices[device];
@@ -269,18 +307,51 @@ DeviceState& device_state(int device) {
   return st;
 }
 
-// Applies the causal mask to the scaled scores `s`; returns the masked scores.
-cudnnBackendDescriptor_t build_mask(GraphBuilder& g, const Shape& sh, cudnnBackendDescriptor_t s) {
+// The real query and key counts of a shared plan: int32 [B, 1, 1, 1] device tensors (both null
+// for an exact plan, whose counts are its dimensions).
+struct Lengths {
+  cudnnBackendDescriptor_t q = nullptr, kv = nullptr;
+};
+
+Lengths make_lengths(GraphBuilder& g, const Shape& sh) {
+  if (!sh.shared) return {};
+  const Dims dims{sh.B, 1, 1, 1}, strides{1, 1, 1, 1};
+  return {g.tensor(kSeqLenQ, CUDNN_DATA_INT32, dims, strides), g.tensor(kSeqLenKv, CUDNN_DATA_INT32, dims, strides)};
+}
+
+// The padding mask of a shared plan (the frontend's arrangement): scores of rows >= seq_len_q or
+// keys >= seq_len_kv become the lowest float.
+cudnnBackendDescriptor_t padding_mask(GraphBuilder& g, const Shape& sh, cudnnBackendDescriptor_t s, const Lengths& len) {
+  const Dims sdims{sh.B, sh.H, sh.c, sh.S};
+  cudnnBackendDescriptor_t row = g.virt(CUDNN_DATA_INT32, sdims), col = g.virt(CUDNN_DATA_INT32, sdims);
+  g.pointwise(CUDNN_POINTWISE_GEN_INDEX, CUDNN_DATA_INT32, s, nullptr, row, nullptr, 2);
+  g.pointwise(CUDNN_POINTWISE_GEN_INDEX, CUDNN_DATA_INT32, s, nullptr, col, nullptr, 3);
+  cudnnBackendDescriptor_t row_in = g.virt(CUDNN_DATA_BOOLEAN, sdims), col_in = g.virt(CUDNN_DATA_BOOLEAN, sdims);
+  g.pointwise(CUDNN_POINTWISE_CMP_LT, CUDNN_DATA_BOOLEAN, row, len.q, row_in);
+  g.pointwise(CUDNN_POINTWISE_CMP_LT, CUDNN_DATA_BOOLEAN, col, len.kv, col_in);
+  cudnnBackendDescriptor_t inside = g.virt(CUDNN_DATA_BOOLEAN, sdims);
+  g.pointwise(CUDNN_POINTWISE_LOGICAL_AND, CUDNN_DATA_BOOLEAN, row_in, col_in, inside);
+  cudnnBackendDescriptor_t masked = g.virt(CUDNN_DATA_FLOAT, sdims);
+  g.pointwise(CUDNN_POINTWISE_BINARY_SELECT, CUDNN_DATA_FLOAT, s, g.scalar(kNegInf, CUDNN_DATA_FLOAT), masked, inside);
+  return masked;
+}
+
+// The causal mask, aligned bottom-right: keep = row + (keys - queries) >= col, the counts from the
+// length tensors (shared plans) or from two by-value int32 scalars (exact plans with p > 0; for
+// p = 0 both alignments agree and no offset is needed).
+cudnnBackendDescriptor_t causal_mask(GraphBuilder& g, const Shape& sh, cudnnBackendDescriptor_t s, const Lengths& len) {
   const Dims sdims{sh.B, sh.H, sh.c, sh.S};
   cudnnBackendDescriptor_t row = g.virt(CUDNN_DATA_INT32, sdims);
   cudnnBackendDescriptor_t col = g.virt(CUDNN_DATA_INT32, sdims);
   g.pointwise(CUDNN_POINTWISE_GEN_INDEX, CUDNN_DATA_INT32, s, nullptr, row, nullptr, 2);
   g.pointwise(CUDNN_POINTWISE_GEN_INDEX, CUDNN_DATA_INT32, s, nullptr, col, nullptr, 3);
-  if (sh.p() > 0) {  // bottom-right: query row i is at position row + S - c (for p = 0 both alignments agree)
+  if (len.kv || sh.p() > 0) {
+    cudnnBackendDescriptor_t keys = len.kv ? len.kv : g.scalar(kSkv, CUDNN_DATA_INT32);
+    cudnnBackendDescriptor_t queries = len.q ? len.q : g.scalar(kSq, CUDNN_DATA_INT32);
     cudnnBackendDescriptor_t plus = g.virt(CUDNN_DATA_INT32, sdims);
     cudnnBackendDescriptor_t shifted = g.virt(CUDNN_DATA_INT32, sdims);
-    g.pointwise(CUDNN_POINTWISE_ADD, CUDNN_DATA_INT32, row, g.scalar(kSkv, CUDNN_DATA_INT32), plus);
-    g.pointwise(CUDNN_POINTWISE_SUB, CUDNN_DATA_INT32, plus, g.scalar(kSq, CUDNN_DATA_INT32), shifted);
+    g.pointwise(CUDNN_POINTWISE_ADD, CUDNN_DATA_INT32, row, keys, plus);
+    g.pointwise(CUDNN_POINTWISE_SUB, CUDNN_DATA_INT32, plus, queries, shifted);
     row = shifted;
   }
   cudnnBackendDescriptor_t keep = g.virt(CUDNN_DATA_BOOLEAN, sdims);
@@ -291,6 +362,12 @@ cudnnBackendDescriptor_t build_mask(GraphBuilder& g, const Shape& sh, cudnnBacke
   return masked;
 }
 
+// Every mask the plan applies to the scores `s`; returns the masked scores.
+cudnnBackendDescriptor_t build_mask(GraphBuilder& g, const Shape& sh, cudnnBackendDescriptor_t s, const Lengths& len) {
+  if (len.kv) s = padding_mask(g, sh, s, len);
+  return causal_mask(g, sh, s, len);
+}
+
 Dims q_strides(const Shape& sh) { return {sh.c * sh.H * sh.D, sh.D, sh.H * sh.D, 1}; }
 // K/V as the graph sees the caller's [B, S, Hkv, D] (batch strides as given), and transposed.
 Dims kv_dims(const Shape& sh) { return {sh.B, sh.Hkv, sh.S, sh.D}; }
@@ -298,23 +375,25 @@ Dims kv_t_dims(const Shape& sh) { return {sh.B, sh.Hkv, sh.D, sh.S}; }
 Dims kv_strides(const Shape& sh, int64_t batch_stride) { return {batch_stride, sh.D, sh.Hkv * sh.D, 1}; }
 Dims kv_t_strides(const Shape& sh, int64_t batch_stride) { return {batch_stride, sh.D, 1, sh.Hkv * sh.D}; }
 
-// S = scale * Q K^T, causally masked (shared by both directions). *kt_out (if given) receives K^T.
-cudnnBackendDescriptor_t build_scores(GraphBuilder& g, const Shape& sh, cudnnBackendDescriptor_t q,
-                                      cudnnBackendDescriptor_t* kt_out = nullptr) {
+// S = scale * Q K^T (shared by both directions), masked unless `masked` is false. *kt_out (if
+// given) receives K^T.
+cudnnBackendDescriptor_t build_scores(GraphBuilder& g, const Shape& sh, cudnnBackendDescriptor_t q, const Lengths& len,
+                                      cudnnBackendDescriptor_t* kt_out = nullptr, bool masked = true) {
   const Dims sdims{sh.B, sh.H, sh.c, sh.S};
   cudnnBackendDescriptor_t kt = g.tensor(kK, CUDNN_DATA_BFLOAT16, kv_t_dims(sh), kv_t_strides(sh, sh.k_batch_stride));
   cudnnBackendDescriptor_t s = g.virt(CUDNN_DATA_FLOAT, sdims);
-  g.matmul(q, kt, s);
+  g.matmul(q, kt, s, len.q, len.kv);
   if (kt_out) *kt_out = kt;
   cudnnBackendDescriptor_t scaled = g.virt(CUDNN_DATA_FLOAT, sdims);
   g.pointwise(CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, s, g.scalar(kScale, CUDNN_DATA_FLOAT), scaled);
-  return build_mask(g, sh, scaled);
+  return masked ? build_mask(g, sh, scaled, len) : scaled;
 }
 
 cudnnBackendDescriptor_t build_forward(GraphBuilder& g, const Shape& sh) {
   const Dims sdims{sh.B, sh.H, sh.c, sh.S}, rdims{sh.B, sh.H, sh.c, 1};
+  const Lengths len = make_lengths(g, sh);
   cudnnBackendDescriptor_t q = g.tensor(kQ, CUDNN_DATA_BFLOAT16, {sh.B, sh.H, sh.c, sh.D}, q_strides(sh));
-  cudnnBackendDescriptor_t s = build_scores(g, sh, q);
+  cudnnBackendDescriptor_t s = build_scores(g, sh, q, len);
   cudnnBackendDescriptor_t mx = g.virt(CUDNN_DATA_FLOAT, rdims);
   g.reduction(CUDNN_REDUCE_TENSOR_MAX, s, mx);
   cudnnBackendDescriptor_t centred = g.virt(CUDNN_DATA_FLOAT, sdims);
@@ -331,21 +410,22 @@ cudnnBackendDescriptor_t build_forward(GraphBuilder& g, const Shape& sh) {
   g.pointwise(CUDNN_POINTWISE_DIV, CUDNN_DATA_FLOAT, e, sum, p);
   cudnnBackendDescriptor_t vt = g.tensor(kV, CUDNN_DATA_BFLOAT16, kv_dims(sh), kv_strides(sh, sh.v_batch_stride));
   cudnnBackendDescriptor_t o = g.tensor(kO, CUDNN_DATA_BFLOAT16, {sh.B, sh.H, sh.c, sh.D}, q_strides(sh));
-  g.matmul(p, vt, o);
+  g.matmul(p, vt, o, len.q, nullptr, len.kv);
   return g.finish();
 }
 
 // A K/V-shaped gradient a b into packed bf16 scratch [B, S, Hkv, D]; for GQA the matmul's output
 // has the H query heads (broadcast shape), reduced to the Hkv heads inside the graph.
-void kv_grad(GraphBuilder& g, const Shape& sh, cudnnBackendDescriptor_t a, cudnnBackendDescriptor_t b, int64_t uid) {
+void kv_grad(GraphBuilder& g, const Shape& sh, cudnnBackendDescriptor_t a, cudnnBackendDescriptor_t b, int64_t uid,
+             const Lengths& len) {
   cudnnBackendDescriptor_t out = g.tensor(uid, CUDNN_DATA_BFLOAT16, {sh.B, sh.Hkv, sh.S, sh.D},
                                           {sh.S * sh.Hkv * sh.D, sh.D, sh.Hkv * sh.D, 1});
   if (sh.gqa()) {
     cudnnBackendDescriptor_t full = g.virt(CUDNN_DATA_BFLOAT16, {sh.B, sh.H, sh.S, sh.D});
-    g.matmul(a, b, full);
+    g.matmul(a, b, full, len.kv, nullptr, len.q);
     g.reduction(CUDNN_REDUCE_TENSOR_ADD, full, out);
   } else {
-    g.matmul(a, b, out);
+    g.matmul(a, b, out, len.kv, nullptr, len.q);
   }
 }
 
@@ -353,6 +433,7 @@ cudnnBackendDescriptor_t build_backward(GraphBuilder& g, const Shape& sh) {
   const Dims sdims{sh.B, sh.H, sh.c, sh.S}, rdims{sh.B, sh.H, sh.c, 1}, qdims{sh.B, sh.H, sh.c, sh.D};
   const Dims tdims{sh.B, sh.H, sh.S, sh.c}, tstrides{sh.H * sh.c * sh.S, sh.c * sh.S, 1, sh.S};
   const cudnnDataType_t bf = CUDNN_DATA_BFLOAT16;
+  const Lengths len = make_lengths(g, sh);
   cudnnBackendDescriptor_t q = g.tensor(kQ, bf, qdims, q_strides(sh));
   cudnnBackendDescriptor_t o = g.tensor(kO, bf, qdims, q_strides(sh));
   cudnnBackendDescriptor_t d_o = g.tensor(kDO, bf, qdims, q_strides(sh));
@@ -368,23 +449,25 @@ cudnnBackendDescriptor_t build_backward(GraphBuilder& g, const Shape& sh) {
   cudnnBackendDescriptor_t delta = g.tensor(kDelta, CUDNN_DATA_FLOAT, rdims, {sh.H * sh.c, sh.c, 1, 1});
   g.pointwise(CUDNN_POINTWISE_MUL, CUDNN_DATA_FLOAT, sum, g.scalar(kOne, CUDNN_DATA_FLOAT), delta);
 
-  // P = exp(S - lse)
+  // P = exp(S - lse). Exact plans mask S before the subtraction (the arrangement this file has
+  // always used); shared plans after it, as the frontend orders a padding-masked backward.
   cudnnBackendDescriptor_t kt = nullptr;
-  cudnnBackendDescriptor_t s = build_scores(g, sh, q, &kt);
+  cudnnBackendDescriptor_t s = build_scores(g, sh, q, len, &kt, !sh.shared);
   cudnnBackendDescriptor_t centred = g.virt(CUDNN_DATA_FLOAT, sdims);
   g.pointwise(CUDNN_POINTWISE_SUB, CUDNN_DATA_FLOAT, s, stats, centred);
+  if (sh.shared) centred = build_mask(g, sh, centred, len);
   cudnnBackendDescriptor_t p = g.virt(CUDNN_DATA_FLOAT, sdims);
   g.pointwise(CUDNN_POINTWISE_EXP, CUDNN_DATA_FLOAT, centred, nullptr, p);
 
   // dV = P^T dO
   cudnnBackendDescriptor_t p_t = g.virt(bf, tdims, tstrides);
   g.reshape(p, p_t);
-  kv_grad(g, sh, p_t, d_o, kDV);
+  kv_grad(g, sh, p_t, d_o, kDV, len);
 
   // dS = P * (dO V^T - Delta) * scale
   cudnnBackendDescriptor_t v_t = g.tensor(kV, bf, kv_t_dims(sh), kv_t_strides(sh, sh.v_batch_stride));
   cudnnBackendDescriptor_t dp = g.virt(CUDNN_DATA_FLOAT, sdims);
-  g.matmul(d_o, v_t, dp);
+  g.matmul(d_o, v_t, dp, len.q, len.kv);
   cudnnBackendDescriptor_t dp_centred = g.virt(CUDNN_DATA_FLOAT, sdims);
   g.pointwise(CUDNN_POINTWISE_SUB, CUDNN_DATA_FLOAT, dp, delta, dp_centred);
   cudnnBackendDescriptor_t ds_unscaled = g.virt(CUDNN_DATA_FLOAT, sdims);
@@ -395,7 +478,7 @@ cudnnBackendDescriptor_t build_backward(GraphBuilder& g, const Shape& sh) {
   // dK = dS^T Q
   cudnnBackendDescriptor_t ds_t = g.virt(bf, tdims, tstrides);
   g.reshape(ds, ds_t);
-  kv_grad(g, sh, ds_t, q, kDK);
+  kv_grad(g, sh, ds_t, q, kDK, len);
 
   // dQ = dS K, K read as a reshape of the K^T operand (one K tensor in the graph).
   cudnnBackendDescriptor_t k = g.virt(bf, kv_dims(sh), kv_strides(sh, sh.k_batch_stride));
@@ -404,10 +487,10 @@ cudnnBackendDescriptor_t build_backward(GraphBuilder& g, const Shape& sh) {
   if (sh.dq_accum()) {
     // Each key block's dS K is added into the plain [B, H, c, D] f32 accumulator, then cast to dQ.
     cudnnBackendDescriptor_t acc = g.tensor(kDQAccum, CUDNN_DATA_FLOAT, qdims, packed_strides(qdims));
-    g.matmul(ds, k, acc);
+    g.matmul(ds, k, acc, len.q, nullptr, len.kv);
     g.pointwise(CUDNN_POINTWISE_IDENTITY, CUDNN_DATA_FLOAT, acc, nullptr, dq);
   } else {
-    g.matmul(ds, k, dq);
+    g.matmul(ds, k, dq, len.q, nullptr, len.kv);
   }
   return g.finish();
 }
@@ -674,18 +757,23 @@ const Plan* get_plan(const Shape& sh, std::string* why) {
   }
   current_stream(sh.device);  // make the device current for the build
   std::string reasons;
+  const auto t0 = std::chrono::steady_clock::now();
   auto plan = build_plan(st.handle, sh, &reasons);
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  g_stats.seconds += seconds;
+  const std::string what =
+      CW_FORMAT("cuDNN attention {} plan B={} H={} Hkv={} c={} S={} D={}{}", sh.backward ? "backward" : "forward", sh.B,
+                sh.H, sh.Hkv, sh.c, sh.S, sh.D, sh.shared ? " (shared)" : "");
   if (!plan) {
+    ++g_stats.refused;
+    if (verbose()) std::fprintf(stderr, "%s: refused in %.3f s: %s\n", what.c_str(), seconds, reasons.c_str());
     st.rejected.emplace(sh, reasons);
     if (why) *why = reasons;
     return nullptr;
   }
+  ++g_stats.built;
   const Plan* p = plan.get();
-  if (verbose())
-    std::fprintf(stderr, "cuDNN attention %s plan B=%lld H=%lld Hkv=%lld c=%lld S=%lld D=%lld: %s\n",
-                 sh.backward ? "backward" : "forward", static_cast<long long>(sh.B), static_cast<long long>(sh.H),
-                 static_cast<long long>(sh.Hkv), static_cast<long long>(sh.c), static_cast<long long>(sh.S),
-                 static_cast<long long>(sh.D), p->info.c_str());
+  if (verbose()) std::fprintf(stderr, "%s: built in %.3f s: %s\n", what.c_str(), seconds, p->info.c_str());
   st.plans.emplace(sh, std::move(plan));
   return p;
 }
@@ -729,6 +817,35 @@ Shape shape_of(const Tensor& q, const Tensor& k, const Tensor& v, bool backward)
                k.size(1),      q.size(3),  k.stride[0], v.stride[0], backward && cw::deterministic()};
 }
 
+// The key extent of a shared plan for these operands (the store's capacity, read off the K/V batch
+// strides: a slice [0, S) of a [B, cap, Hkv, D] store), or 0 where the call takes an exact plan.
+int64_t shared_extent(const Tensor& k, const Tensor& v, bool backward) {
+  if (cw::cudnn_plans() != CudnnPlans::shared || runtime_version() < kMinSharedVersion) return 0;
+  if (backward && cw::deterministic()) return 0;  // its dS workspace would grow to c x extent
+  const int64_t S = k.size(1), row = k.size(2) * k.size(3);
+  if (S % kSharedAlign != 0 || k.stride[0] % row != 0 || v.stride[0] % row != 0) return 0;
+  const int64_t extent = std::min(k.stride[0], v.stride[0]) / row;
+  return extent > S && extent <= std::numeric_limits<int32_t>::max() ? extent : 0;
+}
+
+// The plan a call runs: the shared plan where the call qualifies and cuDNN builds it, else the
+// exact one (nullptr, with cuDNN's reasons, where neither exists). *sh receives the plan's shape.
+// Which plan a call runs depends only on the call, never on what ran before (determinism).
+const Plan* resolve_plan(const Tensor& q, const Tensor& k, const Tensor& v, bool backward, Shape* sh,
+                         std::string* why) {
+  *sh = shape_of(q, k, v, backward);
+  if (const int64_t extent = shared_extent(k, v, backward); extent > 0) {
+    Shape wide = *sh;
+    wide.S = extent;
+    wide.shared = true;
+    if (const Plan* plan = get_plan(wide, nullptr)) {
+      *sh = wide;
+      return plan;
+    }
+  }
+  return get_plan(*sh, why);
+}
+
 // What is cuDNN's own on top of the op's contract (engine/ops/attention.cpp checks shapes, dtypes,
 // layouts and devices before any backend runs): the static conditions, a V batch stride that keeps
 // rows 16-byte aligned, and 16-byte aligned operands.
@@ -767,17 +884,19 @@ void execute(const Plan& plan, int device, const std::vector<int64_t>& uids, con
 constexpr int kAddThreads = 256;
 
 // dst[b, r] += src[b, r] for r < row (row = S Hkv D elements per batch entry; dst f32 with batch
-// stride dst_bs, src bf16 packed). blockIdx.y = b, blockIdx.z picks the (K, V) pair. Each thread
+// stride dst_bs, src bf16 with batch stride src_bs, a multiple of 8: a shared plan's scratch holds
+// its extent's rows, of which the first S are the call's). blockIdx.y = b, blockIdx.z picks the
+// (K, V) pair. Each thread
 // adds 8 consecutive elements (row is a multiple of 8: D is); with kVec (every row start 16-byte
 // aligned) through 16-byte loads and stores, so the pass runs at memory speed.
 template <bool kVec>
 __global__ void add_kv_kernel(float* dk, float* dv, const __nv_bfloat16* sk, const __nv_bfloat16* sv, int64_t row,
-                              int64_t dk_bs, int64_t dv_bs) {
+                              int64_t src_bs, int64_t dk_bs, int64_t dv_bs) {
   const int64_t i = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * 8;
   if (i >= row) return;
   const int64_t b = blockIdx.y;
   float* d = (blockIdx.z == 0 ? dk + b * dk_bs : dv + b * dv_bs) + i;
-  const __nv_bfloat16* s = (blockIdx.z == 0 ? sk : sv) + b * row + i;
+  const __nv_bfloat16* s = (blockIdx.z == 0 ? sk : sv) + b * src_bs + i;
   if constexpr (kVec) {
     float v[8];
     const uint4 raw = *reinterpret_cast<const uint4*>(s);
@@ -797,7 +916,7 @@ __global__ void add_kv_kernel(float* dk, float* dv, const __nv_bfloat16* sk, con
 }
 
 void launch_add_kv(const Tensor& d_k, const Tensor& d_v, const void* sk, const void* sv, int64_t B, int64_t row,
-                   cudaStream_t stream) {
+                   int64_t src_bs, cudaStream_t stream) {
   const dim3 grid(blocks_for(row / 8, kAddThreads), static_cast<unsigned>(B), 2);
   auto row_aligned = [](const Tensor& t) {
     return reinterpret_cast<uintptr_t>(t.data) % 16 == 0 && (t.size(0) == 1 || t.stride[0] % 4 == 0);
@@ -805,9 +924,9 @@ void launch_add_kv(const Tensor& d_k, const Tensor& d_v, const void* sk, const v
   float *dk = static_cast<float*>(d_k.data), *dv = static_cast<float*>(d_v.data);
   const auto *s_k = static_cast<const __nv_bfloat16*>(sk), *s_v = static_cast<const __nv_bfloat16*>(sv);
   if (row_aligned(d_k) && row_aligned(d_v))
-    add_kv_kernel<true><<<grid, kAddThreads, 0, stream>>>(dk, dv, s_k, s_v, row, d_k.stride[0], d_v.stride[0]);
+    add_kv_kernel<true><<<grid, kAddThreads, 0, stream>>>(dk, dv, s_k, s_v, row, src_bs, d_k.stride[0], d_v.stride[0]);
   else
-    add_kv_kernel<false><<<grid, kAddThreads, 0, stream>>>(dk, dv, s_k, s_v, row, d_k.stride[0], d_v.stride[0]);
+    add_kv_kernel<false><<<grid, kAddThreads, 0, stream>>>(dk, dv, s_k, s_v, row, src_bs, d_k.stride[0], d_v.stride[0]);
 }
 
 // d_q += src, both bf16 [n] packed; the sum is formed in f32 and rounded once.
@@ -816,18 +935,42 @@ __global__ void add_q_kernel(__nv_bfloat16* dq, const __nv_bfloat16* src, int64_
   if (i < n) dq[i] = __float2bfloat16_rn(__bfloat162float(dq[i]) + __bfloat162float(src[i]));
 }
 
-// The by-value int32 offsets of the bottom-right mask, row + S - c (none for p = 0).
-struct MaskScalars {
+// seq_len_q[b] = c, seq_len_kv[b] = S: the real counts a shared plan masks with.
+__global__ void fill_lengths_kernel(int32_t* seq_len_q, int32_t* seq_len_kv, int64_t B, int32_t c, int32_t S) {
+  const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (b < B) {
+    seq_len_q[b] = c;
+    seq_len_kv[b] = S;
+  }
+}
+
+// What the mask reads at run time. Exact plans with p > 0: the by-value int32 offsets of the
+// bottom-right mask, row + S - c (none for p = 0). Shared plans: the length tensors, in `scratch`
+// (the caller's scope releases them after the call).
+struct MaskOperands {
   int32_t s = 0, c = 0;
-  bool any = false;
-  explicit MaskScalars(const Shape& sh)
-      : s(static_cast<int32_t>(sh.S)), c(static_cast<int32_t>(sh.c)), any(sh.p() > 0) {}
+  bool scalars = false;
+  void* seq_len_q = nullptr;
+  void* seq_len_kv = nullptr;
+
+  MaskOperands(const Shape& sh, int64_t S, Arena& scratch, cudaStream_t stream)
+      : s(static_cast<int32_t>(S)), c(static_cast<int32_t>(sh.c)), scalars(!sh.shared && sh.p() > 0) {
+    if (!sh.shared) return;
+    seq_len_q = scratch.alloc_bytes(static_cast<size_t>(sh.B) * sizeof(int32_t));
+    seq_len_kv = scratch.alloc_bytes(static_cast<size_t>(sh.B) * sizeof(int32_t));
+    fill_lengths_kernel<<<blocks_for(sh.B, kAddThreads), kAddThreads, 0, stream>>>(
+        static_cast<int32_t*>(seq_len_q), static_cast<int32_t*>(seq_len_kv), sh.B, c, s);
+    CW_KERNEL_CHECK();
+  }
   void add_to(std::vector<int64_t>& uids, std::vector<void*>& ptrs) {
-    if (!any) return;
-    uids.push_back(kSkv);
-    ptrs.push_back(&s);
-    uids.push_back(kSq);
-    ptrs.push_back(&c);
+    if (scalars) {
+      uids.insert(uids.end(), {kSkv, kSq});
+      ptrs.insert(ptrs.end(), {&s, &c});
+    }
+    if (seq_len_q) {
+      uids.insert(uids.end(), {kSeqLenQ, kSeqLenKv});
+      ptrs.insert(ptrs.end(), {seq_len_q, seq_len_kv});
+    }
   }
 };
 
@@ -835,6 +978,13 @@ struct MaskScalars {
 
 // ---------------------------------------------------------------------------------------------
 // Entry points.
+
+int64_t cudnn_runtime_version() { return runtime_version(); }
+
+AttentionPlanStats cudnn_plan_stats() {
+  std::lock_guard lock(g_mutex);
+  return g_stats;
+}
 
 namespace {
 // What both directions share: the static rules, then shapes cuDNN already rejected in `direction`.
@@ -868,8 +1018,8 @@ bool cudnn_attention_backward_fits(const Tensor& q, const Tensor& k, const Tenso
                                    std::string* why_not) {
   if (!supports(q, k, true, why_not)) return false;
   std::string why;
-  const Shape sh = shape_of(q, k, v, true);
-  const Plan* plan = get_plan(sh, &why);
+  Shape sh{};
+  const Plan* plan = resolve_plan(q, k, v, true, &sh, &why);
   if (plan == nullptr) {
     if (why_not) *why_not = "cuDNN has no backward plan: " + why;
     return false;
@@ -886,12 +1036,13 @@ bool cudnn_attention_backward_fits(const Tensor& q, const Tensor& k, const Tenso
 void cudnn_attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
                              const Tensor& v, double scale, Arena& scratch) {
   check_operands(q, k, v, {&v, &out, &saved.lse});
-  const Shape sh = shape_of(q, k, v, false);
+  Shape sh{};
   std::string why;
-  const Plan* plan = get_plan(sh, &why);
+  const Plan* plan = resolve_plan(q, k, v, false, &sh, &why);
   CW_CHECK(plan != nullptr, "cuDNN has no fused attention plan for q {} k {}:\n{}", q.describe(), k.describe(), why);
+  ArenaScope scope(scratch);
   float scale_f = static_cast<float>(scale), neg = std::numeric_limits<float>::lowest();
-  MaskScalars m(sh);
+  MaskOperands m(sh, k.size(1), scratch, current_stream(sh.device));
   std::vector<int64_t> uids{kQ, kK, kV, kO, kStats, kScale, kNegInf};
   std::vector<void*> ptrs{q.data, k.data, v.data, out.data, saved.lse.data, &scale_f, &neg};
   m.add_to(uids, ptrs);
@@ -907,9 +1058,9 @@ void cudnn_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor
   cudaStream_t stream = current_stream(dev);
   ArenaScope scope(scratch);
 
-  const Shape sh = shape_of(q, k, v, true);
+  Shape sh{};
   std::string why;
-  const Plan* plan = get_plan(sh, &why);
+  const Plan* plan = resolve_plan(q, k, v, true, &sh, &why);
   CW_CHECK(plan != nullptr, "cuDNN has no fused attention backward plan for q {} k {}:\n{}", q.describe(),
            k.describe(), why);
 
@@ -922,7 +1073,9 @@ void cudnn_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor
     // cuDNN 9.6 and newer zero the accumulator themselves; older versions add into what they get.
     if (runtime_version() < 90600) CW_CUDA_CHECK(cudaMemsetAsync(dq_accum, 0, bytes, stream));
   }
-  const Tensor dk_s = scratch.alloc(DType::bf16, {B, S, Hkv, D}), dv_s = scratch.alloc(DType::bf16, {B, S, Hkv, D});
+  // cuDNN's dK, dV over the plan's key extent (sh.S, the store's for a shared plan; rows past S
+  // are left as cuDNN leaves them and never read).
+  const Tensor dk_s = scratch.alloc(DType::bf16, {B, sh.S, Hkv, D}), dv_s = scratch.alloc(DType::bf16, {B, sh.S, Hkv, D});
   const bool accumulate = mode == GradMode::accumulate;
   const Tensor dq_s = accumulate ? scratch.alloc(DType::bf16, {B, c, H, D}) : d_q;
   // cuDNN writes Delta here; poisoned (NaN) so that an engine reading it instead would show in
@@ -931,7 +1084,7 @@ void cudnn_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor
   CW_CUDA_CHECK(cudaMemsetAsync(delta.data, 0xff, static_cast<size_t>(B * H * c) * sizeof(float), stream));
 
   float scale_f = static_cast<float>(scale), neg = std::numeric_limits<float>::lowest(), one = 1.0f;
-  MaskScalars m(sh);
+  MaskOperands m(sh, S, scratch, stream);
   std::vector<int64_t> uids{kQ, kK, kV, kO, kDO, kStats, kDQ, kDK, kDV, kScale, kNegInf, kDelta, kOne};
   std::vector<void*> ptrs{q.data,    k.data,    v.data,    out.data, d_out.data, saved.lse.data, dq_s.data,
                           dk_s.data, dv_s.data, &scale_f,  &neg,     delta.data, &one};
@@ -944,7 +1097,7 @@ void cudnn_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor
 
   // d_k += dK, d_v += dV (batch strides honoured), then d_q += dQ in accumulate mode.
   CW_CHECK(B <= 65535, "cuDNN attention: {} batch entries exceed the grid", B);
-  launch_add_kv(d_k, d_v, dk_s.data, dv_s.data, B, S * Hkv * D, stream);
+  launch_add_kv(d_k, d_v, dk_s.data, dv_s.data, B, S * Hkv * D, sh.S * Hkv * D, stream);
   CW_KERNEL_CHECK();
   if (accumulate) {
     const int64_t n = q.numel();

@@ -66,6 +66,7 @@ void flash_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor
                               bool deterministic);
 
 // cuDNN fused attention (engine/cuda/attention_cudnn.cu; builds with cuDNN only).
+int64_t cudnn_runtime_version();  // cudnnGetVersion() of the library loaded at run time, e.g. 91400
 // Whether cuDNN can take these operands in both directions / the forward (and why not).
 bool cudnn_attention_supports(const Tensor& q, const Tensor& k, std::string* why_not = nullptr);
 bool cudnn_attention_forward_supports(const Tensor& q, const Tensor& k, std::string* why_not = nullptr);

@@ -26,6 +26,7 @@ constexpr std::array<const char*, 7> kKernelNames{"auto", "cpu", "cudnn", "flash
                                                   "flash-simt"};
 std::atomic<int> g_kernel{-1};         // -1: not yet read from CW_ATTENTION
 std::atomic<int> g_deterministic{-1};  // -1: not yet read from CW_DETERMINISTIC
+std::atomic<int> g_cudnn_plans{-1};    // -1: not yet read from CW_CUDNN_PLANS
 }  // namespace
 
 const char* attention_kernel_name(AttentionKernel kernel) { return kKernelNames[static_cast<size_t>(kernel)]; }
@@ -61,6 +62,19 @@ bool deterministic() {
     g_deterministic.store(v);
   }
   return v == 1;
+}
+
+void set_cudnn_plans(CudnnPlans plans) { g_cudnn_plans.store(static_cast<int>(plans)); }
+
+CudnnPlans cudnn_plans() {
+  int v = g_cudnn_plans.load();
+  if (v < 0) {
+    v = gpu::env_choice("CW_CUDNN_PLANS", {"shared", "exact"},
+                        "use CW_CUDNN_PLANS=shared (the default: one cuDNN attention plan per K/V store extent) or "
+                        "exact (one plan per key count)");
+    g_cudnn_plans.store(v);
+  }
+  return static_cast<CudnnPlans>(v);
 }
 
 AttentionFlags attention_flags() { return {attention_kernel(), deterministic()}; }

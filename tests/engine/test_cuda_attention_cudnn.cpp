@@ -1,10 +1,13 @@
 // cuDNN fused attention (engine/cuda/attention_cudnn.cu) beyond the op table (test_backend_ops.cpp
 // runs it, deterministic and not, against the CPU in f64 with poisoning,
 // accumulation into K/V-store slices and repeatability): the backward's workspace against a budget,
-// and what it says where it does not serve.
+// what it says where it does not serve, and the shared plans (one per K/V store extent): their
+// results against the exact plans' and the CPU's across many chunk offsets, with the store's rows
+// past the call's keys poisoned, and how many plans a sweep of offsets builds.
 #include "chunkwise_config.h"
 #include "engine/cuda/ops.h"
 #include "engine/cuda/runtime.h"
+#include "engine/engine.h"
 #include "engine/ops/attention.h"
 #include "engine/random.h"
 #include "tests/gpu_support.h"
@@ -68,6 +71,212 @@ TEST_CASE("cuda: cudnn attention says why it does not serve f32, odd head dims a
   OwnedTensor q_big = OwnedTensor::on(gpu0(), DType::bf16, {1, 8, 2, 256}), k_big = OwnedTensor::on(gpu0(), DType::bf16, {1, 8, 2, 256});
   CHECK_FALSE(gpu::cudnn_attention_supports(q_big, k_big, &why));
   CHECK(!why.empty());
+}
+
+namespace {
+
+// Sets cw::cudnn_plans() for one scope and restores what it was.
+class CudnnPlansScope {
+ public:
+  explicit CudnnPlansScope(CudnnPlans plans) : saved_(cw::cudnn_plans()) { cw::set_cudnn_plans(plans); }
+  ~CudnnPlansScope() { cw::set_cudnn_plans(saved_); }
+  CudnnPlansScope(const CudnnPlansScope&) = delete;
+  CudnnPlansScope& operator=(const CudnnPlansScope&) = delete;
+
+ private:
+  CudnnPlans saved_;
+};
+
+// bf16 operands and bf16 outputs against f64 (the op table's bf16 tolerance).
+constexpr double kBf16Tol = 2e-2;
+// A shared plan against the exact plan on the same bf16 inputs: the same math in another engine
+// variant, so they differ by a few bf16 roundings at most, well inside the f64 tolerance.
+constexpr double kSharedVsExactTol = 1e-2;
+// Shared plans need cuDNN 9.10 (attention_cudnn.cu, kMinSharedVersion).
+bool shared_plans_possible() { return gpu::cudnn_runtime_version() >= 91000; }
+
+// One chunk of c queries against a K/V store of T positions: q, d_out [B, c, H, D] and the stores
+// [B, T, Hkv, D] in bf16 on the GPU and in f64 on the host (the same values).
+struct Chunked {
+  int64_t B, c, H, Hkv, D, T;
+  double scale;
+  GpuInput q, d_out, k_store, v_store;
+  Chunked(int64_t B_, int64_t c_, int64_t H_, int64_t Hkv_, int64_t D_, int64_t T_, uint64_t seed)
+      : B(B_), c(c_), H(H_), Hkv(Hkv_), D(D_), T(T_), scale(1.0 / std::sqrt(static_cast<double>(D_))),
+        q(make_gpu_input(DType::bf16, {B_, c_, H_, D_}, seed, 1)),
+        d_out(make_gpu_input(DType::bf16, {B_, c_, H_, D_}, seed, 2)),
+        k_store(make_gpu_input(DType::bf16, {B_, T_, Hkv_, D_}, seed, 3)),
+        v_store(make_gpu_input(DType::bf16, {B_, T_, Hkv_, D_}, seed, 4)) {}
+};
+
+// What one forward + backward on the GPU gave, fetched as f64: out, lse, d_q, and the whole
+// d_k, d_v stores (T rows; the op adds into [0, S) of zeroed stores).
+struct GpuResult {
+  OwnedTensor out, lse, d_q, d_k, d_v;
+};
+
+GpuResult run_gpu(const Chunked& ch, int64_t S) {
+  const int64_t B = ch.B, c = ch.c, H = ch.H, Hkv = ch.Hkv, D = ch.D, T = ch.T;
+  Arena scratch(gpu0());
+  const Tensor k = ch.k_store.dev.tensor.slice(1, 0, S), v = ch.v_store.dev.tensor.slice(1, 0, S);
+  OwnedTensor out = poisoned(DType::bf16, {B, c, H, D}), lse = poisoned(DType::f32, {B, H, c});
+  gpu::cudnn_attention_forward(out, {lse}, ch.q.dev, k, v, ch.scale, scratch);
+  OwnedTensor d_q = poisoned(DType::bf16, {B, c, H, D});
+  OwnedTensor d_k = OwnedTensor::on(gpu0(), DType::f32, {B, T, Hkv, D}), d_v = OwnedTensor::on(gpu0(), DType::f32, {B, T, Hkv, D});
+  gpu::fill(d_k, 0.0);
+  gpu::fill(d_v, 0.0);
+  gpu::cudnn_attention_backward(d_q, d_k.tensor.slice(1, 0, S), d_v.tensor.slice(1, 0, S), ch.d_out.dev, {lse},
+                                ch.q.dev, k, v, out, ch.scale, GradMode::overwrite, scratch);
+  return {fetch(out), fetch(lse), fetch(d_q), fetch(d_k), fetch(d_v)};
+}
+
+// The CPU in f64 on the same values: out, lse, d_q, and d_k, d_v over [0, S).
+struct CpuResult {
+  OwnedTensor out, lse, d_q, d_k, d_v;
+};
+
+CpuResult run_cpu(const Chunked& ch, int64_t S) {
+  const int64_t B = ch.B, c = ch.c, H = ch.H, Hkv = ch.Hkv, D = ch.D;
+  Arena scratch;
+  const Tensor k = ch.k_store.ref.tensor.slice(1, 0, S), v = ch.v_store.ref.tensor.slice(1, 0, S);
+  using Shape = std::vector<int64_t>;
+  CpuResult r{OwnedTensor::of_shape(DType::f64, Shape{B, c, H, D}), OwnedTensor::of_shape(DType::f64, Shape{B, H, c}),
+              OwnedTensor::of_shape(DType::f64, Shape{B, c, H, D}), OwnedTensor::of_shape(DType::f64, Shape{B, S, Hkv, D}),
+              OwnedTensor::of_shape(DType::f64, Shape{B, S, Hkv, D})};
+  attention_forward(r.out, {r.lse}, ch.q.ref, k, v, ch.scale, scratch);
+  fill(r.d_k, 0.0);
+  fill(r.d_v, 0.0);
+  attention_backward(r.d_q, r.d_k, r.d_v, ch.d_out.ref, {r.lse}, ch.q.ref, k, v, r.out, ch.scale, GradMode::overwrite,
+                     scratch);
+  return r;
+}
+
+void expect_close_f64(const Tensor& got, const Tensor& ref, double tol, const std::string& what) {
+  const Worst w = compare(got, ref);
+  INFO(what, ": ", w.str(), " (tolerance ", tol, ")");
+  CHECK(w.rel <= tol);
+}
+
+// Every element of rows [S, T) of a fetched [B, T, Hkv, D] store is zero: the op added nothing there.
+bool untouched_past(const Tensor& store, int64_t S) {
+  const int64_t B = store.size(0), T = store.size(1), row = store.size(2) * store.size(3);
+  const double* d = static_cast<const double*>(store.data);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t i = S * row; i < T * row; ++i)
+      if (d[b * T * row + i] != 0.0) return false;
+  return true;
+}
+
+}  // namespace
+
+TEST_CASE("cuda: cudnn shared plans agree with exact plans and the CPU across chunk offsets" *
+          doctest::skip(!cw::test::gpu_ready())) {
+  // GQA (4 query heads on 2 K/V heads), two sequences, a chunk of 384 queries (not a power of two)
+  // against a store of 2048 positions. Key counts below 2048 that are multiples of 256 run the
+  // shared plan (extent 2048); the others (S = 2048, 461, 384) their exact one. The store's rows past S hold NaN while
+  // each call runs, so a plan that read a key it should not would show NaN in every result.
+  DeterminismScope fast(false);
+  Chunked ch(2, 384, 4, 2, 64, 2048, 4242);
+  std::string why;
+  if (!gpu::cudnn_attention_supports(ch.q.dev, ch.k_store.dev, &why)) {
+    MESSAGE("cuDNN fused attention not available here, skipped: ", why);
+    return;
+  }
+  if (!shared_plans_possible()) MESSAGE("cuDNN ", gpu::cudnn_runtime_version(), " < 9.10: every call here runs an exact plan");
+  // Decreasing S, so that poisoning [S, T) spoils no key a later call reads.
+  for (const int64_t S : {int64_t{2048}, int64_t{1792}, int64_t{1280}, int64_t{768}, int64_t{512}, int64_t{461},
+                          int64_t{384}}) {
+    CAPTURE(S);
+    for (int64_t b = 0; b < ch.B; ++b)
+      for (const GpuInput* store : {&ch.k_store, &ch.v_store})
+        if (S < ch.T) gpu::fill(store->dev.tensor.slice(0, b, 1).slice(1, S, ch.T - S), std::numeric_limits<double>::quiet_NaN());
+    const CpuResult ref = run_cpu(ch, S);
+    const GpuResult shared = run_gpu(ch, S);
+    GpuResult exact;
+    {
+      CudnnPlansScope scope(CudnnPlans::exact);
+      exact = run_gpu(ch, S);
+    }
+    const std::pair<const GpuResult*, const char*> runs[] = {{&shared, "shared"}, {&exact, "exact"}};
+    for (const auto& [r, name] : runs) {
+      const std::string n = name;
+      expect_close_f64(r->out, ref.out, kBf16Tol, n + " out");
+      expect_close_f64(r->lse, ref.lse, kBf16Tol, n + " lse");
+      expect_close_f64(r->d_q, ref.d_q, kBf16Tol, n + " d_q");
+      expect_close_f64(r->d_k.tensor.slice(1, 0, S), ref.d_k, kBf16Tol, n + " d_k");
+      expect_close_f64(r->d_v.tensor.slice(1, 0, S), ref.d_v, kBf16Tol, n + " d_v");
+      CHECK_MESSAGE(untouched_past(r->d_k, S), n, ": d_k changed past the call's keys");
+      CHECK_MESSAGE(untouched_past(r->d_v, S), n, ": d_v changed past the call's keys");
+    }
+    expect_close_f64(shared.out, exact.out, kSharedVsExactTol, "shared against exact out");
+    expect_close_f64(shared.d_q, exact.d_q, kSharedVsExactTol, "shared against exact d_q");
+    expect_close_f64(shared.d_k.tensor.slice(1, 0, S), exact.d_k.tensor.slice(1, 0, S), kSharedVsExactTol,
+                     "shared against exact d_k");
+    expect_close_f64(shared.d_v.tensor.slice(1, 0, S), exact.d_v.tensor.slice(1, 0, S), kSharedVsExactTol,
+                     "shared against exact d_v");
+  }
+}
+
+TEST_CASE("cuda: cudnn shared plans: a sweep of chunk offsets builds one plan per direction" *
+          doctest::skip(!cw::test::gpu_ready())) {
+  // A shape family no other test uses (the plan cache lives as long as the process): one sequence,
+  // 6 query heads on 3 K/V heads, chunks of 512 against a store of 4096. The forward sweeps p up
+  // (the prefill), the backward down (the reverse sweep). Shared: each direction builds one plan
+  // of the store's extent for S < 4096 and the exact plan of S = 4096 (keys that fill the store
+  // keep their exact plan). Exact: one plan per call.
+  DeterminismScope fast(false);
+  const int64_t c = 512, T = 4096;
+  const Chunked ch(1, c, 6, 3, 64, T, 99);
+  std::string why;
+  if (!gpu::cudnn_attention_supports(ch.q.dev, ch.k_store.dev, &why)) {
+    MESSAGE("cuDNN fused attention not available here, skipped: ", why);
+    return;
+  }
+  if (!shared_plans_possible()) {
+    MESSAGE("cuDNN ", gpu::cudnn_runtime_version(), " < 9.10 has no shared plans; skipped");
+    return;
+  }
+  auto sweep = [&](int64_t chunk_len, int64_t calls) {
+    Chunked run(1, chunk_len, 6, 3, 64, T, 99);
+    Arena scratch(gpu0());
+    OwnedTensor out = OwnedTensor::on(gpu0(), DType::bf16, {1, chunk_len, 6, 64}),
+                lse = OwnedTensor::on(gpu0(), DType::f32, {1, 6, chunk_len}),
+                d_q = OwnedTensor::on(gpu0(), DType::bf16, {1, chunk_len, 6, 64});
+    OwnedTensor d_k = OwnedTensor::on(gpu0(), DType::f32, {1, T, 3, 64}), d_v = OwnedTensor::on(gpu0(), DType::f32, {1, T, 3, 64});
+    gpu::fill(d_k, 0.0);
+    gpu::fill(d_v, 0.0);
+    const AttentionPlanStats before = attention_plan_stats();
+    for (int64_t i = 0; i < calls; ++i) {
+      const int64_t S = (i + 1) * chunk_len;
+      gpu::cudnn_attention_forward(out, {lse}, run.q.dev, run.k_store.dev.tensor.slice(1, 0, S),
+                                   run.v_store.dev.tensor.slice(1, 0, S), run.scale, scratch);
+    }
+    const AttentionPlanStats mid = attention_plan_stats();
+    for (int64_t i = calls - 1; i >= 0; --i) {
+      const int64_t S = (i + 1) * chunk_len;
+      const Tensor k = run.k_store.dev.tensor.slice(1, 0, S), v = run.v_store.dev.tensor.slice(1, 0, S);
+      gpu::cudnn_attention_forward(out, {lse}, run.q.dev, k, v, run.scale, scratch);
+      gpu::cudnn_attention_backward(d_q, d_k.tensor.slice(1, 0, S), d_v.tensor.slice(1, 0, S), run.d_out.dev, {lse},
+                                    run.q.dev, k, v, out, run.scale, GradMode::overwrite, scratch);
+    }
+    synchronize(gpu0());
+    const AttentionPlanStats after = attention_plan_stats();
+    MESSAGE("chunk ", chunk_len, ", ", calls, " offsets: ", mid.built - before.built, " forward and ",
+            after.built - mid.built, " backward plans built in ", after.seconds - before.seconds, " s");
+    CHECK_MESSAGE(after.refused == before.refused, "cuDNN refused a shared graph; CW_CUDNN_VERBOSE=1 prints why");
+    return std::make_pair(mid.built - before.built, after.built - mid.built);
+  };
+  {
+    const auto [forward, backward] = sweep(c, T / c);
+    CHECK(forward == 2);
+    CHECK(backward == 2);
+  }
+  {
+    CudnnPlansScope scope(CudnnPlans::exact);
+    const auto [forward, backward] = sweep(256, 4);  // another chunk length: a family of its own
+    CHECK(forward == 4);
+    CHECK(backward == 4);
+  }
 }
 
 #else
