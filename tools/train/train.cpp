@@ -242,9 +242,10 @@ Progress resume_or_initialise(const RunConfig& rc, bool resume, RunDirectory& ru
     // A sharded optimizer state resumes only on the layout that wrote it.
     const int64_t saved_dp = saved.contains("parallel") ? saved["parallel"].value("dp", int64_t{1}) : 1;
     const int64_t saved_zero = saved.contains("parallel") ? saved["parallel"].value("zero", int64_t{0}) : 0;
-    if ((saved_zero > 0 || rc.parallel.zero > 0) && (saved_dp != rc.parallel.dp || saved_zero != rc.parallel.zero))
+    const int64_t run_dp = dp ? dp->size() : 1, run_zero = dp ? dp->zero() : 0;  // one process: whole state
+    if ((saved_zero > 0 || run_zero > 0) && (saved_dp != run_dp || saved_zero != run_zero))
       fail(fmt::format("{}: the checkpoint was written with parallel.dp = {} and parallel.zero = {}; this run has {} and {}",
-                       ref->path, saved_dp, saved_zero, rc.parallel.dp, rc.parallel.zero),
+                       ref->path, saved_dp, saved_zero, run_dp, run_zero),
            "resume with the checkpoint's parallel.dp and parallel.zero (its weights are a whole HF checkpoint: "
            "model.source can start a new run from them)");
     if (dp && dp->optimizer_shard())
@@ -312,7 +313,9 @@ class TrainLoop {
 
   // Runs to the end (or a stop), filling result's last step, loss, eval loss and interrupted.
   void run(Progress progress, TrainResult& result) {
-    SignalGuard signals;
+    // Thread ranks share the process's handlers: train_on_threads installs them once for all.
+    std::optional<SignalGuard> signals;
+    if (!comm_ || comm_->backend() != "threads") signals.emplace();
     start_step_ = progress.step;
     tokens_seen_ = progress.tokens_seen;
     const auto t_loop = std::chrono::steady_clock::now();
@@ -585,6 +588,7 @@ TrainResult train_on_threads(const RunConfig& rc, const TrainOptions& opt, std::
   TrainOptions shared = opt;
   if (shared.run_dir.empty()) shared.run_dir = !rc.log.run_dir.empty() ? rc.log.run_dir : default_run_dir();
   TrainResult result;
+  SignalGuard signals;  // one for every rank: a signal stops them together (TrainLoop::agreed)
   run_thread_ranks(static_cast<int>(rc.parallel.dp), [&](Communicator& comm) {
     TrainResult r = run_training(rc, shared, out, &comm);
     if (comm.rank() == 0) result = r;
