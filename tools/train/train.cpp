@@ -31,7 +31,6 @@
 #include <fstream>
 #include <iostream>
 #include <ostream>
-#include <sstream>
 #include <streambuf>
 #include <unistd.h>
 
