@@ -42,7 +42,27 @@ const std::vector<Option<ScheduleOptions>>& schedule_option_table() {
   };
   return table;
 }
+
+const std::vector<Option<ParallelOptions>>& parallel_option_table() {
+  using P = ParallelOptions;
+  static const std::vector<Option<P>> table = {
+    // key               flag                   member                values        help
+    {"tp",                "--tp",                &P::tp,               at_least(1),  "tensor-parallel ranks: each holds 1/tp of every block's heads, K/V heads and FFN width (must divide them)"},
+    {"sequence_parallel", "--sequence-parallel", &P::sequence_parallel, {},          "tp: norms, residual stream, embedding and loss on each rank's 1/tp of the tokens (all-gather / reduce-scatter at the linears)"},
+    {"tp_regather",       "--tp-regather",       &P::tp_regather,       {},          "tp with sequence_parallel: the backward all-gathers each layer's normed input again instead of keeping it"},
+  };
+  return table;
+}
 // clang-format on
+
+void ParallelOptions::validate() const {
+  for (const OptionRef& o : bind_options("parallel", parallel_option_table(), const_cast<ParallelOptions&>(*this)))
+    check_option(o);
+  if (tp_regather && !sequence_parallel)
+    fail("parallel.tp_regather needs parallel.sequence_parallel: without it nothing is gathered, so nothing is gathered "
+         "again",
+         "set parallel.sequence_parallel = true (--sequence-parallel) or tp_regather = false");
+}
 
 std::string ScheduleOptions::recompute_mode() const {
   if (recompute != "auto") return recompute;

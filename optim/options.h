@@ -106,4 +106,18 @@ std::optional<std::string> toml_value(const OptionTarget& target);
 // [schedule]: every option of ScheduleOptions.
 const std::vector<Option<ScheduleOptions>>& schedule_option_table();
 
+// How a step is spread over ranks ([parallel]; parallel/ runs it). Tensor parallelism splits every
+// block's heads and FFN over tp ranks (parallel/tensor_parallel.h).
+struct ParallelOptions {
+  int64_t tp = 1;                  // tensor-parallel ranks; must divide heads, K/V heads and FFN width
+  bool sequence_parallel = false;  // norms, residual stream, embedding and loss on each rank's tokens only
+  bool tp_regather = false;        // with sequence_parallel: the backward all-gathers the normed input
+                                   // again instead of keeping it (memory for communication)
+  bool operator==(const ParallelOptions&) const = default;
+  void validate() const;           // the table's rules and the rules between options; throws naming the option
+};
+
+// [parallel]: every option of ParallelOptions.
+const std::vector<Option<ParallelOptions>>& parallel_option_table();
+
 }  // namespace cw

@@ -4,13 +4,16 @@
 #include "model/checkpoint.h"
 #include "tools/model_io.h"
 #include "model/safetensors.h"
+#include "parallel/tensor_parallel.h"
 
 #include <fmt/format.h>
 #include <fmt/ostream.h>
 
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <ostream>
 
 namespace cw {
@@ -42,22 +45,131 @@ double dot(const Tensor& a, const Tensor& b) {
   for (int64_t i = 0; i < a.numel(); ++i) s += a64.tensor.ptr<double>()[i] * b64.tensor.ptr<double>()[i];
   return s;
 }
+
+// One row per tensor: rel_err = ||a - b|| / ||b|| and the worst element, then the loss; returns the
+// worst rel_err. `ref_name` names the reference in the header.
+double compare_gradients(std::ostream& out, const ParamSet& grads, double loss, const ParamSet& ref_grads,
+                         double ref_loss, const std::string& ref_name) {
+  double max_rel = 0;
+  out << fmt::format("{:<48} {:<14} {:>13} {:>10} {:>28}\n", "tensor", "shape", fmt::format("||g_{}||", ref_name),
+                     "rel_err", fmt::format("worst element (ours / {})", ref_name));
+  for (size_t i = 0; i < grads.size(); ++i) {
+    const Tensor a = grads[i], b = ref_grads[i];
+    OwnedTensor a64 = OwnedTensor::of_shape(DType::f64, std::vector<int64_t>{a.numel()});
+    OwnedTensor b64 = OwnedTensor::of_shape(DType::f64, std::vector<int64_t>{b.numel()});
+    copy_convert(a64, a.view({a.numel()}));
+    copy_convert(b64, b.view({b.numel()}));
+    double num = 0, den = 0, worst_abs = -1, wa = 0, wb = 0;
+    for (int64_t k = 0; k < a.numel(); ++k) {
+      const double x = a64.tensor.ptr<double>()[k], y = b64.tensor.ptr<double>()[k];
+      num += (x - y) * (x - y);
+      den += y * y;
+      if (std::abs(x - y) > worst_abs) {
+        worst_abs = std::abs(x - y);
+        wa = x;
+        wb = y;
+      }
+    }
+    const double rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
+    max_rel = std::max(max_rel, rel);
+    out << fmt::format("{:<48} {:<14} {:>13.6e} {:>10.3e} {:>28}\n", grads.specs()[i].name,
+                       shape_str(grads.specs()[i].shape), std::sqrt(den), rel, fmt::format("{:.6e} / {:.6e}", wa, wb));
+  }
+  const double loss_rel = std::abs(loss - ref_loss) / std::max(std::abs(ref_loss), 1e-300);
+  max_rel = std::max(max_rel, loss_rel);
+  out << fmt::format("{:<48} {:<14} {:>13.6e} {:>10.3e} {:>28}\n", "loss", "[]", std::abs(ref_loss), loss_rel,
+                     fmt::format("{:.10e} / {:.10e}", loss, ref_loss));
+  return max_rel;
+}
+
+// What one tensor-parallel rank leaves behind for the comparison.
+struct RankResult {
+  std::optional<ParamSet> grads;  // the rank's shard of the gradients
+  StepStats stats;
+  size_t buffer_high_water = 0, buffer_requested = 0, buffer_largest = 0;
+  int64_t buffer_requests = 0;
+};
+
+// The schedule on P = parallel.tp thread ranks, each with its shard of `model` (same values), then
+// the ranks' gradients assembled into `grads` (full shapes). Returns the step's loss (rank 0's; every
+// rank's must agree, checked bitwise like the replicated gradients). Prints one line per rank.
+double tensor_parallel_gradients(const GradcheckOptions& o, const LlamaModel& model, const Batch& batch,
+                                 const ParamSet& grads, std::ostream& out) {
+  const int P = static_cast<int>(o.parallel.tp);
+  const TensorParallelOptions tpo{o.parallel.sequence_parallel, o.parallel.tp_regather};
+  std::vector<RankResult> ranks(static_cast<size_t>(P));
+  run_thread_ranks(P, [&](Communicator& comm) {
+    TensorParallel group(comm, tpo);
+    LlamaModel shard(model.full_config(), model.dtype(), Device::host(), &group);
+    shard_parameters(shard.params(), model.params(), comm.rank(), P);
+    RankResult& r = ranks[static_cast<size_t>(comm.rank())];
+    r.grads.emplace(shard.config(), model.dtype());
+    r.stats = gradients(o.schedule, shard, batch, *r.grads);
+    reduce_replicated_gradients(*r.grads, group);  // the optimizer step's TP reduction
+    r.buffer_high_water = group.buffer().capacity_bytes();
+    r.buffer_requested = group.buffer().requested_bytes();
+    r.buffer_largest = group.buffer().largest_request();
+    r.buffer_requests = group.buffer().requests();
+  });
+  bool replicas_agree = true;
+  for (int r = 0; r < P; ++r) {
+    const RankResult& rr = ranks[static_cast<size_t>(r)];
+    unshard_parameters(grads, *rr.grads, r, P, /*with_replicated=*/r == 0);
+    for (size_t i = 0; i < grads.size(); ++i)
+      if (tp_split_dim(grads.specs()[i].role) < 0 &&
+          std::memcmp((*rr.grads)[i].data, (*ranks[0].grads)[i].data, (*rr.grads)[i].bytes()) != 0)
+        replicas_agree = false;
+    replicas_agree = replicas_agree && rr.stats.loss == ranks[0].stats.loss;
+    out << fmt::format("tp rank {}: activations high-water {} B; reusable buffer high-water {} B (largest request {} "
+                       "B) for {} requests of {} B in all\n",
+                       r, rr.stats.activation_high_water, rr.buffer_high_water, rr.buffer_largest, rr.buffer_requests,
+                       rr.buffer_requested);
+  }
+  out << fmt::format("replicated gradients and loss bitwise equal on every tp rank: {}\n", replicas_agree ? "yes" : "NO");
+  if (!replicas_agree) fail("tensor-parallel ranks disagree on a replicated gradient or the loss");
+  return ranks[0].stats.loss;
+}
 }  // namespace
 
 int run_gradcheck(const GradcheckOptions& o, std::ostream& out) {
   o.schedule.validate();
+  o.parallel.validate();
   LlamaConfig config = LlamaConfig::resolve(o.model);
   if (o.tie_embeddings >= 0) config.tie_word_embeddings = o.tie_embeddings == 1;
   const DType dtype = parse_dtype(o.dtype);
   if (dtype == DType::bf16) fail("gradcheck runs in f64 or f32 on the CPU", "use --dtype f64");
   if (o.seq < 2 || o.batch < 1) fail(fmt::format("gradcheck needs --seq >= 2 and --batch >= 1 (got {} and {})", o.seq, o.batch));
-  const std::string against = o.against.empty() ? (o.schedule.name == "full" ? "fd" : "full") : o.against;
-  if (against != "fd" && against != "full") fail(fmt::format("unknown --against '{}'", against), "use fd or full");
+  const std::string against =
+      !o.against.empty() ? o.against : o.parallel.tp > 1 ? "single" : o.schedule.name == "full" ? "fd" : "full";
+  if (against != "fd" && against != "full" && against != "single")
+    fail(fmt::format("unknown --against '{}'", against), "use fd, full or single");
+  if (o.parallel.tp > 1 && against != "single")
+    fail(fmt::format("--tp {} checks the tensor-parallel ranks against one process", o.parallel.tp),
+         "use --against single (the default with --tp)");
   const double tol = o.tol >= 0 ? o.tol : (against == "fd" ? 1e-7 : (dtype == DType::f64 ? 1e-12 : 1e-5));
 
   LlamaModel model(config, dtype);
   load_or_init(model, o.model, o.seed, o.norm_jitter);
   const Batch batch = load_batch(o, config.vocab_size);
+
+  if (against == "single") {
+    if (!o.save_grads.empty()) fail("--save-grads writes the gradients of --against fd or full", "drop --save-grads");
+    out << fmt::format("gradcheck: model {} ({} parameters, {} layers, tied={}), dtype {}, batch {} x {} tokens, "
+                       "schedule {} (chunk {}, bwd chunk {}), tp {} (sequence parallel {}, regather {}) against single\n",
+                       o.model, config.parameter_count(), config.num_hidden_layers, config.tie_word_embeddings,
+                       o.dtype, o.batch, o.seq, o.schedule.name, o.schedule.chunk, o.schedule.bwd_chunk, o.parallel.tp,
+                       o.parallel.sequence_parallel, o.parallel.tp_regather);
+    ParamSet grads(config, dtype), ref_grads(config, dtype);
+    const double loss = tensor_parallel_gradients(o, model, batch, grads, out);
+    const StepStats ref_st = gradients(o.schedule, model, batch, ref_grads);
+    const double max_rel = compare_gradients(out, grads, loss, ref_grads, ref_st.loss, "single");
+    out << fmt::format("max_rel_err={:.3e}\n", max_rel);
+    if (max_rel > tol) {
+      out << fmt::format("FAIL: max_rel_err {:.3e} exceeds --tol {:.1e}\n", max_rel, tol);
+      return 1;
+    }
+    return 0;
+  }
 
   ParamSet grads(config, dtype);
   const StepStats st = gradients(o.schedule, model, batch, grads);
@@ -111,34 +223,7 @@ int run_gradcheck(const GradcheckOptions& o, std::ostream& out) {
     ref.name = "full";
     ParamSet ref_grads(config, dtype);
     const StepStats ref_st = gradients(ref, model, batch, ref_grads);
-    out << fmt::format("{:<48} {:<14} {:>13} {:>10} {:>28}\n", "tensor", "shape", "||g_full||", "rel_err",
-                       "worst element (ours / full)");
-    for (size_t i = 0; i < grads.size(); ++i) {
-      const Tensor a = grads[i], b = ref_grads[i];
-      OwnedTensor a64 = OwnedTensor::of_shape(DType::f64, std::vector<int64_t>{a.numel()});
-      OwnedTensor b64 = OwnedTensor::of_shape(DType::f64, std::vector<int64_t>{b.numel()});
-      copy_convert(a64, a.view({a.numel()}));
-      copy_convert(b64, b.view({b.numel()}));
-      double num = 0, den = 0, worst_abs = -1, wa = 0, wb = 0;
-      for (int64_t k = 0; k < a.numel(); ++k) {
-        const double x = a64.tensor.ptr<double>()[k], y = b64.tensor.ptr<double>()[k];
-        num += (x - y) * (x - y);
-        den += y * y;
-        if (std::abs(x - y) > worst_abs) {
-          worst_abs = std::abs(x - y);
-          wa = x;
-          wb = y;
-        }
-      }
-      const double rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
-      max_rel = std::max(max_rel, rel);
-      out << fmt::format("{:<48} {:<14} {:>13.6e} {:>10.3e} {:>28}\n", grads.specs()[i].name,
-                         shape_str(grads.specs()[i].shape), std::sqrt(den), rel, fmt::format("{:.6e} / {:.6e}", wa, wb));
-    }
-    const double loss_rel = std::abs(st.loss - ref_st.loss) / std::max(std::abs(ref_st.loss), 1e-300);
-    max_rel = std::max(max_rel, loss_rel);
-    out << fmt::format("{:<48} {:<14} {:>13.6e} {:>10.3e} {:>28}\n", "loss", "[]", std::abs(ref_st.loss), loss_rel,
-                       fmt::format("{:.10e} / {:.10e}", st.loss, ref_st.loss));
+    max_rel = compare_gradients(out, grads, st.loss, ref_grads, ref_st.loss, "full");
   }
   if (!o.save_grads.empty()) {
     std::vector<OwnedTensor> keep;

@@ -8,10 +8,17 @@
 //   against full (default for seco / spaco): the schedule's gradients against the full schedule's on
 //                the same model and batch; rel_err = ||a - b||_2 / ||b||_2 per tensor (worst element
 //                shown), and a row for the loss.
+//   against single (default with --tp > 1): the schedule run by --tp ranks, threads of the CPU
+//                communicator, each holding its shard of the same initial model (parallel/
+//                tensor_parallel.h), against the same schedule in one process. The ranks' gradients
+//                are assembled into the full tensors (the replicated ones must be bitwise equal on
+//                every rank: checked) and compared as against full; rel_err per tensor and the loss.
+//                Each rank's activation high-water mark and its reusable buffer's use are printed.
 // The run fails (non-zero exit) when max_rel_err exceeds --tol (1e-7 against fd, 1e-12 against full
-// in f64).
+// or single in f64).
 #pragma once
 
+#include "optim/options.h"
 #include "optim/schedule.h"
 
 #include <iosfwd>
@@ -25,7 +32,9 @@ struct GradcheckOptions {
   int64_t batch = 1;
   std::string dtype = "f64";
   ScheduleOptions schedule;        // name, chunk, bwd_chunk, keep, ...
-  std::string against;             // "fd" | "full"; empty: fd for full, full otherwise
+  std::string against;             // "fd" | "full" | "single"; empty: single with tp > 1, else fd for full,
+                                   // full otherwise
+  ParallelOptions parallel;        // tp, sequence_parallel, tp_regather (--tp, ...) for --against single
   double tol = -1;                 // < 0: the default for the comparison
   int directions = 3;              // random directions per tensor (fd)
   double step = 1e-3;              // fd step h along a unit direction

@@ -99,6 +99,7 @@ std::vector<OptionRef> fields_of(RunConfig& c) {
   bind_options(out, "model", model_options, c.model);
   bind_options(out, "data", data_options, c.data);
   bind_options(out, "schedule", schedule_option_table(), c.schedule);
+  bind_options(out, "parallel", parallel_option_table(), c.parallel);
   bind_options(out, "optimizer", optimizer_options, c.optimizer);
   bind_options(out, "train", train_options, c.train);
   bind_options(out, "eval", eval_options, c.eval);
@@ -430,6 +431,11 @@ void RunConfig::validate() const {
   for (const OptionRef& o : fields_of(const_cast<RunConfig&>(*this))) check_option(o);
   // Then the rules between options.
   schedule.validate();
+  parallel.validate();
+  if (parallel.tp > 1)
+    fail(fmt::format("parallel.tp = {}: chunkwise train runs one process and does not start tensor-parallel ranks yet",
+                     parallel.tp),
+         "set parallel.tp = 1; `chunkwise gradcheck --tp N` runs tensor parallelism (ranks as threads)");
   // A constant rate never reaches min_lr, so only a decay makes the pair inconsistent.
   if (optimizer.decay != "constant" && optimizer.min_lr > optimizer.lr)
     fail(fmt::format("optimizer.min_lr must be <= optimizer.lr ({}), got {}", optimizer.lr, optimizer.min_lr),

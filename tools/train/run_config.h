@@ -107,6 +107,8 @@ struct RunConfig {
   Data data;
   // [schedule]: ScheduleOptions (optim/schedule.h), with the two defaults a training run changes.
   ScheduleOptions schedule{.name = "seco", .chunk = 64};
+  // [parallel]: ParallelOptions (optim/options.h).
+  ParallelOptions parallel;
   Optimizer optimizer;
   Train train;
   Eval eval;
