@@ -47,7 +47,7 @@ const std::vector<Option<ParallelOptions>>& parallel_option_table() {
   using P = ParallelOptions;
   static const std::vector<Option<P>> table = {
     // key               flag                   member                values        help
-    {"tp",                "--tp",                &P::tp,               at_least(1),  "tensor-parallel ranks: each holds 1/tp of every block's heads, K/V heads and FFN width (must divide them)"},
+    {"tp",                "--tp",                &P::tp,               at_least(1),  "tensor-parallel ranks: each holds 1/tp of every block's heads, K/V heads and FFN width (must divide them); gradcheck runs them as threads, train not yet"},
     {"sequence_parallel", "--sequence-parallel", &P::sequence_parallel, {},          "tp: norms, residual stream, embedding and loss on each rank's 1/tp of the tokens (all-gather / reduce-scatter at the linears)"},
     {"tp_regather",       "--tp-regather",       &P::tp_regather,       {},          "tp with sequence_parallel: the backward all-gathers each layer's normed input again instead of keeping it"},
   };
