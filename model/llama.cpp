@@ -188,7 +188,8 @@ double forward_chunk(ChunkActivations* keep, KVStore& kv, const LlamaModel& mode
 }
 
 double backward_chunk(const ParamSet& grads, const ChunkActivations& a, KVStore& kv, const LlamaModel& model,
-                      const ChunkTokens& chunk, double normaliser, Arena& scratch, double loss_weight) {
+                      const ChunkTokens& chunk, double normaliser, Arena& scratch, double loss_weight,
+                      const GradsFinalFrom& grads_final) {
   check_chunk(model, chunk, kv);
   CW_CHECK(chunk.labels.data, "backward_chunk needs labels");
   CW_CHECK(loss_weight > 0, "loss weight {} must be positive", loss_weight);
@@ -197,6 +198,14 @@ double backward_chunk(const ParamSet& grads, const ChunkActivations& a, KVStore&
   const int64_t N = chunk.B * chunk.c, R = tp_rows(tp, N);
   const ModelWeights w = model.weights();
   const ModelWeights g = grads.weights();
+  // The flat offset of a gradient tensor in `grads` (the table's order).
+  const auto offset_of = [&](const Tensor& t) {
+    return static_cast<int64_t>((static_cast<const char*>(t.data) - static_cast<const char*>(grads.flat().data)) /
+                                static_cast<std::ptrdiff_t>(dtype_size(grads.dtype())));
+  };
+  const auto finished_from = [&](int64_t from) {
+    if (grads_final) grads_final(from);
+  };
   const BlockContext ctx{cf, model.rope_cos(), model.rope_sin(), chunk.B, chunk.c, chunk.pos0, scratch,
                          a.policy.mlp_shards, kv.has_outputs(), tp};
   ArenaScope scope(scratch);
@@ -215,6 +224,7 @@ double backward_chunk(const ParamSet& grads, const ChunkActivations& a, KVStore&
   Tensor d_x = scratch.alloc(model.dtype(), {R, cf.hidden_size});
   rmsnorm_backward(d_x, g.final_norm, d_normed, a.final_norm, a.stream.back(), w.final_norm, GradMode::overwrite, scratch);
   head_traced.end();
+  finished_from(offset_of(g.final_norm));  // the final norm and an untied head (a tied one is the embedding)
   const bool keep_mlp = resolve_mlp_shards(a.policy.mlp_shards, cf, N) == 1 && !a.policy.recompute_mlp;
   Residency* off = a.offloaded.get();
   // Offloaded inputs come back one layer ahead: layer l-1's while layer l runs its backward.
@@ -244,8 +254,10 @@ double backward_chunk(const ParamSet& grads, const ChunkActivations& a, KVStore&
       block_backward(d_x, g.layers[li], la, a.input(l), w.layers[li], kv, l, ctx);
     }
     kv.end_layer(l, KVStore::Use::backward, t0, t1);
+    finished_from(offset_of(g.layers[li].attn_norm));  // the layer's first tensor in the table
   }
   embedding_backward(g.embedding, d_x, tp_local_rows(tp, chunk.ids));
+  finished_from(0);
   return loss;
 }
 

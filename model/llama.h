@@ -29,6 +29,7 @@
 #include "model/layer.h"
 #include "model/params.h"
 
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -120,9 +121,20 @@ constexpr int64_t kLmHeadBlockRows = 256;
 // mlp_shards applies when keep == nullptr (with keep, the activations' policy says).
 double forward_chunk(ChunkActivations* keep, KVStore& kv, const LlamaModel& model, const ChunkTokens& chunk,
                      double normaliser, bool with_loss, Arena& scratch, int64_t mlp_shards = 1);
+// Called by backward_chunk as it finishes parameter gradients: `from` is a flat offset into `grads`
+// (table order, params.h) such that this backward adds nothing more at or after it. The backward runs
+// the table backwards, so `from` only decreases: the final norm's offset after the LM head and final
+// norm (an untied lm_head follows it in the table), layer l's first tensor's after layer l's
+// backward, 0 after the embedding's. Called on the host when the work is queued (on a GPU, a
+// consumer orders itself after the compute stream). Data parallelism starts reducing a gradient
+// bucket here when this is the step's last backward (parallel/data_parallel.h).
+using GradsFinalFrom = std::function<void(int64_t from)>;
+
 // Returns the chunk's loss. loss_weight scales the gradient (not the returned loss): SpaCO's k/t.
+// grads_final, when set, is told as each part of the gradient is complete for this chunk.
 double backward_chunk(const ParamSet& grads, const ChunkActivations& act, KVStore& kv, const LlamaModel& model,
-                      const ChunkTokens& chunk, double normaliser, Arena& scratch, double loss_weight = 1.0);
+                      const ChunkTokens& chunk, double normaliser, Arena& scratch, double loss_weight = 1.0,
+                      const GradsFinalFrom& grads_final = {});
 
 // Logits of the last position of every sequence of the chunk, [B, V] (sampling, HF comparisons).
 void chunk_logits(const Tensor& logits, KVStore& kv, const LlamaModel& model, const ChunkTokens& chunk,

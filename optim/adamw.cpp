@@ -80,11 +80,13 @@ AdamW::AdamW(const LlamaConfig& config, DType dtype, const AdamWOptions& options
   exp_avg_sq_ = ParamSet(config, dtype, device);
 }
 
-bool AdamW::decays(const ParamSpec& spec) const {
-  if (spec.is_norm()) return options_.decay_norms;
-  if (spec.role == ParamRole::embedding) return options_.decay_embeddings;
+bool adamw_decays(const AdamWOptions& options, const ParamSpec& spec) {
+  if (spec.is_norm()) return options.decay_norms;
+  if (spec.role == ParamRole::embedding) return options.decay_embeddings;
   return true;  // linear weights and an untied lm_head
 }
+
+bool AdamW::decays(const ParamSpec& spec) const { return adamw_decays(options_, spec); }
 
 void AdamW::step(const ParamSet& params, const ParamSet& grads, double lr, const ParamSet* compute_copy) {
   CW_CHECK(std::isfinite(lr) && lr >= 0.0, "AdamW: learning rate {} must be finite and >= 0", lr);
@@ -181,6 +183,112 @@ void AdamW::load(const std::string& path) {
   step_ = step;
 }
 
+// ---- AdamWShard ----
+
+namespace {
+std::map<std::string, std::string> hyper_metadata(const AdamWOptions& o) {
+  return {{"beta1", fmt::format("{}", o.beta1)},
+          {"beta2", fmt::format("{}", o.beta2)},
+          {"eps", fmt::format("{}", o.eps)},
+          {"weight_decay", fmt::format("{}", o.weight_decay)},
+          {"decay_norms", bool_text(o.decay_norms)},
+          {"decay_embeddings", bool_text(o.decay_embeddings)}};
+}
+
+// A metadata value that must be a non-negative integer.
+int64_t metadata_integer(const SafetensorsReader& reader, const std::string& path, const std::string& key,
+                         const std::string& hint) {
+  const auto it = reader.metadata().find(key);
+  if (it == reader.metadata().end()) fail(fmt::format("{}: optimizer shard has no \"{}\" metadata", path, key), hint);
+  char* end = nullptr;
+  const long long v = std::strtoll(it->second.c_str(), &end, 10);
+  if (it->second.empty() || *end != '\0' || v < 0)
+    fail(fmt::format("{}: optimizer shard metadata \"{}\" = \"{}\" is not a non-negative integer", path, key, it->second),
+         hint);
+  return v;
+}
+}  // namespace
+
+AdamWShard::AdamWShard(const ParamSet& like, int64_t begin, int64_t end, const AdamWOptions& options)
+    : options_(options), begin_(begin), end_(end), numel_(like.numel()) {
+  options_.validate();
+  check_float_dtype(like.dtype(), "the master weights");
+  CW_CHECK(0 <= begin && begin <= end && end <= like.numel(), "AdamWShard: range [{}, {}) is not inside [0, {})", begin,
+           end, like.numel());
+  int64_t offset = 0;
+  for (size_t i = 0; i < like.size(); ++i) {
+    const int64_t n = like[i].numel();
+    const int64_t lo = std::max(begin, offset), hi = std::min(end, offset + n);
+    if (lo < hi) pieces_.push_back({lo, hi - lo, adamw_decays(options_, like.specs()[i]) ? options_.weight_decay : 0.0});
+    offset += n;
+  }
+  exp_avg_ = OwnedTensor::on(like.device(), like.dtype(), {end - begin});  // zero-filled
+  exp_avg_sq_ = OwnedTensor::on(like.device(), like.dtype(), {end - begin});
+}
+
+void AdamWShard::step(const ParamSet& params, const ParamSet& grads, double lr, const ParamSet* compute_copy) {
+  CW_CHECK(std::isfinite(lr) && lr >= 0.0, "AdamW: learning rate {} must be finite and >= 0", lr);
+  CW_CHECK(params.numel() == numel_ && grads.numel() == numel_,
+           "AdamWShard: the shard is of a vector of {} elements; parameters have {}, gradients {}", numel_,
+           params.numel(), grads.numel());
+  CW_CHECK(params.dtype() == exp_avg_.tensor.dtype, "AdamWShard: parameters are {} but the optimizer state is {}",
+           dtype_name(params.dtype()), dtype_name(exp_avg_.tensor.dtype));
+  check_float_dtype(grads.dtype(), "the gradients");
+  ++step_;
+  const Tensor p = params.flat(), g = grads.flat(), c = compute_copy ? compute_copy->flat() : Tensor{};
+  for (const Piece& piece : pieces_) {
+    const int64_t local = piece.begin - begin_;
+    adamw_update(p.slice(0, piece.begin, piece.length), exp_avg_.tensor.slice(0, local, piece.length),
+                 exp_avg_sq_.tensor.slice(0, local, piece.length), g.slice(0, piece.begin, piece.length),
+                 compute_copy ? c.slice(0, piece.begin, piece.length) : Tensor{},
+                 AdamWHyper{lr, options_.beta1, options_.beta2, options_.eps, piece.weight_decay, step_});
+  }
+}
+
+void AdamWShard::save(const std::string& path) const {
+  const DType dt = exp_avg_.tensor.dtype;
+  OwnedTensor m = OwnedTensor::of_shape(dt, std::vector<int64_t>{end_ - begin_});
+  OwnedTensor v = OwnedTensor::of_shape(dt, std::vector<int64_t>{end_ - begin_});
+  copy_convert(m, exp_avg_.tensor);  // from the device where the state lives there
+  copy_convert(v, exp_avg_sq_.tensor);
+  std::map<std::string, std::string> metadata = hyper_metadata(options_);
+  metadata["step"] = fmt::format("{}", step_);
+  metadata["begin"] = fmt::format("{}", begin_);
+  metadata["end"] = fmt::format("{}", end_);
+  metadata["numel"] = fmt::format("{}", numel_);
+  write_safetensors(path, {{"exp_avg", m.tensor}, {"exp_avg_sq", v.tensor}}, metadata);
+}
+
+void AdamWShard::load(const std::string& path) {
+  const SafetensorsReader reader(path);
+  const std::string hint =
+      "a sharded optimizer state resumes on the same parallel.dp and parallel.zero, with the same model and "
+      "master-weight dtype";
+  const int64_t step = metadata_integer(reader, path, "step", hint);
+  const int64_t begin = metadata_integer(reader, path, "begin", hint), end = metadata_integer(reader, path, "end", hint);
+  const int64_t numel = metadata_integer(reader, path, "numel", hint);
+  if (begin != begin_ || end != end_ || numel != numel_)
+    fail(fmt::format("{}: optimizer shard covers [{}, {}) of {} parameters; this rank's shard is [{}, {}) of {}", path,
+                     begin, end, numel, begin_, end_, numel_),
+         hint);
+  const char* stored_dtype = exp_avg_.tensor.dtype == DType::f64 ? "F64" : "F32";
+  for (const char* name : {"exp_avg", "exp_avg_sq"}) {
+    const SafetensorsEntry* e = reader.find(name);
+    if (!e) fail(fmt::format("{}: optimizer shard lacks tensor '{}'", path, name), hint);
+    if (e->shape != std::vector<int64_t>{end_ - begin_} || e->dtype != stored_dtype)
+      fail(fmt::format("{}: optimizer shard tensor '{}' is {} [{}], expected {} [{}]", path, name, e->dtype,
+                       fmt::join(e->shape, ", "), stored_dtype, end_ - begin_),
+           hint);
+  }
+  if (reader.entries().size() != 2) fail(fmt::format("{}: optimizer shard holds tensors besides exp_avg and exp_avg_sq", path), hint);
+  OwnedTensor m = OwnedTensor::of_shape(exp_avg_.tensor.dtype, std::vector<int64_t>{end_ - begin_});
+  OwnedTensor v = OwnedTensor::of_shape(exp_avg_.tensor.dtype, std::vector<int64_t>{end_ - begin_});
+  reader.read_into("exp_avg", m.tensor);
+  reader.read_into("exp_avg_sq", v.tensor);
+  copy_convert(exp_avg_.tensor, m);
+  copy_convert(exp_avg_sq_.tensor, v);
+  step_ = step;
+}
 
 double grad_global_norm(const ParamSet& grads) {
   const Tensor f = grads.flat();

@@ -32,6 +32,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace cw {
 
@@ -77,6 +78,49 @@ class AdamW {
   AdamWOptions options_;
   LlamaConfig table_;  // a config whose parameter table is the state's (to allocate copies of it)
   ParamSet exp_avg_, exp_avg_sq_;
+  int64_t step_ = 0;
+};
+
+// Whether a tensor with this spec receives weight decay under these options (see the header).
+bool adamw_decays(const AdamWOptions& options, const ParamSpec& spec);
+
+// AdamW on one contiguous range [begin, end) of the flat parameter vector (every tensor of the
+// table, in table order, as ParamSet::flat() lays them out): ZeRO's sharded optimizer, where rank r
+// keeps the moments of its own range only (parallel/data_parallel.h). Element for element it is
+// AdamW::step: the same engine op on each piece of a tensor the range covers, with that tensor's
+// weight decay, so a set of shards that tile the vector gives the bits of one AdamW.
+// State: exp_avg and exp_avg_sq [end - begin] in the parameters' dtype and device, and the step t.
+// On disk: one safetensors file with "exp_avg" and "exp_avg_sq" [end - begin] and the metadata
+// {"step", "begin", "end", "numel"} and the hyperparameters (a record, as AdamW's); load requires
+// the same range of a vector of the same length.
+class AdamWShard {
+ public:
+  AdamWShard(const ParamSet& like, int64_t begin, int64_t end, const AdamWOptions& options = {});
+
+  // One step at learning rate lr: params' elements in the range, from grads' elements in the range
+  // (both full-table sets; nothing outside the range is read or written). compute_copy, when
+  // given, receives the updated range rounded to bf16, as in AdamW::step.
+  void step(const ParamSet& params, const ParamSet& grads, double lr, const ParamSet* compute_copy = nullptr);
+
+  int64_t begin() const { return begin_; }
+  int64_t end() const { return end_; }
+  int64_t steps() const { return step_; }
+  const Tensor& exp_avg() const { return exp_avg_.tensor; }
+  const Tensor& exp_avg_sq() const { return exp_avg_sq_.tensor; }
+  size_t bytes() const { return exp_avg_.tensor.bytes() + exp_avg_sq_.tensor.bytes(); }
+
+  void save(const std::string& path) const;  // atomic; throws naming the path
+  void load(const std::string& path);        // throws naming the file and what differs; state unchanged then
+
+ private:
+  struct Piece {
+    int64_t begin = 0, length = 0;  // in the flat vector
+    double weight_decay = 0;
+  };
+  AdamWOptions options_;
+  int64_t begin_ = 0, end_ = 0, numel_ = 0;
+  std::vector<Piece> pieces_;  // the range cut at tensor boundaries, in order
+  OwnedTensor exp_avg_, exp_avg_sq_;  // on the parameters' device
   int64_t step_ = 0;
 };
 

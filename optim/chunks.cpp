@@ -66,13 +66,13 @@ double prefill(KVStore& kv, const LlamaModel& model, const Batch& batch, const s
 
 double backprop_chunk(KVStore& kv, const LlamaModel& model, const Batch& batch, int64_t t0, int64_t t1,
                       const ParamSet& grads, double normaliser, Arena& arena, const ActivationPolicy& policy,
-                      double loss_weight) {
+                      double loss_weight, const GradsFinalFrom& grads_final) {
   ArenaScope scope(arena);
   const ChunkTokens chunk = slice_chunk(batch, t0, t1, arena);
   ChunkActivations act = ChunkActivations::allocate(arena, model.config(), batch.B(), chunk.c, model.dtype(), policy,
                                                     model.tensor_parallel());
   forward_chunk(&act, kv, model, chunk, normaliser, false, arena);
-  return backward_chunk(grads, act, kv, model, chunk, normaliser, arena, loss_weight);
+  return backward_chunk(grads, act, kv, model, chunk, normaliser, arena, loss_weight, grads_final);
 }
 
 namespace {
@@ -130,6 +130,7 @@ StepFrame::StepFrame(Schedule& schedule, std::optional<KVStore>& store, LlamaMod
       norm(step_normaliser(normaliser, supervised)),
       kv(step_store(store, model, batch.B(), batch.T(), options.offload_window, options.save_attention)),
       arena(step_arena(schedule, model.device())),
+      hooks(schedule.hooks()),
       policy_(activation_policy(options)),
       moved_before_(kv.bytes_moved()) {}
 
@@ -147,9 +148,10 @@ int64_t StepFrame::sweep_chunk_index(int64_t t0) const {
   return c <= 0 || c > batch.T() ? 0 : t0 / c;  // as chunk_bounds splits
 }
 
-double StepFrame::backprop(int64_t t0, int64_t t1, const ParamSet& grads, double loss_weight) {
+double StepFrame::backprop(int64_t t0, int64_t t1, const ParamSet& grads, double loss_weight, bool last) {
   TraceScope traced("backprop chunk {chunk}", {{"chunk", sweep_chunk_index(t0)}, {"t0", t0}, {"t1", t1}});
-  return backprop_chunk(kv, model, batch, t0, t1, grads, norm, arena, policy_, loss_weight);
+  return backprop_chunk(kv, model, batch, t0, t1, grads, norm, arena, policy_, loss_weight,
+                        last ? hooks.grads_final : GradsFinalFrom{});
 }
 
 StepStats StepFrame::finish(double loss, int64_t chunks, int64_t visited) const {

@@ -36,10 +36,11 @@ double prefill(KVStore& kv, const LlamaModel& model, const Batch& batch, const s
 // Tokens [t0, t1) of every sequence: recompute the chunk through all layers keeping its
 // activations (against the store's K/V of [0, t0)), then backprop its loss, adding parameter
 // gradients into `grads` and K/V gradients into the store. Returns the chunk's loss. Everything it
-// allocates is released on return. loss_weight scales the gradient (spaco's k/t).
+// allocates is released on return. loss_weight scales the gradient (spaco's k/t); grads_final is
+// told as parts of the gradient are complete (model/llama.h), set for a step's last chunk only.
 double backprop_chunk(KVStore& kv, const LlamaModel& model, const Batch& batch, int64_t t0, int64_t t1,
                       const ParamSet& grads, double normaliser, Arena& arena, const ActivationPolicy& policy,
-                      double loss_weight = 1.0);
+                      double loss_weight = 1.0, const GradsFinalFrom& grads_final = {});
 
 class StepFrame {
  public:
@@ -54,7 +55,8 @@ class StepFrame {
   // The index of the reverse-sweep chunk that starts at t0 (for traces).
   int64_t sweep_chunk_index(int64_t t0) const;
   // backprop_chunk of tokens [t0, t1) under the options' activation policy; the chunk's loss.
-  double backprop(int64_t t0, int64_t t1, const ParamSet& grads, double loss_weight = 1.0);
+  // last: this is the step's last chunk backward, so the schedule's grads_final hook is given to it.
+  double backprop(int64_t t0, int64_t t1, const ParamSet& grads, double loss_weight = 1.0, bool last = false);
   // The step's statistics: `chunks` reverse-sweep chunks of which `visited` were backpropagated.
   StepStats finish(double loss, int64_t chunks, int64_t visited) const;
 
@@ -65,6 +67,7 @@ class StepFrame {
   const double norm;         // the loss normaliser
   KVStore& kv;
   Arena& arena;
+  const StepHooks& hooks;
 
  private:
   const ActivationPolicy policy_;

@@ -16,7 +16,7 @@ class FullSchedule : public Schedule {
 
   StepStats step(LlamaModel& model, const Batch& batch, const ParamSet& grads, double normaliser, uint64_t) override {
     StepFrame f(*this, store_, model, batch, normaliser);
-    const double loss = f.backprop(0, batch.T(), grads);
+    const double loss = f.backprop(0, batch.T(), grads, 1.0, /*last=*/true);
     return f.finish(loss, /*chunks=*/1, /*visited=*/1);
   }
 

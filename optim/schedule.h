@@ -18,6 +18,7 @@
 #include "engine/memory.h"
 #include "model/llama.h"
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -83,6 +84,18 @@ struct StepStats {
   size_t kv_bytes_moved = 0;         // with offload_window: host <-> device bytes copied during the step
 };
 
+// What a step needs from outside its process when it is one rank of a data-parallel group
+// (parallel/data_parallel.h sets them for a step; empty: one process, nothing called).
+struct StepHooks {
+  // Given to the step's LAST chunk backward, the one after which no gradient changes (full,
+  // checkpointed: the only chunk; seco: the first chunk, which the reverse sweep runs last; spaco: the
+  // earliest visited chunk), so the gradient reduction can start while that backward still runs.
+  GradsFinalFrom grads_final;
+  // Sums a few host values over the ranks, in place (spaco, stratified: the per-chunk counts of
+  // supervised labels, so every rank draws its sample from the strata of the global batch).
+  std::function<void(std::vector<double>&)> sum_over_ranks;
+};
+
 class Schedule {
  public:
   explicit Schedule(const ScheduleOptions& options) : options_(options) {}
@@ -93,6 +106,9 @@ class Schedule {
   virtual StepStats step(LlamaModel& model, const Batch& batch, const ParamSet& grads, double normaliser = 0,
                          uint64_t step_index = 0) = 0;
   const ScheduleOptions& options() const { return options_; }
+  // The hooks the following steps call (until set again).
+  void set_hooks(StepHooks hooks) { hooks_ = std::move(hooks); }
+  const StepHooks& hooks() const { return hooks_; }
   Arena& arena() { return arena_; }
   // The schedule's arena, rebuilt on `device` when it is elsewhere (a step on a GPU model plans its
   // activations in device memory).
@@ -102,6 +118,7 @@ class Schedule {
 
  protected:
   ScheduleOptions options_;
+  StepHooks hooks_;
   Arena arena_;
 };
 

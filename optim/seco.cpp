@@ -31,7 +31,8 @@ class SecoSchedule : public Schedule {
     const std::vector<int64_t> b = f.sweep_bounds();
     double loss = 0;
     for (size_t i = b.size() - 1; i-- > 0;) {  // 2. chunks last to first
-      loss += f.backprop(b[i], b[i + 1], grads);  // reads dK/dV relayed by later chunks, adds its own
+      // Reads dK/dV relayed by later chunks, adds its own; chunk 0 is the step's last backward.
+      loss += f.backprop(b[i], b[i + 1], grads, 1.0, /*last=*/i == 0);
       f.kv.release_from(b[i]);
     }
     const int64_t k = static_cast<int64_t>(b.size()) - 1;

@@ -25,6 +25,12 @@
 //     weight. scale_relay with factor k/t overcorrects one-hop terms slightly; (k-1)/(t-1) per hop
 //     would make exactly the one-hop terms unbiased, but no per-hop constant fixes all orders.
 //   * The loss it reports is exact: the prefill computes every chunk's loss.
+//
+// Data parallel: every rank runs t chunk backwards, the same t chunks. The sample depends only on
+// (seed, step) and, stratified, on which chunks hold a supervised label anywhere in the global batch
+// (the per-chunk label counts summed over the ranks through StepHooks::sum_over_ranks). Every rank
+// has the same T and options, hence the same k and t, and draws the sample one process would draw on
+// the ranks' batches concatenated, so DP spaco equals that process's spaco (to rounding).
 #include "engine/random.h"
 #include "optim/chunks.h"
 
@@ -45,13 +51,13 @@ std::vector<int64_t> sample(std::vector<int64_t> items, int64_t take, Rng& rng) 
   return items;
 }
 
-bool chunk_has_labels(const Batch& batch, int64_t t0, int64_t t1) {
+int64_t chunk_labels(const Batch& batch, int64_t t0, int64_t t1) {
   const int64_t T = batch.T();
   const int32_t* lab = batch.labels.tensor.ptr<int32_t>();
+  int64_t n = 0;
   for (int64_t b = 0; b < batch.B(); ++b)
-    for (int64_t t = t0; t < t1; ++t)
-      if (lab[b * T + t] != -100) return true;
-  return false;
+    for (int64_t t = t0; t < t1; ++t) n += lab[b * T + t] != -100;
+  return n;
 }
 
 class SpacoSchedule : public Schedule {
@@ -66,6 +72,8 @@ class SpacoSchedule : public Schedule {
     const int64_t k = static_cast<int64_t>(b.size()) - 1;
     const int64_t t = options_.keep > 0 ? std::min(options_.keep, k) : k;
     const std::vector<double> weight = choose(batch, b, t, step_index);  // 0: not visited; else the loss weight
+    int64_t earliest = 0;  // the earliest visited chunk: the sweep's last backward
+    while (weight[static_cast<size_t>(earliest)] == 0.0) ++earliest;
 
     const double relay_factor = static_cast<double>(k) / static_cast<double>(t);
     double cumulative_relay = 1.0;
@@ -82,7 +90,7 @@ class SpacoSchedule : public Schedule {
         }
         scale_relay(f.kv, model.config().num_hidden_layers, s, e, factor);
       }
-      f.backprop(s, e, grads, weight[static_cast<size_t>(i)]);
+      f.backprop(s, e, grads, weight[static_cast<size_t>(i)], /*last=*/i == earliest);
       f.kv.release_from(s);
       later_visited = true;
     }
@@ -108,10 +116,13 @@ class SpacoSchedule : public Schedule {
     Rng rng(mix64(options_.seed) ^ mix64(step_index + 0x9e37));
     std::vector<std::vector<int64_t>> strata(1);
     if (options_.stratified) {
-      strata.assign(2, {});
+      std::vector<double> labels(static_cast<size_t>(k));
       for (int64_t i = 0; i < k; ++i)
-        strata[chunk_has_labels(batch, bounds[static_cast<size_t>(i)], bounds[static_cast<size_t>(i) + 1]) ? 0 : 1]
-            .push_back(i);
+        labels[static_cast<size_t>(i)] =
+            static_cast<double>(chunk_labels(batch, bounds[static_cast<size_t>(i)], bounds[static_cast<size_t>(i) + 1]));
+      if (hooks_.sum_over_ranks) hooks_.sum_over_ranks(labels);  // the global batch's strata
+      strata.assign(2, {});
+      for (int64_t i = 0; i < k; ++i) strata[labels[static_cast<size_t>(i)] > 0 ? 0 : 1].push_back(i);
     } else {
       for (int64_t i = 0; i < k; ++i) strata[0].push_back(i);
     }

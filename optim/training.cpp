@@ -13,12 +13,21 @@ namespace {
 DType master_dtype_for(DType compute) { return compute == DType::bf16 ? DType::f32 : compute; }
 }  // namespace
 
-TrainingState::TrainingState(const LlamaConfig& config, DType compute, Device device, const AdamWOptions& options)
+TrainingState::TrainingState(const LlamaConfig& config, DType compute, Device device, const AdamWOptions& options,
+                             bool full_optimizer)
     : model_(config, compute, device),
       master_(compute == DType::bf16 ? std::optional<ParamSet>(ParamSet(config, DType::f32, device)) : std::nullopt),
       grads_(config, master_dtype_for(compute), device),
-      adamw_(master_ ? *master_ : model_.params(), options) {
+      adamw_options_(options) {
   CW_CHECK(compute != DType::bf16 || !device.is_cpu(), "bf16 training needs the GPU backend");
+  options.validate();
+  if (full_optimizer) adamw_.emplace(master_ ? *master_ : model_.params(), options);
+}
+
+AdamW& TrainingState::optimizer() {
+  CW_CHECK(adamw_, "the optimizer state is sharded (parallel.zero > 0): each rank's shard is the data-parallel "
+                   "group's (parallel/data_parallel.h)");
+  return *adamw_;
 }
 
 void TrainingState::sync_compute_copy() {
@@ -57,7 +66,7 @@ ParamSet TrainingState::master_on_host() const {
 }
 
 void TrainingState::optimizer_step(double lr) {
-  adamw_.step(master(), grads_, lr, master_ ? &model_.params() : nullptr);
+  optimizer().step(master(), grads_, lr, master_ ? &model_.params() : nullptr);
 }
 
 size_t MemoryReport::other() const {
@@ -84,7 +93,7 @@ MemoryReport memory_report(const TrainingState& st, size_t activation_high_water
   r.weights = st.model().params().bytes();
   const bool separate_master = &st.master() != &st.model().params();
   r.master = separate_master ? st.master().bytes() : 0;
-  r.optimizer = st.master().bytes() * 2;  // exp_avg and exp_avg_sq
+  r.optimizer = st.has_full_optimizer() ? st.master().bytes() * 2 : 0;  // exp_avg and exp_avg_sq (ZeRO: the group's)
   r.gradients = st.grads().bytes();
   r.activations = activation_high_water;
   r.kv = kv_bytes;

@@ -8,7 +8,9 @@
 //   gradients        f32 (f64 in f64 mode), accumulated over chunks and micro-batches
 //   AdamW moments    the master weights' dtype
 // Everything lives on `device`. Checkpoints read and write the master weights through host copies,
-// so a bf16 GPU run saves f32 weights and resumes bit-exactly.
+// so a bf16 GPU run saves f32 weights and resumes bit-exactly. With ZeRO (parallel/data_parallel.h)
+// the state is built without the full AdamW moments (full_optimizer = false): each rank keeps the
+// moments of its own shard there, and updates through optimizer_step are refused.
 #pragma once
 
 #include "model/llama.h"
@@ -22,14 +24,17 @@ namespace cw {
 
 class TrainingState {
  public:
-  TrainingState(const LlamaConfig& config, DType compute, Device device, const AdamWOptions& options);
+  TrainingState(const LlamaConfig& config, DType compute, Device device, const AdamWOptions& options,
+                bool full_optimizer = true);
 
   LlamaModel& model() { return model_; }
   const LlamaModel& model() const { return model_; }
   const ParamSet& master() const { return master_ ? *master_ : model_.params(); }
   ParamSet& master() { return master_ ? *master_ : model_.params(); }
   const ParamSet& grads() const { return grads_; }
-  AdamW& optimizer() { return adamw_; }
+  AdamW& optimizer();  // throws when the state was built without it (ZeRO)
+  bool has_full_optimizer() const { return adamw_.has_value(); }
+  const AdamWOptions& adamw_options() const { return adamw_options_; }
   Device device() const { return model_.device(); }
   DType master_dtype() const { return master().dtype(); }
 
@@ -45,14 +50,15 @@ class TrainingState {
   ParamSet master_on_host() const;
   // One AdamW step on the accumulated gradients (updates master and compute weights).
   void optimizer_step(double lr);
-
- private:
+  // The compute weights from the master weights (bf16 rounding; nothing when they are the same set).
   void sync_compute_copy();
 
+ private:
   LlamaModel model_;
   std::optional<ParamSet> master_;
   ParamSet grads_;
-  AdamW adamw_;
+  AdamWOptions adamw_options_;
+  std::optional<AdamW> adamw_;
 };
 
 // Bytes by category, for the memory report of train and bench. activations and kv come from the

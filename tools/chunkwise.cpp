@@ -31,10 +31,12 @@ int main(int argc, char** argv) {
   gradcheck->add_option("--batch", gc.batch, "sequences")->capture_default_str();
   gradcheck->add_option("--dtype", gc.dtype, "f64 | f32")->capture_default_str();
   cw::add_schedule_flags(*gradcheck, gc.schedule);
-  cw::add_option_flags(*gradcheck, cw::bind_options("parallel", cw::parallel_option_table(), gc.parallel));
+  cw::add_parallel_flags(*gradcheck, gc.parallel);
+  gradcheck->add_option("--optimizer-steps", gc.optimizer_steps, "against single: AdamW steps before the parameters are compared")
+      ->capture_default_str();
   gradcheck->add_option("--against", gc.against,
-                        "fd | full | single (default: single with --tp > 1, else fd for full, full otherwise)");
-  gradcheck->add_option("--tol", gc.tol, "fail above this max_rel_err (default 1e-7 fd, 1e-12 full in f64)");
+                        "fd | full | single (default: single with --dp or --tp > 1, else fd for full, full otherwise)");
+  gradcheck->add_option("--tol", gc.tol, "fail above this max_rel_err (default 1e-7 fd, 1e-12 full and single in f64)");
   gradcheck->add_option("--directions", gc.directions, "random directions per tensor (fd)")->capture_default_str();
   gradcheck->add_option("--step", gc.step, "finite-difference step along a unit direction")->capture_default_str();
   gradcheck->add_option("--seed", gc.seed, "seed of the init, batch and directions")->capture_default_str();

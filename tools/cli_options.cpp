@@ -40,6 +40,10 @@ void add_schedule_flags(CLI::App& app, ScheduleOptions& schedule, std::initializ
   add_option_flags(app, bind_options("schedule", schedule_option_table(), schedule), except);
 }
 
+void add_parallel_flags(CLI::App& app, ParallelOptions& parallel, std::initializer_list<std::string_view> except) {
+  add_option_flags(app, bind_options("parallel", parallel_option_table(), parallel), except);
+}
+
 void copy_given_flags(const std::vector<CLI::Option*>& flags, const std::vector<OptionRef>& given,
                       const std::vector<OptionRef>& into) {
   CW_CHECK(flags.size() == given.size() && given.size() == into.size(), "copy_given_flags: {} flags, {} and {} options",

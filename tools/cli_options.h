@@ -25,6 +25,9 @@ std::vector<CLI::Option*> add_option_flags(CLI::App& app, const std::vector<Opti
 // The schedule's flags (--schedule, --chunk, ..., spaco's included), writing into `schedule`.
 void add_schedule_flags(CLI::App& app, ScheduleOptions& schedule, std::initializer_list<std::string_view> except = {});
 
+// The data/tensor-parallel flags (--dp, --zero, --bucket-mb, ...), writing into `parallel`.
+void add_parallel_flags(CLI::App& app, ParallelOptions& parallel, std::initializer_list<std::string_view> except = {});
+
 // For each option whose flag was given on the command line, copies its value from `given` (where
 // the flags wrote) into `into` (the same options bound to another instance, in the same order).
 void copy_given_flags(const std::vector<CLI::Option*>& flags, const std::vector<OptionRef>& given,

@@ -8,14 +8,23 @@
 //   against full (default for seco / spaco): the schedule's gradients against the full schedule's on
 //                the same model and batch; rel_err = ||a - b||_2 / ||b||_2 per tensor (worst element
 //                shown), and a row for the loss.
-//   against single (default with --tp > 1): the schedule run by --tp ranks, threads of the CPU
-//                communicator, each holding its shard of the same initial model (parallel/
-//                tensor_parallel.h), against the same schedule in one process. The ranks' gradients
-//                are assembled into the full tensors (the replicated ones must be bitwise equal on
-//                every rank: checked) and compared as against full; rel_err per tensor and the loss.
-//                Each rank's activation high-water mark and its reusable buffer's use are printed.
+//   against single (default with --dp N > 1): N data-parallel ranks as threads of the CPU backend
+//                (parallel/comm.h), each with batch / N of the --batch sequences, against one process
+//                on the whole batch, both under the same schedule: the loss and every gradient of
+//                the first step (with ZeRO 2 assembled from the ranks' shards), then every parameter
+//                after --optimizer-steps AdamW steps (the same batch each step). The ranks must hold
+//                bitwise the same parameters; with --zero 1|2 the run is repeated with zero 0 and the
+//                parameters must be bitwise identical to it. spaco: every rank draws the sample one
+//                process draws on the whole batch (optim/spaco.cpp), so the estimators are compared
+//                exactly like the exact schedules.
+//                With --tp N > 1 instead: N tensor-parallel ranks as threads, each holding its shard
+//                of the same initial model (parallel/tensor_parallel.h; --sequence-parallel,
+//                --tp-regather), run the schedule on the whole batch; their gradients of one step,
+//                assembled into the full tensors, and the loss against one process's. The replicated
+//                gradients and the loss must be the same bits on every rank. Each rank's activation
+//                high-water mark and reusable-buffer use are printed. (--dp with --tp: not yet.)
 // The run fails (non-zero exit) when max_rel_err exceeds --tol (1e-7 against fd, 1e-12 against full
-// or single in f64).
+// and single in f64).
 #pragma once
 
 #include "optim/options.h"
@@ -32,9 +41,10 @@ struct GradcheckOptions {
   int64_t batch = 1;
   std::string dtype = "f64";
   ScheduleOptions schedule;        // name, chunk, bwd_chunk, keep, ...
-  std::string against;             // "fd" | "full" | "single"; empty: single with tp > 1, else fd for full,
+  ParallelOptions parallel;        // dp, zero, bucket_mb; tp, sequence_parallel, tp_regather (against single)
+  int optimizer_steps = 3;         // against single: AdamW steps before the parameters are compared
+  std::string against;             // "fd" | "full" | "single"; empty: single with --dp or --tp > 1, else fd for full,
                                    // full otherwise
-  ParallelOptions parallel;        // tp, sequence_parallel, tp_regather (--tp, ...) for --against single
   double tol = -1;                 // < 0: the default for the comparison
   int directions = 3;              // random directions per tensor (fd)
   double step = 1e-3;              // fd step h along a unit direction

@@ -241,7 +241,7 @@ TEST_CASE("tensor parallel: TP = 2 and 4 equal one process to 1e-12 (gradcheck -
         INFO(out.str());
         CHECK(rc == 0);
         CHECK(max_rel_err(out.str()) <= test::kSameMathF64Tol);
-        CHECK(out.str().find("bitwise equal on every tp rank: yes") != std::string::npos);
+        CHECK(out.str().find("ranks hold bitwise the same replicated gradients and loss: yes") != std::string::npos);
       }
 }
 
@@ -351,7 +351,7 @@ TEST_CASE("tensor parallel: bad input fails with one line naming the option") {
   // train does not start tensor-parallel ranks: it says so rather than running one process.
   RunConfig rc = RunConfig::defaults();
   rc.apply_override("parallel.tp=2");
-  CHECK_THROWS_WITH_AS(rc.validate(), doctest::Contains("parallel.tp = 2: chunkwise train runs one process"), Error);
+  CHECK_THROWS_WITH_AS(rc.validate(), doctest::Contains("parallel.tp = 2, parallel.dp = 1: chunkwise train runs one process"), Error);
   // Sequence parallelism with a chunk of 2 x 3 tokens over 4 ranks.
   GradcheckOptions o;
   o.model = "tiny-tp";
