@@ -22,7 +22,7 @@ void* allocate(size_t bytes, Device where, bool pinned_host) {
 }
 size_t total_bytes(const std::vector<Residency::Span>& spans) {
   size_t n = 0;
-  for (const Residency::Span& sp : spans) n += sp.bytes;
+  for (const Residency::Span& sp : spans) n += sp.zero ? 0 : sp.bytes;  // bytes moved
   return n;
 }
 void release(void* p, Device where, bool pinned_host) {
@@ -88,6 +88,15 @@ void Residency::copy(void* dst, const void* src, size_t bytes, size_t slot) {
   slot_ticket_[slot] = gpu::copy_on_side_stream(dst, src, bytes, device_.index);
 }
 
+void Residency::zero(void* dst, size_t bytes, size_t slot) {
+  if (bytes == 0) return;
+  if (device_.is_cpu()) {
+    std::memset(dst, 0, bytes);
+    return;
+  }
+  slot_ticket_[slot] = gpu::zero_on_side_stream(dst, bytes, device_.index);
+}
+
 bool Residency::fetch(int item, const std::vector<Span>& spans) {
   CW_CHECK(item >= 0 && item < items(), "residency: no item {}", item);
   int s = slot_of_[static_cast<size_t>(item)];
@@ -105,8 +114,11 @@ bool Residency::fetch(int item, const std::vector<Span>& spans) {
   for (const Span& sp : spans) {
     CW_CHECK(sp.offset + sp.bytes <= part_bytes_[static_cast<size_t>(sp.part)], "residency: span beyond part {}",
              sp.part);
-    copy(static_cast<char*>(device(item, sp.part)) + sp.offset, static_cast<const char*>(host(item, sp.part)) + sp.offset,
-         sp.bytes, static_cast<size_t>(s));
+    char* dst = static_cast<char*>(device(item, sp.part)) + sp.offset;
+    if (sp.zero)
+      zero(dst, sp.bytes, static_cast<size_t>(s));
+    else
+      copy(dst, static_cast<const char*>(host(item, sp.part)) + sp.offset, sp.bytes, static_cast<size_t>(s));
   }
   return was_resident;
 }

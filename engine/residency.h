@@ -6,7 +6,9 @@
 // "resident". The caller moves bytes at named points:
 //   fetch(item, spans)   make the item resident (taking the least recently used other slot; nothing is
 //                        written back implicitly: the caller stores what it changed) and copy the
-//                        spans host -> device;
+//                        spans host -> device; a span marked `zero` is a home whose bytes are logical
+//                        zeros (the caller has not written it since it last cleared it): its device
+//                        bytes are set to zero instead, so the home is never cleared or read;
 //   ready(item)          the compute stream waits until every copy into or out of the item's slot
 //                        has finished (call it before compute reads or overwrites the slot);
 //   store(item, spans)   copy the spans device -> host behind the compute queued so far.
@@ -33,6 +35,7 @@ class Residency {
   struct Span {
     int part;
     size_t offset, bytes;  // within the part
+    bool zero = false;     // fetch: set the device bytes to zero instead of copying the home's
   };
 
   // `what` names an item in traces (engine/trace.h): "kv layer" gives copies "fetch kv layer 3".
@@ -61,10 +64,11 @@ class Residency {
   size_t item_bytes() const;
   size_t host_bytes() const { return item_bytes() * static_cast<size_t>(items()); }
   size_t device_bytes() const { return item_bytes() * static_cast<size_t>(slots()); }
-  size_t bytes_moved() const { return bytes_moved_; }  // host <-> device, since construction
+  size_t bytes_moved() const { return bytes_moved_; }  // host <-> device, since construction (zeroed spans not)
 
  private:
   void copy(void* dst, const void* src, size_t bytes, size_t slot);
+  void zero(void* dst, size_t bytes, size_t slot);
 
   Device device_;
   const char* what_;

@@ -113,4 +113,19 @@ void check_same_device(const Tensor& a, const Tensor& b, const char* what_a, con
            device_name(b.device));
 }
 
+void check_same_device(std::initializer_list<NamedTensor> operands) {
+  const NamedTensor& first = *operands.begin();
+  for (const NamedTensor& o : operands)
+    if (o.tensor != nullptr) check_same_device(*o.tensor, *first.tensor, o.name, first.name);
+}
+
+void check_packed_same_device(std::initializer_list<NamedTensor> operands) {
+  for (const NamedTensor& o : operands) {
+    if (o.tensor == nullptr) continue;
+    CW_CHECK(o.tensor->defined(), "{} {} has no data", o.name, o.tensor->describe());
+    check_contiguous(*o.tensor, o.name);
+  }
+  check_same_device(operands);
+}
+
 }  // namespace cw

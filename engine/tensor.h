@@ -85,6 +85,22 @@ void check_dtype(const Tensor& t, DType expected, const char* what);
 void check_contiguous(const Tensor& t, const char* what);
 void check_same_device(const Tensor& a, const Tensor& b, const char* what_a, const char* what_b);
 
+// An op's operand in the list checks below: the tensor and its name in messages ("rmsnorm weight").
+// A null tensor is an optional operand the call does not pass (a skipped gradient): it is skipped.
+struct NamedTensor {
+  const Tensor* tensor;
+  const char* name;
+  NamedTensor(const Tensor& t, const char* n) : tensor(&t), name(n) {}
+  NamedTensor(const Tensor* t, const char* n) : tensor(t), name(n) {}
+  // An optional operand: given when it has data (a Tensor{} passed for a gradient not wanted is not).
+  static NamedTensor optional(const Tensor& t, const char* n) { return {t.data != nullptr ? &t : nullptr, n}; }
+};
+// Every operand on the device of the first (which must be given): what lets an op entry dispatch on
+// one tensor's device.
+void check_same_device(std::initializer_list<NamedTensor> operands);
+// Every operand with its data (a pointer, or no elements), contiguous, and on the device of the first.
+void check_packed_same_device(std::initializer_list<NamedTensor> operands);
+
 // How an op writes an input gradient: overwrite the buffer, or add into it (the residual stream,
 // and any gradient that several consumers feed). Parameter gradients always accumulate.
 enum class GradMode : uint8_t { overwrite, accumulate };

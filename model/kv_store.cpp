@@ -1,7 +1,6 @@
 #include "model/kv_store.h"
 
 #include <algorithm>
-#include <cstring>
 
 namespace cw {
 
@@ -22,6 +21,7 @@ KVStore::KVStore(const LlamaConfig& c, int64_t batch, int64_t tokens, DType dtyp
     dev_kv_end_.assign(static_cast<size_t>(L_), 0);
     dev_grad_end_.assign(static_cast<size_t>(L_), 0);
     host_kv_end_.assign(static_cast<size_t>(L_), 0);
+    host_grad_end_.assign(static_cast<size_t>(L_), 0);
     dev_out_.assign(static_cast<size_t>(L_), {0, 0});
     return;
   }
@@ -99,6 +99,16 @@ std::vector<Residency::Span> KVStore::output_spans(int64_t t0, int64_t t1) const
   return out;
 }
 
+std::vector<Residency::Span> KVStore::grad_spans(int layer, int64_t t0, int64_t t1) const {
+  const int64_t written = std::clamp(host_grad_end_[static_cast<size_t>(layer)], t0, t1);
+  std::vector<Residency::Span> out = spans(kDKeys, kDValues, t0, written);
+  for (Residency::Span sp : spans(kDKeys, kDValues, written, t1)) {
+    sp.zero = true;
+    out.push_back(sp);
+  }
+  return out;
+}
+
 // Adds the saved outputs [t0, t1) to `need` unless the layer's slot holds them already.
 void KVStore::fetch_outputs(int layer, int64_t t0, int64_t t1, std::vector<Residency::Span>& need) {
   auto& have = dev_out_[static_cast<size_t>(layer)];
@@ -131,7 +141,7 @@ void KVStore::begin_layer(int layer, Use use, int64_t t0, int64_t t1) {
   std::vector<Residency::Span> need;
   if (dev_kv_end_[l] < kv_end) need = spans(kKeys, kValues, dev_kv_end_[l], kv_end);
   if (use == Use::backward && dev_grad_end_[l] < t1) {
-    const auto g = spans(kDKeys, kDValues, dev_grad_end_[l], t1);
+    const auto g = grad_spans(layer, dev_grad_end_[l], t1);
     need.insert(need.end(), g.begin(), g.end());
   }
   if (use == Use::backward && with_outputs_) fetch_outputs(layer, t0, t1, need);
@@ -167,7 +177,7 @@ void KVStore::prefetch(int layer, Use use, int64_t t0, int64_t t1) {
   std::vector<Residency::Span> need;
   if (dev_kv_end_[l] < kv_end) need = spans(kKeys, kValues, dev_kv_end_[l], kv_end);
   if (use == Use::backward && dev_grad_end_[l] < live_end_) {
-    const auto g = spans(kDKeys, kDValues, dev_grad_end_[l], live_end_);
+    const auto g = grad_spans(layer, dev_grad_end_[l], live_end_);
     need.insert(need.end(), g.begin(), g.end());
   }
   if (use == Use::backward && with_outputs_ && t1 <= outputs_end_) fetch_outputs(layer, t0, t1, need);
@@ -196,16 +206,16 @@ void KVStore::end_layer(int layer, Use use, int64_t t0, int64_t t1) {
     host_kv_end_[l] = std::max(host_kv_end_[l], t1);
   } else {
     res_->store(layer, spans(kDKeys, kDValues, 0, t1));  // every key up to t1 got its share of dK, dV
+    host_grad_end_[l] = std::max(host_grad_end_[l], t1);
   }
 }
 
 void KVStore::zero_grads() {
   if (!with_grads_) return;
   if (res_) {
-    res_->wait_idle();  // copies in flight may still write the host copies
-    for (int64_t l = 0; l < L_; ++l)
-      for (Part p : {kDKeys, kDValues})
-        std::memset(res_->host(static_cast<int>(l), p), 0, row_bytes(p) * static_cast<size_t>(B_ * T_));
+    // The homes become logical zeros (nothing is cleared in host memory: the next fetch zeroes the
+    // device rows); the slots are forgotten, so the next backward fetches (zeroes) its rows afresh.
+    std::fill(host_grad_end_.begin(), host_grad_end_.end(), 0);
     res_->evict_all();
     return;
   }

@@ -92,6 +92,8 @@ class KVStore {
   size_t part_bytes(Part part) const { return row_bytes(part) * static_cast<size_t>(B_ * T_); }
   std::vector<Residency::Span> spans(Part first, Part last, int64_t t0, int64_t t1) const;
   std::vector<Residency::Span> output_spans(int64_t t0, int64_t t1) const;  // O and lse rows [t0, t1)
+  // dK, dV rows [t0, t1) of `layer` to fetch: copied where the home was written, zeroed beyond.
+  std::vector<Residency::Span> grad_spans(int layer, int64_t t0, int64_t t1) const;
   void fetch_outputs(int layer, int64_t t0, int64_t t1, std::vector<Residency::Span>& need);
   void prefetch(int layer, Use use, int64_t t0, int64_t t1);
 
@@ -104,6 +106,9 @@ class KVStore {
   std::vector<HostBuffer> bufs_[kParts];  // without offload: [part][layer] on `device`
   std::unique_ptr<Residency> res_;        // with offload
   std::vector<int64_t> dev_kv_end_, dev_grad_end_, host_kv_end_;  // rows [0, end) current, per layer
+  // Host dK, dV rows [0, end) hold what a backward wrote; the rows beyond are logical zeros (the
+  // home is not cleared between steps: fetching them zeroes the device rows instead of copying).
+  std::vector<int64_t> host_grad_end_;
   std::vector<std::pair<int64_t, int64_t>> dev_out_;               // saved-output rows current in the slot
 };
 

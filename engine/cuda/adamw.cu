@@ -45,13 +45,11 @@ __global__ void adamw_kernel(float* __restrict__ p, float* __restrict__ m, float
 
 void adamw_update(const Tensor& param, const Tensor& exp_avg, const Tensor& exp_avg_sq, const Tensor& grad,
                   const Tensor& compute_copy, const AdamWHyper& h) {
-  // The public op (engine/ops/adamw_update.cpp) has checked shapes, devices and contiguity; these
-  // are the GPU's own dtype rules.
-  check_dtype(param, DType::f32, "adamw_update param (GPU)");
-  check_dtype(exp_avg, DType::f32, "adamw_update exp_avg (GPU)");
-  check_dtype(exp_avg_sq, DType::f32, "adamw_update exp_avg_sq (GPU)");
-  check_dtype(grad, DType::f32, "adamw_update grad (GPU)");
-  if (compute_copy.data) check_dtype(compute_copy, DType::bf16, "adamw_update compute_copy (GPU)");
+  // The public op (engine/ops/adamw_update.cpp) has checked the contract (shapes, the moments in the
+  // param's dtype, a bf16 copy, layout, device); this kernel's own limit is f32 master weights and
+  // gradients (exp_avg and exp_avg_sq follow the param).
+  check_dtype(param, DType::f32, "adamw_update param (the GPU master weights are f32)");
+  check_dtype(grad, DType::f32, "adamw_update grad (GPU parameter gradients are f32)");
   const int64_t n = param.numel();
   if (n == 0) return;
 

@@ -1,5 +1,5 @@
 // Flash attention, host side: the entry points gpu::flash_attention_forward/backward (engine/cuda/ops.h)
-// check the operands, build the Problem and run the family the chooser named (FlashFamily):
+// check the kernels' own limits, build the Problem and run the family the chooser named (FlashFamily):
 //   simt   attention_flash_simt.cu    f32/bf16, even D <= 128
 //   mma    attention_flash_mma.cu     bf16, D 64/128, mma.sync (sm_80+)
 //   wgmma  attention_flash_wgmma.cu   bf16, D 64/128, warpgroup MMA (sm_90a builds on CC 9.0)
@@ -94,35 +94,14 @@ const char* family_name(FlashFamily f) {
   return f == FlashFamily::wgmma ? "wgmma" : f == FlashFamily::mma ? "mma" : "simt";
 }
 
-void check_kv_layout(const Tensor& t, int64_t Hkv, int64_t D, const char* what) {
-  CW_CHECK(t.stride[1] == Hkv * D && t.stride[2] == D && t.stride[3] == 1 && t.stride[0] >= t.size(1) * Hkv * D,
-           "flash attention {} {}: the [S, Hkv, D] part must be packed (only the batch stride may be larger)", what,
-           t.describe());
-}
-
-Problem check_common(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k, const Tensor& v,
-                     double scale) {
-  CW_CHECK(q.ndim == 4 && k.ndim == 4, "flash attention: q {} and k {} must be [B, c, H, D] and [B, S, Hkv, D]",
-           q.describe(), k.describe());
+// The op's contract (shapes, GQA, dtypes, layouts, devices) is checked by the public entry
+// (engine/ops/attention.cpp); what is checked here is the flash kernels' own: f32 or bf16, an even
+// head dim of at most 128, the grid; the tensor-core families' alignment below.
+Problem check_common(const Tensor& q, const Tensor& k, const Tensor& v, double scale) {
   const int64_t B = q.size(0), c = q.size(1), H = q.size(2), D = q.size(3), S = k.size(1), Hkv = k.size(2);
-  CW_CHECK(S >= c, "flash attention: {} queries but only {} keys (keys must cover [0, p + c))", c, S);
-  CW_CHECK(Hkv > 0 && H % Hkv == 0, "flash attention: {} query heads not a multiple of {} K/V heads", H, Hkv);
   CW_CHECK(D > 0 && D % 2 == 0 && D <= 128, "flash attention: head dim {} must be even and at most 128", D);
   CW_CHECK(q.dtype == DType::f32 || q.dtype == DType::bf16, "flash attention: q is {}; the GPU computes in f32 or bf16",
            dtype_name(q.dtype));
-  check_shape(k, {B, S, Hkv, D}, "flash attention k");
-  check_same_shape(v, k, "flash attention v", "flash attention k");
-  check_same_shape(out, q, "flash attention out", "flash attention q");
-  check_shape(saved.lse, {B, H, c}, "flash attention saved lse");
-  check_dtype(saved.lse, DType::f32, "flash attention saved lse (f32 on the GPU)");
-  for (const Tensor* t : {&k, &v, &out}) check_dtype(*t, q.dtype, "flash attention k/v/out");
-  check_contiguous(q, "flash attention q");
-  check_contiguous(out, "flash attention out");
-  check_contiguous(saved.lse, "flash attention saved lse");
-  check_kv_layout(k, Hkv, D, "k");
-  check_kv_layout(v, Hkv, D, "v");
-  for (const Tensor* t : {&q, &k, &v, &out, &saved.lse})
-    check_device_operand(*t, q, "flash attention q/k/v/out/lse", "attention q", /*contiguous=*/false);
   // Grids: (query or key blocks of at least 16) x heads x batch CTAs in one dimension (tensor-core
   // path), blocks x H x B (generic path).
   CW_CHECK((S + 15) / 16 * H * B < (int64_t(1) << 31) && B < 65536 && H < 65536 && S < (int64_t(1) << 30),
@@ -166,7 +145,7 @@ bool flash_wgmma_available(int device) {
 
 void flash_attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
                              const Tensor& v, double scale, FlashFamily family) {
-  const Problem pr = check_common(out, saved, q, k, v, scale);
+  const Problem pr = check_common(q, k, v, scale);
   if (pr.B == 0 || pr.c == 0 || pr.H == 0) return;
   cudaStream_t stream = current_stream(q.device.index);
   if (family != FlashFamily::simt) {
@@ -193,22 +172,7 @@ void flash_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor
                               const AttentionSaved& saved, const Tensor& q, const Tensor& k, const Tensor& v,
                               const Tensor& out, double scale, GradMode mode, Arena& scratch, FlashFamily family,
                               bool deterministic) {
-  Problem pr = check_common(out, saved, q, k, v, scale);
-  check_same_shape(d_q, q, "flash attention d_q", "flash attention q");
-  check_same_shape(d_out, q, "flash attention d_out", "flash attention q");
-  check_dtype(d_q, q.dtype, "flash attention d_q");
-  check_dtype(d_out, q.dtype, "flash attention d_out");
-  check_contiguous(d_q, "flash attention d_q");
-  check_contiguous(d_out, "flash attention d_out");
-  for (const Tensor* t : {&d_k, &d_v}) {
-    check_same_shape(*t, k, "flash attention d_k/d_v", "flash attention k");
-    check_dtype(*t, DType::f32, "flash attention d_k/d_v (f32 on the GPU)");
-    check_kv_layout(*t, pr.Hkv, pr.D, "d_k/d_v");
-  }
-  for (const Tensor* t : {&d_q, &d_out, &d_k, &d_v})
-    check_device_operand(*t, q, "flash attention d_q/d_out/d_k/d_v", "attention q", /*contiguous=*/false);
-  CW_CHECK(scratch.device() == q.device, "flash attention backward: scratch is on {}, the operands on {}",
-           device_name(scratch.device()), device_name(q.device));
+  Problem pr = check_common(q, k, v, scale);
   if (pr.B == 0 || pr.c == 0 || pr.H == 0) return;
   pr.dk_batch = d_k.stride[0], pr.dv_batch = d_v.stride[0];
   pr.accumulate = mode == GradMode::accumulate;

@@ -1,5 +1,6 @@
 // Internal to engine/cuda: check macros, the current stream, element conversions, launch helpers,
-// 16-byte vector access (Vec16), the operand check and the device guard.
+// 16-byte vector access (Vec16) and the device guard. (Operands are checked by the public op entries
+// in engine/ops/ before they dispatch here.)
 #pragma once
 
 #include "engine/error.h"
@@ -112,15 +113,6 @@ template <class T> struct Vec16 {
     return r;
   }
 };
-
-// A GPU op's operand: on a GPU, on the same device as `ref` (called `ref_name` in the message), and
-// contiguous unless the caller checks its layout itself (`contiguous` false).
-inline void check_device_operand(const Tensor& t, const Tensor& ref, const char* what, const char* ref_name,
-                                 bool contiguous = true) {
-  CW_CHECK(!t.device.is_cpu(), "{} is on {}; the GPU op needs it on a GPU", what, device_name(t.device));
-  check_same_device(t, ref, what, ref_name);
-  if (contiguous) check_contiguous(t, what);
-}
 
 // Makes `device` current for the scope (kernel launches and cuBLASLt calls go to the current
 // device's context) and restores the previous device after.

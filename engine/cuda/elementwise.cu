@@ -43,9 +43,6 @@ namespace cw::gpu {
 
 namespace {
 
-// How the operand checks name the tensor every other operand must share a device with.
-constexpr const char* kFirstOperand = "the op's first operand";
-
 constexpr int kThreads = 256;
 constexpr int64_t kMaxBlocks = 65536;
 
@@ -149,25 +146,6 @@ __global__ void rope_vec_kernel(T* y, const T* x, const float* cos, const float*
     store_f32(y + base + j, y1);
     store_f32(y + base + half + j, y2);
   }
-}
-
-void check_rope(const Tensor& y, const Tensor& x, const Tensor& cos, const Tensor& sin, int64_t pos0,
-                const char* op) {
-  check_same_shape(y, x, "rope out / d_x", "rope in / d_out");
-  CW_CHECK(x.ndim == 4, "{}: input must be [B, T, H, D], got {}", op, x.describe());
-  CW_CHECK(x.size(3) % 2 == 0, "{}: head dim {} must be even", op, x.size(3));
-  const int64_t Tn = x.size(1), half = x.size(3) / 2;
-  check_shape(cos, {-1, half}, "rope cos table");
-  check_same_shape(sin, cos, "rope sin table", "rope cos table");
-  CW_CHECK(pos0 >= 0 && pos0 + Tn <= cos.size(0), "{}: positions [{}, {}) exceed the table of {} positions", op,
-           pos0, pos0 + Tn, cos.size(0));
-  check_dtype(y, x.dtype, "rope out / d_x");
-  check_dtype(cos, DType::f32, "rope cos table (f32 on the GPU)");
-  check_dtype(sin, DType::f32, "rope sin table (f32 on the GPU)");
-  check_device_operand(x, x, "rope in / d_out", kFirstOperand);
-  check_device_operand(y, x, "rope out / d_x", kFirstOperand);
-  check_device_operand(cos, x, "rope cos table", kFirstOperand);
-  check_device_operand(sin, x, "rope sin table", kFirstOperand);
 }
 
 void rope_launch(const Tensor& y, const Tensor& x, const Tensor& cos, const Tensor& sin, int64_t pos0, float sign,
@@ -287,15 +265,6 @@ __global__ void swiglu_backward_vec_kernel(T* d_gate, T* d_up, const T* d_out, c
   CW_GRID_STRIDE(r, n - nv * kN) swiglu_backward_at(nv * kN + r, d_gate, d_up, d_out, gate, up, accumulate);
 }
 
-void check_same_all(std::initializer_list<const Tensor*> ts, const char* op) {
-  const Tensor& first = **ts.begin();
-  for (const Tensor* t : ts) {
-    check_same_shape(*t, first, op, "its first operand");
-    check_dtype(*t, first.dtype, op);
-    check_device_operand(*t, first, op, kFirstOperand);
-  }
-}
-
 // ---------------------------------------------------------------------------------------------
 // dst = (accumulate ? dst : 0) + a (+ b when given), in the CPU's order; D may be f32 with S bf16.
 template <class D, class S>
@@ -342,19 +311,8 @@ __global__ void add_vec_kernel(D* dst, const S* a, const S* b, int64_t n, bool a
   }
 }
 
-// Checks and launches dst (op)= a (+ b). dst's dtype is a's, or f32 when `f32_dst_ok` (accumulate).
-void add(const Tensor& dst, bool accumulate, const Tensor& a, const Tensor* b, bool f32_dst_ok, const char* op) {
-  check_same_shape(dst, a, op, "its source");
-  CW_CHECK(dst.dtype == a.dtype || (f32_dst_ok && dst.dtype == DType::f32),
-           "{}: destination dtype {} with source dtype {} (allowed: the same dtype, or an f32 destination)", op,
-           dtype_name(dst.dtype), dtype_name(a.dtype));
-  check_device_operand(a, a, op, kFirstOperand);
-  check_device_operand(dst, a, op, kFirstOperand);
-  if (b) {
-    check_same_shape(*b, a, op, "its second source");
-    check_dtype(*b, a.dtype, op);
-    check_device_operand(*b, a, op, kFirstOperand);
-  }
+// Launches dst (op)= a (+ b). dst's dtype is a's, or f32 (accumulate: the op entry allows it).
+void add(const Tensor& dst, bool accumulate, const Tensor& a, const Tensor* b, const char* op) {
   const int64_t n = a.numel();
   if (n == 0) return;
   cudaStream_t stream = current_stream(a.device.index);
@@ -386,20 +344,19 @@ void add(const Tensor& dst, bool accumulate, const Tensor& a, const Tensor* b, b
 
 }  // namespace
 
+// The ops' contracts (shapes, dtypes, layout, device, aliasing) are checked by the public entries
+// (engine/ops/rope.cpp, swiglu.cpp, residual.cpp); what is checked here is this backend's own: f32
+// or bf16 (dispatch_compute).
 void rope_forward(const Tensor& out, const Tensor& x, const Tensor& cos, const Tensor& sin, int64_t pos0) {
-  check_rope(out, x, cos, sin, pos0, "rope_forward");
   rope_launch(out, x, cos, sin, pos0, 1.0f, false, "rope_forward");
 }
 
 void rope_backward(const Tensor& d_x, const Tensor& d_out, const Tensor& cos, const Tensor& sin, int64_t pos0,
                    GradMode mode) {
-  check_rope(d_x, d_out, cos, sin, pos0, "rope_backward");
-  CW_CHECK(mode == GradMode::overwrite || d_x.data != d_out.data, "rope_backward: accumulate needs d_x != d_out");
   rope_launch(d_x, d_out, cos, sin, pos0, -1.0f, mode == GradMode::accumulate, "rope_backward");
 }
 
 void swiglu_forward(const Tensor& out, const Tensor& gate, const Tensor& up) {
-  check_same_all({&gate, &up, &out}, "swiglu_forward");
   const int64_t n = gate.numel();
   if (n == 0) return;
   cudaStream_t stream = current_stream(gate.device.index);
@@ -418,8 +375,6 @@ void swiglu_forward(const Tensor& out, const Tensor& gate, const Tensor& up) {
 
 void swiglu_backward(const Tensor& d_gate, const Tensor& d_up, const Tensor& d_out, const Tensor& gate,
                      const Tensor& up, GradMode mode) {
-  check_same_all({&gate, &up, &d_out, &d_gate, &d_up}, "swiglu_backward");
-  CW_CHECK(d_gate.data != d_up.data || d_gate.empty(), "swiglu_backward: d_gate and d_up must be different buffers");
   const int64_t n = gate.numel();
   if (n == 0) return;
   cudaStream_t stream = current_stream(gate.device.index);
@@ -440,20 +395,16 @@ void swiglu_backward(const Tensor& d_gate, const Tensor& d_up, const Tensor& d_o
 }
 
 void residual_forward(const Tensor& out, const Tensor& x, const Tensor& delta) {
-  add(out, false, x, &delta, false, "residual_forward");
+  add(out, false, x, &delta, "residual_forward");
 }
 
 void residual_backward(const Tensor& d_x, GradMode mode_x, const Tensor& d_delta, GradMode mode_delta,
                        const Tensor& d_out) {
-  if (d_x.data == d_out.data) {
-    // The stream's gradient buffer is passed straight through: nothing to write.
-    CW_CHECK(mode_x == GradMode::overwrite, "residual_backward: d_x aliases d_out, so it cannot also accumulate");
-  } else {
-    add(d_x, mode_x == GradMode::accumulate, d_out, nullptr, false, "residual_backward d_x");
-  }
-  if (d_delta.data) add(d_delta, mode_delta == GradMode::accumulate, d_out, nullptr, false, "residual_backward d_delta");
+  // d_x aliasing d_out: the stream's gradient buffer is passed straight through, nothing to write.
+  if (d_x.data != d_out.data) add(d_x, mode_x == GradMode::accumulate, d_out, nullptr, "residual_backward d_x");
+  if (d_delta.data) add(d_delta, mode_delta == GradMode::accumulate, d_out, nullptr, "residual_backward d_delta");
 }
 
-void accumulate(const Tensor& dst, const Tensor& src) { add(dst, true, src, nullptr, true, "accumulate"); }
+void accumulate(const Tensor& dst, const Tensor& src) { add(dst, true, src, nullptr, "accumulate"); }
 
 }  // namespace cw::gpu

@@ -65,7 +65,7 @@
 // order. Same inputs, same shapes, same bits. The fused op gives the same bits as forward then
 // backward (the same row-kernel code, the same f32 lse value, the same GEMM plans; the tests check it).
 //
-// Aliasing: d_x must not alias x (each block's x rows are read by its d_W GEMM). Scratch memory
+// Aliasing: d_x must not alias x (each block's x rows are read by its d_W GEMM; the op entry checks it). Scratch memory
 // is handed back on return while kernels may still run; anything that reuses the arena launches on
 // the same stream, after them. Everything runs on current_stream(device) of x's device.
 #include "engine/cuda/common.cuh"
@@ -235,54 +235,6 @@ int64_t block_rows_for(int64_t N, int64_t ld, size_t elem_bytes) {
   return std::min(rows, N);
 }
 
-void check_gpu(const Tensor& t, const Tensor& x, const char* what) {
-  check_device_operand(t, x, what, "lm_head x");
-  CW_CHECK(t.data != nullptr || t.empty(), "{} has no data", what);
-}
-
-// x [N, C] and W [V, C] in one compute dtype, labels [N] i32, all on x's GPU; a device arena.
-void check_operands(const Tensor& x, const Tensor& w, const Tensor& labels, double normaliser, int64_t block_rows,
-                    const Arena& scratch) {
-  CW_CHECK(x.ndim == 2, "lm_head x must be [N, C], got {}", x.describe());
-  CW_CHECK(w.ndim == 2, "lm_head weight must be [V, C], got {}", w.describe());
-  const int64_t N = x.size(0), C = x.size(1);
-  check_shape(w, {w.size(0), C}, "lm_head weight");
-  check_shape(labels, {N}, "lm_head labels");
-  CW_CHECK(x.dtype == DType::bf16 || x.dtype == DType::f32, "lm_head on the GPU takes bf16 or f32, got {}",
-           dtype_name(x.dtype));
-  check_dtype(w, x.dtype, "lm_head weight");
-  check_dtype(labels, DType::i32, "lm_head labels");
-  check_gpu(x, x, "lm_head x");
-  check_gpu(w, x, "lm_head weight");
-  check_gpu(labels, x, "lm_head labels");
-  CW_CHECK(w.size(0) > 0, "lm_head weight has an empty vocabulary ({})", w.describe());
-  CW_CHECK(normaliser > 0, "lm_head loss normaliser {} must be positive (the count of supervised tokens)", normaliser);
-  CW_CHECK(block_rows > 0, "lm_head block_rows {} must be positive", block_rows);
-  CW_CHECK(scratch.device() == x.device, "lm_head scratch arena is on {} but x is on {}",
-           device_name(scratch.device()), device_name(x.device));
-}
-
-// row_loss / lse: f32 [N] on x's GPU.
-void check_stat(const Tensor& t, const Tensor& x, const char* what) {
-  check_shape(t, {x.size(0)}, what);
-  check_dtype(t, DType::f32, what);
-  check_gpu(t, x, what);
-}
-
-void check_grads(const Tensor* d_x, const Tensor* d_w, const Tensor& x, const Tensor& w) {
-  if (d_x) {
-    check_same_shape(*d_x, x, "lm_head d_x", "lm_head x");
-    check_dtype(*d_x, x.dtype, "lm_head d_x");
-    check_gpu(*d_x, x, "lm_head d_x");
-    CW_CHECK(d_x->data != x.data || x.empty(), "lm_head d_x must not alias x (the d_W GEMM reads x)");
-  }
-  if (d_w) {
-    check_same_shape(*d_w, w, "lm_head d_weight", "lm_head weight");
-    check_dtype(*d_w, DType::f32, "lm_head d_weight (parameter gradients are f32 on the GPU)");
-    check_gpu(*d_w, x, "lm_head d_weight");
-  }
-}
-
 // Raises when a label is neither -100 nor in [0, V). `first_bad` is 8 bytes of device scratch.
 // Waits for the stream (see the header).
 void validate_labels(const Tensor& labels, int64_t V, unsigned long long* first_bad, cudaStream_t stream) {
@@ -374,12 +326,14 @@ void run(const Tensor* row_loss, const Tensor* lse_out, const Tensor* lse_in, co
 
 }  // namespace
 
+// The op's contract (shapes, dtypes, layout, device, aliasing) is checked by the public entry
+// (engine/ops/lm_head_loss.cpp); what is checked here is this backend's own: bf16 or f32
+// (dispatch_compute), the labels' range (on the device, validate_labels).
+
 void lm_head_loss_forward(const Tensor& row_loss, const LmHeadSaved& saved, const Tensor& x, const Tensor& weight,
-                          const Tensor& labels, double normaliser, Arena& scratch, int64_t block_rows) {
-  check_operands(x, weight, labels, normaliser, block_rows, scratch);
-  check_stat(row_loss, x, "lm_head row_loss");
+                          const Tensor& labels, double normaliser, Arena& scratch,
+                          int64_t /*block_rows: the CPU's; the GPU picks its own*/) {
   const Tensor* lse = saved.lse.data ? &saved.lse : nullptr;
-  if (lse) check_stat(*lse, x, "lm_head saved lse (f32 on the GPU)");
   dispatch_compute(x.dtype, "lm_head_loss_forward", [&](auto tag) {
     using T = typename decltype(tag)::type;
     run<T>(&row_loss, lse, nullptr, nullptr, nullptr, x, weight, labels, normaliser, GradMode::overwrite, scratch);
@@ -388,12 +342,9 @@ void lm_head_loss_forward(const Tensor& row_loss, const LmHeadSaved& saved, cons
 
 void lm_head_loss_backward(const Tensor& d_x, const Tensor& d_weight, const LmHeadSaved& saved, const Tensor& x,
                            const Tensor& weight, const Tensor& labels, double normaliser, GradMode mode,
-                           Arena& scratch, int64_t block_rows) {
-  check_operands(x, weight, labels, normaliser, block_rows, scratch);
-  check_stat(saved.lse, x, "lm_head saved lse (f32 on the GPU)");
+                           Arena& scratch, int64_t /*block_rows*/) {
   const Tensor* dx = d_x.data ? &d_x : nullptr;
   const Tensor* dw = d_weight.data ? &d_weight : nullptr;
-  check_grads(dx, dw, x, weight);
   dispatch_compute(x.dtype, "lm_head_loss_backward", [&](auto tag) {
     using T = typename decltype(tag)::type;
     run<T>(nullptr, nullptr, &saved.lse, dx, dw, x, weight, labels, normaliser, mode, scratch);
@@ -402,12 +353,9 @@ void lm_head_loss_backward(const Tensor& d_x, const Tensor& d_weight, const LmHe
 
 void lm_head_loss_fused(const Tensor& row_loss, const Tensor& d_x, const Tensor& d_weight, const Tensor& x,
                         const Tensor& weight, const Tensor& labels, double normaliser, GradMode mode, Arena& scratch,
-                        int64_t block_rows) {
-  check_operands(x, weight, labels, normaliser, block_rows, scratch);
-  check_stat(row_loss, x, "lm_head row_loss");
+                        int64_t /*block_rows*/) {
   const Tensor* dx = d_x.data ? &d_x : nullptr;
   const Tensor* dw = d_weight.data ? &d_weight : nullptr;
-  check_grads(dx, dw, x, weight);
   dispatch_compute(x.dtype, "lm_head_loss_fused", [&](auto tag) {
     using T = typename decltype(tag)::type;
     run<T>(&row_loss, nullptr, nullptr, dx, dw, x, weight, labels, normaliser, mode, scratch);

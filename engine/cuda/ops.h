@@ -1,6 +1,7 @@
 // The GPU implementations of the engine ops: the same signatures and the same math as the CPU ops
 // (see each op's header in engine/ops/); the public op entry points dispatch here when their
-// tensors are on a GPU. Included by the op sources only.
+// tensors are on a GPU, after checking the op's contract (shapes, dtypes, layout, one device,
+// aliasing), so these functions check only their own limits. Included by the op sources only.
 //
 // GPU dtype rules (DESIGN.md section 6): activations and weights bf16 or f32 (one compute dtype per
 // call); statistics (rstd, lse), losses and parameter gradients f32; K/V gradients f32. Arithmetic

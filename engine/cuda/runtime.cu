@@ -489,21 +489,34 @@ void pinned_free(void* ptr) {
   p.live.erase(it);
 }
 
-uint64_t copy_on_side_stream(void* dst, const void* src, size_t bytes, int device) {
+namespace {
+// Queues `op` on the device's side stream after everything already queued on its compute stream (the
+// source of a copy is final and the bytes it overwrites are no longer read) and returns its ticket.
+template <typename Op>
+uint64_t on_side_stream(int device, Op op) {
   cudaStream_t compute = current_stream(device);  // also makes `device` current
   SideStreams& s = side_streams();
   std::lock_guard lock(s.mutex);
   cudaStream_t side = side_stream_locked(s, device);
-  // The copy starts after everything already queued on the compute stream (its source is final and
-  // its destination no longer read).
   side_after_compute(side, compute);
-  CW_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, side));
+  op(side);
   cudaEvent_t done;
   CW_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
   CW_CUDA_CHECK(cudaEventRecord(done, side));
   const uint64_t ticket = s.next++;
   s.tickets[ticket] = {device, done};
   return ticket;
+}
+}  // namespace
+
+uint64_t copy_on_side_stream(void* dst, const void* src, size_t bytes, int device) {
+  return on_side_stream(device, [&](cudaStream_t side) {
+    CW_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, side));
+  });
+}
+
+uint64_t zero_on_side_stream(void* dst, size_t bytes, int device) {
+  return on_side_stream(device, [&](cudaStream_t side) { CW_CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, side)); });
 }
 
 void wait_for_copy(uint64_t ticket, int device) {

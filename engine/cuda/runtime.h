@@ -82,6 +82,8 @@ void pinned_free(void* p);
 // next. Returns a ticket; wait_for_copy(ticket) makes the compute stream wait for the copy (the host
 // does not block). Used to offload saved layer inputs to host memory and bring them back.
 uint64_t copy_on_side_stream(void* dst, const void* src, size_t bytes, int device);
+// The same for zeroing `bytes` of device memory (a home that holds logical zeros is not copied).
+uint64_t zero_on_side_stream(void* dst, size_t bytes, int device);
 void wait_for_copy(uint64_t ticket, int device);
 void wait_for_all_copies(int device);           // the host waits until every side-stream copy is done
 

@@ -64,28 +64,25 @@ void update_cpu(const Tensor& p, const Tensor& m, const Tensor& v, const Tensor&
 
 void adamw_update(const Tensor& param, const Tensor& exp_avg, const Tensor& exp_avg_sq, const Tensor& grad,
                   const Tensor& compute_copy, const AdamWHyper& h) {
+  // The contract (engine/ops/adamw_update.h), checked once here for every backend; the dtypes each
+  // backend implements are its own (below for the CPU, engine/cuda/adamw.cu for the GPU).
   check_hyper(h);
   check_same_shape(exp_avg, param, "adamw_update exp_avg", "adamw_update param");
   check_same_shape(exp_avg_sq, param, "adamw_update exp_avg_sq", "adamw_update param");
   check_same_shape(grad, param, "adamw_update grad", "adamw_update param");
   check_dtype(exp_avg, param.dtype, "adamw_update exp_avg");
   check_dtype(exp_avg_sq, param.dtype, "adamw_update exp_avg_sq");
-  check_same_device(exp_avg, param, "adamw_update exp_avg", "adamw_update param");
-  check_same_device(exp_avg_sq, param, "adamw_update exp_avg_sq", "adamw_update param");
-  check_same_device(grad, param, "adamw_update grad", "adamw_update param");
-  for (const Tensor* t : {&param, &exp_avg, &exp_avg_sq, &grad}) check_contiguous(*t, "adamw_update operand");
   if (compute_copy.data) {
     check_same_shape(compute_copy, param, "adamw_update compute_copy", "adamw_update param");
     check_dtype(compute_copy, DType::bf16, "adamw_update compute_copy");
-    check_same_device(compute_copy, param, "adamw_update compute_copy", "adamw_update param");
-    check_contiguous(compute_copy, "adamw_update compute_copy");
   }
+  check_packed_same_device({{param, "adamw_update param"}, {exp_avg, "adamw_update exp_avg"},
+                            {exp_avg_sq, "adamw_update exp_avg_sq"}, {grad, "adamw_update grad"},
+                            NamedTensor::optional(compute_copy, "adamw_update compute_copy")});
   if (param.numel() == 0) return;
 
   if (!param.device.is_cpu()) {
 #if CW_HAVE_CUDA
-    check_dtype(param, DType::f32, "adamw_update param (the GPU master weights are f32)");
-    check_dtype(grad, DType::f32, "adamw_update grad (GPU parameter gradients are f32)");
     gpu::adamw_update(param, exp_avg, exp_avg_sq, grad, compute_copy, h);
     return;
 #else

@@ -72,7 +72,7 @@ bool packed_kv(const Tensor& t, int64_t Hkv, int64_t D) {
 }
 
 void check_forward_operands(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-                            const AttentionSaved& saved) {
+                            const AttentionSaved& saved, const Arena& scratch) {
   CW_CHECK(q.ndim == 4 && k.ndim == 4, "attention q {} and k {} must be [B, c, H, D] and [B, S, Hkv, D]",
            q.describe(), k.describe());
   const int64_t B = q.size(0), c = q.size(1), H = q.size(2), D = q.size(3), S = k.size(1), Hkv = k.size(2);
@@ -88,14 +88,14 @@ void check_forward_operands(const Tensor& q, const Tensor& k, const Tensor& v, c
   for (const Tensor* t : {&k, &v})
     CW_CHECK(packed_kv(*t, Hkv, D), "attention k/v {}: the [S, Hkv, D] part must be packed (only the batch stride may differ)",
              t->describe());
-  for (const Tensor* t : {&k, &v, &out}) {
-    check_dtype(*t, q.dtype, "attention k/v/out");
-    CW_CHECK(t->device == q.device, "attention: an operand is on {}, q on {}", device_name(t->device),
-             device_name(q.device));
-  }
+  check_dtype(k, q.dtype, "attention k");
+  check_dtype(v, q.dtype, "attention v");
+  check_dtype(out, q.dtype, "attention out");
   check_dtype(saved.lse, accum_dtype(q.dtype), "attention saved lse");
-  CW_CHECK(saved.lse.device == q.device, "attention: lse on {}, q on {}", device_name(saved.lse.device),
-           device_name(q.device));
+  check_same_device({{q, "attention q"}, {k, "attention k"}, {v, "attention v"}, {out, "attention out"},
+                     {saved.lse, "attention saved lse"}});
+  CW_CHECK(scratch.device() == q.device, "attention: the scratch arena is on {}, the operands on {}",
+           device_name(scratch.device()), device_name(q.device));
 }
 
 void check_backward_operands(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,
@@ -112,9 +112,8 @@ void check_backward_operands(const Tensor& d_q, const Tensor& d_k, const Tensor&
     CW_CHECK(packed_kv(*t, k.size(2), k.size(3)), "attention d_k/d_v {}: the [S, Hkv, D] part must be packed",
              t->describe());
   }
-  for (const Tensor* t : {&d_q, &d_out, &d_k, &d_v})
-    CW_CHECK(t->device == q.device, "attention: a gradient is on {}, q on {}", device_name(t->device),
-             device_name(q.device));
+  check_same_device({{q, "attention q"}, {d_q, "attention d_q"}, {d_out, "attention d_out"}, {d_k, "attention d_k"},
+                     {d_v, "attention d_v"}});
 }
 
 bool aligned(const Tensor* t, size_t bytes) {
@@ -247,7 +246,7 @@ AttentionChoice choose_attention_kernel(const AttentionCall& call, const Attenti
 // ---- The op ----
 void attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
                        const Tensor& v, double scale, Arena& scratch) {
-  check_forward_operands(q, k, v, out, saved);
+  check_forward_operands(q, k, v, out, saved, scratch);
   const AttentionChoice choice = choose_attention_kernel(attention_call(q, k, v, out), attention_flags());
   switch (choice.kernel) {
     case AttentionKernel::cpu: return cpu::attention_forward(out, saved, q, k, v, scale, scratch);
@@ -269,10 +268,8 @@ void attention_forward(const Tensor& out, const AttentionSaved& saved, const Ten
 void attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,
                         const AttentionSaved& saved, const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& out, double scale, GradMode mode, Arena& scratch) {
-  check_forward_operands(q, k, v, out, saved);
+  check_forward_operands(q, k, v, out, saved, scratch);
   check_backward_operands(d_q, d_k, d_v, d_out, q, k);
-  CW_CHECK(scratch.device() == q.device, "attention backward: scratch is on {}, the operands on {}",
-           device_name(scratch.device()), device_name(q.device));
   const AttentionFlags flags = attention_flags();
   const AttentionChoice choice =
       choose_attention_kernel(attention_call(q, k, v, out, &d_q, &d_out, &d_k, &d_v), flags);

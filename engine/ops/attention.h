@@ -10,7 +10,7 @@
 //             d_v_j  += sum_i P_ij d_out_i                      [0, p+c), which is what SeCO needs)
 // Shapes: q, out, d_q, d_out [B, c, H, D]; k, v [B, S, Hkv, D]; d_k, d_v [B, S, Hkv, D] in the
 // accumulation dtype (f32 for f32/bf16, f64 for f64). k, v, d_k, d_v may have any batch stride
-// (a slice of the K/V store); their inner [S, Hkv, D] must be packed.
+// (a slice of the K/V store); their inner [S, Hkv, D] must be packed. All on q's device (scratch too).
 // Saved: lse [B, H, c] in the accumulation dtype; the backward recomputes P from q, k and lse.
 // Scratch: the CPU path takes, per thread, score blocks of up to 64 query rows x S keys from
 // `scratch` (one in the forward, two in the backward).

@@ -6,18 +6,18 @@
 #include "engine/error.h"
 #include "engine/tensor.h"
 
+// At a public op entry, after the op's contract is checked (every operand on the device of
+// `tensor`): tensors on a GPU go to the CUDA implementation (engine/cuda/ops.h), which checks only
+// its own limits; the rest of the function is the CPU path. In a build without CUDA a GPU tensor
+// stops here with a clear error instead.
 #if CW_HAVE_CUDA
 #include "engine/cuda/ops.h"
-// At a public op entry: tensors on a GPU go to the CUDA implementation (engine/cuda/ops.h), which
-// checks its own operands; the rest of the function is the CPU path.
 #define CW_DISPATCH_GPU(tensor, call)                 \
   do {                                                \
     if (!(tensor).device.is_cpu()) return ::cw::gpu::call; \
   } while (0)
 #else
-#define CW_DISPATCH_GPU(tensor, call) \
-  do {                                \
-  } while (0)
+#define CW_DISPATCH_GPU(tensor, call) ::cw::cpu::check_cpu(tensor, #call)
 #endif
 
 #include <Eigen/Core>
@@ -78,8 +78,10 @@ inline int thread_index() {
 // takes tens of microseconds); `#pragma omp parallel for if(worth_threads(flops))`.
 inline bool worth_threads(double flops) { return flops >= 4.0e6; }
 
-inline void check_cpu(const Tensor& t, const char* what) {
-  CW_CHECK(t.device.is_cpu(), "{} is on {}; this op has no backend for it in this build", what, device_name(t.device));
+// The dispatch of a build without CUDA (CW_DISPATCH_GPU): `call` names the op.
+inline void check_cpu(const Tensor& t, const char* call) {
+  CW_CHECK_HINT(t.device.is_cpu(), "rebuild with CUDA (meson finds nvcc and cuBLAS), or keep the tensors on the CPU",
+                "{}: the operands are on {}, and this build has no CUDA", call, device_name(t.device));
 }
 
 }  // namespace cw::cpu

@@ -7,23 +7,30 @@
 namespace cw {
 
 namespace {
+// The contract (engine/ops/embedding.h), checked once here for every backend; `rows` is out or d_out.
+void check_operands(const Tensor& rows, const Tensor& ids, const Tensor& table, const char* what_rows,
+                    const char* what_table) {
+  CW_CHECK(ids.ndim == 1, "embedding ids must be [N], got {}", ids.describe());
+  CW_CHECK(table.ndim == 2, "{} must be [V, C], got {}", what_table, table.describe());
+  check_dtype(ids, DType::i32, "embedding ids");
+  check_shape(rows, {ids.size(0), table.size(1)}, what_rows);
+  check_packed_same_device({{table, what_table}, {rows, what_rows}, {ids, "embedding ids"}});
+}
+
+// Host ids only (the GPU's are validated by the caller before upload: engine/cuda/embedding.cu).
 void check_ids(const Tensor& ids, int64_t vocab) {
   const int32_t* id = ids.ptr<int32_t>();
   for (int64_t n = 0; n < ids.numel(); ++n)
     CW_CHECK_HINT(id[n] >= 0 && id[n] < vocab, "check the tokenizer matches the model's vocab_size",
-                  "token id {} at row {} is outside the vocabulary [0, {})", id[n], n, vocab);
+                  "embedding: token id {} at row {} is outside the vocabulary [0, {})", id[n], n, vocab);
 }
 }  // namespace
 
 void embedding_forward(const Tensor& out, const Tensor& ids, const Tensor& table) {
+  check_operands(out, ids, table, "embedding out", "embedding table");
+  check_dtype(out, table.dtype, "embedding out");
   CW_DISPATCH_GPU(out, embedding_forward(out, ids, table));
   const int64_t N = ids.numel(), C = table.size(1), V = table.size(0);
-  check_shape(ids, {N}, "embedding ids");
-  check_dtype(ids, DType::i32, "embedding ids");
-  check_shape(out, {N, C}, "embedding out");
-  check_dtype(out, table.dtype, "embedding out");
-  for (const Tensor* t : {&out, &ids, &table}) check_contiguous(*t, "embedding operand");
-  cpu::check_cpu(out, "embedding out");
   check_ids(ids, V);
   const size_t row_bytes = static_cast<size_t>(C) * dtype_size(table.dtype);
   const int32_t* id = ids.ptr<int32_t>();
@@ -33,15 +40,12 @@ void embedding_forward(const Tensor& out, const Tensor& ids, const Tensor& table
 }
 
 void embedding_backward(const Tensor& d_table, const Tensor& d_out, const Tensor& ids) {
+  check_operands(d_out, ids, d_table, "embedding d_out", "embedding d_table");
+  check_dtype(d_table, accum_dtype(d_out.dtype), "embedding d_table");
   CW_DISPATCH_GPU(d_table, embedding_backward(d_table, d_out, ids));
   const int64_t N = ids.numel(), C = d_table.size(1), V = d_table.size(0);
-  check_shape(d_out, {N, C}, "embedding d_out");
-  check_dtype(ids, DType::i32, "embedding ids");
-  check_dtype(d_out, d_table.dtype, "embedding d_out");
-  for (const Tensor* t : {&d_table, &d_out, &ids}) check_contiguous(*t, "embedding operand");
-  cpu::check_cpu(d_table, "embedding d_table");
   check_ids(ids, V);
-  cpu::dispatch_float(d_table.dtype, "embedding_backward", [&](auto zero) {
+  cpu::dispatch_float(d_out.dtype, "embedding_backward", [&](auto zero) {
     using T = decltype(zero);
     const int32_t* id = ids.ptr<int32_t>();
     for (int64_t n = 0; n < N; ++n) {

@@ -2,8 +2,10 @@
 //   forward:  out[n, :] = table[ids[n], :]
 //   backward: d_table[ids[n], :] += d_out[n, :]   (accumulates; rows visited in order n = 0..N-1,
 //             so the result is deterministic)
-// Shapes: ids [N] i32, table [V, C], out / d_out [N, C]. Saves nothing. Every id is checked to lie in
-// [0, V). Tested in tests/engine/test_backend_ops.cpp (the op table).
+// Shapes: ids [N] i32, table [V, C], out / d_out [N, C]. Dtypes: out the table's; d_table
+// accum_dtype(d_out.dtype) (f32 for bf16). All contiguous, on one device. Saves nothing. Host ids
+// are checked to lie in [0, V); device ids must be checked by the caller before the upload (a bad
+// one gives a NaN row and adds nothing). Tested in tests/engine/test_backend_ops.cpp (the op table).
 #pragma once
 
 #include "engine/tensor.h"

@@ -7,25 +7,56 @@
 
 namespace cw {
 
+// The contract (engine/ops/lm_head_loss.h), checked once here for every backend.
 namespace {
-void check_operands(const Tensor& x, const Tensor& w, const Tensor& labels, double normaliser, int64_t block_rows) {
+// x [N, C] and W [V, C] (V > 0) in one dtype, labels [N] i32; the optional outputs: row_loss, lse
+// [N] and d_W [V, C] in accum_dtype(x.dtype), d_x [N, C] in x's (not aliasing x: the d_W product
+// reads x); all contiguous on x's device, the scratch arena too.
+void check_operands(const Tensor& x, const Tensor& w, const Tensor& labels, double normaliser, int64_t block_rows,
+                    const Arena& scratch, const Tensor* row_loss, const Tensor* lse, const Tensor* d_x,
+                    const Tensor* d_w) {
+  CW_CHECK(x.ndim == 2, "lm_head x must be [N, C], got {}", x.describe());
+  CW_CHECK(w.ndim == 2, "lm_head weight must be [V, C], got {}", w.describe());
   const int64_t N = x.size(0), C = x.size(1);
-  check_shape(x, {N, C}, "lm_head x");
   check_shape(w, {-1, C}, "lm_head weight");
+  CW_CHECK(w.size(0) > 0, "lm_head weight has an empty vocabulary ({})", w.describe());
   check_shape(labels, {N}, "lm_head labels");
   check_dtype(labels, DType::i32, "lm_head labels");
   check_dtype(w, x.dtype, "lm_head weight");
-  for (const Tensor* t : {&x, &w, &labels}) {
-    check_contiguous(*t, "lm_head operand");
-    cpu::check_cpu(*t, "lm_head operand");
-  }
   CW_CHECK(normaliser > 0, "lm_head loss normaliser {} must be positive (the count of supervised tokens)", normaliser);
   CW_CHECK(block_rows > 0, "lm_head block_rows {} must be positive", block_rows);
-  const int64_t V = w.size(0);
+  const DType accum = accum_dtype(x.dtype);
+  if (row_loss) {
+    check_shape(*row_loss, {N}, "lm_head row_loss");
+    check_dtype(*row_loss, accum, "lm_head row_loss");
+  }
+  if (lse) {
+    check_shape(*lse, {N}, "lm_head saved lse");
+    check_dtype(*lse, accum, "lm_head saved lse");
+  }
+  if (d_x) {
+    check_same_shape(*d_x, x, "lm_head d_x", "lm_head x");
+    check_dtype(*d_x, x.dtype, "lm_head d_x");
+    CW_CHECK(d_x->data != x.data || x.empty(), "lm_head d_x must not alias x (the d_W product reads x)");
+  }
+  if (d_w) {
+    check_same_shape(*d_w, w, "lm_head d_weight", "lm_head weight");
+    check_dtype(*d_w, accum, "lm_head d_weight");
+  }
+  check_packed_same_device({{x, "lm_head x"}, {w, "lm_head weight"}, {labels, "lm_head labels"},
+                            {row_loss, "lm_head row_loss"}, {lse, "lm_head saved lse"}, {d_x, "lm_head d_x"},
+                            {d_w, "lm_head d_weight"}});
+  CW_CHECK(scratch.device() == x.device, "lm_head scratch arena is on {} but x is on {}",
+           device_name(scratch.device()), device_name(x.device));
+}
+
+// Host labels (the GPU checks its own on the device: engine/cuda/lm_head.cu).
+void check_labels(const Tensor& labels, int64_t V) {
   const int32_t* lab = labels.ptr<int32_t>();
-  for (int64_t n = 0; n < N; ++n)
-    CW_CHECK_HINT(lab[n] == kIgnoreLabel || (lab[n] >= 0 && lab[n] < V), "labels are token ids or -100",
-                  "label {} at row {} is outside [0, {})", lab[n], n, V);
+  for (int64_t n = 0; n < labels.numel(); ++n)
+    CW_CHECK_HINT(lab[n] == kIgnoreLabel || (lab[n] >= 0 && lab[n] < V),
+                  "labels are token ids of the model's vocabulary, or -100 for positions without a loss",
+                  "lm_head label {} at row {} is outside [0, {}) and is not -100 (ignored)", lab[n], n, V);
 }
 
 // One pass over row blocks. Writes row_loss / lse when given; with want_grad, turns each block's
@@ -78,34 +109,14 @@ void run(const Tensor* row_loss, const Tensor* lse_out, const Tensor* lse_in, co
   }
 }
 
-void check_outputs(const Tensor* row_loss, const Tensor* lse, const Tensor* d_x, const Tensor* d_w, const Tensor& x,
-                   const Tensor& w) {
-  const int64_t N = x.size(0);
-  for (const Tensor* t : {row_loss, lse}) {
-    if (!t) continue;
-    check_shape(*t, {N}, "lm_head row_loss/lse");
-    check_dtype(*t, accum_dtype(x.dtype), "lm_head row_loss/lse");
-    check_contiguous(*t, "lm_head row_loss/lse");
-  }
-  if (d_x) {
-    check_same_shape(*d_x, x, "lm_head d_x", "lm_head x");
-    check_dtype(*d_x, x.dtype, "lm_head d_x");
-    check_contiguous(*d_x, "lm_head d_x");
-  }
-  if (d_w) {
-    check_same_shape(*d_w, w, "lm_head d_weight", "lm_head weight");
-    check_dtype(*d_w, x.dtype, "lm_head d_weight");
-    check_contiguous(*d_w, "lm_head d_weight");
-  }
-}
 }  // namespace
 
 void lm_head_loss_forward(const Tensor& row_loss, const LmHeadSaved& saved, const Tensor& x, const Tensor& weight,
                           const Tensor& labels, double normaliser, Arena& scratch, int64_t block_rows) {
-  CW_DISPATCH_GPU(x, lm_head_loss_forward(row_loss, saved, x, weight, labels, normaliser, scratch, block_rows));
-  check_operands(x, weight, labels, normaliser, block_rows);
   const Tensor* lse = saved.lse.data ? &saved.lse : nullptr;
-  check_outputs(&row_loss, lse, nullptr, nullptr, x, weight);
+  check_operands(x, weight, labels, normaliser, block_rows, scratch, &row_loss, lse, nullptr, nullptr);
+  CW_DISPATCH_GPU(x, lm_head_loss_forward(row_loss, saved, x, weight, labels, normaliser, scratch, block_rows));
+  check_labels(labels, weight.size(0));
   cpu::dispatch_float(x.dtype, "lm_head_loss_forward", [&](auto zero) {
     run<decltype(zero)>(&row_loss, lse, nullptr, nullptr, nullptr, x, weight, labels, normaliser, GradMode::overwrite,
                         scratch, block_rows);
@@ -115,12 +126,12 @@ void lm_head_loss_forward(const Tensor& row_loss, const LmHeadSaved& saved, cons
 void lm_head_loss_backward(const Tensor& d_x, const Tensor& d_weight, const LmHeadSaved& saved, const Tensor& x,
                            const Tensor& weight, const Tensor& labels, double normaliser, GradMode mode,
                            Arena& scratch, int64_t block_rows) {
-  CW_DISPATCH_GPU(x, lm_head_loss_backward(d_x, d_weight, saved, x, weight, labels, normaliser, mode, scratch,
-                                           block_rows));
-  check_operands(x, weight, labels, normaliser, block_rows);
   const Tensor* dx = d_x.data ? &d_x : nullptr;
   const Tensor* dw = d_weight.data ? &d_weight : nullptr;
-  check_outputs(nullptr, &saved.lse, dx, dw, x, weight);
+  check_operands(x, weight, labels, normaliser, block_rows, scratch, nullptr, &saved.lse, dx, dw);
+  CW_DISPATCH_GPU(x, lm_head_loss_backward(d_x, d_weight, saved, x, weight, labels, normaliser, mode, scratch,
+                                           block_rows));
+  check_labels(labels, weight.size(0));
   cpu::dispatch_float(x.dtype, "lm_head_loss_backward", [&](auto zero) {
     run<decltype(zero)>(nullptr, nullptr, &saved.lse, dx, dw, x, weight, labels, normaliser, mode, scratch, block_rows);
   });
@@ -129,12 +140,12 @@ void lm_head_loss_backward(const Tensor& d_x, const Tensor& d_weight, const LmHe
 void lm_head_loss_fused(const Tensor& row_loss, const Tensor& d_x, const Tensor& d_weight, const Tensor& x,
                         const Tensor& weight, const Tensor& labels, double normaliser, GradMode mode, Arena& scratch,
                         int64_t block_rows) {
-  CW_DISPATCH_GPU(x, lm_head_loss_fused(row_loss, d_x, d_weight, x, weight, labels, normaliser, mode, scratch,
-                                        block_rows));
-  check_operands(x, weight, labels, normaliser, block_rows);
   const Tensor* dx = d_x.data ? &d_x : nullptr;
   const Tensor* dw = d_weight.data ? &d_weight : nullptr;
-  check_outputs(&row_loss, nullptr, dx, dw, x, weight);
+  check_operands(x, weight, labels, normaliser, block_rows, scratch, &row_loss, nullptr, dx, dw);
+  CW_DISPATCH_GPU(x, lm_head_loss_fused(row_loss, d_x, d_weight, x, weight, labels, normaliser, mode, scratch,
+                                        block_rows));
+  check_labels(labels, weight.size(0));
   cpu::dispatch_float(x.dtype, "lm_head_loss_fused", [&](auto zero) {
     run<decltype(zero)>(&row_loss, nullptr, nullptr, dx, dw, x, weight, labels, normaliser, mode, scratch, block_rows);
   });

@@ -9,7 +9,9 @@
 //     d_x = G W  (overwrite or accumulate);   d_W += Gᵀ x  (always accumulates)
 // Rows are processed in blocks of `block_rows`, each block's logits living only in scratch
 // ([block_rows, V]); the log-sum-exp is taken in the accumulation dtype.
-// Shapes: x, d_x [N, C]; W, d_W [V, C]; labels [N] i32; row_loss, saved.lse [N] accumulation dtype.
+// Shapes: x, d_x [N, C]; W, d_W [V, C] (V > 0); labels [N] i32, each in [0, V) or -100. Dtypes: W,
+// d_x x's; row_loss, saved.lse and d_W accum_dtype(x.dtype) (f32 for bf16). All contiguous, on x's
+// device (scratch too); d_x must not alias x.
 // Saved: lse. lm_head_loss_backward recomputes each block's logits from x, W and lse;
 // lm_head_loss_fused computes loss and gradients in one pass (no recompute), for training steps
 // that need both at once. Tested in tests/engine/test_backend_ops.cpp (the op table).

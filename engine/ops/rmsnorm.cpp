@@ -6,27 +6,26 @@
 
 namespace cw {
 
+// The contract (engine/ops/rmsnorm.h), checked once here for every backend.
 namespace {
-void check_operands(const Tensor& y, const RmsNormSaved& saved, const Tensor& x, const Tensor& w, const char* op) {
+void check_forward_operands(const Tensor& out, const RmsNormSaved& saved, const Tensor& x, const Tensor& weight,
+                            const char* what_out) {
+  CW_CHECK(x.ndim == 2, "rmsnorm x must be [N, C], got {}", x.describe());
   const int64_t N = x.size(0), C = x.size(1);
-  check_shape(x, {N, C}, op);
-  check_shape(y, {N, C}, op);
-  check_shape(w, {C}, "rmsnorm weight");
+  check_shape(out, {N, C}, what_out);
+  check_shape(weight, {C}, "rmsnorm weight");
   check_shape(saved.rstd, {N}, "rmsnorm saved rstd");
-  check_dtype(y, x.dtype, "rmsnorm out/d_x");
-  check_dtype(w, x.dtype, "rmsnorm weight");
+  check_dtype(out, x.dtype, what_out);
+  check_dtype(weight, x.dtype, "rmsnorm weight");
   check_dtype(saved.rstd, accum_dtype(x.dtype), "rmsnorm saved rstd");
-  for (const Tensor* t : {&y, &x, &w, &saved.rstd}) {
-    check_contiguous(*t, op);
-    cpu::check_cpu(*t, op);
-  }
+  check_packed_same_device({{x, "rmsnorm x"}, {out, what_out}, {weight, "rmsnorm weight"}, {saved.rstd, "rmsnorm saved rstd"}});
 }
 }  // namespace
 
 void rmsnorm_forward(const Tensor& out, const RmsNormSaved& saved, const Tensor& x, const Tensor& weight, double eps) {
+  check_forward_operands(out, saved, x, weight, "rmsnorm out");
+  CW_CHECK(out.data != x.data || out.empty(), "rmsnorm_forward: out must not alias x (the backward reads x)");
   CW_DISPATCH_GPU(x, rmsnorm_forward(out, saved, x, weight, eps));
-  check_operands(out, saved, x, weight, "rmsnorm_forward");
-  CW_CHECK(out.data != x.data, "rmsnorm_forward: out must not alias x (the backward reads x)");
   cpu::dispatch_float(x.dtype, "rmsnorm_forward", [&](auto zero) {
     using T = decltype(zero);
     const int64_t N = x.size(0), C = x.size(1);
@@ -47,13 +46,16 @@ void rmsnorm_forward(const Tensor& out, const RmsNormSaved& saved, const Tensor&
 
 void rmsnorm_backward(const Tensor& d_x, const Tensor& d_weight, const Tensor& d_out, const RmsNormSaved& saved,
                       const Tensor& x, const Tensor& weight, GradMode mode, Arena& scratch) {
-  CW_DISPATCH_GPU(x, rmsnorm_backward(d_x, d_weight, d_out, saved, x, weight, mode, scratch));
-  (void)scratch;  // the CPU needs no scratch
-  check_operands(d_x, saved, x, weight, "rmsnorm_backward");
+  check_forward_operands(d_x, saved, x, weight, "rmsnorm d_x");
   check_same_shape(d_out, x, "rmsnorm d_out", "rmsnorm x");
   check_same_shape(d_weight, weight, "rmsnorm d_weight", "rmsnorm weight");
   check_dtype(d_out, x.dtype, "rmsnorm d_out");
-  check_dtype(d_weight, x.dtype, "rmsnorm d_weight");
+  check_dtype(d_weight, accum_dtype(x.dtype), "rmsnorm d_weight");
+  check_packed_same_device({{x, "rmsnorm x"}, {d_out, "rmsnorm d_out"}, {d_weight, "rmsnorm d_weight"}});
+  CW_CHECK(scratch.device() == x.device, "rmsnorm_backward: the scratch arena is on {} but x is on {}",
+           device_name(scratch.device()), device_name(x.device));
+  CW_DISPATCH_GPU(x, rmsnorm_backward(d_x, d_weight, d_out, saved, x, weight, mode, scratch));
+  // The CPU needs no scratch. d_x may alias d_out: each element of d_out is read before its d_x is written.
   cpu::dispatch_float(x.dtype, "rmsnorm_backward", [&](auto zero) {
     using T = decltype(zero);
     const int64_t N = x.size(0), C = x.size(1);
@@ -73,10 +75,10 @@ void rmsnorm_backward(const Tensor& d_x, const Tensor& d_weight, const Tensor& d
       const T mean_dot = dot / T(C);
       T* dxr = dx + n * C;
       for (int64_t c = 0; c < C; ++c) {
-        const T xhat = xr[c] * r;
-        const T g = r * (dyr[c] * w[c] - xhat * mean_dot);
+        const T xhat = xr[c] * r, dy_c = dyr[c];
+        const T g = r * (dy_c * w[c] - xhat * mean_dot);
+        dw[c] += dy_c * xhat;
         dxr[c] = (mode == GradMode::accumulate ? dxr[c] : T(0)) + g;
-        dw[c] += dyr[c] * xhat;
       }
     }
   });

@@ -3,8 +3,10 @@
 //   backward: g = d_out * w;  xhat = x * r
 //             d_x[n,:] = r[n] * (g[n,:] - xhat[n,:] * mean_c(g[n,c] * xhat[n,c]))   (overwrite or accumulate)
 //             d_w[c]  += sum_n d_out[n,c] * xhat[n,c]                                 (always accumulates)
-// Shapes: x, out, d_out, d_x [N, C]; w, d_w [C]; saved.rstd [N] in the accumulation dtype.
-// Saved: rstd (so the backward needs no reduction over C to recompute it). out must not alias x.
+// Shapes: x, out, d_out, d_x [N, C]; w, d_w [C]. Dtypes: out, w, d_out, d_x x's; saved.rstd and
+// d_w accum_dtype(x.dtype) (f32 for bf16). All contiguous, on x's device (scratch too).
+// Saved: rstd (so the backward needs no reduction over C to recompute it). out must not alias x;
+// d_x may alias d_out.
 // Scratch: the GPU backward sums d_w over rows through per-block partials taken from `scratch`
 // (deterministic, no atomics); the CPU ignores it.
 // Tested in tests/engine/test_backend_ops.cpp (the op table: f64 finite differences, f32 against f64,

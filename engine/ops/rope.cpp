@@ -48,21 +48,22 @@ void rope_tables(const Tensor& cos, const Tensor& sin, int64_t head_dim, double 
   });
 }
 
+// The contract (engine/ops/rope.h), checked once here for every backend. y is out or d_x, x is x or d_out.
 namespace {
-void check_operands(const Tensor& y, const Tensor& x, const Tensor& cos, const Tensor& sin, int64_t pos0) {
-  check_same_shape(y, x, "rope out", "rope in");
-  CW_CHECK(x.ndim == 4, "rope input must be [B, T, H, D], got {}", x.describe());
+void check_operands(const Tensor& y, const Tensor& x, const Tensor& cos, const Tensor& sin, int64_t pos0,
+                    const char* what_y, const char* what_x) {
+  CW_CHECK(x.ndim == 4, "{} must be [B, T, H, D], got {}", what_x, x.describe());
+  check_same_shape(y, x, what_y, what_x);
   const int64_t T = x.size(1), half = x.size(3) / 2;
   CW_CHECK(x.size(3) % 2 == 0, "rope head dim {} must be even", x.size(3));
   check_shape(cos, {-1, half}, "rope cos table");
   check_same_shape(sin, cos, "rope sin table", "rope cos table");
   CW_CHECK(pos0 >= 0 && pos0 + T <= cos.size(0), "rope positions [{}, {}) exceed the table of {} positions", pos0,
            pos0 + T, cos.size(0));
-  for (const Tensor* t : {&y, &x, &cos, &sin}) {
-    check_contiguous(*t, "rope operand");
-    cpu::check_cpu(*t, "rope operand");
-    check_dtype(*t, x.dtype, "rope operand");
-  }
+  check_dtype(y, x.dtype, what_y);
+  check_dtype(cos, accum_dtype(x.dtype), "rope cos table");
+  check_dtype(sin, accum_dtype(x.dtype), "rope sin table");
+  check_packed_same_device({{x, what_x}, {y, what_y}, {cos, "rope cos table"}, {sin, "rope sin table"}});
 }
 
 // Rotates every head of x by +angle (sign = 1) or -angle (sign = -1) into y; y may alias x.
@@ -93,8 +94,8 @@ void rotate(T* y, const T* x, const Tensor& shape, const T* cos, const T* sin, i
 }  // namespace
 
 void rope_forward(const Tensor& out, const Tensor& x, const Tensor& cos, const Tensor& sin, int64_t pos0) {
+  check_operands(out, x, cos, sin, pos0, "rope out", "rope in");
   CW_DISPATCH_GPU(x, rope_forward(out, x, cos, sin, pos0));
-  check_operands(out, x, cos, sin, pos0);
   cpu::dispatch_float(x.dtype, "rope_forward", [&](auto zero) {
     using T = decltype(zero);
     rotate<T>(out.ptr<T>(), x.ptr<T>(), x, cos.ptr<T>(), sin.ptr<T>(), pos0, T(1), false);
@@ -103,9 +104,10 @@ void rope_forward(const Tensor& out, const Tensor& x, const Tensor& cos, const T
 
 void rope_backward(const Tensor& d_x, const Tensor& d_out, const Tensor& cos, const Tensor& sin, int64_t pos0,
                    GradMode mode) {
+  check_operands(d_x, d_out, cos, sin, pos0, "rope d_x", "rope d_out");
+  CW_CHECK(mode == GradMode::overwrite || d_x.data != d_out.data,
+           "rope_backward: d_x aliases d_out, so it cannot also accumulate");
   CW_DISPATCH_GPU(d_out, rope_backward(d_x, d_out, cos, sin, pos0, mode));
-  check_operands(d_x, d_out, cos, sin, pos0);
-  CW_CHECK(mode == GradMode::overwrite || d_x.data != d_out.data, "rope_backward: accumulate needs d_x != d_out");
   cpu::dispatch_float(d_out.dtype, "rope_backward", [&](auto zero) {
     using T = decltype(zero);
     rotate<T>(d_x.ptr<T>(), d_out.ptr<T>(), d_out, cos.ptr<T>(), sin.ptr<T>(), pos0, T(-1),

@@ -6,7 +6,8 @@
 //   backward: the transpose rotation (angle -> -angle), d_x overwritten or accumulated.
 // Token t of a [B, T, H, D] tensor sits at position pos0 + t for every sequence of the batch (a chunk
 // that starts at pos0). Shapes: x, out [B, T, H, D]; cos, sin tables [P, D/2] with P >= pos0 + T, in
-// the compute dtype. out may alias x (in place); d_x may alias d_out when overwriting. Saves nothing.
+// accum_dtype(x.dtype) (f32 for bf16); all contiguous, on one device. out may alias x (in place);
+// d_x may alias d_out when overwriting. Saves nothing.
 //
 // inv_freq[i] = theta^(-2i/D), optionally rescaled: "linear" divides by factor; "llama3" (Llama 3.1)
 // divides low frequencies (wavelength > original_max / low_freq_factor) by factor, keeps high ones

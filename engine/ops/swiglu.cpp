@@ -6,21 +6,22 @@
 
 namespace cw {
 
+// The contract (engine/ops/swiglu.h), checked once here for every backend: every operand of gate's
+// shape and dtype, contiguous, on gate's device.
 namespace {
-void check_operands(std::initializer_list<const Tensor*> ts, const char* op) {
-  const Tensor& first = **ts.begin();
-  for (const Tensor* t : ts) {
-    check_same_shape(*t, first, op, "swiglu gate");
-    check_dtype(*t, first.dtype, op);
-    check_contiguous(*t, op);
-    cpu::check_cpu(*t, op);
+void check_operands(std::initializer_list<NamedTensor> operands) {
+  const Tensor& gate = *operands.begin()->tensor;
+  for (const NamedTensor& o : operands) {
+    check_same_shape(*o.tensor, gate, o.name, "swiglu gate");
+    check_dtype(*o.tensor, gate.dtype, o.name);
   }
+  check_packed_same_device(operands);
 }
 }  // namespace
 
 void swiglu_forward(const Tensor& out, const Tensor& gate, const Tensor& up) {
+  check_operands({{gate, "swiglu gate"}, {up, "swiglu up"}, {out, "swiglu out"}});
   CW_DISPATCH_GPU(gate, swiglu_forward(out, gate, up));
-  check_operands({&gate, &up, &out}, "swiglu_forward");
   cpu::dispatch_float(gate.dtype, "swiglu_forward", [&](auto zero) {
     using T = decltype(zero);
     using Array = Eigen::Array<T, Eigen::Dynamic, 1>;
@@ -31,8 +32,11 @@ void swiglu_forward(const Tensor& out, const Tensor& gate, const Tensor& up) {
 
 void swiglu_backward(const Tensor& d_gate, const Tensor& d_up, const Tensor& d_out, const Tensor& gate,
                      const Tensor& up, GradMode mode) {
+  check_operands({{gate, "swiglu gate"}, {up, "swiglu up"}, {d_out, "swiglu d_out"}, {d_gate, "swiglu d_gate"},
+                  {d_up, "swiglu d_up"}});
+  CW_CHECK(d_gate.data != d_up.data || d_gate.empty(),
+           "swiglu_backward: d_gate aliases d_up (they must be different buffers)");
   CW_DISPATCH_GPU(gate, swiglu_backward(d_gate, d_up, d_out, gate, up, mode));
-  check_operands({&gate, &up, &d_out, &d_gate, &d_up}, "swiglu_backward");
   cpu::dispatch_float(gate.dtype, "swiglu_backward", [&](auto zero) {
     using T = decltype(zero);
     const T* g = gate.ptr<T>();

@@ -3,7 +3,8 @@
 //   backward: d_up   = d_out * silu(gate)
 //             d_gate = d_out * up * sigmoid(gate) * (1 + gate * (1 - sigmoid(gate)))
 //             (both overwritten or both accumulated)
-// Shapes: gate, up, out, d_* [N, F]. Saves nothing: the backward reads gate and up.
+// Shapes: gate, up, out, d_* [N, F], one dtype, contiguous, on one device; d_gate and d_up are
+// different buffers. Saves nothing: the backward reads gate and up.
 // Tested in tests/engine/test_backend_ops.cpp (the op table).
 #pragma once
 

@@ -13,6 +13,11 @@
 // Runners (doctest cases; `-tc='backend ops*'` runs them all, CW_TEST_OPS=<text> only the rows whose
 // name contains the text, CW_TEST_SEED=<n> repeats a run: every run draws a fresh seed, printed with
 // any failure):
+//   contract, cpu and cuda                every operand of every row broken one way at a time (its
+//       last dimension off by one, another dtype, strided, labelled with the other kind of device)
+//       and, where the op takes scratch, the arena on the other kind of device; plus the row's
+//       forbidden aliases (`misuses`): each call must throw a cw::Error naming the op before any
+//       backend runs (engine/ops/*.cpp check the contract once, for every backend).
 //   cpu f64 against finite differences  L = sum_o <R_o, out_o> with random cotangents R_o;
 //       fourth-order central differences for every input with a gradient (rows of at most
 //       kFdMaxElements such inputs); then accumulate mode adds exactly what overwrite writes.
@@ -111,6 +116,8 @@ struct Arg {
   Init init;             // inputs, state, cotangents; default standard normal
   int64_t store = 0;     // > 0: the op sees [0, shape[1]) of a store this long along dim 1
   std::optional<Tol> tol;
+  bool any_float = false;  // the op takes it in any float dtype its backend computes in (no dtype breach)
+  bool implicit = false;   // a cotangent the op assumes rather than reads (no breach: it never sees it)
 
   Arg& normal(double mean, double std) {
     init = [=](const Tensor& t, uint64_t seed, uint64_t stream) { fill_normal(t, seed, stream, mean, std); };
@@ -120,6 +127,8 @@ struct Arg {
   Arg& in_store(int64_t len) { store = len; return *this; }
   Arg& tolerance(Tol t) { tol = t; return *this; }
   Arg& dtype(Dt d) { dt = d; return *this; }
+  Arg& any_float_dtype() { any_float = true; return *this; }
+  Arg& implicit_in_op() { implicit = true; return *this; }
 };
 
 Arg arg(std::string name, Role role, std::vector<int64_t> shape, Dt dt = Dt::compute, std::string of = "",
@@ -158,8 +167,15 @@ struct Variant {
 };
 const Variant kCuda{"cuda"};
 
+// A call the op must refuse (a forbidden alias), with the reason.
+struct Misuse {
+  std::string what;
+  std::function<void(const Tensors&, Arena& scratch)> call;
+};
+
 struct Row {
   std::string name;  // op and shape: "rmsnorm N=37 C=203"
+  std::string op;    // the word every error of the op names: "rmsnorm"
   std::vector<Arg> args;
   Forward forward;
   Backward backward;  // empty: no backward (an update op)
@@ -169,6 +185,8 @@ struct Row {
   std::vector<Variant> variants{kCuda};
   // With the variant's settings in force: why it cannot run on these (device) tensors, "" if it can.
   std::function<std::string(const Tensors&)> unsupported;
+  bool takes_scratch = false;  // the op checks that its scratch arena is on the operands' device
+  std::vector<Misuse> misuses;
 
   const Arg* find(const std::string& n) const {
     for (const Arg& a : args)
@@ -180,6 +198,7 @@ struct Row {
 Row make_row(std::string name, std::vector<Arg> args, Forward forward, Backward backward = {}) {
   Row r;
   r.name = std::move(name), r.args = std::move(args), r.forward = std::move(forward), r.backward = std::move(backward);
+  r.op = r.name.substr(0, r.name.find(' '));
   return r;
 }
 
@@ -205,6 +224,15 @@ Row gpu_only(Row r) {
   return r;
 }
 
+// A view of `buffer`'s memory with the shape, dtype and device of `like` (for a forbidden alias; the
+// op must refuse it before reading, and the memory is large enough if it did not).
+Tensor alias_of(const Tensor& buffer, const Tensor& like) {
+  CW_CHECK(buffer.bytes() >= like.bytes(), "test_backend_ops: {} cannot hold {}", buffer.describe(), like.describe());
+  Tensor t = like;
+  t.data = buffer.data;
+  return t;
+}
+
 // ---- The rows of each op ----
 Init ids_in(int64_t V) {  // token ids, half of them from the first 5 (repeats), the first V - 1, the last 0
   return [V](const Tensor& t, uint64_t seed, uint64_t stream) {
@@ -227,7 +255,7 @@ Row embedding(int64_t N, int64_t V, int64_t C) {
 }
 
 Row rmsnorm(int64_t N, int64_t C) {
-  return finish(make_row(fmt::format("rmsnorm N={} C={}", N, C),
+  Row r = finish(make_row(fmt::format("rmsnorm N={} C={}", N, C),
                  {in("x", {N, C}), in("w", {C}).normal(1.0, 0.3), out("out", {N, C}),
                   saved("rstd", {N}).tolerance(kF32ResultTol), cot("d_out", "out"), grad("d_x", "x"),
                   grad("d_w", "w", Acc::adds).tolerance(kF32ResultTol)},
@@ -235,6 +263,11 @@ Row rmsnorm(int64_t N, int64_t C) {
                  [](const Tensors& t, GradMode m, Arena& s) {
                    rmsnorm_backward(t("d_x"), t("d_w"), t("d_out"), {t("rstd")}, t("x"), t("w"), m, s);
                  }));
+  r.takes_scratch = true;
+  r.misuses = {{"out aliases x", [](const Tensors& t, Arena&) {
+                  rmsnorm_forward(t("x"), {t("rstd")}, t("x"), t("w"), 1e-5);
+                }}};
+  return r;
 }
 
 // cos and sin tables [P, D/2] with llama3 scaling (rounded to the run's accumulation dtype, as the
@@ -249,7 +282,7 @@ Init rope_table(int64_t D, bool want_sin) {
 }
 
 Row rope(int64_t B, int64_t T, int64_t H, int64_t D, int64_t P, int64_t pos0) {
-  return finish(make_row(fmt::format("rope B={} T={} H={} D={} P={} pos0={}", B, T, H, D, P, pos0),
+  Row r = finish(make_row(fmt::format("rope B={} T={} H={} D={} P={} pos0={}", B, T, H, D, P, pos0),
                  {in("x", {B, T, H, D}), in("cos", {P, D / 2}).dtype(Dt::accum).with(rope_table(D, false)),
                   in("sin", {P, D / 2}).dtype(Dt::accum).with(rope_table(D, true)), out("out", {B, T, H, D}),
                   cot("d_out", "out"), grad("d_x", "x")},
@@ -257,6 +290,10 @@ Row rope(int64_t B, int64_t T, int64_t H, int64_t D, int64_t P, int64_t pos0) {
                  [=](const Tensors& t, GradMode m, Arena&) {
                    rope_backward(t("d_x"), t("d_out"), t("cos"), t("sin"), pos0, m);
                  }));
+  r.misuses = {{"d_x aliases d_out in accumulate mode", [=](const Tensors& t, Arena&) {
+                  rope_backward(t("d_out"), t("d_out"), t("cos"), t("sin"), pos0, GradMode::accumulate);
+                }}};
+  return r;
 }
 
 // with_dx / with_dw false: that gradient skipped (Tensor{}), as for the first layer's input or a
@@ -270,17 +307,30 @@ Row linear(int64_t N, int64_t I, int64_t O, bool with_dx = true, bool with_dw = 
         });
   if (with_dx) r.args.push_back(grad("d_x", "x"));
   if (with_dw) r.args.push_back(grad("d_W", "W", Acc::adds).tolerance(kLinearDwTol));
+  if (O <= I)
+    r.misuses.push_back({"out aliases x", [](const Tensors& t, Arena&) {
+                           linear_forward(alias_of(t("x"), t("out")), t("x"), t("W"));
+                         }});
+  if (with_dx)
+    r.misuses.push_back({"d_x aliases x", [=](const Tensors& t, Arena&) {
+                           linear_backward(t("x"), with_dw ? t("d_W") : Tensor{}, t("d_out"), t("x"), t("W"),
+                                           GradMode::overwrite);
+                         }});
   return finish(r);
 }
 
 Row swiglu(int64_t N, int64_t F) {
-  return finish(make_row(fmt::format("swiglu N={} F={}", N, F),
+  Row r = finish(make_row(fmt::format("swiglu N={} F={}", N, F),
                  {in("gate", {N, F}).normal(0.0, 2.0), in("up", {N, F}), out("out", {N, F}), cot("d_out", "out"),
                   grad("d_gate", "gate"), grad("d_up", "up")},
                  [](const Tensors& t, Arena&) { swiglu_forward(t("out"), t("gate"), t("up")); },
                  [](const Tensors& t, GradMode m, Arena&) {
                    swiglu_backward(t("d_gate"), t("d_up"), t("d_out"), t("gate"), t("up"), m);
                  }));
+  r.misuses = {{"d_gate and d_up are one buffer", [](const Tensors& t, Arena&) {
+                  swiglu_backward(t("d_gate"), t("d_gate"), t("d_out"), t("gate"), t("up"), GradMode::overwrite);
+                }}};
+  return r;
 }
 
 // d_x by the call's mode, d_delta by the opposite one (or skipped).
@@ -293,6 +343,9 @@ Row residual(int64_t N, int64_t C, bool with_d_delta = true) {
           residual_backward(t("d_x"), m, with_d_delta ? t("d_delta") : Tensor{}, other, t("d_out"));
         });
   if (with_d_delta) r.args.push_back(grad("d_delta", "delta", Acc::flipped));
+  r.misuses = {{"d_x aliases d_out in accumulate mode", [](const Tensors& t, Arena&) {
+                  residual_backward(t("d_out"), GradMode::accumulate, Tensor{}, GradMode::overwrite, t("d_out"));
+                }}};
   return finish(r);
 }
 
@@ -333,6 +386,7 @@ Row attention(AttnShape a, std::vector<Variant> variants = attention_families())
                                        t("out"), scale, m, s);
                   }));
   r.variants = std::move(variants);
+  r.takes_scratch = true;
   r.unsupported = [](const Tensors& t) -> std::string {
     try {
       choose_attention_kernel(attention_call(t("q"), t("k"), t("v"), t("out")), attention_flags());
@@ -372,7 +426,8 @@ Row lm_head(int64_t N, int64_t C, int64_t V, bool fused, int64_t block_rows = 25
         {in("x", {N, C}), in("W", {V, C}).normal(0.0, 2.0 / std::sqrt(static_cast<double>(C))),
          in("labels", {N}).dtype(Dt::i32).with(labels_in(V, ignore_from, ignore_to)), out("row_loss", {N}).dtype(Dt::accum),
          saved("lse", {N}),
-         cot("d_row_loss", "row_loss").dtype(Dt::accum).with([](const Tensor& t, uint64_t, uint64_t) { fill(t, 1.0); }),
+         cot("d_row_loss", "row_loss").dtype(Dt::accum).with([](const Tensor& t, uint64_t, uint64_t) { fill(t, 1.0); })
+             .implicit_in_op(),
          grad("d_x", "x"), grad("d_W", "W", Acc::adds)},
         [=](const Tensors& t, Arena& s) {
           lm_head_loss_forward(t("row_loss"), {t("lse")}, t("x"), t("W"), t("labels"), norm, s, block_rows);
@@ -384,6 +439,16 @@ Row lm_head(int64_t N, int64_t C, int64_t V, bool fused, int64_t block_rows = 25
             lm_head_loss_backward(t("d_x"), t("d_W"), {t("lse")}, t("x"), t("W"), t("labels"), norm, m, s, block_rows);
         });
   if (fused) r.args.push_back(arg("fused_loss", Role::grad, {N}, Dt::accum, "", Acc::writes));
+  r.op = "lm_head";
+  r.takes_scratch = true;
+  r.misuses = {{"d_x aliases x", [=](const Tensors& t, Arena& s) {
+                  if (fused)
+                    lm_head_loss_fused(t("fused_loss"), t("x"), t("d_W"), t("x"), t("W"), t("labels"), norm,
+                                       GradMode::overwrite, s, block_rows);
+                  else
+                    lm_head_loss_backward(t("x"), t("d_W"), {t("lse")}, t("x"), t("W"), t("labels"), norm,
+                                          GradMode::overwrite, s, block_rows);
+                }}};
   return finish(r);
 }
 
@@ -393,7 +458,7 @@ Row adamw(int64_t n) {
          state("exp_avg_sq", {n}).with([](const Tensor& t, uint64_t seed, uint64_t stream) {
            fill_uniform(t, seed, stream, 0.0, 0.02);
          }),
-         in("grad", {n}).normal(0.0, 0.5), out("copy", {n}).dtype(Dt::bf16).tolerance(kBf16CopyTol)},
+         in("grad", {n}).normal(0.0, 0.5).any_float_dtype(), out("copy", {n}).dtype(Dt::bf16).tolerance(kBf16CopyTol)},
         [](const Tensors& t, Arena&) {
           adamw_update(t("param"), t("exp_avg"), t("exp_avg_sq"), t("grad"), t("copy"), {3e-2, 0.9, 0.95, 1e-8, 0.1, 3});
         });
@@ -799,6 +864,121 @@ void fd_run(const Row& row, uint64_t seed, Outcome& outcome) {
   }
 }
 
+// ---- The contract: every operand checked before any backend runs ----
+enum class Breach { shape, dtype, layout, device };
+const char* breach_name(Breach b) {
+  switch (b) {
+    case Breach::shape: return "last dimension off by one";
+    case Breach::dtype: return "another dtype";
+    case Breach::layout: return "strided";
+    case Breach::device: return "on the other kind of device";
+  }
+  return "?";
+}
+// What the error must say besides the op's name ("" for a shape: an op may first notice it as a
+// mismatch of another operand, an odd head dim or an id past a shorter table, all naming the op).
+std::string breach_word(Breach b, Device device) {
+  switch (b) {
+    case Breach::shape: return "";
+    case Breach::dtype: return "dtype";
+    case Breach::layout: return "must be";  // "must be contiguous" or, for K/V, "must be packed"
+    case Breach::device: return device_name(device);
+  }
+  return "";
+}
+Device other_kind(Device d) { return d.is_cpu() ? Device::gpu(0) : Device::host(); }
+
+// `t` broken one way: a fresh tensor, or (device) the same memory labelled with the other kind of
+// device (the op must refuse it before anything reads it). Empty where this way cannot break it
+// (a tensor of size-1 dimensions is contiguous whatever its strides).
+std::optional<std::pair<OwnedTensor, Tensor>> broken(const Tensor& t, Breach b) {
+  std::vector<int64_t> shape = shape_of(t);
+  DType dt = t.dtype;
+  switch (b) {
+    // one shorter, or one longer where that would leave no elements (an empty tensor without data
+    // reads as an optional gradient not given)
+    case Breach::shape: shape.back() += shape.back() > 1 ? -1 : 1; break;
+    case Breach::dtype: dt = dt == DType::f64 ? DType::f32 : DType::f64; break;
+    case Breach::device: {
+      Tensor v = t;
+      v.device = other_kind(t.device);
+      return std::pair{OwnedTensor{}, v};
+    }
+    case Breach::layout: {
+      OwnedTensor mem = alloc(t.device, dt, {2 * t.numel()});
+      Tensor v = Tensor::packed(mem.tensor.data, dt, t.device, shape);
+      for (int d = 0; d < v.ndim; ++d) v.stride[d] *= 2;
+      if (v.contiguous()) return std::nullopt;
+      return std::pair{std::move(mem), v};
+    }
+  }
+  OwnedTensor mem = alloc(t.device, dt, shape);
+  const Tensor v = mem.tensor;
+  return std::pair{std::move(mem), v};
+}
+
+// The row's calls (forward, then backward) on `t`: the error they throw, "" if none.
+std::string error_of(const Row& row, const Tensors& t, Arena& scratch) {
+  try {
+    row.forward(t, scratch);
+    if (row.backward) row.backward(t, GradMode::overwrite, scratch);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+void expect_refused(const std::string& error, const Row& row, const std::string& word) {
+  INFO("error: ", error);
+  CHECK_MESSAGE(!error.empty(), "the op accepted it");
+  CHECK(error.find(row.op) != std::string::npos);
+  CHECK(error.find(word) != std::string::npos);
+}
+
+// Every operand of the row broken each way, one at a time, on `device` in dtype dt; the scratch arena
+// on the other kind of device; the row's misuses. The other operands hold valid values (ids and
+// labels in range), so each call fails for the broken operand alone.
+void contract_run(const Row& row, Device device, DType dt, uint64_t seed, Outcome& outcome) {
+  const std::string where = fmt::format("{} {}", device_name(device), dtype_name(dt));
+  INFO(row.name, " | ", where, " | seed ", seed);
+  std::optional<VariantScope> scope;  // the default settings (attention kernel auto), whatever the environment
+  if (!device.is_cpu()) scope.emplace(kCuda);
+  Instance in = make_instance(row, device, dt);
+  for (size_t i = 0; i < row.args.size(); ++i)
+    if (is_given(row.args[i].role)) copy_convert(in.store[i], draw(row.args[i], resolve(row.args[i].dt, dt), seed, i));
+  Arena scratch(device);
+  for (const Arg& a : row.args) {
+    if (a.implicit) continue;
+    for (const Breach b : {Breach::shape, Breach::dtype, Breach::layout, Breach::device}) {
+      if (b == Breach::dtype && a.any_float) continue;
+      auto bad = broken(in.t(a.name), b);
+      if (!bad) continue;
+      INFO(a.name, ": ", breach_name(b), " (", bad->second.describe(), ")");
+      Tensors t = in.t;
+      t.by_name[a.name] = bad->second;
+      expect_refused(error_of(row, t, scratch), row, breach_word(b, other_kind(device)));
+      ++outcome.runs;
+    }
+  }
+  if (row.takes_scratch) {
+    INFO("the scratch arena on ", device_name(other_kind(device)));
+    Arena elsewhere(other_kind(device));  // never allocates: the op refuses it first
+    expect_refused(error_of(row, in.t, elsewhere), row, "scratch");
+    ++outcome.runs;
+  }
+  for (const Misuse& m : row.misuses) {
+    INFO("misuse: ", m.what);
+    std::string error;
+    try {
+      m.call(in.t, scratch);
+    } catch (const Error& e) {
+      error = e.what();
+    }
+    expect_refused(error, row, "alias");
+    ++outcome.runs;
+  }
+}
+
 }  // namespace
 
 TEST_CASE("backend ops: a NaN (an element never written) fails the comparison") {
@@ -823,6 +1003,25 @@ TEST_CASE("backend ops: cpu f32 against cpu f64") {
   for (const Row& row : table())
     if (row.cpu) compare_run(row, Device::host(), DType::f32, kCuda, run_seed(), outcome);
   MESSAGE(outcome.summary("cpu f32 against cpu f64"));
+}
+
+TEST_CASE("backend ops: cpu contract, every operand checked before any backend runs") {
+  Outcome outcome;
+  for (const Row& row : table())
+    if (row.cpu)
+      for (const DType dt : {DType::f64, DType::f32}) contract_run(row, Device::host(), dt, run_seed(), outcome);
+  MESSAGE(outcome.summary("cpu contract"));
+  CHECK(outcome.runs > 0);
+}
+
+TEST_CASE("backend ops: cuda contract, every operand checked before any backend runs" *
+          doctest::skip(!cw::test::gpu_ready())) {
+  Outcome outcome;
+  for (const Row& row : table())
+    if (row.cpu)
+      for (const DType dt : row.gpu_dtypes) contract_run(row, gpu0(), dt, run_seed(), outcome);
+  MESSAGE(outcome.summary("cuda contract"));
+  CHECK(outcome.runs > 0);
 }
 
 TEST_CASE("backend ops: cuda against cpu f64" * doctest::skip(!cw::test::gpu_ready())) {

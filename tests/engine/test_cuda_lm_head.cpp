@@ -181,7 +181,9 @@ TEST_CASE("cuda: lm_head loss checks its operands" * doctest::skip(!cw::test::gp
   CHECK_THROWS_AS(lm_head_loss_fused(loss, x.dev, dw, x.dev, w.dev, lab.dev, norm, GradMode::overwrite, scratch,
                                      kCpuBlockRows),
                   Error);
-  // no f64 compute on the GPU
+  // f64 operands keep the contract (row_loss and lse in f64 too) but the GPU has no f64 kernel: its own limit
   Input x64 = make_input(DType::f64, {N, C}, 21), w64 = make_input(DType::f64, {V, C}, 22);
-  CHECK_THROWS_AS(lm_head_loss_forward(loss, {lse}, x64.dev, w64.dev, lab.dev, norm, scratch, kCpuBlockRows), Error);
+  OwnedTensor loss64 = poisoned(DType::f64, {N}), lse64 = poisoned(DType::f64, {N});
+  CHECK_THROWS_WITH_AS(lm_head_loss_forward(loss64, {lse64}, x64.dev, w64.dev, lab.dev, norm, scratch, kCpuBlockRows),
+                       doctest::Contains("lm_head_loss_forward on the GPU supports f32 and bf16, not f64"), Error);
 }

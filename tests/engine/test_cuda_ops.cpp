@@ -1,7 +1,8 @@
 // The GPU elementwise and row ops (engine/cuda/elementwise.cu, rmsnorm.cu, embedding.cu) beyond the
 // op table (test_backend_ops.cpp checks their values, poisoning, accumulation and repeatability):
 // in-place and aliased operands give the out-of-place bits, invalid device ids stay in bounds,
-// operand checks, sum_squares.
+// the public ops' operand checks on device tensors (the contract, engine/ops/*.cpp, and the GPU's own
+// limits such as no f64), sum_squares.
 #include "engine/cuda/ops.h"
 #include "engine/cuda/runtime.h"
 #include "engine/ops/embedding.h"
@@ -45,7 +46,7 @@ TEST_CASE("cuda: in-place and aliased operands give the out-of-place bits" * doc
     gpu::rope_backward(y, x.dev, cos, sin, pos0, GradMode::overwrite);
     gpu::rope_backward(dyi.dev, dyi.dev, cos, sin, pos0, GradMode::overwrite);
     expect_same_bits(dyi.dev, y, "rope backward in place");
-    CHECK_THROWS_AS(gpu::rope_backward(dyi.dev, dyi.dev, cos, sin, pos0, GradMode::accumulate), Error);
+    CHECK_THROWS_AS(rope_backward(dyi.dev, dyi.dev, cos, sin, pos0, GradMode::accumulate), Error);
 
     // rmsnorm: d_x may alias d_out (the d_w partials read d_out before d_x is written)
     GpuInput a = make_input(dt, {N, C}, 1), w = make_input(dt, {C}, 2, 0.3, 1.0), dy = make_input(dt, {N, C}, 3);
@@ -70,7 +71,7 @@ TEST_CASE("cuda: in-place and aliased operands give the out-of-place bits" * doc
     expect_same_bits(dd, dy.dev, "d_delta = d_out");
     gpu::residual_backward(dx2, GradMode::overwrite, Tensor{}, GradMode::overwrite, dy.dev);
     expect_same_bits(dx2, dy.dev, "d_x = d_out without d_delta");
-    CHECK_THROWS_AS(gpu::residual_backward(dyr.dev, GradMode::accumulate, Tensor{}, GradMode::overwrite, dyr.dev), Error);
+    CHECK_THROWS_AS(residual_backward(dyr.dev, GradMode::accumulate, Tensor{}, GradMode::overwrite, dyr.dev), Error);
   }
 }
 
@@ -80,27 +81,29 @@ TEST_CASE("cuda: rmsnorm, rope and accumulate reject bad operands" * doctest::sk
   OwnedTensor rstd_bf16 = poisoned(DType::bf16, {4}), dw_bf16 = poisoned(DType::bf16, {8});
   OwnedTensor host_out(DType::f32, {4, 8});
   Arena scratch(gpu0());
-  CHECK_THROWS_AS(gpu::rmsnorm_forward(host_out, {rstd}, x.dev, w.dev, 1e-5), Error);
-  CHECK_THROWS_AS(gpu::rmsnorm_forward(out, {rstd_bf16}, x.dev, w.dev, 1e-5), Error);
-  CHECK_THROWS_AS(gpu::rmsnorm_forward(out, {rstd}, x.dev, dy.dev, 1e-5), Error);  // weight of the wrong shape
-  CHECK_THROWS_AS(gpu::rmsnorm_forward(x.dev, {rstd}, x.dev, w.dev, 1e-5), Error);  // out aliases x
-  CHECK_THROWS_AS(gpu::rmsnorm_backward(out, dw_bf16, dy.dev, {rstd}, x.dev, w.dev, GradMode::overwrite, scratch),
+  CHECK_THROWS_AS(rmsnorm_forward(host_out, {rstd}, x.dev, w.dev, 1e-5), Error);
+  CHECK_THROWS_AS(rmsnorm_forward(out, {rstd_bf16}, x.dev, w.dev, 1e-5), Error);
+  CHECK_THROWS_AS(rmsnorm_forward(out, {rstd}, x.dev, dy.dev, 1e-5), Error);  // weight of the wrong shape
+  CHECK_THROWS_AS(rmsnorm_forward(x.dev, {rstd}, x.dev, w.dev, 1e-5), Error);  // out aliases x
+  CHECK_THROWS_AS(rmsnorm_backward(out, dw_bf16, dy.dev, {rstd}, x.dev, w.dev, GradMode::overwrite, scratch),
                   Error);  // d_weight must be f32
+  // f64 operands keep the contract (rstd in f64 too) but the GPU has no f64 kernel: its own limit.
   GpuInput x64 = make_input(DType::f64, {4, 8}, 1), w64 = make_input(DType::f64, {8}, 2);
-  OwnedTensor out64 = poisoned(DType::f64, {4, 8});
-  CHECK_THROWS_AS(gpu::rmsnorm_forward(out64, {rstd}, x64.dev, w64.dev, 1e-5), Error);  // no f64 compute on the GPU
+  OwnedTensor out64 = poisoned(DType::f64, {4, 8}), rstd64 = poisoned(DType::f64, {4});
+  CHECK_THROWS_WITH_AS(rmsnorm_forward(out64, {rstd64}, x64.dev, w64.dev, 1e-5),
+                       doctest::Contains("rmsnorm_forward on the GPU supports f32 and bf16, not f64"), Error);
   // rope: positions past the table; tables not f32
   const int64_t P = 8, D = 8;
   GpuInput rx = make_input(DType::f32, {1, 4, 2, D}, 4);
   OwnedTensor ry = poisoned(DType::f32, {1, 4, 2, D}), cos = poisoned(DType::f32, {P, D / 2});
   OwnedTensor cos_bf16 = poisoned(DType::bf16, {P, D / 2});
-  CHECK_THROWS_AS(gpu::rope_forward(ry, rx.dev, cos, cos, P - 4 + 1), Error);
-  CHECK_THROWS_AS(gpu::rope_forward(ry, rx.dev, cos_bf16, cos_bf16, 0), Error);
+  CHECK_THROWS_AS(rope_forward(ry, rx.dev, cos, cos, P - 4 + 1), Error);
+  CHECK_THROWS_AS(rope_forward(ry, rx.dev, cos_bf16, cos_bf16, 0), Error);
   // accumulate: a bf16 destination with an f32 source is not a gradient sum; a host destination
   GpuInput d16 = make_input(DType::bf16, {4, 5}, 27), s32 = make_input(DType::f32, {4, 5}, 28);
-  CHECK_THROWS_AS(gpu::accumulate(d16.dev, s32.dev), Error);
+  CHECK_THROWS_AS(accumulate(d16.dev, s32.dev), Error);
   OwnedTensor host(DType::f32, {4, 5});
-  CHECK_THROWS_AS(gpu::accumulate(host, s32.dev), Error);
+  CHECK_THROWS_AS(accumulate(host, s32.dev), Error);
 }
 
 TEST_CASE("cuda: embedding guards against invalid device ids and checks operands" *
@@ -139,9 +142,9 @@ TEST_CASE("cuda: embedding guards against invalid device ids and checks operands
 
   // operand checks: ids on the host, a bf16 d_table, a wrong output shape
   OwnedTensor dtab_bf16 = poisoned(DType::bf16, {V, C}), out_bad = poisoned(DType::f32, {N + 1, C});
-  CHECK_THROWS_AS(gpu::embedding_forward(out, ids_host, table.dev), Error);
-  CHECK_THROWS_AS(gpu::embedding_backward(dtab_bf16, dy.dev, ids), Error);
-  CHECK_THROWS_AS(gpu::embedding_forward(out_bad, ids, table.dev), Error);
+  CHECK_THROWS_AS(embedding_forward(out, ids_host, table.dev), Error);
+  CHECK_THROWS_AS(embedding_backward(dtab_bf16, dy.dev, ids), Error);
+  CHECK_THROWS_AS(embedding_forward(out_bad, ids, table.dev), Error);
 }
 
 TEST_CASE("cuda: sum_squares matches the CPU f64 sum in f32, bf16 and f64, and repeats bitwise" *

@@ -15,6 +15,7 @@
 #include "tests/engine/fd_check.h"
 
 #include <cmath>
+#include <cstring>
 #include <numbers>
 
 using namespace cw;
@@ -120,6 +121,40 @@ TEST_CASE("lm head + cross-entropy: the loss against the formula with full logit
     double s = 0;
     for (double zv : z) s += std::exp(zv - m);
     CHECK(row.tensor.ptr<double>()[n] == doctest::Approx((m + std::log(s) - z[lab[n]]) / normaliser).epsilon(1e-13));
+  }
+}
+
+TEST_CASE("ops: the aliases the headers allow give the out-of-place bits (cpu)") {
+  // rmsnorm's d_x may alias d_out (the layers write the stream's gradient in place); residual's out
+  // may alias x. The CPU reads each element before its output is written.
+  const auto as = [](DType dt, const OwnedTensor& f64) {
+    OwnedTensor t = OwnedTensor::of_shape(dt, std::vector<int64_t>(f64.tensor.shape.begin(),
+                                                                    f64.tensor.shape.begin() + f64.tensor.ndim));
+    copy_convert(t, f64);
+    return t;
+  };
+  const auto same_bits = [](const Tensor& a, const Tensor& b) { return std::memcmp(a.data, b.data, a.bytes()) == 0; };
+  for (const DType dt : {DType::f64, DType::f32}) {
+    INFO(dtype_name(dt));
+    const int64_t N = 5, C = 12;
+    OwnedTensor x = as(dt, randn({N, C}, 1)), w = as(dt, randn({C}, 2, 0.3, 1.0)), y(dt, {N, C}), rstd(dt, {N});
+    rmsnorm_forward(y, {rstd}, x, w, 1e-5);
+    Arena scratch;
+    for (const GradMode mode : {GradMode::overwrite, GradMode::accumulate}) {
+      const char* mode_name = mode == GradMode::overwrite ? "overwrite" : "accumulate";
+      INFO(mode_name);
+      // d_x starts as d_out's values on both sides, so accumulate adds into the same numbers.
+      OwnedTensor dy = as(dt, randn({N, C}, 3)), dx = as(dt, randn({N, C}, 3)), in_place = as(dt, randn({N, C}, 3));
+      OwnedTensor dw = as(dt, randn({C}, 5)), dw_in_place = as(dt, randn({C}, 5));
+      rmsnorm_backward(dx, dw, dy, {rstd}, x, w, mode, scratch);
+      rmsnorm_backward(in_place, dw_in_place, in_place, {rstd}, x, w, mode, scratch);
+      CHECK(same_bits(in_place, dx));
+      CHECK(same_bits(dw_in_place, dw));
+    }
+    OwnedTensor delta = as(dt, randn({N, C}, 6)), sum(dt, {N, C}), x_in_place = as(dt, randn({N, C}, 1));
+    residual_forward(sum, x, delta);
+    residual_forward(x_in_place, x_in_place, delta);
+    CHECK(same_bits(x_in_place, sum));
   }
 }
 

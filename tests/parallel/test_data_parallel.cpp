@@ -166,6 +166,43 @@ TEST_CASE("data parallel: the loss is normalised by the global label count, micr
   CHECK(steps[0].buckets_in_backward == steps[0].buckets);
 }
 
+TEST_CASE("schedules: the last backward reports offsets that only decrease, and the gradient at and after each is final") {
+  const LlamaConfig c = tiny();
+  LlamaModel model(c, DType::f64);
+  copy_params(model.params(), initial_params(c));
+  const Batch batch = random_batch(2, 16, c.vocab_size, 8);
+  const std::vector<ScheduleOptions> schedules = {{.name = "full"},
+                                                  {.name = "checkpointed"},
+                                                  {.name = "seco", .chunk = 5, .bwd_chunk = 3},
+                                                  {.name = "spaco", .chunk = 4, .keep = 2, .seed = 1}};
+  for (const ScheduleOptions& so : schedules) {
+    CAPTURE(so.name);
+    auto schedule = Schedule::create(so);
+    ParamSet grads(c, DType::f64);
+    std::vector<int64_t> offsets;
+    std::vector<std::vector<double>> snapshots;  // the gradient when each offset was reported
+    StepHooks hooks;
+    hooks.grads_final = [&](int64_t from) {
+      offsets.push_back(from);
+      const double* g = grads.flat().ptr<double>();
+      snapshots.emplace_back(g, g + grads.numel());
+    };
+    schedule->set_hooks(hooks);
+    schedule->step(model, batch, grads, 0, 4);
+    // One report after the head and final norm, one per layer, one after the embedding.
+    REQUIRE(offsets.size() == static_cast<size_t>(c.num_hidden_layers) + 2);
+    CHECK(offsets.back() == 0);
+    const double* final_grads = grads.flat().ptr<double>();
+    for (size_t k = 0; k < offsets.size(); ++k) {
+      CAPTURE(k);
+      if (k > 0) CHECK(offsets[k] < offsets[k - 1]);
+      const size_t from = static_cast<size_t>(offsets[k]);
+      CHECK(std::memcmp(snapshots[k].data() + from, final_grads + from,
+                        (snapshots[k].size() - from) * sizeof(double)) == 0);
+    }
+  }
+}
+
 TEST_CASE("AdamWShard: shards that tile the vector give the bits of one AdamW; save and load") {
   const LlamaConfig c = tiny();
   ParamSet whole = initial_params(c), sharded = initial_params(c);

@@ -352,7 +352,7 @@ TEST_CASE("tensor parallel: bad input fails with one line naming the option") {
   // train does not start tensor-parallel ranks: it says so rather than running one process.
   RunConfig rc = RunConfig::defaults();
   rc.apply_override("parallel.tp=2");
-  CHECK_THROWS_WITH_AS(rc.validate(), doctest::Contains("parallel.tp = 2, parallel.dp = 1: chunkwise train runs one process"), Error);
+  CHECK_THROWS_WITH_AS(rc.validate(), doctest::Contains("parallel.tp = 2: chunkwise train does not start tensor-parallel ranks yet"), Error);
   // Sequence parallelism with a chunk of 2 x 3 tokens over 4 ranks.
   GradcheckOptions o;
   o.model = "tiny-tp";

@@ -506,4 +506,29 @@ TEST_CASE("tokenize_files: text files to a shard, end to end") {
   }
 }
 
+TEST_CASE("window sampler: data-parallel ranks take disjoint slices of the global batch, resumably") {
+  const int64_t T = 4, W = 37, B = 3, ranks = 3;
+  const TokenDataset d = TokenDataset::from_tokens(iota_tokens(W * T + 1), W * T + 1);
+  const WindowSet windows = d.windows(T);
+  WindowSampler single(windows, 9);
+  std::vector<WindowSampler> rank_samplers(static_cast<size_t>(ranks), WindowSampler(windows, 9));
+  // 20 steps of 9 windows straddle epochs of 37 windows.
+  for (int step = 0; step < 20; ++step) {
+    const std::vector<uint32_t> global = single.next_batch(ranks * B);
+    std::vector<uint32_t> joined;
+    for (int64_t r = 0; r < ranks; ++r) {
+      const std::vector<uint32_t> mine = rank_samplers[static_cast<size_t>(r)].next_rank_batch(B, r, ranks);
+      REQUIRE(mine.size() == static_cast<size_t>(B * (T + 1)));
+      joined.insert(joined.end(), mine.begin(), mine.end());
+    }
+    CHECK(joined == global);  // disjoint slices, in rank order: one process's batch of ranks x B
+    for (const WindowSampler& s : rank_samplers) CHECK(s.state() == single.state());
+  }
+  // Resuming any rank from the shared state continues its slice.
+  WindowSampler resumed(windows, 1);
+  resumed.restore(rank_samplers[1].state());
+  CHECK(resumed.next_rank_batch(B, 1, ranks) == rank_samplers[1].next_rank_batch(B, 1, ranks));
+  CHECK(has(error_of([&] { resumed.next_rank_batch(B, 3, ranks); }), "rank 3 of 3 ranks"));
+}
+
 }  // namespace cw

@@ -269,3 +269,65 @@ TEST_CASE("train --trace: a Chrome trace of the first step, every micro-batch's 
   CHECK(backprop == rc.data.grad_accum * 4);  // 32 tokens in chunks of 10, per micro-batch, one step
   CHECK(copies > 0);
 }
+
+TEST_CASE("train data parallel: 2 ranks (threads) equal one process with twice the batch; ZeRO resumes from its shards") {
+  // A few AdamW steps amplify the rounding differences of a different summation order (the ranks'
+  // partial gradients are summed, not one batch's): still far below any real difference.
+  constexpr double kStepsOfRoundingTol = 1e-10;
+  Fixture fx;
+  std::ostringstream log;
+  RunConfig single = fx.config(4);
+  single.model.dtype = "f64";
+  single.data.batch_size = 4;
+  TrainOptions o;
+  o.run_dir = fx.dir.file("single");
+  const TrainResult s = run_training(single, o, log);
+
+  RunConfig ranks = single;
+  ranks.data.batch_size = 2;
+  ranks.parallel.dp = 2;
+  ranks.parallel.bucket_mb = 0.01;
+  o.run_dir = fx.dir.file("dp");
+  std::ostringstream dp_log;
+  const TrainResult d = run_training(ranks, o, dp_log);
+  CHECK(dp_log.str().find("data parallel: 2 ranks, zero 0") != std::string::npos);
+  const std::vector<double> ls = logged_losses(fx.dir.file("single")), ld = logged_losses(fx.dir.file("dp"));
+  REQUIRE(ls.size() == 4);
+  REQUIRE(ld.size() == 4);  // rank 0 alone logs
+  for (size_t i = 0; i < ls.size(); ++i) CHECK(std::abs(ld[i] - ls[i]) <= kStepsOfRoundingTol * std::abs(ls[i]));
+  REQUIRE(d.last_eval_loss.has_value());
+  CHECK(std::abs(*d.last_eval_loss - *s.last_eval_loss) <= kStepsOfRoundingTol * *s.last_eval_loss);
+
+  // ZeRO 1: the same bits as zero 0; stopped at step 2 and resumed, the same bits again.
+  RunConfig zero = ranks;
+  zero.parallel.zero = 1;
+  o.run_dir = fx.dir.file("zero-straight");
+  run_training(zero, o, log);
+  const std::vector<double> lz = logged_losses(o.run_dir);
+  REQUIRE(lz.size() == 4);
+  for (size_t i = 0; i < ld.size(); ++i) CHECK(lz[i] == ld[i]);
+  const fs::path last_checkpoint = fs::path(o.run_dir) / "step-000004";
+  CHECK(fs::exists(last_checkpoint / "optimizer-rank-00000.safetensors"));
+  CHECK(fs::exists(last_checkpoint / "optimizer-rank-00001.safetensors"));
+  CHECK(!fs::exists(last_checkpoint / "optimizer.safetensors"));
+
+  TrainOptions part;
+  part.run_dir = fx.dir.file("zero-resumed");
+  part.stop_after = 2;
+  CHECK(run_training(zero, part, log).interrupted);
+  part.stop_after = 0;
+  part.resume = true;
+  run_training(zero, part, log);
+  const std::vector<double> lr = logged_losses(part.run_dir);
+  REQUIRE(lr.size() == 4);
+  for (size_t i = 0; i < lz.size(); ++i) CHECK(lr[i] == lz[i]);
+  for (const char* file : {"model.safetensors", "optimizer-rank-00000.safetensors", "optimizer-rank-00001.safetensors"})
+    CHECK(file_bytes(last_checkpoint / file) == file_bytes(fs::path(part.run_dir) / "step-000004" / file));
+
+  // A sharded state resumes only on its layout.
+  RunConfig other = zero;
+  other.parallel.zero = 2;
+  other.train.steps = 6;
+  CHECK_THROWS_WITH_AS(run_training(other, part, log),
+                       doctest::Contains("written with parallel.dp = 2 and parallel.zero = 1; this run has 2 and 2"), Error);
+}

@@ -514,6 +514,20 @@ std::vector<uint32_t> WindowSampler::next_batch(int64_t batch) {
   return out;
 }
 
+std::vector<uint32_t> WindowSampler::next_rank_batch(int64_t batch, int64_t rank, int64_t ranks) {
+  CW_CHECK(batch > 0, "batch size {} must be positive", batch);
+  CW_CHECK(ranks >= 1 && rank >= 0 && rank < ranks, "rank {} of {} ranks", rank, ranks);
+  const int64_t row = windows_.seq_len() + 1;
+  std::vector<uint32_t> out(static_cast<size_t>(batch * row));
+  for (int64_t r = 0; r < ranks * batch; ++r) {
+    const int64_t w = next_window();  // every window of the global batch advances the sampler
+    if (r / batch != rank) continue;
+    const auto ids = windows_.window(w);
+    std::copy(ids.begin(), ids.end(), out.begin() + (r % batch) * row);
+  }
+  return out;
+}
+
 SamplerState WindowSampler::state() const { return {seed_, epoch_, position_, windows_.size()}; }
 
 void WindowSampler::restore(const SamplerState& state) {

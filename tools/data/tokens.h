@@ -177,6 +177,12 @@ class WindowSampler {
 
   // B windows in this epoch's shuffled order, B*(T+1) ids row-major.
   std::vector<uint32_t> next_batch(int64_t batch);
+  // Data parallel: rank `rank` of `ranks`' own B windows of the global batch. Every rank keeps the
+  // same sampler (same seed, same state) and each call draws the whole global batch of ranks x B
+  // windows, returning windows [rank B, (rank+1) B) of it: the ranks' batches are disjoint, their
+  // concatenation is next_batch(ranks x B), and the state after the call is the same on every rank
+  // (and as one process with batch ranks x B), so resuming needs nothing per rank.
+  std::vector<uint32_t> next_rank_batch(int64_t batch, int64_t rank, int64_t ranks);
   // The index (into windows()) of the next window, advancing past it.
   int64_t next_window();
 

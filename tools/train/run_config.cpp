@@ -432,12 +432,10 @@ void RunConfig::validate() const {
   // Then the rules between options.
   schedule.validate();
   parallel.validate();
-  // The [parallel] options are the library's (gradcheck runs them); train does not start ranks yet.
-  if (parallel.tp > 1 || parallel.dp > 1)
-    fail(fmt::format("parallel.tp = {}, parallel.dp = {}: chunkwise train runs one process and does not start "
-                     "parallel ranks yet",
-                     parallel.tp, parallel.dp),
-         "set parallel.tp = parallel.dp = 1; `chunkwise gradcheck --tp N` / `--dp N` run them (ranks as threads)");
+  // Tensor parallelism runs in the library and gradcheck; train does not start TP ranks yet.
+  if (parallel.tp > 1)
+    fail(fmt::format("parallel.tp = {}: chunkwise train does not start tensor-parallel ranks yet", parallel.tp),
+         "set parallel.tp = 1; `chunkwise gradcheck --tp N` runs tensor parallelism (ranks as threads)");
   // A constant rate never reaches min_lr, so only a decay makes the pair inconsistent.
   if (optimizer.decay != "constant" && optimizer.min_lr > optimizer.lr)
     fail(fmt::format("optimizer.min_lr must be <= optimizer.lr ({}), got {}", optimizer.lr, optimizer.min_lr),

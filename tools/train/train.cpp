@@ -8,6 +8,7 @@
 #include "optim/lr_schedule.h"
 #include "optim/schedule.h"
 #include "optim/training.h"
+#include "parallel/data_parallel.h"
 #include "chunkwise_config.h"
 #include "engine/engine.h"
 #if CW_HAVE_CUDA
@@ -30,6 +31,8 @@
 #include <fstream>
 #include <iostream>
 #include <ostream>
+#include <sstream>
+#include <streambuf>
 #include <unistd.h>
 
 namespace cw {
@@ -58,6 +61,15 @@ struct SignalGuard {
     sigaction(SIGTERM, &old_term, nullptr);
   }
 };
+
+// Where the ranks other than 0 print: nowhere.
+class NullBuffer : public std::streambuf {
+ protected:
+  int overflow(int c) override { return c; }
+};
+
+// The file of rank r's optimizer shard in a checkpoint (ZeRO).
+std::string optimizer_shard_file(int rank) { return fmt::format("optimizer-rank-{:05}.safetensors", rank); }
 
 double rss_mib() {
   std::ifstream f("/proc/self/statm");
@@ -206,9 +218,11 @@ struct Progress {
 
 // Resume from the run directory's latest complete checkpoint (weights, optimizer moments, step,
 // sampler position, metrics truncated after it), or load the model.source checkpoint, or initialise.
+// With data parallelism every rank reads the same checkpoint (weights, state.json) and its own
+// optimizer shard; rank 0 alone truncates the metrics.
 Progress resume_or_initialise(const RunConfig& rc, bool resume, RunDirectory& run_dir, const std::string& run_path,
                               const std::string& metrics_path, TrainingState& state, WindowSampler& sampler,
-                              std::ostream& out) {
+                              DataParallel* dp, std::ostream& out) {
   Progress p;
   if (resume) {
     std::vector<std::string> skipped;
@@ -218,7 +232,6 @@ Progress resume_or_initialise(const RunConfig& rc, bool resume, RunDirectory& ru
       fail(fmt::format("--resume: no complete checkpoint in '{}'", run_path),
            "start without --resume, or point --run-dir at the run to continue");
     load_master_from(state, ref->path);
-    state.optimizer().load((fs::path(ref->path) / "optimizer.safetensors").string());
     std::ifstream sf(fs::path(ref->path) / "state.json");
     nlohmann::json saved;
     try {
@@ -226,10 +239,23 @@ Progress resume_or_initialise(const RunConfig& rc, bool resume, RunDirectory& ru
     } catch (const nlohmann::json::exception& e) {
       fail(fmt::format("{}/state.json: not valid JSON ({})", ref->path, e.what()), "the checkpoint is damaged");
     }
+    // A sharded optimizer state resumes only on the layout that wrote it.
+    const int64_t saved_dp = saved.contains("parallel") ? saved["parallel"].value("dp", int64_t{1}) : 1;
+    const int64_t saved_zero = saved.contains("parallel") ? saved["parallel"].value("zero", int64_t{0}) : 0;
+    const int64_t run_dp = dp ? dp->size() : 1, run_zero = dp ? dp->zero() : 0;  // one process: whole state
+    if ((saved_zero > 0 || run_zero > 0) && (saved_dp != run_dp || saved_zero != run_zero))
+      fail(fmt::format("{}: the checkpoint was written with parallel.dp = {} and parallel.zero = {}; this run has {} and {}",
+                       ref->path, saved_dp, saved_zero, run_dp, run_zero),
+           "resume with the checkpoint's parallel.dp and parallel.zero (its weights are a whole HF checkpoint: "
+           "model.source can start a new run from them)");
+    if (dp && dp->optimizer_shard())
+      dp->optimizer_shard()->load((fs::path(ref->path) / optimizer_shard_file(dp->rank())).string());
+    else
+      state.optimizer().load((fs::path(ref->path) / "optimizer.safetensors").string());
     p.step = saved.at("step").get<int64_t>();
     p.tokens_seen = saved.at("tokens_seen").get<int64_t>();
     sampler.restore(SamplerState::from_json(saved.at("sampler"), ref->path + "/state.json"));
-    truncate_metrics_after(metrics_path, p.step);
+    if (!dp || dp->rank() == 0) truncate_metrics_after(metrics_path, p.step);
     out << fmt::format("resumed from {} (step {})\n", ref->path, p.step);
   } else if (fs::is_directory(rc.model.source) && fs::exists(fs::path(rc.model.source) / "config.json") &&
              (fs::exists(fs::path(rc.model.source) / "model.safetensors") ||
@@ -254,10 +280,15 @@ void print_header(const RunConfig& rc, const Placement& p, const TrainData& data
                      p.dtype == DType::bf16 ? " (f32 master weights, f32 gradients)" : "");
   out << fmt::format("data: {} ({} tokens): {} train windows, {} eval windows of {} tokens\n", data.train.describe(),
                      data.train.size(), data.split.train.size(), data.split.eval.size(), T);
-  out << fmt::format("schedule {} (chunk {}, bwd chunk {}), {} x {} x {} = {} tokens per step, {} steps, "
+  const int64_t dp = rc.parallel.dp;
+  out << fmt::format("schedule {} (chunk {}, bwd chunk {}), {}{} x {} x {} = {} tokens per step, {} steps, "
                      "planned memory {}\n",
-                     rc.schedule.name, rc.schedule.chunk, rc.schedule.bwd_chunk, accum, B, T, B * T * accum,
-                     rc.train.steps, human_bytes(planned));
+                     rc.schedule.name, rc.schedule.chunk, rc.schedule.bwd_chunk,
+                     dp > 1 ? fmt::format("{} ranks x ", dp) : "", accum, B, T, dp * B * T * accum, rc.train.steps,
+                     human_bytes(planned));
+  if (dp > 1)
+    out << fmt::format("data parallel: {} ranks, zero {}, gradient buckets of {} MiB\n", dp, rc.parallel.zero,
+                       rc.parallel.bucket_mb);
   out << "config:\n" << rc.to_toml() << "\n";
   out.flush();
 }
@@ -267,19 +298,24 @@ void print_header(const RunConfig& rc, const Placement& p, const TrainData& data
 // checkpoints, and stopping on a signal or --stop-after.
 class TrainLoop {
  public:
+  // dp: this rank's data-parallel group (null: one process); metrics: null on ranks other than 0.
   TrainLoop(const RunConfig& rc, const TrainOptions& opt, const Placement& placement, const WindowSplit& split,
             TrainingState& state, Schedule& schedule, WindowSampler& sampler, RunDirectory& run_dir,
-            MetricsLog& metrics, const ByteTokenizer& tokenizer, std::ostream& out)
+            MetricsLog* metrics, const ByteTokenizer& tokenizer, DataParallel* dp, Communicator* comm,
+            std::ostream& out)
       : rc_(rc), opt_(opt), placement_(placement), split_(split), state_(state), schedule_(schedule),
-        sampler_(sampler), run_dir_(run_dir), metrics_(metrics), tokenizer_(tokenizer), out_(out),
+        sampler_(sampler), run_dir_(run_dir), metrics_(metrics), tokenizer_(tokenizer), dp_(dp), comm_(comm),
+        lead_(!dp || dp->rank() == 0), out_(out),
         lr_schedule_{rc.optimizer.lr, rc.optimizer.min_lr, rc.optimizer.warmup_steps, rc.train.steps,
                      LrSchedule::parse(rc.optimizer.decay)},
         eval_arena_(placement.device),
-        tty_(isatty(STDOUT_FILENO) && &out == &std::cout) {}
+        tty_(isatty(STDOUT_FILENO) && &out == &std::cout && (!dp || dp->rank() == 0)) {}
 
   // Runs to the end (or a stop), filling result's last step, loss, eval loss and interrupted.
   void run(Progress progress, TrainResult& result) {
-    SignalGuard signals;
+    // Thread ranks share the process's handlers: train_on_threads installs them once for all.
+    std::optional<SignalGuard> signals;
+    if (!comm_ || comm_->backend() != "threads") signals.emplace();
     start_step_ = progress.step;
     tokens_seen_ = progress.tokens_seen;
     const auto t_loop = std::chrono::steady_clock::now();
@@ -302,14 +338,14 @@ class TrainLoop {
                std::chrono::duration<double>(t1 - t_loop).count());
       if (step == start_step_ + 1) report_memory(step, o.stats);
       const bool last = step == rc_.train.steps;
-      if ((rc_.eval.every > 0 && step % rc_.eval.every == 0) || last) {
+      if (lead_ && ((rc_.eval.every > 0 && step % rc_.eval.every == 0) || last)) {  // the same weights on every rank
         const double el = evaluate();
-        metrics_.append({{"step", step}, {"eval_loss", el}, {"tokens", tokens_seen_}});
+        metrics_->append({{"step", step}, {"eval_loss", el}, {"tokens", tokens_seen_}});
         result.last_eval_loss = el;
         out_ << clear_line() << fmt::format("step {:>5}: eval loss {:.4f} ({:.3f} bits per token)\n", step, el,
                                             el / std::log(2.0));
       }
-      const bool stop = g_signals.load() > 0 || (opt_.stop_after > 0 && step - start_step_ >= opt_.stop_after && !last);
+      const bool stop = agreed(g_signals.load() > 0) || (opt_.stop_after > 0 && step - start_step_ >= opt_.stop_after && !last);
       if ((rc_.checkpoint.every > 0 && step % rc_.checkpoint.every == 0) || last || stop) save(step);
       if (stop) {
         out_ << clear_line() << fmt::format("stopped: saved step {} in {}; continue with --resume\n", step,
@@ -330,12 +366,22 @@ class TrainLoop {
     StepStats stats;  // the last micro-batch's
   };
 
-  int64_t tokens_per_step() const { return rc_.data.batch_size * rc_.data.seq_len * rc_.data.grad_accum; }
+  int64_t tokens_per_step() const {
+    return rc_.parallel.dp * rc_.data.batch_size * rc_.data.seq_len * rc_.data.grad_accum;
+  }
+  // Whether any rank says so (a signal reaches the ranks at different moments; they must stop together).
+  bool agreed(bool any) {
+    if (!dp_) return any;
+    std::vector<double> flag{any ? 1.0 : 0.0};
+    dp_->sum_over_ranks(flag);
+    return flag[0] > 0;
+  }
   const char* clear_line() const { return tty_ ? "\r\033[K" : ""; }
 
   // One optimizer step: the micro-batches' gradients summed (the loss normalised by the step's
   // supervised count), then the guard, clipping and the update.
   StepOutcome train_step(int64_t step) {
+    if (dp_) return data_parallel_step(step);
     const int64_t B = rc_.data.batch_size, T = rc_.data.seq_len, accum = rc_.data.grad_accum;
     const ParamSet& grads = state_.grads();
     grads.zero();
@@ -367,13 +413,41 @@ class TrainLoop {
     return o;
   }
 
+  // train_step with data parallelism: this rank's slice of every global micro-batch, one reduction,
+  // the global loss and norm (the same on every rank, so every rank takes the same decisions).
+  StepOutcome data_parallel_step(int64_t step) {
+    const int64_t B = rc_.data.batch_size, T = rc_.data.seq_len, accum = rc_.data.grad_accum;
+    std::vector<Batch> micro;
+    for (int64_t m = 0; m < accum; ++m)
+      micro.push_back(window_batch(sampler_.next_rank_batch(B, dp_->rank(), dp_->size()), B, T));
+    StepOutcome o;
+    const DataParallelStep d = dp_->compute_gradients(schedule_, micro, static_cast<uint64_t>(step * accum));
+    o.loss = d.loss;
+    o.stats = d.stats;
+    o.grad_norm = dp_->gradient_norm();
+    o.lr = lr_schedule_.at(step);
+    if (!std::isfinite(o.loss) || !std::isfinite(o.grad_norm)) {
+      const std::string what = fmt::format("step {}: non-finite {} (loss {}, grad norm {}) over {} micro-batches",
+                                           step, std::isfinite(o.loss) ? "gradient" : "loss", o.loss, o.grad_norm,
+                                           accum);
+      if (rc_.train.nonfinite == "stop") fail(what, "lower optimizer.lr or set train.nonfinite = skip");
+      out_ << "warning: " << what << "; update skipped\n";
+      o.skipped = true;
+    } else {
+      dp_->clip_gradients(rc_.optimizer.grad_clip);
+      dp_->optimizer_step(o.lr);
+    }
+    return o;
+  }
+
   // The metrics line of every step; the log line (and the progress bar on a terminal) every log.every.
   void log_step(int64_t step, const StepOutcome& o, double step_s, double elapsed) {
     const double eta = elapsed / static_cast<double>(step - start_step_) * static_cast<double>(rc_.train.steps - step);
     const double tok_s = static_cast<double>(tokens_per_step()) / step_s;
-    metrics_.append({{"step", step}, {"loss", o.loss}, {"lr", o.lr}, {"grad_norm", o.grad_norm},
-                     {"tokens", tokens_seen_}, {"tokens_per_s", tok_s}, {"step_s", step_s}, {"skipped", o.skipped},
-                     {"rss_mib", rss_mib()}});
+    if (!metrics_) return;  // ranks other than 0 neither log nor print
+    metrics_->append({{"step", step}, {"loss", o.loss}, {"lr", o.lr}, {"grad_norm", o.grad_norm},
+                      {"tokens", tokens_seen_}, {"tokens_per_s", tok_s}, {"step_s", step_s}, {"skipped", o.skipped},
+                      {"rss_mib", rss_mib()}});
     if (step % rc_.log.every != 0 && step != rc_.train.steps && step != start_step_ + 1) return;
     const std::string line = fmt::format(
         "step {:>5}/{} | loss {:.4f} | grad norm {:.3f} | lr {:.2e} | {:.0f} tok/s | {} elapsed, ETA {} | mem {:.0f} MiB",
@@ -390,16 +464,19 @@ class TrainLoop {
 
   // Where the memory goes, once the first step has shown the activation and K/V peaks.
   void report_memory(int64_t step, const StepStats& stats) {
-    const MemoryReport mem = memory_report(state_, stats.activation_high_water, stats.kv_bytes);
+    if (!metrics_) return;
+    MemoryReport mem = memory_report(state_, stats.activation_high_water, stats.kv_bytes);
+    if (dp_) mem.optimizer = dp_->optimizer_bytes();  // ZeRO: this rank's shard
     out_ << clear_line() << fmt::format("memory ({}): {}\n", device_name(placement_.device), mem.line());
     nlohmann::json mj = {{"step", step}};
     for (const auto& [name, bytes] : mem.categories()) mj["memory_" + name] = bytes;
-    metrics_.append(mj);
+    metrics_->append(mj);
   }
 
   // The mean loss over eval.batches batches of the eval windows, in order.
+  // Data parallel: rank 0 alone, with batches of the global batch size (as one process would).
   double evaluate() {
-    const int64_t B = rc_.data.batch_size, T = rc_.data.seq_len;
+    const int64_t B = rc_.data.batch_size * rc_.parallel.dp, T = rc_.data.seq_len;
     double sum = 0;
     int64_t count = 0;
     const int64_t n = std::min<int64_t>(rc_.eval.batches, split_.eval.num_batches(B));
@@ -415,21 +492,43 @@ class TrainLoop {
 
   // A checkpoint: the master weights (f32 for a bf16 run, so that a resume continues bit-exactly),
   // the optimizer moments, the step, token count and sampler position, the config.
+  // Data parallel: rank 0 writes the shared files (every rank holds the same master weights and
+  // sampler state); with ZeRO the other ranks first write their optimizer shards into a staging
+  // directory named like a checkpoint temporary (so a crash leaves nothing a resume reads, and
+  // remove_stale_temporaries deletes it), and rank 0 moves them into the checkpoint before its
+  // manifest is written. Barriers order the three phases.
   void save(int64_t step) {
     const SamplerState ss = sampler_.state();
-    run_dir_.save_checkpoint(
-        step,
-        [&](const std::string& dir) {
-          save_checkpoint_weights(state_.master_on_host(), placement_.model, dir, state_.master_dtype());
-          state_.optimizer().save((fs::path(dir) / "optimizer.safetensors").string());
-          nlohmann::json saved = {{"step", step},
-                                  {"tokens_seen", tokens_seen_},
-                                  {"sampler", ss.to_json()},
-                                  {"tokenizer", tokenizer_.to_json()}};
-          write_text_atomic((fs::path(dir) / "state.json").string(), saved.dump(2) + "\n");
-          write_text_atomic((fs::path(dir) / "run.toml").string(), rc_.to_toml());
-        },
-        rc_.checkpoint.keep_last);
+    const AdamWShard* shard = dp_ ? dp_->optimizer_shard() : nullptr;
+    const fs::path staging = fs::path(run_dir_.path()) / fmt::format(".{}.tmp-shards", checkpoint_dir_name(step));
+    if (shard && !lead_) {
+      fs::create_directories(staging);
+      shard->save((staging / optimizer_shard_file(dp_->rank())).string());
+    }
+    if (comm_) comm_->barrier();
+    if (lead_)
+      run_dir_.save_checkpoint(
+          step,
+          [&](const std::string& dir) {
+            save_checkpoint_weights(state_.master_on_host(), placement_.model, dir, state_.master_dtype());
+            if (shard) {
+              shard->save((fs::path(dir) / optimizer_shard_file(0)).string());
+              for (int r = 1; r < dp_->size(); ++r)
+                fs::rename(staging / optimizer_shard_file(r), fs::path(dir) / optimizer_shard_file(r));
+            } else {
+              state_.optimizer().save((fs::path(dir) / "optimizer.safetensors").string());
+            }
+            nlohmann::json saved = {{"step", step},
+                                    {"tokens_seen", tokens_seen_},
+                                    {"sampler", ss.to_json()},
+                                    {"tokenizer", tokenizer_.to_json()}};
+            if (dp_) saved["parallel"] = {{"dp", dp_->size()}, {"zero", dp_->zero()}};
+            write_text_atomic((fs::path(dir) / "state.json").string(), saved.dump(2) + "\n");
+            write_text_atomic((fs::path(dir) / "run.toml").string(), rc_.to_toml());
+          },
+          rc_.checkpoint.keep_last);
+    if (lead_ && shard) fs::remove_all(staging);
+    if (comm_) comm_->barrier();  // no rank stages the next checkpoint's shard before this one is complete
   }
 
   const RunConfig& rc_;
@@ -440,8 +539,11 @@ class TrainLoop {
   Schedule& schedule_;
   WindowSampler& sampler_;
   RunDirectory& run_dir_;
-  MetricsLog& metrics_;
+  MetricsLog* metrics_;
   const ByteTokenizer& tokenizer_;
+  DataParallel* dp_;
+  Communicator* comm_;
+  const bool lead_;
   std::ostream& out_;
   LrSchedule lr_schedule_;
   Arena eval_arena_;
@@ -475,46 +577,84 @@ std::string demo_data_path() {
 }
 
 
-TrainResult run_training(const RunConfig& rc, const TrainOptions& opt, std::ostream& out) {
+namespace {
+// parallel.dp > 1 without a communicator: the ranks as threads of this process (the CPU's threads
+// backend), rank 0 printing to `out`. They must agree on the run directory, so it is fixed here.
+TrainResult train_on_threads(const RunConfig& rc, const TrainOptions& opt, std::ostream& out) {
+  if (!resolve_train_device(rc.train.device).is_cpu())
+    fail(fmt::format("parallel.dp = {} on GPUs needs one process per GPU", rc.parallel.dp),
+         "launch the ranks with torchrun, mpirun or srun (one per GPU), or set train.device = cpu to run them as "
+         "threads");
+  TrainOptions shared = opt;
+  if (shared.run_dir.empty()) shared.run_dir = !rc.log.run_dir.empty() ? rc.log.run_dir : default_run_dir();
+  TrainResult result;
+  SignalGuard signals;  // one for every rank: a signal stops them together (TrainLoop::agreed)
+  run_thread_ranks(static_cast<int>(rc.parallel.dp), [&](Communicator& comm) {
+    TrainResult r = run_training(rc, shared, out, &comm);
+    if (comm.rank() == 0) result = r;
+  });
+  return result;
+}
+}  // namespace
+
+TrainResult run_training(const RunConfig& rc, const TrainOptions& opt, std::ostream& out, Communicator* comm) {
   rc.validate();
+  if (!comm && rc.parallel.dp > 1) return train_on_threads(rc, opt, out);
+  if (comm && comm->size() != rc.parallel.dp)
+    fail(fmt::format("parallel.dp = {} but {} ranks were launched", rc.parallel.dp, comm->size()),
+         "set parallel.dp (--set parallel.dp=N) to the number of ranks");
+  const bool lead = !comm || comm->rank() == 0;
+  NullBuffer null_buffer;
+  std::ostream silent(&null_buffer);
+  std::ostream& log = lead ? out : silent;
   const auto t_start = std::chrono::steady_clock::now();
   TrainResult result;
   result.run_dir = !opt.run_dir.empty() ? opt.run_dir : (!rc.log.run_dir.empty() ? rc.log.run_dir : default_run_dir());
+  if (comm && comm->size() > 1 && opt.run_dir.empty() && rc.log.run_dir.empty())
+    fail("data parallel ranks need the same run directory", "give --run-dir or log.run_dir");
   const bool resume = opt.resume || rc.checkpoint.resume;
 
   const Placement placement = resolve_placement(rc);
   const LlamaConfig& mc = placement.model;
   const ByteTokenizer tokenizer;
   const TrainData data = load_data(rc, mc);
-  WindowSampler sampler(data.split.train, rc.data.seed);
+  WindowSampler sampler(data.split.train, rc.data.seed);  // the same on every rank (next_rank_batch)
   const double planned = check_memory(placement, rc);
 
-  TrainingState state(mc, placement.dtype, placement.device, adamw_options(rc));
+  TrainingState state(mc, placement.dtype, placement.device, adamw_options(rc), /*full_optimizer=*/rc.parallel.zero == 0 || !comm);
+  std::optional<DataParallel> dp;
+  if (comm) dp.emplace(*comm, state, rc.parallel);
   auto schedule = Schedule::create(rc.schedule_options());
 
   RunDirectory run_dir(result.run_dir);
-  run_dir.remove_stale_temporaries();
+  if (lead) run_dir.remove_stale_temporaries();
+  if (comm) comm->barrier();  // before any rank reads the directory or stages into it
   const std::string metrics_path = (fs::path(result.run_dir) / "metrics.jsonl").string();
-  const Progress progress = resume_or_initialise(rc, resume, run_dir, result.run_dir, metrics_path, state, sampler, out);
-  write_text_atomic((fs::path(result.run_dir) / "config.toml").string(), rc.to_toml());
-  write_text_atomic((fs::path(result.run_dir) / "tokenizer.json").string(), tokenizer.to_json().dump(2) + "\n");
-  MetricsLog metrics(metrics_path);
-  print_header(rc, placement, data, planned, result.run_dir, out);
+  const Progress progress =
+      resume_or_initialise(rc, resume, run_dir, result.run_dir, metrics_path, state, sampler, dp ? &*dp : nullptr, log);
+  std::optional<MetricsLog> metrics;
+  if (lead) {
+    write_text_atomic((fs::path(result.run_dir) / "config.toml").string(), rc.to_toml());
+    write_text_atomic((fs::path(result.run_dir) / "tokenizer.json").string(), tokenizer.to_json().dump(2) + "\n");
+    metrics.emplace(metrics_path);
+  }
+  print_header(rc, placement, data, planned, result.run_dir, log);
 
-  TrainLoop(rc, opt, placement, data.split, state, *schedule, sampler, run_dir, metrics, tokenizer, out)
+  TrainLoop(rc, opt, placement, data.split, state, *schedule, sampler, run_dir, metrics ? &*metrics : nullptr,
+            tokenizer, dp ? &*dp : nullptr, comm, log)
       .run(progress, result);
 
   const int64_t step = result.last_step;
   const double last_loss = result.last_loss;
-  if (rc.log.plot)  // from the metrics log, so a resumed run's picture has its whole history
+  if (lead && rc.log.plot)  // from the metrics log, so a resumed run's picture has its whole history
     write_svg((fs::path(result.run_dir) / "loss.svg").string(),
               run_chart(metrics_path, fmt::format("{} / {}: training against tokens seen", rc.model.source,
                                                   rc.schedule.name)));
   const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
-  out << fmt::format("done: step {}, loss {:.4f}{}, {} in {}\n", step, last_loss,
+  log << fmt::format("done: step {}, loss {:.4f}{}, {} in {}\n", step, last_loss,
                      result.last_eval_loss ? fmt::format(", eval loss {:.4f}", *result.last_eval_loss) : "",
                      result.interrupted ? "interrupted" : "finished", duration(total));
-  if (opt.print_sample && !result.interrupted && rc.sample.tokens > 0) print_sample(rc, mc, state, tokenizer, out);
+  if (lead && opt.print_sample && !result.interrupted && rc.sample.tokens > 0) print_sample(rc, mc, state, tokenizer, log);
   return result;
 }
 

@@ -8,6 +8,18 @@
 // Resume restores parameters, optimizer moments and step, and the sampler's position: the
 // continuation is bit-identical to an uninterrupted run. SIGINT / SIGTERM finish the current step,
 // save, and exit with kExitInterrupted; a second signal exits at once.
+//
+// Data parallel (parallel.dp = n > 1; parallel/data_parallel.h): every rank holds the same sampler
+// and takes its own slice of each global micro-batch of n x batch_size windows
+// (WindowSampler::next_rank_batch), so a run equals one process with batch_size x n, to rounding.
+// The logged loss is the global mean; rank 0 alone prints, writes the metrics, the config and the
+// checkpoints' shared files (the whole master weights, an HF checkpoint, and state.json, which
+// records dp and zero); with ZeRO each rank's optimizer shard is written as
+// optimizer-rank-<r>.safetensors of the same checkpoint (the other ranks stage theirs in a
+// temporary that rank 0 moves in before the manifest). Resume needs the same dp and zero. A stop
+// (signal, --stop-after) is agreed by all ranks at the end of a step.
+// Without a communicator, parallel.dp = n on the CPU runs the n ranks as threads of this process
+// (the threads backend); on GPUs, one process per GPU passes its communicator (parallel/launch.h).
 #pragma once
 
 #include "tools/train/run_config.h"
@@ -36,7 +48,12 @@ struct TrainResult {
   bool interrupted = false;
 };
 
-TrainResult run_training(const RunConfig& config, const TrainOptions& options, std::ostream& out);
+class Communicator;
+
+// comm: this process's rank of a data-parallel group of parallel.dp ranks (null: one process, or
+// threads on the CPU when parallel.dp > 1).
+TrainResult run_training(const RunConfig& config, const TrainOptions& options, std::ostream& out,
+                         Communicator* comm = nullptr);
 
 // The demo corpus shard that "@demo" in data.train stands for ($CHUNKWISE_DEMO_DATA, else
 // .cache/demo/jargon.bin under the current directory; tools/run prepares it).
