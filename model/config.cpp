@@ -233,7 +233,7 @@ LlamaConfig llama3_family(int64_t C, int64_t F, int64_t L, int64_t H, int64_t D,
 }  // namespace
 
 std::vector<std::string> LlamaConfig::preset_names() {
-  return {"tiny", "small", "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b"};
+  return {"tiny", "tiny-tp", "small", "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b"};
 }
 
 LlamaConfig LlamaConfig::preset(const std::string& name) {
@@ -253,6 +253,15 @@ LlamaConfig LlamaConfig::preset(const std::string& name) {
     c.rope_theta = 10000.0;
     c.rope_scaling = {RopeScaling::Type::llama3, 4.0, 1.0, 4.0, 32};
     c.initializer_range = 0.2;  // large enough that every path carries signal in gradient checks
+  } else if (name == "tiny-tp") {
+    // For tensor-parallel tests: tiny, with heads (8), K/V heads (4) and FFN width (48) that 2 and 4
+    // divide, so every rank keeps whole GQA groups (2 query heads per K/V head).
+    c = preset("tiny");
+    c.hidden_size = 32;
+    c.intermediate_size = 48;
+    c.num_attention_heads = 8;
+    c.num_key_value_heads = 4;
+    c.head_dim = 4;
   } else if (name == "small") {
     // The CPU demo: byte-level vocabulary (258 ids padded to 320), trains in minutes on two cores.
     c.vocab_size = 320;

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <optional>
 #include <vector>
 
 namespace cw {
@@ -18,18 +19,19 @@ int64_t resolve_mlp_shards(int64_t requested, const LlamaConfig& cf, int64_t row
 }
 
 LayerActivations LayerActivations::allocate(Arena& arena, const LlamaConfig& cf, int64_t B, int64_t c, DType dt,
-                                            bool keep_mlp) {
+                                            bool keep_mlp, const TensorParallelGroup* tp) {
   const int64_t N = B * c, C = cf.hidden_size, F = cf.intermediate_size, H = cf.num_attention_heads, D = cf.head_dim;
+  const int64_t R = tp_rows(tp, N), normed_rows = tp_regathers(tp) ? R : N;
   const DType acc = accum_dtype(dt);
   LayerActivations a;
-  a.h1 = arena.alloc(dt, {N, C});
-  a.norm1.rstd = arena.alloc(acc, {N});
+  a.h1 = arena.alloc(dt, {normed_rows, C});
+  a.norm1.rstd = arena.alloc(acc, {R});
   a.q = arena.alloc(dt, {B, c, H, D});
   a.attn = arena.alloc(dt, {B, c, H, D});
   a.attn_saved.lse = arena.alloc(acc, {B, H, c});
-  a.x_mid = arena.alloc(dt, {N, C});
-  a.h2 = arena.alloc(dt, {N, C});
-  a.norm2.rstd = arena.alloc(acc, {N});
+  a.x_mid = arena.alloc(dt, {R, C});
+  a.h2 = arena.alloc(dt, {normed_rows, C});
+  a.norm2.rstd = arena.alloc(acc, {R});
   if (keep_mlp) {
     a.gate = arena.alloc(dt, {N, F});
     a.up = arena.alloc(dt, {N, F});
@@ -38,12 +40,14 @@ LayerActivations LayerActivations::allocate(Arena& arena, const LlamaConfig& cf,
   return a;
 }
 
-size_t LayerActivations::bytes(const LlamaConfig& cf, int64_t B, int64_t c, DType dt, bool keep_mlp) {
-  const int64_t N = B * c;
+size_t LayerActivations::bytes(const LlamaConfig& cf, int64_t B, int64_t c, DType dt, bool keep_mlp,
+                               const TensorParallelGroup* tp) {
+  const size_t N = static_cast<size_t>(B * c), R = static_cast<size_t>(tp_rows(tp, B * c));
+  const size_t normed_rows = tp_regathers(tp) ? R : N, C = static_cast<size_t>(cf.hidden_size);
   const size_t e = dtype_size(dt), a = dtype_size(accum_dtype(dt));
-  const int64_t mlp = keep_mlp ? 3 * cf.intermediate_size : 0;
-  return static_cast<size_t>(N) * (e * static_cast<size_t>(3 * cf.hidden_size + 2 * cf.q_dim() + mlp) +
-                                   a * static_cast<size_t>(2 + cf.num_attention_heads));
+  const size_t mlp = keep_mlp ? 3 * static_cast<size_t>(cf.intermediate_size) : 0;
+  return e * (2 * normed_rows * C + R * C + N * (2 * static_cast<size_t>(cf.q_dim()) + mlp)) +
+         a * (2 * R + N * static_cast<size_t>(cf.num_attention_heads));
 }
 
 namespace {
@@ -75,6 +79,88 @@ std::vector<int64_t> row_shards(int64_t N, int64_t shards) {
   for (int64_t i = 0; i <= shards; ++i) b.push_back(N * i / shards);
   return b;
 }
+
+// ---- The tensor-parallel seams (model/shard.h); with tp == nullptr each is what one process does. ----
+
+// Input seam, forward: rmsnorm of the rank's rows x, and what the column-parallel linears read.
+//   one process, or TP without SP: rmsnorm into `kept` [N, C]; copy_to_tp's forward is the identity.
+//   SP: rmsnorm of the rank's rows, all-gathered (gather_from_sp) into `kept` [N, C]; with regather
+//       `kept` holds the rank's rows [R, C] and the gathered rows go to the buffer's gathered_input
+//       slot, leased for the caller's scope.
+Tensor normed_input_forward(std::optional<TpLease>& lease, const Tensor& kept, const RmsNormSaved& saved,
+                            const Tensor& x, const Tensor& weight, double eps, TensorParallelGroup* tp, Arena& s) {
+  if (!tp || !tp->sequence_parallel()) {
+    rmsnorm_forward(kept, saved, x, weight, eps);
+    return kept;
+  }
+  const int64_t R = x.size(0), C = x.size(1);
+  if (tp->regather()) {
+    rmsnorm_forward(kept, saved, x, weight, eps);
+    const Tensor& all = lease.emplace(*tp, TpSlot::gathered_input, kept.dtype, std::initializer_list<int64_t>{R * tp->size(), C}).tensor;
+    tp->gather_from_sp_forward(all, kept);
+    return all;
+  }
+  const Tensor rows = s.alloc(kept.dtype, {R, C});
+  rmsnorm_forward(rows, saved, x, weight, eps);
+  tp->gather_from_sp_forward(kept, rows);
+  return kept;
+}
+
+// The kept h1 / h2 as the column-parallel linears read them in the backward: regathered into the
+// buffer's gathered_input slot when only the rank's rows were kept.
+Tensor normed_input_backward(std::optional<TpLease>& lease, const Tensor& kept, int64_t N, TensorParallelGroup* tp) {
+  if (!tp_regathers(tp)) return kept;
+  const Tensor& all = lease.emplace(*tp, TpSlot::gathered_input, kept.dtype, std::initializer_list<int64_t>{N, kept.size(1)}).tensor;
+  tp->gather_from_sp_forward(all, kept);
+  return all;
+}
+
+// Where a row-parallel linear writes its [N, C] output: under SP the rank's partial sum lives in the
+// buffer's partial_sum slot until scatter_to_sp; otherwise in scratch.
+Tensor partial_output(std::optional<TpLease>& lease, int64_t N, int64_t C, DType dt, TensorParallelGroup* tp, Arena& s) {
+  if (tp && tp->sequence_parallel())
+    return lease.emplace(*tp, TpSlot::partial_sum, dt, std::initializer_list<int64_t>{N, C}).tensor;
+  return s.alloc(dt, {N, C});
+}
+
+// Output seam, forward: the rank's rows [R, C] of the sum over ranks of `partial` [N, C].
+//   one process: partial itself; TP: reduce_from_tp (all-reduce in place); SP: scatter_to_sp.
+Tensor row_parallel_output(const Tensor& partial, TensorParallelGroup* tp, Arena& s) {
+  if (!tp) return partial;
+  if (!tp->sequence_parallel()) {
+    tp->reduce_from_tp_forward(partial);
+    return partial;
+  }
+  const Tensor rows = s.alloc(partial.dtype, {partial.size(0) / tp->size(), partial.size(1)});
+  tp->scatter_to_sp_forward(rows, partial);
+  return rows;
+}
+
+// Output seam, backward: the gradient of the row-parallel linear's [N, C] output, from d_rows.
+//   one process / TP: d_rows itself (reduce_from_tp's backward is the identity);
+//   SP: scatter_to_sp's backward, the all-gather of every rank's d_rows, in the gathered_grad slot.
+Tensor row_parallel_output_backward(std::optional<TpLease>& lease, const Tensor& d_rows, TensorParallelGroup* tp) {
+  if (!tp || !tp->sequence_parallel()) return d_rows;
+  const Tensor& all = lease.emplace(*tp, TpSlot::gathered_grad, d_rows.dtype,
+                                    std::initializer_list<int64_t>{d_rows.size(0) * tp->size(), d_rows.size(1)}).tensor;
+  tp->scatter_to_sp_backward(all, d_rows);
+  return all;
+}
+
+// Input seam, backward: the rank's rows of d(normed) from the column-parallel linears' d_all
+// [N, C], a partial sum over the rank's heads / FFN columns.
+//   one process: d_all; TP: copy_to_tp's backward, the all-reduce (in place); SP: gather_from_sp's
+//   backward, the reduce-scatter.
+Tensor normed_input_grad(const Tensor& d_all, TensorParallelGroup* tp, Arena& s) {
+  if (!tp) return d_all;
+  if (!tp->sequence_parallel()) {
+    tp->copy_to_tp_backward(d_all);
+    return d_all;
+  }
+  const Tensor rows = s.alloc(d_all.dtype, {d_all.size(0) / tp->size(), d_all.size(1)});
+  tp->gather_from_sp_backward(rows, d_all);
+  return rows;
+}
 }  // namespace
 
 void block_forward(const Tensor& x_out, LayerActivations* keep, const Tensor& x_in, const LayerWeights& w,
@@ -82,51 +168,61 @@ void block_forward(const Tensor& x_out, LayerActivations* keep, const Tensor& x_
   const LlamaConfig& cf = ctx.config;
   const int64_t B = ctx.B, c = ctx.c, p = ctx.pos0, N = B * c, C = cf.hidden_size, F = cf.intermediate_size;
   const int64_t H = cf.num_attention_heads, Hkv = cf.num_key_value_heads, D = cf.head_dim;
+  TensorParallelGroup* tp = ctx.tp;
+  const int64_t R = tp_rows(tp, N);  // residual-stream rows of this rank
   const DType dt = x_in.dtype;
-  check_shape(x_in, {N, C}, "block input");
-  check_shape(x_out, {N, C}, "block output");
+  check_shape(x_in, {R, C}, "block input");
+  check_shape(x_out, {R, C}, "block output");
   Arena& s = ctx.scratch;
   ArenaScope scope(s);
   const int64_t shards = resolve_mlp_shards(ctx.mlp_shards, cf, N);
   LayerActivations local;
-  LayerActivations& a = keep ? *keep : (local = LayerActivations::allocate(s, cf, B, c, dt, shards == 1));
+  LayerActivations& a = keep ? *keep : (local = LayerActivations::allocate(s, cf, B, c, dt, shards == 1, tp));
 
   // Attention half.
   const bool from_saved = ctx.attention_from_store;
-  rmsnorm_forward(a.h1, a.norm1, x_in, w.attn_norm, cf.rms_norm_eps);
-  Tensor q_pre = s.alloc(dt, {N, cf.q_dim()});
-  linear_forward(q_pre, a.h1, w.wq);
-  rope_forward(a.q, q_pre.view({B, c, H, D}), ctx.rope_cos, ctx.rope_sin, p);
-  if (from_saved) {
-    CW_CHECK(p + c <= kv.outputs_written(), "layer {}: saved attention outputs of tokens [{}, {}) were not written by "
-             "a prefill (it reached {})", layer, p, p + c, kv.outputs_written());
-    copy_convert(a.attn, kv.outputs(layer, p, p + c));
-    copy_convert(a.attn_saved.lse.view({B * H, c}), kv.output_lse(layer, p, p + c));
-  } else {
-    Tensor k_pre = s.alloc(dt, {N, cf.kv_dim()});
-    linear_forward(k_pre, a.h1, w.wk);
-    Tensor k_rot = k_pre.view({B, c, Hkv, D});
-    rope_forward(k_rot, k_rot, ctx.rope_cos, ctx.rope_sin, p);
-    copy_convert(kv.keys(layer, p, p + c), k_rot);
-    Tensor v = s.alloc(dt, {N, cf.kv_dim()});
-    linear_forward(v, a.h1, w.wv);
-    copy_convert(kv.values(layer, p, p + c), v.view({B, c, Hkv, D}));
-    const double scale = 1.0 / std::sqrt(static_cast<double>(D));
-    attention_forward(a.attn, a.attn_saved, a.q, kv.keys(layer, 0, p + c), kv.values(layer, 0, p + c), scale, s);
-    if (kv.has_outputs()) {  // the prefill saves them for the recompute
-      copy_convert(kv.outputs(layer, p, p + c), a.attn);
-      copy_convert(kv.output_lse(layer, p, p + c), a.attn_saved.lse.view({B * H, c}));
+  {
+    std::optional<TpLease> gathered;  // h1 of all rows, with regather
+    const Tensor h1 = normed_input_forward(gathered, a.h1, a.norm1, x_in, w.attn_norm, cf.rms_norm_eps, tp, s);
+    Tensor q_pre = s.alloc(dt, {N, cf.q_dim()});
+    linear_forward(q_pre, h1, w.wq);
+    rope_forward(a.q, q_pre.view({B, c, H, D}), ctx.rope_cos, ctx.rope_sin, p);
+    if (from_saved) {
+      CW_CHECK(p + c <= kv.outputs_written(), "layer {}: saved attention outputs of tokens [{}, {}) were not written "
+               "by a prefill (it reached {})", layer, p, p + c, kv.outputs_written());
+      copy_convert(a.attn, kv.outputs(layer, p, p + c));
+      copy_convert(a.attn_saved.lse.view({B * H, c}), kv.output_lse(layer, p, p + c));
+    } else {
+      Tensor k_pre = s.alloc(dt, {N, cf.kv_dim()});
+      linear_forward(k_pre, h1, w.wk);
+      Tensor k_rot = k_pre.view({B, c, Hkv, D});
+      rope_forward(k_rot, k_rot, ctx.rope_cos, ctx.rope_sin, p);
+      copy_convert(kv.keys(layer, p, p + c), k_rot);
+      Tensor v = s.alloc(dt, {N, cf.kv_dim()});
+      linear_forward(v, h1, w.wv);
+      copy_convert(kv.values(layer, p, p + c), v.view({B, c, Hkv, D}));
+      const double scale = 1.0 / std::sqrt(static_cast<double>(D));
+      attention_forward(a.attn, a.attn_saved, a.q, kv.keys(layer, 0, p + c), kv.values(layer, 0, p + c), scale, s);
+      if (kv.has_outputs()) {  // the prefill saves them for the recompute
+        copy_convert(kv.outputs(layer, p, p + c), a.attn);
+        copy_convert(kv.output_lse(layer, p, p + c), a.attn_saved.lse.view({B * H, c}));
+      }
     }
   }
-  Tensor o = s.alloc(dt, {N, C});
-  linear_forward(o, a.attn.view({N, cf.q_dim()}), w.wo);
-  residual_forward(a.x_mid, x_in, o);
+  {
+    std::optional<TpLease> partial;
+    const Tensor o_all = partial_output(partial, N, C, dt, tp, s);
+    linear_forward(o_all, a.attn.view({N, cf.q_dim()}), w.wo);
+    residual_forward(a.x_mid, x_in, row_parallel_output(o_all, tp, s));
+  }
 
   // MLP half.
-  rmsnorm_forward(a.h2, a.norm2, a.x_mid, w.mlp_norm, cf.rms_norm_eps);
-  Tensor m = s.alloc(dt, {N, C});
+  std::optional<TpLease> gathered;
+  const Tensor h2 = normed_input_forward(gathered, a.h2, a.norm2, a.x_mid, w.mlp_norm, cf.rms_norm_eps, tp, s);
+  std::optional<TpLease> partial;
+  const Tensor m = partial_output(partial, N, C, dt, tp, s);
   if (a.gate.data) {
-    mlp_rows_forward(a.gate, a.up, a.act, a.h2, w);
+    mlp_rows_forward(a.gate, a.up, a.act, h2, w);
     linear_forward(m, a.act, w.w_down);
   } else {
     // Tiled: one shard's [rows, F] intermediates at a time.
@@ -135,11 +231,12 @@ void block_forward(const Tensor& x_out, LayerActivations* keep, const Tensor& x_
       ArenaScope shard_scope(s);
       const int64_t r0 = b[i], rows = b[i + 1] - b[i];
       Tensor gate = s.alloc(dt, {rows, F}), up = s.alloc(dt, {rows, F}), act = s.alloc(dt, {rows, F});
-      mlp_rows_forward(gate, up, act, a.h2.slice(0, r0, rows), w);
+      mlp_rows_forward(gate, up, act, h2.slice(0, r0, rows), w);
       linear_forward(m.slice(0, r0, rows), act, w.w_down);
     }
   }
-  residual_forward(x_out, a.x_mid, m);
+  gathered.reset();  // h2 of all rows is not needed any more
+  residual_forward(x_out, a.x_mid, row_parallel_output(m, tp, s));
 }
 
 void block_backward(const Tensor& d_x, const LayerWeights& g, const LayerActivations& a, const Tensor& x_in,
@@ -147,32 +244,45 @@ void block_backward(const Tensor& d_x, const LayerWeights& g, const LayerActivat
   const LlamaConfig& cf = ctx.config;
   const int64_t B = ctx.B, c = ctx.c, p = ctx.pos0, N = B * c, C = cf.hidden_size, F = cf.intermediate_size;
   const int64_t H = cf.num_attention_heads, Hkv = cf.num_key_value_heads, D = cf.head_dim;
+  TensorParallelGroup* tp = ctx.tp;
   const DType dt = x_in.dtype;
-  check_shape(d_x, {N, C}, "block d_x");
+  check_shape(d_x, {tp_rows(tp, N), C}, "block d_x");
   Arena& s = ctx.scratch;
   ArenaScope scope(s);
 
   // MLP half, in reverse. d_x holds d(x_out); the residual passes it to x_mid unchanged.
-  Tensor d_h = s.alloc(dt, {N, C});
-  if (a.gate.data) {
-    mlp_rows_backward(d_h, g, d_x, a.gate, a.up, a.act, a.h2, w, s);
-  } else {
-    // Tiled: recompute each shard's gate/up/act from the kept h2, then its backward.
-    const std::vector<int64_t> b = row_shards(N, resolve_mlp_shards(ctx.mlp_shards, cf, N));
-    for (size_t i = 0; i + 1 < b.size(); ++i) {
-      ArenaScope shard_scope(s);
-      const int64_t r0 = b[i], rows = b[i + 1] - b[i];
-      Tensor gate = s.alloc(dt, {rows, F}), up = s.alloc(dt, {rows, F}), act = s.alloc(dt, {rows, F});
-      const Tensor h2_rows = a.h2.slice(0, r0, rows);
-      mlp_rows_forward(gate, up, act, h2_rows, w);
-      mlp_rows_backward(d_h.slice(0, r0, rows), g, d_x.slice(0, r0, rows), gate, up, act, h2_rows, w, s);
+  {
+    std::optional<TpLease> d_m_lease, h2_lease, d_h_lease;
+    const Tensor d_m = row_parallel_output_backward(d_m_lease, d_x, tp);  // d(W_down output), all rows
+    const Tensor h2 = normed_input_backward(h2_lease, a.h2, N, tp);
+    const Tensor d_h_all = partial_output(d_h_lease, N, C, dt, tp, s);    // this rank's share of d(h2)
+    if (a.gate.data) {
+      mlp_rows_backward(d_h_all, g, d_m, a.gate, a.up, a.act, h2, w, s);
+    } else {
+      // Tiled: recompute each shard's gate/up/act from the kept h2, then its backward.
+      const std::vector<int64_t> b = row_shards(N, resolve_mlp_shards(ctx.mlp_shards, cf, N));
+      for (size_t i = 0; i + 1 < b.size(); ++i) {
+        ArenaScope shard_scope(s);
+        const int64_t r0 = b[i], rows = b[i + 1] - b[i];
+        Tensor gate = s.alloc(dt, {rows, F}), up = s.alloc(dt, {rows, F}), act = s.alloc(dt, {rows, F});
+        const Tensor h2_rows = h2.slice(0, r0, rows);
+        mlp_rows_forward(gate, up, act, h2_rows, w);
+        mlp_rows_backward(d_h_all.slice(0, r0, rows), g, d_m.slice(0, r0, rows), gate, up, act, h2_rows, w, s);
+      }
     }
+    d_m_lease.reset();
+    h2_lease.reset();
+    const Tensor d_h = normed_input_grad(d_h_all, tp, s);
+    rmsnorm_backward(d_x, g.mlp_norm, d_h, a.norm2, a.x_mid, w.mlp_norm, GradMode::accumulate, s);  // now d(x_mid)
   }
-  rmsnorm_backward(d_x, g.mlp_norm, d_h, a.norm2, a.x_mid, w.mlp_norm, GradMode::accumulate, s);  // now d(x_mid)
 
   // Attention half, in reverse.
   Tensor d_attn = s.alloc(dt, {N, cf.q_dim()});
-  linear_backward(d_attn, g.wo, d_x, a.attn.view({N, cf.q_dim()}), w.wo, GradMode::overwrite);
+  {
+    std::optional<TpLease> d_o_lease;
+    const Tensor d_o = row_parallel_output_backward(d_o_lease, d_x, tp);  // d(Wo output), all rows
+    linear_backward(d_attn, g.wo, d_o, a.attn.view({N, cf.q_dim()}), w.wo, GradMode::overwrite);
+  }
   Tensor d_q = s.alloc(dt, {B, c, H, D});
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   attention_backward(d_q, kv.d_keys(layer, 0, p + c), kv.d_values(layer, 0, p + c), d_attn.view({B, c, H, D}),
@@ -184,9 +294,14 @@ void block_backward(const Tensor& d_x, const LayerWeights& g, const LayerActivat
   copy_convert(d_v, kv.d_values(layer, p, p + c));
   rope_backward(d_q, d_q, ctx.rope_cos, ctx.rope_sin, p, GradMode::overwrite);
   rope_backward(d_k, d_k, ctx.rope_cos, ctx.rope_sin, p, GradMode::overwrite);
-  linear_backward(d_h, g.wq, d_q.view({N, cf.q_dim()}), a.h1, w.wq, GradMode::overwrite);
-  linear_backward(d_h, g.wk, d_k.view({N, cf.kv_dim()}), a.h1, w.wk, GradMode::accumulate);
-  linear_backward(d_h, g.wv, d_v.view({N, cf.kv_dim()}), a.h1, w.wv, GradMode::accumulate);
+  std::optional<TpLease> h1_lease, d_h_lease;
+  const Tensor h1 = normed_input_backward(h1_lease, a.h1, N, tp);
+  const Tensor d_h_all = partial_output(d_h_lease, N, C, dt, tp, s);  // this rank's share of d(h1)
+  linear_backward(d_h_all, g.wq, d_q.view({N, cf.q_dim()}), h1, w.wq, GradMode::overwrite);
+  linear_backward(d_h_all, g.wk, d_k.view({N, cf.kv_dim()}), h1, w.wk, GradMode::accumulate);
+  linear_backward(d_h_all, g.wv, d_v.view({N, cf.kv_dim()}), h1, w.wv, GradMode::accumulate);
+  h1_lease.reset();
+  const Tensor d_h = normed_input_grad(d_h_all, tp, s);
   rmsnorm_backward(d_x, g.attn_norm, d_h, a.norm1, x_in, w.attn_norm, GradMode::accumulate, s);  // now d(x_in)
 }
 

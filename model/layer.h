@@ -14,6 +14,14 @@
 // through RoPE and the K/V projections. With one chunk covering the sequence this is plain backprop;
 // with many (SeCO) it is the same gradient, exactly.
 // Parameter gradients accumulate (+=). d_x enters as the gradient of x_out and leaves as that of x_in.
+//
+// Tensor parallel (ctx.tp set; model/shard.h): the weights are the rank's shard and the config the
+// shard's (H/P heads, Hkv/P K/V heads, FFN F/P), so every line above runs unchanged on the rank's
+// heads and FFN columns; the K/V store holds the rank's K/V heads. Two seams per half-block join the
+// ranks: h1 and h2 enter the column-parallel linears through copy_to_tp (or gather_from_sp), and
+// the outputs of Wo and W_down, partial sums over the rank's heads / FFN columns, leave through
+// reduce_from_tp (or scatter_to_sp). With sequence parallelism x_in, x_mid, x_out and d_x are the
+// rank's rows [N/P, C]; the norms and residual adds run on them only.
 #pragma once
 
 #include "engine/memory.h"
@@ -22,26 +30,31 @@
 #include "model/config.h"
 #include "model/kv_store.h"
 #include "model/params.h"
+#include "model/shard.h"
 
 namespace cw {
 
-// What a block's backward reads, for one chunk. Shapes with N = B*c.
+// What a block's backward reads, for one chunk. Shapes with N = B*c; under tensor parallelism H, F are
+// the rank's (config is the shard's) and R = N/P with sequence parallelism, else R = N.
 struct LayerActivations {
-  Tensor h1;                  // [N, C]    attn_norm(x_in)
-  RmsNormSaved norm1;         // rstd [N]
+  Tensor h1;                  // [N, C]    attn_norm(x_in) as the column-parallel linears read it (all
+                              //           rows); [R, C], the rank's rows only, when tp->regather()
+  RmsNormSaved norm1;         // rstd [R]
   Tensor q;                   // [B, c, H, D] post-RoPE queries
   Tensor attn;                // [B, c, H, D] attention output, before o_proj
   AttentionSaved attn_saved;  // lse [B, H, c]
-  Tensor x_mid;               // [N, C]    residual stream after attention
-  Tensor h2;                  // [N, C]    mlp_norm(x_mid)
-  RmsNormSaved norm2;         // rstd [N]
+  Tensor x_mid;               // [R, C]    residual stream after attention
+  Tensor h2;                  // [N, C]    mlp_norm(x_mid), as h1: [R, C] when tp->regather()
+  RmsNormSaved norm2;         // rstd [R]
   Tensor gate, up, act;       // [N, F]    gate and up projections, silu(gate) * up; undefined when the
                               //           MLP is tiled (recomputed shard by shard in the backward)
 
-  // keep_mlp = false: no [N, F] tensors (a tiled MLP recomputes them per shard).
+  // keep_mlp = false: no [N, F] tensors (a tiled MLP recomputes them per shard). tp: the rank's
+  // group (null: one process), for R and the regathered h1/h2.
   static LayerActivations allocate(Arena& arena, const LlamaConfig& config, int64_t B, int64_t c, DType dtype,
-                                   bool keep_mlp = true);
-  static size_t bytes(const LlamaConfig& config, int64_t B, int64_t c, DType dtype, bool keep_mlp = true);
+                                   bool keep_mlp = true, const TensorParallelGroup* tp = nullptr);
+  static size_t bytes(const LlamaConfig& config, int64_t B, int64_t c, DType dtype, bool keep_mlp = true,
+                      const TensorParallelGroup* tp = nullptr);
 };
 
 // The chunk a block works on and the tables and scratch it uses.
@@ -58,6 +71,8 @@ struct BlockContext {
   // The reverse sweep's recompute with saved attention outputs (kv_store.h): the chunk's attention
   // output and lse are read from the store instead of computed, and its K, V are not rewritten.
   bool attention_from_store = false;
+  // Tensor parallelism: the rank's group (model/shard.h); null: one process, no communication.
+  TensorParallelGroup* tp = nullptr;
 };
 
 // The shard count `mlp_shards = 0` (automatic) means: ceil(F / C), so one shard's [rows, F]

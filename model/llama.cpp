@@ -9,9 +9,14 @@
 
 namespace cw {
 
-LlamaModel::LlamaModel(const LlamaConfig& config, DType dtype, Device device)
-    : config_(config), dtype_(dtype), device_(device), params_(config, dtype, device) {
-  config_.validate("model config");
+LlamaModel::LlamaModel(const LlamaConfig& config, DType dtype, Device device, TensorParallelGroup* tp)
+    : full_config_(config),
+      tp_(tp),
+      config_(tp ? tp_shard_config(config, tp->size()) : config),
+      dtype_(dtype),
+      device_(device),
+      params_(config_, dtype, device) {
+  full_config_.validate("model config");
   ensure_positions(256);
 }
 
@@ -40,35 +45,36 @@ Tensor ChunkActivations::input(int layer) const {
 }
 
 ChunkActivations ChunkActivations::allocate(Arena& arena, const LlamaConfig& cf, int64_t B, int64_t c, DType dt,
-                                            const ActivationPolicy& policy) {
+                                            const ActivationPolicy& policy, const TensorParallelGroup* tp) {
   ChunkActivations a;
   a.policy = policy;
-  const int64_t N = B * c, C = cf.hidden_size, L = cf.num_hidden_layers;
+  const int64_t N = B * c, R = tp_rows(tp, N), C = cf.hidden_size, L = cf.num_hidden_layers;
   const bool keep_mlp = resolve_mlp_shards(policy.mlp_shards, cf, N) == 1 && !policy.recompute_mlp;
   if (policy.offload_inputs) {
     CW_CHECK(!policy.keep_layers, "offloading layer inputs needs a policy that keeps only layer inputs");
     a.stream.assign(static_cast<size_t>(L), Tensor{});
-    a.stream.push_back(arena.alloc(dt, {N, C}));  // x_L stays on the device for the final norm
+    a.stream.push_back(arena.alloc(dt, {R, C}));  // x_L stays on the device for the final norm
     a.offloaded = std::make_shared<Residency>(arena.device(), std::vector<size_t>{a.stream.back().bytes()},
                                               static_cast<int>(L), 2, "input layer");
   } else {
-    for (int64_t l = 0; l <= L; ++l) a.stream.push_back(arena.alloc(dt, {N, C}));
+    for (int64_t l = 0; l <= L; ++l) a.stream.push_back(arena.alloc(dt, {R, C}));
   }
   if (policy.keep_layers)
-    for (int64_t l = 0; l < L; ++l) a.layers.push_back(LayerActivations::allocate(arena, cf, B, c, dt, keep_mlp));
-  a.normed = arena.alloc(dt, {N, C});
-  a.final_norm.rstd = arena.alloc(accum_dtype(dt), {N});
+    for (int64_t l = 0; l < L; ++l) a.layers.push_back(LayerActivations::allocate(arena, cf, B, c, dt, keep_mlp, tp));
+  a.normed = arena.alloc(dt, {R, C});
+  a.final_norm.rstd = arena.alloc(accum_dtype(dt), {R});
   return a;
 }
 
-size_t ChunkActivations::bytes(const LlamaConfig& cf, int64_t B, int64_t c, DType dt, const ActivationPolicy& policy) {
-  const size_t N = static_cast<size_t>(B * c), C = static_cast<size_t>(cf.hidden_size);
+size_t ChunkActivations::bytes(const LlamaConfig& cf, int64_t B, int64_t c, DType dt, const ActivationPolicy& policy,
+                               const TensorParallelGroup* tp) {
+  const size_t R = static_cast<size_t>(tp_rows(tp, B * c)), C = static_cast<size_t>(cf.hidden_size);
   const bool keep_mlp = resolve_mlp_shards(policy.mlp_shards, cf, B * c) == 1 && !policy.recompute_mlp;
   // Recomputing layers still needs one layer's activations at a time.
   const size_t layers = policy.keep_layers ? static_cast<size_t>(cf.num_hidden_layers) : 1;
   const size_t streams = policy.offload_inputs ? 3 : static_cast<size_t>(cf.num_hidden_layers) + 1;
-  return layers * LayerActivations::bytes(cf, B, c, dt, keep_mlp) + (streams + 1) * N * C * dtype_size(dt) +
-         N * dtype_size(accum_dtype(dt));
+  return layers * LayerActivations::bytes(cf, B, c, dt, keep_mlp, tp) + (streams + 1) * R * C * dtype_size(dt) +
+         R * dtype_size(accum_dtype(dt));
 }
 
 namespace {
@@ -81,7 +87,7 @@ void run_blocks(ChunkActivations& a, KVStore& kv, const LlamaModel& model, const
   // sweep's recompute (kv_store.h): it reads the chunk's saved outputs and writes nothing.
   const bool recompute = keep && kv.has_outputs();
   const BlockContext ctx{cf, model.rope_cos(), model.rope_sin(), chunk.B, chunk.c, chunk.pos0, scratch, mlp_shards,
-                         recompute};
+                         recompute, model.tensor_parallel()};
   // Layer activations are kept only when the policy allocated them; otherwise just the stream is.
   const bool keep_layers = keep && !a.layers.empty();
   Residency* off = keep ? a.offloaded.get() : nullptr;
@@ -96,7 +102,7 @@ void run_blocks(ChunkActivations& a, KVStore& kv, const LlamaModel& model, const
     off->ready(l);
   };
   claim(0);
-  embedding_forward(a.input(0), chunk.ids, w.embedding);
+  embedding_forward(a.input(0), tp_local_rows(model.tensor_parallel(), chunk.ids), w.embedding);
   for (int l = 0; l < L; ++l) {
     const size_t li = static_cast<size_t>(l);
     TraceScope traced(keep ? "layer {layer} recompute" : "layer {layer} forward",
@@ -115,14 +121,15 @@ void run_blocks(ChunkActivations& a, KVStore& kv, const LlamaModel& model, const
 
 // Activations for a forward that keeps nothing, in scratch: the blocks ping-pong between two
 // residual-stream buffers, plus the final norm's output and statistics.
-ChunkActivations transient_activations(const LlamaModel& model, int64_t N, Arena& scratch) {
+// R rows: the chunk's N, or the rank's N/P under sequence parallelism.
+ChunkActivations transient_activations(const LlamaModel& model, int64_t R, Arena& scratch) {
   const LlamaConfig& cf = model.config();
   ChunkActivations a;
-  const Tensor ping = scratch.alloc(model.dtype(), {N, cf.hidden_size});
-  const Tensor pong = scratch.alloc(model.dtype(), {N, cf.hidden_size});
+  const Tensor ping = scratch.alloc(model.dtype(), {R, cf.hidden_size});
+  const Tensor pong = scratch.alloc(model.dtype(), {R, cf.hidden_size});
   for (int64_t l = 0; l <= cf.num_hidden_layers; ++l) a.stream.push_back(l % 2 == 0 ? ping : pong);
-  a.normed = scratch.alloc(model.dtype(), {N, cf.hidden_size});
-  a.final_norm.rstd = scratch.alloc(accum_dtype(model.dtype()), {N});
+  a.normed = scratch.alloc(model.dtype(), {R, cf.hidden_size});
+  a.final_norm.rstd = scratch.alloc(accum_dtype(model.dtype()), {R});
   return a;
 }
 
@@ -135,6 +142,16 @@ double sum_rows(const Tensor& row_loss) {
   return sum;
 }
 
+// The chunk's loss from the per-row losses this process computed: under sequence parallelism the
+// rank's rows, all-gathered first so every rank sums all N rows in the one-process order.
+double chunk_loss(const Tensor& row_loss, int64_t N, TensorParallelGroup* tp, Arena& scratch) {
+  if (!tp || !tp->sequence_parallel()) return sum_rows(row_loss);
+  ArenaScope scope(scratch);
+  const Tensor all = scratch.alloc(row_loss.dtype, {N});
+  tp->gather_from_sp_forward(all, row_loss);
+  return sum_rows(all);
+}
+
 void check_chunk(const LlamaModel& model, const ChunkTokens& chunk, const KVStore& kv) {
   const int64_t N = chunk.B * chunk.c;
   check_shape(chunk.ids, {N}, "chunk ids");
@@ -144,6 +161,7 @@ void check_chunk(const LlamaModel& model, const ChunkTokens& chunk, const KVStor
   CW_CHECK(chunk.B == kv.batch(), "chunk batch {} but K/V store batch {}", chunk.B, kv.batch());
   CW_CHECK(model.rope_cos().size(0) >= chunk.pos0 + chunk.c, "RoPE tables cover {} positions, chunk needs {}",
            model.rope_cos().size(0), chunk.pos0 + chunk.c);
+  tp_rows(model.tensor_parallel(), N);  // sequence parallelism: N must split evenly over the ranks
 }
 }  // namespace
 
@@ -156,15 +174,17 @@ double forward_chunk(ChunkActivations* keep, KVStore& kv, const LlamaModel& mode
     return 0.0;
   }
   ArenaScope scope(scratch);
-  ChunkActivations a = transient_activations(model, N, scratch);
+  TensorParallelGroup* tp = model.tensor_parallel();
+  const int64_t R = tp_rows(tp, N);
+  ChunkActivations a = transient_activations(model, R, scratch);
   run_blocks(a, kv, model, chunk, false, scratch, mlp_shards);
   if (!with_loss) return 0.0;
   CW_CHECK(chunk.labels.data, "forward_chunk with_loss needs labels");
   TraceScope traced("lm head + loss", {{"t0", chunk.pos0}, {"t1", chunk.pos0 + chunk.c}});
-  Tensor row_loss = scratch.alloc(accum_dtype(model.dtype()), {N});
-  lm_head_loss_forward(row_loss, LmHeadSaved{}, a.normed, model.weights().lm_head, chunk.labels, normaliser, scratch,
-                       kLmHeadBlockRows);
-  return sum_rows(row_loss);
+  Tensor row_loss = scratch.alloc(accum_dtype(model.dtype()), {R});
+  lm_head_loss_forward(row_loss, LmHeadSaved{}, a.normed, model.weights().lm_head, tp_local_rows(tp, chunk.labels),
+                       normaliser, scratch, kLmHeadBlockRows);
+  return chunk_loss(row_loss, N, tp, scratch);
 }
 
 double backward_chunk(const ParamSet& grads, const ChunkActivations& a, KVStore& kv, const LlamaModel& model,
@@ -174,7 +194,8 @@ double backward_chunk(const ParamSet& grads, const ChunkActivations& a, KVStore&
   CW_CHECK(chunk.labels.data, "backward_chunk needs labels");
   CW_CHECK(loss_weight > 0, "loss weight {} must be positive", loss_weight);
   const LlamaConfig& cf = model.config();
-  const int64_t N = chunk.B * chunk.c;
+  TensorParallelGroup* tp = model.tensor_parallel();
+  const int64_t N = chunk.B * chunk.c, R = tp_rows(tp, N);
   const ModelWeights w = model.weights();
   const ModelWeights g = grads.weights();
   // The flat offset of a gradient tensor in `grads` (the table's order).
@@ -186,21 +207,21 @@ double backward_chunk(const ParamSet& grads, const ChunkActivations& a, KVStore&
     if (grads_final) grads_final(from);
   };
   const BlockContext ctx{cf, model.rope_cos(), model.rope_sin(), chunk.B, chunk.c, chunk.pos0, scratch,
-                         a.policy.mlp_shards, kv.has_outputs()};
+                         a.policy.mlp_shards, kv.has_outputs(), tp};
   ArenaScope scope(scratch);
 
   // LM head and loss, fused: the loss for reporting, the gradient scaled by loss_weight.
   const int64_t t0 = chunk.pos0, t1 = chunk.pos0 + chunk.c;
   TraceScope head_traced("lm head + loss", {{"t0", t0}, {"t1", t1}});
-  Tensor row_loss = scratch.alloc(accum_dtype(model.dtype()), {N});
-  Tensor d_normed = scratch.alloc(model.dtype(), {N, cf.hidden_size});
+  Tensor row_loss = scratch.alloc(accum_dtype(model.dtype()), {R});
+  Tensor d_normed = scratch.alloc(model.dtype(), {R, cf.hidden_size});
   const double grad_normaliser = normaliser / loss_weight;
-  lm_head_loss_fused(row_loss, d_normed, g.lm_head, a.normed, w.lm_head, chunk.labels, grad_normaliser,
-                     GradMode::overwrite, scratch, kLmHeadBlockRows);
+  lm_head_loss_fused(row_loss, d_normed, g.lm_head, a.normed, w.lm_head, tp_local_rows(tp, chunk.labels),
+                     grad_normaliser, GradMode::overwrite, scratch, kLmHeadBlockRows);
   // row_loss was divided by grad_normaliser; report the unweighted loss.
-  const double loss = sum_rows(row_loss) * loss_weight;
+  const double loss = chunk_loss(row_loss, N, tp, scratch) * loss_weight;
 
-  Tensor d_x = scratch.alloc(model.dtype(), {N, cf.hidden_size});
+  Tensor d_x = scratch.alloc(model.dtype(), {R, cf.hidden_size});
   rmsnorm_backward(d_x, g.final_norm, d_normed, a.final_norm, a.stream.back(), w.final_norm, GradMode::overwrite, scratch);
   head_traced.end();
   finished_from(offset_of(g.final_norm));  // the final norm and an untied head (a tied one is the embedding)
@@ -227,15 +248,15 @@ double backward_chunk(const ParamSet& grads, const ChunkActivations& a, KVStore&
       // Checkpointed: recompute this layer's activations from its kept input, then its backward. The
       // recompute rewrites the layer's K/V of this chunk in the store with the same values.
       ArenaScope layer_scope(scratch);
-      LayerActivations la = LayerActivations::allocate(scratch, cf, chunk.B, chunk.c, model.dtype(), keep_mlp);
-      Tensor recomputed_out = scratch.alloc(model.dtype(), {N, cf.hidden_size});
+      LayerActivations la = LayerActivations::allocate(scratch, cf, chunk.B, chunk.c, model.dtype(), keep_mlp, tp);
+      Tensor recomputed_out = scratch.alloc(model.dtype(), {R, cf.hidden_size});
       block_forward(recomputed_out, &la, a.input(l), w.layers[li], kv, l, ctx);
       block_backward(d_x, g.layers[li], la, a.input(l), w.layers[li], kv, l, ctx);
     }
     kv.end_layer(l, KVStore::Use::backward, t0, t1);
     finished_from(offset_of(g.layers[li].attn_norm));  // the layer's first tensor in the table
   }
-  embedding_backward(g.embedding, d_x, chunk.ids);
+  embedding_backward(g.embedding, d_x, tp_local_rows(tp, chunk.ids));
   finished_from(0);
   return loss;
 }
@@ -246,8 +267,14 @@ void chunk_logits(const Tensor& logits, KVStore& kv, const LlamaModel& model, co
   const LlamaConfig& cf = model.config();
   const int64_t N = chunk.B * chunk.c, C = cf.hidden_size;
   ArenaScope scope(scratch);
-  ChunkActivations a = transient_activations(model, N, scratch);
+  TensorParallelGroup* tp = model.tensor_parallel();
+  ChunkActivations a = transient_activations(model, tp_rows(tp, N), scratch);
   run_blocks(a, kv, model, chunk, false, scratch, 1);
+  if (tp && tp->sequence_parallel()) {  // every rank returns the logits of all rows
+    const Tensor all = scratch.alloc(model.dtype(), {N, C});
+    tp->gather_from_sp_forward(all, a.normed);
+    a.normed = all;
+  }
   const Tensor head = model.weights().lm_head;
   if (all_positions) {
     check_shape(logits, {N, cf.vocab_size}, "logits");

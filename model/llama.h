@@ -10,6 +10,16 @@
 //                   into the store's accumulators (see model/layer.h).
 // Losses are sums of per-token losses divided by the caller's normaliser (the batch's count of
 // supervised tokens), so the chunk losses of a batch add up to its mean loss.
+//
+// Tensor parallel (a model built with a TensorParallelGroup; model/shard.h): the model is the rank's
+// shard, config() the shard's (H/P heads, Hkv/P K/V heads, FFN F/P) and full_config() the model's;
+// the K/V store a schedule builds from config() therefore holds the rank's K/V heads only. Without
+// sequence parallelism the embedding, final norm and LM head + loss run replicated on every rank
+// (the same values; their gradients come out identical on every rank). With it, the residual stream,
+// the embedding, the final norm and the LM head + loss work on the rank's rows [N/P, C] of the chunk
+// (their ids and labels), every chunk's loss is summed over all rows (all-gathered), and the
+// gradients of the replicated parameters are each rank's rows' share: parallel/tensor_parallel.h's
+// reduce_replicated_gradients sums them over the group once per optimizer step.
 #pragma once
 
 #include "engine/memory.h"
@@ -29,9 +39,12 @@ class LlamaModel {
  public:
   // device: where weights, RoPE tables and everything the model's chunks allocate live. On a GPU the
   // compute dtype is bf16 (training) or f32 (checks); the RoPE tables are f32 there.
-  LlamaModel(const LlamaConfig& config, DType dtype, Device device = Device::host());
+  // tp: this rank's tensor-parallel group (not owned; it outlives the model), or null: one process.
+  LlamaModel(const LlamaConfig& config, DType dtype, Device device = Device::host(), TensorParallelGroup* tp = nullptr);
 
-  const LlamaConfig& config() const { return config_; }
+  const LlamaConfig& config() const { return config_; }            // what the parameters are shaped by
+  const LlamaConfig& full_config() const { return full_config_; }  // the model's (= config() without TP)
+  TensorParallelGroup* tensor_parallel() const { return tp_; }
   DType dtype() const { return dtype_; }
   Device device() const { return device_; }
   ParamSet& params() { return params_; }
@@ -44,6 +57,8 @@ class LlamaModel {
   const Tensor& rope_sin() const { return rope_sin_.tensor; }
 
  private:
+  LlamaConfig full_config_;
+  TensorParallelGroup* tp_;
   LlamaConfig config_;
   DType dtype_;
   Device device_;
@@ -78,12 +93,13 @@ struct ActivationPolicy {
   bool offload_inputs = false;
 };
 
+// Rows R = N, or N/P under sequence parallelism (the rank's rows).
 struct ChunkActivations {
-  std::vector<Tensor> stream;              // L+1 tensors [N, C]: stream[l] enters layer l; stream[L] = x_L
+  std::vector<Tensor> stream;              // L+1 tensors [R, C]: stream[l] enters layer l; stream[L] = x_L
                                            // (with offloaded inputs only stream[L] is set: see input())
   std::vector<LayerActivations> layers;    // L, or empty when the policy recomputes layers
-  Tensor normed;                           // [N, C] final_norm(x_L)
-  RmsNormSaved final_norm;                 // rstd [N]
+  Tensor normed;                           // [R, C] final_norm(x_L)
+  RmsNormSaved final_norm;                 // rstd [R]
   ActivationPolicy policy;
   // With policy.offload_inputs: layer l's input is item l of this residency (home in pinned host
   // memory, two device slots), moved at the named points of the layer loops (llama.cpp).
@@ -91,9 +107,11 @@ struct ChunkActivations {
 
   Tensor input(int layer) const;           // the device view of layer `layer`'s input
 
+  // tp: the model's tensor-parallel group (LlamaModel::tensor_parallel()), null for one process.
   static ChunkActivations allocate(Arena& arena, const LlamaConfig& config, int64_t B, int64_t c, DType dtype,
-                                   const ActivationPolicy& policy = {});
-  static size_t bytes(const LlamaConfig& config, int64_t B, int64_t c, DType dtype, const ActivationPolicy& policy = {});
+                                   const ActivationPolicy& policy = {}, const TensorParallelGroup* tp = nullptr);
+  static size_t bytes(const LlamaConfig& config, int64_t B, int64_t c, DType dtype, const ActivationPolicy& policy = {},
+                      const TensorParallelGroup* tp = nullptr);
 };
 
 // Rows per LM-head block: bounds the logits scratch to kLmHeadBlockRows x V.

@@ -69,7 +69,8 @@ double backprop_chunk(KVStore& kv, const LlamaModel& model, const Batch& batch, 
                       double loss_weight, const GradsFinalFrom& grads_final) {
   ArenaScope scope(arena);
   const ChunkTokens chunk = slice_chunk(batch, t0, t1, arena);
-  ChunkActivations act = ChunkActivations::allocate(arena, model.config(), batch.B(), chunk.c, model.dtype(), policy);
+  ChunkActivations act = ChunkActivations::allocate(arena, model.config(), batch.B(), chunk.c, model.dtype(), policy,
+                                                    model.tensor_parallel());
   forward_chunk(&act, kv, model, chunk, normaliser, false, arena);
   return backward_chunk(grads, act, kv, model, chunk, normaliser, arena, loss_weight, grads_final);
 }

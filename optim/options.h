@@ -107,13 +107,18 @@ std::optional<std::string> toml_value(const OptionTarget& target);
 const std::vector<Option<ScheduleOptions>>& schedule_option_table();
 
 // How a run is spread over ranks (processes, one per GPU; or threads of one process on the CPU).
-// Data parallelism and ZeRO are parallel/data_parallel.h's; the rows are parallel_option_table().
+// Data parallelism and ZeRO are parallel/data_parallel.h's, tensor parallelism (every block's heads
+// and FFN split over tp ranks) parallel/tensor_parallel.h's; the rows are parallel_option_table().
 struct ParallelOptions {
   int64_t dp = 1;           // data-parallel ranks; each takes its own batch_size sequences per micro-batch
   int64_t zero = 0;         // 0: every rank keeps the whole AdamW state; 1: its shard of the moments;
                             // 2: also only its shard of the reduced gradient (a reduce-scatter)
   double bucket_mb = 25.0;  // gradient all-reduce buckets (MiB of gradient), each launched as soon as the
                             // step's last backward has finished it
+  int64_t tp = 1;                  // tensor-parallel ranks; must divide heads, K/V heads and FFN width
+  bool sequence_parallel = false;  // norms, residual stream, embedding and loss on each rank's tokens only
+  bool tp_regather = false;        // with sequence_parallel: the backward all-gathers the normed input
+                                   // again instead of keeping it (memory for communication)
 
   bool operator==(const ParallelOptions&) const = default;
   void validate() const;    // the table's rules and the rules between options; throws naming the option

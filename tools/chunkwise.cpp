@@ -35,7 +35,7 @@ int main(int argc, char** argv) {
   gradcheck->add_option("--optimizer-steps", gc.optimizer_steps, "against single: AdamW steps before the parameters are compared")
       ->capture_default_str();
   gradcheck->add_option("--against", gc.against,
-                        "fd | full | single (default: single with --dp > 1, else fd for full, full otherwise)");
+                        "fd | full | single (default: single with --dp or --tp > 1, else fd for full, full otherwise)");
   gradcheck->add_option("--tol", gc.tol, "fail above this max_rel_err (default 1e-7 fd, 1e-12 full and single in f64)");
   gradcheck->add_option("--directions", gc.directions, "random directions per tensor (fd)")->capture_default_str();
   gradcheck->add_option("--step", gc.step, "finite-difference step along a unit direction")->capture_default_str();

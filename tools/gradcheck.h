@@ -17,6 +17,12 @@
 //                parameters must be bitwise identical to it. spaco: every rank draws the sample one
 //                process draws on the whole batch (optim/spaco.cpp), so the estimators are compared
 //                exactly like the exact schedules.
+//                With --tp N > 1 instead: N tensor-parallel ranks as threads, each holding its shard
+//                of the same initial model (parallel/tensor_parallel.h; --sequence-parallel,
+//                --tp-regather), run the schedule on the whole batch; their gradients of one step,
+//                assembled into the full tensors, and the loss against one process's. The replicated
+//                gradients and the loss must be the same bits on every rank. Each rank's activation
+//                high-water mark and reusable-buffer use are printed. (--dp with --tp: not yet.)
 // The run fails (non-zero exit) when max_rel_err exceeds --tol (1e-7 against fd, 1e-12 against full
 // and single in f64).
 #pragma once
@@ -35,9 +41,10 @@ struct GradcheckOptions {
   int64_t batch = 1;
   std::string dtype = "f64";
   ScheduleOptions schedule;        // name, chunk, bwd_chunk, keep, ...
-  ParallelOptions parallel;        // dp, zero, bucket_mb (against single)
+  ParallelOptions parallel;        // dp, zero, bucket_mb; tp, sequence_parallel, tp_regather (against single)
   int optimizer_steps = 3;         // against single: AdamW steps before the parameters are compared
-  std::string against;             // "fd" | "full" | "single"; empty: single with --dp > 1, else fd for full, full otherwise
+  std::string against;             // "fd" | "full" | "single"; empty: single with --dp or --tp > 1, else fd for full,
+                                   // full otherwise
   double tol = -1;                 // < 0: the default for the comparison
   int directions = 3;              // random directions per tensor (fd)
   double step = 1e-3;              // fd step h along a unit direction

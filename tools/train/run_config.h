@@ -107,7 +107,7 @@ struct RunConfig {
   Data data;
   // [schedule]: ScheduleOptions (optim/schedule.h), with the two defaults a training run changes.
   ScheduleOptions schedule{.name = "seco", .chunk = 64};
-  // [parallel]: ParallelOptions (optim/options.h): data-parallel ranks, ZeRO, buckets.
+  // [parallel]: ParallelOptions (optim/options.h): data-parallel ranks, ZeRO, buckets; tensor parallelism.
   ParallelOptions parallel;
   Optimizer optimizer;
   Train train;

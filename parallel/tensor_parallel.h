@@ -1,0 +1,132 @@
+// Tensor parallelism (Megatron style) over a Communicator: the paired communication ops, the
+// reusable activation buffer, a rank's TensorParallelGroup (model/shard.h), and moving parameters
+// and gradients between a full model and its shards.
+//
+// The paired ops. Each is a linear map of the ranks' tensors together with its adjoint, the map the
+// backward applies to gradients. Rows are along dimension 0; "rows of r" is rank r's block
+// [r*n, (r+1)*n) of a tensor of all P*n rows. x_r is rank r's input, y_r its output.
+//   copy_to_tp      forward  y_r = x                    (x the same on every rank: identity)
+//                   backward d_x = sum_s d_y_s          (all-reduce: every rank's linears read x)
+//   reduce_from_tp  forward  y = sum_s x_s              (all-reduce of partial sums)
+//                   backward d_x_r = d_y                (identity: each partial enters with weight 1)
+//   gather_from_sp  forward  y = [x_0; x_1; ...; x_P-1] (all-gather of rows)
+//                   backward d_x_r = rows of r of sum_s d_y_s   (reduce-scatter)
+//   scatter_to_sp   forward  y_r = rows of r of sum_s x_s       (reduce-scatter)
+//                   backward d_x = [d_y_0; ...; d_y_P-1]        (all-gather of rows)
+// The backward of each is the adjoint of its forward over the whole group: sum_r <f(x)_r, y_r> =
+// sum_r <x_r, f*(y)_r> (tests/parallel/test_tensor_parallel.cpp checks it for every pair). The
+// identity halves need no call; the other six are below, each one collective.
+//
+// The buffer: a rank's gathered and partial-sum [N, C] activations (model/shard.h's three slots) live
+// in one ActivationBuffer instead of a fresh allocation per call. A slot grows to the largest request
+// and is reused by every later one; only one user holds a slot at a time. It counts what it replaces:
+// the bytes and number of the requests (what per-call allocations would have allocated in all) against
+// its capacity (its high-water mark).
+//
+// Parameters: q/k/v/gate/up are split along dimension 0 (rows: heads, FFN columns), o/down along
+// dimension 1, in P equal contiguous blocks; embedding, norms and LM head are replicated.
+// Gradients of replicated parameters: without sequence parallelism every rank computes them from
+// the same replicated values, so they are whole and identical on every rank. With it each rank's
+// norms, embedding and LM head saw only its rows, so each rank holds its rows' share and
+// reduce_replicated_gradients sums them (once per optimizer step, like the data-parallel reduction).
+#pragma once
+
+#include "engine/memory.h"
+#include "model/params.h"
+#include "model/shard.h"
+#include "parallel/comm.h"
+
+#include <array>
+#include <cstdint>
+
+namespace cw {
+
+// ---- the paired ops (the identity halves need no call) ----
+void copy_to_tp_backward(Communicator& comm, const Tensor& d_x);                          // all-reduce, in place
+void reduce_from_tp_forward(Communicator& comm, const Tensor& x);                         // all-reduce, in place
+void gather_from_sp_forward(Communicator& comm, const Tensor& all, const Tensor& rows);   // all-gather rows
+void gather_from_sp_backward(Communicator& comm, const Tensor& d_rows, const Tensor& d_all);  // reduce-scatter
+void scatter_to_sp_forward(Communicator& comm, const Tensor& rows, const Tensor& all);    // reduce-scatter
+void scatter_to_sp_backward(Communicator& comm, const Tensor& d_all, const Tensor& d_rows);   // all-gather rows
+
+// ---- the reusable buffer ----
+class ActivationBuffer {
+ public:
+  explicit ActivationBuffer(Device device) : device_(device) {}
+  // A packed view of the slot's memory; grows the slot when it is smaller (nothing lives in a free
+  // slot, so growing loses nothing). Throws when the slot is lent already.
+  Tensor acquire(TpSlot slot, DType dtype, std::initializer_list<int64_t> shape);
+  void release(TpSlot slot);
+
+  size_t capacity_bytes() const;   // all slots: the buffer's high-water mark
+  size_t requested_bytes() const { return requested_bytes_; }  // every acquire's bytes, summed
+  int64_t requests() const { return requests_; }
+  size_t largest_request() const { return largest_request_; }
+
+ private:
+  static constexpr size_t kSlots = 3;
+  Device device_;
+  std::array<Buffer, kSlots> slots_;
+  std::array<bool, kSlots> lent_{};
+  size_t requested_bytes_ = 0, largest_request_ = 0;
+  int64_t requests_ = 0;
+};
+
+struct TensorParallelOptions {
+  bool sequence_parallel = false;  // norms, residuals, embedding and loss on the rank's rows
+  bool regather = false;           // (with sequence_parallel) the backward all-gathers h1/h2 again
+};
+
+// A rank's group: the communicator of its TP ranks, the options, the buffer. Given to LlamaModel.
+class TensorParallel final : public TensorParallelGroup {
+ public:
+  // Throws when regather is asked without sequence parallelism (there is nothing gathered to redo).
+  TensorParallel(Communicator& comm, const TensorParallelOptions& options);
+
+  int rank() const override { return comm_.rank(); }
+  int size() const override { return comm_.size(); }
+  bool sequence_parallel() const override { return options_.sequence_parallel; }
+  bool regather() const override { return options_.regather; }
+  Communicator& communicator() const { return comm_; }
+  const ActivationBuffer& buffer() const { return buffer_; }
+
+  void copy_to_tp_backward(const Tensor& d_x) override { cw::copy_to_tp_backward(comm_, d_x); }
+  void reduce_from_tp_forward(const Tensor& x) override { cw::reduce_from_tp_forward(comm_, x); }
+  void gather_from_sp_forward(const Tensor& all, const Tensor& rows) override {
+    cw::gather_from_sp_forward(comm_, all, rows);
+  }
+  void gather_from_sp_backward(const Tensor& d_rows, const Tensor& d_all) override {
+    cw::gather_from_sp_backward(comm_, d_rows, d_all);
+  }
+  void scatter_to_sp_forward(const Tensor& rows, const Tensor& all) override {
+    cw::scatter_to_sp_forward(comm_, rows, all);
+  }
+  void scatter_to_sp_backward(const Tensor& d_all, const Tensor& d_rows) override {
+    cw::scatter_to_sp_backward(comm_, d_all, d_rows);
+  }
+  Tensor acquire(TpSlot slot, DType dtype, std::initializer_list<int64_t> shape) override {
+    return buffer_.acquire(slot, dtype, shape);
+  }
+  void release(TpSlot slot) override { buffer_.release(slot); }
+
+ private:
+  Communicator& comm_;
+  TensorParallelOptions options_;
+  ActivationBuffer buffer_;
+};
+
+// ---- parameters and gradients between the full model and its shards ----
+// The dimension TP splits a parameter along: 0 (column-parallel q, k, v, gate, up), 1 (row-parallel
+// o, down), -1 (replicated).
+int tp_split_dim(ParamRole role);
+// Rank `rank` of `size`: every tensor of `shard` (a ParamSet of tp_shard_config) from its block of
+// `full`'s (any dtypes; converted).
+void shard_parameters(const ParamSet& shard, const ParamSet& full, int rank, int size);
+// The inverse: rank `rank`'s split tensors into their blocks of `full`; its replicated tensors too
+// when with_replicated.
+void unshard_parameters(const ParamSet& full, const ParamSet& shard, int rank, int size, bool with_replicated);
+// With sequence parallelism: the replicated parameters' gradients summed over the group, in place
+// (each rank held its rows' share); without it, nothing to do (each rank's are already whole).
+void reduce_replicated_gradients(const ParamSet& grads, TensorParallel& tp);
+
+}  // namespace cw
