@@ -12,6 +12,8 @@
 #include "tools/model_io.h"
 #include "tools/train/run_config.h"
 #include "tools/train/sample.h"
+#include "parallel/comm_nccl.h"
+#include "parallel/launch.h"
 #include "tools/train/train.h"
 
 #include <CLI/CLI.hpp>
@@ -174,7 +176,16 @@ int main(int argc, char** argv) {
       topt.resume = resume;
       topt.stop_after = stop_after;
       topt.trace = train_trace;
-      const cw::TrainResult r = cw::run_training(rc, topt, std::cout);
+      // Started by a launcher (torchrun, mpirun, srun): one process per GPU, the ranks joined by NCCL,
+      // each on the GPU of its local rank. Otherwise one process (parallel.dp > 1 then runs threads).
+      const cw::Environment env = cw::process_environment();
+      const cw::LaunchInfo launch = cw::read_launch_info(env);
+      std::unique_ptr<cw::Communicator> comm;
+      if (launch.launcher != cw::Launcher::single) {
+        if (launch.rank == 0) std::cout << "launch: " << launch.describe() << "\n";
+        comm = cw::make_nccl_communicator(launch, launch.local_rank, cw::NcclOptions::from_environment(env));
+      }
+      const cw::TrainResult r = cw::run_training(rc, topt, std::cout, comm.get());
       return r.interrupted ? cw::kExitInterrupted : 0;
     }
     if (*options) {

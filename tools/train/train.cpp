@@ -613,7 +613,13 @@ TrainResult run_training(const RunConfig& rc, const TrainOptions& opt, std::ostr
     fail("data parallel ranks need the same run directory", "give --run-dir or log.run_dir");
   const bool resume = opt.resume || rc.checkpoint.resume;
 
-  const Placement placement = resolve_placement(rc);
+  Placement placement = resolve_placement(rc);
+  if (comm && !comm->device().is_cpu()) {  // one process per GPU: the rank computes on its communicator's GPU
+    if (placement.device.is_cpu())
+      fail(fmt::format("train.device = {} but the ranks were launched with GPUs (NCCL)", rc.train.device),
+           "set train.device = cuda, or run the ranks as threads of one process on the CPU (no launcher)");
+    placement.device = comm->device();
+  }
   const LlamaConfig& mc = placement.model;
   const ByteTokenizer tokenizer;
   const TrainData data = load_data(rc, mc);
