@@ -48,13 +48,16 @@ bool deterministic();
 void set_attention_kernel(AttentionKernel kernel);
 AttentionKernel attention_kernel();
 
-// ---- cuDNN attention plans (env CW_CUDNN_PLANS=shared|exact; shared by default) ----
-// cuDNN runs each attention problem through an execution plan that costs ~0.1-0.2 s to build.
+// ---- cuDNN attention plans (env CW_CUDNN_PLANS=exact|shared; exact by default) ----
+// cuDNN runs each attention problem through an execution plan that costs ~0.1-0.8 s to build.
+// exact: one plan per key count, so a SeCO step's first pass builds one per chunk offset (128K in
+// chunks of 2048: 128 plans, 23 s on an H100) and later steps run the fastest kernels.
 // shared: a call whose K/V are a slice of a longer store (SeCO's K/V store) runs the plan of the
 // store's whole extent, the real key count given at run time, so a step builds one plan per
-// direction instead of one per chunk offset (engine/cuda/attention_cudnn.cu says when it applies).
-// exact: one plan per key count. The results agree to rounding (tested on the GPU).
-enum class CudnnPlans { shared, exact };
+// direction (engine/cuda/attention_cudnn.cu says when it applies); its padded kernel runs about 6%
+// slower at 128K (RESULTS.md), so it pays for runs of a few dozen steps and for benchmarks without
+// warm-up. The results agree to rounding (tested on the GPU).
+enum class CudnnPlans { exact, shared };
 void set_cudnn_plans(CudnnPlans plans);
 CudnnPlans cudnn_plans();
 // Plans built since the process started (all devices), those cuDNN refused (a shared plan it

@@ -44,9 +44,10 @@
 //   not for the deterministic backward (its dS workspace grows with the extent). Keys that fill
 //   the store (S = cap, as every packed K/V has) keep their exact plan, so which plan a call runs
 //   depends on the call alone. A SeCO step then builds two plans per direction and chunk length
-//   (the shared one and the exact one of the chunk with S = T). Other calls,
-//   cw::set_cudnn_plans(exact) (env CW_CUDNN_PLANS=exact), or a shared graph cuDNN refuses: a plan
-//   per S as before.
+//   (the shared one and the exact one of the chunk with S = T). Shared plans are used only when
+//   selected (cw::set_cudnn_plans(shared), env CW_CUDNN_PLANS=shared; the default is exact: the
+//   padded kernel is slower in steady state); otherwise, or when cuDNN refuses a shared graph, a
+//   plan per S.
 //   Chosen by the chooser (engine/ops/attention.cpp) for bf16 forwards it serves, and for backwards
 //   when determinism is off and the plan's workspace fits the budget; forced (CW_ATTENTION=cudnn)
 //   the deterministic form serves the determinism switch.

@@ -69,9 +69,9 @@ void set_cudnn_plans(CudnnPlans plans) { g_cudnn_plans.store(static_cast<int>(pl
 CudnnPlans cudnn_plans() {
   int v = g_cudnn_plans.load();
   if (v < 0) {
-    v = gpu::env_choice("CW_CUDNN_PLANS", {"shared", "exact"},
-                        "use CW_CUDNN_PLANS=shared (the default: one cuDNN attention plan per K/V store extent) or "
-                        "exact (one plan per key count)");
+    v = gpu::env_choice("CW_CUDNN_PLANS", {"exact", "shared"},
+                        "use CW_CUDNN_PLANS=exact (the default: one cuDNN attention plan per key count) or shared "
+                        "(one plan per K/V store extent)");
     g_cudnn_plans.store(v);
   }
   return static_cast<CudnnPlans>(v);

@@ -191,8 +191,11 @@ TEST_CASE("cuda: cudnn shared plans agree with exact plans and the CPU across ch
       for (const GpuInput* store : {&ch.k_store, &ch.v_store})
         if (S < ch.T) gpu::fill(store->dev.tensor.slice(0, b, 1).slice(1, S, ch.T - S), std::numeric_limits<double>::quiet_NaN());
     const CpuResult ref = run_cpu(ch, S);
-    const GpuResult shared = run_gpu(ch, S);
-    GpuResult exact;
+    GpuResult shared, exact;
+    {
+      CudnnPlansScope scope(CudnnPlans::shared);
+      shared = run_gpu(ch, S);
+    }
     {
       CudnnPlansScope scope(CudnnPlans::exact);
       exact = run_gpu(ch, S);
@@ -267,6 +270,7 @@ TEST_CASE("cuda: cudnn shared plans: a sweep of chunk offsets builds one plan pe
     return std::make_pair(mid.built - before.built, after.built - mid.built);
   };
   {
+    CudnnPlansScope scope(CudnnPlans::shared);
     const auto [forward, backward] = sweep(c, T / c);
     CHECK(forward == 2);
     CHECK(backward == 2);
