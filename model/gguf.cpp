@@ -228,14 +228,19 @@ GgufValue read_value(Cursor& c, GgufValueType t, const std::string& what, int de
   return v;
 }
 
-// IEEE binary16 -> double, exactly (every half value is a double; NaN stays NaN).
+// IEEE binary16 -> double, exactly (every half value is a float and a double; NaN stays NaN). Built
+// from the bits: this runs once per block, and ldexp would dominate the load.
 double half_to_double(uint16_t h) {
-  const double sign = (h & 0x8000u) ? -1.0 : 1.0;
-  const int exponent = (h >> 10) & 0x1f;
-  const int mantissa = h & 0x3ff;
-  if (exponent == 0x1f) return mantissa ? std::numeric_limits<double>::quiet_NaN() : sign * HUGE_VAL;
-  if (exponent == 0) return sign * std::ldexp(mantissa, -24);           // zero or subnormal
-  return sign * std::ldexp(1024 + mantissa, exponent - 25);              // (1 + m/1024) * 2^(e-15)
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t exponent = (h >> 10) & 0x1fu;
+  const uint32_t mantissa = h & 0x3ffu;
+  if (exponent == 0) {  // zero or subnormal: mantissa * 2^-24, exact in a float
+    const float magnitude = static_cast<float>(mantissa) * 0x1p-24f;
+    return sign ? -static_cast<double>(magnitude) : static_cast<double>(magnitude);
+  }
+  const uint32_t bits = exponent == 0x1f ? sign | 0x7f800000u | (mantissa << 13)               // inf, NaN
+                                         : sign | ((exponent + 127 - 15) << 23) | (mantissa << 13);
+  return std::bit_cast<float>(bits);
 }
 
 double half_at(const unsigned char* p) {

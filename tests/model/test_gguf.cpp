@@ -10,7 +10,10 @@
 #include "model/gguf.h"
 #include "model/gguf_llama.h"
 
+#include "model/checkpoint.h"
+#include "model/safetensors.h"
 #include "tests/support.h"
+#include "tools/model_io.h"
 
 #include <nlohmann/json.hpp>
 
@@ -549,6 +552,36 @@ TEST_CASE("gguf: a Llama written as llama.cpp writes it loads back into the same
       }
     }
   }
+}
+
+TEST_CASE("gguf: `--model file.gguf` (chunkwise logits) gives the logits of the same weights as an HF checkpoint") {
+  test::TempDir dir("gguf-logits");
+  const LlamaConfig c = tiny_for_gguf(true);
+  ParamSet params(c, DType::f32);
+  init_parameters(params, 5, 0.5, 0.1);
+  const std::string gguf = write_file(dir, "tiny.gguf", llama_builder(params).bytes());
+  save_checkpoint_weights(params, c, dir.file("hf"), DType::f32);
+  std::vector<uint32_t> ids;
+  for (uint32_t i = 0; i < 2 * 9; ++i) ids.push_back((i * 7 + 3) % 61);
+  write_file(dir, "ids.u32", bytes_of(ids));
+  std::vector<OwnedTensor> logits;
+  for (const std::string& model : {gguf, dir.file("hf")}) {
+    LogitsOptions o;
+    o.model = model;
+    o.tokens = dir.file("ids.u32");
+    o.batch = 2;
+    o.seq = 9;
+    o.dtype = "f64";
+    o.chunk = 4;
+    o.out = dir.file("logits.safetensors");
+    write_logits(o);
+    const SafetensorsReader r(o.out);
+    logits.push_back(OwnedTensor(DType::f64, {18, 61}));
+    r.read_into("logits", logits.back());
+  }
+  const test::Worst w = test::compare(logits[0], logits[1]);
+  INFO(w.str());
+  CHECK(w.max_abs == 0.0);
 }
 
 TEST_CASE("gguf: Q/K rows go back to HF order: gguf_qk_row inverts the converter's permutation") {
