@@ -1,6 +1,7 @@
 #include "model/config.h"
 
 #include "engine/error.h"
+#include "model/gguf_llama.h"
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -300,11 +301,12 @@ LlamaConfig LlamaConfig::resolve(const std::string& spec) {
     if (!fs::exists(p)) fail(fmt::format("model directory '{}' has no config.json", spec), "point at an HF checkpoint directory");
     return from_file(p.string());
   }
+  if (is_gguf_file(spec)) return llama_config_from_gguf(GgufReader(spec));
   if (fs::exists(spec)) return from_file(spec);
   const auto names = preset_names();
   if (std::find(names.begin(), names.end(), spec) != names.end()) return preset(spec);
   if (spec.find('/') != std::string::npos || spec.ends_with(".json"))
-    fail(fmt::format("model '{}' does not exist", spec), "give a preset name, a config.json or a checkpoint directory");
+    fail(fmt::format("model '{}' does not exist", spec), "give a preset name, a config.json, a checkpoint directory or a .gguf file");
   return preset(spec);  // raises the unknown-preset error listing the names
 }
 

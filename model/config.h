@@ -45,7 +45,8 @@ struct LlamaConfig {
   // "llama-3.1-8b". Throws listing the names for an unknown one.
   static LlamaConfig preset(const std::string& name);
   static std::vector<std::string> preset_names();
-  // A preset name, a config.json path, or an HF checkpoint directory holding config.json.
+  // A preset name, a config.json path, an HF checkpoint directory holding config.json, or a GGUF
+  // file (its metadata: model/gguf_llama.h).
   static LlamaConfig resolve(const std::string& spec);
 
   // Checks the invariants (positive sizes, heads dividing, head_dim even, ...); throws naming the key.

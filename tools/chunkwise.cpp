@@ -28,7 +28,7 @@ int main(int argc, char** argv) {
 
   cw::GradcheckOptions gc;
   CLI::App* gradcheck = app.add_subcommand("gradcheck", "check a schedule's gradients (finite differences or full)");
-  gradcheck->add_option("--model", gc.model, "preset, config.json or HF checkpoint directory")->capture_default_str();
+  gradcheck->add_option("--model", gc.model, "preset, config.json, HF checkpoint directory or .gguf file")->capture_default_str();
   gradcheck->add_option("--seq", gc.seq, "tokens per sequence")->capture_default_str();
   gradcheck->add_option("--batch", gc.batch, "sequences")->capture_default_str();
   gradcheck->add_option("--dtype", gc.dtype, "f64 | f32")->capture_default_str();
@@ -61,7 +61,7 @@ int main(int argc, char** argv) {
 
   cw::LogitsOptions lo;
   CLI::App* logits = app.add_subcommand("logits", "write the logits of a token batch (to compare with other frameworks)");
-  logits->add_option("--model", lo.model, "preset, config.json or checkpoint directory")->required();
+  logits->add_option("--model", lo.model, "preset, config.json, checkpoint directory or .gguf file")->required();
   logits->add_option("--tokens", lo.tokens, "headerless little-endian uint32 file of batch x seq ids")->required();
   logits->add_option("--batch", lo.batch, "sequences")->capture_default_str();
   logits->add_option("--seq", lo.seq, "tokens per sequence")->required();
@@ -87,7 +87,7 @@ int main(int argc, char** argv) {
 
   cw::BenchModelOptions bm;
   CLI::App* bench = app.add_subcommand("bench", "time training steps of a whole model on the GPU (a benchmark)");
-  bench->add_option("--model", bm.model, "preset, config.json or checkpoint directory")->capture_default_str();
+  bench->add_option("--model", bm.model, "preset, config.json, checkpoint directory or .gguf file")->capture_default_str();
   bench->add_option("--seq", bm.seq, "tokens per sequence")->capture_default_str();
   bench->add_option("--batch", bm.batch, "sequences per step")->capture_default_str();
   cw::add_schedule_flags(*bench, bm.schedule);

@@ -1,6 +1,7 @@
 #include "tools/model_io.h"
 
 #include "model/checkpoint.h"
+#include "model/gguf_llama.h"
 #include "model/safetensors.h"
 
 #include <fmt/format.h>
@@ -38,6 +39,8 @@ void load_or_init(LlamaModel& model, const std::string& spec, uint64_t seed, dou
                                                      fs::exists(fs::path(spec) / "model.safetensors.index.json"));
   if (checkpoint)
     load_checkpoint_weights(model.params(), spec);
+  else if (is_gguf_file(spec))
+    load_gguf_weights(model.params(), GgufReader(spec));
   else
     init_parameters(model.params(), seed, model.config().initializer_range, norm_jitter);
 }

@@ -13,8 +13,8 @@ namespace cw {
 // left by one, the last position -100). Errors name the file: wrong size, id >= vocab.
 Batch read_token_batch(const std::string& path, int64_t B, int64_t T, int64_t vocab);
 
-// Loads a model from a preset / config.json (random init with `seed`, norms 1 + N(0, norm_jitter))
-// or from an HF checkpoint directory (its weights).
+// Loads a model from a preset / config.json (random init with `seed`, norms 1 + N(0, norm_jitter)),
+// from an HF checkpoint directory (its weights) or from a GGUF file (its weights, dequantized).
 void load_or_init(LlamaModel& model, const std::string& spec, uint64_t seed, double norm_jitter);
 
 struct InitOptions {
@@ -29,7 +29,7 @@ struct InitOptions {
 void init_checkpoint(const InitOptions& options);
 
 struct LogitsOptions {
-  std::string model;           // preset, config.json or checkpoint directory
+  std::string model;           // preset, config.json, checkpoint directory or .gguf file
   std::string tokens;          // headerless u32 file of batch x seq ids
   int64_t batch = 1, seq = 0;
   std::string dtype = "f32";   // compute dtype on the CPU (f64 or f32)

@@ -3,6 +3,7 @@
 #include "engine/random.h"
 #include "engine/trace.h"
 #include "model/checkpoint.h"
+#include "model/gguf_llama.h"
 #include "optim/adamw.h"
 #include "optim/chunks.h"
 #include "optim/lr_schedule.h"
@@ -138,10 +139,14 @@ DType resolve_train_dtype(const std::string& setting, Device device) {
   return dt;
 }
 
-// Loads a checkpoint's weights (any stored dtype) as the run's master weights.
-void load_master_from(TrainingState& state, const std::string& dir) {
+// Loads a checkpoint's weights (any stored dtype), or a GGUF file's (dequantized), as the run's
+// master weights.
+void load_master_from(TrainingState& state, const std::string& source) {
   ParamSet host(state.model().config(), state.master_dtype());
-  load_checkpoint_weights(host, dir);
+  if (is_gguf_file(source))
+    load_gguf_weights(host, GgufReader(source));
+  else
+    load_checkpoint_weights(host, source);
   state.load_master(host);
 }
 
@@ -259,6 +264,8 @@ Progress resume_or_initialise(const RunConfig& rc, bool resume, RunDirectory& ru
   } else if (fs::is_directory(rc.model.source) && fs::exists(fs::path(rc.model.source) / "config.json") &&
              (fs::exists(fs::path(rc.model.source) / "model.safetensors") ||
               fs::exists(fs::path(rc.model.source) / "model.safetensors.index.json"))) {
+    load_master_from(state, rc.model.source);
+  } else if (is_gguf_file(rc.model.source)) {
     load_master_from(state, rc.model.source);
   } else {
     state.init(rc.model.init_seed, state.model().config().initializer_range);

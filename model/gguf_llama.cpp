@@ -1,0 +1,201 @@
+#include "model/gguf_llama.h"
+
+#include "engine/error.h"
+#include "engine/memory.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <set>
+
+namespace cw {
+
+namespace {
+
+constexpr const char* kRopeFreqs = "rope_freqs.weight";
+// rope_freqs.weight is written in f32 from frequencies computed in f32: its entries agree with the
+// f64 llama3 formula to a few f32 ulps, and differ by far more than this for other parameters.
+constexpr double kRopeFreqsTol = 1e-5;
+
+[[noreturn]] void bad_model(const GgufReader& f, const std::string& what,
+                            const std::string& hint = "chunkwise reads GGUF files of Llama models") {
+  fail(fmt::format("GGUF file '{}': {}", f.path(), what), hint);
+}
+
+std::string shape_str(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+// Llama 3.1-style scaling from the per-frequency divisors llama.cpp's converter stores.
+RopeScaling rope_scaling_from_freqs(const GgufReader& f, const LlamaConfig& c) {
+  const GgufTensorInfo* t = f.find_tensor(kRopeFreqs);
+  if (t->shape() != std::vector<int64_t>{c.head_dim / 2})
+    bad_model(f, fmt::format("{} has shape {}, expected [{}] (head_dim / 2)", kRopeFreqs, shape_str(t->shape()),
+                             c.head_dim / 2));
+  OwnedTensor divisors(DType::f64, {c.head_dim / 2});
+  f.read_into(kRopeFreqs, divisors);
+  const double* d = divisors.tensor.ptr<double>();
+  RopeScaling s;
+  s.type = RopeScaling::Type::llama3;
+  s.factor = *std::max_element(d, d + c.head_dim / 2);
+  s.low_freq_factor = 1.0;
+  s.high_freq_factor = 4.0;
+  s.original_max_position = 8192;
+  if (s.factor == 1.0) return RopeScaling{};  // every divisor 1: no scaling at all
+  const std::vector<double> plain = rope_inv_freq(c.head_dim, c.rope_theta, RopeScaling{});
+  const std::vector<double> scaled = rope_inv_freq(c.head_dim, c.rope_theta, s);
+  for (int64_t i = 0; i < c.head_dim / 2; ++i) {
+    const double expected = plain[i] / scaled[i];
+    if (std::abs(d[i] - expected) > kRopeFreqsTol * expected)
+      bad_model(f, fmt::format("{}[{}] = {} is not llama3 RoPE scaling (factor {}, low 1, high 4, original 8192 "
+                               "give {})", kRopeFreqs, i, d[i], s.factor, expected),
+                "chunkwise supports llama3 scaling with Llama 3.x's parameters");
+  }
+  return s;
+}
+
+}  // namespace
+
+bool is_gguf_file(const std::string& path) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (!fs::is_regular_file(path, ec)) return false;
+  std::string lower = path;
+  std::transform(lower.begin(), lower.end(), lower.begin(), [](unsigned char ch) { return std::tolower(ch); });
+  if (lower.ends_with(".gguf")) return true;
+  char magic[4] = {};
+  std::ifstream in(path, std::ios::binary);
+  return in.read(magic, 4) && std::memcmp(magic, "GGUF", 4) == 0;
+}
+
+LlamaConfig llama_config_from_gguf(const GgufReader& f) {
+  const std::string arch = f.get_string("general.architecture");
+  if (arch != "llama")
+    bad_model(f, fmt::format("general.architecture is '{}', not 'llama'", arch.substr(0, 60)));
+  if (f.get_int("llama.expert_count", 0) > 0)
+    bad_model(f, fmt::format("a mixture of experts ({} experts)", f.get_int("llama.expert_count")),
+              "chunkwise trains dense Llama models");
+  LlamaConfig c;
+  c.num_hidden_layers = f.get_int("llama.block_count");
+  c.hidden_size = f.get_int("llama.embedding_length");
+  c.intermediate_size = f.get_int("llama.feed_forward_length");
+  c.num_attention_heads = f.get_int("llama.attention.head_count");
+  c.num_key_value_heads = f.get_int("llama.attention.head_count_kv", c.num_attention_heads);
+  if (c.num_attention_heads <= 0) bad_model(f, "llama.attention.head_count must be positive");
+  c.head_dim = f.get_int("llama.attention.key_length", c.hidden_size / c.num_attention_heads);
+  for (const char* key : {"llama.attention.value_length", "llama.rope.dimension_count"})
+    if (f.has(key) && f.get_int(key) != c.head_dim)
+      bad_model(f, fmt::format("{} = {} differs from the head dim {}", key, f.get_int(key), c.head_dim),
+                "chunkwise's Llama rotates whole heads with equal K and V head dims");
+  c.max_position_embeddings = f.get_int("llama.context_length");
+  c.rope_theta = f.get_float("llama.rope.freq_base", 10000.0);
+  c.rms_norm_eps = f.get_float("llama.attention.layer_norm_rms_epsilon");
+
+  const GgufTensorInfo* embedding = f.find_tensor("token_embd.weight");
+  if (!embedding) bad_model(f, "has no tensor 'token_embd.weight'", "is this a Llama model file?");
+  if (f.has("llama.vocab_size")) c.vocab_size = f.get_int("llama.vocab_size");
+  else if (f.has("tokenizer.ggml.tokens")) c.vocab_size = static_cast<int64_t>(f.get_strings("tokenizer.ggml.tokens").size());
+  else c.vocab_size = embedding->shape()[0];
+  c.tie_word_embeddings = f.find_tensor("output.weight") == nullptr;
+  c.bos_token_id = f.get_int("tokenizer.ggml.bos_token_id", -1);
+  if (f.has("tokenizer.ggml.eos_token_id")) c.eos_token_ids = {f.get_int("tokenizer.ggml.eos_token_id")};
+  c.torch_dtype = "float32";  // what the weights are dequantized to
+
+  const std::string scaling = f.get_string("llama.rope.scaling.type", "none");
+  if (scaling == "linear") {
+    c.rope_scaling.type = RopeScaling::Type::linear;
+    c.rope_scaling.factor = f.get_float("llama.rope.scaling.factor");
+  } else if (scaling != "none") {
+    bad_model(f, fmt::format("llama.rope.scaling.type '{}' is not supported", scaling.substr(0, 60)),
+              "chunkwise supports linear and llama3 RoPE scaling");
+  } else if (f.has("llama.rope.scale_linear")) {
+    c.rope_scaling.type = RopeScaling::Type::linear;
+    c.rope_scaling.factor = f.get_float("llama.rope.scale_linear");
+  }
+  if (c.rope_scaling.type == RopeScaling::Type::linear && !(c.rope_scaling.factor > 0))
+    bad_model(f, fmt::format("the linear RoPE scaling factor {} must be positive", c.rope_scaling.factor));
+  c.validate(fmt::format("GGUF file '{}' (its metadata, as a LlamaConfig)", f.path()));
+  if (f.find_tensor(kRopeFreqs)) {
+    if (c.rope_scaling.type != RopeScaling::Type::none)
+      bad_model(f, fmt::format("both {} and llama.rope.scaling metadata", kRopeFreqs));
+    c.rope_scaling = rope_scaling_from_freqs(f, c);
+  }
+  const std::vector<int64_t> expected{c.vocab_size, c.hidden_size};
+  if (embedding->shape() != expected)
+    bad_model(f, fmt::format("token_embd.weight has shape {} (GGUF dims {}) but the metadata says vocab {} x hidden {}",
+                             shape_str(embedding->shape()), shape_str(embedding->dims), c.vocab_size, c.hidden_size),
+              "the file is inconsistent: re-convert it");
+  return c;
+}
+
+std::string gguf_tensor_name(const ParamSpec& s) {
+  const std::string blk = fmt::format("blk.{}.", s.layer);
+  switch (s.role) {
+    case ParamRole::embedding: return "token_embd.weight";
+    case ParamRole::attn_norm: return blk + "attn_norm.weight";
+    case ParamRole::wq: return blk + "attn_q.weight";
+    case ParamRole::wk: return blk + "attn_k.weight";
+    case ParamRole::wv: return blk + "attn_v.weight";
+    case ParamRole::wo: return blk + "attn_output.weight";
+    case ParamRole::mlp_norm: return blk + "ffn_norm.weight";
+    case ParamRole::w_gate: return blk + "ffn_gate.weight";
+    case ParamRole::w_up: return blk + "ffn_up.weight";
+    case ParamRole::w_down: return blk + "ffn_down.weight";
+    case ParamRole::final_norm: return "output_norm.weight";
+    case ParamRole::lm_head: return "output.weight";
+  }
+  return "";
+}
+
+int64_t gguf_qk_row(int64_t hf_row, int64_t head_dim) {
+  const int64_t half = head_dim / 2;
+  const int64_t head = hf_row / head_dim, within = hf_row % head_dim;
+  const int64_t s = within / half, i = within % half;  // HF row = head*D + s*D/2 + i
+  return head * head_dim + 2 * i + s;
+}
+
+void load_gguf_weights(ParamSet& params, const GgufReader& f) {
+  const LlamaConfig& c = params.config();
+  CW_CHECK(params.device().is_cpu(), "load_gguf_weights reads into host memory, got a {} parameter set",
+           device_name(params.device()));
+  std::set<std::string> used{kRopeFreqs};  // read by llama_config_from_gguf
+  for (size_t i = 0; i < params.size(); ++i) {
+    const ParamSpec& spec = params.specs()[i];
+    const std::string name = gguf_tensor_name(spec);
+    const GgufTensorInfo* t = f.find_tensor(name);
+    if (!t)
+      bad_model(f, fmt::format("has no tensor '{}' (for {})", name, spec.name),
+                "the file does not describe a complete Llama model");
+    if (t->shape() != spec.shape)
+      bad_model(f, fmt::format("tensor '{}' has shape {} (GGUF dims {}), but the metadata gives {} {}", name,
+                               shape_str(t->shape()), shape_str(t->dims), spec.name, shape_str(spec.shape)),
+                "the file is inconsistent: re-convert it");
+    const Tensor& dst = params[i];
+    if (spec.role != ParamRole::wq && spec.role != ParamRole::wk) {
+      f.read_into(name, dst);
+    } else {
+      // Read in GGUF row order, then put each row back where HF has it.
+      OwnedTensor gguf_rows = OwnedTensor::of_shape(dst.dtype, spec.shape);
+      f.read_into(name, gguf_rows);
+      const int64_t rows = spec.shape[0];
+      const size_t row_bytes = static_cast<size_t>(spec.shape[1]) * dtype_size(dst.dtype);
+      const auto* src = static_cast<const char*>(gguf_rows.tensor.data);
+      auto* out = static_cast<char*>(dst.data);
+      for (int64_t r = 0; r < rows; ++r)
+        std::memcpy(out + r * row_bytes, src + gguf_qk_row(r, c.head_dim) * row_bytes, row_bytes);
+    }
+    used.insert(name);
+  }
+  for (const GgufTensorInfo& t : f.tensors())
+    if (!used.count(t.name))
+      bad_model(f, fmt::format("tensor '{}' has no place in a Llama model of this configuration", t.name.substr(0, 120)),
+                "chunkwise would ignore it and compute another model: is this a Llama file?");
+}
+
+}  // namespace cw
