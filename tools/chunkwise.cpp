@@ -164,6 +164,9 @@ int main(int argc, char** argv) {
   encode->add_option("--tokenizer", tokenizer_spec, tokenizer_help)->required();
   encode->add_option("--text-file", encode_file, "the text: each line encoded without its newline, no BOS/EOS")
       ->required();
+  int encode_bench_passes = 0;
+  encode->add_option("--bench", encode_bench_passes,
+                     "a benchmark instead: encode the lines N times, print the timings as JSON (not the ids)");
 
   try {
     app.parse(argc, argv);
@@ -201,7 +204,11 @@ int main(int argc, char** argv) {
     }
     if (*encode) {
       std::ios::sync_with_stdio(false);
-      cw::encode_lines(*cw::load_tokenizer(tokenizer_spec), encode_file, std::cout);
+      const std::unique_ptr<cw::Tokenizer> tokenizer = cw::load_tokenizer(tokenizer_spec);
+      if (encode_bench_passes > 0)
+        cw::bench_encode(*tokenizer, encode_file, encode_bench_passes, std::cout);
+      else
+        cw::encode_lines(*tokenizer, encode_file, std::cout);
       return 0;
     }
     if (*init) {

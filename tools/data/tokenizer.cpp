@@ -6,7 +6,9 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -284,6 +286,39 @@ int64_t encode_lines(const Tokenizer& tokenizer, const std::string& text_file, s
   }
   if (!out) fail(fmt::format("encode: writing the ids of '{}' failed", text_file), "check the output's disk space");
   return lines;
+}
+
+void bench_encode(const Tokenizer& tokenizer, const std::string& text_file, int passes, std::ostream& out) {
+  if (passes < 1) fail(fmt::format("encode --bench {}: the number of passes must be at least 1", passes));
+  const std::string text = read_whole_file(text_file, "text");
+  std::vector<std::string_view> lines;
+  for (size_t pos = 0; pos < text.size();) {
+    const size_t nl = std::min(text.find('\n', pos), text.size());
+    lines.push_back(std::string_view(text).substr(pos, nl - pos));
+    pos = nl + 1;
+  }
+  int64_t bytes = 0;
+  for (std::string_view line : lines) bytes += static_cast<int64_t>(line.size());
+  nlohmann::json report = {{"file", text_file}, {"lines", lines.size()}, {"bytes", bytes}};
+  nlohmann::json timings = nlohmann::json::array();
+  std::vector<uint32_t> ids;
+  int64_t tokens = 0;
+  for (int pass = 0; pass < passes; ++pass) {
+    tokens = 0;
+    const auto start = std::chrono::steady_clock::now();
+    for (std::string_view line : lines) {
+      ids.clear();
+      tokenizer.encode_into(line, ids);
+      tokens += static_cast<int64_t>(ids.size());
+    }
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    timings.push_back({{"seconds", seconds},
+                       {"tokens_per_s", static_cast<double>(tokens) / seconds},
+                       {"mb_per_s", static_cast<double>(bytes) / 1e6 / seconds}});
+  }
+  report["tokens"] = tokens;
+  report["passes"] = timings;
+  out << report.dump() << "\n";
 }
 
 }  // namespace cw

@@ -104,4 +104,10 @@ TokenizeCounts tokenize_files(const Tokenizer& tokenizer, const std::vector<std:
 // Returns the number of lines.
 int64_t encode_lines(const Tokenizer& tokenizer, const std::string& text_file, std::ostream& out);
 
+// `chunkwise encode --bench N` (a benchmark, not a test): encodes the lines of the file as
+// encode_lines does, `passes` times on this thread, timing only the encoding (not reading, not
+// printing). Prints one JSON object: lines, bytes, tokens, and per pass seconds, tokens/s and MB/s
+// (the first pass starts with an empty piece cache, later ones find it warm).
+void bench_encode(const Tokenizer& tokenizer, const std::string& text_file, int passes, std::ostream& out);
+
 }  // namespace cw
