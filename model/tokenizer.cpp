@@ -251,8 +251,11 @@ BpeTokenizer::BpeTokenizer(BpeDefinition def)
   };
   check_id(def.bos_id, "BOS");
   check_id(def.eos_id, "EOS");
+  check_id(def.pad_id, "padding");
   bos_id_ = def.bos_id;
   eos_id_ = def.eos_id;
+  pad_id_ = def.pad_id;
+  chat_template_ = std::move(def.chat_template);
 }
 
 std::pair<size_t, size_t> BpeTokenizer::find_added(std::string_view text, size_t from) const {
@@ -408,6 +411,7 @@ nlohmann::json BpeTokenizer::to_json() const {
           {"pretokenizer", pretokenizer_.name()},
           {"bos_token_id", id_or_null(bos_id_)},
           {"eos_token_id", id_or_null(eos_id_)},
+          {"pad_token_id", id_or_null(pad_id_)},
           {"source", source_},
           {"description", "byte-level BPE (GPT-2 byte map, merges by rank, added tokens split out first)"}};
 }
@@ -663,6 +667,9 @@ BpeTokenizer BpeTokenizer::from_tokenizer_json_text(const std::string& text, con
     };
     def.bos_id = lookup("bos_token");
     def.eos_id = lookup("eos_token");
+    def.pad_id = lookup("pad_token");
+    if (tokenizer_config->contains("chat_template") && tokenizer_config->at("chat_template").is_string())
+      def.chat_template = tokenizer_config->at("chat_template").get<std::string>();
   }
   return BpeTokenizer(std::move(def));
 }
@@ -700,6 +707,8 @@ BpeTokenizer BpeTokenizer::from_gguf(const GgufTokenizerMetadata& meta) {
   def.ignore_merges = meta.pre == "llama-bpe" || meta.pre == "llama3";
   def.bos_id = meta.bos_token_id;
   def.eos_id = meta.eos_token_id;
+  def.pad_id = meta.padding_token_id;
+  def.chat_template = meta.chat_template;
   return BpeTokenizer(std::move(def));
 }
 

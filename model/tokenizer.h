@@ -105,7 +105,8 @@ struct BpeDefinition {
   // with fuse_unk, a run of such bytes gives one.
   std::optional<std::string> unk_token;
   bool fuse_unk = false;
-  std::optional<uint32_t> bos_id, eos_id;
+  std::optional<uint32_t> bos_id, eos_id, pad_id;
+  std::string chat_template;  // the model's Jinja chat template, kept for tools that format chats
 };
 
 // What a GGUF file says of its tokenizer (the keys named beside each field); the GGUF reader fills
@@ -135,7 +136,7 @@ class BpeTokenizer final : public Tokenizer {
   ~BpeTokenizer() override;
   // An HF tokenizer.json: model.vocab, model.merges ("a b" strings or [a, b] pairs), added_tokens,
   // pre_tokenizer (ByteLevel, Split with behavior Isolated, Digits, Sequence of them); with
-  // tokenizer_config.json beside it, its bos_token and eos_token.
+  // tokenizer_config.json beside it, its bos_token, eos_token, pad_token and chat_template.
   static BpeTokenizer from_tokenizer_json(const std::string& path);
   static BpeTokenizer from_tokenizer_json_text(const std::string& text, const std::string& source,
                                                const nlohmann::json* tokenizer_config = nullptr);
@@ -146,6 +147,8 @@ class BpeTokenizer final : public Tokenizer {
   int64_t vocab_size() const override { return static_cast<int64_t>(token_bytes_.size()); }
   std::optional<uint32_t> bos_id() const override { return bos_id_; }
   std::optional<uint32_t> eos_id() const override { return eos_id_; }
+  std::optional<uint32_t> pad_id() const { return pad_id_; }
+  const std::string& chat_template() const { return chat_template_; }
   void encode_into(std::string_view text, std::vector<uint32_t>& out) const override;
   // Special tokens come out as their text.
   std::string decode(std::span<const uint32_t> ids) const override { return decode(ids, false); }
@@ -193,7 +196,8 @@ class BpeTokenizer final : public Tokenizer {
   std::array<bool, 256> added_first_byte_{};
   Pretokenizer pretokenizer_;
   bool ignore_merges_ = false;
-  std::optional<uint32_t> bos_id_, eos_id_;
+  std::optional<uint32_t> bos_id_, eos_id_, pad_id_;
+  std::string chat_template_;
 
   // Piece -> ids, shared by the threads that encode (see the .cpp).
   struct PieceCache;

@@ -236,11 +236,14 @@ TEST_CASE("tokenizer: loaded from an HF tokenizer.json and from GGUF metadata, t
   // A directory holding tokenizer.json and tokenizer_config.json: BOS and EOS from the latter.
   write_text(dir.file("tokenizer.json"), small_tokenizer_json(false).dump());
   write_text(dir.file("tokenizer_config.json"),
-             R"({"bos_token": "<x>", "eos_token": {"content": "<|endoftext|>", "special": true}})");
+             R"({"bos_token": "<x>", "eos_token": {"content": "<|endoftext|>", "special": true},
+                 "pad_token": null, "chat_template": "{{ messages }}"})");
   const std::unique_ptr<Tokenizer> loaded = load_tokenizer(dir.path.string());
   CHECK(loaded->kind() == "bpe");
   CHECK(loaded->bos_id() == std::optional<uint32_t>(kX));
   CHECK(loaded->eos_id() == std::optional<uint32_t>(kEnd));
+  CHECK_FALSE(dynamic_cast<const BpeTokenizer&>(*loaded).pad_id());
+  CHECK(dynamic_cast<const BpeTokenizer&>(*loaded).chat_template() == "{{ messages }}");
   CHECK(loaded->encode(text) == reference.encode(text));
   write_text(dir.file("tokenizer_config.json"), R"({"bos_token": "<s>"})");
   CHECK(has(error_of([&] { load_tokenizer(dir.path.string()); }), "bos_token '<s>' is not a token"));
@@ -255,7 +258,11 @@ TEST_CASE("tokenizer: loaded from an HF tokenizer.json and from GGUF metadata, t
   meta.token_type[kX] = meta.token_type[kXY] = meta.token_type[kEnd] = 3;  // control
   meta.token_type[kHi] = 4;                                                 // user-defined
   meta.bos_token_id = kEnd;
+  meta.padding_token_id = kX;
+  meta.chat_template = "{% for m in messages %}{{ m }}{% endfor %}";
   const BpeTokenizer from_gguf = BpeTokenizer::from_gguf(meta);
+  CHECK(from_gguf.pad_id() == std::optional<uint32_t>(kX));
+  CHECK(from_gguf.chat_template() == meta.chat_template);
   CHECK(from_gguf.encode(text) == reference.encode(text));
   CHECK(from_gguf.decode(Ids{kX, kHi}, true) == "hi!");  // control tokens are special, user-defined not
   CHECK(from_gguf.bos_id() == std::optional<uint32_t>(kEnd));
