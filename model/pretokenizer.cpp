@@ -12,7 +12,8 @@ namespace cw {
 const char* const kGpt2SplitRegex =
     R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
 const char* const kLlama3SplitRegex =
-    R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
+    R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*)"
+    R"(|\s*[\r\n]+|\s+(?!\S)|\s+)";
 const char* const kDigitsSplitRegex = R"(\p{N})";
 
 namespace {
@@ -93,7 +94,8 @@ Pretokenizer::~Pretokenizer() = default;
 
 Pretokenizer Pretokenizer::named(const std::string& name, const std::string& source) {
   for (const NamedPretokenizer& entry : named_pretokenizers())
-    if (name == entry.name) return Pretokenizer(std::vector<std::string>(entry.patterns.begin(), entry.patterns.end()), name, source);
+    if (name == entry.name)
+      return Pretokenizer(std::vector<std::string>(entry.patterns.begin(), entry.patterns.end()), name, source);
   std::string known;
   for (const std::string& n : known_names()) known += (known.empty() ? "" : ", ") + n;
   fail(fmt::format("{}: pre-tokenizer '{}' is not one this build knows ({})", source, name, known),
@@ -120,8 +122,9 @@ void Pretokenizer::split_into(std::string_view text, std::vector<std::string_vie
       const auto* subject = reinterpret_cast<PCRE2_SPTR>(piece.data());
       size_t gap_begin = 0, start = 0;
       while (start < piece.size()) {
-        const int rc = step->jit ? pcre2_jit_match(step->code, subject, piece.size(), start, 0, state.data, state.context)
-                                 : pcre2_match(step->code, subject, piece.size(), start, 0, state.data, state.context);
+        const int rc =
+            step->jit ? pcre2_jit_match(step->code, subject, piece.size(), start, 0, state.data, state.context)
+                      : pcre2_match(step->code, subject, piece.size(), start, 0, state.data, state.context);
         if (rc == PCRE2_ERROR_NOMATCH) break;
         // rc == 0: the ovector (one pair) is too small for the pattern's groups; the match is fine.
         if (rc < 0)

@@ -27,7 +27,9 @@ std::vector<uint32_t> Tokenizer::encode(std::string_view text) const {
 
 namespace {
 
-bool maps_to_itself(unsigned b) { return (b >= '!' && b <= '~') || (b >= 0xa1 && b <= 0xac) || (b >= 0xae && b <= 0xff); }
+bool maps_to_itself(unsigned b) {
+  return (b >= '!' && b <= '~') || (b >= 0xa1 && b <= 0xac) || (b >= 0xae && b <= 0xff);
+}
 
 struct ByteMap {
   std::array<uint32_t, 256> to_unicode{};
@@ -372,7 +374,8 @@ void BpeTokenizer::bpe(std::string_view piece, std::vector<uint32_t>& out) const
     if (left.prev >= 0) push_pair(left.prev);
     push_pair(top.pos);
   }
-  for (int32_t i = 0; i >= 0; i = symbols[static_cast<size_t>(i)].next) out.push_back(symbols[static_cast<size_t>(i)].id);
+  for (int32_t i = 0; i >= 0; i = symbols[static_cast<size_t>(i)].next)
+    out.push_back(symbols[static_cast<size_t>(i)].id);
 }
 
 std::string BpeTokenizer::decode(std::span<const uint32_t> ids, bool skip_special) const {
@@ -562,7 +565,9 @@ BpeTokenizer BpeTokenizer::from_tokenizer_json_text(const std::string& text, con
   if (bool_or(model, "byte_fallback", false, source, "model"))
     fail(fmt::format("{}: model.byte_fallback is true: a SentencePiece-style BPE, not byte-level", source),
          "only byte-level BPE tokenizers (GPT-2, Llama 3, SmolLM) are supported");
-  if (!is_null_or_absent(model, "dropout") && !(model.at("dropout").is_number() && model.at("dropout").get<double>() == 0))
+  const bool no_dropout = is_null_or_absent(model, "dropout") ||
+                          (model.at("dropout").is_number() && model.at("dropout").get<double>() == 0);
+  if (!no_dropout)
     fail(fmt::format("{}: model.dropout is set; BPE dropout is for training tokenizers", source),
          "set it to null in the file");
   for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"})
@@ -678,7 +683,8 @@ BpeTokenizer BpeTokenizer::from_gguf(const GgufTokenizerMetadata& meta) {
   const std::string& src = meta.source;
   const char* damaged = "the GGUF file's tokenizer metadata is damaged";
   if (meta.model != "gpt2")
-    fail(fmt::format("{}: tokenizer.ggml.model is '{}'; this build reads byte-level BPE ('gpt2') only", src, meta.model),
+    fail(fmt::format("{}: tokenizer.ggml.model is '{}'; this build reads byte-level BPE ('gpt2') only", src,
+                     meta.model),
          meta.model == "llama" ? "'llama' is a SentencePiece tokenizer (Llama 2), which is not supported"
                                : "use a model with a GPT-2 / Llama 3 / SmolLM style tokenizer");
   if (meta.pre.empty())

@@ -18,14 +18,16 @@
 //   Pieces recur (" the", " of"), so their ids are cached.
 // decode concatenates the tokens' bytes (a token's characters mapped back through the byte map; a
 // token holding a character outside the map, which only an added token can, gives its UTF-8 text),
-// so decode(encode(s)) == s for every byte string s whose bytes all have tokens. A decoded byte string need not be valid UTF-8
-// (one token may hold half a character); `replace_invalid_utf8` makes text of it as HF's decode does.
+// so decode(encode(s)) == s for every byte string s whose bytes all have tokens. A decoded byte
+// string need not be valid UTF-8 (one token may hold half a character); `replace_invalid_utf8` makes
+// text of it as HF's decode does.
 //
 // Loaders: an HF tokenizer.json (`from_tokenizer_json`) and GGUF metadata (`from_gguf`, a plain
-// struct that the GGUF reader fills). Both produce a `BpeDefinition` (plain vocabulary, merges,
-// added tokens, pre-tokenizer) and every check of it lives in one place, the constructor; a malformed
-// input fails with one line naming the file and what is wrong.
-// Tests: tests/model/test_tokenizer.cpp.
+// struct that the GGUF reader fills). Each checks its file's structure and produces a `BpeDefinition`
+// (plain vocabulary, merges, added tokens, pre-tokenizer); the constructor checks the vocabulary
+// itself (duplicates, merges of unknown tokens, ids out of range). A malformed input fails with one
+// line naming the file and what is wrong.
+// Tests: tests/model/test_tokenizer.cpp; against HF on real vocabularies: tools/data/tokenizer_vs_hf.py.
 #pragma once
 
 #include "model/pretokenizer.h"

@@ -146,7 +146,8 @@ TEST_CASE("tokenizer: named pre-tokenizers split as HF's regexes do") {
   CHECK(gpt2.split("ab\xff" "cd \xc3") == Pieces{"ab", "\xff", "cd", " ", "\xc3"});
   CHECK(gpt2.split("").empty());
   CHECK(has(error_of([] { Pretokenizer::named("qwen9", "m.gguf"); }), "m.gguf: pre-tokenizer 'qwen9' is not one"));
-  CHECK(has(error_of([] { Pretokenizer({"(a"}, "x", "t.json"); }), "t.json: pre-tokenizer regex '(a' does not compile"));
+  CHECK(has(error_of([] { Pretokenizer({"(a"}, "x", "t.json"); }),
+            "t.json: pre-tokenizer regex '(a' does not compile"));
 }
 
 TEST_CASE("tokenizer: BPE ids of known strings on a hand-made vocabulary") {
@@ -362,7 +363,8 @@ TEST_CASE("tokenizer: malformed GGUF metadata fails with one clear line") {
   CHECK(has(error_of([&] { BpeTokenizer::from_gguf(m); }), "tokenizer.ggml.pre is missing"));
   m = good;
   m.pre = "deepseek-coder";
-  CHECK(has(error_of([&] { BpeTokenizer::from_gguf(m); }), "pre-tokenizer 'deepseek-coder' is not one this build knows"));
+  CHECK(has(error_of([&] { BpeTokenizer::from_gguf(m); }),
+            "pre-tokenizer 'deepseek-coder' is not one this build knows"));
   m = good;
   m.token_type = {1, 1};
   CHECK(has(error_of([&] { BpeTokenizer::from_gguf(m); }), "token_type has 2 entries for 273 tokens"));
