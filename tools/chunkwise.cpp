@@ -153,11 +153,26 @@ int main(int argc, char** argv) {
   std::vector<std::string> text_inputs;
   std::string shard_out;
   cw::TokenizeOptions to;
-  CLI::App* tokenize = app.add_subcommand("tokenize", "UTF-8 text files to an llm.c token shard (byte tokenizer)");
+  std::string tokenizer_spec = "bytes";
+  const std::string tokenizer_help =
+      "'bytes', an HF tokenizer.json, a directory holding one, or a .gguf model";
+  CLI::App* tokenize = app.add_subcommand("tokenize", "UTF-8 text files to an llm.c token shard");
   tokenize->add_option("inputs", text_inputs, "text files or globs")->required();
-  tokenize->add_option("--out", shard_out, "output shard")->required();
+  tokenize->add_option("--out", shard_out, "output shard (uint16 ids up to 65536 tokens, else uint32)")->required();
+  tokenize->add_option("--tokenizer", tokenizer_spec, tokenizer_help)->capture_default_str();
   tokenize->add_flag("--split-paragraphs", to.split_on_blank_lines, "one document per blank-line separated paragraph");
   tokenize->add_flag("--eos", to.add_eos, "EOS after each document");
+  tokenize->add_option("--bos-token", to.bos_token, "the token before each document (default: the tokenizer's BOS)");
+  tokenize->add_option("--eos-token", to.eos_token, "the token --eos writes (default: the tokenizer's EOS)");
+
+  std::string encode_file;
+  CLI::App* encode = app.add_subcommand("encode", "the ids of each line of a text file, one line of ids per line");
+  encode->add_option("--tokenizer", tokenizer_spec, tokenizer_help)->required();
+  encode->add_option("--text-file", encode_file, "the text: each line encoded without its newline, no BOS/EOS")
+      ->required();
+  int encode_bench_passes = 0;
+  encode->add_option("--bench", encode_bench_passes,
+                     "a benchmark instead: encode the lines N times, print the timings as JSON (not the ids)");
 
   try {
     app.parse(argc, argv);
@@ -197,9 +212,18 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (*tokenize) {
-      const cw::TokenizeCounts c = cw::tokenize_files(text_inputs, shard_out, to);
+      const cw::TokenizeCounts c = cw::tokenize_files(*cw::load_tokenizer(tokenizer_spec), text_inputs, shard_out, to);
       std::cout << fmt::format("tokenize: {} files, {} documents, {} bytes -> {} tokens in {}\n", c.files, c.documents,
                                c.bytes, c.tokens, shard_out);
+      return 0;
+    }
+    if (*encode) {
+      std::ios::sync_with_stdio(false);
+      const std::unique_ptr<cw::Tokenizer> tokenizer = cw::load_tokenizer(tokenizer_spec);
+      if (encode_bench_passes > 0)
+        cw::bench_encode(*tokenizer, encode_file, encode_bench_passes, std::cout);
+      else
+        cw::encode_lines(*tokenizer, encode_file, std::cout);
       return 0;
     }
     if (*init) {

@@ -6,9 +6,14 @@
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
+#include <iterator>
+#include <ostream>
 #include <memory>
 
 namespace cw {
@@ -46,12 +51,6 @@ void expect_integer(const nlohmann::json& j, const char* key, int64_t expected, 
 }
 
 }  // namespace
-
-std::vector<uint32_t> ByteTokenizer::encode(std::string_view text) const {
-  std::vector<uint32_t> ids;
-  encode_into(text, ids);
-  return ids;
-}
 
 void ByteTokenizer::encode_into(std::string_view text, std::vector<uint32_t>& out) const {
   out.reserve(out.size() + text.size());
@@ -171,9 +170,74 @@ std::vector<std::string_view> split_documents(std::string_view text, bool split_
   return docs;
 }
 
+std::unique_ptr<Tokenizer> load_tokenizer(const std::string& spec) {
+  namespace fs = std::filesystem;
+  if (spec == ByteTokenizer::kName) return std::make_unique<ByteTokenizer>();
+  const fs::path path(spec);
+  if (path.extension() == ".gguf")
+    fail(fmt::format("tokenizer '{}': reading a .gguf file's tokenizer needs the GGUF reader, which this build does "
+                     "not have yet",
+                     spec),
+         "export its tokenizer with tools/data/gguf_to_tokenizer_json.py and pass the tokenizer.json");
+  std::error_code ec;
+  if (fs::is_directory(path, ec)) {
+    const fs::path json = path / "tokenizer.json";
+    if (!fs::exists(json, ec))
+      fail(fmt::format("tokenizer directory '{}' holds no tokenizer.json", spec),
+           "pass a directory with an HF tokenizer.json, the file itself, a .gguf model, or 'bytes'");
+    return load_tokenizer(json.string());
+  }
+  if (!fs::exists(path, ec))
+    fail(fmt::format("tokenizer '{}': no such file or directory", spec),
+         "pass 'bytes', an HF tokenizer.json, a directory holding one, or a .gguf model");
+  // A run directory's record of the byte tokenizer is also named tokenizer.json: tell them apart.
+  const std::string text = read_whole_file(spec, "tokenizer");
+  nlohmann::json j;
+  try {
+    j = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::parse_error& e) {
+    fail(fmt::format("tokenizer file '{}': not valid JSON at byte offset {}", spec, e.byte),
+         "the file is damaged; download it again");
+  }
+  if (j.is_object() && j.contains("name") && !j.contains("model"))
+    return std::make_unique<ByteTokenizer>(ByteTokenizer::from_json(j, spec));
+  return std::make_unique<BpeTokenizer>(BpeTokenizer::from_tokenizer_json(spec));
+}
+
 TokenizeCounts tokenize_files(const std::vector<std::string>& inputs, const std::string& output_shard,
                               const TokenizeOptions& options) {
-  const ByteTokenizer tokenizer;
+  return tokenize_files(ByteTokenizer(), inputs, output_shard, options);
+}
+
+namespace {
+
+// The id of the document token named by `text`, or else the tokenizer's own; fails when neither exists.
+uint32_t document_token(const Tokenizer& tokenizer, const std::string& text, std::optional<uint32_t> own,
+                        const char* which, const char* flag) {
+  if (text.empty()) {
+    if (!own)
+      fail(fmt::format("the tokenizer ({}) has no {} token", tokenizer.kind(), which),
+           fmt::format("name the token to write with {} (e.g. {} \"<|endoftext|>\")", flag, flag));
+    return *own;
+  }
+  // A token's text encodes to exactly that token when it is an added (special) token.
+  const std::vector<uint32_t> ids = tokenizer.encode(text);
+  if (ids.size() != 1)
+    fail(fmt::format("{} '{}' is not one token of the tokenizer ({}): it encodes to {} ids", flag, text,
+                     tokenizer.kind(), ids.size()),
+         "name a special token of the tokenizer, e.g. <|endoftext|>");
+  return ids[0];
+}
+
+}  // namespace
+
+TokenizeCounts tokenize_files(const Tokenizer& tokenizer, const std::vector<std::string>& inputs,
+                              const std::string& output_shard, const TokenizeOptions& options) {
+  const uint32_t bos = document_token(tokenizer, options.bos_token, tokenizer.bos_id(), "BOS", "--bos-token");
+  const std::optional<uint32_t> eos =
+      options.add_eos ? std::optional(document_token(tokenizer, options.eos_token, tokenizer.eos_id(), "EOS",
+                                                     "--eos-token"))
+                      : std::nullopt;
   TokenizeCounts counts;
   std::vector<uint32_t> ids;
   for (const std::string& path : expand_token_paths(inputs, "text")) {
@@ -187,9 +251,9 @@ TokenizeCounts tokenize_files(const std::vector<std::string>& inputs, const std:
     }
     ++counts.files;
     for (std::string_view doc : split_documents(text, options.split_on_blank_lines)) {
-      ids.push_back(ByteTokenizer::kBos);
+      ids.push_back(bos);
       tokenizer.encode_into(doc, ids);
-      if (options.add_eos) ids.push_back(ByteTokenizer::kEos);
+      if (eos) ids.push_back(*eos);
       ++counts.documents;
       counts.bytes += static_cast<int64_t>(doc.size());
     }
@@ -200,8 +264,61 @@ TokenizeCounts tokenize_files(const std::vector<std::string>& inputs, const std:
                      options.split_on_blank_lines ? " or blank" : ""),
          "give text files with content");
   counts.tokens = static_cast<int64_t>(ids.size());
-  write_token_shard(output_shard, ids);
+  write_token_shard(output_shard, ids, tokenizer.vocab_size());
   return counts;
+}
+
+int64_t encode_lines(const Tokenizer& tokenizer, const std::string& text_file, std::ostream& out) {
+  const std::string text = read_whole_file(text_file, "text");
+  int64_t lines = 0;
+  std::vector<uint32_t> ids;
+  std::string line_out;
+  for (size_t pos = 0; pos < text.size(); ++lines) {
+    const size_t nl = text.find('\n', pos);
+    const size_t end = nl == std::string::npos ? text.size() : nl;
+    ids.clear();
+    tokenizer.encode_into(std::string_view(text).substr(pos, end - pos), ids);
+    line_out.clear();
+    for (size_t i = 0; i < ids.size(); ++i) fmt::format_to(std::back_inserter(line_out), "{}{}", i ? " " : "", ids[i]);
+    line_out.push_back('\n');
+    out << line_out;
+    pos = end + 1;
+  }
+  if (!out) fail(fmt::format("encode: writing the ids of '{}' failed", text_file), "check the output's disk space");
+  return lines;
+}
+
+void bench_encode(const Tokenizer& tokenizer, const std::string& text_file, int passes, std::ostream& out) {
+  if (passes < 1) fail(fmt::format("encode --bench {}: the number of passes must be at least 1", passes));
+  const std::string text = read_whole_file(text_file, "text");
+  std::vector<std::string_view> lines;
+  for (size_t pos = 0; pos < text.size();) {
+    const size_t nl = std::min(text.find('\n', pos), text.size());
+    lines.push_back(std::string_view(text).substr(pos, nl - pos));
+    pos = nl + 1;
+  }
+  int64_t bytes = 0;
+  for (std::string_view line : lines) bytes += static_cast<int64_t>(line.size());
+  nlohmann::json report = {{"file", text_file}, {"lines", lines.size()}, {"bytes", bytes}};
+  nlohmann::json timings = nlohmann::json::array();
+  std::vector<uint32_t> ids;
+  int64_t tokens = 0;
+  for (int pass = 0; pass < passes; ++pass) {
+    tokens = 0;
+    const auto start = std::chrono::steady_clock::now();
+    for (std::string_view line : lines) {
+      ids.clear();
+      tokenizer.encode_into(line, ids);
+      tokens += static_cast<int64_t>(ids.size());
+    }
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    timings.push_back({{"seconds", seconds},
+                       {"tokens_per_s", static_cast<double>(tokens) / seconds},
+                       {"mb_per_s", static_cast<double>(bytes) / 1e6 / seconds}});
+  }
+  report["tokens"] = tokens;
+  report["passes"] = timings;
+  out << report.dump() << "\n";
 }
 
 }  // namespace cw

@@ -1,5 +1,8 @@
-// Byte-level tokenizer: the demo's tokenizer, which needs no vocabulary file.
+// Tokenizers for the tools: the byte tokenizer (the demo's, which needs no vocabulary file),
+// `load_tokenizer` (a tokenizer by name or file: "bytes", an HF tokenizer.json or a directory holding
+// one, a .gguf model), and `tokenize_files`, which writes text files as one llm.c shard.
 //
+// The byte tokenizer:
 // Ids 0..255 are the bytes of the text (id = byte value); BOS = 256 and EOS = 257. The vocabulary
 // size is 258. The demo model's embedding has more rows (its config pads the vocabulary up to a
 // multiple of 64 for the matmul shapes); that padding belongs to the model config, not here: ids
@@ -9,18 +12,23 @@
 // concatenates the bytes of the ids and skips BOS/EOS; it does not repair invalid UTF-8 (an
 // untrained model can emit any byte sequence): such sequences come out as the bytes themselves.
 //
-// tokenize_files turns text files into one llm.c shard (tools/data/tokens.h). A document is one
-// file, or, with split_on_blank_lines, each run of non-blank lines of a file (a blank line is empty
-// or holds only spaces, tabs and CRs). Each document becomes BOS, its bytes exactly as in the file
-// (line ends included), and optionally EOS. Files with no document (empty, or only blank lines when
+// tokenize_files turns text files into one llm.c shard (tools/data/tokens.h) with any tokenizer. A
+// document is one file, or, with split_on_blank_lines, each run of non-blank lines of a file (a blank
+// line is empty or holds only spaces, tabs and CRs). Each document becomes BOS, the ids of its text
+// exactly as in the file (line ends included), and optionally EOS. The shard holds uint16 ids when
+// the vocabulary has at most 65536 tokens, else uint32. Files with no document (empty, or only blank lines when
 // splitting) contribute nothing. Inputs are checked to be UTF-8 unless the option is turned off, so
 // a binary file passed by mistake fails by name instead of becoming training data.
 #pragma once
 
+#include "model/tokenizer.h"
+
 #include <nlohmann/json_fwd.hpp>
 
 #include <cstdint>
+#include <memory>
 #include <optional>
+#include <ostream>
 #include <span>
 #include <string>
 #include <string_view>
@@ -28,26 +36,35 @@
 
 namespace cw {
 
-class ByteTokenizer {
+class ByteTokenizer final : public Tokenizer {
  public:
   static constexpr uint32_t kBos = 256;
   static constexpr uint32_t kEos = 257;
   static constexpr int64_t kVocabSize = 258;
   static constexpr const char* kName = "bytes";
 
-  std::vector<uint32_t> encode(std::string_view text) const;
+  std::string kind() const override { return kName; }
+  int64_t vocab_size() const override { return kVocabSize; }
+  std::optional<uint32_t> bos_id() const override { return kBos; }
+  std::optional<uint32_t> eos_id() const override { return kEos; }
   // Appends the ids of `text` to `out`.
-  void encode_into(std::string_view text, std::vector<uint32_t>& out) const;
+  void encode_into(std::string_view text, std::vector<uint32_t>& out) const override;
   // Skips BOS and EOS; fails on an id outside the vocabulary, naming its position.
-  std::string decode(std::span<const uint32_t> ids) const;
+  std::string decode(std::span<const uint32_t> ids) const override;
 
   // What a run directory records: {"name": "bytes", "vocab_size": 258, "bos_token_id": 256,
   // "eos_token_id": 257, ...}.
-  nlohmann::json to_json() const;
+  nlohmann::json to_json() const override;
   // Checks a recorded description; fails naming `source` and the key that does not match.
   static ByteTokenizer from_json(const nlohmann::json& j, const std::string& source);
   static ByteTokenizer from_file(const std::string& path);
 };
+
+// A tokenizer by its spec: "bytes" (the byte tokenizer); an HF tokenizer.json, or a directory
+// holding one (with tokenizer_config.json beside it for BOS/EOS); a run directory's tokenizer record
+// of the byte tokenizer ({"name": "bytes", ...}); a .gguf model (its tokenizer metadata). Anything
+// else fails naming the spec and what was expected.
+std::unique_ptr<Tokenizer> load_tokenizer(const std::string& spec);
 
 // ByteTokenizer().to_json().
 nlohmann::json tokenizer_json();
@@ -63,6 +80,9 @@ struct TokenizeOptions {
   bool split_on_blank_lines = false;  // one document per paragraph instead of per file
   bool add_eos = false;               // EOS after each document (BOS before each is always written)
   bool require_utf8 = true;
+  // The tokens written before / after each document, by their text (e.g. "<|endoftext|>"); empty:
+  // the tokenizer's own BOS / EOS. A tokenizer without one needs it named here.
+  std::string bos_token, eos_token;
 };
 
 struct TokenizeCounts {
@@ -76,5 +96,18 @@ struct TokenizeCounts {
 // the file for an unreadable or non-UTF-8 input, and when the inputs hold no document at all.
 TokenizeCounts tokenize_files(const std::vector<std::string>& inputs, const std::string& output_shard,
                               const TokenizeOptions& options = {});
+TokenizeCounts tokenize_files(const Tokenizer& tokenizer, const std::vector<std::string>& inputs,
+                              const std::string& output_shard, const TokenizeOptions& options = {});
+
+// `chunkwise encode`: the ids of each line of a text file, one line of space-separated ids per
+// input line (lines end at '\n', which is not encoded; a last line without one counts; no BOS/EOS).
+// Returns the number of lines.
+int64_t encode_lines(const Tokenizer& tokenizer, const std::string& text_file, std::ostream& out);
+
+// `chunkwise encode --bench N` (a benchmark, not a test): encodes the lines of the file as
+// encode_lines does, `passes` times on this thread, timing only the encoding (not reading, not
+// printing). Prints one JSON object: lines, bytes, tokens, and per pass seconds, tokens/s and MB/s
+// (the first pass starts with an empty piece cache, later ones find it warm).
+void bench_encode(const Tokenizer& tokenizer, const std::string& text_file, int passes, std::ostream& out);
 
 }  // namespace cw

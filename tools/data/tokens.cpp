@@ -237,13 +237,14 @@ std::vector<uint32_t> read_token_file(const std::string& path, TokenFormat forma
   return ids;
 }
 
-TokenFileInfo write_token_shard(const std::string& path, std::span<const uint32_t> tokens) {
+TokenFileInfo write_token_shard(const std::string& path, std::span<const uint32_t> tokens, int64_t vocab_size) {
   const int64_t count = static_cast<int64_t>(tokens.size());
   if (count > INT32_MAX)
     fail(fmt::format("token shard '{}': {} tokens do not fit one shard (the llm.c header counts in int32)", path,
                      count),
          "split the data over several shards");
-  const bool wide = std::any_of(tokens.begin(), tokens.end(), [](uint32_t id) { return id > 0xffffu; });
+  const bool wide = vocab_size > 0x10000 ||
+                    std::any_of(tokens.begin(), tokens.end(), [](uint32_t id) { return id > 0xffffu; });
   TokenFileInfo info;
   info.path = path;
   info.format = TokenFormat::shard;

@@ -76,11 +76,12 @@ TokenFileInfo inspect_token_file(const std::string& path, TokenFormat format);
 std::vector<uint32_t> read_token_file(const std::string& path, TokenFormat format, int64_t vocab_size,
                                       TokenFileInfo* info = nullptr);
 
-// Writes an llm.c shard: uint16 ids (magic 20240520, version 1) when every id is below 65536, else
-// uint32 ids (magic 20240801, version 7); those are the values llm.c's own writer uses, so its
-// loaders accept our shards. Atomic: written to a temporary file beside `path`, fsynced, then
-// renamed over it, so a crash never leaves a half-written shard under the final name.
-TokenFileInfo write_token_shard(const std::string& path, std::span<const uint32_t> tokens);
+// Writes an llm.c shard: uint16 ids (magic 20240520, version 1) when every id is below 65536 and
+// the vocabulary (if given) has at most 65536 tokens, else uint32 ids (magic 20240801, version 7);
+// those are the values llm.c's own writer uses, so its loaders accept our shards. Atomic: written to
+// a temporary file beside `path`, fsynced, then renamed over it, so a crash never leaves a
+// half-written shard under the final name.
+TokenFileInfo write_token_shard(const std::string& path, std::span<const uint32_t> tokens, int64_t vocab_size = 0);
 
 // Expands paths and glob(3) patterns (an entry with * ? or [ is a pattern) into a file list: each
 // pattern's matches sorted bytewise, entries kept in the order given. A pattern matching nothing

@@ -1,0 +1,721 @@
+#include "model/tokenizer.h"
+
+#include "engine/error.h"
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <mutex>
+#include <cctype>
+#include <sstream>
+
+namespace cw {
+
+std::vector<uint32_t> Tokenizer::encode(std::string_view text) const {
+  std::vector<uint32_t> ids;
+  encode_into(text, ids);
+  return ids;
+}
+
+// ---- the byte map ----
+
+namespace {
+
+bool maps_to_itself(unsigned b) {
+  return (b >= '!' && b <= '~') || (b >= 0xa1 && b <= 0xac) || (b >= 0xae && b <= 0xff);
+}
+
+struct ByteMap {
+  std::array<uint32_t, 256> to_unicode{};
+  std::array<int16_t, 0x200> from_unicode{};  // every image lies below U+0200
+  ByteMap() {
+    from_unicode.fill(-1);
+    uint32_t next = 0x100;
+    for (unsigned b = 0; b < 256; ++b) {
+      to_unicode[b] = maps_to_itself(b) ? b : next++;
+      from_unicode[to_unicode[b]] = static_cast<int16_t>(b);
+    }
+  }
+};
+
+const ByteMap& byte_map() {
+  static const ByteMap map;
+  return map;
+}
+
+void append_utf8(std::string& out, uint32_t cp) {
+  if (cp < 0x80) {
+    out.push_back(static_cast<char>(cp));
+  } else if (cp < 0x800) {
+    out.push_back(static_cast<char>(0xc0 | cp >> 6));
+    out.push_back(static_cast<char>(0x80 | (cp & 0x3f)));
+  } else if (cp < 0x10000) {
+    out.push_back(static_cast<char>(0xe0 | cp >> 12));
+    out.push_back(static_cast<char>(0x80 | (cp >> 6 & 0x3f)));
+    out.push_back(static_cast<char>(0x80 | (cp & 0x3f)));
+  } else {
+    out.push_back(static_cast<char>(0xf0 | cp >> 18));
+    out.push_back(static_cast<char>(0x80 | (cp >> 12 & 0x3f)));
+    out.push_back(static_cast<char>(0x80 | (cp >> 6 & 0x3f)));
+    out.push_back(static_cast<char>(0x80 | (cp & 0x3f)));
+  }
+}
+
+// The length of the well-formed UTF-8 sequence at s[i], or of the maximal subpart of one that is
+// cut short (with *valid false): Unicode's table 3-7 of well-formed byte sequences.
+size_t utf8_sequence(std::string_view s, size_t i, bool* valid) {
+  const auto byte = [&](size_t k) { return static_cast<unsigned char>(s[k]); };
+  const unsigned c = byte(i);
+  *valid = true;
+  if (c < 0x80) return 1;
+  size_t len;
+  unsigned lo = 0x80, hi = 0xbf;  // the range of the second byte
+  if (c >= 0xc2 && c <= 0xdf) {
+    len = 2;
+  } else if (c >= 0xe0 && c <= 0xef) {
+    len = 3;
+    if (c == 0xe0) lo = 0xa0;  // no overlong forms
+    if (c == 0xed) hi = 0x9f;  // no surrogates
+  } else if (c >= 0xf0 && c <= 0xf4) {
+    len = 4;
+    if (c == 0xf0) lo = 0x90;
+    if (c == 0xf4) hi = 0x8f;  // nothing above U+10FFFF
+  } else {
+    *valid = false;
+    return 1;
+  }
+  for (size_t k = 1; k < len; ++k) {
+    const unsigned lower = k == 1 ? lo : 0x80, upper = k == 1 ? hi : 0xbf;
+    if (i + k >= s.size() || byte(i + k) < lower || byte(i + k) > upper) {
+      *valid = false;
+      return k;
+    }
+  }
+  return len;
+}
+
+// The code point of the well-formed sequence s[i, i+len).
+uint32_t decode_utf8(std::string_view s, size_t i, size_t len) {
+  const auto byte = [&](size_t k) { return static_cast<unsigned char>(s[k]); };
+  if (len == 1) return byte(i);
+  uint32_t cp = byte(i) & (0x7f >> len);
+  for (size_t k = 1; k < len; ++k) cp = cp << 6 | (byte(i + k) & 0x3f);
+  return cp;
+}
+
+}  // namespace
+
+uint32_t byte_to_unicode(uint8_t byte) { return byte_map().to_unicode[byte]; }
+
+int byte_from_unicode(uint32_t code_point) {
+  return code_point < byte_map().from_unicode.size() ? byte_map().from_unicode[code_point] : -1;
+}
+
+std::string bytes_to_byte_level(std::string_view bytes) {
+  std::string out;
+  out.reserve(bytes.size() * 2);
+  for (char c : bytes) append_utf8(out, byte_to_unicode(static_cast<uint8_t>(c)));
+  return out;
+}
+
+std::optional<std::string> byte_level_to_bytes(std::string_view token) {
+  std::string out;
+  for (size_t i = 0; i < token.size();) {
+    bool valid;
+    const size_t len = utf8_sequence(token, i, &valid);
+    if (!valid) return std::nullopt;
+    const int b = byte_from_unicode(decode_utf8(token, i, len));
+    if (b < 0) return std::nullopt;
+    out.push_back(static_cast<char>(b));
+    i += len;
+  }
+  return out;
+}
+
+std::string replace_invalid_utf8(std::string_view bytes) {
+  std::string out;
+  out.reserve(bytes.size());
+  for (size_t i = 0; i < bytes.size();) {
+    bool valid;
+    const size_t len = utf8_sequence(bytes, i, &valid);
+    if (valid)
+      out.append(bytes.substr(i, len));
+    else
+      out.append("\xef\xbf\xbd");  // U+FFFD for the maximal subpart s[i, i+len)
+    i += len;
+  }
+  return out;
+}
+
+// ---- BpeTokenizer ----
+
+// Bounded: cleared when it reaches kEntries; pieces longer than kMaxPieceBytes (rare: long runs of
+// letters or spaces) are not kept. The mutex makes encode safe from several threads.
+struct BpeTokenizer::PieceCache {
+  static constexpr size_t kEntries = size_t{1} << 16;
+  static constexpr size_t kMaxPieceBytes = 64;
+  std::mutex mutex;
+  std::unordered_map<std::string, std::vector<uint32_t>, StringHash, std::equal_to<>> ids;
+};
+
+BpeTokenizer::BpeTokenizer(BpeTokenizer&&) noexcept = default;
+BpeTokenizer& BpeTokenizer::operator=(BpeTokenizer&&) noexcept = default;
+BpeTokenizer::~BpeTokenizer() = default;
+
+BpeTokenizer::BpeTokenizer(BpeDefinition def)
+    : source_(def.source),
+      pretokenizer_(def.pretokenizer_patterns, def.pretokenizer_name, def.source),
+      ignore_merges_(def.ignore_merges),
+      cache_(std::make_unique<PieceCache>()) {
+  const std::string& src = def.source;
+  const std::string damaged = "the tokenizer file is damaged or not a byte-level BPE tokenizer";
+  if (def.tokens.empty()) fail(fmt::format("{}: the vocabulary is empty", src), damaged);
+  if (def.tokens.size() > (size_t{1} << 31))
+    fail(fmt::format("{}: the vocabulary has {} tokens, more than 2^31", src, def.tokens.size()), damaged);
+  const auto vocab = static_cast<uint32_t>(def.tokens.size());
+
+  // Added tokens: their content is the token's text (it replaces the vocabulary's spelling at its id).
+  special_.assign(vocab, false);
+  for (const AddedToken& a : def.added) {
+    if (a.id >= vocab)
+      fail(fmt::format("{}: added token '{}' has id {}, outside the vocabulary of {}", src, a.content, a.id, vocab),
+           damaged);
+    if (a.content.empty()) fail(fmt::format("{}: added token {} has empty content", src, a.id), damaged);
+    def.tokens[a.id] = a.content;
+    special_[a.id] = a.special;
+  }
+
+  token_text_ = std::move(def.tokens);
+  token_bytes_.resize(vocab);
+  id_of_text_.reserve(vocab);
+  for (uint32_t id = 0; id < vocab; ++id) {
+    const auto [it, inserted] = id_of_text_.emplace(token_text_[id], id);
+    if (!inserted)
+      fail(fmt::format("{}: token '{}' appears twice, as ids {} and {}", src, token_text_[id], it->second, id),
+           damaged);
+    // HF's ByteLevel decoder: a token all of whose characters stand for bytes gives those bytes;
+    // any other token (only an added one can be such) gives its own text.
+    token_bytes_[id] = byte_level_to_bytes(token_text_[id]).value_or(token_text_[id]);
+  }
+
+  int missing_bytes = 0;
+  for (unsigned b = 0; b < 256; ++b) {
+    std::string symbol;
+    append_utf8(symbol, byte_to_unicode(static_cast<uint8_t>(b)));
+    const auto it = id_of_text_.find(symbol);
+    byte_token_[b] = it == id_of_text_.end() ? kNoToken : it->second;
+    missing_bytes += it == id_of_text_.end();
+  }
+  // Real vocabularies may lack a few (SmolLM2 lacks 21: bytes that never occur in UTF-8 and rare
+  // control characters), but one that lacks most is not byte-level.
+  if (missing_bytes > 128)
+    fail(fmt::format("{}: the vocabulary has tokens for only {} of the 256 byte characters", src, 256 - missing_bytes),
+         "this is not a byte-level BPE vocabulary (GPT-2's byte-to-unicode map)");
+  if (def.unk_token) {
+    unk_id_ = id_of_text_.count(*def.unk_token) ? std::optional(id_of_text_.at(*def.unk_token)) : std::nullopt;
+    if (!unk_id_)
+      fail(fmt::format("{}: the unknown token '{}' is not in the vocabulary", src, *def.unk_token), damaged);
+  }
+  fuse_unk_ = def.fuse_unk;
+
+  merges_.reserve(def.merges.size());
+  for (size_t rank = 0; rank < def.merges.size(); ++rank) {
+    const auto& [left, right] = def.merges[rank];
+    const auto id_of = [&](const std::string& text, const char* what) {
+      const auto it = id_of_text_.find(text);
+      if (it == id_of_text_.end())
+        fail(fmt::format("{}: merge {} ('{} {}'): its {} '{}' is not in the vocabulary", src, rank, left, right, what,
+                         text),
+             damaged);
+      return it->second;
+    };
+    const uint32_t l = id_of(left, "left part"), r = id_of(right, "right part");
+    const uint32_t merged = id_of(left + right, "result");
+    if (!merges_.emplace(pair_key(l, r), Merge{static_cast<uint32_t>(rank), merged}).second)
+      fail(fmt::format("{}: merge {} ('{} {}') repeats an earlier merge", src, rank, left, right), damaged);
+  }
+  merge_count_ = def.merges.size();
+
+  added_ = std::move(def.added);
+  std::stable_sort(added_.begin(), added_.end(),
+                   [](const AddedToken& a, const AddedToken& b) { return a.content.size() > b.content.size(); });
+  for (const AddedToken& a : added_) added_first_byte_[static_cast<unsigned char>(a.content[0])] = true;
+
+  const auto check_id = [&](const std::optional<uint32_t>& id, const char* what) {
+    if (id && *id >= vocab)
+      fail(fmt::format("{}: the {} id {} is outside the vocabulary of {}", src, what, *id, vocab), damaged);
+  };
+  check_id(def.bos_id, "BOS");
+  check_id(def.eos_id, "EOS");
+  check_id(def.pad_id, "padding");
+  bos_id_ = def.bos_id;
+  eos_id_ = def.eos_id;
+  pad_id_ = def.pad_id;
+  chat_template_ = std::move(def.chat_template);
+}
+
+std::pair<size_t, size_t> BpeTokenizer::find_added(std::string_view text, size_t from) const {
+  constexpr size_t npos = std::string_view::npos;
+  if (added_.empty()) return {npos, npos};
+  for (size_t i = from; i < text.size(); ++i) {
+    if (!added_first_byte_[static_cast<unsigned char>(text[i])]) continue;
+    // added_ is sorted longest first, so the first that matches here is the longest.
+    for (size_t k = 0; k < added_.size(); ++k)
+      if (text.compare(i, added_[k].content.size(), added_[k].content) == 0) return {i, k};
+  }
+  return {npos, npos};
+}
+
+void BpeTokenizer::encode_into(std::string_view text, std::vector<uint32_t>& out) const {
+  thread_local std::vector<std::string_view> pieces;
+  size_t pos = 0;
+  while (pos <= text.size()) {
+    const auto [at, which] = find_added(text, pos);
+    const std::string_view segment = text.substr(pos, at == std::string_view::npos ? std::string_view::npos : at - pos);
+    pieces.clear();
+    pretokenizer_.split_into(segment, pieces);
+    for (std::string_view piece : pieces) encode_piece(piece, out);
+    if (which == std::string_view::npos) break;
+    out.push_back(added_[which].id);
+    pos = at + added_[which].content.size();
+  }
+}
+
+void BpeTokenizer::encode_piece(std::string_view piece, std::vector<uint32_t>& out) const {
+  const bool cacheable = piece.size() <= PieceCache::kMaxPieceBytes;
+  if (cacheable) {
+    std::lock_guard<std::mutex> lock(cache_->mutex);
+    const auto it = cache_->ids.find(piece);
+    if (it != cache_->ids.end()) {
+      out.insert(out.end(), it->second.begin(), it->second.end());
+      return;
+    }
+  }
+  const size_t first = out.size();
+  bpe(piece, out);
+  if (cacheable) {
+    std::lock_guard<std::mutex> lock(cache_->mutex);
+    if (cache_->ids.size() >= PieceCache::kEntries) cache_->ids.clear();
+    cache_->ids.emplace(std::string(piece), std::vector<uint32_t>(out.begin() + first, out.end()));
+  }
+}
+
+void BpeTokenizer::bpe(std::string_view piece, std::vector<uint32_t>& out) const {
+  if (ignore_merges_) {
+    const auto it = id_of_text_.find(bytes_to_byte_level(piece));
+    if (it != id_of_text_.end()) {
+      out.push_back(it->second);
+      return;
+    }
+  }
+  // The symbols as a doubly linked list over their starting positions; a merged-away symbol is
+  // marked dead. Candidate merges wait in a min-heap ordered by (rank, position): the lowest rank
+  // first, the leftmost among equal ranks. An entry goes stale when either of its symbols changes;
+  // it is then skipped. Checking that the pair at its position still merges into the same token is
+  // enough: a symbol only changes by growing, which changes the token the pair would make.
+  struct Symbol {
+    uint32_t id;
+    int32_t prev, next;
+    bool alive;
+  };
+  struct Candidate {
+    uint32_t rank, merged_id;
+    int32_t pos;
+    bool operator>(const Candidate& o) const { return rank != o.rank ? rank > o.rank : pos > o.pos; }
+  };
+  thread_local std::vector<Symbol> symbols;
+  thread_local std::vector<Candidate> heap;
+  // One symbol per byte. A byte the vocabulary has no token for becomes the unknown token where
+  // there is one (consecutive ones fused into one with fuse_unk) and is dropped otherwise, its
+  // neighbours becoming adjacent: what HF's BPE does.
+  symbols.clear();
+  for (char c : piece) {
+    uint32_t id = byte_token_[static_cast<unsigned char>(c)];
+    if (id == kNoToken) {
+      if (!unk_id_) continue;
+      if (fuse_unk_ && !symbols.empty() && symbols.back().id == *unk_id_) continue;
+      id = *unk_id_;
+    }
+    const auto i = static_cast<int32_t>(symbols.size());
+    symbols.push_back({id, i - 1, -1, true});
+    if (i > 0) symbols[static_cast<size_t>(i - 1)].next = i;
+  }
+  const auto n = static_cast<int32_t>(symbols.size());
+  if (n == 0) return;
+  heap.clear();
+  const auto push_pair = [&](int32_t left) {
+    const Symbol& l = symbols[static_cast<size_t>(left)];
+    if (l.next < 0) return;
+    const auto it = merges_.find(pair_key(l.id, symbols[static_cast<size_t>(l.next)].id));
+    if (it == merges_.end()) return;
+    heap.push_back({it->second.rank, it->second.merged_id, left});
+    std::push_heap(heap.begin(), heap.end(), std::greater<>{});
+  };
+  for (int32_t i = 0; i + 1 < n; ++i) push_pair(i);
+  while (!heap.empty()) {
+    std::pop_heap(heap.begin(), heap.end(), std::greater<>{});
+    const Candidate top = heap.back();
+    heap.pop_back();
+    Symbol& left = symbols[static_cast<size_t>(top.pos)];
+    if (!left.alive || left.next < 0) continue;
+    Symbol& right = symbols[static_cast<size_t>(left.next)];
+    const auto it = merges_.find(pair_key(left.id, right.id));
+    if (it == merges_.end() || it->second.merged_id != top.merged_id) continue;
+    left.id = top.merged_id;
+    right.alive = false;
+    left.next = right.next;
+    if (right.next >= 0) symbols[static_cast<size_t>(right.next)].prev = top.pos;
+    if (left.prev >= 0) push_pair(left.prev);
+    push_pair(top.pos);
+  }
+  for (int32_t i = 0; i >= 0; i = symbols[static_cast<size_t>(i)].next)
+    out.push_back(symbols[static_cast<size_t>(i)].id);
+}
+
+std::string BpeTokenizer::decode(std::span<const uint32_t> ids, bool skip_special) const {
+  std::string text;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const uint32_t id = ids[i];
+    if (id >= token_bytes_.size())
+      fail(fmt::format("{}: id {} at position {} is not a token (vocabulary size {})", source_, id, i,
+                       token_bytes_.size()),
+           "the ids come from another tokenizer, or a model's padded vocabulary rows; mask logits of ids past the "
+           "vocabulary before sampling");
+    if (skip_special && special_[id]) continue;
+    text += token_bytes_[id];
+  }
+  return text;
+}
+
+std::optional<uint32_t> BpeTokenizer::token_id(std::string_view text) const {
+  const auto it = id_of_text_.find(text);
+  if (it == id_of_text_.end()) return std::nullopt;
+  return it->second;
+}
+
+const std::string& BpeTokenizer::token_text(uint32_t id) const {
+  if (id >= token_text_.size())
+    fail(fmt::format("{}: id {} is not a token (vocabulary size {})", source_, id, token_text_.size()));
+  return token_text_[id];
+}
+
+nlohmann::json BpeTokenizer::to_json() const {
+  const auto id_or_null = [](const std::optional<uint32_t>& id) { return id ? nlohmann::json(*id) : nlohmann::json(); };
+  return {{"name", "bpe"},
+          {"vocab_size", vocab_size()},
+          {"merges", merge_count_},
+          {"added_tokens", added_.size()},
+          {"pretokenizer", pretokenizer_.name()},
+          {"bos_token_id", id_or_null(bos_id_)},
+          {"eos_token_id", id_or_null(eos_id_)},
+          {"pad_token_id", id_or_null(pad_id_)},
+          {"source", source_},
+          {"description", "byte-level BPE (GPT-2 byte map, merges by rank, added tokens split out first)"}};
+}
+
+// ---- loaders ----
+
+namespace {
+
+const char* const kDamagedJson = "the tokenizer.json is damaged or not a byte-level BPE tokenizer";
+
+std::string read_text_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail(fmt::format("tokenizer file '{}': cannot open: {}", path, std::strerror(errno)), "check the path");
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (in.bad()) fail(fmt::format("tokenizer file '{}': read failed", path), "check that it is a readable file");
+  return text.str();
+}
+
+nlohmann::json parse_json(const std::string& text, const std::string& source) {
+  try {
+    return nlohmann::json::parse(text);
+  } catch (const nlohmann::json::parse_error& e) {
+    fail(fmt::format("{}: not valid JSON at byte offset {}", source, e.byte), "the file is damaged; download it again");
+  }
+}
+
+bool is_null_or_absent(const nlohmann::json& j, const char* key) { return !j.contains(key) || j.at(key).is_null(); }
+
+bool bool_or(const nlohmann::json& j, const char* key, bool fallback, const std::string& source,
+             const std::string& where) {
+  if (is_null_or_absent(j, key)) return fallback;
+  if (!j.at(key).is_boolean())
+    fail(fmt::format("{}: {}.{} is not a boolean", source, where, key), kDamagedJson);
+  return j.at(key).get<bool>();
+}
+
+const std::string& string_at(const nlohmann::json& j, const char* key, const std::string& source,
+                             const std::string& where) {
+  if (!j.is_object() || !j.contains(key) || !j.at(key).is_string())
+    fail(fmt::format("{}: {}.{} is missing or not a string", source, where, key), kDamagedJson);
+  return j.at(key).get_ref<const std::string&>();
+}
+
+// A literal string as a PCRE2 pattern: every character outside [A-Za-z0-9_] and the non-ASCII
+// bytes escaped (PCRE2 takes "\x{..}"-free escapes of any ASCII punctuation).
+std::string escape_regex(std::string_view literal) {
+  std::string out;
+  for (char c : literal) {
+    const auto u = static_cast<unsigned char>(c);
+    if (u < 0x80 && !std::isalnum(u) && c != '_') out.push_back('\\');
+    out.push_back(c);
+  }
+  return out;
+}
+
+// Appends the split patterns of an HF pre_tokenizer node; `byte_level` is set by its ByteLevel.
+void parse_pretokenizer(const nlohmann::json& node, std::vector<std::string>& patterns, bool& byte_level,
+                        const std::string& source, const std::string& where) {
+  const std::string& type = string_at(node, "type", source, where);
+  if (byte_level)
+    fail(fmt::format("{}: {} ('{}') comes after ByteLevel", source, where, type),
+         "a split after the byte mapping would see mapped characters; this build supports ByteLevel last only");
+  if (type == "Sequence") {
+    if (!node.contains("pretokenizers") || !node.at("pretokenizers").is_array())
+      fail(fmt::format("{}: {}.pretokenizers is missing or not a list", source, where), kDamagedJson);
+    const auto& steps = node.at("pretokenizers");
+    for (size_t i = 0; i < steps.size(); ++i)
+      parse_pretokenizer(steps[i], patterns, byte_level, source, fmt::format("{}.pretokenizers[{}]", where, i));
+  } else if (type == "ByteLevel") {
+    if (bool_or(node, "add_prefix_space", false, source, where))
+      fail(fmt::format("{}: {}.add_prefix_space is true; this build supports false only", source, where),
+           "the GPT-2 / Llama 3 / SmolLM tokenizers have it false; another model's tokenizer is not supported yet");
+    if (bool_or(node, "use_regex", true, source, where)) patterns.emplace_back(kGpt2SplitRegex);
+    byte_level = true;
+  } else if (type == "Split") {
+    if (!node.contains("pattern") || !node.at("pattern").is_object())
+      fail(fmt::format("{}: {}.pattern is missing or not an object", source, where), kDamagedJson);
+    const auto& pattern = node.at("pattern");
+    if (pattern.contains("Regex"))
+      patterns.push_back(string_at(pattern, "Regex", source, where + ".pattern"));
+    else
+      patterns.push_back(escape_regex(string_at(pattern, "String", source, where + ".pattern")));
+    const std::string& behavior = string_at(node, "behavior", source, where);
+    if (behavior != "Isolated")
+      fail(fmt::format("{}: {}.behavior is '{}'; this build supports 'Isolated' only", source, where, behavior),
+           "byte-level BPE tokenizers (GPT-2, Llama 3) split with Isolated");
+    if (bool_or(node, "invert", false, source, where))
+      fail(fmt::format("{}: {}.invert is true; this build supports false only", source, where), kDamagedJson);
+  } else if (type == "Digits") {
+    // HF's Digits cuts at every numeric character, one piece per digit or per run of digits.
+    patterns.emplace_back(bool_or(node, "individual_digits", false, source, where) ? kDigitsSplitRegex
+                                                                                   : R"(\p{N}+)");
+  } else {
+    fail(fmt::format("{}: {} is a '{}' pre-tokenizer, which this build does not support", source, where, type),
+         "supported: ByteLevel, Split (Isolated), Digits and a Sequence of them");
+  }
+}
+
+// The name of a known pre-tokenizer with exactly these patterns, else "tokenizer.json".
+std::string name_of_patterns(const std::vector<std::string>& patterns, const std::string& source) {
+  for (const std::string& name : Pretokenizer::known_names())
+    if (Pretokenizer::named(name, source).patterns() == patterns) return name;
+  return "tokenizer.json";
+}
+
+std::pair<std::string, std::string> split_merge(const std::string& merge, size_t rank, const std::string& source,
+                                                const std::string& where) {
+  const size_t space = merge.find(' ');
+  if (space == std::string::npos || space == 0 || space + 1 == merge.size() ||
+      merge.find(' ', space + 1) != std::string::npos)
+    fail(fmt::format("{}: {}[{}] is '{}', not two tokens separated by one space", source, where, rank, merge),
+         "the file is damaged; download it again");
+  return {merge.substr(0, space), merge.substr(space + 1)};
+}
+
+// tokenizer_config.json's bos_token / eos_token: a string, {"content": string}, or null.
+std::optional<std::string> config_token(const nlohmann::json& config, const char* key) {
+  if (!config.is_object() || is_null_or_absent(config, key)) return std::nullopt;
+  const auto& v = config.at(key);
+  if (v.is_string()) return v.get<std::string>();
+  if (v.is_object() && v.contains("content") && v.at("content").is_string()) return v.at("content").get<std::string>();
+  return std::nullopt;
+}
+
+}  // namespace
+
+BpeTokenizer BpeTokenizer::from_tokenizer_json(const std::string& path) {
+  const std::string text = read_text_file(path);
+  const std::filesystem::path config_path = std::filesystem::path(path).parent_path() / "tokenizer_config.json";
+  if (std::filesystem::exists(config_path)) {
+    const nlohmann::json config = parse_json(read_text_file(config_path.string()), config_path.string());
+    return from_tokenizer_json_text(text, path, &config);
+  }
+  return from_tokenizer_json_text(text, path);
+}
+
+BpeTokenizer BpeTokenizer::from_tokenizer_json_text(const std::string& text, const std::string& source,
+                                                    const nlohmann::json* tokenizer_config) {
+  const nlohmann::json root = parse_json(text, source);
+  if (!root.is_object()) fail(fmt::format("{}: not a JSON object", source), kDamagedJson);
+  if (!root.contains("model") || !root.at("model").is_object())
+    fail(fmt::format("{}: key 'model' is missing or not an object", source), kDamagedJson);
+  const nlohmann::json& model = root.at("model");
+  if (model.contains("type") && string_at(model, "type", source, "model") != "BPE")
+    fail(fmt::format("{}: model.type is '{}', not 'BPE'", source, model.at("type").get<std::string>()),
+         "only byte-level BPE tokenizers are supported (not WordPiece, Unigram or WordLevel)");
+  if (bool_or(model, "byte_fallback", false, source, "model"))
+    fail(fmt::format("{}: model.byte_fallback is true: a SentencePiece-style BPE, not byte-level", source),
+         "only byte-level BPE tokenizers (GPT-2, Llama 3, SmolLM) are supported");
+  const bool no_dropout = is_null_or_absent(model, "dropout") ||
+                          (model.at("dropout").is_number() && model.at("dropout").get<double>() == 0);
+  if (!no_dropout)
+    fail(fmt::format("{}: model.dropout is set; BPE dropout is for training tokenizers", source),
+         "set it to null in the file");
+  for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"})
+    if (!is_null_or_absent(model, key) && !(model.at(key).is_string() && model.at(key).get<std::string>().empty()))
+      fail(fmt::format("{}: model.{} is set, which byte-level BPE does not use", source, key), kDamagedJson);
+  if (!is_null_or_absent(root, "normalizer"))
+    fail(fmt::format("{}: it has a normalizer ('{}'), which this build does not support", source,
+                     root.at("normalizer").value("type", "?")),
+         "the GPT-2 / Llama 3 / SmolLM tokenizers have none");
+  if (!is_null_or_absent(root, "decoder") && string_at(root.at("decoder"), "type", source, "decoder") != "ByteLevel")
+    fail(fmt::format("{}: decoder is '{}', not ByteLevel", source, root.at("decoder").at("type").get<std::string>()),
+         kDamagedJson);
+
+  BpeDefinition def;
+  def.source = source;
+  def.ignore_merges = bool_or(model, "ignore_merges", false, source, "model");
+  if (!is_null_or_absent(model, "unk_token")) def.unk_token = string_at(model, "unk_token", source, "model");
+  def.fuse_unk = bool_or(model, "fuse_unk", false, source, "model");
+
+  if (!model.contains("vocab") || !model.at("vocab").is_object())
+    fail(fmt::format("{}: model.vocab is missing or not an object", source), kDamagedJson);
+  const auto& vocab = model.at("vocab");
+  std::vector<std::optional<std::string>> by_id;
+  const auto place = [&](uint32_t id, const std::string& token) {
+    if (id >= by_id.size()) by_id.resize(static_cast<size_t>(id) + 1);
+    by_id[id] = token;
+  };
+  for (const auto& [token, id] : vocab.items()) {
+    if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() >= (int64_t{1} << 31))
+      fail(fmt::format("{}: model.vocab['{}'] is not an id (an integer in [0, 2^31))", source, token), kDamagedJson);
+    const auto i = static_cast<uint32_t>(id.get<int64_t>());
+    if (i < by_id.size() && by_id[i])
+      fail(fmt::format("{}: model.vocab gives id {} to both '{}' and '{}'", source, i, *by_id[i], token), kDamagedJson);
+    place(i, token);
+  }
+
+  if (root.contains("added_tokens") && !root.at("added_tokens").is_null()) {
+    const auto& added = root.at("added_tokens");
+    if (!added.is_array()) fail(fmt::format("{}: added_tokens is not a list", source), kDamagedJson);
+    for (size_t i = 0; i < added.size(); ++i) {
+      const std::string where = fmt::format("added_tokens[{}]", i);
+      const auto& a = added[i];
+      if (!a.is_object() || !a.contains("id") || !a.at("id").is_number_integer() || a.at("id").get<int64_t>() < 0 ||
+          a.at("id").get<int64_t>() >= (int64_t{1} << 31))
+        fail(fmt::format("{}: {}.id is missing or not an id", source, where), kDamagedJson);
+      for (const char* option : {"single_word", "lstrip", "rstrip"})
+        if (bool_or(a, option, false, source, where))
+          fail(fmt::format("{}: {}.{} is true; this build supports added tokens matched exactly only", source, where,
+                           option),
+               "the GPT-2 / Llama 3 / SmolLM tokenizers do not use it");
+      AddedToken token{string_at(a, "content", source, where), static_cast<uint32_t>(a.at("id").get<int64_t>()),
+                       bool_or(a, "special", false, source, where)};
+      // An added token may lie outside model.vocab (ids past it); it then defines that id.
+      if (token.id >= by_id.size() || !by_id[token.id]) place(token.id, token.content);
+      def.added.push_back(std::move(token));
+    }
+  }
+
+  for (size_t id = 0; id < by_id.size(); ++id)
+    if (!by_id[id])
+      fail(fmt::format("{}: no token has id {} (the ids go up to {})", source, id, by_id.size() - 1),
+           "the vocabulary's ids must be 0..N-1 without gaps");
+  def.tokens.reserve(by_id.size());
+  for (auto& t : by_id) def.tokens.push_back(std::move(*t));
+
+  if (!model.contains("merges") || !model.at("merges").is_array())
+    fail(fmt::format("{}: model.merges is missing or not a list", source), kDamagedJson);
+  const auto& merges = model.at("merges");
+  def.merges.reserve(merges.size());
+  for (size_t rank = 0; rank < merges.size(); ++rank) {
+    const auto& m = merges[rank];
+    if (m.is_string()) {
+      def.merges.push_back(split_merge(m.get<std::string>(), rank, source, "model.merges"));
+    } else if (m.is_array() && m.size() == 2 && m[0].is_string() && m[1].is_string()) {
+      def.merges.emplace_back(m[0].get<std::string>(), m[1].get<std::string>());
+    } else {
+      fail(fmt::format("{}: model.merges[{}] is neither \"left right\" nor [left, right]", source, rank), kDamagedJson);
+    }
+  }
+
+  bool byte_level = false;
+  if (is_null_or_absent(root, "pre_tokenizer"))
+    fail(fmt::format("{}: key 'pre_tokenizer' is missing", source),
+         "byte-level BPE needs a ByteLevel pre-tokenizer; this is not such a tokenizer");
+  parse_pretokenizer(root.at("pre_tokenizer"), def.pretokenizer_patterns, byte_level, source, "pre_tokenizer");
+  if (!byte_level)
+    fail(fmt::format("{}: the pre-tokenizer has no ByteLevel step", source),
+         "only byte-level BPE tokenizers (GPT-2, Llama 3, SmolLM) are supported");
+  def.pretokenizer_name = name_of_patterns(def.pretokenizer_patterns, source);
+
+  if (tokenizer_config) {
+    const std::string config_source = fmt::format("tokenizer_config.json beside {}", source);
+    const auto lookup = [&](const char* key) -> std::optional<uint32_t> {
+      const auto text = config_token(*tokenizer_config, key);
+      if (!text) return std::nullopt;
+      for (const AddedToken& a : def.added)
+        if (a.content == *text) return a.id;
+      for (size_t id = 0; id < def.tokens.size(); ++id)
+        if (def.tokens[id] == *text) return static_cast<uint32_t>(id);
+      fail(fmt::format("{}: {} '{}' is not a token of the vocabulary", config_source, key, *text),
+           "the two files do not belong together");
+    };
+    def.bos_id = lookup("bos_token");
+    def.eos_id = lookup("eos_token");
+    def.pad_id = lookup("pad_token");
+    if (tokenizer_config->contains("chat_template") && tokenizer_config->at("chat_template").is_string())
+      def.chat_template = tokenizer_config->at("chat_template").get<std::string>();
+  }
+  return BpeTokenizer(std::move(def));
+}
+
+BpeTokenizer BpeTokenizer::from_gguf(const GgufTokenizerMetadata& meta) {
+  const std::string& src = meta.source;
+  const char* damaged = "the GGUF file's tokenizer metadata is damaged";
+  if (meta.model != "gpt2")
+    fail(fmt::format("{}: tokenizer.ggml.model is '{}'; this build reads byte-level BPE ('gpt2') only", src,
+                     meta.model),
+         meta.model == "llama" ? "'llama' is a SentencePiece tokenizer (Llama 2), which is not supported"
+                               : "use a model with a GPT-2 / Llama 3 / SmolLM style tokenizer");
+  if (meta.pre.empty())
+    fail(fmt::format("{}: tokenizer.ggml.pre is missing, so the pre-tokenizer is unknown", src),
+         "convert the model with a recent llama.cpp, which records it");
+  if (meta.tokens.empty()) fail(fmt::format("{}: tokenizer.ggml.tokens is missing or empty", src), damaged);
+  if (!meta.token_type.empty() && meta.token_type.size() != meta.tokens.size())
+    fail(fmt::format("{}: tokenizer.ggml.token_type has {} entries for {} tokens", src, meta.token_type.size(),
+                     meta.tokens.size()),
+         damaged);
+
+  BpeDefinition def;
+  def.source = src;
+  def.tokens = meta.tokens;
+  constexpr int32_t kControl = 3, kUserDefined = 4;
+  for (size_t id = 0; id < meta.token_type.size(); ++id)
+    if (meta.token_type[id] == kControl || meta.token_type[id] == kUserDefined)
+      def.added.push_back({meta.tokens[id], static_cast<uint32_t>(id), meta.token_type[id] == kControl});
+  def.merges.reserve(meta.merges.size());
+  for (size_t rank = 0; rank < meta.merges.size(); ++rank)
+    def.merges.push_back(split_merge(meta.merges[rank], rank, src, "tokenizer.ggml.merges"));
+  Pretokenizer named = Pretokenizer::named(meta.pre, src + " (tokenizer.ggml.pre)");
+  def.pretokenizer_patterns = named.patterns();
+  def.pretokenizer_name = meta.pre;
+  // Llama 3's tokenizer.json sets ignore_merges; GGUF does not record it, llama.cpp applies it by name.
+  def.ignore_merges = meta.pre == "llama-bpe" || meta.pre == "llama3";
+  def.bos_id = meta.bos_token_id;
+  def.eos_id = meta.eos_token_id;
+  def.pad_id = meta.padding_token_id;
+  def.chat_template = meta.chat_template;
+  return BpeTokenizer(std::move(def));
+}
+
+}  // namespace cw

@@ -1,0 +1,209 @@
+// Tokenizers: text <-> token ids. One small interface (`Tokenizer`) and the byte-level BPE of the
+// GPT-2 / Llama 3 / SmolLM families (`BpeTokenizer`); the demo's byte tokenizer implements the same
+// interface in tools/data/tokenizer.h.
+//
+// Byte-level BPE, as HF `tokenizers` runs it (ids identical to it: tools/data/tokenizer_vs_hf.py):
+//   1. Added tokens (special ones such as <|im_start|>, and any other added token) are cut out of the
+//      text first: at the leftmost position where one occurs, the longest one there becomes its id.
+//   2. The text between them is cut into pieces by the pre-tokenizer (model/pretokenizer.h).
+//   3. Each piece's UTF-8 bytes become symbols: GPT-2's byte-to-unicode map gives every byte a
+//      printable character (bytes that are printable themselves map to themselves; the other 68 to
+//      U+0100 upwards). A vocabulary normally holds a token for each of those 256 one-character
+//      strings, so any byte sequence can be encoded; a byte without one is dropped (or becomes the
+//      unknown token where one is set), exactly as HF does. SmolLM2's lacks 21: 0xC0, 0xC1 and
+//      0xF5-0xFF (never in UTF-8), 0xF1, 0xF2 (planes 4-12, unassigned) and six control characters.
+//   4. BPE: while two adjacent symbols form a pair in the merge list, merge the pair of lowest rank
+//      (the leftmost among equals); the merged symbol is the token of their concatenation. With
+//      `ignore_merges` (Llama 3), a piece that is a token as a whole is that token without merging.
+//   Pieces recur (" the", " of"), so their ids are cached.
+// decode concatenates the tokens' bytes (a token's characters mapped back through the byte map; a
+// token holding a character outside the map, which only an added token can, gives its UTF-8 text),
+// so decode(encode(s)) == s for every byte string s whose bytes all have tokens. A decoded byte
+// string need not be valid UTF-8 (one token may hold half a character); `replace_invalid_utf8` makes
+// text of it as HF's decode does.
+//
+// Loaders: an HF tokenizer.json (`from_tokenizer_json`) and GGUF metadata (`from_gguf`, a plain
+// struct that the GGUF reader fills). Each checks its file's structure and produces a `BpeDefinition`
+// (plain vocabulary, merges, added tokens, pre-tokenizer); the constructor checks the vocabulary
+// itself (duplicates, merges of unknown tokens, ids out of range). A malformed input fails with one
+// line naming the file and what is wrong.
+// Tests: tests/model/test_tokenizer.cpp; against HF on real vocabularies: tools/data/tokenizer_vs_hf.py.
+#pragma once
+
+#include "model/pretokenizer.h"
+
+#include <nlohmann/json_fwd.hpp>
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <unordered_map>
+#include <vector>
+
+namespace cw {
+
+class Tokenizer {
+ public:
+  virtual ~Tokenizer() = default;
+
+  // "bytes", "bpe": what a run directory records as the tokenizer's kind.
+  virtual std::string kind() const = 0;
+  // Ids are in [0, vocab_size()).
+  virtual int64_t vocab_size() const = 0;
+  // The token that starts a document (written before each document of a shard) and the one that
+  // ends it, where the tokenizer has them.
+  virtual std::optional<uint32_t> bos_id() const = 0;
+  virtual std::optional<uint32_t> eos_id() const = 0;
+
+  // Appends the ids of `text` to `out`; adds no BOS/EOS of its own.
+  virtual void encode_into(std::string_view text, std::vector<uint32_t>& out) const = 0;
+  std::vector<uint32_t> encode(std::string_view text) const;
+  // The bytes of the ids; fails on an id outside the vocabulary, naming its position.
+  virtual std::string decode(std::span<const uint32_t> ids) const = 0;
+
+  // A description for a run directory's record (kind, vocab_size, bos/eos ids, source).
+  virtual nlohmann::json to_json() const = 0;
+};
+
+// ---- GPT-2's byte-to-unicode map ----
+
+// The character (a code point) standing for byte b in byte-level vocabularies: b itself for
+// '!'..'~', U+00A1..U+00AC and U+00AE..U+00FF; the other 68 bytes, in increasing order, map to
+// U+0100, U+0101, ... (so the space 0x20 is U+0120 'Ġ' and the newline 0x0A is U+010A 'Ċ').
+uint32_t byte_to_unicode(uint8_t byte);
+// The inverse: the byte a code point stands for, or -1 if it stands for none.
+int byte_from_unicode(uint32_t code_point);
+// The byte-level spelling of raw bytes (each byte's character, UTF-8 encoded), and back: nullopt
+// when `token` holds a character that stands for no byte or is not valid UTF-8.
+std::string bytes_to_byte_level(std::string_view bytes);
+std::optional<std::string> byte_level_to_bytes(std::string_view token);
+
+// `bytes` with every maximal invalid UTF-8 subsequence replaced by U+FFFD (Unicode's "substitution
+// of maximal subparts", what Rust's String::from_utf8_lossy and Python's errors="replace" do, and so
+// what HF's ByteLevel decoder returns).
+std::string replace_invalid_utf8(std::string_view bytes);
+
+// ---- the plain inputs of a BPE tokenizer ----
+
+struct AddedToken {
+  std::string content;  // the text that stands for the token (not byte-level encoded)
+  uint32_t id = 0;
+  bool special = true;  // decode(..., skip_special) leaves special tokens out
+};
+
+struct BpeDefinition {
+  std::string source;                  // the file it came from, for messages
+  std::vector<std::string> tokens;     // by id: byte-level spelling (GPT-2 map) of each token
+  std::vector<std::pair<std::string, std::string>> merges;  // by rank: the two tokens merged
+  std::vector<AddedToken> added;       // each also in `tokens` at its id, with the same text
+  std::vector<std::string> pretokenizer_patterns;
+  std::string pretokenizer_name;       // "smollm", or "tokenizer.json" for patterns read from one
+  bool ignore_merges = false;
+  // The token for a byte the vocabulary has no token for (none: such a byte is dropped, as HF does);
+  // with fuse_unk, a run of such bytes gives one.
+  std::optional<std::string> unk_token;
+  bool fuse_unk = false;
+  std::optional<uint32_t> bos_id, eos_id, pad_id;
+  std::string chat_template;  // the model's Jinja chat template, kept for tools that format chats
+};
+
+// What a GGUF file says of its tokenizer (the keys named beside each field); the GGUF reader fills
+// it, `BpeTokenizer::from_gguf` checks it.
+struct GgufTokenizerMetadata {
+  std::string source;                       // the .gguf path, for messages
+  std::string model;                        // tokenizer.ggml.model: "gpt2" for byte-level BPE
+  std::string pre;                          // tokenizer.ggml.pre: the pre-tokenizer's name
+  std::vector<std::string> tokens;          // tokenizer.ggml.tokens
+  std::vector<std::string> merges;          // tokenizer.ggml.merges: "left right"
+  std::vector<int32_t> token_type;          // tokenizer.ggml.token_type (may be empty): 1 normal,
+                                            // 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
+  std::optional<uint32_t> bos_token_id;     // tokenizer.ggml.bos_token_id
+  std::optional<uint32_t> eos_token_id;     // tokenizer.ggml.eos_token_id
+  std::optional<uint32_t> padding_token_id; // tokenizer.ggml.padding_token_id
+  std::string chat_template;                // tokenizer.chat_template
+};
+
+// ---- byte-level BPE ----
+
+class BpeTokenizer final : public Tokenizer {
+ public:
+  // Checks everything (see the .cpp's validate) and builds the tables; fails naming def.source.
+  explicit BpeTokenizer(BpeDefinition def);
+  BpeTokenizer(BpeTokenizer&&) noexcept;
+  BpeTokenizer& operator=(BpeTokenizer&&) noexcept;
+  ~BpeTokenizer() override;
+  // An HF tokenizer.json: model.vocab, model.merges ("a b" strings or [a, b] pairs), added_tokens,
+  // pre_tokenizer (ByteLevel, Split with behavior Isolated, Digits, Sequence of them); with
+  // tokenizer_config.json beside it, its bos_token, eos_token, pad_token and chat_template.
+  static BpeTokenizer from_tokenizer_json(const std::string& path);
+  static BpeTokenizer from_tokenizer_json_text(const std::string& text, const std::string& source,
+                                               const nlohmann::json* tokenizer_config = nullptr);
+  // GGUF metadata; control (3) and user-defined (4) tokens are the added tokens.
+  static BpeTokenizer from_gguf(const GgufTokenizerMetadata& meta);
+
+  std::string kind() const override { return "bpe"; }
+  int64_t vocab_size() const override { return static_cast<int64_t>(token_bytes_.size()); }
+  std::optional<uint32_t> bos_id() const override { return bos_id_; }
+  std::optional<uint32_t> eos_id() const override { return eos_id_; }
+  std::optional<uint32_t> pad_id() const { return pad_id_; }
+  const std::string& chat_template() const { return chat_template_; }
+  void encode_into(std::string_view text, std::vector<uint32_t>& out) const override;
+  // Special tokens come out as their text.
+  std::string decode(std::span<const uint32_t> ids) const override { return decode(ids, false); }
+  std::string decode(std::span<const uint32_t> ids, bool skip_special) const;
+  nlohmann::json to_json() const override;
+
+  // The id of a token given by its text (an added token's content, or a byte-level spelling).
+  std::optional<uint32_t> token_id(std::string_view text) const;
+  // The token's byte-level spelling (added tokens: their content).
+  const std::string& token_text(uint32_t id) const;
+  const Pretokenizer& pretokenizer() const { return pretokenizer_; }
+  const std::string& source() const { return source_; }
+  int64_t num_merges() const { return static_cast<int64_t>(merge_count_); }
+  const std::vector<AddedToken>& added_tokens() const { return added_; }
+  // Whether byte b has a token of its own (if not, encode drops it or gives the unknown token).
+  bool has_byte_token(uint8_t b) const { return byte_token_[b] != kNoToken; }
+
+ private:
+  struct Merge {
+    uint32_t rank, merged_id;
+  };
+  static uint64_t pair_key(uint32_t left, uint32_t right) { return uint64_t{left} << 32 | right; }
+  // The ids of one pre-tokenized piece (cached).
+  void encode_piece(std::string_view piece, std::vector<uint32_t>& out) const;
+  void bpe(std::string_view piece, std::vector<uint32_t>& out) const;
+  // The leftmost-longest added token in text[from..): its position and index in added_, or npos.
+  std::pair<size_t, size_t> find_added(std::string_view text, size_t from) const;
+
+  std::string source_;
+  std::vector<std::string> token_text_;   // byte-level spelling, by id
+  std::vector<std::string> token_bytes_;  // what decode writes, by id
+  std::vector<bool> special_;             // by id
+  struct StringHash {
+    using is_transparent = void;
+    size_t operator()(std::string_view s) const { return std::hash<std::string_view>{}(s); }
+  };
+  std::unordered_map<std::string, uint32_t, StringHash, std::equal_to<>> id_of_text_;
+  std::unordered_map<uint64_t, Merge> merges_;
+  size_t merge_count_ = 0;
+  static constexpr uint32_t kNoToken = UINT32_MAX;
+  std::array<uint32_t, 256> byte_token_{};  // the id of each byte's one-character token, or kNoToken
+  std::optional<uint32_t> unk_id_;
+  bool fuse_unk_ = false;
+  std::vector<AddedToken> added_;           // sorted by content length, longest first
+  std::array<bool, 256> added_first_byte_{};
+  Pretokenizer pretokenizer_;
+  bool ignore_merges_ = false;
+  std::optional<uint32_t> bos_id_, eos_id_, pad_id_;
+  std::string chat_template_;
+
+  // Piece -> ids, shared by the threads that encode (see the .cpp).
+  struct PieceCache;
+  std::unique_ptr<PieceCache> cache_;
+};
+
+}  // namespace cw

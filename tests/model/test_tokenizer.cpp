@@ -1,0 +1,460 @@
+// The byte-level BPE tokenizer (model/tokenizer.h, model/pretokenizer.h) on a small hand-made
+// vocabulary whose ids are worked out by hand; its loaders and their errors; the tools built on it
+// (load_tokenizer, chunkwise encode, tokenize into shards); and, where the exported SmolLM2
+// tokenizer is present, ids equal to HF tokenizers' on tests/data/tokenizer_corpus.txt.
+#include "engine/error.h"
+#include "engine/random.h"
+#include "model/pretokenizer.h"
+#include "model/tokenizer.h"
+#include "tests/support.h"
+#include "tools/data/tokenizer.h"
+#include "tools/data/tokens.h"
+
+#include <doctest/doctest.h>
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+namespace cw {
+namespace {
+
+namespace fs = std::filesystem;
+using Ids = std::vector<uint32_t>;
+
+template <class F> std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  FAIL_CHECK("expected a cw::Error");
+  return "";
+}
+
+bool has(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+void write_text(const std::string& path, const std::string& text) {
+  std::ofstream f(path, std::ios::binary);
+  f << text;
+  REQUIRE(f.good());
+}
+
+std::string read_text(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
+}
+
+std::string byte_symbol(uint8_t b) { return bytes_to_byte_level(std::string(1, static_cast<char>(b))); }
+
+// The hand-made vocabulary: ids 0..255 are the bytes (id = byte value), then the merges' results in
+// rank order, then four added tokens. Ids of the merged tokens:
+constexpr uint32_t kLl = 256, kHe = 257, kHell = 258, kHello = 259, kSpaceW = 260, kOr = 261, kSpaceWor = 262,
+                   kLd = 263, kSpaceWorld = 264, kBc = 265, kAb = 266, kAa = 267, kTwelve = 268;
+constexpr uint32_t kX = 269, kXY = 270, kEnd = 271, kHi = 272;
+const std::vector<std::pair<std::string, std::string>> kMerges = {
+    {"l", "l"},        {"h", "e"},    {"he", "ll"}, {"hell", "o"}, {"Ġ", "w"},  {"o", "r"}, {"Ġw", "or"},
+    {"l", "d"},        {"Ġwor", "ld"}, {"b", "c"},   {"a", "b"},    {"a", "a"}, {"1", "2"}};
+
+BpeDefinition small_definition(const std::string& pretokenizer = "smollm") {
+  BpeDefinition def;
+  def.source = "small vocabulary";
+  for (int b = 0; b < 256; ++b) def.tokens.push_back(byte_symbol(static_cast<uint8_t>(b)));
+  for (const auto& [l, r] : kMerges) def.tokens.push_back(l + r);
+  def.merges = kMerges;
+  def.added = {{"<x>", kX, true}, {"<x><y>", kXY, true}, {"<|endoftext|>", kEnd, true}, {"hi!", kHi, false}};
+  for (const AddedToken& a : def.added) def.tokens.push_back(a.content);
+  const Pretokenizer named = Pretokenizer::named(pretokenizer, "test");
+  def.pretokenizer_patterns = named.patterns();
+  def.pretokenizer_name = pretokenizer;
+  def.bos_id = kEnd;
+  def.eos_id = kEnd;
+  return def;
+}
+
+// The same vocabulary as an HF tokenizer.json (merges as "a b" strings or as [a, b] pairs).
+nlohmann::json small_tokenizer_json(bool pair_merges) {
+  const BpeDefinition def = small_definition();
+  nlohmann::json vocab = nlohmann::json::object();
+  for (size_t id = 0; id < kX; ++id) vocab[def.tokens[id]] = id;
+  nlohmann::json merges = nlohmann::json::array();
+  for (const auto& [l, r] : def.merges)
+    merges.push_back(pair_merges ? nlohmann::json::array({l, r}) : nlohmann::json(l + " " + r));
+  nlohmann::json added = nlohmann::json::array();
+  for (const AddedToken& a : def.added)
+    added.push_back({{"id", a.id}, {"content", a.content}, {"single_word", false}, {"lstrip", false},
+                     {"rstrip", false}, {"normalized", false}, {"special", a.special}});
+  return {{"version", "1.0"},
+          {"added_tokens", added},
+          {"normalizer", nullptr},
+          {"pre_tokenizer",
+           {{"type", "Sequence"},
+            {"pretokenizers",
+             {{{"type", "Digits"}, {"individual_digits", true}},
+              {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", true}}}}}},
+          {"post_processor", nullptr},
+          {"decoder", {{"type", "ByteLevel"}}},
+          {"model",
+           {{"type", "BPE"}, {"dropout", nullptr}, {"unk_token", nullptr}, {"byte_fallback", false},
+            {"ignore_merges", false}, {"vocab", vocab}, {"merges", merges}}}};
+}
+
+TEST_CASE("tokenizer: GPT-2's byte-to-unicode map") {
+  CHECK(byte_to_unicode('a') == 'a');
+  CHECK(byte_to_unicode('!') == '!');
+  CHECK(byte_to_unicode(0xff) == 0xff);
+  CHECK(byte_to_unicode(0x00) == 0x100);
+  CHECK(byte_to_unicode(' ') == 0x120);   // 'Ġ'
+  CHECK(byte_to_unicode('\n') == 0x10a);  // 'Ċ'
+  CHECK(byte_to_unicode(0x7f) == 0x121);  // the 34th byte that does not map to itself
+  CHECK(byte_to_unicode(0xad) == 0x143);  // the 68th and last
+  for (int b = 0; b < 256; ++b) CHECK(byte_from_unicode(byte_to_unicode(static_cast<uint8_t>(b))) == b);
+  CHECK(byte_from_unicode(0x144) == -1);
+  CHECK(byte_from_unicode(' ') == -1);  // the space is spelled 'Ġ'
+  CHECK(bytes_to_byte_level(" hi\n") == "Ġhi\xc4\x8a");
+  CHECK(byte_level_to_bytes("Ġhi\xc4\x8a") == std::optional<std::string>(" hi\n"));
+  CHECK_FALSE(byte_level_to_bytes("a b"));     // a plain space stands for no byte
+  CHECK_FALSE(byte_level_to_bytes("\xc4"));    // not UTF-8
+}
+
+TEST_CASE("tokenizer: invalid UTF-8 replaced as HF's decode does (maximal subparts)") {
+  // Each expectation is what Python's bytes.decode("utf-8", "replace") returns.
+  const std::string fffd = "\xef\xbf\xbd";
+  CHECK(replace_invalid_utf8("plain, caf\xc3\xa9 \xf0\x9f\x98\x80") == "plain, caf\xc3\xa9 \xf0\x9f\x98\x80");
+  CHECK(replace_invalid_utf8("\xff") == fffd);
+  CHECK(replace_invalid_utf8("a\xe2\x82") == "a" + fffd);             // a 3-byte sequence cut short: one
+  CHECK(replace_invalid_utf8("\xe2\x82" "A") == fffd + "A");
+  CHECK(replace_invalid_utf8("\xf0\x9f\x98") == fffd);
+  CHECK(replace_invalid_utf8("\xed\xa0\x80") == fffd + fffd + fffd);  // a surrogate: each byte
+  CHECK(replace_invalid_utf8("\xc0\xaf") == fffd + fffd);             // overlong: each byte
+  CHECK(replace_invalid_utf8("\xf4\x90\x80\x80") == fffd + fffd + fffd + fffd);  // above U+10FFFF
+  CHECK(replace_invalid_utf8("\x80" "b\xc3") == fffd + "b" + fffd);
+}
+
+TEST_CASE("tokenizer: named pre-tokenizers split as HF's regexes do") {
+  using Pieces = std::vector<std::string_view>;
+  const Pretokenizer gpt2 = Pretokenizer::named("gpt2", "test");
+  CHECK(gpt2.split("Hello world's 123  x\n") == Pieces{"Hello", " world", "'s", " 123", " ", " x", "\n"});
+  CHECK(gpt2.split("  a\t\tb!!") == Pieces{" ", " a", "\t", "\t", "b", "!!"});
+  const Pretokenizer smollm = Pretokenizer::named("smollm", "test");
+  CHECK(smollm.split("a 123x") == Pieces{"a", " ", "1", "2", "3", "x"});
+  CHECK(smollm.split("²½") == Pieces{"²", "½"});  // \p{N}, not only 0-9
+  const Pretokenizer llama3 = Pretokenizer::named("llama-bpe", "test");
+  CHECK(llama3.split("I'M 12345 ok\n\n  x") == Pieces{"I", "'M", " ", "123", "45", " ok", "\n\n", " ", " x"});
+  // Invalid UTF-8 never matches: it is a gap of its own, kept, so no byte is lost.
+  CHECK(gpt2.split("ab\xff" "cd \xc3") == Pieces{"ab", "\xff", "cd", " ", "\xc3"});
+  CHECK(gpt2.split("").empty());
+  CHECK(has(error_of([] { Pretokenizer::named("qwen9", "m.gguf"); }), "m.gguf: pre-tokenizer 'qwen9' is not one"));
+  CHECK(has(error_of([] { Pretokenizer({"(a"}, "x", "t.json"); }),
+            "t.json: pre-tokenizer regex '(a' does not compile"));
+}
+
+TEST_CASE("tokenizer: BPE ids of known strings on a hand-made vocabulary") {
+  const BpeTokenizer tok(small_definition());
+  CHECK(tok.vocab_size() == 273);
+  CHECK(tok.num_merges() == 13);
+  CHECK(tok.encode("hello world") == Ids{kHello, kSpaceWorld});
+  CHECK(tok.encode("hello") == Ids{kHello});
+  CHECK(tok.encode("hell") == Ids{kHell});
+  CHECK(tok.encode("held") == Ids{kHe, kLd});          // "h e" (rank 1), then "l d" (rank 7)
+  CHECK(tok.encode("abc") == Ids{'a', kBc});           // "b c" (rank 9) before "a b" (rank 10)
+  CHECK(tok.encode("aaa") == Ids{kAa, 'a'});           // equal ranks: the leftmost first
+  CHECK(tok.encode("aaaa") == Ids{kAa, kAa});
+  CHECK(tok.encode("12") == Ids{'1', '2'});            // smollm: every digit alone, "1 2" never applies
+  CHECK(BpeTokenizer(small_definition("gpt2")).encode("12") == Ids{kTwelve});
+  CHECK(tok.encode(" w") == Ids{kSpaceW});
+  CHECK(tok.encode("é") == Ids{0xc3, 0xa9});           // bytes of the UTF-8
+  CHECK(tok.encode("").empty());
+  // Added tokens: cut out first, longest at the leftmost position, whatever the pre-tokenizer.
+  CHECK(tok.encode("<x><y>z<x>") == Ids{kXY, 'z', kX});
+  CHECK(tok.encode("<x>y") == Ids{kX, 'y'});
+  CHECK(tok.encode("hello<|endoftext|>hello") == Ids{kHello, kEnd, kHello});
+  CHECK(tok.encode("oh hi!") == Ids{'o', 'h', ' ', kHi});
+  CHECK(tok.encode("<|endoftext|") == Ids{'<', '|', 'e', 'n', 'd', 'o', 'f', 't', 'e', 'x', 't', '|'});
+  // Encoding the same text again (from the piece cache) gives the same ids.
+  CHECK(tok.encode("hello world hello world") == Ids{kHello, kSpaceWorld, ' ', kHello, kSpaceWorld});
+}
+
+TEST_CASE("tokenizer: decode gives the bytes back, for any byte string") {
+  const BpeTokenizer tok(small_definition());
+  CHECK(tok.decode(Ids{kHello, kSpaceWorld}) == "hello world");
+  CHECK(tok.decode(Ids{kXY, 'z', kEnd}) == "<x><y>z<|endoftext|>");
+  CHECK(tok.decode(Ids{kXY, 'z', kEnd, kHi}, /*skip_special=*/true) == "zhi!");  // hi! is not special
+  CHECK(has(error_of([&] { tok.decode(Ids{1, 273}); }), "id 273 at position 1 is not a token"));
+  // Random byte strings (invalid UTF-8 included) drawn from an alphabet that hits the merges, the
+  // added tokens and the pre-tokenizer's classes.
+  const std::string alphabet = std::string("helowrdabc12 \t\n<x>y|!i\xff\xc3\xa9\xe2\x82\xac") + '\0';
+  Rng rng(7);
+  for (int trial = 0; trial < 2000; ++trial) {
+    std::string s;
+    const uint64_t len = rng.below(40);
+    for (uint64_t i = 0; i < len; ++i)
+      s.push_back(trial % 2 ? alphabet[rng.below(alphabet.size())] : static_cast<char>(rng.below(256)));
+    const Ids ids = tok.encode(s);
+    REQUIRE_MESSAGE(tok.decode(ids) == s, "trial ", trial);
+  }
+}
+
+TEST_CASE("tokenizer: bytes without a token are dropped, or become the unknown token, as HF does") {
+  BpeDefinition def = small_definition();
+  def.tokens['x'] = "<no-x>";  // the vocabulary lacks the token of byte 'x'
+  const BpeTokenizer drops(def);
+  CHECK_FALSE(drops.has_byte_token('x'));
+  CHECK(drops.has_byte_token('y'));
+  CHECK(drops.encode("axb") == Ids{kAb});  // dropped, and its neighbours merge across the gap
+  CHECK(drops.encode("<x>") == Ids{kX});   // added tokens are matched as text, before the bytes
+  def.unk_token = "<x>";
+  CHECK(BpeTokenizer(def).encode("axxb") == Ids{'a', kX, kX, 'b'});
+  def.fuse_unk = true;
+  CHECK(BpeTokenizer(def).encode("axxb") == Ids{'a', kX, 'b'});
+  def.unk_token = "<nope>";
+  CHECK(has(error_of([&] { BpeTokenizer{def}; }), "the unknown token '<nope>' is not in the vocabulary"));
+}
+
+TEST_CASE("tokenizer: ignore_merges takes a piece that is a token as a whole (Llama 3)") {
+  BpeDefinition def = small_definition();
+  def.tokens.push_back("abc");  // a token no merge makes
+  CHECK(BpeTokenizer(def).encode("abc") == Ids{'a', kBc});
+  def.ignore_merges = true;
+  CHECK(BpeTokenizer(def).encode("abc") == Ids{273});
+  CHECK(BpeTokenizer(def).encode("aaa") == Ids{kAa, 'a'});  // not a token: merged as usual
+}
+
+TEST_CASE("tokenizer: loaded from an HF tokenizer.json and from GGUF metadata, the same ids") {
+  const BpeTokenizer reference(small_definition());
+  const std::string text = "hello world, <x><y> abc 12 aaa <|endoftext|>hi! \xc3\xa9\xff";
+  test::TempDir dir("tokenizer-json");
+  for (bool pairs : {false, true}) {
+    CAPTURE(pairs);
+    const std::string path = dir.file(pairs ? "pairs.json" : "strings.json");
+    write_text(path, small_tokenizer_json(pairs).dump());
+    const BpeTokenizer tok = BpeTokenizer::from_tokenizer_json(path);
+    CHECK(tok.encode(text) == reference.encode(text));
+    CHECK(tok.pretokenizer().name() == "smollm");  // its patterns are the named ones
+    CHECK_FALSE(tok.bos_id());                      // no tokenizer_config.json beside it
+  }
+  // A directory holding tokenizer.json and tokenizer_config.json: BOS and EOS from the latter.
+  write_text(dir.file("tokenizer.json"), small_tokenizer_json(false).dump());
+  write_text(dir.file("tokenizer_config.json"),
+             R"({"bos_token": "<x>", "eos_token": {"content": "<|endoftext|>", "special": true},
+                 "pad_token": null, "chat_template": "{{ messages }}"})");
+  const std::unique_ptr<Tokenizer> loaded = load_tokenizer(dir.path.string());
+  CHECK(loaded->kind() == "bpe");
+  CHECK(loaded->bos_id() == std::optional<uint32_t>(kX));
+  CHECK(loaded->eos_id() == std::optional<uint32_t>(kEnd));
+  CHECK_FALSE(dynamic_cast<const BpeTokenizer&>(*loaded).pad_id());
+  CHECK(dynamic_cast<const BpeTokenizer&>(*loaded).chat_template() == "{{ messages }}");
+  CHECK(loaded->encode(text) == reference.encode(text));
+  write_text(dir.file("tokenizer_config.json"), R"({"bos_token": "<s>"})");
+  CHECK(has(error_of([&] { load_tokenizer(dir.path.string()); }), "bos_token '<s>' is not a token"));
+
+  GgufTokenizerMetadata meta;
+  meta.source = "small.gguf";
+  meta.model = "gpt2";
+  meta.pre = "smollm";
+  meta.tokens = small_definition().tokens;
+  for (const auto& [l, r] : kMerges) meta.merges.push_back(l + " " + r);
+  meta.token_type.assign(meta.tokens.size(), 1);
+  meta.token_type[kX] = meta.token_type[kXY] = meta.token_type[kEnd] = 3;  // control
+  meta.token_type[kHi] = 4;                                                 // user-defined
+  meta.bos_token_id = kEnd;
+  meta.padding_token_id = kX;
+  meta.chat_template = "{% for m in messages %}{{ m }}{% endfor %}";
+  const BpeTokenizer from_gguf = BpeTokenizer::from_gguf(meta);
+  CHECK(from_gguf.pad_id() == std::optional<uint32_t>(kX));
+  CHECK(from_gguf.chat_template() == meta.chat_template);
+  CHECK(from_gguf.encode(text) == reference.encode(text));
+  CHECK(from_gguf.decode(Ids{kX, kHi}, true) == "hi!");  // control tokens are special, user-defined not
+  CHECK(from_gguf.bos_id() == std::optional<uint32_t>(kEnd));
+}
+
+TEST_CASE("tokenizer: malformed tokenizer.json files fail with one clear line") {
+  test::TempDir dir("tokenizer-bad");
+  const auto error_for = [&](const nlohmann::json& j) {
+    const std::string path = dir.file("tokenizer.json");
+    write_text(path, j.dump());
+    return error_of([&] { BpeTokenizer::from_tokenizer_json(path); });
+  };
+  const nlohmann::json good = small_tokenizer_json(false);
+  auto j = good;
+  j.erase("model");
+  CHECK(has(error_for(j), "tokenizer.json: key 'model' is missing"));
+  j = good;
+  j["model"]["merges"].push_back("he zz");
+  CHECK(has(error_for(j), "merge 13 ('he zz'): its right part 'zz' is not in the vocabulary"));
+  j = good;
+  j["model"]["merges"].push_back("h l");
+  CHECK(has(error_for(j), "merge 13 ('h l'): its result 'hl' is not in the vocabulary"));
+  j = good;
+  j["model"]["merges"][2] = "hell";
+  CHECK(has(error_for(j), "model.merges[2] is 'hell', not two tokens separated by one space"));
+  j = good;
+  j["model"]["merges"][2] = nlohmann::json::array({"he"});
+  CHECK(has(error_for(j), "model.merges[2] is neither"));
+  j = good;
+  j["model"]["merges"].push_back("l l");
+  CHECK(has(error_for(j), "merge 13 ('l l') repeats an earlier merge"));
+  j = good;
+  j["model"]["vocab"].erase("ll");
+  CHECK(has(error_for(j), "no token has id 256"));
+  j = good;
+  j["model"]["vocab"]["zz"] = 5;
+  CHECK(has(error_for(j), "model.vocab gives id 5 to both"));
+  j = good;
+  j["model"]["vocab"]["zz"] = -1;
+  CHECK(has(error_for(j), "model.vocab['zz'] is not an id"));
+  j = good;
+  j["model"]["type"] = "WordPiece";
+  CHECK(has(error_for(j), "model.type is 'WordPiece', not 'BPE'"));
+  j = good;
+  j["model"]["byte_fallback"] = true;
+  CHECK(has(error_for(j), "byte_fallback is true"));
+  j = good;
+  j["normalizer"] = {{"type", "NFC"}};
+  CHECK(has(error_for(j), "it has a normalizer ('NFC')"));
+  j = good;
+  j["pre_tokenizer"] = {{"type", "Whitespace"}};
+  CHECK(has(error_for(j), "pre_tokenizer is a 'Whitespace' pre-tokenizer"));
+  j = good;
+  j["pre_tokenizer"] = {{"type", "Digits"}, {"individual_digits", true}};
+  CHECK(has(error_for(j), "the pre-tokenizer has no ByteLevel step"));
+  j = good;
+  j["pre_tokenizer"]["pretokenizers"].push_back({{"type", "Digits"}});
+  CHECK(has(error_for(j), "pre_tokenizer.pretokenizers[2] ('Digits') comes after ByteLevel"));
+  j = good;
+  j["pre_tokenizer"]["pretokenizers"][1]["add_prefix_space"] = true;
+  CHECK(has(error_for(j), "add_prefix_space is true"));
+  j = good;
+  j["pre_tokenizer"] = nlohmann::json::parse(R"({"type": "Sequence", "pretokenizers": [
+      {"type": "Split", "pattern": {"Regex": "\\d"}, "behavior": "Removed"}, {"type": "ByteLevel"}]})");
+  CHECK(has(error_for(j), "pre_tokenizer.pretokenizers[0].behavior is 'Removed'"));
+  j = good;
+  j["added_tokens"][0]["lstrip"] = true;
+  CHECK(has(error_for(j), "added_tokens[0].lstrip is true"));
+  j = good;
+  j["added_tokens"][0].erase("content");
+  CHECK(has(error_for(j), "added_tokens[0].content is missing or not a string"));
+  j = good;
+  j["decoder"] = {{"type", "Metaspace"}};
+  CHECK(has(error_for(j), "decoder is 'Metaspace', not ByteLevel"));
+  j = good;
+  for (int b = 0; b < 200; ++b) j["model"]["vocab"].erase(byte_symbol(static_cast<uint8_t>(b)));
+  j["model"]["merges"] = nlohmann::json::array();
+  for (int b = 0; b < 200; ++b) j["model"]["vocab"][fmt::format("<f{}>", b)] = b;
+  CHECK(has(error_for(j), "tokens for only 56 of the 256 byte characters"));
+  write_text(dir.file("broken.json"), "{\"model\": ");
+  CHECK(has(error_of([&] { BpeTokenizer::from_tokenizer_json(dir.file("broken.json")); }), "not valid JSON"));
+  CHECK(has(error_of([&] { BpeTokenizer::from_tokenizer_json(dir.file("absent.json")); }), "cannot open"));
+}
+
+TEST_CASE("tokenizer: malformed GGUF metadata fails with one clear line") {
+  GgufTokenizerMetadata good;
+  good.source = "m.gguf";
+  good.model = "gpt2";
+  good.pre = "gpt2";
+  good.tokens = small_definition().tokens;
+  for (const auto& [l, r] : kMerges) good.merges.push_back(l + " " + r);
+  auto m = good;
+  m.model = "llama";
+  CHECK(has(error_of([&] { BpeTokenizer::from_gguf(m); }), "m.gguf: tokenizer.ggml.model is 'llama'"));
+  m = good;
+  m.pre = "";
+  CHECK(has(error_of([&] { BpeTokenizer::from_gguf(m); }), "tokenizer.ggml.pre is missing"));
+  m = good;
+  m.pre = "deepseek-coder";
+  CHECK(has(error_of([&] { BpeTokenizer::from_gguf(m); }),
+            "pre-tokenizer 'deepseek-coder' is not one this build knows"));
+  m = good;
+  m.token_type = {1, 1};
+  CHECK(has(error_of([&] { BpeTokenizer::from_gguf(m); }), "token_type has 2 entries for 273 tokens"));
+  m = good;
+  m.merges.push_back("x");
+  CHECK(has(error_of([&] { BpeTokenizer::from_gguf(m); }), "tokenizer.ggml.merges[13] is 'x'"));
+  m = good;
+  m.eos_token_id = 273;
+  CHECK(has(error_of([&] { BpeTokenizer::from_gguf(m); }), "the EOS id 273 is outside the vocabulary of 273"));
+  m = good;
+  m.tokens[270] = m.tokens[5];
+  CHECK(has(error_of([&] { BpeTokenizer::from_gguf(m); }), "appears twice, as ids 5 and 270"));
+  m = good;
+  m.tokens.clear();
+  CHECK(has(error_of([&] { BpeTokenizer::from_gguf(m); }), "tokenizer.ggml.tokens is missing or empty"));
+}
+
+TEST_CASE("tokenizer: load_tokenizer, chunkwise encode and tokenize with a BPE tokenizer") {
+  test::TempDir dir("tokenizer-tools");
+  write_text(dir.file("tokenizer.json"), small_tokenizer_json(true).dump());
+  CHECK(load_tokenizer("bytes")->kind() == "bytes");
+  write_text(dir.file("record.json"), ByteTokenizer().to_json().dump());  // a run directory's record
+  CHECK(load_tokenizer(dir.file("record.json"))->kind() == "bytes");
+  CHECK(has(error_of([&] { load_tokenizer(dir.file("missing")); }), "no such file or directory"));
+  CHECK(has(error_of([&] { load_tokenizer(dir.file("m.gguf")); }), "needs the GGUF reader"));
+  fs::create_directories(dir.path / "empty");
+  CHECK(has(error_of([&] { load_tokenizer(dir.file("empty")); }), "holds no tokenizer.json"));
+
+  const std::unique_ptr<Tokenizer> tok = load_tokenizer(dir.file("tokenizer.json"));
+  write_text(dir.file("lines.txt"), "hello world\n\nabc<x>\n12");  // the last line has no newline
+  std::ostringstream out;
+  CHECK(encode_lines(*tok, dir.file("lines.txt"), out) == 4);
+  CHECK(out.str() == fmt::format("{} {}\n\n97 {} {}\n49 50\n", kHello, kSpaceWorld, kBc, kX));
+
+  // Shards: BOS (named, since this tokenizer.json has no config beside it) before each document.
+  write_text(dir.file("a.txt"), "hello world");
+  CHECK(has(error_of([&] { tokenize_files(*tok, {dir.file("a.txt")}, dir.file("a.bin")); }),
+            "has no BOS token"));
+  TokenizeOptions options;
+  options.bos_token = "<|endoftext|>";
+  options.add_eos = true;
+  options.eos_token = "<x>";
+  const TokenizeCounts counts = tokenize_files(*tok, {dir.file("a.txt")}, dir.file("a.bin"), options);
+  CHECK(counts.tokens == 4);
+  TokenFileInfo info;
+  CHECK(read_token_file(dir.file("a.bin"), TokenFormat::shard, tok->vocab_size(), &info) ==
+        Ids{kEnd, kHello, kSpaceWorld, kX});
+  CHECK(info.token_bytes == 2);
+  options.bos_token = "hello world";
+  CHECK(has(error_of([&] { tokenize_files(*tok, {dir.file("a.txt")}, dir.file("a.bin"), options); }),
+            "--bos-token 'hello world' is not one token"));
+
+  // A vocabulary of more than 65536 tokens writes uint32 ids, even when these ids are small.
+  BpeDefinition big = small_definition();
+  for (int i = 0; i < 70000; ++i) big.tokens.push_back(fmt::format("<filler {}>", i));
+  const BpeTokenizer big_tok(std::move(big));
+  tokenize_files(big_tok, {dir.file("a.txt")}, dir.file("big.bin"));
+  CHECK(read_token_file(dir.file("big.bin"), TokenFormat::shard, big_tok.vocab_size(), &info) ==
+        Ids{kEnd, kHello, kSpaceWorld});
+  CHECK(info.token_bytes == 4);
+  const std::string raw = read_text(dir.file("big.bin"));
+  uint32_t magic = 0;
+  for (int i = 3; i >= 0; --i) magic = magic << 8 | static_cast<unsigned char>(raw[static_cast<size_t>(i)]);
+  CHECK(magic == static_cast<uint32_t>(kShardMagicU32));
+}
+
+// The SmolLM2 tokenizer exported from its GGUF (tools/data/gguf_to_tokenizer_json.py) into
+// .models/smollm2/, and HF tokenizers' ids of the corpus (tools/data/tokenizer_vs_hf.py --write-ids).
+const fs::path kSmolLm2Dir = fs::path(CW_SOURCE_ROOT) / ".models" / "smollm2";
+const fs::path kCorpus = fs::path(CW_SOURCE_ROOT) / "tests" / "data" / "tokenizer_corpus.txt";
+const fs::path kCorpusIds = fs::path(CW_SOURCE_ROOT) / "tests" / "data" / "tokenizer_corpus.smollm2.ids";
+
+TEST_CASE("tokenizer: SmolLM2's vocabulary gives HF's ids on the corpus (needs .models/smollm2)" *
+          doctest::skip(!fs::exists(kSmolLm2Dir / "tokenizer.json"))) {
+  const std::unique_ptr<Tokenizer> tok = load_tokenizer(kSmolLm2Dir.string());
+  CHECK(tok->vocab_size() == 49152);
+  CHECK(tok->bos_id() == std::optional<uint32_t>(1));  // <|im_start|>, from tokenizer_config.json
+  std::ostringstream out;
+  const int64_t lines = encode_lines(*tok, kCorpus.string(), out);
+  std::istringstream got(out.str()), expected(read_text(kCorpusIds.string()));
+  std::string got_line, expected_line;
+  int64_t compared = 0;
+  while (std::getline(expected, expected_line)) {
+    REQUIRE(std::getline(got, got_line));
+    CHECK_MESSAGE(got_line == expected_line, "corpus line ", compared + 1);
+    ++compared;
+  }
+  CHECK(compared == lines);
+  MESSAGE("SmolLM2 against HF tokenizers: ", compared, " corpus lines compared");
+}
+
+}  // namespace
+}  // namespace cw
