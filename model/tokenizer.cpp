@@ -1,5 +1,7 @@
 #include "model/tokenizer.h"
 
+#include "model/gguf.h"
+
 #include "engine/error.h"
 
 #include <fmt/format.h>
@@ -716,6 +718,29 @@ BpeTokenizer BpeTokenizer::from_gguf(const GgufTokenizerMetadata& meta) {
   def.pad_id = meta.padding_token_id;
   def.chat_template = meta.chat_template;
   return BpeTokenizer(std::move(def));
+}
+
+BpeTokenizer BpeTokenizer::from_gguf_file(const std::string& path) {
+  const GgufReader gguf(path);
+  GgufTokenizerMetadata meta;
+  meta.source = path;
+  meta.model = gguf.get_string("tokenizer.ggml.model");
+  meta.pre = gguf.get_string("tokenizer.ggml.pre", "");
+  meta.tokens = gguf.get_strings("tokenizer.ggml.tokens");
+  if (gguf.has("tokenizer.ggml.merges")) meta.merges = gguf.get_strings("tokenizer.ggml.merges");
+  if (gguf.has("tokenizer.ggml.token_type"))
+    for (int64_t t : gguf.get_ints("tokenizer.ggml.token_type")) meta.token_type.push_back(static_cast<int32_t>(t));
+  const auto id = [&](const char* key) -> std::optional<uint32_t> {
+    if (!gguf.has(key)) return std::nullopt;
+    const int64_t v = gguf.get_int(key);
+    CW_CHECK(v >= 0 && v <= int64_t{UINT32_MAX}, "{}: {} = {} is not a token id", path, key, v);
+    return static_cast<uint32_t>(v);
+  };
+  meta.bos_token_id = id("tokenizer.ggml.bos_token_id");
+  meta.eos_token_id = id("tokenizer.ggml.eos_token_id");
+  meta.padding_token_id = id("tokenizer.ggml.padding_token_id");
+  meta.chat_template = gguf.get_string("tokenizer.chat_template", "");
+  return from_gguf(meta);
 }
 
 }  // namespace cw

@@ -144,6 +144,8 @@ class BpeTokenizer final : public Tokenizer {
                                                const nlohmann::json* tokenizer_config = nullptr);
   // GGUF metadata; control (3) and user-defined (4) tokens are the added tokens.
   static BpeTokenizer from_gguf(const GgufTokenizerMetadata& meta);
+  // A .gguf file's tokenizer.* metadata (model/gguf.h reads it) through from_gguf.
+  static BpeTokenizer from_gguf_file(const std::string& path);
 
   std::string kind() const override { return "bpe"; }
   int64_t vocab_size() const override { return static_cast<int64_t>(token_bytes_.size()); }

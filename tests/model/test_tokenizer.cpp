@@ -389,7 +389,9 @@ TEST_CASE("tokenizer: load_tokenizer, chunkwise encode and tokenize with a BPE t
   write_text(dir.file("record.json"), ByteTokenizer().to_json().dump());  // a run directory's record
   CHECK(load_tokenizer(dir.file("record.json"))->kind() == "bytes");
   CHECK(has(error_of([&] { load_tokenizer(dir.file("missing")); }), "no such file or directory"));
-  CHECK(has(error_of([&] { load_tokenizer(dir.file("m.gguf")); }), "needs the GGUF reader"));
+  write_text(dir.file("m.gguf"), "not a gguf file");  // read by model/gguf.h, which names the file
+  const std::string gguf_error = error_of([&] { load_tokenizer(dir.file("m.gguf")); });
+  CHECK(has(gguf_error, dir.file("m.gguf")));
   fs::create_directories(dir.path / "empty");
   CHECK(has(error_of([&] { load_tokenizer(dir.file("empty")); }), "holds no tokenizer.json"));
 
@@ -437,13 +439,10 @@ const fs::path kSmolLm2Dir = fs::path(CW_SOURCE_ROOT) / ".models" / "smollm2";
 const fs::path kCorpus = fs::path(CW_SOURCE_ROOT) / "tests" / "data" / "tokenizer_corpus.txt";
 const fs::path kCorpusIds = fs::path(CW_SOURCE_ROOT) / "tests" / "data" / "tokenizer_corpus.smollm2.ids";
 
-TEST_CASE("tokenizer: SmolLM2's vocabulary gives HF's ids on the corpus (needs .models/smollm2)" *
-          doctest::skip(!fs::exists(kSmolLm2Dir / "tokenizer.json"))) {
-  const std::unique_ptr<Tokenizer> tok = load_tokenizer(kSmolLm2Dir.string());
-  CHECK(tok->vocab_size() == 49152);
-  CHECK(tok->bos_id() == std::optional<uint32_t>(1));  // <|im_start|>, from tokenizer_config.json
+// HF's ids of the corpus against `tok`'s, line by line.
+void check_corpus_against_hf(const Tokenizer& tok, const char* what) {
   std::ostringstream out;
-  const int64_t lines = encode_lines(*tok, kCorpus.string(), out);
+  const int64_t lines = encode_lines(tok, kCorpus.string(), out);
   std::istringstream got(out.str()), expected(read_text(kCorpusIds.string()));
   std::string got_line, expected_line;
   int64_t compared = 0;
@@ -453,7 +452,25 @@ TEST_CASE("tokenizer: SmolLM2's vocabulary gives HF's ids on the corpus (needs .
     ++compared;
   }
   CHECK(compared == lines);
-  MESSAGE("SmolLM2 against HF tokenizers: ", compared, " corpus lines compared");
+  MESSAGE("SmolLM2 (", std::string(what), ") against HF tokenizers: ", compared, " corpus lines compared");
+}
+
+TEST_CASE("tokenizer: SmolLM2's vocabulary gives HF's ids on the corpus (needs .models/smollm2)" *
+          doctest::skip(!fs::exists(kSmolLm2Dir / "tokenizer.json"))) {
+  const std::unique_ptr<Tokenizer> tok = load_tokenizer(kSmolLm2Dir.string());
+  CHECK(tok->vocab_size() == 49152);
+  CHECK(tok->bos_id() == std::optional<uint32_t>(1));  // <|im_start|>, from tokenizer_config.json
+  check_corpus_against_hf(*tok, "tokenizer.json");
+}
+
+// The same vocabulary read straight from the model's GGUF metadata (model/gguf.h).
+const fs::path kSmolLm2Gguf = fs::path(CW_SOURCE_ROOT) / ".models" / "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+TEST_CASE("tokenizer: SmolLM2's GGUF gives HF's ids on the corpus (needs .models/SmolLM2-135M-Instruct.Q4_1.gguf)" *
+          doctest::skip(!fs::exists(kSmolLm2Gguf))) {
+  const std::unique_ptr<Tokenizer> tok = load_tokenizer(kSmolLm2Gguf.string());
+  CHECK(tok->vocab_size() == 49152);
+  check_corpus_against_hf(*tok, "GGUF");
 }
 
 }  // namespace

@@ -174,11 +174,7 @@ std::unique_ptr<Tokenizer> load_tokenizer(const std::string& spec) {
   namespace fs = std::filesystem;
   if (spec == ByteTokenizer::kName) return std::make_unique<ByteTokenizer>();
   const fs::path path(spec);
-  if (path.extension() == ".gguf")
-    fail(fmt::format("tokenizer '{}': reading a .gguf file's tokenizer needs the GGUF reader, which this build does "
-                     "not have yet",
-                     spec),
-         "export its tokenizer with tools/data/gguf_to_tokenizer_json.py and pass the tokenizer.json");
+  if (path.extension() == ".gguf") return std::make_unique<BpeTokenizer>(BpeTokenizer::from_gguf_file(spec));
   std::error_code ec;
   if (fs::is_directory(path, ec)) {
     const fs::path json = path / "tokenizer.json";
