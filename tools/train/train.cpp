@@ -405,18 +405,24 @@ class TrainLoop {
     }
     o.grad_norm = grad_global_norm(grads);
     o.lr = lr_schedule_.at(step);
-    if (!std::isfinite(o.loss) || !std::isfinite(o.grad_norm)) {
-      const std::string what = fmt::format("step {}: non-finite {} (loss {}, grad norm {}) over {} micro-batches",
-                                           step, std::isfinite(o.loss) ? "gradient" : "loss", o.loss, o.grad_norm,
-                                           accum);
-      if (rc_.train.nonfinite == "stop") fail(what, "lower optimizer.lr or set train.nonfinite = skip");
-      out_ << "warning: " << what << "; update skipped\n";
-      o.skipped = true;
-    } else {
+    o.skipped = skip_nonfinite(o, step, accum);
+    if (!o.skipped) {
       clip_grad_norm(grads, rc_.optimizer.grad_clip);
       state_.optimizer_step(o.lr);
     }
     return o;
+  }
+
+  // A non-finite loss or gradient norm: stops the run (train.nonfinite = stop) or says the update is
+  // skipped and returns true. On every rank of a data-parallel run the loss and norm are the global
+  // ones, so every rank decides alike.
+  bool skip_nonfinite(const StepOutcome& o, int64_t step, int64_t accum) {
+    if (std::isfinite(o.loss) && std::isfinite(o.grad_norm)) return false;
+    const std::string what = fmt::format("step {}: non-finite {} (loss {}, grad norm {}) over {} micro-batches", step,
+                                         std::isfinite(o.loss) ? "gradient" : "loss", o.loss, o.grad_norm, accum);
+    if (rc_.train.nonfinite == "stop") fail(what, "lower optimizer.lr or set train.nonfinite = skip");
+    out_ << "warning: " << what << "; update skipped\n";
+    return true;
   }
 
   // train_step with data parallelism: this rank's slice of every global micro-batch, one reduction,
@@ -432,14 +438,8 @@ class TrainLoop {
     o.stats = d.stats;
     o.grad_norm = dp_->gradient_norm();
     o.lr = lr_schedule_.at(step);
-    if (!std::isfinite(o.loss) || !std::isfinite(o.grad_norm)) {
-      const std::string what = fmt::format("step {}: non-finite {} (loss {}, grad norm {}) over {} micro-batches",
-                                           step, std::isfinite(o.loss) ? "gradient" : "loss", o.loss, o.grad_norm,
-                                           accum);
-      if (rc_.train.nonfinite == "stop") fail(what, "lower optimizer.lr or set train.nonfinite = skip");
-      out_ << "warning: " << what << "; update skipped\n";
-      o.skipped = true;
-    } else {
+    o.skipped = skip_nonfinite(o, step, accum);
+    if (!o.skipped) {
       dp_->clip_gradients(rc_.optimizer.grad_clip);
       dp_->optimizer_step(o.lr);
     }
