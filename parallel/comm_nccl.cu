@@ -23,6 +23,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <mutex>
 #include <thread>
 
@@ -227,15 +228,24 @@ class NcclCommunicator final : public Communicator {
   }
 
   ~NcclCommunicator() override {
-    try {
-      if (!watchdog_->failed()) watchdog_->wait_all();  // let issued collectives finish, under the watchdog
-    } catch (const std::exception&) {
-      // the watchdog fired: the communicator is aborted below
+    // Destroyed while an error unwinds: this rank will issue nothing more and its peers may wait on it, so
+    // abort at once rather than wait up to the collective timeout for a clean finalize.
+    const bool unwinding = std::uncaught_exceptions() > 0;
+    if (!unwinding) {
+      try {
+        if (!watchdog_->failed()) watchdog_->wait_all();  // let issued collectives finish, under the watchdog
+      } catch (const std::exception&) {
+        // the watchdog fired: the communicator is aborted below
+      }
     }
     watchdog_.reset();  // its thread must not touch the communicator while it goes away
     std::lock_guard lock(nccl_mutex_);
     if (aborted_) return;
     cudaSetDevice(device_);  // already current unless the caller moved on (the constructor made it so)
+    if (unwinding) {
+      ncclCommAbort(comm_);
+      return;
+    }
     // Finalize (flushes this rank's operations), bounded like a collective; an abort if it fails or hangs.
     ncclResult_t state = ncclCommFinalize(comm_);
     const Clock::time_point deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(collective_timeout_);
