@@ -52,6 +52,10 @@ AttentionPlanStats attention_plan_stats() {
 #endif
 }
 
+double take_copy_wait_seconds(Device device) {
+  return device.is_cpu() ? 0.0 : gpu::take_copy_wait_seconds(device.index);
+}
+
 DeviceMemory device_memory(Device device) {
   CW_CHECK(!device.is_cpu(), "device_memory asks about a GPU; host memory is the operating system's");
   const gpu::MemoryInfo m = gpu::memory_info(device.index);

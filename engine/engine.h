@@ -60,13 +60,28 @@ AttentionKernel attention_kernel();
 enum class CudnnPlans { exact, shared };
 void set_cudnn_plans(CudnnPlans plans);
 CudnnPlans cudnn_plans();
+// Plans built ahead (env CW_CUDNN_PLAN_THREADS; by default half the cores, at most 8; 0: off): when
+// a call whose K/V are a slice of a longer store (a SeCO sweep) needs an exact plan not yet built,
+// the plans of the other offsets of its chunk length, both directions, in sweep order, are queued
+// for host threads that build them while the step runs. With determinism off, the chooser runs
+// such a call on our flash kernels while its plan is still being built (engine/ops/attention.cpp),
+// so the first step does not wait; with it on, the call waits for its plan (or builds it itself).
+void set_cudnn_plan_threads(int threads);
+int cudnn_plan_threads();
 // Plans built since the process started (all devices), those cuDNN refused (a shared plan it
-// refuses falls back to the exact one), and the seconds spent building both. Zeros without cuDNN.
+// refuses falls back to the exact one), the seconds spent building both (summed over the threads
+// that built them), of them the plans built ahead, and the seconds calls waited for a plan another
+// thread was building. Zeros without cuDNN.
 struct AttentionPlanStats {
-  int64_t built = 0, refused = 0;
-  double seconds = 0;
+  int64_t built = 0, refused = 0, built_ahead = 0;
+  double seconds = 0, waited_seconds = 0;
 };
 AttentionPlanStats attention_plan_stats();
+
+// ---- Copies between host and device ----
+// The seconds the device's compute stream spent blocked waiting for host <-> device copies (K/V
+// offload, offloaded layer inputs) since the previous call; waits for the device. 0 for the CPU.
+double take_copy_wait_seconds(Device device);
 
 // ---- Device memory ----
 struct DeviceMemory {

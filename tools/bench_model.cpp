@@ -82,6 +82,7 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
   r["flops_per_token"] = fpt;
   std::vector<double> step_s;
   nlohmann::json plan_steps = nlohmann::json::array();  // per step: attention plans built and their build seconds
+  std::vector<double> copy_waits;  // per step: seconds the compute stream waited for host <-> device copies
   try {
     AdamWOptions ao;
     TrainingState st(cfg, dt, g, ao);
@@ -94,6 +95,7 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
       const bool traced = !o.trace.empty() && s + 1 == o.warmup + o.steps;
       if (traced) trace::start(g);
       const AttentionPlanStats plans0 = attention_plan_stats();
+      take_copy_wait_seconds(g);  // counts from here
       const auto t0 = std::chrono::steady_clock::now();
       st.grads().zero();
       stats = schedule->step(st.model(), batch, st.grads());
@@ -101,18 +103,28 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
       st.optimizer_step(1e-5);
       synchronize(g);
       const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      const double copy_wait_s = take_copy_wait_seconds(g);
       if (traced) trace::stop().write(o.trace);
       const AttentionPlanStats plans1 = attention_plan_stats();
-      const int64_t built = plans1.built - plans0.built, refused = plans1.refused - plans0.refused;
-      const double plan_s = plans1.seconds - plans0.seconds;
-      plan_steps.push_back({{"built", built}, {"refused", refused}, {"seconds", plan_s}});
-      // The first step builds the attention plans (cuDNN); what that cost is part of its time.
+      const int64_t built = plans1.built - plans0.built, refused = plans1.refused - plans0.refused,
+                    ahead = plans1.built_ahead - plans0.built_ahead;
+      const double plan_s = plans1.seconds - plans0.seconds, waited_s = plans1.waited_seconds - plans0.waited_seconds;
+      plan_steps.push_back({{"built", built}, {"refused", refused}, {"built_ahead", ahead}, {"seconds", plan_s},
+                            {"waited_seconds", waited_s}});
+      copy_waits.push_back(copy_wait_s);
+      // The first step builds the attention plans (cuDNN); what that cost is part of its time. Plans
+      // built ahead cost the step only the time it waited for them.
       const std::string plan_note =
-          built + refused > 0 ? fmt::format(", attention plans: {} built{} in {:.2f} s", built,
-                                            refused > 0 ? fmt::format(" ({} refused)", refused) : "", plan_s)
-                              : "";
-      out << fmt::format("step {}{}: {:.3f} s, loss {:.4f}{}\n", s + 1, s < o.warmup ? " (warm-up)" : "", sec,
-                         stats.loss, plan_note)
+          built + refused > 0
+              ? fmt::format(", attention plans: {} built{} in {:.2f} s of build time ({} ahead on {} threads, {:.2f} s waited)",
+                            built, refused > 0 ? fmt::format(" ({} refused)", refused) : "", plan_s, ahead,
+                            cudnn_plan_threads(), waited_s)
+              : "";
+      // Time the compute stream sat waiting for host <-> device copies: the offload's overhead.
+      const std::string wait_note =
+          copy_wait_s > 0 ? fmt::format(", waited {:.2f} s ({:.1f}%) for copies", copy_wait_s, 100 * copy_wait_s / sec) : "";
+      out << fmt::format("step {}{}: {:.3f} s, loss {:.4f}{}{}\n", s + 1, s < o.warmup ? " (warm-up)" : "", sec,
+                         stats.loss, wait_note, plan_note)
           << std::flush;
       if (s >= o.warmup) step_s.push_back(sec);
     }
@@ -137,6 +149,7 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
     r["step_s"] = med;
     r["step_times"] = step_s;
     r["attention_plans"] = plan_steps;
+    r["copy_wait_s"] = copy_waits;
     r["tokens_per_s"] = tps;
     r["mfu"] = tps * fpt / (peak * 1e12);
   } catch (const std::exception& e) {

@@ -48,6 +48,10 @@
 //   selected (cw::set_cudnn_plans(shared), env CW_CUDNN_PLANS=shared; the default is exact: the
 //   padded kernel is slower in steady state); otherwise, or when cuDNN refuses a shared graph, a
 //   plan per S.
+//   Plans built ahead (cw::cudnn_plan_threads(), engine.h): an exact plan missed by a call whose K/V
+//   are a slice of a longer store queues its family (the same chunk length c at every offset of
+//   the store, both directions, in sweep order) for worker threads, each with its own cudnnHandle;
+//   get_plan waits for a plan a worker is building and builds one still queued itself.
 //   Chosen by the chooser (engine/ops/attention.cpp) for bf16 forwards it serves, and for backwards
 //   when determinism is off and the plan's workspace fits the budget; forced (CW_ATTENTION=cudnn)
 //   the deterministic form serves the determinism switch.
@@ -62,13 +66,17 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <condition_variable>
+#include <deque>
 #include <cstdint>
 #include <cstdio>
 #include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
+#include <thread>
 #include <tuple>
 #include <vector>
 
@@ -269,6 +277,7 @@ struct Shape {
     return std::tie(device, backward, B, H, Hkv, c, S, D, k_batch_stride, v_batch_stride, deterministic, shared);
   }
   bool operator<(const Shape& o) const { return key() < o.key(); }
+  bool operator==(const Shape& o) const { return key() == o.key(); }
   int64_t p() const { return S - c; }  // exact plans only
   bool dq_accum() const { return backward && !deterministic; }  // the fast backward form
   bool gqa() const { return H != Hkv; }
@@ -292,11 +301,15 @@ struct DeviceState {
   cudnnHandle_t handle = nullptr;
   std::map<Shape, std::unique_ptr<Plan>> plans;
   std::map<Shape, std::string> rejected;  // shapes cuDNN could not serve, with its reasons
+  std::set<Shape> building;               // being built now, by a worker or a caller
 };
 
-std::mutex g_mutex;  // guards g_devices and g_stats (plans are immutable once built)
+std::mutex g_mutex;  // guards everything below (plans are immutable once built)
+std::condition_variable g_plan_done;  // a build finished (a plan, a refusal, or an abandoned build)
 std::map<int, DeviceState> g_devices;
 AttentionPlanStats g_stats;  // every build, all devices (cw::attention_plan_stats)
+std::deque<Shape> g_ahead;   // plans to build ahead, in the order calls are expected to need them
+std::set<Shape> g_ahead_set;
 
 DeviceState& device_state(int device) {
   DeviceState& st = g_devices[device];
@@ -747,35 +760,179 @@ bool verbose() {
   static const bool v = env_switch("CW_CUDNN_VERBOSE", "CW_CUDNN_VERBOSE=1 describes each cuDNN attention plan on stderr");
   return v;
 }
-// The cached plan for `sh`, built on first use; nullptr (with cuDNN's reasons) if cuDNN cannot serve it.
-const Plan* get_plan(const Shape& sh, std::string* why) {
-  std::lock_guard lock(g_mutex);
-  DeviceState& st = device_state(sh.device);
-  if (auto it = st.plans.find(sh); it != st.plans.end()) return it->second.get();
-  if (auto it = st.rejected.find(sh); it != st.rejected.end()) {
-    if (why) *why = it->second;
-    return nullptr;
-  }
-  current_stream(sh.device);  // make the device current for the build
-  std::string reasons;
-  const auto t0 = std::chrono::steady_clock::now();
-  auto plan = build_plan(st.handle, sh, &reasons);
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+using Clock = std::chrono::steady_clock;
+
+double seconds_since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+// Files a finished build (lock held): the plan, or cuDNN's reasons; wakes whoever waits for it.
+const Plan* file_build(DeviceState& st, const Shape& sh, std::unique_ptr<Plan> plan, const std::string& reasons,
+                       double seconds, bool ahead) {
+  st.building.erase(sh);
+  g_plan_done.notify_all();
   g_stats.seconds += seconds;
   const std::string what =
-      CW_FORMAT("cuDNN attention {} plan B={} H={} Hkv={} c={} S={} D={}{}", sh.backward ? "backward" : "forward", sh.B,
-                sh.H, sh.Hkv, sh.c, sh.S, sh.D, sh.shared ? " (shared)" : "");
+      CW_FORMAT("cuDNN attention {} plan B={} H={} Hkv={} c={} S={} D={}{}{}", sh.backward ? "backward" : "forward",
+                sh.B, sh.H, sh.Hkv, sh.c, sh.S, sh.D, sh.shared ? " (shared)" : "", ahead ? " (ahead)" : "");
   if (!plan) {
     ++g_stats.refused;
     if (verbose()) std::fprintf(stderr, "%s: refused in %.3f s: %s\n", what.c_str(), seconds, reasons.c_str());
     st.rejected.emplace(sh, reasons);
-    if (why) *why = reasons;
     return nullptr;
   }
   ++g_stats.built;
+  if (ahead) ++g_stats.built_ahead;
   const Plan* p = plan.get();
   if (verbose()) std::fprintf(stderr, "%s: built in %.3f s: %s\n", what.c_str(), seconds, p->info.c_str());
   st.plans.emplace(sh, std::move(plan));
+  return p;
+}
+
+// The worker threads that build plans ahead; started with the first plan queued, stopped (each
+// finishing the build in hand) when the process exits.
+class AheadBuilders {
+ public:
+  ~AheadBuilders() {
+    {
+      std::lock_guard lock(g_mutex);
+      stop_ = true;
+      g_ahead.clear();
+      g_ahead_set.clear();
+    }
+    work_.notify_all();
+    for (std::thread& t : threads_) t.join();
+  }
+  // Lock held. Starts the workers if none run yet.
+  void wake(int threads) {
+    while (static_cast<int>(threads_.size()) < threads) threads_.emplace_back([this] { work(); });
+    work_.notify_all();
+  }
+
+ private:
+  void work() {
+    std::map<int, cudnnHandle_t> handles;  // this thread's, one per device (never shared between threads)
+    std::unique_lock lock(g_mutex);
+    for (;;) {
+      work_.wait(lock, [this] { return stop_ || !g_ahead.empty(); });
+      if (stop_) break;
+      const Shape sh = g_ahead.front();
+      g_ahead.pop_front();
+      g_ahead_set.erase(sh);
+      DeviceState& st = g_devices[sh.device];
+      if (st.plans.count(sh) || st.rejected.count(sh) || st.building.count(sh)) continue;
+      st.building.insert(sh);
+      lock.unlock();
+      std::unique_ptr<Plan> plan;
+      std::string reasons;
+      const Clock::time_point t0 = Clock::now();
+      bool built = true;
+      try {
+        cudnnHandle_t& h = handles[sh.device];
+        if (!h) {
+          CW_CUDA_CHECK(cudaSetDevice(sh.device));
+          CW_CUDNN_CHECK(cudnnCreate(&h));
+        }
+        CW_CUDA_CHECK(cudaSetDevice(sh.device));
+        plan = build_plan(h, sh, &reasons);
+      } catch (const std::exception&) {
+        built = false;  // a caller that needs this plan builds it and sees the error itself
+      }
+      const double seconds = seconds_since(t0);
+      lock.lock();
+      if (built) {
+        file_build(st, sh, std::move(plan), reasons, seconds, true);
+      } else {
+        st.building.erase(sh);
+        g_plan_done.notify_all();
+      }
+    }
+    lock.unlock();
+    for (auto& [device, h] : handles) cudnnDestroy(h);
+  }
+
+  std::vector<std::thread> threads_;
+  std::condition_variable work_;
+  bool stop_ = false;  // guarded by g_mutex
+};
+
+AheadBuilders& ahead_builders() {
+  static AheadBuilders b;
+  return b;
+}
+
+// Lock held. After a call missed the exact plan `sh`: where its K/V are a slice [0, S) of a longer
+// store, queues the plans of the same chunk length at the store's other offsets S' = S + j c, both
+// directions: this direction first in its sweep order (forward: S' rising, as the prefill runs;
+// backward: falling, as the reverse sweep), then the other direction in its own.
+void queue_family(const Shape& sh) {
+  const int threads = cw::cudnn_plan_threads();
+  if (threads == 0 || sh.shared) return;
+  const int64_t row = sh.Hkv * sh.D;
+  if (row <= 0 || sh.k_batch_stride % row != 0 || sh.v_batch_stride % row != 0) return;
+  const int64_t extent = std::min(sh.k_batch_stride, sh.v_batch_stride) / row;
+  if (extent <= sh.S) return;
+  const int64_t top = sh.S + (extent - sh.S) / sh.c * sh.c, bottom = sh.S - (sh.S - sh.c) / sh.c * sh.c;
+  auto queue = [&](bool backward, int64_t S) {
+    Shape s = sh;
+    s.backward = backward;
+    s.S = S;
+    s.deterministic = backward && cw::deterministic();
+    DeviceState& st = g_devices[s.device];
+    if (st.plans.count(s) || st.rejected.count(s) || st.building.count(s) || !g_ahead_set.insert(s).second) return;
+    g_ahead.push_back(s);
+  };
+  auto sweep = [&](bool backward) {
+    if (backward)
+      for (int64_t S = top; S >= bottom; S -= sh.c) queue(true, S);
+    else
+      for (int64_t S = bottom; S <= top; S += sh.c) queue(false, S);
+  };
+  if (sh.backward) {
+    for (int64_t S = sh.S - sh.c; S >= bottom; S -= sh.c) queue(true, S);
+  } else {
+    for (int64_t S = sh.S + sh.c; S <= top; S += sh.c) queue(false, S);
+  }
+  sweep(!sh.backward);
+  sweep(sh.backward);  // the offsets of this direction on the other side of S
+  if (!g_ahead.empty()) ahead_builders().wake(threads);
+}
+
+// The cached plan for `sh`, built on first use; nullptr (with cuDNN's reasons) if cuDNN cannot serve it.
+const Plan* get_plan(const Shape& sh, std::string* why) {
+  std::unique_lock lock(g_mutex);
+  DeviceState& st = device_state(sh.device);
+  for (;;) {
+    if (auto it = st.plans.find(sh); it != st.plans.end()) return it->second.get();
+    if (auto it = st.rejected.find(sh); it != st.rejected.end()) {
+      if (why) *why = it->second;
+      return nullptr;
+    }
+    if (!st.building.count(sh)) break;
+    const Clock::time_point t0 = Clock::now();  // a worker builds it: wait for that build
+    g_plan_done.wait(lock);
+    g_stats.waited_seconds += seconds_since(t0);
+  }
+  // Not built, not in hand anywhere: build it here (dropped from the queue if it was there), after
+  // queueing the rest of its family for the workers.
+  if (g_ahead_set.erase(sh)) g_ahead.erase(std::find(g_ahead.begin(), g_ahead.end(), sh));
+  st.building.insert(sh);
+  queue_family(sh);
+  lock.unlock();
+  current_stream(sh.device);  // make the device current for the build
+  std::string reasons;
+  const Clock::time_point t0 = Clock::now();
+  std::unique_ptr<Plan> plan;
+  try {
+    plan = build_plan(st.handle, sh, &reasons);
+  } catch (...) {
+    lock.lock();
+    st.building.erase(sh);
+    g_plan_done.notify_all();
+    throw;
+  }
+  const double seconds = seconds_since(t0);
+  lock.lock();
+  const Plan* p = file_build(st, sh, std::move(plan), reasons, seconds, false);
+  if (!p && why) *why = reasons;
   return p;
 }
 
@@ -981,6 +1138,24 @@ struct MaskOperands {
 // Entry points.
 
 int64_t cudnn_runtime_version() { return runtime_version(); }
+
+bool cudnn_attention_plan_ready(const Tensor& q, const Tensor& k, const Tensor& v, bool backward) {
+  if (cw::cudnn_plan_threads() == 0 || cw::cudnn_plans() == CudnnPlans::shared || !static_reason(q, k).empty())
+    return true;
+  Shape sh = shape_of(q, k, v, backward);
+  const int64_t row = sh.Hkv * sh.D;
+  if (row <= 0 || std::min(sh.k_batch_stride, sh.v_batch_stride) / row <= sh.S) return true;  // not a store slice
+  std::lock_guard lock(g_mutex);
+  DeviceState& st = device_state(sh.device);
+  if (st.plans.count(sh) || st.rejected.count(sh)) return true;
+  if (st.building.count(sh)) return false;
+  // First in the queue (it is needed now), then the rest of its family.
+  if (!g_ahead_set.insert(sh).second) g_ahead.erase(std::find(g_ahead.begin(), g_ahead.end(), sh));
+  g_ahead.push_front(sh);
+  queue_family(sh);
+  ahead_builders().wake(cw::cudnn_plan_threads());
+  return false;
+}
 
 AttentionPlanStats cudnn_plan_stats() {
   std::lock_guard lock(g_mutex);

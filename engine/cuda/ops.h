@@ -74,6 +74,11 @@ bool cudnn_attention_forward_supports(const Tensor& q, const Tensor& k, std::str
 // bytes (builds and caches the plan; honours cw::deterministic()).
 bool cudnn_attention_backward_fits(const Tensor& q, const Tensor& k, const Tensor& v, int64_t max_workspace,
                                    std::string* why_not = nullptr);
+// Whether the plan of this call is built (never blocks). Where it is not, and plans are built
+// ahead (cw::cudnn_plan_threads() > 0) and the K/V are a slice of a longer store, the plan goes to
+// the front of the ahead queue (its family behind it) and the answer is false: the chooser runs
+// another kernel for this call rather than wait. Other calls: true (they build their plan on use).
+bool cudnn_attention_plan_ready(const Tensor& q, const Tensor& k, const Tensor& v, bool backward);
 void cudnn_attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
                              const Tensor& v, double scale, Arena& scratch);
 void cudnn_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,

@@ -521,13 +521,78 @@ uint64_t zero_on_side_stream(void* dst, size_t bytes, int device) {
   return on_side_stream(device, [&](cudaStream_t side) { CW_CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, side)); });
 }
 
+namespace {
+// Timed event pairs around the compute stream's waits for copies (take_copy_wait_seconds). Pairs
+// that have completed are folded into `seconds` once many are pending, so memory stays bounded
+// when nobody asks.
+struct CopyWaits {
+  std::mutex mutex;
+  std::array<std::vector<std::pair<cudaEvent_t, cudaEvent_t>>, kMaxDevices> pending;
+  std::array<double, kMaxDevices> seconds{};
+  std::vector<cudaEvent_t> spare;
+  cudaEvent_t event() {
+    if (spare.empty()) {
+      cudaEvent_t e;
+      CW_CUDA_CHECK(cudaEventCreate(&e));
+      return e;
+    }
+    cudaEvent_t e = spare.back();
+    spare.pop_back();
+    return e;
+  }
+  // Folds the pairs of `device` from the front while they are complete (all of them: `wait` true).
+  void fold(int device, bool wait) {
+    auto& p = pending[static_cast<size_t>(device)];
+    size_t n = 0;
+    for (; n < p.size(); ++n) {
+      auto [before, after] = p[n];
+      if (wait) {
+        CW_CUDA_CHECK(cudaEventSynchronize(after));
+      } else if (cudaEventQuery(after) != cudaSuccess) {
+        cudaGetLastError();  // cudaErrorNotReady is not an error here
+        break;
+      }
+      float ms = 0;
+      CW_CUDA_CHECK(cudaEventElapsedTime(&ms, before, after));
+      seconds[static_cast<size_t>(device)] += ms / 1e3;
+      spare.push_back(before);
+      spare.push_back(after);
+    }
+    p.erase(p.begin(), p.begin() + static_cast<std::ptrdiff_t>(n));
+  }
+};
+CopyWaits& copy_waits() {
+  static CopyWaits* w = new CopyWaits;
+  return *w;
+}
+}  // namespace
+
+double take_copy_wait_seconds(int device) {
+  CopyWaits& w = copy_waits();
+  std::lock_guard lock(w.mutex);
+  w.fold(device, true);
+  const double s = w.seconds[static_cast<size_t>(device)];
+  w.seconds[static_cast<size_t>(device)] = 0;
+  return s;
+}
+
 void wait_for_copy(uint64_t ticket, int device) {
   cudaStream_t compute = current_stream(device);
   SideStreams& s = side_streams();
   std::lock_guard lock(s.mutex);
   auto it = s.tickets.find(ticket);
   if (it == s.tickets.end()) return;  // already waited for
-  CW_CUDA_CHECK(cudaStreamWaitEvent(compute, it->second.second, 0));
+  {
+    CopyWaits& w = copy_waits();
+    std::lock_guard wl(w.mutex);
+    const cudaEvent_t before = w.event(), after = w.event();
+    CW_CUDA_CHECK(cudaEventRecord(before, compute));
+    CW_CUDA_CHECK(cudaStreamWaitEvent(compute, it->second.second, 0));
+    CW_CUDA_CHECK(cudaEventRecord(after, compute));
+    auto& p = w.pending[static_cast<size_t>(device)];
+    p.emplace_back(before, after);
+    if (p.size() >= 1024) w.fold(device, false);
+  }
   // A device's side stream runs its copies in order, so waiting for this one covers every earlier
   // ticket of the device: their events are released too (safe before they complete).
   for (auto e = s.tickets.begin(); e != s.tickets.end() && e->first <= ticket;) {

@@ -86,6 +86,10 @@ uint64_t copy_on_side_stream(void* dst, const void* src, size_t bytes, int devic
 uint64_t zero_on_side_stream(void* dst, size_t bytes, int device);
 void wait_for_copy(uint64_t ticket, int device);
 void wait_for_all_copies(int device);           // the host waits until every side-stream copy is done
+// The time the device's compute stream spent blocked in wait_for_copy, measured with timed events
+// recorded around each wait. Waits for the compute stream, returns the seconds since the previous
+// call and starts counting again.
+double take_copy_wait_seconds(int device);
 
 // Timing marks for the trace recorder (engine/trace.h): a CUDA event with timing recorded on the
 // device's compute stream, or on its side stream (after_compute: the side stream first waits for

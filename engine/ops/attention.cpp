@@ -17,6 +17,7 @@
 #include <cstdlib>
 #include <map>
 #include <mutex>
+#include <thread>
 
 namespace cw {
 
@@ -27,6 +28,7 @@ constexpr std::array<const char*, 7> kKernelNames{"auto", "cpu", "cudnn", "flash
 std::atomic<int> g_kernel{-1};         // -1: not yet read from CW_ATTENTION
 std::atomic<int> g_deterministic{-1};  // -1: not yet read from CW_DETERMINISTIC
 std::atomic<int> g_cudnn_plans{-1};    // -1: not yet read from CW_CUDNN_PLANS
+std::atomic<int> g_cudnn_plan_threads{-1};  // -1: not yet read from CW_CUDNN_PLAN_THREADS
 }  // namespace
 
 const char* attention_kernel_name(AttentionKernel kernel) { return kKernelNames[static_cast<size_t>(kernel)]; }
@@ -75,6 +77,30 @@ CudnnPlans cudnn_plans() {
     g_cudnn_plans.store(v);
   }
   return static_cast<CudnnPlans>(v);
+}
+
+void set_cudnn_plan_threads(int threads) {
+  CW_CHECK(threads >= 0, "set_cudnn_plan_threads({}): the count of plan threads cannot be negative", threads);
+  g_cudnn_plan_threads.store(threads);
+}
+
+int cudnn_plan_threads() {
+  int v = g_cudnn_plan_threads.load();
+  if (v < 0) {
+    const char* e = std::getenv("CW_CUDNN_PLAN_THREADS");
+    if (e == nullptr || *e == '\0') {
+      v = static_cast<int>(std::clamp(std::thread::hardware_concurrency() / 2, 1u, 8u));
+    } else {
+      char* end = nullptr;
+      const long n = std::strtol(e, &end, 10);
+      if (*end != '\0' || n < 0 || n > 256)
+        fail(fmt::format("environment variable CW_CUDNN_PLAN_THREADS='{}' is not a count from 0 to 256", e),
+             "set the host threads that build cuDNN attention plans ahead of use (0: build each when first needed)");
+      v = static_cast<int>(n);
+    }
+    g_cudnn_plan_threads.store(v);
+  }
+  return v;
 }
 
 AttentionFlags attention_flags() { return {attention_kernel(), deterministic()}; }
@@ -170,6 +196,14 @@ bool serves(AttentionKernel kernel, const AttentionCall& call, const AttentionFl
     case AttentionKernel::cudnn:
 #if CW_HAVE_CUDNN
       if (cpu) break;
+      // Automatic, determinism off: a SeCO call whose plan is still being built ahead runs on flash
+      // rather than wait for it (the first step; engine.h, cudnn_plan_threads). With determinism
+      // on, which kernel runs must not depend on timing, so the call waits.
+      if (!forced && !flags.deterministic &&
+          !gpu::cudnn_attention_plan_ready(*call.q, *call.k, *call.v, call.backward)) {
+        *why = "its plan is being built ahead (flash runs this call meanwhile)";
+        return false;
+      }
       if (!call.backward) return gpu::cudnn_attention_forward_supports(*call.q, *call.k, why);
       // Forced: cuDNN's own deterministic form serves the deterministic switch. Automatic: cuDNN's
       // backward only with determinism off (its fast engine sums dQ with atomics) and when its

@@ -13,10 +13,12 @@
 #include "tests/gpu_support.h"
 #include "tests/support.h"
 
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <thread>
 #include <vector>
 
 using namespace cw;
@@ -85,6 +87,18 @@ class CudnnPlansScope {
 
  private:
   CudnnPlans saved_;
+};
+
+// Sets cw::cudnn_plan_threads() for one scope and restores what it was.
+class PlanThreadsScope {
+ public:
+  explicit PlanThreadsScope(int threads) : saved_(cw::cudnn_plan_threads()) { cw::set_cudnn_plan_threads(threads); }
+  ~PlanThreadsScope() { cw::set_cudnn_plan_threads(saved_); }
+  PlanThreadsScope(const PlanThreadsScope&) = delete;
+  PlanThreadsScope& operator=(const PlanThreadsScope&) = delete;
+
+ private:
+  int saved_;
 };
 
 // bf16 operands and bf16 outputs against f64 (the op table's bf16 tolerance).
@@ -277,10 +291,99 @@ TEST_CASE("cuda: cudnn shared plans: a sweep of chunk offsets builds one plan pe
   }
   {
     CudnnPlansScope scope(CudnnPlans::exact);
+    PlanThreadsScope no_ahead(0);  // plans built ahead would build the family's other offsets too
     const auto [forward, backward] = sweep(256, 4);  // another chunk length: a family of its own
     CHECK(forward == 4);
     CHECK(backward == 4);
   }
+}
+
+TEST_CASE("cuda: cudnn exact plans built ahead serve a sweep of chunk offsets as the CPU does" *
+          doctest::skip(!cw::test::gpu_ready())) {
+  // A family no other test builds: 6 query heads on 2 K/V heads, chunks of 320 against a store of
+  // 2560. The prefill's first call builds its plan and queues the other 15 of the family (8
+  // offsets, both directions) for 4 threads; the sweeps then run every offset forward (rising) and
+  // backward (falling), each against the CPU in f64, so a plan built on a worker's cuDNN handle
+  // and run on the compute stream's must give the right answers. How many were built ahead
+  // depends on timing; that some were, and that the family built each plan once, does not.
+  DeterminismScope fast(false);
+  CudnnPlansScope exact(CudnnPlans::exact);
+  PlanThreadsScope threads(4);
+  const int64_t c = 320, T = 2560;
+  Chunked ch(1, c, 6, 2, 64, T, 777);
+  std::string why;
+  if (!gpu::cudnn_attention_supports(ch.q.dev, ch.k_store.dev, &why)) {
+    MESSAGE("cuDNN fused attention not available here, skipped: ", why);
+    return;
+  }
+  const AttentionPlanStats before = attention_plan_stats();
+  for (int64_t S = c; S <= T; S += c) {
+    CAPTURE(S);
+    Arena scratch(gpu0());
+    OwnedTensor out = poisoned(DType::bf16, {1, c, 6, 64}), lse = poisoned(DType::f32, {1, 6, c});
+    gpu::cudnn_attention_forward(out, {lse}, ch.q.dev, ch.k_store.dev.tensor.slice(1, 0, S),
+                                 ch.v_store.dev.tensor.slice(1, 0, S), ch.scale, scratch);
+    const CpuResult ref = run_cpu(ch, S);
+    expect_close_f64(fetch(out), ref.out, kBf16Tol, "out");
+    expect_close_f64(fetch(lse), ref.lse, kBf16Tol, "lse");
+  }
+  for (int64_t S = T; S >= c; S -= c) {
+    CAPTURE(S);
+    const GpuResult r = run_gpu(ch, S);
+    const CpuResult ref = run_cpu(ch, S);
+    expect_close_f64(r.d_q, ref.d_q, kBf16Tol, "d_q");
+    expect_close_f64(r.d_k.tensor.slice(1, 0, S), ref.d_k, kBf16Tol, "d_k");
+    expect_close_f64(r.d_v.tensor.slice(1, 0, S), ref.d_v, kBf16Tol, "d_v");
+  }
+  synchronize(gpu0());
+  const AttentionPlanStats after = attention_plan_stats();
+  MESSAGE("chunk ", c, ", store ", T, ": ", after.built - before.built, " plans built, ", after.built_ahead - before.built_ahead,
+          " of them ahead; calls waited ", after.waited_seconds - before.waited_seconds, " s of ",
+          after.seconds - before.seconds, " s of build time");
+  CHECK(after.built - before.built == 2 * T / c);
+  CHECK(after.built_ahead > before.built_ahead);
+  CHECK(after.refused == before.refused);
+}
+
+TEST_CASE("cuda: automatic attention runs flash while a store slice's cuDNN plan is built ahead" *
+          doctest::skip(!cw::test::gpu_ready())) {
+  // A fresh family (5 query heads on 1 K/V head, chunks of 192 against a store of 1536): the
+  // chooser must not wait for its plan. The first ask queues the plan (and its family) and answers
+  // flash, with the reason; once the workers have built it, cuDNN. The call itself is right either
+  // way (against the CPU in f64). With determinism on the chooser never falls back.
+  DeterminismScope fast(false);
+  CudnnPlansScope exact(CudnnPlans::exact);
+  PlanThreadsScope threads(2);
+  const int64_t c = 192, T = 1536, S = 768;
+  Chunked ch(1, c, 5, 1, 64, T, 31337);
+  std::string why;
+  if (!gpu::cudnn_attention_supports(ch.q.dev, ch.k_store.dev, &why)) {
+    MESSAGE("cuDNN fused attention not available here, skipped: ", why);
+    return;
+  }
+  const Tensor k = ch.k_store.dev.tensor.slice(1, 0, S), v = ch.v_store.dev.tensor.slice(1, 0, S);
+  OwnedTensor out = poisoned(DType::bf16, {1, c, 5, 64}), lse = poisoned(DType::f32, {1, 5, c});
+  const AttentionCall call = attention_call(ch.q.dev, k, v, out);
+  const AttentionChoice first = choose_attention_kernel(call, {AttentionKernel::automatic, false});
+  CHECK_MESSAGE(first.kernel != AttentionKernel::cudnn, first.reason);
+  CHECK_MESSAGE(first.reason.find("built ahead") != std::string::npos, first.reason);
+  {
+    DeterminismScope det(true);
+    const AttentionChoice d = choose_attention_kernel(call, {AttentionKernel::automatic, true});
+    CHECK_MESSAGE(d.reason.find("built ahead") == std::string::npos, d.reason);
+  }
+  Arena scratch(gpu0());
+  attention_forward(out, {lse}, ch.q.dev, k, v, ch.scale, scratch);  // whichever kernel it takes now
+  const CpuResult ref = run_cpu(ch, S);
+  expect_close_f64(fetch(out), ref.out, kBf16Tol, "out");
+  bool ready = false;
+  for (int i = 0; i < 400 && !ready; ++i) {
+    ready = gpu::cudnn_attention_plan_ready(ch.q.dev, k, v, false);
+    if (!ready) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  REQUIRE_MESSAGE(ready, "the plan was not built ahead within 20 s");
+  const AttentionChoice later = choose_attention_kernel(call, {AttentionKernel::automatic, false});
+  CHECK_MESSAGE(later.kernel == AttentionKernel::cudnn, later.reason);
 }
 
 #else
