@@ -95,6 +95,28 @@ PoolStats pool_stats(Device device);      // the device's caching pool (zeros fo
 void release_cached(Device device);       // cached blocks back to the driver
 std::string memory_report(Device device); // one line: in use, cached, peak, mallocs, free
 
+// ---- Sizes of the engine's own buffers (tools/plan.cpp predicts memory from these) ----
+inline constexpr size_t kMemoryAlignBytes = 64;                      // buffers and arena allocations round up to this
+inline constexpr size_t kHostArenaBlockBytes = size_t(64) << 20;     // an arena's block on the host (block_bytes 0)
+inline constexpr size_t kDeviceArenaBlockBytes = size_t(256) << 20;  // ... on a GPU
+inline constexpr size_t kCublasWorkspaceBytes = size_t(32) << 20;    // cuBLASLt's workspace, one per device
+// The GPU device pool's size class of a request: 512-byte steps below 1 MiB, 2 MiB steps above.
+constexpr size_t device_pool_block(size_t bytes) {
+  constexpr size_t small = 512, large = size_t(2) << 20;
+  return bytes < (size_t(1) << 20) ? (bytes + small - 1) / small * small : (bytes + large - 1) / large * large;
+}
+// The GPU LM head's row block over N rows of logits with leading dimension ld (elements of
+// elem_bytes): as many rows as fit 512 MiB of logits, at most 2048, in whole quanta of 64 rows
+// (at least one quantum), at most N (engine/cuda/lm_head.cu says why).
+constexpr int64_t lm_head_block_rows(int64_t N, int64_t ld, size_t elem_bytes) {
+  constexpr size_t budget = size_t(512) << 20;
+  constexpr int64_t max_rows = 2048, quantum = 64;
+  int64_t rows = static_cast<int64_t>(budget / (static_cast<size_t>(ld) * elem_bytes));
+  rows = (rows < max_rows ? rows : max_rows) / quantum * quantum;
+  rows = rows > quantum ? rows : quantum;
+  return rows < N ? rows : N;
+}
+
 // ---- Ordering and timing ----
 void synchronize(Device device);          // waits for everything queued on the device
 // The GPU's compute stream (every op's) as an opaque handle, a cudaStream_t: for a library that must

@@ -1,6 +1,7 @@
 #include "engine/memory.h"
 
 #include "engine/cuda/runtime.h"
+#include "engine/engine.h"
 
 #include <fmt/format.h>
 
@@ -11,7 +12,7 @@
 namespace cw {
 
 namespace {
-constexpr size_t kAlign = 64;  // one cache line; also what AVX-512 loads like
+constexpr size_t kAlign = kMemoryAlignBytes;  // one cache line; also what AVX-512 loads like
 size_t round_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 }  // namespace
 
@@ -79,7 +80,7 @@ OwnedTensor OwnedTensor::on(Device device, DType dtype, std::initializer_list<in
 Arena::Arena(size_t block_bytes, size_t max_bytes) : block_bytes_(block_bytes), max_bytes_(max_bytes) {}
 
 Arena::Arena(Device device, size_t block_bytes, size_t max_bytes)
-    : block_bytes_(block_bytes != 0 ? block_bytes : (device.is_cpu() ? size_t(64) << 20 : size_t(256) << 20)),
+    : block_bytes_(block_bytes != 0 ? block_bytes : (device.is_cpu() ? kHostArenaBlockBytes : kDeviceArenaBlockBytes)),
       max_bytes_(max_bytes), device_(device) {}
 
 void* Arena::alloc_bytes(size_t bytes) {

@@ -22,12 +22,8 @@ constexpr size_t kMiB = size_t(1) << 20;
 constexpr double kGiB = double(size_t(1) << 30);
 
 // ---- What the code allocates (each constant names its source) ----
-constexpr size_t kArenaBlockBytes = 256 * kMiB;        // engine/memory.cpp: a device arena's block
-constexpr size_t kArenaAlign = 64;                     // engine/memory.cpp: round_up
-constexpr size_t kCublasWorkspaceBytes = 32 * kMiB;    // engine/cuda/linear.cu: kWorkspaceBytes
-constexpr size_t kLogitsBudgetBytes = 512 * kMiB;      // engine/cuda/lm_head.cu: the logits block, at most
-constexpr int64_t kLmHeadMaxRows = 2048;               // engine/cuda/lm_head.cu: kMaxBlockRows
-constexpr int64_t kLmHeadRowQuantum = 64;              // engine/cuda/lm_head.cu: kRowQuantum
+constexpr size_t kArenaBlockBytes = kDeviceArenaBlockBytes;  // the engine's own sizes (engine.h)
+constexpr size_t kArenaAlign = kMemoryAlignBytes;
 constexpr size_t kCudaContextBytes = 512 * kMiB;       // outside the pool (driver, kernels, cuDNN/cuBLAS handles)
 constexpr double kDefaultDeviceGib = 80;
 
@@ -43,10 +39,9 @@ constexpr double kAttentionTflops = 410;
 constexpr double kElementwiseBytesPerS = 0.7 * 3.0e12;
 
 size_t round_to(size_t n, size_t q) { return (n + q - 1) / q * q; }
-// engine/cuda/runtime.cu: size_class (512 bytes below 1 MiB, else 2 MiB).
+// The device pool's block for a buffer of `bytes` (rounded like engine/memory.cpp's buffers).
 size_t pool_block(size_t bytes) {
-  bytes = std::max<size_t>(round_to(std::max<size_t>(bytes, 1), kArenaAlign), 1);
-  return bytes < kMiB ? round_to(bytes, 512) : round_to(bytes, 2 * kMiB);
+  return device_pool_block(std::max<size_t>(round_to(std::max<size_t>(bytes, 1), kArenaAlign), 1));
 }
 
 // engine/memory.cpp's Arena, replayed: the same block choice, tails and scopes, no memory.
@@ -186,9 +181,7 @@ void block_backward(ArenaReplay& a, const Shape& s, bool keep_mlp, int64_t mlp_s
 size_t lm_head_block(const Shape& s) {
   const int64_t kN = int64_t(16 / s.e), V = s.cf.vocab_size;
   const int64_t ld = (V + kN - 1) / kN * kN;
-  int64_t rows = int64_t(kLogitsBudgetBytes / (size_t(ld) * s.e));
-  rows = std::max(std::min(rows, kLmHeadMaxRows) / kLmHeadRowQuantum * kLmHeadRowQuantum, kLmHeadRowQuantum);
-  rows = std::min<int64_t>(rows, int64_t(s.N()));
+  const int64_t rows = lm_head_block_rows(int64_t(s.N()), ld, s.e);
   return size_t(rows * ld) * s.e + 8;
 }
 

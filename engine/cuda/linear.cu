@@ -45,6 +45,7 @@
 #include "engine/cuda/gemm.cuh"
 #include "engine/cuda/ops.h"
 #include "engine/cuda/runtime.h"
+#include "engine/engine.h"
 
 #include <array>
 #include <cstdint>
@@ -55,7 +56,7 @@
 namespace cw::gpu {
 namespace {
 
-constexpr size_t kWorkspaceBytes = size_t(32) << 20;
+constexpr size_t kWorkspaceBytes = cw::kCublasWorkspaceBytes;
 
 
 struct DeviceContext {

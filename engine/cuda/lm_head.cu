@@ -25,10 +25,10 @@
 //   d_x:    dXc[C, R] = Wc · Gc            m = C, n = R, k = V;  A = W (ld C, op N),     B = G (ld Vp, op N)
 //
 // Row block: the GPU ignores the CPU's block_rows (256: far too small to fill the GPU) and picks
-// R = min(N, kMaxBlockRows, kLogitsBudgetBytes / (Vp * sizeof(T))) rounded down to a multiple of
-// kRowQuantum (at least kRowQuantum). The logits scratch is then at most 512 MiB (R x Vp x sizeof(T);
+// R = min(N, 2048, 512 MiB / (Vp * sizeof(T))) rounded down to a multiple of 64 rows (at least 64;
+// cw::lm_head_block_rows in engine.h). The logits scratch is then at most 512 MiB (R x Vp x sizeof(T);
 // only a vocabulary above 4M tokens would push a 64-row block past it). At V = 128256 that is
-// R = 2048 rows in bf16 (501 MiB), 1024 rows in f32 (501 MiB). kMaxBlockRows caps small vocabularies:
+// R = 2048 rows in bf16 (501 MiB), 1024 rows in f32 (501 MiB). The 2048 cap is for small vocabularies:
 // beyond 2048 rows the block GEMMs (2048 x V x C) already fill the GPU and larger blocks only cost
 // memory. Vp is V rounded up to a 16-byte multiple of T elements (8 bf16 / 4 f32): every logits
 // row then starts 16-byte aligned, so the row kernel always takes 16-byte vector loads; the padding
@@ -71,6 +71,7 @@
 #include "engine/cuda/common.cuh"
 #include "engine/cuda/gemm.cuh"
 #include "engine/cuda/ops.h"
+#include "engine/engine.h"
 
 #include <algorithm>
 #include <climits>
@@ -81,9 +82,6 @@ namespace cw::gpu {
 
 namespace {
 
-constexpr size_t kLogitsBudgetBytes = size_t(512) << 20;  // the logits block's scratch, at most
-constexpr int64_t kMaxBlockRows = 2048;
-constexpr int64_t kRowQuantum = 64;
 // Row kernel: up to 512 threads per row, each issuing kUnroll 16-byte loads before using them (at
 // V = 128256 bf16: 16032 vectors per row, 512 threads, about 8 iterations; 4 resident blocks per SM
 // keep 128 KB of loads in flight per SM, enough to cover DRAM latency).
@@ -227,13 +225,8 @@ int row_threads(int64_t nvec) {
   return static_cast<int>(std::clamp<int64_t>((t + 31) / 32 * 32, 32, kMaxThreads));
 }
 
-// Rows per block (see the header): within the logits budget, capped, in whole quanta, at most N.
-int64_t block_rows_for(int64_t N, int64_t ld, size_t elem_bytes) {
-  int64_t rows = static_cast<int64_t>(kLogitsBudgetBytes / (static_cast<size_t>(ld) * elem_bytes));
-  rows = std::min(rows, kMaxBlockRows) / kRowQuantum * kRowQuantum;
-  rows = std::max(rows, kRowQuantum);
-  return std::min(rows, N);
-}
+// Rows per block (see the header; engine.h computes it, so the memory planner uses the same rule).
+int64_t block_rows_for(int64_t N, int64_t ld, size_t elem_bytes) { return lm_head_block_rows(N, ld, elem_bytes); }
 
 // Raises when a label is neither -100 nor in [0, V). `first_bad` is 8 bytes of device scratch.
 // Waits for the stream (see the header).

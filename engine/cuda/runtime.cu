@@ -8,6 +8,7 @@
 // the error reports what is in use, what is cached and the peak.
 #include "engine/cuda/common.cuh"
 #include "engine/cuda/runtime.h"
+#include "engine/engine.h"
 #include "engine/memory.h"
 
 #include <cublas_v2.h>
@@ -40,11 +41,7 @@ void raise_cublas(cublasStatus_t s, const char* expr, const char* file, int line
 namespace {
 constexpr int kMaxDevices = 16;
 
-size_t size_class(size_t bytes) {
-  constexpr size_t small = 512, large = size_t(2) << 20;
-  if (bytes < (size_t(1) << 20)) return (bytes + small - 1) / small * small;
-  return (bytes + large - 1) / large * large;
-}
+size_t size_class(size_t bytes) { return cw::device_pool_block(bytes); }
 
 struct Pool {
   std::mutex mutex;
