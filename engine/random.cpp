@@ -5,13 +5,6 @@
 
 namespace cw {
 
-uint64_t mix64(uint64_t x) {
-  x += 0x9e3779b97f4a7c15ull;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
 double uniform01(uint64_t seed, uint64_t stream, uint64_t index) {
   const uint64_t h = mix64(mix64(seed ^ mix64(stream)) ^ index);
   return (static_cast<double>(h >> 11) + 0.5) * 0x1.0p-53;  // 53 random bits, centred: in (0, 1)

@@ -10,9 +10,24 @@
 
 #include <cstdint>
 
+// A function compiled for the host and, in CUDA sources, for the device too: the same bits on both.
+#if defined(__CUDACC__)
+#define CW_HOST_DEVICE __host__ __device__
+#else
+#define CW_HOST_DEVICE
+#endif
+
 namespace cw {
 
-uint64_t mix64(uint64_t x);
+// splitmix64's finaliser: a bijection of 64-bit words whose every output bit depends on every input
+// bit. Inline for host and device, so a GPU kernel hashes exactly as the CPU does (LoRA's dropout
+// masks, engine/ops/lora_linear.h).
+CW_HOST_DEVICE inline uint64_t mix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
 // Uniform in (0, 1), never exactly 0 or 1.
 double uniform01(uint64_t seed, uint64_t stream, uint64_t index);
 double normal01(uint64_t seed, uint64_t stream, uint64_t index);

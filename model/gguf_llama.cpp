@@ -149,6 +149,8 @@ std::string gguf_tensor_name(const ParamSpec& s) {
     case ParamRole::w_down: return blk + "ffn_down.weight";
     case ParamRole::final_norm: return "output_norm.weight";
     case ParamRole::lm_head: return "output.weight";
+    case ParamRole::lora_a:
+    case ParamRole::lora_b: break;  // adapters are PEFT files, not part of a GGUF model
   }
   return "";
 }

@@ -1,9 +1,11 @@
 #include "model/layer.h"
 
 #include "engine/ops/linear.h"
+#include "engine/ops/lora_linear.h"
 #include "engine/ops/residual.h"
 #include "engine/ops/rope.h"
 #include "engine/ops/swiglu.h"
+#include "model/lora.h"
 
 #include <algorithm>
 #include <cmath>
@@ -51,26 +53,66 @@ size_t LayerActivations::bytes(const LlamaConfig& cf, int64_t B, int64_t c, DTyp
 }
 
 namespace {
-// Rows [r0, r1) of the MLP: gate, up and act for those rows into the given [rows, F] tensors.
+// ---- The block's linears: y = x Wᵀ, or with an adapter lora_linear (engine/ops/lora_linear.h) ----
+
+// Where a call of a block linear sits: the layer, and the call's first row within the chunk (a tiled
+// MLP's shard), which with the chunk's shape keys the adapter's dropout mask.
+struct LinearSite {
+  const BlockContext& ctx;
+  int layer;
+  int64_t row0 = 0;
+};
+
+LoraAdapter adapter_call(const LoraPair& p, ParamRole linear, const LinearSite& at) {
+  const LoraRuntime& lr = at.ctx.lora;
+  LoraAdapter a{p.a, p.b, lr.scale, {}};
+  if (lr.dropout > 0)
+    a.dropout = {lr.dropout, lora_dropout_seed(lr.lora_seed, lr.round, at.layer, linear), at.ctx.c, at.ctx.pos0, at.row0};
+  return a;
+}
+
+// y = x Wᵀ (+ the adapter's term where w has one).
+void linear_fwd(const Tensor& y, const Tensor& x, const Tensor& w, const LoraPair& adapter, ParamRole linear,
+                const LinearSite& at) {
+  if (!adapter.defined()) return linear_forward(y, x, w);
+  lora_linear_forward(y, x, w, adapter_call(adapter, linear, at), at.ctx.scratch);
+}
+
+// Its backward: d_x by `mode`; d_w (a trainable base weight) or d_adapter (an adapted, frozen one)
+// accumulate; an undefined gradient is skipped.
+void linear_bwd(const Tensor& d_x, const Tensor& d_w, const LoraPair& d_adapter, const Tensor& d_y, const Tensor& x,
+                const Tensor& w, const LoraPair& adapter, ParamRole linear, GradMode mode, const LinearSite& at) {
+  if (!adapter.defined()) return linear_backward(d_x, d_w, d_y, x, w, mode);
+  CW_CHECK(!d_w.data, "layer {} {}: a linear with an adapter is frozen (its gradients are the adapter's)", at.layer,
+           lora_target_name(linear));
+  lora_linear_backward(d_x, d_adapter.a, d_adapter.b, d_y, x, w, adapter_call(adapter, linear, at), mode,
+                       at.ctx.scratch);
+}
+
+// Rows [r0, r0 + rows) of the MLP: gate, up and act for those rows into the given [rows, F] tensors.
 void mlp_rows_forward(const Tensor& gate, const Tensor& up, const Tensor& act, const Tensor& h2_rows,
-                      const LayerWeights& w) {
-  linear_forward(gate, h2_rows, w.w_gate);
-  linear_forward(up, h2_rows, w.w_up);
+                      const LayerWeights& w, const LinearSite& at) {
+  linear_fwd(gate, h2_rows, w.w_gate, w.lora.gate, ParamRole::w_gate, at);
+  linear_fwd(up, h2_rows, w.w_up, w.lora.up, ParamRole::w_up, at);
   swiglu_forward(act, gate, up);
 }
 
 // Backward of the MLP rows given their gate/up/act: d_h rows (overwritten) from d_out rows;
 // weight gradients accumulate.
 void mlp_rows_backward(const Tensor& d_h_rows, const LayerWeights& g, const Tensor& d_out_rows, const Tensor& gate,
-                       const Tensor& up, const Tensor& act, const Tensor& h2_rows, const LayerWeights& w, Arena& s) {
+                       const Tensor& up, const Tensor& act, const Tensor& h2_rows, const LayerWeights& w,
+                       const LinearSite& at) {
+  Arena& s = at.ctx.scratch;
   ArenaScope scope(s);
   const int64_t rows = gate.size(0), F = gate.size(1);
   Tensor d_act = s.alloc(gate.dtype, {rows, F});
-  linear_backward(d_act, g.w_down, d_out_rows, act, w.w_down, GradMode::overwrite);
+  linear_bwd(d_act, g.w_down, g.lora.down, d_out_rows, act, w.w_down, w.lora.down, ParamRole::w_down,
+             GradMode::overwrite, at);
   Tensor d_gate = s.alloc(gate.dtype, {rows, F}), d_up = s.alloc(gate.dtype, {rows, F});
   swiglu_backward(d_gate, d_up, d_act, gate, up, GradMode::overwrite);
-  linear_backward(d_h_rows, g.w_gate, d_gate, h2_rows, w.w_gate, GradMode::overwrite);
-  linear_backward(d_h_rows, g.w_up, d_up, h2_rows, w.w_up, GradMode::accumulate);
+  linear_bwd(d_h_rows, g.w_gate, g.lora.gate, d_gate, h2_rows, w.w_gate, w.lora.gate, ParamRole::w_gate,
+             GradMode::overwrite, at);
+  linear_bwd(d_h_rows, g.w_up, g.lora.up, d_up, h2_rows, w.w_up, w.lora.up, ParamRole::w_up, GradMode::accumulate, at);
 }
 
 // Row shards [bounds[i], bounds[i+1]) of N rows.
@@ -178,6 +220,7 @@ void block_forward(const Tensor& x_out, LayerActivations* keep, const Tensor& x_
   const int64_t shards = resolve_mlp_shards(ctx.mlp_shards, cf, N);
   LayerActivations local;
   LayerActivations& a = keep ? *keep : (local = LayerActivations::allocate(s, cf, B, c, dt, shards == 1, tp));
+  const LinearSite at{ctx, layer};
 
   // Attention half.
   const bool from_saved = ctx.attention_from_store;
@@ -185,7 +228,7 @@ void block_forward(const Tensor& x_out, LayerActivations* keep, const Tensor& x_
     std::optional<TpLease> gathered;  // h1 of all rows, with regather
     const Tensor h1 = normed_input_forward(gathered, a.h1, a.norm1, x_in, w.attn_norm, cf.rms_norm_eps, tp, s);
     Tensor q_pre = s.alloc(dt, {N, cf.q_dim()});
-    linear_forward(q_pre, h1, w.wq);
+    linear_fwd(q_pre, h1, w.wq, w.lora.q, ParamRole::wq, at);
     rope_forward(a.q, q_pre.view({B, c, H, D}), ctx.rope_cos, ctx.rope_sin, p);
     if (from_saved) {
       CW_CHECK(p + c <= kv.outputs_written(), "layer {}: saved attention outputs of tokens [{}, {}) were not written "
@@ -194,12 +237,12 @@ void block_forward(const Tensor& x_out, LayerActivations* keep, const Tensor& x_
       copy_convert(a.attn_saved.lse.view({B * H, c}), kv.output_lse(layer, p, p + c));
     } else {
       Tensor k_pre = s.alloc(dt, {N, cf.kv_dim()});
-      linear_forward(k_pre, h1, w.wk);
+      linear_fwd(k_pre, h1, w.wk, w.lora.k, ParamRole::wk, at);
       Tensor k_rot = k_pre.view({B, c, Hkv, D});
       rope_forward(k_rot, k_rot, ctx.rope_cos, ctx.rope_sin, p);
       copy_convert(kv.keys(layer, p, p + c), k_rot);
       Tensor v = s.alloc(dt, {N, cf.kv_dim()});
-      linear_forward(v, h1, w.wv);
+      linear_fwd(v, h1, w.wv, w.lora.v, ParamRole::wv, at);
       copy_convert(kv.values(layer, p, p + c), v.view({B, c, Hkv, D}));
       const double scale = 1.0 / std::sqrt(static_cast<double>(D));
       attention_forward(a.attn, a.attn_saved, a.q, kv.keys(layer, 0, p + c), kv.values(layer, 0, p + c), scale, s);
@@ -212,7 +255,7 @@ void block_forward(const Tensor& x_out, LayerActivations* keep, const Tensor& x_
   {
     std::optional<TpLease> partial;
     const Tensor o_all = partial_output(partial, N, C, dt, tp, s);
-    linear_forward(o_all, a.attn.view({N, cf.q_dim()}), w.wo);
+    linear_fwd(o_all, a.attn.view({N, cf.q_dim()}), w.wo, w.lora.o, ParamRole::wo, at);
     residual_forward(a.x_mid, x_in, row_parallel_output(o_all, tp, s));
   }
 
@@ -222,8 +265,8 @@ void block_forward(const Tensor& x_out, LayerActivations* keep, const Tensor& x_
   std::optional<TpLease> partial;
   const Tensor m = partial_output(partial, N, C, dt, tp, s);
   if (a.gate.data) {
-    mlp_rows_forward(a.gate, a.up, a.act, h2, w);
-    linear_forward(m, a.act, w.w_down);
+    mlp_rows_forward(a.gate, a.up, a.act, h2, w, at);
+    linear_fwd(m, a.act, w.w_down, w.lora.down, ParamRole::w_down, at);
   } else {
     // Tiled: one shard's [rows, F] intermediates at a time.
     const std::vector<int64_t> b = row_shards(N, shards);
@@ -231,8 +274,9 @@ void block_forward(const Tensor& x_out, LayerActivations* keep, const Tensor& x_
       ArenaScope shard_scope(s);
       const int64_t r0 = b[i], rows = b[i + 1] - b[i];
       Tensor gate = s.alloc(dt, {rows, F}), up = s.alloc(dt, {rows, F}), act = s.alloc(dt, {rows, F});
-      mlp_rows_forward(gate, up, act, h2.slice(0, r0, rows), w);
-      linear_forward(m.slice(0, r0, rows), act, w.w_down);
+      const LinearSite shard{ctx, layer, r0};
+      mlp_rows_forward(gate, up, act, h2.slice(0, r0, rows), w, shard);
+      linear_fwd(m.slice(0, r0, rows), act, w.w_down, w.lora.down, ParamRole::w_down, shard);
     }
   }
   gathered.reset();  // h2 of all rows is not needed any more
@@ -249,6 +293,7 @@ void block_backward(const Tensor& d_x, const LayerWeights& g, const LayerActivat
   check_shape(d_x, {tp_rows(tp, N), C}, "block d_x");
   Arena& s = ctx.scratch;
   ArenaScope scope(s);
+  const LinearSite at{ctx, layer};
 
   // MLP half, in reverse. d_x holds d(x_out); the residual passes it to x_mid unchanged.
   {
@@ -257,7 +302,7 @@ void block_backward(const Tensor& d_x, const LayerWeights& g, const LayerActivat
     const Tensor h2 = normed_input_backward(h2_lease, a.h2, N, tp);
     const Tensor d_h_all = partial_output(d_h_lease, N, C, dt, tp, s);    // this rank's share of d(h2)
     if (a.gate.data) {
-      mlp_rows_backward(d_h_all, g, d_m, a.gate, a.up, a.act, h2, w, s);
+      mlp_rows_backward(d_h_all, g, d_m, a.gate, a.up, a.act, h2, w, at);
     } else {
       // Tiled: recompute each shard's gate/up/act from the kept h2, then its backward.
       const std::vector<int64_t> b = row_shards(N, resolve_mlp_shards(ctx.mlp_shards, cf, N));
@@ -266,8 +311,9 @@ void block_backward(const Tensor& d_x, const LayerWeights& g, const LayerActivat
         const int64_t r0 = b[i], rows = b[i + 1] - b[i];
         Tensor gate = s.alloc(dt, {rows, F}), up = s.alloc(dt, {rows, F}), act = s.alloc(dt, {rows, F});
         const Tensor h2_rows = h2.slice(0, r0, rows);
-        mlp_rows_forward(gate, up, act, h2_rows, w);
-        mlp_rows_backward(d_h_all.slice(0, r0, rows), g, d_m.slice(0, r0, rows), gate, up, act, h2_rows, w, s);
+        const LinearSite shard{ctx, layer, r0};
+        mlp_rows_forward(gate, up, act, h2_rows, w, shard);
+        mlp_rows_backward(d_h_all.slice(0, r0, rows), g, d_m.slice(0, r0, rows), gate, up, act, h2_rows, w, shard);
       }
     }
     d_m_lease.reset();
@@ -281,7 +327,8 @@ void block_backward(const Tensor& d_x, const LayerWeights& g, const LayerActivat
   {
     std::optional<TpLease> d_o_lease;
     const Tensor d_o = row_parallel_output_backward(d_o_lease, d_x, tp);  // d(Wo output), all rows
-    linear_backward(d_attn, g.wo, d_o, a.attn.view({N, cf.q_dim()}), w.wo, GradMode::overwrite);
+    linear_bwd(d_attn, g.wo, g.lora.o, d_o, a.attn.view({N, cf.q_dim()}), w.wo, w.lora.o, ParamRole::wo,
+               GradMode::overwrite, at);
   }
   Tensor d_q = s.alloc(dt, {B, c, H, D});
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
@@ -297,9 +344,13 @@ void block_backward(const Tensor& d_x, const LayerWeights& g, const LayerActivat
   std::optional<TpLease> h1_lease, d_h_lease;
   const Tensor h1 = normed_input_backward(h1_lease, a.h1, N, tp);
   const Tensor d_h_all = partial_output(d_h_lease, N, C, dt, tp, s);  // this rank's share of d(h1)
-  linear_backward(d_h_all, g.wq, d_q.view({N, cf.q_dim()}), h1, w.wq, GradMode::overwrite);
-  linear_backward(d_h_all, g.wk, d_k.view({N, cf.kv_dim()}), h1, w.wk, GradMode::accumulate);
-  linear_backward(d_h_all, g.wv, d_v.view({N, cf.kv_dim()}), h1, w.wv, GradMode::accumulate);
+  linear_bwd(d_h_all, g.wq, g.lora.q, d_q.view({N, cf.q_dim()}), h1, w.wq, w.lora.q, ParamRole::wq,
+             GradMode::overwrite, at);
+  // The relayed K/V gradient enters x through W_k, W_v (frozen or not) and their adapters.
+  linear_bwd(d_h_all, g.wk, g.lora.k, d_k.view({N, cf.kv_dim()}), h1, w.wk, w.lora.k, ParamRole::wk,
+             GradMode::accumulate, at);
+  linear_bwd(d_h_all, g.wv, g.lora.v, d_v.view({N, cf.kv_dim()}), h1, w.wv, w.lora.v, ParamRole::wv,
+             GradMode::accumulate, at);
   h1_lease.reset();
   const Tensor d_h = normed_input_grad(d_h_all, tp, s);
   rmsnorm_backward(d_x, g.attn_norm, d_h, a.norm1, x_in, w.attn_norm, GradMode::accumulate, s);  // now d(x_in)

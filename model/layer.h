@@ -15,6 +15,10 @@
 // with many (SeCO) it is the same gradient, exactly.
 // Parameter gradients accumulate (+=). d_x enters as the gradient of x_out and leaves as that of x_in.
 //
+// LoRA (model/lora.h): a linear whose LayerWeights carry an adapter (w.lora) runs lora_linear, its
+// base weight frozen; its adapter's gradient goes into grads.lora. A frozen tensor's gradient is an
+// undefined Tensor in `grads` (a set of adapter gradients has no base tensors): the ops skip it.
+//
 // Tensor parallel (ctx.tp set; model/shard.h): the weights are the rank's shard and the config the
 // shard's (H/P heads, Hkv/P K/V heads, FFN F/P), so every line above runs unchanged on the rank's
 // heads and FFN columns; the K/V store holds the rank's K/V heads. Two seams per half-block join the
@@ -57,6 +61,16 @@ struct LayerActivations {
                       const TensorParallelGroup* tp = nullptr);
 };
 
+// The adapters' settings for the chunks of a call (model/lora.h, LlamaModel::lora_runtime): the scale
+// alpha / r, and the dropout probability and seed of the current training step (p = 0 outside one:
+// evaluation, sampling, logits). Unused where the layer's linears have no adapters.
+struct LoraRuntime {
+  double scale = 0.0;
+  double dropout = 0.0;
+  uint64_t lora_seed = 0;   // the run's lora.seed
+  uint64_t round = 0;       // the step's micro-batch index (with dropout > 0)
+};
+
 // The chunk a block works on and the tables and scratch it uses.
 struct BlockContext {
   const LlamaConfig& config;
@@ -73,6 +87,8 @@ struct BlockContext {
   bool attention_from_store = false;
   // Tensor parallelism: the rank's group (model/shard.h); null: one process, no communication.
   TensorParallelGroup* tp = nullptr;
+  // LoRA: what the adapters in the LayerWeights need (their scale and dropout).
+  LoraRuntime lora{};
 };
 
 // The shard count `mlp_shards = 0` (automatic) means: ceil(F / C), so one shard's [rows, F]

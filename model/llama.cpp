@@ -9,15 +9,52 @@
 
 namespace cw {
 
-LlamaModel::LlamaModel(const LlamaConfig& config, DType dtype, Device device, TensorParallelGroup* tp)
+LlamaModel::LlamaModel(const LlamaConfig& config, DType dtype, Device device, TensorParallelGroup* tp,
+                       const LoraConfig& lora)
     : full_config_(config),
       tp_(tp),
       config_(tp ? tp_shard_config(config, tp->size()) : config),
       dtype_(dtype),
       device_(device),
-      params_(config_, dtype, device) {
+      params_(config_, dtype, device),
+      lora_(lora) {
   full_config_.validate("model config");
+  lora_.validate();
+  if (lora_.enabled()) {
+    if (tp)
+      fail("LoRA adapters with tensor parallelism are not implemented",
+           "train the adapters with parallel.tp = 1 (data parallelism works: parallel.dp)");
+    adapters_.emplace(config_, lora_parameter_table(config_, lora_), dtype, device);
+    init_lora_parameters(*adapters_, lora_.seed);
+  }
   ensure_positions(256);
+}
+
+ParamSet& LlamaModel::adapters() {
+  CW_CHECK(adapters_, "the model has no LoRA adapters (lora.rank is 0)");
+  return *adapters_;
+}
+const ParamSet& LlamaModel::adapters() const { return const_cast<LlamaModel*>(this)->adapters(); }
+
+ModelWeights LlamaModel::weights() const {
+  ModelWeights w = params_.weights();
+  if (adapters_) {
+    const ModelWeights a = adapters_->weights();
+    for (size_t l = 0; l < a.layers.size(); ++l) w.layers[l].lora = a.layers[l].lora;
+  }
+  return w;
+}
+
+LoraRuntime LlamaModel::lora_runtime() const {
+  if (!adapters_) return {};
+  LoraRuntime r;
+  r.scale = lora_.scale();
+  if (dropout_round_) {
+    r.dropout = lora_.dropout;
+    r.lora_seed = lora_.seed;
+    r.round = *dropout_round_;
+  }
+  return r;
 }
 
 void LlamaModel::ensure_positions(int64_t n) {
@@ -87,7 +124,7 @@ void run_blocks(ChunkActivations& a, KVStore& kv, const LlamaModel& model, const
   // sweep's recompute (kv_store.h): it reads the chunk's saved outputs and writes nothing.
   const bool recompute = keep && kv.has_outputs();
   const BlockContext ctx{cf, model.rope_cos(), model.rope_sin(), chunk.B, chunk.c, chunk.pos0, scratch, mlp_shards,
-                         recompute, model.tensor_parallel()};
+                         recompute, model.tensor_parallel(), model.lora_runtime()};
   // Layer activations are kept only when the policy allocated them; otherwise just the stream is.
   const bool keep_layers = keep && !a.layers.empty();
   Residency* off = keep ? a.offloaded.get() : nullptr;
@@ -196,18 +233,32 @@ double backward_chunk(const ParamSet& grads, const ChunkActivations& a, KVStore&
   const LlamaConfig& cf = model.config();
   TensorParallelGroup* tp = model.tensor_parallel();
   const int64_t N = chunk.B * chunk.c, R = tp_rows(tp, N);
+  CW_CHECK(same_table(grads, model.trainable()),
+           "backward_chunk: the gradients must have the table of the model's trainable parameters ({} tensors{}), "
+           "got {} tensors", model.trainable().size(), model.has_adapters() ? ": its LoRA adapters" : "", grads.size());
   const ModelWeights w = model.weights();
+  // A frozen tensor (every base tensor under LoRA) has an undefined gradient here: the ops skip it.
   const ModelWeights g = grads.weights();
-  // The flat offset of a gradient tensor in `grads` (the table's order).
-  const auto offset_of = [&](const Tensor& t) {
-    return static_cast<int64_t>((static_cast<const char*>(t.data) - static_cast<const char*>(grads.flat().data)) /
-                                static_cast<std::ptrdiff_t>(dtype_size(grads.dtype())));
-  };
+  // Where the gradient is complete from, as flat offsets into `grads` (table order): layer l's first
+  // tensor, and the first tensor after the blocks (the final norm and an untied head; the end of an
+  // adapters' set, which has nothing there).
+  std::vector<int64_t> layer_start(static_cast<size_t>(cf.num_hidden_layers), -1);
+  int64_t after_blocks = 0;
+  {
+    int64_t offset = 0;
+    for (size_t i = 0; i < grads.size(); ++i) {
+      const ParamSpec& spec = grads.specs()[i];
+      if (spec.layer >= 0 && layer_start[static_cast<size_t>(spec.layer)] < 0)
+        layer_start[static_cast<size_t>(spec.layer)] = offset;
+      offset += spec.numel();
+      if (spec.layer >= 0 || spec.role == ParamRole::embedding) after_blocks = offset;
+    }
+  }
   const auto finished_from = [&](int64_t from) {
     if (grads_final) grads_final(from);
   };
   const BlockContext ctx{cf, model.rope_cos(), model.rope_sin(), chunk.B, chunk.c, chunk.pos0, scratch,
-                         a.policy.mlp_shards, kv.has_outputs(), tp};
+                         a.policy.mlp_shards, kv.has_outputs(), tp, model.lora_runtime()};
   ArenaScope scope(scratch);
 
   // LM head and loss, fused: the loss for reporting, the gradient scaled by loss_weight.
@@ -224,7 +275,7 @@ double backward_chunk(const ParamSet& grads, const ChunkActivations& a, KVStore&
   Tensor d_x = scratch.alloc(model.dtype(), {R, cf.hidden_size});
   rmsnorm_backward(d_x, g.final_norm, d_normed, a.final_norm, a.stream.back(), w.final_norm, GradMode::overwrite, scratch);
   head_traced.end();
-  finished_from(offset_of(g.final_norm));  // the final norm and an untied head (a tied one is the embedding)
+  finished_from(after_blocks);  // the final norm and an untied head (a tied one is the embedding)
   const bool keep_mlp = resolve_mlp_shards(a.policy.mlp_shards, cf, N) == 1 && !a.policy.recompute_mlp;
   Residency* off = a.offloaded.get();
   // Offloaded inputs come back one layer ahead: layer l-1's while layer l runs its backward.
@@ -254,9 +305,9 @@ double backward_chunk(const ParamSet& grads, const ChunkActivations& a, KVStore&
       block_backward(d_x, g.layers[li], la, a.input(l), w.layers[li], kv, l, ctx);
     }
     kv.end_layer(l, KVStore::Use::backward, t0, t1);
-    finished_from(offset_of(g.layers[li].attn_norm));  // the layer's first tensor in the table
+    if (layer_start[li] >= 0) finished_from(layer_start[li]);  // the layer's first tensor in the table
   }
-  embedding_backward(g.embedding, d_x, tp_local_rows(tp, chunk.ids));
+  if (g.embedding.data) embedding_backward(g.embedding, d_x, tp_local_rows(tp, chunk.ids));
   finished_from(0);
   return loss;
 }

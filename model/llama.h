@@ -20,6 +20,16 @@
 // (their ids and labels), every chunk's loss is summed over all rows (all-gathered), and the
 // gradients of the replicated parameters are each rank's rows' share: parallel/tensor_parallel.h's
 // reduce_replicated_gradients sums them over the group once per optimizer step.
+//
+// LoRA (a model built with a LoraConfig of rank > 0; model/lora.h): the model holds its base
+// parameters, frozen, and the adapters' set; weights() joins them, so every targeted linear runs
+// lora_linear (engine/ops/lora_linear.h). trainable() is the adapters' set, and the `grads` a
+// backward takes must have its table: no base tensor gets a gradient (the ops skip them), only A
+// and B. The K/V relay of a chunked schedule needs nothing new: the K/V gradient read back from the
+// store flows into x through the frozen W_k, W_v and their adapters, which accumulate theirs.
+// Dropout acts while a dropout round is set (a training step sets it: optim/chunks.h StepFrame);
+// each mask is a function of (lora.seed, round, layer, linear, sequence, position, column), so the
+// prefill, the recompute and the backward of a token see the same mask whatever the chunking.
 #pragma once
 
 #include "engine/memory.h"
@@ -27,10 +37,12 @@
 #include "model/config.h"
 #include "model/kv_store.h"
 #include "model/layer.h"
+#include "model/lora.h"
 #include "model/params.h"
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <vector>
 
 namespace cw {
@@ -40,16 +52,32 @@ class LlamaModel {
   // device: where weights, RoPE tables and everything the model's chunks allocate live. On a GPU the
   // compute dtype is bf16 (training) or f32 (checks); the RoPE tables are f32 there.
   // tp: this rank's tensor-parallel group (not owned; it outlives the model), or null: one process.
-  LlamaModel(const LlamaConfig& config, DType dtype, Device device = Device::host(), TensorParallelGroup* tp = nullptr);
+  // lora: adapters (rank > 0) on the targeted linears, initialised by PEFT's rule from lora.seed; the
+  // base parameters are then frozen. Tensor parallelism with adapters is not implemented.
+  LlamaModel(const LlamaConfig& config, DType dtype, Device device = Device::host(), TensorParallelGroup* tp = nullptr,
+             const LoraConfig& lora = {});
 
   const LlamaConfig& config() const { return config_; }            // what the parameters are shaped by
   const LlamaConfig& full_config() const { return full_config_; }  // the model's (= config() without TP)
   TensorParallelGroup* tensor_parallel() const { return tp_; }
   DType dtype() const { return dtype_; }
   Device device() const { return device_; }
-  ParamSet& params() { return params_; }
+  ParamSet& params() { return params_; }              // the base parameters (frozen under LoRA)
   const ParamSet& params() const { return params_; }
-  ModelWeights weights() const { return params_.weights(); }
+  const LoraConfig& lora() const { return lora_; }
+  bool has_adapters() const { return adapters_.has_value(); }
+  ParamSet& adapters();                                // throws without LoRA
+  const ParamSet& adapters() const;
+  // What training updates: the adapters under LoRA, else every parameter.
+  ParamSet& trainable() { return adapters_ ? *adapters_ : params_; }
+  const ParamSet& trainable() const { return adapters_ ? *adapters_ : params_; }
+  ModelWeights weights() const;                        // the base, with the adapters joined in
+
+  // Dropout on the adapters' inputs acts while a round is set (the step's micro-batch index).
+  void set_dropout_round(std::optional<uint64_t> round) { dropout_round_ = round; }
+  std::optional<uint64_t> dropout_round() const { return dropout_round_; }
+  // What the blocks need of the adapters for a chunk (model/layer.h).
+  LoraRuntime lora_runtime() const;
 
   // RoPE tables for positions [0, n); grown on demand (a schedule calls this before a step).
   void ensure_positions(int64_t n);
@@ -63,7 +91,25 @@ class LlamaModel {
   DType dtype_;
   Device device_;
   ParamSet params_;
+  LoraConfig lora_;
+  std::optional<ParamSet> adapters_;
+  std::optional<uint64_t> dropout_round_;
   OwnedTensor rope_cos_, rope_sin_;
+};
+
+// Sets the model's dropout round for a scope and restores the previous one.
+class DropoutRoundScope {
+ public:
+  DropoutRoundScope(LlamaModel& model, std::optional<uint64_t> round) : model_(model), saved_(model.dropout_round()) {
+    model.set_dropout_round(round);
+  }
+  ~DropoutRoundScope() { model_.set_dropout_round(saved_); }
+  DropoutRoundScope(const DropoutRoundScope&) = delete;
+  DropoutRoundScope& operator=(const DropoutRoundScope&) = delete;
+
+ private:
+  LlamaModel& model_;
+  std::optional<uint64_t> saved_;
 };
 
 // The ids and labels of one chunk, contiguous, rows n = b*c + t.

@@ -35,8 +35,29 @@ std::vector<ParamSpec> parameter_table(const LlamaConfig& c) {
   return t;
 }
 
+LoraPair& LayerAdapters::of(ParamRole linear) {
+  switch (linear) {
+    case ParamRole::wq: return q;
+    case ParamRole::wk: return k;
+    case ParamRole::wv: return v;
+    case ParamRole::wo: return o;
+    case ParamRole::w_gate: return gate;
+    case ParamRole::w_up: return up;
+    case ParamRole::w_down: return down;
+    default: break;
+  }
+  fail("LayerAdapters::of: only the seven linears of a block (q/k/v/o, gate/up/down) take adapters");
+}
+
 ParamSet::ParamSet(const LlamaConfig& config, DType dtype, Device device)
-    : config_(config), specs_(parameter_table(config)), dtype_(dtype), tied_(config.tie_word_embeddings) {
+    : ParamSet(config, parameter_table(config), dtype, device) {}
+
+ParamSet ParamSet::like(const ParamSet& like, DType dtype, Device device) {
+  return ParamSet(like.config(), like.specs(), dtype, device);
+}
+
+ParamSet::ParamSet(const LlamaConfig& config, std::vector<ParamSpec> specs, DType dtype, Device device)
+    : config_(config), specs_(std::move(specs)), dtype_(dtype), tied_(config.tie_word_embeddings) {
   for (const auto& s : specs_) numel_ += s.numel();
   buffer_ = Buffer(static_cast<size_t>(numel_) * dtype_size(dtype), device);
   size_t offset = 0;
@@ -71,6 +92,13 @@ void copy_params(const ParamSet& dst, const ParamSet& src) {
   if (dst.numel() > 0) copy_convert(dst.flat(), src.flat());
 }
 
+bool same_table(const ParamSet& a, const ParamSet& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i)
+    if (a.specs()[i].name != b.specs()[i].name || a.specs()[i].shape != b.specs()[i].shape) return false;
+  return true;
+}
+
 ModelWeights ParamSet::weights() const {
   ModelWeights w;
   for (size_t i = 0; i < specs_.size(); ++i) {
@@ -91,22 +119,25 @@ ModelWeights ParamSet::weights() const {
       case ParamRole::w_down: L->w_down = t; break;
       case ParamRole::final_norm: w.final_norm = t; break;
       case ParamRole::lm_head: w.lm_head = t; break;
+      case ParamRole::lora_a: L->lora.of(s.adapts).a = t; break;
+      case ParamRole::lora_b: L->lora.of(s.adapts).b = t; break;
     }
   }
-  if (tied_) w.lm_head = w.embedding;
+  if (tied_ && w.embedding.data) w.lm_head = w.embedding;
   return w;
 }
 
 void init_parameters(ParamSet& params, uint64_t seed, double initializer_range, double norm_jitter) {
   if (!params.device().is_cpu()) {
     // Draw on the host in f64 (the host path's own rounding), then one converting copy.
-    ParamSet host(params.config(), DType::f64);
+    ParamSet host = ParamSet::like(params, DType::f64, Device::host());
     init_parameters(host, seed, initializer_range, norm_jitter);
     copy_params(params, host);
     return;
   }
   for (size_t i = 0; i < params.size(); ++i) {
     const ParamSpec& s = params.specs()[i];
+    CW_CHECK(!s.is_adapter(), "init_parameters: {} is a LoRA adapter (model/lora.h: init_lora_parameters)", s.name);
     // Each tensor draws from its own stream (its index in the table), so initialisation does not
     // depend on the order tensors are visited in.
     if (s.is_norm()) {

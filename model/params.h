@@ -12,6 +12,9 @@
 //   lm_head.weight                                 [V, C]   (absent when tie_word_embeddings)
 // A ParamSet holds all tensors in one contiguous buffer of one dtype (parameters, gradients,
 // optimizer moments all use it), addressable by index, by name, or through typed weight structs.
+// The same class holds a model's LoRA adapters (model/lora.h: lora_parameter_table, PEFT's names
+// base_model.model.model.layers.{l}.self_attn.q_proj.lora_A.weight [r, in] and ...lora_B.weight
+// [out, r]), so their gradients, master copy, AdamW moments and checkpoints are built the same way.
 #pragma once
 
 #include "engine/memory.h"
@@ -22,21 +25,42 @@
 
 namespace cw {
 
-enum class ParamRole { embedding, attn_norm, wq, wk, wv, wo, mlp_norm, w_gate, w_up, w_down, final_norm, lm_head };
+enum class ParamRole {
+  embedding, attn_norm, wq, wk, wv, wo, mlp_norm, w_gate, w_up, w_down, final_norm, lm_head,
+  lora_a, lora_b  // a LoRA adapter's matrices (model/lora.h); `adapts` names the linear
+};
 
 struct ParamSpec {
-  std::string name;            // HF name
+  std::string name;            // HF name (PEFT's for an adapter)
   std::vector<int64_t> shape;
   ParamRole role;
   int layer = -1;              // -1 outside the blocks
+  ParamRole adapts = ParamRole::wq;  // lora_a / lora_b: the linear the adapter belongs to (wq ... w_down)
   bool is_norm() const { return role == ParamRole::attn_norm || role == ParamRole::mlp_norm || role == ParamRole::final_norm; }
+  bool is_adapter() const { return role == ParamRole::lora_a || role == ParamRole::lora_b; }
   int64_t numel() const;
 };
 
 std::vector<ParamSpec> parameter_table(const LlamaConfig& config);
 
+// A LoRA adapter of one linear: A [r, in] and B [out, r]; both undefined where the linear has none.
+struct LoraPair {
+  Tensor a, b;
+  bool defined() const { return a.data != nullptr; }
+};
+
+// The adapters of one block's seven linears, by the linear's role.
+struct LayerAdapters {
+  LoraPair q, k, v, o, gate, up, down;
+  LoraPair& of(ParamRole linear);
+  const LoraPair& of(ParamRole linear) const { return const_cast<LayerAdapters*>(this)->of(linear); }
+};
+
+// One block's tensors. A set of adapters (or of their gradients) leaves the base tensors undefined;
+// a base set leaves `lora` undefined; LlamaModel::weights() joins the two.
 struct LayerWeights {
   Tensor attn_norm, wq, wk, wv, wo, mlp_norm, w_gate, w_up, w_down;
+  LayerAdapters lora;
 };
 
 struct ModelWeights {
@@ -52,6 +76,11 @@ class ParamSet {
   // Zero-filled; device: host memory or one GPU's (the GPU's compute weights, master weights,
   // gradients and optimizer moments are ParamSets on the device).
   ParamSet(const LlamaConfig& config, DType dtype, Device device = Device::host());
+  // A zero-filled set of the given table (another table than the model's: LoRA adapters).
+  ParamSet(const LlamaConfig& config, std::vector<ParamSpec> specs, DType dtype, Device device = Device::host());
+  // A zero-filled set with the table of `like` (its gradients, its master copy, its moments).
+  static ParamSet like(const ParamSet& like, DType dtype, Device device);
+  static ParamSet like(const ParamSet& like, DType dtype) { return ParamSet::like(like, dtype, like.device()); }
 
   const std::vector<ParamSpec>& specs() const { return specs_; }
   const LlamaConfig& config() const { return config_; }  // the config the table was built from
@@ -83,6 +112,8 @@ class ParamSet {
 // Copies every element of src into dst (same table), converting dtype and crossing devices as needed
 // (bf16 rounded to nearest even): master weights to the compute copy, device to host for a checkpoint.
 void copy_params(const ParamSet& dst, const ParamSet& src);
+// Whether two sets have the same table (names and shapes, in order).
+bool same_table(const ParamSet& a, const ParamSet& b);
 
 void init_parameters(ParamSet& params, uint64_t seed, double initializer_range, double norm_jitter = 0.0);
 

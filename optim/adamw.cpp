@@ -16,34 +16,6 @@
 namespace cw {
 namespace {
 
-// A ParamSet does not keep the config it was built from, but its table depends only on V, C, F, L,
-// H*D, Hkv*D and tying. This rebuilds a config with those (heads of size 1: the table never looks at
-// the split) and checks it reproduces the table exactly, so the state can be allocated from `like`.
-LlamaConfig table_config(const ParamSet& like) {
-  LlamaConfig c;
-  for (const ParamSpec& s : like.specs()) {
-    switch (s.role) {
-      case ParamRole::embedding:
-        c.vocab_size = s.shape.at(0);
-        c.hidden_size = s.shape.at(1);
-        break;
-      case ParamRole::wq: c.num_attention_heads = s.shape.at(0); break;
-      case ParamRole::wk: c.num_key_value_heads = s.shape.at(0); break;
-      case ParamRole::w_gate: c.intermediate_size = s.shape.at(0); break;
-      default: break;
-    }
-    if (s.layer >= 0 && s.layer + 1 > c.num_hidden_layers) c.num_hidden_layers = s.layer + 1;
-  }
-  c.head_dim = 1;
-  c.tie_word_embeddings = like.find("lm_head.weight") < 0;
-  const std::vector<ParamSpec> rebuilt = parameter_table(c);
-  bool same = rebuilt.size() == like.specs().size();
-  for (size_t i = 0; same && i < rebuilt.size(); ++i)
-    same = rebuilt[i].name == like.specs()[i].name && rebuilt[i].shape == like.specs()[i].shape;
-  CW_CHECK(same, "AdamW: the parameter set does not follow the Llama parameter table");
-  return c;
-}
-
 void check_same_table(const ParamSet& a, const ParamSet& b, const char* what_a, const char* what_b) {
   CW_CHECK(a.size() == b.size() && a.numel() == b.numel(), "AdamW: {} ({} tensors, {} elements) and {} ({} tensors, {} elements) differ",
            what_a, a.size(), a.numel(), what_b, b.size(), b.numel());
@@ -69,16 +41,15 @@ void AdamWOptions::validate() const {
     fail(fmt::format("optimizer.weight_decay = {} must be >= 0", weight_decay), "use 0 for no decay; the usual value is 0.1");
 }
 
-AdamW::AdamW(const ParamSet& like, const AdamWOptions& options)
-    : AdamW(table_config(like), like.dtype(), options, like.device()) {}
+AdamW::AdamW(const ParamSet& like, const AdamWOptions& options) : options_(options) {
+  options_.validate();
+  check_float_dtype(like.dtype(), "the master weights");
+  exp_avg_ = ParamSet::like(like, like.dtype());  // zero-filled by Buffer
+  exp_avg_sq_ = ParamSet::like(like, like.dtype());
+}
 
 AdamW::AdamW(const LlamaConfig& config, DType dtype, const AdamWOptions& options, Device device)
-    : options_(options), table_(config) {
-  options_.validate();
-  check_float_dtype(dtype, "the master weights");
-  exp_avg_ = ParamSet(config, dtype, device);     // zero-filled by Buffer
-  exp_avg_sq_ = ParamSet(config, dtype, device);
-}
+    : AdamW(ParamSet(config, dtype, device), options) {}
 
 bool adamw_decays(const AdamWOptions& options, const ParamSpec& spec) {
   if (spec.is_norm()) return options.decay_norms;
@@ -111,8 +82,8 @@ void AdamW::save(const std::string& path) const {
   const ParamSet* m = &exp_avg_;
   const ParamSet* v = &exp_avg_sq_;
   if (!exp_avg_.device().is_cpu()) {
-    m_host = ParamSet(table_, exp_avg_.dtype());
-    v_host = ParamSet(table_, exp_avg_sq_.dtype());
+    m_host = ParamSet::like(exp_avg_, exp_avg_.dtype(), Device::host());
+    v_host = ParamSet::like(exp_avg_sq_, exp_avg_sq_.dtype(), Device::host());
     copy_params(m_host, exp_avg_);
     copy_params(v_host, exp_avg_sq_);
     m = &m_host;
@@ -168,7 +139,8 @@ void AdamW::load(const std::string& path) {
   for (const SafetensorsEntry& e : reader.entries())
     if (!expected.count(e.name)) fail(fmt::format("{}: unexpected tensor '{}' in optimizer state", path, e.name), hint);
 
-  ParamSet m(table_, exp_avg_.dtype()), v(table_, exp_avg_sq_.dtype());
+  ParamSet m = ParamSet::like(exp_avg_, exp_avg_.dtype(), Device::host());
+  ParamSet v = ParamSet::like(exp_avg_sq_, exp_avg_sq_.dtype(), Device::host());
   for (size_t i = 0; i < m.size(); ++i) {
     reader.read_into("exp_avg/" + m.specs()[i].name, m[i]);
     reader.read_into("exp_avg_sq/" + v.specs()[i].name, v[i]);

@@ -10,7 +10,8 @@
 // The decay term uses p before the update and is decoupled: it is not fed through m and v, so it is
 // not rescaled by the adaptive denominator. lr is given per step (optim/lr_schedule.h); wd is
 // applied only to the tensors selected for decay, and is 0 for the others:
-//   decayed   the linear weights (q/k/v/o, gate/up/down) and an untied lm_head.weight
+//   decayed   the linear weights (q/k/v/o, gate/up/down), an untied lm_head.weight and LoRA's A and B
+//             (as HF's Trainer decays every non-norm, non-bias parameter of a PEFT model)
 //   optional  the norm weights (decay_norms) and model.embed_tokens.weight (decay_embeddings); a tied
 //             model's embedding is also its head and follows decay_embeddings
 // Pulling norm gains (which sit at 1) or embedding rows (most of which see no gradient in a step)
@@ -49,7 +50,8 @@ struct AdamWOptions {
 
 class AdamW {
  public:
-  // State for parameters with the table, dtype (f32 or f64) and device of `like`, moments zero, t = 0.
+  // State for parameters with the table, dtype (f32 or f64) and device of `like` (the model's table,
+  // or a LoRA adapters' set), moments zero, t = 0.
   AdamW(const ParamSet& like, const AdamWOptions& options = {});
   AdamW(const LlamaConfig& config, DType dtype, const AdamWOptions& options = {}, Device device = Device::host());
 
@@ -76,7 +78,6 @@ class AdamW {
 
  private:
   AdamWOptions options_;
-  LlamaConfig table_;  // a config whose parameter table is the state's (to allocate copies of it)
   ParamSet exp_avg_, exp_avg_sq_;
   int64_t step_ = 0;
 };

@@ -122,7 +122,7 @@ Arena& step_arena(Schedule& schedule, Device device) {
 }  // namespace
 
 StepFrame::StepFrame(Schedule& schedule, std::optional<KVStore>& store, LlamaModel& model, const Batch& batch,
-                     double normaliser)
+                     double normaliser, uint64_t step_index)
     : options(schedule.options()),
       model(model),
       batch(batch),
@@ -132,7 +132,8 @@ StepFrame::StepFrame(Schedule& schedule, std::optional<KVStore>& store, LlamaMod
       arena(step_arena(schedule, model.device())),
       hooks(schedule.hooks()),
       policy_(activation_policy(options)),
-      moved_before_(kv.bytes_moved()) {}
+      moved_before_(kv.bytes_moved()),
+      dropout_round_(model, step_index) {}
 
 double StepFrame::prefill(bool with_loss) {
   return cw::prefill(kv, model, batch, chunk_bounds(batch.T(), options.chunk), norm, with_loss, arena,

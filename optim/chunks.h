@@ -10,8 +10,10 @@
 // StepFrame: what every step does before and after its algorithm. Constructed, it counts the batch's
 // labels, fixes the loss normaliser, extends the RoPE tables to T, takes the schedule's K/V store
 // (rebuilt only when the shape changes, zeroed) and its arena on the model's device with the
-// high-water mark reset; finish() fills in StepStats (loss, chunks, the arena's peak, the store's
-// bytes and what it moved to and from the host during the step).
+// high-water mark reset, and sets the model's dropout round to the step index for the step (LoRA's
+// dropout masks: every chunk of the step, prefill, recompute and backward, sees the same masks);
+// finish() fills in StepStats (loss, chunks, the arena's peak, the store's bytes and what it moved
+// to and from the host during the step).
 #pragma once
 
 #include "optim/schedule.h"
@@ -46,7 +48,7 @@ class StepFrame {
  public:
   // `store` is the schedule's, kept between steps; the options' offload_window places it.
   StepFrame(Schedule& schedule, std::optional<KVStore>& store, LlamaModel& model, const Batch& batch,
-            double normaliser);
+            double normaliser, uint64_t step_index);
 
   // Every prefill chunk (options.chunk) forward into the store; the summed loss when with_loss.
   double prefill(bool with_loss);
@@ -72,6 +74,7 @@ class StepFrame {
  private:
   const ActivationPolicy policy_;
   const size_t moved_before_;  // the store's host <-> device bytes before the step
+  DropoutRoundScope dropout_round_;
 };
 
 }  // namespace cw

@@ -59,7 +59,30 @@ const std::vector<Option<ParallelOptions>>& parallel_option_table() {
   };
   return table;
 }
+const std::vector<Option<LoraConfig>>& lora_option_table() {
+  using L = LoraConfig;
+  static const std::vector<Option<L>> table = {
+    // key             flag               member             values                    help
+    {"rank",           "--lora-rank",     &L::rank,          at_least(0, "no adapters"),
+     "LoRA: adapters of this rank on lora.targets, the base frozen (no master copy, gradient or optimizer state "
+     "for it); 0: full-parameter training"},
+    {"alpha",          "--lora-alpha",    &L::alpha,         above(0),                 "LoRA: the adapters' output is scaled by alpha / rank"},
+    {"dropout",        "--lora-dropout",  &L::dropout,       between(0, 1, false, true),
+     "LoRA: dropout on the adapters' input in training steps; the masks are seeded (lora.seed, step, layer, token), "
+     "so every schedule sees the same ones"},
+    {"targets",        "--lora-targets",  &L::targets,       {},
+     "LoRA: the linears that get adapters, a comma list of q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
+     "down_proj, or all-linear; empty: q_proj,v_proj (PEFT's Llama default)"},
+    {"seed",           "--lora-seed",     &L::seed,          {},                       "LoRA: seed of A's initialisation (B starts at 0) and of the dropout masks"},
+  };
+  return table;
+}
 // clang-format on
+
+void validate_lora(const LoraConfig& lora) {
+  for (const OptionRef& o : bind_options("lora", lora_option_table(), const_cast<LoraConfig&>(lora))) check_option(o);
+  lora.validate();
+}
 
 void ParallelOptions::validate() const {
   for (const OptionRef& o : bind_options("parallel", parallel_option_table(), const_cast<ParallelOptions&>(*this)))

@@ -127,4 +127,9 @@ struct ParallelOptions {
 // [parallel]: every option of ParallelOptions.
 const std::vector<Option<ParallelOptions>>& parallel_option_table();
 
+// [lora]: every option of LoraConfig (model/lora.h: LoRA adapters, the base frozen). Its rules between
+// options are LoraConfig::validate()'s; validate_lora checks the rows, then those.
+const std::vector<Option<LoraConfig>>& lora_option_table();
+void validate_lora(const LoraConfig& lora);
+
 }  // namespace cw

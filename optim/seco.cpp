@@ -25,8 +25,9 @@ class SecoSchedule : public Schedule {
  public:
   using Schedule::Schedule;
 
-  StepStats step(LlamaModel& model, const Batch& batch, const ParamSet& grads, double normaliser, uint64_t) override {
-    StepFrame f(*this, store_, model, batch, normaliser);
+  StepStats step(LlamaModel& model, const Batch& batch, const ParamSet& grads, double normaliser,
+                 uint64_t step_index) override {
+    StepFrame f(*this, store_, model, batch, normaliser, step_index);
     f.prefill(/*with_loss=*/false);  // 1. K/V of every token into the store
     const std::vector<int64_t> b = f.sweep_bounds();
     double loss = 0;

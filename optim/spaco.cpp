@@ -66,7 +66,7 @@ class SpacoSchedule : public Schedule {
 
   StepStats step(LlamaModel& model, const Batch& batch, const ParamSet& grads, double normaliser,
                  uint64_t step_index) override {
-    StepFrame f(*this, store_, model, batch, normaliser);
+    StepFrame f(*this, store_, model, batch, normaliser, step_index);
     const double loss = f.prefill(/*with_loss=*/true);  // seco's prefill; every chunk's loss
     const std::vector<int64_t> b = f.sweep_bounds();
     const int64_t k = static_cast<int64_t>(b.size()) - 1;

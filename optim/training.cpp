@@ -14,14 +14,21 @@ DType master_dtype_for(DType compute) { return compute == DType::bf16 ? DType::f
 }  // namespace
 
 TrainingState::TrainingState(const LlamaConfig& config, DType compute, Device device, const AdamWOptions& options,
-                             bool full_optimizer)
-    : model_(config, compute, device),
-      master_(compute == DType::bf16 ? std::optional<ParamSet>(ParamSet(config, DType::f32, device)) : std::nullopt),
-      grads_(config, master_dtype_for(compute), device),
+                             bool full_optimizer, const LoraConfig& lora)
+    : model_(config, compute, device, nullptr, lora),
+      master_(compute == DType::bf16 ? std::optional<ParamSet>(ParamSet::like(model_.trainable(), DType::f32))
+                                     : std::nullopt),
+      grads_(ParamSet::like(model_.trainable(), master_dtype_for(compute))),
       adamw_options_(options) {
   CW_CHECK(compute != DType::bf16 || !device.is_cpu(), "bf16 training needs the GPU backend");
   options.validate();
-  if (full_optimizer) adamw_.emplace(master_ ? *master_ : model_.params(), options);
+  sync_master_from_compute();
+  if (full_optimizer) adamw_.emplace(master(), options);
+}
+
+void TrainingState::sync_master_from_compute() {
+  // The model initialised its adapters (PEFT's rule); a separate master starts from the same values.
+  if (master_ && model_.has_adapters()) copy_params(*master_, model_.adapters());
 }
 
 AdamW& TrainingState::optimizer() {
@@ -31,7 +38,7 @@ AdamW& TrainingState::optimizer() {
 }
 
 void TrainingState::sync_compute_copy() {
-  if (master_) copy_params(model_.params(), *master_);
+  if (master_) copy_params(model_.trainable(), *master_);
 }
 
 void TrainingState::load_master(const ParamSet& host) {
@@ -39,15 +46,28 @@ void TrainingState::load_master(const ParamSet& host) {
   sync_compute_copy();
 }
 
+void TrainingState::load_base(const ParamSet& host) {
+  if (!lora()) return load_master(host);
+  copy_params(model_.params(), host);  // the frozen base: straight into the compute weights
+}
+
 void TrainingState::init(uint64_t seed, double initializer_range) {
-  init_parameters(master(), seed, initializer_range);
+  init_parameters(lora() ? model_.params() : master(), seed, initializer_range);
+  if (lora()) init_adapters();
+  else sync_compute_copy();
+}
+
+void TrainingState::init_adapters() {
+  CW_CHECK(lora(), "init_adapters: the model has no LoRA adapters");
+  init_lora_parameters(master(), model_.lora().seed);
   sync_compute_copy();
 }
 
 void TrainingState::init_tiled(uint64_t seed, double initializer_range) {
-  const ParamSet& m = master();
+  // Under LoRA the base is written in the compute dtype directly (it has no master).
+  const ParamSet& m = lora() ? model_.params() : master();
   const int64_t block = std::min<int64_t>(int64_t(16) << 20, m.numel());
-  OwnedTensor host(m.dtype(), {block});
+  OwnedTensor host(m.dtype() == DType::bf16 ? DType::f32 : m.dtype(), {block});
   fill_normal(host, seed, 0, 0.0, initializer_range);
   const Tensor flat = m.flat();
   for (int64_t off = 0; off < m.numel(); off += block) {
@@ -56,17 +76,24 @@ void TrainingState::init_tiled(uint64_t seed, double initializer_range) {
   }
   for (size_t i = 0; i < m.size(); ++i)
     if (m.specs()[i].is_norm()) fill(m[i], 1.0);
-  sync_compute_copy();
+  if (lora()) init_adapters();
+  else sync_compute_copy();
 }
 
 ParamSet TrainingState::master_on_host() const {
-  ParamSet host(model_.config(), master().dtype());
+  ParamSet host = ParamSet::like(master(), master().dtype(), Device::host());
   copy_params(host, master());
   return host;
 }
 
+ParamSet TrainingState::base_on_host(DType dtype) const {
+  ParamSet host(model_.config(), dtype);
+  copy_params(host, lora() ? model_.params() : master());
+  return host;
+}
+
 void TrainingState::optimizer_step(double lr) {
-  optimizer().step(master(), grads_, lr, master_ ? &model_.params() : nullptr);
+  optimizer().step(master(), grads_, lr, master_ ? &model_.trainable() : nullptr);
 }
 
 size_t MemoryReport::other() const {
@@ -90,8 +117,8 @@ std::string MemoryReport::line() const {
 
 MemoryReport memory_report(const TrainingState& st, size_t activation_high_water, size_t kv_bytes) {
   MemoryReport r;
-  r.weights = st.model().params().bytes();
-  const bool separate_master = &st.master() != &st.model().params();
+  r.weights = st.model().params().bytes() + (st.lora() ? st.model().adapters().bytes() : 0);
+  const bool separate_master = &st.master() != &st.model().trainable();
   r.master = separate_master ? st.master().bytes() : 0;
   r.optimizer = st.has_full_optimizer() ? st.master().bytes() * 2 : 0;  // exp_avg and exp_avg_sq (ZeRO: the group's)
   r.gradients = st.grads().bytes();

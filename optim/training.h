@@ -8,7 +8,10 @@
 //   gradients        f32 (f64 in f64 mode), accumulated over chunks and micro-batches
 //   AdamW moments    the master weights' dtype
 // Everything lives on `device`. Checkpoints read and write the master weights through host copies,
-// so a bf16 GPU run saves f32 weights and resumes bit-exactly. With ZeRO (parallel/data_parallel.h)
+// so a bf16 GPU run saves f32 weights and resumes bit-exactly.
+// With LoRA (a LoraConfig of rank > 0; model/lora.h) the policy applies to the adapters alone: the
+// base parameters are the model's compute weights (bf16 on a GPU) and nothing else, no master copy,
+// no gradient, no moments; master weights, gradients and moments are the adapters' (f32 on a GPU). With ZeRO (parallel/data_parallel.h)
 // the state is built without the full AdamW moments (full_optimizer = false): each rank keeps the
 // moments of its own shard there, and updates through optimizer_step are refused.
 #pragma once
@@ -25,12 +28,14 @@ namespace cw {
 class TrainingState {
  public:
   TrainingState(const LlamaConfig& config, DType compute, Device device, const AdamWOptions& options,
-                bool full_optimizer = true);
+                bool full_optimizer = true, const LoraConfig& lora = {});
 
   LlamaModel& model() { return model_; }
   const LlamaModel& model() const { return model_; }
-  const ParamSet& master() const { return master_ ? *master_ : model_.params(); }
-  ParamSet& master() { return master_ ? *master_ : model_.params(); }
+  // The master weights of what is trained: every parameter, or the adapters under LoRA.
+  const ParamSet& master() const { return master_ ? *master_ : model_.trainable(); }
+  ParamSet& master() { return master_ ? *master_ : model_.trainable(); }
+  bool lora() const { return model_.has_adapters(); }
   const ParamSet& grads() const { return grads_; }
   AdamW& optimizer();  // throws when the state was built without it (ZeRO)
   bool has_full_optimizer() const { return adamw_.has_value(); }
@@ -38,22 +43,35 @@ class TrainingState {
   Device device() const { return model_.device(); }
   DType master_dtype() const { return master().dtype(); }
 
-  // Master weights from a host parameter set (any dtype: converted), then the compute copy.
+  // Master weights from a host parameter set (any dtype: converted), then the compute copy. Under
+  // LoRA the set is the adapters'.
   void load_master(const ParamSet& host);
-  // Seeded initialisation of the master weights (drawn on the host), then the compute copy.
+  // The base weights from a host set of the model's table: under LoRA into the frozen compute
+  // weights (rounded to the compute dtype, no master); otherwise the same as load_master.
+  void load_base(const ParamSet& host);
+  // Seeded initialisation (drawn on the host) of the base (HF's rule), then the compute copy; under
+  // LoRA also the adapters (init_adapters).
   void init(uint64_t seed, double initializer_range);
+  // Under LoRA: the adapters by PEFT's rule from lora.seed, then the compute copy.
+  void init_adapters();
   // For benchmarks: one block of 16 Mi values drawn on the host (N(0, initializer_range)) tiled over
-  // every weight, norm gains 1, then the compute copy: random values without drawing a billion of
-  // them on the host.
+  // every base weight, norm gains 1 (then the compute copy; under LoRA the adapters by PEFT's rule):
+  // random values without drawing a billion of them on the host.
   void init_tiled(uint64_t seed, double initializer_range);
-  // The master weights as a host parameter set of the master dtype (for checkpoints and sampling).
+  // The master weights as a host parameter set of the master dtype (for checkpoints and sampling);
+  // under LoRA the adapters'.
   ParamSet master_on_host() const;
+  // The base weights as a host set of the model's table in `dtype` (under LoRA from the compute
+  // weights; otherwise from the master weights).
+  ParamSet base_on_host(DType dtype) const;
   // One AdamW step on the accumulated gradients (updates master and compute weights).
   void optimizer_step(double lr);
   // The compute weights from the master weights (bf16 rounding; nothing when they are the same set).
   void sync_compute_copy();
 
  private:
+  void sync_master_from_compute();
+
   LlamaModel model_;
   std::optional<ParamSet> master_;
   ParamSet grads_;
@@ -64,7 +82,9 @@ class TrainingState {
 // Bytes by category, for the memory report of train and bench. activations and kv come from the
 // schedule's last step (the arena's high-water mark, the K/V store); device_peak is the caching
 // pool's peak (GPU) and `other` what the peak holds beyond the named categories (LM-head and
-// attention scratch outside the arena, cuBLASLt/cuDNN workspaces, pool slack).
+// attention scratch outside the arena, cuBLASLt/cuDNN workspaces, pool slack). Under LoRA,
+// weights are the base's compute weights and the adapters' compute copy; master, optimizer and
+// gradients the adapters' alone.
 struct MemoryReport {
   size_t weights = 0, master = 0, optimizer = 0, gradients = 0, activations = 0, kv = 0, device_peak = 0;
   size_t other() const;

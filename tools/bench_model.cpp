@@ -7,6 +7,7 @@
 #include "engine/ops/linear.h"
 #include "engine/random.h"
 #include "engine/trace.h"
+#include "optim/options.h"
 #include "optim/schedule.h"
 #include "optim/training.h"
 
@@ -40,13 +41,19 @@ double measure_bf16_peak(Device g) {
   return 2.0 * double(n) * double(n) * double(n) / (ms * 1e-3) / 1e12;
 }
 
-double flops_per_token(const LlamaConfig& c, int64_t T) {
+// LoRA: the frozen base's weight gradients are not computed, so its matmuls cost 4 flops per
+// parameter and token (forward, d_x) instead of 6; the adapters' own products (2 r (in + out) per
+// linear and token, three passes) are added.
+double flops_per_token(const LlamaConfig& c, int64_t T, const LoraConfig& lora) {
   const double C = double(c.hidden_size), F = double(c.intermediate_size);
   const double per_layer = C * double(c.q_dim()) * 2 + C * double(c.kv_dim()) * 2 + 3 * C * F;
   const double matmul_params = per_layer * double(c.num_hidden_layers) + double(c.vocab_size) * C;
   const double attention = 12.0 * double(c.num_hidden_layers) * double(c.num_attention_heads) * double(c.head_dim) *
                            double(T) / 2.0;
-  return 6.0 * matmul_params + attention;
+  if (!lora.enabled()) return 6.0 * matmul_params + attention;
+  double adapter_params = 0;
+  for (const ParamSpec& s : lora_parameter_table(c, lora)) adapter_params += double(s.numel());
+  return 4.0 * matmul_params + 6.0 * adapter_params + attention;
 }
 
 bool is_out_of_memory(const std::string& what) {
@@ -65,19 +72,23 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
 
   const ScheduleOptions& so = o.schedule;
   so.validate();
+  validate_lora(o.lora);
 
   nlohmann::json r = {{"impl", "chunkwise"}, {"model", o.model}, {"seq", o.seq}, {"batch", o.batch},
                       {"schedule", so.name}, {"recompute", so.recompute}, {"chunk", so.chunk},
                       {"bwd_chunk", so.bwd_chunk}, {"mlp_shards", so.mlp_shards}, {"offload", so.offload},
                       {"offload_window", so.offload_window}, {"save_attention", so.save_attention}, {"keep", so.keep}, {"dtype", o.dtype},
                       {"device", device_name(g)}};
+  if (o.lora.enabled())
+    r["lora"] = {{"rank", o.lora.rank}, {"alpha", o.lora.alpha}, {"dropout", o.lora.dropout},
+                 {"targets", o.lora.target_names()}};
 #if CW_HAVE_CUDA
   set_deterministic(o.deterministic);
   r["attention"] = attention_kernel_name(attention_kernel());
   r["deterministic"] = deterministic();
 #endif
   const double peak = o.peak_tflops > 0 ? o.peak_tflops : measure_bf16_peak(g);
-  const double fpt = flops_per_token(cfg, o.seq);
+  const double fpt = flops_per_token(cfg, o.seq, o.lora);
   r["peak_tflops"] = peak;
   r["flops_per_token"] = fpt;
   std::vector<double> step_s;
@@ -85,7 +96,7 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
   std::vector<double> copy_waits;  // per step: seconds the compute stream waited for host <-> device copies
   try {
     AdamWOptions ao;
-    TrainingState st(cfg, dt, g, ao);
+    TrainingState st(cfg, dt, g, ao, true, o.lora);
     st.init_tiled(1, cfg.initializer_range);
     auto schedule = Schedule::create(so);
     StepStats stats;

@@ -9,7 +9,9 @@
 // steps the median of `steps` timed ones gives tokens/s = B * T / step_s.
 // MFU = tokens/s * flops_per_token / peak, with flops_per_token = 6 * (matmul parameters, LM head
 // included) + 12 * L * H * D * T / 2 (causal attention, forward and backward), and peak the bf16
-// GEMM rate measured in the same process (8192^3 through our cuBLASLt path) unless given.
+// GEMM rate measured in the same process (8192^3 through our cuBLASLt path) unless given. With LoRA
+// (--lora-rank) the frozen base costs 4 instead of 6 per parameter (no weight gradients) and the
+// adapters 6 per adapter parameter.
 // Each step's line also says how many cuDNN attention plans it built and the seconds that took
 // (cw::attention_plan_stats; the first step builds them, the JSON has them per step).
 // Memory: the caching pool's peak in-use bytes over the whole run (weights included), and the
@@ -29,6 +31,7 @@ struct BenchModelOptions {
   std::string model = "llama-3.2-1b";  // preset, config.json or checkpoint directory
   int64_t seq = 4096, batch = 1;
   ScheduleOptions schedule;            // every schedule option, as train and gradcheck take them
+  LoraConfig lora;                     // rank > 0: LoRA adapters trained, the base frozen in the compute dtype
   bool deterministic = false;          // deterministic kernels only (cw::set_deterministic)
   std::string dtype = "bf16";          // bf16 | f32
   int steps = 3, warmup = 1;

@@ -34,6 +34,7 @@ int main(int argc, char** argv) {
   gradcheck->add_option("--dtype", gc.dtype, "f64 | f32")->capture_default_str();
   cw::add_schedule_flags(*gradcheck, gc.schedule);
   cw::add_parallel_flags(*gradcheck, gc.parallel);
+  cw::add_lora_flags(*gradcheck, gc.lora);
   gradcheck->add_option("--optimizer-steps", gc.optimizer_steps, "against single: AdamW steps before the parameters are compared")
       ->capture_default_str();
   gradcheck->add_option("--against", gc.against,
@@ -68,6 +69,16 @@ int main(int argc, char** argv) {
   logits->add_option("--dtype", lo.dtype, "f64 | f32")->capture_default_str();
   logits->add_option("--chunk", lo.chunk, "run in chunks against the K/V store (0: whole sequence)")->capture_default_str();
   logits->add_option("--out", lo.out, "output safetensors (tensor 'logits' [batch*seq, vocab])")->required();
+  logits->add_option("--adapter", lo.adapter, "a PEFT LoRA adapter directory put on the model");
+
+  cw::MergeOptions mo;
+  CLI::App* merge = app.add_subcommand("merge", "fold a PEFT LoRA adapter into its base: a plain HF checkpoint");
+  merge->add_option("--model", mo.model, "the base: preset, config.json, checkpoint directory or .gguf file")->required();
+  merge->add_option("--adapter", mo.adapter, "the PEFT adapter directory (adapter_config.json, adapter_model.safetensors)")
+      ->required();
+  merge->add_option("--out", mo.out, "output directory (config.json, model.safetensors)")->required();
+  merge->add_option("--dtype", mo.dtype, "stored dtype: f32 | bf16 | f64")->capture_default_str();
+  merge->add_option("--seed", mo.seed, "initialisation seed of a base that is not a checkpoint")->capture_default_str();
 
   cw::BenchOpsOptions bo;
   CLI::App* bench_ops = app.add_subcommand("bench-ops", "time the GPU ops on one shape set (a benchmark)");
@@ -91,6 +102,7 @@ int main(int argc, char** argv) {
   bench->add_option("--seq", bm.seq, "tokens per sequence")->capture_default_str();
   bench->add_option("--batch", bm.batch, "sequences per step")->capture_default_str();
   cw::add_schedule_flags(*bench, bm.schedule);
+  cw::add_lora_flags(*bench, bm.lora);
   bench->add_flag("--deterministic", bm.deterministic, "bitwise-reproducible gradients (deterministic kernels only)");
   bench->add_option("--dtype", bm.dtype, "bf16 | f32")->capture_default_str();
   bench->add_option("--steps", bm.steps, "timed steps (median)")->capture_default_str();
@@ -106,6 +118,7 @@ int main(int argc, char** argv) {
   plan->add_option("--batch", po.batch)->capture_default_str();
   // --chunk and --offload-window also take "auto" (the planner chooses); the rest as everywhere.
   cw::add_schedule_flags(*plan, po.schedule, {"chunk", "offload_window"});
+  cw::add_lora_flags(*plan, po.lora);
   plan->add_option("--chunk", po.chunk, "seco, spaco: prefill chunk length in tokens, or auto (the fastest that fits)")
       ->capture_default_str();
   plan->add_option("--offload-window", po.offload_window,
@@ -234,6 +247,11 @@ int main(int argc, char** argv) {
     if (*logits) {
       cw::write_logits(lo);
       std::cout << "wrote " << lo.out << "\n";
+      return 0;
+    }
+    if (*merge) {
+      cw::merge_adapter_checkpoint(mo);
+      std::cout << "wrote " << mo.out << "\n";
       return 0;
     }
     if (*bench_ops) {

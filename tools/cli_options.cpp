@@ -40,6 +40,10 @@ void add_schedule_flags(CLI::App& app, ScheduleOptions& schedule, std::initializ
   add_option_flags(app, bind_options("schedule", schedule_option_table(), schedule), except);
 }
 
+void add_lora_flags(CLI::App& app, LoraConfig& lora) {
+  add_option_flags(app, bind_options("lora", lora_option_table(), lora));
+}
+
 void add_parallel_flags(CLI::App& app, ParallelOptions& parallel, std::initializer_list<std::string_view> except) {
   add_option_flags(app, bind_options("parallel", parallel_option_table(), parallel), except);
 }

@@ -25,6 +25,9 @@ std::vector<CLI::Option*> add_option_flags(CLI::App& app, const std::vector<Opti
 // The schedule's flags (--schedule, --chunk, ..., spaco's included), writing into `schedule`.
 void add_schedule_flags(CLI::App& app, ScheduleOptions& schedule, std::initializer_list<std::string_view> except = {});
 
+// The LoRA flags (--lora-rank, --lora-alpha, --lora-dropout, --lora-targets, --lora-seed), writing into `lora`.
+void add_lora_flags(CLI::App& app, LoraConfig& lora);
+
 // The data/tensor-parallel flags (--dp, --zero, --bucket-mb, ...), writing into `parallel`.
 void add_parallel_flags(CLI::App& app, ParallelOptions& parallel, std::initializer_list<std::string_view> except = {});
 

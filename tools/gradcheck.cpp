@@ -10,6 +10,7 @@
 
 #include <fmt/format.h>
 #include <fmt/ostream.h>
+#include <fmt/ranges.h>
 
 #include <cmath>
 #include <cstring>
@@ -48,10 +49,18 @@ double dot(const Tensor& a, const Tensor& b) {
   return s;
 }
 
+// The tensor column's width: 48, or the longest name (PEFT's adapter names run to 64 characters).
+size_t name_width(const ParamSet& set) {
+  size_t w = 48;
+  for (const ParamSpec& s : set.specs()) w = std::max(w, s.name.size());
+  return w;
+}
+
 // One row per tensor: rel_err = ||a - b||_2 / ||b||_2 and the worst element; returns the largest.
 double compare_sets(const ParamSet& ours, const ParamSet& ref, const char* norm_name, const char* ref_name,
                     std::ostream& out) {
-  out << fmt::format("{:<48} {:<14} {:>13} {:>10} {:>28}\n", "tensor", "shape", fmt::format("||{}||", norm_name),
+  const size_t w = name_width(ours);
+  out << fmt::format("{:<{}} {:<14} {:>13} {:>10} {:>28}\n", "tensor", w, "shape", fmt::format("||{}||", norm_name),
                      "rel_err", fmt::format("worst element (ours / {})", ref_name));
   double max_rel = 0;
   for (size_t i = 0; i < ours.size(); ++i) {
@@ -73,16 +82,16 @@ double compare_sets(const ParamSet& ours, const ParamSet& ref, const char* norm_
     }
     const double rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
     max_rel = std::max(max_rel, rel);
-    out << fmt::format("{:<48} {:<14} {:>13.6e} {:>10.3e} {:>28}\n", ours.specs()[i].name,
+    out << fmt::format("{:<{}} {:<14} {:>13.6e} {:>10.3e} {:>28}\n", ours.specs()[i].name, w,
                        shape_str(ours.specs()[i].shape), std::sqrt(den), rel, fmt::format("{:.6e} / {:.6e}", wa, wb));
   }
   return max_rel;
 }
 
-// The loss row; returns its relative error.
-double compare_loss(double ours, double ref, std::ostream& out) {
+// The loss row (below a table of `set`); returns its relative error.
+double compare_loss(double ours, double ref, const ParamSet& set, std::ostream& out) {
   const double rel = std::abs(ours - ref) / std::max(std::abs(ref), 1e-300);
-  out << fmt::format("{:<48} {:<14} {:>13.6e} {:>10.3e} {:>28}\n", "loss", "[]", std::abs(ref), rel,
+  out << fmt::format("{:<{}} {:<14} {:>13.6e} {:>10.3e} {:>28}\n", "loss", name_width(set), "[]", std::abs(ref), rel,
                      fmt::format("{:.10e} / {:.10e}", ours, ref));
   return rel;
 }
@@ -103,6 +112,9 @@ Batch batch_rows(const Batch& batch, int64_t first, int64_t count) {
 // The learning rate of the AdamW steps against single: large enough that the steps move every
 // parameter well beyond rounding, so that a wrong update shows.
 constexpr double kCheckLearningRate = 1e-3;
+// LoRA's B in a check: random rather than PEFT's zero (A's gradient is s Bᵀ(...), zero while B is),
+// at a scale where the adapters change the model's outputs by a few percent.
+constexpr double kLoraCheckBStd = 0.05;
 
 // One training run: the loss and gradients of its first step, the parameters after its last.
 struct RunResult {
@@ -110,13 +122,19 @@ struct RunResult {
   ParamSet grads, params;
 };
 
+// The initial model of a training run of the check: the base, then (LoRA) the adapters.
+void load_initial(TrainingState& st, const LlamaModel& init) {
+  st.load_base(init.params());
+  if (init.has_adapters()) st.load_master(init.adapters());
+}
+
 // One process on the whole batch: the reference of --against single.
-RunResult single_run(const GradcheckOptions& o, const LlamaConfig& config, DType dtype, const ParamSet& init,
+RunResult single_run(const GradcheckOptions& o, const LlamaConfig& config, DType dtype, const LlamaModel& init,
                      const Batch& batch) {
-  TrainingState st(config, dtype, Device::host(), AdamWOptions{});
-  st.load_master(init);
+  TrainingState st(config, dtype, Device::host(), AdamWOptions{}, true, o.lora);
+  load_initial(st, init);
   auto schedule = Schedule::create(o.schedule);
-  RunResult r{0, ParamSet(config, dtype), ParamSet(config, dtype)};
+  RunResult r{0, ParamSet::like(init.trainable(), dtype), ParamSet::like(init.trainable(), dtype)};
   for (int s = 0; s < o.optimizer_steps; ++s) {
     st.grads().zero();
     const StepStats stats = schedule->step(st.model(), batch, st.grads(), 0, static_cast<uint64_t>(s));
@@ -135,7 +153,7 @@ RunResult single_run(const GradcheckOptions& o, const LlamaConfig& config, DType
 // reduced gradient, which must then be the same bits on every rank); the parameters are rank 0's,
 // and every rank's must be the same bits. Returns false in `ranks_agree` otherwise.
 RunResult data_parallel_run(const GradcheckOptions& o, int64_t zero, const LlamaConfig& config, DType dtype,
-                            const ParamSet& init, const Batch& batch, bool& ranks_agree, std::string& buckets) {
+                            const LlamaModel& init, const Batch& batch, bool& ranks_agree, std::string& buckets) {
   const int n = static_cast<int>(o.parallel.dp);
   const int64_t per_rank = batch.B() / n;
   std::vector<ParamSet> grads(static_cast<size_t>(n)), params(static_cast<size_t>(n));
@@ -146,8 +164,8 @@ RunResult data_parallel_run(const GradcheckOptions& o, int64_t zero, const Llama
   po.zero = zero;
   run_thread_ranks(n, [&](Communicator& comm) {
     const size_t r = static_cast<size_t>(comm.rank());
-    TrainingState st(config, dtype, Device::host(), AdamWOptions{}, /*full_optimizer=*/zero == 0);
-    st.load_master(init);
+    TrainingState st(config, dtype, Device::host(), AdamWOptions{}, /*full_optimizer=*/zero == 0, o.lora);
+    load_initial(st, init);
     DataParallel dp(comm, st, po);
     auto schedule = Schedule::create(o.schedule);
     std::vector<Batch> micro;
@@ -157,17 +175,17 @@ RunResult data_parallel_run(const GradcheckOptions& o, int64_t zero, const Llama
       if (s == 0) {
         first_step[r] = step;
         losses[r] = step.loss;
-        grads[r] = ParamSet(config, dtype);
+        grads[r] = ParamSet::like(st.grads(), dtype);
         copy_params(grads[r], st.grads());
         begin[r] = zero == 2 ? dp.shard_begin(comm.rank()) : 0;
         end[r] = zero == 2 ? dp.shard_end(comm.rank()) : st.grads().numel();
       }
       dp.optimizer_step(kCheckLearningRate);
     }
-    params[r] = ParamSet(config, dtype);
+    params[r] = ParamSet::like(st.master(), dtype);
     copy_params(params[r], st.master());
   });
-  RunResult result{losses[0], ParamSet(config, dtype), ParamSet(config, dtype)};
+  RunResult result{losses[0], ParamSet::like(init.trainable(), dtype), ParamSet::like(init.trainable(), dtype)};
   ranks_agree = true;
   for (int r = 0; r < n; ++r) {
     const size_t ri = static_cast<size_t>(r);
@@ -183,7 +201,7 @@ RunResult data_parallel_run(const GradcheckOptions& o, int64_t zero, const Llama
 }
 
 // --against single: see the header.
-double against_single(const GradcheckOptions& o, const LlamaConfig& config, DType dtype, const ParamSet& init,
+double against_single(const GradcheckOptions& o, const LlamaConfig& config, DType dtype, const LlamaModel& init,
                       const Batch& batch, std::ostream& out) {
   const RunResult single = single_run(o, config, dtype, init, batch);
   bool ranks_agree = false;
@@ -193,7 +211,7 @@ double against_single(const GradcheckOptions& o, const LlamaConfig& config, DTyp
                      batch.B() / o.parallel.dp, o.parallel.zero, buckets);
   out << "first step: gradients against one process on the whole batch\n";
   double max_rel = compare_sets(dp.grads, single.grads, "g_single", "single", out);
-  max_rel = std::max(max_rel, compare_loss(dp.loss, single.loss, out));
+  max_rel = std::max(max_rel, compare_loss(dp.loss, single.loss, dp.grads, out));
   out << fmt::format("after {} AdamW steps (lr {}): parameters against one process\n", o.optimizer_steps,
                      kCheckLearningRate);
   max_rel = std::max(max_rel, compare_sets(dp.params, single.params, "p_single", "single", out));
@@ -259,7 +277,7 @@ double tensor_parallel_against_single(const GradcheckOptions& o, const LlamaMode
                        rr.buffer_requested);
   }
   double max_rel = compare_sets(assembled, single, "g_single", "single", out);
-  max_rel = std::max(max_rel, compare_loss(ranks[0].stats.loss, single_loss, out));
+  max_rel = std::max(max_rel, compare_loss(ranks[0].stats.loss, single_loss, single, out));
   out << fmt::format("ranks hold bitwise the same replicated gradients and loss: {}\n", replicas_agree ? "yes" : "NO");
   if (!replicas_agree) max_rel = std::max(max_rel, 1.0);
   return max_rel;
@@ -268,6 +286,7 @@ double tensor_parallel_against_single(const GradcheckOptions& o, const LlamaMode
 
 int run_gradcheck(const GradcheckOptions& o, std::ostream& out) {
   o.schedule.validate();
+  validate_lora(o.lora);
   LlamaConfig config = LlamaConfig::resolve(o.model);
   if (o.tie_embeddings >= 0) config.tie_word_embeddings = o.tie_embeddings == 1;
   const DType dtype = parse_dtype(o.dtype);
@@ -287,6 +306,9 @@ int run_gradcheck(const GradcheckOptions& o, std::ostream& out) {
                      "threads needs sub-communicators, which the threads backend does not make yet)",
                      o.parallel.dp, o.parallel.tp),
          "check --dp and --tp separately");
+  if (o.lora.enabled() && o.parallel.tp > 1)
+    fail("--lora-rank with --tp: LoRA adapters with tensor parallelism are not implemented",
+         "check LoRA with --tp 1 (data parallelism works: --dp N)");
   if (against == "single" && o.parallel.tp > 1 && !o.save_grads.empty())
     fail("--save-grads writes the gradients of one process; with --tp it is not supported", "drop --save-grads");
   if (against == "single" && o.batch % o.parallel.dp != 0)
@@ -297,27 +319,38 @@ int run_gradcheck(const GradcheckOptions& o, std::ostream& out) {
     fail(fmt::format("--optimizer-steps must be >= 1, got {}", o.optimizer_steps));
   const double tol = o.tol >= 0 ? o.tol : (against == "fd" ? 1e-7 : (dtype == DType::f64 ? 1e-12 : 1e-5));
 
-  LlamaModel model(config, dtype);
+  LlamaModel model(config, dtype, Device::host(), nullptr, o.lora);
   load_or_init(model, o.model, o.seed, o.norm_jitter);
+  if (model.has_adapters()) init_lora_parameters(model.adapters(), o.lora.seed, kLoraCheckBStd);
   const Batch batch = load_batch(o, config.vocab_size);
 
-  ParamSet grads(config, dtype);
+  // What is checked: every parameter, or under LoRA the adapters (the base frozen).
+  const ParamSet& checked = model.trainable();
+  ParamSet grads = ParamSet::like(checked, dtype);
   const StepStats st = gradients(o.schedule, model, batch, grads);
   out << fmt::format("gradcheck: model {} ({} parameters, {} layers, tied={}), dtype {}, batch {} x {} tokens, "
                      "schedule {} (chunk {}, bwd chunk {}, visited {}/{}), against {}\n",
                      o.model, config.parameter_count(), config.num_hidden_layers, config.tie_word_embeddings, o.dtype,
                      o.batch, o.seq, o.schedule.name, o.schedule.chunk, o.schedule.bwd_chunk, st.chunks_visited,
                      st.chunks, against);
+  if (model.has_adapters())
+    out << fmt::format("lora: rank {}, alpha {}, dropout {}, targets {}: {} adapter parameters checked, the base "
+                       "frozen\n",
+                       o.lora.rank, o.lora.alpha, o.lora.dropout, fmt::join(o.lora.target_names(), ","),
+                       checked.numel());
+  // Every loss the check evaluates sees step 0's dropout masks, as the step did.
+  DropoutRoundScope masks(model, 0);
   double max_rel = 0;
   Arena arena;
   if (against == "single" && o.parallel.tp > 1) {
     max_rel = tensor_parallel_against_single(o, model, batch, grads, st.loss, out);
   } else if (against == "single") {
-    max_rel = against_single(o, config, dtype, model.params(), batch, out);
+    max_rel = against_single(o, config, dtype, model, batch, out);
   } else if (against == "fd") {
-    out << fmt::format("{:<48} {:<14} {:>13} {:>13} {:>10}\n", "tensor", "shape", "g.v", "fd", "rel_err");
-    for (size_t i = 0; i < model.params().size(); ++i) {
-      const Tensor p = model.params()[i];
+    const size_t w = name_width(checked);
+    out << fmt::format("{:<{}} {:<14} {:>13} {:>13} {:>10}\n", "tensor", w, "shape", "g.v", "fd", "rel_err");
+    for (size_t i = 0; i < checked.size(); ++i) {
+      const Tensor p = checked[i];
       OwnedTensor original = OwnedTensor::of_shape(dtype, std::vector<int64_t>{p.numel()});
       copy_convert(original, p.view({p.numel()}));
       OwnedTensor dir = OwnedTensor::of_shape(DType::f64, std::vector<int64_t>{p.numel()});
@@ -348,17 +381,17 @@ int run_gradcheck(const GradcheckOptions& o, std::ostream& out) {
         }
       }
       max_rel = std::max(max_rel, worst);
-      out << fmt::format("{:<48} {:<14} {:>13.6e} {:>13.6e} {:>10.3e}\n", model.params().specs()[i].name,
-                         shape_str(model.params().specs()[i].shape), worst_gv, worst_fd, worst);
+      out << fmt::format("{:<{}} {:<14} {:>13.6e} {:>13.6e} {:>10.3e}\n", checked.specs()[i].name, w,
+                         shape_str(checked.specs()[i].shape), worst_gv, worst_fd, worst);
     }
     out << fmt::format("loss={:.17g}\n", st.loss);
   } else {
     ScheduleOptions ref;
     ref.name = "full";
-    ParamSet ref_grads(config, dtype);
+    ParamSet ref_grads = ParamSet::like(checked, dtype);
     const StepStats ref_st = gradients(ref, model, batch, ref_grads);
     max_rel = compare_sets(grads, ref_grads, "g_full", "full", out);
-    max_rel = std::max(max_rel, compare_loss(st.loss, ref_st.loss, out));
+    max_rel = std::max(max_rel, compare_loss(st.loss, ref_st.loss, grads, out));
   }
   if (!o.save_grads.empty()) {
     std::vector<OwnedTensor> keep;

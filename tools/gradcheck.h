@@ -25,6 +25,11 @@
 //                high-water mark and reusable-buffer use are printed. (--dp with --tp: not yet.)
 // The run fails (non-zero exit) when max_rel_err exceeds --tol (1e-7 against fd, 1e-12 against full
 // and single in f64).
+// With --lora-rank r (and --lora-targets, --lora-alpha, --lora-dropout, --lora-seed) the model gets
+// LoRA adapters and the checked tensors are theirs, the base frozen: every comparison above runs on
+// the adapters' gradients (and parameters). The adapters start from PEFT's A and, unlike PEFT, a
+// random B (N(0, kLoraCheckBStd)), so that A's gradient is not zero. With dropout the masks are
+// those of step 0 in every loss the check evaluates. (--tp with LoRA: not implemented.)
 #pragma once
 
 #include "optim/options.h"
@@ -42,6 +47,7 @@ struct GradcheckOptions {
   std::string dtype = "f64";
   ScheduleOptions schedule;        // name, chunk, bwd_chunk, keep, ...
   ParallelOptions parallel;        // dp, zero, bucket_mb; tp, sequence_parallel, tp_regather (against single)
+  LoraConfig lora;                 // rank > 0: check the LoRA adapters' gradients, the base frozen
   int optimizer_steps = 3;         // against single: AdamW steps before the parameters are compared
   std::string against;             // "fd" | "full" | "single"; empty: single with --dp or --tp > 1, else fd for full,
                                    // full otherwise

@@ -2,6 +2,7 @@
 
 #include "model/checkpoint.h"
 #include "model/gguf_llama.h"
+#include "model/lora.h"
 #include "model/safetensors.h"
 
 #include <fmt/format.h>
@@ -54,12 +55,29 @@ void init_checkpoint(const InitOptions& o) {
   save_checkpoint_weights(model.params(), cfg, o.out, parse_dtype(o.dtype));
 }
 
+LlamaModel load_with_adapter(const LlamaConfig& config, const std::string& spec, const std::string& adapter_dir,
+                             DType dtype, uint64_t seed) {
+  const LoraConfig lora = read_peft_config(adapter_dir);
+  LlamaModel model(config, dtype, Device::host(), nullptr, lora);
+  load_or_init(model, spec, seed, 0.0);
+  load_peft_adapter(model.adapters(), adapter_dir);
+  return model;
+}
+
+void merge_adapter_checkpoint(const MergeOptions& o) {
+  if (o.out.empty() || o.adapter.empty()) fail("chunkwise merge needs --adapter DIR and --out DIR");
+  const LlamaConfig cfg = LlamaConfig::resolve(o.model);
+  LlamaModel model = load_with_adapter(cfg, o.model, o.adapter, DType::f64, o.seed);
+  merge_adapters(model.params(), model.adapters(), model.lora());
+  save_checkpoint_weights(model.params(), cfg, o.out, parse_dtype(o.dtype));
+}
+
 void write_logits(const LogitsOptions& o) {
   if (o.out.empty()) fail("chunkwise logits needs --out FILE");
   const LlamaConfig cfg = LlamaConfig::resolve(o.model);
   const DType dt = parse_dtype(o.dtype);
-  LlamaModel model(cfg, dt);
-  load_or_init(model, o.model, o.seed, 0.0);
+  LlamaModel model = o.adapter.empty() ? LlamaModel(cfg, dt) : load_with_adapter(cfg, o.model, o.adapter, dt, o.seed);
+  if (o.adapter.empty()) load_or_init(model, o.model, o.seed, 0.0);
   const Batch batch = read_token_batch(o.tokens, o.batch, o.seq, cfg.vocab_size);
   const int64_t B = o.batch, T = o.seq, V = cfg.vocab_size;
   model.ensure_positions(T);
@@ -79,7 +97,8 @@ void write_logits(const LogitsOptions& o) {
     for (int64_t b = 0; b < B; ++b)
       copy_convert(logits.tensor.slice(0, b * T + s, e - s), part.slice(0, b * (e - s), e - s));
   }
-  write_safetensors(o.out, {{"logits", logits.tensor}}, {{"model", o.model}, {"tokens", o.tokens}});
+  write_safetensors(o.out, {{"logits", logits.tensor}},
+                    {{"model", o.model}, {"tokens", o.tokens}, {"adapter", o.adapter}});
 }
 
 }  // namespace cw

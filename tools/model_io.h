@@ -36,7 +36,24 @@ struct LogitsOptions {
   int64_t chunk = 0;           // > 0: run the sequence in chunks against the K/V store
   std::string out;             // safetensors with "logits" [batch * seq, V] (f32, or f64 in f64)
   uint64_t seed = 1234;        // random init when `model` is not a checkpoint
+  std::string adapter;         // a PEFT LoRA adapter directory put on the base (its config from the directory)
 };
 void write_logits(const LogitsOptions& options);
+
+// A host model of `spec` (load_or_init with `seed`, norms 1) with the PEFT adapter of `adapter_dir`
+// (its adapter_config.json: rank, alpha, targets) loaded onto it, in `dtype`.
+LlamaModel load_with_adapter(const LlamaConfig& config, const std::string& spec, const std::string& adapter_dir,
+                             DType dtype, uint64_t seed);
+
+struct MergeOptions {
+  std::string model;           // the base: preset, config.json, checkpoint directory or .gguf file
+  std::string adapter;         // the PEFT adapter directory
+  std::string out;             // the merged HF checkpoint directory
+  std::string dtype = "f32";   // stored dtype: f32 | bf16 | f64
+  uint64_t seed = 1234;        // random init of a base that is not a checkpoint
+};
+// W + (alpha / r) B A for every adapted linear, in f64, written as a plain HF checkpoint
+// (config.json + model.safetensors) that transformers loads without peft.
+void merge_adapter_checkpoint(const MergeOptions& options);
 
 }  // namespace cw

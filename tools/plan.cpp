@@ -5,9 +5,12 @@
 #include "engine/engine.h"
 #include "engine/error.h"
 #include "model/layer.h"
+#include "model/lora.h"
 #include "model/params.h"
+#include "optim/options.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -88,14 +91,42 @@ struct Scope {
   ~Scope() { a.reset(m); }
 };
 
-// The shapes of one chunk: B sequences of c tokens attending S keys.
+// The shapes of one chunk: B sequences of c tokens attending S keys; the LoRA adapters, if any.
 struct Shape {
   const LlamaConfig& cf;
   int64_t B, c, S;
   size_t e, acc;  // compute and accumulator element bytes
+  const LoraConfig* lora = nullptr;
   size_t N() const { return size_t(B * c); }
   size_t row(int64_t width) const { return N() * size_t(width) * e; }
 };
+
+// The input width of a block linear.
+int64_t linear_in(const LlamaConfig& cf, ParamRole linear) {
+  return linear == ParamRole::wo ? cf.q_dim() : linear == ParamRole::w_down ? cf.intermediate_size : cf.hidden_size;
+}
+
+// engine/ops/lora_linear.cpp's scratch for the adapted linears among `linears`, the largest one
+// (each call returns its scratch, so only one is alive at a time): forward drop(x) [rows, in] with
+// dropout, u [rows, r]; backward drop(x), g and u [rows, r], drop(g A) [rows, in] with dropout.
+void lora_scratch(ArenaReplay& a, const Shape& s, std::initializer_list<ParamRole> linears, size_t rows,
+                  bool backward) {
+  if (!s.lora || !s.lora->enabled()) return;
+  const std::vector<ParamRole> targets = s.lora->target_roles();
+  const bool dropout = s.lora->dropout > 0;
+  int64_t widest = -1;
+  for (ParamRole l : linears)
+    if (std::find(targets.begin(), targets.end(), l) != targets.end()) widest = std::max(widest, linear_in(s.cf, l));
+  if (widest < 0) return;
+  const size_t in_bytes = rows * size_t(widest) * s.e, r_bytes = rows * size_t(s.lora->rank) * s.e;
+  Scope scope(a);
+  if (dropout) a.alloc(in_bytes);  // drop(x)
+  a.alloc(r_bytes);                // forward: u; backward: g
+  if (backward) {
+    a.alloc(r_bytes);              // u
+    if (dropout) a.alloc(in_bytes);  // drop(g A)
+  }
+}
 
 // model/layer.cpp: LayerActivations::allocate.
 void layer_activations(ArenaReplay& a, const Shape& s, bool keep_mlp) {
@@ -136,13 +167,22 @@ void block_forward(ArenaReplay& a, const Shape& s, bool keep, int64_t mlp_shards
     for (int64_t rows : shard_rows(int64_t(s.N()), shards)) {
       Scope shard(a);
       for (int i = 0; i < 3; ++i) a.alloc(size_t(rows * cf.intermediate_size) * s.e);
+      lora_scratch(a, s, {ParamRole::w_gate, ParamRole::w_up, ParamRole::w_down}, size_t(rows), false);
     }
   }
+  // The adapters' scratch, bounded by its largest call with everything above alive (the MLP's come
+  // last; a tiled MLP's were taken per shard above).
+  if (shards == 1)
+    lora_scratch(a, s, {ParamRole::wq, ParamRole::wk, ParamRole::wv, ParamRole::wo, ParamRole::w_gate,
+                        ParamRole::w_up, ParamRole::w_down}, s.N(), false);
+  else
+    lora_scratch(a, s, {ParamRole::wq, ParamRole::wk, ParamRole::wv, ParamRole::wo}, s.N(), false);
 }
 
 void mlp_rows_backward(ArenaReplay& a, const Shape& s, int64_t rows) {
   Scope scope(a);
   for (int i = 0; i < 3; ++i) a.alloc(size_t(rows * s.cf.intermediate_size) * s.e);  // d_act, d_gate, d_up
+  lora_scratch(a, s, {ParamRole::w_gate, ParamRole::w_up, ParamRole::w_down}, size_t(rows), true);
 }
 
 // model/layer.cpp: block_backward's scratch, with engine/cuda/attention_cudnn.cu's backward (the
@@ -175,6 +215,7 @@ void block_backward(ArenaReplay& a, const Shape& s, bool keep_mlp, int64_t mlp_s
   }
   a.alloc(s.row(cf.kv_dim()));  // d_k
   a.alloc(s.row(cf.kv_dim()));  // d_v
+  lora_scratch(a, s, {ParamRole::wq, ParamRole::wk, ParamRole::wv, ParamRole::wo}, s.N(), true);
 }
 
 // engine/cuda/lm_head.cu: the logits block of `block_rows_for`.
@@ -264,7 +305,7 @@ double PlanReport::peak_device_gib() const { return double(peak_device_bytes) / 
 double PlanReport::peak_host_gib() const { return double(peak_host_bytes) / kGiB; }
 
 PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const ScheduleOptions& o, DType dtype,
-                     double device_gib) {
+                     double device_gib, const LoraConfig& lora) {
   CW_CHECK(B > 0 && T > 0, "plan: batch {} and sequence {} must be positive", B, T);
   CW_CHECK(dtype == DType::bf16 || dtype == DType::f32, "plan: --dtype {} (the GPU trains in bf16 or f32)",
            dtype_name(dtype));
@@ -276,6 +317,9 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
            o.offload_window, L);
   PlanReport r;
   r.schedule = describe(o);
+  if (lora.enabled())
+    r.schedule += fmt::format(" lora rank {} on {}{}", lora.rank, fmt::join(lora.target_names(), ","),
+                              lora.dropout > 0 ? fmt::format(" dropout {}", lora.dropout) : "");
   r.B = B;
   r.T = T;
   r.chunk = chunked(o) && o.chunk > 0 ? std::min(o.chunk, T) : T;
@@ -284,14 +328,17 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
   r.device_gib = device_gib;
   const size_t e = dtype_size(dtype), acc = dtype_size(accum_dtype(dtype));
 
-  // Fixed: one pool block per parameter set (model/params.cpp), RoPE tables (f32, T positions).
-  int64_t numel = 0;
+  // Fixed: one pool block per parameter set (model/params.cpp), RoPE tables (f32, T positions). What
+  // is trained (master, moments, gradients) is every parameter, or under LoRA the adapters alone.
+  int64_t numel = 0, adapter_numel = 0;
   for (const ParamSpec& p : parameter_table(cf)) numel += p.numel();
-  const size_t n = size_t(numel);
-  r.device.emplace_back("weights", pool_block(n * e));
-  if (dtype == DType::bf16) r.device.emplace_back("master", pool_block(n * 4));
-  r.device.emplace_back("optimizer", 2 * pool_block(n * acc));
-  r.device.emplace_back("gradients", pool_block(n * acc));
+  if (lora.enabled())
+    for (const ParamSpec& p : lora_parameter_table(cf, lora)) adapter_numel += p.numel();
+  const size_t n = size_t(numel), trained = lora.enabled() ? size_t(adapter_numel) : n;
+  r.device.emplace_back("weights", pool_block(n * e) + (lora.enabled() ? pool_block(trained * e) : 0));
+  if (dtype == DType::bf16) r.device.emplace_back("master", pool_block(trained * 4));
+  r.device.emplace_back("optimizer", 2 * pool_block(trained * acc));
+  r.device.emplace_back("gradients", pool_block(trained * acc));
 
   // The K/V store: per layer K, V in the compute dtype, dK, dV in the accumulator dtype; with saved
   // attention outputs also O [B, T, H, D] and lse [B, H, T].
@@ -308,9 +355,10 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
   // arena keeps its largest extent, so the order of phases does not matter).
   const ActivationPolicy policy = activation_policy(o);
   ArenaReplay arena;
+  const LoraConfig* adapters = lora.enabled() ? &lora : nullptr;
   if (chunked(o))
-    prefill_chunk(arena, Shape{cf, B, r.chunk, T, e, acc}, o.mlp_shards, o.name == "spaco");
-  backprop_chunk(arena, Shape{cf, B, r.bwd_chunk, T, e, acc}, policy, saved);
+    prefill_chunk(arena, Shape{cf, B, r.chunk, T, e, acc, adapters}, o.mlp_shards, o.name == "spaco");
+  backprop_chunk(arena, Shape{cf, B, r.bwd_chunk, T, e, acc, adapters}, policy, saved);
   r.device.emplace_back("activations", arena.reserved());
   if (policy.offload_inputs) r.host.emplace_back("layer inputs", size_t(L) * size_t(B * T * C) * e);
   r.device.emplace_back("other", 2 * pool_block(size_t(T) * size_t(D / 2) * 4) + kCublasWorkspaceBytes);
@@ -333,15 +381,19 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
   // tokens, one recompute more for checkpointed full; the backward counts as two (dX and dW).
   const double prefill = chunked(o) ? 1 : 0;
   const double extra_forward = !policy.keep_layers ? 1 : 0;
-  const double passes = prefill + reverse * (1 + extra_forward + 2);
+  // A frozen base (LoRA) has no weight-gradient products: its backward counts once (dX).
+  const double backward = lora.enabled() ? 1 : 2;
+  const double passes = prefill + reverse * (1 + extra_forward + backward);
   double matmul = tokens * layer_matmul * passes;
+  // The adapters: 2 flops per adapter parameter and token in each forward, dX and d(A, B) backward.
+  if (lora.enabled()) matmul += tokens * 2.0 * double(adapter_numel) * (prefill + reverse * (1 + extra_forward + 2));
   // A recompute from saved attention outputs skips the K and V projections.
   if (saved) matmul -= tokens * reverse * (1 + extra_forward) * 2.0 * double(L) * double(2 * C * Hkv * D);
   // Selective recompute and the tiled MLP with kept activations run gate/up again in the backward.
   const bool keep_mlp = resolve_mlp_shards(o.mlp_shards, cf, B * r.bwd_chunk) == 1 && !policy.recompute_mlp;
   if (policy.keep_layers && !keep_mlp) matmul += tokens * reverse * mlp_gate_up;
   // The fused LM head: logits, dX and dW over the reverse tokens; spaco's prefill also takes the loss.
-  const double head = 2.0 * double(V * C) * tokens * (3 * reverse + (o.name == "spaco" ? 1 : 0));
+  const double head = 2.0 * double(V * C) * tokens * ((1 + backward) * reverse + (o.name == "spaco" ? 1 : 0));
   // Attention: 4 H D flops per (query, key) pair and layer forward, 2.5x that backward.
   const double per_pair = 4.0 * double(H * D) * double(L) * double(B);
   // With saved outputs the reverse sweep's forwards (and a layer recompute) run no attention.
@@ -349,7 +401,7 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
   const double attention = per_pair * (prefill * causal_pairs(T, r.chunk) +
                                        reverse * causal_pairs(T, r.bwd_chunk) * (reverse_forward + 2.5));
   const double elementwise = tokens * double(L) * passes * double(16 * C + 6 * F) * double(e);
-  const double optimizer = double(n) * (dtype == DType::bf16 ? 38.0 : 36.0);
+  const double optimizer = double(trained) * (dtype == DType::bf16 ? 38.0 : 36.0);
   r.flops = matmul + head + attention;
   r.time = {{"matmul", matmul / (kMatmulTflops * 1e12)},
             {"lm_head", head / (kMatmulTflops * 1e12)},
@@ -376,7 +428,7 @@ const std::vector<int64_t>& chunk_candidates() {
 }
 
 int64_t choose_chunk(const LlamaConfig& config, int64_t B, int64_t T, const ScheduleOptions& schedule, DType dtype,
-                     double device_gib, const std::vector<int64_t>& candidates) {
+                     double device_gib, const std::vector<int64_t>& candidates, const LoraConfig& lora) {
   int64_t best = 0;
   double best_s = 0;
   for (int64_t c : candidates) {
@@ -384,7 +436,7 @@ int64_t choose_chunk(const LlamaConfig& config, int64_t B, int64_t T, const Sche
     ScheduleOptions o = schedule;
     o.chunk = c;
     o.bwd_chunk = 0;
-    const PlanReport r = plan_step(config, B, T, o, dtype, device_gib);
+    const PlanReport r = plan_step(config, B, T, o, dtype, device_gib, lora);
     // The time model is blind to kernel efficiency at small row counts: a chunk predicted within 1%
     // of a smaller one's time wins (fewer, larger kernels).
     if (r.fits && (best == 0 || r.step_s <= best_s * 1.01)) {
@@ -396,11 +448,11 @@ int64_t choose_chunk(const LlamaConfig& config, int64_t B, int64_t T, const Sche
 }
 
 int64_t choose_offload_window(const LlamaConfig& config, int64_t B, int64_t T, const ScheduleOptions& schedule,
-                              DType dtype, double device_gib) {
+                              DType dtype, double device_gib, const LoraConfig& lora) {
   ScheduleOptions o = schedule;
   for (int64_t w = 0; w <= config.num_hidden_layers; ++w) {
     o.offload_window = w == 0 ? 0 : w;
-    if (plan_step(config, B, T, o, dtype, device_gib).fits) return w;
+    if (plan_step(config, B, T, o, dtype, device_gib, lora).fits) return w;
   }
   return -1;
 }
@@ -452,6 +504,7 @@ std::string plan_json(const PlanReport& r) {
 int run_plan(const PlanOptions& po, std::ostream& out) {
   const LlamaConfig cf = LlamaConfig::resolve(po.model);
   const DType dtype = parse_dtype(po.dtype);
+  validate_lora(po.lora);
   double gib = po.device_memory_gib;
   if (gib <= 0) {
     const std::vector<GpuInfo> gpus = list_gpus();
@@ -476,8 +529,9 @@ int run_plan(const PlanOptions& po, std::ostream& out) {
   // that lets one fit (each layer moved to the host costs transfers, which this model does not time).
   for (int64_t w = 0; w <= (auto_window ? int64_t(cf.num_hidden_layers) : 0); ++w) {
     if (auto_window) o.offload_window = w;
-    if (auto_chunk) o.chunk = choose_chunk(cf, po.batch, po.seq, o, dtype, gib);
-    if ((!auto_chunk || o.chunk > 0) && (!auto_window || plan_step(cf, po.batch, po.seq, o, dtype, gib).fits)) break;
+    if (auto_chunk) o.chunk = choose_chunk(cf, po.batch, po.seq, o, dtype, gib, chunk_candidates(), po.lora);
+    if ((!auto_chunk || o.chunk > 0) && (!auto_window || plan_step(cf, po.batch, po.seq, o, dtype, gib, po.lora).fits))
+      break;
   }
   if (auto_chunk && o.chunk == 0) {
     std::string sizes;
@@ -486,7 +540,7 @@ int run_plan(const PlanOptions& po, std::ostream& out) {
                      auto_window ? " with any K/V offload window" : ""),
          auto_window ? "lower --seq or --batch" : "set --offload-window (or auto), or lower --seq or --batch");
   }
-  const PlanReport r = plan_step(cf, po.batch, po.seq, o, dtype, gib);
+  const PlanReport r = plan_step(cf, po.batch, po.seq, o, dtype, gib, po.lora);
   out << plan_table(r);
   if (!po.json.empty()) {
     std::ofstream f(po.json);

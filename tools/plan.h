@@ -15,6 +15,10 @@
 //                blocks' forward and backward scratch, the LM head's logits block
 //                (engine/cuda/lm_head.cu) and cuDNN attention's dQ accumulator, dK/dV scratch and
 //                O(S) head-reduction workspace (engine/cuda/attention_cudnn.cu)
+// With LoRA (--lora-rank) the base is frozen: fixed = the base's compute weights alone, plus the
+// adapters' compute copy, f32 master, moments and gradients; the activations add each adapted
+// linear's scratch (u, g [N, r]; with dropout the masked input [N, in]); the backward has no weight
+// gradient products for the base or the head.
 // Pinned host memory: offloaded layer inputs (checkpointed --offload) and the K/V store's host copy.
 // The CUDA context (about 0.5 GiB) is outside the pool: it counts only for `fits`.
 //
@@ -59,7 +63,7 @@ struct PlanReport {
 // The plan of one step of `schedule` (its chunk / bwd_chunk / offload_window / recompute /
 // mlp_shards / offload) for B sequences of T tokens in `dtype`, against device_gib of device memory.
 PlanReport plan_step(const LlamaConfig& config, int64_t B, int64_t T, const ScheduleOptions& schedule, DType dtype,
-                     double device_gib);
+                     double device_gib, const LoraConfig& lora = {});
 
 // The default candidates for `--chunk auto` (seco, spaco).
 const std::vector<int64_t>& chunk_candidates();
@@ -67,11 +71,12 @@ const std::vector<int64_t>& chunk_candidates();
 // follows it; a larger chunk within 1% of a smaller one's time wins); 0 when none fits. The
 // schedule's own chunk is ignored. `--chunk auto` on `chunkwise plan`.
 int64_t choose_chunk(const LlamaConfig& config, int64_t B, int64_t T, const ScheduleOptions& schedule, DType dtype,
-                     double device_gib, const std::vector<int64_t>& candidates = chunk_candidates());
+                     double device_gib, const std::vector<int64_t>& candidates = chunk_candidates(),
+                     const LoraConfig& lora = {});
 // The smallest K/V offload window (0 = everything on the device, then 1..L) whose plan fits at the
 // schedule's chunk; -1 when none. (`--offload-window auto` with `--chunk auto` searches both.)
 int64_t choose_offload_window(const LlamaConfig& config, int64_t B, int64_t T, const ScheduleOptions& schedule,
-                              DType dtype, double device_gib);
+                              DType dtype, double device_gib, const LoraConfig& lora = {});
 
 std::string plan_table(const PlanReport& report);  // the human table, device and host by category
 std::string plan_json(const PlanReport& report);   // peak_device_gib, peak_host_gib, step_s, categories, ...
@@ -80,6 +85,7 @@ struct PlanOptions {
   std::string model = "llama-3.2-1b";
   int64_t seq = 4096, batch = 1;
   ScheduleOptions schedule{.name = "seco"};  // its chunk and offload_window: the two below
+  LoraConfig lora;                           // rank > 0: LoRA adapters, the base frozen
   std::string chunk = "0";                   // a length, or "auto"
   std::string offload_window = "0";          // layers of the K/V store on the device (0: all), or "auto"
   std::string dtype = "bf16";

@@ -170,18 +170,18 @@ const Plan& get_plan(DeviceContext& ctx, int device, int64_t m, int64_t n, int64
 
 }  // namespace
 
-// The one matmul entry (declared in engine/cuda/gemm.cuh): D = op(A) op(B) + beta D on `dst`'s
+// The one matmul entry (declared in engine/cuda/gemm.cuh): D = alpha op(A) op(B) + beta D on `dst`'s
 // device and stream. `dst` is the tensor behind D (used for the k == 0 case, where the product is
 // empty and D = beta D).
 void matmul(int device, int64_t m, int64_t n, int64_t k, bool trans_a, bool trans_b, const void* A, int64_t lda,
-            const void* B, int64_t ldb, void* D, int64_t ldd, DType ab, DType cd, float beta, const Tensor& dst) {
+            const void* B, int64_t ldb, void* D, int64_t ldd, DType ab, DType cd, float beta, const Tensor& dst,
+            float alpha) {
   if (m == 0 || n == 0) return;
   if (k == 0) {  // empty sum: overwrite gives zeros, accumulate leaves D unchanged
     if (beta == 0.0f) gpu::fill(dst, 0.0);
     return;
   }
   DeviceGuard guard(device);
-  const float alpha = 1.0f;
   std::lock_guard<std::mutex> lock(g_mutex);
   DeviceContext& ctx = device_context(device);
   const Plan& plan = get_plan(ctx, device, m, n, k, trans_a, trans_b, lda, ldb, ldd, ab, cd, A, B, D);

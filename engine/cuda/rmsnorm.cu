@@ -1,7 +1,8 @@
 // GPU RMSNorm forward and backward (the math of engine/ops/rmsnorm.h).
 //
 // Dtypes: x, w, out, d_out, d_x in the compute dtype T (f32 or bf16); saved rstd [N] f32; d_weight
-// [C] f32 and always accumulated. Arithmetic is f32; each T output is rounded once.
+// [C] f32 and always accumulated, or undefined (a frozen norm: only d_x). Arithmetic is f32; each T
+// output is rounded once.
 //
 // Memory traffic (the floor these kernels aim at): the forward reads x once and writes out once
 // (+ rstd, N floats); the backward reads x and d_out once and writes d_x once (+ reads d_x in
@@ -390,25 +391,31 @@ void rmsnorm_backward(const Tensor& d_x, const Tensor& d_weight, const Tensor& d
     const Tensor partials = scratch.alloc(DType::f32, {row_blocks, C});
 
     if (vec && aligned16(partials)) {
-      // One pass: d_x and the partials from a single read of x and d_out.
+      // One pass: d_x and the partials from a single read of x and d_out. A frozen norm (no
+      // d_weight) still gets its partials written, a small [row_blocks, C] scratch, and not summed:
+      // the one-pass kernel stays the one fast path.
       rmsnorm_backward_vec_kernel<T, kBwdVecs><<<static_cast<unsigned>(row_blocks), threads, 0, stream>>>(
           dptr<T>(d_x), dptr<float>(partials), dptr<const T>(d_out), dptr<const T>(x), dptr<const T>(weight),
           dptr<const float>(saved.rstd), N, C, static_cast<int>(C / kN), rows_per_block,
           mode == GradMode::accumulate);
       CW_KERNEL_CHECK();
-      sum_partials_kernel<<<sum_blocks, dim3(kSumCols, kSumLanes), 0, stream>>>(
-          dptr<float>(d_weight), dptr<const float>(partials), row_blocks, C);
-      CW_KERNEL_CHECK();
+      if (d_weight.data) {
+        sum_partials_kernel<<<sum_blocks, dim3(kSumCols, kSumLanes), 0, stream>>>(
+            dptr<float>(d_weight), dptr<const float>(partials), row_blocks, C);
+        CW_KERNEL_CHECK();
+      }
     } else {
       const unsigned col_blocks = blocks_for(C, kColThreads);
       // d_weight first: it reads d_out and x, which d_x may alias.
-      rmsnorm_dw_partial_kernel<T><<<dim3(col_blocks, static_cast<unsigned>(row_blocks)), kColThreads, 0, stream>>>(
-          dptr<float>(partials), dptr<const T>(d_out), dptr<const T>(x), dptr<const float>(saved.rstd), N, C,
-          rows_per_block);
-      CW_KERNEL_CHECK();
-      sum_partials_kernel<<<sum_blocks, dim3(kSumCols, kSumLanes), 0, stream>>>(
-          dptr<float>(d_weight), dptr<const float>(partials), row_blocks, C);
-      CW_KERNEL_CHECK();
+      if (d_weight.data) {
+        rmsnorm_dw_partial_kernel<T><<<dim3(col_blocks, static_cast<unsigned>(row_blocks)), kColThreads, 0, stream>>>(
+            dptr<float>(partials), dptr<const T>(d_out), dptr<const T>(x), dptr<const float>(saved.rstd), N, C,
+            rows_per_block);
+        CW_KERNEL_CHECK();
+        sum_partials_kernel<<<sum_blocks, dim3(kSumCols, kSumLanes), 0, stream>>>(
+            dptr<float>(d_weight), dptr<const float>(partials), row_blocks, C);
+        CW_KERNEL_CHECK();
+      }
       rmsnorm_backward_dx_kernel<T><<<static_cast<unsigned>(N), kRowThreads, 0, stream>>>(
           dptr<T>(d_x), dptr<const T>(d_out), dptr<const T>(x), dptr<const T>(weight), dptr<const float>(saved.rstd),
           C, mode == GradMode::accumulate);

@@ -48,10 +48,12 @@ void rmsnorm_backward(const Tensor& d_x, const Tensor& d_weight, const Tensor& d
                       const Tensor& x, const Tensor& weight, GradMode mode, Arena& scratch) {
   check_forward_operands(d_x, saved, x, weight, "rmsnorm d_x");
   check_same_shape(d_out, x, "rmsnorm d_out", "rmsnorm x");
-  check_same_shape(d_weight, weight, "rmsnorm d_weight", "rmsnorm weight");
   check_dtype(d_out, x.dtype, "rmsnorm d_out");
-  check_dtype(d_weight, accum_dtype(x.dtype), "rmsnorm d_weight");
-  check_packed_same_device({{x, "rmsnorm x"}, {d_out, "rmsnorm d_out"}, {d_weight, "rmsnorm d_weight"}});
+  if (d_weight.data) {
+    check_same_shape(d_weight, weight, "rmsnorm d_weight", "rmsnorm weight");
+    check_dtype(d_weight, accum_dtype(x.dtype), "rmsnorm d_weight");
+  }
+  check_packed_same_device({{x, "rmsnorm x"}, {d_out, "rmsnorm d_out"}, NamedTensor::optional(d_weight, "rmsnorm d_weight")});
   CW_CHECK(scratch.device() == x.device, "rmsnorm_backward: the scratch arena is on {} but x is on {}",
            device_name(scratch.device()), device_name(x.device));
   CW_DISPATCH_GPU(x, rmsnorm_backward(d_x, d_weight, d_out, saved, x, weight, mode, scratch));
@@ -64,7 +66,7 @@ void rmsnorm_backward(const Tensor& d_x, const Tensor& d_weight, const Tensor& d
     const T* dy = d_out.ptr<T>();
     const T* rstd = saved.rstd.ptr<T>();
     T* dx = d_x.ptr<T>();
-    T* dw = d_weight.ptr<T>();
+    T* dw = d_weight.data ? d_weight.ptr<T>() : nullptr;
     for (int64_t n = 0; n < N; ++n) {
       const T r = rstd[n];
       const T* xr = xp + n * C;
@@ -77,7 +79,7 @@ void rmsnorm_backward(const Tensor& d_x, const Tensor& d_weight, const Tensor& d
       for (int64_t c = 0; c < C; ++c) {
         const T xhat = xr[c] * r, dy_c = dyr[c];
         const T g = r * (dy_c * w[c] - xhat * mean_dot);
-        dw[c] += dy_c * xhat;
+        if (dw) dw[c] += dy_c * xhat;
         dxr[c] = (mode == GradMode::accumulate ? dxr[c] : T(0)) + g;
       }
     }

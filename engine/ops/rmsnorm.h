@@ -6,7 +6,7 @@
 // Shapes: x, out, d_out, d_x [N, C]; w, d_w [C]. Dtypes: out, w, d_out, d_x x's; saved.rstd and
 // d_w accum_dtype(x.dtype) (f32 for bf16). All contiguous, on x's device (scratch too).
 // Saved: rstd (so the backward needs no reduction over C to recompute it). out must not alias x;
-// d_x may alias d_out.
+// d_x may alias d_out. d_weight may be skipped (an undefined Tensor{}: a frozen norm, as under LoRA).
 // Scratch: the GPU backward sums d_w over rows through per-block partials taken from `scratch`
 // (deterministic, no atomics); the CPU ignores it.
 // Tested in tests/engine/test_backend_ops.cpp (the op table: f64 finite differences, f32 against f64,

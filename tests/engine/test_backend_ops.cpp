@@ -39,6 +39,7 @@
 #include "engine/ops/embedding.h"
 #include "engine/ops/linear.h"
 #include "engine/ops/lm_head_loss.h"
+#include "engine/ops/lora_linear.h"
 #include "engine/ops/residual.h"
 #include "engine/ops/rmsnorm.h"
 #include "engine/ops/rope.h"
@@ -254,15 +255,17 @@ Row embedding(int64_t N, int64_t V, int64_t C) {
                  [](const Tensors& t, GradMode, Arena&) { embedding_backward(t("d_table"), t("d_out"), t("ids")); }));
 }
 
-Row rmsnorm(int64_t N, int64_t C) {
-  Row r = finish(make_row(fmt::format("rmsnorm N={} C={}", N, C),
+// with_dw false: d_w skipped (Tensor{}), a frozen norm.
+Row rmsnorm(int64_t N, int64_t C, bool with_dw = true) {
+  Row r = make_row(fmt::format("rmsnorm N={} C={}{}", N, C, with_dw ? "" : " (no d_w)"),
                  {in("x", {N, C}), in("w", {C}).normal(1.0, 0.3), out("out", {N, C}),
-                  saved("rstd", {N}).tolerance(kF32ResultTol), cot("d_out", "out"), grad("d_x", "x"),
-                  grad("d_w", "w", Acc::adds).tolerance(kF32ResultTol)},
+                  saved("rstd", {N}).tolerance(kF32ResultTol), cot("d_out", "out"), grad("d_x", "x")},
                  [](const Tensors& t, Arena&) { rmsnorm_forward(t("out"), {t("rstd")}, t("x"), t("w"), 1e-5); },
-                 [](const Tensors& t, GradMode m, Arena& s) {
-                   rmsnorm_backward(t("d_x"), t("d_w"), t("d_out"), {t("rstd")}, t("x"), t("w"), m, s);
-                 }));
+                 [=](const Tensors& t, GradMode m, Arena& s) {
+                   rmsnorm_backward(t("d_x"), with_dw ? t("d_w") : Tensor{}, t("d_out"), {t("rstd")}, t("x"), t("w"), m, s);
+                 });
+  if (with_dw) r.args.push_back(grad("d_w", "w", Acc::adds).tolerance(kF32ResultTol));
+  r = finish(r);
   r.takes_scratch = true;
   r.misuses = {{"out aliases x", [](const Tensors& t, Arena&) {
                   rmsnorm_forward(t("x"), {t("rstd")}, t("x"), t("w"), 1e-5);
@@ -315,6 +318,39 @@ Row linear(int64_t N, int64_t I, int64_t O, bool with_dx = true, bool with_dw = 
     r.misuses.push_back({"d_x aliases x", [=](const Tensors& t, Arena&) {
                            linear_backward(t("x"), with_dw ? t("d_W") : Tensor{}, t("d_out"), t("x"), t("W"),
                                            GradMode::overwrite);
+                         }});
+  return finish(r);
+}
+
+// A frozen linear with a LoRA adapter of rank r, scale 1.5, dropout p (the mask of a chunk of sequences
+// of 3 tokens at position 5, the call's rows starting at row 2 of the chunk, as a tiled MLP's shard).
+// with_dx / with_da / with_db false: that gradient skipped.
+Row lora_linear(int64_t N, int64_t I, int64_t O, int64_t rank, double p, bool with_dx = true, bool with_da = true,
+                bool with_db = true) {
+  const auto adapter = [=](const Tensors& t) {
+    return LoraAdapter{t("A"), t("B"), 1.5, LoraDropout{p, 77, 3, 5, 2}};
+  };
+  Row r = make_row(fmt::format("lora_linear N={} I={} O={} r={} dropout={}{}{}{}", N, I, O, rank, p,
+                               with_dx ? "" : " (no d_x)", with_da ? "" : " (no d_A)", with_db ? "" : " (no d_B)"),
+        {in("x", {N, I}), in("W", {O, I}), in("A", {rank, I}), in("B", {O, rank}), out("out", {N, O}), cot("d_out", "out")},
+        [=](const Tensors& t, Arena& s) { lora_linear_forward(t("out"), t("x"), t("W"), adapter(t), s); },
+        [=](const Tensors& t, GradMode m, Arena& s) {
+          lora_linear_backward(with_dx ? t("d_x") : Tensor{}, with_da ? t("d_A") : Tensor{}, with_db ? t("d_B") : Tensor{},
+                               t("d_out"), t("x"), t("W"), adapter(t), m, s);
+        });
+  if (with_dx) r.args.push_back(grad("d_x", "x"));
+  // d_A and d_B (f32) of bf16 runs come from u and g rounded to bf16 (2^-9 each): bf16-level errors.
+  if (with_da) r.args.push_back(grad("d_A", "A", Acc::adds));
+  if (with_db) r.args.push_back(grad("d_B", "B", Acc::adds));
+  r.takes_scratch = true;
+  if (O <= I)
+    r.misuses.push_back({"out aliases x", [=](const Tensors& t, Arena& s) {
+                           lora_linear_forward(alias_of(t("x"), t("out")), t("x"), t("W"), adapter(t), s);
+                         }});
+  if (with_dx)
+    r.misuses.push_back({"d_x aliases x", [=](const Tensors& t, Arena& s) {
+                           lora_linear_backward(t("x"), Tensor{}, Tensor{}, t("d_out"), t("x"), t("W"), adapter(t),
+                                                GradMode::overwrite, s);
                          }});
   return finish(r);
 }
@@ -479,6 +515,9 @@ std::vector<Row> build_table() {
   t.push_back(rmsnorm(37, 203));
   t.push_back(gpu_only(rmsnorm(300, 64)));
   t.push_back(gpu_only(rmsnorm(512, 2048)));
+  t.push_back(rmsnorm(5, 8, false));
+  t.push_back(gpu_only(rmsnorm(300, 64, false)));
+  t.push_back(gpu_only(rmsnorm(512, 2048, false)));
   // rope: offsets pos0 > 0, an odd half head dim (D = 10), a realistic head
   t.push_back(rope(2, 5, 3, 8, 16, 7));
   t.push_back(rope(1, 3, 2, 10, 8, 2));
@@ -491,6 +530,18 @@ std::vector<Row> build_table() {
   t.push_back(linear(5, 7, 3, false, true));
   t.push_back(linear(37, 203, 61));
   t.push_back(gpu_only(linear(1024, 2048, 2048)));
+  // lora_linear: tiny, rank 1, dropout (the mask regenerated in the backward), each gradient alone,
+  // I not a multiple of any vector width, realistic layers with and without dropout
+  t.push_back(lora_linear(4, 6, 5, 2, 0.0));
+  t.push_back(lora_linear(1, 1, 1, 1, 0.0));
+  t.push_back(lora_linear(5, 7, 3, 3, 0.3));
+  t.push_back(lora_linear(5, 7, 3, 3, 0.3, true, false, false));
+  t.push_back(lora_linear(5, 7, 3, 3, 0.3, false, true, false));
+  t.push_back(lora_linear(5, 7, 3, 3, 0.0, false, false, true));
+  t.push_back(lora_linear(37, 61, 48, 4, 0.25));
+  t.push_back(gpu_only(lora_linear(1024, 2048, 2048, 8, 0.0)));
+  t.push_back(gpu_only(lora_linear(1024, 2048, 512, 16, 0.1)));
+  t.push_back(gpu_only(lora_linear(777, 5632, 2048, 8, 0.05)));
   // swiglu
   t.push_back(swiglu(3, 7));
   t.push_back(swiglu(37, 203));

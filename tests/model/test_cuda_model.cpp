@@ -270,3 +270,102 @@ TEST_CASE("cuda: GPU gradient norm, clipping and finiteness agree with the host"
   fill(dev[3].slice(0, 0, 1), std::nan(""));
   CHECK_FALSE(all_finite(dev));
 }
+
+// ---- LoRA (model/lora.h): adapters on a frozen base ----
+namespace {
+LoraConfig gpu_lora(const char* targets, double dropout) {
+  LoraConfig l;
+  l.rank = 4;
+  l.alpha = 8.0;
+  l.dropout = dropout;
+  l.targets = targets;
+  l.seed = 3;
+  return l;
+}
+}  // namespace
+
+TEST_CASE("cuda: LoRA adapters' gradients on the GPU (f32, bf16) match the CPU in f64; seco equals full on the GPU" *
+          doctest::skip(!cw::test::gpu_ready())) {
+  // With dropout the GPU's masks must be the CPU's (the same hash of seed, sequence, position and
+  // column), or the f32 comparison fails by O(1).
+  const LlamaConfig cfg = tiny_config();
+  const Batch batch = random_batch(2, 24, cfg.vocab_size, 15);
+  for (const char* targets : {"q_proj,v_proj", "all-linear"})
+    for (const double dropout : {0.0, 0.1}) {
+      CAPTURE(targets);
+      CAPTURE(dropout);
+      const LoraConfig l = gpu_lora(targets, dropout);
+      LlamaModel ref(cfg, DType::f64, Device::host(), nullptr, l);
+      init_parameters(ref.params(), 5, 0.2, 0.1);
+      init_lora_parameters(ref.adapters(), l.seed, 0.1);  // B random: A's gradient is zero while B is
+      ParamSet ref_grads = ParamSet::like(ref.adapters(), DType::f64);
+      double ref_loss = 0;
+      gradients(ref, batch, ref_grads, named("full"), &ref_loss);
+      for (const DType dt : {DType::f32, DType::bf16}) {
+        CAPTURE(dtype_name(dt));
+        LlamaModel model(cfg, dt, Device::gpu(0), nullptr, l);
+        copy_params(model.params(), ref.params());
+        copy_params(model.adapters(), ref.adapters());
+        ParamSet grads = ParamSet::like(model.adapters(), DType::f32, Device::gpu(0));
+        double loss = 0;
+        gradients(model, batch, grads, named("full"), &loss);
+        const Compared c = compare_sets(grads, ref_grads);
+        MESSAGE(targets, " dropout ", dropout, " ", std::string(dtype_name(dt)),
+                " LoRA full on the GPU vs CPU f64: worst adapter gradient ", c.name, " rel ", c.worst);
+        const double tol = dt == DType::f32 ? kModelF32Tol : kModelBf16Tol;
+        CHECK(c.worst <= tol);
+        CHECK(std::abs(loss - ref_loss) <= tol * std::abs(ref_loss));
+        if (dt != DType::f32) continue;
+        // The schedules on the GPU against full on the GPU: the relay through k_proj/v_proj's adapters.
+        ParamSet other = ParamSet::like(grads, DType::f32);
+        ScheduleOptions seco = named("seco", 7);
+        seco.bwd_chunk = 5;
+        ScheduleOptions ckpt = named("checkpointed");
+        ckpt.mlp_shards = 3;
+        for (const ScheduleOptions& o : {seco, ckpt}) {
+          CAPTURE(o.name);
+          double other_loss = 0;
+          gradients(model, batch, other, o, &other_loss);
+          const Compared s = compare_sets(other, grads);
+          MESSAGE(o.name, " vs full on the GPU with LoRA: worst ", s.name, " rel ", s.worst);
+          CHECK(s.worst <= kScheduleF32Tol);
+          CHECK(std::abs(other_loss - loss) <= 1e-6 * std::abs(loss));
+        }
+      }
+    }
+}
+
+TEST_CASE("cuda: LoRA training state in bf16: the base frozen in bf16 with no master, gradient or moments" *
+          doctest::skip(!cw::test::gpu_ready())) {
+  const LlamaConfig cfg = LlamaConfig::preset("small");
+  const LoraConfig l = gpu_lora("all-linear", 0.05);
+  TrainingState st(cfg, DType::bf16, Device::gpu(0), AdamWOptions{}, true, l);
+  st.init(17, cfg.initializer_range);
+  const ParamSet& base = st.model().params();
+  const ParamSet& adapters = st.model().adapters();
+  CHECK(base.dtype() == DType::bf16);
+  CHECK(st.master().dtype() == DType::f32);
+  CHECK(same_table(st.master(), adapters));
+  CHECK(same_table(st.grads(), adapters));
+  const ParamSet base_before = st.base_on_host(DType::f32);
+  auto schedule = Schedule::create(named("seco", 32));
+  double first = 0, last = 0;
+  for (int s = 0; s < 20; ++s) {
+    const Batch batch = random_batch(2, 64, cfg.vocab_size, 3);  // one batch, learnt by the adapters
+    st.grads().zero();
+    const double loss = schedule->step(st.model(), batch, st.grads(), 0, static_cast<uint64_t>(s)).loss;
+    (s == 0 ? first : last) = loss;
+    clip_grad_norm(st.grads(), 1.0);
+    st.optimizer_step(1e-2);
+  }
+  MESSAGE("LoRA bf16 on one batch: loss ", first, " -> ", last);
+  CHECK(last < first);
+  const ParamSet base_after = st.base_on_host(DType::f32);
+  for (size_t i = 0; i < base_after.size(); ++i) CHECK_MESSAGE(test::same_bits(base_after[i], base_before[i]), base_after.specs()[i].name);
+  const MemoryReport mem = memory_report(st, 0, 0);
+  MESSAGE("memory: ", mem.line());
+  CHECK(mem.master == adapters.numel() * 4);
+  CHECK(mem.gradients == adapters.numel() * 4);
+  CHECK(mem.optimizer == adapters.numel() * 8);
+  CHECK(mem.weights == base.numel() * 2 + adapters.numel() * 2);
+}

@@ -494,3 +494,97 @@ TEST_CASE("checkpointed and tiled-MLP schedules equal full backprop in fp64; the
   bad.recompute = "selective-ish";
   CHECK_THROWS_AS(bad.validate(), Error);
 }
+
+// ---- LoRA (model/lora.h): adapters on a frozen base ----
+namespace {
+LoraConfig lora_config(const char* targets, double dropout) {
+  LoraConfig l;
+  l.rank = 3;
+  l.alpha = 6.0;
+  l.dropout = dropout;
+  l.targets = targets;
+  l.seed = 17;
+  return l;
+}
+
+// A tiny GQA model with adapters: base from HF's rule (norms jittered), A from PEFT's and B random
+// (PEFT's zero B would make A's gradient zero and hide a wrong one).
+LlamaModel lora_model(const LoraConfig& l, int kv_heads = 2) {
+  LlamaConfig cfg = LlamaConfig::preset("tiny");
+  cfg.num_key_value_heads = kv_heads;
+  LlamaModel m(cfg, DType::f64, Device::host(), nullptr, l);
+  init_parameters(m.params(), 31, cfg.initializer_range, 0.1);
+  init_lora_parameters(m.adapters(), l.seed, 0.1);
+  return m;
+}
+}  // namespace
+
+TEST_CASE("lora: seco, spaco with all chunks and checkpointed equal full backprop in fp64 (q_proj,v_proj; all-linear)") {
+  // seco's relay is exact through the frozen k_proj/v_proj and their adapters: the K/V gradient read
+  // back from the store enters x through W and the adapter, and the adapter accumulates its own. With
+  // dropout the masks follow the tokens' positions, so the prefill, the recompute and full agree.
+  for (const char* targets : {"q_proj,v_proj", "all-linear"})
+    for (const double dropout : {0.0, 0.2}) {
+      CAPTURE(targets);
+      CAPTURE(dropout);
+      LlamaModel model = lora_model(lora_config(targets, dropout));
+      const Batch batch = batch_for(Case{"lora", 2, 24, 7, 0, 2, false, 1}, model.config(), 41);
+      ParamSet g_full = ParamSet::like(model.adapters(), DType::f64), g = ParamSet::like(model.adapters(), DType::f64);
+      ScheduleOptions full;
+      const Result rf = run(full, model, batch, g_full);
+      ScheduleOptions seco, seco_split, spaco, ckpt, tiled, selective, saved;
+      seco.name = "seco", seco.chunk = 7;
+      seco_split = seco, seco_split.bwd_chunk = 5;
+      spaco.name = "spaco", spaco.chunk = 7, spaco.keep = 0, spaco.seed = 3;
+      ckpt.name = "checkpointed";
+      tiled.name = "checkpointed", tiled.mlp_shards = 3;  // adapters on a row shard: its dropout keys follow the rows
+      selective = seco, selective.recompute = "selective";
+      saved = seco_split, saved.save_attention = true;
+      for (const ScheduleOptions& o : {seco, seco_split, spaco, ckpt, tiled, selective, saved}) {
+        const Result r = run(o, model, batch, g);
+        std::string report;
+        const double rel = max_rel(g, g_full, &report);
+        INFO(o.name, " chunk ", o.chunk, " bwd ", o.bwd_chunk, " shards ", o.mlp_shards, " recompute ", o.recompute,
+             " save_attention ", o.save_attention, ": worst ", report);
+        CHECK(rel <= test::kSameMathF64Tol);
+        CHECK(std::abs(r.loss - rf.loss) <= kLossTol * std::abs(rf.loss));
+      }
+      // Every adapter gets a gradient (k_proj/v_proj's through the relay among them).
+      for (size_t i = 0; i < g_full.size(); ++i) {
+        double sum_sq = 0;
+        const double* p = g_full[i].ptr<double>();
+        for (int64_t k = 0; k < g_full[i].numel(); ++k) sum_sq += p[k] * p[k];
+        CHECK_MESSAGE(sum_sq > 0, g_full.specs()[i].name, " has no gradient");
+      }
+    }
+}
+
+TEST_CASE("lora: a step needs the adapters' gradient table; full parameter gradients are refused") {
+  LlamaModel model = lora_model(lora_config("q_proj", 0.0));
+  const Batch batch = random_batch(1, 8, model.config().vocab_size, 2);
+  ParamSet wrong(model.config(), DType::f64);
+  auto s = Schedule::create(ScheduleOptions{});
+  CHECK_THROWS_WITH_AS(s->step(model, batch, wrong), doctest::Contains("trainable parameters"), Error);
+}
+
+TEST_CASE("lora: dropout masks follow the step and the token, not the chunking; off outside a step") {
+  LlamaModel model = lora_model(lora_config("all-linear", 0.3));
+  const Batch batch = random_batch(2, 20, model.config().vocab_size, 3);
+  Arena arena;
+  const double off = batch_loss(model, batch, 0, arena);
+  double round0 = 0, round0_chunked = 0, round1 = 0;
+  {
+    DropoutRoundScope masks(model, 0);
+    round0 = batch_loss(model, batch, 0, arena);
+    round0_chunked = batch_loss(model, batch, 6, arena);  // prefill chunks of 6: the same masks per token
+  }
+  {
+    DropoutRoundScope masks(model, 1);
+    round1 = batch_loss(model, batch, 0, arena);
+  }
+  CHECK(model.dropout_round() == std::nullopt);  // restored
+  CHECK(std::abs(round0_chunked - round0) <= kLossTol * round0);
+  CHECK(std::abs(round0 - off) > 1e-6 * off);
+  CHECK(std::abs(round1 - round0) > 1e-6 * off);
+  CHECK(batch_loss(model, batch, 0, arena) == off);
+}

@@ -113,3 +113,83 @@ TEST_CASE("gradcheck seco --against fd: the chunked gradient against finite diff
   INFO(out.str());
   CHECK(max_rel_err(out.str()) <= test::kFiniteDifferenceTol);
 }
+
+// ---- LoRA: the adapters' gradients, the base frozen ----
+namespace {
+GradcheckOptions lora_check(const char* schedule, const char* targets) {
+  GradcheckOptions o;
+  o.seq = 14;
+  o.batch = 2;
+  o.schedule.name = schedule;
+  o.lora.rank = 3;
+  o.lora.alpha = 6.0;
+  o.lora.targets = targets;
+  o.lora.seed = 4;
+  return o;
+}
+}  // namespace
+
+TEST_CASE("gradcheck lora: the adapters' gradients against finite differences in f64 (with dropout)") {
+  for (const double dropout : {0.0, 0.15}) {
+    CAPTURE(dropout);
+    GradcheckOptions o = lora_check("full", "all-linear");
+    o.lora.dropout = dropout;
+    o.directions = 2;
+    std::ostringstream out;
+    CHECK(run_gradcheck(o, out) == 0);
+    INFO(out.str());
+    CHECK(max_rel_err(out.str()) <= test::kFiniteDifferenceTol);
+    CHECK(out.str().find("lora: rank 3, alpha 6") != std::string::npos);
+    CHECK(out.str().find("layers.1.mlp.down_proj.lora_B.weight") != std::string::npos);
+    CHECK(out.str().find("model.embed_tokens.weight") == std::string::npos);  // the base is not checked: frozen
+  }
+}
+
+TEST_CASE("gradcheck lora: seco, spaco with every chunk and checkpointed against full at 1e-12 (f64)") {
+  for (const char* targets : {"q_proj,v_proj", "all-linear"}) {
+    GradcheckOptions seco = lora_check("seco", targets), spaco = lora_check("spaco", targets),
+                     ckpt = lora_check("checkpointed", targets);
+    seco.schedule.chunk = 5;
+    seco.schedule.bwd_chunk = 4;
+    seco.lora.dropout = 0.1;
+    spaco.schedule.chunk = 4;  // keep 0: every chunk, which must be seco
+    ckpt.schedule.mlp_shards = 2;
+    for (const GradcheckOptions& o : {seco, spaco, ckpt}) {
+      CAPTURE(targets);
+      CAPTURE(o.schedule.name);
+      std::ostringstream out;
+      CHECK(run_gradcheck(o, out) == 0);
+      INFO(out.str());
+      CHECK(max_rel_err(out.str()) <= test::kSameMathF64Tol);
+    }
+  }
+  // Data parallelism trains the adapters too: ranks against one process, ZeRO 1 against zero 0.
+  GradcheckOptions dp = lora_check("seco", "q_proj,v_proj");
+  dp.schedule.chunk = 5;
+  dp.batch = 2;
+  dp.parallel.dp = 2;
+  dp.parallel.zero = 1;
+  std::ostringstream out;
+  CHECK(run_gradcheck(dp, out) == 0);
+  INFO(out.str());
+  CHECK(out.str().find("zero 1 against zero 0 after 3 steps: parameters bitwise identical") != std::string::npos);
+}
+
+TEST_CASE("the chunkwise binary: gradcheck with LoRA flags, and their errors in one line") {
+  std::string out;
+  CHECK(run_cli("gradcheck --schedule seco --lora-rank 4 --lora-targets q_proj,v_proj --against full", out) == 0);
+  INFO(out);
+  CHECK(max_rel_err(out) <= test::kSameMathF64Tol);
+  CHECK(run_cli("gradcheck --schedule seco --chunk 5 --seq 16 --lora-rank 2 --lora-targets all-linear --lora-dropout 0.1",
+                out) == 0);
+  CHECK(max_rel_err(out) <= test::kSameMathF64Tol);
+  CHECK(run_cli("gradcheck --lora-rank 4 --lora-targets q_proj,qkv", out) == 2);
+  CHECK(out.find("lora.targets: unknown LoRA target 'qkv'") != std::string::npos);
+  CHECK(out.find('\n') == out.size() - 1);
+  CHECK(run_cli("gradcheck --lora-targets q_proj", out) == 2);
+  CHECK(out.find("lora.rank is 0") != std::string::npos);
+  CHECK(run_cli("gradcheck --lora-rank -1", out) == 2);
+  CHECK(out.find("lora.rank must be >= 0") != std::string::npos);
+  CHECK(run_cli("gradcheck --lora-rank 2 --tp 2 --model tiny-tp", out) == 2);
+  CHECK(out.find("tensor parallelism are not implemented") != std::string::npos);
+}

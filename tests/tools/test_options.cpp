@@ -144,6 +144,36 @@ TEST_CASE("options: the schedule's flags (bench, gradcheck, plan) write every Sc
   CHECK(app.get_option_no_throw("--keep") != nullptr);
 }
 
+TEST_CASE("options: the LoRA flags (bench, gradcheck, plan) write every LoraConfig field") {
+  const std::vector<Option<LoraConfig>>& table = lora_option_table();
+  for (size_t i = 0; i < table.size(); ++i) {
+    LoraConfig expected;
+    const OptionRef o = bind_options("lora", table, expected)[i];
+    INFO(o.name());
+    REQUIRE(!o.flag.empty());
+    change(o);
+    LoraConfig parsed;
+    CLI::App app;
+    add_lora_flags(app, parsed);
+    std::vector<std::string> args = cli_args(o, o.target, false);
+    std::reverse(args.begin(), args.end());
+    app.parse(args);
+    CHECK(parsed == expected);
+  }
+  // The rules between the options: targets need a rank, and every target must be known.
+  LoraConfig l;
+  l.targets = "q_proj";
+  CHECK_THROWS_WITH_AS(validate_lora(l), doctest::Contains("lora.targets = \"q_proj\" but lora.rank is 0"), Error);
+  l.rank = 8;
+  l.targets = "q_proj,o_proj,lm_head";
+  CHECK_THROWS_WITH_AS(validate_lora(l), doctest::Contains("lora.targets: unknown LoRA target 'lm_head'"), Error);
+  RunConfig rc = RunConfig::defaults();
+  rc.apply_override("lora.targets=v_proj");
+  CHECK_THROWS_WITH_AS(rc.validate(), doctest::Contains("lora.rank is 0"), Error);
+  rc.apply_override("lora.rank=4");
+  CHECK_NOTHROW(rc.validate());
+}
+
 TEST_CASE("options: every rule rejects a value that breaks it, naming the key") {
   const size_t n = RunConfig::defaults().options().size();
   int checked = 0;

@@ -210,3 +210,41 @@ TEST_CASE("plan: the CLI's table and JSON") {
   o.chunk = "many";
   CHECK_THROWS_WITH_AS(run_plan(o, refused), doctest::Contains("--chunk many"), Error);
 }
+
+TEST_CASE("plan: LoRA keeps the base's compute weights only; master, moments and gradients are the adapters'") {
+  const LlamaConfig eight_b = LlamaConfig::preset("llama-3.1-8b");
+  LoraConfig lora;
+  lora.rank = 8;
+  lora.targets = "q_proj,v_proj";
+  const ScheduleOptions o = sched("seco", 4096);
+  const PlanReport full = plan_step(eight_b, 1, 16384, o, DType::bf16, 80);
+  const PlanReport adapted = plan_step(eight_b, 1, 16384, o, DType::bf16, 80, lora);
+  auto gib = [](const PlanReport& r, const std::string& what) {
+    for (const auto& [name, bytes] : r.device)
+      if (name == what) return double(bytes) / double(1 << 30);
+    return -1.0;
+  };
+  // q and v adapters of 32 layers: 32 x 8 x ((4096 + 4096) + (4096 + 1024)) = 3.4 M values.
+  const double adapter_gib = 32.0 * 8 * (4096 + 4096 + 4096 + 1024) / double(1 << 30);
+  MESSAGE(fmt::format("8B seco 16K: full {:.2f} GiB, LoRA r8 q,v {:.2f} GiB", full.peak_device_gib(),
+                      adapted.peak_device_gib()));
+  CHECK(gib(adapted, "master") == doctest::Approx(4 * adapter_gib).epsilon(0.01));
+  CHECK(gib(adapted, "optimizer") == doctest::Approx(8 * adapter_gib).epsilon(0.01));
+  CHECK(gib(adapted, "gradients") == doctest::Approx(4 * adapter_gib).epsilon(0.01));
+  CHECK(gib(adapted, "weights") == doctest::Approx(gib(full, "weights") + 2 * adapter_gib).epsilon(0.001));
+  CHECK(gib(full, "master") - gib(adapted, "master") > 29);  // 8 B parameters' f32 master weights gone
+  CHECK(adapted.fits);
+  CHECK_FALSE(full.fits);
+  CHECK(adapted.step_s < full.step_s);  // no weight gradients for the base
+  CHECK(adapted.schedule.find("lora rank 8 on q_proj,v_proj") != std::string::npos);
+  // Dropout keeps a masked copy of an adapted linear's input in the scratch (down_proj's: [N, F]): at
+  // chunk 8192 it no longer fits the arena's slack, and the activations grow by a 256 MiB block or more.
+  LoraConfig dropped = lora;
+  dropped.targets = "all-linear";
+  dropped.dropout = 0.1;
+  LoraConfig plain = dropped;
+  plain.dropout = 0;
+  const ScheduleOptions wide = sched("seco", 8192);
+  CHECK(gib(plan_step(eight_b, 1, 16384, wide, DType::bf16, 80, dropped), "activations") >=
+        gib(plan_step(eight_b, 1, 16384, wide, DType::bf16, 80, plain), "activations") + 0.25);
+}

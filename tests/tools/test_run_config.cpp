@@ -210,7 +210,7 @@ TEST_CASE("run config: unknown sections and keys suggest the closest name") {
   CHECK(contains(m, "cfg.toml:1:"));
   CHECK(contains(m, "unknown section [modle]"));
   CHECK(contains(m, "did you mean [model]?"));
-  CHECK(contains(toml_error("[wibblewobble]\n"), "sections are model, data, schedule"));
+  CHECK(contains(toml_error("[wibblewobble]\n"), "sections are model, lora, data, schedule"));
 
   m = toml_error("[data]\nseqlen = 3\n");
   CHECK(contains(m, "cfg.toml:2:1"));

@@ -1,6 +1,7 @@
 // The training program end to end on a small model and corpus: resume is bit-identical, gradient
 // accumulation equals one large batch, train then sample works, and resume errors are clear.
 #include "model/checkpoint.h"
+#include "model/lora.h"
 #include "optim/schedule.h"
 #include "tests/support.h"
 #include "tools/data/tokenizer.h"
@@ -330,4 +331,80 @@ TEST_CASE("train data parallel: 2 ranks (threads) equal one process with twice t
   other.train.steps = 6;
   CHECK_THROWS_WITH_AS(run_training(other, part, log),
                        doctest::Contains("written with parallel.dp = 2 and parallel.zero = 1; this run has 2 and 2"), Error);
+}
+
+TEST_CASE("train with LoRA: checkpoints hold PEFT's files; stop and resume is bit-identical; sample; adapters continue") {
+  Fixture fx;
+  const auto lora_config = [&](int64_t steps) {
+    RunConfig rc = fx.config(steps);
+    rc.lora.rank = 2;
+    rc.lora.alpha = 4;
+    rc.lora.dropout = 0.1;
+    rc.lora.targets = "all-linear";
+    rc.lora.seed = 3;
+    rc.optimizer.lr = 2e-2;
+    return rc;
+  };
+  std::ostringstream log;
+  TrainOptions straight;
+  straight.run_dir = fx.dir.file("lora-straight");
+  const TrainResult a = run_training(lora_config(6), straight, log);
+  CHECK(a.last_step == 6);
+  const std::string text = log.str();
+  INFO(text);
+  CHECK(text.find("lora: rank 2, alpha 4 (scale 2), dropout 0.1, on q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
+        != std::string::npos);
+  CHECK(text.find("memory (cpu): weights") != std::string::npos);
+  const fs::path last = fs::path(straight.run_dir) / "step-000006";
+  CHECK(fs::exists(last / "adapter_config.json"));
+  CHECK(fs::exists(last / "adapter_model.safetensors"));
+  CHECK_FALSE(fs::exists(last / "model.safetensors"));  // the base stays model.source
+  CHECK(read_peft_config(last.string()).rank == 2);
+  CHECK(read_peft_base_model(last.string()) == fx.model_json);
+
+  TrainOptions first;
+  first.run_dir = fx.dir.file("lora-resumed");
+  first.stop_after = 3;
+  CHECK(run_training(lora_config(6), first, log).interrupted);
+  TrainOptions second;
+  second.run_dir = first.run_dir;
+  second.resume = true;
+  CHECK(run_training(lora_config(6), second, log).last_step == 6);
+  const std::vector<double> la = logged_losses(straight.run_dir), lb = logged_losses(second.run_dir);
+  REQUIRE(la.size() == 6);
+  REQUIRE(lb.size() == 6);
+  for (size_t i = 0; i < la.size(); ++i) CHECK(la[i] == lb[i]);  // dropout masks and all, exactly
+  const fs::path other = fs::path(second.run_dir) / "step-000006";
+  CHECK(file_bytes(last / "adapter_model.safetensors") == file_bytes(other / "adapter_model.safetensors"));
+  CHECK(file_bytes(last / "optimizer.safetensors") == file_bytes(other / "optimizer.safetensors"));
+
+  // The run's sample loads the base from run.toml's model.source and the adapters from the checkpoint.
+  SampleOptions so;
+  so.tokens = 12;
+  so.temperature = 0;
+  CHECK(sample_from_run(straight.run_dir, 0, so) == sample_from_run(straight.run_dir, 6, so));
+
+  // A resume with other adapters is refused, naming the checkpoint's adapter_config.json.
+  RunConfig other_rank = lora_config(8);
+  other_rank.lora.rank = 3;
+  TrainOptions resume_other;
+  resume_other.run_dir = straight.run_dir;
+  resume_other.resume = true;
+  CHECK_THROWS_WITH_AS(run_training(other_rank, resume_other, log),
+                       doctest::Contains("step-000006/adapter_config.json: r 2, lora_alpha 4"), Error);
+
+  // model.adapter: a new run continues from those adapters (lora.rank 0: the file's r, alpha, targets).
+  RunConfig cont = fx.config(2);
+  cont.model.adapter = last.string();
+  std::ostringstream cont_log;
+  TrainOptions co;
+  co.run_dir = fx.dir.file("lora-continued");
+  const TrainResult c = run_training(cont, co, cont_log);
+  CHECK(c.last_step == 2);
+  CHECK(cont_log.str().find(fmt::format("from {}", last.string())) != std::string::npos);
+  // Its first loss is the trained adapters' (below the fresh run's first, which starts from B = 0).
+  CHECK(logged_losses(co.run_dir).front() < la.front());
+  cont.lora.rank = 4;  // a different rank than the file's
+  co.run_dir = fx.dir.file("lora-mismatch");
+  CHECK_THROWS_WITH_AS(run_training(cont, co, cont_log), doctest::Contains("adapter_config.json: r 2"), Error);
 }

@@ -40,6 +40,7 @@ const std::vector<Option<Model>> model_options = {
   {"dtype",          "", &Model::dtype,           one_of({"auto", "f64", "f32", "bf16"}), "compute precision: auto (GPU: bf16 with f32 master weights; CPU: f32) | f64 (CPU) | f32 | bf16 (GPU)"},
   {"init_seed",      "", &Model::init_seed,       {},                                   "seed of the random initialisation (unused for a checkpoint)"},
   {"tie_embeddings", "", &Model::tie_embeddings,  {},                                   "tie the LM head to the embedding; unset: as the model configures it"},
+  {"adapter",        "", &Model::adapter,         {},                                   "a PEFT LoRA adapter directory (adapter_config.json, adapter_model.safetensors) to continue training on the base model.source; its r, lora_alpha and target_modules are the run's when lora.rank is 0, else they must equal lora.*; empty: none"},
 };
 const std::vector<Option<Data>> data_options = {
   {"train",          "", &Data::train,            no_empty_path(),                         "token files: paths and glob patterns, concatenated in order (globs sorted); \"@demo\": the demo corpus"},
@@ -97,6 +98,7 @@ const std::vector<Option<Sample>> sample_options = {
 std::vector<OptionRef> fields_of(RunConfig& c) {
   std::vector<OptionRef> out;
   bind_options(out, "model", model_options, c.model);
+  bind_options(out, "lora", lora_option_table(), c.lora);
   bind_options(out, "data", data_options, c.data);
   bind_options(out, "schedule", schedule_option_table(), c.schedule);
   bind_options(out, "parallel", parallel_option_table(), c.parallel);
@@ -432,6 +434,7 @@ void RunConfig::validate() const {
   // Then the rules between options.
   schedule.validate();
   parallel.validate();
+  lora.validate();
   // Tensor parallelism runs in the library and gradcheck; train does not start TP ranks yet.
   if (parallel.tp > 1)
     fail(fmt::format("parallel.tp = {}: chunkwise train does not start tensor-parallel ranks yet", parallel.tp),

@@ -42,6 +42,7 @@ struct RunConfig {
     std::string dtype = "auto";           // auto (GPU: bf16, CPU: f32) | f64 | f32 | bf16
     uint64_t init_seed = 1234;            // random initialisation (ignored for a checkpoint)
     std::optional<bool> tie_embeddings;   // unset: as the model configures it
+    std::string adapter;                  // a PEFT LoRA adapter directory to continue from; empty: none
     bool operator==(const Model&) const = default;
   };
   struct Data {
@@ -104,6 +105,8 @@ struct RunConfig {
   };
 
   Model model;
+  // [lora]: LoraConfig (model/lora.h): adapters on the base model, which stays frozen; rank 0: off.
+  LoraConfig lora;
   Data data;
   // [schedule]: ScheduleOptions (optim/schedule.h), with the two defaults a training run changes.
   ScheduleOptions schedule{.name = "seco", .chunk = 64};

@@ -3,6 +3,8 @@
 #include "engine/random.h"
 #include "model/checkpoint.h"
 #include "optim/schedule.h"
+#include "tools/model_io.h"
+#include "tools/train/run_config.h"
 #include "tools/train/run_dir.h"
 
 #include <fmt/format.h>
@@ -96,10 +98,18 @@ std::string sample_from_run(const std::string& dir, int64_t step, const SampleOp
     fail(step > 0 ? fmt::format("run '{}' has no complete checkpoint of step {}", dir, step)
                   : fmt::format("run '{}' has no complete checkpoint", dir),
          "train first, or pick a step that was saved");
+  const ByteTokenizer tok = ByteTokenizer::from_file((fs::path(dir) / "tokenizer.json").string());
+  if (fs::exists(fs::path(ref->path) / "adapter_config.json")) {
+    // A LoRA run: its adapters on the base it trained on (model.source of the checkpoint's run.toml).
+    const RunConfig rc = RunConfig::from_file((fs::path(ref->path) / "run.toml").string());
+    LlamaConfig cf = LlamaConfig::resolve(rc.model.source);
+    if (rc.model.tie_embeddings) cf.tie_word_embeddings = *rc.model.tie_embeddings;
+    const LlamaModel model = load_with_adapter(cf, rc.model.source, ref->path, DType::f32, rc.model.init_seed);
+    return generate(model, tok, o);
+  }
   const LlamaConfig cf = LlamaConfig::from_file((fs::path(ref->path) / "config.json").string());
   LlamaModel model(cf, DType::f32);
   load_checkpoint_weights(model.params(), ref->path);
-  const ByteTokenizer tok = ByteTokenizer::from_file((fs::path(dir) / "tokenizer.json").string());
   return generate(model, tok, o);
 }
 

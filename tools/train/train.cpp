@@ -4,6 +4,7 @@
 #include "engine/trace.h"
 #include "model/checkpoint.h"
 #include "model/gguf_llama.h"
+#include "model/lora.h"
 #include "optim/adamw.h"
 #include "optim/chunks.h"
 #include "optim/lr_schedule.h"
@@ -21,6 +22,7 @@
 #include "tools/train/sample.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include <atomic>
@@ -100,10 +102,16 @@ std::string duration(double s) {
 
 // Memory the run will need on its device: parameters (compute copy, f32 master for bf16), gradients
 // and two moments in the master dtype, one chunk's activations, the K/V store with its gradients,
-// the LM-head and attention scratch.
-double planned_bytes(const LlamaConfig& c, DType dt, const RunConfig& rc) {
+// the LM-head and attention scratch. Under LoRA the base has its compute copy only, and the adapters
+// the rest.
+double planned_bytes(const LlamaConfig& c, DType dt, const RunConfig& rc, const LoraConfig& lora) {
   const double e = static_cast<double>(dtype_size(dt)), a = static_cast<double>(dtype_size(accum_dtype(dt)));
-  const double params = static_cast<double>(c.parameter_count());
+  double params = static_cast<double>(c.parameter_count()), frozen = 0;
+  if (lora.enabled()) {
+    frozen = params;
+    params = 0;
+    for (const ParamSpec& spec : lora_parameter_table(c, lora)) params += static_cast<double>(spec.numel());
+  }
   const int64_t B = rc.data.batch_size, T = rc.data.seq_len;
   const ScheduleOptions so = rc.schedule_options();
   int64_t chunk = (so.name == "full" || so.name == "checkpointed") ? T : std::max(so.chunk, so.bwd_chunk);
@@ -114,7 +122,7 @@ double planned_bytes(const LlamaConfig& c, DType dt, const RunConfig& rc) {
   const double scratch = static_cast<double>(kLmHeadBlockRows * c.vocab_size) * e +
                          static_cast<double>(B * chunk * (2 * c.hidden_size + 3 * c.intermediate_size)) * e;
   const double master = dt == DType::bf16 ? 4.0 : e;
-  return params * (e + (dt == DType::bf16 ? master : 0.0) + 3 * master) + acts + kv + scratch;
+  return frozen * e + params * (e + (dt == DType::bf16 ? master : 0.0) + 3 * master) + acts + kv + scratch;
 }
 
 Device resolve_train_device(const std::string& setting) {
@@ -140,13 +148,29 @@ DType resolve_train_dtype(const std::string& setting, Device device) {
 }
 
 // Loads a checkpoint's weights (any stored dtype), or a GGUF file's (dequantized), as the run's
-// master weights.
-void load_master_from(TrainingState& state, const std::string& source) {
-  ParamSet host(state.model().config(), state.master_dtype());
+// base weights: its master weights, or under LoRA its frozen compute weights.
+void load_base_from(TrainingState& state, const std::string& source) {
+  ParamSet host(state.model().config(), state.lora() ? accum_dtype(state.model().dtype()) : state.master_dtype());
   if (is_gguf_file(source))
     load_gguf_weights(host, GgufReader(source));
   else
     load_checkpoint_weights(host, source);
+  state.load_base(host);
+}
+
+// LoRA: the adapters of a PEFT directory (a checkpoint of this run, or model.adapter) as the master
+// weights. Its adapter_config.json must describe the run's adapters.
+void load_adapter_from(TrainingState& state, const std::string& dir) {
+  const LoraConfig file = read_peft_config(dir);
+  const LoraConfig& run = state.model().lora();
+  if (file.rank != run.rank || file.alpha != run.alpha || file.target_roles() != run.target_roles())
+    fail(fmt::format("{}/adapter_config.json: r {}, lora_alpha {}, target_modules {} but the run has lora.rank {}, "
+                     "lora.alpha {}, lora.targets {}",
+                     dir, file.rank, file.alpha, fmt::join(file.target_names(), ","), run.rank, run.alpha,
+                     fmt::join(run.target_names(), ",")),
+         "give the adapter's own r, alpha and targets in [lora] (or lora.rank = 0 to take them from the file)");
+  ParamSet host = ParamSet::like(state.master(), state.master_dtype(), Device::host());
+  load_peft_adapter(host, dir);
   state.load_master(host);
 }
 
@@ -158,12 +182,22 @@ std::vector<std::string> resolve_demo(const std::vector<std::string>& specs) {
 
 // ---- the steps of run_training, in order ----
 
-// Where and how the run computes: the model's config, the device and the compute dtype.
+// Where and how the run computes: the model's config, the device, the compute dtype, the adapters.
 struct Placement {
   LlamaConfig model;
   Device device;
   DType dtype;
+  LoraConfig lora;  // rank 0: full-parameter training
 };
+
+// The run's adapters: lora.*, or with model.adapter and lora.rank = 0 the adapter's own r, alpha,
+// dropout and targets (lora.seed still seeds the dropout masks).
+LoraConfig resolve_lora(const RunConfig& rc) {
+  if (rc.model.adapter.empty() || rc.lora.enabled()) return rc.lora;
+  LoraConfig file = read_peft_config(rc.model.adapter);
+  file.seed = rc.lora.seed;
+  return file;
+}
 
 Placement resolve_placement(const RunConfig& rc) {
   LlamaConfig mc = LlamaConfig::resolve(rc.model.source);
@@ -173,7 +207,7 @@ Placement resolve_placement(const RunConfig& rc) {
 #if CW_HAVE_CUDA
   if (!device.is_cpu()) set_deterministic(rc.train.deterministic);
 #endif
-  return {mc, device, dtype};
+  return {mc, device, dtype, resolve_lora(rc)};
 }
 
 struct TrainData {
@@ -196,7 +230,7 @@ TrainData load_data(const RunConfig& rc, const LlamaConfig& mc) {
 
 // Memory guard: fail before step 1, not in the middle of it. Returns the planned bytes.
 double check_memory(const Placement& p, const RunConfig& rc) {
-  const double need = planned_bytes(p.model, p.dtype, rc);
+  const double need = planned_bytes(p.model, p.dtype, rc, p.lora);
   const double have = p.device.is_cpu() ? available_bytes() : static_cast<double>(device_memory(p.device).free);
   if (have > 0 && need > have)
     fail(fmt::format("this run needs about {} of {} memory and the {} has {} available", human_bytes(need),
@@ -224,10 +258,27 @@ struct Progress {
 // sampler position, metrics truncated after it), or load the model.source checkpoint, or initialise.
 // With data parallelism every rank reads the same checkpoint (weights, state.json) and its own
 // optimizer shard; rank 0 alone truncates the metrics.
+// Under LoRA the base always comes from model.source (a checkpoint, a GGUF file, or the seeded random
+// initialisation of a preset or config), frozen; the adapters from the checkpoint (PEFT files), else
+// model.adapter, else PEFT's initialisation from lora.seed.
 Progress resume_or_initialise(const RunConfig& rc, bool resume, RunDirectory& run_dir, const std::string& run_path,
                               const std::string& metrics_path, TrainingState& state, WindowSampler& sampler,
                               DataParallel* dp, std::ostream& out) {
   Progress p;
+  const bool lora = state.lora();
+  const bool source_has_weights =
+      is_gguf_file(rc.model.source) ||
+      (fs::is_directory(rc.model.source) && fs::exists(fs::path(rc.model.source) / "config.json") &&
+       (fs::exists(fs::path(rc.model.source) / "model.safetensors") ||
+        fs::exists(fs::path(rc.model.source) / "model.safetensors.index.json")));
+  if (lora) {
+    if (source_has_weights) load_base_from(state, rc.model.source);
+    else state.init(rc.model.init_seed, state.model().config().initializer_range);
+    if (!resume) {
+      if (!rc.model.adapter.empty()) load_adapter_from(state, rc.model.adapter);
+      else state.init_adapters();
+    }
+  }
   if (resume) {
     std::vector<std::string> skipped;
     const auto ref = run_dir.latest_complete(&skipped);
@@ -235,7 +286,8 @@ Progress resume_or_initialise(const RunConfig& rc, bool resume, RunDirectory& ru
     if (!ref)
       fail(fmt::format("--resume: no complete checkpoint in '{}'", run_path),
            "start without --resume, or point --run-dir at the run to continue");
-    load_master_from(state, ref->path);
+    if (lora) load_adapter_from(state, ref->path);
+    else load_base_from(state, ref->path);
     std::ifstream sf(fs::path(ref->path) / "state.json");
     nlohmann::json saved;
     try {
@@ -261,12 +313,10 @@ Progress resume_or_initialise(const RunConfig& rc, bool resume, RunDirectory& ru
     sampler.restore(SamplerState::from_json(saved.at("sampler"), ref->path + "/state.json"));
     if (!dp || dp->rank() == 0) truncate_metrics_after(metrics_path, p.step);
     out << fmt::format("resumed from {} (step {})\n", ref->path, p.step);
-  } else if (fs::is_directory(rc.model.source) && fs::exists(fs::path(rc.model.source) / "config.json") &&
-             (fs::exists(fs::path(rc.model.source) / "model.safetensors") ||
-              fs::exists(fs::path(rc.model.source) / "model.safetensors.index.json"))) {
-    load_master_from(state, rc.model.source);
-  } else if (is_gguf_file(rc.model.source)) {
-    load_master_from(state, rc.model.source);
+  } else if (lora) {
+    // done above
+  } else if (source_has_weights) {
+    load_base_from(state, rc.model.source);
   } else {
     state.init(rc.model.init_seed, state.model().config().initializer_range);
   }
@@ -283,7 +333,17 @@ void print_header(const RunConfig& rc, const Placement& p, const TrainData& data
                      rc.model.source, mc.num_hidden_layers, mc.hidden_size, mc.num_attention_heads,
                      mc.num_key_value_heads, mc.vocab_size, static_cast<double>(mc.parameter_count()) / 1e6,
                      dtype_name(p.dtype), device_name(p.device),
-                     p.dtype == DType::bf16 ? " (f32 master weights, f32 gradients)" : "");
+                     p.lora.enabled() ? " (frozen)" : p.dtype == DType::bf16 ? " (f32 master weights, f32 gradients)" : "");
+  if (p.lora.enabled()) {
+    double adapters = 0;
+    for (const ParamSpec& spec : lora_parameter_table(mc, p.lora)) adapters += static_cast<double>(spec.numel());
+    out << fmt::format("lora: rank {}, alpha {} (scale {}), dropout {}, on {}{}: {:.3f} M trainable parameters "
+                       "({:.3f}% of the base){}\n",
+                       p.lora.rank, p.lora.alpha, p.lora.scale(), p.lora.dropout, fmt::join(p.lora.target_names(), ","),
+                       rc.model.adapter.empty() ? "" : fmt::format(" from {}", rc.model.adapter), adapters / 1e6,
+                       100.0 * adapters / static_cast<double>(mc.parameter_count()),
+                       p.dtype == DType::bf16 ? ", f32 master weights and gradients" : "");
+  }
   out << fmt::format("data: {} ({} tokens): {} train windows, {} eval windows of {} tokens\n", data.train.describe(),
                      data.train.size(), data.split.train.size(), data.split.eval.size(), T);
   const int64_t dp = rc.parallel.dp;
@@ -516,7 +576,11 @@ class TrainLoop {
       run_dir_.save_checkpoint(
           step,
           [&](const std::string& dir) {
-            save_checkpoint_weights(state_.master_on_host(), placement_.model, dir, state_.master_dtype());
+            // Under LoRA the checkpoint holds the adapters (PEFT's files), the base staying model.source.
+            if (state_.lora())
+              save_peft_adapter(state_.master(), placement_.lora, dir, rc_.model.source, state_.master_dtype());
+            else
+              save_checkpoint_weights(state_.master_on_host(), placement_.model, dir, state_.master_dtype());
             if (shard) {
               shard->save((fs::path(dir) / optimizer_shard_file(0)).string());
               for (int r = 1; r < dp_->size(); ++r)
@@ -557,7 +621,8 @@ class TrainLoop {
   int64_t start_step_ = 0, tokens_seen_ = 0;
 };
 
-// The text the trained model continues from sample.prompt (on the host, from the master weights).
+// The text the trained model continues from sample.prompt (on the host, from the master weights;
+// under LoRA the frozen base's compute weights and the adapters' master weights).
 void print_sample(const RunConfig& rc, const LlamaConfig& mc, TrainingState& state, const ByteTokenizer& tokenizer,
                   std::ostream& out) {
   SampleOptions so;
@@ -567,8 +632,9 @@ void print_sample(const RunConfig& rc, const LlamaConfig& mc, TrainingState& sta
   so.top_k = rc.sample.top_k;
   so.top_p = rc.sample.top_p;
   so.seed = rc.sample.seed;
-  LlamaModel host_model(mc, state.master_dtype());
-  copy_params(host_model.params(), state.master_on_host());
+  LlamaModel host_model(mc, state.master_dtype(), Device::host(), nullptr, state.model().lora());
+  copy_params(host_model.params(), state.base_on_host(state.master_dtype()));
+  if (state.lora()) copy_params(host_model.adapters(), state.master_on_host());
   out << "sample:\n" << rc.sample.prompt << generate(host_model, tokenizer, so) << "\n";
 }
 }  // namespace
@@ -633,7 +699,8 @@ TrainResult run_training(const RunConfig& rc, const TrainOptions& opt, std::ostr
   WindowSampler sampler(data.split.train, rc.data.seed);  // the same on every rank (next_rank_batch)
   const double planned = check_memory(placement, rc);
 
-  TrainingState state(mc, placement.dtype, placement.device, adamw_options(rc), /*full_optimizer=*/rc.parallel.zero == 0 || !comm);
+  TrainingState state(mc, placement.dtype, placement.device, adamw_options(rc),
+                      /*full_optimizer=*/rc.parallel.zero == 0 || !comm, placement.lora);
   std::optional<DataParallel> dp;
   if (comm) dp.emplace(*comm, state, rc.parallel);
   auto schedule = Schedule::create(rc.schedule_options());
