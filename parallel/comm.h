@@ -48,10 +48,12 @@ class Communicator {
 };
 
 // Runs fn(comm) on `size` threads, one per rank of a threads-backend group, and returns when all
-// have; an exception on any rank is rethrown here after the others have been released (their pending
-// and later collectives throw instead of waiting forever): the one that failed the group, else the
-// lowest rank's. A mismatch between ranks' collectives (kind, dtype, element counts, root) and a rank
-// that returns while others wait on a collective it never issued fail the group the same way.
+// have. Each rank's CPU kernels get cpu_threads() / size of the caller's threads, at least one
+// (engine/engine.h), so the ranks together do not oversubscribe the cores. An exception on any rank
+// is rethrown here after the others have been released (their pending and later collectives throw
+// instead of waiting forever): the one that failed the group, else the lowest rank's. A mismatch
+// between ranks' collectives (kind, dtype, element counts, root) and a rank that returns while
+// others wait on a collective it never issued fail the group the same way.
 void run_thread_ranks(int size, const std::function<void(Communicator&)>& fn);
 
 }  // namespace cw

@@ -15,8 +15,11 @@
 // memory its owner has already left.
 #include "parallel/comm.h"
 
+#include "engine/engine.h"
+
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstring>
 #include <exception>
@@ -337,8 +340,13 @@ void run_thread_ranks(int size, const std::function<void(Communicator&)>& fn) {
   std::vector<char> cause(static_cast<size_t>(size), 0);  // not vector<bool>: ranks write their own element concurrently
   std::vector<std::thread> threads;
   threads.reserve(static_cast<size_t>(size));
+  // The ranks share the caller's CPU threads: each rank's kernels get an equal part of them (one each
+  // when there are more ranks than cores). Each rank opening a team of all of them would put
+  // size x cores threads on the cores, and every parallel loop would wait for descheduled threads.
+  const int kernel_threads = std::max(1, cpu_threads() / size);
   for (int r = 0; r < size; ++r) {
     threads.emplace_back([&, r] {
+      const CpuThreadsScope shared_cores(kernel_threads);
       try {
         ThreadCommunicator comm(group, r);
         fn(comm);
