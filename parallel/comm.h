@@ -11,6 +11,11 @@
 //   all_gather(out, in)        in [n] on every rank; out [size * n], rank r's in at [r * n, +n)
 //   broadcast(t, root)         t <- root's t                                                (in place)
 //   barrier()                  returns once every rank has entered it
+//   split(color, key)          a new communicator per color: the ranks that passed the same color
+//                              >= 0, ranked by key (ties by rank here); null for a negative color
+//                              (as MPI_Comm_split, ncclCommSplit). Blocks until every rank has called
+//                              it; the result is independent of this communicator afterwards (NCCL)
+//                              or lives as long as the run_thread_ranks call (threads).
 // Every tensor is contiguous; shapes and dtypes agree across ranks (checked where the backend can).
 // Calls are asynchronous: each returns a CommWork whose wait() blocks the host (threads) or makes the
 // compute stream wait (nccl) until the collective is complete; a CommWork destroyed unwaited waits.
@@ -45,6 +50,7 @@ class Communicator {
   virtual std::unique_ptr<CommWork> all_gather(const Tensor& out, const Tensor& in) = 0;
   virtual std::unique_ptr<CommWork> broadcast(const Tensor& t, int root) = 0;
   virtual void barrier() = 0;
+  virtual std::unique_ptr<Communicator> split(int color, int key) = 0;
 };
 
 // Runs fn(comm) on `size` threads, one per rank of a threads-backend group, and returns when all

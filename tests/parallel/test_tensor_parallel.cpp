@@ -10,7 +10,7 @@
 //   - under sequence parallelism each rank's replicated gradients are its rows' share (summing
 //     them over the ranks gives one process's), and every rank's K/V store holds 1/P of the heads;
 //   - regather keeps 2 (N - N/P) C values per layer fewer until the backward, exactly;
-//   - TP x DP = 2 x 2 (sub-groups emulated over the world group) equals one process;
+//   - TP x DP = 2 x 2 (groups split from the world, Communicator::split) equals one process;
 //   - bad input fails with one line naming the option.
 #include "engine/random.h"
 #include "model/llama.h"
@@ -368,84 +368,7 @@ TEST_CASE("tensor parallel: bad input fails with one line naming the option") {
   CHECK(run_gradcheck(o, out) == 0);
 }
 
-namespace {
-
-// A sub-group of a threads-backend world, emulated with world collectives (test-only: the threads
-// backend makes no sub-communicators yet). Every collective all-gathers every world rank's tensor
-// and each member keeps what its group's members sent, summing them in member order, so members get
-// the same bits. Valid because every world rank issues the same collectives in the same order with
-// the same sizes (TP x DP is SPMD: every TP group and every DP group runs the same program).
-class SubgroupCommunicator final : public Communicator {
- public:
-  SubgroupCommunicator(Communicator& world, std::vector<int> members)
-      : world_(world), members_(std::move(members)) {
-    for (size_t i = 0; i < members_.size(); ++i)
-      if (members_[i] == world.rank()) rank_ = static_cast<int>(i);
-    REQUIRE(rank_ >= 0);
-  }
-  int rank() const override { return rank_; }
-  int size() const override { return static_cast<int>(members_.size()); }
-  Device device() const override { return world_.device(); }
-  std::string backend() const override { return "threads subgroup"; }
-
-  std::unique_ptr<CommWork> all_reduce(const Tensor& t) override {
-    const OwnedTensor all = gather_world(t);
-    sum_members(t, all, t.numel(), 0);
-    return done();
-  }
-  std::unique_ptr<CommWork> reduce_scatter(const Tensor& out, const Tensor& in) override {
-    const OwnedTensor all = gather_world(in);
-    sum_members(out, all, in.numel(), rank_ * out.numel());
-    return done();
-  }
-  std::unique_ptr<CommWork> all_gather(const Tensor& out, const Tensor& in) override {
-    const OwnedTensor all = gather_world(in);
-    const size_t bytes = in.bytes();
-    for (size_t m = 0; m < members_.size(); ++m)
-      std::memcpy(static_cast<char*>(out.data) + m * bytes,
-                  static_cast<const char*>(all.tensor.data) + static_cast<size_t>(members_[m]) * bytes, bytes);
-    return done();
-  }
-  std::unique_ptr<CommWork> broadcast(const Tensor& t, int root) override {
-    const OwnedTensor all = gather_world(t);
-    std::memcpy(t.data, static_cast<const char*>(all.tensor.data) + static_cast<size_t>(members_[root]) * t.bytes(),
-                t.bytes());
-    return done();
-  }
-  void barrier() override { world_.barrier(); }
-
- private:
-  struct Done final : CommWork {
-    void wait() override {}
-  };
-  static std::unique_ptr<CommWork> done() { return std::make_unique<Done>(); }
-
-  OwnedTensor gather_world(const Tensor& t) {
-    OwnedTensor all = OwnedTensor::of_shape(t.dtype, std::vector<int64_t>{world_.size() * t.numel()});
-    world_.all_gather(all, t.view({t.numel()}))->wait();
-    return all;
-  }
-  // out[i] = sum over members m, in order, of member m's element (offset + i) of a world slot of
-  // `stride` elements.
-  void sum_members(const Tensor& out, const OwnedTensor& all, int64_t stride, int64_t offset) const {
-    REQUIRE(out.dtype == DType::f64);
-    const double* a = all.tensor.ptr<double>();
-    double* o = static_cast<double*>(out.data);
-    for (int64_t i = 0; i < out.numel(); ++i) {
-      double s = a[members_[0] * stride + offset + i];
-      for (size_t m = 1; m < members_.size(); ++m) s += a[members_[m] * stride + offset + i];
-      o[i] = s;
-    }
-  }
-
-  Communicator& world_;
-  std::vector<int> members_;
-  int rank_ = -1;
-};
-
-}  // namespace
-
-TEST_CASE("tensor parallel x data parallel = 2 x 2 equals one process to 1e-12 (sub-groups emulated)") {
+TEST_CASE("tensor parallel x data parallel = 2 x 2 equals one process to 1e-12 (split groups)") {
   // World rank w = d * TP + t: DP rank d takes sequences [d B/DP, (d+1) B/DP); TP rank t holds its
   // shard. The step's normaliser is the global batch's label count; afterwards the gradients are
   // summed over the DP group (the data-parallel reduction) and the replicated ones over the TP group.
@@ -463,11 +386,8 @@ TEST_CASE("tensor parallel x data parallel = 2 x 2 equals one process to 1e-12 (
     std::vector<double> losses(TP * DP);
     run_thread_ranks(TP * DP, [&](Communicator& world) {
       const int w = world.rank(), d = w / TP, t = w % TP;
-      std::vector<int> tp_members, dp_members;
-      for (int i = 0; i < TP; ++i) tp_members.push_back(d * TP + i);
-      for (int i = 0; i < DP; ++i) dp_members.push_back(i * TP + t);
-      SubgroupCommunicator tp_comm(world, tp_members), dp_comm(world, dp_members);
-      TensorParallel group(tp_comm, {sp, sp});
+      const std::unique_ptr<Communicator> tp_comm = world.split(d, t), dp_comm = world.split(t, d);
+      TensorParallel group(*tp_comm, {sp, sp});
       LlamaModel shard(ref.model.full_config(), DType::f64, Device::host(), &group);
       shard_parameters(shard.params(), ref.model.params(), t, TP);
       const int64_t per = ref.batch.B() / DP;
@@ -476,11 +396,11 @@ TEST_CASE("tensor parallel x data parallel = 2 x 2 equals one process to 1e-12 (
       copy_convert(mine.labels, ref.batch.labels.tensor.slice(0, d * per, per));
       ParamSet& g = grads[static_cast<size_t>(w)].emplace(shard.config(), DType::f64);
       const StepStats st = Schedule::create(so)->step(shard, mine, g, normaliser);
-      dp_comm.all_reduce(g.flat())->wait();
+      dp_comm->all_reduce(g.flat())->wait();
       reduce_replicated_gradients(g, group);
       OwnedTensor loss(DType::f64, {1});
       loss.tensor.ptr<double>()[0] = st.loss;
-      dp_comm.all_reduce(loss)->wait();
+      dp_comm->all_reduce(loss)->wait();
       losses[static_cast<size_t>(w)] = loss.tensor.ptr<double>()[0];
     });
     ParamSet assembled(ref.model.config(), DType::f64);
