@@ -14,10 +14,11 @@ DType master_dtype_for(DType compute) { return compute == DType::bf16 ? DType::f
 }  // namespace
 
 TrainingState::TrainingState(const LlamaConfig& config, DType compute, Device device, const AdamWOptions& options,
-                             bool full_optimizer)
-    : model_(config, compute, device),
-      master_(compute == DType::bf16 ? std::optional<ParamSet>(ParamSet(config, DType::f32, device)) : std::nullopt),
-      grads_(config, master_dtype_for(compute), device),
+                             bool full_optimizer, TensorParallelGroup* tp)
+    : model_(config, compute, device, tp),
+      master_(compute == DType::bf16 ? std::optional<ParamSet>(ParamSet(model_.config(), DType::f32, device))
+                                     : std::nullopt),
+      grads_(model_.config(), master_dtype_for(compute), device),
       adamw_options_(options) {
   CW_CHECK(compute != DType::bf16 || !device.is_cpu(), "bf16 training needs the GPU backend");
   options.validate();

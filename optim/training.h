@@ -10,7 +10,11 @@
 // Everything lives on `device`. Checkpoints read and write the master weights through host copies,
 // so a bf16 GPU run saves f32 weights and resumes bit-exactly. With ZeRO (parallel/data_parallel.h)
 // the state is built without the full AdamW moments (full_optimizer = false): each rank keeps the
-// moments of its own shard there, and updates through optimizer_step are refused.
+// moments of its own shard there, and updates through optimizer_step are refused. With tensor
+// parallelism (a TensorParallelGroup, model/shard.h) the state is the rank's shard: the model is
+// built with the group, and master weights, gradients and moments have the shard's shapes
+// (model().config()); the caller loads the shard's values (parallel/tensor_parallel.h:
+// shard_parameters of the full model's).
 #pragma once
 
 #include "model/llama.h"
@@ -24,8 +28,9 @@ namespace cw {
 
 class TrainingState {
  public:
+  // config: the whole model's; tp: this rank's tensor-parallel group (null: the whole model).
   TrainingState(const LlamaConfig& config, DType compute, Device device, const AdamWOptions& options,
-                bool full_optimizer = true);
+                bool full_optimizer = true, TensorParallelGroup* tp = nullptr);
 
   LlamaModel& model() { return model_; }
   const LlamaModel& model() const { return model_; }
@@ -40,7 +45,8 @@ class TrainingState {
 
   // Master weights from a host parameter set (any dtype: converted), then the compute copy.
   void load_master(const ParamSet& host);
-  // Seeded initialisation of the master weights (drawn on the host), then the compute copy.
+  // Seeded initialisation of the master weights (drawn on the host), then the compute copy. With
+  // tensor parallelism these are the shard's own draws, not a shard of a whole model's.
   void init(uint64_t seed, double initializer_range);
   // For benchmarks: one block of 16 Mi values drawn on the host (N(0, initializer_range)) tiled over
   // every weight, norm gains 1, then the compute copy: random values without drawing a billion of

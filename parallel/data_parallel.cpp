@@ -9,9 +9,10 @@
 
 namespace cw {
 
-DataParallel::DataParallel(Communicator& comm, TrainingState& state, const ParallelOptions& options)
+DataParallel::DataParallel(Communicator& comm, TrainingState& state, const ParallelOptions& options, TensorParallel* tp)
     : comm_(comm),
       state_(state),
+      tp_(tp),
       zero_(static_cast<int>(options.zero)),
       numel_(state.grads().numel()),
       shard_len_(state.grads().numel() / comm.size()) {
@@ -20,6 +21,8 @@ DataParallel::DataParallel(Communicator& comm, TrainingState& state, const Paral
            device_name(comm.device()), device_name(state.device()));
   CW_CHECK(options.dp == comm.size(), "data parallel: parallel.dp = {} but the communicator has {} ranks", options.dp,
            comm.size());
+  CW_CHECK(!tp || state.model().tensor_parallel() == tp,
+           "data parallel: the model must be built with the tensor-parallel group it is given");
   CW_CHECK(shard_len_ >= 1, "data parallel: {} parameters cannot be sharded over {} ranks", numel_, comm.size());
   CW_CHECK(state.has_full_optimizer() == (zero_ == 0),
            "data parallel: the training state must keep the whole AdamW state exactly when parallel.zero = 0 (zero is {})",
@@ -48,21 +51,26 @@ Tensor DataParallel::own_shard(const ParamSet& set) const {
   return set.flat().slice(0, shard_begin(rank()), shard_end(rank()) - shard_begin(rank()));
 }
 
-void DataParallel::sum_over_ranks(std::vector<double>& values) {
+namespace {
+// Sums host values over a communicator's ranks in place, through its device.
+void sum_host_values(Communicator& comm, std::vector<double>& values) {
   if (values.empty()) return;
   const int64_t n = static_cast<int64_t>(values.size());
   OwnedTensor host(DType::f64, {n});
   std::copy(values.begin(), values.end(), host.tensor.ptr<double>());
-  if (comm_.device().is_cpu()) {
-    comm_.all_reduce(host)->wait();
+  if (comm.device().is_cpu()) {
+    comm.all_reduce(host)->wait();
   } else {
-    const OwnedTensor dev = OwnedTensor::on(comm_.device(), DType::f64, {n});
+    const OwnedTensor dev = OwnedTensor::on(comm.device(), DType::f64, {n});
     copy_convert(dev, host);
-    comm_.all_reduce(dev)->wait();
+    comm.all_reduce(dev)->wait();
     copy_convert(host, dev);  // after the reduction: wait() ordered the compute stream behind it
   }
   std::copy(host.tensor.ptr<double>(), host.tensor.ptr<double>() + n, values.begin());
 }
+}  // namespace
+
+void DataParallel::sum_over_ranks(std::vector<double>& values) { sum_host_values(comm_, values); }
 
 void DataParallel::launch_ready(int64_t from) {
   const Tensor flat = state_.grads().flat();
@@ -83,6 +91,9 @@ void DataParallel::finish_reduction() {
   }
   for (auto& work : pending_) work->wait();
   pending_.clear();
+  if (tp_)
+    reduce_replicated_gradients(state_.grads(), *tp_, zero_ == 2 ? shard_begin(rank()) : 0,
+                                zero_ == 2 ? shard_end(rank()) : numel_);
 }
 
 DataParallelStep DataParallel::compute_gradients(Schedule& schedule, const std::vector<Batch>& micro,
@@ -131,10 +142,25 @@ DataParallelStep DataParallel::compute_gradients(Schedule& schedule, const std::
 }
 
 double DataParallel::gradient_norm() {
-  if (zero_ < 2) return grad_global_norm(state_.grads());  // reduced whole on every rank: the same bits
-  std::vector<double> squares{sum_squares(own_shard(state_.grads()))};
-  sum_over_ranks(squares);
-  return std::sqrt(squares[0]);
+  const bool split = tp_ && tp_->size() > 1;
+  if (zero_ < 2 && !split) return grad_global_norm(state_.grads());  // reduced whole on every rank: the same bits
+  // Squares of the rank's part (zero 2: its shard; else everything), split tensors apart from
+  // replicated ones when TP ranks hold the split ones' other parts.
+  const ParamSet& g = state_.grads();
+  const int64_t begin = zero_ == 2 ? shard_begin(rank()) : 0, end = zero_ == 2 ? shard_end(rank()) : numel_;
+  std::vector<double> squares{0.0, 0.0};  // split, replicated
+  int64_t offset = 0;
+  for (size_t i = 0; i < g.size(); offset += g.specs()[i].numel(), ++i) {
+    const int64_t lo = std::max(begin, offset), hi = std::min(end, offset + g.specs()[i].numel());
+    if (lo < hi) squares[split && tp_split_dim(g.specs()[i].role) < 0 ? 1 : 0] += sum_squares(g.flat().slice(0, lo, hi - lo));
+  }
+  if (zero_ == 2) sum_over_ranks(squares);  // every shard of this TP shard's vector
+  if (split) {  // every TP rank's split tensors; the replicated ones once
+    std::vector<double> split_squares{squares[0]};
+    sum_host_values(tp_->communicator(), split_squares);
+    squares[0] = split_squares[0];
+  }
+  return std::sqrt(squares[0] + squares[1]);
 }
 
 double DataParallel::clip_gradients(double max_norm) {

@@ -38,6 +38,13 @@
 //           into it across every chunk of the step); what is sharded is the reduced gradient, which
 //           the norm, clipping and update read only on the shard (the norm's square sums are
 //           all-reduced).
+// With tensor parallelism (a DP x TP grid, parallel/grid.h) `comm` is the rank's DP group and the
+// state is its TP shard: the DP ranks that hold the same shard reduce its gradient as above (the
+// flat vector, buckets and ZeRO shards are the TP shard's). After the reduction the replicated
+// parameters' gradients are summed over the TP group (parallel/tensor_parallel.h:
+// reduce_replicated_gradients; only with sequence parallelism, and under ZeRO 2 only the rank's
+// shard of them). The gradient norm adds each TP rank's split tensors' squares over the TP group and
+// counts the replicated ones once; the loss is already whole on every TP rank.
 // Every rank's sums are taken in rank order by the threads backend, so all-reduce and
 // reduce-scatter give the same bits, and zero 1 / zero 2 give exactly the parameters of zero 0
 // (without clipping; with it, zero 2's norm sums the shards' partial sums, equal to rounding).
@@ -50,6 +57,7 @@
 #include "optim/schedule.h"
 #include "optim/training.h"
 #include "parallel/comm.h"
+#include "parallel/tensor_parallel.h"
 
 #include <memory>
 #include <optional>
@@ -67,8 +75,10 @@ struct DataParallelStep {
 
 class DataParallel {
  public:
-  // state: this rank's training state, built with full_optimizer = (options.zero == 0).
-  DataParallel(Communicator& comm, TrainingState& state, const ParallelOptions& options);
+  // state: this rank's training state, built with full_optimizer = (options.zero == 0); comm: the
+  // ranks that hold the same model (or TP shard); tp: the rank's tensor-parallel group, which the
+  // state's model was built with (null without tensor parallelism).
+  DataParallel(Communicator& comm, TrainingState& state, const ParallelOptions& options, TensorParallel* tp = nullptr);
 
   int rank() const { return comm_.rank(); }
   int size() const { return comm_.size(); }
@@ -85,7 +95,7 @@ class DataParallel {
   // micro-batch m runs as schedule step step_index + m, as a single process numbers them.
   DataParallelStep compute_gradients(Schedule& schedule, const std::vector<Batch>& micro, uint64_t step_index);
 
-  // The global L2 norm of the reduced gradient (the same on every rank).
+  // The global L2 norm of the reduced gradient (the same on every rank of the grid).
   double gradient_norm();
   // Scales the reduced gradient by max_norm / norm when norm > max_norm (max_norm <= 0: never);
   // returns the norm before clipping. A non-finite norm is returned without scaling.
@@ -113,6 +123,7 @@ class DataParallel {
 
   Communicator& comm_;
   TrainingState& state_;
+  TensorParallel* tp_;
   const int zero_;
   const int64_t numel_, shard_len_;  // P, S = floor(P / n)
   std::vector<Bucket> buckets_;  // in launch order: from the end of the vector to its start

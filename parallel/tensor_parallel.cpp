@@ -4,6 +4,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <memory>
 #include <vector>
 
@@ -157,12 +158,20 @@ void unshard_parameters(const ParamSet& full, const ParamSet& shard, int rank, i
   }
 }
 
-void reduce_replicated_gradients(const ParamSet& grads, TensorParallel& tp) {
+void reduce_replicated_gradients(const ParamSet& grads, TensorParallel& tp, int64_t begin, int64_t end) {
   if (!tp.sequence_parallel() || tp.size() == 1) return;
+  if (end < 0) end = grads.numel();
+  CW_CHECK(0 <= begin && begin <= end && end <= grads.numel(), "reduce_replicated_gradients: range [{}, {}) of {}",
+           begin, end, grads.numel());
   // Every collective is issued before the first wait, so a backend may run them together.
   std::vector<std::unique_ptr<CommWork>> pending;
-  for (size_t i = 0; i < grads.size(); ++i)
-    if (tp_split_dim(grads.specs()[i].role) < 0) pending.push_back(tp.communicator().all_reduce(grads[i]));
+  const Tensor flat = grads.flat();
+  int64_t offset = 0;  // of tensor i in the flat vector (table order)
+  for (size_t i = 0; i < grads.size(); offset += grads.specs()[i].numel(), ++i) {
+    if (tp_split_dim(grads.specs()[i].role) >= 0) continue;
+    const int64_t lo = std::max(begin, offset), hi = std::min(end, offset + grads.specs()[i].numel());
+    if (lo < hi) pending.push_back(tp.communicator().all_reduce(flat.slice(0, lo, hi - lo)));
+  }
   for (auto& w : pending) w->wait();
 }
 

@@ -127,6 +127,9 @@ void shard_parameters(const ParamSet& shard, const ParamSet& full, int rank, int
 void unshard_parameters(const ParamSet& full, const ParamSet& shard, int rank, int size, bool with_replicated);
 // With sequence parallelism: the replicated parameters' gradients summed over the group, in place
 // (each rank held its rows' share); without it, nothing to do (each rank's are already whole).
-void reduce_replicated_gradients(const ParamSet& grads, TensorParallel& tp);
+// Only their elements within [begin, end) of the flat vector (ParamSet::flat; end < 0: its end):
+// under ZeRO 2 a rank reads only its shard of the reduced gradient, the same range on every TP rank
+// of a replica (parallel/data_parallel.h).
+void reduce_replicated_gradients(const ParamSet& grads, TensorParallel& tp, int64_t begin = 0, int64_t end = -1);
 
 }  // namespace cw

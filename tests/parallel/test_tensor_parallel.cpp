@@ -10,11 +10,13 @@
 //   - under sequence parallelism each rank's replicated gradients are its rows' share (summing
 //     them over the ranks gives one process's), and every rank's K/V store holds 1/P of the heads;
 //   - regather keeps 2 (N - N/P) C values per layer fewer until the backward, exactly;
-//   - TP x DP = 2 x 2 (groups split from the world, Communicator::split) equals one process;
+//   - TP x DP = 2 x 2 (parallel/grid.h: groups split from the world) equals one process under full,
+//     checkpointed and seco, with and without sequence parallelism, ZeRO 0/1/2 (gradcheck --dp 2 --tp 2);
 //   - bad input fails with one line naming the option.
 #include "engine/random.h"
 #include "model/llama.h"
 #include "optim/options.h"
+#include "parallel/grid.h"
 #include "parallel/tensor_parallel.h"
 #include "tests/support.h"
 #include "tools/gradcheck.h"
@@ -242,7 +244,7 @@ TEST_CASE("tensor parallel: TP = 2 and 4 equal one process to 1e-12 (gradcheck -
         INFO(out.str());
         CHECK(rc == 0);
         CHECK(max_rel_err(out.str()) <= test::kSameMathF64Tol);
-        CHECK(out.str().find("ranks hold bitwise the same replicated gradients and loss: yes") != std::string::npos);
+        CHECK(out.str().find("the replicated tensors on every TP rank): yes") != std::string::npos);
       }
 }
 
@@ -368,55 +370,57 @@ TEST_CASE("tensor parallel: bad input fails with one line naming the option") {
   CHECK(run_gradcheck(o, out) == 0);
 }
 
-TEST_CASE("tensor parallel x data parallel = 2 x 2 equals one process to 1e-12 (split groups)") {
-  // World rank w = d * TP + t: DP rank d takes sequences [d B/DP, (d+1) B/DP); TP rank t holds its
-  // shard. The step's normaliser is the global batch's label count; afterwards the gradients are
-  // summed over the DP group (the data-parallel reduction) and the replicated ones over the TP group.
-  const int TP = 2, DP = 2;
-  Reference ref("tiny-tp", 4, 12);
-  for (const bool sp : {false, true}) {
-    CAPTURE(sp);
-    ScheduleOptions so;
-    so.name = "seco";
-    so.chunk = 4;
-    ParamSet single(ref.model.config(), DType::f64);
-    const StepStats single_stats = Schedule::create(so)->step(ref.model, ref.batch, single);
-    const double normaliser = static_cast<double>(ref.batch.supervised());
-    std::vector<std::optional<ParamSet>> grads(TP * DP);
-    std::vector<double> losses(TP * DP);
-    run_thread_ranks(TP * DP, [&](Communicator& world) {
-      const int w = world.rank(), d = w / TP, t = w % TP;
-      const std::unique_ptr<Communicator> tp_comm = world.split(d, t), dp_comm = world.split(t, d);
-      TensorParallel group(*tp_comm, {sp, sp});
-      LlamaModel shard(ref.model.full_config(), DType::f64, Device::host(), &group);
-      shard_parameters(shard.params(), ref.model.params(), t, TP);
-      const int64_t per = ref.batch.B() / DP;
-      Batch mine{OwnedTensor(DType::i32, {per, ref.batch.T()}), OwnedTensor(DType::i32, {per, ref.batch.T()})};
-      copy_convert(mine.ids, ref.batch.ids.tensor.slice(0, d * per, per));
-      copy_convert(mine.labels, ref.batch.labels.tensor.slice(0, d * per, per));
-      ParamSet& g = grads[static_cast<size_t>(w)].emplace(shard.config(), DType::f64);
-      const StepStats st = Schedule::create(so)->step(shard, mine, g, normaliser);
-      dp_comm->all_reduce(g.flat())->wait();
-      reduce_replicated_gradients(g, group);
-      OwnedTensor loss(DType::f64, {1});
-      loss.tensor.ptr<double>()[0] = st.loss;
-      dp_comm->all_reduce(loss)->wait();
-      losses[static_cast<size_t>(w)] = loss.tensor.ptr<double>()[0];
-    });
-    ParamSet assembled(ref.model.config(), DType::f64);
-    for (int t = 0; t < TP; ++t) unshard_parameters(assembled, *grads[static_cast<size_t>(t)], t, TP, t == 0);
-    for (size_t i = 0; i < single.size(); ++i) {
-      CAPTURE(single.specs()[i].name);
-      const test::Worst e = test::compare(assembled[i], single[i]);
-      INFO(e.str());
-      CHECK(e.rel <= test::kSameMathF64Tol);
-    }
-    for (int w = 0; w < TP * DP; ++w) {
-      CHECK(std::abs(losses[w] - single_stats.loss) <= test::kSameMathF64Tol * single_stats.loss);
-      // Every DP rank holds the same (reduced) shard as DP rank 0 with the same TP rank.
-      const ParamSet& a = *grads[static_cast<size_t>(w)];
-      const ParamSet& b = *grads[static_cast<size_t>(w % TP)];
-      CHECK(std::memcmp(a.flat().data, b.flat().data, a.bytes()) == 0);
-    }
+TEST_CASE("tensor parallel x data parallel = 2 x 2 equals one process to 1e-12, ZeRO 0/1/2 (gradcheck --against single)") {
+  // World rank w = d * 2 + t on the grid of parallel/grid.h: DP rank d takes half the batch, TP rank
+  // t holds its shard; gradients, loss and the parameters after 3 AdamW steps against one process.
+  struct Schedule {
+    const char* name;
+    int64_t chunk, bwd_chunk;
+  };
+  const Schedule schedules[] = {{"full", 0, 0}, {"checkpointed", 0, 0}, {"seco", 6, 4}};
+  for (const Schedule& s : schedules)
+    for (const bool sp : {false, true})
+      for (const int64_t zero : {0, 1, 2}) {
+        GradcheckOptions o;
+        o.model = "tiny-tp";
+        o.seq = 16;
+        o.batch = 4;
+        o.schedule.name = s.name;
+        o.schedule.chunk = s.chunk;
+        o.schedule.bwd_chunk = s.bwd_chunk;
+        o.parallel.dp = 2;
+        o.parallel.tp = 2;
+        o.parallel.zero = zero;
+        o.parallel.sequence_parallel = sp;
+        o.parallel.tp_regather = sp;
+        o.parallel.bucket_mb = 0.01;
+        std::ostringstream out;
+        CAPTURE(s.name);
+        CAPTURE(sp);
+        CAPTURE(zero);
+        const int rc = run_gradcheck(o, out);
+        INFO(out.str());
+        CHECK(rc == 0);
+        CHECK(max_rel_err(out.str()) <= test::kSameMathF64Tol);
+        CHECK(out.str().find("the replicated tensors on every TP rank): yes") != std::string::npos);
+        if (zero > 0) CHECK(out.str().find("parameters bitwise identical") != std::string::npos);
+      }
+}
+
+TEST_CASE("tensor parallel x data parallel: a world that is not dp x tp ranks, and tp not dividing the heads") {
+  std::string err;
+  try {
+    run_thread_ranks(3, [](Communicator& world) { ParallelGrid grid(world, 2, 2); });
+  } catch (const Error& e) {
+    err = e.what();
   }
+  CHECK(err.find("parallel.dp = 2 x parallel.tp = 2 is 4 ranks, but 3 were started") != std::string::npos);
+  GradcheckOptions o;
+  o.model = "tiny-tp";
+  o.batch = 2;
+  o.parallel.dp = 2;
+  o.parallel.tp = 3;
+  std::ostringstream out;
+  CHECK_THROWS_WITH_AS(run_gradcheck(o, out), doctest::Contains("parallel.tp = 3 does not divide num_attention_heads"),
+                       Error);
 }
