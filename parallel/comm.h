@@ -28,6 +28,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace cw {
 
@@ -52,6 +53,10 @@ class Communicator {
   virtual void barrier() = 0;
   virtual std::unique_ptr<Communicator> split(int color, int key) = 0;
 };
+
+// Sums host values over the communicator's ranks in place (through its device when it has one; rank
+// order on the threads backend, so every rank gets the same bits). A collective.
+void sum_host_values(Communicator& comm, std::vector<double>& values);
 
 // Runs fn(comm) on `size` threads, one per rank of a threads-backend group, and returns when all
 // have. Each rank's CPU kernels get cpu_threads() / size of the caller's threads, at least one

@@ -158,6 +158,29 @@ void unshard_parameters(const ParamSet& full, const ParamSet& shard, int rank, i
   }
 }
 
+void gather_parameters(const ParamSet& full, const ParamSet& shard, Communicator& comm) {
+  const int P = comm.size();
+  check_pair(full, shard, comm.rank(), P);
+  CW_CHECK(shard.device() == comm.device(), "gather_parameters: the shard is on {}, the communicator's tensors on {}",
+           device_name(shard.device()), device_name(comm.device()));
+  for (size_t i = 0; i < full.size(); ++i) {
+    const ParamRole role = full.specs()[i].role;
+    const Tensor mine = shard[i];
+    if (tp_split_dim(role) < 0) {
+      copy_convert(full[i], mine);
+      continue;
+    }
+    const int64_t n = mine.numel();
+    const OwnedTensor gathered = OwnedTensor::on(comm.device(), mine.dtype, {P * n});
+    comm.all_gather(gathered, mine.view({n}))->wait();
+    OwnedTensor host = OwnedTensor::of_shape(mine.dtype, std::vector<int64_t>{P * n});
+    copy_convert(host, gathered);  // after the gather: wait() ordered the device's stream behind it
+    CW_CHECK(mine.ndim == 2, "gather_parameters: {} is not a matrix", full.specs()[i].name);  // split ones are linears
+    for (int r = 0; r < P; ++r)
+      copy_convert(block_of(full[i], role, r, P), host.tensor.slice(0, r * n, n).view({mine.size(0), mine.size(1)}));
+  }
+}
+
 void reduce_replicated_gradients(const ParamSet& grads, TensorParallel& tp, int64_t begin, int64_t end) {
   if (!tp.sequence_parallel() || tp.size() == 1) return;
   if (end < 0) end = grads.numel();

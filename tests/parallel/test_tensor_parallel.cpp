@@ -20,7 +20,6 @@
 #include "parallel/tensor_parallel.h"
 #include "tests/support.h"
 #include "tools/gradcheck.h"
-#include "tools/train/run_config.h"
 
 #include <cstring>
 #include <optional>
@@ -351,10 +350,6 @@ TEST_CASE("tensor parallel: bad input fails with one line naming the option") {
   po = {};
   po.tp = 0;
   CHECK_THROWS_WITH_AS(po.validate(), doctest::Contains("parallel.tp must be >= 1"), Error);
-  // train does not start tensor-parallel ranks: it says so rather than running one process.
-  RunConfig rc = RunConfig::defaults();
-  rc.apply_override("parallel.tp=2");
-  CHECK_THROWS_WITH_AS(rc.validate(), doctest::Contains("parallel.tp = 2: chunkwise train does not start tensor-parallel ranks yet"), Error);
   // Sequence parallelism with a chunk of 2 x 3 tokens over 4 ranks.
   GradcheckOptions o;
   o.model = "tiny-tp";
