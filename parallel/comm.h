@@ -7,6 +7,8 @@
 //            stream (or the stream named by the call); across processes and machines it is NCCL.
 // Collectives (sum is the only reduction; dtypes f64, f32, bf16 where the backend has them):
 //   all_reduce(t)              t <- sum over ranks of t                                     (in place)
+//   reduce(t, root)            root's t <- sum over ranks of t (in place); the other ranks' t is
+//                              unspecified afterwards (threads: unchanged; NCCL may use it)
 //   reduce_scatter(out, in)    in [size * n] on every rank; out [n] <- sum over ranks of in[rank * n, +n)
 //   all_gather(out, in)        in [n] on every rank; out [size * n], rank r's in at [r * n, +n)
 //   broadcast(t, root)         t <- root's t                                                (in place)
@@ -47,6 +49,7 @@ class Communicator {
   virtual std::string backend() const = 0;  // "threads" | "nccl"
 
   virtual std::unique_ptr<CommWork> all_reduce(const Tensor& t) = 0;
+  virtual std::unique_ptr<CommWork> reduce(const Tensor& t, int root) = 0;
   virtual std::unique_ptr<CommWork> reduce_scatter(const Tensor& out, const Tensor& in) = 0;
   virtual std::unique_ptr<CommWork> all_gather(const Tensor& out, const Tensor& in) = 0;
   virtual std::unique_ptr<CommWork> broadcast(const Tensor& t, int root) = 0;

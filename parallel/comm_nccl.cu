@@ -302,6 +302,16 @@ class NcclCommunicator final : public Communicator {
     });
   }
 
+  std::unique_ptr<CommWork> reduce(const Tensor& t, int root) override {
+    check_operand(t, "reduce", "t");
+    CW_CHECK(root >= 0 && root < size_, "reduce: root {} is not a rank of {}", root, size_);
+    const ncclDataType_t dtype = nccl_dtype(t.dtype, "reduce");
+    const size_t n = static_cast<size_t>(t.numel());
+    return issue(describe(CW_FORMAT("reduce to rank {}", root).c_str(), t), n, [&](ncclComm_t comm, cudaStream_t stream) {
+      return ncclReduce(t.data, t.data, n, dtype, ncclSum, root, comm, stream);
+    });
+  }
+
   std::unique_ptr<CommWork> reduce_scatter(const Tensor& out, const Tensor& in) override {
     check_operand(out, "reduce_scatter", "out");
     check_operand(in, "reduce_scatter", "in");

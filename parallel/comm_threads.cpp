@@ -37,11 +37,12 @@
 namespace cw {
 namespace {
 
-enum class Op { all_reduce, reduce_scatter, all_gather, broadcast, barrier, split };
+enum class Op { all_reduce, reduce, reduce_scatter, all_gather, broadcast, barrier, split };
 
 const char* op_name(Op op) {
   switch (op) {
     case Op::all_reduce: return "all_reduce";
+    case Op::reduce: return "reduce";
     case Op::reduce_scatter: return "reduce_scatter";
     case Op::all_gather: return "all_gather";
     case Op::broadcast: return "broadcast";
@@ -51,8 +52,8 @@ const char* op_name(Op op) {
   return "?";
 }
 
-// One rank's part of a collective. all_reduce and broadcast work in place on `out`; split uses only
-// color and key.
+// One rank's part of a collective. all_reduce, reduce and broadcast work in place on `out`; split
+// uses only color and key.
 struct Post {
   Op op = Op::barrier;
   Tensor out, in;
@@ -62,6 +63,7 @@ struct Post {
   std::string describe() const {
     switch (op) {
       case Op::all_reduce: return fmt::format("all_reduce {} [{}]", dtype_name(out.dtype), out.numel());
+      case Op::reduce: return fmt::format("reduce {} [{}] to rank {}", dtype_name(out.dtype), out.numel(), root);
       case Op::broadcast: return fmt::format("broadcast {} [{}] from rank {}", dtype_name(out.dtype), out.numel(), root);
       case Op::reduce_scatter:
       case Op::all_gather:
@@ -134,6 +136,15 @@ void perform(const std::vector<std::optional<Post>>& posts) {
       sum_into(sum.data(), first.out.dtype, parts, n);
       for (const auto& p : posts)
         if (!sum.empty()) std::memcpy(p->out.data, sum.data(), sum.size());
+      return;
+    }
+    case Op::reduce: {
+      const int64_t n = first.out.numel();
+      std::vector<char> sum(static_cast<size_t>(n) * elem);
+      std::vector<const void*> parts;
+      for (const auto& p : posts) parts.push_back(p->out.data);
+      sum_into(sum.data(), first.out.dtype, parts, n);
+      if (!sum.empty()) std::memcpy(posts[first.root]->out.data, sum.data(), sum.size());
       return;
     }
     case Op::reduce_scatter: {
@@ -361,6 +372,11 @@ class ThreadCommunicator final : public Communicator {
   std::unique_ptr<CommWork> all_reduce(const Tensor& t) override {
     check_tensor(t, "all_reduce", "tensor", true);
     return start({Op::all_reduce, t, Tensor{}, 0});
+  }
+  std::unique_ptr<CommWork> reduce(const Tensor& t, int root) override {
+    check_tensor(t, "reduce", "tensor", true);
+    CW_CHECK(root >= 0 && root < size(), "reduce: root {} is not a rank of a group of {}", root, size());
+    return start({Op::reduce, t, Tensor{}, root});
   }
   std::unique_ptr<CommWork> reduce_scatter(const Tensor& out, const Tensor& in) override {
     check_tensor(out, "reduce_scatter", "out", true);

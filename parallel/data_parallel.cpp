@@ -28,15 +28,20 @@ DataParallel::DataParallel(Communicator& comm, TrainingState& state, const Paral
            "data parallel: the training state must keep the whole AdamW state exactly when parallel.zero = 0 (zero is {})",
            zero_);
   if (zero_ >= 1) optimizer_shard_.emplace(state.master(), shard_begin(rank()), shard_end(rank()), state.adamw_options());
-  if (zero_ <= 1) {
-    // Buckets from the end of the vector: the order in which the backward completes the gradient.
-    const double elements = options.bucket_mb * double(1 << 20) / static_cast<double>(dtype_size(state.grads().dtype()));
-    const int64_t bucket = std::max<int64_t>(1, static_cast<int64_t>(elements));
-    for (int64_t end = numel_; end > 0;) {
-      const int64_t begin = std::max<int64_t>(0, end - bucket);
-      buckets_.push_back({begin, end});
-      end = begin;
+  // Buckets from the end of the vector: the order in which the backward completes the gradient.
+  // ZeRO 2 also cuts them at the shard boundaries, so that each lies in one owner's shard and is
+  // reduced to it.
+  const double elements = options.bucket_mb * double(1 << 20) / static_cast<double>(dtype_size(state.grads().dtype()));
+  const int64_t bucket = std::max<int64_t>(1, static_cast<int64_t>(elements));
+  for (int64_t end = numel_; end > 0;) {
+    int64_t begin = std::max<int64_t>(0, end - bucket);
+    int owner = -1;
+    if (zero_ == 2) {
+      owner = std::min(comm.size() - 1, static_cast<int>((end - 1) / shard_len_));  // the shard holding end - 1
+      begin = std::max(begin, shard_begin(owner));
     }
+    buckets_.push_back({begin, end, owner});
+    end = begin;
   }
 }
 
@@ -57,19 +62,14 @@ void DataParallel::launch_ready(int64_t from) {
   const Tensor flat = state_.grads().flat();
   for (; next_bucket_ < buckets_.size() && buckets_[next_bucket_].begin >= from; ++next_bucket_) {
     const Bucket& b = buckets_[next_bucket_];
-    pending_.push_back(comm_.all_reduce(flat.slice(0, b.begin, b.end - b.begin)));
+    const Tensor part = flat.slice(0, b.begin, b.end - b.begin);
+    pending_.push_back(b.owner < 0 ? comm_.all_reduce(part) : comm_.reduce(part, b.owner));
     if (in_backward_) ++launched_in_backward_;
   }
 }
 
 void DataParallel::finish_reduction() {
   launch_ready(0);  // whatever the last backward did not report (none when it reported its end)
-  if (zero_ == 2) {
-    const ParamSet& g = state_.grads();
-    const Tensor even = even_part(g);
-    pending_.push_back(comm_.reduce_scatter(even.slice(0, rank() * shard_len_, shard_len_), even));  // in place
-    if (numel_ > shard_len_ * size()) pending_.push_back(comm_.all_reduce(remainder(g)));
-  }
   for (auto& work : pending_) work->wait();
   pending_.clear();
   if (tp_)
@@ -113,7 +113,7 @@ DataParallelStep DataParallel::compute_gradients(Schedule& schedule, const std::
   schedule.set_hooks({});
   in_backward_ = false;
   finish_reduction();
-  out.buckets = static_cast<int64_t>(next_bucket_) + (zero_ == 2 ? 1 : 0);
+  out.buckets = static_cast<int64_t>(next_bucket_);
   out.buckets_in_backward = launched_in_backward_;
   // 4. The global mean loss: the sum of the ranks' shares.
   std::vector<double> total{loss};

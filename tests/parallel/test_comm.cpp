@@ -62,7 +62,7 @@ bool contains(const std::string& text, const std::string& part) { return text.fi
 
 }  // namespace
 
-TEST_CASE("comm threads: all_reduce, reduce_scatter, all_gather, broadcast are rank-ordered and bitwise equal") {
+TEST_CASE("comm threads: all_reduce, reduce, reduce_scatter, all_gather, broadcast are rank-ordered and bitwise equal") {
   for (DType dtype : {DType::f64, DType::f32})
     for (int size = 1; size <= kMaxGroup; ++size)
       for (int64_t n : kLengths) {
@@ -76,7 +76,8 @@ TEST_CASE("comm threads: all_reduce, reduce_scatter, all_gather, broadcast are r
           shard_inputs.push_back(rank_input(dtype, n * size, r, seed + 1));
         }
         std::vector<OwnedTensor> reduced(static_cast<size_t>(size)), scattered(static_cast<size_t>(size)),
-            gathered(static_cast<size_t>(size)), broadcast(static_cast<size_t>(size));
+            gathered(static_cast<size_t>(size)), broadcast(static_cast<size_t>(size)), rooted(static_cast<size_t>(size));
+        const int root = size / 2;
         run_thread_ranks(size, [&](Communicator& comm) {
           const int r = comm.rank();
           REQUIRE(comm.size() == size);
@@ -94,6 +95,10 @@ TEST_CASE("comm threads: all_reduce, reduce_scatter, all_gather, broadcast are r
 
           broadcast[r] = rank_input(dtype, n, r, seed);
           comm.broadcast(broadcast[r], size - 1)->wait();
+
+          rooted[r] = rank_input(dtype, n, r, seed);
+          jitter(r, 3);
+          comm.reduce(rooted[r], root)->wait();
           comm.barrier();
         });
         const OwnedTensor sum = serial_sum(inputs, 0, n);
@@ -105,6 +110,8 @@ TEST_CASE("comm threads: all_reduce, reduce_scatter, all_gather, broadcast are r
           for (int q = 0; q < size; ++q)
             CHECK(same_bytes(gathered[r].tensor.slice(0, q * n, n), inputs[q].tensor.data));
           CHECK(same_bytes(broadcast[r], inputs[size - 1].tensor.data));
+          // reduce: the root gets the sum, every other rank keeps its own values.
+          CHECK(same_bytes(rooted[r], r == root ? sum.tensor.data : inputs[r].tensor.data));
         }
       }
 }

@@ -112,6 +112,10 @@ TEST_CASE("nccl: world size 1 from launcher variables, every collective on fresh
     test::GpuInput b = test::make_gpu_input(dt, {n}, seed, 4);
     comm->broadcast(b.dev, 0)->wait();
     expect_bits(b.dev, b.ref, "broadcast");
+
+    test::GpuInput to_root = test::make_gpu_input(dt, {n}, seed, 6);
+    comm->reduce(to_root.dev, 0)->wait();
+    expect_bits(to_root.dev, to_root.ref, "reduce");
   }
   // Zero elements: nothing to move, and nothing goes wrong.
   OwnedTensor empty = OwnedTensor::on(Device::gpu(0), DType::f32, {0});
@@ -130,6 +134,7 @@ TEST_CASE("nccl: world size 1 from launcher variables, every collective on fresh
   CHECK_THROWS_WITH_AS(comm->reduce_scatter(f32_small, f32), doctest::Contains("out has 7 elements, in 8"), Error);
   CHECK_THROWS_WITH_AS(comm->all_gather(f32, bf16), doctest::Contains("out is f32, in is bf16"), Error);
   CHECK_THROWS_WITH_AS(comm->broadcast(f32, 1), doctest::Contains("root 1 is not a rank of 1"), Error);
+  CHECK_THROWS_WITH_AS(comm->reduce(f32, 1), doctest::Contains("reduce: root 1 is not a rank of 1"), Error);
   const Tensor shifted = f32.tensor.slice(0, 1, 7), head = f32.tensor.slice(0, 0, 7);
   CHECK_THROWS_WITH_AS(comm->all_gather(shifted, head), doctest::Contains("out and in overlap"), Error);
   // The communicator still works after refusing them.
@@ -215,6 +220,11 @@ TEST_CASE("nccl: two ranks on 2 GPUs sum, scatter, gather and broadcast exactly 
           OwnedTensor b = upload(input(r, 3, n), dt, r);
           comm->broadcast(b, 1)->wait();
           if (!same_bits(fetch(b), input(1, 3, n))) errors[r] += tag + "broadcast differs; ";
+
+          // reduce to rank 1 (in place): x0 + x1 there; rank 0's buffer is unspecified afterwards.
+          OwnedTensor to_root = upload(input(r, 0, n), dt, r);
+          comm->reduce(to_root, 1)->wait();
+          if (r == 1 && !same_bits(fetch(to_root), sum)) errors[r] += tag + "reduce differs; ";
         }
         // split: one group ranked by a descending key (the ranks swap places), and a group each.
         const std::unique_ptr<Communicator> reversed = comm->split(0, 1 - r), alone = comm->split(r, 0);
