@@ -11,6 +11,10 @@
 #include <chrono>
 #include <thread>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 namespace cw {
 
 #if CW_HAVE_CUDA
@@ -33,6 +37,30 @@ std::vector<GpuInfo> list_gpus() {
 }
 
 bool gpu_available() { return gpu::available(); }
+
+int cpu_threads() {
+#ifdef _OPENMP
+  return omp_get_max_threads();
+#else
+  return 1;
+#endif
+}
+
+// Eigen's products ask omp_get_max_threads() too (Eigen::nbThreads() while setNbThreads was never
+// called, which is process-wide and stays untouched), so the per-thread setting covers them.
+CpuThreadsScope::CpuThreadsScope(int n) : previous_(cpu_threads()) {
+#ifdef _OPENMP
+  omp_set_num_threads(std::max(1, n));
+#else
+  (void)n;
+#endif
+}
+
+CpuThreadsScope::~CpuThreadsScope() {
+#ifdef _OPENMP
+  omp_set_num_threads(previous_);
+#endif
+}
 
 std::string describe_devices() {
   const BuildFeatures f = build_features();

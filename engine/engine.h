@@ -83,6 +83,24 @@ AttentionPlanStats attention_plan_stats();
 // offload, offloaded layer inputs) since the previous call; waits for the device. 0 for the CPU.
 double take_copy_wait_seconds(Device device);
 
+// ---- CPU threads ----
+// The CPU kernels' parallel loops (OpenMP loops and Eigen's matrix products) use up to cpu_threads()
+// threads. The limit belongs to the calling thread (OpenMP's per-thread nthreads setting), so
+// threads that each run kernels (parallel/comm.h's thread ranks) can share the cores out between
+// them instead of each opening a team of all of them. 1 in a build without OpenMP.
+int cpu_threads();
+// Sets the calling thread's limit to max(1, n) for the scope and restores the previous one after.
+class CpuThreadsScope {
+ public:
+  explicit CpuThreadsScope(int n);
+  ~CpuThreadsScope();
+  CpuThreadsScope(const CpuThreadsScope&) = delete;
+  CpuThreadsScope& operator=(const CpuThreadsScope&) = delete;
+
+ private:
+  int previous_;
+};
+
 // ---- Device memory ----
 struct DeviceMemory {
   size_t free = 0, total = 0;  // bytes, as the driver reports them

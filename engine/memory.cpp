@@ -9,11 +9,20 @@
 #include <cstring>
 #include <new>
 
+#include <sys/mman.h>
+
 namespace cw {
 
 namespace {
 constexpr size_t kAlign = kMemoryAlignBytes;  // one cache line; also what AVX-512 loads like
 size_t round_up(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
+// Host buffers from this size on are anonymous mappings: the kernel hands them out zero-filled and
+// page-aligned, and backs a page only when it is first touched. Zeroing them with memset instead
+// would touch every page up front: an arena's 64 MiB first block costs ~16K page faults even when a
+// tiny model uses a few kilobytes of it (the CPU test suite spent most of its time there).
+constexpr size_t kMappedBytes = size_t(1) << 20;
+bool mapped(size_t bytes) { return round_up(bytes) >= kMappedBytes; }
 }  // namespace
 
 Buffer::Buffer(size_t bytes, Device device) : bytes_(bytes), device_(device) {
@@ -23,10 +32,15 @@ Buffer::Buffer(size_t bytes, Device device) : bytes_(bytes), device_(device) {
     gpu::device_memset_zero(data_, round_up(bytes), device.index);
     return;
   }
-  data_ = std::aligned_alloc(kAlign, round_up(bytes));
+  if (mapped(bytes)) {
+    void* p = mmap(nullptr, round_up(bytes), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    data_ = p == MAP_FAILED ? nullptr : p;
+  } else {
+    data_ = std::aligned_alloc(kAlign, round_up(bytes));
+    if (data_) std::memset(data_, 0, round_up(bytes));
+  }
   CW_CHECK_HINT(data_ != nullptr, "reduce the sequence length, batch or model size",
                 "out of host memory allocating {} bytes", bytes);
-  std::memset(data_, 0, round_up(bytes));
 }
 
 Buffer::Buffer(Buffer&& o) noexcept : data_(o.data_), bytes_(o.bytes_), device_(o.device_) {
@@ -48,7 +62,9 @@ Buffer& Buffer::operator=(Buffer&& o) noexcept {
 
 void Buffer::release() {
   if (!data_) return;
-  if (device_.is_cpu())
+  if (device_.is_cpu() && mapped(bytes_))
+    munmap(data_, round_up(bytes_));
+  else if (device_.is_cpu())
     std::free(data_);
   else
     gpu::device_free(data_, device_.index);

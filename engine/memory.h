@@ -19,8 +19,9 @@
 
 namespace cw {
 
-// One owning allocation, zero-filled: 64-byte aligned host memory, or device memory from the
-// GPU's caching pool (engine/cuda/runtime.h).
+// One owning allocation, zero-filled: 64-byte aligned host memory (from 1 MiB on, an anonymous
+// mapping whose pages the kernel zeroes when first touched), or device memory from the GPU's caching
+// pool (engine/cuda/runtime.h).
 class Buffer {
  public:
   Buffer() = default;

@@ -51,9 +51,9 @@ const std::vector<Option<ParallelOptions>>& parallel_option_table() {
     {"zero",           "--zero",          &P::zero,          between(0, 2, false, false),
      "ZeRO sharding over the data-parallel ranks: 0 (each rank keeps the whole AdamW state) | 1 (each keeps the moments "
      "of its contiguous shard of the parameters, updates it, and the weights are all-gathered) | 2 (also only its shard "
-     "of the reduced gradient: a reduce-scatter instead of an all-reduce)"},
-    {"bucket_mb",      "--bucket-mb",     &P::bucket_mb,     above(0),                 "gradient all-reduce bucket size in MiB; each bucket is reduced as soon as the step's last backward has finished it"},
-    {"tp",                "--tp",                &P::tp,               at_least(1),  "tensor-parallel ranks: each holds 1/tp of every block's heads, K/V heads and FFN width (must divide them); gradcheck runs them as threads, train not yet"},
+     "of the reduced gradient: each bucket is reduced to the rank whose shard holds it instead of all-reduced)"},
+    {"bucket_mb",      "--bucket-mb",     &P::bucket_mb,     above(0),                 "gradient reduction bucket size in MiB; each bucket is reduced as soon as the step's last backward has finished it (zero 2: also cut at the shards' boundaries)"},
+    {"tp",                "--tp",                &P::tp,               at_least(1),  "tensor-parallel ranks: each holds 1/tp of every block's heads, K/V heads and FFN width (must divide them); a run has dp x tp ranks, a replica's tp ranks adjacent (rank = dp rank x tp + tp rank)"},
     {"sequence_parallel", "--sequence-parallel", &P::sequence_parallel, {},          "tp: norms, residual stream, embedding and loss on each rank's 1/tp of the tokens (all-gather / reduce-scatter at the linears)"},
     {"tp_regather",       "--tp-regather",       &P::tp_regather,       {},          "tp with sequence_parallel: the backward all-gathers each layer's normed input again instead of keeping it"},
   };

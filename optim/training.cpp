@@ -14,8 +14,8 @@ DType master_dtype_for(DType compute) { return compute == DType::bf16 ? DType::f
 }  // namespace
 
 TrainingState::TrainingState(const LlamaConfig& config, DType compute, Device device, const AdamWOptions& options,
-                             bool full_optimizer, const LoraConfig& lora)
-    : model_(config, compute, device, nullptr, lora),
+                             bool full_optimizer, TensorParallelGroup* tp, const LoraConfig& lora)
+    : model_(config, compute, device, tp, lora),
       master_(compute == DType::bf16 ? std::optional<ParamSet>(ParamSet::like(model_.trainable(), DType::f32))
                                      : std::nullopt),
       grads_(ParamSet::like(model_.trainable(), master_dtype_for(compute))),

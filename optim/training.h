@@ -13,7 +13,11 @@
 // base parameters are the model's compute weights (bf16 on a GPU) and nothing else, no master copy,
 // no gradient, no moments; master weights, gradients and moments are the adapters' (f32 on a GPU). With ZeRO (parallel/data_parallel.h)
 // the state is built without the full AdamW moments (full_optimizer = false): each rank keeps the
-// moments of its own shard there, and updates through optimizer_step are refused.
+// moments of its own shard there, and updates through optimizer_step are refused. With tensor
+// parallelism (a TensorParallelGroup, model/shard.h) the state is the rank's shard: the model is
+// built with the group, and master weights, gradients and moments have the shard's shapes
+// (model().config()); the caller loads the shard's values (parallel/tensor_parallel.h:
+// shard_parameters of the full model's).
 #pragma once
 
 #include "model/llama.h"
@@ -27,8 +31,9 @@ namespace cw {
 
 class TrainingState {
  public:
+  // config: the whole model's; tp: this rank's tensor-parallel group (null: the whole model).
   TrainingState(const LlamaConfig& config, DType compute, Device device, const AdamWOptions& options,
-                bool full_optimizer = true, const LoraConfig& lora = {});
+                bool full_optimizer = true, TensorParallelGroup* tp = nullptr, const LoraConfig& lora = {});
 
   LlamaModel& model() { return model_; }
   const LlamaModel& model() const { return model_; }
@@ -50,7 +55,8 @@ class TrainingState {
   // weights (rounded to the compute dtype, no master); otherwise the same as load_master.
   void load_base(const ParamSet& host);
   // Seeded initialisation (drawn on the host) of the base (HF's rule), then the compute copy; under
-  // LoRA also the adapters (init_adapters).
+  // LoRA also the adapters (init_adapters). With tensor parallelism these are the shard's own
+  // draws, not a shard of a whole model's.
   void init(uint64_t seed, double initializer_range);
   // Under LoRA: the adapters by PEFT's rule from lora.seed, then the compute copy.
   void init_adapters();

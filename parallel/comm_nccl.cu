@@ -162,59 +162,88 @@ class CompletedWork final : public CommWork {
   void wait() override {}
 };
 
+// Polls a communicator being created (ncclCommInitRankConfig, ncclCommSplit) until it is ready
+// (true) or the deadline passes (false); throws the error it reports instead.
+bool wait_until_ready(ncclComm_t comm, Clock::time_point deadline) {
+  auto pause = std::chrono::microseconds(5);
+  for (;;) {
+    ncclResult_t state = ncclInProgress;
+    CW_NCCL_CHECK(comm, ncclCommGetAsyncError(comm, &state));
+    if (state == ncclSuccess) return true;
+    if (state != ncclInProgress) raise_nccl(state, comm, "ncclCommGetAsyncError(comm, &state)", __FILE__, __LINE__);
+    if (Clock::now() >= deadline) return false;
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(1000));
+  }
+}
+
+Clock::time_point deadline_after(Seconds s) { return Clock::now() + std::chrono::duration_cast<Clock::duration>(s); }
+
+// The launcher's path: rank 0 creates an ncclUniqueId, the TCP bootstrap hands it to every rank, and
+// ncclCommInitRankConfig (non-blocking) runs until ready. Aborts the communicator on any failure.
+// `device` is current.
+ncclComm_t init_from_launch(const LaunchInfo& info, int device, const NcclOptions& options) {
+  ncclUniqueId id{};
+  std::vector<uint8_t> blob;
+  if (info.rank == 0) {
+    CW_NCCL_CHECK(nullptr, ncclGetUniqueId(&id));
+    blob.assign(reinterpret_cast<const uint8_t*>(&id), reinterpret_cast<const uint8_t*>(&id) + sizeof(id));
+  }
+  blob = exchange_bootstrap_blob(info, std::move(blob), options.bootstrap_timeout);
+  CW_CHECK(blob.size() == sizeof(id), "rank {}: the bootstrap delivered {} bytes, an ncclUniqueId has {}", info.rank,
+           blob.size(), sizeof(id));
+  std::memcpy(&id, blob.data(), sizeof(id));
+
+  CW_COMM_CUDA_CHECK(cudaSetDevice(device));  // ncclCommInitRank binds the communicator to the current device
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  ncclComm_t comm = nullptr;
+  const ncclResult_t r = ncclCommInitRankConfig(&comm, info.world_size, id, info.rank, &config);
+  if (r != ncclSuccess && r != ncclInProgress) {
+    if (comm != nullptr) ncclCommAbort(comm);
+    raise_nccl(r, nullptr, "ncclCommInitRankConfig(&comm, info.world_size, id, info.rank, &config)", __FILE__, __LINE__);
+  }
+  bool ready = false;
+  try {
+    ready = wait_until_ready(comm, deadline_after(options.bootstrap_timeout));
+  } catch (...) {
+    ncclCommAbort(comm);
+    throw;
+  }
+  if (!ready) {
+    ncclCommAbort(comm);
+    fail(CW_FORMAT("ncclCommInitRank on rank {} of {} (GPU {}) did not complete within {} s", info.rank,
+                   info.world_size, device, options.bootstrap_timeout.count()),
+         "every rank passed the bootstrap, so one failed or hung since: its output says why; "
+         "CHUNKWISE_BOOTSTRAP_TIMEOUT_S sets the wait");
+  }
+  return comm;
+}
+
+int comm_query(ncclComm_t comm, ncclResult_t (*query)(const ncclComm_t, int*), const char* what) {
+  int value = 0;
+  const ncclResult_t r = query(comm, &value);
+  if (r != ncclSuccess) raise_nccl(r, comm, what, __FILE__, __LINE__);
+  return value;
+}
+
 class NcclCommunicator final : public Communicator {
  public:
-  NcclCommunicator(const LaunchInfo& info, int device, const NcclOptions& options)
-      : rank_(info.rank),
-        size_(info.world_size),
+  // Adopts `comm`, ready (made by init_from_launch or a split), on GPU `device`: aborts it when the
+  // setup here fails.
+  NcclCommunicator(ncclComm_t comm, int device, const NcclOptions& options)
+      : rank_(comm_query(comm, ncclCommUserRank, "ncclCommUserRank")),
+        size_(comm_query(comm, ncclCommCount, "ncclCommCount")),
         device_(device),
         exit_on_failure_(options.exit_on_failure),
-        collective_timeout_(options.collective_timeout) {
-    const int visible = static_cast<int>(list_gpus().size());
-    CW_CHECK_HINT(device >= 0 && device < visible,
-                  "run one process per GPU, each with its own local rank (torchrun --nproc-per-node <= GPUs), or "
-                  "set CUDA_VISIBLE_DEVICES",
-                  "rank {} of {}: GPU {} does not exist ({} visible)", rank_, size_, device, visible);
-    // The ops' stream; this also makes the device current for this thread.
-    stream_ = static_cast<cudaStream_t>(compute_stream(Device::gpu(device_)));
-    scratch_ = Buffer(sizeof(float), Device::gpu(device_));
-    CW_COMM_CUDA_CHECK(cudaMemsetAsync(scratch_.data(), 0, scratch_.bytes(), stream_));
-
-    ncclUniqueId id{};
-    std::vector<uint8_t> blob;
-    if (rank_ == 0) {
-      CW_NCCL_CHECK(nullptr, ncclGetUniqueId(&id));
-      blob.assign(reinterpret_cast<const uint8_t*>(&id), reinterpret_cast<const uint8_t*>(&id) + sizeof(id));
-    }
-    blob = exchange_bootstrap_blob(info, std::move(blob), options.bootstrap_timeout);
-    CW_CHECK(blob.size() == sizeof(id), "rank {}: the bootstrap delivered {} bytes, an ncclUniqueId has {}", rank_,
-             blob.size(), sizeof(id));
-    std::memcpy(&id, blob.data(), sizeof(id));
-
-    CW_COMM_CUDA_CHECK(cudaSetDevice(device_));  // ncclCommInitRank binds the communicator to the current device
-    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
-    config.blocking = 0;
-    const ncclResult_t r = ncclCommInitRankConfig(&comm_, size_, id, rank_, &config);
-    if (r != ncclSuccess && r != ncclInProgress) {
-      if (comm_ != nullptr) ncclCommAbort(comm_);
-      raise_nccl(r, nullptr, "ncclCommInitRankConfig(&comm_, size_, id, rank_, &config)", __FILE__, __LINE__);
-    }
-    bool ready = false;
+        collective_timeout_(options.collective_timeout),
+        options_(options),
+        comm_(comm) {
     try {
-      ready = finish_in_progress(Clock::now() + std::chrono::duration_cast<Clock::duration>(options.bootstrap_timeout));
-    } catch (...) {
-      ncclCommAbort(comm_);
-      throw;
-    }
-    if (!ready) {
-      ncclCommAbort(comm_);
-      fail(CW_FORMAT("ncclCommInitRank on rank {} of {} (GPU {}) did not complete within {} s", rank_, size_, device_,
-                     options.bootstrap_timeout.count()),
-           "every rank passed the bootstrap, so one failed or hung since: its output says why; "
-           "CHUNKWISE_BOOTSTRAP_TIMEOUT_S sets the wait");
-    }
-
-    try {
+      // The ops' stream; this also makes the device current for this thread.
+      stream_ = static_cast<cudaStream_t>(compute_stream(Device::gpu(device_)));
+      scratch_ = Buffer(sizeof(float), Device::gpu(device_));
+      CW_COMM_CUDA_CHECK(cudaMemsetAsync(scratch_.data(), 0, scratch_.bytes(), stream_));
       watchdog_ = std::make_unique<Watchdog>(
           options.collective_timeout,
           WatchdogHooks{[this](const std::string& failure) { on_failure(failure); },
@@ -273,6 +302,16 @@ class NcclCommunicator final : public Communicator {
     });
   }
 
+  std::unique_ptr<CommWork> reduce(const Tensor& t, int root) override {
+    check_operand(t, "reduce", "t");
+    CW_CHECK(root >= 0 && root < size_, "reduce: root {} is not a rank of {}", root, size_);
+    const ncclDataType_t dtype = nccl_dtype(t.dtype, "reduce");
+    const size_t n = static_cast<size_t>(t.numel());
+    return issue(describe(CW_FORMAT("reduce to rank {}", root).c_str(), t), n, [&](ncclComm_t comm, cudaStream_t stream) {
+      return ncclReduce(t.data, t.data, n, dtype, ncclSum, root, comm, stream);
+    });
+  }
+
   std::unique_ptr<CommWork> reduce_scatter(const Tensor& out, const Tensor& in) override {
     check_operand(out, "reduce_scatter", "out");
     check_operand(in, "reduce_scatter", "in");
@@ -319,6 +358,44 @@ class NcclCommunicator final : public Communicator {
                  return ncclAllReduce(one.data, one.data, 1, ncclFloat32, ncclSum, comm, stream);
                });
     watchdog_->wait([&event] { return event->done(); });
+  }
+
+  // ncclCommSplit, non-blocking like every communicator here: the new one is polled until ready
+  // within the bootstrap timeout (a rank that never calls the split shows up there).
+  std::unique_ptr<Communicator> split(int color, int key) override {
+    CurrentDevice current(device_);
+    ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+    config.blocking = 0;
+    ncclComm_t child = nullptr;
+    ncclResult_t r;
+    {
+      std::lock_guard lock(nccl_mutex_);
+      throw_if_aborted();
+      r = ncclCommSplit(comm_, color < 0 ? NCCL_SPLIT_NOCOLOR : color, key, &child, &config);
+    }
+    if (r != ncclSuccess && r != ncclInProgress) {
+      if (child != nullptr) ncclCommAbort(child);
+      raise_nccl(r, comm_, "ncclCommSplit(comm_, color, key, &child, &config)", __FILE__, __LINE__);
+    }
+    const Clock::time_point deadline = deadline_after(options_.bootstrap_timeout);
+    bool ready = false;
+    try {
+      // The split is a call on this communicator (complete once it is no longer in progress), and
+      // the new one initialises on its own.
+      ready = finish_in_progress(deadline) && (child == nullptr || wait_until_ready(child, deadline));
+    } catch (...) {
+      if (child != nullptr) ncclCommAbort(child);
+      throw;
+    }
+    if (!ready) {
+      if (child != nullptr) ncclCommAbort(child);
+      fail(CW_FORMAT("ncclCommSplit (color {}, key {}) on rank {} of {} (GPU {}) did not complete within {} s", color,
+                     key, rank_, size_, device_, options_.bootstrap_timeout.count()),
+           "every rank of the communicator must call split at the same point; CHUNKWISE_BOOTSTRAP_TIMEOUT_S sets "
+           "the wait");
+    }
+    if (child == nullptr) return nullptr;
+    return std::make_unique<NcclCommunicator>(child, device_, options_);
   }
 
  private:
@@ -429,6 +506,7 @@ class NcclCommunicator final : public Communicator {
   const int rank_, size_, device_;
   const bool exit_on_failure_;
   const Seconds collective_timeout_;
+  const NcclOptions options_;  // what a split's communicator is made with
   cudaStream_t stream_ = nullptr;
   Buffer scratch_;  // the barrier's one f32
   std::mutex nccl_mutex_;  // one thread in NCCL at a time (the caller's, or the watchdog's)
@@ -440,7 +518,13 @@ class NcclCommunicator final : public Communicator {
 }  // namespace
 
 std::unique_ptr<Communicator> make_nccl_communicator(const LaunchInfo& info, int device, const NcclOptions& options) {
-  return std::make_unique<NcclCommunicator>(info, device, options);
+  const int visible = static_cast<int>(list_gpus().size());
+  CW_CHECK_HINT(device >= 0 && device < visible,
+                "run one process per GPU, each with its own local rank (torchrun --nproc-per-node <= GPUs), or "
+                "set CUDA_VISIBLE_DEVICES",
+                "rank {} of {}: GPU {} does not exist ({} visible)", info.rank, info.world_size, device, visible);
+  compute_stream(Device::gpu(device));  // makes the device current for this thread, as the ops expect
+  return std::make_unique<NcclCommunicator>(init_from_launch(info, device, options), device, options);
 }
 
 }  // namespace cw

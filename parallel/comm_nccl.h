@@ -13,7 +13,9 @@
 // watchdog names the collective). Each returns a CommWork holding a CUDA event recorded after the
 // collective: wait() makes the compute stream wait for it (the host does not block; ops issued
 // later on the compute stream are ordered after it anyway) and throws if the watchdog has fired.
-// barrier() is a one-element all-reduce that the host waits for. A CommWork must not outlive its
+// barrier() is a one-element all-reduce that the host waits for. split(color, key) is ncclCommSplit,
+// non-blocking too: the new communicator is polled until ready within the bootstrap timeout, and gets
+// its own watchdog; it does not depend on its parent afterwards. A CommWork must not outlive its
 // communicator. A collective over zero elements issues nothing (every rank has the same count).
 //
 // Watchdog (parallel/watchdog.h): every collective is watched from issue; one that has not finished

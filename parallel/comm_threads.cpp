@@ -8,15 +8,23 @@
 // may alias the inputs), then copied to every rank's output. So every rank gets the same bits, and
 // they are the bits of a serial rank-ordered sum, whatever order the threads arrived in.
 //
+// split(color, key) is a round too: the last rank to post forms the new groups (members ordered by
+// key, then by rank) while it holds the lock, and each rank takes its own from the round. A world and
+// every group split from it (a family) share one lock, one condition variable and one failure:
+// a rank waiting in one group must be released when a rank of another group fails.
+//
 // Failure never deadlocks. A rank that throws out of run_thread_ranks' function, a mismatch between
 // ranks' calls, or a rank that returns while others wait on a collective it never issued, marks the
-// group failed: every pending wait and every later call on every rank throws, naming the cause. A
-// round whose work is in progress is finished before anyone is released, so no thread writes into
-// memory its owner has already left.
+// family failed: every pending wait and every later call on every rank, in any of its groups, throws,
+// naming the cause. A round whose work is in progress is finished before anyone is released, so no
+// thread writes into memory its owner has already left.
 #include "parallel/comm.h"
+
+#include "engine/engine.h"
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstring>
 #include <exception>
@@ -29,41 +37,57 @@
 namespace cw {
 namespace {
 
-enum class Op { all_reduce, reduce_scatter, all_gather, broadcast, barrier };
+enum class Op { all_reduce, reduce, reduce_scatter, all_gather, broadcast, barrier, split };
 
 const char* op_name(Op op) {
   switch (op) {
     case Op::all_reduce: return "all_reduce";
+    case Op::reduce: return "reduce";
     case Op::reduce_scatter: return "reduce_scatter";
     case Op::all_gather: return "all_gather";
     case Op::broadcast: return "broadcast";
     case Op::barrier: return "barrier";
+    case Op::split: return "split";
   }
   return "?";
 }
 
-// One rank's part of a collective. all_reduce and broadcast work in place on `out`.
+// One rank's part of a collective. all_reduce, reduce and broadcast work in place on `out`; split
+// uses only color and key.
 struct Post {
   Op op = Op::barrier;
   Tensor out, in;
   int root = 0;
+  int color = 0, key = 0;
 
   std::string describe() const {
     switch (op) {
       case Op::all_reduce: return fmt::format("all_reduce {} [{}]", dtype_name(out.dtype), out.numel());
+      case Op::reduce: return fmt::format("reduce {} [{}] to rank {}", dtype_name(out.dtype), out.numel(), root);
       case Op::broadcast: return fmt::format("broadcast {} [{}] from rank {}", dtype_name(out.dtype), out.numel(), root);
       case Op::reduce_scatter:
       case Op::all_gather:
         return fmt::format("{} {} out [{}] in [{}]", op_name(op), dtype_name(out.dtype), out.numel(), in.numel());
       case Op::barrier: return "barrier";
+      case Op::split: return "split";
     }
     return "?";
   }
-  // The parts every rank must agree on (each rank's out/in ratio is checked when it posts).
+  // The parts every rank must agree on (each rank's out/in ratio is checked when it posts; a split's
+  // color and key are the rank's own).
   bool same_collective(const Post& o) const {
+    if (op == Op::split || o.op == Op::split) return op == o.op;
     return op == o.op && out.dtype == o.out.dtype && out.numel() == o.out.numel() && in.numel() == o.in.numel() &&
            root == o.root;
   }
+};
+
+class ThreadGroup;
+
+// What a split gives one rank: its new group (null for a negative color) and its rank there.
+struct SplitPlace {
+  ThreadGroup* group = nullptr;
+  int rank = -1;
 };
 
 struct Round {
@@ -72,6 +96,7 @@ struct Round {
   int posted = 0;
   bool working = false;   // the last rank to post is doing the round's work, outside the lock
   bool complete = false;  // every rank's outputs hold the result
+  std::vector<SplitPlace> split;  // a split round: by rank
 };
 
 template <class T> void rank_ordered_sum(T* acc, const std::vector<const T*>& parts, int64_t n) {
@@ -101,7 +126,8 @@ void perform(const std::vector<std::optional<Post>>& posts) {
   const Post& first = *posts[0];
   const size_t elem = dtype_size(first.out.dtype);
   switch (first.op) {
-    case Op::barrier: return;
+    case Op::barrier:
+    case Op::split: return;  // a split's groups are formed under the lock (ThreadGroup::form_split)
     case Op::all_reduce: {
       const int64_t n = first.out.numel();
       std::vector<char> sum(static_cast<size_t>(n) * elem);
@@ -110,6 +136,15 @@ void perform(const std::vector<std::optional<Post>>& posts) {
       sum_into(sum.data(), first.out.dtype, parts, n);
       for (const auto& p : posts)
         if (!sum.empty()) std::memcpy(p->out.data, sum.data(), sum.size());
+      return;
+    }
+    case Op::reduce: {
+      const int64_t n = first.out.numel();
+      std::vector<char> sum(static_cast<size_t>(n) * elem);
+      std::vector<const void*> parts;
+      for (const auto& p : posts) parts.push_back(p->out.data);
+      sum_into(sum.data(), first.out.dtype, parts, n);
+      if (!sum.empty()) std::memcpy(posts[first.root]->out.data, sum.data(), sum.size());
       return;
     }
     case Op::reduce_scatter: {
@@ -147,15 +182,37 @@ void perform(const std::vector<std::optional<Post>>& posts) {
 const char* kSameCollectivesHint =
     "every rank must issue the same collectives, in the same order, with the same dtypes and element counts";
 
+std::string describe_members(const std::vector<int>& members) {
+  std::string s = "group of world ranks ";
+  for (size_t i = 0; i < members.size(); ++i) s += fmt::format("{}{}", i ? ", " : "", members[i]);
+  return s + ": ";
+}
+
+// A world and the groups split from it: the lock, the condition variable and the failure they share.
+struct Family {
+  std::mutex mutex;
+  std::condition_variable changed;
+  std::string failure, hint;                   // non-empty failure: every group is released
+  std::vector<std::unique_ptr<ThreadGroup>> groups;  // [0] the world, then each split's groups in creation order
+};
+
 class ThreadGroup {
  public:
-  explicit ThreadGroup(int size) : size_(size), issued_(static_cast<size_t>(size), 0), finished_(static_cast<size_t>(size)) {}
+  // members: the world ranks of this group's ranks 0, 1, ...; world: it is the family's world.
+  ThreadGroup(Family& family, std::vector<int> members, bool world)
+      : family_(family),
+        members_(std::move(members)),
+        where_(world ? "" : describe_members(members_)),
+        size_(static_cast<int>(members_.size())),
+        issued_(static_cast<size_t>(size_), 0),
+        finished_(static_cast<size_t>(size_)) {}
 
   int size() const { return size_; }
 
-  // Posts the rank's next collective; the last rank to post does the round's work before returning.
+  // Posts the rank's next collective; the last rank to post does the round's work before returning
+  // (a split's under the lock: it only forms groups).
   std::shared_ptr<Round> post(int rank, Post post) {
-    std::unique_lock lock(mutex_);
+    std::unique_lock lock(family_.mutex);
     throw_if_failed(rank, fmt::format("cannot start {}", post.describe()));
     const int64_t k = issued_[rank]++;
     std::shared_ptr<Round>& slot = open_[k];
@@ -174,85 +231,113 @@ class ThreadGroup {
     open_.erase(k);  // every rank has posted: nobody looks this round up again
     for (int q = 1; q < size_; ++q)
       if (!round->posts[q]->same_collective(*round->posts[0]))
-        fail_locked(fmt::format("collective #{}: rank 0 issued {} but rank {} issued {}", k, round->posts[0]->describe(),
-                                q, round->posts[q]->describe()),
+        fail_locked(fmt::format("{}collective #{}: rank 0 issued {} but rank {} issued {}", where(), k,
+                                round->posts[0]->describe(), q, round->posts[q]->describe()),
                     kSameCollectivesHint);
     throw_if_failed(rank, fmt::format("cannot complete collective #{}", k));
-    round->working = true;
-    lock.unlock();
-    perform(round->posts);
-    lock.lock();
-    round->working = false;
+    if (round->posts[0]->op == Op::split) {
+      form_split(*round);
+    } else {
+      round->working = true;
+      lock.unlock();
+      perform(round->posts);
+      lock.lock();
+      round->working = false;
+    }
     round->complete = true;
-    changed_.notify_all();
+    family_.changed.notify_all();
     return round;
   }
 
-  // Blocks until the round is complete; throws if the group failed first. A round in progress is
+  // Blocks until the round is complete; throws if the family failed first. A round in progress is
   // always finished first: its outputs belong to threads that may be about to unwind.
   void wait(int rank, const Round& round) {
-    std::unique_lock lock(mutex_);
-    changed_.wait(lock, [&] { return round.complete || (!failure_.empty() && !round.working); });
+    std::unique_lock lock(family_.mutex);
+    family_.changed.wait(lock, [&] { return round.complete || (!family_.failure.empty() && !round.working); });
     if (!round.complete) throw_if_failed(rank, fmt::format("collective #{} abandoned", round.index));
   }
 
   void wait_noexcept(const Round& round) {
-    std::unique_lock lock(mutex_);
-    changed_.wait(lock, [&] { return round.complete || (!failure_.empty() && !round.working); });
+    std::unique_lock lock(family_.mutex);
+    family_.changed.wait(lock, [&] { return round.complete || (!family_.failure.empty() && !round.working); });
   }
 
-  // The rank's function threw: release everyone. Returns whether this is the group's first failure
-  // (the cause; later failures are its consequences).
-  bool rank_failed(int rank, const std::string& what) {
-    std::lock_guard lock(mutex_);
-    const bool first = failure_.empty();
-    if (first) failure_ = fmt::format("rank {} failed: {}", rank, what);
-    finished_[rank] = true;
-    changed_.notify_all();
+  // World rank `world_rank`'s function threw: release everyone. Returns whether this is the family's
+  // first failure (the cause; later failures are its consequences). Call on the world.
+  bool rank_failed(int world_rank, const std::string& what) {
+    std::lock_guard lock(family_.mutex);
+    const bool first = family_.failure.empty();
+    if (first) family_.failure = fmt::format("rank {} failed: {}", world_rank, what);
+    for (const auto& group : family_.groups) group->mark_finished(world_rank, false);
+    family_.changed.notify_all();
     return first;
   }
 
-  // The rank's function returned: any round it never joined can no longer complete.
-  void rank_finished(int rank) {
-    std::lock_guard lock(mutex_);
-    finished_[rank] = true;
-    for (const auto& [k, round] : open_)
-      if (!round->posts[rank]) fail_finished(rank, *round);
-    changed_.notify_all();
-  }
-
-  bool failed() const {
-    std::lock_guard lock(mutex_);
-    return !failure_.empty();
+  // World rank `world_rank`'s function returned: any round of any group it never joined can no longer
+  // complete. Call on the world.
+  void rank_finished(int world_rank) {
+    std::lock_guard lock(family_.mutex);
+    for (const auto& group : family_.groups) group->mark_finished(world_rank, true);
+    family_.changed.notify_all();
   }
 
  private:
+  // "" for the world; for a split group, which world ranks it holds (so a message places itself).
+  const std::string& where() const { return where_; }
+
+  void mark_finished(int world_rank, bool check_open_rounds) {
+    for (int q = 0; q < size_; ++q) {
+      if (members_[q] != world_rank) continue;
+      finished_[q] = true;
+      if (check_open_rounds)
+        for (const auto& [k, round] : open_)
+          if (!round->posts[q]) fail_finished(q, *round);
+    }
+  }
+
+  // Groups by color (colors < 0: none), members ordered by (key, rank); called with the lock held.
+  void form_split(Round& round) {
+    std::map<int, std::vector<std::pair<int, int>>> by_color;  // color -> (key, rank)
+    for (int q = 0; q < size_; ++q)
+      if (round.posts[q]->color >= 0) by_color[round.posts[q]->color].push_back({round.posts[q]->key, q});
+    round.split.assign(static_cast<size_t>(size_), SplitPlace{});
+    for (auto& [color, ranks] : by_color) {
+      std::sort(ranks.begin(), ranks.end());
+      std::vector<int> members;
+      for (const auto& [key, q] : ranks) members.push_back(members_[q]);
+      family_.groups.push_back(std::make_unique<ThreadGroup>(family_, std::move(members), false));
+      for (size_t i = 0; i < ranks.size(); ++i)
+        round.split[static_cast<size_t>(ranks[i].second)] = {family_.groups.back().get(), static_cast<int>(i)};
+    }
+  }
+
   void throw_if_failed(int rank, const std::string& what) const {
-    if (!failure_.empty()) fail(fmt::format("rank {}: {}: {}", rank, what, failure_), hint_);
+    if (!family_.failure.empty())
+      fail(fmt::format("rank {}: {}{}: {}", rank, where(), what, family_.failure), family_.hint);
   }
   void fail_locked(const std::string& message, const std::string& hint) {
-    if (failure_.empty()) {
-      failure_ = message;
-      hint_ = hint;
+    if (family_.failure.empty()) {
+      family_.failure = message;
+      family_.hint = hint;
     }
-    changed_.notify_all();
+    family_.changed.notify_all();
   }
   std::string finished_message(int rank, const Round& round) const {
     for (int q = 0; q < size_; ++q)
       if (round.posts[q])
-        return fmt::format("rank {} returned after {} collectives, but rank {} issued collective #{} ({})", rank,
-                           issued_[rank], q, round.index, round.posts[q]->describe());
+        return fmt::format("{}rank {} returned after {} collectives, but rank {} issued collective #{} ({})", where(),
+                           rank, issued_[rank], q, round.index, round.posts[q]->describe());
     return {};
   }
   void fail_finished(int rank, const Round& round) { fail_locked(finished_message(rank, round), kSameCollectivesHint); }
 
+  Family& family_;
+  const std::vector<int> members_;
+  const std::string where_;
   const int size_;
-  mutable std::mutex mutex_;
-  std::condition_variable changed_;
   std::vector<int64_t> issued_;                       // per rank: collectives posted so far
   std::map<int64_t, std::shared_ptr<Round>> open_;    // rounds some rank has posted and some has not
   std::vector<bool> finished_;                        // per rank: its function has returned or thrown
-  std::string failure_, hint_;                        // non-empty: the group is released
 };
 
 class ThreadWork final : public CommWork {
@@ -288,6 +373,11 @@ class ThreadCommunicator final : public Communicator {
     check_tensor(t, "all_reduce", "tensor", true);
     return start({Op::all_reduce, t, Tensor{}, 0});
   }
+  std::unique_ptr<CommWork> reduce(const Tensor& t, int root) override {
+    check_tensor(t, "reduce", "tensor", true);
+    CW_CHECK(root >= 0 && root < size(), "reduce: root {} is not a rank of a group of {}", root, size());
+    return start({Op::reduce, t, Tensor{}, root});
+  }
   std::unique_ptr<CommWork> reduce_scatter(const Tensor& out, const Tensor& in) override {
     check_tensor(out, "reduce_scatter", "out", true);
     check_tensor(in, "reduce_scatter", "in", true);
@@ -306,6 +396,17 @@ class ThreadCommunicator final : public Communicator {
     return start({Op::broadcast, t, Tensor{}, root});
   }
   void barrier() override { start({Op::barrier, Tensor{}, Tensor{}, 0})->wait(); }
+
+  std::unique_ptr<Communicator> split(int color, int key) override {
+    Post post{Op::split, Tensor{}, Tensor{}, 0};
+    post.color = color < 0 ? -1 : color;
+    post.key = key;
+    const std::shared_ptr<Round> round = group_.post(rank_, std::move(post));
+    group_.wait(rank_, *round);
+    const SplitPlace place = round->split[static_cast<size_t>(rank_)];
+    if (!place.group) return nullptr;
+    return std::make_unique<ThreadCommunicator>(*place.group, place.rank);
+  }
 
  private:
   std::unique_ptr<CommWork> start(Post post) {
@@ -332,23 +433,32 @@ class ThreadCommunicator final : public Communicator {
 
 void run_thread_ranks(int size, const std::function<void(Communicator&)>& fn) {
   CW_CHECK(size >= 1, "run_thread_ranks: a group needs at least one rank, got {}", size);
-  ThreadGroup group(size);
+  Family family;
+  std::vector<int> everyone(static_cast<size_t>(size));
+  for (int r = 0; r < size; ++r) everyone[static_cast<size_t>(r)] = r;
+  family.groups.push_back(std::make_unique<ThreadGroup>(family, std::move(everyone), true));
+  ThreadGroup& world = *family.groups.front();
   std::vector<std::exception_ptr> errors(static_cast<size_t>(size));
   std::vector<char> cause(static_cast<size_t>(size), 0);  // not vector<bool>: ranks write their own element concurrently
   std::vector<std::thread> threads;
   threads.reserve(static_cast<size_t>(size));
+  // The ranks share the caller's CPU threads: each rank's kernels get an equal part of them (one each
+  // when there are more ranks than cores). Each rank opening a team of all of them would put
+  // size x cores threads on the cores, and every parallel loop would wait for descheduled threads.
+  const int kernel_threads = std::max(1, cpu_threads() / size);
   for (int r = 0; r < size; ++r) {
     threads.emplace_back([&, r] {
+      const CpuThreadsScope shared_cores(kernel_threads);
       try {
-        ThreadCommunicator comm(group, r);
+        ThreadCommunicator comm(world, r);
         fn(comm);
-        group.rank_finished(r);
+        world.rank_finished(r);
       } catch (const std::exception& e) {
         errors[r] = std::current_exception();
-        cause[r] = group.rank_failed(r, e.what());
+        cause[r] = world.rank_failed(r, e.what());
       } catch (...) {
         errors[r] = std::current_exception();
-        cause[r] = group.rank_failed(r, "an exception that is not a std::exception");
+        cause[r] = world.rank_failed(r, "an exception that is not a std::exception");
       }
     });
   }

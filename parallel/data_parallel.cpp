@@ -9,9 +9,10 @@
 
 namespace cw {
 
-DataParallel::DataParallel(Communicator& comm, TrainingState& state, const ParallelOptions& options)
+DataParallel::DataParallel(Communicator& comm, TrainingState& state, const ParallelOptions& options, TensorParallel* tp)
     : comm_(comm),
       state_(state),
+      tp_(tp),
       zero_(static_cast<int>(options.zero)),
       numel_(state.grads().numel()),
       shard_len_(state.grads().numel() / comm.size()) {
@@ -20,20 +21,27 @@ DataParallel::DataParallel(Communicator& comm, TrainingState& state, const Paral
            device_name(comm.device()), device_name(state.device()));
   CW_CHECK(options.dp == comm.size(), "data parallel: parallel.dp = {} but the communicator has {} ranks", options.dp,
            comm.size());
+  CW_CHECK(!tp || state.model().tensor_parallel() == tp,
+           "data parallel: the model must be built with the tensor-parallel group it is given");
   CW_CHECK(shard_len_ >= 1, "data parallel: {} parameters cannot be sharded over {} ranks", numel_, comm.size());
   CW_CHECK(state.has_full_optimizer() == (zero_ == 0),
            "data parallel: the training state must keep the whole AdamW state exactly when parallel.zero = 0 (zero is {})",
            zero_);
   if (zero_ >= 1) optimizer_shard_.emplace(state.master(), shard_begin(rank()), shard_end(rank()), state.adamw_options());
-  if (zero_ <= 1) {
-    // Buckets from the end of the vector: the order in which the backward completes the gradient.
-    const double elements = options.bucket_mb * double(1 << 20) / static_cast<double>(dtype_size(state.grads().dtype()));
-    const int64_t bucket = std::max<int64_t>(1, static_cast<int64_t>(elements));
-    for (int64_t end = numel_; end > 0;) {
-      const int64_t begin = std::max<int64_t>(0, end - bucket);
-      buckets_.push_back({begin, end});
-      end = begin;
+  // Buckets from the end of the vector: the order in which the backward completes the gradient.
+  // ZeRO 2 also cuts them at the shard boundaries, so that each lies in one owner's shard and is
+  // reduced to it.
+  const double elements = options.bucket_mb * double(1 << 20) / static_cast<double>(dtype_size(state.grads().dtype()));
+  const int64_t bucket = std::max<int64_t>(1, static_cast<int64_t>(elements));
+  for (int64_t end = numel_; end > 0;) {
+    int64_t begin = std::max<int64_t>(0, end - bucket);
+    int owner = -1;
+    if (zero_ == 2) {
+      owner = std::min(comm.size() - 1, static_cast<int>((end - 1) / shard_len_));  // the shard holding end - 1
+      begin = std::max(begin, shard_begin(owner));
     }
+    buckets_.push_back({begin, end, owner});
+    end = begin;
   }
 }
 
@@ -48,41 +56,25 @@ Tensor DataParallel::own_shard(const ParamSet& set) const {
   return set.flat().slice(0, shard_begin(rank()), shard_end(rank()) - shard_begin(rank()));
 }
 
-void DataParallel::sum_over_ranks(std::vector<double>& values) {
-  if (values.empty()) return;
-  const int64_t n = static_cast<int64_t>(values.size());
-  OwnedTensor host(DType::f64, {n});
-  std::copy(values.begin(), values.end(), host.tensor.ptr<double>());
-  if (comm_.device().is_cpu()) {
-    comm_.all_reduce(host)->wait();
-  } else {
-    const OwnedTensor dev = OwnedTensor::on(comm_.device(), DType::f64, {n});
-    copy_convert(dev, host);
-    comm_.all_reduce(dev)->wait();
-    copy_convert(host, dev);  // after the reduction: wait() ordered the compute stream behind it
-  }
-  std::copy(host.tensor.ptr<double>(), host.tensor.ptr<double>() + n, values.begin());
-}
+void DataParallel::sum_over_ranks(std::vector<double>& values) { sum_host_values(comm_, values); }
 
 void DataParallel::launch_ready(int64_t from) {
   const Tensor flat = state_.grads().flat();
   for (; next_bucket_ < buckets_.size() && buckets_[next_bucket_].begin >= from; ++next_bucket_) {
     const Bucket& b = buckets_[next_bucket_];
-    pending_.push_back(comm_.all_reduce(flat.slice(0, b.begin, b.end - b.begin)));
+    const Tensor part = flat.slice(0, b.begin, b.end - b.begin);
+    pending_.push_back(b.owner < 0 ? comm_.all_reduce(part) : comm_.reduce(part, b.owner));
     if (in_backward_) ++launched_in_backward_;
   }
 }
 
 void DataParallel::finish_reduction() {
   launch_ready(0);  // whatever the last backward did not report (none when it reported its end)
-  if (zero_ == 2) {
-    const ParamSet& g = state_.grads();
-    const Tensor even = even_part(g);
-    pending_.push_back(comm_.reduce_scatter(even.slice(0, rank() * shard_len_, shard_len_), even));  // in place
-    if (numel_ > shard_len_ * size()) pending_.push_back(comm_.all_reduce(remainder(g)));
-  }
   for (auto& work : pending_) work->wait();
   pending_.clear();
+  if (tp_)
+    reduce_replicated_gradients(state_.grads(), *tp_, zero_ == 2 ? shard_begin(rank()) : 0,
+                                zero_ == 2 ? shard_end(rank()) : numel_);
 }
 
 DataParallelStep DataParallel::compute_gradients(Schedule& schedule, const std::vector<Batch>& micro,
@@ -121,7 +113,7 @@ DataParallelStep DataParallel::compute_gradients(Schedule& schedule, const std::
   schedule.set_hooks({});
   in_backward_ = false;
   finish_reduction();
-  out.buckets = static_cast<int64_t>(next_bucket_) + (zero_ == 2 ? 1 : 0);
+  out.buckets = static_cast<int64_t>(next_bucket_);
   out.buckets_in_backward = launched_in_backward_;
   // 4. The global mean loss: the sum of the ranks' shares.
   std::vector<double> total{loss};
@@ -131,10 +123,25 @@ DataParallelStep DataParallel::compute_gradients(Schedule& schedule, const std::
 }
 
 double DataParallel::gradient_norm() {
-  if (zero_ < 2) return grad_global_norm(state_.grads());  // reduced whole on every rank: the same bits
-  std::vector<double> squares{sum_squares(own_shard(state_.grads()))};
-  sum_over_ranks(squares);
-  return std::sqrt(squares[0]);
+  const bool split = tp_ && tp_->size() > 1;
+  if (zero_ < 2 && !split) return grad_global_norm(state_.grads());  // reduced whole on every rank: the same bits
+  // Squares of the rank's part (zero 2: its shard; else everything), split tensors apart from
+  // replicated ones when TP ranks hold the split ones' other parts.
+  const ParamSet& g = state_.grads();
+  const int64_t begin = zero_ == 2 ? shard_begin(rank()) : 0, end = zero_ == 2 ? shard_end(rank()) : numel_;
+  std::vector<double> squares{0.0, 0.0};  // split, replicated
+  int64_t offset = 0;
+  for (size_t i = 0; i < g.size(); offset += g.specs()[i].numel(), ++i) {
+    const int64_t lo = std::max(begin, offset), hi = std::min(end, offset + g.specs()[i].numel());
+    if (lo < hi) squares[split && tp_split_dim(g.specs()[i].role) < 0 ? 1 : 0] += sum_squares(g.flat().slice(0, lo, hi - lo));
+  }
+  if (zero_ == 2) sum_over_ranks(squares);  // every shard of this TP shard's vector
+  if (split) {  // every TP rank's split tensors; the replicated ones once
+    std::vector<double> split_squares{squares[0]};
+    sum_host_values(tp_->communicator(), split_squares);
+    squares[0] = split_squares[0];
+  }
+  return std::sqrt(squares[0] + squares[1]);
 }
 
 double DataParallel::clip_gradients(double max_norm) {

@@ -31,15 +31,24 @@
 //           (optim/adamw.h AdamWShard); the rank updates its shard of the master weights; the
 //           master weights are all-gathered (in place), then the compute copy is made locally from
 //           them (bf16 rounding, the same bits on every rank).
-//   zero 2  the reduced gradient is sharded too: one reduce-scatter (in place: rank r's shard of
-//           its own buffer receives the sum) when the last backward has ended, not in buckets: a
-//           bucket of a contiguous-shard layout spans several owners, and the interface has no
-//           reduce-to-owner. The local accumulation buffer stays whole (the chunk schedules add
-//           into it across every chunk of the step); what is sharded is the reduced gradient, which
-//           the norm, clipping and update read only on the shard (the norm's square sums are
-//           all-reduced).
-// Every rank's sums are taken in rank order by the threads backend, so all-reduce and
-// reduce-scatter give the same bits, and zero 1 / zero 2 give exactly the parameters of zero 0
+//   zero 2  the reduced gradient is sharded too: the buckets are also cut at the shard boundaries,
+//           so each lies in one rank's shard, and each is reduced to that rank only (Communicator::
+//           reduce, in place), launched from inside the last backward like zero 0/1's all-reduces:
+//           together they are the reduce-scatter of the whole vector, overlapped with the backward,
+//           and the shards stay contiguous (AdamWShard, the checkpoints' optimizer files). A rank's
+//           buffer outside its shard is left unreduced. The local accumulation buffer stays whole
+//           (the chunk schedules add into it across every chunk of the step); what is sharded is the
+//           reduced gradient, which the norm, clipping and update read only on the shard (the norm's
+//           square sums are all-reduced).
+// With tensor parallelism (a DP x TP grid, parallel/grid.h) `comm` is the rank's DP group and the
+// state is its TP shard: the DP ranks that hold the same shard reduce its gradient as above (the
+// flat vector, buckets and ZeRO shards are the TP shard's). After the reduction the replicated
+// parameters' gradients are summed over the TP group (parallel/tensor_parallel.h:
+// reduce_replicated_gradients; only with sequence parallelism, and under ZeRO 2 only the rank's
+// shard of them). The gradient norm adds each TP rank's split tensors' squares over the TP group and
+// counts the replicated ones once; the loss is already whole on every TP rank.
+// Every rank's sums are taken in rank order by the threads backend, so all-reduce and reduce
+// give the same bits, and zero 1 / zero 2 give exactly the parameters of zero 0
 // (without clipping; with it, zero 2's norm sums the shards' partial sums, equal to rounding).
 //
 // Every rank must call these in the same order with the same micro-batch count: they communicate.
@@ -50,6 +59,7 @@
 #include "optim/schedule.h"
 #include "optim/training.h"
 #include "parallel/comm.h"
+#include "parallel/tensor_parallel.h"
 
 #include <memory>
 #include <optional>
@@ -61,14 +71,16 @@ struct DataParallelStep {
   double loss = 0;           // the global batch's mean loss (the same on every rank)
   int64_t supervised = 0;    // the global batch's supervised labels (the normaliser)
   StepStats stats;           // this rank's last micro-batch's
-  int64_t buckets = 0;       // gradient reductions launched (zero 2: the one reduce-scatter)
+  int64_t buckets = 0;       // gradient reductions launched (all-reduces; zero 2: reduces to the shard's owner)
   int64_t buckets_in_backward = 0;  // of them, launched from inside the last backward (overlapped)
 };
 
 class DataParallel {
  public:
-  // state: this rank's training state, built with full_optimizer = (options.zero == 0).
-  DataParallel(Communicator& comm, TrainingState& state, const ParallelOptions& options);
+  // state: this rank's training state, built with full_optimizer = (options.zero == 0); comm: the
+  // ranks that hold the same model (or TP shard); tp: the rank's tensor-parallel group, which the
+  // state's model was built with (null without tensor parallelism).
+  DataParallel(Communicator& comm, TrainingState& state, const ParallelOptions& options, TensorParallel* tp = nullptr);
 
   int rank() const { return comm_.rank(); }
   int size() const { return comm_.size(); }
@@ -85,7 +97,7 @@ class DataParallel {
   // micro-batch m runs as schedule step step_index + m, as a single process numbers them.
   DataParallelStep compute_gradients(Schedule& schedule, const std::vector<Batch>& micro, uint64_t step_index);
 
-  // The global L2 norm of the reduced gradient (the same on every rank).
+  // The global L2 norm of the reduced gradient (the same on every rank of the grid).
   double gradient_norm();
   // Scales the reduced gradient by max_norm / norm when norm > max_norm (max_norm <= 0: never);
   // returns the norm before clipping. A non-finite norm is returned without scaling.
@@ -102,6 +114,7 @@ class DataParallel {
  private:
   struct Bucket {
     int64_t begin = 0, end = 0;  // in the flat gradient vector
+    int owner = -1;              // zero 2: the rank whose shard holds it (reduced to it); else all-reduced
   };
   void launch_ready(int64_t from);  // every not yet launched bucket starting at or after `from`
   void finish_reduction();
@@ -113,6 +126,7 @@ class DataParallel {
 
   Communicator& comm_;
   TrainingState& state_;
+  TensorParallel* tp_;
   const int zero_;
   const int64_t numel_, shard_len_;  // P, S = floor(P / n)
   std::vector<Bucket> buckets_;  // in launch order: from the end of the vector to its start

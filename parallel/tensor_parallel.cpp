@@ -4,6 +4,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <memory>
 #include <vector>
 
@@ -157,12 +158,43 @@ void unshard_parameters(const ParamSet& full, const ParamSet& shard, int rank, i
   }
 }
 
-void reduce_replicated_gradients(const ParamSet& grads, TensorParallel& tp) {
+void gather_parameters(const ParamSet& full, const ParamSet& shard, Communicator& comm) {
+  const int P = comm.size();
+  check_pair(full, shard, comm.rank(), P);
+  CW_CHECK(shard.device() == comm.device(), "gather_parameters: the shard is on {}, the communicator's tensors on {}",
+           device_name(shard.device()), device_name(comm.device()));
+  for (size_t i = 0; i < full.size(); ++i) {
+    const ParamRole role = full.specs()[i].role;
+    const Tensor mine = shard[i];
+    if (tp_split_dim(role) < 0) {
+      copy_convert(full[i], mine);
+      continue;
+    }
+    const int64_t n = mine.numel();
+    const OwnedTensor gathered = OwnedTensor::on(comm.device(), mine.dtype, {P * n});
+    comm.all_gather(gathered, mine.view({n}))->wait();
+    OwnedTensor host = OwnedTensor::of_shape(mine.dtype, std::vector<int64_t>{P * n});
+    copy_convert(host, gathered);  // after the gather: wait() ordered the device's stream behind it
+    CW_CHECK(mine.ndim == 2, "gather_parameters: {} is not a matrix", full.specs()[i].name);  // split ones are linears
+    for (int r = 0; r < P; ++r)
+      copy_convert(block_of(full[i], role, r, P), host.tensor.slice(0, r * n, n).view({mine.size(0), mine.size(1)}));
+  }
+}
+
+void reduce_replicated_gradients(const ParamSet& grads, TensorParallel& tp, int64_t begin, int64_t end) {
   if (!tp.sequence_parallel() || tp.size() == 1) return;
+  if (end < 0) end = grads.numel();
+  CW_CHECK(0 <= begin && begin <= end && end <= grads.numel(), "reduce_replicated_gradients: range [{}, {}) of {}",
+           begin, end, grads.numel());
   // Every collective is issued before the first wait, so a backend may run them together.
   std::vector<std::unique_ptr<CommWork>> pending;
-  for (size_t i = 0; i < grads.size(); ++i)
-    if (tp_split_dim(grads.specs()[i].role) < 0) pending.push_back(tp.communicator().all_reduce(grads[i]));
+  const Tensor flat = grads.flat();
+  int64_t offset = 0;  // of tensor i in the flat vector (table order)
+  for (size_t i = 0; i < grads.size(); offset += grads.specs()[i].numel(), ++i) {
+    if (tp_split_dim(grads.specs()[i].role) >= 0) continue;
+    const int64_t lo = std::max(begin, offset), hi = std::min(end, offset + grads.specs()[i].numel());
+    if (lo < hi) pending.push_back(tp.communicator().all_reduce(flat.slice(0, lo, hi - lo)));
+  }
   for (auto& w : pending) w->wait();
 }
 

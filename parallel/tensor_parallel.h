@@ -125,8 +125,17 @@ void shard_parameters(const ParamSet& shard, const ParamSet& full, int rank, int
 // The inverse: rank `rank`'s split tensors into their blocks of `full`; its replicated tensors too
 // when with_replicated.
 void unshard_parameters(const ParamSet& full, const ParamSet& shard, int rank, int size, bool with_replicated);
+// Every rank's shard assembled into the whole model's tensors: `full` (host, any dtype; converted)
+// receives on every rank of `comm` (the TP group) each split tensor's blocks from every rank's
+// `shard` (on comm's device) through one all-gather per tensor, so the device holds one gathered
+// tensor at a time, and the replicated tensors from this rank's own (the same on every rank). For
+// the consolidated HF checkpoint and the sample of a tensor-parallel run.
+void gather_parameters(const ParamSet& full, const ParamSet& shard, Communicator& comm);
 // With sequence parallelism: the replicated parameters' gradients summed over the group, in place
 // (each rank held its rows' share); without it, nothing to do (each rank's are already whole).
-void reduce_replicated_gradients(const ParamSet& grads, TensorParallel& tp);
+// Only their elements within [begin, end) of the flat vector (ParamSet::flat; end < 0: its end):
+// under ZeRO 2 a rank reads only its shard of the reduced gradient, the same range on every TP rank
+// of a replica (parallel/data_parallel.h).
+void reduce_replicated_gradients(const ParamSet& grads, TensorParallel& tp, int64_t begin = 0, int64_t end = -1);
 
 }  // namespace cw

@@ -96,7 +96,7 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
   std::vector<double> copy_waits;  // per step: seconds the compute stream waited for host <-> device copies
   try {
     AdamWOptions ao;
-    TrainingState st(cfg, dt, g, ao, true, o.lora);
+    TrainingState st(cfg, dt, g, ao, true, nullptr, o.lora);
     st.init_tiled(1, cfg.initializer_range);
     auto schedule = Schedule::create(so);
     StepStats stats;

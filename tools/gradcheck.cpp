@@ -6,6 +6,7 @@
 #include "model/safetensors.h"
 #include "optim/training.h"
 #include "parallel/data_parallel.h"
+#include "parallel/grid.h"
 #include "parallel/tensor_parallel.h"
 
 #include <fmt/format.h>
@@ -131,7 +132,7 @@ void load_initial(TrainingState& st, const LlamaModel& init) {
 // One process on the whole batch: the reference of --against single.
 RunResult single_run(const GradcheckOptions& o, const LlamaConfig& config, DType dtype, const LlamaModel& init,
                      const Batch& batch) {
-  TrainingState st(config, dtype, Device::host(), AdamWOptions{}, true, o.lora);
+  TrainingState st(config, dtype, Device::host(), AdamWOptions{}, true, nullptr, o.lora);
   load_initial(st, init);
   auto schedule = Schedule::create(o.schedule);
   RunResult r{0, ParamSet::like(init.trainable(), dtype), ParamSet::like(init.trainable(), dtype)};
@@ -148,55 +149,112 @@ RunResult single_run(const GradcheckOptions& o, const LlamaConfig& config, DType
   return r;
 }
 
-// dp ranks as threads, rank r taking sequences [r B/dp, (r+1) B/dp) of the batch. The gradient is
-// assembled from the ranks' shards (each rank's own range; with zero 0/1 every rank holds the whole
-// reduced gradient, which must then be the same bits on every rank); the parameters are rank 0's,
-// and every rank's must be the same bits. Returns false in `ranks_agree` otherwise.
-RunResult data_parallel_run(const GradcheckOptions& o, int64_t zero, const LlamaConfig& config, DType dtype,
-                            const LlamaModel& init, const Batch& batch, bool& ranks_agree, std::string& buckets) {
-  const int n = static_cast<int>(o.parallel.dp);
-  const int64_t per_rank = batch.B() / n;
-  std::vector<ParamSet> grads(static_cast<size_t>(n)), params(static_cast<size_t>(n));
-  std::vector<double> losses(static_cast<size_t>(n));
-  std::vector<int64_t> begin(static_cast<size_t>(n)), end(static_cast<size_t>(n));
-  std::vector<DataParallelStep> first_step(static_cast<size_t>(n));
+// What one rank of a grid run leaves behind.
+struct GridRank {
+  double loss = 0;                 // the first step's global loss
+  std::optional<ParamSet> grads;   // the first step's reduced gradient of its TP shard, valid in [begin, end)
+  std::optional<ParamSet> params;  // its TP shard's master weights after the last step
+  int64_t begin = 0, end = 0;      // ZeRO 2: its DP shard of the flat vector; else all of it
+  DataParallelStep first_step;
+  size_t buffer_high_water = 0, buffer_requested = 0, buffer_largest = 0;
+  int64_t buffer_requests = 0;
+};
+
+// What a grid run gives for the comparison, assembled into whole-model tensors.
+struct GridResult {
+  RunResult run;
+  bool ranks_agree = true;
+  std::vector<GridRank> ranks;  // by world rank
+};
+
+// dp x tp ranks as threads (parallel/grid.h): DP rank d takes sequences [d B/dp, (d+1) B/dp) of the
+// batch and TP rank t holds shard t of the initial model; every step goes through DataParallel on
+// the DP group with the TP group's replicated-gradient reduction. The gradient is assembled from
+// the ranks' parts (ZeRO 2: each DP rank's own range of its TP shard) into whole tensors, the
+// parameters from DP rank 0's TP shards. ranks_agree: the DP ranks of a TP shard hold the same
+// bits of its parameters (and, without ZeRO 2, of its gradient), every TP rank the same bits of
+// the replicated ones, and every rank the same loss.
+GridResult grid_run(const GradcheckOptions& o, int64_t zero, const LlamaConfig& config, DType dtype,
+                    const LlamaModel& init, const Batch& batch) {
+  const int DP = static_cast<int>(o.parallel.dp), TP = static_cast<int>(o.parallel.tp);
+  const int64_t per_rank = batch.B() / DP;
+  const LlamaConfig shard_config = tp_shard_config(config, TP);
+  const TensorParallelOptions tpo{o.parallel.sequence_parallel, o.parallel.tp_regather};
   ParallelOptions po = o.parallel;
   po.zero = zero;
-  run_thread_ranks(n, [&](Communicator& comm) {
-    const size_t r = static_cast<size_t>(comm.rank());
-    TrainingState st(config, dtype, Device::host(), AdamWOptions{}, /*full_optimizer=*/zero == 0, o.lora);
-    load_initial(st, init);
-    DataParallel dp(comm, st, po);
+  GridResult result;
+  result.ranks.resize(static_cast<size_t>(DP * TP));
+  run_thread_ranks(DP * TP, [&](Communicator& world) {
+    const ParallelGrid grid(world, DP, TP);
+    std::optional<TensorParallel> tp_group;
+    if (TP > 1) tp_group.emplace(grid.tp(), tpo);
+    TensorParallel* tp = tp_group ? &*tp_group : nullptr;
+    TrainingState st(config, dtype, Device::host(), AdamWOptions{}, /*full_optimizer=*/zero == 0, tp, o.lora);
+    if (TP > 1) {  // (LoRA is refused with TP before this)
+      ParamSet shard(shard_config, dtype);
+      shard_parameters(shard, init.params(), grid.tp_rank(), TP);
+      st.load_master(shard);
+    } else {
+      load_initial(st, init);
+    }
+    DataParallel dp(grid.dp(), st, po, tp);
     auto schedule = Schedule::create(o.schedule);
     std::vector<Batch> micro;
-    micro.push_back(batch_rows(batch, comm.rank() * per_rank, per_rank));
+    micro.push_back(batch_rows(batch, grid.dp_rank() * per_rank, per_rank));
+    GridRank& r = result.ranks[static_cast<size_t>(world.rank())];
     for (int s = 0; s < o.optimizer_steps; ++s) {
       const DataParallelStep step = dp.compute_gradients(*schedule, micro, static_cast<uint64_t>(s));
       if (s == 0) {
-        first_step[r] = step;
-        losses[r] = step.loss;
-        grads[r] = ParamSet::like(st.grads(), dtype);
-        copy_params(grads[r], st.grads());
-        begin[r] = zero == 2 ? dp.shard_begin(comm.rank()) : 0;
-        end[r] = zero == 2 ? dp.shard_end(comm.rank()) : st.grads().numel();
+        r.first_step = step;
+        r.loss = step.loss;
+        r.grads.emplace(ParamSet::like(st.grads(), dtype));
+        copy_params(*r.grads, st.grads());
+        r.begin = zero == 2 ? dp.shard_begin(dp.rank()) : 0;
+        r.end = zero == 2 ? dp.shard_end(dp.rank()) : st.grads().numel();
       }
       dp.optimizer_step(kCheckLearningRate);
     }
-    params[r] = ParamSet::like(st.master(), dtype);
-    copy_params(params[r], st.master());
+    r.params.emplace(ParamSet::like(st.master(), dtype));
+    copy_params(*r.params, st.master());
+    if (tp) {
+      r.buffer_high_water = tp->buffer().capacity_bytes();
+      r.buffer_requested = tp->buffer().requested_bytes();
+      r.buffer_largest = tp->buffer().largest_request();
+      r.buffer_requests = tp->buffer().requests();
+    }
   });
-  RunResult result{losses[0], ParamSet::like(init.trainable(), dtype), ParamSet::like(init.trainable(), dtype)};
-  ranks_agree = true;
-  for (int r = 0; r < n; ++r) {
-    const size_t ri = static_cast<size_t>(r);
-    copy_convert(result.grads.flat().slice(0, begin[ri], end[ri] - begin[ri]),
-                 grads[ri].flat().slice(0, begin[ri], end[ri] - begin[ri]));
-    ranks_agree = ranks_agree && losses[ri] == losses[0] && same_bits(params[ri], params[0]) &&
-                  (zero == 2 || same_bits(grads[ri], grads[0]));
+
+  // Whole-model sets (the adapters' under LoRA, which runs with TP = 1 only).
+  result.run = RunResult{result.ranks[0].loss, ParamSet::like(init.trainable(), dtype),
+                         ParamSet::like(init.trainable(), dtype)};
+  const auto at = [&](int d, int t) -> const GridRank& {
+    return result.ranks[static_cast<size_t>(ParallelGrid::world_rank(d, t, TP))];
+  };
+  for (int t = 0; t < TP; ++t) {
+    ParamSet grads = ParamSet::like(*at(0, t).grads, dtype);
+    for (int d = 0; d < DP; ++d) {
+      const GridRank& r = at(d, t);
+      copy_convert(grads.flat().slice(0, r.begin, r.end - r.begin), r.grads->flat().slice(0, r.begin, r.end - r.begin));
+      result.ranks_agree = result.ranks_agree && r.loss == result.ranks[0].loss &&
+                           same_bits(*r.params, *at(0, t).params) && (zero == 2 || same_bits(*r.grads, *at(0, t).grads));
+    }
+    if (TP == 1) {
+      copy_params(result.run.grads, grads);
+      copy_params(result.run.params, *at(0, t).params);
+      continue;
+    }
+    unshard_parameters(result.run.grads, grads, t, TP, /*with_replicated=*/t == 0);
+    unshard_parameters(result.run.params, *at(0, t).params, t, TP, /*with_replicated=*/t == 0);
+    // The replicated tensors: the same bits on every TP rank (gradients where this rank holds them).
+    for (size_t i = 0; i < grads.size(); ++i) {
+      if (tp_split_dim(grads.specs()[i].role) >= 0) continue;
+      result.ranks_agree = result.ranks_agree && std::memcmp((*at(0, t).params)[i].data, (*at(0, 0).params)[i].data,
+                                                             (*at(0, 0).params)[i].bytes()) == 0;
+      if (zero < 2)
+        result.ranks_agree = result.ranks_agree && std::memcmp((*at(0, t).grads)[i].data, (*at(0, 0).grads)[i].data,
+                                                               (*at(0, 0).grads)[i].bytes()) == 0;
+    }
   }
-  copy_params(result.params, params[0]);
-  buckets = fmt::format("{} gradient reductions, {} launched inside the last backward", first_step[0].buckets,
-                        first_step[0].buckets_in_backward);
   return result;
 }
 
@@ -204,82 +262,40 @@ RunResult data_parallel_run(const GradcheckOptions& o, int64_t zero, const Llama
 double against_single(const GradcheckOptions& o, const LlamaConfig& config, DType dtype, const LlamaModel& init,
                       const Batch& batch, std::ostream& out) {
   const RunResult single = single_run(o, config, dtype, init, batch);
-  bool ranks_agree = false;
-  std::string buckets;
-  const RunResult dp = data_parallel_run(o, o.parallel.zero, config, dtype, init, batch, ranks_agree, buckets);
-  out << fmt::format("data parallel: {} ranks (threads) x {} sequences, zero {}, {}\n", o.parallel.dp,
-                     batch.B() / o.parallel.dp, o.parallel.zero, buckets);
+  const GridResult grid = grid_run(o, o.parallel.zero, config, dtype, init, batch);
+  const int64_t DP = o.parallel.dp, TP = o.parallel.tp;
+  out << fmt::format("data parallel: {} ranks (threads) x {} sequences, zero {}, {} gradient reductions, {} launched "
+                     "inside the last backward\n",
+                     DP, batch.B() / DP, o.parallel.zero, grid.ranks[0].first_step.buckets,
+                     grid.ranks[0].first_step.buckets_in_backward);
+  if (TP > 1) {
+    out << fmt::format("tensor parallel: {} ranks (threads) per data-parallel rank, sequence parallel {}, regather {}\n",
+                       TP, o.parallel.sequence_parallel, o.parallel.tp_regather);
+    for (int t = 0; t < TP; ++t) {
+      const GridRank& r = grid.ranks[static_cast<size_t>(t)];  // DP rank 0's
+      out << fmt::format("tp rank {}: activations high-water {} B; reusable buffer high-water {} B (largest request {} "
+                         "B) for {} requests of {} B in all\n",
+                         t, r.first_step.stats.activation_high_water, r.buffer_high_water, r.buffer_largest,
+                         r.buffer_requests, r.buffer_requested);
+    }
+  }
   out << "first step: gradients against one process on the whole batch\n";
-  double max_rel = compare_sets(dp.grads, single.grads, "g_single", "single", out);
-  max_rel = std::max(max_rel, compare_loss(dp.loss, single.loss, dp.grads, out));
+  double max_rel = compare_sets(grid.run.grads, single.grads, "g_single", "single", out);
+  max_rel = std::max(max_rel, compare_loss(grid.run.loss, single.loss, grid.run.grads, out));
   out << fmt::format("after {} AdamW steps (lr {}): parameters against one process\n", o.optimizer_steps,
                      kCheckLearningRate);
-  max_rel = std::max(max_rel, compare_sets(dp.params, single.params, "p_single", "single", out));
-  out << fmt::format("ranks hold bitwise the same {}: {}\n", o.parallel.zero == 2 ? "parameters" : "gradients and parameters",
-                     ranks_agree ? "yes" : "NO");
-  if (!ranks_agree) max_rel = std::max(max_rel, 1.0);
+  max_rel = std::max(max_rel, compare_sets(grid.run.params, single.params, "p_single", "single", out));
+  const std::string what = std::string("loss and parameters") + (o.parallel.zero == 2 ? "" : ", gradients") +
+                           (TP > 1 ? " (of each TP shard; the replicated tensors on every TP rank)" : "");
+  out << fmt::format("ranks hold bitwise the same {}: {}\n", what, grid.ranks_agree ? "yes" : "NO");
+  if (!grid.ranks_agree) max_rel = std::max(max_rel, 1.0);
   if (o.parallel.zero > 0) {
-    bool plain_agree = false;
-    const RunResult plain = data_parallel_run(o, 0, config, dtype, init, batch, plain_agree, buckets);
-    const bool identical = same_bits(dp.params, plain.params);
+    const GridResult plain = grid_run(o, 0, config, dtype, init, batch);
+    const bool identical = same_bits(grid.run.params, plain.run.params);
     out << fmt::format("zero {} against zero 0 after {} steps: parameters {}\n", o.parallel.zero, o.optimizer_steps,
                        identical ? "bitwise identical" : "DIFFER");
-    if (!identical || !plain_agree) max_rel = std::max(max_rel, 1.0);
+    if (!identical || !plain.ranks_agree) max_rel = std::max(max_rel, 1.0);
   }
-  return max_rel;
-}
-
-// What one tensor-parallel rank leaves behind for the comparison.
-struct TensorParallelRank {
-  std::optional<ParamSet> grads;  // the rank's shard of the gradients
-  StepStats stats;
-  size_t buffer_high_water = 0, buffer_requested = 0, buffer_largest = 0;
-  int64_t buffer_requests = 0;
-};
-
-// --tp N against single: the schedule on N thread ranks, each with its shard of `model` (the same
-// values), the ranks' gradients assembled into full tensors and compared with one process's
-// (`single`, `single_loss`). The replicated gradients and the loss must be the same bits on every
-// rank. Prints one line per rank: its activation high-water mark and its reusable buffer's use.
-double tensor_parallel_against_single(const GradcheckOptions& o, const LlamaModel& model, const Batch& batch,
-                                      const ParamSet& single, double single_loss, std::ostream& out) {
-  const int P = static_cast<int>(o.parallel.tp);
-  const TensorParallelOptions tpo{o.parallel.sequence_parallel, o.parallel.tp_regather};
-  std::vector<TensorParallelRank> ranks(static_cast<size_t>(P));
-  run_thread_ranks(P, [&](Communicator& comm) {
-    TensorParallel group(comm, tpo);
-    LlamaModel shard(model.full_config(), model.dtype(), Device::host(), &group);
-    shard_parameters(shard.params(), model.params(), comm.rank(), P);
-    TensorParallelRank& r = ranks[static_cast<size_t>(comm.rank())];
-    r.grads.emplace(shard.config(), model.dtype());
-    r.stats = gradients(o.schedule, shard, batch, *r.grads);
-    reduce_replicated_gradients(*r.grads, group);  // the optimizer step's TP reduction
-    r.buffer_high_water = group.buffer().capacity_bytes();
-    r.buffer_requested = group.buffer().requested_bytes();
-    r.buffer_largest = group.buffer().largest_request();
-    r.buffer_requests = group.buffer().requests();
-  });
-  out << fmt::format("tensor parallel: {} ranks (threads), sequence parallel {}, regather {}\n", P,
-                     o.parallel.sequence_parallel, o.parallel.tp_regather);
-  ParamSet assembled(model.full_config(), model.dtype());
-  bool replicas_agree = true;
-  for (int r = 0; r < P; ++r) {
-    const TensorParallelRank& rr = ranks[static_cast<size_t>(r)];
-    unshard_parameters(assembled, *rr.grads, r, P, /*with_replicated=*/r == 0);
-    for (size_t i = 0; i < assembled.size(); ++i)
-      if (tp_split_dim(assembled.specs()[i].role) < 0 &&
-          std::memcmp((*rr.grads)[i].data, (*ranks[0].grads)[i].data, (*rr.grads)[i].bytes()) != 0)
-        replicas_agree = false;
-    replicas_agree = replicas_agree && rr.stats.loss == ranks[0].stats.loss;
-    out << fmt::format("tp rank {}: activations high-water {} B; reusable buffer high-water {} B (largest request {} "
-                       "B) for {} requests of {} B in all\n",
-                       r, rr.stats.activation_high_water, rr.buffer_high_water, rr.buffer_largest, rr.buffer_requests,
-                       rr.buffer_requested);
-  }
-  double max_rel = compare_sets(assembled, single, "g_single", "single", out);
-  max_rel = std::max(max_rel, compare_loss(ranks[0].stats.loss, single_loss, single, out));
-  out << fmt::format("ranks hold bitwise the same replicated gradients and loss: {}\n", replicas_agree ? "yes" : "NO");
-  if (!replicas_agree) max_rel = std::max(max_rel, 1.0);
   return max_rel;
 }
 }  // namespace
@@ -301,11 +317,6 @@ int run_gradcheck(const GradcheckOptions& o, std::ostream& out) {
   if (against != "single" && (parallel || o.parallel.zero > 0))
     fail(fmt::format("--dp / --zero / --tp compare ranks with one process: they need --against single, not {}", against),
          "use --against single (the default with --dp > 1 or --tp > 1)");
-  if (o.parallel.dp > 1 && o.parallel.tp > 1)
-    fail(fmt::format("--dp {} with --tp {}: gradcheck runs data and tensor parallelism one at a time (a 2-D group of "
-                     "threads needs sub-communicators, which the threads backend does not make yet)",
-                     o.parallel.dp, o.parallel.tp),
-         "check --dp and --tp separately");
   if (o.lora.enabled() && o.parallel.tp > 1)
     fail("--lora-rank with --tp: LoRA adapters with tensor parallelism are not implemented",
          "check LoRA with --tp 1 (data parallelism works: --dp N)");
@@ -315,6 +326,7 @@ int run_gradcheck(const GradcheckOptions& o, std::ostream& out) {
     fail(fmt::format("--batch {} is not divisible by --dp {}: every rank takes batch / dp sequences", o.batch,
                      o.parallel.dp),
          "give --batch a multiple of --dp");
+  if (o.parallel.tp > 1) tp_shard_config(config, o.parallel.tp);  // tp must divide the heads and FFN: say so here
   if (against == "single" && o.optimizer_steps < 1)
     fail(fmt::format("--optimizer-steps must be >= 1, got {}", o.optimizer_steps));
   const double tol = o.tol >= 0 ? o.tol : (against == "fd" ? 1e-7 : (dtype == DType::f64 ? 1e-12 : 1e-5));
@@ -342,9 +354,7 @@ int run_gradcheck(const GradcheckOptions& o, std::ostream& out) {
   DropoutRoundScope masks(model, 0);
   double max_rel = 0;
   Arena arena;
-  if (against == "single" && o.parallel.tp > 1) {
-    max_rel = tensor_parallel_against_single(o, model, batch, grads, st.loss, out);
-  } else if (against == "single") {
+  if (against == "single") {
     max_rel = against_single(o, config, dtype, model, batch, out);
   } else if (against == "fd") {
     const size_t w = name_width(checked);

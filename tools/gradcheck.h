@@ -8,21 +8,21 @@
 //   against full (default for seco / spaco): the schedule's gradients against the full schedule's on
 //                the same model and batch; rel_err = ||a - b||_2 / ||b||_2 per tensor (worst element
 //                shown), and a row for the loss.
-//   against single (default with --dp N > 1): N data-parallel ranks as threads of the CPU backend
-//                (parallel/comm.h), each with batch / N of the --batch sequences, against one process
-//                on the whole batch, both under the same schedule: the loss and every gradient of
-//                the first step (with ZeRO 2 assembled from the ranks' shards), then every parameter
-//                after --optimizer-steps AdamW steps (the same batch each step). The ranks must hold
-//                bitwise the same parameters; with --zero 1|2 the run is repeated with zero 0 and the
-//                parameters must be bitwise identical to it. spaco: every rank draws the sample one
-//                process draws on the whole batch (optim/spaco.cpp), so the estimators are compared
-//                exactly like the exact schedules.
-//                With --tp N > 1 instead: N tensor-parallel ranks as threads, each holding its shard
-//                of the same initial model (parallel/tensor_parallel.h; --sequence-parallel,
-//                --tp-regather), run the schedule on the whole batch; their gradients of one step,
-//                assembled into the full tensors, and the loss against one process's. The replicated
-//                gradients and the loss must be the same bits on every rank. Each rank's activation
-//                high-water mark and reusable-buffer use are printed. (--dp with --tp: not yet.)
+//   against single (default with --dp N > 1 or --tp M > 1): N x M ranks as threads of the CPU backend
+//                (parallel/comm.h) on a DP x TP grid (parallel/grid.h): DP rank d takes sequences
+//                [d B/N, (d+1) B/N) of the --batch sequences, TP rank t holds shard t of the same
+//                initial model (parallel/tensor_parallel.h; --sequence-parallel, --tp-regather),
+//                every step through DataParallel on the DP group; against one process on the
+//                whole batch, both under the same schedule: the loss and every gradient of the
+//                first step (assembled from the TP shards, and with ZeRO 2 from the DP ranks'
+//                shards), then every parameter after --optimizer-steps AdamW steps (the same batch
+//                each step). The DP ranks of a TP shard must hold bitwise the same parameters (and
+//                gradients, without ZeRO 2), the TP ranks the same replicated tensors, every rank
+//                the same loss; with --zero 1|2 the run is repeated with zero 0 and the parameters
+//                must be bitwise identical to it. With --tp each TP rank's activation high-water
+//                mark and reusable-buffer use are printed. spaco: every rank draws the sample one
+//                process draws on the whole batch (optim/spaco.cpp), so the estimators are
+//                compared exactly like the exact schedules.
 // The run fails (non-zero exit) when max_rel_err exceeds --tol (1e-7 against fd, 1e-12 against full
 // and single in f64).
 // With --lora-rank r (and --lora-targets, --lora-alpha, --lora-dropout, --lora-seed) the model gets

@@ -339,7 +339,7 @@ TEST_CASE("cuda: LoRA training state in bf16: the base frozen in bf16 with no ma
           doctest::skip(!cw::test::gpu_ready())) {
   const LlamaConfig cfg = LlamaConfig::preset("small");
   const LoraConfig l = gpu_lora("all-linear", 0.05);
-  TrainingState st(cfg, DType::bf16, Device::gpu(0), AdamWOptions{}, true, l);
+  TrainingState st(cfg, DType::bf16, Device::gpu(0), AdamWOptions{}, true, nullptr, l);
   st.init(17, cfg.initializer_range);
   const ParamSet& base = st.model().params();
   const ParamSet& adapters = st.model().adapters();

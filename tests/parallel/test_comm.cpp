@@ -1,7 +1,8 @@
 // The threads backend of parallel/comm.h: every collective at group sizes 1-4 and odd lengths, f32 and
 // f64, bitwise against a serial rank-ordered sum (so bitwise identical across ranks), whatever the
-// threads' timing; asynchronous calls in flight together; and the failures that must not deadlock: a
-// rank that throws, a rank that returns early, and ranks whose calls disagree.
+// threads' timing; asynchronous calls in flight together; split into groups (by color, ordered by key,
+// nested); and the failures that must not deadlock: a rank that throws, a rank that returns early, and
+// ranks whose calls disagree, in the world or in a split group.
 //
 // The checks run on the main thread after run_thread_ranks returns: the ranks only record results.
 #include "engine/random.h"
@@ -61,7 +62,7 @@ bool contains(const std::string& text, const std::string& part) { return text.fi
 
 }  // namespace
 
-TEST_CASE("comm threads: all_reduce, reduce_scatter, all_gather, broadcast are rank-ordered and bitwise equal") {
+TEST_CASE("comm threads: all_reduce, reduce, reduce_scatter, all_gather, broadcast are rank-ordered and bitwise equal") {
   for (DType dtype : {DType::f64, DType::f32})
     for (int size = 1; size <= kMaxGroup; ++size)
       for (int64_t n : kLengths) {
@@ -75,7 +76,8 @@ TEST_CASE("comm threads: all_reduce, reduce_scatter, all_gather, broadcast are r
           shard_inputs.push_back(rank_input(dtype, n * size, r, seed + 1));
         }
         std::vector<OwnedTensor> reduced(static_cast<size_t>(size)), scattered(static_cast<size_t>(size)),
-            gathered(static_cast<size_t>(size)), broadcast(static_cast<size_t>(size));
+            gathered(static_cast<size_t>(size)), broadcast(static_cast<size_t>(size)), rooted(static_cast<size_t>(size));
+        const int root = size / 2;
         run_thread_ranks(size, [&](Communicator& comm) {
           const int r = comm.rank();
           REQUIRE(comm.size() == size);
@@ -93,6 +95,10 @@ TEST_CASE("comm threads: all_reduce, reduce_scatter, all_gather, broadcast are r
 
           broadcast[r] = rank_input(dtype, n, r, seed);
           comm.broadcast(broadcast[r], size - 1)->wait();
+
+          rooted[r] = rank_input(dtype, n, r, seed);
+          jitter(r, 3);
+          comm.reduce(rooted[r], root)->wait();
           comm.barrier();
         });
         const OwnedTensor sum = serial_sum(inputs, 0, n);
@@ -104,6 +110,8 @@ TEST_CASE("comm threads: all_reduce, reduce_scatter, all_gather, broadcast are r
           for (int q = 0; q < size; ++q)
             CHECK(same_bytes(gathered[r].tensor.slice(0, q * n, n), inputs[q].tensor.data));
           CHECK(same_bytes(broadcast[r], inputs[size - 1].tensor.data));
+          // reduce: the root gets the sum, every other rank keeps its own values.
+          CHECK(same_bytes(rooted[r], r == root ? sum.tensor.data : inputs[r].tensor.data));
         }
       }
 }
@@ -217,4 +225,109 @@ TEST_CASE("comm threads: a rank that returns while others wait, and ranks whose 
   });
   CHECK(contains(err, "the threads backend sums f64 or f32"));
   CHECK(contains(error_of([] { run_thread_ranks(0, [](Communicator&) {}); }), "at least one rank"));
+}
+
+TEST_CASE("comm threads: split makes groups by color ordered by key, nested; each sums its members in their order") {
+  // World of 6 as a grid of 2 rows x 3 columns, w = row * 3 + column. Rows keep the world order;
+  // columns are ranked by a descending key, so their order (and the order of their sums) is reversed.
+  const int size = 6, columns = 3;
+  const int64_t n = 7;
+  std::vector<OwnedTensor> inputs;
+  for (int w = 0; w < size; ++w) inputs.push_back(rank_input(DType::f64, n, w, 42));
+  std::vector<OwnedTensor> row_sum(size), column_sum(size), pair_gather(size);
+  std::vector<int> row_rank(size), row_size(size), column_rank(size), column_size(size), pair_size(size);
+  std::vector<char> outside(size);
+  run_thread_ranks(size, [&](Communicator& world) {
+    const int w = world.rank(), row = w / columns, column = w % columns;
+    jitter(w, 0);
+    const std::unique_ptr<Communicator> rows = world.split(row, column);
+    jitter(w, 1);
+    const std::unique_ptr<Communicator> cols = world.split(column, -row);
+    // Only the ranks of column 0 form a group; the others pass a negative color.
+    const std::unique_ptr<Communicator> none = world.split(column == 0 ? 5 : -1, 0);
+    outside[w] = none == nullptr;
+    row_rank[w] = rows->rank();
+    row_size[w] = rows->size();
+    column_rank[w] = cols->rank();
+    column_size[w] = cols->size();
+    row_sum[w] = rank_input(DType::f64, n, w, 42);
+    column_sum[w] = rank_input(DType::f64, n, w, 42);
+    // Both groups' collectives in flight at once, waited in the other order.
+    auto a = rows->all_reduce(row_sum[w]);
+    auto b = cols->all_reduce(column_sum[w]);
+    jitter(w, 2);
+    b->wait();
+    a->wait();
+    // A split of a split: each row into singletons {column 0} and {columns 1, 2}.
+    const std::unique_ptr<Communicator> pair = rows->split(column == 0 ? 0 : 1, column);
+    pair_size[w] = pair->size();
+    pair_gather[w] = OwnedTensor::of_shape(DType::f64, std::vector<int64_t>{n * pair->size()});
+    pair->all_gather(pair_gather[w], inputs[static_cast<size_t>(w)])->wait();
+    world.barrier();
+  });
+  for (int w = 0; w < size; ++w) {
+    CAPTURE(w);
+    const int row = w / columns, column = w % columns;
+    CHECK(row_rank[w] == column);
+    CHECK(row_size[w] == columns);
+    CHECK(column_rank[w] == 1 - row);  // key -row: row 1 first
+    CHECK(column_size[w] == 2);
+    CHECK(static_cast<bool>(outside[w]) == (column != 0));
+    std::vector<OwnedTensor> row_parts, column_parts;
+    for (int c = 0; c < columns; ++c) row_parts.push_back(rank_input(DType::f64, n, row * columns + c, 42));
+    for (int r : {1, 0}) column_parts.push_back(rank_input(DType::f64, n, r * columns + column, 42));  // key order
+    CHECK(same_bytes(row_sum[w], serial_sum(row_parts, 0, n).tensor.data));
+    CHECK(same_bytes(column_sum[w], serial_sum(column_parts, 0, n).tensor.data));
+    CHECK(pair_size[w] == (column == 0 ? 1 : 2));
+    if (column > 0)
+      for (int m = 0; m < 2; ++m)
+        CHECK(same_bytes(pair_gather[w].tensor.slice(0, m * n, n), inputs[static_cast<size_t>(row * columns + 1 + m)].tensor.data));
+  }
+}
+
+TEST_CASE("comm threads: a failure in one split group releases ranks waiting in another, and names the group") {
+  // Ranks {0, 1} and {2, 3}: rank 0 throws; rank 1 waits in its group, ranks 2 and 3 on the world.
+  std::vector<std::string> released(4);
+  std::string err = error_of([&] {
+    run_thread_ranks(4, [&](Communicator& world) {
+      const std::unique_ptr<Communicator> half = world.split(world.rank() / 2, world.rank());
+      OwnedTensor t = rank_input(DType::f64, 3, world.rank(), 5);
+      if (world.rank() == 0) fail("rank zero's own failure");
+      try {
+        if (world.rank() == 1) half->all_reduce(t)->wait();
+        else world.all_reduce(t)->wait();
+      } catch (const Error& e) {
+        released[world.rank()] = e.what();
+        throw;
+      }
+    });
+  });
+  CHECK(contains(err, "rank zero's own failure"));
+  for (int r : {1, 2, 3}) {
+    CAPTURE(released[r]);
+    CHECK(contains(released[r], "rank 0 failed: rank zero's own failure"));
+  }
+  CHECK(contains(released[1], "group of world ranks 0, 1"));
+
+  // Calls that disagree inside a group, and a member that returns while its group waits.
+  err = error_of([] {
+    run_thread_ranks(4, [](Communicator& world) {
+      const std::unique_ptr<Communicator> half = world.split(world.rank() / 2, world.rank());
+      OwnedTensor t(DType::f64, {world.rank() == 3 ? 4 : 3});
+      half->all_reduce(t)->wait();
+    });
+  });
+  CAPTURE(err);
+  CHECK(contains(err, "group of world ranks 2, 3: collective #0: rank 0 issued all_reduce f64 [3] but rank 1 issued "
+                      "all_reduce f64 [4]"));
+  err = error_of([] {
+    run_thread_ranks(4, [](Communicator& world) {
+      const std::unique_ptr<Communicator> half = world.split(world.rank() % 2, -world.rank());
+      if (world.rank() == 1) return;
+      OwnedTensor t(DType::f32, {2});
+      half->all_reduce(t)->wait();
+    });
+  });
+  CAPTURE(err);
+  CHECK(contains(err, "group of world ranks 3, 1: rank 1 returned after 0 collectives, but rank 0 issued collective #0"));
 }

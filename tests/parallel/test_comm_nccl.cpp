@@ -1,8 +1,8 @@
 // parallel/comm_nccl.h on the GPU machine: the whole path from launcher variables to collectives
-// (world size 1 on one GPU), a rank that never joins (rank 0 fails in the bootstrap, within its
-// timeout), and, where 2 GPUs are visible, real sums across two ranks (integer-valued data, so
-// every sum is exact in bf16 and compared bit for bit) and a collective one rank never issues
-// (the watchdog fails the other within the collective timeout, naming it).
+// (world size 1 on one GPU, split included), a rank that never joins (rank 0 fails in the bootstrap,
+// within its timeout), and, where 2 GPUs are visible, real sums across two ranks (integer-valued
+// data, so every sum is exact in bf16 and compared bit for bit), split groups, and a collective one
+// rank never issues (the watchdog fails the other within the collective timeout, naming it).
 #include "parallel/comm_nccl.h"
 
 #include "tests/gpu_support.h"
@@ -112,6 +112,10 @@ TEST_CASE("nccl: world size 1 from launcher variables, every collective on fresh
     test::GpuInput b = test::make_gpu_input(dt, {n}, seed, 4);
     comm->broadcast(b.dev, 0)->wait();
     expect_bits(b.dev, b.ref, "broadcast");
+
+    test::GpuInput to_root = test::make_gpu_input(dt, {n}, seed, 6);
+    comm->reduce(to_root.dev, 0)->wait();
+    expect_bits(to_root.dev, to_root.ref, "reduce");
   }
   // Zero elements: nothing to move, and nothing goes wrong.
   OwnedTensor empty = OwnedTensor::on(Device::gpu(0), DType::f32, {0});
@@ -130,9 +134,25 @@ TEST_CASE("nccl: world size 1 from launcher variables, every collective on fresh
   CHECK_THROWS_WITH_AS(comm->reduce_scatter(f32_small, f32), doctest::Contains("out has 7 elements, in 8"), Error);
   CHECK_THROWS_WITH_AS(comm->all_gather(f32, bf16), doctest::Contains("out is f32, in is bf16"), Error);
   CHECK_THROWS_WITH_AS(comm->broadcast(f32, 1), doctest::Contains("root 1 is not a rank of 1"), Error);
+  CHECK_THROWS_WITH_AS(comm->reduce(f32, 1), doctest::Contains("reduce: root 1 is not a rank of 1"), Error);
   const Tensor shifted = f32.tensor.slice(0, 1, 7), head = f32.tensor.slice(0, 0, 7);
   CHECK_THROWS_WITH_AS(comm->all_gather(shifted, head), doctest::Contains("out and in overlap"), Error);
   // The communicator still works after refusing them.
+  comm->barrier();
+
+  // split with one rank (what a DP x TP grid makes at world size 1): a communicator of its own, and
+  // none for a negative color; the parent goes on working beside it.
+  const std::unique_ptr<Communicator> own = comm->split(0, 0);
+  REQUIRE(own != nullptr);
+  CHECK(own->rank() == 0);
+  CHECK(own->size() == 1);
+  CHECK(own->device() == Device::gpu(0));
+  test::GpuInput z = test::make_gpu_input(DType::f32, {n}, seed, 5);
+  own->all_reduce(z.dev)->wait();
+  comm->all_reduce(z.dev)->wait();
+  expect_bits(z.dev, z.ref, "all_reduce on the split communicator and its parent");
+  own->barrier();
+  CHECK(comm->split(-1, 0) == nullptr);
   comm->barrier();
 }
 
@@ -200,7 +220,28 @@ TEST_CASE("nccl: two ranks on 2 GPUs sum, scatter, gather and broadcast exactly 
           OwnedTensor b = upload(input(r, 3, n), dt, r);
           comm->broadcast(b, 1)->wait();
           if (!same_bits(fetch(b), input(1, 3, n))) errors[r] += tag + "broadcast differs; ";
+
+          // reduce to rank 1 (in place): x0 + x1 there; rank 0's buffer is unspecified afterwards.
+          OwnedTensor to_root = upload(input(r, 0, n), dt, r);
+          comm->reduce(to_root, 1)->wait();
+          if (r == 1 && !same_bits(fetch(to_root), sum)) errors[r] += tag + "reduce differs; ";
         }
+        // split: one group ranked by a descending key (the ranks swap places), and a group each.
+        const std::unique_ptr<Communicator> reversed = comm->split(0, 1 - r), alone = comm->split(r, 0);
+        if (reversed->rank() != 1 - r || reversed->size() != 2) errors[r] += "split: reversed ranks wrong; ";
+        if (alone->rank() != 0 || alone->size() != 1) errors[r] += "split: a group of one is wrong; ";
+        OwnedTensor piece = upload(input(r, 4, n), DType::f32, r);
+        OwnedTensor gathered = poisoned(DType::f32, 2 * n, r);
+        reversed->all_gather(gathered, piece)->wait();
+        OwnedTensor swapped = OwnedTensor::of_shape(DType::f64, std::vector<int64_t>{2 * n});
+        for (int q = 0; q < 2; ++q) {
+          const OwnedTensor p = input(1 - q, 4, n);
+          for (int64_t i = 0; i < n; ++i) swapped.tensor.ptr<double>()[q * n + i] = p.tensor.ptr<double>()[i];
+        }
+        if (!same_bits(fetch(gathered), swapped)) errors[r] += "split: all_gather in key order differs; ";
+        OwnedTensor own = upload(input(r, 5, n), DType::f32, r);
+        alone->all_reduce(own)->wait();
+        if (!same_bits(fetch(own), input(r, 5, n))) errors[r] += "split: a group of one's all_reduce differs; ";
         comm->barrier();
       } catch (const std::exception& e) {
         errors[r] += e.what();

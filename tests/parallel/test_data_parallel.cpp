@@ -1,7 +1,8 @@
 // Data parallelism (parallel/data_parallel.h) on the threads backend, in f64 on the tiny model: ranks
 // against one process on the global batch (every schedule, DP = 2 and 3, ZeRO 0/1/2, through
 // `gradcheck --against single`), the normaliser when the ranks' label counts differ, micro-batch
-// accumulation, the buckets launched from inside the last backward, and the sharded AdamW.
+// accumulation, the buckets launched from inside the last backward (all-reduces, and ZeRO 2's reduces
+// to each shard's owner), and the sharded AdamW.
 #include "engine/random.h"
 #include "optim/adamw.h"
 #include "optim/training.h"
@@ -164,6 +165,50 @@ TEST_CASE("data parallel: the loss is normalised by the global label count, micr
   // Every bucket was launched from inside the last micro-batch's last backward, none before it.
   CHECK(steps[0].buckets > 5);
   CHECK(steps[0].buckets_in_backward == steps[0].buckets);
+}
+
+TEST_CASE("data parallel: ZeRO 2 reduces each bucket to its shard's owner from inside the last backward") {
+  // 5 ranks (the tiny model's 12264 parameters do not split evenly: the last shard holds the
+  // remainder), buckets small enough that several fall in each shard and some straddle a boundary.
+  const LlamaConfig c = tiny();
+  const ParamSet init = initial_params(c);
+  const Batch global = uneven_batch(10, 12, c.vocab_size);
+  const ScheduleOptions so{.name = "seco", .chunk = 5};
+  const int n = 5;
+  std::vector<DataParallelStep> steps(n * 2);
+  std::vector<ParamSet> grads(n * 2);
+  std::vector<int64_t> begin(n), end(n);
+  for (const int64_t zero : {0, 2})
+    run_thread_ranks(n, [&](Communicator& comm) {
+      const int r = comm.rank();
+      TrainingState st(c, DType::f64, Device::host(), AdamWOptions{}, /*full_optimizer=*/zero == 0);
+      st.load_master(init);
+      DataParallel dp(comm, st, ParallelOptions{.dp = n, .zero = zero, .bucket_mb = 0.004});
+      auto schedule = Schedule::create(so);
+      const size_t i = static_cast<size_t>(zero == 0 ? r : n + r);
+      std::vector<Batch> micro;
+      micro.push_back(rows(global, 2 * r, 2));
+      steps[i] = dp.compute_gradients(*schedule, micro, 3);
+      grads[i] = ParamSet(c, DType::f64);
+      copy_params(grads[i], st.grads());
+      begin[static_cast<size_t>(r)] = dp.shard_begin(r);
+      end[static_cast<size_t>(r)] = dp.shard_end(r);
+    });
+  REQUIRE(init.numel() % n != 0);
+  for (int r = 0; r < n; ++r) {
+    CAPTURE(r);
+    const DataParallelStep& plain = steps[static_cast<size_t>(r)];
+    const DataParallelStep& sharded = steps[static_cast<size_t>(n + r)];
+    // Every reduction launched inside the backward; the shard boundaries cut buckets, so there are more.
+    CHECK(sharded.buckets_in_backward == sharded.buckets);
+    CHECK(sharded.buckets > plain.buckets);
+    CHECK(plain.buckets > 2 * n);
+    CHECK(sharded.loss == plain.loss);
+    // The rank's shard of the reduced gradient: the bits of zero 0's all-reduce (rank-ordered sums).
+    const size_t b = static_cast<size_t>(begin[r]), e = static_cast<size_t>(end[r]);
+    CHECK(std::memcmp(grads[static_cast<size_t>(n + r)].flat().ptr<double>() + b,
+                      grads[static_cast<size_t>(r)].flat().ptr<double>() + b, (e - b) * sizeof(double)) == 0);
+  }
 }
 
 TEST_CASE("schedules: the last backward reports offsets that only decrease, and the gradient at and after each is final") {

@@ -10,15 +10,16 @@
 //   - under sequence parallelism each rank's replicated gradients are its rows' share (summing
 //     them over the ranks gives one process's), and every rank's K/V store holds 1/P of the heads;
 //   - regather keeps 2 (N - N/P) C values per layer fewer until the backward, exactly;
-//   - TP x DP = 2 x 2 (sub-groups emulated over the world group) equals one process;
+//   - TP x DP = 2 x 2 (parallel/grid.h: groups split from the world) equals one process under full,
+//     checkpointed and seco, with and without sequence parallelism, ZeRO 0/1/2 (gradcheck --dp 2 --tp 2);
 //   - bad input fails with one line naming the option.
 #include "engine/random.h"
 #include "model/llama.h"
 #include "optim/options.h"
+#include "parallel/grid.h"
 #include "parallel/tensor_parallel.h"
 #include "tests/support.h"
 #include "tools/gradcheck.h"
-#include "tools/train/run_config.h"
 
 #include <cstring>
 #include <optional>
@@ -242,7 +243,7 @@ TEST_CASE("tensor parallel: TP = 2 and 4 equal one process to 1e-12 (gradcheck -
         INFO(out.str());
         CHECK(rc == 0);
         CHECK(max_rel_err(out.str()) <= test::kSameMathF64Tol);
-        CHECK(out.str().find("ranks hold bitwise the same replicated gradients and loss: yes") != std::string::npos);
+        CHECK(out.str().find("the replicated tensors on every TP rank): yes") != std::string::npos);
       }
 }
 
@@ -349,10 +350,6 @@ TEST_CASE("tensor parallel: bad input fails with one line naming the option") {
   po = {};
   po.tp = 0;
   CHECK_THROWS_WITH_AS(po.validate(), doctest::Contains("parallel.tp must be >= 1"), Error);
-  // train does not start tensor-parallel ranks: it says so rather than running one process.
-  RunConfig rc = RunConfig::defaults();
-  rc.apply_override("parallel.tp=2");
-  CHECK_THROWS_WITH_AS(rc.validate(), doctest::Contains("parallel.tp = 2: chunkwise train does not start tensor-parallel ranks yet"), Error);
   // Sequence parallelism with a chunk of 2 x 3 tokens over 4 ranks.
   GradcheckOptions o;
   o.model = "tiny-tp";
@@ -368,135 +365,57 @@ TEST_CASE("tensor parallel: bad input fails with one line naming the option") {
   CHECK(run_gradcheck(o, out) == 0);
 }
 
-namespace {
-
-// A sub-group of a threads-backend world, emulated with world collectives (test-only: the threads
-// backend makes no sub-communicators yet). Every collective all-gathers every world rank's tensor
-// and each member keeps what its group's members sent, summing them in member order, so members get
-// the same bits. Valid because every world rank issues the same collectives in the same order with
-// the same sizes (TP x DP is SPMD: every TP group and every DP group runs the same program).
-class SubgroupCommunicator final : public Communicator {
- public:
-  SubgroupCommunicator(Communicator& world, std::vector<int> members)
-      : world_(world), members_(std::move(members)) {
-    for (size_t i = 0; i < members_.size(); ++i)
-      if (members_[i] == world.rank()) rank_ = static_cast<int>(i);
-    REQUIRE(rank_ >= 0);
-  }
-  int rank() const override { return rank_; }
-  int size() const override { return static_cast<int>(members_.size()); }
-  Device device() const override { return world_.device(); }
-  std::string backend() const override { return "threads subgroup"; }
-
-  std::unique_ptr<CommWork> all_reduce(const Tensor& t) override {
-    const OwnedTensor all = gather_world(t);
-    sum_members(t, all, t.numel(), 0);
-    return done();
-  }
-  std::unique_ptr<CommWork> reduce_scatter(const Tensor& out, const Tensor& in) override {
-    const OwnedTensor all = gather_world(in);
-    sum_members(out, all, in.numel(), rank_ * out.numel());
-    return done();
-  }
-  std::unique_ptr<CommWork> all_gather(const Tensor& out, const Tensor& in) override {
-    const OwnedTensor all = gather_world(in);
-    const size_t bytes = in.bytes();
-    for (size_t m = 0; m < members_.size(); ++m)
-      std::memcpy(static_cast<char*>(out.data) + m * bytes,
-                  static_cast<const char*>(all.tensor.data) + static_cast<size_t>(members_[m]) * bytes, bytes);
-    return done();
-  }
-  std::unique_ptr<CommWork> broadcast(const Tensor& t, int root) override {
-    const OwnedTensor all = gather_world(t);
-    std::memcpy(t.data, static_cast<const char*>(all.tensor.data) + static_cast<size_t>(members_[root]) * t.bytes(),
-                t.bytes());
-    return done();
-  }
-  void barrier() override { world_.barrier(); }
-
- private:
-  struct Done final : CommWork {
-    void wait() override {}
+TEST_CASE("tensor parallel x data parallel = 2 x 2 equals one process to 1e-12, ZeRO 0/1/2 (gradcheck --against single)") {
+  // World rank w = d * 2 + t on the grid of parallel/grid.h: DP rank d takes half the batch, TP rank
+  // t holds its shard; gradients, loss and the parameters after 3 AdamW steps against one process.
+  struct Schedule {
+    const char* name;
+    int64_t chunk, bwd_chunk;
   };
-  static std::unique_ptr<CommWork> done() { return std::make_unique<Done>(); }
+  const Schedule schedules[] = {{"full", 0, 0}, {"checkpointed", 0, 0}, {"seco", 6, 4}};
+  for (const Schedule& s : schedules)
+    for (const bool sp : {false, true})
+      for (const int64_t zero : {0, 1, 2}) {
+        GradcheckOptions o;
+        o.model = "tiny-tp";
+        o.seq = 16;
+        o.batch = 4;
+        o.schedule.name = s.name;
+        o.schedule.chunk = s.chunk;
+        o.schedule.bwd_chunk = s.bwd_chunk;
+        o.parallel.dp = 2;
+        o.parallel.tp = 2;
+        o.parallel.zero = zero;
+        o.parallel.sequence_parallel = sp;
+        o.parallel.tp_regather = sp;
+        o.parallel.bucket_mb = 0.01;
+        std::ostringstream out;
+        CAPTURE(s.name);
+        CAPTURE(sp);
+        CAPTURE(zero);
+        const int rc = run_gradcheck(o, out);
+        INFO(out.str());
+        CHECK(rc == 0);
+        CHECK(max_rel_err(out.str()) <= test::kSameMathF64Tol);
+        CHECK(out.str().find("the replicated tensors on every TP rank): yes") != std::string::npos);
+        if (zero > 0) CHECK(out.str().find("parameters bitwise identical") != std::string::npos);
+      }
+}
 
-  OwnedTensor gather_world(const Tensor& t) {
-    OwnedTensor all = OwnedTensor::of_shape(t.dtype, std::vector<int64_t>{world_.size() * t.numel()});
-    world_.all_gather(all, t.view({t.numel()}))->wait();
-    return all;
+TEST_CASE("tensor parallel x data parallel: a world that is not dp x tp ranks, and tp not dividing the heads") {
+  std::string err;
+  try {
+    run_thread_ranks(3, [](Communicator& world) { ParallelGrid grid(world, 2, 2); });
+  } catch (const Error& e) {
+    err = e.what();
   }
-  // out[i] = sum over members m, in order, of member m's element (offset + i) of a world slot of
-  // `stride` elements.
-  void sum_members(const Tensor& out, const OwnedTensor& all, int64_t stride, int64_t offset) const {
-    REQUIRE(out.dtype == DType::f64);
-    const double* a = all.tensor.ptr<double>();
-    double* o = static_cast<double*>(out.data);
-    for (int64_t i = 0; i < out.numel(); ++i) {
-      double s = a[members_[0] * stride + offset + i];
-      for (size_t m = 1; m < members_.size(); ++m) s += a[members_[m] * stride + offset + i];
-      o[i] = s;
-    }
-  }
-
-  Communicator& world_;
-  std::vector<int> members_;
-  int rank_ = -1;
-};
-
-}  // namespace
-
-TEST_CASE("tensor parallel x data parallel = 2 x 2 equals one process to 1e-12 (sub-groups emulated)") {
-  // World rank w = d * TP + t: DP rank d takes sequences [d B/DP, (d+1) B/DP); TP rank t holds its
-  // shard. The step's normaliser is the global batch's label count; afterwards the gradients are
-  // summed over the DP group (the data-parallel reduction) and the replicated ones over the TP group.
-  const int TP = 2, DP = 2;
-  Reference ref("tiny-tp", 4, 12);
-  for (const bool sp : {false, true}) {
-    CAPTURE(sp);
-    ScheduleOptions so;
-    so.name = "seco";
-    so.chunk = 4;
-    ParamSet single(ref.model.config(), DType::f64);
-    const StepStats single_stats = Schedule::create(so)->step(ref.model, ref.batch, single);
-    const double normaliser = static_cast<double>(ref.batch.supervised());
-    std::vector<std::optional<ParamSet>> grads(TP * DP);
-    std::vector<double> losses(TP * DP);
-    run_thread_ranks(TP * DP, [&](Communicator& world) {
-      const int w = world.rank(), d = w / TP, t = w % TP;
-      std::vector<int> tp_members, dp_members;
-      for (int i = 0; i < TP; ++i) tp_members.push_back(d * TP + i);
-      for (int i = 0; i < DP; ++i) dp_members.push_back(i * TP + t);
-      SubgroupCommunicator tp_comm(world, tp_members), dp_comm(world, dp_members);
-      TensorParallel group(tp_comm, {sp, sp});
-      LlamaModel shard(ref.model.full_config(), DType::f64, Device::host(), &group);
-      shard_parameters(shard.params(), ref.model.params(), t, TP);
-      const int64_t per = ref.batch.B() / DP;
-      Batch mine{OwnedTensor(DType::i32, {per, ref.batch.T()}), OwnedTensor(DType::i32, {per, ref.batch.T()})};
-      copy_convert(mine.ids, ref.batch.ids.tensor.slice(0, d * per, per));
-      copy_convert(mine.labels, ref.batch.labels.tensor.slice(0, d * per, per));
-      ParamSet& g = grads[static_cast<size_t>(w)].emplace(shard.config(), DType::f64);
-      const StepStats st = Schedule::create(so)->step(shard, mine, g, normaliser);
-      dp_comm.all_reduce(g.flat())->wait();
-      reduce_replicated_gradients(g, group);
-      OwnedTensor loss(DType::f64, {1});
-      loss.tensor.ptr<double>()[0] = st.loss;
-      dp_comm.all_reduce(loss)->wait();
-      losses[static_cast<size_t>(w)] = loss.tensor.ptr<double>()[0];
-    });
-    ParamSet assembled(ref.model.config(), DType::f64);
-    for (int t = 0; t < TP; ++t) unshard_parameters(assembled, *grads[static_cast<size_t>(t)], t, TP, t == 0);
-    for (size_t i = 0; i < single.size(); ++i) {
-      CAPTURE(single.specs()[i].name);
-      const test::Worst e = test::compare(assembled[i], single[i]);
-      INFO(e.str());
-      CHECK(e.rel <= test::kSameMathF64Tol);
-    }
-    for (int w = 0; w < TP * DP; ++w) {
-      CHECK(std::abs(losses[w] - single_stats.loss) <= test::kSameMathF64Tol * single_stats.loss);
-      // Every DP rank holds the same (reduced) shard as DP rank 0 with the same TP rank.
-      const ParamSet& a = *grads[static_cast<size_t>(w)];
-      const ParamSet& b = *grads[static_cast<size_t>(w % TP)];
-      CHECK(std::memcmp(a.flat().data, b.flat().data, a.bytes()) == 0);
-    }
-  }
+  CHECK(err.find("parallel.dp = 2 x parallel.tp = 2 is 4 ranks, but 3 were started") != std::string::npos);
+  GradcheckOptions o;
+  o.model = "tiny-tp";
+  o.batch = 2;
+  o.parallel.dp = 2;
+  o.parallel.tp = 3;
+  std::ostringstream out;
+  CHECK_THROWS_WITH_AS(run_gradcheck(o, out), doctest::Contains("parallel.tp = 3 does not divide num_attention_heads"),
+                       Error);
 }

@@ -435,10 +435,10 @@ void RunConfig::validate() const {
   schedule.validate();
   parallel.validate();
   lora.validate();
-  // Tensor parallelism runs in the library and gradcheck; train does not start TP ranks yet.
-  if (parallel.tp > 1)
-    fail(fmt::format("parallel.tp = {}: chunkwise train does not start tensor-parallel ranks yet", parallel.tp),
-         "set parallel.tp = 1; `chunkwise gradcheck --tp N` runs tensor parallelism (ranks as threads)");
+  if (lora.enabled() && parallel.tp > 1)
+    fail(fmt::format("lora.rank = {} with parallel.tp = {}: LoRA adapters with tensor parallelism are not implemented",
+                     lora.rank, parallel.tp),
+         "set parallel.tp = 1 (data parallelism works with LoRA: parallel.dp)");
   // A constant rate never reaches min_lr, so only a decay makes the pair inconsistent.
   if (optimizer.decay != "constant" && optimizer.min_lr > optimizer.lr)
     fail(fmt::format("optimizer.min_lr must be <= optimizer.lr ({}), got {}", optimizer.lr, optimizer.min_lr),

@@ -11,6 +11,8 @@
 #include "optim/schedule.h"
 #include "optim/training.h"
 #include "parallel/data_parallel.h"
+#include "parallel/grid.h"
+#include "parallel/tensor_parallel.h"
 #include "chunkwise_config.h"
 #include "engine/engine.h"
 #if CW_HAVE_CUDA
@@ -70,8 +72,77 @@ class NullBuffer : public std::streambuf {
   int overflow(int c) override { return c; }
 };
 
-// The file of rank r's optimizer shard in a checkpoint (ZeRO).
-std::string optimizer_shard_file(int rank) { return fmt::format("optimizer-rank-{:05}.safetensors", rank); }
+// The optimizer files of a checkpoint: one process's whole AdamW state; with ZeRO world rank w's
+// shard of it; without ZeRO but with tensor parallelism TP rank t's (the moments of its TP shard, the
+// same on every replica).
+constexpr const char* kOptimizerFile = "optimizer.safetensors";
+std::string optimizer_shard_file(int world_rank) { return fmt::format("optimizer-rank-{:05}.safetensors", world_rank); }
+std::string optimizer_tp_file(int tp_rank) { return fmt::format("optimizer-tp-{:05}.safetensors", tp_rank); }
+
+// `batch` with rows of token 0 and no labels appended up to `rows` rows: the loss and the supervised
+// count are the batch's.
+Batch with_unlabelled_rows(const Batch& batch, int64_t rows) {
+  const int64_t T = batch.T();
+  Batch padded{OwnedTensor(DType::i32, {rows, T}), OwnedTensor(DType::i32, {rows, T})};
+  std::fill_n(padded.labels.tensor.ptr<int32_t>(), rows * T, -100);
+  copy_convert(padded.ids.tensor.slice(0, 0, batch.B()), batch.ids);
+  copy_convert(padded.labels.tensor.slice(0, 0, batch.B()), batch.labels);
+  return padded;
+}
+
+// This rank's place in a parallel run; all null for one process.
+struct RankGroups {
+  Communicator* world = nullptr;  // every rank: barriers, the agreed stop
+  ParallelGrid* grid = nullptr;   // its TP and DP groups
+  DataParallel* dp = nullptr;     // the gradient reduction and the optimizer over the DP group
+  TensorParallel* tp = nullptr;   // tp > 1: the rank's tensor-parallel group, the model's
+
+  int world_rank() const { return world ? world->rank() : 0; }
+  int world_size() const { return world ? world->size() : 1; }
+  int tp_rank() const { return grid ? grid->tp_rank() : 0; }
+  int tp_size() const { return grid ? grid->tp_size() : 1; }
+  bool lead() const { return world_rank() == 0; }  // prints, logs and writes the shared files
+  // The first replica's TP ranks: they hold the model together, so they evaluate, assemble the whole
+  // weights and sample together (collectives of their TP group).
+  bool first_replica() const { return !grid || grid->dp_rank() == 0; }
+  int zero() const { return dp ? dp->zero() : 0; }
+
+  // The optimizer file this rank writes into a checkpoint and reads on resume; "" when it writes none.
+  std::string optimizer_file() const { return optimizer_file_of(world_rank()); }
+  std::string optimizer_file_of(int w) const {
+    if (zero() > 0) return optimizer_shard_file(w);
+    if (tp_size() > 1) return w < tp_size() ? optimizer_tp_file(w) : "";  // replica 0's TP ranks: w = t
+    return w == 0 ? kOptimizerFile : "";
+  }
+  // Which file this rank reads on resume (zero 0 with TP: its TP shard's, whoever wrote it).
+  std::string optimizer_file_to_read() const {
+    if (zero() == 0 && tp_size() > 1) return optimizer_tp_file(tp_rank());
+    return zero() > 0 ? optimizer_shard_file(world_rank()) : kOptimizerFile;
+  }
+};
+
+// The whole model's master weights on the host: with tensor parallelism assembled from the TP group's
+// shards (a collective of the first replica's TP ranks; the other replicas get nothing), else rank
+// 0's own (the other ranks get nothing).
+std::optional<ParamSet> whole_master(TrainingState& state, const LlamaConfig& full_config, const RankGroups& g) {
+  if (!g.tp) return g.lead() ? std::optional<ParamSet>(state.master_on_host()) : std::nullopt;
+  if (!g.first_replica()) return std::nullopt;
+  ParamSet full(full_config, state.master_dtype());
+  gather_parameters(full, state.master(), g.tp->communicator());
+  return full;
+}
+
+// The whole model's master weights (host) into this rank's state: its TP shard of them with tensor
+// parallelism.
+void load_whole_master(TrainingState& state, const ParamSet& full, const RankGroups& g) {
+  if (!g.tp) {
+    state.load_master(full);
+    return;
+  }
+  ParamSet shard(state.model().config(), full.dtype());
+  shard_parameters(shard, full, g.tp_rank(), g.tp_size());
+  state.load_master(shard);
+}
 
 double rss_mib() {
   std::ifstream f("/proc/self/statm");
@@ -148,14 +219,19 @@ DType resolve_train_dtype(const std::string& setting, Device device) {
 }
 
 // Loads a checkpoint's weights (any stored dtype), or a GGUF file's (dequantized), as the run's
-// base weights: its master weights, or under LoRA its frozen compute weights.
-void load_base_from(TrainingState& state, const std::string& source) {
-  ParamSet host(state.model().config(), state.lora() ? accum_dtype(state.model().dtype()) : state.master_dtype());
+// base weights: its master weights (the rank's TP shard of them), or under LoRA its frozen compute
+// weights.
+void load_base_from(TrainingState& state, const LlamaConfig& full_config, const std::string& source,
+                    const RankGroups& g) {
+  ParamSet host(full_config, state.lora() ? accum_dtype(state.model().dtype()) : state.master_dtype());
   if (is_gguf_file(source))
     load_gguf_weights(host, GgufReader(source));
   else
     load_checkpoint_weights(host, source);
-  state.load_base(host);
+  if (state.lora())
+    state.load_base(host);  // (LoRA runs without tensor parallelism)
+  else
+    load_whole_master(state, host, g);
 }
 
 // LoRA: the adapters of a PEFT directory (a checkpoint of this run, or model.adapter) as the master
@@ -256,14 +332,16 @@ struct Progress {
 
 // Resume from the run directory's latest complete checkpoint (weights, optimizer moments, step,
 // sampler position, metrics truncated after it), or load the model.source checkpoint, or initialise.
-// With data parallelism every rank reads the same checkpoint (weights, state.json) and its own
-// optimizer shard; rank 0 alone truncates the metrics.
+// In a parallel run every rank reads the same checkpoint (the whole weights, state.json), takes its
+// TP shard of the weights, and reads its own optimizer file; rank 0 alone truncates the metrics.
+// A random initialisation with tensor parallelism draws the whole model and shards it, so the run
+// starts from the weights one process starts from.
 // Under LoRA the base always comes from model.source (a checkpoint, a GGUF file, or the seeded random
 // initialisation of a preset or config), frozen; the adapters from the checkpoint (PEFT files), else
 // model.adapter, else PEFT's initialisation from lora.seed.
-Progress resume_or_initialise(const RunConfig& rc, bool resume, RunDirectory& run_dir, const std::string& run_path,
-                              const std::string& metrics_path, TrainingState& state, WindowSampler& sampler,
-                              DataParallel* dp, std::ostream& out) {
+Progress resume_or_initialise(const RunConfig& rc, const LlamaConfig& full_config, bool resume, RunDirectory& run_dir,
+                              const std::string& run_path, const std::string& metrics_path, TrainingState& state,
+                              WindowSampler& sampler, const RankGroups& g, std::ostream& out) {
   Progress p;
   const bool lora = state.lora();
   const bool source_has_weights =
@@ -272,7 +350,7 @@ Progress resume_or_initialise(const RunConfig& rc, bool resume, RunDirectory& ru
        (fs::exists(fs::path(rc.model.source) / "model.safetensors") ||
         fs::exists(fs::path(rc.model.source) / "model.safetensors.index.json")));
   if (lora) {
-    if (source_has_weights) load_base_from(state, rc.model.source);
+    if (source_has_weights) load_base_from(state, full_config, rc.model.source, g);
     else state.init(rc.model.init_seed, state.model().config().initializer_range);
     if (!resume) {
       if (!rc.model.adapter.empty()) load_adapter_from(state, rc.model.adapter);
@@ -287,7 +365,7 @@ Progress resume_or_initialise(const RunConfig& rc, bool resume, RunDirectory& ru
       fail(fmt::format("--resume: no complete checkpoint in '{}'", run_path),
            "start without --resume, or point --run-dir at the run to continue");
     if (lora) load_adapter_from(state, ref->path);
-    else load_base_from(state, ref->path);
+    else load_base_from(state, full_config, ref->path, g);
     std::ifstream sf(fs::path(ref->path) / "state.json");
     nlohmann::json saved;
     try {
@@ -298,25 +376,38 @@ Progress resume_or_initialise(const RunConfig& rc, bool resume, RunDirectory& ru
     // A sharded optimizer state resumes only on the layout that wrote it.
     const int64_t saved_dp = saved.contains("parallel") ? saved["parallel"].value("dp", int64_t{1}) : 1;
     const int64_t saved_zero = saved.contains("parallel") ? saved["parallel"].value("zero", int64_t{0}) : 0;
-    const int64_t run_dp = dp ? dp->size() : 1, run_zero = dp ? dp->zero() : 0;  // one process: whole state
+    const int64_t saved_tp = saved.contains("parallel") ? saved["parallel"].value("tp", int64_t{1}) : 1;
+    const int64_t run_dp = g.dp ? g.dp->size() : 1, run_zero = g.zero(), run_tp = g.tp_size();  // one process: whole state
+    const char* keep_hint =
+        "resume with the checkpoint's parallel.dp, parallel.tp and parallel.zero (its weights are a whole HF "
+        "checkpoint: model.source can start a new run from them)";
+    if (saved_tp != run_tp)
+      fail(fmt::format("{}: the checkpoint was written with parallel.tp = {}; this run has {} (its optimizer state is "
+                       "split by TP shards)",
+                       ref->path, saved_tp, run_tp),
+           keep_hint);
     if ((saved_zero > 0 || run_zero > 0) && (saved_dp != run_dp || saved_zero != run_zero))
       fail(fmt::format("{}: the checkpoint was written with parallel.dp = {} and parallel.zero = {}; this run has {} and {}",
                        ref->path, saved_dp, saved_zero, run_dp, run_zero),
-           "resume with the checkpoint's parallel.dp and parallel.zero (its weights are a whole HF checkpoint: "
-           "model.source can start a new run from them)");
-    if (dp && dp->optimizer_shard())
-      dp->optimizer_shard()->load((fs::path(ref->path) / optimizer_shard_file(dp->rank())).string());
+           keep_hint);
+    const std::string optimizer_path = (fs::path(ref->path) / g.optimizer_file_to_read()).string();
+    if (g.dp && g.dp->optimizer_shard())
+      g.dp->optimizer_shard()->load(optimizer_path);
     else
-      state.optimizer().load((fs::path(ref->path) / "optimizer.safetensors").string());
+      state.optimizer().load(optimizer_path);
     p.step = saved.at("step").get<int64_t>();
     p.tokens_seen = saved.at("tokens_seen").get<int64_t>();
     sampler.restore(SamplerState::from_json(saved.at("sampler"), ref->path + "/state.json"));
-    if (!dp || dp->rank() == 0) truncate_metrics_after(metrics_path, p.step);
+    if (g.lead()) truncate_metrics_after(metrics_path, p.step);
     out << fmt::format("resumed from {} (step {})\n", ref->path, p.step);
   } else if (lora) {
     // done above
   } else if (source_has_weights) {
-    load_base_from(state, rc.model.source);
+    load_base_from(state, full_config, rc.model.source, g);
+  } else if (g.tp) {
+    ParamSet full(full_config, state.master_dtype());
+    init_parameters(full, rc.model.init_seed, full_config.initializer_range);
+    load_whole_master(state, full, g);
   } else {
     state.init(rc.model.init_seed, state.model().config().initializer_range);
   }
@@ -355,6 +446,10 @@ void print_header(const RunConfig& rc, const Placement& p, const TrainData& data
   if (dp > 1)
     out << fmt::format("data parallel: {} ranks, zero {}, gradient buckets of {} MiB\n", dp, rc.parallel.zero,
                        rc.parallel.bucket_mb);
+  if (rc.parallel.tp > 1)
+    out << fmt::format("tensor parallel: {} ranks per data-parallel rank ({} ranks in all), sequence parallel {}, "
+                       "regather {}\n",
+                       rc.parallel.tp, dp * rc.parallel.tp, rc.parallel.sequence_parallel, rc.parallel.tp_regather);
   out << "config:\n" << rc.to_toml() << "\n";
   out.flush();
 }
@@ -364,18 +459,17 @@ void print_header(const RunConfig& rc, const Placement& p, const TrainData& data
 // checkpoints, and stopping on a signal or --stop-after.
 class TrainLoop {
  public:
-  // dp: this rank's data-parallel group (null: one process); metrics: null on ranks other than 0.
+  // groups: this rank's place (all null: one process); metrics: null on ranks other than 0.
   TrainLoop(const RunConfig& rc, const TrainOptions& opt, const Placement& placement, const WindowSplit& split,
             TrainingState& state, Schedule& schedule, WindowSampler& sampler, RunDirectory& run_dir,
-            MetricsLog* metrics, const ByteTokenizer& tokenizer, DataParallel* dp, Communicator* comm,
-            std::ostream& out)
+            MetricsLog* metrics, const ByteTokenizer& tokenizer, const RankGroups& groups, std::ostream& out)
       : rc_(rc), opt_(opt), placement_(placement), split_(split), state_(state), schedule_(schedule),
-        sampler_(sampler), run_dir_(run_dir), metrics_(metrics), tokenizer_(tokenizer), dp_(dp), comm_(comm),
-        lead_(!dp || dp->rank() == 0), out_(out),
+        sampler_(sampler), run_dir_(run_dir), metrics_(metrics), tokenizer_(tokenizer), groups_(groups),
+        dp_(groups.dp), comm_(groups.world), lead_(groups.lead()), out_(out),
         lr_schedule_{rc.optimizer.lr, rc.optimizer.min_lr, rc.optimizer.warmup_steps, rc.train.steps,
                      LrSchedule::parse(rc.optimizer.decay)},
         eval_arena_(placement.device),
-        tty_(isatty(STDOUT_FILENO) && &out == &std::cout && (!dp || dp->rank() == 0)) {}
+        tty_(isatty(STDOUT_FILENO) && &out == &std::cout && groups.lead()) {}
 
   // Runs to the end (or a stop), filling result's last step, loss, eval loss and interrupted.
   void run(Progress progress, TrainResult& result) {
@@ -404,12 +498,15 @@ class TrainLoop {
                std::chrono::duration<double>(t1 - t_loop).count());
       if (step == start_step_ + 1) report_memory(step, o.stats);
       const bool last = step == rc_.train.steps;
-      if (lead_ && ((rc_.eval.every > 0 && step % rc_.eval.every == 0) || last)) {  // the same weights on every rank
+      // Every replica holds the same weights: the first one evaluates (its TP ranks together).
+      if (groups_.first_replica() && ((rc_.eval.every > 0 && step % rc_.eval.every == 0) || last)) {
         const double el = evaluate();
-        metrics_->append({{"step", step}, {"eval_loss", el}, {"tokens", tokens_seen_}});
         result.last_eval_loss = el;
-        out_ << clear_line() << fmt::format("step {:>5}: eval loss {:.4f} ({:.3f} bits per token)\n", step, el,
-                                            el / std::log(2.0));
+        if (metrics_) {
+          metrics_->append({{"step", step}, {"eval_loss", el}, {"tokens", tokens_seen_}});
+          out_ << clear_line() << fmt::format("step {:>5}: eval loss {:.4f} ({:.3f} bits per token)\n", step, el,
+                                              el / std::log(2.0));
+        }
       }
       const bool stop = agreed(g_signals.load() > 0) || (opt_.stop_after > 0 && step - start_step_ >= opt_.stop_after && !last);
       if ((rc_.checkpoint.every > 0 && step % rc_.checkpoint.every == 0) || last || stop) save(step);
@@ -437,9 +534,9 @@ class TrainLoop {
   }
   // Whether any rank says so (a signal reaches the ranks at different moments; they must stop together).
   bool agreed(bool any) {
-    if (!dp_) return any;
+    if (!comm_) return any;
     std::vector<double> flag{any ? 1.0 : 0.0};
-    dp_->sum_over_ranks(flag);
+    sum_host_values(*comm_, flag);
     return flag[0] > 0;
   }
   const char* clear_line() const { return tty_ ? "\r\033[K" : ""; }
@@ -540,7 +637,8 @@ class TrainLoop {
   }
 
   // The mean loss over eval.batches batches of the eval windows, in order.
-  // Data parallel: rank 0 alone, with batches of the global batch size (as one process would).
+  // Parallel: the first replica alone (its TP ranks together), with batches of the global batch size
+  // (as one process would).
   double evaluate() {
     const int64_t B = rc_.data.batch_size * rc_.parallel.dp, T = rc_.data.seq_len;
     double sum = 0;
@@ -549,7 +647,11 @@ class TrainLoop {
     for (int64_t i = 0; i < n; ++i) {
       const std::vector<uint32_t> w = split_.eval.batch_in_order(i, B);
       const int64_t rows = static_cast<int64_t>(w.size()) / (T + 1);
-      const Batch batch = window_batch(w, rows, T);
+      Batch batch = window_batch(w, rows, T);
+      // Sequence parallelism splits a chunk's rows x tokens over the TP ranks: a last, shorter batch
+      // gets rows without labels up to a multiple of tp (they add nothing to the loss or the count).
+      if (groups_.tp && groups_.tp->sequence_parallel() && rows % groups_.tp_size() != 0)
+        batch = with_unlabelled_rows(batch, (rows / groups_.tp_size() + 1) * groups_.tp_size());
       sum += batch_loss(state_.model(), batch, rc_.schedule.chunk, eval_arena_) * static_cast<double>(batch.supervised());
       count += batch.supervised();
     }
@@ -558,18 +660,30 @@ class TrainLoop {
 
   // A checkpoint: the master weights (f32 for a bf16 run, so that a resume continues bit-exactly),
   // the optimizer moments, the step, token count and sampler position, the config.
-  // Data parallel: rank 0 writes the shared files (every rank holds the same master weights and
-  // sampler state); with ZeRO the other ranks first write their optimizer shards into a staging
-  // directory named like a checkpoint temporary (so a crash leaves nothing a resume reads, and
-  // remove_stale_temporaries deletes it), and rank 0 moves them into the checkpoint before its
-  // manifest is written. Barriers order the three phases.
+  // Parallel: rank 0 writes the shared files: the whole master weights as one HF checkpoint (with
+  // tensor parallelism assembled from the first replica's TP shards) and state.json (every rank holds
+  // the same sampler state). Each rank that holds optimizer state no other rank holds writes it
+  // (RankGroups::optimizer_file): the others first into a staging directory named like a checkpoint
+  // temporary (so a crash leaves nothing a resume reads, and remove_stale_temporaries deletes it),
+  // and rank 0 moves them into the checkpoint before its manifest is written. Barriers order the
+  // three phases.
   void save(int64_t step) {
     const SamplerState ss = sampler_.state();
+    const std::optional<ParamSet> weights = whole_master(state_, placement_.model, groups_);
     const AdamWShard* shard = dp_ ? dp_->optimizer_shard() : nullptr;
     const fs::path staging = fs::path(run_dir_.path()) / fmt::format(".{}.tmp-shards", checkpoint_dir_name(step));
-    if (shard && !lead_) {
+    const auto save_optimizer = [&](const fs::path& path) {
+      if (shard)
+        shard->save(path.string());
+      else
+        state_.optimizer().save(path.string());
+    };
+    const std::string mine = groups_.optimizer_file();
+    bool staged_any = false;
+    for (int w = 1; w < groups_.world_size(); ++w) staged_any = staged_any || !groups_.optimizer_file_of(w).empty();
+    if (!mine.empty() && !lead_) {
       fs::create_directories(staging);
-      shard->save((staging / optimizer_shard_file(dp_->rank())).string());
+      save_optimizer(staging / mine);
     }
     if (comm_) comm_->barrier();
     if (lead_)
@@ -580,25 +694,22 @@ class TrainLoop {
             if (state_.lora())
               save_peft_adapter(state_.master(), placement_.lora, dir, rc_.model.source, state_.master_dtype());
             else
-              save_checkpoint_weights(state_.master_on_host(), placement_.model, dir, state_.master_dtype());
-            if (shard) {
-              shard->save((fs::path(dir) / optimizer_shard_file(0)).string());
-              for (int r = 1; r < dp_->size(); ++r)
-                fs::rename(staging / optimizer_shard_file(r), fs::path(dir) / optimizer_shard_file(r));
-            } else {
-              state_.optimizer().save((fs::path(dir) / "optimizer.safetensors").string());
-            }
+              save_checkpoint_weights(*weights, placement_.model, dir, state_.master_dtype());
+            save_optimizer(fs::path(dir) / mine);
+            for (int w = 1; w < groups_.world_size(); ++w)
+              if (const std::string file = groups_.optimizer_file_of(w); !file.empty())
+                fs::rename(staging / file, fs::path(dir) / file);
             nlohmann::json saved = {{"step", step},
                                     {"tokens_seen", tokens_seen_},
                                     {"sampler", ss.to_json()},
                                     {"tokenizer", tokenizer_.to_json()}};
-            if (dp_) saved["parallel"] = {{"dp", dp_->size()}, {"zero", dp_->zero()}};
+            if (dp_) saved["parallel"] = {{"dp", dp_->size()}, {"zero", dp_->zero()}, {"tp", groups_.tp_size()}};
             write_text_atomic((fs::path(dir) / "state.json").string(), saved.dump(2) + "\n");
             write_text_atomic((fs::path(dir) / "run.toml").string(), rc_.to_toml());
           },
           rc_.checkpoint.keep_last);
-    if (lead_ && shard) fs::remove_all(staging);
-    if (comm_) comm_->barrier();  // no rank stages the next checkpoint's shard before this one is complete
+    if (lead_ && staged_any) fs::remove_all(staging);
+    if (comm_) comm_->barrier();  // no rank stages the next checkpoint's files before this one is complete
   }
 
   const RunConfig& rc_;
@@ -611,6 +722,7 @@ class TrainLoop {
   RunDirectory& run_dir_;
   MetricsLog* metrics_;
   const ByteTokenizer& tokenizer_;
+  const RankGroups& groups_;
   DataParallel* dp_;
   Communicator* comm_;
   const bool lead_;
@@ -621,9 +733,10 @@ class TrainLoop {
   int64_t start_step_ = 0, tokens_seen_ = 0;
 };
 
-// The text the trained model continues from sample.prompt (on the host, from the master weights;
-// under LoRA the frozen base's compute weights and the adapters' master weights).
-void print_sample(const RunConfig& rc, const LlamaConfig& mc, TrainingState& state, const ByteTokenizer& tokenizer,
+// The text the trained model continues from sample.prompt (on the host, from the whole master
+// weights; under LoRA the frozen base's compute weights and the adapters' master weights).
+void print_sample(const RunConfig& rc, const LlamaConfig& mc, TrainingState& state, const ParamSet& weights,
+                  const ByteTokenizer& tokenizer,
                   std::ostream& out) {
   SampleOptions so;
   so.prompt = rc.sample.prompt;
@@ -632,9 +745,13 @@ void print_sample(const RunConfig& rc, const LlamaConfig& mc, TrainingState& sta
   so.top_k = rc.sample.top_k;
   so.top_p = rc.sample.top_p;
   so.seed = rc.sample.seed;
-  LlamaModel host_model(mc, state.master_dtype(), Device::host(), nullptr, state.model().lora());
-  copy_params(host_model.params(), state.base_on_host(state.master_dtype()));
-  if (state.lora()) copy_params(host_model.adapters(), state.master_on_host());
+  LlamaModel host_model(mc, weights.dtype(), Device::host(), nullptr, state.model().lora());
+  if (state.lora()) {
+    copy_params(host_model.params(), state.base_on_host(weights.dtype()));
+    copy_params(host_model.adapters(), weights);
+  } else {
+    copy_params(host_model.params(), weights);
+  }
   out << "sample:\n" << rc.sample.prompt << generate(host_model, tokenizer, so) << "\n";
 }
 }  // namespace
@@ -650,18 +767,22 @@ std::string demo_data_path() {
 
 
 namespace {
-// parallel.dp > 1 without a communicator: the ranks as threads of this process (the CPU's threads
-// backend), rank 0 printing to `out`. They must agree on the run directory, so it is fixed here.
+// parallel.dp x parallel.tp > 1 without a communicator: the ranks as threads of this process (the
+// CPU's threads backend), rank 0 printing to `out`. They must agree on the run directory, so it is
+// fixed here.
 TrainResult train_on_threads(const RunConfig& rc, const TrainOptions& opt, std::ostream& out) {
+  const int64_t ranks = rc.parallel.dp * rc.parallel.tp;
   if (!resolve_train_device(rc.train.device).is_cpu())
-    fail(fmt::format("parallel.dp = {} on GPUs needs one process per GPU", rc.parallel.dp),
-         "launch the ranks with torchrun, mpirun or srun (one per GPU), or set train.device = cpu to run them as "
-         "threads");
+    fail(fmt::format("parallel.dp = {} x parallel.tp = {} on GPUs needs one process per GPU", rc.parallel.dp,
+                     rc.parallel.tp),
+         fmt::format("launch {} ranks with torchrun, mpirun or srun (one per GPU), or set train.device = cpu to run "
+                     "them as threads",
+                     ranks));
   TrainOptions shared = opt;
   if (shared.run_dir.empty()) shared.run_dir = !rc.log.run_dir.empty() ? rc.log.run_dir : default_run_dir();
   TrainResult result;
   SignalGuard signals;  // one for every rank: a signal stops them together (TrainLoop::agreed)
-  run_thread_ranks(static_cast<int>(rc.parallel.dp), [&](Communicator& comm) {
+  run_thread_ranks(static_cast<int>(ranks), [&](Communicator& comm) {
     TrainResult r = run_training(rc, shared, out, &comm);
     if (comm.rank() == 0) result = r;
   });
@@ -671,10 +792,13 @@ TrainResult train_on_threads(const RunConfig& rc, const TrainOptions& opt, std::
 
 TrainResult run_training(const RunConfig& rc, const TrainOptions& opt, std::ostream& out, Communicator* comm) {
   rc.validate();
-  if (!comm && rc.parallel.dp > 1) return train_on_threads(rc, opt, out);
-  if (comm && comm->size() != rc.parallel.dp)
-    fail(fmt::format("parallel.dp = {} but {} ranks were launched", rc.parallel.dp, comm->size()),
-         "set parallel.dp (--set parallel.dp=N) to the number of ranks");
+  const int64_t ranks = rc.parallel.dp * rc.parallel.tp;
+  if (!comm && ranks > 1) return train_on_threads(rc, opt, out);
+  if (comm && comm->size() != ranks)
+    fail(fmt::format("parallel.dp = {} x parallel.tp = {} is {} ranks, but {} were launched", rc.parallel.dp,
+                     rc.parallel.tp, ranks, comm->size()),
+         "set parallel.dp and parallel.tp (--set parallel.dp=N --set parallel.tp=M) so that dp x tp is the number of "
+         "ranks launched");
   const bool lead = !comm || comm->rank() == 0;
   NullBuffer null_buffer;
   std::ostream silent(&null_buffer);
@@ -683,7 +807,7 @@ TrainResult run_training(const RunConfig& rc, const TrainOptions& opt, std::ostr
   TrainResult result;
   result.run_dir = !opt.run_dir.empty() ? opt.run_dir : (!rc.log.run_dir.empty() ? rc.log.run_dir : default_run_dir());
   if (comm && comm->size() > 1 && opt.run_dir.empty() && rc.log.run_dir.empty())
-    fail("data parallel ranks need the same run directory", "give --run-dir or log.run_dir");
+    fail("parallel ranks need the same run directory", "give --run-dir or log.run_dir");
   const bool resume = opt.resume || rc.checkpoint.resume;
 
   Placement placement = resolve_placement(rc);
@@ -694,15 +818,27 @@ TrainResult run_training(const RunConfig& rc, const TrainOptions& opt, std::ostr
     placement.device = comm->device();
   }
   const LlamaConfig& mc = placement.model;
+  // What one rank holds: with tensor parallelism 1/tp of every block's heads and FFN (this says at
+  // once when tp does not divide them).
+  const LlamaConfig rank_config = rc.parallel.tp > 1 ? tp_shard_config(mc, rc.parallel.tp) : mc;
   const ByteTokenizer tokenizer;
   const TrainData data = load_data(rc, mc);
   WindowSampler sampler(data.split.train, rc.data.seed);  // the same on every rank (next_rank_batch)
-  const double planned = check_memory(placement, rc);
+  const double planned = check_memory({rank_config, placement.device, placement.dtype}, rc);
 
+  // The grid (parallel/grid.h): the world split into this rank's TP and DP groups; at world size 1
+  // (a launcher with one process) groups of one, through the same path.
+  std::optional<ParallelGrid> grid;
+  if (comm) grid.emplace(*comm, rc.parallel.dp, rc.parallel.tp);
+  std::optional<TensorParallel> tensor_parallel;
+  if (rc.parallel.tp > 1) tensor_parallel.emplace(grid->tp(), TensorParallelOptions{rc.parallel.sequence_parallel,
+                                                                                      rc.parallel.tp_regather});
+  TensorParallel* tp = tensor_parallel ? &*tensor_parallel : nullptr;
   TrainingState state(mc, placement.dtype, placement.device, adamw_options(rc),
-                      /*full_optimizer=*/rc.parallel.zero == 0 || !comm, placement.lora);
+                      /*full_optimizer=*/rc.parallel.zero == 0 || !comm, tp, placement.lora);
   std::optional<DataParallel> dp;
-  if (comm) dp.emplace(*comm, state, rc.parallel);
+  if (comm) dp.emplace(grid->dp(), state, rc.parallel, tp);
+  const RankGroups groups{comm, grid ? &*grid : nullptr, dp ? &*dp : nullptr, tp};
   auto schedule = Schedule::create(rc.schedule_options());
 
   RunDirectory run_dir(result.run_dir);
@@ -710,7 +846,7 @@ TrainResult run_training(const RunConfig& rc, const TrainOptions& opt, std::ostr
   if (comm) comm->barrier();  // before any rank reads the directory or stages into it
   const std::string metrics_path = (fs::path(result.run_dir) / "metrics.jsonl").string();
   const Progress progress =
-      resume_or_initialise(rc, resume, run_dir, result.run_dir, metrics_path, state, sampler, dp ? &*dp : nullptr, log);
+      resume_or_initialise(rc, mc, resume, run_dir, result.run_dir, metrics_path, state, sampler, groups, log);
   std::optional<MetricsLog> metrics;
   if (lead) {
     write_text_atomic((fs::path(result.run_dir) / "config.toml").string(), rc.to_toml());
@@ -720,7 +856,7 @@ TrainResult run_training(const RunConfig& rc, const TrainOptions& opt, std::ostr
   print_header(rc, placement, data, planned, result.run_dir, log);
 
   TrainLoop(rc, opt, placement, data.split, state, *schedule, sampler, run_dir, metrics ? &*metrics : nullptr,
-            tokenizer, dp ? &*dp : nullptr, comm, log)
+            tokenizer, groups, log)
       .run(progress, result);
 
   const int64_t step = result.last_step;
@@ -733,7 +869,10 @@ TrainResult run_training(const RunConfig& rc, const TrainOptions& opt, std::ostr
   log << fmt::format("done: step {}, loss {:.4f}{}, {} in {}\n", step, last_loss,
                      result.last_eval_loss ? fmt::format(", eval loss {:.4f}", *result.last_eval_loss) : "",
                      result.interrupted ? "interrupted" : "finished", duration(total));
-  if (lead && opt.print_sample && !result.interrupted && rc.sample.tokens > 0) print_sample(rc, mc, state, tokenizer, log);
+  if (opt.print_sample && !result.interrupted && rc.sample.tokens > 0) {
+    const std::optional<ParamSet> weights = whole_master(state, mc, groups);  // TP: the first replica's ranks together
+    if (lead) print_sample(rc, mc, state, *weights, tokenizer, log);
+  }
   return result;
 }
 

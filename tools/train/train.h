@@ -12,14 +12,22 @@
 // Data parallel (parallel.dp = n > 1; parallel/data_parallel.h): every rank holds the same sampler
 // and takes its own slice of each global micro-batch of n x batch_size windows
 // (WindowSampler::next_rank_batch), so a run equals one process with batch_size x n, to rounding.
+// Tensor parallel (parallel.tp = m > 1; parallel/tensor_parallel.h): the m ranks of a replica each
+// hold 1/m of every block's heads and FFN and run the same batch. A run has n x m ranks on a grid
+// (parallel/grid.h: world rank w = d m + t, the TP ranks of a replica adjacent); it starts from the
+// weights one process starts from (a random initialisation draws the whole model, then shards it).
 // The logged loss is the global mean; rank 0 alone prints, writes the metrics, the config and the
-// checkpoints' shared files (the whole master weights, an HF checkpoint, and state.json, which
-// records dp and zero); with ZeRO each rank's optimizer shard is written as
-// optimizer-rank-<r>.safetensors of the same checkpoint (the other ranks stage theirs in a
-// temporary that rank 0 moves in before the manifest). Resume needs the same dp and zero. A stop
+// checkpoints' shared files: the whole master weights as one HF checkpoint (with TP assembled from
+// the first replica's shards: gather_parameters) and state.json, which records dp, tp and zero. The
+// optimizer state: without ZeRO and TP rank 0's optimizer.safetensors; with ZeRO each rank's shard
+// as optimizer-rank-<w>.safetensors; without ZeRO but with TP each TP shard's moments as
+// optimizer-tp-<t>.safetensors (written by the first replica). The other ranks stage theirs in a
+// temporary that rank 0 moves in before the manifest. Resume needs the same tp, and with ZeRO the
+// same dp and zero. The first replica evaluates and samples (its TP ranks together). A stop
 // (signal, --stop-after) is agreed by all ranks at the end of a step.
-// Without a communicator, parallel.dp = n on the CPU runs the n ranks as threads of this process
-// (the threads backend); on GPUs, one process per GPU passes its communicator (parallel/launch.h).
+// Without a communicator, parallel.dp x parallel.tp = n > 1 on the CPU runs the n ranks as threads
+// of this process (the threads backend); on GPUs, one process per GPU passes its communicator
+// (parallel/launch.h), with NCCL at world size 1 too (groups of one rank).
 #pragma once
 
 #include "tools/train/run_config.h"
@@ -50,8 +58,8 @@ struct TrainResult {
 
 class Communicator;
 
-// comm: this process's rank of a data-parallel group of parallel.dp ranks (null: one process, or
-// threads on the CPU when parallel.dp > 1).
+// comm: this process's rank of the job's parallel.dp x parallel.tp ranks (null: one process, or
+// threads on the CPU when dp x tp > 1).
 TrainResult run_training(const RunConfig& config, const TrainOptions& options, std::ostream& out,
                          Communicator* comm = nullptr);
 
