@@ -745,6 +745,7 @@ TEST_CASE("gguf: SmolLM2-135M-Instruct Q4_1 (when present in .models/): config, 
   CHECK(c.rope_scaling.type == RopeScaling::Type::none);
   CHECK(c.bos_token_id == 1);
   CHECK(c.eos_token_ids == std::vector<int64_t>{2});
+  CHECK(c.pad_token_id == 2);  // tokenizer.ggml.padding_token_id, as transformers' GGUF loader maps it
 
   for (const auto& [name, t] : ref["tensors"].items()) {
     CAPTURE(name);
