@@ -261,11 +261,7 @@ Progress resume_or_initialise(const RunConfig& rc, bool resume, RunDirectory& ru
     sampler.restore(SamplerState::from_json(saved.at("sampler"), ref->path + "/state.json"));
     if (!dp || dp->rank() == 0) truncate_metrics_after(metrics_path, p.step);
     out << fmt::format("resumed from {} (step {})\n", ref->path, p.step);
-  } else if (fs::is_directory(rc.model.source) && fs::exists(fs::path(rc.model.source) / "config.json") &&
-             (fs::exists(fs::path(rc.model.source) / "model.safetensors") ||
-              fs::exists(fs::path(rc.model.source) / "model.safetensors.index.json"))) {
-    load_master_from(state, rc.model.source);
-  } else if (is_gguf_file(rc.model.source)) {
+  } else if (is_checkpoint_dir(rc.model.source) || is_gguf_file(rc.model.source)) {
     load_master_from(state, rc.model.source);
   } else {
     state.init(rc.model.init_seed, state.model().config().initializer_range);
@@ -307,7 +303,7 @@ class TrainLoop {
   // dp: this rank's data-parallel group (null: one process); metrics: null on ranks other than 0.
   TrainLoop(const RunConfig& rc, const TrainOptions& opt, const Placement& placement, const WindowSplit& split,
             TrainingState& state, Schedule& schedule, WindowSampler& sampler, RunDirectory& run_dir,
-            MetricsLog* metrics, const ByteTokenizer& tokenizer, DataParallel* dp, Communicator* comm,
+            MetricsLog* metrics, const Tokenizer& tokenizer, DataParallel* dp, Communicator* comm,
             std::ostream& out)
       : rc_(rc), opt_(opt), placement_(placement), split_(split), state_(state), schedule_(schedule),
         sampler_(sampler), run_dir_(run_dir), metrics_(metrics), tokenizer_(tokenizer), dp_(dp), comm_(comm),
@@ -327,6 +323,13 @@ class TrainLoop {
     const auto t_loop = std::chrono::steady_clock::now();
     int64_t step = start_step_;
     double last_loss = std::nan("");
+    if (lead_ && step == 0 && rc_.eval.at_start) {  // where a fine-tune starts from
+      const double el = evaluate();
+      metrics_->append({{"step", 0}, {"eval_loss", el}, {"tokens", 0}});
+      out_ << fmt::format("step {:>5}: eval loss {:.4f} ({:.3f} bits per token) before training\n", 0, el,
+                          el / std::log(2.0))
+           << std::flush;
+    }
     while (step < rc_.train.steps) {
       ++step;
       const bool traced = !opt_.trace.empty() && step == start_step_ + 1;
@@ -531,6 +534,9 @@ class TrainLoop {
             if (dp_) saved["parallel"] = {{"dp", dp_->size()}, {"zero", dp_->zero()}};
             write_text_atomic((fs::path(dir) / "state.json").string(), saved.dump(2) + "\n");
             write_text_atomic((fs::path(dir) / "run.toml").string(), rc_.to_toml());
+            // With a BPE tokenizer the checkpoint is a whole HF model directory (AutoTokenizer loads it too).
+            for (const auto& [name, text] : hf_tokenizer_files(tokenizer_))
+              write_text_atomic((fs::path(dir) / name).string(), text);
           },
           rc_.checkpoint.keep_last);
     if (lead_ && shard) fs::remove_all(staging);
@@ -546,7 +552,7 @@ class TrainLoop {
   WindowSampler& sampler_;
   RunDirectory& run_dir_;
   MetricsLog* metrics_;
-  const ByteTokenizer& tokenizer_;
+  const Tokenizer& tokenizer_;
   DataParallel* dp_;
   Communicator* comm_;
   const bool lead_;
@@ -557,9 +563,9 @@ class TrainLoop {
   int64_t start_step_ = 0, tokens_seen_ = 0;
 };
 
-// The text the trained model continues from sample.prompt (on the host, from the master weights).
-void print_sample(const RunConfig& rc, const LlamaConfig& mc, TrainingState& state, const ByteTokenizer& tokenizer,
-                  std::ostream& out) {
+// The text the model continues from sample.prompt (on the host, from the master weights), under `title`.
+void print_sample(const RunConfig& rc, const LlamaConfig& mc, TrainingState& state, const Tokenizer& tokenizer,
+                  const char* title, std::ostream& out) {
   SampleOptions so;
   so.prompt = rc.sample.prompt;
   so.tokens = rc.sample.tokens;
@@ -569,7 +575,7 @@ void print_sample(const RunConfig& rc, const LlamaConfig& mc, TrainingState& sta
   so.seed = rc.sample.seed;
   LlamaModel host_model(mc, state.master_dtype());
   copy_params(host_model.params(), state.master_on_host());
-  out << "sample:\n" << rc.sample.prompt << generate(host_model, tokenizer, so) << "\n";
+  out << title << ":\n" << rc.sample.prompt << generate(host_model, tokenizer, so).text << "\n" << std::flush;
 }
 }  // namespace
 
@@ -628,7 +634,10 @@ TrainResult run_training(const RunConfig& rc, const TrainOptions& opt, std::ostr
     placement.device = comm->device();
   }
   const LlamaConfig& mc = placement.model;
-  const ByteTokenizer tokenizer;
+  // data.tokenizer: checked against the model before anything is loaded, kept in the run directory.
+  const std::string tokenizer_spec = resolve_tokenizer_spec(rc.data.tokenizer, rc.model.source, "data.tokenizer");
+  const std::unique_ptr<Tokenizer> tokenizer = load_tokenizer(tokenizer_spec);
+  check_tokenizer_fits_model(*tokenizer, tokenizer_spec, mc.vocab_size, rc.model.source);
   const TrainData data = load_data(rc, mc);
   WindowSampler sampler(data.split.train, rc.data.seed);  // the same on every rank (next_rank_batch)
   const double planned = check_memory(placement, rc);
@@ -647,13 +656,16 @@ TrainResult run_training(const RunConfig& rc, const TrainOptions& opt, std::ostr
   std::optional<MetricsLog> metrics;
   if (lead) {
     write_text_atomic((fs::path(result.run_dir) / "config.toml").string(), rc.to_toml());
-    write_text_atomic((fs::path(result.run_dir) / "tokenizer.json").string(), tokenizer.to_json().dump(2) + "\n");
+    for (const auto& [name, text] : tokenizer_files(*tokenizer))
+      write_text_atomic((fs::path(result.run_dir) / name).string(), text);
     metrics.emplace(metrics_path);
   }
   print_header(rc, placement, data, planned, result.run_dir, log);
+  if (lead && opt.print_sample && progress.step == 0 && rc.sample.at_start && rc.sample.tokens > 0)
+    print_sample(rc, mc, state, *tokenizer, "sample before training", log);
 
   TrainLoop(rc, opt, placement, data.split, state, *schedule, sampler, run_dir, metrics ? &*metrics : nullptr,
-            tokenizer, dp ? &*dp : nullptr, comm, log)
+            *tokenizer, dp ? &*dp : nullptr, comm, log)
       .run(progress, result);
 
   const int64_t step = result.last_step;
@@ -666,7 +678,8 @@ TrainResult run_training(const RunConfig& rc, const TrainOptions& opt, std::ostr
   log << fmt::format("done: step {}, loss {:.4f}{}, {} in {}\n", step, last_loss,
                      result.last_eval_loss ? fmt::format(", eval loss {:.4f}", *result.last_eval_loss) : "",
                      result.interrupted ? "interrupted" : "finished", duration(total));
-  if (lead && opt.print_sample && !result.interrupted && rc.sample.tokens > 0) print_sample(rc, mc, state, tokenizer, log);
+  if (lead && opt.print_sample && !result.interrupted && rc.sample.tokens > 0)
+    print_sample(rc, mc, state, *tokenizer, "sample", log);
   return result;
 }
 
