@@ -33,10 +33,11 @@ import torch
 from safetensors.numpy import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+# One line each (chunkwise encode reads lines); the logits batch is their ids, joined by blank lines.
 TEXT = [
     "The Jargon File is a comprehensive compendium of hacker slang illuminating many aspects of hackish tradition.",
     ":kluge: /klooj/ n. A clever programming trick intended to solve a particular nasty case in an expedient way.",
-    "def fibonacci(n):\n    return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)",
+    "    def fibonacci(n):  return n if n < 2 else fibonacci(n - 1) + fibonacci(n - 2)\t# spaces, a tab",
     "Numbers 12345 and 3.14159, symbols <|im_start|> and <|endoftext|>, accents: café, naïve, Zürich.",
 ]
 
@@ -131,8 +132,14 @@ def main():
             print(f"config against the GGUF loader: skipped ({type(e).__name__}: {e})")
 
     with tempfile.TemporaryDirectory() as tmp:
+        tok = None
         if os.path.exists(os.path.join(ckpt, "tokenizer.json")):
-            tok = AutoTokenizer.from_pretrained(ckpt)
+            try:
+                tok = AutoTokenizer.from_pretrained(ckpt)
+            except Exception as e:  # the checkpoint's tokenizer must load: a failure, but the logits still run
+                print(f"tokenizer: AutoTokenizer cannot load {ckpt}: FAILED ({type(e).__name__}: {e})")
+                failed = True
+        if tok is not None:
             lines = os.path.join(tmp, "lines.txt")
             with open(lines, "w") as f:
                 f.write("\n".join(TEXT) + "\n")
@@ -146,7 +153,7 @@ def main():
             ids = tok("\n\n".join(TEXT * 4), add_special_tokens=True)["input_ids"][:args.tokens]
         else:
             ids = np.random.default_rng(7).integers(0, ours.vocab_size, args.tokens).tolist()
-            print("tokenizer: none in the checkpoint (the byte tokenizer): random ids")
+            print("logits batch: seeded random ids (no tokenizer in the checkpoint, or none that loads)")
 
         path = os.path.join(tmp, "ids.u32")
         with open(path, "wb") as f:
