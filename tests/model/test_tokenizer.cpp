@@ -354,13 +354,14 @@ TEST_CASE("tokenizer: BOS in front of a prompt, as the model's files say") {
 
 TEST_CASE("tokenizer and model: the vocabularies must fit; \"model\" is the model's own tokenizer") {
   const ByteTokenizer bytes;
-  check_tokenizer_fits_model(bytes, "bytes", 258, "m");
-  check_tokenizer_fits_model(bytes, "bytes", 320, "m");   // the demo model pads to a multiple of 64
-  check_tokenizer_fits_model(bytes, "bytes", 1024, "m");  // padding up to a multiple of 1024 is accepted
-  CHECK(error_of([&] { check_tokenizer_fits_model(bytes, "bytes", 49152, "smollm2.gguf"); }) ==
+  check_tokenizer_fits_model(bytes, "bytes", 258, "m", "k");
+  check_tokenizer_fits_model(bytes, "bytes", 320, "m", "k");   // the demo model pads to a multiple of 64
+  check_tokenizer_fits_model(bytes, "bytes", 1024, "m", "k");  // padding up to a multiple of 1024 is accepted
+  CHECK(error_of([&] { check_tokenizer_fits_model(bytes, "bytes", 49152, "smollm2.gguf", "data.tokenizer"); }) ==
         "the tokenizer 'bytes' has 258 tokens but the model 'smollm2.gguf' has vocab_size 49152: they belong to "
-        "different models (hint: use the model's own tokenizer (\"model\"), or a model made for this tokenizer)");
-  CHECK(has(error_of([&] { check_tokenizer_fits_model(bytes, "bytes", 257, "m"); }), "has vocab_size 257"));
+        "different models (hint: set data.tokenizer to \"model\" (the model's own tokenizer), or use a model made "
+        "for this tokenizer)");
+  CHECK(has(error_of([&] { check_tokenizer_fits_model(bytes, "bytes", 257, "m", "k"); }), "has vocab_size 257"));
 
   test::TempDir dir("tokenizer-model");
   CHECK(resolve_tokenizer_spec("bytes", "small", "data.tokenizer") == "bytes");

@@ -181,8 +181,8 @@ TEST_CASE("data.tokenizer: \"model\", and mismatches that fail before step 1 nam
   rc.data.tokenizer = "bytes";
   CHECK(error_of([&] { run_training(rc, o, log); }) ==
         fmt::format("the tokenizer 'bytes' has 258 tokens but the model '{}' has vocab_size 1152: they belong to "
-                    "different models (hint: use the model's own tokenizer (\"model\"), or a model made for this "
-                    "tokenizer)",
+                    "different models (hint: set data.tokenizer to \"model\" (the model's own tokenizer), or use a "
+                    "model made for this tokenizer)",
                     fx.model_json));
   CHECK_FALSE(fs::exists(o.run_dir));  // nothing was started
   rc.data.tokenizer = "model";

@@ -216,14 +216,15 @@ std::string resolve_tokenizer_spec(const std::string& spec, const std::string& m
 }
 
 void check_tokenizer_fits_model(const Tokenizer& tokenizer, const std::string& tokenizer_spec, int64_t model_vocab,
-                                const std::string& model_name) {
+                                const std::string& model_name, const std::string& key) {
   const int64_t tokens = tokenizer.vocab_size();
   const int64_t padded = (tokens + kVocabPaddingMultiple - 1) / kVocabPaddingMultiple * kVocabPaddingMultiple;
   if (model_vocab >= tokens && model_vocab <= padded) return;
   fail(fmt::format("the tokenizer '{}' has {} tokens but the model '{}' has vocab_size {}: they belong to "
                    "different models",
                    tokenizer_spec, tokens, model_name, model_vocab),
-       fmt::format("use the model's own tokenizer (\"{}\"), or a model made for this tokenizer", kModelTokenizer));
+       fmt::format("set {} to \"{}\" (the model's own tokenizer), or use a model made for this tokenizer", key,
+                   kModelTokenizer));
 }
 
 std::vector<std::pair<std::string, std::string>> hf_tokenizer_files(const Tokenizer& tokenizer) {

@@ -82,10 +82,10 @@ std::string resolve_tokenizer_spec(const std::string& spec, const std::string& m
 // A model's embedding may have more rows than its tokenizer has tokens (padding to a multiple of up
 // to 1024 rows, as Megatron-style vocabularies do), never fewer: every id the tokenizer makes must
 // be a row. Anything else means the two belong to different models. Fails naming both sizes, the
-// tokenizer spec and the model.
+// tokenizer spec and the model; the hint names `key`, the setting that picked the tokenizer.
 constexpr int64_t kVocabPaddingMultiple = 1024;
 void check_tokenizer_fits_model(const Tokenizer& tokenizer, const std::string& tokenizer_spec, int64_t model_vocab,
-                                const std::string& model_name);
+                                const std::string& model_name, const std::string& key);
 
 // The files (name, content) that record a tokenizer in a directory so that load_tokenizer(dir)
 // gives it back: for the byte tokenizer its description as tokenizer.json; for BPE the HF files

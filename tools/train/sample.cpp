@@ -164,7 +164,7 @@ Generation sample_from_run(const std::string& dir, int64_t step, const SampleOpt
   // The run directory holds a copy of the tokenizer it was trained with (train.cpp writes it).
   const std::string spec = tokenizer_spec.empty() ? dir : resolve_tokenizer_spec(tokenizer_spec, ref->path, "--tokenizer");
   const std::unique_ptr<Tokenizer> tokenizer = load_tokenizer(spec);
-  check_tokenizer_fits_model(*tokenizer, spec, cf.vocab_size, ref->path);
+  check_tokenizer_fits_model(*tokenizer, spec, cf.vocab_size, ref->path, "--tokenizer");
   return generate(model, *tokenizer, o);
 }
 
@@ -180,7 +180,7 @@ Generation sample_from_model(const std::string& spec, const SampleOptions& o, co
     load_checkpoint_weights(model.params(), spec);
   const std::string resolved = resolve_tokenizer_spec(tokenizer_spec, spec, "--tokenizer");
   const std::unique_ptr<Tokenizer> tokenizer = load_tokenizer(resolved);
-  check_tokenizer_fits_model(*tokenizer, resolved, cf.vocab_size, spec);
+  check_tokenizer_fits_model(*tokenizer, resolved, cf.vocab_size, spec, "--tokenizer");
   return generate(model, *tokenizer, o);
 }
 

@@ -637,7 +637,7 @@ TrainResult run_training(const RunConfig& rc, const TrainOptions& opt, std::ostr
   // data.tokenizer: checked against the model before anything is loaded, kept in the run directory.
   const std::string tokenizer_spec = resolve_tokenizer_spec(rc.data.tokenizer, rc.model.source, "data.tokenizer");
   const std::unique_ptr<Tokenizer> tokenizer = load_tokenizer(tokenizer_spec);
-  check_tokenizer_fits_model(*tokenizer, tokenizer_spec, mc.vocab_size, rc.model.source);
+  check_tokenizer_fits_model(*tokenizer, tokenizer_spec, mc.vocab_size, rc.model.source, "data.tokenizer");
   const TrainData data = load_data(rc, mc);
   WindowSampler sampler(data.split.train, rc.data.seed);  // the same on every rank (next_rank_batch)
   const double planned = check_memory(placement, rc);
