@@ -70,6 +70,12 @@ std::vector<std::string> load_checkpoint_weights(ParamSet& params, const std::st
   return skipped;
 }
 
+bool is_checkpoint_dir(const std::string& path) {
+  std::error_code ec;
+  return fs::is_directory(path, ec) && (fs::exists(fs::path(path) / "model.safetensors", ec) ||
+                                        fs::exists(fs::path(path) / "model.safetensors.index.json", ec));
+}
+
 void save_checkpoint_weights(const ParamSet& params, const LlamaConfig& config, const std::string& dir, DType dtype) {
   fs::create_directories(dir);
   std::vector<OwnedTensor> converted;

@@ -14,6 +14,9 @@
 
 namespace cw {
 
+// True for a directory holding model.safetensors or model.safetensors.index.json (its weights).
+bool is_checkpoint_dir(const std::string& path);
+
 // Loads every parameter of `params` from the checkpoint directory; returns the names it skipped.
 std::vector<std::string> load_checkpoint_weights(ParamSet& params, const std::string& dir);
 

@@ -109,6 +109,7 @@ LlamaConfig LlamaConfig::from_json(const json& j, const std::string& src) {
   }
   const int64_t none = -1;
   c.bos_token_id = get_int(j, "bos_token_id", src, &none);
+  c.pad_token_id = get_int(j, "pad_token_id", src, &none);
   if (j.contains("eos_token_id") && !j["eos_token_id"].is_null()) {
     const json& e = j["eos_token_id"];
     if (e.is_array()) {
@@ -200,6 +201,7 @@ json LlamaConfig::to_json() const {
       break;
   }
   if (bos_token_id >= 0) j["bos_token_id"] = bos_token_id;
+  if (pad_token_id >= 0) j["pad_token_id"] = pad_token_id;
   if (eos_token_ids.size() == 1) j["eos_token_id"] = eos_token_ids[0];
   else if (!eos_token_ids.empty()) j["eos_token_id"] = eos_token_ids;
   return j;

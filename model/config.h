@@ -36,6 +36,7 @@ struct LlamaConfig {
   double initializer_range = 0.02;
   int64_t bos_token_id = -1;         // -1: not given
   std::vector<int64_t> eos_token_ids;
+  int64_t pad_token_id = -1;         // -1: not given (kept for the config.json a checkpoint carries)
   std::string torch_dtype = "float32";  // the checkpoint's stored dtype, as HF names it
 
   // Parses a config.json document; `source` names the file in error messages.

@@ -105,6 +105,7 @@ LlamaConfig llama_config_from_gguf(const GgufReader& f) {
   c.tie_word_embeddings = f.find_tensor("output.weight") == nullptr;
   c.bos_token_id = f.get_int("tokenizer.ggml.bos_token_id", -1);
   if (f.has("tokenizer.ggml.eos_token_id")) c.eos_token_ids = {f.get_int("tokenizer.ggml.eos_token_id")};
+  c.pad_token_id = f.get_int("tokenizer.ggml.padding_token_id", -1);
   c.torch_dtype = "float32";  // what the weights are dequantized to
 
   const std::string scaling = f.get_string("llama.rope.scaling.type", "none");

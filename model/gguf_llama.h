@@ -13,7 +13,8 @@
 //   llama.rope.freq_base                    -> rope_theta (default 10000)
 //   llama.attention.layer_norm_rms_epsilon  -> rms_norm_eps
 //   llama.vocab_size, else the length of tokenizer.ggml.tokens, else token_embd's rows -> vocab_size
-//   tokenizer.ggml.bos_token_id / eos_token_id -> bos_token_id / eos_token_ids
+//   tokenizer.ggml.bos_token_id / eos_token_id / padding_token_id -> bos_token_id / eos_token_ids /
+//                                              pad_token_id (as transformers' GGUF loader maps them)
 //   no output.weight tensor                 -> tie_word_embeddings
 //   RoPE scaling: llama.rope.scaling.type "linear" with llama.rope.scaling.factor (or the older
 //   llama.rope.scale_linear) -> linear. Llama 3.1-style scaling is stored by llama.cpp's converter as

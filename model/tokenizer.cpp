@@ -259,6 +259,10 @@ BpeTokenizer::BpeTokenizer(BpeDefinition def)
   bos_id_ = def.bos_id;
   eos_id_ = def.eos_id;
   pad_id_ = def.pad_id;
+  if (def.add_bos && !bos_id_)
+    fail(fmt::format("{}: a prompt is to start with BOS (add_bos_token) but the tokenizer has no BOS token", src),
+         "give the BOS token (bos_token in tokenizer_config.json, tokenizer.ggml.bos_token_id in a GGUF file)");
+  add_bos_ = def.add_bos;
   chat_template_ = std::move(def.chat_template);
 }
 
@@ -417,8 +421,77 @@ nlohmann::json BpeTokenizer::to_json() const {
           {"bos_token_id", id_or_null(bos_id_)},
           {"eos_token_id", id_or_null(eos_id_)},
           {"pad_token_id", id_or_null(pad_id_)},
+          {"add_bos", add_bos_},
           {"source", source_},
           {"description", "byte-level BPE (GPT-2 byte map, merges by rank, added tokens split out first)"}};
+}
+
+nlohmann::json BpeTokenizer::hf_tokenizer_json() const {
+  nlohmann::json vocab = nlohmann::json::object();
+  for (uint32_t id = 0; id < token_text_.size(); ++id) vocab[token_text_[id]] = id;
+  // merges_ holds each merge once under its rank (the constructor refuses repeats): lay them out by rank.
+  std::vector<nlohmann::json> by_rank(merge_count_);
+  for (const auto& [key, merge] : merges_)
+    by_rank[merge.rank] = nlohmann::json::array(
+        {token_text_[static_cast<uint32_t>(key >> 32)], token_text_[static_cast<uint32_t>(key & 0xffffffffu)]});
+  std::vector<AddedToken> added = added_;
+  std::sort(added.begin(), added.end(), [](const AddedToken& a, const AddedToken& b) { return a.id < b.id; });
+  nlohmann::json added_tokens = nlohmann::json::array();
+  for (const AddedToken& a : added)
+    added_tokens.push_back({{"id", a.id}, {"content", a.content}, {"single_word", false}, {"lstrip", false},
+                            {"rstrip", false}, {"normalized", false}, {"special", a.special}});
+  // Each pattern is an Isolated split, which is what ByteLevel's own regex and Digits are in HF too;
+  // the ByteLevel step then only maps bytes.
+  nlohmann::json steps = nlohmann::json::array();
+  for (const std::string& pattern : pretokenizer_.patterns())
+    steps.push_back({{"type", "Split"}, {"pattern", {{"Regex", pattern}}}, {"behavior", "Isolated"}, {"invert", false}});
+  steps.push_back({{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", false}});
+  nlohmann::json post_processor = nullptr;
+  if (add_bos_) {
+    const std::string& bos = token_text_[*bos_id_];
+    const nlohmann::json bos_item = {{"SpecialToken", {{"id", bos}, {"type_id", 0}}}};
+    post_processor = {{"type", "TemplateProcessing"},
+                      {"single", {bos_item, {{"Sequence", {{"id", "A"}, {"type_id", 0}}}}}},
+                      {"pair",
+                       {bos_item, {{"Sequence", {{"id", "A"}, {"type_id", 0}}}}, bos_item,
+                        {{"Sequence", {{"id", "B"}, {"type_id", 1}}}}}},
+                      {"special_tokens", {{bos, {{"id", bos}, {"ids", {*bos_id_}}, {"tokens", {bos}}}}}}};
+  }
+  nlohmann::json model = {{"type", "BPE"},
+                          {"dropout", nullptr},
+                          {"unk_token", unk_id_ ? nlohmann::json(token_text_[*unk_id_]) : nlohmann::json()},
+                          {"continuing_subword_prefix", nullptr},
+                          {"end_of_word_suffix", nullptr},
+                          {"fuse_unk", fuse_unk_},
+                          {"byte_fallback", false},
+                          {"ignore_merges", ignore_merges_},
+                          {"vocab", std::move(vocab)},
+                          {"merges", std::move(by_rank)}};
+  return {{"version", "1.0"},
+          {"truncation", nullptr},
+          {"padding", nullptr},
+          {"added_tokens", std::move(added_tokens)},
+          {"normalizer", nullptr},
+          {"pre_tokenizer", {{"type", "Sequence"}, {"pretokenizers", std::move(steps)}}},
+          {"post_processor", std::move(post_processor)},
+          {"decoder", {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", true}, {"use_regex", true}}},
+          {"model", std::move(model)}};
+}
+
+nlohmann::json BpeTokenizer::hf_tokenizer_config_json() const {
+  const auto token_or_null = [&](const std::optional<uint32_t>& id) {
+    return id ? nlohmann::json(token_text_[*id]) : nlohmann::json();
+  };
+  nlohmann::json config = {{"tokenizer_class", "PreTrainedTokenizerFast"},
+                           {"bos_token", token_or_null(bos_id_)},
+                           {"eos_token", token_or_null(eos_id_)},
+                           {"pad_token", token_or_null(pad_id_)},
+                           {"unk_token", token_or_null(unk_id_)},
+                           {"add_bos_token", add_bos_},
+                           {"add_eos_token", false},
+                           {"clean_up_tokenization_spaces", false}};
+  if (!chat_template_.empty()) config["chat_template"] = chat_template_;
+  return config;
 }
 
 // ---- loaders ----
@@ -531,6 +604,26 @@ std::pair<std::string, std::string> split_merge(const std::string& merge, size_t
     fail(fmt::format("{}: {}[{}] is '{}', not two tokens separated by one space", source, where, rank, merge),
          "the file is damaged; download it again");
   return {merge.substr(0, space), merge.substr(space + 1)};
+}
+
+// The special token a TemplateProcessing post-processor (alone, or in a Sequence) puts before a
+// single sequence, if it puts one there.
+std::optional<std::string> template_first_special(const nlohmann::json& node) {
+  if (!node.is_object() || !node.contains("type") || !node.at("type").is_string()) return std::nullopt;
+  const std::string& type = node.at("type").get_ref<const std::string&>();
+  if (type == "Sequence" && node.contains("processors") && node.at("processors").is_array()) {
+    for (const auto& p : node.at("processors"))
+      if (auto first = template_first_special(p)) return first;
+    return std::nullopt;
+  }
+  if (type != "TemplateProcessing" || !node.contains("single") || !node.at("single").is_array() ||
+      node.at("single").empty())
+    return std::nullopt;
+  const auto& item = node.at("single")[0];
+  if (!item.is_object() || !item.contains("SpecialToken") || !item.at("SpecialToken").is_object()) return std::nullopt;
+  const auto& special = item.at("SpecialToken");
+  if (!special.contains("id") || !special.at("id").is_string()) return std::nullopt;
+  return special.at("id").get<std::string>();
 }
 
 // tokenizer_config.json's bos_token / eos_token: a string, {"content": string}, or null.
@@ -659,6 +752,9 @@ BpeTokenizer BpeTokenizer::from_tokenizer_json_text(const std::string& text, con
     fail(fmt::format("{}: the pre-tokenizer has no ByteLevel step", source),
          "only byte-level BPE tokenizers (GPT-2, Llama 3, SmolLM) are supported");
   def.pretokenizer_name = name_of_patterns(def.pretokenizer_patterns, source);
+  const std::optional<std::string> first_special = is_null_or_absent(root, "post_processor")
+                                                       ? std::nullopt
+                                                       : template_first_special(root.at("post_processor"));
 
   if (tokenizer_config) {
     const std::string config_source = fmt::format("tokenizer_config.json beside {}", source);
@@ -675,9 +771,13 @@ BpeTokenizer BpeTokenizer::from_tokenizer_json_text(const std::string& text, con
     def.bos_id = lookup("bos_token");
     def.eos_id = lookup("eos_token");
     def.pad_id = lookup("pad_token");
+    if (tokenizer_config->contains("add_bos_token") && tokenizer_config->at("add_bos_token").is_boolean())
+      def.add_bos = tokenizer_config->at("add_bos_token").get<bool>();
     if (tokenizer_config->contains("chat_template") && tokenizer_config->at("chat_template").is_string())
       def.chat_template = tokenizer_config->at("chat_template").get<std::string>();
   }
+  // Llama 3's tokenizer.json puts <|begin_of_text|> first through its post-processor.
+  if (first_special && def.bos_id && def.tokens[*def.bos_id] == *first_special) def.add_bos = true;
   return BpeTokenizer(std::move(def));
 }
 
@@ -716,6 +816,7 @@ BpeTokenizer BpeTokenizer::from_gguf(const GgufTokenizerMetadata& meta) {
   def.bos_id = meta.bos_token_id;
   def.eos_id = meta.eos_token_id;
   def.pad_id = meta.padding_token_id;
+  def.add_bos = meta.add_bos_token;
   def.chat_template = meta.chat_template;
   return BpeTokenizer(std::move(def));
 }
@@ -739,6 +840,7 @@ BpeTokenizer BpeTokenizer::from_gguf_file(const std::string& path) {
   meta.bos_token_id = id("tokenizer.ggml.bos_token_id");
   meta.eos_token_id = id("tokenizer.ggml.eos_token_id");
   meta.padding_token_id = id("tokenizer.ggml.padding_token_id");
+  meta.add_bos_token = gguf.get_bool("tokenizer.ggml.add_bos_token", false);
   meta.chat_template = gguf.get_string("tokenizer.chat_template", "");
   return from_gguf(meta);
 }

@@ -58,6 +58,9 @@ class Tokenizer {
   // ends it, where the tokenizer has them.
   virtual std::optional<uint32_t> bos_id() const = 0;
   virtual std::optional<uint32_t> eos_id() const = 0;
+  // Whether the model expects BOS in front of a prompt (what HF's tokenizer(text) adds): the text
+  // generation tools put it there.
+  virtual bool add_bos() const = 0;
 
   // Appends the ids of `text` to `out`; adds no BOS/EOS of its own.
   virtual void encode_into(std::string_view text, std::vector<uint32_t>& out) const = 0;
@@ -108,6 +111,7 @@ struct BpeDefinition {
   std::optional<std::string> unk_token;
   bool fuse_unk = false;
   std::optional<uint32_t> bos_id, eos_id, pad_id;
+  bool add_bos = false;       // a prompt starts with BOS (see Tokenizer::add_bos)
   std::string chat_template;  // the model's Jinja chat template, kept for tools that format chats
 };
 
@@ -124,6 +128,7 @@ struct GgufTokenizerMetadata {
   std::optional<uint32_t> bos_token_id;     // tokenizer.ggml.bos_token_id
   std::optional<uint32_t> eos_token_id;     // tokenizer.ggml.eos_token_id
   std::optional<uint32_t> padding_token_id; // tokenizer.ggml.padding_token_id
+  bool add_bos_token = false;               // tokenizer.ggml.add_bos_token (llama.cpp's default: false)
   std::string chat_template;                // tokenizer.chat_template
 };
 
@@ -137,8 +142,10 @@ class BpeTokenizer final : public Tokenizer {
   BpeTokenizer& operator=(BpeTokenizer&&) noexcept;
   ~BpeTokenizer() override;
   // An HF tokenizer.json: model.vocab, model.merges ("a b" strings or [a, b] pairs), added_tokens,
-  // pre_tokenizer (ByteLevel, Split with behavior Isolated, Digits, Sequence of them); with
-  // tokenizer_config.json beside it, its bos_token, eos_token, pad_token and chat_template.
+  // pre_tokenizer (ByteLevel, Split with behavior Isolated, Digits, Sequence of them), and whether
+  // its post_processor (TemplateProcessing, alone or in a Sequence) puts the BOS token first; with
+  // tokenizer_config.json beside it, its bos_token, eos_token, pad_token, add_bos_token and
+  // chat_template.
   static BpeTokenizer from_tokenizer_json(const std::string& path);
   static BpeTokenizer from_tokenizer_json_text(const std::string& text, const std::string& source,
                                                const nlohmann::json* tokenizer_config = nullptr);
@@ -152,12 +159,23 @@ class BpeTokenizer final : public Tokenizer {
   std::optional<uint32_t> bos_id() const override { return bos_id_; }
   std::optional<uint32_t> eos_id() const override { return eos_id_; }
   std::optional<uint32_t> pad_id() const { return pad_id_; }
+  bool add_bos() const override { return add_bos_; }
   const std::string& chat_template() const { return chat_template_; }
   void encode_into(std::string_view text, std::vector<uint32_t>& out) const override;
   // Special tokens come out as their text.
   std::string decode(std::span<const uint32_t> ids) const override { return decode(ids, false); }
   std::string decode(std::span<const uint32_t> ids, bool skip_special) const;
   nlohmann::json to_json() const override;
+
+  // The tokenizer as HF files: tokenizer.json (the whole vocabulary, merges by rank, added tokens,
+  // the pre-tokenizer as one Split (Isolated) per pattern then ByteLevel without its regex, a
+  // ByteLevel decoder, a TemplateProcessing post-processor that puts BOS first when add_bos) and
+  // tokenizer_config.json (bos/eos/pad tokens, add_bos_token, chat_template,
+  // PreTrainedTokenizerFast). from_tokenizer_json reads them back to the same ids, and HF
+  // `tokenizers` / transformers' AutoTokenizer load them (tests/model/test_tokenizer.cpp,
+  // tools/bench/run_vs_hf.py). A run directory and its checkpoints carry them.
+  nlohmann::json hf_tokenizer_json() const;
+  nlohmann::json hf_tokenizer_config_json() const;
 
   // The id of a token given by its text (an added token's content, or a byte-level spelling).
   std::optional<uint32_t> token_id(std::string_view text) const;
@@ -201,6 +219,7 @@ class BpeTokenizer final : public Tokenizer {
   Pretokenizer pretokenizer_;
   bool ignore_merges_ = false;
   std::optional<uint32_t> bos_id_, eos_id_, pad_id_;
+  bool add_bos_ = false;
   std::string chat_template_;
 
   // Piece -> ids, shared by the threads that encode (see the .cpp).

@@ -148,10 +148,20 @@ int main(int argc, char** argv) {
 
   cw::SampleOptions so;
   int64_t sample_step = 0;
-  CLI::App* sample = app.add_subcommand("sample", "generate text from a run's checkpoint");
-  sample->add_option("--run", run_dir, "run directory")->required();
-  sample->add_option("--step", sample_step, "checkpoint step (default: the latest complete)");
-  sample->add_option("--prompt", so.prompt, "prompt text")->capture_default_str();
+  std::string sample_model, sample_tokenizer, sample_system;
+  CLI::App* sample = app.add_subcommand("sample", "generate text from a run's checkpoint or from a model");
+  CLI::Option* sample_run = sample->add_option("--run", run_dir, "run directory (its latest complete checkpoint)");
+  CLI::Option* sample_model_opt =
+      sample->add_option("--model", sample_model, "an HF checkpoint directory or a .gguf file");
+  sample_run->excludes(sample_model_opt);
+  sample->add_option("--step", sample_step, "--run: checkpoint step (default: the latest complete)")->needs(sample_run);
+  sample->add_option("--tokenizer", sample_tokenizer,
+                     "'model' (the model's own), 'bytes', an HF tokenizer.json, a directory holding one, or a .gguf "
+                     "file (default: --run: the run's; --model: 'model')");
+  sample->add_option("--prompt", so.prompt, "prompt text (--chat: the user's message)")->capture_default_str();
+  sample->add_flag("--chat", so.chat, "apply the tokenizer's chat template (ChatML) and stop at <|im_end|>");
+  CLI::Option* sample_system_opt =
+      sample->add_option("--system", sample_system, "--chat: the system message (default: the template's own, if any)");
   sample->add_option("--tokens", so.tokens, "tokens to generate")->capture_default_str();
   sample->add_option("--temperature", so.temperature, "0: greedy")->capture_default_str();
   sample->add_option("--top-k", so.top_k, "0: off")->capture_default_str();
@@ -221,7 +231,16 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (*sample) {
-      std::cout << so.prompt << cw::sample_from_run(run_dir, sample_step, so) << "\n";
+      if (sample_model.empty() && run_dir.empty())
+        cw::fail("chunkwise sample needs --run DIR or --model MODEL", "e.g. chunkwise sample --run runs/a --prompt \"The \"");
+      if (*sample_system_opt) so.system = sample_system;
+      const cw::Generation g = sample_model.empty()
+                                   ? cw::sample_from_run(run_dir, sample_step, so, sample_tokenizer)
+                                   : cw::sample_from_model(sample_model, so,
+                                                           sample_tokenizer.empty() ? cw::kModelTokenizer
+                                                                                    : sample_tokenizer);
+      // A plain prompt is continued, so it is printed with its continuation; a chat prints the reply.
+      std::cout << (so.chat ? "" : so.prompt) << g.text << "\n";
       return 0;
     }
     if (*tokenize) {

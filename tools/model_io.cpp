@@ -36,9 +36,7 @@ Batch read_token_batch(const std::string& path, int64_t B, int64_t T, int64_t vo
 }
 
 void load_or_init(LlamaModel& model, const std::string& spec, uint64_t seed, double norm_jitter) {
-  const bool checkpoint = fs::is_directory(spec) && (fs::exists(fs::path(spec) / "model.safetensors") ||
-                                                     fs::exists(fs::path(spec) / "model.safetensors.index.json"));
-  if (checkpoint)
+  if (is_checkpoint_dir(spec))
     load_checkpoint_weights(model.params(), spec);
   else if (is_gguf_file(spec))
     load_gguf_weights(model.params(), GgufReader(spec));

