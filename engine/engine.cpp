@@ -23,6 +23,7 @@ std::vector<GpuInfo> cuda_list_gpus();  // engine/cuda/device_query.cu
 #if CW_HAVE_CUDNN
 namespace gpu {
 AttentionPlanStats cudnn_plan_stats();  // engine/cuda/attention_cudnn.cu
+void cudnn_stop_plan_threads();         // engine/cuda/attention_cudnn.cu
 }  // namespace gpu
 #endif
 
@@ -77,6 +78,12 @@ AttentionPlanStats attention_plan_stats() {
   return gpu::cudnn_plan_stats();
 #else
   return {};
+#endif
+}
+
+void stop_background_work() {
+#if CW_HAVE_CUDNN
+  gpu::cudnn_stop_plan_threads();
 #endif
 }
 

@@ -60,7 +60,7 @@ AttentionKernel attention_kernel();
 enum class CudnnPlans { exact, shared };
 void set_cudnn_plans(CudnnPlans plans);
 CudnnPlans cudnn_plans();
-// Plans built ahead (env CW_CUDNN_PLAN_THREADS; by default half the cores, at most 8; 0: off): when
+// Plans built ahead (env CW_CUDNN_PLAN_THREADS: the count of host threads; 0, the default: off): when
 // a call whose K/V are a slice of a longer store (a SeCO sweep) needs an exact plan not yet built,
 // the plans of the other offsets of its chunk length, both directions, in sweep order, are queued
 // for host threads that build them while the step runs. With determinism off, the chooser runs
@@ -77,6 +77,19 @@ struct AttentionPlanStats {
   double seconds = 0, waited_seconds = 0;
 };
 AttentionPlanStats attention_plan_stats();
+
+// ---- Background work ----
+// The host threads the engine runs on its own (the cuDNN plans built ahead): stop_background_work
+// drops what is queued and waits for the work in hand. A program stops them before it exits (hold a
+// BackgroundWorkScope in main): the libraries those threads call tear down their state with the
+// static destructors, which must not run under them.
+void stop_background_work();
+struct BackgroundWorkScope {
+  BackgroundWorkScope() = default;
+  BackgroundWorkScope(const BackgroundWorkScope&) = delete;
+  BackgroundWorkScope& operator=(const BackgroundWorkScope&) = delete;
+  ~BackgroundWorkScope() { stop_background_work(); }
+};
 
 // ---- Copies between host and device ----
 // The seconds the device's compute stream spent blocked waiting for host <-> device copies (K/V

@@ -5,6 +5,7 @@
 #include <doctest/doctest.h>
 
 #include "chunkwise_config.h"
+#include "engine/engine.h"
 #include "tests/gpu_support.h"
 
 #include <cstdio>
@@ -21,6 +22,7 @@ int main(int argc, char** argv) {
   else if (CW_HAVE_NCCL && cw::test::gpu_ready() && cw::gpu::device_count() < 2)
     std::printf("NCCL tests across 2 GPUs: SKIPPED: one GPU visible\n");
   std::fflush(stdout);
+  const cw::BackgroundWorkScope background;  // stopped before the static destructors run
   doctest::Context context(argc, argv);
   return context.run();
 }

@@ -22,6 +22,7 @@
 #include <iostream>
 
 int main(int argc, char** argv) {
+  const cw::BackgroundWorkScope background;  // stopped before the static destructors run
   CLI::App app{"chunkwise: exact long-sequence training of Llama models (SeCO / SpaCO)"};
   app.set_version_flag("--version", std::string("chunkwise ") + CW_VERSION);
   app.require_subcommand(1);

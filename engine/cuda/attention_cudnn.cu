@@ -791,7 +791,10 @@ const Plan* file_build(DeviceState& st, const Shape& sh, std::unique_ptr<Plan> p
 // finishing the build in hand) when the process exits.
 class AheadBuilders {
  public:
-  ~AheadBuilders() {
+  ~AheadBuilders() { stop(); }
+  // Drops the queue and joins the workers (each finishing the build in hand); a later queue starts
+  // them again.
+  void stop() {
     {
       std::lock_guard lock(g_mutex);
       stop_ = true;
@@ -800,6 +803,9 @@ class AheadBuilders {
     }
     work_.notify_all();
     for (std::thread& t : threads_) t.join();
+    threads_.clear();
+    std::lock_guard lock(g_mutex);
+    stop_ = false;
   }
   // Lock held. Starts the workers if none run yet.
   void wake(int threads) {
@@ -809,7 +815,7 @@ class AheadBuilders {
 
  private:
   void work() {
-    std::map<int, cudnnHandle_t> handles;  // this thread's, one per device (never shared between threads)
+    std::map<int, cudnnHandle_t> handles;  // this thread's, one per device (never shared between threads, never destroyed)
     std::unique_lock lock(g_mutex);
     for (;;) {
       work_.wait(lock, [this] { return stop_ || !g_ahead.empty(); });
@@ -845,8 +851,7 @@ class AheadBuilders {
         g_plan_done.notify_all();
       }
     }
-    lock.unlock();
-    for (auto& [device, h] : handles) cudnnDestroy(h);
+    // The handles stay: the plans built with them outlive this thread (like each device's handle).
   }
 
   std::vector<std::thread> threads_;
@@ -1142,13 +1147,14 @@ int64_t cudnn_runtime_version() { return runtime_version(); }
 bool cudnn_attention_plan_ready(const Tensor& q, const Tensor& k, const Tensor& v, bool backward) {
   if (cw::cudnn_plan_threads() == 0 || cw::cudnn_plans() == CudnnPlans::shared || !static_reason(q, k).empty())
     return true;
-  Shape sh = shape_of(q, k, v, backward);
+  const Shape sh = shape_of(q, k, v, backward);
   const int64_t row = sh.Hkv * sh.D;
-  if (row <= 0 || std::min(sh.k_batch_stride, sh.v_batch_stride) / row <= sh.S) return true;  // not a store slice
+  const bool slice = row > 0 && std::min(sh.k_batch_stride, sh.v_batch_stride) / row > sh.S;
   std::lock_guard lock(g_mutex);
   DeviceState& st = device_state(sh.device);
   if (st.plans.count(sh) || st.rejected.count(sh)) return true;
-  if (st.building.count(sh)) return false;
+  if (st.building.count(sh)) return false;  // a worker builds it (e.g. a sweep's last chunk, keys = the store)
+  if (!slice) return true;                  // built on use
   // First in the queue (it is needed now), then the rest of its family.
   if (!g_ahead_set.insert(sh).second) g_ahead.erase(std::find(g_ahead.begin(), g_ahead.end(), sh));
   g_ahead.push_front(sh);
@@ -1156,6 +1162,8 @@ bool cudnn_attention_plan_ready(const Tensor& q, const Tensor& k, const Tensor& 
   ahead_builders().wake(cw::cudnn_plan_threads());
   return false;
 }
+
+void cudnn_stop_plan_threads() { ahead_builders().stop(); }
 
 AttentionPlanStats cudnn_plan_stats() {
   std::lock_guard lock(g_mutex);

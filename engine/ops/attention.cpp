@@ -17,7 +17,6 @@
 #include <cstdlib>
 #include <map>
 #include <mutex>
-#include <thread>
 
 namespace cw {
 
@@ -89,7 +88,7 @@ int cudnn_plan_threads() {
   if (v < 0) {
     const char* e = std::getenv("CW_CUDNN_PLAN_THREADS");
     if (e == nullptr || *e == '\0') {
-      v = static_cast<int>(std::clamp(std::thread::hardware_concurrency() / 2, 1u, 8u));
+      v = 0;  // off until the exit path (stop_background_work) has run on a GPU; 8 measured best (RESULTS.md)
     } else {
       char* end = nullptr;
       const long n = std::strtol(e, &end, 10);

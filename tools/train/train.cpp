@@ -833,10 +833,12 @@ TrainResult run_training(const RunConfig& rc, const TrainOptions& opt, std::ostr
   // What one rank holds: with tensor parallelism 1/tp of every block's heads and FFN (this says at
   // once when tp does not divide them).
   const LlamaConfig rank_config = rc.parallel.tp > 1 ? tp_shard_config(mc, rc.parallel.tp) : mc;
-  // data.tokenizer: checked against the model before anything is loaded, kept in the run directory.
+  // data.tokenizer: kept in the run directory; where the run turns ids into text (its samples), checked
+  // against the model before anything is loaded (a run on token ids alone needs no tokenizer of its size).
   const std::string tokenizer_spec = resolve_tokenizer_spec(rc.data.tokenizer, rc.model.source, "data.tokenizer");
   const std::unique_ptr<Tokenizer> tokenizer = load_tokenizer(tokenizer_spec);
-  check_tokenizer_fits_model(*tokenizer, tokenizer_spec, mc.vocab_size, rc.model.source, "data.tokenizer");
+  if (rc.sample.tokens > 0)
+    check_tokenizer_fits_model(*tokenizer, tokenizer_spec, mc.vocab_size, rc.model.source, "data.tokenizer");
   const TrainData data = load_data(rc, mc);
   WindowSampler sampler(data.split.train, rc.data.seed);  // the same on every rank (next_rank_batch)
   const double planned = check_memory({rank_config, placement.device, placement.dtype}, rc);
