@@ -9,7 +9,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
+#include <cstring>
 #include <thread>
+#include <utility>
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -90,6 +93,59 @@ void stop_background_work() {
 double take_copy_wait_seconds(Device device) {
   return device.is_cpu() ? 0.0 : gpu::take_copy_wait_seconds(device.index);
 }
+
+StagingBuffer::StagingBuffer(size_t bytes, Device device) : bytes_(bytes), device_(device) {
+  if (bytes == 0) return;
+  if (device.is_cpu()) {
+    data_ = std::malloc(bytes);
+    CW_CHECK(data_, "cannot allocate {} MiB of host memory for staging copies", double(bytes) / double(1 << 20));
+  } else {
+    data_ = gpu::pinned_alloc(bytes);
+  }
+}
+
+StagingBuffer::StagingBuffer(StagingBuffer&& other) noexcept
+    : data_(std::exchange(other.data_, nullptr)), bytes_(std::exchange(other.bytes_, 0)), device_(other.device_) {}
+
+StagingBuffer& StagingBuffer::operator=(StagingBuffer&& other) noexcept {
+  if (this != &other) {
+    this->~StagingBuffer();
+    data_ = std::exchange(other.data_, nullptr);
+    bytes_ = std::exchange(other.bytes_, 0);
+    device_ = other.device_;
+  }
+  return *this;
+}
+
+StagingBuffer::~StagingBuffer() {
+  if (!data_) return;
+  if (device_.is_cpu()) std::free(data_);
+  else gpu::pinned_free(data_);
+  data_ = nullptr;
+}
+
+uint64_t copy_async(void* dst, const void* src, size_t bytes, Device device) {
+  if (device.is_cpu()) {
+    if (bytes > 0) std::memcpy(dst, src, bytes);
+    return 0;
+  }
+  return gpu::copy_on_side_stream(dst, src, bytes, device.index);
+}
+
+void host_wait_for_copy(uint64_t ticket, Device device) {
+  if (!device.is_cpu()) gpu::host_wait_for_copy(ticket, device.index);
+}
+
+void compute_wait_for_copy(uint64_t ticket, Device device) {
+  if (!device.is_cpu()) gpu::wait_for_copy(ticket, device.index);
+}
+
+void set_device_memory_limit(Device device, size_t bytes) {
+  CW_CHECK(!device.is_cpu(), "set_device_memory_limit is for a GPU; host memory is the operating system's");
+  gpu::set_pool_limit(device.index, bytes);
+}
+
+size_t device_memory_limit(Device device) { return device.is_cpu() ? 0 : gpu::pool_limit(device.index); }
 
 DeviceMemory device_memory(Device device) {
   CW_CHECK(!device.is_cpu(), "device_memory asks about a GPU; host memory is the operating system's");

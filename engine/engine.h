@@ -96,6 +96,36 @@ struct BackgroundWorkScope {
 // offload, offloaded layer inputs) since the previous call; waits for the device. 0 for the CPU.
 double take_copy_wait_seconds(Device device);
 
+// ---- Copies for work done on the host (the offloaded optimizer, optim/adamw_offload.h) ----
+// Host memory that the device's copies can read and write asynchronously: pinned (page-locked) on a
+// GPU, plain host memory on the CPU. Zero bytes allocate nothing.
+class StagingBuffer {
+ public:
+  StagingBuffer() = default;
+  StagingBuffer(size_t bytes, Device device);
+  StagingBuffer(StagingBuffer&& other) noexcept;
+  StagingBuffer& operator=(StagingBuffer&& other) noexcept;
+  StagingBuffer(const StagingBuffer&) = delete;
+  StagingBuffer& operator=(const StagingBuffer&) = delete;
+  ~StagingBuffer();
+  void* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
+
+ private:
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+  Device device_{};
+};
+// Copies `bytes` between a staging buffer and device memory (either direction) on the device's side
+// stream, after everything queued on its compute stream so far (the bytes read are final, the bytes
+// written no longer read). Returns a ticket. On the CPU it is a memcpy at the call (ticket 0).
+uint64_t copy_async(void* dst, const void* src, size_t bytes, Device device);
+// The host blocks until the ticket's copy (and every earlier copy of the device) has finished.
+void host_wait_for_copy(uint64_t ticket, Device device);
+// The compute stream waits (the host does not) until the ticket's copy has finished: the next op
+// queued reads what it wrote.
+void compute_wait_for_copy(uint64_t ticket, Device device);
+
 // ---- CPU threads ----
 // The CPU kernels' parallel loops (OpenMP loops and Eigen's matrix products) use up to cpu_threads()
 // threads. The limit belongs to the calling thread (OpenMP's per-thread nthreads setting), so
@@ -123,6 +153,26 @@ struct PoolStats {
   size_t in_use = 0, cached = 0, peak_in_use = 0, cuda_mallocs = 0;
 };
 PoolStats pool_stats(Device device);      // the device's caching pool (zeros for the CPU)
+// A ceiling on the bytes the device's caching pool holds from the driver (in use and cached; 0: none,
+// the default): an allocation that would pass it first returns the cached blocks, then fails with an
+// out-of-memory error naming the limit. `--device-memory GiB` of train and bench sets it to the GiB
+// less the CUDA context (tools/plan.h), so a run behaves as on a GPU of that size.
+void set_device_memory_limit(Device device, size_t bytes);
+size_t device_memory_limit(Device device);
+// The limit for a scope (a run), the previous one restored after it.
+class DeviceMemoryLimitScope {
+ public:
+  DeviceMemoryLimitScope(Device device, size_t bytes) : device_(device), previous_(device_memory_limit(device)) {
+    set_device_memory_limit(device, bytes);
+  }
+  ~DeviceMemoryLimitScope() { set_device_memory_limit(device_, previous_); }
+  DeviceMemoryLimitScope(const DeviceMemoryLimitScope&) = delete;
+  DeviceMemoryLimitScope& operator=(const DeviceMemoryLimitScope&) = delete;
+
+ private:
+  Device device_;
+  size_t previous_;
+};
 void release_cached(Device device);       // cached blocks back to the driver
 std::string memory_report(Device device); // one line: in use, cached, peak, mallocs, free
 

@@ -48,6 +48,7 @@ struct Pool {
   std::multimap<size_t, void*> free_blocks;      // size class -> cached block
   std::unordered_map<void*, size_t> live;        // block -> size class
   PoolStats stats;
+  size_t limit = 0;  // the most bytes held from the driver (in use + cached); 0: none
 };
 
 Pool& pool(int device) {
@@ -157,6 +158,13 @@ void* device_alloc(size_t bytes, int device) {
     p.stats.cached -= size;
   } else {
     CW_CUDA_CHECK(cudaSetDevice(device));
+    if (p.limit > 0 && p.stats.in_use + p.stats.cached + size > p.limit) release_locked(p);
+    if (p.limit > 0 && p.stats.in_use + size > p.limit)
+      fail(CW_FORMAT("cuda:{}: cannot allocate {} MiB: out of memory under the device memory limit of {:.2f} GiB "
+                     "(in use {} MiB, peak {} MiB)",
+                     device, double(size) / (1 << 20), double(p.limit) / double(1ull << 30),
+                     double(p.stats.in_use) / (1 << 20), double(p.stats.peak_in_use) / (1 << 20)),
+           "raise --device-memory, or lower the batch, sequence or chunk length (chunkwise plan says what fits)");
     cudaError_t e = cudaMalloc(&ptr, size);
     if (e == cudaErrorMemoryAllocation) {
       cudaGetLastError();
@@ -193,6 +201,18 @@ void device_free(void* ptr, int device) {
 
 void device_memset_zero(void* ptr, size_t bytes, int device) {
   CW_CUDA_CHECK(cudaMemsetAsync(ptr, 0, bytes, current_stream(device)));
+}
+
+void set_pool_limit(int device, size_t bytes) {
+  Pool& p = pool(device);
+  std::lock_guard lock(p.mutex);
+  p.limit = bytes;
+}
+
+size_t pool_limit(int device) {
+  Pool& p = pool(device);
+  std::lock_guard lock(p.mutex);
+  return p.limit;
 }
 
 PoolStats pool_stats(int device) {
@@ -600,6 +620,23 @@ void wait_for_copy(uint64_t ticket, int device) {
     CW_CUDA_CHECK(cudaEventDestroy(e->second.second));
     e = s.tickets.erase(e);
   }
+}
+
+void host_wait_for_copy(uint64_t ticket, int device) {
+  SideStreams& s = side_streams();
+  cudaEvent_t done = nullptr;
+  cudaStream_t side = nullptr;
+  {
+    std::lock_guard lock(s.mutex);
+    auto it = s.tickets.find(ticket);
+    if (it != s.tickets.end()) done = it->second.second;
+    else side = s.streams[static_cast<size_t>(device)];  // its event is gone (a compute wait took it): wait for all
+  }
+  // Outside the lock: other threads queue copies meanwhile. A ticket's event is destroyed only by
+  // wait_for_copy, which the thread that owns the ticket calls.
+  CW_CUDA_CHECK(cudaSetDevice(device));
+  if (done) CW_CUDA_CHECK(cudaEventSynchronize(done));
+  else if (side) CW_CUDA_CHECK(cudaStreamSynchronize(side));
 }
 
 void wait_for_all_copies(int device) {

@@ -54,6 +54,9 @@ struct PoolStats {
   size_t in_use = 0, cached = 0, peak_in_use = 0, cuda_mallocs = 0;
 };
 PoolStats pool_stats(int device);
+// The most bytes the pool may hold from the driver (in use + cached); 0: no limit (engine.h).
+void set_pool_limit(int device, size_t bytes);
+size_t pool_limit(int device);
 void release_cached(int device);                // give cached blocks back to the driver
 
 // Copies between any two tensors of the same shape where at least one is on a GPU, converting
@@ -85,6 +88,8 @@ uint64_t copy_on_side_stream(void* dst, const void* src, size_t bytes, int devic
 // The same for zeroing `bytes` of device memory (a home that holds logical zeros is not copied).
 uint64_t zero_on_side_stream(void* dst, size_t bytes, int device);
 void wait_for_copy(uint64_t ticket, int device);
+// The host blocks until the ticket's copy (and every earlier one of the device) has finished.
+void host_wait_for_copy(uint64_t ticket, int device);
 void wait_for_all_copies(int device);           // the host waits until every side-stream copy is done
 // The time the device's compute stream spent blocked in wait_for_copy, measured with timed events
 // recorded around each wait. Waits for the compute stream, returns the seconds since the previous

@@ -28,10 +28,12 @@ void check_hyper(const AdamWHyper& h) {
 }
 
 // The update of one tensor: optim/adamw.cpp's loop, element for element and in the same order.
-// P is the parameter/state type, G the gradient type; copy (may be null) receives bf16(p).
+// P is the parameter/state type, G the gradient type. The operands never overlap (restrict) and
+// nothing branches, so the compiler vectorises it (the project builds with -fno-math-errno, which
+// lets sqrt vectorise; IEEE division and square root round the same either way).
 template <class P, class G>
-void update(P* p, P* m, P* v, const G* g, bf16* copy, int64_t n, double b1, double b2, double bc1, double bc2,
-            double eps, double lr, double wd) {
+void update(P* __restrict p, P* __restrict m, P* __restrict v, const G* __restrict g, int64_t n, double b1, double b2,
+            double bc1, double bc2, double eps, double lr, double wd) {
   for (int64_t i = 0; i < n; ++i) {
     const double gi = static_cast<double>(g[i]);
     const double mi = b1 * static_cast<double>(m[i]) + (1.0 - b1) * gi;
@@ -41,8 +43,13 @@ void update(P* p, P* m, P* v, const G* g, bf16* copy, int64_t n, double b1, doub
     m[i] = static_cast<P>(mi);
     v[i] = static_cast<P>(vi);
     p[i] = static_cast<P>(pi - lr * (mhat / (std::sqrt(vhat) + eps) + wd * pi));
-    if (copy) copy[i] = bf16::from_float(static_cast<float>(p[i]));
   }
+}
+
+// copy = bf16(p) (from f64 via f32, as copy_convert rounds), as a second pass without branches.
+template <class P>
+void round_to_bf16(const P* __restrict p, bf16* __restrict copy, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) copy[i] = bf16::from_float(static_cast<float>(p[i]));
 }
 
 template <class P>
@@ -51,13 +58,13 @@ void update_cpu(const Tensor& p, const Tensor& m, const Tensor& v, const Tensor&
   const double b1 = h.beta1, b2 = h.beta2;
   const double t = static_cast<double>(h.step);
   const double bc1 = 1.0 - std::pow(b1, t), bc2 = 1.0 - std::pow(b2, t);
-  bf16* c = copy.data ? copy.ptr<bf16>() : nullptr;
   if (g.dtype == DType::f64)
-    update(p.ptr<P>(), m.ptr<P>(), v.ptr<P>(), g.ptr<double>(), c, p.numel(), b1, b2, bc1, bc2, h.eps, h.lr,
+    update(p.ptr<P>(), m.ptr<P>(), v.ptr<P>(), g.ptr<double>(), p.numel(), b1, b2, bc1, bc2, h.eps, h.lr,
            h.weight_decay);
   else
-    update(p.ptr<P>(), m.ptr<P>(), v.ptr<P>(), g.ptr<float>(), c, p.numel(), b1, b2, bc1, bc2, h.eps, h.lr,
+    update(p.ptr<P>(), m.ptr<P>(), v.ptr<P>(), g.ptr<float>(), p.numel(), b1, b2, bc1, bc2, h.eps, h.lr,
            h.weight_decay);
+  if (copy.data) round_to_bf16(p.ptr<P>(), copy.ptr<bf16>(), p.numel());
 }
 
 }  // namespace

@@ -16,8 +16,9 @@
 //               bf16 (nearest even), i.e. the GPU's compute weights (from an f64 param via f32, as
 //               copy_convert rounds)
 //
-// CPU: one plain loop, arithmetic in f64 in exactly optim/adamw.cpp's order, each result rounded
-// once to the state dtype: the same inputs give the same bits as AdamW::step.
+// CPU: one loop (vectorised; no threads: callers split a large vector, optim/adamw_offload.h),
+// arithmetic in f64 in exactly optim/adamw.cpp's order, each result rounded once to the state dtype:
+// the same inputs give the same bits as AdamW::step.
 // GPU (engine/cuda/adamw.cu): the same formula in f32 arithmetic (hyperparameters and the bias
 // corrections are computed in f64 on the host and rounded to f32), one element per thread in a
 // grid-stride loop; no reductions, so it is deterministic. It agrees with the CPU op to f32 rounding
