@@ -77,6 +77,8 @@ class AdamW {
   void load(const std::string& path);
 
  private:
+  friend class OffloadedAdamW;  // the same state, updated piece by piece on the host (optim/adamw_offload.h)
+
   AdamWOptions options_;
   ParamSet exp_avg_, exp_avg_sq_;
   int64_t step_ = 0;

@@ -14,16 +14,23 @@ DType master_dtype_for(DType compute) { return compute == DType::bf16 ? DType::f
 }  // namespace
 
 TrainingState::TrainingState(const LlamaConfig& config, DType compute, Device device, const AdamWOptions& options,
-                             bool full_optimizer, TensorParallelGroup* tp, const LoraConfig& lora)
+                             bool full_optimizer, TensorParallelGroup* tp, const LoraConfig& lora,
+                             bool offload_optimizer)
     : model_(config, compute, device, tp, lora),
-      master_(compute == DType::bf16 ? std::optional<ParamSet>(ParamSet::like(model_.trainable(), DType::f32))
-                                     : std::nullopt),
+      // A separate master set: f32 beside bf16 compute weights; offloaded, always (in host memory).
+      master_(compute == DType::bf16 || offload_optimizer
+                  ? std::optional<ParamSet>(ParamSet::like(model_.trainable(), master_dtype_for(compute),
+                                                           offload_optimizer ? Device::host() : device))
+                  : std::nullopt),
       grads_(ParamSet::like(model_.trainable(), master_dtype_for(compute))),
       adamw_options_(options) {
   CW_CHECK(compute != DType::bf16 || !device.is_cpu(), "bf16 training needs the GPU backend");
+  CW_CHECK(!offload_optimizer || full_optimizer,
+           "optimizer.offload keeps the whole AdamW state on the host: it does not combine with parallel.zero > 0");
   options.validate();
   sync_master_from_compute();
-  if (full_optimizer) adamw_.emplace(master(), options);
+  if (offload_optimizer) offloaded_.emplace(master(), device, options);
+  else if (full_optimizer) adamw_.emplace(master(), options);
 }
 
 void TrainingState::sync_master_from_compute() {
@@ -32,6 +39,7 @@ void TrainingState::sync_master_from_compute() {
 }
 
 AdamW& TrainingState::optimizer() {
+  if (offloaded_) return offloaded_->state();
   CW_CHECK(adamw_, "the optimizer state is sharded (parallel.zero > 0): each rank's shard is the data-parallel "
                    "group's (parallel/data_parallel.h)");
   return *adamw_;
@@ -93,6 +101,7 @@ ParamSet TrainingState::base_on_host(DType dtype) const {
 }
 
 void TrainingState::optimizer_step(double lr) {
+  if (offloaded_) return offloaded_->step(master(), grads_, lr, model_.trainable());
   optimizer().step(master(), grads_, lr, master_ ? &model_.trainable() : nullptr);
 }
 
@@ -112,6 +121,11 @@ std::string MemoryReport::line() const {
     if (!s.empty()) s += " | ";
     s += fmt::format("{} {:.2f} GiB", name, static_cast<double>(bytes) / double(1ull << 30));
   }
+  if (host_master + host_optimizer + host_staging > 0)
+    s += fmt::format(" || host: master {:.2f} GiB | optimizer {:.2f} GiB | staging {:.2f} GiB",
+                     static_cast<double>(host_master) / double(1ull << 30),
+                     static_cast<double>(host_optimizer) / double(1ull << 30),
+                     static_cast<double>(host_staging) / double(1ull << 30));
   return s;
 }
 
@@ -119,8 +133,14 @@ MemoryReport memory_report(const TrainingState& st, size_t activation_high_water
   MemoryReport r;
   r.weights = st.model().params().bytes() + (st.lora() ? st.model().adapters().bytes() : 0);
   const bool separate_master = &st.master() != &st.model().trainable();
-  r.master = separate_master ? st.master().bytes() : 0;
-  r.optimizer = st.has_full_optimizer() ? st.master().bytes() * 2 : 0;  // exp_avg and exp_avg_sq (ZeRO: the group's)
+  if (const OffloadedAdamW* off = st.offloaded_optimizer()) {
+    r.host_master = st.master().bytes();
+    r.host_optimizer = st.master().bytes() * 2;
+    r.host_staging = off->staging_bytes();
+  } else {
+    r.master = separate_master ? st.master().bytes() : 0;
+    r.optimizer = st.has_full_optimizer() ? st.master().bytes() * 2 : 0;  // exp_avg and exp_avg_sq (ZeRO: the group's)
+  }
   r.gradients = st.grads().bytes();
   r.activations = activation_high_water;
   r.kv = kv_bytes;

@@ -7,7 +7,9 @@
 //                    compute copy in the same kernel); otherwise the compute weights themselves
 //   gradients        f32 (f64 in f64 mode), accumulated over chunks and micro-batches
 //   AdamW moments    the master weights' dtype
-// Everything lives on `device`. Checkpoints read and write the master weights through host copies,
+// Everything lives on `device`, unless the optimizer is offloaded (offload_optimizer): then the master
+// weights (f32, or the compute dtype on the CPU) and the moments live in host memory and the update
+// runs there (optim/adamw_offload.h); the compute weights and gradients stay on `device`. Checkpoints read and write the master weights through host copies,
 // so a bf16 GPU run saves f32 weights and resumes bit-exactly.
 // With LoRA (a LoraConfig of rank > 0; model/lora.h) the policy applies to the adapters alone: the
 // base parameters are the model's compute weights (bf16 on a GPU) and nothing else, no master copy,
@@ -22,6 +24,7 @@
 
 #include "model/llama.h"
 #include "optim/adamw.h"
+#include "optim/adamw_offload.h"
 
 #include <optional>
 #include <string>
@@ -32,8 +35,11 @@ namespace cw {
 class TrainingState {
  public:
   // config: the whole model's; tp: this rank's tensor-parallel group (null: the whole model).
+  // offload_optimizer: the master weights and AdamW's moments in host memory, updated on the host's
+  // cores (optim/adamw_offload.h); the compute weights and gradients stay on the device.
   TrainingState(const LlamaConfig& config, DType compute, Device device, const AdamWOptions& options,
-                bool full_optimizer = true, TensorParallelGroup* tp = nullptr, const LoraConfig& lora = {});
+                bool full_optimizer = true, TensorParallelGroup* tp = nullptr, const LoraConfig& lora = {},
+                bool offload_optimizer = false);
 
   LlamaModel& model() { return model_; }
   const LlamaModel& model() const { return model_; }
@@ -42,8 +48,12 @@ class TrainingState {
   ParamSet& master() { return master_ ? *master_ : model_.trainable(); }
   bool lora() const { return model_.has_adapters(); }
   const ParamSet& grads() const { return grads_; }
-  AdamW& optimizer();  // throws when the state was built without it (ZeRO)
-  bool has_full_optimizer() const { return adamw_.has_value(); }
+  // The AdamW state (offloaded: its host copy, for checkpoints); throws when the state was built
+  // without it (ZeRO).
+  AdamW& optimizer();
+  bool has_full_optimizer() const { return adamw_.has_value() || offloaded_.has_value(); }
+  bool optimizer_offloaded() const { return offloaded_.has_value(); }
+  const OffloadedAdamW* offloaded_optimizer() const { return offloaded_ ? &*offloaded_ : nullptr; }
   const AdamWOptions& adamw_options() const { return adamw_options_; }
   Device device() const { return model_.device(); }
   DType master_dtype() const { return master().dtype(); }
@@ -83,6 +93,7 @@ class TrainingState {
   ParamSet grads_;
   AdamWOptions adamw_options_;
   std::optional<AdamW> adamw_;
+  std::optional<OffloadedAdamW> offloaded_;
 };
 
 // Bytes by category, for the memory report of train and bench. activations and kv come from the
@@ -91,8 +102,11 @@ class TrainingState {
 // attention scratch outside the arena, cuBLASLt/cuDNN workspaces, pool slack). Under LoRA,
 // weights are the base's compute weights and the adapters' compute copy; master, optimizer and
 // gradients the adapters' alone.
+// With the optimizer offloaded, master and optimizer are host bytes (host_master, host_optimizer,
+// and the staging slots in host_staging), not the device's.
 struct MemoryReport {
   size_t weights = 0, master = 0, optimizer = 0, gradients = 0, activations = 0, kv = 0, device_peak = 0;
+  size_t host_master = 0, host_optimizer = 0, host_staging = 0;
   size_t other() const;
   std::string line() const;  // "weights 2.30 GiB | master ... | peak ..."
   std::vector<std::pair<std::string, size_t>> categories() const;

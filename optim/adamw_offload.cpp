@@ -1,0 +1,121 @@
+#include "optim/adamw_offload.h"
+
+#include "engine/memory.h"
+#include "engine/ops/adamw_update.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+
+namespace cw {
+
+namespace {
+// Elements one host thread updates at a time: large enough that a call's checks cost nothing, small
+// enough that the cores share a piece evenly.
+constexpr int64_t kThreadBlock = int64_t(1) << 16;
+}  // namespace
+
+OffloadedAdamW::OffloadedAdamW(const ParamSet& master, Device device, const AdamWOptions& options, int64_t piece_elems)
+    : adamw_(master, options), device_(device), piece_(piece_elems) {
+  CW_CHECK(master.device().is_cpu(), "the offloaded optimizer keeps the master weights in host memory, not on {}",
+           device_name(master.device()));
+  CW_CHECK(piece_elems >= 1, "the offloaded optimizer's piece must hold at least one element, got {}", piece_elems);
+  int64_t offset = 0;
+  for (size_t i = 0; i < master.size(); ++i) {
+    const ParamSpec& spec = master.specs()[i];
+    runs_.push_back({offset, spec.numel(), adamw_.decays(spec) ? options.weight_decay : 0.0});
+    offset += spec.numel();
+  }
+}
+
+size_t OffloadedAdamW::staging_bytes() const {
+  size_t bytes = 0;
+  for (const StagingBuffer& b : grad_stage_) bytes += b.bytes();
+  for (const StagingBuffer& b : compute_stage_) bytes += b.bytes();
+  return bytes;
+}
+
+void OffloadedAdamW::update_piece(const ParamSet& master, int64_t begin, int64_t length, const void* grad,
+                                  DType grad_dtype, void* compute, DType compute_dtype, double lr) {
+  const AdamWOptions& o = adamw_.options();
+  const Tensor p = master.flat(), m = adamw_.exp_avg_.flat(), v = adamw_.exp_avg_sq_.flat();
+  const size_t gsize = dtype_size(grad_dtype), csize = dtype_size(compute_dtype);
+  const int64_t blocks = (length + kThreadBlock - 1) / kThreadBlock;
+  // The runs (tensors) a piece touches, found once: a block's tensors follow from them.
+  const auto first_run = std::upper_bound(runs_.begin(), runs_.end(), begin,
+                                          [](int64_t x, const Run& r) { return x < r.begin; }) - 1;
+#pragma omp parallel for schedule(dynamic, 1)
+  for (int64_t b = 0; b < blocks; ++b) {
+    const int64_t lo = begin + b * kThreadBlock, hi = std::min(begin + length, lo + kThreadBlock);
+    for (auto run = first_run; run != runs_.end() && run->begin < hi; ++run) {
+      const int64_t a = std::max(lo, run->begin), z = std::min(hi, run->begin + run->length);
+      if (a >= z) continue;
+      const int64_t n = z - a, at = a - begin;  // at: the offset within the piece (and its staging)
+      const Tensor g = Tensor::packed(static_cast<char*>(const_cast<void*>(grad)) + size_t(at) * gsize, grad_dtype,
+                                      Device::host(), std::array<int64_t, 1>{n});
+      const Tensor c = Tensor::packed(static_cast<char*>(compute) + size_t(at) * csize, compute_dtype,
+                                      Device::host(), std::array<int64_t, 1>{n});
+      const Tensor ps = p.slice(0, a, n);
+      adamw_update(ps, m.slice(0, a, n), v.slice(0, a, n), g, compute_dtype == DType::bf16 ? c : Tensor{},
+                   AdamWHyper{lr, o.beta1, o.beta2, o.eps, run->weight_decay, adamw_.step_});
+      if (compute_dtype != DType::bf16) copy_convert(c, ps);
+    }
+  }
+}
+
+void OffloadedAdamW::step(const ParamSet& master, const ParamSet& grads, double lr, const ParamSet& compute) {
+  CW_CHECK(std::isfinite(lr) && lr >= 0.0, "AdamW: learning rate {} must be finite and >= 0", lr);
+  CW_CHECK(same_table(master, adamw_.exp_avg_) && master.dtype() == adamw_.exp_avg_.dtype() && master.device().is_cpu(),
+           "the offloaded optimizer: the master weights must be the host set it was made for");
+  CW_CHECK(same_table(grads, master) && same_table(compute, master),
+           "the offloaded optimizer: the gradients and compute weights must have the master weights' table");
+  CW_CHECK(grads.device() == device_ && compute.device() == device_,
+           "the offloaded optimizer: gradients on {} and compute weights on {}, but it was made for {}",
+           device_name(grads.device()), device_name(compute.device()), device_name(device_));
+  CW_CHECK(grads.dtype() == DType::f32 || grads.dtype() == DType::f64, "AdamW: the gradients must be f32 or f64, got {}",
+           dtype_name(grads.dtype()));
+
+  const int64_t numel = master.numel(), piece = std::min(piece_, numel);
+  const size_t gsize = dtype_size(grads.dtype()), csize = dtype_size(compute.dtype());
+  if (grad_stage_.empty() || grad_stage_[0].bytes() < size_t(piece) * gsize ||
+      compute_stage_[0].bytes() < size_t(piece) * csize) {
+    grad_stage_.clear();
+    compute_stage_.clear();
+    for (int s = 0; s < kSlots; ++s) {
+      grad_stage_.emplace_back(size_t(piece) * gsize, device_);
+      compute_stage_.emplace_back(size_t(piece) * csize, device_);
+    }
+  }
+  ++adamw_.step_;
+
+  // Pieces from the end of the vector: [begin(i), begin(i) + length(i)).
+  const int64_t pieces = (numel + piece - 1) / piece;
+  const auto piece_begin = [&](int64_t i) { return std::max<int64_t>(0, numel - (i + 1) * piece); };
+  const auto piece_length = [&](int64_t i) { return numel - i * piece - piece_begin(i); };
+  char* const grad_dev = static_cast<char*>(grads.flat().data);
+  char* const compute_dev = static_cast<char*>(compute.flat().data);
+  std::array<uint64_t, kSlots> in_ticket{}, out_ticket{};
+  const auto fetch = [&](int64_t i) {
+    const size_t slot = size_t(i % kSlots);
+    in_ticket[slot] = copy_async(grad_stage_[slot].data(), grad_dev + size_t(piece_begin(i)) * gsize,
+                                 size_t(piece_length(i)) * gsize, device_);
+  };
+  for (int64_t i = 0; i < std::min<int64_t>(kSlots, pieces); ++i) fetch(i);
+  uint64_t last_out = 0;
+  for (int64_t i = 0; i < pieces; ++i) {
+    const size_t slot = size_t(i % kSlots);
+    host_wait_for_copy(in_ticket[slot], device_);
+    if (out_ticket[slot] != 0) host_wait_for_copy(out_ticket[slot], device_);  // piece i - kSlots has left the slot
+    update_piece(master, piece_begin(i), piece_length(i), grad_stage_[slot].data(), grads.dtype(),
+                 compute_stage_[slot].data(), compute.dtype(), lr);
+    last_out = out_ticket[slot] = copy_async(compute_dev + size_t(piece_begin(i)) * csize, compute_stage_[slot].data(),
+                                             size_t(piece_length(i)) * csize, device_);
+    if (i + kSlots < pieces) fetch(i + kSlots);
+  }
+  // The next op (the next step's first kernel) reads the new compute weights.
+  compute_wait_for_copy(last_out, device_);
+}
+
+}  // namespace cw
