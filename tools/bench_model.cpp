@@ -6,10 +6,12 @@
 #endif
 #include "engine/ops/linear.h"
 #include "engine/random.h"
+#include "engine/residency.h"
 #include "engine/trace.h"
 #include "optim/options.h"
 #include "optim/schedule.h"
 #include "optim/training.h"
+#include "tools/plan.h"
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -17,6 +19,7 @@
 #include <algorithm>
 #include <chrono>
 #include <fstream>
+#include <optional>
 #include <ostream>
 #include <vector>
 
@@ -56,6 +59,13 @@ double flops_per_token(const LlamaConfig& c, int64_t T, const LoraConfig& lora) 
   return 4.0 * matmul_params + 6.0 * adapter_params + attention;
 }
 
+void write_result(const std::string& path, const nlohmann::json& r) {
+  if (path.empty()) return;
+  std::ofstream f(path);
+  if (!f) fail(fmt::format("bench: cannot write '{}'", path), "check the directory exists and is writable");
+  f << r.dump(2) << "\n";
+}
+
 bool is_out_of_memory(const std::string& what) {
   return what.find("out of memory") != std::string::npos || what.find("cannot allocate") != std::string::npos;
 }
@@ -70,9 +80,31 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
   if (dt != DType::bf16 && dt != DType::f32) fail(fmt::format("bench --dtype {}: use bf16 or f32", o.dtype));
   CW_CHECK(o.steps >= 1 && o.warmup >= 0, "bench needs --steps >= 1 and --warmup >= 0");
 
-  const ScheduleOptions& so = o.schedule;
-  so.validate();
   validate_lora(o.lora);
+  // The device memory the run may use, and the schedule the planner picks where asked (auto).
+  const double gib = device_gib_or_gpu(o.device_memory_gib);
+  ScheduleOptions so = o.schedule;
+  try {
+    so = schedule_with_lengths(cfg, o.batch, o.seq, so, o.chunk, o.offload_window, dt, gib, o.lora, o.optimizer_offload);
+  } catch (const Error& e) {  // auto found nothing that fits: a result, as running out of memory is
+    const std::string status = is_out_of_memory(e.what()) ? "oom" : "error";
+    const nlohmann::json r = {{"impl", "chunkwise"}, {"model", o.model}, {"seq", o.seq}, {"batch", o.batch},
+                              {"schedule", so.name}, {"status", status}, {"error", e.what()}};
+    out << "bench: " << status << ": " << e.what() << "\n";
+    write_result(o.json, r);
+    return status == "oom" ? 0 : 1;
+  }
+  so.validate();
+  const PlanReport plan = plan_step(cfg, o.batch, o.seq, so, dt, gib, o.lora, o.optimizer_offload);
+  out << fmt::format("plan: {} chunk {} offload window {}: peak {:.2f} GiB of {:.1f} on the device, {:.2f} GiB host, "
+                     "{:.2f} s a step predicted\n",
+                     so.name, so.chunk, so.offload_window, plan.peak_device_gib(), gib, plan.peak_host_gib(), plan.step_s);
+  std::optional<DeviceMemoryLimitScope> limit;
+  if (o.device_memory_gib > 0) {
+    const double bytes = o.device_memory_gib * double(1ull << 30) - double(kCudaContextBytes);
+    CW_CHECK(bytes > 0, "bench --device-memory {} GiB is less than the CUDA context", o.device_memory_gib);
+    limit.emplace(g, static_cast<size_t>(bytes));
+  }
 
   nlohmann::json r = {{"impl", "chunkwise"}, {"model", o.model}, {"seq", o.seq}, {"batch", o.batch},
                       {"schedule", so.name}, {"recompute", so.recompute}, {"chunk", so.chunk},
@@ -82,6 +114,10 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
   if (o.lora.enabled())
     r["lora"] = {{"rank", o.lora.rank}, {"alpha", o.lora.alpha}, {"dropout", o.lora.dropout},
                  {"targets", o.lora.target_names()}};
+  r["optimizer_offload"] = o.optimizer_offload;
+  r["device_memory_gib"] = gib;
+  r["plan"] = {{"peak_device_gib", plan.peak_device_gib()}, {"peak_host_gib", plan.peak_host_gib()},
+               {"step_s", plan.step_s}, {"fits", plan.fits}};
 #if CW_HAVE_CUDA
   set_deterministic(o.deterministic);
   r["attention"] = attention_kernel_name(attention_kernel());
@@ -96,7 +132,18 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
   std::vector<double> copy_waits;  // per step: seconds the compute stream waited for host <-> device copies
   try {
     AdamWOptions ao;
-    TrainingState st(cfg, dt, g, ao, true, nullptr, o.lora);
+    const size_t host_free = host_memory_available();
+    if (host_free > 0 && plan.peak_host_bytes > host_free && !o.force)
+      fail(fmt::format("the plan says this step runs out of memory on the host: {:.2f} GiB (pinned K/V store, offloaded "
+                       "optimizer) and the host has {:.2f} GiB available",
+                       plan.peak_host_gib(), double(host_free) / double(1ull << 30)),
+           "keep more of the K/V store on the device (--offload-window), or leave the optimizer on the device");
+    if (!plan.fits && !o.force)
+      fail(fmt::format("the plan says this step runs out of memory: its peak of {:.2f} GiB and the CUDA context do "
+                       "not fit {:.1f} GiB of device memory",
+                       plan.peak_device_gib(), gib),
+           plan.advice + "; or pass --force to run it anyway");
+    TrainingState st(cfg, dt, g, ao, true, nullptr, o.lora, o.optimizer_offload);
     st.init_tiled(1, cfg.initializer_range);
     auto schedule = Schedule::create(so);
     StepStats stats;
@@ -142,6 +189,8 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
     const MemoryReport mem = memory_report(st, stats.activation_high_water, stats.kv_bytes);
     nlohmann::json mj;
     for (const auto& [name, bytes] : mem.categories()) mj[name] = bytes;
+    if (st.optimizer_offloaded())
+      mj["host"] = {{"master", mem.host_master}, {"optimizer", mem.host_optimizer}, {"staging", mem.host_staging}};
     r["memory"] = mj;
     r["chunks"] = stats.chunks;
     r["chunks_visited"] = stats.chunks_visited;
@@ -176,11 +225,7 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
     out << fmt::format("{} {} T={} B={}: {:.3f} s/step, {:.0f} tokens/s, MFU {:.1f}% of {:.0f} TFLOP/s, peak {:.2f} GiB\n",
                        o.model, so.name, o.seq, o.batch, r["step_s"].get<double>(), r["tokens_per_s"].get<double>(),
                        100 * r["mfu"].get<double>(), peak, r["peak_gib"].get<double>());
-  if (!o.json.empty()) {
-    std::ofstream f(o.json);
-    if (!f) fail(fmt::format("bench: cannot write '{}'", o.json), "check the directory exists and is writable");
-    f << r.dump(2) << "\n";
-  }
+  write_result(o.json, r);
   return r["status"] == "error" ? 1 : 0;
 }
 

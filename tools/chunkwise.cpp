@@ -102,8 +102,19 @@ int main(int argc, char** argv) {
   bench->add_option("--model", bm.model, "preset, config.json, checkpoint directory or .gguf file")->capture_default_str();
   bench->add_option("--seq", bm.seq, "tokens per sequence")->capture_default_str();
   bench->add_option("--batch", bm.batch, "sequences per step")->capture_default_str();
-  cw::add_schedule_flags(*bench, bm.schedule);
+  // --chunk and --offload-window also take "auto" (the planner chooses, as `chunkwise plan`).
+  cw::add_schedule_flags(*bench, bm.schedule, {"chunk", "offload_window"});
   cw::add_lora_flags(*bench, bm.lora);
+  bench->add_option("--chunk", bm.chunk, "seco, spaco: prefill chunk length in tokens, or auto (the fastest that fits)")
+      ->capture_default_str();
+  bench->add_option("--offload-window", bm.offload_window,
+                    "seco, spaco: K/V store layers kept on the device (0: all), or auto (the fewest moved that fit)")
+      ->capture_default_str();
+  bench->add_flag("--optimizer-offload", bm.optimizer_offload,
+                  "master weights and AdamW's moments in host memory, updated on the CPU cores (ZeRO-Offload)");
+  bench->add_option("--device-memory", bm.device_memory_gib,
+                    "GiB the run may use (the pool's ceiling less the CUDA context; 0: the whole GPU)")
+      ->capture_default_str();
   bench->add_flag("--deterministic", bm.deterministic, "bitwise-reproducible gradients (deterministic kernels only)");
   bench->add_option("--dtype", bm.dtype, "bf16 | f32")->capture_default_str();
   bench->add_option("--steps", bm.steps, "timed steps (median)")->capture_default_str();
@@ -111,6 +122,7 @@ int main(int argc, char** argv) {
   bench->add_option("--peak-tflops", bm.peak_tflops, "bf16 peak for MFU (0: measure)")->capture_default_str();
   bench->add_option("--json", bm.json, "also write the result as JSON");
   bench->add_option("--trace", bm.trace, "write a Chrome trace (chrome://tracing, Perfetto) of the last timed step");
+  bench->add_flag("--force", bm.force, "run even when the planner says the step does not fit (finds where it fails)");
 
   cw::PlanOptions po;  // tools/plan.h
   CLI::App* plan = app.add_subcommand("plan", "predicted peak memory and step time of a training step");
@@ -127,6 +139,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   plan->add_option("--dtype", po.dtype)->capture_default_str();
   plan->add_option("--device-memory", po.device_memory_gib, "GiB (default: the GPU's, else 80)");
+  plan->add_flag("--optimizer-offload", po.optimizer_offload,
+                 "master weights and AdamW's moments in host memory, updated on the CPU cores (ZeRO-Offload)");
   plan->add_option("--json", po.json, "also write the plan as JSON");
 
   std::string config_path, run_dir;

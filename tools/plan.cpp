@@ -7,6 +7,7 @@
 #include "model/layer.h"
 #include "model/lora.h"
 #include "model/params.h"
+#include "optim/adamw_offload.h"
 #include "optim/options.h"
 
 #include <fmt/format.h>
@@ -27,7 +28,6 @@ constexpr double kGiB = double(size_t(1) << 30);
 // ---- What the code allocates (each constant names its source) ----
 constexpr size_t kArenaBlockBytes = kDeviceArenaBlockBytes;  // the engine's own sizes (engine.h)
 constexpr size_t kArenaAlign = kMemoryAlignBytes;
-constexpr size_t kCudaContextBytes = 512 * kMiB;       // outside the pool (driver, kernels, cuDNN/cuBLAS handles)
 constexpr double kDefaultDeviceGib = 80;
 
 // ---- Throughputs (H100 80GB HBM3, measured 2026-11-21..24) ----
@@ -40,6 +40,14 @@ constexpr double kMatmulTflops = 650;
 constexpr double kAttentionTflops = 410;
 // Memory-bound ops at 70% of the 3.0 TB/s device copy (BENCHMARKS.md's bar for them; they meet it).
 constexpr double kElementwiseBytesPerS = 0.7 * 3.0e12;
+// Host <-> device copies of pinned memory on the side stream: 46 GB/s, the K/V offload's measured
+// rate (RESULTS.md, "Where a 128K step goes with the store offloaded").
+constexpr double kPcieBytesPerS = 46e9;
+// The offloaded optimizer's host update (the CPU adamw_update op on all cores): 0.43 G elements/s on
+// one core of the development machine (AMD EPYC, AVX-512; 2026-11-27), 0.83 G on its two; the GPU
+// machine's 16 cores taken as memory-bound near 60 GB/s (30 bytes an element): an estimate until
+// measured there.
+constexpr double kHostAdamWElemsPerS = 2e9;
 
 size_t round_to(size_t n, size_t q) { return (n + q - 1) / q * q; }
 // The device pool's block for a buffer of `bytes` (rounded like engine/memory.cpp's buffers).
@@ -305,7 +313,7 @@ double PlanReport::peak_device_gib() const { return double(peak_device_bytes) / 
 double PlanReport::peak_host_gib() const { return double(peak_host_bytes) / kGiB; }
 
 PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const ScheduleOptions& o, DType dtype,
-                     double device_gib, const LoraConfig& lora) {
+                     double device_gib, const LoraConfig& lora, bool optimizer_offload) {
   CW_CHECK(B > 0 && T > 0, "plan: batch {} and sequence {} must be positive", B, T);
   CW_CHECK(dtype == DType::bf16 || dtype == DType::f32, "plan: --dtype {} (the GPU trains in bf16 or f32)",
            dtype_name(dtype));
@@ -320,6 +328,7 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
   if (lora.enabled())
     r.schedule += fmt::format(" lora rank {} on {}{}", lora.rank, fmt::join(lora.target_names(), ","),
                               lora.dropout > 0 ? fmt::format(" dropout {}", lora.dropout) : "");
+  if (optimizer_offload) r.schedule += " optimizer offloaded";
   r.B = B;
   r.T = T;
   r.chunk = chunked(o) && o.chunk > 0 ? std::min(o.chunk, T) : T;
@@ -336,8 +345,15 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
     for (const ParamSpec& p : lora_parameter_table(cf, lora)) adapter_numel += p.numel();
   const size_t n = size_t(numel), trained = lora.enabled() ? size_t(adapter_numel) : n;
   r.device.emplace_back("weights", pool_block(n * e) + (lora.enabled() ? pool_block(trained * e) : 0));
-  if (dtype == DType::bf16) r.device.emplace_back("master", pool_block(trained * 4));
-  r.device.emplace_back("optimizer", 2 * pool_block(trained * acc));
+  if (optimizer_offload) {  // optim/adamw_offload.h: master and moments on the host, pinned staging slots
+    r.host.emplace_back("master", trained * acc);
+    r.host.emplace_back("optimizer", 2 * trained * acc);
+    const size_t piece = std::min(trained, size_t(OffloadedAdamW::kDefaultPieceElems));
+    r.host.emplace_back("staging", size_t(OffloadedAdamW::kSlots) * piece * (acc + e));
+  } else {
+    if (dtype == DType::bf16) r.device.emplace_back("master", pool_block(trained * 4));
+    r.device.emplace_back("optimizer", 2 * pool_block(trained * acc));
+  }
   r.device.emplace_back("gradients", pool_block(trained * acc));
 
   // The K/V store: per layer K, V in the compute dtype, dK, dV in the accumulator dtype; with saved
@@ -401,13 +417,19 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
   const double attention = per_pair * (prefill * causal_pairs(T, r.chunk) +
                                        reverse * causal_pairs(T, r.bwd_chunk) * (reverse_forward + 2.5));
   const double elementwise = tokens * double(L) * passes * double(16 * C + 6 * F) * double(e);
-  const double optimizer = double(trained) * (dtype == DType::bf16 ? 38.0 : 36.0);
+  // The optimizer: on the device, its traffic; offloaded, the slowest stage of its pipeline (gradients
+  // in, the host's update, compute weights out), which overlap one another.
+  const double optimizer_s =
+      optimizer_offload
+          ? std::max({double(trained * acc) / kPcieBytesPerS, double(trained * e) / kPcieBytesPerS,
+                      double(trained) / kHostAdamWElemsPerS})
+          : double(trained) * (dtype == DType::bf16 ? 38.0 : 36.0) / kElementwiseBytesPerS;
   r.flops = matmul + head + attention;
   r.time = {{"matmul", matmul / (kMatmulTflops * 1e12)},
             {"lm_head", head / (kMatmulTflops * 1e12)},
             {"attention", attention / (kAttentionTflops * 1e12)},
             {"elementwise", elementwise / kElementwiseBytesPerS},
-            {"optimizer", optimizer / kElementwiseBytesPerS}};
+            {"optimizer", optimizer_s}};
   for (const auto& [name, s] : r.time) r.step_s += s;
 
   if (!r.fits) {
@@ -428,7 +450,8 @@ const std::vector<int64_t>& chunk_candidates() {
 }
 
 int64_t choose_chunk(const LlamaConfig& config, int64_t B, int64_t T, const ScheduleOptions& schedule, DType dtype,
-                     double device_gib, const std::vector<int64_t>& candidates, const LoraConfig& lora) {
+                     double device_gib, const std::vector<int64_t>& candidates, const LoraConfig& lora,
+                     bool optimizer_offload) {
   int64_t best = 0;
   double best_s = 0;
   for (int64_t c : candidates) {
@@ -436,7 +459,7 @@ int64_t choose_chunk(const LlamaConfig& config, int64_t B, int64_t T, const Sche
     ScheduleOptions o = schedule;
     o.chunk = c;
     o.bwd_chunk = 0;
-    const PlanReport r = plan_step(config, B, T, o, dtype, device_gib, lora);
+    const PlanReport r = plan_step(config, B, T, o, dtype, device_gib, lora, optimizer_offload);
     // The time model is blind to kernel efficiency at small row counts: a chunk predicted within 1%
     // of a smaller one's time wins (fewer, larger kernels).
     if (r.fits && (best == 0 || r.step_s <= best_s * 1.01)) {
@@ -448,11 +471,11 @@ int64_t choose_chunk(const LlamaConfig& config, int64_t B, int64_t T, const Sche
 }
 
 int64_t choose_offload_window(const LlamaConfig& config, int64_t B, int64_t T, const ScheduleOptions& schedule,
-                              DType dtype, double device_gib, const LoraConfig& lora) {
+                              DType dtype, double device_gib, const LoraConfig& lora, bool optimizer_offload) {
   ScheduleOptions o = schedule;
   for (int64_t w = 0; w <= config.num_hidden_layers; ++w) {
     o.offload_window = w == 0 ? 0 : w;
-    if (plan_step(config, B, T, o, dtype, device_gib, lora).fits) return w;
+    if (plan_step(config, B, T, o, dtype, device_gib, lora, optimizer_offload).fits) return w;
   }
   return -1;
 }
@@ -465,7 +488,7 @@ std::string plan_table(const PlanReport& r) {
                    r.peak_device_gib());
   s += fmt::format("  {:14} {:10.2f}   (outside the pool)\n", "cuda context", double(r.context_bytes) / kGiB);
   if (!r.host.empty()) {
-    s += fmt::format("  {:14} {:>10}\n", "pinned host", "GiB");
+    s += fmt::format("  {:14} {:>10}\n", "host", "GiB");
     for (const auto& [name, bytes] : r.host) s += fmt::format("  {:14} {:10.2f}\n", name, double(bytes) / kGiB);
     s += fmt::format("  {:14} {:10.2f}\n", "peak", r.peak_host_gib());
   }
@@ -501,46 +524,67 @@ std::string plan_json(const PlanReport& r) {
   return j.dump(2);
 }
 
-int run_plan(const PlanOptions& po, std::ostream& out) {
-  const LlamaConfig cf = LlamaConfig::resolve(po.model);
-  const DType dtype = parse_dtype(po.dtype);
-  validate_lora(po.lora);
-  double gib = po.device_memory_gib;
-  if (gib <= 0) {
-    const std::vector<GpuInfo> gpus = list_gpus();
-    gib = gpus.empty() ? kDefaultDeviceGib : double(gpus.front().memory_bytes) / kGiB;
-  }
-  ScheduleOptions o = po.schedule;
-  auto number = [](const std::string& v, const char* flag) {
-    try {
-      size_t used = 0;
-      const long long x = std::stoll(v, &used);
-      CW_CHECK(used == v.size() && x >= 0, "");
-      return int64_t(x);
-    } catch (...) {
-      fail(fmt::format("plan: {} {}: want a non-negative number or auto", flag, v));
-    }
-  };
-  const bool auto_chunk = po.chunk == "auto", auto_window = po.offload_window == "auto";
-  CW_CHECK(!auto_chunk || chunked(o), "plan: --chunk auto is for --schedule seco or spaco");
-  if (!auto_chunk) o.chunk = number(po.chunk, "--chunk");
-  if (!auto_window) o.offload_window = number(po.offload_window, "--offload-window");
+ScheduleOptions resolve_auto_schedule(const LlamaConfig& cf, int64_t B, int64_t T, ScheduleOptions o, bool auto_chunk,
+                                      bool auto_window, DType dtype, double gib, const LoraConfig& lora,
+                                      bool optimizer_offload) {
+  CW_CHECK(!auto_chunk || chunked(o), "--chunk auto is for --schedule seco or spaco");
+  CW_CHECK(!auto_window || chunked(o), "--offload-window auto is for --schedule seco or spaco");
   // auto: the fastest chunk with the whole K/V store on the device, else with the smallest window
   // that lets one fit (each layer moved to the host costs transfers, which this model does not time).
   for (int64_t w = 0; w <= (auto_window ? int64_t(cf.num_hidden_layers) : 0); ++w) {
     if (auto_window) o.offload_window = w;
-    if (auto_chunk) o.chunk = choose_chunk(cf, po.batch, po.seq, o, dtype, gib, chunk_candidates(), po.lora);
-    if ((!auto_chunk || o.chunk > 0) && (!auto_window || plan_step(cf, po.batch, po.seq, o, dtype, gib, po.lora).fits))
+    if (auto_chunk) o.chunk = choose_chunk(cf, B, T, o, dtype, gib, chunk_candidates(), lora, optimizer_offload);
+    if ((!auto_chunk || o.chunk > 0) &&
+        (!auto_window || plan_step(cf, B, T, o, dtype, gib, lora, optimizer_offload).fits))
       break;
   }
   if (auto_chunk && o.chunk == 0) {
     std::string sizes;
     for (int64_t c : chunk_candidates()) sizes += (sizes.empty() ? "" : ", ") + std::to_string(c);
-    fail(fmt::format("plan: no chunk length of {} fits {:.1f} GiB{}", sizes, gib,
+    fail(fmt::format("out of memory at every chunk length ({}) in {:.1f} GiB{}", sizes, gib,
                      auto_window ? " with any K/V offload window" : ""),
-         auto_window ? "lower --seq or --batch" : "set --offload-window (or auto), or lower --seq or --batch");
+         auto_window ? "lower --seq or --batch, or offload the optimizer (--optimizer-offload)"
+                     : "set --offload-window (or auto), or lower --seq or --batch");
   }
-  const PlanReport r = plan_step(cf, po.batch, po.seq, o, dtype, gib, po.lora);
+  return o;
+}
+
+namespace {
+int64_t parse_auto_length(const std::string& v, const char* flag) {
+  if (v == "auto") return -1;
+  try {
+    size_t used = 0;
+    const long long x = std::stoll(v, &used);
+    if (used == v.size() && x >= 0) return int64_t(x);
+  } catch (const std::exception&) {
+  }
+  fail(fmt::format("{} {}: want a non-negative number or auto", flag, v));
+}
+}  // namespace
+
+ScheduleOptions schedule_with_lengths(const LlamaConfig& cf, int64_t B, int64_t T, ScheduleOptions o,
+                                      const std::string& chunk, const std::string& offload_window, DType dtype,
+                                      double gib, const LoraConfig& lora, bool optimizer_offload) {
+  const int64_t c = parse_auto_length(chunk, "--chunk"), w = parse_auto_length(offload_window, "--offload-window");
+  if (c >= 0) o.chunk = c;
+  if (w >= 0) o.offload_window = w;
+  return resolve_auto_schedule(cf, B, T, o, c < 0, w < 0, dtype, gib, lora, optimizer_offload);
+}
+
+double device_gib_or_gpu(double gib) {
+  if (gib > 0) return gib;
+  const std::vector<GpuInfo> gpus = list_gpus();
+  return gpus.empty() ? kDefaultDeviceGib : double(gpus.front().memory_bytes) / kGiB;
+}
+
+int run_plan(const PlanOptions& po, std::ostream& out) {
+  const LlamaConfig cf = LlamaConfig::resolve(po.model);
+  const DType dtype = parse_dtype(po.dtype);
+  validate_lora(po.lora);
+  const double gib = device_gib_or_gpu(po.device_memory_gib);
+  const ScheduleOptions o = schedule_with_lengths(cf, po.batch, po.seq, po.schedule, po.chunk, po.offload_window, dtype,
+                                                  gib, po.lora, po.optimizer_offload);
+  const PlanReport r = plan_step(cf, po.batch, po.seq, o, dtype, gib, po.lora, po.optimizer_offload);
   out << plan_table(r);
   if (!po.json.empty()) {
     std::ofstream f(po.json);

@@ -19,7 +19,9 @@
 // adapters' compute copy, f32 master, moments and gradients; the activations add each adapted
 // linear's scratch (u, g [N, r]; with dropout the masked input [N, in]); the backward has no weight
 // gradient products for the base or the head.
-// Pinned host memory: offloaded layer inputs (checkpointed --offload) and the K/V store's host copy.
+// Host memory: offloaded layer inputs (checkpointed --offload) and the K/V store's host copy (pinned);
+// with the optimizer offloaded (--optimizer-offload) the master weights and moments, and its pinned
+// staging slots (optim/adamw_offload.h), off the device.
 // The CUDA context (about 0.5 GiB) is outside the pool: it counts only for `fits`.
 //
 // Step time = matmul FLOPs / kMatmulTflops + attention FLOPs / kAttentionTflops + elementwise
@@ -42,6 +44,9 @@
 
 namespace cw {
 
+// The CUDA context (driver, kernels, cuDNN/cuBLAS handles): device memory outside the pool.
+inline constexpr size_t kCudaContextBytes = size_t(512) << 20;
+
 struct PlanReport {
   std::string schedule;                                  // the options it was planned for, as text
   int64_t B = 0, T = 0, chunk = 0, bwd_chunk = 0, offload_window = 0;
@@ -62,8 +67,9 @@ struct PlanReport {
 
 // The plan of one step of `schedule` (its chunk / bwd_chunk / offload_window / recompute /
 // mlp_shards / offload) for B sequences of T tokens in `dtype`, against device_gib of device memory.
+// optimizer_offload: the master weights and moments in host memory (optim/adamw_offload.h).
 PlanReport plan_step(const LlamaConfig& config, int64_t B, int64_t T, const ScheduleOptions& schedule, DType dtype,
-                     double device_gib, const LoraConfig& lora = {});
+                     double device_gib, const LoraConfig& lora = {}, bool optimizer_offload = false);
 
 // The default candidates for `--chunk auto` (seco, spaco).
 const std::vector<int64_t>& chunk_candidates();
@@ -72,11 +78,24 @@ const std::vector<int64_t>& chunk_candidates();
 // schedule's own chunk is ignored. `--chunk auto` on `chunkwise plan`.
 int64_t choose_chunk(const LlamaConfig& config, int64_t B, int64_t T, const ScheduleOptions& schedule, DType dtype,
                      double device_gib, const std::vector<int64_t>& candidates = chunk_candidates(),
-                     const LoraConfig& lora = {});
+                     const LoraConfig& lora = {}, bool optimizer_offload = false);
 // The smallest K/V offload window (0 = everything on the device, then 1..L) whose plan fits at the
 // schedule's chunk; -1 when none. (`--offload-window auto` with `--chunk auto` searches both.)
 int64_t choose_offload_window(const LlamaConfig& config, int64_t B, int64_t T, const ScheduleOptions& schedule,
-                              DType dtype, double device_gib, const LoraConfig& lora = {});
+                              DType dtype, double device_gib, const LoraConfig& lora = {},
+                              bool optimizer_offload = false);
+// `--chunk auto` and/or `--offload-window auto` (train's and bench's too): the fastest chunk with the
+// whole K/V store on the device, else with the smallest window that lets one fit; the schedule with
+// them set. Throws, saying which knob to turn, when no candidate fits.
+ScheduleOptions resolve_auto_schedule(const LlamaConfig& config, int64_t B, int64_t T, ScheduleOptions schedule,
+                                      bool auto_chunk, bool auto_window, DType dtype, double device_gib,
+                                      const LoraConfig& lora = {}, bool optimizer_offload = false);
+// The schedule with --chunk and --offload-window as given (a length, or "auto": resolved as above).
+ScheduleOptions schedule_with_lengths(const LlamaConfig& config, int64_t B, int64_t T, ScheduleOptions schedule,
+                                      const std::string& chunk, const std::string& offload_window, DType dtype,
+                                      double device_gib, const LoraConfig& lora = {}, bool optimizer_offload = false);
+// gib when positive, else the first GPU's memory, else 80.
+double device_gib_or_gpu(double gib);
 
 std::string plan_table(const PlanReport& report);  // the human table, device and host by category
 std::string plan_json(const PlanReport& report);   // peak_device_gib, peak_host_gib, step_s, categories, ...
@@ -90,6 +109,7 @@ struct PlanOptions {
   std::string offload_window = "0";          // layers of the K/V store on the device (0: all), or "auto"
   std::string dtype = "bf16";
   double device_memory_gib = 0;      // 0: the GPU's when one is present, else 80
+  bool optimizer_offload = false;    // master weights and moments in host memory
   std::string json;                  // also write the report as JSON here
 };
 // Prints the table (and writes the JSON); returns 0 when the step fits, 1 when it does not.

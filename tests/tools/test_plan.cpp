@@ -196,7 +196,7 @@ TEST_CASE("plan: the CLI's table and JSON") {
   o.offload_window = "auto";
   std::ostringstream windowed;
   CHECK(run_plan(o, windowed) == 0);
-  CHECK(windowed.str().find("pinned host") != std::string::npos);
+  CHECK(windowed.str().find("host") != std::string::npos);
 
   o.seq = 65536;
   o.device_memory_gib = 80;
@@ -247,4 +247,48 @@ TEST_CASE("plan: LoRA keeps the base's compute weights only; master, moments and
   const ScheduleOptions wide = sched("seco", 8192);
   CHECK(gib(plan_step(eight_b, 1, 16384, wide, DType::bf16, 80, dropped), "activations") >=
         gib(plan_step(eight_b, 1, 16384, wide, DType::bf16, 80, plain), "activations") + 0.25);
+}
+
+TEST_CASE("plan: the papers' budgets for Llama-3.1-8B: LoRA in 24 GiB at 16K and 64K, full parameters at 60K with the optimizer offloaded") {
+  const LlamaConfig eight_b = LlamaConfig::preset("llama-3.1-8b");
+  LoraConfig lora;  // the SeCO paper's adapters: rank 8, alpha 16, q_proj and v_proj
+  lora.rank = 8;
+  lora.alpha = 16;
+  lora.targets = "q_proj,v_proj";
+  for (const int64_t T : {int64_t(16384), int64_t(65536)}) {
+    CAPTURE(T);
+    const ScheduleOptions o =
+        resolve_auto_schedule(eight_b, 1, T, sched("seco"), true, true, DType::bf16, 24, lora);
+    const PlanReport r = plan_step(eight_b, 1, T, o, DType::bf16, 24, lora);
+    MESSAGE(fmt::format("8B LoRA seco {}: chunk {}, window {}: {:.2f} GiB device, {:.2f} GiB host, {:.1f} s", T,
+                        o.chunk, o.offload_window, r.peak_device_gib(), r.peak_host_gib(), r.step_s));
+    CHECK(r.fits);
+    CHECK(r.peak_device_gib() + 0.5 <= 24);
+  }
+
+  // Full parameters at 60K on an 80 GiB GPU: the state alone (bf16 weights, f32 master, moments and
+  // gradients: 16 bytes a parameter, 120 GiB) cannot fit; with master and moments on the host it does.
+  const int64_t T = 61440;
+  CHECK_THROWS_WITH_AS(resolve_auto_schedule(eight_b, 1, T, sched("seco"), true, true, DType::bf16, 80),
+                       doctest::Contains("--optimizer-offload"), Error);
+  const ScheduleOptions o =
+      resolve_auto_schedule(eight_b, 1, T, sched("seco"), true, true, DType::bf16, 80, LoraConfig{}, true);
+  const PlanReport off = plan_step(eight_b, 1, T, o, DType::bf16, 80, LoraConfig{}, true);
+  MESSAGE(fmt::format("8B full seco 60K, optimizer offloaded: chunk {}, window {}: {:.2f} GiB device, {:.2f} GiB host, "
+                      "{:.1f} s",
+                      o.chunk, o.offload_window, off.peak_device_gib(), off.peak_host_gib(), off.step_s));
+  CHECK(off.fits);
+  auto bytes = [](const std::vector<std::pair<std::string, size_t>>& cats, const std::string& what) {
+    for (const auto& [name, b] : cats)
+      if (name == what) return double(b);
+    return -1.0;
+  };
+  const double n = double(eight_b.parameter_count());
+  CHECK(bytes(off.device, "master") < 0);  // none on the device
+  CHECK(bytes(off.device, "optimizer") < 0);
+  CHECK(bytes(off.host, "master") == doctest::Approx(4 * n));
+  CHECK(bytes(off.host, "optimizer") == doctest::Approx(8 * n));
+  CHECK(bytes(off.host, "staging") > 0);
+  CHECK(bytes(off.device, "gradients") >= 4 * n);
+  CHECK(off.schedule.find("optimizer offloaded") != std::string::npos);
 }

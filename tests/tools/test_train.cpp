@@ -112,6 +112,40 @@ TEST_CASE("train: a stopped and resumed run is bit-identical to an uninterrupted
   CHECK(la.back() < la.front());  // it learns something
 }
 
+TEST_CASE("train with optimizer.offload: the bits of the run without it; each resumes the other's checkpoint") {
+  Fixture fx;
+  std::ostringstream log;
+  TrainOptions plain;
+  plain.run_dir = fx.dir.file("plain");
+  const TrainResult a = run_training(fx.config(6), plain, log);
+  RunConfig offloaded = fx.config(6);
+  offloaded.optimizer.offload = true;
+  offloaded.train.threads = 2;  // train.threads: the host update's and the kernels' threads
+  TrainOptions first;
+  first.run_dir = fx.dir.file("offloaded");
+  first.stop_after = 3;
+  run_training(offloaded, first, log);
+  TrainOptions second;  // resumed without the offload: AdamW's own file format either way
+  second.run_dir = first.run_dir;
+  second.resume = true;
+  const TrainResult b = run_training(fx.config(6), second, log);
+  CHECK(b.last_step == a.last_step);
+  const std::vector<double> la = logged_losses(plain.run_dir), lb = logged_losses(second.run_dir);
+  REQUIRE(la.size() == 6);
+  REQUIRE(lb.size() == 6);
+  for (size_t i = 0; i < la.size(); ++i) CHECK(la[i] == lb[i]);
+  for (const char* file : {"model.safetensors", "optimizer.safetensors"})
+    CHECK_MESSAGE(file_bytes(fs::path(plain.run_dir) / "step-000006" / file) ==
+                      file_bytes(fs::path(second.run_dir) / "step-000006" / file),
+                  file);
+
+  RunConfig capped = fx.config(2);
+  capped.train.device_memory = 24;
+  TrainOptions o;
+  o.run_dir = fx.dir.file("capped");
+  CHECK_THROWS_WITH_AS(run_training(capped, o, log), doctest::Contains("train.device_memory"), Error);
+}
+
 TEST_CASE("train: resume finds the last complete checkpoint and says what it skipped") {
   Fixture fx;
   std::ostringstream log;

@@ -63,6 +63,7 @@ const std::vector<Option<Optimizer>> optimizer_options = {
   {"eps",            "", &Optimizer::eps,         above(0),                             "AdamW denominator epsilon"},
   {"weight_decay",   "", &Optimizer::weight_decay, at_least(0),                         "decoupled weight decay"},
   {"grad_clip",      "", &Optimizer::grad_clip,   at_least(0, "off"),                   "clip the global gradient L2 norm to this; 0: no clipping"},
+  {"offload",        "--optimizer-offload", &Optimizer::offload, {},                    "keep the master weights and AdamW's moments in host memory and update them on the CPU cores, the gradients streamed through pinned buffers (ZeRO-Offload; 12 bytes a trained parameter off the device)"},
 };
 const std::vector<Option<Train>> train_options = {
   {"steps",          "",                &Train::steps,         at_least(1),           "optimizer steps"},
@@ -70,6 +71,7 @@ const std::vector<Option<Train>> train_options = {
   {"nonfinite",      "",                &Train::nonfinite,     one_of({"skip", "stop"}), "a step whose loss or gradient is NaN/inf: skip its update, or stop the run"},
   {"deterministic",  "--deterministic", &Train::deterministic, {},                    "GPU: bitwise-reproducible gradients run to run (attention's dQ summed without atomics: slower)"},
   {"threads",        "",                &Train::threads,       at_least(0, "all cores"), "CPU threads; 0: all cores"},
+  {"device_memory",  "--device-memory", &Train::device_memory, at_least(0, "the whole GPU"), "GPU: the device memory the run may use, in GiB (the caching pool's ceiling is this less the CUDA context), as if the GPU had that much; 0: the whole GPU"},
 };
 const std::vector<Option<Eval>> eval_options = {
   {"every",          "", &Eval::every,            at_least(0, "never"),                 "evaluate every this many steps and at the end; 0: never"},

@@ -67,6 +67,7 @@ struct RunConfig {
     double eps = 1e-8;
     double weight_decay = 0.1;            // decoupled
     double grad_clip = 1.0;               // global L2 norm; 0: no clipping
+    bool offload = false;                 // master weights and moments in host memory (optim/adamw_offload.h)
     bool operator==(const Optimizer&) const = default;
   };
   struct Train {
@@ -75,6 +76,7 @@ struct RunConfig {
     std::string nonfinite = "skip";       // a NaN/inf loss or gradient: skip the step, or stop
     bool deterministic = false;           // GPU: bitwise-reproducible gradients (slower attention backward)
     int64_t threads = 0;                  // CPU threads; 0: all cores
+    double device_memory = 0;             // GPU: GiB the run may use; 0: the whole GPU
     bool operator==(const Train&) const = default;
   };
   struct Eval {

@@ -19,6 +19,7 @@
 #endif
 #include "tools/data/tokenizer.h"
 #include "tools/data/tokens.h"
+#include "tools/plan.h"
 #include "tools/plot.h"
 #include "tools/train/run_dir.h"
 #include "tools/train/sample.h"
@@ -35,6 +36,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iostream>
+#include <optional>
 #include <ostream>
 #include <streambuf>
 #include <unistd.h>
@@ -193,7 +195,23 @@ double planned_bytes(const LlamaConfig& c, DType dt, const RunConfig& rc, const 
   const double scratch = static_cast<double>(kLmHeadBlockRows * c.vocab_size) * e +
                          static_cast<double>(B * chunk * (2 * c.hidden_size + 3 * c.intermediate_size)) * e;
   const double master = dt == DType::bf16 ? 4.0 : e;
-  return frozen * e + params * (e + (dt == DType::bf16 ? master : 0.0) + 3 * master) + acts + kv + scratch;
+  // Offloaded, the master weights and moments are host memory (host_planned_bytes).
+  const double trained = rc.optimizer.offload ? e + a : e + (dt == DType::bf16 ? master : 0.0) + 3 * master;
+  return frozen * e + params * trained + acts + kv + scratch;
+}
+
+// Host memory the offloaded optimizer takes: master weights and both moments, and its staging slots.
+double host_planned_bytes(const LlamaConfig& c, DType dt, const RunConfig& rc, const LoraConfig& lora) {
+  if (!rc.optimizer.offload) return 0;
+  double params = static_cast<double>(c.parameter_count());
+  if (lora.enabled()) {
+    params = 0;
+    for (const ParamSpec& spec : lora_parameter_table(c, lora)) params += static_cast<double>(spec.numel());
+  }
+  const double master = dt == DType::bf16 ? 4.0 : static_cast<double>(dtype_size(dt));
+  const double piece = static_cast<double>(std::min<int64_t>(OffloadedAdamW::kDefaultPieceElems, int64_t(params)));
+  return 3 * master * params +
+         OffloadedAdamW::kSlots * piece * static_cast<double>(dtype_size(accum_dtype(dt)) + dtype_size(dt));
 }
 
 Device resolve_train_device(const std::string& setting) {
@@ -307,11 +325,20 @@ TrainData load_data(const RunConfig& rc, const LlamaConfig& mc) {
 // Memory guard: fail before step 1, not in the middle of it. Returns the planned bytes.
 double check_memory(const Placement& p, const RunConfig& rc) {
   const double need = planned_bytes(p.model, p.dtype, rc, p.lora);
-  const double have = p.device.is_cpu() ? available_bytes() : static_cast<double>(device_memory(p.device).free);
+  double have = p.device.is_cpu() ? available_bytes() : static_cast<double>(device_memory(p.device).free);
+  if (!p.device.is_cpu() && device_memory_limit(p.device) > 0)
+    have = std::min(have, static_cast<double>(device_memory_limit(p.device)));
   if (have > 0 && need > have)
     fail(fmt::format("this run needs about {} of {} memory and the {} has {} available", human_bytes(need),
                      p.device.is_cpu() ? "host" : "device", device_name(p.device), human_bytes(have)),
-         "lower data.batch_size, data.seq_len or schedule.chunk, or use schedule.name = seco");
+         "lower data.batch_size, data.seq_len or schedule.chunk, use schedule.name = seco, or set optimizer.offload");
+  const double host_need = host_planned_bytes(p.model, p.dtype, rc, p.lora);
+  const double host_have = available_bytes();
+  if (host_need > 0 && host_have > 0 && host_need + (p.device.is_cpu() ? need : 0.0) > host_have)
+    fail(fmt::format("optimizer.offload keeps {} of master weights and AdamW moments in host memory, and the host has {} "
+                     "available",
+                     human_bytes(host_need), human_bytes(host_have)),
+         "turn optimizer.offload off, train fewer parameters (lora.rank), or use a machine with more memory");
   return need;
 }
 
@@ -830,6 +857,22 @@ TrainResult run_training(const RunConfig& rc, const TrainOptions& opt, std::ostr
     placement.device = comm->device();
   }
   const LlamaConfig& mc = placement.model;
+  std::optional<DeviceMemoryLimitScope> device_limit;
+  if (rc.train.device_memory > 0) {
+    if (placement.device.is_cpu())
+      fail(fmt::format("train.device_memory = {} GiB limits a GPU's memory, but the run is on the CPU",
+                       rc.train.device_memory),
+           "leave train.device_memory at 0 on the CPU");
+    const double bytes = rc.train.device_memory * double(1ull << 30) - double(kCudaContextBytes);
+    if (bytes <= 0)
+      fail(fmt::format("train.device_memory = {} GiB is less than the CUDA context's {} MiB", rc.train.device_memory,
+                       kCudaContextBytes >> 20),
+           "give the GiB the run may use, e.g. --device-memory 24");
+    device_limit.emplace(placement.device, static_cast<size_t>(bytes));
+  }
+  // train.threads: the CPU kernels' threads for this run (and its thread ranks' share of them).
+  std::optional<CpuThreadsScope> threads;
+  if (rc.train.threads > 0) threads.emplace(static_cast<int>(rc.train.threads));
   // What one rank holds: with tensor parallelism 1/tp of every block's heads and FFN (this says at
   // once when tp does not divide them).
   const LlamaConfig rank_config = rc.parallel.tp > 1 ? tp_shard_config(mc, rc.parallel.tp) : mc;
@@ -851,8 +894,12 @@ TrainResult run_training(const RunConfig& rc, const TrainOptions& opt, std::ostr
   if (rc.parallel.tp > 1) tensor_parallel.emplace(grid->tp(), TensorParallelOptions{rc.parallel.sequence_parallel,
                                                                                       rc.parallel.tp_regather});
   TensorParallel* tp = tensor_parallel ? &*tensor_parallel : nullptr;
+  if (rc.optimizer.offload && comm && rc.parallel.zero > 0)
+    fail(fmt::format("optimizer.offload with parallel.zero = {}: the offloaded optimizer keeps the whole AdamW state",
+                     rc.parallel.zero),
+         "set parallel.zero = 0 with optimizer.offload, or turn optimizer.offload off");
   TrainingState state(mc, placement.dtype, placement.device, adamw_options(rc),
-                      /*full_optimizer=*/rc.parallel.zero == 0 || !comm, tp, placement.lora);
+                      /*full_optimizer=*/rc.parallel.zero == 0 || !comm, tp, placement.lora, rc.optimizer.offload);
   std::optional<DataParallel> dp;
   if (comm) dp.emplace(grid->dp(), state, rc.parallel, tp);
   const RankGroups groups{comm, grid ? &*grid : nullptr, dp ? &*dp : nullptr, tp};
