@@ -7,6 +7,16 @@ autocast; attn_implementation="sdpa"; fused AdamW (torch.optim.AdamW(fused=True)
 (never zeros) with labels = input ids (HF shifts them inside the loss); optionally gradient
 checkpointing (gradient_checkpointing_enable, use_reentrant=False).
 
+LoRA (--lora-rank R > 0): what a PEFT user runs instead. The base is built in bf16 (dtype=torch.bfloat16)
+and frozen: no fp32 master copy, no gradients, no optimizer state for it. peft.get_peft_model wraps it
+with LoraConfig(r=R, lora_alpha=A, lora_dropout=P, target_modules=--lora-targets, bias="none",
+task_type="CAUSAL_LM"); the adapters (lora_A, lora_B) stay fp32 (PEFT's autocast_adapter_dtype=True
+upcasts them; anything else is an error), the step runs under bf16 autocast as above, and the fused
+AdamW holds the adapters only. With --checkpointing, model.enable_input_require_grads() as PEFT's
+recipe does (the embeddings are frozen, so a checkpointed layer's input would not require grad). The
+flags are chunkwise bench's (--lora-rank, --lora-alpha, --lora-dropout, --lora-targets), so both sides
+run the same adapters; with --liger, Liger is applied before the model is built, as without LoRA.
+
 One step = forward + backward + optimizer.step() + zero_grad, timed with torch.cuda.synchronize() on
 both sides. The figure is the median of --steps timed steps after --warmup untimed ones (the first
 step allocates the AdamW state). Peak memory is torch.cuda.max_memory_allocated() (and
@@ -19,6 +29,12 @@ MFU = tokens/s * flops_per_token / peak, with
 6 per matmul parameter: 2 forward + 4 backward. Causal attention: QK^T and PV are 2 * 2 * T * D per
 query head and token over the T/2 keys a causal row sees on average, times 3 for forward + backward
 (12 * H * D * T/2 per layer and token). About 9.0 GFLOP/token for the 1B shape at 8K tokens.
+With LoRA (chunkwise's count, tools/bench_model.cpp):
+  flops_per_token = 4 * P_matmul + 6 * P_adapter + 12 * L * H * D * (T / 2)
+  P_adapter = L * sum over the targeted linears [out, in] of R * (in + out)
+4 per frozen matmul parameter (2 forward + 2 for the input gradient; no weight gradient) and 6 per
+adapter parameter; dropout is not counted. About 43 GFLOP/token for the 8B shape at 16K, rank 8 on
+q_proj, v_proj (P_adapter = 3.4M).
 The peak is a measured bf16 matmul (8192^3, median of 10) unless --peak-tflops is given.
 
 Out of memory (anywhere: building the model, a step) is a result, status "oom", not a crash; the
@@ -84,12 +100,72 @@ def make_config(d):
     return cfg
 
 
-def flops_per_token(d, seq):
-    C, F, L = d["hidden_size"], d["intermediate_size"], d["num_hidden_layers"]
-    H, Hkv, V = d["num_attention_heads"], d["num_key_value_heads"], d["vocab_size"]
+# A block's linears, in its order: what LoRA may target (PEFT's module names, as chunkwise's lora.targets).
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def linear_shapes(d):
+    """Each block linear's weight shape [out, in] for a config dict."""
+    C, F, H, Hkv = d["hidden_size"], d["intermediate_size"], d["num_attention_heads"], d["num_key_value_heads"]
     D = d.get("head_dim") or C // H
-    p_matmul = L * (C * H * D + 2 * C * Hkv * D + H * D * C + 3 * C * F) + V * C
-    return 6 * p_matmul + 12 * L * H * D * (seq / 2)
+    return dict(q_proj=(H * D, C), k_proj=(Hkv * D, C), v_proj=(Hkv * D, C), o_proj=(C, H * D), gate_proj=(F, C),
+                up_proj=(F, C), down_proj=(C, F))
+
+
+def flops_per_token(d, seq, lora=None):
+    """Useful FLOPs per token of a training step (the module docstring's formula); lora: the result's
+    "lora" object (rank, targets) or None for full-parameter training."""
+    C, L, H = d["hidden_size"], d["num_hidden_layers"], d["num_attention_heads"]
+    D = d.get("head_dim") or C // H
+    shapes = linear_shapes(d)
+    p_matmul = L * sum(o * i for o, i in shapes.values()) + d["vocab_size"] * C
+    attention = 12 * L * H * D * (seq / 2)
+    if not lora:
+        return 6 * p_matmul + attention
+    p_adapter = L * sum(lora["rank"] * (i + o) for name, (o, i) in shapes.items() if name in lora["targets"])
+    return 4 * p_matmul + 6 * p_adapter + attention
+
+
+def add_lora_args(ap):
+    """The LoRA flags, named as chunkwise bench's (model_vs_hf.py takes the same and hands them to both sides)."""
+    ap.add_argument("--lora-rank", type=int, default=0,
+                    help="LoRA adapters of this rank on a frozen bf16 base (PEFT on the HF side); 0: all parameters")
+    ap.add_argument("--lora-alpha", type=float, default=16.0,
+                    help="LoRA: the adapters' output is scaled by alpha / rank")
+    ap.add_argument("--lora-dropout", type=float, default=0.0, help="LoRA: dropout on the adapters' input, in [0, 1)")
+    ap.add_argument("--lora-targets", default="q_proj,v_proj",
+                    help=f"LoRA: comma list of {', '.join(LORA_TARGETS)}; all (or all-linear): the seven")
+
+
+def lora_settings(args):
+    """The result's "lora" object {rank, alpha, dropout, targets} from the LoRA flags, or None for rank 0.
+    Targets come out as a list in the block's order, as chunkwise's JSON has them; ValueError names the bad flag."""
+    if args.lora_rank < 0:
+        raise ValueError(f"--lora-rank {args.lora_rank}: want >= 0 (0: no adapters)")
+    if args.lora_rank == 0:
+        return None
+    if not (math.isfinite(args.lora_alpha) and args.lora_alpha > 0):
+        raise ValueError(f"--lora-alpha {args.lora_alpha}: want > 0 (the scale is alpha / rank)")
+    if not 0 <= args.lora_dropout < 1:
+        raise ValueError(f"--lora-dropout {args.lora_dropout}: want a value in [0, 1)")
+    names = {t.strip() for t in args.lora_targets.split(",") if t.strip()}
+    if names & {"all", "all-linear"}:
+        names = (names - {"all", "all-linear"}) | set(LORA_TARGETS)
+    unknown = sorted(names - set(LORA_TARGETS))
+    if unknown or not names:
+        what = "unknown " + ", ".join(unknown) if unknown else "empty"
+        raise ValueError(f"--lora-targets {args.lora_targets!r}: {what}; want a comma list of "
+                         f"{', '.join(LORA_TARGETS)}, or all")
+    return dict(rank=args.lora_rank, alpha=args.lora_alpha, dropout=args.lora_dropout,
+                targets=[t for t in LORA_TARGETS if t in names])
+
+
+def lora_argv(lora):
+    """The LoRA flags for a "lora" object (none for None): chunkwise bench and this script read the same."""
+    if not lora:
+        return []
+    return ["--lora-rank", str(lora["rank"]), "--lora-alpha", format(lora["alpha"], "g"),
+            "--lora-dropout", format(lora["dropout"], "g"), "--lora-targets", ",".join(lora["targets"])]
 
 
 def measure_peak_tflops(n=8192, repeat=10):
@@ -112,13 +188,42 @@ def measure_peak_tflops(n=8192, repeat=10):
     return 2.0 * n ** 3 / statistics.median(times) / 1e12
 
 
+def add_lora(model, lora, checkpointing):
+    """PEFT's LoRA on the built (bf16) model: the base frozen, the adapters trainable in fp32."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    if checkpointing:
+        # PEFT's recipe (prepare_model_for_kbit_training, TRL): the frozen embedding's output is made to
+        # require grad, so every checkpointed layer's input does. transformers 5.17's
+        # gradient_checkpointing_enable registers the same hook; a second one changes nothing.
+        model.enable_input_require_grads()
+    model = get_peft_model(model, LoraConfig(r=lora["rank"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
+                                             target_modules=lora["targets"], bias="none", task_type="CAUSAL_LM"),
+                           autocast_adapter_dtype=True)
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    wrong = [f"{n} ({p.dtype})" for n, p in trainable if "lora_" not in n or p.dtype != torch.float32]
+    if not trainable or wrong:
+        raise RuntimeError(f"PEFT's trainable parameters should be the fp32 adapters alone; got {len(trainable)}, "
+                           f"unexpected: {', '.join(wrong[:4]) or 'none'}")
+    return model
+
+
 def run(args, res):
     import torch
     import transformers
     from transformers import LlamaForCausalLM
     res["transformers"] = transformers.__version__
     d = load_config_dict(args.model)
-    res["flops_per_token"] = flops_per_token(d, args.seq)
+    lora = res.get("lora")
+    if lora:
+        try:
+            import peft
+        except ImportError as e:
+            raise RuntimeError(f"--lora-rank: peft is not importable ({e}); install the wheels: python3 -m pip "
+                               "install --no-index --no-deps --target DIR .whl/peft-*.whl .whl/accelerate-*.whl and "
+                               "set PYTHONPATH=DIR (tools/bench/model_vs_hf.py --peers peft-liger does it)")
+        res["peft"] = peft.__version__
+    res["flops_per_token"] = flops_per_token(d, args.seq, lora)
     res["peak_tflops"] = args.peak_tflops if args.peak_tflops > 0 else measure_peak_tflops()
     torch.manual_seed(args.seed)
     if args.liger:
@@ -139,14 +244,21 @@ def run(args, res):
     res["rope"] = getattr(cfg, "rope_parameters", None) or dict(rope_theta=getattr(cfg, "rope_theta", None),
                                                               rope_scaling=getattr(cfg, "rope_scaling", None))
     with torch.device("cuda"):  # initialise on the device: the 8B shape would take minutes on the CPU
-        model = LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa")
-    model.float()  # fp32 master weights whatever default dtype the installed version picks
+        if lora:  # the frozen base in bf16, as a PEFT user loads it
+            model = LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa", dtype=torch.bfloat16)
+        else:
+            model = LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa")
+            model.float()  # fp32 master weights whatever default dtype the installed version picks
     model.train()
     res["attn_implementation"] = model.config._attn_implementation
     if args.checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if lora:
+        model = add_lora(model, lora, args.checkpointing)
     res["params"] = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    res["trainable_params"] = sum(p.numel() for p in trainable)
+    opt = torch.optim.AdamW(trainable, lr=1e-5, fused=True)
     ids = torch.randint(0, d["vocab_size"], (args.batch, args.seq), device="cuda")
 
     def step():
@@ -188,12 +300,17 @@ def main():
     ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing (use_reentrant=False)")
     ap.add_argument("--liger", action="store_true",
                     help="apply Liger kernels (apply_liger_kernel_to_llama with the fused linear cross-entropy) first")
+    add_lora_args(ap)
     ap.add_argument("--steps", type=int, default=3, help="timed steps (median)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--peak-tflops", type=float, default=0.0, help="bf16 peak for MFU; 0 = measure (8192^3 matmul)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="", help="write the result object here")
     args = ap.parse_args()
+    try:
+        lora = lora_settings(args)
+    except ValueError as e:
+        ap.error(str(e))
     import torch  # here, not at the top: model_vs_hf.py imports this file's presets without torch
 
     res = dict(impl="hf", model=args.model, seq=args.seq, batch=args.batch,
@@ -201,6 +318,8 @@ def main():
                peak_bytes=None, peak_gib=None, reserved_gib=None, flops_per_token=None, peak_tflops=None,
                device=None, torch=torch.__version__, transformers=None, status="ok", error="",
                date=datetime.date.today().isoformat())
+    if lora:
+        res["lora"] = lora
     try:
         if not torch.cuda.is_available():
             raise RuntimeError("no CUDA device visible to torch")
@@ -223,7 +342,8 @@ def main():
             f.write(text + "\n")
     print(text)
     if res["status"] == "ok":
-        print(f"hf {args.model} seq {args.seq} {res['schedule']}: {res['step_s']:.3f} s/step, "
+        what = f"{res['schedule']}, LoRA rank {lora['rank']}" if lora else res["schedule"]
+        print(f"hf {args.model} seq {args.seq} {what}: {res['step_s']:.3f} s/step, "
               f"{res['tokens_per_s']:,.0f} tok/s, MFU {100 * res['mfu']:.1f}% of {res['peak_tflops']:.0f} TFLOP/s, "
               f"peak {res['peak_gib']:.1f} GiB", file=sys.stderr)
     sys.exit(1 if res["status"] == "error" else 0)

@@ -11,17 +11,34 @@ other's allocator state):
 and prints tokens/s, MFU and peak device memory of each side, with the ratios ours / HF
 (tokens/s: > 1 is faster; memory: < 1 is leaner). Writes model_vs_hf.json and model_vs_hf.md to --out.
 
-Peers (--peers, comma-separated): `hf` (plain HF, as above) and `liger` (HF with Liger kernels:
-hf_reference.py --liger, what a user picks today for long context). When liger_kernel is not
-importable by --python, the wheel in .whl/ (python3 -m pip download --no-deps -d .whl
-liger-kernel==0.8.5 on a machine with network) is installed into --out/site with
-pip --no-index --no-deps --target and put on the peer's PYTHONPATH. --long-context runs the
-SeCO-at-scale table: seco at 16K-256K (chunk 4096; 8192 at 256K) against HF+Liger checkpointed.
+Peers (--peers, comma-separated): `hf` (plain HF, as above), `liger` (HF with Liger kernels:
+hf_reference.py --liger, what a user picks today for long context), and for LoRA `peft` (HF + PEFT:
+hf_reference.py --lora-...) and `peft-liger` (HF + PEFT + Liger). A peer's modules beyond torch and
+transformers (liger_kernel; peft and accelerate, which peft imports) that --python does not have come
+from their wheels in .whl/ (python3 -m pip download --no-deps -d .whl liger-kernel==0.8.5 peft==0.21.2
+accelerate==1.15.0 on a machine with network), installed into --out/site with pip --no-index --no-deps
+--target and put on that peer's PYTHONPATH. --long-context runs the SeCO-at-scale table: seco at
+16K-256K (chunk 4096; 8192 at 256K) against HF+Liger checkpointed.
+
+LoRA (--lora-rank R > 0, with --lora-alpha, --lora-dropout, --lora-targets, chunkwise bench's flags):
+both sides train the same adapters on a frozen base, chunkwise with `bench --lora-rank R ...`, the peer
+with hf_reference.py's same flags (PEFT, the base in bf16); only the peft peers take it, and they need
+it. --lora-8b runs the LoRA table: llama-3.1-8b, rank 8 (unless --lora-rank), alpha 16 on q_proj,
+v_proj, seco at 16K and 64K with chunk 4096 and with the planner's choice (--chunk auto
+--offload-window auto), against HF+PEFT+Liger checkpointed.
+
+Longest context (--longest SIDES, comma-separated among chunkwise and the peers): instead of the
+table, each side runs alone from the first case's TOKENS (chunkwise with that case's schedule and
+arguments, a peer checkpointed as above), doubling the tokens until a run is not ok (out of memory,
+an error, or longer than --timeout) or past --search-to; the longest that ran is that side's answer.
+With --lora-8b the case is seco:16384 with --chunk auto --offload-window auto. Writes longest.json
+and longest.md to --out.
 
 MFU: both sides are divided by the SAME bf16 peak, the one chunkwise measured in this run (its JSON's
 peak_tflops; also handed to hf_reference.py so it does not measure its own), or --peak-tflops; and
 the same FLOP count per token (hf_reference.flops_per_token: 6 per matmul parameter incl. the LM head
-plus causal attention; recomputation is not counted as useful work).
+plus causal attention; with LoRA 4 per frozen matmul parameter and 6 per adapter parameter;
+recomputation is not counted as useful work).
 
 A side that runs out of memory, fails, or exceeds --timeout becomes a row with that status, never a
 crash. Run on the GPU machine: python3 tools/bench/model_vs_hf.py --out $OUT (HF runs under
@@ -44,7 +61,20 @@ import hf_reference  # noqa: E402  (presets and the FLOP count; torch is importe
 DEFAULT_CASES = "full:4096,full:8192,checkpointed:16384,checkpointed:32768"
 LONG_CONTEXT_CASES = ("seco:16384:--chunk 4096,seco:32768:--chunk 4096,seco:65536:--chunk 4096,"
                       "seco:131072:--chunk 4096,seco:262144:--chunk 8192")
-PEER_NAMES = {"hf": "HF", "liger": "HF+Liger"}
+# Issue 19's LoRA table: chunk 4096 (the K/V store fits on the device at both lengths), and what the
+# planner picks (`bench --chunk auto --offload-window auto`); both rows share one peer run per length.
+LORA_8B_CASES = ("seco:16384:--chunk 4096,seco:16384:--chunk auto --offload-window auto,"
+                 "seco:65536:--chunk 4096,seco:65536:--chunk auto --offload-window auto")
+# --lora-8b --longest: from 16K, the planner choosing the chunk and the K/V layers moved to the host.
+LORA_8B_LONGEST = "seco:16384:--chunk auto --offload-window auto"
+PEER_NAMES = {"hf": "HF", "liger": "HF+Liger", "peft": "HF+PEFT", "peft-liger": "HF+PEFT+Liger"}
+LIGER_PEERS, LORA_PEERS = ("liger", "peft-liger"), ("peft", "peft-liger")
+# What each peer imports beyond torch and transformers, and where each module comes from when --python
+# lacks it: its wheel in .whl/ and the requirement that downloads it (peft imports accelerate).
+PEER_MODULES = {"hf": (), "liger": ("liger_kernel",), "peft": ("peft", "accelerate"),
+                "peft-liger": ("liger_kernel", "peft", "accelerate")}
+WHEELS = {"liger_kernel": ("liger_kernel-*.whl", "liger-kernel==0.8.5"), "peft": ("peft-*.whl", "peft==0.21.2"),
+          "accelerate": ("accelerate-*.whl", "accelerate==1.15.0")}
 TORCH_PY = "/opt/torch/.venv/bin/python3"
 
 
@@ -95,22 +125,63 @@ def run_side(name, cmd, json_path, log_path, timeout, env=None):
     return res
 
 
-def peer_env(python, out_dir):
-    """The environment for the Liger peer: liger_kernel importable, from .whl/ if need be."""
-    env = dict(os.environ)
-    if subprocess.run([python, "-c", "import liger_kernel"], capture_output=True).returncode == 0:
-        return env
-    wheels = sorted(glob.glob(os.path.join(HERE, "..", "..", ".whl", "liger_kernel-*.whl")))
-    if not wheels:
-        sys.exit("--peers liger: liger_kernel is not importable and there is no .whl/liger_kernel-*.whl; "
-                 "run `python3 -m pip download --no-deps -d .whl liger-kernel==0.8.5` where there is network")
-    site = os.path.join(out_dir, "site")
-    r = subprocess.run([python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", site, wheels[-1]],
-                       capture_output=True, text=True)
+def peer_envs(python, out_dir, peers):
+    """Each peer's environment: None (the inherited one) when --python has the modules the peer imports
+    (PEER_MODULES); else the wheels of the missing ones, from .whl/, installed once into OUT/site
+    (pip --no-index --no-deps --target) and that directory first on the peer's PYTHONPATH."""
+    needed = list(dict.fromkeys(m for p in peers for m in PEER_MODULES[p]))
+    if not needed:
+        return {p: None for p in peers}
+    try:
+        r = subprocess.run([python, "-c", "import importlib.util, sys; "
+                            "print(' '.join(m for m in sys.argv[1:] if importlib.util.find_spec(m) is None))", *needed],
+                           capture_output=True, text=True)
+    except OSError as e:
+        sys.exit(f"--python {python}: {e}")
     if r.returncode != 0:
-        sys.exit(f"--peers liger: installing {wheels[-1]} failed: {r.stderr.strip()[-400:]}")
-    env["PYTHONPATH"] = site + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    return env
+        sys.exit(f"--python {python} failed: {r.stderr.strip()[-400:]}")
+    missing = r.stdout.split()
+    wheels = []
+    for m in missing:
+        found = sorted(glob.glob(os.path.join(HERE, "..", "..", ".whl", WHEELS[m][0])))
+        if not found:
+            sys.exit(f"{','.join(peers)}: {m} is not installed for {python} and there is no "
+                     f".whl/{WHEELS[m][0]}; run `python3 -m pip download --no-deps -d .whl "
+                     f"{' '.join(WHEELS[x][1] for x in missing)}` where there is network")
+        wheels.append(found[-1])
+    env = None
+    if wheels:
+        site = os.path.join(out_dir, "site")
+        r = subprocess.run([python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", site, *wheels],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            sys.exit(f"{','.join(peers)}: installing {' '.join(wheels)} failed: {r.stderr.strip()[-400:]}")
+        env = dict(os.environ)
+        env["PYTHONPATH"] = site + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    return {p: env if set(PEER_MODULES[p]) & set(missing) else None for p in peers}
+
+
+def ours_cmd(a, sched, seq, case_extra, json_path, lora):
+    """`chunkwise bench` at one case; the LoRA flags (if any) before --extra and the case's own arguments."""
+    return ([a.chunkwise, "bench", "--model", a.model, "--seq", str(seq), "--batch", str(a.batch), "--schedule", sched,
+             "--steps", str(a.steps), "--warmup", str(a.warmup), "--json", json_path]
+            + hf_reference.lora_argv(lora) + shlex.split(a.extra) + shlex.split(case_extra))
+
+
+def peer_cmd(a, peer, hf_sched, seq, json_path, lora, peak):
+    """hf_reference.py as `peer` at one case: --liger for the Liger peers, the LoRA flags for the PEFT ones."""
+    cmd = [a.python, os.path.join(HERE, "hf_reference.py"), "--model", a.model, "--seq", str(seq),
+           "--batch", str(a.batch), "--steps", str(a.steps), "--warmup", str(a.warmup), "--json", json_path]
+    cmd += ["--checkpointing"] if hf_sched == "checkpointed" else []
+    cmd += ["--liger"] if peer in LIGER_PEERS else []
+    cmd += hf_reference.lora_argv(lora) if peer in LORA_PEERS else []
+    cmd += ["--peak-tflops", str(peak)] if peak else []
+    return cmd + shlex.split(a.hf_extra)
+
+
+def case_tag(sched, seq, case_extra):
+    return f"{sched}-{seq}" + ("-" + "".join(ch for ch in case_extra if ch.isalnum() or ch == "-").strip("-")
+                               if case_extra else "")
 
 
 def fmt_num(v, spec, suffix=""):
@@ -119,6 +190,85 @@ def fmt_num(v, spec, suffix=""):
 
 def ratio(a, b):
     return a / b if a and b else None
+
+
+def planner_choice(args, ours):
+    """What `chunkwise bench` resolved an `auto` in its arguments (--extra and the case's) to: its JSON's
+    chunk and offload_window; None without one."""
+    if "auto" not in args or "chunk" not in ours:
+        return None
+    return f"chunk {ours['chunk']}, offload window {ours.get('offload_window', 0)}"
+
+
+def lora_text(lora):
+    return (f"LoRA rank {lora['rank']}, alpha {lora['alpha']:g}, dropout {lora['dropout']:g} on "
+            f"{','.join(lora['targets'])} (base frozen)")
+
+
+def render(title, head, table, notes, md_path):
+    """Prints the table (first column left-aligned) with its notes, and writes it as Markdown to md_path."""
+    widths = [max(len(str(x[i])) for x in table + [head]) for i in range(len(head))]
+    print("\n" + title)
+    print("  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(head, widths))))
+    for t in table:
+        print("  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(t, widths))))
+    for n in notes:
+        print("  " + n)
+    md = [f"{title}.", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    md += ["| " + " | ".join(str(c) for c in t) + " |" for t in table]
+    if notes:
+        md += [""] + [f"- {n}" for n in notes]
+    with open(md_path, "w") as f:
+        f.write("\n".join(md) + "\n")
+
+
+def longest(a, sides, cases, lora, envs):
+    """--longest: each side alone from the first case's tokens, doubling while its runs are ok and within
+    --search-to; one row per side (the longest that ran, its tokens/s and peak), longest.json/.md."""
+    sched, seq0, case_extra = cases[0]
+    hf_sched = "full" if sched == "full" else "checkpointed"
+    results = []
+    for side in sides:
+        tries, seq = [], seq0
+        while seq <= a.search_to:
+            tag = f"longest-{side}-" + case_tag(sched if side == "chunkwise" else hf_sched, seq,
+                                                  case_extra if side == "chunkwise" else "")
+            print(f"== {tag}", flush=True)
+            json_path, log_path = os.path.join(a.out, tag + ".json"), os.path.join(a.out, tag + ".log")
+            if side == "chunkwise":
+                cmd, env = ours_cmd(a, sched, seq, case_extra, json_path, lora), None
+            else:
+                cmd, env = peer_cmd(a, side, hf_sched, seq, json_path, lora, a.peak_tflops or None), envs[side]
+            tries.append(dict(run_side(side, cmd, json_path, log_path, a.timeout, env), seq=seq))
+            if tries[-1]["status"] != "ok":
+                break
+            seq *= 2
+        ok = [t for t in tries if t["status"] == "ok"]
+        results.append(dict(side=side, schedule=(f"{sched} {case_extra}".strip() if side == "chunkwise" else hf_sched),
+                            longest=ok[-1]["seq"] if ok else None, tries=tries))
+
+    device = next((t["device"] for r in results for t in r["tries"] if t.get("device")), "unknown device")
+    date = datetime.date.today().isoformat()
+    head = ["side", "schedule", "longest tokens", "tok/s there", "peak GiB there", "stopped by"]
+    table, notes = [], []
+    for r in results:
+        who = "chunkwise" if r["side"] == "chunkwise" else PEER_NAMES[r["side"]]
+        last_ok = next((t for t in reversed(r["tries"]) if t["status"] == "ok"), {})
+        stop = r["tries"][-1] if r["tries"] and r["tries"][-1]["status"] != "ok" else None
+        if stop:
+            notes.append(f"{who} at {stop['seq']:,}: {stop['status']}: {stop.get('error', '')} (log {stop.get('log')})")
+        choice = planner_choice(f"{a.extra} {case_extra}", last_ok) if r["side"] == "chunkwise" else None
+        table.append([who, r["schedule"] + (f" ({choice})" if choice else ""), fmt_num(r["longest"], ","),
+                      fmt_num(last_ok.get("tokens_per_s"), ",.0f"),
+                      fmt_num(last_ok.get("peak_gib"), ".1f"),
+                      f"{stop['status'].upper()} at {stop['seq']:,}" if stop else f"--search-to {a.search_to:,}"])
+    title = (f"Longest context: {a.model}, batch {a.batch}" + (f", {lora_text(lora)}" if lora else "") +
+             f"; tokens doubled from {seq0:,}, median of {a.steps} steps, at most {a.timeout:g} s a run; "
+             f"{device}, {date}")
+    render(title, head, table, notes, os.path.join(a.out, "longest.md"))
+    with open(os.path.join(a.out, "longest.json"), "w") as f:
+        json.dump(dict(model=a.model, batch=a.batch, steps=a.steps, device=device, date=date, lora=lora, start=seq0,
+                       search_to=a.search_to, timeout=a.timeout, extra=a.extra, sides=results), f, indent=2)
 
 
 def main():
@@ -138,18 +288,52 @@ def main():
                     help="more arguments for `chunkwise bench`, as one string: --extra=\"--chunk 2048\"")
     ap.add_argument("--hf-extra", default="", help="more arguments for hf_reference.py")
     ap.add_argument("--out", default="model_vs_hf-out")
-    ap.add_argument("--peers", default="hf", help="comma-separated: hf (plain HF) and/or liger (HF + Liger kernels)")
-    ap.add_argument("--long-context", action="store_true",
-                    help=f"the SeCO-at-scale table: cases {LONG_CONTEXT_CASES} against HF+Liger")
+    ap.add_argument("--peers", default="hf", help=f"comma-separated: {' | '.join(PEER_NAMES)} (peft peers: with LoRA)")
+    hf_reference.add_lora_args(ap)
+    preset = ap.add_mutually_exclusive_group()
+    preset.add_argument("--long-context", action="store_true",
+                        help=f"the SeCO-at-scale table: cases {LONG_CONTEXT_CASES} against HF+Liger")
+    preset.add_argument("--lora-8b", action="store_true",
+                        help=f"the LoRA table: llama-3.1-8b, rank 8 unless --lora-rank, cases {LORA_8B_CASES} "
+                        f"against HF+PEFT+Liger (with --longest: from {LORA_8B_LONGEST})")
+    ap.add_argument("--longest", metavar="SIDES",
+                    help="instead of the table: per side (chunkwise and/or peers, comma-separated), the longest "
+                    "sequence that runs, doubling from the first case's tokens")
+    ap.add_argument("--search-to", type=int, default=1 << 20, help="--longest: tokens not to go beyond")
     a = ap.parse_args()
-    os.makedirs(a.out, exist_ok=True)
     if a.long_context:
         a.cases, a.peers = LONG_CONTEXT_CASES, "liger"
-    peers = [p.strip() for p in a.peers.split(",") if p.strip()]
-    if not peers or any(p not in PEER_NAMES for p in peers):
-        sys.exit(f"--peers {a.peers}: choose from {', '.join(PEER_NAMES)}")
-    envs = {p: (peer_env(a.python, a.out) if p == "liger" else None) for p in peers}
+    if a.lora_8b:
+        a.model, a.peers = "llama-3.1-8b", "peft-liger"
+        a.cases = LORA_8B_LONGEST if a.longest is not None else LORA_8B_CASES
+        a.lora_rank = a.lora_rank or 8
+    try:
+        lora = hf_reference.lora_settings(a)
+    except ValueError as e:
+        ap.error(str(e))
+    if a.longest is None:
+        peers = [p.strip() for p in a.peers.split(",") if p.strip()]
+        if not peers or any(p not in PEER_NAMES for p in peers):
+            sys.exit(f"--peers {a.peers}: choose from {', '.join(PEER_NAMES)}")
+    else:
+        sides = list(dict.fromkeys(x.strip() for x in a.longest.split(",") if x.strip()))
+        if not sides or any(x != "chunkwise" and x not in PEER_NAMES for x in sides):
+            sys.exit(f"--longest {a.longest}: choose from chunkwise, {', '.join(PEER_NAMES)}")
+        peers = [x for x in sides if x != "chunkwise"]
+    if not lora and any(p in LORA_PEERS for p in peers):
+        sys.exit(f"{', '.join(p for p in peers if p in LORA_PEERS)}: a PEFT peer trains LoRA adapters; give their "
+                 "settings, which chunkwise gets too: --lora-rank R [--lora-alpha A] [--lora-dropout P] "
+                 "[--lora-targets q_proj,v_proj] (or --lora-8b)")
+    if lora and any(p not in LORA_PEERS for p in peers):
+        full = ", ".join(p for p in peers if p not in LORA_PEERS)
+        sys.exit(f"--lora-rank {lora['rank']}: chunkwise trains LoRA adapters, {full} every parameter; "
+                 f"compare with {' or '.join(LORA_PEERS)}")
+    os.makedirs(a.out, exist_ok=True)
+    envs = peer_envs(a.python, a.out, peers)
     cases = parse_cases(a.cases)
+    if a.longest is not None:
+        longest(a, sides, cases, lora, envs)
+        return
     try:
         cfg = hf_reference.load_config_dict(a.model)
     except OSError:
@@ -159,13 +343,11 @@ def main():
     peak = a.peak_tflops or None
     hf_done = {}  # (HF schedule, tokens) -> result: cases differing only in our options share one HF run
     for sched, seq, case_extra in cases:
-        tag = f"{sched}-{seq}" + ("-" + "".join(ch for ch in case_extra if ch.isalnum() or ch == "-").strip("-")
-                                   if case_extra else "")
+        tag = case_tag(sched, seq, case_extra)
         print(f"== {tag}: chunkwise", flush=True)
         ours_json = os.path.join(a.out, f"ours-{tag}.json")
-        cmd = [a.chunkwise, "bench", "--model", a.model, "--seq", str(seq), "--batch", str(a.batch), "--schedule",
-               sched, "--steps", str(a.steps), "--warmup", str(a.warmup), "--json", ours_json] + shlex.split(a.extra) + shlex.split(case_extra)
-        ours = run_side("chunkwise", cmd, ours_json, os.path.join(a.out, f"ours-{tag}.log"), a.timeout)
+        ours = run_side("chunkwise", ours_cmd(a, sched, seq, case_extra, ours_json, lora), ours_json,
+                        os.path.join(a.out, f"ours-{tag}.log"), a.timeout)
         if peak is None and ours.get("peak_tflops"):
             peak = float(ours["peak_tflops"])
         hf_sched = "full" if sched == "full" else "checkpointed"
@@ -174,24 +356,19 @@ def main():
             if hf_key not in hf_done:
                 print(f"== {tag}: {PEER_NAMES[peer]} ({hf_sched})", flush=True)
                 hf_json = os.path.join(a.out, f"{peer}-{tag}.json")
-                cmd = [a.python, os.path.join(HERE, "hf_reference.py"), "--model", a.model, "--seq", str(seq),
-                       "--batch", str(a.batch), "--steps", str(a.steps), "--warmup", str(a.warmup), "--json", hf_json]
-                cmd += ["--checkpointing"] if hf_sched == "checkpointed" else []
-                cmd += ["--liger"] if peer == "liger" else []
-                cmd += ["--peak-tflops", str(peak)] if peak else []
-                hf_done[hf_key] = run_side(peer, cmd + shlex.split(a.hf_extra), hf_json,
+                hf_done[hf_key] = run_side(peer, peer_cmd(a, peer, hf_sched, seq, hf_json, lora, peak), hf_json,
                                            os.path.join(a.out, f"{peer}-{tag}.log"), a.timeout, envs[peer])
-            rows.append(dict(case=tag, schedule=sched, seq=seq, peer=peer, hf_schedule=hf_sched, ours=ours,
-                             hf=dict(hf_done[hf_key])))
+            rows.append(dict(case=tag, schedule=sched, seq=seq, ours_args=case_extra, peer=peer, hf_schedule=hf_sched,
+                             ours=ours, hf=dict(hf_done[hf_key])))
 
     # One FLOP count and one peak for both sides' MFU: --peak-tflops, else chunkwise's measurement,
     # else (chunkwise produced none) HF's.
-    peak_source = "--peak-tflops" if peak else "chunkwise"
+    peak_source = "--peak-tflops" if a.peak_tflops else "chunkwise"
     if peak is None:
         peak = next((float(r["hf"]["peak_tflops"]) for r in rows if r["hf"].get("peak_tflops")), None)
         peak_source = "hf_reference.py" if peak else "nobody"
     for r in rows:
-        fpt = hf_reference.flops_per_token(cfg, r["seq"]) if cfg else None
+        fpt = hf_reference.flops_per_token(cfg, r["seq"], lora) if cfg else None
         for side in ("ours", "hf"):
             s = r[side]
             f = fpt or s.get("flops_per_token")
@@ -223,33 +400,26 @@ def main():
                       fmt_num(r["tokens_ratio"], ".2f", "x"), cell(o, "mfu_common", ".1f", "%"),
                       cell(h, "mfu_common", ".1f", "%"), cell(o, "peak_gib", ".1f"), cell(h, "peak_gib", ".1f"),
                       fmt_num(r["memory_ratio"], ".2f", "x")])
-    widths = [max(len(str(x[i])) for x in table + [head]) for i in range(len(head))]
-    title = (f"chunkwise vs {' and '.join(PEER_NAMES[p] for p in peers)}: {a.model}, batch {a.batch}, median of {a.steps} steps; {device}, {date}; "
+    title = (f"chunkwise vs {' and '.join(PEER_NAMES[p] for p in peers)}: {a.model}"
+             + (f", {lora_text(lora)}" if lora else "")
+             + f", batch {a.batch}, median of {a.steps} steps; {device}, {date}; "
              f"MFU of {fmt_num(peak, '.0f')} TFLOP/s (bf16 peak measured by "
              f"{peak_source} in this run) for both sides")
-    print("\n" + title)
-    print("  ".join(h.rjust(w) if i else h.ljust(w) for i, (h, w) in enumerate(zip(head, widths))))
-    for t in table:
-        print("  ".join(str(c).rjust(w) if i else str(c).ljust(w) for i, (c, w) in enumerate(zip(t, widths))))
     notes = []
+    for r in rows:
+        choice = planner_choice(f"{a.extra} {r['ours_args']}", r["ours"]) if r["peer"] == peers[0] else None
+        if choice:
+            notes.append(f"{r['case']} chunkwise: the planner chose {choice}")
     for r in rows:
         for side in ("ours", "hf"):
             s = r[side]
             if s.get("status") != "ok":
                 who = "chunkwise" if side == "ours" else PEER_NAMES[r["peer"]]
                 notes.append(f"{r['case']} {who}: {s.get('status')}: {s.get('error', '')} (log {s.get('log')})")
-    for n in notes:
-        print("  " + n)
-
-    md = [f"{title}.", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    md += ["| " + " | ".join(str(c) for c in t) + " |" for t in table]
-    if notes:
-        md += [""] + [f"- {n}" for n in notes]
-    with open(os.path.join(a.out, "model_vs_hf.md"), "w") as f:
-        f.write("\n".join(md) + "\n")
+    render(title, head, table, notes, os.path.join(a.out, "model_vs_hf.md"))
     with open(os.path.join(a.out, "model_vs_hf.json"), "w") as f:
         json.dump(dict(model=a.model, batch=a.batch, steps=a.steps, device=device, date=date, peak_tflops=peak, peers=peers,
-                       peak_source=peak_source,
+                       peak_source=peak_source, lora=lora,
                        extra=a.extra, rows=rows), f, indent=2)
 
 
