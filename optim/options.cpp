@@ -19,7 +19,7 @@ const std::vector<Option<ScheduleOptions>>& schedule_option_table() {
      "how gradients are computed: full (everything kept) | checkpointed (layer inputs kept, each layer recomputed "
      "before its backward) | seco (exact, chunk by chunk, keeping only K/V) | spaco (seco visiting a sample of the "
      "chunks on the way back)"},
-    {"chunk",          "--chunk",         &S::chunk,         at_least(0),              "seco, spaco: prefill chunk length in tokens; 0: the whole sequence"},
+    {"chunk",          "--chunk",         &S::chunk,         at_least_or_auto(0),      "seco, spaco: prefill chunk length in tokens; 0: the whole sequence; auto: the fastest the planner finds to fit (GPU)"},
     {"bwd_chunk",      "--bwd-chunk",     &S::bwd_chunk,     at_least(0),              "seco, spaco: reverse-sweep chunk length; 0: same as chunk"},
     {"keep",           "--keep",          &S::keep,          at_least(0),              "spaco: chunks backpropagated per step (t of k); 0: all"},
     {"seed",           "--spaco-seed",    &S::seed,          {},                       "spaco: seed of the chunk sample (step s draws with (seed, s))"},
@@ -34,8 +34,9 @@ const std::vector<Option<ScheduleOptions>>& schedule_option_table() {
      "recomputed in the backward) | none (keep everything) | auto (checkpointed: full; the others: none)"},
     {"mlp_shards",     "--mlp-shards",    &S::mlp_shards,    at_least(0, "automatic"), "any schedule: tiled MLP row shards; 1: untiled, 0: automatic (ceil(ffn / hidden))"},
     {"offload",        "--offload",       &S::offload,       {},                       "checkpointed, recompute full: the kept layer inputs in pinned host memory (GPU)"},
-    {"offload_window", "--offload-window", &S::offload_window, at_least(0, "the whole K/V store on the device"),
-     "seco, spaco: K/V store layers kept on the device, the rest in pinned host memory; 0: all on the device"},
+    {"offload_window", "--offload-window", &S::offload_window, at_least_or_auto(0, "the whole K/V store on the device"),
+     "seco, spaco: K/V store layers kept on the device, the rest in pinned host memory; 0: all on the device; auto: "
+     "the fewest layers moved that fit (GPU)"},
     {"save_attention", "--save-attention", &S::save_attention, {},
      "seco, spaco: the prefill saves each layer's attention output and lse in the K/V store (offloaded with it), so "
      "the reverse sweep does not run the attention forward again"},
@@ -109,6 +110,9 @@ void ScheduleOptions::validate() const {
     fail("schedule.save_attention applies to schedules seco and spaco (the prefill saves what their reverse sweep "
          "recomputes)",
          "set schedule.name = seco or spaco, or save_attention = false");
+  if ((chunk == kAuto || offload_window == kAuto) && name != "seco" && name != "spaco")
+    fail(fmt::format("schedule.{} = auto applies to schedules seco and spaco", chunk == kAuto ? "chunk" : "offload_window"),
+         "set schedule.name = seco or spaco, or give a number");
   if (offload_window > 0 && name != "seco" && name != "spaco")
     fail("schedule.offload_window applies to schedules seco and spaco (their K/V store outlives a chunk)",
          "set schedule.name = seco or spaco, or offload_window = 0");
@@ -129,6 +133,11 @@ OptionRule at_least(double min, std::string_view zero) {
   OptionRule r;
   r.min = min;
   r.zero = zero;
+  return r;
+}
+OptionRule at_least_or_auto(double min, std::string_view zero) {
+  OptionRule r = at_least(min, zero);
+  r.or_auto = true;
   return r;
 }
 OptionRule above(double min) {
@@ -164,7 +173,7 @@ OptionRule no_empty_path() {
 std::string OptionRule::describe() const {
   if (min && max)
     return fmt::format("in {}{}, {}{}", min_open ? '(' : '[', *min, *max, max_open ? ')' : ']');
-  if (min) return fmt::format("{} {}", min_open ? ">" : ">=", *min);
+  if (min) return fmt::format("{} {}{}", min_open ? ">" : ">=", *min, or_auto ? ", or auto" : "");
   if (max) return fmt::format("{} {}", max_open ? "<" : "<=", *max);
   if (!words.empty()) {
     std::string out;
@@ -197,6 +206,7 @@ void check_option(const OptionRef& o) {
       [&](auto* p) {
         using T = std::remove_pointer_t<decltype(p)>;
         if constexpr (std::is_same_v<T, int64_t>) {
+          if (r.or_auto && *p == kAuto) return;
           check_range(o, static_cast<double>(*p), fmt::format("{}", *p));
         } else if constexpr (std::is_same_v<T, uint64_t>) {
           if (*p > static_cast<uint64_t>(std::numeric_limits<int64_t>::max()))
@@ -286,11 +296,13 @@ std::string toml_float(double v) {
   return s;
 }
 
-std::optional<std::string> toml_value(const OptionTarget& target) {
+std::optional<std::string> toml_value(const OptionRef& option) {
+  const bool or_auto = option.rule && option.rule->or_auto;
   return std::visit(
-      [](auto* p) -> std::optional<std::string> {
+      [or_auto](auto* p) -> std::optional<std::string> {
         using T = std::remove_pointer_t<decltype(p)>;
-        if constexpr (std::is_same_v<T, int64_t> || std::is_same_v<T, uint64_t>) return fmt::format("{}", *p);
+        if constexpr (std::is_same_v<T, int64_t>) return or_auto && *p == kAuto ? "\"auto\"" : fmt::format("{}", *p);
+        else if constexpr (std::is_same_v<T, uint64_t>) return fmt::format("{}", *p);
         else if constexpr (std::is_same_v<T, double>) return toml_float(*p);
         else if constexpr (std::is_same_v<T, bool>) return *p ? "true" : "false";
         else if constexpr (std::is_same_v<T, std::optional<bool>>) {
@@ -304,7 +316,7 @@ std::optional<std::string> toml_value(const OptionTarget& target) {
           return out + "]";
         }
       },
-      target);
+      option.target);
 }
 
 }  // namespace cw

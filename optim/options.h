@@ -38,16 +38,18 @@ using OptionMember = std::variant<int64_t S::*, uint64_t S::*, double S::*, bool
 // integers are signed 64-bit).
 struct OptionRule {
   std::optional<double> min, max;
+  bool or_auto = false;                     // an integer option: "auto" (kAuto, optim/schedule.h) too
   bool min_open = false, max_open = false;  // > min rather than >= min; < max rather than <= max
   std::vector<std::string_view> words;      // a string option: one of these
   bool non_empty = false;                   // a string: not empty
   bool no_empty_path = false;               // a list of paths: none of them empty
   std::string_view zero;                    // what 0 means, shown in range errors: "(0: automatic)"
 
-  std::string describe() const;             // ">= 0", "in [0, 1)", "full | seco", "not empty"; "" for none
+  std::string describe() const;             // ">= 0", ">= 0 or auto", "in [0, 1)", "full | seco", "not empty"; "" for none
 };
 
 OptionRule at_least(double min, std::string_view zero = {});  // >= min
+OptionRule at_least_or_auto(double min, std::string_view zero = {});  // >= min, or "auto" (kAuto)
 OptionRule above(double min);                                  // > min
 OptionRule between(double min, double max, bool min_open, bool max_open);
 OptionRule one_of(std::initializer_list<std::string_view> words);
@@ -98,10 +100,11 @@ void copy_option_value(const OptionTarget& to, const OptionTarget& from);
 bool option_values_equal(const OptionTarget& a, const OptionTarget& b);
 
 // Values as TOML text: "seco" quoted and escaped, floats in the shortest form that reads back to
-// the same double, with a '.' or exponent; nullopt for an unset optional (TOML has no null).
+// the same double, with a '.' or exponent, kAuto as "auto" where the rule takes it; nullopt for an
+// unset optional (TOML has no null).
 std::string toml_string(std::string_view s);
 std::string toml_float(double v);
-std::optional<std::string> toml_value(const OptionTarget& target);
+std::optional<std::string> toml_value(const OptionRef& option);
 
 // [schedule]: every option of ScheduleOptions.
 const std::vector<Option<ScheduleOptions>>& schedule_option_table();

@@ -43,6 +43,10 @@ Batch random_batch(int64_t B, int64_t T, int64_t vocab, uint64_t seed);
 
 // The options of a schedule. Their TOML keys ([schedule]), CLI flags, accepted values and help are
 // the rows of schedule_option_table() (optim/options.h); the defaults are the ones below.
+// chunk and offload_window take "auto" (this value) in a run's options: the planner chooses them
+// before the schedule is built (tools/plan.h, resolve_auto_schedule); a schedule never sees it.
+inline constexpr int64_t kAuto = -1;
+
 struct ScheduleOptions {
   std::string name = "full";    // full | checkpointed | seco | spaco
   // What a chunk's backward recomputes (for seco/spaco: inside each reverse-sweep chunk): full (keep

@@ -85,7 +85,7 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
   const double gib = device_gib_or_gpu(o.device_memory_gib);
   ScheduleOptions so = o.schedule;
   try {
-    so = schedule_with_lengths(cfg, o.batch, o.seq, so, o.chunk, o.offload_window, dt, gib, o.lora, o.optimizer_offload);
+    so = resolve_auto_schedule(cfg, o.batch, o.seq, so, dt, gib, o.lora, o.optimizer_offload);
   } catch (const Error& e) {  // auto found nothing that fits: a result, as running out of memory is
     const std::string status = is_out_of_memory(e.what()) ? "oom" : "error";
     const nlohmann::json r = {{"impl", "chunkwise"}, {"model", o.model}, {"seq", o.seq}, {"batch", o.batch},

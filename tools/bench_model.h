@@ -30,9 +30,8 @@ namespace cw {
 struct BenchModelOptions {
   std::string model = "llama-3.2-1b";  // preset, config.json or checkpoint directory
   int64_t seq = 4096, batch = 1;
-  ScheduleOptions schedule;            // every schedule option, as train and gradcheck take them
-  std::string chunk = "0";             // schedule.chunk: a length, or "auto" (tools/plan.h chooses)
-  std::string offload_window = "0";    // schedule.offload_window: layers on the device (0: all), or "auto"
+  ScheduleOptions schedule;            // every schedule option, as train and gradcheck take them (chunk and
+                                       // offload_window may be kAuto: the planner chooses, tools/plan.h)
   bool optimizer_offload = false;      // master weights and moments in host memory (optim/adamw_offload.h)
   double device_memory_gib = 0;        // the device memory the run may use (engine.h); 0: the whole GPU
   bool force = false;                  // run a step the planner says does not fit (to measure where it fails)

@@ -102,14 +102,8 @@ int main(int argc, char** argv) {
   bench->add_option("--model", bm.model, "preset, config.json, checkpoint directory or .gguf file")->capture_default_str();
   bench->add_option("--seq", bm.seq, "tokens per sequence")->capture_default_str();
   bench->add_option("--batch", bm.batch, "sequences per step")->capture_default_str();
-  // --chunk and --offload-window also take "auto" (the planner chooses, as `chunkwise plan`).
-  cw::add_schedule_flags(*bench, bm.schedule, {"chunk", "offload_window"});
+  cw::add_schedule_flags(*bench, bm.schedule);  // --chunk and --offload-window take auto: the planner chooses
   cw::add_lora_flags(*bench, bm.lora);
-  bench->add_option("--chunk", bm.chunk, "seco, spaco: prefill chunk length in tokens, or auto (the fastest that fits)")
-      ->capture_default_str();
-  bench->add_option("--offload-window", bm.offload_window,
-                    "seco, spaco: K/V store layers kept on the device (0: all), or auto (the fewest moved that fit)")
-      ->capture_default_str();
   bench->add_flag("--optimizer-offload", bm.optimizer_offload,
                   "master weights and AdamW's moments in host memory, updated on the CPU cores (ZeRO-Offload)");
   bench->add_option("--device-memory", bm.device_memory_gib,
@@ -129,14 +123,8 @@ int main(int argc, char** argv) {
   plan->add_option("--model", po.model)->capture_default_str();
   plan->add_option("--seq", po.seq)->capture_default_str();
   plan->add_option("--batch", po.batch)->capture_default_str();
-  // --chunk and --offload-window also take "auto" (the planner chooses); the rest as everywhere.
-  cw::add_schedule_flags(*plan, po.schedule, {"chunk", "offload_window"});
+  cw::add_schedule_flags(*plan, po.schedule);  // --chunk and --offload-window take auto: the planner chooses
   cw::add_lora_flags(*plan, po.lora);
-  plan->add_option("--chunk", po.chunk, "seco, spaco: prefill chunk length in tokens, or auto (the fastest that fits)")
-      ->capture_default_str();
-  plan->add_option("--offload-window", po.offload_window,
-                   "seco, spaco: K/V store layers kept on the device (0: all), or auto (the fewest moved that fit)")
-      ->capture_default_str();
   plan->add_option("--dtype", po.dtype)->capture_default_str();
   plan->add_option("--device-memory", po.device_memory_gib, "GiB (default: the GPU's, else 80)");
   plan->add_flag("--optimizer-offload", po.optimizer_offload,

@@ -27,6 +27,17 @@ std::vector<CLI::Option*> add_option_flags(CLI::App& app, const std::vector<Opti
             return app.add_option(flag, *p, help)->capture_default_str();
           } else if constexpr (std::is_same_v<T, std::optional<bool>>) {
             fail(fmt::format("{}: an unset-able boolean has no command-line flag", o.name()));
+          } else if constexpr (std::is_same_v<T, int64_t>) {
+            CLI::Option* opt = app.add_option(flag, *p, help)->capture_default_str();
+            // "auto" reads as kAuto where the rule takes it (the planner chooses the value).
+            if (o.rule->or_auto)
+              opt->transform(CLI::Validator(
+                  [](std::string& v) {
+                    if (v == "auto") v = std::to_string(kAuto);
+                    return std::string();
+                  },
+                  "INT or auto"));
+            return opt;
           } else {
             return app.add_option(flag, *p, help)->capture_default_str();
           }

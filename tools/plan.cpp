@@ -524,11 +524,12 @@ std::string plan_json(const PlanReport& r) {
   return j.dump(2);
 }
 
-ScheduleOptions resolve_auto_schedule(const LlamaConfig& cf, int64_t B, int64_t T, ScheduleOptions o, bool auto_chunk,
-                                      bool auto_window, DType dtype, double gib, const LoraConfig& lora,
-                                      bool optimizer_offload) {
-  CW_CHECK(!auto_chunk || chunked(o), "--chunk auto is for --schedule seco or spaco");
-  CW_CHECK(!auto_window || chunked(o), "--offload-window auto is for --schedule seco or spaco");
+ScheduleOptions resolve_auto_schedule(const LlamaConfig& cf, int64_t B, int64_t T, ScheduleOptions o, DType dtype,
+                                      double gib, const LoraConfig& lora, bool optimizer_offload) {
+  const bool auto_chunk = o.chunk == kAuto, auto_window = o.offload_window == kAuto;
+  if (!auto_chunk && !auto_window) return o;
+  CW_CHECK(chunked(o), "schedule.chunk and schedule.offload_window = auto are for schedules seco and spaco");
+  if (auto_window) o.offload_window = 0;
   // auto: the fastest chunk with the whole K/V store on the device, else with the smallest window
   // that lets one fit (each layer moved to the host costs transfers, which this model does not time).
   for (int64_t w = 0; w <= (auto_window ? int64_t(cf.num_hidden_layers) : 0); ++w) {
@@ -543,32 +544,13 @@ ScheduleOptions resolve_auto_schedule(const LlamaConfig& cf, int64_t B, int64_t 
     for (int64_t c : chunk_candidates()) sizes += (sizes.empty() ? "" : ", ") + std::to_string(c);
     fail(fmt::format("out of memory at every chunk length ({}) in {:.1f} GiB{}", sizes, gib,
                      auto_window ? " with any K/V offload window" : ""),
-         auto_window ? "lower --seq or --batch, or offload the optimizer (--optimizer-offload)"
-                     : "set --offload-window (or auto), or lower --seq or --batch");
+         auto_window ? "lower the sequence length or batch, or offload the optimizer (--optimizer-offload)"
+                     : "set the offload window (--offload-window N or auto), or lower the sequence length or batch");
   }
+  if (auto_window && !auto_chunk && !plan_step(cf, B, T, o, dtype, gib, lora, optimizer_offload).fits)
+    fail(fmt::format("out of memory with any K/V offload window at chunk {} in {:.1f} GiB", o.chunk, gib),
+         "lower the chunk (--chunk N or auto), or offload the optimizer (--optimizer-offload)");
   return o;
-}
-
-namespace {
-int64_t parse_auto_length(const std::string& v, const char* flag) {
-  if (v == "auto") return -1;
-  try {
-    size_t used = 0;
-    const long long x = std::stoll(v, &used);
-    if (used == v.size() && x >= 0) return int64_t(x);
-  } catch (const std::exception&) {
-  }
-  fail(fmt::format("{} {}: want a non-negative number or auto", flag, v));
-}
-}  // namespace
-
-ScheduleOptions schedule_with_lengths(const LlamaConfig& cf, int64_t B, int64_t T, ScheduleOptions o,
-                                      const std::string& chunk, const std::string& offload_window, DType dtype,
-                                      double gib, const LoraConfig& lora, bool optimizer_offload) {
-  const int64_t c = parse_auto_length(chunk, "--chunk"), w = parse_auto_length(offload_window, "--offload-window");
-  if (c >= 0) o.chunk = c;
-  if (w >= 0) o.offload_window = w;
-  return resolve_auto_schedule(cf, B, T, o, c < 0, w < 0, dtype, gib, lora, optimizer_offload);
 }
 
 double device_gib_or_gpu(double gib) {
@@ -582,8 +564,8 @@ int run_plan(const PlanOptions& po, std::ostream& out) {
   const DType dtype = parse_dtype(po.dtype);
   validate_lora(po.lora);
   const double gib = device_gib_or_gpu(po.device_memory_gib);
-  const ScheduleOptions o = schedule_with_lengths(cf, po.batch, po.seq, po.schedule, po.chunk, po.offload_window, dtype,
-                                                  gib, po.lora, po.optimizer_offload);
+  const ScheduleOptions o =
+      resolve_auto_schedule(cf, po.batch, po.seq, po.schedule, dtype, gib, po.lora, po.optimizer_offload);
   const PlanReport r = plan_step(cf, po.batch, po.seq, o, dtype, gib, po.lora, po.optimizer_offload);
   out << plan_table(r);
   if (!po.json.empty()) {

@@ -84,16 +84,13 @@ int64_t choose_chunk(const LlamaConfig& config, int64_t B, int64_t T, const Sche
 int64_t choose_offload_window(const LlamaConfig& config, int64_t B, int64_t T, const ScheduleOptions& schedule,
                               DType dtype, double device_gib, const LoraConfig& lora = {},
                               bool optimizer_offload = false);
-// `--chunk auto` and/or `--offload-window auto` (train's and bench's too): the fastest chunk with the
-// whole K/V store on the device, else with the smallest window that lets one fit; the schedule with
-// them set. Throws, saying which knob to turn, when no candidate fits.
+// schedule.chunk and/or schedule.offload_window = auto (kAuto; plan's, bench's and train's): the
+// fastest chunk with the whole K/V store on the device, else with the smallest window that lets one
+// fit; the schedule with them set (unchanged when neither is auto). Throws an "out of memory" error
+// saying which knob to turn when no candidate fits.
 ScheduleOptions resolve_auto_schedule(const LlamaConfig& config, int64_t B, int64_t T, ScheduleOptions schedule,
-                                      bool auto_chunk, bool auto_window, DType dtype, double device_gib,
-                                      const LoraConfig& lora = {}, bool optimizer_offload = false);
-// The schedule with --chunk and --offload-window as given (a length, or "auto": resolved as above).
-ScheduleOptions schedule_with_lengths(const LlamaConfig& config, int64_t B, int64_t T, ScheduleOptions schedule,
-                                      const std::string& chunk, const std::string& offload_window, DType dtype,
-                                      double device_gib, const LoraConfig& lora = {}, bool optimizer_offload = false);
+                                      DType dtype, double device_gib, const LoraConfig& lora = {},
+                                      bool optimizer_offload = false);
 // gib when positive, else the first GPU's memory, else 80.
 double device_gib_or_gpu(double gib);
 
@@ -103,10 +100,8 @@ std::string plan_json(const PlanReport& report);   // peak_device_gib, peak_host
 struct PlanOptions {
   std::string model = "llama-3.2-1b";
   int64_t seq = 4096, batch = 1;
-  ScheduleOptions schedule{.name = "seco"};  // its chunk and offload_window: the two below
+  ScheduleOptions schedule{.name = "seco"};  // chunk and offload_window may be kAuto (--chunk auto)
   LoraConfig lora;                           // rank > 0: LoRA adapters, the base frozen
-  std::string chunk = "0";                   // a length, or "auto"
-  std::string offload_window = "0";          // layers of the K/V store on the device (0: all), or "auto"
   std::string dtype = "bf16";
   double device_memory_gib = 0;      // 0: the GPU's when one is present, else 80
   bool optimizer_offload = false;    // master weights and moments in host memory

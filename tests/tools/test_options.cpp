@@ -91,7 +91,7 @@ TEST_CASE("options: every row of the run config round-trips through TOML, --set,
     INFO(o.name());
     change(o);
     change(all_options[i]);
-    const std::string value = toml_value(o.target).value();
+    const std::string value = toml_value(o).value();
     // TOML.
     CHECK(RunConfig::from_toml(fmt::format("[{}]\n{} = {}\n", o.section, o.key, value), "one.toml") == expected);
     // --set, with the value as TOML.
@@ -135,13 +135,37 @@ TEST_CASE("options: the schedule's flags (bench, gradcheck, plan) write every Sc
     app.parse(args);
     CHECK(parsed == expected);
   }
-  // plan spells chunk and offload_window itself (they take "auto").
+  // An excepted key gets no flag (a command that spells it itself).
   ScheduleOptions s;
   CLI::App app;
-  add_schedule_flags(app, s, {"chunk", "offload_window"});
+  add_schedule_flags(app, s, {"chunk"});
   CHECK(app.get_option_no_throw("--chunk") == nullptr);
-  CHECK(app.get_option_no_throw("--offload-window") == nullptr);
   CHECK(app.get_option_no_throw("--keep") != nullptr);
+}
+
+TEST_CASE("options: chunk and offload_window take auto in TOML, --set and their flags, and dump it back") {
+  RunConfig c = RunConfig::from_toml("[schedule]\nname = \"seco\"\nchunk = \"auto\"\n", "auto.toml");
+  CHECK(c.schedule.chunk == kAuto);
+  c.apply_override("schedule.offload_window=auto");
+  CHECK(c.schedule.offload_window == kAuto);
+  c.validate();
+  CHECK(c.to_toml().find("chunk = \"auto\"") != std::string::npos);
+  CHECK(RunConfig::from_toml(c.to_toml(), "resolved.toml") == c);
+  ScheduleOptions parsed;
+  CLI::App app;
+  add_schedule_flags(app, parsed);
+  app.parse(std::vector<std::string>{"auto", "--offload-window", "auto", "--chunk"});  // argv reversed
+  CHECK(parsed.chunk == kAuto);
+  CHECK(parsed.offload_window == kAuto);
+  // Other integers do not take it; auto is for the chunked schedules; a schedule never sees it.
+  CHECK_THROWS_WITH_AS(c.apply_override("schedule.keep=auto"), doctest::Contains("schedule.keep"), Error);
+  CHECK_THROWS_WITH_AS(c.apply_override("schedule.chunk=-2"); c.validate(), doctest::Contains("schedule.chunk"), Error);
+  RunConfig full = RunConfig::defaults();
+  full.apply_override("schedule.name=full");
+  full.apply_override("schedule.chunk=auto");
+  CHECK_THROWS_WITH_AS(full.validate(), doctest::Contains("seco and spaco"), Error);
+  ScheduleOptions unresolved{.name = "seco", .chunk = kAuto};
+  CHECK_THROWS_WITH_AS(Schedule::create(unresolved), doctest::Contains("planner"), Error);
 }
 
 TEST_CASE("options: the LoRA flags (bench, gradcheck, plan) write every LoraConfig field") {
@@ -186,7 +210,7 @@ TEST_CASE("options: every rule rejects a value that breaks it, naming the key") 
         [&](auto* p) {
           using T = std::remove_pointer_t<decltype(p)>;
           if constexpr (std::is_same_v<T, int64_t>) {
-            if (r.min) *p = static_cast<int64_t>(*r.min) - 1;
+            if (r.min) *p = static_cast<int64_t>(*r.min) - (r.or_auto ? 2 : 1);  // -1 is auto there
             else broken = false;
           } else if constexpr (std::is_same_v<T, uint64_t>) {
             *p = uint64_t(1) << 63;  // not a TOML integer

@@ -35,6 +35,13 @@ ScheduleOptions sched(const std::string& name, int64_t chunk = 0, const std::str
   return o;
 }
 
+// seco with chunk and offload window left to the planner (auto).
+ScheduleOptions auto_seco() {
+  ScheduleOptions o = sched("seco", kAuto);
+  o.offload_window = kAuto;
+  return o;
+}
+
 // With the prefill's attention outputs saved, optionally the K/V store offloaded with a window.
 ScheduleOptions saved(ScheduleOptions o, int64_t offload_window = 0) {
   o.save_attention = true;
@@ -174,7 +181,7 @@ TEST_CASE("plan: the CLI's table and JSON") {
   PlanOptions o;
   o.seq = 65536;
   o.schedule.name = "seco";
-  o.chunk = "auto";
+  o.schedule.chunk = kAuto;
   o.device_memory_gib = 80;
   o.json = dir.file("plan.json");
   std::ostringstream out;
@@ -193,22 +200,20 @@ TEST_CASE("plan: the CLI's table and JSON") {
   o.json.clear();
   std::ostringstream none;
   CHECK_THROWS_WITH_AS(run_plan(o, none), doctest::Contains("--offload-window"), Error);
-  o.offload_window = "auto";
+  o.schedule.offload_window = kAuto;
   std::ostringstream windowed;
   CHECK(run_plan(o, windowed) == 0);
   CHECK(windowed.str().find("host") != std::string::npos);
 
   o.seq = 65536;
   o.device_memory_gib = 80;
-  o.offload_window = "0";
-  o.chunk = "4096";
+  o.schedule.offload_window = 0;
+  o.schedule.chunk = 4096;
   o.schedule.name = "full";
   o.json.clear();
   std::ostringstream refused;
   CHECK(run_plan(o, refused) == 1);  // full backprop at 64K cannot fit in 80 GiB
   CHECK(refused.str().find("DOES NOT FIT") != std::string::npos);
-  o.chunk = "many";
-  CHECK_THROWS_WITH_AS(run_plan(o, refused), doctest::Contains("--chunk many"), Error);
 }
 
 TEST_CASE("plan: LoRA keeps the base's compute weights only; master, moments and gradients are the adapters'") {
@@ -258,7 +263,7 @@ TEST_CASE("plan: the papers' budgets for Llama-3.1-8B: LoRA in 24 GiB at 16K and
   for (const int64_t T : {int64_t(16384), int64_t(65536)}) {
     CAPTURE(T);
     const ScheduleOptions o =
-        resolve_auto_schedule(eight_b, 1, T, sched("seco"), true, true, DType::bf16, 24, lora);
+        resolve_auto_schedule(eight_b, 1, T, auto_seco(), DType::bf16, 24, lora);
     const PlanReport r = plan_step(eight_b, 1, T, o, DType::bf16, 24, lora);
     MESSAGE(fmt::format("8B LoRA seco {}: chunk {}, window {}: {:.2f} GiB device, {:.2f} GiB host, {:.1f} s", T,
                         o.chunk, o.offload_window, r.peak_device_gib(), r.peak_host_gib(), r.step_s));
@@ -269,10 +274,10 @@ TEST_CASE("plan: the papers' budgets for Llama-3.1-8B: LoRA in 24 GiB at 16K and
   // Full parameters at 60K on an 80 GiB GPU: the state alone (bf16 weights, f32 master, moments and
   // gradients: 16 bytes a parameter, 120 GiB) cannot fit; with master and moments on the host it does.
   const int64_t T = 61440;
-  CHECK_THROWS_WITH_AS(resolve_auto_schedule(eight_b, 1, T, sched("seco"), true, true, DType::bf16, 80),
+  CHECK_THROWS_WITH_AS(resolve_auto_schedule(eight_b, 1, T, auto_seco(), DType::bf16, 80),
                        doctest::Contains("--optimizer-offload"), Error);
   const ScheduleOptions o =
-      resolve_auto_schedule(eight_b, 1, T, sched("seco"), true, true, DType::bf16, 80, LoraConfig{}, true);
+      resolve_auto_schedule(eight_b, 1, T, auto_seco(), DType::bf16, 80, LoraConfig{}, true);
   const PlanReport off = plan_step(eight_b, 1, T, o, DType::bf16, 80, LoraConfig{}, true);
   MESSAGE(fmt::format("8B full seco 60K, optimizer offloaded: chunk {}, window {}: {:.2f} GiB device, {:.2f} GiB host, "
                       "{:.1f} s",

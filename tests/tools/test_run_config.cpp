@@ -277,7 +277,7 @@ TEST_CASE("run config: validate names the key that is out of range") {
       {"schedule.name=fast", "schedule.name must be one of full | checkpointed | seco | spaco"},
       {"schedule.recompute=partial", "schedule.recompute must be one of auto | full | selective | none"},
       {"schedule.mlp_shards=-2", "schedule.mlp_shards must be >= 0"},
-      {"schedule.chunk=-1", "schedule.chunk must be >= 0"},
+      {"schedule.chunk=-2", "schedule.chunk must be >= 0, or auto"},
       {"schedule.keep=2", "schedule.keep is a spaco option"},
       {"schedule.drop_relay=true", "schedule.drop_relay is a spaco option"},
       {"schedule.relay_cap=-1", "schedule.relay_cap must be >= 0"},

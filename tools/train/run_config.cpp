@@ -201,7 +201,7 @@ std::string example(const Field& f) {
   const Field* d = nullptr;
   for (const Field& s : schema())
     if (s.section == f.section && s.key == f.key) d = &s;
-  std::optional<std::string> v = d ? toml_value(d->target) : std::nullopt;
+  std::optional<std::string> v = d ? toml_value(*d) : std::nullopt;
   if (!v || *v == "\"\"" || *v == "[]") {
     if (f.target.index() == 4) v = "true";
     else if (f.target.index() == 6) v = "[\"data/train_*.bin\"]";
@@ -255,6 +255,12 @@ void assign(const Field& f, const toml::node& node, const std::string& where) {
       [&](auto* p) {
         using T = std::remove_pointer_t<decltype(p)>;
         if constexpr (std::is_same_v<T, int64_t> || std::is_same_v<T, uint64_t>) {
+          if constexpr (std::is_same_v<T, int64_t>) {
+            if (const auto* word = node.as_string(); word && f.rule->or_auto && word->get() == "auto") {
+              *p = kAuto;
+              return;
+            }
+          }
           const auto* i = node.as_integer();
           if (!i) wrong_type(f, node, where);
           if constexpr (std::is_same_v<T, uint64_t>) {
@@ -427,6 +433,10 @@ void RunConfig::apply_override(const std::string& assignment) {
     else **list = {raw};
     return;
   }
+  if (auto* n = std::get_if<int64_t*>(&f.target); n && f.rule->or_auto && (raw == "auto" || raw == "\"auto\"")) {
+    **n = kAuto;  // bare or quoted, as on the command line
+    return;
+  }
   if (!node)
     fail(fmt::format("{}: {} must be {}, got '{}'", where, f.name(), expected(f.target), shown(raw)), example(f));
   assign(f, *node, where);
@@ -471,7 +481,7 @@ std::string write_toml(const RunConfig& config, std::string_view header, bool wi
       const std::string values = f.rule->describe();
       out += fmt::format("# {}{}\n", f.help, values.empty() || f.rule->words.size() ? "" : " (" + values + ")");
     }
-    if (const std::optional<std::string> v = toml_value(f.target))
+    if (const std::optional<std::string> v = toml_value(f))
       out += fmt::format("{} = {}\n", f.key, *v);
     else
       out += fmt::format("# {} is unset: as the model configures it\n", f.key);
@@ -518,11 +528,11 @@ std::string RunConfig::options_markdown() {
       "| key | flag | type | default | values | meaning |\n"
       "|---|---|---|---|---|---|\n";
   for (const OptionRef& f : fields_of(train)) {
-    const std::optional<std::string> toml = toml_value(f.target);
+    const std::optional<std::string> toml = toml_value(f);
     std::string value = toml ? code(*toml) : "unset";
     for (const OptionRef& l : library_schedule)
       if (f.section == l.section && f.key == l.key && !option_values_equal(f.target, l.target))
-        value += fmt::format(" (bench, gradcheck: {})", code(*toml_value(l.target)));
+        value += fmt::format(" (bench, gradcheck: {})", code(*toml_value(l)));
     out += fmt::format("| {} | {} | {} | {} | {} | {} |\n", code(f.name()), code(f.flag),
                        option_type_name(f.target), value, cell(f.rule->describe()), cell(f.help));
   }

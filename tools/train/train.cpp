@@ -322,16 +322,45 @@ TrainData load_data(const RunConfig& rc, const LlamaConfig& mc) {
   return d;
 }
 
-// Memory guard: fail before step 1, not in the middle of it. Returns the planned bytes.
+// The device memory a run may take: what the driver has free, under train.device_memory's ceiling.
+double usable_device_bytes(Device device) {
+  double have = static_cast<double>(device_memory(device).free);
+  if (device_memory_limit(device) > 0) have = std::min(have, static_cast<double>(device_memory_limit(device)));
+  return have;
+}
+
+// schedule.chunk / offload_window = auto: the planner's choice for this GPU's free memory (tools/plan.h).
+void resolve_auto_lengths(RunConfig& rc, const Placement& p, std::ostream& log) {
+  ScheduleOptions& s = rc.schedule;
+  if (s.chunk != kAuto && s.offload_window != kAuto) return;
+  if (p.device.is_cpu())
+    fail("schedule.chunk / schedule.offload_window = auto: the planner models a GPU's memory",
+         "give numbers on the CPU (e.g. schedule.chunk = 1024, offload_window = 0)");
+  const double gib = (usable_device_bytes(p.device) + double(kCudaContextBytes)) / double(1ull << 30);
+  s = resolve_auto_schedule(p.model, rc.data.batch_size, rc.data.seq_len, s, p.dtype, gib, p.lora, rc.optimizer.offload);
+  log << fmt::format("schedule: the planner chose chunk {} and offload window {} for {:.1f} GiB of device memory\n",
+                     s.chunk, s.offload_window, gib);
+}
+
+// Memory guard: fail before step 1, not in the middle of it. Returns the planned bytes. On a GPU the
+// device's side is the planner's (tools/plan.h: the caching pool's peak, within 10% of measured);
+// on the CPU an estimate of the state, one chunk's activations and the K/V store.
 double check_memory(const Placement& p, const RunConfig& rc) {
-  const double need = planned_bytes(p.model, p.dtype, rc, p.lora);
-  double have = p.device.is_cpu() ? available_bytes() : static_cast<double>(device_memory(p.device).free);
-  if (!p.device.is_cpu() && device_memory_limit(p.device) > 0)
-    have = std::min(have, static_cast<double>(device_memory_limit(p.device)));
+  double need = planned_bytes(p.model, p.dtype, rc, p.lora);
+  const double have = p.device.is_cpu() ? available_bytes() : usable_device_bytes(p.device);
+  std::string advice =
+      "lower data.batch_size, data.seq_len or schedule.chunk, use schedule.name = seco, or set optimizer.offload";
+  if (!p.device.is_cpu()) {
+    const PlanReport plan = plan_step(p.model, rc.data.batch_size, rc.data.seq_len, rc.schedule_options(), p.dtype,
+                                      (have + double(kCudaContextBytes)) / double(1ull << 30), p.lora,
+                                      rc.optimizer.offload);
+    need = static_cast<double>(plan.peak_device_bytes);
+    if (!plan.advice.empty()) advice = plan.advice + " (or schedule.chunk = auto, offload_window = auto)";
+  }
   if (have > 0 && need > have)
     fail(fmt::format("this run needs about {} of {} memory and the {} has {} available", human_bytes(need),
                      p.device.is_cpu() ? "host" : "device", device_name(p.device), human_bytes(have)),
-         "lower data.batch_size, data.seq_len or schedule.chunk, use schedule.name = seco, or set optimizer.offload");
+         advice);
   const double host_need = host_planned_bytes(p.model, p.dtype, rc, p.lora);
   const double host_have = available_bytes();
   if (host_need > 0 && host_have > 0 && host_need + (p.device.is_cpu() ? need : 0.0) > host_have)
@@ -829,8 +858,9 @@ TrainResult train_on_threads(const RunConfig& rc, const TrainOptions& opt, std::
 }
 }  // namespace
 
-TrainResult run_training(const RunConfig& rc, const TrainOptions& opt, std::ostream& out, Communicator* comm) {
-  rc.validate();
+TrainResult run_training(const RunConfig& given, const TrainOptions& opt, std::ostream& out, Communicator* comm) {
+  given.validate();
+  RunConfig rc = given;  // schedule.chunk / offload_window = auto become the planner's numbers below
   const int64_t ranks = rc.parallel.dp * rc.parallel.tp;
   if (!comm && ranks > 1) return train_on_threads(rc, opt, out);
   if (comm && comm->size() != ranks)
@@ -884,7 +914,8 @@ TrainResult run_training(const RunConfig& rc, const TrainOptions& opt, std::ostr
     check_tokenizer_fits_model(*tokenizer, tokenizer_spec, mc.vocab_size, rc.model.source, "data.tokenizer");
   const TrainData data = load_data(rc, mc);
   WindowSampler sampler(data.split.train, rc.data.seed);  // the same on every rank (next_rank_batch)
-  const double planned = check_memory({rank_config, placement.device, placement.dtype}, rc);
+  resolve_auto_lengths(rc, {rank_config, placement.device, placement.dtype, placement.lora}, log);
+  const double planned = check_memory({rank_config, placement.device, placement.dtype, placement.lora}, rc);
 
   // The grid (parallel/grid.h): the world split into this rank's TP and DP groups; at world size 1
   // (a launcher with one process) groups of one, through the same path.
