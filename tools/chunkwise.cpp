@@ -48,6 +48,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   gradcheck->add_option("--tie-embeddings", gc.tie_embeddings, "override tie_word_embeddings (0 or 1)");
   gradcheck->add_option("--tokens", gc.tokens_file, "batch from a headerless little-endian uint32 file (B x T ids)");
+  gradcheck->add_option("--gather-dir", gc.gather_dir,
+                        "started by a launcher (one process per GPU, NCCL): where the ranks leave their results for "
+                        "rank 0 (a directory every rank can write)");
   gradcheck->add_option("--save-grads", gc.save_grads, "write the loss and gradients (f64, HF names) as safetensors");
 
   CLI::App* devices = app.add_subcommand("devices", "list the build's features and the devices it sees");
@@ -206,7 +209,18 @@ int main(int argc, char** argv) {
     return app.exit(e);
   }
   try {
-    if (*gradcheck) return cw::run_gradcheck(gc, std::cout);
+    if (*gradcheck) {
+      // Started by a launcher: this process is one rank of --dp x --tp on its local rank's GPU, joined
+      // by NCCL; rank 0 prints and compares against one process on its GPU.
+      const cw::Environment env = cw::process_environment();
+      const cw::LaunchInfo launch = cw::read_launch_info(env);
+      if (launch.launcher == cw::Launcher::single) return cw::run_gradcheck(gc, std::cout);
+      if (launch.rank == 0) std::cout << "launch: " << launch.describe() << "\n";
+      const std::unique_ptr<cw::Communicator> comm =
+          cw::make_nccl_communicator(launch, launch.local_rank, cw::NcclOptions::from_environment(env));
+      cw::NullStream silent;
+      return cw::run_gradcheck(gc, launch.rank == 0 ? std::cout : silent.stream, comm.get());
+    }
     if (*train) {
       cw::RunConfig rc = config_path.empty() ? cw::RunConfig::default_run() : cw::RunConfig::from_file(config_path);
       for (const auto& o : overrides) rc.apply_override(o);

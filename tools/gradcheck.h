@@ -35,10 +35,13 @@
 #include "optim/options.h"
 #include "optim/schedule.h"
 
-#include <iosfwd>
+#include <ostream>
+#include <streambuf>
 #include <string>
 
 namespace cw {
+
+class Communicator;  // parallel/comm.h
 
 struct GradcheckOptions {
   std::string model = "tiny";      // preset, config.json, or HF checkpoint directory
@@ -59,9 +62,22 @@ struct GradcheckOptions {
   int tie_embeddings = -1;         // -1: as configured; 0 / 1: override
   std::string tokens_file;         // headerless little-endian uint32, batch x seq ids
   std::string save_grads;          // write loss and gradients (f64, HF names) as safetensors
+  std::string gather_dir;          // launched: where each rank writes its result for rank 0
 };
 
 // Runs the check, printing the table to out; returns the process exit code (0 pass, 1 fail).
-int run_gradcheck(const GradcheckOptions& options, std::ostream& out);
+// world: a launched world (one process per GPU, NCCL; parallel/launch.h): --against single with
+// --dp x --tp = its size, in f32, each process one rank on its GPU; the ranks write their results
+// to gather_dir, and rank 0 assembles them and compares them with one process on its own GPU
+// (default tolerance 1e-4: f32 sums in other orders on the GPU). The other ranks return 0.
+int run_gradcheck(const GradcheckOptions& options, std::ostream& out, Communicator* world = nullptr);
+
+// A stream that drops what it is given (a launched rank other than 0 prints nothing).
+struct NullStream {
+  struct Buffer : std::streambuf {
+    int overflow(int c) override { return c; }
+  } buffer;
+  std::ostream stream{&buffer};
+};
 
 }  // namespace cw
