@@ -139,6 +139,13 @@ TEST_CASE("train with optimizer.offload: the bits of the run without it; each re
                       file_bytes(fs::path(second.run_dir) / "step-000006" / file),
                   file);
 
+  RunConfig no_eval = fx.config(2);  // eval.every = 0 is never, also at the end: there is no eval data
+  no_eval.eval.every = 0;
+  no_eval.data.eval_fraction = 0;
+  TrainOptions quiet;
+  quiet.run_dir = fx.dir.file("no-eval");
+  CHECK_FALSE(run_training(no_eval, quiet, log).last_eval_loss.has_value());
+
   RunConfig capped = fx.config(2);
   capped.train.device_memory = 24;
   TrainOptions o;

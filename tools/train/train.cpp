@@ -565,7 +565,8 @@ class TrainLoop {
       if (step == start_step_ + 1) report_memory(step, o.stats);
       const bool last = step == rc_.train.steps;
       // Every replica holds the same weights: the first one evaluates (its TP ranks together).
-      if (groups_.first_replica() && ((rc_.eval.every > 0 && step % rc_.eval.every == 0) || last)) {
+      // eval.every = 0: never (not even at the end; there may be no eval data then).
+      if (groups_.first_replica() && rc_.eval.every > 0 && (step % rc_.eval.every == 0 || last)) {
         const double el = evaluate();
         result.last_eval_loss = el;
         if (metrics_) {
