@@ -2,6 +2,7 @@
 
 #include "engine/error.h"
 #include "engine/memory.h"
+#include "model/file.h"
 
 #include <fmt/format.h>
 
@@ -52,33 +53,12 @@ std::string shape_str(const std::vector<int64_t>& shape) {
   fail(fmt::format("GGUF file '{}': {}", path, what), hint);
 }
 
-// pread until `bytes` arrived; running short means the file was cut after it was validated.
-void read_exact(int fd, const std::string& path, uint64_t offset, void* dst, size_t bytes) {
-  auto* p = static_cast<char*>(dst);
-  while (bytes > 0) {
-    const ssize_t got = ::pread(fd, p, bytes, static_cast<off_t>(offset));
-    if (got < 0 && errno == EINTR) continue;
-    if (got < 0) {
-      fail(fmt::format("GGUF file '{}': read failed at offset {}: {}", path, offset, std::strerror(errno)),
-           "check the disk and the file");
-    }
-    if (got == 0) {
-      fail(fmt::format("GGUF file '{}': truncated: ends before offset {} though its header said otherwise", path,
-                       offset),
-           "the file was cut or rewritten while open: re-download it");
-    }
-    p += got;
-    bytes -= static_cast<size_t>(got);
-    offset += static_cast<uint64_t>(got);
-  }
-}
-
 // The header's reader: a position in the file and a buffered window of it. Every read first checks
 // that the bytes exist (`pos + n <= size`, written so it cannot overflow), so nothing is ever read
 // past the end, and the error says what was being read and where.
 class Cursor {
  public:
-  Cursor(int fd, std::string path, uint64_t size) : fd_(fd), path_(std::move(path)), size_(size) {}
+  explicit Cursor(const FileReader& file) : file_(file), path_(file.path()), size_(file.size()) {}
 
   uint64_t pos() const { return pos_; }
   const std::string& path() const { return path_; }
@@ -125,11 +105,11 @@ class Cursor {
   void refill() {
     window_start_ = pos_;
     window_.resize(static_cast<size_t>(std::min<uint64_t>(kWindow, remaining())));
-    read_exact(fd_, path_, pos_, window_.data(), window_.size());
+    file_.read_at(pos_, window_.data(), window_.size());
   }
 
   static constexpr uint64_t kWindow = uint64_t(1) << 20;
-  int fd_;
+  const FileReader& file_;
   std::string path_;
   uint64_t size_;
   uint64_t pos_ = 0;
@@ -466,18 +446,10 @@ void ggml_dequantize_rows(GgmlType type, const unsigned char* src, int64_t rows,
   dequantize_rows(type, src, rows, row_elems, out);
 }
 
-GgufReader::GgufReader(const std::string& path) : path_(path) {
-  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd_ < 0) fail(fmt::format("cannot open GGUF file '{}': {}", path, std::strerror(errno)), "check the path");
-  struct stat st {};
-  if (::fstat(fd_, &st) != 0 || !S_ISREG(st.st_mode)) {
-    ::close(fd_);
-    fd_ = -1;
-    fail(fmt::format("GGUF file '{}' is not a regular file", path), "point at a .gguf file");
-  }
-  file_size_ = static_cast<uint64_t>(st.st_size);
-  try {
-    Cursor c(fd_, path, file_size_);
+GgufReader::GgufReader(const std::string& path) : path_(path), file_(path, "GGUF file", "point at a .gguf file") {
+  file_size_ = file_.size();
+  {
+    Cursor c(file_);
     const uint32_t magic = c.u32("the magic number");
     if (magic != kMagic) {
       bad_file(path, fmt::format("does not start with the magic 'GGUF' (first bytes {:08x})", __builtin_bswap32(magic)));
@@ -592,34 +564,7 @@ GgufReader::GgufReader(const std::string& path) : path_(path) {
                                    a.offset + a.bytes, shown(b.name), b.offset, b.offset + b.bytes));
       }
     }
-  } catch (...) {
-    ::close(fd_);
-    fd_ = -1;
-    throw;
   }
-}
-
-GgufReader::GgufReader(GgufReader&& o) noexcept { *this = std::move(o); }
-
-GgufReader& GgufReader::operator=(GgufReader&& o) noexcept {
-  if (this != &o) {
-    if (fd_ >= 0) ::close(fd_);
-    path_ = std::move(o.path_);
-    fd_ = std::exchange(o.fd_, -1);
-    version_ = o.version_;
-    alignment_ = o.alignment_;
-    data_offset_ = o.data_offset_;
-    file_size_ = o.file_size_;
-    metadata_ = std::move(o.metadata_);
-    metadata_index_ = std::move(o.metadata_index_);
-    tensors_ = std::move(o.tensors_);
-    tensor_index_ = std::move(o.tensor_index_);
-  }
-  return *this;
-}
-
-GgufReader::~GgufReader() {
-  if (fd_ >= 0) ::close(fd_);
 }
 
 const GgufValue* GgufReader::find(const std::string& key) const {
@@ -767,7 +712,7 @@ void GgufReader::read_into(const std::string& name, const Tensor& dst) const {
   for (int64_t r0 = 0; r0 < rows; r0 += group) {
     const int64_t n = std::min(group, rows - r0);
     raw.resize(static_cast<size_t>(static_cast<uint64_t>(n) * row_bytes));
-    read_exact(fd_, path_, data_offset_ + t->offset + static_cast<uint64_t>(r0) * row_bytes, raw.data(), raw.size());
+    file_.read_at(data_offset_ + t->offset + static_cast<uint64_t>(r0) * row_bytes, raw.data(), raw.size());
     if (dst.dtype == DType::f64) {
       dequantize_rows(t->type, raw.data(), n, row, dst_rows.ptr<double>() + r0 * row);
       continue;

@@ -42,6 +42,7 @@
 #pragma once
 
 #include "engine/tensor.h"
+#include "model/file.h"
 
 #include <cstdint>
 #include <string>
@@ -107,11 +108,10 @@ class GgufReader {
  public:
   // Opens `path` and validates everything described above; throws cw::Error otherwise.
   explicit GgufReader(const std::string& path);
-  GgufReader(GgufReader&& other) noexcept;
-  GgufReader& operator=(GgufReader&& other) noexcept;
+  GgufReader(GgufReader&& other) noexcept = default;
+  GgufReader& operator=(GgufReader&& other) noexcept = default;
   GgufReader(const GgufReader&) = delete;
   GgufReader& operator=(const GgufReader&) = delete;
-  ~GgufReader();
 
   const std::string& path() const { return path_; }
   uint32_t version() const { return version_; }
@@ -151,7 +151,7 @@ class GgufReader {
   const GgufValue& require(const std::string& key) const;
 
   std::string path_;
-  int fd_ = -1;
+  FileReader file_;
   uint32_t version_ = 0;
   uint64_t alignment_ = 32;
   uint64_t data_offset_ = 0;

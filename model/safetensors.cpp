@@ -1,5 +1,7 @@
 #include "model/safetensors.h"
 
+#include "model/file.h"
+
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
@@ -201,27 +203,6 @@ void encode(DType dst, const double* in, size_t n, void* out) {
   }
 }
 
-// pread until `bytes` arrived; a short file here means it was cut after the header was validated.
-void read_exact(int fd, const std::string& path, uint64_t offset, void* dst, size_t bytes) {
-  auto* p = static_cast<char*>(dst);
-  while (bytes > 0) {
-    const ssize_t got = ::pread(fd, p, bytes, static_cast<off_t>(offset));
-    if (got < 0 && errno == EINTR) continue;
-    if (got < 0) {
-      fail(fmt::format("safetensors file '{}': read failed at offset {}: {}", path, offset, std::strerror(errno)),
-           "check the disk and the file");
-    }
-    if (got == 0) {
-      fail(fmt::format("safetensors file '{}': truncated: ends before offset {} though its header said otherwise",
-                       path, offset),
-           "the file was cut or rewritten while open: re-download or re-export it");
-    }
-    p += got;
-    bytes -= static_cast<size_t>(got);
-    offset += static_cast<uint64_t>(got);
-  }
-}
-
 // A JSON value that must be a non-negative integer fitting int64 (shape dims, offsets).
 uint64_t json_count(const std::string& path, const std::string& name, const nlohmann::json& v,
                     const std::string& what) {
@@ -390,27 +371,13 @@ void check_layout(const std::string& path, std::vector<SafetensorsEntry>& entrie
   }
 }
 
-// write() until everything is out.
-void write_all(int fd, const std::string& tmp, const void* data, size_t bytes) {
-  const auto* p = static_cast<const char*>(data);
-  while (bytes > 0) {
-    const ssize_t put = ::write(fd, p, bytes);
-    if (put < 0 && errno == EINTR) continue;
-    if (put < 0) {
-      fail(fmt::format("cannot write '{}': {}", tmp, std::strerror(errno)), "check free disk space and permissions");
-    }
-    p += put;
-    bytes -= static_cast<size_t>(put);
-  }
-}
-
 // Closes and removes the temporary file unless the rename went through.
 struct TempFile {
   std::string path;
-  int fd = -1;
+  FileDescriptor fd;
   bool renamed = false;
   ~TempFile() {
-    if (fd >= 0) ::close(fd);
+    fd.close();
     if (!renamed) ::unlink(path.c_str());
   }
 };
@@ -434,72 +401,24 @@ size_t safetensors_dtype_size(const std::string& dtype) {
   return it == sizes.end() ? 0 : it->second;
 }
 
-SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path) {
-  fd_ = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd_ < 0) {
-    fail(fmt::format("cannot open safetensors file '{}': {}", path, std::strerror(errno)),
-         "check the path and its permissions");
-  }
-  try {
-    struct stat st {};
-    if (::fstat(fd_, &st) != 0) {
-      fail(fmt::format("cannot stat safetensors file '{}': {}", path, std::strerror(errno)), "check the path");
-    }
-    if (!S_ISREG(st.st_mode)) {
-      fail(fmt::format("safetensors file '{}' is not a regular file", path), "give the path of a .safetensors file");
-    }
-    const auto file_size = static_cast<uint64_t>(st.st_size);
-    if (file_size < 8) {
-      bad_file(path, fmt::format("too short: {} bytes, less than the 8-byte header length", file_size));
-    }
+SafetensorsReader::SafetensorsReader(const std::string& path)
+    : path_(path), file_(path, "safetensors file", "give the path of a .safetensors file") {
+  const uint64_t file_size = file_.size();
+  if (file_size < 8) bad_file(path, fmt::format("too short: {} bytes, less than the 8-byte header length", file_size));
+  uint64_t header_len = 0;
+  file_.read_at(0, &header_len, 8);
+  if (header_len > kMaxHeaderBytes) bad_file(path, fmt::format("header length {} is over the 100 MB limit", header_len));
+  if (header_len > file_size - 8)
+    bad_file(path, fmt::format("header length {} runs past the end of the {}-byte file", header_len, file_size));
+  std::string text(header_len, '\0');
+  file_.read_at(8, text.data(), text.size());
 
-    uint64_t header_len = 0;
-    read_exact(fd_, path, 0, &header_len, 8);
-    if (header_len > kMaxHeaderBytes) {
-      bad_file(path, fmt::format("header length {} is over the 100 MB limit", header_len));
-    }
-    if (header_len > file_size - 8) {
-      bad_file(path, fmt::format("header length {} runs past the end of the {}-byte file", header_len, file_size));
-    }
-    std::string text(header_len, '\0');
-    read_exact(fd_, path, 8, text.data(), text.size());
-
-    ParsedHeader parsed = parse_header(path, text);
-    data_start_ = 8 + header_len;
-    check_layout(path, parsed.entries, file_size - data_start_);
-    entries_ = std::move(parsed.entries);
-    metadata_ = std::move(parsed.metadata);
-    for (size_t i = 0; i < entries_.size(); ++i) index_.emplace(entries_[i].name, i);
-  } catch (...) {
-    ::close(fd_);
-    fd_ = -1;
-    throw;
-  }
-}
-
-SafetensorsReader::SafetensorsReader(SafetensorsReader&& other) noexcept
-    : path_(std::move(other.path_)),
-      fd_(std::exchange(other.fd_, -1)),
-      data_start_(other.data_start_),
-      entries_(std::move(other.entries_)),
-      index_(std::move(other.index_)),
-      metadata_(std::move(other.metadata_)) {}
-
-SafetensorsReader& SafetensorsReader::operator=(SafetensorsReader&& other) noexcept {
-  if (this != &other) {
-    if (fd_ >= 0) ::close(fd_);
-    path_ = std::move(other.path_);
-    fd_ = std::exchange(other.fd_, -1);
-    data_start_ = other.data_start_;
-    entries_ = std::move(other.entries_);
-    index_ = std::move(other.index_);
-    metadata_ = std::move(other.metadata_);
-  }
-  return *this;
-}
-
-SafetensorsReader::~SafetensorsReader() {
-  if (fd_ >= 0) ::close(fd_);
+  ParsedHeader parsed = parse_header(path, text);
+  data_start_ = 8 + header_len;
+  check_layout(path, parsed.entries, file_size - data_start_);
+  entries_ = std::move(parsed.entries);
+  metadata_ = std::move(parsed.metadata);
+  for (size_t i = 0; i < entries_.size(); ++i) index_.emplace(entries_[i].name, i);
 }
 
 const SafetensorsEntry* SafetensorsReader::find(const std::string& name) const {
@@ -508,7 +427,7 @@ const SafetensorsEntry* SafetensorsReader::find(const std::string& name) const {
 }
 
 void SafetensorsReader::read_into(const std::string& name, const Tensor& dst) const {
-  CW_CHECK(fd_ >= 0, "read_into on a moved-from SafetensorsReader");
+  CW_CHECK(file_.is_open(), "read_into on a moved-from SafetensorsReader");
   const SafetensorsEntry* e = find(name);
   if (e == nullptr) {
     fail(fmt::format("safetensors file '{}' has no tensor '{}'", path_, shown(name)),
@@ -537,7 +456,7 @@ void SafetensorsReader::read_into(const std::string& name, const Tensor& dst) co
 
   const uint64_t offset = data_start_ + e->begin;
   if (e->dtype == stored_name(dst.dtype)) {
-    read_exact(fd_, path_, offset, dst.data, static_cast<size_t>(e->end - e->begin));
+    file_.read_at(offset, dst.data, static_cast<size_t>(e->end - e->begin));
     return;
   }
   // Convert in chunks so the scratch space stays small whatever the tensor's size.
@@ -548,7 +467,7 @@ void SafetensorsReader::read_into(const std::string& name, const Tensor& dst) co
   std::vector<double> wide(std::min(total, kChunk));
   for (size_t done = 0; done < total;) {
     const size_t n = std::min(kChunk, total - done);
-    read_exact(fd_, path_, offset + done * src_size, raw.data(), n * src_size);
+    file_.read_at(offset + done * src_size, raw.data(), n * src_size);
     decode(kind, raw.data(), n, wide.data());
     encode(dst.dtype, wide.data(), n, static_cast<char*>(dst.data) + done * dst_size);
     done += n;
@@ -597,23 +516,22 @@ void write_safetensors(const std::string& path, const std::vector<std::pair<std:
 
   TempFile tmp;
   tmp.path = fmt::format("{}.tmp-{}", path, static_cast<long>(::getpid()));
-  tmp.fd = ::open(tmp.path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (tmp.fd < 0) {
+  tmp.fd = FileDescriptor(::open(tmp.path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  if (!tmp.fd.is_open()) {
     const int err = errno;
     tmp.renamed = true;  // nothing was created: nothing to remove
     fail(fmt::format("cannot create '{}' to write '{}': {}", tmp.path, path, std::strerror(err)),
          "check that the directory exists and is writable");
   }
   const uint64_t header_len = header.size();
-  write_all(tmp.fd, tmp.path, &header_len, 8);
-  write_all(tmp.fd, tmp.path, header.data(), header.size());
-  for (const auto& [name, t] : tensors) write_all(tmp.fd, tmp.path, t.data, t.bytes());
-  if (::fsync(tmp.fd) != 0) {
+  write_all(tmp.fd.get(), tmp.path, &header_len, 8);
+  write_all(tmp.fd.get(), tmp.path, header.data(), header.size());
+  for (const auto& [name, t] : tensors) write_all(tmp.fd.get(), tmp.path, t.data, t.bytes());
+  if (::fsync(tmp.fd.get()) != 0) {
     fail(fmt::format("cannot fsync '{}': {}", tmp.path, std::strerror(errno)), "check the disk");
   }
-  const int fd = std::exchange(tmp.fd, -1);
-  if (::close(fd) != 0) {
-    fail(fmt::format("cannot close '{}': {}", tmp.path, std::strerror(errno)), "check free disk space");
+  if (const int err = tmp.fd.close(); err != 0) {
+    fail(fmt::format("cannot close '{}': {}", tmp.path, std::strerror(err)), "check free disk space");
   }
   if (::rename(tmp.path.c_str(), path.c_str()) != 0) {
     fail(fmt::format("cannot rename '{}' to '{}': {}", tmp.path, path, std::strerror(errno)),
@@ -622,20 +540,8 @@ void write_safetensors(const std::string& path, const std::vector<std::pair<std:
   tmp.renamed = true;
 
   // The rename is durable only once the directory entry is on disk.
-  std::string dir = std::filesystem::path(path).parent_path().string();
-  if (dir.empty()) dir = ".";
-  const int dir_fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dir_fd < 0) {
-    fail(fmt::format("wrote '{}' but cannot open its directory to fsync it: {}", path, std::strerror(errno)),
-         "the file is complete, but may not survive a crash: check the directory");
-  }
-  const int rc = ::fsync(dir_fd);
-  const int err = errno;
-  ::close(dir_fd);
-  if (rc != 0) {
-    fail(fmt::format("wrote '{}' but cannot fsync its directory: {}", path, std::strerror(err)),
-         "the file is complete, but may not survive a crash: check the disk");
-  }
+  const std::string dir = std::filesystem::path(path).parent_path().string();
+  fsync_directory(dir.empty() ? "." : dir);
 }
 
 }  // namespace cw

@@ -37,6 +37,7 @@
 #pragma once
 
 #include "engine/tensor.h"
+#include "model/file.h"
 
 #include <cstdint>
 #include <map>
@@ -63,11 +64,8 @@ class SafetensorsReader {
  public:
   // Opens `path` and validates its header as described above; throws cw::Error otherwise.
   explicit SafetensorsReader(const std::string& path);
-  SafetensorsReader(SafetensorsReader&& other) noexcept;
-  SafetensorsReader& operator=(SafetensorsReader&& other) noexcept;
-  SafetensorsReader(const SafetensorsReader&) = delete;
-  SafetensorsReader& operator=(const SafetensorsReader&) = delete;
-  ~SafetensorsReader();
+  SafetensorsReader(SafetensorsReader&& other) noexcept = default;
+  SafetensorsReader& operator=(SafetensorsReader&& other) noexcept = default;
 
   // All tensors in file order: sorted by where their bytes lie (ties, only possible between empty
   // tensors, keep the header's order). For files from write_safetensors or the reference
@@ -87,7 +85,7 @@ class SafetensorsReader {
 
  private:
   std::string path_;
-  int fd_ = -1;
+  FileReader file_;
   uint64_t data_start_ = 0;  // file offset of the data buffer: 8 + header length
   std::vector<SafetensorsEntry> entries_;
   std::unordered_map<std::string, size_t> index_;  // name -> position in entries_

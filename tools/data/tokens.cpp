@@ -1,5 +1,7 @@
 #include "tools/data/tokens.h"
 
+#include "model/file.h"
+
 #include "engine/error.h"
 #include "engine/random.h"
 
@@ -34,28 +36,7 @@ constexpr uint64_t kShuffleDomain = 0xda7a5a3b1e5eedull;
 
 std::string errno_text() { return std::strerror(errno); }
 
-// An owned file descriptor.
-class Fd {
- public:
-  explicit Fd(int fd) : fd_(fd) {}
-  Fd(Fd&& other) noexcept : fd_(other.fd_) { other.fd_ = -1; }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  Fd& operator=(Fd&&) = delete;
-  ~Fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  int get() const { return fd_; }
-  // Closes now, reporting the result (a deferred write error can surface here).
-  int close() {
-    const int rc = ::close(fd_);
-    fd_ = -1;
-    return rc;
-  }
-
- private:
-  int fd_;
-};
+using Fd = FileDescriptor;  // model/file.h
 
 Fd open_for_reading(const std::string& path) {
   Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
@@ -280,7 +261,8 @@ TokenFileInfo write_token_shard(const std::string& path, std::span<const uint32_
       }
       write_all(fd.get(), raw.data(), static_cast<size_t>(n * info.token_bytes));
     }
-    if (::fsync(fd.get()) != 0 || fd.close() != 0) throw std::system_error(errno, std::generic_category());
+    if (::fsync(fd.get()) != 0) throw std::system_error(errno, std::generic_category());
+    if (const int err = fd.close(); err != 0) throw std::system_error(err, std::generic_category());
     if (::rename(tmp.c_str(), path.c_str()) != 0) throw std::system_error(errno, std::generic_category());
   } catch (const std::system_error& e) {
     ::unlink(tmp.c_str());
@@ -291,11 +273,8 @@ TokenFileInfo write_token_shard(const std::string& path, std::span<const uint32_
   // already safe then, so that is not an error.
   std::string dir = std::filesystem::path(path).parent_path().string();
   if (dir.empty()) dir = ".";
-  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd >= 0) {
-    (void)::fsync(dfd);
-    ::close(dfd);
-  }
+  const FileDescriptor dfd(::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC));
+  if (dfd.is_open()) (void)::fsync(dfd.get());
   return info;
 }
 

@@ -1,5 +1,7 @@
 #include "tools/train/run_dir.h"
 
+#include "model/file.h"
+
 #include "engine/error.h"
 
 #include <fmt/format.h>
@@ -37,30 +39,6 @@ std::string errno_text(int err) { return std::strerror(err); }
 
 long pid() { return static_cast<long>(::getpid()); }
 
-void write_all(int fd, const std::string& path, const char* p, size_t n) {
-  while (n > 0) {
-    const ssize_t put = ::write(fd, p, n);
-    if (put < 0) {
-      if (errno == EINTR) continue;
-      fail(fmt::format("cannot write '{}': {}", path, errno_text(errno)), "check free disk space and permissions");
-    }
-    p += put;
-    n -= static_cast<size_t>(put);
-  }
-}
-
-// A rename or a new file is durable only once its directory's entry is on disk.
-void fsync_directory(const std::string& dir) {
-  const int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (fd < 0) {
-    fail(fmt::format("cannot open directory '{}' to fsync it: {}", dir, errno_text(errno)), "check the directory");
-  }
-  const int rc = ::fsync(fd);
-  const int err = errno;
-  ::close(fd);
-  if (rc != 0) fail(fmt::format("cannot fsync directory '{}': {}", dir, errno_text(err)), "check the disk");
-}
-
 std::string parent_of(const std::string& path) {
   const std::string dir = fs::path(path).parent_path().string();
   return dir.empty() ? "." : dir;
@@ -68,24 +46,15 @@ std::string parent_of(const std::string& path) {
 
 // Creates `path` (which must not exist), writes `text`, fsyncs and closes it.
 void write_new_file_synced(const std::string& path, const std::string& text) {
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-  if (fd < 0) {
+  FileDescriptor fd(::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644));
+  if (!fd.is_open()) {
     fail(fmt::format("cannot create '{}': {}", path, errno_text(errno)), "check that the directory is writable");
   }
-  try {
-    write_all(fd, path, text.data(), text.size());
-  } catch (...) {
-    ::close(fd);
-    throw;
-  }
-  const int rc = ::fsync(fd);
-  const int err = errno;
-  if (rc != 0) {
-    ::close(fd);
-    fail(fmt::format("cannot fsync '{}': {}", path, errno_text(err)), "check the disk");
-  }
+  write_all(fd.get(), path, text.data(), text.size());
+  if (::fsync(fd.get()) != 0) fail(fmt::format("cannot fsync '{}': {}", path, errno_text(errno)), "check the disk");
   // close reports write-back errors some filesystems (NFS) only detect here.
-  if (::close(fd) != 0) fail(fmt::format("cannot close '{}': {}", path, errno_text(errno)), "check free disk space");
+  if (const int err = fd.close(); err != 0)
+    fail(fmt::format("cannot close '{}': {}", path, errno_text(err)), "check free disk space");
 }
 
 constexpr uint64_t kFnvOffset = 14695981039346656037ull;
@@ -100,19 +69,18 @@ struct FileDigest {
 // file's dirty pages whatever mode the descriptor was opened in). Returns the error text instead of
 // throwing so verification can turn it into a skip reason.
 std::optional<FileDigest> digest_file(const std::string& path, bool sync, std::string* error) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) {
+  const FileDescriptor fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!fd.is_open()) {
     *error = fmt::format("cannot open: {}", errno_text(errno));
     return std::nullopt;
   }
   FileDigest d;
   std::vector<unsigned char> buf(1 << 20);
   for (;;) {
-    const ssize_t got = ::read(fd, buf.data(), buf.size());
+    const ssize_t got = ::read(fd.get(), buf.data(), buf.size());
     if (got < 0) {
       if (errno == EINTR) continue;
       *error = fmt::format("cannot read: {}", errno_text(errno));
-      ::close(fd);
       return std::nullopt;
     }
     if (got == 0) break;
@@ -121,12 +89,10 @@ std::optional<FileDigest> digest_file(const std::string& path, bool sync, std::s
     d.fnv1a = h;
     d.bytes += static_cast<uint64_t>(got);
   }
-  if (sync && ::fsync(fd) != 0) {
+  if (sync && ::fsync(fd.get()) != 0) {
     *error = fmt::format("cannot fsync: {}", errno_text(errno));
-    ::close(fd);
     return std::nullopt;
   }
-  ::close(fd);
   return d;
 }
 
@@ -363,25 +329,24 @@ size_t truncate_metrics_after(const std::string& path, int64_t step) {
 
 MetricsLog::MetricsLog(const std::string& path, std::optional<int64_t> resume_step) : path_(path) {
   if (resume_step) truncate_metrics_after(path, *resume_step);
-  fd_ = ::open(path.c_str(), O_RDWR | O_APPEND | O_CREAT | O_CLOEXEC, 0644);
-  if (fd_ < 0) {
+  fd_ = FileDescriptor(::open(path.c_str(), O_RDWR | O_APPEND | O_CREAT | O_CLOEXEC, 0644));
+  if (!fd_.is_open()) {
     fail(fmt::format("cannot open metrics log '{}': {}", path, errno_text(errno)),
          "check that the run directory is writable");
   }
   // Cut a last line torn by a crash back to the previous newline; appending to it would glue the next
   // record onto garbage and make that line unparseable too.
   struct stat st{};
-  if (::fstat(fd_, &st) != 0) {
+  if (::fstat(fd_.get(), &st) != 0) {
     const int err = errno;
-    ::close(fd_);
-    fd_ = -1;
+    fd_.close();
     fail(fmt::format("cannot stat metrics log '{}': {}", path, errno_text(err)), "check the disk");
   }
   off_t end = st.st_size, cut = end;
   char chunk[4096];
   while (cut > 0) {
     const off_t begin = std::max<off_t>(0, cut - static_cast<off_t>(sizeof chunk));
-    const ssize_t got = ::pread(fd_, chunk, static_cast<size_t>(cut - begin), begin);
+    const ssize_t got = ::pread(fd_.get(), chunk, static_cast<size_t>(cut - begin), begin);
     if (got != cut - begin) break;  // unreadable: leave the file as it is
     const void* nl = ::memrchr(chunk, '\n', static_cast<size_t>(got));
     if (nl != nullptr) {
@@ -390,39 +355,22 @@ MetricsLog::MetricsLog(const std::string& path, std::optional<int64_t> resume_st
     }
     cut = begin;
   }
-  if (cut != end && ::ftruncate(fd_, cut) != 0) {
+  if (cut != end && ::ftruncate(fd_.get(), cut) != 0) {
     const int err = errno;
-    ::close(fd_);
-    fd_ = -1;
+    fd_.close();
     fail(fmt::format("cannot cut the torn last line of metrics log '{}': {}", path, errno_text(err)),
          "delete the last line by hand");
   }
 }
 
-MetricsLog::MetricsLog(MetricsLog&& other) noexcept
-    : path_(std::move(other.path_)), fd_(std::exchange(other.fd_, -1)) {}
-
-MetricsLog& MetricsLog::operator=(MetricsLog&& other) noexcept {
-  if (this != &other) {
-    if (fd_ >= 0) ::close(fd_);
-    path_ = std::move(other.path_);
-    fd_ = std::exchange(other.fd_, -1);
-  }
-  return *this;
-}
-
-MetricsLog::~MetricsLog() {
-  if (fd_ >= 0) ::close(fd_);
-}
-
 void MetricsLog::append(const json& record) {
-  CW_CHECK(fd_ >= 0, "metrics log '{}' was moved from", path_);
+  CW_CHECK(fd_.is_open(), "metrics log '{}' was moved from", path_);
   CW_CHECK(record.is_object(), "metrics record for '{}' must be a JSON object, got {}", path_, record.type_name());
   std::string line = record.dump(-1, ' ', false, json::error_handler_t::replace);
   line.push_back('\n');
   // One write() for the whole line: with O_APPEND it lands whole at the end, or (disk full) partly,
   // in which case the next open cuts it off.
-  write_all(fd_, path_, line.data(), line.size());
+  write_all(fd_.get(), path_, line.data(), line.size());
 }
 
 std::string checkpoint_dir_name(int64_t step) { return fmt::format("step-{:06d}", step); }

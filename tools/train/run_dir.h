@@ -35,6 +35,8 @@
 // One writer per run directory: two trainers sharing DIR would delete each other's temporaries.
 #pragma once
 
+#include "model/file.h"
+
 #include <nlohmann/json.hpp>
 
 #include <cstdint>
@@ -67,11 +69,8 @@ class MetricsLog {
   // later steps (truncate_metrics_after). A last line torn by a crash is cut off, so the next record
   // starts on a line of its own.
   explicit MetricsLog(const std::string& path, std::optional<int64_t> resume_step = std::nullopt);
-  MetricsLog(MetricsLog&& other) noexcept;
-  MetricsLog& operator=(MetricsLog&& other) noexcept;
-  MetricsLog(const MetricsLog&) = delete;
-  MetricsLog& operator=(const MetricsLog&) = delete;
-  ~MetricsLog();
+  MetricsLog(MetricsLog&& other) noexcept = default;
+  MetricsLog& operator=(MetricsLog&& other) noexcept = default;
 
   // Appends `record`, which must be a JSON object, as one line. Strings that are not valid UTF-8 are
   // written with U+FFFD in place of the bad bytes rather than failing the step; NaN becomes null.
@@ -80,7 +79,7 @@ class MetricsLog {
 
  private:
   std::string path_;
-  int fd_ = -1;
+  FileDescriptor fd_;
 };
 
 struct CheckpointRef {
