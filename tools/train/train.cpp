@@ -123,15 +123,46 @@ struct RankGroups {
   }
 };
 
+// A whole model's master weights in host memory: the state's own set where it lives there already
+// (the CPU, an offloaded optimizer: no copy of an 8B model's 32 GB), else a host copy.
+class HostWeights {
+ public:
+  HostWeights() = default;
+  static HostWeights borrowed(const ParamSet& own) {
+    HostWeights w;
+    w.set_ = &own;
+    return w;
+  }
+  static HostWeights owned(ParamSet&& copy) {
+    HostWeights w;
+    w.copy_.emplace(std::move(copy));
+    w.set_ = &*w.copy_;
+    return w;
+  }
+  HostWeights(HostWeights&& other) noexcept
+      : copy_(std::move(other.copy_)), set_(copy_ ? &*copy_ : other.set_) {}
+  HostWeights& operator=(HostWeights&&) = delete;
+  explicit operator bool() const { return set_ != nullptr; }
+  const ParamSet& operator*() const { return *set_; }
+
+ private:
+  std::optional<ParamSet> copy_;
+  const ParamSet* set_ = nullptr;
+};
+
 // The whole model's master weights on the host: with tensor parallelism assembled from the TP group's
 // shards (a collective of the first replica's TP ranks; the other replicas get nothing), else rank
 // 0's own (the other ranks get nothing).
-std::optional<ParamSet> whole_master(TrainingState& state, const LlamaConfig& full_config, const RankGroups& g) {
-  if (!g.tp) return g.lead() ? std::optional<ParamSet>(state.master_on_host()) : std::nullopt;
-  if (!g.first_replica()) return std::nullopt;
+HostWeights whole_master(TrainingState& state, const LlamaConfig& full_config, const RankGroups& g) {
+  if (!g.tp) {
+    if (!g.lead()) return {};
+    if (state.master().device().is_cpu()) return HostWeights::borrowed(state.master());
+    return HostWeights::owned(state.master_on_host());
+  }
+  if (!g.first_replica()) return {};
   ParamSet full(full_config, state.master_dtype());
   gather_parameters(full, state.master(), g.tp->communicator());
-  return full;
+  return HostWeights::owned(std::move(full));
 }
 
 // The whole model's master weights (host) into this rank's state: its TP shard of them with tensor
@@ -736,7 +767,7 @@ class TrainLoop {
   // three phases.
   void save(int64_t step) {
     const SamplerState ss = sampler_.state();
-    const std::optional<ParamSet> weights = whole_master(state_, placement_.model, groups_);
+    const HostWeights weights = whole_master(state_, placement_.model, groups_);
     const AdamWShard* shard = dp_ ? dp_->optimizer_shard() : nullptr;
     const fs::path staging = fs::path(run_dir_.path()) / fmt::format(".{}.tmp-shards", checkpoint_dir_name(step));
     const auto save_optimizer = [&](const fs::path& path) {
@@ -952,7 +983,7 @@ TrainResult run_training(const RunConfig& given, const TrainOptions& opt, std::o
   }
   print_header(rc, placement, data, planned, result.run_dir, log);
   if (opt.print_sample && progress.step == 0 && rc.sample.at_start && rc.sample.tokens > 0) {
-    const std::optional<ParamSet> weights = whole_master(state, mc, groups);  // TP: the first replica's ranks together
+    const HostWeights weights = whole_master(state, mc, groups);  // TP: the first replica's ranks together
     if (lead) print_sample(rc, mc, state, *weights, *tokenizer, "sample before training", log);
   }
 
@@ -971,7 +1002,7 @@ TrainResult run_training(const RunConfig& given, const TrainOptions& opt, std::o
                      result.last_eval_loss ? fmt::format(", eval loss {:.4f}", *result.last_eval_loss) : "",
                      result.interrupted ? "interrupted" : "finished", duration(total));
   if (opt.print_sample && !result.interrupted && rc.sample.tokens > 0) {
-    const std::optional<ParamSet> weights = whole_master(state, mc, groups);  // TP: the first replica's ranks together
+    const HostWeights weights = whole_master(state, mc, groups);  // TP: the first replica's ranks together
     if (lead) print_sample(rc, mc, state, *weights, *tokenizer, "sample", log);
   }
   return result;
