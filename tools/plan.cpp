@@ -40,9 +40,9 @@ constexpr double kMatmulTflops = 650;
 constexpr double kAttentionTflops = 410;
 // Memory-bound ops at 70% of the 3.0 TB/s device copy (BENCHMARKS.md's bar for them; they meet it).
 constexpr double kElementwiseBytesPerS = 0.7 * 3.0e12;
-// Host <-> device copies of pinned memory on the side stream: 46 GB/s, the K/V offload's measured
-// rate (RESULTS.md, "Where a 128K step goes with the store offloaded").
-constexpr double kPcieBytesPerS = 46e9;
+// Host <-> device copies of pinned memory on the side stream: 49 GB/s, the K/V offload's measured
+// rate (RESULTS.md, "Where a 128K step goes with the store offloaded": 420 GiB in 9.14 s).
+constexpr double kPcieBytesPerS = 49e9;
 // The offloaded optimizer's host update (the CPU adamw_update op on all cores): 0.43 G elements/s on
 // one core of the development machine (AMD EPYC, AVX-512; 2026-11-27), 0.83 G on its two; the GPU
 // machine's 16 cores taken as memory-bound near 60 GB/s (30 bytes an element): an estimate until
@@ -299,6 +299,26 @@ std::string describe(const ScheduleOptions& o) {
 }
 
 // Causal attention pairs of queries [p, p+c) against keys [0, p+c), summed over chunks of length c.
+// Bytes the K/V offload moves in one step (model/kv_store.cpp's begin_layer / end_layer, per layer):
+// the prefill fetches each chunk's prefix of K, V and sends the chunk's K, V (and saved outputs)
+// home; each reverse chunk ending at t1 fetches K, V [0, t1) (twice without saved outputs: its
+// recompute and its backward), dK, dV [0, t1) (all but the first, whose homes are logical zeros) and
+// sends dK, dV [0, t1) home; with saved outputs it fetches the chunk's outputs instead of
+// recomputing them. `reverse`: the fraction of reverse chunks visited (spaco). Checked against the
+// recorded runs in tests/tools/test_plan.cpp.
+double kv_offload_bytes(const LlamaConfig& cf, int64_t B, int64_t T, int64_t c, int64_t c2, size_t e, size_t acc,
+                        bool saved, double reverse) {
+  const double kv = double(2 * B * cf.num_key_value_heads * cf.head_dim) * double(e);
+  const double g = double(2 * B * cf.num_key_value_heads * cf.head_dim) * double(acc);
+  const double out = saved ? double(B * cf.num_attention_heads) * double(cf.head_dim * int64_t(e) + int64_t(acc)) : 0;
+  const double n = std::ceil(double(T) / double(c)), m = std::ceil(double(T) / double(c2));
+  const double prefill = kv * double(c) * n * (n - 1) / 2 + (kv + out) * double(T);
+  const double prefix_sum = double(c2) * m * (m + 1) / 2;  // sum over reverse chunks of t1
+  const double recompute = saved ? out * double(T) : kv * prefix_sum + kv * double(T);
+  const double backward = kv * prefix_sum + g * (prefix_sum - double(T)) + g * prefix_sum + out * double(T);
+  return double(cf.num_hidden_layers) * (prefill + reverse * (recompute + backward));
+}
+
 double causal_pairs(int64_t T, int64_t c) {
   double pairs = 0;
   for (int64_t p = 0; p < T; p += c) {
@@ -431,6 +451,14 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
             {"elementwise", elementwise / kElementwiseBytesPerS},
             {"optimizer", optimizer_s}};
   for (const auto& [name, s] : r.time) r.step_s += s;
+  // The K/V offload's copies run on the side stream beside the compute (RESULTS.md: 99.9% of them
+  // under it at 128K); they lengthen the step only where they outlast it.
+  if (o.offload_window > 0 && o.offload_window < L) {
+    r.kv_moved_bytes = kv_offload_bytes(cf, B, T, r.chunk, r.bwd_chunk, e, acc, saved, reverse);
+    const double copies_s = r.kv_moved_bytes / kPcieBytesPerS;
+    r.time.emplace_back("kv copies beyond compute", std::max(0.0, copies_s - r.step_s));
+    r.step_s = std::max(r.step_s, copies_s);
+  }
 
   if (!r.fits) {
     if (chunked(o))
@@ -494,6 +522,8 @@ std::string plan_table(const PlanReport& r) {
   }
   s += fmt::format("  {:14} {:>10}\n", "time", "s");
   for (const auto& [name, sec] : r.time) s += fmt::format("  {:14} {:10.3f}\n", name, sec);
+  if (r.kv_moved_bytes > 0)
+    s += fmt::format("  {:14} {:10.1f}   GiB of K/V moved host <-> device a step\n", "kv moved", r.kv_moved_bytes / kGiB);
   s += fmt::format("  {:14} {:10.3f}   ({:.0f} tokens/s, {:.1f} TFLOP executed)\n", "step", r.step_s,
                    r.tokens_per_s(), r.flops / 1e12);
   s += fmt::format("{} in {:.1f} GiB of device memory{}\n", r.fits ? "fits" : "DOES NOT FIT", r.device_gib,
@@ -513,6 +543,7 @@ std::string plan_json(const PlanReport& r) {
   j["peak_host_gib"] = r.peak_host_gib();
   j["cuda_context_gib"] = double(r.context_bytes) / kGiB;
   j["step_s"] = r.step_s;
+  j["kv_moved_gib"] = r.kv_moved_bytes / kGiB;
   j["tokens_per_s"] = r.tokens_per_s();
   j["flops"] = r.flops;
   j["device_memory_gib"] = r.device_gib;

@@ -27,7 +27,8 @@
 // Step time = matmul FLOPs / kMatmulTflops + attention FLOPs / kAttentionTflops + elementwise
 // traffic / bandwidth + the optimizer's traffic / bandwidth, with the passes each schedule runs
 // (full: forward + backward; checkpointed and seco: one forward more; selective: the MLP's gate/up
-// once more). Throughputs are H100 measurements (plan.cpp names their source).
+// once more); with the K/V store offloaded, at least its copies' time (bytes moved / PCIe rate: they
+// overlap the compute). Throughputs are H100 measurements (plan.cpp names their source).
 // Tested in tests/tools/test_plan.cpp against the peaks and step times recorded in RESULTS.md and
 // BENCHMARKS.md.
 #pragma once
@@ -56,6 +57,7 @@ struct PlanReport {
   size_t peak_device_bytes = 0, peak_host_bytes = 0;
   size_t context_bytes = 0;                              // CUDA context, outside the pool
   double step_s = 0, flops = 0;                          // flops: what the step executes (with recompute)
+  double kv_moved_bytes = 0;                             // the K/V offload's host <-> device bytes a step
   double device_gib = 0;                                 // the memory it was checked against
   bool fits = false;
   std::string advice;                                    // when it does not fit: which knob to turn

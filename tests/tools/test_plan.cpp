@@ -297,3 +297,40 @@ TEST_CASE("plan: the papers' budgets for Llama-3.1-8B: LoRA in 24 GiB at 16K and
   CHECK(bytes(off.device, "gradients") >= 4 * n);
   CHECK(off.schedule.find("optimizer offloaded") != std::string::npos);
 }
+
+TEST_CASE("plan: the K/V offload's bytes moved a step against the recorded runs, and its copies in the step time") {
+  struct Moved {
+    const char* source;
+    ScheduleOptions schedule;
+    int64_t T;
+    double gib;
+  };
+  const std::vector<Moved> runs = {
+      {"RESULTS.md 2026-11-25, the 128K trace (saved outputs, window 2)", saved(sched("seco", 4096), 2), 131072, 420.0},
+      {"RESULTS.md 2026-11-25, 16K with the same flags", saved(sched("seco", 4096), 2), 16384, 10.5},
+      {"RESULTS.md 2026-11-25 (third session), 512K window 2", [] {
+         ScheduleOptions o = sched("seco", 8192);
+         o.offload_window = 2;
+         return o;
+       }(), 524288, 3561.0},
+  };
+  for (const Moved& m : runs) {
+    INFO(m.source);
+    const PlanReport r = plan_step(one_b(), 1, m.T, m.schedule, DType::bf16, 80);
+    const double gib = r.kv_moved_bytes / double(1ull << 30);
+    MESSAGE(fmt::format("{}: predicted {:.1f} GiB moved, recorded {:.1f}", m.source, gib, m.gib));
+    CHECK(std::abs(gib - m.gib) <= 0.10 * m.gib);
+  }
+  // Without offload nothing moves; where the copies outlast the compute they set the step time.
+  CHECK(plan_step(one_b(), 1, 131072, sched("seco", 4096), DType::bf16, 80).kv_moved_bytes == 0);
+  const LlamaConfig eight_b = LlamaConfig::preset("llama-3.1-8b");
+  LoraConfig lora;
+  lora.rank = 8;
+  lora.targets = "q_proj,v_proj";
+  ScheduleOptions small = sched("seco", 1024);
+  small.offload_window = 1;
+  const PlanReport r = plan_step(eight_b, 1, 65536, small, DType::bf16, 24, lora);
+  const double copies_s = r.kv_moved_bytes / 49e9;
+  CHECK(r.step_s == doctest::Approx(std::max(copies_s, r.step_s)));
+  CHECK(r.step_s >= copies_s * 0.999);
+}
