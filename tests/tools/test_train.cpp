@@ -139,6 +139,25 @@ TEST_CASE("train with optimizer.offload: the bits of the run without it; each re
                       file_bytes(fs::path(second.run_dir) / "step-000006" / file),
                   file);
 
+  // Data parallel ranks (threads) each with the whole state offloaded: the bits of the plain ranks;
+  // ZeRO's sharded state does not combine with it and says so.
+  RunConfig ranks = fx.config(3);
+  ranks.data.batch_size = 2;
+  ranks.parallel.dp = 2;
+  TrainOptions dp_plain, dp_off;
+  dp_plain.run_dir = fx.dir.file("dp-plain");
+  dp_off.run_dir = fx.dir.file("dp-offloaded");
+  run_training(ranks, dp_plain, log);
+  ranks.optimizer.offload = true;
+  run_training(ranks, dp_off, log);
+  CHECK(logged_losses(dp_off.run_dir) == logged_losses(dp_plain.run_dir));
+  CHECK(file_bytes(fs::path(dp_off.run_dir) / "step-000003" / "model.safetensors") ==
+        file_bytes(fs::path(dp_plain.run_dir) / "step-000003" / "model.safetensors"));
+  ranks.parallel.zero = 1;
+  TrainOptions dp_zero;
+  dp_zero.run_dir = fx.dir.file("dp-zero-offloaded");
+  CHECK_THROWS_WITH_AS(run_training(ranks, dp_zero, log), doctest::Contains("parallel.zero"), Error);
+
   RunConfig no_eval = fx.config(2);  // eval.every = 0 is never, also at the end: there is no eval data
   no_eval.eval.every = 0;
   no_eval.data.eval_fraction = 0;

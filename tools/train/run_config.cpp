@@ -457,6 +457,10 @@ void RunConfig::validate() const {
   if (optimizer.decay != "constant" && optimizer.min_lr > optimizer.lr)
     fail(fmt::format("optimizer.min_lr must be <= optimizer.lr ({}), got {}", optimizer.lr, optimizer.min_lr),
          "the decay goes from lr down to min_lr");
+  if (optimizer.offload && parallel.zero > 0)
+    fail(fmt::format("optimizer.offload keeps the whole AdamW state on each rank's host; parallel.zero = {} shards it",
+                     parallel.zero),
+         "set parallel.zero = 0 with optimizer.offload, or turn optimizer.offload off");
   if (eval.at_start && data.eval.empty() && data.eval_fraction <= 0)
     fail("eval.at_start is true but there is no eval data (data.eval is empty and data.eval_fraction is 0)",
          "set eval.at_start = false, give data.eval, or set data.eval_fraction > 0");

@@ -957,10 +957,6 @@ TrainResult run_training(const RunConfig& given, const TrainOptions& opt, std::o
   if (rc.parallel.tp > 1) tensor_parallel.emplace(grid->tp(), TensorParallelOptions{rc.parallel.sequence_parallel,
                                                                                       rc.parallel.tp_regather});
   TensorParallel* tp = tensor_parallel ? &*tensor_parallel : nullptr;
-  if (rc.optimizer.offload && comm && rc.parallel.zero > 0)
-    fail(fmt::format("optimizer.offload with parallel.zero = {}: the offloaded optimizer keeps the whole AdamW state",
-                     rc.parallel.zero),
-         "set parallel.zero = 0 with optimizer.offload, or turn optimizer.offload off");
   TrainingState state(mc, placement.dtype, placement.device, adamw_options(rc),
                       /*full_optimizer=*/rc.parallel.zero == 0 || !comm, tp, placement.lora, rc.optimizer.offload);
   std::optional<DataParallel> dp;
