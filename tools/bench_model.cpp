@@ -221,10 +221,16 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
   const PoolStats ps = pool_stats(g);
   r["peak_bytes"] = ps.peak_in_use;
   r["peak_gib"] = double(ps.peak_in_use) / double(1ull << 30);
+  // What the driver counts as used at the end: the pool's blocks (in use and cached), the CUDA
+  // context and what the libraries allocate themselves; with --device-memory, the figure to hold it to.
+  const DeviceMemory dm = device_memory(g);
+  r["device_held_gib"] = double(dm.total - dm.free) / double(1ull << 30);
   if (r["status"] == "ok")
-    out << fmt::format("{} {} T={} B={}: {:.3f} s/step, {:.0f} tokens/s, MFU {:.1f}% of {:.0f} TFLOP/s, peak {:.2f} GiB\n",
+    out << fmt::format("{} {} T={} B={}: {:.3f} s/step, {:.0f} tokens/s, MFU {:.1f}% of {:.0f} TFLOP/s, peak {:.2f} GiB "
+                       "(the driver counts {:.2f} GiB held at the end)\n",
                        o.model, so.name, o.seq, o.batch, r["step_s"].get<double>(), r["tokens_per_s"].get<double>(),
-                       100 * r["mfu"].get<double>(), peak, r["peak_gib"].get<double>());
+                       100 * r["mfu"].get<double>(), peak, r["peak_gib"].get<double>(),
+                       r["device_held_gib"].get<double>());
   write_result(o.json, r);
   return r["status"] == "error" ? 1 : 0;
 }
