@@ -21,9 +21,8 @@ LlamaModel::LlamaModel(const LlamaConfig& config, DType dtype, Device device, Te
   full_config_.validate("model config");
   lora_.validate();
   if (lora_.enabled()) {
-    if (tp)
-      fail("LoRA adapters with tensor parallelism are not implemented",
-           "train the adapters with parallel.tp = 1 (data parallelism works: parallel.dp)");
+    // With tensor parallelism the adapters are the rank's shard (parallel/tensor_parallel.h).
+    validate_lora_with_tp(lora_, tp ? tp->size() : 1);
     adapters_.emplace(config_, lora_parameter_table(config_, lora_), dtype, device);
     init_lora_parameters(*adapters_, lora_.seed);
   }

@@ -133,7 +133,7 @@ double DataParallel::gradient_norm() {
   int64_t offset = 0;
   for (size_t i = 0; i < g.size(); offset += g.specs()[i].numel(), ++i) {
     const int64_t lo = std::max(begin, offset), hi = std::min(end, offset + g.specs()[i].numel());
-    if (lo < hi) squares[split && tp_split_dim(g.specs()[i].role) < 0 ? 1 : 0] += sum_squares(g.flat().slice(0, lo, hi - lo));
+    if (lo < hi) squares[split && tp_split_dim(g.specs()[i]) < 0 ? 1 : 0] += sum_squares(g.flat().slice(0, lo, hi - lo));
   }
   if (zero_ == 2) sum_over_ranks(squares);  // every shard of this TP shard's vector
   if (split) {  // every TP rank's split tensors; the replicated ones once

@@ -109,21 +109,28 @@ TensorParallel::TensorParallel(Communicator& comm, const TensorParallelOptions& 
 
 // ---- parameters ----
 
-int tp_split_dim(ParamRole role) {
-  switch (role) {
-    case ParamRole::wq: case ParamRole::wk: case ParamRole::wv: case ParamRole::w_gate: case ParamRole::w_up:
-      return 0;
-    case ParamRole::wo: case ParamRole::w_down:
-      return 1;
-    default:
-      return -1;
+namespace {
+bool column_parallel(ParamRole linear) {
+  return linear == ParamRole::wq || linear == ParamRole::wk || linear == ParamRole::wv || linear == ParamRole::w_gate ||
+         linear == ParamRole::w_up;
+}
+bool row_parallel(ParamRole linear) { return linear == ParamRole::wo || linear == ParamRole::w_down; }
+}  // namespace
+
+int tp_split_dim(const ParamSpec& spec) {
+  switch (spec.role) {
+    case ParamRole::lora_a: return row_parallel(spec.adapts) ? 1 : -1;  // A [r, in]: in is split for o, down
+    case ParamRole::lora_b: return column_parallel(spec.adapts) ? 0 : -1;  // B [out, r]: out for q, k, v, gate, up
+    default: return column_parallel(spec.role) ? 0 : row_parallel(spec.role) ? 1 : -1;
   }
 }
 
+bool tp_partial_gradient(const ParamSpec& spec) { return spec.is_adapter() && tp_split_dim(spec) < 0; }
+
 namespace {
 // Rank `rank`'s block of a full tensor along the split dimension (the whole tensor when replicated).
-Tensor block_of(const Tensor& full, ParamRole role, int rank, int size) {
-  const int dim = tp_split_dim(role);
+Tensor block_of(const Tensor& full, const ParamSpec& spec, int rank, int size) {
+  const int dim = tp_split_dim(spec);
   if (dim < 0) return full;
   const int64_t n = full.size(dim) / size;
   return full.slice(dim, rank * n, n);
@@ -135,7 +142,7 @@ void check_pair(const ParamSet& full, const ParamSet& shard, int rank, int size)
   for (size_t i = 0; i < full.size(); ++i) {
     const ParamSpec& f = full.specs()[i];
     const ParamSpec& s = shard.specs()[i];
-    const int dim = tp_split_dim(f.role);
+    const int dim = tp_split_dim(f);
     bool ok = f.role == s.role && f.shape.size() == s.shape.size();
     for (size_t d = 0; ok && d < f.shape.size(); ++d)
       ok = f.shape[d] == (static_cast<int>(d) == dim ? s.shape[d] * size : s.shape[d]);
@@ -147,14 +154,14 @@ void check_pair(const ParamSet& full, const ParamSet& shard, int rank, int size)
 void shard_parameters(const ParamSet& shard, const ParamSet& full, int rank, int size) {
   check_pair(full, shard, rank, size);
   for (size_t i = 0; i < full.size(); ++i)
-    copy_convert(shard[i], block_of(full[i], full.specs()[i].role, rank, size));
+    copy_convert(shard[i], block_of(full[i], full.specs()[i], rank, size));
 }
 
 void unshard_parameters(const ParamSet& full, const ParamSet& shard, int rank, int size, bool with_replicated) {
   check_pair(full, shard, rank, size);
   for (size_t i = 0; i < full.size(); ++i) {
-    const ParamRole role = full.specs()[i].role;
-    if (tp_split_dim(role) >= 0 || with_replicated) copy_convert(block_of(full[i], role, rank, size), shard[i]);
+    const ParamSpec& spec = full.specs()[i];
+    if (tp_split_dim(spec) >= 0 || with_replicated) copy_convert(block_of(full[i], spec, rank, size), shard[i]);
   }
 }
 
@@ -164,9 +171,9 @@ void gather_parameters(const ParamSet& full, const ParamSet& shard, Communicator
   CW_CHECK(shard.device() == comm.device(), "gather_parameters: the shard is on {}, the communicator's tensors on {}",
            device_name(shard.device()), device_name(comm.device()));
   for (size_t i = 0; i < full.size(); ++i) {
-    const ParamRole role = full.specs()[i].role;
+    const ParamSpec& spec = full.specs()[i];
     const Tensor mine = shard[i];
-    if (tp_split_dim(role) < 0) {
+    if (tp_split_dim(spec) < 0) {
       copy_convert(full[i], mine);
       continue;
     }
@@ -177,12 +184,12 @@ void gather_parameters(const ParamSet& full, const ParamSet& shard, Communicator
     copy_convert(host, gathered);  // after the gather: wait() ordered the device's stream behind it
     CW_CHECK(mine.ndim == 2, "gather_parameters: {} is not a matrix", full.specs()[i].name);  // split ones are linears
     for (int r = 0; r < P; ++r)
-      copy_convert(block_of(full[i], role, r, P), host.tensor.slice(0, r * n, n).view({mine.size(0), mine.size(1)}));
+      copy_convert(block_of(full[i], spec, r, P), host.tensor.slice(0, r * n, n).view({mine.size(0), mine.size(1)}));
   }
 }
 
 void reduce_replicated_gradients(const ParamSet& grads, TensorParallel& tp, int64_t begin, int64_t end) {
-  if (!tp.sequence_parallel() || tp.size() == 1) return;
+  if (tp.size() == 1) return;
   if (end < 0) end = grads.numel();
   CW_CHECK(0 <= begin && begin <= end && end <= grads.numel(), "reduce_replicated_gradients: range [{}, {}) of {}",
            begin, end, grads.numel());
@@ -191,7 +198,10 @@ void reduce_replicated_gradients(const ParamSet& grads, TensorParallel& tp, int6
   const Tensor flat = grads.flat();
   int64_t offset = 0;  // of tensor i in the flat vector (table order)
   for (size_t i = 0; i < grads.size(); offset += grads.specs()[i].numel(), ++i) {
-    if (tp_split_dim(grads.specs()[i].role) >= 0) continue;
+    const ParamSpec& spec = grads.specs()[i];
+    // Split tensors: each rank's own. Replicated ones: whole on every rank, unless each rank saw only
+    // its rows (sequence parallelism) or its part of the linear (an adapter's replicated half).
+    if (tp_split_dim(spec) >= 0 || !(tp.sequence_parallel() || tp_partial_gradient(spec))) continue;
     const int64_t lo = std::max(begin, offset), hi = std::min(end, offset + grads.specs()[i].numel());
     if (lo < hi) pending.push_back(tp.communicator().all_reduce(flat.slice(0, lo, hi - lo)));
   }

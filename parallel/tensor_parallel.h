@@ -117,8 +117,14 @@ class TensorParallel final : public TensorParallelGroup {
 
 // ---- parameters and gradients between the full model and its shards ----
 // The dimension TP splits a parameter along: 0 (column-parallel q, k, v, gate, up), 1 (row-parallel
-// o, down), -1 (replicated).
-int tp_split_dim(ParamRole role);
+// o, down), -1 (replicated). A LoRA adapter follows its linear (y = x Wᵀ + s x Aᵀ Bᵀ): a
+// column-parallel linear's B [out, r] is split along out and its A replicated; a row-parallel
+// linear's A [r, in] along in and its B replicated.
+int tp_split_dim(const ParamSpec& spec);
+// A replicated tensor of which each rank's gradient is a part of the whole: a column-parallel
+// adapter's A (dA sums over the output columns each rank holds) and a row-parallel adapter's B (the
+// adapter's rank-r activation is a sum over the ranks' input slices, as the linear's output is).
+bool tp_partial_gradient(const ParamSpec& spec);
 // Rank `rank` of `size`: every tensor of `shard` (a ParamSet of tp_shard_config) from its block of
 // `full`'s (any dtypes; converted).
 void shard_parameters(const ParamSet& shard, const ParamSet& full, int rank, int size);
@@ -131,8 +137,9 @@ void unshard_parameters(const ParamSet& full, const ParamSet& shard, int rank, i
 // tensor at a time, and the replicated tensors from this rank's own (the same on every rank). For
 // the consolidated HF checkpoint and the sample of a tensor-parallel run.
 void gather_parameters(const ParamSet& full, const ParamSet& shard, Communicator& comm);
-// With sequence parallelism: the replicated parameters' gradients summed over the group, in place
-// (each rank held its rows' share); without it, nothing to do (each rank's are already whole).
+// The replicated parameters' gradients summed over the group where each rank holds a part: with
+// sequence parallelism all of them (each rank held its rows' share), without it the adapters'
+// partial ones (tp_partial_gradient); the rest are whole on every rank already.
 // Only their elements within [begin, end) of the flat vector (ParamSet::flat; end < 0: its end):
 // under ZeRO 2 a rank reads only its shard of the reduced gradient, the same range on every TP rank
 // of a replica (parallel/data_parallel.h).

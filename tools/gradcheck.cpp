@@ -182,10 +182,15 @@ GridRank grid_rank(const GradcheckOptions& o, int64_t zero, Communicator& world,
   if (TP > 1) tp_group.emplace(grid.tp(), TensorParallelOptions{o.parallel.sequence_parallel, o.parallel.tp_regather});
   TensorParallel* tp = tp_group ? &*tp_group : nullptr;
   TrainingState st(config, dtype, world.device(), AdamWOptions{}, /*full_optimizer=*/zero == 0, tp, o.lora);
-  if (TP > 1) {  // (LoRA is refused with TP before this)
+  if (TP > 1) {  // the rank's shard of the same initial model, and of its adapters
     ParamSet shard(tp_shard_config(config, TP), dtype);
     shard_parameters(shard, init.params(), grid.tp_rank(), TP);
-    st.load_master(shard);
+    st.load_base(shard);
+    if (init.has_adapters()) {
+      ParamSet adapters = ParamSet::like(st.model().adapters(), dtype, Device::host());
+      shard_parameters(adapters, init.adapters(), grid.tp_rank(), TP);
+      st.load_master(adapters);
+    }
   } else {
     load_initial(st, init);
   }
@@ -227,7 +232,7 @@ GridResult assemble_grid(const GradcheckOptions& o, int64_t zero, std::vector<Gr
   const int DP = static_cast<int>(o.parallel.dp), TP = static_cast<int>(o.parallel.tp);
   GridResult result;
   result.ranks = std::move(ranks);
-  // Whole-model sets (the adapters' under LoRA, which runs with TP = 1 only).
+  // Whole-model sets (the adapters' under LoRA).
   result.run = RunResult{result.ranks[0].loss, ParamSet::like(init.trainable(), dtype),
                          ParamSet::like(init.trainable(), dtype)};
   const auto at = [&](int d, int t) -> const GridRank& {
@@ -250,7 +255,7 @@ GridResult assemble_grid(const GradcheckOptions& o, int64_t zero, std::vector<Gr
     unshard_parameters(result.run.params, *at(0, t).params, t, TP, /*with_replicated=*/t == 0);
     // The replicated tensors: the same bits on every TP rank (gradients where this rank holds them).
     for (size_t i = 0; i < grads.size(); ++i) {
-      if (tp_split_dim(grads.specs()[i].role) >= 0) continue;
+      if (tp_split_dim(grads.specs()[i]) >= 0) continue;
       result.ranks_agree = result.ranks_agree && std::memcmp((*at(0, t).params)[i].data, (*at(0, 0).params)[i].data,
                                                              (*at(0, 0).params)[i].bytes()) == 0;
       if (zero < 2)
@@ -421,9 +426,7 @@ int run_gradcheck(const GradcheckOptions& o, std::ostream& out, Communicator* wo
   if (against != "single" && (parallel || o.parallel.zero > 0))
     fail(fmt::format("--dp / --zero / --tp compare ranks with one process: they need --against single, not {}", against),
          "use --against single (the default with --dp > 1 or --tp > 1)");
-  if (o.lora.enabled() && o.parallel.tp > 1)
-    fail("--lora-rank with --tp: LoRA adapters with tensor parallelism are not implemented",
-         "check LoRA with --tp 1 (data parallelism works: --dp N)");
+  validate_lora_with_tp(o.lora, o.parallel.tp);
   if (against == "single" && o.parallel.tp > 1 && !o.save_grads.empty())
     fail("--save-grads writes the gradients of one process; with --tp it is not supported", "drop --save-grads");
   if (against == "single" && o.batch % o.parallel.dp != 0)

@@ -29,7 +29,8 @@
 // LoRA adapters and the checked tensors are theirs, the base frozen: every comparison above runs on
 // the adapters' gradients (and parameters). The adapters start from PEFT's A and, unlike PEFT, a
 // random B (N(0, kLoraCheckBStd)), so that A's gradient is not zero. With dropout the masks are
-// those of step 0 in every loss the check evaluates. (--tp with LoRA: not implemented.)
+// those of step 0 in every loss the check evaluates. With --tp the adapters are sharded with their
+// linears (parallel/tensor_parallel.h), dropout then only on column-parallel targets.
 #pragma once
 
 #include "optim/options.h"

@@ -300,7 +300,7 @@ TEST_CASE("tensor parallel: under sequence parallelism each rank's replicated gr
   const std::vector<RankRun> runs = run_tp(ref.model, ref.batch, so, P, {true, false}, /*reduce=*/false);
   for (size_t i = 0; i < single.size(); ++i) {
     const ParamSpec& spec = single.specs()[i];
-    if (tp_split_dim(spec.role) >= 0) continue;
+    if (tp_split_dim(spec) >= 0) continue;
     CAPTURE(spec.name);
     OwnedTensor sum = OwnedTensor::of_shape(DType::f64, spec.shape);
     fill(sum, 0.0);

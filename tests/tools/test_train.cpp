@@ -2,6 +2,7 @@
 // accumulation equals one large batch, train then sample works, and resume errors are clear.
 #include "model/checkpoint.h"
 #include "model/lora.h"
+#include "model/safetensors.h"
 #include "optim/schedule.h"
 #include "tests/support.h"
 #include "tools/data/tokenizer.h"
@@ -477,6 +478,84 @@ ParamSet checkpoint_weights(const std::string& model_json, const fs::path& dir) 
   return p;
 }
 }  // namespace
+
+TEST_CASE("train with LoRA and tensor parallelism: TP 2 (dropout on q, v) and DP 2 x TP 2 equal one process; the PEFT files are whole; resumed bit for bit") {
+  constexpr double kStepsOfRoundingTol = 1e-10;  // as for the full-parameter grids below
+  Fixture fx;
+  const auto lora_config = [&](const char* targets, double dropout) {
+    RunConfig rc = fx.config(4);
+    rc.model.dtype = "f64";
+    rc.data.batch_size = 4;
+    rc.lora.rank = 2;
+    rc.lora.alpha = 4;
+    rc.lora.targets = targets;
+    rc.lora.dropout = dropout;
+    rc.lora.seed = 5;
+    rc.optimizer.lr = 2e-2;
+    rc.sample.tokens = 4;  // the sample gathers the base and the adapters from the TP shards
+    return rc;
+  };
+  struct Layout {
+    const char* name;
+    const char* targets;
+    double dropout;
+    int64_t dp, tp;
+    bool sequence_parallel;
+  };
+  for (const Layout& l : {Layout{"tp 2, q and v with dropout", "q_proj,v_proj", 0.1, 1, 2, false},
+                          Layout{"dp 2 x tp 2, every linear, sequence parallel", "all-linear", 0.0, 2, 2, true}}) {
+    CAPTURE(l.name);
+    std::ostringstream log;
+    TrainOptions single;
+    single.run_dir = fx.dir.file(std::string("lora-single-") + l.targets);
+    run_training(lora_config(l.targets, l.dropout), single, log);
+    RunConfig rc = lora_config(l.targets, l.dropout);
+    rc.data.batch_size = 4 / l.dp;
+    rc.parallel.dp = l.dp;
+    rc.parallel.tp = l.tp;
+    rc.parallel.sequence_parallel = l.sequence_parallel;
+    TrainOptions grid;
+    grid.run_dir = fx.dir.file(std::string("lora-grid-") + l.targets);
+    std::ostringstream grid_log;
+    run_training(rc, grid, grid_log);
+    INFO(grid_log.str());
+    CHECK(grid_log.str().find("sample:") != std::string::npos);
+    const std::vector<double> ls = logged_losses(single.run_dir), lt = logged_losses(grid.run_dir);
+    REQUIRE(ls.size() == 4);
+    REQUIRE(lt.size() == 4);
+    for (size_t i = 0; i < ls.size(); ++i) CHECK(std::abs(lt[i] - ls[i]) <= kStepsOfRoundingTol * std::abs(ls[i]));
+    // The adapters' PEFT file: whole tensors, assembled from the TP shards.
+    const fs::path a = fs::path(single.run_dir) / "step-000004", b = fs::path(grid.run_dir) / "step-000004";
+    const SafetensorsReader fa((a / "adapter_model.safetensors").string()), fb((b / "adapter_model.safetensors").string());
+    REQUIRE(fa.entries().size() == fb.entries().size());
+    for (const SafetensorsEntry& e : fa.entries()) {
+      CAPTURE(e.name);
+      REQUIRE(fb.find(e.name));
+      CHECK(fb.find(e.name)->shape == e.shape);
+      OwnedTensor x = OwnedTensor::of_shape(DType::f64, e.shape), y = OwnedTensor::of_shape(DType::f64, e.shape);
+      fa.read_into(e.name, x);
+      fb.read_into(e.name, y);
+      CHECK(test::compare(y, x).rel <= kStepsOfRoundingTol);
+    }
+  }
+  // Stopped and resumed under TP: the adapters (and their sharded optimizer state) come back exactly.
+  RunConfig rc = lora_config("all-linear", 0.0);
+  rc.parallel.tp = 2;
+  std::ostringstream log;
+  TrainOptions straight;
+  straight.run_dir = fx.dir.file("lora-tp-straight");
+  run_training(rc, straight, log);
+  TrainOptions part;
+  part.run_dir = fx.dir.file("lora-tp-resumed");
+  part.stop_after = 2;
+  CHECK(run_training(rc, part, log).interrupted);
+  part.stop_after = 0;
+  part.resume = true;
+  run_training(rc, part, log);
+  CHECK(logged_losses(part.run_dir) == logged_losses(straight.run_dir));
+  CHECK(file_bytes(fs::path(part.run_dir) / "step-000004" / "adapter_model.safetensors") ==
+        file_bytes(fs::path(straight.run_dir) / "step-000004" / "adapter_model.safetensors"));
+}
 
 TEST_CASE("train tensor parallel: TP 2 and DP 2 x TP 2 (threads) equal one process; their checkpoints resume bit-identically") {
   // As for data parallelism: the ranks' partial sums are added in another order than one process's

@@ -449,10 +449,7 @@ void RunConfig::validate() const {
   schedule.validate();
   parallel.validate();
   lora.validate();
-  if (lora.enabled() && parallel.tp > 1)
-    fail(fmt::format("lora.rank = {} with parallel.tp = {}: LoRA adapters with tensor parallelism are not implemented",
-                     lora.rank, parallel.tp),
-         "set parallel.tp = 1 (data parallelism works with LoRA: parallel.dp)");
+  validate_lora_with_tp(lora, parallel.tp);
   // A constant rate never reaches min_lr, so only a decay makes the pair inconsistent.
   if (optimizer.decay != "constant" && optimizer.min_lr > optimizer.lr)
     fail(fmt::format("optimizer.min_lr must be <= optimizer.lr ({}), got {}", optimizer.lr, optimizer.min_lr),

@@ -160,21 +160,47 @@ HostWeights whole_master(TrainingState& state, const LlamaConfig& full_config, c
     return HostWeights::owned(state.master_on_host());
   }
   if (!g.first_replica()) return {};
-  ParamSet full(full_config, state.master_dtype());
+  ParamSet full = state.lora() ? ParamSet(full_config, lora_parameter_table(full_config, state.model().lora()),
+                                          state.master_dtype())
+                               : ParamSet(full_config, state.master_dtype());
   gather_parameters(full, state.master(), g.tp->communicator());
   return HostWeights::owned(std::move(full));
 }
 
-// The whole model's master weights (host) into this rank's state: its TP shard of them with tensor
-// parallelism.
+// Under LoRA, the whole frozen base on the host (for a sample): with tensor parallelism gathered from
+// the TP group's shards (a collective of the first replica's TP ranks), else rank 0's own.
+std::optional<ParamSet> whole_base(TrainingState& state, const LlamaConfig& full_config, const RankGroups& g) {
+  const DType dtype = accum_dtype(state.model().dtype());
+  if (!g.tp) return g.lead() ? std::optional<ParamSet>(state.base_on_host(dtype)) : std::nullopt;
+  if (!g.first_replica()) return std::nullopt;
+  ParamSet full(full_config, dtype);
+  gather_parameters(full, state.model().params(), g.tp->communicator());
+  return full;
+}
+
+// This TP rank's shard (the table of `shard_like`) of the whole model's `full` (host).
+ParamSet tp_part(const ParamSet& full, const ParamSet& shard_like, const RankGroups& g) {
+  ParamSet part = ParamSet::like(shard_like, full.dtype(), Device::host());
+  shard_parameters(part, full, g.tp_rank(), g.tp_size());
+  return part;
+}
+
+// The whole model's master weights (host; under LoRA the whole model's adapters) into this rank's
+// state: its TP shard of them with tensor parallelism.
 void load_whole_master(TrainingState& state, const ParamSet& full, const RankGroups& g) {
-  if (!g.tp) {
-    state.load_master(full);
-    return;
-  }
-  ParamSet shard(state.model().config(), full.dtype());
-  shard_parameters(shard, full, g.tp_rank(), g.tp_size());
-  state.load_master(shard);
+  if (!g.tp) return state.load_master(full);
+  state.load_master(tp_part(full, state.master(), g));
+}
+
+// Under LoRA: the whole model's base weights (host) into this rank's frozen compute weights.
+void load_whole_base(TrainingState& state, const ParamSet& full, const RankGroups& g) {
+  if (!g.tp) return state.load_base(full);
+  state.load_base(tp_part(full, state.model().params(), g));
+}
+
+// The adapters' table of the whole model, in `dtype`, on the host.
+ParamSet whole_adapters_like(const TrainingState& state, const LlamaConfig& full_config, DType dtype) {
+  return ParamSet(full_config, lora_parameter_table(full_config, state.model().lora()), dtype);
 }
 
 double rss_mib() {
@@ -278,14 +304,15 @@ void load_base_from(TrainingState& state, const LlamaConfig& full_config, const 
   else
     load_checkpoint_weights(host, source);
   if (state.lora())
-    state.load_base(host);  // (LoRA runs without tensor parallelism)
+    load_whole_base(state, host, g);
   else
     load_whole_master(state, host, g);
 }
 
 // LoRA: the adapters of a PEFT directory (a checkpoint of this run, or model.adapter) as the master
 // weights. Its adapter_config.json must describe the run's adapters.
-void load_adapter_from(TrainingState& state, const std::string& dir) {
+void load_adapter_from(TrainingState& state, const LlamaConfig& full_config, const std::string& dir,
+                       const RankGroups& g) {
   const LoraConfig file = read_peft_config(dir);
   const LoraConfig& run = state.model().lora();
   if (file.rank != run.rank || file.alpha != run.alpha || file.target_roles() != run.target_roles())
@@ -294,9 +321,9 @@ void load_adapter_from(TrainingState& state, const std::string& dir) {
                      dir, file.rank, file.alpha, fmt::join(file.target_names(), ","), run.rank, run.alpha,
                      fmt::join(run.target_names(), ",")),
          "give the adapter's own r, alpha and targets in [lora] (or lora.rank = 0 to take them from the file)");
-  ParamSet host = ParamSet::like(state.master(), state.master_dtype(), Device::host());
+  ParamSet host = whole_adapters_like(state, full_config, state.master_dtype());
   load_peft_adapter(host, dir);
-  state.load_master(host);
+  load_whole_master(state, host, g);
 }
 
 std::vector<std::string> resolve_demo(const std::vector<std::string>& specs) {
@@ -437,11 +464,27 @@ Progress resume_or_initialise(const RunConfig& rc, const LlamaConfig& full_confi
        (fs::exists(fs::path(rc.model.source) / "model.safetensors") ||
         fs::exists(fs::path(rc.model.source) / "model.safetensors.index.json")));
   if (lora) {
-    if (source_has_weights) load_base_from(state, full_config, rc.model.source, g);
-    else state.init(rc.model.init_seed, state.model().config().initializer_range);
+    // With tensor parallelism the seeded base and adapters are drawn whole (in f64, as the draws of
+    // one process are) and sharded, so the run starts where one process starts.
+    if (source_has_weights) {
+      load_base_from(state, full_config, rc.model.source, g);
+    } else if (g.tp) {
+      ParamSet full(full_config, DType::f64);
+      init_parameters(full, rc.model.init_seed, full_config.initializer_range);
+      load_whole_base(state, full, g);
+    } else {
+      state.init(rc.model.init_seed, state.model().config().initializer_range);
+    }
     if (!resume) {
-      if (!rc.model.adapter.empty()) load_adapter_from(state, rc.model.adapter);
-      else state.init_adapters();
+      if (!rc.model.adapter.empty()) {
+        load_adapter_from(state, full_config, rc.model.adapter, g);
+      } else if (g.tp) {
+        ParamSet full = whole_adapters_like(state, full_config, DType::f64);
+        init_lora_parameters(full, state.model().lora().seed);
+        load_whole_master(state, full, g);
+      } else {
+        state.init_adapters();
+      }
     }
   }
   if (resume) {
@@ -451,7 +494,7 @@ Progress resume_or_initialise(const RunConfig& rc, const LlamaConfig& full_confi
     if (!ref)
       fail(fmt::format("--resume: no complete checkpoint in '{}'", run_path),
            "start without --resume, or point --run-dir at the run to continue");
-    if (lora) load_adapter_from(state, ref->path);
+    if (lora) load_adapter_from(state, full_config, ref->path, g);
     else load_base_from(state, full_config, ref->path, g);
     std::ifstream sf(fs::path(ref->path) / "state.json");
     nlohmann::json saved;
@@ -790,7 +833,7 @@ class TrainLoop {
           [&](const std::string& dir) {
             // Under LoRA the checkpoint holds the adapters (PEFT's files), the base staying model.source.
             if (state_.lora())
-              save_peft_adapter(state_.master(), placement_.lora, dir, rc_.model.source, state_.master_dtype());
+              save_peft_adapter(*weights, placement_.lora, dir, rc_.model.source, state_.master_dtype());
             else
               save_checkpoint_weights(*weights, placement_.model, dir, state_.master_dtype());
             save_optimizer(fs::path(dir) / mine);
@@ -837,7 +880,7 @@ class TrainLoop {
 // The text the model continues from sample.prompt (on the host, from the whole master weights;
 // under LoRA the frozen base's compute weights and the adapters' master weights), under `title`.
 void print_sample(const RunConfig& rc, const LlamaConfig& mc, TrainingState& state, const ParamSet& weights,
-                  const Tokenizer& tokenizer, const char* title, std::ostream& out) {
+                  const ParamSet* base, const Tokenizer& tokenizer, const char* title, std::ostream& out) {
   SampleOptions so;
   so.prompt = rc.sample.prompt;
   so.tokens = rc.sample.tokens;
@@ -847,7 +890,7 @@ void print_sample(const RunConfig& rc, const LlamaConfig& mc, TrainingState& sta
   so.seed = rc.sample.seed;
   LlamaModel host_model(mc, weights.dtype(), Device::host(), nullptr, state.model().lora());
   if (state.lora()) {
-    copy_params(host_model.params(), state.base_on_host(weights.dtype()));
+    copy_params(host_model.params(), *base);
     copy_params(host_model.adapters(), weights);
   } else {
     copy_params(host_model.params(), weights);
@@ -980,7 +1023,8 @@ TrainResult run_training(const RunConfig& given, const TrainOptions& opt, std::o
   print_header(rc, placement, data, planned, result.run_dir, log);
   if (opt.print_sample && progress.step == 0 && rc.sample.at_start && rc.sample.tokens > 0) {
     const HostWeights weights = whole_master(state, mc, groups);  // TP: the first replica's ranks together
-    if (lead) print_sample(rc, mc, state, *weights, *tokenizer, "sample before training", log);
+    const std::optional<ParamSet> base = state.lora() ? whole_base(state, mc, groups) : std::nullopt;
+    if (lead) print_sample(rc, mc, state, *weights, base ? &*base : nullptr, *tokenizer, "sample before training", log);
   }
 
   TrainLoop(rc, opt, placement, data.split, state, *schedule, sampler, run_dir, metrics ? &*metrics : nullptr,
@@ -999,7 +1043,8 @@ TrainResult run_training(const RunConfig& given, const TrainOptions& opt, std::o
                      result.interrupted ? "interrupted" : "finished", duration(total));
   if (opt.print_sample && !result.interrupted && rc.sample.tokens > 0) {
     const HostWeights weights = whole_master(state, mc, groups);  // TP: the first replica's ranks together
-    if (lead) print_sample(rc, mc, state, *weights, *tokenizer, "sample", log);
+    const std::optional<ParamSet> base = state.lora() ? whole_base(state, mc, groups) : std::nullopt;
+    if (lead) print_sample(rc, mc, state, *weights, base ? &*base : nullptr, *tokenizer, "sample", log);
   }
   return result;
 }
