@@ -66,8 +66,13 @@ struct LinearSite {
 LoraAdapter adapter_call(const LoraPair& p, ParamRole linear, const LinearSite& at) {
   const LoraRuntime& lr = at.ctx.lora;
   LoraAdapter a{p.a, p.b, lr.scale, {}};
-  if (lr.dropout > 0)
-    a.dropout = {lr.dropout, lora_dropout_seed(lr.lora_seed, lr.round, at.layer, linear), at.ctx.c, at.ctx.pos0, at.row0};
+  if (lr.dropout > 0) {
+    // A row-parallel linear's input is this TP rank's slice of the columns: the mask is the whole input's.
+    const bool row_parallel = linear == ParamRole::wo || linear == ParamRole::w_down;
+    const int64_t column0 = row_parallel && at.ctx.tp ? at.ctx.tp->rank() * p.a.size(1) : 0;
+    a.dropout = {lr.dropout, lora_dropout_seed(lr.lora_seed, lr.round, at.layer, linear), at.ctx.c, at.ctx.pos0, at.row0,
+                 column0};
+  }
   return a;
 }
 

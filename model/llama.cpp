@@ -21,8 +21,6 @@ LlamaModel::LlamaModel(const LlamaConfig& config, DType dtype, Device device, Te
   full_config_.validate("model config");
   lora_.validate();
   if (lora_.enabled()) {
-    // With tensor parallelism the adapters are the rank's shard (parallel/tensor_parallel.h).
-    validate_lora_with_tp(lora_, tp ? tp->size() : 1);
     adapters_.emplace(config_, lora_parameter_table(config_, lora_), dtype, device);
     init_lora_parameters(*adapters_, lora_.seed);
   }

@@ -93,16 +93,6 @@ nlohmann::json read_json_file(const std::string& path) {
 }
 }  // namespace
 
-void validate_lora_with_tp(const LoraConfig& lora, int64_t tp) {
-  if (!lora.enabled() || tp <= 1 || lora.dropout <= 0) return;
-  for (const ParamRole r : lora.target_roles())
-    if (r == ParamRole::wo || r == ParamRole::w_down)
-      fail(fmt::format("lora.dropout = {} on {} with tensor parallelism (parallel.tp = {}) is not implemented: a rank "
-                       "holds a slice of a row-parallel linear's input, where the dropout mask is keyed by the column",
-                       lora.dropout, lora_target_name(r), tp),
-           "set lora.dropout = 0, or adapt only q_proj, k_proj, v_proj, gate_proj and up_proj");
-}
-
 const char* lora_target_name(ParamRole linear) {
   switch (linear) {
     case ParamRole::wq: return "q_proj";

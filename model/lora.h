@@ -51,12 +51,6 @@ struct LoraConfig {
   bool operator==(const LoraConfig&) const = default;
 };
 
-// LoRA over `tp` tensor-parallel ranks: each adapter is sharded with its linear
-// (parallel/tensor_parallel.h), but dropout on a row-parallel linear (o_proj, down_proj) is refused:
-// its mask is keyed by the column of the adapter's input, of which a rank holds only a slice. Throws
-// naming lora.dropout.
-void validate_lora_with_tp(const LoraConfig& lora, int64_t tp);
-
 // PEFT's name of a block linear ("q_proj") and its module path in the layer ("self_attn.q_proj").
 const char* lora_target_name(ParamRole linear);
 std::string lora_module_path(ParamRole linear);

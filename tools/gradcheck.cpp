@@ -426,7 +426,6 @@ int run_gradcheck(const GradcheckOptions& o, std::ostream& out, Communicator* wo
   if (against != "single" && (parallel || o.parallel.zero > 0))
     fail(fmt::format("--dp / --zero / --tp compare ranks with one process: they need --against single, not {}", against),
          "use --against single (the default with --dp > 1 or --tp > 1)");
-  validate_lora_with_tp(o.lora, o.parallel.tp);
   if (against == "single" && o.parallel.tp > 1 && !o.save_grads.empty())
     fail("--save-grads writes the gradients of one process; with --tp it is not supported", "drop --save-grads");
   if (against == "single" && o.batch % o.parallel.dp != 0)

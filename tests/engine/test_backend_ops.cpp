@@ -323,15 +323,17 @@ Row linear(int64_t N, int64_t I, int64_t O, bool with_dx = true, bool with_dw = 
 }
 
 // A frozen linear with a LoRA adapter of rank r, scale 1.5, dropout p (the mask of a chunk of sequences
-// of 3 tokens at position 5, the call's rows starting at row 2 of the chunk, as a tiled MLP's shard).
+// of 3 tokens at position 5, the call's rows starting at row 2 of the chunk, as a tiled MLP's shard;
+// its columns from column0 of the whole input, as a tensor-parallel rank's slice).
 // with_dx / with_da / with_db false: that gradient skipped.
 Row lora_linear(int64_t N, int64_t I, int64_t O, int64_t rank, double p, bool with_dx = true, bool with_da = true,
-                bool with_db = true) {
+                bool with_db = true, int64_t column0 = 0) {
   const auto adapter = [=](const Tensors& t) {
-    return LoraAdapter{t("A"), t("B"), 1.5, LoraDropout{p, 77, 3, 5, 2}};
+    return LoraAdapter{t("A"), t("B"), 1.5, LoraDropout{p, 77, 3, 5, 2, column0}};
   };
-  Row r = make_row(fmt::format("lora_linear N={} I={} O={} r={} dropout={}{}{}{}", N, I, O, rank, p,
-                               with_dx ? "" : " (no d_x)", with_da ? "" : " (no d_A)", with_db ? "" : " (no d_B)"),
+  Row r = make_row(fmt::format("lora_linear N={} I={} O={} r={} dropout={}{}{}{}{}", N, I, O, rank, p,
+                               with_dx ? "" : " (no d_x)", with_da ? "" : " (no d_A)", with_db ? "" : " (no d_B)",
+                               column0 ? fmt::format(" columns from {}", column0) : ""),
         {in("x", {N, I}), in("W", {O, I}), in("A", {rank, I}), in("B", {O, rank}), out("out", {N, O}), cot("d_out", "out")},
         [=](const Tensors& t, Arena& s) { lora_linear_forward(t("out"), t("x"), t("W"), adapter(t), s); },
         [=](const Tensors& t, GradMode m, Arena& s) {
@@ -539,6 +541,7 @@ std::vector<Row> build_table() {
   t.push_back(lora_linear(5, 7, 3, 3, 0.3, false, true, false));
   t.push_back(lora_linear(5, 7, 3, 3, 0.0, false, false, true));
   t.push_back(lora_linear(37, 61, 48, 4, 0.25));
+  t.push_back(lora_linear(37, 61, 48, 4, 0.25, true, true, true, 122));  // a TP rank's input slice
   t.push_back(gpu_only(lora_linear(1024, 2048, 2048, 8, 0.0)));
   t.push_back(gpu_only(lora_linear(1024, 2048, 512, 16, 0.1)));
   t.push_back(gpu_only(lora_linear(777, 5632, 2048, 8, 0.05)));

@@ -449,7 +449,6 @@ void RunConfig::validate() const {
   schedule.validate();
   parallel.validate();
   lora.validate();
-  validate_lora_with_tp(lora, parallel.tp);
   // A constant rate never reaches min_lr, so only a decay makes the pair inconsistent.
   if (optimizer.decay != "constant" && optimizer.min_lr > optimizer.lr)
     fail(fmt::format("optimizer.min_lr must be <= optimizer.lr ({}), got {}", optimizer.lr, optimizer.min_lr),
