@@ -463,7 +463,10 @@ int run_gradcheck(const GradcheckOptions& o, std::ostream& out, Communicator* wo
   Arena arena;
   if (against == "single") {
     max_rel = against_single(o, config, dtype, model, batch, out, world);
-    if (world && world->rank() != 0) return 0;  // rank 0 compared and says the verdict
+    if (world) {
+      world->barrier();  // every process ends together, after rank 0 has compared
+      if (world->rank() != 0) return 0;  // rank 0 says the verdict
+    }
   } else if (against == "fd") {
     const size_t w = name_width(checked);
     out << fmt::format("{:<{}} {:<14} {:>13} {:>13} {:>10}\n", "tensor", w, "shape", "g.v", "fd", "rel_err");
