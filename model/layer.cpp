@@ -71,7 +71,7 @@ LoraAdapter adapter_call(const LoraPair& p, ParamRole linear, const LinearSite& 
     const bool row_parallel = linear == ParamRole::wo || linear == ParamRole::w_down;
     const int64_t column0 = row_parallel && at.ctx.tp ? at.ctx.tp->rank() * p.a.size(1) : 0;
     a.dropout = {lr.dropout, lora_dropout_seed(lr.lora_seed, lr.round, at.layer, linear), at.ctx.c, at.ctx.pos0, at.row0,
-                 column0};
+                 column0, lr.sequence0};
   }
   return a;
 }

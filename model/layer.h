@@ -69,6 +69,7 @@ struct LoraRuntime {
   double dropout = 0.0;
   uint64_t lora_seed = 0;   // the run's lora.seed
   uint64_t round = 0;       // the step's micro-batch index (with dropout > 0)
+  int64_t sequence0 = 0;    // the chunk's first sequence in the step's global batch (the masks' key)
 };
 
 // The chunk a block works on and the tables and scratch it uses.

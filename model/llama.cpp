@@ -54,6 +54,15 @@ LoraRuntime LlamaModel::lora_runtime() const {
   return r;
 }
 
+namespace {
+// The adapters' runtime for one chunk: the model's, keyed by the chunk's sequences in the global batch.
+LoraRuntime chunk_lora_runtime(const LlamaModel& model, const ChunkTokens& chunk) {
+  LoraRuntime r = model.lora_runtime();
+  r.sequence0 = chunk.sequence0;
+  return r;
+}
+}  // namespace
+
 void LlamaModel::ensure_positions(int64_t n) {
   if (rope_cos_.tensor.ndim == 2 && rope_cos_.tensor.size(0) >= n) return;
   const int64_t half = config_.head_dim / 2;
@@ -121,7 +130,7 @@ void run_blocks(ChunkActivations& a, KVStore& kv, const LlamaModel& model, const
   // sweep's recompute (kv_store.h): it reads the chunk's saved outputs and writes nothing.
   const bool recompute = keep && kv.has_outputs();
   const BlockContext ctx{cf, model.rope_cos(), model.rope_sin(), chunk.B, chunk.c, chunk.pos0, scratch, mlp_shards,
-                         recompute, model.tensor_parallel(), model.lora_runtime()};
+                         recompute, model.tensor_parallel(), chunk_lora_runtime(model, chunk)};
   // Layer activations are kept only when the policy allocated them; otherwise just the stream is.
   const bool keep_layers = keep && !a.layers.empty();
   Residency* off = keep ? a.offloaded.get() : nullptr;
@@ -255,7 +264,7 @@ double backward_chunk(const ParamSet& grads, const ChunkActivations& a, KVStore&
     if (grads_final) grads_final(from);
   };
   const BlockContext ctx{cf, model.rope_cos(), model.rope_sin(), chunk.B, chunk.c, chunk.pos0, scratch,
-                         a.policy.mlp_shards, kv.has_outputs(), tp, model.lora_runtime()};
+                         a.policy.mlp_shards, kv.has_outputs(), tp, chunk_lora_runtime(model, chunk)};
   ArenaScope scope(scratch);
 
   // LM head and loss, fused: the loss for reporting, the gradient scaled by loss_weight.

@@ -117,6 +117,7 @@ struct ChunkTokens {
   Tensor ids;     // [N] i32
   Tensor labels;  // [N] i32, -100 where no loss
   int64_t B = 0, c = 0, pos0 = 0;
+  int64_t sequence0 = 0;  // the first sequence's index in the step's global batch (optim/schedule.h Batch)
 };
 
 // What a chunk's forward keeps for its backward.

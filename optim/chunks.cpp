@@ -21,6 +21,7 @@ ChunkTokens slice_chunk(const Batch& batch, int64_t t0, int64_t t1, Arena& arena
   ct.B = B;
   ct.c = c;
   ct.pos0 = t0;
+  ct.sequence0 = batch.sequence0;
   ct.ids = arena.alloc(DType::i32, {B * c});
   ct.labels = arena.alloc(DType::i32, {B * c});
   if (arena.device().is_cpu()) {

@@ -29,6 +29,9 @@ namespace cw {
 struct Batch {
   OwnedTensor ids;     // [B, T] i32
   OwnedTensor labels;  // [B, T] i32
+  // Its first sequence's index in the step's global batch (a data-parallel rank's slice starts past
+  // the other ranks'): LoRA's dropout masks are keyed by it, so ranks draw one process's masks.
+  int64_t sequence0 = 0;
   int64_t B() const { return ids.tensor.size(0); }
   int64_t T() const { return ids.tensor.size(1); }
   int64_t supervised() const;  // count of labels != -100

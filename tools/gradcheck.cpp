@@ -198,6 +198,7 @@ GridRank grid_rank(const GradcheckOptions& o, int64_t zero, Communicator& world,
   auto schedule = Schedule::create(o.schedule);
   std::vector<Batch> micro;
   micro.push_back(batch_rows(batch, grid.dp_rank() * per_rank, per_rank));
+  micro.back().sequence0 = grid.dp_rank() * per_rank;  // LoRA's dropout masks: one process's
   GridRank r;
   for (int s = 0; s < o.optimizer_steps; ++s) {
     const DataParallelStep step = dp.compute_gradients(*schedule, micro, static_cast<uint64_t>(s));

@@ -34,13 +34,13 @@ constexpr int64_t kMaxBlocks = 65536;
 // dst (=|+=) drop(src) over [N, I] (see engine/ops/lora_linear.h for the mask).
 template <class T>
 __global__ void dropout_kernel(T* dst, const T* src, int64_t N, int64_t I, uint64_t seed, int64_t seq_rows,
-                               int64_t pos0, int64_t row0, int64_t column0, uint32_t threshold, float inv_keep,
-                               bool accumulate) {
+                               int64_t pos0, int64_t row0, int64_t column0, int64_t sequence0, uint32_t threshold,
+                               float inv_keep, bool accumulate) {
   const int64_t total = N * I;
   for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < total;
        e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t n = e / I, i = e - n * I, m = row0 + n;
-    const uint64_t key = lora_dropout_row_key(seed, m / seq_rows, pos0 + m % seq_rows);
+    const uint64_t key = lora_dropout_row_key(seed, sequence0 + m / seq_rows, pos0 + m % seq_rows);
     float v = lora_dropout_keeps(key, column0 + i, threshold) ? to_f32(src[e]) * inv_keep : 0.0f;
     if (accumulate) v += to_f32(dst[e]);
     dst[e] = from_f32<T>(v);
@@ -56,8 +56,8 @@ void dropout(const Tensor& dst, const Tensor& src, const LoraDropout& d, bool ac
   dispatch_compute(src.dtype, "lora_linear dropout", [&](auto tag) {
     using T = typename decltype(tag)::type;
     dropout_kernel<T><<<blocks, kThreads, 0, current_stream(src.device.index)>>>(
-        dptr<T>(dst), dptr<const T>(src), N, I, d.seed, d.seq_rows, d.pos0, d.row0, d.column0, threshold, inv_keep,
-        accumulate);
+        dptr<T>(dst), dptr<const T>(src), N, I, d.seed, d.seq_rows, d.pos0, d.row0, d.column0, d.sequence0, threshold,
+        inv_keep, accumulate);
     CW_KERNEL_CHECK();
   });
 }

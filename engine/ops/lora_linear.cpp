@@ -55,7 +55,7 @@ void apply_dropout(const Tensor& dst, const Tensor& src, const LoraDropout& d, b
   T* o = dst.ptr<T>();
   for (int64_t n = 0; n < N; ++n) {
     const int64_t m = d.row0 + n;
-    const uint64_t key = lora_dropout_row_key(d.seed, m / d.seq_rows, d.pos0 + m % d.seq_rows);
+    const uint64_t key = lora_dropout_row_key(d.seed, d.sequence0 + m / d.seq_rows, d.pos0 + m % d.seq_rows);
     for (int64_t i = 0; i < I; ++i) {
       const T v = lora_dropout_keeps(key, d.column0 + i, threshold) ? s[n * I + i] * inv_keep : T(0);
       o[n * I + i] = accumulate ? o[n * I + i] + v : v;

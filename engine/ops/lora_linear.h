@@ -29,7 +29,7 @@ namespace cw {
 
 // Dropout on the adapter's input, deterministic. The call's rows are rows row0, row0 + 1, ... of a
 // chunk of sequences of seq_rows tokens each, the first at position pos0: row m of the chunk is the
-// token at position pos0 + m % seq_rows of sequence m / seq_rows; its columns are columns column0,
+// token at position pos0 + m % seq_rows of sequence sequence0 + m / seq_rows; its columns are columns column0,
 // column0 + 1, ... of the whole input (a tensor-parallel rank holds a slice of a row-parallel
 // linear's input). Element (row, column i) of that token is kept when the top 32 bits of
 // mix64(row_key ^ i) are >= lora_dropout_threshold(p), with row_key = lora_dropout_row_key(seed,
@@ -41,6 +41,7 @@ struct LoraDropout {
   int64_t pos0 = 0;      // position of each sequence's first token in the chunk
   int64_t row0 = 0;      // the call's first row within the chunk (a tiled MLP calls with row shards)
   int64_t column0 = 0;   // the call's first column within the whole input (a TP rank's slice)
+  int64_t sequence0 = 0; // the chunk's first sequence within the whole batch (a data-parallel rank's slice)
 };
 
 struct LoraAdapter {

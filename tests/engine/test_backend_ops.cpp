@@ -324,12 +324,13 @@ Row linear(int64_t N, int64_t I, int64_t O, bool with_dx = true, bool with_dw = 
 
 // A frozen linear with a LoRA adapter of rank r, scale 1.5, dropout p (the mask of a chunk of sequences
 // of 3 tokens at position 5, the call's rows starting at row 2 of the chunk, as a tiled MLP's shard;
-// its columns from column0 of the whole input, as a tensor-parallel rank's slice).
+// its columns from column0 of the whole input, as a tensor-parallel rank's slice, and then its
+// sequences from the batch's fifth, as a data-parallel rank's).
 // with_dx / with_da / with_db false: that gradient skipped.
 Row lora_linear(int64_t N, int64_t I, int64_t O, int64_t rank, double p, bool with_dx = true, bool with_da = true,
                 bool with_db = true, int64_t column0 = 0) {
   const auto adapter = [=](const Tensors& t) {
-    return LoraAdapter{t("A"), t("B"), 1.5, LoraDropout{p, 77, 3, 5, 2, column0}};
+    return LoraAdapter{t("A"), t("B"), 1.5, LoraDropout{p, 77, 3, 5, 2, column0, column0 ? 4 : 0}};
   };
   Row r = make_row(fmt::format("lora_linear N={} I={} O={} r={} dropout={}{}{}{}{}", N, I, O, rank, p,
                                with_dx ? "" : " (no d_x)", with_da ? "" : " (no d_A)", with_db ? "" : " (no d_B)",

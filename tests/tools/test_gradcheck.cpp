@@ -224,4 +224,9 @@ TEST_CASE("the chunkwise binary: gradcheck with LoRA flags, and their errors in 
                 "--batch 2 --mlp-shards 2",
                 out) == 0);
   CHECK(max_rel_err(out) <= test::kSameMathF64Tol);
+  // Data-parallel ranks key their masks by the global batch's sequences: one process's masks.
+  CHECK(run_cli("gradcheck --lora-rank 2 --lora-dropout 0.2 --dp 2 --tp 2 --zero 1 --model tiny-tp --seq 16 --batch 4 "
+                "--schedule spaco --chunk 4 --keep 2",
+                out) == 0);
+  CHECK(max_rel_err(out) <= test::kSameMathF64Tol);
 }

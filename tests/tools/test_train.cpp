@@ -479,7 +479,7 @@ ParamSet checkpoint_weights(const std::string& model_json, const fs::path& dir) 
 }
 }  // namespace
 
-TEST_CASE("train with LoRA and tensor parallelism: TP 2 (every linear, dropout) and DP 2 x TP 2 equal one process; the PEFT files are whole; resumed bit for bit") {
+TEST_CASE("train with LoRA, data and tensor parallelism: TP 2 and DP 2 x TP 2 with dropout equal one process; the PEFT files are whole; resumed bit for bit") {
   constexpr double kStepsOfRoundingTol = 1e-10;  // as for the full-parameter grids below
   Fixture fx;
   const auto lora_config = [&](const char* targets, double dropout) {
@@ -502,10 +502,11 @@ TEST_CASE("train with LoRA and tensor parallelism: TP 2 (every linear, dropout) 
     int64_t dp, tp;
     bool sequence_parallel;
   };
-  // (Dropout masks are keyed by a sequence's index within its rank's batch, so only the layout
-  // without data parallelism sees one process's masks.)
+  // Dropout masks are keyed by the global batch's sequence and the whole input's column, so every
+  // layout draws one process's masks.
   for (const Layout& l : {Layout{"tp 2, every linear with dropout", "all-linear", 0.1, 1, 2, false},
-                          Layout{"dp 2 x tp 2, q and v, sequence parallel", "q_proj,v_proj", 0.0, 2, 2, true}}) {
+                          Layout{"dp 2 x tp 2, q and v with dropout, sequence parallel", "q_proj,v_proj", 0.1, 2, 2,
+                                 true}}) {
     CAPTURE(l.name);
     std::ostringstream log;
     TrainOptions single;

@@ -728,8 +728,10 @@ class TrainLoop {
   StepOutcome data_parallel_step(int64_t step) {
     const int64_t B = rc_.data.batch_size, T = rc_.data.seq_len, accum = rc_.data.grad_accum;
     std::vector<Batch> micro;
-    for (int64_t m = 0; m < accum; ++m)
+    for (int64_t m = 0; m < accum; ++m) {
       micro.push_back(window_batch(sampler_.next_rank_batch(B, dp_->rank(), dp_->size()), B, T));
+      micro.back().sequence0 = dp_->rank() * B;  // its slice of the global batch (LoRA's dropout masks)
+    }
     StepOutcome o;
     const DataParallelStep d = dp_->compute_gradients(schedule_, micro, static_cast<uint64_t>(step * accum));
     o.loss = d.loss;
