@@ -772,7 +772,7 @@ class TrainLoop {
   void report_memory(int64_t step, const StepStats& stats) {
     if (!metrics_) return;
     MemoryReport mem = memory_report(state_, stats.activation_high_water, stats.kv_bytes);
-    if (dp_) mem.optimizer = dp_->optimizer_bytes();  // ZeRO: this rank's shard
+    if (dp_ && !state_.optimizer_offloaded()) mem.optimizer = dp_->optimizer_bytes();  // ZeRO: this rank's shard
     out_ << clear_line() << fmt::format("memory ({}): {}\n", device_name(placement_.device), mem.line());
     nlohmann::json mj = {{"step", step}};
     for (const auto& [name, bytes] : mem.categories()) mj["memory_" + name] = bytes;
