@@ -126,6 +126,7 @@ TEST_CASE("train with optimizer.offload: the bits of the run without it; each re
   first.run_dir = fx.dir.file("offloaded");
   first.stop_after = 3;
   run_training(offloaded, first, log);
+  CHECK(log.str().find("|| host: master") != std::string::npos);  // the memory report says where they went
   TrainOptions second;  // resumed without the offload: AdamW's own file format either way
   second.run_dir = first.run_dir;
   second.resume = true;
