@@ -77,6 +77,7 @@ struct RunConfig {
     bool deterministic = false;           // GPU: bitwise-reproducible gradients (slower attention backward)
     int64_t threads = 0;                  // CPU threads; 0: all cores
     double device_memory = 0;             // GPU: GiB the run may use; 0: the whole GPU
+    bool memory_check = true;             // refuse before step 1 a run the plan says cannot fit
     bool operator==(const Train&) const = default;
   };
   struct Eval {

@@ -415,13 +415,13 @@ double check_memory(const Placement& p, const RunConfig& rc) {
     need = static_cast<double>(plan.peak_device_bytes);
     if (!plan.advice.empty()) advice = plan.advice + " (or schedule.chunk = auto, offload_window = auto)";
   }
-  if (have > 0 && need > have)
+  if (rc.train.memory_check && have > 0 && need > have)
     fail(fmt::format("this run needs about {} of {} memory and the {} has {} available", human_bytes(need),
                      p.device.is_cpu() ? "host" : "device", device_name(p.device), human_bytes(have)),
-         advice);
+         advice + "; train.memory_check = false starts it anyway");
   const double host_need = host_planned_bytes(p.model, p.dtype, rc, p.lora);
   const double host_have = available_bytes();
-  if (host_need > 0 && host_have > 0 && host_need + (p.device.is_cpu() ? need : 0.0) > host_have)
+  if (rc.train.memory_check && host_need > 0 && host_have > 0 && host_need + (p.device.is_cpu() ? need : 0.0) > host_have)
     fail(fmt::format("optimizer.offload keeps {} of master weights and AdamW moments in host memory, and the host has {} "
                      "available",
                      human_bytes(host_need), human_bytes(host_have)),
