@@ -97,7 +97,7 @@ double take_copy_wait_seconds(Device device) {
 StagingBuffer::StagingBuffer(size_t bytes, Device device) : bytes_(bytes), device_(device) {
   if (bytes == 0) return;
   if (device.is_cpu()) {
-    data_ = std::malloc(bytes);
+    data_ = std::aligned_alloc(kMemoryAlignBytes, (bytes + kMemoryAlignBytes - 1) / kMemoryAlignBytes * kMemoryAlignBytes);
     CW_CHECK(data_, "cannot allocate {} MiB of host memory for staging copies", double(bytes) / double(1 << 20));
   } else {
     data_ = gpu::pinned_alloc(bytes);

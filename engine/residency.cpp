@@ -1,6 +1,7 @@
 #include "engine/residency.h"
 
 #include "engine/cuda/runtime.h"
+#include "engine/engine.h"
 #include "engine/error.h"
 #include "engine/trace.h"
 
@@ -13,39 +14,26 @@
 namespace cw {
 
 namespace {
-void* allocate(size_t bytes, Device where, bool pinned_host) {
-  if (!where.is_cpu()) return gpu::device_alloc(bytes, where.index);
-  if (pinned_host) return gpu::pinned_alloc(bytes);
-  void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
-  CW_CHECK(p != nullptr, "cannot allocate {} MiB of host memory", bytes >> 20);
-  return p;
-}
 size_t total_bytes(const std::vector<Residency::Span>& spans) {
   size_t n = 0;
   for (const Residency::Span& sp : spans) n += sp.zero ? 0 : sp.bytes;  // bytes moved
   return n;
-}
-void release(void* p, Device where, bool pinned_host) {
-  if (!where.is_cpu()) return gpu::device_free(p, where.index);
-  if (pinned_host) return gpu::pinned_free(p);
-  std::free(p);
 }
 }  // namespace
 
 Residency::Residency(Device device, std::vector<size_t> part_bytes, int items, int slots, const char* what)
     : device_(device), what_(what), part_bytes_(std::move(part_bytes)) {
   CW_CHECK(items > 0 && slots > 0 && slots <= items, "residency: {} slots for {} items", slots, items);
-  const bool pinned = !device_.is_cpu();
   for (int i = 0; i < items; ++i) {
     auto& parts = host_.emplace_back();
     for (size_t b : part_bytes_) {
-      parts.push_back(allocate(b, Device::host(), pinned));
-      std::memset(parts.back(), 0, b);
+      parts.emplace_back(b, device_);
+      std::memset(parts.back().data(), 0, b);
     }
   }
   for (int s = 0; s < slots; ++s) {
     auto& parts = slots_.emplace_back();
-    for (size_t b : part_bytes_) parts.push_back(allocate(b, device_, false));
+    for (size_t b : part_bytes_) parts.emplace_back(b, device_);
   }
   slot_of_.assign(static_cast<size_t>(items), -1);
   slot_item_.assign(static_cast<size_t>(slots), -1);
@@ -54,12 +42,7 @@ Residency::Residency(Device device, std::vector<size_t> part_bytes, int items, i
 }
 
 Residency::~Residency() {
-  const bool pinned = !device_.is_cpu();
-  wait_idle();  // no kernel or copy may still read or write what we free
-  for (auto& parts : host_)
-    for (void* p : parts) release(p, Device::host(), pinned);
-  for (auto& parts : slots_)
-    for (void* p : parts) release(p, device_, false);
+  wait_idle();  // no kernel or copy may still read or write what the members free after this
 }
 
 size_t Residency::item_bytes() const {
@@ -69,23 +52,19 @@ size_t Residency::item_bytes() const {
 }
 
 void* Residency::host(int item, int part) const {
-  return host_[static_cast<size_t>(item)][static_cast<size_t>(part)];
+  return host_[static_cast<size_t>(item)][static_cast<size_t>(part)].data();
 }
 
 void* Residency::device(int item, int part) const {
   const int s = slot_of_[static_cast<size_t>(item)];
   CW_CHECK(s >= 0, "residency: item {} is not on the device (fetch it first)", item);
-  return slots_[static_cast<size_t>(s)][static_cast<size_t>(part)];
+  return slots_[static_cast<size_t>(s)][static_cast<size_t>(part)].data();
 }
 
 void Residency::copy(void* dst, const void* src, size_t bytes, size_t slot) {
   if (bytes == 0) return;
   bytes_moved_ += bytes;
-  if (device_.is_cpu()) {
-    std::memcpy(dst, src, bytes);
-    return;
-  }
-  slot_ticket_[slot] = gpu::copy_on_side_stream(dst, src, bytes, device_.index);
+  slot_ticket_[slot] = copy_async(dst, src, bytes, device_);  // a memcpy on the CPU (ticket 0: nothing to wait for)
 }
 
 void Residency::zero(void* dst, size_t bytes, size_t slot) {

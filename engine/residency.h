@@ -22,6 +22,8 @@
 // tests/model/test_cuda_model.cpp) and the trace of copies (tests/engine/test_trace.cpp).
 #pragma once
 
+#include "engine/engine.h"
+#include "engine/memory.h"
 #include "engine/tensor.h"
 
 #include <cstddef>
@@ -73,8 +75,8 @@ class Residency {
   Device device_;
   const char* what_;
   std::vector<size_t> part_bytes_;
-  std::vector<std::vector<void*>> host_;   // [item][part]
-  std::vector<std::vector<void*>> slots_;  // [slot][part]
+  std::vector<std::vector<StagingBuffer>> host_;  // [item][part]: pinned on a GPU (engine.h)
+  std::vector<std::vector<Buffer>> slots_;        // [slot][part]: device memory
   std::vector<int> slot_of_;               // item -> slot or -1
   std::vector<int> slot_item_;             // slot -> item or -1
   std::vector<uint64_t> slot_used_;        // slot -> last use (LRU clock)

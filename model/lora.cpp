@@ -147,6 +147,17 @@ std::vector<ParamSpec> lora_parameter_table(const LlamaConfig& c, const LoraConf
   return t;
 }
 
+int64_t lora_parameter_count(const LlamaConfig& config, const LoraConfig& lora) {
+  if (!lora.enabled()) return 0;
+  int64_t n = 0;
+  for (const ParamSpec& spec : lora_parameter_table(config, lora)) n += spec.numel();
+  return n;
+}
+
+int64_t trained_parameter_count(const LlamaConfig& config, const LoraConfig& lora) {
+  return lora.enabled() ? lora_parameter_count(config, lora) : config.parameter_count();
+}
+
 void init_lora_parameters(const ParamSet& adapters, uint64_t seed, double b_std) {
   ParamSet host = ParamSet::like(adapters, DType::f64, Device::host());
   for (size_t i = 0; i < host.size(); ++i) {

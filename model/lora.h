@@ -58,6 +58,10 @@ std::string lora_module_path(ParamRole linear);
 // The adapters' table for a model: layer by layer, each targeted linear's lora_A [r, in] then lora_B
 // [out, r], named as PEFT saves them.
 std::vector<ParamSpec> lora_parameter_table(const LlamaConfig& config, const LoraConfig& lora);
+// The element count of that table (0 without adapters).
+int64_t lora_parameter_count(const LlamaConfig& config, const LoraConfig& lora);
+// What a run trains (master weights, gradients, moments): the adapters under LoRA, else every parameter.
+int64_t trained_parameter_count(const LlamaConfig& config, const LoraConfig& lora);
 
 // PEFT's initialisation (A kaiming-uniform from `seed`, each tensor its own stream; B zero), on any
 // device (drawn on the host in f64, then copied). b_std > 0 draws B from N(0, b_std) instead: gradient

@@ -59,6 +59,18 @@ bool adamw_decays(const AdamWOptions& options, const ParamSpec& spec) {
 
 bool AdamW::decays(const ParamSpec& spec) const { return adamw_decays(options_, spec); }
 
+std::vector<DecayRun> decay_runs(const ParamSet& like, const AdamWOptions& options, int64_t begin, int64_t end) {
+  std::vector<DecayRun> runs;
+  int64_t offset = 0;
+  for (size_t i = 0; i < like.size(); ++i) {
+    const int64_t n = like[i].numel();
+    const int64_t lo = std::max(begin, offset), hi = std::min(end, offset + n);
+    if (lo < hi) runs.push_back({lo, hi - lo, adamw_decays(options, like.specs()[i]) ? options.weight_decay : 0.0});
+    offset += n;
+  }
+  return runs;
+}
+
 void AdamW::step(const ParamSet& params, const ParamSet& grads, double lr, const ParamSet* compute_copy) {
   CW_CHECK(std::isfinite(lr) && lr >= 0.0, "AdamW: learning rate {} must be finite and >= 0", lr);
   check_same_table(params, exp_avg_, "the parameters", "the optimizer state");
@@ -187,13 +199,7 @@ AdamWShard::AdamWShard(const ParamSet& like, int64_t begin, int64_t end, const A
   check_float_dtype(like.dtype(), "the master weights");
   CW_CHECK(0 <= begin && begin <= end && end <= like.numel(), "AdamWShard: range [{}, {}) is not inside [0, {})", begin,
            end, like.numel());
-  int64_t offset = 0;
-  for (size_t i = 0; i < like.size(); ++i) {
-    const int64_t n = like[i].numel();
-    const int64_t lo = std::max(begin, offset), hi = std::min(end, offset + n);
-    if (lo < hi) pieces_.push_back({lo, hi - lo, adamw_decays(options_, like.specs()[i]) ? options_.weight_decay : 0.0});
-    offset += n;
-  }
+  pieces_ = decay_runs(like, options_, begin, end);
   exp_avg_ = OwnedTensor::on(like.device(), like.dtype(), {end - begin});  // zero-filled
   exp_avg_sq_ = OwnedTensor::on(like.device(), like.dtype(), {end - begin});
 }
@@ -208,7 +214,7 @@ void AdamWShard::step(const ParamSet& params, const ParamSet& grads, double lr, 
   check_float_dtype(grads.dtype(), "the gradients");
   ++step_;
   const Tensor p = params.flat(), g = grads.flat(), c = compute_copy ? compute_copy->flat() : Tensor{};
-  for (const Piece& piece : pieces_) {
+  for (const DecayRun& piece : pieces_) {
     const int64_t local = piece.begin - begin_;
     adamw_update(p.slice(0, piece.begin, piece.length), exp_avg_.tensor.slice(0, local, piece.length),
                  exp_avg_sq_.tensor.slice(0, local, piece.length), g.slice(0, piece.begin, piece.length),

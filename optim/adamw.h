@@ -87,6 +87,15 @@ class AdamW {
 // Whether a tensor with this spec receives weight decay under these options (see the header).
 bool adamw_decays(const AdamWOptions& options, const ParamSpec& spec);
 
+// The range [begin, end) of the flat parameter vector (ParamSet::flat, table order) cut at tensor
+// boundaries, each run with its tensor's weight decay: what an update over a range applies
+// (AdamWShard, OffloadedAdamW).
+struct DecayRun {
+  int64_t begin = 0, length = 0;  // in the flat vector
+  double weight_decay = 0;
+};
+std::vector<DecayRun> decay_runs(const ParamSet& like, const AdamWOptions& options, int64_t begin, int64_t end);
+
 // AdamW on one contiguous range [begin, end) of the flat parameter vector (every tensor of the
 // table, in table order, as ParamSet::flat() lays them out): ZeRO's sharded optimizer, where rank r
 // keeps the moments of its own range only (parallel/data_parallel.h). Element for element it is
@@ -116,13 +125,9 @@ class AdamWShard {
   void load(const std::string& path);        // throws naming the file and what differs; state unchanged then
 
  private:
-  struct Piece {
-    int64_t begin = 0, length = 0;  // in the flat vector
-    double weight_decay = 0;
-  };
   AdamWOptions options_;
   int64_t begin_ = 0, end_ = 0, numel_ = 0;
-  std::vector<Piece> pieces_;  // the range cut at tensor boundaries, in order
+  std::vector<DecayRun> pieces_;  // the range cut at tensor boundaries, in order
   OwnedTensor exp_avg_, exp_avg_sq_;  // on the parameters' device
   int64_t step_ = 0;
 };

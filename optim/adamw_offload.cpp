@@ -22,12 +22,11 @@ OffloadedAdamW::OffloadedAdamW(const ParamSet& master, Device device, const Adam
   CW_CHECK(master.device().is_cpu(), "the offloaded optimizer keeps the master weights in host memory, not on {}",
            device_name(master.device()));
   CW_CHECK(piece_elems >= 1, "the offloaded optimizer's piece must hold at least one element, got {}", piece_elems);
-  int64_t offset = 0;
-  for (size_t i = 0; i < master.size(); ++i) {
-    const ParamSpec& spec = master.specs()[i];
-    runs_.push_back({offset, spec.numel(), adamw_.decays(spec) ? options.weight_decay : 0.0});
-    offset += spec.numel();
-  }
+  runs_ = decay_runs(master, options, 0, master.numel());
+}
+
+size_t OffloadedAdamW::staging_bytes_for(int64_t numel, DType grad_dtype, DType compute_dtype, int64_t piece_elems) {
+  return size_t(kSlots) * size_t(std::min(piece_elems, numel)) * (dtype_size(grad_dtype) + dtype_size(compute_dtype));
 }
 
 size_t OffloadedAdamW::staging_bytes() const {
@@ -45,7 +44,7 @@ void OffloadedAdamW::update_piece(const ParamSet& master, int64_t begin, int64_t
   const int64_t blocks = (length + kThreadBlock - 1) / kThreadBlock;
   // The runs (tensors) a piece touches, found once: a block's tensors follow from them.
   const auto first_run = std::upper_bound(runs_.begin(), runs_.end(), begin,
-                                          [](int64_t x, const Run& r) { return x < r.begin; }) - 1;
+                                          [](int64_t x, const DecayRun& r) { return x < r.begin; }) - 1;
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t lo = begin + b * kThreadBlock, hi = std::min(begin + length, lo + kThreadBlock);

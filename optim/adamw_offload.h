@@ -55,19 +55,18 @@ class OffloadedAdamW {
   const AdamW& state() const { return adamw_; }
   int64_t piece_elems() const { return piece_; }
   size_t staging_bytes() const;  // pinned host bytes of the staging slots (allocated on the first step)
+  // The staging slots' bytes for a vector of `numel` elements (what staging_bytes() will be).
+  static size_t staging_bytes_for(int64_t numel, DType grad_dtype, DType compute_dtype,
+                                  int64_t piece_elems = kDefaultPieceElems);
 
  private:
-  struct Run {  // one tensor's range of the flat vector and its weight decay
-    int64_t begin = 0, length = 0;
-    double weight_decay = 0;
-  };
   void update_piece(const ParamSet& master, int64_t begin, int64_t length, const void* grad, DType grad_dtype,
                     void* compute, DType compute_dtype, double lr);
 
   AdamW adamw_;
   Device device_;
   int64_t piece_;
-  std::vector<Run> runs_;
+  std::vector<DecayRun> runs_;  // the whole vector, tensor by tensor
   std::vector<StagingBuffer> grad_stage_, compute_stage_;
 };
 

@@ -32,6 +32,8 @@
 #include <functional>
 #include <map>
 #include <optional>
+#include <ostream>
+#include <streambuf>
 #include <string>
 
 namespace cw {
@@ -71,5 +73,13 @@ std::string first_slurm_host(const std::string& host_list, const std::string& va
 // Tasks on node `node_index` from a SLURM tasks-per-node list ("2(x3),1": nodes 0-2 run 2, node 3 runs 1).
 // Throws naming `variable` when the list is malformed or has no such node.
 int slurm_tasks_on_node(const std::string& tasks_per_node, int node_index, const std::string& variable);
+
+// Where the ranks other than 0 print: a stream that drops what it is given.
+struct NullStream {
+  struct Buffer : std::streambuf {
+    int overflow(int c) override { return c; }
+  } buffer;
+  std::ostream stream{&buffer};
+};
 
 }  // namespace cw

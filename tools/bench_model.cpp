@@ -54,9 +54,7 @@ double flops_per_token(const LlamaConfig& c, int64_t T, const LoraConfig& lora) 
   const double attention = 12.0 * double(c.num_hidden_layers) * double(c.num_attention_heads) * double(c.head_dim) *
                            double(T) / 2.0;
   if (!lora.enabled()) return 6.0 * matmul_params + attention;
-  double adapter_params = 0;
-  for (const ParamSpec& s : lora_parameter_table(c, lora)) adapter_params += double(s.numel());
-  return 4.0 * matmul_params + 6.0 * adapter_params + attention;
+  return 4.0 * matmul_params + 6.0 * double(lora_parameter_count(c, lora)) + attention;
 }
 
 void write_result(const std::string& path, const nlohmann::json& r) {
@@ -100,11 +98,7 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
                      "{:.2f} s a step predicted\n",
                      so.name, so.chunk, so.offload_window, plan.peak_device_gib(), gib, plan.peak_host_gib(), plan.step_s);
   std::optional<DeviceMemoryLimitScope> limit;
-  if (o.device_memory_gib > 0) {
-    const double bytes = o.device_memory_gib * double(1ull << 30) - double(kCudaContextBytes);
-    CW_CHECK(bytes > 0, "bench --device-memory {} GiB is less than the CUDA context", o.device_memory_gib);
-    limit.emplace(g, static_cast<size_t>(bytes));
-  }
+  if (o.device_memory_gib > 0) limit.emplace(g, pool_limit_for(o.device_memory_gib, "bench --device-memory"));
 
   nlohmann::json r = {{"impl", "chunkwise"}, {"model", o.model}, {"seq", o.seq}, {"batch", o.batch},
                       {"schedule", so.name}, {"recompute", so.recompute}, {"chunk", so.chunk},

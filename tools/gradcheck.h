@@ -36,8 +36,7 @@
 #include "optim/options.h"
 #include "optim/schedule.h"
 
-#include <ostream>
-#include <streambuf>
+#include <iosfwd>
 #include <string>
 
 namespace cw {
@@ -73,12 +72,5 @@ struct GradcheckOptions {
 // (default tolerance 1e-4: f32 sums in other orders on the GPU). The other ranks return 0.
 int run_gradcheck(const GradcheckOptions& options, std::ostream& out, Communicator* world = nullptr);
 
-// A stream that drops what it is given (a launched rank other than 0 prints nothing).
-struct NullStream {
-  struct Buffer : std::streambuf {
-    int overflow(int c) override { return c; }
-  } buffer;
-  std::ostream stream{&buffer};
-};
 
 }  // namespace cw

@@ -359,17 +359,13 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
 
   // Fixed: one pool block per parameter set (model/params.cpp), RoPE tables (f32, T positions). What
   // is trained (master, moments, gradients) is every parameter, or under LoRA the adapters alone.
-  int64_t numel = 0, adapter_numel = 0;
-  for (const ParamSpec& p : parameter_table(cf)) numel += p.numel();
-  if (lora.enabled())
-    for (const ParamSpec& p : lora_parameter_table(cf, lora)) adapter_numel += p.numel();
-  const size_t n = size_t(numel), trained = lora.enabled() ? size_t(adapter_numel) : n;
+  const int64_t adapter_numel = lora_parameter_count(cf, lora);
+  const size_t n = size_t(cf.parameter_count()), trained = size_t(trained_parameter_count(cf, lora));
   r.device.emplace_back("weights", pool_block(n * e) + (lora.enabled() ? pool_block(trained * e) : 0));
   if (optimizer_offload) {  // optim/adamw_offload.h: master and moments on the host, pinned staging slots
     r.host.emplace_back("master", trained * acc);
     r.host.emplace_back("optimizer", 2 * trained * acc);
-    const size_t piece = std::min(trained, size_t(OffloadedAdamW::kDefaultPieceElems));
-    r.host.emplace_back("staging", size_t(OffloadedAdamW::kSlots) * piece * (acc + e));
+    r.host.emplace_back("staging", OffloadedAdamW::staging_bytes_for(int64_t(trained), accum_dtype(dtype), dtype));
   } else {
     if (dtype == DType::bf16) r.device.emplace_back("master", pool_block(trained * 4));
     r.device.emplace_back("optimizer", 2 * pool_block(trained * acc));
@@ -588,6 +584,14 @@ double device_gib_or_gpu(double gib) {
   if (gib > 0) return gib;
   const std::vector<GpuInfo> gpus = list_gpus();
   return gpus.empty() ? kDefaultDeviceGib : double(gpus.front().memory_bytes) / kGiB;
+}
+
+size_t pool_limit_for(double gib, const char* option) {
+  const double bytes = gib * kGiB - double(kCudaContextBytes);
+  if (!(bytes > 0))
+    fail(fmt::format("{} = {} GiB is less than the CUDA context's {} MiB", option, gib, kCudaContextBytes >> 20),
+         "give the GiB the run may use, e.g. --device-memory 24");
+  return static_cast<size_t>(bytes);
 }
 
 int run_plan(const PlanOptions& po, std::ostream& out) {

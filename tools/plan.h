@@ -95,6 +95,9 @@ ScheduleOptions resolve_auto_schedule(const LlamaConfig& config, int64_t B, int6
                                       bool optimizer_offload = false);
 // gib when positive, else the first GPU's memory, else 80.
 double device_gib_or_gpu(double gib);
+// The caching pool's ceiling (engine.h set_device_memory_limit) for `gib` of device memory
+// (--device-memory): the GiB less the CUDA context. Throws naming `option` when they do not cover it.
+size_t pool_limit_for(double gib, const char* option);
 
 std::string plan_table(const PlanReport& report);  // the human table, device and host by category
 std::string plan_json(const PlanReport& report);   // peak_device_gib, peak_host_gib, step_s, categories, ...

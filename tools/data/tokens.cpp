@@ -36,37 +36,9 @@ constexpr uint64_t kShuffleDomain = 0xda7a5a3b1e5eedull;
 
 std::string errno_text() { return std::strerror(errno); }
 
-using Fd = FileDescriptor;  // model/file.h
-
-Fd open_for_reading(const std::string& path) {
-  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
-  if (fd.get() < 0) fail(fmt::format("token file '{}': cannot open: {}", path, errno_text()), "check the path");
-  struct stat st {};
-  if (::fstat(fd.get(), &st) != 0 || !S_ISREG(st.st_mode))
-    fail(fmt::format("token file '{}': not a regular file", path), "give token files, not directories");
-  return fd;
-}
-
-int64_t file_size(const Fd& fd, const std::string& path) {
-  struct stat st {};
-  if (::fstat(fd.get(), &st) != 0) fail(fmt::format("token file '{}': cannot stat: {}", path, errno_text()));
-  return static_cast<int64_t>(st.st_size);
-}
-
-// Reads exactly n bytes at offset; a short read means the file shrank under us.
-void read_at(const Fd& fd, const std::string& path, void* buffer, int64_t n, int64_t offset) {
-  auto* p = static_cast<char*>(buffer);
-  while (n > 0) {
-    const ssize_t got = ::pread(fd.get(), p, static_cast<size_t>(n), static_cast<off_t>(offset));
-    if (got < 0 && errno == EINTR) continue;
-    if (got < 0) fail(fmt::format("token file '{}': read failed at byte offset {}: {}", path, offset, errno_text()));
-    if (got == 0)
-      fail(fmt::format("token file '{}': ends at byte offset {} while reading", path, offset),
-           "the file changed while it was being read; do not rewrite data files during a run");
-    p += got;
-    n -= got;
-    offset += got;
-  }
+// A token file opened for reading (model/file.h: errors name it as a token file).
+FileReader open_for_reading(const std::string& path) {
+  return FileReader(path, "token file", "give token files, not directories");
 }
 
 void write_all(int fd, const void* buffer, size_t n) {
@@ -107,11 +79,11 @@ void check_vocab_size(int64_t vocab_size) {
 
 // Appends the ids of a file already inspected, checking each against the vocabulary.
 void load_ids(const TokenFileInfo& info, int64_t vocab_size, std::vector<uint32_t>& out) {
-  Fd fd = open_for_reading(info.path);
+  const FileReader file = open_for_reading(info.path);
   const int64_t expected = info.data_offset + info.count * info.token_bytes;
-  if (file_size(fd, info.path) != expected)
+  if (static_cast<int64_t>(file.size()) != expected)
     fail(fmt::format("token file '{}': size changed to {} bytes since it was inspected ({} expected)", info.path,
-                     file_size(fd, info.path), expected),
+                     file.size(), expected),
          "do not rewrite data files during a run");
   const size_t base = out.size();
   out.resize(base + static_cast<size_t>(info.count));
@@ -119,7 +91,7 @@ void load_ids(const TokenFileInfo& info, int64_t vocab_size, std::vector<uint32_
   for (int64_t start = 0; start < info.count; start += kChunkTokens) {
     const int64_t n = std::min(kChunkTokens, info.count - start);
     const int64_t offset = info.data_offset + start * info.token_bytes;
-    read_at(fd, info.path, raw.data(), n * info.token_bytes, offset);
+    file.read_at(static_cast<uint64_t>(offset), raw.data(), static_cast<size_t>(n * info.token_bytes));
     uint32_t* dst = out.data() + base + start;
     const unsigned char* p = raw.data();
     // Decoded byte by byte: correct on any host byte order, and the compiler turns it into loads.
@@ -162,8 +134,8 @@ const char* token_format_name(TokenFormat f) {
 }
 
 TokenFileInfo inspect_token_file(const std::string& path, TokenFormat format) {
-  Fd fd = open_for_reading(path);
-  const int64_t size = file_size(fd, path);
+  const FileReader file = open_for_reading(path);
+  const int64_t size = static_cast<int64_t>(file.size());
   TokenFileInfo info;
   info.path = path;
   info.format = format;
@@ -173,7 +145,7 @@ TokenFileInfo inspect_token_file(const std::string& path, TokenFormat format) {
                        kShardHeaderBytes),
            "for a headerless id file pass format u16 or u32");
     std::array<unsigned char, kShardHeaderBytes> header{};
-    read_at(fd, path, header.data(), kShardHeaderBytes, 0);
+    file.read_at(0, header.data(), kShardHeaderBytes);
     const int32_t magic = le_i32(&header[0]);
     if (magic == kShardMagicU16) {
       info.token_bytes = 2;
@@ -241,7 +213,7 @@ TokenFileInfo write_token_shard(const std::string& path, std::span<const uint32_
 
   // The temporary lives in the same directory so that rename() is atomic (same filesystem).
   const std::string tmp = fmt::format("{}.tmp-{}", path, static_cast<long>(::getpid()));
-  Fd fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
+  FileDescriptor fd(::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644));
   if (fd.get() < 0)
     fail(fmt::format("token shard '{}': cannot create '{}': {}", path, tmp, errno_text()),
          "check that the directory exists and is writable");

@@ -12,6 +12,7 @@
 #include "optim/training.h"
 #include "parallel/data_parallel.h"
 #include "parallel/grid.h"
+#include "parallel/launch.h"
 #include "parallel/tensor_parallel.h"
 #include "chunkwise_config.h"
 #include "engine/engine.h"
@@ -38,7 +39,6 @@
 #include <iostream>
 #include <optional>
 #include <ostream>
-#include <streambuf>
 #include <unistd.h>
 
 namespace cw {
@@ -66,12 +66,6 @@ struct SignalGuard {
     sigaction(SIGINT, &old_int, nullptr);
     sigaction(SIGTERM, &old_term, nullptr);
   }
-};
-
-// Where the ranks other than 0 print: nowhere.
-class NullBuffer : public std::streambuf {
- protected:
-  int overflow(int c) override { return c; }
 };
 
 // The optimizer files of a checkpoint: one process's whole AdamW state; with ZeRO world rank w's
@@ -236,12 +230,8 @@ std::string duration(double s) {
 // the rest.
 double planned_bytes(const LlamaConfig& c, DType dt, const RunConfig& rc, const LoraConfig& lora) {
   const double e = static_cast<double>(dtype_size(dt)), a = static_cast<double>(dtype_size(accum_dtype(dt)));
-  double params = static_cast<double>(c.parameter_count()), frozen = 0;
-  if (lora.enabled()) {
-    frozen = params;
-    params = 0;
-    for (const ParamSpec& spec : lora_parameter_table(c, lora)) params += static_cast<double>(spec.numel());
-  }
+  const double params = static_cast<double>(trained_parameter_count(c, lora));
+  const double frozen = lora.enabled() ? static_cast<double>(c.parameter_count()) : 0.0;
   const int64_t B = rc.data.batch_size, T = rc.data.seq_len;
   const ScheduleOptions so = rc.schedule_options();
   int64_t chunk = (so.name == "full" || so.name == "checkpointed") ? T : std::max(so.chunk, so.bwd_chunk);
@@ -260,15 +250,10 @@ double planned_bytes(const LlamaConfig& c, DType dt, const RunConfig& rc, const 
 // Host memory the offloaded optimizer takes: master weights and both moments, and its staging slots.
 double host_planned_bytes(const LlamaConfig& c, DType dt, const RunConfig& rc, const LoraConfig& lora) {
   if (!rc.optimizer.offload) return 0;
-  double params = static_cast<double>(c.parameter_count());
-  if (lora.enabled()) {
-    params = 0;
-    for (const ParamSpec& spec : lora_parameter_table(c, lora)) params += static_cast<double>(spec.numel());
-  }
+  const int64_t params = trained_parameter_count(c, lora);
   const double master = dt == DType::bf16 ? 4.0 : static_cast<double>(dtype_size(dt));
-  const double piece = static_cast<double>(std::min<int64_t>(OffloadedAdamW::kDefaultPieceElems, int64_t(params)));
-  return 3 * master * params +
-         OffloadedAdamW::kSlots * piece * static_cast<double>(dtype_size(accum_dtype(dt)) + dtype_size(dt));
+  return 3 * master * static_cast<double>(params) +
+         static_cast<double>(OffloadedAdamW::staging_bytes_for(params, accum_dtype(dt), dt));
 }
 
 Device resolve_train_device(const std::string& setting) {
@@ -387,6 +372,10 @@ double usable_device_bytes(Device device) {
   return have;
 }
 
+// The device memory the planner checks against, from the bytes a run may still take: the CUDA
+// context is already among the used ones, and the plan counts it again (tools/plan.h).
+double plan_gib(double usable_bytes) { return (usable_bytes + double(kCudaContextBytes)) / double(1ull << 30); }
+
 // schedule.chunk / offload_window = auto: the planner's choice for this GPU's free memory (tools/plan.h).
 void resolve_auto_lengths(RunConfig& rc, const Placement& p, std::ostream& log) {
   ScheduleOptions& s = rc.schedule;
@@ -394,7 +383,7 @@ void resolve_auto_lengths(RunConfig& rc, const Placement& p, std::ostream& log) 
   if (p.device.is_cpu())
     fail("schedule.chunk / schedule.offload_window = auto: the planner models a GPU's memory",
          "give numbers on the CPU (e.g. schedule.chunk = 1024, offload_window = 0)");
-  const double gib = (usable_device_bytes(p.device) + double(kCudaContextBytes)) / double(1ull << 30);
+  const double gib = plan_gib(usable_device_bytes(p.device));
   s = resolve_auto_schedule(p.model, rc.data.batch_size, rc.data.seq_len, s, p.dtype, gib, p.lora, rc.optimizer.offload);
   log << fmt::format("schedule: the planner chose chunk {} and offload window {} for {:.1f} GiB of device memory\n",
                      s.chunk, s.offload_window, gib);
@@ -410,7 +399,7 @@ double check_memory(const Placement& p, const RunConfig& rc) {
       "lower data.batch_size, data.seq_len or schedule.chunk, use schedule.name = seco, or set optimizer.offload";
   if (!p.device.is_cpu()) {
     const PlanReport plan = plan_step(p.model, rc.data.batch_size, rc.data.seq_len, rc.schedule_options(), p.dtype,
-                                      (have + double(kCudaContextBytes)) / double(1ull << 30), p.lora,
+                                      plan_gib(have), p.lora,
                                       rc.optimizer.offload);
     need = static_cast<double>(plan.peak_device_bytes);
     if (!plan.advice.empty()) advice = plan.advice + " (or schedule.chunk = auto, offload_window = auto)";
@@ -556,8 +545,7 @@ void print_header(const RunConfig& rc, const Placement& p, const TrainData& data
                      dtype_name(p.dtype), device_name(p.device),
                      p.lora.enabled() ? " (frozen)" : p.dtype == DType::bf16 ? " (f32 master weights, f32 gradients)" : "");
   if (p.lora.enabled()) {
-    double adapters = 0;
-    for (const ParamSpec& spec : lora_parameter_table(mc, p.lora)) adapters += static_cast<double>(spec.numel());
+    const double adapters = static_cast<double>(lora_parameter_count(mc, p.lora));
     out << fmt::format("lora: rank {}, alpha {} (scale {}), dropout {}, on {}{}: {:.3f} M trainable parameters "
                        "({:.3f}% of the base){}\n",
                        p.lora.rank, p.lora.alpha, p.lora.scale(), p.lora.dropout, fmt::join(p.lora.target_names(), ","),
@@ -946,9 +934,8 @@ TrainResult run_training(const RunConfig& given, const TrainOptions& opt, std::o
          "set parallel.dp and parallel.tp (--set parallel.dp=N --set parallel.tp=M) so that dp x tp is the number of "
          "ranks launched");
   const bool lead = !comm || comm->rank() == 0;
-  NullBuffer null_buffer;
-  std::ostream silent(&null_buffer);
-  std::ostream& log = lead ? out : silent;
+  NullStream silent;  // parallel/launch.h
+  std::ostream& log = lead ? out : silent.stream;
   const auto t_start = std::chrono::steady_clock::now();
   TrainResult result;
   result.run_dir = !opt.run_dir.empty() ? opt.run_dir : (!rc.log.run_dir.empty() ? rc.log.run_dir : default_run_dir());
@@ -970,12 +957,7 @@ TrainResult run_training(const RunConfig& given, const TrainOptions& opt, std::o
       fail(fmt::format("train.device_memory = {} GiB limits a GPU's memory, but the run is on the CPU",
                        rc.train.device_memory),
            "leave train.device_memory at 0 on the CPU");
-    const double bytes = rc.train.device_memory * double(1ull << 30) - double(kCudaContextBytes);
-    if (bytes <= 0)
-      fail(fmt::format("train.device_memory = {} GiB is less than the CUDA context's {} MiB", rc.train.device_memory,
-                       kCudaContextBytes >> 20),
-           "give the GiB the run may use, e.g. --device-memory 24");
-    device_limit.emplace(placement.device, static_cast<size_t>(bytes));
+    device_limit.emplace(placement.device, pool_limit_for(rc.train.device_memory, "train.device_memory"));
   }
   // train.threads: the CPU kernels' threads for this run (and its thread ranks' share of them).
   std::optional<CpuThreadsScope> threads;
