@@ -128,26 +128,25 @@ ModelWeights ParamSet::weights() const {
 }
 
 void init_parameters(ParamSet& params, uint64_t seed, double initializer_range, double norm_jitter) {
-  if (!params.device().is_cpu()) {
-    // Draw on the host in f64 (the host path's own rounding), then one converting copy.
-    ParamSet host = ParamSet::like(params, DType::f64, Device::host());
-    init_parameters(host, seed, initializer_range, norm_jitter);
-    copy_params(params, host);
-    return;
-  }
   for (size_t i = 0; i < params.size(); ++i) {
     const ParamSpec& s = params.specs()[i];
     CW_CHECK(!s.is_adapter(), "init_parameters: {} is a LoRA adapter (model/lora.h: init_lora_parameters)", s.name);
     // Each tensor draws from its own stream (its index in the table), so initialisation does not
     // depend on the order tensors are visited in.
+    // A device tensor is drawn on the host in f64 (the host path's own rounding) and copied with one
+    // conversion, a tensor at a time: the host holds one tensor, not the model, in f64.
+    const bool on_host = params.device().is_cpu();
+    const OwnedTensor drawn = on_host ? OwnedTensor{} : OwnedTensor::of_shape(DType::f64, s.shape);
+    const Tensor& target = on_host ? params[i] : drawn.tensor;
     if (s.is_norm()) {
       if (norm_jitter > 0)
-        fill_normal(params[i], seed, i, 1.0, norm_jitter);
+        fill_normal(target, seed, i, 1.0, norm_jitter);
       else
-        fill(params[i], 1.0);
+        fill(target, 1.0);
     } else {
-      fill_normal(params[i], seed, i, 0.0, initializer_range);
+      fill_normal(target, seed, i, 0.0, initializer_range);
     }
+    if (!on_host) copy_convert(params[i], target);
   }
 }
 

@@ -100,3 +100,17 @@ TEST_CASE("random numbers are order-independent and roughly normal") {
   for (int i = 0; i < 4000; ++i) counts[r.below(4)]++;
   for (int c : counts) CHECK(std::abs(c - 1000) < 150);
 }
+
+TEST_CASE("random fills on threads give element i the value (seed, stream, i) names, in every dtype") {
+  const int64_t n = (1 << 17) + 3;  // above the threads' threshold, not a multiple of any thread count
+  const OwnedTensor d(DType::f64, {n}), f(DType::f32, {n}), b(DType::bf16, {n});
+  for (const Tensor& t : {d.tensor, f.tensor, b.tensor}) fill_normal(t, 11, 4, 0.5, 2.0);
+  int64_t wrong = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double z = 0.5 + 2.0 * normal01(11, 4, static_cast<uint64_t>(i));
+    wrong += d.tensor.ptr<double>()[i] != z;
+    wrong += f.tensor.ptr<float>()[i] != static_cast<float>(z);
+    wrong += b.tensor.ptr<bf16>()[i].bits != bf16::from_float(static_cast<float>(z)).bits;
+  }
+  CHECK(wrong == 0);
+}

@@ -58,6 +58,7 @@ struct Fixture {
     rc.eval.batches = 2;
     rc.checkpoint.every = 2;
     rc.sample.tokens = 0;
+    rc.train.device = "cpu";  // the cases below are the CPU's (f64, ranks as threads), also on a GPU machine
     return rc;
   }
 };
@@ -166,6 +167,21 @@ TEST_CASE("train with optimizer.offload: the bits of the run without it; each re
   TrainOptions quiet;
   quiet.run_dir = fx.dir.file("no-eval");
   CHECK_FALSE(run_training(no_eval, quiet, log).last_eval_loss.has_value());
+  CHECK(fs::exists(fs::path(quiet.run_dir) / "step-000002"));  // saved at the end by default
+
+  RunConfig keep_nothing = fx.config(3);  // checkpoint.at_end = false: with every = 0, no checkpoint at all
+  keep_nothing.checkpoint.every = 0;
+  keep_nothing.checkpoint.at_end = false;
+  TrainOptions bare;
+  bare.run_dir = fx.dir.file("keep-nothing");
+  CHECK(run_training(keep_nothing, bare, log).last_step == 3);
+  CHECK_FALSE(fs::exists(fs::path(bare.run_dir) / "latest"));
+  keep_nothing.checkpoint.every = 2;  // the periodic ones still come
+  TrainOptions periodic;
+  periodic.run_dir = fx.dir.file("periodic-only");
+  run_training(keep_nothing, periodic, log);
+  CHECK(fs::exists(fs::path(periodic.run_dir) / "step-000002"));
+  CHECK_FALSE(fs::exists(fs::path(periodic.run_dir) / "step-000003"));
 
   RunConfig capped = fx.config(2);
   capped.train.device_memory = 24;

@@ -81,6 +81,7 @@ const std::vector<Option<Eval>> eval_options = {
 };
 const std::vector<Option<Checkpoint>> checkpoint_options = {
   {"every",          "", &Checkpoint::every,      at_least(0, "never"),                 "save every this many steps and at the end; 0: only at the end"},
+  {"at_end",         "", &Checkpoint::at_end,     {},                                   "save at the end of the run; false: a run that keeps no state (benchmarks, checks; a stop signal still saves)"},
   {"keep_last",      "", &Checkpoint::keep_last,  at_least(1),                          "checkpoints kept; older ones are deleted"},
   {"resume",         "", &Checkpoint::resume,     {},                                   "continue from the run directory's latest complete checkpoint (as --resume)"},
 };

@@ -88,6 +88,7 @@ struct RunConfig {
   };
   struct Checkpoint {
     int64_t every = 100;                  // steps between checkpoints; 0: none periodically
+    bool at_end = true;                   // save when the last step is done (a stop signal saves regardless)
     int64_t keep_last = 2;                // older checkpoints are deleted
     bool resume = false;                  // continue from the run directory's latest checkpoint
     bool operator==(const Checkpoint&) const = default;

@@ -638,7 +638,8 @@ class TrainLoop {
         }
       }
       const bool stop = agreed(g_signals.load() > 0) || (opt_.stop_after > 0 && step - start_step_ >= opt_.stop_after && !last);
-      if ((rc_.checkpoint.every > 0 && step % rc_.checkpoint.every == 0) || last || stop) save(step);
+      if ((rc_.checkpoint.every > 0 && step % rc_.checkpoint.every == 0) || (last && rc_.checkpoint.at_end) || stop)
+        save(step);
       if (stop) {
         out_ << clear_line() << fmt::format("stopped: saved step {} in {}; continue with --resume\n", step,
                                             result.run_dir);
