@@ -60,7 +60,8 @@ AttentionKernel attention_kernel();
 enum class CudnnPlans { exact, shared };
 void set_cudnn_plans(CudnnPlans plans);
 CudnnPlans cudnn_plans();
-// Plans built ahead (env CW_CUDNN_PLAN_THREADS: the count of host threads; 0, the default: off): when
+// Plans built ahead (env CW_CUDNN_PLAN_THREADS: the count of host threads, 0: off; default half the
+// cores, at most 8): when
 // a call whose K/V are a slice of a longer store (a SeCO sweep) needs an exact plan not yet built,
 // the plans of the other offsets of its chunk length, both directions, in sweep order, are queued
 // for host threads that build them while the step runs. With determinism off, the chooser runs

@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <thread>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -88,7 +89,8 @@ int cudnn_plan_threads() {
   if (v < 0) {
     const char* e = std::getenv("CW_CUDNN_PLAN_THREADS");
     if (e == nullptr || *e == '\0') {
-      v = 0;  // off until the exit path (stop_background_work) has run on a GPU; 8 measured best (RESULTS.md)
+      // 8 measured best on a 16-core host (RESULTS.md); half the cores where there are fewer.
+      v = static_cast<int>(std::clamp(std::thread::hardware_concurrency() / 2, 1u, 8u));
     } else {
       char* end = nullptr;
       const long n = std::strtol(e, &end, 10);
