@@ -126,9 +126,10 @@ void run_blocks(ChunkActivations& a, KVStore& kv, const LlamaModel& model, const
                 Arena& scratch, int64_t mlp_shards) {
   const LlamaConfig& cf = model.config();
   const ModelWeights w = model.weights();
-  // A store with saved attention outputs makes every forward that keeps activations the reverse
-  // sweep's recompute (kv_store.h): it reads the chunk's saved outputs and writes nothing.
-  const bool recompute = keep && kv.has_outputs();
+  // A store with saved attention outputs makes a forward that keeps activations the reverse sweep's
+  // recompute (kv_store.h): it reads the chunk's saved outputs and writes nothing. A chunk the
+  // prefill did not reach (seco's last) has none: its forward computes them.
+  const bool recompute = keep && kv.has_outputs() && chunk.pos0 + chunk.c <= kv.outputs_written();
   const BlockContext ctx{cf, model.rope_cos(), model.rope_sin(), chunk.B, chunk.c, chunk.pos0, scratch, mlp_shards,
                          recompute, model.tensor_parallel(), chunk_lora_runtime(model, chunk)};
   // Layer activations are kept only when the policy allocated them; otherwise just the stream is.

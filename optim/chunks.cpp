@@ -136,8 +136,11 @@ StepFrame::StepFrame(Schedule& schedule, std::optional<KVStore>& store, LlamaMod
       moved_before_(kv.bytes_moved()),
       dropout_round_(model, step_index) {}
 
-double StepFrame::prefill(bool with_loss) {
-  return cw::prefill(kv, model, batch, chunk_bounds(batch.T(), options.chunk), norm, with_loss, arena,
+double StepFrame::prefill(bool with_loss, int64_t until) {
+  if (until < 0) until = batch.T();
+  if (until == 0) return 0.0;
+  // The same boundaries as a prefill of all T tokens (chunks start at multiples of options.chunk).
+  return cw::prefill(kv, model, batch, chunk_bounds(until, options.chunk), norm, with_loss, arena,
                      options.mlp_shards);
 }
 

@@ -50,8 +50,9 @@ class StepFrame {
   StepFrame(Schedule& schedule, std::optional<KVStore>& store, LlamaModel& model, const Batch& batch,
             double normaliser, uint64_t step_index);
 
-  // Every prefill chunk (options.chunk) forward into the store; the summed loss when with_loss.
-  double prefill(bool with_loss);
+  // The prefill chunks (options.chunk) of tokens [0, until) forward into the store (until < 0: all
+  // T); the summed loss when with_loss.
+  double prefill(bool with_loss, int64_t until = -1);
   // The reverse sweep's chunk boundaries (options.bwd_chunk, else options.chunk).
   std::vector<int64_t> sweep_bounds() const;
   // The index of the reverse-sweep chunk that starts at t0 (for traces).

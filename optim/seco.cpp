@@ -1,7 +1,9 @@
 // The `seco` schedule (Sequential Chunk-wise Optimization, Li et al. 2025).
 //
 //   1. Prefill: chunks of `chunk` tokens, first to last, through all layers with nothing saved but
-//      each layer's post-RoPE K and V, written into the store.
+//      each layer's post-RoPE K and V, written into the store; up to the start of the reverse
+//      sweep's last chunk, which nothing before it attends: step 2 runs its forward first anyway
+//      (one chunk: no prefill at all, the step is a plain forward and backward).
 //   2. Reverse sweep: chunks of `bwd_chunk` tokens, last to first. For chunk [s, e): recompute it
 //      through all layers keeping its activations (attending the stored K/V of [0, s)), then backprop
 //      its loss. Each layer's attention backward ADDS dK/dV for keys [0, e) into the store's
@@ -28,8 +30,8 @@ class SecoSchedule : public Schedule {
   StepStats step(LlamaModel& model, const Batch& batch, const ParamSet& grads, double normaliser,
                  uint64_t step_index) override {
     StepFrame f(*this, store_, model, batch, normaliser, step_index);
-    f.prefill(/*with_loss=*/false);  // 1. K/V of every token into the store
     const std::vector<int64_t> b = f.sweep_bounds();
+    f.prefill(/*with_loss=*/false, /*until=*/b[b.size() - 2]);  // 1. K/V of the tokens before the last chunk
     double loss = 0;
     for (size_t i = b.size() - 1; i-- > 0;) {  // 2. chunks last to first
       // Reads dK/dV relayed by later chunks, adds its own; chunk 0 is the step's last backward.

@@ -306,15 +306,19 @@ std::string describe(const ScheduleOptions& o) {
 // sends dK, dV [0, t1) home; with saved outputs it fetches the chunk's outputs instead of
 // recomputing them. `reverse`: the fraction of reverse chunks visited (spaco). Checked against the
 // recorded runs in tests/tools/test_plan.cpp.
-double kv_offload_bytes(const LlamaConfig& cf, int64_t B, int64_t T, int64_t c, int64_t c2, size_t e, size_t acc,
-                        bool saved, double reverse) {
+double kv_offload_bytes(const LlamaConfig& cf, int64_t B, int64_t T, int64_t c, int64_t c2, int64_t prefill_end,
+                        size_t e, size_t acc, bool saved, double reverse) {
   const double kv = double(2 * B * cf.num_key_value_heads * cf.head_dim) * double(e);
   const double g = double(2 * B * cf.num_key_value_heads * cf.head_dim) * double(acc);
   const double out = saved ? double(B * cf.num_attention_heads) * double(cf.head_dim * int64_t(e) + int64_t(acc)) : 0;
-  const double n = std::ceil(double(T) / double(c)), m = std::ceil(double(T) / double(c2));
-  const double prefill = kv * double(c) * n * (n - 1) / 2 + (kv + out) * double(T);
+  const double n = std::ceil(double(prefill_end) / double(c)), m = std::ceil(double(T) / double(c2));
+  const double prefill = kv * double(c) * n * (n - 1) / 2 + (kv + out) * double(prefill_end);
   const double prefix_sum = double(c2) * m * (m + 1) / 2;  // sum over reverse chunks of t1
-  const double recompute = saved ? out * double(T) : kv * prefix_sum + kv * double(T);
+  // With saved outputs the chunks the prefill did not reach (seco's last) run a forward instead:
+  // K, V of their prefix in, their K, V and outputs home.
+  const double unsaved = double(T - prefill_end);
+  const double recompute = saved ? out * double(prefill_end) + kv * double(prefill_end) + (kv + out) * unsaved
+                                 : kv * prefix_sum + kv * double(T);
   const double backward = kv * prefix_sum + g * (prefix_sum - double(T)) + g * prefix_sum + out * double(T);
   return double(cf.num_hidden_layers) * (prefill + reverse * (recompute + backward));
 }
@@ -353,6 +357,10 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
   r.T = T;
   r.chunk = chunked(o) && o.chunk > 0 ? std::min(o.chunk, T) : T;
   r.bwd_chunk = chunked(o) && o.bwd_chunk > 0 ? std::min(o.bwd_chunk, T) : r.chunk;
+  // The prefill's tokens: seco's stops where its last reverse chunk starts (optim/seco.cpp); spaco's
+  // runs all T (it reports every chunk's loss).
+  const int64_t prefill_end = o.name == "seco" ? (T + r.bwd_chunk - 1) / r.bwd_chunk * r.bwd_chunk - r.bwd_chunk
+                              : chunked(o) ? T : 0;
   r.offload_window = o.offload_window;
   r.device_gib = device_gib;
   const size_t e = dtype_size(dtype), acc = dtype_size(accum_dtype(dtype));
@@ -388,8 +396,9 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
   const ActivationPolicy policy = activation_policy(o);
   ArenaReplay arena;
   const LoraConfig* adapters = lora.enabled() ? &lora : nullptr;
-  if (chunked(o))
-    prefill_chunk(arena, Shape{cf, B, r.chunk, T, e, acc, adapters}, o.mlp_shards, o.name == "spaco");
+  if (prefill_end > 0)
+    prefill_chunk(arena, Shape{cf, B, std::min(r.chunk, prefill_end), T, e, acc, adapters}, o.mlp_shards,
+                  o.name == "spaco");
   backprop_chunk(arena, Shape{cf, B, r.bwd_chunk, T, e, acc, adapters}, policy, saved);
   r.device.emplace_back("activations", arena.reserved());
   if (policy.offload_inputs) r.host.emplace_back("layer inputs", size_t(L) * size_t(B * T * C) * e);
@@ -409,9 +418,9 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
   const double tokens = double(B * T);
   const double layer_matmul = 2.0 * double(L) * double(C * H * D + 2 * C * Hkv * D + H * D * C + 3 * C * F);
   const double mlp_gate_up = 2.0 * double(L) * double(2 * C * F);
-  // Forward passes of every layer: the prefill (seco, spaco: all tokens), the forward of the reverse
+  // Forward passes of every layer: the prefill (its share of the tokens), the forward of the reverse
   // tokens, one recompute more for checkpointed full; the backward counts as two (dX and dW).
-  const double prefill = chunked(o) ? 1 : 0;
+  const double prefill = double(prefill_end) / double(T);
   const double extra_forward = !policy.keep_layers ? 1 : 0;
   // A frozen base (LoRA) has no weight-gradient products: its backward counts once (dX).
   const double backward = lora.enabled() ? 1 : 2;
@@ -419,8 +428,11 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
   double matmul = tokens * layer_matmul * passes;
   // The adapters: 2 flops per adapter parameter and token in each forward, dX and d(A, B) backward.
   if (lora.enabled()) matmul += tokens * 2.0 * double(adapter_numel) * (prefill + reverse * (1 + extra_forward + 2));
-  // A recompute from saved attention outputs skips the K and V projections.
-  if (saved) matmul -= tokens * reverse * (1 + extra_forward) * 2.0 * double(L) * double(2 * C * Hkv * D);
+  // A recompute from saved attention outputs skips the K and V projections (not the first forward of
+  // a chunk the prefill did not reach).
+  const double unsaved_tokens = double(B * (T - prefill_end));
+  if (saved)
+    matmul -= (tokens * reverse * (1 + extra_forward) - unsaved_tokens) * 2.0 * double(L) * double(2 * C * Hkv * D);
   // Selective recompute and the tiled MLP with kept activations run gate/up again in the backward.
   const bool keep_mlp = resolve_mlp_shards(o.mlp_shards, cf, B * r.bwd_chunk) == 1 && !policy.recompute_mlp;
   if (policy.keep_layers && !keep_mlp) matmul += tokens * reverse * mlp_gate_up;
@@ -430,8 +442,10 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
   const double per_pair = 4.0 * double(H * D) * double(L) * double(B);
   // With saved outputs the reverse sweep's forwards (and a layer recompute) run no attention.
   const double reverse_forward = saved ? 0 : 1 + extra_forward;
-  const double attention = per_pair * (prefill * causal_pairs(T, r.chunk) +
-                                       reverse * causal_pairs(T, r.bwd_chunk) * (reverse_forward + 2.5));
+  const double unsaved_pairs = saved ? causal_pairs(T, r.bwd_chunk) - causal_pairs(prefill_end, r.bwd_chunk) : 0;
+  const double attention = per_pair * (causal_pairs(prefill_end, r.chunk) +
+                                       reverse * causal_pairs(T, r.bwd_chunk) * (reverse_forward + 2.5) +
+                                       unsaved_pairs);
   const double elementwise = tokens * double(L) * passes * double(16 * C + 6 * F) * double(e);
   // The optimizer: on the device, its traffic; offloaded, the slowest stage of its pipeline (gradients
   // in, the host's update, compute weights out), which overlap one another.
@@ -450,7 +464,7 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
   // The K/V offload's copies run on the side stream beside the compute (RESULTS.md: 99.9% of them
   // under it at 128K); they lengthen the step only where they outlast it.
   if (o.offload_window > 0 && o.offload_window < L) {
-    r.kv_moved_bytes = kv_offload_bytes(cf, B, T, r.chunk, r.bwd_chunk, e, acc, saved, reverse);
+    r.kv_moved_bytes = kv_offload_bytes(cf, B, T, r.chunk, r.bwd_chunk, prefill_end, e, acc, saved, reverse);
     const double copies_s = r.kv_moved_bytes / kPcieBytesPerS;
     r.time.emplace_back("kv copies beyond compute", std::max(0.0, copies_s - r.step_s));
     r.step_s = std::max(r.step_s, copies_s);

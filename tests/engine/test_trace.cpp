@@ -23,8 +23,10 @@ namespace {
 
 struct Shape {
   int64_t layers, B, T, chunk, bwd_chunk, window;
-  int64_t prefill_chunks() const { return (T + chunk - 1) / chunk; }
   int64_t sweep_chunks() const { return (T + bwd_chunk - 1) / bwd_chunk; }
+  // The prefill stops where the reverse sweep's last chunk starts (optim/seco.cpp).
+  int64_t prefill_end() const { return (sweep_chunks() - 1) * bwd_chunk; }
+  int64_t prefill_chunks() const { return (prefill_end() + chunk - 1) / chunk; }
 };
 
 // One seco step of `model` recorded from start to stop.

@@ -70,6 +70,8 @@ TEST_CASE("seco equals full backprop in fp64 across chunkings, batches, GQA rati
       {"chunk divides T", 1, 24, 8},
       {"chunk does not divide T", 1, 24, 7},
       {"chunk of one token", 1, 12, 1},
+      {"one chunk: no prefill, a forward and backward", 1, 24, 24},
+      {"last chunk shorter, not prefilled", 1, 24, 10},
       {"fwd chunk != bwd chunk", 1, 24, 7, 5},
       {"bwd chunk larger than fwd", 1, 24, 3, 10},
       {"batch of 3", 3, 20, 6},
@@ -185,6 +187,15 @@ TEST_CASE("seco and spaco with saved attention outputs equal them without; offlo
   o.bwd_chunk = 5;
   o.save_attention = true;
   for (int64_t window : {0, 2}) {
+    o.offload_window = window;
+    run(o, model, batch, g_saved);
+    CHECK(max_rel(g_saved, g_full) <= test::kSameMathF64Tol);
+  }
+  // One reverse chunk: no prefill, so no saved outputs to read: its forward computes and saves them.
+  o.chunk = 7;
+  o.bwd_chunk = 40;
+  for (int64_t window : {0, 2}) {
+    INFO("one reverse chunk, offload_window ", window);
     o.offload_window = window;
     run(o, model, batch, g_saved);
     CHECK(max_rel(g_saved, g_full) <= test::kSameMathF64Tol);
