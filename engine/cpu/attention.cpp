@@ -14,11 +14,15 @@ namespace cw::cpu {
 namespace {
 constexpr int64_t kQueryBlock = 64;  // query rows per score block: bounds scratch to 64 x S
 
+// p: the first query's position relative to the first key; unmasked, S (past every key), so the
+// causal rule "key j <= p + i" holds for every pair.
 struct Dims {
   int64_t B, c, H, D, S, Hkv, p;
+  // Keys the query rows [i0, i0 + rows) see between them.
+  int64_t keys_of(int64_t i0, int64_t rows) const { return std::min(S, p + i0 + rows); }
 };
-Dims dims_of(const Tensor& q, const Tensor& k) {
-  return {q.size(0), q.size(1), q.size(2), q.size(3), k.size(1), k.size(2), k.size(1) - q.size(1)};
+Dims dims_of(const Tensor& q, const Tensor& k, bool causal) {
+  return {q.size(0), q.size(1), q.size(2), q.size(3), k.size(1), k.size(2), causal ? k.size(1) - q.size(1) : k.size(1)};
 }
 
 // Scores of query rows [i0, i0+rows) against keys [0, keys) of one (batch, head), masked causally:
@@ -29,7 +33,7 @@ void probabilities(MatrixMap<T> P, const ConstMatrixMap<T>& Q, const ConstMatrix
   const int64_t rows = P.rows(), keys = P.cols();
   P.noalias() = (Q * K.topRows(keys).transpose()) * scale;
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t visible = first_query_pos + r + 1;  // keys [0, visible) are not masked
+    const int64_t visible = std::min(keys, first_query_pos + r + 1);  // keys [0, visible) are not masked
     auto row = P.row(r).head(visible).array();
     if (compute_lse) {
       const T m = row.maxCoeff();
@@ -64,8 +68,8 @@ size_t attention_scratch_bytes(int64_t c, int64_t S, DType dtype, bool backward)
 }
 
 void attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
-                       const Tensor& v, double scale, Arena& scratch) {
-  const Dims d = dims_of(q, k);
+                       const Tensor& v, double scale, Arena& scratch, bool causal) {
+  const Dims d = dims_of(q, k, causal);
   dispatch_float(q.dtype, "attention_forward", [&](auto zero) {
     using T = decltype(zero);
     ArenaScope scope(scratch);
@@ -81,7 +85,7 @@ void attention_forward(const Tensor& out, const AttentionSaved& saved, const Ten
         const auto K = cmatrix<T>(k.ptr<T>() + b * k.stride[0] + g * d.D, d.S, d.D, kv_row_stride);
         const auto V = cmatrix<T>(v.ptr<T>() + b * v.stride[0] + g * d.D, d.S, d.D, kv_row_stride);
         for (int64_t i0 = 0; i0 < d.c; i0 += kQueryBlock) {
-          const int64_t rows = std::min(kQueryBlock, d.c - i0), keys = d.p + i0 + rows;
+          const int64_t rows = std::min(kQueryBlock, d.c - i0), keys = d.keys_of(i0, rows);
           const int64_t q_off = ((b * d.c + i0) * d.H + h) * d.D;
           const auto Q = cmatrix<T>(q.ptr<T>() + q_off, rows, d.D, row_stride);
           auto P = matrix<T>(score_block, rows, keys, keys);
@@ -95,8 +99,8 @@ void attention_forward(const Tensor& out, const AttentionSaved& saved, const Ten
 
 void attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,
                         const AttentionSaved& saved, const Tensor& q, const Tensor& k, const Tensor& v,
-                        const Tensor& out, double scale, GradMode mode, Arena& scratch) {
-  const Dims d = dims_of(q, k);
+                        const Tensor& out, double scale, GradMode mode, Arena& scratch, bool causal) {
+  const Dims d = dims_of(q, k, causal);
   dispatch_float(q.dtype, "attention_backward", [&](auto zero) {
     using T = decltype(zero);
     ArenaScope scope(scratch);
@@ -115,7 +119,7 @@ void attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v,
         auto dK = matrix<T>(d_k.ptr<T>() + b * d_k.stride[0] + g * d.D, d.S, d.D, kv_row_stride);
         auto dV = matrix<T>(d_v.ptr<T>() + b * d_v.stride[0] + g * d.D, d.S, d.D, kv_row_stride);
         for (int64_t i0 = 0; i0 < d.c; i0 += kQueryBlock) {
-          const int64_t rows = std::min(kQueryBlock, d.c - i0), keys = d.p + i0 + rows;
+          const int64_t rows = std::min(kQueryBlock, d.c - i0), keys = d.keys_of(i0, rows);
           const int64_t q_off = ((b * d.c + i0) * d.H + h) * d.D;
           const auto Q = cmatrix<T>(q.ptr<T>() + q_off, rows, d.D, row_stride);
           const auto O = cmatrix<T>(out.ptr<T>() + q_off, rows, d.D, row_stride);
@@ -137,6 +141,28 @@ void attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v,
           dK.topRows(keys).noalias() += (dS.transpose() * Q) * T(scale);
           dV.topRows(keys).noalias() += P.transpose() * dO;
         }
+      }
+  });
+}
+
+void attention_merge(const Tensor& acc, const Tensor& lse_acc, const Tensor& out_b, const Tensor& lse_b) {
+  const int64_t B = acc.size(0), c = acc.size(1), H = acc.size(2), D = acc.size(3);
+  dispatch_float(out_b.dtype, "attention_merge", [&](auto zero) {
+    using T = decltype(zero);  // the CPU computes in f64 or f32, its own accumulation dtype
+    T* o = acc.ptr<T>();
+    T* l = lse_acc.ptr<T>();
+    const T* ob = out_b.ptr<T>();
+    const T* lb = lse_b.ptr<T>();
+#pragma omp parallel for schedule(static) if (worth_threads(4.0 * double(B * c * H * D)))
+    for (int64_t bh = 0; bh < B * H; ++bh)
+      for (int64_t i = 0; i < c; ++i) {
+        const int64_t b = bh / H, h = bh % H, s = bh * c + i;
+        const T m = std::max(l[s], lb[s]);
+        const T wa = std::exp(l[s] - m), wb = std::exp(lb[s] - m), sum = wa + wb;
+        T* row = o + ((b * c + i) * H + h) * D;
+        const T* row_b = ob + ((b * c + i) * H + h) * D;
+        for (int64_t x = 0; x < D; ++x) row[x] = (wa * row[x] + wb * row_b[x]) / sum;
+        l[s] = m + std::log(sum);
       }
   });
 }

@@ -80,6 +80,22 @@ void launch_dq_convert(const Operands<bf16_t>& a, const Problem& pr, cudaStream_
   dq_convert_kernel<<<grid, 256, 0, stream>>>(a.dq_accum, a.o, quads, pr.scale, pr.accumulate);
   CW_KERNEL_CHECK();
 }
+// attention_merge: one thread per (batch, head, query) row of D values.
+template <class T>
+__global__ void attention_merge_kernel(float* __restrict__ acc, float* __restrict__ lse_acc, const T* __restrict__ out_b,
+                                       const float* __restrict__ lse_b, int64_t rows, int c, int H, int D) {
+  for (int64_t s = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; s < rows;
+       s += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t bh = s / c, i = s % c, b = bh / H, h = bh % H;
+    const float la = lse_acc[s], lb = lse_b[s], m = fmaxf(la, lb);
+    const float wa = expf(la - m), wb = expf(lb - m), sum = wa + wb;
+    float* row = acc + ((b * c + i) * H + h) * D;
+    const T* row_b = out_b + ((b * c + i) * H + h) * D;
+    for (int x = 0; x < D; ++x) row[x] = (wa * row[x] + wb * to_f32(row_b[x])) / sum;
+    lse_acc[s] = m + logf(sum);
+  }
+}
+
 void launch_delta_tc(const Operands<bf16_t>& a, const Problem& pr, cudaStream_t stream) {
   const int64_t threads = static_cast<int64_t>(pr.B) * pr.c * pr.H * (pr.D / 8);
   if (pr.D == 64) delta_tc_kernel<64><<<blocks_for(threads, 256), 256, 0, stream>>>(a, pr);
@@ -97,7 +113,7 @@ const char* family_name(FlashFamily f) {
 // The op's contract (shapes, GQA, dtypes, layouts, devices) is checked by the public entry
 // (engine/ops/attention.cpp); what is checked here is the flash kernels' own: f32 or bf16, an even
 // head dim of at most 128, the grid; the tensor-core families' alignment below.
-Problem check_common(const Tensor& q, const Tensor& k, const Tensor& v, double scale) {
+Problem check_common(const Tensor& q, const Tensor& k, const Tensor& v, double scale, bool causal) {
   const int64_t B = q.size(0), c = q.size(1), H = q.size(2), D = q.size(3), S = k.size(1), Hkv = k.size(2);
   CW_CHECK(D > 0 && D % 2 == 0 && D <= 128, "flash attention: head dim {} must be even and at most 128", D);
   CW_CHECK(q.dtype == DType::f32 || q.dtype == DType::bf16, "flash attention: q is {}; the GPU computes in f32 or bf16",
@@ -109,7 +125,9 @@ Problem check_common(const Tensor& q, const Tensor& k, const Tensor& v, double s
   Problem pr{};
   pr.B = static_cast<int>(B), pr.c = static_cast<int>(c), pr.H = static_cast<int>(H);
   pr.Hkv = static_cast<int>(Hkv), pr.D = static_cast<int>(D), pr.S = static_cast<int>(S);
-  pr.p = static_cast<int>(S - c), pr.group = static_cast<int>(H / Hkv);
+  // The first query's position relative to the first key: unmasked, S, past every key, so the
+  // kernels' causal rule (key <= p + row) admits every pair and only the key count bounds the tiles.
+  pr.p = static_cast<int>(causal ? S - c : S), pr.group = static_cast<int>(H / Hkv);
   pr.q_row = H * D, pr.kv_row = Hkv * D;
   pr.k_batch = k.stride[0], pr.v_batch = v.stride[0];
   pr.scale = static_cast<float>(scale), pr.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
@@ -144,8 +162,8 @@ bool flash_wgmma_available(int device) {
 }
 
 void flash_attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
-                             const Tensor& v, double scale, FlashFamily family) {
-  const Problem pr = check_common(q, k, v, scale);
+                             const Tensor& v, double scale, FlashFamily family, bool causal) {
+  const Problem pr = check_common(q, k, v, scale, causal);
   if (pr.B == 0 || pr.c == 0 || pr.H == 0) return;
   cudaStream_t stream = current_stream(q.device.index);
   if (family != FlashFamily::simt) {
@@ -171,8 +189,8 @@ void flash_attention_forward(const Tensor& out, const AttentionSaved& saved, con
 void flash_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,
                               const AttentionSaved& saved, const Tensor& q, const Tensor& k, const Tensor& v,
                               const Tensor& out, double scale, GradMode mode, Arena& scratch, FlashFamily family,
-                              bool deterministic) {
-  Problem pr = check_common(q, k, v, scale);
+                              bool deterministic, bool causal) {
+  Problem pr = check_common(q, k, v, scale, causal);
   if (pr.B == 0 || pr.c == 0 || pr.H == 0) return;
   pr.dk_batch = d_k.stride[0], pr.dv_batch = d_v.stride[0];
   pr.accumulate = mode == GradMode::accumulate;
@@ -204,6 +222,25 @@ void flash_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor
   } else {
     simt_backward(operands(float{}), pr, stream);
   }
+}
+
+void attention_merge(const Tensor& acc, const Tensor& lse_acc, const Tensor& out_b, const Tensor& lse_b) {
+  CW_CHECK(out_b.dtype == DType::f32 || out_b.dtype == DType::bf16, "attention_merge: out_b is {}; the GPU merges f32 or bf16",
+           dtype_name(out_b.dtype));
+  const int64_t B = acc.size(0), c = acc.size(1), H = acc.size(2), D = acc.size(3), rows = B * H * c;
+  if (rows == 0) return;
+  cudaStream_t stream = current_stream(acc.device.index);
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>((rows + 255) / 256, 65535));
+  float* o = static_cast<float*>(acc.data);
+  float* l = static_cast<float*>(lse_acc.data);
+  const float* lb = static_cast<const float*>(lse_b.data);
+  if (out_b.dtype == DType::bf16)
+    attention_merge_kernel<<<grid, 256, 0, stream>>>(o, l, static_cast<const bf16_t*>(out_b.data), lb, rows, int(c),
+                                                     int(H), int(D));
+  else
+    attention_merge_kernel<<<grid, 256, 0, stream>>>(o, l, static_cast<const float*>(out_b.data), lb, rows, int(c),
+                                                     int(H), int(D));
+  CW_KERNEL_CHECK();
 }
 
 }  // namespace cw::gpu

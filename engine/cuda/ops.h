@@ -67,12 +67,15 @@ void lora_linear_backward(const Tensor& d_x, const Tensor& d_a, const Tensor& d_
 // the two-kernel form whose every sum has a fixed order.
 enum class FlashFamily { wgmma, mma, simt };
 bool flash_wgmma_available(int device);
+// causal false: every query sees every key (AttentionMask::none), any S >= 1.
 void flash_attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
-                             const Tensor& v, double scale, FlashFamily family);
+                             const Tensor& v, double scale, FlashFamily family, bool causal = true);
 void flash_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,
                               const AttentionSaved& saved, const Tensor& q, const Tensor& k, const Tensor& v,
                               const Tensor& out, double scale, GradMode mode, Arena& scratch, FlashFamily family,
-                              bool deterministic);
+                              bool deterministic, bool causal = true);
+// attention_merge (engine/ops/attention.h): acc, lse_acc, lse_b f32; out_b f32 or bf16.
+void attention_merge(const Tensor& acc, const Tensor& lse_acc, const Tensor& out_b, const Tensor& lse_b);
 
 // cuDNN fused attention (engine/cuda/attention_cudnn.cu; builds with cuDNN only).
 int64_t cudnn_runtime_version();  // cudnnGetVersion() of the library loaded at run time, e.g. 91400

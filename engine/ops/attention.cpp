@@ -113,11 +113,14 @@ bool packed_kv(const Tensor& t, int64_t Hkv, int64_t D) {
 }
 
 void check_forward_operands(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-                            const AttentionSaved& saved, const Arena& scratch) {
+                            const AttentionSaved& saved, const Arena& scratch, AttentionMask mask) {
   CW_CHECK(q.ndim == 4 && k.ndim == 4, "attention q {} and k {} must be [B, c, H, D] and [B, S, Hkv, D]",
            q.describe(), k.describe());
   const int64_t B = q.size(0), c = q.size(1), H = q.size(2), D = q.size(3), S = k.size(1), Hkv = k.size(2);
-  CW_CHECK(S >= c, "attention: {} queries but only {} keys (keys must cover [0, p + c))", c, S);
+  if (mask == AttentionMask::causal)
+    CW_CHECK(S >= c, "attention: {} queries but only {} keys (keys must cover [0, p + c))", c, S);
+  else
+    CW_CHECK(S >= 1, "attention: an unmasked call needs at least one key, got {}", S);
   CW_CHECK(Hkv > 0 && H % Hkv == 0, "attention: {} query heads not a multiple of {} K/V heads", H, Hkv);
   check_shape(k, {B, S, Hkv, D}, "attention k");
   check_same_shape(v, k, "attention v", "attention k");
@@ -197,6 +200,10 @@ bool serves(AttentionKernel kernel, const AttentionCall& call, const AttentionFl
     case AttentionKernel::cudnn:
 #if CW_HAVE_CUDNN
       if (cpu) break;
+      if (call.mask != AttentionMask::causal) {
+        *why = "its plans here are causal (an unmasked key block runs on flash)";
+        return false;
+      }
       // Automatic, determinism off: a SeCO call whose plan is still being built ahead runs on flash
       // rather than wait for it (the first step; engine.h, cudnn_plan_threads). With determinism
       // on, which kernel runs must not depend on timing, so the call waits.
@@ -252,9 +259,9 @@ bool serves(AttentionKernel kernel, const AttentionCall& call, const AttentionFl
 }  // namespace
 
 AttentionCall attention_call(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor* d_q,
-                             const Tensor* d_out, const Tensor* d_k, const Tensor* d_v) {
+                             const Tensor* d_out, const Tensor* d_k, const Tensor* d_v, AttentionMask mask) {
   AttentionCall call{q.device, q.dtype, q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3),
-                     d_q != nullptr, false, &q, &k, &v};
+                     d_q != nullptr, false, &q, &k, &v, mask};
   // The tensor-core kernels load rows with 16-byte copies and add dK/dV with 8-byte vectors.
   call.tensor_core_operands = aligned(&q, 16) && aligned(&k, 16) && aligned(&v, 16) && aligned(&out, 16) &&
                               aligned(d_q, 16) && aligned(d_out, 16) && aligned(d_k, 8) && aligned(d_v, 8) &&
@@ -294,21 +301,23 @@ AttentionChoice choose_attention_kernel(const AttentionCall& call, const Attenti
 
 // ---- The op ----
 void attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
-                       const Tensor& v, double scale, Arena& scratch) {
-  check_forward_operands(q, k, v, out, saved, scratch);
-  const AttentionChoice choice = choose_attention_kernel(attention_call(q, k, v, out), attention_flags());
+                       const Tensor& v, double scale, Arena& scratch, AttentionMask mask) {
+  check_forward_operands(q, k, v, out, saved, scratch, mask);
+  const AttentionChoice choice =
+      choose_attention_kernel(attention_call(q, k, v, out, nullptr, nullptr, nullptr, nullptr, mask), attention_flags());
+  const bool causal = mask == AttentionMask::causal;
   switch (choice.kernel) {
-    case AttentionKernel::cpu: return cpu::attention_forward(out, saved, q, k, v, scale, scratch);
+    case AttentionKernel::cpu: return cpu::attention_forward(out, saved, q, k, v, scale, scratch, causal);
 #if CW_HAVE_CUDNN
     case AttentionKernel::cudnn: return gpu::cudnn_attention_forward(out, saved, q, k, v, scale, scratch);
 #endif
 #if CW_HAVE_CUDA
     case AttentionKernel::flash_wgmma:
-      return gpu::flash_attention_forward(out, saved, q, k, v, scale, gpu::FlashFamily::wgmma);
+      return gpu::flash_attention_forward(out, saved, q, k, v, scale, gpu::FlashFamily::wgmma, causal);
     case AttentionKernel::flash_mma:
-      return gpu::flash_attention_forward(out, saved, q, k, v, scale, gpu::FlashFamily::mma);
+      return gpu::flash_attention_forward(out, saved, q, k, v, scale, gpu::FlashFamily::mma, causal);
     case AttentionKernel::flash_simt:
-      return gpu::flash_attention_forward(out, saved, q, k, v, scale, gpu::FlashFamily::simt);
+      return gpu::flash_attention_forward(out, saved, q, k, v, scale, gpu::FlashFamily::simt, causal);
 #endif
     default: fail(std::string("attention: kernel ") + attention_kernel_name(choice.kernel) + " is not in this build");
   }
@@ -316,15 +325,16 @@ void attention_forward(const Tensor& out, const AttentionSaved& saved, const Ten
 
 void attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,
                         const AttentionSaved& saved, const Tensor& q, const Tensor& k, const Tensor& v,
-                        const Tensor& out, double scale, GradMode mode, Arena& scratch) {
-  check_forward_operands(q, k, v, out, saved, scratch);
+                        const Tensor& out, double scale, GradMode mode, Arena& scratch, AttentionMask mask) {
+  check_forward_operands(q, k, v, out, saved, scratch, mask);
   check_backward_operands(d_q, d_k, d_v, d_out, q, k);
   const AttentionFlags flags = attention_flags();
   const AttentionChoice choice =
-      choose_attention_kernel(attention_call(q, k, v, out, &d_q, &d_out, &d_k, &d_v), flags);
+      choose_attention_kernel(attention_call(q, k, v, out, &d_q, &d_out, &d_k, &d_v, mask), flags);
+  const bool causal = mask == AttentionMask::causal;
   switch (choice.kernel) {
     case AttentionKernel::cpu:
-      return cpu::attention_backward(d_q, d_k, d_v, d_out, saved, q, k, v, out, scale, mode, scratch);
+      return cpu::attention_backward(d_q, d_k, d_v, d_out, saved, q, k, v, out, scale, mode, scratch, causal);
 #if CW_HAVE_CUDNN
     case AttentionKernel::cudnn:
       return gpu::cudnn_attention_backward(d_q, d_k, d_v, d_out, saved, q, k, v, out, scale, mode, scratch);
@@ -337,11 +347,35 @@ void attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v,
                                       : choice.kernel == AttentionKernel::flash_mma ? gpu::FlashFamily::mma
                                                                                     : gpu::FlashFamily::simt;
       return gpu::flash_attention_backward(d_q, d_k, d_v, d_out, saved, q, k, v, out, scale, mode, scratch, family,
-                                           flags.deterministic);
+                                           flags.deterministic, causal);
     }
 #endif
     default: fail(std::string("attention: kernel ") + attention_kernel_name(choice.kernel) + " is not in this build");
   }
+}
+
+void attention_merge(const Tensor& acc, const Tensor& lse_acc, const Tensor& out_b, const Tensor& lse_b) {
+  CW_CHECK(acc.ndim == 4, "attention_merge: acc {} must be [B, c, H, D]", acc.describe());
+  const int64_t B = acc.size(0), c = acc.size(1), H = acc.size(2);
+  check_same_shape(out_b, acc, "attention_merge out_b", "attention_merge acc");
+  check_shape(lse_acc, {B, H, c}, "attention_merge lse_acc");
+  check_shape(lse_b, {B, H, c}, "attention_merge lse_b");
+  CW_CHECK(out_b.dtype != DType::i32, "attention_merge: out_b is i32, not a float dtype");
+  const DType acc_dtype = accum_dtype(out_b.dtype);
+  for (const auto& [t, name] : {std::pair{&acc, "attention_merge acc"}, {&lse_acc, "attention_merge lse_acc"},
+                                {&lse_b, "attention_merge lse_b"}})
+    check_dtype(*t, acc_dtype, name);
+  for (const auto& [t, name] : {std::pair{&acc, "attention_merge acc"}, {&lse_acc, "attention_merge lse_acc"},
+                                {&out_b, "attention_merge out_b"}, {&lse_b, "attention_merge lse_b"}})
+    check_contiguous(*t, name);
+  check_same_device({{acc, "attention_merge acc"}, {lse_acc, "attention_merge lse_acc"},
+                     {out_b, "attention_merge out_b"}, {lse_b, "attention_merge lse_b"}});
+  if (acc.device.is_cpu()) return cpu::attention_merge(acc, lse_acc, out_b, lse_b);
+#if CW_HAVE_CUDA
+  return gpu::attention_merge(acc, lse_acc, out_b, lse_b);
+#else
+  fail("attention_merge: the operands are on a GPU but this build has no CUDA");
+#endif
 }
 
 }  // namespace cw

@@ -8,6 +8,11 @@
 //             d_q_i   = scale sum_j dS_ij k_j                 (overwrite or accumulate)
 //             d_k_j  += scale sum_i dS_ij q_i                  (always ADDED: the caller's buffer covers
 //             d_v_j  += sum_i P_ij d_out_i                      [0, p+c), which is what SeCO needs)
+// Unmasked (mask = AttentionMask::none): every query sees all S keys, which then need not cover the
+//   chunk (any S >= 1). This is a block of keys lying wholly before the chunk: attention against a
+//   long prefix can run block by block, each block's (out, lse) combined by attention_merge, and
+//   the backward per block given the combined out and lse (P_ij = exp(s_ij - lse_i) is then each
+//   pair's share of the whole row, so the blocks' dK, dV and summed dQ are the whole call's).
 // Shapes: q, out, d_q, d_out [B, c, H, D]; k, v [B, S, Hkv, D]; d_k, d_v [B, S, Hkv, D] in the
 // accumulation dtype (f32 for f32/bf16, f64 for f64). k, v, d_k, d_v may have any batch stride
 // (a slice of the K/V store); their inner [S, Hkv, D] must be packed. All on q's device (scratch too).
@@ -28,6 +33,8 @@ namespace cw {
 struct AttentionSaved {
   Tensor lse;  // [B, H, c]
 };
+
+enum class AttentionMask { causal, none };
 
 // The kernel families that implement this op. Every call goes through choose_attention_kernel,
 // which picks one from the call's shape, device and flags; tests and benchmarks force a family with
@@ -53,11 +60,12 @@ struct AttentionCall {
   const Tensor* q;  // the operands themselves, for backends that build plans from them (cuDNN)
   const Tensor* k;
   const Tensor* v;
+  AttentionMask mask = AttentionMask::causal;
 };
 // out and, in the backward, d_q, d_out, d_k, d_v take part in the alignment rule.
 AttentionCall attention_call(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                              const Tensor* d_q = nullptr, const Tensor* d_out = nullptr, const Tensor* d_k = nullptr,
-                             const Tensor* d_v = nullptr);
+                             const Tensor* d_v = nullptr, AttentionMask mask = AttentionMask::causal);
 struct AttentionFlags {
   AttentionKernel forced = AttentionKernel::automatic;  // what set_attention_kernel says, by default
   bool deterministic = false;                           // only bitwise-reproducible kernels
@@ -73,9 +81,18 @@ AttentionChoice choose_attention_kernel(const AttentionCall& call, const Attenti
 AttentionFlags attention_flags();
 
 void attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
-                       const Tensor& v, double scale, Arena& scratch);
+                       const Tensor& v, double scale, Arena& scratch, AttentionMask mask = AttentionMask::causal);
 void attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,
                         const AttentionSaved& saved, const Tensor& q, const Tensor& k, const Tensor& v,
-                        const Tensor& out, double scale, GradMode mode, Arena& scratch);
+                        const Tensor& out, double scale, GradMode mode, Arena& scratch,
+                        AttentionMask mask = AttentionMask::causal);
+
+// Combines the attention of the same queries against two disjoint sets of keys (blocks of one row):
+//   lse = log(exp(lse_acc) + exp(lse_b))
+//   acc = exp(lse_acc - lse) acc + exp(lse_b - lse) out_b;  lse_acc = lse
+// acc [B, c, H, D] and lse_acc [B, H, c] in the accumulation dtype (updated in place), out_b
+// [B, c, H, D] in the compute dtype, lse_b [B, H, c] in the accumulation dtype. Nothing saved; no
+// backward (the blocks' backward takes the combined out and lse, above). Packed operands, one device.
+void attention_merge(const Tensor& acc, const Tensor& lse_acc, const Tensor& out_b, const Tensor& lse_b);
 
 }  // namespace cw

@@ -398,9 +398,11 @@ Row accumulate_op(int64_t N, int64_t C, bool f32_dst) {
 }
 
 // Chunk against cache: c queries at [p, p + c), p = S - c; K/V (and d_K/d_V) the [0, S) slice of a
-// store of T >= S positions (a larger batch stride when T > S, as the K/V store's).
+// store of T >= S positions (a larger batch stride when T > S, as the K/V store's). Unmasked: the
+// keys a block wholly before the queries (any S, also below c).
 struct AttnShape {
   int64_t B, c, S, H, Hkv, D, T;
+  AttentionMask mask = AttentionMask::causal;
 };
 std::vector<Variant> attention_families() {
   return {{"cudnn deterministic", AttentionKernel::cudnn, true},
@@ -413,24 +415,31 @@ std::vector<Variant> attention_families() {
 }
 Row attention(AttnShape a, std::vector<Variant> variants = attention_families()) {
   const double scale = 1.0 / std::sqrt(static_cast<double>(a.D));
-  Row r = finish(make_row(fmt::format("attention B={} c={} S={} (p={}) H={} Hkv={} D={} T={}", a.B, a.c, a.S, a.S - a.c, a.H,
-                              a.Hkv, a.D, a.T),
+  const bool causal = a.mask == AttentionMask::causal;
+  Row r = finish(make_row(causal ? fmt::format("attention B={} c={} S={} (p={}) H={} Hkv={} D={} T={}", a.B, a.c, a.S,
+                                               a.S - a.c, a.H, a.Hkv, a.D, a.T)
+                                 : fmt::format("attention unmasked B={} c={} S={} H={} Hkv={} D={} T={}", a.B, a.c, a.S,
+                                               a.H, a.Hkv, a.D, a.T),
                   {in("q", {a.B, a.c, a.H, a.D}), in("k", {a.B, a.S, a.Hkv, a.D}).in_store(a.T),
                    in("v", {a.B, a.S, a.Hkv, a.D}).in_store(a.T), out("out", {a.B, a.c, a.H, a.D}),
                    saved("lse", {a.B, a.H, a.c}).tolerance(kLseTol), cot("d_out", "out"), grad("d_q", "q"),
                    grad("d_k", "k", Acc::adds), grad("d_v", "v", Acc::adds)},
-                  [=](const Tensors& t, Arena& s) { attention_forward(t("out"), {t("lse")}, t("q"), t("k"), t("v"), scale, s); },
+                  [=](const Tensors& t, Arena& s) {
+                    attention_forward(t("out"), {t("lse")}, t("q"), t("k"), t("v"), scale, s, a.mask);
+                  },
                   [=](const Tensors& t, GradMode m, Arena& s) {
                     attention_backward(t("d_q"), t("d_k"), t("d_v"), t("d_out"), {t("lse")}, t("q"), t("k"), t("v"),
-                                       t("out"), scale, m, s);
+                                       t("out"), scale, m, s, a.mask);
                   }));
   r.variants = std::move(variants);
   r.takes_scratch = true;
-  r.unsupported = [](const Tensors& t) -> std::string {
+  r.unsupported = [mask = a.mask](const Tensors& t) -> std::string {
     try {
-      choose_attention_kernel(attention_call(t("q"), t("k"), t("v"), t("out")), attention_flags());
-      choose_attention_kernel(attention_call(t("q"), t("k"), t("v"), t("out"), &t("d_q"), &t("d_out"), &t("d_k"), &t("d_v")),
+      choose_attention_kernel(attention_call(t("q"), t("k"), t("v"), t("out"), nullptr, nullptr, nullptr, nullptr, mask),
                               attention_flags());
+      choose_attention_kernel(
+          attention_call(t("q"), t("k"), t("v"), t("out"), &t("d_q"), &t("d_out"), &t("d_k"), &t("d_v"), mask),
+          attention_flags());
     } catch (const Error& e) {
       return e.what();
     }
@@ -581,6 +590,18 @@ std::vector<Row> build_table() {
   t.push_back(gpu_only(attention({1, 64, 200, 2, 2, 128, 200})));
   t.push_back(gpu_only(attention({2, 100, 300, 4, 1, 64, 301})));
   t.push_back(gpu_only(attention({1, 1, 130, 4, 1, 64, 130})));
+  // Unmasked key blocks (a long prefix attended block by block): fewer keys than queries, more, one;
+  // GQA 2 and 4, a padded store; the GPU shapes across the tile sizes.
+  constexpr AttentionMask none = AttentionMask::none;
+  t.push_back(attention({2, 5, 3, 4, 2, 4, 8, none}));
+  t.push_back(attention({1, 3, 7, 2, 1, 6, 7, none}));
+  t.push_back(gpu_only(attention({1, 4, 1, 2, 2, 4, 3, none})));  // one key: dQ, dK exactly 0 (no FD check)
+  for (const int64_t D : {6, 64, 128}) {
+    t.push_back(gpu_only(attention({1, 130, 1000, 4, 1, D, 1000, none})));
+    t.push_back(gpu_only(attention({2, 300, 64, 8, 2, D, 70, none})));
+  }
+  t.push_back(gpu_only(attention({1, 520, 700, 4, 2, 128, 701, none})));
+  t.push_back(gpu_only(attention({1, 1, 300, 4, 4, 64, 300, none})));
   // LM head: CPU row blocks of 3 with ignored rows; one GPU block with V = 101 (no multiple of the
   // 16-byte vector); three GPU blocks (2048, 2048, 37) with the second wholly ignored; long rows.
   for (const bool fused : {false, true}) {

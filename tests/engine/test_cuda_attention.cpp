@@ -135,3 +135,62 @@ TEST_CASE("cuda: flash attention rejects bad operands" * doctest::skip(!cw::test
   OwnedTensor k_wide = dev(DType::f32, {1, 6, 4, 8});
   CHECK_THROWS_AS(attention_forward(out, {lse}, q, k_wide.tensor.slice(2, 0, 2), v, scale, scratch), Error);
 }
+
+TEST_CASE("cuda: attention in key blocks (the chunk's keys causal, the prefix unmasked, merged on the GPU) matches "
+          "one CPU f64 call, forward and backward" * doctest::skip(!cw::test::gpu_ready())) {
+  // The shape of a SeCO chunk against a streamed prefix: c = 200 queries at p = 700, the prefix in
+  // blocks of 256, 256 and 188 keys (no multiples of the tiles), GQA 2.
+  const int64_t B = 1, c = 200, p = 700, S = p + c, H = 4, Hkv = 2;
+  const std::vector<std::pair<int64_t, int64_t>> prefix = {{0, 256}, {256, 512}, {512, 700}};
+  for (const DType dt : {DType::f32, DType::bf16}) {
+    for (const int64_t D : {64, 128}) {
+      INFO(dtype_name(dt), " D ", D);
+      const double scale = 1.0 / std::sqrt(double(D));
+      const Input q = make_input(dt, {B, c, H, D}, 11), k = make_input(dt, {B, S, Hkv, D}, 12),
+                  v = make_input(dt, {B, S, Hkv, D}, 13), d_out = make_input(dt, {B, c, H, D}, 14);
+      // The reference: one CPU call over keys [0, p + c) in f64.
+      Arena host;
+      OwnedTensor out(DType::f64, {B, c, H, D}), lse(DType::f64, {B, H, c}), d_q(DType::f64, {B, c, H, D});
+      OwnedTensor d_k(DType::f64, {B, S, Hkv, D}), d_v(DType::f64, {B, S, Hkv, D});
+      fill(d_k, 0.0);
+      fill(d_v, 0.0);
+      attention_forward(out, {lse}, q.ref, k.ref, v.ref, scale, host);
+      attention_backward(d_q, d_k, d_v, d_out.ref, {lse}, q.ref, k.ref, v.ref, out, scale, GradMode::overwrite, host);
+
+      // The blocks on the GPU, automatic kernel choice (an unmasked block never goes to cuDNN).
+      Arena scratch(gpu0());
+      const auto keys = [&](const Input& x, int64_t k0, int64_t k1) { return x.dev.tensor.slice(1, k0, k1 - k0); };
+      OwnedTensor acc = on_gpu(DType::f32, {B, c, H, D}), acc_lse = on_gpu(DType::f32, {B, H, c});
+      OwnedTensor own = poisoned(dt, {B, c, H, D});
+      attention_forward(own, {acc_lse}, q.dev, keys(k, p, S), keys(v, p, S), scale, scratch);
+      gpu::copy_convert(acc, own);
+      for (const auto& [k0, k1] : prefix) {
+        OwnedTensor ob = poisoned(dt, {B, c, H, D}), lb = poisoned(DType::f32, {B, H, c});
+        CHECK(choose_attention_kernel(attention_call(q.dev, keys(k, k0, k1), keys(v, k0, k1), ob, nullptr, nullptr,
+                                                     nullptr, nullptr, AttentionMask::none),
+                                      attention_flags())
+                  .kernel != AttentionKernel::cudnn);
+        attention_forward(ob, {lb}, q.dev, keys(k, k0, k1), keys(v, k0, k1), scale, scratch, AttentionMask::none);
+        attention_merge(acc, acc_lse, ob, lb);
+      }
+      const double tol = dt == DType::f32 ? 1e-5 : 2e-2;
+      expect_close_gpu(acc, out, tol, "merged out");
+      expect_close_gpu(acc_lse, lse, dt == DType::f32 ? 1e-6 : 1e-3, "merged lse");
+
+      OwnedTensor merged = on_gpu(dt, {B, c, H, D}), bq = poisoned(dt, {B, c, H, D});
+      gpu::copy_convert(merged, acc);
+      OwnedTensor bk = on_gpu(DType::f32, {B, S, Hkv, D}), bv = on_gpu(DType::f32, {B, S, Hkv, D});
+      gpu::fill(bk, 0.0);
+      gpu::fill(bv, 0.0);
+      attention_backward(bq, bk.tensor.slice(1, p, c), bv.tensor.slice(1, p, c), d_out.dev, {acc_lse}, q.dev,
+                         keys(k, p, S), keys(v, p, S), merged, scale, GradMode::overwrite, scratch);
+      for (const auto& [k0, k1] : prefix)
+        attention_backward(bq, bk.tensor.slice(1, k0, k1 - k0), bv.tensor.slice(1, k0, k1 - k0), d_out.dev, {acc_lse},
+                           q.dev, keys(k, k0, k1), keys(v, k0, k1), merged, scale, GradMode::accumulate, scratch,
+                           AttentionMask::none);
+      expect_close_gpu(bq, d_q, tol, "d_q summed over the blocks");
+      expect_close_gpu(bk, d_k, tol, "d_k");
+      expect_close_gpu(bv, d_v, tol, "d_v");
+    }
+  }
+}

@@ -97,6 +97,56 @@ TEST_CASE("attention: a chunk equals the last rows of whole-sequence attention; 
   CHECK(compare(out2, olast).rel == 0.0);
 }
 
+TEST_CASE("attention in key blocks: the chunk's own keys causal, the prefix unmasked, merged, equals one call; so do "
+          "the blocks' backwards given the merged out and lse") {
+  const int64_t B = 2, H = 4, Hkv = 2, D = 4, p = 11, c = 5, S = p + c;
+  const double scale = 1.0 / std::sqrt(double(D));
+  Arena scratch;
+  OwnedTensor q = randn({B, c, H, D}, 21), k = randn({B, S, Hkv, D}, 22), v = randn({B, S, Hkv, D}, 23);
+  OwnedTensor d_out = randn({B, c, H, D}, 24);
+  // One call over keys [0, p + c).
+  OwnedTensor out(DType::f64, {B, c, H, D}), lse(DType::f64, {B, H, c});
+  attention_forward(out, {lse}, q, k, v, scale, scratch);
+  OwnedTensor d_q(DType::f64, {B, c, H, D}), d_k(DType::f64, {B, S, Hkv, D}), d_v(DType::f64, {B, S, Hkv, D});
+  fill(d_k, 0.0);
+  fill(d_v, 0.0);
+  attention_backward(d_q, d_k, d_v, d_out, {lse}, q, k, v, out, scale, GradMode::overwrite, scratch);
+
+  // Blocks: the chunk's own keys [p, p + c) causal (bottom-right with S = c), then the prefix in
+  // unmasked blocks of 4, 4 and 3 keys, each merged into the running output and lse.
+  const std::vector<std::pair<int64_t, int64_t>> prefix = {{0, 4}, {4, 8}, {8, 11}};
+  OwnedTensor acc(DType::f64, {B, c, H, D}), acc_lse(DType::f64, {B, H, c});
+  attention_forward(acc, {acc_lse}, q, k.tensor.slice(1, p, c), v.tensor.slice(1, p, c), scale, scratch);
+  for (const auto& [k0, k1] : prefix) {
+    OwnedTensor ob(DType::f64, {B, c, H, D}), lb(DType::f64, {B, H, c});
+    attention_forward(ob, {lb}, q, k.tensor.slice(1, k0, k1 - k0), v.tensor.slice(1, k0, k1 - k0), scale, scratch,
+                      AttentionMask::none);
+    attention_merge(acc, acc_lse, ob, lb);
+  }
+  CHECK(compare(acc, out).rel < kSameMathF64Tol);
+  CHECK(compare(acc_lse, lse).rel < kSameMathF64Tol);
+
+  // Backward per block with the merged out and lse: dQ summed over the blocks, each block's dK, dV.
+  OwnedTensor bq(DType::f64, {B, c, H, D}), bk(DType::f64, {B, S, Hkv, D}), bv(DType::f64, {B, S, Hkv, D});
+  fill(bk, 0.0);
+  fill(bv, 0.0);
+  attention_backward(bq, bk.tensor.slice(1, p, c), bv.tensor.slice(1, p, c), d_out, {acc_lse}, q,
+                     k.tensor.slice(1, p, c), v.tensor.slice(1, p, c), acc, scale, GradMode::overwrite, scratch);
+  for (const auto& [k0, k1] : prefix)
+    attention_backward(bq, bk.tensor.slice(1, k0, k1 - k0), bv.tensor.slice(1, k0, k1 - k0), d_out, {acc_lse}, q,
+                       k.tensor.slice(1, k0, k1 - k0), v.tensor.slice(1, k0, k1 - k0), acc, scale,
+                       GradMode::accumulate, scratch, AttentionMask::none);
+  CHECK(compare(bq, d_q).rel < kSameMathF64Tol);
+  CHECK(compare(bk, d_k).rel < kSameMathF64Tol);
+  CHECK(compare(bv, d_v).rel < kSameMathF64Tol);
+
+  // The contract: an unmasked call takes any number of keys; a causal one needs keys for its queries.
+  OwnedTensor o1(DType::f64, {B, c, H, D}), l1(DType::f64, {B, H, c});
+  CHECK_THROWS_WITH_AS(attention_forward(o1, {l1}, q, k.tensor.slice(1, 0, 3), v.tensor.slice(1, 0, 3), scale, scratch),
+                       doctest::Contains("keys must cover"), Error);
+  CHECK_THROWS_WITH_AS(attention_merge(acc, acc_lse, o1, l1.tensor.slice(2, 0, 2)), doctest::Contains("lse_b"), Error);
+}
+
 TEST_CASE("lm head + cross-entropy: the loss against the formula with full logits") {
   const int64_t N = 7, C = 5, V = 11;
   OwnedTensor x = randn({N, C}, 24), W = randn({V, C}, 25), labels(DType::i32, {N});
