@@ -1,11 +1,13 @@
 #include "model/kv_store.h"
 
+#include "engine/ops/residual.h"
+
 #include <algorithm>
 
 namespace cw {
 
 KVStore::KVStore(const LlamaConfig& c, int64_t batch, int64_t tokens, DType dtype, bool with_grads, Device device,
-                 int64_t offload_window, bool attention_outputs)
+                 int64_t offload_window, bool attention_outputs, int64_t stream_block)
     : L_(c.num_hidden_layers), B_(batch), T_(tokens), H_(c.num_attention_heads), Hkv_(c.num_key_value_heads),
       D_(c.head_dim), dtype_(dtype), device_(device), with_grads_(with_grads), with_outputs_(attention_outputs),
       live_end_(tokens) {
@@ -14,6 +16,21 @@ KVStore::KVStore(const LlamaConfig& c, int64_t batch, int64_t tokens, DType dtyp
            offload_window);
   CW_CHECK(with_grads || !attention_outputs, "saved attention outputs need a K/V store with gradient accumulators");
   const int parts = attention_outputs ? kParts : with_grads ? 4 : 2;
+  CW_CHECK(stream_block >= 0, "K/V store: stream block {} must be >= 0 (0: not streamed)", stream_block);
+  if (stream_block > 0) {
+    CW_CHECK(offload_window == 0, "schedule.stream_kv and schedule.offload_window are two kinds of K/V offload; set "
+             "offload_window = 0 with stream_kv");
+    block_ = std::min(stream_block, tokens);
+    blocks_ = (tokens + block_ - 1) / block_;
+    std::vector<size_t> sizes;
+    for (int p = 0; p < parts; ++p)
+      sizes.push_back(row_bytes(static_cast<Part>(p)) * static_cast<size_t>(B_ * block_));
+    // The chunk's own block, the prefix block being attended and the next one coming in.
+    res_ = std::make_unique<Residency>(device, sizes, static_cast<int>(L_ * blocks_), 3, "kv block");
+    home_kv_.assign(static_cast<size_t>(L_ * blocks_), 0);
+    home_grads_.assign(static_cast<size_t>(L_ * blocks_), 0);
+    return;
+  }
   if (offload_window > 0 && offload_window < L_) {
     std::vector<size_t> sizes;
     for (int p = 0; p < parts; ++p) sizes.push_back(part_bytes(static_cast<Part>(p)));
@@ -58,23 +75,78 @@ void* KVStore::part_data(Part part, int layer) const {
   return res_ ? res_->device(layer, part) : bufs_[part][static_cast<size_t>(layer)].data();
 }
 
+// Streamed, a range lies in one block and is a view of that block's device slot (rows from the
+// block's start); otherwise of the layer's buffer (rows from 0).
 Tensor KVStore::view(Part part, int layer, int64_t t0, int64_t t1) const {
   CW_CHECK(with_grads_ || part < kDKeys, "K/V store was built without gradient accumulators");
   check_range(layer, t0, t1);
   const DType dt = part >= kDKeys ? accum_dtype(dtype_) : dtype_;
+  if (block_ > 0) {
+    const int64_t j = t0 / block_;
+    CW_CHECK(t1 <= j * block_ + block_rows(j), "streamed K/V store: range [{}, {}) crosses a block of {} tokens", t0,
+             t1, block_);
+    return Tensor(res_->device(item(layer, j), part), dt, device_, {B_, block_, Hkv_, D_}).slice(1, t0 - j * block_,
+                                                                                                 t1 - t0);
+  }
   return Tensor(part_data(part, layer), dt, device_, {B_, T_, Hkv_, D_}).slice(1, t0, t1 - t0);
 }
 
 Tensor KVStore::outputs(int layer, int64_t t0, int64_t t1) const {
   CW_CHECK(with_outputs_, "K/V store was built without saved attention outputs");
   check_range(layer, t0, t1);
+  if (block_ > 0) {
+    const int64_t j = t0 / block_;
+    CW_CHECK(t1 <= j * block_ + block_rows(j), "streamed K/V store: range [{}, {}) crosses a block", t0, t1);
+    return Tensor(res_->device(item(layer, j), kOut), dtype_, device_, {B_, block_, H_, D_})
+        .slice(1, t0 - j * block_, t1 - t0);
+  }
   return Tensor(part_data(kOut, layer), dtype_, device_, {B_, T_, H_, D_}).slice(1, t0, t1 - t0);
 }
 
 Tensor KVStore::output_lse(int layer, int64_t t0, int64_t t1) const {
   CW_CHECK(with_outputs_, "K/V store was built without saved attention outputs");
   check_range(layer, t0, t1);
+  if (block_ > 0) {
+    const int64_t j = t0 / block_;
+    CW_CHECK(t1 <= j * block_ + block_rows(j), "streamed K/V store: range [{}, {}) crosses a block", t0, t1);
+    return Tensor(res_->device(item(layer, j), kLse), accum_dtype(dtype_), device_, {B_ * H_, block_})
+        .slice(1, t0 - j * block_, t1 - t0);
+  }
   return Tensor(part_data(kLse, layer), accum_dtype(dtype_), device_, {B_ * H_, T_}).slice(1, t0, t1 - t0);
+}
+
+std::vector<Residency::Span> KVStore::item_spans(Part first, Part last, int64_t r0, int64_t r1) const {
+  std::vector<Residency::Span> out;
+  if (r1 <= r0) return out;
+  for (int p = first; p <= last; ++p) {
+    const size_t row = row_bytes(static_cast<Part>(p));
+    if (p == kLse) {  // [B*H, block] rows of the accumulation dtype
+      for (int64_t r = 0; r < B_ * H_; ++r)
+        out.push_back({p, static_cast<size_t>(r * block_ + r0) * row / static_cast<size_t>(H_),
+                       static_cast<size_t>(r1 - r0) * row / static_cast<size_t>(H_)});
+      continue;
+    }
+    for (int64_t b = 0; b < B_; ++b)
+      out.push_back({p, static_cast<size_t>(b * block_ + r0) * row, static_cast<size_t>(r1 - r0) * row});
+  }
+  return out;
+}
+
+void KVStore::fetch_block(int layer, int64_t block, bool kv, bool grads) {
+  const int it = item(layer, block);
+  const int64_t rows = block_rows(block);
+  std::vector<Residency::Span> need;
+  if (kv) {
+    CW_CHECK(home_kv_[static_cast<size_t>(it)], "streamed K/V store: layer {} block {} read before a forward wrote it",
+             layer, block);
+    need = item_spans(kKeys, kValues, 0, rows);
+  }
+  if (grads)
+    for (Residency::Span sp : item_spans(kDKeys, kDValues, 0, rows)) {
+      sp.zero = !home_grads_[static_cast<size_t>(it)];  // a home not written this step is logical zeros
+      need.push_back(sp);
+    }
+  res_->fetch(it, need);
 }
 
 // The byte spans of rows [t0, t1) of every sequence, for parts first..last.
@@ -122,6 +194,24 @@ void KVStore::fetch_outputs(int layer, int64_t t0, int64_t t1, std::vector<Resid
 
 void KVStore::begin_layer(int layer, Use use, int64_t t0, int64_t t1) {
   if (!res_) return;
+  if (block_ > 0) {
+    const int64_t j = t0 / block_;
+    CW_CHECK(t0 == j * block_ && t1 <= t0 + block_rows(j),
+             "streamed K/V store: chunk [{}, {}) is not one block of {} tokens (schedule.stream_kv needs the chunks to "
+             "be the blocks: bwd_chunk = chunk)", t0, t1, block_);
+    const int own = item(layer, j);
+    if (use == Use::forward) {
+      res_->fetch(own, {});  // the chunk writes its K, V (and outputs) into the slot
+    } else if (use == Use::recompute) {
+      res_->fetch(own, item_spans(kOut, kLse, 0, t1 - t0));
+    } else {
+      fetch_block(layer, j, true, true);
+      // A layer recomputed inside the backward reads its saved outputs (when the prefill reached it).
+      if (with_outputs_ && t1 <= outputs_end_) res_->fetch(own, item_spans(kOut, kLse, 0, t1 - t0));
+    }
+    res_->ready(own);
+    return;
+  }
   const size_t l = static_cast<size_t>(layer);
   if (!res_->resident(layer)) {
     dev_kv_end_[l] = dev_grad_end_[l] = 0;
@@ -190,6 +280,17 @@ void KVStore::end_layer(int layer, Use use, int64_t t0, int64_t t1) {
   // Every layer has written its outputs of [t0, t1) once the last one has.
   if (use == Use::forward && with_outputs_ && layer == L_ - 1) outputs_end_ = std::max(outputs_end_, t1);
   if (!res_ || use == Use::recompute) return;  // a recompute from saved outputs writes nothing
+  if (block_ > 0) {
+    // The chunk's K, V (and outputs) go home; its dK, dV are complete once its backward has read
+    // them (nothing earlier attends these keys), so they stay.
+    if (use == Use::forward) {
+      const int own = item(layer, t0 / block_);
+      res_->store(own, item_spans(kKeys, kValues, 0, t1 - t0));
+      if (with_outputs_) res_->store(own, item_spans(kOut, kLse, 0, t1 - t0));
+      home_kv_[static_cast<size_t>(own)] = 1;
+    }
+    return;
+  }
   const size_t l = static_cast<size_t>(layer);
   if (use == Use::forward) {
     // The chunk's K, V (and saved outputs) go home (a recompute writes the same values again: the
@@ -212,6 +313,11 @@ void KVStore::end_layer(int layer, Use use, int64_t t0, int64_t t1) {
 
 void KVStore::zero_grads() {
   if (!with_grads_) return;
+  if (block_ > 0) {
+    std::fill(home_grads_.begin(), home_grads_.end(), 0);
+    res_->evict_all();
+    return;
+  }
   if (res_) {
     // The homes become logical zeros (nothing is cleared in host memory: the next fetch zeroes the
     // device rows); the slots are forgotten, so the next backward fetches (zeroes) its rows afresh.
@@ -231,7 +337,8 @@ void KVStore::release_from(int64_t t) {
 void KVStore::reset() {
   live_end_ = T_;
   outputs_end_ = 0;
-  if (res_) {
+  if (block_ > 0) std::fill(home_kv_.begin(), home_kv_.end(), 0);
+  if (res_ && block_ == 0) {
     std::fill(host_kv_end_.begin(), host_kv_end_.end(), 0);
     std::fill(dev_kv_end_.begin(), dev_kv_end_.end(), 0);
     std::fill(dev_grad_end_.begin(), dev_grad_end_.end(), 0);
@@ -251,5 +358,76 @@ size_t KVStore::bytes() const {
 size_t KVStore::host_bytes() const { return res_ ? res_->host_bytes() : 0; }
 
 size_t KVStore::bytes_per_token() const { return (bytes() + host_bytes()) / static_cast<size_t>(B_ * T_); }
+
+}  // namespace cw
+
+namespace cw {
+
+void KVStore::attend_forward(int layer, int64_t t0, int64_t t1, const Tensor& out, const AttentionSaved& saved,
+                             const Tensor& q, double scale, Arena& scratch) {
+  if (block_ == 0) {
+    attention_forward(out, saved, q, keys(layer, 0, t1), values(layer, 0, t1), scale, scratch);
+    return;
+  }
+  // The chunk against its own block (causal), then against each earlier block (unmasked), merged in
+  // the accumulation dtype; the next block comes in while one is attended.
+  const int64_t j = t0 / block_;
+  attention_forward(out, saved, q, keys(layer, t0, t1), values(layer, t0, t1), scale, scratch);
+  if (j == 0) return;
+  ArenaScope scope(scratch);
+  const int own = item(layer, j);
+  const int64_t B = out.size(0), c = out.size(1), H = out.size(2), D = out.size(3);
+  const Tensor acc = scratch.alloc(saved.lse.dtype, {B, c, H, D}), block_out = scratch.alloc(out.dtype, {B, c, H, D});
+  const Tensor block_lse = scratch.alloc(saved.lse.dtype, {saved.lse.size(0), saved.lse.size(1), saved.lse.size(2)});
+  copy_convert(acc, out);
+  fetch_block(layer, 0, true, false);
+  for (int64_t i = 0; i < j; ++i) {
+    res_->ready(item(layer, i));
+    res_->fetch(own, {});  // most recently used: the prefetch below takes the block before this one
+    if (i + 1 < j) fetch_block(layer, i + 1, true, false);
+    const int64_t k0 = i * block_, k1 = k0 + block_rows(i);
+    attention_forward(block_out, {block_lse}, q, keys(layer, k0, k1), values(layer, k0, k1), scale, scratch,
+                      AttentionMask::none);
+    attention_merge(acc, saved.lse, block_out, block_lse);
+  }
+  copy_convert(out, acc);
+}
+
+void KVStore::attend_backward(int layer, int64_t t0, int64_t t1, const Tensor& d_q, const Tensor& d_out,
+                              const AttentionSaved& saved, const Tensor& q, const Tensor& out, double scale,
+                              Arena& scratch) {
+  if (block_ == 0) {
+    attention_backward(d_q, d_keys(layer, 0, t1), d_values(layer, 0, t1), d_out, saved, q, keys(layer, 0, t1),
+                       values(layer, 0, t1), out, scale, GradMode::overwrite, scratch);
+    return;
+  }
+  // Each block's share given the merged out and lse: dQ summed over the blocks in the accumulation
+  // dtype (one rounding per block, not a running bf16 sum), each earlier block's dK, dV fetched,
+  // added to and sent home.
+  const int64_t j = t0 / block_;
+  attention_backward(d_q, d_keys(layer, t0, t1), d_values(layer, t0, t1), d_out, saved, q, keys(layer, t0, t1),
+                     values(layer, t0, t1), out, scale, GradMode::overwrite, scratch);
+  if (j == 0) return;
+  ArenaScope scope(scratch);
+  const int own = item(layer, j);
+  const int64_t rows = d_q.size(0) * d_q.size(1), width = d_q.size(2) * d_q.size(3);
+  const Tensor dq_sum = scratch.alloc(saved.lse.dtype, {rows, width}), dq_block = scratch.alloc(d_q.dtype, {rows, width});
+  copy_convert(dq_sum, d_q.view({rows, width}));
+  const Tensor dq_block4 = dq_block.view({d_q.size(0), d_q.size(1), d_q.size(2), d_q.size(3)});
+  fetch_block(layer, 0, true, true);
+  for (int64_t i = 0; i < j; ++i) {
+    const int it = item(layer, i);
+    res_->ready(it);
+    res_->fetch(own, {});
+    if (i + 1 < j) fetch_block(layer, i + 1, true, true);
+    const int64_t k0 = i * block_, k1 = k0 + block_rows(i);
+    attention_backward(dq_block4, d_keys(layer, k0, k1), d_values(layer, k0, k1), d_out, saved, q, keys(layer, k0, k1),
+                       values(layer, k0, k1), out, scale, GradMode::overwrite, scratch, AttentionMask::none);
+    accumulate(dq_sum, dq_block);
+    res_->store(it, item_spans(kDKeys, kDValues, 0, k1 - k0));
+    home_grads_[static_cast<size_t>(it)] = 1;
+  }
+  copy_convert(d_q.view({rows, width}), dq_sum);
+}
 
 }  // namespace cw

@@ -23,9 +23,18 @@
 // the attention forward again (and needs neither K, V of earlier tokens nor the chunk's own K, V
 // projections). With offload they live with the layer's K/V in host memory and only the chunk's rows
 // move.
+//
+// Streamed (stream_block = Kb > 0): every part lives in host memory in blocks of Kb tokens, one
+// residency item per (layer, block), and three device slots hold the blocks in use: the chunk's own
+// block and the prefix block being attended, the next one coming in behind it. A chunk must be one
+// block ([j Kb, j Kb + c), c <= Kb). attend_forward runs the chunk causally against its own block
+// and unmasked against each earlier block, merging their outputs (engine/ops/attention.h); the
+// backward runs the blocks in turn with the merged output and lse, each earlier block's dK, dV
+// fetched, added to and sent home. Device memory is then three blocks whatever T.
 #pragma once
 
 #include "engine/memory.h"
+#include "engine/ops/attention.h"
 #include "engine/residency.h"
 #include "model/config.h"
 
@@ -42,7 +51,8 @@ class KVStore {
   // call begin_layer / end_layer around each layer, which move what the layer needs and prefetch the
   // next layer in the direction of travel. W = 0: everything on `device`, and those calls do nothing.
   KVStore(const LlamaConfig& config, int64_t batch, int64_t tokens, DType dtype, bool with_grads,
-          Device device = Device::host(), int64_t offload_window = 0, bool attention_outputs = false);
+          Device device = Device::host(), int64_t offload_window = 0, bool attention_outputs = false,
+          int64_t stream_block = 0);
 
   Tensor keys(int layer, int64_t t0, int64_t t1) const { return view(kKeys, layer, t0, t1); }
   Tensor values(int layer, int64_t t0, int64_t t1) const { return view(kValues, layer, t0, t1); }
@@ -62,6 +72,15 @@ class KVStore {
   void begin_layer(int layer, Use use, int64_t t0, int64_t t1);
   void end_layer(int layer, Use use, int64_t t0, int64_t t1);
 
+  // The attention of the chunk [t0, t1)'s queries against keys [0, t1) of `layer` (between
+  // begin_layer and end_layer of Use::forward / backward): one call, or streamed block by block.
+  // Shapes and saved values as attention_forward / attention_backward (d_q overwritten; dK, dV of
+  // keys [0, t1) added into the accumulators).
+  void attend_forward(int layer, int64_t t0, int64_t t1, const Tensor& out, const AttentionSaved& saved,
+                      const Tensor& q, double scale, Arena& scratch);
+  void attend_backward(int layer, int64_t t0, int64_t t1, const Tensor& d_q, const Tensor& d_out,
+                       const AttentionSaved& saved, const Tensor& q, const Tensor& out, double scale, Arena& scratch);
+
   void zero_grads();
   void release_from(int64_t t);  // tokens [t, T) are no longer readable
   void reset();                  // all tokens readable again, gradients zeroed
@@ -74,7 +93,8 @@ class KVStore {
   DType dtype() const { return dtype_; }
   Device device() const { return device_; }
   DType grad_dtype() const { return accum_dtype(dtype_); }
-  int64_t offload_window() const { return res_ ? res_->slots() : 0; }
+  int64_t offload_window() const { return res_ && block_ == 0 ? res_->slots() : 0; }
+  int64_t stream_block() const { return block_; }
   size_t bytes() const;          // all buffers on `device` (with offload: the window's slots)
   size_t host_bytes() const;     // with offload: the host copies of every layer; else 0
   size_t bytes_per_token() const;
@@ -96,6 +116,13 @@ class KVStore {
   std::vector<Residency::Span> grad_spans(int layer, int64_t t0, int64_t t1) const;
   void fetch_outputs(int layer, int64_t t0, int64_t t1, std::vector<Residency::Span>& need);
   void prefetch(int layer, Use use, int64_t t0, int64_t t1);
+  // Streamed: the residency item of (layer, block), its token rows, byte spans of rows [r0, r1) of
+  // parts first..last within it, and the item fetched with what `need` names of its home (K, V and,
+  // `grads`, dK, dV; rows the home has not been written with fetched as zeros).
+  int item(int layer, int64_t block) const { return static_cast<int>(layer * blocks_ + block); }
+  int64_t block_rows(int64_t block) const { return std::min(block_, T_ - block * block_); }
+  std::vector<Residency::Span> item_spans(Part first, Part last, int64_t r0, int64_t r1) const;
+  void fetch_block(int layer, int64_t block, bool kv, bool grads);
 
   int64_t L_, B_, T_, H_, Hkv_, D_;
   DType dtype_;
@@ -110,6 +137,10 @@ class KVStore {
   // home is not cleared between steps: fetching them zeroes the device rows instead of copying).
   std::vector<int64_t> host_grad_end_;
   std::vector<std::pair<int64_t, int64_t>> dev_out_;               // saved-output rows current in the slot
+  // Streamed: the block length (0: not streamed), blocks per layer, and per item whether its home
+  // holds K, V and dK, dV written this step.
+  int64_t block_ = 0, blocks_ = 0;
+  std::vector<char> home_kv_, home_grads_;
 };
 
 }  // namespace cw

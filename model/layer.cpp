@@ -250,7 +250,7 @@ void block_forward(const Tensor& x_out, LayerActivations* keep, const Tensor& x_
       linear_fwd(v, h1, w.wv, w.lora.v, ParamRole::wv, at);
       copy_convert(kv.values(layer, p, p + c), v.view({B, c, Hkv, D}));
       const double scale = 1.0 / std::sqrt(static_cast<double>(D));
-      attention_forward(a.attn, a.attn_saved, a.q, kv.keys(layer, 0, p + c), kv.values(layer, 0, p + c), scale, s);
+      kv.attend_forward(layer, p, p + c, a.attn, a.attn_saved, a.q, scale, s);
       if (kv.has_outputs()) {  // the prefill saves them for the recompute
         copy_convert(kv.outputs(layer, p, p + c), a.attn);
         copy_convert(kv.output_lse(layer, p, p + c), a.attn_saved.lse.view({B * H, c}));
@@ -337,9 +337,7 @@ void block_backward(const Tensor& d_x, const LayerWeights& g, const LayerActivat
   }
   Tensor d_q = s.alloc(dt, {B, c, H, D});
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
-  attention_backward(d_q, kv.d_keys(layer, 0, p + c), kv.d_values(layer, 0, p + c), d_attn.view({B, c, H, D}),
-                     a.attn_saved, a.q, kv.keys(layer, 0, p + c), kv.values(layer, 0, p + c), a.attn, scale,
-                     GradMode::overwrite, s);
+  kv.attend_backward(layer, p, p + c, d_q, d_attn.view({B, c, H, D}), a.attn_saved, a.q, a.attn, scale, s);
   // The chunk's own K/V gradient: local part plus what later chunks added, all in the accumulator.
   Tensor d_k = s.alloc(dt, {B, c, Hkv, D}), d_v = s.alloc(dt, {B, c, Hkv, D});
   copy_convert(d_k, kv.d_keys(layer, p, p + c));

@@ -99,16 +99,18 @@ void check_host_memory(const LlamaModel& model, int64_t B, int64_t T, bool atten
 // (rebuilt only when the shape, dtype, device, window or saved outputs change) and reset.
 // offload_window > 0 (and below the layer count): the store's layers live in host memory with that
 // many on the device. attention_outputs: the store also keeps the prefill's attention outputs.
+// stream_block > 0: the store streamed in blocks of that many tokens (schedule.stream_kv: the chunk).
 KVStore& step_store(std::optional<KVStore>& store, LlamaModel& model, int64_t B, int64_t T, int64_t offload_window,
-                    bool attention_outputs) {
+                    bool attention_outputs, int64_t stream_block) {
   model.ensure_positions(T);
   const int64_t window = offload_window >= model.config().num_hidden_layers ? 0 : offload_window;
+  const int64_t block = stream_block > 0 ? std::min(stream_block, T) : 0;
   if (!store || store->batch() != B || store->tokens() != T || store->dtype() != model.dtype() ||
       !(store->device() == model.device()) || store->offload_window() != window ||
-      store->has_outputs() != attention_outputs) {
+      store->has_outputs() != attention_outputs || store->stream_block() != block) {
     store.reset();  // free the old store before allocating the new one
-    if (window > 0) check_host_memory(model, B, T, attention_outputs);
-    store.emplace(model.config(), B, T, model.dtype(), true, model.device(), window, attention_outputs);
+    if (window > 0 || block > 0) check_host_memory(model, B, T, attention_outputs);
+    store.emplace(model.config(), B, T, model.dtype(), true, model.device(), window, attention_outputs, block);
   }
   store->reset();
   return *store;
@@ -129,7 +131,8 @@ StepFrame::StepFrame(Schedule& schedule, std::optional<KVStore>& store, LlamaMod
       batch(batch),
       supervised(batch.supervised()),
       norm(step_normaliser(normaliser, supervised)),
-      kv(step_store(store, model, batch.B(), batch.T(), options.offload_window, options.save_attention)),
+      kv(step_store(store, model, batch.B(), batch.T(), options.offload_window, options.save_attention,
+                    options.stream_kv ? (options.chunk > 0 ? options.chunk : batch.T()) : 0)),
       arena(step_arena(schedule, model.device())),
       hooks(schedule.hooks()),
       policy_(activation_policy(options)),

@@ -37,6 +37,10 @@ const std::vector<Option<ScheduleOptions>>& schedule_option_table() {
     {"offload_window", "--offload-window", &S::offload_window, at_least_or_auto(0, "the whole K/V store on the device"),
      "seco, spaco: K/V store layers kept on the device, the rest in pinned host memory; 0: all on the device; auto: "
      "the fewest layers moved that fit (GPU)"},
+    {"stream_kv",      "--stream-kv",     &S::stream_kv,     {},
+     "seco, spaco: the whole K/V store in pinned host memory, streamed to the GPU one chunk-sized key block at a "
+     "time, attention running block by block: device memory does not grow with the sequence (needs bwd_chunk = chunk "
+     "and offload_window = 0)"},
     {"save_attention", "--save-attention", &S::save_attention, {},
      "seco, spaco: the prefill saves each layer's attention output and lse in the K/V store (offloaded with it), so "
      "the reverse sweep does not run the attention forward again"},
@@ -113,6 +117,16 @@ void ScheduleOptions::validate() const {
   if ((chunk == kAuto || offload_window == kAuto) && name != "seco" && name != "spaco")
     fail(fmt::format("schedule.{} = auto applies to schedules seco and spaco", chunk == kAuto ? "chunk" : "offload_window"),
          "set schedule.name = seco or spaco, or give a number");
+  if (stream_kv && name != "seco" && name != "spaco")
+    fail("schedule.stream_kv applies to schedules seco and spaco (their K/V store outlives a chunk)",
+         "set schedule.name = seco or spaco, or stream_kv = false");
+  if (stream_kv && offload_window != 0)
+    fail("schedule.stream_kv and schedule.offload_window are two kinds of K/V offload",
+         "set offload_window = 0 with stream_kv (streaming keeps no layer whole on the device)");
+  if (stream_kv && bwd_chunk != 0 && bwd_chunk != chunk)
+    fail(fmt::format("schedule.stream_kv streams the store in blocks of the chunk: bwd_chunk {} must equal chunk {}",
+                     bwd_chunk, chunk),
+         "set bwd_chunk = 0 (the chunk) with stream_kv");
   if (offload_window > 0 && name != "seco" && name != "spaco")
     fail("schedule.offload_window applies to schedules seco and spaco (their K/V store outlives a chunk)",
          "set schedule.name = seco or spaco, or offload_window = 0");

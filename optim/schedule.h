@@ -62,6 +62,9 @@ struct ScheduleOptions {
                                 // memory (GPU), copied out and back on a side stream
   int64_t offload_window = 0;   // seco, spaco: K/V store layers resident on the device; the rest in (pinned)
                                 // host memory, moved a layer ahead of use; 0: the whole store on the device
+  bool stream_kv = false;       // seco, spaco: the whole store in (pinned) host memory, streamed to the
+                                // device one chunk-sized key block at a time (model/kv_store.h): device
+                                // memory does not grow with T; needs bwd_chunk = chunk
   bool save_attention = false;  // seco, spaco: the prefill saves every layer's attention output and lse in
                                 // the store (offloaded with it), so the reverse sweep does not run the
                                 // attention forward again; costs H*D + H values per token and layer

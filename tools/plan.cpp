@@ -105,6 +105,7 @@ struct Shape {
   int64_t B, c, S;
   size_t e, acc;  // compute and accumulator element bytes
   const LoraConfig* lora = nullptr;
+  bool streamed = false;  // schedule.stream_kv: attention runs block by block (S is one block)
   size_t N() const { return size_t(B * c); }
   size_t row(int64_t width) const { return N() * size_t(width) * e; }
 };
@@ -169,6 +170,11 @@ void block_forward(ArenaReplay& a, const Shape& s, bool keep, int64_t mlp_shards
     a.alloc(s.row(cf.kv_dim()));  // k_pre
     a.alloc(s.row(cf.kv_dim()));  // v
   }
+  if (s.streamed && !from_saved) {  // model/kv_store.cpp attend_forward: the merged output, a block's
+    a.alloc(s.N() * size_t(cf.q_dim()) * s.acc);
+    a.alloc(s.row(cf.q_dim()));
+    a.alloc(s.N() * size_t(cf.num_attention_heads) * s.acc);
+  }
   a.alloc(s.row(cf.hidden_size));  // o (cuDNN's forward needs no workspace beyond its 256-byte minimum)
   a.alloc(s.row(cf.hidden_size));  // m
   if (shards > 1) {
@@ -212,6 +218,10 @@ void block_backward(ArenaReplay& a, const Shape& s, bool keep_mlp, int64_t mlp_s
   }
   a.alloc(s.row(cf.q_dim()));  // d_attn
   a.alloc(s.row(cf.q_dim()));  // d_q
+  if (s.streamed) {  // model/kv_store.cpp attend_backward: dQ summed over the blocks, a block's dQ
+    a.alloc(s.N() * size_t(cf.q_dim()) * s.acc);
+    a.alloc(s.row(cf.q_dim()));
+  }
   {
     Scope attention(a);
     a.alloc(s.N() * size_t(H * D) * 4);                   // dQ accumulator, f32
@@ -295,6 +305,7 @@ std::string describe(const ScheduleOptions& o) {
   if (o.mlp_shards != 1) s += fmt::format(" mlp-shards {}", o.mlp_shards);
   if (o.offload_window > 0) s += fmt::format(" offload-window {}", o.offload_window);
   if (o.save_attention) s += " save-attention";
+  if (o.stream_kv) s += " stream-kv";
   return s;
 }
 
@@ -307,7 +318,7 @@ std::string describe(const ScheduleOptions& o) {
 // recomputing them. `reverse`: the fraction of reverse chunks visited (spaco). Checked against the
 // recorded runs in tests/tools/test_plan.cpp.
 double kv_offload_bytes(const LlamaConfig& cf, int64_t B, int64_t T, int64_t c, int64_t c2, int64_t prefill_end,
-                        size_t e, size_t acc, bool saved, double reverse) {
+                        size_t e, size_t acc, bool saved, double reverse, bool streamed) {
   const double kv = double(2 * B * cf.num_key_value_heads * cf.head_dim) * double(e);
   const double g = double(2 * B * cf.num_key_value_heads * cf.head_dim) * double(acc);
   const double out = saved ? double(B * cf.num_attention_heads) * double(cf.head_dim * int64_t(e) + int64_t(acc)) : 0;
@@ -319,7 +330,10 @@ double kv_offload_bytes(const LlamaConfig& cf, int64_t B, int64_t T, int64_t c, 
   const double unsaved = double(T - prefill_end);
   const double recompute = saved ? out * double(prefill_end) + kv * double(prefill_end) + (kv + out) * unsaved
                                  : kv * prefix_sum + kv * double(T);
-  const double backward = kv * prefix_sum + g * (prefix_sum - double(T)) + g * prefix_sum + out * double(T);
+  // Streamed, a chunk's own dK, dV stay on the device (its backward is their last reader): the
+  // chunks send home [0, t0), not [0, t1).
+  const double sent = streamed ? prefix_sum - double(T) : prefix_sum;
+  const double backward = kv * prefix_sum + g * (prefix_sum - double(T)) + g * sent + out * double(T);
   return double(cf.num_hidden_layers) * (prefill + reverse * (recompute + backward));
 }
 
@@ -386,20 +400,31 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
   const size_t kv_elems = size_t(B * T * Hkv * D), out_elems = size_t(B * T * H * D), lse_elems = size_t(B * T * H);
   size_t kv_layer = 2 * pool_block(kv_elems * e) + 2 * pool_block(kv_elems * acc);
   if (saved) kv_layer += pool_block(out_elems * e) + pool_block(lse_elems * acc);
-  const int64_t device_layers = o.offload_window > 0 ? o.offload_window : L;
-  r.device.emplace_back("kv", kv_layer * size_t(device_layers));
-  if (o.offload_window > 0)
-    r.host.emplace_back("kv", (2 * kv_elems * (e + acc) + (saved ? out_elems * e + lse_elems * acc : 0)) * size_t(L));
+  const size_t kv_host = (2 * kv_elems * (e + acc) + (saved ? out_elems * e + lse_elems * acc : 0)) * size_t(L);
+  const bool streamed = chunked(o) && o.stream_kv;
+  if (streamed) {
+    // Three device slots of one chunk-sized block of every part (model/kv_store.h).
+    const size_t rows = size_t(B * r.chunk);
+    size_t block = 2 * pool_block(rows * size_t(Hkv * D) * e) + 2 * pool_block(rows * size_t(Hkv * D) * acc);
+    if (saved) block += pool_block(rows * size_t(H * D) * e) + pool_block(rows * size_t(H) * acc);
+    r.device.emplace_back("kv", 3 * block);
+    r.host.emplace_back("kv", kv_host);
+  } else {
+    const int64_t device_layers = o.offload_window > 0 ? o.offload_window : L;
+    r.device.emplace_back("kv", kv_layer * size_t(device_layers));
+    if (o.offload_window > 0) r.host.emplace_back("kv", kv_host);
+  }
 
   // Activations: the arena over the step, the backward chunk that attends all T keys last (the
   // arena keeps its largest extent, so the order of phases does not matter).
   const ActivationPolicy policy = activation_policy(o);
   ArenaReplay arena;
   const LoraConfig* adapters = lora.enabled() ? &lora : nullptr;
+  const int64_t keys = streamed ? r.chunk : T;  // the most keys one attention call sees
   if (prefill_end > 0)
-    prefill_chunk(arena, Shape{cf, B, std::min(r.chunk, prefill_end), T, e, acc, adapters}, o.mlp_shards,
+    prefill_chunk(arena, Shape{cf, B, std::min(r.chunk, prefill_end), keys, e, acc, adapters, streamed}, o.mlp_shards,
                   o.name == "spaco");
-  backprop_chunk(arena, Shape{cf, B, r.bwd_chunk, T, e, acc, adapters}, policy, saved);
+  backprop_chunk(arena, Shape{cf, B, r.bwd_chunk, keys, e, acc, adapters, streamed}, policy, saved);
   r.device.emplace_back("activations", arena.reserved());
   if (policy.offload_inputs) r.host.emplace_back("layer inputs", size_t(L) * size_t(B * T * C) * e);
   r.device.emplace_back("other", 2 * pool_block(size_t(T) * size_t(D / 2) * 4) + kCublasWorkspaceBytes);
@@ -463,8 +488,9 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
   for (const auto& [name, s] : r.time) r.step_s += s;
   // The K/V offload's copies run on the side stream beside the compute (RESULTS.md: 99.9% of them
   // under it at 128K); they lengthen the step only where they outlast it.
-  if (o.offload_window > 0 && o.offload_window < L) {
-    r.kv_moved_bytes = kv_offload_bytes(cf, B, T, r.chunk, r.bwd_chunk, prefill_end, e, acc, saved, reverse);
+  if (streamed || (o.offload_window > 0 && o.offload_window < L)) {
+    r.kv_moved_bytes =
+        kv_offload_bytes(cf, B, T, r.chunk, r.bwd_chunk, prefill_end, e, acc, saved, reverse, streamed);
     const double copies_s = r.kv_moved_bytes / kPcieBytesPerS;
     r.time.emplace_back("kv copies beyond compute", std::max(0.0, copies_s - r.step_s));
     r.step_s = std::max(r.step_s, copies_s);

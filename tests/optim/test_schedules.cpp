@@ -218,6 +218,66 @@ TEST_CASE("seco and spaco with saved attention outputs equal them without; offlo
   CHECK_THROWS_WITH_AS(bad.validate(), doctest::Contains("save_attention applies to schedules seco and spaco"), Error);
 }
 
+TEST_CASE("seco and spaco with the K/V store streamed in key blocks equal full backprop (f64, 1e-12)") {
+  // The store in host homes of chunk-sized blocks, three device slots (the CPU's are host memory):
+  // attention runs block by block and merges, so the sums differ from one call's only in rounding.
+  Case c{"streamed", 2, 37, 8, 0, 2, false, 1};  // 5 blocks, the last of 5 tokens
+  LlamaConfig cfg = config_for(c);
+  cfg.num_hidden_layers = 3;
+  LlamaModel model(cfg, DType::f64);
+  init_parameters(model.params(), 41, cfg.initializer_range, 0.1);
+  const Batch batch = batch_for(c, cfg, 42);
+  ParamSet g_full(cfg, DType::f64), g(cfg, DType::f64), g_spaco(cfg, DType::f64);
+  ScheduleOptions full;
+  const Result rf = run(full, model, batch, g_full);
+  for (const bool saved : {false, true})
+    for (const char* recompute : {"none", "selective", "full"}) {
+      INFO("saved outputs ", saved, ", recompute ", recompute);
+      ScheduleOptions o;
+      o.name = "seco";
+      o.chunk = c.chunk;
+      o.stream_kv = true;
+      o.save_attention = saved;
+      o.recompute = recompute;
+      auto s = Schedule::create(o);
+      for (int step = 0; step < 2; ++step) {  // the second step reuses the store
+        g.zero();
+        const StepStats st = s->step(model, batch, g);
+        CHECK(max_rel(g, g_full) <= test::kSameMathF64Tol);
+        CHECK(std::abs(st.loss - rf.loss) <= kLossTol * std::abs(rf.loss));
+        // Three blocks of 8 tokens on the "device", the whole store in host homes.
+        CHECK(st.kv_host_bytes > 0);
+        CHECK(st.kv_bytes * 5 <= st.kv_host_bytes * 3);
+      }
+    }
+  // spaco visiting some chunks: the same estimate as with the store on the device.
+  ScheduleOptions sp;
+  sp.name = "spaco";
+  sp.chunk = c.chunk;
+  sp.keep = 2;
+  sp.seed = 3;
+  const Result plain = run(sp, model, batch, g_spaco);
+  sp.stream_kv = true;
+  const Result streamed = run(sp, model, batch, g);
+  CHECK(max_rel(g, g_spaco) <= test::kSameMathF64Tol);
+  CHECK(std::abs(streamed.loss - plain.loss) <= kLossTol * std::abs(plain.loss));
+  // One chunk: one block, no prefix.
+  ScheduleOptions one;
+  one.name = "seco";
+  one.chunk = 64;
+  one.stream_kv = true;
+  run(one, model, batch, g);
+  CHECK(max_rel(g, g_full) <= test::kSameMathF64Tol);
+  // The chunks must be the blocks; the two offloads do not combine.
+  ScheduleOptions bad = one;
+  bad.chunk = 8;
+  bad.bwd_chunk = 4;
+  CHECK_THROWS_WITH_AS(bad.validate(), doctest::Contains("bwd_chunk"), Error);
+  bad.bwd_chunk = 0;
+  bad.offload_window = 2;
+  CHECK_THROWS_WITH_AS(bad.validate(), doctest::Contains("offload_window"), Error);
+}
+
 TEST_CASE("seco and spaco with layer recompute inside each chunk equal them without, bitwise") {
   // recompute = full keeps only each layer's input of the chunk and recomputes the layer before its
   // backward (with saved attention outputs, without attending again); selective drops the MLP's

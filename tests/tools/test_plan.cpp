@@ -361,22 +361,40 @@ TEST_CASE("plan: the K/V offload's bytes moved against a seco step on the CPU, w
   ParamSet grads(cfg, DType::f32);
   struct Case {
     int64_t B, T, chunk, bwd_chunk, window;
-    bool saved;
+    bool saved, streamed = false;
   };
   for (const Case c : {Case{1, 96, 8, 8, 2, true}, Case{1, 96, 8, 8, 2, false}, Case{2, 64, 16, 8, 1, true},
-                       Case{1, 64, 8, 16, 2, false}, Case{1, 48, 48, 48, 2, true}, Case{1, 50, 12, 12, 2, true}}) {
+                       Case{1, 64, 8, 16, 2, false}, Case{1, 48, 48, 48, 2, true}, Case{1, 50, 12, 12, 2, true},
+                       Case{1, 96, 8, 8, 0, true, true}, Case{1, 96, 8, 8, 0, false, true},
+                       Case{2, 50, 12, 12, 0, true, true}}) {
     ScheduleOptions o = sched("seco", c.chunk);
     o.bwd_chunk = c.bwd_chunk;
     o.offload_window = c.window;
     o.save_attention = c.saved;
+    o.stream_kv = c.streamed;
     const Batch batch = random_batch(c.B, c.T, cfg.vocab_size, 9);
     grads.zero();
     const StepStats st = Schedule::create(o)->step(model, batch, grads);
     const double predicted = plan_step(cfg, c.B, c.T, o, DType::f32, 80).kv_moved_bytes;
     const double moved = double(st.kv_bytes_moved);
-    MESSAGE(fmt::format("B {} T {} chunk {} bwd {} window {}{}: {:.0f} bytes moved, {:.0f} predicted ({:+.1f}%)", c.B,
-                        c.T, c.chunk, c.bwd_chunk, c.window, c.saved ? " saved" : "", moved, predicted,
-                        100 * (predicted / moved - 1)));
+    MESSAGE(fmt::format("B {} T {} chunk {} bwd {} window {}{}{}: {:.0f} bytes moved, {:.0f} predicted ({:+.1f}%)",
+                        c.B, c.T, c.chunk, c.bwd_chunk, c.window, c.saved ? " saved" : "", c.streamed ? " streamed" : "",
+                        moved, predicted, 100 * (predicted / moved - 1)));
     CHECK(std::abs(predicted / moved - 1) <= 0.10);
   }
+}
+
+TEST_CASE("plan: with the K/V store streamed, device memory does not grow with T (issue 15: at most 2 MB per 1K)") {
+  ScheduleOptions o = sched("seco", 4096);
+  o.stream_kv = true;
+  o.save_attention = true;
+  const PlanReport a = plan_step(one_b(), 1, 131072, o, DType::bf16, 80);
+  const PlanReport b = plan_step(one_b(), 1, 1048576, o, DType::bf16, 80);
+  const double mb_per_1k = (double(b.peak_device_bytes) - double(a.peak_device_bytes)) / double(1 << 20) /
+                           ((1048576.0 - 131072.0) / 1024.0);
+  MESSAGE(fmt::format("128K: {:.2f} GiB, 1M: {:.2f} GiB on the device ({:.3f} MB per 1K tokens), {:.1f} GiB host",
+                      a.peak_device_gib(), b.peak_device_gib(), mb_per_1k, b.peak_host_gib()));
+  CHECK(mb_per_1k <= 2.0);
+  CHECK(b.peak_host_gib() > 100);  // the whole store (with saved outputs) in host memory
+  CHECK(b.schedule.find("stream-kv") != std::string::npos);
 }
