@@ -598,24 +598,36 @@ ScheduleOptions resolve_auto_schedule(const LlamaConfig& cf, int64_t B, int64_t 
   CW_CHECK(chunked(o), "schedule.chunk and schedule.offload_window = auto are for schedules seco and spaco");
   if (auto_window) o.offload_window = 0;
   // auto: the fastest chunk with the whole K/V store on the device, else with the smallest window
-  // that lets one fit (each layer moved to the host costs transfers, which this model does not time).
-  for (int64_t w = 0; w <= (auto_window ? int64_t(cf.num_hidden_layers) : 0); ++w) {
+  // that lets one fit (each layer moved to the host costs transfers, which this model does not time),
+  // else with the store streamed in chunk-sized blocks (schedule.stream_kv), which needs no layer whole
+  // on the device.
+  bool found = false;
+  for (int64_t w = 0; w <= (auto_window ? int64_t(cf.num_hidden_layers) : 0) && !found; ++w) {
     if (auto_window) o.offload_window = w;
     if (auto_chunk) o.chunk = choose_chunk(cf, B, T, o, dtype, gib, chunk_candidates(), lora, optimizer_offload);
-    if ((!auto_chunk || o.chunk > 0) &&
-        (!auto_window || plan_step(cf, B, T, o, dtype, gib, lora, optimizer_offload).fits))
-      break;
+    found = (!auto_chunk || o.chunk > 0) &&
+            (!auto_window || plan_step(cf, B, T, o, dtype, gib, lora, optimizer_offload).fits);
+  }
+  if (!found && auto_window && !o.stream_kv && o.bwd_chunk == 0) {
+    ScheduleOptions streamed = o;
+    streamed.offload_window = 0;
+    streamed.stream_kv = true;
+    if (auto_chunk)
+      streamed.chunk = choose_chunk(cf, B, T, streamed, dtype, gib, chunk_candidates(), lora, optimizer_offload);
+    if ((!auto_chunk || streamed.chunk > 0) && plan_step(cf, B, T, streamed, dtype, gib, lora, optimizer_offload).fits)
+      o = streamed;
   }
   if (auto_chunk && o.chunk == 0) {
     std::string sizes;
     for (int64_t c : chunk_candidates()) sizes += (sizes.empty() ? "" : ", ") + std::to_string(c);
     fail(fmt::format("out of memory at every chunk length ({}) in {:.1f} GiB{}", sizes, gib,
-                     auto_window ? " with any K/V offload window" : ""),
+                     auto_window ? " with any K/V offload window or the store streamed" : ""),
          auto_window ? "lower the sequence length or batch, or offload the optimizer (--optimizer-offload)"
                      : "set the offload window (--offload-window N or auto), or lower the sequence length or batch");
   }
   if (auto_window && !auto_chunk && !plan_step(cf, B, T, o, dtype, gib, lora, optimizer_offload).fits)
-    fail(fmt::format("out of memory with any K/V offload window at chunk {} in {:.1f} GiB", o.chunk, gib),
+    fail(fmt::format("out of memory with any K/V offload window or the store streamed at chunk {} in {:.1f} GiB",
+                     o.chunk, gib),
          "lower the chunk (--chunk N or auto), or offload the optimizer (--optimizer-offload)");
   return o;
 }

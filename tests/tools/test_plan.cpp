@@ -398,3 +398,18 @@ TEST_CASE("plan: with the K/V store streamed, device memory does not grow with T
   CHECK(b.peak_host_gib() > 100);  // the whole store (with saved outputs) in host memory
   CHECK(b.schedule.find("stream-kv") != std::string::npos);
 }
+
+TEST_CASE("plan: offload_window = auto streams the K/V store where no window of layers fits") {
+  ScheduleOptions o = sched("seco", kAuto);
+  o.offload_window = kAuto;
+  // 512K tokens in 26 GiB: even one layer of the store (6 GiB at 512K) with the 20.7 GiB of weights,
+  // master, moments and gradients does not fit; the streamed store does.
+  const ScheduleOptions r = resolve_auto_schedule(one_b(), 1, 524288, o, DType::bf16, 26);
+  CHECK(r.stream_kv);
+  CHECK(r.offload_window == 0);
+  CHECK(r.chunk > 0);
+  CHECK(plan_step(one_b(), 1, 524288, r, DType::bf16, 26).fits);
+  // Where a window fits, it is preferred (streaming runs unmasked blocks on flash).
+  const ScheduleOptions w = resolve_auto_schedule(one_b(), 1, 131072, o, DType::bf16, 80);
+  CHECK_FALSE(w.stream_kv);
+}
