@@ -4,7 +4,8 @@
 //   Computes the op's math: chunk-against-cache causal attention with grouped K/V heads (query i of
 //   the chunk at position p + i sees keys j <= p + i of the S = p + c keys: the mask is aligned
 //   BOTTOM-RIGHT), out and lse forward; d_q (overwrite or accumulate) and d_k, d_v (always ADDED)
-//   backward.
+//   backward. Unmasked (AttentionMask::none, a streamed key block): the same graphs without the
+//   mask, any S >= 1, one exact plan per shape.
 //   Operands (no copies): q, out, d_q, d_out [B, c, H, D] bf16 contiguous, as cuDNN tensors
 //   (B, H, c, D) with strides (c H D, D, H D, 1); k, v [B, S, Hkv, D] bf16 with batch stride kb as
 //   (B, Hkv, S, D) with strides (kb, D, Hkv D, 1) (K^T: dims (B, Hkv, D, S), strides (kb, D, 1, Hkv D));
@@ -273,8 +274,10 @@ struct Shape {
   int64_t B, H, Hkv, c, S, D, k_batch_stride, v_batch_stride;
   bool deterministic = false;  // backward: the direct-dQ form, only configurations without the non-determinism note
   bool shared = false;         // S is the store's extent; seq_len_q/seq_len_kv tensors give the real lengths
+  bool causal = true;          // false: no mask, every query sees all S keys (a streamed key block)
   auto key() const {
-    return std::tie(device, backward, B, H, Hkv, c, S, D, k_batch_stride, v_batch_stride, deterministic, shared);
+    return std::tie(device, backward, B, H, Hkv, c, S, D, k_batch_stride, v_batch_stride, deterministic, shared,
+                    causal);
   }
   bool operator<(const Shape& o) const { return key() < o.key(); }
   bool operator==(const Shape& o) const { return key() == o.key(); }
@@ -282,7 +285,9 @@ struct Shape {
   bool dq_accum() const { return backward && !deterministic; }  // the fast backward form
   bool gqa() const { return H != Hkv; }
   std::string form() const {
-    const std::string keys = shared ? CW_FORMAT(", shared by every S <= {} (padding mask)", S) : "";
+    const std::string keys = shared ? CW_FORMAT(", shared by every S <= {} (padding mask)", S)
+                             : causal ? ""
+                                      : ", unmasked";
     if (!backward) return "forward" + keys;
     return std::string(dq_accum() ? "backward, dQ=f32 accumulator" : "backward, dQ=direct") +
            (gqa() ? ", GQA head reduction in the graph" : "") + keys;
@@ -379,7 +384,7 @@ cudnnBackendDescriptor_t causal_mask(GraphBuilder& g, const Shape& sh, cudnnBack
 // Every mask the plan applies to the scores `s`; returns the masked scores.
 cudnnBackendDescriptor_t build_mask(GraphBuilder& g, const Shape& sh, cudnnBackendDescriptor_t s, const Lengths& len) {
   if (len.kv) s = padding_mask(g, sh, s, len);
-  return causal_mask(g, sh, s, len);
+  return sh.causal ? causal_mask(g, sh, s, len) : s;
 }
 
 Dims q_strides(const Shape& sh) { return {sh.c * sh.H * sh.D, sh.D, sh.H * sh.D, 1}; }
@@ -870,7 +875,7 @@ AheadBuilders& ahead_builders() {
 // backward: falling, as the reverse sweep), then the other direction in its own.
 void queue_family(const Shape& sh) {
   const int threads = cw::cudnn_plan_threads();
-  if (threads == 0 || sh.shared) return;
+  if (threads == 0 || sh.shared || !sh.causal) return;
   const int64_t row = sh.Hkv * sh.D;
   if (row <= 0 || sh.k_batch_stride % row != 0 || sh.v_batch_stride % row != 0) return;
   const int64_t extent = std::min(sh.k_batch_stride, sh.v_batch_stride) / row;
@@ -949,7 +954,7 @@ int64_t runtime_version() { return static_cast<int64_t>(cudnnGetVersion()); }
 bool aligned(const void* p) { return reinterpret_cast<uintptr_t>(p) % kAlignment == 0; }
 
 // Static conditions of the fused path (cheap; no plan is built). Empty string: served.
-std::string static_reason(const Tensor& q, const Tensor& k) {
+std::string static_reason(const Tensor& q, const Tensor& k, bool causal = true) {
   const int64_t v = runtime_version();
   if (v < kMinCudnnVersion)
     return CW_FORMAT("the cuDNN library loaded at run time is version {}; bottom-right causal fused attention "
@@ -964,7 +969,7 @@ std::string static_reason(const Tensor& q, const Tensor& k) {
     return CW_FORMAT("head dim {} (cuDNN needs a multiple of 8 up to {})", D, kMaxHeadDim);
   if (k.size(3) != D || k.size(0) != q.size(0)) return "q and k shapes disagree";
   if (Hkv <= 0 || H % Hkv != 0) return "query heads not a multiple of K/V heads";
-  if (c <= 0 || S < c) return "needs 1 <= c <= S";
+  if (c <= 0 || S <= 0 || (causal && S < c)) return causal ? "needs 1 <= c <= S" : "needs c >= 1 and S >= 1";
   if (!q.contiguous()) return "q is not contiguous";
   if (k.stride[1] != Hkv * D || k.stride[2] != D || k.stride[3] != 1) return "k's [S, Hkv, D] is not packed";
   if (k.stride[0] % 8 != 0 || !aligned(k.data) || !aligned(q.data))
@@ -975,14 +980,17 @@ std::string static_reason(const Tensor& q, const Tensor& k) {
   return "";
 }
 
-Shape shape_of(const Tensor& q, const Tensor& k, const Tensor& v, bool backward) {
-  return Shape{q.device.index, backward,   q.size(0), q.size(2),   k.size(2), q.size(1),
-               k.size(1),      q.size(3),  k.stride[0], v.stride[0], backward && cw::deterministic()};
+Shape shape_of(const Tensor& q, const Tensor& k, const Tensor& v, bool backward, bool causal = true) {
+  Shape sh{q.device.index, backward,   q.size(0), q.size(2),   k.size(2), q.size(1),
+           k.size(1),      q.size(3),  k.stride[0], v.stride[0], backward && cw::deterministic()};
+  sh.causal = causal;
+  return sh;
 }
 
 // The key extent of a shared plan for these operands (the store's capacity, read off the K/V batch
 // strides: a slice [0, S) of a [B, cap, Hkv, D] store), or 0 where the call takes an exact plan.
-int64_t shared_extent(const Tensor& k, const Tensor& v, bool backward) {
+int64_t shared_extent(const Tensor& k, const Tensor& v, bool backward, bool causal) {
+  if (!causal) return 0;  // an unmasked block has one shape: its exact plan serves every block
   if (cw::cudnn_plans() != CudnnPlans::shared || runtime_version() < kMinSharedVersion) return 0;
   if (backward && cw::deterministic()) return 0;  // its dS workspace would grow to c x extent
   const int64_t S = k.size(1), row = k.size(2) * k.size(3);
@@ -995,9 +1003,9 @@ int64_t shared_extent(const Tensor& k, const Tensor& v, bool backward) {
 // exact one (nullptr, with cuDNN's reasons, where neither exists). *sh receives the plan's shape.
 // Which plan a call runs depends only on the call, never on what ran before (determinism).
 const Plan* resolve_plan(const Tensor& q, const Tensor& k, const Tensor& v, bool backward, Shape* sh,
-                         std::string* why) {
-  *sh = shape_of(q, k, v, backward);
-  if (const int64_t extent = shared_extent(k, v, backward); extent > 0) {
+                         std::string* why, bool causal) {
+  *sh = shape_of(q, k, v, backward, causal);
+  if (const int64_t extent = shared_extent(k, v, backward, causal); extent > 0) {
     Shape wide = *sh;
     wide.S = extent;
     wide.shared = true;
@@ -1012,8 +1020,9 @@ const Plan* resolve_plan(const Tensor& q, const Tensor& k, const Tensor& v, bool
 // What is cuDNN's own on top of the op's contract (engine/ops/attention.cpp checks shapes, dtypes,
 // layouts and devices before any backend runs): the static conditions, a V batch stride that keeps
 // rows 16-byte aligned, and 16-byte aligned operands.
-void check_operands(const Tensor& q, const Tensor& k, const Tensor& v, std::initializer_list<const Tensor*> others) {
-  const std::string why = static_reason(q, k);
+void check_operands(const Tensor& q, const Tensor& k, const Tensor& v, std::initializer_list<const Tensor*> others,
+                    bool causal) {
+  const std::string why = static_reason(q, k, causal);
   CW_CHECK(why.empty(), "cuDNN attention cannot take q {} k {}: {}", q.describe(), k.describe(), why);
   CW_CHECK(v.stride[0] % 8 == 0, "cuDNN attention: v {} needs a batch stride that is a multiple of 8", v.describe());
   for (const Tensor* t : others)
@@ -1117,7 +1126,7 @@ struct MaskOperands {
   void* seq_len_kv = nullptr;
 
   MaskOperands(const Shape& sh, int64_t S, Arena& scratch, cudaStream_t stream)
-      : s(static_cast<int32_t>(S)), c(static_cast<int32_t>(sh.c)), scalars(!sh.shared && sh.p() > 0) {
+      : s(static_cast<int32_t>(S)), c(static_cast<int32_t>(sh.c)), scalars(!sh.shared && sh.causal && sh.p() > 0) {
     if (!sh.shared) return;
     seq_len_q = scratch.alloc_bytes(static_cast<size_t>(sh.B) * sizeof(int32_t));
     seq_len_kv = scratch.alloc_bytes(static_cast<size_t>(sh.B) * sizeof(int32_t));
@@ -1144,9 +1153,10 @@ struct MaskOperands {
 
 int64_t cudnn_runtime_version() { return runtime_version(); }
 
-bool cudnn_attention_plan_ready(const Tensor& q, const Tensor& k, const Tensor& v, bool backward) {
-  if (cw::cudnn_plan_threads() == 0 || cw::cudnn_plans() == CudnnPlans::shared || !static_reason(q, k).empty())
-    return true;
+bool cudnn_attention_plan_ready(const Tensor& q, const Tensor& k, const Tensor& v, bool backward, bool causal) {
+  if (!causal || cw::cudnn_plan_threads() == 0 || cw::cudnn_plans() == CudnnPlans::shared ||
+      !static_reason(q, k).empty())
+    return true;  // an unmasked block's one plan is built on its first use
   const Shape sh = shape_of(q, k, v, backward);
   const int64_t row = sh.Hkv * sh.D;
   const bool slice = row > 0 && std::min(sh.k_batch_stride, sh.v_batch_stride) / row > sh.S;
@@ -1172,14 +1182,14 @@ AttentionPlanStats cudnn_plan_stats() {
 
 namespace {
 // What both directions share: the static rules, then shapes cuDNN already rejected in `direction`.
-bool supports(const Tensor& q, const Tensor& k, bool backward, std::string* why_not) {
-  std::string why = static_reason(q, k);
+bool supports(const Tensor& q, const Tensor& k, bool backward, std::string* why_not, bool causal) {
+  std::string why = static_reason(q, k, causal);
   if (why.empty()) {
     // Shapes cuDNN already rejected are not offered again.
     std::lock_guard lock(g_mutex);
     auto it = g_devices.find(q.device.index);
     if (it != g_devices.end()) {
-      const Shape sh = shape_of(q, k, k, backward);
+      const Shape sh = shape_of(q, k, k, backward, causal);
       if (auto r = it->second.rejected.find(sh); r != it->second.rejected.end())
         why = "cuDNN rejected this shape: " + r->second;
     }
@@ -1189,21 +1199,21 @@ bool supports(const Tensor& q, const Tensor& k, bool backward, std::string* why_
 }
 }  // namespace
 
-bool cudnn_attention_supports(const Tensor& q, const Tensor& k, std::string* why_not) {
-  return supports(q, k, false, why_not) && supports(q, k, true, why_not);
+bool cudnn_attention_supports(const Tensor& q, const Tensor& k, std::string* why_not, bool causal) {
+  return supports(q, k, false, why_not, causal) && supports(q, k, true, why_not, causal);
 }
 
 
-bool cudnn_attention_forward_supports(const Tensor& q, const Tensor& k, std::string* why_not) {
-  return supports(q, k, false, why_not);
+bool cudnn_attention_forward_supports(const Tensor& q, const Tensor& k, std::string* why_not, bool causal) {
+  return supports(q, k, false, why_not, causal);
 }
 
 bool cudnn_attention_backward_fits(const Tensor& q, const Tensor& k, const Tensor& v, int64_t max_workspace,
-                                   std::string* why_not) {
-  if (!supports(q, k, true, why_not)) return false;
+                                   std::string* why_not, bool causal) {
+  if (!supports(q, k, true, why_not, causal)) return false;
   std::string why;
   Shape sh{};
-  const Plan* plan = resolve_plan(q, k, v, true, &sh, &why);
+  const Plan* plan = resolve_plan(q, k, v, true, &sh, &why, causal);
   if (plan == nullptr) {
     if (why_not) *why_not = "cuDNN has no backward plan: " + why;
     return false;
@@ -1218,11 +1228,11 @@ bool cudnn_attention_backward_fits(const Tensor& q, const Tensor& k, const Tenso
 }
 
 void cudnn_attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
-                             const Tensor& v, double scale, Arena& scratch) {
-  check_operands(q, k, v, {&v, &out, &saved.lse});
+                             const Tensor& v, double scale, Arena& scratch, bool causal) {
+  check_operands(q, k, v, {&v, &out, &saved.lse}, causal);
   Shape sh{};
   std::string why;
-  const Plan* plan = resolve_plan(q, k, v, false, &sh, &why);
+  const Plan* plan = resolve_plan(q, k, v, false, &sh, &why, causal);
   CW_CHECK(plan != nullptr, "cuDNN has no fused attention plan for q {} k {}:\n{}", q.describe(), k.describe(), why);
   ArenaScope scope(scratch);
   float scale_f = static_cast<float>(scale), neg = std::numeric_limits<float>::lowest();
@@ -1235,8 +1245,8 @@ void cudnn_attention_forward(const Tensor& out, const AttentionSaved& saved, con
 
 void cudnn_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,
                               const AttentionSaved& saved, const Tensor& q, const Tensor& k, const Tensor& v,
-                              const Tensor& out, double scale, GradMode mode, Arena& scratch) {
-  check_operands(q, k, v, {&v, &out, &saved.lse, &d_q, &d_out});
+                              const Tensor& out, double scale, GradMode mode, Arena& scratch, bool causal) {
+  check_operands(q, k, v, {&v, &out, &saved.lse, &d_q, &d_out}, causal);
   const int64_t B = q.size(0), c = q.size(1), H = q.size(2), D = q.size(3), S = k.size(1), Hkv = k.size(2);
   const int dev = q.device.index;
   cudaStream_t stream = current_stream(dev);
@@ -1244,7 +1254,7 @@ void cudnn_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor
 
   Shape sh{};
   std::string why;
-  const Plan* plan = resolve_plan(q, k, v, true, &sh, &why);
+  const Plan* plan = resolve_plan(q, k, v, true, &sh, &why, causal);
   CW_CHECK(plan != nullptr, "cuDNN has no fused attention backward plan for q {} k {}:\n{}", q.describe(),
            k.describe(), why);
 

@@ -80,22 +80,25 @@ void attention_merge(const Tensor& acc, const Tensor& lse_acc, const Tensor& out
 // cuDNN fused attention (engine/cuda/attention_cudnn.cu; builds with cuDNN only).
 int64_t cudnn_runtime_version();  // cudnnGetVersion() of the library loaded at run time, e.g. 91400
 // Whether cuDNN can take these operands in both directions / the forward (and why not).
-bool cudnn_attention_supports(const Tensor& q, const Tensor& k, std::string* why_not = nullptr);
-bool cudnn_attention_forward_supports(const Tensor& q, const Tensor& k, std::string* why_not = nullptr);
+// causal false (every function here): the unmasked form (AttentionMask::none), one exact plan per shape.
+bool cudnn_attention_supports(const Tensor& q, const Tensor& k, std::string* why_not = nullptr, bool causal = true);
+bool cudnn_attention_forward_supports(const Tensor& q, const Tensor& k, std::string* why_not = nullptr,
+                                      bool causal = true);
 // Whether the backward serves these operands with a plan whose workspace is at most max_workspace
 // bytes (builds and caches the plan; honours cw::deterministic()).
 bool cudnn_attention_backward_fits(const Tensor& q, const Tensor& k, const Tensor& v, int64_t max_workspace,
-                                   std::string* why_not = nullptr);
+                                   std::string* why_not = nullptr, bool causal = true);
 // Whether the plan of this call is built (never blocks). Where it is not, and plans are built
 // ahead (cw::cudnn_plan_threads() > 0) and the K/V are a slice of a longer store, the plan goes to
 // the front of the ahead queue (its family behind it) and the answer is false: the chooser runs
 // another kernel for this call rather than wait. Other calls: true (they build their plan on use).
-bool cudnn_attention_plan_ready(const Tensor& q, const Tensor& k, const Tensor& v, bool backward);
+bool cudnn_attention_plan_ready(const Tensor& q, const Tensor& k, const Tensor& v, bool backward,
+                                bool causal = true);
 void cudnn_attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
-                             const Tensor& v, double scale, Arena& scratch);
+                             const Tensor& v, double scale, Arena& scratch, bool causal = true);
 void cudnn_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,
                               const AttentionSaved& saved, const Tensor& q, const Tensor& k, const Tensor& v,
-                              const Tensor& out, double scale, GradMode mode, Arena& scratch);
+                              const Tensor& out, double scale, GradMode mode, Arena& scratch, bool causal = true);
 
 // LM head fused with cross-entropy (engine/cuda/lm_head.cu; math in engine/ops/lm_head_loss.h).
 // x, weight in the compute dtype (bf16 or f32); row_loss, lse f32; d_weight f32 (accumulated);

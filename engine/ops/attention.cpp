@@ -192,6 +192,7 @@ int64_t workspace_budget(int device) {
 bool serves(AttentionKernel kernel, const AttentionCall& call, const AttentionFlags& flags, bool forced,
             std::string* why) {
   const bool cpu = call.device.is_cpu();
+  [[maybe_unused]] const bool causal = call.mask == AttentionMask::causal;
   const bool tensor_cores = call.dtype == DType::bf16 && (call.D == 64 || call.D == 128) && call.tensor_core_operands;
   switch (kernel) {
     case AttentionKernel::cpu:
@@ -200,29 +201,26 @@ bool serves(AttentionKernel kernel, const AttentionCall& call, const AttentionFl
     case AttentionKernel::cudnn:
 #if CW_HAVE_CUDNN
       if (cpu) break;
-      if (call.mask != AttentionMask::causal) {
-        *why = "its plans here are causal (an unmasked key block runs on flash)";
-        return false;
-      }
       // Automatic, determinism off: a SeCO call whose plan is still being built ahead runs on flash
       // rather than wait for it (the first step; engine.h, cudnn_plan_threads). With determinism
       // on, which kernel runs must not depend on timing, so the call waits.
       if (!forced && !flags.deterministic &&
-          !gpu::cudnn_attention_plan_ready(*call.q, *call.k, *call.v, call.backward)) {
+          !gpu::cudnn_attention_plan_ready(*call.q, *call.k, *call.v, call.backward, causal)) {
         *why = "its plan is being built ahead (flash runs this call meanwhile)";
         return false;
       }
-      if (!call.backward) return gpu::cudnn_attention_forward_supports(*call.q, *call.k, why);
+      if (!call.backward) return gpu::cudnn_attention_forward_supports(*call.q, *call.k, why, causal);
       // Forced: cuDNN's own deterministic form serves the deterministic switch. Automatic: cuDNN's
       // backward only with determinism off (its fast engine sums dQ with atomics) and when its
       // workspace fits the budget; the flash backward needs O(c) scratch whatever happens.
-      if (forced) return gpu::cudnn_attention_supports(*call.q, *call.k, why);
+      if (forced) return gpu::cudnn_attention_supports(*call.q, *call.k, why, causal);
       if (flags.deterministic) {
         *why = "determinism is on";
         return false;
       }
-      return gpu::cudnn_attention_forward_supports(*call.q, *call.k, why) &&
-             gpu::cudnn_attention_backward_fits(*call.q, *call.k, *call.v, workspace_budget(call.device.index), why);
+      return gpu::cudnn_attention_forward_supports(*call.q, *call.k, why, causal) &&
+             gpu::cudnn_attention_backward_fits(*call.q, *call.k, *call.v, workspace_budget(call.device.index), why,
+                                                causal);
 #else
       if (cpu) break;
       *why = "this build has no cuDNN";
@@ -309,7 +307,7 @@ void attention_forward(const Tensor& out, const AttentionSaved& saved, const Ten
   switch (choice.kernel) {
     case AttentionKernel::cpu: return cpu::attention_forward(out, saved, q, k, v, scale, scratch, causal);
 #if CW_HAVE_CUDNN
-    case AttentionKernel::cudnn: return gpu::cudnn_attention_forward(out, saved, q, k, v, scale, scratch);
+    case AttentionKernel::cudnn: return gpu::cudnn_attention_forward(out, saved, q, k, v, scale, scratch, causal);
 #endif
 #if CW_HAVE_CUDA
     case AttentionKernel::flash_wgmma:
@@ -337,7 +335,7 @@ void attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v,
       return cpu::attention_backward(d_q, d_k, d_v, d_out, saved, q, k, v, out, scale, mode, scratch, causal);
 #if CW_HAVE_CUDNN
     case AttentionKernel::cudnn:
-      return gpu::cudnn_attention_backward(d_q, d_k, d_v, d_out, saved, q, k, v, out, scale, mode, scratch);
+      return gpu::cudnn_attention_backward(d_q, d_k, d_v, d_out, saved, q, k, v, out, scale, mode, scratch, causal);
 #endif
 #if CW_HAVE_CUDA
     case AttentionKernel::flash_wgmma:

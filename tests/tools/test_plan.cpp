@@ -409,7 +409,7 @@ TEST_CASE("plan: offload_window = auto streams the K/V store where no window of 
   CHECK(r.offload_window == 0);
   CHECK(r.chunk > 0);
   CHECK(plan_step(one_b(), 1, 524288, r, DType::bf16, 26).fits);
-  // Where a window fits, it is preferred (streaming runs unmasked blocks on flash).
+  // Where a window fits, it is preferred (streaming runs many more, smaller attention calls).
   const ScheduleOptions w = resolve_auto_schedule(one_b(), 1, 131072, o, DType::bf16, 80);
   CHECK_FALSE(w.stream_kv);
 }
