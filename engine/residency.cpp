@@ -5,6 +5,7 @@
 #include "engine/error.h"
 #include "engine/trace.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -24,12 +25,15 @@ size_t total_bytes(const std::vector<Residency::Span>& spans) {
 Residency::Residency(Device device, std::vector<size_t> part_bytes, int items, int slots, const char* what)
     : device_(device), what_(what), part_bytes_(std::move(part_bytes)) {
   CW_CHECK(items > 0 && slots > 0 && slots <= items, "residency: {} slots for {} items", slots, items);
-  for (int i = 0; i < items; ++i) {
-    auto& parts = host_.emplace_back();
-    for (size_t b : part_bytes_) {
-      parts.emplace_back(b, device_);
-      std::memset(parts.back().data(), 0, b);
-    }
+  // One pinned allocation per part for all items (item i's at i x the part's bytes): a streamed K/V
+  // store has thousands of items, and pinning is a slow call per allocation.
+  for (size_t b : part_bytes_) {
+    host_.emplace_back(b * static_cast<size_t>(items), device_);
+    // Zeroed on the cores' threads (a million-token store is about 100 GB).
+    char* base = static_cast<char*>(host_.back().data());
+    const int64_t total = static_cast<int64_t>(host_.back().bytes()), piece = int64_t{64} << 20;
+#pragma omp parallel for schedule(static) if (total > piece)
+    for (int64_t at = 0; at < total; at += piece) std::memset(base + at, 0, static_cast<size_t>(std::min(piece, total - at)));
   }
   for (int s = 0; s < slots; ++s) {
     auto& parts = slots_.emplace_back();
@@ -52,7 +56,8 @@ size_t Residency::item_bytes() const {
 }
 
 void* Residency::host(int item, int part) const {
-  return host_[static_cast<size_t>(item)][static_cast<size_t>(part)].data();
+  return static_cast<char*>(host_[static_cast<size_t>(part)].data()) +
+         static_cast<size_t>(item) * part_bytes_[static_cast<size_t>(part)];
 }
 
 void* Residency::device(int item, int part) const {

@@ -75,7 +75,7 @@ class Residency {
   Device device_;
   const char* what_;
   std::vector<size_t> part_bytes_;
-  std::vector<std::vector<StagingBuffer>> host_;  // [item][part]: pinned on a GPU (engine.h)
+  std::vector<StagingBuffer> host_;               // [part], every item's: pinned on a GPU (engine.h)
   std::vector<std::vector<Buffer>> slots_;        // [slot][part]: device memory
   std::vector<int> slot_of_;               // item -> slot or -1
   std::vector<int> slot_item_;             // slot -> item or -1
