@@ -103,7 +103,8 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
   nlohmann::json r = {{"impl", "chunkwise"}, {"model", o.model}, {"seq", o.seq}, {"batch", o.batch},
                       {"schedule", so.name}, {"recompute", so.recompute}, {"chunk", so.chunk},
                       {"bwd_chunk", so.bwd_chunk}, {"mlp_shards", so.mlp_shards}, {"offload", so.offload},
-                      {"offload_window", so.offload_window}, {"save_attention", so.save_attention}, {"keep", so.keep}, {"dtype", o.dtype},
+                      {"offload_window", so.offload_window}, {"stream_kv", so.stream_kv}, {"save_attention", so.save_attention},
+                      {"keep", so.keep}, {"dtype", o.dtype},
                       {"device", device_name(g)}};
   if (o.lora.enabled())
     r["lora"] = {{"rank", o.lora.rank}, {"alpha", o.lora.alpha}, {"dropout", o.lora.dropout},

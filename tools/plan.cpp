@@ -498,8 +498,10 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
 
   if (!r.fits) {
     if (chunked(o))
-      r.advice = "lower --chunk / --bwd-chunk (activations grow with it), or set --offload-window to keep only "
-                 "that many layers of the K/V store on the device";
+      r.advice = o.stream_kv ? "lower --chunk (the blocks and activations grow with it), or offload the optimizer "
+                               "(--optimizer-offload)"
+                             : "lower --chunk / --bwd-chunk (activations grow with it), set --offload-window to keep "
+                               "only that many layers of the K/V store on the device, or --stream-kv to keep none";
     else if (o.name == "full")
       r.advice = "use --schedule checkpointed (--recompute selective) or seco with --chunk 4096";
     else
