@@ -31,7 +31,8 @@ const std::vector<Option<ScheduleOptions>>& schedule_option_table() {
     {"recompute",      "--recompute",     &S::recompute,     one_of({"auto", "full", "selective", "none"}),
      "what each chunk's backward recomputes (seco, spaco: inside every reverse-sweep chunk): full (keep layer "
      "inputs only, recompute each layer) | selective (keep all but the MLP's [tokens, ffn] intermediates, "
-     "recomputed in the backward) | none (keep everything) | auto (checkpointed: full; the others: none)"},
+     "recomputed in the backward) | none (keep everything) | auto (checkpointed: full; the others: none, or the "
+     "planner's choice where chunk or offload_window is auto)"},
     {"mlp_shards",     "--mlp-shards",    &S::mlp_shards,    at_least(0, "automatic"), "any schedule: tiled MLP row shards; 1: untiled, 0: automatic (ceil(ffn / hidden))"},
     {"offload",        "--offload",       &S::offload,       {},                       "checkpointed, recompute full: the kept layer inputs in pinned host memory (GPU)"},
     {"offload_window", "--offload-window", &S::offload_window, at_least_or_auto(0, "the whole K/V store on the device"),

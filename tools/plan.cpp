@@ -14,6 +14,8 @@
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
+#include <optional>
+
 #include <algorithm>
 #include <cmath>
 #include <fstream>
@@ -593,10 +595,11 @@ std::string plan_json(const PlanReport& r) {
   return j.dump(2);
 }
 
-ScheduleOptions resolve_auto_schedule(const LlamaConfig& cf, int64_t B, int64_t T, ScheduleOptions o, DType dtype,
-                                      double gib, const LoraConfig& lora, bool optimizer_offload) {
+namespace {
+// resolve_auto_schedule for one recompute mode.
+ScheduleOptions resolve_chunk_and_window(const LlamaConfig& cf, int64_t B, int64_t T, ScheduleOptions o, DType dtype,
+                                         double gib, const LoraConfig& lora, bool optimizer_offload) {
   const bool auto_chunk = o.chunk == kAuto, auto_window = o.offload_window == kAuto;
-  if (!auto_chunk && !auto_window) return o;
   CW_CHECK(chunked(o), "schedule.chunk and schedule.offload_window = auto are for schedules seco and spaco");
   if (auto_window) o.offload_window = 0;
   // auto: the fastest chunk with the whole K/V store on the device, else with the smallest window
@@ -632,6 +635,36 @@ ScheduleOptions resolve_auto_schedule(const LlamaConfig& cf, int64_t B, int64_t 
                      o.chunk, gib),
          "lower the chunk (--chunk N or auto), or offload the optimizer (--optimizer-offload)");
   return o;
+}
+}  // namespace
+
+ScheduleOptions resolve_auto_schedule(const LlamaConfig& cf, int64_t B, int64_t T, ScheduleOptions o, DType dtype,
+                                      double gib, const LoraConfig& lora, bool optimizer_offload) {
+  if (o.chunk != kAuto && o.offload_window != kAuto) return o;
+  if (!chunked(o) || o.recompute != "auto")
+    return resolve_chunk_and_window(cf, B, T, o, dtype, gib, lora, optimizer_offload);
+  // recompute = auto with a planned chunk or window: the mode is planned too. Keeping every
+  // activation of a chunk (none) is fastest per chunk, but recomputing inside it (selective, full)
+  // lets a larger chunk fit, and a larger chunk moves fewer K/V bytes where the store is offloaded.
+  std::optional<ScheduleOptions> best;
+  double best_s = 0;
+  std::optional<Error> first_error;
+  for (const char* mode : {"none", "selective", "full"}) {
+    ScheduleOptions m = o;
+    m.recompute = mode;
+    try {
+      const ScheduleOptions r = resolve_chunk_and_window(cf, B, T, m, dtype, gib, lora, optimizer_offload);
+      const double s = plan_step(cf, B, T, r, dtype, gib, lora, optimizer_offload).step_s;
+      if (!best || s < best_s * 0.99) {  // a mode that recomputes more must be clearly faster
+        best = r;
+        best_s = s;
+      }
+    } catch (const Error& e) {
+      if (!first_error) first_error = e;
+    }
+  }
+  if (!best) throw *first_error;
+  return *best;
 }
 
 double device_gib_or_gpu(double gib) {

@@ -413,3 +413,27 @@ TEST_CASE("plan: offload_window = auto streams the K/V store where no window of 
   const ScheduleOptions w = resolve_auto_schedule(one_b(), 1, 131072, o, DType::bf16, 80);
   CHECK_FALSE(w.stream_kv);
 }
+
+TEST_CASE("plan: with recompute = auto, chunk and window = auto also choose the recompute inside a chunk") {
+  // Llama-3.1-8B with LoRA at 64K in 24 GiB: keeping every activation (none) allows chunks of 1024,
+  // whose K/V offload moves 1.8 TB a step; recomputing inside the chunk lets one of 2048 fit.
+  const LlamaConfig cf = LlamaConfig::preset("llama-3.1-8b");
+  LoraConfig lora;
+  lora.rank = 8;
+  ScheduleOptions o = sched("seco", kAuto);
+  o.offload_window = kAuto;
+  const ScheduleOptions chosen = resolve_auto_schedule(cf, 1, 65536, o, DType::bf16, 24, lora);
+  ScheduleOptions none = o;
+  none.recompute = "none";
+  const ScheduleOptions kept = resolve_auto_schedule(cf, 1, 65536, none, DType::bf16, 24, lora);
+  const double t_chosen = plan_step(cf, 1, 65536, chosen, DType::bf16, 24, lora).step_s;
+  const double t_kept = plan_step(cf, 1, 65536, kept, DType::bf16, 24, lora).step_s;
+  MESSAGE(fmt::format("chosen: recompute {} chunk {} window {}: {:.1f} s; recompute none: chunk {}: {:.1f} s",
+                      chosen.recompute, chosen.chunk, chosen.offload_window, t_chosen, kept.chunk, t_kept));
+  CHECK(chosen.recompute != "auto");
+  CHECK(chosen.recompute != "none");
+  CHECK(t_chosen < t_kept);
+  CHECK(plan_step(cf, 1, 65536, chosen, DType::bf16, 24, lora).fits);
+  // A given recompute is kept as given.
+  CHECK(kept.recompute == "none");
+}
