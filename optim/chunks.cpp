@@ -175,10 +175,13 @@ StepStats StepFrame::finish(double loss, int64_t chunks, int64_t visited) const 
   return st;
 }
 
-double batch_loss(const LlamaModel& model, const Batch& batch, int64_t chunk, Arena& arena, double normaliser) {
+double batch_loss(const LlamaModel& model, const Batch& batch, int64_t chunk, Arena& arena, double normaliser,
+                  int64_t stream_block) {
   const double norm = step_normaliser(normaliser, batch.supervised());
   const_cast<LlamaModel&>(model).ensure_positions(batch.T());
-  KVStore kv(model.config(), batch.B(), batch.T(), model.dtype(), false, model.device());
+  if (stream_block > 0) chunk = stream_block;  // the blocks are the chunks
+  KVStore kv(model.config(), batch.B(), batch.T(), model.dtype(), false, model.device(), 0, false,
+             stream_block > 0 ? std::min(stream_block, batch.T()) : 0);
   return prefill(kv, model, batch, chunk_bounds(batch.T(), chunk), norm, true, arena, 1);
 }
 

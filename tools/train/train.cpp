@@ -385,8 +385,9 @@ void resolve_auto_lengths(RunConfig& rc, const Placement& p, std::ostream& log) 
          "give numbers on the CPU (e.g. schedule.chunk = 1024, offload_window = 0)");
   const double gib = plan_gib(usable_device_bytes(p.device));
   s = resolve_auto_schedule(p.model, rc.data.batch_size, rc.data.seq_len, s, p.dtype, gib, p.lora, rc.optimizer.offload);
-  log << fmt::format("schedule: the planner chose chunk {} and offload window {} for {:.1f} GiB of device memory\n",
-                     s.chunk, s.offload_window, gib);
+  log << fmt::format("schedule: the planner chose chunk {}, {}, recompute {} for {:.1f} GiB of device memory\n",
+                     s.chunk, s.stream_kv ? "the K/V store streamed" : fmt::format("offload window {}", s.offload_window),
+                     s.recompute_mode(), gib);
 }
 
 // Memory guard: fail before step 1, not in the middle of it. Returns the planned bytes. On a GPU the
@@ -784,7 +785,10 @@ class TrainLoop {
       // gets rows without labels up to a multiple of tp (they add nothing to the loss or the count).
       if (groups_.tp && groups_.tp->sequence_parallel() && rows % groups_.tp_size() != 0)
         batch = with_unlabelled_rows(batch, (rows / groups_.tp_size() + 1) * groups_.tp_size());
-      sum += batch_loss(state_.model(), batch, rc_.schedule.chunk, eval_arena_) * static_cast<double>(batch.supervised());
+      // Streamed in training, the eval store is streamed too (its K/V would not fit the device).
+      const int64_t stream_block = rc_.schedule.stream_kv ? rc_.schedule.chunk : 0;
+      sum += batch_loss(state_.model(), batch, rc_.schedule.chunk, eval_arena_, 0, stream_block) *
+             static_cast<double>(batch.supervised());
       count += batch.supervised();
     }
     return count > 0 ? sum / static_cast<double>(count) : std::nan("");
