@@ -372,6 +372,7 @@ void KVStore::attend_forward(int layer, int64_t t0, int64_t t1, const Tensor& ou
   // The chunk against its own block (causal), then against each earlier block (unmasked), merged in
   // the accumulation dtype; the next block comes in while one is attended.
   const int64_t j = t0 / block_;
+  if (j > 0) fetch_block(layer, 0, true, false);  // queued first: it comes in while the own block is attended
   attention_forward(out, saved, q, keys(layer, t0, t1), values(layer, t0, t1), scale, scratch);
   if (j == 0) return;
   ArenaScope scope(scratch);
@@ -380,7 +381,6 @@ void KVStore::attend_forward(int layer, int64_t t0, int64_t t1, const Tensor& ou
   const Tensor acc = scratch.alloc(saved.lse.dtype, {B, c, H, D}), block_out = scratch.alloc(out.dtype, {B, c, H, D});
   const Tensor block_lse = scratch.alloc(saved.lse.dtype, {saved.lse.size(0), saved.lse.size(1), saved.lse.size(2)});
   copy_convert(acc, out);
-  fetch_block(layer, 0, true, false);
   for (int64_t i = 0; i < j; ++i) {
     res_->ready(item(layer, i));
     res_->fetch(own, {});  // most recently used: the prefetch below takes the block before this one
@@ -405,6 +405,7 @@ void KVStore::attend_backward(int layer, int64_t t0, int64_t t1, const Tensor& d
   // dtype (one rounding per block, not a running bf16 sum), each earlier block's dK, dV fetched,
   // added to and sent home.
   const int64_t j = t0 / block_;
+  if (j > 0) fetch_block(layer, 0, true, true);  // comes in while the own block runs
   attention_backward(d_q, d_keys(layer, t0, t1), d_values(layer, t0, t1), d_out, saved, q, keys(layer, t0, t1),
                      values(layer, t0, t1), out, scale, GradMode::overwrite, scratch);
   if (j == 0) return;
@@ -414,7 +415,6 @@ void KVStore::attend_backward(int layer, int64_t t0, int64_t t1, const Tensor& d
   const Tensor dq_sum = scratch.alloc(saved.lse.dtype, {rows, width}), dq_block = scratch.alloc(d_q.dtype, {rows, width});
   copy_convert(dq_sum, d_q.view({rows, width}));
   const Tensor dq_block4 = dq_block.view({d_q.size(0), d_q.size(1), d_q.size(2), d_q.size(3)});
-  fetch_block(layer, 0, true, true);
   for (int64_t i = 0; i < j; ++i) {
     const int it = item(layer, i);
     res_->ready(it);
