@@ -30,7 +30,8 @@
 // block ([j Kb, j Kb + c), c <= Kb). attend_forward runs the chunk causally against its own block
 // and unmasked against each earlier block, merging their outputs (engine/ops/attention.h); the
 // backward runs the blocks in turn with the merged output and lse, each earlier block's dK, dV
-// fetched, added to and sent home. Device memory is then three blocks whatever T.
+// fetched, added to and sent home. Device memory is then three blocks whatever T. A view then lies
+// within one block (batch stride Kb*Hkv*D) and needs that block resident.
 #pragma once
 
 #include "engine/memory.h"
