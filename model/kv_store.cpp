@@ -82,9 +82,7 @@ Tensor KVStore::view(Part part, int layer, int64_t t0, int64_t t1) const {
   check_range(layer, t0, t1);
   const DType dt = part >= kDKeys ? accum_dtype(dtype_) : dtype_;
   if (block_ > 0) {
-    const int64_t j = t0 / block_;
-    CW_CHECK(t1 <= j * block_ + block_rows(j), "streamed K/V store: range [{}, {}) crosses a block of {} tokens", t0,
-             t1, block_);
+    const int64_t j = block_of(t0, t1);
     return Tensor(res_->device(item(layer, j), part), dt, device_, {B_, block_, Hkv_, D_}).slice(1, t0 - j * block_,
                                                                                                  t1 - t0);
   }
@@ -95,8 +93,7 @@ Tensor KVStore::outputs(int layer, int64_t t0, int64_t t1) const {
   CW_CHECK(with_outputs_, "K/V store was built without saved attention outputs");
   check_range(layer, t0, t1);
   if (block_ > 0) {
-    const int64_t j = t0 / block_;
-    CW_CHECK(t1 <= j * block_ + block_rows(j), "streamed K/V store: range [{}, {}) crosses a block", t0, t1);
+    const int64_t j = block_of(t0, t1);
     return Tensor(res_->device(item(layer, j), kOut), dtype_, device_, {B_, block_, H_, D_})
         .slice(1, t0 - j * block_, t1 - t0);
   }
@@ -107,12 +104,18 @@ Tensor KVStore::output_lse(int layer, int64_t t0, int64_t t1) const {
   CW_CHECK(with_outputs_, "K/V store was built without saved attention outputs");
   check_range(layer, t0, t1);
   if (block_ > 0) {
-    const int64_t j = t0 / block_;
-    CW_CHECK(t1 <= j * block_ + block_rows(j), "streamed K/V store: range [{}, {}) crosses a block", t0, t1);
+    const int64_t j = block_of(t0, t1);
     return Tensor(res_->device(item(layer, j), kLse), accum_dtype(dtype_), device_, {B_ * H_, block_})
         .slice(1, t0 - j * block_, t1 - t0);
   }
   return Tensor(part_data(kLse, layer), accum_dtype(dtype_), device_, {B_ * H_, T_}).slice(1, t0, t1 - t0);
+}
+
+int64_t KVStore::block_of(int64_t t0, int64_t t1) const {
+  const int64_t j = t0 / block_;
+  CW_CHECK(t1 <= j * block_ + block_rows(j), "streamed K/V store: range [{}, {}) crosses a block of {} tokens", t0, t1,
+           block_);
+  return j;
 }
 
 std::vector<Residency::Span> KVStore::item_spans(Part first, Part last, int64_t r0, int64_t r1) const {

@@ -122,6 +122,7 @@ class KVStore {
   // `grads`, dK, dV; rows the home has not been written with fetched as zeros).
   int item(int layer, int64_t block) const { return static_cast<int>(layer * blocks_ + block); }
   int64_t block_rows(int64_t block) const { return std::min(block_, T_ - block * block_); }
+  int64_t block_of(int64_t t0, int64_t t1) const;  // the block holding [t0, t1) (a range never crosses one)
   std::vector<Residency::Span> item_spans(Part first, Part last, int64_t r0, int64_t r1) const;
   void fetch_block(int layer, int64_t block, bool kv, bool grads);
 
