@@ -121,16 +121,20 @@ std::string MemoryReport::line() const {
     if (!s.empty()) s += " | ";
     s += fmt::format("{} {:.2f} GiB", name, static_cast<double>(bytes) / double(1ull << 30));
   }
-  if (host_master + host_optimizer + host_staging > 0)
-    s += fmt::format(" || host: master {:.2f} GiB | optimizer {:.2f} GiB | staging {:.2f} GiB",
-                     static_cast<double>(host_master) / double(1ull << 30),
-                     static_cast<double>(host_optimizer) / double(1ull << 30),
-                     static_cast<double>(host_staging) / double(1ull << 30));
-  return s;
+  // Host memory the run pins, what there is of it: the offloaded optimizer's and the K/V store's.
+  std::string host;
+  for (const auto& [name, bytes] : {std::pair<const char*, size_t>{"master", host_master},
+                                    {"optimizer", host_optimizer}, {"staging", host_staging}, {"kv", host_kv}})
+    if (bytes > 0)
+      host += fmt::format("{}{} {:.2f} GiB", host.empty() ? " || host: " : " | ", name,
+                          static_cast<double>(bytes) / double(1ull << 30));
+  return s + host;
 }
 
-MemoryReport memory_report(const TrainingState& st, size_t activation_high_water, size_t kv_bytes) {
+MemoryReport memory_report(const TrainingState& st, size_t activation_high_water, size_t kv_bytes,
+                           size_t kv_host_bytes) {
   MemoryReport r;
+  r.host_kv = kv_host_bytes;
   r.weights = st.model().params().bytes() + (st.lora() ? st.model().adapters().bytes() : 0);
   const bool separate_master = &st.master() != &st.model().trainable();
   if (const OffloadedAdamW* off = st.offloaded_optimizer()) {

@@ -106,11 +106,13 @@ class TrainingState {
 // and the staging slots in host_staging), not the device's.
 struct MemoryReport {
   size_t weights = 0, master = 0, optimizer = 0, gradients = 0, activations = 0, kv = 0, device_peak = 0;
-  size_t host_master = 0, host_optimizer = 0, host_staging = 0;
+  size_t host_master = 0, host_optimizer = 0, host_staging = 0, host_kv = 0;
   size_t other() const;
   std::string line() const;  // "weights 2.30 GiB | master ... | peak ..."
   std::vector<std::pair<std::string, size_t>> categories() const;
 };
-MemoryReport memory_report(const TrainingState& state, size_t activation_high_water, size_t kv_bytes);
+// kv_host_bytes: the K/V store's pinned host homes (an offload window or the streamed store).
+MemoryReport memory_report(const TrainingState& state, size_t activation_high_water, size_t kv_bytes,
+                           size_t kv_host_bytes = 0);
 
 }  // namespace cw

@@ -761,11 +761,15 @@ class TrainLoop {
   // Where the memory goes, once the first step has shown the activation and K/V peaks.
   void report_memory(int64_t step, const StepStats& stats) {
     if (!metrics_) return;
-    MemoryReport mem = memory_report(state_, stats.activation_high_water, stats.kv_bytes);
+    MemoryReport mem = memory_report(state_, stats.activation_high_water, stats.kv_bytes, stats.kv_host_bytes);
     if (dp_ && !state_.optimizer_offloaded()) mem.optimizer = dp_->optimizer_bytes();  // ZeRO: this rank's shard
     out_ << clear_line() << fmt::format("memory ({}): {}\n", device_name(placement_.device), mem.line());
     nlohmann::json mj = {{"step", step}};
     for (const auto& [name, bytes] : mem.categories()) mj["memory_" + name] = bytes;
+    for (const auto& [name, bytes] : {std::pair<const char*, size_t>{"master", mem.host_master},
+                                      {"optimizer", mem.host_optimizer}, {"staging", mem.host_staging},
+                                      {"kv", mem.host_kv}})
+      if (bytes > 0) mj[std::string("memory_host_") + name] = bytes;
     metrics_->append(mj);
   }
 
