@@ -53,14 +53,19 @@ ActivationPolicy activation_policy(const ScheduleOptions& o) {
 }
 
 double prefill(KVStore& kv, const LlamaModel& model, const Batch& batch, const std::vector<int64_t>& bounds,
-               double normaliser, bool with_loss, Arena& arena, int64_t mlp_shards) {
+               double normaliser, bool with_loss, Arena& arena, int64_t mlp_shards,
+               const std::function<void(int64_t, int64_t)>& chunk_done) {
   double loss = 0;
+  const int64_t chunks = static_cast<int64_t>(bounds.size()) - 1;
   for (size_t i = 0; i + 1 < bounds.size(); ++i) {
-    TraceScope traced("prefill chunk {chunk}",
-                      {{"chunk", static_cast<int64_t>(i)}, {"t0", bounds[i]}, {"t1", bounds[i + 1]}});
-    ArenaScope scope(arena);
-    const ChunkTokens chunk = slice_chunk(batch, bounds[i], bounds[i + 1], arena);
-    loss += forward_chunk(nullptr, kv, model, chunk, normaliser, with_loss, arena, mlp_shards);
+    {
+      TraceScope traced("prefill chunk {chunk}",
+                        {{"chunk", static_cast<int64_t>(i)}, {"t0", bounds[i]}, {"t1", bounds[i + 1]}});
+      ArenaScope scope(arena);
+      const ChunkTokens chunk = slice_chunk(batch, bounds[i], bounds[i + 1], arena);
+      loss += forward_chunk(nullptr, kv, model, chunk, normaliser, with_loss, arena, mlp_shards);
+    }
+    if (chunk_done) chunk_done(static_cast<int64_t>(i) + 1, chunks);
   }
   return loss;
 }
@@ -143,8 +148,10 @@ double StepFrame::prefill(bool with_loss, int64_t until) {
   if (until < 0) until = batch.T();
   if (until == 0) return 0.0;
   // The same boundaries as a prefill of all T tokens (chunks start at multiples of options.chunk).
+  std::function<void(int64_t, int64_t)> chunk_done;
+  if (hooks.progress) chunk_done = [this](int64_t done, int64_t total) { hooks.progress("prefill", done, total); };
   return cw::prefill(kv, model, batch, chunk_bounds(until, options.chunk), norm, with_loss, arena,
-                     options.mlp_shards);
+                     options.mlp_shards, chunk_done);
 }
 
 std::vector<int64_t> StepFrame::sweep_bounds() const {
@@ -157,9 +164,14 @@ int64_t StepFrame::sweep_chunk_index(int64_t t0) const {
 }
 
 double StepFrame::backprop(int64_t t0, int64_t t1, const ParamSet& grads, double loss_weight, bool last) {
-  TraceScope traced("backprop chunk {chunk}", {{"chunk", sweep_chunk_index(t0)}, {"t0", t0}, {"t1", t1}});
-  return backprop_chunk(kv, model, batch, t0, t1, grads, norm, arena, policy_, loss_weight,
-                        last ? hooks.grads_final : GradsFinalFrom{});
+  double loss = 0;
+  {
+    TraceScope traced("backprop chunk {chunk}", {{"chunk", sweep_chunk_index(t0)}, {"t0", t0}, {"t1", t1}});
+    loss = backprop_chunk(kv, model, batch, t0, t1, grads, norm, arena, policy_, loss_weight,
+                          last ? hooks.grads_final : GradsFinalFrom{});
+  }
+  if (hooks.progress) hooks.progress("backward", ++backprops_done_, std::max(backprops, backprops_done_));
+  return loss;
 }
 
 StepStats StepFrame::finish(double loss, int64_t chunks, int64_t visited) const {

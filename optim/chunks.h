@@ -32,8 +32,10 @@ ActivationPolicy activation_policy(const ScheduleOptions& o);
 
 // Prefill: every chunk of `bounds` forward, nothing kept but K/V. Returns the summed loss when
 // with_loss (spaco reports the whole batch's loss although it backprops only some chunks).
+// chunk_done (if set) is told (chunks done, chunks) after each.
 double prefill(KVStore& kv, const LlamaModel& model, const Batch& batch, const std::vector<int64_t>& bounds,
-               double normaliser, bool with_loss, Arena& arena, int64_t mlp_shards);
+               double normaliser, bool with_loss, Arena& arena, int64_t mlp_shards,
+               const std::function<void(int64_t, int64_t)>& chunk_done = {});
 
 // Tokens [t0, t1) of every sequence: recompute the chunk through all layers keeping its
 // activations (against the store's K/V of [0, t0)), then backprop its loss, adding parameter
@@ -59,7 +61,9 @@ class StepFrame {
   int64_t sweep_chunk_index(int64_t t0) const;
   // backprop_chunk of tokens [t0, t1) under the options' activation policy; the chunk's loss.
   // last: this is the step's last chunk backward, so the schedule's grads_final hook is given to it.
+  // Each call is reported to the hooks' progress as one of `backprops` (set by the schedule).
   double backprop(int64_t t0, int64_t t1, const ParamSet& grads, double loss_weight = 1.0, bool last = false);
+  int64_t backprops = 0;
   // The step's statistics: `chunks` reverse-sweep chunks of which `visited` were backpropagated.
   StepStats finish(double loss, int64_t chunks, int64_t visited) const;
 
@@ -74,6 +78,7 @@ class StepFrame {
 
  private:
   const ActivationPolicy policy_;
+  int64_t backprops_done_ = 0;
   const size_t moved_before_;  // the store's host <-> device bytes before the step
   DropoutRoundScope dropout_round_;
 };

@@ -104,6 +104,10 @@ struct StepHooks {
   // Sums a few host values over the ranks, in place (spaco, stratified: the per-chunk counts of
   // supervised labels, so every rank draws its sample from the strata of the global batch).
   std::function<void(std::vector<double>&)> sum_over_ranks;
+  // Told as a chunked step advances (seco, spaco): after each prefill chunk ("prefill") and each
+  // reverse-sweep chunk backpropagated ("backward"), with the chunks done of the phase's total, so a
+  // step of minutes can show where it is (tools/progress.h).
+  std::function<void(const char* phase, int64_t done, int64_t total)> progress;
 };
 
 class Schedule {

@@ -31,6 +31,7 @@ class SecoSchedule : public Schedule {
                  uint64_t step_index) override {
     StepFrame f(*this, store_, model, batch, normaliser, step_index);
     const std::vector<int64_t> b = f.sweep_bounds();
+    f.backprops = static_cast<int64_t>(b.size()) - 1;
     f.prefill(/*with_loss=*/false, /*until=*/b[b.size() - 2]);  // 1. K/V of the tokens before the last chunk
     double loss = 0;
     for (size_t i = b.size() - 1; i-- > 0;) {  // 2. chunks last to first

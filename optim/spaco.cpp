@@ -71,6 +71,7 @@ class SpacoSchedule : public Schedule {
     const std::vector<int64_t> b = f.sweep_bounds();
     const int64_t k = static_cast<int64_t>(b.size()) - 1;
     const int64_t t = options_.keep > 0 ? std::min(options_.keep, k) : k;
+    f.backprops = t;
     const std::vector<double> weight = choose(batch, b, t, step_index);  // 0: not visited; else the loss weight
     int64_t earliest = 0;  // the earliest visited chunk: the sweep's last backward
     while (weight[static_cast<size_t>(earliest)] == 0.0) ++earliest;

@@ -88,7 +88,9 @@ DataParallelStep DataParallel::compute_gradients(Schedule& schedule, const std::
 
   DataParallelStep out;
   out.supervised = static_cast<int64_t>(count[0]);
+  const StepHooks given = schedule.hooks();  // the caller's progress hook stays; the rest are this step's
   StepHooks hooks;
+  hooks.progress = given.progress;
   hooks.sum_over_ranks = [this](std::vector<double>& v) { sum_over_ranks(v); };
   next_bucket_ = 0;
   launched_in_backward_ = 0;
@@ -106,11 +108,11 @@ DataParallelStep DataParallel::compute_gradients(Schedule& schedule, const std::
       loss += out.stats.loss;
     }
   } catch (...) {
-    schedule.set_hooks({});
+    schedule.set_hooks(given);
     in_backward_ = false;
     throw;
   }
-  schedule.set_hooks({});
+  schedule.set_hooks(given);
   in_backward_ = false;
   finish_reduction();
   out.buckets = static_cast<int64_t>(next_bucket_);

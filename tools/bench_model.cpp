@@ -12,6 +12,7 @@
 #include "optim/schedule.h"
 #include "optim/training.h"
 #include "tools/plan.h"
+#include "tools/progress.h"
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -19,9 +20,12 @@
 #include <algorithm>
 #include <chrono>
 #include <fstream>
+#include <iostream>
 #include <optional>
 #include <ostream>
 #include <vector>
+
+#include <unistd.h>
 
 namespace cw {
 
@@ -141,6 +145,11 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
     TrainingState st(cfg, dt, g, ao, true, nullptr, o.lora, o.optimizer_offload);
     st.init_tiled(1, cfg.initializer_range);
     auto schedule = Schedule::create(so);
+    // A step of minutes shows its chunks as it goes (a log: a line every 30 s after the first 10).
+    StepProgress progress(out, &out == &std::cout && isatty(STDOUT_FILENO));
+    StepHooks hooks;
+    hooks.progress = [&progress](const char* phase, int64_t done, int64_t total) { progress.update(phase, done, total); };
+    schedule->set_hooks(hooks);
     StepStats stats;
     for (int s = 0; s < o.warmup + o.steps; ++s) {
       const Batch batch = random_batch(o.batch, o.seq, cfg.vocab_size, 1000 + static_cast<uint64_t>(s));
@@ -151,7 +160,9 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
       take_copy_wait_seconds(g);  // counts from here
       const auto t0 = std::chrono::steady_clock::now();
       st.grads().zero();
+      progress.start(s + 1);
       stats = schedule->step(st.model(), batch, st.grads());
+      progress.finish();
       clip_grad_norm(st.grads(), 1.0);
       st.optimizer_step(1e-5);
       synchronize(g);

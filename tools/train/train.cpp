@@ -9,6 +9,7 @@
 #include "optim/chunks.h"
 #include "optim/lr_schedule.h"
 #include "optim/schedule.h"
+#include "tools/progress.h"
 #include "optim/training.h"
 #include "parallel/data_parallel.h"
 #include "parallel/grid.h"
@@ -219,10 +220,7 @@ std::string human_bytes(double b) {
   return fmt::format("{:.1f} MiB", b / double(1 << 20));
 }
 
-std::string duration(double s) {
-  const int64_t t = static_cast<int64_t>(s + 0.5);
-  return t >= 3600 ? fmt::format("{}h{:02}m", t / 3600, (t / 60) % 60) : fmt::format("{}m{:02}s", t / 60, t % 60);
-}
+std::string duration(double s) { return short_duration(s); }
 
 // Memory the run will need on its device: parameters (compute copy, f32 master for bf16), gradients
 // and two moments in the master dtype, one chunk's activations, the K/V store with its gradients,
@@ -588,7 +586,17 @@ class TrainLoop {
         lr_schedule_{rc.optimizer.lr, rc.optimizer.min_lr, rc.optimizer.warmup_steps, rc.train.steps,
                      LrSchedule::parse(rc.optimizer.decay)},
         eval_arena_(placement.device),
-        tty_(isatty(STDOUT_FILENO) && &out == &std::cout && groups.lead()) {}
+        tty_(isatty(STDOUT_FILENO) && &out == &std::cout && groups.lead()),
+        step_progress_(out, tty_) {
+    // A step of minutes (SeCO at long context) shows its chunks as it goes; the lead rank prints.
+    if (lead_) {
+      StepHooks hooks = schedule_.hooks();
+      hooks.progress = [this](const char* phase, int64_t done, int64_t total) {
+        step_progress_.update(phase, done, total);
+      };
+      schedule_.set_hooks(hooks);
+    }
+  }
 
   // Runs to the end (or a stop), filling result's last step, loss, eval loss and interrupted.
   void run(Progress progress, TrainResult& result) {
@@ -615,7 +623,9 @@ class TrainLoop {
       const bool traced = !opt_.trace.empty() && step == start_step_ + 1;
       if (traced) trace::start(placement_.device);
       const auto t0 = std::chrono::steady_clock::now();
+      step_progress_.start(step);
       const StepOutcome o = train_step(step);
+      step_progress_.finish();
       tokens_seen_ += tokens_per_step();
       last_loss = o.loss;
       const auto t1 = std::chrono::steady_clock::now();
@@ -873,6 +883,7 @@ class TrainLoop {
   LrSchedule lr_schedule_;
   Arena eval_arena_;
   const bool tty_;
+  StepProgress step_progress_;
   int64_t start_step_ = 0, tokens_seen_ = 0;
 };
 

@@ -1,0 +1,36 @@
+// Where a long training step is. A SeCO step at a million tokens takes minutes; the schedule tells
+// its progress hook (optim/schedule.h, StepHooks::progress) after every chunk, and StepProgress shows
+// it once the step has run `quiet_s` seconds: on a terminal a bar redrawn in place, in a log a plain
+// line every `every_s` seconds, e.g.
+//   step 3: backward 37/256 chunks (14%), 2m10s into the step
+// Short steps print nothing.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <ostream>
+#include <string>
+
+namespace cw {
+
+class StepProgress {
+ public:
+  StepProgress(std::ostream& out, bool tty, double quiet_s = 10, double every_s = 30);
+
+  void start(int64_t step);                                     // a step begins
+  void update(const char* phase, int64_t done, int64_t total);  // the schedule's hook
+  void finish();                                                // the step ended: a drawn bar is cleared
+
+ private:
+  std::ostream& out_;
+  bool tty_;
+  double quiet_s_, every_s_;
+  int64_t step_ = 0;
+  std::chrono::steady_clock::time_point t0_;
+  double last_shown_ = -1;  // seconds into the step of the last line or redraw; -1: nothing shown
+};
+
+// "1m05s", "2h03m": a duration for progress lines.
+std::string short_duration(double seconds);
+
+}  // namespace cw
