@@ -188,12 +188,13 @@ StepStats StepFrame::finish(double loss, int64_t chunks, int64_t visited) const 
 }
 
 double batch_loss(const LlamaModel& model, const Batch& batch, int64_t chunk, Arena& arena, double normaliser,
-                  int64_t stream_block) {
+                  int64_t stream_block, int64_t offload_window) {
   const double norm = step_normaliser(normaliser, batch.supervised());
   const_cast<LlamaModel&>(model).ensure_positions(batch.T());
   if (stream_block > 0) chunk = stream_block;  // the blocks are the chunks
-  KVStore kv(model.config(), batch.B(), batch.T(), model.dtype(), false, model.device(), 0, false,
-             stream_block > 0 ? std::min(stream_block, batch.T()) : 0);
+  const int64_t window = offload_window >= model.config().num_hidden_layers ? 0 : offload_window;
+  KVStore kv(model.config(), batch.B(), batch.T(), model.dtype(), false, model.device(), stream_block > 0 ? 0 : window,
+             false, stream_block > 0 ? std::min(stream_block, batch.T()) : 0);
   return prefill(kv, model, batch, chunk_bounds(batch.T(), chunk), norm, true, arena, 1);
 }
 

@@ -146,8 +146,9 @@ ChunkTokens slice_chunk(const Batch& batch, int64_t t0, int64_t t1, Arena& arena
 
 namespace cw {
 // The batch's mean loss, forward only (chunks of `chunk` tokens; 0: whole sequence). No gradients.
-// stream_block > 0: the K/V store streamed in blocks of that many tokens, which are then the chunks
-// (schedule.stream_kv; model/kv_store.h).
+// The store placed as the training step places it (model/kv_store.h): offload_window > 0, that many
+// layers on the device and the rest in host memory; stream_block > 0, streamed in blocks of that many
+// tokens, which are then the chunks (schedule.stream_kv).
 double batch_loss(const LlamaModel& model, const Batch& batch, int64_t chunk, Arena& arena, double normaliser = 0,
-                  int64_t stream_block = 0);
+                  int64_t stream_block = 0, int64_t offload_window = 0);
 }  // namespace cw

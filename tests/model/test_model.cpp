@@ -81,6 +81,8 @@ TEST_CASE("chunked forward with the K/V store equals the whole-sequence forward"
   CHECK(batch_loss(model, batch, 7, arena) == doctest::Approx(batch_loss(model, batch, 0, arena)).epsilon(1e-14));
   // The K/V store streamed in blocks of 7 (schedule.stream_kv's eval): the same loss.
   CHECK(batch_loss(model, batch, 7, arena, 0, 7) == doctest::Approx(batch_loss(model, batch, 0, arena)).epsilon(1e-14));
+  // With an offload window of one layer: the same loss.
+  CHECK(batch_loss(model, batch, 7, arena, 0, 0, 1) == doctest::Approx(batch_loss(model, batch, 0, arena)).epsilon(1e-14));
 }
 
 TEST_CASE("causal-LM labels: shifted by one, last position ignored") {

@@ -799,9 +799,10 @@ class TrainLoop {
       // gets rows without labels up to a multiple of tp (they add nothing to the loss or the count).
       if (groups_.tp && groups_.tp->sequence_parallel() && rows % groups_.tp_size() != 0)
         batch = with_unlabelled_rows(batch, (rows / groups_.tp_size() + 1) * groups_.tp_size());
-      // Streamed in training, the eval store is streamed too (its K/V would not fit the device).
+      // The eval store placed as training places it (its K/V may not fit the device either).
       const int64_t stream_block = rc_.schedule.stream_kv ? rc_.schedule.chunk : 0;
-      sum += batch_loss(state_.model(), batch, rc_.schedule.chunk, eval_arena_, 0, stream_block) *
+      sum += batch_loss(state_.model(), batch, rc_.schedule.chunk, eval_arena_, 0, stream_block,
+                        rc_.schedule.offload_window) *
              static_cast<double>(batch.supervised());
       count += batch.supervised();
     }
