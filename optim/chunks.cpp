@@ -90,8 +90,8 @@ double step_normaliser(double given, int64_t supervised) {
 
 // Pinned memory cannot be swapped: an offloaded store must leave the system a margin (a clear error,
 // never a swap storm).
-void check_host_memory(const LlamaModel& model, int64_t B, int64_t T, bool attention_outputs) {
-  const size_t need = KVStore::host_bytes_needed(model.config(), B, T, model.dtype(), true, attention_outputs);
+void check_host_memory(const LlamaModel& model, int64_t B, int64_t T, bool attention_outputs, bool with_grads = true) {
+  const size_t need = KVStore::host_bytes_needed(model.config(), B, T, model.dtype(), with_grads, attention_outputs);
   const size_t have = host_memory_available();
   if (have > 0 && need > have / 10 * 9)
     fail(fmt::format("the K/V store with offload needs {:.1f} GiB of host memory for {} x {} tokens; {:.1f} GiB are "
@@ -193,6 +193,7 @@ double batch_loss(const LlamaModel& model, const Batch& batch, int64_t chunk, Ar
   const_cast<LlamaModel&>(model).ensure_positions(batch.T());
   if (stream_block > 0) chunk = stream_block;  // the blocks are the chunks
   const int64_t window = offload_window >= model.config().num_hidden_layers ? 0 : offload_window;
+  if (window > 0 || stream_block > 0) check_host_memory(model, batch.B(), batch.T(), false, /*with_grads=*/false);
   KVStore kv(model.config(), batch.B(), batch.T(), model.dtype(), false, model.device(), stream_block > 0 ? 0 : window,
              false, stream_block > 0 ? std::min(stream_block, batch.T()) : 0);
   return prefill(kv, model, batch, chunk_bounds(batch.T(), chunk), norm, true, arena, 1);
