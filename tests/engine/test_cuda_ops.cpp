@@ -163,3 +163,20 @@ TEST_CASE("cuda: sum_squares matches the CPU f64 sum in f32, bf16 and f64, and r
     CHECK(gpu::sum_squares(x.dev) == got);
   }
 }
+
+TEST_CASE("cuda: the device memory limit returns cached blocks first, then refuses naming the limit" *
+          doctest::skip(!cw::test::gpu_ready())) {
+  const Device g = gpu0();
+  release_cached(g);
+  const size_t base = pool_stats(g).in_use, mib = size_t{1} << 20;
+  DeviceMemoryLimitScope limit(g, base + 48 * mib);
+  CHECK(device_memory_limit(g) == base + 48 * mib);
+  {
+    Buffer a(32 * mib, g);  // in use 32 MiB: under the limit
+    CHECK(pool_stats(g).in_use >= base + 32 * mib);
+    CHECK_THROWS_WITH_AS(Buffer(32 * mib, g), doctest::Contains("device memory limit"), Error);
+  }
+  // a's block is cached now; a different size class needs room: the cached block goes back first.
+  Buffer b(40 * mib, g);
+  CHECK(pool_stats(g).in_use + pool_stats(g).cached <= base + 48 * mib);
+}
