@@ -24,25 +24,14 @@ template <class F> void fill_with(const Tensor& t, F&& value) {
   // Element i depends on (seed, stream, i) alone, so the threads give the one-thread bits; an 8B
   // model's 8e9 draws take minutes on one core.
   constexpr int64_t kWorthThreads = 1 << 16;
+  const auto fill_as = [&](auto* p, auto convert) {
+#pragma omp parallel for schedule(static) if (n >= kWorthThreads)
+    for (int64_t i = 0; i < n; ++i) p[i] = convert(value(i));
+  };
   switch (t.dtype) {
-    case DType::f64: {
-      double* p = t.ptr<double>();
-#pragma omp parallel for schedule(static) if (n >= kWorthThreads)
-      for (int64_t i = 0; i < n; ++i) p[i] = value(i);
-      break;
-    }
-    case DType::f32: {
-      float* p = t.ptr<float>();
-#pragma omp parallel for schedule(static) if (n >= kWorthThreads)
-      for (int64_t i = 0; i < n; ++i) p[i] = static_cast<float>(value(i));
-      break;
-    }
-    case DType::bf16: {
-      bf16* p = t.ptr<bf16>();
-#pragma omp parallel for schedule(static) if (n >= kWorthThreads)
-      for (int64_t i = 0; i < n; ++i) p[i] = bf16::from_float(static_cast<float>(value(i)));
-      break;
-    }
+    case DType::f64: return fill_as(t.ptr<double>(), [](double x) { return x; });
+    case DType::f32: return fill_as(t.ptr<float>(), [](double x) { return static_cast<float>(x); });
+    case DType::bf16: return fill_as(t.ptr<bf16>(), [](double x) { return bf16::from_float(static_cast<float>(x)); });
     case DType::i32: fail("random fill of an i32 tensor", "use Rng::below for ids");
   }
 }

@@ -118,23 +118,6 @@ int64_t KVStore::block_of(int64_t t0, int64_t t1) const {
   return j;
 }
 
-std::vector<Residency::Span> KVStore::item_spans(Part first, Part last, int64_t r0, int64_t r1) const {
-  std::vector<Residency::Span> out;
-  if (r1 <= r0) return out;
-  for (int p = first; p <= last; ++p) {
-    const size_t row = row_bytes(static_cast<Part>(p));
-    if (p == kLse) {  // [B*H, block] rows of the accumulation dtype
-      for (int64_t r = 0; r < B_ * H_; ++r)
-        out.push_back({p, static_cast<size_t>(r * block_ + r0) * row / static_cast<size_t>(H_),
-                       static_cast<size_t>(r1 - r0) * row / static_cast<size_t>(H_)});
-      continue;
-    }
-    for (int64_t b = 0; b < B_; ++b)
-      out.push_back({p, static_cast<size_t>(b * block_ + r0) * row, static_cast<size_t>(r1 - r0) * row});
-  }
-  return out;
-}
-
 void KVStore::fetch_block(int layer, int64_t block, bool kv, bool grads) {
   const int it = item(layer, block);
   const int64_t rows = block_rows(block);
@@ -142,35 +125,29 @@ void KVStore::fetch_block(int layer, int64_t block, bool kv, bool grads) {
   if (kv) {
     CW_CHECK(home_kv_[static_cast<size_t>(it)], "streamed K/V store: layer {} block {} read before a forward wrote it",
              layer, block);
-    need = item_spans(kKeys, kValues, 0, rows);
+    need = spans(kKeys, kValues, 0, rows);
   }
   if (grads)
-    for (Residency::Span sp : item_spans(kDKeys, kDValues, 0, rows)) {
+    for (Residency::Span sp : spans(kDKeys, kDValues, 0, rows)) {
       sp.zero = !home_grads_[static_cast<size_t>(it)];  // a home not written this step is logical zeros
       need.push_back(sp);
     }
   res_->fetch(it, need);
 }
 
-// The byte spans of rows [t0, t1) of every sequence, for parts first..last.
-std::vector<Residency::Span> KVStore::spans(Part first, Part last, int64_t t0, int64_t t1) const {
+// The byte spans of rows [r0, r1) for parts first..last: token rows of every sequence, and for lse
+// columns of every (sequence, head) row. A part holds n rows a sequence: T, or streamed one
+// block's Kb (rows then counted from the block's start).
+std::vector<Residency::Span> KVStore::spans(Part first, Part last, int64_t r0, int64_t r1) const {
   std::vector<Residency::Span> out;
-  if (t1 <= t0) return out;
+  if (r1 <= r0) return out;
+  const int64_t n = block_ > 0 ? block_ : T_;
   for (int p = first; p <= last; ++p) {
-    const size_t row = row_bytes(static_cast<Part>(p));
-    for (int64_t b = 0; b < B_; ++b)
-      out.push_back({p, (static_cast<size_t>(b * T_ + t0)) * row, static_cast<size_t>(t1 - t0) * row});
+    const bool lse = p == kLse;  // [B*H, n] of single values
+    const size_t unit = lse ? dtype_size(accum_dtype(dtype_)) : row_bytes(static_cast<Part>(p));
+    for (int64_t r = 0; r < (lse ? B_ * H_ : B_); ++r)
+      out.push_back({p, static_cast<size_t>(r * n + r0) * unit, static_cast<size_t>(r1 - r0) * unit});
   }
-  return out;
-}
-
-// O rows [t0, t1) of every sequence and lse columns [t0, t1) of every (sequence, head) row.
-std::vector<Residency::Span> KVStore::output_spans(int64_t t0, int64_t t1) const {
-  std::vector<Residency::Span> out = spans(kOut, kOut, t0, t1);
-  if (t1 <= t0) return out;
-  const size_t e = dtype_size(accum_dtype(dtype_));
-  for (int64_t r = 0; r < B_ * H_; ++r)
-    out.push_back({kLse, static_cast<size_t>(r * T_ + t0) * e, static_cast<size_t>(t1 - t0) * e});
   return out;
 }
 
@@ -190,7 +167,7 @@ void KVStore::fetch_outputs(int layer, int64_t t0, int64_t t1, std::vector<Resid
   if (have.first <= t0 && t1 <= have.second) return;
   CW_CHECK(t1 <= outputs_end_, "saved attention outputs of tokens [{}, {}) were not written (prefill wrote [0, {}))",
            t0, t1, outputs_end_);
-  const auto o = output_spans(t0, t1);
+  const auto o = spans(kOut, kLse, t0, t1);
   need.insert(need.end(), o.begin(), o.end());
   have = {t0, t1};
 }
@@ -206,11 +183,11 @@ void KVStore::begin_layer(int layer, Use use, int64_t t0, int64_t t1) {
     if (use == Use::forward) {
       res_->fetch(own, {});  // the chunk writes its K, V (and outputs) into the slot
     } else if (use == Use::recompute) {
-      res_->fetch(own, item_spans(kOut, kLse, 0, t1 - t0));
+      res_->fetch(own, spans(kOut, kLse, 0, t1 - t0));
     } else {
       fetch_block(layer, j, true, true);
       // A layer recomputed inside the backward reads its saved outputs (when the prefill reached it).
-      if (with_outputs_ && t1 <= outputs_end_) res_->fetch(own, item_spans(kOut, kLse, 0, t1 - t0));
+      if (with_outputs_ && t1 <= outputs_end_) res_->fetch(own, spans(kOut, kLse, 0, t1 - t0));
     }
     res_->ready(own);
     return;
@@ -288,8 +265,8 @@ void KVStore::end_layer(int layer, Use use, int64_t t0, int64_t t1) {
     // them (nothing earlier attends these keys), so they stay.
     if (use == Use::forward) {
       const int own = item(layer, t0 / block_);
-      res_->store(own, item_spans(kKeys, kValues, 0, t1 - t0));
-      if (with_outputs_) res_->store(own, item_spans(kOut, kLse, 0, t1 - t0));
+      res_->store(own, spans(kKeys, kValues, 0, t1 - t0));
+      if (with_outputs_) res_->store(own, spans(kOut, kLse, 0, t1 - t0));
       home_kv_[static_cast<size_t>(own)] = 1;
     }
     return;
@@ -301,7 +278,7 @@ void KVStore::end_layer(int layer, Use use, int64_t t0, int64_t t1) {
     // layer wrote).
     std::vector<Residency::Span> out = spans(kKeys, kValues, t0, t1);
     if (with_outputs_) {
-      const auto o = output_spans(t0, t1);
+      const auto o = spans(kOut, kLse, t0, t1);
       out.insert(out.end(), o.begin(), o.end());
       dev_out_[l] = {t0, t1};
     }
@@ -366,6 +343,17 @@ size_t KVStore::bytes_per_token() const { return (bytes() + host_bytes()) / stat
 
 namespace cw {
 
+void KVStore::for_prefix_blocks(int layer, int64_t j, bool grads,
+                                const std::function<void(int item, int64_t k0, int64_t k1)>& visit) {
+  const int own = item(layer, j);
+  for (int64_t i = 0; i < j; ++i) {
+    res_->ready(item(layer, i));
+    res_->fetch(own, {});  // most recently used: the prefetch below takes the block before this one
+    if (i + 1 < j) fetch_block(layer, i + 1, true, grads);
+    visit(item(layer, i), i * block_, i * block_ + block_rows(i));
+  }
+}
+
 void KVStore::attend_forward(int layer, int64_t t0, int64_t t1, const Tensor& out, const AttentionSaved& saved,
                              const Tensor& q, double scale, Arena& scratch) {
   if (block_ == 0) {
@@ -379,20 +367,15 @@ void KVStore::attend_forward(int layer, int64_t t0, int64_t t1, const Tensor& ou
   attention_forward(out, saved, q, keys(layer, t0, t1), values(layer, t0, t1), scale, scratch);
   if (j == 0) return;
   ArenaScope scope(scratch);
-  const int own = item(layer, j);
   const int64_t B = out.size(0), c = out.size(1), H = out.size(2), D = out.size(3);
   const Tensor acc = scratch.alloc(saved.lse.dtype, {B, c, H, D}), block_out = scratch.alloc(out.dtype, {B, c, H, D});
   const Tensor block_lse = scratch.alloc(saved.lse.dtype, {saved.lse.size(0), saved.lse.size(1), saved.lse.size(2)});
   copy_convert(acc, out);
-  for (int64_t i = 0; i < j; ++i) {
-    res_->ready(item(layer, i));
-    res_->fetch(own, {});  // most recently used: the prefetch below takes the block before this one
-    if (i + 1 < j) fetch_block(layer, i + 1, true, false);
-    const int64_t k0 = i * block_, k1 = k0 + block_rows(i);
+  for_prefix_blocks(layer, j, false, [&](int, int64_t k0, int64_t k1) {
     attention_forward(block_out, {block_lse}, q, keys(layer, k0, k1), values(layer, k0, k1), scale, scratch,
                       AttentionMask::none);
     attention_merge(acc, saved.lse, block_out, block_lse);
-  }
+  });
   copy_convert(out, acc);
 }
 
@@ -413,23 +396,17 @@ void KVStore::attend_backward(int layer, int64_t t0, int64_t t1, const Tensor& d
                      values(layer, t0, t1), out, scale, GradMode::overwrite, scratch);
   if (j == 0) return;
   ArenaScope scope(scratch);
-  const int own = item(layer, j);
   const int64_t rows = d_q.size(0) * d_q.size(1), width = d_q.size(2) * d_q.size(3);
   const Tensor dq_sum = scratch.alloc(saved.lse.dtype, {rows, width}), dq_block = scratch.alloc(d_q.dtype, {rows, width});
   copy_convert(dq_sum, d_q.view({rows, width}));
   const Tensor dq_block4 = dq_block.view({d_q.size(0), d_q.size(1), d_q.size(2), d_q.size(3)});
-  for (int64_t i = 0; i < j; ++i) {
-    const int it = item(layer, i);
-    res_->ready(it);
-    res_->fetch(own, {});
-    if (i + 1 < j) fetch_block(layer, i + 1, true, true);
-    const int64_t k0 = i * block_, k1 = k0 + block_rows(i);
+  for_prefix_blocks(layer, j, true, [&](int it, int64_t k0, int64_t k1) {
     attention_backward(dq_block4, d_keys(layer, k0, k1), d_values(layer, k0, k1), d_out, saved, q, keys(layer, k0, k1),
                        values(layer, k0, k1), out, scale, GradMode::overwrite, scratch, AttentionMask::none);
     accumulate(dq_sum, dq_block);
-    res_->store(it, item_spans(kDKeys, kDValues, 0, k1 - k0));
+    res_->store(it, spans(kDKeys, kDValues, 0, k1 - k0));
     home_grads_[static_cast<size_t>(it)] = 1;
-  }
+  });
   copy_convert(d_q.view({rows, width}), dq_sum);
 }
 

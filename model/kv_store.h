@@ -39,6 +39,7 @@
 #include "engine/residency.h"
 #include "model/config.h"
 
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -111,20 +112,22 @@ class KVStore {
   void check_range(int layer, int64_t t0, int64_t t1) const;
   size_t row_bytes(Part part) const;  // one token of one sequence
   size_t part_bytes(Part part) const { return row_bytes(part) * static_cast<size_t>(B_ * T_); }
-  std::vector<Residency::Span> spans(Part first, Part last, int64_t t0, int64_t t1) const;
-  std::vector<Residency::Span> output_spans(int64_t t0, int64_t t1) const;  // O and lse rows [t0, t1)
+  // Rows [r0, r1) of parts first..last (streamed: within one block), lse's columns included.
+  std::vector<Residency::Span> spans(Part first, Part last, int64_t r0, int64_t r1) const;
   // dK, dV rows [t0, t1) of `layer` to fetch: copied where the home was written, zeroed beyond.
   std::vector<Residency::Span> grad_spans(int layer, int64_t t0, int64_t t1) const;
   void fetch_outputs(int layer, int64_t t0, int64_t t1, std::vector<Residency::Span>& need);
   void prefetch(int layer, Use use, int64_t t0, int64_t t1);
-  // Streamed: the residency item of (layer, block), its token rows, byte spans of rows [r0, r1) of
-  // parts first..last within it, and the item fetched with what `need` names of its home (K, V and,
-  // `grads`, dK, dV; rows the home has not been written with fetched as zeros).
+  // Streamed: the residency item of (layer, block), its token rows, and the item fetched with K, V
+  // and (`grads`) dK, dV of its home (rows the home has not been written with fetched as zeros).
   int item(int layer, int64_t block) const { return static_cast<int>(layer * blocks_ + block); }
   int64_t block_rows(int64_t block) const { return std::min(block_, T_ - block * block_); }
   int64_t block_of(int64_t t0, int64_t t1) const;  // the block holding [t0, t1) (a range never crosses one)
-  std::vector<Residency::Span> item_spans(Part first, Part last, int64_t r0, int64_t r1) const;
   void fetch_block(int layer, int64_t block, bool kv, bool grads);
+  // The blocks before block j of `layer` in turn, each resident (K, V and, `grads`, dK, dV; block 0
+  // fetched by the caller) while the next comes in: visit(item, k0, k1) with its token range.
+  void for_prefix_blocks(int layer, int64_t j, bool grads,
+                         const std::function<void(int item, int64_t k0, int64_t k1)>& visit);
 
   int64_t L_, B_, T_, H_, Hkv_, D_;
   DType dtype_;

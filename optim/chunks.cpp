@@ -88,6 +88,11 @@ double step_normaliser(double given, int64_t supervised) {
   return given > 0 ? given : std::max<double>(1.0, static_cast<double>(supervised));
 }
 
+// A window of every layer is no offload.
+int64_t effective_window(const LlamaModel& model, int64_t offload_window) {
+  return offload_window >= model.config().num_hidden_layers ? 0 : offload_window;
+}
+
 // Pinned memory cannot be swapped: an offloaded store must leave the system a margin (a clear error,
 // never a swap storm).
 void check_host_memory(const LlamaModel& model, int64_t B, int64_t T, bool attention_outputs, bool with_grads = true) {
@@ -108,8 +113,7 @@ void check_host_memory(const LlamaModel& model, int64_t B, int64_t T, bool atten
 KVStore& step_store(std::optional<KVStore>& store, LlamaModel& model, int64_t B, int64_t T, int64_t offload_window,
                     bool attention_outputs, int64_t stream_block) {
   model.ensure_positions(T);
-  const int64_t window = offload_window >= model.config().num_hidden_layers ? 0 : offload_window;
-  const int64_t block = stream_block > 0 ? std::min(stream_block, T) : 0;
+  const int64_t window = effective_window(model, offload_window), block = stream_block;
   if (!store || store->batch() != B || store->tokens() != T || store->dtype() != model.dtype() ||
       !(store->device() == model.device()) || store->offload_window() != window ||
       store->has_outputs() != attention_outputs || store->stream_block() != block) {
@@ -137,7 +141,7 @@ StepFrame::StepFrame(Schedule& schedule, std::optional<KVStore>& store, LlamaMod
       supervised(batch.supervised()),
       norm(step_normaliser(normaliser, supervised)),
       kv(step_store(store, model, batch.B(), batch.T(), options.offload_window, options.save_attention,
-                    options.stream_kv ? (options.chunk > 0 ? options.chunk : batch.T()) : 0)),
+                    options.stream_block(batch.T()))),
       arena(step_arena(schedule, model.device())),
       hooks(schedule.hooks()),
       policy_(activation_policy(options)),
@@ -187,16 +191,25 @@ StepStats StepFrame::finish(double loss, int64_t chunks, int64_t visited) const 
   return st;
 }
 
-double batch_loss(const LlamaModel& model, const Batch& batch, int64_t chunk, Arena& arena, double normaliser,
-                  int64_t stream_block, int64_t offload_window) {
+namespace {
+double loss_through_store(const LlamaModel& model, const Batch& batch, int64_t chunk, Arena& arena, double normaliser,
+                          int64_t offload_window, int64_t stream_block) {
   const double norm = step_normaliser(normaliser, batch.supervised());
   const_cast<LlamaModel&>(model).ensure_positions(batch.T());
-  if (stream_block > 0) chunk = stream_block;  // the blocks are the chunks
-  const int64_t window = offload_window >= model.config().num_hidden_layers ? 0 : offload_window;
+  const int64_t window = effective_window(model, offload_window);
   if (window > 0 || stream_block > 0) check_host_memory(model, batch.B(), batch.T(), false, /*with_grads=*/false);
-  KVStore kv(model.config(), batch.B(), batch.T(), model.dtype(), false, model.device(), stream_block > 0 ? 0 : window,
-             false, stream_block > 0 ? std::min(stream_block, batch.T()) : 0);
+  KVStore kv(model.config(), batch.B(), batch.T(), model.dtype(), false, model.device(), window, false, stream_block);
   return prefill(kv, model, batch, chunk_bounds(batch.T(), chunk), norm, true, arena, 1);
+}
+}  // namespace
+
+double batch_loss(const LlamaModel& model, const Batch& batch, int64_t chunk, Arena& arena, double normaliser) {
+  return loss_through_store(model, batch, chunk, arena, normaliser, 0, 0);
+}
+
+double batch_loss(const LlamaModel& model, const Batch& batch, const ScheduleOptions& schedule, Arena& arena) {
+  return loss_through_store(model, batch, schedule.chunk, arena, 0, schedule.offload_window,
+                            schedule.stream_block(batch.T()));
 }
 
 }  // namespace cw

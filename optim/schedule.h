@@ -58,6 +58,8 @@ struct ScheduleOptions {
   // full; the others: none). recompute_mode() resolves auto.
   std::string recompute = "auto";
   std::string recompute_mode() const;
+  // schedule.stream_kv's block for T tokens: the chunk (all T for chunk 0); 0 when not streamed.
+  int64_t stream_block(int64_t T) const { return stream_kv ? (chunk > 0 ? std::min(chunk, T) : T) : 0; }
   bool offload = false;         // checkpointed, recompute full: the kept layer inputs live in pinned host
                                 // memory (GPU), copied out and back on a side stream
   int64_t offload_window = 0;   // seco, spaco: K/V store layers resident on the device; the rest in (pinned)
@@ -146,9 +148,8 @@ ChunkTokens slice_chunk(const Batch& batch, int64_t t0, int64_t t1, Arena& arena
 
 namespace cw {
 // The batch's mean loss, forward only (chunks of `chunk` tokens; 0: whole sequence). No gradients.
-// The store placed as the training step places it (model/kv_store.h): offload_window > 0, that many
-// layers on the device and the rest in host memory; stream_block > 0, streamed in blocks of that many
-// tokens, which are then the chunks (schedule.stream_kv).
-double batch_loss(const LlamaModel& model, const Batch& batch, int64_t chunk, Arena& arena, double normaliser = 0,
-                  int64_t stream_block = 0, int64_t offload_window = 0);
+double batch_loss(const LlamaModel& model, const Batch& batch, int64_t chunk, Arena& arena, double normaliser = 0);
+// The same with the schedule's chunk and its K/V store placed as its training step places it (an
+// offload window, or streamed: model/kv_store.h), for an eval at a length whose store may not fit.
+double batch_loss(const LlamaModel& model, const Batch& batch, const ScheduleOptions& schedule, Arena& arena);
 }  // namespace cw

@@ -79,10 +79,16 @@ TEST_CASE("chunked forward with the K/V store equals the whole-sequence forward"
   }
   // The loss through chunks equals the loss in one piece.
   CHECK(batch_loss(model, batch, 7, arena) == doctest::Approx(batch_loss(model, batch, 0, arena)).epsilon(1e-14));
-  // The K/V store streamed in blocks of 7 (schedule.stream_kv's eval): the same loss.
-  CHECK(batch_loss(model, batch, 7, arena, 0, 7) == doctest::Approx(batch_loss(model, batch, 0, arena)).epsilon(1e-14));
-  // With an offload window of one layer: the same loss.
-  CHECK(batch_loss(model, batch, 7, arena, 0, 0, 1) == doctest::Approx(batch_loss(model, batch, 0, arena)).epsilon(1e-14));
+  // The store placed as a schedule places it: streamed in blocks of 7, or a window of one layer.
+  ScheduleOptions streamed;
+  streamed.name = "seco";
+  streamed.chunk = 7;
+  streamed.stream_kv = true;
+  CHECK(batch_loss(model, batch, streamed, arena) == doctest::Approx(batch_loss(model, batch, 0, arena)).epsilon(1e-14));
+  ScheduleOptions windowed = streamed;
+  windowed.stream_kv = false;
+  windowed.offload_window = 1;
+  CHECK(batch_loss(model, batch, windowed, arena) == doctest::Approx(batch_loss(model, batch, 0, arena)).epsilon(1e-14));
 }
 
 TEST_CASE("causal-LM labels: shifted by one, last position ignored") {

@@ -220,8 +220,6 @@ std::string human_bytes(double b) {
   return fmt::format("{:.1f} MiB", b / double(1 << 20));
 }
 
-std::string duration(double s) { return short_duration(s); }
-
 // Memory the run will need on its device: parameters (compute copy, f32 master for bf16), gradients
 // and two moments in the master dtype, one chunk's activations, the K/V store with its gradients,
 // the LM-head and attention scratch. Under LoRA the base has its compute copy only, and the adapters
@@ -757,7 +755,7 @@ class TrainLoop {
     if (step % rc_.log.every != 0 && step != rc_.train.steps && step != start_step_ + 1) return;
     const std::string line = fmt::format(
         "step {:>5}/{} | loss {:.4f} | grad norm {:.3f} | lr {:.2e} | {:.0f} tok/s | {} elapsed, ETA {} | mem {:.0f} MiB",
-        step, rc_.train.steps, o.loss, o.grad_norm, o.lr, tok_s, duration(elapsed), duration(eta), rss_mib());
+        step, rc_.train.steps, o.loss, o.grad_norm, o.lr, tok_s, short_duration(elapsed), short_duration(eta), rss_mib());
     if (tty_) {
       const int width = 30, done = static_cast<int>(width * step / rc_.train.steps);
       out_ << "\r\033[K" << line << "\n"
@@ -800,10 +798,7 @@ class TrainLoop {
       if (groups_.tp && groups_.tp->sequence_parallel() && rows % groups_.tp_size() != 0)
         batch = with_unlabelled_rows(batch, (rows / groups_.tp_size() + 1) * groups_.tp_size());
       // The eval store placed as training places it (its K/V may not fit the device either).
-      const int64_t stream_block = rc_.schedule.stream_kv ? rc_.schedule.chunk : 0;
-      sum += batch_loss(state_.model(), batch, rc_.schedule.chunk, eval_arena_, 0, stream_block,
-                        rc_.schedule.offload_window) *
-             static_cast<double>(batch.supervised());
+      sum += batch_loss(state_.model(), batch, rc_.schedule, eval_arena_) * static_cast<double>(batch.supervised());
       count += batch.supervised();
     }
     return count > 0 ? sum / static_cast<double>(count) : std::nan("");
@@ -1045,7 +1040,7 @@ TrainResult run_training(const RunConfig& given, const TrainOptions& opt, std::o
   const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
   log << fmt::format("done: step {}, loss {:.4f}{}, {} in {}\n", step, last_loss,
                      result.last_eval_loss ? fmt::format(", eval loss {:.4f}", *result.last_eval_loss) : "",
-                     result.interrupted ? "interrupted" : "finished", duration(total));
+                     result.interrupted ? "interrupted" : "finished", short_duration(total));
   if (opt.print_sample && !result.interrupted && rc.sample.tokens > 0) {
     const HostWeights weights = whole_master(state, mc, groups);  // TP: the first replica's ranks together
     const std::optional<ParamSet> base = state.lora() ? whole_base(state, mc, groups) : std::nullopt;
