@@ -74,6 +74,19 @@ std::vector<double> logged_losses(const std::string& run_dir) {
   return losses;
 }
 
+// Runs rc into run_dir, stopping after `stop_after` steps (which must interrupt it), then resumes
+// it to the end; returns whether the first part was interrupted.
+bool stop_and_resume(const RunConfig& rc, const std::string& run_dir, int64_t stop_after, std::ostream& log) {
+  TrainOptions part;
+  part.run_dir = run_dir;
+  part.stop_after = stop_after;
+  const bool interrupted = run_training(rc, part, log).interrupted;
+  part.stop_after = 0;
+  part.resume = true;
+  run_training(rc, part, log);
+  return interrupted;
+}
+
 std::string file_bytes(const fs::path& p) {
   std::ifstream f(p, std::ios::binary);
   return std::string(std::istreambuf_iterator<char>(f), {});
@@ -392,11 +405,7 @@ TEST_CASE("train data parallel: 2 ranks (threads) equal one process with twice t
 
   TrainOptions part;
   part.run_dir = fx.dir.file("zero-resumed");
-  part.stop_after = 2;
-  CHECK(run_training(zero, part, log).interrupted);
-  part.stop_after = 0;
-  part.resume = true;
-  run_training(zero, part, log);
+  CHECK(stop_and_resume(zero, part.run_dir, 2, log));
   const std::vector<double> lr = logged_losses(part.run_dir);
   REQUIRE(lr.size() == 4);
   for (size_t i = 0; i < lz.size(); ++i) CHECK(lr[i] == lz[i]);
@@ -404,6 +413,7 @@ TEST_CASE("train data parallel: 2 ranks (threads) equal one process with twice t
     CHECK(file_bytes(last_checkpoint / file) == file_bytes(fs::path(part.run_dir) / "step-000004" / file));
 
   // A sharded state resumes only on its layout.
+  part.resume = true;
   RunConfig other = zero;
   other.parallel.zero = 2;
   other.train.steps = 6;
@@ -567,11 +577,7 @@ TEST_CASE("train with LoRA, data and tensor parallelism: TP 2 and DP 2 x TP 2 wi
   run_training(rc, straight, log);
   TrainOptions part;
   part.run_dir = fx.dir.file("lora-tp-resumed");
-  part.stop_after = 2;
-  CHECK(run_training(rc, part, log).interrupted);
-  part.stop_after = 0;
-  part.resume = true;
-  run_training(rc, part, log);
+  CHECK(stop_and_resume(rc, part.run_dir, 2, log));
   CHECK(logged_losses(part.run_dir) == logged_losses(straight.run_dir));
   CHECK(file_bytes(fs::path(part.run_dir) / "step-000004" / "adapter_model.safetensors") ==
         file_bytes(fs::path(straight.run_dir) / "step-000004" / "adapter_model.safetensors"));
@@ -646,11 +652,7 @@ TEST_CASE("train tensor parallel: TP 2 and DP 2 x TP 2 (threads) equal one proce
   for (size_t i = 0; i < ls.size(); ++i) CHECK(std::abs(lz[i] - ls[i]) <= kStepsOfRoundingTol * std::abs(ls[i]));
   TrainOptions part;
   part.run_dir = fx.dir.file("zero-resumed");
-  part.stop_after = 2;
-  CHECK(run_training(zero, part, log).interrupted);
-  part.stop_after = 0;
-  part.resume = true;
-  run_training(zero, part, log);
+  CHECK(stop_and_resume(zero, part.run_dir, 2, log));
   const std::vector<double> lr = logged_losses(part.run_dir);
   REQUIRE(lr.size() == 4);
   for (size_t i = 0; i < lz.size(); ++i) CHECK(lr[i] == lz[i]);
@@ -668,12 +670,7 @@ TEST_CASE("train tensor parallel: TP 2 and DP 2 x TP 2 (threads) equal one proce
   o.run_dir = fx.dir.file("tp-straight");
   run_training(tp_only, o, log);
   part.run_dir = fx.dir.file("tp-resumed");
-  part.stop_after = 3;
-  part.resume = false;
-  CHECK(run_training(tp_only, part, log).interrupted);
-  part.stop_after = 0;
-  part.resume = true;
-  run_training(tp_only, part, log);
+  CHECK(stop_and_resume(tp_only, part.run_dir, 3, log));
   const std::vector<double> a = logged_losses(o.run_dir), b = logged_losses(part.run_dir);
   REQUIRE(a.size() == 4);
   REQUIRE(b.size() == 4);
@@ -683,6 +680,7 @@ TEST_CASE("train tensor parallel: TP 2 and DP 2 x TP 2 (threads) equal one proce
 
   // A checkpoint split by TP shards resumes only on its tp; a tp that does not divide the heads is
   // refused before anything runs.
+  part.resume = true;
   RunConfig other = tp_only;
   other.parallel.tp = 1;
   other.train.steps = 6;
