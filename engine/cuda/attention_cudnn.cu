@@ -1116,17 +1116,22 @@ __global__ void fill_lengths_kernel(int32_t* seq_len_q, int32_t* seq_len_kv, int
   }
 }
 
-// What the mask reads at run time. Exact plans with p > 0: the by-value int32 offsets of the
+// What the mask reads at run time: the lowest float its selects write (masked graphs only). Exact plans with p > 0: the by-value int32 offsets of the
 // bottom-right mask, row + S - c (none for p = 0). Shared plans: the length tensors, in `scratch`
 // (the caller's scope releases them after the call).
 struct MaskOperands {
   int32_t s = 0, c = 0;
+  float lowest = std::numeric_limits<float>::lowest();
+  bool masked = true;  // an unmasked graph has no select, so its variant pack must not name kNegInf
   bool scalars = false;
   void* seq_len_q = nullptr;
   void* seq_len_kv = nullptr;
 
   MaskOperands(const Shape& sh, int64_t S, Arena& scratch, cudaStream_t stream)
-      : s(static_cast<int32_t>(S)), c(static_cast<int32_t>(sh.c)), scalars(!sh.shared && sh.causal && sh.p() > 0) {
+      : s(static_cast<int32_t>(S)),
+        c(static_cast<int32_t>(sh.c)),
+        masked(sh.causal || sh.shared),
+        scalars(!sh.shared && sh.causal && sh.p() > 0) {
     if (!sh.shared) return;
     seq_len_q = scratch.alloc_bytes(static_cast<size_t>(sh.B) * sizeof(int32_t));
     seq_len_kv = scratch.alloc_bytes(static_cast<size_t>(sh.B) * sizeof(int32_t));
@@ -1135,6 +1140,10 @@ struct MaskOperands {
     CW_KERNEL_CHECK();
   }
   void add_to(std::vector<int64_t>& uids, std::vector<void*>& ptrs) {
+    if (masked) {
+      uids.push_back(kNegInf);
+      ptrs.push_back(&lowest);
+    }
     if (scalars) {
       uids.insert(uids.end(), {kSkv, kSq});
       ptrs.insert(ptrs.end(), {&s, &c});
@@ -1235,10 +1244,10 @@ void cudnn_attention_forward(const Tensor& out, const AttentionSaved& saved, con
   const Plan* plan = resolve_plan(q, k, v, false, &sh, &why, causal);
   CW_CHECK(plan != nullptr, "cuDNN has no fused attention plan for q {} k {}:\n{}", q.describe(), k.describe(), why);
   ArenaScope scope(scratch);
-  float scale_f = static_cast<float>(scale), neg = std::numeric_limits<float>::lowest();
+  float scale_f = static_cast<float>(scale);
   MaskOperands m(sh, k.size(1), scratch, current_stream(sh.device));
-  std::vector<int64_t> uids{kQ, kK, kV, kO, kStats, kScale, kNegInf};
-  std::vector<void*> ptrs{q.data, k.data, v.data, out.data, saved.lse.data, &scale_f, &neg};
+  std::vector<int64_t> uids{kQ, kK, kV, kO, kStats, kScale};
+  std::vector<void*> ptrs{q.data, k.data, v.data, out.data, saved.lse.data, &scale_f};
   m.add_to(uids, ptrs);
   execute(*plan, sh.device, uids, ptrs, scratch);
 }
@@ -1277,11 +1286,11 @@ void cudnn_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor
   const Tensor delta = scratch.alloc(DType::f32, {B, H, c});
   CW_CUDA_CHECK(cudaMemsetAsync(delta.data, 0xff, static_cast<size_t>(B * H * c) * sizeof(float), stream));
 
-  float scale_f = static_cast<float>(scale), neg = std::numeric_limits<float>::lowest(), one = 1.0f;
+  float scale_f = static_cast<float>(scale), one = 1.0f;
   MaskOperands m(sh, S, scratch, stream);
-  std::vector<int64_t> uids{kQ, kK, kV, kO, kDO, kStats, kDQ, kDK, kDV, kScale, kNegInf, kDelta, kOne};
-  std::vector<void*> ptrs{q.data,    k.data,    v.data,    out.data, d_out.data, saved.lse.data, dq_s.data,
-                          dk_s.data, dv_s.data, &scale_f,  &neg,     delta.data, &one};
+  std::vector<int64_t> uids{kQ, kK, kV, kO, kDO, kStats, kDQ, kDK, kDV, kScale, kDelta, kOne};
+  std::vector<void*> ptrs{q.data,    k.data,    v.data,   out.data,   d_out.data, saved.lse.data,
+                          dq_s.data, dk_s.data, dv_s.data, &scale_f, delta.data, &one};
   if (dq_accum) {
     uids.push_back(kDQAccum);
     ptrs.push_back(dq_accum);
