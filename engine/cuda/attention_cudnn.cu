@@ -1116,8 +1116,8 @@ __global__ void fill_lengths_kernel(int32_t* seq_len_q, int32_t* seq_len_kv, int
   }
 }
 
-// What the mask reads at run time: the lowest float its selects write (masked graphs only). Exact plans with p > 0: the by-value int32 offsets of the
-// bottom-right mask, row + S - c (none for p = 0). Shared plans: the length tensors, in `scratch`
+// What the mask reads at run time: the lowest float its selects write (masked graphs only). Exact
+// plans with p > 0: the by-value int32 offsets of the bottom-right mask, row + S - c (none for p = 0). Shared plans: the length tensors, in `scratch`
 // (the caller's scope releases them after the call).
 struct MaskOperands {
   int32_t s = 0, c = 0;
