@@ -50,15 +50,19 @@ double measure_bf16_peak(Device g) {
 
 // LoRA: the frozen base's weight gradients are not computed, so its matmuls cost 4 flops per
 // parameter and token (forward, d_x) instead of 6; the adapters' own products (2 r (in + out) per
-// linear and token, three passes) are added.
-double flops_per_token(const LlamaConfig& c, int64_t T, const LoraConfig& lora) {
+// linear and token, three passes) are added. `backward_fraction` (spaco: t/k of the chunks
+// backpropagated) scales the backward's share: every token runs forward (2 per parameter, a third
+// of the attention's), the visited fraction backward (the rest).
+double flops_per_token(const LlamaConfig& c, int64_t T, const LoraConfig& lora, double backward_fraction = 1.0) {
   const double C = double(c.hidden_size), F = double(c.intermediate_size);
   const double per_layer = C * double(c.q_dim()) * 2 + C * double(c.kv_dim()) * 2 + 3 * C * F;
   const double matmul_params = per_layer * double(c.num_hidden_layers) + double(c.vocab_size) * C;
   const double attention = 12.0 * double(c.num_hidden_layers) * double(c.num_attention_heads) * double(c.head_dim) *
                            double(T) / 2.0;
-  if (!lora.enabled()) return 6.0 * matmul_params + attention;
-  return 4.0 * matmul_params + 6.0 * double(lora_parameter_count(c, lora)) + attention;
+  const double adapters = lora.enabled() ? double(lora_parameter_count(c, lora)) : 0.0;
+  const double forward = 2.0 * matmul_params + 2.0 * adapters + attention / 3.0;
+  const double backward = (lora.enabled() ? 2.0 : 4.0) * matmul_params + 4.0 * adapters + attention * 2.0 / 3.0;
+  return forward + backward_fraction * backward;
 }
 
 void write_result(const std::string& path, const nlohmann::json& r) {
@@ -217,7 +221,11 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
     r["attention_plans"] = plan_steps;
     r["copy_wait_s"] = copy_waits;
     r["tokens_per_s"] = tps;
-    r["mfu"] = tps * fpt / (peak * 1e12);
+    // spaco: the model flops of the chunks it backpropagated (the last step's t of k).
+    const double visited = stats.chunks > 0 ? double(stats.chunks_visited) / double(stats.chunks) : 1.0;
+    const double fpt_done = visited < 1.0 ? flops_per_token(cfg, o.seq, o.lora, visited) : fpt;
+    r["flops_per_token"] = fpt_done;
+    r["mfu"] = tps * fpt_done / (peak * 1e12);
   } catch (const std::exception& e) {
     const std::string what = e.what();
     r["status"] = is_out_of_memory(what) ? "oom" : "error";

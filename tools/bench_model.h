@@ -11,7 +11,9 @@
 // included) + 12 * L * H * D * T / 2 (causal attention, forward and backward), and peak the bf16
 // GEMM rate measured in the same process (8192^3 through our cuBLASLt path) unless given. With LoRA
 // (--lora-rank) the frozen base costs 4 instead of 6 per parameter (no weight gradients) and the
-// adapters 6 per adapter parameter.
+// adapters 6 per adapter parameter. spaco counts the forward of every token and the backward
+// (4 of the 6, two thirds of the attention) of the fraction t/k it backpropagates, the attention's
+// share as if the visited chunks sat at average positions.
 // Each step's line also says how many cuDNN attention plans it built and the seconds that took
 // (cw::attention_plan_stats; the first step builds them, the JSON has them per step).
 // Memory: the caching pool's peak in-use bytes over the whole run (weights included), and the
