@@ -84,6 +84,28 @@ const Recorded kRecorded[] = {
      saved(sched("seco", 8192, "full"), 2), 65536, 24.53, 14434},
     {"RESULTS.md, H100, 2026-11-25 (seco 128K, chunk 4096, saved attention, offload 2)",
      saved(sched("seco", 4096), 2), 131072, 30.31, 9561},
+    // Recorded without the last chunk's prefill (2026-11-27, sixth session).
+    {"RESULTS.md, H100, 2026-11-27 (seco 16K, one chunk of 16384)", sched("seco", 16384), 16384, 45.00, 43729},
+    {"RESULTS.md, H100, 2026-11-27 (seco 16K, one chunk, selective, 4 shards)", sched("seco", 16384, "selective", 4),
+     16384, 31.25, 40112},
+    {"RESULTS.md, H100, 2026-11-27 (seco 32K, chunk 4096, saved attention)", saved(sched("seco", 4096)), 32768, 31.82,
+     26792},
+    {"RESULTS.md, H100, 2026-11-27 (seco 64K, chunk 4096)", sched("seco", 4096), 65536, 33.26, 15289},
+    {"RESULTS.md, H100, 2026-11-27 (spaco 64K, chunk 4096, 2 of 16 chunks)", [] {
+       ScheduleOptions o = sched("spaco", 4096);
+       o.keep = 2;
+       return o;
+     }(), 65536, 32.75, 46191},
+    {"RESULTS.md, H100, 2026-11-27 (seco 128K, chunk 4096, saved attention, store streamed)", [] {
+       ScheduleOptions o = saved(sched("seco", 4096));
+       o.stream_kv = true;
+       return o;
+     }(), 131072, 26.90, 8861},
+    {"RESULTS.md, H100, 2026-11-27 (seco 512K, chunk 16384, store streamed; one step, warm-up 0)", [] {
+       ScheduleOptions o = sched("seco", 16384);
+       o.stream_kv = true;
+       return o;
+     }(), 524288, 43.90, 2007},
 };
 
 const LlamaConfig& one_b() {
