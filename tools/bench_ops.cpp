@@ -25,6 +25,7 @@
 #include <exception>
 #include <fstream>
 #include <ostream>
+#include <utility>
 
 namespace cw {
 
@@ -144,6 +145,115 @@ void bench_attention(std::vector<Row>& rows, DType dt, int64_t T, int64_t H, int
   rows.push_back(std::move(bwd));
 }
 
+// "C:S" of --chunk-attention: a chunk of C queries against S keys, S a multiple of C.
+std::pair<int64_t, int64_t> parse_chunk_attention(const std::string& spec) {
+  const size_t colon = spec.find(':');
+  int64_t c = 0, S = 0;
+  try {
+    if (colon != std::string::npos) c = std::stoll(spec.substr(0, colon)), S = std::stoll(spec.substr(colon + 1));
+  } catch (const std::exception&) {
+    c = S = 0;
+  }
+  if (c <= 0 || S < c || S % c != 0)
+    fail(fmt::format("bench-ops --chunk-attention '{}': expected CHUNK:KEYS", spec),
+         "give the chunk's queries and the keys it sees, KEYS a multiple of CHUNK (e.g. 4096:131072)");
+  return {c, S};
+}
+
+// One chunk of c queries (the last c of S positions) attending causally to S keys, forward and
+// backward, two ways: one call (the store on the device), and block by block as the streamed K/V
+// store runs it (model/kv_store.cpp's attend_forward / attend_backward without the copies: the own
+// block causal, each earlier c-key block unmasked, merged in f32; in the backward every block given
+// the merged out and lse, dQ summed in f32). Their ratio is the blocked form's compute cost alone.
+// Rows "attn chunk fwd|bwd c/S one-call|blocked"; FLOPs count the causal pairs, c (S - c) + c^2 / 2.
+void bench_chunk_attention(std::vector<Row>& rows, DType dt, int64_t c, int64_t S, int64_t H, int64_t Hkv, int64_t D,
+                           int repeat) {
+  const double pairs = double(c) * double(S - c) + double(c) * double(c) / 2.0;
+  const double fwd_flops = 4.0 * double(H) * double(D) * pairs;
+  const std::string shape = fmt::format("{}/{}", c, S);
+  std::vector<Row> mine;
+  for (const char* form : {"one-call", "blocked"}) {
+    mine.emplace_back(fmt::format("attn chunk fwd {} {}", shape, form), 0, 0, fwd_flops);
+    mine.emplace_back(fmt::format("attn chunk bwd {} {}", shape, form), 0, 0, 2.5 * fwd_flops);
+  }
+  for (Row& r : mine) r.extra = {{"kind", "chunk_attention"}, {"chunk", c}, {"keys", S}, {"heads", H},
+                                 {"kv_heads", Hkv}, {"head_dim", D}};
+#if CW_HAVE_CUDA
+  try {
+    const Device g = Device::gpu(0);
+    Arena scratch(g);
+    OwnedTensor q = random_on_gpu(dt, {1, c, H, D}, 50), k = random_on_gpu(dt, {1, S, Hkv, D}, 51);
+    OwnedTensor v = random_on_gpu(dt, {1, S, Hkv, D}, 52), d_out = random_on_gpu(dt, {1, c, H, D}, 53);
+    OwnedTensor out = OwnedTensor::on(g, dt, {1, c, H, D}), lse = OwnedTensor::on(g, DType::f32, {1, H, c});
+    OwnedTensor d_q = OwnedTensor::on(g, dt, {1, c, H, D});
+    OwnedTensor d_k = OwnedTensor::on(g, DType::f32, {1, S, Hkv, D}), d_v = OwnedTensor::on(g, DType::f32, {1, S, Hkv, D});
+    fill(d_k, 0.0);
+    fill(d_v, 0.0);
+    const double scale = 1.0 / std::sqrt(double(D));
+    const AttentionSaved saved{lse};
+    const int64_t blocks = S / c, t0 = S - c;
+    auto block = [&](const Tensor& t, int64_t i) { return t.slice(1, i * c, i * c + c); };
+    auto one_call_forward = [&] {
+      ArenaScope sc(scratch);
+      attention_forward(out, saved, q, k, v, scale, scratch);
+    };
+    auto blocked_forward = [&] {
+      ArenaScope sc(scratch);
+      attention_forward(out, saved, q, block(k, blocks - 1), block(v, blocks - 1), scale, scratch);
+      const Tensor acc = scratch.alloc(DType::f32, {1, c, H, D}), block_out = scratch.alloc(dt, {1, c, H, D});
+      const Tensor block_lse = scratch.alloc(DType::f32, {1, H, c});
+      copy_convert(acc, out);
+      for (int64_t i = 0; i + 1 < blocks; ++i) {
+        attention_forward(block_out, {block_lse}, q, block(k, i), block(v, i), scale, scratch, AttentionMask::none);
+        attention_merge(acc, lse, block_out, block_lse);
+      }
+      copy_convert(out, acc);
+    };
+    auto one_call_backward = [&] {
+      ArenaScope sc(scratch);
+      attention_backward(d_q, d_k, d_v, d_out, saved, q, k, v, out, scale, GradMode::overwrite, scratch);
+    };
+    auto blocked_backward = [&] {
+      ArenaScope sc(scratch);
+      attention_backward(d_q, block(d_k, blocks - 1), block(d_v, blocks - 1), d_out, saved, q, block(k, blocks - 1),
+                         block(v, blocks - 1), out, scale, GradMode::overwrite, scratch);
+      const Tensor dq_sum = scratch.alloc(DType::f32, {c, H * D}), dq_block = scratch.alloc(dt, {1, c, H, D});
+      copy_convert(dq_sum, d_q.tensor.view({c, H * D}));
+      for (int64_t i = 0; i + 1 < blocks; ++i) {
+        attention_backward(dq_block, block(d_k, i), block(d_v, i), d_out, saved, q, block(k, i), block(v, i), out,
+                           scale, GradMode::overwrite, scratch, AttentionMask::none);
+        accumulate(dq_sum, dq_block.view({c, H * D}));
+      }
+      copy_convert(d_q.tensor.view({c, H * D}), dq_sum);
+    };
+    mine[0].ms = median_ms(one_call_forward, g, 3, repeat);
+    mine[2].ms = median_ms(blocked_forward, g, 3, repeat);
+    one_call_forward();  // out and lse for the backward rows (both forms give the same)
+    mine[1].ms = median_ms(one_call_backward, g, 3, repeat);
+    mine[3].ms = median_ms(blocked_backward, g, 3, repeat);
+    // The kernels the chooser picks for the one call and for an unmasked block (forward, backward).
+    auto picked = [&](const Tensor& kk, const Tensor& vv, bool backward, AttentionMask mask) {
+      const AttentionCall call = backward ? attention_call(q, kk, vv, out, &d_q.tensor, &d_out.tensor, &d_k.tensor,
+                                                           &d_v.tensor, mask)
+                                          : attention_call(q, kk, vv, out, nullptr, nullptr, nullptr, nullptr, mask);
+      return std::string(attention_kernel_name(choose_attention_kernel(call, attention_flags()).kernel));
+    };
+    mine[0].note = picked(k, v, false, AttentionMask::causal);
+    mine[1].note = picked(k, v, true, AttentionMask::causal);
+    mine[2].note = picked(block(k, 0), block(v, 0), false, AttentionMask::none);
+    mine[3].note = picked(block(k, 0), block(v, 0), true, AttentionMask::none);
+    mine[2].note += fmt::format(", {} calls + {} merges: {:.2f}x one call", blocks, blocks - 1, mine[2].ms / mine[0].ms);
+    mine[3].note += fmt::format(", {} calls: {:.2f}x one call", blocks, mine[3].ms / mine[1].ms);
+  } catch (const std::exception& e) {
+    for (Row& r : mine) r.status = "error", r.note = first_line(e);
+  }
+#else
+  (void)dt, (void)repeat, (void)Hkv;
+  for (Row& r : mine) r.status = "unsupported", r.note = "no CUDA in this build";
+#endif
+  for (Row& r : mine) rows.push_back(std::move(r));
+}
+
 // The fused LM head + cross-entropy at each N in `tokens` (ascending), with its extra peak memory.
 // Runs before anything else allocates on the device: then the pool's peak equals its current use
 // and peak - in_use is exactly what the calls added. Operands are allocated once at the largest N
@@ -200,6 +310,8 @@ std::vector<Row> bench_lm_head(std::vector<int64_t> tokens, DType dt, int64_t C,
 }  // namespace
 
 void run_bench_ops(const BenchOpsOptions& o, std::ostream& out) {
+  std::vector<std::pair<int64_t, int64_t>> chunk_shapes;  // checked first: a bad flag is an error on any machine
+  for (const std::string& spec : o.chunk_attention) chunk_shapes.push_back(parse_chunk_attention(spec));
   if (!gpu_available()) fail("bench-ops needs a GPU", "run it on the GPU machine (tools/gpu-check)");
   const DType dt = parse_dtype(o.dtype);
   const int64_t N = o.tokens, C = o.hidden, F = o.ffn, H = o.heads, D = o.head_dim, V = o.vocab;
@@ -255,6 +367,7 @@ void run_bench_ops(const BenchOpsOptions& o, std::ostream& out) {
     for (const auto& [ah, akv, ad] : {std::tuple<int64_t, int64_t, int64_t>{32, 8, 64}, {24, 8, 128}})
       for (const char* impl : {"cudnn", "flash", "flash-mma", "flash-det"}) bench_attention(rows, dt, T, ah, akv, ad, o.repeat, impl);
   }
+  for (const auto& [c, S] : chunk_shapes) bench_chunk_attention(rows, dt, c, S, H, o.kv_heads, D, o.repeat);
   for (Row& r : lm_rows) rows.push_back(std::move(r));
 
   const double copy_gbs = rows[0].bytes / (rows[0].ms * 1e-3) / 1e9;

@@ -16,6 +16,10 @@
 // cudnn_attention_supports rejects (or a build without cuDNN) is kept as a row with status
 // "unsupported" and the reason, and no timing.
 //
+// Chunk attention rows (per "C:S" in chunk_attention): the last C queries of S positions against all
+// S keys, forward and backward, in one call and block by block as the streamed K/V store computes
+// it (copies left out), so that their ratio shows what blocking alone costs.
+//
 // LM head rows (per token count in lm_head_tokens; C = hidden, V = vocab, bf16; labels uniform in
 // [0, V)): lm_head_loss_fused, the loss and both gradients in one call, i.e. forward + backward,
 // TFLOP/s counting 6 * N * C * V (the logits GEMM, d_x and d_W). Also its extra peak device memory:
@@ -42,6 +46,8 @@ struct BenchOpsOptions {
   int repeat = 20;
   std::vector<int64_t> attention_tokens{8192};  // attention rows at these T (empty: none)
   std::vector<int64_t> lm_head_tokens{8192};    // LM head rows at these N (empty: none), e.g. {8192, 32768}
+  std::vector<std::string> chunk_attention;     // "C:S": a chunk of C queries against S keys, one call and in
+                                                // C-key blocks as the streamed K/V store runs it (none by default)
   std::string json;        // also write the results as JSON here
 };
 

@@ -99,6 +99,9 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   bench_ops->add_option("--lm-head-tokens", bo.lm_head_tokens, "LM head rows at these token counts, e.g. 8192 32768")
       ->capture_default_str();
+  bench_ops->add_option("--chunk-attention", bo.chunk_attention,
+                        "CHUNK:KEYS rows: a chunk's attention in one call and in CHUNK-key blocks (the streamed store), "
+                        "e.g. 4096:131072");
 
   cw::BenchModelOptions bm;
   CLI::App* bench = app.add_subcommand("bench", "time training steps of a whole model on the GPU (a benchmark)");
