@@ -151,9 +151,7 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
     auto schedule = Schedule::create(so);
     // A step of minutes shows its chunks as it goes (a log: a line every 30 s after the first 10).
     StepProgress progress(out, &out == &std::cout && isatty(STDOUT_FILENO));
-    StepHooks hooks;
-    hooks.progress = [&progress](const char* phase, int64_t done, int64_t total) { progress.update(phase, done, total); };
-    schedule->set_hooks(hooks);
+    progress.attach(*schedule);
     StepStats stats;
     for (int s = 0; s < o.warmup + o.steps; ++s) {
       const Batch batch = random_batch(o.batch, o.seq, cfg.vocab_size, 1000 + static_cast<uint64_t>(s));

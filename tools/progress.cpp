@@ -1,6 +1,10 @@
 #include "tools/progress.h"
 
+#include "optim/schedule.h"
+
 #include <fmt/format.h>
+
+#include <utility>
 
 namespace cw {
 
@@ -36,6 +40,12 @@ void StepProgress::update(const char* phase, int64_t done, int64_t total) {
 void StepProgress::finish() {
   if (tty_ && last_shown_ >= 0) out_ << "\r\033[K" << std::flush;
   last_shown_ = -1;
+}
+
+void StepProgress::attach(Schedule& schedule) {
+  StepHooks hooks = schedule.hooks();
+  hooks.progress = [this](const char* phase, int64_t done, int64_t total) { update(phase, done, total); };
+  schedule.set_hooks(std::move(hooks));
 }
 
 }  // namespace cw

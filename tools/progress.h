@@ -13,6 +13,8 @@
 
 namespace cw {
 
+class Schedule;
+
 class StepProgress {
  public:
   StepProgress(std::ostream& out, bool tty, double quiet_s = 10, double every_s = 30);
@@ -20,6 +22,8 @@ class StepProgress {
   void start(int64_t step);                                     // a step begins
   void update(const char* phase, int64_t done, int64_t total);  // the schedule's hook
   void finish();                                                // the step ended: a drawn bar is cleared
+  // Becomes the schedule's progress hook (its other hooks kept); this object must outlive its steps.
+  void attach(Schedule& schedule);
 
  private:
   std::ostream& out_;

@@ -76,3 +76,29 @@ TEST_CASE("progress: quiet for short steps; in a log a line per interval; on a t
   CHECK(short_duration(3725) == "1h02m");
   CHECK(short_duration(65.4) == "1m05s");
 }
+
+TEST_CASE("progress: attach makes StepProgress the schedule's progress hook and keeps its other hooks") {
+  LlamaConfig cfg = LlamaConfig::preset("tiny");
+  cfg.num_hidden_layers = 1;
+  LlamaModel model(cfg, DType::f64);
+  init_parameters(model.params(), 5, cfg.initializer_range);
+  const Batch batch = random_batch(1, 24, cfg.vocab_size, 6);
+  ParamSet grads(cfg, DType::f64);
+  ScheduleOptions o;
+  o.name = "seco";
+  o.chunk = 8;
+  auto s = Schedule::create(o);
+  int summed = 0;
+  StepHooks hooks;
+  hooks.sum_over_ranks = [&summed](std::vector<double>&) { ++summed; };
+  s->set_hooks(hooks);
+  std::ostringstream log;
+  StepProgress lines(log, false, 0, 0);
+  lines.attach(*s);
+  CHECK(s->hooks().sum_over_ranks);
+  lines.start(1);
+  s->step(model, batch, grads);
+  lines.finish();
+  CHECK(log.str().find("step 1: prefill 1/2 chunks (50%)") != std::string::npos);
+  CHECK(log.str().find("step 1: backward 3/3 chunks (100%)") != std::string::npos);
+}

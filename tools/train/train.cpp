@@ -587,13 +587,7 @@ class TrainLoop {
         tty_(isatty(STDOUT_FILENO) && &out == &std::cout && groups.lead()),
         step_progress_(out, tty_) {
     // A step of minutes (SeCO at long context) shows its chunks as it goes; the lead rank prints.
-    if (lead_) {
-      StepHooks hooks = schedule_.hooks();
-      hooks.progress = [this](const char* phase, int64_t done, int64_t total) {
-        step_progress_.update(phase, done, total);
-      };
-      schedule_.set_hooks(hooks);
-    }
+    if (lead_) step_progress_.attach(schedule_);
   }
 
   // Runs to the end (or a stop), filling result's last step, loss, eval loss and interrupted.
