@@ -4,6 +4,7 @@
 #include "engine/engine.h"
 #include "engine/error.h"
 #include "tools/data/tokenizer.h"
+#include "tools/bench_chart.h"
 #include "tools/bench_model.h"
 #include "tools/bench_ops.h"
 #include "tools/cli_options.h"
@@ -136,6 +137,16 @@ int main(int argc, char** argv) {
   plan->add_flag("--optimizer-offload", po.optimizer_offload,
                  "master weights and AdamW's moments in host memory, updated on the CPU cores (ZeRO-Offload)");
   plan->add_option("--json", po.json, "also write the plan as JSON");
+
+  std::string chart_input, chart_out, chart_title;
+  double chart_device_gib = 0;
+  CLI::App* chart = app.add_subcommand(
+      "chart", "a picture (SVG): a benchmark table (.csv) as speed and memory against tokens, or a run's loss curves");
+  chart->add_option("input", chart_input, "a .csv benchmark table (tools/bench_chart.h), a run directory or its metrics.jsonl")
+      ->required();
+  chart->add_option("--out", chart_out, "the SVG to write")->required();
+  chart->add_option("--title", chart_title, "the chart's title");
+  chart->add_option("--device-gib", chart_device_gib, "a benchmark table: draw the device's memory at this many GiB");
 
   std::string config_path, run_dir;
   std::vector<std::string> overrides;
@@ -295,6 +306,11 @@ int main(int argc, char** argv) {
     }
     if (*bench_ops) {
       cw::run_bench_ops(bo, std::cout);
+      return 0;
+    }
+    if (*chart) {
+      cw::write_chart(chart_input, chart_out, chart_title, chart_device_gib);
+      std::cout << "wrote " << chart_out << "\n";
       return 0;
     }
     if (*bench) return cw::run_bench_model(bm, std::cout);

@@ -162,19 +162,24 @@ void validate(const Chart& chart) {
 }
 
 // One panel: grid, frame, y ticks, series, legend; x tick labels when it is the bottom one.
-void render_panel(std::string& svg, const Panel& panel, const Axis& ax, double top, bool bottom) {
+void render_panel(std::string& svg, const Panel& panel, const Axis& ax, double top, bool bottom,
+                  const std::vector<XTick>& given_x_ticks) {
   const double left = ax.p_lo, right = ax.p_hi, width = right - left, height = panel.height;
   double lo = std::numeric_limits<double>::infinity(), hi = -lo;
   for (const Series& s : panel.series)
     for (size_t i = 0; i < s.x.size(); ++i)
       if (finite(s.x[i], s.y[i])) lo = std::min(lo, s.y[i]), hi = std::max(hi, s.y[i]);
   const bool empty = lo > hi;
+  if (panel.y_from_zero && !empty) lo = std::min(lo, 0.0), hi = std::max(hi, 0.0);
   widen_if_empty(lo, hi);
   const double pad = 0.04 * (hi - lo);
   const Axis ay{lo - pad, hi + pad, top + height, top};
 
   svg += "<g class=\"panel\">\n";
-  const std::vector<double> xt = axis_ticks(ax.lo, ax.hi, width, 90), yt = axis_ticks(ay.lo, ay.hi, height, 40);
+  std::vector<double> xt;
+  for (const XTick& t : given_x_ticks) xt.push_back(t.x);
+  if (given_x_ticks.empty()) xt = axis_ticks(ax.lo, ax.hi, width, 90);
+  const std::vector<double> yt = axis_ticks(ay.lo, ay.hi, height, 40);
   std::string grid, marks;
   for (double t : xt) {
     grid += fmt::format("M{:.1f} {:.1f}V{:.1f}", ax(t), top, top + height);
@@ -190,7 +195,9 @@ void render_panel(std::string& svg, const Panel& panel, const Axis& ax, double t
     svg += fmt::format("<text class=\"ytick\" x=\"{:.1f}\" y=\"{:.1f}\" dy=\"0.35em\" text-anchor=\"end\">{}</text>\n",
                        left - 8, ay(yt[i]), escape(yl[i]));
   if (bottom) {
-    const std::vector<std::string> xl = format_tick_labels(xt);
+    std::vector<std::string> xl;
+    for (const XTick& t : given_x_ticks) xl.push_back(t.label);
+    if (given_x_ticks.empty()) xl = format_tick_labels(xt);
     for (size_t i = 0; i < xt.size(); ++i)
       svg += fmt::format("<text class=\"xtick\" x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"middle\">{}</text>\n", ax(xt[i]),
                          top + height + 20, escape(xl[i]));
@@ -279,6 +286,8 @@ std::string render_svg(const Chart& chart) {
     for (const Series& s : p.series)
       for (size_t i = 0; i < s.x.size(); ++i)
         if (finite(s.x[i], s.y[i])) lo = std::min(lo, s.x[i]), hi = std::max(hi, s.x[i]);
+  for (const XTick& t : chart.x_ticks)
+    if (std::isfinite(t.x)) lo = std::min(lo, t.x), hi = std::max(hi, t.x);
   widen_if_empty(lo, hi);
   const Axis ax{lo, hi, kLeft, chart.width - kRight};
 
@@ -299,7 +308,7 @@ std::string render_svg(const Chart& chart) {
                        (ax.p_lo + ax.p_hi) / 2, escape(chart.title));
   double top = title_height;
   for (size_t i = 0; i < chart.panels.size(); ++i) {
-    render_panel(svg, chart.panels[i], ax, top, i + 1 == chart.panels.size());
+    render_panel(svg, chart.panels[i], ax, top, i + 1 == chart.panels.size(), chart.x_ticks);
     top += chart.panels[i].height + kGap;
   }
   svg += fmt::format("<text class=\"xlabel\" x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"middle\">{}</text>\n</svg>\n",

@@ -36,12 +36,21 @@ struct Panel {
   std::string y_label;
   std::vector<Series> series;
   int height = 300;  // of the plot area, pixels (80..4096)
+  bool y_from_zero = false;  // the y range includes 0 (quantities whose size is the point: memory, speed)
+};
+
+struct XTick {
+  double x;
+  std::string label;
 };
 
 struct Chart {
   std::string title, x_label;
   std::vector<Panel> panels;  // top to bottom, sharing the x axis
   int width = 960;            // pixels (300..16384)
+  // Given: the x ticks and their labels (e.g. a log2 axis labelled 16K, 32K, ...), and the x range
+  // spans them too; empty: "nice" ticks over the data's range.
+  std::vector<XTick> x_ticks;
 };
 
 // The chart as an SVG document. Throws cw::Error on bad input (see above).

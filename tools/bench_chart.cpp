@@ -1,0 +1,138 @@
+#include "tools/bench_chart.h"
+
+#include "engine/error.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <limits>
+#include <map>
+#include <sstream>
+
+namespace cw {
+
+namespace {
+constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+std::string trim(const std::string& s) {
+  const size_t a = s.find_first_not_of(" \t\r"), b = s.find_last_not_of(" \t\r");
+  return a == std::string::npos ? "" : s.substr(a, b - a + 1);
+}
+
+// A number field: empty is NaN; anything else must parse whole and be finite and >= 0.
+double number_field(const std::string& text, const std::string& where, const char* name) {
+  if (text.empty()) return kNaN;
+  size_t used = 0;
+  double v = kNaN;
+  try {
+    v = std::stod(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  if (used != text.size() || !std::isfinite(v) || v < 0)
+    fail(fmt::format("{}: {} '{}' is not a number >= 0", where, name, text), "write a plain number, or leave it empty");
+  return v;
+}
+}  // namespace
+
+std::vector<BenchPoint> read_bench_points(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) fail(fmt::format("cannot read benchmark table '{}'", path), "check the path");
+  const std::string header = "series,tokens,tokens_per_s,peak_gib,source";
+  std::vector<BenchPoint> points;
+  std::string line;
+  bool header_seen = false;
+  for (int n = 1; std::getline(in, line); ++n) {
+    const std::string t = trim(line);
+    if (t.empty() || t[0] == '#') continue;
+    const std::string where = fmt::format("{}:{}", path, n);
+    if (!header_seen) {
+      if (t != header) fail(fmt::format("{}: the header is '{}'", where, t), "make the first line '" + header + "'");
+      header_seen = true;
+      continue;
+    }
+    std::vector<std::string> f;
+    std::stringstream ss(t);
+    for (std::string cell; f.size() < 4 && std::getline(ss, cell, ',');) f.push_back(trim(cell));
+    std::string rest;
+    std::getline(ss, rest);
+    if (f.size() < 4)
+      fail(fmt::format("{}: {} fields, expected {}", where, f.size(), header), "give every row all five columns");
+    BenchPoint p;
+    p.series = f[0];
+    if (p.series.empty()) fail(fmt::format("{}: the series is empty", where), "name the series the row belongs to");
+    const double tokens = number_field(f[1], where, "tokens");
+    if (!(tokens >= 1) || tokens != std::floor(tokens))
+      fail(fmt::format("{}: tokens '{}' is not a positive integer", where, f[1]), "give the tokens per sequence");
+    p.tokens = static_cast<int64_t>(tokens);
+    p.tokens_per_s = number_field(f[2], where, "tokens_per_s");
+    p.peak_gib = number_field(f[3], where, "peak_gib");
+    p.source = trim(rest);
+    points.push_back(std::move(p));
+  }
+  if (!header_seen) fail(fmt::format("benchmark table '{}' has no header", path), "make the first line '" + header + "'");
+  if (points.empty()) fail(fmt::format("benchmark table '{}' has no rows", path), "add a row per measured run");
+  return points;
+}
+
+std::string token_label(double tokens) {
+  const double k = tokens / 1024, m = tokens / (1024 * 1024);
+  if (m >= 1 && m * 2 == std::floor(m * 2)) return fmt::format("{}M", m);
+  if (k >= 1 && k == std::floor(k)) return fmt::format("{}K", k);
+  return format_compact(tokens);
+}
+
+Chart bench_chart(const std::vector<BenchPoint>& points, const std::string& title, double device_gib) {
+  Chart chart;
+  chart.title = title;
+  chart.x_label = "tokens per sequence";
+  Panel speed{"tokens/s", {}, 260, true}, memory{"peak device memory (GiB)", {}, 260, true};
+  std::vector<std::string> order;
+  std::map<std::string, std::vector<const BenchPoint*>> by_series;
+  double lo = std::numeric_limits<double>::infinity(), hi = 0;
+  for (const BenchPoint& p : points) {
+    if (!by_series.count(p.series)) order.push_back(p.series);
+    by_series[p.series].push_back(&p);
+    lo = std::min(lo, double(p.tokens)), hi = std::max(hi, double(p.tokens));
+  }
+  for (size_t i = 0; i < order.size(); ++i) {
+    auto& pts = by_series[order[i]];
+    std::stable_sort(pts.begin(), pts.end(), [](const BenchPoint* a, const BenchPoint* b) { return a->tokens < b->tokens; });
+    // One legend (the top panel's): a series has the same colour in both panels.
+    Series s{order[i], {}, {}, chart_palette(i), true}, m{"", {}, {}, chart_palette(i), true};
+    // A point missing from a panel is left out there, not drawn as a gap: the line joins the others.
+    for (const BenchPoint* p : pts) {
+      if (std::isfinite(p->tokens_per_s)) s.x.push_back(std::log2(double(p->tokens))), s.y.push_back(p->tokens_per_s);
+      if (std::isfinite(p->peak_gib)) m.x.push_back(std::log2(double(p->tokens))), m.y.push_back(p->peak_gib);
+    }
+    speed.series.push_back(std::move(s));
+    memory.series.push_back(std::move(m));
+  }
+  if (device_gib > 0)
+    memory.series.push_back(Series{fmt::format("the device's memory ({:.1f} GiB)", device_gib),
+                                   {std::log2(lo), std::log2(hi)}, {device_gib, device_gib}, 0x999999, false});
+  // A tick at every power of two over the range (every other one past a dozen).
+  const int first = static_cast<int>(std::floor(std::log2(lo))), last = static_cast<int>(std::ceil(std::log2(hi)));
+  const int every = last - first > 12 ? 2 : 1;
+  for (int e = first; e <= last; e += every) chart.x_ticks.push_back({double(e), token_label(std::ldexp(1.0, e))});
+  chart.panels = {std::move(speed), std::move(memory)};
+  return chart;
+}
+
+void write_chart(const std::string& input, const std::string& out, const std::string& title, double device_gib) {
+  namespace fs = std::filesystem;
+  if (out.empty()) fail("chunkwise chart needs --out FILE.svg", "name the picture to write");
+  const bool table = fs::path(input).extension() == ".csv";
+  if (table) {
+    write_svg(out, bench_chart(read_bench_points(input), title.empty() ? "speed and memory against tokens" : title,
+                               device_gib));
+    return;
+  }
+  const std::string metrics = fs::is_directory(input) ? (fs::path(input) / "metrics.jsonl").string() : input;
+  write_svg(out, run_chart(metrics, title.empty() ? "training against tokens seen" : title));
+}
+
+}  // namespace cw
