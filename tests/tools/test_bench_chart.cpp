@@ -146,3 +146,15 @@ TEST_CASE("chunkwise chart: a table or a run's metrics log to SVG, the ticks as 
   CHECK_THROWS_WITH_AS(cw::write_chart(dir.file("nothing"), dir.file("x.svg"), ""), doctest::Contains("nothing"),
                        cw::Error);
 }
+
+TEST_CASE("bench chart: docs/long_context.svg is the drawing of docs/long_context.csv (redraw it after editing)") {
+  const std::filesystem::path docs = std::filesystem::path(CW_SOURCE_ROOT) / "docs";
+  std::ifstream committed(docs / "long_context.svg");
+  REQUIRE(committed);
+  const std::string svg((std::istreambuf_iterator<char>(committed)), std::istreambuf_iterator<char>());
+  const cw::Chart chart = cw::bench_chart(cw::read_bench_points((docs / "long_context.csv").string()),
+                                          "Llama-3.2-1B on one H100: seco against HF + Liger", 79.2);
+  CHECK_MESSAGE(svg == cw::render_svg(chart),
+                "run: chunkwise chart docs/long_context.csv --out docs/long_context.svg --device-gib 79.2 "
+                "--title \"Llama-3.2-1B on one H100: seco against HF + Liger\"");
+}
