@@ -66,6 +66,27 @@ std::string first_line(const std::exception& e) {
   return m.substr(0, m.find('\n'));
 }
 
+#if CW_HAVE_CUDA
+// One attention call's operands on the GPU: c queries against S keys, batch 1; q, k, v and d_out
+// random (streams seed..seed+3), the f32 dK, dV accumulators zeroed, the rest written by the calls.
+struct AttentionOperands {
+  OwnedTensor q, k, v, d_out, out, lse, d_q, d_k, d_v;
+  AttentionOperands(DType dt, int64_t c, int64_t S, int64_t H, int64_t Hkv, int64_t D, uint64_t seed)
+      : q(random_on_gpu(dt, {1, c, H, D}, seed)),
+        k(random_on_gpu(dt, {1, S, Hkv, D}, seed + 1)),
+        v(random_on_gpu(dt, {1, S, Hkv, D}, seed + 2)),
+        d_out(random_on_gpu(dt, {1, c, H, D}, seed + 3)),
+        out(OwnedTensor::on(Device::gpu(0), dt, {1, c, H, D})),
+        lse(OwnedTensor::on(Device::gpu(0), DType::f32, {1, H, c})),
+        d_q(OwnedTensor::on(Device::gpu(0), dt, {1, c, H, D})),
+        d_k(OwnedTensor::on(Device::gpu(0), DType::f32, {1, S, Hkv, D})),
+        d_v(OwnedTensor::on(Device::gpu(0), DType::f32, {1, S, Hkv, D})) {
+    fill(d_k, 0.0);
+    fill(d_v, 0.0);
+  }
+};
+#endif
+
 // Times attention forward and backward for one shape and one implementation: "cudnn", "flash"
 // (our kernel as training runs it by default: the wgmma kernels on an H100, the fused backward with
 // atomic dQ), "flash-mma" (the same with the mma.sync kernels forced) or "flash-det" (our kernel
@@ -82,16 +103,9 @@ void bench_attention(std::vector<Row>& rows, DType dt, int64_t T, int64_t H, int
                                           {"kv_heads", Hkv}, {"head_dim", D}};
 #if CW_HAVE_CUDA
   try {
-    const Device g = Device::gpu(0);
-    Arena scratch(g);
-    OwnedTensor q = random_on_gpu(dt, {1, T, H, D}, 40), k = random_on_gpu(dt, {1, T, Hkv, D}, 41);
-    OwnedTensor v = random_on_gpu(dt, {1, T, Hkv, D}, 42), d_out = random_on_gpu(dt, {1, T, H, D}, 43);
-    OwnedTensor out = OwnedTensor::on(g, dt, {1, T, H, D}), lse = OwnedTensor::on(g, DType::f32, {1, H, T});
-    OwnedTensor d_q = OwnedTensor::on(g, dt, {1, T, H, D});
-    OwnedTensor d_k = OwnedTensor::on(g, DType::f32, {1, T, Hkv, D});
-    OwnedTensor d_v = OwnedTensor::on(g, DType::f32, {1, T, Hkv, D});
-    fill(d_k, 0.0);
-    fill(d_v, 0.0);
+    Arena scratch(Device::gpu(0));
+    const AttentionOperands ops(dt, T, T, H, Hkv, D, 40);
+    const auto& [q, k, v, d_out, out, lse, d_q, d_k, d_v] = ops;
     std::string why;
     if (cudnn) {  // the chooser says whether cuDNN can take both directions (and why not)
       try {
@@ -182,13 +196,8 @@ void bench_chunk_attention(std::vector<Row>& rows, DType dt, int64_t c, int64_t 
   try {
     const Device g = Device::gpu(0);
     Arena scratch(g);
-    OwnedTensor q = random_on_gpu(dt, {1, c, H, D}, 50), k = random_on_gpu(dt, {1, S, Hkv, D}, 51);
-    OwnedTensor v = random_on_gpu(dt, {1, S, Hkv, D}, 52), d_out = random_on_gpu(dt, {1, c, H, D}, 53);
-    OwnedTensor out = OwnedTensor::on(g, dt, {1, c, H, D}), lse = OwnedTensor::on(g, DType::f32, {1, H, c});
-    OwnedTensor d_q = OwnedTensor::on(g, dt, {1, c, H, D});
-    OwnedTensor d_k = OwnedTensor::on(g, DType::f32, {1, S, Hkv, D}), d_v = OwnedTensor::on(g, DType::f32, {1, S, Hkv, D});
-    fill(d_k, 0.0);
-    fill(d_v, 0.0);
+    const AttentionOperands ops(dt, c, S, H, Hkv, D, 50);
+    const auto& [q, k, v, d_out, out, lse, d_q, d_k, d_v] = ops;
     const double scale = 1.0 / std::sqrt(double(D));
     const AttentionSaved saved{lse};
     const int64_t blocks = S / c, t0 = S - c;

@@ -15,23 +15,38 @@ struct Call {
   int64_t done, total;
 };
 bool operator==(const Call& a, const Call& b) { return a.phase == b.phase && a.done == b.done && a.total == b.total; }
+
+// A tiny f64 model of `layers` layers, a batch of T tokens and its gradients: enough for a step.
+struct TinyStep {
+  LlamaConfig cfg;
+  LlamaModel model;
+  Batch batch;
+  ParamSet grads;
+  TinyStep(int layers, int64_t T)
+      : cfg(with_layers(layers)),
+        model(cfg, DType::f64),
+        batch(random_batch(1, T, cfg.vocab_size, 6)),
+        grads(cfg, DType::f64) {
+    init_parameters(model.params(), 5, cfg.initializer_range);
+  }
+  static LlamaConfig with_layers(int layers) {
+    LlamaConfig c = LlamaConfig::preset("tiny");
+    c.num_hidden_layers = layers;
+    return c;
+  }
+};
 }  // namespace
 
 TEST_CASE("progress: seco and spaco tell their hook every prefill and reverse-sweep chunk") {
-  LlamaConfig cfg = LlamaConfig::preset("tiny");
-  cfg.num_hidden_layers = 2;
-  LlamaModel model(cfg, DType::f64);
-  init_parameters(model.params(), 5, cfg.initializer_range);
-  const Batch batch = random_batch(1, 40, cfg.vocab_size, 6);
-  ParamSet grads(cfg, DType::f64);
+  TinyStep t(2, 40);
   const auto run = [&](ScheduleOptions o) {
     std::vector<Call> calls;
     auto s = Schedule::create(o);
     StepHooks hooks;
     hooks.progress = [&calls](const char* phase, int64_t done, int64_t total) { calls.push_back({phase, done, total}); };
     s->set_hooks(hooks);
-    grads.zero();
-    s->step(model, batch, grads);
+    t.grads.zero();
+    s->step(t.model, t.batch, t.grads);
     return calls;
   };
   ScheduleOptions seco;
@@ -78,12 +93,7 @@ TEST_CASE("progress: quiet for short steps; in a log a line per interval; on a t
 }
 
 TEST_CASE("progress: attach makes StepProgress the schedule's progress hook and keeps its other hooks") {
-  LlamaConfig cfg = LlamaConfig::preset("tiny");
-  cfg.num_hidden_layers = 1;
-  LlamaModel model(cfg, DType::f64);
-  init_parameters(model.params(), 5, cfg.initializer_range);
-  const Batch batch = random_batch(1, 24, cfg.vocab_size, 6);
-  ParamSet grads(cfg, DType::f64);
+  TinyStep t(1, 24);
   ScheduleOptions o;
   o.name = "seco";
   o.chunk = 8;
@@ -97,7 +107,7 @@ TEST_CASE("progress: attach makes StepProgress the schedule's progress hook and 
   lines.attach(*s);
   CHECK(s->hooks().sum_over_ranks);
   lines.start(1);
-  s->step(model, batch, grads);
+  s->step(t.model, t.batch, t.grads);
   lines.finish();
   CHECK(log.str().find("step 1: prefill 1/2 chunks (50%)") != std::string::npos);
   CHECK(log.str().find("step 1: backward 3/3 chunks (100%)") != std::string::npos);
