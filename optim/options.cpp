@@ -44,7 +44,8 @@ const std::vector<Option<ScheduleOptions>>& schedule_option_table() {
      "and offload_window = 0)"},
     {"save_attention", "--save-attention", &S::save_attention, {},
      "seco, spaco: the prefill saves each layer's attention output and lse in the K/V store (offloaded with it), so "
-     "the reverse sweep does not run the attention forward again"},
+     "the reverse sweep does not run the attention forward again; with chunk or offload_window auto, the planner "
+     "turns it on where that fits and is clearly faster"},
   };
   return table;
 }

@@ -645,26 +645,35 @@ ScheduleOptions resolve_chunk_and_window(const LlamaConfig& cf, int64_t B, int64
 ScheduleOptions resolve_auto_schedule(const LlamaConfig& cf, int64_t B, int64_t T, ScheduleOptions o, DType dtype,
                                       double gib, const LoraConfig& lora, bool optimizer_offload) {
   if (o.chunk != kAuto && o.offload_window != kAuto) return o;
-  if (!chunked(o) || o.recompute != "auto")
-    return resolve_chunk_and_window(cf, B, T, o, dtype, gib, lora, optimizer_offload);
-  // recompute = auto with a planned chunk or window: the mode is planned too. Keeping every
-  // activation of a chunk (none) is fastest per chunk, but recomputing inside it (selective, full)
-  // lets a larger chunk fit, and a larger chunk moves fewer K/V bytes where the store is offloaded.
+  if (!chunked(o)) return resolve_chunk_and_window(cf, B, T, o, dtype, gib, lora, optimizer_offload);
+  // With a planned chunk or window, what happens inside a chunk is planned too. recompute = auto:
+  // keeping every activation of a chunk (none) is fastest per chunk, but recomputing inside it
+  // (selective, full) lets a larger chunk fit, and a larger chunk moves fewer K/V bytes where the
+  // store is offloaded. Saved attention outputs (save_attention, unless already asked for) spare the
+  // reverse sweep its attention forward for store memory. Each alternative that costs memory or
+  // recomputes more must be clearly (1%) faster than the one before it.
+  std::vector<std::string> modes{o.recompute};
+  if (o.recompute == "auto") modes = {"none", "selective", "full"};
+  std::vector<bool> saves{o.save_attention};
+  if (!o.save_attention) saves = {false, true};
   std::optional<ScheduleOptions> best;
   double best_s = 0;
   std::optional<Error> first_error;
-  for (const char* mode : {"none", "selective", "full"}) {
-    ScheduleOptions m = o;
-    m.recompute = mode;
-    try {
-      const ScheduleOptions r = resolve_chunk_and_window(cf, B, T, m, dtype, gib, lora, optimizer_offload);
-      const double s = plan_step(cf, B, T, r, dtype, gib, lora, optimizer_offload).step_s;
-      if (!best || s < best_s * 0.99) {  // a mode that recomputes more must be clearly faster
-        best = r;
-        best_s = s;
+  for (const bool save : saves) {
+    for (const std::string& mode : modes) {
+      ScheduleOptions m = o;
+      m.recompute = mode;
+      m.save_attention = save;
+      try {
+        const ScheduleOptions r = resolve_chunk_and_window(cf, B, T, m, dtype, gib, lora, optimizer_offload);
+        const double s = plan_step(cf, B, T, r, dtype, gib, lora, optimizer_offload).step_s;
+        if (!best || s < best_s * 0.99) {
+          best = r;
+          best_s = s;
+        }
+      } catch (const Error& e) {
+        if (!first_error) first_error = e;
       }
-    } catch (const Error& e) {
-      if (!first_error) first_error = e;
     }
   }
   if (!best) throw *first_error;
