@@ -315,16 +315,22 @@ std::string describe(const ScheduleOptions& o) {
   return s;
 }
 
-// Causal attention pairs of queries [p, p+c) against keys [0, p+c), summed over chunks of length c.
 // Bytes the K/V offload moves in one step (model/kv_store.cpp's begin_layer / end_layer, per layer):
 // the prefill fetches each chunk's prefix of K, V and sends the chunk's K, V (and saved outputs)
 // home; each reverse chunk ending at t1 fetches K, V [0, t1) (twice without saved outputs: its
 // recompute and its backward), dK, dV [0, t1) (all but the first, whose homes are logical zeros) and
 // sends dK, dV [0, t1) home; with saved outputs it fetches the chunk's outputs instead of
-// recomputing them. `reverse`: the fraction of reverse chunks visited (spaco). Checked against the
-// recorded runs in tests/tools/test_plan.cpp.
-double kv_offload_bytes(const LlamaConfig& cf, int64_t B, int64_t T, int64_t c, int64_t c2, int64_t prefill_end,
-                        size_t e, size_t acc, bool saved, double reverse, bool streamed) {
+// recomputing them. Checked against the recorded runs in tests/tools/test_plan.cpp.
+struct OffloadedStep {
+  int64_t B, T;
+  int64_t c, c2;        // prefill and reverse-sweep chunk lengths
+  int64_t prefill_end;  // the prefill's tokens (seco leaves its last reverse chunk out)
+  size_t e, acc;        // bytes of the compute and accumulation dtypes
+  bool saved, streamed;
+  double reverse;  // the fraction of reverse chunks visited (spaco)
+};
+double kv_offload_bytes(const LlamaConfig& cf, const OffloadedStep& st) {
+  const auto [B, T, c, c2, prefill_end, e, acc, saved, streamed, reverse] = st;
   const double kv = double(2 * B * cf.num_key_value_heads * cf.head_dim) * double(e);
   const double g = double(2 * B * cf.num_key_value_heads * cf.head_dim) * double(acc);
   const double out = saved ? double(B * cf.num_attention_heads) * double(cf.head_dim * int64_t(e) + int64_t(acc)) : 0;
@@ -343,6 +349,7 @@ double kv_offload_bytes(const LlamaConfig& cf, int64_t B, int64_t T, int64_t c, 
   return double(cf.num_hidden_layers) * (prefill + reverse * (recompute + backward));
 }
 
+// Causal attention pairs of queries [p, p+c) against keys [0, p+c), summed over chunks of length c.
 double causal_pairs(int64_t T, int64_t c) {
   double pairs = 0;
   for (int64_t p = 0; p < T; p += c) {
@@ -496,7 +503,7 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
   // under it at 128K); they lengthen the step only where they outlast it.
   if (streamed || (o.offload_window > 0 && o.offload_window < L)) {
     r.kv_moved_bytes =
-        kv_offload_bytes(cf, B, T, r.chunk, r.bwd_chunk, prefill_end, e, acc, saved, reverse, streamed);
+        kv_offload_bytes(cf, {B, T, r.chunk, r.bwd_chunk, prefill_end, e, acc, saved, streamed, reverse});
     const double copies_s = r.kv_moved_bytes / kPcieBytesPerS;
     r.time.emplace_back("kv copies beyond compute", std::max(0.0, copies_s - r.step_s));
     r.step_s = std::max(r.step_s, copies_s);
