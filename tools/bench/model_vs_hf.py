@@ -271,6 +271,34 @@ def longest(a, sides, cases, lora, envs):
                        search_to=a.search_to, timeout=a.timeout, extra=a.extra, sides=results), f, indent=2)
 
 
+def write_chart(a, rows, device, date):
+    """The table as a picture: model_vs_hf.csv in `chunkwise chart`'s format (a series per side and
+    setting, a row per measured run) and model_vs_hf.svg drawn from it."""
+    seen, lines = set(), ["series,tokens,tokens_per_s,peak_gib,source"]
+    for r in rows:
+        sides = [("ours", f"chunkwise {r['schedule']} {r['ours_args']}".strip()),
+                 ("hf", f"{PEER_NAMES[r['peer']]} ({r['hf_schedule']})")]
+        for side, series in sides:
+            s = r[side]
+            key = (series, r["seq"])
+            if s.get("status") != "ok" or key in seen:
+                continue
+            seen.add(key)
+            peak = s.get("peak_gib")
+            lines.append(",".join([series.replace(",", ";"), str(r["seq"]), f"{s['tokens_per_s']:.0f}",
+                                   f"{peak:.2f}" if peak is not None else "",
+                                   f"model_vs_hf.py on {device}, {date}"]))
+    csv_path = os.path.join(a.out, "model_vs_hf.csv")
+    with open(csv_path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    if len(lines) > 1 and os.path.exists(a.chunkwise):
+        svg = os.path.join(a.out, "model_vs_hf.svg")
+        done = subprocess.run([a.chunkwise, "chart", csv_path, "--out", svg, "--title",
+                               f"{a.model}: chunkwise against {', '.join(sorted({PEER_NAMES[r['peer']] for r in rows}))}"],
+                              capture_output=True, text=True)
+        print(done.stdout.strip() or done.stderr.strip(), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--chunkwise", default="build/tools/chunkwise")
@@ -417,6 +445,7 @@ def main():
                 who = "chunkwise" if side == "ours" else PEER_NAMES[r["peer"]]
                 notes.append(f"{r['case']} {who}: {s.get('status')}: {s.get('error', '')} (log {s.get('log')})")
     render(title, head, table, notes, os.path.join(a.out, "model_vs_hf.md"))
+    write_chart(a, rows, device, date)
     with open(os.path.join(a.out, "model_vs_hf.json"), "w") as f:
         json.dump(dict(model=a.model, batch=a.batch, steps=a.steps, device=device, date=date, peak_tflops=peak, peers=peers,
                        peak_source=peak_source, lora=lora,
