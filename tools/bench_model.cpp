@@ -89,9 +89,10 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
   validate_lora(o.lora);
   // The device memory the run may use, and the schedule the planner picks where asked (auto).
   const double gib = device_gib_or_gpu(o.device_memory_gib);
+  const MemoryBudget budget(gib, host_gib_or_machine(o.host_memory_gib));
   ScheduleOptions so = o.schedule;
   try {
-    so = resolve_auto_schedule(cfg, o.batch, o.seq, so, dt, gib, o.lora, o.optimizer_offload);
+    so = resolve_auto_schedule(cfg, o.batch, o.seq, so, dt, budget, o.lora, o.optimizer_offload);
   } catch (const Error& e) {  // auto found nothing that fits: a result, as running out of memory is
     const std::string status = is_out_of_memory(e.what()) ? "oom" : "error";
     const nlohmann::json r = {{"impl", "chunkwise"}, {"model", o.model}, {"seq", o.seq}, {"batch", o.batch},
@@ -101,7 +102,7 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
     return status == "oom" ? 0 : 1;
   }
   so.validate();
-  const PlanReport plan = plan_step(cfg, o.batch, o.seq, so, dt, gib, o.lora, o.optimizer_offload);
+  const PlanReport plan = plan_step(cfg, o.batch, o.seq, so, dt, budget, o.lora, o.optimizer_offload);
   out << fmt::format("plan: {} chunk {} offload window {}: peak {:.2f} GiB of {:.1f} on the device, {:.2f} GiB host, "
                      "{:.2f} s a step predicted\n",
                      so.name, so.chunk, so.offload_window, plan.peak_device_gib(), gib, plan.peak_host_gib(), plan.step_s);
@@ -135,13 +136,12 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
   std::vector<double> copy_waits;  // per step: seconds the compute stream waited for host <-> device copies
   try {
     AdamWOptions ao;
-    const size_t host_free = host_memory_available();
-    if (host_free > 0 && plan.peak_host_bytes > host_free && !o.force)
-      fail(fmt::format("the plan says this step runs out of memory on the host: {:.2f} GiB (pinned K/V store, offloaded "
-                       "optimizer) and the host has {:.2f} GiB available",
-                       plan.peak_host_gib(), double(host_free) / double(1ull << 30)),
-           "keep more of the K/V store on the device (--offload-window), or leave the optimizer on the device");
-    if (!plan.fits && !o.force)
+    if (!plan.host_fits && !o.force)
+      fail(fmt::format("the plan says this step runs out of memory on the host: {:.2f} GiB pinned (K/V store, saved "
+                       "outputs, offloaded optimizer) and 90% of the host's {:.2f} GiB available may be pinned",
+                       plan.peak_host_gib(), plan.host_gib),
+           plan.advice + "; or pass --force to run it anyway");
+    if (!plan.device_fits && !o.force)
       fail(fmt::format("the plan says this step runs out of memory: its peak of {:.2f} GiB and the CUDA context do "
                        "not fit {:.1f} GiB of device memory",
                        plan.peak_device_gib(), gib),

@@ -36,6 +36,7 @@ struct BenchModelOptions {
                                        // offload_window may be kAuto: the planner chooses, tools/plan.h)
   bool optimizer_offload = false;      // master weights and moments in host memory (optim/adamw_offload.h)
   double device_memory_gib = 0;        // the device memory the run may use (engine.h); 0: the whole GPU
+  double host_memory_gib = 0;          // the host memory the plan may pin 90% of; 0: the machine's available
   bool force = false;                  // run a step the planner says does not fit (to measure where it fails)
   LoraConfig lora;                     // rank > 0: LoRA adapters trained, the base frozen in the compute dtype
   bool deterministic = false;          // deterministic kernels only (cw::set_deterministic)

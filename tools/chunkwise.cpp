@@ -116,6 +116,10 @@ int main(int argc, char** argv) {
   bench->add_option("--device-memory", bm.device_memory_gib,
                     "GiB the run may use (the pool's ceiling less the CUDA context; 0: the whole GPU)")
       ->capture_default_str();
+  bench->add_option("--host-memory", bm.host_memory_gib,
+                    "GiB of host memory the plan checks its pinned part against (90% of it; 0: what the machine has "
+                    "available)")
+      ->capture_default_str();
   bench->add_flag("--deterministic", bm.deterministic, "bitwise-reproducible gradients (deterministic kernels only)");
   bench->add_option("--dtype", bm.dtype, "bf16 | f32")->capture_default_str();
   bench->add_option("--steps", bm.steps, "timed steps (median)")->capture_default_str();
@@ -134,6 +138,9 @@ int main(int argc, char** argv) {
   cw::add_lora_flags(*plan, po.lora);
   plan->add_option("--dtype", po.dtype)->capture_default_str();
   plan->add_option("--device-memory", po.device_memory_gib, "GiB (default: the GPU's, else 80)");
+  plan->add_option("--host-memory", po.host_memory_gib,
+                   "GiB of host memory, of which the plan may pin 90% (default: this machine's available memory "
+                   "when it has a GPU, else not checked)");
   plan->add_flag("--optimizer-offload", po.optimizer_offload,
                  "master weights and AdamW's moments in host memory, updated on the CPU cores (ZeRO-Offload)");
   plan->add_option("--json", po.json, "also write the plan as JSON");

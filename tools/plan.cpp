@@ -4,6 +4,7 @@
 
 #include "engine/engine.h"
 #include "engine/error.h"
+#include "engine/residency.h"
 #include "model/layer.h"
 #include "model/lora.h"
 #include "model/params.h"
@@ -364,7 +365,7 @@ double PlanReport::peak_device_gib() const { return double(peak_device_bytes) / 
 double PlanReport::peak_host_gib() const { return double(peak_host_bytes) / kGiB; }
 
 PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const ScheduleOptions& o, DType dtype,
-                     double device_gib, const LoraConfig& lora, bool optimizer_offload) {
+                     const MemoryBudget& budget, const LoraConfig& lora, bool optimizer_offload) {
   CW_CHECK(B > 0 && T > 0, "plan: batch {} and sequence {} must be positive", B, T);
   CW_CHECK(dtype == DType::bf16 || dtype == DType::f32, "plan: --dtype {} (the GPU trains in bf16 or f32)",
            dtype_name(dtype));
@@ -389,7 +390,8 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
   const int64_t prefill_end = o.name == "seco" ? (T + r.bwd_chunk - 1) / r.bwd_chunk * r.bwd_chunk - r.bwd_chunk
                               : chunked(o) ? T : 0;
   r.offload_window = o.offload_window;
-  r.device_gib = device_gib;
+  r.device_gib = budget.device_gib;
+  r.host_gib = budget.host_gib;
   const size_t e = dtype_size(dtype), acc = dtype_size(accum_dtype(dtype));
 
   // Fixed: one pool block per parameter set (model/params.cpp), RoPE tables (f32, T positions). What
@@ -445,7 +447,9 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
   for (const auto& [name, bytes] : r.device) r.peak_device_bytes += bytes;
   for (const auto& [name, bytes] : r.host) r.peak_host_bytes += bytes;
   r.context_bytes = kCudaContextBytes;
-  r.fits = double(r.peak_device_bytes + r.context_bytes) <= device_gib * kGiB;
+  r.device_fits = double(r.peak_device_bytes + r.context_bytes) <= budget.device_gib * kGiB;
+  r.host_fits = budget.host_gib <= 0 || double(r.peak_host_bytes) <= 0.9 * budget.host_gib * kGiB;
+  r.fits = r.device_fits && r.host_fits;
 
   // Time. Passes of the layers' work over the reverse tokens (spaco visits keep of k chunks).
   double reverse = 1;
@@ -509,7 +513,11 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
     r.step_s = std::max(r.step_s, copies_s);
   }
 
-  if (!r.fits) {
+  if (!r.host_fits) {
+    r.advice = "keep more of the K/V store on the device (a larger --offload-window, not --stream-kv), drop "
+               "--save-attention (its outputs are offloaded with the store), keep the optimizer on the device, or "
+               "lower --seq";
+  } else if (!r.fits) {
     if (chunked(o))
       r.advice = o.stream_kv ? "lower --chunk (the blocks and activations grow with it), or offload the optimizer "
                                "(--optimizer-offload)"
@@ -529,7 +537,7 @@ const std::vector<int64_t>& chunk_candidates() {
 }
 
 int64_t choose_chunk(const LlamaConfig& config, int64_t B, int64_t T, const ScheduleOptions& schedule, DType dtype,
-                     double device_gib, const std::vector<int64_t>& candidates, const LoraConfig& lora,
+                     const MemoryBudget& budget, const std::vector<int64_t>& candidates, const LoraConfig& lora,
                      bool optimizer_offload) {
   int64_t best = 0;
   double best_s = 0;
@@ -538,7 +546,7 @@ int64_t choose_chunk(const LlamaConfig& config, int64_t B, int64_t T, const Sche
     ScheduleOptions o = schedule;
     o.chunk = c;
     o.bwd_chunk = 0;
-    const PlanReport r = plan_step(config, B, T, o, dtype, device_gib, lora, optimizer_offload);
+    const PlanReport r = plan_step(config, B, T, o, dtype, budget, lora, optimizer_offload);
     // The time model is blind to kernel efficiency at small row counts: a chunk predicted within 1%
     // of a smaller one's time wins (fewer, larger kernels).
     if (r.fits && (best == 0 || r.step_s <= best_s * 1.01)) {
@@ -550,11 +558,11 @@ int64_t choose_chunk(const LlamaConfig& config, int64_t B, int64_t T, const Sche
 }
 
 int64_t choose_offload_window(const LlamaConfig& config, int64_t B, int64_t T, const ScheduleOptions& schedule,
-                              DType dtype, double device_gib, const LoraConfig& lora, bool optimizer_offload) {
+                              DType dtype, const MemoryBudget& budget, const LoraConfig& lora, bool optimizer_offload) {
   ScheduleOptions o = schedule;
   for (int64_t w = 0; w <= config.num_hidden_layers; ++w) {
     o.offload_window = w == 0 ? 0 : w;
-    if (plan_step(config, B, T, o, dtype, device_gib, lora, optimizer_offload).fits) return w;
+    if (plan_step(config, B, T, o, dtype, budget, lora, optimizer_offload).fits) return w;
   }
   return -1;
 }
@@ -577,8 +585,9 @@ std::string plan_table(const PlanReport& r) {
     s += fmt::format("  {:14} {:10.1f}   GiB of K/V moved host <-> device a step\n", "kv moved", r.kv_moved_bytes / kGiB);
   s += fmt::format("  {:14} {:10.3f}   ({:.0f} tokens/s, {:.1f} TFLOP executed)\n", "step", r.step_s,
                    r.tokens_per_s(), r.flops / 1e12);
-  s += fmt::format("{} in {:.1f} GiB of device memory{}\n", r.fits ? "fits" : "DOES NOT FIT", r.device_gib,
-                   r.fits ? "" : ": " + r.advice);
+  const std::string host = r.host_gib > 0 ? fmt::format(" and 90% of {:.1f} GiB of host memory", r.host_gib) : "";
+  s += fmt::format("{} in {:.1f} GiB of device memory{}{}\n", r.fits ? "fits" : "DOES NOT FIT", r.device_gib, host,
+                   r.fits ? "" : fmt::format(" ({} over): {}", r.device_fits ? "host" : "device", r.advice));
   return s;
 }
 
@@ -598,7 +607,10 @@ std::string plan_json(const PlanReport& r) {
   j["tokens_per_s"] = r.tokens_per_s();
   j["flops"] = r.flops;
   j["device_memory_gib"] = r.device_gib;
+  j["host_memory_gib"] = r.host_gib;
   j["fits"] = r.fits;
+  j["device_fits"] = r.device_fits;
+  j["host_fits"] = r.host_fits;
   if (!r.fits) j["advice"] = r.advice;
   for (const auto& [name, bytes] : r.device) j["categories"]["device"][name] = double(bytes) / kGiB;
   for (const auto& [name, bytes] : r.host) j["categories"]["host"][name] = double(bytes) / kGiB;
@@ -608,8 +620,14 @@ std::string plan_json(const PlanReport& r) {
 
 namespace {
 // resolve_auto_schedule for one recompute mode.
+// The budget in words, for errors: "24.0 GiB" or "24.0 GiB of device and 90% of 128.0 GiB of host memory".
+std::string budget_text(const MemoryBudget& b) {
+  return b.host_gib > 0 ? fmt::format("{:.1f} GiB of device and 90% of {:.1f} GiB of host memory", b.device_gib, b.host_gib)
+                        : fmt::format("{:.1f} GiB", b.device_gib);
+}
+
 ScheduleOptions resolve_chunk_and_window(const LlamaConfig& cf, int64_t B, int64_t T, ScheduleOptions o, DType dtype,
-                                         double gib, const LoraConfig& lora, bool optimizer_offload) {
+                                         const MemoryBudget& gib, const LoraConfig& lora, bool optimizer_offload) {
   const bool auto_chunk = o.chunk == kAuto, auto_window = o.offload_window == kAuto;
   CW_CHECK(chunked(o), "schedule.chunk and schedule.offload_window = auto are for schedules seco and spaco");
   if (auto_window) o.offload_window = 0;
@@ -636,21 +654,24 @@ ScheduleOptions resolve_chunk_and_window(const LlamaConfig& cf, int64_t B, int64
   if (auto_chunk && o.chunk == 0) {
     std::string sizes;
     for (int64_t c : chunk_candidates()) sizes += (sizes.empty() ? "" : ", ") + std::to_string(c);
-    fail(fmt::format("out of memory at every chunk length ({}) in {:.1f} GiB{}", sizes, gib,
+    fail(fmt::format("out of memory at every chunk length ({}) in {}{}", sizes, budget_text(gib),
                      auto_window ? " with any K/V offload window or the store streamed" : ""),
-         auto_window ? "lower the sequence length or batch, or offload the optimizer (--optimizer-offload)"
+         auto_window ? (gib.host_gib > 0 ? "lower the sequence length or batch, or use a machine with more device or "
+                                           "host memory (the offloaded store is pinned in host memory)"
+                                         : "lower the sequence length or batch, or offload the optimizer "
+                                           "(--optimizer-offload)")
                      : "set the offload window (--offload-window N or auto), or lower the sequence length or batch");
   }
   if (auto_window && !auto_chunk && !plan_step(cf, B, T, o, dtype, gib, lora, optimizer_offload).fits)
-    fail(fmt::format("out of memory with any K/V offload window or the store streamed at chunk {} in {:.1f} GiB",
-                     o.chunk, gib),
+    fail(fmt::format("out of memory with any K/V offload window or the store streamed at chunk {} in {}", o.chunk,
+                     budget_text(gib)),
          "lower the chunk (--chunk N or auto), or offload the optimizer (--optimizer-offload)");
   return o;
 }
 }  // namespace
 
 ScheduleOptions resolve_auto_schedule(const LlamaConfig& cf, int64_t B, int64_t T, ScheduleOptions o, DType dtype,
-                                      double gib, const LoraConfig& lora, bool optimizer_offload) {
+                                      const MemoryBudget& gib, const LoraConfig& lora, bool optimizer_offload) {
   if (o.chunk != kAuto && o.offload_window != kAuto) return o;
   if (!chunked(o)) return resolve_chunk_and_window(cf, B, T, o, dtype, gib, lora, optimizer_offload);
   // With a planned chunk or window, what happens inside a chunk is planned too. recompute = auto:
@@ -693,6 +714,12 @@ double device_gib_or_gpu(double gib) {
   return gpus.empty() ? kDefaultDeviceGib : double(gpus.front().memory_bytes) / kGiB;
 }
 
+double host_gib_or_machine(double gib) {
+  if (gib > 0) return gib;
+  if (list_gpus().empty()) return 0;
+  return double(host_memory_available()) / kGiB;
+}
+
 size_t pool_limit_for(double gib, const char* option) {
   const double bytes = gib * kGiB - double(kCudaContextBytes);
   if (!(bytes > 0))
@@ -705,7 +732,7 @@ int run_plan(const PlanOptions& po, std::ostream& out) {
   const LlamaConfig cf = LlamaConfig::resolve(po.model);
   const DType dtype = parse_dtype(po.dtype);
   validate_lora(po.lora);
-  const double gib = device_gib_or_gpu(po.device_memory_gib);
+  const MemoryBudget gib(device_gib_or_gpu(po.device_memory_gib), host_gib_or_machine(po.host_memory_gib));
   const ScheduleOptions o =
       resolve_auto_schedule(cf, po.batch, po.seq, po.schedule, dtype, gib, po.lora, po.optimizer_offload);
   const PlanReport r = plan_step(cf, po.batch, po.seq, o, dtype, gib, po.lora, po.optimizer_offload);

@@ -48,6 +48,15 @@ namespace cw {
 // The CUDA context (driver, kernels, cuDNN/cuBLAS handles): device memory outside the pool.
 inline constexpr size_t kCudaContextBytes = size_t(512) << 20;
 
+// What a plan must fit: device_gib of device memory (the pool's peak and the CUDA context) and,
+// when host_gib > 0, host_gib of host memory for its pinned part, of which it may take 90% (pinned
+// pages cannot be swapped: the system keeps a margin). A GiB count alone means the device's.
+struct MemoryBudget {
+  double device_gib = 0;
+  double host_gib = 0;  // 0: not checked
+  MemoryBudget(double device, double host = 0) : device_gib(device), host_gib(host) {}
+};
+
 struct PlanReport {
   std::string schedule;                                  // the options it was planned for, as text
   int64_t B = 0, T = 0, chunk = 0, bwd_chunk = 0, offload_window = 0;
@@ -58,8 +67,9 @@ struct PlanReport {
   size_t context_bytes = 0;                              // CUDA context, outside the pool
   double step_s = 0, flops = 0;                          // flops: what the step executes (with recompute)
   double kv_moved_bytes = 0;                             // the K/V offload's host <-> device bytes a step
-  double device_gib = 0;                                 // the memory it was checked against
-  bool fits = false;
+  double device_gib = 0, host_gib = 0;                  // the budget it was checked against (host 0: none)
+  bool device_fits = false, host_fits = true;
+  bool fits = false;                                     // both
   std::string advice;                                    // when it does not fit: which knob to turn
 
   double peak_device_gib() const;
@@ -68,23 +78,23 @@ struct PlanReport {
 };
 
 // The plan of one step of `schedule` (its chunk / bwd_chunk / offload_window / recompute /
-// mlp_shards / offload) for B sequences of T tokens in `dtype`, against device_gib of device memory.
+// mlp_shards / offload) for B sequences of T tokens in `dtype`, against the memory budget.
 // optimizer_offload: the master weights and moments in host memory (optim/adamw_offload.h).
 PlanReport plan_step(const LlamaConfig& config, int64_t B, int64_t T, const ScheduleOptions& schedule, DType dtype,
-                     double device_gib, const LoraConfig& lora = {}, bool optimizer_offload = false);
+                     const MemoryBudget& budget, const LoraConfig& lora = {}, bool optimizer_offload = false);
 
 // The default candidates for `--chunk auto` (seco, spaco).
 const std::vector<int64_t>& chunk_candidates();
-// The fastest chunk length of `candidates` (<= T) whose plan fits device_gib (the backward chunk
+// The fastest chunk length of `candidates` (<= T) whose plan fits the budget (the backward chunk
 // follows it; a larger chunk within 1% of a smaller one's time wins); 0 when none fits. The
 // schedule's own chunk is ignored. `--chunk auto` on `chunkwise plan`.
 int64_t choose_chunk(const LlamaConfig& config, int64_t B, int64_t T, const ScheduleOptions& schedule, DType dtype,
-                     double device_gib, const std::vector<int64_t>& candidates = chunk_candidates(),
+                     const MemoryBudget& budget, const std::vector<int64_t>& candidates = chunk_candidates(),
                      const LoraConfig& lora = {}, bool optimizer_offload = false);
 // The smallest K/V offload window (0 = everything on the device, then 1..L) whose plan fits at the
 // schedule's chunk; -1 when none. (`--offload-window auto` with `--chunk auto` searches both.)
 int64_t choose_offload_window(const LlamaConfig& config, int64_t B, int64_t T, const ScheduleOptions& schedule,
-                              DType dtype, double device_gib, const LoraConfig& lora = {},
+                              DType dtype, const MemoryBudget& budget, const LoraConfig& lora = {},
                               bool optimizer_offload = false);
 // schedule.chunk and/or schedule.offload_window = auto (kAuto; plan's, bench's and train's): the
 // fastest chunk with the whole K/V store on the device, else with the smallest window that lets one
@@ -93,10 +103,13 @@ int64_t choose_offload_window(const LlamaConfig& config, int64_t B, int64_t T, c
 // chunk nor window is auto). Throws an "out of memory" error saying which knob to turn when no
 // candidate fits.
 ScheduleOptions resolve_auto_schedule(const LlamaConfig& config, int64_t B, int64_t T, ScheduleOptions schedule,
-                                      DType dtype, double device_gib, const LoraConfig& lora = {},
+                                      DType dtype, const MemoryBudget& budget, const LoraConfig& lora = {},
                                       bool optimizer_offload = false);
 // gib when positive, else the first GPU's memory, else 80.
 double device_gib_or_gpu(double gib);
+// gib when positive, else this machine's available host memory when it has a GPU (the run's host),
+// else 0 (not checked: planning elsewhere for a GPU machine).
+double host_gib_or_machine(double gib);
 // The caching pool's ceiling (engine.h set_device_memory_limit) for `gib` of device memory
 // (--device-memory): the GiB less the CUDA context. Throws naming `option` when they do not cover it.
 size_t pool_limit_for(double gib, const char* option);
@@ -111,6 +124,7 @@ struct PlanOptions {
   LoraConfig lora;                           // rank > 0: LoRA adapters, the base frozen
   std::string dtype = "bf16";
   double device_memory_gib = 0;      // 0: the GPU's when one is present, else 80
+  double host_memory_gib = 0;        // 0: this machine's available memory when it has a GPU, else not checked
   bool optimizer_offload = false;    // master weights and moments in host memory
   std::string json;                  // also write the report as JSON here
 };

@@ -485,3 +485,33 @@ TEST_CASE("plan: chunk and window = auto also save the attention outputs where t
   CHECK(t.offload_window == 1);
   CHECK(plan_step(one_b(), 1, 131072, t, DType::bf16, 25).fits);
 }
+
+TEST_CASE("plan: the host's memory bounds what is pinned there; auto keeps to it") {
+  // 1M tokens on an 80 GiB GPU: saving the attention outputs would pin 162 GiB of host memory, more
+  // than 90% of the GPU machine's 128 GiB; with that budget auto goes without them.
+  const int64_t T = 1048576;
+  const ScheduleOptions free_host = resolve_auto_schedule(one_b(), 1, T, auto_seco(), DType::bf16, 79.2);
+  CHECK(free_host.save_attention);
+  CHECK(plan_step(one_b(), 1, T, free_host, DType::bf16, 79.2).peak_host_gib() > 150);
+  const MemoryBudget budget(79.2, 128);
+  const ScheduleOptions bounded = resolve_auto_schedule(one_b(), 1, T, auto_seco(), DType::bf16, budget);
+  const PlanReport r = plan_step(one_b(), 1, T, bounded, DType::bf16, budget);
+  MESSAGE(fmt::format("1M in 79.2 GiB + 128 GiB host: {} ({:.1f} GiB device, {:.1f} GiB host, {:.0f} s)", r.schedule,
+                      r.peak_device_gib(), r.peak_host_gib(), r.step_s));
+  CHECK_FALSE(bounded.save_attention);
+  CHECK(r.fits);
+  CHECK(r.host_fits);
+  CHECK(r.peak_host_gib() <= 0.9 * 128);
+  // A plan over the host's budget says so and names the knobs.
+  ScheduleOptions saved_streamed = saved(sched("seco", 16384));
+  saved_streamed.stream_kv = true;
+  const PlanReport over = plan_step(one_b(), 1, T, saved_streamed, DType::bf16, budget);
+  CHECK(over.device_fits);
+  CHECK_FALSE(over.host_fits);
+  CHECK_FALSE(over.fits);
+  CHECK(over.advice.find("--save-attention") != std::string::npos);
+  CHECK(plan_table(over).find("(host over)") != std::string::npos);
+  // Nothing fits a host too small for any offloaded store: the error names both budgets.
+  CHECK_THROWS_WITH_AS(resolve_auto_schedule(one_b(), 1, T, auto_seco(), DType::bf16, MemoryBudget(79.2, 60)),
+                       doctest::Contains("90% of 60.0 GiB of host memory"), Error);
+}

@@ -205,15 +205,7 @@ double rss_mib() {
   return static_cast<double>(resident) * static_cast<double>(sysconf(_SC_PAGESIZE)) / (1 << 20);
 }
 
-double available_bytes() {
-  std::ifstream f("/proc/meminfo");
-  std::string key;
-  double kb = 0;
-  std::string unit;
-  while (f >> key >> kb >> unit)
-    if (key == "MemAvailable:") return kb * 1024.0;
-  return 0;
-}
+double available_bytes() { return static_cast<double>(host_memory_available()); }  // 0: unknown
 
 std::string human_bytes(double b) {
   if (b >= double(1ull << 30)) return fmt::format("{:.2f} GiB", b / double(1ull << 30));
@@ -380,10 +372,13 @@ void resolve_auto_lengths(RunConfig& rc, const Placement& p, std::ostream& log) 
     fail("schedule.chunk / schedule.offload_window = auto: the planner models a GPU's memory",
          "give numbers on the CPU (e.g. schedule.chunk = 1024, offload_window = 0)");
   const double gib = plan_gib(usable_device_bytes(p.device));
-  s = resolve_auto_schedule(p.model, rc.data.batch_size, rc.data.seq_len, s, p.dtype, gib, p.lora, rc.optimizer.offload);
-  log << fmt::format("schedule: the planner chose chunk {}, {}, recompute {} for {:.1f} GiB of device memory\n",
+  // The host's memory too: the planner may offload the store (and its saved outputs) there.
+  const MemoryBudget budget(gib, available_bytes() / double(1ull << 30));
+  s = resolve_auto_schedule(p.model, rc.data.batch_size, rc.data.seq_len, s, p.dtype, budget, p.lora,
+                            rc.optimizer.offload);
+  log << fmt::format("schedule: the planner chose chunk {}, {}, recompute {}{} for {:.1f} GiB of device memory\n",
                      s.chunk, s.stream_kv ? "the K/V store streamed" : fmt::format("offload window {}", s.offload_window),
-                     s.recompute_mode(), gib);
+                     s.recompute_mode(), s.save_attention ? ", attention outputs saved" : "", gib);
 }
 
 // Memory guard: fail before step 1, not in the middle of it. Returns the planned bytes. On a GPU the
