@@ -708,6 +708,47 @@ ScheduleOptions resolve_auto_schedule(const LlamaConfig& cf, int64_t B, int64_t 
   return *best;
 }
 
+LongestPlan longest_sequence(const LlamaConfig& cf, int64_t B, const ScheduleOptions& schedule, DType dtype,
+                             const MemoryBudget& budget, const LoraConfig& lora, bool optimizer_offload, int64_t limit) {
+  LongestPlan best;
+  best.granule = chunked(schedule) && schedule.chunk > 0 ? schedule.chunk : 1024;
+  best.schedule = schedule;
+  // Whether k granules fit, and the settings that do.
+  const auto fits = [&](int64_t k, ScheduleOptions* chosen) {
+    const int64_t T = k * best.granule;
+    try {
+      const ScheduleOptions o = resolve_auto_schedule(cf, B, T, schedule, dtype, budget, lora, optimizer_offload);
+      if (!plan_step(cf, B, T, o, dtype, budget, lora, optimizer_offload).fits) return false;
+      *chosen = o;
+      return true;
+    } catch (const Error&) {  // auto found nothing that fits
+      return false;
+    }
+  };
+  // Doubling to the first length that does not fit, then halving the gap: memory grows with T.
+  const int64_t max_k = std::max<int64_t>(limit / best.granule, 1);
+  int64_t good = 0, bad = 1;
+  ScheduleOptions chosen;
+  while (bad <= max_k && fits(bad, &chosen)) {
+    good = bad;
+    best.schedule = chosen;
+    bad = std::min(bad * 2, max_k + 1);
+    if (good == max_k) break;
+  }
+  if (good == max_k) bad = max_k + 1;
+  while (bad - good > 1) {
+    const int64_t mid = good + (bad - good) / 2;
+    if (fits(mid, &chosen)) {
+      good = mid;
+      best.schedule = chosen;
+    } else {
+      bad = mid;
+    }
+  }
+  best.T = good * best.granule;
+  return best;
+}
+
 double device_gib_or_gpu(double gib) {
   if (gib > 0) return gib;
   const std::vector<GpuInfo> gpus = list_gpus();
@@ -733,9 +774,20 @@ int run_plan(const PlanOptions& po, std::ostream& out) {
   const DType dtype = parse_dtype(po.dtype);
   validate_lora(po.lora);
   const MemoryBudget gib(device_gib_or_gpu(po.device_memory_gib), host_gib_or_machine(po.host_memory_gib));
-  const ScheduleOptions o =
-      resolve_auto_schedule(cf, po.batch, po.seq, po.schedule, dtype, gib, po.lora, po.optimizer_offload);
-  const PlanReport r = plan_step(cf, po.batch, po.seq, o, dtype, gib, po.lora, po.optimizer_offload);
+  int64_t T = po.seq;
+  ScheduleOptions o;
+  if (po.longest) {
+    const LongestPlan l = longest_sequence(cf, po.batch, po.schedule, dtype, gib, po.lora, po.optimizer_offload);
+    if (l.T == 0)
+      fail(fmt::format("plan --longest: not even {} tokens fit in {}", l.granule, budget_text(gib)),
+           "lower --batch or --chunk, use --stream-kv or --offload-window auto, or offload the optimizer");
+    out << fmt::format("longest: {} tokens fit ({} more do not), planned below\n", l.T, l.granule);
+    T = l.T;
+    o = l.schedule;
+  } else {
+    o = resolve_auto_schedule(cf, po.batch, T, po.schedule, dtype, gib, po.lora, po.optimizer_offload);
+  }
+  const PlanReport r = plan_step(cf, po.batch, T, o, dtype, gib, po.lora, po.optimizer_offload);
   out << plan_table(r);
   if (!po.json.empty()) {
     std::ofstream f(po.json);

@@ -105,6 +105,17 @@ int64_t choose_offload_window(const LlamaConfig& config, int64_t B, int64_t T, c
 ScheduleOptions resolve_auto_schedule(const LlamaConfig& config, int64_t B, int64_t T, ScheduleOptions schedule,
                                       DType dtype, const MemoryBudget& budget, const LoraConfig& lora = {},
                                       bool optimizer_offload = false);
+// The longest sequence whose step fits the budget with the schedule's settings (chunk and window
+// = auto resolved again at each length): a multiple of the fixed chunk (else of 1024 tokens), at most
+// `limit`; T = 0 when not even one granule fits. `chunkwise plan --longest`.
+struct LongestPlan {
+  int64_t T = 0, granule = 0;
+  ScheduleOptions schedule;  // as resolved at T
+};
+LongestPlan longest_sequence(const LlamaConfig& config, int64_t B, const ScheduleOptions& schedule, DType dtype,
+                             const MemoryBudget& budget, const LoraConfig& lora = {}, bool optimizer_offload = false,
+                             int64_t limit = int64_t(1) << 24);
+
 // gib when positive, else the first GPU's memory, else 80.
 double device_gib_or_gpu(double gib);
 // gib when positive, else this machine's available host memory when it has a GPU (the run's host),
@@ -126,6 +137,7 @@ struct PlanOptions {
   double device_memory_gib = 0;      // 0: the GPU's when one is present, else 80
   double host_memory_gib = 0;        // 0: this machine's available memory when it has a GPU, else not checked
   bool optimizer_offload = false;    // master weights and moments in host memory
+  bool longest = false;              // plan the longest sequence that fits instead of `seq`
   std::string json;                  // also write the report as JSON here
 };
 // Prints the table (and writes the JSON); returns 0 when the step fits, 1 when it does not.

@@ -247,6 +247,15 @@ TEST_CASE("plan: the CLI's table and JSON") {
   std::ostringstream refused;
   CHECK(run_plan(o, refused) == 1);  // full backprop at 64K cannot fit in 80 GiB
   CHECK(refused.str().find("DOES NOT FIT") != std::string::npos);
+
+  o.longest = true;  // --longest: --seq is replaced by the longest that fits, and that plan is shown
+  std::ostringstream longest;
+  CHECK(run_plan(o, longest) == 0);
+  CHECK(longest.str().rfind("longest: ", 0) == 0);
+  CHECK(longest.str().find("fits in 80.0 GiB") != std::string::npos);
+  o.device_memory_gib = 4;  // not even 1024 tokens of the 1B model's state
+  std::ostringstream nothing;
+  CHECK_THROWS_WITH_AS(run_plan(o, nothing), doctest::Contains("not even 1024 tokens fit in 4.0 GiB"), Error);
 }
 
 TEST_CASE("plan: LoRA keeps the base's compute weights only; master, moments and gradients are the adapters'") {
@@ -514,4 +523,38 @@ TEST_CASE("plan: the host's memory bounds what is pinned there; auto keeps to it
   // Nothing fits a host too small for any offloaded store: the error names both budgets.
   CHECK_THROWS_WITH_AS(resolve_auto_schedule(one_b(), 1, T, auto_seco(), DType::bf16, MemoryBudget(79.2, 60)),
                        doctest::Contains("90% of 60.0 GiB of host memory"), Error);
+}
+
+TEST_CASE("plan: the longest sequence that fits, on the device or bounded by the host") {
+  // Llama-3.2-1B, seco chunk 4096, store on the device, 79.2 GiB: about 500K tokens (the issue's 515K
+  // fit from two measured peaks); the next chunk does not fit.
+  const ScheduleOptions seco = sched("seco", 4096);
+  const LongestPlan l = longest_sequence(one_b(), 1, seco, DType::bf16, 79.2);
+  MESSAGE(fmt::format("seco chunk 4096 on the device: {} tokens", l.T));
+  CHECK(l.granule == 4096);
+  CHECK(l.T % 4096 == 0);
+  CHECK(l.T > 450000);
+  CHECK(l.T < 540000);
+  CHECK(plan_step(one_b(), 1, l.T, seco, DType::bf16, 79.2).fits);
+  CHECK_FALSE(plan_step(one_b(), 1, l.T + 4096, seco, DType::bf16, 79.2).fits);
+  // Streamed, the device no longer bounds it: the host's pinned store does (96 GiB a million tokens).
+  ScheduleOptions streamed = sched("seco", 16384);
+  streamed.stream_kv = true;
+  const LongestPlan h128 = longest_sequence(one_b(), 1, streamed, DType::bf16, MemoryBudget(79.2, 128));
+  const LongestPlan h256 = longest_sequence(one_b(), 1, streamed, DType::bf16, MemoryBudget(79.2, 256));
+  MESSAGE(fmt::format("streamed, chunk 16384: {} tokens with 128 GiB of host, {} with 256", h128.T, h256.T));
+  CHECK(h128.T > 1048576);
+  CHECK(h256.T > h128.T * 19 / 10);
+  const PlanReport at = plan_step(one_b(), 1, h128.T, streamed, DType::bf16, MemoryBudget(79.2, 128));
+  CHECK(at.fits);
+  CHECK(at.peak_host_gib() > 0.85 * 0.9 * 128);
+  // auto settings are chosen again at every length; the longest is at least the fixed settings'.
+  const LongestPlan a = longest_sequence(one_b(), 1, auto_seco(), DType::bf16, MemoryBudget(79.2, 128));
+  CHECK(a.T >= h128.T - 16384);
+  CHECK(a.schedule.chunk > 0);
+  CHECK(a.schedule.chunk != kAuto);
+  // Nothing fits: T = 0 (the 8B model's full-parameter state alone exceeds 16 GiB).
+  CHECK(longest_sequence(LlamaConfig::preset("llama-3.1-8b"), 1, sched("full"), DType::bf16, 16).T == 0);
+  // The limit caps the search.
+  CHECK(longest_sequence(one_b(), 1, streamed, DType::bf16, MemoryBudget(79.2, 0), {}, false, 65536).T == 65536);
 }
