@@ -84,6 +84,11 @@ const Recorded kRecorded[] = {
      saved(sched("seco", 8192, "full"), 2), 65536, 24.53, 14434},
     {"RESULTS.md, H100, 2026-11-25 (seco 128K, chunk 4096, saved attention, offload 2)",
      saved(sched("seco", 4096), 2), 131072, 30.31, 9561},
+    {"RESULTS.md, H100, 2026-11-25 third session (seco 512K, chunk 8192, offload 2; one step, warm-up 0)", [] {
+       ScheduleOptions o = sched("seco", 8192);
+       o.offload_window = 2;
+       return o;
+     }(), 524288, 43.37, 2090},
     // Recorded without the last chunk's prefill (2026-11-27, sixth session).
     {"RESULTS.md, H100, 2026-11-27 (seco 16K, one chunk of 16384)", sched("seco", 16384), 16384, 45.00, 43729},
     {"RESULTS.md, H100, 2026-11-27 (seco 16K, one chunk, selective, 4 shards)", sched("seco", 16384, "selective", 4),
