@@ -200,7 +200,7 @@ void bench_chunk_attention(std::vector<Row>& rows, DType dt, int64_t c, int64_t 
     const auto& [q, k, v, d_out, out, lse, d_q, d_k, d_v] = ops;
     const double scale = 1.0 / std::sqrt(double(D));
     const AttentionSaved saved{lse};
-    const int64_t blocks = S / c, t0 = S - c;
+    const int64_t blocks = S / c;
     auto block = [&](const Tensor& t, int64_t i) { return t.slice(1, i * c, i * c + c); };
     auto one_call_forward = [&] {
       ArenaScope sc(scratch);
