@@ -344,7 +344,7 @@ Chart run_chart(const std::string& metrics_path, const std::string& title) {
     add(lr, "lr");
     add(rss, "rss_mib");
   }
-  Chart chart{title, "tokens seen", {}, 960};
+  Chart chart{title, "tokens seen", {}, 960, {}};
   chart.panels.push_back({"loss (nats per token)", {train}, 320});
   if (!eval.x.empty()) chart.panels[0].series.push_back(eval);
   if (!lr.x.empty()) chart.panels.push_back({"learning rate", {lr}, 130});

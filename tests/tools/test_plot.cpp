@@ -159,7 +159,7 @@ AxisMap axis_from_ticks(const Points& t) {
 }
 
 cw::Chart one_panel(std::vector<cw::Series> series, std::string title = "chart") {
-  return cw::Chart{std::move(title), "tokens", {cw::Panel{"loss", std::move(series), 300}}, 960};
+  return cw::Chart{std::move(title), "tokens", {cw::Panel{"loss", std::move(series), 300}}, 960, {}};
 }
 
 struct Frame {
@@ -395,7 +395,7 @@ TEST_CASE("render_svg: a short panel over a narrow range still labels two ticks"
 TEST_CASE("render_svg: bad input is a clear error") {
   CHECK_THROWS_WITH_AS(cw::render_svg(one_panel({cw::Series{"train", {0, 1, 2}, {1, 2}, kBlue, false}})),
                        doctest::Contains("series 'train' has 3 x values but 2 y values"), cw::Error);
-  CHECK_THROWS_WITH_AS(cw::render_svg(cw::Chart{"t", "x", {}, 960}), doctest::Contains("no panels"), cw::Error);
+  CHECK_THROWS_WITH_AS(cw::render_svg(cw::Chart{"t", "x", {}, 960, {}}), doctest::Contains("no panels"), cw::Error);
   cw::Chart narrow = one_panel({});
   narrow.width = 100;
   CHECK_THROWS_WITH_AS(cw::render_svg(narrow), doctest::Contains("width 100"), cw::Error);
