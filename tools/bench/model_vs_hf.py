@@ -18,7 +18,8 @@ transformers (liger_kernel; peft and accelerate, which peft imports) that --pyth
 from their wheels in .whl/ (python3 -m pip download --no-deps -d .whl liger-kernel==0.8.5 peft==0.21.2
 accelerate==1.15.0 on a machine with network), installed into --out/site with pip --no-index --no-deps
 --target and put on that peer's PYTHONPATH. --long-context runs the SeCO-at-scale table: seco at
-16K-256K (chunk 4096; 8192 at 256K) against HF+Liger checkpointed.
+16K-256K at its fastest measured settings (one chunk at 16K; chunk 4096 with saved attention outputs,
+8192 at 256K) against HF+Liger checkpointed.
 
 LoRA (--lora-rank R > 0, with --lora-alpha, --lora-dropout, --lora-targets, chunkwise bench's flags):
 both sides train the same adapters on a frozen base, chunkwise with `bench --lora-rank R ...`, the peer
@@ -59,8 +60,11 @@ sys.path.insert(0, HERE)
 import hf_reference  # noqa: E402  (presets and the FLOP count; torch is imported only when it runs)
 
 DEFAULT_CASES = "full:4096,full:8192,checkpointed:16384,checkpointed:32768"
-LONG_CONTEXT_CASES = ("seco:16384:--chunk 4096,seco:32768:--chunk 4096,seco:65536:--chunk 4096,"
-                      "seco:131072:--chunk 4096,seco:262144:--chunk 8192")
+# seco's fastest measured settings per length (RESULTS.md, 2026-11-27): one chunk at 16K, saved
+# attention outputs from 32K (chunk 8192 at 256K).
+LONG_CONTEXT_CASES = ("seco:16384:--chunk 16384,seco:32768:--chunk 4096 --save-attention,"
+                      "seco:65536:--chunk 4096 --save-attention,seco:131072:--chunk 4096 --save-attention,"
+                      "seco:262144:--chunk 8192 --save-attention")
 # Issue 19's LoRA table: chunk 4096 (the K/V store fits on the device at both lengths), and what the
 # planner picks (`bench --chunk auto --offload-window auto`); both rows share one peer run per length.
 LORA_8B_CASES = ("seco:16384:--chunk 4096,seco:16384:--chunk auto --offload-window auto,"
