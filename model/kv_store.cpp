@@ -71,44 +71,35 @@ void KVStore::check_range(int layer, int64_t t0, int64_t t1) const {
   CW_CHECK(t1 <= live_end_, "K/V store range [{}, {}) reaches released tokens (live up to {})", t0, t1, live_end_);
 }
 
-void* KVStore::part_data(Part part, int layer) const {
-  return res_ ? res_->device(layer, part) : bufs_[part][static_cast<size_t>(layer)].data();
-}
-
-// Streamed, a range lies in one block and is a view of that block's device slot (rows from the
-// block's start); otherwise of the layer's buffer (rows from 0).
-Tensor KVStore::view(Part part, int layer, int64_t t0, int64_t t1) const {
-  CW_CHECK(with_grads_ || part < kDKeys, "K/V store was built without gradient accumulators");
+// Rows [t0, t1) of `part`: streamed, they lie in one block and are rows of that block's device slot
+// (counted from the block's start); otherwise rows of the layer's buffer. The data, the rows a
+// sequence has there (the block length or T) and t0's row.
+KVStore::Rows KVStore::rows_of(Part part, int layer, int64_t t0, int64_t t1) const {
   check_range(layer, t0, t1);
-  const DType dt = part >= kDKeys ? accum_dtype(dtype_) : dtype_;
   if (block_ > 0) {
     const int64_t j = block_of(t0, t1);
-    return Tensor(res_->device(item(layer, j), part), dt, device_, {B_, block_, Hkv_, D_}).slice(1, t0 - j * block_,
-                                                                                                 t1 - t0);
+    return {res_->device(item(layer, j), part), block_, t0 - j * block_};
   }
-  return Tensor(part_data(part, layer), dt, device_, {B_, T_, Hkv_, D_}).slice(1, t0, t1 - t0);
+  return {res_ ? res_->device(layer, part) : bufs_[part][static_cast<size_t>(layer)].data(), T_, t0};
+}
+
+Tensor KVStore::view(Part part, int layer, int64_t t0, int64_t t1) const {
+  CW_CHECK(with_grads_ || part < kDKeys, "K/V store was built without gradient accumulators");
+  const DType dt = part >= kDKeys ? accum_dtype(dtype_) : dtype_;
+  const Rows r = rows_of(part, layer, t0, t1);
+  return Tensor(r.data, dt, device_, {B_, r.n, Hkv_, D_}).slice(1, r.r0, t1 - t0);
 }
 
 Tensor KVStore::outputs(int layer, int64_t t0, int64_t t1) const {
   CW_CHECK(with_outputs_, "K/V store was built without saved attention outputs");
-  check_range(layer, t0, t1);
-  if (block_ > 0) {
-    const int64_t j = block_of(t0, t1);
-    return Tensor(res_->device(item(layer, j), kOut), dtype_, device_, {B_, block_, H_, D_})
-        .slice(1, t0 - j * block_, t1 - t0);
-  }
-  return Tensor(part_data(kOut, layer), dtype_, device_, {B_, T_, H_, D_}).slice(1, t0, t1 - t0);
+  const Rows r = rows_of(kOut, layer, t0, t1);
+  return Tensor(r.data, dtype_, device_, {B_, r.n, H_, D_}).slice(1, r.r0, t1 - t0);
 }
 
 Tensor KVStore::output_lse(int layer, int64_t t0, int64_t t1) const {
   CW_CHECK(with_outputs_, "K/V store was built without saved attention outputs");
-  check_range(layer, t0, t1);
-  if (block_ > 0) {
-    const int64_t j = block_of(t0, t1);
-    return Tensor(res_->device(item(layer, j), kLse), accum_dtype(dtype_), device_, {B_ * H_, block_})
-        .slice(1, t0 - j * block_, t1 - t0);
-  }
-  return Tensor(part_data(kLse, layer), accum_dtype(dtype_), device_, {B_ * H_, T_}).slice(1, t0, t1 - t0);
+  const Rows r = rows_of(kLse, layer, t0, t1);
+  return Tensor(r.data, accum_dtype(dtype_), device_, {B_ * H_, r.n}).slice(1, r.r0, t1 - t0);
 }
 
 int64_t KVStore::block_of(int64_t t0, int64_t t1) const {
@@ -338,10 +329,6 @@ size_t KVStore::bytes() const {
 size_t KVStore::host_bytes() const { return res_ ? res_->host_bytes() : 0; }
 
 size_t KVStore::bytes_per_token() const { return (bytes() + host_bytes()) / static_cast<size_t>(B_ * T_); }
-
-}  // namespace cw
-
-namespace cw {
 
 void KVStore::for_prefix_blocks(int layer, int64_t j, bool grads,
                                 const std::function<void(int item, int64_t k0, int64_t k1)>& visit) {

@@ -108,8 +108,12 @@ class KVStore {
  private:
   enum Part { kKeys = 0, kValues = 1, kDKeys = 2, kDValues = 3, kOut = 4, kLse = 5, kParts = 6 };
   Tensor view(Part part, int layer, int64_t t0, int64_t t1) const;
-  void* part_data(Part part, int layer) const;
   void check_range(int layer, int64_t t0, int64_t t1) const;
+  struct Rows {
+    void* data;
+    int64_t n, r0;  // rows a sequence has there, and the first one's
+  };
+  Rows rows_of(Part part, int layer, int64_t t0, int64_t t1) const;
   size_t row_bytes(Part part) const;  // one token of one sequence
   size_t part_bytes(Part part) const { return row_bytes(part) * static_cast<size_t>(B_ * T_); }
   // Rows [r0, r1) of parts first..last (streamed: within one block), lse's columns included.

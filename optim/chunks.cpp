@@ -1,6 +1,7 @@
 // The chunk machinery and the step frame (see chunks.h), and batch_loss, a prefill with loss.
 #include "optim/chunks.h"
 
+#include "engine/residency.h"
 #include "engine/trace.h"
 
 #include <algorithm>
@@ -98,7 +99,7 @@ int64_t effective_window(const LlamaModel& model, int64_t offload_window) {
 void check_host_memory(const LlamaModel& model, int64_t B, int64_t T, bool attention_outputs, bool with_grads = true) {
   const size_t need = KVStore::host_bytes_needed(model.config(), B, T, model.dtype(), with_grads, attention_outputs);
   const size_t have = host_memory_available();
-  if (have > 0 && need > have / 10 * 9)
+  if (have > 0 && double(need) > kPinnableHostShare * double(have))
     fail(fmt::format("the K/V store with offload needs {:.1f} GiB of host memory for {} x {} tokens; {:.1f} GiB are "
                      "available",
                      double(need) / double(1ull << 30), B, T, double(have) / double(1ull << 30)),

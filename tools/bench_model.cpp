@@ -138,8 +138,8 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
     AdamWOptions ao;
     if (!plan.host_fits && !o.force)
       fail(fmt::format("the plan says this step runs out of memory on the host: {:.2f} GiB pinned (K/V store, saved "
-                       "outputs, offloaded optimizer) and 90% of the host's {:.2f} GiB available may be pinned",
-                       plan.peak_host_gib(), plan.host_gib),
+                       "outputs, offloaded optimizer) and {:.0f}% of the host's {:.2f} GiB available may be pinned",
+                       plan.peak_host_gib(), 100 * kPinnableHostShare, plan.host_gib),
            plan.advice + "; or pass --force to run it anyway");
     if (!plan.device_fits && !o.force)
       fail(fmt::format("the plan says this step runs out of memory: its peak of {:.2f} GiB and the CUDA context do "

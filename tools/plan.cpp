@@ -453,7 +453,7 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
   for (const auto& [name, bytes] : r.host) r.peak_host_bytes += bytes;
   r.context_bytes = kCudaContextBytes;
   r.device_fits = double(r.peak_device_bytes + r.context_bytes) <= budget.device_gib * kGiB;
-  r.host_fits = budget.host_gib <= 0 || double(r.peak_host_bytes) <= 0.9 * budget.host_gib * kGiB;
+  r.host_fits = budget.host_gib <= 0 || double(r.peak_host_bytes) <= kPinnableHostShare * budget.host_gib * kGiB;
   r.fits = r.device_fits && r.host_fits;
 
   // Time. Passes of the layers' work over the reverse tokens (spaco visits keep of k chunks).
@@ -591,7 +591,7 @@ std::string plan_table(const PlanReport& r) {
     s += fmt::format("  {:14} {:10.1f}   GiB of K/V moved host <-> device a step\n", "kv moved", r.kv_moved_bytes / kGiB);
   s += fmt::format("  {:14} {:10.3f}   ({:.0f} tokens/s, {:.1f} TFLOP executed)\n", "step", r.step_s,
                    r.tokens_per_s(), r.flops / 1e12);
-  const std::string host = r.host_gib > 0 ? fmt::format(" and 90% of {:.1f} GiB of host memory", r.host_gib) : "";
+  const std::string host = r.host_gib > 0 ? fmt::format(" and {:.0f}% of {:.1f} GiB of host memory", 100 * kPinnableHostShare, r.host_gib) : "";
   s += fmt::format("{} in {:.1f} GiB of device memory{}{}\n", r.fits ? "fits" : "DOES NOT FIT", r.device_gib, host,
                    r.fits ? "" : fmt::format(" ({} over): {}", r.device_fits ? "host" : "device", r.advice));
   return s;
@@ -626,9 +626,11 @@ std::string plan_json(const PlanReport& r) {
 
 namespace {
 // resolve_auto_schedule for one recompute mode.
-// The budget in words, for errors: "24.0 GiB" or "24.0 GiB of device and 90% of 128.0 GiB of host memory".
+// The budget in words, for errors: "24.0 GiB" or "24.0 GiB of device and 90% of 128.0 GiB of host memory"
+// (kPinnableHostShare).
 std::string budget_text(const MemoryBudget& b) {
-  return b.host_gib > 0 ? fmt::format("{:.1f} GiB of device and 90% of {:.1f} GiB of host memory", b.device_gib, b.host_gib)
+  return b.host_gib > 0 ? fmt::format("{:.1f} GiB of device and {:.0f}% of {:.1f} GiB of host memory", b.device_gib,
+                                      100 * kPinnableHostShare, b.host_gib)
                         : fmt::format("{:.1f} GiB", b.device_gib);
 }
 

@@ -49,8 +49,8 @@ namespace cw {
 inline constexpr size_t kCudaContextBytes = size_t(512) << 20;
 
 // What a plan must fit: device_gib of device memory (the pool's peak and the CUDA context) and,
-// when host_gib > 0, host_gib of host memory for its pinned part, of which it may take 90% (pinned
-// pages cannot be swapped: the system keeps a margin). A GiB count alone means the device's.
+// when host_gib > 0, host_gib of host memory for its pinned part, of which it may take 90%
+// (kPinnableHostShare, engine/residency.h). A GiB count alone means the device's.
 struct MemoryBudget {
   double device_gib = 0;
   double host_gib = 0;  // 0: not checked

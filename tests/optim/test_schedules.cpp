@@ -39,6 +39,22 @@ Batch batch_for(const Case& c, const LlamaConfig& cfg, uint64_t seed) {
   return b;
 }
 
+// The case's model in f64 with `layers` layers (0: the preset's), parameters drawn from `seed`
+// (init scale 0.1), and the case's batch drawn from seed + 1.
+struct F64Setup {
+  LlamaConfig cfg;
+  LlamaModel model;
+  Batch batch;
+  F64Setup(const Case& c, int64_t layers, uint64_t seed)
+      : cfg(with_layers(config_for(c), layers)), model(cfg, DType::f64), batch(batch_for(c, cfg, seed + 1)) {
+    init_parameters(model.params(), seed, cfg.initializer_range, 0.1);
+  }
+  static LlamaConfig with_layers(LlamaConfig cfg, int64_t layers) {
+    if (layers > 0) cfg.num_hidden_layers = layers;
+    return cfg;
+  }
+};
+
 struct Result {
   double loss;
   StepStats stats;
@@ -108,27 +124,23 @@ TEST_CASE("seco and spaco with the K/V store offloaded (window of layers) equal 
   // On the CPU the residency's "device" slots are host memory and its copies memcpy at the call, so
   // the offload schedule (what moves where, when) runs exactly: any missed or stale copy changes bits.
   Case c{"offload", 2, 40, 7, 5, 2, false, 1};
-  LlamaConfig cfg = config_for(c);
-  cfg.num_hidden_layers = 4;
-  LlamaModel model(cfg, DType::f64);
-  init_parameters(model.params(), 21, cfg.initializer_range, 0.1);
-  const Batch batch = batch_for(c, cfg, 22);
-  ParamSet g_full(cfg, DType::f64), g_dev(cfg, DType::f64), g_off(cfg, DType::f64);
+  F64Setup f(c, 4, 21);
+  ParamSet g_full(f.cfg, DType::f64), g_dev(f.cfg, DType::f64), g_off(f.cfg, DType::f64);
   ScheduleOptions full;
-  run(full, model, batch, g_full);
+  run(full, f.model, f.batch, g_full);
   for (const char* name : {"seco", "spaco"}) {
     ScheduleOptions o;
     o.name = name;
     o.chunk = c.chunk;
     o.bwd_chunk = c.bwd_chunk;
     if (o.name == "spaco") o.keep = 4, o.seed = 5;
-    const Result on_device = run(o, model, batch, g_dev);
+    const Result on_device = run(o, f.model, f.batch, g_dev);
     for (int64_t window : {1, 2, 3}) {
       INFO(name, " offload_window ", window);
       o.offload_window = window;
       auto s = Schedule::create(o);
       g_off.zero();
-      const StepStats st = s->step(model, batch, g_off);
+      const StepStats st = s->step(f.model, f.batch, g_off);
       CHECK(max_rel(g_off, g_dev) == 0.0);
       CHECK(st.loss == on_device.loss);
       // The device holds the window's layers; the host every layer; copies happened.
@@ -136,7 +148,7 @@ TEST_CASE("seco and spaco with the K/V store offloaded (window of layers) equal 
       CHECK(st.kv_bytes_moved > 0);
       // A second step on the same store (reset between steps) gives the same bits.
       g_off.zero();
-      s->step(model, batch, g_off);
+      s->step(f.model, f.batch, g_off);
       CHECK(max_rel(g_off, g_dev) == 0.0);
       o.offload_window = 0;
     }
@@ -151,14 +163,10 @@ TEST_CASE("seco and spaco with saved attention outputs equal them without; offlo
   // The prefill's attention output of a query equals the recompute's when the chunks are the same,
   // so reading it back changes no bit; with other backward chunks it is the same math (1e-12).
   Case c{"saved", 2, 40, 7, 0, 2, false, 1};
-  LlamaConfig cfg = config_for(c);
-  cfg.num_hidden_layers = 4;
-  LlamaModel model(cfg, DType::f64);
-  init_parameters(model.params(), 31, cfg.initializer_range, 0.1);
-  const Batch batch = batch_for(c, cfg, 32);
-  ParamSet g_full(cfg, DType::f64), g_plain(cfg, DType::f64), g_saved(cfg, DType::f64);
+  F64Setup f(c, 4, 31);
+  ParamSet g_full(f.cfg, DType::f64), g_plain(f.cfg, DType::f64), g_saved(f.cfg, DType::f64);
   ScheduleOptions full;
-  run(full, model, batch, g_full);
+  run(full, f.model, f.batch, g_full);
   for (const char* name : {"seco", "spaco"}) {
     ScheduleOptions o;
     o.name = name;
@@ -168,12 +176,12 @@ TEST_CASE("seco and spaco with saved attention outputs equal them without; offlo
       INFO(name, " offload_window ", window);
       o.offload_window = window;
       o.save_attention = false;
-      const Result plain = run(o, model, batch, g_plain);
+      const Result plain = run(o, f.model, f.batch, g_plain);
       o.save_attention = true;
       auto s = Schedule::create(o);
       for (int step = 0; step < 2; ++step) {  // the second step reuses the store
         g_saved.zero();
-        const StepStats st = s->step(model, batch, g_saved);
+        const StepStats st = s->step(f.model, f.batch, g_saved);
         CHECK(max_rel(g_saved, g_plain) == 0.0);
         CHECK(st.loss == plain.loss);
       }
@@ -188,7 +196,7 @@ TEST_CASE("seco and spaco with saved attention outputs equal them without; offlo
   o.save_attention = true;
   for (int64_t window : {0, 2}) {
     o.offload_window = window;
-    run(o, model, batch, g_saved);
+    run(o, f.model, f.batch, g_saved);
     CHECK(max_rel(g_saved, g_full) <= test::kSameMathF64Tol);
   }
   // One reverse chunk: no prefill, so no saved outputs to read: its forward computes and saves them.
@@ -197,18 +205,18 @@ TEST_CASE("seco and spaco with saved attention outputs equal them without; offlo
   for (int64_t window : {0, 2}) {
     INFO("one reverse chunk, offload_window ", window);
     o.offload_window = window;
-    run(o, model, batch, g_saved);
+    run(o, f.model, f.batch, g_saved);
     CHECK(max_rel(g_saved, g_full) <= test::kSameMathF64Tol);
   }
   // Offloaded, the recompute reads only the chunk's saved rows instead of the K/V prefix, which
   // outweighs writing the outputs once many chunks attend a long prefix (here 24 chunks).
-  const Batch long_batch = random_batch(1, 96, cfg.vocab_size, 33);
+  const Batch long_batch = random_batch(1, 96, f.cfg.vocab_size, 33);
   o.chunk = o.bwd_chunk = 4;
   o.offload_window = 2;
   o.save_attention = false;
-  const Result plain = run(o, model, long_batch, g_plain);
+  const Result plain = run(o, f.model, long_batch, g_plain);
   o.save_attention = true;
-  const Result saved = run(o, model, long_batch, g_saved);
+  const Result saved = run(o, f.model, long_batch, g_saved);
   MESSAGE("bytes moved over 96 tokens in chunks of 4: ", plain.stats.kv_bytes_moved, " without saved outputs, ",
           saved.stats.kv_bytes_moved, " with");
   CHECK(saved.stats.kv_bytes_moved < plain.stats.kv_bytes_moved);
@@ -222,14 +230,10 @@ TEST_CASE("seco and spaco with the K/V store streamed in key blocks equal full b
   // The store in host homes of chunk-sized blocks, three device slots (the CPU's are host memory):
   // attention runs block by block and merges, so the sums differ from one call's only in rounding.
   Case c{"streamed", 2, 37, 8, 0, 2, false, 1};  // 5 blocks, the last of 5 tokens
-  LlamaConfig cfg = config_for(c);
-  cfg.num_hidden_layers = 3;
-  LlamaModel model(cfg, DType::f64);
-  init_parameters(model.params(), 41, cfg.initializer_range, 0.1);
-  const Batch batch = batch_for(c, cfg, 42);
-  ParamSet g_full(cfg, DType::f64), g(cfg, DType::f64), g_spaco(cfg, DType::f64);
+  F64Setup f(c, 3, 41);
+  ParamSet g_full(f.cfg, DType::f64), g(f.cfg, DType::f64), g_spaco(f.cfg, DType::f64);
   ScheduleOptions full;
-  const Result rf = run(full, model, batch, g_full);
+  const Result rf = run(full, f.model, f.batch, g_full);
   for (const bool saved : {false, true})
     for (const char* recompute : {"none", "selective", "full"}) {
       INFO("saved outputs ", saved, ", recompute ", recompute);
@@ -242,7 +246,7 @@ TEST_CASE("seco and spaco with the K/V store streamed in key blocks equal full b
       auto s = Schedule::create(o);
       for (int step = 0; step < 2; ++step) {  // the second step reuses the store
         g.zero();
-        const StepStats st = s->step(model, batch, g);
+        const StepStats st = s->step(f.model, f.batch, g);
         CHECK(max_rel(g, g_full) <= test::kSameMathF64Tol);
         CHECK(std::abs(st.loss - rf.loss) <= kLossTol * std::abs(rf.loss));
         // Three blocks of 8 tokens on the "device", the whole store in host homes.
@@ -256,9 +260,9 @@ TEST_CASE("seco and spaco with the K/V store streamed in key blocks equal full b
   sp.chunk = c.chunk;
   sp.keep = 2;
   sp.seed = 3;
-  const Result plain = run(sp, model, batch, g_spaco);
+  const Result plain = run(sp, f.model, f.batch, g_spaco);
   sp.stream_kv = true;
-  const Result streamed = run(sp, model, batch, g);
+  const Result streamed = run(sp, f.model, f.batch, g);
   CHECK(max_rel(g, g_spaco) <= test::kSameMathF64Tol);
   CHECK(std::abs(streamed.loss - plain.loss) <= kLossTol * std::abs(plain.loss));
   // One chunk: one block, no prefix.
@@ -266,7 +270,7 @@ TEST_CASE("seco and spaco with the K/V store streamed in key blocks equal full b
   one.name = "seco";
   one.chunk = 64;
   one.stream_kv = true;
-  run(one, model, batch, g);
+  run(one, f.model, f.batch, g);
   CHECK(max_rel(g, g_full) <= test::kSameMathF64Tol);
   // The chunks must be the blocks; the two offloads do not combine.
   ScheduleOptions bad = one;
@@ -283,12 +287,8 @@ TEST_CASE("seco and spaco with layer recompute inside each chunk equal them with
   // backward (with saved attention outputs, without attending again); selective drops the MLP's
   // intermediates. The same operations on the same inputs: the same bits.
   Case c{"recompute", 2, 40, 7, 5, 2, false, 1};
-  LlamaConfig cfg = config_for(c);
-  cfg.num_hidden_layers = 3;
-  LlamaModel model(cfg, DType::f64);
-  init_parameters(model.params(), 41, cfg.initializer_range, 0.1);
-  const Batch batch = batch_for(c, cfg, 42);
-  ParamSet g_plain(cfg, DType::f64), g_rec(cfg, DType::f64);
+  F64Setup f(c, 3, 41);
+  ParamSet g_plain(f.cfg, DType::f64), g_rec(f.cfg, DType::f64);
   for (const char* name : {"seco", "spaco"}) {
     for (const bool saved : {false, true}) {
       for (const int64_t window : {0, 2}) {
@@ -299,11 +299,11 @@ TEST_CASE("seco and spaco with layer recompute inside each chunk equal them with
         o.save_attention = saved;
         o.offload_window = window;
         if (o.name == "spaco") o.keep = 4, o.seed = 5;
-        const Result plain = run(o, model, batch, g_plain);
+        const Result plain = run(o, f.model, f.batch, g_plain);
         for (const char* mode : {"full", "selective"}) {
           INFO(name, " recompute ", mode, " save_attention ", saved, " offload_window ", window);
           o.recompute = mode;
-          const Result rec = run(o, model, batch, g_rec);
+          const Result rec = run(o, f.model, f.batch, g_rec);
           CHECK(max_rel(g_rec, g_plain) == 0.0);
           CHECK(rec.loss == plain.loss);
           // Fewer activations kept: a full recompute keeps one layer's at a time.
@@ -321,17 +321,13 @@ TEST_CASE("seco and spaco with layer recompute inside each chunk equal them with
 
 TEST_CASE("checkpointed with offloaded layer inputs equals checkpointed, bitwise") {
   Case c{"offload inputs", 2, 24, 0};
-  LlamaConfig cfg = config_for(c);
-  cfg.num_hidden_layers = 5;
-  LlamaModel model(cfg, DType::f64);
-  init_parameters(model.params(), 23, cfg.initializer_range, 0.1);
-  const Batch batch = batch_for(c, cfg, 24);
-  ParamSet g_kept(cfg, DType::f64), g_off(cfg, DType::f64);
+  F64Setup f(c, 5, 23);
+  ParamSet g_kept(f.cfg, DType::f64), g_off(f.cfg, DType::f64);
   ScheduleOptions o;
   o.name = "checkpointed";
-  const Result kept = run(o, model, batch, g_kept);
+  const Result kept = run(o, f.model, f.batch, g_kept);
   o.offload = true;
-  const Result off = run(o, model, batch, g_off);
+  const Result off = run(o, f.model, f.batch, g_off);
   CHECK(max_rel(g_off, g_kept) == 0.0);
   CHECK(off.loss == kept.loss);
 }

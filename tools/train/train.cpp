@@ -1,6 +1,7 @@
 #include "tools/train/train.h"
 
 #include "engine/random.h"
+#include "engine/residency.h"
 #include "engine/trace.h"
 #include "model/checkpoint.h"
 #include "model/gguf_llama.h"
@@ -205,8 +206,6 @@ double rss_mib() {
   return static_cast<double>(resident) * static_cast<double>(sysconf(_SC_PAGESIZE)) / (1 << 20);
 }
 
-double available_bytes() { return static_cast<double>(host_memory_available()); }  // 0: unknown
-
 std::string human_bytes(double b) {
   if (b >= double(1ull << 30)) return fmt::format("{:.2f} GiB", b / double(1ull << 30));
   return fmt::format("{:.1f} MiB", b / double(1 << 20));
@@ -373,7 +372,7 @@ void resolve_auto_lengths(RunConfig& rc, const Placement& p, std::ostream& log) 
          "give numbers on the CPU (e.g. schedule.chunk = 1024, offload_window = 0)");
   const double gib = plan_gib(usable_device_bytes(p.device));
   // The host's memory too: the planner may offload the store (and its saved outputs) there.
-  const MemoryBudget budget(gib, available_bytes() / double(1ull << 30));
+  const MemoryBudget budget(gib, double(host_memory_available()) / double(1ull << 30));
   s = resolve_auto_schedule(p.model, rc.data.batch_size, rc.data.seq_len, s, p.dtype, budget, p.lora,
                             rc.optimizer.offload);
   log << fmt::format("schedule: the planner chose chunk {}, {}, recompute {}{} for {:.1f} GiB of device memory\n",
@@ -386,7 +385,7 @@ void resolve_auto_lengths(RunConfig& rc, const Placement& p, std::ostream& log) 
 // on the CPU an estimate of the state, one chunk's activations and the K/V store.
 double check_memory(const Placement& p, const RunConfig& rc) {
   double need = planned_bytes(p.model, p.dtype, rc, p.lora);
-  const double have = p.device.is_cpu() ? available_bytes() : usable_device_bytes(p.device);
+  const double have = p.device.is_cpu() ? double(host_memory_available()) : usable_device_bytes(p.device);
   std::string advice =
       "lower data.batch_size, data.seq_len or schedule.chunk, use schedule.name = seco, or set optimizer.offload";
   if (!p.device.is_cpu()) {
@@ -401,7 +400,7 @@ double check_memory(const Placement& p, const RunConfig& rc) {
                      p.device.is_cpu() ? "host" : "device", device_name(p.device), human_bytes(have)),
          advice + "; train.memory_check = false starts it anyway");
   const double host_need = host_planned_bytes(p.model, p.dtype, rc, p.lora);
-  const double host_have = available_bytes();
+  const double host_have = double(host_memory_available());
   if (rc.train.memory_check && host_need > 0 && host_have > 0 && host_need + (p.device.is_cpu() ? need : 0.0) > host_have)
     fail(fmt::format("optimizer.offload keeps {} of master weights and AdamW moments in host memory, and the host has {} "
                      "available",
