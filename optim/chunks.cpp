@@ -175,7 +175,8 @@ double StepFrame::backprop(int64_t t0, int64_t t1, const ParamSet& grads, double
     loss = backprop_chunk(kv, model, batch, t0, t1, grads, norm, arena, policy_, loss_weight,
                           last ? hooks.grads_final : GradsFinalFrom{});
   }
-  if (hooks.progress) hooks.progress("backward", ++backprops_done_, std::max(backprops, backprops_done_));
+  ++backprops_done_;
+  if (hooks.progress) hooks.progress("backward", backprops_done_, std::max(backprops, backprops_done_));
   return loss;
 }
 
