@@ -201,7 +201,7 @@ void bench_chunk_attention(std::vector<Row>& rows, DType dt, int64_t c, int64_t 
     const double scale = 1.0 / std::sqrt(double(D));
     const AttentionSaved saved{lse};
     const int64_t blocks = S / c;
-    auto block = [&](const Tensor& t, int64_t i) { return t.slice(1, i * c, i * c + c); };
+    auto block = [&](const Tensor& t, int64_t i) { return t.slice(1, i * c, c); };
     auto one_call_forward = [&] {
       ArenaScope sc(scratch);
       attention_forward(out, saved, q, k, v, scale, scratch);
