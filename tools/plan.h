@@ -28,7 +28,8 @@
 // traffic / bandwidth + the optimizer's traffic / bandwidth, with the passes each schedule runs
 // (full: forward + backward; checkpointed and seco: one forward more; selective: the MLP's gate/up
 // once more); with the K/V store offloaded, at least its copies' time (bytes moved / PCIe rate: they
-// overlap the compute). Throughputs are H100 measurements (plan.cpp names their source).
+// overlap the compute), or with a window of one layer compute plus copies (one device slot cannot be
+// filled ahead). Throughputs are H100 measurements (plan.cpp names their source).
 // Tested in tests/tools/test_plan.cpp against the peaks and step times recorded in RESULTS.md and
 // BENCHMARKS.md.
 #pragma once
