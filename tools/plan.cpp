@@ -38,9 +38,14 @@ constexpr double kDefaultDeviceGib = 80;
 // 8192^3 GEMM `chunkwise bench` measured (RESULTS.md); with the other terms fixed, this rate puts
 // the recorded full 4K/8K step times within 10%.
 constexpr double kMatmulTflops = 650;
-// cuDNN fused attention, forward and backward (ours 1.00x torch's cuDNN backend): 394-442 TFLOP/s at
-// 8K-32K tokens, D 64 (BENCHMARKS.md, "Single ops on the H100").
-constexpr double kAttentionTflops = 410;
+// cuDNN fused attention, one forward and a backward (2.5 forwards' FLOPs) together, by head size:
+// 410 TFLOP/s at D 64 (394-442 at 8K-32K tokens, BENCHMARKS.md "Single ops on the H100"), 510 at
+// D 128 (forward 607, backward 482 at 8K: RESULTS.md, "Attention, LM head and memory-bound ops
+// against torch", 2026-11-21); straight between.
+double attention_tflops(int64_t head_dim) {
+  const double d = std::clamp(double(head_dim), 64.0, 128.0);
+  return 410 + (510 - 410) * (d - 64) / 64;
+}
 // The same attention run block by block against a streamed K/V store (chunk-sized unmasked blocks,
 // merged; dK, dV sent home per block): 1.27-1.44x the one-call time on the H100 (RESULTS.md,
 // "The streamed K/V store on the H100": 128K, 256K and 512K steps against the one-call model).
@@ -507,7 +512,7 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
   r.flops = matmul + head + attention;
   r.time = {{"matmul", matmul / (kMatmulTflops * 1e12)},
             {"lm_head", head / (kMatmulTflops * 1e12)},
-            {"attention", attention / (kAttentionTflops * 1e12) *
+            {"attention", attention / (attention_tflops(D) * 1e12) *
                               (streamed                        ? kStreamedAttentionSlowdown
                                : windowed && !serial_copies ? kOffloadedAttentionSlowdown
                                                             : 1.0)},

@@ -24,7 +24,7 @@
 // staging slots (optim/adamw_offload.h), off the device.
 // The CUDA context (about 0.5 GiB) is outside the pool: it counts only for `fits`.
 //
-// Step time = matmul FLOPs / kMatmulTflops + attention FLOPs / kAttentionTflops + elementwise
+// Step time = matmul FLOPs / kMatmulTflops + attention FLOPs / its rate at the head size + elementwise
 // traffic / bandwidth + the optimizer's traffic / bandwidth, with the passes each schedule runs
 // (full: forward + backward; checkpointed and seco: one forward more; selective: the MLP's gate/up
 // once more); with the K/V store offloaded, at least its copies' time (bytes moved / PCIe rate: they
