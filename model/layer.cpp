@@ -21,7 +21,7 @@ int64_t resolve_mlp_shards(int64_t requested, const LlamaConfig& cf, int64_t row
 }
 
 LayerActivations LayerActivations::allocate(Arena& arena, const LlamaConfig& cf, int64_t B, int64_t c, DType dt,
-                                            bool keep_mlp, const TensorParallelGroup* tp) {
+                                            MlpKept mlp, const TensorParallelGroup* tp) {
   const int64_t N = B * c, C = cf.hidden_size, F = cf.intermediate_size, H = cf.num_attention_heads, D = cf.head_dim;
   const int64_t R = tp_rows(tp, N), normed_rows = tp_regathers(tp) ? R : N;
   const DType acc = accum_dtype(dt);
@@ -32,23 +32,24 @@ LayerActivations LayerActivations::allocate(Arena& arena, const LlamaConfig& cf,
   a.attn = arena.alloc(dt, {B, c, H, D});
   a.attn_saved.lse = arena.alloc(acc, {B, H, c});
   a.x_mid = arena.alloc(dt, {R, C});
-  a.h2 = arena.alloc(dt, {normed_rows, C});
+  if (mlp != MlpKept::products) a.h2 = arena.alloc(dt, {normed_rows, C});
   a.norm2.rstd = arena.alloc(acc, {R});
-  if (keep_mlp) {
+  if (mlp != MlpKept::input) {
     a.gate = arena.alloc(dt, {N, F});
     a.up = arena.alloc(dt, {N, F});
-    a.act = arena.alloc(dt, {N, F});
+    if (mlp == MlpKept::all) a.act = arena.alloc(dt, {N, F});
   }
   return a;
 }
 
-size_t LayerActivations::bytes(const LlamaConfig& cf, int64_t B, int64_t c, DType dt, bool keep_mlp,
+size_t LayerActivations::bytes(const LlamaConfig& cf, int64_t B, int64_t c, DType dt, MlpKept mlp,
                                const TensorParallelGroup* tp) {
   const size_t N = static_cast<size_t>(B * c), R = static_cast<size_t>(tp_rows(tp, B * c));
   const size_t normed_rows = tp_regathers(tp) ? R : N, C = static_cast<size_t>(cf.hidden_size);
-  const size_t e = dtype_size(dt), a = dtype_size(accum_dtype(dt));
-  const size_t mlp = keep_mlp ? 3 * static_cast<size_t>(cf.intermediate_size) : 0;
-  return e * (2 * normed_rows * C + R * C + N * (2 * static_cast<size_t>(cf.q_dim()) + mlp)) +
+  const size_t e = dtype_size(dt), a = dtype_size(accum_dtype(dt)), F = static_cast<size_t>(cf.intermediate_size);
+  const size_t normed = mlp == MlpKept::products ? 1 : 2;  // h1, and h2 unless products only
+  const size_t ffn = mlp == MlpKept::all ? 3 * F : mlp == MlpKept::products ? 2 * F : 0;
+  return e * (normed * normed_rows * C + R * C + N * (2 * static_cast<size_t>(cf.q_dim()) + ffn)) +
          a * (2 * R + N * static_cast<size_t>(cf.num_attention_heads));
 }
 
@@ -224,7 +225,8 @@ void block_forward(const Tensor& x_out, LayerActivations* keep, const Tensor& x_
   ArenaScope scope(s);
   const int64_t shards = resolve_mlp_shards(ctx.mlp_shards, cf, N);
   LayerActivations local;
-  LayerActivations& a = keep ? *keep : (local = LayerActivations::allocate(s, cf, B, c, dt, shards == 1, tp));
+  LayerActivations& a =
+      keep ? *keep : (local = LayerActivations::allocate(s, cf, B, c, dt, shards == 1 ? MlpKept::all : MlpKept::input, tp));
   const LinearSite at{ctx, layer};
 
   // Attention half.
@@ -264,14 +266,16 @@ void block_forward(const Tensor& x_out, LayerActivations* keep, const Tensor& x_
     residual_forward(a.x_mid, x_in, row_parallel_output(o_all, tp, s));
   }
 
-  // MLP half.
+  // MLP half. Kept without h2 and act (MlpKept::products), both are scratch here.
   std::optional<TpLease> gathered;
-  const Tensor h2 = normed_input_forward(gathered, a.h2, a.norm2, a.x_mid, w.mlp_norm, cf.rms_norm_eps, tp, s);
+  const Tensor h2_out = a.h2.data ? a.h2 : s.alloc(dt, {tp_regathers(tp) ? R : N, C});
+  const Tensor h2 = normed_input_forward(gathered, h2_out, a.norm2, a.x_mid, w.mlp_norm, cf.rms_norm_eps, tp, s);
   std::optional<TpLease> partial;
   const Tensor m = partial_output(partial, N, C, dt, tp, s);
   if (a.gate.data) {
-    mlp_rows_forward(a.gate, a.up, a.act, h2, w, at);
-    linear_fwd(m, a.act, w.w_down, w.lora.down, ParamRole::w_down, at);
+    const Tensor act = a.act.data ? a.act : s.alloc(dt, {N, F});
+    mlp_rows_forward(a.gate, a.up, act, h2, w, at);
+    linear_fwd(m, act, w.w_down, w.lora.down, ParamRole::w_down, at);
   } else {
     // Tiled: one shard's [rows, F] intermediates at a time.
     const std::vector<int64_t> b = row_shards(N, shards);
@@ -304,7 +308,7 @@ void block_backward(const Tensor& d_x, const LayerWeights& g, const LayerActivat
   {
     std::optional<TpLease> d_m_lease, h2_lease, d_h_lease;
     const Tensor d_m = row_parallel_output_backward(d_m_lease, d_x, tp);  // d(W_down output), all rows
-    const Tensor h2 = normed_input_backward(h2_lease, a.h2, N, tp);
+    const Tensor h2 = a.h2.data ? normed_input_backward(h2_lease, a.h2, N, tp) : Tensor{};  // none: frozen MLP
     const Tensor d_h_all = partial_output(d_h_lease, N, C, dt, tp, s);    // this rank's share of d(h2)
     if (a.gate.data) {
       mlp_rows_backward(d_h_all, g, d_m, a.gate, a.up, a.act, h2, w, at);

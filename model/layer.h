@@ -38,6 +38,16 @@
 
 namespace cw {
 
+// What a layer keeps of its MLP for the backward. A linear's input feeds only its own weight's
+// gradient or its adapter's, so the MLP of a frozen model without MLP adapters (LoRA on the
+// attention's linears) needs neither h2 nor act: the backward's d_h2 and d_act come from the
+// weights and the kept gate and up.
+enum class MlpKept {
+  all,       // h2, gate, up, act
+  products,  // gate, up: h2 and act feed only frozen, unadapted linears (ActivationPolicy::mlp_frozen)
+  input,     // h2 alone: the MLP is recomputed from it (selective recompute, or tiled shard by shard)
+};
+
 // What a block's backward reads, for one chunk. Shapes with N = B*c; under tensor parallelism H, F are
 // the rank's (config is the shard's) and R = N/P with sequence parallelism, else R = N.
 struct LayerActivations {
@@ -48,16 +58,17 @@ struct LayerActivations {
   Tensor attn;                // [B, c, H, D] attention output, before o_proj
   AttentionSaved attn_saved;  // lse [B, H, c]
   Tensor x_mid;               // [R, C]    residual stream after attention
-  Tensor h2;                  // [N, C]    mlp_norm(x_mid), as h1: [R, C] when tp->regather()
+  Tensor h2;                  // [N, C]    mlp_norm(x_mid), as h1: [R, C] when tp->regather();
+                              //           undefined with MlpKept::products
   RmsNormSaved norm2;         // rstd [R]
-  Tensor gate, up, act;       // [N, F]    gate and up projections, silu(gate) * up; undefined when the
-                              //           MLP is tiled (recomputed shard by shard in the backward)
+  Tensor gate, up, act;       // [N, F]    gate and up projections, silu(gate) * up; none with
+                              //           MlpKept::input, no act with MlpKept::products
 
-  // keep_mlp = false: no [N, F] tensors (a tiled MLP recomputes them per shard). tp: the rank's
-  // group (null: one process), for R and the regathered h1/h2.
+  // mlp: what is kept of the MLP (above). tp: the rank's group (null: one process), for R and the
+  // regathered h1/h2.
   static LayerActivations allocate(Arena& arena, const LlamaConfig& config, int64_t B, int64_t c, DType dtype,
-                                   bool keep_mlp = true, const TensorParallelGroup* tp = nullptr);
-  static size_t bytes(const LlamaConfig& config, int64_t B, int64_t c, DType dtype, bool keep_mlp = true,
+                                   MlpKept mlp = MlpKept::all, const TensorParallelGroup* tp = nullptr);
+  static size_t bytes(const LlamaConfig& config, int64_t B, int64_t c, DType dtype, MlpKept mlp = MlpKept::all,
                       const TensorParallelGroup* tp = nullptr);
 };
 

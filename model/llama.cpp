@@ -87,12 +87,17 @@ Tensor ChunkActivations::input(int layer) const {
   return Tensor(offloaded->device(layer, 0), x_L.dtype, x_L.device, {x_L.size(0), x_L.size(1)});
 }
 
+MlpKept mlp_kept(const ActivationPolicy& policy, const LlamaConfig& cf, int64_t rows) {
+  if (resolve_mlp_shards(policy.mlp_shards, cf, rows) != 1 || policy.recompute_mlp) return MlpKept::input;
+  return policy.mlp_frozen ? MlpKept::products : MlpKept::all;
+}
+
 ChunkActivations ChunkActivations::allocate(Arena& arena, const LlamaConfig& cf, int64_t B, int64_t c, DType dt,
                                             const ActivationPolicy& policy, const TensorParallelGroup* tp) {
   ChunkActivations a;
   a.policy = policy;
   const int64_t N = B * c, R = tp_rows(tp, N), C = cf.hidden_size, L = cf.num_hidden_layers;
-  const bool keep_mlp = resolve_mlp_shards(policy.mlp_shards, cf, N) == 1 && !policy.recompute_mlp;
+  const MlpKept mlp = mlp_kept(policy, cf, N);
   if (policy.offload_inputs) {
     CW_CHECK(!policy.keep_layers, "offloading layer inputs needs a policy that keeps only layer inputs");
     a.stream.assign(static_cast<size_t>(L), Tensor{});
@@ -103,7 +108,7 @@ ChunkActivations ChunkActivations::allocate(Arena& arena, const LlamaConfig& cf,
     for (int64_t l = 0; l <= L; ++l) a.stream.push_back(arena.alloc(dt, {R, C}));
   }
   if (policy.keep_layers)
-    for (int64_t l = 0; l < L; ++l) a.layers.push_back(LayerActivations::allocate(arena, cf, B, c, dt, keep_mlp, tp));
+    for (int64_t l = 0; l < L; ++l) a.layers.push_back(LayerActivations::allocate(arena, cf, B, c, dt, mlp, tp));
   a.normed = arena.alloc(dt, {R, C});
   a.final_norm.rstd = arena.alloc(accum_dtype(dt), {R});
   return a;
@@ -112,11 +117,11 @@ ChunkActivations ChunkActivations::allocate(Arena& arena, const LlamaConfig& cf,
 size_t ChunkActivations::bytes(const LlamaConfig& cf, int64_t B, int64_t c, DType dt, const ActivationPolicy& policy,
                                const TensorParallelGroup* tp) {
   const size_t R = static_cast<size_t>(tp_rows(tp, B * c)), C = static_cast<size_t>(cf.hidden_size);
-  const bool keep_mlp = resolve_mlp_shards(policy.mlp_shards, cf, B * c) == 1 && !policy.recompute_mlp;
+  const MlpKept mlp = mlp_kept(policy, cf, B * c);
   // Recomputing layers still needs one layer's activations at a time.
   const size_t layers = policy.keep_layers ? static_cast<size_t>(cf.num_hidden_layers) : 1;
   const size_t streams = policy.offload_inputs ? 3 : static_cast<size_t>(cf.num_hidden_layers) + 1;
-  return layers * LayerActivations::bytes(cf, B, c, dt, keep_mlp, tp) + (streams + 1) * R * C * dtype_size(dt) +
+  return layers * LayerActivations::bytes(cf, B, c, dt, mlp, tp) + (streams + 1) * R * C * dtype_size(dt) +
          R * dtype_size(accum_dtype(dt));
 }
 
@@ -283,7 +288,7 @@ double backward_chunk(const ParamSet& grads, const ChunkActivations& a, KVStore&
   rmsnorm_backward(d_x, g.final_norm, d_normed, a.final_norm, a.stream.back(), w.final_norm, GradMode::overwrite, scratch);
   head_traced.end();
   finished_from(after_blocks);  // the final norm and an untied head (a tied one is the embedding)
-  const bool keep_mlp = resolve_mlp_shards(a.policy.mlp_shards, cf, N) == 1 && !a.policy.recompute_mlp;
+  const MlpKept mlp = mlp_kept(a.policy, cf, N);
   Residency* off = a.offloaded.get();
   // Offloaded inputs come back one layer ahead: layer l-1's while layer l runs its backward.
   auto bring = [&](int l) {
@@ -306,7 +311,7 @@ double backward_chunk(const ParamSet& grads, const ChunkActivations& a, KVStore&
       // Checkpointed: recompute this layer's activations from its kept input, then its backward. The
       // recompute rewrites the layer's K/V of this chunk in the store with the same values.
       ArenaScope layer_scope(scratch);
-      LayerActivations la = LayerActivations::allocate(scratch, cf, chunk.B, chunk.c, model.dtype(), keep_mlp, tp);
+      LayerActivations la = LayerActivations::allocate(scratch, cf, chunk.B, chunk.c, model.dtype(), mlp, tp);
       Tensor recomputed_out = scratch.alloc(model.dtype(), {R, cf.hidden_size});
       block_forward(recomputed_out, &la, a.input(l), w.layers[li], kv, l, ctx);
       block_backward(d_x, g.layers[li], la, a.input(l), w.layers[li], kv, l, ctx);

@@ -133,12 +133,19 @@ struct ChunkTokens {
 //   offload_inputs:      without keep_layers, on a GPU: each layer's input goes to pinned host memory
 //                        on the side stream as soon as it is written, and comes back one layer ahead
 //                        of its backward, so only two [N, C] device buffers hold layer inputs.
+//   mlp_frozen:          the MLP's linears are frozen and carry no adapters (LoRA on the attention's
+//                        linears: LoraConfig::freezes_mlp); a kept MLP then keeps gate and up only
+//                        (model/layer.h MlpKept::products). Set from the model where the chunk runs.
 struct ActivationPolicy {
   bool keep_layers = true;
   int64_t mlp_shards = 1;
   bool recompute_mlp = false;
   bool offload_inputs = false;
+  bool mlp_frozen = false;
 };
+
+// What each layer keeps of its MLP under `policy`, for chunks of `rows` rows.
+MlpKept mlp_kept(const ActivationPolicy& policy, const LlamaConfig& config, int64_t rows);
 
 // Rows R = N, or N/P under sequence parallelism (the rank's rows).
 struct ChunkActivations {

@@ -123,6 +123,13 @@ std::vector<std::string> LoraConfig::target_names() const {
   return names;
 }
 
+bool LoraConfig::freezes_mlp() const {
+  if (!enabled()) return false;
+  for (const ParamRole r : target_roles())
+    if (r == ParamRole::w_gate || r == ParamRole::w_up || r == ParamRole::w_down) return false;
+  return true;
+}
+
 void LoraConfig::validate() const {
   if (rank < 0) fail(fmt::format("lora.rank must be >= 0 (0: no adapters), got {}", rank));
   if (!(std::isfinite(alpha) && alpha > 0)) fail(fmt::format("lora.alpha must be > 0, got {}", alpha), "the scale is alpha / rank");

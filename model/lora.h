@@ -45,6 +45,8 @@ struct LoraConfig {
   std::vector<ParamRole> target_roles() const;
   // The targets as PEFT's module names, in the block's order ("q_proj", "v_proj").
   std::vector<std::string> target_names() const;
+  // Adapters on none of the MLP's linears (gate, up, down), so with the base frozen the whole MLP is.
+  bool freezes_mlp() const;
   // rank >= 0, alpha > 0 and finite, dropout in [0, 1), targets known, and no targets without a rank;
   // throws naming the key (lora.rank, ...).
   void validate() const;

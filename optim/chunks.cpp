@@ -76,7 +76,9 @@ double backprop_chunk(KVStore& kv, const LlamaModel& model, const Batch& batch, 
                       double loss_weight, const GradsFinalFrom& grads_final) {
   ArenaScope scope(arena);
   const ChunkTokens chunk = slice_chunk(batch, t0, t1, arena);
-  ChunkActivations act = ChunkActivations::allocate(arena, model.config(), batch.B(), chunk.c, model.dtype(), policy,
+  ActivationPolicy kept = policy;
+  kept.mlp_frozen = model.lora().freezes_mlp();
+  ChunkActivations act = ChunkActivations::allocate(arena, model.config(), batch.B(), chunk.c, model.dtype(), kept,
                                                     model.tensor_parallel());
   forward_chunk(&act, kv, model, chunk, normaliser, false, arena);
   return backward_chunk(grads, act, kv, model, chunk, normaliser, arena, loss_weight, grads_final);

@@ -154,7 +154,7 @@ void lora_scratch(ArenaReplay& a, const Shape& s, std::initializer_list<ParamRol
 }
 
 // model/layer.cpp: LayerActivations::allocate.
-void layer_activations(ArenaReplay& a, const Shape& s, bool keep_mlp) {
+void layer_activations(ArenaReplay& a, const Shape& s, MlpKept mlp) {
   const LlamaConfig& cf = s.cf;
   a.alloc(s.row(cf.hidden_size));                                  // h1
   a.alloc(s.N() * s.acc);                                          // rstd
@@ -162,10 +162,10 @@ void layer_activations(ArenaReplay& a, const Shape& s, bool keep_mlp) {
   a.alloc(s.row(cf.q_dim()));                                      // attn
   a.alloc(size_t(s.B * cf.num_attention_heads * s.c) * s.acc);     // lse
   a.alloc(s.row(cf.hidden_size));                                  // x_mid
-  a.alloc(s.row(cf.hidden_size));                                  // h2
+  if (mlp != MlpKept::products) a.alloc(s.row(cf.hidden_size));    // h2
   a.alloc(s.N() * s.acc);                                          // rstd
-  if (keep_mlp)
-    for (int i = 0; i < 3; ++i) a.alloc(s.row(cf.intermediate_size));  // gate, up, act
+  if (mlp != MlpKept::input)
+    for (int i = 0; i < (mlp == MlpKept::all ? 3 : 2); ++i) a.alloc(s.row(cf.intermediate_size));  // gate, up, act
 }
 
 std::vector<int64_t> shard_rows(int64_t N, int64_t shards) {
@@ -174,13 +174,15 @@ std::vector<int64_t> shard_rows(int64_t N, int64_t shards) {
   return rows;
 }
 
-// model/layer.cpp: block_forward's scratch (keep: the activations are given; from_saved: the
-// attention output is read from the store, so no K/V projections).
-void block_forward(ArenaReplay& a, const Shape& s, bool keep, int64_t mlp_shards, bool from_saved = false) {
+// model/layer.cpp: block_forward's scratch (keep: the activations are given, holding `kept` of the
+// MLP; from_saved: the attention output is read from the store, so no K/V projections).
+void block_forward(ArenaReplay& a, const Shape& s, bool keep, int64_t mlp_shards, bool from_saved = false,
+                   MlpKept kept = MlpKept::all) {
   const LlamaConfig& cf = s.cf;
   Scope scope(a);
   const int64_t shards = resolve_mlp_shards(mlp_shards, cf, int64_t(s.N()));
-  if (!keep) layer_activations(a, s, shards == 1);
+  if (!keep) layer_activations(a, s, shards == 1 ? MlpKept::all : MlpKept::input);
+  const bool products = keep && kept == MlpKept::products;  // h2 and act in scratch
   a.alloc(s.row(cf.q_dim()));   // q_pre
   if (!from_saved) {
     a.alloc(s.row(cf.kv_dim()));  // k_pre
@@ -192,7 +194,9 @@ void block_forward(ArenaReplay& a, const Shape& s, bool keep, int64_t mlp_shards
     a.alloc(s.N() * size_t(cf.num_attention_heads) * s.acc);
   }
   a.alloc(s.row(cf.hidden_size));  // o (cuDNN's forward needs no workspace beyond its 256-byte minimum)
+  if (products) a.alloc(s.row(cf.hidden_size));  // h2
   a.alloc(s.row(cf.hidden_size));  // m
+  if (products) a.alloc(s.row(cf.intermediate_size));  // act
   if (shards > 1) {
     for (int64_t rows : shard_rows(int64_t(s.N()), shards)) {
       Scope shard(a);
@@ -218,12 +222,12 @@ void mlp_rows_backward(ArenaReplay& a, const Shape& s, int64_t rows) {
 // model/layer.cpp: block_backward's scratch, with engine/cuda/attention_cudnn.cu's backward (the
 // frontend form: f32 dQ accumulator, bf16 dK/dV scratch over the Hkv heads, and the workspace
 // staging the per-query-head dK and dV of all S keys, bf16, for the head reduction in the graph).
-void block_backward(ArenaReplay& a, const Shape& s, bool keep_mlp, int64_t mlp_shards) {
+void block_backward(ArenaReplay& a, const Shape& s, MlpKept mlp, int64_t mlp_shards) {
   const LlamaConfig& cf = s.cf;
   const int64_t H = cf.num_attention_heads, Hkv = cf.num_key_value_heads, D = cf.head_dim;
   Scope scope(a);
   a.alloc(s.row(cf.hidden_size));  // d_h
-  if (keep_mlp) {
+  if (mlp != MlpKept::input) {
     mlp_rows_backward(a, s, int64_t(s.N()));
   } else {
     for (int64_t rows : shard_rows(int64_t(s.N()), resolve_mlp_shards(mlp_shards, cf, int64_t(s.N())))) {
@@ -281,17 +285,17 @@ void prefill_chunk(ArenaReplay& a, const Shape& s, int64_t mlp_shards, bool with
 void backprop_chunk(ArenaReplay& a, const Shape& s, const ActivationPolicy& p, bool from_saved) {
   const LlamaConfig& cf = s.cf;
   const int64_t L = cf.num_hidden_layers;
-  const bool keep_mlp = resolve_mlp_shards(p.mlp_shards, cf, int64_t(s.N())) == 1 && !p.recompute_mlp;
+  const MlpKept mlp = mlp_kept(p, cf, int64_t(s.N()));
   Scope scope(a);
   a.alloc(s.N() * 4);  // ids
   a.alloc(s.N() * 4);  // labels
   const int64_t streams = p.offload_inputs ? 3 : L + 1;
   for (int64_t i = 0; i < streams; ++i) a.alloc(s.row(cf.hidden_size));
   if (p.keep_layers)
-    for (int64_t l = 0; l < L; ++l) layer_activations(a, s, keep_mlp);
+    for (int64_t l = 0; l < L; ++l) layer_activations(a, s, mlp);
   a.alloc(s.row(cf.hidden_size));  // normed
   a.alloc(s.N() * s.acc);          // rstd
-  block_forward(a, s, p.keep_layers, p.mlp_shards, from_saved);
+  block_forward(a, s, p.keep_layers, p.mlp_shards, from_saved, mlp);
   Scope backward(a);
   a.alloc(s.N() * s.acc);           // row_loss
   a.alloc(s.row(cf.hidden_size));   // d_normed
@@ -301,14 +305,14 @@ void backprop_chunk(ArenaReplay& a, const Shape& s, const ActivationPolicy& p, b
   }
   a.alloc(s.row(cf.hidden_size));  // d_x
   if (p.keep_layers) {
-    block_backward(a, s, keep_mlp, p.mlp_shards);
+    block_backward(a, s, mlp, p.mlp_shards);
     return;
   }
   Scope layer(a);
-  layer_activations(a, s, keep_mlp);
+  layer_activations(a, s, mlp);
   a.alloc(s.row(cf.hidden_size));  // recomputed_out
-  block_forward(a, s, true, p.mlp_shards, from_saved);
-  block_backward(a, s, keep_mlp, p.mlp_shards);
+  block_forward(a, s, true, p.mlp_shards, from_saved, mlp);
+  block_backward(a, s, mlp, p.mlp_shards);
 }
 
 bool chunked(const ScheduleOptions& o) { return o.name == "seco" || o.name == "spaco"; }
@@ -445,7 +449,8 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
 
   // Activations: the arena over the step, the backward chunk that attends all T keys last (the
   // arena keeps its largest extent, so the order of phases does not matter).
-  const ActivationPolicy policy = activation_policy(o);
+  ActivationPolicy policy = activation_policy(o);
+  policy.mlp_frozen = lora.freezes_mlp();  // as optim/chunks.cpp sets it from the model
   ArenaReplay arena;
   const LoraConfig* adapters = lora.enabled() ? &lora : nullptr;
   const int64_t keys = streamed ? r.chunk : T;  // the most keys one attention call sees
@@ -489,8 +494,8 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
   if (saved)
     matmul -= (tokens * reverse * (1 + extra_forward) - unsaved_tokens) * 2.0 * double(L) * double(2 * C * Hkv * D);
   // Selective recompute and the tiled MLP with kept activations run gate/up again in the backward.
-  const bool keep_mlp = resolve_mlp_shards(o.mlp_shards, cf, B * r.bwd_chunk) == 1 && !policy.recompute_mlp;
-  if (policy.keep_layers && !keep_mlp) matmul += tokens * reverse * mlp_gate_up;
+  if (policy.keep_layers && mlp_kept(policy, cf, B * r.bwd_chunk) == MlpKept::input)
+    matmul += tokens * reverse * mlp_gate_up;
   // The fused LM head: logits, dX and dW over the reverse tokens; spaco's prefill also takes the loss.
   const double head = 2.0 * double(V * C) * tokens * ((1 + backward) * reverse + (o.name == "spaco" ? 1 : 0));
   // Attention: 4 H D flops per (query, key) pair and layer forward, 2.5x that backward.

@@ -207,6 +207,7 @@ void linear_forward(const Tensor& out, const Tensor& x, const Tensor& weight) {
          0.0f, out);
 }
 
+// x's data is read only for d_weight (without it the caller may pass d_x for x's shape).
 void linear_backward(const Tensor& d_x, const Tensor& d_weight, const Tensor& d_out, const Tensor& x,
                      const Tensor& weight, GradMode mode) {
   check_compute_dtype(x);

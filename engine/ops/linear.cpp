@@ -34,15 +34,20 @@ void linear_forward(const Tensor& out, const Tensor& x, const Tensor& weight) {
   });
 }
 
-void linear_backward(const Tensor& d_x, const Tensor& d_weight, const Tensor& d_out, const Tensor& x,
+void linear_backward(const Tensor& d_x, const Tensor& d_weight, const Tensor& d_out, const Tensor& x_given,
                      const Tensor& weight, GradMode mode) {
+  // Without d_weight the input is not read: d_x stands in for its shape, dtype and device.
+  CW_CHECK(x_given.data || !d_weight.data, "linear backward: d_weight needs the input x, which is undefined");
+  if (!x_given.data && !d_x.data) return;
+  const Tensor& x = x_given.data ? x_given : d_x;
   check_operands(x, weight, d_out, "linear d_out");
   if (d_x.data) {
     check_same_shape(d_x, x, "linear d_x", "linear x");
     check_dtype(d_x, x.dtype, "linear d_x");
     check_not_aliased(d_x, d_out, "d_x must not alias d_out");
     check_not_aliased(d_x, weight, "d_x must not alias weight");
-    check_not_aliased(d_x, x, "d_x must not alias x (the d_weight product reads x after d_x is written)");
+    if (x_given.data)
+      check_not_aliased(d_x, x, "d_x must not alias x (the d_weight product reads x after d_x is written)");
   }
   if (d_weight.data) {
     check_same_shape(d_weight, weight, "linear d_weight", "linear weight");

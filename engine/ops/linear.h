@@ -4,7 +4,8 @@
 //             d_W += d_outᵀ x          (always accumulates)
 // Shapes: x, d_x [N, I]; W, d_W [O, I]; out, d_out [N, O]. Saves nothing (the backward reads x).
 // Either gradient may be skipped by passing an undefined Tensor{} (a frozen weight, or the first
-// layer's input). Tested in tests/engine/test_backend_ops.cpp (the op table).
+// layer's input). Without d_W, x may be undefined too: d_x alone reads only d_out and W (a frozen
+// linear need not keep its input). Tested in tests/engine/test_backend_ops.cpp (the op table).
 #pragma once
 
 #include "engine/tensor.h"

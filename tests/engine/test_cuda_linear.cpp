@@ -39,6 +39,20 @@ TEST_CASE("cuda: linear rejects bad operands" * doctest::skip(!cw::test::gpu_rea
   CHECK_THROWS_AS(linear_backward(dx_bad, Tensor{}, dy.dev, x.dev, w.dev, GradMode::overwrite), Error);
 }
 
+TEST_CASE("cuda: linear backward of a frozen weight without its input gives d_x bit for bit" *
+          doctest::skip(!cw::test::gpu_ready())) {
+  const int64_t N = 64, I = 96, O = 48;
+  for (const DType dt : {DType::f32, DType::bf16}) {
+    const Operand x = make_operand(dt, N, I, 31), w = make_operand(dt, O, I, 32), dy = make_operand(dt, N, O, 33);
+    for (const GradMode mode : {GradMode::overwrite, GradMode::accumulate}) {
+      const Operand with = make_operand(dt, N, I, 34), without = make_operand(dt, N, I, 34);
+      linear_backward(with.dev, Tensor{}, dy.dev, x.dev, w.dev, mode);
+      linear_backward(without.dev, Tensor{}, dy.dev, Tensor{}, w.dev, mode);
+      CHECK(same_bits(with.dev, without.dev));
+    }
+  }
+}
+
 TEST_CASE("cuda: adamw_update writes the bf16 compute copy as its f32 master rounded, bit for bit" *
           doctest::skip(!cw::test::gpu_ready())) {
   // More elements than one pass of the grid (4096 blocks x 256 threads) covers, and an odd tail.

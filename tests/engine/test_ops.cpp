@@ -208,6 +208,21 @@ TEST_CASE("ops: the aliases the headers allow give the out-of-place bits (cpu)")
   }
 }
 
+TEST_CASE("linear backward of a frozen weight needs no input: d_x without x is d_x with it, bit for bit") {
+  OwnedTensor x = randn({5, 6}, 61), W = randn({4, 6}, 62), dy = randn({5, 4}, 63);
+  for (const GradMode mode : {GradMode::overwrite, GradMode::accumulate}) {
+    OwnedTensor with = randn({5, 6}, 64), without = randn({5, 6}, 64);
+    linear_backward(with, Tensor{}, dy, x, W, mode);
+    linear_backward(without, Tensor{}, dy, Tensor{}, W, mode);
+    CHECK(std::memcmp(with.tensor.data, without.tensor.data, with.tensor.bytes()) == 0);
+  }
+  OwnedTensor dW(DType::f64, {4, 6});
+  CHECK_THROWS_WITH_AS(linear_backward(Tensor{}, dW, dy, Tensor{}, W, GradMode::overwrite),
+                       doctest::Contains("d_weight needs the input x"), Error);
+  OwnedTensor dx_bad(DType::f64, {5, 7});
+  CHECK_THROWS_AS(linear_backward(dx_bad, Tensor{}, dy, Tensor{}, W, GradMode::overwrite), Error);
+}
+
 TEST_CASE("ops: bad operands are a clear error") {
   OwnedTensor table = randn({7, 5}, 1), ids(DType::i32, {1}), e(DType::f64, {1, 5});
   ids.tensor.ptr<int32_t>()[0] = 7;

@@ -626,6 +626,36 @@ TEST_CASE("lora: seco, spaco with all chunks and checkpointed equal full backpro
     }
 }
 
+TEST_CASE("lora: a frozen MLP keeps gate and up, not h2 and act; the step keeps that much less") {
+  // h2 and act feed only the MLP's weight gradients; frozen without adapters it has none. (The
+  // gradients themselves are checked above and by gradcheck against finite differences.)
+  LlamaModel qv = lora_model(lora_config("q_proj,v_proj", 0.0));
+  LlamaModel qv_down = lora_model(lora_config("q_proj,v_proj,down_proj", 0.0));
+  const LlamaConfig& cf = qv.config();
+  CHECK(qv.lora().freezes_mlp());
+  CHECK_FALSE(qv_down.lora().freezes_mlp());
+  CHECK_FALSE(LoraConfig{}.freezes_mlp());  // full-parameter training trains the MLP
+  ActivationPolicy keep_all, frozen;
+  frozen.mlp_frozen = true;
+  const int64_t N = 64;
+  CHECK(mlp_kept(keep_all, cf, N) == MlpKept::all);
+  CHECK(mlp_kept(frozen, cf, N) == MlpKept::products);
+  ActivationPolicy recomputed = frozen;
+  recomputed.recompute_mlp = true;
+  CHECK(mlp_kept(recomputed, cf, N) == MlpKept::input);  // a recomputed MLP needs its input h2
+  const size_t dropped = size_t(cf.num_hidden_layers) * size_t(N) * size_t(cf.hidden_size + cf.intermediate_size) * 8;
+  CHECK(ChunkActivations::bytes(cf, 1, N, DType::f64, keep_all) - ChunkActivations::bytes(cf, 1, N, DType::f64, frozen) ==
+        dropped);
+  // One full-backprop step at T = 256: the adapters on down_proj need act (and so keep h2 too).
+  const Batch batch = random_batch(1, 256, cf.vocab_size, 5);
+  ParamSet g_qv = ParamSet::like(qv.adapters(), DType::f64), g_qv_down = ParamSet::like(qv_down.adapters(), DType::f64);
+  const size_t hw_qv = run(ScheduleOptions{}, qv, batch, g_qv).stats.activation_high_water;
+  const size_t hw_qv_down = run(ScheduleOptions{}, qv_down, batch, g_qv_down).stats.activation_high_water;
+  const size_t at_256 = dropped / size_t(N) * 256;
+  MESSAGE("T=256 activation high-water: LoRA q,v ", hw_qv, " bytes, q,v,down ", hw_qv_down, " (h2 and act: ", at_256, ")");
+  CHECK(hw_qv + at_256 * 9 / 10 <= hw_qv_down);
+}
+
 TEST_CASE("lora: a step needs the adapters' gradient table; full parameter gradients are refused") {
   LlamaModel model = lora_model(lora_config("q_proj", 0.0));
   const Batch batch = random_batch(1, 8, model.config().vocab_size, 2);

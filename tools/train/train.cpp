@@ -223,7 +223,8 @@ double planned_bytes(const LlamaConfig& c, DType dt, const RunConfig& rc, const 
   const ScheduleOptions so = rc.schedule_options();
   int64_t chunk = (so.name == "full" || so.name == "checkpointed") ? T : std::max(so.chunk, so.bwd_chunk);
   if (chunk <= 0 || chunk > T) chunk = T;
-  const ActivationPolicy policy = activation_policy(so);
+  ActivationPolicy policy = activation_policy(so);
+  policy.mlp_frozen = lora.freezes_mlp();
   const double acts = static_cast<double>(ChunkActivations::bytes(c, B, chunk, dt, policy));
   const double kv = static_cast<double>(c.num_hidden_layers * B * T * c.kv_dim()) * 2 * (e + a);
   const double scratch = static_cast<double>(kLmHeadBlockRows * c.vocab_size) * e +
