@@ -98,8 +98,9 @@ int64_t choose_offload_window(const LlamaConfig& config, int64_t B, int64_t T, c
                               DType dtype, const MemoryBudget& budget, const LoraConfig& lora = {},
                               bool optimizer_offload = false);
 // schedule.chunk and/or schedule.offload_window = auto (kAuto; plan's, bench's and train's): the
-// fastest chunk with the whole K/V store on the device, else with the smallest window that lets one
-// fit, else with the store streamed; with recompute = auto (seco, spaco) also the fastest of none,
+// fastest plan that fits among the K/V store on the device, in a window of two layers, of one, and
+// streamed, each with its fastest chunk (an offload must be 1% faster than keeping the store nearer);
+// with recompute = auto (seco, spaco) also the fastest of none,
 // selective and full recompute inside the chunk. The schedule with them set (unchanged when neither
 // chunk nor window is auto). Throws an "out of memory" error saying which knob to turn when no
 // candidate fits.

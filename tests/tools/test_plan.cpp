@@ -552,6 +552,35 @@ TEST_CASE("plan: chunk and window = auto also save the attention outputs where t
   CHECK(plan_step(one_b(), 1, 131072, t, DType::bf16, 25).fits);
 }
 
+TEST_CASE("plan: auto weighs where the K/V store lives by time, not by the least offload that fits") {
+  const LlamaConfig eight_b = LlamaConfig::preset("llama-3.1-8b");
+  LoraConfig lora;
+  lora.rank = 8;
+  lora.alpha = 16;
+  lora.targets = "q_proj,v_proj";
+  const MemoryBudget h100{80, 128};
+  // 8B LoRA at 16K: on the device the largest chunk that fits is 8192 (two chunks, one prefilled); with
+  // a window of two layers the store's 6 GiB leave the device and one chunk of 16384 fits, no prefill.
+  const ScheduleOptions one = resolve_auto_schedule(eight_b, 1, 16384, auto_seco(), DType::bf16, h100, lora);
+  CHECK(one.chunk == 16384);
+  CHECK(one.offload_window == 2);
+  ScheduleOptions on_device = auto_seco();
+  on_device.offload_window = 0;
+  const ScheduleOptions kept = resolve_auto_schedule(eight_b, 1, 16384, on_device, DType::bf16, h100, lora);
+  CHECK(plan_step(eight_b, 1, 16384, one, DType::bf16, h100, lora).step_s <
+        0.99 * plan_step(eight_b, 1, 16384, kept, DType::bf16, h100, lora).step_s);
+  // In 24 GiB at 64K a window of one layer (copies and compute taking turns; 30.2 s measured) loses to
+  // the store streamed in blocks, whose copies overlap.
+  const MemoryBudget small{24, 128};
+  const ScheduleOptions tight = resolve_auto_schedule(eight_b, 1, 65536, auto_seco(), DType::bf16, small, lora);
+  CHECK(tight.stream_kv);
+  CHECK(plan_step(eight_b, 1, 65536, tight, DType::bf16, small, lora).step_s < 30.2 * 0.75);
+  // Without a reason to offload, the store stays on the device (1B at 64K on 80 GiB).
+  const ScheduleOptions roomy = resolve_auto_schedule(one_b(), 1, 65536, auto_seco(), DType::bf16, h100);
+  CHECK(roomy.offload_window == 0);
+  CHECK_FALSE(roomy.stream_kv);
+}
+
 TEST_CASE("plan: the host's memory bounds what is pinned there; auto keeps to it") {
   // 1M tokens on an 80 GiB GPU: saving the attention outputs would pin 162 GiB of host memory, more
   // than 90% of the GPU machine's 128 GiB; with that budget auto goes without them.
