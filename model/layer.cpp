@@ -104,7 +104,8 @@ void mlp_rows_forward(const Tensor& gate, const Tensor& up, const Tensor& act, c
 }
 
 // Backward of the MLP rows given their gate/up/act: d_h rows (overwritten) from d_out rows;
-// weight gradients accumulate.
+// weight gradients accumulate. act and h2_rows may be undefined where the linears reading them are
+// frozen without adapters (MlpKept::products): d_x needs only the weights.
 void mlp_rows_backward(const Tensor& d_h_rows, const LayerWeights& g, const Tensor& d_out_rows, const Tensor& gate,
                        const Tensor& up, const Tensor& act, const Tensor& h2_rows, const LayerWeights& w,
                        const LinearSite& at) {
