@@ -41,17 +41,6 @@ FileReader open_for_reading(const std::string& path) {
   return FileReader(path, "token file", "give token files, not directories");
 }
 
-void write_all(int fd, const void* buffer, size_t n) {
-  const auto* p = static_cast<const char*>(buffer);
-  while (n > 0) {
-    const ssize_t put = ::write(fd, p, n);
-    if (put < 0 && errno == EINTR) continue;
-    if (put < 0) throw std::system_error(errno, std::generic_category());
-    p += put;
-    n -= static_cast<size_t>(put);
-  }
-}
-
 int32_t le_i32(const unsigned char* p) {
   return static_cast<int32_t>(uint32_t{p[0]} | uint32_t{p[1]} << 8 | uint32_t{p[2]} << 16 | uint32_t{p[3]} << 24);
 }
@@ -218,7 +207,7 @@ TokenFileInfo write_token_shard(const std::string& path, std::span<const uint32_
     fail(fmt::format("token shard '{}': cannot create '{}': {}", path, tmp, errno_text()),
          "check that the directory exists and is writable");
   try {
-    write_all(fd.get(), header.data(), header.size());
+    write_all(fd.get(), tmp, header.data(), header.size());
     std::vector<unsigned char> raw(static_cast<size_t>(std::min(count, kChunkTokens)) * info.token_bytes);
     for (int64_t start = 0; start < count; start += kChunkTokens) {
       const int64_t n = std::min(kChunkTokens, count - start);
@@ -231,7 +220,7 @@ TokenFileInfo write_token_shard(const std::string& path, std::span<const uint32_
           raw[static_cast<size_t>(2 * i + 1)] = static_cast<unsigned char>(id >> 8);
         }
       }
-      write_all(fd.get(), raw.data(), static_cast<size_t>(n * info.token_bytes));
+      write_all(fd.get(), tmp, raw.data(), static_cast<size_t>(n * info.token_bytes));
     }
     if (::fsync(fd.get()) != 0) throw std::system_error(errno, std::generic_category());
     if (const int err = fd.close(); err != 0) throw std::system_error(err, std::generic_category());
@@ -240,6 +229,9 @@ TokenFileInfo write_token_shard(const std::string& path, std::span<const uint32_
     ::unlink(tmp.c_str());
     fail(fmt::format("token shard '{}': write failed: {}", path, e.code().message()),
          "check free disk space and permissions");
+  } catch (const Error&) {  // write_all's, naming the temporary file
+    ::unlink(tmp.c_str());
+    throw;
   }
   // Make the rename itself durable. Some filesystems refuse fsync on a directory; the data is
   // already safe then, so that is not an error.
