@@ -7,7 +7,7 @@
 namespace cw {
 
 KVStore::KVStore(const LlamaConfig& c, int64_t batch, int64_t tokens, DType dtype, bool with_grads, Device device,
-                 int64_t offload_window, bool attention_outputs, int64_t stream_block)
+                 int64_t offload_window, bool attention_outputs, int64_t stream_block, bool layer_local_grads)
     : L_(c.num_hidden_layers), B_(batch), T_(tokens), H_(c.num_attention_heads), Hkv_(c.num_key_value_heads),
       D_(c.head_dim), dtype_(dtype), device_(device), with_grads_(with_grads), with_outputs_(attention_outputs),
       live_end_(tokens) {
@@ -17,6 +17,9 @@ KVStore::KVStore(const LlamaConfig& c, int64_t batch, int64_t tokens, DType dtyp
   CW_CHECK(with_grads || !attention_outputs, "saved attention outputs need a K/V store with gradient accumulators");
   const int parts = attention_outputs ? kParts : with_grads ? 4 : 2;
   CW_CHECK(stream_block >= 0, "K/V store: stream block {} must be >= 0 (0: not streamed)", stream_block);
+  CW_CHECK(!layer_local_grads || (stream_block == 0 && (offload_window == 0 || offload_window >= L_)),
+           "K/V store: layer-local gradients are for a store on the device (no offload window, not streamed)");
+  layer_local_grads_ = layer_local_grads && with_grads;
   if (stream_block > 0) {
     CW_CHECK(offload_window == 0, "schedule.stream_kv and schedule.offload_window are two kinds of K/V offload; set "
              "offload_window = 0 with stream_kv");
@@ -43,7 +46,9 @@ KVStore::KVStore(const LlamaConfig& c, int64_t batch, int64_t tokens, DType dtyp
     return;
   }
   for (int64_t l = 0; l < L_; ++l)
-    for (int p = 0; p < parts; ++p) bufs_[p].emplace_back(part_bytes(static_cast<Part>(p)), device);
+    for (int p = 0; p < parts; ++p)
+      if (l == 0 || !(layer_local_grads_ && (p == kDKeys || p == kDValues)))
+        bufs_[p].emplace_back(part_bytes(static_cast<Part>(p)), device);
 }
 
 size_t KVStore::row_bytes(Part part) const {
@@ -80,7 +85,9 @@ KVStore::Rows KVStore::rows_of(Part part, int layer, int64_t t0, int64_t t1) con
     const int64_t j = block_of(t0, t1);
     return {res_->device(item(layer, j), part), block_, t0 - j * block_};
   }
-  return {res_ ? res_->device(layer, part) : bufs_[part][static_cast<size_t>(layer)].data(), T_, t0};
+  if (res_) return {res_->device(layer, part), T_, t0};
+  const bool shared = layer_local_grads_ && (part == kDKeys || part == kDValues);
+  return {bufs_[part][shared ? 0 : static_cast<size_t>(layer)].data(), T_, t0};
 }
 
 Tensor KVStore::view(Part part, int layer, int64_t t0, int64_t t1) const {
@@ -164,7 +171,14 @@ void KVStore::fetch_outputs(int layer, int64_t t0, int64_t t1, std::vector<Resid
 }
 
 void KVStore::begin_layer(int layer, Use use, int64_t t0, int64_t t1) {
-  if (!res_) return;
+  if (!res_) {
+    if (layer_local_grads_ && use == Use::backward) {
+      CW_CHECK(t0 == 0 && t1 == T_, "K/V store with layer-local gradients: layer {}'s backward covers [{}, {}), not "
+               "all {} tokens (they need one backward chunk)", layer, t0, t1, T_);
+      for (Part p : {kDKeys, kDValues}) fill(view(p, layer, 0, T_), 0.0);
+    }
+    return;
+  }
   if (block_ > 0) {
     const int64_t j = t0 / block_;
     CW_CHECK(t0 == j * block_ && t1 <= t0 + block_rows(j),

@@ -441,6 +441,11 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
     if (saved) block += pool_block(rows * size_t(H * D) * e) + pool_block(rows * size_t(H) * acc);
     r.device.emplace_back("kv", 3 * block);
     r.host.emplace_back("kv", kv_host);
+  } else if (!windowed && r.bwd_chunk >= T) {
+    // One backward chunk of all T tokens: one layer's dK, dV serve every layer (model/kv_store.h,
+    // layer-local gradients).
+    const size_t grads = 2 * pool_block(kv_elems * acc);
+    r.device.emplace_back("kv", (kv_layer - grads) * size_t(L) + grads);
   } else {
     const int64_t device_layers = o.offload_window > 0 ? o.offload_window : L;
     r.device.emplace_back("kv", kv_layer * size_t(device_layers));

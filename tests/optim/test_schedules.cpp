@@ -497,6 +497,39 @@ TEST_CASE("seco activation memory is bounded by one chunk, whatever T") {
   CHECK(big.activation_high_water > 10 * first);
 }
 
+TEST_CASE("one backward chunk keeps one layer's dK, dV for all layers; the gradients are those of many chunks") {
+  // Full backprop and seco whose reverse sweep is one chunk (one chunk, or a chunked prefill with
+  // bwd_chunk = T) read each layer's dK, dV back within that layer's backward: the store then holds
+  // one layer's accumulators (model/kv_store.h). Checked against seco in chunks, whose store holds all.
+  const LlamaConfig cfg = LlamaConfig::preset("tiny");
+  LlamaModel model(cfg, DType::f64);
+  init_parameters(model.params(), 23, cfg.initializer_range, 0.1);
+  const int64_t T = 24;
+  const Batch batch = random_batch(2, T, cfg.vocab_size, 24);
+  ScheduleOptions chunked;
+  chunked.name = "seco", chunked.chunk = 6;
+  ParamSet g_ref(cfg, DType::f64);
+  const Result ref = run(chunked, model, batch, g_ref);
+  const size_t row = size_t(cfg.num_key_value_heads * cfg.head_dim) * 8;  // f64 K or V of one token
+  const size_t layers = size_t(cfg.num_hidden_layers), tokens = size_t(2 * T);
+  CHECK(ref.stats.kv_bytes == layers * tokens * row * 4);  // K, V, dK, dV of every layer
+  ScheduleOptions full, one_chunk, prefill_then_one;
+  one_chunk.name = "seco", one_chunk.chunk = T;
+  prefill_then_one.name = "seco", prefill_then_one.chunk = 6, prefill_then_one.bwd_chunk = T;
+  for (const ScheduleOptions& o : {full, one_chunk, prefill_then_one}) {
+    INFO(o.name, " chunk ", o.chunk, " bwd_chunk ", o.bwd_chunk);
+    ParamSet g(cfg, DType::f64);
+    const Result r = run(o, model, batch, g);
+    std::string report;
+    CHECK(max_rel(g, g_ref, &report) <= test::kSameMathF64Tol);
+    CHECK(r.stats.kv_bytes == layers * tokens * row * 2 + tokens * row * 2);  // K, V of all; dK, dV of one
+  }
+  // A store built so refuses a backward that is not one chunk of all the tokens.
+  KVStore kv(cfg, 1, T, DType::f64, true, Device::host(), 0, false, 0, true);
+  CHECK_THROWS_WITH_AS(kv.begin_layer(0, KVStore::Use::backward, 12, T), doctest::Contains("one backward chunk"), Error);
+  CHECK_THROWS_AS(KVStore(cfg, 1, T, DType::f64, true, Device::host(), 1, false, 0, true), Error);  // offloaded
+}
+
 TEST_CASE("checkpointed and tiled-MLP schedules equal full backprop in fp64; they keep less") {
   const LlamaConfig cfg = LlamaConfig::preset("tiny");  // F = 40, C = 24: automatic shards = 2
   LlamaModel model(cfg, DType::f64);
