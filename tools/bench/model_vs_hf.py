@@ -28,6 +28,11 @@ it. --lora-8b runs the LoRA table: llama-3.1-8b, rank 8 (unless --lora-rank), al
 v_proj, seco at 16K and 64K with chunk 4096 and with the planner's choice (--chunk auto
 --offload-window auto), against HF+PEFT+Liger checkpointed.
 
+Within the peer's memory (--within-peer-memory): per case the first peer runs first, and chunkwise then
+runs capped to that peer's measured peak (`bench --device-memory PEAK + 0.5`: the cap counts the CUDA
+context, about 0.5 GiB outside the caching pool), so the row compares speed at no more memory than the
+peer's. Give the cases `--chunk auto --offload-window auto` to let the planner choose within the cap.
+
 Longest context (--longest SIDES, comma-separated among chunkwise and the peers): instead of the
 table, each side runs alone from the first case's TOKENS (chunkwise with that case's schedule and
 arguments, a peer checkpointed as above), doubling the tokens until a run is not ok (out of memory,
@@ -80,6 +85,8 @@ PEER_MODULES = {"hf": (), "liger": ("liger_kernel",), "peft": ("peft", "accelera
 WHEELS = {"liger_kernel": ("liger_kernel-*.whl", "liger-kernel==0.8.5"), "peft": ("peft-*.whl", "peft==0.21.2"),
           "accelerate": ("accelerate-*.whl", "accelerate==1.15.0")}
 TORCH_PY = "/opt/torch/.venv/bin/python3"
+# The CUDA context, outside the caching pool, which `bench --device-memory` counts (tools/plan.h).
+CUDA_CONTEXT_GIB = 0.5
 
 
 def parse_cases(text):
@@ -332,6 +339,9 @@ def main():
                     help="instead of the table: per side (chunkwise and/or peers, comma-separated), the longest "
                     "sequence that runs, doubling from the first case's tokens")
     ap.add_argument("--search-to", type=int, default=1 << 20, help="--longest: tokens not to go beyond")
+    ap.add_argument("--within-peer-memory", action="store_true",
+                    help="run each case's first peer first, then chunkwise capped to its measured peak "
+                    "(bench --device-memory)")
     a = ap.parse_args()
     if a.long_context:
         a.cases, a.peers = LONG_CONTEXT_CASES, "liger"
@@ -374,24 +384,35 @@ def main():
     rows = []
     peak = a.peak_tflops or None
     hf_done = {}  # (HF schedule, tokens) -> result: cases differing only in our options share one HF run
+    def run_peer(peer, hf_sched, seq, tag):
+        hf_key = (peer, hf_sched, seq)
+        if hf_key not in hf_done:
+            print(f"== {tag}: {PEER_NAMES[peer]} ({hf_sched})", flush=True)
+            hf_json = os.path.join(a.out, f"{peer}-{tag}.json")
+            hf_done[hf_key] = run_side(peer, peer_cmd(a, peer, hf_sched, seq, hf_json, lora, peak), hf_json,
+                                       os.path.join(a.out, f"{peer}-{tag}.log"), a.timeout, envs[peer])
+        return hf_done[hf_key]
+
     for sched, seq, case_extra in cases:
         tag = case_tag(sched, seq, case_extra)
+        hf_sched = "full" if sched == "full" else "checkpointed"
+        extra = case_extra
+        if a.within_peer_memory:
+            first = run_peer(peers[0], hf_sched, seq, tag)
+            cap = first.get("peak_gib") or (first.get("peak_bytes") or 0) / 2 ** 30
+            if first.get("status") != "ok" or not cap:
+                print(f"== {tag}: chunkwise skipped: {PEER_NAMES[peers[0]]} has no peak to stay within", flush=True)
+                continue
+            extra = f"{case_extra} --device-memory {cap + CUDA_CONTEXT_GIB:.2f}".strip()
         print(f"== {tag}: chunkwise", flush=True)
         ours_json = os.path.join(a.out, f"ours-{tag}.json")
-        ours = run_side("chunkwise", ours_cmd(a, sched, seq, case_extra, ours_json, lora), ours_json,
+        ours = run_side("chunkwise", ours_cmd(a, sched, seq, extra, ours_json, lora), ours_json,
                         os.path.join(a.out, f"ours-{tag}.log"), a.timeout)
         if peak is None and ours.get("peak_tflops"):
             peak = float(ours["peak_tflops"])
-        hf_sched = "full" if sched == "full" else "checkpointed"
         for peer in peers:
-            hf_key = (peer, hf_sched, seq)
-            if hf_key not in hf_done:
-                print(f"== {tag}: {PEER_NAMES[peer]} ({hf_sched})", flush=True)
-                hf_json = os.path.join(a.out, f"{peer}-{tag}.json")
-                hf_done[hf_key] = run_side(peer, peer_cmd(a, peer, hf_sched, seq, hf_json, lora, peak), hf_json,
-                                           os.path.join(a.out, f"{peer}-{tag}.log"), a.timeout, envs[peer])
-            rows.append(dict(case=tag, schedule=sched, seq=seq, ours_args=case_extra, peer=peer, hf_schedule=hf_sched,
-                             ours=ours, hf=dict(hf_done[hf_key])))
+            rows.append(dict(case=tag, schedule=sched, seq=seq, ours_args=extra, peer=peer, hf_schedule=hf_sched,
+                             ours=ours, hf=dict(run_peer(peer, hf_sched, seq, tag))))
 
     # One FLOP count and one peak for both sides' MFU: --peak-tflops, else chunkwise's measurement,
     # else (chunkwise produced none) HF's.
