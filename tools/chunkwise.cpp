@@ -143,6 +143,8 @@ int main(int argc, char** argv) {
                    "when it has a GPU, else not checked)");
   plan->add_flag("--optimizer-offload", po.optimizer_offload,
                  "master weights and AdamW's moments in host memory, updated on the CPU cores (ZeRO-Offload)");
+  plan->add_flag("--explain", po.explain,
+                 "with --chunk / --offload-window auto: also list every plan auto compared (settings, memory, time)");
   plan->add_flag("--longest", po.longest,
                  "plan the longest sequence that fits (a multiple of the chunk, else of 1024 tokens) instead of --seq");
   plan->add_option("--json", po.json, "also write the plan as JSON");

@@ -661,7 +661,8 @@ std::string budget_text(const MemoryBudget& b) {
 }
 
 ScheduleOptions resolve_chunk_and_window(const LlamaConfig& cf, int64_t B, int64_t T, ScheduleOptions o, DType dtype,
-                                         const MemoryBudget& gib, const LoraConfig& lora, bool optimizer_offload) {
+                                         const MemoryBudget& gib, const LoraConfig& lora, bool optimizer_offload,
+                                         std::vector<AutoCandidate>* weighed = nullptr) {
   const bool auto_chunk = o.chunk == kAuto, auto_window = o.offload_window == kAuto;
   CW_CHECK(chunked(o), "schedule.chunk and schedule.offload_window = auto are for schedules seco and spaco");
   auto out_of_memory = [&] {
@@ -705,6 +706,7 @@ ScheduleOptions resolve_chunk_and_window(const LlamaConfig& cf, int64_t B, int64
     if (auto_chunk) p.chunk = choose_chunk(cf, B, T, p, dtype, gib, chunk_candidates(), lora, optimizer_offload);
     if (p.chunk <= 0) continue;
     const PlanReport r = plan_step(cf, B, T, p, dtype, gib, lora, optimizer_offload);
+    if (weighed) weighed->push_back({p, r.fits, r.peak_device_gib(), r.peak_host_gib(), r.step_s, false});
     if (r.fits && (!best || r.step_s < best_s * 0.99)) {
       best = p;
       best_s = r.step_s;
@@ -719,9 +721,10 @@ ScheduleOptions resolve_chunk_and_window(const LlamaConfig& cf, int64_t B, int64
 }  // namespace
 
 ScheduleOptions resolve_auto_schedule(const LlamaConfig& cf, int64_t B, int64_t T, ScheduleOptions o, DType dtype,
-                                      const MemoryBudget& gib, const LoraConfig& lora, bool optimizer_offload) {
+                                      const MemoryBudget& gib, const LoraConfig& lora, bool optimizer_offload,
+                                      std::vector<AutoCandidate>* weighed) {
   if (o.chunk != kAuto && o.offload_window != kAuto) return o;
-  if (!chunked(o)) return resolve_chunk_and_window(cf, B, T, o, dtype, gib, lora, optimizer_offload);
+  if (!chunked(o)) return resolve_chunk_and_window(cf, B, T, o, dtype, gib, lora, optimizer_offload, weighed);
   // With a planned chunk or window, what happens inside a chunk is planned too. recompute = auto:
   // keeping every activation of a chunk (none) is fastest per chunk, but recomputing inside it
   // (selective, full) lets a larger chunk fit, and a larger chunk moves fewer K/V bytes where the
@@ -741,7 +744,7 @@ ScheduleOptions resolve_auto_schedule(const LlamaConfig& cf, int64_t B, int64_t 
       m.recompute = mode;
       m.save_attention = save;
       try {
-        const ScheduleOptions r = resolve_chunk_and_window(cf, B, T, m, dtype, gib, lora, optimizer_offload);
+        const ScheduleOptions r = resolve_chunk_and_window(cf, B, T, m, dtype, gib, lora, optimizer_offload, weighed);
         const double s = plan_step(cf, B, T, r, dtype, gib, lora, optimizer_offload).step_s;
         if (!best || s < best_s * 0.99) {
           best = r;
@@ -753,6 +756,8 @@ ScheduleOptions resolve_auto_schedule(const LlamaConfig& cf, int64_t B, int64_t 
     }
   }
   if (!best) throw *first_error;
+  if (weighed)
+    for (AutoCandidate& c : *weighed) c.chosen = describe(c.schedule) == describe(*best);
   return *best;
 }
 
@@ -824,6 +829,7 @@ int run_plan(const PlanOptions& po, std::ostream& out) {
   const MemoryBudget gib(device_gib_or_gpu(po.device_memory_gib), host_gib_or_machine(po.host_memory_gib));
   int64_t T = po.seq;
   ScheduleOptions o;
+  std::vector<AutoCandidate> weighed;
   if (po.longest) {
     const LongestPlan l = longest_sequence(cf, po.batch, po.schedule, dtype, gib, po.lora, po.optimizer_offload);
     if (l.T == 0)
@@ -833,10 +839,24 @@ int run_plan(const PlanOptions& po, std::ostream& out) {
     T = l.T;
     o = l.schedule;
   } else {
-    o = resolve_auto_schedule(cf, po.batch, T, po.schedule, dtype, gib, po.lora, po.optimizer_offload);
+    o = resolve_auto_schedule(cf, po.batch, T, po.schedule, dtype, gib, po.lora, po.optimizer_offload,
+                              po.explain ? &weighed : nullptr);
   }
   const PlanReport r = plan_step(cf, po.batch, T, o, dtype, gib, po.lora, po.optimizer_offload);
   out << plan_table(r);
+  if (!weighed.empty()) {
+    // What auto compared: per recompute mode and saved outputs, each place of the K/V store with its
+    // fastest chunk. The fastest that fits wins; one costing more memory or recompute, or offloading
+    // more, must be 1% faster than the one before it.
+    size_t width = 0;
+    for (const AutoCandidate& c : weighed) width = std::max(width, describe(c.schedule).size());
+    out << "auto weighed (each place of the K/V store with its fastest chunk; * chosen):\n";
+    out << fmt::format("    {:<{}} {:>12} {:>12} {:>10}\n", "settings", width, "device GiB", "host GiB", "step s");
+    for (const AutoCandidate& c : weighed)
+      out << fmt::format("  {} {:<{}} {:>12.2f} {:>12} {:>10.3f}{}\n", c.chosen ? "*" : " ", describe(c.schedule), width,
+                         c.peak_device_gib, c.peak_host_gib > 0 ? fmt::format("{:.2f}", c.peak_host_gib) : "-",
+                         c.step_s, c.fits ? "" : "  (does not fit)");
+  }
   if (!po.json.empty()) {
     std::ofstream f(po.json);
     CW_CHECK_HINT(f.good(), "check the --json path", "plan: cannot write {}", po.json);

@@ -104,9 +104,16 @@ int64_t choose_offload_window(const LlamaConfig& config, int64_t B, int64_t T, c
 // selective and full recompute inside the chunk. The schedule with them set (unchanged when neither
 // chunk nor window is auto). Throws an "out of memory" error saying which knob to turn when no
 // candidate fits.
+// One plan auto compared (`weighed`, when given, collects them in order; `chosen` marks the winner).
+struct AutoCandidate {
+  ScheduleOptions schedule;
+  bool fits = false;
+  double peak_device_gib = 0, peak_host_gib = 0, step_s = 0;
+  bool chosen = false;
+};
 ScheduleOptions resolve_auto_schedule(const LlamaConfig& config, int64_t B, int64_t T, ScheduleOptions schedule,
                                       DType dtype, const MemoryBudget& budget, const LoraConfig& lora = {},
-                                      bool optimizer_offload = false);
+                                      bool optimizer_offload = false, std::vector<AutoCandidate>* weighed = nullptr);
 // The longest sequence whose step fits the budget with the schedule's settings (chunk and window
 // = auto resolved again at each length): a multiple of the fixed chunk (else of 1024 tokens), at most
 // `limit`; T = 0 when not even one granule fits. `chunkwise plan --longest`.
@@ -140,6 +147,7 @@ struct PlanOptions {
   double host_memory_gib = 0;        // 0: this machine's available memory when it has a GPU, else not checked
   bool optimizer_offload = false;    // master weights and moments in host memory
   bool longest = false;              // plan the longest sequence that fits instead of `seq`
+  bool explain = false;              // with auto: also list every plan auto compared
   std::string json;                  // also write the report as JSON here
 };
 // Prints the table (and writes the JSON); returns 0 when the step fits, 1 when it does not.

@@ -256,6 +256,29 @@ TEST_CASE("plan: the CLI's table and JSON") {
   std::ostringstream windowed;
   CHECK(run_plan(o, windowed) == 0);
   CHECK(windowed.str().find("host") != std::string::npos);
+  CHECK(windowed.str().find("auto weighed") == std::string::npos);  // the alternatives only on --explain
+  o.explain = true;
+  std::ostringstream explained;
+  CHECK(run_plan(o, explained) == 0);
+  const std::string e = explained.str();
+  const size_t list = e.find("auto weighed");
+  REQUIRE(list != std::string::npos);
+  int chosen = 0, rows = 0;
+  std::string chosen_settings;
+  std::istringstream lines(e.substr(list));
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind("  * seco", 0) == 0) {
+      ++chosen, ++rows;
+      chosen_settings = line.substr(4, line.find("  ", 4) - 4);
+    } else if (line.rfind("    seco", 0) == 0) {
+      ++rows;
+    }
+  }
+  CHECK(chosen == 1);
+  CHECK(rows >= 4);  // at least the four places of the store for one recompute mode
+  const std::string header = e.substr(0, e.find('\n'));
+  CHECK(header.find("tokens, " + chosen_settings) != std::string::npos);  // the plan shown is the one marked
+  o.explain = false;
 
   o.seq = 65536;
   o.device_memory_gib = 80;
