@@ -331,9 +331,9 @@ def main():
     hf_reference.add_lora_args(ap)
     preset = ap.add_mutually_exclusive_group()
     preset.add_argument("--long-context", action="store_true",
-                        help=f"the SeCO-at-scale table: cases {LONG_CONTEXT_CASES} against HF+Liger")
+                        help=f"the SeCO-at-scale table: cases {LONG_CONTEXT_CASES} (unless --cases) against HF+Liger")
     preset.add_argument("--lora-8b", action="store_true",
-                        help=f"the LoRA table: llama-3.1-8b, rank 8 unless --lora-rank, cases {LORA_8B_CASES} "
+                        help=f"the LoRA table: llama-3.1-8b, rank 8 unless --lora-rank, cases {LORA_8B_CASES} (unless --cases) "
                         f"against HF+PEFT+Liger (with --longest: from {LORA_8B_LONGEST})")
     ap.add_argument("--longest", metavar="SIDES",
                     help="instead of the table: per side (chunkwise and/or peers, comma-separated), the longest "
@@ -343,11 +343,14 @@ def main():
                     help="run each case's first peer first, then chunkwise capped to its measured peak "
                     "(bench --device-memory)")
     a = ap.parse_args()
+    # The presets' cases unless --cases was given.
+    own_cases = a.cases != DEFAULT_CASES
     if a.long_context:
-        a.cases, a.peers = LONG_CONTEXT_CASES, "liger"
+        a.peers = "liger"
+        a.cases = a.cases if own_cases else LONG_CONTEXT_CASES
     if a.lora_8b:
         a.model, a.peers = "llama-3.1-8b", "peft-liger"
-        a.cases = LORA_8B_LONGEST if a.longest is not None else LORA_8B_CASES
+        a.cases = a.cases if own_cases else LORA_8B_LONGEST if a.longest is not None else LORA_8B_CASES
         a.lora_rank = a.lora_rank or 8
     try:
         lora = hf_reference.lora_settings(a)
