@@ -6,7 +6,8 @@
 //   fixed        bf16 compute weights, f32 master weights, AdamW's two f32 moments, f32 gradients
 //                (optim/training.h), one pool block per parameter tensor; RoPE tables; the cuBLASLt
 //                workspace (engine/cuda/linear.cu)
-//   K/V store    bf16 K, V and f32 dK, dV of every layer and token (model/kv_store.cpp); with an
+//   K/V store    bf16 K, V and f32 dK, dV of every layer and token (model/kv_store.cpp), dK, dV of one
+//                layer when one backward chunk covers all T tokens (layer-local gradients); with an
 //                offload window W > 0, W layers on the device and all L in pinned host memory
 //   activations  the schedule's arena (engine/memory.cpp: 256 MiB blocks, a request larger than a
 //                block gets its own, a block's tail is lost when the next request does not fit),
