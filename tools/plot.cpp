@@ -330,6 +330,8 @@ Chart run_chart(const std::string& metrics_path, const std::string& title) {
   };
   Series train{"train loss", {}, {}, chart_palette(0), false}, eval{"eval loss", {}, {}, chart_palette(1), true};
   Series lr{"", {}, {}, chart_palette(2), false}, rss{"", {}, {}, chart_palette(4), false};
+  Series device{"device, in use after the step", {}, {}, chart_palette(3), false};
+  Series device_peak{"device, peak so far", {}, {}, chart_palette(5), false};
   std::string line;
   while (std::getline(in, line)) {
     const nlohmann::json r = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
@@ -343,16 +345,31 @@ Chart run_chart(const std::string& metrics_path, const std::string& title) {
     add(eval, "eval_loss");
     add(lr, "lr");
     add(rss, "rss_mib");
+    add(device, "device_mib");
+    add(device_peak, "device_peak_mib");
   }
   Chart chart{title, "tokens seen", {}, 960, {}};
   chart.panels.push_back({"loss (nats per token)", {train}, 320});
   if (!eval.x.empty()) chart.panels[0].series.push_back(eval);
   if (!lr.x.empty()) chart.panels.push_back({"learning rate", {lr}, 130});
-  if (!rss.x.empty()) {
-    const bool gib = *std::max_element(rss.y.begin(), rss.y.end()) >= 1024;
+  // Memory: the host's RSS, and on a GPU the caching pool's bytes (in use after each step, and the
+  // peak so far), in one panel, in GiB once any reaches 1 GiB.
+  std::vector<Series> memory;
+  for (Series* s : {&rss, &device, &device_peak})
+    if (!s->x.empty()) memory.push_back(std::move(*s));
+  if (!memory.empty()) {
+    double top = 0;
+    for (const Series& s : memory)
+      for (double v : s.y)
+        if (std::isfinite(v)) top = std::max(top, v);
+    const bool gib = top >= 1024;
     if (gib)
-      for (double& v : rss.y) v /= 1024;
-    chart.panels.push_back({gib ? "host memory (GiB)" : "host memory (MiB)", {rss}, 130});
+      for (Series& s : memory)
+        for (double& v : s.y) v /= 1024;
+    const bool host_only = memory.size() == 1 && memory[0].label.empty();
+    if (!host_only && memory[0].label.empty()) memory[0].label = "host (RSS)";
+    const std::string unit = gib ? "GiB" : "MiB";
+    chart.panels.push_back({(host_only ? "host memory (" : "memory (") + unit + ")", memory, 130, true});
   }
   return chart;
 }

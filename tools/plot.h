@@ -60,7 +60,8 @@ std::string render_svg(const Chart& chart);
 void write_svg(const std::string& path, const Chart& chart);
 
 // The picture of a training run from its metrics log (metrics.jsonl, as tools/train writes it):
-// train loss and eval loss, learning rate, and host memory (rss_mib), each against "tokens". A
+// train loss and eval loss, learning rate, and memory (host rss_mib; on a GPU also the caching pool's
+// device_mib after each step and device_peak_mib), each against "tokens". A
 // panel is left out when no record has its field; an unparseable line (a torn last line while the
 // run is writing) is skipped. Throws cw::Error when the file cannot be read or holds no loss.
 Chart run_chart(const std::string& metrics_path, const std::string& title);

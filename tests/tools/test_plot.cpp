@@ -481,6 +481,24 @@ TEST_CASE("run_chart: loss, eval loss, learning rate and host memory from metric
   CHECK(c.panels[2].series[0].y.back() == 2.0);
   CHECK(well_formed(cw::render_svg(c)) == "");
 
+  // A GPU run's log: the device's pool beside the host's memory, one panel, each series labelled.
+  {
+    std::ofstream out(path);
+    out << R"({"step":1,"loss":5.0,"tokens":100,"rss_mib":900.0,"device_mib":30000.0,"device_peak_mib":31000.0})"
+        << "\n"
+        << R"({"step":2,"loss":4.0,"tokens":200,"rss_mib":950.0,"device_mib":30000.0,"device_peak_mib":32768.0})"
+        << "\n";
+  }
+  const cw::Chart gpu = cw::run_chart(path, "gpu run");
+  REQUIRE(gpu.panels.size() == 2);
+  CHECK(gpu.panels[1].y_label == "memory (GiB)");
+  REQUIRE(gpu.panels[1].series.size() == 3);
+  CHECK(gpu.panels[1].series[0].label == "host (RSS)");
+  CHECK(gpu.panels[1].series[1].label == "device, in use after the step");
+  CHECK(gpu.panels[1].series[2].y.back() == 32.0);
+  CHECK(gpu.panels[1].y_from_zero);
+  CHECK(well_formed(cw::render_svg(gpu)) == "");
+
   // An older log with loss only: one panel, no legend entry for a missing eval.
   {
     std::ofstream out(path);

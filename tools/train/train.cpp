@@ -744,9 +744,15 @@ class TrainLoop {
     const double eta = elapsed / static_cast<double>(step - start_step_) * static_cast<double>(rc_.train.steps - step);
     const double tok_s = static_cast<double>(tokens_per_step()) / step_s;
     if (!metrics_) return;  // ranks other than 0 neither log nor print
-    metrics_->append({{"step", step}, {"loss", o.loss}, {"lr", o.lr}, {"grad_norm", o.grad_norm},
-                      {"tokens", tokens_seen_}, {"tokens_per_s", tok_s}, {"step_s", step_s}, {"skipped", o.skipped},
-                      {"rss_mib", rss_mib()}});
+    nlohmann::json record = {{"step", step}, {"loss", o.loss}, {"lr", o.lr}, {"grad_norm", o.grad_norm},
+                             {"tokens", tokens_seen_}, {"tokens_per_s", tok_s}, {"step_s", step_s},
+                             {"skipped", o.skipped}, {"rss_mib", rss_mib()}};
+    if (!placement_.device.is_cpu()) {  // the caching pool: in use after the step, and its peak so far
+      const PoolStats pool = pool_stats(placement_.device);
+      record["device_mib"] = static_cast<double>(pool.in_use) / double(1 << 20);
+      record["device_peak_mib"] = static_cast<double>(pool.peak_in_use) / double(1 << 20);
+    }
+    metrics_->append(record);
     if (step % rc_.log.every != 0 && step != rc_.train.steps && step != start_step_ + 1) return;
     const std::string line = fmt::format(
         "step {:>5}/{} | loss {:.4f} | grad norm {:.3f} | lr {:.2e} | {:.0f} tok/s | {} elapsed, ETA {} | mem {:.0f} MiB",
