@@ -679,6 +679,10 @@ ScheduleOptions resolve_chunk_and_window(const LlamaConfig& cf, int64_t B, int64
   if (!auto_window) {
     if (auto_chunk) o.chunk = choose_chunk(cf, B, T, o, dtype, gib, chunk_candidates(), lora, optimizer_offload);
     if (auto_chunk && o.chunk == 0) out_of_memory();
+    if (weighed) {
+      const PlanReport r = plan_step(cf, B, T, o, dtype, gib, lora, optimizer_offload);
+      weighed->push_back({o, r.fits, r.peak_device_gib(), r.peak_host_gib(), r.step_s, false});
+    }
     return o;
   }
   // auto window: where the K/V store lives, with each place's fastest chunk (or the given one): on the
