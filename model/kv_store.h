@@ -27,8 +27,7 @@
 // Layer-local gradients (`layer_local_grads`, the store on the device): when one backward chunk
 // covers all T tokens (full backprop, or seco with a single reverse chunk), a layer's dK, dV are added
 // and read back within that layer's backward and never again, so one layer's accumulators serve every
-// layer, zeroed as each layer's backward begins: L - 1 layers' dK, dV fewer (4 GiB on Llama-3.1-8B at
-// 16K tokens).
+// layer, zeroed as each layer's backward begins: L - 1 layers' dK, dV fewer.
 //
 // Streamed (stream_block = Kb > 0): every part lives in host memory in blocks of Kb tokens, one
 // residency item per (layer, block), and three device slots hold the blocks in use: the chunk's own
