@@ -137,6 +137,9 @@ int main(int argc, char** argv) {
   cw::add_schedule_flags(*plan, po.schedule);  // --chunk and --offload-window take auto: the planner chooses
   cw::add_lora_flags(*plan, po.lora);
   plan->add_option("--dtype", po.dtype)->capture_default_str();
+  plan->add_option("--tp", po.tp,
+                   "tensor parallel ranks: plan one GPU's share (its heads, K/V heads and FFN columns; without "
+                   "sequence parallelism)")->capture_default_str();
   plan->add_option("--device-memory", po.device_memory_gib, "GiB (default: the GPU's, else 80)");
   plan->add_option("--host-memory", po.host_memory_gib,
                    "GiB of host memory, of which the plan may pin 90% (default: this machine's available memory "

@@ -8,6 +8,7 @@
 #include "model/layer.h"
 #include "model/lora.h"
 #include "model/params.h"
+#include "model/shard.h"
 #include "optim/adamw_offload.h"
 #include "optim/options.h"
 
@@ -827,7 +828,14 @@ size_t pool_limit_for(double gib, const char* option) {
 }
 
 int run_plan(const PlanOptions& po, std::ostream& out) {
-  const LlamaConfig cf = LlamaConfig::resolve(po.model);
+  // With tensor parallelism each GPU holds a Llama of 1/tp of the heads, K/V heads and FFN columns
+  // (model/shard.h, as train plans a rank): its plan is the per-GPU plan. The collectives' time is not
+  // in the step time.
+  const LlamaConfig cf = po.tp > 1 ? tp_shard_config(LlamaConfig::resolve(po.model), po.tp) : LlamaConfig::resolve(po.model);
+  if (po.tp > 1)
+    out << fmt::format("tensor parallel: one GPU of {} (1/{} of the heads, K/V heads and FFN; embeddings and norms "
+                       "whole; collectives not timed)\n",
+                       po.tp, po.tp);
   const DType dtype = parse_dtype(po.dtype);
   validate_lora(po.lora);
   const MemoryBudget gib(device_gib_or_gpu(po.device_memory_gib), host_gib_or_machine(po.host_memory_gib));

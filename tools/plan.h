@@ -149,6 +149,7 @@ struct PlanOptions {
   bool optimizer_offload = false;    // master weights and moments in host memory
   bool longest = false;              // plan the longest sequence that fits instead of `seq`
   bool explain = false;              // with auto: also list every plan auto compared
+  int64_t tp = 1;                    // tensor parallel: plan one rank's shard (model/shard.h), no SP
   std::string json;                  // also write the report as JSON here
 };
 // Prints the table (and writes the JSON); returns 0 when the step fits, 1 when it does not.

@@ -4,6 +4,7 @@
 #include "tools/plan.h"
 
 #include "model/llama.h"
+#include "model/shard.h"
 #include "optim/schedule.h"
 
 #include <nlohmann/json.hpp>
@@ -433,6 +434,43 @@ TEST_CASE("plan: predicted peaks and step times against the recorded Llama-3.1-8
     CHECK_MESSAGE(std::abs(time_err) <= kStepTimeTol, r.what);
     CHECK_MESSAGE(p.fits, r.what);
   }
+}
+
+TEST_CASE("plan --tp: one GPU's share against the measured TP 2 peaks; the longest context it predicts") {
+  // RESULTS.md, 4 x H100, 2026-11-27 (fifth session): seco, chunk 4096, the pool's peak per GPU in
+  // train's memory report: 19.11 GiB at 64K and 22.62 at 128K with TP 2 (33.26 and 39.78 on one GPU).
+  const LlamaConfig shard = tp_shard_config(one_b(), 2);
+  const struct {
+    int64_t T;
+    double peak_gib;
+  } tp2[] = {{65536, 19.11}, {131072, 22.62}};
+  for (const auto& r : tp2) {
+    const PlanReport p = plan_step(shard, 1, r.T, sched("seco", 4096), DType::bf16, 80);
+    MESSAGE(fmt::format("TP 2 at {}: {:.2f} GiB per GPU predicted, {:.2f} measured", r.T, p.peak_device_gib(),
+                        r.peak_gib));
+    CHECK(std::abs(p.peak_device_gib() / r.peak_gib - 1) <= kPeakTol);
+  }
+  // The longest context with the store on the device: TP 2 at least 1.8x one GPU (issue 17's bar).
+  PlanOptions o;
+  o.schedule = sched("seco", 4096);
+  o.device_memory_gib = 79.2;
+  o.longest = true;
+  std::ostringstream one, two;
+  CHECK(run_plan(o, one) == 0);
+  o.tp = 2;
+  CHECK(run_plan(o, two) == 0);
+  auto longest = [](const std::string& text) {
+    const size_t at = text.find("longest: ");
+    REQUIRE(at != std::string::npos);
+    return std::stoll(text.substr(at + 9));
+  };
+  const int64_t t1 = longest(one.str()), t2 = longest(two.str());
+  MESSAGE("longest seco context, chunk 4096, store on the device: one GPU ", t1, ", with TP 2 ", t2, " tokens");
+  CHECK(two.str().rfind("tensor parallel: one GPU of 2", 0) == 0);
+  CHECK(double(t2) >= 1.8 * double(t1));
+  o.tp = 3;  // 32 heads do not split 3 ways
+  std::ostringstream bad;
+  CHECK_THROWS_WITH_AS(run_plan(o, bad), doctest::Contains("--tp"), Error);
 }
 
 TEST_CASE("plan: the K/V offload's bytes moved a step against the recorded runs, and its copies in the step time") {
