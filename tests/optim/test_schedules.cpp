@@ -513,16 +513,18 @@ TEST_CASE("one backward chunk keeps one layer's dK, dV for all layers; the gradi
   const size_t row = size_t(cfg.num_key_value_heads * cfg.head_dim) * 8;  // f64 K or V of one token
   const size_t layers = size_t(cfg.num_hidden_layers), tokens = size_t(2 * T);
   CHECK(ref.stats.kv_bytes == layers * tokens * row * 4);  // K, V, dK, dV of every layer
-  ScheduleOptions full, one_chunk, prefill_then_one;
+  ScheduleOptions full, one_chunk, prefill_then_one, one_saved;
   one_chunk.name = "seco", one_chunk.chunk = T;
   prefill_then_one.name = "seco", prefill_then_one.chunk = 6, prefill_then_one.bwd_chunk = T;
-  for (const ScheduleOptions& o : {full, one_chunk, prefill_then_one}) {
+  one_saved = one_chunk, one_saved.save_attention = true;  // nothing prefilled: the chunk attends itself
+  for (const ScheduleOptions& o : {full, one_chunk, prefill_then_one, one_saved}) {
     INFO(o.name, " chunk ", o.chunk, " bwd_chunk ", o.bwd_chunk);
     ParamSet g(cfg, DType::f64);
     const Result r = run(o, model, batch, g);
     std::string report;
     CHECK(max_rel(g, g_ref, &report) <= test::kSameMathF64Tol);
-    CHECK(r.stats.kv_bytes == layers * tokens * row * 2 + tokens * row * 2);  // K, V of all; dK, dV of one
+    const size_t outputs = o.save_attention ? layers * tokens * size_t(cfg.num_attention_heads) * (size_t(cfg.head_dim) + 1) * 8 : 0;
+    CHECK(r.stats.kv_bytes == layers * tokens * row * 2 + tokens * row * 2 + outputs);  // K, V of all; dK, dV of one
   }
   // A store built so refuses a backward that is not one chunk of all the tokens.
   KVStore kv(cfg, 1, T, DType::f64, true, Device::host(), 0, false, 0, true);
