@@ -113,13 +113,11 @@ void check_host_memory(const LlamaModel& model, int64_t B, int64_t T, bool atten
 // offload_window > 0 (and below the layer count): the store's layers live in host memory with that
 // many on the device. attention_outputs: the store also keeps the prefill's attention outputs.
 // stream_block > 0: the store streamed in blocks of that many tokens (schedule.stream_kv: the chunk).
-// one_backward_chunk: the reverse sweep is one chunk of all T tokens, so a store on the device keeps
-// one layer's dK, dV for all layers (model/kv_store.h, layer-local gradients).
+// layer_local: one layer's dK, dV for all layers (ScheduleOptions::layer_local_kv_grads).
 KVStore& step_store(std::optional<KVStore>& store, LlamaModel& model, int64_t B, int64_t T, int64_t offload_window,
-                    bool attention_outputs, int64_t stream_block, bool one_backward_chunk) {
+                    bool attention_outputs, int64_t stream_block, bool layer_local) {
   model.ensure_positions(T);
   const int64_t window = effective_window(model, offload_window), block = stream_block;
-  const bool layer_local = one_backward_chunk && window == 0 && block == 0;
   if (!store || store->batch() != B || store->tokens() != T || store->dtype() != model.dtype() ||
       !(store->device() == model.device()) || store->offload_window() != window ||
       store->has_outputs() != attention_outputs || store->stream_block() != block ||
@@ -150,7 +148,7 @@ StepFrame::StepFrame(Schedule& schedule, std::optional<KVStore>& store, LlamaMod
       norm(step_normaliser(normaliser, supervised)),
       kv(step_store(store, model, batch.B(), batch.T(), options.offload_window, options.save_attention,
                     options.stream_block(batch.T()),
-                    chunk_bounds(batch.T(), options.bwd_chunk > 0 ? options.bwd_chunk : options.chunk).size() == 2)),
+                    options.layer_local_kv_grads(batch.T(), model.config().num_hidden_layers))),
       arena(step_arena(schedule, model.device())),
       hooks(schedule.hooks()),
       policy_(activation_policy(options)),

@@ -100,6 +100,17 @@ void ParallelOptions::validate() const {
          "set parallel.sequence_parallel = true (--sequence-parallel) or tp_regather = false");
 }
 
+bool ScheduleOptions::one_backward_chunk(int64_t T) const {
+  if (name != "seco" && name != "spaco") return true;
+  const int64_t c = bwd_chunk > 0 ? bwd_chunk : chunk;
+  return c <= 0 || c >= T;
+}
+
+bool ScheduleOptions::layer_local_kv_grads(int64_t T, int64_t layers) const {
+  const bool windowed = offload_window > 0 && offload_window < layers;
+  return one_backward_chunk(T) && !windowed && stream_block(T) == 0;
+}
+
 std::string ScheduleOptions::recompute_mode() const {
   if (recompute != "auto") return recompute;
   return name == "checkpointed" ? "full" : "none";

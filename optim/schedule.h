@@ -60,6 +60,12 @@ struct ScheduleOptions {
   std::string recompute_mode() const;
   // schedule.stream_kv's block for T tokens: the chunk (all T for chunk 0); 0 when not streamed.
   int64_t stream_block(int64_t T) const { return stream_kv ? (chunk > 0 ? std::min(chunk, T) : T) : 0; }
+  // The reverse sweep is one chunk of all T tokens: full and checkpointed always, seco and spaco with
+  // a (backward) chunk of T or more (or 0).
+  bool one_backward_chunk(int64_t T) const;
+  // One backward chunk with the K/V store on the device (no window below `layers`, not streamed): the
+  // store keeps one layer's dK, dV for every layer (model/kv_store.h, layer-local gradients).
+  bool layer_local_kv_grads(int64_t T, int64_t layers) const;
   bool offload = false;         // checkpointed, recompute full: the kept layer inputs live in pinned host
                                 // memory (GPU), copied out and back on a side stream
   int64_t offload_window = 0;   // seco, spaco: K/V store layers resident on the device; the rest in (pinned)

@@ -442,7 +442,7 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
     if (saved) block += pool_block(rows * size_t(H * D) * e) + pool_block(rows * size_t(H) * acc);
     r.device.emplace_back("kv", 3 * block);
     r.host.emplace_back("kv", kv_host);
-  } else if (!windowed && r.bwd_chunk >= T) {
+  } else if (o.layer_local_kv_grads(T, L)) {
     // One backward chunk of all T tokens: one layer's dK, dV serve every layer (model/kv_store.h,
     // layer-local gradients).
     const size_t grads = 2 * pool_block(kv_elems * acc);

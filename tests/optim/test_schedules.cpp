@@ -513,11 +513,20 @@ TEST_CASE("one backward chunk keeps one layer's dK, dV for all layers; the gradi
   const size_t row = size_t(cfg.num_key_value_heads * cfg.head_dim) * 8;  // f64 K or V of one token
   const size_t layers = size_t(cfg.num_hidden_layers), tokens = size_t(2 * T);
   CHECK(ref.stats.kv_bytes == layers * tokens * row * 4);  // K, V, dK, dV of every layer
-  ScheduleOptions full, one_chunk, prefill_then_one, one_saved;
+  ScheduleOptions full, full_chunk_set, one_chunk, prefill_then_one, one_saved;
+  full_chunk_set.chunk = 6;  // chunk is seco's and spaco's: full backprop is one chunk whatever it says
   one_chunk.name = "seco", one_chunk.chunk = T;
   prefill_then_one.name = "seco", prefill_then_one.chunk = 6, prefill_then_one.bwd_chunk = T;
   one_saved = one_chunk, one_saved.save_attention = true;  // nothing prefilled: the chunk attends itself
-  for (const ScheduleOptions& o : {full, one_chunk, prefill_then_one, one_saved}) {
+  CHECK_FALSE(chunked.layer_local_kv_grads(T, cfg.num_hidden_layers));
+  ScheduleOptions windowed = one_chunk, streamed = one_chunk;
+  windowed.offload_window = 1, streamed.stream_kv = true;
+  CHECK_FALSE(windowed.layer_local_kv_grads(T, cfg.num_hidden_layers));  // the store's layers leave the device
+  CHECK_FALSE(streamed.layer_local_kv_grads(T, cfg.num_hidden_layers));
+  windowed.offload_window = cfg.num_hidden_layers;  // a window of every layer is the store on the device
+  CHECK(windowed.layer_local_kv_grads(T, cfg.num_hidden_layers));
+  for (const ScheduleOptions& o : {full, full_chunk_set, one_chunk, prefill_then_one, one_saved}) {
+    CHECK(o.layer_local_kv_grads(T, cfg.num_hidden_layers));
     INFO(o.name, " chunk ", o.chunk, " bwd_chunk ", o.bwd_chunk);
     ParamSet g(cfg, DType::f64);
     const Result r = run(o, model, batch, g);

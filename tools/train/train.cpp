@@ -228,9 +228,7 @@ double planned_bytes(const LlamaConfig& c, DType dt, const RunConfig& rc, const 
   const double acts = static_cast<double>(ChunkActivations::bytes(c, B, chunk, dt, policy));
   // K, V of every layer; dK, dV of every layer, or of one when one backward chunk covers all T tokens
   // (model/kv_store.h: layer-local gradients).
-  const int64_t reverse = so.name == "full" || so.name == "checkpointed" ? T : (so.bwd_chunk > 0 ? so.bwd_chunk : so.chunk);
-  const bool on_device = so.offload_window == 0 && !so.stream_kv;
-  const int64_t grad_layers = on_device && (reverse <= 0 || reverse >= T) ? 1 : c.num_hidden_layers;
+  const int64_t grad_layers = so.layer_local_kv_grads(T, c.num_hidden_layers) ? 1 : c.num_hidden_layers;
   const double kv = static_cast<double>(B * T * c.kv_dim()) * 2 *
                     (static_cast<double>(c.num_hidden_layers) * e + static_cast<double>(grad_layers) * a);
   const double scratch = static_cast<double>(kLmHeadBlockRows * c.vocab_size) * e +
