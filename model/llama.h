@@ -135,7 +135,7 @@ struct ChunkTokens {
 //                        of its backward, so only two [N, C] device buffers hold layer inputs.
 //   mlp_frozen:          the MLP's linears are frozen and carry no adapters (LoRA on the attention's
 //                        linears: LoraConfig::freezes_mlp); a kept MLP then keeps gate and up only
-//                        (model/layer.h MlpKept::products). Set from the model where the chunk runs.
+//                        (model/layer.h MlpKept::products). optim's activation_policy sets it.
 struct ActivationPolicy {
   bool keep_layers = true;
   int64_t mlp_shards = 1;

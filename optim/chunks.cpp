@@ -42,7 +42,7 @@ ChunkTokens slice_chunk(const Batch& batch, int64_t t0, int64_t t1, Arena& arena
   return ct;
 }
 
-ActivationPolicy activation_policy(const ScheduleOptions& o) {
+ActivationPolicy activation_policy(const ScheduleOptions& o, const LoraConfig& lora) {
   const bool checkpointed = o.name == "checkpointed";
   ActivationPolicy p;
   const std::string mode = o.recompute_mode();
@@ -50,6 +50,7 @@ ActivationPolicy activation_policy(const ScheduleOptions& o) {
   p.mlp_shards = o.mlp_shards;
   p.recompute_mlp = mode == "selective";
   p.offload_inputs = checkpointed && o.offload;
+  p.mlp_frozen = lora.freezes_mlp();
   return p;
 }
 
@@ -76,9 +77,7 @@ double backprop_chunk(KVStore& kv, const LlamaModel& model, const Batch& batch, 
                       double loss_weight, const GradsFinalFrom& grads_final) {
   ArenaScope scope(arena);
   const ChunkTokens chunk = slice_chunk(batch, t0, t1, arena);
-  ActivationPolicy kept = policy;
-  kept.mlp_frozen = model.lora().freezes_mlp();
-  ChunkActivations act = ChunkActivations::allocate(arena, model.config(), batch.B(), chunk.c, model.dtype(), kept,
+  ChunkActivations act = ChunkActivations::allocate(arena, model.config(), batch.B(), chunk.c, model.dtype(), policy,
                                                     model.tensor_parallel());
   forward_chunk(&act, kv, model, chunk, normaliser, false, arena);
   return backward_chunk(grads, act, kv, model, chunk, normaliser, arena, loss_weight, grads_final);
@@ -151,7 +150,7 @@ StepFrame::StepFrame(Schedule& schedule, std::optional<KVStore>& store, LlamaMod
                     options.layer_local_kv_grads(batch.T(), model.config().num_hidden_layers))),
       arena(step_arena(schedule, model.device())),
       hooks(schedule.hooks()),
-      policy_(activation_policy(options)),
+      policy_(activation_policy(options, model.lora())),
       moved_before_(kv.bytes_moved()),
       dropout_round_(model, step_index) {}
 

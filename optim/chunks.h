@@ -27,8 +27,9 @@ std::unique_ptr<Schedule> make_seco_schedule(const ScheduleOptions& o);
 std::unique_ptr<Schedule> make_spaco_schedule(const ScheduleOptions& o);
 
 // The activation policy a schedule's options ask for (recompute = full keeps layer inputs only,
-// selective drops the MLP's intermediates; every schedule may tile the MLP).
-ActivationPolicy activation_policy(const ScheduleOptions& o);
+// selective drops the MLP's intermediates; every schedule may tile the MLP), for a model with `lora`'s
+// adapters (a frozen MLP keeps gate and up only).
+ActivationPolicy activation_policy(const ScheduleOptions& o, const LoraConfig& lora = {});
 
 // Prefill: every chunk of `bounds` forward, nothing kept but K/V. Returns the summed loss when
 // with_loss (spaco reports the whole batch's loss although it backprops only some chunks).

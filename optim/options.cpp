@@ -37,7 +37,8 @@ const std::vector<Option<ScheduleOptions>>& schedule_option_table() {
     {"offload",        "--offload",       &S::offload,       {},                       "checkpointed, recompute full: the kept layer inputs in pinned host memory (GPU)"},
     {"offload_window", "--offload-window", &S::offload_window, at_least_or_auto(0, "the whole K/V store on the device"),
      "seco, spaco: K/V store layers kept on the device, the rest in pinned host memory; 0: all on the device; auto: "
-     "the fewest layers moved that fit, else the store streamed (stream_kv) (GPU)"},
+     "the fastest that fits of the store on the device, a window of 2 or 1 layers, or streamed (stream_kv), as the "
+     "planner predicts (GPU)"},
     {"stream_kv",      "--stream-kv",     &S::stream_kv,     {},
      "seco, spaco: the whole K/V store in pinned host memory, streamed to the GPU one chunk-sized key block at a "
      "time, attention running block by block: device memory does not grow with the sequence (needs bwd_chunk = chunk "

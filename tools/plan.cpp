@@ -455,8 +455,7 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
 
   // Activations: the arena over the step, the backward chunk that attends all T keys last (the
   // arena keeps its largest extent, so the order of phases does not matter).
-  ActivationPolicy policy = activation_policy(o);
-  policy.mlp_frozen = lora.freezes_mlp();  // as optim/chunks.cpp sets it from the model
+  const ActivationPolicy policy = activation_policy(o, lora);
   ArenaReplay arena;
   const LoraConfig* adapters = lora.enabled() ? &lora : nullptr;
   const int64_t keys = streamed ? r.chunk : T;  // the most keys one attention call sees

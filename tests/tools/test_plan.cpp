@@ -119,6 +119,20 @@ const LlamaConfig& one_b() {
   return c;
 }
 
+const LlamaConfig& eight_b_config() {
+  static const LlamaConfig c = LlamaConfig::preset("llama-3.1-8b");
+  return c;
+}
+
+// The SeCO paper's adapters: rank 8, alpha 16 (the default), on q_proj and v_proj.
+LoraConfig paper_lora() {
+  LoraConfig l;
+  l.rank = 8;
+  l.alpha = 16;
+  l.targets = "q_proj,v_proj";
+  return l;
+}
+
 // Every run above was recorded while the K/V store kept dK, dV for every layer. Since then a store on
 // the device whose reverse sweep is one chunk of all T tokens keeps one layer's (model/kv_store.h):
 // the expected peak is the measured one less the other L - 1 layers' f32 dK, dV.
@@ -302,10 +316,8 @@ TEST_CASE("plan: the CLI's table and JSON") {
 }
 
 TEST_CASE("plan: LoRA keeps the base's compute weights only; master, moments and gradients are the adapters'") {
-  const LlamaConfig eight_b = LlamaConfig::preset("llama-3.1-8b");
-  LoraConfig lora;
-  lora.rank = 8;
-  lora.targets = "q_proj,v_proj";
+  const LlamaConfig& eight_b = eight_b_config();
+  const LoraConfig lora = paper_lora();
   const ScheduleOptions o = sched("seco", 4096);
   const PlanReport full = plan_step(eight_b, 1, 16384, o, DType::bf16, 80);
   const PlanReport adapted = plan_step(eight_b, 1, 16384, o, DType::bf16, 80, lora);
@@ -340,11 +352,8 @@ TEST_CASE("plan: LoRA keeps the base's compute weights only; master, moments and
 }
 
 TEST_CASE("plan: the papers' budgets for Llama-3.1-8B: LoRA in 24 GiB at 16K and 64K, full parameters at 60K with the optimizer offloaded") {
-  const LlamaConfig eight_b = LlamaConfig::preset("llama-3.1-8b");
-  LoraConfig lora;  // the SeCO paper's adapters: rank 8, alpha 16, q_proj and v_proj
-  lora.rank = 8;
-  lora.alpha = 16;
-  lora.targets = "q_proj,v_proj";
+  const LlamaConfig& eight_b = eight_b_config();
+  const LoraConfig lora = paper_lora();
   for (const int64_t T : {int64_t(16384), int64_t(65536)}) {
     CAPTURE(T);
     const ScheduleOptions o =
@@ -386,11 +395,8 @@ TEST_CASE("plan: the papers' budgets for Llama-3.1-8B: LoRA in 24 GiB at 16K and
 TEST_CASE("plan: predicted peaks and step times against the recorded Llama-3.1-8B runs") {
   // `chunkwise bench` on an H100 80GB HBM3, 2026-11-27 (RESULTS.md, seventh session): LoRA rank 8,
   // alpha 16 on q_proj, v_proj unless full parameters; the options are what the planner picked.
-  const LlamaConfig eight_b = LlamaConfig::preset("llama-3.1-8b");
-  LoraConfig lora;
-  lora.rank = 8;
-  lora.alpha = 16;
-  lora.targets = "q_proj,v_proj";
+  const LlamaConfig& eight_b = eight_b_config();
+  const LoraConfig lora = paper_lora();
   struct Run {
     const char* what;
     ScheduleOptions schedule;
@@ -501,10 +507,8 @@ TEST_CASE("plan: the K/V offload's bytes moved a step against the recorded runs,
   }
   // Without offload nothing moves; where the copies outlast the compute they set the step time.
   CHECK(plan_step(one_b(), 1, 131072, sched("seco", 4096), DType::bf16, 80).kv_moved_bytes == 0);
-  const LlamaConfig eight_b = LlamaConfig::preset("llama-3.1-8b");
-  LoraConfig lora;
-  lora.rank = 8;
-  lora.targets = "q_proj,v_proj";
+  const LlamaConfig& eight_b = eight_b_config();
+  const LoraConfig lora = paper_lora();
   ScheduleOptions small = sched("seco", 1024);
   small.offload_window = 1;
   const PlanReport r = plan_step(eight_b, 1, 65536, small, DType::bf16, 24, lora);
@@ -581,9 +585,8 @@ TEST_CASE("plan: offload_window = auto streams the K/V store where no window of 
 TEST_CASE("plan: with recompute = auto, chunk and window = auto also choose the recompute inside a chunk") {
   // Llama-3.1-8B with LoRA at 64K in 24 GiB: keeping every activation (none) allows chunks of 1024,
   // whose K/V offload moves 1.8 TB a step; recomputing inside the chunk lets one of 2048 fit.
-  const LlamaConfig cf = LlamaConfig::preset("llama-3.1-8b");
-  LoraConfig lora;
-  lora.rank = 8;
+  const LlamaConfig& cf = eight_b_config();
+  const LoraConfig lora = paper_lora();
   ScheduleOptions o = sched("seco", kAuto);
   o.offload_window = kAuto;
   const ScheduleOptions chosen = resolve_auto_schedule(cf, 1, 65536, o, DType::bf16, 24, lora);
@@ -630,11 +633,8 @@ TEST_CASE("plan: chunk and window = auto also save the attention outputs where t
 }
 
 TEST_CASE("plan: auto weighs where the K/V store lives by time, not by the least offload that fits") {
-  const LlamaConfig eight_b = LlamaConfig::preset("llama-3.1-8b");
-  LoraConfig lora;
-  lora.rank = 8;
-  lora.alpha = 16;
-  lora.targets = "q_proj,v_proj";
+  const LlamaConfig& eight_b = eight_b_config();
+  const LoraConfig lora = paper_lora();
   const MemoryBudget h100{80, 128};
   // 8B LoRA at 16K: one chunk of 16384 stays on the device (no prefill; the store keeps one layer's
   // dK, dV); it beats the chunk of 8192 and its prefill.
@@ -723,7 +723,7 @@ TEST_CASE("plan: the longest sequence that fits, on the device or bounded by the
   CHECK(a.schedule.chunk > 0);
   CHECK(a.schedule.chunk != kAuto);
   // Nothing fits: T = 0 (the 8B model's full-parameter state alone exceeds 16 GiB).
-  CHECK(longest_sequence(LlamaConfig::preset("llama-3.1-8b"), 1, sched("full"), DType::bf16, 16).T == 0);
+  CHECK(longest_sequence(eight_b_config(), 1, sched("full"), DType::bf16, 16).T == 0);
   // The limit caps the search.
   CHECK(longest_sequence(one_b(), 1, streamed, DType::bf16, MemoryBudget(79.2, 0), {}, false, 65536).T == 65536);
 }

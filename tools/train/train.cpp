@@ -223,8 +223,7 @@ double planned_bytes(const LlamaConfig& c, DType dt, const RunConfig& rc, const 
   const ScheduleOptions so = rc.schedule_options();
   int64_t chunk = (so.name == "full" || so.name == "checkpointed") ? T : std::max(so.chunk, so.bwd_chunk);
   if (chunk <= 0 || chunk > T) chunk = T;
-  ActivationPolicy policy = activation_policy(so);
-  policy.mlp_frozen = lora.freezes_mlp();
+  const ActivationPolicy policy = activation_policy(so, lora);
   const double acts = static_cast<double>(ChunkActivations::bytes(c, B, chunk, dt, policy));
   // K, V of every layer; dK, dV of every layer, or of one when one backward chunk covers all T tokens
   // (model/kv_store.h: layer-local gradients).
