@@ -137,10 +137,7 @@ LoraConfig paper_lora() {
 // the device whose reverse sweep is one chunk of all T tokens keeps one layer's (model/kv_store.h):
 // the expected peak is the measured one less the other L - 1 layers' f32 dK, dV.
 double layer_local_saving_gib(const LlamaConfig& cf, int64_t T, const ScheduleOptions& o) {
-  const bool chunked = o.name == "seco" || o.name == "spaco";
-  const int64_t bwd = chunked ? (o.bwd_chunk > 0 ? o.bwd_chunk : o.chunk) : T;
-  const bool on_device = !o.stream_kv && (!chunked || o.offload_window == 0);
-  if (!on_device || bwd < T) return 0;
+  if (!o.layer_local_kv_grads(T, cf.num_hidden_layers)) return 0;
   return double(cf.num_hidden_layers - 1) * double(T * cf.num_key_value_heads * cf.head_dim) * 2 * 4 /
          double(1ull << 30);
 }
