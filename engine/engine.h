@@ -66,7 +66,8 @@ CudnnPlans cudnn_plans();
 // the plans of the other offsets of its chunk length, both directions, in sweep order, are queued
 // for host threads that build them while the step runs. With determinism off, the chooser runs
 // such a call on our flash kernels while its plan is still being built (engine/ops/attention.cpp),
-// so the first step does not wait; with it on, the call waits for its plan (or builds it itself).
+// so the first step does not wait, except the backward whose keys fill the store, which shapes the
+// scratch arena for every later step; with it on, the call waits for its plan (or builds it itself).
 void set_cudnn_plan_threads(int threads);
 int cudnn_plan_threads();
 // Plans built since the process started (all devices), those cuDNN refused (a shared plan it

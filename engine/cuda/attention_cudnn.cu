@@ -52,7 +52,9 @@
 //   Plans built ahead (cw::cudnn_plan_threads(), engine.h): an exact plan missed by a call whose K/V
 //   are a slice of a longer store queues its family (the same chunk length c at every offset of
 //   the store, both directions, in sweep order) for worker threads, each with its own cudnnHandle;
-//   get_plan waits for a plan a worker is building and builds one still queued itself.
+//   get_plan waits for a plan a worker is building and builds one still queued itself. The
+//   chooser runs a call whose plan is not ready on flash, but the backward whose keys fill the
+//   store waits (cudnn_attention_plan_ready says why).
 //   Chosen by the chooser (engine/ops/attention.cpp) for bf16 forwards it serves, and for backwards
 //   when determinism is off and the plan's workspace fits the budget; forced (CW_ATTENTION=cudnn)
 //   the deterministic form serves the determinism switch.
@@ -1172,8 +1174,12 @@ bool cudnn_attention_plan_ready(const Tensor& q, const Tensor& k, const Tensor& 
   std::lock_guard lock(g_mutex);
   DeviceState& st = device_state(sh.device);
   if (st.plans.count(sh) || st.rejected.count(sh)) return true;
-  if (st.building.count(sh)) return false;  // a worker builds it (e.g. a sweep's last chunk, keys = the store)
-  if (!slice) return true;                  // built on use
+  // A worker builds it. The backward whose keys fill the store (a sweep's first chunk) waits for it:
+  // it is the step's largest attention scratch, so it lays out the scratch arena's blocks; run on
+  // flash, the first step would shape them for a smaller call and the next step, on cuDNN, would
+  // add a block for its workspace (1 GiB at 128K), beyond what the planner counts.
+  if (st.building.count(sh)) return backward && !slice;
+  if (!slice) return true;  // built on use
   // First in the queue (it is needed now), then the rest of its family.
   if (!g_ahead_set.insert(sh).second) g_ahead.erase(std::find(g_ahead.begin(), g_ahead.end(), sh));
   g_ahead.push_front(sh);
