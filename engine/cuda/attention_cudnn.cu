@@ -873,8 +873,9 @@ AheadBuilders& ahead_builders() {
 
 // Lock held. After a call missed the exact plan `sh`: where its K/V are a slice [0, S) of a longer
 // store, queues the plans of the same chunk length at the store's other offsets S' = S + j c, both
-// directions: this direction first in its sweep order (forward: S' rising, as the prefill runs;
-// backward: falling, as the reverse sweep), then the other direction in its own.
+// directions: the two whose keys fill the store first, then this direction in its sweep order
+// (forward: S' rising, as the prefill runs; backward: falling, as the reverse sweep), then the
+// other direction in its own.
 void queue_family(const Shape& sh) {
   const int threads = cw::cudnn_plan_threads();
   if (threads == 0 || sh.shared || !sh.causal) return;
@@ -898,6 +899,12 @@ void queue_family(const Shape& sh) {
     else
       for (int64_t S = bottom; S <= top; S += sh.c) queue(false, S);
   };
+  // First the sweep's first chunk, whose keys fill the store: its backward waits for its plan
+  // (cudnn_attention_plan_ready says why), and its forward runs just before it.
+  if (top == extent) {
+    queue(true, extent);
+    queue(false, extent);
+  }
   if (sh.backward) {
     for (int64_t S = sh.S - sh.c; S >= bottom; S -= sh.c) queue(true, S);
   } else {
