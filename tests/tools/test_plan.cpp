@@ -112,6 +112,18 @@ const Recorded kRecorded[] = {
        o.stream_kv = true;
        return o;
      }(), 524288, 43.90, 2007},
+    // The eighth session's runs within HF+Liger's peak (the planner's picks) and the 256K trace.
+    {"RESULTS.md, H100, 2026-11-27 eighth session (seco 32K, chunk 2048, selective, saved attention, streamed)", [] {
+       ScheduleOptions o = saved(sched("seco", 2048, "selective"));
+       o.stream_kv = true;
+       return o;
+     }(), 32768, 22.31, 16367},
+    {"RESULTS.md, H100, 2026-11-27 eighth session (seco 64K, chunk 4096, saved attention, offload 2)",
+     saved(sched("seco", 4096, "none"), 2), 65536, 28.53, 17221},
+    {"RESULTS.md, H100, 2026-11-27 eighth session (seco 128K, chunk 2048, saved attention)",
+     saved(sched("seco", 2048, "none")), 131072, 45.03, 10191},
+    {"RESULTS.md, H100, 2026-11-27 eighth session (seco 256K, chunk 8192, saved attention)", saved(sched("seco", 8192)),
+     262144, 74.06, 5520},
 };
 
 const LlamaConfig& one_b() {
@@ -390,7 +402,7 @@ TEST_CASE("plan: the papers' budgets for Llama-3.1-8B: LoRA in 24 GiB at 16K and
 }
 
 TEST_CASE("plan: predicted peaks and step times against the recorded Llama-3.1-8B runs") {
-  // `chunkwise bench` on an H100 80GB HBM3, 2026-11-27 (RESULTS.md, seventh session): LoRA rank 8,
+  // `chunkwise bench` on an H100 80GB HBM3, 2026-11-27 (RESULTS.md, seventh and eighth sessions): LoRA rank 8,
   // alpha 16 on q_proj, v_proj unless full parameters; the options are what the planner picked.
   const LlamaConfig& eight_b = eight_b_config();
   const LoraConfig lora = paper_lora();
@@ -404,6 +416,11 @@ TEST_CASE("plan: predicted peaks and step times against the recorded Llama-3.1-8
     // Recorded while a kept MLP still kept h2 and act under LoRA on q, v (before MlpKept::products):
     // the expected peak is the measured one less those tensors, L x c x (C + F) bf16 values.
     bool kept_h2_act = false;
+    // Recorded after the store kept one layer's dK, dV for one backward chunk (nothing to subtract).
+    bool layer_local_recorded = false;
+    // A first step (warm-up 0) while the host's other GPU ran another benchmark: its peak is the
+    // step's, its time is not a steady state's (printed, not checked).
+    bool time_not_steady = false;
   };
   ScheduleOptions one_slot = saved(sched("seco", 2048, "selective"), 1);
   const Run runs[] = {
@@ -416,6 +433,13 @@ TEST_CASE("plan: predicted peaks and step times against the recorded Llama-3.1-8
        false, 21.33, 2171},
       {"full parameters 60K, chunk 2048, optimizer offloaded", sched("seco", 2048, "none"), 61440, 80, false, true,
        77.12, 3226},
+      // The eighth session (RESULTS.md): the planner's picks, the frozen MLP keeping gate and up.
+      {"LoRA 16K, one chunk (eighth session)", sched("seco", 16384, "none"), 16384, 80, true, false, 75.80, 12491,
+       false, true},
+      {"LoRA 64K, chunk 4096, saved attention (eighth session)", saved(sched("seco", 4096, "none")), 65536, 80, true,
+       false, 70.33, 5007, false, true},
+      {"LoRA 256K, chunk 8192, saved attention, window 2 (eighth session; one step, warm-up 0)",
+       saved(sched("seco", 8192, "none"), 2), 262144, 80, true, false, 65.73, 1097, false, true, true},
   };
   for (const Run& r : runs) {
     const PlanReport p = plan_step(eight_b, 1, r.T, r.schedule, DType::bf16, r.device_gib,
@@ -424,7 +448,7 @@ TEST_CASE("plan: predicted peaks and step times against the recorded Llama-3.1-8
                                                 double(eight_b.hidden_size + eight_b.intermediate_size) * 2 /
                                                 double(1ull << 30)
                                           : 0.0) +
-                           layer_local_saving_gib(eight_b, r.T, r.schedule);
+                           (r.layer_local_recorded ? 0.0 : layer_local_saving_gib(eight_b, r.T, r.schedule));
     const double expected = r.peak_gib - dropped;
     const double peak_err = p.peak_device_gib() / expected - 1;
     const double time_err = p.step_s / (double(r.T) / r.tokens_per_s) - 1;
@@ -434,7 +458,7 @@ TEST_CASE("plan: predicted peaks and step times against the recorded Llama-3.1-8
                         dropped > 0 ? fmt::format(" less {:.2f} of h2, act, dK, dV", dropped) : "", 100 * peak_err,
                         p.step_s, double(r.T) / r.tokens_per_s, 100 * time_err));
     CHECK_MESSAGE(std::abs(peak_err) <= kPeakTol, r.what);
-    CHECK_MESSAGE(std::abs(time_err) <= kStepTimeTol, r.what);
+    if (!r.time_not_steady) CHECK_MESSAGE(std::abs(time_err) <= kStepTimeTol, r.what);
     CHECK_MESSAGE(p.fits, r.what);
   }
 }
