@@ -103,9 +103,8 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
   }
   so.validate();
   const PlanReport plan = plan_step(cfg, o.batch, o.seq, so, dt, budget, o.lora, o.optimizer_offload);
-  out << fmt::format("plan: {} chunk {} offload window {}: peak {:.2f} GiB of {:.1f} on the device, {:.2f} GiB host, "
-                     "{:.2f} s a step predicted\n",
-                     so.name, so.chunk, so.offload_window, plan.peak_device_gib(), gib, plan.peak_host_gib(), plan.step_s);
+  out << fmt::format("plan: {}: peak {:.2f} GiB of {:.1f} on the device, {:.2f} GiB host, {:.2f} s a step predicted\n",
+                     plan.schedule, plan.peak_device_gib(), gib, plan.peak_host_gib(), plan.step_s);
   std::optional<DeviceMemoryLimitScope> limit;
   if (o.device_memory_gib > 0) limit.emplace(g, pool_limit_for(o.device_memory_gib, "bench --device-memory"));
 
@@ -120,8 +119,8 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
                  {"targets", o.lora.target_names()}};
   r["optimizer_offload"] = o.optimizer_offload;
   r["device_memory_gib"] = gib;
-  r["plan"] = {{"peak_device_gib", plan.peak_device_gib()}, {"peak_host_gib", plan.peak_host_gib()},
-               {"step_s", plan.step_s}, {"fits", plan.fits}};
+  r["plan"] = {{"settings", plan.schedule}, {"peak_device_gib", plan.peak_device_gib()},
+               {"peak_host_gib", plan.peak_host_gib()}, {"step_s", plan.step_s}, {"fits", plan.fits}};
 #if CW_HAVE_CUDA
   set_deterministic(o.deterministic);
   r["attention"] = attention_kernel_name(attention_kernel());

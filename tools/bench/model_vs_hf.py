@@ -204,11 +204,12 @@ def ratio(a, b):
 
 
 def planner_choice(args, ours):
-    """What `chunkwise bench` resolved an `auto` in its arguments (--extra and the case's) to: its JSON's
-    chunk and offload_window; None without one."""
+    """What `chunkwise bench` resolved an `auto` in its arguments (--extra and the case's) to: the plan's
+    settings in its JSON (an older binary's: its chunk and offload_window); None without one."""
     if "auto" not in args or "chunk" not in ours:
         return None
-    return f"chunk {ours['chunk']}, offload window {ours.get('offload_window', 0)}"
+    settings = ours.get("plan", {}).get("settings")
+    return settings or f"chunk {ours['chunk']}, offload window {ours.get('offload_window', 0)}"
 
 
 def lora_text(lora):
