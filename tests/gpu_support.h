@@ -86,7 +86,8 @@ inline void expect_close_gpu(const Tensor& dev, const Tensor& ref, double tol, c
 
 // Two host tensors hold the same bytes (device tensors: expect_same_bits).
 inline bool same_bits(const Tensor& a, const Tensor& b) {
-  CW_CHECK(a.device.is_cpu() && b.device.is_cpu(), "same_bits reads host memory: compare device tensors with expect_same_bits");
+  CW_CHECK(a.device.is_cpu() && b.device.is_cpu(),
+           "same_bits reads host memory: compare device tensors with expect_same_bits");
   return a.bytes() == b.bytes() && std::memcmp(a.data, b.data, a.bytes()) == 0;
 }
 

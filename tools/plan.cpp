@@ -520,12 +520,13 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
                       double(trained) / kHostAdamWElemsPerS})
           : double(trained) * (dtype == DType::bf16 ? 38.0 : 36.0) / kElementwiseBytesPerS;
   r.flops = matmul + head + attention;
+  const double attention_s = attention / (attention_tflops(D) * 1e12) *
+                             (streamed                        ? kStreamedAttentionSlowdown
+                              : windowed && !serial_copies ? kOffloadedAttentionSlowdown
+                                                           : 1.0);
   r.time = {{"matmul", matmul / (kMatmulTflops * 1e12)},
             {"lm_head", head / (kMatmulTflops * 1e12)},
-            {"attention", attention / (attention_tflops(D) * 1e12) *
-                              (streamed                        ? kStreamedAttentionSlowdown
-                               : windowed && !serial_copies ? kOffloadedAttentionSlowdown
-                                                            : 1.0)},
+            {"attention", attention_s},
             {"elementwise", elementwise / kElementwiseBytesPerS},
             {"optimizer", optimizer_s}};
   for (const auto& [name, s] : r.time) r.step_s += s;
@@ -543,11 +544,7 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
       r.time.emplace_back("kv copies (one slot: not overlapped)", copies_s);
       r.step_s += copies_s;
     } else {
-      double hidden_behind = r.step_s;
-      if (streamed)
-        for (const auto& [name, s] : r.time)
-          if (name == "attention") hidden_behind = s;
-      const double beyond = std::max(0.0, copies_s - hidden_behind);
+      const double beyond = std::max(0.0, copies_s - (streamed ? attention_s : r.step_s));
       r.time.emplace_back(streamed ? "kv copies beyond attention" : "kv copies beyond compute", beyond);
       r.step_s += beyond;
     }
