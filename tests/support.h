@@ -9,6 +9,7 @@
 #include <fmt/format.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <string>
 #include <unistd.h>
@@ -20,6 +21,13 @@ namespace cw::test {
 constexpr double kFiniteDifferenceTol = 1e-7;
 // Two exact computations of the same f64 quantity in different association orders.
 constexpr double kSameMathF64Tol = 1e-12;
+
+// The `chunkwise` binary the CLI tests run: the build's own, or CHUNKWISE_EXE's where the suite runs
+// away from its build directory (tools/gpu-check with binaries built on another machine).
+inline std::string chunkwise_exe() {
+  const char* e = std::getenv("CHUNKWISE_EXE");
+  return e != nullptr && *e != '\0' ? std::string(e) : std::string(CW_CHUNKWISE_EXE);
+}
 
 struct Worst {
   double rel = 0;      // ||a - b|| / ||b||

@@ -20,7 +20,7 @@ double max_rel_err(const std::string& out) {
 
 // Runs the chunkwise binary; returns the exit status and fills the combined output.
 int run_cli(const std::string& args, std::string& output) {
-  const std::string cmd = std::string(CW_CHUNKWISE_EXE) + " " + args + " 2>&1";
+  const std::string cmd = test::chunkwise_exe() + " " + args + " 2>&1";
   FILE* p = popen(cmd.c_str(), "r");
   REQUIRE(p != nullptr);
   char buf[4096];

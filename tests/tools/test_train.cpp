@@ -318,7 +318,7 @@ TEST_CASE("train: SIGINT finishes the step, saves, and exits with the distinct c
       "{} train --config {} --run-dir {} >{} 2>&1 & pid=$!; "
       "for i in $(seq 1 600); do grep -q '^step ' {} && break; sleep 0.1; done; "
       "kill -INT $pid; wait $pid; echo $? >{}",
-      CW_CHUNKWISE_EXE, cfg, run, log_path, log_path, status_path);
+      test::chunkwise_exe(), cfg, run, log_path, log_path, status_path);
   const std::string script_path = fx.dir.file("sig.sh");
   std::ofstream(script_path) << script << "\n";
   REQUIRE(std::system(("bash " + script_path).c_str()) == 0);
