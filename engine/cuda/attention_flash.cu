@@ -80,19 +80,24 @@ void launch_dq_convert(const Operands<bf16_t>& a, const Problem& pr, cudaStream_
   dq_convert_kernel<<<grid, 256, 0, stream>>>(a.dq_accum, a.o, quads, pr.scale, pr.accumulate);
   CW_KERNEL_CHECK();
 }
-// attention_merge: one thread per (batch, head, query) row of D values.
+// attention_merge: one warp per row of D values (acc's [B, c, H] rows, lanes across D, so a warp
+// reads and writes its row's contiguous bytes). Every lane reads the row's two lse values; lane 0
+// writes the merged one after the warp has read them.
 template <class T>
 __global__ void attention_merge_kernel(float* __restrict__ acc, float* __restrict__ lse_acc, const T* __restrict__ out_b,
                                        const float* __restrict__ lse_b, int64_t rows, int c, int H, int D) {
-  for (int64_t s = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; s < rows;
-       s += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    const int64_t bh = s / c, i = s % c, b = bh / H, h = bh % H;
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
+  for (int64_t r = static_cast<int64_t>(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32; r < rows; r += warps) {
+    const int64_t h = r % H, bi = r / H, i = bi % c, b = bi / c;
+    const int64_t s = (b * H + h) * c + i;  // lse is [B, H, c]
     const float la = lse_acc[s], lb = lse_b[s], m = fmaxf(la, lb);
     const float wa = expf(la - m), wb = expf(lb - m), sum = wa + wb;
-    float* row = acc + ((b * c + i) * H + h) * D;
-    const T* row_b = out_b + ((b * c + i) * H + h) * D;
-    for (int x = 0; x < D; ++x) row[x] = (wa * row[x] + wb * to_f32(row_b[x])) / sum;
-    lse_acc[s] = m + logf(sum);
+    float* row = acc + r * D;
+    const T* row_b = out_b + r * D;
+    for (int x = lane; x < D; x += 32) row[x] = (wa * row[x] + wb * to_f32(row_b[x])) / sum;
+    __syncwarp();
+    if (lane == 0) lse_acc[s] = m + logf(sum);
   }
 }
 
@@ -230,7 +235,7 @@ void attention_merge(const Tensor& acc, const Tensor& lse_acc, const Tensor& out
   const int64_t B = acc.size(0), c = acc.size(1), H = acc.size(2), D = acc.size(3), rows = B * H * c;
   if (rows == 0) return;
   cudaStream_t stream = current_stream(acc.device.index);
-  const unsigned grid = static_cast<unsigned>(std::min<int64_t>((rows + 255) / 256, 65535));
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>((rows + 7) / 8, 65535));  // 8 warps a block
   float* o = static_cast<float*>(acc.data);
   float* l = static_cast<float*>(lse_acc.data);
   const float* lb = static_cast<const float*>(lse_b.data);

@@ -136,6 +136,28 @@ TEST_CASE("cuda: flash attention rejects bad operands" * doctest::skip(!cw::test
   CHECK_THROWS_AS(attention_forward(out, {lse}, q, k_wide.tensor.slice(2, 0, 2), v, scale, scratch), Error);
 }
 
+TEST_CASE("cuda: attention_merge equals the CPU's in f64 for any head dim and batch (f32 and bf16 blocks)" *
+          doctest::skip(!cw::test::gpu_ready())) {
+  // Head dims below, at and between multiples of the warp's 32 lanes; rows not a multiple of a block.
+  const int64_t B = 2, c = 37, H = 3;
+  for (const DType dt : {DType::f32, DType::bf16}) {
+    for (const int64_t D : {8, 40, 64, 96, 128}) {
+      INFO(dtype_name(dt), " D ", D);
+      const Input acc = make_gpu_input(DType::f32, {B, c, H, D}, kSeed, 40), out_b = make_input(dt, {B, c, H, D}, 41);
+      const Input lse = make_gpu_input(DType::f32, {B, H, c}, kSeed, 42, 2.0),
+                  lse_b = make_gpu_input(DType::f32, {B, H, c}, kSeed, 43, 2.0);
+      OwnedTensor acc_ref = OwnedTensor::of_shape(DType::f64, shape_of(acc.ref)),
+                  lse_ref = OwnedTensor::of_shape(DType::f64, shape_of(lse.ref));
+      copy_convert(acc_ref, acc.ref);
+      copy_convert(lse_ref, lse.ref);
+      attention_merge(acc_ref, lse_ref, out_b.ref, lse_b.ref);
+      attention_merge(acc.dev, lse.dev, out_b.dev, lse_b.dev);
+      expect_close_gpu(acc.dev, acc_ref, 1e-5, "merged acc");
+      expect_close_gpu(lse.dev, lse_ref, 1e-5, "merged lse");
+    }
+  }
+}
+
 TEST_CASE("cuda: attention in key blocks (the chunk's keys causal, the prefix unmasked, merged on the GPU) matches "
           "one CPU f64 call, forward and backward" * doctest::skip(!cw::test::gpu_ready())) {
   // The shape of a SeCO chunk against a streamed prefix: c = 200 queries at p = 700, the prefix in
