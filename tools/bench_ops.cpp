@@ -240,12 +240,15 @@ void bench_chunk_attention(std::vector<Row>& rows, DType dt, int64_t c, int64_t 
     one_call_forward();  // out and lse for the backward rows (both forms give the same)
     mine[1].ms = median_ms(one_call_backward, g, 3, repeat);
     mine[3].ms = median_ms(blocked_backward, g, 3, repeat);
-    // The kernels the chooser picks for the one call and for an unmasked block (forward, backward).
+    // The kernels the chooser picks for the one call and for an unmasked block (forward, backward),
+    // with its reason where that is not cuDNN.
     auto picked = [&](const Tensor& kk, const Tensor& vv, bool backward, AttentionMask mask) {
       const AttentionCall call = backward ? attention_call(q, kk, vv, out, &d_q.tensor, &d_out.tensor, &d_k.tensor,
                                                            &d_v.tensor, mask)
                                           : attention_call(q, kk, vv, out, nullptr, nullptr, nullptr, nullptr, mask);
-      return std::string(attention_kernel_name(choose_attention_kernel(call, attention_flags()).kernel));
+      const AttentionChoice choice = choose_attention_kernel(call, attention_flags());
+      const std::string name = attention_kernel_name(choice.kernel);
+      return choice.kernel == AttentionKernel::cudnn ? name : fmt::format("{} ({})", name, choice.reason);
     };
     mine[0].note = picked(k, v, false, AttentionMask::causal);
     mine[1].note = picked(k, v, true, AttentionMask::causal);
