@@ -310,6 +310,7 @@ void KVStore::zero_grads() {
     res_->evict_all();
     return;
   }
+  if (layer_local_grads_) return;  // begin_layer zeroes the one layer's accumulators before each backward
   for (Part p : {kDKeys, kDValues})
     for (auto& b : bufs_[p]) fill(Tensor(b.data(), DType::f32, device_, {static_cast<int64_t>(b.bytes() / 4)}), 0.0);
 }

@@ -89,7 +89,7 @@ class KVStore {
   void attend_backward(int layer, int64_t t0, int64_t t1, const Tensor& d_q, const Tensor& d_out,
                        const AttentionSaved& saved, const Tensor& q, const Tensor& out, double scale, Arena& scratch);
 
-  void zero_grads();
+  void zero_grads();  // layer-local gradients: each layer's backward zeroes them as it begins
   void release_from(int64_t t);  // tokens [t, T) are no longer readable
   void reset();                  // all tokens readable again, gradients zeroed
 

@@ -318,17 +318,6 @@ void backprop_chunk(ArenaReplay& a, const Shape& s, const ActivationPolicy& p, b
 
 bool chunked(const ScheduleOptions& o) { return o.name == "seco" || o.name == "spaco"; }
 
-std::string describe(const ScheduleOptions& o) {
-  std::string s = o.name;
-  if (o.name == "checkpointed" || o.recompute_mode() != "none")
-    s += " recompute " + o.recompute_mode() + (o.offload ? " offload" : "");
-  if (chunked(o)) s += fmt::format(" chunk {} bwd-chunk {}", o.chunk, o.bwd_chunk > 0 ? o.bwd_chunk : o.chunk);
-  if (o.mlp_shards != 1) s += fmt::format(" mlp-shards {}", o.mlp_shards);
-  if (o.offload_window > 0) s += fmt::format(" offload-window {}", o.offload_window);
-  if (o.save_attention) s += " save-attention";
-  if (o.stream_kv) s += " stream-kv";
-  return s;
-}
 
 // Bytes the K/V offload moves in one step (model/kv_store.cpp's begin_layer / end_layer, per layer):
 // the prefill fetches each chunk's prefix of K, V and sends the chunk's K, V (and saved outputs)
@@ -375,6 +364,18 @@ double causal_pairs(int64_t T, int64_t c) {
 }
 }  // namespace
 
+std::string describe_schedule(const ScheduleOptions& o) {
+  std::string s = o.name;
+  if (o.name == "checkpointed" || o.recompute_mode() != "none")
+    s += " recompute " + o.recompute_mode() + (o.offload ? " offload" : "");
+  if (chunked(o)) s += fmt::format(" chunk {} bwd-chunk {}", o.chunk, o.bwd_chunk > 0 ? o.bwd_chunk : o.chunk);
+  if (o.mlp_shards != 1) s += fmt::format(" mlp-shards {}", o.mlp_shards);
+  if (o.offload_window > 0) s += fmt::format(" offload-window {}", o.offload_window);
+  if (o.save_attention) s += " save-attention";
+  if (o.stream_kv) s += " stream-kv";
+  return s;
+}
+
 double PlanReport::peak_device_gib() const { return double(peak_device_bytes) / kGiB; }
 double PlanReport::peak_host_gib() const { return double(peak_host_bytes) / kGiB; }
 
@@ -390,7 +391,7 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
   CW_CHECK(o.offload_window >= 0 && o.offload_window <= L, "plan: --offload-window {} outside [0, {}] layers",
            o.offload_window, L);
   PlanReport r;
-  r.schedule = describe(o);
+  r.schedule = describe_schedule(o);
   if (lora.enabled())
     r.schedule += fmt::format(" lora rank {} on {}{}", lora.rank, fmt::join(lora.target_names(), ","),
                               lora.dropout > 0 ? fmt::format(" dropout {}", lora.dropout) : "");
@@ -766,7 +767,7 @@ ScheduleOptions resolve_auto_schedule(const LlamaConfig& cf, int64_t B, int64_t 
   }
   if (!best) throw *first_error;
   if (weighed)
-    for (AutoCandidate& c : *weighed) c.chosen = describe(c.schedule) == describe(*best);
+    for (AutoCandidate& c : *weighed) c.chosen = describe_schedule(c.schedule) == describe_schedule(*best);
   return *best;
 }
 
@@ -865,13 +866,14 @@ int run_plan(const PlanOptions& po, std::ostream& out) {
     // fastest chunk. The fastest that fits wins; one costing more memory or recompute, or offloading
     // more, must be 1% faster than the one before it.
     size_t width = 0;
-    for (const AutoCandidate& c : weighed) width = std::max(width, describe(c.schedule).size());
+    for (const AutoCandidate& c : weighed) width = std::max(width, describe_schedule(c.schedule).size());
     out << "auto weighed (each place of the K/V store with its fastest chunk; * chosen):\n";
     out << fmt::format("    {:<{}} {:>12} {:>12} {:>10}\n", "settings", width, "device GiB", "host GiB", "step s");
     for (const AutoCandidate& c : weighed)
-      out << fmt::format("  {} {:<{}} {:>12.2f} {:>12} {:>10.3f}{}\n", c.chosen ? "*" : " ", describe(c.schedule), width,
-                         c.peak_device_gib, c.peak_host_gib > 0 ? fmt::format("{:.2f}", c.peak_host_gib) : "-",
-                         c.step_s, c.fits ? "" : "  (does not fit)");
+      out << fmt::format("  {} {:<{}} {:>12.2f} {:>12} {:>10.3f}{}\n", c.chosen ? "*" : " ",
+                         describe_schedule(c.schedule), width, c.peak_device_gib,
+                         c.peak_host_gib > 0 ? fmt::format("{:.2f}", c.peak_host_gib) : "-", c.step_s,
+                         c.fits ? "" : "  (does not fit)");
   }
   if (!po.json.empty()) {
     std::ofstream f(po.json);

@@ -59,6 +59,10 @@ struct MemoryBudget {
   MemoryBudget(double device, double host = 0) : device_gib(device), host_gib(host) {}
 };
 
+// A schedule's settings as one line ("seco recompute full chunk 4096 bwd-chunk 4096 offload-window 2
+// save-attention"): PlanReport::schedule, bench's and train's report of what auto chose.
+std::string describe_schedule(const ScheduleOptions& o);
+
 struct PlanReport {
   std::string schedule;                                  // the options it was planned for, as text
   int64_t B = 0, T = 0, chunk = 0, bwd_chunk = 0, offload_window = 0;

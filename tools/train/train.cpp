@@ -379,9 +379,7 @@ void resolve_auto_lengths(RunConfig& rc, const Placement& p, std::ostream& log) 
   const MemoryBudget budget(gib, double(host_memory_available()) / double(1ull << 30));
   s = resolve_auto_schedule(p.model, rc.data.batch_size, rc.data.seq_len, s, p.dtype, budget, p.lora,
                             rc.optimizer.offload);
-  log << fmt::format("schedule: the planner chose chunk {}, {}, recompute {}{} for {:.1f} GiB of device memory\n",
-                     s.chunk, s.stream_kv ? "the K/V store streamed" : fmt::format("offload window {}", s.offload_window),
-                     s.recompute_mode(), s.save_attention ? ", attention outputs saved" : "", gib);
+  log << fmt::format("schedule: the planner chose {} for {:.1f} GiB of device memory\n", describe_schedule(s), gib);
 }
 
 // Memory guard: fail before step 1, not in the middle of it. Returns the planned bytes. On a GPU the
