@@ -4,6 +4,7 @@
 #include "engine/engine.h"
 #if CW_HAVE_CUDA
 #endif
+#include "engine/ops/attention.h"
 #include "engine/ops/linear.h"
 #include "engine/random.h"
 #include "engine/residency.h"
@@ -76,6 +77,37 @@ bool is_out_of_memory(const std::string& what) {
   return what.find("out of memory") != std::string::npos || what.find("cannot allocate") != std::string::npos;
 }
 
+nlohmann::json census_json(const std::vector<AttentionCensusEntry>& census) {
+  nlohmann::json j = nlohmann::json::array();
+  for (const AttentionCensusEntry& e : census)
+    j.push_back({{"direction", e.backward ? "backward" : "forward"}, {"kernel", attention_kernel_name(e.kernel)},
+                 {"calls", e.calls}, {"tflop", e.flops / 1e12}, {"reason", e.reason}});
+  return j;
+}
+
+// The part of a step's attention (by flops) that ran off cuDNN on the GPU, for its line; empty when none.
+std::string off_cudnn_note(const std::vector<AttentionCensusEntry>& census) {
+  double total = 0, off = 0;
+  int64_t calls = 0;
+  for (const AttentionCensusEntry& e : census) {
+    total += e.flops;
+    if (e.kernel != AttentionKernel::cudnn && e.kernel != AttentionKernel::cpu) off += e.flops, calls += e.calls;
+  }
+  return off > 0 ? fmt::format(", {} attention calls ({:.1f}% of its flops) off cuDNN", calls, 100 * off / total) : "";
+}
+
+// Which kernel took the step's attention calls and why, a line per (direction, kernel, reason).
+std::string census_lines(const std::vector<AttentionCensusEntry>& census, int step) {
+  double total = 0;
+  for (const AttentionCensusEntry& e : census) total += e.flops;
+  std::string s;
+  for (const AttentionCensusEntry& e : census)
+    s += fmt::format("attention in step {}: {} on {}: {} calls, {:.1f}% of the flops ({})\n", step,
+                     e.backward ? "backward" : "forward", attention_kernel_name(e.kernel), e.calls,
+                     total > 0 ? 100 * e.flops / total : 0.0, e.reason);
+  return s;
+}
+
 }  // namespace
 
 int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
@@ -133,6 +165,8 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
   std::vector<double> step_s;
   nlohmann::json plan_steps = nlohmann::json::array();  // per step: attention plans built and their build seconds
   std::vector<double> copy_waits;  // per step: seconds the compute stream waited for host <-> device copies
+  nlohmann::json census_steps = nlohmann::json::array();  // per step: which kernel took the attention calls
+  std::vector<AttentionCensusEntry> census;                // the last step's
   try {
     AdamWOptions ao;
     if (!plan.host_fits && !o.force)
@@ -158,6 +192,7 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
       const bool traced = !o.trace.empty() && s + 1 == o.warmup + o.steps;
       if (traced) trace::start(g);
       const AttentionPlanStats plans0 = attention_plan_stats();
+      reset_attention_census();
       take_copy_wait_seconds(g);  // counts from here
       const auto t0 = std::chrono::steady_clock::now();
       st.grads().zero();
@@ -176,6 +211,8 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
       const double plan_s = plans1.seconds - plans0.seconds, waited_s = plans1.waited_seconds - plans0.waited_seconds;
       plan_steps.push_back({{"built", built}, {"refused", refused}, {"built_ahead", ahead}, {"seconds", plan_s},
                             {"waited_seconds", waited_s}});
+      census = attention_census();
+      census_steps.push_back(census_json(census));
       copy_waits.push_back(copy_wait_s);
       // The first step builds the attention plans (cuDNN); what that cost is part of its time. Plans
       // built ahead cost the step only the time it waited for them.
@@ -188,8 +225,8 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
       // Time the compute stream sat waiting for host <-> device copies: the offload's overhead.
       const std::string wait_note =
           copy_wait_s > 0 ? fmt::format(", waited {:.2f} s ({:.1f}%) for copies", copy_wait_s, 100 * copy_wait_s / sec) : "";
-      out << fmt::format("step {}{}: {:.3f} s, loss {:.4f}{}{}\n", s + 1, s < o.warmup ? " (warm-up)" : "", sec,
-                         stats.loss, wait_note, plan_note)
+      out << fmt::format("step {}{}: {:.3f} s, loss {:.4f}{}{}{}\n", s + 1, s < o.warmup ? " (warm-up)" : "", sec,
+                         stats.loss, wait_note, plan_note, off_cudnn_note(census))
           << std::flush;
       if (s >= o.warmup) step_s.push_back(sec);
     }
@@ -208,6 +245,7 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
                          double(stats.kv_bytes) / double(1ull << 30), double(stats.kv_host_bytes) / double(1ull << 30),
                          double(stats.kv_bytes_moved) / double(1ull << 30));
     out << "memory: " << mem.line() << "\n";
+    out << census_lines(census, o.warmup + o.steps);
     if (!o.trace.empty()) out << "trace of step " << o.warmup + o.steps << ": " << o.trace << "\n";
     std::sort(step_s.begin(), step_s.end());
     const double med = step_s[step_s.size() / 2];
@@ -216,6 +254,7 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
     r["step_s"] = med;
     r["step_times"] = step_s;
     r["attention_plans"] = plan_steps;
+    r["attention_calls"] = census_steps;
     r["copy_wait_s"] = copy_waits;
     r["tokens_per_s"] = tps;
     // spaco: the model flops of the chunks it backpropagated (the last step's t of k).

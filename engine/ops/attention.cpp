@@ -297,12 +297,59 @@ AttentionChoice choose_attention_kernel(const AttentionCall& call, const Attenti
        "use head dims that are even and at most 128, f32 or bf16 on a GPU");
 }
 
+// ---- The census ----
+namespace {
+struct CensusKey {
+  bool backward;
+  AttentionKernel kernel;
+  std::string reason;
+  auto operator<=>(const CensusKey&) const = default;
+};
+std::mutex g_census_mutex;
+std::map<CensusKey, std::pair<int64_t, double>> g_census;
+
+void count_call(const AttentionCall& call, const AttentionChoice& choice) {
+  const double flops = attention_call_flops(call);
+  std::lock_guard lock(g_census_mutex);
+  auto& [calls, total] = g_census[CensusKey{call.backward, choice.kernel, choice.reason}];
+  ++calls;
+  total += flops;
+}
+}  // namespace
+
+double attention_call_flops(const AttentionCall& call) {
+  // Bottom-right causal: query i of c sees the S - c earlier keys and i + 1 of its own chunk.
+  const double c = double(call.c), S = double(call.S);
+  const double pairs = call.mask == AttentionMask::causal ? c * (S - c) + c * (c + 1) / 2 : c * S;
+  const double forward = 4.0 * double(call.B) * double(call.H) * double(call.D) * pairs;
+  return call.backward ? 2.5 * forward : forward;
+}
+
+std::vector<AttentionCensusEntry> attention_census() {
+  std::vector<AttentionCensusEntry> entries;
+  {
+    std::lock_guard lock(g_census_mutex);
+    for (const auto& [key, value] : g_census)
+      entries.push_back({key.backward, key.kernel, key.reason, value.first, value.second});
+  }
+  std::sort(entries.begin(), entries.end(), [](const AttentionCensusEntry& a, const AttentionCensusEntry& b) {
+    return a.backward != b.backward ? !a.backward : a.flops > b.flops;
+  });
+  return entries;
+}
+
+void reset_attention_census() {
+  std::lock_guard lock(g_census_mutex);
+  g_census.clear();
+}
+
 // ---- The op ----
 void attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
                        const Tensor& v, double scale, Arena& scratch, AttentionMask mask) {
   check_forward_operands(q, k, v, out, saved, scratch, mask);
-  const AttentionChoice choice =
-      choose_attention_kernel(attention_call(q, k, v, out, nullptr, nullptr, nullptr, nullptr, mask), attention_flags());
+  const AttentionCall call = attention_call(q, k, v, out, nullptr, nullptr, nullptr, nullptr, mask);
+  const AttentionChoice choice = choose_attention_kernel(call, attention_flags());
+  count_call(call, choice);
   const bool causal = mask == AttentionMask::causal;
   switch (choice.kernel) {
     case AttentionKernel::cpu: return cpu::attention_forward(out, saved, q, k, v, scale, scratch, causal);
@@ -327,8 +374,9 @@ void attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v,
   check_forward_operands(q, k, v, out, saved, scratch, mask);
   check_backward_operands(d_q, d_k, d_v, d_out, q, k);
   const AttentionFlags flags = attention_flags();
-  const AttentionChoice choice =
-      choose_attention_kernel(attention_call(q, k, v, out, &d_q, &d_out, &d_k, &d_v, mask), flags);
+  const AttentionCall call = attention_call(q, k, v, out, &d_q, &d_out, &d_k, &d_v, mask);
+  const AttentionChoice choice = choose_attention_kernel(call, flags);
+  count_call(call, choice);
   const bool causal = mask == AttentionMask::causal;
   switch (choice.kernel) {
     case AttentionKernel::cpu:

@@ -27,6 +27,7 @@
 #include "engine/tensor.h"
 
 #include <string>
+#include <vector>
 
 namespace cw {
 
@@ -77,6 +78,21 @@ struct AttentionChoice {
 // The one place that decides which kernel runs an attention call. A forced family that cannot take
 // the call is an error naming the reason.
 AttentionChoice choose_attention_kernel(const AttentionCall& call, const AttentionFlags& flags);
+// The census: how many calls each kernel family took, by direction and the chooser's reason, with
+// their model flops (forward 4 B H D per query-key pair the mask keeps; backward 2.5x that), since
+// the last reset. A run reads it to see which kernel served its attention (bench prints it).
+struct AttentionCensusEntry {
+  bool backward;
+  AttentionKernel kernel;
+  std::string reason;
+  int64_t calls;
+  double flops;
+};
+std::vector<AttentionCensusEntry> attention_census();  // ordered: forward first, then by flops
+void reset_attention_census();
+// The model flops of one call (the figure the census adds up).
+double attention_call_flops(const AttentionCall& call);
+
 // The flags of the process-wide settings (engine/engine.h: attention_kernel(), deterministic()).
 AttentionFlags attention_flags();
 

@@ -97,6 +97,38 @@ TEST_CASE("attention: a chunk equals the last rows of whole-sequence attention; 
   CHECK(compare(out2, olast).rel == 0.0);
 }
 
+TEST_CASE("attention census: each call counted under its direction, kernel and reason, with its model flops") {
+  const int64_t B = 2, H = 4, Hkv = 2, D = 4, p = 11, c = 5, S = p + c;
+  const double scale = 1.0 / std::sqrt(double(D));
+  Arena scratch;
+  OwnedTensor q = randn({B, c, H, D}, 31), k = randn({B, S, Hkv, D}, 32), v = randn({B, S, Hkv, D}, 33);
+  OwnedTensor d_out = randn({B, c, H, D}, 34);
+  OwnedTensor out(DType::f64, {B, c, H, D}), lse(DType::f64, {B, H, c});
+  OwnedTensor d_q(DType::f64, {B, c, H, D}), d_k(DType::f64, {B, S, Hkv, D}), d_v(DType::f64, {B, S, Hkv, D});
+  fill(d_k, 0.0);
+  fill(d_v, 0.0);
+  reset_attention_census();
+  attention_forward(out, {lse}, q, k, v, scale, scratch);
+  attention_forward(out, {lse}, q, k, v, scale, scratch);
+  attention_forward(out, {lse}, q, k, v, scale, scratch, AttentionMask::none);
+  attention_backward(d_q, d_k, d_v, d_out, {lse}, q, k, v, out, scale, GradMode::overwrite, scratch);
+  const auto census = attention_census();
+  REQUIRE(census.size() == 2);
+  // Causal bottom-right: c (S - c) prefix pairs and c (c + 1) / 2 of the chunk's own; unmasked: c S.
+  const double causal_pairs = double(c * p + c * (c + 1) / 2), all_pairs = double(c * S);
+  const double per_pair = 4.0 * B * H * D;
+  CHECK_FALSE(census[0].backward);
+  CHECK(census[0].kernel == AttentionKernel::cpu);
+  CHECK(census[0].calls == 3);
+  CHECK(census[0].flops == doctest::Approx(per_pair * (2 * causal_pairs + all_pairs)));
+  CHECK(census[0].reason == "the operands are on the CPU");
+  CHECK(census[1].backward);
+  CHECK(census[1].calls == 1);
+  CHECK(census[1].flops == doctest::Approx(2.5 * per_pair * causal_pairs));
+  reset_attention_census();
+  CHECK(attention_census().empty());
+}
+
 TEST_CASE("attention in key blocks: the chunk's own keys causal, the prefix unmasked, merged, equals one call; so do "
           "the blocks' backwards given the merged out and lse") {
   const int64_t B = 2, H = 4, Hkv = 2, D = 4, p = 11, c = 5, S = p + c;
