@@ -64,18 +64,20 @@ CudnnPlans cudnn_plans();
 // cores, at most 8): when
 // a call whose K/V are a slice of a longer store (a SeCO sweep) needs an exact plan not yet built,
 // the plans of the other offsets of its chunk length, both directions, in sweep order, are queued
-// for host threads that build them while the step runs. With determinism off, the chooser runs
-// such a call on our flash kernels while its plan is still being built (engine/ops/attention.cpp),
-// so the first step does not wait, except the backward whose keys fill the store, which shapes the
-// scratch arena for every later step; with it on, the call waits for its plan (or builds it itself).
+// for host threads that build them while the step runs, after the family's two shared plans. With
+// determinism off, such a call runs on the shared plan while its own is still being built, or on
+// our flash kernels while that too is being built (engine/ops/attention.cpp), so the first step
+// does not wait, except the backward whose keys fill the store, which shapes the scratch arena for
+// every later step; with it on, the call waits for its plan (or builds it itself).
 void set_cudnn_plan_threads(int threads);
 int cudnn_plan_threads();
 // Plans built since the process started (all devices), those cuDNN refused (a shared plan it
 // refuses falls back to the exact one), the seconds spent building both (summed over the threads
-// that built them), of them the plans built ahead, and the seconds calls waited for a plan another
-// thread was building. Zeros without cuDNN.
+// that built them), of them the plans built ahead, the seconds calls waited for a plan another
+// thread was building, and the calls that ran their family's shared plan while their exact plan
+// was being built ahead. Zeros without cuDNN.
 struct AttentionPlanStats {
-  int64_t built = 0, refused = 0, built_ahead = 0;
+  int64_t built = 0, refused = 0, built_ahead = 0, stood_in = 0;
   double seconds = 0, waited_seconds = 0;
 };
 AttentionPlanStats attention_plan_stats();

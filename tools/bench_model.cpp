@@ -207,10 +207,10 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
       if (traced) trace::stop().write(o.trace);
       const AttentionPlanStats plans1 = attention_plan_stats();
       const int64_t built = plans1.built - plans0.built, refused = plans1.refused - plans0.refused,
-                    ahead = plans1.built_ahead - plans0.built_ahead;
+                    ahead = plans1.built_ahead - plans0.built_ahead, stood_in = plans1.stood_in - plans0.stood_in;
       const double plan_s = plans1.seconds - plans0.seconds, waited_s = plans1.waited_seconds - plans0.waited_seconds;
       plan_steps.push_back({{"built", built}, {"refused", refused}, {"built_ahead", ahead}, {"seconds", plan_s},
-                            {"waited_seconds", waited_s}});
+                            {"waited_seconds", waited_s}, {"stood_in", stood_in}});
       census = attention_census();
       census_steps.push_back(census_json(census));
       copy_waits.push_back(copy_wait_s);
@@ -218,9 +218,11 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
       // built ahead cost the step only the time it waited for them.
       const std::string plan_note =
           built + refused > 0
-              ? fmt::format(", attention plans: {} built{} in {:.2f} s of build time ({} ahead on {} threads, {:.2f} s waited)",
+              ? fmt::format(", attention plans: {} built{} in {:.2f} s of build time ({} ahead on {} threads, {:.2f} s "
+                            "waited{})",
                             built, refused > 0 ? fmt::format(" ({} refused)", refused) : "", plan_s, ahead,
-                            cudnn_plan_threads(), waited_s)
+                            cudnn_plan_threads(), waited_s,
+                            stood_in > 0 ? fmt::format(", {} calls on a shared plan meanwhile", stood_in) : "")
               : "";
       // Time the compute stream sat waiting for host <-> device copies: the offload's overhead.
       const std::string wait_note =

@@ -51,10 +51,11 @@
 //   plan per S.
 //   Plans built ahead (cw::cudnn_plan_threads(), engine.h): an exact plan missed by a call whose K/V
 //   are a slice of a longer store queues its family (the same chunk length c at every offset of
-//   the store, both directions, in sweep order) for worker threads, each with its own cudnnHandle;
-//   get_plan waits for a plan a worker is building and builds one still queued itself. The
-//   chooser runs a call whose plan is not ready on flash, but the backward whose keys fill the
-//   store waits (cudnn_attention_plan_ready says why).
+//   the store, both directions, in sweep order, behind the family's two shared plans) for worker
+//   threads, each with its own cudnnHandle; get_plan waits for a plan a worker is building and
+//   builds one still queued itself. A call whose exact plan is not built yet runs the shared plan
+//   when that is built (it stands in), else the chooser runs it on flash; the backward whose keys
+//   fill the store waits for its own (cudnn_attention_plan_ready says why).
 //   Chosen by the chooser (engine/ops/attention.cpp) for bf16 forwards it serves, and for backwards
 //   when determinism is off and the plan's workspace fits the budget; forced (CW_ATTENTION=cudnn)
 //   the deterministic form serves the determinism switch.
@@ -871,6 +872,8 @@ AheadBuilders& ahead_builders() {
   return b;
 }
 
+int64_t runtime_version();
+
 // Lock held. After a call missed the exact plan `sh`: where its K/V are a slice [0, S) of a longer
 // store, queues the plans of the same chunk length at the store's other offsets S' = S + j c, both
 // directions: the two whose keys fill the store first, then this direction in its sweep order
@@ -912,6 +915,23 @@ void queue_family(const Shape& sh) {
   }
   sweep(!sh.backward);
   sweep(sh.backward);  // the offsets of this direction on the other side of S
+  // In front of all: the family's two shared plans, which stand in for the exact ones until those
+  // are built (resolve_plan), where every offset of the family qualifies for one.
+  if (cw::cudnn_plans() == CudnnPlans::exact && runtime_version() >= kMinSharedVersion && sh.c % kSharedAlign == 0 &&
+      bottom % kSharedAlign == 0 && extent <= std::numeric_limits<int32_t>::max()) {
+    for (bool backward : {true, false}) {
+      if (backward && cw::deterministic()) continue;
+      Shape wide = sh;
+      wide.backward = backward;
+      wide.deterministic = false;
+      wide.S = extent;
+      wide.shared = true;
+      DeviceState& st = g_devices[wide.device];
+      if (st.plans.count(wide) || st.rejected.count(wide) || st.building.count(wide)) continue;
+      if (!g_ahead_set.insert(wide).second) g_ahead.erase(std::find(g_ahead.begin(), g_ahead.end(), wide));
+      g_ahead.push_front(wide);  // the forward ends up first: the prefill needs it first
+    }
+  }
   if (!g_ahead.empty()) ahead_builders().wake(threads);
 }
 
@@ -996,11 +1016,11 @@ Shape shape_of(const Tensor& q, const Tensor& k, const Tensor& v, bool backward,
   return sh;
 }
 
-// The key extent of a shared plan for these operands (the store's capacity, read off the K/V batch
-// strides: a slice [0, S) of a [B, cap, Hkv, D] store), or 0 where the call takes an exact plan.
-int64_t shared_extent(const Tensor& k, const Tensor& v, bool backward, bool causal) {
+// The key extent of a shared plan that can serve these operands (the store's capacity, read off the
+// K/V batch strides: a slice [0, S) of a [B, cap, Hkv, D] store), or 0 where only an exact plan can.
+int64_t shareable_extent(const Tensor& k, const Tensor& v, bool backward, bool causal) {
   if (!causal) return 0;  // an unmasked block has one shape: its exact plan serves every block
-  if (cw::cudnn_plans() != CudnnPlans::shared || runtime_version() < kMinSharedVersion) return 0;
+  if (runtime_version() < kMinSharedVersion) return 0;
   if (backward && cw::deterministic()) return 0;  // its dS workspace would grow to c x extent
   const int64_t S = k.size(1), row = k.size(2) * k.size(3);
   if (S % kSharedAlign != 0 || k.stride[0] % row != 0 || v.stride[0] % row != 0) return 0;
@@ -1008,19 +1028,46 @@ int64_t shared_extent(const Tensor& k, const Tensor& v, bool backward, bool caus
   return extent > S && extent <= std::numeric_limits<int32_t>::max() ? extent : 0;
 }
 
-// The plan a call runs: the shared plan where the call qualifies and cuDNN builds it, else the
-// exact one (nullptr, with cuDNN's reasons, where neither exists). *sh receives the plan's shape.
-// Which plan a call runs depends only on the call, never on what ran before (determinism).
+// The shared plan's shape for an exact shape `sh` whose operands allow one (extent > 0).
+Shape widened(Shape sh, int64_t extent) {
+  sh.S = extent;
+  sh.shared = true;
+  return sh;
+}
+
+// Lock held. With exact plans built ahead: the shared plan that stands in for the exact plan `sh`
+// while a worker has not built it yet (so the call runs on cuDNN rather than flash), or nullptr
+// where the exact plan is there, or no shared plan is built.
+const Plan* stand_in(DeviceState& st, const Shape& sh, int64_t extent) {
+  if (extent <= 0 || cw::cudnn_plans() != CudnnPlans::exact || cw::cudnn_plan_threads() == 0 ||
+      st.plans.count(sh) || st.rejected.count(sh))
+    return nullptr;
+  const auto it = st.plans.find(widened(sh, extent));
+  return it == st.plans.end() ? nullptr : it->second.get();
+}
+
+// The plan a call runs, *sh receiving its shape: in shared mode the shared plan where the call
+// qualifies and cuDNN builds it; in exact mode the exact plan, or while it is still being built
+// ahead the family's shared plan if that is built; else the exact one (nullptr, with cuDNN's
+// reasons, where none exists). With determinism on no plan stands in (no backward qualifies for a
+// shared plan) and calls wait for their own, so which plan runs depends only on the call.
 const Plan* resolve_plan(const Tensor& q, const Tensor& k, const Tensor& v, bool backward, Shape* sh,
                          std::string* why, bool causal) {
   *sh = shape_of(q, k, v, backward, causal);
-  if (const int64_t extent = shared_extent(k, v, backward, causal); extent > 0) {
-    Shape wide = *sh;
-    wide.S = extent;
-    wide.shared = true;
-    if (const Plan* plan = get_plan(wide, nullptr)) {
-      *sh = wide;
-      return plan;
+  if (const int64_t extent = shareable_extent(k, v, backward, causal); extent > 0) {
+    const Shape wide = widened(*sh, extent);
+    if (cw::cudnn_plans() == CudnnPlans::shared) {
+      if (const Plan* plan = get_plan(wide, nullptr)) {
+        *sh = wide;
+        return plan;
+      }
+    } else {
+      std::lock_guard lock(g_mutex);
+      if (const Plan* plan = stand_in(device_state(sh->device), *sh, extent)) {
+        ++g_stats.stood_in;
+        *sh = wide;
+        return plan;
+      }
     }
   }
   return get_plan(*sh, why);
@@ -1178,21 +1225,23 @@ bool cudnn_attention_plan_ready(const Tensor& q, const Tensor& k, const Tensor& 
   const Shape sh = shape_of(q, k, v, backward);
   const int64_t row = sh.Hkv * sh.D;
   const bool slice = row > 0 && std::min(sh.k_batch_stride, sh.v_batch_stride) / row > sh.S;
+  const int64_t extent = shareable_extent(k, v, backward, causal);
   std::lock_guard lock(g_mutex);
   DeviceState& st = device_state(sh.device);
   if (st.plans.count(sh) || st.rejected.count(sh)) return true;
   // A worker builds it. The backward whose keys fill the store (a sweep's first chunk) waits for it:
   // it is the step's largest attention scratch, so it lays out the scratch arena's blocks; run on
   // flash, the first step would shape them for a smaller call and the next step, on cuDNN, would
-  // add a block for its workspace (1 GiB at 128K), beyond what the planner counts.
-  if (st.building.count(sh)) return backward && !slice;
+  // add a block for its workspace (1 GiB at 128K), beyond what the planner counts. Other calls run
+  // on the family's shared plan meanwhile, if it is built (resolve_plan), else on flash.
+  if (st.building.count(sh)) return (backward && !slice) || stand_in(st, sh, extent) != nullptr;
   if (!slice) return true;  // built on use
-  // First in the queue (it is needed now), then the rest of its family.
+  // First in the queue (it is needed now), then the rest of its family, the shared plans first.
   if (!g_ahead_set.insert(sh).second) g_ahead.erase(std::find(g_ahead.begin(), g_ahead.end(), sh));
   g_ahead.push_front(sh);
   queue_family(sh);
   ahead_builders().wake(cw::cudnn_plan_threads());
-  return false;
+  return stand_in(st, sh, extent) != nullptr;
 }
 
 void cudnn_stop_plan_threads() { ahead_builders().stop(); }

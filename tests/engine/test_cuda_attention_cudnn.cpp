@@ -386,6 +386,63 @@ TEST_CASE("cuda: automatic attention runs flash while a store slice's cuDNN plan
   CHECK_MESSAGE(later.kernel == AttentionKernel::cudnn, later.reason);
 }
 
+TEST_CASE("cuda: a family's shared plans stand in for its exact plans while those are built ahead" *
+          doctest::skip(!cw::test::gpu_ready())) {
+  // A family no other test builds: 8 query heads on 2 K/V heads, chunks of 256 (a multiple of the
+  // shared plans' alignment) against a store of 2048. Its two shared plans are built first (shared
+  // mode); then, in exact mode with one worker building the exact plans ahead, every call of a
+  // prefill sweep and a reverse sweep is taken by cuDNN (the shared plan standing in where its own
+  // is not built yet; the store-filling calls wait for their own), and every result matches the
+  // CPU in f64.
+  if (!shared_plans_possible()) {
+    MESSAGE("cuDNN ", gpu::cudnn_runtime_version(), " has no shared plans (9.10+), skipped");
+    return;
+  }
+  DeterminismScope fast(false);
+  const int64_t c = 256, T = 2048, H = 8, Hkv = 2, D = 64;
+  Chunked ch(1, c, H, Hkv, D, T, 4242);
+  std::string why;
+  if (!gpu::cudnn_attention_supports(ch.q.dev, ch.k_store.dev, &why)) {
+    MESSAGE("cuDNN fused attention not available here, skipped: ", why);
+    return;
+  }
+  {
+    CudnnPlansScope shared(CudnnPlans::shared);
+    run_gpu(ch, 2 * c);  // builds the family's shared forward and backward plans
+  }
+  CudnnPlansScope exact(CudnnPlans::exact);
+  PlanThreadsScope threads(1);
+  const AttentionPlanStats before = attention_plan_stats();
+  std::vector<std::pair<int64_t, GpuResult>> results;
+  // The GPU calls first, quickly, so that most run before the worker has built their own plans.
+  for (int64_t S = c; S <= T; S += c) {
+    CAPTURE(S);
+    const Tensor k = ch.k_store.dev.tensor.slice(1, 0, S), v = ch.v_store.dev.tensor.slice(1, 0, S);
+    OwnedTensor out(DType::bf16, {1, c, H, D});
+    const AttentionChoice choice =
+        choose_attention_kernel(attention_call(ch.q.dev, k, v, out), {AttentionKernel::automatic, false});
+    CHECK_MESSAGE(choice.kernel == AttentionKernel::cudnn, choice.reason);
+  }
+  for (int64_t S = T; S >= c; S -= c) results.emplace_back(S, run_gpu(ch, S));
+  synchronize(gpu0());
+  const AttentionPlanStats after = attention_plan_stats();
+  MESSAGE("chunk ", c, ", store ", T, ": ", after.stood_in - before.stood_in, " calls on a shared plan, ",
+          after.built - before.built, " exact plans built meanwhile");
+  CHECK(after.stood_in > before.stood_in);
+  CHECK(after.refused == before.refused);
+  for (const auto& [S, r] : results) {
+    CAPTURE(S);
+    const CpuResult ref = run_cpu(ch, S);
+    expect_close_f64(r.out, ref.out, kBf16Tol, "out");
+    expect_close_f64(r.lse, ref.lse, kBf16Tol, "lse");
+    expect_close_f64(r.d_q, ref.d_q, kBf16Tol, "d_q");
+    expect_close_f64(r.d_k.tensor.slice(1, 0, S), ref.d_k, kBf16Tol, "d_k");
+    expect_close_f64(r.d_v.tensor.slice(1, 0, S), ref.d_v, kBf16Tol, "d_v");
+    CHECK(untouched_past(r.d_k, S));
+    CHECK(untouched_past(r.d_v, S));
+  }
+}
+
 #else
 
 TEST_CASE("cuda: cudnn attention (this build has no cuDNN)" * doctest::skip(true)) {}
