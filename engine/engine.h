@@ -48,6 +48,15 @@ bool deterministic();
 void set_attention_kernel(AttentionKernel kernel);
 AttentionKernel attention_kernel();
 
+// ---- The attention backward's workspace budget (env CW_ATTENTION_WORKSPACE_MIB) ----
+// A cuDNN backward plan needing more workspace than the budget does not run; flash takes the call.
+// By default the budget is a quarter of the device memory free when the first backward asks (at
+// least 256 MiB); raise_attention_workspace_budget lifts it to at least `bytes` (bench and train
+// pass what their plan counted for the largest backward: tools/plan.h). CW_ATTENTION_WORKSPACE_MIB=N
+// fixes it at N MiB, whatever is raised.
+void raise_attention_workspace_budget(Device device, int64_t bytes);
+int64_t attention_workspace_budget(Device device);  // 0 without cuDNN
+
 // ---- cuDNN attention plans (env CW_CUDNN_PLANS=exact|shared; exact by default) ----
 // cuDNN runs each attention problem through an execution plan that costs ~0.1-0.8 s to build.
 // exact: one plan per key count, so a SeCO step's first pass builds one per chunk offset (128K in

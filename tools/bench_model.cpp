@@ -137,6 +137,8 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
   const PlanReport plan = plan_step(cfg, o.batch, o.seq, so, dt, budget, o.lora, o.optimizer_offload);
   out << fmt::format("plan: {}: peak {:.2f} GiB of {:.1f} on the device, {:.2f} GiB host, {:.2f} s a step predicted\n",
                      plan.schedule, plan.peak_device_gib(), gib, plan.peak_host_gib(), plan.step_s);
+  // The plan counts cuDNN's backward workspace for its largest call: let every call have it.
+  raise_attention_workspace_budget(g, static_cast<int64_t>(plan.attention_workspace_bytes));
   std::optional<DeviceMemoryLimitScope> limit;
   if (o.device_memory_gib > 0) limit.emplace(g, pool_limit_for(o.device_memory_gib, "bench --device-memory"));
 

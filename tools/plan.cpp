@@ -220,6 +220,13 @@ void mlp_rows_backward(ArenaReplay& a, const Shape& s, int64_t rows) {
   lora_scratch(a, s, {ParamRole::w_gate, ParamRole::w_up, ParamRole::w_down}, size_t(rows), true);
 }
 
+// engine/cuda/attention_cudnn.cu's backward workspace for B sequences against S keys: with GQA it
+// stages the per-query-head dK and dV of all S keys (bf16) for the head reduction in the graph.
+size_t attention_backward_workspace(const LlamaConfig& cf, int64_t B, int64_t S) {
+  const bool gqa = cf.num_attention_heads != cf.num_key_value_heads;
+  return gqa ? 2 * size_t(B * cf.num_attention_heads * S * cf.head_dim) * 2 : 256;
+}
+
 // model/layer.cpp: block_backward's scratch, with engine/cuda/attention_cudnn.cu's backward (the
 // frontend form: f32 dQ accumulator, bf16 dK/dV scratch over the Hkv heads, and the workspace
 // staging the per-query-head dK and dV of all S keys, bf16, for the head reduction in the graph).
@@ -249,8 +256,7 @@ void block_backward(ArenaReplay& a, const Shape& s, MlpKept mlp, int64_t mlp_sha
     a.alloc(size_t(s.B * s.S * Hkv * D) * 2);             // dK scratch
     a.alloc(size_t(s.B * s.S * Hkv * D) * 2);             // dV scratch
     a.alloc(size_t(s.B * H * s.c) * 4);                   // Delta
-    const bool gqa = H != Hkv;
-    a.alloc(gqa ? 2 * size_t(s.B * H * s.S * D) * 2 : 256);  // workspace
+    a.alloc(attention_backward_workspace(cf, s.B, s.S));  // workspace
   }
   a.alloc(s.row(cf.kv_dim()));  // d_k
   a.alloc(s.row(cf.kv_dim()));  // d_v
@@ -464,6 +470,7 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
     prefill_chunk(arena, Shape{cf, B, std::min(r.chunk, prefill_end), keys, e, acc, adapters, streamed}, o.mlp_shards,
                   o.name == "spaco");
   backprop_chunk(arena, Shape{cf, B, r.bwd_chunk, keys, e, acc, adapters, streamed}, policy, saved);
+  r.attention_workspace_bytes = attention_backward_workspace(cf, B, keys);
   r.device.emplace_back("activations", arena.reserved());
   if (policy.offload_inputs) r.host.emplace_back("layer inputs", size_t(L) * size_t(B * T * C) * e);
   r.device.emplace_back("other", 2 * pool_block(size_t(T) * size_t(D / 2) * 4) + kCublasWorkspaceBytes);

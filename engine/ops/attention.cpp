@@ -165,26 +165,29 @@ bool aligned(const Tensor* t, size_t bytes) {
 }
 
 #if CW_HAVE_CUDNN
-// The attention backward's workspace budget on a device: a quarter of the memory free when the
-// first backward asks (at least 256 MiB), fixed for the process; CW_ATTENTION_WORKSPACE_MIB=N sets it.
+// The attention backward's workspace budget on a device (engine.h): the default, fixed for the
+// process when the first backward asks, raised by raise_attention_workspace_budget; the variable
+// fixes it.
+std::mutex g_budget_mutex;
+std::map<int, int64_t> g_budgets, g_budget_floors;
+
 int64_t workspace_budget(int device) {
-  static std::mutex mutex;
-  static std::map<int, int64_t> budgets;
-  std::lock_guard lock(mutex);
-  if (auto it = budgets.find(device); it != budgets.end()) return it->second;
-  int64_t budget = 0;
+  std::lock_guard lock(g_budget_mutex);
+  const auto floor = g_budget_floors.find(device);
+  const int64_t raised = floor == g_budget_floors.end() ? 0 : floor->second;
+  if (auto it = g_budgets.find(device); it != g_budgets.end()) return std::max(it->second, raised);
   if (const char* e = std::getenv("CW_ATTENTION_WORKSPACE_MIB"); e != nullptr && *e != '\0') {
     char* end = nullptr;
     const long long mib = std::strtoll(e, &end, 10);
     if (end == e || *end != '\0' || mib < 0)
       fail(std::string("environment variable CW_ATTENTION_WORKSPACE_MIB='") + e + "' is not a number of MiB",
            "set it to a whole number, e.g. 1024, or unset it for a quarter of the free device memory");
-    budget = static_cast<int64_t>(mib) << 20;
-  } else {
-    budget = std::max(int64_t{256} << 20, static_cast<int64_t>(gpu::memory_info(device).free / 4));
+    g_budget_floors.erase(device);  // fixed: nothing raises it
+    return g_budgets.emplace(device, static_cast<int64_t>(mib) << 20).first->second;
   }
-  budgets.emplace(device, budget);
-  return budget;
+  const int64_t budget = std::max(int64_t{256} << 20, static_cast<int64_t>(gpu::memory_info(device).free / 4));
+  g_budgets.emplace(device, budget);
+  return std::max(budget, raised);
 }
 #endif
 
@@ -295,6 +298,29 @@ AttentionChoice choose_attention_kernel(const AttentionCall& call, const Attenti
   fail(fmt::format("attention: no kernel can take {} q [{}, {}, {}, {}] against {} keys: {}", device_name(call.device),
                    call.B, call.c, call.H, call.D, call.S, reasons),
        "use head dims that are even and at most 128, f32 or bf16 on a GPU");
+}
+
+// ---- The workspace budget (engine/engine.h) ----
+void raise_attention_workspace_budget(Device device, int64_t bytes) {
+#if CW_HAVE_CUDNN
+  if (device.is_cpu()) return;
+  if (const char* e = std::getenv("CW_ATTENTION_WORKSPACE_MIB"); e != nullptr && *e != '\0') return;
+  std::lock_guard lock(g_budget_mutex);
+  int64_t& floor = g_budget_floors[device.index];
+  floor = std::max(floor, bytes);
+#else
+  (void)device;
+  (void)bytes;
+#endif
+}
+
+int64_t attention_workspace_budget(Device device) {
+#if CW_HAVE_CUDNN
+  return device.is_cpu() ? 0 : workspace_budget(device.index);
+#else
+  (void)device;
+  return 0;
+#endif
 }
 
 // ---- The census ----

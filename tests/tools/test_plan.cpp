@@ -3,6 +3,7 @@
 #include "tests/support.h"
 #include "tools/plan.h"
 
+#include "engine/engine.h"
 #include "model/llama.h"
 #include "model/shard.h"
 #include "optim/schedule.h"
@@ -586,6 +587,24 @@ TEST_CASE("plan: with the K/V store streamed, device memory does not grow with T
   CHECK(mb_per_1k <= 2.0);
   CHECK(b.peak_host_gib() > 100);  // the whole store (with saved outputs) in host memory
   CHECK(b.schedule.find("stream-kv") != std::string::npos);
+}
+
+TEST_CASE("plan: it reports the largest attention backward's workspace it counted (the engine's budget is raised to it)") {
+  // llama-3.2-1b: 32 query heads on 8 K/V heads of 64 dims: cuDNN stages the per-query-head dK and
+  // dV of every key the call sees in bf16, 8 KiB a key. On the device the first reverse chunk sees
+  // the whole store; streamed, one chunk-sized key block.
+  const PlanReport device = plan_step(one_b(), 1, 262144, saved(sched("seco", 8192)), DType::bf16, 80);
+  CHECK(device.attention_workspace_bytes == size_t(262144) * 8192);
+  ScheduleOptions streamed = sched("seco", 4096);
+  streamed.stream_kv = true;
+  CHECK(plan_step(one_b(), 1, 262144, streamed, DType::bf16, 80).attention_workspace_bytes == size_t(4096) * 8192);
+  // Without GQA nothing is staged.
+  LlamaConfig mha = one_b();
+  mha.num_key_value_heads = mha.num_attention_heads;
+  CHECK(plan_step(mha, 1, 65536, sched("seco", 4096), DType::bf16, 80).attention_workspace_bytes == 256);
+  // The engine takes it as a floor (a CPU device has no budget).
+  raise_attention_workspace_budget(Device::host(), int64_t(device.attention_workspace_bytes));
+  CHECK(attention_workspace_budget(Device::host()) == 0);
 }
 
 TEST_CASE("plan: offload_window = auto streams the K/V store where no window of layers fits") {

@@ -395,6 +395,8 @@ double check_memory(const Placement& p, const RunConfig& rc) {
                                       plan_gib(have), p.lora,
                                       rc.optimizer.offload);
     need = static_cast<double>(plan.peak_device_bytes);
+    // The plan counts cuDNN's backward workspace for its largest call: let every call have it.
+    raise_attention_workspace_budget(p.device, static_cast<int64_t>(plan.attention_workspace_bytes));
     if (!plan.advice.empty()) advice = plan.advice + " (or schedule.chunk = auto, offload_window = auto)";
   }
   if (rc.train.memory_check && have > 0 && need > have)
