@@ -103,6 +103,7 @@ const Recorded kRecorded[] = {
        o.keep = 2;
        return o;
      }(), 65536, 32.75, 46191},
+    // Streamed runs before the one-warp merge (6d63d18): blocks then cost 1.2-2.4x one call.
     {"RESULTS.md, H100, 2026-11-27 (seco 128K, chunk 4096, saved attention, store streamed)", [] {
        ScheduleOptions o = saved(sched("seco", 4096));
        o.stream_kv = true;
@@ -125,6 +126,17 @@ const Recorded kRecorded[] = {
      saved(sched("seco", 2048, "none")), 131072, 45.03, 10191},
     {"RESULTS.md, H100, 2026-11-27 eighth session (seco 256K, chunk 8192, saved attention)", saved(sched("seco", 8192)),
      262144, 74.06, 5520},
+    // The ninth session: the streamed store with the one-warp merge; 256K with every backward on cuDNN
+    // but the store-filling one (the workspace budget raised to the plan's).
+    {"RESULTS.md, H100, 2026-11-27 ninth session (seco 128K, chunk 4096, saved attention, store streamed)", [] {
+       ScheduleOptions o = saved(sched("seco", 4096));
+       o.stream_kv = true;
+       return o;
+     }(), 131072, 26.90, 9695},
+    {"RESULTS.md, H100, 2026-11-27 ninth session (seco 128K, chunk 4096, saved attention)", saved(sched("seco", 4096)),
+     131072, 48.03, 10505},
+    {"RESULTS.md, H100, 2026-11-27 ninth session (seco 256K, chunk 8192, saved attention)", saved(sched("seco", 8192)),
+     262144, 74.75, 5782},
 };
 
 const LlamaConfig& one_b() {
@@ -594,10 +606,10 @@ TEST_CASE("plan: it reports the largest attention backward's workspace it counte
   // dV of every key the call sees in bf16, 8 KiB a key. On the device the first reverse chunk sees
   // the whole store; streamed, one chunk-sized key block.
   const PlanReport device = plan_step(one_b(), 1, 262144, saved(sched("seco", 8192)), DType::bf16, 80);
-  CHECK(device.attention_workspace_bytes == size_t(262144) * 8192);
+  CHECK(device.attention_workspace_bytes == size_t(262144) * 8192 + 256);
   ScheduleOptions streamed = sched("seco", 4096);
   streamed.stream_kv = true;
-  CHECK(plan_step(one_b(), 1, 262144, streamed, DType::bf16, 80).attention_workspace_bytes == size_t(4096) * 8192);
+  CHECK(plan_step(one_b(), 1, 262144, streamed, DType::bf16, 80).attention_workspace_bytes == size_t(4096) * 8192 + 256);
   // Without GQA nothing is staged.
   LlamaConfig mha = one_b();
   mha.num_key_value_heads = mha.num_attention_heads;
@@ -682,21 +694,23 @@ TEST_CASE("plan: auto weighs where the K/V store lives by time, not by the least
   CHECK(one.chunk == 16384);
   CHECK(one.offload_window == 0);
   CHECK_FALSE(one.stream_kv);
-  // 1B at 128K in 40 GiB: beside the whole store fit chunks of 2048 without saved outputs; a window of
-  // two layers frees the room for chunks of 8192 with them, predicted faster.
+  // 1B at 128K in 40 GiB: beside the whole store fit chunks of 2048 without saved outputs; the store
+  // in host memory (a window of two layers, or streamed: since the one-warp merge the blocks cost
+  // about one call) frees the room for chunks of 8192 with them, predicted faster.
   const MemoryBudget forty{40, 128};
   const ScheduleOptions windowed = resolve_auto_schedule(one_b(), 1, 131072, auto_seco(), DType::bf16, forty);
-  CHECK(windowed.offload_window == 2);
+  CHECK((windowed.offload_window == 2 || windowed.stream_kv));
+  CHECK(windowed.save_attention);
   ScheduleOptions on_device = auto_seco();
   on_device.offload_window = 0;
   const ScheduleOptions kept = resolve_auto_schedule(one_b(), 1, 131072, on_device, DType::bf16, forty);
   CHECK(plan_step(one_b(), 1, 131072, windowed, DType::bf16, forty).step_s <
         0.99 * plan_step(one_b(), 1, 131072, kept, DType::bf16, forty).step_s);
   // In 24 GiB at 64K a window of one layer (copies and compute taking turns; 30.2 s measured) loses to
-  // the store streamed in blocks, whose copies overlap.
+  // a placement whose copies overlap: the store streamed in blocks, or a window of two layers.
   const MemoryBudget small{24, 128};
   const ScheduleOptions tight = resolve_auto_schedule(eight_b, 1, 65536, auto_seco(), DType::bf16, small, lora);
-  CHECK(tight.stream_kv);
+  CHECK((tight.stream_kv || tight.offload_window >= 2));
   CHECK(plan_step(eight_b, 1, 65536, tight, DType::bf16, small, lora).step_s < 30.2 * 0.75);
   // Without a reason to offload, the store stays on the device (1B at 64K on 80 GiB).
   const ScheduleOptions roomy = resolve_auto_schedule(one_b(), 1, 65536, auto_seco(), DType::bf16, h100);
