@@ -453,6 +453,17 @@ TEST_CASE("plan: predicted peaks and step times against the recorded Llama-3.1-8
        false, 70.33, 5007, false, true},
       {"LoRA 256K, chunk 8192, saved attention, window 2 (eighth session; one step, warm-up 0)",
        saved(sched("seco", 8192, "none"), 2), 262144, 80, true, false, 65.73, 1097, false, true, true},
+      // The ninth session: 64K in 24 GiB with the recalibrated window (copies overlapping compute); 256K
+      // planned for a 120 GiB host (no saved outputs; one step, warm-up 0: its time is a first step's).
+      {"LoRA 64K in 24 GiB, chunk 8192, recompute full, saved attention, window 2 (ninth session)",
+       saved(sched("seco", 8192, "full"), 2), 65536, 24, true, false, 22.84, 4562, false, true},
+      {"LoRA 256K, chunk 8192, window 2, 120 GiB host (ninth session; one step, warm-up 0)",
+       [] {
+         ScheduleOptions o = sched("seco", 8192, "none");
+         o.offload_window = 2;
+         return o;
+       }(),
+       262144, 80, true, false, 61.67, 1136, false, true, true},
   };
   for (const Run& r : runs) {
     const PlanReport p = plan_step(eight_b, 1, r.T, r.schedule, DType::bf16, r.device_gib,
