@@ -97,16 +97,27 @@ TEST_CASE("attention: a chunk equals the last rows of whole-sequence attention; 
   CHECK(compare(out2, olast).rel == 0.0);
 }
 
-TEST_CASE("attention census: each call counted under its direction, kernel and reason, with its model flops") {
-  const int64_t B = 2, H = 4, Hkv = 2, D = 4, p = 11, c = 5, S = p + c;
+// A chunk of c queries against p earlier keys and its own, f64, GQA 2: the operands (seeds seed..seed+3),
+// and out, lse, d_q and zeroed d_k, d_v for a call to fill.
+struct ChunkOperands {
+  static constexpr int64_t B = 2, H = 4, Hkv = 2, D = 4, p = 11, c = 5, S = p + c;
   const double scale = 1.0 / std::sqrt(double(D));
+  OwnedTensor q, k, v, d_out, out, lse, d_q, d_k, d_v;
+  explicit ChunkOperands(uint64_t seed)
+      : q(randn({B, c, H, D}, seed)), k(randn({B, S, Hkv, D}, seed + 1)), v(randn({B, S, Hkv, D}, seed + 2)),
+        d_out(randn({B, c, H, D}, seed + 3)), out(DType::f64, {B, c, H, D}), lse(DType::f64, {B, H, c}),
+        d_q(DType::f64, {B, c, H, D}), d_k(DType::f64, {B, S, Hkv, D}), d_v(DType::f64, {B, S, Hkv, D}) {
+    fill(d_k, 0.0);
+    fill(d_v, 0.0);
+  }
+};
+
+TEST_CASE("attention census: each call counted under its direction, kernel and reason, with its model flops") {
+  ChunkOperands o(31);
+  const int64_t B = o.B, H = o.H, D = o.D, p = o.p, c = o.c, S = o.S;
+  const double scale = o.scale;
   Arena scratch;
-  OwnedTensor q = randn({B, c, H, D}, 31), k = randn({B, S, Hkv, D}, 32), v = randn({B, S, Hkv, D}, 33);
-  OwnedTensor d_out = randn({B, c, H, D}, 34);
-  OwnedTensor out(DType::f64, {B, c, H, D}), lse(DType::f64, {B, H, c});
-  OwnedTensor d_q(DType::f64, {B, c, H, D}), d_k(DType::f64, {B, S, Hkv, D}), d_v(DType::f64, {B, S, Hkv, D});
-  fill(d_k, 0.0);
-  fill(d_v, 0.0);
+  auto [q, k, v, d_out, out, lse, d_q, d_k, d_v] = std::tie(o.q, o.k, o.v, o.d_out, o.out, o.lse, o.d_q, o.d_k, o.d_v);
   reset_attention_census();
   attention_forward(out, {lse}, q, k, v, scale, scratch);
   attention_forward(out, {lse}, q, k, v, scale, scratch);
@@ -131,17 +142,13 @@ TEST_CASE("attention census: each call counted under its direction, kernel and r
 
 TEST_CASE("attention in key blocks: the chunk's own keys causal, the prefix unmasked, merged, equals one call; so do "
           "the blocks' backwards given the merged out and lse") {
-  const int64_t B = 2, H = 4, Hkv = 2, D = 4, p = 11, c = 5, S = p + c;
-  const double scale = 1.0 / std::sqrt(double(D));
+  ChunkOperands o(21);
+  const int64_t B = o.B, H = o.H, Hkv = o.Hkv, D = o.D, p = o.p, c = o.c, S = o.S;
+  const double scale = o.scale;
   Arena scratch;
-  OwnedTensor q = randn({B, c, H, D}, 21), k = randn({B, S, Hkv, D}, 22), v = randn({B, S, Hkv, D}, 23);
-  OwnedTensor d_out = randn({B, c, H, D}, 24);
+  auto [q, k, v, d_out, out, lse, d_q, d_k, d_v] = std::tie(o.q, o.k, o.v, o.d_out, o.out, o.lse, o.d_q, o.d_k, o.d_v);
   // One call over keys [0, p + c).
-  OwnedTensor out(DType::f64, {B, c, H, D}), lse(DType::f64, {B, H, c});
   attention_forward(out, {lse}, q, k, v, scale, scratch);
-  OwnedTensor d_q(DType::f64, {B, c, H, D}), d_k(DType::f64, {B, S, Hkv, D}), d_v(DType::f64, {B, S, Hkv, D});
-  fill(d_k, 0.0);
-  fill(d_v, 0.0);
   attention_backward(d_q, d_k, d_v, d_out, {lse}, q, k, v, out, scale, GradMode::overwrite, scratch);
 
   // Blocks: the chunk's own keys [p, p + c) causal (bottom-right with S = c), then the prefix in
