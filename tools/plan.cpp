@@ -677,9 +677,15 @@ std::string budget_text(const MemoryBudget& b) {
                         : fmt::format("{:.1f} GiB", b.device_gib);
 }
 
-ScheduleOptions resolve_chunk_and_window(const LlamaConfig& cf, int64_t B, int64_t T, ScheduleOptions o, DType dtype,
-                                         const MemoryBudget& gib, const LoraConfig& lora, bool optimizer_offload,
-                                         std::vector<AutoCandidate>* weighed = nullptr) {
+// The settings chosen, and where `weighed` (when given) holds them.
+struct Resolved {
+  ScheduleOptions schedule;
+  size_t weighed_index = 0;
+};
+
+Resolved resolve_chunk_and_window(const LlamaConfig& cf, int64_t B, int64_t T, ScheduleOptions o, DType dtype,
+                                  const MemoryBudget& gib, const LoraConfig& lora, bool optimizer_offload,
+                                  std::vector<AutoCandidate>* weighed = nullptr) {
   const bool auto_chunk = o.chunk == kAuto, auto_window = o.offload_window == kAuto;
   CW_CHECK(chunked(o), "schedule.chunk and schedule.offload_window = auto are for schedules seco and spaco");
   auto out_of_memory = [&] {
@@ -696,11 +702,10 @@ ScheduleOptions resolve_chunk_and_window(const LlamaConfig& cf, int64_t B, int64
   if (!auto_window) {
     if (auto_chunk) o.chunk = choose_chunk(cf, B, T, o, dtype, gib, chunk_candidates(), lora, optimizer_offload);
     if (auto_chunk && o.chunk == 0) out_of_memory();
-    if (weighed) {
-      const PlanReport r = plan_step(cf, B, T, o, dtype, gib, lora, optimizer_offload);
-      weighed->push_back({o, r.fits, r.peak_device_gib(), r.peak_host_gib(), r.step_s, false});
-    }
-    return o;
+    if (!weighed) return {o};
+    const PlanReport r = plan_step(cf, B, T, o, dtype, gib, lora, optimizer_offload);
+    weighed->push_back({o, r.fits, r.peak_device_gib(), r.peak_host_gib(), r.step_s, false});
+    return {o, weighed->size() - 1};
   }
   // auto window: where the K/V store lives, with each place's fastest chunk (or the given one): on the
   // device; a window of two layers (the least memory whose copies overlap the compute; a larger
@@ -721,7 +726,7 @@ ScheduleOptions resolve_chunk_and_window(const LlamaConfig& cf, int64_t B, int64
     streamed.stream_kv = true;
     places.push_back(streamed);
   }
-  std::optional<ScheduleOptions> best;
+  std::optional<Resolved> best;
   double best_s = 0;
   for (ScheduleOptions p : places) {
     if (auto_chunk) p.chunk = choose_chunk(cf, B, T, p, dtype, gib, chunk_candidates(), lora, optimizer_offload);
@@ -729,7 +734,7 @@ ScheduleOptions resolve_chunk_and_window(const LlamaConfig& cf, int64_t B, int64
     const PlanReport r = plan_step(cf, B, T, p, dtype, gib, lora, optimizer_offload);
     if (weighed) weighed->push_back({p, r.fits, r.peak_device_gib(), r.peak_host_gib(), r.step_s, false});
     if (r.fits && (!best || r.step_s < best_s * 0.99)) {
-      best = p;
+      best = Resolved{p, weighed ? weighed->size() - 1 : 0};
       best_s = r.step_s;
     }
   }
@@ -745,7 +750,7 @@ ScheduleOptions resolve_auto_schedule(const LlamaConfig& cf, int64_t B, int64_t 
                                       const MemoryBudget& gib, const LoraConfig& lora, bool optimizer_offload,
                                       std::vector<AutoCandidate>* weighed) {
   if (o.chunk != kAuto && o.offload_window != kAuto) return o;
-  if (!chunked(o)) return resolve_chunk_and_window(cf, B, T, o, dtype, gib, lora, optimizer_offload, weighed);
+  if (!chunked(o)) return resolve_chunk_and_window(cf, B, T, o, dtype, gib, lora, optimizer_offload, weighed).schedule;
   // With a planned chunk or window, what happens inside a chunk is planned too. recompute = auto:
   // keeping every activation of a chunk (none) is fastest per chunk, but recomputing inside it
   // (selective, full) lets a larger chunk fit, and a larger chunk moves fewer K/V bytes where the
@@ -756,7 +761,7 @@ ScheduleOptions resolve_auto_schedule(const LlamaConfig& cf, int64_t B, int64_t 
   if (o.recompute == "auto") modes = {"none", "selective", "full"};
   std::vector<bool> saves{o.save_attention};
   if (!o.save_attention) saves = {false, true};
-  std::optional<ScheduleOptions> best;
+  std::optional<Resolved> best;
   double best_s = 0;
   std::optional<Error> first_error;
   for (const bool save : saves) {
@@ -765,8 +770,8 @@ ScheduleOptions resolve_auto_schedule(const LlamaConfig& cf, int64_t B, int64_t 
       m.recompute = mode;
       m.save_attention = save;
       try {
-        const ScheduleOptions r = resolve_chunk_and_window(cf, B, T, m, dtype, gib, lora, optimizer_offload, weighed);
-        const double s = plan_step(cf, B, T, r, dtype, gib, lora, optimizer_offload).step_s;
+        const Resolved r = resolve_chunk_and_window(cf, B, T, m, dtype, gib, lora, optimizer_offload, weighed);
+        const double s = plan_step(cf, B, T, r.schedule, dtype, gib, lora, optimizer_offload).step_s;
         if (!best || s < best_s * 0.99) {
           best = r;
           best_s = s;
@@ -777,9 +782,8 @@ ScheduleOptions resolve_auto_schedule(const LlamaConfig& cf, int64_t B, int64_t 
     }
   }
   if (!best) throw *first_error;
-  if (weighed)
-    for (AutoCandidate& c : *weighed) c.chosen = describe_schedule(c.schedule) == describe_schedule(*best);
-  return *best;
+  if (weighed) (*weighed)[best->weighed_index].chosen = true;
+  return best->schedule;
 }
 
 LongestPlan longest_sequence(const LlamaConfig& cf, int64_t B, const ScheduleOptions& schedule, DType dtype,
