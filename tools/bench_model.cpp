@@ -253,6 +253,12 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
     if (!o.trace.empty()) out << "trace of step " << o.warmup + o.steps << ": " << o.trace << "\n";
     std::sort(step_s.begin(), step_s.end());
     const double med = step_s[step_s.size() / 2];
+    // The planner against this run (tools/plan.h: its peak within 10% of measured).
+    const double peak_gib = double(pool_stats(g).peak_in_use) / double(1ull << 30);
+    out << fmt::format("against the plan: peak {:.2f} GiB measured, {:.2f} planned ({:+.1f}%); step {:.3f} s measured, "
+                       "{:.3f} planned ({:+.1f}%)\n",
+                       peak_gib, plan.peak_device_gib(), 100 * (plan.peak_device_gib() / peak_gib - 1), med,
+                       plan.step_s, 100 * (plan.step_s / med - 1));
     const double tps = double(o.batch * o.seq) / med;
     r["status"] = "ok";
     r["step_s"] = med;
