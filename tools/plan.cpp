@@ -623,6 +623,8 @@ std::string plan_table(const PlanReport& r) {
   s += fmt::format("  {:14} {:10.2f}   (the caching pool's peak: `chunkwise bench` peak_gib)\n", "peak",
                    r.peak_device_gib());
   s += fmt::format("  {:14} {:10.2f}   (outside the pool)\n", "cuda context", double(r.context_bytes) / kGiB);
+  s += fmt::format("  {:14} {:10.2f}   (of activations: the largest attention backward's, cuDNN's GQA staging)\n",
+                   "attn workspace", double(r.attention_workspace_bytes) / kGiB);
   if (!r.host.empty()) {
     s += fmt::format("  {:14} {:>10}\n", "host", "GiB");
     for (const auto& [name, bytes] : r.host) s += fmt::format("  {:14} {:10.2f}\n", name, double(bytes) / kGiB);
@@ -653,6 +655,7 @@ std::string plan_json(const PlanReport& r) {
   j["cuda_context_gib"] = double(r.context_bytes) / kGiB;
   j["step_s"] = r.step_s;
   j["kv_moved_gib"] = r.kv_moved_bytes / kGiB;
+  j["attention_workspace_gib"] = double(r.attention_workspace_bytes) / kGiB;
   j["tokens_per_s"] = r.tokens_per_s();
   j["flops"] = r.flops;
   j["device_memory_gib"] = r.device_gib;
