@@ -96,18 +96,6 @@ std::string off_cudnn_note(const std::vector<AttentionCensusEntry>& census) {
   return off > 0 ? fmt::format(", {} attention calls ({:.1f}% of its flops) off cuDNN", calls, 100 * off / total) : "";
 }
 
-// Which kernel took the step's attention calls and why, a line per (direction, kernel, reason).
-std::string census_lines(const std::vector<AttentionCensusEntry>& census, int step) {
-  double total = 0;
-  for (const AttentionCensusEntry& e : census) total += e.flops;
-  std::string s;
-  for (const AttentionCensusEntry& e : census)
-    s += fmt::format("attention in step {}: {} on {}: {} calls, {:.1f}% of the flops ({})\n", step,
-                     e.backward ? "backward" : "forward", attention_kernel_name(e.kernel), e.calls,
-                     total > 0 ? 100 * e.flops / total : 0.0, e.reason);
-  return s;
-}
-
 }  // namespace
 
 int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
@@ -249,7 +237,7 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
                          double(stats.kv_bytes) / double(1ull << 30), double(stats.kv_host_bytes) / double(1ull << 30),
                          double(stats.kv_bytes_moved) / double(1ull << 30));
     out << "memory: " << mem.line() << "\n";
-    out << census_lines(census, o.warmup + o.steps);
+    out << attention_census_text(census, fmt::format("in step {}", o.warmup + o.steps));
     if (!o.trace.empty()) out << "trace of step " << o.warmup + o.steps << ": " << o.trace << "\n";
     std::sort(step_s.begin(), step_s.end());
     const double med = step_s[step_s.size() / 2];

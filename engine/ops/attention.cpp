@@ -364,6 +364,17 @@ std::vector<AttentionCensusEntry> attention_census() {
   return entries;
 }
 
+std::string attention_census_text(const std::vector<AttentionCensusEntry>& census, const std::string& when) {
+  double total = 0;
+  for (const AttentionCensusEntry& e : census) total += e.flops;
+  std::string s;
+  for (const AttentionCensusEntry& e : census)
+    s += fmt::format("attention {}: {} on {}: {} calls, {:.1f}% of the flops ({})\n", when,
+                     e.backward ? "backward" : "forward", attention_kernel_name(e.kernel), e.calls,
+                     total > 0 ? 100 * e.flops / total : 0.0, e.reason);
+  return s;
+}
+
 void reset_attention_census() {
   std::lock_guard lock(g_census_mutex);
   g_census.clear();

@@ -136,6 +136,10 @@ TEST_CASE("attention census: each call counted under its direction, kernel and r
   CHECK(census[1].backward);
   CHECK(census[1].calls == 1);
   CHECK(census[1].flops == doctest::Approx(2.5 * per_pair * causal_pairs));
+  const std::string text = attention_census_text(census, "in the test");
+  CHECK(text.find("attention in the test: forward on cpu: 3 calls, ") != std::string::npos);
+  CHECK(text.find("% of the flops (the operands are on the CPU)\n") != std::string::npos);
+  CHECK(std::count(text.begin(), text.end(), '\n') == 2);
   reset_attention_census();
   CHECK(attention_census().empty());
 }

@@ -18,6 +18,7 @@
 #include "parallel/tensor_parallel.h"
 #include "chunkwise_config.h"
 #include "engine/engine.h"
+#include "engine/ops/attention.h"
 #if CW_HAVE_CUDA
 #endif
 #include "tools/data/tokenizer.h"
@@ -1036,6 +1037,8 @@ TrainResult run_training(const RunConfig& given, const TrainOptions& opt, std::o
               run_chart(metrics_path, fmt::format("{} / {}: training against tokens seen", rc.model.source,
                                                   rc.schedule.name)));
   const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
+  // Which kernel took the run's attention calls (training and evaluation) and why.
+  if (lead && !placement.device.is_cpu()) log << attention_census_text(attention_census(), "over the run");
   log << fmt::format("done: step {}, loss {:.4f}{}, {} in {}\n", step, last_loss,
                      result.last_eval_loss ? fmt::format(", eval loss {:.4f}", *result.last_eval_loss) : "",
                      result.interrupted ? "interrupted" : "finished", short_duration(total));
