@@ -19,8 +19,6 @@
 #include "chunkwise_config.h"
 #include "engine/engine.h"
 #include "engine/ops/attention.h"
-#if CW_HAVE_CUDA
-#endif
 #include "tools/data/tokenizer.h"
 #include "tools/data/tokens.h"
 #include "tools/plan.h"
