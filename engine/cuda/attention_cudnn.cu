@@ -1064,13 +1064,20 @@ const Plan* resolve_plan(const Tensor& q, const Tensor& k, const Tensor& v, bool
     } else {
       std::lock_guard lock(g_mutex);
       if (const Plan* plan = stand_in(device_state(sh->device), *sh, extent)) {
-        ++g_stats.stood_in;
         *sh = wide;
         return plan;
       }
     }
   }
   return get_plan(*sh, why);
+}
+
+// A call is about to run the plan of shape `sh`: a shared plan in exact mode stood in for the call's
+// own (counted here, once a call; resolve_plan also answers the chooser's workspace check).
+void count_stand_in(const Shape& sh) {
+  if (!sh.shared || cw::cudnn_plans() != CudnnPlans::exact) return;
+  std::lock_guard lock(g_mutex);
+  ++g_stats.stood_in;
 }
 
 // What is cuDNN's own on top of the op's contract (engine/ops/attention.cpp checks shapes, dtypes,
@@ -1305,6 +1312,7 @@ void cudnn_attention_forward(const Tensor& out, const AttentionSaved& saved, con
   std::string why;
   const Plan* plan = resolve_plan(q, k, v, false, &sh, &why, causal);
   CW_CHECK(plan != nullptr, "cuDNN has no fused attention plan for q {} k {}:\n{}", q.describe(), k.describe(), why);
+  count_stand_in(sh);
   ArenaScope scope(scratch);
   float scale_f = static_cast<float>(scale);
   MaskOperands m(sh, k.size(1), scratch, current_stream(sh.device));
@@ -1328,6 +1336,7 @@ void cudnn_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor
   const Plan* plan = resolve_plan(q, k, v, true, &sh, &why, causal);
   CW_CHECK(plan != nullptr, "cuDNN has no fused attention backward plan for q {} k {}:\n{}", q.describe(),
            k.describe(), why);
+  count_stand_in(sh);
 
   // The f32 dQ accumulator first, so that it sits at the same scratch address call after call
   // (the tests' second backward then catches an accumulator left unzeroed).
