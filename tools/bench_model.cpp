@@ -2,8 +2,6 @@
 
 #include "chunkwise_config.h"
 #include "engine/engine.h"
-#if CW_HAVE_CUDA
-#endif
 #include "engine/ops/attention.h"
 #include "engine/ops/linear.h"
 #include "engine/random.h"

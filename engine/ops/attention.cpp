@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <map>
 #include <mutex>
+#include <optional>
 
 namespace cw {
 
@@ -165,26 +166,33 @@ bool aligned(const Tensor* t, size_t bytes) {
 }
 
 #if CW_HAVE_CUDNN
-// The attention backward's workspace budget on a device (engine.h): the default, fixed for the
+// The attention backward's workspace budget on a device (engine.h): the default, set for the
 // process when the first backward asks, raised by raise_attention_workspace_budget; the variable
 // fixes it.
 std::mutex g_budget_mutex;
 std::map<int, int64_t> g_budgets, g_budget_floors;
 
-int64_t workspace_budget(int device) {
-  std::lock_guard lock(g_budget_mutex);
-  const auto floor = g_budget_floors.find(device);
-  const int64_t raised = floor == g_budget_floors.end() ? 0 : floor->second;
-  if (auto it = g_budgets.find(device); it != g_budgets.end()) return std::max(it->second, raised);
-  if (const char* e = std::getenv("CW_ATTENTION_WORKSPACE_MIB"); e != nullptr && *e != '\0') {
+// CW_ATTENTION_WORKSPACE_MIB in bytes, if set (then it fixes the budget); read once.
+std::optional<int64_t> workspace_budget_from_env() {
+  static const std::optional<int64_t> fixed = []() -> std::optional<int64_t> {
+    const char* e = std::getenv("CW_ATTENTION_WORKSPACE_MIB");
+    if (e == nullptr || *e == '\0') return std::nullopt;
     char* end = nullptr;
     const long long mib = std::strtoll(e, &end, 10);
     if (end == e || *end != '\0' || mib < 0)
       fail(std::string("environment variable CW_ATTENTION_WORKSPACE_MIB='") + e + "' is not a number of MiB",
            "set it to a whole number, e.g. 1024, or unset it for a quarter of the free device memory");
-    g_budget_floors.erase(device);  // fixed: nothing raises it
-    return g_budgets.emplace(device, static_cast<int64_t>(mib) << 20).first->second;
-  }
+    return static_cast<int64_t>(mib) << 20;
+  }();
+  return fixed;
+}
+
+int64_t workspace_budget(int device) {
+  if (const std::optional<int64_t> fixed = workspace_budget_from_env()) return *fixed;
+  std::lock_guard lock(g_budget_mutex);
+  const auto floor = g_budget_floors.find(device);
+  const int64_t raised = floor == g_budget_floors.end() ? 0 : floor->second;
+  if (auto it = g_budgets.find(device); it != g_budgets.end()) return std::max(it->second, raised);
   const int64_t budget = std::max(int64_t{256} << 20, static_cast<int64_t>(gpu::memory_info(device).free / 4));
   g_budgets.emplace(device, budget);
   return std::max(budget, raised);
@@ -303,8 +311,7 @@ AttentionChoice choose_attention_kernel(const AttentionCall& call, const Attenti
 // ---- The workspace budget (engine/engine.h) ----
 void raise_attention_workspace_budget(Device device, int64_t bytes) {
 #if CW_HAVE_CUDNN
-  if (device.is_cpu()) return;
-  if (const char* e = std::getenv("CW_ATTENTION_WORKSPACE_MIB"); e != nullptr && *e != '\0') return;
+  if (device.is_cpu() || workspace_budget_from_env()) return;  // fixed by the variable
   std::lock_guard lock(g_budget_mutex);
   int64_t& floor = g_budget_floors[device.index];
   floor = std::max(floor, bytes);
