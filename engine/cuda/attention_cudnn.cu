@@ -873,6 +873,7 @@ AheadBuilders& ahead_builders() {
 }
 
 int64_t runtime_version();
+Shape widened(Shape sh, int64_t extent);
 
 // Lock held. After a call missed the exact plan `sh`: where its K/V are a slice [0, S) of a longer
 // store, queues the plans of the same chunk length at the store's other offsets S' = S + j c, both
@@ -921,11 +922,9 @@ void queue_family(const Shape& sh) {
       bottom % kSharedAlign == 0 && extent <= std::numeric_limits<int32_t>::max()) {
     for (bool backward : {true, false}) {
       if (backward && cw::deterministic()) continue;
-      Shape wide = sh;
+      Shape wide = widened(sh, extent);
       wide.backward = backward;
       wide.deterministic = false;
-      wide.S = extent;
-      wide.shared = true;
       DeviceState& st = g_devices[wide.device];
       if (st.plans.count(wide) || st.rejected.count(wide) || st.building.count(wide)) continue;
       if (!g_ahead_set.insert(wide).second) g_ahead.erase(std::find(g_ahead.begin(), g_ahead.end(), wide));
