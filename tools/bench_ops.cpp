@@ -179,14 +179,17 @@ std::pair<int64_t, int64_t> parse_chunk_attention(const std::string& spec) {
 // store runs it (model/kv_store.cpp's attend_forward / attend_backward without the copies: the own
 // block causal, each earlier c-key block unmasked, merged in f32; in the backward every block given
 // the merged out and lse, dQ summed in f32). Their ratio is the blocked form's compute cost alone.
-// Rows "attn chunk fwd|bwd c/S one-call|blocked"; FLOPs count the causal pairs, c (S - c) + c^2 / 2.
+// A third form, split, runs the same in two calls: the unmasked prefix [0, S - c) and the causal own
+// block (one merge forward, one dQ sum backward), to see whether a long unmasked call is faster than
+// the masked one call. Rows "attn chunk fwd|bwd c/S one-call|blocked|split"; FLOPs count the causal
+// pairs, c (S - c) + c^2 / 2.
 void bench_chunk_attention(std::vector<Row>& rows, DType dt, int64_t c, int64_t S, int64_t H, int64_t Hkv, int64_t D,
                            int repeat) {
   const double pairs = double(c) * double(S - c) + double(c) * double(c) / 2.0;
   const double fwd_flops = 4.0 * double(H) * double(D) * pairs;
   const std::string shape = fmt::format("{}/{}", c, S);
   std::vector<Row> mine;
-  for (const char* form : {"one-call", "blocked"}) {
+  for (const char* form : {"one-call", "blocked", "split"}) {
     mine.emplace_back(fmt::format("attn chunk fwd {} {}", shape, form), 0, 0, fwd_flops);
     mine.emplace_back(fmt::format("attn chunk bwd {} {}", shape, form), 0, 0, 2.5 * fwd_flops);
   }
@@ -218,6 +221,33 @@ void bench_chunk_attention(std::vector<Row>& rows, DType dt, int64_t c, int64_t 
       }
       copy_convert(out, acc);
     };
+    // Blocks [i0, i0 + n) of c keys as one tensor.
+    auto blocks_of = [&](const Tensor& t, int64_t i0, int64_t n) { return t.slice(1, i0 * c, n * c); };
+    auto split_forward = [&] {
+      ArenaScope sc(scratch);
+      attention_forward(out, saved, q, block(k, blocks - 1), block(v, blocks - 1), scale, scratch);
+      if (blocks == 1) return;
+      const Tensor acc = scratch.alloc(DType::f32, {1, c, H, D}), prefix_out = scratch.alloc(dt, {1, c, H, D});
+      const Tensor prefix_lse = scratch.alloc(DType::f32, {1, H, c});
+      copy_convert(acc, out);
+      attention_forward(prefix_out, {prefix_lse}, q, blocks_of(k, 0, blocks - 1), blocks_of(v, 0, blocks - 1), scale,
+                        scratch, AttentionMask::none);
+      attention_merge(acc, lse, prefix_out, prefix_lse);
+      copy_convert(out, acc);
+    };
+    auto split_backward = [&] {
+      ArenaScope sc(scratch);
+      attention_backward(d_q, block(d_k, blocks - 1), block(d_v, blocks - 1), d_out, saved, q, block(k, blocks - 1),
+                         block(v, blocks - 1), out, scale, GradMode::overwrite, scratch);
+      if (blocks == 1) return;
+      const Tensor dq_sum = scratch.alloc(DType::f32, {c, H * D}), dq_prefix = scratch.alloc(dt, {1, c, H, D});
+      copy_convert(dq_sum, d_q.tensor.view({c, H * D}));
+      attention_backward(dq_prefix, blocks_of(d_k, 0, blocks - 1), blocks_of(d_v, 0, blocks - 1), d_out, saved, q,
+                         blocks_of(k, 0, blocks - 1), blocks_of(v, 0, blocks - 1), out, scale, GradMode::overwrite,
+                         scratch, AttentionMask::none);
+      accumulate(dq_sum, dq_prefix.view({c, H * D}));
+      copy_convert(d_q.tensor.view({c, H * D}), dq_sum);
+    };
     auto one_call_backward = [&] {
       ArenaScope sc(scratch);
       attention_backward(d_q, d_k, d_v, d_out, saved, q, k, v, out, scale, GradMode::overwrite, scratch);
@@ -240,6 +270,9 @@ void bench_chunk_attention(std::vector<Row>& rows, DType dt, int64_t c, int64_t 
     one_call_forward();  // out and lse for the backward rows (both forms give the same)
     mine[1].ms = median_ms(one_call_backward, g, 3, repeat);
     mine[3].ms = median_ms(blocked_backward, g, 3, repeat);
+    mine[4].ms = median_ms(split_forward, g, 3, repeat);
+    one_call_forward();
+    mine[5].ms = median_ms(split_backward, g, 3, repeat);
     // The kernels the chooser picks for the one call and for an unmasked block (forward, backward),
     // with its reason where that is not cuDNN.
     auto picked = [&](const Tensor& kk, const Tensor& vv, bool backward, AttentionMask mask) {
@@ -256,6 +289,11 @@ void bench_chunk_attention(std::vector<Row>& rows, DType dt, int64_t c, int64_t 
     mine[3].note = picked(block(k, 0), block(v, 0), true, AttentionMask::none);
     mine[2].note += fmt::format(", {} calls + {} merges: {:.2f}x one call", blocks, blocks - 1, mine[2].ms / mine[0].ms);
     mine[3].note += fmt::format(", {} calls: {:.2f}x one call", blocks, mine[3].ms / mine[1].ms);
+    const Tensor prefix_k = blocks_of(k, 0, std::max<int64_t>(blocks - 1, 1)), prefix_v = blocks_of(v, 0, std::max<int64_t>(blocks - 1, 1));
+    mine[4].note = picked(prefix_k, prefix_v, false, AttentionMask::none) +
+                   fmt::format(", 2 calls + 1 merge: {:.2f}x one call", mine[4].ms / mine[0].ms);
+    mine[5].note = picked(prefix_k, prefix_v, true, AttentionMask::none) +
+                   fmt::format(", 2 calls: {:.2f}x one call", mine[5].ms / mine[1].ms);
   } catch (const std::exception& e) {
     for (Row& r : mine) r.status = "error", r.note = first_line(e);
   }
@@ -324,6 +362,9 @@ std::vector<Row> bench_lm_head(std::vector<int64_t> tokens, DType dt, int64_t C,
 void run_bench_ops(const BenchOpsOptions& o, std::ostream& out) {
   std::vector<std::pair<int64_t, int64_t>> chunk_shapes;  // checked first: a bad flag is an error on any machine
   for (const std::string& spec : o.chunk_attention) chunk_shapes.push_back(parse_chunk_attention(spec));
+  if (o.kv_heads <= 0 || o.heads % o.kv_heads != 0)
+    fail(fmt::format("bench-ops --kv-heads {}: must divide --heads {}", o.kv_heads, o.heads),
+         "give a K/V head count that divides the query heads (8 of 32 is Llama-3.2-1B's)");
   if (!gpu_available()) fail("bench-ops needs a GPU", "run it on the GPU machine (tools/gpu-check)");
   const DType dt = parse_dtype(o.dtype);
   const int64_t N = o.tokens, C = o.hidden, F = o.ffn, H = o.heads, D = o.head_dim, V = o.vocab;

@@ -91,6 +91,8 @@ int main(int argc, char** argv) {
   bench_ops->add_option("--hidden", bo.hidden, "C")->capture_default_str();
   bench_ops->add_option("--ffn", bo.ffn, "F")->capture_default_str();
   bench_ops->add_option("--heads", bo.heads, "query heads")->capture_default_str();
+  bench_ops->add_option("--kv-heads", bo.kv_heads, "K/V heads of the chunk rows (grouped-query attention; = heads: multi-head)")
+      ->capture_default_str();
   bench_ops->add_option("--head-dim", bo.head_dim, "D")->capture_default_str();
   bench_ops->add_option("--vocab", bo.vocab, "embedding rows")->capture_default_str();
   bench_ops->add_option("--dtype", bo.dtype, "bf16 | f32")->capture_default_str();

@@ -1,5 +1,6 @@
 // `chunkwise bench-ops` (tools/bench_ops.h): its flags are checked on any machine; on a GPU a small
-// run times every row, the chunk-attention rows (one call and the streamed store's blocks) included.
+// run times every row, the chunk-attention rows (one call, the streamed store's blocks, prefix and own
+// block in two calls) included.
 #include "tests/gpu_support.h"
 #include "tools/bench_ops.h"
 
@@ -17,7 +18,14 @@ TEST_CASE("bench-ops --chunk-attention refuses a shape whose keys are not whole 
   CHECK_THROWS_WITH_AS(run_bench_ops(o, out), doctest::Contains("expected CHUNK:KEYS"), Error);
 }
 
-TEST_CASE("cuda: bench-ops times every row of a small run, chunk attention in one call and in blocks" *
+TEST_CASE("bench-ops --kv-heads refuses a count that does not divide the query heads, on any machine") {
+  BenchOpsOptions o;
+  o.heads = 32, o.kv_heads = 5;
+  std::ostringstream out;
+  CHECK_THROWS_WITH_AS(run_bench_ops(o, out), doctest::Contains("must divide --heads 32"), Error);
+}
+
+TEST_CASE("cuda: bench-ops times every row of a small run, chunk attention in one call, in blocks and split" *
           doctest::skip(!test::gpu_ready())) {
   test::TempDir dir("bench-ops");
   BenchOpsOptions o;
@@ -42,5 +50,5 @@ TEST_CASE("cuda: bench-ops times every row of a small run, chunk attention in on
       CHECK(r["ms"].get<double>() > 0);
     }
   }
-  CHECK(chunk_rows == 8);  // two shapes x forward, backward x one call, blocked
+  CHECK(chunk_rows == 12);  // two shapes x forward, backward x one call, blocked, split
 }
