@@ -69,6 +69,14 @@ int64_t attention_workspace_budget(Device device);  // 0 without cuDNN
 enum class CudnnPlans { exact, shared };
 void set_cudnn_plans(CudnnPlans plans);
 CudnnPlans cudnn_plans();
+// A chunk's call with keys before it (p = S - c >= c, an exact plan; env CW_CUDNN_SPLIT_PREFIX=0|1, on
+// by default) runs as two cuDNN graphs: the chunk's queries against the p earlier keys unmasked, and
+// against its own c keys causal, merged (forward) or with dQ summed (backward). cuDNN's bottom-right
+// causal mask computes the mask on every key tile; apart, the prefix needs none and the own block is
+// the square causal case, which skips the tiles above the diagonal (RESULTS.md: 0.87-0.92x the time
+// of one call at 64K keys). Off: one graph, as before.
+void set_cudnn_split_prefix(bool on);
+bool cudnn_split_prefix();
 // Plans built ahead (env CW_CUDNN_PLAN_THREADS: the count of host threads, 0: off; default half the
 // cores, at most 8): when
 // a call whose K/V are a slice of a longer store (a SeCO sweep) needs an exact plan not yet built,
@@ -84,9 +92,10 @@ int cudnn_plan_threads();
 // refuses falls back to the exact one), the seconds spent building both (summed over the threads
 // that built them), of them the plans built ahead, the seconds calls waited for a plan another
 // thread was building, and the calls that ran their family's shared plan while their exact plan
-// was being built ahead. Zeros without cuDNN.
+// was being built ahead, and the calls that ran with their prefix apart (cudnn_split_prefix). Zeros
+// without cuDNN.
 struct AttentionPlanStats {
-  int64_t built = 0, refused = 0, built_ahead = 0, stood_in = 0;
+  int64_t built = 0, refused = 0, built_ahead = 0, stood_in = 0, split = 0;
   double seconds = 0, waited_seconds = 0;
 };
 AttentionPlanStats attention_plan_stats();

@@ -179,10 +179,10 @@ std::pair<int64_t, int64_t> parse_chunk_attention(const std::string& spec) {
 // store runs it (model/kv_store.cpp's attend_forward / attend_backward without the copies: the own
 // block causal, each earlier c-key block unmasked, merged in f32; in the backward every block given
 // the merged out and lse, dQ summed in f32). Their ratio is the blocked form's compute cost alone.
-// A third form, split, runs the same in two calls: the unmasked prefix [0, S - c) and the causal own
-// block (one merge forward, one dQ sum backward), to see whether a long unmasked call is faster than
-// the masked one call. Rows "attn chunk fwd|bwd c/S one-call|blocked|split"; FLOPs count the causal
-// pairs, c (S - c) + c^2 / 2.
+// The one call twice: as one masked cuDNN graph (cudnn_split_prefix off: row "one-call") and as the
+// engine runs it by default, the earlier keys apart (row "split"; the same as one call where the chooser
+// does not pick cuDNN or S < 2c). Rows "attn chunk fwd|bwd c/S one-call|blocked|split"; FLOPs count
+// the causal pairs, c (S - c) + c^2 / 2.
 void bench_chunk_attention(std::vector<Row>& rows, DType dt, int64_t c, int64_t S, int64_t H, int64_t Hkv, int64_t D,
                            int repeat) {
   const double pairs = double(c) * double(S - c) + double(c) * double(c) / 2.0;
@@ -221,33 +221,6 @@ void bench_chunk_attention(std::vector<Row>& rows, DType dt, int64_t c, int64_t 
       }
       copy_convert(out, acc);
     };
-    // Blocks [i0, i0 + n) of c keys as one tensor.
-    auto blocks_of = [&](const Tensor& t, int64_t i0, int64_t n) { return t.slice(1, i0 * c, n * c); };
-    auto split_forward = [&] {
-      ArenaScope sc(scratch);
-      attention_forward(out, saved, q, block(k, blocks - 1), block(v, blocks - 1), scale, scratch);
-      if (blocks == 1) return;
-      const Tensor acc = scratch.alloc(DType::f32, {1, c, H, D}), prefix_out = scratch.alloc(dt, {1, c, H, D});
-      const Tensor prefix_lse = scratch.alloc(DType::f32, {1, H, c});
-      copy_convert(acc, out);
-      attention_forward(prefix_out, {prefix_lse}, q, blocks_of(k, 0, blocks - 1), blocks_of(v, 0, blocks - 1), scale,
-                        scratch, AttentionMask::none);
-      attention_merge(acc, lse, prefix_out, prefix_lse);
-      copy_convert(out, acc);
-    };
-    auto split_backward = [&] {
-      ArenaScope sc(scratch);
-      attention_backward(d_q, block(d_k, blocks - 1), block(d_v, blocks - 1), d_out, saved, q, block(k, blocks - 1),
-                         block(v, blocks - 1), out, scale, GradMode::overwrite, scratch);
-      if (blocks == 1) return;
-      const Tensor dq_sum = scratch.alloc(DType::f32, {c, H * D}), dq_prefix = scratch.alloc(dt, {1, c, H, D});
-      copy_convert(dq_sum, d_q.tensor.view({c, H * D}));
-      attention_backward(dq_prefix, blocks_of(d_k, 0, blocks - 1), blocks_of(d_v, 0, blocks - 1), d_out, saved, q,
-                         blocks_of(k, 0, blocks - 1), blocks_of(v, 0, blocks - 1), out, scale, GradMode::overwrite,
-                         scratch, AttentionMask::none);
-      accumulate(dq_sum, dq_prefix.view({c, H * D}));
-      copy_convert(d_q.tensor.view({c, H * D}), dq_sum);
-    };
     auto one_call_backward = [&] {
       ArenaScope sc(scratch);
       attention_backward(d_q, d_k, d_v, d_out, saved, q, k, v, out, scale, GradMode::overwrite, scratch);
@@ -265,14 +238,17 @@ void bench_chunk_attention(std::vector<Row>& rows, DType dt, int64_t c, int64_t 
       }
       copy_convert(d_q.tensor.view({c, H * D}), dq_sum);
     };
+    const bool split_default = cudnn_split_prefix();
+    set_cudnn_split_prefix(false);
     mine[0].ms = median_ms(one_call_forward, g, 3, repeat);
-    mine[2].ms = median_ms(blocked_forward, g, 3, repeat);
-    one_call_forward();  // out and lse for the backward rows (both forms give the same)
+    one_call_forward();  // out and lse for the backward rows (every form gives the same)
     mine[1].ms = median_ms(one_call_backward, g, 3, repeat);
+    set_cudnn_split_prefix(true);
+    mine[4].ms = median_ms(one_call_forward, g, 3, repeat);
+    mine[5].ms = median_ms(one_call_backward, g, 3, repeat);
+    set_cudnn_split_prefix(split_default);
+    mine[2].ms = median_ms(blocked_forward, g, 3, repeat);
     mine[3].ms = median_ms(blocked_backward, g, 3, repeat);
-    mine[4].ms = median_ms(split_forward, g, 3, repeat);
-    one_call_forward();
-    mine[5].ms = median_ms(split_backward, g, 3, repeat);
     // The kernels the chooser picks for the one call and for an unmasked block (forward, backward),
     // with its reason where that is not cuDNN.
     auto picked = [&](const Tensor& kk, const Tensor& vv, bool backward, AttentionMask mask) {
@@ -289,11 +265,8 @@ void bench_chunk_attention(std::vector<Row>& rows, DType dt, int64_t c, int64_t 
     mine[3].note = picked(block(k, 0), block(v, 0), true, AttentionMask::none);
     mine[2].note += fmt::format(", {} calls + {} merges: {:.2f}x one call", blocks, blocks - 1, mine[2].ms / mine[0].ms);
     mine[3].note += fmt::format(", {} calls: {:.2f}x one call", blocks, mine[3].ms / mine[1].ms);
-    const Tensor prefix_k = blocks_of(k, 0, std::max<int64_t>(blocks - 1, 1)), prefix_v = blocks_of(v, 0, std::max<int64_t>(blocks - 1, 1));
-    mine[4].note = picked(prefix_k, prefix_v, false, AttentionMask::none) +
-                   fmt::format(", 2 calls + 1 merge: {:.2f}x one call", mine[4].ms / mine[0].ms);
-    mine[5].note = picked(prefix_k, prefix_v, true, AttentionMask::none) +
-                   fmt::format(", 2 calls: {:.2f}x one call", mine[5].ms / mine[1].ms);
+    mine[4].note = mine[0].note + fmt::format(", prefix apart: {:.2f}x one call", mine[4].ms / mine[0].ms);
+    mine[5].note = mine[1].note + fmt::format(", prefix apart: {:.2f}x one call", mine[5].ms / mine[1].ms);
   } catch (const std::exception& e) {
     for (Row& r : mine) r.status = "error", r.note = first_line(e);
   }

@@ -278,9 +278,10 @@ struct Shape {
   bool deterministic = false;  // backward: the direct-dQ form, only configurations without the non-determinism note
   bool shared = false;         // S is the store's extent; seq_len_q/seq_len_kv tensors give the real lengths
   bool causal = true;          // false: no mask, every query sees all S keys (a streamed key block)
+  bool split = false;          // exact, causal, p >= c: the prefix apart (two graphs; split_prefix below)
   auto key() const {
     return std::tie(device, backward, B, H, Hkv, c, S, D, k_batch_stride, v_batch_stride, deterministic, shared,
-                    causal);
+                    causal, split);
   }
   bool operator<(const Shape& o) const { return key() < o.key(); }
   bool operator==(const Shape& o) const { return key() == o.key(); }
@@ -289,6 +290,7 @@ struct Shape {
   bool gqa() const { return H != Hkv; }
   std::string form() const {
     const std::string keys = shared ? CW_FORMAT(", shared by every S <= {} (padding mask)", S)
+                             : split  ? ", prefix apart"
                              : causal ? ""
                                       : ", unmasked";
     if (!backward) return "forward" + keys;
@@ -297,12 +299,37 @@ struct Shape {
   }
 };
 
+// Whether an exact causal shape runs with its prefix apart (engine.h, cudnn_split_prefix): at least
+// as many keys before the chunk as it has queries (the range measured, RESULTS.md, tenth session).
+bool splits(const Shape& sh) { return !sh.shared && sh.causal && sh.p() >= sh.c && cw::cudnn_split_prefix(); }
+// Its parts, with the call's K/V batch strides (the store's): the chunk's queries against the p keys
+// before it, unmasked; and against its own c keys, causal (p = 0: the square case).
+Shape prefix_part(Shape sh) {
+  const int64_t p = sh.p();
+  sh.S = p;
+  sh.causal = false;
+  sh.split = false;
+  return sh;
+}
+Shape own_part(Shape sh) {
+  sh.S = sh.c;
+  sh.split = false;
+  return sh;
+}
+
 struct Plan {
   std::vector<std::unique_ptr<Desc>> descs;  // the graph's descriptors (kept alive with the plan)
   std::unique_ptr<Desc> engine_cfg, plan;
   std::vector<std::unique_ptr<Desc>> cfg_parts;  // engine/knob descriptors of a built configuration
-  int64_t workspace = 0;
+  int64_t workspace = 0;  // a split plan: the larger of its parts'
   std::string info;  // engine index, notes, form
+  // A split plan (Shape::split) has no graph of its own: it runs its parts, the plans of the unmasked
+  // prefix [0, p) and of the causal own block [p, S) (cached under their own shapes, like any plan;
+  // kept here only where another thread filed the same part first).
+  const Plan* prefix = nullptr;
+  const Plan* own = nullptr;
+  Shape prefix_shape{}, own_shape{};
+  std::unique_ptr<Plan> kept_prefix, kept_own;
 };
 
 struct DeviceState {
@@ -697,18 +724,46 @@ std::vector<std::unique_ptr<Candidate>> candidates(cudnnBackendDescriptor_t grap
   return out;
 }
 
+std::unique_ptr<Plan> build_plan(cudnnHandle_t handle, const Shape& sh, std::string* why, bool ahead);
+const Plan* part_plan(cudnnHandle_t handle, const Shape& part, std::unique_ptr<Plan>* keep, std::string* why,
+                      bool ahead);
+
+// A split shape's plan: its two parts' plans (part_plan), nullptr where cuDNN serves either not.
+std::unique_ptr<Plan> build_split_plan(cudnnHandle_t handle, const Shape& sh, std::string* why, bool ahead) {
+  auto plan = std::make_unique<Plan>();
+  plan->prefix_shape = prefix_part(sh);
+  plan->own_shape = own_part(sh);
+  std::string reasons;
+  plan->prefix = part_plan(handle, plan->prefix_shape, &plan->kept_prefix, &reasons, ahead);
+  if (plan->prefix) plan->own = part_plan(handle, plan->own_shape, &plan->kept_own, &reasons, ahead);
+  if (!plan->prefix || !plan->own) {
+    *why = CW_FORMAT("the {} was refused: {}", plan->prefix ? "own block" : "prefix", reasons);
+    return nullptr;
+  }
+  plan->workspace = std::max(plan->prefix->workspace, plan->own->workspace);
+  plan->info = CW_FORMAT("prefix apart: keys [0, {}) on {}; own block on {}", sh.p(), plan->prefix->info,
+                         plan->own->info);
+  return plan;
+}
+
 // Builds the graph of `sh` and finds an execution plan for it; nullptr (with the reason in *why)
-// where cuDNN does not serve it. Candidates are finalized in order; the first that honours the
+// where cuDNN does not serve it. A split shape gets a split plan (build_split_plan), or where cuDNN
+// refuses a part, the one graph. `ahead`: built by a worker (the statistics). Candidates are finalized in order; the first that honours the
 // determinism policy and needs at most kWorkspaceLimit bytes of workspace wins; if none fits the
 // limit, the one with the smallest workspace (still correct, just memory-hungry).
-std::unique_ptr<Plan> build_plan(cudnnHandle_t handle, const Shape& sh, std::string* why) {
+std::unique_ptr<Plan> build_plan(cudnnHandle_t handle, const Shape& sh, std::string* why, bool ahead) {
+  std::string split_refused;
+  if (sh.split) {
+    if (std::unique_ptr<Plan> plan = build_split_plan(handle, sh, &split_refused, ahead)) return plan;
+    split_refused = "with the prefix apart, " + split_refused + "; as one graph: ";
+  }
   auto plan = std::make_unique<Plan>();
   GraphBuilder g(handle);
   cudnnBackendDescriptor_t graph = nullptr;
   try {
     graph = sh.backward ? build_backward(g, sh) : build_forward(g, sh);
   } catch (const Error& e) {
-    *why = std::string("graph: ") + e.what();
+    *why = split_refused + "graph: " + e.what();
     return nullptr;
   }
   plan->descs = g.take();
@@ -751,7 +806,7 @@ std::unique_ptr<Plan> build_plan(cudnnHandle_t handle, const Shape& sh, std::str
     if (best_ws <= kWorkspaceLimit) break;
   }
   if (!best) {
-    *why = errors.empty() ? "no engine" : errors;
+    *why = split_refused + (errors.empty() ? "no engine" : errors);
     return nullptr;
   }
   plan->workspace = best_ws;
@@ -777,21 +832,56 @@ const Plan* file_build(DeviceState& st, const Shape& sh, std::unique_ptr<Plan> p
                        double seconds, bool ahead) {
   st.building.erase(sh);
   g_plan_done.notify_all();
-  g_stats.seconds += seconds;
-  const std::string what =
-      CW_FORMAT("cuDNN attention {} plan B={} H={} Hkv={} c={} S={} D={}{}{}", sh.backward ? "backward" : "forward",
-                sh.B, sh.H, sh.Hkv, sh.c, sh.S, sh.D, sh.shared ? " (shared)" : "", ahead ? " (ahead)" : "");
+  const bool split = plan && plan->own;  // its parts were counted where they were built
+  if (!split) g_stats.seconds += seconds;
+  const std::string what = CW_FORMAT("cuDNN attention {} plan B={} H={} Hkv={} c={} S={} D={}{}{}{}",
+                                     sh.backward ? "backward" : "forward", sh.B, sh.H, sh.Hkv, sh.c, sh.S, sh.D,
+                                     sh.shared ? " (shared)" : "", split ? " (prefix apart)" : "",
+                                     ahead ? " (ahead)" : "");
   if (!plan) {
     ++g_stats.refused;
     if (verbose()) std::fprintf(stderr, "%s: refused in %.3f s: %s\n", what.c_str(), seconds, reasons.c_str());
     st.rejected.emplace(sh, reasons);
     return nullptr;
   }
-  ++g_stats.built;
-  if (ahead) ++g_stats.built_ahead;
   const Plan* p = plan.get();
+  if (!split) {
+    ++g_stats.built;
+    if (ahead) ++g_stats.built_ahead;
+  }
   if (verbose()) std::fprintf(stderr, "%s: built in %.3f s: %s\n", what.c_str(), seconds, p->info.c_str());
   st.plans.emplace(sh, std::move(plan));
+  return p;
+}
+
+// The plan of one part of a split call: the one filed under its shape, else built here with `handle`
+// and filed (a part is an ordinary shape: the own block is also the plan of the chunk at p = 0). Where
+// another thread is building the same part meanwhile, this copy is kept in *keep instead.
+const Plan* part_plan(cudnnHandle_t handle, const Shape& part, std::unique_ptr<Plan>* keep, std::string* why,
+                      bool ahead) {
+  {
+    std::lock_guard lock(g_mutex);
+    DeviceState& st = g_devices[part.device];
+    if (auto it = st.plans.find(part); it != st.plans.end()) return it->second.get();
+    if (auto it = st.rejected.find(part); it != st.rejected.end()) {
+      *why = it->second;
+      return nullptr;
+    }
+  }
+  const Clock::time_point t0 = Clock::now();
+  std::string reasons;
+  std::unique_ptr<Plan> plan = build_plan(handle, part, &reasons, ahead);
+  const double seconds = seconds_since(t0);
+  std::lock_guard lock(g_mutex);
+  DeviceState& st = g_devices[part.device];
+  if (st.building.count(part) || st.plans.count(part) || st.rejected.count(part)) {
+    g_stats.seconds += seconds;
+    if (!plan) *why = reasons;
+    *keep = std::move(plan);
+    return keep->get();
+  }
+  const Plan* p = file_build(st, part, std::move(plan), reasons, seconds, ahead);
+  if (!p) *why = reasons;
   return p;
 }
 
@@ -846,7 +936,7 @@ class AheadBuilders {
           CW_CUDNN_CHECK(cudnnCreate(&h));
         }
         CW_CUDA_CHECK(cudaSetDevice(sh.device));
-        plan = build_plan(h, sh, &reasons);
+        plan = build_plan(h, sh, &reasons, true);
       } catch (const std::exception&) {
         built = false;  // a caller that needs this plan builds it and sees the error itself
       }
@@ -893,6 +983,7 @@ void queue_family(const Shape& sh) {
     s.backward = backward;
     s.S = S;
     s.deterministic = backward && cw::deterministic();
+    s.split = splits(s);
     DeviceState& st = g_devices[s.device];
     if (st.plans.count(s) || st.rejected.count(s) || st.building.count(s) || !g_ahead_set.insert(s).second) return;
     g_ahead.push_back(s);
@@ -960,7 +1051,7 @@ const Plan* get_plan(const Shape& sh, std::string* why) {
   const Clock::time_point t0 = Clock::now();
   std::unique_ptr<Plan> plan;
   try {
-    plan = build_plan(st.handle, sh, &reasons);
+    plan = build_plan(st.handle, sh, &reasons, false);
   } catch (...) {
     lock.lock();
     st.building.erase(sh);
@@ -1012,6 +1103,7 @@ Shape shape_of(const Tensor& q, const Tensor& k, const Tensor& v, bool backward,
   Shape sh{q.device.index, backward,   q.size(0), q.size(2),   k.size(2), q.size(1),
            k.size(1),      q.size(3),  k.stride[0], v.stride[0], backward && cw::deterministic()};
   sh.causal = causal;
+  sh.split = splits(sh);
   return sh;
 }
 
@@ -1031,6 +1123,7 @@ int64_t shareable_extent(const Tensor& k, const Tensor& v, bool backward, bool c
 Shape widened(Shape sh, int64_t extent) {
   sh.S = extent;
   sh.shared = true;
+  sh.split = false;
   return sh;
 }
 
@@ -1071,12 +1164,14 @@ const Plan* resolve_plan(const Tensor& q, const Tensor& k, const Tensor& v, bool
   return get_plan(*sh, why);
 }
 
-// A call is about to run the plan of shape `sh`: a shared plan in exact mode stood in for the call's
-// own (counted here, once a call; resolve_plan also answers the chooser's workspace check).
-void count_stand_in(const Shape& sh) {
-  if (!sh.shared || cw::cudnn_plans() != CudnnPlans::exact) return;
+// A call is about to run `plan`, of shape `sh` (counted here, once a call; resolve_plan also answers
+// the chooser's workspace check): a shared plan in exact mode standing in for the call's own, or a
+// split plan.
+void count_run(const Shape& sh, const Plan& plan) {
+  const bool stood_in = sh.shared && cw::cudnn_plans() == CudnnPlans::exact;
+  if (!stood_in && !plan.own) return;
   std::lock_guard lock(g_mutex);
-  ++g_stats.stood_in;
+  ++(stood_in ? g_stats.stood_in : g_stats.split);
 }
 
 // What is cuDNN's own on top of the op's contract (engine/ops/attention.cpp checks shapes, dtypes,
@@ -1167,6 +1262,41 @@ void launch_add_kv(const Tensor& d_k, const Tensor& d_v, const void* sk, const v
 __global__ void add_q_kernel(__nv_bfloat16* dq, const __nv_bfloat16* src, int64_t n) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) dq[i] = __float2bfloat16_rn(__bfloat162float(dq[i]) + __bfloat162float(src[i]));
+}
+
+// The prefix apart, forward: the own block's (out, lse) and the prefix's (out_p, lse_p) of the same
+// rows combined in place, as attention_merge does (attention.h), both outs bf16:
+//   lse' = log(exp(lse) + exp(lse_p));  out' = exp(lse - lse') out + exp(lse_p - lse') out_p
+// One warp per (b, i, h) row of D elements (out [B, c, H, D], lse [B, H, c]), two elements a lane at
+// a time; every lane reads both lse before lane 0 writes the new one.
+__global__ void merge_prefix_kernel(__nv_bfloat16* out, float* lse, const __nv_bfloat16* out_p, const float* lse_p,
+                                    int64_t rows, int64_t c, int64_t H, int64_t D) {
+  const int64_t r = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  if (r >= rows) return;
+  const int64_t h = r % H, i = (r / H) % c, b = r / (H * c);
+  const int64_t l = (b * H + h) * c + i;
+  const float l_own = lse[l], l_prefix = lse_p[l];
+  const float m = fmaxf(l_own, l_prefix);
+  const float e_own = expf(l_own - m), e_prefix = expf(l_prefix - m), sum = e_own + e_prefix;
+  const float w_own = e_own / sum, w_prefix = e_prefix / sum;
+  __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(out + r * D);
+  const __nv_bfloat162* op = reinterpret_cast<const __nv_bfloat162*>(out_p + r * D);
+  for (int64_t j = lane; j < D / 2; j += 32) {
+    const float2 a = __bfloat1622float2(o[j]), b2 = __bfloat1622float2(op[j]);
+    o[j] = __floats2bfloat162_rn(w_own * a.x + w_prefix * b2.x, w_own * a.y + w_prefix * b2.y);
+  }
+  __syncwarp();
+  if (lane == 0) lse[l] = m + logf(sum);
+}
+
+void launch_merge_prefix(const Tensor& out, const Tensor& lse, const Tensor& out_p, const Tensor& lse_p,
+                         cudaStream_t stream) {
+  const int64_t B = out.size(0), c = out.size(1), H = out.size(2), D = out.size(3), rows = B * c * H;
+  merge_prefix_kernel<<<blocks_for(rows * 32, kAddThreads), kAddThreads, 0, stream>>>(
+      static_cast<__nv_bfloat16*>(out.data), static_cast<float*>(lse.data),
+      static_cast<const __nv_bfloat16*>(out_p.data), static_cast<const float*>(lse_p.data), rows, c, H, D);
+  CW_KERNEL_CHECK();
 }
 
 // seq_len_q[b] = c, seq_len_kv[b] = S: the real counts a shared plan masks with.
@@ -1304,39 +1434,26 @@ bool cudnn_attention_backward_fits(const Tensor& q, const Tensor& k, const Tenso
   return true;
 }
 
-void cudnn_attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
-                             const Tensor& v, double scale, Arena& scratch, bool causal) {
-  check_operands(q, k, v, {&v, &out, &saved.lse}, causal);
-  Shape sh{};
-  std::string why;
-  const Plan* plan = resolve_plan(q, k, v, false, &sh, &why, causal);
-  CW_CHECK(plan != nullptr, "cuDNN has no fused attention plan for q {} k {}:\n{}", q.describe(), k.describe(), why);
-  count_stand_in(sh);
+namespace {
+// One graph's forward: out and lse of q against k, v under plan `plan` of shape `sh`.
+void run_forward(const Plan& plan, const Shape& sh, const Tensor& out, const Tensor& lse, const Tensor& q,
+                 const Tensor& k, const Tensor& v, float scale, Arena& scratch) {
   ArenaScope scope(scratch);
-  float scale_f = static_cast<float>(scale);
   MaskOperands m(sh, k.size(1), scratch, current_stream(sh.device));
   std::vector<int64_t> uids{kQ, kK, kV, kO, kStats, kScale};
-  std::vector<void*> ptrs{q.data, k.data, v.data, out.data, saved.lse.data, &scale_f};
+  std::vector<void*> ptrs{q.data, k.data, v.data, out.data, lse.data, &scale};
   m.add_to(uids, ptrs);
-  execute(*plan, sh.device, uids, ptrs, scratch);
+  execute(plan, sh.device, uids, ptrs, scratch);
 }
 
-void cudnn_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,
-                              const AttentionSaved& saved, const Tensor& q, const Tensor& k, const Tensor& v,
-                              const Tensor& out, double scale, GradMode mode, Arena& scratch, bool causal) {
-  check_operands(q, k, v, {&v, &out, &saved.lse, &d_q, &d_out}, causal);
+// One graph's backward: d_q (overwritten, or added with `accumulate`) and d_k, d_v (added) of q
+// against k, v under plan `plan` of shape `sh`.
+void run_backward(const Plan& plan, const Shape& sh, const Tensor& d_q, const Tensor& d_k, const Tensor& d_v,
+                  const Tensor& d_out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
+                  const Tensor& out, float scale, bool accumulate, Arena& scratch) {
   const int64_t B = q.size(0), c = q.size(1), H = q.size(2), D = q.size(3), S = k.size(1), Hkv = k.size(2);
-  const int dev = q.device.index;
-  cudaStream_t stream = current_stream(dev);
+  cudaStream_t stream = current_stream(sh.device);
   ArenaScope scope(scratch);
-
-  Shape sh{};
-  std::string why;
-  const Plan* plan = resolve_plan(q, k, v, true, &sh, &why, causal);
-  CW_CHECK(plan != nullptr, "cuDNN has no fused attention backward plan for q {} k {}:\n{}", q.describe(),
-           k.describe(), why);
-  count_stand_in(sh);
-
   // The f32 dQ accumulator first, so that it sits at the same scratch address call after call
   // (the tests' second backward then catches an accumulator left unzeroed).
   void* dq_accum = nullptr;
@@ -1349,24 +1466,23 @@ void cudnn_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor
   // cuDNN's dK, dV over the plan's key extent (sh.S, the store's for a shared plan; rows past S
   // are left as cuDNN leaves them and never read).
   const Tensor dk_s = scratch.alloc(DType::bf16, {B, sh.S, Hkv, D}), dv_s = scratch.alloc(DType::bf16, {B, sh.S, Hkv, D});
-  const bool accumulate = mode == GradMode::accumulate;
   const Tensor dq_s = accumulate ? scratch.alloc(DType::bf16, {B, c, H, D}) : d_q;
   // cuDNN writes Delta here; poisoned (NaN) so that an engine reading it instead would show in
   // every gradient.
   const Tensor delta = scratch.alloc(DType::f32, {B, H, c});
   CW_CUDA_CHECK(cudaMemsetAsync(delta.data, 0xff, static_cast<size_t>(B * H * c) * sizeof(float), stream));
 
-  float scale_f = static_cast<float>(scale), one = 1.0f;
+  float one = 1.0f;
   MaskOperands m(sh, S, scratch, stream);
   std::vector<int64_t> uids{kQ, kK, kV, kO, kDO, kStats, kDQ, kDK, kDV, kScale, kDelta, kOne};
-  std::vector<void*> ptrs{q.data,    k.data,    v.data,   out.data,   d_out.data, saved.lse.data,
-                          dq_s.data, dk_s.data, dv_s.data, &scale_f, delta.data, &one};
+  std::vector<void*> ptrs{q.data,    k.data,    v.data,    out.data, d_out.data, lse.data,
+                          dq_s.data, dk_s.data, dv_s.data, &scale,   delta.data, &one};
   if (dq_accum) {
     uids.push_back(kDQAccum);
     ptrs.push_back(dq_accum);
   }
   m.add_to(uids, ptrs);
-  execute(*plan, dev, uids, ptrs, scratch);
+  execute(plan, sh.device, uids, ptrs, scratch);
 
   // d_k += dK, d_v += dV (batch strides honoured), then d_q += dQ in accumulate mode.
   CW_CHECK(B <= 65535, "cuDNN attention: {} batch entries exceed the grid", B);
@@ -1378,6 +1494,51 @@ void cudnn_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor
         static_cast<__nv_bfloat16*>(d_q.data), static_cast<const __nv_bfloat16*>(dq_s.data), n);
     CW_KERNEL_CHECK();
   }
+}
+}  // namespace
+
+void cudnn_attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
+                             const Tensor& v, double scale, Arena& scratch, bool causal) {
+  check_operands(q, k, v, {&v, &out, &saved.lse}, causal);
+  Shape sh{};
+  std::string why;
+  const Plan* plan = resolve_plan(q, k, v, false, &sh, &why, causal);
+  CW_CHECK(plan != nullptr, "cuDNN has no fused attention plan for q {} k {}:\n{}", q.describe(), k.describe(), why);
+  count_run(sh, *plan);
+  const float scale_f = static_cast<float>(scale);
+  if (!plan->own) return run_forward(*plan, sh, out, saved.lse, q, k, v, scale_f, scratch);
+  // The prefix apart: the own block's out and lse straight into the caller's, the prefix's beside
+  // them, then merged into the caller's.
+  const int64_t B = q.size(0), c = q.size(1), H = q.size(2), D = q.size(3), p = k.size(1) - c;
+  run_forward(*plan->own, plan->own_shape, out, saved.lse, q, k.slice(1, p, c), v.slice(1, p, c), scale_f, scratch);
+  ArenaScope scope(scratch);
+  const Tensor prefix_out = scratch.alloc(DType::bf16, {B, c, H, D}), prefix_lse = scratch.alloc(DType::f32, {B, H, c});
+  run_forward(*plan->prefix, plan->prefix_shape, prefix_out, prefix_lse, q, k.slice(1, 0, p), v.slice(1, 0, p),
+              scale_f, scratch);
+  launch_merge_prefix(out, saved.lse, prefix_out, prefix_lse, current_stream(sh.device));
+}
+
+void cudnn_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,
+                              const AttentionSaved& saved, const Tensor& q, const Tensor& k, const Tensor& v,
+                              const Tensor& out, double scale, GradMode mode, Arena& scratch, bool causal) {
+  check_operands(q, k, v, {&v, &out, &saved.lse, &d_q, &d_out}, causal);
+  Shape sh{};
+  std::string why;
+  const Plan* plan = resolve_plan(q, k, v, true, &sh, &why, causal);
+  CW_CHECK(plan != nullptr, "cuDNN has no fused attention backward plan for q {} k {}:\n{}", q.describe(),
+           k.describe(), why);
+  count_run(sh, *plan);
+  const float scale_f = static_cast<float>(scale);
+  const bool accumulate = mode == GradMode::accumulate;
+  if (!plan->own)
+    return run_backward(*plan, sh, d_q, d_k, d_v, d_out, saved.lse, q, k, v, out, scale_f, accumulate, scratch);
+  // The prefix apart: each part given the whole row's out and lse (its P is then its share of the
+  // row, attention.h), its dK, dV added into its own rows, dQ summed (the second part adds).
+  const int64_t p = k.size(1) - q.size(1), c = q.size(1);
+  run_backward(*plan->own, plan->own_shape, d_q, d_k.slice(1, p, c), d_v.slice(1, p, c), d_out, saved.lse, q,
+               k.slice(1, p, c), v.slice(1, p, c), out, scale_f, accumulate, scratch);
+  run_backward(*plan->prefix, plan->prefix_shape, d_q, d_k.slice(1, 0, p), d_v.slice(1, 0, p), d_out, saved.lse, q,
+               k.slice(1, 0, p), v.slice(1, 0, p), out, scale_f, true, scratch);
 }
 
 }  // namespace cw::gpu

@@ -30,6 +30,7 @@ std::atomic<int> g_kernel{-1};         // -1: not yet read from CW_ATTENTION
 std::atomic<int> g_deterministic{-1};  // -1: not yet read from CW_DETERMINISTIC
 std::atomic<int> g_cudnn_plans{-1};    // -1: not yet read from CW_CUDNN_PLANS
 std::atomic<int> g_cudnn_plan_threads{-1};  // -1: not yet read from CW_CUDNN_PLAN_THREADS
+std::atomic<int> g_cudnn_split_prefix{-1};  // -1: not yet read from CW_CUDNN_SPLIT_PREFIX
 }  // namespace
 
 const char* attention_kernel_name(AttentionKernel kernel) { return kKernelNames[static_cast<size_t>(kernel)]; }
@@ -78,6 +79,21 @@ CudnnPlans cudnn_plans() {
     g_cudnn_plans.store(v);
   }
   return static_cast<CudnnPlans>(v);
+}
+
+void set_cudnn_split_prefix(bool on) { g_cudnn_split_prefix.store(on ? 1 : 0); }
+
+bool cudnn_split_prefix() {
+  int v = g_cudnn_split_prefix.load();
+  if (v < 0) {
+    v = gpu::env_choice("CW_CUDNN_SPLIT_PREFIX", {"1", "0"},
+                        "use CW_CUDNN_SPLIT_PREFIX=1 (the default: a chunk's earlier keys in their own unmasked cuDNN "
+                        "call) or 0 (one masked call)") == 0
+            ? 1
+            : 0;
+    g_cudnn_split_prefix.store(v);
+  }
+  return v == 1;
 }
 
 void set_cudnn_plan_threads(int threads) {

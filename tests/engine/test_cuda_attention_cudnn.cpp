@@ -1,14 +1,16 @@
 // cuDNN fused attention (engine/cuda/attention_cudnn.cu) beyond the op table (test_backend_ops.cpp
 // runs it, deterministic and not, against the CPU in f64 with poisoning,
 // accumulation into K/V-store slices and repeatability): the backward's workspace against a budget,
-// what it says where it does not serve, and the shared plans (one per K/V store extent): their
+// what it says where it does not serve, the shared plans (one per K/V store extent): their
 // results against the exact plans' and the CPU's across many chunk offsets, with the store's rows
-// past the call's keys poisoned, and how many plans a sweep of offsets builds.
+// past the call's keys poisoned, and how many plans a sweep of offsets builds; and the calls run with
+// their earlier keys apart (cudnn_split_prefix) against the CPU and against one masked graph.
 #include "chunkwise_config.h"
 #include "engine/cuda/ops.h"
 #include "engine/cuda/runtime.h"
 #include "engine/engine.h"
 #include "engine/ops/attention.h"
+#include "engine/ops/residual.h"
 #include "engine/random.h"
 #include "tests/gpu_support.h"
 #include "tests/support.h"
@@ -87,6 +89,18 @@ class CudnnPlansScope {
 
  private:
   CudnnPlans saved_;
+};
+
+// Sets cw::cudnn_split_prefix() for one scope and restores what it was.
+class SplitPrefixScope {
+ public:
+  explicit SplitPrefixScope(bool on) : saved_(cw::cudnn_split_prefix()) { cw::set_cudnn_split_prefix(on); }
+  ~SplitPrefixScope() { cw::set_cudnn_split_prefix(saved_); }
+  SplitPrefixScope(const SplitPrefixScope&) = delete;
+  SplitPrefixScope& operator=(const SplitPrefixScope&) = delete;
+
+ private:
+  bool saved_;
 };
 
 // Sets cw::cudnn_plan_threads() for one scope and restores what it was.
@@ -441,6 +455,91 @@ TEST_CASE("cuda: a family's shared plans stand in for its exact plans while thos
     expect_close_f64(r.d_v.tensor.slice(1, 0, S), ref.d_v, kBf16Tol, "d_v");
     CHECK(untouched_past(r.d_k, S));
     CHECK(untouched_past(r.d_v, S));
+  }
+}
+
+TEST_CASE("cuda: cudnn runs a chunk's earlier keys apart as the CPU does in f64, and as one masked graph does" *
+          doctest::skip(!cw::test::gpu_ready())) {
+  // A family no other test builds: two sequences, 4 query heads on 1 K/V head, chunks of 256 against
+  // a store of 2048, exact plans built on use. Calls with p = c, 3c and 7c earlier keys run with the
+  // prefix apart (two graphs each way, counted by the plan statistics) and as one masked graph; each
+  // against the CPU in f64, the store's rows past S poisoned, and against each other. Then the
+  // backward in accumulate mode (d_q added to what it held) and in the deterministic form.
+  DeterminismScope fast(false);
+  CudnnPlansScope exact(CudnnPlans::exact);
+  PlanThreadsScope none(0);
+  const int64_t B = 2, c = 256, H = 4, Hkv = 1, D = 64, T = 2048;
+  Chunked ch(B, c, H, Hkv, D, T, 5150);
+  std::string why;
+  if (!gpu::cudnn_attention_supports(ch.q.dev, ch.k_store.dev, &why)) {
+    MESSAGE("cuDNN fused attention not available here, skipped: ", why);
+    return;
+  }
+  auto check_against = [&](const GpuResult& r, const CpuResult& ref, int64_t S, const std::string& n) {
+    expect_close_f64(r.out, ref.out, kBf16Tol, n + " out");
+    expect_close_f64(r.lse, ref.lse, kBf16Tol, n + " lse");
+    expect_close_f64(r.d_q, ref.d_q, kBf16Tol, n + " d_q");
+    expect_close_f64(r.d_k.tensor.slice(1, 0, S), ref.d_k, kBf16Tol, n + " d_k");
+    expect_close_f64(r.d_v.tensor.slice(1, 0, S), ref.d_v, kBf16Tol, n + " d_v");
+    CHECK_MESSAGE(untouched_past(r.d_k, S), n, ": d_k changed past the call's keys");
+    CHECK_MESSAGE(untouched_past(r.d_v, S), n, ": d_v changed past the call's keys");
+  };
+  // Falling S, so that poisoning [S, T) spoils no key a later call reads.
+  for (const int64_t S : {T, 4 * c, 2 * c}) {
+    CAPTURE(S);
+    for (int64_t b = 0; b < B; ++b)
+      for (const GpuInput* store : {&ch.k_store, &ch.v_store})
+        if (S < T) gpu::fill(store->dev.tensor.slice(0, b, 1).slice(1, S, T - S), std::numeric_limits<double>::quiet_NaN());
+    const CpuResult ref = run_cpu(ch, S);
+    GpuResult apart, one;
+    {
+      SplitPrefixScope on(true);
+      const AttentionPlanStats before = attention_plan_stats();
+      apart = run_gpu(ch, S);
+      CHECK(attention_plan_stats().split - before.split == 2);  // the forward and the backward
+    }
+    {
+      SplitPrefixScope off(false);
+      const AttentionPlanStats before = attention_plan_stats();
+      one = run_gpu(ch, S);
+      CHECK(attention_plan_stats().split == before.split);
+    }
+    check_against(apart, ref, S, "prefix apart");
+    check_against(one, ref, S, "one graph");
+    expect_close_f64(apart.out, one.out, kSharedVsExactTol, "apart against one graph: out");
+    expect_close_f64(apart.lse, one.lse, kSharedVsExactTol, "apart against one graph: lse");
+    expect_close_f64(apart.d_q, one.d_q, kSharedVsExactTol, "apart against one graph: d_q");
+    expect_close_f64(apart.d_k.tensor.slice(1, 0, S), one.d_k.tensor.slice(1, 0, S), kSharedVsExactTol,
+                     "apart against one graph: d_k");
+    expect_close_f64(apart.d_v.tensor.slice(1, 0, S), one.d_v.tensor.slice(1, 0, S), kSharedVsExactTol,
+                     "apart against one graph: d_v");
+  }
+  SplitPrefixScope on(true);
+  const int64_t S = 2 * c;  // the store's rows past it hold NaN from the loop above
+  const CpuResult ref = run_cpu(ch, S);
+  {
+    // Accumulate: d_q holds x before the backward and x + dQ after it.
+    const Tensor k = ch.k_store.dev.tensor.slice(1, 0, S), v = ch.v_store.dev.tensor.slice(1, 0, S);
+    Arena scratch(gpu0());
+    OwnedTensor out = poisoned(DType::bf16, {B, c, H, D}), lse = poisoned(DType::f32, {B, H, c});
+    gpu::cudnn_attention_forward(out, {lse}, ch.q.dev, k, v, ch.scale, scratch);
+    GpuInput x = make_gpu_input(DType::bf16, {B, c, H, D}, 5150, 9);
+    OwnedTensor d_k = OwnedTensor::on(gpu0(), DType::f32, {B, T, Hkv, D}), d_v = OwnedTensor::on(gpu0(), DType::f32, {B, T, Hkv, D});
+    gpu::fill(d_k, 0.0);
+    gpu::fill(d_v, 0.0);
+    gpu::cudnn_attention_backward(x.dev, d_k.tensor.slice(1, 0, S), d_v.tensor.slice(1, 0, S), ch.d_out.dev, {lse},
+                                  ch.q.dev, k, v, out, ch.scale, GradMode::accumulate, scratch);
+    OwnedTensor want = OwnedTensor::of_shape(DType::f64, std::vector<int64_t>{B, c, H, D});
+    copy_convert(want, x.ref);
+    accumulate(want, ref.d_q);
+    expect_close_f64(fetch(x.dev), want, kBf16Tol, "accumulated d_q");
+    expect_close_f64(fetch(d_k).tensor.slice(1, 0, S), ref.d_k, kBf16Tol, "d_k beside an accumulated d_q");
+  }
+  {
+    DeterminismScope det(true);
+    const AttentionPlanStats before = attention_plan_stats();
+    check_against(run_gpu(ch, S), ref, S, "deterministic, prefix apart");
+    CHECK(attention_plan_stats().split - before.split == 2);
   }
 }
 

@@ -1,6 +1,6 @@
 // `chunkwise bench-ops` (tools/bench_ops.h): its flags are checked on any machine; on a GPU a small
-// run times every row, the chunk-attention rows (one call, the streamed store's blocks, prefix and own
-// block in two calls) included.
+// run times every row, the chunk-attention rows (one masked call, the streamed store's blocks, the call
+// with its earlier keys apart) included.
 #include "tests/gpu_support.h"
 #include "tools/bench_ops.h"
 
@@ -25,7 +25,7 @@ TEST_CASE("bench-ops --kv-heads refuses a count that does not divide the query h
   CHECK_THROWS_WITH_AS(run_bench_ops(o, out), doctest::Contains("must divide --heads 32"), Error);
 }
 
-TEST_CASE("cuda: bench-ops times every row of a small run, chunk attention in one call, in blocks and split" *
+TEST_CASE("cuda: bench-ops times every row of a small run, chunk attention in one call, in blocks and with the prefix apart" *
           doctest::skip(!test::gpu_ready())) {
   test::TempDir dir("bench-ops");
   BenchOpsOptions o;
