@@ -74,7 +74,7 @@ CudnnPlans cudnn_plans();
 // against its own c keys causal, merged (forward) or with dQ summed (backward). cuDNN's bottom-right
 // causal mask computes the mask on every key tile; apart, the prefix needs none and the own block is
 // the square causal case, which skips the tiles above the diagonal (RESULTS.md: 0.87-0.92x the time
-// of one call at 64K keys). Off: one graph, as before.
+// of one call at 64K keys). Exact plans only (CW_CUDNN_PLANS=shared keeps one graph). Off: one graph.
 void set_cudnn_split_prefix(bool on);
 bool cudnn_split_prefix();
 // Plans built ahead (env CW_CUDNN_PLAN_THREADS: the count of host threads, 0: off; default half the

@@ -40,19 +40,21 @@ constexpr double kDefaultDeviceGib = 80;
 // the recorded full 4K/8K step times within 10%.
 constexpr double kMatmulTflops = 650;
 // cuDNN fused attention, one forward and a backward (2.5 forwards' FLOPs) together, by head size:
-// 410 TFLOP/s at D 64 (394-442 at 8K-32K tokens, BENCHMARKS.md "Single ops on the H100"), 510 at
-// D 128 (forward 607, backward 482 at 8K: RESULTS.md, "Attention, LM head and memory-bound ops
-// against torch", 2026-11-21); straight between.
+// 460 TFLOP/s at D 64 with a chunk's earlier keys apart (chunks of 1K-32K against 64K keys: forward
+// 511-544, backward 437-452, `bench-ops --chunk-attention`; RESULTS.md, tenth session; 410 as one
+// masked graph), 510 at D 128 (forward 607, backward 482 at 8K: RESULTS.md, "Attention, LM head and
+// memory-bound ops against torch", 2026-11-21); straight between.
 double attention_tflops(int64_t head_dim) {
   const double d = std::clamp(double(head_dim), 64.0, 128.0);
-  return 410 + (510 - 410) * (d - 64) / 64;
+  return 460 + (510 - 460) * (d - 64) / 64;
 }
 // The same attention run block by block against a streamed K/V store (chunk-sized unmasked blocks,
 // merged; dK, dV sent home per block): the blocks cost about what one call does (0.94-1.18x forward,
 // 0.94-1.04x backward, `bench-ops --chunk-attention`), and the step waits for some copies: at 128K
 // (chunk 4096, saved outputs) 13.52 s streamed against 12.47 s on the device, 1.06 s of it waiting
 // (RESULTS.md, ninth session).
-constexpr double kStreamedAttentionSlowdown = 1.12;
+// Against the rate above with the prefix apart (460 where this was measured against 410): 1.26.
+constexpr double kStreamedAttentionSlowdown = 1.12 * 460.0 / 410.0;
 // With a window of layers offloaded (attention in one call, the copies beside it): at 64K (chunk
 // 4096, saved outputs, window 2) 3.78 s against 3.75 s with the store on the device (RESULTS.md,
 // ninth session). Earlier runs took 1.16x (128K) and 1.23x (512K) the modelled attention, part of it
@@ -128,6 +130,8 @@ struct Shape {
   bool streamed = false;  // schedule.stream_kv: attention runs block by block (S is one block)
   size_t N() const { return size_t(B * c); }
   size_t row(int64_t width) const { return N() * size_t(width) * e; }
+  // cuDNN runs the call with its earlier keys apart (engine.h, cudnn_split_prefix): two graphs.
+  bool split() const { return !streamed && S - c >= c && cudnn_split_prefix() && cudnn_plans() == CudnnPlans::exact; }
 };
 
 // The input width of a block linear.
@@ -198,6 +202,11 @@ void block_forward(ArenaReplay& a, const Shape& s, bool keep, int64_t mlp_shards
     a.alloc(s.N() * size_t(cf.num_attention_heads) * s.acc);
   }
   a.alloc(s.row(cf.hidden_size));  // o (cuDNN's forward needs no workspace beyond its 256-byte minimum)
+  if (s.split()) {  // the prefix's out and lse while the call runs
+    Scope attention(a);
+    a.alloc(s.row(cf.q_dim()));
+    a.alloc(s.N() * size_t(cf.num_attention_heads) * 4);
+  }
   if (products) a.alloc(s.row(cf.hidden_size));  // h2
   a.alloc(s.row(cf.hidden_size));  // m
   if (products) a.alloc(s.row(cf.intermediate_size));  // act
@@ -259,8 +268,10 @@ void block_backward(ArenaReplay& a, const Shape& s, MlpKept mlp, int64_t mlp_sha
     a.alloc(s.N() * size_t(H * D) * 4);                   // dQ accumulator, f32
     a.alloc(size_t(s.B * s.S * Hkv * D) * 2);             // dK scratch
     a.alloc(size_t(s.B * s.S * Hkv * D) * 2);             // dV scratch
+    if (s.split()) a.alloc(s.row(cf.q_dim()));            // the prefix's dQ
     a.alloc(size_t(s.B * H * s.c) * 4);                   // Delta
-    a.alloc(attention_backward_workspace(cf, s.B, s.S));  // workspace
+    // The workspace; split, the larger part's: the prefix, S - c >= c keys.
+    a.alloc(attention_backward_workspace(cf, s.B, s.split() ? s.S - s.c : s.S));
   }
   a.alloc(s.row(cf.kv_dim()));  // d_k
   a.alloc(s.row(cf.kv_dim()));  // d_v

@@ -300,8 +300,12 @@ struct Shape {
 };
 
 // Whether an exact causal shape runs with its prefix apart (engine.h, cudnn_split_prefix): at least
-// as many keys before the chunk as it has queries (the range measured, RESULTS.md, tenth session).
-bool splits(const Shape& sh) { return !sh.shared && sh.causal && sh.p() >= sh.c && cw::cudnn_split_prefix(); }
+// as many keys before the chunk as it has queries (the range measured, RESULTS.md, tenth session),
+// in exact mode.
+bool splits(const Shape& sh) {
+  return !sh.shared && sh.causal && sh.p() >= sh.c && cw::cudnn_split_prefix() &&
+         cw::cudnn_plans() == CudnnPlans::exact;  // shared plans: the fewest plans, not the fastest
+}
 // Its parts, with the call's K/V batch strides (the store's): the chunk's queries against the p keys
 // before it, unmasked; and against its own c keys, causal (p = 0: the square case).
 Shape prefix_part(Shape sh) {
@@ -1186,17 +1190,14 @@ void check_operands(const Tensor& q, const Tensor& k, const Tensor& v, std::init
     CW_CHECK(aligned(t->data), "cuDNN attention: operand {} is not 16-byte aligned", t->describe());
 }
 
-// Runs `plan` on the operands of the variant pack, its workspace from `scratch`.
-void execute(const Plan& plan, int device, const std::vector<int64_t>& uids, const std::vector<void*>& ptrs,
-             Arena& scratch) {
-  ArenaScope scope(scratch);
+// Runs `plan` on the operands of the variant pack, with its workspace `ws` (at least plan.workspace
+// bytes; a split plan's parts share the larger of theirs: workspace()).
+void execute(const Plan& plan, int device, const std::vector<int64_t>& uids, const std::vector<void*>& ptrs, void* ws) {
   cudnnHandle_t handle;
   {
     std::lock_guard lock(g_mutex);
     handle = device_state(device).handle;
   }
-  void* ws = nullptr;
-  if (plan.workspace > 0) ws = scratch.alloc_bytes(static_cast<size_t>(plan.workspace));
   current_stream(device);  // makes the device current
   Desc pack(CUDNN_BACKEND_VARIANT_PACK_DESCRIPTOR);
   set_attr(pack.d, CUDNN_ATTR_VARIANT_PACK_UNIQUE_IDS, CUDNN_TYPE_INT64, static_cast<int64_t>(uids.size()), uids.data());
@@ -1435,66 +1436,28 @@ bool cudnn_attention_backward_fits(const Tensor& q, const Tensor& k, const Tenso
 }
 
 namespace {
-// One graph's forward: out and lse of q against k, v under plan `plan` of shape `sh`.
+// A plan's workspace from `scratch` (nullptr for none); a split plan's is the larger of its parts'.
+void* workspace(const Plan& plan, Arena& scratch) {
+  return plan.workspace > 0 ? scratch.alloc_bytes(static_cast<size_t>(plan.workspace)) : nullptr;
+}
+
+// One graph's forward: out and lse of q against k, v under `plan` of shape `sh`.
 void run_forward(const Plan& plan, const Shape& sh, const Tensor& out, const Tensor& lse, const Tensor& q,
-                 const Tensor& k, const Tensor& v, float scale, Arena& scratch) {
-  ArenaScope scope(scratch);
+                 const Tensor& k, const Tensor& v, float* scale, void* ws, Arena& scratch) {
   MaskOperands m(sh, k.size(1), scratch, current_stream(sh.device));
   std::vector<int64_t> uids{kQ, kK, kV, kO, kStats, kScale};
-  std::vector<void*> ptrs{q.data, k.data, v.data, out.data, lse.data, &scale};
+  std::vector<void*> ptrs{q.data, k.data, v.data, out.data, lse.data, scale};
   m.add_to(uids, ptrs);
-  execute(plan, sh.device, uids, ptrs, scratch);
+  execute(plan, sh.device, uids, ptrs, ws);
 }
 
-// One graph's backward: d_q (overwritten, or added with `accumulate`) and d_k, d_v (added) of q
-// against k, v under plan `plan` of shape `sh`.
-void run_backward(const Plan& plan, const Shape& sh, const Tensor& d_q, const Tensor& d_k, const Tensor& d_v,
-                  const Tensor& d_out, const Tensor& lse, const Tensor& q, const Tensor& k, const Tensor& v,
-                  const Tensor& out, float scale, bool accumulate, Arena& scratch) {
-  const int64_t B = q.size(0), c = q.size(1), H = q.size(2), D = q.size(3), S = k.size(1), Hkv = k.size(2);
-  cudaStream_t stream = current_stream(sh.device);
-  ArenaScope scope(scratch);
-  // The f32 dQ accumulator first, so that it sits at the same scratch address call after call
-  // (the tests' second backward then catches an accumulator left unzeroed).
-  void* dq_accum = nullptr;
-  if (sh.dq_accum()) {
-    const size_t bytes = static_cast<size_t>(B * c * H * D) * sizeof(float);
-    dq_accum = scratch.alloc_bytes(bytes);
-    // cuDNN 9.6 and newer zero the accumulator themselves; older versions add into what they get.
-    if (runtime_version() < 90600) CW_CUDA_CHECK(cudaMemsetAsync(dq_accum, 0, bytes, stream));
-  }
-  // cuDNN's dK, dV over the plan's key extent (sh.S, the store's for a shared plan; rows past S
-  // are left as cuDNN leaves them and never read).
-  const Tensor dk_s = scratch.alloc(DType::bf16, {B, sh.S, Hkv, D}), dv_s = scratch.alloc(DType::bf16, {B, sh.S, Hkv, D});
-  const Tensor dq_s = accumulate ? scratch.alloc(DType::bf16, {B, c, H, D}) : d_q;
-  // cuDNN writes Delta here; poisoned (NaN) so that an engine reading it instead would show in
-  // every gradient.
-  const Tensor delta = scratch.alloc(DType::f32, {B, H, c});
-  CW_CUDA_CHECK(cudaMemsetAsync(delta.data, 0xff, static_cast<size_t>(B * H * c) * sizeof(float), stream));
-
-  float one = 1.0f;
-  MaskOperands m(sh, S, scratch, stream);
-  std::vector<int64_t> uids{kQ, kK, kV, kO, kDO, kStats, kDQ, kDK, kDV, kScale, kDelta, kOne};
-  std::vector<void*> ptrs{q.data,    k.data,    v.data,    out.data, d_out.data, lse.data,
-                          dq_s.data, dk_s.data, dv_s.data, &scale,   delta.data, &one};
-  if (dq_accum) {
-    uids.push_back(kDQAccum);
-    ptrs.push_back(dq_accum);
-  }
-  m.add_to(uids, ptrs);
-  execute(plan, sh.device, uids, ptrs, scratch);
-
-  // d_k += dK, d_v += dV (batch strides honoured), then d_q += dQ in accumulate mode.
-  CW_CHECK(B <= 65535, "cuDNN attention: {} batch entries exceed the grid", B);
-  launch_add_kv(d_k, d_v, dk_s.data, dv_s.data, B, S * Hkv * D, sh.S * Hkv * D, stream);
-  CW_KERNEL_CHECK();
-  if (accumulate) {
-    const int64_t n = q.numel();
-    add_q_kernel<<<blocks_for(n, kAddThreads), kAddThreads, 0, stream>>>(
-        static_cast<__nv_bfloat16*>(d_q.data), static_cast<const __nv_bfloat16*>(dq_s.data), n);
-    CW_KERNEL_CHECK();
-  }
-}
+// One graph of a backward: the keys [k0, k1) of the call under `plan` of shape `sh` (the whole call,
+// or a part of a split one).
+struct BackwardPart {
+  const Plan* plan;
+  const Shape* sh;
+  int64_t k0, k1;
+};
 }  // namespace
 
 void cudnn_attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
@@ -1505,16 +1468,18 @@ void cudnn_attention_forward(const Tensor& out, const AttentionSaved& saved, con
   const Plan* plan = resolve_plan(q, k, v, false, &sh, &why, causal);
   CW_CHECK(plan != nullptr, "cuDNN has no fused attention plan for q {} k {}:\n{}", q.describe(), k.describe(), why);
   count_run(sh, *plan);
-  const float scale_f = static_cast<float>(scale);
-  if (!plan->own) return run_forward(*plan, sh, out, saved.lse, q, k, v, scale_f, scratch);
+  ArenaScope scope(scratch);
+  float scale_f = static_cast<float>(scale);
+  if (!plan->own) return run_forward(*plan, sh, out, saved.lse, q, k, v, &scale_f, workspace(*plan, scratch), scratch);
   // The prefix apart: the own block's out and lse straight into the caller's, the prefix's beside
   // them, then merged into the caller's.
   const int64_t B = q.size(0), c = q.size(1), H = q.size(2), D = q.size(3), p = k.size(1) - c;
-  run_forward(*plan->own, plan->own_shape, out, saved.lse, q, k.slice(1, p, c), v.slice(1, p, c), scale_f, scratch);
-  ArenaScope scope(scratch);
   const Tensor prefix_out = scratch.alloc(DType::bf16, {B, c, H, D}), prefix_lse = scratch.alloc(DType::f32, {B, H, c});
+  void* ws = workspace(*plan, scratch);
+  run_forward(*plan->own, plan->own_shape, out, saved.lse, q, k.slice(1, p, c), v.slice(1, p, c), &scale_f, ws,
+              scratch);
   run_forward(*plan->prefix, plan->prefix_shape, prefix_out, prefix_lse, q, k.slice(1, 0, p), v.slice(1, 0, p),
-              scale_f, scratch);
+              &scale_f, ws, scratch);
   launch_merge_prefix(out, saved.lse, prefix_out, prefix_lse, current_stream(sh.device));
 }
 
@@ -1522,23 +1487,82 @@ void cudnn_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor
                               const AttentionSaved& saved, const Tensor& q, const Tensor& k, const Tensor& v,
                               const Tensor& out, double scale, GradMode mode, Arena& scratch, bool causal) {
   check_operands(q, k, v, {&v, &out, &saved.lse, &d_q, &d_out}, causal);
+  const int64_t B = q.size(0), c = q.size(1), H = q.size(2), D = q.size(3), S = k.size(1), Hkv = k.size(2);
+  const int64_t row = Hkv * D;
+  const int dev = q.device.index;
+  cudaStream_t stream = current_stream(dev);
+  ArenaScope scope(scratch);
+
   Shape sh{};
   std::string why;
   const Plan* plan = resolve_plan(q, k, v, true, &sh, &why, causal);
   CW_CHECK(plan != nullptr, "cuDNN has no fused attention backward plan for q {} k {}:\n{}", q.describe(),
            k.describe(), why);
   count_run(sh, *plan);
-  const float scale_f = static_cast<float>(scale);
+  // One graph over all S keys, or with the prefix apart its own block [p, S) and then the prefix
+  // [0, p), each given the whole row's out and lse (its P is then its share of the row: attention.h).
+  std::vector<BackwardPart> parts;
+  if (plan->own)
+    parts = {{plan->own, &plan->own_shape, S - c, S}, {plan->prefix, &plan->prefix_shape, 0, S - c}};
+  else
+    parts = {{plan, &sh, 0, S}};
+
+  // The scratch, for all parts at once (so a split call lays out the arena as one graph does): the
+  // f32 dQ accumulator first, so that it sits at the same scratch address call after call (the
+  // tests' second backward then catches an accumulator left unzeroed); cuDNN's dK, dV, packed per
+  // part over its plan's key extent (sh.S, the store's for a shared plan; rows past the call's keys
+  // are left as cuDNN leaves them and never read); dQ; Delta; the workspace.
+  void* dq_accum = nullptr;
+  const size_t dq_accum_bytes = static_cast<size_t>(B * c * H * D) * sizeof(float);
+  if (sh.dq_accum()) dq_accum = scratch.alloc_bytes(dq_accum_bytes);
+  int64_t extent = 0;
+  for (const BackwardPart& part : parts) extent += part.sh->S;
+  const Tensor dk_s = scratch.alloc(DType::bf16, {B * extent * row}), dv_s = scratch.alloc(DType::bf16, {B * extent * row});
   const bool accumulate = mode == GradMode::accumulate;
-  if (!plan->own)
-    return run_backward(*plan, sh, d_q, d_k, d_v, d_out, saved.lse, q, k, v, out, scale_f, accumulate, scratch);
-  // The prefix apart: each part given the whole row's out and lse (its P is then its share of the
-  // row, attention.h), its dK, dV added into its own rows, dQ summed (the second part adds).
-  const int64_t p = k.size(1) - q.size(1), c = q.size(1);
-  run_backward(*plan->own, plan->own_shape, d_q, d_k.slice(1, p, c), d_v.slice(1, p, c), d_out, saved.lse, q,
-               k.slice(1, p, c), v.slice(1, p, c), out, scale_f, accumulate, scratch);
-  run_backward(*plan->prefix, plan->prefix_shape, d_q, d_k.slice(1, 0, p), d_v.slice(1, 0, p), d_out, saved.lse, q,
-               k.slice(1, 0, p), v.slice(1, 0, p), out, scale_f, true, scratch);
+  const Tensor dq_s = accumulate ? scratch.alloc(DType::bf16, {B, c, H, D}) : d_q;
+  const Tensor dq_prefix = parts.size() > 1 ? scratch.alloc(DType::bf16, {B, c, H, D}) : Tensor{};
+  // cuDNN writes Delta here; poisoned (NaN) so that an engine reading it instead would show in
+  // every gradient.
+  const Tensor delta = scratch.alloc(DType::f32, {B, H, c});
+  CW_CUDA_CHECK(cudaMemsetAsync(delta.data, 0xff, static_cast<size_t>(B * H * c) * sizeof(float), stream));
+  void* ws = workspace(*plan, scratch);
+  CW_CHECK(B <= 65535, "cuDNN attention: {} batch entries exceed the grid", B);
+
+  float scale_f = static_cast<float>(scale), one = 1.0f;
+  int64_t offset = 0;  // elements of dk_s, dv_s taken by the parts before
+  for (size_t i = 0; i < parts.size(); ++i) {
+    const BackwardPart& part = parts[i];
+    const int64_t keys = part.k1 - part.k0;
+    const Tensor kp = k.slice(1, part.k0, keys), vp = v.slice(1, part.k0, keys);
+    void* dk = static_cast<__nv_bfloat16*>(dk_s.data) + offset;
+    void* dv = static_cast<__nv_bfloat16*>(dv_s.data) + offset;
+    offset += B * part.sh->S * row;
+    const Tensor& dq = i == 0 ? dq_s : dq_prefix;
+    // cuDNN 9.6 and newer zero the accumulator themselves; older versions add into what they get.
+    if (dq_accum && runtime_version() < 90600) CW_CUDA_CHECK(cudaMemsetAsync(dq_accum, 0, dq_accum_bytes, stream));
+    MaskOperands m(*part.sh, keys, scratch, stream);
+    std::vector<int64_t> uids{kQ, kK, kV, kO, kDO, kStats, kDQ, kDK, kDV, kScale, kDelta, kOne};
+    std::vector<void*> ptrs{q.data, kp.data, vp.data, out.data, d_out.data, saved.lse.data,
+                            dq.data, dk,     dv,      &scale_f, delta.data, &one};
+    if (dq_accum) {
+      uids.push_back(kDQAccum);
+      ptrs.push_back(dq_accum);
+    }
+    m.add_to(uids, ptrs);
+    execute(*part.plan, dev, uids, ptrs, ws);
+    // d_k += dK, d_v += dV over the part's keys (batch strides honoured).
+    launch_add_kv(d_k.slice(1, part.k0, keys), d_v.slice(1, part.k0, keys), dk, dv, B, keys * row,
+                  part.sh->S * row, stream);
+    CW_KERNEL_CHECK();
+  }
+  // d_q += dQ in accumulate mode; the prefix's dQ added to the own block's.
+  const int64_t n = q.numel();
+  for (const Tensor* add : {accumulate ? &dq_s : nullptr, parts.size() > 1 ? &dq_prefix : nullptr}) {
+    if (!add) continue;
+    add_q_kernel<<<blocks_for(n, kAddThreads), kAddThreads, 0, stream>>>(
+        static_cast<__nv_bfloat16*>(d_q.data), static_cast<const __nv_bfloat16*>(add->data), n);
+    CW_KERNEL_CHECK();
+  }
 }
 
 }  // namespace cw::gpu
