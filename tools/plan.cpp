@@ -270,8 +270,8 @@ void block_backward(ArenaReplay& a, const Shape& s, MlpKept mlp, int64_t mlp_sha
     a.alloc(size_t(s.B * s.S * Hkv * D) * 2);             // dV scratch
     if (s.split()) a.alloc(s.row(cf.q_dim()));            // the prefix's dQ
     a.alloc(size_t(s.B * H * s.c) * 4);                   // Delta
-    // The workspace; split, the larger part's: the prefix, S - c >= c keys.
-    a.alloc(attention_backward_workspace(cf, s.B, s.split() ? s.S - s.c : s.S));
+    // The workspace (split, no less than the shared plan's over all S keys: attention_cudnn.cu).
+    a.alloc(attention_backward_workspace(cf, s.B, s.S));
   }
   a.alloc(s.row(cf.kv_dim()));  // d_k
   a.alloc(s.row(cf.kv_dim()));  // d_v

@@ -1451,6 +1451,22 @@ void run_forward(const Plan& plan, const Shape& sh, const Tensor& out, const Ten
   execute(plan, sh.device, uids, ptrs, ws);
 }
 
+// A split backward's workspace: its parts' larger, but no less than its family's shared plan's where
+// that is built. In a first step that plan stands in for calls whose own are still being built, with
+// a workspace over the store's whole extent; the store-filling call, which comes first and lays out
+// the scratch arena, takes that much too, so the stand-ins reuse its block (as with one graph, whose
+// workspace at S = T is the shared plan's) instead of adding one beside it.
+int64_t split_backward_workspace(const Shape& sh, const Plan& plan) {
+  const int64_t row = sh.Hkv * sh.D;
+  if (!plan.own || sh.deterministic || row <= 0 || sh.k_batch_stride % row != 0 || sh.v_batch_stride % row != 0)
+    return plan.workspace;
+  Shape wide = widened(sh, std::min(sh.k_batch_stride, sh.v_batch_stride) / row);
+  std::lock_guard lock(g_mutex);
+  const auto& plans = device_state(sh.device).plans;
+  const auto it = plans.find(wide);
+  return it == plans.end() ? plan.workspace : std::max(plan.workspace, it->second->workspace);
+}
+
 // One graph of a backward: the keys [k0, k1) of the call under `plan` of shape `sh` (the whole call,
 // or a part of a split one).
 struct BackwardPart {
@@ -1525,7 +1541,8 @@ void cudnn_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor
   // every gradient.
   const Tensor delta = scratch.alloc(DType::f32, {B, H, c});
   CW_CUDA_CHECK(cudaMemsetAsync(delta.data, 0xff, static_cast<size_t>(B * H * c) * sizeof(float), stream));
-  void* ws = workspace(*plan, scratch);
+  const int64_t ws_bytes = split_backward_workspace(sh, *plan);
+  void* ws = ws_bytes > 0 ? scratch.alloc_bytes(static_cast<size_t>(ws_bytes)) : nullptr;
   CW_CHECK(B <= 65535, "cuDNN attention: {} batch entries exceed the grid", B);
 
   float scale_f = static_cast<float>(scale), one = 1.0f;
