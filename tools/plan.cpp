@@ -40,21 +40,24 @@ constexpr double kDefaultDeviceGib = 80;
 // the recorded full 4K/8K step times within 10%.
 constexpr double kMatmulTflops = 650;
 // cuDNN fused attention, one forward and a backward (2.5 forwards' FLOPs) together, by head size:
-// 460 TFLOP/s at D 64 with a chunk's earlier keys apart (chunks of 1K-32K against 64K keys: forward
-// 511-544, backward 437-452, `bench-ops --chunk-attention`; RESULTS.md, tenth session; 410 as one
-// masked graph), 510 at D 128 (forward 607, backward 482 at 8K: RESULTS.md, "Attention, LM head and
-// memory-bound ops against torch", 2026-11-21); straight between.
-double attention_tflops(int64_t head_dim) {
+// at D 64 410 TFLOP/s as one masked graph (394-442 at 8K-32K tokens, BENCHMARKS.md "Single ops on
+// the H100"), 460 with a chunk's earlier keys apart (engine.h, cudnn_split_prefix; chunks of 1K-32K
+// against 64K keys: forward 511-561, backward 437-456, `bench-ops --chunk-attention`, RESULTS.md,
+// tenth session); 510 at D 128 (forward 607, backward 482 at 8K: RESULTS.md, "Attention, LM head and
+// memory-bound ops against torch", 2026-11-21; the split not measured there on an H100); straight
+// between.
+double attention_tflops(int64_t head_dim, bool split) {
   const double d = std::clamp(double(head_dim), 64.0, 128.0);
-  return 460 + (510 - 460) * (d - 64) / 64;
+  const double d64 = split ? 460 : 410;
+  return d64 + (510 - d64) * (d - 64) / 64;
 }
 // The same attention run block by block against a streamed K/V store (chunk-sized unmasked blocks,
 // merged; dK, dV sent home per block): the blocks cost about what one call does (0.94-1.18x forward,
 // 0.94-1.04x backward, `bench-ops --chunk-attention`), and the step waits for some copies: at 128K
 // (chunk 4096, saved outputs) 13.52 s streamed against 12.47 s on the device, 1.06 s of it waiting
 // (RESULTS.md, ninth session).
-// Against the rate above with the prefix apart (460 where this was measured against 410): 1.26.
-constexpr double kStreamedAttentionSlowdown = 1.12 * 460.0 / 410.0;
+// (Against one masked graph's rate: the blocks run no faster with the prefix apart.)
+constexpr double kStreamedAttentionSlowdown = 1.12;
 // With a window of layers offloaded (attention in one call, the copies beside it): at 64K (chunk
 // 4096, saved outputs, window 2) 3.78 s against 3.75 s with the store on the device (RESULTS.md,
 // ninth session). Earlier runs took 1.16x (128K) and 1.23x (512K) the modelled attention, part of it
@@ -72,6 +75,8 @@ constexpr double kPcieBytesPerS = 49e9;
 constexpr double kHostAdamWElemsPerS = 2e9;
 
 size_t round_to(size_t n, size_t q) { return (n + q - 1) / q * q; }
+// Whether cuDNN runs a chunk's call with its earlier keys apart (engine.h: on by default, exact plans).
+bool prefix_apart() { return cudnn_split_prefix() && cudnn_plans() == CudnnPlans::exact; }
 // The device pool's block for a buffer of `bytes` (rounded like engine/memory.cpp's buffers).
 size_t pool_block(size_t bytes) {
   return device_pool_block(std::max<size_t>(round_to(std::max<size_t>(bytes, 1), kArenaAlign), 1));
@@ -130,8 +135,8 @@ struct Shape {
   bool streamed = false;  // schedule.stream_kv: attention runs block by block (S is one block)
   size_t N() const { return size_t(B * c); }
   size_t row(int64_t width) const { return N() * size_t(width) * e; }
-  // cuDNN runs the call with its earlier keys apart (engine.h, cudnn_split_prefix): two graphs.
-  bool split() const { return !streamed && S - c >= c && cudnn_split_prefix() && cudnn_plans() == CudnnPlans::exact; }
+  // cuDNN runs the call with its earlier keys apart (prefix_apart): two graphs.
+  bool split() const { return !streamed && S - c >= c && prefix_apart(); }
 };
 
 // The input width of a block linear.
@@ -543,7 +548,9 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
                       double(trained) / kHostAdamWElemsPerS})
           : double(trained) * (dtype == DType::bf16 ? 38.0 : 36.0) / kElementwiseBytesPerS;
   r.flops = matmul + head + attention;
-  const double attention_s = attention / (attention_tflops(D) * 1e12) *
+  // A streamed store's blocks each run as one unmasked or square graph: one masked graph's rate, then
+  // its measured slowdown.
+  const double attention_s = attention / (attention_tflops(D, prefix_apart() && !streamed) * 1e12) *
                              (streamed                        ? kStreamedAttentionSlowdown
                               : windowed && !serial_copies ? kOffloadedAttentionSlowdown
                                                            : 1.0);
