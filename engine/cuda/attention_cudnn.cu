@@ -56,6 +56,15 @@
 //   builds one still queued itself. A call whose exact plan is not built yet runs the shared plan
 //   when that is built (it stands in), else the chooser runs it on flash; the backward whose keys
 //   fill the store waits for its own (cudnn_attention_plan_ready says why).
+//   The prefix apart (cw::cudnn_split_prefix, exact plans): a call with p >= c keys before its chunk
+//   runs as two graphs, the chunk against [0, p) unmasked and against its own [p, S) causal with
+//   p = 0 (the square case, whose engine skips the tiles above the diagonal; the bottom-right mask
+//   is computed on every tile). Forward: the own block's out and lse into the caller's, the prefix's
+//   beside them, merged (merge_prefix_kernel). Backward: each part given the whole row's out and lse,
+//   its dK, dV added into its own rows, the prefix's dQ added to the own block's. Its plan is a
+//   split plan holding the two parts' plans, each cached under its own shape (the own block's is
+//   also the plan of the chunk at p = 0), so the queue, stand-ins and readiness above treat it as
+//   one plan; its scratch is taken once for both parts, laid out as one graph's.
 //   Chosen by the chooser (engine/ops/attention.cpp) for bf16 forwards it serves, and for backwards
 //   when determinism is off and the plan's workspace fits the budget; forced (CW_ATTENTION=cudnn)
 //   the deterministic form serves the determinism switch.
