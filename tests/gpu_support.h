@@ -101,27 +101,13 @@ inline void expect_same_bits(const Tensor& a, const Tensor& b, const std::string
 }
 
 // Sets cw::deterministic() for one scope and restores what it was.
-class DeterminismScope {
- public:
-  explicit DeterminismScope(bool on) : saved_(cw::deterministic()) { cw::set_deterministic(on); }
-  ~DeterminismScope() { cw::set_deterministic(saved_); }
-  DeterminismScope(const DeterminismScope&) = delete;
-  DeterminismScope& operator=(const DeterminismScope&) = delete;
-
- private:
-  bool saved_;
+struct DeterminismScope : SettingScope<bool> {
+  explicit DeterminismScope(bool on) : SettingScope(cw::deterministic, cw::set_deterministic, on) {}
 };
 
 // Forces the attention kernel family (cw::set_attention_kernel) for one scope and restores the setting.
-class AttentionKernelScope {
- public:
-  explicit AttentionKernelScope(AttentionKernel k) : saved_(cw::attention_kernel()) { cw::set_attention_kernel(k); }
-  ~AttentionKernelScope() { cw::set_attention_kernel(saved_); }
-  AttentionKernelScope(const AttentionKernelScope&) = delete;
-  AttentionKernelScope& operator=(const AttentionKernelScope&) = delete;
-
- private:
-  AttentionKernel saved_;
+struct AttentionKernelScope : SettingScope<AttentionKernel> {
+  explicit AttentionKernelScope(AttentionKernel k) : SettingScope(cw::attention_kernel, cw::set_attention_kernel, k) {}
 };
 
 }  // namespace cw::test

@@ -16,6 +16,21 @@
 
 namespace cw::test {
 
+// Sets a process-wide setting (engine.h's set_X / X pairs) for one scope and restores what it was.
+template <typename T>
+class SettingScope {
+ public:
+  SettingScope(T (*get)(), void (*set)(T), T value) : set_(set), saved_(get()) { set(value); }
+  ~SettingScope() { set_(saved_); }
+  SettingScope(const SettingScope&) = delete;
+  SettingScope& operator=(const SettingScope&) = delete;
+
+ private:
+  void (*set_)(T);
+  T saved_;
+};
+
+
 // Central finite differences with a fourth-order stencil in f64: the truncation error is O(h^4)
 // and the rounding error O(eps / h), both far below this bound at h = 1e-3.
 constexpr double kFiniteDifferenceTol = 1e-7;

@@ -79,40 +79,16 @@ TEST_CASE("cuda: cudnn attention says why it does not serve f32, odd head dims a
 
 namespace {
 
-// Sets cw::cudnn_plans() for one scope and restores what it was.
-class CudnnPlansScope {
- public:
-  explicit CudnnPlansScope(CudnnPlans plans) : saved_(cw::cudnn_plans()) { cw::set_cudnn_plans(plans); }
-  ~CudnnPlansScope() { cw::set_cudnn_plans(saved_); }
-  CudnnPlansScope(const CudnnPlansScope&) = delete;
-  CudnnPlansScope& operator=(const CudnnPlansScope&) = delete;
-
- private:
-  CudnnPlans saved_;
+// Set cw::cudnn_plans(), cw::cudnn_split_prefix(), cw::cudnn_plan_threads() for one scope, restoring
+// what they were.
+struct CudnnPlansScope : SettingScope<CudnnPlans> {
+  explicit CudnnPlansScope(CudnnPlans plans) : SettingScope(cw::cudnn_plans, cw::set_cudnn_plans, plans) {}
 };
-
-// Sets cw::cudnn_split_prefix() for one scope and restores what it was.
-class SplitPrefixScope {
- public:
-  explicit SplitPrefixScope(bool on) : saved_(cw::cudnn_split_prefix()) { cw::set_cudnn_split_prefix(on); }
-  ~SplitPrefixScope() { cw::set_cudnn_split_prefix(saved_); }
-  SplitPrefixScope(const SplitPrefixScope&) = delete;
-  SplitPrefixScope& operator=(const SplitPrefixScope&) = delete;
-
- private:
-  bool saved_;
+struct SplitPrefixScope : SettingScope<bool> {
+  explicit SplitPrefixScope(bool on) : SettingScope(cw::cudnn_split_prefix, cw::set_cudnn_split_prefix, on) {}
 };
-
-// Sets cw::cudnn_plan_threads() for one scope and restores what it was.
-class PlanThreadsScope {
- public:
-  explicit PlanThreadsScope(int threads) : saved_(cw::cudnn_plan_threads()) { cw::set_cudnn_plan_threads(threads); }
-  ~PlanThreadsScope() { cw::set_cudnn_plan_threads(saved_); }
-  PlanThreadsScope(const PlanThreadsScope&) = delete;
-  PlanThreadsScope& operator=(const PlanThreadsScope&) = delete;
-
- private:
-  int saved_;
+struct PlanThreadsScope : SettingScope<int> {
+  explicit PlanThreadsScope(int threads) : SettingScope(cw::cudnn_plan_threads, cw::set_cudnn_plan_threads, threads) {}
 };
 
 // bf16 operands and bf16 outputs against f64 (the op table's bf16 tolerance).

@@ -176,9 +176,8 @@ double layer_local_saving_gib(const LlamaConfig& cf, int64_t T, const ScheduleOp
 
 TEST_CASE("plan: predicted peaks and step times against the recorded H100 runs") {
   double worst_peak = 0, worst_time = 0;
-  const bool split = cudnn_split_prefix();
   for (const Recorded& r : kRecorded) {
-    set_cudnn_split_prefix(r.prefix_apart);  // the engine the run had
+    const test::SettingScope<bool> engine(cudnn_split_prefix, set_cudnn_split_prefix, r.prefix_apart);  // the run's
     const PlanReport p = plan_step(one_b(), 1, r.T, r.schedule, DType::bf16, 80);
     const double dropped = layer_local_saving_gib(one_b(), r.T, r.schedule);
     const double peak_err = p.peak_device_gib() / (r.peak_gib - dropped) - 1;
@@ -194,7 +193,6 @@ TEST_CASE("plan: predicted peaks and step times against the recorded H100 runs")
     worst_peak = std::max(worst_peak, std::abs(peak_err));
     worst_time = std::max(worst_time, std::abs(time_err));
   }
-  set_cudnn_split_prefix(split);
   MESSAGE(fmt::format("worst peak error {:.1f}%, worst step-time error {:.1f}%", 100 * worst_peak, 100 * worst_time));
 }
 
@@ -373,8 +371,7 @@ TEST_CASE("plan: LoRA keeps the base's compute weights only; master, moments and
   // Dropout keeps a masked copy of an adapted linear's input in the scratch (down_proj's: [N, F]): at
   // chunk 8192 it no longer fits the arena's slack, and the activations grow by a 256 MiB block or more.
   // (With one attention graph: the split call's scratch moves the slack; cudnn_split_prefix.)
-  const bool split = cudnn_split_prefix();
-  set_cudnn_split_prefix(false);
+  const test::SettingScope<bool> one_graph(cudnn_split_prefix, set_cudnn_split_prefix, false);
   LoraConfig dropped = lora;
   dropped.targets = "all-linear";
   dropped.dropout = 0.1;
@@ -383,7 +380,6 @@ TEST_CASE("plan: LoRA keeps the base's compute weights only; master, moments and
   const ScheduleOptions wide = sched("seco", 8192);
   CHECK(gib(plan_step(eight_b, 1, 16384, wide, DType::bf16, 80, dropped), "activations") >=
         gib(plan_step(eight_b, 1, 16384, wide, DType::bf16, 80, plain), "activations") + 0.25);
-  set_cudnn_split_prefix(split);
 }
 
 TEST_CASE("plan: the papers' budgets for Llama-3.1-8B: LoRA in 24 GiB at 16K and 64K, full parameters at 60K with the optimizer offloaded") {
