@@ -171,6 +171,26 @@ bool untouched_past(const Tensor& store, int64_t S) {
   return true;
 }
 
+// A GPU run against the CPU's in f64 over the call's S keys, and nothing added to the stores past them.
+void expect_matches_cpu(const GpuResult& r, const CpuResult& ref, int64_t S, const std::string& n) {
+  expect_close_f64(r.out, ref.out, kBf16Tol, n + " out");
+  expect_close_f64(r.lse, ref.lse, kBf16Tol, n + " lse");
+  expect_close_f64(r.d_q, ref.d_q, kBf16Tol, n + " d_q");
+  expect_close_f64(r.d_k.tensor.slice(1, 0, S), ref.d_k, kBf16Tol, n + " d_k");
+  expect_close_f64(r.d_v.tensor.slice(1, 0, S), ref.d_v, kBf16Tol, n + " d_v");
+  CHECK_MESSAGE(untouched_past(r.d_k, S), n, ": d_k changed past the call's keys");
+  CHECK_MESSAGE(untouched_past(r.d_v, S), n, ": d_v changed past the call's keys");
+}
+
+// Two GPU runs of the same call by different plans, over its S keys.
+void expect_runs_close(const GpuResult& a, const GpuResult& b, int64_t S, const std::string& n) {
+  expect_close_f64(a.out, b.out, kSharedVsExactTol, n + ": out");
+  expect_close_f64(a.lse, b.lse, kSharedVsExactTol, n + ": lse");
+  expect_close_f64(a.d_q, b.d_q, kSharedVsExactTol, n + ": d_q");
+  expect_close_f64(a.d_k.tensor.slice(1, 0, S), b.d_k.tensor.slice(1, 0, S), kSharedVsExactTol, n + ": d_k");
+  expect_close_f64(a.d_v.tensor.slice(1, 0, S), b.d_v.tensor.slice(1, 0, S), kSharedVsExactTol, n + ": d_v");
+}
+
 }  // namespace
 
 TEST_CASE("cuda: cudnn shared plans agree with exact plans and the CPU across chunk offsets" *
@@ -204,23 +224,9 @@ TEST_CASE("cuda: cudnn shared plans agree with exact plans and the CPU across ch
       CudnnPlansScope scope(CudnnPlans::exact);
       exact = run_gpu(ch, S);
     }
-    const std::pair<const GpuResult*, const char*> runs[] = {{&shared, "shared"}, {&exact, "exact"}};
-    for (const auto& [r, name] : runs) {
-      const std::string n = name;
-      expect_close_f64(r->out, ref.out, kBf16Tol, n + " out");
-      expect_close_f64(r->lse, ref.lse, kBf16Tol, n + " lse");
-      expect_close_f64(r->d_q, ref.d_q, kBf16Tol, n + " d_q");
-      expect_close_f64(r->d_k.tensor.slice(1, 0, S), ref.d_k, kBf16Tol, n + " d_k");
-      expect_close_f64(r->d_v.tensor.slice(1, 0, S), ref.d_v, kBf16Tol, n + " d_v");
-      CHECK_MESSAGE(untouched_past(r->d_k, S), n, ": d_k changed past the call's keys");
-      CHECK_MESSAGE(untouched_past(r->d_v, S), n, ": d_v changed past the call's keys");
-    }
-    expect_close_f64(shared.out, exact.out, kSharedVsExactTol, "shared against exact out");
-    expect_close_f64(shared.d_q, exact.d_q, kSharedVsExactTol, "shared against exact d_q");
-    expect_close_f64(shared.d_k.tensor.slice(1, 0, S), exact.d_k.tensor.slice(1, 0, S), kSharedVsExactTol,
-                     "shared against exact d_k");
-    expect_close_f64(shared.d_v.tensor.slice(1, 0, S), exact.d_v.tensor.slice(1, 0, S), kSharedVsExactTol,
-                     "shared against exact d_v");
+    expect_matches_cpu(shared, ref, S, "shared");
+    expect_matches_cpu(exact, ref, S, "exact");
+    expect_runs_close(shared, exact, S, "shared against exact");
   }
 }
 
@@ -423,14 +429,7 @@ TEST_CASE("cuda: a family's shared plans stand in for its exact plans while thos
   CHECK(after.refused == before.refused);
   for (const auto& [S, r] : results) {
     CAPTURE(S);
-    const CpuResult ref = run_cpu(ch, S);
-    expect_close_f64(r.out, ref.out, kBf16Tol, "out");
-    expect_close_f64(r.lse, ref.lse, kBf16Tol, "lse");
-    expect_close_f64(r.d_q, ref.d_q, kBf16Tol, "d_q");
-    expect_close_f64(r.d_k.tensor.slice(1, 0, S), ref.d_k, kBf16Tol, "d_k");
-    expect_close_f64(r.d_v.tensor.slice(1, 0, S), ref.d_v, kBf16Tol, "d_v");
-    CHECK(untouched_past(r.d_k, S));
-    CHECK(untouched_past(r.d_v, S));
+    expect_matches_cpu(r, run_cpu(ch, S), S, "reverse sweep");
   }
 }
 
@@ -451,15 +450,6 @@ TEST_CASE("cuda: cudnn runs a chunk's earlier keys apart as the CPU does in f64,
     MESSAGE("cuDNN fused attention not available here, skipped: ", why);
     return;
   }
-  auto check_against = [&](const GpuResult& r, const CpuResult& ref, int64_t S, const std::string& n) {
-    expect_close_f64(r.out, ref.out, kBf16Tol, n + " out");
-    expect_close_f64(r.lse, ref.lse, kBf16Tol, n + " lse");
-    expect_close_f64(r.d_q, ref.d_q, kBf16Tol, n + " d_q");
-    expect_close_f64(r.d_k.tensor.slice(1, 0, S), ref.d_k, kBf16Tol, n + " d_k");
-    expect_close_f64(r.d_v.tensor.slice(1, 0, S), ref.d_v, kBf16Tol, n + " d_v");
-    CHECK_MESSAGE(untouched_past(r.d_k, S), n, ": d_k changed past the call's keys");
-    CHECK_MESSAGE(untouched_past(r.d_v, S), n, ": d_v changed past the call's keys");
-  };
   // Falling S, so that poisoning [S, T) spoils no key a later call reads.
   for (const int64_t S : {T, 4 * c, 2 * c}) {
     CAPTURE(S);
@@ -480,15 +470,9 @@ TEST_CASE("cuda: cudnn runs a chunk's earlier keys apart as the CPU does in f64,
       one = run_gpu(ch, S);
       CHECK(attention_plan_stats().split == before.split);
     }
-    check_against(apart, ref, S, "prefix apart");
-    check_against(one, ref, S, "one graph");
-    expect_close_f64(apart.out, one.out, kSharedVsExactTol, "apart against one graph: out");
-    expect_close_f64(apart.lse, one.lse, kSharedVsExactTol, "apart against one graph: lse");
-    expect_close_f64(apart.d_q, one.d_q, kSharedVsExactTol, "apart against one graph: d_q");
-    expect_close_f64(apart.d_k.tensor.slice(1, 0, S), one.d_k.tensor.slice(1, 0, S), kSharedVsExactTol,
-                     "apart against one graph: d_k");
-    expect_close_f64(apart.d_v.tensor.slice(1, 0, S), one.d_v.tensor.slice(1, 0, S), kSharedVsExactTol,
-                     "apart against one graph: d_v");
+    expect_matches_cpu(apart, ref, S, "prefix apart");
+    expect_matches_cpu(one, ref, S, "one graph");
+    expect_runs_close(apart, one, S, "apart against one graph");
   }
   SplitPrefixScope on(true);
   const int64_t S = 2 * c;  // the store's rows past it hold NaN from the loop above
@@ -514,7 +498,7 @@ TEST_CASE("cuda: cudnn runs a chunk's earlier keys apart as the CPU does in f64,
   {
     DeterminismScope det(true);
     const AttentionPlanStats before = attention_plan_stats();
-    check_against(run_gpu(ch, S), ref, S, "deterministic, prefix apart");
+    expect_matches_cpu(run_gpu(ch, S), ref, S, "deterministic, prefix apart");
     CHECK(attention_plan_stats().split - before.split == 2);
   }
 }
