@@ -287,7 +287,7 @@ struct Shape {
   bool deterministic = false;  // backward: the direct-dQ form, only configurations without the non-determinism note
   bool shared = false;         // S is the store's extent; seq_len_q/seq_len_kv tensors give the real lengths
   bool causal = true;          // false: no mask, every query sees all S keys (a streamed key block)
-  bool split = false;          // exact, causal, p >= c: the prefix apart (two graphs; split_prefix below)
+  bool split = false;          // exact, causal, p >= c: the prefix apart (two graphs; splits() below)
   auto key() const {
     return std::tie(device, backward, B, H, Hkv, c, S, D, k_batch_stride, v_batch_stride, deterministic, shared,
                     causal, split);
@@ -761,9 +761,10 @@ std::unique_ptr<Plan> build_split_plan(cudnnHandle_t handle, const Shape& sh, st
 
 // Builds the graph of `sh` and finds an execution plan for it; nullptr (with the reason in *why)
 // where cuDNN does not serve it. A split shape gets a split plan (build_split_plan), or where cuDNN
-// refuses a part, the one graph. `ahead`: built by a worker (the statistics). Candidates are finalized in order; the first that honours the
+// refuses a part, the one graph. Candidates are finalized in order; the first that honours the
 // determinism policy and needs at most kWorkspaceLimit bytes of workspace wins; if none fits the
-// limit, the one with the smallest workspace (still correct, just memory-hungry).
+// limit, the one with the smallest workspace (still correct, just memory-hungry). `ahead`: built by
+// a worker (for the statistics).
 std::unique_ptr<Plan> build_plan(cudnnHandle_t handle, const Shape& sh, std::string* why, bool ahead) {
   std::string split_refused;
   if (sh.split) {
