@@ -238,7 +238,11 @@ void bench_chunk_attention(std::vector<Row>& rows, DType dt, int64_t c, int64_t 
       }
       copy_convert(d_q.tensor.view({c, H * D}), dq_sum);
     };
-    const bool split_default = cudnn_split_prefix();
+    // The setting restored however the timing ends (the rows after these use the default).
+    struct SplitPrefix {
+      bool saved = cudnn_split_prefix();
+      ~SplitPrefix() { set_cudnn_split_prefix(saved); }
+    } restore;
     set_cudnn_split_prefix(false);
     mine[0].ms = median_ms(one_call_forward, g, 3, repeat);
     one_call_forward();  // out and lse for the backward rows (every form gives the same)
@@ -246,7 +250,7 @@ void bench_chunk_attention(std::vector<Row>& rows, DType dt, int64_t c, int64_t 
     set_cudnn_split_prefix(true);
     mine[4].ms = median_ms(one_call_forward, g, 3, repeat);
     mine[5].ms = median_ms(one_call_backward, g, 3, repeat);
-    set_cudnn_split_prefix(split_default);
+    set_cudnn_split_prefix(restore.saved);
     mine[2].ms = median_ms(blocked_forward, g, 3, repeat);
     mine[3].ms = median_ms(blocked_backward, g, 3, repeat);
     // The kernels the chooser picks for the one call and for an unmasked block (forward, backward),
