@@ -243,7 +243,7 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
     std::sort(step_s.begin(), step_s.end());
     const double med = step_s[step_s.size() / 2];
     // The planner against this run (tools/plan.h: its peak within 10% of measured).
-    const double peak_gib = double(pool_stats(g).peak_in_use) / double(1ull << 30);
+    const double peak_gib = double(mem.device_peak) / double(1ull << 30);
     out << fmt::format("against the plan: peak {:.2f} GiB measured, {:.2f} planned ({:+.1f}%); step {:.3f} s measured, "
                        "{:.3f} planned ({:+.1f}%)\n",
                        peak_gib, plan.peak_device_gib(), 100 * (plan.peak_device_gib() / peak_gib - 1), med,
