@@ -10,16 +10,21 @@
 namespace cw {
 
 LlamaModel::LlamaModel(const LlamaConfig& config, DType dtype, Device device, TensorParallelGroup* tp,
-                       const LoraConfig& lora)
+                       const LoraConfig& lora, bool cast_layers)
     : full_config_(config),
       tp_(tp),
       config_(tp ? tp_shard_config(config, tp->size()) : config),
       dtype_(dtype),
       device_(device),
-      params_(config_, dtype, device),
-      lora_(lora) {
+      params_(cast_layers ? ParamSet(config_, outside_blocks(parameter_table(config_)), dtype, device)
+                          : ParamSet(config_, dtype, device)),
+      lora_(lora),
+      cast_layers_(cast_layers) {
   full_config_.validate("model config");
   lora_.validate();
+  CW_CHECK(!(cast_layers && lora_.enabled()),
+           "schedule.cast_layers rounds the blocks from master weights, which a LoRA base does not have: set "
+           "cast_layers = false with lora.rank > 0");
   if (lora_.enabled()) {
     adapters_.emplace(config_, lora_parameter_table(config_, lora_), dtype, device);
     init_lora_parameters(*adapters_, lora_.seed);
@@ -40,6 +45,30 @@ ModelWeights LlamaModel::weights() const {
     for (size_t l = 0; l < a.layers.size(); ++l) w.layers[l].lora = a.layers[l].lora;
   }
   return w;
+}
+
+LayerWeights LlamaModel::layer(int l) const {
+  CW_CHECK(!cast_layers_ || cast_, "the model casts its blocks from master weights it has not been given "
+                                   "(LlamaModel::cast_layers_from)");
+  LayerWeights w = cast_ ? cast_->layer(l) : params_.layer(l);
+  if (adapters_) w.lora = adapters_->layer(l).lora;
+  return w;
+}
+
+std::vector<ParamSpec> LlamaModel::trainable_table() const {
+  if (adapters_) return adapters_->specs();
+  return cast_layers_ ? parameter_table(config_) : params_.specs();
+}
+
+void LlamaModel::cast_layers_from(const ParamSet& master) {
+  CW_CHECK(cast_layers_, "cast_layers_from: the model was built with its blocks resident (cast_layers = false)");
+  CW_CHECK(same_table(master.specs(), parameter_table(config_)) && master.device() == device_,
+           "cast_layers_from: the master must hold the model's whole table on its device");
+  cast_ = std::make_unique<LayerCast>(master, dtype_);
+}
+
+void LlamaModel::master_changed() {
+  if (cast_) cast_->invalidate();
 }
 
 LoraRuntime LlamaModel::lora_runtime() const {
@@ -162,7 +191,7 @@ void run_blocks(ChunkActivations& a, KVStore& kv, const LlamaModel& model, const
     }
     kv.begin_layer(l, use, t0, t1);
     block_forward(l + 1 < L ? a.input(l + 1) : a.stream.back(), keep_layers ? &a.layers[li] : nullptr, a.input(l),
-                  w.layers[li], kv, l, ctx);
+                  model.layer(l), kv, l, ctx);
     kv.end_layer(l, use, t0, t1);
   }
   rmsnorm_forward(a.normed, a.final_norm, a.stream.back(), w.final_norm, cf.rms_norm_eps);
@@ -245,9 +274,10 @@ double backward_chunk(const ParamSet& grads, const ChunkActivations& a, KVStore&
   const LlamaConfig& cf = model.config();
   TensorParallelGroup* tp = model.tensor_parallel();
   const int64_t N = chunk.B * chunk.c, R = tp_rows(tp, N);
-  CW_CHECK(same_table(grads, model.trainable()),
+  CW_CHECK(same_table(grads.specs(), model.trainable_table()),
            "backward_chunk: the gradients must have the table of the model's trainable parameters ({} tensors{}), "
-           "got {} tensors", model.trainable().size(), model.has_adapters() ? ": its LoRA adapters" : "", grads.size());
+           "got {} tensors", model.trainable_table().size(), model.has_adapters() ? ": its LoRA adapters" : "",
+           grads.size());
   const ModelWeights w = model.weights();
   // A frozen tensor (every base tensor under LoRA) has an undefined gradient here: the ops skip it.
   const ModelWeights g = grads.weights();
@@ -305,16 +335,17 @@ double backward_chunk(const ParamSet& grads, const ChunkActivations& a, KVStore&
       bring(l - 1);  // into the other slot, after this layer's backward is queued before it
     }
     kv.begin_layer(l, KVStore::Use::backward, t0, t1);
+    const LayerWeights w_l = model.layer(l);
     if (!a.layers.empty()) {
-      block_backward(d_x, g.layers[li], a.layers[li], a.input(l), w.layers[li], kv, l, ctx);
+      block_backward(d_x, g.layers[li], a.layers[li], a.input(l), w_l, kv, l, ctx);
     } else {
       // Checkpointed: recompute this layer's activations from its kept input, then its backward. The
       // recompute rewrites the layer's K/V of this chunk in the store with the same values.
       ArenaScope layer_scope(scratch);
       LayerActivations la = LayerActivations::allocate(scratch, cf, chunk.B, chunk.c, model.dtype(), mlp, tp);
       Tensor recomputed_out = scratch.alloc(model.dtype(), {R, cf.hidden_size});
-      block_forward(recomputed_out, &la, a.input(l), w.layers[li], kv, l, ctx);
-      block_backward(d_x, g.layers[li], la, a.input(l), w.layers[li], kv, l, ctx);
+      block_forward(recomputed_out, &la, a.input(l), w_l, kv, l, ctx);
+      block_backward(d_x, g.layers[li], la, a.input(l), w_l, kv, l, ctx);
     }
     kv.end_layer(l, KVStore::Use::backward, t0, t1);
     if (layer_start[li] >= 0) finished_from(layer_start[li]);  // the layer's first tensor in the table

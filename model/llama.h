@@ -37,6 +37,7 @@
 #include "model/config.h"
 #include "model/kv_store.h"
 #include "model/layer.h"
+#include "model/layer_cast.h"
 #include "model/lora.h"
 #include "model/params.h"
 
@@ -54,8 +55,11 @@ class LlamaModel {
   // tp: this rank's tensor-parallel group (not owned; it outlives the model), or null: one process.
   // lora: adapters (rank > 0) on the targeted linears, initialised by PEFT's rule from lora.seed; the
   // base parameters are then frozen. Tensor parallelism with adapters is not implemented.
+  // cast_layers: the model keeps no compute copy of the blocks' weights, only of the tensors outside
+  // them (params() has that part of the table); each block's are rounded from a master set as it runs
+  // (model/layer_cast.h), which cast_layers_from() gives before the first chunk. Not with adapters.
   LlamaModel(const LlamaConfig& config, DType dtype, Device device = Device::host(), TensorParallelGroup* tp = nullptr,
-             const LoraConfig& lora = {});
+             const LoraConfig& lora = {}, bool cast_layers = false);
 
   const LlamaConfig& config() const { return config_; }            // what the parameters are shaped by
   const LlamaConfig& full_config() const { return full_config_; }  // the model's (= config() without TP)
@@ -72,6 +76,20 @@ class LlamaModel {
   ParamSet& trainable() { return adapters_ ? *adapters_ : params_; }
   const ParamSet& trainable() const { return adapters_ ? *adapters_ : params_; }
   ModelWeights weights() const;                        // the base, with the adapters joined in
+  // Block l's weights in the compute dtype, with its adapters: the resident set's, or with
+  // cast_layers a slot the master's block l is rounded into (valid until two other blocks are asked
+  // for). weights().layers is empty with cast_layers: the blocks run on layer(l).
+  LayerWeights layer(int l) const;
+  // The table of what training updates (master weights, gradients, moments): the adapters' under
+  // LoRA, else every parameter's (also with cast_layers, where params() holds only a part).
+  std::vector<ParamSpec> trainable_table() const;
+  bool casts_layers() const { return cast_layers_; }
+  // cast_layers: the master weights (the model's whole table, in the master dtype, on its device;
+  // outliving the model's use of it) the blocks are rounded from.
+  void cast_layers_from(const ParamSet& master);
+  // cast_layers: the master changed (an optimizer step, a load), so no cast block is current.
+  void master_changed();
+  const LayerCast* layer_cast() const { return cast_.get(); }  // null without cast_layers
 
   // Dropout on the adapters' inputs acts while a round is set (the step's micro-batch index).
   void set_dropout_round(std::optional<uint64_t> round) { dropout_round_ = round; }
@@ -92,6 +110,8 @@ class LlamaModel {
   Device device_;
   ParamSet params_;
   LoraConfig lora_;
+  bool cast_layers_;
+  std::unique_ptr<LayerCast> cast_;
   std::optional<ParamSet> adapters_;
   std::optional<uint64_t> dropout_round_;
   OwnedTensor rope_cos_, rope_sin_;

@@ -92,39 +92,72 @@ void copy_params(const ParamSet& dst, const ParamSet& src) {
   if (dst.numel() > 0) copy_convert(dst.flat(), src.flat());
 }
 
-bool same_table(const ParamSet& a, const ParamSet& b) {
-  if (a.size() != b.size()) return false;
-  for (size_t i = 0; i < a.size(); ++i)
-    if (a.specs()[i].name != b.specs()[i].name || a.specs()[i].shape != b.specs()[i].shape) return false;
-  return true;
+bool same_table(const ParamSet& a, const ParamSet& b) { return same_table(a.specs(), b.specs()); }
+
+namespace {
+// Where a table's tensor goes in the weight structs, by its role.
+void place(ModelWeights& w, LayerWeights* layer, const ParamSpec& s, const Tensor& t) {
+  switch (s.role) {
+    case ParamRole::embedding: w.embedding = t; break;
+    case ParamRole::attn_norm: layer->attn_norm = t; break;
+    case ParamRole::wq: layer->wq = t; break;
+    case ParamRole::wk: layer->wk = t; break;
+    case ParamRole::wv: layer->wv = t; break;
+    case ParamRole::wo: layer->wo = t; break;
+    case ParamRole::mlp_norm: layer->mlp_norm = t; break;
+    case ParamRole::w_gate: layer->w_gate = t; break;
+    case ParamRole::w_up: layer->w_up = t; break;
+    case ParamRole::w_down: layer->w_down = t; break;
+    case ParamRole::final_norm: w.final_norm = t; break;
+    case ParamRole::lm_head: w.lm_head = t; break;
+    case ParamRole::lora_a: layer->lora.of(s.adapts).a = t; break;
+    case ParamRole::lora_b: layer->lora.of(s.adapts).b = t; break;
+  }
 }
+}  // namespace
 
 ModelWeights ParamSet::weights() const {
   ModelWeights w;
   for (size_t i = 0; i < specs_.size(); ++i) {
     const ParamSpec& s = specs_[i];
-    const Tensor& t = tensors_[i];
     if (s.layer >= 0 && static_cast<size_t>(s.layer) >= w.layers.size()) w.layers.resize(static_cast<size_t>(s.layer) + 1);
-    LayerWeights* L = s.layer >= 0 ? &w.layers[static_cast<size_t>(s.layer)] : nullptr;
-    switch (s.role) {
-      case ParamRole::embedding: w.embedding = t; break;
-      case ParamRole::attn_norm: L->attn_norm = t; break;
-      case ParamRole::wq: L->wq = t; break;
-      case ParamRole::wk: L->wk = t; break;
-      case ParamRole::wv: L->wv = t; break;
-      case ParamRole::wo: L->wo = t; break;
-      case ParamRole::mlp_norm: L->mlp_norm = t; break;
-      case ParamRole::w_gate: L->w_gate = t; break;
-      case ParamRole::w_up: L->w_up = t; break;
-      case ParamRole::w_down: L->w_down = t; break;
-      case ParamRole::final_norm: w.final_norm = t; break;
-      case ParamRole::lm_head: w.lm_head = t; break;
-      case ParamRole::lora_a: L->lora.of(s.adapts).a = t; break;
-      case ParamRole::lora_b: L->lora.of(s.adapts).b = t; break;
-    }
+    place(w, s.layer >= 0 ? &w.layers[static_cast<size_t>(s.layer)] : nullptr, s, tensors_[i]);
   }
   if (tied_ && w.embedding.data) w.lm_head = w.embedding;
   return w;
+}
+
+LayerWeights ParamSet::layer(int layer) const { return layer_weights(specs_, tensors_, layer); }
+
+LayerWeights layer_weights(const std::vector<ParamSpec>& specs, const std::vector<Tensor>& tensors, int layer) {
+  ModelWeights unused;
+  LayerWeights w;
+  for (size_t i = 0; i < specs.size(); ++i)
+    if (specs[i].layer == layer) place(unused, &w, specs[i], tensors[i]);
+  return w;
+}
+
+std::vector<ParamSpec> outside_blocks(const std::vector<ParamSpec>& table) {
+  std::vector<ParamSpec> out;
+  for (const ParamSpec& s : table)
+    if (s.layer < 0) out.push_back(s);
+  return out;
+}
+
+void copy_params_by_name(const ParamSet& dst, const ParamSet& src) {
+  for (size_t i = 0; i < dst.size(); ++i) {
+    const int j = src.find(dst.specs()[i].name);
+    CW_CHECK(j >= 0 && src.specs()[static_cast<size_t>(j)].shape == dst.specs()[i].shape,
+             "copy_params_by_name: {} is not in the source set with its shape", dst.specs()[i].name);
+    copy_convert(dst[i], src[static_cast<size_t>(j)]);
+  }
+}
+
+bool same_table(const std::vector<ParamSpec>& a, const std::vector<ParamSpec>& b) {
+  if (a.size() != b.size()) return false;
+  for (size_t i = 0; i < a.size(); ++i)
+    if (a[i].name != b[i].name || a[i].shape != b[i].shape) return false;
+  return true;
 }
 
 void init_parameters(ParamSet& params, uint64_t seed, double initializer_range, double norm_jitter) {

@@ -94,6 +94,7 @@ class ParamSet {
   Device device() const { return buffer_.device(); }
   size_t bytes() const { return buffer_.bytes(); }
   ModelWeights weights() const;
+  LayerWeights layer(int layer) const;  // block `layer`'s tensors (undefined where the table has none)
   void zero() const;  // the values, not the set: callable through a const reference
 
  private:
@@ -112,8 +113,17 @@ class ParamSet {
 // Copies every element of src into dst (same table), converting dtype and crossing devices as needed
 // (bf16 rounded to nearest even): master weights to the compute copy, device to host for a checkpoint.
 void copy_params(const ParamSet& dst, const ParamSet& src);
-// Whether two sets have the same table (names and shapes, in order).
+// Every tensor of dst from the tensor of src with its name and shape (dst's table a part of src's),
+// converting as copy_params does: the compute copy of the tensors outside the blocks when the blocks
+// are rounded from the master a layer at a time (model/layer_cast.h).
+void copy_params_by_name(const ParamSet& dst, const ParamSet& src);
+// Whether two sets (tables) have the same table (names and shapes, in order).
 bool same_table(const ParamSet& a, const ParamSet& b);
+bool same_table(const std::vector<ParamSpec>& a, const std::vector<ParamSpec>& b);
+// The table's tensors outside the blocks: the embedding, the final norm, an untied LM head.
+std::vector<ParamSpec> outside_blocks(const std::vector<ParamSpec>& table);
+// Block `layer`'s tensors of a table and its tensors (in table order), by role.
+LayerWeights layer_weights(const std::vector<ParamSpec>& specs, const std::vector<Tensor>& tensors, int layer);
 
 void init_parameters(ParamSet& params, uint64_t seed, double initializer_range, double norm_jitter = 0.0);
 

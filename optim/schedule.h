@@ -77,6 +77,9 @@ struct ScheduleOptions {
                                 // the store (offloaded with it), so the reverse sweep does not run the
                                 // attention forward again; costs H*D + H values per token and layer
   int64_t mlp_shards = 1;       // tiled MLP row shards, any schedule: 1 untiled, 0 automatic (ceil(F / C))
+  bool cast_layers = false;     // any schedule, bf16 full-parameter training on a GPU: no resident bf16 copy of
+                                // the blocks' weights, each block rounded from the f32 master as it runs
+                                // (model/layer_cast.h); the training state reads it when it is built
   int64_t chunk = 0;            // prefill chunk length (seco, spaco); 0: the whole sequence
   int64_t bwd_chunk = 0;        // reverse-sweep chunk length; 0: same as chunk
   int64_t keep = 0;             // t: reverse-sweep chunks visited out of k; 0: all (= seco)

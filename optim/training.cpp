@@ -13,21 +13,42 @@ namespace {
 DType master_dtype_for(DType compute) { return compute == DType::bf16 ? DType::f32 : compute; }
 }  // namespace
 
+namespace {
+// What training updates, as a table for its master weights, gradients and moments.
+ParamSet trained_set(const LlamaModel& model, DType dtype, Device device) {
+  return ParamSet(model.config(), model.trainable_table(), dtype, device);
+}
+
+LlamaModel checked_model(const LlamaConfig& config, DType compute, Device device, TensorParallelGroup* tp,
+                         const LoraConfig& lora, bool full_optimizer, bool offload_optimizer, bool cast_layers) {
+  if (cast_layers) {
+    CW_CHECK(compute == DType::bf16 && !device.is_cpu(),
+             "schedule.cast_layers rounds bf16 blocks from the f32 master weights: it needs bf16 on a GPU (dtype {} on {})",
+             dtype_name(compute), device.is_cpu() ? "the CPU" : "a GPU");
+    CW_CHECK(!offload_optimizer, "schedule.cast_layers casts from master weights on the device; optimizer.offload "
+                                 "keeps them on the host: turn one of them off");
+    CW_CHECK(full_optimizer, "schedule.cast_layers does not combine with parallel.zero > 0: set cast_layers = false");
+  }
+  return LlamaModel(config, compute, device, tp, lora, cast_layers);
+}
+}  // namespace
+
 TrainingState::TrainingState(const LlamaConfig& config, DType compute, Device device, const AdamWOptions& options,
                              bool full_optimizer, TensorParallelGroup* tp, const LoraConfig& lora,
-                             bool offload_optimizer)
-    : model_(config, compute, device, tp, lora),
+                             bool offload_optimizer, bool cast_layers)
+    : model_(checked_model(config, compute, device, tp, lora, full_optimizer, offload_optimizer, cast_layers)),
       // A separate master set: f32 beside bf16 compute weights; offloaded, always (in host memory).
       master_(compute == DType::bf16 || offload_optimizer
-                  ? std::optional<ParamSet>(ParamSet::like(model_.trainable(), master_dtype_for(compute),
-                                                           offload_optimizer ? Device::host() : device))
+                  ? std::optional<ParamSet>(trained_set(model_, master_dtype_for(compute),
+                                                        offload_optimizer ? Device::host() : device))
                   : std::nullopt),
-      grads_(ParamSet::like(model_.trainable(), master_dtype_for(compute))),
+      grads_(trained_set(model_, master_dtype_for(compute), device)),
       adamw_options_(options) {
   CW_CHECK(compute != DType::bf16 || !device.is_cpu(), "bf16 training needs the GPU backend");
   CW_CHECK(!offload_optimizer || full_optimizer,
            "optimizer.offload keeps the whole AdamW state on the host: it does not combine with parallel.zero > 0");
   options.validate();
+  if (cast_layers) model_.cast_layers_from(*master_);
   sync_master_from_compute();
   if (offload_optimizer) offloaded_.emplace(master(), device, options);
   else if (full_optimizer) adamw_.emplace(master(), options);
@@ -46,7 +67,13 @@ AdamW& TrainingState::optimizer() {
 }
 
 void TrainingState::sync_compute_copy() {
-  if (master_) copy_params(model_.trainable(), *master_);
+  if (!master_) return;
+  if (model_.casts_layers()) {
+    copy_params_by_name(model_.params(), *master_);  // the tensors outside the blocks
+    model_.master_changed();
+  } else {
+    copy_params(model_.trainable(), *master_);
+  }
 }
 
 void TrainingState::load_master(const ParamSet& host) {
@@ -102,6 +129,10 @@ ParamSet TrainingState::base_on_host(DType dtype) const {
 
 void TrainingState::optimizer_step(double lr) {
   if (offloaded_) return offloaded_->step(master(), grads_, lr, model_.trainable());
+  if (model_.casts_layers()) {  // the update writes the master; the resident part of the copy follows
+    optimizer().step(master(), grads_, lr, nullptr);
+    return sync_compute_copy();
+  }
   optimizer().step(master(), grads_, lr, master_ ? &model_.trainable() : nullptr);
 }
 
@@ -135,7 +166,8 @@ MemoryReport memory_report(const TrainingState& st, size_t activation_high_water
                            size_t kv_host_bytes) {
   MemoryReport r;
   r.host_kv = kv_host_bytes;
-  r.weights = st.model().params().bytes() + (st.lora() ? st.model().adapters().bytes() : 0);
+  r.weights = st.model().params().bytes() + (st.lora() ? st.model().adapters().bytes() : 0) +
+              (st.model().layer_cast() ? st.model().layer_cast()->device_bytes() : 0);
   const bool separate_master = &st.master() != &st.model().trainable();
   if (const OffloadedAdamW* off = st.offloaded_optimizer()) {
     r.host_master = st.master().bytes();

@@ -37,9 +37,13 @@ class TrainingState {
   // config: the whole model's; tp: this rank's tensor-parallel group (null: the whole model).
   // offload_optimizer: the master weights and AdamW's moments in host memory, updated on the host's
   // cores (optim/adamw_offload.h); the compute weights and gradients stay on the device.
+  // cast_layers (schedule.cast_layers): no resident compute copy of the blocks' weights; each block's
+  // is rounded from the master weights as it runs (model/layer_cast.h). Needs a master apart from
+  // the compute weights on the device: bf16 on a GPU, full parameters, the optimizer neither
+  // offloaded nor sharded.
   TrainingState(const LlamaConfig& config, DType compute, Device device, const AdamWOptions& options,
                 bool full_optimizer = true, TensorParallelGroup* tp = nullptr, const LoraConfig& lora = {},
-                bool offload_optimizer = false);
+                bool offload_optimizer = false, bool cast_layers = false);
 
   LlamaModel& model() { return model_; }
   const LlamaModel& model() const { return model_; }

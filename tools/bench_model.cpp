@@ -132,6 +132,7 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
                       {"schedule", so.name}, {"recompute", so.recompute}, {"chunk", so.chunk},
                       {"bwd_chunk", so.bwd_chunk}, {"mlp_shards", so.mlp_shards}, {"offload", so.offload},
                       {"offload_window", so.offload_window}, {"stream_kv", so.stream_kv}, {"save_attention", so.save_attention},
+                      {"cast_layers", so.cast_layers},
                       {"keep", so.keep}, {"dtype", o.dtype},
                       {"device", device_name(g)}};
   if (o.lora.enabled())
@@ -167,7 +168,7 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
                        "not fit {:.1f} GiB of device memory",
                        plan.peak_device_gib(), gib),
            plan.advice + "; or pass --force to run it anyway");
-    TrainingState st(cfg, dt, g, ao, true, nullptr, o.lora, o.optimizer_offload);
+    TrainingState st(cfg, dt, g, ao, true, nullptr, o.lora, o.optimizer_offload, so.cast_layers);
     st.init_tiled(1, cfg.initializer_range);
     auto schedule = Schedule::create(so);
     // A step of minutes shows its chunks as it goes (a log: a line every 30 s after the first 10).

@@ -6,6 +6,7 @@
 #include "engine/error.h"
 #include "engine/residency.h"
 #include "model/layer.h"
+#include "model/layer_cast.h"
 #include "model/lora.h"
 #include "model/params.h"
 #include "model/shard.h"
@@ -399,6 +400,7 @@ std::string describe_schedule(const ScheduleOptions& o) {
   if (o.offload_window > 0) s += fmt::format(" offload-window {}", o.offload_window);
   if (o.save_attention) s += " save-attention";
   if (o.stream_kv) s += " stream-kv";
+  if (o.cast_layers) s += " cast-layers";
   return s;
 }
 
@@ -439,7 +441,18 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
   // is trained (master, moments, gradients) is every parameter, or under LoRA the adapters alone.
   const int64_t adapter_numel = lora_parameter_count(cf, lora);
   const size_t n = size_t(cf.parameter_count()), trained = size_t(trained_parameter_count(cf, lora));
-  r.device.emplace_back("weights", pool_block(n * e) + (lora.enabled() ? pool_block(trained * e) : 0));
+  // With cast_layers (model/layer_cast.h) the compute copy holds the tensors outside the blocks, and
+  // two slots of one block's size each take a block as it runs.
+  const bool cast = o.cast_layers;
+  CW_CHECK(!cast || (dtype == DType::bf16 && !lora.enabled() && !optimizer_offload),
+           "plan: --cast-layers rounds bf16 blocks from the f32 master on the device: it needs --dtype bf16, no LoRA "
+           "and the optimizer on the device");
+  size_t block_numel = 0;
+  for (const ParamSpec& s : parameter_table(cf))
+    if (s.layer == 0) block_numel += size_t(s.numel());
+  const size_t resident_numel = cast ? n - block_numel * size_t(L) : n;
+  r.device.emplace_back("weights", pool_block(resident_numel * e) + (lora.enabled() ? pool_block(trained * e) : 0) +
+                                       (cast ? 2 * pool_block(LayerCast::device_bytes_for(cf, dtype, 1)) : 0));
   if (optimizer_offload) {  // optim/adamw_offload.h: master and moments on the host, pinned staging slots
     r.host.emplace_back("master", trained * acc);
     r.host.emplace_back("optimizer", 2 * trained * acc);
@@ -559,6 +572,16 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
             {"attention", attention_s},
             {"elementwise", elementwise / kElementwiseBytesPerS},
             {"optimizer", optimizer_s}};
+  // cast_layers: a block is cast each time a chunk's pass reaches it, except where the two slots still
+  // hold it: every prefill chunk casts all L blocks; a reverse chunk's backward finds its forward's last
+  // two blocks, and the next reverse chunk's forward finds the first two its backward ended with.
+  if (cast) {
+    const double prefill_chunks = std::ceil(double(prefill_end) / double(r.chunk));
+    const double reverse_chunks = reverse * std::ceil(double(T) / double(r.bwd_chunk));
+    const double slots = double(std::min<int64_t>(L / 2, 2));
+    r.layer_casts = prefill_chunks * double(L) + reverse_chunks * (2 * double(L) - 2 * slots) + slots;
+    r.time.emplace_back("weight casts", r.layer_casts * double(block_numel) * double(4 + e) / kElementwiseBytesPerS);
+  }
   for (const auto& [name, s] : r.time) r.step_s += s;
   // The K/V offload's copies run on the side stream beside the compute (RESULTS.md: 99.9% of them
   // under it at 128K); they lengthen the step only where they outlast what they hide behind. A
@@ -780,25 +803,32 @@ ScheduleOptions resolve_auto_schedule(const LlamaConfig& cf, int64_t B, int64_t 
   // recomputes more must be clearly (1%) faster than the one before it.
   std::vector<std::string> modes{o.recompute};
   if (o.recompute == "auto") modes = {"none", "selective", "full"};
+  // Casting the blocks from the master as they run (cast_layers, where it applies) frees their
+  // resident copy for a cast per block use.
   std::vector<bool> saves{o.save_attention};
   if (!o.save_attention) saves = {false, true};
+  std::vector<bool> casts{o.cast_layers};
+  if (!o.cast_layers && dtype == DType::bf16 && !lora.enabled() && !optimizer_offload) casts = {false, true};
   std::optional<Resolved> best;
   double best_s = 0;
   std::optional<Error> first_error;
-  for (const bool save : saves) {
-    for (const std::string& mode : modes) {
-      ScheduleOptions m = o;
-      m.recompute = mode;
-      m.save_attention = save;
-      try {
-        const Resolved r = resolve_chunk_and_window(cf, B, T, m, dtype, gib, lora, optimizer_offload, weighed);
-        const double s = plan_step(cf, B, T, r.schedule, dtype, gib, lora, optimizer_offload).step_s;
-        if (!best || s < best_s * 0.99) {
-          best = r;
-          best_s = s;
+  for (const bool cast : casts) {
+    for (const bool save : saves) {
+      for (const std::string& mode : modes) {
+        ScheduleOptions m = o;
+        m.recompute = mode;
+        m.save_attention = save;
+        m.cast_layers = cast;
+        try {
+          const Resolved r = resolve_chunk_and_window(cf, B, T, m, dtype, gib, lora, optimizer_offload, weighed);
+          const double s = plan_step(cf, B, T, r.schedule, dtype, gib, lora, optimizer_offload).step_s;
+          if (!best || s < best_s * 0.99) {
+            best = r;
+            best_s = s;
+          }
+        } catch (const Error& e) {
+          if (!first_error) first_error = e;
         }
-      } catch (const Error& e) {
-        if (!first_error) first_error = e;
       }
     }
   }

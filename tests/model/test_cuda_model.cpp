@@ -20,6 +20,7 @@
 #include "tests/support.h"
 
 #include <cmath>
+#include <optional>
 #include <vector>
 
 using namespace cw;
@@ -400,4 +401,50 @@ TEST_CASE("cuda: LoRA training state in bf16: the base frozen in bf16 with no ma
   CHECK(mem.gradients == adapters.numel() * 4);
   CHECK(mem.optimizer == adapters.numel() * 8);
   CHECK(mem.weights == base.numel() * 2 + adapters.numel() * 2);
+}
+
+TEST_CASE("cuda: bf16 training with the blocks cast from the master as they run equals the resident copy, bitwise "
+          "(deterministic)" * doctest::skip(!cw::test::gpu_ready())) {
+  // schedule.cast_layers rounds each block from the f32 master into a slot as it runs (model/layer_cast.h):
+  // the same bf16 weights as the resident copy, so a few optimizer steps of any schedule give the same
+  // losses, gradients and master weights, bit for bit, with 2 blocks' weights resident instead of L.
+  test::DeterminismScope deterministic(true);
+  LlamaConfig cfg = tiny_config();
+  cfg.num_hidden_layers = 6;
+  const Batch batch = random_batch(2, 48, cfg.vocab_size, 21);
+  for (const char* name : {"seco", "checkpointed", "full"}) {
+    CAPTURE(name);
+    ScheduleOptions o = named(name, std::string(name) == "seco" ? 16 : 0);
+    if (o.name == "checkpointed") o.recompute = "full";
+    std::vector<double> losses[2];
+    std::optional<TrainingState> states[2];
+    for (int cast = 0; cast < 2; ++cast) {
+      states[cast].emplace(cfg, DType::bf16, Device::gpu(0), AdamWOptions{}, true, nullptr, LoraConfig{}, false,
+                           cast == 1);
+      TrainingState& st = *states[cast];
+      st.init(9, 0.2);
+      auto schedule = Schedule::create(o);
+      for (int s = 0; s < 3; ++s) {
+        st.grads().zero();
+        losses[cast].push_back(schedule->step(st.model(), batch, st.grads()).loss);
+        if (s < 2) st.optimizer_step(1e-2);
+      }
+    }
+    CHECK(losses[1] == losses[0]);
+    CHECK(losses[0].back() < losses[0].front());  // the steps changed the weights the blocks were cast from
+    const TrainingState &resident = *states[0], &cast = *states[1];
+    REQUIRE(same_table(cast.grads(), resident.grads()));
+    for (size_t i = 0; i < cast.grads().size(); ++i) {
+      test::expect_same_bits(cast.grads()[i], resident.grads()[i], "gradient");
+      test::expect_same_bits(cast.master()[i], resident.master()[i], "master weight");
+    }
+    const MemoryReport m_res = memory_report(resident, 0, 0), m_cast = memory_report(cast, 0, 0);
+    const size_t block = LayerCast::device_bytes_for(cfg, DType::bf16, 1);
+    MESSAGE(name, ": weights resident ", m_res.weights, " bytes, cast ", m_cast.weights, "; ",
+            cast.model().layer_cast()->casts(), " casts");
+    CHECK(m_res.weights - m_cast.weights == (cfg.num_hidden_layers - 2) * block);
+  }
+  CHECK_THROWS_WITH_AS(TrainingState(cfg, DType::f32, Device::gpu(0), AdamWOptions{}, true, nullptr, LoraConfig{}, false,
+                                     true),
+                       doctest::Contains("bf16"), Error);
 }

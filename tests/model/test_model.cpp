@@ -104,3 +104,51 @@ TEST_CASE("causal-LM labels: shifted by one, last position ignored") {
   CHECK(w.labels.tensor.ptr<int32_t>()[3] == 6);
   CHECK(w.supervised() == 6);
 }
+
+TEST_CASE("cast_layers: blocks rounded from the master as they run give the resident copy's bits in every schedule") {
+  // The same master rounded to f32 once into a resident copy, or block by block into two slots as
+  // the chunks reach them: the same weights, so the same loss and gradients, bit for bit.
+  LlamaConfig cfg = LlamaConfig::preset("tiny");
+  cfg.num_key_value_heads = 2;
+  cfg.num_hidden_layers = 3;
+  ParamSet master(cfg, DType::f64);
+  init_parameters(master, 31, cfg.initializer_range, 0.1);
+  LlamaModel resident(cfg, DType::f32);
+  copy_params(resident.params(), master);
+  LlamaModel cast(cfg, DType::f32, Device::host(), nullptr, {}, /*cast_layers=*/true);
+  CHECK(cast.params().size() == 3);  // the embedding, the final norm, the untied head
+  CHECK(cast.weights().layers.empty());
+  CHECK_THROWS_WITH_AS(cast.layer(0), doctest::Contains("cast_layers_from"), Error);
+  copy_params_by_name(cast.params(), master);
+  cast.cast_layers_from(master);
+  CHECK(same_table(cast.trainable_table(), parameter_table(cfg)));
+  const Batch batch = random_batch(2, 24, cfg.vocab_size, 5);
+  ParamSet g_resident(cfg, DType::f32), g_cast(cfg, cast.trainable_table(), DType::f32);
+  for (const char* name : {"full", "checkpointed", "seco", "spaco"}) {
+    for (const char* recompute : {"none", "full"}) {
+      ScheduleOptions o;
+      o.name = name;
+      o.recompute = std::string(name) == "checkpointed" ? "full" : recompute;
+      if (o.name == "seco" || o.name == "spaco") o.chunk = 8;
+      if (o.name == "spaco") o.keep = 2, o.seed = 4;
+      CAPTURE(name);
+      CAPTURE(recompute);
+      g_resident.zero();
+      g_cast.zero();
+      const double loss_resident = Schedule::create(o)->step(resident, batch, g_resident).loss;
+      const double loss_cast = Schedule::create(o)->step(cast, batch, g_cast).loss;
+      CHECK(loss_cast == loss_resident);
+      for (size_t i = 0; i < g_cast.size(); ++i) CHECK(test::compare(g_cast[i], g_resident[i]).max_abs == 0.0);
+    }
+  }
+  // A changed master reaches the blocks once the model is told.
+  fill(master.get("model.layers.1.self_attn.q_proj.weight"), 0.0);
+  copy_params(resident.params(), master);
+  cast.master_changed();
+  CHECK(test::compare(cast.layer(1).wq, resident.params().layer(1).wq).max_abs == 0.0);
+  // LoRA's base has no master to cast from.
+  LoraConfig lora;
+  lora.rank = 2;
+  CHECK_THROWS_WITH_AS(LlamaModel(cfg, DType::f32, Device::host(), nullptr, lora, true), doctest::Contains("LoRA"),
+                       Error);
+}

@@ -998,7 +998,8 @@ TrainResult run_training(const RunConfig& given, const TrainOptions& opt, std::o
                                                                                       rc.parallel.tp_regather});
   TensorParallel* tp = tensor_parallel ? &*tensor_parallel : nullptr;
   TrainingState state(mc, placement.dtype, placement.device, adamw_options(rc),
-                      /*full_optimizer=*/rc.parallel.zero == 0 || !comm, tp, placement.lora, rc.optimizer.offload);
+                      /*full_optimizer=*/rc.parallel.zero == 0 || !comm, tp, placement.lora, rc.optimizer.offload,
+                      rc.schedule.cast_layers);
   std::optional<DataParallel> dp;
   if (comm) dp.emplace(grid->dp(), state, rc.parallel, tp);
   const RankGroups groups{comm, grid ? &*grid : nullptr, dp ? &*dp : nullptr, tp};
