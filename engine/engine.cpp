@@ -140,18 +140,6 @@ void compute_wait_for_copy(uint64_t ticket, Device device) {
   if (!device.is_cpu()) gpu::wait_for_copy(ticket, device.index);
 }
 
-uint64_t convert_async(const Tensor& dst, const Tensor& src) {
-  if (dst.device.is_cpu() && src.device.is_cpu()) {
-    copy_convert(dst, src);
-    return 0;
-  }
-  return gpu::convert_beside_compute(dst, src);
-}
-
-void compute_wait_for_convert(uint64_t ticket, Device device) {
-  if (!device.is_cpu() && ticket != 0) gpu::wait_for_convert(ticket, device.index);
-}
-
 void set_device_memory_limit(Device device, size_t bytes) {
   CW_CHECK(!device.is_cpu(), "set_device_memory_limit is for a GPU; host memory is the operating system's");
   gpu::set_pool_limit(device.index, bytes);

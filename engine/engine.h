@@ -148,15 +148,6 @@ void host_wait_for_copy(uint64_t ticket, Device device);
 // queued reads what it wrote.
 void compute_wait_for_copy(uint64_t ticket, Device device);
 
-// ---- Conversions beside the compute stream (the blocks' casts, model/layer_cast.h) ----
-// copy_convert(dst, src), both on the same GPU, on a stream of its own beside the compute stream,
-// after everything queued on the compute stream so far (the bytes read are final, the bytes written
-// no longer read), so it overlaps the compute queued next. Returns a ticket. On the CPU it is
-// copy_convert at the call (ticket 0).
-uint64_t convert_async(const Tensor& dst, const Tensor& src);
-// The compute stream waits (the host does not) until the ticket's conversion has finished.
-void compute_wait_for_convert(uint64_t ticket, Device device);
-
 // ---- CPU threads ----
 // The CPU kernels' parallel loops (OpenMP loops and Eigen's matrix products) use up to cpu_threads()
 // threads. The limit belongs to the calling thread (OpenMP's per-thread nthreads setting), so

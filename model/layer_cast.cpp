@@ -1,15 +1,14 @@
 #include "model/layer_cast.h"
 
-#include "engine/engine.h"
 #include "engine/error.h"
 
 #include <algorithm>
 
 namespace cw {
 
-LayerCast::LayerCast(const ParamSet& master, DType compute) : master_(&master), dtype_(compute) {
+LayerCast::LayerCast(const ParamSet& master, DType compute, int slots) : master_(&master), dtype_(compute) {
   const int L = master.config().num_hidden_layers;
-  const int slots = kSlots;
+  CW_CHECK(slots >= 1, "LayerCast: {} slots (at least one)", slots);
   start_.assign(static_cast<size_t>(L), -1);
   std::vector<int64_t> end(static_cast<size_t>(L), -1);
   int64_t offset = 0;
@@ -46,7 +45,6 @@ LayerCast::LayerCast(const ParamSet& master, DType compute) : master_(&master), 
   }
   held_.assign(static_cast<size_t>(slots), -1);
   used_.assign(static_cast<size_t>(slots), 0);
-  pending_.assign(static_cast<size_t>(slots), 0);
 }
 
 size_t LayerCast::device_bytes_for(const LlamaConfig& config, DType compute, int slots) {
@@ -56,45 +54,23 @@ size_t LayerCast::device_bytes_for(const LlamaConfig& config, DType compute, int
   return static_cast<size_t>(block) * dtype_size(compute) * static_cast<size_t>(slots);
 }
 
-size_t LayerCast::cast_into(int l, int keep_slot, bool ahead) {
-  size_t victim = slots_.size();
-  for (size_t s = 0; s < slots_.size(); ++s)
-    if (static_cast<int>(s) != keep_slot && (victim == slots_.size() || used_[s] < used_[victim])) victim = s;
-  // A cast ahead into this slot that was never asked for still writes it: order after it.
-  compute_wait_for_convert(pending_[victim], master_->device());
-  pending_[victim] = 0;
-  const Tensor into = Tensor::packed(slots_[victim].data(), dtype_, master_->device(), std::vector<int64_t>{block_numel_});
-  const Tensor from = master_->flat().slice(0, start_[static_cast<size_t>(l)], block_numel_);
-  if (ahead) {
-    pending_[victim] = convert_async(into, from);
-  } else {
-    copy_convert(into, from);
-    ++cold_casts_;
+LayerWeights LayerCast::layer(int l) {
+  CW_CHECK(l >= 0 && static_cast<size_t>(l) < start_.size(), "LayerCast: block {} of {}", l, start_.size());
+  auto slot = std::find(held_.begin(), held_.end(), l);
+  if (slot == held_.end()) {
+    slot = held_.begin() + (std::min_element(used_.begin(), used_.end()) - used_.begin());
+    const size_t s = static_cast<size_t>(slot - held_.begin());
+    const Tensor into = Tensor::packed(slots_[s].data(), dtype_, master_->device(), std::vector<int64_t>{block_numel_});
+    copy_convert(into, master_->flat().slice(0, start_[static_cast<size_t>(l)], block_numel_));
+    *slot = l;
+    ++casts_;
   }
-  held_[victim] = l;
-  used_[victim] = ++clock_;
-  ++casts_;
-  return victim;
-}
-
-LayerWeights LayerCast::layer(int l, int next) {
-  const int L = static_cast<int>(start_.size());
-  CW_CHECK(l >= 0 && l < L && next >= -1 && next < L, "LayerCast: block {} (next {}) of {}", l, next, L);
-  auto held = std::find(held_.begin(), held_.end(), l);
-  const size_t s = held != held_.end() ? static_cast<size_t>(held - held_.begin()) : cast_into(l, -1, false);
-  compute_wait_for_convert(pending_[s], master_->device());
-  pending_[s] = 0;
+  const size_t s = static_cast<size_t>(slot - held_.begin());
   used_[s] = ++clock_;
-  if (next >= 0 && next != l && std::find(held_.begin(), held_.end(), next) == held_.end())
-    cast_into(next, static_cast<int>(s), true);
   return layer_weights(block_, views_[s], 0);
 }
 
 void LayerCast::invalidate() {
-  for (uint64_t& ticket : pending_) {
-    compute_wait_for_convert(ticket, master_->device());
-    ticket = 0;
-  }
   std::fill(held_.begin(), held_.end(), -1);
 }
 

@@ -3,21 +3,17 @@
 // A bf16 run keeps, beside the f32 master weights, a compute copy of every weight (optim/training.h).
 // With cast_layers the blocks' part of that copy is not kept: when a chunk's forward or backward
 // reaches block l, the master's block l is rounded to the compute dtype (to nearest even, as the
-// resident copy is) into one of kSlots device buffers of one block's size, the way autocast rounds
+// resident copy is) into one of `slots` device buffers of one block's size, the way autocast rounds
 // each weight before its op. The embedding, the final norm and an untied head stay resident
 // (LlamaModel keeps them in its parameter set).
-//   memory: kSlots x one block's weights instead of L of them (Llama-3.2-1B: 3 x 116 MiB instead of
-//           1.81 GiB; Llama-3.1-8B: 3 x 416 MiB instead of 13 GiB)
-//   time:   a cast reads 4 and writes 2 bytes a weight (a 1B block: about 0.15 ms on an H100). The
-//           caller names the block it will ask for next, which is cast ahead on a stream beside the
-//           compute stream (engine.h convert_async) while the current block computes; only a block
-//           asked for cold (the first of a pass the slots do not hold) is cast on the compute stream.
-//           A block still in a slot is not cast again: a chunk's backward starts from the blocks its
-//           forward ended with, and the next chunk's forward from those its backward ended with.
+//   memory: slots x one block's weights instead of L of them (Llama-3.2-1B: 2 x 116 MiB instead of
+//           1.81 GiB; Llama-3.1-8B: 2 x 416 MiB instead of 13 GiB)
+//   time:   a cast reads 4 and writes 2 bytes a weight (a 1B block: about 0.12 ms on an H100); a block
+//           found in a slot is not cast again, so a chunk's backward starts from the blocks its
+//           forward ended with
 // The weights a block computes with are the resident copy's, bit for bit, so every result is too.
-// Ordering: a cast ahead starts after everything queued on the compute stream (the ops that may
-// still read the slot it overwrites, the update that wrote the master) and the compute stream waits
-// for it before the first op of its block.
+// Ordering: a cast runs on the compute stream, after the ops queued before it (which may still read
+// the slot it overwrites) and before the block's ops that read it.
 // The master's blocks must each be contiguous in its flat vector (the parameter table lists a
 // block's tensors together, model/params.h) and of one size.
 #pragma once
@@ -32,29 +28,21 @@ namespace cw {
 
 class LayerCast {
  public:
-  static constexpr int kSlots = 3;  // the block in use, the next one cast ahead, and one more kept
-
   // master: every parameter (the model's table) in the master dtype on the device the blocks run on;
   // it must outlive this. compute: the dtype the blocks run in.
-  LayerCast(const ParamSet& master, DType compute);
+  LayerCast(const ParamSet& master, DType compute, int slots = 2);
 
   // Block l's weights in the compute dtype: views of the slot that holds them, cast from the master
-  // into the least recently used slot first unless one does. `next` (-1: none) is the block the
-  // caller asks for after this one; unless a slot holds it, it is cast ahead into another slot.
-  // The views stay valid until two other blocks have been asked for.
-  LayerWeights layer(int l, int next = -1);
-  // The master is about to change or has changed (an optimizer step, a load): a cast ahead still
-  // reading it is waited for, and no slot holds a current block any more.
+  // into the least recently used slot unless one does. Valid until `slots` other blocks are asked for.
+  LayerWeights layer(int l);
+  // The master changed (an optimizer step, a load): no slot holds a current block.
   void invalidate();
 
   size_t device_bytes() const { return slot_bytes_ * slots_.size(); }
-  static size_t device_bytes_for(const LlamaConfig& config, DType compute, int slots = kSlots);
-  int64_t casts() const { return casts_; }            // blocks cast since construction
-  int64_t cold_casts() const { return cold_casts_; }  // of them, on the compute stream (not cast ahead)
+  static size_t device_bytes_for(const LlamaConfig& config, DType compute, int slots = 2);
+  int64_t casts() const { return casts_; }  // blocks cast since construction
 
  private:
-  size_t cast_into(int l, int keep_slot, bool ahead);  // the slot block l was cast into
-
   const ParamSet* master_;
   DType dtype_;
   std::vector<ParamSpec> block_;        // block 0's specs: every block's layout
@@ -64,10 +52,9 @@ class LayerCast {
   std::vector<Buffer> slots_;
   std::vector<std::vector<Tensor>> views_;  // per slot: block_'s tensors in it
   std::vector<int> held_;               // per slot: the block it holds, -1 none
-  std::vector<uint64_t> used_;          // per slot: when it was last asked for (or cast ahead)
-  std::vector<uint64_t> pending_;       // per slot: the ticket of a cast ahead not yet waited for, 0 none
+  std::vector<uint64_t> used_;          // per slot: when it was last asked for
   uint64_t clock_ = 0;
-  int64_t casts_ = 0, cold_casts_ = 0;
+  int64_t casts_ = 0;
 };
 
 }  // namespace cw

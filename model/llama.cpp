@@ -47,10 +47,10 @@ ModelWeights LlamaModel::weights() const {
   return w;
 }
 
-LayerWeights LlamaModel::layer(int l, int next) const {
+LayerWeights LlamaModel::layer(int l) const {
   CW_CHECK(!cast_layers_ || cast_, "the model casts its blocks from master weights it has not been given "
                                    "(LlamaModel::cast_layers_from)");
-  LayerWeights w = cast_ ? cast_->layer(l, next) : params_.layer(l);
+  LayerWeights w = cast_ ? cast_->layer(l) : params_.layer(l);
   if (adapters_) w.lora = adapters_->layer(l).lora;
   return w;
 }
@@ -191,7 +191,7 @@ void run_blocks(ChunkActivations& a, KVStore& kv, const LlamaModel& model, const
     }
     kv.begin_layer(l, use, t0, t1);
     block_forward(l + 1 < L ? a.input(l + 1) : a.stream.back(), keep_layers ? &a.layers[li] : nullptr, a.input(l),
-                  model.layer(l, l + 1 < L ? l + 1 : -1), kv, l, ctx);
+                  model.layer(l), kv, l, ctx);
     kv.end_layer(l, use, t0, t1);
   }
   rmsnorm_forward(a.normed, a.final_norm, a.stream.back(), w.final_norm, cf.rms_norm_eps);
@@ -335,7 +335,7 @@ double backward_chunk(const ParamSet& grads, const ChunkActivations& a, KVStore&
       bring(l - 1);  // into the other slot, after this layer's backward is queued before it
     }
     kv.begin_layer(l, KVStore::Use::backward, t0, t1);
-    const LayerWeights w_l = model.layer(l, l - 1);
+    const LayerWeights w_l = model.layer(l);
     if (!a.layers.empty()) {
       block_backward(d_x, g.layers[li], a.layers[li], a.input(l), w_l, kv, l, ctx);
     } else {

@@ -78,9 +78,8 @@ class LlamaModel {
   ModelWeights weights() const;                        // the base, with the adapters joined in
   // Block l's weights in the compute dtype, with its adapters: the resident set's, or with
   // cast_layers a slot the master's block l is rounded into (valid until two other blocks are asked
-  // for), `next` (-1: none) being the block the caller asks for after it, cast ahead meanwhile.
-  // weights().layers is empty with cast_layers: the blocks run on layer(l, next).
-  LayerWeights layer(int l, int next = -1) const;
+  // for). weights().layers is empty with cast_layers: the blocks run on layer(l).
+  LayerWeights layer(int l) const;
   // The table of what training updates (master weights, gradients, moments): the adapters' under
   // LoRA, else every parameter's (also with cast_layers, where params() holds only a part).
   std::vector<ParamSpec> trainable_table() const;
@@ -88,8 +87,7 @@ class LlamaModel {
   // cast_layers: the master weights (the model's whole table, in the master dtype, on its device;
   // outliving the model's use of it) the blocks are rounded from.
   void cast_layers_from(const ParamSet& master);
-  // cast_layers: the master is about to change or has changed (an optimizer step, a load): casts
-  // still reading it are waited for, and no cast block is current.
+  // cast_layers: the master changed (an optimizer step, a load), so no cast block is current.
   void master_changed();
   const LayerCast* layer_cast() const { return cast_.get(); }  // null without cast_layers
 

@@ -36,9 +36,9 @@ const std::vector<Option<ScheduleOptions>>& schedule_option_table() {
     {"mlp_shards",     "--mlp-shards",    &S::mlp_shards,    at_least(0, "automatic"), "any schedule: tiled MLP row shards; 1: untiled, 0: automatic (ceil(ffn / hidden))"},
     {"cast_layers",    "--cast-layers",   &S::cast_layers,   {},
      "any schedule, bf16 on a GPU, full parameters: no resident bf16 copy of the blocks' weights; each block's are "
-     "rounded from the f32 master into one of three device slots as it runs, the next one ahead beside the compute, "
-     "as autocast rounds weights (1.5 GiB less at 1B, 11.8 GiB at 8B); with chunk or offload_window auto, the "
-     "planner turns it on where that is clearly faster"},
+     "rounded from the f32 master into one of two device slots as it runs, as autocast does (1.8 GiB less at 1B, "
+     "13 GiB at 8B, for a cast per block use); with chunk or offload_window auto, the planner turns it on where "
+     "that is clearly faster"},
     {"offload",        "--offload",       &S::offload,       {},                       "checkpointed, recompute full: the kept layer inputs in pinned host memory (GPU)"},
     {"offload_window", "--offload-window", &S::offload_window, at_least_or_auto(0, "the whole K/V store on the device"),
      "seco, spaco: K/V store layers kept on the device, the rest in pinned host memory; 0: all on the device; auto: "

@@ -77,7 +77,6 @@ void TrainingState::sync_compute_copy() {
 }
 
 void TrainingState::load_master(const ParamSet& host) {
-  model_.master_changed();  // no cast of the blocks still reads the master it overwrites
   copy_params(master(), host);
   sync_compute_copy();
 }
@@ -131,7 +130,6 @@ ParamSet TrainingState::base_on_host(DType dtype) const {
 void TrainingState::optimizer_step(double lr) {
   if (offloaded_) return offloaded_->step(master(), grads_, lr, model_.trainable());
   if (model_.casts_layers()) {  // the update writes the master; the resident part of the copy follows
-    model_.master_changed();     // no cast of the blocks still reads it
     optimizer().step(master(), grads_, lr, nullptr);
     return sync_compute_copy();
   }

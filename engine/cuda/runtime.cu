@@ -136,17 +136,7 @@ int device_count() {
   return n;
 }
 
-namespace {
-// Where the calling thread's kernels for a device go instead of its compute stream, while set
-// (convert_beside_compute queues a conversion on the cast stream through the ordinary op).
-thread_local std::array<cudaStream_t, kMaxDevices> launch_override{};
-}  // namespace
-
 cudaStream_t current_stream(int device) {
-  if (device >= 0 && device < kMaxDevices && launch_override[static_cast<size_t>(device)]) {
-    CW_CUDA_CHECK(cudaSetDevice(device));
-    return launch_override[static_cast<size_t>(device)];
-  }
   static std::array<cudaStream_t, kMaxDevices> streams{};
   static std::mutex mutex;
   std::lock_guard lock(mutex);
@@ -546,57 +536,6 @@ uint64_t copy_on_side_stream(void* dst, const void* src, size_t bytes, int devic
 
 uint64_t zero_on_side_stream(void* dst, size_t bytes, int device) {
   return on_side_stream(device, [&](cudaStream_t side) { CW_CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, side)); });
-}
-
-namespace {
-// The cast stream: a third stream per device, for conversions that must not queue behind the side
-// stream's copies (model/layer_cast.h). Its tickets are its own.
-struct CastStreams {
-  std::mutex mutex;
-  std::array<cudaStream_t, kMaxDevices> streams{};
-  std::map<uint64_t, cudaEvent_t> tickets;  // ticket -> its conversion's event
-  uint64_t next = 1;
-};
-CastStreams& cast_streams() {
-  static CastStreams* c = new CastStreams;
-  return *c;
-}
-}  // namespace
-
-uint64_t convert_beside_compute(const Tensor& dst, const Tensor& src) {
-  CW_CHECK(!dst.device.is_cpu() && !src.device.is_cpu(), "convert_beside_compute: both tensors on the GPU");
-  const int device = dst.device.index;
-  cudaStream_t compute = current_stream(device);
-  CastStreams& c = cast_streams();
-  std::lock_guard lock(c.mutex);
-  cudaStream_t& stream = c.streams[static_cast<size_t>(device)];
-  if (!stream) CW_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  side_after_compute(stream, compute);
-  {
-    struct Restore {
-      size_t d;
-      ~Restore() { launch_override[d] = nullptr; }
-    } restore{static_cast<size_t>(device)};
-    launch_override[static_cast<size_t>(device)] = stream;
-    gpu::copy_convert(dst, src);
-  }
-  cudaEvent_t done;
-  CW_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
-  CW_CUDA_CHECK(cudaEventRecord(done, stream));
-  const uint64_t ticket = c.next++;
-  c.tickets[ticket] = done;
-  return ticket;
-}
-
-void wait_for_convert(uint64_t ticket, int device) {
-  cudaStream_t compute = current_stream(device);
-  CastStreams& c = cast_streams();
-  std::lock_guard lock(c.mutex);
-  auto it = c.tickets.find(ticket);
-  if (it == c.tickets.end()) return;
-  CW_CUDA_CHECK(cudaStreamWaitEvent(compute, it->second, 0));
-  CW_CUDA_CHECK(cudaEventDestroy(it->second));  // released once the wait has been satisfied
-  c.tickets.erase(it);
 }
 
 namespace {

@@ -88,11 +88,6 @@ uint64_t copy_on_side_stream(void* dst, const void* src, size_t bytes, int devic
 // The same for zeroing `bytes` of device memory (a home that holds logical zeros is not copied).
 uint64_t zero_on_side_stream(void* dst, size_t bytes, int device);
 void wait_for_copy(uint64_t ticket, int device);
-// copy_convert(dst, src) (both on the device) on the device's cast stream, a stream apart from the
-// compute and side streams, ordered after everything queued on the compute stream so far; returns
-// a ticket for wait_for_convert, which makes the compute stream wait for it.
-uint64_t convert_beside_compute(const Tensor& dst, const Tensor& src);
-void wait_for_convert(uint64_t ticket, int device);
 // The host blocks until the ticket's copy (and every earlier one of the device) has finished.
 void host_wait_for_copy(uint64_t ticket, int device);
 void wait_for_all_copies(int device);           // the host waits until every side-stream copy is done

@@ -28,8 +28,6 @@ void pinned_free(void*) {}
 uint64_t copy_on_side_stream(void*, const void*, size_t, int) { no_cuda(); }
 uint64_t zero_on_side_stream(void*, size_t, int) { no_cuda(); }
 void wait_for_copy(uint64_t, int) { no_cuda(); }
-uint64_t convert_beside_compute(const Tensor&, const Tensor&) { no_cuda(); }
-void wait_for_convert(uint64_t, int) { no_cuda(); }
 void host_wait_for_copy(uint64_t, int) { no_cuda(); }
 void set_pool_limit(int, size_t) { no_cuda(); }
 size_t pool_limit(int) { return 0; }

@@ -818,8 +818,8 @@ struct CastModel {
 };
 }  // namespace
 
-TEST_CASE("plan: cast_layers keeps three blocks' bf16 weights instead of every block's; its casts are a step's on the CPU") {
-  // Memory: Llama-3.2-1B's blocks are 16 x 116 MiB of bf16 weights; three slots of one block stay.
+TEST_CASE("plan: cast_layers keeps two blocks' bf16 weights instead of every block's; its casts are a step's on the CPU") {
+  // Memory: Llama-3.2-1B's blocks are 16 x 116 MiB of bf16 weights; two slots of one block stay.
   ScheduleOptions o = sched("seco", 4096);
   const PlanReport resident = plan_step(one_b(), 1, 32768, o, DType::bf16, 80);
   o.cast_layers = true;
@@ -828,16 +828,16 @@ TEST_CASE("plan: cast_layers keeps three blocks' bf16 weights instead of every b
   const double saved = double(resident.peak_device_bytes) - double(cast.peak_device_bytes);
   MESSAGE(fmt::format("cast_layers at 32K: {:.2f} GiB less, {:.0f} casts, {:.3f} s more", saved / double(1ull << 30), cast.layer_casts,
                       cast.step_s - resident.step_s));
-  CHECK(std::abs(saved - (16 - LayerCast::kSlots) * block) <= 4.0 * double(2 << 20));  // pool blocks round to 2 MiB
+  CHECK(std::abs(saved - 14 * block) <= 3.0 * double(2 << 20));  // pool blocks round to 2 MiB
   CHECK(cast.step_s > resident.step_s);
   CHECK(resident.layer_casts == 0);
   CHECK(cast.schedule.find("cast-layers") != std::string::npos);
   CHECK_THROWS_WITH_AS(plan_step(one_b(), 1, 4096, o, DType::f32, 80), doctest::Contains("--dtype bf16"), Error);
 
-  // The count: every pass of a chunk through the blocks casts each block, but for those its slots
-  // still hold; all but the first of a pass the slots do not hold are cast ahead.
+  // The count: every pass of a chunk through the blocks casts each block, but for the two its slots
+  // still hold when a reverse chunk's backward follows its forward.
   LlamaConfig cfg = LlamaConfig::preset("tiny");
-  cfg.num_hidden_layers = 5;
+  cfg.num_hidden_layers = 4;
   CastModel m(cfg);
   ParamSet grads(cfg, m.model.trainable_table(), DType::f32);
   struct Case {
@@ -853,13 +853,12 @@ TEST_CASE("plan: cast_layers keeps three blocks' bf16 weights instead of every b
     s.keep = c.keep;
     s.cast_layers = true;
     m.model.master_changed();  // as after an optimizer step: no block carries over
-    const int64_t before = m.model.layer_cast()->casts(), cold_before = m.model.layer_cast()->cold_casts();
+    const int64_t before = m.model.layer_cast()->casts();
     grads.zero();
     Schedule::create(s)->step(m.model, random_batch(c.B, c.T, cfg.vocab_size, 3), grads);
-    const PlanReport planned = plan_step(cfg, c.B, c.T, s, DType::bf16, 80);
+    const double planned = plan_step(cfg, c.B, c.T, s, DType::bf16, 80).layer_casts;
     CAPTURE(describe_schedule(s));
-    CHECK(double(m.model.layer_cast()->casts() - before) == planned.layer_casts);
-    CHECK(double(m.model.layer_cast()->cold_casts() - cold_before) == planned.cold_layer_casts);
+    CHECK(double(m.model.layer_cast()->casts() - before) == planned);
   }
 }
 
