@@ -77,6 +77,10 @@ CudnnPlans cudnn_plans();
 // of one call at 64K keys). Exact plans only (CW_CUDNN_PLANS=shared keeps one graph). Off: one graph.
 void set_cudnn_split_prefix(bool on);
 bool cudnn_split_prefix();
+// Whether a causal cuDNN call of `queries` rows, the last of `keys` keys, runs with its prefix apart
+// under the settings: the split on, exact plans, at least as many keys before the queries as
+// queries. The rule the cuDNN path follows and the planner (tools/plan.cpp) predicts with.
+bool cudnn_splits_prefix(int64_t queries, int64_t keys);
 // Plans built ahead (env CW_CUDNN_PLAN_THREADS: the count of host threads, 0: off; default half the
 // cores, at most 8): when
 // a call whose K/V are a slice of a longer store (a SeCO sweep) needs an exact plan not yet built,

@@ -76,8 +76,6 @@ constexpr double kPcieBytesPerS = 49e9;
 constexpr double kHostAdamWElemsPerS = 2e9;
 
 size_t round_to(size_t n, size_t q) { return (n + q - 1) / q * q; }
-// Whether cuDNN runs a chunk's call with its earlier keys apart (engine.h: on by default, exact plans).
-bool prefix_apart() { return cudnn_split_prefix() && cudnn_plans() == CudnnPlans::exact; }
 // The device pool's block for a buffer of `bytes` (rounded like engine/memory.cpp's buffers).
 size_t pool_block(size_t bytes) {
   return device_pool_block(std::max<size_t>(round_to(std::max<size_t>(bytes, 1), kArenaAlign), 1));
@@ -136,8 +134,8 @@ struct Shape {
   bool streamed = false;  // schedule.stream_kv: attention runs block by block (S is one block)
   size_t N() const { return size_t(B * c); }
   size_t row(int64_t width) const { return N() * size_t(width) * e; }
-  // cuDNN runs the call with its earlier keys apart (prefix_apart): two graphs.
-  bool split() const { return !streamed && S - c >= c && prefix_apart(); }
+  // cuDNN runs the call with its earlier keys apart: two graphs.
+  bool split() const { return !streamed && cudnn_splits_prefix(c, S); }
 };
 
 // The input width of a block linear.
@@ -563,7 +561,8 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
   r.flops = matmul + head + attention;
   // A streamed store's blocks each run as one unmasked or square graph: one masked graph's rate, then
   // its measured slowdown.
-  const double attention_s = attention / (attention_tflops(D, prefix_apart() && !streamed) * 1e12) *
+  // The rate of the calls that dominate: the reverse chunks' against all T keys.
+  const double attention_s = attention / (attention_tflops(D, !streamed && cudnn_splits_prefix(r.bwd_chunk, T)) * 1e12) *
                              (streamed                        ? kStreamedAttentionSlowdown
                               : windowed && !serial_copies ? kOffloadedAttentionSlowdown
                                                            : 1.0);

@@ -60,7 +60,7 @@
 //   runs as two graphs, the chunk against [0, p) unmasked and against its own [p, S) causal with
 //   p = 0 (the square case, whose engine skips the tiles above the diagonal; the bottom-right mask
 //   is computed on every tile). Forward: the own block's out and lse into the caller's, the prefix's
-//   beside them, merged (merge_prefix_kernel). Backward: each part given the whole row's out and lse,
+//   beside them, merged (attention_merge, bf16 in place). Backward: each part given the whole row's out and lse,
 //   its dK, dV added into its own rows, the prefix's dQ added to the own block's. Its plan is a
 //   split plan holding the two parts' plans, each cached under its own shape (the own block's is
 //   also the plan of the chunk at p = 0), so the queue, stand-ins and readiness above treat it as
@@ -308,13 +308,10 @@ struct Shape {
   }
 };
 
-// Whether an exact causal shape runs with its prefix apart (engine.h, cudnn_split_prefix): at least
-// as many keys before the chunk as it has queries (the range measured, RESULTS.md, tenth session),
-// in exact mode.
-bool splits(const Shape& sh) {
-  return !sh.shared && sh.causal && sh.p() >= sh.c && cw::cudnn_split_prefix() &&
-         cw::cudnn_plans() == CudnnPlans::exact;  // shared plans: the fewest plans, not the fastest
-}
+// Whether a causal shape runs with its prefix apart (engine.h cudnn_splits_prefix: at least as many
+// keys before the chunk as it has queries, the range measured in RESULTS.md's tenth session; exact
+// plans only, as shared plans are for the fewest plans, not the fastest).
+bool splits(const Shape& sh) { return !sh.shared && sh.causal && cw::cudnn_splits_prefix(sh.c, sh.S); }
 // Its parts, with the call's K/V batch strides (the store's): the chunk's queries against the p keys
 // before it, unmasked; and against its own c keys, causal (p = 0: the square case).
 Shape prefix_part(Shape sh) {
@@ -341,7 +338,6 @@ struct Plan {
   // kept here only where another thread filed the same part first).
   const Plan* prefix = nullptr;
   const Plan* own = nullptr;
-  Shape prefix_shape{}, own_shape{};
   std::unique_ptr<Plan> kept_prefix, kept_own;
 };
 
@@ -744,11 +740,9 @@ const Plan* part_plan(cudnnHandle_t handle, const Shape& part, std::unique_ptr<P
 // A split shape's plan: its two parts' plans (part_plan), nullptr where cuDNN serves either not.
 std::unique_ptr<Plan> build_split_plan(cudnnHandle_t handle, const Shape& sh, std::string* why, bool ahead) {
   auto plan = std::make_unique<Plan>();
-  plan->prefix_shape = prefix_part(sh);
-  plan->own_shape = own_part(sh);
   std::string reasons;
-  plan->prefix = part_plan(handle, plan->prefix_shape, &plan->kept_prefix, &reasons, ahead);
-  if (plan->prefix) plan->own = part_plan(handle, plan->own_shape, &plan->kept_own, &reasons, ahead);
+  plan->prefix = part_plan(handle, prefix_part(sh), &plan->kept_prefix, &reasons, ahead);
+  if (plan->prefix) plan->own = part_plan(handle, own_part(sh), &plan->kept_own, &reasons, ahead);
   if (!plan->prefix || !plan->own) {
     *why = CW_FORMAT("the {} was refused: {}", plan->prefix ? "own block" : "prefix", reasons);
     return nullptr;
@@ -1275,41 +1269,6 @@ __global__ void add_q_kernel(__nv_bfloat16* dq, const __nv_bfloat16* src, int64_
   if (i < n) dq[i] = __float2bfloat16_rn(__bfloat162float(dq[i]) + __bfloat162float(src[i]));
 }
 
-// The prefix apart, forward: the own block's (out, lse) and the prefix's (out_p, lse_p) of the same
-// rows combined in place, as attention_merge does (attention.h), both outs bf16:
-//   lse' = log(exp(lse) + exp(lse_p));  out' = exp(lse - lse') out + exp(lse_p - lse') out_p
-// One warp per (b, i, h) row of D elements (out [B, c, H, D], lse [B, H, c]), two elements a lane at
-// a time; every lane reads both lse before lane 0 writes the new one.
-__global__ void merge_prefix_kernel(__nv_bfloat16* out, float* lse, const __nv_bfloat16* out_p, const float* lse_p,
-                                    int64_t rows, int64_t c, int64_t H, int64_t D) {
-  const int64_t r = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const int lane = static_cast<int>(threadIdx.x % 32);
-  if (r >= rows) return;
-  const int64_t h = r % H, i = (r / H) % c, b = r / (H * c);
-  const int64_t l = (b * H + h) * c + i;
-  const float l_own = lse[l], l_prefix = lse_p[l];
-  const float m = fmaxf(l_own, l_prefix);
-  const float e_own = expf(l_own - m), e_prefix = expf(l_prefix - m), sum = e_own + e_prefix;
-  const float w_own = e_own / sum, w_prefix = e_prefix / sum;
-  __nv_bfloat162* o = reinterpret_cast<__nv_bfloat162*>(out + r * D);
-  const __nv_bfloat162* op = reinterpret_cast<const __nv_bfloat162*>(out_p + r * D);
-  for (int64_t j = lane; j < D / 2; j += 32) {
-    const float2 a = __bfloat1622float2(o[j]), b2 = __bfloat1622float2(op[j]);
-    o[j] = __floats2bfloat162_rn(w_own * a.x + w_prefix * b2.x, w_own * a.y + w_prefix * b2.y);
-  }
-  __syncwarp();
-  if (lane == 0) lse[l] = m + logf(sum);
-}
-
-void launch_merge_prefix(const Tensor& out, const Tensor& lse, const Tensor& out_p, const Tensor& lse_p,
-                         cudaStream_t stream) {
-  const int64_t B = out.size(0), c = out.size(1), H = out.size(2), D = out.size(3), rows = B * c * H;
-  merge_prefix_kernel<<<blocks_for(rows * 32, kAddThreads), kAddThreads, 0, stream>>>(
-      static_cast<__nv_bfloat16*>(out.data), static_cast<float*>(lse.data),
-      static_cast<const __nv_bfloat16*>(out_p.data), static_cast<const float*>(lse_p.data), rows, c, H, D);
-  CW_KERNEL_CHECK();
-}
-
 // seq_len_q[b] = c, seq_len_kv[b] = S: the real counts a shared plan masks with.
 __global__ void fill_lengths_kernel(int32_t* seq_len_q, int32_t* seq_len_kv, int64_t B, int32_t c, int32_t S) {
   const int64_t b = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -1502,11 +1461,10 @@ void cudnn_attention_forward(const Tensor& out, const AttentionSaved& saved, con
   const int64_t B = q.size(0), c = q.size(1), H = q.size(2), D = q.size(3), p = k.size(1) - c;
   const Tensor prefix_out = scratch.alloc(DType::bf16, {B, c, H, D}), prefix_lse = scratch.alloc(DType::f32, {B, H, c});
   void* ws = workspace(*plan, scratch);
-  run_forward(*plan->own, plan->own_shape, out, saved.lse, q, k.slice(1, p, c), v.slice(1, p, c), &scale_f, ws,
-              scratch);
-  run_forward(*plan->prefix, plan->prefix_shape, prefix_out, prefix_lse, q, k.slice(1, 0, p), v.slice(1, 0, p),
-              &scale_f, ws, scratch);
-  launch_merge_prefix(out, saved.lse, prefix_out, prefix_lse, current_stream(sh.device));
+  run_forward(*plan->own, own_part(sh), out, saved.lse, q, k.slice(1, p, c), v.slice(1, p, c), &scale_f, ws, scratch);
+  run_forward(*plan->prefix, prefix_part(sh), prefix_out, prefix_lse, q, k.slice(1, 0, p), v.slice(1, 0, p), &scale_f,
+              ws, scratch);
+  gpu::attention_merge(out, saved.lse, prefix_out, prefix_lse);
 }
 
 void cudnn_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,
@@ -1528,8 +1486,9 @@ void cudnn_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor
   // One graph over all S keys, or with the prefix apart its own block [p, S) and then the prefix
   // [0, p), each given the whole row's out and lse (its P is then its share of the row: attention.h).
   std::vector<BackwardPart> parts;
+  const Shape own_sh = plan->own ? own_part(sh) : Shape{}, prefix_sh = plan->own ? prefix_part(sh) : Shape{};
   if (plan->own)
-    parts = {{plan->own, &plan->own_shape, S - c, S}, {plan->prefix, &plan->prefix_shape, 0, S - c}};
+    parts = {{plan->own, &own_sh, S - c, S}, {plan->prefix, &prefix_sh, 0, S - c}};
   else
     parts = {{plan, &sh, 0, S}};
 

@@ -82,9 +82,10 @@ void launch_dq_convert(const Operands<bf16_t>& a, const Problem& pr, cudaStream_
 }
 // attention_merge: one warp per row of D values (acc's [B, c, H] rows, lanes across D, so a warp
 // reads and writes its row's contiguous bytes). Every lane reads the row's two lse values; lane 0
-// writes the merged one after the warp has read them.
-template <class T>
-__global__ void attention_merge_kernel(float* __restrict__ acc, float* __restrict__ lse_acc, const T* __restrict__ out_b,
+// writes the merged one after the warp has read them. The accumulator is f32 (block by block) or
+// bf16 (cuDNN's split forward merging its two parts' outputs in place, attention_cudnn.cu).
+template <class Acc, class T>
+__global__ void attention_merge_kernel(Acc* __restrict__ acc, float* __restrict__ lse_acc, const T* __restrict__ out_b,
                                        const float* __restrict__ lse_b, int64_t rows, int c, int H, int D) {
   const int lane = static_cast<int>(threadIdx.x % 32);
   const int64_t warps = static_cast<int64_t>(gridDim.x) * (blockDim.x / 32);
@@ -93,9 +94,9 @@ __global__ void attention_merge_kernel(float* __restrict__ acc, float* __restric
     const int64_t s = (b * H + h) * c + i;  // lse is [B, H, c]
     const float la = lse_acc[s], lb = lse_b[s], m = fmaxf(la, lb);
     const float wa = expf(la - m), wb = expf(lb - m), sum = wa + wb;
-    float* row = acc + r * D;
+    Acc* row = acc + r * D;
     const T* row_b = out_b + r * D;
-    for (int x = lane; x < D; x += 32) row[x] = (wa * row[x] + wb * to_f32(row_b[x])) / sum;
+    for (int x = lane; x < D; x += 32) row[x] = from_f32<Acc>((wa * to_f32(row[x]) + wb * to_f32(row_b[x])) / sum);
     __syncwarp();
     if (lane == 0) lse_acc[s] = m + logf(sum);
   }
@@ -232,19 +233,26 @@ void flash_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor
 void attention_merge(const Tensor& acc, const Tensor& lse_acc, const Tensor& out_b, const Tensor& lse_b) {
   CW_CHECK(out_b.dtype == DType::f32 || out_b.dtype == DType::bf16, "attention_merge: out_b is {}; the GPU merges f32 or bf16",
            dtype_name(out_b.dtype));
+  CW_CHECK(acc.dtype == DType::f32 || (acc.dtype == DType::bf16 && out_b.dtype == DType::bf16),
+           "attention_merge: acc is {} with out_b {}; the GPU accumulates in f32, or in bf16 from bf16",
+           dtype_name(acc.dtype), dtype_name(out_b.dtype));
   const int64_t B = acc.size(0), c = acc.size(1), H = acc.size(2), D = acc.size(3), rows = B * H * c;
   if (rows == 0) return;
   cudaStream_t stream = current_stream(acc.device.index);
   const unsigned grid = static_cast<unsigned>(std::min<int64_t>((rows + 7) / 8, 65535));  // 8 warps a block
-  float* o = static_cast<float*>(acc.data);
   float* l = static_cast<float*>(lse_acc.data);
   const float* lb = static_cast<const float*>(lse_b.data);
-  if (out_b.dtype == DType::bf16)
-    attention_merge_kernel<<<grid, 256, 0, stream>>>(o, l, static_cast<const bf16_t*>(out_b.data), lb, rows, int(c),
-                                                     int(H), int(D));
+  const auto* b16 = static_cast<const bf16_t*>(out_b.data);
+  if (acc.dtype == DType::bf16)
+    attention_merge_kernel<<<grid, 256, 0, stream>>>(static_cast<bf16_t*>(acc.data), l, b16, lb, rows, int(c), int(H),
+                                                     int(D));
+  else if (out_b.dtype == DType::bf16)
+    attention_merge_kernel<<<grid, 256, 0, stream>>>(static_cast<float*>(acc.data), l, b16, lb, rows, int(c), int(H),
+                                                     int(D));
   else
-    attention_merge_kernel<<<grid, 256, 0, stream>>>(o, l, static_cast<const float*>(out_b.data), lb, rows, int(c),
-                                                     int(H), int(D));
+    attention_merge_kernel<<<grid, 256, 0, stream>>>(static_cast<float*>(acc.data), l,
+                                                     static_cast<const float*>(out_b.data), lb, rows, int(c), int(H),
+                                                     int(D));
   CW_KERNEL_CHECK();
 }
 

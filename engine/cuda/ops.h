@@ -74,7 +74,8 @@ void flash_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor
                               const AttentionSaved& saved, const Tensor& q, const Tensor& k, const Tensor& v,
                               const Tensor& out, double scale, GradMode mode, Arena& scratch, FlashFamily family,
                               bool deterministic, bool causal = true);
-// attention_merge (engine/ops/attention.h): acc, lse_acc, lse_b f32; out_b f32 or bf16.
+// attention_merge (engine/ops/attention.h): lse_acc, lse_b f32; acc f32 with out_b f32 or bf16, or acc
+// and out_b bf16 (the split cuDNN forward's two outputs, attention_cudnn.cu).
 void attention_merge(const Tensor& acc, const Tensor& lse_acc, const Tensor& out_b, const Tensor& lse_b);
 
 // cuDNN fused attention (engine/cuda/attention_cudnn.cu; builds with cuDNN only).

@@ -96,6 +96,10 @@ bool cudnn_split_prefix() {
   return v == 1;
 }
 
+bool cudnn_splits_prefix(int64_t queries, int64_t keys) {
+  return keys - queries >= queries && cudnn_split_prefix() && cudnn_plans() == CudnnPlans::exact;
+}
+
 void set_cudnn_plan_threads(int threads) {
   CW_CHECK(threads >= 0, "set_cudnn_plan_threads({}): the count of plan threads cannot be negative", threads);
   g_cudnn_plan_threads.store(threads);
