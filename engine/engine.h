@@ -69,7 +69,7 @@ int64_t attention_workspace_budget(Device device);  // 0 without cuDNN
 enum class CudnnPlans { exact, shared };
 void set_cudnn_plans(CudnnPlans plans);
 CudnnPlans cudnn_plans();
-// A chunk's call with keys before it (p = S - c >= c, an exact plan; env CW_CUDNN_SPLIT_PREFIX=0|1, on
+// A chunk's call with keys before it (c >= 64 queries, p = S - c >= c, an exact plan; env CW_CUDNN_SPLIT_PREFIX=0|1, on
 // by default) runs as two cuDNN graphs: the chunk's queries against the p earlier keys unmasked, and
 // against its own c keys causal, merged (forward) or with dQ summed (backward). cuDNN's bottom-right
 // causal mask computes the mask on every key tile; apart, the prefix needs none and the own block is
@@ -78,8 +78,11 @@ CudnnPlans cudnn_plans();
 void set_cudnn_split_prefix(bool on);
 bool cudnn_split_prefix();
 // Whether a causal cuDNN call of `queries` rows, the last of `keys` keys, runs with its prefix apart
-// under the settings: the split on, exact plans, at least as many keys before the queries as
-// queries. The rule the cuDNN path follows and the planner (tools/plan.cpp) predicts with.
+// under the settings: the split on, exact plans, a chunk of at least kSplitMinQueries queries with at
+// least as many keys before it. Fewer queries (a token at a time) run as one graph: cuDNN serves them
+// with another engine, whose split parts gave different bits from call to call (RESULTS.md, eleventh
+// session). The rule the cuDNN path follows and the planner (tools/plan.cpp) predicts with.
+inline constexpr int64_t kSplitMinQueries = 64;
 bool cudnn_splits_prefix(int64_t queries, int64_t keys);
 // Plans built ahead (env CW_CUDNN_PLAN_THREADS: the count of host threads, 0: off; default half the
 // cores, at most 8): when

@@ -56,8 +56,8 @@
 //   builds one still queued itself. A call whose exact plan is not built yet runs the shared plan
 //   when that is built (it stands in), else the chooser runs it on flash; the backward whose keys
 //   fill the store waits for its own (cudnn_attention_plan_ready says why).
-//   The prefix apart (cw::cudnn_split_prefix, exact plans): a call with p >= c keys before its chunk
-//   runs as two graphs, the chunk against [0, p) unmasked and against its own [p, S) causal with
+//   The prefix apart (cw::cudnn_splits_prefix: exact plans, a chunk of c >= 64 queries with p >= c
+//   keys before it) runs as two graphs, the chunk against [0, p) unmasked and against its own [p, S) causal with
 //   p = 0 (the square case, whose engine skips the tiles above the diagonal; the bottom-right mask
 //   is computed on every tile). Forward: the own block's out and lse into the caller's, the prefix's
 //   beside them, merged (attention_merge, bf16 in place). Backward: each part given the whole row's out and lse,
@@ -287,7 +287,7 @@ struct Shape {
   bool deterministic = false;  // backward: the direct-dQ form, only configurations without the non-determinism note
   bool shared = false;         // S is the store's extent; seq_len_q/seq_len_kv tensors give the real lengths
   bool causal = true;          // false: no mask, every query sees all S keys (a streamed key block)
-  bool split = false;          // exact, causal, p >= c: the prefix apart (two graphs; splits() below)
+  bool split = false;          // exact, causal, c >= 64, p >= c: the prefix apart (two graphs; splits() below)
   auto key() const {
     return std::tie(device, backward, B, H, Hkv, c, S, D, k_batch_stride, v_batch_stride, deterministic, shared,
                     causal, split);

@@ -97,7 +97,8 @@ bool cudnn_split_prefix() {
 }
 
 bool cudnn_splits_prefix(int64_t queries, int64_t keys) {
-  return keys - queries >= queries && cudnn_split_prefix() && cudnn_plans() == CudnnPlans::exact;
+  return queries >= kSplitMinQueries && keys - queries >= queries && cudnn_split_prefix() &&
+         cudnn_plans() == CudnnPlans::exact;
 }
 
 void set_cudnn_plan_threads(int threads) {

@@ -4,6 +4,7 @@
 #include "engine/engine.h"
 #include "engine/memory.h"
 #include "engine/ops/attention.h"
+#include "tests/support.h"
 
 #include <doctest/doctest.h>
 
@@ -79,4 +80,22 @@ TEST_CASE("attention settings: set_attention_kernel and set_deterministic are re
   set_attention_kernel(saved_kernel);
   set_deterministic(saved_det);
   CHECK(attention_kernel() == saved_kernel);
+}
+
+TEST_CASE("attention settings: which cuDNN calls run with their prefix apart") {
+  // A chunk of at least 64 queries with as many keys before it, exact plans, the split on; a token at a
+  // time (one query) and a chunk with fewer keys before it than queries run as one graph.
+  const test::SettingScope<bool> split(cudnn_split_prefix, set_cudnn_split_prefix, true);
+  const test::SettingScope<CudnnPlans> exact(cudnn_plans, set_cudnn_plans, CudnnPlans::exact);
+  CHECK(cudnn_splits_prefix(256, 512));
+  CHECK(cudnn_splits_prefix(kSplitMinQueries, 4 * kSplitMinQueries));
+  CHECK_FALSE(cudnn_splits_prefix(256, 511));
+  CHECK_FALSE(cudnn_splits_prefix(1, 300));
+  CHECK_FALSE(cudnn_splits_prefix(kSplitMinQueries - 1, 1000));
+  {
+    const test::SettingScope<CudnnPlans> shared(cudnn_plans, set_cudnn_plans, CudnnPlans::shared);
+    CHECK_FALSE(cudnn_splits_prefix(256, 512));
+  }
+  const test::SettingScope<bool> off(cudnn_split_prefix, set_cudnn_split_prefix, false);
+  CHECK_FALSE(cudnn_splits_prefix(256, 512));
 }
