@@ -79,9 +79,9 @@ void set_cudnn_split_prefix(bool on);
 bool cudnn_split_prefix();
 // Whether a causal cuDNN call of `queries` rows, the last of `keys` keys, runs with its prefix apart
 // under the settings: the split on, exact plans, a chunk of at least kSplitMinQueries queries with at
-// least as many keys before it. Fewer queries (a token at a time) run as one graph: cuDNN serves them
-// with another engine, whose split parts gave different bits from call to call (RESULTS.md, eleventh
-// session). The rule the cuDNN path follows and the planner (tools/plan.cpp) predicts with.
+// least as many keys before it (the split was measured on chunks of 1K-32K; a few queries keep one
+// graph and its one plan). The rule the cuDNN path follows and the planner (tools/plan.cpp) predicts
+// with.
 inline constexpr int64_t kSplitMinQueries = 64;
 bool cudnn_splits_prefix(int64_t queries, int64_t keys);
 // Plans built ahead (env CW_CUDNN_PLAN_THREADS: the count of host threads, 0: off; default half the

@@ -63,7 +63,7 @@ TEST_CASE("cuda: cudnn attention backward states its workspace against a budget"
   }
 }
 
-TEST_CASE("cuda: cudnn attention says why it does not serve f32, odd head dims and large head dims" *
+TEST_CASE("cuda: cudnn attention says why it does not serve f32, odd head dims, large head dims and one query" *
           doctest::skip(!cw::test::gpu_ready())) {
   std::string why;
   opt_in();
@@ -75,6 +75,10 @@ TEST_CASE("cuda: cudnn attention says why it does not serve f32, odd head dims a
   OwnedTensor q_big = OwnedTensor::on(gpu0(), DType::bf16, {1, 8, 2, 256}), k_big = OwnedTensor::on(gpu0(), DType::bf16, {1, 8, 2, 256});
   CHECK_FALSE(gpu::cudnn_attention_supports(q_big, k_big, &why));
   CHECK(!why.empty());
+  // One query row (a token at a time): cuDNN's engine for it is not reproducible bit for bit.
+  OwnedTensor q_one = OwnedTensor::on(gpu0(), DType::bf16, {1, 1, 2, 64}), k_one = OwnedTensor::on(gpu0(), DType::bf16, {1, 8, 2, 64});
+  CHECK_FALSE(gpu::cudnn_attention_supports(q_one, k_one, &why));
+  CHECK(why.find("one query") != std::string::npos);
 }
 
 namespace {
