@@ -6,9 +6,8 @@
 
 namespace cw {
 
-LayerCast::LayerCast(const ParamSet& master, DType compute, int slots) : master_(&master), dtype_(compute) {
+LayerCast::LayerCast(const ParamSet& master, DType compute) : master_(&master), dtype_(compute) {
   const int L = master.config().num_hidden_layers;
-  CW_CHECK(slots >= 1, "LayerCast: {} slots (at least one)", slots);
   start_.assign(static_cast<size_t>(L), -1);
   std::vector<int64_t> end(static_cast<size_t>(L), -1);
   int64_t offset = 0;
@@ -33,7 +32,7 @@ LayerCast::LayerCast(const ParamSet& master, DType compute, int slots) : master_
              end[li] - start_[li], block_numel_);
   }
   slot_bytes_ = static_cast<size_t>(block_numel_) * dtype_size(compute);
-  for (int s = 0; s < slots; ++s) {
+  for (int s = 0; s < kSlots; ++s) {
     slots_.emplace_back(slot_bytes_, master.device());
     std::vector<Tensor> views;
     size_t at = 0;
@@ -43,15 +42,15 @@ LayerCast::LayerCast(const ParamSet& master, DType compute, int slots) : master_
     }
     views_.push_back(std::move(views));
   }
-  held_.assign(static_cast<size_t>(slots), -1);
-  used_.assign(static_cast<size_t>(slots), 0);
+  held_.assign(static_cast<size_t>(kSlots), -1);
+  used_.assign(static_cast<size_t>(kSlots), 0);
 }
 
-size_t LayerCast::device_bytes_for(const LlamaConfig& config, DType compute, int slots) {
+size_t LayerCast::slot_bytes_for(const LlamaConfig& config, DType compute) {
   int64_t block = 0;
   for (const ParamSpec& s : parameter_table(config))
     if (s.layer == 0) block += s.numel();
-  return static_cast<size_t>(block) * dtype_size(compute) * static_cast<size_t>(slots);
+  return static_cast<size_t>(block) * dtype_size(compute);
 }
 
 LayerWeights LayerCast::layer(int l) {

@@ -11,9 +11,7 @@ namespace cw {
 
 namespace {
 DType master_dtype_for(DType compute) { return compute == DType::bf16 ? DType::f32 : compute; }
-}  // namespace
 
-namespace {
 // What training updates, as a table for its master weights, gradients and moments.
 ParamSet trained_set(const LlamaModel& model, DType dtype, Device device) {
   return ParamSet(model.config(), model.trainable_table(), dtype, device);

@@ -440,17 +440,15 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
   const int64_t adapter_numel = lora_parameter_count(cf, lora);
   const size_t n = size_t(cf.parameter_count()), trained = size_t(trained_parameter_count(cf, lora));
   // With cast_layers (model/layer_cast.h) the compute copy holds the tensors outside the blocks, and
-  // two slots of one block's size each take a block as it runs.
+  // kSlots slots of one block's size each take a block as it runs.
   const bool cast = o.cast_layers;
   CW_CHECK(!cast || (dtype == DType::bf16 && !lora.enabled() && !optimizer_offload),
            "plan: --cast-layers rounds bf16 blocks from the f32 master on the device: it needs --dtype bf16, no LoRA "
            "and the optimizer on the device");
-  size_t block_numel = 0;
-  for (const ParamSpec& s : parameter_table(cf))
-    if (s.layer == 0) block_numel += size_t(s.numel());
+  const size_t block_numel = LayerCast::slot_bytes_for(cf, dtype) / e;
   const size_t resident_numel = cast ? n - block_numel * size_t(L) : n;
   r.device.emplace_back("weights", pool_block(resident_numel * e) + (lora.enabled() ? pool_block(trained * e) : 0) +
-                                       (cast ? 2 * pool_block(LayerCast::device_bytes_for(cf, dtype, 1)) : 0));
+                                       (cast ? LayerCast::kSlots * pool_block(block_numel * e) : 0));
   if (optimizer_offload) {  // optim/adamw_offload.h: master and moments on the host, pinned staging slots
     r.host.emplace_back("master", trained * acc);
     r.host.emplace_back("optimizer", 2 * trained * acc);
@@ -571,13 +569,13 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
             {"attention", attention_s},
             {"elementwise", elementwise / kElementwiseBytesPerS},
             {"optimizer", optimizer_s}};
-  // cast_layers: a block is cast each time a chunk's pass reaches it, except where the two slots still
-  // hold it: every prefill chunk casts all L blocks; a reverse chunk's backward finds its forward's last
-  // two blocks, and the next reverse chunk's forward finds the first two its backward ended with.
+  // cast_layers: a block is cast each time a chunk's pass reaches it, except where a slot still holds
+  // it: every prefill chunk casts all L blocks; a reverse chunk's backward finds its forward's last
+  // kSlots blocks, and the next reverse chunk's forward finds the first kSlots its backward ended with.
   if (cast) {
     const double prefill_chunks = std::ceil(double(prefill_end) / double(r.chunk));
     const double reverse_chunks = reverse * std::ceil(double(T) / double(r.bwd_chunk));
-    const double slots = double(std::min<int64_t>(L / 2, 2));
+    const double slots = double(std::min<int64_t>(L / 2, LayerCast::kSlots));
     r.layer_casts = prefill_chunks * double(L) + reverse_chunks * (2 * double(L) - 2 * slots) + slots;
     r.time.emplace_back("weight casts", r.layer_casts * double(block_numel) * double(4 + e) / kElementwiseBytesPerS);
   }

@@ -439,10 +439,10 @@ TEST_CASE("cuda: bf16 training with the blocks cast from the master as they run 
       test::expect_same_bits(cast.master()[i], resident.master()[i], "master weight");
     }
     const MemoryReport m_res = memory_report(resident, 0, 0), m_cast = memory_report(cast, 0, 0);
-    const size_t block = LayerCast::device_bytes_for(cfg, DType::bf16, 1);
+    const size_t block = LayerCast::slot_bytes_for(cfg, DType::bf16);
     MESSAGE(std::string(name), ": weights resident ", m_res.weights, " bytes, cast ", m_cast.weights, "; ",
             cast.model().layer_cast()->casts(), " casts");
-    CHECK(m_res.weights - m_cast.weights == (cfg.num_hidden_layers - 2) * block);
+    CHECK(m_res.weights - m_cast.weights == (cfg.num_hidden_layers - LayerCast::kSlots) * block);
   }
   CHECK_THROWS_WITH_AS(TrainingState(cfg, DType::f32, Device::gpu(0), AdamWOptions{}, true, nullptr, LoraConfig{}, false,
                                      true),
