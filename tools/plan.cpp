@@ -614,6 +614,10 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
       r.advice = "use --schedule checkpointed (--recompute selective) or seco with --chunk 4096";
     else
       r.advice = "use --schedule seco with --chunk 4096 (activations O(chunk) instead of O(T))";
+    // bf16 full-parameter training on the device can also drop the blocks' resident compute copy.
+    if (!cast && dtype == DType::bf16 && !lora.enabled() && !optimizer_offload)
+      r.advice += fmt::format("; --cast-layers frees {:.1f} GiB of resident bf16 block weights",
+                              double((size_t(L) - LayerCast::kSlots) * block_numel * e) / kGiB);
   }
   return r;
 }

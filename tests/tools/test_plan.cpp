@@ -833,6 +833,11 @@ TEST_CASE("plan: cast_layers keeps two blocks' bf16 weights instead of every blo
   CHECK(resident.layer_casts == 0);
   CHECK(cast.schedule.find("cast-layers") != std::string::npos);
   CHECK_THROWS_WITH_AS(plan_step(one_b(), 1, 4096, o, DType::f32, 80), doctest::Contains("--dtype bf16"), Error);
+  // A plan that does not fit names the knob, and how much it frees.
+  o.cast_layers = false;
+  const PlanReport tight = plan_step(one_b(), 1, 32768, o, DType::bf16, 22.7);
+  CHECK_FALSE(tight.fits);
+  CHECK(tight.advice.find("--cast-layers frees 1.6 GiB") != std::string::npos);
 
   // The count: every pass of a chunk through the blocks casts each block, but for the two its slots
   // still hold when a reverse chunk's backward follows its forward.
