@@ -99,6 +99,24 @@ Arena::Arena(Device device, size_t block_bytes, size_t max_bytes)
     : block_bytes_(block_bytes != 0 ? block_bytes : (device.is_cpu() ? kHostArenaBlockBytes : kDeviceArenaBlockBytes)),
       max_bytes_(max_bytes), device_(device) {}
 
+namespace {
+const char* const kArenaLogHint =
+    "CW_ARENA_LOG=1 prints a line on stderr for each block an arena adds (and `chunkwise plan` for each block its "
+    "replay adds), so a run's arena can be set against the planner's";
+}  // namespace
+
+bool arena_log() {
+  static const bool on = gpu::env_switch("CW_ARENA_LOG", kArenaLogHint);
+  return on;
+}
+
+std::string arena_block_line(size_t index, size_t block_bytes, size_t request, size_t lost, size_t in_use) {
+  return fmt::format("arena block {}: {:.1f} MiB for a request of {:.2f} MiB ({:.2f} MiB of tails left unused "
+                     "on the way; {:.1f} MiB in use before it)",
+                     index, double(block_bytes) / double(1 << 20), double(request) / double(1 << 20),
+                     double(lost) / double(1 << 20), double(in_use) / double(1 << 20));
+}
+
 void* Arena::alloc_bytes(size_t bytes) {
   const size_t need = round_up(bytes == 0 ? 1 : bytes);
   if (max_bytes_ != 0) {
@@ -106,6 +124,7 @@ void* Arena::alloc_bytes(size_t bytes) {
                   "arena of {} bytes exhausted: {} in use, {} more requested", max_bytes_, in_use_, need);
   }
   // Move to the next block that can hold the request, adding one when none is left.
+  const size_t in_use_before = in_use_;
   while (current_ < blocks_.size() && offset_ + need > blocks_[current_].bytes()) {
     in_use_ += blocks_[current_].bytes() - offset_;  // the tail of a block is lost until reset
     ++current_;
@@ -114,6 +133,9 @@ void* Arena::alloc_bytes(size_t bytes) {
   if (current_ == blocks_.size()) {
     blocks_.emplace_back(std::max(block_bytes_, need), device_);
     offset_ = 0;
+    if (arena_log())
+      fmt::print(stderr, "{}\n",
+                 arena_block_line(blocks_.size() - 1, blocks_.back().bytes(), need, in_use_ - in_use_before, in_use_before));
   }
   void* p = static_cast<char*>(blocks_[current_].data()) + offset_;
   offset_ += need;

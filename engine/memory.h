@@ -100,6 +100,12 @@ class Arena {
   size_t current_ = 0, offset_ = 0, in_use_ = 0, high_water_ = 0;
 };
 
+// CW_ARENA_LOG=1: each block an arena adds is a line on stderr (arena_block_line: its index and size,
+// the request that needed it, the block tails the request skipped, the bytes in use before it);
+// `chunkwise plan` prints its replay's blocks the same way, so the two can be compared line by line.
+bool arena_log();
+std::string arena_block_line(size_t index, size_t block_bytes, size_t request, size_t lost, size_t in_use);
+
 // Releases on scope exit everything the arena handed out inside the scope.
 class ArenaScope {
  public:

@@ -123,6 +123,9 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
   const PlanReport plan = plan_step(cfg, o.batch, o.seq, so, dt, budget, o.lora, o.optimizer_offload);
   out << fmt::format("plan: {}: peak {:.2f} GiB of {:.1f} on the device, {:.2f} GiB host, {:.2f} s a step predicted\n",
                      plan.schedule, plan.peak_device_gib(), gib, plan.peak_host_gib(), plan.step_s);
+  // CW_ARENA_LOG=1: the plan's arena blocks here, the run's own on stderr as the arena adds them.
+  if (arena_log())
+    for (const std::string& line : plan.arena_blocks) out << "plan's replay: " << line << "\n";
   // The plan counts cuDNN's backward workspace for its largest call: let every call have it.
   raise_attention_workspace_budget(g, static_cast<int64_t>(plan.attention_workspace_bytes));
   std::optional<DeviceMemoryLimitScope> limit;

@@ -89,6 +89,7 @@ class ArenaReplay {
   };
   void alloc(size_t bytes) {
     const size_t need = round_to(bytes == 0 ? 1 : bytes, kArenaAlign);
+    const size_t in_use_before = in_use_;
     while (current_ < blocks_.size() && offset_ + need > blocks_[current_]) {
       in_use_ += blocks_[current_] - offset_;
       ++current_;
@@ -97,6 +98,8 @@ class ArenaReplay {
     if (current_ == blocks_.size()) {
       blocks_.push_back(std::max(kArenaBlockBytes, need));
       offset_ = 0;
+      if (log_) log_->push_back(arena_block_line(blocks_.size() - 1, blocks_.back(), need, in_use_ - in_use_before,
+                                                 in_use_before));
     }
     offset_ += need;
     in_use_ += need;
@@ -112,8 +115,11 @@ class ArenaReplay {
     for (size_t b : blocks_) n += pool_block(b);
     return n;
   }
+  // Where to describe each block it adds (arena_block_line), or nowhere.
+  void log_blocks_to(std::vector<std::string>* log) { log_ = log; }
 
  private:
+  std::vector<std::string>* log_ = nullptr;
   std::vector<size_t> blocks_;
   size_t current_ = 0, offset_ = 0, in_use_ = 0;
 };
@@ -493,6 +499,7 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
   // arena keeps its largest extent, so the order of phases does not matter).
   const ActivationPolicy policy = activation_policy(o, lora);
   ArenaReplay arena;
+  arena.log_blocks_to(&r.arena_blocks);
   const LoraConfig* adapters = lora.enabled() ? &lora : nullptr;
   const int64_t keys = streamed ? r.chunk : T;  // the most keys one attention call sees
   if (prefill_end > 0)
@@ -928,6 +935,8 @@ int run_plan(const PlanOptions& po, std::ostream& out) {
   }
   const PlanReport r = plan_step(cf, po.batch, T, o, dtype, gib, po.lora, po.optimizer_offload);
   out << plan_table(r);
+  if (arena_log())
+    for (const std::string& line : r.arena_blocks) out << "replay: " << line << "\n";
   if (!weighed.empty()) {
     // What auto compared: per recompute mode and saved outputs, each place of the K/V store with its
     // fastest chunk. The fastest that fits wins; one costing more memory or recompute, or offloading

@@ -74,6 +74,7 @@ struct PlanReport {
   double step_s = 0, flops = 0;                          // flops: what the step executes (with recompute)
   double kv_moved_bytes = 0;                             // the K/V offload's host <-> device bytes a step
   double layer_casts = 0;                                // cast_layers: blocks cast from the master a step
+  std::vector<std::string> arena_blocks;                 // the replayed arena's blocks (engine/memory.h CW_ARENA_LOG)
   // The largest attention backward workspace the step's activations count (cuDNN's, for the head
   // reduction of GQA): bench and train raise the engine's workspace budget to it
   // (raise_attention_workspace_budget), so no call the plan fits runs a slower kernel for want of it.

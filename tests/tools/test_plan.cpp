@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cmath>
+#include <cstdio>
 #include <fstream>
 #include <sstream>
 
@@ -886,4 +887,23 @@ TEST_CASE("plan: auto casts the blocks from the master where memory is short and
   lora.rank = 8;
   CHECK_FALSE(resolve_auto_schedule(one_b(), 1, 32768, auto_seco(), DType::bf16, 22.7, lora).cast_layers);
   CHECK_FALSE(resolve_auto_schedule(one_b(), 1, 32768, auto_seco(), DType::bf16, 22.7, {}, true).cast_layers);
+}
+
+TEST_CASE("plan: the replayed arena's blocks are listed, and add up to its activations (CW_ARENA_LOG)") {
+  ScheduleOptions o = saved(sched("seco", 4096, "selective"), 2);
+  const PlanReport r = plan_step(one_b(), 1, 32768, o, DType::bf16, 80);
+  REQUIRE_FALSE(r.arena_blocks.empty());
+  double mib = 0;
+  for (size_t i = 0; i < r.arena_blocks.size(); ++i) {
+    size_t index = 0;
+    double block = 0;
+    REQUIRE(std::sscanf(r.arena_blocks[i].c_str(), "arena block %zu: %lf MiB", &index, &block) == 2);
+    CHECK(index == i);
+    mib += block;
+  }
+  size_t activations = 0;
+  for (const auto& [name, bytes] : r.device)
+    if (name == "activations") activations = bytes;
+  // The pool rounds each block to 2 MiB.
+  CHECK(std::abs(mib - double(activations) / double(1 << 20)) <= 2.0 * double(r.arena_blocks.size()));
 }
