@@ -48,6 +48,22 @@ bool deterministic();
 void set_attention_kernel(AttentionKernel kernel);
 AttentionKernel attention_kernel();
 
+// Sets a process-wide setting (a set_X / X pair of this header) for one scope and restores what it
+// was, however the scope ends.
+template <typename T>
+class SettingScope {
+ public:
+  SettingScope(T (*get)(), void (*set)(T), T value) : set_(set), saved_(get()) { set(value); }
+  ~SettingScope() { set_(saved_); }
+  SettingScope(const SettingScope&) = delete;
+  SettingScope& operator=(const SettingScope&) = delete;
+  const T& saved() const { return saved_; }  // the value before the scope
+
+ private:
+  void (*set_)(T);
+  T saved_;
+};
+
 // ---- The attention backward's workspace budget (env CW_ATTENTION_WORKSPACE_MIB) ----
 // A cuDNN backward plan needing more workspace than the budget does not run; flash takes the call.
 // By default the budget is a quarter of the device memory free when the first backward asks (at

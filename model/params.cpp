@@ -95,10 +95,11 @@ void copy_params(const ParamSet& dst, const ParamSet& src) {
 bool same_table(const ParamSet& a, const ParamSet& b) { return same_table(a.specs(), b.specs()); }
 
 namespace {
-// Where a table's tensor goes in the weight structs, by its role.
-void place(ModelWeights& w, LayerWeights* layer, const ParamSpec& s, const Tensor& t) {
+// Where a table's tensor goes in the weight structs, by its role: a block's into `layer`, the others
+// into `w`.
+void place(ModelWeights* w, LayerWeights* layer, const ParamSpec& s, const Tensor& t) {
   switch (s.role) {
-    case ParamRole::embedding: w.embedding = t; break;
+    case ParamRole::embedding: w->embedding = t; break;
     case ParamRole::attn_norm: layer->attn_norm = t; break;
     case ParamRole::wq: layer->wq = t; break;
     case ParamRole::wk: layer->wk = t; break;
@@ -108,8 +109,8 @@ void place(ModelWeights& w, LayerWeights* layer, const ParamSpec& s, const Tenso
     case ParamRole::w_gate: layer->w_gate = t; break;
     case ParamRole::w_up: layer->w_up = t; break;
     case ParamRole::w_down: layer->w_down = t; break;
-    case ParamRole::final_norm: w.final_norm = t; break;
-    case ParamRole::lm_head: w.lm_head = t; break;
+    case ParamRole::final_norm: w->final_norm = t; break;
+    case ParamRole::lm_head: w->lm_head = t; break;
     case ParamRole::lora_a: layer->lora.of(s.adapts).a = t; break;
     case ParamRole::lora_b: layer->lora.of(s.adapts).b = t; break;
   }
@@ -121,7 +122,7 @@ ModelWeights ParamSet::weights() const {
   for (size_t i = 0; i < specs_.size(); ++i) {
     const ParamSpec& s = specs_[i];
     if (s.layer >= 0 && static_cast<size_t>(s.layer) >= w.layers.size()) w.layers.resize(static_cast<size_t>(s.layer) + 1);
-    place(w, s.layer >= 0 ? &w.layers[static_cast<size_t>(s.layer)] : nullptr, s, tensors_[i]);
+    place(&w, s.layer >= 0 ? &w.layers[static_cast<size_t>(s.layer)] : nullptr, s, tensors_[i]);
   }
   if (tied_ && w.embedding.data) w.lm_head = w.embedding;
   return w;
@@ -130,10 +131,9 @@ ModelWeights ParamSet::weights() const {
 LayerWeights ParamSet::layer(int layer) const { return layer_weights(specs_, tensors_, layer); }
 
 LayerWeights layer_weights(const std::vector<ParamSpec>& specs, const std::vector<Tensor>& tensors, int layer) {
-  ModelWeights unused;
   LayerWeights w;
   for (size_t i = 0; i < specs.size(); ++i)
-    if (specs[i].layer == layer) place(unused, &w, specs[i], tensors[i]);
+    if (specs[i].layer == layer) place(nullptr, &w, specs[i], tensors[i]);
   return w;
 }
 

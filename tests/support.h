@@ -2,6 +2,7 @@
 // temporary directories.
 #pragma once
 
+#include "engine/engine.h"
 #include "engine/memory.h"
 #include "engine/tensor.h"
 
@@ -16,19 +17,7 @@
 
 namespace cw::test {
 
-// Sets a process-wide setting (engine.h's set_X / X pairs) for one scope and restores what it was.
-template <typename T>
-class SettingScope {
- public:
-  SettingScope(T (*get)(), void (*set)(T), T value) : set_(set), saved_(get()) { set(value); }
-  ~SettingScope() { set_(saved_); }
-  SettingScope(const SettingScope&) = delete;
-  SettingScope& operator=(const SettingScope&) = delete;
-
- private:
-  void (*set_)(T);
-  T saved_;
-};
+using cw::SettingScope;  // engine/engine.h
 
 
 // Central finite differences with a fourth-order stencil in f64: the truncation error is O(h^4)

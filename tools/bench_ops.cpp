@@ -118,34 +118,24 @@ void bench_attention(std::vector<Row>& rows, DType dt, int64_t T, int64_t H, int
     if (!why.empty()) {
       for (Row* r : {&fwd, &bwd}) r->status = "unsupported", r->note = "cudnn unsupported: " + why;
     } else {
-      const AttentionKernel previous = attention_kernel();
-      const bool previous_deterministic = deterministic();
-      set_attention_kernel(cudnn ? AttentionKernel::cudnn
-                                 : impl == "flash-mma" ? AttentionKernel::flash_mma : AttentionKernel::flash);
-      set_deterministic(impl == "flash-det");
-      auto restore = [&] {
-        set_attention_kernel(previous);
-        set_deterministic(previous_deterministic);
-      };
+      // The family and the determinism switch for these rows, restored however the timing ends.
+      const SettingScope<AttentionKernel> kernel(
+          attention_kernel, set_attention_kernel,
+          cudnn ? AttentionKernel::cudnn : impl == "flash-mma" ? AttentionKernel::flash_mma : AttentionKernel::flash);
+      const SettingScope<bool> determinism(deterministic, set_deterministic, impl == "flash-det");
       const double scale = 1.0 / std::sqrt(double(D));
       const AttentionSaved saved{lse};
-      try {
-        auto forward = [&] {
-          ArenaScope s(scratch);
-          attention_forward(out, saved, q, k, v, scale, scratch);
-        };
-        fwd.ms = median_ms(forward, Device::gpu(0), 3, repeat);
-        forward();  // out and lse of these inputs for the backward
-        // d_k, d_v keep accumulating over the repeats (the op adds): values grow by ~repeat x, harmless.
-        bwd.ms = median_ms([&] {
-          ArenaScope s(scratch);
-          attention_backward(d_q, d_k, d_v, d_out, saved, q, k, v, out, scale, GradMode::overwrite, scratch);
-        }, Device::gpu(0), 3, repeat);
-      } catch (...) {
-        restore();
-        throw;
-      }
-      restore();
+      auto forward = [&] {
+        ArenaScope s(scratch);
+        attention_forward(out, saved, q, k, v, scale, scratch);
+      };
+      fwd.ms = median_ms(forward, Device::gpu(0), 3, repeat);
+      forward();  // out and lse of these inputs for the backward
+      // d_k, d_v keep accumulating over the repeats (the op adds): values grow by ~repeat x, harmless.
+      bwd.ms = median_ms([&] {
+        ArenaScope s(scratch);
+        attention_backward(d_q, d_k, d_v, d_out, saved, q, k, v, out, scale, GradMode::overwrite, scratch);
+      }, Device::gpu(0), 3, repeat);
       fwd.note = bwd.note = impl;
     }
   } catch (const std::exception& e) {
@@ -238,19 +228,16 @@ void bench_chunk_attention(std::vector<Row>& rows, DType dt, int64_t c, int64_t 
       }
       copy_convert(d_q.tensor.view({c, H * D}), dq_sum);
     };
-    // The setting restored however the timing ends (the rows after these use the default).
-    struct SplitPrefix {
-      bool saved = cudnn_split_prefix();
-      ~SplitPrefix() { set_cudnn_split_prefix(saved); }
-    } restore;
-    set_cudnn_split_prefix(false);
+    // One masked graph first; the setting restored however the timing ends (the rows after these
+    // use the default).
+    const SettingScope<bool> split(cudnn_split_prefix, set_cudnn_split_prefix, false);
     mine[0].ms = median_ms(one_call_forward, g, 3, repeat);
     one_call_forward();  // out and lse for the backward rows (every form gives the same)
     mine[1].ms = median_ms(one_call_backward, g, 3, repeat);
     set_cudnn_split_prefix(true);
     mine[4].ms = median_ms(one_call_forward, g, 3, repeat);
     mine[5].ms = median_ms(one_call_backward, g, 3, repeat);
-    set_cudnn_split_prefix(restore.saved);
+    set_cudnn_split_prefix(split.saved());
     mine[2].ms = median_ms(blocked_forward, g, 3, repeat);
     mine[3].ms = median_ms(blocked_backward, g, 3, repeat);
     // The kernels the chooser picks for the one call and for an unmasked block (forward, backward),

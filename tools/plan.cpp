@@ -76,6 +76,12 @@ constexpr double kPcieBytesPerS = 49e9;
 constexpr double kHostAdamWElemsPerS = 2e9;
 
 size_t round_to(size_t n, size_t q) { return (n + q - 1) / q * q; }
+// Whether the blocks can be cast from the master as they run (schedule.cast_layers; optim/training.h
+// says why): bf16 compute beside an f32 master on the device, so neither LoRA (no master for the
+// base) nor the optimizer offloaded (the master on the host).
+bool can_cast_layers(DType dtype, const LoraConfig& lora, bool optimizer_offload) {
+  return dtype == DType::bf16 && !lora.enabled() && !optimizer_offload;
+}
 // The device pool's block for a buffer of `bytes` (rounded like engine/memory.cpp's buffers).
 size_t pool_block(size_t bytes) {
   return device_pool_block(std::max<size_t>(round_to(std::max<size_t>(bytes, 1), kArenaAlign), 1));
@@ -448,7 +454,7 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
   // With cast_layers (model/layer_cast.h) the compute copy holds the tensors outside the blocks, and
   // kSlots slots of one block's size each take a block as it runs.
   const bool cast = o.cast_layers;
-  CW_CHECK(!cast || (dtype == DType::bf16 && !lora.enabled() && !optimizer_offload),
+  CW_CHECK(!cast || can_cast_layers(dtype, lora, optimizer_offload),
            "plan: --cast-layers rounds bf16 blocks from the f32 master on the device: it needs --dtype bf16, no LoRA "
            "and the optimizer on the device");
   const size_t block_numel = LayerCast::slot_bytes_for(cf, dtype) / e;
@@ -622,7 +628,7 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
     else
       r.advice = "use --schedule seco with --chunk 4096 (activations O(chunk) instead of O(T))";
     // bf16 full-parameter training on the device can also drop the blocks' resident compute copy.
-    if (!cast && dtype == DType::bf16 && !lora.enabled() && !optimizer_offload)
+    if (!cast && can_cast_layers(dtype, lora, optimizer_offload))
       r.advice += fmt::format("; --cast-layers frees {:.1f} GiB of resident bf16 block weights",
                               double((size_t(L) - LayerCast::kSlots) * block_numel * e) / kGiB);
   }
@@ -816,7 +822,7 @@ ScheduleOptions resolve_auto_schedule(const LlamaConfig& cf, int64_t B, int64_t 
   std::vector<bool> saves{o.save_attention};
   if (!o.save_attention) saves = {false, true};
   std::vector<bool> casts{o.cast_layers};
-  if (!o.cast_layers && dtype == DType::bf16 && !lora.enabled() && !optimizer_offload) casts = {false, true};
+  if (!o.cast_layers && can_cast_layers(dtype, lora, optimizer_offload)) casts = {false, true};
   std::optional<Resolved> best;
   double best_s = 0;
   std::optional<Error> first_error;
