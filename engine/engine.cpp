@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -169,6 +170,31 @@ std::string memory_report(Device device) {
 
 void synchronize(Device device) {
   if (!device.is_cpu()) gpu::synchronize(device.index);
+}
+
+namespace {
+std::atomic<int> g_gemm_tuning{-1};  // -1: not yet read from CW_GEMM_TUNE
+}  // namespace
+
+void set_gemm_tuning(bool on) { g_gemm_tuning.store(on ? 1 : 0); }
+
+bool gemm_tuning() {
+  int v = g_gemm_tuning.load();
+  if (v < 0) {
+    v = gpu::env_choice("CW_GEMM_TUNE", {"0", "1"},
+                        "use CW_GEMM_TUNE=0 (the default: cuBLASLt's first answer) or 1 (each GEMM shape runs the "
+                        "fastest of cuBLASLt's candidates, timed at its first call)") == 1
+            ? 1
+            : 0;
+    g_gemm_tuning.store(v);
+  }
+  return v == 1;
+}
+
+GemmTuneStats gemm_tune_stats() { return gpu::gemm_tune_stats(); }
+
+void profiler_range(Device device, bool open) {
+  if (!device.is_cpu()) gpu::profiler_range(open);
 }
 
 void* compute_stream(Device device) {

@@ -48,6 +48,23 @@ bool deterministic();
 void set_attention_kernel(AttentionKernel kernel);
 AttentionKernel attention_kernel();
 
+// ---- GEMM algorithms (env CW_GEMM_TUNE=0|1; off by default) ----
+// On: the first call of each GEMM shape (engine/cuda/linear.cu: shape, transposes, dtypes, alignment)
+// times up to eight of cuBLASLt's candidate algorithms on the call's own operands and keeps the
+// fastest for the life of the process, so a process gives the same bits on every call; another
+// process may time another algorithm fastest and round differently. Off, and whenever determinism is
+// on: cuBLASLt's first answer, the same in every process. The stats: shapes tuned, those where the
+// fastest was not cuBLASLt's first answer, and the summed time of one call of each, first answer
+// against the fastest. Off by default: a 32K step gained 1% (H100, RESULTS.md twelfth session), within
+// the noise of one call's timing, which also makes the choice itself vary from process to process.
+void set_gemm_tuning(bool on);
+bool gemm_tuning();
+struct GemmTuneStats {
+  int64_t plans = 0, changed = 0;
+  double first_ms = 0, chosen_ms = 0;
+};
+GemmTuneStats gemm_tune_stats();  // zeros without CUDA
+
 // Sets a process-wide setting (a set_X / X pair of this header) for one scope and restores what it
 // was, however the scope ends.
 template <typename T>
@@ -245,6 +262,10 @@ constexpr int64_t lm_head_block_rows(int64_t N, int64_t ld, size_t elem_bytes) {
 
 // ---- Ordering and timing ----
 void synchronize(Device device);          // waits for everything queued on the device
+// Opens (or closes) a profiled range: cudaProfilerStart / cudaProfilerStop, which profilers (Nsight,
+// tools/kernel_profile) take as the part of a run to report. Bench opens one around each timed step;
+// the caller synchronizes before closing it. Nothing on the CPU.
+void profiler_range(Device device, bool open);
 // The GPU's compute stream (every op's) as an opaque handle, a cudaStream_t: for a library that must
 // queue its work in order with the ops (the NCCL communicator, parallel/comm_nccl.cu). Makes the
 // device current for the calling thread.

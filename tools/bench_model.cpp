@@ -186,6 +186,8 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
       const AttentionPlanStats plans0 = attention_plan_stats();
       reset_attention_census();
       take_copy_wait_seconds(g);  // counts from here
+      const bool timed = s >= o.warmup;
+      if (timed) profiler_range(g, true);  // a profiler's range: the timed steps (tools/kernel_profile)
       const auto t0 = std::chrono::steady_clock::now();
       st.grads().zero();
       progress.start(s + 1);
@@ -195,6 +197,7 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
       st.optimizer_step(1e-5);
       synchronize(g);
       const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (timed) profiler_range(g, false);
       const double copy_wait_s = take_copy_wait_seconds(g);
       if (traced) trace::stop().write(o.trace);
       const AttentionPlanStats plans1 = attention_plan_stats();
@@ -227,6 +230,13 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
           << std::flush;
       if (s >= o.warmup) step_s.push_back(sec);
     }
+    const GemmTuneStats tuned = gemm_tune_stats();
+    if (tuned.plans > 0)
+      out << fmt::format("GEMM shapes tuned: {}; cuBLASLt's first answer was not the fastest for {} ({:.2f} ms against "
+                         "{:.2f} ms, one call of each)\n",
+                         tuned.plans, tuned.changed, tuned.first_ms, tuned.chosen_ms);
+    r["gemm_tuning"] = {{"on", gemm_tuning() && !deterministic()}, {"plans", tuned.plans}, {"changed", tuned.changed},
+                        {"first_ms", tuned.first_ms}, {"chosen_ms", tuned.chosen_ms}};
     const MemoryReport mem = memory_report(st, stats.activation_high_water, stats.kv_bytes);
     nlohmann::json mj;
     for (const auto& [name, bytes] : mem.categories()) mj[name] = bytes;

@@ -164,6 +164,43 @@ std::pair<int64_t, int64_t> parse_chunk_attention(const std::string& spec) {
   return {c, S};
 }
 
+// "O:I" of --linears.
+std::pair<int64_t, int64_t> parse_linear(const std::string& spec) {
+  const size_t colon = spec.find(':');
+  int64_t O = 0, I = 0;
+  try {
+    if (colon != std::string::npos) O = std::stoll(spec.substr(0, colon)), I = std::stoll(spec.substr(colon + 1));
+  } catch (const std::exception&) {
+    O = I = 0;
+  }
+  if (O <= 0 || I <= 0)
+    fail(fmt::format("bench-ops --linears '{}': expected OUT:IN", spec),
+         "give the linear's output and input features, e.g. 512:2048 (Llama-3.2-1B's k_proj)");
+  return {O, I};
+}
+
+// A linear of O outputs and I inputs at N rows: forward, d_x (overwrite) and d_W (f32, accumulated),
+// first with cuBLASLt's first algorithm, then with the fastest of its candidates (engine.h,
+// gemm_tuning). Rows "linear OxI fwd|dx|dW first|tuned"; FLOPs 2 N O I each.
+void bench_linear(std::vector<Row>& rows, DType dt, int64_t N, int64_t O, int64_t I, int repeat) {
+  const Device g = Device::gpu(0);
+  OwnedTensor x = random_on_gpu(dt, {N, I}, 60), w = random_on_gpu(dt, {O, I}, 61), dy = random_on_gpu(dt, {N, O}, 62);
+  OwnedTensor y = OwnedTensor::on(g, dt, {N, O}), dx = OwnedTensor::on(g, dt, {N, I});
+  OwnedTensor dw = OwnedTensor::on(g, DType::f32, {O, I});
+  fill(dw, 0.0);
+  const double flops = 2.0 * double(N) * double(O) * double(I);
+  for (const bool tuned : {false, true}) {
+    const SettingScope<bool> tuning(gemm_tuning, set_gemm_tuning, tuned);
+    const std::string shape = fmt::format("linear {}x{} N={}", O, I, N), how = tuned ? "tuned" : "first";
+    const Tensor none{};
+    rows.push_back({fmt::format("{} fwd {}", shape, how), median_ms([&] { linear_forward(y, x, w); }, g, 3, repeat), 0, flops});
+    rows.push_back({fmt::format("{} dx {}", shape, how),
+                    median_ms([&] { linear_backward(dx, none, dy, x, w, GradMode::overwrite); }, g, 3, repeat), 0, flops});
+    rows.push_back({fmt::format("{} dW {}", shape, how),
+                    median_ms([&] { linear_backward(none, dw, dy, x, w, GradMode::overwrite); }, g, 3, repeat), 0, flops});
+  }
+}
+
 // One chunk of c queries (the last c of S positions) attending causally to S keys, forward and
 // backward, two ways: one call (the store on the device), and block by block as the streamed K/V
 // store runs it (model/kv_store.cpp's attend_forward / attend_backward without the copies: the own
@@ -385,6 +422,10 @@ void run_bench_ops(const BenchOpsOptions& o, std::ostream& out) {
       for (const char* impl : {"cudnn", "flash", "flash-mma", "flash-det"}) bench_attention(rows, dt, T, ah, akv, ad, o.repeat, impl);
   }
   for (const auto& [c, S] : chunk_shapes) bench_chunk_attention(rows, dt, c, S, H, o.kv_heads, D, o.repeat);
+  for (const std::string& spec : o.linears) {
+    const auto [lo, li] = parse_linear(spec);
+    bench_linear(rows, dt, N, lo, li, o.repeat);
+  }
   for (Row& r : lm_rows) rows.push_back(std::move(r));
 
   const double copy_gbs = rows[0].bytes / (rows[0].ms * 1e-3) / 1e9;

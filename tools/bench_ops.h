@@ -48,6 +48,8 @@ struct BenchOpsOptions {
   std::vector<int64_t> lm_head_tokens{8192};    // LM head rows at these N (empty: none), e.g. {8192, 32768}
   std::vector<std::string> chunk_attention;     // "C:S": a chunk of C queries against S keys, one call and in
                                                 // C-key blocks as the streamed K/V store runs it (none by default)
+  std::vector<std::string> linears;  // "O:I": a linear of O outputs and I inputs at N rows, forward, d_x and d_W,
+                                     // with cuBLASLt's first algorithm and with the tuned one (none by default)
   std::string json;        // also write the results as JSON here
 };
 

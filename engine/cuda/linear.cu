@@ -47,11 +47,13 @@
 #include "engine/cuda/runtime.h"
 #include "engine/engine.h"
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <vector>
 
 namespace cw::gpu {
 namespace {
@@ -72,8 +74,8 @@ struct Plan {
   size_t workspace_bytes = 0;
 };
 
-// (device, m, n, k, transA, transB, lda, ldb, ldc, AB dtype, CD dtype, align A, B, C, D)
-using PlanKey = std::array<int64_t, 15>;
+// (device, m, n, k, transA, transB, lda, ldb, ldc, AB dtype, CD dtype, align A, B, C, D, tuned)
+using PlanKey = std::array<int64_t, 16>;
 
 std::mutex g_mutex;                                   // guards the two maps below
 std::map<int, DeviceContext> g_devices;               // never erased: handles live for the process
@@ -111,14 +113,79 @@ void set_pref_u32(cublasLtMatmulPreference_t pref, cublasLtMatmulPreferenceAttri
   CW_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, attr, &v, sizeof(v)));
 }
 
+// ---- Tuning (engine.h, gemm_tuning) ----
+constexpr int kTuneCandidates = 8;
+constexpr size_t kTuneMaxOutputBytes = size_t(512) << 20;
+GemmTuneStats g_tune_stats;  // guarded by g_mutex
+
+// The fastest of cuBLASLt's `found` candidates for `plan`, timed on the call's own operands: each runs
+// once untimed, then three times timed (CUDA events on the call's stream), its least time counting.
+// The output D is the call's: where the call accumulates (beta != 0) its contents wait in host memory
+// and are put back, so the call sees what it would have; an output over kTuneMaxOutputBytes keeps
+// the heuristic's first answer (index 0). Candidates cuBLASLt refuses to run are passed over.
+int fastest(DeviceContext& ctx, int device, const Plan& plan, const cublasLtMatmulHeuristicResult_t* results,
+            int found, const void* A, const void* B, void* D, size_t d_bytes, float beta) {
+  if (d_bytes > kTuneMaxOutputBytes) return 0;
+  cudaStream_t stream = current_stream(device);
+  std::vector<char> saved;
+  if (beta != 0.0f) {
+    saved.resize(d_bytes);
+    CW_CUDA_CHECK(cudaMemcpyAsync(saved.data(), D, d_bytes, cudaMemcpyDeviceToHost, stream));
+  }
+  cudaEvent_t start, stop;
+  CW_CUDA_CHECK(cudaEventCreate(&start));
+  CW_CUDA_CHECK(cudaEventCreate(&stop));
+  const float alpha = 1.0f;
+  auto run = [&](const cublasLtMatmulAlgo_t& algo, size_t ws) {
+    return cublasLtMatmul(ctx.handle, plan.desc, &alpha, A, plan.a, B, plan.b, &beta, D, plan.c, D, plan.c, &algo,
+                          ctx.workspace, ws, stream);
+  };
+  std::vector<float> best_ms(static_cast<size_t>(found), -1.0f);
+  for (int i = 0; i < found; ++i) {
+    const cublasLtMatmulHeuristicResult_t& r = results[i];
+    if (r.state != CUBLAS_STATUS_SUCCESS || r.workspaceSize > kWorkspaceBytes) continue;
+    if (run(r.algo, r.workspaceSize) != CUBLAS_STATUS_SUCCESS) continue;
+    float least = -1.0f;
+    for (int rep = 0; rep < 3; ++rep) {
+      CW_CUDA_CHECK(cudaEventRecord(start, stream));
+      CW_CUBLAS_CHECK(run(r.algo, r.workspaceSize));
+      CW_CUDA_CHECK(cudaEventRecord(stop, stream));
+      CW_CUDA_CHECK(cudaEventSynchronize(stop));
+      float ms = 0;
+      CW_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+      least = least < 0 ? ms : std::min(least, ms);
+    }
+    best_ms[static_cast<size_t>(i)] = least;
+  }
+  CW_CUDA_CHECK(cudaEventDestroy(start));
+  CW_CUDA_CHECK(cudaEventDestroy(stop));
+  if (!saved.empty()) {
+    CW_CUDA_CHECK(cudaMemcpyAsync(D, saved.data(), d_bytes, cudaMemcpyHostToDevice, stream));
+    CW_CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
+  int chosen = best_ms[0] >= 0 ? 0 : -1;
+  for (int i = 1; i < found; ++i)
+    if (best_ms[static_cast<size_t>(i)] >= 0 && (chosen < 0 || best_ms[static_cast<size_t>(i)] < best_ms[static_cast<size_t>(chosen)]))
+      chosen = i;
+  if (chosen < 0) return 0;  // none ran: the real call reports why
+  g_tune_stats.plans += 1;
+  g_tune_stats.changed += chosen != 0;
+  if (best_ms[0] >= 0) {
+    g_tune_stats.first_ms += best_ms[0];
+    g_tune_stats.chosen_ms += best_ms[static_cast<size_t>(chosen)];
+  }
+  return chosen;
+}
+
 // D[m, n] (cd) = alpha op(A)[m, k] (ab) · op(B)[k, n] (ab) + beta C, column-major, C = D in place.
 // m, n, k > 0. Returns the cached plan, building it on first use (g_mutex held, device current).
 const Plan& get_plan(DeviceContext& ctx, int device, int64_t m, int64_t n, int64_t k, bool trans_a, bool trans_b,
                      int64_t lda, int64_t ldb, int64_t ldc, DType ab, DType cd, const void* A, const void* B,
-                     const void* C) {
+                     void* C, float beta) {
   const uint32_t al_a = alignment_of(A), al_b = alignment_of(B), al_c = alignment_of(C);
+  const bool tune = gemm_tuning() && !deterministic();
   const PlanKey key = {device, m, n, k, trans_a, trans_b, lda, ldb, ldc, static_cast<int64_t>(ab),
-                       static_cast<int64_t>(cd), al_a, al_b, al_c, al_c};
+                       static_cast<int64_t>(cd), al_a, al_b, al_c, al_c, tune};
   auto it = g_plans.find(key);
   if (it != g_plans.end()) return *it->second;
 
@@ -139,7 +206,7 @@ const Plan& get_plan(DeviceContext& ctx, int device, int64_t m, int64_t n, int64
   cublasLtMatmulPreference_t pref = nullptr;
   CW_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
   const uint64_t ws = kWorkspaceBytes;
-  cublasLtMatmulHeuristicResult_t result{};
+  std::array<cublasLtMatmulHeuristicResult_t, kTuneCandidates> results{};
   int found = 0;
   cublasStatus_t st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws));
   if (st == CUBLAS_STATUS_SUCCESS) {
@@ -152,15 +219,18 @@ const Plan& get_plan(DeviceContext& ctx, int device, int64_t m, int64_t n, int64
       cublasLtMatmulPreferenceDestroy(pref);
       throw;
     }
-    st = cublasLtMatmulAlgoGetHeuristic(ctx.handle, plan->desc, plan->a, plan->b, plan->c, plan->c, pref, 1, &result,
-                                        &found);
+    st = cublasLtMatmulAlgoGetHeuristic(ctx.handle, plan->desc, plan->a, plan->b, plan->c, plan->c, pref,
+                                        tune ? kTuneCandidates : 1, results.data(), &found);
   }
   cublasLtMatmulPreferenceDestroy(pref);
   CW_CUBLAS_CHECK(st);
-  CW_CHECK(found > 0 && result.state == CUBLAS_STATUS_SUCCESS,
+  CW_CHECK(found > 0 && results[0].state == CUBLAS_STATUS_SUCCESS,
            "linear (GPU): cuBLASLt has no algorithm for m={} n={} k={} op(A)={} op(B)={} A/B {} C/D {} "
            "(alignment A {} B {} C {} bytes)",
            m, n, k, trans_a ? "T" : "N", trans_b ? "T" : "N", dtype_name(ab), dtype_name(cd), al_a, al_b, al_c);
+  int chosen = 0;
+  if (tune && found > 1) chosen = fastest(ctx, device, *plan, results.data(), found, A, B, C, ldc * n * dtype_size(cd), beta);
+  const cublasLtMatmulHeuristicResult_t& result = results[static_cast<size_t>(chosen)];
   CW_CHECK(result.workspaceSize <= kWorkspaceBytes, "linear (GPU): cuBLASLt algorithm wants {} bytes of workspace",
            result.workspaceSize);
   plan->algo = result.algo;
@@ -169,6 +239,11 @@ const Plan& get_plan(DeviceContext& ctx, int device, int64_t m, int64_t n, int64
 }
 
 }  // namespace
+
+GemmTuneStats gemm_tune_stats() {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  return g_tune_stats;
+}
 
 // The one matmul entry (declared in engine/cuda/gemm.cuh): D = alpha op(A) op(B) + beta D on `dst`'s
 // device and stream. `dst` is the tensor behind D (used for the k == 0 case, where the product is
@@ -184,7 +259,7 @@ void matmul(int device, int64_t m, int64_t n, int64_t k, bool trans_a, bool tran
   DeviceGuard guard(device);
   std::lock_guard<std::mutex> lock(g_mutex);
   DeviceContext& ctx = device_context(device);
-  const Plan& plan = get_plan(ctx, device, m, n, k, trans_a, trans_b, lda, ldb, ldd, ab, cd, A, B, D);
+  const Plan& plan = get_plan(ctx, device, m, n, k, trans_a, trans_b, lda, ldb, ldd, ab, cd, A, B, D, beta);
   CW_CUBLAS_CHECK(cublasLtMatmul(ctx.handle, plan.desc, &alpha, A, plan.a, B, plan.b, &beta, D, plan.c, D, plan.c,
                                  &plan.algo, ctx.workspace, plan.workspace_bytes, current_stream(device)));
 }

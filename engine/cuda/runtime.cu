@@ -12,6 +12,7 @@
 #include "engine/memory.h"
 
 #include <cublas_v2.h>
+#include <cuda_profiler_api.h>
 
 #include <algorithm>
 #include <array>
@@ -231,6 +232,8 @@ void release_cached(int device) {
 void synchronize(int device) { CW_CUDA_CHECK(cudaStreamSynchronize(current_stream(device))); }
 
 void* compute_stream_handle(int device) { return current_stream(device); }
+
+void profiler_range(bool open) { CW_CUDA_CHECK(open ? cudaProfilerStart() : cudaProfilerStop()); }
 
 std::string memory_report(int device) {
   const PoolStats s = pool_stats(device);

@@ -19,6 +19,10 @@
 #include <string>
 #include <vector>
 
+namespace cw {
+struct GemmTuneStats;  // engine.h
+}  // namespace cw
+
 namespace cw::gpu {
 
 // An on/off switch from the environment: unset, empty or "0" is off, "1" is on; anything else is a
@@ -108,6 +112,8 @@ void trace_marks_clear();
 void synchronize(int device = 0);               // waits for the device's stream
 void* compute_stream_handle(int device);        // current_stream(device) as an opaque pointer
 std::string memory_report(int device = 0);      // one line: in use, cached, peak, mallocs
+void profiler_range(bool open);                 // cudaProfilerStart / cudaProfilerStop
+GemmTuneStats gemm_tune_stats();                // engine.h (engine/cuda/linear.cu)
 
 }  // namespace cw::gpu
 

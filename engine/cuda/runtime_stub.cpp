@@ -1,5 +1,6 @@
 // A build without CUDA: the runtime says so, clearly, whenever a GPU tensor is asked for.
 #include "engine/cuda/runtime.h"
+#include "engine/engine.h"
 
 #include "engine/error.h"
 
@@ -38,6 +39,8 @@ void trace_marks_clear() {}
 void synchronize(int) {}
 void* compute_stream_handle(int) { no_cuda(); }
 std::string memory_report(int) { return "no CUDA in this build"; }
+void profiler_range(bool) {}
+GemmTuneStats gemm_tune_stats() { return {}; }
 
 }  // namespace cw::gpu
 

@@ -1,0 +1,350 @@
+// Kernel profile: where a process's GPU time goes, kernel by kernel.
+//
+// A library CUDA loads into any process at its first CUDA call:
+//
+//   CUDA_INJECTION64_PATH=build/tools/libcw_kernel_profile.so chunkwise bench ...
+//   CUDA_INJECTION64_PATH=build/tools/libcw_kernel_profile.so python tools/bench/hf_reference.py ...
+//
+// so our steps and the peer's (torch, Triton, cuDNN, cuBLAS) are measured by the same clock. It records
+// every kernel, copy and memset through CUPTI's activity API (kernels keep running concurrently; the
+// records carry the GPU's own start and end times). What it reports is the ranges between
+// cudaProfilerStart and cudaProfilerStop, which `chunkwise bench` and the Python benchmarks open around
+// each timed step; a process that opens none is reported whole.
+//
+// At exit it prints, per range (a timed step): the range's time, the GPU's busy time (the union of the
+// kernels' intervals), the kernel time by kind (matmul, attention, other), and one line per kernel name
+// (time per range, share, calls, mean). Settings (environment):
+//   CW_KERNEL_PROFILE=PATH   also write PATH.csv (every kernel name: kind, calls, total ns) and PATH.txt
+//                            (the printed summary); without it the summary goes to stderr only
+//   CW_KERNEL_PROFILE_TOP=N  the summary's kernel lines (default 40)
+#include <cupti.h>
+
+#include <cxxabi.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+namespace {
+
+struct Interval {
+  uint64_t start, end;
+};
+
+enum class Kind { matmul, attention, other };
+
+const char* kind_name(Kind k) { return k == Kind::matmul ? "matmul" : k == Kind::attention ? "attention" : "other"; }
+
+// The kind from a kernel's name: cuBLAS's Hopper kernels are nvjet_* and sm90_xmma_*, CUTLASS's cutlass*;
+// attention is cuDNN's generated SDPA graphs, FlashAttention's and ours (flash / fmha / attention).
+Kind kind_of(const std::string& name) {
+  auto has = [&](const char* s) { return name.find(s) != std::string::npos; };
+  if (has("attention_merge")) return Kind::other;
+  if (has("nvjet") || has("gemm") || has("xmma") || has("cutlass") || has("cublas") || has("Gemm")) return Kind::matmul;
+  if (has("sdpa") || has("fmha") || has("flash") || has("attention") || has("attn") || has("_fwd_kernel") ||
+      has("_bwd_kernel"))
+    return Kind::attention;
+  return Kind::other;
+}
+
+std::string demangled(const char* name) {
+  int status = 0;
+  char* d = abi::__cxa_demangle(name, nullptr, nullptr, &status);
+  std::string out = status == 0 && d ? d : name;
+  std::free(d);
+  return out;
+}
+
+struct KernelRecord {
+  int name;  // index into State::names
+  Interval t;
+};
+
+struct CopyRecord {
+  uint8_t copy_kind;  // CUpti_ActivityMemcpyKind
+  uint64_t bytes;
+  Interval t;
+};
+
+struct State {
+  std::mutex mu;
+  std::vector<std::string> names;
+  std::unordered_map<const char*, int> name_of_ptr;  // CUPTI shares one name string per kernel
+  std::vector<KernelRecord> kernels;
+  std::vector<CopyRecord> copies;
+  std::vector<Interval> ranges;
+  bool range_open = false;
+  std::vector<Interval> memsets;
+  bool reported = false;
+};
+
+State& state() {
+  static State* s = new State;  // never destroyed: the report runs at exit
+  return *s;
+}
+
+void check(CUptiResult r, const char* what) {
+  if (r == CUPTI_SUCCESS) return;
+  const char* msg = nullptr;
+  cuptiGetResultString(r, &msg);
+  std::fprintf(stderr, "kernel profile: %s failed: %s\n", what, msg ? msg : "unknown CUPTI error");
+}
+
+constexpr size_t kBufferBytes = 8 << 20;
+
+void CUPTIAPI buffer_requested(uint8_t** buffer, size_t* size, size_t* max_records) {
+  *buffer = static_cast<uint8_t*>(std::aligned_alloc(8, kBufferBytes));
+  *size = kBufferBytes;
+  *max_records = 0;
+}
+
+void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, size_t valid) {
+  State& s = state();
+  {
+    std::lock_guard lock(s.mu);
+    CUpti_Activity* rec = nullptr;
+    while (cuptiActivityGetNextRecord(buffer, valid, &rec) == CUPTI_SUCCESS) {
+      switch (rec->kind) {
+        case CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL:
+        case CUPTI_ACTIVITY_KIND_KERNEL: {
+          const auto* k = reinterpret_cast<const CUpti_ActivityKernel10*>(rec);
+          auto [it, added] = s.name_of_ptr.try_emplace(k->name, static_cast<int>(s.names.size()));
+          if (added) s.names.push_back(demangled(k->name ? k->name : "?"));
+          s.kernels.push_back({it->second, {k->start, k->end}});
+          break;
+        }
+        case CUPTI_ACTIVITY_KIND_MEMCPY: {
+          const auto* m = reinterpret_cast<const CUpti_ActivityMemcpy6*>(rec);
+          s.copies.push_back({m->copyKind, m->bytes, {m->start, m->end}});
+          break;
+        }
+        case CUPTI_ACTIVITY_KIND_MEMSET: {
+          const auto* m = reinterpret_cast<const CUpti_ActivityMemset4*>(rec);
+          s.memsets.push_back({m->start, m->end});
+          break;
+        }
+        default:
+          break;
+      }
+    }
+  }
+  std::free(buffer);
+}
+
+// cudaProfilerStart / Stop (the runtime's calls reach the driver's): a range opens after the start
+// returns and closes as the stop is entered; the callers synchronize before stopping, so the range's
+// kernels have ended by then.
+void CUPTIAPI on_api(void*, CUpti_CallbackDomain domain, CUpti_CallbackId id, const void* data) {
+  if (domain != CUPTI_CB_DOMAIN_DRIVER_API) return;
+  const auto* cb = static_cast<const CUpti_CallbackData*>(data);
+  uint64_t now = 0;
+  State& s = state();
+  if (id == CUPTI_DRIVER_TRACE_CBID_cuProfilerStart && cb->callbackSite == CUPTI_API_EXIT) {
+    cuptiGetTimestamp(&now);
+    std::lock_guard lock(s.mu);
+    if (!s.range_open) s.ranges.push_back({now, 0}), s.range_open = true;
+  } else if (id == CUPTI_DRIVER_TRACE_CBID_cuProfilerStop && cb->callbackSite == CUPTI_API_ENTER) {
+    cuptiGetTimestamp(&now);
+    {
+      std::lock_guard lock(s.mu);
+      if (s.range_open) s.ranges.back().end = now, s.range_open = false;
+    }
+    cuptiActivityFlushAll(0);
+  }
+}
+
+// Sorted, merged intervals.
+std::vector<Interval> merged(std::vector<Interval> v) {
+  std::sort(v.begin(), v.end(), [](const Interval& a, const Interval& b) { return a.start < b.start; });
+  std::vector<Interval> out;
+  for (const Interval& i : v) {
+    if (!out.empty() && i.start <= out.back().end)
+      out.back().end = std::max(out.back().end, i.end);
+    else
+      out.push_back(i);
+  }
+  return out;
+}
+
+uint64_t length(const std::vector<Interval>& v) {
+  uint64_t n = 0;
+  for (const Interval& i : v) n += i.end - i.start;
+  return n;
+}
+
+// The part of [t.start, t.end) inside the ranges (sorted, disjoint).
+uint64_t inside(const Interval& t, const std::vector<Interval>& ranges) {
+  uint64_t n = 0;
+  for (const Interval& r : ranges) {
+    const uint64_t b = std::max(t.start, r.start), e = std::min(t.end, r.end);
+    if (e > b) n += e - b;
+  }
+  return n;
+}
+
+std::string shortened(const std::string& name, size_t width) {
+  return name.size() <= width ? name : name.substr(0, width - 3) + "...";
+}
+
+void report() {
+  State& s = state();
+  cuptiActivityFlushAll(1);
+  std::lock_guard lock(s.mu);
+  if (s.reported) return;
+  s.reported = true;
+  if (s.kernels.empty()) return;
+  std::vector<Interval> ranges;
+  for (const Interval& r : s.ranges)
+    if (r.end > r.start) ranges.push_back(r);
+  const bool whole = ranges.empty();
+  if (whole) {  // no range opened: the whole run, first kernel to last
+    Interval all{UINT64_MAX, 0};
+    for (const KernelRecord& k : s.kernels) all.start = std::min(all.start, k.t.start), all.end = std::max(all.end, k.t.end);
+    ranges.push_back(all);
+  }
+  ranges = merged(ranges);
+  const double n_ranges = static_cast<double>(s.ranges.empty() ? 1 : ranges.size());
+  const uint64_t span = length(ranges);
+
+  struct Row {
+    uint64_t ns = 0;
+    int64_t calls = 0;
+  };
+  std::vector<Row> rows(s.names.size());
+  std::vector<Interval> busy;
+  uint64_t by_kind[3] = {0, 0, 0};
+  for (const KernelRecord& k : s.kernels) {
+    const uint64_t ns = inside(k.t, ranges);
+    if (ns == 0) continue;
+    rows[k.name].ns += ns;
+    rows[k.name].calls += 1;
+    busy.push_back(k.t);
+  }
+  std::vector<Kind> kinds(s.names.size());
+  for (size_t i = 0; i < s.names.size(); ++i) {
+    kinds[i] = kind_of(s.names[i]);
+    by_kind[static_cast<int>(kinds[i])] += rows[i].ns;
+  }
+  // Busy: the union of the kernels' intervals, clipped to the ranges.
+  uint64_t busy_ns = 0;
+  for (const Interval& b : merged(busy)) busy_ns += inside(b, ranges);
+  uint64_t copy_ns[4] = {0, 0, 0, 0}, copy_bytes[4] = {0, 0, 0, 0};  // host->device, device->host, device->device, other
+  for (const CopyRecord& c : s.copies) {
+    const uint64_t ns = inside(c.t, ranges);
+    if (ns == 0) continue;
+    const int slot = c.copy_kind == CUPTI_ACTIVITY_MEMCPY_KIND_HTOD   ? 0
+                     : c.copy_kind == CUPTI_ACTIVITY_MEMCPY_KIND_DTOH ? 1
+                     : c.copy_kind == CUPTI_ACTIVITY_MEMCPY_KIND_DTOD ? 2
+                                                                      : 3;
+    copy_ns[slot] += ns;
+    copy_bytes[slot] += c.bytes;
+  }
+  uint64_t memset_ns = 0;
+  for (const Interval& m : s.memsets) memset_ns += inside(m, ranges);
+  const uint64_t kernel_ns = by_kind[0] + by_kind[1] + by_kind[2];
+
+  std::string text;
+  char line[512];
+  auto ms = [&](uint64_t ns) { return static_cast<double>(ns) / 1e6 / n_ranges; };
+  std::snprintf(line, sizeof line, "kernel profile: %s, %.1f ms per range; GPU busy %.1f ms (%.1f%%)\n",
+                whole ? "the whole run (no cudaProfilerStart range)"
+                      : (std::to_string(ranges.size()) + " ranges (cudaProfilerStart..Stop)").c_str(),
+                ms(span), ms(busy_ns), 100.0 * static_cast<double>(busy_ns) / static_cast<double>(span));
+  text += line;
+  std::snprintf(line, sizeof line, "  kernel time per range: %.1f ms; matmul %.1f (%.1f%%), attention %.1f (%.1f%%), other %.1f (%.1f%%)\n",
+                ms(kernel_ns), ms(by_kind[0]), 100.0 * by_kind[0] / kernel_ns, ms(by_kind[1]), 100.0 * by_kind[1] / kernel_ns,
+                ms(by_kind[2]), 100.0 * by_kind[2] / kernel_ns);
+  text += line;
+  std::snprintf(line, sizeof line,
+                "  copies per range: host->device %.1f ms (%.2f GB), device->host %.1f ms (%.2f GB), device->device %.1f ms "
+                "(%.2f GB); memsets %.1f ms\n",
+                ms(copy_ns[0]), copy_bytes[0] / 1e9 / n_ranges, ms(copy_ns[1]), copy_bytes[1] / 1e9 / n_ranges,
+                ms(copy_ns[2]), copy_bytes[2] / 1e9 / n_ranges, ms(memset_ns));
+  text += line;
+  std::vector<size_t> order;
+  for (size_t i = 0; i < rows.size(); ++i)
+    if (rows[i].calls > 0) order.push_back(i);
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return rows[a].ns > rows[b].ns; });
+  const char* top_env = std::getenv("CW_KERNEL_PROFILE_TOP");
+  const size_t top = top_env ? static_cast<size_t>(std::atol(top_env)) : 40;
+  text += "  ms/range  share  calls/range  mean us  kind       kernel\n";
+  for (size_t j = 0; j < order.size() && j < top; ++j) {
+    const size_t i = order[j];
+    std::snprintf(line, sizeof line, "  %8.2f  %4.1f%%  %11.1f  %7.1f  %-9s  %s\n", ms(rows[i].ns),
+                  100.0 * rows[i].ns / kernel_ns, rows[i].calls / n_ranges, rows[i].ns / 1e3 / rows[i].calls,
+                  kind_name(kinds[i]), shortened(s.names[i], 150).c_str());
+    text += line;
+  }
+  if (order.size() > top) {
+    uint64_t rest = 0;
+    for (size_t j = top; j < order.size(); ++j) rest += rows[order[j]].ns;
+    std::snprintf(line, sizeof line, "  %8.2f  %4.1f%%  (%zu more kernels)\n", ms(rest), 100.0 * rest / kernel_ns,
+                  order.size() - top);
+    text += line;
+  }
+  // Where the GPU sat idle: each gap between kernels (inside one range) counted against the kernel that
+  // ended it, i.e. the work the GPU waited for (a copy, the host, an event).
+  std::vector<const KernelRecord*> in_order;
+  for (const KernelRecord& k : s.kernels)
+    if (inside(k.t, ranges) > 0) in_order.push_back(&k);
+  std::sort(in_order.begin(), in_order.end(), [](const KernelRecord* a, const KernelRecord* b) { return a->t.start < b->t.start; });
+  std::vector<Row> idle_before(s.names.size());
+  uint64_t end_so_far = 0;
+  for (const KernelRecord* k : in_order) {
+    if (end_so_far > 0 && k->t.start > end_so_far) {
+      const uint64_t gap = inside({end_so_far, k->t.start}, ranges);
+      if (gap > 0) idle_before[k->name].ns += gap, idle_before[k->name].calls += 1;
+    }
+    end_so_far = std::max(end_so_far, k->t.end);
+  }
+  std::vector<size_t> idle_order;
+  for (size_t i = 0; i < idle_before.size(); ++i)
+    if (idle_before[i].calls > 0) idle_order.push_back(i);
+  std::sort(idle_order.begin(), idle_order.end(), [&](size_t a, size_t b) { return idle_before[a].ns > idle_before[b].ns; });
+  text += "  idle: the GPU's gaps, by the kernel that ended them\n  ms/range  gaps/range  mean us  kernel\n";
+  for (size_t j = 0; j < idle_order.size() && j < 12; ++j) {
+    const size_t i = idle_order[j];
+    std::snprintf(line, sizeof line, "  %8.2f  %10.1f  %7.1f  %s\n", ms(idle_before[i].ns), idle_before[i].calls / n_ranges,
+                  idle_before[i].ns / 1e3 / idle_before[i].calls, shortened(s.names[i], 150).c_str());
+    text += line;
+  }
+  std::fputs(text.c_str(), stderr);
+  if (const char* path = std::getenv("CW_KERNEL_PROFILE"); path && *path) {
+    const std::string base = path;
+    if (FILE* f = std::fopen((base + ".txt").c_str(), "w")) std::fputs(text.c_str(), f), std::fclose(f);
+    if (FILE* f = std::fopen((base + ".csv").c_str(), "w")) {
+      std::fprintf(f, "kind,calls_per_range,ns_per_range,kernel\n");
+      for (size_t i : order) {
+        std::string quoted;  // CSV: a quote inside a field is doubled
+        for (char ch : s.names[i]) quoted += ch == '"' ? std::string("\"\"") : std::string(1, ch);
+        std::fprintf(f, "%s,%.2f,%.0f,\"%s\"\n", kind_name(kinds[i]), rows[i].calls / n_ranges, rows[i].ns / n_ranges,
+                     quoted.c_str());
+      }
+      std::fclose(f);
+    }
+  }
+}
+
+}  // namespace
+
+// CUDA calls this once, when the process initializes the driver, for the library named by CUDA_INJECTION64_PATH.
+extern "C" __attribute__((visibility("default"))) int InitializeInjection(void) {
+  check(cuptiActivityRegisterCallbacks(buffer_requested, buffer_completed), "cuptiActivityRegisterCallbacks");
+  check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL), "enabling kernel records");
+  check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMCPY), "enabling copy records");
+  check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMSET), "enabling memset records");
+  CUpti_SubscriberHandle subscriber;
+  check(cuptiSubscribe(&subscriber, reinterpret_cast<CUpti_CallbackFunc>(on_api), nullptr), "cuptiSubscribe");
+  check(cuptiEnableCallback(1, subscriber, CUPTI_CB_DOMAIN_DRIVER_API, CUPTI_DRIVER_TRACE_CBID_cuProfilerStart),
+        "the cuProfilerStart callback");
+  check(cuptiEnableCallback(1, subscriber, CUPTI_CB_DOMAIN_DRIVER_API, CUPTI_DRIVER_TRACE_CBID_cuProfilerStop),
+        "the cuProfilerStop callback");
+  std::atexit(report);
+  return 1;
+}
