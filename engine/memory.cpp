@@ -222,6 +222,34 @@ void copy_convert(const Tensor& dst, const Tensor& src) {
   for_each_index(src, [&](int64_t i, int64_t off) { store(dst, dst_offsets[static_cast<size_t>(i)], load(src, off)); });
 }
 
+Tensor head_columns(const Tensor& rows, int64_t col0, int64_t B, int64_t T, int64_t H, int64_t D) {
+  CW_CHECK(rows.ndim == 2 && rows.contiguous() && rows.size(0) == B * T && col0 >= 0 && col0 + H * D <= rows.size(1),
+           "head_columns: [{}, {}) of {} as [{}, {}, {}, {}] heads is not a column slice of packed rows", col0,
+           col0 + H * D, rows.describe(), B, T, H, D);
+  Tensor t = rows;
+  t.data = static_cast<char*>(rows.data) + col0 * static_cast<int64_t>(dtype_size(rows.dtype));
+  t.ndim = 4;
+  t.shape = {B, T, H, D};
+  t.stride = {T * rows.size(1), rows.size(1), D, 1};
+  return t;
+}
+
+void copy_heads(const Tensor& dst, const Tensor& src) {
+  check_same_shape(dst, src, "copy_heads destination", "copy_heads source");
+  CW_CHECK(dst.ndim == 4, "copy_heads takes [B, T, H, D] heads, got {}", dst.describe());
+  const int64_t B = dst.size(0), T = dst.size(1), W = dst.size(2) * dst.size(3);
+  auto rows_of = [&](const Tensor& t, int64_t b) {
+    CW_CHECK(t.stride[3] == 1 && t.stride[2] == t.size(3), "copy_heads: {} is not [B, T, H, D] with packed heads",
+             t.describe());
+    Tensor r = t.slice(0, b, 1);
+    r.ndim = 2;
+    r.shape = {T, W, 0, 0};
+    r.stride = {t.stride[1], 1, 0, 0};
+    return r;
+  };
+  for (int64_t b = 0; b < B; ++b) copy_convert(rows_of(dst, b), rows_of(src, b));
+}
+
 }  // namespace cw
 
 namespace cw {

@@ -126,6 +126,15 @@ void fill(const Tensor& t, double value);
 // bf16 is rounded to nearest even. Host or device, either direction (device rules: runtime.h).
 void copy_convert(const Tensor& dst, const Tensor& src);
 
+// Columns [col0, col0 + H D) of `rows` [B T, P] as [B, T, H, D] heads with token stride P: a column
+// slice of wider rows (the fused Q/K/V projection's q, k or v heads, model/layer.cpp), which RoPE
+// takes as it is (engine/ops/rope.h).
+Tensor head_columns(const Tensor& rows, int64_t col0, int64_t B, int64_t T, int64_t H, int64_t D);
+// copy_convert of [B, T, H, D] heads one sequence at a time, as [T, H D] rows: for heads strided in
+// their token dimension (head_columns) on one side and a K/V store's slice (strided by sequence) on
+// the other; a GPU copy takes a stride in the first dimension only.
+void copy_heads(const Tensor& dst, const Tensor& src);
+
 }  // namespace cw
 
 namespace cw {

@@ -8,11 +8,39 @@
 #include "model/lora.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <optional>
 #include <vector>
 
 namespace cw {
+
+namespace {
+std::atomic<int> g_fused_qkv{-1};  // -1: not yet read from CW_FUSED_QKV
+}  // namespace
+
+void set_fused_qkv(bool on) { g_fused_qkv.store(on ? 1 : 0); }
+
+bool fused_qkv() {
+  int v = g_fused_qkv.load();
+  if (v < 0) {
+    const char* e = std::getenv("CW_FUSED_QKV");
+    const std::string s = e ? e : "";
+    CW_CHECK_HINT(s.empty() || s == "0" || s == "1", "use CW_FUSED_QKV=1 (the default: Q, K and V projected by one GEMM) "
+                  "or 0 (three)", "environment variable CW_FUSED_QKV='{}' is not 0 or 1", s);
+    v = s == "0" ? 0 : 1;
+    g_fused_qkv.store(v);
+  }
+  return v == 1;
+}
+
+bool fuses_qkv(const LoraConfig* lora, const TensorParallelGroup* tp) {
+  if (!fused_qkv() || tp) return false;
+  if (!lora || !lora->enabled()) return true;
+  for (ParamRole r : lora->target_roles())
+    if (r == ParamRole::wq || r == ParamRole::wk || r == ParamRole::wv) return false;
+  return true;
+}
 
 int64_t resolve_mlp_shards(int64_t requested, const LlamaConfig& cf, int64_t rows) {
   CW_CHECK(requested >= 0, "mlp_shards must be >= 0 (0: automatic), got {}", requested);
@@ -93,6 +121,24 @@ void linear_bwd(const Tensor& d_x, const Tensor& d_w, const LoraPair& d_adapter,
            lora_target_name(linear));
   lora_linear_backward(d_x, d_adapter.a, d_adapter.b, d_y, x, w, adapter_call(adapter, linear, at), mode,
                        at.ctx.scratch);
+}
+
+// [Wq; Wk; Wv] as one [q_dim + 2 kv_dim, C] tensor where the three lie back to back (weights or their
+// gradients); undefined otherwise (model/layer.h, fused_qkv).
+Tensor stacked_qkv(const Tensor& wq, const Tensor& wk, const Tensor& wv) {
+  if (!wq.data || !wk.data || !wv.data || wk.dtype != wq.dtype || wv.dtype != wq.dtype || !wq.contiguous() ||
+      !wk.contiguous() || !wv.contiguous() || wk.size(1) != wq.size(1) || wv.size(1) != wq.size(1))
+    return {};
+  const char* q = static_cast<const char*>(wq.data);
+  const char* k = static_cast<const char*>(wk.data);
+  if (k != q + wq.bytes() || static_cast<const char*>(wv.data) != k + wk.bytes()) return {};
+  return Tensor::packed(wq.data, wq.dtype, wq.device, std::array<int64_t, 2>{wq.size(0) + wk.size(0) + wv.size(0), wq.size(1)});
+}
+
+// The fused projection's weight for this call, or undefined where the three GEMMs run (model/layer.h).
+Tensor fused_qkv_weight(const LayerWeights& w, const BlockContext& ctx) {
+  if (ctx.tp || !fused_qkv() || w.lora.q.defined() || w.lora.k.defined() || w.lora.v.defined()) return {};
+  return stacked_qkv(w.wq, w.wk, w.wv);
 }
 
 // Rows [r0, r0 + rows) of the MLP: gate, up and act for those rows into the given [rows, F] tensors.
@@ -235,23 +281,38 @@ void block_forward(const Tensor& x_out, LayerActivations* keep, const Tensor& x_
   {
     std::optional<TpLease> gathered;  // h1 of all rows, with regather
     const Tensor h1 = normed_input_forward(gathered, a.h1, a.norm1, x_in, w.attn_norm, cf.rms_norm_eps, tp, s);
-    Tensor q_pre = s.alloc(dt, {N, cf.q_dim()});
-    linear_fwd(q_pre, h1, w.wq, w.lora.q, ParamRole::wq, at);
-    rope_forward(a.q, q_pre.view({B, c, H, D}), ctx.rope_cos, ctx.rope_sin, p);
+    const Tensor w_qkv = from_saved ? Tensor{} : fused_qkv_weight(w, ctx);  // the recompute needs q only
+    Tensor qkv;
+    if (w_qkv.data) {
+      qkv = s.alloc(dt, {N, cf.q_dim() + 2 * cf.kv_dim()});
+      linear_forward(qkv, h1, w_qkv);
+      rope_forward(a.q, head_columns(qkv, 0, B, c, H, D), ctx.rope_cos, ctx.rope_sin, p);
+    } else {
+      Tensor q_pre = s.alloc(dt, {N, cf.q_dim()});
+      linear_fwd(q_pre, h1, w.wq, w.lora.q, ParamRole::wq, at);
+      rope_forward(a.q, q_pre.view({B, c, H, D}), ctx.rope_cos, ctx.rope_sin, p);
+    }
     if (from_saved) {
       CW_CHECK(p + c <= kv.outputs_written(), "layer {}: saved attention outputs of tokens [{}, {}) were not written "
                "by a prefill (it reached {})", layer, p, p + c, kv.outputs_written());
       copy_convert(a.attn, kv.outputs(layer, p, p + c));
       copy_convert(a.attn_saved.lse.view({B * H, c}), kv.output_lse(layer, p, p + c));
     } else {
-      Tensor k_pre = s.alloc(dt, {N, cf.kv_dim()});
-      linear_fwd(k_pre, h1, w.wk, w.lora.k, ParamRole::wk, at);
-      Tensor k_rot = k_pre.view({B, c, Hkv, D});
-      rope_forward(k_rot, k_rot, ctx.rope_cos, ctx.rope_sin, p);
-      copy_convert(kv.keys(layer, p, p + c), k_rot);
-      Tensor v = s.alloc(dt, {N, cf.kv_dim()});
-      linear_fwd(v, h1, w.wv, w.lora.v, ParamRole::wv, at);
-      copy_convert(kv.values(layer, p, p + c), v.view({B, c, Hkv, D}));
+      if (qkv.data) {
+        const Tensor k_rot = head_columns(qkv, cf.q_dim(), B, c, Hkv, D);
+        rope_forward(k_rot, k_rot, ctx.rope_cos, ctx.rope_sin, p);
+        copy_heads(kv.keys(layer, p, p + c), k_rot);
+        copy_heads(kv.values(layer, p, p + c), head_columns(qkv, cf.q_dim() + cf.kv_dim(), B, c, Hkv, D));
+      } else {
+        Tensor k_pre = s.alloc(dt, {N, cf.kv_dim()});
+        linear_fwd(k_pre, h1, w.wk, w.lora.k, ParamRole::wk, at);
+        Tensor k_rot = k_pre.view({B, c, Hkv, D});
+        rope_forward(k_rot, k_rot, ctx.rope_cos, ctx.rope_sin, p);
+        copy_convert(kv.keys(layer, p, p + c), k_rot);
+        Tensor v = s.alloc(dt, {N, cf.kv_dim()});
+        linear_fwd(v, h1, w.wv, w.lora.v, ParamRole::wv, at);
+        copy_convert(kv.values(layer, p, p + c), v.view({B, c, Hkv, D}));
+      }
       const double scale = 1.0 / std::sqrt(static_cast<double>(D));
       kv.attend_forward(layer, p, p + c, a.attn, a.attn_saved, a.q, scale, s);
       if (kv.has_outputs()) {  // the prefill saves them for the recompute
@@ -343,6 +404,25 @@ void block_backward(const Tensor& d_x, const LayerWeights& g, const LayerActivat
   Tensor d_q = s.alloc(dt, {B, c, H, D});
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   kv.attend_backward(layer, p, p + c, d_q, d_attn.view({B, c, H, D}), a.attn_saved, a.q, a.attn, scale, s);
+  const Tensor w_qkv = fused_qkv_weight(w, ctx);
+  if (w_qkv.data) {
+    const Tensor g_qkv = stacked_qkv(g.wq, g.wk, g.wv);
+    CW_CHECK(g_qkv.data || (!g.wq.data && !g.wk.data && !g.wv.data),
+             "layer {}: the fused Q/K/V projection needs its three gradients back to back, or none", layer);
+    // d(q, k, v) before RoPE, side by side as the fused GEMM's output was: RoPE's transpose writes the q
+    // and k columns; the chunk's own K/V gradient (local part plus what later chunks added, all in
+    // the accumulator) is read into the k and v columns.
+    Tensor d_qkv = s.alloc(dt, {N, cf.q_dim() + 2 * cf.kv_dim()});
+    const Tensor d_k = head_columns(d_qkv, cf.q_dim(), B, c, Hkv, D);
+    rope_backward(head_columns(d_qkv, 0, B, c, H, D), d_q, ctx.rope_cos, ctx.rope_sin, p, GradMode::overwrite);
+    copy_heads(d_k, kv.d_keys(layer, p, p + c));
+    rope_backward(d_k, d_k, ctx.rope_cos, ctx.rope_sin, p, GradMode::overwrite);
+    copy_heads(head_columns(d_qkv, cf.q_dim() + cf.kv_dim(), B, c, Hkv, D), kv.d_values(layer, p, p + c));
+    const Tensor d_h = s.alloc(dt, {N, C});
+    linear_backward(d_h, g_qkv, d_qkv, a.h1, w_qkv, GradMode::overwrite);
+    rmsnorm_backward(d_x, g.attn_norm, d_h, a.norm1, x_in, w.attn_norm, GradMode::accumulate, s);  // now d(x_in)
+    return;
+  }
   // The chunk's own K/V gradient: local part plus what later chunks added, all in the accumulator.
   Tensor d_k = s.alloc(dt, {B, c, Hkv, D}), d_v = s.alloc(dt, {B, c, Hkv, D});
   copy_convert(d_k, kv.d_keys(layer, p, p + c));

@@ -103,6 +103,21 @@ struct BlockContext {
   LoraRuntime lora{};
 };
 
+struct LoraConfig;  // model/lora.h
+
+// The fused Q/K/V projection (env CW_FUSED_QKV=1|0; on by default): where Wq, Wk, Wv lie back to back
+// in memory (the parameter table's order, model/params.cpp; so do their gradients), carry no
+// adapters and are not tensor-parallel shards, a chunk's three projections run as one GEMM of
+// q_dim + 2 kv_dim outputs, [N, q_dim + 2 kv_dim] = h1 [Wq; Wk; Wv]ᵀ, and the backward as one d_h1 GEMM
+// and one d_W GEMM; RoPE reads and writes the q and k columns in place (engine/ops/rope.h). The
+// values are the same sums; the K and V GEMMs of 512 columns alone fill under half an H100
+// (RESULTS.md, twelfth session). Off: three GEMMs each way.
+void set_fused_qkv(bool on);
+bool fused_qkv();
+// Whether block_forward / block_backward fuse the projections of a model with these adapters and
+// this TP group (the planner's rule: tools/plan.cpp); the weights' adjacency is checked per call.
+bool fuses_qkv(const LoraConfig* lora, const TensorParallelGroup* tp);
+
 // The shard count `mlp_shards = 0` (automatic) means: ceil(F / C), so one shard's [rows, F]
 // intermediates are about the size of one [N, C] residual-stream tensor.
 int64_t resolve_mlp_shards(int64_t requested, const LlamaConfig& config, int64_t rows);

@@ -144,6 +144,7 @@ struct Shape {
   size_t e, acc;  // compute and accumulator element bytes
   const LoraConfig* lora = nullptr;
   bool streamed = false;  // schedule.stream_kv: attention runs block by block (S is one block)
+  bool fused_qkv = true;  // model/layer.h fuses_qkv: one Q/K/V GEMM
   size_t N() const { return size_t(B * c); }
   size_t row(int64_t width) const { return N() * size_t(width) * e; }
   // cuDNN runs the call with its earlier keys apart: two graphs.
@@ -207,10 +208,14 @@ void block_forward(ArenaReplay& a, const Shape& s, bool keep, int64_t mlp_shards
   const int64_t shards = resolve_mlp_shards(mlp_shards, cf, int64_t(s.N()));
   if (!keep) layer_activations(a, s, shards == 1 ? MlpKept::all : MlpKept::input);
   const bool products = keep && kept == MlpKept::products;  // h2 and act in scratch
-  a.alloc(s.row(cf.q_dim()));   // q_pre
-  if (!from_saved) {
-    a.alloc(s.row(cf.kv_dim()));  // k_pre
-    a.alloc(s.row(cf.kv_dim()));  // v
+  if (!from_saved && s.fused_qkv) {
+    a.alloc(s.row(cf.q_dim() + 2 * cf.kv_dim()));  // q, k, v side by side
+  } else {
+    a.alloc(s.row(cf.q_dim()));     // q_pre
+    if (!from_saved) {
+      a.alloc(s.row(cf.kv_dim()));  // k_pre
+      a.alloc(s.row(cf.kv_dim()));  // v
+    }
   }
   if (s.streamed && !from_saved) {  // model/kv_store.cpp attend_forward: the merged output, a block's
     a.alloc(s.N() * size_t(cf.q_dim()) * s.acc);
@@ -289,8 +294,13 @@ void block_backward(ArenaReplay& a, const Shape& s, MlpKept mlp, int64_t mlp_sha
     // The workspace (split, no less than the shared plan's over all S keys: attention_cudnn.cu).
     a.alloc(attention_backward_workspace(cf, s.B, s.S));
   }
-  a.alloc(s.row(cf.kv_dim()));  // d_k
-  a.alloc(s.row(cf.kv_dim()));  // d_v
+  if (s.fused_qkv) {
+    a.alloc(s.row(cf.q_dim() + 2 * cf.kv_dim()));  // d(q, k, v) side by side
+  } else {
+    a.alloc(s.row(cf.kv_dim()));  // d_k
+    a.alloc(s.row(cf.kv_dim()));  // d_v
+  }
+  a.alloc(s.row(cf.hidden_size));  // d_h1
   lora_scratch(a, s, {ParamRole::wq, ParamRole::wk, ParamRole::wv, ParamRole::wo}, s.N(), true);
 }
 
@@ -508,10 +518,13 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
   arena.log_blocks_to(&r.arena_blocks);
   const LoraConfig* adapters = lora.enabled() ? &lora : nullptr;
   const int64_t keys = streamed ? r.chunk : T;  // the most keys one attention call sees
+  // A tensor-parallel rank does not fuse (model/layer.h); counted as fused it is given a d(q, k, v) of
+  // one [N, q_dim] more than its d_k and d_v: an over-estimate.
+  const bool fused = fuses_qkv(adapters, nullptr);
   if (prefill_end > 0)
-    prefill_chunk(arena, Shape{cf, B, std::min(r.chunk, prefill_end), keys, e, acc, adapters, streamed}, o.mlp_shards,
-                  o.name == "spaco");
-  backprop_chunk(arena, Shape{cf, B, r.bwd_chunk, keys, e, acc, adapters, streamed}, policy, saved);
+    prefill_chunk(arena, Shape{cf, B, std::min(r.chunk, prefill_end), keys, e, acc, adapters, streamed, fused},
+                  o.mlp_shards, o.name == "spaco");
+  backprop_chunk(arena, Shape{cf, B, r.bwd_chunk, keys, e, acc, adapters, streamed, fused}, policy, saved);
   r.attention_workspace_bytes = attention_backward_workspace(cf, B, keys);
   r.device.emplace_back("activations", arena.reserved());
   if (policy.offload_inputs) r.host.emplace_back("layer inputs", size_t(L) * size_t(B * T * C) * e);

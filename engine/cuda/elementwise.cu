@@ -83,26 +83,29 @@ template <int N> __device__ __forceinline__ void load_f32_ro(const float* p, flo
 // ---------------------------------------------------------------------------------------------
 // RoPE: y[.., j] = x1 cos - sign x2 sin; y[.., j + half] = x2 cos + sign x1 sin (x1 = x[.., j],
 // x2 = x[.., j + half]); sign = +1 forward, -1 backward (the transpose rotation). One thread per
-// pair (j, j + half) of one head of one token; y may alias x.
+// pair (j, j + half) of one head of one token; y may alias x. px, py: the token strides of x and y
+// (H D when packed; more for a column slice of wider rows, engine/ops/rope.h).
 template <class T>
-__global__ void rope_kernel(T* y, const T* x, const float* cos, const float* sin, int64_t pairs, int64_t Tn,
-                            int64_t H, int64_t half, int64_t pos0, float sign, bool accumulate) {
+__global__ void rope_kernel(T* y, int64_t py, const T* x, int64_t px, const float* cos, const float* sin,
+                            int64_t pairs, int64_t Tn, int64_t H, int64_t half, int64_t pos0, float sign,
+                            bool accumulate) {
   CW_GRID_STRIDE(i, pairs) {
     const int64_t j = i % half;
     const int64_t row = i / half;         // (b * Tn + t) * H + h
-    const int64_t t = (row / H) % Tn;
-    const int64_t base = row * 2 * half;
+    const int64_t token = row / H, h = row - token * H;
+    const int64_t t = token % Tn;
+    const int64_t bx = token * px + h * 2 * half, by = token * py + h * 2 * half;
     const int64_t p = (pos0 + t) * half + j;
     const float c = cos[p], s = sin[p];
-    const float x1 = to_f32(x[base + j]), x2 = to_f32(x[base + j + half]);
+    const float x1 = to_f32(x[bx + j]), x2 = to_f32(x[bx + j + half]);
     float y1 = x1 * c - sign * x2 * s;
     float y2 = x2 * c + sign * x1 * s;
     if (accumulate) {
-      y1 = to_f32(y[base + j]) + y1;
-      y2 = to_f32(y[base + j + half]) + y2;
+      y1 = to_f32(y[by + j]) + y1;
+      y2 = to_f32(y[by + j + half]) + y2;
     }
-    y[base + j] = from_f32<T>(y1);
-    y[base + j + half] = from_f32<T>(y2);
+    y[by + j] = from_f32<T>(y1);
+    y[by + j + half] = from_f32<T>(y2);
   }
 }
 
@@ -111,26 +114,28 @@ __global__ void rope_kernel(T* y, const T* x, const float* cos, const float* sin
 // kN == 0 and x, y, cos, sin 16-byte aligned. Same per-element expression as rope_kernel. I is the
 // index type: uint32_t when the whole tensor has < 2^31 elements (cheaper divisions), else int64_t.
 template <class T, class I>
-__global__ void rope_vec_kernel(T* y, const T* x, const float* cos, const float* sin, I items, I Tn, I H, I half,
-                                int64_t pos0, float sign, bool accumulate) {
+__global__ void rope_vec_kernel(T* y, int64_t py, const T* x, int64_t px, const float* cos, const float* sin, I items,
+                                I Tn, I H, I half, int64_t pos0, float sign, bool accumulate) {
   constexpr int kN = Vec16<T>::kN;
   const I per_row = half / kN;  // vectors per half-head
   for (I i = static_cast<I>(blockIdx.x) * blockDim.x + threadIdx.x; i < items;
        i += static_cast<I>(gridDim.x) * blockDim.x) {
     const I row = i / per_row;  // (b * Tn + t) * H + h
     const I j = (i - row * per_row) * kN;
-    const I t = (row / H) % Tn;
-    const int64_t base = static_cast<int64_t>(row) * 2 * half;
+    const I token = row / H, h = row - token * H;
+    const I t = token % Tn;
+    const int64_t bx = static_cast<int64_t>(token) * px + static_cast<int64_t>(h) * 2 * half;
+    const int64_t by = static_cast<int64_t>(token) * py + static_cast<int64_t>(h) * 2 * half;
     const int64_t p = (pos0 + static_cast<int64_t>(t)) * half + j;
     float x1[kN], x2[kN], c[kN], s[kN];
-    load_f32(x + base + j, x1);
-    load_f32(x + base + half + j, x2);
+    load_f32(x + bx + j, x1);
+    load_f32(x + bx + half + j, x2);
     load_f32_ro(cos + p, c);
     load_f32_ro(sin + p, s);
     float y1[kN], y2[kN];
     if (accumulate) {
-      load_f32(y + base + j, y1);
-      load_f32(y + base + half + j, y2);
+      load_f32(y + by + j, y1);
+      load_f32(y + by + half + j, y2);
     }
 #pragma unroll
     for (int k = 0; k < kN; ++k) {
@@ -143,8 +148,8 @@ __global__ void rope_vec_kernel(T* y, const T* x, const float* cos, const float*
       y1[k] = a;
       y2[k] = b;
     }
-    store_f32(y + base + j, y1);
-    store_f32(y + base + half + j, y2);
+    store_f32(y + by + j, y1);
+    store_f32(y + by + half + j, y2);
   }
 }
 
@@ -153,25 +158,27 @@ void rope_launch(const Tensor& y, const Tensor& x, const Tensor& cos, const Tens
   const int64_t pairs = x.numel() / 2;
   if (pairs == 0) return;
   const int64_t Tn = x.size(1), H = x.size(2), half = x.size(3) / 2;
+  const int64_t px = x.stride[1], py = y.stride[1];  // token strides (engine/ops/rope.cpp checked the layout)
   cudaStream_t stream = current_stream(x.device.index);
   dispatch_compute(x.dtype, op, [&](auto tag) {
     using T = typename decltype(tag)::type;
     constexpr int kN = Vec16<T>::kN;
-    if (half % kN == 0 && aligned16(y.data) && aligned16(x.data) && aligned16(cos.data) && aligned16(sin.data)) {
+    if (half % kN == 0 && px % kN == 0 && py % kN == 0 && aligned16(y.data) && aligned16(x.data) &&
+        aligned16(cos.data) && aligned16(sin.data)) {
       const int64_t items = pairs / kN;
       if (x.numel() < (int64_t{1} << 31)) {
         // i < 2^31 and i + stride < 2^31 + 2^24: no uint32_t overflow.
         using I = uint32_t;
         rope_vec_kernel<T, I><<<grid_for(items), kThreads, 0, stream>>>(
-            dptr<T>(y), dptr<const T>(x), dptr<const float>(cos), dptr<const float>(sin), static_cast<I>(items),
+            dptr<T>(y), py, dptr<const T>(x), px, dptr<const float>(cos), dptr<const float>(sin), static_cast<I>(items),
             static_cast<I>(Tn), static_cast<I>(H), static_cast<I>(half), pos0, sign, accumulate);
       } else {
         rope_vec_kernel<T, int64_t><<<grid_for(items), kThreads, 0, stream>>>(
-            dptr<T>(y), dptr<const T>(x), dptr<const float>(cos), dptr<const float>(sin), items, Tn, H, half, pos0,
+            dptr<T>(y), py, dptr<const T>(x), px, dptr<const float>(cos), dptr<const float>(sin), items, Tn, H, half, pos0,
             sign, accumulate);
       }
     } else {
-      rope_kernel<T><<<grid_for(pairs), kThreads, 0, stream>>>(dptr<T>(y), dptr<const T>(x), dptr<const float>(cos),
+      rope_kernel<T><<<grid_for(pairs), kThreads, 0, stream>>>(dptr<T>(y), py, dptr<const T>(x), px, dptr<const float>(cos),
                                                               dptr<const float>(sin), pairs, Tn, H, half, pos0, sign,
                                                               accumulate);
     }

@@ -48,6 +48,15 @@ void rope_tables(const Tensor& cos, const Tensor& sin, int64_t head_dim, double 
   });
 }
 
+int64_t rope_token_pitch(const Tensor& t, const char* what) {
+  const int64_t T = t.size(1), H = t.size(2), D = t.size(3), P = t.stride[1];
+  CW_CHECK(t.data != nullptr || t.numel() == 0, "{} has no data", what);
+  CW_CHECK(t.stride[3] == 1 && t.stride[2] == D && P >= H * D && (t.stride[0] == T * P || t.size(0) == 1),
+           "{} {}: must be [B, T, H, D] packed, or a column slice of wider token rows (strides [T P, P, D, 1])",
+           what, t.describe());
+  return P;
+}
+
 // The contract (engine/ops/rope.h), checked once here for every backend. y is out or d_x, x is x or d_out.
 namespace {
 void check_operands(const Tensor& y, const Tensor& x, const Tensor& cos, const Tensor& sin, int64_t pos0,
@@ -63,29 +72,35 @@ void check_operands(const Tensor& y, const Tensor& x, const Tensor& cos, const T
   check_dtype(y, x.dtype, what_y);
   check_dtype(cos, accum_dtype(x.dtype), "rope cos table");
   check_dtype(sin, accum_dtype(x.dtype), "rope sin table");
-  check_packed_same_device({{x, what_x}, {y, what_y}, {cos, "rope cos table"}, {sin, "rope sin table"}});
+  check_packed_same_device({{cos, "rope cos table"}, {sin, "rope sin table"}});
+  check_same_device(x, cos, what_x, "rope cos table");
+  check_same_device(y, cos, what_y, "rope cos table");
+  rope_token_pitch(x, what_x);
+  rope_token_pitch(y, what_y);
+  CW_CHECK(y.data != x.data || y.stride == x.stride, "{} aliases {} with other strides", what_y, what_x);
 }
 
 // Rotates every head of x by +angle (sign = 1) or -angle (sign = -1) into y; y may alias x.
 template <class T>
-void rotate(T* y, const T* x, const Tensor& shape, const T* cos, const T* sin, int64_t pos0, T sign, bool accumulate) {
+void rotate(T* y, int64_t py, const T* x, int64_t px, const Tensor& shape, const T* cos, const T* sin, int64_t pos0,
+            T sign, bool accumulate) {
   const int64_t B = shape.size(0), Tn = shape.size(1), H = shape.size(2), D = shape.size(3), half = D / 2;
   for (int64_t b = 0; b < B; ++b)
     for (int64_t t = 0; t < Tn; ++t) {
       const T* c = cos + (pos0 + t) * half;
       const T* s = sin + (pos0 + t) * half;
       for (int64_t h = 0; h < H; ++h) {
-        const int64_t base = ((b * Tn + t) * H + h) * D;
+        const int64_t bx = (b * Tn + t) * px + h * D, by = (b * Tn + t) * py + h * D;
         for (int64_t i = 0; i < half; ++i) {
-          const T x1 = x[base + i], x2 = x[base + i + half];
+          const T x1 = x[bx + i], x2 = x[bx + i + half];
           const T y1 = x1 * c[i] - sign * x2 * s[i];
           const T y2 = x2 * c[i] + sign * x1 * s[i];
           if (accumulate) {
-            y[base + i] += y1;
-            y[base + i + half] += y2;
+            y[by + i] += y1;
+            y[by + i + half] += y2;
           } else {
-            y[base + i] = y1;
-            y[base + i + half] = y2;
+            y[by + i] = y1;
+            y[by + i + half] = y2;
           }
         }
       }
@@ -98,7 +113,7 @@ void rope_forward(const Tensor& out, const Tensor& x, const Tensor& cos, const T
   CW_DISPATCH_GPU(x, rope_forward(out, x, cos, sin, pos0));
   cpu::dispatch_float(x.dtype, "rope_forward", [&](auto zero) {
     using T = decltype(zero);
-    rotate<T>(out.ptr<T>(), x.ptr<T>(), x, cos.ptr<T>(), sin.ptr<T>(), pos0, T(1), false);
+    rotate<T>(out.ptr<T>(), out.stride[1], x.ptr<T>(), x.stride[1], x, cos.ptr<T>(), sin.ptr<T>(), pos0, T(1), false);
   });
 }
 
@@ -110,8 +125,8 @@ void rope_backward(const Tensor& d_x, const Tensor& d_out, const Tensor& cos, co
   CW_DISPATCH_GPU(d_out, rope_backward(d_x, d_out, cos, sin, pos0, mode));
   cpu::dispatch_float(d_out.dtype, "rope_backward", [&](auto zero) {
     using T = decltype(zero);
-    rotate<T>(d_x.ptr<T>(), d_out.ptr<T>(), d_out, cos.ptr<T>(), sin.ptr<T>(), pos0, T(-1),
-              mode == GradMode::accumulate);
+    rotate<T>(d_x.ptr<T>(), d_x.stride[1], d_out.ptr<T>(), d_out.stride[1], d_out, cos.ptr<T>(), sin.ptr<T>(), pos0,
+              T(-1), mode == GradMode::accumulate);
   });
 }
 

@@ -6,8 +6,10 @@
 //   backward: the transpose rotation (angle -> -angle), d_x overwritten or accumulated.
 // Token t of a [B, T, H, D] tensor sits at position pos0 + t for every sequence of the batch (a chunk
 // that starts at pos0). Shapes: x, out [B, T, H, D]; cos, sin tables [P, D/2] with P >= pos0 + T, in
-// accum_dtype(x.dtype) (f32 for bf16); all contiguous, on one device. out may alias x (in place);
-// d_x may alias d_out when overwriting. Saves nothing.
+// accum_dtype(x.dtype) (f32 for bf16); on one device. The tables are contiguous; x and out (d_out and
+// d_x) each either contiguous or a column slice of wider token rows, strides [T P, P, D, 1] with
+// P >= H D (the q or k heads of a fused QKV projection's [N, (H + 2 Hkv) D] output). out may alias x
+// (in place, the same strides); d_x may alias d_out when overwriting. Saves nothing.
 //
 // inv_freq[i] = theta^(-2i/D), optionally rescaled: "linear" divides by factor; "llama3" (Llama 3.1)
 // divides low frequencies (wavelength > original_max / low_freq_factor) by factor, keeps high ones
@@ -34,6 +36,10 @@ struct RopeScaling {
 std::vector<double> rope_inv_freq(int64_t head_dim, double theta, const RopeScaling& scaling);
 // Fills cos and sin [P, D/2] (f64 or f32) for positions 0..P-1.
 void rope_tables(const Tensor& cos, const Tensor& sin, int64_t head_dim, double theta, const RopeScaling& scaling);
+
+// The token stride of a rope operand (H D packed; more for a slice of wider rows); a clear error for
+// any other layout.
+int64_t rope_token_pitch(const Tensor& t, const char* what);
 
 void rope_forward(const Tensor& out, const Tensor& x, const Tensor& cos, const Tensor& sin, int64_t pos0);
 void rope_backward(const Tensor& d_x, const Tensor& d_out, const Tensor& cos, const Tensor& sin, int64_t pos0,

@@ -75,6 +75,43 @@ TEST_CASE("cuda: in-place and aliased operands give the out-of-place bits" * doc
   }
 }
 
+TEST_CASE("cuda: rope on a column slice of wider rows gives the packed heads' bits" * doctest::skip(!cw::test::gpu_ready())) {
+  // The fused Q/K/V projection's rows (model/layer.cpp): the q heads at column 0, k at H D; a head dim
+  // of 64 takes the vector path, 10 the scalar one.
+  for (const int64_t D : {int64_t{64}, int64_t{10}}) {
+    const int64_t B = 2, T = 37, H = 4, Hkv = 2, P = 64, pos0 = 5, W = (H + 2 * Hkv) * D;
+    OwnedTensor cos64(DType::f64, {P, D / 2}), sin64(DType::f64, {P, D / 2});
+    rope_tables(cos64, sin64, D, 10000.0, RopeScaling{});
+    OwnedTensor cos = on_gpu(DType::f32, {P, D / 2}), sin = on_gpu(DType::f32, {P, D / 2});
+    gpu::copy_convert(cos, cos64);
+    gpu::copy_convert(sin, sin64);
+    for (DType dt : {DType::f32, DType::bf16}) {
+      INFO(dtype_name(dt), " D ", D);
+      GpuInput rows = make_input(dt, {B * T, W}, 11);
+      for (const auto& [col0, heads] : {std::pair{int64_t{0}, H}, std::pair{H * D, Hkv}}) {
+        const Tensor xs = head_columns(rows.dev, col0, B, T, heads, D);
+        OwnedTensor x = on_gpu(dt, {B, T, heads, D}), want = on_gpu(dt, {B, T, heads, D}), got = on_gpu(dt, {B, T, heads, D});
+        copy_heads(x, xs);
+        rope_forward(want, x, cos, sin, pos0);
+        rope_forward(got, xs, cos, sin, pos0);
+        CHECK(compare(fetch(got), fetch(want)).rel == 0);
+        OwnedTensor out_rows = on_gpu(dt, {B * T, W});
+        fill(out_rows, 0.0);
+        const Tensor os = head_columns(out_rows, col0, B, T, heads, D);
+        rope_backward(want, x, cos, sin, pos0, GradMode::overwrite);
+        rope_backward(os, x, cos, sin, pos0, GradMode::overwrite);
+        copy_heads(got, os);
+        CHECK(compare(fetch(got), fetch(want)).rel == 0);
+        copy_heads(os, x);
+        rope_forward(os, os, cos, sin, pos0);  // in place on the slice
+        rope_forward(want, x, cos, sin, pos0);
+        copy_heads(got, os);
+        CHECK(compare(fetch(got), fetch(want)).rel == 0);
+      }
+    }
+  }
+}
+
 TEST_CASE("cuda: rmsnorm, rope and accumulate reject bad operands" * doctest::skip(!cw::test::gpu_ready())) {
   GpuInput x = make_input(DType::f32, {4, 8}, 1), w = make_input(DType::f32, {8}, 2), dy = make_input(DType::f32, {4, 8}, 3);
   OwnedTensor out = poisoned(DType::f32, {4, 8}), rstd = poisoned(DType::f32, {4});

@@ -77,6 +77,44 @@ TEST_CASE("rope: llama3 frequencies; a rotation; in place equals out of place; t
   CHECK_THROWS_AS(rope_forward(y, x, cos, sin, 12), Error);  // positions past the table
 }
 
+TEST_CASE("rope: heads that are a column slice of wider rows give the packed heads' values, in and out of place") {
+  const int64_t B = 2, T = 5, H = 3, D = 8, P = 16, pos0 = 4, W = 3 * H * D + 8, col0 = H * D + 4;
+  OwnedTensor cos(DType::f64, {P, D / 2}), sin(DType::f64, {P, D / 2});
+  rope_tables(cos, sin, D, 10000.0, RopeScaling{});
+  OwnedTensor rows = randn({B * T, W}, 31), x(DType::f64, {B, T, H, D});
+  const Tensor xs = head_columns(rows, col0, B, T, H, D);
+  copy_convert(x, xs);
+  OwnedTensor want(DType::f64, {B, T, H, D}), back(DType::f64, {B, T, H, D});
+  rope_forward(want, x, cos, sin, pos0);
+  rope_backward(back, x, cos, sin, pos0, GradMode::overwrite);
+  // strided in, packed out; packed in, strided out; strided in place; backward accumulating into strided
+  OwnedTensor got(DType::f64, {B, T, H, D}), out_rows(DType::f64, {B * T, W}), unpacked(DType::f64, {B, T, H, D});
+  rope_forward(got, xs, cos, sin, pos0);
+  CHECK(compare(got, want).rel == 0.0);
+  fill(out_rows, 7.0);
+  const Tensor os = head_columns(out_rows, col0, B, T, H, D);
+  rope_forward(os, x, cos, sin, pos0);
+  copy_convert(unpacked, os);
+  CHECK(compare(unpacked, want).rel == 0.0);
+  CHECK(out_rows.tensor.ptr<double>()[0] == 7.0);  // the columns outside the slice untouched
+  CHECK(out_rows.tensor.ptr<double>()[W - 1] == 7.0);
+  rope_backward(os, os, cos, sin, pos0, GradMode::overwrite);  // rotates back: os holds x again to rounding
+  copy_convert(unpacked, os);
+  CHECK(compare(unpacked, x).rel < 1e-15);
+  copy_convert(os, x);
+  rope_forward(os, os, cos, sin, pos0);
+  copy_convert(unpacked, os);
+  CHECK(compare(unpacked, want).rel == 0.0);
+  fill(out_rows, 0.0);
+  rope_backward(os, x, cos, sin, pos0, GradMode::accumulate);
+  copy_convert(unpacked, os);
+  CHECK(compare(unpacked, back).rel == 0.0);
+  // Any other layout is refused, naming the operand.
+  Tensor bad = xs;
+  bad.stride[2] = D + 1;
+  CHECK_THROWS_WITH_AS(rope_forward(got, bad, cos, sin, pos0), doctest::Contains("rope in"), Error);
+}
+
 TEST_CASE("attention: a chunk equals the last rows of whole-sequence attention; a K/V slice equals packed K/V") {
   const int64_t B = 2, H = 4, Hkv = 2, D = 4, p = 5, c = 3, S = p + c;
   const double scale = 1.0 / std::sqrt(double(D));

@@ -120,6 +120,41 @@ TEST_CASE("seco equals full backprop in fp64 across chunkings, batches, GQA rati
   }
 }
 
+TEST_CASE("the fused Q/K/V projection equals three GEMMs in fp64: full backprop and seco, loss and gradients") {
+  // model/layer.h: with Wq, Wk, Wv back to back one GEMM projects all three and one pair of GEMMs
+  // backprops them; RoPE reads and writes the fused rows' q and k columns in place.
+  for (const int64_t kv_heads : {int64_t{2}, int64_t{4}}) {
+    Case c{"fused", 2, 24, 7, 0, kv_heads};
+    INFO("kv heads ", kv_heads);
+    const LlamaConfig cfg = config_for(c);
+    LlamaModel model(cfg, DType::f64);
+    init_parameters(model.params(), 21, cfg.initializer_range, 0.1);
+    const Batch batch = batch_for(c, cfg, 22);
+    for (const char* name : {"full", "seco"}) {
+      INFO("schedule ", name);
+      ScheduleOptions o;
+      o.name = name;
+      o.chunk = c.chunk;
+      ParamSet g_fused(cfg, DType::f64), g_three(cfg, DType::f64);
+      Result fused{}, three{};
+      {
+        const SettingScope<bool> on(fused_qkv, set_fused_qkv, true);
+        fused = run(o, model, batch, g_fused);
+      }
+      {
+        const SettingScope<bool> off(fused_qkv, set_fused_qkv, false);
+        three = run(o, model, batch, g_three);
+      }
+      std::string report;
+      const double rel = max_rel(g_fused, g_three, &report);
+      INFO("worst tensor ", report);
+      CHECK(rel <= test::kSameMathF64Tol);
+      CHECK(rel > 0);  // the fused path ran: its sums round differently
+      CHECK(std::abs(fused.loss - three.loss) <= kLossTol * std::abs(three.loss));
+    }
+  }
+}
+
 TEST_CASE("seco and spaco with the K/V store offloaded (window of layers) equal the store on the device, bitwise") {
   // On the CPU the residency's "device" slots are host memory and its copies memcpy at the call, so
   // the offload schedule (what moves where, when) runs exactly: any missed or stale copy changes bits.
