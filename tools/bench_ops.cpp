@@ -149,15 +149,19 @@ void bench_attention(std::vector<Row>& rows, DType dt, int64_t T, int64_t H, int
   rows.push_back(std::move(bwd));
 }
 
+// "A:B" of a row option: two integers, (0, 0) where the text is not two integers.
+std::pair<int64_t, int64_t> parse_pair(const std::string& spec) {
+  const size_t colon = spec.find(':');
+  try {
+    if (colon != std::string::npos) return {std::stoll(spec.substr(0, colon)), std::stoll(spec.substr(colon + 1))};
+  } catch (const std::exception&) {
+  }
+  return {0, 0};
+}
+
 // "C:S" of --chunk-attention: a chunk of C queries against S keys, S a multiple of C.
 std::pair<int64_t, int64_t> parse_chunk_attention(const std::string& spec) {
-  const size_t colon = spec.find(':');
-  int64_t c = 0, S = 0;
-  try {
-    if (colon != std::string::npos) c = std::stoll(spec.substr(0, colon)), S = std::stoll(spec.substr(colon + 1));
-  } catch (const std::exception&) {
-    c = S = 0;
-  }
+  const auto [c, S] = parse_pair(spec);
   if (c <= 0 || S < c || S % c != 0)
     fail(fmt::format("bench-ops --chunk-attention '{}': expected CHUNK:KEYS", spec),
          "give the chunk's queries and the keys it sees, KEYS a multiple of CHUNK (e.g. 4096:131072)");
@@ -166,13 +170,7 @@ std::pair<int64_t, int64_t> parse_chunk_attention(const std::string& spec) {
 
 // "O:I" of --linears.
 std::pair<int64_t, int64_t> parse_linear(const std::string& spec) {
-  const size_t colon = spec.find(':');
-  int64_t O = 0, I = 0;
-  try {
-    if (colon != std::string::npos) O = std::stoll(spec.substr(0, colon)), I = std::stoll(spec.substr(colon + 1));
-  } catch (const std::exception&) {
-    O = I = 0;
-  }
+  const auto [O, I] = parse_pair(spec);
   if (O <= 0 || I <= 0)
     fail(fmt::format("bench-ops --linears '{}': expected OUT:IN", spec),
          "give the linear's output and input features, e.g. 512:2048 (Llama-3.2-1B's k_proj)");

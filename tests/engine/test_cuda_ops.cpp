@@ -14,6 +14,7 @@
 #include "tests/support.h"
 
 #include <cmath>
+#include <utility>
 #include <vector>
 
 using namespace cw;
@@ -24,15 +25,20 @@ constexpr uint64_t kSeed = 4242;
 GpuInput make_input(DType dt, const std::vector<int64_t>& shape, uint64_t stream, double std = 1.0, double mean = 0.0) {
   return make_gpu_input(dt, shape, kSeed, stream, std, mean);
 }
+// RoPE's cos and sin tables [P, D/2] on the GPU in f32, computed in f64.
+std::pair<OwnedTensor, OwnedTensor> gpu_rope_tables(int64_t P, int64_t D) {
+  OwnedTensor cos64(DType::f64, {P, D / 2}), sin64(DType::f64, {P, D / 2});
+  rope_tables(cos64, sin64, D, 10000.0, RopeScaling{});
+  std::pair<OwnedTensor, OwnedTensor> tables{on_gpu(DType::f32, {P, D / 2}), on_gpu(DType::f32, {P, D / 2})};
+  gpu::copy_convert(tables.first, cos64);
+  gpu::copy_convert(tables.second, sin64);
+  return tables;
+}
 }  // namespace
 
 TEST_CASE("cuda: in-place and aliased operands give the out-of-place bits" * doctest::skip(!cw::test::gpu_ready())) {
   const int64_t B = 2, T = 37, H = 3, D = 10, P = 64, pos0 = 5, N = 37, C = 203;
-  OwnedTensor cos64(DType::f64, {P, D / 2}), sin64(DType::f64, {P, D / 2});
-  rope_tables(cos64, sin64, D, 10000.0, RopeScaling{});
-  OwnedTensor cos = on_gpu(DType::f32, {P, D / 2}), sin = on_gpu(DType::f32, {P, D / 2});
-  gpu::copy_convert(cos, cos64);
-  gpu::copy_convert(sin, sin64);
+  const auto [cos, sin] = gpu_rope_tables(P, D);
   for (DType dt : {DType::f32, DType::bf16}) {
     INFO(dtype_name(dt));
     GpuInput x = make_input(dt, {B, T, H, D}, 7), xi = make_input(dt, {B, T, H, D}, 7);
@@ -80,11 +86,7 @@ TEST_CASE("cuda: rope on a column slice of wider rows gives the packed heads' bi
   // of 64 takes the vector path, 10 the scalar one.
   for (const int64_t D : {int64_t{64}, int64_t{10}}) {
     const int64_t B = 2, T = 37, H = 4, Hkv = 2, P = 64, pos0 = 5, W = (H + 2 * Hkv) * D;
-    OwnedTensor cos64(DType::f64, {P, D / 2}), sin64(DType::f64, {P, D / 2});
-    rope_tables(cos64, sin64, D, 10000.0, RopeScaling{});
-    OwnedTensor cos = on_gpu(DType::f32, {P, D / 2}), sin = on_gpu(DType::f32, {P, D / 2});
-    gpu::copy_convert(cos, cos64);
-    gpu::copy_convert(sin, sin64);
+    const auto [cos, sin] = gpu_rope_tables(P, D);
     for (DType dt : {DType::f32, DType::bf16}) {
       INFO(dtype_name(dt), " D ", D);
       GpuInput rows = make_input(dt, {B * T, W}, 11);
