@@ -405,10 +405,10 @@ void block_backward(const Tensor& d_x, const LayerWeights& g, const LayerActivat
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
   kv.attend_backward(layer, p, p + c, d_q, d_attn.view({B, c, H, D}), a.attn_saved, a.q, a.attn, scale, s);
   const Tensor w_qkv = fused_qkv_weight(w, ctx);
-  if (w_qkv.data) {
-    const Tensor g_qkv = stacked_qkv(g.wq, g.wk, g.wv);
-    CW_CHECK(g_qkv.data || (!g.wq.data && !g.wk.data && !g.wv.data),
-             "layer {}: the fused Q/K/V projection needs its three gradients back to back, or none", layer);
+  const Tensor g_qkv = stacked_qkv(g.wq, g.wk, g.wv);
+  // Fused where the gradients lie back to back too (or are all frozen); otherwise the three GEMMs below,
+  // which need nothing from how the forward projected.
+  if (w_qkv.data && (g_qkv.data || (!g.wq.data && !g.wk.data && !g.wv.data))) {
     // d(q, k, v) before RoPE, side by side as the fused GEMM's output was: RoPE's transpose writes the q
     // and k columns; the chunk's own K/V gradient (local part plus what later chunks added, all in
     // the accumulator) is read into the k and v columns.
