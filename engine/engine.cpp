@@ -172,23 +172,26 @@ void synchronize(Device device) {
   if (!device.is_cpu()) gpu::synchronize(device.index);
 }
 
+bool cached_env_flag(std::atomic<int>& cache, const char* name, bool by_default, const char* hint) {
+  int v = cache.load();
+  if (v < 0) {
+    const bool other = gpu::env_choice(name, {by_default ? "1" : "0", by_default ? "0" : "1"}, hint) == 1;
+    v = (by_default != other) ? 1 : 0;
+    cache.store(v);
+  }
+  return v == 1;
+}
+
 namespace {
-std::atomic<int> g_gemm_tuning{-1};  // -1: not yet read from CW_GEMM_TUNE
+std::atomic<int> g_gemm_tuning{-1};  // cached_env_flag's cache of CW_GEMM_TUNE
 }  // namespace
 
 void set_gemm_tuning(bool on) { g_gemm_tuning.store(on ? 1 : 0); }
 
 bool gemm_tuning() {
-  int v = g_gemm_tuning.load();
-  if (v < 0) {
-    v = gpu::env_choice("CW_GEMM_TUNE", {"0", "1"},
-                        "use CW_GEMM_TUNE=0 (the default: cuBLASLt's first answer) or 1 (each GEMM shape runs the "
-                        "fastest of cuBLASLt's candidates, timed at its first call)") == 1
-            ? 1
-            : 0;
-    g_gemm_tuning.store(v);
-  }
-  return v == 1;
+  return cached_env_flag(g_gemm_tuning, "CW_GEMM_TUNE", false,
+                         "use CW_GEMM_TUNE=0 (the default: cuBLASLt's first answer) or 1 (each GEMM shape runs the "
+                         "fastest of cuBLASLt's candidates, timed at its first call)");
 }
 
 GemmTuneStats gemm_tune_stats() { return gpu::gemm_tune_stats(); }

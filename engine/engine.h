@@ -10,6 +10,7 @@
 #include "engine/ops/attention.h"
 #include "engine/tensor.h"
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -35,6 +36,12 @@ std::vector<GpuInfo> list_gpus();
 bool gpu_available();  // this build has CUDA and the runtime sees at least one GPU
 // One line per device, starting with the CPU; used by `chunkwise devices` and test skip messages.
 std::string describe_devices();
+
+// ---- Process-wide switches ----
+// The switches below (and model/layer.h's fused_qkv) keep their value in `cache`: -1 until a set_X
+// stores 1 or 0, or the first read takes environment variable `name` ("1" or "0"; unset or empty:
+// `by_default`; anything else is a clear error naming the variable, with `hint`).
+bool cached_env_flag(std::atomic<int>& cache, const char* name, bool by_default, const char* hint);
 
 // ---- Determinism (env CW_DETERMINISTIC=0|1; off by default) ----
 // On: every GPU result is bitwise reproducible (only deterministic kernels run). Off: the attention

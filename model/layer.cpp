@@ -16,22 +16,14 @@
 namespace cw {
 
 namespace {
-std::atomic<int> g_fused_qkv{-1};  // -1: not yet read from CW_FUSED_QKV
+std::atomic<int> g_fused_qkv{-1};  // cached_env_flag's cache of CW_FUSED_QKV
 }  // namespace
 
 void set_fused_qkv(bool on) { g_fused_qkv.store(on ? 1 : 0); }
 
 bool fused_qkv() {
-  int v = g_fused_qkv.load();
-  if (v < 0) {
-    const char* e = std::getenv("CW_FUSED_QKV");
-    const std::string s = e ? e : "";
-    CW_CHECK_HINT(s.empty() || s == "0" || s == "1", "use CW_FUSED_QKV=1 (the default: Q, K and V projected by one GEMM) "
-                  "or 0 (three)", "environment variable CW_FUSED_QKV='{}' is not 0 or 1", s);
-    v = s == "0" ? 0 : 1;
-    g_fused_qkv.store(v);
-  }
-  return v == 1;
+  return cached_env_flag(g_fused_qkv, "CW_FUSED_QKV", true,
+                         "use CW_FUSED_QKV=1 (the default: Q, K and V projected by one GEMM) or 0 (three)");
 }
 
 bool fuses_qkv(const LoraConfig* lora, const TensorParallelGroup* tp) {
@@ -406,39 +398,41 @@ void block_backward(const Tensor& d_x, const LayerWeights& g, const LayerActivat
   kv.attend_backward(layer, p, p + c, d_q, d_attn.view({B, c, H, D}), a.attn_saved, a.q, a.attn, scale, s);
   const Tensor w_qkv = fused_qkv_weight(w, ctx);
   const Tensor g_qkv = stacked_qkv(g.wq, g.wk, g.wv);
-  // Fused where the gradients lie back to back too (or are all frozen); otherwise the three GEMMs below,
-  // which need nothing from how the forward projected.
-  if (w_qkv.data && (g_qkv.data || (!g.wq.data && !g.wk.data && !g.wv.data))) {
-    // d(q, k, v) before RoPE, side by side as the fused GEMM's output was: RoPE's transpose writes the q
-    // and k columns; the chunk's own K/V gradient (local part plus what later chunks added, all in
-    // the accumulator) is read into the k and v columns.
-    Tensor d_qkv = s.alloc(dt, {N, cf.q_dim() + 2 * cf.kv_dim()});
-    const Tensor d_k = head_columns(d_qkv, cf.q_dim(), B, c, Hkv, D);
+  // Fused where the gradients lie back to back too (or are all frozen); otherwise three GEMMs, which
+  // need nothing from how the forward projected.
+  const bool fused = w_qkv.data && (g_qkv.data || (!g.wq.data && !g.wk.data && !g.wv.data));
+  // The chunk's own K/V gradient: local part plus what later chunks added, all in the accumulator.
+  // Fused: d(q, k, v) before RoPE side by side, as the fused GEMM's output was; RoPE's transpose
+  // writes the q and k columns.
+  Tensor d_qkv, d_k, d_v;
+  if (fused) {
+    d_qkv = s.alloc(dt, {N, cf.q_dim() + 2 * cf.kv_dim()});
+    d_k = head_columns(d_qkv, cf.q_dim(), B, c, Hkv, D);
     rope_backward(head_columns(d_qkv, 0, B, c, H, D), d_q, ctx.rope_cos, ctx.rope_sin, p, GradMode::overwrite);
     copy_heads(d_k, kv.d_keys(layer, p, p + c));
-    rope_backward(d_k, d_k, ctx.rope_cos, ctx.rope_sin, p, GradMode::overwrite);
     copy_heads(head_columns(d_qkv, cf.q_dim() + cf.kv_dim(), B, c, Hkv, D), kv.d_values(layer, p, p + c));
-    const Tensor d_h = s.alloc(dt, {N, C});
-    linear_backward(d_h, g_qkv, d_qkv, a.h1, w_qkv, GradMode::overwrite);
-    rmsnorm_backward(d_x, g.attn_norm, d_h, a.norm1, x_in, w.attn_norm, GradMode::accumulate, s);  // now d(x_in)
-    return;
+  } else {
+    d_k = s.alloc(dt, {B, c, Hkv, D});
+    d_v = s.alloc(dt, {B, c, Hkv, D});
+    copy_convert(d_k, kv.d_keys(layer, p, p + c));
+    copy_convert(d_v, kv.d_values(layer, p, p + c));
+    rope_backward(d_q, d_q, ctx.rope_cos, ctx.rope_sin, p, GradMode::overwrite);
   }
-  // The chunk's own K/V gradient: local part plus what later chunks added, all in the accumulator.
-  Tensor d_k = s.alloc(dt, {B, c, Hkv, D}), d_v = s.alloc(dt, {B, c, Hkv, D});
-  copy_convert(d_k, kv.d_keys(layer, p, p + c));
-  copy_convert(d_v, kv.d_values(layer, p, p + c));
-  rope_backward(d_q, d_q, ctx.rope_cos, ctx.rope_sin, p, GradMode::overwrite);
   rope_backward(d_k, d_k, ctx.rope_cos, ctx.rope_sin, p, GradMode::overwrite);
   std::optional<TpLease> h1_lease, d_h_lease;
   const Tensor h1 = normed_input_backward(h1_lease, a.h1, N, tp);
   const Tensor d_h_all = partial_output(d_h_lease, N, C, dt, tp, s);  // this rank's share of d(h1)
-  linear_bwd(d_h_all, g.wq, g.lora.q, d_q.view({N, cf.q_dim()}), h1, w.wq, w.lora.q, ParamRole::wq,
-             GradMode::overwrite, at);
-  // The relayed K/V gradient enters x through W_k, W_v (frozen or not) and their adapters.
-  linear_bwd(d_h_all, g.wk, g.lora.k, d_k.view({N, cf.kv_dim()}), h1, w.wk, w.lora.k, ParamRole::wk,
-             GradMode::accumulate, at);
-  linear_bwd(d_h_all, g.wv, g.lora.v, d_v.view({N, cf.kv_dim()}), h1, w.wv, w.lora.v, ParamRole::wv,
-             GradMode::accumulate, at);
+  if (fused) {
+    linear_backward(d_h_all, g_qkv, d_qkv, h1, w_qkv, GradMode::overwrite);
+  } else {
+    linear_bwd(d_h_all, g.wq, g.lora.q, d_q.view({N, cf.q_dim()}), h1, w.wq, w.lora.q, ParamRole::wq,
+               GradMode::overwrite, at);
+    // The relayed K/V gradient enters x through W_k, W_v (frozen or not) and their adapters.
+    linear_bwd(d_h_all, g.wk, g.lora.k, d_k.view({N, cf.kv_dim()}), h1, w.wk, w.lora.k, ParamRole::wk,
+               GradMode::accumulate, at);
+    linear_bwd(d_h_all, g.wv, g.lora.v, d_v.view({N, cf.kv_dim()}), h1, w.wv, w.lora.v, ParamRole::wv,
+               GradMode::accumulate, at);
+  }
   h1_lease.reset();
   const Tensor d_h = normed_input_grad(d_h_all, tp, s);
   rmsnorm_backward(d_x, g.attn_norm, d_h, a.norm1, x_in, w.attn_norm, GradMode::accumulate, s);  // now d(x_in)

@@ -57,15 +57,8 @@ AttentionKernel attention_kernel() {
 void set_deterministic(bool on) { g_deterministic.store(on ? 1 : 0); }
 
 bool deterministic() {
-  int v = g_deterministic.load();
-  if (v < 0) {
-    v = gpu::env_switch("CW_DETERMINISTIC",
-                        "use CW_DETERMINISTIC=1 for bitwise-reproducible gradients, 0 (the default) for the fastest kernels")
-            ? 1
-            : 0;
-    g_deterministic.store(v);
-  }
-  return v == 1;
+  return cached_env_flag(g_deterministic, "CW_DETERMINISTIC", false,
+                         "use CW_DETERMINISTIC=1 for bitwise-reproducible gradients, 0 (the default) for the fastest kernels");
 }
 
 void set_cudnn_plans(CudnnPlans plans) { g_cudnn_plans.store(static_cast<int>(plans)); }
@@ -84,16 +77,9 @@ CudnnPlans cudnn_plans() {
 void set_cudnn_split_prefix(bool on) { g_cudnn_split_prefix.store(on ? 1 : 0); }
 
 bool cudnn_split_prefix() {
-  int v = g_cudnn_split_prefix.load();
-  if (v < 0) {
-    v = gpu::env_choice("CW_CUDNN_SPLIT_PREFIX", {"1", "0"},
-                        "use CW_CUDNN_SPLIT_PREFIX=1 (the default: a chunk's earlier keys in their own unmasked cuDNN "
-                        "call) or 0 (one masked call)") == 0
-            ? 1
-            : 0;
-    g_cudnn_split_prefix.store(v);
-  }
-  return v == 1;
+  return cached_env_flag(g_cudnn_split_prefix, "CW_CUDNN_SPLIT_PREFIX", true,
+                         "use CW_CUDNN_SPLIT_PREFIX=1 (the default: a chunk's earlier keys in their own unmasked cuDNN "
+                         "call) or 0 (one masked call)");
 }
 
 bool cudnn_splits_prefix(int64_t queries, int64_t keys) {

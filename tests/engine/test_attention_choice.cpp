@@ -8,6 +8,8 @@
 
 #include <doctest/doctest.h>
 
+#include <atomic>
+#include <cstdlib>
 #include <string>
 
 using namespace cw;
@@ -68,6 +70,30 @@ TEST_CASE("attention chooser: a forced family that cannot take the call names wh
         AttentionKernel::flash_simt);
   CHECK(error_of(gpu_call(DType::f32, 7), AttentionKernel::flash_simt).find("even head dim") != std::string::npos);
   CHECK_FALSE(error_of(gpu_call(DType::bf16, 256), AttentionKernel::flash_simt).empty());
+}
+
+TEST_CASE("cached_env_flag: the default, the variable's 0 or 1, a set value kept, anything else a clear error") {
+  const char* name = "CW_TEST_CACHED_ENV_FLAG";
+  for (const bool by_default : {false, true}) {
+    INFO("by default ", by_default);
+    ::unsetenv(name);
+    std::atomic<int> cache{-1};
+    CHECK(cached_env_flag(cache, name, by_default, "hint") == by_default);
+    ::setenv(name, by_default ? "0" : "1", 1);
+    CHECK(cached_env_flag(cache, name, by_default, "hint") == by_default);  // read once: the variable is not read again
+    cache.store(-1);
+    CHECK(cached_env_flag(cache, name, by_default, "hint") == !by_default);
+    ::setenv(name, by_default ? "1" : "0", 1);
+    cache.store(-1);
+    CHECK(cached_env_flag(cache, name, by_default, "hint") == by_default);
+    ::setenv(name, "", 1);
+    cache.store(-1);
+    CHECK(cached_env_flag(cache, name, by_default, "hint") == by_default);
+    ::setenv(name, "yes", 1);
+    cache.store(-1);
+    CHECK_THROWS_WITH_AS(cached_env_flag(cache, name, by_default, "hint"), doctest::Contains(name), Error);
+  }
+  ::unsetenv(name);
 }
 
 TEST_CASE("attention settings: set_attention_kernel and set_deterministic are read back") {
