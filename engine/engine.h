@@ -117,6 +117,13 @@ CudnnPlans cudnn_plans();
 // of one call at 64K keys). Exact plans only (CW_CUDNN_PLANS=shared keeps one graph). Off: one graph.
 void set_cudnn_split_prefix(bool on);
 bool cudnn_split_prefix();
+// The backward of that unmasked prefix with grouped K/V heads (env CW_CUDNN_STACK_GQA=0|1, on by
+// default): each K/V head's G query heads stacked into one head of G c rows (Q, O, dO copied
+// head-major; the lse is already laid out so), so cuDNN runs it as plain multi-head attention and
+// accumulates dK, dV over all G c rows itself. Off: cuDNN computes dK, dV per query head and reduces
+// them in a pass of its own, O(G p) traffic per call.
+void set_cudnn_stack_gqa(bool on);
+bool cudnn_stack_gqa();
 // Whether a causal cuDNN call of `queries` rows, the last of `keys` keys, runs with its prefix apart
 // under the settings: the split on, exact plans, a chunk of at least kSplitMinQueries queries with at
 // least as many keys before it (the split was measured on chunks of 1K-32K; a few queries keep one
@@ -139,10 +146,10 @@ int cudnn_plan_threads();
 // refuses falls back to the exact one), the seconds spent building both (summed over the threads
 // that built them), of them the plans built ahead, the seconds calls waited for a plan another
 // thread was building, and the calls that ran their family's shared plan while their exact plan
-// was being built ahead, and the calls that ran with their prefix apart (cudnn_split_prefix). Zeros
-// without cuDNN.
+// was being built ahead, the calls that ran with their prefix apart (cudnn_split_prefix), and of
+// those the backwards whose prefix ran stacked (cudnn_stack_gqa). Zeros without cuDNN.
 struct AttentionPlanStats {
-  int64_t built = 0, refused = 0, built_ahead = 0, stood_in = 0, split = 0;
+  int64_t built = 0, refused = 0, built_ahead = 0, stood_in = 0, split = 0, stacked = 0;
   double seconds = 0, waited_seconds = 0;
 };
 AttentionPlanStats attention_plan_stats();

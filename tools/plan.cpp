@@ -149,6 +149,8 @@ struct Shape {
   size_t row(int64_t width) const { return N() * size_t(width) * e; }
   // cuDNN runs the call with its earlier keys apart: two graphs.
   bool split() const { return !streamed && cudnn_splits_prefix(c, S); }
+  // Its prefix's backward stacks the query heads per K/V head: Q, O, dO copied head-major.
+  bool stacked() const { return split() && cf.num_attention_heads != cf.num_key_value_heads && cudnn_stack_gqa(); }
 };
 
 // The input width of a block linear.
@@ -291,6 +293,8 @@ void block_backward(ArenaReplay& a, const Shape& s, MlpKept mlp, int64_t mlp_sha
     a.alloc(size_t(s.B * s.S * Hkv * D) * 2);             // dV scratch
     if (s.split()) a.alloc(s.row(cf.q_dim()));            // the prefix's dQ
     a.alloc(size_t(s.B * H * s.c) * 4);                   // Delta
+    if (s.stacked())
+      for (int i = 0; i < 3; ++i) a.alloc(s.row(cf.q_dim()));  // Q, O, dO head-major
     // The workspace (split, no less than the shared plan's over all S keys: attention_cudnn.cu).
     a.alloc(attention_backward_workspace(cf, s.B, s.S));
   }

@@ -61,7 +61,12 @@
 //   p = 0 (the square case, whose engine skips the tiles above the diagonal; the bottom-right mask
 //   is computed on every tile). Forward: the own block's out and lse into the caller's, the prefix's
 //   beside them, merged (attention_merge, bf16 in place). Backward: each part given the whole row's out and lse,
-//   its dK, dV added into its own rows, the prefix's dQ added to the own block's. Its plan is a
+//   its dK, dV added into its own rows, the prefix's dQ added to the own block's. With grouped K/V heads
+//   the prefix's backward runs stacked (cw::cudnn_stack_gqa, Shape::stacked): unmasked, the G query
+//   heads of a K/V head are one head of G c rows, so q, out and d_out are copied head-major
+//   [B, H, c, D] (lse and Delta [B, H, c] already are), cuDNN sums dK, dV over all G c rows in its
+//   own kernel (no per-query-head dK, dV and no reduction pass over G p rows), and the head-major dQ
+//   is added back transposed. Its plan is a
 //   split plan holding the two parts' plans, each cached under its own shape (the own block's is
 //   also the plan of the chunk at p = 0), so the queue, stand-ins and readiness above treat it as
 //   one plan; its scratch is taken once for both parts, laid out as one graph's.
@@ -288,9 +293,14 @@ struct Shape {
   bool shared = false;         // S is the store's extent; seq_len_q/seq_len_kv tensors give the real lengths
   bool causal = true;          // false: no mask, every query sees all S keys (a streamed key block)
   bool split = false;          // exact, causal, c >= 64, p >= c: the prefix apart (two graphs; splits() below)
+  // A split backward with grouped K/V heads: its prefix runs stacked (cw::cudnn_stack_gqa). On that
+  // prefix part itself: each K/V head's G query heads stacked into one head of G c rows (H = Hkv here),
+  // q, out, d_out, d_q and dQ packed head-major [B, H, c, D], no mask (rows in any order are the same
+  // problem).
+  bool stacked = false;
   auto key() const {
     return std::tie(device, backward, B, H, Hkv, c, S, D, k_batch_stride, v_batch_stride, deterministic, shared,
-                    causal, split);
+                    causal, split, stacked);
   }
   bool operator<(const Shape& o) const { return key() < o.key(); }
   bool operator==(const Shape& o) const { return key() == o.key(); }
@@ -299,9 +309,10 @@ struct Shape {
   bool gqa() const { return H != Hkv; }
   std::string form() const {
     const std::string keys = shared ? CW_FORMAT(", shared by every S <= {} (padding mask)", S)
-                             : split  ? ", prefix apart"
+                             : split  ? (stacked ? ", prefix apart (its query heads stacked)" : ", prefix apart")
                              : causal ? ""
-                                      : ", unmasked";
+                             : stacked ? ", unmasked, query heads stacked per K/V head"
+                                       : ", unmasked";
     if (!backward) return "forward" + keys;
     return std::string(dq_accum() ? "backward, dQ=f32 accumulator" : "backward, dQ=direct") +
            (gqa() ? ", GQA head reduction in the graph" : "") + keys;
@@ -312,18 +323,29 @@ struct Shape {
 // keys before the chunk as it has queries, the range measured in RESULTS.md's tenth session; exact
 // plans only, as shared plans are for the fewest plans, not the fastest).
 bool splits(const Shape& sh) { return !sh.shared && sh.causal && cw::cudnn_splits_prefix(sh.c, sh.S); }
+// Sets whether `sh` (an exact shape) runs with its prefix apart, and that prefix's backward stacked.
+void set_split(Shape& sh) {
+  sh.split = splits(sh);
+  sh.stacked = sh.split && sh.backward && sh.gqa() && cw::cudnn_stack_gqa();
+}
 // Its parts, with the call's K/V batch strides (the store's): the chunk's queries against the p keys
-// before it, unmasked; and against its own c keys, causal (p = 0: the square case).
+// before it, unmasked (stacked: H = Hkv heads of G c rows); and against its own c keys, causal (p = 0:
+// the square case).
 Shape prefix_part(Shape sh) {
   const int64_t p = sh.p();
   sh.S = p;
   sh.causal = false;
   sh.split = false;
+  if (sh.stacked) {
+    sh.c *= sh.H / sh.Hkv;
+    sh.H = sh.Hkv;
+  }
   return sh;
 }
 Shape own_part(Shape sh) {
   sh.S = sh.c;
   sh.split = false;
+  sh.stacked = false;
   return sh;
 }
 
@@ -426,7 +448,10 @@ cudnnBackendDescriptor_t build_mask(GraphBuilder& g, const Shape& sh, cudnnBacke
   return sh.causal ? causal_mask(g, sh, s, len) : s;
 }
 
-Dims q_strides(const Shape& sh) { return {sh.c * sh.H * sh.D, sh.D, sh.H * sh.D, 1}; }
+Dims q_strides(const Shape& sh) {
+  if (sh.stacked) return packed_strides({sh.B, sh.H, sh.c, sh.D});  // head-major copies (Shape::stacked)
+  return {sh.c * sh.H * sh.D, sh.D, sh.H * sh.D, 1};
+}
 // K/V as the graph sees the caller's [B, S, Hkv, D] (batch strides as given), and transposed.
 Dims kv_dims(const Shape& sh) { return {sh.B, sh.Hkv, sh.S, sh.D}; }
 Dims kv_t_dims(const Shape& sh) { return {sh.B, sh.Hkv, sh.D, sh.S}; }
@@ -991,7 +1016,7 @@ void queue_family(const Shape& sh) {
     s.backward = backward;
     s.S = S;
     s.deterministic = backward && cw::deterministic();
-    s.split = splits(s);
+    set_split(s);
     DeviceState& st = g_devices[s.device];
     if (st.plans.count(s) || st.rejected.count(s) || st.building.count(s) || !g_ahead_set.insert(s).second) return;
     g_ahead.push_back(s);
@@ -1114,7 +1139,7 @@ Shape shape_of(const Tensor& q, const Tensor& k, const Tensor& v, bool backward,
   Shape sh{q.device.index, backward,   q.size(0), q.size(2),   k.size(2), q.size(1),
            k.size(1),      q.size(3),  k.stride[0], v.stride[0], backward && cw::deterministic()};
   sh.causal = causal;
-  sh.split = splits(sh);
+  set_split(sh);
   return sh;
 }
 
@@ -1135,6 +1160,7 @@ Shape widened(Shape sh, int64_t extent) {
   sh.S = extent;
   sh.shared = true;
   sh.split = false;
+  sh.stacked = false;
   return sh;
 }
 
@@ -1183,6 +1209,7 @@ void count_run(const Shape& sh, const Plan& plan) {
   if (!stood_in && !plan.own) return;
   std::lock_guard lock(g_mutex);
   ++(stood_in ? g_stats.stood_in : g_stats.split);
+  if (!stood_in && sh.stacked) ++g_stats.stacked;
 }
 
 // What is cuDNN's own on top of the op's contract (engine/ops/attention.cpp checks shapes, dtypes,
@@ -1270,6 +1297,40 @@ void launch_add_kv(const Tensor& d_k, const Tensor& d_v, const void* sk, const v
 __global__ void add_q_kernel(__nv_bfloat16* dq, const __nv_bfloat16* src, int64_t n) {
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) dq[i] = __float2bfloat16_rn(__bfloat162float(dq[i]) + __bfloat162float(src[i]));
+}
+
+// A stacked prefix's operands (Shape::stacked): dst[b, h, t, :] = src[b, t, h, :] for the `count`
+// tensors of blockIdx.y, [B, c, H, D] bf16 packed into [B, H, c, D]; each thread moves 8 elements
+// (D is a multiple of 8, operands 16-byte aligned).
+struct HeadsMajorCopies {
+  const __nv_bfloat16* src[3];
+  __nv_bfloat16* dst[3];
+};
+__global__ void heads_major_kernel(HeadsMajorCopies copies, int64_t B, int64_t c, int64_t H, int64_t D) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x, per_row = D / 8;
+  if (i >= B * H * c * per_row) return;
+  const int64_t d8 = i % per_row, t = i / per_row % c, h = i / per_row / c % H, b = i / per_row / c / H;
+  const int64_t from = ((b * c + t) * H + h) * D + d8 * 8;
+  *reinterpret_cast<uint4*>(copies.dst[blockIdx.y] + i * 8) =
+      *reinterpret_cast<const uint4*>(copies.src[blockIdx.y] + from);
+}
+
+// dq[b, t, h, :] += src[b, h, t, :] (a stacked prefix's head-major dQ), the sum formed in f32 and
+// rounded once; 8 elements a thread.
+__global__ void add_q_heads_kernel(__nv_bfloat16* dq, const __nv_bfloat16* src, int64_t B, int64_t c, int64_t H,
+                                   int64_t D) {
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x, per_row = D / 8;
+  if (i >= B * c * H * per_row) return;
+  const int64_t d8 = i % per_row, h = i / per_row % H, t = i / per_row / H % c, b = i / per_row / H / c;
+  const int64_t from = ((b * H + h) * c + t) * D + d8 * 8;
+  uint4 acc = *reinterpret_cast<const uint4*>(dq + i * 8);
+  const uint4 add = *reinterpret_cast<const uint4*>(src + from);
+  __nv_bfloat162* a = reinterpret_cast<__nv_bfloat162*>(&acc);
+  const __nv_bfloat162* s = reinterpret_cast<const __nv_bfloat162*>(&add);
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    a[j] = __floats2bfloat162_rn(__low2float(a[j]) + __low2float(s[j]), __high2float(a[j]) + __high2float(s[j]));
+  *reinterpret_cast<uint4*>(dq + i * 8) = acc;
 }
 
 // seq_len_q[b] = c, seq_len_kv[b] = S: the real counts a shared plan masks with.
@@ -1513,6 +1574,19 @@ void cudnn_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor
   // every gradient.
   const Tensor delta = scratch.alloc(DType::f32, {B, H, c});
   CW_CUDA_CHECK(cudaMemsetAsync(delta.data, 0xff, static_cast<size_t>(B * H * c) * sizeof(float), stream));
+  // A stacked prefix reads q, out, d_out head-major (its lse and Delta [B, H, c] already are): copies.
+  const bool stacked = parts.size() > 1 && prefix_sh.stacked;
+  HeadsMajorCopies heads{};
+  if (stacked) {
+    const Tensor* from[3] = {&q, &out, &d_out};
+    for (int i = 0; i < 3; ++i) {
+      heads.src[i] = static_cast<const __nv_bfloat16*>(from[i]->data);
+      heads.dst[i] = static_cast<__nv_bfloat16*>(scratch.alloc(DType::bf16, {B, H, c, D}).data);
+    }
+    heads_major_kernel<<<dim3(blocks_for(B * H * c * D / 8, kAddThreads), 3), kAddThreads, 0, stream>>>(heads, B, c,
+                                                                                                        H, D);
+    CW_KERNEL_CHECK();
+  }
   const int64_t ws_bytes = split_backward_workspace(sh, *plan);
   void* ws = ws_bytes > 0 ? scratch.alloc_bytes(static_cast<size_t>(ws_bytes)) : nullptr;
   CW_CHECK(B <= 65535, "cuDNN attention: {} batch entries exceed the grid", B);
@@ -1531,8 +1605,19 @@ void cudnn_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor
     if (dq_accum && runtime_version() < 90600) CW_CUDA_CHECK(cudaMemsetAsync(dq_accum, 0, dq_accum_bytes, stream));
     MaskOperands m(*part.sh, keys, scratch, stream);
     std::vector<int64_t> uids{kQ, kK, kV, kO, kDO, kStats, kDQ, kDK, kDV, kScale, kDelta, kOne};
-    std::vector<void*> ptrs{q.data, kp.data, vp.data, out.data, d_out.data, saved.lse.data,
-                            dq.data, dk,     dv,      &scale_f, delta.data, &one};
+    const bool heads_major = part.sh->stacked;
+    std::vector<void*> ptrs{heads_major ? heads.dst[0] : q.data,
+                            kp.data,
+                            vp.data,
+                            heads_major ? heads.dst[1] : out.data,
+                            heads_major ? heads.dst[2] : d_out.data,
+                            saved.lse.data,
+                            dq.data,
+                            dk,
+                            dv,
+                            &scale_f,
+                            delta.data,
+                            &one};
     if (dq_accum) {
       uids.push_back(kDQAccum);
       ptrs.push_back(dq_accum);
@@ -1544,10 +1629,16 @@ void cudnn_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor
                   part.sh->S * row, stream);
     CW_KERNEL_CHECK();
   }
-  // d_q += dQ in accumulate mode; the prefix's dQ added to the own block's.
+  // d_q += dQ in accumulate mode; the prefix's dQ added to the own block's (head-major if stacked).
   const int64_t n = q.numel();
   for (const Tensor* add : {accumulate ? &dq_s : nullptr, parts.size() > 1 ? &dq_prefix : nullptr}) {
     if (!add) continue;
+    if (add == &dq_prefix && stacked) {
+      add_q_heads_kernel<<<blocks_for(n / 8, kAddThreads), kAddThreads, 0, stream>>>(
+          static_cast<__nv_bfloat16*>(d_q.data), static_cast<const __nv_bfloat16*>(add->data), B, c, H, D);
+      CW_KERNEL_CHECK();
+      continue;
+    }
     add_q_kernel<<<blocks_for(n, kAddThreads), kAddThreads, 0, stream>>>(
         static_cast<__nv_bfloat16*>(d_q.data), static_cast<const __nv_bfloat16*>(add->data), n);
     CW_KERNEL_CHECK();

@@ -31,6 +31,7 @@ std::atomic<int> g_deterministic{-1};  // -1: not yet read from CW_DETERMINISTIC
 std::atomic<int> g_cudnn_plans{-1};    // -1: not yet read from CW_CUDNN_PLANS
 std::atomic<int> g_cudnn_plan_threads{-1};  // -1: not yet read from CW_CUDNN_PLAN_THREADS
 std::atomic<int> g_cudnn_split_prefix{-1};  // -1: not yet read from CW_CUDNN_SPLIT_PREFIX
+std::atomic<int> g_cudnn_stack_gqa{-1};     // -1: not yet read from CW_CUDNN_STACK_GQA
 }  // namespace
 
 const char* attention_kernel_name(AttentionKernel kernel) { return kKernelNames[static_cast<size_t>(kernel)]; }
@@ -80,6 +81,14 @@ bool cudnn_split_prefix() {
   return cached_env_flag(g_cudnn_split_prefix, "CW_CUDNN_SPLIT_PREFIX", true,
                          "use CW_CUDNN_SPLIT_PREFIX=1 (the default: a chunk's earlier keys in their own unmasked cuDNN "
                          "call) or 0 (one masked call)");
+}
+
+void set_cudnn_stack_gqa(bool on) { g_cudnn_stack_gqa.store(on ? 1 : 0); }
+
+bool cudnn_stack_gqa() {
+  return cached_env_flag(g_cudnn_stack_gqa, "CW_CUDNN_STACK_GQA", true,
+                         "use CW_CUDNN_STACK_GQA=1 (the default: a prefix backward's query heads stacked per K/V "
+                         "head) or 0 (cuDNN's per-query-head dK, dV and its head reduction)");
 }
 
 bool cudnn_splits_prefix(int64_t queries, int64_t keys) {

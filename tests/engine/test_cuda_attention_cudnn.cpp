@@ -91,6 +91,9 @@ struct CudnnPlansScope : SettingScope<CudnnPlans> {
 struct SplitPrefixScope : SettingScope<bool> {
   explicit SplitPrefixScope(bool on) : SettingScope(cw::cudnn_split_prefix, cw::set_cudnn_split_prefix, on) {}
 };
+struct StackGqaScope : SettingScope<bool> {
+  explicit StackGqaScope(bool on) : SettingScope(cw::cudnn_stack_gqa, cw::set_cudnn_stack_gqa, on) {}
+};
 struct PlanThreadsScope : SettingScope<int> {
   explicit PlanThreadsScope(int threads) : SettingScope(cw::cudnn_plan_threads, cw::set_cudnn_plan_threads, threads) {}
 };
@@ -439,15 +442,17 @@ TEST_CASE("cuda: a family's shared plans stand in for its exact plans while thos
 
 TEST_CASE("cuda: cudnn runs a chunk's earlier keys apart as the CPU does in f64, and as one masked graph does" *
           doctest::skip(!cw::test::gpu_ready())) {
-  // A family no other test builds: two sequences, 4 query heads on 1 K/V head, chunks of 256 against
+  // A family no other test builds: two sequences, 6 query heads on 2 K/V heads, chunks of 256 against
   // a store of 2048, exact plans built on use. Calls with p = c, 3c and 7c earlier keys run with the
-  // prefix apart (two graphs each way, counted by the plan statistics) and as one masked graph; each
-  // against the CPU in f64, the store's rows past S poisoned, and against each other. Then the
-  // backward in accumulate mode (d_q added to what it held) and in the deterministic form.
+  // prefix apart (two graphs each way, counted by the plan statistics), its backward with the query
+  // heads stacked per K/V head and not, and as one masked graph; each against the CPU in f64, the
+  // store's rows past S poisoned, and against each other. Then the backward in accumulate mode (d_q
+  // added to what it held) and in the deterministic form, both stacked.
   DeterminismScope fast(false);
   CudnnPlansScope exact(CudnnPlans::exact);
   PlanThreadsScope none(0);
-  const int64_t B = 2, c = 256, H = 4, Hkv = 1, D = 64, T = 2048;
+  StackGqaScope stack(true);
+  const int64_t B = 2, c = 256, H = 6, Hkv = 2, D = 64, T = 2048;
   Chunked ch(B, c, H, Hkv, D, T, 5150);
   std::string why;
   if (!gpu::cudnn_attention_supports(ch.q.dev, ch.k_store.dev, &why)) {
@@ -461,12 +466,21 @@ TEST_CASE("cuda: cudnn runs a chunk's earlier keys apart as the CPU does in f64,
       for (const GpuInput* store : {&ch.k_store, &ch.v_store})
         if (S < T) gpu::fill(store->dev.tensor.slice(0, b, 1).slice(1, S, T - S), std::numeric_limits<double>::quiet_NaN());
     const CpuResult ref = run_cpu(ch, S);
-    GpuResult apart, one;
+    GpuResult apart, per_head, one;
     {
       SplitPrefixScope on(true);
       const AttentionPlanStats before = attention_plan_stats();
       apart = run_gpu(ch, S);
       CHECK(attention_plan_stats().split - before.split == 2);  // the forward and the backward
+      CHECK(attention_plan_stats().stacked - before.stacked == 1);  // the backward's prefix
+    }
+    {
+      SplitPrefixScope on(true);
+      StackGqaScope per_query_head(false);
+      const AttentionPlanStats before = attention_plan_stats();
+      per_head = run_gpu(ch, S);
+      CHECK(attention_plan_stats().split - before.split == 2);
+      CHECK(attention_plan_stats().stacked == before.stacked);
     }
     {
       SplitPrefixScope off(false);
@@ -474,9 +488,11 @@ TEST_CASE("cuda: cudnn runs a chunk's earlier keys apart as the CPU does in f64,
       one = run_gpu(ch, S);
       CHECK(attention_plan_stats().split == before.split);
     }
-    expect_matches_cpu(apart, ref, S, "prefix apart");
+    expect_matches_cpu(apart, ref, S, "prefix apart, stacked");
+    expect_matches_cpu(per_head, ref, S, "prefix apart, per query head");
     expect_matches_cpu(one, ref, S, "one graph");
     expect_runs_close(apart, one, S, "apart against one graph");
+    expect_runs_close(apart, per_head, S, "stacked against per query head");
   }
   SplitPrefixScope on(true);
   const int64_t S = 2 * c;  // the store's rows past it hold NaN from the loop above
@@ -504,6 +520,7 @@ TEST_CASE("cuda: cudnn runs a chunk's earlier keys apart as the CPU does in f64,
     const AttentionPlanStats before = attention_plan_stats();
     expect_matches_cpu(run_gpu(ch, S), ref, S, "deterministic, prefix apart");
     CHECK(attention_plan_stats().split - before.split == 2);
+    CHECK(attention_plan_stats().stacked - before.stacked == 1);
   }
 }
 
