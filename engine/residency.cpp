@@ -17,7 +17,7 @@ namespace cw {
 namespace {
 size_t total_bytes(const std::vector<Residency::Span>& spans) {
   size_t n = 0;
-  for (const Residency::Span& sp : spans) n += sp.zero ? 0 : sp.bytes;  // bytes moved
+  for (const Residency::Span& sp : spans) n += sp.zero ? 0 : sp.bytes * sp.rows;  // bytes moved
   return n;
 }
 }  // namespace
@@ -66,19 +66,30 @@ void* Residency::device(int item, int part) const {
   return slots_[static_cast<size_t>(s)][static_cast<size_t>(part)].data();
 }
 
-void Residency::copy(void* dst, const void* src, size_t bytes, size_t slot) {
-  if (bytes == 0) return;
-  bytes_moved_ += bytes;
-  slot_ticket_[slot] = copy_async(dst, src, bytes, device_);  // a memcpy on the CPU (ticket 0: nothing to wait for)
-}
-
-void Residency::zero(void* dst, size_t bytes, size_t slot) {
-  if (bytes == 0) return;
-  if (device_.is_cpu()) {
-    std::memset(dst, 0, bytes);
-    return;
+void Residency::move(int item, const std::vector<Span>& spans, bool to_device) {
+  std::vector<gpu::SideCopy> batch;
+  for (const Span& sp : spans) {
+    CW_CHECK(sp.rows >= 1 && (sp.rows == 1 || sp.pitch >= sp.bytes) &&
+                 sp.offset + (sp.rows - 1) * sp.pitch + sp.bytes <= part_bytes_[static_cast<size_t>(sp.part)],
+             "residency: span beyond part {}", sp.part);
+    if (sp.bytes == 0) continue;
+    char* slot = static_cast<char*>(device(item, sp.part)) + sp.offset;
+    char* home = static_cast<char*>(host(item, sp.part)) + sp.offset;
+    const bool zero = to_device && sp.zero;
+    if (!zero) bytes_moved_ += sp.bytes * sp.rows;
+    if (device_.is_cpu()) {  // at the call: the same schedule logic, exactly
+      for (size_t r = 0; r < sp.rows; ++r) {
+        char* dst = (to_device ? slot : home) + r * sp.pitch;
+        if (zero) std::memset(dst, 0, sp.bytes);
+        else std::memcpy(dst, (to_device ? home : slot) + r * sp.pitch, sp.bytes);
+      }
+      continue;
+    }
+    batch.push_back({to_device ? slot : home, to_device ? home : slot, sp.bytes, sp.rows, sp.pitch, zero});
   }
-  slot_ticket_[slot] = gpu::zero_on_side_stream(dst, bytes, device_.index);
+  if (!batch.empty())
+    slot_ticket_[static_cast<size_t>(slot_of_[static_cast<size_t>(item)])] =
+        gpu::copies_on_side_stream(batch, device_.index);
 }
 
 bool Residency::fetch(int item, const std::vector<Span>& spans) {
@@ -95,15 +106,7 @@ bool Residency::fetch(int item, const std::vector<Span>& spans) {
   }
   slot_used_[static_cast<size_t>(s)] = ++clock_;
   trace::CopyScope traced(device_, "fetch", what_, item, trace::on() ? total_bytes(spans) : 0);
-  for (const Span& sp : spans) {
-    CW_CHECK(sp.offset + sp.bytes <= part_bytes_[static_cast<size_t>(sp.part)], "residency: span beyond part {}",
-             sp.part);
-    char* dst = static_cast<char*>(device(item, sp.part)) + sp.offset;
-    if (sp.zero)
-      zero(dst, sp.bytes, static_cast<size_t>(s));
-    else
-      copy(dst, static_cast<const char*>(host(item, sp.part)) + sp.offset, sp.bytes, static_cast<size_t>(s));
-  }
+  move(item, spans, true);
   return was_resident;
 }
 
@@ -121,9 +124,7 @@ void Residency::store(int item, const std::vector<Span>& spans) {
   const int s = slot_of_[static_cast<size_t>(item)];
   CW_CHECK(s >= 0, "residency: item {} is not on the device (nothing to store)", item);
   trace::CopyScope traced(device_, "store", what_, item, trace::on() ? total_bytes(spans) : 0);
-  for (const Span& sp : spans)
-    copy(static_cast<char*>(host(item, sp.part)) + sp.offset, static_cast<const char*>(device(item, sp.part)) + sp.offset,
-         sp.bytes, static_cast<size_t>(s));
+  move(item, spans, false);
 }
 
 void Residency::wait_idle() {

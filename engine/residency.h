@@ -8,14 +8,16 @@
 //                        written back implicitly: the caller stores what it changed) and copy the
 //                        spans host -> device; a span marked `zero` is a home whose bytes are logical
 //                        zeros (the caller has not written it since it last cleared it): its device
-//                        bytes are set to zero instead, so the home is never cleared or read;
+//                        bytes are set to zero instead, so the home is never cleared or read; a span
+//                        may be a run of rows at a pitch (one row of every sequence or head);
 //   ready(item)          the compute stream waits until every copy into or out of the item's slot
 //                        has finished (call it before compute reads or overwrites the slot);
 //   store(item, spans)   copy the spans device -> host behind the compute queued so far.
-// Ordering (GPU): all copies run in order on the device's side stream, each after everything the
-// compute stream had queued when it was issued; so a fetch never overwrites a slot that queued
-// compute still reads, and a store never copies bytes compute has not finished writing. The host
-// never blocks. On a CPU "device" (tests) the slots are host memory and every copy is a memcpy at
+// Ordering (GPU): all copies run in order on the device's side stream, each fetch's or store's spans
+// as one batch after everything the compute stream had queued when it was issued; so a fetch never
+// overwrites a slot that queued compute still reads, and a store never copies bytes compute has not
+// finished writing. The host never blocks, and issues one batch (one pair of events) a call, a
+// strided span as one 2-d copy. On a CPU "device" (tests) the slots are host memory and every copy is a memcpy at
 // the call, so the same schedule logic runs exactly in f64.
 // Every fetch and store that moves bytes is one copy event of a trace (engine/trace.h).
 // Tested through its users: the K/V store and the checkpointed input offload (tests/optim/test_schedules.cpp,
@@ -36,8 +38,10 @@ class Residency {
  public:
   struct Span {
     int part;
-    size_t offset, bytes;  // within the part
+    size_t offset, bytes;  // within the part: the first row's
     bool zero = false;     // fetch: set the device bytes to zero instead of copying the home's
+    size_t rows = 1;       // rows of `bytes`, row r at offset + r pitch (the same layout at home and in a slot)
+    size_t pitch = 0;
   };
 
   // `what` names an item in traces (engine/trace.h): "kv layer" gives copies "fetch kv layer 3".
@@ -69,8 +73,9 @@ class Residency {
   size_t bytes_moved() const { return bytes_moved_; }  // host <-> device, since construction (zeroed spans not)
 
  private:
-  void copy(void* dst, const void* src, size_t bytes, size_t slot);
-  void zero(void* dst, size_t bytes, size_t slot);
+  // Moves the spans between item `item`'s home and its slot (to_device: home -> slot, zeroing spans so
+  // marked) as one batch.
+  void move(int item, const std::vector<Span>& spans, bool to_device);
 
   Device device_;
   const char* what_;

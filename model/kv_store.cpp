@@ -133,9 +133,9 @@ void KVStore::fetch_block(int layer, int64_t block, bool kv, bool grads) {
   res_->fetch(it, need);
 }
 
-// The byte spans of rows [r0, r1) for parts first..last: token rows of every sequence, and for lse
-// columns of every (sequence, head) row. A part holds n rows a sequence: T, or streamed one
-// block's Kb (rows then counted from the block's start).
+// The byte spans of rows [r0, r1) for parts first..last, one strided span a part: token rows of every
+// sequence, and for lse columns of every (sequence, head) row. A part holds n rows a sequence: T, or
+// streamed one block's Kb (rows then counted from the block's start).
 std::vector<Residency::Span> KVStore::spans(Part first, Part last, int64_t r0, int64_t r1) const {
   std::vector<Residency::Span> out;
   if (r1 <= r0) return out;
@@ -143,8 +143,9 @@ std::vector<Residency::Span> KVStore::spans(Part first, Part last, int64_t r0, i
   for (int p = first; p <= last; ++p) {
     const bool lse = p == kLse;  // [B*H, n] of single values
     const size_t unit = lse ? dtype_size(accum_dtype(dtype_)) : row_bytes(static_cast<Part>(p));
-    for (int64_t r = 0; r < (lse ? B_ * H_ : B_); ++r)
-      out.push_back({p, static_cast<size_t>(r * n + r0) * unit, static_cast<size_t>(r1 - r0) * unit});
+    const int64_t rows = lse ? B_ * H_ : B_;
+    out.push_back({p, static_cast<size_t>(r0) * unit, static_cast<size_t>(r1 - r0) * unit, false,
+                   static_cast<size_t>(rows), static_cast<size_t>(n) * unit});
   }
   return out;
 }

@@ -541,6 +541,18 @@ uint64_t zero_on_side_stream(void* dst, size_t bytes, int device) {
   return on_side_stream(device, [&](cudaStream_t side) { CW_CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, side)); });
 }
 
+uint64_t copies_on_side_stream(const std::vector<SideCopy>& copies, int device) {
+  return on_side_stream(device, [&](cudaStream_t side) {
+    for (const SideCopy& c : copies) {
+      if (c.bytes == 0 || c.rows == 0) continue;
+      if (c.rows == 1 && c.zero) CW_CUDA_CHECK(cudaMemsetAsync(c.dst, 0, c.bytes, side));
+      else if (c.rows == 1) CW_CUDA_CHECK(cudaMemcpyAsync(c.dst, c.src, c.bytes, cudaMemcpyDefault, side));
+      else if (c.zero) CW_CUDA_CHECK(cudaMemset2DAsync(c.dst, c.pitch, 0, c.bytes, c.rows, side));
+      else CW_CUDA_CHECK(cudaMemcpy2DAsync(c.dst, c.pitch, c.src, c.pitch, c.bytes, c.rows, cudaMemcpyDefault, side));
+    }
+  });
+}
+
 namespace {
 // Timed event pairs around the compute stream's waits for copies (take_copy_wait_seconds). Pairs
 // that have completed are folded into `seconds` once many are pending, so memory stays bounded

@@ -91,6 +91,16 @@ void pinned_free(void* p);
 uint64_t copy_on_side_stream(void* dst, const void* src, size_t bytes, int device);
 // The same for zeroing `bytes` of device memory (a home that holds logical zeros is not copied).
 uint64_t zero_on_side_stream(void* dst, size_t bytes, int device);
+// Several copies and zeroings as one batch behind the compute queued so far (one ticket, one pair of
+// events for all, instead of a pair per copy): `rows` rows of `bytes` bytes each, row r at
+// dst + r pitch and src + r pitch (rows = 1: one run; zero: dst's rows set to zero, src unused).
+struct SideCopy {
+  void* dst;
+  const void* src;
+  size_t bytes, rows = 1, pitch = 0;
+  bool zero = false;
+};
+uint64_t copies_on_side_stream(const std::vector<SideCopy>& copies, int device);
 void wait_for_copy(uint64_t ticket, int device);
 // The host blocks until the ticket's copy (and every earlier one of the device) has finished.
 void host_wait_for_copy(uint64_t ticket, int device);
