@@ -17,6 +17,9 @@
 //   CW_KERNEL_PROFILE=PATH   also write PATH.csv (every kernel name: kind, calls, total ns) and PATH.txt
 //                            (the printed summary); without it the summary goes to stderr only
 //   CW_KERNEL_PROFILE_TOP=N  the summary's kernel lines (default 40)
+//   CW_KERNEL_PROFILE_API=1  also record the host's CUDA runtime and driver calls and print, per range, the
+//                            host thread's time inside them by call (a call that blocks, a synchronize or a
+//                            synchronous copy, shows here as the reason the GPU's queue ran dry)
 #include <cupti.h>
 
 #include <cxxabi.h>
@@ -64,6 +67,7 @@ std::string demangled(const char* name) {
 struct KernelRecord {
   int name;  // index into State::names
   Interval t;
+  uint32_t correlation;  // the launching API call's
 };
 
 struct CopyRecord {
@@ -72,8 +76,17 @@ struct CopyRecord {
   Interval t;
 };
 
+struct ApiRecord {
+  uint8_t driver;  // 1: driver API, 0: runtime API
+  uint32_t cbid;
+  uint32_t thread;
+  Interval t;
+  uint32_t correlation;
+};
+
 struct State {
   std::mutex mu;
+  std::vector<ApiRecord> api;
   std::vector<std::string> names;
   std::unordered_map<const char*, int> name_of_ptr;  // CUPTI shares one name string per kernel
   std::vector<KernelRecord> kernels;
@@ -116,7 +129,7 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, siz
           const auto* k = reinterpret_cast<const CUpti_ActivityKernel10*>(rec);
           auto [it, added] = s.name_of_ptr.try_emplace(k->name, static_cast<int>(s.names.size()));
           if (added) s.names.push_back(demangled(k->name ? k->name : "?"));
-          s.kernels.push_back({it->second, {k->start, k->end}});
+          s.kernels.push_back({it->second, {k->start, k->end}, k->correlationId});
           break;
         }
         case CUPTI_ACTIVITY_KIND_MEMCPY: {
@@ -127,6 +140,13 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, siz
         case CUPTI_ACTIVITY_KIND_MEMSET: {
           const auto* m = reinterpret_cast<const CUpti_ActivityMemset4*>(rec);
           s.memsets.push_back({m->start, m->end});
+          break;
+        }
+        case CUPTI_ACTIVITY_KIND_RUNTIME:
+        case CUPTI_ACTIVITY_KIND_DRIVER: {
+          const auto* a = reinterpret_cast<const CUpti_ActivityAPI*>(rec);
+          s.api.push_back({static_cast<uint8_t>(rec->kind == CUPTI_ACTIVITY_KIND_DRIVER), a->cbid, a->threadId,
+                           {a->start, a->end}, a->correlationId});
           break;
         }
         default:
@@ -314,6 +334,85 @@ void report() {
                   idle_before[i].ns / 1e3 / idle_before[i].calls, shortened(s.names[i], 150).c_str());
     text += line;
   }
+  if (!s.api.empty()) {
+    // The host's CUDA calls inside the ranges, by name. A runtime call that enters the driver shows in both
+    // domains; the table keeps them apart (R: runtime, D: driver).
+    struct ApiRow {
+      uint64_t ns = 0, max_ns = 0;
+      int64_t calls = 0, over_20us = 0;
+    };
+    std::map<std::pair<int, uint32_t>, ApiRow> api_rows;
+    for (const ApiRecord& a : s.api) {
+      const uint64_t ns = inside(a.t, ranges);
+      if (ns == 0) continue;
+      ApiRow& r = api_rows[{a.driver, a.cbid}];
+      r.ns += ns, r.calls += 1, r.max_ns = std::max(r.max_ns, ns), r.over_20us += ns > 20000;
+    }
+    std::vector<std::pair<std::pair<int, uint32_t>, ApiRow>> api_order(api_rows.begin(), api_rows.end());
+    std::sort(api_order.begin(), api_order.end(), [](const auto& a, const auto& b) { return a.second.ns > b.second.ns; });
+    text += "  host CUDA calls (R runtime, D driver), by time inside them\n  ms/range  calls/range  mean us   max us  >20us/range  call\n";
+    for (size_t j = 0; j < api_order.size() && j < 25; ++j) {
+      const auto& [key, r] = api_order[j];
+      const char* name = nullptr;
+      cuptiGetCallbackName(key.first ? CUPTI_CB_DOMAIN_DRIVER_API : CUPTI_CB_DOMAIN_RUNTIME_API, key.second, &name);
+      std::snprintf(line, sizeof line, "  %8.2f  %11.1f  %7.1f  %7.1f  %11.1f  %c %s\n", ms(r.ns), r.calls / n_ranges,
+                    r.ns / 1e3 / r.calls, r.max_ns / 1e3, r.over_20us / n_ranges, key.first ? 'D' : 'R',
+                    name ? name : "?");
+      text += line;
+    }
+  }
+  if (!s.api.empty()) {
+    // Why the GPU ran dry: for each gap of at least 3 us, the host's time from the launch of the kernel
+    // before the gap to the launch of the kernel ending it, on the launching thread, split into the
+    // CUDA calls made in between (by name: a blocking call shows here) and the host's own code.
+    std::unordered_map<uint32_t, const ApiRecord*> launch_of;
+    for (const ApiRecord& a : s.api) launch_of.emplace(a.correlation, &a);
+    std::map<std::string, uint64_t> between;  // call name (or "host code") -> ns, over all gaps
+    uint64_t gaps_seen = 0, gap_ns = 0;
+    std::map<uint32_t, std::vector<const ApiRecord*>> by_thread;
+    for (const ApiRecord& a : s.api) by_thread[a.thread].push_back(&a);
+    for (auto& [thread, v] : by_thread)
+      std::sort(v.begin(), v.end(), [](const ApiRecord* a, const ApiRecord* b) { return a->t.start < b->t.start; });
+    const KernelRecord* prev = nullptr;
+    uint64_t prev_end = 0;
+    for (const KernelRecord* k : in_order) {
+      if (prev && k->t.start > prev_end + 3000 && inside({prev_end, k->t.start}, ranges) > 0) {
+        const auto a = launch_of.find(k->correlation), b = launch_of.find(prev->correlation);
+        if (a != launch_of.end() && b != launch_of.end() && a->second->thread == b->second->thread &&
+            a->second->t.start > b->second->t.end) {
+          ++gaps_seen;
+          gap_ns += k->t.start - prev_end;
+          const uint64_t h0 = b->second->t.end, h1 = a->second->t.start;
+          uint64_t in_calls = 0;
+          const auto& v = by_thread[a->second->thread];
+          auto it = std::lower_bound(v.begin(), v.end(), h0,
+                                     [](const ApiRecord* r, uint64_t t) { return r->t.start < t; });
+          for (; it != v.end() && (*it)->t.start < h1; ++it) {
+            const ApiRecord& r = **it;
+            if (r.driver) continue;  // a runtime call's driver calls are inside it
+            const uint64_t ns = std::min(r.t.end, h1) - r.t.start;
+            const char* name = nullptr;
+            cuptiGetCallbackName(CUPTI_CB_DOMAIN_RUNTIME_API, r.cbid, &name);
+            between[name ? name : "?"] += ns;
+            in_calls += ns;
+          }
+          between["(host code, no CUDA call)"] += (h1 - h0) - std::min(h1 - h0, in_calls);
+        }
+      }
+      if (!prev || k->t.end > prev_end) prev = k, prev_end = k->t.end;
+    }
+    std::vector<std::pair<std::string, uint64_t>> order_b(between.begin(), between.end());
+    std::sort(order_b.begin(), order_b.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
+    std::snprintf(line, sizeof line,
+                  "  why the GPU ran dry: %.1f gaps of >= 3 us per range (%.2f ms); the host between the launches "
+                  "around them, per range:\n",
+                  gaps_seen / n_ranges, ms(gap_ns));
+    text += line;
+    for (size_t j = 0; j < order_b.size() && j < 15; ++j) {
+      std::snprintf(line, sizeof line, "  %8.2f ms  %s\n", ms(order_b[j].second), order_b[j].first.c_str());
+      text += line;
+    }
+  }
   std::fputs(text.c_str(), stderr);
   if (const char* path = std::getenv("CW_KERNEL_PROFILE"); path && *path) {
     const std::string base = path;
@@ -339,6 +438,10 @@ extern "C" __attribute__((visibility("default"))) int InitializeInjection(void) 
   check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL), "enabling kernel records");
   check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMCPY), "enabling copy records");
   check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMSET), "enabling memset records");
+  if (const char* api = std::getenv("CW_KERNEL_PROFILE_API"); api && std::strcmp(api, "1") == 0) {
+    check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_RUNTIME), "enabling runtime API records");
+    check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_DRIVER), "enabling driver API records");
+  }
   CUpti_SubscriberHandle subscriber;
   check(cuptiSubscribe(&subscriber, reinterpret_cast<CUpti_CallbackFunc>(on_api), nullptr), "cuptiSubscribe");
   check(cuptiEnableCallback(1, subscriber, CUPTI_CB_DOMAIN_DRIVER_API, CUPTI_DRIVER_TRACE_CBID_cuProfilerStart),
