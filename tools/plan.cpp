@@ -36,10 +36,19 @@ constexpr size_t kArenaAlign = kMemoryAlignBytes;
 constexpr double kDefaultDeviceGib = 80;
 
 // ---- Throughputs (H100 80GB HBM3, measured 2026-11-21..24) ----
-// The model's GEMMs (2048-8192 wide, bf16, f32 accumulate through cuBLASLt): 84% of the 774 TFLOP/s
-// 8192^3 GEMM `chunkwise bench` measured (RESULTS.md); with the other terms fixed, this rate puts
-// the recorded full 4K/8K step times within 10%.
-constexpr double kMatmulTflops = 650;
+// The model's GEMMs (2048-8192 wide, bf16, f32 accumulate through cuBLASLt) at 8192 rows and more:
+// 88% of the 774 TFLOP/s 8192^3 GEMM `chunkwise bench` measured (RESULTS.md); fewer rows run slower
+// (matmul_row_efficiency). With the other terms fixed, these rates put the recorded full 4K/8K step
+// times within 10%.
+constexpr double kMatmulTflops = 680;
+// A layer's GEMMs at `rows` tokens against 8192 and more: 0.05 less a halving. `bench-ops --linears`
+// (RESULTS.md twelfth session, Llama-3.2-1B's layer, cuBLASLt's first choice) ran them at 600, 696
+// and 746 TFLOP/s at 2048, 4096 and 8192 rows (launches included; in a step they overlap, so the
+// steps differ less: 128K in chunks of 8192 against 2048, thirteenth session).
+double matmul_row_efficiency(int64_t rows) {
+  const double halvings = std::log2(8192.0 / double(std::max<int64_t>(rows, 1)));
+  return std::clamp(1.0 - 0.05 * halvings, 0.7, 1.0);
+}
 // cuDNN fused attention, one forward and a backward (2.5 forwards' FLOPs) together, by head size:
 // at D 64 410 TFLOP/s as one masked graph (394-442 at 8K-32K tokens, BENCHMARKS.md "Single ops on
 // the H100"), 460 with a chunk's earlier keys apart (engine.h, cudnn_split_prefix; chunks of 1K-32K
@@ -59,13 +68,17 @@ double attention_tflops(int64_t head_dim, bool split) {
 // (RESULTS.md, ninth session).
 // (Against one masked graph's rate: the blocks run no faster with the prefix apart.)
 constexpr double kStreamedAttentionSlowdown = 1.12;
-// With a window of layers offloaded (attention in one call, the copies beside it): at 64K (chunk
-// 4096, saved outputs, window 2) 3.78 s against 3.75 s with the store on the device (RESULTS.md,
-// ninth session). Earlier runs took 1.16x (128K) and 1.23x (512K) the modelled attention, part of it
-// their largest backwards running on flash for want of workspace (budget raised to the plan's since).
-constexpr double kOffloadedAttentionSlowdown = 1.03;
+// With a window of layers offloaded, the compute stream still waits for some copies (a layer's data
+// arriving after the layer before it ends): 4.1-4.4% of the copies' time at 128K (chunks of 4096 and
+// 8192, window 2: 0.40 s for 411 GiB moved, 0.20 s for 219 GiB) and at 32K (0.025 s for 31 GiB,
+// chunk 4096, window 2), H100, thirteenth session (`chunkwise bench` copy_wait_s).
+constexpr double kWindowCopyWaitShare = 0.045;
 // Memory-bound ops at 70% of the 3.0 TB/s device copy (BENCHMARKS.md's bar for them; they meet it).
 constexpr double kElementwiseBytesPerS = 0.7 * 3.0e12;
+// The attention backward's K/V-gradient adds (engine/cuda/attention_cudnn.cu add_kv_kernel: cuDNN's bf16
+// dK, dV of every key a chunk attends added into the f32 accumulators): a streaming pass, 698 GB in
+// 233 ms at 128K in chunks of 2048 (`tools/kernel_profile`, RESULTS.md thirteenth session).
+constexpr double kKvGradAddBytesPerS = 2.9e12;
 // Host <-> device copies of pinned memory on the side stream: 49 GB/s, the K/V offload's measured
 // rate (RESULTS.md, "Where a 128K step goes with the store offloaded": 420 GiB in 9.14 s).
 constexpr double kPcieBytesPerS = 49e9;
@@ -413,6 +426,13 @@ double causal_pairs(int64_t T, int64_t c) {
   }
   return pairs;
 }
+// The keys whose dK, dV a backward in chunks of c adds to, summed over the chunks (each chunk's own
+// and every earlier one): T^2 / 2c + T / 2.
+double kv_grad_keys(int64_t T, int64_t c) {
+  double keys = 0;
+  for (int64_t p = 0; p < T; p += c) keys += double(std::min(T, p + c));
+  return keys;
+}
 }  // namespace
 
 std::string describe_schedule(const ScheduleOptions& o) {
@@ -560,6 +580,9 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
   double matmul = tokens * layer_matmul * passes;
   // The adapters: 2 flops per adapter parameter and token in each forward, dX and d(A, B) backward.
   if (lora.enabled()) matmul += tokens * 2.0 * double(adapter_numel) * (prefill + reverse * (1 + extra_forward + 2));
+  // The prefill's share runs at its chunk's rows, the rest at the reverse chunk's.
+  const double prefill_matmul =
+      tokens * prefill * (layer_matmul + (lora.enabled() ? 2.0 * double(adapter_numel) : 0.0));
   // A recompute from saved attention outputs skips the K and V projections (not the first forward of
   // a chunk the prefill did not reach).
   const double unsaved_tokens = double(B * (T - prefill_end));
@@ -591,12 +614,17 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
   // its measured slowdown.
   // The rate of the calls that dominate: the reverse chunks' against all T keys.
   const double attention_s = attention / (attention_tflops(D, !streamed && cudnn_splits_prefix(r.bwd_chunk, T)) * 1e12) *
-                             (streamed                        ? kStreamedAttentionSlowdown
-                              : windowed && !serial_copies ? kOffloadedAttentionSlowdown
-                                                           : 1.0);
-  r.time = {{"matmul", matmul / (kMatmulTflops * 1e12)},
+                             (streamed ? kStreamedAttentionSlowdown : 1.0);
+  // The backward's dK, dV adds: per key and layer, K's and V's bf16 gradient read and the f32
+  // accumulator read and written.
+  const double kv_grad_adds = reverse * kv_grad_keys(T, r.bwd_chunk) * double(B * L) * 2.0 * double(Hkv * D) *
+                              double(e + 2 * acc) / kKvGradAddBytesPerS;
+  const double matmul_s = prefill_matmul / (kMatmulTflops * 1e12 * matmul_row_efficiency(B * r.chunk)) +
+                         (matmul - prefill_matmul) / (kMatmulTflops * 1e12 * matmul_row_efficiency(B * r.bwd_chunk));
+  r.time = {{"matmul", matmul_s},
             {"lm_head", head / (kMatmulTflops * 1e12)},
             {"attention", attention_s},
+            {"kv grad adds", kv_grad_adds},
             {"elementwise", elementwise / kElementwiseBytesPerS},
             {"optimizer", optimizer_s}};
   // cast_layers: a block is cast each time a chunk's pass reaches it, except where a slot still holds
@@ -623,10 +651,15 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
     if (serial_copies) {
       r.time.emplace_back("kv copies (one slot: not overlapped)", copies_s);
       r.step_s += copies_s;
-    } else {
-      const double beyond = std::max(0.0, copies_s - (streamed ? attention_s : r.step_s));
-      r.time.emplace_back(streamed ? "kv copies beyond attention" : "kv copies beyond compute", beyond);
+    } else if (streamed) {
+      const double beyond = std::max(0.0, copies_s - attention_s);
+      r.time.emplace_back("kv copies beyond attention", beyond);
       r.step_s += beyond;
+    } else {
+      // The compute's waits for copies, or where the copies outlast the compute, what they add.
+      const double waits = std::max(kWindowCopyWaitShare * copies_s, copies_s - r.step_s);
+      r.time.emplace_back("kv copy waits", waits);
+      r.step_s += waits;
     }
   }
 
