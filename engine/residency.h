@@ -17,8 +17,8 @@
 // as one batch after everything the compute stream had queued when it was issued; so a fetch never
 // overwrites a slot that queued compute still reads, and a store never copies bytes compute has not
 // finished writing. The host never blocks, and issues one batch (one pair of events) a call, a
-// strided span as one 2-d copy. On a CPU "device" (tests) the slots are host memory and every copy is a memcpy at
-// the call, so the same schedule logic runs exactly in f64.
+// strided span as one 2-d copy. On a CPU "device" (tests) the slots are host memory and every copy
+// is a memcpy at the call, so the same schedule logic runs exactly in f64.
 // Every fetch and store that moves bytes is one copy event of a trace (engine/trace.h).
 // Tested through its users: the K/V store and the checkpointed input offload (tests/optim/test_schedules.cpp,
 // tests/model/test_cuda_model.cpp) and the trace of copies (tests/engine/test_trace.cpp).

@@ -537,10 +537,6 @@ uint64_t copy_on_side_stream(void* dst, const void* src, size_t bytes, int devic
   });
 }
 
-uint64_t zero_on_side_stream(void* dst, size_t bytes, int device) {
-  return on_side_stream(device, [&](cudaStream_t side) { CW_CUDA_CHECK(cudaMemsetAsync(dst, 0, bytes, side)); });
-}
-
 uint64_t copies_on_side_stream(const std::vector<SideCopy>& copies, int device) {
   return on_side_stream(device, [&](cudaStream_t side) {
     for (const SideCopy& c : copies) {

@@ -89,11 +89,10 @@ void pinned_free(void* p);
 // next. Returns a ticket; wait_for_copy(ticket) makes the compute stream wait for the copy (the host
 // does not block). Used to offload saved layer inputs to host memory and bring them back.
 uint64_t copy_on_side_stream(void* dst, const void* src, size_t bytes, int device);
-// The same for zeroing `bytes` of device memory (a home that holds logical zeros is not copied).
-uint64_t zero_on_side_stream(void* dst, size_t bytes, int device);
-// Several copies and zeroings as one batch behind the compute queued so far (one ticket, one pair of
-// events for all, instead of a pair per copy): `rows` rows of `bytes` bytes each, row r at
-// dst + r pitch and src + r pitch (rows = 1: one run; zero: dst's rows set to zero, src unused).
+// Several copies and zeroings of device memory as one batch behind the compute queued so far (one
+// ticket, one pair of events for all, instead of a pair per copy): `rows` rows of `bytes` bytes each,
+// row r at dst + r pitch and src + r pitch (rows = 1: one run; zero: dst's rows set to zero, src
+// unused: a K/V home that holds logical zeros is not copied).
 struct SideCopy {
   void* dst;
   const void* src;

@@ -27,7 +27,6 @@ MemoryInfo memory_info(int) { no_cuda(); }
 void* pinned_alloc(size_t) { no_cuda(); }
 void pinned_free(void*) {}
 uint64_t copy_on_side_stream(void*, const void*, size_t, int) { no_cuda(); }
-uint64_t zero_on_side_stream(void*, size_t, int) { no_cuda(); }
 uint64_t copies_on_side_stream(const std::vector<SideCopy>&, int) { no_cuda(); }
 void wait_for_copy(uint64_t, int) { no_cuda(); }
 void host_wait_for_copy(uint64_t, int) { no_cuda(); }
