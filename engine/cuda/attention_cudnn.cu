@@ -1299,8 +1299,8 @@ __global__ void add_q_kernel(__nv_bfloat16* dq, const __nv_bfloat16* src, int64_
   if (i < n) dq[i] = __float2bfloat16_rn(__bfloat162float(dq[i]) + __bfloat162float(src[i]));
 }
 
-// A stacked prefix's operands (Shape::stacked): dst[b, h, t, :] = src[b, t, h, :] for the `count`
-// tensors of blockIdx.y, [B, c, H, D] bf16 packed into [B, H, c, D]; each thread moves 8 elements
+// A stacked prefix's operands (Shape::stacked): dst[b, h, t, :] = src[b, t, h, :] for q, out and d_out
+// (blockIdx.y picks one), [B, c, H, D] bf16 packed into [B, H, c, D]; each thread moves 8 elements
 // (D is a multiple of 8, operands 16-byte aligned).
 struct HeadsMajorCopies {
   const __nv_bfloat16* src[3];
