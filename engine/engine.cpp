@@ -172,27 +172,24 @@ void synchronize(Device device) {
   if (!device.is_cpu()) gpu::synchronize(device.index);
 }
 
-bool cached_env_flag(std::atomic<int>& cache, const char* name, bool by_default, const char* hint) {
-  int v = cache.load();
+bool EnvFlag::get() {
+  int v = value_.load();
   if (v < 0) {
-    const bool other = gpu::env_choice(name, {by_default ? "1" : "0", by_default ? "0" : "1"}, hint) == 1;
-    v = (by_default != other) ? 1 : 0;
-    cache.store(v);
+    const bool other = gpu::env_choice(name_, {by_default_ ? "1" : "0", by_default_ ? "0" : "1"}, hint_) == 1;
+    v = (by_default_ != other) ? 1 : 0;
+    value_.store(v);
   }
   return v == 1;
 }
 
 namespace {
-std::atomic<int> g_gemm_tuning{-1};  // cached_env_flag's cache of CW_GEMM_TUNE
+EnvFlag g_gemm_tuning{"CW_GEMM_TUNE", false,
+                      "use CW_GEMM_TUNE=0 (the default: cuBLASLt's first answer) or 1 (each GEMM shape runs the "
+                      "fastest of cuBLASLt's candidates, timed at its first call)"};
 }  // namespace
 
-void set_gemm_tuning(bool on) { g_gemm_tuning.store(on ? 1 : 0); }
-
-bool gemm_tuning() {
-  return cached_env_flag(g_gemm_tuning, "CW_GEMM_TUNE", false,
-                         "use CW_GEMM_TUNE=0 (the default: cuBLASLt's first answer) or 1 (each GEMM shape runs the "
-                         "fastest of cuBLASLt's candidates, timed at its first call)");
-}
+void set_gemm_tuning(bool on) { g_gemm_tuning.set(on); }
+bool gemm_tuning() { return g_gemm_tuning.get(); }
 
 GemmTuneStats gemm_tune_stats() { return gpu::gemm_tune_stats(); }
 

@@ -38,10 +38,25 @@ bool gpu_available();  // this build has CUDA and the runtime sees at least one 
 std::string describe_devices();
 
 // ---- Process-wide switches ----
-// The switches below (and model/layer.h's fused_qkv) keep their value in `cache`: -1 until a set_X
-// stores 1 or 0, or the first read takes environment variable `name` ("1" or "0"; unset or empty:
-// `by_default`; anything else is a clear error naming the variable, with `hint`).
-bool cached_env_flag(std::atomic<int>& cache, const char* name, bool by_default, const char* hint);
+// An on/off switch (the ones below, and model/layer.h's fused_qkv): the value set(), else environment
+// variable `name`, read at the first get() ("1" or "0"; unset or empty: `by_default`; anything else is
+// a clear error naming the variable, with `hint`). Each switch is one EnvFlag behind its set_X / X pair.
+class EnvFlag {
+ public:
+  constexpr EnvFlag(const char* name, bool by_default, const char* hint)
+      : name_(name), hint_(hint), by_default_(by_default) {}
+  EnvFlag(const EnvFlag&) = delete;
+  EnvFlag& operator=(const EnvFlag&) = delete;
+  bool get();
+  void set(bool on) { value_.store(on ? 1 : 0); }
+  void forget() { value_.store(-1); }  // the next get() reads the variable again
+
+ private:
+  std::atomic<int> value_{-1};  // -1: not yet set or read
+  const char* name_;
+  const char* hint_;
+  bool by_default_;
+};
 
 // ---- Determinism (env CW_DETERMINISTIC=0|1; off by default) ----
 // On: every GPU result is bitwise reproducible (only deterministic kernels run). Off: the attention

@@ -8,7 +8,6 @@
 #include "model/lora.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <optional>
 #include <vector>
@@ -16,15 +15,12 @@
 namespace cw {
 
 namespace {
-std::atomic<int> g_fused_qkv{-1};  // cached_env_flag's cache of CW_FUSED_QKV
+EnvFlag g_fused_qkv{"CW_FUSED_QKV", true,
+                    "use CW_FUSED_QKV=1 (the default: Q, K and V projected by one GEMM) or 0 (three)"};
 }  // namespace
 
-void set_fused_qkv(bool on) { g_fused_qkv.store(on ? 1 : 0); }
-
-bool fused_qkv() {
-  return cached_env_flag(g_fused_qkv, "CW_FUSED_QKV", true,
-                         "use CW_FUSED_QKV=1 (the default: Q, K and V projected by one GEMM) or 0 (three)");
-}
+void set_fused_qkv(bool on) { g_fused_qkv.set(on); }
+bool fused_qkv() { return g_fused_qkv.get(); }
 
 bool fuses_qkv(const LoraConfig* lora, const TensorParallelGroup* tp) {
   if (!fused_qkv() || tp) return false;

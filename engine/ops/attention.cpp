@@ -27,11 +27,17 @@ namespace {
 constexpr std::array<const char*, 7> kKernelNames{"auto", "cpu", "cudnn", "flash", "flash-wgmma", "flash-mma",
                                                   "flash-simt"};
 std::atomic<int> g_kernel{-1};         // -1: not yet read from CW_ATTENTION
-std::atomic<int> g_deterministic{-1};  // -1: not yet read from CW_DETERMINISTIC
 std::atomic<int> g_cudnn_plans{-1};    // -1: not yet read from CW_CUDNN_PLANS
 std::atomic<int> g_cudnn_plan_threads{-1};  // -1: not yet read from CW_CUDNN_PLAN_THREADS
-std::atomic<int> g_cudnn_split_prefix{-1};  // -1: not yet read from CW_CUDNN_SPLIT_PREFIX
-std::atomic<int> g_cudnn_stack_gqa{-1};     // -1: not yet read from CW_CUDNN_STACK_GQA
+EnvFlag g_deterministic{
+    "CW_DETERMINISTIC", false,
+    "use CW_DETERMINISTIC=1 for bitwise-reproducible gradients, 0 (the default) for the fastest kernels"};
+EnvFlag g_cudnn_split_prefix{"CW_CUDNN_SPLIT_PREFIX", true,
+                             "use CW_CUDNN_SPLIT_PREFIX=1 (the default: a chunk's earlier keys in their own unmasked "
+                             "cuDNN call) or 0 (one masked call)"};
+EnvFlag g_cudnn_stack_gqa{"CW_CUDNN_STACK_GQA", true,
+                          "use CW_CUDNN_STACK_GQA=1 (the default: a prefix backward's query heads stacked per K/V "
+                          "head) or 0 (cuDNN's per-query-head dK, dV and its head reduction)"};
 }  // namespace
 
 const char* attention_kernel_name(AttentionKernel kernel) { return kKernelNames[static_cast<size_t>(kernel)]; }
@@ -55,12 +61,8 @@ AttentionKernel attention_kernel() {
   return static_cast<AttentionKernel>(v);
 }
 
-void set_deterministic(bool on) { g_deterministic.store(on ? 1 : 0); }
-
-bool deterministic() {
-  return cached_env_flag(g_deterministic, "CW_DETERMINISTIC", false,
-                         "use CW_DETERMINISTIC=1 for bitwise-reproducible gradients, 0 (the default) for the fastest kernels");
-}
+void set_deterministic(bool on) { g_deterministic.set(on); }
+bool deterministic() { return g_deterministic.get(); }
 
 void set_cudnn_plans(CudnnPlans plans) { g_cudnn_plans.store(static_cast<int>(plans)); }
 
@@ -75,21 +77,11 @@ CudnnPlans cudnn_plans() {
   return static_cast<CudnnPlans>(v);
 }
 
-void set_cudnn_split_prefix(bool on) { g_cudnn_split_prefix.store(on ? 1 : 0); }
+void set_cudnn_split_prefix(bool on) { g_cudnn_split_prefix.set(on); }
+bool cudnn_split_prefix() { return g_cudnn_split_prefix.get(); }
 
-bool cudnn_split_prefix() {
-  return cached_env_flag(g_cudnn_split_prefix, "CW_CUDNN_SPLIT_PREFIX", true,
-                         "use CW_CUDNN_SPLIT_PREFIX=1 (the default: a chunk's earlier keys in their own unmasked cuDNN "
-                         "call) or 0 (one masked call)");
-}
-
-void set_cudnn_stack_gqa(bool on) { g_cudnn_stack_gqa.store(on ? 1 : 0); }
-
-bool cudnn_stack_gqa() {
-  return cached_env_flag(g_cudnn_stack_gqa, "CW_CUDNN_STACK_GQA", true,
-                         "use CW_CUDNN_STACK_GQA=1 (the default: a prefix backward's query heads stacked per K/V "
-                         "head) or 0 (cuDNN's per-query-head dK, dV and its head reduction)");
-}
+void set_cudnn_stack_gqa(bool on) { g_cudnn_stack_gqa.set(on); }
+bool cudnn_stack_gqa() { return g_cudnn_stack_gqa.get(); }
 
 bool cudnn_splits_prefix(int64_t queries, int64_t keys) {
   return queries >= kSplitMinQueries && keys - queries >= queries && cudnn_split_prefix() &&
