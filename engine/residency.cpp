@@ -42,7 +42,8 @@ Residency::Residency(Device device, std::vector<size_t> part_bytes, int items, i
   slot_of_.assign(static_cast<size_t>(items), -1);
   slot_item_.assign(static_cast<size_t>(slots), -1);
   slot_used_.assign(static_cast<size_t>(slots), 0);
-  slot_ticket_.assign(static_cast<size_t>(slots), 0);
+  fetch_ticket_.assign(static_cast<size_t>(slots), std::vector<uint64_t>(part_bytes_.size(), 0));
+  store_ticket_ = fetch_ticket_;
 }
 
 Residency::~Residency() {
@@ -67,29 +68,47 @@ void* Residency::device(int item, int part) const {
 }
 
 void Residency::move(int item, const std::vector<Span>& spans, bool to_device) {
-  std::vector<gpu::SideCopy> batch;
+  const size_t slot = static_cast<size_t>(slot_of_[static_cast<size_t>(item)]);
+  std::vector<char> touched(part_bytes_.size(), 0);
   for (const Span& sp : spans) {
     CW_CHECK(sp.rows >= 1 && (sp.rows == 1 || sp.pitch >= sp.bytes) &&
                  sp.offset + (sp.rows - 1) * sp.pitch + sp.bytes <= part_bytes_[static_cast<size_t>(sp.part)],
              "residency: span beyond part {}", sp.part);
+    if (sp.bytes != 0) touched[static_cast<size_t>(sp.part)] = 1;
+  }
+  // The other lane's last copy of each part this batch touches goes first (before the trace's mark).
+  const gpu::CopyLane lane = to_device ? gpu::CopyLane::in : gpu::CopyLane::out;
+  if (!device_.is_cpu()) {
+    const auto& other = to_device ? store_ticket_[slot] : fetch_ticket_[slot];
+    std::vector<uint64_t> after;
+    for (size_t p = 0; p < touched.size(); ++p)
+      if (touched[p] && other[p] != 0) after.push_back(other[p]);
+    gpu::lane_wait_for_copies(after, lane, device_.index);
+  }
+  trace::CopyScope traced(device_, to_device ? "fetch" : "store", what_, item,
+                          trace::on() ? total_bytes(spans) : 0);
+  std::vector<gpu::SideCopy> batch;
+  for (const Span& sp : spans) {
     if (sp.bytes == 0) continue;
-    char* slot = static_cast<char*>(device(item, sp.part)) + sp.offset;
+    char* slot_bytes = static_cast<char*>(device(item, sp.part)) + sp.offset;
     char* home = static_cast<char*>(host(item, sp.part)) + sp.offset;
     const bool zero = to_device && sp.zero;
     if (!zero) bytes_moved_ += sp.bytes * sp.rows;
     if (device_.is_cpu()) {  // at the call: the same schedule logic, exactly
       for (size_t r = 0; r < sp.rows; ++r) {
-        char* dst = (to_device ? slot : home) + r * sp.pitch;
+        char* dst = (to_device ? slot_bytes : home) + r * sp.pitch;
         if (zero) std::memset(dst, 0, sp.bytes);
-        else std::memcpy(dst, (to_device ? home : slot) + r * sp.pitch, sp.bytes);
+        else std::memcpy(dst, (to_device ? home : slot_bytes) + r * sp.pitch, sp.bytes);
       }
       continue;
     }
-    batch.push_back({to_device ? slot : home, to_device ? home : slot, sp.bytes, sp.rows, sp.pitch, zero});
+    batch.push_back({to_device ? slot_bytes : home, to_device ? home : slot_bytes, sp.bytes, sp.rows, sp.pitch, zero});
   }
-  if (!batch.empty())
-    slot_ticket_[static_cast<size_t>(slot_of_[static_cast<size_t>(item)])] =
-        gpu::copies_on_side_stream(batch, device_.index);
+  if (batch.empty()) return;
+  const uint64_t ticket = gpu::copies_on_side_stream(batch, device_.index, lane);
+  auto& mine = to_device ? fetch_ticket_[slot] : store_ticket_[slot];
+  for (size_t p = 0; p < touched.size(); ++p)
+    if (touched[p]) mine[p] = ticket;
 }
 
 bool Residency::fetch(int item, const std::vector<Span>& spans) {
@@ -105,25 +124,37 @@ bool Residency::fetch(int item, const std::vector<Span>& spans) {
     slot_of_[static_cast<size_t>(item)] = s;
   }
   slot_used_[static_cast<size_t>(s)] = ++clock_;
-  trace::CopyScope traced(device_, "fetch", what_, item, trace::on() ? total_bytes(spans) : 0);
   move(item, spans, true);
   return was_resident;
+}
+
+void Residency::wait_for_slot(int slot, bool out) {
+  for (auto* tickets : {&fetch_ticket_[static_cast<size_t>(slot)], out ? &store_ticket_[static_cast<size_t>(slot)] : nullptr}) {
+    if (!tickets) continue;
+    for (uint64_t& t : *tickets) {
+      if (t != 0) gpu::wait_for_copy(t, device_.index);
+      t = 0;
+    }
+  }
 }
 
 void Residency::ready(int item) {
   const int s = slot_of_[static_cast<size_t>(item)];
   CW_CHECK(s >= 0, "residency: item {} is not on the device (fetch it first)", item);
   slot_used_[static_cast<size_t>(s)] = ++clock_;
-  if (uint64_t& t = slot_ticket_[static_cast<size_t>(s)]; t != 0) {
-    gpu::wait_for_copy(t, device_.index);
-    t = 0;
-  }
+  wait_for_slot(s, /*out=*/true);
+}
+
+void Residency::ready_to_read(int item) {
+  const int s = slot_of_[static_cast<size_t>(item)];
+  CW_CHECK(s >= 0, "residency: item {} is not on the device (fetch it first)", item);
+  slot_used_[static_cast<size_t>(s)] = ++clock_;
+  wait_for_slot(s, /*out=*/false);
 }
 
 void Residency::store(int item, const std::vector<Span>& spans) {
   const int s = slot_of_[static_cast<size_t>(item)];
   CW_CHECK(s >= 0, "residency: item {} is not on the device (nothing to store)", item);
-  trace::CopyScope traced(device_, "store", what_, item, trace::on() ? total_bytes(spans) : 0);
   move(item, spans, false);
 }
 

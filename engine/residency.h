@@ -11,13 +11,18 @@
 //                        bytes are set to zero instead, so the home is never cleared or read; a span
 //                        may be a run of rows at a pitch (one row of every sequence or head);
 //   ready(item)          the compute stream waits until every copy into or out of the item's slot
-//                        has finished (call it before compute reads or overwrites the slot);
+//                        has finished (call it before compute overwrites the slot);
+//   ready_to_read(item)  the compute stream waits until every copy into the slot has finished (call
+//                        it before compute only reads the slot: a store out of it may go on);
 //   store(item, spans)   copy the spans device -> host behind the compute queued so far.
-// Ordering (GPU): all copies run in order on the device's side stream, each fetch's or store's spans
-// as one batch after everything the compute stream had queued when it was issued; so a fetch never
-// overwrites a slot that queued compute still reads, and a store never copies bytes compute has not
-// finished writing. The host never blocks, and issues one batch (one pair of events) a call, a
-// strided span as one 2-d copy. On a CPU "device" (tests) the slots are host memory and every copy
+// Ordering (GPU): fetches run in order on the device's "in" copy lane and stores on its "out" lane
+// (engine/cuda/runtime.h), so the two directions of the bus work at once; each fetch's or store's
+// spans run as one batch after everything the compute stream had queued when it was issued, so a
+// fetch never overwrites a slot that queued compute still reads, and a store never copies bytes
+// compute has not finished writing. Between the lanes, per slot and part: a fetch into a part waits
+// for the last store out of it, and a store for the last fetch into it (a fetch of a slot's saved
+// outputs need not wait for its dK, dV going home). The host never blocks, and issues one batch (one
+// pair of events) a call, a strided span as one 2-d copy. On a CPU "device" (tests) the slots are host memory and every copy
 // is a memcpy at the call, so the same schedule logic runs exactly in f64.
 // Every fetch and store that moves bytes is one copy event of a trace (engine/trace.h).
 // Tested through its users: the K/V store and the checkpointed input offload (tests/optim/test_schedules.cpp,
@@ -58,6 +63,7 @@ class Residency {
   // the spans in. Returns whether the item was already resident.
   bool fetch(int item, const std::vector<Span>& spans);
   void ready(int item);
+  void ready_to_read(int item);
   void store(int item, const std::vector<Span>& spans);
   // Forgets every slot's item (their device bytes become garbage); pending copies stay ordered.
   void evict_all();
@@ -74,8 +80,10 @@ class Residency {
 
  private:
   // Moves the spans between item `item`'s home and its slot (to_device: home -> slot, zeroing spans so
-  // marked) as one batch.
+  // marked) as one batch on its lane, after the other lane's last copies of the same parts.
   void move(int item, const std::vector<Span>& spans, bool to_device);
+  // The compute stream waits for the slot's copies in (and, `out`, out) not yet waited for.
+  void wait_for_slot(int slot, bool out);
 
   Device device_;
   const char* what_;
@@ -85,7 +93,8 @@ class Residency {
   std::vector<int> slot_of_;               // item -> slot or -1
   std::vector<int> slot_item_;             // slot -> item or -1
   std::vector<uint64_t> slot_used_;        // slot -> last use (LRU clock)
-  std::vector<uint64_t> slot_ticket_;      // slot -> last side-stream copy into or out of it (0: none)
+  // [slot][part]: the last copy into / out of it not yet waited for by the compute stream (0: none).
+  std::vector<std::vector<uint64_t>> fetch_ticket_, store_ticket_;
   uint64_t clock_ = 0;
   size_t bytes_moved_ = 0;
 };

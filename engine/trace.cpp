@@ -10,6 +10,7 @@
 
 #include <chrono>
 #include <fstream>
+#include <string_view>
 
 namespace cw::trace {
 
@@ -64,8 +65,8 @@ void mark(Recorder& r, Raw& e, bool end) {
     (end ? e.t1 : e.t0) = host_us(r);
     return;
   }
-  const bool side = e.thread == Thread::copies;
-  (end ? e.m1 : e.m0) = gpu::trace_mark(r.device.index, side, side && !end);
+  const int lane = e.thread == Thread::copies_in ? 0 : e.thread == Thread::copies_out ? 1 : -1;
+  (end ? e.m1 : e.m0) = gpu::trace_mark(r.device.index, lane, lane >= 0 && !end);
 }
 
 std::string fill_placeholders(const std::string& name, const std::vector<std::pair<std::string, int64_t>>& args) {
@@ -103,7 +104,7 @@ void start(Device device) {
   r.generation = generation;
   if (!device.is_cpu()) {
     gpu::trace_marks_clear();
-    gpu::trace_mark(device.index, false, false);  // mark 0: the origin, on the compute stream
+    gpu::trace_mark(device.index, -1, false);  // mark 0: the origin, on the compute stream
   }
   r.origin = std::chrono::steady_clock::now();
   detail::g_on = true;
@@ -167,7 +168,8 @@ void TraceScope::close() {
 void CopyScope::open(Device device, const char* op, const char* what, int item, size_t bytes) {
   Recorder& r = recorder();
   if (bytes == 0 || !(device == r.device)) return;
-  Raw e{fmt::format("{} {} {{item}}", op, what), "copy", Thread::copies, {}};
+  const Thread thread = std::string_view(op) == "store" ? Thread::copies_out : Thread::copies_in;
+  Raw e{fmt::format("{} {} {{item}}", op, what), "copy", thread, {}};
   e.args.emplace_back("item", item);
   e.args.emplace_back("bytes", static_cast<int64_t>(bytes));
   inherit_chunk(r, e.args);
@@ -194,7 +196,8 @@ std::string Recording::json() const {
   json list = json::array();
   list.push_back({{"name", "process_name"}, {"ph", "M"}, {"pid", pid}, {"tid", 0},
                     {"args", {{"name", device_name(device)}}}});
-  for (const auto& [tid, name] : {std::pair{Thread::compute, "compute"}, std::pair{Thread::copies, "copies"}}) {
+  for (const auto& [tid, name] : {std::pair{Thread::compute, "compute"}, std::pair{Thread::copies_in, "copies in"},
+                                  std::pair{Thread::copies_out, "copies out"}}) {
     list.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", pid}, {"tid", static_cast<int>(tid)},
                       {"args", {{"name", name}}}});
     list.push_back({{"name", "thread_sort_index"}, {"ph", "M"}, {"pid", pid}, {"tid", static_cast<int>(tid)},

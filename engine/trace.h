@@ -7,7 +7,7 @@
 // What is recorded:
 //   TraceScope     a compute phase, begin to end of the C++ scope, on the "compute" thread;
 //   CopyScope      a host <-> device copy of the residency layer (engine/residency.h), on the
-//                  "copies" thread, with its bytes.
+//                  "copies in" (fetch) or "copies out" (store) thread, with its bytes.
 // Names are templates whose {key} placeholders are replaced by the event's integer args when it is
 // written: TraceScope s("layer {layer} forward", {{"layer", l}, {"t0", t0}, {"t1", t1}}). An event
 // that has no "chunk" arg takes the one of the innermost open scope that has it, so a layer phase or
@@ -20,15 +20,15 @@
 // (engine/residency.cpp) "fetch kv layer l" / "store kv layer l" and, with checkpointed offload,
 // "fetch input layer l" / "store input layer l".
 // Times: on a GPU, CUDA events recorded on the stream the work runs on (a phase's events on the
-// compute stream, a copy's on the side stream, its begin mark after the copy's wait for the compute
-// queued before it), so the timeline shows when the device did the work, not when the host queued
+// compute stream, a copy's on its copy lane, its begin mark after the copy's waits for the compute
+// queued before it and for the copies it must follow), so the timeline shows when the device did the work, not when the host queued
 // it; resolved once, in stop(), against an event recorded in start() (cudaEventElapsedTime: ~0.5 us
 // resolution, float milliseconds). On the CPU, the host's steady clock; CPU copies are memcpys at the
 // call, so they never overlap compute there.
 // Output: {"traceEvents": [...], "displayTimeUnit": "ms"}: "X" (complete) events with ts and dur in
 // microseconds from start(), pid = the device (0 for the CPU, 1 + index for cuda:index), tid 1 =
-// "compute", 2 = "copies", cat "compute" or "copy", args the event's integer args; plus "M"
-// metadata naming the process (the device) and the two threads.
+// "compute", 2 = "copies in", 3 = "copies out", cat "compute" or "copy", args the event's integer
+// args; plus "M" metadata naming the process (the device) and the three threads.
 // The recorder serves one host thread (the one that trains); it is not a profiler of kernels
 // (nsys does that): its events are the engine's named phases.
 #pragma once
@@ -50,7 +50,7 @@ extern bool g_on;  // the one branch every instrumentation point takes
 
 inline bool on() { return detail::g_on; }
 
-enum class Thread : int { compute = 1, copies = 2 };
+enum class Thread : int { compute = 1, copies_in = 2, copies_out = 3 };
 
 struct Arg {
   const char* key;
@@ -104,8 +104,8 @@ class TraceScope {
   uint64_t generation_ = 0;
 };
 
-// A copy between host and device memory: from construction to destruction, on the device's side
-// (copy) stream. `op` is "fetch" or "store", `what` names the items ("kv layer"), `bytes` is what
+// A copy between host and device memory: from construction to destruction, on one of the device's
+// copy lanes. `op` is "fetch" (in: host -> device) or "store" (out: device -> host), `what` names the items ("kv layer"), `bytes` is what
 // the scope copies (nothing is recorded for 0 bytes). Only the recorded device's copies are traced.
 class CopyScope {
  public:

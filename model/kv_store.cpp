@@ -207,7 +207,7 @@ void KVStore::begin_layer(int layer, Use use, int64_t t0, int64_t t1) {
     std::vector<Residency::Span> need;
     fetch_outputs(layer, t0, t1, need);
     res_->fetch(layer, need);
-    res_->ready(layer);
+    res_->ready_to_read(layer);  // the layer's dK, dV may still be going home from the last backward
     if (res_->slots() > 1 && layer + 1 < L_) prefetch(layer + 1, use, t0, t1);
     return;
   }

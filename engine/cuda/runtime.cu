@@ -442,7 +442,7 @@ MemoryInfo memory_info(int device) {
 }
 }  // namespace cw::gpu
 
-// Pinned host memory and the side ("copy") stream.
+// Pinned host memory and the side ("copy") streams: two lanes a device, in and out.
 namespace cw::gpu {
 namespace {
 struct PinnedPool {
@@ -455,21 +455,31 @@ PinnedPool& pinned_pool() {
   return *p;
 }
 
+constexpr int kLanes = 2;
+struct Ticket {
+  int device, lane;
+  cudaEvent_t done;  // recorded on the lane after the ticket's copies
+};
 struct SideStreams {
   std::mutex mutex;
-  std::array<cudaStream_t, kMaxDevices> streams{};
-  std::map<uint64_t, std::pair<int, cudaEvent_t>> tickets;  // ticket -> (device, its copy's event)
+  std::array<std::array<cudaStream_t, kLanes>, kMaxDevices> streams{};  // [device][lane]
+  std::map<uint64_t, Ticket> tickets;  // the copies not yet waited for by a compute stream
   uint64_t next = 1;
 };
 SideStreams& side_streams() {
   static SideStreams* s = new SideStreams;
   return *s;
 }
-// The device's side stream, created on first use; the caller holds s.mutex.
-cudaStream_t side_stream_locked(SideStreams& s, int device) {
-  cudaStream_t& side = s.streams[static_cast<size_t>(device)];
+// The device's copy lane, created on first use; the caller holds s.mutex.
+cudaStream_t side_stream_locked(SideStreams& s, int device, int lane) {
+  cudaStream_t& side = s.streams[static_cast<size_t>(device)][static_cast<size_t>(lane)];
   if (!side) CW_CUDA_CHECK(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking));
   return side;
+}
+// Every lane of the device that exists; the caller holds s.mutex.
+void synchronize_lanes_locked(SideStreams& s, int device) {
+  for (cudaStream_t side : s.streams[static_cast<size_t>(device)])
+    if (side) CW_CUDA_CHECK(cudaStreamSynchronize(side));
 }
 // Makes `side` wait for everything queued on `compute` so far.
 void side_after_compute(cudaStream_t side, cudaStream_t compute) {
@@ -512,33 +522,47 @@ void pinned_free(void* ptr) {
 }
 
 namespace {
-// Queues `op` on the device's side stream after everything already queued on its compute stream (the
+// Queues `op` on the device's copy lane after everything already queued on its compute stream (the
 // source of a copy is final and the bytes it overwrites are no longer read) and returns its ticket.
 template <typename Op>
-uint64_t on_side_stream(int device, Op op) {
+uint64_t on_side_stream(int device, CopyLane lane, Op op) {
   cudaStream_t compute = current_stream(device);  // also makes `device` current
   SideStreams& s = side_streams();
   std::lock_guard lock(s.mutex);
-  cudaStream_t side = side_stream_locked(s, device);
+  cudaStream_t side = side_stream_locked(s, device, static_cast<int>(lane));
   side_after_compute(side, compute);
   op(side);
   cudaEvent_t done;
   CW_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
   CW_CUDA_CHECK(cudaEventRecord(done, side));
   const uint64_t ticket = s.next++;
-  s.tickets[ticket] = {device, done};
+  s.tickets[ticket] = {device, static_cast<int>(lane), done};
   return ticket;
 }
 }  // namespace
 
 uint64_t copy_on_side_stream(void* dst, const void* src, size_t bytes, int device) {
-  return on_side_stream(device, [&](cudaStream_t side) {
+  return on_side_stream(device, CopyLane::in, [&](cudaStream_t side) {
     CW_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, side));
   });
 }
 
-uint64_t copies_on_side_stream(const std::vector<SideCopy>& copies, int device) {
-  return on_side_stream(device, [&](cudaStream_t side) {
+void lane_wait_for_copies(const std::vector<uint64_t>& tickets, CopyLane lane, int device) {
+  if (tickets.empty()) return;
+  CW_CUDA_CHECK(cudaSetDevice(device));
+  SideStreams& s = side_streams();
+  std::lock_guard lock(s.mutex);
+  cudaStream_t side = side_stream_locked(s, device, static_cast<int>(lane));
+  for (uint64_t t : tickets) {
+    // A ticket no longer kept was waited for by the compute stream, which every later copy follows.
+    auto it = s.tickets.find(t);
+    if (it != s.tickets.end() && it->second.lane != static_cast<int>(lane))
+      CW_CUDA_CHECK(cudaStreamWaitEvent(side, it->second.done, 0));
+  }
+}
+
+uint64_t copies_on_side_stream(const std::vector<SideCopy>& copies, int device, CopyLane lane) {
+  return on_side_stream(device, lane, [&](cudaStream_t side) {
     for (const SideCopy& c : copies) {
       if (c.bytes == 0 || c.rows == 0) continue;
       if (c.rows == 1 && c.zero) CW_CUDA_CHECK(cudaMemsetAsync(c.dst, 0, c.bytes, side));
@@ -615,20 +639,21 @@ void wait_for_copy(uint64_t ticket, int device) {
     std::lock_guard wl(w.mutex);
     const cudaEvent_t before = w.event(), after = w.event();
     CW_CUDA_CHECK(cudaEventRecord(before, compute));
-    CW_CUDA_CHECK(cudaStreamWaitEvent(compute, it->second.second, 0));
+    CW_CUDA_CHECK(cudaStreamWaitEvent(compute, it->second.done, 0));
     CW_CUDA_CHECK(cudaEventRecord(after, compute));
     auto& p = w.pending[static_cast<size_t>(device)];
     p.emplace_back(before, after);
     if (p.size() >= 1024) w.fold(device, false);
   }
-  // A device's side stream runs its copies in order, so waiting for this one covers every earlier
-  // ticket of the device: their events are released too (safe before they complete).
+  // A lane runs its copies in order, so waiting for this one covers every earlier ticket of the
+  // device's same lane: their events are released too (safe before they complete).
+  const int lane = it->second.lane;
   for (auto e = s.tickets.begin(); e != s.tickets.end() && e->first <= ticket;) {
-    if (e->second.first != device) {
+    if (e->second.device != device || e->second.lane != lane) {
       ++e;
       continue;
     }
-    CW_CUDA_CHECK(cudaEventDestroy(e->second.second));
+    CW_CUDA_CHECK(cudaEventDestroy(e->second.done));
     e = s.tickets.erase(e);
   }
 }
@@ -636,25 +661,25 @@ void wait_for_copy(uint64_t ticket, int device) {
 void host_wait_for_copy(uint64_t ticket, int device) {
   SideStreams& s = side_streams();
   cudaEvent_t done = nullptr;
-  cudaStream_t side = nullptr;
+  std::array<cudaStream_t, kLanes> lanes{};
   {
     std::lock_guard lock(s.mutex);
     auto it = s.tickets.find(ticket);
-    if (it != s.tickets.end()) done = it->second.second;
-    else side = s.streams[static_cast<size_t>(device)];  // its event is gone (a compute wait took it): wait for all
+    if (it != s.tickets.end()) done = it->second.done;
+    else lanes = s.streams[static_cast<size_t>(device)];  // its event is gone (a compute wait took it): wait for all
   }
   // Outside the lock: other threads queue copies meanwhile. A ticket's event is destroyed only by
   // wait_for_copy, which the thread that owns the ticket calls.
   CW_CUDA_CHECK(cudaSetDevice(device));
   if (done) CW_CUDA_CHECK(cudaEventSynchronize(done));
-  else if (side) CW_CUDA_CHECK(cudaStreamSynchronize(side));
+  for (cudaStream_t side : lanes)
+    if (side) CW_CUDA_CHECK(cudaStreamSynchronize(side));
 }
 
 void wait_for_all_copies(int device) {
   SideStreams& s = side_streams();
   std::lock_guard lock(s.mutex);
-  cudaStream_t side = s.streams[static_cast<size_t>(device)];
-  if (side) CW_CUDA_CHECK(cudaStreamSynchronize(side));
+  synchronize_lanes_locked(s, device);
 }
 }  // namespace cw::gpu
 
@@ -671,13 +696,13 @@ TraceMarks& trace_marks() {
 }
 }  // namespace
 
-size_t trace_mark(int device, bool side, bool after_compute) {
+size_t trace_mark(int device, int lane, bool after_compute) {
   cudaStream_t compute = current_stream(device);  // also makes `device` current
   cudaStream_t stream = compute;
-  if (side) {
+  if (lane >= 0) {
     SideStreams& s = side_streams();
     std::lock_guard lock(s.mutex);
-    stream = side_stream_locked(s, device);
+    stream = side_stream_locked(s, device, lane);
     if (after_compute) side_after_compute(stream, compute);
   }
   cudaEvent_t e;

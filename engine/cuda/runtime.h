@@ -84,14 +84,19 @@ MemoryInfo memory_info(int device = 0);
 void* pinned_alloc(size_t bytes);
 void pinned_free(void* p);
 
-// A copy of `bytes` between any two of host (pinned) and device memory on the device's side stream,
+// Copies beside the compute: each device has two side streams ("lanes"), one for copies into device
+// memory and one for copies out of it, so a store (device -> host) and a fetch (host -> device) use
+// both directions of the bus at once. Each lane runs its copies in order.
+enum class CopyLane : int { in = 0, out = 1 };
+
+// A copy of `bytes` between any two of host (pinned) and device memory on the device's `in` lane,
 // ordered after everything queued on its compute stream so far, so it overlaps the compute queued
 // next. Returns a ticket; wait_for_copy(ticket) makes the compute stream wait for the copy (the host
 // does not block). Used to offload saved layer inputs to host memory and bring them back.
 uint64_t copy_on_side_stream(void* dst, const void* src, size_t bytes, int device);
-// Several copies and zeroings of device memory as one batch behind the compute queued so far (one
-// ticket, one pair of events for all, instead of a pair per copy): `rows` rows of `bytes` bytes each,
-// row r at dst + r pitch and src + r pitch (rows = 1: one run; zero: dst's rows set to zero, src
+// Several copies and zeroings of device memory as one batch on `lane` behind the compute queued so far
+// (one ticket, one pair of events for all, instead of a pair per copy): `rows` rows of `bytes` bytes
+// each, row r at dst + r pitch and src + r pitch (rows = 1: one run; zero: dst's rows set to zero, src
 // unused: a K/V home that holds logical zeros is not copied).
 struct SideCopy {
   void* dst;
@@ -99,22 +104,26 @@ struct SideCopy {
   size_t bytes, rows = 1, pitch = 0;
   bool zero = false;
 };
-uint64_t copies_on_side_stream(const std::vector<SideCopy>& copies, int device);
+uint64_t copies_on_side_stream(const std::vector<SideCopy>& copies, int device, CopyLane lane = CopyLane::in);
+// `lane`'s next copies also wait for these tickets' copies (on either lane): a copy into bytes that a
+// copy out of them may still be reading, or the reverse. A ticket already waited for is passed over.
+void lane_wait_for_copies(const std::vector<uint64_t>& tickets, CopyLane lane, int device);
 void wait_for_copy(uint64_t ticket, int device);
-// The host blocks until the ticket's copy (and every earlier one of the device) has finished.
+// The host blocks until the ticket's copy (and every earlier one of its lane) has finished.
 void host_wait_for_copy(uint64_t ticket, int device);
-void wait_for_all_copies(int device);           // the host waits until every side-stream copy is done
+void wait_for_all_copies(int device);           // the host waits until every copy of both lanes is done
 // The time the device's compute stream spent blocked in wait_for_copy, measured with timed events
 // recorded around each wait. Waits for the compute stream, returns the seconds since the previous
 // call and starts counting again.
 double take_copy_wait_seconds(int device);
 
 // Timing marks for the trace recorder (engine/trace.h): a CUDA event with timing recorded on the
-// device's compute stream, or on its side stream (after_compute: the side stream first waits for
-// everything queued on the compute stream so far, as each copy does, so the mark is the copy's
-// start). Returns the mark's index (0, 1, ...). trace_marks_resolve waits for both streams, returns
-// every mark's time in milliseconds after mark 0 (which must be on `device`) and forgets the marks.
-size_t trace_mark(int device, bool side, bool after_compute);
+// device's compute stream (lane < 0), or on a copy lane (0: in, 1: out; after_compute: the lane first
+// waits for everything queued on the compute stream so far, as each copy does, so the mark is the
+// copy's start). Returns the mark's index (0, 1, ...). trace_marks_resolve waits for the compute
+// stream and both lanes, returns every mark's time in milliseconds after mark 0 (which must be on
+// `device`) and forgets the marks.
+size_t trace_mark(int device, int lane, bool after_compute);
 std::vector<double> trace_marks_resolve(int device);
 void trace_marks_clear();
 

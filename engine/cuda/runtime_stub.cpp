@@ -27,13 +27,14 @@ MemoryInfo memory_info(int) { no_cuda(); }
 void* pinned_alloc(size_t) { no_cuda(); }
 void pinned_free(void*) {}
 uint64_t copy_on_side_stream(void*, const void*, size_t, int) { no_cuda(); }
-uint64_t copies_on_side_stream(const std::vector<SideCopy>&, int) { no_cuda(); }
+uint64_t copies_on_side_stream(const std::vector<SideCopy>&, int, CopyLane) { no_cuda(); }
+void lane_wait_for_copies(const std::vector<uint64_t>&, CopyLane, int) { no_cuda(); }
 void wait_for_copy(uint64_t, int) { no_cuda(); }
 void host_wait_for_copy(uint64_t, int) { no_cuda(); }
 void set_pool_limit(int, size_t) { no_cuda(); }
 size_t pool_limit(int) { return 0; }
 void wait_for_all_copies(int) {}
-size_t trace_mark(int, bool, bool) { no_cuda(); }
+size_t trace_mark(int, int, bool) { no_cuda(); }
 std::vector<double> trace_marks_resolve(int) { no_cuda(); }
 void trace_marks_clear() {}
 void synchronize(int) {}

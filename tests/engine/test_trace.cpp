@@ -117,8 +117,9 @@ void check_seco_recording(const trace::Recording& r, const StepStats& st, const 
     if (e.cat != "copy") continue;
     INFO(e.name);
     ++copies;
-    CHECK(e.thread == trace::Thread::copies);
-    CHECK((e.name.rfind("fetch kv layer ", 0) == 0 || e.name.rfind("store kv layer ", 0) == 0));
+    const bool store = e.name.rfind("store kv layer ", 0) == 0;
+    CHECK((e.name.rfind("fetch kv layer ", 0) == 0 || store));
+    CHECK(e.thread == (store ? trace::Thread::copies_out : trace::Thread::copies_in));
     CHECK(e.arg("item") >= 0);
     CHECK(e.arg("item") < L);
     CHECK(e.arg("bytes") > 0);
@@ -155,14 +156,15 @@ void check_json(const trace::Recording& r) {
     CHECK((e["cat"] == "compute" || e["cat"] == "copy"));
     CHECK(e["ts"].get<double>() >= 0);
     CHECK(e["dur"].get<double>() >= 0);
-    CHECK((e["tid"] == 1 || e["tid"] == 2));
+    CHECK((e["tid"] == 1 || e["tid"] == 2 || e["tid"] == 3));
+    if (e["cat"] == "copy") CHECK(e["tid"] == (e["name"].get<std::string>().rfind("store", 0) == 0 ? 3 : 2));
     CHECK(e["args"].is_object());
     if (e["cat"] == "copy") CHECK(e["args"]["bytes"].get<int64_t>() > 0);
     ++complete;
   }
   CHECK(complete == r.events.size());
   CHECK(meta["process_name"] == 1);
-  CHECK(meta["thread_name"] == 2);
+  CHECK(meta["thread_name"] == 3);
 }
 
 }  // namespace
@@ -222,7 +224,7 @@ TEST_CASE("trace: write() saves the JSON; tracing off records nothing") {
   rec.write(path.string());
   std::ifstream in(path);
   const nlohmann::json j = nlohmann::json::parse(in);
-  CHECK(j["traceEvents"].size() == rec.events.size() + 5);  // + process name, 2 thread names, 2 sort indices
+  CHECK(j["traceEvents"].size() == rec.events.size() + 7);  // + process name, 3 thread names, 3 sort indices
   std::filesystem::remove(path);
   CHECK_THROWS_AS(rec.write("/nonexistent-dir/trace.json"), Error);
 }
