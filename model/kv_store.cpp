@@ -209,6 +209,9 @@ void KVStore::begin_layer(int layer, Use use, int64_t t0, int64_t t1) {
     res_->fetch(layer, need);
     res_->ready_to_read(layer);  // the layer's dK, dV may still be going home from the last backward
     if (res_->slots() > 1 && layer + 1 < L_) prefetch(layer + 1, use, t0, t1);
+    // The last layer's backward follows (after the LM head): what it reads (K, V, dK, dV [0, t1), the
+    // largest copy of the chunk) comes in now, behind this recompute, which reads only saved outputs.
+    if (layer == L_ - 1 && with_grads_) prefetch(layer, Use::backward, t0, t1);
     return;
   }
   // Forward: K, V [0, t0) must be current (the chunk writes [t0, t1)). Backward: K, V [0, t1) and dK, dV
