@@ -69,10 +69,11 @@ double attention_tflops(int64_t head_dim, bool split) {
 // (Against one masked graph's rate: the blocks run no faster with the prefix apart.)
 constexpr double kStreamedAttentionSlowdown = 1.12;
 // With a window of layers offloaded, the compute stream still waits for some copies (a layer's data
-// arriving after the layer before it ends): 4.1-4.4% of the copies' time at 128K (chunks of 4096 and
-// 8192, window 2: 0.40 s for 411 GiB moved, 0.20 s for 219 GiB) and at 32K (0.025 s for 31 GiB,
-// chunk 4096, window 2), H100, thirteenth session (`chunkwise bench` copy_wait_s).
-constexpr double kWindowCopyWaitShare = 0.045;
+// arriving after the layer before it ends): 0.4-1.8% of the copies' time with fetches and stores on
+// their own lanes and the last layer's backward fetched behind its recompute (window 2, saved
+// outputs: 0.018 s for 219 GiB at 128K in chunks of 8192, 0.043 s for 110 GiB at 64K and 0.007 s for
+// 31 GiB at 32K in chunks of 4096), H100, fourteenth session (`chunkwise bench` copy_wait_s).
+constexpr double kWindowCopyWaitShare = 0.012;
 // Memory-bound ops at 70% of the 3.0 TB/s device copy (BENCHMARKS.md's bar for them; they meet it).
 constexpr double kElementwiseBytesPerS = 0.7 * 3.0e12;
 // The attention backward's K/V-gradient adds (engine/cuda/attention_cudnn.cu add_kv_kernel: cuDNN's bf16
