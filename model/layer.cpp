@@ -22,12 +22,18 @@ EnvFlag g_fused_qkv{"CW_FUSED_QKV", true,
 void set_fused_qkv(bool on) { g_fused_qkv.set(on); }
 bool fused_qkv() { return g_fused_qkv.get(); }
 
+namespace {
+// The rule, stated once: the switch on, no tensor parallelism (each rank holds its own heads' rows of
+// the three weights), no adapter on q, k or v (each adds its own low-rank term to one projection).
+bool qkv_fusable(bool tensor_parallel, bool qkv_adapters) { return fused_qkv() && !tensor_parallel && !qkv_adapters; }
+}  // namespace
+
 bool fuses_qkv(const LoraConfig* lora, const TensorParallelGroup* tp) {
-  if (!fused_qkv() || tp) return false;
-  if (!lora || !lora->enabled()) return true;
-  for (ParamRole r : lora->target_roles())
-    if (r == ParamRole::wq || r == ParamRole::wk || r == ParamRole::wv) return false;
-  return true;
+  bool qkv_adapters = false;
+  if (lora && lora->enabled())
+    for (ParamRole r : lora->target_roles())
+      qkv_adapters = qkv_adapters || r == ParamRole::wq || r == ParamRole::wk || r == ParamRole::wv;
+  return qkv_fusable(tp != nullptr, qkv_adapters);
 }
 
 int64_t resolve_mlp_shards(int64_t requested, const LlamaConfig& cf, int64_t rows) {
@@ -125,7 +131,7 @@ Tensor stacked_qkv(const Tensor& wq, const Tensor& wk, const Tensor& wv) {
 
 // The fused projection's weight for this call, or undefined where the three GEMMs run (model/layer.h).
 Tensor fused_qkv_weight(const LayerWeights& w, const BlockContext& ctx) {
-  if (ctx.tp || !fused_qkv() || w.lora.q.defined() || w.lora.k.defined() || w.lora.v.defined()) return {};
+  if (!qkv_fusable(ctx.tp != nullptr, w.lora.q.defined() || w.lora.k.defined() || w.lora.v.defined())) return {};
   return stacked_qkv(w.wq, w.wk, w.wv);
 }
 
