@@ -4,7 +4,7 @@
   python3 tools/bench/trace_summary.py step.json [--json out.json]
 
 Prints the step's span, the busy time of the compute stream by phase kind (layer forward /
-recompute / backward, LM head), the copy stream's busy time and bytes (fetch / store), how much of
+recompute / backward, LM head), the copy lanes' busy time and bytes (fetch / store), how much of
 the copy time ran under compute (overlap), and the compute stream's idle gaps: the time the step
 waited (on copies, or on the host). Phases nest (a chunk holds its layers), so kinds are counted on
 the innermost events only.
@@ -100,7 +100,7 @@ def main():
     print(f"step span {s['span_s']:.3f} s: compute busy {s['compute_busy_s']:.3f} s, "
           f"idle {s['compute_idle_s']:.3f} s ({100 * s['compute_idle_s'] / s['span_s']:.1f}%)")
     if s["copy_busy_s"] > 0:
-        print(f"copies: {s['copy_gib']:.1f} GiB in {s['copy_busy_s']:.3f} s of copy-stream time, "
+        print(f"copies: {s['copy_gib']:.1f} GiB in {s['copy_busy_s']:.3f} s with a copy lane busy, "
               f"{s['copy_under_compute_s']:.3f} s of it under compute "
               f"({100 * s['copy_under_compute_s'] / s['copy_busy_s']:.1f}%)")
     for k, v in s["kinds"].items():
