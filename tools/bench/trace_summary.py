@@ -8,6 +8,12 @@ recompute / backward, LM head), the copy lanes' busy time and bytes (fetch / sto
 the copy time ran under compute (overlap), and the compute stream's idle gaps: the time the step
 waited (on copies, or on the host). Phases nest (a chunk holds its layers), so kinds are counted on
 the innermost events only.
+
+A wait inside a phase (a layer's compute waiting for its copies) is no gap: it lengthens the phase.
+So the summary also lists the layers that ran longer than the median of their kind at the same chunk
+(the "excess"), summed by kind and layer: the place of a copy wait, or of anything else that slows
+one layer of every chunk (at 128K this found the turns of the reverse sweep, RESULTS.md fourteenth
+session).
 """
 import argparse
 import json
@@ -86,6 +92,27 @@ def summarise(events):
     }
 
 
+def excess(events, at_least_ms=0.3):
+    """Per (kind, layer): the milliseconds its phases ran beyond the median of their kind at the same
+    chunk (only excesses of at least `at_least_ms` counted), largest first."""
+    groups = {}
+    for e in events:
+        if e.get("ph") != "X" or e.get("cat") != "compute":
+            continue
+        m = re.match(r"layer (\d+) (\w+)$", e["name"])
+        t1 = e.get("args", {}).get("t1")
+        if m and t1 is not None:
+            groups.setdefault((m.group(2), t1), []).append((int(m.group(1)), e["dur"] / 1e3))
+    out = {}
+    for (k, _), runs in groups.items():
+        durs = sorted(d for _, d in runs)
+        median = durs[len(durs) // 2]
+        for layer, d in runs:
+            if d - median >= at_least_ms:
+                out[(k, layer)] = out.get((k, layer), 0.0) + d - median
+    return sorted(out.items(), key=lambda kv: -kv[1])
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("trace")
@@ -106,6 +133,12 @@ def main():
     for k, v in s["kinds"].items():
         extra = f", {v['gib']:.2f} GiB" if v["gib"] else ""
         print(f"  {k:<18} {v['events']:>6} events {v['s']:9.3f} s{extra}")
+    ex = excess(doc.get("traceEvents", []))
+    if ex:
+        total = sum(ms for _, ms in ex)
+        top = ", ".join(f"{k} {layer}: {ms:.1f}" for (k, layer), ms in ex[:6])
+        print(f"layers longer than their kind's median at the same chunk: {total:.1f} ms in all (ms; largest: {top})")
+    s["excess_ms"] = [{"kind": k, "layer": layer, "ms": ms} for (k, layer), ms in ex]
     if a.json:
         with open(a.json, "w") as f:
             json.dump(s, f, indent=2)
