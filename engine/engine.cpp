@@ -125,12 +125,19 @@ StagingBuffer::~StagingBuffer() {
   data_ = nullptr;
 }
 
-uint64_t copy_async(void* dst, const void* src, size_t bytes, Device device) {
+PinnedRegion::PinnedRegion(void* data, size_t bytes, Device device) {
+  if (device.is_cpu() || !data || bytes == 0) return;
+  if (gpu::host_register(data, bytes)) data_ = data;
+}
+
+PinnedRegion::~PinnedRegion() { gpu::host_unregister(data_); }
+
+uint64_t copy_async(void* dst, const void* src, size_t bytes, Device device, bool to_host) {
   if (device.is_cpu()) {
     if (bytes > 0) std::memcpy(dst, src, bytes);
     return 0;
   }
-  return gpu::copy_on_side_stream(dst, src, bytes, device.index);
+  return gpu::copy_on_side_stream(dst, src, bytes, device.index, to_host ? gpu::CopyLane::out : gpu::CopyLane::in);
 }
 
 void host_wait_for_copy(uint64_t ticket, Device device) {

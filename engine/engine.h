@@ -207,11 +207,24 @@ class StagingBuffer {
   size_t bytes_ = 0;
   Device device_{};
 };
-// Copies `bytes` between a staging buffer and device memory (either direction) on the device's side
-// stream, after everything queued on its compute stream so far (the bytes read are final, the bytes
-// written no longer read). Returns a ticket. On the CPU it is a memcpy at the call (ticket 0).
-uint64_t copy_async(void* dst, const void* src, size_t bytes, Device device);
-// The host blocks until the ticket's copy (and every earlier copy of the device) has finished.
+// Host memory that already exists (a ParamSet's buffer), page-locked for `device` while this lives, so
+// copy_async to and from it runs asynchronously at the bus's speed. Nothing on the CPU.
+class PinnedRegion {
+ public:
+  PinnedRegion(void* data, size_t bytes, Device device);
+  PinnedRegion(const PinnedRegion&) = delete;
+  PinnedRegion& operator=(const PinnedRegion&) = delete;
+  ~PinnedRegion();
+
+ private:
+  void* data_ = nullptr;
+};
+// Copies `bytes` between a staging buffer and device memory (either direction) on one of the device's
+// two copy lanes (to_host: the lane of copies out of device memory, else the lane of copies in; the
+// two run at once), after everything queued on its compute stream so far (the bytes read are final,
+// the bytes written no longer read). Returns a ticket. On the CPU it is a memcpy at the call (ticket 0).
+uint64_t copy_async(void* dst, const void* src, size_t bytes, Device device, bool to_host = false);
+// The host blocks until the ticket's copy (and every earlier copy of its lane) has finished.
 void host_wait_for_copy(uint64_t ticket, Device device);
 // The compute stream waits (the host does not) until the ticket's copy has finished: the next op
 // queued reads what it wrote.

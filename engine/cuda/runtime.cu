@@ -511,6 +511,25 @@ void* pinned_alloc(size_t bytes) {
   return ptr;
 }
 
+bool host_register(void* ptr, size_t bytes) {
+  if (!ptr || bytes == 0) return false;
+  const cudaError_t e = cudaHostRegister(ptr, bytes, cudaHostRegisterPortable);
+  if (e == cudaErrorHostMemoryAlreadyRegistered) {
+    cudaGetLastError();
+    return false;
+  }
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    fail(CW_FORMAT("cannot page-lock {} MiB of host memory ({})", double(bytes) / (1 << 20), cudaGetErrorString(e)),
+         "free host memory, or keep the optimizer on the device (optimizer.offload off)");
+  }
+  return true;
+}
+
+void host_unregister(void* ptr) {
+  if (ptr) cudaHostUnregister(ptr);  // nothing to report at teardown
+}
+
 void pinned_free(void* ptr) {
   if (!ptr) return;
   PinnedPool& p = pinned_pool();
@@ -541,8 +560,8 @@ uint64_t on_side_stream(int device, CopyLane lane, Op op) {
 }
 }  // namespace
 
-uint64_t copy_on_side_stream(void* dst, const void* src, size_t bytes, int device) {
-  return on_side_stream(device, CopyLane::in, [&](cudaStream_t side) {
+uint64_t copy_on_side_stream(void* dst, const void* src, size_t bytes, int device, CopyLane lane) {
+  return on_side_stream(device, lane, [&](cudaStream_t side) {
     CW_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, side));
   });
 }

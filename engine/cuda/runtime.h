@@ -83,17 +83,22 @@ MemoryInfo memory_info(int device = 0);
 // Pinned (page-locked) host memory, which asynchronous copies need; blocks are cached and reused.
 void* pinned_alloc(size_t bytes);
 void pinned_free(void* p);
+// Page-locks existing host memory (cudaHostRegister) so copies to and from it are asynchronous, and
+// releases it; a clear error when the system cannot lock that much. Returns false (and locks nothing)
+// where a page of the range is locked already (small allocations sharing a page): copies still work.
+bool host_register(void* p, size_t bytes);
+void host_unregister(void* p);
 
 // Copies beside the compute: each device has two side streams ("lanes"), one for copies into device
 // memory and one for copies out of it, so a store (device -> host) and a fetch (host -> device) use
 // both directions of the bus at once. Each lane runs its copies in order.
 enum class CopyLane : int { in = 0, out = 1 };
 
-// A copy of `bytes` between any two of host (pinned) and device memory on the device's `in` lane,
+// A copy of `bytes` between any two of host (pinned) and device memory on one of the device's lanes,
 // ordered after everything queued on its compute stream so far, so it overlaps the compute queued
 // next. Returns a ticket; wait_for_copy(ticket) makes the compute stream wait for the copy (the host
-// does not block). Used to offload saved layer inputs to host memory and bring them back.
-uint64_t copy_on_side_stream(void* dst, const void* src, size_t bytes, int device);
+// does not block). The offloaded optimizer's pieces go in and out this way.
+uint64_t copy_on_side_stream(void* dst, const void* src, size_t bytes, int device, CopyLane lane = CopyLane::in);
 // Several copies and zeroings of device memory as one batch on `lane` behind the compute queued so far
 // (one ticket, one pair of events for all, instead of a pair per copy): `rows` rows of `bytes` bytes
 // each, row r at dst + r pitch and src + r pitch (rows = 1: one run; zero: dst's rows set to zero, src
