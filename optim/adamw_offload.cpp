@@ -12,6 +12,9 @@
 namespace cw {
 
 namespace {
+EnvFlag g_stream{"CW_OFFLOAD_STREAM", true,
+                 "use CW_OFFLOAD_STREAM=1 (the default: an offloaded f32 state is updated on the GPU, streamed "
+                 "through it) or 0 (on the host's cores)"};
 // Elements one host thread updates at a time: large enough that a call's checks cost nothing, small
 // enough that the cores share a piece evenly.
 constexpr int64_t kThreadBlock = int64_t(1) << 16;
@@ -33,6 +36,20 @@ size_t OffloadedAdamW::staging_bytes() const {
   size_t bytes = 0;
   for (const StagingBuffer& b : grad_stage_) bytes += b.bytes();
   for (const StagingBuffer& b : compute_stage_) bytes += b.bytes();
+  return bytes;
+}
+
+bool OffloadedAdamW::streams(Device device, DType state_dtype) {
+  return !device.is_cpu() && state_dtype == DType::f32 && g_stream.get();
+}
+
+size_t OffloadedAdamW::device_staging_bytes_for(int64_t numel, DType state_dtype, int64_t piece_elems) {
+  return size_t(kSlots) * 3 * size_t(std::min(piece_elems, numel)) * dtype_size(state_dtype);
+}
+
+size_t OffloadedAdamW::device_staging_bytes() const {
+  size_t bytes = 0;
+  for (const Buffer& b : state_stage_) bytes += b.bytes();
   return bytes;
 }
 
@@ -75,6 +92,7 @@ void OffloadedAdamW::step(const ParamSet& master, const ParamSet& grads, double 
            device_name(grads.device()), device_name(compute.device()), device_name(device_));
   CW_CHECK(grads.dtype() == DType::f32 || grads.dtype() == DType::f64, "AdamW: the gradients must be f32 or f64, got {}",
            dtype_name(grads.dtype()));
+  if (streams(device_, master.dtype()) && grads.dtype() == DType::f32) return step_streamed(master, grads, lr, compute);
 
   const int64_t numel = master.numel(), piece = std::min(piece_, numel);
   const size_t gsize = dtype_size(grads.dtype()), csize = dtype_size(compute.dtype());
@@ -95,26 +113,91 @@ void OffloadedAdamW::step(const ParamSet& master, const ParamSet& grads, double 
   const auto piece_length = [&](int64_t i) { return numel - i * piece - piece_begin(i); };
   char* const grad_dev = static_cast<char*>(grads.flat().data);
   char* const compute_dev = static_cast<char*>(compute.flat().data);
-  std::array<uint64_t, kSlots> in_ticket{}, out_ticket{};
+  // Gradients come out on the lane of copies to the host, compute weights go in on the other.
+  std::array<uint64_t, kSlots> grad_ticket{}, weight_ticket{};
   const auto fetch = [&](int64_t i) {
     const size_t slot = size_t(i % kSlots);
-    in_ticket[slot] = copy_async(grad_stage_[slot].data(), grad_dev + size_t(piece_begin(i)) * gsize,
-                                 size_t(piece_length(i)) * gsize, device_);
+    grad_ticket[slot] = copy_async(grad_stage_[slot].data(), grad_dev + size_t(piece_begin(i)) * gsize,
+                                   size_t(piece_length(i)) * gsize, device_, /*to_host=*/true);
   };
   for (int64_t i = 0; i < std::min<int64_t>(kSlots, pieces); ++i) fetch(i);
   uint64_t last_out = 0;
   for (int64_t i = 0; i < pieces; ++i) {
     const size_t slot = size_t(i % kSlots);
-    host_wait_for_copy(in_ticket[slot], device_);
-    if (out_ticket[slot] != 0) host_wait_for_copy(out_ticket[slot], device_);  // piece i - kSlots has left the slot
+    host_wait_for_copy(grad_ticket[slot], device_);
+    if (weight_ticket[slot] != 0) host_wait_for_copy(weight_ticket[slot], device_);  // piece i - kSlots has left the slot
     update_piece(master, piece_begin(i), piece_length(i), grad_stage_[slot].data(), grads.dtype(),
                  compute_stage_[slot].data(), compute.dtype(), lr);
-    last_out = out_ticket[slot] = copy_async(compute_dev + size_t(piece_begin(i)) * csize, compute_stage_[slot].data(),
-                                             size_t(piece_length(i)) * csize, device_);
+    last_out = weight_ticket[slot] = copy_async(compute_dev + size_t(piece_begin(i)) * csize,
+                                                compute_stage_[slot].data(), size_t(piece_length(i)) * csize, device_);
     if (i + kSlots < pieces) fetch(i + kSlots);
   }
   // The next op (the next step's first kernel) reads the new compute weights.
   compute_wait_for_copy(last_out, device_);
+}
+
+void OffloadedAdamW::step_streamed(const ParamSet& master, const ParamSet& grads, double lr, const ParamSet& compute) {
+  // The state page-locked (once; again if a checkpoint load gave it new memory), so its pieces move at
+  // the bus's speed while the host does nothing.
+  const std::array<void*, 3> state{master.flat().data, adamw_.exp_avg_.flat().data, adamw_.exp_avg_sq_.flat().data};
+  if (state != pinned_at_) {
+    pinned_.clear();
+    for (void* at : state) pinned_.push_back(std::make_unique<PinnedRegion>(at, master.bytes(), device_));
+    pinned_at_ = state;
+  }
+  const int64_t numel = master.numel(), piece = std::min(piece_, numel);
+  const size_t bytes = size_t(piece) * sizeof(float);
+  if (state_stage_.size() != size_t(kSlots) * 3 || state_stage_[0].bytes() < bytes) {
+    state_stage_.clear();
+    for (int s = 0; s < kSlots * 3; ++s) state_stage_.emplace_back(bytes, device_);
+  }
+  ++adamw_.step_;
+  const AdamWOptions& o = adamw_.options();
+  const Tensor p = master.flat(), m = adamw_.exp_avg_.flat(), v = adamw_.exp_avg_sq_.flat();
+  const Tensor g = grads.flat(), c = compute.flat();
+  const Tensor* home[3] = {&p, &m, &v};
+  const int64_t pieces = (numel + piece - 1) / piece;
+  std::array<uint64_t, kSlots> out_ticket{};
+  for (int64_t i = 0; i < pieces; ++i) {
+    const int64_t begin = std::max<int64_t>(0, numel - (i + 1) * piece), length = numel - i * piece - begin;
+    const size_t slot = size_t(i % kSlots);
+    // The slot's last piece has gone home before this one comes in.
+    if (out_ticket[slot] != 0) host_wait_for_copy(out_ticket[slot], device_);
+    Tensor staged[3];
+    uint64_t in = 0;
+    for (int k = 0; k < 3; ++k) {
+      void* dev = state_stage_[slot * 3 + size_t(k)].data();
+      staged[k] = Tensor::packed(dev, DType::f32, device_, std::array<int64_t, 1>{length});
+      in = copy_async(dev, home[k]->slice(0, begin, length).data, size_t(length) * sizeof(float), device_);
+    }
+    compute_wait_for_copy(in, device_);  // the lane of copies in runs in order: the last covers all three
+    for (const DecayRun& run : decay_runs_in(begin, length)) {
+      const int64_t at = run.begin - begin;
+      adamw_update(staged[0].slice(0, at, run.length), staged[1].slice(0, at, run.length),
+                   staged[2].slice(0, at, run.length), g.slice(0, run.begin, run.length),
+                   compute.dtype() == DType::bf16 ? c.slice(0, run.begin, run.length) : Tensor{},
+                   AdamWHyper{lr, o.beta1, o.beta2, o.eps, run.weight_decay, adamw_.step_});
+    }
+    if (compute.dtype() != DType::bf16) copy_convert(c.slice(0, begin, length), staged[0]);
+    for (int k = 0; k < 3; ++k)
+      out_ticket[slot] = copy_async(home[k]->slice(0, begin, length).data, staged[k].data,
+                                    size_t(length) * sizeof(float), device_, /*to_host=*/true);
+  }
+  // The state on the host is the truth between steps (checkpoints read it): the step ends when it is.
+  for (uint64_t t : out_ticket)
+    if (t != 0) host_wait_for_copy(t, device_);
+}
+
+// The decay runs (tensor pieces) within [begin, begin + length) of the flat vector.
+std::vector<DecayRun> OffloadedAdamW::decay_runs_in(int64_t begin, int64_t length) const {
+  std::vector<DecayRun> out;
+  const auto first = std::upper_bound(runs_.begin(), runs_.end(), begin,
+                                      [](int64_t x, const DecayRun& r) { return x < r.begin; }) - 1;
+  for (auto run = first; run != runs_.end() && run->begin < begin + length; ++run) {
+    const int64_t a = std::max(begin, run->begin), z = std::min(begin + length, run->begin + run->length);
+    if (a < z) out.push_back({a, z - a, run->weight_decay});
+  }
+  return out;
 }
 
 }  // namespace cw

@@ -171,6 +171,7 @@ MemoryReport memory_report(const TrainingState& st, size_t activation_high_water
     r.host_master = st.master().bytes();
     r.host_optimizer = st.master().bytes() * 2;
     r.host_staging = off->staging_bytes();
+    r.optimizer = off->device_staging_bytes();  // streamed through the device: its slots
   } else {
     r.master = separate_master ? st.master().bytes() : 0;
     r.optimizer = st.has_full_optimizer() ? st.master().bytes() * 2 : 0;  // exp_avg and exp_avg_sq (ZeRO: the group's)

@@ -496,10 +496,13 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
   const size_t resident_numel = cast ? n - block_numel * size_t(L) : n;
   r.device.emplace_back("weights", pool_block(resident_numel * e) + (lora.enabled() ? pool_block(trained * e) : 0) +
                                        (cast ? LayerCast::kSlots * pool_block(block_numel * e) : 0));
-  if (optimizer_offload) {  // optim/adamw_offload.h: master and moments on the host, pinned staging slots
+  if (optimizer_offload) {  // optim/adamw_offload.h: master and moments page-locked on the host
     r.host.emplace_back("master", trained * acc);
     r.host.emplace_back("optimizer", 2 * trained * acc);
-    r.host.emplace_back("staging", OffloadedAdamW::staging_bytes_for(int64_t(trained), accum_dtype(dtype), dtype));
+    if (OffloadedAdamW::streams(Device::gpu(0), accum_dtype(dtype)))  // through the device's slots
+      r.device.emplace_back("optimizer", pool_block(OffloadedAdamW::device_staging_bytes_for(int64_t(trained), accum_dtype(dtype))));
+    else
+      r.host.emplace_back("staging", OffloadedAdamW::staging_bytes_for(int64_t(trained), accum_dtype(dtype), dtype));
   } else {
     if (dtype == DType::bf16) r.device.emplace_back("master", pool_block(trained * 4));
     r.device.emplace_back("optimizer", 2 * pool_block(trained * acc));
@@ -603,13 +606,16 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
                                        reverse * causal_pairs(T, r.bwd_chunk) * (reverse_forward + 2.5) +
                                        unsaved_pairs);
   const double elementwise = tokens * double(L) * passes * double(16 * C + 6 * F) * double(e);
-  // The optimizer: on the device, its traffic; offloaded, the slowest stage of its pipeline (gradients
-  // in, the host's update, compute weights out), which overlap one another.
+  // The optimizer: on the device, its traffic; offloaded, the slowest stage of its pipeline, which
+  // overlap one another: streamed through the device (f32 state), master, m and v in on one lane and
+  // out on the other, and the device's update; else gradients out, the host's update, weights in.
+  const double device_update_s = double(trained) * (dtype == DType::bf16 ? 38.0 : 36.0) / kElementwiseBytesPerS;
   const double optimizer_s =
-      optimizer_offload
-          ? std::max({double(trained * acc) / kPcieBytesPerS, double(trained * e) / kPcieBytesPerS,
-                      double(trained) / kHostAdamWElemsPerS})
-          : double(trained) * (dtype == DType::bf16 ? 38.0 : 36.0) / kElementwiseBytesPerS;
+      !optimizer_offload ? device_update_s
+      : OffloadedAdamW::streams(Device::gpu(0), accum_dtype(dtype))
+          ? std::max(double(3 * trained * acc) / kPcieBytesPerS, device_update_s)
+          : std::max({double(trained * acc) / kPcieBytesPerS, double(trained * e) / kPcieBytesPerS,
+                      double(trained) / kHostAdamWElemsPerS});
   r.flops = matmul + head + attention;
   // A streamed store's blocks each run as one unmasked or square graph: one masked graph's rate, then
   // its measured slowdown.

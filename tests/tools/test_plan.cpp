@@ -416,10 +416,12 @@ TEST_CASE("plan: the papers' budgets for Llama-3.1-8B: LoRA in 24 GiB at 16K and
   };
   const double n = double(eight_b.parameter_count());
   CHECK(bytes(off.device, "master") < 0);  // none on the device
-  CHECK(bytes(off.device, "optimizer") < 0);
+  // The f32 state streams through the device: its slots there (3 x master, m, v of a piece), no host staging.
+  CHECK(bytes(off.device, "optimizer") > 0);
+  CHECK(bytes(off.device, "optimizer") < 0.01 * 8 * n);
   CHECK(bytes(off.host, "master") == doctest::Approx(4 * n));
   CHECK(bytes(off.host, "optimizer") == doctest::Approx(8 * n));
-  CHECK(bytes(off.host, "staging") > 0);
+  CHECK(bytes(off.host, "staging") < 0);
   CHECK(bytes(off.device, "gradients") >= 4 * n);
   CHECK(off.schedule.find("optimizer offloaded") != std::string::npos);
 }
