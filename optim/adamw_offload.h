@@ -61,7 +61,13 @@ class OffloadedAdamW {
 
   // The state as an AdamW (moments, step count, options): checkpoints save and load it in AdamW's
   // format, so a run can resume with or without the offload. Its own step() is not to be called.
-  AdamW& state() { return adamw_; }
+  // The mutable state gives up the streamed step's page-locking first: a load may replace the moments'
+  // memory, which must not be freed while locked (the next step locks what is there then).
+  AdamW& state() {
+    pinned_.clear();
+    pinned_at_ = {};
+    return adamw_;
+  }
   const AdamW& state() const { return adamw_; }
   int64_t piece_elems() const { return piece_; }
   size_t staging_bytes() const;  // pinned host bytes of the staging slots (allocated on the first step)

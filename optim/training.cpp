@@ -4,6 +4,7 @@
 #include "engine/random.h"
 
 #include <algorithm>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -55,6 +56,13 @@ TrainingState::TrainingState(const LlamaConfig& config, DType compute, Device de
 void TrainingState::sync_master_from_compute() {
   // The model initialised its adapters (PEFT's rule); a separate master starts from the same values.
   if (master_ && model_.has_adapters()) copy_params(*master_, model_.adapters());
+}
+
+const AdamW& TrainingState::optimizer() const {
+  if (offloaded_) return std::as_const(*offloaded_).state();
+  CW_CHECK(adamw_, "the optimizer state is sharded (parallel.zero > 0): each rank's shard is the data-parallel "
+                   "group's (parallel/data_parallel.h)");
+  return *adamw_;
 }
 
 AdamW& TrainingState::optimizer() {

@@ -54,7 +54,8 @@ class TrainingState {
   const ParamSet& grads() const { return grads_; }
   // The AdamW state (offloaded: its host copy, for checkpoints); throws when the state was built
   // without it (ZeRO).
-  AdamW& optimizer();
+  AdamW& optimizer();  // to load a state (offloaded: its page-locking is given up first)
+  const AdamW& optimizer() const;  // to save it
   bool has_full_optimizer() const { return adamw_.has_value() || offloaded_.has_value(); }
   bool optimizer_offloaded() const { return offloaded_.has_value(); }
   const OffloadedAdamW* offloaded_optimizer() const { return offloaded_ ? &*offloaded_ : nullptr; }

@@ -41,6 +41,7 @@
 #include <optional>
 #include <ostream>
 #include <unistd.h>
+#include <utility>
 
 namespace cw {
 
@@ -819,7 +820,7 @@ class TrainLoop {
       if (shard)
         shard->save(path.string());
       else
-        state_.optimizer().save(path.string());
+        std::as_const(state_).optimizer().save(path.string());
     };
     const std::string mine = groups_.optimizer_file();
     bool staged_any = false;
