@@ -129,13 +129,14 @@ bool Residency::fetch(int item, const std::vector<Span>& spans) {
 }
 
 void Residency::wait_for_slot(int slot, bool out) {
-  for (auto* tickets : {&fetch_ticket_[static_cast<size_t>(slot)], out ? &store_ticket_[static_cast<size_t>(slot)] : nullptr}) {
-    if (!tickets) continue;
-    for (uint64_t& t : *tickets) {
-      if (t != 0) gpu::wait_for_copy(t, device_.index);
+  const auto wait = [&](std::vector<uint64_t>& tickets) {
+    for (uint64_t& t : tickets) {
+      if (t != 0) gpu::wait_for_copy(t, device_.index);  // a batch's parts share a ticket: the rest return at once
       t = 0;
     }
-  }
+  };
+  wait(fetch_ticket_[static_cast<size_t>(slot)]);
+  if (out) wait(store_ticket_[static_cast<size_t>(slot)]);
 }
 
 void Residency::ready(int item) {

@@ -25,7 +25,6 @@ OffloadedAdamW::OffloadedAdamW(const ParamSet& master, Device device, const Adam
   CW_CHECK(master.device().is_cpu(), "the offloaded optimizer keeps the master weights in host memory, not on {}",
            device_name(master.device()));
   CW_CHECK(piece_elems >= 1, "the offloaded optimizer's piece must hold at least one element, got {}", piece_elems);
-  runs_ = decay_runs(master, options, 0, master.numel());
 }
 
 size_t OffloadedAdamW::staging_bytes_for(int64_t numel, DType grad_dtype, DType compute_dtype, int64_t piece_elems) {
@@ -60,12 +59,11 @@ void OffloadedAdamW::update_piece(const ParamSet& master, int64_t begin, int64_t
   const size_t gsize = dtype_size(grad_dtype), csize = dtype_size(compute_dtype);
   const int64_t blocks = (length + kThreadBlock - 1) / kThreadBlock;
   // The runs (tensors) a piece touches, found once: a block's tensors follow from them.
-  const auto first_run = std::upper_bound(runs_.begin(), runs_.end(), begin,
-                                          [](int64_t x, const DecayRun& r) { return x < r.begin; }) - 1;
+  const std::vector<DecayRun> runs = decay_runs(master, o, begin, begin + length);
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t b = 0; b < blocks; ++b) {
     const int64_t lo = begin + b * kThreadBlock, hi = std::min(begin + length, lo + kThreadBlock);
-    for (auto run = first_run; run != runs_.end() && run->begin < hi; ++run) {
+    for (auto run = runs.begin(); run != runs.end() && run->begin < hi; ++run) {
       const int64_t a = std::max(lo, run->begin), z = std::min(hi, run->begin + run->length);
       if (a >= z) continue;
       const int64_t n = z - a, at = a - begin;  // at: the offset within the piece (and its staging)
@@ -171,7 +169,7 @@ void OffloadedAdamW::step_streamed(const ParamSet& master, const ParamSet& grads
       in = copy_async(dev, home[k]->slice(0, begin, length).data, size_t(length) * sizeof(float), device_);
     }
     compute_wait_for_copy(in, device_);  // the lane of copies in runs in order: the last covers all three
-    for (const DecayRun& run : decay_runs_in(begin, length)) {
+    for (const DecayRun& run : decay_runs(master, o, begin, begin + length)) {
       const int64_t at = run.begin - begin;
       adamw_update(staged[0].slice(0, at, run.length), staged[1].slice(0, at, run.length),
                    staged[2].slice(0, at, run.length), g.slice(0, run.begin, run.length),
@@ -186,18 +184,6 @@ void OffloadedAdamW::step_streamed(const ParamSet& master, const ParamSet& grads
   // The state on the host is the truth between steps (checkpoints read it): the step ends when it is.
   for (uint64_t t : out_ticket)
     if (t != 0) host_wait_for_copy(t, device_);
-}
-
-// The decay runs (tensor pieces) within [begin, begin + length) of the flat vector.
-std::vector<DecayRun> OffloadedAdamW::decay_runs_in(int64_t begin, int64_t length) const {
-  std::vector<DecayRun> out;
-  const auto first = std::upper_bound(runs_.begin(), runs_.end(), begin,
-                                      [](int64_t x, const DecayRun& r) { return x < r.begin; }) - 1;
-  for (auto run = first; run != runs_.end() && run->begin < begin + length; ++run) {
-    const int64_t a = std::max(begin, run->begin), z = std::min(begin + length, run->begin + run->length);
-    if (a < z) out.push_back({a, z - a, run->weight_decay});
-  }
-  return out;
 }
 
 }  // namespace cw

@@ -87,12 +87,10 @@ class OffloadedAdamW {
   // The step streamed through the device (streams()): each piece's master, m and v in, AdamW's device
   // kernel on them and the device's gradients, master, m and v home again.
   void step_streamed(const ParamSet& master, const ParamSet& grads, double lr, const ParamSet& compute);
-  std::vector<DecayRun> decay_runs_in(int64_t begin, int64_t length) const;
 
   AdamW adamw_;
   Device device_;
   int64_t piece_;
-  std::vector<DecayRun> runs_;  // the whole vector, tensor by tensor
   std::vector<StagingBuffer> grad_stage_, compute_stage_;
   std::vector<Buffer> state_stage_;  // streamed: [slot * 3 + (master, m, v)] on the device
   std::vector<std::unique_ptr<PinnedRegion>> pinned_;  // streamed: master, m and v page-locked

@@ -496,10 +496,12 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
   const size_t resident_numel = cast ? n - block_numel * size_t(L) : n;
   r.device.emplace_back("weights", pool_block(resident_numel * e) + (lora.enabled() ? pool_block(trained * e) : 0) +
                                        (cast ? LayerCast::kSlots * pool_block(block_numel * e) : 0));
-  if (optimizer_offload) {  // optim/adamw_offload.h: master and moments page-locked on the host
+  // optim/adamw_offload.h: an offloaded f32 state streams through the device (else the host's cores update it).
+  const bool streamed_optimizer = optimizer_offload && OffloadedAdamW::streams(Device::gpu(0), accum_dtype(dtype));
+  if (optimizer_offload) {  // master and moments page-locked on the host
     r.host.emplace_back("master", trained * acc);
     r.host.emplace_back("optimizer", 2 * trained * acc);
-    if (OffloadedAdamW::streams(Device::gpu(0), accum_dtype(dtype)))  // through the device's slots
+    if (streamed_optimizer)  // through the device's slots
       r.device.emplace_back("optimizer", pool_block(OffloadedAdamW::device_staging_bytes_for(int64_t(trained), accum_dtype(dtype))));
     else
       r.host.emplace_back("staging", OffloadedAdamW::staging_bytes_for(int64_t(trained), accum_dtype(dtype), dtype));
@@ -612,8 +614,7 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
   const double device_update_s = double(trained) * (dtype == DType::bf16 ? 38.0 : 36.0) / kElementwiseBytesPerS;
   const double optimizer_s =
       !optimizer_offload ? device_update_s
-      : OffloadedAdamW::streams(Device::gpu(0), accum_dtype(dtype))
-          ? std::max(double(3 * trained * acc) / kPcieBytesPerS, device_update_s)
+      : streamed_optimizer ? std::max(double(3 * trained * acc) / kPcieBytesPerS, device_update_s)
           : std::max({double(trained * acc) / kPcieBytesPerS, double(trained * e) / kPcieBytesPerS,
                       double(trained) / kHostAdamWElemsPerS});
   r.flops = matmul + head + attention;
