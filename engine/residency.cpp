@@ -14,14 +14,6 @@
 
 namespace cw {
 
-namespace {
-size_t total_bytes(const std::vector<Residency::Span>& spans) {
-  size_t n = 0;
-  for (const Residency::Span& sp : spans) n += sp.zero ? 0 : sp.bytes * sp.rows;  // bytes moved
-  return n;
-}
-}  // namespace
-
 Residency::Residency(Device device, std::vector<size_t> part_bytes, int items, int slots, const char* what)
     : device_(device), what_(what), part_bytes_(std::move(part_bytes)) {
   CW_CHECK(items > 0 && slots > 0 && slots <= items, "residency: {} slots for {} items", slots, items);
@@ -70,12 +62,15 @@ void* Residency::device(int item, int part) const {
 void Residency::move(int item, const std::vector<Span>& spans, bool to_device) {
   const size_t slot = static_cast<size_t>(slot_of_[static_cast<size_t>(item)]);
   std::vector<char> touched(part_bytes_.size(), 0);
+  size_t moved = 0;  // bytes copied (a zeroed span moves none)
   for (const Span& sp : spans) {
     CW_CHECK(sp.rows >= 1 && (sp.rows == 1 || sp.pitch >= sp.bytes) &&
                  sp.offset + (sp.rows - 1) * sp.pitch + sp.bytes <= part_bytes_[static_cast<size_t>(sp.part)],
              "residency: span beyond part {}", sp.part);
     if (sp.bytes != 0) touched[static_cast<size_t>(sp.part)] = 1;
+    if (!(to_device && sp.zero)) moved += sp.bytes * sp.rows;
   }
+  bytes_moved_ += moved;
   // The other lane's last copy of each part this batch touches goes first (before the trace's mark).
   const gpu::CopyLane lane = to_device ? gpu::CopyLane::in : gpu::CopyLane::out;
   if (!device_.is_cpu()) {
@@ -85,15 +80,13 @@ void Residency::move(int item, const std::vector<Span>& spans, bool to_device) {
       if (touched[p] && other[p] != 0) after.push_back(other[p]);
     gpu::lane_wait_for_copies(after, lane, device_.index);
   }
-  trace::CopyScope traced(device_, to_device ? "fetch" : "store", what_, item,
-                          trace::on() ? total_bytes(spans) : 0);
+  trace::CopyScope traced(device_, to_device ? "fetch" : "store", what_, item, moved);
   std::vector<gpu::SideCopy> batch;
   for (const Span& sp : spans) {
     if (sp.bytes == 0) continue;
-    char* slot_bytes = static_cast<char*>(device(item, sp.part)) + sp.offset;
+    char* slot_bytes = static_cast<char*>(slots_[slot][static_cast<size_t>(sp.part)].data()) + sp.offset;
     char* home = static_cast<char*>(host(item, sp.part)) + sp.offset;
     const bool zero = to_device && sp.zero;
-    if (!zero) bytes_moved_ += sp.bytes * sp.rows;
     if (device_.is_cpu()) {  // at the call: the same schedule logic, exactly
       for (size_t r = 0; r < sp.rows; ++r) {
         char* dst = (to_device ? slot_bytes : home) + r * sp.pitch;

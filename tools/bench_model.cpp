@@ -228,7 +228,7 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
       out << fmt::format("step {}{}: {:.3f} s, loss {:.4f}{}{}{}{}\n", s + 1, s < o.warmup ? " (warm-up)" : "", sec,
                          stats.loss, wait_note, plan_note, split_note, off_cudnn_note(census))
           << std::flush;
-      if (s >= o.warmup) step_s.push_back(sec);
+      if (timed) step_s.push_back(sec);
     }
     const GemmTuneStats tuned = gemm_tune_stats();
     if (tuned.plans > 0)

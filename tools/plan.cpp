@@ -585,10 +585,10 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
   const double passes = prefill + reverse * (1 + extra_forward + backward);
   double matmul = tokens * layer_matmul * passes;
   // The adapters: 2 flops per adapter parameter and token in each forward, dX and d(A, B) backward.
-  if (lora.enabled()) matmul += tokens * 2.0 * double(adapter_numel) * (prefill + reverse * (1 + extra_forward + 2));
+  const double adapter_pass = lora.enabled() ? 2.0 * double(adapter_numel) : 0.0;
+  matmul += tokens * adapter_pass * (prefill + reverse * (1 + extra_forward + 2));
   // The prefill's share runs at its chunk's rows, the rest at the reverse chunk's.
-  const double prefill_matmul =
-      tokens * prefill * (layer_matmul + (lora.enabled() ? 2.0 * double(adapter_numel) : 0.0));
+  const double prefill_matmul = tokens * prefill * (layer_matmul + adapter_pass);
   // A recompute from saved attention outputs skips the K and V projections (not the first forward of
   // a chunk the prefill did not reach).
   const double unsaved_tokens = double(B * (T - prefill_end));

@@ -48,17 +48,17 @@ void rope_tables(const Tensor& cos, const Tensor& sin, int64_t head_dim, double 
   });
 }
 
-int64_t rope_token_pitch(const Tensor& t, const char* what) {
+// The contract (engine/ops/rope.h), checked once here for every backend. y is out or d_x, x is x or d_out.
+namespace {
+// A rope operand's layout: H D packed per token, or a column slice of wider token rows (token pitch P).
+void check_token_rows(const Tensor& t, const char* what) {
   const int64_t T = t.size(1), H = t.size(2), D = t.size(3), P = t.stride[1];
   CW_CHECK(t.data != nullptr || t.numel() == 0, "{} has no data", what);
   CW_CHECK(t.stride[3] == 1 && t.stride[2] == D && P >= H * D && (t.stride[0] == T * P || t.size(0) == 1),
            "{} {}: must be [B, T, H, D] packed, or a column slice of wider token rows (strides [T P, P, D, 1])",
            what, t.describe());
-  return P;
 }
 
-// The contract (engine/ops/rope.h), checked once here for every backend. y is out or d_x, x is x or d_out.
-namespace {
 void check_operands(const Tensor& y, const Tensor& x, const Tensor& cos, const Tensor& sin, int64_t pos0,
                     const char* what_y, const char* what_x) {
   CW_CHECK(x.ndim == 4, "{} must be [B, T, H, D], got {}", what_x, x.describe());
@@ -75,8 +75,8 @@ void check_operands(const Tensor& y, const Tensor& x, const Tensor& cos, const T
   check_packed_same_device({{cos, "rope cos table"}, {sin, "rope sin table"}});
   check_same_device(x, cos, what_x, "rope cos table");
   check_same_device(y, cos, what_y, "rope cos table");
-  rope_token_pitch(x, what_x);
-  rope_token_pitch(y, what_y);
+  check_token_rows(x, what_x);
+  check_token_rows(y, what_y);
   CW_CHECK(y.data != x.data || y.stride == x.stride, "{} aliases {} with other strides", what_y, what_x);
 }
 

@@ -37,10 +37,6 @@ std::vector<double> rope_inv_freq(int64_t head_dim, double theta, const RopeScal
 // Fills cos and sin [P, D/2] (f64 or f32) for positions 0..P-1.
 void rope_tables(const Tensor& cos, const Tensor& sin, int64_t head_dim, double theta, const RopeScaling& scaling);
 
-// The token stride of a rope operand (H D packed; more for a slice of wider rows); a clear error for
-// any other layout.
-int64_t rope_token_pitch(const Tensor& t, const char* what);
-
 void rope_forward(const Tensor& out, const Tensor& x, const Tensor& cos, const Tensor& sin, int64_t pos0);
 void rope_backward(const Tensor& d_x, const Tensor& d_out, const Tensor& cos, const Tensor& sin, int64_t pos0,
                    GradMode mode);
