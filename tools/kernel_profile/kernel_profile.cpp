@@ -68,12 +68,19 @@ struct KernelRecord {
   int name;  // index into State::names
   Interval t;
   uint32_t correlation;  // the launching API call's
+  uint32_t stream;
 };
 
 struct CopyRecord {
   uint8_t copy_kind;  // CUpti_ActivityMemcpyKind
   uint64_t bytes;
   Interval t;
+  uint32_t stream;
+};
+
+struct MemsetRecord {
+  Interval t;
+  uint32_t stream;
 };
 
 struct ApiRecord {
@@ -93,7 +100,7 @@ struct State {
   std::vector<CopyRecord> copies;
   std::vector<Interval> ranges;
   bool range_open = false;
-  std::vector<Interval> memsets;
+  std::vector<MemsetRecord> memsets;
   bool reported = false;
 };
 
@@ -129,17 +136,17 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, siz
           const auto* k = reinterpret_cast<const CUpti_ActivityKernel10*>(rec);
           auto [it, added] = s.name_of_ptr.try_emplace(k->name, static_cast<int>(s.names.size()));
           if (added) s.names.push_back(demangled(k->name ? k->name : "?"));
-          s.kernels.push_back({it->second, {k->start, k->end}, k->correlationId});
+          s.kernels.push_back({it->second, {k->start, k->end}, k->correlationId, k->streamId});
           break;
         }
         case CUPTI_ACTIVITY_KIND_MEMCPY: {
           const auto* m = reinterpret_cast<const CUpti_ActivityMemcpy6*>(rec);
-          s.copies.push_back({m->copyKind, m->bytes, {m->start, m->end}});
+          s.copies.push_back({m->copyKind, m->bytes, {m->start, m->end}, m->streamId});
           break;
         }
         case CUPTI_ACTIVITY_KIND_MEMSET: {
           const auto* m = reinterpret_cast<const CUpti_ActivityMemset4*>(rec);
-          s.memsets.push_back({m->start, m->end});
+          s.memsets.push_back({{m->start, m->end}, m->streamId});
           break;
         }
         case CUPTI_ACTIVITY_KIND_RUNTIME:
@@ -266,7 +273,7 @@ void report() {
     copy_bytes[slot] += c.bytes;
   }
   uint64_t memset_ns = 0;
-  for (const Interval& m : s.memsets) memset_ns += inside(m, ranges);
+  for (const MemsetRecord& m : s.memsets) memset_ns += inside(m.t, ranges);
   const uint64_t kernel_ns = by_kind[0] + by_kind[1] + by_kind[2];
 
   std::string text;
@@ -410,6 +417,47 @@ void report() {
     text += line;
     for (size_t j = 0; j < order_b.size() && j < 15; ++j) {
       std::snprintf(line, sizeof line, "  %8.2f ms  %s\n", ms(order_b[j].second), order_b[j].first.c_str());
+      text += line;
+    }
+    // Each gap split by when the host asked for the kernel that ended it: before the host began its
+    // launch call (the host was late), from that call to the kernel's start (launch latency), or queued
+    // before the gap began (the GPU waited on something else: an event, a stream, a memset or copy on
+    // the kernel's own stream, shown apart).
+    struct GapSplit {
+      uint64_t n = 0, total = 0, host = 0, launching = 0, queued = 0, filled = 0;
+    };
+    std::vector<GapSplit> split(s.names.size());
+    std::map<uint32_t, std::vector<Interval>> fillers;  // per stream: memsets and copies
+    for (const MemsetRecord& m : s.memsets) fillers[m.stream].push_back(m.t);
+    for (const CopyRecord& c : s.copies) fillers[c.stream].push_back(c.t);
+    for (auto& [stream, v] : fillers) v = merged(std::move(v));
+    uint64_t end_before = 0;
+    for (const KernelRecord* k : in_order) {
+      const uint64_t g0 = end_before, g1 = k->t.start;
+      end_before = std::max(end_before, k->t.end);
+      if (g0 == 0 || g1 <= g0 || inside({g0, g1}, ranges) == 0) continue;
+      const auto a = launch_of.find(k->correlation);
+      if (a == launch_of.end()) continue;
+      GapSplit& g = split[k->name];
+      const uint64_t len = g1 - g0, call = a->second->t.start;
+      g.n += 1, g.total += len;
+      if (call >= g1) g.host += len;
+      else if (call > g0) g.host += call - g0, g.launching += g1 - call;
+      else if (a->second->t.end > g0) g.launching += len;
+      else g.queued += len;
+      if (auto f = fillers.find(k->stream); f != fillers.end()) g.filled += inside({g0, g1}, f->second);
+    }
+    std::vector<size_t> split_order;
+    for (size_t i = 0; i < split.size(); ++i)
+      if (split[i].n > 0) split_order.push_back(i);
+    std::sort(split_order.begin(), split_order.end(), [&](size_t a, size_t b) { return split[a].total > split[b].total; });
+    text += "  the gaps by the kernel that ended them, split by when the host launched it (ms per range):\n"
+            "     total   host late  launching  queued  (memset/copy on its stream)  gaps  kernel\n";
+    for (size_t j = 0; j < split_order.size() && j < 12; ++j) {
+      const GapSplit& g = split[split_order[j]];
+      std::snprintf(line, sizeof line, "  %8.2f  %9.2f  %9.2f  %7.2f  %27.2f  %5.0f  %s\n", ms(g.total), ms(g.host),
+                    ms(g.launching), ms(g.queued), ms(g.filled), g.n / n_ranges,
+                    shortened(s.names[split_order[j]], 110).c_str());
       text += line;
     }
   }
