@@ -144,6 +144,19 @@ const Recorded kRecorded[] = {
      saved(sched("seco", 4096, "full"), 2), 32768, 22.64, 25615, true},
     {"RESULTS.md, H100, 2026-11-27 tenth session (seco 128K, chunk 2048, saved attention)",
      saved(sched("seco", 2048, "none")), 131072, 45.28, 11185, true},
+    // The fifteenth session: the prefill in longer chunks than the reverse sweep (bwd_chunk).
+    {"RESULTS.md, H100, 2026-11-27 fifteenth session (seco 32K, prefill 16384, bwd 4096, selective, saved, offload 2, "
+     "cast-layers)", [] {
+       ScheduleOptions o = saved(sched("seco", 16384, "selective"), 2);
+       o.bwd_chunk = 4096;
+       o.cast_layers = true;
+       return o;
+     }(), 32768, 22.30, 26533, true},
+    {"RESULTS.md, H100, 2026-11-27 fifteenth session (seco 64K, prefill 16384, bwd 4096, saved, offload 2)", [] {
+       ScheduleOptions o = saved(sched("seco", 16384, "none"), 2);
+       o.bwd_chunk = 4096;
+       return o;
+     }(), 65536, 28.53, 19338, true},
 };
 
 const LlamaConfig& one_b() {
@@ -705,6 +718,37 @@ TEST_CASE("plan: chunk and window = auto also save the attention outputs where t
   CHECK(t.save_attention);
   CHECK((t.stream_kv || t.offload_window == 2));
   CHECK(plan_step(one_b(), 1, 131072, t, DType::bf16, 25).fits);
+}
+
+TEST_CASE("plan: auto prefills in longer chunks than the reverse sweep's where they fit and are not slower") {
+  // 1B within HF+Liger's peaks: the reverse sweep's chunk as before, the prefill's 2 or 4 times it
+  // (at most 16384), predicted no slower (32K in 22.7 GiB: 1.235 s against 1.258-1.271 measured).
+  for (const auto& [T, gib] : {std::pair<int64_t, double>{32768, 22.7}, {65536, 30.2}, {131072, 45.3}}) {
+    const ScheduleOptions o = resolve_auto_schedule(one_b(), 1, T, auto_seco(), DType::bf16, gib);
+    CAPTURE(T);
+    REQUIRE(o.bwd_chunk > 0);
+    CHECK(o.chunk > o.bwd_chunk);
+    CHECK(o.chunk <= 16384);
+    CHECK(o.chunk % o.bwd_chunk == 0);
+    const PlanReport longer = plan_step(one_b(), 1, T, o, DType::bf16, gib);
+    ScheduleOptions same = o;
+    same.chunk = o.bwd_chunk;
+    same.bwd_chunk = 0;
+    CHECK(longer.fits);
+    CHECK(longer.step_s <= plan_step(one_b(), 1, T, same, DType::bf16, gib).step_s * 1.01);
+  }
+  // A chunk given by the user, or a reverse chunk of its own, is left as asked; the streamed store
+  // keeps one chunk for both.
+  ScheduleOptions given = sched("seco", 4096);
+  given.offload_window = kAuto;
+  const ScheduleOptions g = resolve_auto_schedule(one_b(), 1, 32768, given, DType::bf16, 80);
+  CHECK(g.chunk == 4096);
+  CHECK(g.bwd_chunk == 0);
+  ScheduleOptions streamed = auto_seco();
+  streamed.stream_kv = true;
+  streamed.offload_window = 0;
+  const ScheduleOptions st = resolve_auto_schedule(one_b(), 1, 131072, streamed, DType::bf16, 30);
+  CHECK(st.bwd_chunk == 0);
 }
 
 TEST_CASE("plan: auto weighs where the K/V store lives by time, not by the least offload that fits") {
