@@ -311,8 +311,6 @@ double backward_chunk(const ParamSet& grads, const ChunkActivations& a, KVStore&
   const double grad_normaliser = normaliser / loss_weight;
   lm_head_loss_fused(row_loss, d_normed, g.lm_head, a.normed, w.lm_head, tp_local_rows(tp, chunk.labels),
                      grad_normaliser, GradMode::overwrite, scratch, kLmHeadBlockRows);
-  // row_loss was divided by grad_normaliser; report the unweighted loss.
-  const double loss = chunk_loss(row_loss, N, tp, scratch) * loss_weight;
 
   Tensor d_x = scratch.alloc(model.dtype(), {R, cf.hidden_size});
   rmsnorm_backward(d_x, g.final_norm, d_normed, a.final_norm, a.stream.back(), w.final_norm, GradMode::overwrite, scratch);
@@ -352,7 +350,10 @@ double backward_chunk(const ParamSet& grads, const ChunkActivations& a, KVStore&
   }
   if (g.embedding.data) embedding_backward(g.embedding, d_x, tp_local_rows(tp, chunk.ids));
   finished_from(0);
-  return loss;
+  // The loss is read back once the whole backward is queued: reading it after the head would leave
+  // the GPU idle while the host queues the first layers. row_loss was divided by grad_normaliser;
+  // report the unweighted loss.
+  return chunk_loss(row_loss, N, tp, scratch) * loss_weight;
 }
 
 void chunk_logits(const Tensor& logits, KVStore& kv, const LlamaModel& model, const ChunkTokens& chunk,

@@ -42,6 +42,41 @@ ChunkTokens slice_chunk(const Batch& batch, int64_t t0, int64_t t1, Arena& arena
   return ct;
 }
 
+StepTokens step_tokens(const Batch& batch, Arena& arena) {
+  StepTokens st;
+  st.sequence0 = batch.sequence0;
+  if (arena.device().is_cpu()) {
+    st.ids = batch.ids.tensor;
+    st.labels = batch.labels.tensor;
+    return st;
+  }
+  st.ids = arena.alloc(DType::i32, {batch.B(), batch.T()});
+  st.labels = arena.alloc(DType::i32, {batch.B(), batch.T()});
+  copy_convert(st.ids, batch.ids.tensor);
+  copy_convert(st.labels, batch.labels.tensor);
+  return st;
+}
+
+ChunkTokens slice_chunk(const StepTokens& tokens, int64_t t0, int64_t t1, Arena& arena) {
+  const int64_t B = tokens.B(), c = t1 - t0;
+  ChunkTokens ct;
+  ct.B = B;
+  ct.c = c;
+  ct.pos0 = t0;
+  ct.sequence0 = tokens.sequence0;
+  if (B == 1) {  // one sequence: its tokens [t0, t1) are contiguous
+    auto from = [&](const Tensor& t) { return Tensor(t.ptr<int32_t>() + t0, DType::i32, t.device, {c}); };
+    ct.ids = from(tokens.ids);
+    ct.labels = from(tokens.labels);
+    return ct;
+  }
+  ct.ids = arena.alloc(DType::i32, {B * c});
+  ct.labels = arena.alloc(DType::i32, {B * c});
+  copy_convert(ct.ids.view({B, c}), tokens.ids.slice(1, t0, c));
+  copy_convert(ct.labels.view({B, c}), tokens.labels.slice(1, t0, c));
+  return ct;
+}
+
 ActivationPolicy activation_policy(const ScheduleOptions& o, const LoraConfig& lora) {
   const bool checkpointed = o.name == "checkpointed";
   ActivationPolicy p;
@@ -54,7 +89,7 @@ ActivationPolicy activation_policy(const ScheduleOptions& o, const LoraConfig& l
   return p;
 }
 
-double prefill(KVStore& kv, const LlamaModel& model, const Batch& batch, const std::vector<int64_t>& bounds,
+double prefill(KVStore& kv, const LlamaModel& model, const StepTokens& tokens, const std::vector<int64_t>& bounds,
                double normaliser, bool with_loss, Arena& arena, int64_t mlp_shards,
                const std::function<void(int64_t, int64_t)>& chunk_done) {
   double loss = 0;
@@ -64,7 +99,7 @@ double prefill(KVStore& kv, const LlamaModel& model, const Batch& batch, const s
       TraceScope traced("prefill chunk {chunk}",
                         {{"chunk", static_cast<int64_t>(i)}, {"t0", bounds[i]}, {"t1", bounds[i + 1]}});
       ArenaScope scope(arena);
-      const ChunkTokens chunk = slice_chunk(batch, bounds[i], bounds[i + 1], arena);
+      const ChunkTokens chunk = slice_chunk(tokens, bounds[i], bounds[i + 1], arena);
       loss += forward_chunk(nullptr, kv, model, chunk, normaliser, with_loss, arena, mlp_shards);
     }
     if (chunk_done) chunk_done(static_cast<int64_t>(i) + 1, chunks);
@@ -72,12 +107,12 @@ double prefill(KVStore& kv, const LlamaModel& model, const Batch& batch, const s
   return loss;
 }
 
-double backprop_chunk(KVStore& kv, const LlamaModel& model, const Batch& batch, int64_t t0, int64_t t1,
+double backprop_chunk(KVStore& kv, const LlamaModel& model, const StepTokens& tokens, int64_t t0, int64_t t1,
                       const ParamSet& grads, double normaliser, Arena& arena, const ActivationPolicy& policy,
                       double loss_weight, const GradsFinalFrom& grads_final) {
   ArenaScope scope(arena);
-  const ChunkTokens chunk = slice_chunk(batch, t0, t1, arena);
-  ChunkActivations act = ChunkActivations::allocate(arena, model.config(), batch.B(), chunk.c, model.dtype(), policy,
+  const ChunkTokens chunk = slice_chunk(tokens, t0, t1, arena);
+  ChunkActivations act = ChunkActivations::allocate(arena, model.config(), tokens.B(), chunk.c, model.dtype(), policy,
                                                     model.tensor_parallel());
   forward_chunk(&act, kv, model, chunk, normaliser, false, arena);
   return backward_chunk(grads, act, kv, model, chunk, normaliser, arena, loss_weight, grads_final);
@@ -149,6 +184,8 @@ StepFrame::StepFrame(Schedule& schedule, std::optional<KVStore>& store, LlamaMod
                     options.stream_block(batch.T()),
                     options.layer_local_kv_grads(batch.T(), model.config().num_hidden_layers))),
       arena(step_arena(schedule, model.device())),
+      tokens_scope_(arena),
+      tokens(step_tokens(batch, arena)),
       hooks(schedule.hooks()),
       policy_(activation_policy(options, model.lora())),
       moved_before_(kv.bytes_moved()),
@@ -160,7 +197,7 @@ double StepFrame::prefill(bool with_loss, int64_t until) {
   // The same boundaries as a prefill of all T tokens (chunks start at multiples of options.chunk).
   std::function<void(int64_t, int64_t)> chunk_done;
   if (hooks.progress) chunk_done = [this](int64_t done, int64_t total) { hooks.progress("prefill", done, total); };
-  return cw::prefill(kv, model, batch, chunk_bounds(until, options.chunk), norm, with_loss, arena,
+  return cw::prefill(kv, model, tokens, chunk_bounds(until, options.chunk), norm, with_loss, arena,
                      options.mlp_shards, chunk_done);
 }
 
@@ -177,7 +214,7 @@ double StepFrame::backprop(int64_t t0, int64_t t1, const ParamSet& grads, double
   double loss = 0;
   {
     TraceScope traced("backprop chunk {chunk}", {{"chunk", sweep_chunk_index(t0)}, {"t0", t0}, {"t1", t1}});
-    loss = backprop_chunk(kv, model, batch, t0, t1, grads, norm, arena, policy_, loss_weight,
+    loss = backprop_chunk(kv, model, tokens, t0, t1, grads, norm, arena, policy_, loss_weight,
                           last ? hooks.grads_final : GradsFinalFrom{});
   }
   ++backprops_done_;
@@ -206,7 +243,8 @@ double loss_through_store(const LlamaModel& model, const Batch& batch, int64_t c
   const int64_t window = effective_window(model, offload_window);
   if (window > 0 || stream_block > 0) check_host_memory(model, batch.B(), batch.T(), false, /*with_grads=*/false);
   KVStore kv(model.config(), batch.B(), batch.T(), model.dtype(), false, model.device(), window, false, stream_block);
-  return prefill(kv, model, batch, chunk_bounds(batch.T(), chunk), norm, true, arena, 1);
+  ArenaScope scope(arena);
+  return prefill(kv, model, step_tokens(batch, arena), chunk_bounds(batch.T(), chunk), norm, true, arena, 1);
 }
 }  // namespace
 

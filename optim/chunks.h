@@ -34,7 +34,7 @@ ActivationPolicy activation_policy(const ScheduleOptions& o, const LoraConfig& l
 // Prefill: every chunk of `bounds` forward, nothing kept but K/V. Returns the summed loss when
 // with_loss (spaco reports the whole batch's loss although it backprops only some chunks).
 // chunk_done (if set) is told (chunks done, chunks) after each.
-double prefill(KVStore& kv, const LlamaModel& model, const Batch& batch, const std::vector<int64_t>& bounds,
+double prefill(KVStore& kv, const LlamaModel& model, const StepTokens& tokens, const std::vector<int64_t>& bounds,
                double normaliser, bool with_loss, Arena& arena, int64_t mlp_shards,
                const std::function<void(int64_t, int64_t)>& chunk_done = {});
 
@@ -43,7 +43,7 @@ double prefill(KVStore& kv, const LlamaModel& model, const Batch& batch, const s
 // gradients into `grads` and K/V gradients into the store. Returns the chunk's loss. Everything it
 // allocates is released on return. loss_weight scales the gradient (spaco's k/t); grads_final is
 // told as parts of the gradient are complete (model/llama.h), set for a step's last chunk only.
-double backprop_chunk(KVStore& kv, const LlamaModel& model, const Batch& batch, int64_t t0, int64_t t1,
+double backprop_chunk(KVStore& kv, const LlamaModel& model, const StepTokens& tokens, int64_t t0, int64_t t1,
                       const ParamSet& grads, double normaliser, Arena& arena, const ActivationPolicy& policy,
                       double loss_weight = 1.0, const GradsFinalFrom& grads_final = {});
 
@@ -75,6 +75,12 @@ class StepFrame {
   const double norm;         // the loss normaliser
   KVStore& kv;
   Arena& arena;
+
+ private:
+  ArenaScope tokens_scope_;  // the tokens' device copies, for the step
+
+ public:
+  const StepTokens tokens;  // the batch's ids and labels where the chunks run (uploaded once a step)
   const StepHooks& hooks;
 
  private:

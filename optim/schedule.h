@@ -153,6 +153,20 @@ std::vector<int64_t> chunk_bounds(int64_t T, int64_t c);
 // Copies tokens [t0, t1) of every sequence into contiguous chunk ids and labels allocated in arena.
 ChunkTokens slice_chunk(const Batch& batch, int64_t t0, int64_t t1, Arena& arena);
 
+// A batch's ids and labels where a step's chunks run: on a GPU uploaded once (two copies and a wait
+// a step, not a chunk's), on the CPU the batch's own tensors. Valid while the batch and the arena's
+// scope around it are.
+struct StepTokens {
+  Tensor ids, labels;  // [B, T] i32
+  int64_t sequence0 = 0;
+  int64_t B() const { return ids.size(0); }
+  int64_t T() const { return ids.size(1); }
+};
+StepTokens step_tokens(const Batch& batch, Arena& arena);
+// Tokens [t0, t1) of every sequence: a view of one sequence's tokens, else copies in the arena (on the
+// device, with no wait).
+ChunkTokens slice_chunk(const StepTokens& tokens, int64_t t0, int64_t t1, Arena& arena);
+
 }  // namespace cw
 
 namespace cw {

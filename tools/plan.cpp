@@ -331,10 +331,16 @@ size_t lm_head_block(const Shape& s) {
 }
 
 // optim/chunks.cpp prefill: one chunk forward, nothing kept.
-void prefill_chunk(ArenaReplay& a, const Shape& s, int64_t mlp_shards, bool with_loss) {
-  Scope scope(a);
+// optim/chunks.cpp slice_chunk: one sequence's chunk is a view of the step's tokens; several are copied.
+void chunk_tokens(ArenaReplay& a, const Shape& s) {
+  if (s.B == 1) return;
   a.alloc(s.N() * 4);  // ids
   a.alloc(s.N() * 4);  // labels
+}
+
+void prefill_chunk(ArenaReplay& a, const Shape& s, int64_t mlp_shards, bool with_loss) {
+  Scope scope(a);
+  chunk_tokens(a, s);
   Scope forward(a);
   a.alloc(s.row(s.cf.hidden_size));  // ping
   a.alloc(s.row(s.cf.hidden_size));  // pong
@@ -353,8 +359,7 @@ void backprop_chunk(ArenaReplay& a, const Shape& s, const ActivationPolicy& p, b
   const int64_t L = cf.num_hidden_layers;
   const MlpKept mlp = mlp_kept(p, cf, int64_t(s.N()));
   Scope scope(a);
-  a.alloc(s.N() * 4);  // ids
-  a.alloc(s.N() * 4);  // labels
+  chunk_tokens(a, s);
   const int64_t streams = p.offload_inputs ? 3 : L + 1;
   for (int64_t i = 0; i < streams; ++i) a.alloc(s.row(cf.hidden_size));
   if (p.keep_layers)
@@ -551,6 +556,8 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
   // A tensor-parallel rank does not fuse (model/layer.h); counted as fused it is given a d(q, k, v) of
   // one [N, q_dim] more than its d_k and d_v: an over-estimate.
   const bool fused = fuses_qkv(adapters, nullptr);
+  arena.alloc(size_t(B * T) * 4);  // optim/chunks.cpp step_tokens: the step's ids and labels, uploaded once
+  arena.alloc(size_t(B * T) * 4);
   if (prefill_end > 0)
     prefill_chunk(arena, Shape{cf, B, std::min(r.chunk, prefill_end), keys, e, acc, adapters, streamed, fused},
                   o.mlp_shards, o.name == "spaco");
