@@ -211,7 +211,7 @@ ChunkActivations transient_activations(const LlamaModel& model, int64_t R, Arena
   return a;
 }
 
-// The sum of per-row losses (any float dtype), accumulated in f64.
+// The sum of per-row losses (any float dtype), accumulated in f64 in row order.
 double sum_rows(const Tensor& row_loss) {
   OwnedTensor row64 = OwnedTensor::of_shape(DType::f64, std::vector<int64_t>{row_loss.numel()});
   copy_convert(row64, row_loss);
@@ -220,14 +220,20 @@ double sum_rows(const Tensor& row_loss) {
   return sum;
 }
 
-// The chunk's loss from the per-row losses this process computed: under sequence parallelism the
-// rank's rows, all-gathered first so every rank sums all N rows in the one-process order.
-double chunk_loss(const Tensor& row_loss, int64_t N, TensorParallelGroup* tp, Arena& scratch) {
-  if (!tp || !tp->sequence_parallel()) return sum_rows(row_loss);
+// The chunk's loss times `weight` from the per-row losses this process computed: under sequence
+// parallelism the rank's rows, all-gathered first so every rank has all N rows in the one-process
+// order. Kept in `losses` (returning 0) when given, else summed here.
+double chunk_loss(const Tensor& row_loss, int64_t N, TensorParallelGroup* tp, Arena& scratch, double weight,
+                  LossRows* losses) {
   ArenaScope scope(scratch);
-  const Tensor all = scratch.alloc(row_loss.dtype, {N});
-  tp->gather_from_sp_forward(all, row_loss);
-  return sum_rows(all);
+  Tensor rows = row_loss;
+  if (tp && tp->sequence_parallel()) {
+    rows = scratch.alloc(row_loss.dtype, {N});
+    tp->gather_from_sp_forward(rows, row_loss);
+  }
+  if (!losses) return sum_rows(rows) * weight;
+  losses->add(rows, weight);
+  return 0.0;
 }
 
 void check_chunk(const LlamaModel& model, const ChunkTokens& chunk, const KVStore& kv) {
@@ -243,8 +249,34 @@ void check_chunk(const LlamaModel& model, const ChunkTokens& chunk, const KVStor
 }
 }  // namespace
 
+LossRows::LossRows(Arena& arena, int64_t capacity) : rows_(arena.alloc(DType::f64, {capacity})) {}
+
+void LossRows::add(const Tensor& rows, double weight) {
+  if (!keeps()) return;
+  const int64_t n = rows.numel();
+  CW_CHECK(used_ + n <= rows_.numel(), "loss rows: {} more rows do not fit the {} kept for the step ({} used)", n,
+           rows_.numel(), used_);
+  copy_convert(rows_.slice(0, used_, n), rows.view({n}));
+  chunks_.push_back({used_, n, weight});
+  used_ += n;
+}
+
+double LossRows::sum() const {
+  if (used_ == 0) return 0.0;
+  OwnedTensor host = OwnedTensor::of_shape(DType::f64, std::vector<int64_t>{used_});
+  copy_convert(host.tensor, rows_.slice(0, 0, used_));
+  const double* r = host.tensor.ptr<double>();
+  double total = 0;
+  for (const Chunk& c : chunks_) {
+    double chunk = 0;
+    for (int64_t i = 0; i < c.rows; ++i) chunk += r[c.offset + i];
+    total += chunk * c.weight;
+  }
+  return total;
+}
+
 double forward_chunk(ChunkActivations* keep, KVStore& kv, const LlamaModel& model, const ChunkTokens& chunk,
-                     double normaliser, bool with_loss, Arena& scratch, int64_t mlp_shards) {
+                     double normaliser, bool with_loss, Arena& scratch, int64_t mlp_shards, LossRows* losses) {
   check_chunk(model, chunk, kv);
   const int64_t N = chunk.B * chunk.c;
   if (keep) {
@@ -262,12 +294,12 @@ double forward_chunk(ChunkActivations* keep, KVStore& kv, const LlamaModel& mode
   Tensor row_loss = scratch.alloc(accum_dtype(model.dtype()), {R});
   lm_head_loss_forward(row_loss, LmHeadSaved{}, a.normed, model.weights().lm_head, tp_local_rows(tp, chunk.labels),
                        normaliser, scratch, kLmHeadBlockRows);
-  return chunk_loss(row_loss, N, tp, scratch);
+  return chunk_loss(row_loss, N, tp, scratch, 1.0, losses);
 }
 
 double backward_chunk(const ParamSet& grads, const ChunkActivations& a, KVStore& kv, const LlamaModel& model,
                       const ChunkTokens& chunk, double normaliser, Arena& scratch, double loss_weight,
-                      const GradsFinalFrom& grads_final) {
+                      const GradsFinalFrom& grads_final, LossRows* losses) {
   check_chunk(model, chunk, kv);
   CW_CHECK(chunk.labels.data, "backward_chunk needs labels");
   CW_CHECK(loss_weight > 0, "loss weight {} must be positive", loss_weight);
@@ -311,6 +343,8 @@ double backward_chunk(const ParamSet& grads, const ChunkActivations& a, KVStore&
   const double grad_normaliser = normaliser / loss_weight;
   lm_head_loss_fused(row_loss, d_normed, g.lm_head, a.normed, w.lm_head, tp_local_rows(tp, chunk.labels),
                      grad_normaliser, GradMode::overwrite, scratch, kLmHeadBlockRows);
+  // row_loss was divided by grad_normaliser; the loss reported is the unweighted one.
+  if (losses) chunk_loss(row_loss, N, tp, scratch, loss_weight, losses);
 
   Tensor d_x = scratch.alloc(model.dtype(), {R, cf.hidden_size});
   rmsnorm_backward(d_x, g.final_norm, d_normed, a.final_norm, a.stream.back(), w.final_norm, GradMode::overwrite, scratch);
@@ -350,10 +384,9 @@ double backward_chunk(const ParamSet& grads, const ChunkActivations& a, KVStore&
   }
   if (g.embedding.data) embedding_backward(g.embedding, d_x, tp_local_rows(tp, chunk.ids));
   finished_from(0);
-  // The loss is read back once the whole backward is queued: reading it after the head would leave
-  // the GPU idle while the host queues the first layers. row_loss was divided by grad_normaliser;
-  // report the unweighted loss.
-  return chunk_loss(row_loss, N, tp, scratch) * loss_weight;
+  // Read back (without `losses`) once the whole backward is queued: read after the head, the GPU
+  // would idle while the host queues the first layers.
+  return losses ? 0.0 : chunk_loss(row_loss, N, tp, scratch, loss_weight, nullptr);
 }
 
 void chunk_logits(const Tensor& logits, KVStore& kv, const LlamaModel& model, const ChunkTokens& chunk,

@@ -191,10 +191,36 @@ struct ChunkActivations {
 // Rows per LM-head block: bounds the logits scratch to kLmHeadBlockRows x V.
 constexpr int64_t kLmHeadBlockRows = 256;
 
-// Returns the chunk's loss (0 unless with_loss and keep == nullptr).
+// A step's per-row losses, kept where the chunks compute them and summed once at the end: a chunk's
+// loss read back as it is computed makes the host wait for the device, and behind the device's copy
+// engines (a read-back waited up to 10 ms a chunk behind an offloaded store's copies at 128K).
+// The sum is what reading each chunk back gave: a chunk's rows summed in order in f64, times its
+// weight, the chunks in the order added.
+class LossRows {
+ public:
+  LossRows() = default;  // keeps nothing: what is added is dropped
+  // Room for `capacity` rows (f64) in `arena`, on its device; valid while the arena's scope is.
+  LossRows(Arena& arena, int64_t capacity);
+  void add(const Tensor& rows, double weight);  // rows [N], a float dtype, on the arena's device
+  double sum() const;                           // reads the rows back (waits for the device)
+  bool keeps() const { return rows_.data != nullptr; }
+
+ private:
+  Tensor rows_;  // f64 [capacity]
+  struct Chunk {
+    int64_t offset, rows;
+    double weight;
+  };
+  std::vector<Chunk> chunks_;
+  int64_t used_ = 0;
+};
+
+// Returns the chunk's loss (0 unless with_loss and keep == nullptr; 0 too when `losses` is given,
+// which keeps the rows instead).
 // mlp_shards applies when keep == nullptr (with keep, the activations' policy says).
 double forward_chunk(ChunkActivations* keep, KVStore& kv, const LlamaModel& model, const ChunkTokens& chunk,
-                     double normaliser, bool with_loss, Arena& scratch, int64_t mlp_shards = 1);
+                     double normaliser, bool with_loss, Arena& scratch, int64_t mlp_shards = 1,
+                     LossRows* losses = nullptr);
 // Called by backward_chunk as it finishes parameter gradients: `from` is a flat offset into `grads`
 // (table order, params.h) such that this backward adds nothing more at or after it. The backward runs
 // the table backwards, so `from` only decreases: the final norm's offset after the LM head and final
@@ -204,11 +230,12 @@ double forward_chunk(ChunkActivations* keep, KVStore& kv, const LlamaModel& mode
 // bucket here when this is the step's last backward (parallel/data_parallel.h).
 using GradsFinalFrom = std::function<void(int64_t from)>;
 
-// Returns the chunk's loss. loss_weight scales the gradient (not the returned loss): SpaCO's k/t.
-// grads_final, when set, is told as each part of the gradient is complete for this chunk.
+// Returns the chunk's loss, or adds its rows to `losses` (weighted by loss_weight) and returns 0.
+// loss_weight scales the gradient (not the returned loss): SpaCO's k/t. grads_final, when set, is
+// told as each part of the gradient is complete for this chunk.
 double backward_chunk(const ParamSet& grads, const ChunkActivations& act, KVStore& kv, const LlamaModel& model,
                       const ChunkTokens& chunk, double normaliser, Arena& scratch, double loss_weight = 1.0,
-                      const GradsFinalFrom& grads_final = {});
+                      const GradsFinalFrom& grads_final = {}, LossRows* losses = nullptr);
 
 // Logits of the last position of every sequence of the chunk, [B, V] (sampling, HF comparisons).
 void chunk_logits(const Tensor& logits, KVStore& kv, const LlamaModel& model, const ChunkTokens& chunk,

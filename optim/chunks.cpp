@@ -91,7 +91,7 @@ ActivationPolicy activation_policy(const ScheduleOptions& o, const LoraConfig& l
 
 double prefill(KVStore& kv, const LlamaModel& model, const StepTokens& tokens, const std::vector<int64_t>& bounds,
                double normaliser, bool with_loss, Arena& arena, int64_t mlp_shards,
-               const std::function<void(int64_t, int64_t)>& chunk_done) {
+               const std::function<void(int64_t, int64_t)>& chunk_done, LossRows* losses) {
   double loss = 0;
   const int64_t chunks = static_cast<int64_t>(bounds.size()) - 1;
   for (size_t i = 0; i + 1 < bounds.size(); ++i) {
@@ -100,7 +100,7 @@ double prefill(KVStore& kv, const LlamaModel& model, const StepTokens& tokens, c
                         {{"chunk", static_cast<int64_t>(i)}, {"t0", bounds[i]}, {"t1", bounds[i + 1]}});
       ArenaScope scope(arena);
       const ChunkTokens chunk = slice_chunk(tokens, bounds[i], bounds[i + 1], arena);
-      loss += forward_chunk(nullptr, kv, model, chunk, normaliser, with_loss, arena, mlp_shards);
+      loss += forward_chunk(nullptr, kv, model, chunk, normaliser, with_loss, arena, mlp_shards, losses);
     }
     if (chunk_done) chunk_done(static_cast<int64_t>(i) + 1, chunks);
   }
@@ -109,13 +109,13 @@ double prefill(KVStore& kv, const LlamaModel& model, const StepTokens& tokens, c
 
 double backprop_chunk(KVStore& kv, const LlamaModel& model, const StepTokens& tokens, int64_t t0, int64_t t1,
                       const ParamSet& grads, double normaliser, Arena& arena, const ActivationPolicy& policy,
-                      double loss_weight, const GradsFinalFrom& grads_final) {
+                      double loss_weight, const GradsFinalFrom& grads_final, LossRows* losses) {
   ArenaScope scope(arena);
   const ChunkTokens chunk = slice_chunk(tokens, t0, t1, arena);
   ChunkActivations act = ChunkActivations::allocate(arena, model.config(), tokens.B(), chunk.c, model.dtype(), policy,
                                                     model.tensor_parallel());
   forward_chunk(&act, kv, model, chunk, normaliser, false, arena);
-  return backward_chunk(grads, act, kv, model, chunk, normaliser, arena, loss_weight, grads_final);
+  return backward_chunk(grads, act, kv, model, chunk, normaliser, arena, loss_weight, grads_final, losses);
 }
 
 namespace {
@@ -186,19 +186,20 @@ StepFrame::StepFrame(Schedule& schedule, std::optional<KVStore>& store, LlamaMod
       arena(step_arena(schedule, model.device())),
       tokens_scope_(arena),
       tokens(step_tokens(batch, arena)),
+      losses_(arena, batch.B() * batch.T()),
       hooks(schedule.hooks()),
       policy_(activation_policy(options, model.lora())),
       moved_before_(kv.bytes_moved()),
       dropout_round_(model, step_index) {}
 
-double StepFrame::prefill(bool with_loss, int64_t until) {
+void StepFrame::prefill(bool with_loss, int64_t until) {
   if (until < 0) until = batch.T();
-  if (until == 0) return 0.0;
+  if (until == 0) return;
   // The same boundaries as a prefill of all T tokens (chunks start at multiples of options.chunk).
   std::function<void(int64_t, int64_t)> chunk_done;
   if (hooks.progress) chunk_done = [this](int64_t done, int64_t total) { hooks.progress("prefill", done, total); };
-  return cw::prefill(kv, model, tokens, chunk_bounds(until, options.chunk), norm, with_loss, arena,
-                     options.mlp_shards, chunk_done);
+  cw::prefill(kv, model, tokens, chunk_bounds(until, options.chunk), norm, with_loss, arena, options.mlp_shards,
+              chunk_done, &losses_);
 }
 
 std::vector<int64_t> StepFrame::sweep_bounds() const {
@@ -210,21 +211,21 @@ int64_t StepFrame::sweep_chunk_index(int64_t t0) const {
   return c <= 0 || c > batch.T() ? 0 : t0 / c;  // as chunk_bounds splits
 }
 
-double StepFrame::backprop(int64_t t0, int64_t t1, const ParamSet& grads, double loss_weight, bool last) {
-  double loss = 0;
+void StepFrame::backprop(int64_t t0, int64_t t1, const ParamSet& grads, double loss_weight, bool last,
+                         bool count_loss) {
   {
     TraceScope traced("backprop chunk {chunk}", {{"chunk", sweep_chunk_index(t0)}, {"t0", t0}, {"t1", t1}});
-    loss = backprop_chunk(kv, model, tokens, t0, t1, grads, norm, arena, policy_, loss_weight,
-                          last ? hooks.grads_final : GradsFinalFrom{});
+    LossRows dropped;
+    backprop_chunk(kv, model, tokens, t0, t1, grads, norm, arena, policy_, loss_weight,
+                   last ? hooks.grads_final : GradsFinalFrom{}, count_loss ? &losses_ : &dropped);
   }
   ++backprops_done_;
   if (hooks.progress) hooks.progress("backward", backprops_done_, std::max(backprops, backprops_done_));
-  return loss;
 }
 
-StepStats StepFrame::finish(double loss, int64_t chunks, int64_t visited) const {
+StepStats StepFrame::finish(int64_t chunks, int64_t visited) const {
   StepStats st;
-  st.loss = loss;
+  st.loss = losses_.sum();
   st.supervised = supervised;
   st.chunks = chunks;
   st.chunks_visited = visited;

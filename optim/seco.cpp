@@ -33,14 +33,13 @@ class SecoSchedule : public Schedule {
     const std::vector<int64_t> b = f.sweep_bounds();
     f.backprops = static_cast<int64_t>(b.size()) - 1;
     f.prefill(/*with_loss=*/false, /*until=*/b[b.size() - 2]);  // 1. K/V of the tokens before the last chunk
-    double loss = 0;
     for (size_t i = b.size() - 1; i-- > 0;) {  // 2. chunks last to first
       // Reads dK/dV relayed by later chunks, adds its own; chunk 0 is the step's last backward.
-      loss += f.backprop(b[i], b[i + 1], grads, 1.0, /*last=*/i == 0);
+      f.backprop(b[i], b[i + 1], grads, 1.0, /*last=*/i == 0);
       f.kv.release_from(b[i]);
     }
     const int64_t k = static_cast<int64_t>(b.size()) - 1;
-    return f.finish(loss, /*chunks=*/k, /*visited=*/k);
+    return f.finish(/*chunks=*/k, /*visited=*/k);
   }
 
  private:

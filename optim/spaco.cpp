@@ -67,7 +67,7 @@ class SpacoSchedule : public Schedule {
   StepStats step(LlamaModel& model, const Batch& batch, const ParamSet& grads, double normaliser,
                  uint64_t step_index) override {
     StepFrame f(*this, store_, model, batch, normaliser, step_index);
-    const double loss = f.prefill(/*with_loss=*/true);  // seco's prefill; every chunk's loss
+    f.prefill(/*with_loss=*/true);  // seco's prefill; every chunk's loss is the step's
     const std::vector<int64_t> b = f.sweep_bounds();
     const int64_t k = static_cast<int64_t>(b.size()) - 1;
     const int64_t t = options_.keep > 0 ? std::min(options_.keep, k) : k;
@@ -91,11 +91,11 @@ class SpacoSchedule : public Schedule {
         }
         scale_relay(f.kv, model.config().num_hidden_layers, s, e, factor);
       }
-      f.backprop(s, e, grads, weight[static_cast<size_t>(i)], /*last=*/i == earliest);
+      f.backprop(s, e, grads, weight[static_cast<size_t>(i)], /*last=*/i == earliest, /*count_loss=*/false);
       f.kv.release_from(s);
       later_visited = true;
     }
-    return f.finish(loss, /*chunks=*/k, /*visited=*/t);
+    return f.finish(/*chunks=*/k, /*visited=*/t);
   }
 
  private:

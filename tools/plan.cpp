@@ -558,6 +558,7 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
   const bool fused = fuses_qkv(adapters, nullptr);
   arena.alloc(size_t(B * T) * 4);  // optim/chunks.cpp step_tokens: the step's ids and labels, uploaded once
   arena.alloc(size_t(B * T) * 4);
+  arena.alloc(size_t(B * T) * 8);  // the step's loss rows (model/llama.h LossRows, f64)
   if (prefill_end > 0)
     prefill_chunk(arena, Shape{cf, B, std::min(r.chunk, prefill_end), keys, e, acc, adapters, streamed, fused},
                   o.mlp_shards, o.name == "spaco");
