@@ -460,6 +460,34 @@ void report() {
                     shortened(s.names[split_order[j]], 110).c_str());
       text += line;
     }
+    // Memsets, by the kernel that next starts on their stream (who asked for them, when the
+    // launching code is a library's).
+    std::map<uint32_t, std::vector<const KernelRecord*>> kernels_of_stream;
+    for (const KernelRecord* k : in_order) kernels_of_stream[k->stream].push_back(k);
+    std::vector<Row> memset_before(s.names.size());
+    for (const MemsetRecord& m : s.memsets) {
+      if (inside(m.t, ranges) == 0) continue;
+      auto it = kernels_of_stream.find(m.stream);
+      if (it == kernels_of_stream.end()) continue;
+      const auto& v = it->second;
+      auto next = std::lower_bound(v.begin(), v.end(), m.t.end,
+                                   [](const KernelRecord* k, uint64_t t) { return k->t.start < t; });
+      if (next == v.end()) continue;
+      memset_before[(*next)->name].ns += m.t.end - m.t.start;
+      memset_before[(*next)->name].calls += 1;
+    }
+    std::vector<size_t> memset_order;
+    for (size_t i = 0; i < memset_before.size(); ++i)
+      if (memset_before[i].calls > 0) memset_order.push_back(i);
+    std::sort(memset_order.begin(), memset_order.end(),
+              [&](size_t a, size_t b) { return memset_before[a].calls > memset_before[b].calls; });
+    text += "  memsets by the next kernel on their stream\n  memsets/range  ms/range  kernel\n";
+    for (size_t j = 0; j < memset_order.size() && j < 8; ++j) {
+      const size_t i = memset_order[j];
+      std::snprintf(line, sizeof line, "  %13.1f  %8.2f  %s\n", memset_before[i].calls / n_ranges, ms(memset_before[i].ns),
+                    shortened(s.names[i], 120).c_str());
+      text += line;
+    }
   }
   std::fputs(text.c_str(), stderr);
   if (const char* path = std::getenv("CW_KERNEL_PROFILE"); path && *path) {
