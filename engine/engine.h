@@ -82,6 +82,7 @@ AttentionKernel attention_kernel();
 void set_gemm_tuning(bool on);
 bool gemm_tuning();
 struct GemmTuneStats {
+  bool on = false;  // tuning applies (asked for, and not deterministic())
   int64_t plans = 0, changed = 0;
   double first_ms = 0, chosen_ms = 0;
 };
@@ -146,6 +147,10 @@ bool cudnn_stack_gqa();
 // with.
 inline constexpr int64_t kSplitMinQueries = 64;
 bool cudnn_splits_prefix(int64_t queries, int64_t keys);
+// Whether such a call's backward, `heads` query heads on `kv_heads` K/V heads, runs its prefix with
+// the query heads stacked per K/V head: the prefix apart (cudnn_splits_prefix), grouped heads, the
+// setting on (cudnn_stack_gqa). The cuDNN path and the planner follow this one rule.
+bool cudnn_stacks_gqa(int64_t queries, int64_t keys, int64_t heads, int64_t kv_heads);
 // Plans built ahead (env CW_CUDNN_PLAN_THREADS: the count of host threads, 0: off; default half the
 // cores, at most 8): when
 // a call whose K/V are a slice of a longer store (a SeCO sweep) needs an exact plan not yet built,

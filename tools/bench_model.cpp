@@ -235,7 +235,7 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
       out << fmt::format("GEMM shapes tuned: {}; cuBLASLt's first answer was not the fastest for {} ({:.2f} ms against "
                          "{:.2f} ms, one call of each)\n",
                          tuned.plans, tuned.changed, tuned.first_ms, tuned.chosen_ms);
-    r["gemm_tuning"] = {{"on", gemm_tuning() && !deterministic()}, {"plans", tuned.plans}, {"changed", tuned.changed},
+    r["gemm_tuning"] = {{"on", tuned.on}, {"plans", tuned.plans}, {"changed", tuned.changed},
                         {"first_ms", tuned.first_ms}, {"chosen_ms", tuned.chosen_ms}};
     const MemoryReport mem = memory_report(st, stats.activation_high_water, stats.kv_bytes);
     nlohmann::json mj;

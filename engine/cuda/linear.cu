@@ -118,8 +118,11 @@ constexpr int kTuneCandidates = 8;
 constexpr size_t kTuneMaxOutputBytes = size_t(512) << 20;
 GemmTuneStats g_tune_stats;  // guarded by g_mutex
 
+// Tuning is on where asked for and results need not be reproducible.
+bool tuning_on() { return gemm_tuning() && !deterministic(); }
+
 // The fastest of cuBLASLt's `found` candidates for `plan`, timed on the call's own operands: each runs
-// once untimed, then three times timed (CUDA events on the call's stream), its least time counting.
+// once untimed, then three times timed (median_ms), its median counting.
 // The output D is the call's: where the call accumulates (beta != 0) its contents wait in host memory
 // and are put back, so the call sees what it would have; an output over kTuneMaxOutputBytes keeps
 // the heuristic's first answer (index 0). Candidates cuBLASLt refuses to run are passed over.
@@ -132,9 +135,6 @@ int fastest(DeviceContext& ctx, int device, const Plan& plan, const cublasLtMatm
     saved.resize(d_bytes);
     CW_CUDA_CHECK(cudaMemcpyAsync(saved.data(), D, d_bytes, cudaMemcpyDeviceToHost, stream));
   }
-  cudaEvent_t start, stop;
-  CW_CUDA_CHECK(cudaEventCreate(&start));
-  CW_CUDA_CHECK(cudaEventCreate(&stop));
   const float alpha = 1.0f;
   auto run = [&](const cublasLtMatmulAlgo_t& algo, size_t ws) {
     return cublasLtMatmul(ctx.handle, plan.desc, &alpha, A, plan.a, B, plan.b, &beta, D, plan.c, D, plan.c, &algo,
@@ -145,20 +145,9 @@ int fastest(DeviceContext& ctx, int device, const Plan& plan, const cublasLtMatm
     const cublasLtMatmulHeuristicResult_t& r = results[i];
     if (r.state != CUBLAS_STATUS_SUCCESS || r.workspaceSize > kWorkspaceBytes) continue;
     if (run(r.algo, r.workspaceSize) != CUBLAS_STATUS_SUCCESS) continue;
-    float least = -1.0f;
-    for (int rep = 0; rep < 3; ++rep) {
-      CW_CUDA_CHECK(cudaEventRecord(start, stream));
-      CW_CUBLAS_CHECK(run(r.algo, r.workspaceSize));
-      CW_CUDA_CHECK(cudaEventRecord(stop, stream));
-      CW_CUDA_CHECK(cudaEventSynchronize(stop));
-      float ms = 0;
-      CW_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-      least = least < 0 ? ms : std::min(least, ms);
-    }
-    best_ms[static_cast<size_t>(i)] = least;
+    best_ms[static_cast<size_t>(i)] = static_cast<float>(
+        median_ms([&] { CW_CUBLAS_CHECK(run(r.algo, r.workspaceSize)); }, device, /*warmup=*/0, /*repeat=*/3));
   }
-  CW_CUDA_CHECK(cudaEventDestroy(start));
-  CW_CUDA_CHECK(cudaEventDestroy(stop));
   if (!saved.empty()) {
     CW_CUDA_CHECK(cudaMemcpyAsync(D, saved.data(), d_bytes, cudaMemcpyHostToDevice, stream));
     CW_CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -183,7 +172,7 @@ const Plan& get_plan(DeviceContext& ctx, int device, int64_t m, int64_t n, int64
                      int64_t lda, int64_t ldb, int64_t ldc, DType ab, DType cd, const void* A, const void* B,
                      void* C, float beta) {
   const uint32_t al_a = alignment_of(A), al_b = alignment_of(B), al_c = alignment_of(C);
-  const bool tune = gemm_tuning() && !deterministic();
+  const bool tune = tuning_on();
   const PlanKey key = {device, m, n, k, trans_a, trans_b, lda, ldb, ldc, static_cast<int64_t>(ab),
                        static_cast<int64_t>(cd), al_a, al_b, al_c, al_c, tune};
   auto it = g_plans.find(key);
@@ -242,7 +231,9 @@ const Plan& get_plan(DeviceContext& ctx, int device, int64_t m, int64_t n, int64
 
 GemmTuneStats gemm_tune_stats() {
   std::lock_guard<std::mutex> lock(g_mutex);
-  return g_tune_stats;
+  GemmTuneStats s = g_tune_stats;
+  s.on = tuning_on();
+  return s;
 }
 
 // The one matmul entry (declared in engine/cuda/gemm.cuh): D = alpha op(A) op(B) + beta D on `dst`'s
