@@ -137,7 +137,7 @@ uint64_t copy_async(void* dst, const void* src, size_t bytes, Device device, boo
     if (bytes > 0) std::memcpy(dst, src, bytes);
     return 0;
   }
-  return gpu::copy_on_side_stream(dst, src, bytes, device.index, to_host ? gpu::CopyLane::out : gpu::CopyLane::in);
+  return gpu::copies_on_side_stream({{dst, src, bytes}}, device.index, to_host ? gpu::CopyLane::out : gpu::CopyLane::in);
 }
 
 void host_wait_for_copy(uint64_t ticket, Device device) {

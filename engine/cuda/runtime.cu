@@ -560,12 +560,6 @@ uint64_t on_side_stream(int device, CopyLane lane, Op op) {
 }
 }  // namespace
 
-uint64_t copy_on_side_stream(void* dst, const void* src, size_t bytes, int device, CopyLane lane) {
-  return on_side_stream(device, lane, [&](cudaStream_t side) {
-    CW_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, side));
-  });
-}
-
 void lane_wait_for_copies(const std::vector<uint64_t>& tickets, CopyLane lane, int device) {
   if (tickets.empty()) return;
   CW_CUDA_CHECK(cudaSetDevice(device));

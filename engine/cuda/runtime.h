@@ -94,15 +94,13 @@ void host_unregister(void* p);
 // both directions of the bus at once. Each lane runs its copies in order.
 enum class CopyLane : int { in = 0, out = 1 };
 
-// A copy of `bytes` between any two of host (pinned) and device memory on one of the device's lanes,
-// ordered after everything queued on its compute stream so far, so it overlaps the compute queued
-// next. Returns a ticket; wait_for_copy(ticket) makes the compute stream wait for the copy (the host
-// does not block). The offloaded optimizer's pieces go in and out this way.
-uint64_t copy_on_side_stream(void* dst, const void* src, size_t bytes, int device, CopyLane lane = CopyLane::in);
-// Several copies and zeroings of device memory as one batch on `lane` behind the compute queued so far
-// (one ticket, one pair of events for all, instead of a pair per copy): `rows` rows of `bytes` bytes
+// Copies and zeroings between any two of host (pinned) and device memory as one batch on one of the
+// device's lanes, ordered after everything queued on its compute stream so far, so they overlap the
+// compute queued next (one ticket, one pair of events for the batch): `rows` rows of `bytes` bytes
 // each, row r at dst + r pitch and src + r pitch (rows = 1: one run; zero: dst's rows set to zero, src
-// unused: a K/V home that holds logical zeros is not copied).
+// unused: a K/V home that holds logical zeros is not copied). wait_for_copy(ticket) makes the compute
+// stream wait for the batch (the host does not block). The K/V window's spans and the offloaded
+// optimizer's pieces (engine.h copy_async) go in and out this way.
 struct SideCopy {
   void* dst;
   const void* src;

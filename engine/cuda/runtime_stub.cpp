@@ -28,7 +28,6 @@ void* pinned_alloc(size_t) { no_cuda(); }
 void pinned_free(void*) {}
 bool host_register(void*, size_t) { no_cuda(); }
 void host_unregister(void*) {}
-uint64_t copy_on_side_stream(void*, const void*, size_t, int, CopyLane) { no_cuda(); }
 uint64_t copies_on_side_stream(const std::vector<SideCopy>&, int, CopyLane) { no_cuda(); }
 void lane_wait_for_copies(const std::vector<uint64_t>&, CopyLane, int) { no_cuda(); }
 void wait_for_copy(uint64_t, int) { no_cuda(); }
