@@ -164,7 +164,9 @@ struct Shape {
   // cuDNN runs the call with its earlier keys apart: two graphs.
   bool split() const { return !streamed && cudnn_splits_prefix(c, S); }
   // Its prefix's backward stacks the query heads per K/V head: Q, O, dO copied head-major.
-  bool stacked() const { return split() && cf.num_attention_heads != cf.num_key_value_heads && cudnn_stack_gqa(); }
+  bool stacked() const {
+    return !streamed && cudnn_stacks_gqa(c, S, cf.num_attention_heads, cf.num_key_value_heads);
+  }
 };
 
 // The input width of a block linear.

@@ -326,7 +326,7 @@ bool splits(const Shape& sh) { return !sh.shared && sh.causal && cw::cudnn_split
 // Sets whether `sh` (an exact shape) runs with its prefix apart, and that prefix's backward stacked.
 void set_split(Shape& sh) {
   sh.split = splits(sh);
-  sh.stacked = sh.split && sh.backward && sh.gqa() && cw::cudnn_stack_gqa();
+  sh.stacked = sh.split && sh.backward && cw::cudnn_stacks_gqa(sh.c, sh.S, sh.H, sh.Hkv);
 }
 // Its parts, with the call's K/V batch strides (the store's): the chunk's queries against the p keys
 // before it, unmasked (stacked: H = Hkv heads of G c rows); and against its own c keys, causal (p = 0:
@@ -1575,7 +1575,7 @@ void cudnn_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor
   const Tensor delta = scratch.alloc(DType::f32, {B, H, c});
   CW_CUDA_CHECK(cudaMemsetAsync(delta.data, 0xff, static_cast<size_t>(B * H * c) * sizeof(float), stream));
   // A stacked prefix reads q, out, d_out head-major (its lse and Delta [B, H, c] already are): copies.
-  const bool stacked = parts.size() > 1 && prefix_sh.stacked;
+  const bool stacked = prefix_sh.stacked;  // false without a prefix part (prefix_sh is then empty)
   HeadsMajorCopies heads{};
   if (stacked) {
     const Tensor* from[3] = {&q, &out, &d_out};
@@ -1631,16 +1631,17 @@ void cudnn_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor
   }
   // d_q += dQ in accumulate mode; the prefix's dQ added to the own block's (head-major if stacked).
   const int64_t n = q.numel();
-  for (const Tensor* add : {accumulate ? &dq_s : nullptr, parts.size() > 1 ? &dq_prefix : nullptr}) {
-    if (!add) continue;
-    if (add == &dq_prefix && stacked) {
-      add_q_heads_kernel<<<blocks_for(n / 8, kAddThreads), kAddThreads, 0, stream>>>(
-          static_cast<__nv_bfloat16*>(d_q.data), static_cast<const __nv_bfloat16*>(add->data), B, c, H, D);
-      CW_KERNEL_CHECK();
-      continue;
-    }
+  auto* dq_out = static_cast<__nv_bfloat16*>(d_q.data);
+  auto add_q = [&](const Tensor& add) {
     add_q_kernel<<<blocks_for(n, kAddThreads), kAddThreads, 0, stream>>>(
-        static_cast<__nv_bfloat16*>(d_q.data), static_cast<const __nv_bfloat16*>(add->data), n);
+        dq_out, static_cast<const __nv_bfloat16*>(add.data), n);
+    CW_KERNEL_CHECK();
+  };
+  if (accumulate) add_q(dq_s);
+  if (plan->own && !stacked) add_q(dq_prefix);
+  if (stacked) {
+    add_q_heads_kernel<<<blocks_for(n / 8, kAddThreads), kAddThreads, 0, stream>>>(
+        dq_out, static_cast<const __nv_bfloat16*>(dq_prefix.data), B, c, H, D);
     CW_KERNEL_CHECK();
   }
 }

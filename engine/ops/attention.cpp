@@ -88,6 +88,10 @@ bool cudnn_splits_prefix(int64_t queries, int64_t keys) {
          cudnn_plans() == CudnnPlans::exact;
 }
 
+bool cudnn_stacks_gqa(int64_t queries, int64_t keys, int64_t heads, int64_t kv_heads) {
+  return heads != kv_heads && cudnn_stack_gqa() && cudnn_splits_prefix(queries, keys);
+}
+
 void set_cudnn_plan_threads(int threads) {
   CW_CHECK(threads >= 0, "set_cudnn_plan_threads({}): the count of plan threads cannot be negative", threads);
   g_cudnn_plan_threads.store(threads);
