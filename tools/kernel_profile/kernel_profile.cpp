@@ -98,8 +98,7 @@ struct State {
   std::unordered_map<const char*, int> name_of_ptr;  // CUPTI shares one name string per kernel
   std::vector<KernelRecord> kernels;
   std::vector<CopyRecord> copies;
-  std::vector<Interval> ranges;
-  bool range_open = false;
+  std::vector<Interval> ranges;  // the last one is open while its end is 0
   std::vector<MemsetRecord> memsets;
   bool reported = false;
 };
@@ -175,12 +174,12 @@ void CUPTIAPI on_api(void*, CUpti_CallbackDomain domain, CUpti_CallbackId id, co
   if (id == CUPTI_DRIVER_TRACE_CBID_cuProfilerStart && cb->callbackSite == CUPTI_API_EXIT) {
     cuptiGetTimestamp(&now);
     std::lock_guard lock(s.mu);
-    if (!s.range_open) s.ranges.push_back({now, 0}), s.range_open = true;
+    if (s.ranges.empty() || s.ranges.back().end != 0) s.ranges.push_back({now, 0});
   } else if (id == CUPTI_DRIVER_TRACE_CBID_cuProfilerStop && cb->callbackSite == CUPTI_API_ENTER) {
     cuptiGetTimestamp(&now);
     {
       std::lock_guard lock(s.mu);
-      if (s.range_open) s.ranges.back().end = now, s.range_open = false;
+      if (!s.ranges.empty() && s.ranges.back().end == 0) s.ranges.back().end = now;
     }
     cuptiActivityFlushAll(0);
   }
@@ -321,14 +320,24 @@ void report() {
   for (const KernelRecord& k : s.kernels)
     if (inside(k.t, ranges) > 0) in_order.push_back(&k);
   std::sort(in_order.begin(), in_order.end(), [](const KernelRecord* a, const KernelRecord* b) { return a->t.start < b->t.start; });
-  std::vector<Row> idle_before(s.names.size());
-  uint64_t end_so_far = 0;
+  // The gaps, once: [end of every kernel so far, start of the next), the kernel whose end began it and
+  // the one that ended it; the tables below each read this list.
+  struct Gap {
+    Interval t;
+    const KernelRecord* before;
+    const KernelRecord* ended_by;
+  };
+  std::vector<Gap> gaps;
+  const KernelRecord* last_end = nullptr;  // the kernel that has ended latest so far
   for (const KernelRecord* k : in_order) {
-    if (end_so_far > 0 && k->t.start > end_so_far) {
-      const uint64_t gap = inside({end_so_far, k->t.start}, ranges);
-      if (gap > 0) idle_before[k->name].ns += gap, idle_before[k->name].calls += 1;
-    }
-    end_so_far = std::max(end_so_far, k->t.end);
+    if (last_end && k->t.start > last_end->t.end && inside({last_end->t.end, k->t.start}, ranges) > 0)
+      gaps.push_back({{last_end->t.end, k->t.start}, last_end, k});
+    if (!last_end || k->t.end > last_end->t.end) last_end = k;
+  }
+  std::vector<Row> idle_before(s.names.size());
+  for (const Gap& g : gaps) {
+    idle_before[g.ended_by->name].ns += inside(g.t, ranges);
+    idle_before[g.ended_by->name].calls += 1;
   }
   std::vector<size_t> idle_order;
   for (size_t i = 0; i < idle_before.size(); ++i)
@@ -380,15 +389,14 @@ void report() {
     for (const ApiRecord& a : s.api) by_thread[a.thread].push_back(&a);
     for (auto& [thread, v] : by_thread)
       std::sort(v.begin(), v.end(), [](const ApiRecord* a, const ApiRecord* b) { return a->t.start < b->t.start; });
-    const KernelRecord* prev = nullptr;
-    uint64_t prev_end = 0;
-    for (const KernelRecord* k : in_order) {
-      if (prev && k->t.start > prev_end + 3000 && inside({prev_end, k->t.start}, ranges) > 0) {
-        const auto a = launch_of.find(k->correlation), b = launch_of.find(prev->correlation);
+    for (const Gap& g : gaps) {
+      if (g.t.end - g.t.start < 3000) continue;
+      {
+        const auto a = launch_of.find(g.ended_by->correlation), b = launch_of.find(g.before->correlation);
         if (a != launch_of.end() && b != launch_of.end() && a->second->thread == b->second->thread &&
             a->second->t.start > b->second->t.end) {
           ++gaps_seen;
-          gap_ns += k->t.start - prev_end;
+          gap_ns += g.t.end - g.t.start;
           const uint64_t h0 = b->second->t.end, h1 = a->second->t.start;
           uint64_t in_calls = 0;
           const auto& v = by_thread[a->second->thread];
@@ -406,7 +414,6 @@ void report() {
           between["(host code, no CUDA call)"] += (h1 - h0) - std::min(h1 - h0, in_calls);
         }
       }
-      if (!prev || k->t.end > prev_end) prev = k, prev_end = k->t.end;
     }
     std::vector<std::pair<std::string, uint64_t>> order_b(between.begin(), between.end());
     std::sort(order_b.begin(), order_b.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
@@ -431,11 +438,9 @@ void report() {
     for (const MemsetRecord& m : s.memsets) fillers[m.stream].push_back(m.t);
     for (const CopyRecord& c : s.copies) fillers[c.stream].push_back(c.t);
     for (auto& [stream, v] : fillers) v = merged(std::move(v));
-    uint64_t end_before = 0;
-    for (const KernelRecord* k : in_order) {
-      const uint64_t g0 = end_before, g1 = k->t.start;
-      end_before = std::max(end_before, k->t.end);
-      if (g0 == 0 || g1 <= g0 || inside({g0, g1}, ranges) == 0) continue;
+    for (const Gap& gap : gaps) {
+      const KernelRecord* k = gap.ended_by;
+      const uint64_t g0 = gap.t.start, g1 = gap.t.end;
       const auto a = launch_of.find(k->correlation);
       if (a == launch_of.end()) continue;
       GapSplit& g = split[k->name];
