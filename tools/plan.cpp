@@ -249,7 +249,10 @@ void block_forward(ArenaReplay& a, const Shape& s, bool keep, int64_t mlp_shards
   if (products) a.alloc(s.row(cf.hidden_size));  // h2
   a.alloc(s.row(cf.hidden_size));  // m
   if (products) a.alloc(s.row(cf.intermediate_size));  // act
-  if (shards > 1) {
+  // Without gate and up in the activations (kept: the MLP's input only, as selective recompute keeps;
+  // transient: tiled) the MLP runs shard by shard on [rows, F] scratch, one shard too.
+  const bool tiled = keep ? kept == MlpKept::input : shards > 1;
+  if (tiled) {
     for (int64_t rows : shard_rows(int64_t(s.N()), shards)) {
       Scope shard(a);
       for (int i = 0; i < 3; ++i) a.alloc(size_t(rows * cf.intermediate_size) * s.e);
@@ -258,7 +261,7 @@ void block_forward(ArenaReplay& a, const Shape& s, bool keep, int64_t mlp_shards
   }
   // The adapters' scratch, bounded by its largest call with everything above alive (the MLP's come
   // last; a tiled MLP's were taken per shard above).
-  if (shards == 1)
+  if (!tiled)
     lora_scratch(a, s, {ParamRole::wq, ParamRole::wk, ParamRole::wv, ParamRole::wo, ParamRole::w_gate,
                         ParamRole::w_up, ParamRole::w_down}, s.N(), false);
   else

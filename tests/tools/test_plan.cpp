@@ -720,6 +720,26 @@ TEST_CASE("plan: chunk and window = auto also save the attention outputs where t
   CHECK(plan_step(one_b(), 1, 131072, t, DType::bf16, 25).fits);
 }
 
+TEST_CASE("plan: selective recompute's forward runs the MLP on [N, F] scratch (measured on the H100)") {
+  // The 32K picks of the fifteenth session (.dev/s15h.sh, one H100, chunk 4096, window 2, saved outputs,
+  // CW_ARENA_LOG=1): the run's arena added a block for the forward's gate, up and act that the plan's
+  // replay did not have; peaks 22.30 (selective, cast-layers), 23.89 (selective), 25.80 (cast-layers),
+  // 27.39 GiB (neither).
+  struct Case {
+    bool selective, cast;
+    double peak_gib;
+  };
+  for (const Case& c : {Case{true, true, 22.30}, Case{true, false, 23.89}, Case{false, true, 25.80},
+                        Case{false, false, 27.39}}) {
+    ScheduleOptions o = saved(sched("seco", 4096, c.selective ? "selective" : "none"), 2);
+    o.cast_layers = c.cast;
+    const PlanReport p = plan_step(one_b(), 1, 32768, o, DType::bf16, 80);
+    CAPTURE(c.selective);
+    CAPTURE(c.cast);
+    CHECK(p.peak_device_gib() == doctest::Approx(c.peak_gib).epsilon(0.003));
+  }
+}
+
 TEST_CASE("plan: auto prefills in longer chunks than the reverse sweep's where they fit and are not slower") {
   // 1B within HF+Liger's peaks: the reverse sweep's chunk as before, the prefill's 2 or 4 times it
   // (at most 16384), predicted no slower (32K in 22.7 GiB: 1.235 s against 1.258-1.271 measured).
