@@ -13,6 +13,7 @@
 
 #include <cublas_v2.h>
 #include <cuda_profiler_api.h>
+#include <sys/mman.h>
 
 #include <algorithm>
 #include <array>
@@ -447,7 +448,7 @@ namespace cw::gpu {
 namespace {
 struct PinnedPool {
   std::mutex mutex;
-  std::multimap<size_t, void*> free_blocks;  // cudaHostAlloc is slow (it pins pages): blocks are reused
+  std::multimap<size_t, void*> free_blocks;  // pinning is slow (page by page): blocks are reused
   std::map<void*, size_t> live;
 };
 PinnedPool& pinned_pool() {
@@ -491,6 +492,27 @@ void side_after_compute(cudaStream_t side, cudaStream_t compute) {
 }
 }  // namespace
 
+namespace {
+// A new pinned block of `bytes` at least 2 MiB: an anonymous mapping aligned to and advised for
+// transparent huge pages, then page-locked (cudaHostRegister); nullptr where any of it fails. Pinning
+// 2 MiB pages is the kernel's work a 512th as often: on the H100 machine 20 GiB took 3.2 s so against
+// cudaHostAlloc's 11.0 s (5 GiB: 1.1 s against 3.1), the first step's cost of an offloaded K/V store.
+// Blocks are never returned (the pool reuses them), so the mapping's alignment slack stays with it.
+constexpr size_t kHugePage = size_t(2) << 20;
+void* pin_huge(size_t bytes) {
+  if (bytes < kHugePage) return nullptr;
+  const size_t len = (bytes + kHugePage - 1) / kHugePage * kHugePage;
+  void* m = mmap(nullptr, len + kHugePage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (m == MAP_FAILED) return nullptr;
+  void* aligned = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(m) + kHugePage - 1) / kHugePage * kHugePage);
+  madvise(aligned, len, MADV_HUGEPAGE);  // advice: without huge pages to give, the kernel maps 4 KiB ones
+  if (cudaHostRegister(aligned, len, cudaHostRegisterPortable) == cudaSuccess) return aligned;
+  cudaGetLastError();
+  munmap(m, len + kHugePage);
+  return nullptr;
+}
+}  // namespace
+
 void* pinned_alloc(size_t bytes) {
   PinnedPool& p = pinned_pool();
   std::lock_guard lock(p.mutex);
@@ -499,6 +521,10 @@ void* pinned_alloc(size_t bytes) {
     p.free_blocks.erase(it);
     p.live[ptr] = bytes;
     return ptr;
+  }
+  if (void* huge = pin_huge(bytes)) {
+    p.live[huge] = bytes;
+    return huge;
   }
   void* ptr = nullptr;
   const cudaError_t e = cudaHostAlloc(&ptr, std::max<size_t>(bytes, 1), cudaHostAllocPortable);
