@@ -5,6 +5,7 @@
 // limits such as no f64), sum_squares.
 #include "engine/cuda/ops.h"
 #include "engine/cuda/runtime.h"
+#include "engine/engine.h"
 #include "engine/ops/embedding.h"
 #include "engine/ops/residual.h"
 #include "engine/ops/rmsnorm.h"
@@ -13,6 +14,7 @@
 #include "tests/gpu_support.h"
 #include "tests/support.h"
 
+#include <algorithm>
 #include <cmath>
 #include <utility>
 #include <vector>
@@ -218,4 +220,27 @@ TEST_CASE("cuda: the device memory limit returns cached blocks first, then refus
   // a's block is cached now; a different size class needs room: the cached block goes back first.
   Buffer b(40 * mib, g);
   CHECK(pool_stats(g).in_use + pool_stats(g).cached <= base + 48 * mib);
+}
+
+TEST_CASE("cuda: pinned blocks, huge-page mapped (2 MiB and more) or not, carry copies both ways bit for bit" *
+          doctest::skip(!cw::test::gpu_ready())) {
+  // engine/cuda/runtime.cu pinned_alloc: blocks of 2 MiB and more are anonymous mappings page-locked
+  // with cudaHostRegister, smaller ones cudaHostAlloc's; a reused block keeps working.
+  const Device gpu = Device::gpu(0);
+  for (const size_t bytes : {size_t(4096) + 12, (size_t(2) << 20) + 4096 * 3 + 40, (size_t(7) << 20) + 8}) {
+    CAPTURE(bytes);
+    for (int round = 0; round < 2; ++round) {
+      StagingBuffer host(bytes, gpu);
+      REQUIRE(host.data() != nullptr);
+      auto* h = static_cast<unsigned char*>(host.data());
+      for (size_t i = 0; i < bytes; ++i) h[i] = static_cast<unsigned char>((i * 131 + bytes + size_t(round)) % 251);
+      const std::vector<unsigned char> want(h, h + bytes);
+      void* dev = gpu::device_alloc(bytes, 0);
+      host_wait_for_copy(copy_async(dev, host.data(), bytes, gpu, /*to_host=*/false), gpu);
+      std::fill(h, h + bytes, static_cast<unsigned char>(0));
+      host_wait_for_copy(copy_async(host.data(), dev, bytes, gpu, /*to_host=*/true), gpu);
+      gpu::device_free(dev, 0);
+      CHECK(std::equal(want.begin(), want.end(), h));
+    }
+  }
 }
