@@ -19,7 +19,9 @@
 //   CW_KERNEL_PROFILE_TOP=N  the summary's kernel lines (default 40)
 //   CW_KERNEL_PROFILE_API=1  also record the host's CUDA runtime and driver calls and print, per range, the
 //                            host thread's time inside them by call (a call that blocks, a synchronize or a
-//                            synchronous copy, shows here as the reason the GPU's queue ran dry)
+//                            synchronous copy, shows here as the reason the GPU's queue ran dry); each gap
+//                            split by when the host launched the kernel that ended it (late, launching, or
+//                            queued behind something on the GPU); and the memsets by the kernel after them
 #include <cupti.h>
 
 #include <cxxabi.h>
