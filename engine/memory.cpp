@@ -35,6 +35,9 @@ Buffer::Buffer(size_t bytes, Device device) : bytes_(bytes), device_(device) {
   if (mapped(bytes)) {
     void* p = mmap(nullptr, round_up(bytes), PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     data_ = p == MAP_FAILED ? nullptr : p;
+    // Transparent huge pages where the kernel has them: first touches, and page-locking for copies
+    // (the offloaded optimizer's master and moments), fault a 512th as many pages.
+    if (data_) madvise(data_, round_up(bytes), MADV_HUGEPAGE);
   } else {
     data_ = std::aligned_alloc(kAlign, round_up(bytes));
     if (data_) std::memset(data_, 0, round_up(bytes));
