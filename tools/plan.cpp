@@ -711,53 +711,64 @@ const std::vector<int64_t>& chunk_candidates() {
   return c;
 }
 
+namespace {
+// Of `candidates`, in order of growing chunks, the last that fits and is predicted within 1% of the
+// fastest before it: the time model is blind to kernel efficiency at small row counts, so fewer,
+// larger kernels win a near tie. nullopt where none fits.
+std::optional<ScheduleOptions> longest_near_fastest(const std::vector<ScheduleOptions>& candidates,
+                                                    const LlamaConfig& config, int64_t B, int64_t T, DType dtype,
+                                                    const MemoryBudget& budget, const LoraConfig& lora,
+                                                    bool optimizer_offload) {
+  std::optional<ScheduleOptions> best;
+  double best_s = 0;
+  for (const ScheduleOptions& o : candidates) {
+    const PlanReport r = plan_step(config, B, T, o, dtype, budget, lora, optimizer_offload);
+    if (r.fits && (!best || r.step_s <= best_s * 1.01)) {
+      best_s = best ? std::min(best_s, r.step_s) : r.step_s;
+      best = o;
+    }
+  }
+  return best;
+}
+}  // namespace
+
 int64_t choose_chunk(const LlamaConfig& config, int64_t B, int64_t T, const ScheduleOptions& schedule, DType dtype,
                      const MemoryBudget& budget, const std::vector<int64_t>& candidates, const LoraConfig& lora,
                      bool optimizer_offload) {
-  int64_t best = 0;
-  double best_s = 0;
+  std::vector<ScheduleOptions> chunked_at;
   for (int64_t c : candidates) {
     if (c > T) continue;
     ScheduleOptions o = schedule;
     o.chunk = c;
     o.bwd_chunk = 0;
-    const PlanReport r = plan_step(config, B, T, o, dtype, budget, lora, optimizer_offload);
-    // The time model is blind to kernel efficiency at small row counts: a chunk predicted within 1%
-    // of a smaller one's time wins (fewer, larger kernels).
-    if (r.fits && (best == 0 || r.step_s <= best_s * 1.01)) {
-      best = c;
-      best_s = std::min(best_s == 0 ? r.step_s : best_s, r.step_s);
-    }
+    chunked_at.push_back(o);
   }
-  return best;
+  const auto best = longest_near_fastest(chunked_at, config, B, T, dtype, budget, lora, optimizer_offload);
+  return best ? best->chunk : 0;
 }
 
 namespace {
 // A prefill in longer chunks than the reverse sweep's: its GEMMs run over more rows and its
 // attention and window copies in fewer calls, for little memory (a prefill chunk keeps nothing).
-// From `o` (chunk c, no bwd_chunk of its own): bwd_chunk = c and the longest prefill chunk of 2c, 4c
-// up to kLongestAutoPrefill that fits and is predicted within 1% of the fastest. The cap is the
-// longest whose peak was measured as planned (a 32768-token prefill chunk at 128K peaked 0.25 GiB
-// over its plan). The streamed store needs bwd_chunk = chunk.
+// From `o` (chunk c, no bwd_chunk of its own, fitting): bwd_chunk = c and, of c, 2c, 4c up to
+// kLongestAutoPrefill, the longest near the fastest (longest_near_fastest). The cap: 16384 is the
+// longest measured to help (32K, 64K); at 128K prefill chunks of 16384 and 32768 both peaked 0.25 GiB
+// over their plan and gained 0.2% (RESULTS.md, fifteenth session). The streamed store needs
+// bwd_chunk = chunk.
 constexpr int64_t kLongestAutoPrefill = 16384;
 
 ScheduleOptions longer_prefill(const LlamaConfig& config, int64_t B, int64_t T, const ScheduleOptions& o, DType dtype,
                                const MemoryBudget& budget, const LoraConfig& lora, bool optimizer_offload) {
   if (!chunked(o) || o.stream_kv || o.bwd_chunk > 0 || o.chunk <= 0) return o;
-  ScheduleOptions best = o;
-  double best_s = plan_step(config, B, T, o, dtype, budget, lora, optimizer_offload).step_s;
+  std::vector<ScheduleOptions> prefills{o};
   for (int64_t k : {2, 4}) {
     ScheduleOptions p = o;
     p.bwd_chunk = o.chunk;
     p.chunk = k * o.chunk;
     if (p.chunk > std::min(T, kLongestAutoPrefill)) break;
-    const PlanReport r = plan_step(config, B, T, p, dtype, budget, lora, optimizer_offload);
-    if (r.fits && r.step_s <= best_s * 1.01) {
-      best = p;
-      best_s = std::min(best_s, r.step_s);
-    }
+    prefills.push_back(p);
   }
-  return best;
+  return longest_near_fastest(prefills, config, B, T, dtype, budget, lora, optimizer_offload).value_or(o);
 }
 }  // namespace
 
