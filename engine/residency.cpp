@@ -80,7 +80,7 @@ void Residency::move(int item, const std::vector<Span>& spans, bool to_device) {
       if (touched[p] && other[p] != 0) after.push_back(other[p]);
     gpu::lane_wait_for_copies(after, lane, device_.index);
   }
-  trace::CopyScope traced(device_, to_device ? "fetch" : "store", what_, item, moved);
+  trace::CopyScope traced(device_, to_device, what_, item, moved);
   std::vector<gpu::SideCopy> batch;
   for (const Span& sp : spans) {
     if (sp.bytes == 0) continue;
@@ -132,18 +132,15 @@ void Residency::wait_for_slot(int slot, bool out) {
   if (out) wait(store_ticket_[static_cast<size_t>(slot)]);
 }
 
-void Residency::ready(int item) {
-  const int s = slot_of_[static_cast<size_t>(item)];
-  CW_CHECK(s >= 0, "residency: item {} is not on the device (fetch it first)", item);
-  slot_used_[static_cast<size_t>(s)] = ++clock_;
-  wait_for_slot(s, /*out=*/true);
-}
+void Residency::ready(int item) { wait_for_item(item, /*out=*/true); }
 
-void Residency::ready_to_read(int item) {
+void Residency::ready_to_read(int item) { wait_for_item(item, /*out=*/false); }
+
+void Residency::wait_for_item(int item, bool out) {
   const int s = slot_of_[static_cast<size_t>(item)];
   CW_CHECK(s >= 0, "residency: item {} is not on the device (fetch it first)", item);
   slot_used_[static_cast<size_t>(s)] = ++clock_;
-  wait_for_slot(s, /*out=*/false);
+  wait_for_slot(s, out);
 }
 
 void Residency::store(int item, const std::vector<Span>& spans) {

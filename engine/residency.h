@@ -82,8 +82,10 @@ class Residency {
   // Moves the spans between item `item`'s home and its slot (to_device: home -> slot, zeroing spans so
   // marked) as one batch on its lane, after the other lane's last copies of the same parts.
   void move(int item, const std::vector<Span>& spans, bool to_device);
-  // The compute stream waits for the slot's copies in (and, `out`, out) not yet waited for.
+  // The compute stream waits for the slot's copies in (and, `out`, out) not yet waited for; of an
+  // item's slot, which becomes the most recently used.
   void wait_for_slot(int slot, bool out);
+  void wait_for_item(int item, bool out);
 
   Device device_;
   const char* what_;

@@ -10,7 +10,6 @@
 
 #include <chrono>
 #include <fstream>
-#include <string_view>
 
 namespace cw::trace {
 
@@ -65,7 +64,9 @@ void mark(Recorder& r, Raw& e, bool end) {
     (end ? e.t1 : e.t0) = host_us(r);
     return;
   }
-  const int lane = e.thread == Thread::copies_in ? 0 : e.thread == Thread::copies_out ? 1 : -1;
+  const int lane = e.thread == Thread::copies_in    ? static_cast<int>(gpu::CopyLane::in)
+                   : e.thread == Thread::copies_out ? static_cast<int>(gpu::CopyLane::out)
+                                                    : -1;
   (end ? e.m1 : e.m0) = gpu::trace_mark(r.device.index, lane, lane >= 0 && !end);
 }
 
@@ -165,11 +166,11 @@ void TraceScope::close() {
   if (!r.open.empty() && r.open.back() == index_) r.open.pop_back();
 }
 
-void CopyScope::open(Device device, const char* op, const char* what, int item, size_t bytes) {
+void CopyScope::open(Device device, bool to_device, const char* what, int item, size_t bytes) {
   Recorder& r = recorder();
   if (bytes == 0 || !(device == r.device)) return;
-  const Thread thread = std::string_view(op) == "store" ? Thread::copies_out : Thread::copies_in;
-  Raw e{fmt::format("{} {} {{item}}", op, what), "copy", thread, {}};
+  Raw e{fmt::format("{} {} {{item}}", to_device ? "fetch" : "store", what), "copy",
+        to_device ? Thread::copies_in : Thread::copies_out, {}};
   e.args.emplace_back("item", item);
   e.args.emplace_back("bytes", static_cast<int64_t>(bytes));
   inherit_chunk(r, e.args);

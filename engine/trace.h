@@ -105,12 +105,13 @@ class TraceScope {
 };
 
 // A copy between host and device memory: from construction to destruction, on one of the device's
-// copy lanes. `op` is "fetch" (in: host -> device) or "store" (out: device -> host), `what` names the items ("kv layer"), `bytes` is what
-// the scope copies (nothing is recorded for 0 bytes). Only the recorded device's copies are traced.
+// copy lanes: a "fetch" (to_device: host -> device, the lane in) or a "store" (device -> host, the lane
+// out). `what` names the items ("kv layer"), `bytes` is what the scope copies (nothing is recorded for
+// 0 bytes). Only the recorded device's copies are traced.
 class CopyScope {
  public:
-  CopyScope(Device device, const char* op, const char* what, int item, size_t bytes) {
-    if (on()) open(device, op, what, item, bytes);
+  CopyScope(Device device, bool to_device, const char* what, int item, size_t bytes) {
+    if (on()) open(device, to_device, what, item, bytes);
   }
   ~CopyScope() {
     if (index_ >= 0) close();
@@ -119,7 +120,7 @@ class CopyScope {
   CopyScope& operator=(const CopyScope&) = delete;
 
  private:
-  void open(Device device, const char* op, const char* what, int item, size_t bytes);
+  void open(Device device, bool to_device, const char* what, int item, size_t bytes);
   void close();
   int64_t index_ = -1;
   uint64_t generation_ = 0;

@@ -236,9 +236,9 @@ TEST_CASE("trace: a scope's placeholders take its args; the chunk comes from the
     TraceScope inner("layer {layer} backward, {missing}", {{"layer", 2}});
     inner.end();
     inner.end();  // once only
-    trace::CopyScope none(Device::host(), "fetch", "kv layer", 1, 0);       // no bytes: no event
-    trace::CopyScope other(Device::gpu(0), "fetch", "kv layer", 1, 64);     // not the traced device
-    trace::CopyScope copy(Device::host(), "store", "kv layer", 3, 128);
+    trace::CopyScope none(Device::host(), /*to_device=*/true, "kv layer", 1, 0);    // no bytes: no event
+    trace::CopyScope other(Device::gpu(0), /*to_device=*/true, "kv layer", 1, 64);  // not the traced device
+    trace::CopyScope copy(Device::host(), /*to_device=*/false, "kv layer", 3, 128);  // a store
   }
   const trace::Recording r = trace::stop();
   REQUIRE(r.events.size() == 3);
