@@ -265,13 +265,8 @@ double LossRows::sum() const {
   if (used_ == 0) return 0.0;
   OwnedTensor host = OwnedTensor::of_shape(DType::f64, std::vector<int64_t>{used_});
   copy_convert(host.tensor, rows_.slice(0, 0, used_));
-  const double* r = host.tensor.ptr<double>();
   double total = 0;
-  for (const Chunk& c : chunks_) {
-    double chunk = 0;
-    for (int64_t i = 0; i < c.rows; ++i) chunk += r[c.offset + i];
-    total += chunk * c.weight;
-  }
+  for (const Chunk& c : chunks_) total += sum_rows(host.tensor.slice(0, c.offset, c.rows)) * c.weight;
   return total;
 }
 

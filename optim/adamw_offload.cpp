@@ -90,7 +90,7 @@ void OffloadedAdamW::step(const ParamSet& master, const ParamSet& grads, double 
            device_name(grads.device()), device_name(compute.device()), device_name(device_));
   CW_CHECK(grads.dtype() == DType::f32 || grads.dtype() == DType::f64, "AdamW: the gradients must be f32 or f64, got {}",
            dtype_name(grads.dtype()));
-  if (streams(device_, master.dtype()) && grads.dtype() == DType::f32) return step_streamed(master, grads, lr, compute);
+  if (streams() && grads.dtype() == DType::f32) return step_streamed(master, grads, lr, compute);
 
   const int64_t numel = master.numel(), piece = std::min(piece_, numel);
   const size_t gsize = dtype_size(grads.dtype()), csize = dtype_size(compute.dtype());

@@ -66,9 +66,8 @@ const AdamW& TrainingState::optimizer() const {
 }
 
 AdamW& TrainingState::optimizer() {
-  if (offloaded_) return offloaded_->state();
-  CW_CHECK(adamw_, "the optimizer state is sharded (parallel.zero > 0): each rank's shard is the data-parallel "
-                   "group's (parallel/data_parallel.h)");
+  if (offloaded_) return offloaded_->state();  // gives up the streamed step's page-locking (a load follows)
+  std::as_const(*this).optimizer();            // the sharded state's error
   return *adamw_;
 }
 
