@@ -7,15 +7,18 @@
 namespace cw {
 
 KVStore::KVStore(const LlamaConfig& c, int64_t batch, int64_t tokens, DType dtype, bool with_grads, Device device,
-                 int64_t offload_window, bool attention_outputs, int64_t stream_block, bool layer_local_grads)
+                 int64_t offload_window, bool attention_outputs, int64_t stream_block, bool layer_local_grads,
+                 bool layer_inputs)
     : L_(c.num_hidden_layers), B_(batch), T_(tokens), H_(c.num_attention_heads), Hkv_(c.num_key_value_heads),
-      D_(c.head_dim), dtype_(dtype), device_(device), with_grads_(with_grads), with_outputs_(attention_outputs),
-      live_end_(tokens) {
+      D_(c.head_dim), C_(c.hidden_size), dtype_(dtype), device_(device), with_grads_(with_grads),
+      with_outputs_(attention_outputs), with_inputs_(layer_inputs), live_end_(tokens) {
   CW_CHECK(batch > 0 && tokens > 0, "K/V store for batch {} and {} tokens", batch, tokens);
   CW_CHECK(offload_window >= 0, "schedule.offload_window must be >= 0 (0: the whole K/V store on the device), got {}",
            offload_window);
   CW_CHECK(with_grads || !attention_outputs, "saved attention outputs need a K/V store with gradient accumulators");
-  const int parts = attention_outputs ? kParts : with_grads ? 4 : 2;
+  CW_CHECK(with_grads || !layer_inputs, "saved layer inputs need a K/V store with gradient accumulators");
+  CW_CHECK(!(layer_inputs && stream_block > 0), "K/V store: saved layer inputs are not kept by a streamed store "
+           "(schedule.save_inputs with stream_kv)");
   CW_CHECK(stream_block >= 0, "K/V store: stream block {} must be >= 0 (0: not streamed)", stream_block);
   CW_CHECK(!layer_local_grads || (stream_block == 0 && (offload_window == 0 || offload_window >= L_)),
            "K/V store: layer-local gradients are for a store on the device (no offload window, not streamed)");
@@ -26,8 +29,8 @@ KVStore::KVStore(const LlamaConfig& c, int64_t batch, int64_t tokens, DType dtyp
     block_ = std::min(stream_block, tokens);
     blocks_ = (tokens + block_ - 1) / block_;
     std::vector<size_t> sizes;
-    for (int p = 0; p < parts; ++p)
-      sizes.push_back(row_bytes(static_cast<Part>(p)) * static_cast<size_t>(B_ * block_));
+    for (int p = 0; p < kIn; ++p)
+      sizes.push_back(has_part(static_cast<Part>(p)) ? row_bytes(static_cast<Part>(p)) * static_cast<size_t>(B_ * block_) : 0);
     // The chunk's own block, the prefix block being attended and the next one coming in.
     res_ = std::make_unique<Residency>(device, sizes, static_cast<int>(L_ * blocks_), 3, "kv block");
     home_kv_.assign(static_cast<size_t>(L_ * blocks_), 0);
@@ -36,19 +39,30 @@ KVStore::KVStore(const LlamaConfig& c, int64_t batch, int64_t tokens, DType dtyp
   }
   if (offload_window > 0 && offload_window < L_) {
     std::vector<size_t> sizes;
-    for (int p = 0; p < parts; ++p) sizes.push_back(part_bytes(static_cast<Part>(p)));
+    for (int p = 0; p < kParts; ++p) sizes.push_back(has_part(static_cast<Part>(p)) ? part_bytes(static_cast<Part>(p)) : 0);
     res_ = std::make_unique<Residency>(device, sizes, static_cast<int>(L_), static_cast<int>(offload_window), "kv layer");
     dev_kv_end_.assign(static_cast<size_t>(L_), 0);
     dev_grad_end_.assign(static_cast<size_t>(L_), 0);
     host_kv_end_.assign(static_cast<size_t>(L_), 0);
     host_grad_end_.assign(static_cast<size_t>(L_), 0);
     dev_out_.assign(static_cast<size_t>(L_), {0, 0});
+    dev_in_.assign(static_cast<size_t>(L_), {0, 0});
     return;
   }
   for (int64_t l = 0; l < L_; ++l)
-    for (int p = 0; p < parts; ++p)
-      if (l == 0 || !(layer_local_grads_ && (p == kDKeys || p == kDValues)))
+    for (int p = 0; p < kParts; ++p)
+      if (has_part(static_cast<Part>(p)) && (l == 0 || !(layer_local_grads_ && (p == kDKeys || p == kDValues))))
         bufs_[p].emplace_back(part_bytes(static_cast<Part>(p)), device);
+}
+
+bool KVStore::has_part(Part part) const {
+  switch (part) {
+    case kKeys: case kValues: return true;
+    case kDKeys: case kDValues: return with_grads_;
+    case kOut: case kLse: return with_outputs_;
+    case kIn: return with_inputs_;
+    default: return false;
+  }
 }
 
 size_t KVStore::row_bytes(Part part) const {
@@ -56,17 +70,19 @@ size_t KVStore::row_bytes(Part part) const {
     case kKeys: case kValues: return static_cast<size_t>(Hkv_ * D_) * dtype_size(dtype_);
     case kDKeys: case kDValues: return static_cast<size_t>(Hkv_ * D_) * dtype_size(accum_dtype(dtype_));
     case kOut: return static_cast<size_t>(H_ * D_) * dtype_size(dtype_);
+    case kIn: return static_cast<size_t>(C_) * dtype_size(dtype_);
     default: return static_cast<size_t>(H_) * dtype_size(accum_dtype(dtype_));  // kLse
   }
 }
 
 size_t KVStore::host_bytes_needed(const LlamaConfig& c, int64_t batch, int64_t tokens, DType dtype, bool with_grads,
-                                  bool attention_outputs) {
+                                  bool attention_outputs, bool layer_inputs) {
   const size_t row = static_cast<size_t>(c.num_key_value_heads * c.head_dim), acc = dtype_size(accum_dtype(dtype));
   size_t per_token = 2 * row * dtype_size(dtype) + (with_grads ? 2 * row * acc : 0);
   if (attention_outputs)
     per_token += static_cast<size_t>(c.num_attention_heads * c.head_dim) * dtype_size(dtype) +
                  static_cast<size_t>(c.num_attention_heads) * acc;
+  if (layer_inputs) per_token += static_cast<size_t>(c.hidden_size) * dtype_size(dtype);
   return per_token * static_cast<size_t>(c.num_hidden_layers * batch * tokens);
 }
 
@@ -107,6 +123,12 @@ Tensor KVStore::output_lse(int layer, int64_t t0, int64_t t1) const {
   CW_CHECK(with_outputs_, "K/V store was built without saved attention outputs");
   const Rows r = rows_of(kLse, layer, t0, t1);
   return Tensor(r.data, accum_dtype(dtype_), device_, {B_ * H_, r.n}).slice(1, r.r0, t1 - t0);
+}
+
+Tensor KVStore::inputs(int layer, int64_t t0, int64_t t1) const {
+  CW_CHECK(with_inputs_, "K/V store was built without saved layer inputs");
+  const Rows r = rows_of(kIn, layer, t0, t1);
+  return Tensor(r.data, dtype_, device_, {B_, r.n, C_}).slice(1, r.r0, t1 - t0);
 }
 
 int64_t KVStore::block_of(int64_t t0, int64_t t1) const {
@@ -171,6 +193,17 @@ void KVStore::fetch_outputs(int layer, int64_t t0, int64_t t1, std::vector<Resid
   have = {t0, t1};
 }
 
+// Adds the saved inputs [t0, t1) to `need` unless the layer's slot holds them already.
+void KVStore::fetch_inputs(int layer, int64_t t0, int64_t t1, std::vector<Residency::Span>& need) {
+  auto& have = dev_in_[static_cast<size_t>(layer)];
+  if (have.first <= t0 && t1 <= have.second) return;
+  CW_CHECK(t1 <= inputs_end_, "saved layer inputs of tokens [{}, {}) were not written (prefill wrote [0, {}))", t0, t1,
+           inputs_end_);
+  const auto in = spans(kIn, kIn, t0, t1);
+  need.insert(need.end(), in.begin(), in.end());
+  have = {t0, t1};
+}
+
 void KVStore::begin_layer(int layer, Use use, int64_t t0, int64_t t1) {
   if (!res_) {
     if (layer_local_grads_ && use == Use::backward) {
@@ -201,7 +234,7 @@ void KVStore::begin_layer(int layer, Use use, int64_t t0, int64_t t1) {
   const size_t l = static_cast<size_t>(layer);
   if (!res_->resident(layer)) {
     dev_kv_end_[l] = dev_grad_end_[l] = 0;
-    dev_out_[l] = {0, 0};
+    dev_out_[l] = dev_in_[l] = {0, 0};
   }
   if (use == Use::recompute) {
     std::vector<Residency::Span> need;
@@ -224,6 +257,7 @@ void KVStore::begin_layer(int layer, Use use, int64_t t0, int64_t t1) {
     need.insert(need.end(), g.begin(), g.end());
   }
   if (use == Use::backward && with_outputs_) fetch_outputs(layer, t0, t1, need);
+  if (use == Use::backward && with_inputs_ && t1 <= inputs_end_) fetch_inputs(layer, t0, t1, need);
   res_->fetch(layer, need);
   dev_kv_end_[l] = std::max(dev_kv_end_[l], kv_end);
   if (use == Use::backward) dev_grad_end_[l] = std::max(dev_grad_end_[l], t1);
@@ -242,7 +276,7 @@ void KVStore::prefetch(int layer, Use use, int64_t t0, int64_t t1) {
   const size_t l = static_cast<size_t>(layer);
   if (!res_->resident(layer)) {
     dev_kv_end_[l] = dev_grad_end_[l] = 0;
-    dev_out_[l] = {0, 0};
+    dev_out_[l] = dev_in_[l] = {0, 0};
   }
   if (use == Use::recompute) {
     std::vector<Residency::Span> need;
@@ -260,6 +294,7 @@ void KVStore::prefetch(int layer, Use use, int64_t t0, int64_t t1) {
     need.insert(need.end(), g.begin(), g.end());
   }
   if (use == Use::backward && with_outputs_ && t1 <= outputs_end_) fetch_outputs(layer, t0, t1, need);
+  if (use == Use::backward && with_inputs_ && t1 <= inputs_end_) fetch_inputs(layer, t0, t1, need);
   res_->fetch(layer, need);
   dev_kv_end_[l] = std::max(dev_kv_end_[l], kv_end);
   if (use == Use::backward) dev_grad_end_[l] = std::max(dev_grad_end_[l], live_end_);
@@ -268,6 +303,7 @@ void KVStore::prefetch(int layer, Use use, int64_t t0, int64_t t1) {
 void KVStore::end_layer(int layer, Use use, int64_t t0, int64_t t1) {
   // Every layer has written its outputs of [t0, t1) once the last one has.
   if (use == Use::forward && with_outputs_ && layer == L_ - 1) outputs_end_ = std::max(outputs_end_, t1);
+  if (use == Use::forward && with_inputs_ && layer == L_ - 1) inputs_end_ = std::max(inputs_end_, t1);
   if (!res_ || use == Use::recompute) return;  // a recompute from saved outputs writes nothing
   if (block_ > 0) {
     // The chunk's K, V (and outputs) go home; its dK, dV are complete once its backward has read
@@ -290,6 +326,11 @@ void KVStore::end_layer(int layer, Use use, int64_t t0, int64_t t1) {
       const auto o = spans(kOut, kLse, t0, t1);
       out.insert(out.end(), o.begin(), o.end());
       dev_out_[l] = {t0, t1};
+    }
+    if (with_inputs_) {
+      const auto in = spans(kIn, kIn, t0, t1);
+      out.insert(out.end(), in.begin(), in.end());
+      dev_in_[l] = {t0, t1};
     }
     res_->store(layer, out);
     dev_kv_end_[l] = std::max(dev_kv_end_[l], t1);
@@ -326,13 +367,14 @@ void KVStore::release_from(int64_t t) {
 
 void KVStore::reset() {
   live_end_ = T_;
-  outputs_end_ = 0;
+  outputs_end_ = inputs_end_ = 0;
   if (block_ > 0) std::fill(home_kv_.begin(), home_kv_.end(), 0);
   if (res_ && block_ == 0) {
     std::fill(host_kv_end_.begin(), host_kv_end_.end(), 0);
     std::fill(dev_kv_end_.begin(), dev_kv_end_.end(), 0);
     std::fill(dev_grad_end_.begin(), dev_grad_end_.end(), 0);
     std::fill(dev_out_.begin(), dev_out_.end(), std::pair<int64_t, int64_t>{0, 0});
+    std::fill(dev_in_.begin(), dev_in_.end(), std::pair<int64_t, int64_t>{0, 0});
   }
   zero_grads();
 }

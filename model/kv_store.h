@@ -24,6 +24,14 @@
 // projections). With offload they live with the layer's K/V in host memory and only the chunk's rows
 // move.
 //
+// Saved layer inputs (optional, `layer_inputs`): per layer also its input x_l [B, T, C] (the residual
+// stream entering the block) in the compute dtype, written by the prefill. With them a reverse-sweep
+// chunk needs no forward pass: each layer is recomputed from its saved input just before its backward
+// (model/llama.h backward_chunk_from_store), so one layer's activations are alive at a time and the
+// recompute skips what only the next layer reads (W_down's product; with saved attention outputs also
+// the K/V projections and the attention). Offloaded with the layer's K/V; only the chunk's rows move.
+// Not with a streamed store.
+//
 // Layer-local gradients (`layer_local_grads`, the store on the device): when one backward chunk
 // covers all T tokens (full backprop, or seco with a single reverse chunk), a layer's dK, dV are added
 // and read back within that layer's backward and never again, so one layer's accumulators serve every
@@ -60,7 +68,7 @@ class KVStore {
   // layer_local_grads: one layer's dK, dV for all layers (above); only without offload and stream.
   KVStore(const LlamaConfig& config, int64_t batch, int64_t tokens, DType dtype, bool with_grads,
           Device device = Device::host(), int64_t offload_window = 0, bool attention_outputs = false,
-          int64_t stream_block = 0, bool layer_local_grads = false);
+          int64_t stream_block = 0, bool layer_local_grads = false, bool layer_inputs = false);
 
   Tensor keys(int layer, int64_t t0, int64_t t1) const { return view(kKeys, layer, t0, t1); }
   Tensor values(int layer, int64_t t0, int64_t t1) const { return view(kValues, layer, t0, t1); }
@@ -70,12 +78,15 @@ class KVStore {
   // [B*H, t1-t0] (row stride T), to be copied to or from the attention op's [B, c, H, D] / [B, H, c].
   Tensor outputs(int layer, int64_t t0, int64_t t1) const;
   Tensor output_lse(int layer, int64_t t0, int64_t t1) const;
+  // Saved layer inputs (has_inputs()): x_l [B, t1-t0, C] (batch stride T*C).
+  Tensor inputs(int layer, int64_t t0, int64_t t1) const;
 
   // The named points of the layer loops, for a chunk of tokens [t0, t1):
   //   forward:  the layer reads K, V [0, t0) and writes K, V [t0, t1) (end_layer sends them home);
   //   backward: the layer reads K, V [0, t1) and adds into dK, dV [0, t1) (end_layer sends those home);
   //   recompute: (saved outputs only) the layer reads its saved outputs [t0, t1) and nothing else.
-  // With saved outputs, forward also writes O and lse [t0, t1), and backward also reads them.
+  // With saved outputs, forward also writes O and lse [t0, t1), and backward also reads them; with
+  // saved inputs, forward writes the layer's input rows [t0, t1) and backward reads them.
   enum class Use { forward, backward, recompute };
   void begin_layer(int layer, Use use, int64_t t0, int64_t t1);
   void end_layer(int layer, Use use, int64_t t0, int64_t t1);
@@ -97,8 +108,10 @@ class KVStore {
   int64_t tokens() const { return T_; }
   bool has_grads() const { return with_grads_; }
   bool has_outputs() const { return with_outputs_; }
+  bool has_inputs() const { return with_inputs_; }
   bool layer_local_grads() const { return layer_local_grads_; }
   int64_t outputs_written() const { return outputs_end_; }  // saved outputs exist for tokens [0, this)
+  int64_t inputs_written() const { return inputs_end_; }    // saved inputs exist for tokens [0, this)
   DType dtype() const { return dtype_; }
   Device device() const { return device_; }
   DType grad_dtype() const { return accum_dtype(dtype_); }
@@ -110,10 +123,11 @@ class KVStore {
   size_t bytes_moved() const { return res_ ? res_->bytes_moved() : 0; }  // host <-> device so far
   // Host bytes a store of these dimensions needs with offload (for checks before allocating).
   static size_t host_bytes_needed(const LlamaConfig& config, int64_t batch, int64_t tokens, DType dtype,
-                                  bool with_grads, bool attention_outputs = false);
+                                  bool with_grads, bool attention_outputs = false, bool layer_inputs = false);
 
  private:
-  enum Part { kKeys = 0, kValues = 1, kDKeys = 2, kDValues = 3, kOut = 4, kLse = 5, kParts = 6 };
+  enum Part { kKeys = 0, kValues = 1, kDKeys = 2, kDValues = 3, kOut = 4, kLse = 5, kIn = 6, kParts = 7 };
+  bool has_part(Part part) const;  // K, V always; dK, dV with grads; O, lse with outputs; x_l with inputs
   Tensor view(Part part, int layer, int64_t t0, int64_t t1) const;
   void check_range(int layer, int64_t t0, int64_t t1) const;
   struct Rows {
@@ -128,6 +142,7 @@ class KVStore {
   // dK, dV rows [t0, t1) of `layer` to fetch: copied where the home was written, zeroed beyond.
   std::vector<Residency::Span> grad_spans(int layer, int64_t t0, int64_t t1) const;
   void fetch_outputs(int layer, int64_t t0, int64_t t1, std::vector<Residency::Span>& need);
+  void fetch_inputs(int layer, int64_t t0, int64_t t1, std::vector<Residency::Span>& need);
   void prefetch(int layer, Use use, int64_t t0, int64_t t1);
   // Streamed: the residency item of (layer, block), its token rows, and the item fetched with K, V
   // and (`grads`) dK, dV of its home (rows the home has not been written with fetched as zeros).
@@ -140,20 +155,20 @@ class KVStore {
   void for_prefix_blocks(int layer, int64_t j, bool grads,
                          const std::function<void(int item, int64_t k0, int64_t k1)>& visit);
 
-  int64_t L_, B_, T_, H_, Hkv_, D_;
+  int64_t L_, B_, T_, H_, Hkv_, D_, C_;
   DType dtype_;
   Device device_;
-  bool with_grads_, with_outputs_;
+  bool with_grads_, with_outputs_, with_inputs_;
   bool layer_local_grads_ = false;
   int64_t live_end_;
-  int64_t outputs_end_ = 0;
+  int64_t outputs_end_ = 0, inputs_end_ = 0;
   std::vector<HostBuffer> bufs_[kParts];  // without offload: [part][layer] on `device`
   std::unique_ptr<Residency> res_;        // with offload
   std::vector<int64_t> dev_kv_end_, dev_grad_end_, host_kv_end_;  // rows [0, end) current, per layer
   // Host dK, dV rows [0, end) hold what a backward wrote; the rows beyond are logical zeros (the
   // home is not cleared between steps: fetching them zeroes the device rows instead of copying).
   std::vector<int64_t> host_grad_end_;
-  std::vector<std::pair<int64_t, int64_t>> dev_out_;               // saved-output rows current in the slot
+  std::vector<std::pair<int64_t, int64_t>> dev_out_, dev_in_;      // saved-output / input rows current in the slot
   // Streamed: the block length (0: not streamed), blocks per layer, and per item whether its home
   // holds K, V and dK, dV written this step.
   int64_t block_ = 0, blocks_ = 0;

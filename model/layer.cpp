@@ -261,7 +261,9 @@ void block_forward(const Tensor& x_out, LayerActivations* keep, const Tensor& x_
   const int64_t R = tp_rows(tp, N);  // residual-stream rows of this rank
   const DType dt = x_in.dtype;
   check_shape(x_in, {R, C}, "block input");
-  check_shape(x_out, {R, C}, "block output");
+  const bool output = x_out.data != nullptr;
+  CW_CHECK(output || keep, "layer {}: a block forward that keeps nothing must write its output", layer);
+  if (output) check_shape(x_out, {R, C}, "block output");
   Arena& s = ctx.scratch;
   ArenaScope scope(s);
   const int64_t shards = resolve_mlp_shards(ctx.mlp_shards, cf, N);
@@ -326,6 +328,12 @@ void block_forward(const Tensor& x_out, LayerActivations* keep, const Tensor& x_
   std::optional<TpLease> gathered;
   const Tensor h2_out = a.h2.data ? a.h2 : s.alloc(dt, {tp_regathers(tp) ? R : N, C});
   const Tensor h2 = normed_input_forward(gathered, h2_out, a.norm2, a.x_mid, w.mlp_norm, cf.rms_norm_eps, tp, s);
+  if (!output) {
+    // A recompute for the backward alone: W_down's product feeds only x_out. Kept gate and up are
+    // computed; kept without them (MlpKept::input), the backward computes them shard by shard.
+    if (a.gate.data) mlp_rows_forward(a.gate, a.up, a.act.data ? a.act : s.alloc(dt, {N, F}), h2, w, at);
+    return;
+  }
   std::optional<TpLease> partial;
   const Tensor m = partial_output(partial, N, C, dt, tp, s);
   if (a.gate.data) {

@@ -123,6 +123,8 @@ bool fuses_qkv(const LoraConfig* lora, const TensorParallelGroup* tp);
 int64_t resolve_mlp_shards(int64_t requested, const LlamaConfig& config, int64_t rows);
 
 // keep == nullptr: nothing is saved (prefill); the activations live in scratch for the call.
+// x_out undefined (with keep): a recompute for the backward alone; what only x_out needs (W_down's
+// product and the residual add) is skipped.
 void block_forward(const Tensor& x_out, LayerActivations* keep, const Tensor& x_in, const LayerWeights& w,
                    KVStore& kv, int layer, const BlockContext& ctx);
 void block_backward(const Tensor& d_x, const LayerWeights& grads, const LayerActivations& act, const Tensor& x_in,

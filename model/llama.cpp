@@ -190,6 +190,8 @@ void run_blocks(ChunkActivations& a, KVStore& kv, const LlamaModel& model, const
       if (l + 1 < L) claim(l + 1);
     }
     kv.begin_layer(l, use, t0, t1);
+    if (kv.has_inputs() && use == KVStore::Use::forward)  // saved for the reverse sweep (kv_store.h)
+      copy_convert(kv.inputs(l, t0, t1), a.input(l).view({chunk.B, chunk.c, cf.hidden_size}));
     block_forward(l + 1 < L ? a.input(l + 1) : a.stream.back(), keep_layers ? &a.layers[li] : nullptr, a.input(l),
                   model.layer(l), kv, l, ctx);
     kv.end_layer(l, use, t0, t1);
@@ -292,60 +294,106 @@ double forward_chunk(ChunkActivations* keep, KVStore& kv, const LlamaModel& mode
   return chunk_loss(row_loss, N, tp, scratch, 1.0, losses);
 }
 
-double backward_chunk(const ParamSet& grads, const ChunkActivations& a, KVStore& kv, const LlamaModel& model,
-                      const ChunkTokens& chunk, double normaliser, Arena& scratch, double loss_weight,
-                      const GradsFinalFrom& grads_final, LossRows* losses) {
-  check_chunk(model, chunk, kv);
-  CW_CHECK(chunk.labels.data, "backward_chunk needs labels");
-  CW_CHECK(loss_weight > 0, "loss weight {} must be positive", loss_weight);
-  const LlamaConfig& cf = model.config();
-  TensorParallelGroup* tp = model.tensor_parallel();
-  const int64_t N = chunk.B * chunk.c, R = tp_rows(tp, N);
-  CW_CHECK(same_table(grads.specs(), model.trainable_table()),
-           "backward_chunk: the gradients must have the table of the model's trainable parameters ({} tensors{}), "
-           "got {} tensors", model.trainable_table().size(), model.has_adapters() ? ": its LoRA adapters" : "",
-           grads.size());
-  const ModelWeights w = model.weights();
-  // A frozen tensor (every base tensor under LoRA) has an undefined gradient here: the ops skip it.
-  const ModelWeights g = grads.weights();
-  // Where the gradient is complete from, as flat offsets into `grads` (table order): layer l's first
-  // tensor, and the first tensor after the blocks (the final norm and an untied head; the end of an
-  // adapters' set, which has nothing there).
-  std::vector<int64_t> layer_start(static_cast<size_t>(cf.num_hidden_layers), -1);
-  int64_t after_blocks = 0;
-  {
+namespace {
+// What backward_chunk and backward_chunk_from_store share: the checks, the block context, the
+// gradient's completion points (flat offsets into `grads`, table order: layer l's first tensor, and
+// the first tensor after the blocks: the final norm and an untied head; the end of an adapters' set,
+// which has nothing there) and the LM head's and embedding's backward.
+class ChunkBackward {
+ public:
+  ChunkBackward(const ParamSet& grads, KVStore& kv, const LlamaModel& model, const ChunkTokens& chunk,
+                double normaliser, Arena& scratch, const ActivationPolicy& policy, double loss_weight,
+                const GradsFinalFrom& grads_final, LossRows* losses)
+      : cf(model.config()), model(model), kv(kv), chunk(chunk), scratch(scratch), normaliser(normaliser),
+        loss_weight(loss_weight), grads_final(grads_final), losses(losses), tp(model.tensor_parallel()),
+        N(chunk.B * chunk.c), R(tp_rows(tp, N)), t0(chunk.pos0), t1(chunk.pos0 + chunk.c), w(model.weights()),
+        g(grads.weights()),
+        ctx{cf, model.rope_cos(), model.rope_sin(), chunk.B, chunk.c, chunk.pos0, scratch, policy.mlp_shards,
+            kv.has_outputs(), tp, chunk_lora_runtime(model, chunk)},
+        mlp(mlp_kept(policy, cf, N)),
+        row_loss_(scratch.alloc(accum_dtype(model.dtype()), {R})),
+        d_x(scratch.alloc(model.dtype(), {R, cf.hidden_size})) {
+    check_chunk(model, chunk, kv);
+    CW_CHECK(chunk.labels.data, "backward_chunk needs labels");
+    CW_CHECK(loss_weight > 0, "loss weight {} must be positive", loss_weight);
+    CW_CHECK(same_table(grads.specs(), model.trainable_table()),
+             "backward_chunk: the gradients must have the table of the model's trainable parameters ({} tensors{}), "
+             "got {} tensors", model.trainable_table().size(), model.has_adapters() ? ": its LoRA adapters" : "",
+             grads.size());
+    layer_start_.assign(static_cast<size_t>(cf.num_hidden_layers), -1);
     int64_t offset = 0;
     for (size_t i = 0; i < grads.size(); ++i) {
       const ParamSpec& spec = grads.specs()[i];
-      if (spec.layer >= 0 && layer_start[static_cast<size_t>(spec.layer)] < 0)
-        layer_start[static_cast<size_t>(spec.layer)] = offset;
+      if (spec.layer >= 0 && layer_start_[static_cast<size_t>(spec.layer)] < 0)
+        layer_start_[static_cast<size_t>(spec.layer)] = offset;
       offset += spec.numel();
-      if (spec.layer >= 0 || spec.role == ParamRole::embedding) after_blocks = offset;
+      if (spec.layer >= 0 || spec.role == ParamRole::embedding) after_blocks_ = offset;
     }
   }
-  const auto finished_from = [&](int64_t from) {
+
+  // LM head and loss, fused (the loss for reporting, the gradient scaled by loss_weight), then the
+  // final norm's backward: d_x, the gradient of x_L.
+  void head(const Tensor& normed, const RmsNormSaved& final_norm, const Tensor& x_L) {
+    TraceScope traced("lm head + loss", {{"t0", t0}, {"t1", t1}});
+    ArenaScope scope(scratch);
+    Tensor d_normed = scratch.alloc(model.dtype(), {R, cf.hidden_size});
+    const double grad_normaliser = normaliser / loss_weight;
+    lm_head_loss_fused(row_loss_, d_normed, g.lm_head, normed, w.lm_head, tp_local_rows(tp, chunk.labels),
+                       grad_normaliser, GradMode::overwrite, scratch, kLmHeadBlockRows);
+    // row_loss was divided by grad_normaliser; the loss reported is the unweighted one.
+    if (losses) chunk_loss(row_loss_, N, tp, scratch, loss_weight, losses);
+    rmsnorm_backward(d_x, g.final_norm, d_normed, final_norm, x_L, w.final_norm, GradMode::overwrite, scratch);
+    traced.end();
+    finished_from(after_blocks_);  // the final norm and an untied head (a tied one is the embedding)
+  }
+
+  void layer_done(int l) const {
+    if (layer_start_[static_cast<size_t>(l)] >= 0) finished_from(layer_start_[static_cast<size_t>(l)]);
+  }
+
+  // The embedding's backward; the chunk's loss (read back here without `losses`, once the whole
+  // backward is queued: read after the head, the GPU would idle while the host queues the first layers).
+  double finish() {
+    if (g.embedding.data) embedding_backward(g.embedding, d_x, tp_local_rows(tp, chunk.ids));
+    finished_from(0);
+    return losses ? 0.0 : chunk_loss(row_loss_, N, tp, scratch, loss_weight, nullptr);
+  }
+
+  const LlamaConfig& cf;
+  const LlamaModel& model;
+  KVStore& kv;
+  const ChunkTokens& chunk;
+  Arena& scratch;
+  const double normaliser, loss_weight;
+  const GradsFinalFrom& grads_final;
+  LossRows* const losses;
+  TensorParallelGroup* const tp;
+  const int64_t N, R, t0, t1;
+  const ModelWeights w;
+  const ModelWeights g;  // a frozen tensor (every base tensor under LoRA) has an undefined gradient: the ops skip it
+  const BlockContext ctx;
+  const MlpKept mlp;
+  // Scratch for the whole backward (the caller's scope): the rows' losses and d_x [R, C], the gradient
+  // of the residual stream as it runs down the layers.
+  const Tensor row_loss_, d_x;
+
+ private:
+  void finished_from(int64_t from) const {
     if (grads_final) grads_final(from);
-  };
-  const BlockContext ctx{cf, model.rope_cos(), model.rope_sin(), chunk.B, chunk.c, chunk.pos0, scratch,
-                         a.policy.mlp_shards, kv.has_outputs(), tp, chunk_lora_runtime(model, chunk)};
+  }
+  std::vector<int64_t> layer_start_;
+  int64_t after_blocks_ = 0;
+};
+}  // namespace
+
+double backward_chunk(const ParamSet& grads, const ChunkActivations& a, KVStore& kv, const LlamaModel& model,
+                      const ChunkTokens& chunk, double normaliser, Arena& scratch, double loss_weight,
+                      const GradsFinalFrom& grads_final, LossRows* losses) {
   ArenaScope scope(scratch);
-
-  // LM head and loss, fused: the loss for reporting, the gradient scaled by loss_weight.
-  const int64_t t0 = chunk.pos0, t1 = chunk.pos0 + chunk.c;
-  TraceScope head_traced("lm head + loss", {{"t0", t0}, {"t1", t1}});
-  Tensor row_loss = scratch.alloc(accum_dtype(model.dtype()), {R});
-  Tensor d_normed = scratch.alloc(model.dtype(), {R, cf.hidden_size});
-  const double grad_normaliser = normaliser / loss_weight;
-  lm_head_loss_fused(row_loss, d_normed, g.lm_head, a.normed, w.lm_head, tp_local_rows(tp, chunk.labels),
-                     grad_normaliser, GradMode::overwrite, scratch, kLmHeadBlockRows);
-  // row_loss was divided by grad_normaliser; the loss reported is the unweighted one.
-  if (losses) chunk_loss(row_loss, N, tp, scratch, loss_weight, losses);
-
-  Tensor d_x = scratch.alloc(model.dtype(), {R, cf.hidden_size});
-  rmsnorm_backward(d_x, g.final_norm, d_normed, a.final_norm, a.stream.back(), w.final_norm, GradMode::overwrite, scratch);
-  head_traced.end();
-  finished_from(after_blocks);  // the final norm and an untied head (a tied one is the embedding)
-  const MlpKept mlp = mlp_kept(a.policy, cf, N);
+  ChunkBackward b(grads, kv, model, chunk, normaliser, scratch, a.policy, loss_weight, grads_final, losses);
+  const LlamaConfig& cf = b.cf;
+  const Tensor& d_x = b.d_x;
+  b.head(a.normed, a.final_norm, a.stream.back());
   Residency* off = a.offloaded.get();
   // Offloaded inputs come back one layer ahead: layer l-1's while layer l runs its backward.
   auto bring = [&](int l) {
@@ -355,33 +403,82 @@ double backward_chunk(const ParamSet& grads, const ChunkActivations& a, KVStore&
   };
   for (int l = cf.num_hidden_layers - 1; l >= 0; --l) {
     const size_t li = static_cast<size_t>(l);
-    TraceScope traced("layer {layer} backward", {{"layer", l}, {"t0", t0}, {"t1", t1}});
+    TraceScope traced("layer {layer} backward", {{"layer", l}, {"t0", b.t0}, {"t1", b.t1}});
     if (off) {
       bring(l);
       off->ready(l);
       bring(l - 1);  // into the other slot, after this layer's backward is queued before it
     }
-    kv.begin_layer(l, KVStore::Use::backward, t0, t1);
+    kv.begin_layer(l, KVStore::Use::backward, b.t0, b.t1);
     const LayerWeights w_l = model.layer(l);
     if (!a.layers.empty()) {
-      block_backward(d_x, g.layers[li], a.layers[li], a.input(l), w_l, kv, l, ctx);
+      block_backward(d_x, b.g.layers[li], a.layers[li], a.input(l), w_l, kv, l, b.ctx);
     } else {
-      // Checkpointed: recompute this layer's activations from its kept input, then its backward. The
-      // recompute rewrites the layer's K/V of this chunk in the store with the same values.
+      // Checkpointed: recompute this layer's activations from its kept input (not its output: only
+      // the next layer reads it), then its backward. The recompute rewrites the layer's K/V of this
+      // chunk in the store with the same values.
       ArenaScope layer_scope(scratch);
-      LayerActivations la = LayerActivations::allocate(scratch, cf, chunk.B, chunk.c, model.dtype(), mlp, tp);
-      Tensor recomputed_out = scratch.alloc(model.dtype(), {R, cf.hidden_size});
-      block_forward(recomputed_out, &la, a.input(l), w_l, kv, l, ctx);
-      block_backward(d_x, g.layers[li], la, a.input(l), w_l, kv, l, ctx);
+      LayerActivations la = LayerActivations::allocate(scratch, cf, chunk.B, chunk.c, model.dtype(), b.mlp, b.tp);
+      block_forward(Tensor{}, &la, a.input(l), w_l, kv, l, b.ctx);
+      block_backward(d_x, b.g.layers[li], la, a.input(l), w_l, kv, l, b.ctx);
     }
-    kv.end_layer(l, KVStore::Use::backward, t0, t1);
-    if (layer_start[li] >= 0) finished_from(layer_start[li]);  // the layer's first tensor in the table
+    kv.end_layer(l, KVStore::Use::backward, b.t0, b.t1);
+    b.layer_done(l);
   }
-  if (g.embedding.data) embedding_backward(g.embedding, d_x, tp_local_rows(tp, chunk.ids));
-  finished_from(0);
-  // Read back (without `losses`) once the whole backward is queued: read after the head, the GPU
-  // would idle while the host queues the first layers.
-  return losses ? 0.0 : chunk_loss(row_loss, N, tp, scratch, loss_weight, nullptr);
+  return b.finish();
+}
+
+bool has_saved_inputs(const KVStore& kv, const ChunkTokens& chunk) {
+  return kv.has_inputs() && chunk.pos0 + chunk.c <= kv.inputs_written();
+}
+
+double backward_chunk_from_store(const ParamSet& grads, KVStore& kv, const LlamaModel& model, const ChunkTokens& chunk,
+                                 double normaliser, Arena& scratch, const ActivationPolicy& policy, double loss_weight,
+                                 const GradsFinalFrom& grads_final, LossRows* losses) {
+  CW_CHECK(has_saved_inputs(kv, chunk), "backward_chunk_from_store: the layer inputs of tokens [{}, {}) were not saved "
+           "by a prefill (it reached {})", chunk.pos0, chunk.pos0 + chunk.c, kv.has_inputs() ? kv.inputs_written() : 0);
+  CW_CHECK(!(model.tensor_parallel() && model.tensor_parallel()->sequence_parallel()),
+           "saved layer inputs hold every row of a chunk; with sequence parallelism a rank holds its share of the "
+           "rows (set schedule.save_inputs = false)");
+  ArenaScope scope(scratch);
+  ChunkBackward b(grads, kv, model, chunk, normaliser, scratch, policy, loss_weight, grads_final, losses);
+  const LlamaConfig& cf = b.cf;
+  const int64_t C = cf.hidden_size, L = cf.num_hidden_layers;
+  // Layer l's input as the blocks take it, [N, C]: one sequence's rows are the store's own; several
+  // sequences' (batch stride T) are copied together.
+  auto input = [&](int l) {
+    const Tensor x = kv.inputs(l, b.t0, b.t1);
+    if (chunk.B == 1) return Tensor(x.data, x.dtype, x.device, {b.N, C});
+    const Tensor packed = scratch.alloc(x.dtype, {chunk.B, chunk.c, C});
+    copy_convert(packed, x);
+    return packed.view({b.N, C});
+  };
+  for (int l = static_cast<int>(L) - 1; l >= 0; --l) {
+    const size_t li = static_cast<size_t>(l);
+    kv.begin_layer(l, KVStore::Use::backward, b.t0, b.t1);
+    const LayerWeights w_l = model.layer(l);
+    ArenaScope layer_scope(scratch);
+    const Tensor x_in = input(l);
+    LayerActivations la = LayerActivations::allocate(scratch, cf, chunk.B, chunk.c, model.dtype(), b.mlp, b.tp);
+    if (l == L - 1) {
+      // The last layer's recompute also gives x_L, which the LM head reads.
+      ArenaScope head_scope(scratch);
+      TraceScope traced("layer {layer} recompute", {{"layer", l}, {"t0", b.t0}, {"t1", b.t1}});
+      const Tensor x_L = scratch.alloc(model.dtype(), {b.R, C});
+      block_forward(x_L, &la, x_in, w_l, kv, l, b.ctx);
+      const Tensor normed = scratch.alloc(model.dtype(), {b.R, C});
+      const RmsNormSaved final_norm{scratch.alloc(accum_dtype(model.dtype()), {b.R})};
+      rmsnorm_forward(normed, final_norm, x_L, b.w.final_norm, cf.rms_norm_eps);
+      traced.end();
+      b.head(normed, final_norm, x_L);
+    }
+    TraceScope traced("layer {layer} backward", {{"layer", l}, {"t0", b.t0}, {"t1", b.t1}});
+    if (l < L - 1) block_forward(Tensor{}, &la, x_in, w_l, kv, l, b.ctx);
+    block_backward(b.d_x, b.g.layers[li], la, x_in, w_l, kv, l, b.ctx);
+    kv.end_layer(l, KVStore::Use::backward, b.t0, b.t1);
+    b.layer_done(l);
+  }
+  return b.finish();
 }
 
 void chunk_logits(const Tensor& logits, KVStore& kv, const LlamaModel& model, const ChunkTokens& chunk,

@@ -237,6 +237,20 @@ double backward_chunk(const ParamSet& grads, const ChunkActivations& act, KVStor
                       const ChunkTokens& chunk, double normaliser, Arena& scratch, double loss_weight = 1.0,
                       const GradsFinalFrom& grads_final = {}, LossRows* losses = nullptr);
 
+// Whether the store holds the chunk's saved layer inputs (kv_store.h: written by a prefill).
+bool has_saved_inputs(const KVStore& kv, const ChunkTokens& chunk);
+
+// backward_chunk without a forward pass: each layer's input comes from the store's saved inputs, and
+// the layer is recomputed from it just before its backward (skipping what only the next layer reads;
+// with saved attention outputs also its attention forward and K/V projections); layer L-1's recompute
+// also gives x_L for the LM head. One layer's activations are alive at a time, shaped by `policy`'s
+// MLP (selective: gate, up and act recomputed shard by shard in the backward). The same gradient as
+// forward_chunk + backward_chunk. Not with sequence parallelism (the store holds a chunk's every row).
+double backward_chunk_from_store(const ParamSet& grads, KVStore& kv, const LlamaModel& model, const ChunkTokens& chunk,
+                                 double normaliser, Arena& scratch, const ActivationPolicy& policy,
+                                 double loss_weight = 1.0, const GradsFinalFrom& grads_final = {},
+                                 LossRows* losses = nullptr);
+
 // Logits of the last position of every sequence of the chunk, [B, V] (sampling, HF comparisons).
 void chunk_logits(const Tensor& logits, KVStore& kv, const LlamaModel& model, const ChunkTokens& chunk,
                   bool all_positions, Arena& scratch);

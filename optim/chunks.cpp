@@ -112,6 +112,9 @@ double backprop_chunk(KVStore& kv, const LlamaModel& model, const StepTokens& to
                       double loss_weight, const GradsFinalFrom& grads_final, LossRows* losses) {
   ArenaScope scope(arena);
   const ChunkTokens chunk = slice_chunk(tokens, t0, t1, arena);
+  if (has_saved_inputs(kv, chunk))
+    return backward_chunk_from_store(grads, kv, model, chunk, normaliser, arena, policy, loss_weight, grads_final,
+                                     losses);
   ChunkActivations act = ChunkActivations::allocate(arena, model.config(), tokens.B(), chunk.c, model.dtype(), policy,
                                                     model.tensor_parallel());
   forward_chunk(&act, kv, model, chunk, normaliser, false, arena);
@@ -132,8 +135,10 @@ int64_t effective_window(const LlamaModel& model, int64_t offload_window) {
 
 // Pinned memory cannot be swapped: an offloaded store must leave the system a margin (a clear error,
 // never a swap storm).
-void check_host_memory(const LlamaModel& model, int64_t B, int64_t T, bool attention_outputs, bool with_grads = true) {
-  const size_t need = KVStore::host_bytes_needed(model.config(), B, T, model.dtype(), with_grads, attention_outputs);
+void check_host_memory(const LlamaModel& model, int64_t B, int64_t T, bool attention_outputs, bool with_grads = true,
+                       bool layer_inputs = false) {
+  const size_t need =
+      KVStore::host_bytes_needed(model.config(), B, T, model.dtype(), with_grads, attention_outputs, layer_inputs);
   const size_t have = host_memory_available();
   if (have > 0 && double(need) > kPinnableHostShare * double(have))
     fail(fmt::format("the K/V store with offload needs {:.1f} GiB of host memory for {} x {} tokens; {:.1f} GiB are "
@@ -147,19 +152,20 @@ void check_host_memory(const LlamaModel& model, int64_t B, int64_t T, bool atten
 // offload_window > 0 (and below the layer count): the store's layers live in host memory with that
 // many on the device. attention_outputs: the store also keeps the prefill's attention outputs.
 // stream_block > 0: the store streamed in blocks of that many tokens (schedule.stream_kv: the chunk).
-// layer_local: one layer's dK, dV for all layers (ScheduleOptions::layer_local_kv_grads).
+// layer_local: one layer's dK, dV for all layers (ScheduleOptions::layer_local_kv_grads). layer_inputs:
+// the store also keeps the prefill's layer inputs.
 KVStore& step_store(std::optional<KVStore>& store, LlamaModel& model, int64_t B, int64_t T, int64_t offload_window,
-                    bool attention_outputs, int64_t stream_block, bool layer_local) {
+                    bool attention_outputs, int64_t stream_block, bool layer_local, bool layer_inputs) {
   model.ensure_positions(T);
   const int64_t window = effective_window(model, offload_window), block = stream_block;
   if (!store || store->batch() != B || store->tokens() != T || store->dtype() != model.dtype() ||
       !(store->device() == model.device()) || store->offload_window() != window ||
       store->has_outputs() != attention_outputs || store->stream_block() != block ||
-      store->layer_local_grads() != layer_local) {
+      store->layer_local_grads() != layer_local || store->has_inputs() != layer_inputs) {
     store.reset();  // free the old store before allocating the new one
-    if (window > 0 || block > 0) check_host_memory(model, B, T, attention_outputs);
+    if (window > 0 || block > 0) check_host_memory(model, B, T, attention_outputs, true, layer_inputs);
     store.emplace(model.config(), B, T, model.dtype(), true, model.device(), window, attention_outputs, block,
-                  layer_local);
+                  layer_local, layer_inputs);
   }
   store->reset();
   return *store;
@@ -182,7 +188,7 @@ StepFrame::StepFrame(Schedule& schedule, std::optional<KVStore>& store, LlamaMod
       norm(step_normaliser(normaliser, supervised)),
       kv(step_store(store, model, batch.B(), batch.T(), options.offload_window, options.save_attention,
                     options.stream_block(batch.T()),
-                    options.layer_local_kv_grads(batch.T(), model.config().num_hidden_layers))),
+                    options.layer_local_kv_grads(batch.T(), model.config().num_hidden_layers), options.save_inputs)),
       arena(step_arena(schedule, model.device())),
       tokens_scope_(arena),
       tokens(step_tokens(batch, arena)),

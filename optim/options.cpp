@@ -52,6 +52,11 @@ const std::vector<Option<ScheduleOptions>>& schedule_option_table() {
      "seco, spaco: the prefill saves each layer's attention output and lse in the K/V store (offloaded with it), so "
      "the reverse sweep does not run the attention forward again; with chunk or offload_window auto, the planner "
      "turns it on where that fits and is clearly faster"},
+    {"save_inputs",    "--save-inputs",   &S::save_inputs,   {},
+     "seco, spaco: the prefill runs over every chunk and saves each layer's input in the K/V store (offloaded with "
+     "it), so the reverse sweep runs no chunk forward: each layer is recomputed from its saved input just before its "
+     "backward, one layer's activations alive at a time; with chunk or offload_window auto, the planner turns it on "
+     "where that fits and is clearly faster"},
   };
   return table;
 }
@@ -133,6 +138,13 @@ void ScheduleOptions::validate() const {
     fail("schedule.save_attention applies to schedules seco and spaco (the prefill saves what their reverse sweep "
          "recomputes)",
          "set schedule.name = seco or spaco, or save_attention = false");
+  if (save_inputs && name != "seco" && name != "spaco")
+    fail("schedule.save_inputs applies to schedules seco and spaco (the prefill saves what their reverse sweep "
+         "recomputes)",
+         "set schedule.name = seco or spaco, or save_inputs = false");
+  if (save_inputs && stream_kv)
+    fail("schedule.save_inputs is not kept by a streamed K/V store (stream_kv)",
+         "set schedule.stream_kv = false (offload_window keeps a window of layers instead), or save_inputs = false");
   if ((chunk == kAuto || offload_window == kAuto) && name != "seco" && name != "spaco")
     fail(fmt::format("schedule.{} = auto applies to schedules seco and spaco", chunk == kAuto ? "chunk" : "offload_window"),
          "set schedule.name = seco or spaco, or give a number");

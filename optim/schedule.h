@@ -76,6 +76,10 @@ struct ScheduleOptions {
   bool save_attention = false;  // seco, spaco: the prefill saves every layer's attention output and lse in
                                 // the store (offloaded with it), so the reverse sweep does not run the
                                 // attention forward again; costs H*D + H values per token and layer
+  bool save_inputs = false;     // seco, spaco: the prefill (then over all T) saves every layer's input in the
+                                // store (offloaded with it), so a reverse chunk runs no forward pass: each layer
+                                // is recomputed from its saved input just before its backward (recompute =
+                                // selective also drops the MLP's intermediates); costs C values per token and layer
   int64_t mlp_shards = 1;       // tiled MLP row shards, any schedule: 1 untiled, 0 automatic (ceil(F / C))
   bool cast_layers = false;     // any schedule, bf16 full-parameter training on a GPU: no resident bf16 copy of
                                 // the blocks' weights, each block rounded from the f32 master as it runs

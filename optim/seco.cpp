@@ -15,6 +15,9 @@
 // crossings are exactly what the accumulators carry. The prefill and backward chunk sizes are
 // independent for the same reason (the store can be re-split at any boundary).
 // Memory: one chunk's activations at a time (O(bwd_chunk)), plus the store, which grows with T.
+// With schedule.save_inputs the prefill runs over all T and also keeps each layer's input, and step 2
+// runs no chunk forward: each layer is recomputed from its saved input just before its backward
+// (model/llama.h backward_chunk_from_store).
 // With schedule.save_attention the prefill also keeps each layer's attention output and lse in the
 // store, and step 2's recompute reads them instead of attending again (model/kv_store.h): the same
 // values, one attention forward fewer per token.
@@ -32,7 +35,9 @@ class SecoSchedule : public Schedule {
     StepFrame f(*this, store_, model, batch, normaliser, step_index);
     const std::vector<int64_t> b = f.sweep_bounds();
     f.backprops = static_cast<int64_t>(b.size()) - 1;
-    f.prefill(/*with_loss=*/false, /*until=*/b[b.size() - 2]);  // 1. K/V of the tokens before the last chunk
+    // 1. K/V of the tokens before the last chunk; with saved inputs of every chunk, so that no reverse
+    // chunk runs a forward pass.
+    f.prefill(/*with_loss=*/false, /*until=*/options_.save_inputs ? batch.T() : b[b.size() - 2]);
     for (size_t i = b.size() - 1; i-- > 0;) {  // 2. chunks last to first
       // Reads dK/dV relayed by later chunks, adds its own; chunk 0 is the step's last backward.
       f.backprop(b[i], b[i + 1], grads, 1.0, /*last=*/i == 0);

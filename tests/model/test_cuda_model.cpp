@@ -123,7 +123,12 @@ TEST_CASE("cuda: seco and checkpointed (offload, selective, tiled MLP) equal ful
   saved.save_attention = true;
   ScheduleOptions saved_recompute = saved;  // and recomputes each layer inside the chunk from its input
   saved_recompute.recompute = "full";
-  for (const ScheduleOptions& o : {seco, saved, saved_recompute, ckpt, tiled, offload, selective}) {
+  ScheduleOptions saved_inputs = saved;  // no chunk forward: each layer recomputed from the prefill's input
+  saved_inputs.save_inputs = true;
+  ScheduleOptions inputs_only = seco;  // the same, attending again
+  inputs_only.save_inputs = true;
+  for (const ScheduleOptions& o : {seco, saved, saved_recompute, saved_inputs, inputs_only, ckpt, tiled, offload,
+                                   selective}) {
     CAPTURE(o.name);
     gradients(model, batch, other, o, &loss);
     const Compared c = compare_sets(other, full);
@@ -228,6 +233,44 @@ TEST_CASE("cuda: seco and spaco with saved attention outputs (and layer recomput
         }
       }
     }
+  }
+}
+
+TEST_CASE("cuda: seco and spaco with saved layer inputs equal them without, bitwise (deterministic)" *
+          doctest::skip(!cw::test::gpu_ready())) {
+  // Same chunks forward and backward: the prefill's layer inputs are the bits the reverse chunk's
+  // forward would produce, and each layer recomputed from its input runs the same kernels on them, so
+  // reading them back (from the device or through pinned host memory) must not change a bit.
+  test::DeterminismScope deterministic(true);
+  LlamaConfig cfg = tiny_config();
+  cfg.num_hidden_layers = 4;
+  for (const DType dt : {DType::f32, DType::bf16}) {
+    CAPTURE(dtype_name(dt));
+    const Batch batch = random_batch(2, 56, cfg.vocab_size, 15);
+    LlamaModel model(cfg, dt, Device::gpu(0));
+    init_parameters(model.params(), 9, 0.2, 0.1);
+    ParamSet plain(cfg, DType::f32, Device::gpu(0)), from_store(cfg, DType::f32, Device::gpu(0));
+    for (const char* name : {"seco", "spaco"})
+      for (const bool saved : {false, true})
+        for (const char* recompute : {"auto", "selective"}) {
+          ScheduleOptions o = named(name, 8);
+          if (o.name == "spaco") o.keep = 4, o.seed = 3;
+          o.save_attention = saved;
+          o.recompute = recompute;
+          double loss_plain = 0, loss_in = 0;
+          gradients(model, batch, plain, o, &loss_plain);
+          o.save_inputs = true;
+          for (int64_t window : {0, 1, 2}) {
+            CAPTURE(name);
+            CAPTURE(saved);
+            CAPTURE(recompute);
+            CAPTURE(window);
+            o.offload_window = window;
+            gradients(model, batch, from_store, o, &loss_in);
+            for (size_t i = 0; i < plain.size(); ++i) test::expect_same_bits(from_store[i], plain[i], "gradient");
+            CHECK(loss_in == loss_plain);
+          }
+        }
   }
 }
 

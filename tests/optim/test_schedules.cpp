@@ -261,6 +261,68 @@ TEST_CASE("seco and spaco with saved attention outputs equal them without; offlo
   CHECK_THROWS_WITH_AS(bad.validate(), doctest::Contains("save_attention applies to schedules seco and spaco"), Error);
 }
 
+TEST_CASE("seco and spaco with saved layer inputs equal them without; offloaded too, bitwise") {
+  // The prefill's layer inputs equal the reverse chunk's forward's when the chunks are the same, and
+  // each layer recomputed from its saved input runs the same operations on the same values as the
+  // chunk's forward did: the same bits. With other backward chunks, the same math (1e-12).
+  Case c{"saved inputs", 2, 40, 7, 0, 2, false, 1};
+  F64Setup f(c, 3, 37);
+  ParamSet g_full(f.cfg, DType::f64), g_plain(f.cfg, DType::f64), g_in(f.cfg, DType::f64);
+  ScheduleOptions full;
+  run(full, f.model, f.batch, g_full);
+  for (const char* name : {"seco", "spaco"})
+    for (const bool saved : {false, true})
+      for (const char* recompute : {"none", "selective"})
+        for (int64_t window : {0, 1, 2}) {
+          INFO(name, " save_attention ", saved, " recompute ", recompute, " offload_window ", window);
+          ScheduleOptions o;
+          o.name = name;
+          o.chunk = c.chunk;
+          if (o.name == "spaco") o.keep = 4, o.seed = 5;
+          o.save_attention = saved;
+          o.recompute = recompute;
+          o.offload_window = window;
+          const Result plain = run(o, f.model, f.batch, g_plain);
+          o.save_inputs = true;
+          auto s = Schedule::create(o);
+          for (int step = 0; step < 2; ++step) {  // the second step reuses the store
+            g_in.zero();
+            const StepStats st = s->step(f.model, f.batch, g_in);
+            CHECK(max_rel(g_in, g_plain) == 0.0);
+            CHECK(st.loss == plain.loss);
+            // One layer's activations at a time, and no chunk's residual stream.
+            CHECK(st.activation_high_water < plain.stats.activation_high_water);
+            if (window > 0) CHECK(st.kv_host_bytes > plain.stats.kv_host_bytes);
+          }
+          if (o.name == "seco") CHECK(max_rel(g_in, g_full) <= test::kSameMathF64Tol);
+        }
+  // Backward chunks other than the prefill's: the saved rows are re-split.
+  ScheduleOptions o;
+  o.name = "seco";
+  o.chunk = 7;
+  o.bwd_chunk = 5;
+  o.save_inputs = true;
+  for (const bool saved : {false, true})
+    for (int64_t window : {0, 2}) {
+      INFO("bwd_chunk 5, save_attention ", saved, ", offload_window ", window);
+      o.save_attention = saved;
+      o.offload_window = window;
+      run(o, f.model, f.batch, g_in);
+      CHECK(max_rel(g_in, g_full) <= test::kSameMathF64Tol);
+    }
+  // One reverse chunk of all T: the prefill covers it, the backward reads it all from the store.
+  o.bwd_chunk = 40;
+  o.offload_window = 0;
+  run(o, f.model, f.batch, g_in);
+  CHECK(max_rel(g_in, g_full) <= test::kSameMathF64Tol);
+  ScheduleOptions bad;
+  bad.save_inputs = true;  // full has no prefill
+  CHECK_THROWS_WITH_AS(bad.validate(), doctest::Contains("save_inputs applies to schedules seco and spaco"), Error);
+  bad.name = "seco";
+  bad.stream_kv = true;
+  CHECK_THROWS_WITH_AS(bad.validate(), doctest::Contains("streamed K/V store"), Error);
+}
+
 TEST_CASE("seco and spaco with the K/V store streamed in key blocks equal full backprop (f64, 1e-12)") {
   // The store in host homes of chunk-sized blocks, three device slots (the CPU's are host memory):
   // attention runs block by block and merges, so the sums differ from one call's only in rounding.
