@@ -135,7 +135,7 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
                       {"schedule", so.name}, {"recompute", so.recompute}, {"chunk", so.chunk},
                       {"bwd_chunk", so.bwd_chunk}, {"mlp_shards", so.mlp_shards}, {"offload", so.offload},
                       {"offload_window", so.offload_window}, {"stream_kv", so.stream_kv}, {"save_attention", so.save_attention},
-                      {"cast_layers", so.cast_layers},
+                      {"save_inputs", so.save_inputs}, {"cast_layers", so.cast_layers},
                       {"keep", so.keep}, {"dtype", o.dtype},
                       {"device", device_name(g)}};
   if (o.lora.enabled())

@@ -218,9 +218,10 @@ std::vector<int64_t> shard_rows(int64_t N, int64_t shards) {
 }
 
 // model/layer.cpp: block_forward's scratch (keep: the activations are given, holding `kept` of the
-// MLP; from_saved: the attention output is read from the store, so no K/V projections).
+// MLP; from_saved: the attention output is read from the store, so no K/V projections; output false:
+// a recompute for the backward alone, which skips W_down's product).
 void block_forward(ArenaReplay& a, const Shape& s, bool keep, int64_t mlp_shards, bool from_saved = false,
-                   MlpKept kept = MlpKept::all) {
+                   MlpKept kept = MlpKept::all, bool output = true) {
   const LlamaConfig& cf = s.cf;
   Scope scope(a);
   const int64_t shards = resolve_mlp_shards(mlp_shards, cf, int64_t(s.N()));
@@ -247,6 +248,12 @@ void block_forward(ArenaReplay& a, const Shape& s, bool keep, int64_t mlp_shards
     a.alloc(s.N() * size_t(cf.num_attention_heads) * 4);
   }
   if (products) a.alloc(s.row(cf.hidden_size));  // h2
+  if (!output) {
+    if (products) a.alloc(s.row(cf.intermediate_size));  // act
+    lora_scratch(a, s, {ParamRole::wq, ParamRole::wk, ParamRole::wv, ParamRole::wo, ParamRole::w_gate,
+                        ParamRole::w_up}, s.N(), false);
+    return;
+  }
   a.alloc(s.row(cf.hidden_size));  // m
   if (products) a.alloc(s.row(cf.intermediate_size));  // act
   // Without gate and up in the activations (kept: the MLP's input only, as selective recompute keeps;
@@ -335,6 +342,13 @@ size_t lm_head_block(const Shape& s) {
   return size_t(rows * ld) * s.e + 8;
 }
 
+// model/llama.cpp ChunkBackward::head: d(normed) and the LM head's logits block, for its call.
+void lm_head_backward(ArenaReplay& a, const Shape& s) {
+  Scope head(a);
+  a.alloc(s.row(s.cf.hidden_size));  // d_normed
+  a.alloc(lm_head_block(s));
+}
+
 // optim/chunks.cpp prefill: one chunk forward, nothing kept.
 // optim/chunks.cpp slice_chunk: one sequence's chunk is a view of the step's tokens; several are copied.
 void chunk_tokens(ArenaReplay& a, const Shape& s) {
@@ -374,21 +388,45 @@ void backprop_chunk(ArenaReplay& a, const Shape& s, const ActivationPolicy& p, b
   block_forward(a, s, p.keep_layers, p.mlp_shards, from_saved, mlp);
   Scope backward(a);
   a.alloc(s.N() * s.acc);           // row_loss
-  a.alloc(s.row(cf.hidden_size));   // d_normed
-  {
-    Scope head(a);
-    a.alloc(lm_head_block(s));
-  }
-  a.alloc(s.row(cf.hidden_size));  // d_x
+  a.alloc(s.row(cf.hidden_size));   // d_x
+  lm_head_backward(a, s);
   if (p.keep_layers) {
     block_backward(a, s, mlp, p.mlp_shards);
     return;
   }
   Scope layer(a);
   layer_activations(a, s, mlp);
-  a.alloc(s.row(cf.hidden_size));  // recomputed_out
-  block_forward(a, s, true, p.mlp_shards, from_saved, mlp);
+  block_forward(a, s, true, p.mlp_shards, from_saved, mlp, /*output=*/false);
   block_backward(a, s, mlp, p.mlp_shards);
+}
+
+// model/llama.cpp backward_chunk_from_store: per layer its saved input (packed for several
+// sequences) and one layer's activations; the last layer's recompute also gives x_L, its final norm
+// and the LM head; the other layers' recompute skips W_down's product. Every layer but the last
+// alike: the scratch of one.
+void backprop_chunk_from_store(ArenaReplay& a, const Shape& s, const ActivationPolicy& p, bool from_saved) {
+  const LlamaConfig& cf = s.cf;
+  const MlpKept mlp = mlp_kept(p, cf, int64_t(s.N()));
+  Scope scope(a);
+  chunk_tokens(a, s);
+  a.alloc(s.N() * s.acc);          // row_loss
+  a.alloc(s.row(cf.hidden_size));  // d_x
+  for (const bool last : {true, false}) {
+    Scope layer(a);
+    if (s.B > 1) a.alloc(s.row(cf.hidden_size));  // the input, packed
+    layer_activations(a, s, mlp);
+    if (last) {
+      Scope head(a);
+      a.alloc(s.row(cf.hidden_size));  // x_L
+      block_forward(a, s, true, p.mlp_shards, from_saved, mlp);
+      a.alloc(s.row(cf.hidden_size));  // normed
+      a.alloc(s.N() * s.acc);          // rstd
+      lm_head_backward(a, s);
+    } else {
+      block_forward(a, s, true, p.mlp_shards, from_saved, mlp, /*output=*/false);
+    }
+    block_backward(a, s, mlp, p.mlp_shards);
+  }
 }
 
 bool chunked(const ScheduleOptions& o) { return o.name == "seco" || o.name == "spaco"; }
@@ -407,20 +445,24 @@ struct OffloadedStep {
   size_t e, acc;        // bytes of the compute and accumulation dtypes
   bool saved, streamed;
   double reverse;  // the fraction of reverse chunks visited (spaco)
+  bool inputs;     // saved layer inputs: no chunk forward in the reverse sweep
 };
 double kv_offload_bytes(const LlamaConfig& cf, const OffloadedStep& st) {
-  const auto [B, T, c, c2, prefill_end, e, acc, saved, streamed, reverse] = st;
+  const auto [B, T, c, c2, prefill_end, e, acc, saved, streamed, reverse, inputs] = st;
   const double kv = double(2 * B * cf.num_key_value_heads * cf.head_dim) * double(e);
   const double g = double(2 * B * cf.num_key_value_heads * cf.head_dim) * double(acc);
   const double out = saved ? double(B * cf.num_attention_heads) * double(cf.head_dim * int64_t(e) + int64_t(acc)) : 0;
+  const double in = inputs ? double(B * cf.hidden_size) * double(e) : 0;
   const double n = std::ceil(double(prefill_end) / double(c)), m = std::ceil(double(T) / double(c2));
-  const double prefill = kv * double(c) * n * (n - 1) / 2 + (kv + out) * double(prefill_end);
+  const double prefill = kv * double(c) * n * (n - 1) / 2 + (kv + out + in) * double(prefill_end);
   const double prefix_sum = double(c2) * m * (m + 1) / 2;  // sum over reverse chunks of t1
   // With saved outputs the chunks the prefill did not reach (seco's last) run a forward instead:
   // K, V of their prefix in, their K, V and outputs home.
   const double unsaved = double(T - prefill_end);
-  const double recompute = saved ? out * double(prefill_end) + kv * double(prefill_end) + (kv + out) * unsaved
-                                 : kv * prefix_sum + kv * double(T);
+  // With saved inputs no reverse chunk runs a forward (its backward fetches its inputs instead).
+  const double recompute = inputs  ? in * double(T)
+                           : saved ? out * double(prefill_end) + kv * double(prefill_end) + (kv + out) * unsaved
+                                   : kv * prefix_sum + kv * double(T);
   // Streamed, a chunk's own dK, dV stay on the device (its backward is their last reader): the
   // chunks send home [0, t0), not [0, t1).
   const double sent = streamed ? prefix_sum - double(T) : prefix_sum;
@@ -454,6 +496,7 @@ std::string describe_schedule(const ScheduleOptions& o) {
   if (o.mlp_shards != 1) s += fmt::format(" mlp-shards {}", o.mlp_shards);
   if (o.offload_window > 0) s += fmt::format(" offload-window {}", o.offload_window);
   if (o.save_attention) s += " save-attention";
+  if (o.save_inputs) s += " save-inputs";
   if (o.stream_kv) s += " stream-kv";
   if (o.cast_layers) s += " cast-layers";
   return s;
@@ -483,9 +526,12 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
   r.T = T;
   r.chunk = chunked(o) && o.chunk > 0 ? std::min(o.chunk, T) : T;
   r.bwd_chunk = chunked(o) && o.bwd_chunk > 0 ? std::min(o.bwd_chunk, T) : r.chunk;
-  // The prefill's tokens: seco's stops where its last reverse chunk starts (optim/seco.cpp); spaco's
-  // runs all T (it reports every chunk's loss).
-  const int64_t prefill_end = o.name == "seco" ? (T + r.bwd_chunk - 1) / r.bwd_chunk * r.bwd_chunk - r.bwd_chunk
+  // The prefill's tokens: seco's stops where its last reverse chunk starts (optim/seco.cpp) unless it
+  // saves layer inputs; spaco's runs all T (it reports every chunk's loss).
+  const bool inputs = chunked(o) && o.save_inputs;
+  CW_CHECK(!(inputs && o.stream_kv), "plan: --save-inputs is not kept by a streamed store (--stream-kv)");
+  const int64_t prefill_end = o.name == "seco" && !inputs
+                                  ? (T + r.bwd_chunk - 1) / r.bwd_chunk * r.bwd_chunk - r.bwd_chunk
                               : chunked(o) ? T : 0;
   r.offload_window = o.offload_window;
   r.device_gib = budget.device_gib;
@@ -522,12 +568,15 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
   r.device.emplace_back("gradients", pool_block(trained * acc));
 
   // The K/V store: per layer K, V in the compute dtype, dK, dV in the accumulator dtype; with saved
-  // attention outputs also O [B, T, H, D] and lse [B, H, T].
+  // attention outputs also O [B, T, H, D] and lse [B, H, T]; with saved inputs x_l [B, T, C].
   const bool saved = chunked(o) && o.save_attention;
   const size_t kv_elems = size_t(B * T * Hkv * D), out_elems = size_t(B * T * H * D), lse_elems = size_t(B * T * H);
+  const size_t in_elems = size_t(B * T * C);
   size_t kv_layer = 2 * pool_block(kv_elems * e) + 2 * pool_block(kv_elems * acc);
   if (saved) kv_layer += pool_block(out_elems * e) + pool_block(lse_elems * acc);
-  const size_t kv_host = (2 * kv_elems * (e + acc) + (saved ? out_elems * e + lse_elems * acc : 0)) * size_t(L);
+  if (inputs) kv_layer += pool_block(in_elems * e);
+  const size_t kv_host = (2 * kv_elems * (e + acc) + (saved ? out_elems * e + lse_elems * acc : 0) +
+                          (inputs ? in_elems * e : 0)) * size_t(L);
   const bool streamed = chunked(o) && o.stream_kv;
   const bool windowed = chunked(o) && o.offload_window > 0 && o.offload_window < L;  // a window of layers offloaded
   // One device slot cannot prefetch: the next layer's copy in waits for the current layer to leave
@@ -567,7 +616,10 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
   if (prefill_end > 0)
     prefill_chunk(arena, Shape{cf, B, std::min(r.chunk, prefill_end), keys, e, acc, adapters, streamed, fused},
                   o.mlp_shards, o.name == "spaco");
-  backprop_chunk(arena, Shape{cf, B, r.bwd_chunk, keys, e, acc, adapters, streamed, fused}, policy, saved);
+  if (inputs)
+    backprop_chunk_from_store(arena, Shape{cf, B, r.bwd_chunk, keys, e, acc, adapters, streamed, fused}, policy, saved);
+  else
+    backprop_chunk(arena, Shape{cf, B, r.bwd_chunk, keys, e, acc, adapters, streamed, fused}, policy, saved);
   r.attention_workspace_bytes = attention_backward_workspace(cf, B, keys);
   r.device.emplace_back("activations", arena.reserved());
   if (policy.offload_inputs) r.host.emplace_back("layer inputs", size_t(L) * size_t(B * T * C) * e);
@@ -590,9 +642,10 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
   const double layer_matmul = 2.0 * double(L) * double(C * H * D + 2 * C * Hkv * D + H * D * C + 3 * C * F);
   const double mlp_gate_up = 2.0 * double(L) * double(2 * C * F);
   // Forward passes of every layer: the prefill (its share of the tokens), the forward of the reverse
-  // tokens, one recompute more for checkpointed full; the backward counts as two (dX and dW).
+  // tokens, one recompute more for checkpointed full; the backward counts as two (dX and dW). With
+  // saved inputs the reverse tokens' one forward is each layer's recompute before its backward.
   const double prefill = double(prefill_end) / double(T);
-  const double extra_forward = !policy.keep_layers ? 1 : 0;
+  const double extra_forward = !policy.keep_layers && !inputs ? 1 : 0;
   // A frozen base (LoRA) has no weight-gradient products: its backward counts once (dX).
   const double backward = lora.enabled() ? 1 : 2;
   const double passes = prefill + reverse * (1 + extra_forward + backward);
@@ -608,8 +661,16 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
   if (saved)
     matmul -= (tokens * reverse * (1 + extra_forward) - unsaved_tokens) * 2.0 * double(L) * double(2 * C * Hkv * D);
   // Selective recompute and the tiled MLP with kept activations run gate/up again in the backward.
-  if (policy.keep_layers && mlp_kept(policy, cf, B * r.bwd_chunk) == MlpKept::input)
+  if (policy.keep_layers && !inputs && mlp_kept(policy, cf, B * r.bwd_chunk) == MlpKept::input)
     matmul += tokens * reverse * mlp_gate_up;
+  // A layer recomputed just before its backward skips W_down's product (only the next layer reads
+  // it): each recompute of a checkpointed layer, and with saved inputs every layer's but the last's
+  // (whose output the LM head reads).
+  const double mlp_down = 2.0 * double(C * F);
+  if (inputs)
+    matmul -= tokens * reverse * double(L - 1) * mlp_down;
+  else
+    matmul -= tokens * reverse * extra_forward * double(L) * mlp_down;
   // The fused LM head: logits, dX and dW over the reverse tokens; spaco's prefill also takes the loss.
   const double head = 2.0 * double(V * C) * tokens * ((1 + backward) * reverse + (o.name == "spaco" ? 1 : 0));
   // Attention: 4 H D flops per (query, key) pair and layer forward, 2.5x that backward.
@@ -655,7 +716,10 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
     const double prefill_chunks = std::ceil(double(prefill_end) / double(r.chunk));
     const double reverse_chunks = reverse * std::ceil(double(T) / double(r.bwd_chunk));
     const double slots = double(std::min<int64_t>(L / 2, LayerCast::kSlots));
-    r.layer_casts = prefill_chunks * double(L) + reverse_chunks * (2 * double(L) - 2 * slots) + slots;
+    // With saved inputs a reverse chunk only runs down the layers: it finds the kSlots blocks of the
+    // pass before it only at the first (the prefill's last layers).
+    r.layer_casts = inputs ? prefill_chunks * double(L) + reverse_chunks * double(L) - slots
+                           : prefill_chunks * double(L) + reverse_chunks * (2 * double(L) - 2 * slots) + slots;
     r.time.emplace_back("weight casts", r.layer_casts * double(block_numel) * double(4 + e) / kElementwiseBytesPerS);
   }
   for (const auto& [name, s] : r.time) r.step_s += s;
@@ -667,7 +731,7 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
   // one layer they add to the step (seventh session: 8B at 64K in 24 GiB waited 58% of the step).
   if (streamed || windowed) {
     r.kv_moved_bytes =
-        kv_offload_bytes(cf, {B, T, r.chunk, r.bwd_chunk, prefill_end, e, acc, saved, streamed, reverse});
+        kv_offload_bytes(cf, {B, T, r.chunk, r.bwd_chunk, prefill_end, e, acc, saved, streamed, reverse, inputs});
     const double copies_s = r.kv_moved_bytes / kPcieBytesPerS;
     if (serial_copies) {
       r.time.emplace_back("kv copies (one slot: not overlapped)", copies_s);
@@ -890,7 +954,7 @@ Resolved resolve_chunk_and_window(const LlamaConfig& cf, int64_t B, int64_t T, S
     p.offload_window = w;
     places.push_back(p);
   }
-  if (!o.stream_kv && o.bwd_chunk == 0) {
+  if (!o.stream_kv && !o.save_inputs && o.bwd_chunk == 0) {
     ScheduleOptions streamed = o;
     streamed.offload_window = 0;
     streamed.stream_kv = true;
@@ -934,6 +998,10 @@ ScheduleOptions resolve_auto_schedule(const LlamaConfig& cf, int64_t B, int64_t 
   // resident copy for a cast per block use.
   std::vector<bool> saves{o.save_attention};
   if (!o.save_attention) saves = {false, true};
+  // Saved layer inputs (save_inputs, unless already asked for) spare the reverse sweep its chunk
+  // forward, and a chunk all but one layer's activations, for store memory; not with a streamed store.
+  std::vector<bool> inputs{o.save_inputs};
+  if (!o.save_inputs && !o.stream_kv) inputs = {false, true};
   std::vector<bool> casts{o.cast_layers};
   if (!o.cast_layers && can_cast_layers(dtype, lora, optimizer_offload)) casts = {false, true};
   std::optional<Resolved> best;
@@ -941,20 +1009,25 @@ ScheduleOptions resolve_auto_schedule(const LlamaConfig& cf, int64_t B, int64_t 
   std::optional<Error> first_error;
   for (const bool cast : casts) {
     for (const bool save : saves) {
-      for (const std::string& mode : modes) {
-        ScheduleOptions m = o;
-        m.recompute = mode;
-        m.save_attention = save;
-        m.cast_layers = cast;
-        try {
-          const Resolved r = resolve_chunk_and_window(cf, B, T, m, dtype, gib, lora, optimizer_offload, weighed);
-          const double s = plan_step(cf, B, T, r.schedule, dtype, gib, lora, optimizer_offload).step_s;
-          if (!best || s < best_s * 0.99) {
-            best = r;
-            best_s = s;
+      for (const bool in : inputs) {
+        for (const std::string& mode : modes) {
+          // With saved inputs every layer is recomputed from its input: none and full are the same.
+          if (in && mode == "full" && o.recompute == "auto") continue;
+          ScheduleOptions m = o;
+          m.recompute = mode;
+          m.save_attention = save;
+          m.save_inputs = in;
+          m.cast_layers = cast;
+          try {
+            const Resolved r = resolve_chunk_and_window(cf, B, T, m, dtype, gib, lora, optimizer_offload, weighed);
+            const double s = plan_step(cf, B, T, r.schedule, dtype, gib, lora, optimizer_offload).step_s;
+            if (!best || s < best_s * 0.99) {
+              best = r;
+              best_s = s;
+            }
+          } catch (const Error& e) {
+            if (!first_error) first_error = e;
           }
-        } catch (const Error& e) {
-          if (!first_error) first_error = e;
         }
       }
     }

@@ -671,26 +671,34 @@ TEST_CASE("plan: offload_window = auto streams the K/V store where no window of 
 }
 
 TEST_CASE("plan: with recompute = auto, chunk and window = auto also choose the recompute inside a chunk") {
-  // Llama-3.1-8B with LoRA at 64K in 24 GiB: keeping every activation (none) allows chunks of 1024,
-  // whose K/V offload moves 1.8 TB a step; recomputing inside the chunk lets one of 2048 fit.
+  // Llama-3.1-8B with LoRA at 64K in 24 GiB: keeping every activation of a chunk allows chunks of
+  // 1024, whose K/V offload moves 1.8 TB a step; recomputing inside the chunk (or every layer from its
+  // saved input, one layer's activations at a time) lets a longer one fit.
   const LlamaConfig& cf = eight_b_config();
   const LoraConfig lora = paper_lora();
   ScheduleOptions o = sched("seco", kAuto);
   o.offload_window = kAuto;
   const ScheduleOptions chosen = resolve_auto_schedule(cf, 1, 65536, o, DType::bf16, 24, lora);
-  ScheduleOptions none = o;
-  none.recompute = "none";
-  const ScheduleOptions kept = resolve_auto_schedule(cf, 1, 65536, none, DType::bf16, 24, lora);
   const double t_chosen = plan_step(cf, 1, 65536, chosen, DType::bf16, 24, lora).step_s;
-  const double t_kept = plan_step(cf, 1, 65536, kept, DType::bf16, 24, lora).step_s;
-  MESSAGE(fmt::format("chosen: recompute {} chunk {} window {}: {:.1f} s; recompute none: chunk {}: {:.1f} s",
-                      chosen.recompute, chosen.chunk, chosen.offload_window, t_chosen, kept.chunk, t_kept));
+  // Every activation of the chunk kept, no saved inputs, at its own fastest chunk in the same window.
+  ScheduleOptions all = chosen;
+  all.recompute = "none";
+  all.save_inputs = false;
+  all.bwd_chunk = 0;
+  all.chunk = choose_chunk(cf, 1, 65536, all, DType::bf16, 24, chunk_candidates(), lora);
+  const double t_all = all.chunk > 0 ? plan_step(cf, 1, 65536, all, DType::bf16, 24, lora).step_s : 0;
+  MESSAGE(fmt::format("chosen: recompute {} chunk {} window {} save_inputs {}: {:.1f} s; every activation kept: chunk "
+                      "{}: {:.1f} s", chosen.recompute, chosen.chunk, chosen.offload_window, chosen.save_inputs,
+                      t_chosen, all.chunk, t_all));
   CHECK(chosen.recompute != "auto");
-  CHECK(chosen.recompute != "none");
-  CHECK(t_chosen < t_kept);
+  CHECK((chosen.recompute != "none" || chosen.save_inputs));
+  CHECK(chosen.chunk > all.chunk);
+  if (all.chunk > 0) CHECK(t_chosen < t_all);
   CHECK(plan_step(cf, 1, 65536, chosen, DType::bf16, 24, lora).fits);
   // A given recompute is kept as given.
-  CHECK(kept.recompute == "none");
+  ScheduleOptions none = o;
+  none.recompute = "none";
+  CHECK(resolve_auto_schedule(cf, 1, 65536, none, DType::bf16, 24, lora).recompute == "none");
 }
 
 TEST_CASE("plan: chunk and window = auto also save the attention outputs where that fits and is clearly faster") {
@@ -741,10 +749,22 @@ TEST_CASE("plan: selective recompute's forward runs the MLP on [N, F] scratch (m
 }
 
 TEST_CASE("plan: auto prefills in longer chunks than the reverse sweep's where they fit and are not slower") {
-  // 1B within HF+Liger's peaks: the reverse sweep's chunk as before, the prefill's 2 or 4 times it
-  // (at most 16384), predicted no slower (32K in 22.7 GiB: 1.235 s against 1.258-1.271 measured).
+  // 1B within HF+Liger's peaks, where auto keeps no layer inputs (those picks run no chunk forward in
+  // the reverse sweep, so their reverse chunks are as long as the prefill's): the reverse sweep's chunk
+  // as before, the prefill's 2 or 4 times it (at most 16384), predicted no slower (32K in 22.7 GiB:
+  // 1.235 s against 1.258-1.271 measured).
   for (const auto& [T, gib] : {std::pair<int64_t, double>{32768, 22.7}, {65536, 30.2}, {131072, 45.3}}) {
-    const ScheduleOptions o = resolve_auto_schedule(one_b(), 1, T, auto_seco(), DType::bf16, gib);
+    std::vector<AutoCandidate> weighed;
+    resolve_auto_schedule(one_b(), 1, T, auto_seco(), DType::bf16, gib, {}, false, &weighed);
+    std::optional<ScheduleOptions> fastest;  // of the candidates without saved inputs
+    double fastest_s = 0;
+    for (const AutoCandidate& c : weighed)
+      if (c.fits && !c.schedule.save_inputs && (!fastest || c.step_s < fastest_s)) {
+        fastest = c.schedule;
+        fastest_s = c.step_s;
+      }
+    REQUIRE(fastest);
+    const ScheduleOptions o = *fastest;
     CAPTURE(T);
     REQUIRE(o.bwd_chunk > 0);
     CHECK(o.chunk > o.bwd_chunk);
@@ -769,6 +789,50 @@ TEST_CASE("plan: auto prefills in longer chunks than the reverse sweep's where t
   streamed.offload_window = 0;
   const ScheduleOptions st = resolve_auto_schedule(one_b(), 1, 131072, streamed, DType::bf16, 30);
   CHECK(st.bwd_chunk == 0);
+}
+
+TEST_CASE("plan: saved layer inputs, measured on the H100 within HF+Liger's peaks") {
+  // .dev/s16b.sh (one H100, 2026-11-27): seco, window 2, saved attention outputs, saved inputs; the
+  // prefill and the reverse sweep in the same chunks. Peaks as measured; auto picks them at each
+  // length (the fastest measured: 32K chunk 16384 1.112 s against 1.140 at 8192; 64K 32768 3.249
+  // against 3.263 at 16384; 128K 32768 10.77 against 10.81 at 16384 and 10.93-10.96 at 65536).
+  struct Case {
+    int64_t T, chunk;
+    bool cast;
+    double peak_gib, cap_gib;
+  };
+  for (const Case& c : {Case{32768, 8192, true, 21.55, 23.2}, Case{32768, 16384, true, 22.56, 23.2},
+                        Case{65536, 16384, false, 25.53, 30.7}, Case{65536, 32768, false, 28.53, 30.7},
+                        Case{131072, 16384, false, 27.81, 45.8}, Case{131072, 32768, false, 30.81, 45.8}}) {
+    CAPTURE(c.T);
+    CAPTURE(c.chunk);
+    ScheduleOptions o = saved(sched("seco", c.chunk), 2);
+    o.save_inputs = true;
+    o.cast_layers = c.cast;
+    const PlanReport p = plan_step(one_b(), 1, c.T, o, DType::bf16, c.cap_gib);
+    CHECK(p.fits);
+    // Within 1% (the replay counts 0.25 GiB more at the chunks of 32768: a block the run reuses).
+    CHECK(p.peak_device_gib() == doctest::Approx(c.peak_gib).epsilon(0.01));
+    CHECK(p.peak_device_gib() >= c.peak_gib - 0.01);
+  }
+  for (const auto& [T, gib, chunk] : {std::tuple<int64_t, double, int64_t>{32768, 23.2, 16384}, {65536, 30.7, 32768},
+                                      {131072, 45.8, 32768}}) {
+    CAPTURE(T);
+    const ScheduleOptions o = resolve_auto_schedule(one_b(), 1, T, auto_seco(), DType::bf16, gib);
+    CHECK(o.save_inputs);
+    CHECK(o.save_attention);
+    CHECK(o.chunk == chunk);
+    CHECK((o.bwd_chunk == 0 || o.bwd_chunk == o.chunk));
+    // The same chunks without saved inputs keep a chunk's every activation: they do not fit.
+    ScheduleOptions without = o;
+    without.save_inputs = false;
+    CHECK_FALSE(plan_step(one_b(), 1, T, without, DType::bf16, gib).fits);
+  }
+  // Not with a streamed store (its blocks keep no inputs); applies to seco and spaco only.
+  ScheduleOptions streamed = sched("seco", 4096);
+  streamed.stream_kv = true;
+  streamed.save_inputs = true;
+  CHECK_THROWS_AS(plan_step(one_b(), 1, 32768, streamed, DType::bf16, 80), Error);
 }
 
 TEST_CASE("plan: auto weighs where the K/V store lives by time, not by the least offload that fits") {
