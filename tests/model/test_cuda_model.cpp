@@ -20,6 +20,7 @@
 #include "tests/support.h"
 
 #include <cmath>
+#include <functional>
 #include <optional>
 #include <vector>
 
@@ -69,6 +70,29 @@ ScheduleOptions named(const char* name, int64_t chunk = 0) {
   o.name = name;
   o.chunk = chunk;
   return o;
+}
+
+// Under determinism every kernel's sums have a fixed order, so two ways of computing the same
+// gradient from the same values give the same bits. For f32 and bf16: a 4-layer tiny model on the
+// GPU (parameters from init_seed) and a batch of 2 x 56 tokens (batch_seed); compare(model, batch, a,
+// b) runs schedules into the two gradient sets; each comparison it asks for is bitwise.
+void deterministic_pairs(uint64_t batch_seed, uint64_t init_seed,
+                         const std::function<void(LlamaModel&, const Batch&, const ParamSet&, const ParamSet&)>& compare) {
+  test::DeterminismScope deterministic(true);
+  LlamaConfig cfg = tiny_config();
+  cfg.num_hidden_layers = 4;
+  for (const DType dt : {DType::f32, DType::bf16}) {
+    CAPTURE(dtype_name(dt));
+    const Batch batch = random_batch(2, 56, cfg.vocab_size, batch_seed);
+    LlamaModel model(cfg, dt, Device::gpu(0));
+    init_parameters(model.params(), init_seed, 0.2, 0.1);
+    ParamSet a(cfg, DType::f32, Device::gpu(0)), b(cfg, DType::f32, Device::gpu(0));
+    compare(model, batch, a, b);
+  }
+}
+
+void expect_same_gradients(const ParamSet& got, const ParamSet& want) {
+  for (size_t i = 0; i < want.size(); ++i) test::expect_same_bits(got[i], want[i], "gradient");
 }
 
 }  // namespace
@@ -141,17 +165,10 @@ TEST_CASE("cuda: seco and checkpointed (offload, selective, tiled MLP) equal ful
 
 TEST_CASE("cuda: seco and spaco with the K/V store offloaded equal the store on the device, bitwise (deterministic)" *
           doctest::skip(!cw::test::gpu_ready())) {
-  // With determinism on every kernel's sums have a fixed order, so moving the store through pinned
-  // host memory on the side stream must not change a bit: a missed wait or a stale slot would.
-  test::DeterminismScope deterministic(true);
-  LlamaConfig cfg = tiny_config();
-  cfg.num_hidden_layers = 4;
-  for (const DType dt : {DType::f32, DType::bf16}) {
-    CAPTURE(dtype_name(dt));
-    const Batch batch = random_batch(2, 56, cfg.vocab_size, 13);
-    LlamaModel model(cfg, dt, Device::gpu(0));
-    init_parameters(model.params(), 7, 0.2, 0.1);
-    ParamSet on_device(cfg, DType::f32, Device::gpu(0)), offloaded(cfg, DType::f32, Device::gpu(0));
+  // Moving the store through pinned host memory on the side stream must not change a bit: a missed
+  // wait or a stale slot would.
+  deterministic_pairs(13, 7, [](LlamaModel& model, const Batch& batch, const ParamSet& on_device,
+                                const ParamSet& offloaded) {
     for (const char* name : {"seco", "spaco"}) {
       ScheduleOptions o = named(name, 9);
       o.bwd_chunk = 6;
@@ -162,11 +179,11 @@ TEST_CASE("cuda: seco and spaco with the K/V store offloaded equal the store on 
         CAPTURE(window);
         o.offload_window = window;
         gradients(model, batch, offloaded, o, &loss_off);
-        for (size_t i = 0; i < on_device.size(); ++i) test::expect_same_bits(offloaded[i], on_device[i], "gradient");
+        expect_same_gradients(offloaded, on_device);
         CHECK(loss_off == loss_dev);
       }
     }
-  }
+  });
 }
 
 TEST_CASE("cuda: seco and spaco with the K/V store streamed in key blocks match the store on the device" *
@@ -206,15 +223,7 @@ TEST_CASE("cuda: seco and spaco with saved attention outputs (and layer recomput
   // Same chunks forward and backward: the prefill's attention output and lse are the bits the
   // recompute would produce, so reading them back (from the device or through pinned host memory)
   // must not change a bit.
-  test::DeterminismScope deterministic(true);
-  LlamaConfig cfg = tiny_config();
-  cfg.num_hidden_layers = 4;
-  for (const DType dt : {DType::f32, DType::bf16}) {
-    CAPTURE(dtype_name(dt));
-    const Batch batch = random_batch(2, 56, cfg.vocab_size, 14);
-    LlamaModel model(cfg, dt, Device::gpu(0));
-    init_parameters(model.params(), 8, 0.2, 0.1);
-    ParamSet plain(cfg, DType::f32, Device::gpu(0)), saved(cfg, DType::f32, Device::gpu(0));
+  deterministic_pairs(14, 8, [](LlamaModel& model, const Batch& batch, const ParamSet& plain, const ParamSet& saved) {
     for (const char* name : {"seco", "spaco"}) {
       ScheduleOptions o = named(name, 8);
       if (o.name == "spaco") o.keep = 4, o.seed = 3;
@@ -228,12 +237,12 @@ TEST_CASE("cuda: seco and spaco with saved attention outputs (and layer recomput
           CAPTURE(window);
           o.offload_window = window;
           gradients(model, batch, saved, o, &loss_saved);
-          for (size_t i = 0; i < plain.size(); ++i) test::expect_same_bits(saved[i], plain[i], "gradient");
+          expect_same_gradients(saved, plain);
           CHECK(loss_saved == loss_plain);
         }
       }
     }
-  }
+  });
 }
 
 TEST_CASE("cuda: seco and spaco with saved layer inputs equal them without, bitwise (deterministic)" *
@@ -241,15 +250,8 @@ TEST_CASE("cuda: seco and spaco with saved layer inputs equal them without, bitw
   // Same chunks forward and backward: the prefill's layer inputs are the bits the reverse chunk's
   // forward would produce, and each layer recomputed from its input runs the same kernels on them, so
   // reading them back (from the device or through pinned host memory) must not change a bit.
-  test::DeterminismScope deterministic(true);
-  LlamaConfig cfg = tiny_config();
-  cfg.num_hidden_layers = 4;
-  for (const DType dt : {DType::f32, DType::bf16}) {
-    CAPTURE(dtype_name(dt));
-    const Batch batch = random_batch(2, 56, cfg.vocab_size, 15);
-    LlamaModel model(cfg, dt, Device::gpu(0));
-    init_parameters(model.params(), 9, 0.2, 0.1);
-    ParamSet plain(cfg, DType::f32, Device::gpu(0)), from_store(cfg, DType::f32, Device::gpu(0));
+  deterministic_pairs(15, 9, [](LlamaModel& model, const Batch& batch, const ParamSet& plain,
+                                const ParamSet& from_store) {
     for (const char* name : {"seco", "spaco"})
       for (const bool saved : {false, true})
         for (const char* recompute : {"auto", "selective"}) {
@@ -267,11 +269,11 @@ TEST_CASE("cuda: seco and spaco with saved layer inputs equal them without, bitw
             CAPTURE(window);
             o.offload_window = window;
             gradients(model, batch, from_store, o, &loss_in);
-            for (size_t i = 0; i < plain.size(); ++i) test::expect_same_bits(from_store[i], plain[i], "gradient");
+            expect_same_gradients(from_store, plain);
             CHECK(loss_in == loss_plain);
           }
         }
-  }
+  });
 }
 
 TEST_CASE("cuda: the offloaded K/V store keeps the window's layers on the device, every layer in host memory" *

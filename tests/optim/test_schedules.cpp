@@ -67,6 +67,11 @@ Result run(const ScheduleOptions& o, LlamaModel& model, const Batch& batch, Para
   return {st.loss, st};
 }
 
+// Two steps of one schedule built from `o` (the second reuses its store), each step's gradient (into
+// `grads`) and loss the same bits as `want`'s; each step's statistics are returned.
+std::vector<StepStats> two_steps_same_bits(const ScheduleOptions& o, LlamaModel& model, const Batch& batch,
+                                           ParamSet& grads, const ParamSet& want_grads, const Result& want);
+
 // Worst per-tensor relative L2 difference.
 double max_rel(const ParamSet& a, const ParamSet& b, std::string* worst_report = nullptr) {
   double worst = 0;
@@ -78,6 +83,19 @@ double max_rel(const ParamSet& a, const ParamSet& b, std::string* worst_report =
     }
   }
   return worst;
+}
+
+std::vector<StepStats> two_steps_same_bits(const ScheduleOptions& o, LlamaModel& model, const Batch& batch,
+                                           ParamSet& grads, const ParamSet& want_grads, const Result& want) {
+  auto s = Schedule::create(o);
+  std::vector<StepStats> steps;
+  for (int step = 0; step < 2; ++step) {
+    grads.zero();
+    steps.push_back(s->step(model, batch, grads));
+    CHECK(max_rel(grads, want_grads) == 0.0);
+    CHECK(steps.back().loss == want.loss);
+  }
+  return steps;
 }
 }  // namespace
 
@@ -173,18 +191,11 @@ TEST_CASE("seco and spaco with the K/V store offloaded (window of layers) equal 
     for (int64_t window : {1, 2, 3}) {
       INFO(name, " offload_window ", window);
       o.offload_window = window;
-      auto s = Schedule::create(o);
-      g_off.zero();
-      const StepStats st = s->step(f.model, f.batch, g_off);
-      CHECK(max_rel(g_off, g_dev) == 0.0);
-      CHECK(st.loss == on_device.loss);
+      // A second step on the same store (reset between steps) gives the same bits.
+      const StepStats st = two_steps_same_bits(o, f.model, f.batch, g_off, g_dev, on_device).front();
       // The device holds the window's layers; the host every layer; copies happened.
       CHECK(st.kv_bytes * 4 == st.kv_host_bytes * static_cast<size_t>(window));
       CHECK(st.kv_bytes_moved > 0);
-      // A second step on the same store (reset between steps) gives the same bits.
-      g_off.zero();
-      s->step(f.model, f.batch, g_off);
-      CHECK(max_rel(g_off, g_dev) == 0.0);
       o.offload_window = 0;
     }
     if (o.name == "seco") CHECK(max_rel(g_dev, g_full) <= test::kSameMathF64Tol);
@@ -213,13 +224,7 @@ TEST_CASE("seco and spaco with saved attention outputs equal them without; offlo
       o.save_attention = false;
       const Result plain = run(o, f.model, f.batch, g_plain);
       o.save_attention = true;
-      auto s = Schedule::create(o);
-      for (int step = 0; step < 2; ++step) {  // the second step reuses the store
-        g_saved.zero();
-        const StepStats st = s->step(f.model, f.batch, g_saved);
-        CHECK(max_rel(g_saved, g_plain) == 0.0);
-        CHECK(st.loss == plain.loss);
-      }
+      two_steps_same_bits(o, f.model, f.batch, g_saved, g_plain, plain);
     }
     if (o.name == "seco") CHECK(max_rel(g_saved, g_full) <= test::kSameMathF64Tol);
   }
@@ -284,12 +289,7 @@ TEST_CASE("seco and spaco with saved layer inputs equal them without; offloaded 
           o.offload_window = window;
           const Result plain = run(o, f.model, f.batch, g_plain);
           o.save_inputs = true;
-          auto s = Schedule::create(o);
-          for (int step = 0; step < 2; ++step) {  // the second step reuses the store
-            g_in.zero();
-            const StepStats st = s->step(f.model, f.batch, g_in);
-            CHECK(max_rel(g_in, g_plain) == 0.0);
-            CHECK(st.loss == plain.loss);
+          for (const StepStats& st : two_steps_same_bits(o, f.model, f.batch, g_in, g_plain, plain)) {
             // One layer's activations at a time, and no chunk's residual stream.
             CHECK(st.activation_high_water < plain.stats.activation_high_water);
             if (window > 0) CHECK(st.kv_host_bytes > plain.stats.kv_host_bytes);
