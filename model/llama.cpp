@@ -304,14 +304,14 @@ class ChunkBackward {
   ChunkBackward(const ParamSet& grads, KVStore& kv, const LlamaModel& model, const ChunkTokens& chunk,
                 double normaliser, Arena& scratch, const ActivationPolicy& policy, double loss_weight,
                 const GradsFinalFrom& grads_final, LossRows* losses)
-      : cf(model.config()), model(model), kv(kv), chunk(chunk), scratch(scratch), normaliser(normaliser),
+      : cf(model.config()), model(model), chunk(chunk), scratch(scratch), normaliser(normaliser),
         loss_weight(loss_weight), grads_final(grads_final), losses(losses), tp(model.tensor_parallel()),
         N(chunk.B * chunk.c), R(tp_rows(tp, N)), t0(chunk.pos0), t1(chunk.pos0 + chunk.c), w(model.weights()),
         g(grads.weights()),
         ctx{cf, model.rope_cos(), model.rope_sin(), chunk.B, chunk.c, chunk.pos0, scratch, policy.mlp_shards,
             kv.has_outputs(), tp, chunk_lora_runtime(model, chunk)},
         mlp(mlp_kept(policy, cf, N)),
-        row_loss_(scratch.alloc(accum_dtype(model.dtype()), {R})),
+        row_loss(scratch.alloc(accum_dtype(model.dtype()), {R})),
         d_x(scratch.alloc(model.dtype(), {R, cf.hidden_size})) {
     check_chunk(model, chunk, kv);
     CW_CHECK(chunk.labels.data, "backward_chunk needs labels");
@@ -338,10 +338,10 @@ class ChunkBackward {
     ArenaScope scope(scratch);
     Tensor d_normed = scratch.alloc(model.dtype(), {R, cf.hidden_size});
     const double grad_normaliser = normaliser / loss_weight;
-    lm_head_loss_fused(row_loss_, d_normed, g.lm_head, normed, w.lm_head, tp_local_rows(tp, chunk.labels),
+    lm_head_loss_fused(row_loss, d_normed, g.lm_head, normed, w.lm_head, tp_local_rows(tp, chunk.labels),
                        grad_normaliser, GradMode::overwrite, scratch, kLmHeadBlockRows);
     // row_loss was divided by grad_normaliser; the loss reported is the unweighted one.
-    if (losses) chunk_loss(row_loss_, N, tp, scratch, loss_weight, losses);
+    if (losses) chunk_loss(row_loss, N, tp, scratch, loss_weight, losses);
     rmsnorm_backward(d_x, g.final_norm, d_normed, final_norm, x_L, w.final_norm, GradMode::overwrite, scratch);
     traced.end();
     finished_from(after_blocks_);  // the final norm and an untied head (a tied one is the embedding)
@@ -356,12 +356,11 @@ class ChunkBackward {
   double finish() {
     if (g.embedding.data) embedding_backward(g.embedding, d_x, tp_local_rows(tp, chunk.ids));
     finished_from(0);
-    return losses ? 0.0 : chunk_loss(row_loss_, N, tp, scratch, loss_weight, nullptr);
+    return losses ? 0.0 : chunk_loss(row_loss, N, tp, scratch, loss_weight, nullptr);
   }
 
   const LlamaConfig& cf;
   const LlamaModel& model;
-  KVStore& kv;
   const ChunkTokens& chunk;
   Arena& scratch;
   const double normaliser, loss_weight;
@@ -373,9 +372,9 @@ class ChunkBackward {
   const ModelWeights g;  // a frozen tensor (every base tensor under LoRA) has an undefined gradient: the ops skip it
   const BlockContext ctx;
   const MlpKept mlp;
-  // Scratch for the whole backward (the caller's scope): the rows' losses and d_x [R, C], the gradient
-  // of the residual stream as it runs down the layers.
-  const Tensor row_loss_, d_x;
+  // Scratch for the whole backward (the caller's scope): the rows' losses [R] and d_x [R, C], the
+  // gradient of the residual stream as it runs down the layers.
+  const Tensor row_loss, d_x;
 
  private:
   void finished_from(int64_t from) const {
