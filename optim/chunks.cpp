@@ -16,32 +16,6 @@ std::vector<int64_t> chunk_bounds(int64_t T, int64_t c) {
   return b;
 }
 
-ChunkTokens slice_chunk(const Batch& batch, int64_t t0, int64_t t1, Arena& arena) {
-  const int64_t B = batch.B(), T = batch.T(), c = t1 - t0;
-  ChunkTokens ct;
-  ct.B = B;
-  ct.c = c;
-  ct.pos0 = t0;
-  ct.sequence0 = batch.sequence0;
-  ct.ids = arena.alloc(DType::i32, {B * c});
-  ct.labels = arena.alloc(DType::i32, {B * c});
-  if (arena.device().is_cpu()) {
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t t = 0; t < c; ++t) {
-        ct.ids.ptr<int32_t>()[b * c + t] = batch.ids.tensor.ptr<int32_t>()[b * T + t0 + t];
-        ct.labels.ptr<int32_t>()[b * c + t] = batch.labels.tensor.ptr<int32_t>()[b * T + t0 + t];
-      }
-    return ct;
-  }
-  // A device arena: the window packed on the host, then one upload per tensor.
-  OwnedTensor ids(DType::i32, {B, c}), labels(DType::i32, {B, c});
-  copy_convert(ids, batch.ids.tensor.slice(1, t0, c));
-  copy_convert(labels, batch.labels.tensor.slice(1, t0, c));
-  copy_convert(ct.ids.view({B, c}), ids);
-  copy_convert(ct.labels.view({B, c}), labels);
-  return ct;
-}
-
 StepTokens step_tokens(const Batch& batch, Arena& arena) {
   StepTokens st;
   st.sequence0 = batch.sequence0;
@@ -75,6 +49,10 @@ ChunkTokens slice_chunk(const StepTokens& tokens, int64_t t0, int64_t t1, Arena&
   copy_convert(ct.ids.view({B, c}), tokens.ids.slice(1, t0, c));
   copy_convert(ct.labels.view({B, c}), tokens.labels.slice(1, t0, c));
   return ct;
+}
+
+ChunkTokens slice_chunk(const Batch& batch, int64_t t0, int64_t t1, Arena& arena) {
+  return slice_chunk(step_tokens(batch, arena), t0, t1, arena);
 }
 
 ActivationPolicy activation_policy(const ScheduleOptions& o, const LoraConfig& lora) {

@@ -154,9 +154,6 @@ class Schedule {
 // Boundaries [0, c, 2c, ..., T] of chunks of length c (the last may be shorter).
 std::vector<int64_t> chunk_bounds(int64_t T, int64_t c);
 
-// Copies tokens [t0, t1) of every sequence into contiguous chunk ids and labels allocated in arena.
-ChunkTokens slice_chunk(const Batch& batch, int64_t t0, int64_t t1, Arena& arena);
-
 // A batch's ids and labels where a step's chunks run: on a GPU uploaded once (two copies and a wait
 // a step, not a chunk's), on the CPU the batch's own tensors. Valid while the batch and the arena's
 // scope around it are.
@@ -170,6 +167,9 @@ StepTokens step_tokens(const Batch& batch, Arena& arena);
 // Tokens [t0, t1) of every sequence: a view of one sequence's tokens, else copies in the arena (on the
 // device, with no wait).
 ChunkTokens slice_chunk(const StepTokens& tokens, int64_t t0, int64_t t1, Arena& arena);
+// The same from a batch (its step_tokens: on a device arena the whole batch is uploaded each call, so
+// a loop over a step's chunks takes step_tokens once instead).
+ChunkTokens slice_chunk(const Batch& batch, int64_t t0, int64_t t1, Arena& arena);
 
 }  // namespace cw
 
