@@ -7,8 +7,9 @@
 //                (optim/training.h), one pool block per parameter tensor; RoPE tables; the cuBLASLt
 //                workspace (engine/cuda/linear.cu)
 //   K/V store    bf16 K, V and f32 dK, dV of every layer and token (model/kv_store.cpp), dK, dV of one
-//                layer when one backward chunk covers all T tokens (layer-local gradients); with an
-//                offload window W > 0, W layers on the device and all L in pinned host memory
+//                layer when one backward chunk covers all T tokens (layer-local gradients); what the
+//                prefill saves with them (attention outputs and lse, layer inputs); with an offload
+//                window W > 0, W layers on the device and all L in pinned host memory
 //   activations  the schedule's arena (engine/memory.cpp: 256 MiB blocks, a request larger than a
 //                block gets its own, a block's tail is lost when the next request does not fit),
 //                replayed request by request over the prefill and the backward of the chunk that
@@ -27,8 +28,9 @@
 //
 // Step time = matmul FLOPs / kMatmulTflops + attention FLOPs / its rate at the head size + elementwise
 // traffic / bandwidth + the optimizer's traffic / bandwidth, with the passes each schedule runs
-// (full: forward + backward; checkpointed and seco: one forward more; selective: the MLP's gate/up
-// once more); with the K/V store offloaded, at least its copies' time (bytes moved / PCIe rate: they
+// (full: forward + backward; checkpointed and seco: one forward more, less W_down where a layer is
+// recomputed for its backward alone; seco with saved inputs: the prefill and each layer's recompute;
+// selective: the MLP's gate/up once more); with the K/V store offloaded, at least its copies' time (bytes moved / PCIe rate: they
 // overlap the compute), or with a window of one layer compute plus copies (one device slot cannot be
 // filled ahead). Throughputs are H100 measurements (plan.cpp names their source).
 // Tested in tests/tools/test_plan.cpp against the peaks and step times recorded in RESULTS.md and
