@@ -182,26 +182,24 @@ std::vector<Residency::Span> KVStore::grad_spans(int layer, int64_t t0, int64_t 
   return out;
 }
 
-// Adds the saved outputs [t0, t1) to `need` unless the layer's slot holds them already.
-void KVStore::fetch_outputs(int layer, int64_t t0, int64_t t1, std::vector<Residency::Span>& need) {
-  auto& have = dev_out_[static_cast<size_t>(layer)];
+// Adds rows [t0, t1) of a prefill's saved parts first..last to `need` unless the layer's slot holds
+// them already (`have`: the rows the slot holds; `written`: the rows the prefill wrote).
+void KVStore::fetch_saved(Part first, Part last, std::pair<int64_t, int64_t>& have, int64_t written, int64_t t0,
+                          int64_t t1, std::vector<Residency::Span>& need) const {
   if (have.first <= t0 && t1 <= have.second) return;
-  CW_CHECK(t1 <= outputs_end_, "saved attention outputs of tokens [{}, {}) were not written (prefill wrote [0, {}))",
-           t0, t1, outputs_end_);
-  const auto o = spans(kOut, kLse, t0, t1);
-  need.insert(need.end(), o.begin(), o.end());
+  CW_CHECK(t1 <= written, "saved {} of tokens [{}, {}) were not written (prefill wrote [0, {}))",
+           first == kIn ? "layer inputs" : "attention outputs", t0, t1, written);
+  const auto s = spans(first, last, t0, t1);
+  need.insert(need.end(), s.begin(), s.end());
   have = {t0, t1};
 }
 
-// Adds the saved inputs [t0, t1) to `need` unless the layer's slot holds them already.
+void KVStore::fetch_outputs(int layer, int64_t t0, int64_t t1, std::vector<Residency::Span>& need) {
+  fetch_saved(kOut, kLse, dev_out_[static_cast<size_t>(layer)], outputs_end_, t0, t1, need);
+}
+
 void KVStore::fetch_inputs(int layer, int64_t t0, int64_t t1, std::vector<Residency::Span>& need) {
-  auto& have = dev_in_[static_cast<size_t>(layer)];
-  if (have.first <= t0 && t1 <= have.second) return;
-  CW_CHECK(t1 <= inputs_end_, "saved layer inputs of tokens [{}, {}) were not written (prefill wrote [0, {}))", t0, t1,
-           inputs_end_);
-  const auto in = spans(kIn, kIn, t0, t1);
-  need.insert(need.end(), in.begin(), in.end());
-  have = {t0, t1};
+  fetch_saved(kIn, kIn, dev_in_[static_cast<size_t>(layer)], inputs_end_, t0, t1, need);
 }
 
 void KVStore::begin_layer(int layer, Use use, int64_t t0, int64_t t1) {

@@ -141,8 +141,10 @@ class KVStore {
   std::vector<Residency::Span> spans(Part first, Part last, int64_t r0, int64_t r1) const;
   // dK, dV rows [t0, t1) of `layer` to fetch: copied where the home was written, zeroed beyond.
   std::vector<Residency::Span> grad_spans(int layer, int64_t t0, int64_t t1) const;
-  void fetch_outputs(int layer, int64_t t0, int64_t t1, std::vector<Residency::Span>& need);
-  void fetch_inputs(int layer, int64_t t0, int64_t t1, std::vector<Residency::Span>& need);
+  void fetch_saved(Part first, Part last, std::pair<int64_t, int64_t>& have, int64_t written, int64_t t0, int64_t t1,
+                   std::vector<Residency::Span>& need) const;
+  void fetch_outputs(int layer, int64_t t0, int64_t t1, std::vector<Residency::Span>& need);  // O and lse
+  void fetch_inputs(int layer, int64_t t0, int64_t t1, std::vector<Residency::Span>& need);   // x_l
   void prefetch(int layer, Use use, int64_t t0, int64_t t1);
   // Streamed: the residency item of (layer, block), its token rows, and the item fetched with K, V
   // and (`grads`) dK, dV of its home (rows the home has not been written with fetched as zeros).
