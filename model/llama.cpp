@@ -437,8 +437,7 @@ double backward_chunk_from_store(const ParamSet& grads, KVStore& kv, const Llama
   CW_CHECK(has_saved_inputs(kv, chunk), "backward_chunk_from_store: the layer inputs of tokens [{}, {}) were not saved "
            "by a prefill (it reached {})", chunk.pos0, chunk.pos0 + chunk.c, kv.has_inputs() ? kv.inputs_written() : 0);
   CW_CHECK(!(model.tensor_parallel() && model.tensor_parallel()->sequence_parallel()),
-           "saved layer inputs hold every row of a chunk; with sequence parallelism a rank holds its share of the "
-           "rows (set schedule.save_inputs = false)");
+           "saved layer inputs hold every row of a chunk, not a sequence-parallel rank's share");
   ArenaScope scope(scratch);
   ChunkBackward b(grads, kv, model, chunk, normaliser, scratch, policy, loss_weight, grads_final, losses);
   const LlamaConfig& cf = b.cf;

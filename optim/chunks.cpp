@@ -135,6 +135,10 @@ void check_host_memory(const LlamaModel& model, int64_t B, int64_t T, bool atten
 KVStore& step_store(std::optional<KVStore>& store, LlamaModel& model, int64_t B, int64_t T, int64_t offload_window,
                     bool attention_outputs, int64_t stream_block, bool layer_local, bool layer_inputs) {
   model.ensure_positions(T);
+  if (layer_inputs && model.tensor_parallel() && model.tensor_parallel()->sequence_parallel())
+    fail("schedule.save_inputs keeps every row of a chunk's layer inputs; under sequence parallelism a rank holds only "
+         "its share of a chunk's rows, which depends on the chunking",
+         "set schedule.save_inputs = false, or parallel.sequence_parallel = false");
   const int64_t window = effective_window(model, offload_window), block = stream_block;
   if (!store || store->batch() != B || store->tokens() != T || store->dtype() != model.dtype() ||
       !(store->device() == model.device()) || store->offload_window() != window ||

@@ -289,6 +289,32 @@ TEST_CASE("tensor parallel: selective recompute, a tiled MLP, saved attention an
     }
 }
 
+TEST_CASE("tensor parallel: seco with saved layer inputs; not with sequence parallelism") {
+  // Without sequence parallelism every rank holds every row of the residual stream, so the store's
+  // saved inputs are the same on each and each layer's recompute from them runs the rank's heads.
+  GradcheckOptions o;
+  o.model = "tiny-tp";
+  o.seq = 16;
+  o.batch = 2;
+  o.schedule.name = "seco";
+  o.schedule.chunk = 8;
+  o.schedule.bwd_chunk = 4;
+  o.schedule.save_inputs = true;
+  o.parallel.tp = 2;
+  for (const bool saved : {false, true}) {
+    CAPTURE(saved);
+    o.schedule.save_attention = saved;
+    std::ostringstream out;
+    CHECK(run_gradcheck(o, out) == 0);
+    INFO(out.str());
+    CHECK(max_rel_err(out.str()) <= test::kSameMathF64Tol);
+  }
+  // With it a rank holds its share of a chunk's rows, which depends on the chunking: refused.
+  o.parallel.sequence_parallel = true;
+  std::ostringstream out;
+  CHECK_THROWS_WITH_AS(run_gradcheck(o, out), doctest::Contains("sequence parallelism"), Error);
+}
+
 TEST_CASE("tensor parallel: under sequence parallelism each rank's replicated gradients are its rows' share") {
   Reference ref("tiny-tp", 2, 8);
   ScheduleOptions so;
