@@ -63,6 +63,33 @@ double max_rel_err(const std::string& out) {
   return std::stod(out.substr(pos + 12));
 }
 
+// gradcheck of the tiny TP model, 2 x 16 tokens, over `tp` ranks, with schedule `name` (seco in
+// chunks of 8, backward chunks of 4).
+GradcheckOptions tiny_tp_gradcheck(const char* name, int64_t tp = 2) {
+  GradcheckOptions o;
+  o.model = "tiny-tp";
+  o.seq = 16;
+  o.batch = 2;
+  o.schedule.name = name;
+  if (o.schedule.name == "seco") {
+    o.schedule.chunk = 8;
+    o.schedule.bwd_chunk = 4;
+  }
+  o.parallel.tp = tp;
+  return o;
+}
+
+// Runs gradcheck (the parallel run against one process) and requires it to pass with the gradients
+// the same math as one process's (1e-12); its report, for further checks.
+std::string same_as_one_process(const GradcheckOptions& o) {
+  std::ostringstream out;
+  const int rc = run_gradcheck(o, out);
+  INFO(out.str());
+  CHECK(rc == 0);
+  CHECK(max_rel_err(out.str()) <= test::kSameMathF64Tol);
+  return out.str();
+}
+
 // What one rank of a TP step leaves behind.
 struct RankRun {
   std::optional<ParamSet> grads;
@@ -224,26 +251,17 @@ TEST_CASE("tensor parallel: TP = 2 and 4 equal one process to 1e-12 (gradcheck -
   for (int64_t tp : {2, 4})
     for (const Schedule& s : schedules)
       for (const auto& [sp, regather] : modes) {
-        GradcheckOptions o;
-        o.model = "tiny-tp";
-        o.seq = 16;
-        o.batch = 2;
-        o.schedule.name = s.name;
+        GradcheckOptions o = tiny_tp_gradcheck(s.name, tp);
         o.schedule.chunk = s.chunk;
         o.schedule.bwd_chunk = s.bwd_chunk;
-        o.parallel.tp = tp;
         o.parallel.sequence_parallel = sp;
         o.parallel.tp_regather = regather;
-        std::ostringstream out;
         CAPTURE(tp);
         CAPTURE(s.name);
         CAPTURE(sp);
         CAPTURE(regather);
-        const int rc = run_gradcheck(o, out);
-        INFO(out.str());
-        CHECK(rc == 0);
-        CHECK(max_rel_err(out.str()) <= test::kSameMathF64Tol);
-        CHECK(out.str().find("the replicated tensors on every TP rank): yes") != std::string::npos);
+        const std::string out = same_as_one_process(o);
+        CHECK(out.find("the replicated tensors on every TP rank): yes") != std::string::npos);
       }
 }
 
@@ -264,50 +282,28 @@ TEST_CASE("tensor parallel: selective recompute, a tiled MLP, saved attention an
   };
   for (const Case& c : cases)
     for (const bool regather : {false, true}) {
-      GradcheckOptions o;
-      o.model = "tiny-tp";
-      o.seq = 16;
-      o.batch = 2;
+      GradcheckOptions o = tiny_tp_gradcheck(c.schedule);
       o.tie_embeddings = c.tie;
-      o.schedule.name = c.schedule;
       o.schedule.recompute = c.recompute;
       o.schedule.mlp_shards = c.mlp_shards;
       o.schedule.save_attention = c.save_attention;
-      if (o.schedule.name == "seco") {
-        o.schedule.chunk = 8;
-        o.schedule.bwd_chunk = 4;
-      }
-      o.parallel.tp = 2;
       o.parallel.sequence_parallel = true;
       o.parallel.tp_regather = regather;
-      std::ostringstream out;
       CAPTURE(c.name);
       CAPTURE(regather);
-      CHECK(run_gradcheck(o, out) == 0);
-      INFO(out.str());
-      CHECK(max_rel_err(out.str()) <= test::kSameMathF64Tol);
+      same_as_one_process(o);
     }
 }
 
 TEST_CASE("tensor parallel: seco with saved layer inputs; not with sequence parallelism") {
   // Without sequence parallelism every rank holds every row of the residual stream, so the store's
   // saved inputs are the same on each and each layer's recompute from them runs the rank's heads.
-  GradcheckOptions o;
-  o.model = "tiny-tp";
-  o.seq = 16;
-  o.batch = 2;
-  o.schedule.name = "seco";
-  o.schedule.chunk = 8;
-  o.schedule.bwd_chunk = 4;
+  GradcheckOptions o = tiny_tp_gradcheck("seco");
   o.schedule.save_inputs = true;
-  o.parallel.tp = 2;
   for (const bool saved : {false, true}) {
     CAPTURE(saved);
     o.schedule.save_attention = saved;
-    std::ostringstream out;
-    CHECK(run_gradcheck(o, out) == 0);
-    INFO(out.str());
-    CHECK(max_rel_err(out.str()) <= test::kSameMathF64Tol);
+    same_as_one_process(o);
   }
   // With it a rank holds its share of a chunk's rows, which depends on the chunking: refused.
   o.parallel.sequence_parallel = true;
@@ -415,16 +411,12 @@ TEST_CASE("tensor parallel x data parallel = 2 x 2 equals one process to 1e-12, 
         o.parallel.sequence_parallel = sp;
         o.parallel.tp_regather = sp;
         o.parallel.bucket_mb = 0.01;
-        std::ostringstream out;
         CAPTURE(s.name);
         CAPTURE(sp);
         CAPTURE(zero);
-        const int rc = run_gradcheck(o, out);
-        INFO(out.str());
-        CHECK(rc == 0);
-        CHECK(max_rel_err(out.str()) <= test::kSameMathF64Tol);
-        CHECK(out.str().find("the replicated tensors on every TP rank): yes") != std::string::npos);
-        if (zero > 0) CHECK(out.str().find("parameters bitwise identical") != std::string::npos);
+        const std::string out = same_as_one_process(o);
+        CHECK(out.find("the replicated tensors on every TP rank): yes") != std::string::npos);
+        if (zero > 0) CHECK(out.find("parameters bitwise identical") != std::string::npos);
       }
 }
 
