@@ -12,6 +12,15 @@
 namespace cw {
 
 namespace {
+// Piece i of a vector of numel elements walked from its end in pieces of `piece`: [begin, begin + length).
+struct PieceRange {
+  int64_t begin, length;
+};
+PieceRange piece_range(int64_t i, int64_t numel, int64_t piece) {
+  const int64_t begin = std::max<int64_t>(0, numel - (i + 1) * piece);
+  return {begin, numel - i * piece - begin};
+}
+
 EnvFlag g_stream{"CW_OFFLOAD_STREAM", true,
                  "use CW_OFFLOAD_STREAM=1 (the default: an offloaded f32 state is updated on the GPU, streamed "
                  "through it) or 0 (on the host's cores)"};
@@ -107,8 +116,8 @@ void OffloadedAdamW::step(const ParamSet& master, const ParamSet& grads, double 
 
   // Pieces from the end of the vector: [begin(i), begin(i) + length(i)).
   const int64_t pieces = (numel + piece - 1) / piece;
-  const auto piece_begin = [&](int64_t i) { return std::max<int64_t>(0, numel - (i + 1) * piece); };
-  const auto piece_length = [&](int64_t i) { return numel - i * piece - piece_begin(i); };
+  const auto piece_begin = [&](int64_t i) { return piece_range(i, numel, piece).begin; };
+  const auto piece_length = [&](int64_t i) { return piece_range(i, numel, piece).length; };
   char* const grad_dev = static_cast<char*>(grads.flat().data);
   char* const compute_dev = static_cast<char*>(compute.flat().data);
   // Gradients come out on the lane of copies to the host, compute weights go in on the other.
@@ -157,7 +166,7 @@ void OffloadedAdamW::step_streamed(const ParamSet& master, const ParamSet& grads
   const int64_t pieces = (numel + piece - 1) / piece;
   std::array<uint64_t, kSlots> out_ticket{};
   for (int64_t i = 0; i < pieces; ++i) {
-    const int64_t begin = std::max<int64_t>(0, numel - (i + 1) * piece), length = numel - i * piece - begin;
+    const auto [begin, length] = piece_range(i, numel, piece);
     const size_t slot = size_t(i % kSlots);
     // The slot's last piece has gone home before this one comes in.
     if (out_ticket[slot] != 0) host_wait_for_copy(out_ticket[slot], device_);
