@@ -1,8 +1,9 @@
-// Shared helpers for the tests: tolerances, comparisons that report the worst element, and
-// temporary directories.
+// Shared helpers for the tests: tolerances, comparisons that report the worst element, the message
+// of an expected error, and temporary directories.
 #pragma once
 
 #include "engine/engine.h"
+#include "engine/error.h"
 #include "engine/memory.h"
 #include "engine/tensor.h"
 
@@ -65,6 +66,21 @@ inline Worst compare(const Tensor& a, const Tensor& b) {
   }
   w.rel = den > 0 ? std::sqrt(num / den) : std::sqrt(num);
   return w;
+}
+
+// Whether `text` contains `part`.
+inline bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
+
+// The message of the cw::Error that `f` throws; a failed check, and "", when it throws none.
+template <class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  FAIL_CHECK("expected a cw::Error");
+  return "";
 }
 
 // A fresh empty directory under the system temp dir, removed on destruction.

@@ -2,6 +2,7 @@
 // system message found or not, the exact layout rendered, other templates refused.
 #include "engine/error.h"
 #include "model/chat_template.h"
+#include "tests/support.h"
 
 #include <doctest/doctest.h>
 
@@ -10,17 +11,8 @@
 namespace cw {
 namespace {
 
-template <class F> std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  FAIL_CHECK("expected a cw::Error");
-  return "";
-}
-
-bool has(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+using test::contains;
+using test::error_of;
 
 // SmolLM2-135M-Instruct's template as its GGUF file stores it (tokenizer.chat_template): the newlines
 // inside the Jinja strings are real newline characters.
@@ -84,10 +76,10 @@ TEST_CASE("chat template: other templates and none are refused, naming the sourc
       "{{- bos_token }}{%- for message in messages %}{{- '<|start_header_id|>' + message['role'] + "
       "'<|end_header_id|>\\n\\n' + message['content'] | trim + '<|eot_id|>' }}{%- endfor %}";
   const std::string e = error_of([&] { ChatMlTemplate::recognise(llama3, "Llama-3.2-1B/tokenizer_config.json"); });
-  CHECK(has(e, "Llama-3.2-1B/tokenizer_config.json: the chat template is not ChatML"));
-  CHECK(has(e, "chunkwise applies ChatML templates only"));
-  CHECK(has(error_of([&] { ChatMlTemplate::recognise("", "x.gguf"); }), "x.gguf has no chat template"));
-  CHECK(has(error_of([&] { ChatMlTemplate::recognise("{{ '<|im_start|>' }}", "half"); }), "not ChatML"));
+  CHECK(contains(e, "Llama-3.2-1B/tokenizer_config.json: the chat template is not ChatML"));
+  CHECK(contains(e, "chunkwise applies ChatML templates only"));
+  CHECK(contains(error_of([&] { ChatMlTemplate::recognise("", "x.gguf"); }), "x.gguf has no chat template"));
+  CHECK(contains(error_of([&] { ChatMlTemplate::recognise("{{ '<|im_start|>' }}", "half"); }), "not ChatML"));
 }
 
 }  // namespace

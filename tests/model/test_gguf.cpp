@@ -30,6 +30,9 @@
 namespace cw {
 namespace {
 
+using test::contains;
+using test::error_of;
+
 namespace fs = std::filesystem;
 
 // ---- a GGUF writer for tests: every field can be set, so every malformation can be built ----
@@ -109,17 +112,6 @@ std::string write_file(const test::TempDir& dir, const std::string& name, const 
 
 template <class T> std::string bytes_of(const std::vector<T>& v) {
   return std::string(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(T));
-}
-
-bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
-
-template <class F> std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
 }
 
 // `f` must throw cw::Error with one line naming `path` and containing `word`.

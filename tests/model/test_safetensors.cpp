@@ -14,6 +14,9 @@
 namespace cw {
 namespace {
 
+using test::contains;
+using test::error_of;
+
 // The 8-byte little-endian length prefix.
 std::string le64(uint64_t v) {
   std::string s(8, '\0');
@@ -37,8 +40,6 @@ template <class T> std::string raw_of(const std::vector<T>& v) {
   return std::string(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(T));
 }
 
-bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
-
 // Opening `path` must throw cw::Error with a one-line message naming the file and the problem.
 void check_rejected(const std::string& path, const std::string& word) {
   std::string message;
@@ -54,16 +55,6 @@ void check_rejected(const std::string& path, const std::string& word) {
   CHECK(contains(message, path));
   CHECK(contains(message, word));
   CHECK(!contains(message, "\n"));
-}
-
-// The message of the cw::Error that f throws, or "" if it throws none.
-template <class F> std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "";
 }
 
 // Independent reference for IEEE binary16 values (NaN excluded): sign * mantissa * 2^exponent.

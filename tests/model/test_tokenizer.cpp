@@ -20,20 +20,11 @@
 namespace cw {
 namespace {
 
+using test::contains;
+using test::error_of;
+
 namespace fs = std::filesystem;
 using Ids = std::vector<uint32_t>;
-
-template <class F> std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  FAIL_CHECK("expected a cw::Error");
-  return "";
-}
-
-bool has(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
 void write_text(const std::string& path, const std::string& text) {
   std::ofstream f(path, std::ios::binary);
@@ -145,8 +136,8 @@ TEST_CASE("tokenizer: named pre-tokenizers split as HF's regexes do") {
   // Invalid UTF-8 never matches: it is a gap of its own, kept, so no byte is lost.
   CHECK(gpt2.split("ab\xff" "cd \xc3") == Pieces{"ab", "\xff", "cd", " ", "\xc3"});
   CHECK(gpt2.split("").empty());
-  CHECK(has(error_of([] { Pretokenizer::named("qwen9", "m.gguf"); }), "m.gguf: pre-tokenizer 'qwen9' is not one"));
-  CHECK(has(error_of([] { Pretokenizer({"(a"}, "x", "t.json"); }),
+  CHECK(contains(error_of([] { Pretokenizer::named("qwen9", "m.gguf"); }), "m.gguf: pre-tokenizer 'qwen9' is not one"));
+  CHECK(contains(error_of([] { Pretokenizer({"(a"}, "x", "t.json"); }),
             "t.json: pre-tokenizer regex '(a' does not compile"));
 }
 
@@ -181,7 +172,7 @@ TEST_CASE("tokenizer: decode gives the bytes back, for any byte string") {
   CHECK(tok.decode(Ids{kHello, kSpaceWorld}) == "hello world");
   CHECK(tok.decode(Ids{kXY, 'z', kEnd}) == "<x><y>z<|endoftext|>");
   CHECK(tok.decode(Ids{kXY, 'z', kEnd, kHi}, /*skip_special=*/true) == "zhi!");  // hi! is not special
-  CHECK(has(error_of([&] { tok.decode(Ids{1, 273}); }), "id 273 at position 1 is not a token"));
+  CHECK(contains(error_of([&] { tok.decode(Ids{1, 273}); }), "id 273 at position 1 is not a token"));
   // Random byte strings (invalid UTF-8 included) drawn from an alphabet that hits the merges, the
   // added tokens and the pre-tokenizer's classes.
   const std::string alphabet = std::string("helowrdabc12 \t\n<x>y|!i\xff\xc3\xa9\xe2\x82\xac") + '\0';
@@ -209,7 +200,7 @@ TEST_CASE("tokenizer: bytes without a token are dropped, or become the unknown t
   def.fuse_unk = true;
   CHECK(BpeTokenizer(def).encode("axxb") == Ids{'a', kX, 'b'});
   def.unk_token = "<nope>";
-  CHECK(has(error_of([&] { BpeTokenizer{def}; }), "the unknown token '<nope>' is not in the vocabulary"));
+  CHECK(contains(error_of([&] { BpeTokenizer{def}; }), "the unknown token '<nope>' is not in the vocabulary"));
 }
 
 TEST_CASE("tokenizer: ignore_merges takes a piece that is a token as a whole (Llama 3)") {
@@ -247,7 +238,7 @@ TEST_CASE("tokenizer: loaded from an HF tokenizer.json and from GGUF metadata, t
   CHECK(dynamic_cast<const BpeTokenizer&>(*loaded).chat_template() == "{{ messages }}");
   CHECK(loaded->encode(text) == reference.encode(text));
   write_text(dir.file("tokenizer_config.json"), R"({"bos_token": "<s>"})");
-  CHECK(has(error_of([&] { load_tokenizer(dir.path.string()); }), "bos_token '<s>' is not a token"));
+  CHECK(contains(error_of([&] { load_tokenizer(dir.path.string()); }), "bos_token '<s>' is not a token"));
 
   GgufTokenizerMetadata meta;
   meta.source = "small.gguf";
@@ -347,7 +338,7 @@ TEST_CASE("tokenizer: BOS in front of a prompt, as the model's files say") {
   meta.pre = "smollm";
   meta.tokens = small_definition().tokens;
   meta.add_bos_token = true;
-  CHECK(has(error_of([&] { BpeTokenizer::from_gguf(meta); }), "small.gguf: a prompt is to start with BOS"));
+  CHECK(contains(error_of([&] { BpeTokenizer::from_gguf(meta); }), "small.gguf: a prompt is to start with BOS"));
   meta.bos_token_id = kEnd;
   CHECK(BpeTokenizer::from_gguf(meta).add_bos());
 }
@@ -361,7 +352,7 @@ TEST_CASE("tokenizer and model: the vocabularies must fit; \"model\" is the mode
         "the tokenizer 'bytes' has 258 tokens but the model 'smollm2.gguf' has vocab_size 49152: they belong to "
         "different models (hint: set data.tokenizer to \"model\" (the model's own tokenizer), or use a model made "
         "for this tokenizer)");
-  CHECK(has(error_of([&] { check_tokenizer_fits_model(bytes, "bytes", 257, "m", "k"); }), "has vocab_size 257"));
+  CHECK(contains(error_of([&] { check_tokenizer_fits_model(bytes, "bytes", 257, "m", "k"); }), "has vocab_size 257"));
 
   test::TempDir dir("tokenizer-model");
   CHECK(resolve_tokenizer_spec("bytes", "small", "data.tokenizer") == "bytes");
@@ -369,7 +360,7 @@ TEST_CASE("tokenizer and model: the vocabularies must fit; \"model\" is the mode
   CHECK(resolve_tokenizer_spec("model", "some/model.gguf", "data.tokenizer") == "some/model.gguf");
   write_files(dir.path / "ckpt", tokenizer_files(BpeTokenizer(small_definition())));
   CHECK(resolve_tokenizer_spec("model", dir.file("ckpt"), "--tokenizer") == dir.file("ckpt"));
-  CHECK(has(error_of([&] { resolve_tokenizer_spec("model", "small", "data.tokenizer"); }),
+  CHECK(contains(error_of([&] { resolve_tokenizer_spec("model", "small", "data.tokenizer"); }),
             "data.tokenizer = \"model\" but the model 'small' has no tokenizer"));
 }
 
@@ -383,73 +374,73 @@ TEST_CASE("tokenizer: malformed tokenizer.json files fail with one clear line") 
   const nlohmann::json good = small_tokenizer_json(false);
   auto j = good;
   j.erase("model");
-  CHECK(has(error_for(j), "tokenizer.json: key 'model' is missing"));
+  CHECK(contains(error_for(j), "tokenizer.json: key 'model' is missing"));
   j = good;
   j["model"]["merges"].push_back("he zz");
-  CHECK(has(error_for(j), "merge 13 ('he zz'): its right part 'zz' is not in the vocabulary"));
+  CHECK(contains(error_for(j), "merge 13 ('he zz'): its right part 'zz' is not in the vocabulary"));
   j = good;
   j["model"]["merges"].push_back("h l");
-  CHECK(has(error_for(j), "merge 13 ('h l'): its result 'hl' is not in the vocabulary"));
+  CHECK(contains(error_for(j), "merge 13 ('h l'): its result 'hl' is not in the vocabulary"));
   j = good;
   j["model"]["merges"][2] = "hell";
-  CHECK(has(error_for(j), "model.merges[2] is 'hell', not two tokens separated by one space"));
+  CHECK(contains(error_for(j), "model.merges[2] is 'hell', not two tokens separated by one space"));
   j = good;
   j["model"]["merges"][2] = nlohmann::json::array({"he"});
-  CHECK(has(error_for(j), "model.merges[2] is neither"));
+  CHECK(contains(error_for(j), "model.merges[2] is neither"));
   j = good;
   j["model"]["merges"].push_back("l l");
-  CHECK(has(error_for(j), "merge 13 ('l l') repeats an earlier merge"));
+  CHECK(contains(error_for(j), "merge 13 ('l l') repeats an earlier merge"));
   j = good;
   j["model"]["vocab"].erase("ll");
-  CHECK(has(error_for(j), "no token has id 256"));
+  CHECK(contains(error_for(j), "no token has id 256"));
   j = good;
   j["model"]["vocab"]["zz"] = 5;
-  CHECK(has(error_for(j), "model.vocab gives id 5 to both"));
+  CHECK(contains(error_for(j), "model.vocab gives id 5 to both"));
   j = good;
   j["model"]["vocab"]["zz"] = -1;
-  CHECK(has(error_for(j), "model.vocab['zz'] is not an id"));
+  CHECK(contains(error_for(j), "model.vocab['zz'] is not an id"));
   j = good;
   j["model"]["type"] = "WordPiece";
-  CHECK(has(error_for(j), "model.type is 'WordPiece', not 'BPE'"));
+  CHECK(contains(error_for(j), "model.type is 'WordPiece', not 'BPE'"));
   j = good;
   j["model"]["byte_fallback"] = true;
-  CHECK(has(error_for(j), "byte_fallback is true"));
+  CHECK(contains(error_for(j), "byte_fallback is true"));
   j = good;
   j["normalizer"] = {{"type", "NFC"}};
-  CHECK(has(error_for(j), "it has a normalizer ('NFC')"));
+  CHECK(contains(error_for(j), "it has a normalizer ('NFC')"));
   j = good;
   j["pre_tokenizer"] = {{"type", "Whitespace"}};
-  CHECK(has(error_for(j), "pre_tokenizer is a 'Whitespace' pre-tokenizer"));
+  CHECK(contains(error_for(j), "pre_tokenizer is a 'Whitespace' pre-tokenizer"));
   j = good;
   j["pre_tokenizer"] = {{"type", "Digits"}, {"individual_digits", true}};
-  CHECK(has(error_for(j), "the pre-tokenizer has no ByteLevel step"));
+  CHECK(contains(error_for(j), "the pre-tokenizer has no ByteLevel step"));
   j = good;
   j["pre_tokenizer"]["pretokenizers"].push_back({{"type", "Digits"}});
-  CHECK(has(error_for(j), "pre_tokenizer.pretokenizers[2] ('Digits') comes after ByteLevel"));
+  CHECK(contains(error_for(j), "pre_tokenizer.pretokenizers[2] ('Digits') comes after ByteLevel"));
   j = good;
   j["pre_tokenizer"]["pretokenizers"][1]["add_prefix_space"] = true;
-  CHECK(has(error_for(j), "add_prefix_space is true"));
+  CHECK(contains(error_for(j), "add_prefix_space is true"));
   j = good;
   j["pre_tokenizer"] = nlohmann::json::parse(R"({"type": "Sequence", "pretokenizers": [
       {"type": "Split", "pattern": {"Regex": "\\d"}, "behavior": "Removed"}, {"type": "ByteLevel"}]})");
-  CHECK(has(error_for(j), "pre_tokenizer.pretokenizers[0].behavior is 'Removed'"));
+  CHECK(contains(error_for(j), "pre_tokenizer.pretokenizers[0].behavior is 'Removed'"));
   j = good;
   j["added_tokens"][0]["lstrip"] = true;
-  CHECK(has(error_for(j), "added_tokens[0].lstrip is true"));
+  CHECK(contains(error_for(j), "added_tokens[0].lstrip is true"));
   j = good;
   j["added_tokens"][0].erase("content");
-  CHECK(has(error_for(j), "added_tokens[0].content is missing or not a string"));
+  CHECK(contains(error_for(j), "added_tokens[0].content is missing or not a string"));
   j = good;
   j["decoder"] = {{"type", "Metaspace"}};
-  CHECK(has(error_for(j), "decoder is 'Metaspace', not ByteLevel"));
+  CHECK(contains(error_for(j), "decoder is 'Metaspace', not ByteLevel"));
   j = good;
   for (int b = 0; b < 200; ++b) j["model"]["vocab"].erase(byte_symbol(static_cast<uint8_t>(b)));
   j["model"]["merges"] = nlohmann::json::array();
   for (int b = 0; b < 200; ++b) j["model"]["vocab"][fmt::format("<f{}>", b)] = b;
-  CHECK(has(error_for(j), "tokens for only 56 of the 256 byte characters"));
+  CHECK(contains(error_for(j), "tokens for only 56 of the 256 byte characters"));
   write_text(dir.file("broken.json"), "{\"model\": ");
-  CHECK(has(error_of([&] { BpeTokenizer::from_tokenizer_json(dir.file("broken.json")); }), "not valid JSON"));
-  CHECK(has(error_of([&] { BpeTokenizer::from_tokenizer_json(dir.file("absent.json")); }), "cannot open"));
+  CHECK(contains(error_of([&] { BpeTokenizer::from_tokenizer_json(dir.file("broken.json")); }), "not valid JSON"));
+  CHECK(contains(error_of([&] { BpeTokenizer::from_tokenizer_json(dir.file("absent.json")); }), "cannot open"));
 }
 
 TEST_CASE("tokenizer: malformed GGUF metadata fails with one clear line") {
@@ -461,29 +452,29 @@ TEST_CASE("tokenizer: malformed GGUF metadata fails with one clear line") {
   for (const auto& [l, r] : kMerges) good.merges.push_back(l + " " + r);
   auto m = good;
   m.model = "llama";
-  CHECK(has(error_of([&] { BpeTokenizer::from_gguf(m); }), "m.gguf: tokenizer.ggml.model is 'llama'"));
+  CHECK(contains(error_of([&] { BpeTokenizer::from_gguf(m); }), "m.gguf: tokenizer.ggml.model is 'llama'"));
   m = good;
   m.pre = "";
-  CHECK(has(error_of([&] { BpeTokenizer::from_gguf(m); }), "tokenizer.ggml.pre is missing"));
+  CHECK(contains(error_of([&] { BpeTokenizer::from_gguf(m); }), "tokenizer.ggml.pre is missing"));
   m = good;
   m.pre = "deepseek-coder";
-  CHECK(has(error_of([&] { BpeTokenizer::from_gguf(m); }),
+  CHECK(contains(error_of([&] { BpeTokenizer::from_gguf(m); }),
             "pre-tokenizer 'deepseek-coder' is not one this build knows"));
   m = good;
   m.token_type = {1, 1};
-  CHECK(has(error_of([&] { BpeTokenizer::from_gguf(m); }), "token_type has 2 entries for 273 tokens"));
+  CHECK(contains(error_of([&] { BpeTokenizer::from_gguf(m); }), "token_type has 2 entries for 273 tokens"));
   m = good;
   m.merges.push_back("x");
-  CHECK(has(error_of([&] { BpeTokenizer::from_gguf(m); }), "tokenizer.ggml.merges[13] is 'x'"));
+  CHECK(contains(error_of([&] { BpeTokenizer::from_gguf(m); }), "tokenizer.ggml.merges[13] is 'x'"));
   m = good;
   m.eos_token_id = 273;
-  CHECK(has(error_of([&] { BpeTokenizer::from_gguf(m); }), "the EOS id 273 is outside the vocabulary of 273"));
+  CHECK(contains(error_of([&] { BpeTokenizer::from_gguf(m); }), "the EOS id 273 is outside the vocabulary of 273"));
   m = good;
   m.tokens[270] = m.tokens[5];
-  CHECK(has(error_of([&] { BpeTokenizer::from_gguf(m); }), "appears twice, as ids 5 and 270"));
+  CHECK(contains(error_of([&] { BpeTokenizer::from_gguf(m); }), "appears twice, as ids 5 and 270"));
   m = good;
   m.tokens.clear();
-  CHECK(has(error_of([&] { BpeTokenizer::from_gguf(m); }), "tokenizer.ggml.tokens is missing or empty"));
+  CHECK(contains(error_of([&] { BpeTokenizer::from_gguf(m); }), "tokenizer.ggml.tokens is missing or empty"));
 }
 
 TEST_CASE("tokenizer: load_tokenizer, chunkwise encode and tokenize with a BPE tokenizer") {
@@ -492,12 +483,12 @@ TEST_CASE("tokenizer: load_tokenizer, chunkwise encode and tokenize with a BPE t
   CHECK(load_tokenizer("bytes")->kind() == "bytes");
   write_text(dir.file("record.json"), ByteTokenizer().to_json().dump());  // a run directory's record
   CHECK(load_tokenizer(dir.file("record.json"))->kind() == "bytes");
-  CHECK(has(error_of([&] { load_tokenizer(dir.file("missing")); }), "no such file or directory"));
+  CHECK(contains(error_of([&] { load_tokenizer(dir.file("missing")); }), "no such file or directory"));
   write_text(dir.file("m.gguf"), "not a gguf file");  // read by model/gguf.h, which names the file
   const std::string gguf_error = error_of([&] { load_tokenizer(dir.file("m.gguf")); });
-  CHECK(has(gguf_error, dir.file("m.gguf")));
+  CHECK(contains(gguf_error, dir.file("m.gguf")));
   fs::create_directories(dir.path / "empty");
-  CHECK(has(error_of([&] { load_tokenizer(dir.file("empty")); }), "holds no tokenizer.json"));
+  CHECK(contains(error_of([&] { load_tokenizer(dir.file("empty")); }), "holds no tokenizer.json"));
 
   const std::unique_ptr<Tokenizer> tok = load_tokenizer(dir.file("tokenizer.json"));
   write_text(dir.file("lines.txt"), "hello world\n\nabc<x>\n12");  // the last line has no newline
@@ -507,7 +498,7 @@ TEST_CASE("tokenizer: load_tokenizer, chunkwise encode and tokenize with a BPE t
 
   // Shards: BOS (named, since this tokenizer.json has no config beside it) before each document.
   write_text(dir.file("a.txt"), "hello world");
-  CHECK(has(error_of([&] { tokenize_files(*tok, {dir.file("a.txt")}, dir.file("a.bin")); }),
+  CHECK(contains(error_of([&] { tokenize_files(*tok, {dir.file("a.txt")}, dir.file("a.bin")); }),
             "has no BOS token"));
   TokenizeOptions options;
   options.bos_token = "<|endoftext|>";
@@ -520,7 +511,7 @@ TEST_CASE("tokenizer: load_tokenizer, chunkwise encode and tokenize with a BPE t
         Ids{kEnd, kHello, kSpaceWorld, kX});
   CHECK(info.token_bytes == 2);
   options.bos_token = "hello world";
-  CHECK(has(error_of([&] { tokenize_files(*tok, {dir.file("a.txt")}, dir.file("a.bin"), options); }),
+  CHECK(contains(error_of([&] { tokenize_files(*tok, {dir.file("a.txt")}, dir.file("a.bin"), options); }),
             "--bos-token 'hello world' is not one token"));
 
   // A vocabulary of more than 65536 tokens writes uint32 ids, even when these ids are small.

@@ -18,6 +18,9 @@ using namespace cw;
 
 namespace {
 
+using test::contains;
+using test::error_of;
+
 // One rounding per operation in a handful of operations: both computations agree to a few ulps.
 constexpr double kSameFormulaTol = 1e-15;
 
@@ -47,17 +50,6 @@ ParamSet copy_of(const ParamSet& src, const LlamaConfig& c) {
 bool same_bits(const ParamSet& a, const ParamSet& b) {
   return a.flat().bytes() == b.flat().bytes() && std::memcmp(a.flat().data, b.flat().data, a.flat().bytes()) == 0;
 }
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
-
-bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
 // The reference: AdamW written out for one element sequence, all in f64, from the paper's algorithm.
 struct RefState {
@@ -458,24 +450,25 @@ TEST_CASE("lr schedule: warmup and each decay at its boundaries") {
 }
 
 TEST_CASE("lr schedule: bad options are rejected naming the option") {
-  const auto error_for = [](auto edit) {
+  const auto edited = [](auto edit) {
     LrSchedule s;
     s.peak_lr = 1e-3;
     s.min_lr = 0;
     s.warmup_steps = 2;
     s.total_steps = 10;
     edit(s);
-    return error_of([&] { (void)s.at(1); });
+    return s;
   };
+  const auto error_for = [&](auto edit) { return error_of([&] { (void)edited(edit).at(1); }); };
   CHECK(contains(error_for([](LrSchedule& s) { s.peak_lr = 0; }), "optimizer.lr"));
   CHECK(contains(error_for([](LrSchedule& s) { s.min_lr = 2e-3; }), "optimizer.min_lr"));
   CHECK(contains(error_for([](LrSchedule& s) { s.min_lr = -1; }), "optimizer.min_lr"));
   CHECK(contains(error_for([](LrSchedule& s) { s.warmup_steps = -1; }), "optimizer.warmup_steps"));
   CHECK(contains(error_for([](LrSchedule& s) { s.total_steps = 0; }), "train.steps"));
   // Allowed: min_lr above the peak for a constant rate (never used), warmup longer than the run.
-  CHECK(contains(error_for([](LrSchedule& s) { s.min_lr = 2e-3; s.decay = LrSchedule::Decay::constant; }), "(no error)"));
-  CHECK(contains(error_for([](LrSchedule& s) { s.warmup_steps = 20; }), "(no error)"));
-  CHECK(contains(error_for([](LrSchedule&) {}), "(no error)"));
+  CHECK_NOTHROW((void)edited([](LrSchedule& s) { s.min_lr = 2e-3; s.decay = LrSchedule::Decay::constant; }).at(1));
+  CHECK_NOTHROW((void)edited([](LrSchedule& s) { s.warmup_steps = 20; }).at(1));
+  CHECK_NOTHROW((void)edited([](LrSchedule&) {}).at(1));
   CHECK(contains(error_of([] { LrSchedule s; (void)s.at(0); }), "steps count from 1"));
   const std::string e = error_of([] { (void)LrSchedule::parse("cosin"); });
   CHECK(contains(e, "optimizer.decay"));

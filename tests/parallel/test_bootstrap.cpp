@@ -5,6 +5,7 @@
 
 #include "engine/error.h"
 #include "tests/parallel/net_support.h"
+#include "tests/support.h"
 
 #include <doctest/doctest.h>
 
@@ -25,6 +26,8 @@ using test::free_tcp_port;
 using test::local_rank_info;
 
 namespace {
+
+using test::contains;
 
 // How much later than its timeout a failing call may return: thread start-up and scheduling on a
 // loaded two-core machine, never the order of the timeout itself.
@@ -71,8 +74,6 @@ std::vector<LaunchInfo> world(int size, int port, const std::string& host = "127
   for (int r = 0; r < size; ++r) infos.push_back(local_rank_info(r, size, port, host));
   return infos;
 }
-
-bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
 }  // namespace
 

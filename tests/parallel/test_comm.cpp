@@ -19,6 +19,9 @@ using namespace cw;
 
 namespace {
 
+using test::contains;
+using test::error_of;
+
 constexpr int kMaxGroup = 4;
 const int64_t kLengths[] = {1, 7, 1001};  // one element, and odd lengths that no vector width divides
 
@@ -48,17 +51,6 @@ bool same_bytes(const Tensor& a, const void* b) { return a.bytes() == 0 || std::
 
 // A short random pause so the ranks arrive in different orders from run to run.
 void jitter(int rank, int call) { std::this_thread::sleep_for(std::chrono::microseconds(((rank * 7 + call * 13) % 5) * 200)); }
-
-std::string error_of(const std::function<void()>& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
-}
-
-bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
 }  // namespace
 

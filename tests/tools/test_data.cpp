@@ -15,6 +15,9 @@
 namespace cw {
 namespace {
 
+using test::contains;
+using test::error_of;
+
 namespace fs = std::filesystem;
 
 void write_bytes(const std::string& path, const std::vector<unsigned char>& bytes) {
@@ -53,19 +56,6 @@ std::vector<unsigned char> hand_shard(int32_t magic, int32_t version, int32_t co
   for (uint32_t id : ids) put_le(b, id, token_bytes);
   return b;
 }
-
-// The message of the cw::Error that f throws ("" and a failed check when it does not throw).
-template <class F> std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  FAIL_CHECK("expected a cw::Error");
-  return "";
-}
-
-bool has(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
 std::vector<uint32_t> iota_tokens(int64_t n) {
   std::vector<uint32_t> t(static_cast<size_t>(n));
@@ -136,14 +126,14 @@ TEST_CASE("headerless u16 and u32 token files") {
   CHECK(parse_token_format("u16") == TokenFormat::u16);
   CHECK(parse_token_format("u32") == TokenFormat::u32);
   CHECK(parse_token_format("shard") == TokenFormat::shard);
-  CHECK(has(error_of([] { parse_token_format("u8", "--format"); }), "--format 'u8'"));
+  CHECK(contains(error_of([] { parse_token_format("u8", "--format"); }), "--format 'u8'"));
 
   b32.pop_back();  // 11 bytes: not a whole number of u32 ids
   write_bytes(dir.file("odd.u32"), b32);
   const std::string msg = error_of([&] { read_token_file(dir.file("odd.u32"), TokenFormat::u32, 100000); });
-  CHECK(has(msg, dir.file("odd.u32")));
-  CHECK(has(msg, "11 bytes"));
-  CHECK(has(msg, "multiple of 4"));
+  CHECK(contains(msg, dir.file("odd.u32")));
+  CHECK(contains(msg, "11 bytes"));
+  CHECK(contains(msg, "multiple of 4"));
 }
 
 TEST_CASE("token file errors name the file and what is wrong") {
@@ -153,37 +143,37 @@ TEST_CASE("token file errors name the file and what is wrong") {
     const std::string path = dir.file("bad.bin");
     write_bytes(path, hand_shard(12345, 1, 2, {1, 2}, 2));
     const std::string msg = error_of([&] { read_token_file(path, TokenFormat::shard, 100); });
-    CHECK(has(msg, path));
-    CHECK(has(msg, "bad magic 12345"));
-    CHECK(has(msg, "byte offset 0"));
-    CHECK(has(msg, "hint:"));
+    CHECK(contains(msg, path));
+    CHECK(contains(msg, "bad magic 12345"));
+    CHECK(contains(msg, "byte offset 0"));
+    CHECK(contains(msg, "hint:"));
   }
   SUBCASE("truncated shard") {
     const std::string path = dir.file("short.bin");
     write_token_shard(path, iota_tokens(10));
     fs::resize_file(path, 1024 + 2 * 10 - 2);
     const std::string msg = error_of([&] { TokenDataset::open({path}, {TokenFormat::shard, 100}); });
-    CHECK(has(msg, path));
-    CHECK(has(msg, "size is 1042 bytes, expected 1044"));
-    CHECK(has(msg, "truncated"));
+    CHECK(contains(msg, path));
+    CHECK(contains(msg, "size is 1042 bytes, expected 1044"));
+    CHECK(contains(msg, "truncated"));
   }
   SUBCASE("too small for the header") {
     const std::string path = dir.file("tiny.bin");
     write_bytes(path, {1, 2, 3});
     const std::string msg = error_of([&] { read_token_file(path, TokenFormat::shard, 100); });
-    CHECK(has(msg, path));
-    CHECK(has(msg, "too small"));
+    CHECK(contains(msg, path));
+    CHECK(contains(msg, "too small"));
   }
   SUBCASE("id outside the vocabulary: shard") {
     const std::string path = dir.file("big.bin");
     write_token_shard(path, std::vector<uint32_t>{1, 2, 300, 4});
     const std::string msg = error_of([&] { TokenDataset::open({path}, {TokenFormat::shard, 258}); });
-    CHECK(has(msg, path));
-    CHECK(has(msg, "token #2"));
-    CHECK(has(msg, "byte offset 1028"));
-    CHECK(has(msg, "id 300"));
-    CHECK(has(msg, "258"));
-    CHECK(has(msg, "tokenizer/vocab mismatch"));
+    CHECK(contains(msg, path));
+    CHECK(contains(msg, "token #2"));
+    CHECK(contains(msg, "byte offset 1028"));
+    CHECK(contains(msg, "id 300"));
+    CHECK(contains(msg, "258"));
+    CHECK(contains(msg, "tokenizer/vocab mismatch"));
   }
   SUBCASE("id outside the vocabulary: headerless u32") {
     const std::string path = dir.file("big.u32");
@@ -191,32 +181,32 @@ TEST_CASE("token file errors name the file and what is wrong") {
     for (uint32_t id : {1u, 2u, 3u, 9u}) put_le(b, id, 4);
     write_bytes(path, b);
     const std::string msg = error_of([&] { read_token_file(path, TokenFormat::u32, 9); });
-    CHECK(has(msg, "token #3 (byte offset 12) is id 9"));
+    CHECK(contains(msg, "token #3 (byte offset 12) is id 9"));
   }
   SUBCASE("id outside the vocabulary: in memory") {
-    CHECK(has(error_of([] { TokenDataset::from_tokens({1, 5}, 5, "gen"); }), "'gen': token #1 is id 5"));
+    CHECK(contains(error_of([] { TokenDataset::from_tokens({1, 5}, 5, "gen"); }), "'gen': token #1 is id 5"));
   }
   SUBCASE("missing file") {
     const std::string path = dir.file("nope.bin");
     const std::string msg = error_of([&] { TokenDataset::open({path}, {TokenFormat::shard, 100}); });
-    CHECK(has(msg, path));
-    CHECK(has(msg, "cannot open"));
+    CHECK(contains(msg, path));
+    CHECK(contains(msg, "cannot open"));
   }
   SUBCASE("glob matching nothing") {
     write_token_shard(dir.file("a.bin"), iota_tokens(4));
     const std::string pattern = dir.file("*.tokens");
     const std::string msg = error_of([&] { TokenDataset::open({dir.file("a.bin"), pattern}, {TokenFormat::shard, 100}); });
-    CHECK(has(msg, pattern));
-    CHECK(has(msg, "matches no file"));
+    CHECK(contains(msg, pattern));
+    CHECK(contains(msg, "matches no file"));
   }
   SUBCASE("a file listed twice") {
     write_token_shard(dir.file("a.bin"), iota_tokens(4));
     const std::string msg =
         error_of([&] { TokenDataset::open({dir.file("a.bin"), dir.file("*.bin")}, {TokenFormat::shard, 100}); });
-    CHECK(has(msg, "more than once"));
+    CHECK(contains(msg, "more than once"));
   }
   SUBCASE("no files") {
-    CHECK(has(error_of([] { TokenDataset::open({}, {TokenFormat::shard, 100}); }), "no token data files"));
+    CHECK(contains(error_of([] { TokenDataset::open({}, {TokenFormat::shard, 100}); }), "no token data files"));
   }
 }
 
@@ -233,7 +223,7 @@ TEST_CASE("dataset: globs expand sorted, files concatenate in order, windows spa
   CHECK(d.files()[2].stream_offset == 10);
   CHECK(d.size() == 15);
   CHECK(d.tokens()[5] == 10);
-  CHECK(has(d.describe(), "and 2 more files"));
+  CHECK(contains(d.describe(), "and 2 more files"));
 
   // Literal entries keep their place before a pattern's sorted matches.
   const TokenDataset e = TokenDataset::open({dir.file("c.bin"), dir.file("[ab].bin")}, {TokenFormat::shard, 100});
@@ -246,7 +236,7 @@ TEST_CASE("dataset: globs expand sorted, files concatenate in order, windows spa
   CHECK(std::vector<uint32_t>(w1.begin(), w1.end()) == std::vector<uint32_t>{4, 10, 11, 12, 13});
   const auto w2 = w.window(2);
   CHECK(w2.front() == w1.back());  // consecutive windows share one token
-  CHECK(has(error_of([&] { (void)d.windows(15); }), "fewer than one window of 16"));
+  CHECK(contains(error_of([&] { (void)d.windows(15); }), "fewer than one window of 16"));
 }
 
 TEST_CASE("split: eval fraction from the end, disjoint from training") {
@@ -268,10 +258,10 @@ TEST_CASE("split: eval fraction from the end, disjoint from training") {
   CHECK(split_by_fraction(d, T, 0.01).eval.size() == 1);  // asking for eval gives at least one window
   CHECK(split_by_fraction(d, T, 0.34).eval.size() == 3);  // round(3.4)
 
-  CHECK(has(error_of([&] { split_by_fraction(d, T, 1.0); }), "outside [0, 1)"));
-  CHECK(has(error_of([&] { split_by_fraction(d, T, 0.9); }), "leaves none for training"));
+  CHECK(contains(error_of([&] { split_by_fraction(d, T, 1.0); }), "outside [0, 1)"));
+  CHECK(contains(error_of([&] { split_by_fraction(d, T, 0.9); }), "leaves none for training"));
   const TokenDataset tiny = TokenDataset::from_tokens(iota_tokens(5), 5, "tiny");
-  CHECK(has(error_of([&] { split_by_fraction(tiny, T, 0.1); }), "'tiny' holds 5 tokens"));
+  CHECK(contains(error_of([&] { split_by_fraction(tiny, T, 0.1); }), "'tiny' holds 5 tokens"));
 
   // Eval batches in stream order; the last one may be short.
   const WindowSplit s3 = split_by_fraction(d, T, 0.3);
@@ -297,8 +287,8 @@ TEST_CASE("split: separate eval files") {
   CHECK(s.train.size() == 4);
   CHECK(s.eval.size() == 2);
   const std::string msg = error_of([&] { split_by_files(train, train, 10); });
-  CHECK(has(msg, "also a training file"));
-  CHECK(has(msg, dir.file("train.bin")));
+  CHECK(contains(msg, "also a training file"));
+  CHECK(contains(msg, dir.file("train.bin")));
 }
 
 TEST_CASE("window sampler: seeded, every window once per epoch, resumable") {
@@ -364,13 +354,13 @@ TEST_CASE("window sampler: seeded, every window once per epoch, resumable") {
   }
   SUBCASE("restore refuses a state from different data or a damaged record") {
     WindowSampler a(windows, 1);
-    CHECK(has(error_of([&] { a.restore(SamplerState{1, 0, 0, W + 1}); }), "saved over 38 training windows"));
-    CHECK(has(error_of([&] { a.restore(SamplerState{1, 0, W, W}); }), "position 37"));
+    CHECK(contains(error_of([&] { a.restore(SamplerState{1, 0, 0, W + 1}); }), "saved over 38 training windows"));
+    CHECK(contains(error_of([&] { a.restore(SamplerState{1, 0, W, W}); }), "position 37"));
     nlohmann::json j = a.state().to_json();
     j.erase("position");
     const std::string msg = error_of([&] { SamplerState::from_json(j, "ckpt/state.json"); });
-    CHECK(has(msg, "ckpt/state.json"));
-    CHECK(has(msg, "'position'"));
+    CHECK(contains(msg, "ckpt/state.json"));
+    CHECK(contains(msg, "'position'"));
   }
 }
 
@@ -392,7 +382,7 @@ TEST_CASE("byte tokenizer: UTF-8 round trip, BOS/EOS, invalid bytes") {
 
   CHECK(tok.decode(std::vector<uint32_t>{0xff, 'a', 0xc3}) == std::string("\xff" "a" "\xc3"));
   const std::string msg = error_of([&] { tok.decode(std::vector<uint32_t>{'a', 300}); });
-  CHECK(has(msg, "id 300 at position 1"));
+  CHECK(contains(msg, "id 300 at position 1"));
 
   CHECK(!find_invalid_utf8(text).has_value());
   CHECK(find_invalid_utf8("ab\xc3(") == size_t{2});          // a lead byte without its continuation
@@ -413,21 +403,21 @@ TEST_CASE("tokenizer description: recorded and checked") {
 
   nlohmann::json other = j;
   other["name"] = "gpt2";
-  CHECK(has(error_of([&] { ByteTokenizer::from_json(other, "run/tokenizer.json"); }), "key 'name' is 'gpt2'"));
+  CHECK(contains(error_of([&] { ByteTokenizer::from_json(other, "run/tokenizer.json"); }), "key 'name' is 'gpt2'"));
   other = j;
   other["vocab_size"] = 320;
   const std::string msg = error_of([&] { ByteTokenizer::from_json(other, "run/tokenizer.json"); });
-  CHECK(has(msg, "run/tokenizer.json"));
-  CHECK(has(msg, "key 'vocab_size' is 320"));
+  CHECK(contains(msg, "run/tokenizer.json"));
+  CHECK(contains(msg, "key 'vocab_size' is 320"));
   other = j;
   other.erase("eos_token_id");
-  CHECK(has(error_of([&] { ByteTokenizer::from_json(other, "t"); }), "'eos_token_id' is missing"));
+  CHECK(contains(error_of([&] { ByteTokenizer::from_json(other, "t"); }), "'eos_token_id' is missing"));
 
   test::TempDir dir("data");
   write_text(dir.file("tokenizer.json"), j.dump(2));
   (void)ByteTokenizer::from_file(dir.file("tokenizer.json"));
   write_text(dir.file("broken.json"), "{\"name\": ");
-  CHECK(has(error_of([&] { ByteTokenizer::from_file(dir.file("broken.json")); }), "not valid JSON"));
+  CHECK(contains(error_of([&] { ByteTokenizer::from_file(dir.file("broken.json")); }), "not valid JSON"));
 }
 
 TEST_CASE("split_documents: whole file or blank-line separated") {
@@ -466,7 +456,7 @@ TEST_CASE("tokenize_files: text files to a shard, end to end") {
     CHECK(d.tokens()[a.size() + 1] == ByteTokenizer::kBos);
     CHECK(tok.decode(d.tokens()) == a + b);
     // A model whose vocabulary lacks BOS/EOS is refused at load.
-    CHECK(has(error_of([&] { TokenDataset::open({dir.file("out.bin")}, {TokenFormat::shard, 256}); }),
+    CHECK(contains(error_of([&] { TokenDataset::open({dir.file("out.bin")}, {TokenFormat::shard, 256}); }),
               "token #0 (byte offset 1024) is id 256"));
   }
   SUBCASE("split on blank lines, with EOS") {
@@ -492,17 +482,17 @@ TEST_CASE("tokenize_files: text files to a shard, end to end") {
   SUBCASE("errors") {
     write_text(dir.file("bad.txt"), std::string("ok\xff\xfe"));
     const std::string msg = error_of([&] { tokenize_files({dir.file("bad.txt")}, dir.file("out.bin")); });
-    CHECK(has(msg, dir.file("bad.txt")));
-    CHECK(has(msg, "invalid UTF-8 at byte offset 2"));
+    CHECK(contains(msg, dir.file("bad.txt")));
+    CHECK(contains(msg, "invalid UTF-8 at byte offset 2"));
     CHECK(!fs::exists(dir.file("out.bin")));
     TokenizeOptions raw;
     raw.require_utf8 = false;
     CHECK(tokenize_files({dir.file("bad.txt")}, dir.file("out.bin"), raw).tokens == 5);
 
-    CHECK(has(error_of([&] { tokenize_files({dir.file("3.txt")}, dir.file("none.bin")); }), "hold no document"));
-    CHECK(has(error_of([&] { tokenize_files({dir.file("*.md")}, dir.file("none.bin")); }),
+    CHECK(contains(error_of([&] { tokenize_files({dir.file("3.txt")}, dir.file("none.bin")); }), "hold no document"));
+    CHECK(contains(error_of([&] { tokenize_files({dir.file("*.md")}, dir.file("none.bin")); }),
               "text pattern '" + dir.file("*.md") + "' matches no file"));
-    CHECK(has(error_of([&] { tokenize_files({dir.file("missing.txt")}, dir.file("none.bin")); }), "cannot open"));
+    CHECK(contains(error_of([&] { tokenize_files({dir.file("missing.txt")}, dir.file("none.bin")); }), "cannot open"));
   }
 }
 
@@ -528,7 +518,7 @@ TEST_CASE("window sampler: data-parallel ranks take disjoint slices of the globa
   WindowSampler resumed(windows, 1);
   resumed.restore(rank_samplers[1].state());
   CHECK(resumed.next_rank_batch(B, 1, ranks) == rank_samplers[1].next_rank_batch(B, 1, ranks));
-  CHECK(has(error_of([&] { resumed.next_rank_batch(B, 3, ranks); }), "rank 3 of 3 ranks"));
+  CHECK(contains(error_of([&] { resumed.next_rank_batch(B, 3, ranks); }), "rank 3 of 3 ranks"));
 }
 
 }  // namespace cw

@@ -28,20 +28,11 @@
 namespace cw {
 namespace {
 
+using test::contains;
+using test::error_of;
+
 namespace fs = std::filesystem;
 using Ids = std::vector<uint32_t>;
-
-template <class F> std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  FAIL_CHECK("expected a cw::Error");
-  return "";
-}
-
-bool has(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
 
 std::string read_text(const fs::path& p) {
   std::ifstream f(p, std::ios::binary);
@@ -140,7 +131,7 @@ TEST_CASE("train with a BPE tokenizer: the run directory and its checkpoints kee
   o.run_dir = fx.dir.file("run");
   std::ostringstream log;
   run_training(fx.config(2), o, log);
-  CHECK(has(log.str(), "sample:\nthe "));
+  CHECK(contains(log.str(), "sample:\nthe "));
 
   // The run directory and the checkpoint hold HF's files, not the path they came from.
   const fs::path run(o.run_dir), ckpt = run / checkpoint_dir_name(2);
@@ -169,7 +160,7 @@ TEST_CASE("train with a BPE tokenizer: the run directory and its checkpoints kee
   so.prompt = "the ";
   so.tokens = 6;
   so.stop_at_eos = true;
-  CHECK(has(log.str(), "sample:\nthe " + sample_from_run(o.run_dir, 0, so).text + "\n"));
+  CHECK(contains(log.str(), "sample:\nthe " + sample_from_run(o.run_dir, 0, so).text + "\n"));
 }
 
 TEST_CASE("data.tokenizer: \"model\", and mismatches that fail before step 1 naming both sides") {
@@ -186,7 +177,7 @@ TEST_CASE("data.tokenizer: \"model\", and mismatches that fail before step 1 nam
                     fx.model_json));
   CHECK_FALSE(fs::exists(o.run_dir));  // nothing was started
   rc.data.tokenizer = "model";
-  CHECK(has(error_of([&] { run_training(rc, o, log); }),
+  CHECK(contains(error_of([&] { run_training(rc, o, log); }),
             fmt::format("data.tokenizer = \"model\" but the model '{}' has no tokenizer", fx.model_json)));
 
   // An HF checkpoint directory with its tokenizer: "model" is that tokenizer.
@@ -204,10 +195,10 @@ TEST_CASE("data.tokenizer: \"model\", and mismatches that fail before step 1 nam
   SampleOptions so;
   so.tokens = 3;
   CHECK(sample_from_model(ckpt, so).generated.size() <= 3);
-  CHECK(has(error_of([&] { sample_from_run(o.run_dir, 0, so, "bytes"); }),
+  CHECK(contains(error_of([&] { sample_from_run(o.run_dir, 0, so, "bytes"); }),
             "the tokenizer 'bytes' has 258 tokens but the model"));
-  CHECK(has(error_of([&] { sample_from_model("small", so); }), "--model 'small' has no weights"));
-  CHECK(has(error_of([&] { sample_from_model(fx.model_json, so); }), "has no weights"));
+  CHECK(contains(error_of([&] { sample_from_model("small", so); }), "--model 'small' has no weights"));
+  CHECK(contains(error_of([&] { sample_from_model(fx.model_json, so); }), "has no weights"));
 }
 
 // Runs the chunkwise binary; returns the exit status and fills the combined output.
@@ -246,13 +237,13 @@ TEST_CASE("chunkwise sample: --model, --chat, --tokenizer on the command line; b
   CHECK(out == sample_from_model(ckpt, so).text + "\n");  // a chat prints the reply only
 
   CHECK(run_cli("sample --prompt x", out) == 2);
-  CHECK(has(out, "chunkwise sample needs --run DIR or --model MODEL"));
+  CHECK(contains(out, "chunkwise sample needs --run DIR or --model MODEL"));
   CHECK(run_cli(fmt::format("sample --run {} --model {}", fx.dir.file("run"), ckpt), out) != 0);
-  CHECK(has(out, "excludes"));
+  CHECK(contains(out, "excludes"));
   CHECK(run_cli(fmt::format("sample --model {} --tokenizer bytes", ckpt), out) == 2);
-  CHECK(has(out, "chunkwise: error: the tokenizer 'bytes' has 258 tokens but the model"));
+  CHECK(contains(out, "chunkwise: error: the tokenizer 'bytes' has 258 tokens but the model"));
   CHECK(run_cli(fmt::format("sample --model {} --system hi", ckpt), out) == 2);
-  CHECK(has(out, "--system is for a chat"));
+  CHECK(contains(out, "--system is for a chat"));
 }
 
 TEST_CASE("sample: prompt ids, BOS, stop ids and chats") {
@@ -280,19 +271,19 @@ TEST_CASE("sample: prompt ids, BOS, stop ids and chats") {
   config.eos_token_ids = {};
   CHECK(stop_ids(bpe, config, true) == Ids{266});  // EOS is <|im_end|> here too
 
-  CHECK(has(error_of([&] { prompt_ids(bytes, so); }), "--chat: the bytes tokenizer has no chat template"));
+  CHECK(contains(error_of([&] { prompt_ids(bytes, so); }), "--chat: the bytes tokenizer has no chat template"));
   BpeDefinition llama_like = test_bpe();
   llama_like.chat_template = "{{ bos_token }}{{ '<|start_header_id|>' }}";
-  CHECK(has(error_of([&] { prompt_ids(BpeTokenizer(llama_like), so); }), "the chat template is not ChatML"));
+  CHECK(contains(error_of([&] { prompt_ids(BpeTokenizer(llama_like), so); }), "the chat template is not ChatML"));
   BpeDefinition no_markers = test_bpe();
   for (AddedToken& a : no_markers.added)
     if (a.content == "<|im_end|>") a.content = no_markers.tokens[a.id] = "<|end|>";
-  CHECK(has(error_of([&] { prompt_ids(BpeTokenizer(no_markers), so); }), "<|im_end|> is not one token"));
+  CHECK(contains(error_of([&] { prompt_ids(BpeTokenizer(no_markers), so); }), "<|im_end|> is not one token"));
   so.chat = false;
-  CHECK(has(error_of([&] { prompt_ids(bpe, so); }), "--system is for a chat"));
+  CHECK(contains(error_of([&] { prompt_ids(bpe, so); }), "--system is for a chat"));
   so.system.reset();
   so.prompt = "";
-  CHECK(has(error_of([&] { prompt_ids(bpe, so); }), "the prompt is empty"));
+  CHECK(contains(error_of([&] { prompt_ids(bpe, so); }), "the prompt is empty"));
   CHECK(prompt_ids(bytes, so) == Ids{ByteTokenizer::kBos});  // BOS alone is something to continue
 }
 
@@ -305,9 +296,9 @@ TEST_CASE("train: eval and sample before the first step (eval.at_start, sample.a
   o.run_dir = fx.dir.file("run");
   std::ostringstream log;
   run_training(rc, o, log);
-  CHECK(has(log.str(), "step     0: eval loss "));
-  CHECK(has(log.str(), "before training"));
-  CHECK(has(log.str(), "sample before training:\nthe "));
+  CHECK(contains(log.str(), "step     0: eval loss "));
+  CHECK(contains(log.str(), "before training"));
+  CHECK(contains(log.str(), "sample before training:\nthe "));
   std::ifstream metrics(fs::path(o.run_dir) / "metrics.jsonl");
   std::string first;
   std::getline(metrics, first);
@@ -317,7 +308,7 @@ TEST_CASE("train: eval and sample before the first step (eval.at_start, sample.a
 
   rc.eval.every = 0;
   rc.data.eval_fraction = 0;
-  CHECK(has(error_of([&] { rc.validate(); }), "eval.at_start is true but there is no eval data"));
+  CHECK(contains(error_of([&] { rc.validate(); }), "eval.at_start is true but there is no eval data"));
 }
 
 // ---- the real model, when its GGUF is in .models/ ----
@@ -352,7 +343,7 @@ TEST_CASE("sample: SmolLM2's greedy continuations are HF transformers' (needs th
                                 "Face<|im_end|>\n<|im_start|>user\nWhat is 2 + 2?<|im_end|>\n<|im_start|>assistant\n"));
   CHECK(a.stopped);
   CHECK_FALSE(a.text.empty());
-  CHECK_FALSE(has(a.text, "<|im_end|>"));
+  CHECK_FALSE(contains(a.text, "<|im_end|>"));
   CHECK(sample_from_model(kSmolLm2Gguf.string(), chat).generated == a.generated);
   MESSAGE("SmolLM2, chat 'What is 2 + 2?', greedy: ", a.text);
 }
@@ -423,7 +414,7 @@ TEST_CASE("train: a fine-tune of SmolLM2 from its GGUF exports an HF checkpoint 
   CHECK(tc.at("bos_token") == "<|im_start|>");
   CHECK(tc.at("eos_token") == "<|im_end|>");
   CHECK(tc.at("add_bos_token") == false);
-  CHECK(has(tc.at("chat_template").get<std::string>(), "<|im_start|>"));
+  CHECK(contains(tc.at("chat_template").get<std::string>(), "<|im_start|>"));
   const std::unique_ptr<Tokenizer> back = load_tokenizer(ckpt.string());
   CHECK(back->encode(text) == tok->encode(text));
 
