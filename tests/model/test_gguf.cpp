@@ -49,8 +49,8 @@ struct TensorSpec {
   std::vector<uint64_t> dims;  // innermost first, as stored
   uint32_t type = 0;
   std::string data;            // the tensor's bytes
-  std::optional<uint64_t> offset;  // default: packed after the previous tensor, aligned
-  std::optional<uint32_t> n_dims;  // default: dims.size()
+  std::optional<uint64_t> offset = std::nullopt;  // default: packed after the previous tensor, aligned
+  std::optional<uint32_t> n_dims = std::nullopt;  // default: dims.size()
 };
 
 struct GgufBuilder {
