@@ -8,6 +8,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <map>
 #include <sstream>
@@ -36,23 +37,28 @@ double number_field(const std::string& text, const std::string& where, const cha
     fail(fmt::format("{}: {} '{}' is not a number >= 0", where, name, text), "write a plain number, or leave it empty");
   return v;
 }
+
+// Calls row(text, where) for each line of the table at `path` that is neither blank nor a comment
+// ('#'), trimmed, with "path:line" to name it in errors; `what` names the table when it cannot be read.
+void for_each_row(const std::string& path, const char* what,
+                  const std::function<void(const std::string& text, const std::string& where)>& row) {
+  std::ifstream in(path);
+  if (!in) fail(fmt::format("cannot read {} '{}'", what, path), "check the path");
+  std::string line;
+  for (int n = 1; std::getline(in, line); ++n)
+    if (const std::string t = trim(line); !t.empty() && t[0] != '#') row(t, fmt::format("{}:{}", path, n));
+}
 }  // namespace
 
 std::vector<BenchPoint> read_bench_points(const std::string& path) {
-  std::ifstream in(path);
-  if (!in) fail(fmt::format("cannot read benchmark table '{}'", path), "check the path");
   const std::string header = "series,tokens,tokens_per_s,peak_gib,source";
   std::vector<BenchPoint> points;
-  std::string line;
   bool header_seen = false;
-  for (int n = 1; std::getline(in, line); ++n) {
-    const std::string t = trim(line);
-    if (t.empty() || t[0] == '#') continue;
-    const std::string where = fmt::format("{}:{}", path, n);
+  for_each_row(path, "benchmark table", [&](const std::string& t, const std::string& where) {
     if (!header_seen) {
       if (t != header) fail(fmt::format("{}: the header is '{}'", where, t), "make the first line '" + header + "'");
       header_seen = true;
-      continue;
+      return;
     }
     std::vector<std::string> f;
     std::stringstream ss(t);
@@ -72,7 +78,7 @@ std::vector<BenchPoint> read_bench_points(const std::string& path) {
     p.peak_gib = number_field(f[3], where, "peak_gib");
     p.source = trim(rest);
     points.push_back(std::move(p));
-  }
+  });
   if (!header_seen) fail(fmt::format("benchmark table '{}' has no header", path), "make the first line '" + header + "'");
   if (points.empty()) fail(fmt::format("benchmark table '{}' has no rows", path), "add a row per measured run");
   return points;
@@ -122,10 +128,67 @@ Chart bench_chart(const std::vector<BenchPoint>& points, const std::string& titl
   return chart;
 }
 
+namespace {
+// The fields of a CSV line, trimmed.
+std::vector<std::string> fields_of(const std::string& line) {
+  std::vector<std::string> f;
+  std::stringstream ss(line);
+  for (std::string cell; std::getline(ss, cell, ',');) f.push_back(trim(cell));
+  if (!line.empty() && line.back() == ',') f.emplace_back();
+  return f;
+}
+
+// The first line of a table that is not a comment or blank ("" if none, or unreadable).
+std::string header_of(const std::string& path) {
+  std::ifstream in(path);
+  for (std::string line; std::getline(in, line);)
+    if (const std::string t = trim(line); !t.empty() && t[0] != '#') return t;
+  return "";
+}
+}  // namespace
+
+BarChart step_time_chart(const std::string& path, const std::string& title) {
+  BarChart chart;
+  chart.title = title;
+  chart.x_label = "ms a step";
+  bool header_seen = false;
+  for_each_row(path, "step-time table", [&](const std::string& t, const std::string& where) {
+    const std::vector<std::string> f = fields_of(t);
+    if (!header_seen) {
+      if (f.size() < 2 || f[0] != "run")
+        fail(fmt::format("{}: the header is '{}'", where, t), "make the first line 'run,CATEGORY,...' (one category at least)");
+      for (size_t i = 1; i < f.size(); ++i) {
+        if (f[i].empty()) fail(fmt::format("{}: category {} has no name", where, i), "name every category in the header");
+        chart.categories.push_back(f[i]);
+      }
+      header_seen = true;
+      return;
+    }
+    if (f.size() != chart.categories.size() + 1)
+      fail(fmt::format("{}: {} fields, expected {} (the run and one a category)", where, f.size(), chart.categories.size() + 1),
+           "give every row the header's columns");
+    Bar bar{f[0], {}};
+    if (bar.label.empty()) fail(fmt::format("{}: the run is empty", where), "name the run the row measures");
+    for (size_t i = 1; i < f.size(); ++i) {
+      const double v = number_field(f[i], where, chart.categories[i - 1].c_str());
+      if (std::isnan(v)) fail(fmt::format("{}: '{}' is empty", where, chart.categories[i - 1]), "write 0 for none");
+      bar.values.push_back(v);
+    }
+    chart.bars.push_back(std::move(bar));
+  });
+  if (!header_seen) fail(fmt::format("step-time table '{}' has no header", path), "make the first line 'run,CATEGORY,...'");
+  if (chart.bars.empty()) fail(fmt::format("step-time table '{}' has no rows", path), "add a row per measured run");
+  return chart;
+}
+
 void write_chart(const std::string& input, const std::string& out, const std::string& title, double device_gib) {
   namespace fs = std::filesystem;
   if (out.empty()) fail("chunkwise chart needs --out FILE.svg", "name the picture to write");
   const bool table = fs::path(input).extension() == ".csv";
+  if (table && header_of(input).rfind("run,", 0) == 0) {
+    write_svg(out, step_time_chart(input, title.empty() ? "where a step's time goes" : title));
+    return;
+  }
   if (table) {
     write_svg(out, bench_chart(read_bench_points(input), title.empty() ? "speed and memory against tokens" : title,
                                device_gib));

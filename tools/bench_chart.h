@@ -31,8 +31,17 @@ std::vector<BenchPoint> read_bench_points(const std::string& path);
 // The two-panel chart of the points; device_gib > 0 adds the device's memory as a grey line.
 Chart bench_chart(const std::vector<BenchPoint>& points, const std::string& title, double device_gib = 0);
 
-// `chunkwise chart INPUT --out FILE.svg`: a benchmark table (INPUT ending in .csv) as above, or a
-// training run (its directory or its metrics.jsonl) as plot.h's run_chart. Empty title: a default.
+// A step's time by kind, two programs (or settings) side by side, as stacked bars (plot.h BarChart):
+// also CSV, '#' lines comments, the header
+//   run,CATEGORY,CATEGORY,...
+// (at least one category) and a row a bar: its label, then milliseconds a step for each category
+// (numbers >= 0). docs/step_time_64k.csv is the README's. A malformed file is an error naming the file
+// and line.
+BarChart step_time_chart(const std::string& path, const std::string& title);
+
+// `chunkwise chart INPUT --out FILE.svg`: a .csv is a benchmark table (header series,tokens,...) or a
+// step's time by kind (header run,...), as above; otherwise a training run (its directory or its
+// metrics.jsonl) as plot.h's run_chart. Empty title: a default.
 void write_chart(const std::string& input, const std::string& out, const std::string& title, double device_gib = 0);
 
 // "16K", "512K", "1M", "1.5M": a token count for an axis (powers of two of K and M; else compact).

@@ -160,8 +160,10 @@ int main(int argc, char** argv) {
   std::string chart_input, chart_out, chart_title;
   double chart_device_gib = 0;
   CLI::App* chart = app.add_subcommand(
-      "chart", "a picture (SVG): a benchmark table (.csv) as speed and memory against tokens, or a run's loss curves");
-  chart->add_option("input", chart_input, "a .csv benchmark table (tools/bench_chart.h), a run directory or its metrics.jsonl")
+      "chart", "a picture (SVG): a benchmark table (.csv) as speed and memory against tokens, a step's time by kind "
+      "(.csv) as stacked bars, or a run's loss curves");
+  chart->add_option("input", chart_input,
+                    "a .csv benchmark table or step-time table (tools/bench_chart.h), a run directory or its metrics.jsonl")
       ->required();
   chart->add_option("--out", chart_out, "the SVG to write")->required();
   chart->add_option("--title", chart_title, "the chart's title");

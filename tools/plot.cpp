@@ -275,6 +275,21 @@ void render_panel(std::string& svg, const Panel& panel, const Axis& ax, double t
   svg += "</g>\n";
 }
 
+// The document's opening, a white background, and the title (if any) centred on title_x.
+std::string svg_start(int width, double height, const std::string& title, double title_x) {
+  std::string svg = fmt::format(
+      "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
+      "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{0}\" height=\"{1:.0f}\" viewBox=\"0 0 {0} {1:.0f}\" "
+      "font-family=\"DejaVu Sans, Helvetica, Arial, sans-serif\" font-size=\"12\" fill=\"#222\">\n"
+      "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n",
+      width, height);
+  if (!title.empty())
+    svg += fmt::format("<text class=\"title\" x=\"{:.1f}\" y=\"28\" text-anchor=\"middle\" font-size=\"16\" "
+                       "font-weight=\"bold\">{}</text>\n",
+                       title_x, escape(title));
+  return svg;
+}
+
 }  // namespace
 
 // ---- charts ------------------------------------------------------------------------------------
@@ -296,16 +311,7 @@ std::string render_svg(const Chart& chart) {
   for (const Panel& p : chart.panels) height += p.height;
   height += kGap * static_cast<double>(chart.panels.size() - 1);
 
-  std::string svg = fmt::format(
-      "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
-      "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{0}\" height=\"{1:.0f}\" viewBox=\"0 0 {0} {1:.0f}\" "
-      "font-family=\"DejaVu Sans, Helvetica, Arial, sans-serif\" font-size=\"12\" fill=\"#222\">\n"
-      "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n",
-      chart.width, height);
-  if (!chart.title.empty())
-    svg += fmt::format("<text class=\"title\" x=\"{:.1f}\" y=\"28\" text-anchor=\"middle\" font-size=\"16\" "
-                       "font-weight=\"bold\">{}</text>\n",
-                       (ax.p_lo + ax.p_hi) / 2, escape(chart.title));
+  std::string svg = svg_start(chart.width, height, chart.title, (ax.p_lo + ax.p_hi) / 2);
   double top = title_height;
   for (size_t i = 0; i < chart.panels.size(); ++i) {
     render_panel(svg, chart.panels[i], ax, top, i + 1 == chart.panels.size(), chart.x_ticks);
@@ -317,6 +323,132 @@ std::string render_svg(const Chart& chart) {
 }
 
 void write_svg(const std::string& path, const Chart& chart) { write_text_atomic(path, render_svg(chart)); }
+
+// ---- stacked bars ------------------------------------------------------------------------------
+
+std::string format_amount(double v) {
+  if (!std::isfinite(v)) return fmt::format("{}", v);
+  if (v == 0) return "0";
+  if (std::abs(v) >= 100) {
+    const long long n = std::llround(v);
+    const std::string digits = std::to_string(n < 0 ? -n : n);
+    std::string out = n < 0 ? "-" : "";
+    for (size_t i = 0; i < digits.size(); ++i) {
+      if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
+      out += digits[i];
+    }
+    return out;
+  }
+  return trim_zeros(fmt::format("{:.{}f}", v, std::max(0, 2 - decade_of(std::abs(v)))));
+}
+
+namespace {
+void validate(const BarChart& chart) {
+  if (chart.categories.empty()) fail("bar chart: no categories", "name at least one category");
+  if (chart.bars.empty()) fail("bar chart: no bars", "give the chart at least one Bar");
+  if (chart.width < 300 || chart.width > 16384)
+    fail(fmt::format("bar chart: width {} is outside 300..16384", chart.width), "set BarChart::width within those bounds");
+  for (const Bar& b : chart.bars) {
+    if (b.values.size() != chart.categories.size())
+      fail(fmt::format("bar chart: bar '{}' has {} values for {} categories", b.label, b.values.size(),
+                       chart.categories.size()),
+           "give every bar one value a category");
+    for (size_t i = 0; i < b.values.size(); ++i)
+      if (!std::isfinite(b.values[i]) || b.values[i] < 0)
+        fail(fmt::format("bar chart: bar '{}' has {} for '{}'", b.label, b.values[i], chart.categories[i]),
+             "give finite values >= 0");
+  }
+}
+
+double text_width(const std::string& text) { return kCharWidth * static_cast<double>(text.size()); }
+}  // namespace
+
+std::string render_svg(const BarChart& chart) {
+  validate(chart);
+  constexpr double kBarHeight = 26, kBarGap = 14, kLegendRow = 20;
+  std::vector<double> totals;
+  double longest_label = 0, longest_total = 0, max_total = 0;
+  for (const Bar& b : chart.bars) {
+    double t = 0;
+    for (double v : b.values) t += v;
+    totals.push_back(t);
+    max_total = std::max(max_total, t);
+    longest_label = std::max(longest_label, text_width(b.label));
+    longest_total = std::max(longest_total, text_width(format_amount(t)));
+  }
+  const double width = chart.width;
+  const double left = std::clamp(longest_label + 24, kLeft, 0.45 * width);
+  const double right = width - kRight - longest_total - 8;
+  const Axis ax{0, max_total > 0 ? max_total : 1, left, std::max(right, left + 100)};
+
+  // The legend under the title, its entries left to right, wrapping at the plot's right edge.
+  const double title_height = chart.title.empty() ? 16 : 44;
+  std::vector<Point> entry_at;
+  double x = left, y = title_height;
+  for (const std::string& c : chart.categories) {
+    const double w = 18 + text_width(c) + 18;
+    if (x > left && x + w > ax.p_hi) x = left, y += kLegendRow;
+    entry_at.emplace_back(x, y);
+    x += w;
+  }
+  const double top = y + kLegendRow + 6;
+  const double plot_height = kBarGap + static_cast<double>(chart.bars.size()) * (kBarHeight + kBarGap);
+  const double height = top + plot_height + kBottom;
+
+  std::string svg = svg_start(chart.width, height, chart.title, width / 2);
+  svg += "<g class=\"legend\">\n";
+  for (size_t i = 0; i < chart.categories.size(); ++i)
+    svg += fmt::format("<rect x=\"{:.1f}\" y=\"{:.1f}\" width=\"12\" height=\"12\" fill=\"{}\"/>\n"
+                       "<text x=\"{:.1f}\" y=\"{:.1f}\" dy=\"0.35em\">{}</text>\n",
+                       entry_at[i].first, entry_at[i].second + 4, colour(chart_palette(i)), entry_at[i].first + 18,
+                       entry_at[i].second + 10, escape(chart.categories[i]));
+  svg += "</g>\n";
+
+  // Grid and ticks along x.
+  const std::vector<double> xt = axis_ticks(ax.lo, ax.hi, ax.p_hi - ax.p_lo, 90);
+  std::string grid, marks;
+  for (double t : xt) {
+    grid += fmt::format("M{:.1f} {:.1f}V{:.1f}", ax(t), top, top + plot_height);
+    marks += fmt::format("M{:.1f} {:.1f}v5", ax(t), top + plot_height);
+  }
+  svg += fmt::format("<path d=\"{}\" stroke=\"#e4e4e4\"/>\n<path d=\"{}\" stroke=\"#444\"/>\n", grid, marks);
+  const std::vector<std::string> xl = format_tick_labels(xt);
+  for (size_t i = 0; i < xt.size(); ++i)
+    svg += fmt::format("<text class=\"xtick\" x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"middle\">{}</text>\n", ax(xt[i]),
+                       top + plot_height + 20, escape(xl[i]));
+
+  for (size_t b = 0; b < chart.bars.size(); ++b) {
+    const Bar& bar = chart.bars[b];
+    const double y0 = top + kBarGap + static_cast<double>(b) * (kBarHeight + kBarGap), mid = y0 + kBarHeight / 2;
+    svg += fmt::format("<text class=\"bar-label\" x=\"{:.1f}\" y=\"{:.1f}\" dy=\"0.35em\" text-anchor=\"end\">{}</text>\n",
+                       left - 8, mid, escape(bar.label));
+    double at = 0;
+    for (size_t c = 0; c < bar.values.size(); ++c) {
+      const double v = bar.values[c], x0 = ax(at), w = ax(at + v) - x0;
+      at += v;
+      if (v == 0) continue;
+      svg += fmt::format("<rect class=\"segment\" x=\"{:.2f}\" y=\"{:.1f}\" width=\"{:.2f}\" height=\"{:.1f}\" "
+                         "fill=\"{}\"><title>{}: {}</title></rect>\n",
+                         x0, y0, w, kBarHeight, colour(chart_palette(c)), escape(chart.categories[c]),
+                         escape(format_amount(v)));
+      const std::string value = format_amount(v);
+      if (w >= text_width(value) + 8)
+        svg += fmt::format("<text class=\"segment-value\" x=\"{:.1f}\" y=\"{:.1f}\" dy=\"0.35em\" "
+                           "text-anchor=\"middle\" fill=\"white\">{}</text>\n",
+                           x0 + w / 2, mid, escape(value));
+    }
+    svg += fmt::format("<text class=\"total\" x=\"{:.1f}\" y=\"{:.1f}\" dy=\"0.35em\" font-weight=\"bold\">{}</text>\n",
+                       ax(totals[b]) + 6, mid, escape(format_amount(totals[b])));
+  }
+  svg += fmt::format("<rect class=\"frame\" x=\"{:.1f}\" y=\"{:.1f}\" width=\"{:.1f}\" height=\"{:.1f}\" fill=\"none\" "
+                     "stroke=\"#444\"/>\n",
+                     ax.p_lo, top, ax.p_hi - ax.p_lo, plot_height);
+  svg += fmt::format("<text class=\"xlabel\" x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"middle\">{}</text>\n</svg>\n",
+                     (ax.p_lo + ax.p_hi) / 2, height - 10, escape(chart.x_label));
+  return svg;
+}
+
+void write_svg(const std::string& path, const BarChart& chart) { write_text_atomic(path, render_svg(chart)); }
 
 Chart run_chart(const std::string& metrics_path, const std::string& title) {
   std::ifstream in(metrics_path);

@@ -1,6 +1,7 @@
-// Line charts written as SVG: a training run's loss curves, learning rate and memory against tokens
-// seen. SVG is text, so there is no raster, no font data and no library behind it; any browser shows
-// it, and the tests read it back as text.
+// Charts written as SVG: line charts (a training run's loss curves, learning rate and memory against
+// tokens seen; benchmark tables) and stacked bars (where a step's time goes). SVG is text, so there is
+// no raster, no font data and no library behind it; any browser shows it, and the tests read it back
+// as text.
 //
 // A chart is a title, one shared x axis and one or more panels stacked vertically, each with its own
 // y axis: framed plot area, light grid at "nice" ticks (1/2/5 x 10^k) with compact labels such as
@@ -58,6 +59,31 @@ std::string render_svg(const Chart& chart);
 
 // Renders the chart and writes it to `path` atomically; errors name the file.
 void write_svg(const std::string& path, const Chart& chart);
+
+// Horizontal stacked bars: where a step's time goes, two programs side by side. One bar a row, top to
+// bottom in order, split into the categories' segments in order, each category its colour
+// (chart_palette) and its entry in the legend under the title; a segment wide enough for it shows its
+// value, and every bar its total after its end. One x axis from 0 with "nice" ticks and the label under
+// it. Values must be finite and >= 0; no categories, no bars, a bar with another count of values than
+// categories, or a width out of bounds throw cw::Error.
+struct Bar {
+  std::string label;
+  std::vector<double> values;  // one a category, in the categories' order
+};
+
+struct BarChart {
+  std::string title, x_label;
+  std::vector<std::string> categories;
+  std::vector<Bar> bars;
+  int width = 960;  // pixels (300..16384)
+};
+
+std::string render_svg(const BarChart& chart);
+void write_svg(const std::string& path, const BarChart& chart);
+
+// A value as a bar's or segment's label: whole numbers from 100 up with thousands separators
+// (3259.4 -> "3,259"), three significant digits below (42.25 -> "42.3", 0.5 -> "0.5").
+std::string format_amount(double v);
 
 // The picture of a training run from its metrics log (metrics.jsonl, as tools/train writes it):
 // train loss and eval loss, learning rate, and memory (host rss_mib; on a GPU also the caching pool's

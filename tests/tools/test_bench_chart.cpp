@@ -158,3 +158,72 @@ TEST_CASE("bench chart: docs/long_context.svg is the drawing of docs/long_contex
                 "run: chunkwise chart docs/long_context.csv --out docs/long_context.svg --device-gib 79.2 "
                 "--title \"Llama-3.2-1B on one H100: seco against HF + Liger\"");
 }
+
+TEST_CASE("step-time table: categories from the header, a bar a row, comments skipped") {
+  cw::test::TempDir dir("step-time");
+  const std::string path = write(dir, "s.csv", "# where the time goes\nrun, attention ,matmul\n\nours,10,2.5\n# between\npeer, 20 ,0\n");
+  const cw::BarChart chart = cw::step_time_chart(path, "t");
+  CHECK(chart.title == "t");
+  CHECK(chart.x_label == "ms a step");
+  CHECK(chart.categories == std::vector<std::string>{"attention", "matmul"});
+  REQUIRE(chart.bars.size() == 2);
+  CHECK(chart.bars[0].label == "ours");
+  CHECK(chart.bars[0].values == std::vector<double>{10, 2.5});
+  CHECK(chart.bars[1].label == "peer");
+  CHECK(chart.bars[1].values == std::vector<double>{20, 0});
+}
+
+TEST_CASE("step-time table: a malformed table is one error naming the file and the line") {
+  cw::test::TempDir dir("step-time-bad");
+  struct Bad {
+    std::string text, says;
+  };
+  const std::vector<Bad> cases = {
+      {"run\n", ":1: the header is 'run'"},
+      {"name,a\n", ":1: the header is 'name,a'"},
+      {"run,a,\n", ":1: category 2 has no name"},
+      {"run,a,b\nx,1\n", ":2: 2 fields, expected 3"},
+      {"run,a,b\nx,1,2,3\n", ":2: 4 fields, expected 3"},
+      {"run,a\nx,-1\n", ":2: a '-1' is not a number >= 0"},
+      {"run,a\nx,1ms\n", ":2: a '1ms' is not a number >= 0"},
+      {"run,a\nx,\n", ":2: 'a' is empty"},
+      {"run,a\n,1\n", ":2: the run is empty"},
+      {"run,a\n", "has no rows"},
+      {"# nothing\n", "has no header"},
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const std::string path = write(dir, "bad" + std::to_string(i) + ".csv", cases[i].text);
+    INFO(cases[i].text);
+    CHECK_THROWS_WITH_AS(cw::step_time_chart(path, ""), doctest::Contains(cases[i].says.c_str()), cw::Error);
+    CHECK_THROWS_WITH_AS(cw::step_time_chart(path, ""), doctest::Contains(path.c_str()), cw::Error);
+  }
+  CHECK_THROWS_WITH_AS(cw::step_time_chart(dir.file("absent.csv"), ""), doctest::Contains("absent.csv"), cw::Error);
+}
+
+TEST_CASE("chunkwise chart: a step-time table (header run,...) is drawn as stacked bars") {
+  cw::test::TempDir dir("step-time-write");
+  const std::string table = write(dir, "s.csv", "run,attention,matmul\nours,10,2\npeer,20,2\n");
+  cw::write_chart(table, dir.file("s.svg"), "");
+  std::ifstream in(dir.file("s.svg"));
+  const std::string svg((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  CHECK(svg.find("where a step&#39;s time goes") == std::string::npos);
+  CHECK(svg.find("where a step's time goes") != std::string::npos);
+  const std::regex segment("<rect class=\"segment\"");
+  CHECK(std::distance(std::sregex_iterator(svg.begin(), svg.end(), segment), std::sregex_iterator()) == 4);
+  CHECK(svg.find(">12</text>") != std::string::npos);  // the totals
+  CHECK(svg.find(">22</text>") != std::string::npos);
+}
+
+TEST_CASE("step-time charts: docs/step_time_*.svg are the drawings of their tables (redraw them after editing)") {
+  const std::filesystem::path docs = std::filesystem::path(CW_SOURCE_ROOT) / "docs";
+  const std::vector<std::pair<std::string, std::string>> pictures = {
+      {"step_time_64k", "Llama-3.2-1B, 64K tokens, one H100: where a step's time goes"},
+      {"step_time_lora_64k", "Llama-3.1-8B LoRA, 64K tokens, one H100: where a step's time goes"}};
+  for (const auto& [name, title] : pictures) {
+    std::ifstream committed(docs / (name + ".svg"));
+    REQUIRE(committed);
+    const std::string svg((std::istreambuf_iterator<char>(committed)), std::istreambuf_iterator<char>());
+    const std::string redraw = "run: chunkwise chart docs/" + name + ".csv --out docs/" + name + ".svg --title \"" + title + "\"";
+    CHECK_MESSAGE(svg == cw::render_svg(cw::step_time_chart((docs / (name + ".csv")).string(), title)), redraw);
+  }
+}

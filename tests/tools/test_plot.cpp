@@ -15,6 +15,7 @@
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <map>
 #include <random>
 #include <regex>
 #include <sstream>
@@ -511,3 +512,87 @@ TEST_CASE("run_chart: loss, eval loss, learning rate and host memory from metric
 }
 
 }  // TEST_SUITE
+
+// ---- stacked bars ----
+
+namespace {
+// The class="segment" rectangles in order: x, width.
+std::vector<std::pair<double, double>> segments(const std::string& svg) {
+  std::vector<std::pair<double, double>> out;
+  for (const std::string& t : tags(svg, "<rect class=\"segment\"")) out.emplace_back(attr(t, "x"), attr(t, "width"));
+  return out;
+}
+}  // namespace
+
+TEST_CASE("format_amount: thousands apart from 100 up, three significant digits below") {
+  CHECK(cw::format_amount(3259.4) == "3,259");
+  CHECK(cw::format_amount(1234567) == "1,234,567");
+  CHECK(cw::format_amount(100) == "100");
+  CHECK(cw::format_amount(999.6) == "1,000");
+  CHECK(cw::format_amount(42.26) == "42.3");
+  CHECK(cw::format_amount(0.5) == "0.5");
+  CHECK(cw::format_amount(9.999) == "10");
+  CHECK(cw::format_amount(0) == "0");
+  CHECK(cw::format_amount(-2500) == "-2,500");
+}
+
+TEST_CASE("render_svg (bars): segments proportional to the values, stacked in order, totals and legend as text") {
+  cw::BarChart chart;
+  chart.title = "a <step> & its \"parts\"";
+  chart.x_label = "ms a step";
+  chart.categories = {"attention", "matmul", "idle"};
+  chart.bars = {{"ours", {600, 300, 100}}, {"the peer's", {1200, 300, 0}}};
+  const std::string svg = cw::render_svg(chart);
+  INFO(svg.substr(0, 800));
+  CHECK(well_formed(svg) == "");
+  CHECK(svg.find(">a &lt;step&gt; &amp; its &quot;parts&quot;</text>") != std::string::npos);
+  for (const char* text : {">ours</text>", ">the peer's</text>", ">attention</text>", ">matmul</text>", ">idle</text>",
+                           ">ms a step</text>", ">1,000</text>", ">1,500</text>"})
+    CHECK_MESSAGE(svg.find(text) != std::string::npos, text);
+  // Five segments (a zero is not drawn): each starts where the one before it ends, widths in proportion.
+  const auto s = segments(svg);
+  REQUIRE(s.size() == 5);
+  const double per_ms = s[0].second / 600;
+  CHECK(s[1].first == doctest::Approx(s[0].first + s[0].second).epsilon(1e-4));
+  CHECK(s[2].first == doctest::Approx(s[1].first + s[1].second).epsilon(1e-4));
+  CHECK(s[1].second == doctest::Approx(300 * per_ms).epsilon(1e-3));
+  CHECK(s[2].second == doctest::Approx(100 * per_ms).epsilon(1e-3));
+  CHECK(s[3].first == doctest::Approx(s[0].first).epsilon(1e-6));  // every bar starts at 0
+  CHECK(s[3].second == doctest::Approx(1200 * per_ms).epsilon(1e-3));
+  CHECK(s[4].second == doctest::Approx(300 * per_ms).epsilon(1e-3));
+  // The axis the tick labels state: the tick at 1k is 1000 ms from the tick at 0.
+  const std::regex tick("<text class=\"xtick\" x=\"([0-9.]+)\"[^>]*>([^<]*)</text>");
+  std::map<std::string, double> at;
+  for (std::sregex_iterator it(svg.begin(), svg.end(), tick), end; it != end; ++it) at[(*it)[2]] = std::stod((*it)[1]);
+  REQUIRE(at.count("0"));
+  REQUIRE(at.count("1k"));
+  CHECK(at["0"] == doctest::Approx(s[0].first).epsilon(1e-3));
+  CHECK(at["1k"] - at["0"] == doctest::Approx(1000 * per_ms).epsilon(1e-3));
+  // Wide segments carry their value; the colours are the palette's, by category.
+  CHECK(svg.find("class=\"segment-value\"") != std::string::npos);
+  CHECK(svg.find(">600</text>") != std::string::npos);
+  CHECK(svg == cw::render_svg(chart));  // the same document every time
+}
+
+TEST_CASE("render_svg (bars): bad input is a clear error") {
+  cw::BarChart chart{"t", "ms", {"a", "b"}, {{"x", {1, 2}}}};
+  CHECK_NOTHROW(cw::render_svg(chart));
+  cw::BarChart none = chart;
+  none.bars.clear();
+  CHECK_THROWS_WITH_AS(cw::render_svg(none), doctest::Contains("no bars"), cw::Error);
+  cw::BarChart nocat = chart;
+  nocat.categories.clear();
+  CHECK_THROWS_WITH_AS(cw::render_svg(nocat), doctest::Contains("no categories"), cw::Error);
+  cw::BarChart count = chart;
+  count.bars[0].values = {1};
+  CHECK_THROWS_WITH_AS(cw::render_svg(count), doctest::Contains("'x' has 1 values for 2 categories"), cw::Error);
+  cw::BarChart negative = chart;
+  negative.bars[0].values = {1, -2};
+  CHECK_THROWS_WITH_AS(cw::render_svg(negative), doctest::Contains("for 'b'"), cw::Error);
+  cw::BarChart nan = chart;
+  nan.bars[0].values = {kNaN, 1};
+  CHECK_THROWS_AS(cw::render_svg(nan), cw::Error);
+  cw::BarChart narrow = chart;
+  narrow.width = 100;
+  CHECK_THROWS_WITH_AS(cw::render_svg(narrow), doctest::Contains("width 100"), cw::Error);
+}
