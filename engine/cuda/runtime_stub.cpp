@@ -35,6 +35,7 @@ void host_wait_for_copy(uint64_t, int) { no_cuda(); }
 void set_pool_limit(int, size_t) { no_cuda(); }
 size_t pool_limit(int) { return 0; }
 void wait_for_all_copies(int) {}
+double take_copy_wait_seconds(int) { return 0.0; }
 size_t trace_mark(int, int, bool) { no_cuda(); }
 std::vector<double> trace_marks_resolve(int) { no_cuda(); }
 void trace_marks_clear() {}
