@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <string>
 #include <system_error>
 #include <thread>
@@ -182,6 +183,8 @@ std::vector<Socket> listen_everywhere(const LaunchInfo& info) {
   const std::string port = std::to_string(info.master_port);
   const int rc = ::getaddrinfo(nullptr, port.c_str(), &hints, &found);
   CW_CHECK(rc == 0, "rank 0: no local address for port {}: {}", info.master_port, ::gai_strerror(rc));
+  // Freed however the loop ends (a port in use throws from inside it).
+  const std::unique_ptr<addrinfo, decltype(&::freeaddrinfo)> addresses(found, &::freeaddrinfo);
   std::vector<Socket> listeners;
   std::string last_error = "no address";
   for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
@@ -209,7 +212,6 @@ std::vector<Socket> listen_everywhere(const LaunchInfo& info) {
     }
     listeners.push_back(std::move(s));
   }
-  ::freeaddrinfo(found);
   if (listeners.empty())
     fail(CW_FORMAT("rank 0 cannot listen on port {}: {}", info.master_port, last_error),
          "choose another port with MASTER_PORT (or CHUNKWISE_MASTER_PORT)");
