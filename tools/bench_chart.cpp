@@ -8,7 +8,6 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
-#include <functional>
 #include <limits>
 #include <map>
 #include <sstream>
@@ -38,27 +37,31 @@ double number_field(const std::string& text, const std::string& where, const cha
   return v;
 }
 
-// Calls row(text, where) for each line of the table at `path` that is neither blank nor a comment
-// ('#'), trimmed, with "path:line" to name it in errors; `what` names the table when it cannot be read.
-void for_each_row(const std::string& path, const char* what,
-                  const std::function<void(const std::string& text, const std::string& where)>& row) {
+// A line of a table that is neither blank nor a comment ('#'), trimmed, and "path:line" to name it in errors.
+struct TableRow {
+  std::string text, where;
+};
+
+// The rows of the table at `path`, read once; `what` names the table when it cannot be read.
+std::vector<TableRow> table_rows(const std::string& path, const char* what) {
   std::ifstream in(path);
   if (!in) fail(fmt::format("cannot read {} '{}'", what, path), "check the path");
+  std::vector<TableRow> rows;
   std::string line;
   for (int n = 1; std::getline(in, line); ++n)
-    if (const std::string t = trim(line); !t.empty() && t[0] != '#') row(t, fmt::format("{}:{}", path, n));
+    if (std::string t = trim(line); !t.empty() && t[0] != '#') rows.push_back({std::move(t), fmt::format("{}:{}", path, n)});
+  return rows;
 }
-}  // namespace
 
-std::vector<BenchPoint> read_bench_points(const std::string& path) {
+std::vector<BenchPoint> bench_points(const std::string& path, const std::vector<TableRow>& rows) {
   const std::string header = "series,tokens,tokens_per_s,peak_gib,source";
   std::vector<BenchPoint> points;
   bool header_seen = false;
-  for_each_row(path, "benchmark table", [&](const std::string& t, const std::string& where) {
+  for (const auto& [t, where] : rows) {
     if (!header_seen) {
       if (t != header) fail(fmt::format("{}: the header is '{}'", where, t), "make the first line '" + header + "'");
       header_seen = true;
-      return;
+      continue;
     }
     std::vector<std::string> f;
     std::stringstream ss(t);
@@ -78,11 +81,12 @@ std::vector<BenchPoint> read_bench_points(const std::string& path) {
     p.peak_gib = number_field(f[3], where, "peak_gib");
     p.source = trim(rest);
     points.push_back(std::move(p));
-  });
+  }
   if (!header_seen) fail(fmt::format("benchmark table '{}' has no header", path), "make the first line '" + header + "'");
   if (points.empty()) fail(fmt::format("benchmark table '{}' has no rows", path), "add a row per measured run");
   return points;
 }
+}  // namespace
 
 std::string token_label(double tokens) {
   const double k = tokens / 1024, m = tokens / (1024 * 1024);
@@ -138,21 +142,12 @@ std::vector<std::string> fields_of(const std::string& line) {
   return f;
 }
 
-// The first line of a table that is not a comment or blank ("" if none, or unreadable).
-std::string header_of(const std::string& path) {
-  std::ifstream in(path);
-  for (std::string line; std::getline(in, line);)
-    if (const std::string t = trim(line); !t.empty() && t[0] != '#') return t;
-  return "";
-}
-}  // namespace
-
-BarChart step_time_chart(const std::string& path, const std::string& title) {
+BarChart step_time_bars(const std::string& path, const std::vector<TableRow>& rows, const std::string& title) {
   BarChart chart;
   chart.title = title;
   chart.x_label = "ms a step";
   bool header_seen = false;
-  for_each_row(path, "step-time table", [&](const std::string& t, const std::string& where) {
+  for (const auto& [t, where] : rows) {
     const std::vector<std::string> f = fields_of(t);
     if (!header_seen) {
       if (f.size() < 2 || f[0] != "run")
@@ -162,7 +157,7 @@ BarChart step_time_chart(const std::string& path, const std::string& title) {
         chart.categories.push_back(f[i]);
       }
       header_seen = true;
-      return;
+      continue;
     }
     if (f.size() != chart.categories.size() + 1)
       fail(fmt::format("{}: {} fields, expected {} (the run and one a category)", where, f.size(), chart.categories.size() + 1),
@@ -175,23 +170,34 @@ BarChart step_time_chart(const std::string& path, const std::string& title) {
       bar.values.push_back(v);
     }
     chart.bars.push_back(std::move(bar));
-  });
+  }
   if (!header_seen) fail(fmt::format("step-time table '{}' has no header", path), "make the first line 'run,CATEGORY,...'");
   if (chart.bars.empty()) fail(fmt::format("step-time table '{}' has no rows", path), "add a row per measured run");
   return chart;
 }
 
+// A step-time table's header: "run," and its categories.
+bool step_time_header(const std::vector<TableRow>& rows) { return !rows.empty() && rows[0].text.rfind("run,", 0) == 0; }
+}  // namespace
+
+std::vector<BenchPoint> read_bench_points(const std::string& path) {
+  return bench_points(path, table_rows(path, "benchmark table"));
+}
+
+BarChart step_time_chart(const std::string& path, const std::string& title) {
+  return step_time_bars(path, table_rows(path, "step-time table"), title);
+}
+
 void write_chart(const std::string& input, const std::string& out, const std::string& title, double device_gib) {
   namespace fs = std::filesystem;
   if (out.empty()) fail("chunkwise chart needs --out FILE.svg", "name the picture to write");
-  const bool table = fs::path(input).extension() == ".csv";
-  if (table && header_of(input).rfind("run,", 0) == 0) {
-    write_svg(out, step_time_chart(input, title.empty() ? "where a step's time goes" : title));
-    return;
-  }
-  if (table) {
-    write_svg(out, bench_chart(read_bench_points(input), title.empty() ? "speed and memory against tokens" : title,
-                               device_gib));
+  if (fs::path(input).extension() == ".csv") {
+    const std::vector<TableRow> rows = table_rows(input, "table");
+    if (step_time_header(rows))
+      write_svg(out, step_time_bars(input, rows, title.empty() ? "where a step's time goes" : title));
+    else
+      write_svg(out, bench_chart(bench_points(input, rows), title.empty() ? "speed and memory against tokens" : title,
+                                 device_gib));
     return;
   }
   const std::string metrics = fs::is_directory(input) ? (fs::path(input) / "metrics.jsonl").string() : input;

@@ -161,6 +161,16 @@ void validate(const Chart& chart) {
   }
 }
 
+// The labels of the x ticks, centred under them at height y.
+std::string x_tick_labels(const Axis& ax, const std::vector<double>& ticks, const std::vector<std::string>& labels,
+                          double y) {
+  std::string svg;
+  for (size_t i = 0; i < ticks.size(); ++i)
+    svg += fmt::format("<text class=\"xtick\" x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"middle\">{}</text>\n", ax(ticks[i]),
+                       y, escape(labels[i]));
+  return svg;
+}
+
 // One panel: grid, frame, y ticks, series, legend; x tick labels when it is the bottom one.
 void render_panel(std::string& svg, const Panel& panel, const Axis& ax, double top, bool bottom,
                   const std::vector<XTick>& given_x_ticks) {
@@ -198,9 +208,7 @@ void render_panel(std::string& svg, const Panel& panel, const Axis& ax, double t
     std::vector<std::string> xl;
     for (const XTick& t : given_x_ticks) xl.push_back(t.label);
     if (given_x_ticks.empty()) xl = format_tick_labels(xt);
-    for (size_t i = 0; i < xt.size(); ++i)
-      svg += fmt::format("<text class=\"xtick\" x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"middle\">{}</text>\n", ax(xt[i]),
-                         top + height + 20, escape(xl[i]));
+    svg += x_tick_labels(ax, xt, xl, top + height + 20);
   }
   svg += fmt::format("<text class=\"ylabel\" transform=\"translate(16 {:.1f}) rotate(-90)\" dy=\"0.7em\" "
                      "text-anchor=\"middle\">{}</text>\n",
@@ -367,14 +375,16 @@ std::string render_svg(const BarChart& chart) {
   validate(chart);
   constexpr double kBarHeight = 26, kBarGap = 14, kLegendRow = 20;
   std::vector<double> totals;
+  std::vector<std::string> total_labels;
   double longest_label = 0, longest_total = 0, max_total = 0;
   for (const Bar& b : chart.bars) {
     double t = 0;
     for (double v : b.values) t += v;
     totals.push_back(t);
+    total_labels.push_back(format_amount(t));
     max_total = std::max(max_total, t);
     longest_label = std::max(longest_label, text_width(b.label));
-    longest_total = std::max(longest_total, text_width(format_amount(t)));
+    longest_total = std::max(longest_total, text_width(total_labels.back()));
   }
   const double width = chart.width;
   const double left = std::clamp(longest_label + 24, kLeft, 0.45 * width);
@@ -412,10 +422,7 @@ std::string render_svg(const BarChart& chart) {
     marks += fmt::format("M{:.1f} {:.1f}v5", ax(t), top + plot_height);
   }
   svg += fmt::format("<path d=\"{}\" stroke=\"#e4e4e4\"/>\n<path d=\"{}\" stroke=\"#444\"/>\n", grid, marks);
-  const std::vector<std::string> xl = format_tick_labels(xt);
-  for (size_t i = 0; i < xt.size(); ++i)
-    svg += fmt::format("<text class=\"xtick\" x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"middle\">{}</text>\n", ax(xt[i]),
-                       top + plot_height + 20, escape(xl[i]));
+  svg += x_tick_labels(ax, xt, format_tick_labels(xt), top + plot_height + 20);
 
   for (size_t b = 0; b < chart.bars.size(); ++b) {
     const Bar& bar = chart.bars[b];
@@ -427,18 +434,17 @@ std::string render_svg(const BarChart& chart) {
       const double v = bar.values[c], x0 = ax(at), w = ax(at + v) - x0;
       at += v;
       if (v == 0) continue;
+      const std::string value = format_amount(v);
       svg += fmt::format("<rect class=\"segment\" x=\"{:.2f}\" y=\"{:.1f}\" width=\"{:.2f}\" height=\"{:.1f}\" "
                          "fill=\"{}\"><title>{}: {}</title></rect>\n",
-                         x0, y0, w, kBarHeight, colour(chart_palette(c)), escape(chart.categories[c]),
-                         escape(format_amount(v)));
-      const std::string value = format_amount(v);
+                         x0, y0, w, kBarHeight, colour(chart_palette(c)), escape(chart.categories[c]), escape(value));
       if (w >= text_width(value) + 8)
         svg += fmt::format("<text class=\"segment-value\" x=\"{:.1f}\" y=\"{:.1f}\" dy=\"0.35em\" "
                            "text-anchor=\"middle\" fill=\"white\">{}</text>\n",
                            x0 + w / 2, mid, escape(value));
     }
     svg += fmt::format("<text class=\"total\" x=\"{:.1f}\" y=\"{:.1f}\" dy=\"0.35em\" font-weight=\"bold\">{}</text>\n",
-                       ax(totals[b]) + 6, mid, escape(format_amount(totals[b])));
+                       ax(totals[b]) + 6, mid, escape(total_labels[b]));
   }
   svg += fmt::format("<rect class=\"frame\" x=\"{:.1f}\" y=\"{:.1f}\" width=\"{:.1f}\" height=\"{:.1f}\" fill=\"none\" "
                      "stroke=\"#444\"/>\n",
