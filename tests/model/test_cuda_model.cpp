@@ -72,6 +72,12 @@ ScheduleOptions named(const char* name, int64_t chunk = 0) {
   return o;
 }
 
+// `o`, where it is spaco, backpropagating `keep` of the chunks drawn with `seed` (other schedules as given).
+ScheduleOptions sampled(ScheduleOptions o, int64_t keep, uint64_t seed) {
+  if (o.name == "spaco") o.keep = keep, o.seed = seed;
+  return o;
+}
+
 // Under determinism every kernel's sums have a fixed order, so two ways of computing the same
 // gradient from the same values give the same bits. For f32 and bf16: a 4-layer tiny model on the
 // GPU (parameters from init_seed) and a batch of 2 x 56 tokens (batch_seed); compare(model, batch, a,
@@ -170,9 +176,8 @@ TEST_CASE("cuda: seco and spaco with the K/V store offloaded equal the store on 
   deterministic_pairs(13, 7, [](LlamaModel& model, const Batch& batch, const ParamSet& on_device,
                                 const ParamSet& offloaded) {
     for (const char* name : {"seco", "spaco"}) {
-      ScheduleOptions o = named(name, 9);
+      ScheduleOptions o = sampled(named(name, 9), 5, 3);
       o.bwd_chunk = 6;
-      if (o.name == "spaco") o.keep = 5, o.seed = 3;
       double loss_dev = 0, loss_off = 0;
       gradients(model, batch, on_device, o, &loss_dev);
       for (int64_t window : {1, 2, 3}) {
@@ -202,8 +207,7 @@ TEST_CASE("cuda: seco and spaco with the K/V store streamed in key blocks match 
       for (const bool saved : {false, true}) {
         CAPTURE(name);
         CAPTURE(saved);
-        ScheduleOptions o = named(name, 12);
-        if (o.name == "spaco") o.keep = 3, o.seed = 4;
+        ScheduleOptions o = sampled(named(name, 12), 3, 4);
         o.save_attention = saved;
         double loss_dev = 0, loss_str = 0;
         gradients(model, batch, on_device, o, &loss_dev);
@@ -225,8 +229,7 @@ TEST_CASE("cuda: seco and spaco with saved attention outputs (and layer recomput
   // must not change a bit.
   deterministic_pairs(14, 8, [](LlamaModel& model, const Batch& batch, const ParamSet& plain, const ParamSet& saved) {
     for (const char* name : {"seco", "spaco"}) {
-      ScheduleOptions o = named(name, 8);
-      if (o.name == "spaco") o.keep = 4, o.seed = 3;
+      ScheduleOptions o = sampled(named(name, 8), 4, 3);
       double loss_plain = 0, loss_saved = 0;
       gradients(model, batch, plain, o, &loss_plain);
       o.save_attention = true;
@@ -255,8 +258,7 @@ TEST_CASE("cuda: seco and spaco with saved layer inputs equal them without, bitw
     for (const char* name : {"seco", "spaco"})
       for (const bool saved : {false, true})
         for (const char* recompute : {"auto", "selective"}) {
-          ScheduleOptions o = named(name, 8);
-          if (o.name == "spaco") o.keep = 4, o.seed = 3;
+          ScheduleOptions o = sampled(named(name, 8), 4, 3);
           o.save_attention = saved;
           o.recompute = recompute;
           double loss_plain = 0, loss_in = 0;

@@ -67,6 +67,17 @@ Result run(const ScheduleOptions& o, LlamaModel& model, const Batch& batch, Para
   return {st.loss, st};
 }
 
+// seco, or spaco backpropagating 4 of the chunks (sample seed 5), in chunks of `chunk` (reverse chunks of
+// bwd_chunk; 0: the same).
+ScheduleOptions chunked(const char* name, int64_t chunk, int64_t bwd_chunk = 0) {
+  ScheduleOptions o;
+  o.name = name;
+  o.chunk = chunk;
+  o.bwd_chunk = bwd_chunk;
+  if (o.name == "spaco") o.keep = 4, o.seed = 5;
+  return o;
+}
+
 // Two steps of one schedule built from `o` (the second reuses its store), each step's gradient (into
 // `grads`) and loss the same bits as `want`'s; each step's statistics are returned.
 std::vector<StepStats> two_steps_same_bits(const ScheduleOptions& o, LlamaModel& model, const Batch& batch,
@@ -182,11 +193,7 @@ TEST_CASE("seco and spaco with the K/V store offloaded (window of layers) equal 
   ScheduleOptions full;
   run(full, f.model, f.batch, g_full);
   for (const char* name : {"seco", "spaco"}) {
-    ScheduleOptions o;
-    o.name = name;
-    o.chunk = c.chunk;
-    o.bwd_chunk = c.bwd_chunk;
-    if (o.name == "spaco") o.keep = 4, o.seed = 5;
+    ScheduleOptions o = chunked(name, c.chunk, c.bwd_chunk);
     const Result on_device = run(o, f.model, f.batch, g_dev);
     for (int64_t window : {1, 2, 3}) {
       INFO(name, " offload_window ", window);
@@ -214,10 +221,7 @@ TEST_CASE("seco and spaco with saved attention outputs equal them without; offlo
   ScheduleOptions full;
   run(full, f.model, f.batch, g_full);
   for (const char* name : {"seco", "spaco"}) {
-    ScheduleOptions o;
-    o.name = name;
-    o.chunk = c.chunk;
-    if (o.name == "spaco") o.keep = 4, o.seed = 5;
+    ScheduleOptions o = chunked(name, c.chunk);
     for (int64_t window : {0, 1, 2, 3}) {
       INFO(name, " offload_window ", window);
       o.offload_window = window;
@@ -280,10 +284,7 @@ TEST_CASE("seco and spaco with saved layer inputs equal them without; offloaded 
       for (const char* recompute : {"none", "selective"})
         for (int64_t window : {0, 1, 2}) {
           INFO(name, " save_attention ", saved, " recompute ", recompute, " offload_window ", window);
-          ScheduleOptions o;
-          o.name = name;
-          o.chunk = c.chunk;
-          if (o.name == "spaco") o.keep = 4, o.seed = 5;
+          ScheduleOptions o = chunked(name, c.chunk);
           o.save_attention = saved;
           o.recompute = recompute;
           o.offload_window = window;
@@ -389,13 +390,9 @@ TEST_CASE("seco and spaco with layer recompute inside each chunk equal them with
   for (const char* name : {"seco", "spaco"}) {
     for (const bool saved : {false, true}) {
       for (const int64_t window : {0, 2}) {
-        ScheduleOptions o;
-        o.name = name;
-        o.chunk = c.chunk;
-        o.bwd_chunk = c.bwd_chunk;
+        ScheduleOptions o = chunked(name, c.chunk, c.bwd_chunk);
         o.save_attention = saved;
         o.offload_window = window;
-        if (o.name == "spaco") o.keep = 4, o.seed = 5;
         const Result plain = run(o, f.model, f.batch, g_plain);
         for (const char* mode : {"full", "selective"}) {
           INFO(name, " recompute ", mode, " save_attention ", saved, " offload_window ", window);
