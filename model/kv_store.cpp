@@ -202,6 +202,12 @@ void KVStore::fetch_inputs(int layer, int64_t t0, int64_t t1, std::vector<Reside
   fetch_saved(kIn, kIn, dev_in_[static_cast<size_t>(layer)], inputs_end_, t0, t1, need);
 }
 
+// A layer not in a device slot (evicted, or never fetched) holds no rows there.
+void KVStore::forget_slot_rows(size_t l) {
+  dev_kv_end_[l] = dev_grad_end_[l] = 0;
+  dev_out_[l] = dev_in_[l] = {0, 0};
+}
+
 void KVStore::begin_layer(int layer, Use use, int64_t t0, int64_t t1) {
   if (!res_) {
     if (layer_local_grads_ && use == Use::backward) {
@@ -230,10 +236,7 @@ void KVStore::begin_layer(int layer, Use use, int64_t t0, int64_t t1) {
     return;
   }
   const size_t l = static_cast<size_t>(layer);
-  if (!res_->resident(layer)) {
-    dev_kv_end_[l] = dev_grad_end_[l] = 0;
-    dev_out_[l] = dev_in_[l] = {0, 0};
-  }
+  if (!res_->resident(layer)) forget_slot_rows(l);
   if (use == Use::recompute) {
     std::vector<Residency::Span> need;
     fetch_outputs(layer, t0, t1, need);
@@ -272,10 +275,7 @@ void KVStore::begin_layer(int layer, Use use, int64_t t0, int64_t t1) {
 // layer of a backward or recompute works on the same chunk).
 void KVStore::prefetch(int layer, Use use, int64_t t0, int64_t t1) {
   const size_t l = static_cast<size_t>(layer);
-  if (!res_->resident(layer)) {
-    dev_kv_end_[l] = dev_grad_end_[l] = 0;
-    dev_out_[l] = dev_in_[l] = {0, 0};
-  }
+  if (!res_->resident(layer)) forget_slot_rows(l);
   if (use == Use::recompute) {
     std::vector<Residency::Span> need;
     fetch_outputs(layer, t0, t1, need);

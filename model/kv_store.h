@@ -146,6 +146,7 @@ class KVStore {
   void fetch_outputs(int layer, int64_t t0, int64_t t1, std::vector<Residency::Span>& need);  // O and lse
   void fetch_inputs(int layer, int64_t t0, int64_t t1, std::vector<Residency::Span>& need);   // x_l
   void prefetch(int layer, Use use, int64_t t0, int64_t t1);
+  void forget_slot_rows(size_t layer);  // the layer has no slot: none of its rows is on the device
   // Streamed: the residency item of (layer, block), its token rows, and the item fetched with K, V
   // and (`grads`) dK, dV of its home (rows the home has not been written with fetched as zeros).
   int item(int layer, int64_t block) const { return static_cast<int>(layer * blocks_ + block); }
