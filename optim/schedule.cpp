@@ -44,6 +44,37 @@ Batch random_batch(int64_t B, int64_t T, int64_t vocab, uint64_t seed) {
   return causal_lm_batch(ids, B, T);
 }
 
+void set_documents(Batch& batch, std::vector<std::vector<int64_t>> doc_starts, bool document_positions) {
+  const int64_t B = batch.B(), T = batch.T();
+  CW_CHECK(static_cast<int64_t>(doc_starts.size()) == B, "document starts for {} sequences, the batch has {}",
+           doc_starts.size(), B);
+  int32_t* labels = batch.labels.tensor.ptr<int32_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    const std::vector<int64_t>& starts = doc_starts[static_cast<size_t>(b)];
+    CW_CHECK(!starts.empty() && starts.front() == 0, "sequence {}: its first document must start at 0", b);
+    for (size_t i = 1; i < starts.size(); ++i) {
+      CW_CHECK(starts[i] > starts[i - 1] && starts[i] < T,
+               "sequence {}: document starts must ascend within [0, {}), got {} after {}", b, T, starts[i],
+               starts[i - 1]);
+      labels[b * T + starts[i] - 1] = kIgnoreLabel;  // the target there opens the next document
+    }
+  }
+  batch.doc_starts = std::move(doc_starts);
+  batch.document_positions = document_positions;
+}
+
+std::vector<std::vector<int64_t>> documents_from_marker(const Batch& batch, int32_t marker) {
+  const int64_t B = batch.B(), T = batch.T();
+  const int32_t* ids = batch.ids.tensor.ptr<int32_t>();
+  std::vector<std::vector<int64_t>> starts(static_cast<size_t>(B));
+  for (int64_t b = 0; b < B; ++b) {
+    starts[static_cast<size_t>(b)].push_back(0);
+    for (int64_t t = 1; t < T; ++t)
+      if (ids[b * T + t] == marker) starts[static_cast<size_t>(b)].push_back(t);
+  }
+  return starts;
+}
+
 // ScheduleOptions::validate(): optim/options.cpp, beside the table of the options.
 
 Arena& Schedule::arena_on(Device device) {

@@ -32,6 +32,14 @@ struct Batch {
   // Its first sequence's index in the step's global batch (a data-parallel rank's slice starts past
   // the other ranks'): LoRA's dropout masks are keyed by it, so ranks draw one process's masks.
   int64_t sequence0 = 0;
+  // Packed documents (data.documents): for each sequence, the offsets in [0, T) where its documents
+  // start, ascending, the first 0 (a window's first token opens a document even when its text began
+  // before the window). A query then attends only keys of its own document (model/documents.h).
+  // Empty: every sequence is one document, attention over all earlier tokens.
+  std::vector<std::vector<int64_t>> doc_starts;
+  // With documents: RoPE positions restart at 0 at every document start (data.positions = document,
+  // HF's padding-free packing), or count from the sequence's start (absolute).
+  bool document_positions = true;
   int64_t B() const { return ids.tensor.size(0); }
   int64_t T() const { return ids.tensor.size(1); }
   int64_t supervised() const;  // count of labels != -100
@@ -43,6 +51,14 @@ Batch causal_lm_batch(const std::vector<int32_t>& ids, int64_t B, int64_t T);
 Batch window_batch(const std::vector<uint32_t>& windows, int64_t B, int64_t T);
 // Seeded random ids in [0, vocab).
 Batch random_batch(int64_t B, int64_t T, int64_t vocab, uint64_t seed);
+// Packs documents into the batch: doc_starts as given (checked: per sequence ascending in [0, T),
+// the first 0), and the label of every position whose target opens the next document set to -100,
+// so no token is trained to predict across a document boundary and the packed loss is the sum of the
+// documents' own losses.
+void set_documents(Batch& batch, std::vector<std::vector<int64_t>> doc_starts, bool document_positions = true);
+// Document starts from marker tokens: each sequence's positions holding `marker` (a BOS the
+// tokenizer writes before every document), with 0 always a start.
+std::vector<std::vector<int64_t>> documents_from_marker(const Batch& batch, int32_t marker);
 
 // The options of a schedule. Their TOML keys ([schedule]), CLI flags, accepted values and help are
 // the rows of schedule_option_table() (optim/options.h); the defaults are the ones below.
