@@ -400,8 +400,21 @@ void KVStore::for_prefix_blocks(int layer, int64_t j, bool grads,
   }
 }
 
+namespace {
+[[noreturn]] void refuse_streamed_documents() {
+  fail("packed documents with a streamed K/V store (schedule.stream_kv) are not implemented",
+       "keep the store in host memory with schedule.offload_window instead");
+}
+}  // namespace
+
 void KVStore::attend_forward(int layer, int64_t t0, int64_t t1, const Tensor& out, const AttentionSaved& saved,
-                             const Tensor& q, double scale, Arena& scratch) {
+                             const Tensor& q, double scale, Arena& scratch,
+                             const std::vector<std::vector<int64_t>>* doc_starts) {
+  if (doc_starts) {
+    if (block_ != 0) refuse_streamed_documents();
+    attention_forward_documents(out, saved, q, keys(layer, 0, t1), values(layer, 0, t1), *doc_starts, scale, scratch);
+    return;
+  }
   if (block_ == 0) {
     attention_forward(out, saved, q, keys(layer, 0, t1), values(layer, 0, t1), scale, scratch);
     return;
@@ -427,7 +440,14 @@ void KVStore::attend_forward(int layer, int64_t t0, int64_t t1, const Tensor& ou
 
 void KVStore::attend_backward(int layer, int64_t t0, int64_t t1, const Tensor& d_q, const Tensor& d_out,
                               const AttentionSaved& saved, const Tensor& q, const Tensor& out, double scale,
-                              Arena& scratch) {
+                              Arena& scratch, const std::vector<std::vector<int64_t>>* doc_starts) {
+  if (doc_starts) {
+    if (block_ != 0) refuse_streamed_documents();
+    attention_backward_documents(d_q, d_keys(layer, 0, t1), d_values(layer, 0, t1), d_out, saved, q,
+                                 keys(layer, 0, t1), values(layer, 0, t1), out, *doc_starts, scale,
+                                 GradMode::overwrite, scratch);
+    return;
+  }
   if (block_ == 0) {
     attention_backward(d_q, d_keys(layer, 0, t1), d_values(layer, 0, t1), d_out, saved, q, keys(layer, 0, t1),
                        values(layer, 0, t1), out, scale, GradMode::overwrite, scratch);

@@ -95,10 +95,14 @@ class KVStore {
   // begin_layer and end_layer of Use::forward / backward): one call, or streamed block by block.
   // Shapes and saved values as attention_forward / attention_backward (d_q overwritten; dK, dV of
   // keys [0, t1) added into the accumulators).
+  // doc_starts (packed documents, engine/ops/attention.h): each query attends only keys of its own
+  // document; not with a streamed store.
   void attend_forward(int layer, int64_t t0, int64_t t1, const Tensor& out, const AttentionSaved& saved,
-                      const Tensor& q, double scale, Arena& scratch);
+                      const Tensor& q, double scale, Arena& scratch,
+                      const std::vector<std::vector<int64_t>>* doc_starts = nullptr);
   void attend_backward(int layer, int64_t t0, int64_t t1, const Tensor& d_q, const Tensor& d_out,
-                       const AttentionSaved& saved, const Tensor& q, const Tensor& out, double scale, Arena& scratch);
+                       const AttentionSaved& saved, const Tensor& q, const Tensor& out, double scale, Arena& scratch,
+                       const std::vector<std::vector<int64_t>>* doc_starts = nullptr);
 
   void zero_grads();  // layer-local gradients: each layer's backward zeroes them as it begins
   void release_from(int64_t t);  // tokens [t, T) are no longer readable

@@ -252,6 +252,20 @@ Tensor normed_input_grad(const Tensor& d_all, TensorParallelGroup* tp, Arena& s)
 }
 }  // namespace
 
+// RoPE over a chunk's [B, c, heads, D] rows: positions [p, p + c) in one call, or with packed documents
+// span by span, each from its position in its document (or in the sequence, with absolute positions).
+void rope_chunk(const Tensor& y, const Tensor& x, const BlockContext& ctx, bool backward) {
+  auto run = [&](const Tensor& yr, const Tensor& xr, int64_t pos0) {
+    if (backward) rope_backward(yr, xr, ctx.rope_cos, ctx.rope_sin, pos0, GradMode::overwrite);
+    else rope_forward(yr, xr, ctx.rope_cos, ctx.rope_sin, pos0);
+  };
+  if (!ctx.doc_starts || !ctx.document_positions) return run(y, x, ctx.pos0);
+  for (const DocumentSpan& s : document_spans(*ctx.doc_starts, ctx.B, ctx.pos0, ctx.c)) {
+    auto rows = [&](const Tensor& t) { return t.slice(0, s.b, 1).slice(1, s.q0, s.q1 - s.q0); };
+    run(rows(y), rows(x), ctx.pos0 + s.q0 - s.k0);
+  }
+}
+
 void block_forward(const Tensor& x_out, LayerActivations* keep, const Tensor& x_in, const LayerWeights& w,
                    KVStore& kv, int layer, const BlockContext& ctx) {
   const LlamaConfig& cf = ctx.config;
@@ -282,11 +296,11 @@ void block_forward(const Tensor& x_out, LayerActivations* keep, const Tensor& x_
     if (w_qkv.data) {
       qkv = s.alloc(dt, {N, cf.q_dim() + 2 * cf.kv_dim()});
       linear_forward(qkv, h1, w_qkv);
-      rope_forward(a.q, head_columns(qkv, 0, B, c, H, D), ctx.rope_cos, ctx.rope_sin, p);
+      rope_chunk(a.q, head_columns(qkv, 0, B, c, H, D), ctx, false);
     } else {
       Tensor q_pre = s.alloc(dt, {N, cf.q_dim()});
       linear_fwd(q_pre, h1, w.wq, w.lora.q, ParamRole::wq, at);
-      rope_forward(a.q, q_pre.view({B, c, H, D}), ctx.rope_cos, ctx.rope_sin, p);
+      rope_chunk(a.q, q_pre.view({B, c, H, D}), ctx, false);
     }
     if (from_saved) {
       CW_CHECK(p + c <= kv.outputs_written(), "layer {}: saved attention outputs of tokens [{}, {}) were not written "
@@ -296,21 +310,21 @@ void block_forward(const Tensor& x_out, LayerActivations* keep, const Tensor& x_
     } else {
       if (qkv.data) {
         const Tensor k_rot = head_columns(qkv, cf.q_dim(), B, c, Hkv, D);
-        rope_forward(k_rot, k_rot, ctx.rope_cos, ctx.rope_sin, p);
+        rope_chunk(k_rot, k_rot, ctx, false);
         copy_heads(kv.keys(layer, p, p + c), k_rot);
         copy_heads(kv.values(layer, p, p + c), head_columns(qkv, cf.q_dim() + cf.kv_dim(), B, c, Hkv, D));
       } else {
         Tensor k_pre = s.alloc(dt, {N, cf.kv_dim()});
         linear_fwd(k_pre, h1, w.wk, w.lora.k, ParamRole::wk, at);
         Tensor k_rot = k_pre.view({B, c, Hkv, D});
-        rope_forward(k_rot, k_rot, ctx.rope_cos, ctx.rope_sin, p);
+        rope_chunk(k_rot, k_rot, ctx, false);
         copy_convert(kv.keys(layer, p, p + c), k_rot);
         Tensor v = s.alloc(dt, {N, cf.kv_dim()});
         linear_fwd(v, h1, w.wv, w.lora.v, ParamRole::wv, at);
         copy_convert(kv.values(layer, p, p + c), v.view({B, c, Hkv, D}));
       }
       const double scale = 1.0 / std::sqrt(static_cast<double>(D));
-      kv.attend_forward(layer, p, p + c, a.attn, a.attn_saved, a.q, scale, s);
+      kv.attend_forward(layer, p, p + c, a.attn, a.attn_saved, a.q, scale, s, ctx.doc_starts);
       if (kv.has_outputs()) {  // the prefill saves them for the recompute
         copy_convert(kv.outputs(layer, p, p + c), a.attn);
         copy_convert(kv.output_lse(layer, p, p + c), a.attn_saved.lse.view({B * H, c}));
@@ -405,7 +419,8 @@ void block_backward(const Tensor& d_x, const LayerWeights& g, const LayerActivat
   }
   Tensor d_q = s.alloc(dt, {B, c, H, D});
   const double scale = 1.0 / std::sqrt(static_cast<double>(D));
-  kv.attend_backward(layer, p, p + c, d_q, d_attn.view({B, c, H, D}), a.attn_saved, a.q, a.attn, scale, s);
+  kv.attend_backward(layer, p, p + c, d_q, d_attn.view({B, c, H, D}), a.attn_saved, a.q, a.attn, scale, s,
+                     ctx.doc_starts);
   const Tensor w_qkv = fused_qkv_weight(w, ctx);
   const Tensor g_qkv = stacked_qkv(g.wq, g.wk, g.wv);
   // Fused where the gradients lie back to back too (or are all frozen); otherwise three GEMMs, which
@@ -418,7 +433,7 @@ void block_backward(const Tensor& d_x, const LayerWeights& g, const LayerActivat
   if (fused) {
     d_qkv = s.alloc(dt, {N, cf.q_dim() + 2 * cf.kv_dim()});
     d_k = head_columns(d_qkv, cf.q_dim(), B, c, Hkv, D);
-    rope_backward(head_columns(d_qkv, 0, B, c, H, D), d_q, ctx.rope_cos, ctx.rope_sin, p, GradMode::overwrite);
+    rope_chunk(head_columns(d_qkv, 0, B, c, H, D), d_q, ctx, true);
     copy_heads(d_k, kv.d_keys(layer, p, p + c));
     copy_heads(head_columns(d_qkv, cf.q_dim() + cf.kv_dim(), B, c, Hkv, D), kv.d_values(layer, p, p + c));
   } else {
@@ -426,9 +441,9 @@ void block_backward(const Tensor& d_x, const LayerWeights& g, const LayerActivat
     d_v = s.alloc(dt, {B, c, Hkv, D});
     copy_convert(d_k, kv.d_keys(layer, p, p + c));
     copy_convert(d_v, kv.d_values(layer, p, p + c));
-    rope_backward(d_q, d_q, ctx.rope_cos, ctx.rope_sin, p, GradMode::overwrite);
+    rope_chunk(d_q, d_q, ctx, true);
   }
-  rope_backward(d_k, d_k, ctx.rope_cos, ctx.rope_sin, p, GradMode::overwrite);
+  rope_chunk(d_k, d_k, ctx, true);
   std::optional<TpLease> h1_lease, d_h_lease;
   const Tensor h1 = normed_input_backward(h1_lease, a.h1, N, tp);
   const Tensor d_h_all = partial_output(d_h_lease, N, C, dt, tp, s);  // this rank's share of d(h1)

@@ -101,6 +101,11 @@ struct BlockContext {
   TensorParallelGroup* tp = nullptr;
   // LoRA: what the adapters in the LayerWeights need (their scale and dropout).
   LoraRuntime lora{};
+  // Packed documents (model/llama.h ChunkTokens): per sequence its document starts, so attention stays
+  // within a document (engine/ops/attention.h) and, with document_positions, RoPE positions restart
+  // at each start; null: each sequence is one document.
+  const std::vector<std::vector<int64_t>>* doc_starts = nullptr;
+  bool document_positions = true;
 };
 
 struct LoraConfig;  // model/lora.h

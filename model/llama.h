@@ -138,6 +138,10 @@ struct ChunkTokens {
   Tensor labels;  // [N] i32, -100 where no loss
   int64_t B = 0, c = 0, pos0 = 0;
   int64_t sequence0 = 0;  // the first sequence's index in the step's global batch (optim/schedule.h Batch)
+  // Packed documents (optim/schedule.h Batch::doc_starts): per sequence, where its documents start
+  // (positions in the whole sequence); null: each sequence is one document.
+  const std::vector<std::vector<int64_t>>* doc_starts = nullptr;
+  bool document_positions = true;  // RoPE positions restart at each document start
 };
 
 // What a chunk's forward keeps for its backward.

@@ -19,6 +19,8 @@ std::vector<int64_t> chunk_bounds(int64_t T, int64_t c) {
 StepTokens step_tokens(const Batch& batch, Arena& arena) {
   StepTokens st;
   st.sequence0 = batch.sequence0;
+  if (!batch.doc_starts.empty()) st.doc_starts = &batch.doc_starts;
+  st.document_positions = batch.document_positions;
   if (arena.device().is_cpu()) {
     st.ids = batch.ids.tensor;
     st.labels = batch.labels.tensor;
@@ -38,6 +40,8 @@ ChunkTokens slice_chunk(const StepTokens& tokens, int64_t t0, int64_t t1, Arena&
   ct.c = c;
   ct.pos0 = t0;
   ct.sequence0 = tokens.sequence0;
+  ct.doc_starts = tokens.doc_starts;
+  ct.document_positions = tokens.document_positions;
   if (B == 1) {  // one sequence: its tokens [t0, t1) are contiguous
     auto from = [&](const Tensor& t) { return Tensor(t.ptr<int32_t>() + t0, DType::i32, t.device, {c}); };
     ct.ids = from(tokens.ids);

@@ -36,7 +36,7 @@ struct Batch {
   // start, ascending, the first 0 (a window's first token opens a document even when its text began
   // before the window). A query then attends only keys of its own document (model/documents.h).
   // Empty: every sequence is one document, attention over all earlier tokens.
-  std::vector<std::vector<int64_t>> doc_starts;
+  std::vector<std::vector<int64_t>> doc_starts = {};
   // With documents: RoPE positions restart at 0 at every document start (data.positions = document,
   // HF's padding-free packing), or count from the sequence's start (absolute).
   bool document_positions = true;
@@ -176,6 +176,8 @@ std::vector<int64_t> chunk_bounds(int64_t T, int64_t c);
 struct StepTokens {
   Tensor ids, labels;  // [B, T] i32
   int64_t sequence0 = 0;
+  const std::vector<std::vector<int64_t>>* doc_starts = nullptr;  // the batch's packed documents, if any
+  bool document_positions = true;
   int64_t B() const { return ids.size(0); }
   int64_t T() const { return ids.size(1); }
 };

@@ -52,16 +52,29 @@ double measure_bf16_peak(Device g) {
 // linear and token, three passes) are added. `backward_fraction` (spaco: t/k of the chunks
 // backpropagated) scales the backward's share: every token runs forward (2 per parameter, a third
 // of the attention's), the visited fraction backward (the rest).
-double flops_per_token(const LlamaConfig& c, int64_t T, const LoraConfig& lora, double backward_fraction = 1.0) {
+double flops_per_token(const LlamaConfig& c, double T, const LoraConfig& lora, double backward_fraction = 1.0) {
   const double C = double(c.hidden_size), F = double(c.intermediate_size);
   const double per_layer = C * double(c.q_dim()) * 2 + C * double(c.kv_dim()) * 2 + 3 * C * F;
   const double matmul_params = per_layer * double(c.num_hidden_layers) + double(c.vocab_size) * C;
   const double attention = 12.0 * double(c.num_hidden_layers) * double(c.num_attention_heads) * double(c.head_dim) *
-                           double(T) / 2.0;
+                           T / 2.0;
   const double adapters = lora.enabled() ? double(lora_parameter_count(c, lora)) : 0.0;
   const double forward = 2.0 * matmul_params + 2.0 * adapters + attention / 3.0;
   const double backward = (lora.enabled() ? 2.0 : 4.0) * matmul_params + 4.0 * adapters + attention * 2.0 / 3.0;
   return forward + backward_fraction * backward;
+}
+
+// The mean over tokens of the keys a query attends, times two: T for one causal sequence, the sum of
+// the documents' squared lengths over T when packed (what flops_per_token's attention term takes).
+double attention_extent(const std::vector<std::vector<int64_t>>& starts, int64_t T) {
+  if (starts.empty()) return static_cast<double>(T);
+  double squares = 0;
+  for (const auto& row : starts)
+    for (size_t i = 0; i < row.size(); ++i) {
+      const double n = static_cast<double>((i + 1 < row.size() ? row[i + 1] : T) - row[i]);
+      squares += n * n;
+    }
+  return squares / static_cast<double>(T * static_cast<int64_t>(starts.size()));
 }
 
 void write_result(const std::string& path, const nlohmann::json& r) {
@@ -95,6 +108,33 @@ std::string off_cudnn_note(const std::vector<AttentionCensusEntry>& census) {
 }
 
 }  // namespace
+
+std::vector<std::vector<int64_t>> bench_document_starts(const std::string& spec, int64_t B, int64_t T, uint64_t seed) {
+  int64_t lo = 0, hi = 0;
+  const size_t colon = spec.find(':');
+  try {
+    size_t used = 0;
+    lo = std::stoll(spec.substr(0, colon), &used);
+    if (used != (colon == std::string::npos ? spec.size() : colon)) throw std::invalid_argument(spec);
+    hi = lo;
+    if (colon != std::string::npos) {
+      hi = std::stoll(spec.substr(colon + 1), &used);
+      if (used != spec.size() - colon - 1) throw std::invalid_argument(spec);
+    }
+  } catch (const std::logic_error&) {
+    fail(fmt::format("bench --documents '{}' is not a length or a range LO:HI", spec),
+         "give e.g. --documents 8192 (documents of 8192 tokens) or --documents 512:8192 (lengths drawn in that range)");
+  }
+  if (lo < 1 || hi < lo)
+    fail(fmt::format("bench --documents '{}': lengths must be at least 1 and LO <= HI", spec),
+         "give e.g. --documents 512:8192");
+  Rng rng(seed);
+  std::vector<std::vector<int64_t>> starts(static_cast<size_t>(B));
+  for (auto& row : starts)
+    for (int64_t at = 0; at < T; at += lo + static_cast<int64_t>(rng.below(static_cast<uint64_t>(hi - lo + 1))))
+      row.push_back(at);
+  return starts;
+}
 
 int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
   if (!gpu_available()) fail("bench needs a GPU", "run it on the GPU machine (tools/gpu-check)");
@@ -151,7 +191,12 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
   r["deterministic"] = deterministic();
 #endif
   const double peak = o.peak_tflops > 0 ? o.peak_tflops : measure_bf16_peak(g);
-  const double fpt = flops_per_token(cfg, o.seq, o.lora);
+  const auto documents_of_step = [&](int s) {
+    return o.documents.empty() ? std::vector<std::vector<int64_t>>{}
+                               : bench_document_starts(o.documents, o.batch, o.seq, 2000 + static_cast<uint64_t>(s));
+  };
+  const double fpt = flops_per_token(cfg, attention_extent(documents_of_step(o.warmup), o.seq), o.lora);
+  if (!o.documents.empty()) r["documents"] = o.documents;
   r["peak_tflops"] = peak;
   r["flops_per_token"] = fpt;
   std::vector<double> step_s;
@@ -179,7 +224,8 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
     progress.attach(*schedule);
     StepStats stats;
     for (int s = 0; s < o.warmup + o.steps; ++s) {
-      const Batch batch = random_batch(o.batch, o.seq, cfg.vocab_size, 1000 + static_cast<uint64_t>(s));
+      Batch batch = random_batch(o.batch, o.seq, cfg.vocab_size, 1000 + static_cast<uint64_t>(s));
+      if (!o.documents.empty()) set_documents(batch, documents_of_step(s));
       synchronize(g);
       const bool traced = !o.trace.empty() && s + 1 == o.warmup + o.steps;
       if (traced) trace::start(g);
@@ -272,7 +318,8 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
     r["tokens_per_s"] = tps;
     // spaco: the model flops of the chunks it backpropagated (the last step's t of k).
     const double visited = stats.chunks > 0 ? double(stats.chunks_visited) / double(stats.chunks) : 1.0;
-    const double fpt_done = visited < 1.0 ? flops_per_token(cfg, o.seq, o.lora, visited) : fpt;
+    const double fpt_done =
+        visited < 1.0 ? flops_per_token(cfg, attention_extent(documents_of_step(o.warmup), o.seq), o.lora, visited) : fpt;
     r["flops_per_token"] = fpt_done;
     r["mfu"] = tps * fpt_done / (peak * 1e12);
   } catch (const std::exception& e) {

@@ -26,6 +26,7 @@
 #include "optim/schedule.h"
 
 #include <string>
+#include <vector>
 
 namespace cw {
 
@@ -45,7 +46,16 @@ struct BenchModelOptions {
   double peak_tflops = 0;              // 0: measure
   std::string json;                    // also write the result as JSON here
   std::string trace;                   // write a Chrome trace of the last timed step here (engine/trace.h)
+  // Packed documents (optim/schedule.h Batch::doc_starts, positions restarting at each): "L" cuts each
+  // sequence into documents of L tokens (the last shorter), "LO:HI" draws each document's length
+  // uniformly from [LO, HI] (seeded per step). Empty: one document a sequence. The attention's flops
+  // are then the documents' causal squares, not the sequence's.
+  std::string documents;
 };
+
+// Sequence starts of documents as BenchModelOptions::documents describes them, for B sequences of T
+// tokens; the draw is a function of seed. Fails naming the flag on a malformed spec.
+std::vector<std::vector<int64_t>> bench_document_starts(const std::string& spec, int64_t B, int64_t T, uint64_t seed);
 
 // Returns the process exit code (0 also for an out-of-memory result, which the JSON records).
 int run_bench_model(const BenchModelOptions& options, std::ostream& out);

@@ -37,10 +37,17 @@ int main(int argc, char** argv) {
   cw::add_schedule_flags(*gradcheck, gc.schedule);
   cw::add_parallel_flags(*gradcheck, gc.parallel);
   cw::add_lora_flags(*gradcheck, gc.lora);
+  gradcheck->add_option("--documents", gc.documents,
+                        "packed documents: lengths summing to --seq (sequence b takes them rotated by b)")
+      ->delimiter(',');
+  gradcheck->add_option("--positions", gc.positions,
+                        "with --documents: RoPE positions restart at each document (document) or not (absolute)")
+      ->check(CLI::IsMember({"document", "absolute"}))
+      ->capture_default_str();
   gradcheck->add_option("--optimizer-steps", gc.optimizer_steps, "against single: AdamW steps before the parameters are compared")
       ->capture_default_str();
   gradcheck->add_option("--against", gc.against,
-                        "fd | full | single (default: single with --dp or --tp > 1, else fd for full, full otherwise)");
+                        "fd | full | single | separate (default: single with --dp or --tp > 1, else fd for full, full otherwise)");
   gradcheck->add_option("--tol", gc.tol, "fail above this max_rel_err (default 1e-7 fd, 1e-12 full and single in f64)");
   gradcheck->add_option("--directions", gc.directions, "random directions per tensor (fd)")->capture_default_str();
   gradcheck->add_option("--step", gc.step, "finite-difference step along a unit direction")->capture_default_str();
@@ -131,6 +138,9 @@ int main(int argc, char** argv) {
   bench->add_option("--warmup", bm.warmup, "untimed steps first")->capture_default_str();
   bench->add_option("--peak-tflops", bm.peak_tflops, "bf16 peak for MFU (0: measure)")->capture_default_str();
   bench->add_option("--json", bm.json, "also write the result as JSON");
+  bench->add_option("--documents", bm.documents,
+                    "packed documents, positions restarting at each: L (documents of L tokens) or LO:HI (lengths "
+                    "drawn in that range)");
   bench->add_option("--trace", bm.trace, "write a Chrome trace (chrome://tracing, Perfetto) of the last timed step");
   bench->add_flag("--force", bm.force, "run even when the planner says the step does not fit (finds where it fails)");
 

@@ -24,9 +24,41 @@
 namespace cw {
 
 namespace {
+// Sequence b's document starts: the lengths rotated by b places.
+std::vector<std::vector<int64_t>> document_starts(const std::vector<int64_t>& lengths, int64_t batch, int64_t seq) {
+  int64_t total = 0;
+  for (const int64_t n : lengths) {
+    if (n < 1) fail(fmt::format("--documents: a document of {} tokens", n), "give lengths of at least 1 token");
+    total += n;
+  }
+  if (total != seq)
+    fail(fmt::format("--documents lengths sum to {}, but --seq is {}", total, seq), "give lengths that sum to --seq");
+  std::vector<std::vector<int64_t>> starts(static_cast<size_t>(batch));
+  const size_t n = lengths.size();
+  for (int64_t b = 0; b < batch; ++b) {
+    int64_t at = 0;
+    for (size_t i = 0; i < n; ++i) {
+      starts[static_cast<size_t>(b)].push_back(at);
+      at += lengths[(i + static_cast<size_t>(b)) % n];
+    }
+  }
+  return starts;
+}
+
 Batch load_batch(const GradcheckOptions& o, int64_t vocab) {
-  if (o.tokens_file.empty()) return random_batch(o.batch, o.seq, vocab, o.seed + 1);
-  return read_token_batch(o.tokens_file, o.batch, o.seq, vocab);
+  Batch batch = o.tokens_file.empty() ? random_batch(o.batch, o.seq, vocab, o.seed + 1)
+                                      : read_token_batch(o.tokens_file, o.batch, o.seq, vocab);
+  if (!o.documents.empty()) set_documents(batch, document_starts(o.documents, o.batch, o.seq), o.positions == "document");
+  return batch;
+}
+
+// Tokens [t0, t1) of sequence b as a batch of one sequence (ids and the packed batch's labels).
+Batch document_batch(const Batch& batch, int64_t b, int64_t t0, int64_t t1) {
+  const int64_t T = batch.T(), n = t1 - t0;
+  Batch doc{OwnedTensor(DType::i32, {1, n}), OwnedTensor(DType::i32, {1, n})};
+  std::memcpy(doc.ids.tensor.data, batch.ids.tensor.ptr<int32_t>() + b * T + t0, static_cast<size_t>(n) * 4);
+  std::memcpy(doc.labels.tensor.data, batch.labels.tensor.ptr<int32_t>() + b * T + t0, static_cast<size_t>(n) * 4);
+  return doc;
 }
 
 std::string shape_str(const std::vector<int64_t>& s) {
@@ -422,8 +454,11 @@ int run_gradcheck(const GradcheckOptions& o, std::ostream& out, Communicator* wo
   const bool parallel = o.parallel.dp > 1 || o.parallel.tp > 1;
   const std::string against =
       !o.against.empty() ? o.against : (parallel ? "single" : (o.schedule.name == "full" ? "fd" : "full"));
-  if (against != "fd" && against != "full" && against != "single")
-    fail(fmt::format("unknown --against '{}'", against), "use fd, full or single");
+  if (against != "fd" && against != "full" && against != "single" && against != "separate")
+    fail(fmt::format("unknown --against '{}'", against), "use fd, full, single or separate");
+  if (against == "separate" && o.documents.empty())
+    fail("--against separate compares packed documents with each run alone",
+         "give --documents L1,L2,... (summing to --seq)");
   if (against != "single" && (parallel || o.parallel.zero > 0))
     fail(fmt::format("--dp / --zero / --tp compare ranks with one process: they need --against single, not {}", against),
          "use --against single (the default with --dp > 1 or --tp > 1)");
@@ -507,6 +542,26 @@ int run_gradcheck(const GradcheckOptions& o, std::ostream& out, Communicator* wo
                          shape_str(checked.specs()[i].shape), worst_gv, worst_fd, worst);
     }
     out << fmt::format("loss={:.17g}\n", st.loss);
+  } else if (against == "separate") {
+    // Every document alone, the full schedule, each loss divided by the packed batch's normaliser:
+    // the sum over documents is the packed batch's mean loss and gradient.
+    ScheduleOptions ref;
+    ref.name = "full";
+    ParamSet ref_grads = ParamSet::like(checked, dtype);
+    double ref_loss = 0;
+    int64_t documents = 0;
+    for (int64_t b = 0; b < batch.B(); ++b) {
+      const std::vector<int64_t>& starts = batch.doc_starts[static_cast<size_t>(b)];
+      for (size_t i = 0; i < starts.size(); ++i, ++documents) {
+        const int64_t t1 = i + 1 < starts.size() ? starts[i + 1] : batch.T();
+        const Batch doc = document_batch(batch, b, starts[i], t1);
+        if (doc.supervised() == 0) continue;  // a one-token document predicts nothing
+        ref_loss += Schedule::create(ref)->step(model, doc, ref_grads, static_cast<double>(st.supervised)).loss;
+      }
+    }
+    out << fmt::format("against {} documents run one by one\n", documents);
+    max_rel = compare_sets(grads, ref_grads, "g_separate", "separate", out);
+    max_rel = std::max(max_rel, compare_loss(st.loss, ref_loss, grads, out));
   } else {
     ScheduleOptions ref;
     ref.name = "full";

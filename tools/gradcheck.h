@@ -23,6 +23,12 @@
 //                mark and reusable-buffer use are printed. spaco: every rank draws the sample one
 //                process draws on the whole batch (optim/spaco.cpp), so the estimators are
 //                compared exactly like the exact schedules.
+//   against separate (with --documents): the packed batch's loss and gradients under the schedule
+//                against every document run alone as a sequence of its own (the full schedule, the
+//                packed batch's normaliser), summed: what the document mask and restarted RoPE
+//                positions promise (engine/ops/attention.h). With absolute positions too: a rotary
+//                score depends only on the difference of two positions, so within a document the
+//                positions' origin does not matter but for rounding.
 // The run fails (non-zero exit) when max_rel_err exceeds --tol (1e-7 against fd, 1e-12 against full
 // and single in f64).
 // With --lora-rank r (and --lora-targets, --lora-alpha, --lora-dropout, --lora-seed) the model gets
@@ -63,6 +69,10 @@ struct GradcheckOptions {
   std::string tokens_file;         // headerless little-endian uint32, batch x seq ids
   std::string save_grads;          // write loss and gradients (f64, HF names) as safetensors
   std::string gather_dir;          // launched: where each rank writes its result for rank 0
+  // Packed documents: lengths summing to seq; sequence b holds them rotated by b places (so the
+  // sequences of a batch are cut differently). Empty: one document a sequence.
+  std::vector<int64_t> documents;
+  std::string positions = "document";  // with documents: RoPE positions restart at each (document) or not (absolute)
 };
 
 // Runs the check, printing the table to out; returns the process exit code (0 pass, 1 fail).

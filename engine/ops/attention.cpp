@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <map>
 #include <mutex>
+#include <limits>
 #include <optional>
 
 namespace cw {
@@ -453,6 +454,81 @@ void attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v,
     }
 #endif
     default: fail(std::string("attention: kernel ") + attention_kernel_name(choice.kernel) + " is not in this build");
+  }
+}
+
+std::vector<DocumentSpan> document_spans(const std::vector<std::vector<int64_t>>& doc_starts, int64_t B, int64_t p,
+                                         int64_t c) {
+  CW_CHECK(static_cast<int64_t>(doc_starts.size()) == B, "attention: document starts for {} sequences, the call has {}",
+           doc_starts.size(), B);
+  std::vector<DocumentSpan> spans;
+  for (int64_t b = 0; b < B; ++b) {
+    const std::vector<int64_t>& starts = doc_starts[static_cast<size_t>(b)];
+    CW_CHECK(!starts.empty() && starts.front() == 0, "attention: sequence {}'s first document must start at 0", b);
+    for (size_t i = 0; i < starts.size(); ++i) {
+      CW_CHECK(i == 0 || starts[i] > starts[i - 1], "attention: sequence {}'s document starts must ascend ({} after {})",
+               b, starts[i], starts[i - 1]);
+      const int64_t begin = starts[i];
+      const int64_t end = i + 1 < starts.size() ? starts[i + 1] : std::numeric_limits<int64_t>::max();
+      const int64_t q0 = std::max(begin, p) - p, q1 = std::min(end, p + c) - p;
+      if (q0 < q1) spans.push_back({b, q0, q1, begin});
+    }
+  }
+  return spans;
+}
+
+namespace {
+// Sequence b's rows [r0, r0 + n) of a [B, c, ...] tensor (or a K/V slice), as a batch of one.
+Tensor sequence_rows(const Tensor& t, int64_t b, int64_t r0, int64_t n) { return t.slice(0, b, 1).slice(1, r0, n); }
+// lse [B, H, c]: sequence b's columns [q0, q1) as [H, q1 - q0] rows of pitch c (a copy takes that stride).
+Tensor lse_columns(const Tensor& lse, int64_t b, int64_t q0, int64_t q1) {
+  Tensor t = lse.slice(0, b, 1).slice(2, q0, q1 - q0);
+  Tensor rows = t;
+  rows.ndim = 2;
+  rows.shape = {t.size(1), t.size(2), 0, 0};
+  rows.stride = {t.stride[1], 1, 0, 0};
+  return rows;
+}
+bool whole_rows(const DocumentSpan& s, int64_t c) { return s.q0 == 0 && s.q1 == c; }
+}  // namespace
+
+void attention_forward_documents(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
+                                 const Tensor& v, const std::vector<std::vector<int64_t>>& doc_starts, double scale,
+                                 Arena& scratch) {
+  check_forward_operands(q, k, v, out, saved, scratch, AttentionMask::causal);
+  const int64_t B = q.size(0), c = q.size(1), H = q.size(2), p = k.size(1) - c;
+  for (const DocumentSpan& s : document_spans(doc_starts, B, p, c)) {
+    ArenaScope scope(scratch);
+    const int64_t n = s.q1 - s.q0, keys = p + s.q1 - s.k0;
+    // A span of whole rows reads its lse in place; a part of a row through a packed copy.
+    const bool whole = whole_rows(s, c);
+    const Tensor lse = whole ? saved.lse.slice(0, s.b, 1) : scratch.alloc(saved.lse.dtype, {1, H, n});
+    attention_forward(sequence_rows(out, s.b, s.q0, n), {lse}, sequence_rows(q, s.b, s.q0, n),
+                      sequence_rows(k, s.b, s.k0, keys), sequence_rows(v, s.b, s.k0, keys), scale, scratch);
+    if (!whole) copy_convert(lse_columns(saved.lse, s.b, s.q0, s.q1), lse.view({H, n}));
+  }
+}
+
+void attention_backward_documents(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,
+                                  const AttentionSaved& saved, const Tensor& q, const Tensor& k, const Tensor& v,
+                                  const Tensor& out, const std::vector<std::vector<int64_t>>& doc_starts, double scale,
+                                  GradMode mode, Arena& scratch) {
+  check_forward_operands(q, k, v, out, saved, scratch, AttentionMask::causal);
+  check_backward_operands(d_q, d_k, d_v, d_out, q, k);
+  const int64_t B = q.size(0), c = q.size(1), H = q.size(2), p = k.size(1) - c;
+  for (const DocumentSpan& s : document_spans(doc_starts, B, p, c)) {
+    ArenaScope scope(scratch);
+    const int64_t n = s.q1 - s.q0, keys = p + s.q1 - s.k0;
+    const bool whole = whole_rows(s, c);
+    Tensor lse = saved.lse.slice(0, s.b, 1);
+    if (!whole) {
+      lse = scratch.alloc(saved.lse.dtype, {1, H, n});
+      copy_convert(lse.view({H, n}), lse_columns(saved.lse, s.b, s.q0, s.q1));
+    }
+    attention_backward(sequence_rows(d_q, s.b, s.q0, n), sequence_rows(d_k, s.b, s.k0, keys),
+                       sequence_rows(d_v, s.b, s.k0, keys), sequence_rows(d_out, s.b, s.q0, n), {lse},
+                       sequence_rows(q, s.b, s.q0, n), sequence_rows(k, s.b, s.k0, keys),
+                       sequence_rows(v, s.b, s.k0, keys), sequence_rows(out, s.b, s.q0, n), scale, mode, scratch);
   }
 }
 

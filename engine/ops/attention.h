@@ -106,6 +106,35 @@ void attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v,
                         const Tensor& out, double scale, GradMode mode, Arena& scratch,
                         AttentionMask mask = AttentionMask::causal);
 
+// Packed documents: a document mask on the same call. Each sequence b holds documents starting at
+// doc_starts[b] (positions in the whole sequence, ascending, the first 0; starts at or past p + c are
+// ignored). A query at position t = p + i attends only keys of its own document:
+//   keys j with start(t) <= j <= t,   start(t) = the last document start <= t
+// so no key of an earlier document is seen and no gradient crosses a document start. The chunk's
+// queries split at the document starts inside it into spans (below), and each span is one causal
+// call of the op above on views: queries [q0, q1) of sequence b against keys [k0, p + q1) of the same
+// sequence, bottom-right aligned. The math per query is the unmasked op's over its own keys, so each
+// kernel family serves it unchanged; dK, dV of keys [0, p + c) are ADDED as above (keys of no query's
+// document get nothing), d_q overwritten or accumulated. A span's lse rows are staged through
+// `scratch` where they are not packed in saved.lse. Shapes, dtypes and saved values as above.
+// Tested in tests/engine/test_ops.cpp (against each document run alone) and the op table.
+struct DocumentSpan {
+  int64_t b;       // the sequence
+  int64_t q0, q1;  // its chunk rows [q0, q1): queries at positions [p + q0, p + q1)
+  int64_t k0;      // where their document starts (k0 <= p + q0)
+};
+// The spans of a chunk of c queries at positions [p, p + c) of B sequences, in order (sequence, then
+// rows). Checks doc_starts (B lists, each ascending, the first 0).
+std::vector<DocumentSpan> document_spans(const std::vector<std::vector<int64_t>>& doc_starts, int64_t B, int64_t p,
+                                         int64_t c);
+void attention_forward_documents(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
+                                 const Tensor& v, const std::vector<std::vector<int64_t>>& doc_starts, double scale,
+                                 Arena& scratch);
+void attention_backward_documents(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,
+                                  const AttentionSaved& saved, const Tensor& q, const Tensor& k, const Tensor& v,
+                                  const Tensor& out, const std::vector<std::vector<int64_t>>& doc_starts, double scale,
+                                  GradMode mode, Arena& scratch);
+
 // Combines the attention of the same queries against two disjoint sets of keys (blocks of one row):
 //   lse = log(exp(lse_acc) + exp(lse_b))
 //   acc = exp(lse_acc - lse) acc + exp(lse_b - lse) out_b;  lse_acc = lse

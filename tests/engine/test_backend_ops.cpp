@@ -48,6 +48,8 @@
 #include "tests/engine/fd_check.h"
 #include "tests/gpu_support.h"
 
+#include <fmt/ranges.h>
+
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
@@ -403,7 +405,14 @@ Row accumulate_op(int64_t N, int64_t C, bool f32_dst) {
 struct AttnShape {
   int64_t B, c, S, H, Hkv, D, T;
   AttentionMask mask = AttentionMask::causal;
+  // Packed documents (attention_forward_documents): per sequence its document starts; empty: none.
+  std::vector<std::vector<int64_t>> docs = {};
 };
+std::string starts_text(const std::vector<std::vector<int64_t>>& docs) {
+  std::string r;
+  for (const auto& row : docs) r += fmt::format("{}[{}]", r.empty() ? "" : " ", fmt::join(row, ","));
+  return r;
+}
 std::vector<Variant> attention_families() {
   return {{"cudnn deterministic", AttentionKernel::cudnn, true},
           {"cudnn", AttentionKernel::cudnn, false, false},
@@ -416,7 +425,10 @@ std::vector<Variant> attention_families() {
 Row attention(AttnShape a, std::vector<Variant> variants = attention_families()) {
   const double scale = 1.0 / std::sqrt(static_cast<double>(a.D));
   const bool causal = a.mask == AttentionMask::causal;
-  Row r = finish(make_row(causal ? fmt::format("attention B={} c={} S={} (p={}) H={} Hkv={} D={} T={}", a.B, a.c, a.S,
+  const bool documents = !a.docs.empty();
+  Row r = finish(make_row(documents ? fmt::format("attention documents {} B={} c={} S={} (p={}) H={} Hkv={} D={} T={}",
+                                                  starts_text(a.docs), a.B, a.c, a.S, a.S - a.c, a.H, a.Hkv, a.D, a.T)
+                          : causal ? fmt::format("attention B={} c={} S={} (p={}) H={} Hkv={} D={} T={}", a.B, a.c, a.S,
                                                a.S - a.c, a.H, a.Hkv, a.D, a.T)
                                  : fmt::format("attention unmasked B={} c={} S={} H={} Hkv={} D={} T={}", a.B, a.c, a.S,
                                                a.H, a.Hkv, a.D, a.T),
@@ -425,21 +437,41 @@ Row attention(AttnShape a, std::vector<Variant> variants = attention_families())
                    saved("lse", {a.B, a.H, a.c}).tolerance(kLseTol), cot("d_out", "out"), grad("d_q", "q"),
                    grad("d_k", "k", Acc::adds), grad("d_v", "v", Acc::adds)},
                   [=](const Tensors& t, Arena& s) {
-                    attention_forward(t("out"), {t("lse")}, t("q"), t("k"), t("v"), scale, s, a.mask);
+                    if (documents)
+                      attention_forward_documents(t("out"), {t("lse")}, t("q"), t("k"), t("v"), a.docs, scale, s);
+                    else
+                      attention_forward(t("out"), {t("lse")}, t("q"), t("k"), t("v"), scale, s, a.mask);
                   },
                   [=](const Tensors& t, GradMode m, Arena& s) {
-                    attention_backward(t("d_q"), t("d_k"), t("d_v"), t("d_out"), {t("lse")}, t("q"), t("k"), t("v"),
-                                       t("out"), scale, m, s, a.mask);
+                    if (documents)
+                      attention_backward_documents(t("d_q"), t("d_k"), t("d_v"), t("d_out"), {t("lse")}, t("q"),
+                                                   t("k"), t("v"), t("out"), a.docs, scale, m, s);
+                    else
+                      attention_backward(t("d_q"), t("d_k"), t("d_v"), t("d_out"), {t("lse")}, t("q"), t("k"),
+                                         t("v"), t("out"), scale, m, s, a.mask);
                   }));
   r.variants = std::move(variants);
   r.takes_scratch = true;
-  r.unsupported = [mask = a.mask](const Tensors& t) -> std::string {
+  r.unsupported = [mask = a.mask, docs = a.docs](const Tensors& t) -> std::string {
+    // The calls the op makes: one, or with documents one per span (queries and keys of a sequence).
+    auto ask = [&](const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& dq,
+                   const Tensor& dout, const Tensor& dk, const Tensor& dv) {
+      choose_attention_kernel(attention_call(q, k, v, o, nullptr, nullptr, nullptr, nullptr, mask), attention_flags());
+      choose_attention_kernel(attention_call(q, k, v, o, &dq, &dout, &dk, &dv, mask), attention_flags());
+    };
     try {
-      choose_attention_kernel(attention_call(t("q"), t("k"), t("v"), t("out"), nullptr, nullptr, nullptr, nullptr, mask),
-                              attention_flags());
-      choose_attention_kernel(
-          attention_call(t("q"), t("k"), t("v"), t("out"), &t("d_q"), &t("d_out"), &t("d_k"), &t("d_v"), mask),
-          attention_flags());
+      if (docs.empty()) {
+        ask(t("q"), t("k"), t("v"), t("out"), t("d_q"), t("d_out"), t("d_k"), t("d_v"));
+      } else {
+        const int64_t c = t("q").size(1), p = t("k").size(1) - c;
+        for (const DocumentSpan& sp : document_spans(docs, t("q").size(0), p, c)) {
+          const int64_t n = sp.q1 - sp.q0, keys = p + sp.q1 - sp.k0;
+          auto rows = [&](const Tensor& x) { return x.slice(0, sp.b, 1).slice(1, sp.q0, n); };
+          auto key_rows = [&](const Tensor& x) { return x.slice(0, sp.b, 1).slice(1, sp.k0, keys); };
+          ask(rows(t("q")), key_rows(t("k")), key_rows(t("v")), rows(t("out")), rows(t("d_q")), rows(t("d_out")),
+              key_rows(t("d_k")), key_rows(t("d_v")));
+        }
+      }
     } catch (const Error& e) {
       return e.what();
     }
@@ -566,6 +598,7 @@ std::vector<Row> build_table() {
   t.push_back(accumulate_op(37, 203, false));
   t.push_back(accumulate_op(37, 203, true));
   // attention. Small (finite differences): chunk against cache with GQA 2, p = 0 in a padded store, decode.
+  constexpr AttentionMask causal_mask = AttentionMask::causal;
   t.push_back(attention({2, 3, 8, 4, 2, 4, 8}));
   t.push_back(attention({1, 5, 5, 2, 1, 6, 7}));
   t.push_back(attention({1, 1, 6, 2, 2, 4, 6}));
@@ -590,6 +623,15 @@ std::vector<Row> build_table() {
   t.push_back(gpu_only(attention({1, 64, 200, 2, 2, 128, 200})));
   t.push_back(gpu_only(attention({2, 100, 300, 4, 1, 64, 301})));
   t.push_back(gpu_only(attention({1, 1, 130, 4, 1, 64, 130})));
+  // Packed documents: a chunk's queries split at the document starts inside it, each span against
+  // its own document's keys (a document begun before the chunk, one-token documents, a start at the
+  // last query; the second sequence cut elsewhere); the GPU shapes across the tile sizes.
+  t.push_back(attention({2, 6, 11, 4, 2, 4, 12, causal_mask, {{0, 3, 7, 8, 10}, {0, 5}}}));
+  t.push_back(attention({1, 9, 9, 2, 1, 6, 9, causal_mask, {{0, 1, 2, 6}}}));
+  for (const int64_t D : {64, 128}) {
+    t.push_back(gpu_only(attention({2, 200, 700, 4, 2, D, 700, causal_mask, {{0, 130, 520, 521, 600}, {0, 650}}})));
+    t.push_back(gpu_only(attention({1, 300, 300, 4, 1, D, 300, causal_mask, {{0, 64, 65, 190}}})));
+  }
   // Unmasked key blocks (a long prefix attended block by block): fewer keys than queries, more, one;
   // GQA 2 and 4, a padded store; the GPU shapes across the tile sizes.
   constexpr AttentionMask none = AttentionMask::none;

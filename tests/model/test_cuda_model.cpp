@@ -13,6 +13,8 @@
 //                 differently (chunked attention, recomputed layers), f32 rounding only.
 #include "engine/cuda/ops.h"
 #include "engine/cuda/runtime.h"
+#include "engine/engine.h"
+#include "engine/ops/attention.h"
 #include "engine/random.h"
 #include "optim/schedule.h"
 #include "optim/training.h"
@@ -166,6 +168,59 @@ TEST_CASE("cuda: seco and checkpointed (offload, selective, tiled MLP) equal ful
             o.offload, ") vs full on the GPU: worst ", c.name, " rel ", c.worst);
     CHECK(c.worst <= kScheduleF32Tol);
     CHECK(std::abs(loss - full_loss) <= 1e-6 * std::abs(full_loss));
+  }
+}
+
+TEST_CASE("cuda: packed documents (every attention family, seco and full) match the CPU in f64" *
+          doctest::skip(!cw::test::gpu_ready())) {
+  // Documents of 1 to 23 tokens, cut differently in the two sequences; seco's chunks of 12 and 7
+  // start, end and straddle them. The reference: full on the CPU in f64 with the same documents.
+  const LlamaConfig cfg = tiny_config();
+  Batch batch = random_batch(2, 48, cfg.vocab_size, 19);
+  set_documents(batch, {{0, 1, 9, 32, 33}, {0, 23, 40}});
+  LlamaModel ref(cfg, DType::f64);
+  init_parameters(ref.params(), 7, 0.2, 0.1);
+  ParamSet ref_grads(cfg, DType::f64);
+  double ref_loss = 0;
+  gradients(ref, batch, ref_grads, named("full"), &ref_loss);
+  ScheduleOptions seco = named("seco", 12);
+  seco.bwd_chunk = 7;
+  ScheduleOptions saved = seco;
+  saved.save_attention = true;
+  saved.save_inputs = true;
+  ScheduleOptions window = named("seco", 16);
+  window.offload_window = 1;
+  for (const AttentionKernel kernel : {AttentionKernel::automatic, AttentionKernel::cudnn, AttentionKernel::flash_wgmma,
+                                       AttentionKernel::flash_mma, AttentionKernel::flash_simt}) {
+    for (const DType dt : {DType::f32, DType::bf16}) {
+      if (dt == DType::f32 && kernel != AttentionKernel::automatic && kernel != AttentionKernel::flash_simt) continue;
+      test::AttentionKernelScope forced(kernel);
+      LlamaModel model(cfg, dt, Device::gpu(0));
+      copy_params(model.params(), ref.params());
+      ParamSet grads(cfg, DType::f32, Device::gpu(0));
+      for (const ScheduleOptions& o : {named("full"), seco, saved, window}) {
+        CAPTURE(attention_kernel_name(kernel));
+        CAPTURE(dtype_name(dt));
+        CAPTURE(o.chunk);
+        double loss = 0;
+        try {
+          gradients(model, batch, grads, o, &loss);
+        } catch (const Error& e) {
+          // A forced family this device or build lacks (cuDNN, Hopper's wgmma) says so: reported, not run.
+          const std::string what = e.what();
+          REQUIRE_MESSAGE(what.find("was requested but cannot take this call") != std::string::npos, what);
+          MESSAGE("not run: ", what);
+          break;
+        }
+        const Compared c = compare_sets(grads, ref_grads);
+        MESSAGE(attention_kernel_name(kernel), " ", dtype_name(dt), " ", o.name, " (chunk ", o.chunk, ", saved ",
+                o.save_attention, ", window ", o.offload_window, ") with documents vs CPU f64: worst ", c.name, " rel ",
+                c.worst);
+        const double tol = dt == DType::f32 ? kModelF32Tol : kModelBf16Tol;
+        CHECK(c.worst <= tol);
+        CHECK(std::abs(loss - ref_loss) <= tol * std::abs(ref_loss));
+      }
+    }
   }
 }
 
