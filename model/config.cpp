@@ -9,6 +9,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 
 namespace cw {
 
@@ -36,32 +37,118 @@ double get_double(const json& j, const char* key, const std::string& src, double
   return j[key].get<double>();
 }
 
-RopeScaling parse_rope_scaling(const json& s, const std::string& src, const char* where) {
+// The range checks of a scaling's values; `where` is the key its values came from (rope_scaling or
+// rope_parameters), so the message names the key as the file spells it.
+void check_rope_scaling(const RopeScaling& r, int64_t max_position_embeddings, const std::string& src,
+                        const std::string& where) {
+  const std::string type = rope_type_name(r.type);
+  auto bad = [&](const std::string& what, const std::string& hint) {
+    fail(fmt::format("{}: {}.{} ({} RoPE)", src, where, what, type), hint);
+  };
+  const bool has_original = r.type == RopeScaling::Type::llama3 || r.type == RopeScaling::Type::yarn;
+  if (has_original && r.original_max_position <= 0)
+    bad(fmt::format("original_max_position_embeddings must be positive, got {}", r.original_max_position),
+        "give the context length the model was pretrained with");
+  switch (r.type) {
+    case RopeScaling::Type::none: return;
+    case RopeScaling::Type::linear:
+      if (!(r.factor > 0)) bad(fmt::format("factor must be positive, got {}", r.factor), "fix the value in the config");
+      return;
+    case RopeScaling::Type::llama3:
+      if (!(r.factor > 0)) bad(fmt::format("factor must be positive, got {}", r.factor), "fix the value in the config");
+      if (!(r.high_freq_factor > r.low_freq_factor))
+        bad(fmt::format("high_freq_factor {} must exceed low_freq_factor {}", r.high_freq_factor, r.low_freq_factor),
+            "fix the values in the config");
+      return;
+    case RopeScaling::Type::yarn:
+      if (!(r.factor >= 1))
+        bad(fmt::format("factor must be >= 1, got {}", r.factor),
+            "factor is the ratio of the extended context to original_max_position_embeddings");
+      if (!(r.beta_slow > 0 && r.beta_fast > r.beta_slow))
+        bad(fmt::format("beta_fast {} and beta_slow {} must satisfy beta_fast > beta_slow > 0", r.beta_fast, r.beta_slow),
+            "leave them out for YaRN's 32 and 1");
+      if (const double a = rope_attention_factor(r); !(a > 0 && std::isfinite(a)))
+        bad(fmt::format("{} must be positive, got {}",
+                        r.attention_factor ? "attention_factor" : "attention factor from factor, mscale and mscale_all_dim",
+                        a),
+            "fix attention_factor, or mscale and mscale_all_dim");
+      return;
+    case RopeScaling::Type::dynamic:
+      if (!(r.factor >= 1)) bad(fmt::format("factor must be >= 1, got {}", r.factor), "fix the value in the config");
+      if (r.original_max_position != max_position_embeddings)
+        fail(fmt::format("{}: dynamic RoPE scales from max_position_embeddings ({}), but its original length is {}", src,
+                         max_position_embeddings, r.original_max_position),
+             "keep the scaling's original length equal to max_position_embeddings");
+      return;
+  }
+}
+
+// Reads rope_scaling (v4) or rope_parameters (v5) as transformers 5.24's standardize_rope_params and
+// _compute_*_parameters do: rope_type, or the older `type`; for llama3 and yarn a top-level
+// original_max_position_embeddings wins over the scaling's own, and without either it is
+// max_position_embeddings; yarn's factor may be null (max_position_embeddings / original); dynamic
+// scales from max_position_embeddings.
+RopeScaling parse_rope_scaling(const json& s, const json& config, int64_t max_position_embeddings,
+                               const std::string& src, const char* where) {
   RopeScaling r;
   if (s.is_null()) return r;
   if (!s.is_object()) fail(fmt::format("{}: '{}' must be an object or null", src, where));
   std::string type = "default";
-  if (s.contains("rope_type") && !s["rope_type"].is_null()) type = s["rope_type"].get<std::string>();
-  else if (s.contains("type") && !s["type"].is_null()) type = s["type"].get<std::string>();
+  for (const char* key : {"rope_type", "type"})
+    if (s.contains(key) && !s[key].is_null()) {
+      if (!s[key].is_string()) fail(fmt::format("{}: {}.{} must be a string, got {}", src, where, key, s[key].dump()));
+      type = s[key].get<std::string>();
+      break;
+    }
   if (type == "default") return r;
-  const std::string key = fmt::format("{}.rope_type", where);
+  const std::string ctx = fmt::format("{}: {}", src, where);
+  // original_max_position_embeddings as HF resolves it for llama3 and yarn.
+  auto original_max = [&] {
+    const char* key = "original_max_position_embeddings";
+    if (config.contains(key) && !config[key].is_null()) return get_int(config, key, src);
+    return get_int(s, key, ctx, &max_position_embeddings);
+  };
+  auto optional_double = [&](const char* key) -> std::optional<double> {
+    if (!s.contains(key) || s[key].is_null()) return std::nullopt;
+    return get_double(s, key, ctx, 0.0);
+  };
   if (type == "linear") {
     r.type = RopeScaling::Type::linear;
-    r.factor = get_double(s, "factor", src + ": " + where, 1.0, true);
+    r.factor = get_double(s, "factor", ctx, 1.0, true);
   } else if (type == "llama3") {
     r.type = RopeScaling::Type::llama3;
-    const std::string ctx = src + ": " + where;
     r.factor = get_double(s, "factor", ctx, 1.0, true);
     r.low_freq_factor = get_double(s, "low_freq_factor", ctx, 1.0, true);
     r.high_freq_factor = get_double(s, "high_freq_factor", ctx, 4.0, true);
-    r.original_max_position = get_int(s, "original_max_position_embeddings", ctx);
-    if (!(r.high_freq_factor > r.low_freq_factor))
-      fail(fmt::format("{}: {}: high_freq_factor {} must exceed low_freq_factor {}", src, where, r.high_freq_factor,
-                       r.low_freq_factor));
+    r.original_max_position = original_max();
+  } else if (type == "yarn") {
+    r.type = RopeScaling::Type::yarn;
+    r.original_max_position = original_max();
+    if (!s.contains("factor")) fail(fmt::format("{}: missing key 'factor'", ctx), "add the key to the config");
+    // null: the ratio of the extended context to the original one, as DeepSeek-V3's configs mean it.
+    r.factor = s["factor"].is_null()
+                   ? static_cast<double>(max_position_embeddings) / static_cast<double>(r.original_max_position)
+                   : get_double(s, "factor", ctx, 1.0);
+    r.beta_fast = get_double(s, "beta_fast", ctx, 32.0);
+    r.beta_slow = get_double(s, "beta_slow", ctx, 1.0);
+    r.attention_factor = optional_double("attention_factor");
+    r.mscale = optional_double("mscale");
+    r.mscale_all_dim = optional_double("mscale_all_dim");
+    if (s.contains("truncate")) {
+      // HF tests truthiness: null truncates nothing, like false.
+      if (!s["truncate"].is_null() && !s["truncate"].is_boolean())
+        fail(fmt::format("{}: key 'truncate' must be true or false, got {}", ctx, s["truncate"].dump()));
+      r.truncate = s["truncate"].is_boolean() && s["truncate"].get<bool>();
+    }
+  } else if (type == "dynamic") {
+    r.type = RopeScaling::Type::dynamic;
+    r.factor = get_double(s, "factor", ctx, 1.0, true);
+    r.original_max_position = max_position_embeddings;
   } else {
-    fail(fmt::format("{}: unknown {} '{}'", src, key, type), "chunkwise supports default, linear and llama3 RoPE");
+    fail(fmt::format("{}: unknown {}.rope_type '{}'", src, where, type),
+         "chunkwise supports default, linear, llama3, yarn and dynamic RoPE");
   }
-  if (!(r.factor > 0)) fail(fmt::format("{}: {}.factor must be positive", src, where));
+  check_rope_scaling(r, max_position_embeddings, src, where);
   return r;
 }
 }  // namespace
@@ -102,10 +189,11 @@ LlamaConfig LlamaConfig::from_json(const json& j, const std::string& src) {
     const json& rp = j["rope_parameters"];
     if (!rp.is_object()) fail(fmt::format("{}: 'rope_parameters' must be an object", src));
     c.rope_theta = get_double(rp, "rope_theta", src + ": rope_parameters", 10000.0);
-    c.rope_scaling = parse_rope_scaling(rp, src, "rope_parameters");
+    c.rope_scaling = parse_rope_scaling(rp, j, c.max_position_embeddings, src, "rope_parameters");
   } else {
     c.rope_theta = get_double(j, "rope_theta", src, 10000.0);
-    if (j.contains("rope_scaling")) c.rope_scaling = parse_rope_scaling(j["rope_scaling"], src, "rope_scaling");
+    if (j.contains("rope_scaling"))
+      c.rope_scaling = parse_rope_scaling(j["rope_scaling"], j, c.max_position_embeddings, src, "rope_scaling");
   }
   const int64_t none = -1;
   c.bos_token_id = get_int(j, "bos_token_id", src, &none);
@@ -166,6 +254,9 @@ void LlamaConfig::validate(const std::string& src) const {
   if (head_dim % 2 != 0) fail(fmt::format("{}: head_dim {} must be even for RoPE", src, head_dim));
   if (!(rms_norm_eps > 0)) fail(fmt::format("{}: 'rms_norm_eps' must be positive", src));
   if (!(rope_theta > 0)) fail(fmt::format("{}: 'rope_theta' must be positive", src));
+  if (rope_scaling.type == RopeScaling::Type::dynamic && head_dim <= 2)
+    fail(fmt::format("{}: dynamic RoPE needs head_dim > 2, got {}", src, head_dim), "use another RoPE scaling");
+  check_rope_scaling(rope_scaling, max_position_embeddings, src, "rope_scaling");
 }
 
 json LlamaConfig::to_json() const {
@@ -198,6 +289,24 @@ json LlamaConfig::to_json() const {
                            {"low_freq_factor", rope_scaling.low_freq_factor},
                            {"high_freq_factor", rope_scaling.high_freq_factor},
                            {"original_max_position_embeddings", rope_scaling.original_max_position}};
+      break;
+    case RopeScaling::Type::yarn: {
+      json& y = j["rope_scaling"];
+      y = {{"rope_type", "yarn"},
+           {"factor", rope_scaling.factor},
+           {"original_max_position_embeddings", rope_scaling.original_max_position},
+           {"beta_fast", rope_scaling.beta_fast},
+           {"beta_slow", rope_scaling.beta_slow}};
+      // Only what was given: absent, HF derives the attention factor (and truncates) itself.
+      if (rope_scaling.attention_factor) y["attention_factor"] = *rope_scaling.attention_factor;
+      if (rope_scaling.mscale) y["mscale"] = *rope_scaling.mscale;
+      if (rope_scaling.mscale_all_dim) y["mscale_all_dim"] = *rope_scaling.mscale_all_dim;
+      if (!rope_scaling.truncate) y["truncate"] = false;
+      break;
+    }
+    case RopeScaling::Type::dynamic:
+      // HF's dynamic scales from max_position_embeddings: no original length of its own.
+      j["rope_scaling"] = {{"rope_type", "dynamic"}, {"factor", rope_scaling.factor}};
       break;
   }
   if (bos_token_id >= 0) j["bos_token_id"] = bos_token_id;

@@ -6,6 +6,15 @@
 // `eos_token_id` may be a number or a list; `tie_word_embeddings` means the LM head is the embedding
 // table (no `lm_head.weight`). Every error names the file and the key.
 //
+// RoPE scaling (engine/ops/rope.h): default, linear, llama3, yarn and dynamic, read as transformers
+// 5.24 resolves them: `rope_type` or the older `type`; for llama3 and yarn a top-level
+// `original_max_position_embeddings` wins over the scaling's own, and without either it is
+// `max_position_embeddings`; yarn's `factor` may be null (max_position_embeddings / original); yarn's
+// beta_fast, beta_slow default to 32, 1 and truncate to true; dynamic scales from
+// max_position_embeddings. Checked: factor >= 1 (yarn, dynamic), beta_fast > beta_slow > 0, a positive
+// original length and attention factor. to_json writes the resolved values back as `rope_scaling`
+// (yarn's attention_factor, mscale and mscale_all_dim only when given, truncate only when false).
+//
 // Dimension letters used across the code: V vocab, C hidden, F intermediate (FFN), L layers,
 // H query heads, Hkv key/value heads, D head dim.
 #pragma once
@@ -31,7 +40,7 @@ struct LlamaConfig {
   int64_t max_position_embeddings = 0;
   double rms_norm_eps = 1e-5;
   double rope_theta = 10000.0;
-  RopeScaling rope_scaling;          // type none unless the config asks for linear or llama3
+  RopeScaling rope_scaling;          // type none unless the config asks for linear, llama3, yarn or dynamic
   bool tie_word_embeddings = false;
   double initializer_range = 0.02;
   int64_t bos_token_id = -1;         // -1: not given

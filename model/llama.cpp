@@ -93,7 +93,10 @@ LoraRuntime chunk_lora_runtime(const LlamaModel& model, const ChunkTokens& chunk
 }  // namespace
 
 void LlamaModel::ensure_positions(int64_t n) {
-  if (rope_cos_.tensor.ndim == 2 && rope_cos_.tensor.size(0) >= n) return;
+  const int64_t rows = rope_cos_.tensor.ndim == 2 ? rope_cos_.tensor.size(0) : 0;
+  // Grown for a longer sequence; with dynamic scaling also rebuilt for another length above the
+  // original one, whose frequencies differ (n rows are a sequence of n tokens: rope_tables).
+  if (rope_tables_serve(config_.rope_scaling, rows, n)) return;
   const int64_t half = config_.head_dim / 2;
   if (device_.is_cpu()) {
     rope_cos_ = OwnedTensor(dtype_, {n, half});

@@ -97,7 +97,9 @@ class LlamaModel {
   // What the blocks need of the adapters for a chunk (model/layer.h).
   LoraRuntime lora_runtime() const;
 
-  // RoPE tables for positions [0, n); grown on demand (a schedule calls this before a step).
+  // RoPE tables for positions [0, n) of a sequence of n tokens; grown on demand (a schedule calls this
+  // before a step). Dynamic scaling's frequencies depend on n: its tables are rebuilt for each n above
+  // the original length (engine/ops/rope.h).
   void ensure_positions(int64_t n);
   const Tensor& rope_cos() const { return rope_cos_.tensor; }
   const Tensor& rope_sin() const { return rope_sin_.tensor; }

@@ -296,21 +296,25 @@ Row rmsnorm(int64_t N, int64_t C, bool with_dw = true) {
   return r;
 }
 
-// cos and sin tables [P, D/2] with llama3 scaling (rounded to the run's accumulation dtype, as the
-// GPU's f32 tables are).
-Init rope_table(int64_t D, bool want_sin) {
+// The scalings the rope rows take their tables from: llama3, and yarn, whose attention factor (here
+// 0.1 ln 4 + 1) scales cos and sin, so the op is no longer a pure rotation.
+const RopeScaling kRopeLlama3{RopeScaling::Type::llama3, 4.0, 1.0, 4.0, 16};
+const RopeScaling kRopeYarn{.type = RopeScaling::Type::yarn, .factor = 4.0, .original_max_position = 16};
+
+// cos and sin tables [P, D/2] (rounded to the run's accumulation dtype, as the GPU's f32 tables are).
+Init rope_table(int64_t D, bool want_sin, const RopeScaling& scaling) {
   return [=](const Tensor& t, uint64_t, uint64_t) {
     OwnedTensor other = OwnedTensor::of_shape(DType::f64, shape_of(t));
-    const RopeScaling scaling{RopeScaling::Type::llama3, 4.0, 1.0, 4.0, 16};
     if (want_sin) rope_tables(other, t, D, 10000.0, scaling);
     else rope_tables(t, other, D, 10000.0, scaling);
   };
 }
 
-Row rope(int64_t B, int64_t T, int64_t H, int64_t D, int64_t P, int64_t pos0) {
-  Row r = finish(make_row(fmt::format("rope B={} T={} H={} D={} P={} pos0={}", B, T, H, D, P, pos0),
-                 {in("x", {B, T, H, D}), in("cos", {P, D / 2}).dtype(Dt::accum).with(rope_table(D, false)),
-                  in("sin", {P, D / 2}).dtype(Dt::accum).with(rope_table(D, true)), out("out", {B, T, H, D}),
+Row rope(int64_t B, int64_t T, int64_t H, int64_t D, int64_t P, int64_t pos0, const RopeScaling& scaling = kRopeLlama3) {
+  Row r = finish(make_row(fmt::format("rope B={} T={} H={} D={} P={} pos0={} {}", B, T, H, D, P, pos0,
+                                      rope_type_name(scaling.type)),
+                 {in("x", {B, T, H, D}), in("cos", {P, D / 2}).dtype(Dt::accum).with(rope_table(D, false, scaling)),
+                  in("sin", {P, D / 2}).dtype(Dt::accum).with(rope_table(D, true, scaling)), out("out", {B, T, H, D}),
                   cot("d_out", "out"), grad("d_x", "x")},
                  [=](const Tensors& t, Arena&) { rope_forward(t("out"), t("x"), t("cos"), t("sin"), pos0); },
                  [=](const Tensors& t, GradMode m, Arena&) {
@@ -612,6 +616,7 @@ std::vector<Row> build_table() {
   t.push_back(gpu_only(rmsnorm(512, 2048, false)));
   // rope: offsets pos0 > 0, an odd half head dim (D = 10), a realistic head
   t.push_back(rope(2, 5, 3, 8, 16, 7));
+  t.push_back(rope(2, 5, 3, 8, 16, 7, kRopeYarn));
   t.push_back(rope(1, 3, 2, 10, 8, 2));
   t.push_back(rope(2, 37, 3, 10, 64, 5));
   t.push_back(gpu_only(rope(2, 37, 3, 128, 64, 5)));

@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include <fstream>
+#include <string>
 
 using namespace cw;
 using nlohmann::json;
@@ -105,8 +106,8 @@ TEST_CASE("config errors name the file and the key") {
   j["num_key_value_heads"] = 3;
   expect_error(j, {"hidden_size", "divisible"});
   j = llama32_1b_v4();
-  j["rope_scaling"]["rope_type"] = "yarn";
-  expect_error(j, {"rope_type", "yarn"});
+  j["rope_scaling"]["rope_type"] = "longrope";
+  expect_error(j, {"rope_type", "longrope"});
   j = llama32_1b_v4();
   j["rope_scaling"].erase("factor");
   expect_error(j, {"factor"});
@@ -157,4 +158,129 @@ TEST_CASE("presets and the parameter table") {
   CHECK(parameter_table(tiny).back().name == "model.norm.weight");
   ParamSet p(tiny, DType::f64);
   CHECK(p.weights().lm_head.data == p.weights().embedding.data);
+}
+
+namespace {
+// A small Llama config.json around a RoPE section: rope_scaling (v4) or, with v5, rope_parameters
+// holding rope_theta too.
+json with_rope(const json& scaling, int64_t max_position_embeddings = 32768, bool v5 = false) {
+  json j = llama32_1b_v4();
+  j["max_position_embeddings"] = max_position_embeddings;
+  j.erase("rope_scaling");
+  if (v5) {
+    j.erase("rope_theta");
+    j["rope_parameters"] = scaling;
+    j["rope_parameters"]["rope_theta"] = 500000.0;
+  } else {
+    j["rope_scaling"] = scaling;
+  }
+  return j;
+}
+
+json yarn_scaling() {
+  return {{"rope_type", "yarn"}, {"factor", 8.0}, {"original_max_position_embeddings", 4096}};
+}
+}  // namespace
+
+TEST_CASE("config: yarn and dynamic read as transformers resolves them (tests/data/rope_scaling_reference.json)") {
+  std::ifstream in(std::string(CW_SOURCE_ROOT) + "/tests/data/rope_scaling_reference.json");
+  REQUIRE(in.good());
+  // The reference's float64 values against ours through the parsed config: the same formulas, a few
+  // ulps apart (tests/engine/test_rope_scaling.cpp holds the tables to them).
+  constexpr double kReferenceTol = 1e-14;
+  for (const json& c : json::parse(in).at("cases")) {
+    INFO(c.at("name").get<std::string>());
+    json j = with_rope(c.at("rope_scaling"), c.at("max_position_embeddings"));
+    j["head_dim"] = c.at("head_dim");
+    j["rope_theta"] = c.at("rope_theta");
+    const LlamaConfig cf = LlamaConfig::from_json(j, "cfg.json");
+    const json& r = c.at("resolved");
+    CHECK(rope_type_name(cf.rope_scaling.type) == r.at("rope_type").get<std::string>());
+    CHECK(cf.rope_scaling.factor == r.at("factor").get<double>());
+    CHECK(cf.rope_scaling.original_max_position == r.at("original_max_position_embeddings").get<int64_t>());
+    const int64_t seq_len = c.at("seq_len").is_null() ? 0 : c.at("seq_len").get<int64_t>();
+    const std::vector<double> inv = rope_inv_freq(cf.head_dim, cf.rope_theta, cf.rope_scaling, seq_len);
+    const auto want = c.at("inv_freq").get<std::vector<double>>();
+    REQUIRE(inv.size() == want.size());
+    for (size_t i = 0; i < inv.size(); ++i) CHECK(inv[i] == doctest::Approx(want[i]).epsilon(kReferenceTol));
+    CHECK(rope_attention_factor(cf.rope_scaling) ==
+          doctest::Approx(c.at("attention_factor").get<double>()).epsilon(kReferenceTol));
+  }
+}
+
+TEST_CASE("config: yarn and dynamic round-trip through the config.json a checkpoint carries, from v4 and v5") {
+  const json full = {{"rope_type", "yarn"},     {"factor", 16.0},         {"original_max_position_embeddings", 2048},
+                     {"beta_fast", 24.0},       {"beta_slow", 2.0},       {"attention_factor", 1.3},
+                     {"mscale", 0.9},           {"mscale_all_dim", 0.8},  {"truncate", false}};
+  const json dynamic = {{"type", "dynamic"}, {"factor", 2.0}};
+  for (const bool v5 : {false, true})
+    for (const json& scaling : {yarn_scaling(), full, dynamic}) {
+      INFO((v5 ? "v5 " : "v4 ") << scaling.dump());
+      const LlamaConfig c = LlamaConfig::from_json(with_rope(scaling, 32768, v5), "cfg.json");
+      const json written = c.to_json();
+      const LlamaConfig back = LlamaConfig::from_json(written, "round trip");
+      CHECK(back.rope_scaling == c.rope_scaling);
+      CHECK(back.rope_theta == c.rope_theta);
+      CHECK(back.max_position_embeddings == c.max_position_embeddings);
+      CHECK(back.to_json() == written);
+      // What transformers reads: the values given, nothing it would read differently.
+      const json& rs = written.at("rope_scaling");
+      for (const auto& [key, value] : scaling.items())
+        if (key != "type") CHECK(rs.at(key) == value);
+      CHECK(rs.at("rope_type") == rope_type_name(c.rope_scaling.type));
+    }
+  const json plain = LlamaConfig::from_json(with_rope(yarn_scaling()), "cfg.json").to_json().at("rope_scaling");
+  CHECK(plain.at("beta_fast") == 32.0);
+  CHECK(plain.at("beta_slow") == 1.0);
+  for (const char* absent : {"attention_factor", "mscale", "mscale_all_dim", "truncate"}) CHECK_FALSE(plain.contains(absent));
+  CHECK_FALSE(LlamaConfig::from_json(with_rope(dynamic), "cfg.json").to_json().at("rope_scaling").contains(
+      "original_max_position_embeddings"));
+}
+
+TEST_CASE("config: yarn's original length and factor as transformers resolves them") {
+  // A top-level original_max_position_embeddings wins over the scaling's own (transformers'
+  // standardize_rope_params, for Phi-3's configs); without either it is max_position_embeddings.
+  json j = with_rope(yarn_scaling());
+  j["original_max_position_embeddings"] = 8192;
+  CHECK(LlamaConfig::from_json(j, "cfg.json").rope_scaling.original_max_position == 8192);
+  json no_original = yarn_scaling();
+  no_original.erase("original_max_position_embeddings");
+  CHECK(LlamaConfig::from_json(with_rope(no_original, 4096), "cfg.json").rope_scaling.original_max_position == 4096);
+  // A null factor: max_position_embeddings / original (DeepSeek-V3's reading).
+  json null_factor = yarn_scaling();
+  null_factor["factor"] = nullptr;
+  CHECK(LlamaConfig::from_json(with_rope(null_factor, 16384), "cfg.json").rope_scaling.factor == 4.0);
+  // truncate: null truncates nothing, as Python's truthiness reads it.
+  json truncate_null = yarn_scaling();
+  truncate_null["truncate"] = nullptr;
+  CHECK_FALSE(LlamaConfig::from_json(with_rope(truncate_null), "cfg.json").rope_scaling.truncate);
+  // dynamic scales from max_position_embeddings, whatever else the section holds.
+  json dyn = {{"rope_type", "dynamic"}, {"factor", 2.0}, {"original_max_position_embeddings", 99}};
+  CHECK(LlamaConfig::from_json(with_rope(dyn, 2048), "cfg.json").rope_scaling.original_max_position == 2048);
+}
+
+TEST_CASE("config: bad yarn and dynamic values are one-line errors naming the file and the key") {
+  auto yarn_with = [](const char* key, const json& value) {
+    json s = yarn_scaling();
+    s[key] = value;
+    return s;
+  };
+  expect_error(with_rope(yarn_with("factor", 0.5)), {"rope_scaling.factor", ">= 1", "yarn"});
+  json no_factor = yarn_scaling();
+  no_factor.erase("factor");
+  expect_error(with_rope(no_factor), {"factor", "missing"});
+  expect_error(with_rope(yarn_with("factor", "eight")), {"factor", "number"});
+  expect_error(with_rope(yarn_with("beta_fast", 1.0)), {"beta_fast", "beta_slow"});
+  expect_error(with_rope(yarn_with("beta_slow", 0.0)), {"beta_slow", "> 0"});
+  expect_error(with_rope(yarn_with("original_max_position_embeddings", 0)), {"original_max_position_embeddings", "positive"});
+  expect_error(with_rope(yarn_with("original_max_position_embeddings", 4096.5)), {"original_max_position_embeddings", "integer"});
+  expect_error(with_rope(yarn_with("attention_factor", -1.0)), {"attention_factor", "positive"});
+  expect_error(with_rope(yarn_with("truncate", "yes")), {"truncate", "true or false"});
+  expect_error(with_rope(yarn_with("rope_type", 5)), {"rope_type", "string"});
+  expect_error(with_rope(yarn_with("factor", 0.5), 32768, true), {"rope_parameters.factor", ">= 1"});
+  expect_error(with_rope({{"rope_type", "dynamic"}, {"factor", 0.9}}), {"factor", ">= 1", "dynamic"});
+  expect_error(with_rope({{"rope_type", "dynamic"}}), {"factor", "missing"});
+  json tiny_head = with_rope({{"rope_type", "dynamic"}, {"factor", 2.0}});
+  tiny_head["head_dim"] = 2;
+  expect_error(tiny_head, {"dynamic", "head_dim"});
 }

@@ -1,12 +1,16 @@
 // The whole tiny Llama: fp64 gradients along random directions against finite differences (tied and
-// untied embeddings, GQA 2:1, llama3 RoPE scaling), f32 against f64, and the chunk-against-cache
-// forward equal to the whole-sequence forward.
+// untied embeddings, GQA 2:1, llama3, yarn and dynamic RoPE scaling), f32 against f64, the chunk-against-cache
+// forward equal to the whole-sequence forward, and the RoPE tables ensure_positions keeps.
 #include "model/llama.h"
 #include "optim/schedule.h"
 #include "tests/support.h"
 #include "tools/gradcheck.h"
 
+#include <nlohmann/json.hpp>
+
+#include <fstream>
 #include <sstream>
+#include <tuple>
 
 using namespace cw;
 
@@ -151,4 +155,58 @@ TEST_CASE("cast_layers: blocks rounded from the master as they run give the resi
   lora.rank = 2;
   CHECK_THROWS_WITH_AS(LlamaModel(cfg, DType::f32, Device::host(), nullptr, lora, true), doctest::Contains("LoRA"),
                        Error);
+}
+
+TEST_CASE("tiny model with yarn and dynamic RoPE: fp64 gradients match finite differences") {
+  // Scalings that bite at 16 tokens: yarn from an original 8 (its attention factor scales q.k),
+  // dynamic above max_position_embeddings 8 (the tables of the batch's length).
+  RopeScaling yarn{.type = RopeScaling::Type::yarn, .factor = 4.0, .original_max_position = 8};
+  yarn.mscale = 1.0;
+  yarn.mscale_all_dim = 0.5;
+  const RopeScaling dynamic{.type = RopeScaling::Type::dynamic, .factor = 2.0, .original_max_position = 8};
+  test::TempDir dir("rope-model");
+  for (const auto& [name, scaling, max_positions] : {std::tuple{"yarn", yarn, 32}, std::tuple{"dynamic", dynamic, 8}}) {
+    CAPTURE(name);
+    LlamaConfig cfg = LlamaConfig::preset("tiny");
+    cfg.rope_scaling = scaling;
+    cfg.max_position_embeddings = max_positions;
+    GradcheckOptions o;
+    o.model = dir.file(std::string(name) + ".json");
+    std::ofstream(o.model) << cfg.to_json().dump();
+    o.seq = 16;
+    o.batch = 2;
+    std::ostringstream out;
+    const int rc = run_gradcheck(o, out);
+    INFO(out.str());
+    CHECK(rc == 0);
+    CHECK(last_max_rel_err(out.str()) <= test::kFiniteDifferenceTol);
+  }
+}
+
+TEST_CASE("ensure_positions: tables grow; dynamic RoPE's are rebuilt for each length above the original") {
+  auto rows = [](const LlamaModel& m) { return m.rope_cos().size(0); };
+  auto table_of = [](const LlamaConfig& cfg, int64_t n) {
+    OwnedTensor cos(DType::f64, {n, cfg.head_dim / 2}), sin(DType::f64, {n, cfg.head_dim / 2});
+    rope_tables(cos, sin, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling);
+    return cos;
+  };
+  LlamaConfig cfg = LlamaConfig::preset("tiny");
+  LlamaModel plain(cfg, DType::f64);
+  const int64_t built = rows(plain);
+  plain.ensure_positions(40);
+  CHECK(rows(plain) == std::max<int64_t>(built, 40));  // llama3: a longer table serves every length
+  plain.ensure_positions(built + 1);
+  CHECK(rows(plain) == built + 1);
+
+  cfg.max_position_embeddings = 8;
+  cfg.rope_scaling = {.type = RopeScaling::Type::dynamic, .factor = 2.0, .original_max_position = 8};
+  LlamaModel dyn(cfg, DType::f64);
+  for (const int64_t n : {40, 20, 5, 8, 3}) {
+    CAPTURE(n);
+    dyn.ensure_positions(n);
+    // The sequence's own length above 8; at most 8: any table of at most 8 rows that covers n.
+    const int64_t want = n > 8 ? n : (n == 3 ? 8 : n);
+    CHECK(rows(dyn) == want);
+    CHECK(test::compare(dyn.rope_cos(), table_of(cfg, want)).max_abs == 0.0);
+  }
 }

@@ -211,7 +211,7 @@ TEST_CASE("run config: unknown sections and keys suggest the closest name") {
   CHECK(contains(m, "cfg.toml:1:"));
   CHECK(contains(m, "unknown section [modle]"));
   CHECK(contains(m, "did you mean [model]?"));
-  CHECK(contains(toml_error("[wibblewobble]\n"), "sections are model, lora, data, schedule"));
+  CHECK(contains(toml_error("[wibblewobble]\n"), "sections are model, rope, lora, data, schedule"));
 
   m = toml_error("[data]\nseqlen = 3\n");
   CHECK(contains(m, "cfg.toml:2:1"));
@@ -311,6 +311,90 @@ TEST_CASE("run config: validate names the key that is out of range") {
   RunConfig c = RunConfig::defaults();
   c.model.init_seed = 1ull << 63;
   CHECK(contains(error_of([&] { c.validate(); }), "model.init_seed must be < 2^63"));
+}
+
+// The config after the assignments, validated.
+RunConfig with(std::initializer_list<const char*> assignments) {
+  RunConfig c = RunConfig::defaults();
+  for (const char* a : assignments) c.apply_override(a);
+  c.validate();
+  return c;
+}
+
+TEST_CASE("run config: [rope] replaces the model's RoPE scaling in the model the run trains") {
+  const LlamaConfig tiny = LlamaConfig::preset("tiny");  // llama3 scaling, max_position_embeddings 4096
+  CHECK(with({"model.source=tiny"}).model_config().to_json() == tiny.to_json());  // rope.type = model
+  CHECK(with({"model.source=tiny", "model.tie_embeddings=true"}).model_config().tie_word_embeddings);
+
+  // yarn: the original length defaults to the model's, which is stretched by the factor.
+  const LlamaConfig yarn = with({"model.source=tiny", "rope.type=yarn", "rope.factor=8"}).model_config();
+  CHECK(yarn.rope_scaling.type == RopeScaling::Type::yarn);
+  CHECK(yarn.rope_scaling.factor == 8.0);
+  CHECK(yarn.rope_scaling.original_max_position == 4096);
+  CHECK(yarn.max_position_embeddings == 8 * 4096);
+  CHECK(yarn.rope_scaling.beta_fast == 32.0);
+  CHECK(yarn.rope_scaling.beta_slow == 1.0);
+  CHECK(yarn.rope_scaling.truncate);
+  CHECK_FALSE(yarn.rope_scaling.attention_factor.has_value());
+  CHECK_FALSE(yarn.rope_scaling.mscale.has_value());
+  // The config.json its checkpoints carry reads back to the same model.
+  CHECK(LlamaConfig::from_json(yarn.to_json(), "written").rope_scaling == yarn.rope_scaling);
+
+  const LlamaConfig given = with({"model.source=tiny", "rope.type=yarn", "rope.factor=2.5",
+                                  "rope.original_max_position_embeddings=32", "rope.beta_fast=16", "rope.beta_slow=2",
+                                  "rope.mscale=1", "rope.mscale_all_dim=0.5", "rope.truncate=false"})
+                                .model_config();
+  CHECK(given.max_position_embeddings == 80);
+  CHECK(given.rope_scaling.original_max_position == 32);
+  CHECK(given.rope_scaling.beta_fast == 16.0);
+  CHECK(given.rope_scaling.mscale == std::optional<double>(1.0));
+  CHECK(given.rope_scaling.mscale_all_dim == std::optional<double>(0.5));
+  CHECK_FALSE(given.rope_scaling.truncate);
+  CHECK(with({"model.source=tiny", "rope.type=yarn", "rope.factor=4", "rope.attention_factor=1.5"})
+            .model_config().rope_scaling.attention_factor == std::optional<double>(1.5));
+
+  // dynamic scales from max_position_embeddings, which stays.
+  const LlamaConfig dyn = with({"model.source=tiny", "rope.type=dynamic", "rope.factor=2"}).model_config();
+  CHECK(dyn.rope_scaling.type == RopeScaling::Type::dynamic);
+  CHECK(dyn.rope_scaling.original_max_position == 4096);
+  CHECK(dyn.max_position_embeddings == 4096);
+  CHECK(with({"model.source=tiny", "rope.type=default"}).model_config().rope_scaling == RopeScaling{});
+  const RopeScaling linear = with({"model.source=tiny", "rope.type=linear", "rope.factor=2"}).model_config().rope_scaling;
+  CHECK((linear.type == RopeScaling::Type::linear && linear.factor == 2.0));
+  const RopeScaling llama3 = with({"model.source=tiny", "rope.type=llama3", "rope.factor=8", "rope.low_freq_factor=2",
+                                   "rope.high_freq_factor=8"}).model_config().rope_scaling;
+  CHECK(llama3 == RopeScaling{RopeScaling::Type::llama3, 8.0, 2.0, 8.0, 4096});
+
+  // A checkpoint's own config.json loses to the override.
+  test::TempDir dir("rope-override");
+  std::ofstream(dir.file("config.json")) << tiny.to_json().dump();
+  RunConfig from_checkpoint = with({"rope.type=yarn", "rope.factor=4"});
+  from_checkpoint.model.source = dir.path.string();
+  CHECK(from_checkpoint.model_config().rope_scaling.type == RopeScaling::Type::yarn);
+}
+
+TEST_CASE("run config: [rope] mistakes name the key") {
+  const std::pair<std::vector<const char*>, const char*> cases[] = {
+      {{"rope.type=longrope"}, "rope.type must be one of model | default | linear | llama3 | yarn | dynamic"},
+      {{"rope.type=yarn"}, "rope.type = yarn needs rope.factor >= 1, got 0"},
+      {{"rope.type=dynamic", "rope.factor=0.5"}, "rope.type = dynamic needs rope.factor >= 1, got 0.5"},
+      {{"rope.factor=4"}, "rope.factor is set but rope.type = model does not read it"},
+      {{"rope.type=linear", "rope.factor=2", "rope.beta_fast=16"}, "rope.beta_fast is set but rope.type = linear"},
+      {{"rope.type=dynamic", "rope.factor=2", "rope.original_max_position_embeddings=2048"},
+       "rope.original_max_position_embeddings is set but rope.type = dynamic"},
+      {{"rope.type=yarn", "rope.factor=2", "rope.beta_slow=40"}, "rope.beta_fast (32) must exceed rope.beta_slow (40)"},
+      {{"rope.type=llama3", "rope.factor=2", "rope.low_freq_factor=4"}, "rope.high_freq_factor (4) must exceed"},
+      {{"rope.factor=-1"}, "rope.factor must be >= 0"},
+      {{"rope.beta_slow=0"}, "rope.beta_slow must be > 0"},
+  };
+  for (const auto& [assignments, expected] : cases) {
+    INFO(assignments.front());
+    RunConfig c = RunConfig::defaults();
+    for (const char* a : assignments) c.apply_override(a);
+    CHECK(contains(error_of([&] { c.validate(); }), expected));
+  }
+  CHECK(contains(override_error("rope.factor=eight"), "--set: rope.factor must be a number"));
+  CHECK(contains(override_error("rope.scaling=yarn"), "unknown key rope.scaling"));
 }
 
 TEST_CASE("run config: values are checked after all layers, so a later --set can fix a file") {

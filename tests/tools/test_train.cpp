@@ -693,3 +693,29 @@ TEST_CASE("train tensor parallel: TP 2 and DP 2 x TP 2 (threads) equal one proce
   CHECK_THROWS_WITH_AS(run_training(three, fresh, log), doctest::Contains("parallel.tp = 3 does not divide num_attention_heads = 4"),
                        Error);
 }
+
+TEST_CASE("train with [rope]: the override is the model trained, and its checkpoints' config.json carries it") {
+  Fixture fx;
+  std::ostringstream log;
+  RunConfig rc = fx.config(2);
+  rc.rope.type = "yarn";
+  rc.rope.factor = 4;
+  rc.rope.original_max_position_embeddings = 16;
+  TrainOptions o;
+  o.run_dir = fx.dir.file("yarn");
+  run_training(rc, o, log);
+  const fs::path checkpoint = fs::path(o.run_dir) / "step-000002";
+  const LlamaConfig saved = LlamaConfig::from_file((checkpoint / "config.json").string());
+  CHECK(saved.rope_scaling.type == RopeScaling::Type::yarn);
+  CHECK(saved.rope_scaling == rc.model_config().rope_scaling);
+  CHECK(saved.max_position_embeddings == 64);
+  // A run continuing from the checkpoint keeps its scaling (rope.type = model), and it samples.
+  RunConfig next = fx.config(2);
+  next.model.source = checkpoint.string();
+  CHECK(next.model_config().rope_scaling == saved.rope_scaling);
+  SampleOptions so;
+  so.prompt = "the ";
+  so.tokens = 4;
+  so.stop_at_eos = false;
+  CHECK_NOTHROW(sample_from_run(o.run_dir, 0, so));
+}

@@ -5,6 +5,8 @@ For each case: `chunkwise init` writes a random HF checkpoint; transformers load
 (LlamaForCausalLM.from_pretrained) and computes logits, the causal-LM loss and its gradients in
 float64; `chunkwise logits` and `chunkwise gradcheck --save-grads` compute the same on the CPU in f64
 (the gradients through SeCO). Prints one row per case: the worst relative logit and gradient errors.
+The cases cover llama3, yarn (truncated or not, with mscale) and dynamic-NTK RoPE scaling; for dynamic
+HF's single forward over T tokens recomputes its frequencies for T, as chunkwise's tables of length T.
 
 Expected agreement: HF computes RoPE's angles in float32 even for a float64 model, so agreement is at
 float32 precision of the angles (~1e-6 relative), not 1e-15. Run on a machine with torch and
@@ -40,21 +42,36 @@ def main():
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
     torch.manual_seed(0)
+    # (name, preset, tie, B, T, RoPE): RoPE, when given, replaces the config.json's max_position_embeddings
+    # and rope_scaling after `chunkwise init` (RoPE has no weights), with scalings that bite at T tokens.
     cases = [
-        ("tiny untied, llama3 rope", "tiny", 0, 2, 40),
-        ("tiny tied", "tiny", 1, 2, 40),
-        ("small (byte demo shape)", "small", -1, 1, 96),
+        ("tiny untied, llama3 rope", "tiny", 0, 2, 40, None),
+        ("tiny tied", "tiny", 1, 2, 40, None),
+        ("small (byte demo shape)", "small", -1, 1, 96, None),
+        ("small, yarn rope", "small", -1, 1, 96,
+         {"max_position_embeddings": 256,
+          "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}}),
+        ("small, yarn untruncated, mscale", "small", -1, 1, 96,
+         {"max_position_embeddings": 256,
+          "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                           "truncate": False, "mscale": 1.0, "mscale_all_dim": 0.5, "beta_fast": 16.0}}),
+        ("tiny, dynamic rope", "tiny", 0, 2, 40,
+         {"max_position_embeddings": 16, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}),
     ]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name, model, tie, B, T in cases:
-            d = os.path.join(tmp, f"m-{model}-{tie}")
+        for i, (name, model, tie, B, T, rope) in enumerate(cases):
+            d = os.path.join(tmp, f"m{i}-{model}-{tie}")
             cmd = [args.chunkwise, "init", "--model", model, "--out", d, "--dtype", "f64", "--seed", "7",
                    "--norm-jitter", "0.1"]
             if tie >= 0:
                 cmd += ["--tie-embeddings", str(tie)]
             run(cmd)
             cfg = json.load(open(os.path.join(d, "config.json")))
+            if rope:
+                cfg.update(rope)
+                with open(os.path.join(d, "config.json"), "w") as f:
+                    json.dump(cfg, f, indent=2)
             ids = torch.randint(0, cfg["vocab_size"], (B, T), dtype=torch.int64)
             tok = os.path.join(tmp, "tokens.u32")
             with open(tok, "wb") as f:
@@ -83,9 +100,9 @@ def main():
                     grad_err, worst = e, key
             missing = [n for n, _ in hf.named_parameters() if n not in ours_grads]
             rows.append((name, logit_err, loss_err, grad_err, worst, missing))
-    print(f"{'case':<28} {'logits rel':>11} {'loss rel':>10} {'grads rel':>10}  worst tensor")
+    print(f"{'case':<32} {'logits rel':>11} {'loss rel':>10} {'grads rel':>10}  worst tensor")
     for name, le, lo, ge, worst, missing in rows:
-        print(f"{name:<28} {le:>11.2e} {lo:>10.2e} {ge:>10.2e}  {worst}" + (f"  MISSING {missing}" if missing else ""))
+        print(f"{name:<32} {le:>11.2e} {lo:>10.2e} {ge:>10.2e}  {worst}" + (f"  MISSING {missing}" if missing else ""))
     ok = all(le < 1e-5 and ge < 1e-5 and not m for _, le, _, ge, _, m in rows)
     print("hf_compare:", "PASS" if ok else "FAIL", "(tolerance 1e-5: HF's float32 RoPE angles)")
     with open(os.path.join(args.out, "hf_compare.json"), "w") as f:

@@ -23,6 +23,7 @@ namespace cw {
 namespace {
 
 using Model = RunConfig::Model;
+using Rope = RunConfig::Rope;
 using Data = RunConfig::Data;
 using Optimizer = RunConfig::Optimizer;
 using Train = RunConfig::Train;
@@ -41,6 +42,19 @@ const std::vector<Option<Model>> model_options = {
   {"init_seed",      "", &Model::init_seed,       {},                                   "seed of the random initialisation (unused for a checkpoint)"},
   {"tie_embeddings", "", &Model::tie_embeddings,  {},                                   "tie the LM head to the embedding; unset: as the model configures it"},
   {"adapter",        "", &Model::adapter,         {},                                   "a PEFT LoRA adapter directory (adapter_config.json, adapter_model.safetensors) to continue training on the base model.source; its r, lora_alpha and target_modules are the run's when lora.rank is 0, else they must equal lora.*; empty: none"},
+};
+const std::vector<Option<Rope>> rope_options = {
+  {"type",           "", &Rope::type,             one_of({"model", "default", "linear", "llama3", "yarn", "dynamic"}), "the RoPE scaling the run trains with, replacing the model's (HF's rope_type): model (keep the model's own) | default (none) | linear | llama3 | yarn | dynamic (dynamic NTK: frequencies of each sequence's length; engine/ops/rope.h)"},
+  {"factor",         "", &Rope::factor,           at_least(0, "not given"),             "the context stretch (>= 1), needed by every type but model and default"},
+  {"original_max_position_embeddings", "", &Rope::original_max_position_embeddings, at_least(0, "the model's max_position_embeddings"), "llama3, yarn: the context length the model was trained with (give it when the model already has a scaling); yarn sets max_position_embeddings to factor times it"},
+  {"beta_fast",      "", &Rope::beta_fast,        above(0),                             "yarn: rotations over the original context above which a frequency is kept (> beta_slow)"},
+  {"beta_slow",      "", &Rope::beta_slow,        above(0),                             "yarn: rotations below which a frequency is divided by factor"},
+  {"mscale",         "", &Rope::mscale,           at_least(0, "not given"),             "yarn: with mscale_all_dim, the attention factor is get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)"},
+  {"mscale_all_dim", "", &Rope::mscale_all_dim,   at_least(0, "not given"),             "yarn: see mscale"},
+  {"attention_factor", "", &Rope::attention_factor, at_least(0, "from factor and mscale"), "yarn: what cos and sin are multiplied by; 0: 0.1 ln(factor) + 1, or from mscale and mscale_all_dim when both are given"},
+  {"truncate",       "", &Rope::truncate,         {},                                   "yarn: floor and ceil the correction range's ends; false: keep them fractional"},
+  {"low_freq_factor", "", &Rope::low_freq_factor, above(0),                             "llama3: wavelengths above original / low_freq_factor are divided by factor"},
+  {"high_freq_factor", "", &Rope::high_freq_factor, above(0),                           "llama3: wavelengths below original / high_freq_factor are kept (> low_freq_factor)"},
 };
 const std::vector<Option<Data>> data_options = {
   {"train",          "", &Data::train,            no_empty_path(),                         "token files: paths and glob patterns, concatenated in order (globs sorted); \"@demo\": the demo corpus"},
@@ -104,6 +118,7 @@ const std::vector<Option<Sample>> sample_options = {
 std::vector<OptionRef> fields_of(RunConfig& c) {
   std::vector<OptionRef> out;
   bind_options(out, "model", model_options, c.model);
+  bind_options(out, "rope", rope_options, c.rope);
   bind_options(out, "lora", lora_option_table(), c.lora);
   bind_options(out, "data", data_options, c.data);
   bind_options(out, "schedule", schedule_option_table(), c.schedule);
@@ -345,6 +360,43 @@ std::optional<toml::table> parse_value(const std::string& raw) {
   return std::nullopt;
 }
 
+// [rope]'s rules between keys: a scaling that stretches has a factor, and no key is set that the
+// chosen type does not read (a value silently ignored is a mistake).
+void validate_rope(const Rope& r) {
+  const Rope d;
+  struct Key {
+    std::string_view name;
+    bool set;
+    std::vector<std::string_view> read_by;
+  };
+  const Key keys[] = {
+      {"factor", r.factor != d.factor, {"linear", "llama3", "yarn", "dynamic"}},
+      {"original_max_position_embeddings", r.original_max_position_embeddings != d.original_max_position_embeddings,
+       {"llama3", "yarn"}},
+      {"beta_fast", r.beta_fast != d.beta_fast, {"yarn"}},
+      {"beta_slow", r.beta_slow != d.beta_slow, {"yarn"}},
+      {"mscale", r.mscale != d.mscale, {"yarn"}},
+      {"mscale_all_dim", r.mscale_all_dim != d.mscale_all_dim, {"yarn"}},
+      {"attention_factor", r.attention_factor != d.attention_factor, {"yarn"}},
+      {"truncate", r.truncate != d.truncate, {"yarn"}},
+      {"low_freq_factor", r.low_freq_factor != d.low_freq_factor, {"llama3"}},
+      {"high_freq_factor", r.high_freq_factor != d.high_freq_factor, {"llama3"}},
+  };
+  for (const Key& k : keys)
+    if (k.set && std::find(k.read_by.begin(), k.read_by.end(), r.type) == k.read_by.end())
+      fail(fmt::format("rope.{} is set but rope.type = {} does not read it", k.name, r.type),
+           fmt::format("rope.{} is for rope.type = {}: set the type, or leave the key out", k.name, join(k.read_by)));
+  if (r.type != "model" && r.type != "default" && !(r.factor >= 1))
+    fail(fmt::format("rope.type = {} needs rope.factor >= 1, got {}", r.type, r.factor),
+         "e.g. --set rope.factor=4 for four times the original context");
+  if (!(r.beta_fast > r.beta_slow))
+    fail(fmt::format("rope.beta_fast ({}) must exceed rope.beta_slow ({})", r.beta_fast, r.beta_slow),
+         "YaRN's defaults are 32 and 1");
+  if (!(r.high_freq_factor > r.low_freq_factor))
+    fail(fmt::format("rope.high_freq_factor ({}) must exceed rope.low_freq_factor ({})", r.high_freq_factor,
+                     r.low_freq_factor),
+         "Llama 3.1's are 4 and 1");
+}
 
 }  // namespace
 
@@ -448,6 +500,7 @@ void RunConfig::validate() const {
   // Each value against its row's rule, in table order; the table only reads through its pointers.
   for (const OptionRef& o : fields_of(const_cast<RunConfig&>(*this))) check_option(o);
   // Then the rules between options.
+  validate_rope(rope);
   schedule.validate();
   parallel.validate();
   lora.validate();
@@ -466,6 +519,44 @@ void RunConfig::validate() const {
     fail(fmt::format("eval.every is {} but there is no eval data (data.eval is empty and data.eval_fraction is 0)",
                      eval.every),
          "set eval.every = 0, give data.eval, or set data.eval_fraction > 0");
+}
+
+LlamaConfig RunConfig::model_config() const {
+  LlamaConfig mc = LlamaConfig::resolve(model.source);
+  if (model.tie_embeddings) mc.tie_word_embeddings = *model.tie_embeddings;
+  if (rope.type == "model") return mc;
+  validate_rope(rope);
+  const int64_t original =
+      rope.original_max_position_embeddings > 0 ? rope.original_max_position_embeddings : mc.max_position_embeddings;
+  RopeScaling s;
+  s.factor = rope.factor;
+  if (rope.type == "linear") {
+    s.type = RopeScaling::Type::linear;
+  } else if (rope.type == "llama3") {
+    s.type = RopeScaling::Type::llama3;
+    s.low_freq_factor = rope.low_freq_factor;
+    s.high_freq_factor = rope.high_freq_factor;
+    s.original_max_position = original;
+  } else if (rope.type == "yarn") {
+    s.type = RopeScaling::Type::yarn;
+    s.original_max_position = original;
+    s.beta_fast = rope.beta_fast;
+    s.beta_slow = rope.beta_slow;
+    s.truncate = rope.truncate;
+    // 0 is HF's "not given" for the three (its mscale test is truthiness).
+    if (rope.attention_factor > 0) s.attention_factor = rope.attention_factor;
+    if (rope.mscale > 0) s.mscale = rope.mscale;
+    if (rope.mscale_all_dim > 0) s.mscale_all_dim = rope.mscale_all_dim;
+    mc.max_position_embeddings = std::llround(rope.factor * static_cast<double>(original));
+  } else if (rope.type == "dynamic") {
+    s.type = RopeScaling::Type::dynamic;
+    s.original_max_position = mc.max_position_embeddings;
+  } else {
+    s = RopeScaling{};  // default: no scaling
+  }
+  mc.rope_scaling = s;
+  mc.validate(fmt::format("model.source '{}' with rope.type = {}", model.source, rope.type));
+  return mc;
 }
 
 namespace {

@@ -24,6 +24,7 @@
 // that reads back to the same double).
 #pragma once
 
+#include "model/config.h"
 #include "optim/options.h"
 #include "optim/schedule.h"
 
@@ -44,6 +45,23 @@ struct RunConfig {
     std::optional<bool> tie_embeddings;   // unset: as the model configures it
     std::string adapter;                  // a PEFT LoRA adapter directory to continue from; empty: none
     bool operator==(const Model&) const = default;
+  };
+  // [rope]: the model's RoPE scaling replaced for this run (fine-tuning to a longer context), as the
+  // keys of HF's rope_scaling name it; type = "model" keeps the model's own. The run's model config
+  // (model_config()) and so its checkpoints' config.json carry the replacement.
+  struct Rope {
+    std::string type = "model";           // model | default | linear | llama3 | yarn | dynamic
+    double factor = 0;                    // 0: not given (every scaling but default needs it)
+    int64_t original_max_position_embeddings = 0;  // llama3, yarn; 0: the model's max_position_embeddings
+    double beta_fast = 32.0;              // yarn
+    double beta_slow = 1.0;               // yarn
+    double mscale = 0;                    // yarn; 0: not given
+    double mscale_all_dim = 0;            // yarn; 0: not given
+    double attention_factor = 0;          // yarn; 0: from factor, mscale and mscale_all_dim
+    bool truncate = true;                 // yarn
+    double low_freq_factor = 1.0;         // llama3
+    double high_freq_factor = 4.0;        // llama3
+    bool operator==(const Rope&) const = default;
   };
   struct Data {
     std::vector<std::string> train;       // paths and glob patterns (tools/data/tokens.h)
@@ -111,6 +129,7 @@ struct RunConfig {
   };
 
   Model model;
+  Rope rope;
   // [lora]: LoraConfig (model/lora.h): adapters on the base model, which stays frozen; rank 0: off.
   LoraConfig lora;
   Data data;
@@ -142,6 +161,12 @@ struct RunConfig {
   void validate() const;
 
   ScheduleOptions schedule_options() const { return schedule; }
+
+  // The model the run trains: model.source resolved (model/config.h), model.tie_embeddings and [rope]
+  // applied. A yarn override stretches max_position_embeddings to factor x the original length, as
+  // transformers' users write a YaRN config; dynamic keeps it (dynamic scales from it). Throws naming
+  // rope.* for values the model refuses.
+  LlamaConfig model_config() const;
 
   // Every option, bound to this config, in table order (section by section).
   std::vector<OptionRef> options();

@@ -166,8 +166,7 @@ Generation sample_from_run(const std::string& dir, int64_t step, const SampleOpt
   if (fs::exists(fs::path(ref->path) / "adapter_config.json")) {
     // A LoRA run: its adapters on the base it trained on (model.source of the checkpoint's run.toml).
     const RunConfig rc = RunConfig::from_file((fs::path(ref->path) / "run.toml").string());
-    LlamaConfig cf = LlamaConfig::resolve(rc.model.source);
-    if (rc.model.tie_embeddings) cf.tie_word_embeddings = *rc.model.tie_embeddings;
+    const LlamaConfig cf = rc.model_config();
     check_tokenizer_fits_model(*tokenizer, spec, cf.vocab_size, rc.model.source, "--tokenizer");
     const LlamaModel model = load_with_adapter(cf, rc.model.source, ref->path, DType::f32, rc.model.init_seed);
     return generate(model, *tokenizer, o);

@@ -328,8 +328,7 @@ LoraConfig resolve_lora(const RunConfig& rc) {
 }
 
 Placement resolve_placement(const RunConfig& rc) {
-  LlamaConfig mc = LlamaConfig::resolve(rc.model.source);
-  if (rc.model.tie_embeddings) mc.tie_word_embeddings = *rc.model.tie_embeddings;
+  const LlamaConfig mc = rc.model_config();
   const Device device = resolve_train_device(rc.train.device);
   const DType dtype = resolve_train_dtype(rc.model.dtype, device);
 #if CW_HAVE_CUDA
