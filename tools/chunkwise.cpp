@@ -199,7 +199,15 @@ int main(int argc, char** argv) {
   sample->add_option("--tokenizer", sample_tokenizer,
                      "'model' (the model's own), 'bytes', an HF tokenizer.json, a directory holding one, or a .gguf "
                      "file (default: --run: the run's; --model: 'model')");
-  sample->add_option("--prompt", so.prompt, "prompt text (--chat: the user's message)")->capture_default_str();
+  CLI::Option* sample_prompt = sample->add_option("--prompt", so.prompt, "prompt text (--chat: the user's message)")
+                                   ->capture_default_str();
+  std::string sample_prompt_file;
+  sample->add_option("--prompt-file", sample_prompt_file,
+                     "the prompt's text from a file (printed: the continuation alone)")
+      ->excludes(sample_prompt);
+  sample->add_option("--prefill-chunk", so.prefill_chunk,
+                     "prompt tokens a prefill chunk (each attends the K/V store); 0: the whole prompt in one")
+      ->capture_default_str();
   sample->add_flag("--chat", so.chat, "apply the tokenizer's chat template (ChatML) and stop at <|im_end|>");
   CLI::Option* sample_system_opt =
       sample->add_option("--system", sample_system, "--chat: the system message (default: the template's own, if any)");
@@ -286,13 +294,15 @@ int main(int argc, char** argv) {
       if (sample_model.empty() && run_dir.empty())
         cw::fail("chunkwise sample needs --run DIR or --model MODEL", "e.g. chunkwise sample --run runs/a --prompt \"The \"");
       if (*sample_system_opt) so.system = sample_system;
+      if (!sample_prompt_file.empty()) so.prompt = cw::read_prompt_file(sample_prompt_file);
       const cw::Generation g = sample_model.empty()
                                    ? cw::sample_from_run(run_dir, sample_step, so, sample_tokenizer)
                                    : cw::sample_from_model(sample_model, so,
                                                            sample_tokenizer.empty() ? cw::kModelTokenizer
                                                                                     : sample_tokenizer);
-      // A plain prompt is continued, so it is printed with its continuation; a chat prints the reply.
-      std::cout << (so.chat ? "" : so.prompt) << g.text << "\n";
+      // A plain prompt is continued, so it is printed with its continuation; a chat prints the reply, and
+      // a prompt file (pages long, perhaps) only the continuation.
+      std::cout << (so.chat || !sample_prompt_file.empty() ? "" : so.prompt) << g.text << "\n";
       return 0;
     }
     if (*tokenize) {
