@@ -276,6 +276,15 @@ double LossRows::sum() const {
   return total;
 }
 
+std::vector<double> LossRows::values() const {
+  std::vector<double> out(static_cast<size_t>(used_));
+  if (used_ == 0) return out;
+  copy_convert(Tensor(out.data(), DType::f64, Device::host(), {used_}), rows_.slice(0, 0, used_));
+  for (const Chunk& c : chunks_)
+    for (int64_t i = c.offset; i < c.offset + c.rows; ++i) out[static_cast<size_t>(i)] *= c.weight;
+  return out;
+}
+
 double forward_chunk(ChunkActivations* keep, KVStore& kv, const LlamaModel& model, const ChunkTokens& chunk,
                      double normaliser, bool with_loss, Arena& scratch, int64_t mlp_shards, LossRows* losses) {
   check_chunk(model, chunk, kv);

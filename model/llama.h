@@ -209,6 +209,9 @@ class LossRows {
   LossRows(Arena& arena, int64_t capacity);
   void add(const Tensor& rows, double weight);  // rows [N], a float dtype, on the arena's device
   double sum() const;                           // reads the rows back (waits for the device)
+  // Every kept row times its chunk's weight, in the order added (the per-token losses of an eval by
+  // position); reads the rows back once (waits for the device).
+  std::vector<double> values() const;
   bool keeps() const { return rows_.data != nullptr; }
 
  private:

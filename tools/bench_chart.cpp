@@ -1,6 +1,7 @@
 #include "tools/bench_chart.h"
 
 #include "engine/error.h"
+#include "tools/eval.h"
 
 #include <fmt/format.h>
 
@@ -202,6 +203,24 @@ void write_chart(const std::string& input, const std::string& out, const std::st
   }
   const std::string metrics = fs::is_directory(input) ? (fs::path(input) / "metrics.jsonl").string() : input;
   write_svg(out, run_chart(metrics, title.empty() ? "training against tokens seen" : title));
+}
+
+void write_chart(const std::vector<std::string>& inputs, const std::string& out, const std::string& title,
+                 const std::vector<std::string>& labels, double device_gib) {
+  if (inputs.empty()) fail("chunkwise chart needs an input", "give a table, a run directory or eval results (.json)");
+  if (is_eval_result(inputs[0])) {
+    for (const std::string& in : inputs)
+      if (!is_eval_result(in))
+        fail(fmt::format("chunkwise chart: '{}' is not an eval result (.json of chunkwise eval) like '{}'", in, inputs[0]),
+             "draw eval results together, and a table or a run alone");
+    write_eval_chart(inputs, labels, out, title);
+    return;
+  }
+  if (inputs.size() > 1)
+    fail(fmt::format("chunkwise chart: {} inputs, and '{}' is not an eval result", inputs.size(), inputs[0]),
+         "draw several eval results (.json of chunkwise eval) together, and a table or a run alone");
+  if (!labels.empty()) fail("chunkwise chart: --label names eval results", "leave it out for a table or a run");
+  write_chart(inputs[0], out, title, device_gib);
 }
 
 }  // namespace cw

@@ -43,6 +43,11 @@ BarChart step_time_chart(const std::string& path, const std::string& title);
 // step's time by kind (header run,...), as above; otherwise a training run (its directory or its
 // metrics.jsonl) as plot.h's run_chart. Empty title: a default.
 void write_chart(const std::string& input, const std::string& out, const std::string& title, double device_gib = 0);
+// The same for one or more inputs: eval results (.json, tools/eval.h) drawn together, loss by position
+// as a line a result (`labels` name them, in order; none: each result's own label), or one passkey
+// result as a heat map; any other input alone, as above.
+void write_chart(const std::vector<std::string>& inputs, const std::string& out, const std::string& title,
+                 const std::vector<std::string>& labels, double device_gib = 0);
 
 // "16K", "512K", "1M", "1.5M": a token count for an axis (powers of two of K and M; else compact).
 std::string token_label(double tokens);

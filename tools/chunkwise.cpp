@@ -8,6 +8,7 @@
 #include "tools/bench_model.h"
 #include "tools/bench_ops.h"
 #include "tools/cli_options.h"
+#include "tools/eval.h"
 #include "tools/plan.h"
 #include "tools/gradcheck.h"
 #include "tools/model_io.h"
@@ -167,16 +168,20 @@ int main(int argc, char** argv) {
                  "plan the longest sequence that fits (a multiple of the chunk, else of 1024 tokens) instead of --seq");
   plan->add_option("--json", po.json, "also write the plan as JSON");
 
-  std::string chart_input, chart_out, chart_title;
+  std::vector<std::string> chart_inputs, chart_labels;
+  std::string chart_out, chart_title;
   double chart_device_gib = 0;
   CLI::App* chart = app.add_subcommand(
       "chart", "a picture (SVG): a benchmark table (.csv) as speed and memory against tokens, a step's time by kind "
-      "(.csv) as stacked bars, or a run's loss curves");
-  chart->add_option("input", chart_input,
-                    "a .csv benchmark table or step-time table (tools/bench_chart.h), a run directory or its metrics.jsonl")
+      "(.csv) as stacked bars, a run's loss curves, or eval results (.json): loss by position as lines, passkey "
+      "accuracy as a heat map");
+  chart->add_option("inputs", chart_inputs,
+                    "a .csv benchmark table or step-time table (tools/bench_chart.h), a run directory or its "
+                    "metrics.jsonl; or one or more results of chunkwise eval --json, drawn together")
       ->required();
   chart->add_option("--out", chart_out, "the SVG to write")->required();
   chart->add_option("--title", chart_title, "the chart's title");
+  chart->add_option("--label", chart_labels, "eval results: the line of each, in order (default: its own label)");
   chart->add_option("--device-gib", chart_device_gib, "a benchmark table: draw the device's memory at this many GiB");
 
   std::string config_path, run_dir;
@@ -209,7 +214,15 @@ int main(int argc, char** argv) {
   sample->add_option("--tokenizer", sample_tokenizer,
                      "'model' (the model's own), 'bytes', an HF tokenizer.json, a directory holding one, or a .gguf "
                      "file (default: --run: the run's; --model: 'model')");
-  sample->add_option("--prompt", so.prompt, "prompt text (--chat: the user's message)")->capture_default_str();
+  CLI::Option* sample_prompt = sample->add_option("--prompt", so.prompt, "prompt text (--chat: the user's message)")
+                                   ->capture_default_str();
+  std::string sample_prompt_file;
+  sample->add_option("--prompt-file", sample_prompt_file,
+                     "the prompt's text from a file (printed: the continuation alone)")
+      ->excludes(sample_prompt);
+  sample->add_option("--prefill-chunk", so.prefill_chunk,
+                     "prompt tokens a prefill chunk (each attends the K/V store); 0: the whole prompt in one")
+      ->capture_default_str();
   sample->add_flag("--chat", so.chat, "apply the tokenizer's chat template (ChatML) and stop at <|im_end|>");
   CLI::Option* sample_system_opt =
       sample->add_option("--system", sample_system, "--chat: the system message (default: the template's own, if any)");
@@ -218,6 +231,43 @@ int main(int argc, char** argv) {
   sample->add_option("--top-k", so.top_k, "0: off")->capture_default_str();
   sample->add_option("--top-p", so.top_p, "1: off")->capture_default_str();
   sample->add_option("--seed", so.seed, "sampling seed")->capture_default_str();
+
+  cw::EvalOptions eo;  // tools/eval.h
+  CLI::App* eval = app.add_subcommand("eval", "long-context evaluation: loss by position, passkey retrieval");
+  eval->add_option("--task", eo.task, "loss-by-position | passkey")->required();
+  CLI::Option* eval_model =
+      eval->add_option("--model", eo.source.model, "preset, config.json (random init), HF checkpoint directory or .gguf file");
+  CLI::Option* eval_run = eval->add_option("--run", eo.source.run, "a run directory (its latest complete checkpoint)");
+  eval_run->excludes(eval_model);
+  eval->add_option("--step", eo.source.step, "--run: checkpoint step (default: the latest complete)")->needs(eval_run);
+  eval->add_option("--tokenizer", eo.source.tokenizer,
+                   "'model', 'bytes', an HF tokenizer.json, a directory holding one, or a .gguf file (default: --run: "
+                   "the run's; --model: the model's own)");
+  eval->add_option("--init-seed", eo.source.seed, "random init of a preset or config.json")->capture_default_str();
+  eval->add_option("--device", eo.device, "auto (CUDA when available) | cpu | cuda")->capture_default_str();
+  eval->add_option("--dtype", eo.dtype, "auto (GPU: bf16, CPU: f32) | f64 | f32 | bf16")->capture_default_str();
+  eval->add_option("--chunk", eo.chunk, "tokens a prefill chunk (each attends the K/V store); 0: one chunk")
+      ->capture_default_str();
+  eval->add_option("--json", eo.json, "write the result as JSON");
+  eval->add_option("--chart", eo.chart, "draw the result (SVG)");
+  eval->add_option("--label", eo.label, "the result's name in charts (default: the model as given)");
+  eval->add_option("--compare", eo.compare, "loss-by-position: earlier results (.json) drawn with this one");
+  eval->add_option("--data", eo.data, "loss-by-position: held-out token shards or globs");
+  eval->add_option("--format", eo.format, "loss-by-position: shard | u16 | u32")->capture_default_str();
+  eval->add_option("--seq", eo.seq, "loss-by-position: T, the tokens a window feeds the model");
+  eval->add_option("--buckets", eo.buckets,
+                   "loss-by-position: bucket edges; 1K,4K means positions [0,1K), [1K,4K), then [4K,T)")
+      ->capture_default_str();
+  eval->add_option("--windows", eo.windows, "loss-by-position: at most this many windows (0: all)")->capture_default_str();
+  eval->add_flag("--documents", eo.documents,
+                 "loss-by-position: windows start at a document's first token (the tokenizer's BOS)");
+  eval->add_option("--bos-token", eo.bos_token, "--documents: the token before each document (default: the BOS)");
+  eval->add_option("--lengths", eo.lengths, "passkey: prompt lengths in tokens")->capture_default_str();
+  eval->add_option("--depths", eo.depths, "passkey: depths of the key, evenly spaced in [0, 1]")->capture_default_str();
+  eval->add_option("--trials", eo.trials, "passkey: keys a length and depth")->capture_default_str();
+  eval->add_option("--answer-tokens", eo.answer_tokens, "passkey: tokens generated for an answer")->capture_default_str();
+  eval->add_option("--seed", eo.seed, "passkey: the keys' seed")->capture_default_str();
+  eval->add_flag("--chat", eo.chat, "passkey: the prompt as the user's message of the tokenizer's chat template");
 
   bool options_toml = false, options_markdown = false;
   CLI::App* options = app.add_subcommand("options", "every option of a training run: the README's table (markdown)");
@@ -296,13 +346,15 @@ int main(int argc, char** argv) {
       if (sample_model.empty() && run_dir.empty())
         cw::fail("chunkwise sample needs --run DIR or --model MODEL", "e.g. chunkwise sample --run runs/a --prompt \"The \"");
       if (*sample_system_opt) so.system = sample_system;
+      if (!sample_prompt_file.empty()) so.prompt = cw::read_prompt_file(sample_prompt_file);
       const cw::Generation g = sample_model.empty()
                                    ? cw::sample_from_run(run_dir, sample_step, so, sample_tokenizer)
                                    : cw::sample_from_model(sample_model, so,
                                                            sample_tokenizer.empty() ? cw::kModelTokenizer
                                                                                     : sample_tokenizer);
-      // A plain prompt is continued, so it is printed with its continuation; a chat prints the reply.
-      std::cout << (so.chat ? "" : so.prompt) << g.text << "\n";
+      // A plain prompt is continued, so it is printed with its continuation; a chat prints the reply, and
+      // a prompt file (pages long, perhaps) only the continuation.
+      std::cout << (so.chat || !sample_prompt_file.empty() ? "" : so.prompt) << g.text << "\n";
       return 0;
     }
     if (*tokenize) {
@@ -340,10 +392,11 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (*chart) {
-      cw::write_chart(chart_input, chart_out, chart_title, chart_device_gib);
+      cw::write_chart(chart_inputs, chart_out, chart_title, chart_labels, chart_device_gib);
       std::cout << "wrote " << chart_out << "\n";
       return 0;
     }
+    if (*eval) return cw::run_eval(eo, std::cout);
     if (*bench) return cw::run_bench_model(bm, std::cout);
     if (*plan) return cw::run_plan(po, std::cout);
     if (*devices) {

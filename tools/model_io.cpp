@@ -4,6 +4,9 @@
 #include "model/gguf_llama.h"
 #include "model/lora.h"
 #include "model/safetensors.h"
+#include "tools/data/tokenizer.h"
+#include "tools/train/run_config.h"
+#include "tools/train/run_dir.h"
 
 #include <fmt/format.h>
 
@@ -97,6 +100,81 @@ void write_logits(const LogitsOptions& o) {
   }
   write_safetensors(o.out, {{"logits", logits.tensor}},
                     {{"model", o.model}, {"tokens", o.tokens}, {"adapter", o.adapter}});
+}
+
+namespace {
+// The host model read from `spec` (see load_or_init) in `dtype`, with the adapters of `adapter_dir`
+// when it is not empty.
+LlamaModel host_model(const LlamaConfig& config, const std::string& spec, const std::string& adapter_dir, DType dtype,
+                      uint64_t seed) {
+  if (!adapter_dir.empty()) return load_with_adapter(config, spec, adapter_dir, dtype, seed);
+  LlamaModel model(config, dtype);
+  load_or_init(model, spec, seed, 0.0);
+  return model;
+}
+
+// The host model on `device` in `dtype`: itself when it is there already, else a copy (weights
+// converted as copy_params converts them).
+std::unique_ptr<LlamaModel> placed(LlamaModel host, Device device, DType dtype) {
+  if (device.is_cpu() && host.dtype() == dtype) return std::make_unique<LlamaModel>(std::move(host));
+  auto model = std::make_unique<LlamaModel>(host.config(), dtype, device, nullptr, host.lora());
+  copy_params(model->params(), host.params());
+  if (host.has_adapters()) copy_params(model->adapters(), host.adapters());
+  return model;
+}
+}  // namespace
+
+LoadedModel load_model(const ModelSource& source, Device device, DType dtype, const ModelNeeds& needs,
+                       const std::string& what) {
+  // Weights are read on the host in the compute dtype when the model stays there, else in f32 (the
+  // readers convert from what the file stores) and then copied to the device.
+  const DType host_dtype = device.is_cpu() ? dtype : DType::f32;
+  LoadedModel out;
+  std::string tokenizer_spec;
+  if (!source.run.empty()) {
+    const std::string& dir = source.run;
+    if (!fs::is_directory(dir))
+      fail(fmt::format("run directory '{}' does not exist", dir), "pass the --run-dir of a training run");
+    RunDirectory rd(dir);
+    const std::optional<CheckpointRef> ref = source.step > 0 ? rd.find(source.step) : rd.latest_complete();
+    if (!ref)
+      fail(source.step > 0 ? fmt::format("run '{}' has no complete checkpoint of step {}", dir, source.step)
+                           : fmt::format("run '{}' has no complete checkpoint", dir),
+           "train first, or pick a step that was saved");
+    out.name = ref->path;
+    // The run directory holds a copy of the tokenizer it was trained with (train.cpp writes it).
+    tokenizer_spec =
+        source.tokenizer.empty() ? dir : resolve_tokenizer_spec(source.tokenizer, ref->path, "--tokenizer");
+    if (fs::exists(fs::path(ref->path) / "adapter_config.json")) {
+      // A LoRA run: its adapters on the base it trained on (model.source of the checkpoint's run.toml).
+      const RunConfig rc = RunConfig::from_file((fs::path(ref->path) / "run.toml").string());
+      const LlamaConfig cf = rc.model_config();  // the run's overrides (tie_embeddings, [rope]) on its base
+      out.model = placed(host_model(cf, rc.model.source, ref->path, host_dtype, rc.model.init_seed), device, dtype);
+    } else {
+      if (!is_checkpoint_dir(ref->path))
+        fail(fmt::format("checkpoint '{}' has no weights (model.safetensors)", ref->path),
+             "pick another step (--step), or train again");
+      const LlamaConfig cf = LlamaConfig::from_file((fs::path(ref->path) / "config.json").string());
+      out.model = placed(host_model(cf, ref->path, "", host_dtype, 0), device, dtype);
+    }
+  } else {
+    const std::string& spec = source.model;
+    if (needs.weights && !is_gguf_file(spec) && !is_checkpoint_dir(spec))
+      fail(fmt::format("--model '{}' has no weights to {} (a preset or config.json is a random model)", spec, what),
+           "give an HF checkpoint directory (config.json + model.safetensors) or a .gguf file");
+    out.name = spec;
+    if (needs.tokenizer)
+      tokenizer_spec = resolve_tokenizer_spec(source.tokenizer.empty() ? kModelTokenizer : source.tokenizer, spec,
+                                              "--tokenizer");
+    out.model = placed(host_model(LlamaConfig::resolve(spec), spec, "", host_dtype, source.seed), device, dtype);
+  }
+  if (needs.tokenizer) {
+    out.tokenizer = load_tokenizer(tokenizer_spec);
+    check_tokenizer_fits_model(*out.tokenizer, tokenizer_spec, out.model->config().vocab_size, out.name,
+                               "--tokenizer");
+    out.tokenizer_spec = tokenizer_spec;
+  }
+  return out;
 }
 
 }  // namespace cw

@@ -1,10 +1,13 @@
 // Small model utilities behind `chunkwise init` and `chunkwise logits`, and the token-batch reader
 // that gradcheck shares: the pieces a user needs to compare chunkwise with another framework on the
-// same checkpoint and the same tokens (tools/bench/hf_compare.py does exactly that).
+// same checkpoint and the same tokens (tools/bench/hf_compare.py does exactly that). And the model
+// that `sample` and `eval` run, from --model or from a run directory's checkpoint, with its tokenizer.
 #pragma once
 
+#include "model/tokenizer.h"
 #include "optim/schedule.h"
 
+#include <memory>
 #include <string>
 
 namespace cw {
@@ -55,5 +58,37 @@ struct MergeOptions {
 // W + (alpha / r) B A for every adapted linear, in f64, written as a plain HF checkpoint
 // (config.json + model.safetensors) that transformers loads without peft.
 void merge_adapter_checkpoint(const MergeOptions& options);
+
+// Where the model of `chunkwise sample` and `chunkwise eval` comes from: --model SPEC, or --run DIR
+// [--step N] (a checkpoint of a training run; a LoRA run's adapters on the base it trained), and the
+// tokenizer that goes with it.
+struct ModelSource {
+  std::string model;       // a preset or config.json (random init), an HF checkpoint directory or a .gguf file
+  std::string run;         // or a run directory
+  int64_t step = 0;        // --run: the checkpoint's step; 0: the latest complete one
+  // "": the run's recorded tokenizer (--run), the model's own (--model); else a spec
+  // (tools/data/tokenizer.h: "model", "bytes", a tokenizer.json, a directory, a .gguf file).
+  std::string tokenizer;
+  uint64_t seed = 1234;    // random init of a preset or config.json
+};
+
+struct LoadedModel {
+  std::unique_ptr<LlamaModel> model;
+  std::unique_ptr<Tokenizer> tokenizer;  // null unless asked for
+  std::string tokenizer_spec;            // the spec it was loaded from
+  std::string name;                      // what reports call the model: --model as given, or the checkpoint's directory
+};
+
+// What load_model needs of the source.
+struct ModelNeeds {
+  bool weights = true;     // a preset or config.json (no weights) fails naming `what`; false: random init
+  bool tokenizer = true;   // load the tokenizer and check that it fits the model
+};
+
+// The model of `source` on `device` in `dtype` (weights read on the host, then copied and converted),
+// with its tokenizer when asked. `what` says what the weights are for in the error a model without
+// them gets ("--model 'small' has no weights to sample from").
+LoadedModel load_model(const ModelSource& source, Device device, DType dtype, const ModelNeeds& needs,
+                       const std::string& what);
 
 }  // namespace cw

@@ -456,6 +456,101 @@ std::string render_svg(const BarChart& chart) {
 
 void write_svg(const std::string& path, const BarChart& chart) { write_text_atomic(path, render_svg(chart)); }
 
+// ---- heat maps ---------------------------------------------------------------------------------
+
+uint32_t heat_colour(double t) {
+  constexpr std::array<uint32_t, 3> kStops{0xF8696B, 0xFFEB84, 0x63BE7B};  // light red, yellow, green
+  t = std::isfinite(t) ? std::clamp(t, 0.0, 1.0) : 0.0;
+  const size_t i = t < 0.5 ? 0 : 1;
+  const double f = t < 0.5 ? 2 * t : 2 * t - 1;
+  uint32_t rgb = 0;
+  for (const int shift : {16, 8, 0}) {
+    const double a = (kStops[i] >> shift) & 0xFF, b = (kStops[i + 1] >> shift) & 0xFF;
+    rgb |= static_cast<uint32_t>(std::lround(a + (b - a) * f)) << shift;
+  }
+  return rgb;
+}
+
+namespace {
+void validate(const HeatMap& map) {
+  if (map.columns.empty() || map.rows.empty())
+    fail(fmt::format("heat map: {} columns and {} rows", map.columns.size(), map.rows.size()),
+         "give at least one column and one row label");
+  if (map.width < 300 || map.width > 16384)
+    fail(fmt::format("heat map: width {} is outside 300..16384", map.width), "set HeatMap::width within those bounds");
+  if (!(std::isfinite(map.lo) && std::isfinite(map.hi) && map.lo < map.hi))
+    fail(fmt::format("heat map: the scale [{}, {}] is empty", map.lo, map.hi), "give finite lo < hi");
+  if (map.values.size() != map.rows.size())
+    fail(fmt::format("heat map: {} rows of values for {} row labels", map.values.size(), map.rows.size()),
+         "give one row of values a row label");
+  for (size_t r = 0; r < map.values.size(); ++r)
+    if (map.values[r].size() != map.columns.size())
+      fail(fmt::format("heat map: row '{}' has {} values for {} columns", map.rows[r], map.values[r].size(),
+                       map.columns.size()),
+           "give every row one value a column");
+}
+}  // namespace
+
+std::string render_svg(const HeatMap& map) {
+  validate(map);
+  constexpr double kScaleWidth = 16, kScaleGap = 14, kMaxCellHeight = 60, kMinCellHeight = 24;
+  double longest_row = 0;
+  for (const std::string& r : map.rows) longest_row = std::max(longest_row, text_width(r));
+  const std::string lo_label = format_amount(map.lo) + map.unit, hi_label = format_amount(map.hi) + map.unit;
+  const double width = map.width;
+  const double left = std::clamp(longest_row + 40, kLeft, 0.4 * width);
+  const double right = width - kRight - kScaleGap - kScaleWidth - 8 - std::max(text_width(lo_label), text_width(hi_label));
+  const double cell_w = std::max(right - left, 100.0) / static_cast<double>(map.columns.size());
+  const double cell_h = std::clamp(cell_w * 0.6, kMinCellHeight, kMaxCellHeight);
+  const double title_height = map.title.empty() ? 16 : 44;
+  const double top = title_height, grid_h = cell_h * static_cast<double>(map.rows.size());
+  const double grid_right = left + cell_w * static_cast<double>(map.columns.size());
+  const double height = top + grid_h + kBottom;
+
+  std::string svg = svg_start(map.width, height, map.title, (left + grid_right) / 2);
+  for (size_t r = 0; r < map.rows.size(); ++r) {
+    const double y = top + cell_h * static_cast<double>(r);
+    svg += fmt::format("<text class=\"ytick\" x=\"{:.1f}\" y=\"{:.1f}\" dy=\"0.35em\" text-anchor=\"end\">{}</text>\n",
+                       left - 8, y + cell_h / 2, escape(map.rows[r]));
+    for (size_t c = 0; c < map.columns.size(); ++c) {
+      const double x = left + cell_w * static_cast<double>(c), v = map.values[r][c];
+      const bool known = std::isfinite(v);
+      const std::string value = known ? format_amount(v) + map.unit : "-";
+      svg += fmt::format("<rect class=\"cell\" x=\"{:.1f}\" y=\"{:.1f}\" width=\"{:.1f}\" height=\"{:.1f}\" fill=\"{}\" "
+                         "stroke=\"white\"><title>{}, {}: {}</title></rect>\n",
+                         x, y, cell_w, cell_h, known ? colour(heat_colour((v - map.lo) / (map.hi - map.lo))) : "#dddddd",
+                         escape(map.rows[r]), escape(map.columns[c]), escape(value));
+      if (text_width(value) + 4 <= cell_w)
+        svg += fmt::format("<text class=\"cell-value\" x=\"{:.1f}\" y=\"{:.1f}\" dy=\"0.35em\" text-anchor=\"middle\">{}"
+                           "</text>\n",
+                           x + cell_w / 2, y + cell_h / 2, escape(value));
+    }
+  }
+  for (size_t c = 0; c < map.columns.size(); ++c)
+    svg += fmt::format("<text class=\"xtick\" x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"middle\">{}</text>\n",
+                       left + cell_w * (static_cast<double>(c) + 0.5), top + grid_h + 20, escape(map.columns[c]));
+  svg += fmt::format("<text class=\"ylabel\" transform=\"translate(16 {:.1f}) rotate(-90)\" dy=\"0.7em\" "
+                     "text-anchor=\"middle\">{}</text>\n",
+                     top + grid_h / 2, escape(map.y_label));
+  // The colour bar: the scale's three stops as a gradient, lo at the foot.
+  const double sx = grid_right + kScaleGap;
+  svg += fmt::format("<defs><linearGradient id=\"heat-scale\" x1=\"0\" y1=\"1\" x2=\"0\" y2=\"0\">"
+                     "<stop offset=\"0\" stop-color=\"{}\"/><stop offset=\"0.5\" stop-color=\"{}\"/>"
+                     "<stop offset=\"1\" stop-color=\"{}\"/></linearGradient></defs>\n"
+                     "<rect class=\"scale\" x=\"{:.1f}\" y=\"{:.1f}\" width=\"{:.1f}\" height=\"{:.1f}\" "
+                     "fill=\"url(#heat-scale)\" stroke=\"#444\"/>\n",
+                     colour(heat_colour(0)), colour(heat_colour(0.5)), colour(heat_colour(1)), sx, top, kScaleWidth, grid_h);
+  svg += fmt::format("<text class=\"scale-label\" x=\"{:.1f}\" y=\"{:.1f}\" dy=\"0.7em\">{}</text>\n", sx + kScaleWidth + 6,
+                     top, escape(hi_label));
+  svg += fmt::format("<text class=\"scale-label\" x=\"{:.1f}\" y=\"{:.1f}\">{}</text>\n", sx + kScaleWidth + 6,
+                     top + grid_h, escape(lo_label));
+  svg += fmt::format("<text class=\"xlabel\" x=\"{:.1f}\" y=\"{:.1f}\" text-anchor=\"middle\">{}</text>\n</svg>\n",
+                     (left + grid_right) / 2, height - 10, escape(map.x_label));
+  return svg;
+}
+
+void write_svg(const std::string& path, const HeatMap& map) { write_text_atomic(path, render_svg(map)); }
+
 Chart run_chart(const std::string& metrics_path, const std::string& title) {
   std::ifstream in(metrics_path);
   if (!in) fail(fmt::format("cannot read metrics log '{}'", metrics_path), "check that the run directory exists");

@@ -1,5 +1,6 @@
 // Charts written as SVG: line charts (a training run's loss curves, learning rate and memory against
-// tokens seen; benchmark tables) and stacked bars (where a step's time goes). SVG is text, so there is
+// tokens seen; benchmark tables), stacked bars (where a step's time goes) and heat maps (an eval's
+// accuracy over two settings). SVG is text, so there is
 // no raster, no font data and no library behind it; any browser shows it, and the tests read it back
 // as text.
 //
@@ -80,6 +81,28 @@ struct BarChart {
 
 std::string render_svg(const BarChart& chart);
 void write_svg(const std::string& path, const BarChart& chart);
+
+// A heat map: a grid of cells, a column per x label (left to right) and a row per y label (top to
+// bottom), each cell filled with its value's colour on the scale from lo to hi (heat_colour) and
+// its value written in it (format_amount, then the unit); a value that is not finite is a grey cell
+// marked "-". A colour bar right of the grid shows the scale, lo at its foot and hi at its head. The
+// cells are as wide as the width allows and at most 60 pixels high. No columns or rows, values not
+// rows x columns, lo >= hi (or not finite), or a width out of bounds throw cw::Error.
+struct HeatMap {
+  std::string title, x_label, y_label;
+  std::vector<std::string> columns, rows;   // the labels: x left to right, y top to bottom
+  std::vector<std::vector<double>> values;  // [row][column]
+  double lo = 0, hi = 1;                    // the scale's ends; values beyond take the end's colour
+  std::string unit;                         // written after each number ("%")
+  int width = 960;                          // pixels (300..16384)
+};
+
+std::string render_svg(const HeatMap& map);
+void write_svg(const std::string& path, const HeatMap& map);
+
+// The heat map's colour of t in [0, 1] (clamped): light red at 0 through yellow at 0.5 to green at 1,
+// each light enough for dark text on it; linear in RGB between those three.
+uint32_t heat_colour(double t);
 
 // A value as a bar's or segment's label: whole numbers from 100 up with thousands separators
 // (3259.4 -> "3,259"), three significant digits below (42.25 -> "42.3", 0.5 -> "0.5").

@@ -13,11 +13,12 @@ std::string short_duration(double seconds) {
   return t >= 3600 ? fmt::format("{}h{:02}m", t / 3600, (t / 60) % 60) : fmt::format("{}m{:02}s", t / 60, t % 60);
 }
 
-StepProgress::StepProgress(std::ostream& out, bool tty, double quiet_s, double every_s)
-    : out_(out), tty_(tty), quiet_s_(quiet_s), every_s_(every_s) {}
+StepProgress::StepProgress(std::ostream& out, bool tty, double quiet_s, double every_s, std::string unit)
+    : out_(out), tty_(tty), quiet_s_(quiet_s), every_s_(every_s), unit_(std::move(unit)) {}
 
-void StepProgress::start(int64_t step) {
+void StepProgress::start(int64_t step, int64_t of) {
   step_ = step;
+  of_ = of;
   t0_ = std::chrono::steady_clock::now();
   last_shown_ = -1;
 }
@@ -29,8 +30,9 @@ void StepProgress::update(const char* phase, int64_t done, int64_t total) {
   if (last_shown_ >= 0 && s - last_shown_ < (tty_ ? 1.0 : every_s_)) return;
   last_shown_ = s;
   const int64_t pct = total > 0 ? 100 * done / total : 0;
-  const std::string line = fmt::format("step {}: {} {}/{} chunks ({}%), {} into the step", step_, phase, done, total,
-                                       pct, short_duration(s));
+  const std::string which = of_ > 0 ? fmt::format("{}/{}", step_, of_) : fmt::format("{}", step_);
+  const std::string line = fmt::format("{} {}: {} {}/{} chunks ({}%), {} into the {}", unit_, which, phase, done,
+                                       total, pct, short_duration(s), unit_);
   if (tty_)
     out_ << "\r\033[K" << line << std::flush;
   else

@@ -1,7 +1,7 @@
 // Line charts as SVG: the tick chooser and number labels, then the document read back as text:
 // well-formed (balanced tags, escaped text), polyline points equal to the data mapped through the
 // axes that the tick labels state, gaps at NaN/inf, degenerate data, thinning, the legend's corner,
-// the file, and a run's chart from its metrics log.
+// the file, and a run's chart from its metrics log; stacked bars; heat maps held to their table.
 #include "tools/plot.h"
 
 #include "engine/error.h"
@@ -593,6 +593,118 @@ TEST_CASE("render_svg (bars): bad input is a clear error") {
   nan.bars[0].values = {kNaN, 1};
   CHECK_THROWS_AS(cw::render_svg(nan), cw::Error);
   cw::BarChart narrow = chart;
+  narrow.width = 100;
+  CHECK_THROWS_WITH_AS(cw::render_svg(narrow), doctest::Contains("width 100"), cw::Error);
+}
+
+// ---- heat maps ----
+
+TEST_CASE("heat_colour: light red, yellow, green at 0, 0.5, 1; linear between; clamped") {
+  CHECK(cw::heat_colour(0) == 0xF8696B);
+  CHECK(cw::heat_colour(0.5) == 0xFFEB84);
+  CHECK(cw::heat_colour(1) == 0x63BE7B);
+  CHECK(cw::heat_colour(-3) == cw::heat_colour(0));
+  CHECK(cw::heat_colour(7) == cw::heat_colour(1));
+  // A quarter: halfway from light red to yellow in each channel (0xF8 + 0xFF = 503 -> 252, ...).
+  CHECK(cw::heat_colour(0.25) == 0xFCAA78);
+  CHECK(cw::heat_colour(0.75) == 0xB1D580);
+}
+
+TEST_CASE("render_svg (heat map): a cell a value in the table's place, coloured on the scale, its number in it") {
+  cw::HeatMap map;
+  map.title = "passkey <retrieval>";
+  map.x_label = "prompt length";
+  map.y_label = "depth";
+  map.columns = {"1K", "2K", "4K"};
+  map.rows = {"0%", "50%", "100%"};
+  map.values = {{100, 80, 0}, {100, 60, 20}, {kNaN, 40, 100.0 / 3}};
+  map.lo = 0;
+  map.hi = 100;
+  map.unit = "%";
+  const std::string svg = cw::render_svg(map);
+  INFO(svg.substr(0, 800));
+  CHECK(well_formed(svg) == "");
+  CHECK(svg.find(">passkey &lt;retrieval&gt;</text>") != std::string::npos);
+  for (const char* text : {">prompt length</text>", ">depth</text>"})
+    CHECK_MESSAGE(svg.find(text) != std::string::npos, text);
+
+  // The cells row by row, a grid of equal cells; each filled with its value's colour.
+  const std::vector<std::string> cells = tags(svg, "<rect class=\"cell\"");
+  REQUIRE(cells.size() == 9);
+  const double x0 = attr(cells[0], "x"), y0 = attr(cells[0], "y"), w = attr(cells[0], "width"), h = attr(cells[0], "height");
+  CHECK(w > 0);
+  CHECK(h <= 60);
+  const std::regex fill(" fill=\"(#[0-9a-f]{6})\"");
+  std::map<std::pair<long, long>, std::string> text_at;  // a cell's number, by its centre (tenths of a pixel)
+  const std::regex value("<text class=\"cell-value\" x=\"([0-9.]+)\" y=\"([0-9.]+)\"[^>]*>([^<]*)</text>");
+  for (std::sregex_iterator it(svg.begin(), svg.end(), value), end; it != end; ++it)
+    text_at[{std::lround(10 * std::stod((*it)[1])), std::lround(10 * std::stod((*it)[2]))}] = (*it)[3];
+  const std::vector<std::vector<std::string>> written = {{"100%", "80%", "0%"}, {"100%", "60%", "20%"}, {"-", "40%", "33.3%"}};
+  for (size_t r = 0; r < 3; ++r)
+    for (size_t c = 0; c < 3; ++c) {
+      CAPTURE(r);
+      CAPTURE(c);
+      const std::string& cell = cells[r * 3 + c];
+      CHECK(std::abs(attr(cell, "x") - (x0 + w * double(c))) < kTol);
+      CHECK(std::abs(attr(cell, "y") - (y0 + h * double(r))) < kTol);
+      CHECK(attr(cell, "width") == w);
+      CHECK(attr(cell, "height") == h);
+      std::smatch m;
+      REQUIRE(std::regex_search(cell, m, fill));
+      const double v = map.values[r][c];
+      CHECK(m[1] == (std::isfinite(v) ? fmt::format("#{:06x}", cw::heat_colour(v / 100)) : std::string("#dddddd")));
+      const auto centre = std::make_pair(std::lround(10 * (attr(cell, "x") + w / 2)), std::lround(10 * (attr(cell, "y") + h / 2)));
+      // Centres from the rounded rectangle may differ from the text's by a tenth.
+      std::string got;
+      for (const auto& [at, text] : text_at)
+        if (std::abs(at.first - centre.first) <= 1 && std::abs(at.second - centre.second) <= 1) got = text;
+      CHECK(got == written[r][c]);
+    }
+  // Column labels under the columns' centres, row labels beside the rows' centres, in order.
+  const std::regex xtick("<text class=\"xtick\" x=\"([0-9.]+)\"[^>]*>([^<]*)</text>");
+  std::vector<std::pair<double, std::string>> xt;
+  for (std::sregex_iterator it(svg.begin(), svg.end(), xtick), end; it != end; ++it) xt.emplace_back(std::stod((*it)[1]), (*it)[2]);
+  REQUIRE(xt.size() == 3);
+  for (size_t c = 0; c < 3; ++c) {
+    CHECK(xt[c].second == map.columns[c]);
+    CHECK(std::abs(xt[c].first - (x0 + w * (double(c) + 0.5))) < kTol);
+  }
+  const std::regex ytick("<text class=\"ytick\" x=\"[0-9.]+\" y=\"([0-9.]+)\"[^>]*>([^<]*)</text>");
+  std::vector<std::pair<double, std::string>> yt;
+  for (std::sregex_iterator it(svg.begin(), svg.end(), ytick), end; it != end; ++it) yt.emplace_back(std::stod((*it)[1]), (*it)[2]);
+  REQUIRE(yt.size() == 3);
+  for (size_t r = 0; r < 3; ++r) {
+    CHECK(yt[r].second == map.rows[r]);
+    CHECK(std::abs(yt[r].first - (y0 + h * (double(r) + 0.5))) < kTol);
+  }
+  // The scale: its ends labelled, right of the grid.
+  const std::vector<std::string> scale = tags(svg, "<rect class=\"scale\"");
+  REQUIRE(scale.size() == 1);
+  CHECK(attr(scale[0], "x") > x0 + 3 * w);
+  CHECK(svg.find("class=\"scale-label\"") != std::string::npos);
+  CHECK(svg.find(">100%</text>\n<text class=\"scale-label\"") != std::string::npos);  // hi, then lo
+  CHECK(svg == cw::render_svg(map));  // the same document every time
+}
+
+TEST_CASE("render_svg (heat map): bad input is a clear error") {
+  cw::HeatMap map;
+  map.columns = {"a", "b"};
+  map.rows = {"x"};
+  map.values = {{0.5, 1}};
+  CHECK_NOTHROW(cw::render_svg(map));
+  cw::HeatMap empty = map;
+  empty.columns.clear();
+  CHECK_THROWS_WITH_AS(cw::render_svg(empty), doctest::Contains("0 columns and 1 rows"), cw::Error);
+  cw::HeatMap rows = map;
+  rows.values.push_back({1, 2});
+  CHECK_THROWS_WITH_AS(cw::render_svg(rows), doctest::Contains("2 rows of values for 1 row labels"), cw::Error);
+  cw::HeatMap short_row = map;
+  short_row.values[0] = {1};
+  CHECK_THROWS_WITH_AS(cw::render_svg(short_row), doctest::Contains("row 'x' has 1 values for 2 columns"), cw::Error);
+  cw::HeatMap scale = map;
+  scale.lo = 1;
+  CHECK_THROWS_WITH_AS(cw::render_svg(scale), doctest::Contains("the scale [1, 1] is empty"), cw::Error);
+  cw::HeatMap narrow = map;
   narrow.width = 100;
   CHECK_THROWS_WITH_AS(cw::render_svg(narrow), doctest::Contains("width 100"), cw::Error);
 }

@@ -1,6 +1,7 @@
 // Sampling with a run's tokenizer (tools/train/sample.h, data.tokenizer): a BPE tokenizer through
 // training, the run directory and its checkpoints; `sample --run` and `sample --model` agreeing;
-// prompt ids, BOS and stop ids; chats (ChatML); tokenizer/model mismatches failing before step 1;
+// prompt ids, BOS and stop ids; chats (ChatML); a prompt prefilled in chunks against one chunk (f64);
+// --prompt-file; tokenizer/model mismatches failing before step 1;
 // eval and sample before the first step. With the real SmolLM2 GGUF in .models/: greedy
 // continuations equal to HF transformers' (tests/data/smollm2_reference.json), a chat that stops at
 // <|im_end|>, and a fine-tune whose exported checkpoint carries transformers' config and the tokenizer.
@@ -10,6 +11,7 @@
 #include "model/gguf_llama.h"
 #include "model/safetensors.h"
 #include "tests/support.h"
+#include "tests/tools/bpe_fixture.h"
 #include "tools/data/tokenizer.h"
 #include "tools/data/tokens.h"
 #include "tools/train/run_dir.h"
@@ -46,36 +48,9 @@ void write_files(const fs::path& dir, const std::vector<std::pair<std::string, s
   for (const auto& [name, text] : files) std::ofstream(dir / name, std::ios::binary) << text;
 }
 
-// A byte-level BPE of 1100 tokens: the 256 byte symbols, a few merges of English, <|endoftext|>,
-// the ChatML markers, and fillers up to 1100, so that the byte tokenizer (258 tokens, padding up to
-// 1024 accepted) does not fit a model made for it.
-constexpr int64_t kBpeVocab = 1100;
+using test::kBpeVocab;
+using test::test_bpe;
 constexpr int64_t kModelVocab = 1152;  // the model pads to a multiple of 64: ids 1100.. are not tokens
-
-BpeDefinition test_bpe() {
-  BpeDefinition def;
-  def.source = "test BPE";
-  for (int b = 0; b < 256; ++b) def.tokens.push_back(bytes_to_byte_level(std::string(1, static_cast<char>(b))));
-  def.merges = {{"t", "h"}, {"th", "e"}, {"Ġ", "t"}, {"Ġt", "h"}, {"Ġth", "e"}, {"o", "x"}, {"Ġ", "f"}, {"Ġf", "ox"}};
-  for (const auto& [l, r] : def.merges) def.tokens.push_back(l + r);
-  for (const char* special : {"<|endoftext|>", "<|im_start|>", "<|im_end|>"}) {
-    def.added.push_back({special, static_cast<uint32_t>(def.tokens.size()), true});
-    def.tokens.push_back(special);
-  }
-  while (static_cast<int64_t>(def.tokens.size()) < kBpeVocab) {
-    def.added.push_back({fmt::format("<filler {}>", def.tokens.size()), static_cast<uint32_t>(def.tokens.size()), false});
-    def.tokens.push_back(def.added.back().content);
-  }
-  def.pretokenizer_patterns = Pretokenizer::named("smollm", "test").patterns();
-  def.pretokenizer_name = "smollm";
-  def.bos_id = 264;  // <|endoftext|>
-  def.eos_id = 266;  // <|im_end|>
-  def.chat_template =
-      "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\n"
-      "You are a test.<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
-      "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
-  return def;
-}
 
 // A small model for that vocabulary, its tokenizer as HF files, and a corpus tokenized with it.
 struct BpeFixture {
@@ -236,6 +211,20 @@ TEST_CASE("chunkwise sample: --model, --chat, --tokenizer on the command line; b
                 out) == 0);
   CHECK(out == sample_from_model(ckpt, so).text + "\n");  // a chat prints the reply only
 
+  // --prompt-file: the file's text is the prompt; the continuation alone is printed.
+  const std::string prompt_file = fx.dir.file("prompt.txt");
+  std::ofstream(prompt_file) << "the fox\nthe ";
+  so.chat = false;
+  so.system.reset();
+  so.prompt = "the fox\nthe ";
+  CHECK(run_cli(fmt::format("sample --model {} --prompt-file {} --tokens 5 --temperature 0 --prefill-chunk 3", ckpt,
+                            prompt_file),
+                out) == 0);
+  CHECK(out == sample_from_model(ckpt, so).text + "\n");
+  CHECK(run_cli(fmt::format("sample --model {} --prompt-file {} --prompt x", ckpt, prompt_file), out) != 0);
+  CHECK(contains(out, "excludes"));
+  CHECK(contains(error_of([&] { read_prompt_file(fx.dir.file("absent.txt")); }), "cannot read the prompt file"));
+
   CHECK(run_cli("sample --prompt x", out) == 2);
   CHECK(contains(out, "chunkwise sample needs --run DIR or --model MODEL"));
   CHECK(run_cli(fmt::format("sample --run {} --model {}", fx.dir.file("run"), ckpt), out) != 0);
@@ -285,6 +274,54 @@ TEST_CASE("sample: prompt ids, BOS, stop ids and chats") {
   so.prompt = "";
   CHECK(contains(error_of([&] { prompt_ids(bpe, so); }), "the prompt is empty"));
   CHECK(prompt_ids(bytes, so) == Ids{ByteTokenizer::kBos});  // BOS alone is something to continue
+}
+
+TEST_CASE("sample: a prompt prefilled in chunks gives the logits of one chunk (f64, to 1e-12) and the same ids") {
+  LlamaConfig cfg = LlamaConfig::preset("tiny");
+  cfg.vocab_size = 320;  // the byte tokenizer's ids
+  LlamaModel model(cfg, DType::f64);
+  init_parameters(model.params(), 7, cfg.initializer_range, 0.0);
+  const ByteTokenizer bytes;
+  SampleOptions so;
+  so.prompt = "the quick brown fox jumps over the lazy dog";
+  so.tokens = 12;
+  so.temperature = 0;
+  so.stop_at_eos = false;
+  const Ids prompt = prompt_ids(bytes, so);
+  const auto n = static_cast<int64_t>(prompt.size());
+  REQUIRE(n == 44);
+  // The logits after the prompt and after each of three more ids: the prompt as one chunk, in chunks
+  // of 5 (the last one shorter) and of 1.
+  const auto logits_after = [&](int64_t chunk) {
+    Decoder decoder(model, n + 3);
+    std::vector<std::vector<double>> out{decoder.feed(prompt, chunk)};
+    for (const uint32_t id : {'a', 'b', 'c'}) out.push_back(decoder.feed(Ids{id}, 1));
+    CHECK(decoder.position() == n + 3);
+    // The store holds n + 3 tokens: one more is an error.
+    CHECK(contains(error_of([&] { decoder.feed(Ids{'d'}, 1); }), "overrun the store's 47 tokens"));
+    return out;
+  };
+  const std::vector<std::vector<double>> whole = logits_after(0);
+  for (const int64_t chunk : {int64_t{5}, int64_t{1}, n}) {
+    const std::vector<std::vector<double>> chunked = logits_after(chunk);
+    REQUIRE(chunked.size() == whole.size());
+    double worst = 0;
+    for (size_t i = 0; i < whole.size(); ++i) {
+      REQUIRE(chunked[i].size() == static_cast<size_t>(cfg.vocab_size));
+      for (size_t v = 0; v < whole[i].size(); ++v)
+        worst = std::max(worst, std::abs(chunked[i][v] - whole[i][v]) / std::max(1.0, std::abs(whole[i][v])));
+    }
+    CAPTURE(chunk);
+    CHECK(worst <= test::kSameMathF64Tol);
+  }
+  // Greedy generation: the same ids whatever the prefill's chunk.
+  so.prefill_chunk = 0;
+  const Generation one = generate(model, bytes, so);
+  REQUIRE(one.generated.size() == 12);
+  for (const int64_t chunk : {int64_t{1}, int64_t{5}, int64_t{4096}}) {
+    so.prefill_chunk = chunk;
+    CHECK(generate(model, bytes, so).generated == one.generated);
+  }
 }
 
 TEST_CASE("train: eval and sample before the first step (eval.at_start, sample.at_start)") {

@@ -2,23 +2,17 @@
 
 #include "engine/random.h"
 #include "model/chat_template.h"
-#include "model/checkpoint.h"
-#include "model/gguf_llama.h"
-#include "optim/schedule.h"
 #include "tools/model_io.h"
-#include "tools/train/run_config.h"
-#include "tools/train/run_dir.h"
 
 #include <fmt/format.h>
 
 #include <algorithm>
 #include <cmath>
-#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <numeric>
 
 namespace cw {
-
-namespace fs = std::filesystem;
 
 namespace {
 int32_t draw(std::vector<double> logits, const SampleOptions& o, int64_t usable, Rng& rng) {
@@ -105,44 +99,75 @@ std::vector<uint32_t> stop_ids(const Tokenizer& tokenizer, const LlamaConfig& co
   return ids;
 }
 
+std::string read_prompt_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) fail(fmt::format("cannot read the prompt file '{}'", path), "check the path");
+  return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+}
+
+Decoder::Decoder(const LlamaModel& model, int64_t capacity)
+    : model_(model), kv_(model.config(), 1, capacity, model.dtype(), false, model.device()), arena_(model.device()) {
+  // The RoPE tables are the model's cache of positions, grown for the longest sequence asked.
+  const_cast<LlamaModel&>(model).ensure_positions(capacity);
+}
+
+std::vector<double> Decoder::feed(std::span<const uint32_t> ids, int64_t chunk) {
+  const int64_t n = static_cast<int64_t>(ids.size()), V = model_.config().vocab_size;
+  CW_CHECK(n > 0, "Decoder::feed: no ids");
+  CW_CHECK(position_ + n <= kv_.tokens(), "Decoder::feed: {} ids at position {} overrun the store's {} tokens", n,
+           position_, kv_.tokens());
+  const int64_t c = chunk > 0 ? chunk : n;
+  std::vector<double> last(static_cast<size_t>(V));
+  for (int64_t t0 = 0; t0 < n; t0 += c) {
+    ArenaScope scope(arena_);
+    const int64_t len = std::min(c, n - t0);
+    OwnedTensor host_ids = OwnedTensor::of_shape(DType::i32, std::vector<int64_t>{len});
+    for (int64_t i = 0; i < len; ++i) host_ids.tensor.ptr<int32_t>()[i] = static_cast<int32_t>(ids[t0 + i]);
+    ChunkTokens tokens;
+    tokens.B = 1;
+    tokens.c = len;
+    tokens.pos0 = position_;
+    tokens.ids = arena_.alloc(DType::i32, {len});
+    copy_convert(tokens.ids, host_ids.tensor);
+    if (t0 + len < n) {
+      // Not the last chunk: only its K/V are wanted, written into the store.
+      forward_chunk(nullptr, kv_, model_, tokens, 1.0, false, arena_);
+    } else {
+      const Tensor logits = arena_.alloc(model_.dtype(), {1, V});
+      chunk_logits(logits, kv_, model_, tokens, false, arena_);
+      copy_convert(Tensor(last.data(), DType::f64, Device::host(), {1, V}), logits);
+    }
+    position_ += len;
+  }
+  return last;
+}
+
 Generation generate(const LlamaModel& model, const Tokenizer& tokenizer, const SampleOptions& o) {
+  return generate_from_ids(model, tokenizer, prompt_ids(tokenizer, o), o);
+}
+
+Generation generate_from_ids(const LlamaModel& model, const Tokenizer& tokenizer, std::vector<uint32_t> prompt,
+                             const SampleOptions& o) {
   const LlamaConfig& cf = model.config();
   // The callers check the pair with check_tokenizer_fits_model, naming both; here it is an invariant.
   CW_CHECK(tokenizer.vocab_size() <= cf.vocab_size, "tokenizer of {} ids for a model of vocab_size {}",
            tokenizer.vocab_size(), cf.vocab_size);
   Generation g;
-  g.prompt = prompt_ids(tokenizer, o);
+  g.prompt = std::move(prompt);
+  if (o.tokens <= 0) return g;
   const std::vector<uint32_t> stops = o.stop_at_eos ? stop_ids(tokenizer, cf, o.chat) : std::vector<uint32_t>{};
-  const int64_t total = static_cast<int64_t>(g.prompt.size()) + o.tokens;
-  const_cast<LlamaModel&>(model).ensure_positions(total);
-  KVStore kv(cf, 1, total, model.dtype(), false);
-  Arena arena;
+  Decoder decoder(model, static_cast<int64_t>(g.prompt.size()) + o.tokens);
   Rng rng(o.seed);
   const int64_t usable = std::min<int64_t>(cf.vocab_size, tokenizer.vocab_size());
-  int64_t pos = 0;
-  std::vector<uint32_t> pending = g.prompt;
+  std::vector<double> logits = decoder.feed(g.prompt, o.prefill_chunk);
   for (int64_t n = 0; n < o.tokens; ++n) {
-    ArenaScope scope(arena);
-    const int64_t c = static_cast<int64_t>(pending.size());
-    ChunkTokens chunk;
-    chunk.B = 1;
-    chunk.c = c;
-    chunk.pos0 = pos;
-    chunk.ids = arena.alloc(DType::i32, {c});
-    for (int64_t i = 0; i < c; ++i) chunk.ids.ptr<int32_t>()[i] = static_cast<int32_t>(pending[static_cast<size_t>(i)]);
-    OwnedTensor logits(model.dtype(), {1, cf.vocab_size});
-    chunk_logits(logits, kv, model, chunk, false, arena);
-    OwnedTensor l64(DType::f64, {1, cf.vocab_size});
-    copy_convert(l64, logits);
-    std::vector<double> lv(l64.tensor.ptr<double>(), l64.tensor.ptr<double>() + cf.vocab_size);
-    const auto next = static_cast<uint32_t>(draw(std::move(lv), o, usable, rng));
-    pos += c;
+    const auto next = static_cast<uint32_t>(draw(std::move(logits), o, usable, rng));
     if (std::binary_search(stops.begin(), stops.end(), next)) {
       g.stopped = true;
       break;
     }
     g.generated.push_back(next);
-    pending = {next};
+    if (n + 1 < o.tokens) logits = decoder.feed(std::span<const uint32_t>(&next, 1), 1);
   }
   g.text = tokenizer.decode(g.generated);
   if (dynamic_cast<const BpeTokenizer*>(&tokenizer)) g.text = replace_invalid_utf8(g.text);
@@ -151,47 +176,15 @@ Generation generate(const LlamaModel& model, const Tokenizer& tokenizer, const S
 
 Generation sample_from_run(const std::string& dir, int64_t step, const SampleOptions& o,
                            const std::string& tokenizer_spec) {
-  if (!fs::is_directory(dir)) fail(fmt::format("run directory '{}' does not exist", dir), "pass the --run-dir of a training run");
-  RunDirectory rd(dir);
-  std::optional<CheckpointRef> ref;
-  std::vector<std::string> skipped;
-  ref = step > 0 ? rd.find(step) : rd.latest_complete(&skipped);
-  if (!ref)
-    fail(step > 0 ? fmt::format("run '{}' has no complete checkpoint of step {}", dir, step)
-                  : fmt::format("run '{}' has no complete checkpoint", dir),
-         "train first, or pick a step that was saved");
-  // The run directory holds a copy of the tokenizer it was trained with (train.cpp writes it).
-  const std::string spec = tokenizer_spec.empty() ? dir : resolve_tokenizer_spec(tokenizer_spec, ref->path, "--tokenizer");
-  const std::unique_ptr<Tokenizer> tokenizer = load_tokenizer(spec);
-  if (fs::exists(fs::path(ref->path) / "adapter_config.json")) {
-    // A LoRA run: its adapters on the base it trained on (model.source of the checkpoint's run.toml).
-    const RunConfig rc = RunConfig::from_file((fs::path(ref->path) / "run.toml").string());
-    const LlamaConfig cf = rc.model_config();
-    check_tokenizer_fits_model(*tokenizer, spec, cf.vocab_size, rc.model.source, "--tokenizer");
-    const LlamaModel model = load_with_adapter(cf, rc.model.source, ref->path, DType::f32, rc.model.init_seed);
-    return generate(model, *tokenizer, o);
-  }
-  const LlamaConfig cf = LlamaConfig::from_file((fs::path(ref->path) / "config.json").string());
-  LlamaModel model(cf, DType::f32);
-  load_checkpoint_weights(model.params(), ref->path);
-  check_tokenizer_fits_model(*tokenizer, spec, cf.vocab_size, ref->path, "--tokenizer");
-  return generate(model, *tokenizer, o);
+  const LoadedModel m = load_model({.run = dir, .step = step, .tokenizer = tokenizer_spec}, Device::host(),
+                                   DType::f32, {}, "sample from");
+  return generate(*m.model, *m.tokenizer, o);
 }
 
 Generation sample_from_model(const std::string& spec, const SampleOptions& o, const std::string& tokenizer_spec) {
-  if (!is_gguf_file(spec) && !is_checkpoint_dir(spec))
-    fail(fmt::format("--model '{}' has no weights to sample from (a preset or config.json is a random model)", spec),
-         "give an HF checkpoint directory (config.json + model.safetensors) or a .gguf file");
-  const LlamaConfig cf = LlamaConfig::resolve(spec);
-  LlamaModel model(cf, DType::f32);
-  if (is_gguf_file(spec))
-    load_gguf_weights(model.params(), GgufReader(spec));
-  else
-    load_checkpoint_weights(model.params(), spec);
-  const std::string resolved = resolve_tokenizer_spec(tokenizer_spec, spec, "--tokenizer");
-  const std::unique_ptr<Tokenizer> tokenizer = load_tokenizer(resolved);
-  check_tokenizer_fits_model(*tokenizer, resolved, cf.vocab_size, spec, "--tokenizer");
-  return generate(model, *tokenizer, o);
+  const LoadedModel m =
+      load_model({.model = spec, .tokenizer = tokenizer_spec}, Device::host(), DType::f32, {}, "sample from");
+  return generate(*m.model, *m.tokenizer, o);
 }
 
 }  // namespace cw

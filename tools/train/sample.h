@@ -3,10 +3,13 @@
 //
 // The prompt becomes ids (prompt_ids): as a chat, the tokenizer's ChatML template applied to it as
 // the user's message (model/chat_template.h); otherwise BOS, where the tokenizer puts one in front
-// of a text (Tokenizer::add_bos), and the prompt's ids. They run through the model as one chunk
-// (positions [0, n)), filling the K/V store; then each new token is one chunk of length 1 at the
-// next position, attending the cache. Generation ends after `tokens` new ids or at a stop id: the
-// tokenizer's EOS, the model config's eos_token_id(s) and, in a chat, <|im_end|>.
+// of a text (Tokenizer::add_bos), and the prompt's ids. They run through the model in chunks of
+// prefill_chunk tokens (positions [0, n)), each chunk attending the K/V store the chunks before it
+// filled, so a prompt of 64K tokens needs one chunk's activations and the store, not 64K tokens'
+// activations; then each new token is one chunk of length 1 at the next position, attending the
+// cache. The store holds the prompt's n tokens and the `tokens` to come. Generation ends after
+// `tokens` new ids or at a stop id: the tokenizer's EOS, the model config's eos_token_id(s) and, in
+// a chat, <|im_end|>. A model on a GPU keeps its store and activations there.
 // Sampling: logits of ids the tokenizer cannot produce (a padded vocabulary's extra rows) are
 // masked; temperature scales the rest; top-k keeps the k largest; top-p keeps the smallest set
 // whose probability reaches p; a seeded Rng draws. temperature 0 is greedy (the first largest
@@ -17,6 +20,7 @@
 #include "tools/data/tokenizer.h"
 
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -32,6 +36,28 @@ struct SampleOptions {
   bool stop_at_eos = true;
   bool chat = false;                  // the prompt is the user's message of a chat (ChatML)
   std::optional<std::string> system;  // chat: the system message (unset: the template's default, if any)
+  int64_t prefill_chunk = 4096;       // prompt tokens a chunk of the prefill; 0: the whole prompt in one
+};
+
+// The text of a prompt file (`sample --prompt-file`), as it is: bytes, line ends and all. Fails
+// naming the file when it cannot be read.
+std::string read_prompt_file(const std::string& path);
+
+// One sequence's decoding state: the model's K/V store for up to `capacity` tokens, filled as ids are
+// fed at the next positions. feed runs the ids in chunks of at most `chunk` tokens (0: one chunk),
+// each attending the store the chunks before it filled, and returns the logits of the last id fed
+// (V values, f64, on the host). The model must outlive the decoder.
+class Decoder {
+ public:
+  Decoder(const LlamaModel& model, int64_t capacity);
+  std::vector<double> feed(std::span<const uint32_t> ids, int64_t chunk);
+  int64_t position() const { return position_; }  // ids fed so far
+
+ private:
+  const LlamaModel& model_;
+  KVStore kv_;
+  Arena arena_;
+  int64_t position_ = 0;
 };
 
 // The ids the model is given for options.prompt (see the header comment). Fails for a chat when the
@@ -50,6 +76,10 @@ struct Generation {
 
 // The caller has checked that the tokenizer fits the model (check_tokenizer_fits_model).
 Generation generate(const LlamaModel& model, const Tokenizer& tokenizer, const SampleOptions& options);
+// The same from prompt ids made by the caller (options.prompt is not read; options.chat only adds
+// <|im_end|> to the stop ids).
+Generation generate_from_ids(const LlamaModel& model, const Tokenizer& tokenizer, std::vector<uint32_t> prompt,
+                             const SampleOptions& options);
 
 // `chunkwise sample --run DIR [--step N]`: the checkpoint (latest complete, or step N) with the
 // tokenizer the run recorded in DIR, or `tokenizer_spec` when not empty.
