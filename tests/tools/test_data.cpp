@@ -1,9 +1,11 @@
 // Token files and their flags, the train/eval split, the window sampler, the byte tokenizer, tokenize
-// (text, JSON Lines, chat data).
+// (text, JSON Lines, chat data) and training batches with documents and a loss mask.
 #include "engine/error.h"
+#include "engine/ops/lm_head_loss.h"
 #include "model/pretokenizer.h"
 #include "model/tokenizer.h"
 #include "tests/support.h"
+#include "tools/data/batches.h"
 #include "tools/data/tokenizer.h"
 #include "tools/data/tokens.h"
 
@@ -553,6 +555,11 @@ std::vector<int64_t> positions_with(const std::vector<uint8_t>& bits, uint8_t bi
   return at;
 }
 
+std::vector<int32_t> labels_of(const Batch& b) {
+  const int32_t* l = b.labels.tensor.ptr<int32_t>();
+  return {l, l + b.labels.tensor.numel()};
+}
+
 }  // namespace
 
 TEST_CASE("token flags: written beside the shard and read back; a shard written without flags removes stale ones") {
@@ -844,6 +851,86 @@ TEST_CASE("tokenize --chat-jsonl: SmolLM2's ids and assistant mask are HF's exac
   MESSAGE("SmolLM2 chat data against HF: ", starts.size() - 1, " conversations, ", ids.size(), " tokens, ", marked,
           " the assistant's");
   CHECK(contains(read_text(dir.file("log.txt")), fmt::format("{} the assistant's", marked)));
+}
+
+TEST_CASE("batches from windows: document starts and labels from the flags at the windows' stream offsets") {
+  // Documents start at 0, 5, 8 and 12 of a stream of 17 tokens; the loss mask marks 2-4, 9, 10, 13-16.
+  std::vector<uint32_t> tokens(17);
+  std::iota(tokens.begin(), tokens.end(), 100u);
+  std::vector<uint8_t> bits(17, 0);
+  for (int i : {0, 5, 8, 12}) bits[static_cast<size_t>(i)] |= kFlagDocStart;
+  for (int i : {2, 3, 4, 9, 10, 13, 14, 15, 16}) bits[static_cast<size_t>(i)] |= kFlagLoss;
+  const TokenDataset d = TokenDataset::from_tokens(tokens, 200, "packed", TokenFlags{3, bits});
+  const int64_t T = 4;
+  const WindowSet set = d.windows(T);  // windows at 0, 4, 8, 12
+  REQUIRE(set.size() == 4);
+  CHECK(set.window_start(2) == 8);
+  const std::vector<int64_t> windows{1, 3, 2};
+  constexpr int32_t X = kIgnoreLabel;
+
+  // Plain: the windows' shifted ids, nothing else.
+  const Batch plain = batch_of_windows(set, windows, {});
+  CHECK(plain.doc_starts.empty());
+  CHECK(labels_of(plain) == std::vector<int32_t>{105, 106, 107, 108, 113, 114, 115, 116, 109, 110, 111, 112});
+
+  // Documents: window 1 (tokens 4..8) holds the start at 5, and its last target (8) opens a document:
+  // labels 0 (predicting 5) and 3 (predicting 8) are masked. Window 3 (12..16) is one document. Window
+  // 2 (8..12) starts at 8 (its first token) and its last target opens the document at 12.
+  const Batch docs = batch_of_windows(set, windows, {.documents = true, .document_positions = false});
+  CHECK(docs.doc_starts == std::vector<std::vector<int64_t>>{{0, 1}, {0}, {0}});
+  CHECK_FALSE(docs.document_positions);
+  CHECK(labels_of(docs) == std::vector<int32_t>{X, 106, 107, X, 113, 114, 115, 116, 109, 110, 111, X});
+  CHECK(batch_of_windows(set, windows, {.documents = true}).document_positions);
+
+  // Assistant loss: label t kept where token t+1 is marked.
+  const Batch assistant = batch_of_windows(set, windows, {.assistant_loss = true});
+  CHECK(assistant.doc_starts.empty());
+  CHECK(labels_of(assistant) == std::vector<int32_t>{X, X, X, X, 113, 114, 115, 116, 109, 110, X, X});
+  CHECK(assistant.supervised() == 6);
+
+  // Both.
+  const Batch both = batch_of_windows(set, windows, {.documents = true, .assistant_loss = true});
+  CHECK(labels_of(both) == std::vector<int32_t>{X, X, X, X, 113, 114, 115, 116, 109, 110, X, X});
+  CHECK(both.doc_starts == docs.doc_starts);
+
+  // The eval order and the sampler give window indices that line up with the id batches.
+  CHECK(set.batch_windows(1, 3) == std::vector<int64_t>{3});
+  WindowSampler a(set, 5), b(set, 5);
+  for (int i = 0; i < 6; ++i) {
+    const std::vector<int64_t> w = a.next_batch_windows(3);
+    CHECK(labels_of(batch_of_windows(set, w, {})) == labels_of(window_batch(b.next_batch(3), 3, T)));
+  }
+  CHECK(a.state() == b.state());
+}
+
+TEST_CASE("open_training_data: document starts from flags or from the BOS; missing mask or starts name the file") {
+  test::TempDir dir("data");
+  const std::vector<uint32_t> ids{7, 1, 2, 7, 3, 7, 4, 5};
+  write_token_shard(dir.file("plain.bin"), ids);  // no flags: starts only from a marker
+  const TokenFlags stored_starts{kFlagDocStart, {2, 0, 0, 0, 0, 0, 2, 0}};
+  write_token_shard(dir.file("docs.bin"), ids, 0, &stored_starts);
+  const TokenDatasetOptions format{TokenFormat::shard, 100};
+  const BatchOptions documents{.documents = true};
+
+  const TokenDataset by_marker = open_training_data({dir.file("plain.bin")}, format, documents, 7, "'t'");
+  CHECK(positions_with(*by_marker.shared_flags(), kFlagDocStart) == std::vector<int64_t>{0, 3, 5});
+  // Stored starts win over the marker.
+  const TokenDataset stored = open_training_data({dir.file("docs.bin")}, format, documents, 7, "'t'");
+  CHECK(positions_with(*stored.shared_flags(), kFlagDocStart) == std::vector<int64_t>{0, 6});
+
+  std::string msg = error_of(
+      [&] { open_training_data({dir.file("plain.bin")}, format, documents, std::nullopt, "'x.json' (data.tokenizer)"); });
+  CHECK(contains(msg, "data.documents = true, but token file '" + dir.file("plain.bin") + "' stores no document starts"));
+  CHECK(contains(msg, "the tokenizer 'x.json' (data.tokenizer) has no BOS"));
+  CHECK(open_training_data({dir.file("docs.bin")}, format, documents, std::nullopt, "'t'").size() == 8);
+
+  const BatchOptions assistant{.assistant_loss = true};
+  msg = error_of([&] { open_training_data({dir.file("docs.bin")}, format, assistant, 7, "'t'"); });
+  CHECK(contains(msg, "data.loss = assistant, but token file '" + dir.file("docs.bin") + "' has no loss mask"));
+  CHECK(contains(msg, "holds document starts only"));
+  CHECK(contains(msg, "set data.loss = all"));
+  msg = error_of([&] { open_training_data({dir.file("plain.bin")}, format, assistant, 7, "'t'"); });
+  CHECK(contains(msg, "no flags file '" + dir.file("plain.bin.flags") + "' beside it"));
 }
 
 }  // namespace cw
