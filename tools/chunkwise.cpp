@@ -4,6 +4,7 @@
 #include "engine/engine.h"
 #include "engine/error.h"
 #include "tools/data/tokenizer.h"
+#include "tools/data/tokens.h"
 #include "tools/bench_chart.h"
 #include "tools/bench_model.h"
 #include "tools/bench_ops.h"
@@ -274,20 +275,39 @@ int main(int argc, char** argv) {
   options->add_flag("--markdown", options_markdown, "the table of keys, flags, types, defaults, values and help (the default)");
   options->add_flag("--toml", options_toml, "the default run as TOML, each key with its help");
 
-  std::vector<std::string> text_inputs;
-  std::string shard_out;
+  std::vector<std::string> text_inputs, jsonl_inputs, chat_inputs;
+  std::string shard_out, jsonl_field = "text";
   cw::TokenizeOptions to;
   std::string tokenizer_spec = "bytes";
   const std::string tokenizer_help =
       "'bytes', an HF tokenizer.json, a directory holding one, or a .gguf model";
-  CLI::App* tokenize = app.add_subcommand("tokenize", "UTF-8 text files to an llm.c token shard");
-  tokenize->add_option("inputs", text_inputs, "text files or globs")->required();
+  CLI::App* tokenize = app.add_subcommand(
+      "tokenize", "UTF-8 text files, JSON Lines of texts or of chats to an llm.c token shard and its flags file "
+                  "(document starts; chats: the assistant's tokens)");
+  CLI::Option* text_opt = tokenize->add_option("inputs", text_inputs, "text files or globs");
+  CLI::Option* jsonl_opt = tokenize->add_option(
+      "--jsonl", jsonl_inputs, "JSON Lines files or globs instead: one document per record, its --field string "
+                               "(empty lines are skipped)");
+  CLI::Option* field_opt =
+      tokenize->add_option("--field", jsonl_field, "--jsonl: the records' text field")->capture_default_str();
+  CLI::Option* chat_opt = tokenize->add_option(
+      "--chat-jsonl", chat_inputs, "JSON Lines files or globs of conversations instead ({\"messages\": [{\"role\", "
+                                   "\"content\"}, ...]}; empty lines are skipped), rendered with --tokenizer's chat "
+                                   "template; the flags file marks the assistant's tokens for data.loss = assistant");
   tokenize->add_option("--out", shard_out, "output shard (uint16 ids up to 65536 tokens, else uint32)")->required();
   tokenize->add_option("--tokenizer", tokenizer_spec, tokenizer_help)->capture_default_str();
-  tokenize->add_flag("--split-paragraphs", to.split_on_blank_lines, "one document per blank-line separated paragraph");
-  tokenize->add_flag("--eos", to.add_eos, "EOS after each document");
-  tokenize->add_option("--bos-token", to.bos_token, "the token before each document (default: the tokenizer's BOS)");
-  tokenize->add_option("--eos-token", to.eos_token, "the token --eos writes (default: the tokenizer's EOS)");
+  CLI::Option* split_opt = tokenize->add_flag("--split-paragraphs", to.split_on_blank_lines,
+                                              "text files: one document per blank-line separated paragraph");
+  CLI::Option* eos_opt = tokenize->add_flag("--eos", to.add_eos, "EOS after each document");
+  CLI::Option* bos_token_opt =
+      tokenize->add_option("--bos-token", to.bos_token, "the token before each document (default: the tokenizer's BOS)");
+  CLI::Option* eos_token_opt =
+      tokenize->add_option("--eos-token", to.eos_token, "the token --eos writes (default: the tokenizer's EOS)");
+  text_opt->excludes(jsonl_opt)->excludes(chat_opt);
+  jsonl_opt->excludes(chat_opt);
+  field_opt->needs(jsonl_opt);
+  split_opt->excludes(jsonl_opt)->excludes(chat_opt);
+  for (CLI::Option* o : {eos_opt, bos_token_opt, eos_token_opt}) o->excludes(chat_opt);
 
   std::string encode_file;
   CLI::App* encode = app.add_subcommand("encode", "the ids of each line of a text file, one line of ids per line");
@@ -358,9 +378,24 @@ int main(int argc, char** argv) {
       return 0;
     }
     if (*tokenize) {
-      const cw::TokenizeCounts c = cw::tokenize_files(*cw::load_tokenizer(tokenizer_spec), text_inputs, shard_out, to);
-      std::cout << fmt::format("tokenize: {} files, {} documents, {} bytes -> {} tokens in {}\n", c.files, c.documents,
-                               c.bytes, c.tokens, shard_out);
+      if (text_inputs.empty() && jsonl_inputs.empty() && chat_inputs.empty())
+        cw::fail("chunkwise tokenize needs inputs: text files, --jsonl FILE... or --chat-jsonl FILE...",
+                 "e.g. chunkwise tokenize --out data.bin notes.txt");
+      const std::unique_ptr<cw::Tokenizer> tokenizer = cw::load_tokenizer(tokenizer_spec);
+      if (!chat_inputs.empty()) {
+        const cw::TokenizeCounts c = cw::tokenize_chat_jsonl(*tokenizer, chat_inputs, shard_out);
+        std::cout << fmt::format("tokenize: {} files, {} conversations, {} bytes rendered -> {} tokens ({} the "
+                                 "assistant's) in {} and {}\n",
+                                 c.files, c.documents, c.bytes, c.tokens, c.loss_tokens, shard_out,
+                                 cw::token_flags_path(shard_out));
+      } else {
+        const cw::TokenizeCounts c =
+            jsonl_inputs.empty() ? cw::tokenize_files(*tokenizer, text_inputs, shard_out, to)
+                                 : cw::tokenize_jsonl(*tokenizer, jsonl_inputs, shard_out, jsonl_field, to);
+        std::cout << fmt::format("tokenize: {} files{}, {} documents, {} bytes -> {} tokens in {} and {}\n", c.files,
+                                 jsonl_inputs.empty() ? "" : fmt::format(" ({} records)", c.records), c.documents,
+                                 c.bytes, c.tokens, shard_out, cw::token_flags_path(shard_out));
+      }
       return 0;
     }
     if (*encode) {

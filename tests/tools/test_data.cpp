@@ -1,6 +1,11 @@
-// Token files, the train/eval split, the window sampler and the byte tokenizer.
+// Token files and their flags, the train/eval split, the window sampler, the byte tokenizer, tokenize
+// (text, JSON Lines, chat data) and training batches with documents and a loss mask.
 #include "engine/error.h"
+#include "engine/ops/lm_head_loss.h"
+#include "model/pretokenizer.h"
+#include "model/tokenizer.h"
 #include "tests/support.h"
+#include "tools/data/batches.h"
 #include "tools/data/tokenizer.h"
 #include "tools/data/tokens.h"
 
@@ -8,6 +13,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <numeric>
@@ -519,6 +525,412 @@ TEST_CASE("window sampler: data-parallel ranks take disjoint slices of the globa
   resumed.restore(rank_samplers[1].state());
   CHECK(resumed.next_rank_batch(B, 1, ranks) == rank_samplers[1].next_rank_batch(B, 1, ranks));
   CHECK(contains(error_of([&] { resumed.next_rank_batch(B, 3, ranks); }), "rank 3 of 3 ranks"));
+}
+
+
+// ---- flags files, JSON Lines, chat data, batches with documents and a loss mask ----------------
+
+namespace {
+
+// A flags file built by hand (not by our writer): header values, then the bytes.
+std::vector<unsigned char> hand_flags(int32_t magic, int32_t version, int32_t count, int32_t carried,
+                                      const std::vector<uint8_t>& bits) {
+  std::vector<unsigned char> b;
+  for (const int32_t v : {magic, version, count, carried}) put_le(b, static_cast<uint32_t>(v), 4);
+  b.resize(1024, 0);
+  b.insert(b.end(), bits.begin(), bits.end());
+  return b;
+}
+
+std::string read_text(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
+}
+
+// The positions of a flags byte stream that have `bit`.
+std::vector<int64_t> positions_with(const std::vector<uint8_t>& bits, uint8_t bit) {
+  std::vector<int64_t> at;
+  for (size_t i = 0; i < bits.size(); ++i)
+    if (bits[i] & bit) at.push_back(static_cast<int64_t>(i));
+  return at;
+}
+
+std::vector<int32_t> labels_of(const Batch& b) {
+  const int32_t* l = b.labels.tensor.ptr<int32_t>();
+  return {l, l + b.labels.tensor.numel()};
+}
+
+}  // namespace
+
+TEST_CASE("token flags: written beside the shard and read back; a shard written without flags removes stale ones") {
+  test::TempDir dir("data");
+  const std::string shard = dir.file("a.bin"), flags_path = dir.file("a.bin.flags");
+  CHECK(token_flags_path(shard) == flags_path);
+  const TokenFlags flags{kFlagLoss | kFlagDocStart, {2, 0, 1, 1, 3, 1, 0}};
+  const TokenFileInfo info = write_token_shard(shard, std::vector<uint32_t>{5, 6, 7, 8, 5, 9, 9}, 0, &flags);
+  CHECK(info.flags_carried == flags.carried);
+  CHECK(read_token_flags(flags_path, 7) == flags);
+  // The bytes are the documented layout: numpy reads them with two fromfile calls.
+  const std::vector<unsigned char> raw = read_bytes(flags_path);
+  REQUIRE(raw.size() == 1024 + 7);
+  CHECK(get_le32(raw, 0) == static_cast<uint32_t>(kFlagsMagic));
+  CHECK(std::string(raw.begin(), raw.begin() + 4) == "CWTF");
+  CHECK(get_le32(raw, 4) == 1);
+  CHECK(get_le32(raw, 8) == 7);
+  CHECK(get_le32(raw, 12) == 3);
+  CHECK(std::vector<uint8_t>(raw.begin() + 1024, raw.end()) == flags.bits);
+  CHECK(!fs::exists(shard + ".tmp-" + std::to_string(::getpid())));
+
+  // Opened with its flags: every file's bytes at its place in the stream.
+  write_token_shard(dir.file("b.bin"), std::vector<uint32_t>{1, 2, 3});  // no flags
+  const TokenDataset d = TokenDataset::open({shard, dir.file("b.bin")}, {TokenFormat::shard, 100, true});
+  REQUIRE(d.shared_flags() != nullptr);
+  CHECK(*d.shared_flags() == std::vector<uint8_t>{2, 0, 1, 1, 3, 1, 0, 0, 0, 0});
+  CHECK(d.files()[0].flags_carried == 3);
+  CHECK(d.files()[1].flags_carried == 0);
+  CHECK(TokenDataset::open({shard}, {TokenFormat::shard, 100}).shared_flags() == nullptr);
+  // A glob that matches the shard leaves its flags file out.
+  CHECK(TokenDataset::open({dir.file("a.bin*")}, {TokenFormat::shard, 100}).files().size() == 1);
+
+  // Rewritten without flags: the old flags file no longer describes the tokens and goes.
+  write_token_shard(shard, std::vector<uint32_t>{1, 2});
+  CHECK(!fs::exists(flags_path));
+  CHECK(TokenDataset::open({shard}, {TokenFormat::shard, 100, true}).files()[0].flags_carried == 0);
+}
+
+TEST_CASE("token flags: a wrong magic, version, count, size or byte is refused naming the file") {
+  test::TempDir dir("data");
+  const std::string shard = dir.file("s.bin"), path = dir.file("s.bin.flags");
+  write_token_shard(shard, std::vector<uint32_t>{1, 2, 3});
+  const auto open_error = [&](const std::vector<unsigned char>& bytes) {
+    write_bytes(path, bytes);
+    return error_of([&] { TokenDataset::open({shard}, {TokenFormat::shard, 100, true}); });
+  };
+  struct Case {
+    const char* what;
+    std::vector<unsigned char> bytes;
+    std::string message;
+  };
+  const std::vector<Case> cases = {
+      {"magic", hand_flags(20240520, 1, 3, 2, {2, 0, 0}), "bad magic 20240520 at byte offset 0 (expected 1179932483)"},
+      {"version", hand_flags(kFlagsMagic, 2, 3, 2, {2, 0, 0}), "version 2, this build reads version 1"},
+      {"count", hand_flags(kFlagsMagic, 1, 4, 2, {2, 0, 0, 0}), "is for 4 tokens, its token file holds 3"},
+      {"truncated", hand_flags(kFlagsMagic, 1, 3, 2, {2, 0}), "size is 1026 bytes, expected 1027"},
+      {"trailing", hand_flags(kFlagsMagic, 1, 3, 2, {2, 0, 0, 0}), "trailing bytes"},
+      {"header", {1, 2, 3}, "3 bytes, too small for the 1024-byte header"},
+      {"unknown flags", hand_flags(kFlagsMagic, 1, 3, 6, {2, 0, 0}), "header[3] = 6 names unknown flags"},
+      {"a bit not carried", hand_flags(kFlagsMagic, 1, 3, 2, {2, 1, 0}),
+       "token #1 (byte offset 1025) has flags 0x01, but the header carries only 0x02"},
+      {"first token no start", hand_flags(kFlagsMagic, 1, 3, 2, {0, 2, 0}), "the first token does not start a document"},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.what);
+    const std::string msg = open_error(c.bytes);
+    CHECK(contains(msg, "token flags file '" + path + "'"));
+    CHECK(contains(msg, c.message));
+    CHECK(contains(msg, "hint:"));
+  }
+  // Checked whenever the token file is opened, even when its flags are not needed.
+  write_bytes(path, hand_flags(kFlagsMagic, 1, 9, 2, std::vector<uint8_t>(9, 2)));
+  CHECK(contains(error_of([&] { TokenDataset::open({shard}, {TokenFormat::shard, 100}); }), "is for 9 tokens"));
+}
+
+TEST_CASE("tokenize: text files and JSON Lines records make the same documents, their starts in the flags") {
+  test::TempDir dir("data");
+  const std::vector<std::string> texts = {"Gr\xc3\xbc\xc3\x9f Gott!\nline two\n", "plain \"quoted\" ascii",
+                                          "\xe4\xbd\xa0\xe5\xa5\xbd \xf0\x9f\x91\x8b"};
+  std::string jsonl;
+  std::vector<std::string> text_files;
+  for (size_t i = 0; i < texts.size(); ++i) {
+    text_files.push_back(dir.file("t" + std::to_string(i) + ".txt"));
+    write_text(text_files.back(), texts[i]);
+    jsonl += nlohmann::json({{"id", i}, {"body", texts[i]}}).dump() + "\n";
+    if (i == 0) jsonl += "\n  \r\n";                  // empty lines are skipped
+    if (i == 1) jsonl += R"({"body": ""})" "\n";      // an empty text is no document
+  }
+  write_text(dir.file("docs.jsonl"), jsonl);
+  const ByteTokenizer tok;
+  TokenizeOptions eos;
+  eos.add_eos = true;
+  const TokenizeCounts from_text = tokenize_files(tok, text_files, dir.file("text.bin"), eos);
+  const TokenizeCounts from_jsonl = tokenize_jsonl(tok, {dir.file("docs.jsonl")}, dir.file("jsonl.bin"), "body", eos);
+  CHECK(from_jsonl.files == 1);
+  CHECK(from_jsonl.records == 4);
+  CHECK(from_jsonl.documents == 3);
+  CHECK(from_jsonl.tokens == from_text.tokens);
+  CHECK(from_jsonl.bytes == from_text.bytes);
+  const std::vector<uint32_t> ids = read_token_file(dir.file("jsonl.bin"), TokenFormat::shard, 258);
+  CHECK(ids == read_token_file(dir.file("text.bin"), TokenFormat::shard, 258));
+  CHECK(tok.decode(ids) == texts[0] + texts[1] + texts[2]);
+  // Every document starts at its BOS, and the flags say so.
+  for (const char* shard : {"text.bin", "jsonl.bin"}) {
+    const TokenFlags flags = read_token_flags(dir.file(shard) + ".flags", static_cast<int64_t>(ids.size()));
+    CHECK(flags.carried == kFlagDocStart);
+    std::vector<int64_t> bos;
+    for (size_t i = 0; i < ids.size(); ++i)
+      if (ids[i] == ByteTokenizer::kBos) bos.push_back(static_cast<int64_t>(i));
+    CHECK(positions_with(flags.bits, kFlagDocStart) == bos);
+    CHECK(bos.size() == 3);
+  }
+  CHECK(contains(error_of([&] { tokenize_jsonl(tok, {dir.file("docs.jsonl")}, dir.file("x.bin"), "missing"); }),
+                 "line 1: the record has no \"missing\""));
+}
+
+TEST_CASE("tokenize --jsonl and --chat-jsonl: every malformed record fails naming file:line, and nothing is written") {
+  test::TempDir dir("data");
+  const ByteTokenizer tok;
+  const std::string good = R"({"text": "fine"})";
+  struct Case {
+    std::string line, message;
+  };
+  const std::vector<Case> text_cases = {
+      {R"({"text": "unterminated)", "not valid JSON (at column "},
+      {"[\"text\"]", "a JSON array, not an object"},
+      {"\"just a string\"", "a JSON string, not an object"},
+      {R"({"txt": "typo"})", "the record has no \"text\""},
+      {R"({"text": 42})", "the record's \"text\" is a JSON number, not a string"},
+      {R"({"text": null})", "the record's \"text\" is a JSON null, not a string"},
+      {"{\"text\": \"bad \xff byte\"}", "invalid UTF-8 at byte 15 of the line (byte 0xff)"},
+      {R"({"text": "lone \ud800 surrogate"})", "not valid JSON"},
+  };
+  for (const Case& c : text_cases) {
+    CAPTURE(c.line);
+    const std::string path = dir.file("in.jsonl");
+    // The bad record on line 4, after a good one and two empty lines (which count as lines).
+    write_text(path, good + "\n\n\n" + c.line + "\n" + good + "\n");
+    const std::string msg = error_of([&] { tokenize_jsonl(tok, {path}, dir.file("out.bin")); });
+    CHECK(contains(msg, "JSON Lines file '" + path + "' line 4: " + c.message));
+    CHECK(contains(msg, "hint:"));
+    CHECK(!fs::exists(dir.file("out.bin")));
+    CHECK(!fs::exists(dir.file("out.bin.flags")));
+  }
+  const std::string chat_good = R"({"messages": [{"role": "user", "content": "hi"}]})";
+  const std::vector<Case> chat_cases = {
+      {R"({"msgs": []})", "the record has no \"messages\""},
+      {R"({"messages": []})", "\"messages\" is an empty list, not a list of messages"},
+      {R"({"messages": {"role": "user"}})", "\"messages\" is a JSON object, not a list of messages"},
+      {R"({"messages": ["hi"]})", "message 1 is a JSON string, not an object"},
+      {R"({"messages": [{"role": "user", "content": "a"}, {"content": "b"}]})", "message 2 has no \"role\""},
+      {R"({"messages": [{"role": "user"}]})", "message 1 has no \"content\""},
+      {R"({"messages": [{"role": "user", "content": ["a"]}]})", "message 1's \"content\" is a JSON array, not a string"},
+      {R"({"messages": [{"role": "tool", "content": "x"}]})", "message 1 has role \"tool\", not one of system, user, assistant"},
+      {"not json", "not valid JSON"},
+  };
+  const BpeTokenizer chat_tok = [] {
+    BpeDefinition def;
+    def.source = "chat vocabulary";
+    for (int b = 0; b < 256; ++b) def.tokens.push_back(bytes_to_byte_level(std::string(1, static_cast<char>(b))));
+    def.added = {{"<|im_start|>", 256, true}, {"<|im_end|>", 257, true}};
+    for (const AddedToken& a : def.added) def.tokens.push_back(a.content);
+    def.pretokenizer_patterns = Pretokenizer::named("smollm", "test").patterns();
+    def.pretokenizer_name = "smollm";
+    def.chat_template = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+                        "'<|im_end|>' + '\n'}}{% endfor %}";
+    return BpeTokenizer(def);
+  }();
+  for (const Case& c : chat_cases) {
+    CAPTURE(c.line);
+    const std::string path = dir.file("chat.jsonl");
+    write_text(path, chat_good + "\n" + chat_good + "\n" + c.line + "\n");
+    const std::string msg = error_of([&] { tokenize_chat_jsonl(chat_tok, {path}, dir.file("out.bin")); });
+    CHECK(contains(msg, "JSON Lines file '" + path + "' line 3: " + c.message));
+    CHECK(!fs::exists(dir.file("out.bin")));
+  }
+  CHECK(contains(error_of([&] { tokenize_chat_jsonl(tok, {dir.file("chat.jsonl")}, dir.file("out.bin")); }),
+                 "the bytes tokenizer has no chat template"));
+  write_text(dir.file("empty.jsonl"), "\n\n");
+  CHECK(contains(error_of([&] { tokenize_jsonl(tok, {dir.file("empty.jsonl")}, dir.file("out.bin")); }),
+                 "hold no document: 0 records"));
+}
+
+namespace {
+
+// A ChatML vocabulary worked out by hand: the bytes (id = byte value), one merge "\n\n" (256), and the
+// two markers; the template inserts a default system message, as SmolLM2's does.
+BpeTokenizer hand_chat_tokenizer() {
+  BpeDefinition def;
+  def.source = "hand chat vocabulary";
+  for (int b = 0; b < 256; ++b) def.tokens.push_back(bytes_to_byte_level(std::string(1, static_cast<char>(b))));
+  const std::string nl = bytes_to_byte_level("\n");
+  def.tokens.push_back(nl + nl);
+  def.merges = {{nl, nl}};
+  def.added = {{"<|im_start|>", 257, true}, {"<|im_end|>", 258, true}};
+  for (const AddedToken& a : def.added) def.tokens.push_back(a.content);
+  def.pretokenizer_patterns = Pretokenizer::named("smollm", "test").patterns();
+  def.pretokenizer_name = "smollm";
+  def.bos_id = 257;
+  def.chat_template =
+      "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\\nBe "
+      "kind.<|im_end|>\\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+      "'<|im_end|>' + '\\n'}}{% endfor %}";
+  return BpeTokenizer(def);
+}
+
+}  // namespace
+
+TEST_CASE("tokenize_chat_jsonl: the template's text, one document per conversation, the assistant's tokens marked") {
+  test::TempDir dir("data");
+  const BpeTokenizer tok = hand_chat_tokenizer();
+  write_text(dir.file("chat.jsonl"),
+             R"({"messages": [{"role": "user", "content": "Q"}, {"role": "assistant", "content": "\n\nA"}]})"
+             "\n"
+             R"({"messages": [{"role": "system", "content": "S"}, {"role": "assistant", "content": ""}], "id": 7})"
+             "\n");
+  const TokenizeCounts c = tokenize_chat_jsonl(tok, {dir.file("chat.jsonl")}, dir.file("chat.bin"));
+  CHECK(c.records == 2);
+  CHECK(c.documents == 2);
+  const uint32_t S = 257, E = 258, NL = '\n', NLNL = 256;
+  const auto bytes = [](const std::string& s) { return std::vector<uint32_t>(s.begin(), s.end()); };
+  // Conversation 1: the default system turn, the user's, the assistant's; the template's newline after
+  // "assistant" and the content's first newline make one token, which straddles the span and is marked.
+  std::vector<uint32_t> expected{S};
+  std::vector<uint8_t> loss{0};
+  const auto add = [&](const std::vector<uint32_t>& ids, uint8_t flag) {
+    expected.insert(expected.end(), ids.begin(), ids.end());
+    loss.insert(loss.end(), ids.size(), flag);
+  };
+  add(bytes("system\nBe kind."), 0);
+  add({E, NL, S}, 0);
+  add(bytes("user\nQ"), 0);
+  add({E, NL, S}, 0);
+  add(bytes("assistant"), 0);
+  add({NLNL, NL, 'A', E}, kFlagLoss);
+  add({NL}, 0);
+  const size_t second = expected.size();
+  // Conversation 2: its own system message (no default); the empty reply's span is <|im_end|> alone.
+  add({S}, 0);
+  add(bytes("system\nS"), 0);
+  add({E, NL, S}, 0);
+  add(bytes("assistant\n"), 0);
+  add({E}, kFlagLoss);
+  add({NL}, 0);
+  CHECK(read_token_file(dir.file("chat.bin"), TokenFormat::shard, tok.vocab_size()) == expected);
+  const TokenFlags flags = read_token_flags(dir.file("chat.bin.flags"), static_cast<int64_t>(expected.size()));
+  CHECK(flags.carried == (kFlagLoss | kFlagDocStart));
+  CHECK(positions_with(flags.bits, kFlagDocStart) == std::vector<int64_t>{0, static_cast<int64_t>(second)});
+  std::vector<uint8_t> loss_bits(flags.bits.size());
+  for (size_t i = 0; i < loss_bits.size(); ++i) loss_bits[i] = flags.bits[i] & kFlagLoss;
+  CHECK(loss_bits == loss);
+  CHECK(c.loss_tokens == 5);
+}
+
+namespace {
+// HF transformers' ids and assistant masks of tests/data/chat_conversations.jsonl with SmolLM2's
+// tokenizer (tests/data/chat_reference.py), against the tokenizer exported into .models/smollm2/.
+const fs::path kSmolLm2Tokenizer = fs::path(CW_SOURCE_ROOT) / ".models" / "smollm2";
+const fs::path kChatData = fs::path(CW_SOURCE_ROOT) / "tests" / "data";
+}  // namespace
+
+TEST_CASE("tokenize --chat-jsonl: SmolLM2's ids and assistant mask are HF's exactly (needs .models/smollm2)" *
+          doctest::skip(!fs::exists(kSmolLm2Tokenizer / "tokenizer.json"))) {
+  test::TempDir dir("data");
+  const std::string shard = dir.file("chat.bin");
+  // Through the command line, as a user runs it.
+  const std::string command = fmt::format("'{}' tokenize --chat-jsonl '{}' --tokenizer '{}' --out '{}' > '{}' 2>&1",
+                                          test::chunkwise_exe(), (kChatData / "chat_conversations.jsonl").string(),
+                                          kSmolLm2Tokenizer.string(), shard, dir.file("log.txt"));
+  REQUIRE_MESSAGE(std::system(command.c_str()) == 0, read_text(dir.file("log.txt")));
+  const nlohmann::json reference =
+      nlohmann::json::parse(read_text((kChatData / "chat_conversations.smollm2.json").string()));
+  const std::vector<uint32_t> ids = read_token_file(shard, TokenFormat::shard, 49152);
+  const TokenFlags flags = read_token_flags(shard + ".flags", static_cast<int64_t>(ids.size()));
+  std::vector<int64_t> starts = positions_with(flags.bits, kFlagDocStart);
+  REQUIRE(starts.size() == reference["conversations"].size());
+  starts.push_back(static_cast<int64_t>(ids.size()));
+  int64_t marked = 0;
+  for (size_t i = 0; i + 1 < starts.size(); ++i) {
+    CAPTURE(i);
+    const nlohmann::json& conv = reference["conversations"][i];
+    const std::vector<uint32_t> got_ids(ids.begin() + starts[i], ids.begin() + starts[i + 1]);
+    std::vector<int> got_mask;
+    for (int64_t t = starts[i]; t < starts[i + 1]; ++t) got_mask.push_back(flags.bits[static_cast<size_t>(t)] & kFlagLoss);
+    CHECK(got_ids == conv["ids"].get<std::vector<uint32_t>>());
+    CHECK(got_mask == conv["assistant_mask"].get<std::vector<int>>());
+    for (int m : got_mask) marked += m;
+  }
+  MESSAGE("SmolLM2 chat data against HF: ", starts.size() - 1, " conversations, ", ids.size(), " tokens, ", marked,
+          " the assistant's");
+  CHECK(contains(read_text(dir.file("log.txt")), fmt::format("{} the assistant's", marked)));
+}
+
+TEST_CASE("batches from windows: document starts and labels from the flags at the windows' stream offsets") {
+  // Documents start at 0, 5, 8 and 12 of a stream of 17 tokens; the loss mask marks 2-4, 9, 10, 13-16.
+  std::vector<uint32_t> tokens(17);
+  std::iota(tokens.begin(), tokens.end(), 100u);
+  std::vector<uint8_t> bits(17, 0);
+  for (int i : {0, 5, 8, 12}) bits[static_cast<size_t>(i)] |= kFlagDocStart;
+  for (int i : {2, 3, 4, 9, 10, 13, 14, 15, 16}) bits[static_cast<size_t>(i)] |= kFlagLoss;
+  const TokenDataset d = TokenDataset::from_tokens(tokens, 200, "packed", TokenFlags{3, bits});
+  const int64_t T = 4;
+  const WindowSet set = d.windows(T);  // windows at 0, 4, 8, 12
+  REQUIRE(set.size() == 4);
+  CHECK(set.window_start(2) == 8);
+  const std::vector<int64_t> windows{1, 3, 2};
+  constexpr int32_t X = kIgnoreLabel;
+
+  // Plain: the windows' shifted ids, nothing else.
+  const Batch plain = batch_of_windows(set, windows, {});
+  CHECK(plain.doc_starts.empty());
+  CHECK(labels_of(plain) == std::vector<int32_t>{105, 106, 107, 108, 113, 114, 115, 116, 109, 110, 111, 112});
+
+  // Documents: window 1 (tokens 4..8) holds the start at 5, and its last target (8) opens a document:
+  // labels 0 (predicting 5) and 3 (predicting 8) are masked. Window 3 (12..16) is one document. Window
+  // 2 (8..12) starts at 8 (its first token) and its last target opens the document at 12.
+  const Batch docs = batch_of_windows(set, windows, {.documents = true, .document_positions = false});
+  CHECK(docs.doc_starts == std::vector<std::vector<int64_t>>{{0, 1}, {0}, {0}});
+  CHECK_FALSE(docs.document_positions);
+  CHECK(labels_of(docs) == std::vector<int32_t>{X, 106, 107, X, 113, 114, 115, 116, 109, 110, 111, X});
+  CHECK(batch_of_windows(set, windows, {.documents = true}).document_positions);
+
+  // Assistant loss: label t kept where token t+1 is marked.
+  const Batch assistant = batch_of_windows(set, windows, {.assistant_loss = true});
+  CHECK(assistant.doc_starts.empty());
+  CHECK(labels_of(assistant) == std::vector<int32_t>{X, X, X, X, 113, 114, 115, 116, 109, 110, X, X});
+  CHECK(assistant.supervised() == 6);
+
+  // Both.
+  const Batch both = batch_of_windows(set, windows, {.documents = true, .assistant_loss = true});
+  CHECK(labels_of(both) == std::vector<int32_t>{X, X, X, X, 113, 114, 115, 116, 109, 110, X, X});
+  CHECK(both.doc_starts == docs.doc_starts);
+
+  // The eval order and the sampler give window indices that line up with the id batches.
+  CHECK(set.batch_windows(1, 3) == std::vector<int64_t>{3});
+  WindowSampler a(set, 5), b(set, 5);
+  for (int i = 0; i < 6; ++i) {
+    const std::vector<int64_t> w = a.next_batch_windows(3);
+    CHECK(labels_of(batch_of_windows(set, w, {})) == labels_of(window_batch(b.next_batch(3), 3, T)));
+  }
+  CHECK(a.state() == b.state());
+}
+
+TEST_CASE("open_training_data: document starts from flags or from the BOS; missing mask or starts name the file") {
+  test::TempDir dir("data");
+  const std::vector<uint32_t> ids{7, 1, 2, 7, 3, 7, 4, 5};
+  write_token_shard(dir.file("plain.bin"), ids);  // no flags: starts only from a marker
+  const TokenFlags stored_starts{kFlagDocStart, {2, 0, 0, 0, 0, 0, 2, 0}};
+  write_token_shard(dir.file("docs.bin"), ids, 0, &stored_starts);
+  const TokenDatasetOptions format{TokenFormat::shard, 100};
+  const BatchOptions documents{.documents = true};
+
+  const TokenDataset by_marker = open_training_data({dir.file("plain.bin")}, format, documents, 7, "'t'");
+  CHECK(positions_with(*by_marker.shared_flags(), kFlagDocStart) == std::vector<int64_t>{0, 3, 5});
+  // Stored starts win over the marker.
+  const TokenDataset stored = open_training_data({dir.file("docs.bin")}, format, documents, 7, "'t'");
+  CHECK(positions_with(*stored.shared_flags(), kFlagDocStart) == std::vector<int64_t>{0, 6});
+
+  std::string msg = error_of(
+      [&] { open_training_data({dir.file("plain.bin")}, format, documents, std::nullopt, "'x.json' (data.tokenizer)"); });
+  CHECK(contains(msg, "data.documents = true, but token file '" + dir.file("plain.bin") + "' stores no document starts"));
+  CHECK(contains(msg, "the tokenizer 'x.json' (data.tokenizer) has no BOS"));
+  CHECK(open_training_data({dir.file("docs.bin")}, format, documents, std::nullopt, "'t'").size() == 8);
+
+  const BatchOptions assistant{.assistant_loss = true};
+  msg = error_of([&] { open_training_data({dir.file("docs.bin")}, format, assistant, 7, "'t'"); });
+  CHECK(contains(msg, "data.loss = assistant, but token file '" + dir.file("docs.bin") + "' has no loss mask"));
+  CHECK(contains(msg, "holds document starts only"));
+  CHECK(contains(msg, "set data.loss = all"));
+  msg = error_of([&] { open_training_data({dir.file("plain.bin")}, format, assistant, 7, "'t'"); });
+  CHECK(contains(msg, "no flags file '" + dir.file("plain.bin.flags") + "' beside it"));
 }
 
 }  // namespace cw

@@ -718,4 +718,72 @@ TEST_CASE("train with [rope]: the override is the model trained, and its checkpo
   so.tokens = 4;
   so.stop_at_eos = false;
   CHECK_NOTHROW(sample_from_run(o.run_dir, 0, so));
+
+TEST_CASE("train with packed documents and data.loss = assistant: the mask shapes the loss; 2 ranks equal one process; resume is bit-identical") {
+  constexpr double kStepsOfRoundingTol = 1e-10;  // as the data-parallel case above
+  Fixture fx;
+  // Chat-like data: documents of 9 to 40 byte tokens, each BOS first; the second half of each is the
+  // "assistant's" (the loss mask), as chunkwise tokenize --chat-jsonl would mark it.
+  std::vector<uint32_t> ids;
+  TokenFlags flags{kFlagLoss | kFlagDocStart, {}};
+  const std::string text = "the quick brown fox jumps over the lazy dog. ";
+  for (int doc = 0; ids.size() < 1600; ++doc) {
+    const int length = 9 + (doc * 7) % 32;
+    for (int i = 0; i < length; ++i) {
+      ids.push_back(i == 0 ? ByteTokenizer::kBos : static_cast<uint8_t>(text[static_cast<size_t>(doc + i) % text.size()]));
+      flags.bits.push_back(static_cast<uint8_t>((i == 0 ? kFlagDocStart : 0) | (2 * i >= length ? kFlagLoss : 0)));
+    }
+  }
+  const std::string chat = fx.dir.file("chat.bin");
+  write_token_shard(chat, ids, 0, &flags);
+
+  RunConfig rc = fx.config(4);
+  rc.model.dtype = "f64";
+  rc.data.train = {chat};
+  rc.data.batch_size = 4;
+  rc.data.documents = true;
+  rc.data.loss = "assistant";
+  std::ostringstream log;
+  TrainOptions o;
+  o.run_dir = fx.dir.file("assistant");
+  const TrainResult a = run_training(rc, o, log);
+  CHECK(a.last_step == 4);
+  REQUIRE(a.last_eval_loss.has_value());
+  CHECK(std::isfinite(*a.last_eval_loss));
+  const std::vector<double> la = logged_losses(o.run_dir);
+  REQUIRE(la.size() == 4);
+  for (double l : la) CHECK(std::isfinite(l));
+
+  // The same data and documents trained on every target: other losses from the first step on.
+  RunConfig all = rc;
+  all.data.loss = "all";
+  o.run_dir = fx.dir.file("all");
+  run_training(all, o, log);
+  CHECK(logged_losses(o.run_dir)[0] != la[0]);
+
+  // Data parallel: each rank's windows carry their own documents and mask.
+  RunConfig ranks = rc;
+  ranks.data.batch_size = 2;
+  ranks.parallel.dp = 2;
+  o.run_dir = fx.dir.file("dp");
+  const TrainResult d = run_training(ranks, o, log);
+  const std::vector<double> ld = logged_losses(o.run_dir);
+  REQUIRE(ld.size() == 4);
+  for (size_t i = 0; i < la.size(); ++i) CHECK(std::abs(ld[i] - la[i]) <= kStepsOfRoundingTol * std::abs(la[i]));
+  REQUIRE(d.last_eval_loss.has_value());
+  CHECK(std::abs(*d.last_eval_loss - *a.last_eval_loss) <= kStepsOfRoundingTol * *a.last_eval_loss);
+
+  // Stopped and resumed: the sampler's state finds the same windows, so the same masks.
+  o.run_dir = fx.dir.file("resumed");
+  CHECK(stop_and_resume(rc, o.run_dir, 2, log));
+  const std::vector<double> lr = logged_losses(o.run_dir);
+  REQUIRE(lr.size() == 4);
+  for (size_t i = 0; i < la.size(); ++i) CHECK(lr[i] == la[i]);
+
+  // A shard without a loss mask is refused before anything runs, naming it.
+  RunConfig no_mask = rc;
+  no_mask.data.train = {fx.shard};
+  o.run_dir = fx.dir.file("no-mask");
+  const std::string refused = "data.loss = assistant, but token file '" + fx.shard + "' has no loss mask";
+  CHECK_THROWS_WITH_AS(run_training(no_mask, o, log), doctest::Contains(refused.c_str()), Error);
 }

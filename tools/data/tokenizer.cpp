@@ -1,6 +1,7 @@
 #include "tools/data/tokenizer.h"
 
 #include "engine/error.h"
+#include "model/chat_template.h"
 #include "model/gguf_llama.h"
 #include "tools/data/tokens.h"
 
@@ -266,15 +267,67 @@ uint32_t document_token(const Tokenizer& tokenizer, const std::string& text, std
 
 }  // namespace
 
+namespace {
+
+// The shard tokenize builds: the ids and, one byte each, their flags (tools/data/tokens.h).
+struct ShardBuilder {
+  std::vector<uint32_t> ids;
+  TokenFlags flags;
+
+  explicit ShardBuilder(uint8_t carried) { flags.carried = carried; }
+  // Appends one document: its ids, the first flagged as a document start; `loss`, if not empty, has
+  // one flag per id (kFlagLoss or 0).
+  void add_document(std::span<const uint32_t> doc, std::span<const uint8_t> loss = {}) {
+    CW_CHECK(!doc.empty() && (loss.empty() || loss.size() == doc.size()), "a document of {} ids, {} loss flags",
+             doc.size(), loss.size());
+    const size_t first = ids.size();
+    ids.insert(ids.end(), doc.begin(), doc.end());
+    if (loss.empty())
+      flags.bits.resize(ids.size(), 0);
+    else
+      flags.bits.insert(flags.bits.end(), loss.begin(), loss.end());
+    flags.bits[first] |= kFlagDocStart;
+  }
+  void write(const std::string& path, const Tokenizer& tokenizer) const {
+    write_token_shard(path, ids, tokenizer.vocab_size(), &flags);
+  }
+};
+
+// The tokens written around each text document (tokenize_files, tokenize_jsonl).
+struct DocumentTokens {
+  uint32_t bos;
+  std::optional<uint32_t> eos;
+
+  DocumentTokens(const Tokenizer& tokenizer, const TokenizeOptions& options)
+      : bos(document_token(tokenizer, options.bos_token, tokenizer.bos_id(), "BOS", "--bos-token")),
+        eos(options.add_eos ? std::optional(document_token(tokenizer, options.eos_token, tokenizer.eos_id(), "EOS",
+                                                           "--eos-token"))
+                            : std::nullopt) {}
+  // BOS, the text's ids, EOS if asked for.
+  void append(const Tokenizer& tokenizer, std::string_view text, ShardBuilder& shard, TokenizeCounts& counts) const {
+    std::vector<uint32_t> doc{bos};
+    tokenizer.encode_into(text, doc);
+    if (eos) doc.push_back(*eos);
+    shard.add_document(doc);
+    ++counts.documents;
+    counts.bytes += static_cast<int64_t>(text.size());
+  }
+};
+
+[[noreturn]] void fail_no_documents(const char* kind, const std::vector<std::string>& inputs, const std::string& why,
+                                    const char* hint) {
+  fail(fmt::format("{} inputs ('{}'{}) hold no document: {}", kind, inputs.front(),
+                   inputs.size() > 1 ? fmt::format(" and {} more", inputs.size() - 1) : std::string(), why),
+       hint);
+}
+
+}  // namespace
+
 TokenizeCounts tokenize_files(const Tokenizer& tokenizer, const std::vector<std::string>& inputs,
                               const std::string& output_shard, const TokenizeOptions& options) {
-  const uint32_t bos = document_token(tokenizer, options.bos_token, tokenizer.bos_id(), "BOS", "--bos-token");
-  const std::optional<uint32_t> eos =
-      options.add_eos ? std::optional(document_token(tokenizer, options.eos_token, tokenizer.eos_id(), "EOS",
-                                                     "--eos-token"))
-                      : std::nullopt;
+  const DocumentTokens around(tokenizer, options);
   TokenizeCounts counts;
-  std::vector<uint32_t> ids;
+  ShardBuilder shard(kFlagDocStart);
   for (const std::string& path : expand_token_paths(inputs, "text")) {
     const std::string text = read_whole_file(path, "text");
     if (options.require_utf8) {
@@ -285,21 +338,226 @@ TokenizeCounts tokenize_files(const Tokenizer& tokenizer, const std::vector<std:
              "they are");
     }
     ++counts.files;
-    for (std::string_view doc : split_documents(text, options.split_on_blank_lines)) {
-      ids.push_back(bos);
-      tokenizer.encode_into(doc, ids);
-      if (eos) ids.push_back(*eos);
-      ++counts.documents;
-      counts.bytes += static_cast<int64_t>(doc.size());
-    }
+    for (std::string_view doc : split_documents(text, options.split_on_blank_lines))
+      around.append(tokenizer, doc, shard, counts);
   }
   if (counts.documents == 0)
-    fail(fmt::format("text inputs ('{}'{}) hold no document: every file is empty{}", inputs.front(),
-                     inputs.size() > 1 ? fmt::format(" and {} more", inputs.size() - 1) : std::string(),
-                     options.split_on_blank_lines ? " or blank" : ""),
-         "give text files with content");
-  counts.tokens = static_cast<int64_t>(ids.size());
-  write_token_shard(output_shard, ids, tokenizer.vocab_size());
+    fail_no_documents("text", inputs,
+                      options.split_on_blank_lines ? "every file is empty or blank" : "every file is empty",
+                      "give text files with content");
+  counts.tokens = static_cast<int64_t>(shard.ids.size());
+  shard.write(output_shard, tokenizer);
+  return counts;
+}
+
+namespace {
+
+// One line of a JSON Lines file, for errors: where it is and, in the hint, what a record looks like.
+struct RecordLine {
+  const std::string& path;
+  int64_t number;
+  const char* example;
+
+  std::string where() const { return fmt::format("JSON Lines file '{}' line {}", path, number); }
+  std::string hint() const {
+    return fmt::format("each line must be one JSON object such as {}; fix or remove line {} (empty lines are skipped)",
+                       example, number);
+  }
+};
+
+// Calls visit(record, line) for each record of a JSON Lines file: each line that is not empty,
+// checked to be UTF-8 and one JSON object.
+template <class Visit>
+void for_each_record(const std::string& path, const char* example, Visit visit) {
+  const std::string text = read_whole_file(path, "JSON Lines");
+  int64_t number = 0;
+  for (size_t pos = 0; pos < text.size();) {
+    const size_t nl = std::min(text.find('\n', pos), text.size());
+    const std::string_view line = std::string_view(text).substr(pos, nl - pos);
+    pos = nl + 1;
+    const RecordLine at{path, ++number, example};
+    if (is_blank_line(line)) continue;
+    if (const auto bad = find_invalid_utf8(line))
+      fail(fmt::format("{}: invalid UTF-8 at byte {} of the line (byte 0x{:02x})", at.where(), *bad + 1,
+                       static_cast<unsigned char>(line[*bad])),
+           "JSON Lines files are UTF-8: convert the file (e.g. with iconv), or fix the line");
+    nlohmann::json record;
+    try {
+      record = nlohmann::json::parse(line);
+    } catch (const nlohmann::json::parse_error& e) {
+      fail(fmt::format("{}: not valid JSON (at column {})", at.where(), e.byte), at.hint());
+    }
+    if (!record.is_object())
+      fail(fmt::format("{}: a JSON {}, not an object", at.where(), record.type_name()), at.hint());
+    visit(record, at);
+  }
+}
+
+// The string at object[key] (`what` names the object: "the record", "message 2"); fails naming the
+// line when it is missing or not a string.
+const std::string& string_field(const nlohmann::json& object, const std::string& key, const RecordLine& at,
+                                const std::string& what) {
+  const auto it = object.find(key);
+  if (it == object.end()) fail(fmt::format("{}: {} has no \"{}\"", at.where(), what, key), at.hint());
+  if (!it->is_string())
+    fail(fmt::format("{}: {}'s \"{}\" is a JSON {}, not a string", at.where(), what, key, it->type_name()), at.hint());
+  return it->get_ref<const std::string&>();
+}
+
+}  // namespace
+
+TokenizeCounts tokenize_jsonl(const Tokenizer& tokenizer, const std::vector<std::string>& inputs,
+                              const std::string& output_shard, const std::string& field,
+                              const TokenizeOptions& options) {
+  if (field.empty()) fail("--field is empty", "name the records' text field, e.g. --field text");
+  const DocumentTokens around(tokenizer, options);
+  const std::string example = nlohmann::json({{field, "..."}}).dump();
+  TokenizeCounts counts;
+  ShardBuilder shard(kFlagDocStart);
+  for (const std::string& path : expand_token_paths(inputs, "JSON Lines")) {
+    ++counts.files;
+    for_each_record(path, example.c_str(), [&](const nlohmann::json& record, const RecordLine& at) {
+      ++counts.records;
+      const std::string& text = string_field(record, field, at, "the record");
+      if (!text.empty()) around.append(tokenizer, text, shard, counts);
+    });
+  }
+  if (counts.documents == 0)
+    fail_no_documents("JSON Lines", inputs, fmt::format("{} records, none with text in \"{}\"", counts.records, field),
+                      "give JSON Lines files whose records hold text in the field --field names");
+  counts.tokens = static_cast<int64_t>(shard.ids.size());
+  shard.write(output_shard, tokenizer);
+  return counts;
+}
+
+namespace {
+
+// A conversation rendered: the text and the byte spans [begin, end) of what the loss trains on.
+struct RenderedChat {
+  std::string text;
+  std::vector<std::pair<size_t, size_t>> assistant_spans;
+};
+
+// The chat as the template renders it, with each assistant message's content and closing <|im_end|>
+// as a span. A message's turn is found as the text render() adds for it after a system message (so
+// that no default system message comes with it); the default, if the template inserts one, is what
+// precedes the turns. The turns laid end to end must give render()'s text exactly.
+RenderedChat render_chat(const ChatMlTemplate& chat, const std::vector<ChatMessage>& messages) {
+  RenderedChat r{chat.render(messages, /*add_generation_prompt=*/false), {}};
+  const std::vector<ChatMessage> lead{{"system", ""}};
+  const size_t lead_size = chat.render(lead, false).size();
+  std::vector<std::string> turns;
+  size_t turns_size = 0;
+  for (const ChatMessage& m : messages) {
+    std::vector<ChatMessage> pair = lead;
+    pair.push_back(m);
+    turns.push_back(chat.render(pair, false).substr(lead_size));
+    turns_size += turns.back().size();
+  }
+  CW_CHECK(turns_size <= r.text.size(), "chat template: the turns rendered one by one are longer than the chat");
+  size_t at = r.text.size() - turns_size;  // after the default system message, if any
+  for (size_t i = 0; i < messages.size(); ++i) {
+    const std::string& turn = turns[i];
+    CW_CHECK(r.text.compare(at, turn.size(), turn) == 0, "chat template: message {} is not rendered on its own", i);
+    if (messages[i].role == "assistant") {
+      // ChatML: <|im_start|>assistant\n{content}<|im_end|>\n; the span is {content}<|im_end|>.
+      const std::string tail = messages[i].content + ChatMlTemplate::kEnd + "\n";
+      CW_CHECK(turn.size() >= tail.size() && turn.compare(turn.size() - tail.size(), tail.size(), tail) == 0,
+               "chat template: an assistant turn does not end with its content, {} and a newline",
+               ChatMlTemplate::kEnd);
+      r.assistant_spans.emplace_back(at + turn.size() - tail.size(), at + turn.size() - 1);
+    }
+    at += turn.size();
+  }
+  return r;
+}
+
+// Kept for each token of `ids`, the encoding of `r.text`: kFlagLoss where the token's bytes meet an
+// assistant span. A token's bytes are those it decodes to, laid end to end from the text's start;
+// they cover the text exactly unless the tokenizer dropped a byte it has no token for (then the
+// tokens cannot be lined up with the spans: an error naming the line).
+std::vector<uint8_t> assistant_mask(const Tokenizer& tokenizer, const RenderedChat& r, std::span<const uint32_t> ids,
+                                    const RecordLine& at) {
+  std::vector<uint8_t> mask(ids.size(), 0);
+  size_t begin = 0, span = 0;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    const size_t end = begin + tokenizer.decode(ids.subspan(i, 1)).size();
+    while (span < r.assistant_spans.size() && r.assistant_spans[span].second <= begin) ++span;
+    if (span < r.assistant_spans.size() && r.assistant_spans[span].first < end) mask[i] = kFlagLoss;
+    begin = end;
+  }
+  if (begin != r.text.size())
+    fail(fmt::format("{}: the tokenizer has no token for some bytes of the conversation (its {} tokens spell {} of "
+                     "its {} bytes), so the assistant's tokens cannot be found",
+                     at.where(), ids.size(), begin, r.text.size()),
+         "use the model's own tokenizer, or remove the characters it cannot encode");
+  return mask;
+}
+
+// The ChatML template of the tokenizer, whose markers must be single tokens of it.
+ChatMlTemplate chat_template_for(const Tokenizer& tokenizer) {
+  const auto* bpe = dynamic_cast<const BpeTokenizer*>(&tokenizer);
+  if (!bpe || bpe->chat_template().empty())
+    fail(fmt::format("--chat-jsonl: the {} tokenizer has no chat template", tokenizer.kind()),
+         "give the chat model's tokenizer with --tokenizer (its .gguf file, or a directory with tokenizer.json and a "
+         "tokenizer_config.json holding chat_template)");
+  ChatMlTemplate chat = ChatMlTemplate::recognise(bpe->chat_template(), fmt::format("tokenizer '{}'", bpe->source()));
+  for (const char* marker : {ChatMlTemplate::kStart, ChatMlTemplate::kEnd})
+    if (tokenizer.encode(marker).size() != 1)
+      fail(fmt::format("--chat-jsonl: {} is not one token of the tokenizer '{}'", marker, bpe->source()),
+           "the chat template is ChatML but the vocabulary lacks its special tokens; the two do not belong together");
+  return chat;
+}
+
+// The messages of a chat record, checked.
+std::vector<ChatMessage> chat_messages(const nlohmann::json& record, const RecordLine& at) {
+  const auto it = record.find("messages");
+  if (it == record.end()) fail(fmt::format("{}: the record has no \"messages\"", at.where()), at.hint());
+  if (!it->is_array() || it->empty())
+    fail(fmt::format("{}: \"messages\" is {}, not a list of messages", at.where(),
+                     it->is_array() ? "an empty list" : fmt::format("a JSON {}", it->type_name())),
+         at.hint());
+  std::vector<ChatMessage> messages;
+  for (size_t i = 0; i < it->size(); ++i) {
+    const nlohmann::json& m = (*it)[i];
+    const std::string what = fmt::format("message {}", i + 1);
+    if (!m.is_object()) fail(fmt::format("{}: {} is a JSON {}, not an object", at.where(), what, m.type_name()), at.hint());
+    ChatMessage message{string_field(m, "role", at, what), string_field(m, "content", at, what)};
+    if (message.role != "system" && message.role != "user" && message.role != "assistant")
+      fail(fmt::format("{}: {} has role \"{}\", not one of system, user, assistant", at.where(), what, message.role),
+           at.hint());
+    messages.push_back(std::move(message));
+  }
+  return messages;
+}
+
+}  // namespace
+
+TokenizeCounts tokenize_chat_jsonl(const Tokenizer& tokenizer, const std::vector<std::string>& inputs,
+                                   const std::string& output_shard) {
+  const ChatMlTemplate chat = chat_template_for(tokenizer);
+  const char* example = R"({"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]})";
+  TokenizeCounts counts;
+  ShardBuilder shard(kFlagDocStart | kFlagLoss);
+  std::vector<uint32_t> ids;
+  for (const std::string& path : expand_token_paths(inputs, "JSON Lines")) {
+    ++counts.files;
+    for_each_record(path, example, [&](const nlohmann::json& record, const RecordLine& at) {
+      ++counts.records;
+      const RenderedChat r = render_chat(chat, chat_messages(record, at));
+      ids.clear();
+      tokenizer.encode_into(r.text, ids);
+      const std::vector<uint8_t> mask = assistant_mask(tokenizer, r, ids, at);
+      shard.add_document(ids, mask);
+      counts.loss_tokens += std::count(mask.begin(), mask.end(), kFlagLoss);
+      ++counts.documents;
+      counts.bytes += static_cast<int64_t>(r.text.size());
+    });
+  }
+  if (counts.documents == 0)
+    fail_no_documents("JSON Lines", inputs, "every file is empty", "give JSON Lines files with one conversation per line");
+  counts.tokens = static_cast<int64_t>(shard.ids.size());
+  shard.write(output_shard, tokenizer);
   return counts;
 }
 

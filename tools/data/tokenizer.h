@@ -1,6 +1,8 @@
 // Tokenizers for the tools: the byte tokenizer (the demo's, which needs no vocabulary file),
 // `load_tokenizer` (a tokenizer by name or file: "bytes", an HF tokenizer.json or a directory holding
-// one, a .gguf model), and `tokenize_files`, which writes text files as one llm.c shard.
+// one, a .gguf model), and `chunkwise tokenize`: `tokenize_files` (text files), `tokenize_jsonl`
+// (JSON Lines of text records) and `tokenize_chat_jsonl` (JSON Lines of conversations, with the loss
+// mask of the assistant's tokens), each writing one llm.c shard and its flags file.
 //
 // The byte tokenizer:
 // Ids 0..255 are the bytes of the text (id = byte value); BOS = 256 and EOS = 257. The vocabulary
@@ -18,7 +20,31 @@
 // exactly as in the file (line ends included), and optionally EOS. The shard holds uint16 ids when
 // the vocabulary has at most 65536 tokens, else uint32. Files with no document (empty, or only blank lines when
 // splitting) contribute nothing. Inputs are checked to be UTF-8 unless the option is turned off, so
-// a binary file passed by mistake fails by name instead of becoming training data.
+// a binary file passed by mistake fails by name instead of becoming training data. Beside the shard
+// goes its flags file (tools/data/tokens.h) marking where each document starts, so training finds
+// the documents without relying on the BOS id (which --bos-token may have changed, and which the
+// text may hold too, as a literal special token).
+//
+// JSON Lines (tokenize_jsonl): each line of a file is one record, a JSON object whose string field
+// `field` ("text") is one document, written exactly as a text file's document (BOS, ids, optional
+// EOS); a record whose text is empty contributes nothing. Empty lines (nothing but spaces, tabs and
+// CRs) are skipped, so a file may end in blank lines. A line that is not valid UTF-8, not JSON, not
+// an object, or lacks the field or holds a non-string in it fails naming the file and the line
+// number; nothing is written then (the shard is written atomically, at the end).
+//
+// Chat (tokenize_chat_jsonl): each record is {"messages": [{"role": ..., "content": ...}, ...]} (other
+// keys are ignored), roles system, user or assistant, at least one message. A conversation is
+// rendered with the tokenizer's chat template (model/chat_template.h: the ChatML family; a chat that
+// does not start with a system message gets the template's default one, as HF's templates insert it)
+// and encoded as one text, without BOS: the template spells out every special token itself, as HF's
+// apply_chat_template(tokenize=True) does. Each conversation is one document (its first token a
+// document start in the flags) and the loss mask marks the assistant's tokens: those of each
+// assistant message's content and its closing <|im_end|>, not the "<|im_start|>assistant\n" before
+// it nor the newline after it. A token that straddles the edge of that span (the template's newline
+// merged with a newline that opens the content) is marked. That is what HF's
+// apply_chat_template(..., return_assistant_tokens_mask=True) marks with a ChatML template whose
+// assistant content and <|im_end|> lie in a {% generation %} block; SmolLM2's own template has none
+// (HF marks nothing with it), so the reference (tests/data/chat_reference.py) adds that block.
 #pragma once
 
 #include "model/tokenizer.h"
@@ -115,9 +141,11 @@ struct TokenizeOptions {
 
 struct TokenizeCounts {
   int64_t files = 0;      // input files read
-  int64_t documents = 0;  // BOS written
+  int64_t records = 0;    // JSON Lines: records read (empty lines are none)
+  int64_t documents = 0;  // documents written (text: BOS written)
   int64_t bytes = 0;      // text bytes tokenized (document bytes; blank separator lines excluded)
   int64_t tokens = 0;     // ids in the shard
+  int64_t loss_tokens = 0;  // chat: tokens the loss mask marks (the assistant's)
 };
 
 // Reads the inputs (paths or glob patterns, in order) and writes one shard atomically. Fails naming
@@ -126,6 +154,16 @@ TokenizeCounts tokenize_files(const std::vector<std::string>& inputs, const std:
                               const TokenizeOptions& options = {});
 TokenizeCounts tokenize_files(const Tokenizer& tokenizer, const std::vector<std::string>& inputs,
                               const std::string& output_shard, const TokenizeOptions& options = {});
+// JSON Lines of text records, one document each from the string field `field` (see the header
+// comment). options.split_on_blank_lines does not apply (a record is one document); the input is
+// always checked to be UTF-8 (JSON is).
+TokenizeCounts tokenize_jsonl(const Tokenizer& tokenizer, const std::vector<std::string>& inputs,
+                              const std::string& output_shard, const std::string& field = "text",
+                              const TokenizeOptions& options = {});
+// JSON Lines of conversations, rendered with the tokenizer's chat template, with the loss mask of
+// the assistant's tokens (see the header comment). Fails for a tokenizer without a ChatML template.
+TokenizeCounts tokenize_chat_jsonl(const Tokenizer& tokenizer, const std::vector<std::string>& inputs,
+                                   const std::string& output_shard);
 
 // `chunkwise encode`: the ids of each line of a text file, one line of space-separated ids per
 // input line (lines end at '\n', which is not encoded; a last line without one counts; no BOS/EOS).

@@ -73,6 +73,9 @@ struct RunConfig {
     int64_t grad_accum = 1;               // micro-batches per optimizer step
     uint64_t seed = 1;                    // the window sampler's shuffle
     std::string tokenizer = "bytes";      // bytes | model | a tokenizer.json, a directory holding one, a .gguf
+    std::string loss = "all";             // all | assistant: labels only on the loss mask's tokens
+    bool documents = false;               // packed documents: attention within each (tools/data/batches.h)
+    std::string positions = "document";   // with documents: RoPE positions restart per document | absolute
     bool operator==(const Data&) const = default;
   };
   struct Optimizer {

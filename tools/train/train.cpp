@@ -19,6 +19,7 @@
 #include "chunkwise_config.h"
 #include "engine/engine.h"
 #include "engine/ops/attention.h"
+#include "tools/data/batches.h"
 #include "tools/data/tokenizer.h"
 #include "tools/data/tokens.h"
 #include "tools/plan.h"
@@ -85,6 +86,11 @@ Batch with_unlabelled_rows(const Batch& batch, int64_t rows) {
   std::fill_n(padded.labels.tensor.ptr<int32_t>(), rows * T, -100);
   copy_convert(padded.ids.tensor.slice(0, 0, batch.B()), batch.ids);
   copy_convert(padded.labels.tensor.slice(0, 0, batch.B()), batch.labels);
+  if (!batch.doc_starts.empty()) {  // each added row one document
+    padded.doc_starts = batch.doc_starts;
+    padded.doc_starts.resize(static_cast<size_t>(rows), {0});
+    padded.document_positions = batch.document_positions;
+  }
   return padded;
 }
 
@@ -342,15 +348,28 @@ struct TrainData {
   WindowSplit split;  // train and eval windows
 };
 
-TrainData load_data(const RunConfig& rc, const LlamaConfig& mc) {
+// data.documents, data.positions, data.loss: what a batch takes from the data beside its ids.
+BatchOptions batch_options(const RunConfig::Data& data) {
+  return {.documents = data.documents,
+          .document_positions = data.positions == "document",
+          .assistant_loss = data.loss == "assistant"};
+}
+
+// The data with what batch_options needs (flags; document starts, else data.tokenizer's BOS).
+TrainData load_data(const RunConfig& rc, const LlamaConfig& mc, const Tokenizer& tokenizer,
+                    const std::string& tokenizer_spec) {
   const std::vector<std::string> train_specs = resolve_demo(rc.data.train);
   if (train_specs.empty()) fail("data.train is empty", "list token shards or globs in data.train");
   const TokenDatasetOptions dopt{parse_token_format(rc.data.format, "data.format"), mc.vocab_size};
-  TrainData d{TokenDataset::open(train_specs, dopt), {}};
+  const auto open = [&](const std::vector<std::string>& specs) {
+    return open_training_data(specs, dopt, batch_options(rc.data), tokenizer.bos_id(),
+                              fmt::format("'{}' (data.tokenizer)", tokenizer_spec));
+  };
+  TrainData d{open(train_specs), {}};
   if (rc.data.eval.empty()) {
     d.split = split_by_fraction(d.train, rc.data.seq_len, rc.data.eval_fraction);
   } else {
-    d.split = split_by_files(d.train, TokenDataset::open(resolve_demo(rc.data.eval), dopt), rc.data.seq_len);
+    d.split = split_by_files(d.train, open(resolve_demo(rc.data.eval)), rc.data.seq_len);
   }
   return d;
 }
@@ -581,6 +600,7 @@ class TrainLoop {
         lr_schedule_{rc.optimizer.lr, rc.optimizer.min_lr, rc.optimizer.warmup_steps, rc.train.steps,
                      LrSchedule::parse(rc.optimizer.decay)},
         eval_arena_(placement.device),
+        batch_options_(batch_options(rc.data)),
         tty_(isatty(STDOUT_FILENO) && &out == &std::cout && groups.lead()),
         step_progress_(out, tty_) {
     // A step of minutes (SeCO at long context) shows its chunks as it goes; the lead rank prints.
@@ -675,13 +695,13 @@ class TrainLoop {
   // supervised count), then the guard, clipping and the update.
   StepOutcome train_step(int64_t step) {
     if (dp_) return data_parallel_step(step);
-    const int64_t B = rc_.data.batch_size, T = rc_.data.seq_len, accum = rc_.data.grad_accum;
+    const int64_t B = rc_.data.batch_size, accum = rc_.data.grad_accum;
     const ParamSet& grads = state_.grads();
     grads.zero();
     std::vector<Batch> micro;
     double normaliser = 0;
     for (int64_t m = 0; m < accum; ++m) {
-      micro.push_back(window_batch(sampler_.next_batch(B), B, T));
+      micro.push_back(batch_of_windows(sampler_.windows(), sampler_.next_batch_windows(B), batch_options_));
       normaliser += static_cast<double>(micro.back().supervised());
     }
     StepOutcome o;
@@ -715,10 +735,11 @@ class TrainLoop {
   // train_step with data parallelism: this rank's slice of every global micro-batch, one reduction,
   // the global loss and norm (the same on every rank, so every rank takes the same decisions).
   StepOutcome data_parallel_step(int64_t step) {
-    const int64_t B = rc_.data.batch_size, T = rc_.data.seq_len, accum = rc_.data.grad_accum;
+    const int64_t B = rc_.data.batch_size, accum = rc_.data.grad_accum;
     std::vector<Batch> micro;
     for (int64_t m = 0; m < accum; ++m) {
-      micro.push_back(window_batch(sampler_.next_rank_batch(B, dp_->rank(), dp_->size()), B, T));
+      micro.push_back(batch_of_windows(sampler_.windows(), sampler_.next_rank_batch_windows(B, dp_->rank(), dp_->size()),
+                                       batch_options_));
       micro.back().sequence0 = dp_->rank() * B;  // its slice of the global batch (LoRA's dropout masks)
     }
     StepOutcome o;
@@ -782,14 +803,13 @@ class TrainLoop {
   // Parallel: the first replica alone (its TP ranks together), with batches of the global batch size
   // (as one process would).
   double evaluate() {
-    const int64_t B = rc_.data.batch_size * rc_.parallel.dp, T = rc_.data.seq_len;
+    const int64_t B = rc_.data.batch_size * rc_.parallel.dp;
     double sum = 0;
     int64_t count = 0;
     const int64_t n = std::min<int64_t>(rc_.eval.batches, split_.eval.num_batches(B));
     for (int64_t i = 0; i < n; ++i) {
-      const std::vector<uint32_t> w = split_.eval.batch_in_order(i, B);
-      const int64_t rows = static_cast<int64_t>(w.size()) / (T + 1);
-      Batch batch = window_batch(w, rows, T);
+      Batch batch = batch_of_windows(split_.eval, split_.eval.batch_windows(i, B), batch_options_);
+      const int64_t rows = batch.B();
       // Sequence parallelism splits a chunk's rows x tokens over the TP ranks: a last, shorter batch
       // gets rows without labels up to a multiple of tp (they add nothing to the loss or the count).
       if (groups_.tp && groups_.tp->sequence_parallel() && rows % groups_.tp_size() != 0)
@@ -875,6 +895,7 @@ class TrainLoop {
   std::ostream& out_;
   LrSchedule lr_schedule_;
   Arena eval_arena_;
+  const BatchOptions batch_options_;  // documents and loss mask of every batch, training and eval
   const bool tty_;
   StepProgress step_progress_;
   int64_t start_step_ = 0, tokens_seen_ = 0;
@@ -984,7 +1005,7 @@ TrainResult run_training(const RunConfig& given, const TrainOptions& opt, std::o
   const std::unique_ptr<Tokenizer> tokenizer = load_tokenizer(tokenizer_spec);
   if (rc.sample.tokens > 0)
     check_tokenizer_fits_model(*tokenizer, tokenizer_spec, mc.vocab_size, rc.model.source, "data.tokenizer");
-  const TrainData data = load_data(rc, mc);
+  const TrainData data = load_data(rc, mc, *tokenizer, tokenizer_spec);
   WindowSampler sampler(data.split.train, rc.data.seed);  // the same on every rank (next_rank_batch)
   resolve_auto_lengths(rc, {rank_config, placement.device, placement.dtype, placement.lora}, log);
   const double planned = check_memory({rank_config, placement.device, placement.dtype, placement.lora}, rc);
