@@ -718,6 +718,7 @@ TEST_CASE("train with [rope]: the override is the model trained, and its checkpo
   so.tokens = 4;
   so.stop_at_eos = false;
   CHECK_NOTHROW(sample_from_run(o.run_dir, 0, so));
+}
 
 TEST_CASE("train with packed documents and data.loss = assistant: the mask shapes the loss; 2 ranks equal one process; resume is bit-identical") {
   constexpr double kStepsOfRoundingTol = 1e-10;  // as the data-parallel case above
