@@ -11,9 +11,11 @@
 #include <fmt/format.h>
 
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <string>
+#include <sys/wait.h>
 #include <unistd.h>
 
 namespace cw::test {
@@ -32,6 +34,19 @@ constexpr double kSameMathF64Tol = 1e-12;
 inline std::string chunkwise_exe() {
   const char* e = std::getenv("CHUNKWISE_EXE");
   return e != nullptr && *e != '\0' ? std::string(e) : std::string(CW_CHUNKWISE_EXE);
+}
+
+// Runs the chunkwise binary with `args`; returns its exit status and fills `output` with its stdout
+// and stderr together (the CLI tests' one way of running it).
+inline int run_cli(const std::string& args, std::string& output) {
+  const std::string cmd = chunkwise_exe() + " " + args + " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  REQUIRE(p != nullptr);
+  char buf[4096];
+  output.clear();
+  while (size_t n = fread(buf, 1, sizeof buf, p)) output.append(buf, n);
+  const int status = pclose(p);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
 }
 
 struct Worst {

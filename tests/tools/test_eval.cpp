@@ -24,6 +24,7 @@ namespace {
 
 using test::contains;
 using test::error_of;
+using test::run_cli;
 namespace fs = std::filesystem;
 using Ids = std::vector<uint32_t>;
 
@@ -70,17 +71,6 @@ std::vector<double> reference_losses(const LlamaModel& model, std::span<const ui
   return out;
 }
 
-// Runs the chunkwise binary; returns the exit status and fills the combined output.
-int run_cli(const std::string& args, std::string& output) {
-  const std::string cmd = test::chunkwise_exe() + " " + args + " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  REQUIRE(p != nullptr);
-  char buf[4096];
-  output.clear();
-  while (size_t n = fread(buf, 1, sizeof buf, p)) output.append(buf, n);
-  const int status = pclose(p);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-}
 
 nlohmann::json read_json(const std::string& path) {
   std::ifstream in(path);

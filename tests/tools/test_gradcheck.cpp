@@ -10,6 +10,7 @@
 #include <sstream>
 
 using namespace cw;
+using test::run_cli;
 
 namespace {
 double max_rel_err(const std::string& out) {
@@ -18,17 +19,6 @@ double max_rel_err(const std::string& out) {
   return std::stod(out.substr(pos + 12));
 }
 
-// Runs the chunkwise binary; returns the exit status and fills the combined output.
-int run_cli(const std::string& args, std::string& output) {
-  const std::string cmd = test::chunkwise_exe() + " " + args + " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  REQUIRE(p != nullptr);
-  char buf[4096];
-  output.clear();
-  while (size_t n = fread(buf, 1, sizeof buf, p)) output.append(buf, n);
-  const int status = pclose(p);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-}
 }  // namespace
 
 TEST_CASE("gradcheck seco against full: the issue's command passes at 1e-12") {

@@ -32,6 +32,7 @@ namespace {
 
 using test::contains;
 using test::error_of;
+using test::run_cli;
 
 namespace fs = std::filesystem;
 using Ids = std::vector<uint32_t>;
@@ -176,17 +177,6 @@ TEST_CASE("data.tokenizer: \"model\", and mismatches that fail before step 1 nam
   CHECK(contains(error_of([&] { sample_from_model(fx.model_json, so); }), "has no weights"));
 }
 
-// Runs the chunkwise binary; returns the exit status and fills the combined output.
-int run_cli(const std::string& args, std::string& output) {
-  const std::string cmd = test::chunkwise_exe() + " " + args + " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  REQUIRE(p != nullptr);
-  char buf[4096];
-  output.clear();
-  while (size_t n = fread(buf, 1, sizeof buf, p)) output.append(buf, n);
-  const int status = pclose(p);
-  return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-}
 
 TEST_CASE("chunkwise sample: --model, --chat, --tokenizer on the command line; bad combinations fail in one line") {
   BpeFixture fx;
