@@ -91,6 +91,21 @@ void add_window(std::vector<PositionBucket>& buckets, std::span<const double> lo
   }
 }
 
+void add_window(std::vector<PositionBucket>& buckets, const WindowLosses& w) {
+  if (w.doc_starts.empty()) return add_window(buckets, w.losses);
+  const int64_t T = static_cast<int64_t>(w.losses.size());
+  for (size_t d = 0; d < w.doc_starts.size(); ++d) {
+    const int64_t begin = w.doc_starts[d], end = d + 1 < w.doc_starts.size() ? w.doc_starts[d + 1] : T;
+    // A document's last position predicts the next document's first token: no loss there.
+    const int64_t counted = end - (d + 1 < w.doc_starts.size() || w.last_target_opens_document ? 1 : 0);
+    for (int64_t t = begin; t < counted; ++t) {
+      const int64_t position = t - begin;  // in its own document
+      for (PositionBucket& b : buckets)
+        if (position >= b.lo && position < b.hi) b.loss_sum += w.losses[static_cast<size_t>(t)], ++b.tokens;
+    }
+  }
+}
+
 std::vector<int64_t> window_starts(const TokenDataset& data, int64_t T, std::optional<uint32_t> marker, int64_t limit) {
   const std::vector<uint32_t>& tokens = data.tokens();
   const int64_t n = data.size();
@@ -116,17 +131,31 @@ std::vector<int64_t> window_starts(const TokenDataset& data, int64_t T, std::opt
 
 std::vector<double> window_losses(const LlamaModel& model, std::span<const uint32_t> window, int64_t chunk,
                                   KVStore& kv, Arena& arena, const std::function<void(int64_t, int64_t)>& chunk_done) {
+  return window_losses(model, window, chunk, kv, arena, std::nullopt, chunk_done).losses;
+}
+
+WindowLosses window_losses(const LlamaModel& model, std::span<const uint32_t> window, int64_t chunk, KVStore& kv,
+                           Arena& arena, std::optional<uint32_t> document_marker,
+                           const std::function<void(int64_t, int64_t)>& chunk_done) {
   const int64_t T = static_cast<int64_t>(window.size()) - 1;
   CW_CHECK(T > 0 && kv.batch() == 1 && kv.tokens() == T, "window_losses: a window of {} ids for a store of {} x {}",
            window.size(), kv.batch(), kv.tokens());
   const_cast<LlamaModel&>(model).ensure_positions(T);
-  const Batch batch = window_batch(std::vector<uint32_t>(window.begin(), window.end()), 1, T);
+  Batch batch = window_batch(std::vector<uint32_t>(window.begin(), window.end()), 1, T);
+  WindowLosses w;
+  if (document_marker) {  // each document attends only itself, its positions from 0 (docs/packed_documents.md)
+    std::vector<std::vector<int64_t>> starts = documents_from_marker(batch, static_cast<int32_t>(*document_marker));
+    w.doc_starts = starts.front();
+    w.last_target_opens_document = window.back() == *document_marker;
+    set_documents(batch, std::move(starts));
+  }
   ArenaScope scope(arena);
   // Normaliser 1: a row's loss is its token's own, in nats.
   LossRows rows(arena, T);
   kv.reset();
   prefill(kv, model, step_tokens(batch, arena), chunk_bounds(T, chunk), 1.0, true, arena, 1, chunk_done, &rows);
-  return rows.values();
+  w.losses = rows.values();
+  return w;
 }
 
 double LossByPositionResult::mean_loss() const {
@@ -138,7 +167,7 @@ double LossByPositionResult::mean_loss() const {
 
 LossByPositionResult loss_by_position(const LlamaModel& model, const std::vector<uint32_t>& tokens,
                                       const std::vector<int64_t>& starts, int64_t T, const std::vector<int64_t>& edges,
-                                      int64_t chunk, std::ostream& log) {
+                                      int64_t chunk, std::ostream& log, std::optional<uint32_t> document_marker) {
   LossByPositionResult r;
   r.seq = T;
   r.chunk = chunk;
@@ -157,11 +186,13 @@ LossByPositionResult loss_by_position(const LlamaModel& model, const std::vector
     CW_CHECK(s >= 0 && s + T < static_cast<int64_t>(tokens.size()), "loss_by_position: window at {} past the {} tokens",
              s, tokens.size());
     progress.start(static_cast<int64_t>(w) + 1, r.windows);
-    const std::vector<double> losses =
+    const WindowLosses window =
         window_losses(model, std::span<const uint32_t>(tokens).subspan(static_cast<size_t>(s), static_cast<size_t>(T + 1)),
-                      chunk, kv, arena, [&](int64_t done, int64_t total) { progress.update("prefill", done, total); });
+                      chunk, kv, arena, document_marker,
+                      [&](int64_t done, int64_t total) { progress.update("prefill", done, total); });
+    const std::vector<double>& losses = window.losses;
     progress.finish();
-    add_window(r.buckets, losses);
+    add_window(r.buckets, window);
     const double elapsed = seconds_since(t0);
     // A line for the first window, then one every 10 s, and the last.
     if (last_line < 0 || elapsed - last_line >= 10 || w + 1 == starts.size()) {
@@ -573,7 +604,7 @@ int run_loss_by_position(const EvalOptions& o, Device device, DType dtype, std::
                      device_name(device), dtype_name(dtype), starts.size(), o.seq, data.describe(),
                      o.chunk > 0 ? std::min(o.chunk, o.seq) : o.seq)
       << std::flush;
-  LossByPositionResult r = loss_by_position(*m.model, data.tokens(), starts, o.seq, edges, o.chunk, out);
+  LossByPositionResult r = loss_by_position(*m.model, data.tokens(), starts, o.seq, edges, o.chunk, out, marker);
   r.model = m.name;
   r.label = o.label.empty() ? m.name : o.label;
   for (const TokenFileInfo& f : data.files()) r.data.push_back(f.path);

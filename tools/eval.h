@@ -6,9 +6,12 @@
 // marker, windows that start at a marker token (a document's BOS), each after the last one's end.
 // Each window runs through the chunked prefill (optim/chunks.h prefill): the K/V store is filled
 // chunk by chunk, so device memory holds the store and one chunk's activations, never T tokens'.
-// RoPE positions are absolute from the window's first token (a window is read as continuous text,
-// documents after its first included). The loss at position t is -log p(token t+1 | tokens 0..t) in
-// nats, kept per row on the device (model/llama.h LossRows) and read back once a window.
+// Without a marker RoPE positions are absolute from the window's first token (a window is read as
+// continuous text). With one, the window's documents are packed: each attends only itself, its
+// positions from 0 (docs/packed_documents.md), and a token counts at its position in its own
+// document; a document's last token (whose target opens the next) counts nowhere. The loss at
+// position t is -log p(token t+1 | tokens 0..t) in nats, kept per row on the device (model/llama.h
+// LossRows) and read back once a window.
 // Positions are grouped in buckets by edges e1 < e2 < ... < ek: [0, e1), [e1, e2), ...,
 // [e(k-1), ek), and a final [ek, T) when T > ek; an edge at or past T ends its bucket at T and the
 // buckets after it are dropped. A bucket's mean loss is its summed loss over every window divided by
@@ -80,6 +83,22 @@ std::vector<double> window_losses(const LlamaModel& model, std::span<const uint3
                                   KVStore& kv, Arena& arena,
                                   const std::function<void(int64_t, int64_t)>& chunk_done = {});
 
+// One window's per-position losses; with documents also where they start in the window (the first
+// 0) and whether the window's last target opens a document (no loss counts there).
+struct WindowLosses {
+  std::vector<double> losses;
+  std::vector<int64_t> doc_starts;
+  bool last_target_opens_document = false;
+};
+// With a document marker: the window's documents packed (each attends only itself, RoPE positions
+// restarting at each: optim/schedule.h set_documents), starts where the marker stands.
+WindowLosses window_losses(const LlamaModel& model, std::span<const uint32_t> window, int64_t chunk, KVStore& kv,
+                           Arena& arena, std::optional<uint32_t> document_marker,
+                           const std::function<void(int64_t, int64_t)>& chunk_done = {});
+// Adds a window's losses to the buckets: by position in the window, or with documents by each
+// token's position in its own document, leaving out the positions whose target opens a document.
+void add_window(std::vector<PositionBucket>& buckets, const WindowLosses& window);
+
 struct LossByPositionResult {
   std::string model, label;        // the model as given; the label a chart gives its line
   std::vector<std::string> data;   // the data files
@@ -102,7 +121,8 @@ struct LossByPositionResult {
 // Fills the buckets, seq, chunk, windows, device and dtype of the result.
 LossByPositionResult loss_by_position(const LlamaModel& model, const std::vector<uint32_t>& tokens,
                                       const std::vector<int64_t>& starts, int64_t T, const std::vector<int64_t>& edges,
-                                      int64_t chunk, std::ostream& log);
+                                      int64_t chunk, std::ostream& log,
+                                      std::optional<uint32_t> document_marker = std::nullopt);
 
 // ---- passkey ----
 

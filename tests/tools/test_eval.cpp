@@ -143,6 +143,46 @@ TEST_CASE("eval: windows of the stream, or from document markers") {
   CHECK(contains(error_of([&] { window_starts(data, 10, 5u, 0); }), "no document marker (id 5)"));
 }
 
+TEST_CASE("eval: with documents a window's tokens count at their positions in their own documents (f64)") {
+  // A window of three documents (marker 256 at 0, 13 and 30): each document's losses equal the
+  // document run alone, and the buckets take each token at its position in its document, leaving
+  // out every document's last position (its target opens the next one).
+  const LlamaConfig cfg = tiny_bytes_config();
+  LlamaModel model(cfg, DType::f64);
+  init_parameters(model.params(), 12, cfg.initializer_range, 0.0);
+  constexpr int64_t T = 40;
+  std::vector<uint32_t> window = random_ids(T + 1, 256, 5);
+  const std::vector<int64_t> starts = {0, 13, 30};
+  for (const int64_t s : starts) window[static_cast<size_t>(s)] = 256;
+  KVStore kv(cfg, 1, T, DType::f64, false);
+  Arena arena;
+  const WindowLosses got = window_losses(model, window, 7, kv, arena, 256u);
+  CHECK(got.doc_starts == starts);
+  CHECK_FALSE(got.last_target_opens_document);
+  std::vector<PositionBucket> buckets = position_buckets({4, 16}, T);
+  add_window(buckets, got);
+  std::vector<double> sums(buckets.size(), 0.0);
+  std::vector<int64_t> counts(buckets.size(), 0);
+  for (size_t d = 0; d < starts.size(); ++d) {
+    const int64_t begin = starts[d], end = d + 1 < starts.size() ? starts[d + 1] : T;
+    // The document alone: its ids and the token after it (the last target, not counted unless last).
+    const std::vector<double> alone = reference_losses(model, std::span(window).subspan(begin, end - begin + 1));
+    const int64_t counted = end - begin - (d + 1 < starts.size() ? 1 : 0);
+    for (int64_t q = 0; q < counted; ++q) {
+      CAPTURE(d);
+      CAPTURE(q);
+      CHECK(std::abs(got.losses[static_cast<size_t>(begin + q)] - alone[static_cast<size_t>(q)]) <= test::kSameMathF64Tol);
+      for (size_t b = 0; b < buckets.size(); ++b)
+        if (q >= buckets[b].lo && q < buckets[b].hi) sums[b] += alone[static_cast<size_t>(q)], ++counts[b];
+    }
+  }
+  for (size_t b = 0; b < buckets.size(); ++b) {
+    CAPTURE(b);
+    CHECK(buckets[b].tokens == counts[b]);
+    CHECK(std::abs(buckets[b].loss_sum - sums[b]) <= 1e-12 * std::max(1.0, sums[b]));
+  }
+}
+
 TEST_CASE("eval: loss by position is the mean of the per-position losses of a whole-sequence forward (f64)") {
   const LlamaConfig cfg = tiny_bytes_config();
   LlamaModel model(cfg, DType::f64);
