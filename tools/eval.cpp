@@ -548,27 +548,6 @@ void write_eval_chart(const std::vector<std::string>& files, const std::vector<s
 // ---- the command ----
 
 namespace {
-Device resolve_device(const std::string& setting) {
-  if (setting == "cpu") return Device::host();
-  if (setting == "cuda") {
-    if (!gpu_available())
-      fail("--device cuda but no GPU is usable (this build has no CUDA, or the driver sees no device)",
-           "use --device cpu (or auto)");
-    return Device::gpu(0);
-  }
-  if (setting != "auto") fail(fmt::format("--device '{}'", setting), "use auto, cpu or cuda");
-  return gpu_available() ? Device::gpu(0) : Device::host();
-}
-
-// auto: bf16 on a GPU, f32 on the CPU.
-DType resolve_dtype(const std::string& setting, Device device) {
-  if (setting == "auto") return device.is_cpu() ? DType::f32 : DType::bf16;
-  const DType dt = parse_dtype(setting);
-  if (dt == DType::bf16 && device.is_cpu()) fail("--dtype bf16 needs the GPU", "use f32 or f64 on the CPU (or auto)");
-  if (dt == DType::f64 && !device.is_cpu()) fail("--dtype f64 runs on the CPU only", "use bf16 or f32 on the GPU");
-  return dt;
-}
-
 // The id of the document marker: --bos-token's (one token of the tokenizer), else the tokenizer's BOS.
 uint32_t document_marker(const Tokenizer& tokenizer, const std::string& bos_token) {
   if (bos_token.empty()) {
@@ -670,8 +649,8 @@ int run_eval(const EvalOptions& o, std::ostream& out) {
   if (o.source.model.empty() == o.source.run.empty())
     fail("chunkwise eval needs --model MODEL or --run DIR (one of them)",
          "e.g. chunkwise eval --task passkey --model m.gguf --lengths 1K,2K");
-  const Device device = resolve_device(o.device);
-  const DType dtype = resolve_dtype(o.dtype, device);
+  const Device device = resolve_device(o.device, "--device");
+  const DType dtype = resolve_compute_dtype(o.dtype, device, "--dtype", "--device");
   return o.task == kLossByPosition ? run_loss_by_position(o, device, dtype, out) : run_passkey(o, device, dtype, out);
 }
 

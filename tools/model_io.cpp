@@ -1,5 +1,6 @@
 #include "tools/model_io.h"
 
+#include "engine/engine.h"
 #include "model/checkpoint.h"
 #include "model/gguf_llama.h"
 #include "model/lora.h"
@@ -175,6 +176,37 @@ LoadedModel load_model(const ModelSource& source, Device device, DType dtype, co
     out.tokenizer_spec = tokenizer_spec;
   }
   return out;
+}
+
+namespace {
+// A setting as written: "--device cuda" (a flag) or "train.device = cuda" (a run-config key).
+std::string written(const std::string& name, const std::string& value) {
+  return name.rfind("--", 0) == 0 ? name + " " + value : name + " = " + value;
+}
+}  // namespace
+
+Device resolve_device(const std::string& setting, const std::string& name) {
+  if (setting == "cpu") return Device::host();
+  if (setting == "cuda") {
+    if (!gpu_available())
+      fail(written(name, "cuda") + " but no GPU is usable (this build has no CUDA, or the driver sees no device)",
+           "use " + written(name, "cpu") + " (or auto)");
+    return Device::gpu(0);
+  }
+  if (setting != "auto") fail(fmt::format("{}: unknown device", written(name, setting)), "use auto, cpu or cuda");
+  return gpu_available() ? Device::gpu(0) : Device::host();
+}
+
+DType resolve_compute_dtype(const std::string& setting, Device device, const std::string& name,
+                            const std::string& device_name) {
+  if (setting == "auto") return device.is_cpu() ? DType::f32 : DType::bf16;
+  const DType dt = parse_dtype(setting);
+  if (dt == DType::bf16 && device.is_cpu())
+    fail(written(name, "bf16") + " needs the GPU backend", "use " + written(name, "f32") + " (or f64, or auto) on the CPU");
+  if (dt == DType::f64 && !device.is_cpu())
+    fail(written(name, "f64") + " runs on the CPU only",
+         "use bf16 or f32 on the GPU, or " + written(device_name, "cpu"));
+  return dt;
 }
 
 }  // namespace cw

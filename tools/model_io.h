@@ -91,4 +91,12 @@ struct ModelNeeds {
 LoadedModel load_model(const ModelSource& source, Device device, DType dtype, const ModelNeeds& needs,
                        const std::string& what);
 
+// Where and in which dtype a command computes, from a setting named `name` (a flag, "--device", or a
+// run-config key, "train.device": errors show the setting as the user wrote it). device: auto (a GPU
+// when one is usable) | cpu | cuda. dtype: auto (bf16 on a GPU, f32 on the CPU) | f64 | f32 | bf16,
+// bf16 only on a GPU and f64 only on the CPU.
+Device resolve_device(const std::string& setting, const std::string& name);
+DType resolve_compute_dtype(const std::string& setting, Device device, const std::string& name,
+                            const std::string& device_name);
+
 }  // namespace cw

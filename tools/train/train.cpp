@@ -22,6 +22,7 @@
 #include "tools/data/batches.h"
 #include "tools/data/tokenizer.h"
 #include "tools/data/tokens.h"
+#include "tools/model_io.h"
 #include "tools/plan.h"
 #include "tools/plot.h"
 #include "tools/train/run_dir.h"
@@ -253,27 +254,6 @@ double host_planned_bytes(const LlamaConfig& c, DType dt, const RunConfig& rc, c
          static_cast<double>(OffloadedAdamW::staging_bytes_for(params, accum_dtype(dt), dt));
 }
 
-Device resolve_train_device(const std::string& setting) {
-  if (setting == "cpu") return Device::host();
-  if (setting == "cuda") {
-    if (!gpu_available())
-      fail("train.device = cuda but no GPU is usable (this build has no CUDA, or the driver sees no device)",
-           "use train.device = cpu (or auto)");
-    return Device::gpu(0);
-  }
-  return gpu_available() ? Device::gpu(0) : Device::host();  // auto
-}
-
-// model.dtype = auto: bf16 compute on a GPU (fp32 master weights), f32 on the CPU.
-DType resolve_train_dtype(const std::string& setting, Device device) {
-  if (setting == "auto") return device.is_cpu() ? DType::f32 : DType::bf16;
-  const DType dt = parse_dtype(setting);
-  if (dt == DType::bf16 && device.is_cpu())
-    fail("model.dtype = bf16 needs the GPU backend", "use model.dtype = f32 (or f64, or auto) on the CPU");
-  if (dt == DType::f64 && !device.is_cpu())
-    fail("model.dtype = f64 runs on the CPU only", "use bf16 or f32 on the GPU, or train.device = cpu");
-  return dt;
-}
 
 // Loads a checkpoint's weights (any stored dtype), or a GGUF file's (dequantized), as the run's
 // base weights: its master weights (the rank's TP shard of them), or under LoRA its frozen compute
@@ -335,8 +315,8 @@ LoraConfig resolve_lora(const RunConfig& rc) {
 
 Placement resolve_placement(const RunConfig& rc) {
   const LlamaConfig mc = rc.model_config();
-  const Device device = resolve_train_device(rc.train.device);
-  const DType dtype = resolve_train_dtype(rc.model.dtype, device);
+  const Device device = resolve_device(rc.train.device, "train.device");
+  const DType dtype = resolve_compute_dtype(rc.model.dtype, device, "model.dtype", "train.device");
 #if CW_HAVE_CUDA
   if (!device.is_cpu()) set_deterministic(rc.train.deterministic);
 #endif
@@ -939,7 +919,7 @@ namespace {
 // fixed here.
 TrainResult train_on_threads(const RunConfig& rc, const TrainOptions& opt, std::ostream& out) {
   const int64_t ranks = rc.parallel.dp * rc.parallel.tp;
-  if (!resolve_train_device(rc.train.device).is_cpu())
+  if (!resolve_device(rc.train.device, "train.device").is_cpu())
     fail(fmt::format("parallel.dp = {} x parallel.tp = {} on GPUs needs one process per GPU", rc.parallel.dp,
                      rc.parallel.tp),
          fmt::format("launch {} ranks with torchrun, mpirun or srun (one per GPU), or set train.device = cpu to run "
