@@ -63,18 +63,6 @@ void set_documents(Batch& batch, std::vector<std::vector<int64_t>> doc_starts, b
   batch.document_positions = document_positions;
 }
 
-std::vector<std::vector<int64_t>> documents_from_marker(const Batch& batch, int32_t marker) {
-  const int64_t B = batch.B(), T = batch.T();
-  const int32_t* ids = batch.ids.tensor.ptr<int32_t>();
-  std::vector<std::vector<int64_t>> starts(static_cast<size_t>(B));
-  for (int64_t b = 0; b < B; ++b) {
-    starts[static_cast<size_t>(b)].push_back(0);
-    for (int64_t t = 1; t < T; ++t)
-      if (ids[b * T + t] == marker) starts[static_cast<size_t>(b)].push_back(t);
-  }
-  return starts;
-}
-
 // ScheduleOptions::validate(): optim/options.cpp, beside the table of the options.
 
 Arena& Schedule::arena_on(Device device) {

@@ -56,9 +56,6 @@ Batch random_batch(int64_t B, int64_t T, int64_t vocab, uint64_t seed);
 // so no token is trained to predict across a document boundary and the packed loss is the sum of the
 // documents' own losses.
 void set_documents(Batch& batch, std::vector<std::vector<int64_t>> doc_starts, bool document_positions = true);
-// Document starts from marker tokens: each sequence's positions holding `marker` (a BOS the
-// tokenizer writes before every document), with 0 always a start.
-std::vector<std::vector<int64_t>> documents_from_marker(const Batch& batch, int32_t marker);
 
 // The options of a schedule. Their TOML keys ([schedule]), CLI flags, accepted values and help are
 // the rows of schedule_option_table() (optim/options.h); the defaults are the ones below.

@@ -1,10 +1,13 @@
 #include "tools/eval.h"
 
+#include "tools/data/batches.h"
+
 #include "engine/engine.h"
 #include "engine/error.h"
 #include "engine/random.h"
 #include "optim/chunks.h"
 #include "tools/bench_chart.h"
+#include "tools/data/batches.h"
 #include "tools/data/tokenizer.h"
 #include "tools/progress.h"
 #include "tools/train/run_dir.h"
@@ -106,36 +109,37 @@ void add_window(std::vector<PositionBucket>& buckets, const WindowLosses& w) {
   }
 }
 
-std::vector<int64_t> window_starts(const TokenDataset& data, int64_t T, std::optional<uint32_t> marker, int64_t limit) {
-  const std::vector<uint32_t>& tokens = data.tokens();
+std::vector<int64_t> window_starts(const TokenDataset& data, int64_t T, bool documents, int64_t limit) {
   const int64_t n = data.size();
   std::vector<int64_t> starts;
   const auto full = [&] { return limit > 0 && static_cast<int64_t>(starts.size()) >= limit; };
-  if (!marker) {
+  if (!documents) {
     for (int64_t s = 0; s + T < n && !full(); s += T) starts.push_back(s);
     if (starts.empty())
       fail(fmt::format("{} holds {} tokens: not one window of --seq {} + 1", data.describe(), n, T),
            "lower --seq, or give more data");
     return starts;
   }
+  CW_CHECK(data.shared_flags(), "window_starts: documents from token data opened without its flags");
+  const std::vector<uint8_t>& flags = *data.shared_flags();
   for (int64_t s = 0; s + T < n && !full(); ++s) {
-    if (tokens[static_cast<size_t>(s)] != *marker) continue;
+    if (!(flags[static_cast<size_t>(s)] & kFlagDocStart)) continue;
     starts.push_back(s);
     s += T - 1;  // the next window starts at or after this one's end
   }
   if (starts.empty())
-    fail(fmt::format("{}: no document marker (id {}) with --seq {} + 1 tokens after it", data.describe(), *marker, T),
-         "check --bos-token (the token before each document), or lower --seq");
+    fail(fmt::format("{}: no document start with --seq {} + 1 tokens after it", data.describe(), T),
+         "lower --seq, or check --bos-token (the token before each document where the data stores no starts)");
   return starts;
 }
 
 std::vector<double> window_losses(const LlamaModel& model, std::span<const uint32_t> window, int64_t chunk,
                                   KVStore& kv, Arena& arena, const std::function<void(int64_t, int64_t)>& chunk_done) {
-  return window_losses(model, window, chunk, kv, arena, std::nullopt, chunk_done).losses;
+  return window_losses(model, window, chunk, kv, arena, {}, chunk_done).losses;
 }
 
 WindowLosses window_losses(const LlamaModel& model, std::span<const uint32_t> window, int64_t chunk, KVStore& kv,
-                           Arena& arena, std::optional<uint32_t> document_marker,
+                           Arena& arena, std::span<const uint8_t> flags,
                            const std::function<void(int64_t, int64_t)>& chunk_done) {
   const int64_t T = static_cast<int64_t>(window.size()) - 1;
   CW_CHECK(T > 0 && kv.batch() == 1 && kv.tokens() == T, "window_losses: a window of {} ids for a store of {} x {}",
@@ -143,11 +147,13 @@ WindowLosses window_losses(const LlamaModel& model, std::span<const uint32_t> wi
   const_cast<LlamaModel&>(model).ensure_positions(T);
   Batch batch = window_batch(std::vector<uint32_t>(window.begin(), window.end()), 1, T);
   WindowLosses w;
-  if (document_marker) {  // each document attends only itself, its positions from 0 (docs/packed_documents.md)
-    std::vector<std::vector<int64_t>> starts = documents_from_marker(batch, static_cast<int32_t>(*document_marker));
-    w.doc_starts = starts.front();
-    w.last_target_opens_document = window.back() == *document_marker;
-    set_documents(batch, std::move(starts));
+  if (!flags.empty()) {  // each document attends only itself, its positions from 0 (docs/packed_documents.md)
+    CW_CHECK(flags.size() == window.size(), "window_losses: {} flags for a window of {} ids", flags.size(), window.size());
+    w.doc_starts.push_back(0);  // the window's first token opens a document
+    for (int64_t t = 1; t < T; ++t)
+      if (flags[static_cast<size_t>(t)] & kFlagDocStart) w.doc_starts.push_back(t);
+    w.last_target_opens_document = flags[static_cast<size_t>(T)] & kFlagDocStart;
+    set_documents(batch, {w.doc_starts});
   }
   ArenaScope scope(arena);
   // Normaliser 1: a row's loss is its token's own, in nats.
@@ -167,7 +173,7 @@ double LossByPositionResult::mean_loss() const {
 
 LossByPositionResult loss_by_position(const LlamaModel& model, const std::vector<uint32_t>& tokens,
                                       const std::vector<int64_t>& starts, int64_t T, const std::vector<int64_t>& edges,
-                                      int64_t chunk, std::ostream& log, std::optional<uint32_t> document_marker) {
+                                      int64_t chunk, std::ostream& log, const std::vector<uint8_t>* flags) {
   LossByPositionResult r;
   r.seq = T;
   r.chunk = chunk;
@@ -188,7 +194,9 @@ LossByPositionResult loss_by_position(const LlamaModel& model, const std::vector
     progress.start(static_cast<int64_t>(w) + 1, r.windows);
     const WindowLosses window =
         window_losses(model, std::span<const uint32_t>(tokens).subspan(static_cast<size_t>(s), static_cast<size_t>(T + 1)),
-                      chunk, kv, arena, document_marker,
+                      chunk, kv, arena,
+                      flags ? std::span<const uint8_t>(*flags).subspan(static_cast<size_t>(s), static_cast<size_t>(T + 1))
+                            : std::span<const uint8_t>(),
                       [&](int64_t done, int64_t total) { progress.update("prefill", done, total); });
     const std::vector<double>& losses = window.losses;
     progress.finish();
@@ -574,16 +582,19 @@ int run_loss_by_position(const EvalOptions& o, Device device, DType dtype, std::
   if (o.seq <= 0) fail("--task loss-by-position needs --seq T", "the tokens a window feeds the model, e.g. --seq 65536");
   const std::vector<int64_t> edges = parse_token_counts(o.buckets, "--buckets");
   const LoadedModel m = load_model(o.source, device, dtype, {.weights = false, .tokenizer = o.documents}, "evaluate");
-  const TokenDataset data =
-      TokenDataset::open(o.data, {parse_token_format(o.format, "--format"), m.model->config().vocab_size});
+  // With documents, their starts as training reads them: the files' stored starts, else the marker's.
   std::optional<uint32_t> marker;
-  if (o.documents) marker = document_marker(*m.tokenizer, o.bos_token);
-  const std::vector<int64_t> starts = window_starts(data, o.seq, marker, o.windows);
+  if (o.documents && (!o.bos_token.empty() || m.tokenizer->bos_id())) marker = document_marker(*m.tokenizer, o.bos_token);
+  const TokenDataset data =
+      open_training_data(o.data, {parse_token_format(o.format, "--format"), m.model->config().vocab_size},
+                         {.documents = o.documents}, marker, fmt::format("of {} (or --bos-token)", m.name));
+  const std::vector<int64_t> starts = window_starts(data, o.seq, o.documents, o.windows);
   out << fmt::format("eval loss-by-position: {} on {} ({}), {} windows of {} tokens from {}, chunks of {}\n", m.name,
                      device_name(device), dtype_name(dtype), starts.size(), o.seq, data.describe(),
                      o.chunk > 0 ? std::min(o.chunk, o.seq) : o.seq)
       << std::flush;
-  LossByPositionResult r = loss_by_position(*m.model, data.tokens(), starts, o.seq, edges, o.chunk, out, marker);
+  LossByPositionResult r =
+      loss_by_position(*m.model, data.tokens(), starts, o.seq, edges, o.chunk, out, data.shared_flags().get());
   r.model = m.name;
   r.label = o.label.empty() ? m.name : o.label;
   for (const TokenFileInfo& f : data.files()) r.data.push_back(f.path);

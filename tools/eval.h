@@ -2,12 +2,14 @@
 // ModelSource), forward only. Two tasks.
 //
 // loss-by-position: the model's loss at each position of windows of T+1 tokens of held-out token
-// data (tools/data/tokens.h): window w is tokens [wT, wT + T] of the stream, or, with a document
-// marker, windows that start at a marker token (a document's BOS), each after the last one's end.
+// data (tools/data/tokens.h): window w is tokens [wT, wT + T] of the stream, or, with documents,
+// windows that start at a document start, each after the last one's end. The starts are those
+// training reads (tools/data/batches.h): the files' stored ones, else every marker token (a
+// document's BOS, or --bos-token).
 // Each window runs through the chunked prefill (optim/chunks.h prefill): the K/V store is filled
 // chunk by chunk, so device memory holds the store and one chunk's activations, never T tokens'.
-// Without a marker RoPE positions are absolute from the window's first token (a window is read as
-// continuous text). With one, the window's documents are packed: each attends only itself, its
+// Without documents RoPE positions are absolute from the window's first token (a window is read as
+// continuous text). With them, the window's documents are packed: each attends only itself, its
 // positions from 0 (docs/packed_documents.md), and a token counts at its position in its own
 // document; a document's last token (whose target opens the next) counts nowhere. The loss at
 // position t is -log p(token t+1 | tokens 0..t) in nats, kept per row on the device (model/llama.h
@@ -71,10 +73,9 @@ std::vector<PositionBucket> position_buckets(const std::vector<int64_t>& edges, 
 void add_window(std::vector<PositionBucket>& buckets, std::span<const double> losses);
 
 // Where the windows of T+1 tokens start in the stream: every window of the dataset's (w T), or with
-// a marker each occurrence of it from which T+1 tokens remain, at or after the previous window's
+// documents each document start (the dataset's flags) from which T+1 tokens remain, at or after the previous window's
 // end. limit > 0: the first `limit` of them. Fails when there is none.
-std::vector<int64_t> window_starts(const TokenDataset& data, int64_t T, std::optional<uint32_t> document_marker,
-                                   int64_t limit);
+std::vector<int64_t> window_starts(const TokenDataset& data, int64_t T, bool documents, int64_t limit);
 
 // The per-position losses (T values, nats) of one window of T+1 ids through the chunked prefill in
 // chunks of `chunk` tokens (0: one chunk) with `kv`, a store of 1 x T tokens without gradients on
@@ -90,10 +91,11 @@ struct WindowLosses {
   std::vector<int64_t> doc_starts;
   bool last_target_opens_document = false;
 };
-// With a document marker: the window's documents packed (each attends only itself, RoPE positions
-// restarting at each: optim/schedule.h set_documents), starts where the marker stands.
+// With the window's flags (T+1 bytes, tools/data/tokens.h): its documents packed (each attends only
+// itself, RoPE positions restarting at each: optim/schedule.h set_documents), starting where the
+// flags mark a document start; empty flags: one continuous text.
 WindowLosses window_losses(const LlamaModel& model, std::span<const uint32_t> window, int64_t chunk, KVStore& kv,
-                           Arena& arena, std::optional<uint32_t> document_marker,
+                           Arena& arena, std::span<const uint8_t> flags,
                            const std::function<void(int64_t, int64_t)>& chunk_done = {});
 // Adds a window's losses to the buckets: by position in the window, or with documents by each
 // token's position in its own document, leaving out the positions whose target opens a document.
@@ -104,7 +106,7 @@ struct LossByPositionResult {
   std::vector<std::string> data;   // the data files
   std::string device, dtype;
   int64_t seq = 0, chunk = 0, windows = 0;
-  bool documents = false;          // windows started at document markers
+  bool documents = false;          // windows started at document starts
   std::vector<PositionBucket> buckets;
   double mean_loss() const;        // over every position counted
 
@@ -122,7 +124,7 @@ struct LossByPositionResult {
 LossByPositionResult loss_by_position(const LlamaModel& model, const std::vector<uint32_t>& tokens,
                                       const std::vector<int64_t>& starts, int64_t T, const std::vector<int64_t>& edges,
                                       int64_t chunk, std::ostream& log,
-                                      std::optional<uint32_t> document_marker = std::nullopt);
+                                      const std::vector<uint8_t>* flags = nullptr);
 
 // ---- passkey ----
 
@@ -234,8 +236,8 @@ struct EvalOptions {
   int64_t seq = 0;                // T
   std::string buckets = "1K,4K,16K,64K";
   int64_t windows = 0;            // at most this many; 0: all
-  bool documents = false;         // windows start at a document marker
-  std::string bos_token;          // the marker's text; empty: the tokenizer's BOS
+  bool documents = false;         // windows start at a document start, documents packed
+  std::string bos_token;          // where the data stores no starts, the token before each; empty: the BOS
   // passkey
   std::string lengths = "2K,4K,8K,16K,32K,64K";
   int64_t depths = 10, trials = 5, answer_tokens = 8;

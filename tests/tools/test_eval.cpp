@@ -46,6 +46,14 @@ std::vector<uint32_t> random_ids(int64_t n, int64_t vocab, uint64_t seed) {
 
 // The reference: the window's logits from one whole-sequence forward, each position's loss
 // -log softmax(logits)[target] computed here in f64.
+// Flags marking a document start at every `marker` token (what the data path stores, or derives from a BOS).
+TokenFlags starts_at(const std::vector<uint32_t>& ids, uint32_t marker) {
+  TokenFlags f{kFlagDocStart, std::vector<uint8_t>(ids.size(), 0)};
+  for (size_t i = 0; i < ids.size(); ++i)
+    if (ids[i] == marker) f.bits[i] = kFlagDocStart;
+  return f;
+}
+
 std::vector<double> reference_losses(const LlamaModel& model, std::span<const uint32_t> window) {
   const int64_t T = static_cast<int64_t>(window.size()) - 1, V = model.config().vocab_size;
   const_cast<LlamaModel&>(model).ensure_positions(T);
@@ -129,18 +137,18 @@ TEST_CASE("eval: token counts and bucket edges") {
   CHECK(contains(error_of([&] { add_window(b, std::vector<double>(7, 0.0)); }), "7 losses for buckets of 8 positions"));
 }
 
-TEST_CASE("eval: windows of the stream, or from document markers") {
+TEST_CASE("eval: windows of the stream, or from document starts") {
   std::vector<uint32_t> stream(50, 7);
   for (const size_t at : {0, 3, 12, 13, 30, 41}) stream[at] = 256;  // BOS
-  const TokenDataset data = TokenDataset::from_tokens(stream, 320, "stream");
-  CHECK(window_starts(data, 10, std::nullopt, 0) == std::vector<int64_t>{0, 10, 20, 30});  // 4 x (10 + 1) fit in 50
-  CHECK(window_starts(data, 10, std::nullopt, 2) == std::vector<int64_t>{0, 10});
-  // At a marker, then the first marker at or after the window's end (token 10 ends the first); 41 has
-  // no 11 tokens after it.
-  CHECK(window_starts(data, 10, 256u, 0) == std::vector<int64_t>{0, 12, 30});
-  CHECK(window_starts(data, 10, 256u, 1) == std::vector<int64_t>{0});
-  CHECK(contains(error_of([&] { window_starts(data, 60, std::nullopt, 0); }), "not one window of --seq 60 + 1"));
-  CHECK(contains(error_of([&] { window_starts(data, 10, 5u, 0); }), "no document marker (id 5)"));
+  const TokenDataset data = TokenDataset::from_tokens(stream, 320, "stream", starts_at(stream, 256));
+  CHECK(window_starts(data, 10, false, 0) == std::vector<int64_t>{0, 10, 20, 30});  // 4 x (10 + 1) fit in 50
+  CHECK(window_starts(data, 10, false, 2) == std::vector<int64_t>{0, 10});
+  // At a document start, then the first one at or after the window's end (token 10 ends the first);
+  // 41 has no 11 tokens after it.
+  CHECK(window_starts(data, 10, true, 0) == std::vector<int64_t>{0, 12, 30});
+  CHECK(window_starts(data, 10, true, 1) == std::vector<int64_t>{0});
+  CHECK(contains(error_of([&] { window_starts(data, 60, false, 0); }), "not one window of --seq 60 + 1"));
+  CHECK(contains(error_of([&] { window_starts(data, 60, true, 0); }), "no document start with --seq 60 + 1"));
 }
 
 TEST_CASE("eval: with documents a window's tokens count at their positions in their own documents (f64)") {
@@ -156,7 +164,7 @@ TEST_CASE("eval: with documents a window's tokens count at their positions in th
   for (const int64_t s : starts) window[static_cast<size_t>(s)] = 256;
   KVStore kv(cfg, 1, T, DType::f64, false);
   Arena arena;
-  const WindowLosses got = window_losses(model, window, 7, kv, arena, 256u);
+  const WindowLosses got = window_losses(model, window, 7, kv, arena, starts_at(window, 256).bits);
   CHECK(got.doc_starts == starts);
   CHECK_FALSE(got.last_target_opens_document);
   std::vector<PositionBucket> buckets = position_buckets({4, 16}, T);
