@@ -1,7 +1,5 @@
 #include "tools/eval.h"
 
-#include "tools/data/batches.h"
-
 #include "engine/engine.h"
 #include "engine/error.h"
 #include "engine/random.h"
@@ -21,6 +19,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <iostream>
@@ -122,11 +121,24 @@ std::vector<int64_t> window_starts(const TokenDataset& data, int64_t T, bool doc
   }
   CW_CHECK(data.shared_flags(), "window_starts: documents from token data opened without its flags");
   const std::vector<uint8_t>& flags = *data.shared_flags();
-  for (int64_t s = 0; s + T < n && !full(); ++s) {
+  // Every document start with T+1 tokens after it, with its document's length.
+  std::vector<std::pair<int64_t, int64_t>> candidates;  // (start, length)
+  for (int64_t s = 0; s < n; ++s) {
     if (!(flags[static_cast<size_t>(s)] & kFlagDocStart)) continue;
-    starts.push_back(s);
-    s += T - 1;  // the next window starts at or after this one's end
+    if (!candidates.empty() && candidates.back().second < 0) candidates.back().second = s - candidates.back().first;
+    candidates.push_back({s, -1});
   }
+  if (!candidates.empty() && candidates.back().second < 0) candidates.back().second = n - candidates.back().first;
+  std::erase_if(candidates, [&](const auto& c) { return c.first + T >= n; });
+  // The longest documents first, so that the deep positions are filled: a document shorter than T
+  // leaves the window's rest to the documents after it, each counted at its own positions.
+  std::stable_sort(candidates.begin(), candidates.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
+  for (const auto& [s, length] : candidates) {
+    if (full()) break;
+    const bool overlaps = std::any_of(starts.begin(), starts.end(), [&](int64_t a) { return std::abs(a - s) < T; });
+    if (!overlaps) starts.push_back(s);
+  }
+  std::sort(starts.begin(), starts.end());
   if (starts.empty())
     fail(fmt::format("{}: no document start with --seq {} + 1 tokens after it", data.describe(), T),
          "lower --seq, or check --bos-token (the token before each document where the data stores no starts)");

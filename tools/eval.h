@@ -72,9 +72,12 @@ std::vector<PositionBucket> position_buckets(const std::vector<int64_t>& edges, 
 // Adds one window's per-position losses (T values, position order) into the buckets.
 void add_window(std::vector<PositionBucket>& buckets, std::span<const double> losses);
 
-// Where the windows of T+1 tokens start in the stream: every window of the dataset's (w T), or with
-// documents each document start (the dataset's flags) from which T+1 tokens remain, at or after the previous window's
-// end. limit > 0: the first `limit` of them. Fails when there is none.
+// Where the windows of T+1 tokens start in the stream, in stream order: every window of the dataset's
+// (w T), or with documents a document start (the dataset's flags) from which T+1 tokens remain, the
+// longest documents' first, each window kept clear of those taken before (the deep positions of a
+// loss-by-position are then the longest documents', not whichever document a window happens to
+// start). limit > 0: at most `limit` windows (the first `limit` of the stream, or with documents the
+// `limit` longest documents'). Fails when there is none.
 std::vector<int64_t> window_starts(const TokenDataset& data, int64_t T, bool documents, int64_t limit);
 
 // The per-position losses (T values, nats) of one window of T+1 ids through the chunked prefill in

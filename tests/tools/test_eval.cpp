@@ -143,10 +143,11 @@ TEST_CASE("eval: windows of the stream, or from document starts") {
   const TokenDataset data = TokenDataset::from_tokens(stream, 320, "stream", starts_at(stream, 256));
   CHECK(window_starts(data, 10, false, 0) == std::vector<int64_t>{0, 10, 20, 30});  // 4 x (10 + 1) fit in 50
   CHECK(window_starts(data, 10, false, 2) == std::vector<int64_t>{0, 10});
-  // At a document start, then the first one at or after the window's end (token 10 ends the first);
-  // 41 has no 11 tokens after it.
-  CHECK(window_starts(data, 10, true, 0) == std::vector<int64_t>{0, 12, 30});
-  CHECK(window_starts(data, 10, true, 1) == std::vector<int64_t>{0});
+  // Documents 0:3, 3:9, 12:1, 13:17, 30:11, 41:9 tokens; 41 has no 11 tokens after it. The longest
+  // first: 13, then 30 (clear of 13 by 17), then 3 (clear of 13 by 10); 0 and 12 overlap 3's window.
+  CHECK(window_starts(data, 10, true, 0) == std::vector<int64_t>{3, 13, 30});
+  CHECK(window_starts(data, 10, true, 1) == std::vector<int64_t>{13});
+  CHECK(window_starts(data, 10, true, 2) == std::vector<int64_t>{13, 30});
   CHECK(contains(error_of([&] { window_starts(data, 60, false, 0); }), "not one window of --seq 60 + 1"));
   CHECK(contains(error_of([&] { window_starts(data, 60, true, 0); }), "no document start with --seq 60 + 1"));
 }
