@@ -160,7 +160,12 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
     return status == "oom" ? 0 : 1;
   }
   so.validate();
-  const PlanReport plan = plan_step(cfg, o.batch, o.seq, so, dt, budget, o.lora, o.optimizer_offload);
+  const auto documents_of_step = [&](int s) {
+    return o.documents.empty() ? std::vector<std::vector<int64_t>>{}
+                               : bench_document_starts(o.documents, o.batch, o.seq, 2000 + static_cast<uint64_t>(s));
+  };
+  const PlanReport plan =
+      plan_step(cfg, o.batch, o.seq, so, dt, budget, o.lora, o.optimizer_offload, documents_of_step(o.warmup));
   out << fmt::format("plan: {}: peak {:.2f} GiB of {:.1f} on the device, {:.2f} GiB host, {:.2f} s a step predicted\n",
                      plan.schedule, plan.peak_device_gib(), gib, plan.peak_host_gib(), plan.step_s);
   // CW_ARENA_LOG=1: the plan's arena blocks here, the run's own on stderr as the arena adds them.
@@ -191,10 +196,6 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
   r["deterministic"] = deterministic();
 #endif
   const double peak = o.peak_tflops > 0 ? o.peak_tflops : measure_bf16_peak(g);
-  const auto documents_of_step = [&](int s) {
-    return o.documents.empty() ? std::vector<std::vector<int64_t>>{}
-                               : bench_document_starts(o.documents, o.batch, o.seq, 2000 + static_cast<uint64_t>(s));
-  };
   const double fpt = flops_per_token(cfg, attention_extent(documents_of_step(o.warmup), o.seq), o.lora);
   if (!o.documents.empty()) r["documents"] = o.documents;
   r["peak_tflops"] = peak;

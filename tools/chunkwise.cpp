@@ -168,6 +168,9 @@ int main(int argc, char** argv) {
   plan->add_flag("--longest", po.longest,
                  "plan the longest sequence that fits (a multiple of the chunk, else of 1024 tokens) instead of --seq");
   plan->add_option("--json", po.json, "also write the plan as JSON");
+  plan->add_option("--documents", po.documents,
+                   "packed documents of L tokens, or of lengths drawn in LO:HI, as bench --documents: attention "
+                   "planned over their causal squares");
 
   std::vector<std::string> chart_inputs, chart_labels;
   std::string chart_out, chart_title;

@@ -12,6 +12,7 @@
 #include "model/shard.h"
 #include "optim/adamw_offload.h"
 #include "optim/options.h"
+#include "tools/bench_model.h"
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -479,6 +480,17 @@ double causal_pairs(int64_t T, int64_t c) {
   }
   return pairs;
 }
+// The same over packed documents: per sequence (doc_starts, each row's first 0) the pairs of its
+// queries before `end`, each attending its own document's keys up to itself, averaged over the rows.
+double document_pairs(const std::vector<std::vector<int64_t>>& doc_starts, int64_t T, int64_t end) {
+  double pairs = 0;
+  for (const std::vector<int64_t>& row : doc_starts)
+    for (size_t i = 0; i < row.size(); ++i) {
+      const double n = double(std::max<int64_t>(0, std::min(i + 1 < row.size() ? row[i + 1] : T, end) - row[i]));
+      pairs += n * (n + 1) / 2;
+    }
+  return pairs / double(doc_starts.size());
+}
 // The keys whose dK, dV a backward in chunks of c adds to, summed over the chunks (each chunk's own
 // and every earlier one): T^2 / 2c + T / 2.
 double kv_grad_keys(int64_t T, int64_t c) {
@@ -506,8 +518,11 @@ double PlanReport::peak_device_gib() const { return double(peak_device_bytes) / 
 double PlanReport::peak_host_gib() const { return double(peak_host_bytes) / kGiB; }
 
 PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const ScheduleOptions& o, DType dtype,
-                     const MemoryBudget& budget, const LoraConfig& lora, bool optimizer_offload) {
+                     const MemoryBudget& budget, const LoraConfig& lora, bool optimizer_offload,
+                     const std::vector<std::vector<int64_t>>& doc_starts) {
   CW_CHECK(B > 0 && T > 0, "plan: batch {} and sequence {} must be positive", B, T);
+  CW_CHECK(doc_starts.empty() || static_cast<int64_t>(doc_starts.size()) == B,
+           "plan: document starts for {} sequences, the batch has {}", doc_starts.size(), B);
   CW_CHECK(dtype == DType::bf16 || dtype == DType::f32, "plan: --dtype {} (the GPU trains in bf16 or f32)",
            dtype_name(dtype));
   CW_CHECK(o.name == "full" || o.name == "checkpointed" || chunked(o),
@@ -673,13 +688,17 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
     matmul -= tokens * reverse * extra_forward * double(L) * mlp_down;
   // The fused LM head: logits, dX and dW over the reverse tokens; spaco's prefill also takes the loss.
   const double head = 2.0 * double(V * C) * tokens * ((1 + backward) * reverse + (o.name == "spaco" ? 1 : 0));
-  // Attention: 4 H D flops per (query, key) pair and layer forward, 2.5x that backward.
+  // Attention: 4 H D flops per (query, key) pair and layer forward, 2.5x that backward; a pair is a
+  // query and a key of its own document (the query's causal prefix when there are no documents).
   const double per_pair = 4.0 * double(H * D) * double(L) * double(B);
+  const auto pairs = [&](int64_t end, int64_t c) {
+    return doc_starts.empty() ? causal_pairs(end, c) : document_pairs(doc_starts, T, end);
+  };
   // With saved outputs the reverse sweep's forwards (and a layer recompute) run no attention.
   const double reverse_forward = saved ? 0 : 1 + extra_forward;
-  const double unsaved_pairs = saved ? causal_pairs(T, r.bwd_chunk) - causal_pairs(prefill_end, r.bwd_chunk) : 0;
-  const double attention = per_pair * (causal_pairs(prefill_end, r.chunk) +
-                                       reverse * causal_pairs(T, r.bwd_chunk) * (reverse_forward + 2.5) +
+  const double unsaved_pairs = saved ? pairs(T, r.bwd_chunk) - pairs(prefill_end, r.bwd_chunk) : 0;
+  const double attention = per_pair * (pairs(prefill_end, r.chunk) +
+                                       reverse * pairs(T, r.bwd_chunk) * (reverse_forward + 2.5) +
                                        unsaved_pairs);
   const double elementwise = tokens * double(L) * passes * double(16 * C + 6 * F) * double(e);
   // The optimizer: on the device, its traffic; offloaded, the slowest stage of its pipeline, which
@@ -1125,7 +1144,12 @@ int run_plan(const PlanOptions& po, std::ostream& out) {
     o = resolve_auto_schedule(cf, po.batch, T, po.schedule, dtype, gib, po.lora, po.optimizer_offload,
                               po.explain ? &weighed : nullptr);
   }
-  const PlanReport r = plan_step(cf, po.batch, T, o, dtype, gib, po.lora, po.optimizer_offload);
+  const std::vector<std::vector<int64_t>> documents =
+      po.documents.empty() ? std::vector<std::vector<int64_t>>{} : bench_document_starts(po.documents, po.batch, T, 2000);
+  if (!documents.empty())
+    out << fmt::format("documents: {} ({} in the first sequence); attention planned over their causal squares\n",
+                       po.documents, documents[0].size());
+  const PlanReport r = plan_step(cf, po.batch, T, o, dtype, gib, po.lora, po.optimizer_offload, documents);
   out << plan_table(r);
   if (arena_log())
     for (const std::string& line : r.arena_blocks) out << "replay: " << line << "\n";

@@ -94,8 +94,12 @@ struct PlanReport {
 // The plan of one step of `schedule` (its chunk / bwd_chunk / offload_window / recompute /
 // mlp_shards / offload) for B sequences of T tokens in `dtype`, against the memory budget.
 // optimizer_offload: the master weights and moments in host memory (optim/adamw_offload.h).
+// doc_starts: packed documents, per sequence the offsets where its documents start (Batch::doc_starts,
+// the first 0); empty: each sequence one causal document. Attention's work is then the documents'
+// causal squares, not T's (docs/packed_documents.md); the memory does not depend on them.
 PlanReport plan_step(const LlamaConfig& config, int64_t B, int64_t T, const ScheduleOptions& schedule, DType dtype,
-                     const MemoryBudget& budget, const LoraConfig& lora = {}, bool optimizer_offload = false);
+                     const MemoryBudget& budget, const LoraConfig& lora = {}, bool optimizer_offload = false,
+                     const std::vector<std::vector<int64_t>>& doc_starts = {});
 
 // The default candidates for `--chunk auto` (seco, spaco).
 const std::vector<int64_t>& chunk_candidates();
@@ -162,6 +166,7 @@ struct PlanOptions {
   bool longest = false;              // plan the longest sequence that fits instead of `seq`
   bool explain = false;              // with auto: also list every plan auto compared
   int64_t tp = 1;                    // tensor parallel: plan one rank's shard (model/shard.h), no SP
+  std::string documents;             // packed documents as `bench --documents` draws them: L or LO:HI
   std::string json;                  // also write the report as JSON here
 };
 // Prints the table (and writes the JSON); returns 0 when the step fits, 1 when it does not.

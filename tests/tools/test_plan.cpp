@@ -251,6 +251,40 @@ TEST_CASE("plan: saved attention outputs cost store memory and save the reverse 
   CHECK(s.schedule.find("save-attention") != std::string::npos);
 }
 
+TEST_CASE("plan: packed documents cut attention's work to their causal squares; memory stays") {
+  const int64_t T = 65536;
+  auto seconds = [](const PlanReport& r, const std::string& what) {
+    for (const auto& [name, t] : r.time)
+      if (name == what) return t;
+    return -1.0;
+  };
+  std::vector<int64_t> eighths;
+  for (int64_t s = 0; s < T; s += 8192) eighths.push_back(s);
+  // Full backprop attends all T queries in each pass: its attention time is proportional to the
+  // pairs, 8 x 8192 x 8193 / 2 against 65536 x 65537 / 2.
+  const ScheduleOptions full = sched("full");
+  const double ratio = 8.0 * 8192.0 * 8193.0 / (65536.0 * 65537.0);
+  const PlanReport one = plan_step(one_b(), 1, T, full, DType::bf16, 80);
+  const PlanReport whole = plan_step(one_b(), 1, T, full, DType::bf16, 80, {}, false, {{0}});
+  CHECK(whole.flops == doctest::Approx(one.flops));  // one document of the whole sequence: causal
+  const PlanReport docs = plan_step(one_b(), 1, T, full, DType::bf16, 80, {}, false, {eighths});
+  CHECK(seconds(docs, "attention") == doctest::Approx(seconds(one, "attention") * ratio));
+  CHECK(docs.peak_device_bytes == one.peak_device_bytes);
+  // Two sequences, one causal and one in eighths: the mean of the two.
+  const PlanReport mixed = plan_step(one_b(), 2, T, full, DType::bf16, 80, {}, false, {{0}, eighths});
+  const PlanReport two = plan_step(one_b(), 2, T, full, DType::bf16, 80);
+  CHECK(seconds(mixed, "attention") == doctest::Approx(seconds(two, "attention") * (1 + ratio) / 2));
+  // SeCO's prefill stops before the last chunk: its pairs are the documents' parts before it.
+  const ScheduleOptions seco = sched("seco", 4096);
+  const PlanReport seco_one = plan_step(one_b(), 1, T, seco, DType::bf16, 80);
+  const PlanReport seco_docs = plan_step(one_b(), 1, T, seco, DType::bf16, 80, {}, false, {eighths});
+  CHECK(seconds(seco_docs, "attention") < seconds(seco_one, "attention") * 0.2);
+  CHECK(seco_docs.step_s < seco_one.step_s);
+  CHECK(seco_docs.peak_device_bytes == seco_one.peak_device_bytes);
+  CHECK_THROWS_WITH_AS(plan_step(one_b(), 2, T, full, DType::bf16, 80, {}, false, {{0}}),
+                       doctest::Contains("document starts for 1 sequences, the batch has 2"), Error);
+}
+
 TEST_CASE("plan: a run that cannot fit says which knob to turn; auto picks the fastest chunk that fits") {
   const PlanReport full = plan_step(one_b(), 1, 65536, sched("full"), DType::bf16, 80);
   CHECK_FALSE(full.fits);
@@ -304,6 +338,17 @@ TEST_CASE("plan: the CLI's table and JSON") {
     CHECK_MESSAGE(j.contains(key), key);
   CHECK(j["categories"]["device"].contains("activations"));
   CHECK(j["chunk"].get<int64_t>() > 0);
+  // --documents: the same chunk and memory, attention over documents of 8192 (a faster step).
+  PlanOptions d = o;
+  d.documents = "8192";
+  d.json = dir.file("documents.json");
+  std::ostringstream documents;
+  CHECK(run_plan(d, documents) == 0);
+  CHECK(documents.str().find("documents: 8192 (8 in the first sequence)") != std::string::npos);
+  std::ifstream fd(d.json);
+  const nlohmann::json jd = nlohmann::json::parse(fd);
+  CHECK(jd["peak_device_gib"] == j["peak_device_gib"]);
+  CHECK(jd["step_s"].get<double>() < j["step_s"].get<double>());
 
   o.seq = 262144;  // 40 GiB: no chunk fits with the whole K/V store (24 GiB) on the device
   o.device_memory_gib = 40;
