@@ -1,0 +1,112 @@
+// The long-context demo's small form, end to end: `tools/run longctx` (the Python standard library's
+// packages as documents, tokenized; SmolLM2 evaluated, extended with YaRN, fine-tuned with seco on
+// packed documents, evaluated again, charted), each output read back and checked.
+
+#include "tests/support.h"
+
+#include <doctest/doctest.h>
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+#include <sys/wait.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+namespace cw {
+namespace {
+
+namespace fs = std::filesystem;
+
+const fs::path kSmolLm2Gguf = fs::path(CW_SOURCE_ROOT) / ".models" / "SmolLM2-135M-Instruct.Q4_1.gguf";
+
+bool have_python3() { return std::system("python3 -c 'import json' >/dev/null 2>&1") == 0; }
+
+std::string read_text(const fs::path& p) {
+  std::ifstream f(p);
+  std::stringstream s;
+  s << f.rdbuf();
+  return s.str();
+}
+
+nlohmann::json read_json(const fs::path& p) { return nlohmann::json::parse(read_text(p)); }
+
+}  // namespace
+
+TEST_SUITE("longctx") {
+
+TEST_CASE("longctx: tools/run longctx's CPU form runs end to end and writes what it promises "
+          "(needs the SmolLM2 GGUF and python3)" *
+          doctest::skip(!fs::exists(kSmolLm2Gguf) || !have_python3())) {
+  test::TempDir dir("longctx");
+  // The binaries under test: the directory holding tools/chunkwise (this build's, or the staged ones).
+  const fs::path binaries = fs::path(test::chunkwise_exe()).parent_path().parent_path();
+  const std::string log = dir.file("longctx.log");
+  const std::string cmd =
+      fmt::format("CHUNKWISE_PREBUILT='{}' LONGCTX_DIR='{}' '{}/tools/run' longctx >'{}' 2>&1", binaries.string(),
+                  dir.path.string(), CW_SOURCE_ROOT, log);
+  const int status = std::system(cmd.c_str());
+  const std::string output = read_text(log);
+  INFO(output);
+  REQUIRE(WIFEXITED(status));
+  REQUIRE(WEXITSTATUS(status) == 0);
+
+  // The documents: one shard each for training and held-out, with the flags that mark their starts.
+  for (const char* f : {"train.bin", "train.bin.flags", "eval.bin", "eval.bin.flags"})
+    CHECK(fs::file_size(dir.path / f) > 0);
+  const fs::path out = dir.path / "cpu";
+
+  // Loss by position, before (SmolLM2 as shipped) and after: every bucket counted and finite; the
+  // real model predicts held-out code far better than chance (ln 49,152 = 10.8 nats).
+  for (const char* name : {"before", "after"}) {
+    const nlohmann::json j = read_json(out / fmt::format("loss-{}.json", name));
+    CHECK(j.at("label") == name);
+    CHECK(j.at("documents") == true);
+    CHECK(j.at("seq") == 512);
+    REQUIRE(j.at("buckets").size() == 4);  // [0,64), [64,128), [128,256), [256,512)
+    for (const nlohmann::json& b : j.at("buckets")) {
+      CHECK(b.at("tokens").get<int64_t>() > 0);
+      CHECK(std::isfinite(b.at("mean_loss").get<double>()));
+      CHECK(b.at("mean_loss").get<double>() < 5.0);
+    }
+  }
+  // Passkey, before and after: a cell per length and depth; the base model finds every key at 256
+  // and 512 tokens (its native context is 8,192).
+  for (const char* name : {"before", "after"}) {
+    const nlohmann::json j = read_json(out / fmt::format("passkey-{}.json", name));
+    REQUIRE(j.at("cells").size() == 4);  // 2 lengths x 2 depths
+    for (const nlohmann::json& c : j.at("cells")) {
+      CHECK(c.at("trials") == 1);
+      CHECK(c.at("correct").get<int64_t>() >= 0);
+      CHECK(c.at("correct").get<int64_t>() <= 1);
+      if (std::string(name) == "before") CHECK(c.at("correct") == 1);
+    }
+  }
+  for (const char* svg : {"loss.svg", "passkey-before.svg", "passkey-after.svg"})
+    CHECK(read_text(out / svg).find("<svg") != std::string::npos);
+
+  // The run: its checkpoint carries YaRN into config.json (transformers reads it from there).
+  const std::string latest = read_text(out / "run" / "latest");
+  const fs::path ckpt = out / "run" / latest.substr(0, latest.find_last_not_of("\n ") + 1);
+  const nlohmann::json config = read_json(ckpt / "config.json");
+  const nlohmann::json& rope = config.at("rope_scaling");
+  CHECK(rope.at("rope_type") == "yarn");
+  CHECK(rope.at("factor") == 8.0);
+  CHECK(rope.at("original_max_position_embeddings") == 8192);
+  CHECK(config.at("max_position_embeddings") == 65536);
+  int train_lines = 0;
+  std::ifstream metrics(out / "run" / "metrics.jsonl");
+  for (std::string line; std::getline(metrics, line);)
+    if (nlohmann::json::parse(line).contains("grad_norm")) ++train_lines;  // a training step's line
+  CHECK(train_lines == 2);
+
+  // Each phase's seconds.
+  const std::string times = read_text(out / "times.txt");
+  for (const char* phase : {"data ", "eval before ", "train ", "eval after "}) CHECK(times.find(phase) != std::string::npos);
+}
+
+}  // TEST_SUITE
+
+}  // namespace cw
