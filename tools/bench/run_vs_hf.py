@@ -6,7 +6,9 @@ For a run directory's checkpoint (the newest complete one, or --step N), an HF m
 
   1. config: transformers reads config.json; when the run started from a .gguf file (model.source in
      the run's config.toml), the fields that decide the computation must equal those of the config
-     transformers' GGUF loader makes of that file (AutoConfig.from_pretrained(dir, gguf_file=...)).
+     transformers' GGUF loader makes of that file (AutoConfig.from_pretrained(dir, gguf_file=...)); where
+     the run's [rope] section chose a RoPE scaling (a context extension), the RoPE type is that one and
+     max_position_embeddings the original's times the factor.
   2. tokenizer (when the checkpoint has one): AutoTokenizer.from_pretrained(checkpoint) and
      `chunkwise encode --tokenizer checkpoint` give the same ids for every line of the text.
   3. logits: AutoModelForCausalLM.from_pretrained(checkpoint, dtype=float32) and `chunkwise logits
@@ -72,6 +74,15 @@ def model_source(run_dir):
         return m.group(1) if m else ""
 
 
+def run_rope(run_dir):
+    """The run's [rope] section (config.toml): RoPE scaling the run chose over the model's own."""
+    try:
+        import tomllib
+        return tomllib.loads(open(os.path.join(run_dir, "config.toml")).read()).get("rope", {})
+    except ImportError:
+        return {}
+
+
 def rope(c):
     """RoPE settings in either transformers form (v4 rope_theta / rope_scaling, v5 rope_parameters)."""
     p = getattr(c, "rope_parameters", None)
@@ -81,10 +92,21 @@ def rope(c):
     return {"rope_theta": float(c.rope_theta), "rope_type": scaling.get("rope_type", "default")}
 
 
-def compare_configs(ours, theirs):
+def compare_configs(ours, theirs, chosen_rope):
+    """Fields that differ. chosen_rope: the run's [rope] section; where it sets a type, the checkpoint's
+    RoPE type is that one and its context the original's times the factor (what the run trained for),
+    not the GGUF's."""
     bad = []
+    expected_rope = rope(theirs)
+    expected_context = getattr(theirs, "max_position_embeddings", None)
+    if chosen_rope.get("type"):
+        expected_rope = dict(expected_rope, rope_type=chosen_rope["type"])
+        original = chosen_rope.get("original_max_position_embeddings", expected_context)
+        expected_context = int(original * chosen_rope.get("factor", 1.0))
     for f in FIELDS:
         a, b = getattr(ours, f, None), getattr(theirs, f, None)
+        if f == "max_position_embeddings":
+            b = expected_context
         if f == "head_dim" and b is None:
             b = theirs.hidden_size // theirs.num_attention_heads
         if isinstance(a, list) and len(a) == 1:
@@ -92,9 +114,9 @@ def compare_configs(ours, theirs):
         if isinstance(b, list) and len(b) == 1:
             b = b[0]
         if a != b:
-            bad.append(f"{f}: checkpoint {a!r}, GGUF loader {b!r}")
-    if rope(ours) != rope(theirs):
-        bad.append(f"rope: checkpoint {rope(ours)}, GGUF loader {rope(theirs)}")
+            bad.append(f"{f}: checkpoint {a!r}, expected {b!r}")
+    if rope(ours) != expected_rope:
+        bad.append(f"rope: checkpoint {rope(ours)}, expected {expected_rope}")
     return bad
 
 
@@ -124,8 +146,10 @@ def main():
         path = source if os.path.isabs(source) else os.path.join(os.getcwd(), source)
         try:
             theirs = AutoConfig.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-            bad = compare_configs(ours, theirs)
-            print(f"config against transformers' GGUF loader on {source}: "
+            chosen_rope = run_rope(args.run_dir)
+            bad = compare_configs(ours, theirs, chosen_rope)
+            chosen = f" (RoPE as the run's [rope] chose: {chosen_rope})" if chosen_rope.get("type") else ""
+            print(f"config against transformers' GGUF loader on {source}{chosen}: "
                   + ("the same " + ", ".join(FIELDS) + ", rope" if not bad else "DIFFERENT: " + "; ".join(bad)))
             failed = failed or bool(bad)
         except Exception as e:  # the gguf package missing, or the file moved: say so, do not fail the rest
@@ -150,7 +174,12 @@ def main():
             failed = failed or not same
             print(f"tokenizer: AutoTokenizer and chunkwise encode on {len(TEXT)} lines: "
                   f"{'identical ids' if same else 'DIFFERENT ids'}")
-            ids = tok("\n\n".join(TEXT * 4), add_special_tokens=True)["input_ids"][:args.tokens]
+            reps = 4  # the text repeated until it fills --tokens (past a short model's context, for RoPE scaling)
+            ids = tok("\n\n".join(TEXT * reps), add_special_tokens=True)["input_ids"]
+            while len(ids) < args.tokens:
+                reps *= 2
+                ids = tok("\n\n".join(TEXT * reps), add_special_tokens=True)["input_ids"]
+            ids = ids[:args.tokens]
         else:
             ids = np.random.default_rng(7).integers(0, ours.vocab_size, args.tokens).tolist()
             print("logits batch: seeded random ids (no tokenizer in the checkpoint, or none that loads)")
