@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Holds the HF peer of packed documents (hf_reference.py --documents) to its oracle: each document run alone.
 
-A tiny random Llama (hf_reference.py's `tiny` preset, float32) with attn_implementation="flex_attention"
+A tiny random Llama (hf_reference.py's `tiny` preset with heads of 16 dimensions, the least that
+FlexAttention's CUDA kernels take; float32) with attn_implementation="flex_attention"
 runs sequences packed from documents with exactly the peer's inputs: hf_reference.document_starts
 (chunkwise bench's draws), document_inputs (positions restarting at each document, labels of -100 at
 each start) and document_block_mask (FlexAttention's causal same-document BlockMask). The same weights
@@ -33,6 +34,10 @@ import hf_reference  # noqa: E402
 # float32 throughout: the packed and the separate runs differ only by the order of sums (FlexAttention's
 # blocks against eager's softmax), about 1e-6 on logits of order 1.
 LOGITS_TOLERANCE = 1e-4
+# The model: `tiny` with 4 query heads (a power of two, so FlexAttention takes the grouped K/V as the
+# 1B shape's 32 heads do) of 16 dimensions over 2 K/V heads.
+CHECK_MODEL = dict(hf_reference.PRESETS["tiny"], hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=16)
 LOSS_TOLERANCE = 1e-5
 GRADIENT_TOLERANCE = 1e-4  # relative to the largest gradient entry
 
@@ -181,18 +186,18 @@ def main():
         apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
                                     fused_linear_cross_entropy=True)
     torch.manual_seed(args.seed)
-    tiny = hf_reference.load_config_dict("tiny")
     with torch.device(device):  # a config each: a model keeps its config object, attention choice included
-        packed_model = LlamaForCausalLM._from_config(hf_reference.make_config(tiny),
+        packed_model = LlamaForCausalLM._from_config(hf_reference.make_config(CHECK_MODEL),
                                                      attn_implementation="flex_attention").float()
-        separate_model = LlamaForCausalLM._from_config(hf_reference.make_config(tiny), attn_implementation="eager").float()
+        separate_model = LlamaForCausalLM._from_config(hf_reference.make_config(CHECK_MODEL),
+                                                       attn_implementation="eager").float()
     if (packed_model.config._attn_implementation, separate_model.config._attn_implementation) != ("flex_attention", "eager"):
         sys.exit("hf_documents_check: the models did not get flex_attention and eager attention; check transformers")
     separate_model.load_state_dict(packed_model.state_dict())
     packed_model.train()  # as the peer trains (no dropout in Llama: train and eval compute the same)
     separate_model.train()
     print(f"hf_documents_check: torch {torch.__version__}, transformers {transformers.__version__}, {device}"
-          f"{', Liger' if args.liger else ''}; tiny Llama, float32; tolerances: logits {LOGITS_TOLERANCE:g}, "
+          f"{', Liger' if args.liger else ''}; tiny Llama (head dimension 16), float32; tolerances: logits {LOGITS_TOLERANCE:g}, "
           f"loss {LOSS_TOLERANCE:g}, gradients {GRADIENT_TOLERANCE:g} of the largest")
     for spec in specs:
         line, failed = check_spec(spec, args, packed_model, separate_model, device)
