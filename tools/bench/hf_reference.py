@@ -23,14 +23,31 @@ step allocates the AdamW state). Peak memory is torch.cuda.max_memory_allocated(
 max_memory_reserved()) over the timed steps, after a reset at their start: the steady state, with
 weights, gradients, optimizer state and activations all live.
 
+Packed documents (--documents L or LO:HI, chunkwise bench's flag): each sequence of T tokens is cut
+into documents of L tokens, or of lengths drawn uniformly in [LO, HI] (the last one cut at T), and each
+document attends only itself: the model runs with attn_implementation="flex_attention" and gets, per
+step, a BlockMask built by torch.nn.attention.flex_attention.create_block_mask from a mask_mod that
+is causal and same-document (transformers' create_causal_mask returns a 4-D mask as given), with
+position_ids restarting at 0 at each document start and labels of -100 at each start but the first:
+HF shifts labels inside the loss, so that removes the target of the position before a start, as
+chunkwise's set_documents does (no token is trained to predict across a boundary). The starts are
+chunkwise bench's, draw for draw (tools/bench_model.cpp bench_document_starts: engine/random.h's Rng,
+splitmix64, seeded 2000 + step, warm-up steps counted), reproduced here by document_starts, so both
+sides train the same documents at every step. The mask is built before a step's clock starts, as
+chunkwise sets its batch's documents before its clock starts; its seconds are in the JSON (mask_s).
+tools/bench/hf_documents_check.py holds the peer to each document run alone.
+
 MFU = tokens/s * flops_per_token / peak, with
-  flops_per_token = 6 * P_matmul + 12 * L * H * D * (T / 2)
+  flops_per_token = 6 * P_matmul + 12 * L * H * D * (E / 2)
+  E = T for one causal sequence; packed, the documents' squared lengths summed over the batch and
+      divided by B * T (attention_extent, chunkwise bench's count), for the first timed step's documents
   P_matmul = L * (C*H*D [q] + 2*C*Hkv*D [k, v] + H*D*C [o] + 3*C*F [gate, up, down]) + V*C [LM head]
 6 per matmul parameter: 2 forward + 4 backward. Causal attention: QK^T and PV are 2 * 2 * T * D per
 query head and token over the T/2 keys a causal row sees on average, times 3 for forward + backward
-(12 * H * D * T/2 per layer and token). About 9.0 GFLOP/token for the 1B shape at 8K tokens.
+(12 * H * D * T/2 per layer and token). About 9.0 GFLOP/token for the 1B shape at 8K tokens. Packed, a
+token sees the keys of its own document only: E/2 on average (a 64K sequence of 8K documents: E = 8192).
 With LoRA (chunkwise's count, tools/bench_model.cpp):
-  flops_per_token = 4 * P_matmul + 6 * P_adapter + 12 * L * H * D * (T / 2)
+  flops_per_token = 4 * P_matmul + 6 * P_adapter + 12 * L * H * D * (E / 2)
   P_adapter = L * sum over the targeted linears [out, in] of R * (in + out)
 4 per frozen matmul parameter (2 forward + 2 for the input gradient; no weight gradient) and 6 per
 adapter parameter; dropout is not counted. About 43 GFLOP/token for the 8B shape at 16K, rank 8 on
@@ -45,6 +62,7 @@ import argparse
 import datetime
 import json
 import math
+import re
 import statistics
 import sys
 import time
@@ -112,14 +130,15 @@ def linear_shapes(d):
                 up_proj=(F, C), down_proj=(C, F))
 
 
-def flops_per_token(d, seq, lora=None):
-    """Useful FLOPs per token of a training step (the module docstring's formula); lora: the result's
-    "lora" object (rank, targets) or None for full-parameter training."""
+def flops_per_token(d, extent, lora=None):
+    """Useful FLOPs per token of a training step (the module docstring's formula); extent: E, the
+    sequence's tokens T for one causal sequence, attention_extent(starts, T) for packed documents;
+    lora: the result's "lora" object (rank, targets) or None for full-parameter training."""
     C, L, H = d["hidden_size"], d["num_hidden_layers"], d["num_attention_heads"]
     D = d.get("head_dim") or C // H
     shapes = linear_shapes(d)
     p_matmul = L * sum(o * i for o, i in shapes.values()) + d["vocab_size"] * C
-    attention = 12 * L * H * D * (seq / 2)
+    attention = 12 * L * H * D * (extent / 2)
     if not lora:
         return 6 * p_matmul + attention
     p_adapter = L * sum(lora["rank"] * (i + o) for name, (o, i) in shapes.items() if name in lora["targets"])
@@ -166,6 +185,114 @@ def lora_argv(lora):
         return []
     return ["--lora-rank", str(lora["rank"]), "--lora-alpha", format(lora["alpha"], "g"),
             "--lora-dropout", format(lora["dropout"], "g"), "--lora-targets", ",".join(lora["targets"])]
+
+
+# Packed documents, drawn as chunkwise bench draws them (tools/bench_model.cpp bench_document_starts).
+U64 = (1 << 64) - 1
+DOCUMENT_SEED = 2000  # chunkwise bench seeds step s's documents with 2000 + s (warm-up steps counted)
+
+
+def mix64(x):
+    """splitmix64's finaliser on a 64-bit word, as engine/random.h's mix64."""
+    x = (x + 0x9E3779B97F4A7C15) & U64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & U64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & U64
+    return x ^ (x >> 31)
+
+
+class Rng:
+    """engine/random.h's Rng: word i of seed s is mix64(s ^ mix64(i)); below(n) by rejection, exactly uniform."""
+
+    def __init__(self, seed):
+        self.seed, self.counter = seed & U64, 0
+
+    def next_u64(self):
+        x = mix64(self.seed ^ mix64(self.counter))
+        self.counter += 1
+        return x
+
+    def below(self, n):
+        limit = U64 - U64 % n
+        while True:
+            x = self.next_u64()
+            if x < limit:
+                return x % n
+
+
+def parse_documents(spec):
+    """(LO, HI) from --documents L or LO:HI; ValueError in chunkwise bench's words."""
+    lo, sep, hi = spec.partition(":")
+    if not re.fullmatch(r"[0-9]+", lo) or (sep and not re.fullmatch(r"[0-9]+", hi)):
+        raise ValueError(f"--documents '{spec}' is not a length or a range LO:HI; give e.g. --documents 8192 "
+                         "(documents of 8192 tokens) or --documents 512:8192 (lengths drawn in that range)")
+    lo, hi = int(lo), int(hi) if sep else int(lo)
+    if lo < 1 or hi < lo:
+        raise ValueError(f"--documents '{spec}': lengths must be at least 1 and LO <= HI; give e.g. --documents 512:8192")
+    return lo, hi
+
+
+def document_starts(spec, batch, seq, seed):
+    """Per sequence, the offsets where its documents start (the first 0): lengths LO + Rng(seed).below(HI - LO + 1)
+    drawn one after the other, the sequences in turn from one generator, the last document cut at seq."""
+    lo, hi = parse_documents(spec)
+    rng, starts = Rng(seed), []
+    for _ in range(batch):
+        row, at = [], 0
+        while at < seq:
+            row.append(at)
+            at += lo + rng.below(hi - lo + 1)
+        starts.append(row)
+    return starts
+
+
+def attention_extent(starts, seq):
+    """E of the FLOP count: the documents' squared lengths summed over the batch, over batch * seq
+    (seq itself for one document a sequence), as chunkwise bench's attention_extent."""
+    squares = sum((end - start) ** 2 for row in starts for start, end in zip(row, row[1:] + [seq]))
+    return squares / (seq * len(starts))
+
+
+def document_inputs(starts, ids):
+    """For input ids [B, T] cut at starts: (document, position_ids, labels), each [B, T] on ids' device.
+    document: each token's document index in its sequence; position_ids: each token's offset in its
+    document; labels: the ids with -100 at each start but the first (HF shifts labels inside the loss,
+    so this drops the target of the position before a start, as chunkwise's set_documents does)."""
+    import torch
+    B, T = ids.shape
+    document = torch.empty(B, T, dtype=torch.int64, device=ids.device)
+    positions = torch.empty_like(document)
+    labels = ids.clone()
+    for b, row in enumerate(starts):
+        if len(row) == 0 or row[0] != 0 or any(x >= y for x, y in zip(row, row[1:])) or row[-1] >= T:
+            raise ValueError(f"sequence {b}: document starts {row[:8]}... must ascend within [0, {T}) from 0")
+        at = torch.tensor(row, dtype=torch.int64, device=ids.device)
+        opens = torch.zeros(T, dtype=torch.int64, device=ids.device)
+        opens[at] = 1
+        document[b] = opens.cumsum(0) - 1
+        positions[b] = torch.arange(T, device=ids.device) - at[document[b]]
+        labels[b, at[1:]] = -100
+    return document, positions, labels
+
+
+_compiled_create_block_mask = None  # torch.compile(create_block_mask), made once at its first use
+
+
+def document_block_mask(document, compiled):
+    """FlexAttention's BlockMask for document [B, T]: query q sees key k when k <= q in q's document.
+    compiled: build it through torch.compile(create_block_mask), tile by tile; otherwise the [B, 1, T, T]
+    boolean mask is made first (4 GiB a sequence at 64K tokens)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+    global _compiled_create_block_mask
+    B, T = document.shape
+
+    def same_document_causal(b, h, q, k):
+        return (k <= q) & (document[b, q] == document[b, k])
+
+    if compiled and _compiled_create_block_mask is None:
+        import torch
+        _compiled_create_block_mask = torch.compile(create_block_mask)
+    make = _compiled_create_block_mask if compiled else create_block_mask
+    return make(same_document_causal, B, None, T, T, device=document.device)
 
 
 def measure_peak_tflops(n=8192, repeat=10):
@@ -223,7 +350,12 @@ def run(args, res):
                                "install --no-index --no-deps --target DIR .whl/peft-*.whl .whl/accelerate-*.whl and "
                                "set PYTHONPATH=DIR (tools/bench/model_vs_hf.py --peers peft-liger does it)")
         res["peft"] = peft.__version__
-    res["flops_per_token"] = flops_per_token(d, args.seq, lora)
+    extent = args.seq
+    if args.documents:  # the first timed step's documents, as chunkwise bench counts them
+        extent = attention_extent(document_starts(args.documents, args.batch, args.seq, DOCUMENT_SEED + args.warmup),
+                                  args.seq)
+        res["attention_extent"] = extent
+    res["flops_per_token"] = flops_per_token(d, extent, lora)
     res["peak_tflops"] = args.peak_tflops if args.peak_tflops > 0 else measure_peak_tflops()
     torch.manual_seed(args.seed)
     if args.liger:
@@ -243,11 +375,13 @@ def run(args, res):
     cfg = make_config(d)
     res["rope"] = getattr(cfg, "rope_parameters", None) or dict(rope_theta=getattr(cfg, "rope_theta", None),
                                                               rope_scaling=getattr(cfg, "rope_scaling", None))
+    # Packed documents need a mask that keeps them apart: FlexAttention's, given per step.
+    attention = "flex_attention" if args.documents else "sdpa"
     with torch.device("cuda"):  # initialise on the device: the 8B shape would take minutes on the CPU
         if lora:  # the frozen base in bf16, as a PEFT user loads it
-            model = LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa", dtype=torch.bfloat16)
+            model = LlamaForCausalLM._from_config(cfg, attn_implementation=attention, dtype=torch.bfloat16)
         else:
-            model = LlamaForCausalLM._from_config(cfg, attn_implementation="sdpa")
+            model = LlamaForCausalLM._from_config(cfg, attn_implementation=attention)
             model.float()  # fp32 master weights whatever default dtype the installed version picks
     model.train()
     res["attn_implementation"] = model.config._attn_implementation
@@ -260,25 +394,40 @@ def run(args, res):
     res["trainable_params"] = sum(p.numel() for p in trainable)
     opt = torch.optim.AdamW(trainable, lr=1e-5, fused=True)
     ids = torch.randint(0, d["vocab_size"], (args.batch, args.seq), device="cuda")
+    mask_s = []
 
-    def step():
+    def inputs_of_step(s):
+        """The model's inputs at step s (warm-up counted): the ids as labels, or with documents step s's
+        document mask, restarting positions and labels."""
+        if not args.documents:
+            return dict(labels=ids)
+        t0 = time.perf_counter()
+        starts = document_starts(args.documents, args.batch, args.seq, DOCUMENT_SEED + s)
+        document, positions, labels = document_inputs(starts, ids)
+        mask = document_block_mask(document, compiled=True)
+        torch.cuda.synchronize()
+        mask_s.append(time.perf_counter() - t0)
+        return dict(attention_mask=mask, position_ids=positions, labels=labels)
+
+    def step(inputs):
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            loss = model(input_ids=ids, use_cache=False, **inputs).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
 
-    for _ in range(args.warmup):
-        step()
+    for s in range(args.warmup):
+        step(inputs_of_step(s))
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     times, losses = [], []
-    for _ in range(args.steps):
+    for s in range(args.warmup, args.warmup + args.steps):
+        inputs = inputs_of_step(s)  # before the clock, as chunkwise bench sets its batch's documents
         torch.cuda.synchronize()
         torch.cuda.profiler.start()  # a profiler's range: the timed steps (tools/kernel_profile)
         t0 = time.perf_counter()
-        loss = step()
+        loss = step(inputs)
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         torch.cuda.profiler.stop()
@@ -290,6 +439,8 @@ def run(args, res):
                peak_bytes=torch.cuda.max_memory_allocated(), reserved_bytes=torch.cuda.max_memory_reserved())
     res["peak_gib"] = res["peak_bytes"] / 2 ** 30
     res["reserved_gib"] = res["reserved_bytes"] / 2 ** 30
+    if args.documents:
+        res["mask_s"] = mask_s
     if not all(math.isfinite(x) for x in losses):
         res.update(status="error", error=f"non-finite loss {losses}")
 
@@ -303,6 +454,9 @@ def main():
     ap.add_argument("--liger", action="store_true",
                     help="apply Liger kernels (apply_liger_kernel_to_llama with the fused linear cross-entropy) first")
     add_lora_args(ap)
+    ap.add_argument("--documents", default="", metavar="SPEC",
+                    help="packed documents of L tokens (L) or of lengths drawn in [LO, HI] (LO:HI), as chunkwise bench "
+                    "--documents: FlexAttention with a document mask, positions restarting at each document")
     ap.add_argument("--steps", type=int, default=3, help="timed steps (median)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--peak-tflops", type=float, default=0.0, help="bf16 peak for MFU; 0 = measure (8192^3 matmul)")
@@ -311,6 +465,8 @@ def main():
     args = ap.parse_args()
     try:
         lora = lora_settings(args)
+        if args.documents:
+            parse_documents(args.documents)
     except ValueError as e:
         ap.error(str(e))
     import torch  # here, not at the top: model_vs_hf.py imports this file's presets without torch
@@ -322,6 +478,8 @@ def main():
                date=datetime.date.today().isoformat())
     if lora:
         res["lora"] = lora
+    if args.documents:
+        res["documents"] = args.documents
     try:
         if not torch.cuda.is_available():
             raise RuntimeError("no CUDA device visible to torch")
@@ -345,6 +503,7 @@ def main():
     print(text)
     if res["status"] == "ok":
         what = f"{res['schedule']}, LoRA rank {lora['rank']}" if lora else res["schedule"]
+        what += f", documents {args.documents}" if args.documents else ""
         print(f"hf {args.model} seq {args.seq} {what}: {res['step_s']:.3f} s/step, "
               f"{res['tokens_per_s']:,.0f} tok/s, MFU {100 * res['mfu']:.1f}% of {res['peak_tflops']:.0f} TFLOP/s, "
               f"peak {res['peak_gib']:.1f} GiB", file=sys.stderr)

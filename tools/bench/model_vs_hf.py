@@ -28,6 +28,16 @@ it. --lora-8b runs the LoRA table: llama-3.1-8b, rank 8 (unless --lora-rank), al
 v_proj, seco at 16K and 64K with chunk 4096 and with the planner's choice (--chunk auto
 --offload-window auto), against HF+PEFT+Liger checkpointed.
 
+Packed documents: a case whose chunkwise arguments (its own or --extra) hold `--documents SPEC` (L or
+LO:HI, docs/packed_documents.md) hands the same `--documents SPEC` to its peers, so both sides train
+the same documents at every step (hf_reference.py draws them as `chunkwise bench` does): the peer then
+runs FlexAttention with a document-causal block mask and positions restarting at each document
+(hf_reference.py's docstring). A case without it gives its peer none, e.g.
+  --peers liger --cases "full:8192:,seco:65536:--chunk auto --offload-window auto --documents 8192"
+compares full at 8K on one document, then seco on 64K tokens of 8K documents against HF+Liger on the
+same documents. Both sides' MFU count the documents' causal squares (the first timed step's
+documents: hf_reference.attention_extent); a note says where chunkwise's own count differs.
+
 Within the peer's memory (--within-peer-memory): per case the first peer runs first, and chunkwise then
 runs capped to that peer's measured peak (`bench --device-memory PEAK + 0.5`: the cap counts the CUDA
 context, about 0.5 GiB outside the caching pool), so the row compares speed at no more memory than the
@@ -43,8 +53,9 @@ and longest.md to --out.
 MFU: both sides are divided by the SAME bf16 peak, the one chunkwise measured in this run (its JSON's
 peak_tflops; also handed to hf_reference.py so it does not measure its own), or --peak-tflops; and
 the same FLOP count per token (hf_reference.flops_per_token: 6 per matmul parameter incl. the LM head
-plus causal attention; with LoRA 4 per frozen matmul parameter and 6 per adapter parameter;
-recomputation is not counted as useful work).
+plus causal attention, over the documents' squares when packed; with LoRA 4 per frozen matmul
+parameter and 6 per adapter parameter; recomputation is not counted as useful work). A side whose own
+JSON counted otherwise (chunkwise's for a model this script knows) gets a note under the table.
 
 A side that runs out of memory, fails, or exceeds --timeout becomes a row with that status, never a
 crash. Run on the GPU machine: python3 tools/bench/model_vs_hf.py --out $OUT (HF runs under
@@ -101,6 +112,27 @@ def parse_cases(text):
             sys.exit(f"bad case '{item}': want SCHEDULE:TOKENS[:EXTRA ARGS] with SCHEDULE full | checkpointed | seco | spaco")
         cases.append((sched, int(seq), extra.strip()))
     return cases
+
+
+def documents_of(args):
+    """The SPEC of `--documents SPEC` (or `--documents=SPEC`) in chunkwise's arguments (one string), the
+    last one given; None without one."""
+    words, spec = shlex.split(args), None
+    for i, w in enumerate(words):
+        if w == "--documents" and i + 1 < len(words):
+            spec = words[i + 1]
+        elif w.startswith("--documents="):
+            spec = w.partition("=")[2]
+    return spec
+
+
+def attention_extent_of(documents, batch, seq, warmup):
+    """E of hf_reference.flops_per_token at one case: seq for one document a sequence, else the
+    documents' squares of the first timed step (step `warmup`), as both sides count them."""
+    if not documents:
+        return seq
+    starts = hf_reference.document_starts(documents, batch, seq, hf_reference.DOCUMENT_SEED + warmup)
+    return hf_reference.attention_extent(starts, seq)
 
 
 def run_side(name, cmd, json_path, log_path, timeout, env=None):
@@ -179,11 +211,13 @@ def ours_cmd(a, sched, seq, case_extra, json_path, lora):
             + hf_reference.lora_argv(lora) + shlex.split(a.extra) + shlex.split(case_extra))
 
 
-def peer_cmd(a, peer, hf_sched, seq, json_path, lora, peak):
-    """hf_reference.py as `peer` at one case: --liger for the Liger peers, the LoRA flags for the PEFT ones."""
+def peer_cmd(a, peer, hf_sched, seq, json_path, lora, peak, documents=None):
+    """hf_reference.py as `peer` at one case: --liger for the Liger peers, the LoRA flags for the PEFT ones,
+    --documents SPEC where the case's chunkwise arguments pack documents."""
     cmd = [a.python, os.path.join(HERE, "hf_reference.py"), "--model", a.model, "--seq", str(seq),
            "--batch", str(a.batch), "--steps", str(a.steps), "--warmup", str(a.warmup), "--json", json_path]
     cmd += ["--checkpointing"] if hf_sched == "checkpointed" else []
+    cmd += ["--documents", documents] if documents else []
     cmd += ["--liger"] if peer in LIGER_PEERS else []
     cmd += hf_reference.lora_argv(lora) if peer in LORA_PEERS else []
     cmd += ["--peak-tflops", str(peak)] if peak else []
@@ -250,7 +284,8 @@ def longest(a, sides, cases, lora, envs):
             if side == "chunkwise":
                 cmd, env = ours_cmd(a, sched, seq, case_extra, json_path, lora), None
             else:
-                cmd, env = peer_cmd(a, side, hf_sched, seq, json_path, lora, a.peak_tflops or None), envs[side]
+                cmd, env = peer_cmd(a, side, hf_sched, seq, json_path, lora, a.peak_tflops or None,
+                                    documents_of(f"{a.extra} {case_extra}")), envs[side]
             tries.append(dict(run_side(side, cmd, json_path, log_path, a.timeout, env), seq=seq))
             if tries[-1]["status"] != "ok":
                 break
@@ -377,6 +412,13 @@ def main():
     os.makedirs(a.out, exist_ok=True)
     envs = peer_envs(a.python, a.out, peers)
     cases = parse_cases(a.cases)
+    for _, _, case_extra in cases:  # a spec chunkwise would refuse: said here, before any run
+        try:
+            spec = documents_of(f"{a.extra} {case_extra}")
+            if spec is not None:
+                hf_reference.parse_documents(spec)
+        except ValueError as e:
+            sys.exit(f"case '{case_extra}': {e}")
     if a.longest is not None:
         longest(a, sides, cases, lora, envs)
         return
@@ -387,13 +429,15 @@ def main():
 
     rows = []
     peak = a.peak_tflops or None
-    hf_done = {}  # (HF schedule, tokens) -> result: cases differing only in our options share one HF run
-    def run_peer(peer, hf_sched, seq, tag):
-        hf_key = (peer, hf_sched, seq)
+    # (peer, HF schedule, tokens, documents) -> result: cases differing only in our options share one HF run
+    hf_done = {}
+    def run_peer(peer, hf_sched, seq, documents, tag):
+        hf_key = (peer, hf_sched, seq, documents)
         if hf_key not in hf_done:
-            print(f"== {tag}: {PEER_NAMES[peer]} ({hf_sched})", flush=True)
+            print(f"== {tag}: {PEER_NAMES[peer]} ({hf_sched}{', documents ' + documents if documents else ''})",
+                  flush=True)
             hf_json = os.path.join(a.out, f"{peer}-{tag}.json")
-            hf_done[hf_key] = run_side(peer, peer_cmd(a, peer, hf_sched, seq, hf_json, lora, peak), hf_json,
+            hf_done[hf_key] = run_side(peer, peer_cmd(a, peer, hf_sched, seq, hf_json, lora, peak, documents), hf_json,
                                        os.path.join(a.out, f"{peer}-{tag}.log"), a.timeout, envs[peer])
         return hf_done[hf_key]
 
@@ -401,8 +445,9 @@ def main():
         tag = case_tag(sched, seq, case_extra)
         hf_sched = "full" if sched == "full" else "checkpointed"
         extra = case_extra
+        documents = documents_of(f"{a.extra} {case_extra}")
         if a.within_peer_memory:
-            first = run_peer(peers[0], hf_sched, seq, tag)
+            first = run_peer(peers[0], hf_sched, seq, documents, tag)
             cap = first.get("peak_gib") or (first.get("peak_bytes") or 0) / 2 ** 30
             if first.get("status") != "ok" or not cap:
                 print(f"== {tag}: chunkwise skipped: {PEER_NAMES[peers[0]]} has no peak to stay within", flush=True)
@@ -416,7 +461,7 @@ def main():
             peak = float(ours["peak_tflops"])
         for peer in peers:
             rows.append(dict(case=tag, schedule=sched, seq=seq, ours_args=extra, peer=peer, hf_schedule=hf_sched,
-                             ours=ours, hf=dict(run_peer(peer, hf_sched, seq, tag))))
+                             documents=documents, ours=ours, hf=dict(run_peer(peer, hf_sched, seq, documents, tag))))
 
     # One FLOP count and one peak for both sides' MFU: --peak-tflops, else chunkwise's measurement,
     # else (chunkwise produced none) HF's.
@@ -424,10 +469,19 @@ def main():
     if peak is None:
         peak = next((float(r["hf"]["peak_tflops"]) for r in rows if r["hf"].get("peak_tflops")), None)
         peak_source = "hf_reference.py" if peak else "nobody"
+    counted_otherwise = []  # a side's own FLOP count that is not this script's (for documents: other draws)
     for r in rows:
-        fpt = hf_reference.flops_per_token(cfg, r["seq"], lora) if cfg else None
+        extent = attention_extent_of(r["documents"], a.batch, r["seq"], a.warmup)
+        fpt = hf_reference.flops_per_token(cfg, extent, lora) if cfg else None
         for side in ("ours", "hf"):
             s = r[side]
+            # spaco's own count is of the chunks it backpropagated (bench's visited fraction): not comparable
+            own = s.get("flops_per_token") if side == "hf" or r["schedule"] != "spaco" else None
+            if fpt and own and abs(own - fpt) > 1e-6 * fpt:
+                who = "chunkwise" if side == "ours" else PEER_NAMES[r["peer"]]
+                counted_otherwise.append(f"{r['case']} {who}: its own count is {own / 1e9:.4f} GFLOP/token, this "
+                                         f"table's {fpt / 1e9:.4f}" + (" (its documents were drawn otherwise?)"
+                                                                       if r["documents"] else ""))
             f = fpt or s.get("flops_per_token")
             ok = s.get("status") == "ok" and s.get("tokens_per_s")
             s["mfu_common"] = s["tokens_per_s"] * f / (peak * 1e12) if ok and f and peak else None
@@ -467,6 +521,7 @@ def main():
         choice = planner_choice(f"{a.extra} {r['ours_args']}", r["ours"]) if r["peer"] == peers[0] else None
         if choice:
             notes.append(f"{r['case']} chunkwise: the planner chose {choice}")
+    notes += list(dict.fromkeys(counted_otherwise))
     for r in rows:
         for side in ("ours", "hf"):
             s = r[side]
