@@ -31,7 +31,8 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
 
   cw::GradcheckOptions gc;
-  CLI::App* gradcheck = app.add_subcommand("gradcheck", "check a schedule's gradients (finite differences or full)");
+  CLI::App* gradcheck =
+      app.add_subcommand("gradcheck", "check a schedule's gradients (finite differences, full, the reference step, ...)");
   gradcheck->add_option("--model", gc.model, "preset, config.json, HF checkpoint directory or .gguf file")->capture_default_str();
   gradcheck->add_option("--seq", gc.seq, "tokens per sequence")->capture_default_str();
   gradcheck->add_option("--batch", gc.batch, "sequences")->capture_default_str();
@@ -49,8 +50,9 @@ int main(int argc, char** argv) {
   gradcheck->add_option("--optimizer-steps", gc.optimizer_steps, "against single: AdamW steps before the parameters are compared")
       ->capture_default_str();
   gradcheck->add_option("--against", gc.against,
-                        "fd | full | single | separate (default: single with --dp or --tp > 1, else fd for full, full otherwise)");
-  gradcheck->add_option("--tol", gc.tol, "fail above this max_rel_err (default 1e-7 fd, 1e-12 full and single in f64)");
+                        "fd | full | single | separate | reference (default: single with --dp or --tp > 1, else fd "
+                        "for full, full otherwise)");
+  gradcheck->add_option("--tol", gc.tol, "fail above this max_rel_err (default 1e-7 fd, 1e-12 the others in f64)");
   gradcheck->add_option("--directions", gc.directions, "random directions per tensor (fd)")->capture_default_str();
   gradcheck->add_option("--step", gc.step, "finite-difference step along a unit direction")->capture_default_str();
   gradcheck->add_option("--seed", gc.seed, "seed of the init, batch and directions")->capture_default_str();

@@ -2,6 +2,7 @@
 
 #include "engine/random.h"
 #include "model/checkpoint.h"
+#include "model/reference.h"
 #include "tools/model_io.h"
 #include "model/safetensors.h"
 #include "optim/training.h"
@@ -146,6 +147,11 @@ Batch batch_rows(const Batch& batch, int64_t first, int64_t count) {
 // The learning rate of the AdamW steps against single: large enough that the steps move every
 // parameter well beyond rounding, so that a wrong update shows.
 constexpr double kCheckLearningRate = 1e-3;
+// The default --tol: finite differences (fourth-order stencil, f64: truncation and rounding far
+// below it), and two exact computations of the same f64 gradient summed in other orders (full,
+// single, separate, reference).
+constexpr double kFiniteDifferenceTol = 1e-7;
+constexpr double kExactF64Tol = 1e-12;
 // LoRA's B in a check: random rather than PEFT's zero (A's gradient is s Bᵀ(...), zero while B is),
 // at a scale where the adapters change the model's outputs by a few percent.
 constexpr double kLoraCheckBStd = 0.05;
@@ -454,8 +460,12 @@ int run_gradcheck(const GradcheckOptions& o, std::ostream& out, Communicator* wo
   const bool parallel = o.parallel.dp > 1 || o.parallel.tp > 1;
   const std::string against =
       !o.against.empty() ? o.against : (parallel ? "single" : (o.schedule.name == "full" ? "fd" : "full"));
-  if (against != "fd" && against != "full" && against != "single" && against != "separate")
-    fail(fmt::format("unknown --against '{}'", against), "use fd, full, single or separate");
+  if (against != "fd" && against != "full" && against != "single" && against != "separate" && against != "reference")
+    fail(fmt::format("unknown --against '{}'", against), "use fd, full, single, separate or reference");
+  if (against == "reference" && o.lora.dropout > 0)
+    fail(fmt::format("--against reference: the reference step has no dropout on the adapters (--lora-dropout {})",
+                     o.lora.dropout),
+         "give --lora-dropout 0 (--against full checks the schedules with dropout)");
   if (against == "separate" && o.documents.empty())
     fail("--against separate compares packed documents with each run alone",
          "give --documents L1,L2,... (summing to --seq)");
@@ -471,8 +481,9 @@ int run_gradcheck(const GradcheckOptions& o, std::ostream& out, Communicator* wo
   if (o.parallel.tp > 1) tp_shard_config(config, o.parallel.tp);  // tp must divide the heads and FFN: say so here
   if (against == "single" && o.optimizer_steps < 1)
     fail(fmt::format("--optimizer-steps must be >= 1, got {}", o.optimizer_steps));
-  const double tol =
-      o.tol >= 0 ? o.tol : (against == "fd" ? 1e-7 : (dtype == DType::f64 ? 1e-12 : (world ? 1e-4 : 1e-5)));
+  const double tol = o.tol >= 0 ? o.tol
+                                : (against == "fd" ? kFiniteDifferenceTol
+                                                   : (dtype == DType::f64 ? kExactF64Tol : (world ? 1e-4 : 1e-5)));
 
   LlamaModel model(config, dtype, Device::host(), nullptr, o.lora);
   load_or_init(model, o.model, o.seed, o.norm_jitter);
@@ -562,6 +573,14 @@ int run_gradcheck(const GradcheckOptions& o, std::ostream& out, Communicator* wo
     out << fmt::format("against {} documents run one by one\n", documents);
     max_rel = compare_sets(grads, ref_grads, "g_separate", "separate", out);
     max_rel = std::max(max_rel, compare_loss(st.loss, ref_loss, grads, out));
+  } else if (against == "reference") {
+    // The whole-sequence f64 step written from the math (model/reference.h), sharing no layer code
+    // with the schedules.
+    const ReferenceResult ref =
+        reference_step(model, batch.ids, batch.labels, batch.doc_starts, batch.document_positions);
+    out << "against the reference step (model/reference.h: whole sequence, f64, by hand)\n";
+    max_rel = compare_sets(grads, ref.grads, "g_ref", "reference", out);
+    max_rel = std::max(max_rel, compare_loss(st.loss, ref.loss, grads, out));
   } else {
     ScheduleOptions ref;
     ref.name = "full";

@@ -29,8 +29,12 @@
 //                positions promise (engine/ops/attention.h). With absolute positions too: a rotary
 //                score depends only on the difference of two positions, so within a document the
 //                positions' origin does not matter but for rounding.
-// The run fails (non-zero exit) when max_rel_err exceeds --tol (1e-7 against fd, 1e-12 against full
-// and single in f64).
+//   against reference: the schedule's loss and gradients against reference_step (model/reference.h),
+//                the whole-sequence step written by hand from the math in f64, which shares no layer
+//                code with the schedules (with --documents and --lora-rank too; not with
+//                --lora-dropout); rel_err as against full.
+// The run fails (non-zero exit) when max_rel_err exceeds --tol (1e-7 against fd, 1e-12 against full,
+// single, separate and reference in f64).
 // With --lora-rank r (and --lora-targets, --lora-alpha, --lora-dropout, --lora-seed) the model gets
 // LoRA adapters and the checked tensors are theirs, the base frozen: every comparison above runs on
 // the adapters' gradients (and parameters). The adapters start from PEFT's A and, unlike PEFT, a
@@ -58,8 +62,8 @@ struct GradcheckOptions {
   ParallelOptions parallel;        // dp, zero, bucket_mb; tp, sequence_parallel, tp_regather (against single)
   LoraConfig lora;                 // rank > 0: check the LoRA adapters' gradients, the base frozen
   int optimizer_steps = 3;         // against single: AdamW steps before the parameters are compared
-  std::string against;             // "fd" | "full" | "single"; empty: single with --dp or --tp > 1, else fd for full,
-                                   // full otherwise
+  std::string against;             // "fd" | "full" | "single" | "separate" | "reference"; empty: single with
+                                   // --dp or --tp > 1, else fd for full, full otherwise
   double tol = -1;                 // < 0: the default for the comparison
   int directions = 3;              // random directions per tensor (fd)
   double step = 1e-3;              // fd step h along a unit direction

@@ -1,0 +1,285 @@
+// The whole-sequence f64 Llama step by hand (model/reference.h states the math). Every activation is
+// an Eigen matrix whose rows are the batch's tokens, n = b T + t; each backward line below names the
+// forward line it inverts. Nothing here calls an engine op: the engine is only where the parameters
+// live (ParamSet) and where the RoPE tables come from (rope_tables).
+#include "model/reference.h"
+
+#include "engine/ops/lm_head_loss.h"  // kIgnoreLabel: HF's ignore_index, -100
+#include "engine/ops/rope.h"          // rope_tables
+
+#include <Eigen/Dense>
+
+#include <cmath>
+#include <optional>
+
+namespace cw {
+
+namespace {
+
+using Matrix = Eigen::Matrix<double, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
+using Vector = Eigen::VectorXd;
+using MatrixMap = Eigen::Map<Matrix>;
+using VectorMap = Eigen::Map<Vector>;
+
+// A tensor of an f64 host set as a matrix [size(0), numel / size(0)] (a linear weight [out, in]).
+MatrixMap mat(const Tensor& t) { return MatrixMap(t.ptr<double>(), t.size(0), t.numel() / t.size(0)); }
+VectorMap vec(const Tensor& t) { return VectorMap(t.ptr<double>(), t.numel()); }
+bool given(const Tensor& t) { return t.data != nullptr; }  // a frozen tensor's gradient is not
+
+// ---- RMSNorm: y_n = g ⊙ x_n r_n, r_n = (mean_i x_ni² + eps)^(-1/2) ----
+Matrix rms_norm(const Matrix& x, const Tensor& g, double eps, Vector& r) {
+  r = (x.array().square().rowwise().mean() + eps).sqrt().inverse().matrix();
+  return r.asDiagonal() * x * vec(g).asDiagonal();
+}
+// dr_n/dx_ni = -r_n³ x_ni / C, so d_x_n = r_n (g ⊙ dy_n) - r_n³ x_n mean_i(g_i dy_ni x_ni);
+// d_g += sum_n dy_n ⊙ x_n r_n.
+Matrix rms_norm_backward(const Matrix& dy, const Matrix& x, const Tensor& g, const Vector& r, const Tensor& d_g) {
+  if (given(d_g)) {
+    const Matrix x_r = r.asDiagonal() * x;
+    vec(d_g) += (dy.array() * x_r.array()).colwise().sum().transpose().matrix();
+  }
+  const Matrix g_dy = dy * vec(g).asDiagonal();
+  const Vector m = (g_dy.array() * x.array()).rowwise().mean();
+  return r.asDiagonal() * g_dy - (r.array().cube() * m.array()).matrix().asDiagonal() * x;
+}
+
+// ---- Linear, with a LoRA adapter where one is given: y = x Wᵀ + s (x Aᵀ) Bᵀ ----
+Matrix linear(const Matrix& x, const Tensor& w, const LoraPair& adapter, double s) {
+  Matrix y = x * mat(w).transpose();
+  if (adapter.defined()) y += s * (x * mat(adapter.a).transpose()) * mat(adapter.b).transpose();
+  return y;
+}
+// d_W += dyᵀ x;  with u = x Aᵀ and e = s dy B [N, r]: d_B += s dyᵀ u, d_A += eᵀ x;  d_x = dy W + e A.
+Matrix linear_backward(const Matrix& dy, const Matrix& x, const Tensor& w, const LoraPair& adapter, double s,
+                       const Tensor& d_w, const LoraPair& d_adapter) {
+  if (given(d_w)) mat(d_w) += dy.transpose() * x;
+  Matrix dx = dy * mat(w);
+  if (adapter.defined()) {
+    const Matrix e = s * dy * mat(adapter.b);
+    mat(d_adapter.b) += s * dy.transpose() * (x * mat(adapter.a).transpose());
+    mat(d_adapter.a) += e.transpose() * x;
+    dx += e * mat(adapter.a);
+  }
+  return dx;
+}
+
+// ---- RoPE on the `heads` heads of every row, at the row's position ----
+// The forward rotates each pair (x_i, x_{i+D/2}) by the angle: [c -s; s c]. Its transpose, the
+// backward, is the rotation by minus the angle (inverse = true).
+void rope(Matrix& x, int64_t heads, int64_t D, const std::vector<int64_t>& pos, const MatrixMap& cos,
+          const MatrixMap& sin, bool inverse) {
+  const int64_t half = D / 2;
+  for (int64_t n = 0; n < x.rows(); ++n)
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t i = 0; i < half; ++i) {
+        const double c = cos(pos[n], i), s = inverse ? -sin(pos[n], i) : sin(pos[n], i);
+        double& lo = x(n, h * D + i);
+        double& hi = x(n, h * D + half + i);
+        const double a = lo, b = hi;
+        lo = a * c - b * s;
+        hi = b * c + a * s;
+      }
+}
+
+// ---- Causal attention within a document, grouped K/V heads ----
+// Row n's query attends key rows [first[n], n] (its document's tokens up to itself).
+struct Heads {
+  int64_t H, Hkv, D;
+  int64_t kv_head(int64_t h) const { return h / (H / Hkv); }
+};
+
+// P_j = softmax_j(q_n . k_j / sqrt(D)) over key rows j in [first, n], for query head h.
+Vector probabilities(const Matrix& q, const Matrix& k, int64_t n, int64_t first, int64_t h, const Heads& hd) {
+  const int64_t m = n - first + 1;
+  Vector s = k.block(first, hd.kv_head(h) * hd.D, m, hd.D) * q.block(n, h * hd.D, 1, hd.D).transpose() /
+             std::sqrt(static_cast<double>(hd.D));
+  s = (s.array() - s.maxCoeff()).exp().matrix();
+  return s / s.sum();
+}
+
+// out_n = sum_j P_j v_j, per head.
+Matrix attention(const Matrix& q, const Matrix& k, const Matrix& v, const std::vector<int64_t>& first,
+                 const Heads& hd) {
+  Matrix out = Matrix::Zero(q.rows(), q.cols());
+  for (int64_t n = 0; n < q.rows(); ++n)
+    for (int64_t h = 0; h < hd.H; ++h) {
+      const Vector p = probabilities(q, k, n, first[n], h, hd);
+      out.block(n, h * hd.D, 1, hd.D) = p.transpose() * v.block(first[n], hd.kv_head(h) * hd.D, p.size(), hd.D);
+    }
+  return out;
+}
+
+// With do = d_out_n (one head): dP_j = do . v_j; dS_j = P_j (dP_j - sum_i P_i dP_i) (the softmax's
+// Jacobian); d_q_n = sum_j dS_j k_j / sqrt(D); d_k_j += dS_j q_n / sqrt(D); d_v_j += P_j do.
+void attention_backward(Matrix& d_q, Matrix& d_k, Matrix& d_v, const Matrix& d_out, const Matrix& q,
+                        const Matrix& k, const Matrix& v, const std::vector<int64_t>& first, const Heads& hd) {
+  const double scale = 1.0 / std::sqrt(static_cast<double>(hd.D));
+  d_q = Matrix::Zero(q.rows(), q.cols());
+  d_k = Matrix::Zero(k.rows(), k.cols());
+  d_v = Matrix::Zero(v.rows(), v.cols());
+  for (int64_t n = 0; n < q.rows(); ++n)
+    for (int64_t h = 0; h < hd.H; ++h) {
+      const int64_t g = hd.kv_head(h), f = first[n];
+      const Vector p = probabilities(q, k, n, f, h, hd);
+      const int64_t m = p.size();
+      const Matrix d_o = d_out.block(n, h * hd.D, 1, hd.D);
+      const Vector dp = v.block(f, g * hd.D, m, hd.D) * d_o.transpose();
+      const Vector ds = (p.array() * (dp.array() - p.dot(dp))).matrix();
+      d_q.block(n, h * hd.D, 1, hd.D) = scale * ds.transpose() * k.block(f, g * hd.D, m, hd.D);
+      d_k.block(f, g * hd.D, m, hd.D) += scale * ds * q.block(n, h * hd.D, 1, hd.D);
+      d_v.block(f, g * hd.D, m, hd.D) += p * d_o;
+    }
+}
+
+// ---- SwiGLU: act = silu(gate) ⊙ up, silu(z) = z σ(z) ----
+Matrix sigmoid(const Matrix& z) { return (1.0 + (-z.array()).exp()).inverse().matrix(); }
+
+// What a block's backward reads of its forward.
+struct LayerSaved {
+  Matrix x, h1, q, k, v, attn, x_mid, h2, gate, up, act;
+  Vector r1, r2;  // the norms' r_n
+};
+
+}  // namespace
+
+ReferenceResult reference_step(const LlamaModel& model, const Tensor& ids, const Tensor& labels,
+                               const std::vector<std::vector<int64_t>>& doc_starts, bool document_positions) {
+  CW_CHECK(model.tensor_parallel() == nullptr, "the reference step runs one process, not a tensor-parallel shard");
+  CW_CHECK(!model.casts_layers(), "the reference step reads the blocks' resident weights; build the model "
+                                  "without schedule.cast_layers");
+  CW_CHECK_HINT(!model.has_adapters() || model.lora().dropout == 0.0, "give lora.dropout = 0",
+                "the reference step has no dropout on the adapters (lora.dropout is {})", model.lora().dropout);
+  check_dtype(ids, DType::i32, "reference ids");
+  check_dtype(labels, DType::i32, "reference labels");
+  CW_CHECK(ids.ndim == 2 && ids.device.is_cpu() && ids.contiguous(), "reference ids: [B, T] on the host, got {}",
+           ids.describe());
+  check_same_shape(labels, ids, "reference labels", "reference ids");
+  check_contiguous(labels, "reference labels");
+  const LlamaConfig& cfg = model.config();
+  const int64_t B = ids.size(0), T = ids.size(1), N = B * T, L = cfg.num_hidden_layers, D = cfg.head_dim;
+  const Heads hd{cfg.num_attention_heads, cfg.num_key_value_heads, D};
+  const int32_t* id = ids.ptr<int32_t>();
+  const int32_t* label = labels.ptr<int32_t>();
+  CW_CHECK(doc_starts.empty() || static_cast<int64_t>(doc_starts.size()) == B,
+           "document starts for {} sequences, the batch has {}", doc_starts.size(), B);
+
+  // Per row: its RoPE position and its document's first row (the first key it attends).
+  std::vector<int64_t> pos(static_cast<size_t>(N)), first(static_cast<size_t>(N));
+  for (int64_t b = 0; b < B; ++b) {
+    const std::vector<int64_t> starts = doc_starts.empty() ? std::vector<int64_t>{0} : doc_starts[size_t(b)];
+    CW_CHECK(!starts.empty() && starts[0] == 0, "sequence {}: its first document must start at 0", b);
+    for (size_t i = 1; i < starts.size(); ++i)
+      CW_CHECK(starts[i] > starts[i - 1] && starts[i] < T, "sequence {}: document starts must ascend within [0, {})",
+               b, T);
+    size_t next = 1;
+    int64_t start = 0;
+    for (int64_t t = 0; t < T; ++t) {
+      while (next < starts.size() && starts[next] <= t) start = starts[next++];
+      pos[size_t(b * T + t)] = document_positions ? t - start : t;
+      first[size_t(b * T + t)] = b * T + start;
+    }
+  }
+  OwnedTensor cos_table(DType::f64, {T, D / 2}), sin_table(DType::f64, {T, D / 2});
+  rope_tables(cos_table, sin_table, D, cfg.rope_theta, cfg.rope_scaling);
+  const MatrixMap cos = mat(cos_table), sin = mat(sin_table);
+
+  // The parameters in f64 on the host; the adapters joined into the blocks' weights.
+  ParamSet base = ParamSet::like(model.params(), DType::f64, Device::host());
+  copy_params(base, model.params());
+  std::optional<ParamSet> adapters;
+  if (model.has_adapters()) {
+    adapters.emplace(ParamSet::like(model.adapters(), DType::f64, Device::host()));
+    copy_params(*adapters, model.adapters());
+  }
+  const double s = model.has_adapters() ? model.lora().scale() : 0.0;
+  const ModelWeights w = base.weights();
+  std::vector<LayerWeights> layer(static_cast<size_t>(L));
+  for (int l = 0; l < L; ++l) {
+    layer[size_t(l)] = base.layer(l);
+    if (adapters) layer[size_t(l)].lora = adapters->layer(l).lora;
+  }
+  ReferenceResult r{0.0, 0, ParamSet::like(model.trainable(), DType::f64, Device::host())};
+  const ModelWeights grad = r.grads.weights();  // undefined where frozen (LoRA: all but A and B)
+
+  // ---- forward ----
+  Matrix x(N, cfg.hidden_size);
+  for (int64_t n = 0; n < N; ++n) {
+    CW_CHECK(id[n] >= 0 && id[n] < cfg.vocab_size, "token id {} at row {} is outside the vocabulary ({})", id[n], n,
+             cfg.vocab_size);
+    x.row(n) = mat(w.embedding).row(id[n]);
+  }
+  std::vector<LayerSaved> saved(static_cast<size_t>(L));
+  for (int l = 0; l < L; ++l) {
+    const LayerWeights& lw = layer[size_t(l)];
+    LayerSaved& a = saved[size_t(l)];
+    a.x = x;
+    a.h1 = rms_norm(a.x, lw.attn_norm, cfg.rms_norm_eps, a.r1);
+    a.q = linear(a.h1, lw.wq, lw.lora.q, s);
+    a.k = linear(a.h1, lw.wk, lw.lora.k, s);
+    a.v = linear(a.h1, lw.wv, lw.lora.v, s);
+    rope(a.q, hd.H, D, pos, cos, sin, false);
+    rope(a.k, hd.Hkv, D, pos, cos, sin, false);
+    a.attn = attention(a.q, a.k, a.v, first, hd);
+    a.x_mid = a.x + linear(a.attn, lw.wo, lw.lora.o, s);
+    a.h2 = rms_norm(a.x_mid, lw.mlp_norm, cfg.rms_norm_eps, a.r2);
+    a.gate = linear(a.h2, lw.w_gate, lw.lora.gate, s);
+    a.up = linear(a.h2, lw.w_up, lw.lora.up, s);
+    a.act = (a.gate.array() * sigmoid(a.gate).array() * a.up.array()).matrix();
+    x = a.x_mid + linear(a.act, lw.w_down, lw.lora.down, s);
+  }
+  Vector r_final;
+  const Matrix normed = rms_norm(x, w.final_norm, cfg.rms_norm_eps, r_final);
+  const Matrix logits = normed * mat(w.lm_head).transpose();  // [N, V]
+
+  // loss = (1/S) sum_n (lse_n - logits_n[label_n]); d logits_n = (softmax(logits_n) - onehot(label_n)) / S.
+  for (int64_t n = 0; n < N; ++n) r.supervised += label[n] != kIgnoreLabel;
+  const double S = std::max<double>(1.0, static_cast<double>(r.supervised));
+  Matrix d_logits = Matrix::Zero(N, cfg.vocab_size);
+  for (int64_t n = 0; n < N; ++n) {
+    if (label[n] == kIgnoreLabel) continue;
+    CW_CHECK(label[n] >= 0 && label[n] < cfg.vocab_size, "label {} at row {} is outside the vocabulary ({})",
+             label[n], n, cfg.vocab_size);
+    const double top = logits.row(n).maxCoeff();
+    const Eigen::RowVectorXd e = (logits.row(n).array() - top).exp().matrix();
+    const double lse = top + std::log(e.sum());
+    r.loss += (lse - logits(n, label[n])) / S;
+    d_logits.row(n) = e / e.sum() / S;
+    d_logits(n, label[n]) -= 1.0 / S;
+  }
+
+  // ---- backward: the lines above in reverse ----
+  // logits = normed W_headᵀ: d_W_head += d_logitsᵀ normed (into the embedding when tied), d_normed = d_logits W_head.
+  if (given(grad.lm_head)) mat(grad.lm_head) += d_logits.transpose() * normed;
+  Matrix dx = rms_norm_backward(d_logits * mat(w.lm_head), x, w.final_norm, r_final, grad.final_norm);
+  for (int l = L - 1; l >= 0; --l) {
+    const LayerWeights& lw = layer[size_t(l)];
+    const LayerWeights gw = r.grads.layer(l);
+    const LayerSaved& a = saved[size_t(l)];
+    // x_out = x_mid + lin_down(act): dx reaches x_mid unchanged, and act through down_proj.
+    const Matrix d_act = linear_backward(dx, a.act, lw.w_down, lw.lora.down, s, gw.w_down, gw.lora.down);
+    // act = silu(gate) ⊙ up: d_up = d_act ⊙ silu(gate); d_gate = d_act ⊙ up ⊙ σ(gate) (1 + gate (1 - σ(gate))).
+    const Matrix sg = sigmoid(a.gate);
+    const Matrix d_up = (d_act.array() * a.gate.array() * sg.array()).matrix();
+    const Matrix d_gate =
+        (d_act.array() * a.up.array() * sg.array() * (1.0 + a.gate.array() * (1.0 - sg.array()))).matrix();
+    const Matrix d_h2 = linear_backward(d_gate, a.h2, lw.w_gate, lw.lora.gate, s, gw.w_gate, gw.lora.gate) +
+                        linear_backward(d_up, a.h2, lw.w_up, lw.lora.up, s, gw.w_up, gw.lora.up);
+    const Matrix d_mid = dx + rms_norm_backward(d_h2, a.x_mid, lw.mlp_norm, a.r2, gw.mlp_norm);
+    // x_mid = x + lin_o(attn).
+    const Matrix d_attn = linear_backward(d_mid, a.attn, lw.wo, lw.lora.o, s, gw.wo, gw.lora.o);
+    Matrix d_q, d_k, d_v;
+    attention_backward(d_q, d_k, d_v, d_attn, a.q, a.k, a.v, first, hd);
+    rope(d_q, hd.H, D, pos, cos, sin, true);
+    rope(d_k, hd.Hkv, D, pos, cos, sin, true);
+    const Matrix d_h1 = linear_backward(d_q, a.h1, lw.wq, lw.lora.q, s, gw.wq, gw.lora.q) +
+                        linear_backward(d_k, a.h1, lw.wk, lw.lora.k, s, gw.wk, gw.lora.k) +
+                        linear_backward(d_v, a.h1, lw.wv, lw.lora.v, s, gw.wv, gw.lora.v);
+    dx = d_mid + rms_norm_backward(d_h1, a.x, lw.attn_norm, a.r1, gw.attn_norm);
+  }
+  // x_0 = E[ids]: each row's gradient goes to its token's row of E.
+  if (given(grad.embedding))
+    for (int64_t n = 0; n < N; ++n) mat(grad.embedding).row(id[n]) += dx.row(n);
+  return r;
+}
+
+}  // namespace cw
