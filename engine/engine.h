@@ -77,8 +77,8 @@ AttentionKernel attention_kernel();
 // process may time another algorithm fastest and round differently. Off, and whenever determinism is
 // on: cuBLASLt's first answer, the same in every process. The stats: shapes tuned, those where the
 // fastest was not cuBLASLt's first answer, and the summed time of one call of each, first answer
-// against the fastest. Off by default: a 32K step gained 1% (H100, RESULTS.md twelfth session), within
-// the noise of one call's timing, which also makes the choice itself vary from process to process.
+// against the fastest. Off by default: whole steps run no faster with it (a 32K step within the noise
+// of one run; docs/decisions.md, "GEMMs"), and the timed choice varies from process to process.
 void set_gemm_tuning(bool on);
 bool gemm_tuning();
 struct GemmTuneStats {
@@ -119,9 +119,9 @@ int64_t attention_workspace_budget(Device device);  // 0 without cuDNN
 // chunks of 2048: 128 plans, 23 s on an H100) and later steps run the fastest kernels.
 // shared: a call whose K/V are a slice of a longer store (SeCO's K/V store) runs the plan of the
 // store's whole extent, the real key count given at run time, so a step builds one plan per
-// direction (engine/cuda/attention_cudnn.cu says when it applies); its padded kernel runs about 6%
-// slower at 128K (RESULTS.md), so it pays for runs of a few dozen steps and for benchmarks without
-// warm-up. The results agree to rounding (tested on the GPU).
+// direction (engine/cuda/attention_cudnn.cu says when it applies); its padded kernel runs a warm 128K
+// step about 6% slower (docs/decisions.md, "cuDNN plans and the first step"), so it pays for runs of a
+// few dozen steps and for benchmarks without warm-up. The results agree to rounding (tested on the GPU).
 enum class CudnnPlans { exact, shared };
 void set_cudnn_plans(CudnnPlans plans);
 CudnnPlans cudnn_plans();
@@ -129,8 +129,9 @@ CudnnPlans cudnn_plans();
 // by default) runs as two cuDNN graphs: the chunk's queries against the p earlier keys unmasked, and
 // against its own c keys causal, merged (forward) or with dQ summed (backward). cuDNN's bottom-right
 // causal mask computes the mask on every key tile; apart, the prefix needs none and the own block is
-// the square causal case, which skips the tiles above the diagonal (RESULTS.md: 0.87-0.92x the time
-// of one call at 64K keys). Exact plans only (CW_CUDNN_PLANS=shared keeps one graph). Off: one graph.
+// the square causal case, which skips the tiles above the diagonal (0.86-0.93x the time of one call
+// forward, 0.71-0.90x backward, at 64K keys: docs/performance.md, "GPU ops against torch"). Exact plans
+// only (CW_CUDNN_PLANS=shared keeps one graph). Off: one graph.
 void set_cudnn_split_prefix(bool on);
 bool cudnn_split_prefix();
 // The backward of that unmasked prefix with grouped K/V heads (env CW_CUDNN_STACK_GQA=0|1, on by

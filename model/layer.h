@@ -115,8 +115,9 @@ struct LoraConfig;  // model/lora.h
 // adapters and are not tensor-parallel shards, a chunk's three projections run as one GEMM of
 // q_dim + 2 kv_dim outputs, [N, q_dim + 2 kv_dim] = h1 [Wq; Wk; Wv]ᵀ, and the backward as one d_h1 GEMM
 // and one d_W GEMM; RoPE reads and writes the q and k columns in place (engine/ops/rope.h). The
-// values are the same sums; the K and V GEMMs of 512 columns alone fill under half an H100
-// (RESULTS.md, twelfth session). Off: three GEMMs each way.
+// values are the same sums; the K and V GEMMs of 512 columns alone fill under half an H100 (1B's run
+// at 91-96 TFLOP/s alone, the three fused at 650-670: docs/decisions.md, "GEMMs"). Off: three GEMMs
+// each way.
 void set_fused_qkv(bool on);
 bool fused_qkv();
 // Whether block_forward / block_backward fuse the projections of a model with these adapters and

@@ -5,8 +5,8 @@
 // is the one source of defaults; nothing here repeats them. From the rows come: the CLI flags of
 // train, bench, gradcheck and plan (tools/cli_options.h), reading TOML and `--set section.key=value`,
 // the resolved config.toml of a run (tools/train/run_config.h), validation with one-line errors
-// naming "section.key", and the options tables of README.md (`chunkwise options --markdown`, which
-// a test compares with the README).
+// naming "section.key", and the options table of docs/options.md (`chunkwise options --markdown`,
+// which a test compares with that page).
 //
 // The schedule's table is here, beside ScheduleOptions (optim/schedule.h); the other sections of
 // the training run's configuration are in tools/train/run_config.cpp, in the same form.
@@ -93,7 +93,7 @@ std::vector<OptionRef> bind_options(std::string_view section, const std::vector<
 // (the hint: the option's help).
 void check_option(const OptionRef& option);
 
-// The type as the README names it: integer, unsigned integer, number, boolean, string, list of strings.
+// The type as the options table names it: integer, unsigned integer, number, boolean, string, list of strings.
 std::string_view option_type_name(const OptionTarget& target);
 // Copies the value of `from` into `to` (the same option of two instances).
 void copy_option_value(const OptionTarget& to, const OptionTarget& from);

@@ -35,7 +35,7 @@ Chart bench_chart(const std::vector<BenchPoint>& points, const std::string& titl
 // also CSV, '#' lines comments, the header
 //   run,CATEGORY,CATEGORY,...
 // (at least one category) and a row a bar: its label, then milliseconds a step for each category
-// (numbers >= 0). docs/step_time_64k.csv is the README's. A malformed file is an error naming the file
+// (numbers >= 0). docs/step_time_64k.csv is docs/performance.md's. A malformed file is an error naming the file
 // and line.
 BarChart step_time_chart(const std::string& path, const std::string& title);
 

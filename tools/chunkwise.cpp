@@ -276,7 +276,7 @@ int main(int argc, char** argv) {
   eval->add_flag("--chat", eo.chat, "passkey: the prompt as the user's message of the tokenizer's chat template");
 
   bool options_toml = false, options_markdown = false;
-  CLI::App* options = app.add_subcommand("options", "every option of a training run: the README's table (markdown)");
+  CLI::App* options = app.add_subcommand("options", "every option of a training run: the table of docs/options.md (markdown)");
   options->add_flag("--markdown", options_markdown, "the table of keys, flags, types, defaults, values and help (the default)");
   options->add_flag("--toml", options_toml, "the default run as TOML, each key with its help");
 

@@ -41,12 +41,10 @@
 // Cost at N = 8192, C = 2048, V = 128256, bf16 (4 blocks of 2048 rows): 3 GEMMs of 4.3 TFLOP each,
 // about 20 ms at cuBLASLt's 600-650 TFLOP/s on an H100, and the row kernel's 1.5 GB of logits traffic
 // per block (fused: read, read, write), well under 1 ms per block since the GEMM leaves part of the
-// block in L2. Measured on an H100 80GB HBM3 (2026-11-21, a standalone build of this file with
-// linear.cu and runtime.cu; median of 20 after 3 warm-ups, random inputs): fused 22.6 ms (forward
-// 7.2 ms, backward 20.0 ms; the GEMMs alone about 21 ms) against 34.3 ms for torch 2.11's F.linear +
-// F.cross_entropy on fp32 logits, forward + backward, in the same run. Extra device memory at
-// N = 32768: 534 MiB (the 501 MiB logits block and the 32 MiB cuBLASLt workspace), against 54 GiB
-// for torch.
+// block in L2: the GEMMs are the op's time. Extra device memory at N = 32768: 534 MiB (the 501 MiB
+// logits block and the 32 MiB cuBLASLt workspace), where unfused logits in f32 take 16 GiB and
+// torch's F.linear + F.cross_entropy 54 GiB. Measured against torch: docs/performance.md, "GPU ops
+// against torch" (the LM head row).
 //
 // Precision: GEMMs accumulate in f32 (f32 mode without TF32: the exactness-check mode); the logits
 // are stored in T (bf16 in bf16 mode, like any bf16 linear output); lse, the loss and G are

@@ -103,7 +103,9 @@ int cudnn_plan_threads() {
   if (v < 0) {
     const char* e = std::getenv("CW_CUDNN_PLAN_THREADS");
     if (e == nullptr || *e == '\0') {
-      // 8 measured best on a 16-core host (RESULTS.md); half the cores where there are fewer.
+      // Half the cores (the host keeps the rest), at most 8: cuDNN's builds slow each other down (0.15 s
+      // alone, about 1 s each with 8 at once), so more threads build no faster (docs/decisions.md,
+      // "cuDNN plans and the first step").
       v = static_cast<int>(std::clamp(std::thread::hardware_concurrency() / 2, 1u, 8u));
     } else {
       char* end = nullptr;

@@ -38,7 +38,7 @@ TEST_CASE("bench chart: the table's rows, comments skipped, empty cells as NaN, 
   cw::test::TempDir dir("bench-chart");
   const std::string path = write(dir, "t.csv",
                                  std::string("# a comment\n\n") + kHeader +
-                                     "peer,16384,31470,20.3,RESULTS.md, the peer table\n"
+                                     "peer,16384,31470,20.3,docs/performance.md, the peer table\n"
                                      "  seco , 32768 ,,26.87,cold step\n"
                                      "seco,131072,8861,,\n");
   const std::vector<cw::BenchPoint> p = cw::read_bench_points(path);
@@ -47,7 +47,7 @@ TEST_CASE("bench chart: the table's rows, comments skipped, empty cells as NaN, 
   CHECK(p[0].tokens == 16384);
   CHECK(p[0].tokens_per_s == 31470);
   CHECK(p[0].peak_gib == doctest::Approx(20.3));
-  CHECK(p[0].source == "RESULTS.md, the peer table");
+  CHECK(p[0].source == "docs/performance.md, the peer table");
   CHECK(p[1].series == "seco");
   CHECK(p[1].tokens == 32768);
   CHECK(std::isnan(p[1].tokens_per_s));

@@ -1,4 +1,4 @@
-// The option tables (optim/options.h): README.md's table is the generated one; every row
+// The option tables (optim/options.h): docs/options.md's table is the generated one; every row
 // round-trips through each of its spellings (CLI flag, TOML, --set, the resolved dump); every rule
 // rejects a value that breaks it with a one-line message naming the key; train's flags win over
 // --config and --set.
@@ -63,8 +63,8 @@ std::vector<std::string> cli_args(const OptionRef& o, const OptionTarget& value,
   return args;
 }
 
-std::string readme_table() {
-  std::ifstream f(std::filesystem::path(CW_SOURCE_ROOT) / "README.md");
+std::string documented_table() {
+  std::ifstream f(std::filesystem::path(CW_SOURCE_ROOT) / "docs" / "options.md");
   std::stringstream text;
   text << f.rdbuf();
   const std::string s = text.str();
@@ -77,9 +77,9 @@ std::string readme_table() {
   return s.substr(first, e - first);
 }
 
-TEST_CASE("options: README.md's table is `chunkwise options --markdown`") {
+TEST_CASE("options: docs/options.md's table is `chunkwise options --markdown`") {
   // On a mismatch: build/tools/chunkwise options --markdown, and paste it between the markers.
-  CHECK(readme_table() == RunConfig::options_markdown());
+  CHECK(documented_table() == RunConfig::options_markdown());
 }
 
 TEST_CASE("options: every row of the run config round-trips through TOML, --set, the dump and its flag") {

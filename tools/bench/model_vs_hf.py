@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """chunkwise's training step against HF transformers', side by side on one GPU, one table.
 
-For each case SCHEDULE:TOKENS (default: the issue's targets full:4096, full:8192, checkpointed:16384,
-checkpointed:32768) this runs, one after the other and each in its own process (so neither sees the
-other's allocator state):
+For each case SCHEDULE:TOKENS (default: the short-sequence cases of docs/performance.md, full:4096,
+full:8192, checkpointed:16384, checkpointed:32768) this runs, one after the other and each in its own
+process (so neither sees the other's allocator state):
   1. `chunkwise bench --model M --seq T --batch B --schedule SCHEDULE --steps S --warmup W --json F [--extra]`
   2. tools/bench/hf_reference.py --model M --seq T --batch B [--checkpointing] ... --peak-tflops P
      HF checkpoints activations for every schedule but `full` (it has no SeCO: layer checkpointing is
@@ -76,12 +76,12 @@ sys.path.insert(0, HERE)
 import hf_reference  # noqa: E402  (presets and the FLOP count; torch is imported only when it runs)
 
 DEFAULT_CASES = "full:4096,full:8192,checkpointed:16384,checkpointed:32768"
-# seco's fastest measured settings per length (RESULTS.md, 2026-11-27): one chunk at 16K, saved
+# seco's fastest measured settings per length (docs/performance.md, 2026-11-27): one chunk at 16K, saved
 # attention outputs from 32K (chunk 8192 at 256K).
 LONG_CONTEXT_CASES = ("seco:16384:--chunk 16384,seco:32768:--chunk 4096 --save-attention,"
                       "seco:65536:--chunk 4096 --save-attention,seco:131072:--chunk 4096 --save-attention,"
                       "seco:262144:--chunk 8192 --save-attention")
-# Issue 19's LoRA table: chunk 4096 (the K/V store fits on the device at both lengths), and what the
+# The 8B LoRA table (docs/performance.md): chunk 4096 (the K/V store fits on the device at both lengths), and what the
 # planner picks (`bench --chunk auto --offload-window auto`); both rows share one peer run per length.
 LORA_8B_CASES = ("seco:16384:--chunk 4096,seco:16384:--chunk auto --offload-window auto,"
                  "seco:65536:--chunk 4096,seco:65536:--chunk auto --offload-window auto")

@@ -12,8 +12,8 @@ the innermost events only.
 A wait inside a phase (a layer's compute waiting for its copies) is no gap: it lengthens the phase.
 So the summary also lists the layers that ran longer than the median of their kind at the same chunk
 (the "excess"), summed by kind and layer: the place of a copy wait, or of anything else that slows
-one layer of every chunk (at 128K this found the turns of the reverse sweep, RESULTS.md fourteenth
-session).
+one layer of every chunk (at 128K this found the copies waited for at the turns of the reverse sweep:
+docs/decisions.md, "The K/V store in host memory").
 """
 import argparse
 import json

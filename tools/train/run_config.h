@@ -6,7 +6,7 @@
 // run_config.cpp, [schedule]'s is schedule_option_table() beside ScheduleOptions. The defaults are
 // the structs' below; `chunkwise train` without --config runs default_run(), which differs from
 // them only in data.train = ["@demo"], the demo corpus. `chunkwise options --markdown` prints the
-// table README.md shows, `--toml` the default run as commented TOML.
+// table docs/options.md shows, `--toml` the default run as commented TOML.
 //
 // Layers, later ones winning: defaults(), then the file given with --config (only the keys it names
 // change), then each --set in order, then the flags. from_toml and apply_override check names and
@@ -176,7 +176,7 @@ struct RunConfig {
 
   std::string to_toml() const;         // every key = value, section by section
   std::string commented_toml() const;  // the same, each key preceded by its help and accepted values
-  // The README's options table: key, flag, type, default, accepted values, help, one row per option.
+  // The options table of docs/options.md: key, flag, type, default, accepted values, help, one row per option.
   static std::string options_markdown();
   nlohmann::json to_json() const;  // {"section": {"key": value}}; an unset tie_embeddings is null
 };
