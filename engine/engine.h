@@ -113,32 +113,35 @@ class SettingScope {
 void raise_attention_workspace_budget(Device device, int64_t bytes);
 int64_t attention_workspace_budget(Device device);  // 0 without cuDNN
 
-// ---- cuDNN attention plans (env CW_CUDNN_PLANS=exact|shared; exact by default) ----
-// cuDNN runs each attention problem through an execution plan that costs ~0.1-0.8 s to build.
-// exact: one plan per key count, so a SeCO step's first pass builds one per chunk offset (128K in
-// chunks of 2048: 128 plans, 23 s on an H100) and later steps run the fastest kernels.
-// shared: a call whose K/V are a slice of a longer store (SeCO's K/V store) runs the plan of the
-// store's whole extent, the real key count given at run time, so a step builds one plan per
-// direction (engine/cuda/attention_cudnn.cu says when it applies); its padded kernel runs a warm 128K
-// step about 6% slower (docs/decisions.md, "cuDNN plans and the first step"), so it pays for runs of a
-// few dozen steps and for benchmarks without warm-up. The results agree to rounding (tested on the GPU).
+// ---- cuDNN attention: the forms the tests and bench-ops compare ----
+// These have setters and no environment variable: each default is the faster form, and the other
+// stays for the tests that hold the two against each other (and bench-ops, which times them).
+// Plans: cuDNN runs each attention problem through an execution plan that costs ~0.1-0.8 s to build.
+// exact (the default): one plan per key count, so a SeCO step's first pass builds one per chunk
+// offset (128K in chunks of 2048: 128 plans, 23 s on an H100; built ahead, below) and every step
+// runs the fastest kernels. shared: a call whose K/V are a slice of a longer store (SeCO's K/V store)
+// runs the plan of the store's whole extent, the real key count given at run time, so a step builds
+// one plan per direction (engine/cuda/attention_cudnn.cu says when it applies); its padded kernel
+// runs a warm 128K step about 6% slower (docs/decisions.md, "cuDNN plans and the first step"). With
+// exact plans, a built shared plan still stands in for an exact one that is being built ahead. The
+// results agree to rounding (tested on the GPU).
 enum class CudnnPlans { exact, shared };
 void set_cudnn_plans(CudnnPlans plans);
 CudnnPlans cudnn_plans();
-// A chunk's call with keys before it (c >= 64 queries, p = S - c >= c, an exact plan; env CW_CUDNN_SPLIT_PREFIX=0|1, on
-// by default) runs as two cuDNN graphs: the chunk's queries against the p earlier keys unmasked, and
-// against its own c keys causal, merged (forward) or with dQ summed (backward). cuDNN's bottom-right
-// causal mask computes the mask on every key tile; apart, the prefix needs none and the own block is
-// the square causal case, which skips the tiles above the diagonal (0.86-0.93x the time of one call
-// forward, 0.71-0.90x backward, at 64K keys: docs/performance.md, "GPU ops against torch"). Exact plans
-// only (CW_CUDNN_PLANS=shared keeps one graph). Off: one graph.
+// The prefix apart (on by default): a chunk's call with keys before it (c >= 64 queries, p = S - c >= c,
+// an exact plan) runs as two cuDNN graphs: the chunk's queries against the p earlier keys unmasked,
+// and against its own c keys causal, merged (forward) or with dQ summed (backward). cuDNN's
+// bottom-right causal mask computes the mask on every key tile; apart, the prefix needs none and the
+// own block is the square causal case, which skips the tiles above the diagonal (0.86-0.93x the time
+// of one call forward, 0.71-0.90x backward, at 64K keys: docs/performance.md, "GPU ops against
+// torch"). Exact plans only (shared plans keep one graph). Off: one graph.
 void set_cudnn_split_prefix(bool on);
 bool cudnn_split_prefix();
-// The backward of that unmasked prefix with grouped K/V heads (env CW_CUDNN_STACK_GQA=0|1, on by
-// default): each K/V head's G query heads stacked into one head of G c rows (Q, O, dO copied
-// head-major; the lse is already laid out so), so cuDNN runs it as plain multi-head attention and
-// accumulates dK, dV over all G c rows itself. Off: cuDNN computes dK, dV per query head and reduces
-// them in a pass of its own, O(G p) traffic per call.
+// The backward of that unmasked prefix with grouped K/V heads stacked (on by default): each K/V
+// head's G query heads stacked into one head of G c rows (Q, O, dO copied head-major; the lse is
+// already laid out so), so cuDNN runs it as plain multi-head attention and accumulates dK, dV over
+// all G c rows itself (3% faster at 128K on an H100). Off: cuDNN computes dK, dV per query head and
+// reduces them in a pass of its own, O(G p) traffic per call.
 void set_cudnn_stack_gqa(bool on);
 bool cudnn_stack_gqa();
 // Whether a causal cuDNN call of `queries` rows, the last of `keys` keys, runs with its prefix apart

@@ -46,8 +46,8 @@
 //   the store (S = cap, as every packed K/V has) keep their exact plan, so which plan a call runs
 //   depends on the call alone. A SeCO step then builds two plans per direction and chunk length
 //   (the shared one and the exact one of the chunk with S = T). Shared plans are used only when
-//   selected (cw::set_cudnn_plans(shared), env CW_CUDNN_PLANS=shared; the default is exact: the
-//   padded kernel is slower in steady state); otherwise, or when cuDNN refuses a shared graph, a
+//   selected (cw::set_cudnn_plans(shared), as the tests do; the default is exact: the padded
+//   kernel is slower in steady state); otherwise, or when cuDNN refuses a shared graph, a
 //   plan per S.
 //   Plans built ahead (cw::cudnn_plan_threads(), engine.h): an exact plan missed by a call whose K/V
 //   are a slice of a longer store queues its family (the same chunk length c at every offset of

@@ -28,17 +28,14 @@ namespace {
 constexpr std::array<const char*, 7> kKernelNames{"auto", "cpu", "cudnn", "flash", "flash-wgmma", "flash-mma",
                                                   "flash-simt"};
 std::atomic<int> g_kernel{-1};         // -1: not yet read from CW_ATTENTION
-std::atomic<int> g_cudnn_plans{-1};    // -1: not yet read from CW_CUDNN_PLANS
 std::atomic<int> g_cudnn_plan_threads{-1};  // -1: not yet read from CW_CUDNN_PLAN_THREADS
 EnvFlag g_deterministic{
     "CW_DETERMINISTIC", false,
     "use CW_DETERMINISTIC=1 for bitwise-reproducible gradients, 0 (the default) for the fastest kernels"};
-EnvFlag g_cudnn_split_prefix{"CW_CUDNN_SPLIT_PREFIX", true,
-                             "use CW_CUDNN_SPLIT_PREFIX=1 (the default: a chunk's earlier keys in their own unmasked "
-                             "cuDNN call) or 0 (one masked call)"};
-EnvFlag g_cudnn_stack_gqa{"CW_CUDNN_STACK_GQA", true,
-                          "use CW_CUDNN_STACK_GQA=1 (the default: a prefix backward's query heads stacked per K/V "
-                          "head) or 0 (cuDNN's per-query-head dK, dV and its head reduction)"};
+// The cuDNN forms the tests and bench-ops compare (engine.h): no variable, the defaults the fastest.
+std::atomic<CudnnPlans> g_cudnn_plans{CudnnPlans::exact};
+std::atomic<bool> g_cudnn_split_prefix{true};
+std::atomic<bool> g_cudnn_stack_gqa{true};
 }  // namespace
 
 const char* attention_kernel_name(AttentionKernel kernel) { return kKernelNames[static_cast<size_t>(kernel)]; }
@@ -65,24 +62,14 @@ AttentionKernel attention_kernel() {
 void set_deterministic(bool on) { g_deterministic.set(on); }
 bool deterministic() { return g_deterministic.get(); }
 
-void set_cudnn_plans(CudnnPlans plans) { g_cudnn_plans.store(static_cast<int>(plans)); }
+void set_cudnn_plans(CudnnPlans plans) { g_cudnn_plans.store(plans); }
+CudnnPlans cudnn_plans() { return g_cudnn_plans.load(); }
 
-CudnnPlans cudnn_plans() {
-  int v = g_cudnn_plans.load();
-  if (v < 0) {
-    v = gpu::env_choice("CW_CUDNN_PLANS", {"exact", "shared"},
-                        "use CW_CUDNN_PLANS=exact (the default: one cuDNN attention plan per key count) or shared "
-                        "(one plan per K/V store extent)");
-    g_cudnn_plans.store(v);
-  }
-  return static_cast<CudnnPlans>(v);
-}
+void set_cudnn_split_prefix(bool on) { g_cudnn_split_prefix.store(on); }
+bool cudnn_split_prefix() { return g_cudnn_split_prefix.load(); }
 
-void set_cudnn_split_prefix(bool on) { g_cudnn_split_prefix.set(on); }
-bool cudnn_split_prefix() { return g_cudnn_split_prefix.get(); }
-
-void set_cudnn_stack_gqa(bool on) { g_cudnn_stack_gqa.set(on); }
-bool cudnn_stack_gqa() { return g_cudnn_stack_gqa.get(); }
+void set_cudnn_stack_gqa(bool on) { g_cudnn_stack_gqa.store(on); }
+bool cudnn_stack_gqa() { return g_cudnn_stack_gqa.load(); }
 
 bool cudnn_splits_prefix(int64_t queries, int64_t keys) {
   return queries >= kSplitMinQueries && keys - queries >= queries && cudnn_split_prefix() &&
