@@ -190,13 +190,11 @@ bool EnvFlag::get() {
 }
 
 namespace {
-EnvFlag g_gemm_tuning{"CW_GEMM_TUNE", false,
-                      "use CW_GEMM_TUNE=0 (the default: cuBLASLt's first answer) or 1 (each GEMM shape runs the "
-                      "fastest of cuBLASLt's candidates, timed at its first call)"};
+std::atomic<bool> g_gemm_tuning{false};
 }  // namespace
 
-void set_gemm_tuning(bool on) { g_gemm_tuning.set(on); }
-bool gemm_tuning() { return g_gemm_tuning.get(); }
+void set_gemm_tuning(bool on) { g_gemm_tuning.store(on); }
+bool gemm_tuning() { return g_gemm_tuning.load(); }
 
 GemmTuneStats gemm_tune_stats() { return gpu::gemm_tune_stats(); }
 

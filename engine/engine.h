@@ -70,7 +70,7 @@ bool deterministic();
 void set_attention_kernel(AttentionKernel kernel);
 AttentionKernel attention_kernel();
 
-// ---- GEMM algorithms (env CW_GEMM_TUNE=0|1; off by default) ----
+// ---- GEMM algorithms (off by default; on only where bench-ops times the two) ----
 // On: the first call of each GEMM shape (engine/cuda/linear.cu: shape, transposes, dtypes, alignment)
 // times up to eight of cuBLASLt's candidate algorithms on the call's own operands and keeps the
 // fastest for the life of the process, so a process gives the same bits on every call; another

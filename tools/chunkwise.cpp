@@ -118,7 +118,7 @@ int main(int argc, char** argv) {
                         "e.g. 4096:131072");
   bench_ops->add_option("--linears", bo.linears,
                         "OUT:IN rows: a linear at --tokens rows (forward, d_x, d_W in f32), with cuBLASLt's first "
-                        "algorithm and the tuned one (CW_GEMM_TUNE), e.g. 512:2048 3072:2048");
+                        "algorithm and the tuned one (engine.h, gemm_tuning), e.g. 512:2048 3072:2048");
 
   cw::BenchModelOptions bm;
   CLI::App* bench = app.add_subcommand("bench", "time training steps of a whole model on the GPU (a benchmark)");
