@@ -8,6 +8,7 @@
 #include "model/lora.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <optional>
 #include <vector>
@@ -15,12 +16,11 @@
 namespace cw {
 
 namespace {
-EnvFlag g_fused_qkv{"CW_FUSED_QKV", true,
-                    "use CW_FUSED_QKV=1 (the default: Q, K and V projected by one GEMM) or 0 (three)"};
+std::atomic<bool> g_fused_qkv{true};
 }  // namespace
 
-void set_fused_qkv(bool on) { g_fused_qkv.set(on); }
-bool fused_qkv() { return g_fused_qkv.get(); }
+void set_fused_qkv(bool on) { g_fused_qkv.store(on); }
+bool fused_qkv() { return g_fused_qkv.load(); }
 
 namespace {
 // The rule, stated once: the switch on, no tensor parallelism (each rank holds its own heads' rows of

@@ -110,14 +110,14 @@ struct BlockContext {
 
 struct LoraConfig;  // model/lora.h
 
-// The fused Q/K/V projection (env CW_FUSED_QKV=1|0; on by default): where Wq, Wk, Wv lie back to back
-// in memory (the parameter table's order, model/params.cpp; so do their gradients), carry no
-// adapters and are not tensor-parallel shards, a chunk's three projections run as one GEMM of
-// q_dim + 2 kv_dim outputs, [N, q_dim + 2 kv_dim] = h1 [Wq; Wk; Wv]ᵀ, and the backward as one d_h1 GEMM
-// and one d_W GEMM; RoPE reads and writes the q and k columns in place (engine/ops/rope.h). The
-// values are the same sums; the K and V GEMMs of 512 columns alone fill under half an H100 (1B's run
-// at 91-96 TFLOP/s alone, the three fused at 650-670: docs/decisions.md, "GEMMs"). Off: three GEMMs
-// each way.
+// The fused Q/K/V projection (on by default; the setter is for the tests that hold it against three
+// GEMMs): where Wq, Wk, Wv lie back to back in memory (the parameter table's order,
+// model/params.cpp; so do their gradients), carry no adapters and are not tensor-parallel shards, a
+// chunk's three projections run as one GEMM of q_dim + 2 kv_dim outputs,
+// [N, q_dim + 2 kv_dim] = h1 [Wq; Wk; Wv]ᵀ, and the backward as one d_h1 GEMM and one d_W GEMM; RoPE
+// reads and writes the q and k columns in place (engine/ops/rope.h). The values are the same sums;
+// the K and V GEMMs of 512 columns alone fill under half an H100 (1B's run at 91-96 TFLOP/s alone,
+// the three fused at 650-670: docs/decisions.md, "GEMMs"). Off: three GEMMs each way.
 void set_fused_qkv(bool on);
 bool fused_qkv();
 // Whether block_forward / block_backward fuse the projections of a model with these adapters and
