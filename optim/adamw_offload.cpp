@@ -20,10 +20,6 @@ PieceRange piece_range(int64_t i, int64_t numel, int64_t piece) {
   const int64_t begin = std::max<int64_t>(0, numel - (i + 1) * piece);
   return {begin, numel - i * piece - begin};
 }
-
-EnvFlag g_stream{"CW_OFFLOAD_STREAM", true,
-                 "use CW_OFFLOAD_STREAM=1 (the default: an offloaded f32 state is updated on the GPU, streamed "
-                 "through it) or 0 (on the host's cores)"};
 // Elements one host thread updates at a time: large enough that a call's checks cost nothing, small
 // enough that the cores share a piece evenly.
 constexpr int64_t kThreadBlock = int64_t(1) << 16;
@@ -48,7 +44,7 @@ size_t OffloadedAdamW::staging_bytes() const {
 }
 
 bool OffloadedAdamW::streams(Device device, DType state_dtype) {
-  return !device.is_cpu() && state_dtype == DType::f32 && g_stream.get();
+  return !device.is_cpu() && state_dtype == DType::f32;
 }
 
 size_t OffloadedAdamW::device_staging_bytes_for(int64_t numel, DType state_dtype, int64_t piece_elems) {

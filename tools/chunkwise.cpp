@@ -128,7 +128,7 @@ int main(int argc, char** argv) {
   cw::add_schedule_flags(*bench, bm.schedule);  // --chunk and --offload-window take auto: the planner chooses
   cw::add_lora_flags(*bench, bm.lora);
   bench->add_flag("--optimizer-offload", bm.optimizer_offload,
-                  "master weights and AdamW's moments in host memory, updated on the GPU piece by piece as they stream through it (ZeRO-Offload; CW_OFFLOAD_STREAM=0: on the CPU cores)");
+                  "master weights and AdamW's moments in host memory, updated on the GPU piece by piece as they stream through it (ZeRO-Offload)");
   bench->add_option("--device-memory", bm.device_memory_gib,
                     "GiB the run may use (the pool's ceiling less the CUDA context; 0: the whole GPU)")
       ->capture_default_str();
@@ -164,7 +164,7 @@ int main(int argc, char** argv) {
                    "GiB of host memory, of which the plan may pin 90% (default: this machine's available memory "
                    "when it has a GPU, else not checked)");
   plan->add_flag("--optimizer-offload", po.optimizer_offload,
-                 "master weights and AdamW's moments in host memory, updated on the GPU piece by piece as they stream through it (ZeRO-Offload; CW_OFFLOAD_STREAM=0: on the CPU cores)");
+                 "master weights and AdamW's moments in host memory, updated on the GPU piece by piece as they stream through it (ZeRO-Offload)");
   plan->add_flag("--explain", po.explain,
                  "with --chunk / --offload-window auto: also list every plan auto compared (settings, memory, time)");
   plan->add_flag("--longest", po.longest,

@@ -80,7 +80,7 @@ const std::vector<Option<Optimizer>> optimizer_options = {
   {"eps",            "", &Optimizer::eps,         above(0),                             "AdamW denominator epsilon"},
   {"weight_decay",   "", &Optimizer::weight_decay, at_least(0),                         "decoupled weight decay"},
   {"grad_clip",      "", &Optimizer::grad_clip,   at_least(0, "off"),                   "clip the global gradient L2 norm to this; 0: no clipping"},
-  {"offload",        "--optimizer-offload", &Optimizer::offload, {},                    "keep the master weights and AdamW's moments in host memory (ZeRO-Offload; 12 bytes a trained parameter off the device), updated piece by piece on the GPU with the state streamed through it (env CW_OFFLOAD_STREAM=0: on the CPU cores instead)"},
+  {"offload",        "--optimizer-offload", &Optimizer::offload, {},                    "keep the master weights and AdamW's moments in host memory (ZeRO-Offload; 12 bytes a trained parameter off the device), updated piece by piece on the GPU with the state streamed through it"},
 };
 const std::vector<Option<Train>> train_options = {
   {"steps",          "",                &Train::steps,         at_least(1),           "optimizer steps"},
