@@ -179,16 +179,6 @@ void synchronize(Device device) {
   if (!device.is_cpu()) gpu::synchronize(device.index);
 }
 
-bool EnvFlag::get() {
-  int v = value_.load();
-  if (v < 0) {
-    const bool other = gpu::env_choice(name_, {by_default_ ? "1" : "0", by_default_ ? "0" : "1"}, hint_) == 1;
-    v = (by_default_ != other) ? 1 : 0;
-    value_.store(v);
-  }
-  return v == 1;
-}
-
 namespace {
 std::atomic<bool> g_gemm_tuning{false};
 }  // namespace

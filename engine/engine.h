@@ -1,16 +1,16 @@
 // chunkwise engine: the settings and queries of the engine as a whole. Together with engine/ops/*.h,
-// engine/memory.h, engine/residency.h and engine/trace.h this is everything the layers above
-// (model/, optim/, tools/) see of the engine: nothing above engine/ names a CUDA symbol or includes
-// engine/cuda/.
+// engine/memory.h, engine/residency.h, engine/trace.h and engine/env.h this is everything the layers
+// above (model/, optim/, tools/) see of the engine: nothing above engine/ names a CUDA symbol or
+// includes engine/cuda/.
 //
-// Settings are process-wide; each has an environment variable read once, on first use, and a
-// setter that overrides it (tests and benchmarks force choices through the setters).
+// Settings are process-wide, each with a setter (tests and benchmarks force choices through them);
+// those a user may choose also have an environment variable (engine/env.h: the registry), read once,
+// on first use, unless the setter ran first.
 #pragma once
 
 #include "engine/ops/attention.h"
 #include "engine/tensor.h"
 
-#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
@@ -36,27 +36,6 @@ std::vector<GpuInfo> list_gpus();
 bool gpu_available();  // this build has CUDA and the runtime sees at least one GPU
 // One line per device, starting with the CPU; used by `chunkwise devices` and test skip messages.
 std::string describe_devices();
-
-// ---- Process-wide switches ----
-// An on/off switch (the ones below, and model/layer.h's fused_qkv): the value set(), else environment
-// variable `name`, read at the first get() ("1" or "0"; unset or empty: `by_default`; anything else is
-// a clear error naming the variable, with `hint`). Each switch is one EnvFlag behind its set_X / X pair.
-class EnvFlag {
- public:
-  constexpr EnvFlag(const char* name, bool by_default, const char* hint)
-      : name_(name), hint_(hint), by_default_(by_default) {}
-  EnvFlag(const EnvFlag&) = delete;
-  EnvFlag& operator=(const EnvFlag&) = delete;
-  bool get();
-  void set(bool on) { value_.store(on ? 1 : 0); }
-  void forget() { value_.store(-1); }  // the next get() reads the variable again
-
- private:
-  std::atomic<int> value_{-1};  // -1: not yet set or read
-  const char* name_;
-  const char* hint_;
-  bool by_default_;
-};
 
 // ---- Determinism (env CW_DETERMINISTIC=0|1; off by default) ----
 // On: every GPU result is bitwise reproducible (only deterministic kernels run). Off: the attention

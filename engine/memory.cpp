@@ -2,6 +2,7 @@
 
 #include "engine/cuda/runtime.h"
 #include "engine/engine.h"
+#include "engine/env.h"
 
 #include <fmt/format.h>
 
@@ -102,14 +103,8 @@ Arena::Arena(Device device, size_t block_bytes, size_t max_bytes)
     : block_bytes_(block_bytes != 0 ? block_bytes : (device.is_cpu() ? kHostArenaBlockBytes : kDeviceArenaBlockBytes)),
       max_bytes_(max_bytes), device_(device) {}
 
-namespace {
-const char* const kArenaLogHint =
-    "CW_ARENA_LOG=1 prints a line on stderr for each block an arena adds (and `chunkwise plan` for each block its "
-    "replay adds), so a run's arena can be set against the planner's";
-}  // namespace
-
 bool arena_log() {
-  static const bool on = gpu::env_switch("CW_ARENA_LOG", kArenaLogHint);
+  static const bool on = env::flag(env::kArenaLog);
   return on;
 }
 

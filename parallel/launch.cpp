@@ -1,6 +1,7 @@
 // Reading a launcher's variables (see launch.h for which, in what order, and the defaults).
 #include "parallel/launch.h"
 
+#include "engine/env.h"
 #include "engine/error.h"
 
 #include <cctype>
@@ -10,13 +11,7 @@
 
 namespace cw {
 
-Environment process_environment() {
-  return [](const std::string& name) -> std::optional<std::string> {
-    const char* v = std::getenv(name.c_str());
-    if (v == nullptr) return std::nullopt;
-    return std::string(v);
-  };
-}
+Environment process_environment() { return cw::env::lookup; }
 
 Environment environment_from(std::map<std::string, std::string> variables) {
   return [variables = std::move(variables)](const std::string& name) -> std::optional<std::string> {

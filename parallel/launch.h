@@ -41,7 +41,7 @@ namespace cw {
 // One environment variable's value, or nullopt when it is unset.
 using Environment = std::function<std::optional<std::string>(const std::string& name)>;
 
-Environment process_environment();  // std::getenv
+Environment process_environment();  // engine/env.h lookup: the registry's launch variables
 Environment environment_from(std::map<std::string, std::string> variables);
 
 enum class Launcher { single, torchrun, open_mpi, slurm };

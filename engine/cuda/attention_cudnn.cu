@@ -78,6 +78,7 @@
 #include "engine/cuda/ops.h"
 #include "engine/cuda/runtime.h"
 #include "engine/engine.h"
+#include "engine/env.h"
 
 #include <cudnn.h>
 
@@ -853,7 +854,7 @@ std::unique_ptr<Plan> build_plan(cudnnHandle_t handle, const Shape& sh, std::str
 }
 
 bool verbose() {
-  static const bool v = env_switch("CW_CUDNN_VERBOSE", "CW_CUDNN_VERBOSE=1 describes each cuDNN attention plan on stderr");
+  static const bool v = env::flag(env::kCudnnVerbose);
   return v;
 }
 using Clock = std::chrono::steady_clock;

@@ -13,9 +13,6 @@
 #include "engine/tensor.h"
 
 #include <cstddef>
-#include <cstdlib>
-#include <cstring>
-#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -24,28 +21,6 @@ struct GemmTuneStats;  // engine.h
 }  // namespace cw
 
 namespace cw::gpu {
-
-// An on/off switch from the environment: unset, empty or "0" is off, "1" is on; anything else is a
-// clear error naming the variable (`hint` says what the switch does).
-inline bool env_switch(const char* name, const char* hint) {
-  const char* e = std::getenv(name);
-  if (e == nullptr || *e == '\0' || std::strcmp(e, "0") == 0) return false;
-  if (std::strcmp(e, "1") == 0) return true;
-  fail(std::string("environment variable ") + name + "='" + e + "' is not 0 or 1", hint);
-}
-
-// A choice from the environment: unset or empty is choice 0; otherwise the index of the value in
-// `choices`; anything else is a clear error naming the variable and listing the choices.
-inline int env_choice(const char* name, std::initializer_list<const char*> choices, const char* hint) {
-  const char* e = std::getenv(name);
-  if (e == nullptr || *e == '\0') return 0;
-  int i = 0;
-  for (const char* c : choices) {
-    if (std::strcmp(e, c) == 0) return i;
-    ++i;
-  }
-  fail(std::string("environment variable ") + name + "='" + e + "' is not one of its choices", hint);
-}
 
 bool available();        // this build has CUDA and the runtime sees at least one GPU
 int device_count();

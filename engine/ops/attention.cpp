@@ -7,6 +7,7 @@
 #include "engine/cpu/attention.h"
 #include "engine/cuda/runtime.h"
 #include "engine/engine.h"
+#include "engine/env.h"
 #if CW_HAVE_CUDA
 #include "engine/cuda/ops.h"
 #endif
@@ -15,7 +16,6 @@
 #include <array>
 #include <atomic>
 #include <thread>
-#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <limits>
@@ -29,9 +29,7 @@ constexpr std::array<const char*, 7> kKernelNames{"auto", "cpu", "cudnn", "flash
                                                   "flash-simt"};
 std::atomic<int> g_kernel{-1};         // -1: not yet read from CW_ATTENTION
 std::atomic<int> g_cudnn_plan_threads{-1};  // -1: not yet read from CW_CUDNN_PLAN_THREADS
-EnvFlag g_deterministic{
-    "CW_DETERMINISTIC", false,
-    "use CW_DETERMINISTIC=1 for bitwise-reproducible gradients, 0 (the default) for the fastest kernels"};
+EnvFlag g_deterministic{env::kDeterministic};
 // The cuDNN forms the tests and bench-ops compare (engine.h): no variable, the defaults the fastest.
 std::atomic<CudnnPlans> g_cudnn_plans{CudnnPlans::exact};
 std::atomic<bool> g_cudnn_split_prefix{true};
@@ -52,8 +50,8 @@ void set_attention_kernel(AttentionKernel kernel) { g_kernel.store(static_cast<i
 AttentionKernel attention_kernel() {
   int v = g_kernel.load();
   if (v < 0) {
-    const char* e = std::getenv("CW_ATTENTION");
-    v = static_cast<int>(e == nullptr || *e == '\0' ? AttentionKernel::automatic : parse_attention_kernel(e));
+    const std::optional<std::string> e = env::text(env::kAttention);
+    v = static_cast<int>(e ? parse_attention_kernel(*e) : AttentionKernel::automatic);
     g_kernel.store(v);
   }
   return static_cast<AttentionKernel>(v);
@@ -88,20 +86,11 @@ void set_cudnn_plan_threads(int threads) {
 int cudnn_plan_threads() {
   int v = g_cudnn_plan_threads.load();
   if (v < 0) {
-    const char* e = std::getenv("CW_CUDNN_PLAN_THREADS");
-    if (e == nullptr || *e == '\0') {
-      // Half the cores (the host keeps the rest), at most 8: cuDNN's builds slow each other down (0.15 s
-      // alone, about 1 s each with 8 at once), so more threads build no faster (docs/decisions.md,
-      // "cuDNN plans and the first step").
-      v = static_cast<int>(std::clamp(std::thread::hardware_concurrency() / 2, 1u, 8u));
-    } else {
-      char* end = nullptr;
-      const long n = std::strtol(e, &end, 10);
-      if (*end != '\0' || n < 0 || n > 256)
-        fail(fmt::format("environment variable CW_CUDNN_PLAN_THREADS='{}' is not a count from 0 to 256", e),
-             "set the host threads that build cuDNN attention plans ahead of use (0: build each when first needed)");
-      v = static_cast<int>(n);
-    }
+    // By default half the cores (the host keeps the rest), at most 8: cuDNN's builds slow each other
+    // down (0.15 s alone, about 1 s each with 8 at once), so more threads build no faster
+    // (docs/decisions.md, "cuDNN plans and the first step").
+    const std::optional<int64_t> n = env::integer(env::kCudnnPlanThreads);
+    v = n ? static_cast<int>(*n) : static_cast<int>(std::clamp(std::thread::hardware_concurrency() / 2, 1u, 8u));
     g_cudnn_plan_threads.store(v);
   }
   return v;
@@ -177,14 +166,9 @@ std::map<int, int64_t> g_budgets, g_budget_floors;
 // CW_ATTENTION_WORKSPACE_MIB in bytes, if set (then it fixes the budget); read once.
 std::optional<int64_t> workspace_budget_from_env() {
   static const std::optional<int64_t> fixed = []() -> std::optional<int64_t> {
-    const char* e = std::getenv("CW_ATTENTION_WORKSPACE_MIB");
-    if (e == nullptr || *e == '\0') return std::nullopt;
-    char* end = nullptr;
-    const long long mib = std::strtoll(e, &end, 10);
-    if (end == e || *end != '\0' || mib < 0)
-      fail(std::string("environment variable CW_ATTENTION_WORKSPACE_MIB='") + e + "' is not a number of MiB",
-           "set it to a whole number, e.g. 1024, or unset it for a quarter of the free device memory");
-    return static_cast<int64_t>(mib) << 20;
+    const std::optional<int64_t> mib = env::integer(env::kAttentionWorkspaceMib);
+    if (!mib) return std::nullopt;
+    return *mib << 20;
   }();
   return fixed;
 }

@@ -72,32 +72,6 @@ TEST_CASE("attention chooser: a forced family that cannot take the call names wh
   CHECK_FALSE(error_of(gpu_call(DType::bf16, 256), AttentionKernel::flash_simt).empty());
 }
 
-TEST_CASE("EnvFlag: the default, the variable's 0 or 1, a set value kept, anything else a clear error") {
-  const char* name = "CW_TEST_ENV_FLAG";
-  for (const bool by_default : {false, true}) {
-    INFO("by default ", by_default);
-    ::unsetenv(name);
-    EnvFlag flag(name, by_default, "hint");
-    CHECK(flag.get() == by_default);
-    ::setenv(name, by_default ? "0" : "1", 1);
-    CHECK(flag.get() == by_default);  // read once: the variable is not read again
-    flag.forget();
-    CHECK(flag.get() == !by_default);
-    flag.set(by_default);
-    CHECK(flag.get() == by_default);  // a set value wins over the variable
-    ::setenv(name, by_default ? "1" : "0", 1);
-    flag.forget();
-    CHECK(flag.get() == by_default);
-    ::setenv(name, "", 1);
-    flag.forget();
-    CHECK(flag.get() == by_default);
-    ::setenv(name, "yes", 1);
-    flag.forget();
-    CHECK_THROWS_WITH_AS(flag.get(), doctest::Contains(name), Error);
-  }
-  ::unsetenv(name);
-}
-
 TEST_CASE("attention settings: set_attention_kernel and set_deterministic are read back") {
   const AttentionKernel saved_kernel = attention_kernel();
   const bool saved_det = deterministic();

@@ -2,13 +2,18 @@
 // rules, SLURM's host and tasks-per-node lists, and a clear error for each malformed value.
 #include "parallel/launch.h"
 
+#include "engine/env.h"
 #include "engine/error.h"
+#include "parallel/bootstrap.h"
+#include "parallel/watchdog.h"
 
 #include <doctest/doctest.h>
 
 #include <cstdlib>
 #include <map>
+#include <set>
 #include <string>
+#include <vector>
 
 using namespace cw;
 // Values are assigned as std::string(...): GCC 12 warns falsely (-Wrestrict) when a map element is
@@ -195,10 +200,40 @@ TEST_CASE("launch: SLURM host lists and tasks-per-node lists") {
   CHECK_THROWS_WITH_AS(slurm_tasks_on_node("two", 0, "T"), doctest::Contains("T='two'"), Error);
 }
 
-TEST_CASE("launch: the process environment is read through getenv") {
+TEST_CASE("launch: the process environment is read through the registry (engine/env.h)") {
   ::setenv("CW_TEST_LAUNCH_VARIABLE", "42", 1);
   const Environment env = process_environment();
   CHECK(env("CW_TEST_LAUNCH_VARIABLE") == "42");
   ::unsetenv("CW_TEST_LAUNCH_VARIABLE");
   CHECK_FALSE(env("CW_TEST_LAUNCH_VARIABLE").has_value());
+  CHECK_THROWS_WITH_AS(env("NOT_A_LAUNCH_VARIABLE"), doctest::Contains("NOT_A_LAUNCH_VARIABLE"), Error);
+}
+
+TEST_CASE("launch: every variable the launch readers ask for is a launch variable of the registry") {
+  // Each launcher's variables set in turn, so that every branch asks its names.
+  const std::vector<std::map<std::string, std::string>> worlds = {
+      {},
+      {{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "10.0.0.1"}, {"MASTER_PORT", "40000"},
+       {"TORCHELASTIC_USE_AGENT_STORE", "True"}},
+      {{"OMPI_COMM_WORLD_RANK", "0"}, {"OMPI_COMM_WORLD_SIZE", "2"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}},
+      {{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "4"}, {"SLURM_NODEID", "0"}, {"SLURM_JOB_NODELIST", "gpu[1-2]"},
+       {"SLURM_JOB_ID", "77"}}};
+  for (const auto& world : worlds) {
+    std::set<std::string> asked;
+    const Environment fake = environment_from(world);
+    const Environment recording = [&](const std::string& name) {
+      asked.insert(name);
+      return fake(name);
+    };
+    read_launch_info(recording);
+    bootstrap_timeout_from(recording);
+    comm_timeout_from(recording);
+    CHECK(asked.size() > 4);
+    for (const std::string& name : asked) {
+      INFO(name);
+      const env::Variable* v = env::find(name);
+      REQUIRE(v != nullptr);
+      CHECK(v->kind == env::Kind::launch);
+    }
+  }
 }

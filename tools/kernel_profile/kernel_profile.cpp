@@ -13,7 +13,9 @@
 //
 // At exit it prints, per range (a timed step): the range's time, the GPU's busy time (the union of the
 // kernels' intervals), the kernel time by kind (matmul, attention, other), and one line per kernel name
-// (time per range, share, calls, mean). Settings (environment):
+// (time per range, share, calls, mean). Settings (environment; engine/env.h lists them, and this
+// library reads them through env::value, leniently: it runs inside processes that are not ours, where
+// it must not throw):
 //   CW_KERNEL_PROFILE=PATH   also write PATH.csv (every kernel name: kind, calls, total ns) and PATH.txt
 //                            (the printed summary); without it the summary goes to stderr only
 //   CW_KERNEL_PROFILE_TOP=N  the summary's kernel lines (default 40)
@@ -22,6 +24,8 @@
 //                            synchronous copy, shows here as the reason the GPU's queue ran dry); each gap
 //                            split by when the host launched the kernel that ended it (late, launching, or
 //                            queued behind something on the GPU); and the memsets by the kernel after them
+#include "engine/env.h"
+
 #include <cupti.h>
 
 #include <cxxabi.h>
@@ -299,7 +303,7 @@ void report() {
   for (size_t i = 0; i < rows.size(); ++i)
     if (rows[i].calls > 0) order.push_back(i);
   std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return rows[a].ns > rows[b].ns; });
-  const char* top_env = std::getenv("CW_KERNEL_PROFILE_TOP");
+  const char* top_env = cw::env::value(cw::env::kKernelProfileTop);
   const size_t top = top_env ? static_cast<size_t>(std::atol(top_env)) : 40;
   text += "  ms/range  share  calls/range  mean us  kind       kernel\n";
   for (size_t j = 0; j < order.size() && j < top; ++j) {
@@ -497,7 +501,7 @@ void report() {
     }
   }
   std::fputs(text.c_str(), stderr);
-  if (const char* path = std::getenv("CW_KERNEL_PROFILE"); path && *path) {
+  if (const char* path = cw::env::value(cw::env::kKernelProfile)) {
     const std::string base = path;
     if (FILE* f = std::fopen((base + ".txt").c_str(), "w")) std::fputs(text.c_str(), f), std::fclose(f);
     if (FILE* f = std::fopen((base + ".csv").c_str(), "w")) {
@@ -521,7 +525,7 @@ extern "C" __attribute__((visibility("default"))) int InitializeInjection(void) 
   check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_CONCURRENT_KERNEL), "enabling kernel records");
   check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMCPY), "enabling copy records");
   check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_MEMSET), "enabling memset records");
-  if (const char* api = std::getenv("CW_KERNEL_PROFILE_API"); api && std::strcmp(api, "1") == 0) {
+  if (const char* api = cw::env::value(cw::env::kKernelProfileApi); api && std::strcmp(api, "1") == 0) {
     check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_RUNTIME), "enabling runtime API records");
     check(cuptiActivityEnable(CUPTI_ACTIVITY_KIND_DRIVER), "enabling driver API records");
   }

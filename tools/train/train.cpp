@@ -18,6 +18,7 @@
 #include "parallel/tensor_parallel.h"
 #include "chunkwise_config.h"
 #include "engine/engine.h"
+#include "engine/env.h"
 #include "engine/ops/attention.h"
 #include "tools/data/batches.h"
 #include "tools/data/tokenizer.h"
@@ -904,7 +905,7 @@ void print_sample(const RunConfig& rc, const LlamaConfig& mc, TrainingState& sta
 }  // namespace
 
 std::string demo_data_path() {
-  if (const char* env = std::getenv("CHUNKWISE_DEMO_DATA")) return env;
+  if (const std::optional<std::string> path = env::text(env::kDemoData)) return *path;
   const std::string p = ".cache/demo/jargon.bin";
   if (!fs::exists(p))
     fail(fmt::format("the demo corpus '{}' is not there", p),
