@@ -2,6 +2,7 @@
 // optim/ or model/, so tests call the same code. Errors end in one clear line and a non-zero exit.
 #include "chunkwise_config.h"
 #include "engine/engine.h"
+#include "engine/env.h"
 #include "engine/error.h"
 #include "tools/data/tokenizer.h"
 #include "tools/data/tokens.h"
@@ -275,10 +276,16 @@ int main(int argc, char** argv) {
   eval->add_option("--seed", eo.seed, "passkey: the keys' seed")->capture_default_str();
   eval->add_flag("--chat", eo.chat, "passkey: the prompt as the user's message of the tokenizer's chat template");
 
-  bool options_toml = false, options_markdown = false;
+  bool options_toml = false, options_markdown = false, options_env = false;
   CLI::App* options = app.add_subcommand("options", "every option of a training run: the table of docs/options.md (markdown)");
-  options->add_flag("--markdown", options_markdown, "the table of keys, flags, types, defaults, values and help (the default)");
-  options->add_flag("--toml", options_toml, "the default run as TOML, each key with its help");
+  CLI::Option* markdown_opt = options->add_flag(
+      "--markdown", options_markdown, "the table of keys, flags, types, defaults, values and help (the default)");
+  CLI::Option* toml_opt = options->add_flag("--toml", options_toml, "the default run as TOML, each key with its help");
+  options
+      ->add_flag("--env", options_env,
+                 "the environment variables instead: name, default and meaning (docs/environment.md's tables)")
+      ->excludes(markdown_opt)
+      ->excludes(toml_opt);
 
   std::vector<std::string> text_inputs, jsonl_inputs, chat_inputs;
   std::string shard_out, jsonl_field = "text";
@@ -364,7 +371,9 @@ int main(int argc, char** argv) {
       return r.interrupted ? cw::kExitInterrupted : 0;
     }
     if (*options) {
-      std::cout << (options_toml ? cw::RunConfig::default_run().commented_toml() : cw::RunConfig::options_markdown());
+      std::cout << (options_env    ? cw::env::tables_markdown()
+                    : options_toml ? cw::RunConfig::default_run().commented_toml()
+                                   : cw::RunConfig::options_markdown());
       return 0;
     }
     if (*sample) {

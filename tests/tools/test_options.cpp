@@ -1,4 +1,5 @@
-// The option tables (optim/options.h): docs/options.md's table is the generated one; every row
+// The option tables (optim/options.h): docs/options.md's table is the generated one (and
+// docs/environment.md's tables the registry's, engine/env.h); every row
 // round-trips through each of its spellings (CLI flag, TOML, --set, the resolved dump); every rule
 // rejects a value that breaks it with a one-line message naming the key; train's flags win over
 // --config and --set.
@@ -6,6 +7,7 @@
 #include "tools/cli_options.h"
 #include "tools/train/run_config.h"
 
+#include "engine/env.h"
 #include "engine/error.h"
 
 #include <CLI/CLI.hpp>
@@ -63,12 +65,12 @@ std::vector<std::string> cli_args(const OptionRef& o, const OptionTarget& value,
   return args;
 }
 
-std::string documented_table() {
-  std::ifstream f(std::filesystem::path(CW_SOURCE_ROOT) / "docs" / "options.md");
+// The lines of a document between the line holding `begin` and the line starting with `end`.
+std::string generated_part(const char* document, const std::string& begin, const std::string& end) {
+  std::ifstream f(std::filesystem::path(CW_SOURCE_ROOT) / document);
   std::stringstream text;
   text << f.rdbuf();
   const std::string s = text.str();
-  const std::string begin = "<!-- options table:", end = "<!-- end of options table -->";
   const auto b = s.find(begin);
   const auto e = s.find(end);
   REQUIRE(b != std::string::npos);
@@ -79,7 +81,14 @@ std::string documented_table() {
 
 TEST_CASE("options: docs/options.md's table is `chunkwise options --markdown`") {
   // On a mismatch: build/tools/chunkwise options --markdown, and paste it between the markers.
-  CHECK(documented_table() == RunConfig::options_markdown());
+  CHECK(generated_part("docs/options.md", "<!-- options table:", "<!-- end of options table -->") ==
+        RunConfig::options_markdown());
+}
+
+TEST_CASE("options: docs/environment.md's tables are `chunkwise options --env`") {
+  // On a mismatch: build/tools/chunkwise options --env, and paste it between the markers.
+  CHECK(generated_part("docs/environment.md", "<!-- environment tables:", "<!-- end of environment tables -->") ==
+        env::tables_markdown());
 }
 
 TEST_CASE("options: every row of the run config round-trips through TOML, --set, the dump and its flag") {
