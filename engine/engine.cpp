@@ -26,8 +26,8 @@ std::vector<GpuInfo> cuda_list_gpus();  // engine/cuda/device_query.cu
 #endif
 #if CW_HAVE_CUDNN
 namespace gpu {
-AttentionPlanStats cudnn_plan_stats();  // engine/cuda/attention_cudnn.cu
-void cudnn_stop_plan_threads();         // engine/cuda/attention_cudnn.cu
+AttentionPlanStats cudnn_plan_stats();  // engine/cuda/attention_cudnn_plans.cu
+void cudnn_stop_plan_threads();         // engine/cuda/attention_cudnn_plans.cu
 }  // namespace gpu
 #endif
 

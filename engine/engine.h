@@ -100,9 +100,9 @@ int64_t attention_workspace_budget(Device device);  // 0 without cuDNN
 // offset (128K in chunks of 2048: 128 plans, 23 s on an H100; built ahead, below) and every step
 // runs the fastest kernels. shared: a call whose K/V are a slice of a longer store (SeCO's K/V store)
 // runs the plan of the store's whole extent, the real key count given at run time, so a step builds
-// one plan per direction (engine/cuda/attention_cudnn.cu says when it applies); its padded kernel
-// runs a warm 128K step about 6% slower (docs/decisions.md, "cuDNN plans and the first step"). With
-// exact plans, a built shared plan still stands in for an exact one that is being built ahead. The
+// one plan per direction (engine/cuda/attention_cudnn_plans.cu says when it applies); its padded
+// kernel runs a warm 128K step about 6% slower (docs/decisions.md, "cuDNN plans and the first step").
+// With exact plans, a built shared plan still stands in for an exact one that is being built ahead. The
 // results agree to rounding (tested on the GPU).
 enum class CudnnPlans { exact, shared };
 void set_cudnn_plans(CudnnPlans plans);

@@ -322,7 +322,7 @@ void block_backward(ArenaReplay& a, const Shape& s, MlpKept mlp, int64_t mlp_sha
     a.alloc(size_t(s.B * H * s.c) * 4);                   // Delta
     if (s.stacked())
       for (int i = 0; i < 3; ++i) a.alloc(s.row(cf.q_dim()));  // Q, O, dO head-major
-    // The workspace (split, no less than the shared plan's over all S keys: attention_cudnn.cu).
+    // The workspace (split, no less than the shared plan's over all S keys: attention_cudnn_plans.cu).
     a.alloc(attention_backward_workspace(cf, s.B, s.S));
   }
   if (s.fused_qkv) {

@@ -78,7 +78,7 @@ void flash_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor
 // and out_b bf16 (the split cuDNN forward's two outputs, attention_cudnn.cu).
 void attention_merge(const Tensor& acc, const Tensor& lse_acc, const Tensor& out_b, const Tensor& lse_b);
 
-// cuDNN fused attention (engine/cuda/attention_cudnn.cu; builds with cuDNN only).
+// cuDNN fused attention (engine/cuda/attention_cudnn*.cu; builds with cuDNN only).
 int64_t cudnn_runtime_version();  // cudnnGetVersion() of the library loaded at run time, e.g. 91400
 // Whether cuDNN can take these operands in both directions / the forward (and why not).
 // causal false (every function here): the unmasked form (AttentionMask::none), one exact plan per shape.
