@@ -2,6 +2,7 @@
 
 #include "engine/engine.h"
 #include "engine/memory.h"
+#include "engine/scratch.h"
 #include "model/layer.h"
 #include "model/llama.h"
 #include "optim/chunks.h"
@@ -11,118 +12,210 @@
 namespace cw {
 
 namespace {
-constexpr size_t kArenaBlockBytes = kDeviceArenaBlockBytes;  // the engine's own sizes (engine.h)
-constexpr size_t kArenaAlign = kMemoryAlignBytes;
-size_t round_to(size_t n, size_t q) { return (n + q - 1) / q * q; }
-// The device pool's block for a buffer of `bytes` (rounded like engine/memory.cpp's buffers).
-size_t pool_block(size_t bytes) {
-  return device_pool_block(std::max<size_t>(round_to(std::max<size_t>(bytes, 1), kArenaAlign), 1));
+size_t round_up(size_t n, size_t q) { return (n + q - 1) / q * q; }
+}  // namespace
+
+void ArenaReplay::alloc(size_t bytes) {
+  const size_t need = round_up(bytes == 0 ? 1 : bytes, kMemoryAlignBytes);
+  const size_t in_use_before = in_use_;
+  while (current_ < blocks_.size() && offset_ + need > blocks_[current_]) {
+    in_use_ += blocks_[current_] - offset_;  // the tail of a block is lost until a reset
+    ++current_;
+    offset_ = 0;
+  }
+  if (current_ == blocks_.size()) {
+    blocks_.push_back(std::max(block_bytes_, need));
+    offset_ = 0;
+    if (log_)
+      log_->push_back(
+          arena_block_line(blocks_.size() - 1, blocks_.back(), need, in_use_ - in_use_before, in_use_before));
+  }
+  offset_ += need;
+  in_use_ += need;
+  high_water_ = std::max(high_water_, in_use_);
 }
 
-// engine/memory.cpp's Arena, replayed: the same block choice, tails and scopes, no memory.
-class ArenaReplay {
- public:
-  struct Mark {
-    size_t block, offset, in_use;
-  };
-  void alloc(size_t bytes) {
-    const size_t need = round_to(bytes == 0 ? 1 : bytes, kArenaAlign);
-    const size_t in_use_before = in_use_;
-    while (current_ < blocks_.size() && offset_ + need > blocks_[current_]) {
-      in_use_ += blocks_[current_] - offset_;
-      ++current_;
-      offset_ = 0;
-    }
-    if (current_ == blocks_.size()) {
-      blocks_.push_back(std::max(kArenaBlockBytes, need));
-      offset_ = 0;
-      if (log_) log_->push_back(arena_block_line(blocks_.size() - 1, blocks_.back(), need, in_use_ - in_use_before,
-                                                 in_use_before));
-    }
-    offset_ += need;
-    in_use_ += need;
-  }
-  Mark mark() const { return {current_, offset_, in_use_}; }
-  void reset(const Mark& m) {
-    current_ = m.block;
-    offset_ = m.offset;
-    in_use_ = m.in_use;
-  }
-  const std::vector<size_t>& blocks() const { return blocks_; }
-  // Where to describe each block it adds (arena_block_line), or nowhere.
-  void log_blocks_to(std::vector<std::string>* log) { log_ = log; }
+void ArenaReplay::reset(const Mark& m) {
+  current_ = m.block;
+  offset_ = m.offset;
+  in_use_ = m.in_use;
+}
 
- private:
-  std::vector<std::string>* log_ = nullptr;
-  std::vector<size_t> blocks_;
-  size_t current_ = 0, offset_ = 0, in_use_ = 0;
+size_t StepArena::reserved() const {
+  size_t n = 0;
+  for (size_t b : blocks) n += b;
+  return n;
+}
+
+namespace {
+// A chunk's requests, recorded before they reach the arena: a request's bytes, or the opening or
+// closing of a scope (an ArenaScope in the code replayed).
+constexpr int64_t kOpen = -1, kClose = -2;
+struct Requests {
+  std::vector<int64_t> ops;
+  size_t attention_workspace = 0;
+  void alloc(size_t bytes) { ops.push_back(static_cast<int64_t>(std::max<size_t>(bytes, 1))); }
 };
-
 struct Scope {
-  ArenaReplay& a;
-  ArenaReplay::Mark m;
-  explicit Scope(ArenaReplay& arena) : a(arena), m(arena.mark()) {}
-  ~Scope() { a.reset(m); }
+  Requests& r;
+  explicit Scope(Requests& requests) : r(requests) { r.ops.push_back(kOpen); }
+  ~Scope() { r.ops.push_back(kClose); }
+  Scope(const Scope&) = delete;
+  Scope& operator=(const Scope&) = delete;
 };
 
-// The shapes of one chunk: B sequences of c tokens attending S keys; the LoRA adapters, if any.
-struct Shape {
+// Whether `a`'s requests are those of `b`, each at most as large. Replayed from the arena state `b`
+// left, such a chunk takes no new block and reaches no higher: each of its requests lands at or
+// before where `b`'s did, in the same blocks (and the bytes in use are a function of that place).
+bool within(const Requests& a, const Requests& b) {
+  if (a.ops.size() != b.ops.size()) return false;
+  for (size_t i = 0; i < a.ops.size(); ++i) {
+    const int64_t x = a.ops[i], y = b.ops[i];
+    if ((x < 0 || y < 0) ? x != y : x > y) return false;
+  }
+  return true;
+}
+
+void apply(ArenaReplay& arena, const Requests& r) {
+  std::vector<ArenaReplay::Mark> marks;
+  for (const int64_t op : r.ops) {
+    if (op == kOpen) {
+      marks.push_back(arena.mark());
+    } else if (op == kClose) {
+      arena.reset(marks.back());
+      marks.pop_back();
+    } else {
+      arena.alloc(static_cast<size_t>(op));
+    }
+  }
+}
+
+// One chunk of the step: B sequences, tokens [t0, t1), on the step's device.
+struct Chunk {
   const LlamaConfig& cf;
-  int64_t B, c, S;
-  size_t e, acc;  // compute and accumulator element bytes
-  const LoraConfig* lora = nullptr;
-  bool streamed = false;  // schedule.stream_kv: attention runs block by block (S is one block)
-  bool fused_qkv = true;  // model/layer.h fuses_qkv: one Q/K/V GEMM
-  size_t N() const { return size_t(B * c); }
-  size_t row(int64_t width) const { return N() * size_t(width) * e; }
-  // cuDNN runs the call with its earlier keys apart: two graphs.
-  bool split() const { return !streamed && cudnn_splits_prefix(c, S); }
-  // Its prefix's backward stacks the query heads per K/V head: Q, O, dO copied head-major.
-  bool stacked() const {
-    return !streamed && cudnn_stacks_gqa(c, S, cf.num_attention_heads, cf.num_key_value_heads);
+  int64_t B, t0, t1;
+  DType dtype;
+  const LoraConfig* lora;  // null: no adapters
+  Device device;
+  int64_t stream_block;  // schedule.stream_kv's key block; 0: the store is not streamed
+  bool fused;            // model/layer.h fuses_qkv: one Q/K/V GEMM each way
+  int64_t c() const { return t1 - t0; }
+  int64_t N() const { return B * c(); }
+  size_t e() const { return dtype_size(dtype); }
+  size_t acc() const { return dtype_size(accum_dtype(dtype)); }
+  size_t row(int64_t width) const { return static_cast<size_t>(N() * width) * e(); }  // [N, width]
+  size_t stat(int64_t width) const { return static_cast<size_t>(N() * width) * acc(); }  // f32 or f64
+  AttentionDims attention(int64_t S) const {
+    return {B, c(), S, cf.num_attention_heads, cf.num_key_value_heads, cf.head_dim};
   }
 };
 
-// The input width of a block linear.
+// ---- The ops' scratch, by backend (engine/scratch.h) ----
+
+// One attention call's forward against S keys (causal: the chunk's own keys last).
+void attention_forward(Requests& r, const Chunk& s, int64_t S, bool causal) {
+  Scope scope(r);
+  if (s.device.is_cpu()) {
+    for (size_t bytes : cpu_attention_scratch(s.c(), S, s.dtype, false)) r.alloc(bytes);
+  } else if (s.dtype == DType::bf16) {
+    // cuDNN; its forward plans' workspace is not replayed (they ask for none beyond a few bytes).
+    const bool split = causal && cudnn_splits_prefix(s.c(), S);
+    const CudnnForwardScratch f = cudnn_attention_forward_scratch(s.attention(S), split);
+    if (f.prefix_out) {
+      r.alloc(f.prefix_out);
+      r.alloc(f.prefix_lse);
+    }
+  }  // the flash kernels' forward takes none
+}
+
+void attention_backward(Requests& r, const Chunk& s, int64_t S, bool causal) {
+  Scope scope(r);
+  const AttentionDims d = s.attention(S);
+  if (s.device.is_cpu()) {
+    for (size_t bytes : cpu_attention_scratch(s.c(), S, s.dtype, true)) r.alloc(bytes);
+  } else if (s.dtype == DType::bf16) {
+    // cuDNN: the fast form (the default without determinism), exact plans, d_q overwritten.
+    const bool split = causal && cudnn_splits_prefix(s.c(), S);
+    const bool stacked = causal && cudnn_stacks_gqa(s.c(), S, d.H, d.Hkv);
+    const size_t workspace = cudnn_attention_backward_workspace(d);
+    r.attention_workspace = std::max(r.attention_workspace, workspace);
+    for (size_t bytes : cudnn_attention_backward_scratch(d, S, true, false, split, stacked).requests(workspace))
+      r.alloc(bytes);
+  } else {
+    for (size_t bytes : flash_attention_backward_scratch(d, false, false)) r.alloc(bytes);
+  }
+}
+
+// The LM head with its loss over the chunk's rows (engine/ops/lm_head_loss.h): its logits block.
+void lm_head(Requests& r, const Chunk& s) {
+  Scope scope(r);
+  r.alloc(lm_head_scratch_bytes(s.device, s.N(), s.cf.vocab_size, s.e(), kLmHeadBlockRows));
+}
+
+// ---- model/kv_store.cpp: a chunk's attention against the store ----
+
+// attend_forward: one call against keys [0, t1); streamed, the chunk's own block causal, then each
+// earlier block unmasked, merged in the accumulation dtype (the blocks' calls take the same scratch:
+// one stands for all).
+void attend_forward(Requests& r, const Chunk& s) {
+  if (s.stream_block == 0) return attention_forward(r, s, s.t1, true);
+  attention_forward(r, s, s.c(), true);
+  if (s.t0 / s.stream_block == 0) return;
+  Scope scope(r);
+  r.alloc(s.stat(s.cf.q_dim()));  // the merged output
+  r.alloc(s.row(s.cf.q_dim()));   // a block's output
+  r.alloc(s.stat(s.cf.num_attention_heads));  // a block's lse
+  attention_forward(r, s, s.stream_block, false);
+}
+
+// attend_backward: streamed, dQ summed over the blocks in the accumulation dtype beside a block's dQ.
+void attend_backward(Requests& r, const Chunk& s) {
+  if (s.stream_block == 0) return attention_backward(r, s, s.t1, true);
+  attention_backward(r, s, s.c(), true);
+  if (s.t0 / s.stream_block == 0) return;
+  Scope scope(r);
+  r.alloc(s.stat(s.cf.q_dim()));  // dQ summed
+  r.alloc(s.row(s.cf.q_dim()));   // a block's dQ
+  attention_backward(r, s, s.stream_block, false);
+}
+
+// ---- model/layer.cpp ----
+
 int64_t linear_in(const LlamaConfig& cf, ParamRole linear) {
   return linear == ParamRole::wo ? cf.q_dim() : linear == ParamRole::w_down ? cf.intermediate_size : cf.hidden_size;
 }
 
-// engine/ops/lora_linear.cpp's scratch for the adapted linears among `linears`, the largest one
-// (each call returns its scratch, so only one is alive at a time): forward drop(x) [rows, in] with
-// dropout, u [rows, r]; backward drop(x), g and u [rows, r], drop(g A) [rows, in] with dropout.
-void lora_scratch(ArenaReplay& a, const Shape& s, std::initializer_list<ParamRole> linears, size_t rows,
-                  bool backward) {
-  if (!s.lora || !s.lora->enabled()) return;
+// A block linear over `rows` rows: with an adapter, engine/ops/lora_linear.cpp's scratch: forward
+// drop(x) [rows, in] (with dropout) and u [rows, r]; backward drop(x), g and u [rows, r], and
+// drop(g A) [rows, in] (with dropout). Without one, a plain linear takes none.
+void linear(Requests& r, const Chunk& s, ParamRole role, int64_t rows, bool backward) {
+  if (!s.lora) return;
   const std::vector<ParamRole> targets = s.lora->target_roles();
+  if (std::find(targets.begin(), targets.end(), role) == targets.end()) return;
   const bool dropout = s.lora->dropout > 0;
-  int64_t widest = -1;
-  for (ParamRole l : linears)
-    if (std::find(targets.begin(), targets.end(), l) != targets.end()) widest = std::max(widest, linear_in(s.cf, l));
-  if (widest < 0) return;
-  const size_t in_bytes = rows * size_t(widest) * s.e, r_bytes = rows * size_t(s.lora->rank) * s.e;
-  Scope scope(a);
-  if (dropout) a.alloc(in_bytes);  // drop(x)
-  a.alloc(r_bytes);                // forward: u; backward: g
-  if (backward) {
-    a.alloc(r_bytes);              // u
-    if (dropout) a.alloc(in_bytes);  // drop(g A)
-  }
+  const size_t in_bytes = static_cast<size_t>(rows * linear_in(s.cf, role)) * s.e();
+  const size_t r_bytes = static_cast<size_t>(rows * s.lora->rank) * s.e();
+  Scope scope(r);
+  if (dropout) r.alloc(in_bytes);  // drop(x)
+  r.alloc(r_bytes);                // forward: u; backward: g
+  if (!backward) return;
+  r.alloc(r_bytes);                  // u
+  if (dropout) r.alloc(in_bytes);    // drop(g A)
 }
 
-// model/layer.cpp: LayerActivations::allocate.
-void layer_activations(ArenaReplay& a, const Shape& s, MlpKept mlp) {
+// LayerActivations::allocate.
+void layer_activations(Requests& r, const Chunk& s, MlpKept mlp) {
   const LlamaConfig& cf = s.cf;
-  a.alloc(s.row(cf.hidden_size));                                  // h1
-  a.alloc(s.N() * s.acc);                                          // rstd
-  a.alloc(s.row(cf.q_dim()));                                      // q
-  a.alloc(s.row(cf.q_dim()));                                      // attn
-  a.alloc(size_t(s.B * cf.num_attention_heads * s.c) * s.acc);     // lse
-  a.alloc(s.row(cf.hidden_size));                                  // x_mid
-  if (mlp != MlpKept::products) a.alloc(s.row(cf.hidden_size));    // h2
-  a.alloc(s.N() * s.acc);                                          // rstd
-  if (mlp != MlpKept::input)
-    for (int i = 0; i < (mlp == MlpKept::all ? 3 : 2); ++i) a.alloc(s.row(cf.intermediate_size));  // gate, up, act
+  r.alloc(s.row(cf.hidden_size));              // h1
+  r.alloc(s.stat(1));                          // rstd
+  r.alloc(s.row(cf.q_dim()));                  // q
+  r.alloc(s.row(cf.q_dim()));                  // attn
+  r.alloc(s.stat(cf.num_attention_heads));     // lse
+  r.alloc(s.row(cf.hidden_size));              // x_mid
+  if (mlp != MlpKept::products) r.alloc(s.row(cf.hidden_size));  // h2
+  r.alloc(s.stat(1));                          // rstd
+  if (mlp == MlpKept::input) return;
+  for (int i = 0; i < (mlp == MlpKept::all ? 3 : 2); ++i) r.alloc(s.row(cf.intermediate_size));  // gate, up, act
 }
 
 std::vector<int64_t> shard_rows(int64_t N, int64_t shards) {
@@ -131,261 +224,285 @@ std::vector<int64_t> shard_rows(int64_t N, int64_t shards) {
   return rows;
 }
 
-// model/layer.cpp: block_forward's scratch (keep: the activations are given, holding `kept` of the
-// MLP; from_saved: the attention output is read from the store, so no K/V projections; output false:
-// a recompute for the backward alone, which skips W_down's product).
-void block_forward(ArenaReplay& a, const Shape& s, bool keep, int64_t mlp_shards, bool from_saved = false,
-                   MlpKept kept = MlpKept::all, bool output = true) {
+// mlp_rows_forward's linears (gate, up) over `rows` rows.
+void mlp_rows_forward(Requests& r, const Chunk& s, int64_t rows) {
+  linear(r, s, ParamRole::w_gate, rows, false);
+  linear(r, s, ParamRole::w_up, rows, false);
+}
+
+void mlp_rows_backward(Requests& r, const Chunk& s, int64_t rows) {
+  const size_t ffn = static_cast<size_t>(rows * s.cf.intermediate_size) * s.e();
+  Scope scope(r);
+  r.alloc(ffn);  // d_act
+  linear(r, s, ParamRole::w_down, rows, true);
+  r.alloc(ffn);  // d_gate
+  r.alloc(ffn);  // d_up
+  linear(r, s, ParamRole::w_gate, rows, true);
+  linear(r, s, ParamRole::w_up, rows, true);
+}
+
+// How a block's forward runs: keep, the chunk's activations are given, holding `kept` of the MLP
+// (false: a prefill's, in scratch); from_saved, the attention output is read from the store (no K/V
+// projections, no attention); output false, a recompute for the backward alone (no W_down product).
+struct BlockRun {
+  bool keep = false;
+  MlpKept kept = MlpKept::all;
+  int64_t mlp_shards = 1;
+  bool from_saved = false;
+  bool output = true;
+};
+
+void block_forward(Requests& r, const Chunk& s, const BlockRun& run) {
   const LlamaConfig& cf = s.cf;
-  Scope scope(a);
-  const int64_t shards = resolve_mlp_shards(mlp_shards, cf, int64_t(s.N()));
-  if (!keep) layer_activations(a, s, shards == 1 ? MlpKept::all : MlpKept::input);
-  const bool products = keep && kept == MlpKept::products;  // h2 and act in scratch
-  if (!from_saved && s.fused_qkv) {
-    a.alloc(s.row(cf.q_dim() + 2 * cf.kv_dim()));  // q, k, v side by side
+  const int64_t N = s.N();
+  Scope scope(r);
+  const int64_t shards = resolve_mlp_shards(run.mlp_shards, cf, N);
+  const MlpKept mlp = run.keep ? run.kept : shards == 1 ? MlpKept::all : MlpKept::input;
+  if (!run.keep) layer_activations(r, s, mlp);
+  if (!run.from_saved && s.fused) {
+    r.alloc(s.row(cf.q_dim() + 2 * cf.kv_dim()));  // q, k, v side by side
   } else {
-    a.alloc(s.row(cf.q_dim()));     // q_pre
-    if (!from_saved) {
-      a.alloc(s.row(cf.kv_dim()));  // k_pre
-      a.alloc(s.row(cf.kv_dim()));  // v
+    r.alloc(s.row(cf.q_dim()));  // q_pre
+    linear(r, s, ParamRole::wq, N, false);
+  }
+  if (!run.from_saved) {
+    if (!s.fused) {
+      r.alloc(s.row(cf.kv_dim()));  // k_pre
+      linear(r, s, ParamRole::wk, N, false);
+      r.alloc(s.row(cf.kv_dim()));  // v
+      linear(r, s, ParamRole::wv, N, false);
     }
+    attend_forward(r, s);
   }
-  if (s.streamed && !from_saved) {  // model/kv_store.cpp attend_forward: the merged output, a block's
-    a.alloc(s.N() * size_t(cf.q_dim()) * s.acc);
-    a.alloc(s.row(cf.q_dim()));
-    a.alloc(s.N() * size_t(cf.num_attention_heads) * s.acc);
+  r.alloc(s.row(cf.hidden_size));  // o
+  linear(r, s, ParamRole::wo, N, false);
+  const size_t ffn = static_cast<size_t>(N * cf.intermediate_size) * s.e();
+  if (mlp == MlpKept::products) r.alloc(s.row(cf.hidden_size));  // h2, not kept
+  const bool gate = mlp != MlpKept::input;                         // gate and up are in the activations
+  if (!run.output) {
+    if (!gate) return;
+    if (mlp != MlpKept::all) r.alloc(ffn);  // act, not kept
+    return mlp_rows_forward(r, s, N);
   }
-  a.alloc(s.row(cf.hidden_size));  // o (cuDNN's forward needs no workspace beyond its 256-byte minimum)
-  if (s.split()) {  // the prefix's out and lse while the call runs
-    Scope attention(a);
-    a.alloc(s.row(cf.q_dim()));
-    a.alloc(s.N() * size_t(cf.num_attention_heads) * 4);
+  r.alloc(s.row(cf.hidden_size));  // m
+  if (gate) {
+    if (mlp != MlpKept::all) r.alloc(ffn);  // act
+    mlp_rows_forward(r, s, N);
+    return linear(r, s, ParamRole::w_down, N, false);
   }
-  if (products) a.alloc(s.row(cf.hidden_size));  // h2
-  if (!output) {
-    if (products) a.alloc(s.row(cf.intermediate_size));  // act
-    lora_scratch(a, s, {ParamRole::wq, ParamRole::wk, ParamRole::wv, ParamRole::wo, ParamRole::w_gate,
-                        ParamRole::w_up}, s.N(), false);
-    return;
+  // Tiled: one shard's [rows, F] gate, up and act at a time.
+  for (const int64_t rows : shard_rows(N, shards)) {
+    Scope shard(r);
+    for (int i = 0; i < 3; ++i) r.alloc(static_cast<size_t>(rows * cf.intermediate_size) * s.e());
+    mlp_rows_forward(r, s, rows);
+    linear(r, s, ParamRole::w_down, rows, false);
   }
-  a.alloc(s.row(cf.hidden_size));  // m
-  if (products) a.alloc(s.row(cf.intermediate_size));  // act
-  // Without gate and up in the activations (kept: the MLP's input only, as selective recompute keeps;
-  // transient: tiled) the MLP runs shard by shard on [rows, F] scratch, one shard too.
-  const bool tiled = keep ? kept == MlpKept::input : shards > 1;
-  if (tiled) {
-    for (int64_t rows : shard_rows(int64_t(s.N()), shards)) {
-      Scope shard(a);
-      for (int i = 0; i < 3; ++i) a.alloc(size_t(rows * cf.intermediate_size) * s.e);
-      lora_scratch(a, s, {ParamRole::w_gate, ParamRole::w_up, ParamRole::w_down}, size_t(rows), false);
-    }
-  }
-  // The adapters' scratch, bounded by its largest call with everything above alive (the MLP's come
-  // last; a tiled MLP's were taken per shard above).
-  if (!tiled)
-    lora_scratch(a, s, {ParamRole::wq, ParamRole::wk, ParamRole::wv, ParamRole::wo, ParamRole::w_gate,
-                        ParamRole::w_up, ParamRole::w_down}, s.N(), false);
-  else
-    lora_scratch(a, s, {ParamRole::wq, ParamRole::wk, ParamRole::wv, ParamRole::wo}, s.N(), false);
 }
 
-void mlp_rows_backward(ArenaReplay& a, const Shape& s, int64_t rows) {
-  Scope scope(a);
-  for (int i = 0; i < 3; ++i) a.alloc(size_t(rows * s.cf.intermediate_size) * s.e);  // d_act, d_gate, d_up
-  lora_scratch(a, s, {ParamRole::w_gate, ParamRole::w_up, ParamRole::w_down}, size_t(rows), true);
-}
-
-// engine/cuda/attention_cudnn.cu's backward workspace for B sequences against S keys: with GQA it
-// stages the per-query-head dK and dV of all S keys (bf16) for the head reduction in the graph;
-// and cuDNN's 256 bytes (measured at 256K: 2 GiB and 256 bytes).
-size_t attention_backward_workspace(const LlamaConfig& cf, int64_t B, int64_t S) {
-  const bool gqa = cf.num_attention_heads != cf.num_key_value_heads;
-  return (gqa ? 2 * size_t(B * cf.num_attention_heads * S * cf.head_dim) * 2 : 0) + 256;
-}
-
-// model/layer.cpp: block_backward's scratch, with engine/cuda/attention_cudnn.cu's backward (the
-// frontend form: f32 dQ accumulator, bf16 dK/dV scratch over the Hkv heads, and the workspace
-// staging the per-query-head dK and dV of all S keys, bf16, for the head reduction in the graph).
-void block_backward(ArenaReplay& a, const Shape& s, MlpKept mlp, int64_t mlp_shards) {
+void block_backward(Requests& r, const Chunk& s, MlpKept mlp, int64_t mlp_shards) {
   const LlamaConfig& cf = s.cf;
-  const int64_t H = cf.num_attention_heads, Hkv = cf.num_key_value_heads, D = cf.head_dim;
-  Scope scope(a);
-  a.alloc(s.row(cf.hidden_size));  // d_h
+  const int64_t N = s.N();
+  Scope scope(r);
+  r.alloc(s.row(cf.hidden_size));  // d(h2)
   if (mlp != MlpKept::input) {
-    mlp_rows_backward(a, s, int64_t(s.N()));
+    mlp_rows_backward(r, s, N);
   } else {
-    for (int64_t rows : shard_rows(int64_t(s.N()), resolve_mlp_shards(mlp_shards, cf, int64_t(s.N())))) {
-      Scope shard(a);
-      for (int i = 0; i < 3; ++i) a.alloc(size_t(rows * cf.intermediate_size) * s.e);
-      mlp_rows_backward(a, s, rows);
+    // Tiled: each shard's gate, up and act recomputed from the kept h2, then its backward.
+    for (const int64_t rows : shard_rows(N, resolve_mlp_shards(mlp_shards, cf, N))) {
+      Scope shard(r);
+      for (int i = 0; i < 3; ++i) r.alloc(static_cast<size_t>(rows * cf.intermediate_size) * s.e());
+      mlp_rows_forward(r, s, rows);
+      mlp_rows_backward(r, s, rows);
     }
   }
-  a.alloc(s.row(cf.q_dim()));  // d_attn
-  a.alloc(s.row(cf.q_dim()));  // d_q
-  if (s.streamed) {  // model/kv_store.cpp attend_backward: dQ summed over the blocks, a block's dQ
-    a.alloc(s.N() * size_t(cf.q_dim()) * s.acc);
-    a.alloc(s.row(cf.q_dim()));
-  }
-  {
-    Scope attention(a);
-    a.alloc(s.N() * size_t(H * D) * 4);                   // dQ accumulator, f32
-    a.alloc(size_t(s.B * s.S * Hkv * D) * 2);             // dK scratch
-    a.alloc(size_t(s.B * s.S * Hkv * D) * 2);             // dV scratch
-    if (s.split()) a.alloc(s.row(cf.q_dim()));            // the prefix's dQ
-    a.alloc(size_t(s.B * H * s.c) * 4);                   // Delta
-    if (s.stacked())
-      for (int i = 0; i < 3; ++i) a.alloc(s.row(cf.q_dim()));  // Q, O, dO head-major
-    // The workspace (split, no less than the shared plan's over all S keys: attention_cudnn.cu).
-    a.alloc(attention_backward_workspace(cf, s.B, s.S));
-  }
-  if (s.fused_qkv) {
-    a.alloc(s.row(cf.q_dim() + 2 * cf.kv_dim()));  // d(q, k, v) side by side
+  r.alloc(s.row(cf.q_dim()));  // d_attn
+  linear(r, s, ParamRole::wo, N, true);
+  r.alloc(s.row(cf.q_dim()));  // d_q
+  attend_backward(r, s);
+  if (s.fused) {
+    r.alloc(s.row(cf.q_dim() + 2 * cf.kv_dim()));  // d(q, k, v) side by side
   } else {
-    a.alloc(s.row(cf.kv_dim()));  // d_k
-    a.alloc(s.row(cf.kv_dim()));  // d_v
+    r.alloc(s.row(cf.kv_dim()));  // d_k
+    r.alloc(s.row(cf.kv_dim()));  // d_v
   }
-  a.alloc(s.row(cf.hidden_size));  // d_h1
-  lora_scratch(a, s, {ParamRole::wq, ParamRole::wk, ParamRole::wv, ParamRole::wo}, s.N(), true);
+  r.alloc(s.row(cf.hidden_size));  // d(h1)
+  if (s.fused) return;
+  linear(r, s, ParamRole::wq, N, true);
+  linear(r, s, ParamRole::wk, N, true);
+  linear(r, s, ParamRole::wv, N, true);
 }
 
-// engine/cuda/lm_head.cu: the logits block of `block_rows_for`.
-size_t lm_head_block(const Shape& s) {
-  const int64_t kN = int64_t(16 / s.e), V = s.cf.vocab_size;
-  const int64_t ld = (V + kN - 1) / kN * kN;
-  const int64_t rows = lm_head_block_rows(int64_t(s.N()), ld, s.e);
-  return size_t(rows * ld) * s.e + 8;
-}
+// ---- model/llama.cpp and optim/chunks.cpp: a chunk through the model ----
 
-// model/llama.cpp ChunkBackward::head: d(normed) and the LM head's logits block, for its call.
-void lm_head_backward(ArenaReplay& a, const Shape& s) {
-  Scope head(a);
-  a.alloc(s.row(s.cf.hidden_size));  // d_normed
-  a.alloc(lm_head_block(s));
-}
-
-// optim/chunks.cpp prefill: one chunk forward, nothing kept.
-// optim/chunks.cpp slice_chunk: one sequence's chunk is a view of the step's tokens; several are copied.
-void chunk_tokens(ArenaReplay& a, const Shape& s) {
+// slice_chunk: one sequence's chunk is a view of the step's tokens; several sequences' are copied.
+void chunk_tokens(Requests& r, const Chunk& s) {
   if (s.B == 1) return;
-  a.alloc(s.N() * 4);  // ids
-  a.alloc(s.N() * 4);  // labels
+  r.alloc(static_cast<size_t>(s.N()) * 4);  // ids
+  r.alloc(static_cast<size_t>(s.N()) * 4);  // labels
 }
 
-void prefill_chunk(ArenaReplay& a, const Shape& s, int64_t mlp_shards, bool with_loss) {
-  Scope scope(a);
-  chunk_tokens(a, s);
-  Scope forward(a);
-  a.alloc(s.row(s.cf.hidden_size));  // ping
-  a.alloc(s.row(s.cf.hidden_size));  // pong
-  a.alloc(s.row(s.cf.hidden_size));  // normed
-  a.alloc(s.N() * s.acc);            // rstd
-  block_forward(a, s, false, mlp_shards);  // every layer alike: the scratch of one
+// prefill's chunk: forward_chunk keeping nothing (the blocks ping-pong between two residual-stream
+// buffers; every layer's scratch is the same), with its loss when with_loss.
+Requests prefill_chunk(const Chunk& s, int64_t mlp_shards, bool with_loss) {
+  const LlamaConfig& cf = s.cf;
+  Requests r;
+  Scope scope(r);
+  chunk_tokens(r, s);
+  Scope forward(r);
+  r.alloc(s.row(cf.hidden_size));  // ping
+  r.alloc(s.row(cf.hidden_size));  // pong
+  r.alloc(s.row(cf.hidden_size));  // normed
+  r.alloc(s.stat(1));              // rstd
+  block_forward(r, s, {.keep = false, .mlp_shards = mlp_shards});
   if (with_loss) {
-    a.alloc(s.N() * s.acc);  // row_loss
-    a.alloc(lm_head_block(s));
+    r.alloc(s.stat(1));  // row_loss
+    lm_head(r, s);
   }
+  return r;
 }
 
-// optim/chunks.cpp backprop_chunk: ChunkActivations, the forward keeping them, then backward_chunk.
-void backprop_chunk(ArenaReplay& a, const Shape& s, const ActivationPolicy& p, bool from_saved) {
+// How a chunk of the reverse sweep runs: its forward reads saved attention outputs where the prefill
+// wrote them; the backward's recomputes read them whenever the store keeps them.
+struct ReverseChunk {
+  const ActivationPolicy& policy;
+  bool forward_from_saved, backward_from_saved;
+  bool from_store;  // backward_chunk_from_store: the prefill saved its layer inputs
+};
+
+// ChunkBackward's head: d(normed) and the LM head's logits block.
+void head_backward(Requests& r, const Chunk& s) {
+  Scope head(r);
+  r.alloc(s.row(s.cf.hidden_size));  // d_normed
+  lm_head(r, s);
+}
+
+// backprop_chunk: ChunkActivations, the forward keeping them, then backward_chunk.
+Requests backprop_chunk(const Chunk& s, const ReverseChunk& rc, StepArena& out) {
   const LlamaConfig& cf = s.cf;
-  const int64_t L = cf.num_hidden_layers;
-  const MlpKept mlp = mlp_kept(p, cf, int64_t(s.N()));
-  Scope scope(a);
-  chunk_tokens(a, s);
-  const int64_t streams = p.offload_inputs ? 3 : L + 1;
-  for (int64_t i = 0; i < streams; ++i) a.alloc(s.row(cf.hidden_size));
+  const ActivationPolicy& p = rc.policy;
+  const MlpKept mlp = mlp_kept(p, cf, s.N());
+  Requests r;
+  Scope scope(r);
+  chunk_tokens(r, s);
+  if (p.offload_inputs) {
+    r.alloc(s.row(cf.hidden_size));  // x_L; the other layers' inputs in two residency slots
+    out.input_slots.assign(2, s.row(cf.hidden_size));
+  } else {
+    for (int64_t l = 0; l <= cf.num_hidden_layers; ++l) r.alloc(s.row(cf.hidden_size));  // the stream
+  }
   if (p.keep_layers)
-    for (int64_t l = 0; l < L; ++l) layer_activations(a, s, mlp);
-  a.alloc(s.row(cf.hidden_size));  // normed
-  a.alloc(s.N() * s.acc);          // rstd
-  block_forward(a, s, p.keep_layers, p.mlp_shards, from_saved, mlp);
-  Scope backward(a);
-  a.alloc(s.N() * s.acc);           // row_loss
-  a.alloc(s.row(cf.hidden_size));   // d_x
-  lm_head_backward(a, s);
+    for (int64_t l = 0; l < cf.num_hidden_layers; ++l) layer_activations(r, s, mlp);
+  r.alloc(s.row(cf.hidden_size));  // normed
+  r.alloc(s.stat(1));              // rstd
+  // run_blocks: a policy that keeps no layer's activations runs its forward as a prefill's.
+  block_forward(r, s, {.keep = p.keep_layers, .kept = mlp, .mlp_shards = p.mlp_shards,
+                       .from_saved = rc.forward_from_saved});
+  Scope backward(r);
+  r.alloc(s.stat(1));              // row_loss
+  r.alloc(s.row(cf.hidden_size));  // d_x
+  head_backward(r, s);
   if (p.keep_layers) {
-    block_backward(a, s, mlp, p.mlp_shards);
-    return;
+    block_backward(r, s, mlp, p.mlp_shards);
+    return r;
   }
-  Scope layer(a);
-  layer_activations(a, s, mlp);
-  block_forward(a, s, true, p.mlp_shards, from_saved, mlp, /*output=*/false);
-  block_backward(a, s, mlp, p.mlp_shards);
+  Scope layer(r);
+  layer_activations(r, s, mlp);
+  block_forward(r, s, {.keep = true, .kept = mlp, .mlp_shards = p.mlp_shards,
+                       .from_saved = rc.backward_from_saved, .output = false});
+  block_backward(r, s, mlp, p.mlp_shards);
+  return r;
 }
 
-// model/llama.cpp backward_chunk_from_store: per layer its saved input (packed for several
-// sequences) and one layer's activations; the last layer's recompute also gives x_L, its final norm
-// and the LM head; the other layers' recompute skips W_down's product. Every layer but the last
-// alike: the scratch of one.
-void backprop_chunk_from_store(ArenaReplay& a, const Shape& s, const ActivationPolicy& p, bool from_saved) {
+// backward_chunk_from_store: per layer its saved input (packed for several sequences) and one
+// layer's activations; the last layer's recompute also gives x_L, its final norm and the LM head;
+// the other layers' recompute skips W_down's product and is the same for each.
+Requests backprop_chunk_from_store(const Chunk& s, const ReverseChunk& rc) {
   const LlamaConfig& cf = s.cf;
-  const MlpKept mlp = mlp_kept(p, cf, int64_t(s.N()));
-  Scope scope(a);
-  chunk_tokens(a, s);
-  a.alloc(s.N() * s.acc);          // row_loss
-  a.alloc(s.row(cf.hidden_size));  // d_x
+  const ActivationPolicy& p = rc.policy;
+  const MlpKept mlp = mlp_kept(p, cf, s.N());
+  Requests r;
+  Scope scope(r);
+  chunk_tokens(r, s);
+  Scope backward(r);
+  r.alloc(s.stat(1));              // row_loss
+  r.alloc(s.row(cf.hidden_size));  // d_x
   for (const bool last : {true, false}) {
-    Scope layer(a);
-    if (s.B > 1) a.alloc(s.row(cf.hidden_size));  // the input, packed
-    layer_activations(a, s, mlp);
+    Scope layer(r);
+    if (s.B > 1) r.alloc(s.row(cf.hidden_size));  // the input, packed
+    layer_activations(r, s, mlp);
     if (last) {
-      Scope head(a);
-      a.alloc(s.row(cf.hidden_size));  // x_L
-      block_forward(a, s, true, p.mlp_shards, from_saved, mlp);
-      a.alloc(s.row(cf.hidden_size));  // normed
-      a.alloc(s.N() * s.acc);          // rstd
-      lm_head_backward(a, s);
+      Scope head(r);
+      r.alloc(s.row(cf.hidden_size));  // x_L
+      block_forward(r, s, {.keep = true, .kept = mlp, .mlp_shards = p.mlp_shards,
+                           .from_saved = rc.backward_from_saved});
+      r.alloc(s.row(cf.hidden_size));  // normed
+      r.alloc(s.stat(1));              // rstd
+      head_backward(r, s);
     } else {
-      block_forward(a, s, true, p.mlp_shards, from_saved, mlp, /*output=*/false);
+      block_forward(r, s, {.keep = true, .kept = mlp, .mlp_shards = p.mlp_shards,
+                           .from_saved = rc.backward_from_saved, .output = false});
     }
-    block_backward(a, s, mlp, p.mlp_shards);
+    block_backward(r, s, mlp, p.mlp_shards);
   }
+  return r;
 }
 
 bool chunked(const ScheduleOptions& o) { return o.name == "seco" || o.name == "spaco"; }
 }  // namespace
 
-size_t StepArena::reserved() const {
-  size_t n = 0;
-  for (size_t b : blocks) n += b;
-  return n;
-}
-
 StepArena replay_step_arena(const StepArenaInputs& in) {
   const LlamaConfig& cf = in.config;
   const ScheduleOptions& o = in.schedule;
   const int64_t B = in.B, T = in.T;
-  const size_t e = dtype_size(in.dtype), acc = dtype_size(accum_dtype(in.dtype));
-  const int64_t chunk = chunked(o) && o.chunk > 0 ? std::min(o.chunk, T) : T;
-  const int64_t bwd_chunk = chunked(o) && o.bwd_chunk > 0 ? std::min(o.bwd_chunk, T) : chunk;
-  const bool inputs = chunked(o) && o.save_inputs, saved = chunked(o) && o.save_attention;
-  const bool streamed = chunked(o) && o.stream_kv;
-  const int64_t prefill_end = o.name == "seco" && !inputs ? (T + bwd_chunk - 1) / bwd_chunk * bwd_chunk - bwd_chunk
-                              : chunked(o)                ? T
-                                                          : 0;
-  // The arena over the step, the backward chunk that attends all T keys last (the arena keeps its
-  // largest extent, so the order of phases does not matter).
   StepArena out;
-  const ActivationPolicy policy = activation_policy(o, in.lora);
-  ArenaReplay arena;
+  ArenaReplay arena(in.block_bytes != 0 ? in.block_bytes
+                                        : in.device.is_cpu() ? kHostArenaBlockBytes : kDeviceArenaBlockBytes);
   arena.log_blocks_to(&out.block_lines);
-  const LoraConfig* adapters = in.lora.enabled() ? &in.lora : nullptr;
-  const int64_t keys = streamed ? chunk : T;  // the most keys one attention call sees
-  // A tensor-parallel rank does not fuse (model/layer.h); counted as fused it is given a d(q, k, v) of
-  // one [N, q_dim] more than its d_k and d_v: an over-estimate.
-  const bool fused = fuses_qkv(adapters, nullptr);
-  arena.alloc(size_t(B * T) * 4);  // optim/chunks.cpp step_tokens: the step's ids and labels, uploaded once
-  arena.alloc(size_t(B * T) * 4);
-  arena.alloc(size_t(B * T) * 8);  // the step's loss rows (model/llama.h LossRows, f64)
-  if (prefill_end > 0)
-    prefill_chunk(arena, Shape{cf, B, std::min(chunk, prefill_end), keys, e, acc, adapters, streamed, fused},
-                  o.mlp_shards, o.name == "spaco");
-  if (inputs)
-    backprop_chunk_from_store(arena, Shape{cf, B, bwd_chunk, keys, e, acc, adapters, streamed, fused}, policy, saved);
-  else
-    backprop_chunk(arena, Shape{cf, B, bwd_chunk, keys, e, acc, adapters, streamed, fused}, policy, saved);
-  out.attention_workspace = attention_backward_workspace(cf, B, keys);
+  // StepFrame: the batch's ids and labels uploaded once (a GPU's; the CPU reads the batch's own), and
+  // the step's loss rows (model/llama.h LossRows, f64).
+  if (!in.device.is_cpu()) {
+    arena.alloc(static_cast<size_t>(B * T) * 4);
+    arena.alloc(static_cast<size_t>(B * T) * 4);
+  }
+  arena.alloc(static_cast<size_t>(B * T) * 8);
+
+  const LoraConfig* lora = in.lora.enabled() ? &in.lora : nullptr;
+  // A tensor-parallel rank (plan --tp, its shard's config) does not fuse (model/layer.h); counted as
+  // fused, its d(q, k, v) is one [N, q_dim] more than its d_k and d_v: an over-estimate.
+  const bool fused = fuses_qkv(lora, nullptr);
+  const bool is_chunked = chunked(o);
+  const int64_t stream_block = is_chunked ? o.stream_block(T) : 0;
+  const auto chunk = [&](int64_t t0, int64_t t1) {
+    return Chunk{cf, B, t0, t1, in.dtype, lora, in.device, stream_block, fused};
+  };
+  // Each chunk's requests reach the arena unless the last chunk applied bounds them (`within`): the
+  // reverse sweep's chunks after its first attend fewer keys, and a GPU prefill's chunks repeat.
+  Requests last;
+  const auto take = [&](const Requests& r) {
+    out.attention_workspace = std::max(out.attention_workspace, r.attention_workspace);
+    if (!last.ops.empty() && within(r, last)) return;
+    apply(arena, r);
+    last = r;
+  };
+
+  const ActivationPolicy policy = activation_policy(o, in.lora);
+  if (!is_chunked) {
+    take(backprop_chunk(chunk(0, T), {policy, false, false, false}, out));
+  } else {
+    const std::vector<int64_t> sweep = chunk_bounds(T, o.bwd_chunk > 0 ? o.bwd_chunk : o.chunk);
+    // The prefill (optim/seco.cpp, spaco.cpp): seco's stops where its last reverse chunk starts,
+    // unless it saves layer inputs; spaco's runs all T (it reports every chunk's loss).
+    const int64_t until = o.name == "seco" && !o.save_inputs ? sweep[sweep.size() - 2] : T;
+    const std::vector<int64_t> prefill = until > 0 ? chunk_bounds(until, o.chunk) : std::vector<int64_t>{};
+    for (size_t i = 0; i + 1 < prefill.size(); ++i)
+      take(prefill_chunk(chunk(prefill[i], prefill[i + 1]), o.mlp_shards, o.name == "spaco"));
+    for (size_t i = sweep.size() - 1; i-- > 0;) {
+      const int64_t t0 = sweep[i], t1 = sweep[i + 1];
+      const ReverseChunk rc{policy, o.save_attention && t1 <= until, o.save_attention, o.save_inputs && t1 <= until};
+      take(rc.from_store ? backprop_chunk_from_store(chunk(t0, t1), rc) : backprop_chunk(chunk(t0, t1), rc, out));
+    }
+  }
+  out.high_water = arena.high_water();
   out.blocks = arena.blocks();
   return out;
 }

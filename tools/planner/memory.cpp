@@ -1,4 +1,4 @@
-// A step's memory by category, on the GPU and in pinned host memory: the buffers the training
+// A step's memory by category, on its device and in pinned host memory: the buffers the training
 // state, the K/V store and the model allocate, sized as the code sizes them, and the schedule's
 // arena replayed (arena_replay.h).
 #include "engine/engine.h"
@@ -13,9 +13,10 @@
 namespace cw {
 
 namespace {
-// What one buffer of `bytes` takes on the GPU: the caching pool rounds it to its size class
-// (engine.h device_pool_block, after the buffers' own alignment).
-size_t buffer(const StepPlan&, size_t bytes) {
+// What one buffer of `bytes` takes on the step's device: a GPU's caching pool rounds it to its size
+// class (engine.h device_pool_block, after the buffers' own alignment); a CPU buffer is its bytes.
+size_t buffer(const StepPlan& s, size_t bytes) {
+  if (s.device.is_cpu()) return bytes;
   const size_t aligned = (std::max<size_t>(bytes, 1) + kMemoryAlignBytes - 1) / kMemoryAlignBytes * kMemoryAlignBytes;
   return device_pool_block(aligned);
 }
@@ -73,21 +74,23 @@ void plan_memory(const StepPlan& s, PlanReport& r) {
     const size_t grads = 2 * buffer(s, kv_elems * acc);
     r.device.emplace_back("kv", (kv_layer - grads) * size_t(L) + grads);
   } else {
-    const int64_t device_layers = s.o.offload_window > 0 ? s.o.offload_window : L;
+    const int64_t device_layers = s.windowed ? s.o.offload_window : L;
     r.device.emplace_back("kv", kv_layer * size_t(device_layers));
-    if (s.o.offload_window > 0) r.host.emplace_back("kv", kv_host);
+    if (s.windowed) r.host.emplace_back("kv", kv_host);
   }
 
   // Activations: the schedule's arena over the step, and the step's other transient buffers.
-  const StepArena arena = replay_step_arena({cf, B, T, s.o, s.dtype, s.lora});
+  const StepArena arena = replay_step_arena({cf, B, T, s.o, s.dtype, s.lora, s.device, 0});
   r.arena_blocks = arena.block_lines;
   r.attention_workspace_bytes = arena.attention_workspace;
   size_t activations = 0;
   for (const size_t b : arena.blocks) activations += buffer(s, b);
+  for (const size_t b : arena.input_slots) activations += buffer(s, b);
   r.device.emplace_back("activations", activations);
   if (activation_policy(s.o, s.lora).offload_inputs) r.host.emplace_back("layer inputs", size_t(L) * in_elems * e);
-  // The RoPE tables (f32) and cuBLASLt's workspace.
-  r.device.emplace_back("other", 2 * buffer(s, size_t(T) * size_t(D / 2) * 4) + kCublasWorkspaceBytes);
+  // The RoPE tables (f32 on a GPU, the compute dtype on the CPU) and, on a GPU, cuBLASLt's workspace.
+  const size_t rope = size_t(T) * size_t(D / 2) * (s.device.is_cpu() ? e : 4);
+  r.device.emplace_back("other", 2 * buffer(s, rope) + (s.device.is_cpu() ? 0 : kCublasWorkspaceBytes));
 }
 
 }  // namespace cw

@@ -34,12 +34,16 @@ double PlanReport::peak_host_gib() const { return double(peak_host_bytes) / kGiB
 
 PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const ScheduleOptions& o, DType dtype,
                      const MemoryBudget& budget, const LoraConfig& lora, bool optimizer_offload,
-                     const std::vector<std::vector<int64_t>>& doc_starts) {
+                     const std::vector<std::vector<int64_t>>& doc_starts, Device device) {
   CW_CHECK(B > 0 && T > 0, "plan: batch {} and sequence {} must be positive", B, T);
   CW_CHECK(doc_starts.empty() || static_cast<int64_t>(doc_starts.size()) == B,
            "plan: document starts for {} sequences, the batch has {}", doc_starts.size(), B);
-  CW_CHECK(dtype == DType::bf16 || dtype == DType::f32, "plan: --dtype {} (the GPU trains in bf16 or f32)",
-           dtype_name(dtype));
+  if (device.is_cpu())
+    CW_CHECK(dtype == DType::f64 || dtype == DType::f32, "plan: --dtype {} (the CPU trains in f64 or f32)",
+             dtype_name(dtype));
+  else
+    CW_CHECK(dtype == DType::bf16 || dtype == DType::f32, "plan: --dtype {} (the GPU trains in bf16 or f32)",
+             dtype_name(dtype));
   CW_CHECK(o.name == "full" || o.name == "checkpointed" || chunked(o),
            "plan: --schedule {} (want full | checkpointed | seco | spaco)", o.name);
   const int64_t L = cf.num_hidden_layers;
@@ -47,9 +51,9 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
            o.offload_window, L);
   const bool inputs = chunked(o) && o.save_inputs;
   CW_CHECK(!(inputs && o.stream_kv), "plan: --save-inputs is not kept by a streamed store (--stream-kv)");
-  CW_CHECK(!o.cast_layers || can_cast_layers(dtype, lora, optimizer_offload),
-           "plan: --cast-layers rounds bf16 blocks from the f32 master on the device: it needs --dtype bf16, no LoRA "
-           "and the optimizer on the device");
+  CW_CHECK(!o.cast_layers || (can_cast_layers(dtype, lora, optimizer_offload) && !device.is_cpu()),
+           "plan: --cast-layers rounds bf16 blocks from the f32 master on the device: it needs --dtype bf16 on a GPU, "
+           "no LoRA and the optimizer on the device");
 
   PlanReport r;
   r.schedule = describe_schedule(o);
@@ -77,6 +81,7 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
                    lora,
                    optimizer_offload,
                    doc_starts,
+                   device,
                    dtype_size(dtype),
                    dtype_size(accum_dtype(dtype)),
                    r.chunk,
@@ -91,11 +96,11 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
                    windowed && o.offload_window == 1,
                    o.cast_layers,
                    // An offloaded f32 state streams through the device; else the host's cores update it.
-                   optimizer_offload && OffloadedAdamW::streams(Device::gpu(0), accum_dtype(dtype))};
+                   optimizer_offload && OffloadedAdamW::streams(device, accum_dtype(dtype))};
   plan_memory(s, r);
   for (const auto& [name, bytes] : r.device) r.peak_device_bytes += bytes;
   for (const auto& [name, bytes] : r.host) r.peak_host_bytes += bytes;
-  r.context_bytes = kCudaContextBytes;
+  r.context_bytes = device.is_cpu() ? 0 : kCudaContextBytes;
   r.device_fits = double(r.peak_device_bytes + r.context_bytes) <= budget.device_gib * kGiB;
   r.host_fits = budget.host_gib <= 0 || double(r.peak_host_bytes) <= kPinnableHostShare * budget.host_gib * kGiB;
   r.fits = r.device_fits && r.host_fits;
@@ -116,7 +121,7 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
     else
       r.advice = "use --schedule seco with --chunk 4096 (activations O(chunk) instead of O(T))";
     // bf16 full-parameter training on the device can also drop the blocks' resident compute copy.
-    if (!o.cast_layers && can_cast_layers(dtype, lora, optimizer_offload)) {
+    if (!o.cast_layers && can_cast_layers(dtype, lora, optimizer_offload) && !device.is_cpu()) {
       const size_t block_bytes = LayerCast::slot_bytes_for(cf, dtype);
       r.advice += fmt::format("; --cast-layers frees {:.1f} GiB of resident bf16 block weights",
                               double((size_t(L) - LayerCast::kSlots) * block_bytes) / kGiB);

@@ -2,17 +2,17 @@
 // and its predicted time, from the code's own allocation pattern (not from curve fits); and the
 // settings `auto` chooses from them. README.md says what it predicts and how each part is checked.
 //
-// Device memory = the caching pool's peak (engine.h device_pool_block), the figure `chunkwise bench`
-// reports as peak_gib:
+// Device memory on a GPU = the caching pool's peak (engine.h device_pool_block), the figure
+// `chunkwise bench` reports as peak_gib; on the CPU the buffers' bytes:
 //   fixed        compute weights, f32 master weights (bf16 compute), AdamW's two moments and the
 //                gradients in the accumulator dtype (optim/training.h), one buffer per parameter set;
-//                RoPE tables; cuBLASLt's workspace (engine.h kCublasWorkspaceBytes)
+//                RoPE tables; on a GPU cuBLASLt's workspace (engine.h kCublasWorkspaceBytes)
 //   K/V store    K, V and dK, dV of every layer and token (model/kv_store.h), dK, dV of one layer when
 //                one backward chunk covers all T tokens (layer-local gradients); what the prefill saves
 //                with them (attention outputs and lse, layer inputs); with an offload window W > 0, W
 //                layers on the device and all L in pinned host memory; streamed, three key blocks
-//   activations  the schedule's arena (arena_replay.h), replayed request by request over the prefill
-//                and the backward of the chunk that attends the most keys
+//   activations  the schedule's arena over the step (arena_replay.h): every chunk's buffers and every
+//                op's scratch as its backend exports it (engine/scratch.h)
 // With LoRA the base is frozen: fixed = the base's compute weights alone, plus the adapters' compute
 // copy, master, moments and gradients; the activations add each adapted linear's scratch.
 // Host memory: offloaded layer inputs (checkpointed offload) and the K/V store's host copy (pinned);
@@ -59,11 +59,11 @@ std::string describe_schedule(const ScheduleOptions& o);
 struct PlanReport {
   std::string schedule;                                  // the options it was planned for, as text
   int64_t B = 0, T = 0, chunk = 0, bwd_chunk = 0, offload_window = 0;
-  std::vector<std::pair<std::string, size_t>> device;    // bytes by category (the pool's peak)
+  std::vector<std::pair<std::string, size_t>> device;    // bytes by category (a GPU: the pool's peak)
   std::vector<std::pair<std::string, size_t>> host;      // pinned host bytes by category
   std::vector<std::pair<std::string, double>> time;      // seconds by category
   size_t peak_device_bytes = 0, peak_host_bytes = 0;
-  size_t context_bytes = 0;                              // CUDA context, outside the pool
+  size_t context_bytes = 0;                              // CUDA context, outside the pool (0 on the CPU)
   double step_s = 0, flops = 0;                          // flops: what the step executes (with recompute)
   double kv_moved_bytes = 0;                             // the K/V offload's host <-> device bytes a step
   double layer_casts = 0;                                // cast_layers: blocks cast from the master a step
@@ -88,9 +88,11 @@ struct PlanReport {
 // doc_starts: packed documents, per sequence the offsets where its documents start (Batch::doc_starts,
 // the first 0); empty: each sequence one causal document. Attention's work is then the documents'
 // causal squares, not T's (docs/packed_documents.md); the memory does not depend on them.
+// device: where the step runs, whose memory is planned: a GPU (bf16 or f32) or the CPU (f64 or f32,
+// no CUDA context); the step time is an H100's either way.
 PlanReport plan_step(const LlamaConfig& config, int64_t B, int64_t T, const ScheduleOptions& schedule, DType dtype,
                      const MemoryBudget& budget, const LoraConfig& lora = {}, bool optimizer_offload = false,
-                     const std::vector<std::vector<int64_t>>& doc_starts = {});
+                     const std::vector<std::vector<int64_t>>& doc_starts = {}, Device device = Device::gpu(0));
 
 // The default candidates for `--chunk auto` (seco, spaco).
 const std::vector<int64_t>& chunk_candidates();

@@ -34,6 +34,7 @@ struct StepPlan {
   const LoraConfig& lora;
   bool optimizer_offload;
   const std::vector<std::vector<int64_t>>& doc_starts;
+  Device device;
   size_t e, acc;               // bytes of the compute and accumulation dtypes
   int64_t chunk, bwd_chunk;    // the prefill's and the reverse sweep's chunk lengths (T when not chunked)
   int64_t prefill_end;         // the prefill's tokens: seco leaves its last reverse chunk out
