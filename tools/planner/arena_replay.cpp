@@ -8,6 +8,8 @@
 #include "optim/chunks.h"
 
 #include <algorithm>
+#include <compare>
+#include <map>
 
 namespace cw {
 
@@ -63,18 +65,6 @@ struct Scope {
   Scope(const Scope&) = delete;
   Scope& operator=(const Scope&) = delete;
 };
-
-// Whether `a`'s requests are those of `b`, each at most as large. Replayed from the arena state `b`
-// left, such a chunk takes no new block and reaches no higher: each of its requests lands at or
-// before where `b`'s did, in the same blocks (and the bytes in use are a function of that place).
-bool within(const Requests& a, const Requests& b) {
-  if (a.ops.size() != b.ops.size()) return false;
-  for (size_t i = 0; i < a.ops.size(); ++i) {
-    const int64_t x = a.ops[i], y = b.ops[i];
-    if ((x < 0 || y < 0) ? x != y : x > y) return false;
-  }
-  return true;
-}
 
 void apply(ArenaReplay& arena, const Requests& r) {
   std::vector<ArenaReplay::Mark> marks;
@@ -448,6 +438,35 @@ Requests backprop_chunk_from_store(const Chunk& s, const ReverseChunk& rc) {
 }
 
 bool chunked(const ScheduleOptions& o) { return o.name == "seco" || o.name == "spaco"; }
+
+// What a chunk's requests depend on but the keys its attention spans: chunks of one form make the
+// same requests but for those whose size grows with the span (the CPU's score blocks, cuDNN's
+// backward dK, dV and workspace).
+enum class ChunkKind { prefill, backprop, from_store };  // prefill_chunk, backprop_chunk, ..._from_store
+struct ChunkForm {
+  ChunkKind kind = ChunkKind::prefill;
+  int64_t c = 0;
+  bool forward_from_saved = false, first_block = false, split = false, stacked = false;
+  auto operator<=>(const ChunkForm&) const = default;
+};
+
+ChunkForm form_of(ChunkKind kind, const Chunk& s, bool forward_from_saved) {
+  ChunkForm f{kind, s.c(), forward_from_saved, s.stream_block > 0 && s.t0 < s.stream_block, false, false};
+  if (s.stream_block == 0) {
+    f.split = cudnn_splits_prefix(s.c(), s.t1);
+    f.stacked = cudnn_stacks_gqa(s.c(), s.t1, s.cf.num_attention_heads, s.cf.num_key_value_heads);
+  }
+  return f;
+}
+
+// The keys a chunk's scratch grows with: on the CPU all it attends; on a GPU its backward's (cuDNN's
+// forward scratch does not grow with them, the flash kernels' takes none of that size); streamed,
+// none (each call spans one block).
+int64_t span_of(const Chunk& s, bool backward) {
+  if (s.stream_block > 0) return 0;
+  if (s.device.is_cpu()) return s.t1;
+  return backward && s.dtype == DType::bf16 ? s.t1 : 0;
+}
 }  // namespace
 
 StepArena replay_step_arena(const StepArenaInputs& in) {
@@ -475,31 +494,46 @@ StepArena replay_step_arena(const StepArenaInputs& in) {
   const auto chunk = [&](int64_t t0, int64_t t1) {
     return Chunk{cf, B, t0, t1, in.dtype, lora, in.device, stream_block, fused};
   };
-  // Each chunk's requests reach the arena unless the last chunk applied bounds them (`within`): the
-  // reverse sweep's chunks after its first attend fewer keys, and a GPU prefill's chunks repeat.
-  Requests last;
-  const auto take = [&](const Requests& r) {
+  // Each chunk's requests reach the arena unless a chunk of its form already did with at least its
+  // span: then each of its requests is at most the other's, and replayed from any later state it
+  // lands at or before where the other's did, in the same blocks (blocks are only ever added after
+  // them), so it takes no new block and reaches no higher (the bytes in use are a function of that
+  // place). So the reverse sweep's chunks after the first of each form, which attend fewer keys, and
+  // a GPU prefill's repeated chunks need not be replayed.
+  std::map<ChunkForm, int64_t> widest;
+  const auto take = [&](const ChunkForm& form, int64_t span, const auto& requests) {
+    const auto it = widest.find(form);
+    if (it != widest.end() && span <= it->second) return;
+    const Requests r = requests();
     out.attention_workspace = std::max(out.attention_workspace, r.attention_workspace);
-    if (!last.ops.empty() && within(r, last)) return;
     apply(arena, r);
-    last = r;
+    widest[form] = span;
   };
 
   const ActivationPolicy policy = activation_policy(o, in.lora);
   if (!is_chunked) {
-    take(backprop_chunk(chunk(0, T), {policy, false, false, false}, out));
+    const Chunk whole = chunk(0, T);
+    take(form_of(ChunkKind::backprop, whole, false), span_of(whole, true),
+         [&] { return backprop_chunk(whole, {policy, false, false, false}, out); });
   } else {
     const std::vector<int64_t> sweep = chunk_bounds(T, o.bwd_chunk > 0 ? o.bwd_chunk : o.chunk);
     // The prefill (optim/seco.cpp, spaco.cpp): seco's stops where its last reverse chunk starts,
     // unless it saves layer inputs; spaco's runs all T (it reports every chunk's loss).
     const int64_t until = o.name == "seco" && !o.save_inputs ? sweep[sweep.size() - 2] : T;
     const std::vector<int64_t> prefill = until > 0 ? chunk_bounds(until, o.chunk) : std::vector<int64_t>{};
-    for (size_t i = 0; i + 1 < prefill.size(); ++i)
-      take(prefill_chunk(chunk(prefill[i], prefill[i + 1]), o.mlp_shards, o.name == "spaco"));
+    for (size_t i = 0; i + 1 < prefill.size(); ++i) {
+      const Chunk s = chunk(prefill[i], prefill[i + 1]);
+      take(form_of(ChunkKind::prefill, s, false), span_of(s, false),
+           [&] { return prefill_chunk(s, o.mlp_shards, o.name == "spaco"); });
+    }
     for (size_t i = sweep.size() - 1; i-- > 0;) {
       const int64_t t0 = sweep[i], t1 = sweep[i + 1];
       const ReverseChunk rc{policy, o.save_attention && t1 <= until, o.save_attention, o.save_inputs && t1 <= until};
-      take(rc.from_store ? backprop_chunk_from_store(chunk(t0, t1), rc) : backprop_chunk(chunk(t0, t1), rc, out));
+      const Chunk s = chunk(t0, t1);
+      const ChunkKind kind = rc.from_store ? ChunkKind::from_store : ChunkKind::backprop;
+      take(form_of(kind, s, rc.forward_from_saved), span_of(s, true), [&] {
+        return rc.from_store ? backprop_chunk_from_store(s, rc) : backprop_chunk(s, rc, out);
+      });
     }
   }
   out.high_water = arena.high_water();

@@ -70,7 +70,9 @@ struct StepArena {
 
 // The step's arena: the tokens and loss rows it keeps for the step, then every prefill chunk and
 // every chunk of the reverse sweep in the order the schedule runs them (spaco: every chunk, the
-// worst case of its sample), each layer's scratch once (the layers of a chunk take the same).
+// worst case of its sample), each layer's scratch once (the layers of a chunk take the same). A chunk
+// whose requests are bounded by those of one replayed before it is skipped: it cannot change the
+// arena (arena_replay.cpp says why), so a step of a thousand chunks replays a few.
 StepArena replay_step_arena(const StepArenaInputs& in);
 
 }  // namespace cw
