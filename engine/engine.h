@@ -87,7 +87,7 @@ class SettingScope {
 // A cuDNN backward plan needing more workspace than the budget does not run; flash takes the call.
 // By default the budget is a quarter of the device memory free when the first backward asks (at
 // least 256 MiB); raise_attention_workspace_budget lifts it to at least `bytes` (bench and train
-// pass what their plan counted for the largest backward: tools/plan.h). CW_ATTENTION_WORKSPACE_MIB=N
+// pass what their plan counted for the largest backward: tools/planner). CW_ATTENTION_WORKSPACE_MIB=N
 // fixes it at N MiB, whatever is raised.
 void raise_attention_workspace_budget(Device device, int64_t bytes);
 int64_t attention_workspace_budget(Device device);  // 0 without cuDNN
@@ -126,7 +126,7 @@ bool cudnn_stack_gqa();
 // Whether a causal cuDNN call of `queries` rows, the last of `keys` keys, runs with its prefix apart
 // under the settings: the split on, exact plans, a chunk of at least kSplitMinQueries queries with at
 // least as many keys before it (the split was measured on chunks of 1K-32K; a few queries keep one
-// graph and its one plan). The rule the cuDNN path follows and the planner (tools/plan.cpp) predicts
+// graph and its one plan). The rule the cuDNN path follows and the planner (tools/planner) predicts
 // with.
 inline constexpr int64_t kSplitMinQueries = 64;
 bool cudnn_splits_prefix(int64_t queries, int64_t keys);
@@ -248,7 +248,7 @@ PoolStats pool_stats(Device device);      // the device's caching pool (zeros fo
 // A ceiling on the bytes the device's caching pool holds from the driver (in use and cached; 0: none,
 // the default): an allocation that would pass it first returns the cached blocks, then fails with an
 // out-of-memory error naming the limit. `--device-memory GiB` of train and bench sets it to the GiB
-// less the CUDA context (tools/plan.h), so a run behaves as on a GPU of that size.
+// less the CUDA context (tools/planner/planner.h), so a run behaves as on a GPU of that size.
 void set_device_memory_limit(Device device, size_t bytes);
 size_t device_memory_limit(Device device);
 // The limit for a scope (a run), the previous one restored after it.
@@ -268,7 +268,7 @@ class DeviceMemoryLimitScope {
 void release_cached(Device device);       // cached blocks back to the driver
 std::string memory_report(Device device); // one line: in use, cached, peak, mallocs, free
 
-// ---- Sizes of the engine's own buffers (tools/plan.cpp predicts memory from these) ----
+// ---- Sizes of the engine's own buffers (tools/planner predicts memory from these; each op's scratch: scratch.h) ----
 inline constexpr size_t kMemoryAlignBytes = 64;                      // buffers and arena allocations round up to this
 inline constexpr size_t kHostArenaBlockBytes = size_t(64) << 20;     // an arena's block on the host (block_bytes 0)
 inline constexpr size_t kDeviceArenaBlockBytes = size_t(256) << 20;  // ... on a GPU

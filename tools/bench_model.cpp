@@ -10,7 +10,7 @@
 #include "optim/options.h"
 #include "optim/schedule.h"
 #include "optim/training.h"
-#include "tools/plan.h"
+#include "tools/planner/planner.h"
 #include "tools/progress.h"
 
 #include <fmt/format.h>
@@ -303,7 +303,7 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
     if (!o.trace.empty()) out << "trace of step " << o.warmup + o.steps << ": " << o.trace << "\n";
     std::sort(step_s.begin(), step_s.end());
     const double med = step_s[step_s.size() / 2];
-    // The planner against this run (tools/plan.h: its peak within 10% of measured).
+    // The planner against this run (tools/planner/planner.h: its peak within 10% of measured).
     const double peak_gib = double(mem.device_peak) / double(1ull << 30);
     out << fmt::format("against the plan: peak {:.2f} GiB measured, {:.2f} planned ({:+.1f}%); step {:.3f} s measured, "
                        "{:.3f} planned ({:+.1f}%)\n",

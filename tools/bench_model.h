@@ -34,7 +34,7 @@ struct BenchModelOptions {
   std::string model = "llama-3.2-1b";  // preset, config.json or checkpoint directory
   int64_t seq = 4096, batch = 1;
   ScheduleOptions schedule;            // every schedule option, as train and gradcheck take them (chunk and
-                                       // offload_window may be kAuto: the planner chooses, tools/plan.h)
+                                       // offload_window may be kAuto: the planner chooses, tools/planner)
   bool optimizer_offload = false;      // master weights and moments in host memory (optim/adamw_offload.h)
   double device_memory_gib = 0;        // the device memory the run may use (engine.h); 0: the whole GPU
   double host_memory_gib = 0;          // the host memory the plan may pin 90% of; 0: the machine's available

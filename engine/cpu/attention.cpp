@@ -3,7 +3,9 @@
 // thread, never c x S. The public entry (engine/ops/attention.cpp) has checked the operands.
 #include "engine/cpu/attention.h"
 
+#include "engine/engine.h"
 #include "engine/ops/cpu_common.h"
+#include "engine/scratch.h"
 
 #include <algorithm>
 #include <cmath>
@@ -12,7 +14,7 @@
 namespace cw::cpu {
 
 namespace {
-constexpr int64_t kQueryBlock = 64;  // query rows per score block: bounds scratch to 64 x S
+constexpr int64_t kQueryBlock = kCpuAttentionQueryBlock;  // query rows per score block: bounds scratch to 64 x S
 
 // p: the first query's position relative to the first key; unmasked, S (past every key), so the
 // causal rule "key j <= p + i" holds for every pair.
@@ -44,27 +46,31 @@ void probabilities(MatrixMap<T> P, const ConstMatrixMap<T>& Q, const ConstMatrix
   }
 }
 
-// Scratch for one thread: two score blocks of up to kQueryBlock x S.
+// Scratch for one thread: one or two score blocks of up to kQueryBlock x S.
 template <class T> struct ThreadScratch {
   T* a;
   T* b;
 };
 
+// The requests engine/scratch.h exports (cpu_attention_scratch), one or two per thread.
 template <class T>
-std::vector<ThreadScratch<T>> thread_scratch(Arena& scratch, DType dtype, int64_t block, int64_t S, bool two) {
+std::vector<ThreadScratch<T>> thread_scratch(Arena& scratch, DType dtype, int64_t c, int64_t S, bool two) {
+  const std::vector<size_t> requests = cpu_attention_scratch(c, S, dtype, two);
   std::vector<ThreadScratch<T>> out(static_cast<size_t>(max_threads()));
+  size_t i = 0;
   for (auto& t : out) {
-    t.a = scratch.alloc(dtype, {block * S}).template ptr<T>();
-    t.b = two ? scratch.alloc(dtype, {block * S}).template ptr<T>() : nullptr;
+    t.a = static_cast<T*>(scratch.alloc_bytes(requests[i++]));
+    t.b = two ? static_cast<T*>(scratch.alloc_bytes(requests[i++])) : nullptr;
   }
   return out;
 }
 }  // namespace
 
 size_t attention_scratch_bytes(int64_t c, int64_t S, DType dtype, bool backward) {
-  const size_t block = static_cast<size_t>(std::min(kQueryBlock, c) * S) * dtype_size(dtype);
-  const size_t aligned = (block + 63) / 64 * 64;  // the arena's alignment
-  return static_cast<size_t>(max_threads()) * (backward ? 2 : 1) * aligned;
+  size_t n = 0;
+  for (const size_t bytes : cpu_attention_scratch(c, S, dtype, backward))
+    n += (bytes + kMemoryAlignBytes - 1) / kMemoryAlignBytes * kMemoryAlignBytes;  // the arena's alignment
+  return n;
 }
 
 void attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
@@ -73,7 +79,7 @@ void attention_forward(const Tensor& out, const AttentionSaved& saved, const Ten
   dispatch_float(q.dtype, "attention_forward", [&](auto zero) {
     using T = decltype(zero);
     ArenaScope scope(scratch);
-    const auto per_thread = thread_scratch<T>(scratch, q.dtype, std::min(kQueryBlock, d.c), d.S, false);
+    const auto per_thread = thread_scratch<T>(scratch, q.dtype, d.c, d.S, false);
     const int64_t group = d.H / d.Hkv, row_stride = d.H * d.D, kv_row_stride = d.Hkv * d.D;
     // Threads take whole (sequence, K/V group) pairs: their outputs are disjoint, so the result does
     // not depend on the thread count or order.
@@ -104,7 +110,7 @@ void attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v,
   dispatch_float(q.dtype, "attention_backward", [&](auto zero) {
     using T = decltype(zero);
     ArenaScope scope(scratch);
-    const auto per_thread = thread_scratch<T>(scratch, q.dtype, std::min(kQueryBlock, d.c), d.S, true);
+    const auto per_thread = thread_scratch<T>(scratch, q.dtype, d.c, d.S, true);
     const int64_t group = d.H / d.Hkv, row_stride = d.H * d.D, kv_row_stride = d.Hkv * d.D;
     // As in the forward: a (sequence, K/V group) pair per thread, so each dK/dV row has one writer
     // and its heads add into it in a fixed order.

@@ -7,8 +7,9 @@
 
 namespace cw::cpu {
 
-// Bytes of scratch these kernels take for c queries against S keys (per thread: score blocks of
-// up to 64 rows x S; one in the forward, two in the backward).
+// Bytes of scratch these kernels take for c queries against S keys, the arena's alignment included:
+// the requests of engine/scratch.h cpu_attention_scratch (per thread one score block of up to 64
+// rows x S forward, two backward).
 size_t attention_scratch_bytes(int64_t c, int64_t S, DType dtype, bool backward);
 
 // causal false: every query sees every key (AttentionMask::none).

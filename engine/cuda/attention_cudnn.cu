@@ -38,6 +38,7 @@
 #include "engine/cuda/ops.h"
 #include "engine/cuda/runtime.h"
 #include "engine/engine.h"
+#include "engine/scratch.h"
 
 #include <cstdint>
 #include <initializer_list>
@@ -343,7 +344,9 @@ void cudnn_attention_forward(const Tensor& out, const AttentionSaved& saved, con
   // The prefix apart: the own block's out and lse straight into the caller's, the prefix's beside
   // them, then merged into the caller's.
   const int64_t B = q.size(0), c = q.size(1), H = q.size(2), D = q.size(3), p = k.size(1) - c;
-  const Tensor prefix_out = scratch.alloc(DType::bf16, {B, c, H, D}), prefix_lse = scratch.alloc(DType::f32, {B, H, c});
+  const cw::CudnnForwardScratch bytes = cw::cudnn_attention_forward_scratch({B, c, p + c, H, k.size(2), D}, true);
+  const Tensor prefix_out(scratch.alloc_bytes(bytes.prefix_out), DType::bf16, q.device, {B, c, H, D});
+  const Tensor prefix_lse(scratch.alloc_bytes(bytes.prefix_lse), DType::f32, q.device, {B, H, c});
   void* ws = workspace(*plan, scratch);
   run_forward(*plan->own, own_part(sh), out, saved.lse, q, k.slice(1, p, c), v.slice(1, p, c), &scale_f, ws, scratch);
   run_forward(*plan->prefix, prefix_part(sh), prefix_out, prefix_lse, q, k.slice(1, 0, p), v.slice(1, 0, p), &scale_f,
@@ -380,19 +383,24 @@ void cudnn_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor
   // f32 dQ accumulator first, so that it sits at the same scratch address call after call (the
   // tests' second backward then catches an accumulator left unzeroed); cuDNN's dK, dV, packed per
   // part over its plan's key extent (sh.S, the store's for a shared plan; rows past the call's keys
-  // are left as cuDNN leaves them and never read); dQ; Delta; the workspace.
-  void* dq_accum = nullptr;
-  const size_t dq_accum_bytes = static_cast<size_t>(B * c * H * D) * sizeof(float);
-  if (sh.dq_accum()) dq_accum = scratch.alloc_bytes(dq_accum_bytes);
+  // are left as cuDNN leaves them and never read); dQ; Delta; the workspace. Their sizes are
+  // engine/scratch.h's, which the memory planner replays.
   int64_t extent = 0;
   for (const BackwardPart& part : parts) extent += part.sh->S;
-  const Tensor dk_s = scratch.alloc(DType::bf16, {B * extent * row}), dv_s = scratch.alloc(DType::bf16, {B * extent * row});
   const bool accumulate = mode == GradMode::accumulate;
-  const Tensor dq_s = accumulate ? scratch.alloc(DType::bf16, {B, c, H, D}) : d_q;
-  const Tensor dq_prefix = parts.size() > 1 ? scratch.alloc(DType::bf16, {B, c, H, D}) : Tensor{};
+  const cw::CudnnBackwardScratch bytes = cw::cudnn_attention_backward_scratch(
+      {B, c, S, H, Hkv, D}, extent, sh.dq_accum(), accumulate, parts.size() > 1, prefix_sh.stacked);
+  void* dq_accum = nullptr;
+  const size_t dq_accum_bytes = bytes.dq_accum;
+  if (sh.dq_accum()) dq_accum = scratch.alloc_bytes(dq_accum_bytes);
+  const Tensor dk_s(scratch.alloc_bytes(bytes.dk), DType::bf16, q.device, {B * extent * row});
+  const Tensor dv_s(scratch.alloc_bytes(bytes.dv), DType::bf16, q.device, {B * extent * row});
+  const Tensor dq_s = accumulate ? Tensor(scratch.alloc_bytes(bytes.dq), DType::bf16, q.device, {B, c, H, D}) : d_q;
+  const Tensor dq_prefix =
+      parts.size() > 1 ? Tensor(scratch.alloc_bytes(bytes.dq_prefix), DType::bf16, q.device, {B, c, H, D}) : Tensor{};
   // cuDNN writes Delta here; poisoned (NaN) so that an engine reading it instead would show in
   // every gradient.
-  const Tensor delta = scratch.alloc(DType::f32, {B, H, c});
+  const Tensor delta(scratch.alloc_bytes(bytes.delta), DType::f32, q.device, {B, H, c});
   CW_CUDA_CHECK(cudaMemsetAsync(delta.data, 0xff, static_cast<size_t>(B * H * c) * sizeof(float), stream));
   // A stacked prefix reads q, out, d_out head-major (its lse and Delta [B, H, c] already are): copies.
   const bool stacked = prefix_sh.stacked;  // false without a prefix part (prefix_sh is then empty)
@@ -401,7 +409,7 @@ void cudnn_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor
     const Tensor* from[3] = {&q, &out, &d_out};
     for (int i = 0; i < 3; ++i) {
       heads.src[i] = static_cast<const __nv_bfloat16*>(from[i]->data);
-      heads.dst[i] = static_cast<__nv_bfloat16*>(scratch.alloc(DType::bf16, {B, H, c, D}).data);
+      heads.dst[i] = static_cast<__nv_bfloat16*>(scratch.alloc_bytes(bytes.head_major));
     }
     heads_major_kernel<<<dim3(blocks_for(B * H * c * D / 8, kAddThreads), 3), kAddThreads, 0, stream>>>(heads, B, c,
                                                                                                         H, D);

@@ -12,6 +12,7 @@
 #include "engine/cuda/attention_flash.cuh"
 #include "engine/cuda/ops.h"
 #include "engine/cuda/runtime.h"
+#include "engine/scratch.h"
 
 #include <algorithm>
 #include <atomic>
@@ -202,9 +203,12 @@ void flash_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor
   pr.accumulate = mode == GradMode::accumulate;
   cudaStream_t stream = current_stream(q.device.index);
   ArenaScope scope(scratch);
-  float* delta = scratch.alloc(DType::f32, {pr.B, pr.H, pr.c}).ptr<float>();
-
   const bool tc = family != FlashFamily::simt;
+  // Delta, then with the fused dQ below its accumulator (engine/scratch.h, which the planner replays).
+  const std::vector<size_t> bytes =
+      cw::flash_attention_backward_scratch({pr.B, pr.c, pr.S, pr.H, pr.Hkv, pr.D}, tc, deterministic);
+  float* delta = static_cast<float*>(scratch.alloc_bytes(bytes[0]));
+
   CW_CHECK(!tc || (tensor_core_path(pr, q.dtype, {&q, &k, &v, &out, &d_out, &d_q}) && aligned(d_k, 8) &&
                    aligned(d_v, 8) && pr.dk_batch % 2 == 0 && pr.dv_batch % 2 == 0),
            "flash attention ({}): needs bf16, head dim 64 or 128 and aligned operands", family_name(family));
@@ -219,7 +223,7 @@ void flash_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor
     Operands<bf16_t> a = operands(bf16_t{});
     // Without the determinism switch the tensor-core path fuses dQ into the dK/dV pass (f32
     // atomics into [B, c, H, D] scratch, zeroed by the Delta kernel).
-    if (tc && !deterministic) a.dq_accum = scratch.alloc(DType::f32, {pr.B, pr.c, pr.H, pr.D}).ptr<float>();
+    if (tc && !deterministic) a.dq_accum = static_cast<float*>(scratch.alloc_bytes(bytes[1]));
     if (!tc) return simt_backward(a, pr, stream);
     launch_delta_tc(a, pr, stream);
     if (family == FlashFamily::wgmma) wgmma_backward(a, pr, stream);

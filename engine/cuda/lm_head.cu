@@ -35,7 +35,7 @@
 // columns are never written by the GEMM, never read as logits (masked), written as 0 in G and never
 // read by the later GEMMs (their k / n is V).
 // Extra device memory per call: the logits block and 8 bytes for the label check, in one allocation
-// from `scratch`, and gpu::matmul's 32 MiB cuBLASLt workspace (allocated once per process, shared
+// from `scratch` (engine/scratch.h lm_head_scratch_bytes), and gpu::matmul's 32 MiB cuBLASLt workspace (allocated once per process, shared
 // with every GEMM).
 //
 // Cost at N = 8192, C = 2048, V = 128256, bf16 (4 blocks of 2048 rows): 3 GEMMs of 4.3 TFLOP each,
@@ -70,6 +70,7 @@
 #include "engine/cuda/gemm.cuh"
 #include "engine/cuda/ops.h"
 #include "engine/engine.h"
+#include "engine/scratch.h"
 
 #include <algorithm>
 #include <climits>
@@ -261,7 +262,7 @@ void run(const Tensor* row_loss, const Tensor* lse_out, const Tensor* lse_in, co
 
   constexpr int kN = Vec16<T>::kN;
   const DType dt = x.dtype;
-  const int64_t ld = (V + kN - 1) / kN * kN;
+  const int64_t ld = cw::lm_head_logits_ld(V, sizeof(T));  // kN elements a 16-byte vector
   const int64_t rows_max = block_rows_for(N, ld, sizeof(T));
   const int threads = row_threads(ld / kN);
   const float inv_norm = static_cast<float>(1.0 / normaliser);
@@ -272,7 +273,7 @@ void run(const Tensor* row_loss, const Tensor* lse_out, const Tensor* lse_in, co
   // is a multiple of 16), so the arena never splits the call over two blocks.
   ArenaScope scope(scratch);
   const size_t block_bytes = static_cast<size_t>(rows_max * ld) * elem;
-  char* mem = static_cast<char*>(scratch.alloc_bytes(block_bytes + sizeof(unsigned long long)));
+  char* mem = static_cast<char*>(scratch.alloc_bytes(cw::lm_head_scratch_bytes(x.device, N, V, elem, rows_max)));
   void* block = mem;
   validate_labels(labels, V, reinterpret_cast<unsigned long long*>(mem + block_bytes), stream);
   float* loss_p = row_loss ? dptr<float>(*row_loss) : nullptr;

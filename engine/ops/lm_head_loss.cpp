@@ -1,6 +1,7 @@
 #include "engine/ops/lm_head_loss.h"
 
 #include "engine/ops/cpu_common.h"
+#include "engine/scratch.h"
 
 #include <algorithm>
 #include <cmath>
@@ -67,8 +68,8 @@ void run(const Tensor* row_loss, const Tensor* lse_out, const Tensor* lse_in, co
          int64_t block_rows) {
   const int64_t N = x.size(0), C = x.size(1), V = w.size(0);
   ArenaScope scope(scratch);
-  const int64_t rows_max = std::min(block_rows, std::max<int64_t>(N, 1));
-  T* logits_block = scratch.alloc(x.dtype, {rows_max * V}).template ptr<T>();
+  // One block of logits, min(block_rows, N) x V (engine/scratch.h lm_head_scratch_bytes).
+  T* logits_block = static_cast<T*>(scratch.alloc_bytes(lm_head_scratch_bytes(x.device, N, V, sizeof(T), block_rows)));
   const auto W = cpu::cmatrix<T>(w);
   const int32_t* lab = labels.ptr<int32_t>();
   const T inv_norm = T(1.0 / normaliser);

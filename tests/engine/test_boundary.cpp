@@ -1,9 +1,10 @@
 // The layering rule of the engine (engine/README.md): above engine/ (model/, optim/, parallel/,
 // tools/) nothing includes engine/cuda/ or names the gpu:: namespace; the public engine is
-// engine/engine.h, engine/ops/*.h, engine/memory.h, engine/residency.h and engine/trace.h. A
-// violation fails naming the file and line. And the CPU-only build's side of the boundary: every
-// function engine/cuda/runtime.h declares has its stand-in in engine/cuda/runtime_stub.cpp, so a build
-// without CUDA links (CI builds with CUDA, so nothing else would notice a missing one).
+// engine/engine.h, engine/ops/*.h, engine/memory.h, engine/residency.h, engine/scratch.h and
+// engine/trace.h. A violation fails naming the file and line. And the CPU-only build's side of the
+// boundary: every function engine/cuda/runtime.h declares has its stand-in in
+// engine/cuda/runtime_stub.cpp, so a build without CUDA links (CI builds with CUDA, so nothing else
+// would notice a missing one).
 #include <doctest/doctest.h>
 
 #include <filesystem>

@@ -12,6 +12,7 @@
 #include "engine/ops/attention.h"
 #include "engine/ops/residual.h"
 #include "engine/random.h"
+#include "engine/scratch.h"
 #include "tests/gpu_support.h"
 #include "tests/support.h"
 
@@ -60,6 +61,35 @@ TEST_CASE("cuda: cudnn attention backward states its workspace against a budget"
     CHECK_FALSE(gpu::cudnn_attention_backward_fits(q, k, k, int64_t{16} << 20, &why));
     CHECK_MESSAGE(why.find("workspace") != std::string::npos, why);
     CHECK_MESSAGE(gpu::cudnn_attention_backward_fits(q, k, k, int64_t{1} << 30, &why), why);
+  }
+}
+
+TEST_CASE("cuda: cudnn attention backward's workspace is engine/scratch.h's, which the planner counts" *
+          doctest::skip(!cw::test::gpu_ready())) {
+  // The planner replays cudnn_attention_backward_workspace for every backward: with grouped heads the
+  // per-query-head dK and dV of every key in bf16 (B H S D x 4 bytes) and 256 bytes. One graph (the
+  // chunk's own keys) asks for that staging and at most the 256 bytes more; a call with its earlier
+  // keys apart, or without grouped heads, for no more than the figure.
+  struct Shape {
+    int64_t c, S, H, Hkv;
+  };
+  for (const Shape sh : {Shape{512, 512, 8, 2}, Shape{256, 1024, 8, 2}, Shape{512, 512, 8, 8}}) {
+    const int64_t D = 64;
+    CAPTURE(sh.c);
+    CAPTURE(sh.S);
+    CAPTURE(sh.Hkv);
+    OwnedTensor q = OwnedTensor::on(gpu0(), DType::bf16, {1, sh.c, sh.H, D});
+    OwnedTensor k = OwnedTensor::on(gpu0(), DType::bf16, {1, sh.S, sh.Hkv, D});
+    std::string why;
+    if (!gpu::cudnn_attention_supports(q, k, &why)) {
+      MESSAGE("cuDNN fused attention not available here, skipped: ", why);
+      return;
+    }
+    DeterminismScope scope(false);
+    const AttentionDims d{1, sh.c, sh.S, sh.H, sh.Hkv, D};
+    const int64_t planned = static_cast<int64_t>(cudnn_attention_backward_workspace(d));
+    CHECK_MESSAGE(gpu::cudnn_attention_backward_fits(q, k, k, planned, &why), why);
+    if (sh.c == sh.S && sh.H != sh.Hkv) CHECK_FALSE(gpu::cudnn_attention_backward_fits(q, k, k, planned - 257, &why));
   }
 }
 

@@ -1,5 +1,6 @@
-// `chunkwise plan` (tools/plan.h): its predictions against the peaks and step times `chunkwise
-// bench` recorded on an H100, and the choices and outputs built on them.
+// The planner (tools/planner/planner.h) and `chunkwise plan` (tools/plan.h): its predictions against
+// the peaks and step times `chunkwise bench` recorded on an H100, and the choices and outputs built
+// on them. (Its replay of the arena against a CPU step's: tests/tools/planner/test_arena_replay.cpp.)
 #include "tests/support.h"
 #include "tools/plan.h"
 
@@ -18,17 +19,18 @@
 using namespace cw;
 
 namespace {
-// The issue's bar for the memory model: every recorded peak within 10%.
+// The bar for the memory model: every recorded peak within 10%.
 constexpr double kPeakTol = 0.10;
 // Step time from FLOPs and fixed throughputs: a loose check (kernels' rates vary with shape).
 constexpr double kStepTimeTol = 0.25;
 
 struct Recorded {
-  const char* source;  // where the figure is written down
+  const char* source;  // its record: docs/performance.md's section, the run's date, length and settings
   ScheduleOptions schedule;
   int64_t T;
   double peak_gib, tokens_per_s;
-  bool prefix_apart = false;  // cuDNN ran chunks' earlier keys apart (engine.h, cudnn_split_prefix; tenth session on)
+  // cuDNN ran chunks' earlier keys apart (engine.h, cudnn_split_prefix): the rows "earlier keys apart" and later.
+  bool prefix_apart = false;
 };
 
 ScheduleOptions sched(const std::string& name, int64_t chunk = 0, const std::string& recompute = "auto",
@@ -59,100 +61,110 @@ ScheduleOptions saved(ScheduleOptions o, int64_t offload_window = 0) {
 // Llama-3.2-1B shape, batch 1, bf16; `chunkwise bench` peak_gib (the caching pool's peak) and tokens/s,
 // median of 3 steps after 1 warm-up, on an H100 80GB HBM3. The seco steps were recorded while seco
 // still prefilled its last reverse chunk (until 2026-11-27): the plan now counts one chunk's forward
-// less (a quarter of the prefill at 16K in chunks of 4096), well inside the time tolerance.
+// less (a quarter of the prefill at 16K in chunks of 4096), well inside the time tolerance. Each is a
+// row of docs/performance.md, "Memory and the planner" (the recorded 1B runs), labelled by its date,
+// length and settings.
 const Recorded kRecorded[] = {
-    {"RESULTS.md, H100, 2026-11-21 (full 4096)", sched("full"), 4096, 27.1, 47791},
-    {"RESULTS.md, H100, 2026-11-21 (full 8192)", sched("full"), 8192, 32.8, 49913},
-    {"RESULTS.md, H100, 2026-11-21 (checkpointed 16384, selective, 4 shards)",
+    {"Memory and the planner, 1B: 2026-11-21, 4K, full", sched("full"), 4096, 27.1, 47791},
+    {"Memory and the planner, 1B: 2026-11-21, 8K, full", sched("full"), 8192, 32.8, 49913},
+    {"Memory and the planner, 1B: 2026-11-21, 16K, checkpointed, selective, 4 MLP shards",
      sched("checkpointed", 0, "selective", 4), 16384, 31.3, 40343},
-    {"RESULTS.md, H100, 2026-11-21 (checkpointed 32768, selective, 4 shards)",
+    {"Memory and the planner, 1B: 2026-11-21, 32K, checkpointed, selective, 4 MLP shards",
      sched("checkpointed", 0, "selective", 4), 32768, 43.8, 30703},
-    {"RESULTS.md, H100, 2026-11-21 (checkpointed 16384, full recompute)", sched("checkpointed"), 16384, 26.0, 28635},
-    {"RESULTS.md, H100, 2026-11-21 (checkpointed 16384, offloaded inputs)", sched("checkpointed", 0, "full", 1, true),
-     16384, 25.0, 28786},
-    {"RESULTS.md, H100, 2026-11-21 (checkpointed 32768, full recompute)", sched("checkpointed"), 32768, 32.0, 19347},
-    {"BENCHMARKS.md, H100, 2026-11-24 (seco 16K, chunk 4096)", sched("seco", 4096), 16384, 28.3, 31414},
-    {"BENCHMARKS.md, H100, 2026-11-24 (seco 32K, chunk 4096)", sched("seco", 4096), 32768, 29.8, 22919},
-    {"BENCHMARKS.md, H100, 2026-11-24 (seco 64K, chunk 4096)", sched("seco", 4096), 65536, 33.3, 14972},
-    {"BENCHMARKS.md, H100, 2026-11-24 (seco 128K, chunk 4096)", sched("seco", 4096), 131072, 39.8, 8746},
-    {"BENCHMARKS.md, H100, 2026-11-24 (seco 256K, chunk 8192)", sched("seco", 8192), 262144, 58.6, 4884},
-    {"RESULTS.md, H100, 2026-11-25 (seco 16K, chunk 4096, saved attention)", saved(sched("seco", 4096)), 16384, 29.3,
-     34618},
-    {"RESULTS.md, H100, 2026-11-25 (seco 64K, chunk 4096, saved attention)", saved(sched("seco", 4096)), 65536, 37.4,
-     17686},
-    {"RESULTS.md, H100, 2026-11-25 (seco 128K, chunk 4096, saved attention)", saved(sched("seco", 4096)), 131072, 48.0,
-     10601},
-    {"RESULTS.md, H100, 2026-11-25 (seco 32K, chunk 4096, saved attention, offload 2, recompute full)",
+    {"Memory and the planner, 1B: 2026-11-21, 16K, checkpointed, full recompute",
+     sched("checkpointed"), 16384, 26.0, 28635},
+    {"Memory and the planner, 1B: 2026-11-21, 16K, checkpointed, inputs offloaded",
+     sched("checkpointed", 0, "full", 1, true), 16384, 25.0, 28786},
+    {"Memory and the planner, 1B: 2026-11-21, 32K, checkpointed, full recompute",
+     sched("checkpointed"), 32768, 32.0, 19347},
+    {"Memory and the planner, 1B: 2026-11-24, 16K, seco chunk 4096", sched("seco", 4096), 16384, 28.3, 31414},
+    {"Memory and the planner, 1B: 2026-11-24, 32K, seco chunk 4096", sched("seco", 4096), 32768, 29.8, 22919},
+    {"Memory and the planner, 1B: 2026-11-24, 64K, seco chunk 4096", sched("seco", 4096), 65536, 33.3, 14972},
+    {"Memory and the planner, 1B: 2026-11-24, 128K, seco chunk 4096", sched("seco", 4096), 131072, 39.8, 8746},
+    {"Memory and the planner, 1B: 2026-11-24, 256K, seco chunk 8192", sched("seco", 8192), 262144, 58.6, 4884},
+    {"Memory and the planner, 1B: 2026-11-25, 16K, seco chunk 4096, saved attention",
+     saved(sched("seco", 4096)), 16384, 29.3, 34618},
+    {"Memory and the planner, 1B: 2026-11-25, 64K, seco chunk 4096, saved attention",
+     saved(sched("seco", 4096)), 65536, 37.4, 17686},
+    {"Memory and the planner, 1B: 2026-11-25, 128K, seco chunk 4096, saved attention",
+     saved(sched("seco", 4096)), 131072, 48.0, 10601},
+    {"Memory and the planner, 1B: 2026-11-25, 32K, seco chunk 4096, saved attention, window 2, recompute full",
      saved(sched("seco", 4096, "full"), 2), 32768, 22.64, 19885},
-    {"RESULTS.md, H100, 2026-11-25 (seco 64K, chunk 8192, saved attention, offload 2, recompute full)",
+    {"Memory and the planner, 1B: 2026-11-25, 64K, seco chunk 8192, saved attention, window 2, recompute full",
      saved(sched("seco", 8192, "full"), 2), 65536, 24.53, 14434},
-    {"RESULTS.md, H100, 2026-11-25 (seco 128K, chunk 4096, saved attention, offload 2)",
+    {"Memory and the planner, 1B: 2026-11-25, 128K, seco chunk 4096, saved attention, window 2",
      saved(sched("seco", 4096), 2), 131072, 30.31, 9561},
-    {"RESULTS.md, H100, 2026-11-25 third session (seco 512K, chunk 8192, offload 2; one step, warm-up 0)", [] {
+    {"Memory and the planner, 1B: 2026-11-25, 512K, seco chunk 8192, window 2 (one step, warm-up 0)", [] {
        ScheduleOptions o = sched("seco", 8192);
        o.offload_window = 2;
        return o;
      }(), 524288, 43.37, 2090},
-    // Recorded without the last chunk's prefill (2026-11-27, sixth session).
-    {"RESULTS.md, H100, 2026-11-27 (seco 16K, one chunk of 16384)", sched("seco", 16384), 16384, 45.00, 43729},
-    {"RESULTS.md, H100, 2026-11-27 (seco 16K, one chunk, selective, 4 shards)", sched("seco", 16384, "selective", 4),
-     16384, 31.25, 40112},
-    {"RESULTS.md, H100, 2026-11-27 (seco 32K, chunk 4096, saved attention)", saved(sched("seco", 4096)), 32768, 31.82,
-     26792},
-    {"RESULTS.md, H100, 2026-11-27 (seco 64K, chunk 4096)", sched("seco", 4096), 65536, 33.26, 15289},
-    {"RESULTS.md, H100, 2026-11-27 (spaco 64K, chunk 4096, 2 of 16 chunks)", [] {
+    // Recorded without the last chunk's prefill (from 2026-11-27 on).
+    {"Memory and the planner, 1B: 2026-11-27, 16K, seco, one chunk of 16384",
+     sched("seco", 16384), 16384, 45.00, 43729},
+    {"Memory and the planner, 1B: 2026-11-27, 16K, seco, one chunk, selective, 4 MLP shards",
+     sched("seco", 16384, "selective", 4), 16384, 31.25, 40112},
+    {"Memory and the planner, 1B: 2026-11-27, 32K, seco chunk 4096, saved attention",
+     saved(sched("seco", 4096)), 32768, 31.82, 26792},
+    {"Memory and the planner, 1B: 2026-11-27, 64K, seco chunk 4096", sched("seco", 4096), 65536, 33.26, 15289},
+    {"Memory and the planner, 1B: 2026-11-27, 64K, spaco chunk 4096, 2 of 16 chunks", [] {
        ScheduleOptions o = sched("spaco", 4096);
        o.keep = 2;
        return o;
      }(), 65536, 32.75, 46191},
-    // Streamed runs before the one-warp merge (6d63d18): blocks then cost 1.2-2.4x one call.
-    {"RESULTS.md, H100, 2026-11-27 (seco 128K, chunk 4096, saved attention, store streamed)", [] {
+    // Streamed runs before the one-warp merge: blocks then cost 1.2-2.4x one call.
+    {"Memory and the planner, 1B: 2026-11-27, 128K, seco chunk 4096, saved attention, "
+     "store streamed (the first merge kernel)",
+     [] {
        ScheduleOptions o = saved(sched("seco", 4096));
        o.stream_kv = true;
        return o;
      }(), 131072, 26.90, 8861},
-    {"RESULTS.md, H100, 2026-11-27 (seco 512K, chunk 16384, store streamed; one step, warm-up 0)", [] {
+    {"Memory and the planner, 1B: 2026-11-27, 512K, seco chunk 16384, store streamed (one step, warm-up 0)", [] {
        ScheduleOptions o = sched("seco", 16384);
        o.stream_kv = true;
        return o;
      }(), 524288, 43.90, 2007},
-    // The eighth session's runs within HF+Liger's peak (the planner's picks) and the 256K trace.
-    {"RESULTS.md, H100, 2026-11-27 eighth session (seco 32K, chunk 2048, selective, saved attention, streamed)", [] {
+    // Runs within HF+Liger's peak (the planner's picks of their day) and the 256K trace.
+    {"Memory and the planner, 1B: 2026-11-27, 32K, seco chunk 2048, selective, saved attention, streamed", [] {
        ScheduleOptions o = saved(sched("seco", 2048, "selective"));
        o.stream_kv = true;
        return o;
      }(), 32768, 22.31, 16367},
-    {"RESULTS.md, H100, 2026-11-27 eighth session (seco 64K, chunk 4096, saved attention, offload 2)",
+    {"Memory and the planner, 1B: 2026-11-27, 64K, seco chunk 4096, saved attention, window 2",
      saved(sched("seco", 4096, "none"), 2), 65536, 28.53, 17221},
-    {"RESULTS.md, H100, 2026-11-27 eighth session (seco 128K, chunk 2048, saved attention)",
+    {"Memory and the planner, 1B: 2026-11-27, 128K, seco chunk 2048, saved attention",
      saved(sched("seco", 2048, "none")), 131072, 45.03, 10191},
-    {"RESULTS.md, H100, 2026-11-27 eighth session (seco 256K, chunk 8192, saved attention)", saved(sched("seco", 8192)),
-     262144, 74.06, 5520},
-    // The ninth session: the streamed store with the one-warp merge; 256K with every backward on cuDNN
-    // but the store-filling one (the workspace budget raised to the plan's).
-    {"RESULTS.md, H100, 2026-11-27 ninth session (seco 128K, chunk 4096, saved attention, store streamed)", [] {
+    {"Memory and the planner, 1B: 2026-11-27, 256K, seco chunk 8192, "
+     "saved attention (workspace budget a quarter of free memory)",
+     saved(sched("seco", 8192)), 262144, 74.06, 5520},
+    // The streamed store with the one-warp merge; 256K with every backward on cuDNN but the
+    // store-filling one (the workspace budget raised to the plan's).
+    {"Memory and the planner, 1B: 2026-11-27, 128K, seco chunk 4096, saved attention, store streamed (one-warp merge)",
+     [] {
        ScheduleOptions o = saved(sched("seco", 4096));
        o.stream_kv = true;
        return o;
      }(), 131072, 26.90, 9695},
-    {"RESULTS.md, H100, 2026-11-27 ninth session (seco 128K, chunk 4096, saved attention)", saved(sched("seco", 4096)),
+    {"Memory and the planner, 1B: 2026-11-27, 128K, seco chunk 4096, saved attention", saved(sched("seco", 4096)),
      131072, 48.03, 10505},
-    {"RESULTS.md, H100, 2026-11-27 ninth session (seco 256K, chunk 8192, saved attention)", saved(sched("seco", 8192)),
-     262144, 74.75, 5782},
-    // The tenth session: cuDNN with the earlier keys apart, seco within HF+Liger's memory (the planner's picks).
-    {"RESULTS.md, H100, 2026-11-27 tenth session (seco 32K, chunk 4096, saved attention, offload 2, recompute full)",
+    {"Memory and the planner, 1B: 2026-11-27, 256K, seco chunk 8192, saved attention (budget raised to the plan's)",
+     saved(sched("seco", 8192)), 262144, 74.75, 5782},
+    // cuDNN with the earlier keys apart, seco within HF+Liger's memory (the planner's picks).
+    {"Memory and the planner, 1B: 2026-11-27, 32K, seco chunk 4096, saved attention, window 2, recompute full, "
+     "earlier keys apart",
      saved(sched("seco", 4096, "full"), 2), 32768, 22.64, 25615, true},
-    {"RESULTS.md, H100, 2026-11-27 tenth session (seco 128K, chunk 2048, saved attention)",
+    {"Memory and the planner, 1B: 2026-11-27, 128K, seco chunk 2048, saved attention, earlier keys apart",
      saved(sched("seco", 2048, "none")), 131072, 45.28, 11185, true},
-    // The fifteenth session: the prefill in longer chunks than the reverse sweep (bwd_chunk).
-    {"RESULTS.md, H100, 2026-11-27 fifteenth session (seco 32K, prefill 16384, bwd 4096, selective, saved, offload 2, "
-     "cast-layers)", [] {
+    // The prefill in longer chunks than the reverse sweep (bwd_chunk).
+    {"Memory and the planner, 1B: 2026-11-27, 32K, seco prefill 16384, reverse 4096, selective, saved, window 2, "
+     "cast-layers", [] {
        ScheduleOptions o = saved(sched("seco", 16384, "selective"), 2);
        o.bwd_chunk = 4096;
        o.cast_layers = true;
        return o;
      }(), 32768, 22.30, 26533, true},
-    {"RESULTS.md, H100, 2026-11-27 fifteenth session (seco 64K, prefill 16384, bwd 4096, saved, offload 2)", [] {
+    {"Memory and the planner, 1B: 2026-11-27, 64K, seco prefill 16384, reverse 4096, saved, window 2", [] {
        ScheduleOptions o = saved(sched("seco", 16384, "none"), 2);
        o.bwd_chunk = 4096;
        return o;
@@ -305,7 +317,7 @@ TEST_CASE("plan: a run that cannot fit says which knob to turn; auto picks the f
     ScheduleOptions o = base;
     o.chunk = other;
     const PlanReport p = plan_step(one_b(), 1, 262144, o, DType::bf16, 80);
-    if (p.fits) CHECK(best.step_s <= p.step_s * 1.01);  // plan.cpp: within 1%, the larger chunk
+    if (p.fits) CHECK(best.step_s <= p.step_s * 1.01);  // tools/planner/auto.cpp: within 1%, the larger chunk
     if (p.fits && other > c) CHECK(p.step_s > best.step_s * 1.01);
   }
   ScheduleOptions too_big = base;
@@ -485,8 +497,9 @@ TEST_CASE("plan: the papers' budgets for Llama-3.1-8B: LoRA in 24 GiB at 16K and
 }
 
 TEST_CASE("plan: predicted peaks and step times against the recorded Llama-3.1-8B runs") {
-  // `chunkwise bench` on an H100 80GB HBM3, 2026-11-27 (RESULTS.md, seventh and eighth sessions): LoRA rank 8,
-  // alpha 16 on q_proj, v_proj unless full parameters; the options are what the planner picked.
+  // `chunkwise bench` on an H100 80GB HBM3, 2026-11-27: the rows of docs/performance.md, "Memory and
+  // the planner" (the recorded 8B runs), labelled by their length and settings. LoRA rank 8, alpha 16
+  // on q_proj, v_proj unless full parameters; the options are what the planner picked.
   const LlamaConfig& eight_b = eight_b_config();
   const LoraConfig lora = paper_lora();
   struct Run {
@@ -516,18 +529,18 @@ TEST_CASE("plan: predicted peaks and step times against the recorded Llama-3.1-8
        false, 21.33, 2171},
       {"full parameters 60K, chunk 2048, optimizer offloaded", sched("seco", 2048, "none"), 61440, 80, false, true,
        77.12, 3226},
-      // The eighth session (RESULTS.md): the planner's picks, the frozen MLP keeping gate and up.
-      {"LoRA 16K, one chunk (eighth session)", sched("seco", 16384, "none"), 16384, 80, true, false, 75.80, 12491,
-       false, true},
-      {"LoRA 64K, chunk 4096, saved attention (eighth session)", saved(sched("seco", 4096, "none")), 65536, 80, true,
-       false, 70.33, 5007, false, true},
-      {"LoRA 256K, chunk 8192, saved attention, window 2 (eighth session; one step, warm-up 0)",
+      // The planner's later picks, the frozen MLP keeping gate and up.
+      {"LoRA 16K, one chunk, no recompute (the frozen MLP keeping gate and up)", sched("seco", 16384, "none"), 16384,
+       80, true, false, 75.80, 12491, false, true},
+      {"LoRA 64K, chunk 4096, saved attention (the frozen MLP keeping gate and up)", saved(sched("seco", 4096, "none")),
+       65536, 80, true, false, 70.33, 5007, false, true},
+      {"LoRA 256K, chunk 8192, saved attention, window 2 (one step, warm-up 0; 256 GiB host)",
        saved(sched("seco", 8192, "none"), 2), 262144, 80, true, false, 65.73, 1097, false, true, true},
-      // The ninth session: 64K in 24 GiB with the recalibrated window (copies overlapping compute); 256K
-      // planned for a 120 GiB host (no saved outputs; one step, warm-up 0: its time is a first step's).
-      {"LoRA 64K in 24 GiB, chunk 8192, recompute full, saved attention, window 2 (ninth session)",
+      // 64K in 24 GiB with the recalibrated window (copies overlapping compute); 256K planned for a
+      // 120 GiB host (no saved outputs; one step, warm-up 0: its time is a first step's).
+      {"LoRA 64K in 24 GiB, chunk 8192, recompute full, saved attention, window 2",
        saved(sched("seco", 8192, "full"), 2), 65536, 24, true, false, 22.84, 4562, false, true},
-      {"LoRA 256K, chunk 8192, window 2, 120 GiB host (ninth session; one step, warm-up 0)",
+      {"LoRA 256K, chunk 8192, window 2 (one step, warm-up 0; planned for a 120 GiB host)",
        [] {
          ScheduleOptions o = sched("seco", 8192, "none");
          o.offload_window = 2;
@@ -558,8 +571,9 @@ TEST_CASE("plan: predicted peaks and step times against the recorded Llama-3.1-8
 }
 
 TEST_CASE("plan --tp: one GPU's share against the measured TP 2 peaks; the longest context it predicts") {
-  // RESULTS.md, 4 x H100, 2026-11-27 (fifth session): seco, chunk 4096, the pool's peak per GPU in
-  // train's memory report: 19.11 GiB at 64K and 22.62 at 128K with TP 2 (33.26 and 39.78 on one GPU).
+  // docs/performance.md, "Data and tensor parallelism" (tensor parallelism under seco): chunk 4096,
+  // the pool's peak per GPU in train's memory report: 19.11 GiB at 64K and 22.62 at 128K with TP 2
+  // (33.26 and 39.78 on one GPU).
   const LlamaConfig shard = tp_shard_config(one_b(), 2);
   const struct {
     int64_t T;
@@ -571,7 +585,7 @@ TEST_CASE("plan --tp: one GPU's share against the measured TP 2 peaks; the longe
                         r.peak_gib));
     CHECK(std::abs(p.peak_device_gib() / r.peak_gib - 1) <= kPeakTol);
   }
-  // The longest context with the store on the device: TP 2 at least 1.8x one GPU (issue 17's bar).
+  // The longest context with the store on the device: TP 2 at least 1.8x one GPU (the bar TP was built to).
   PlanOptions o;
   o.schedule = sched("seco", 4096);
   o.device_memory_gib = 79.2;
@@ -606,8 +620,9 @@ TEST_CASE("plan: the K/V offload's bytes moved a step against the recorded runs,
   // 16K run of 4 chunks, recorded then, no longer describes the schedule; the CPU case below
   // measures the current one exactly.)
   const std::vector<Moved> runs = {
-      {"RESULTS.md 2026-11-25, the 128K trace (saved outputs, window 2)", saved(sched("seco", 4096), 2), 131072, 420.0},
-      {"RESULTS.md 2026-11-25 (third session), 512K window 2", [] {
+      {"The rates of the planner's time model, kPcieBytesPerS: 2026-11-25, the 128K trace (saved outputs, window 2)",
+       saved(sched("seco", 4096), 2), 131072, 420.0},
+      {"The longest sequence: 2026-11-25, 512K, window of 2 layers, chunk 8192", [] {
          ScheduleOptions o = sched("seco", 8192);
          o.offload_window = 2;
          return o;
@@ -667,7 +682,7 @@ TEST_CASE("plan: the K/V offload's bytes moved against a seco step on the CPU, w
   }
 }
 
-TEST_CASE("plan: with the K/V store streamed, device memory does not grow with T (issue 15: at most 2 MB per 1K)") {
+TEST_CASE("plan: with the K/V store streamed, device memory does not grow with T (at most 2 MB per 1K)") {
   ScheduleOptions o = sched("seco", 4096);
   o.stream_kv = true;
   o.save_attention = true;
@@ -774,10 +789,10 @@ TEST_CASE("plan: chunk and window = auto also save the attention outputs where t
 }
 
 TEST_CASE("plan: selective recompute's forward runs the MLP on [N, F] scratch (measured on the H100)") {
-  // The 32K picks of the fifteenth session (.dev/s15h.sh, one H100, chunk 4096, window 2, saved outputs,
-  // CW_ARENA_LOG=1): the run's arena added a block for the forward's gate, up and act that the plan's
-  // replay did not have; peaks 22.30 (selective, cast-layers), 23.89 (selective), 25.80 (cast-layers),
-  // 27.39 GiB (neither).
+  // docs/performance.md, "Memory and the planner" (the peaks the arena's replay is held to): 32K, chunk
+  // 4096, window 2, saved outputs, CW_ARENA_LOG=1; the run's arena added a block for the forward's
+  // gate, up and act that the plan's replay once lacked; peaks 22.30 (selective, cast-layers), 23.89
+  // (selective), 25.80 (cast-layers), 27.39 GiB (neither).
   struct Case {
     bool selective, cast;
     double peak_gib;
@@ -837,10 +852,11 @@ TEST_CASE("plan: auto prefills in longer chunks than the reverse sweep's where t
 }
 
 TEST_CASE("plan: saved layer inputs, measured on the H100 within HF+Liger's peaks") {
-  // .dev/s16b.sh (one H100, 2026-11-27): seco, window 2, saved attention outputs, saved inputs; the
-  // prefill and the reverse sweep in the same chunks. Peaks as measured; auto picks them at each
-  // length (the fastest measured: 32K chunk 16384 1.112 s against 1.140 at 8192; 64K 32768 3.249
-  // against 3.263 at 16384; 128K 32768 10.77 against 10.81 at 16384 and 10.93-10.96 at 65536).
+  // docs/performance.md, "Memory and the planner" (the peaks the arena's replay is held to): seco,
+  // window 2, saved attention outputs, saved inputs; the prefill and the reverse sweep in the same
+  // chunks. Peaks as measured; auto picks them at each length (the fastest measured: 32K chunk 16384
+  // 1.112 s against 1.140 at 8192; 64K 32768 3.249 against 3.263 at 16384; 128K 32768 10.77 against
+  // 10.81 at 16384 and 10.93-10.96 at 65536).
   struct Case {
     int64_t T, chunk;
     bool cast;
@@ -945,8 +961,8 @@ TEST_CASE("plan: the host's memory bounds what is pinned there; auto keeps to it
 }
 
 TEST_CASE("plan: the longest sequence that fits, on the device or bounded by the host") {
-  // Llama-3.2-1B, seco chunk 4096, store on the device, 79.2 GiB: about 500K tokens (the issue's 515K
-  // fit from two measured peaks); the next chunk does not fit.
+  // Llama-3.2-1B, seco chunk 4096, store on the device, 79.2 GiB: about 500K tokens (515K by a fit
+  // of two measured peaks); the next chunk does not fit.
   const ScheduleOptions seco = sched("seco", 4096);
   const LongestPlan l = longest_sequence(one_b(), 1, seco, DType::bf16, 79.2);
   MESSAGE(fmt::format("seco chunk 4096 on the device: {} tokens", l.T));

@@ -96,7 +96,7 @@ PEER_MODULES = {"hf": (), "liger": ("liger_kernel",), "peft": ("peft", "accelera
 WHEELS = {"liger_kernel": ("liger_kernel-*.whl", "liger-kernel==0.8.5"), "peft": ("peft-*.whl", "peft==0.21.2"),
           "accelerate": ("accelerate-*.whl", "accelerate==1.15.0")}
 TORCH_PY = "/opt/torch/.venv/bin/python3"
-# The CUDA context, outside the caching pool, which `bench --device-memory` counts (tools/plan.h).
+# The CUDA context, outside the caching pool, which `bench --device-memory` counts (tools/planner/planner.h).
 CUDA_CONTEXT_GIB = 0.5
 
 

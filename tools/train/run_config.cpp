@@ -88,7 +88,7 @@ const std::vector<Option<Train>> train_options = {
   {"nonfinite",      "",                &Train::nonfinite,     one_of({"skip", "stop"}), "a step whose loss or gradient is NaN/inf: skip its update, or stop the run"},
   {"deterministic",  "--deterministic", &Train::deterministic, {},                    "GPU: bitwise-reproducible gradients run to run (attention's dQ summed without atomics: slower)"},
   {"threads",        "",                &Train::threads,       at_least(0, "all cores"), "CPU threads; 0: all cores"},
-  {"memory_check",   "",                &Train::memory_check,  {},                    "refuse before step 1 a run whose planned memory (tools/plan.h on a GPU) exceeds what the device (or host) has free; false: start it anyway (where the plan is known to be pessimistic)"},
+  {"memory_check",   "",                &Train::memory_check,  {},                    "refuse before step 1 a run whose planned memory (tools/planner) exceeds what the device (or host) has free; false: start it anyway (where the plan is known to be pessimistic)"},
   {"device_memory",  "--device-memory", &Train::device_memory, at_least(0, "the whole GPU"), "GPU: the device memory the run may use, in GiB (the caching pool's ceiling is this less the CUDA context), as if the GPU had that much; 0: the whole GPU"},
 };
 const std::vector<Option<Eval>> eval_options = {

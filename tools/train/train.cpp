@@ -7,7 +7,6 @@
 #include "model/gguf_llama.h"
 #include "model/lora.h"
 #include "optim/adamw.h"
-#include "optim/chunks.h"
 #include "optim/lr_schedule.h"
 #include "optim/schedule.h"
 #include "tools/progress.h"
@@ -24,7 +23,7 @@
 #include "tools/data/tokenizer.h"
 #include "tools/data/tokens.h"
 #include "tools/model_io.h"
-#include "tools/plan.h"
+#include "tools/planner/planner.h"
 #include "tools/plot.h"
 #include "tools/train/run_dir.h"
 #include "tools/train/sample.h"
@@ -219,43 +218,6 @@ std::string human_bytes(double b) {
   return fmt::format("{:.1f} MiB", b / double(1 << 20));
 }
 
-// Memory the run will need on its device: parameters (compute copy, f32 master for bf16), gradients
-// and two moments in the master dtype, one chunk's activations, the K/V store with its gradients,
-// the LM-head and attention scratch. Under LoRA the base has its compute copy only, and the adapters
-// the rest.
-double planned_bytes(const LlamaConfig& c, DType dt, const RunConfig& rc, const LoraConfig& lora) {
-  const double e = static_cast<double>(dtype_size(dt)), a = static_cast<double>(dtype_size(accum_dtype(dt)));
-  const double params = static_cast<double>(trained_parameter_count(c, lora));
-  const double frozen = lora.enabled() ? static_cast<double>(c.parameter_count()) : 0.0;
-  const int64_t B = rc.data.batch_size, T = rc.data.seq_len;
-  const ScheduleOptions so = rc.schedule_options();
-  int64_t chunk = (so.name == "full" || so.name == "checkpointed") ? T : std::max(so.chunk, so.bwd_chunk);
-  if (chunk <= 0 || chunk > T) chunk = T;
-  const ActivationPolicy policy = activation_policy(so, lora);
-  const double acts = static_cast<double>(ChunkActivations::bytes(c, B, chunk, dt, policy));
-  // K, V of every layer; dK, dV of every layer, or of one when one backward chunk covers all T tokens
-  // (model/kv_store.h: layer-local gradients).
-  const int64_t grad_layers = so.layer_local_kv_grads(T, c.num_hidden_layers) ? 1 : c.num_hidden_layers;
-  const double kv = static_cast<double>(B * T * c.kv_dim()) * 2 *
-                    (static_cast<double>(c.num_hidden_layers) * e + static_cast<double>(grad_layers) * a);
-  const double scratch = static_cast<double>(kLmHeadBlockRows * c.vocab_size) * e +
-                         static_cast<double>(B * chunk * (2 * c.hidden_size + 3 * c.intermediate_size)) * e;
-  const double master = dt == DType::bf16 ? 4.0 : e;
-  // Offloaded, the master weights and moments are host memory (host_planned_bytes).
-  const double trained = rc.optimizer.offload ? e + a : e + (dt == DType::bf16 ? master : 0.0) + 3 * master;
-  return frozen * e + params * trained + acts + kv + scratch;
-}
-
-// Host memory the offloaded optimizer takes: master weights and both moments, and its staging slots.
-double host_planned_bytes(const LlamaConfig& c, DType dt, const RunConfig& rc, const LoraConfig& lora) {
-  if (!rc.optimizer.offload) return 0;
-  const int64_t params = trained_parameter_count(c, lora);
-  const double master = dt == DType::bf16 ? 4.0 : static_cast<double>(dtype_size(dt));
-  return 3 * master * static_cast<double>(params) +
-         static_cast<double>(OffloadedAdamW::staging_bytes_for(params, accum_dtype(dt), dt));
-}
-
-
 // Loads a checkpoint's weights (any stored dtype), or a GGUF file's (dequantized), as the run's
 // base weights: its master weights (the rank's TP shard of them), or under LoRA its frozen compute
 // weights.
@@ -363,10 +325,11 @@ double usable_device_bytes(Device device) {
 }
 
 // The device memory the planner checks against, from the bytes a run may still take: the CUDA
-// context is already among the used ones, and the plan counts it again (tools/plan.h).
+// context is already among the used ones, and the plan counts it again (tools/planner/planner.h).
 double plan_gib(double usable_bytes) { return (usable_bytes + double(kCudaContextBytes)) / double(1ull << 30); }
 
-// schedule.chunk / offload_window = auto: the planner's choice for this GPU's free memory (tools/plan.h).
+// schedule.chunk / offload_window = auto: the planner's choice for this GPU's free memory
+// (tools/planner/planner.h).
 void resolve_auto_lengths(RunConfig& rc, const Placement& p, std::ostream& log) {
   ScheduleOptions& s = rc.schedule;
   if (s.chunk != kAuto && s.offload_window != kAuto) return;
@@ -381,35 +344,41 @@ void resolve_auto_lengths(RunConfig& rc, const Placement& p, std::ostream& log) 
   log << fmt::format("schedule: the planner chose {} for {:.1f} GiB of device memory\n", describe_schedule(s), gib);
 }
 
-// Memory guard: fail before step 1, not in the middle of it. Returns the planned bytes. On a GPU the
-// device's side is the planner's (tools/plan.h: the caching pool's peak, within 10% of measured);
-// on the CPU an estimate of the state, one chunk's activations and the K/V store.
-double check_memory(const Placement& p, const RunConfig& rc) {
-  double need = planned_bytes(p.model, p.dtype, rc, p.lora);
+// Memory guard: fail before step 1, not in the middle of it. Returns the planner's plan of a step
+// (tools/planner/planner.h) on the run's device: on a GPU the caching pool's peak, on the CPU the
+// buffers' bytes and the arena's blocks; and the host memory it pins.
+PlanReport check_memory(const Placement& p, const RunConfig& rc) {
   const double have = p.device.is_cpu() ? double(host_memory_available()) : usable_device_bytes(p.device);
+  const PlanReport plan = plan_step(p.model, rc.data.batch_size, rc.data.seq_len, rc.schedule_options(), p.dtype,
+                                    p.device.is_cpu() ? have / double(1ull << 30) : plan_gib(have), p.lora,
+                                    rc.optimizer.offload, {}, p.device);
+  const double need = static_cast<double>(plan.peak_device_bytes);
+  // The plan counts cuDNN's backward workspace for its largest call: let every call have it.
+  if (!p.device.is_cpu())
+    raise_attention_workspace_budget(p.device, static_cast<int64_t>(plan.attention_workspace_bytes));
   std::string advice =
       "lower data.batch_size, data.seq_len or schedule.chunk, use schedule.name = seco, or set optimizer.offload";
-  if (!p.device.is_cpu()) {
-    const PlanReport plan = plan_step(p.model, rc.data.batch_size, rc.data.seq_len, rc.schedule_options(), p.dtype,
-                                      plan_gib(have), p.lora,
-                                      rc.optimizer.offload);
-    need = static_cast<double>(plan.peak_device_bytes);
-    // The plan counts cuDNN's backward workspace for its largest call: let every call have it.
-    raise_attention_workspace_budget(p.device, static_cast<int64_t>(plan.attention_workspace_bytes));
-    if (!plan.advice.empty()) advice = plan.advice + " (or schedule.chunk = auto, offload_window = auto)";
-  }
+  if (!p.device.is_cpu() && !plan.advice.empty())
+    advice = plan.advice + " (or schedule.chunk = auto, offload_window = auto)";
   if (rc.train.memory_check && have > 0 && need > have)
     fail(fmt::format("this run needs about {} of {} memory and the {} has {} available", human_bytes(need),
                      p.device.is_cpu() ? "host" : "device", device_name(p.device), human_bytes(have)),
          advice + "; train.memory_check = false starts it anyway");
-  const double host_need = host_planned_bytes(p.model, p.dtype, rc, p.lora);
+  // Host memory: the offloaded optimizer's master weights, moments and staging, and on a GPU the K/V
+  // store's pinned copy; on the CPU beside the step's own.
+  const double host_need = static_cast<double>(plan.peak_host_bytes);
   const double host_have = double(host_memory_available());
-  if (rc.train.memory_check && host_need > 0 && host_have > 0 && host_need + (p.device.is_cpu() ? need : 0.0) > host_have)
-    fail(fmt::format("optimizer.offload keeps {} of master weights and AdamW moments in host memory, and the host has {} "
-                     "available",
-                     human_bytes(host_need), human_bytes(host_have)),
-         "turn optimizer.offload off, train fewer parameters (lora.rank), or use a machine with more memory");
-  return need;
+  const double host_total = host_need + (p.device.is_cpu() ? need : 0.0);
+  if (rc.train.memory_check && host_need > 0 && host_have > 0 && host_total > host_have) {
+    std::string parts;
+    for (const auto& [name, bytes] : plan.host)
+      parts += fmt::format("{}{} {}", parts.empty() ? "" : ", ", name, human_bytes(static_cast<double>(bytes)));
+    fail(fmt::format("this run keeps {} in host memory ({}) and the host has {} available", human_bytes(host_need),
+                     parts, human_bytes(host_have)),
+         "turn optimizer.offload off, train fewer parameters (lora.rank), keep more of the K/V store on the device "
+         "(schedule.offload_window), or use a machine with more memory");
+  }
+  return plan;
 }
 
 AdamWOptions adamw_options(const RunConfig& rc) {
@@ -528,7 +497,7 @@ Progress resume_or_initialise(const RunConfig& rc, const LlamaConfig& full_confi
 }
 
 // The lines printed before step 1: the run directory, model, data, schedule, the resolved config.
-void print_header(const RunConfig& rc, const Placement& p, const TrainData& data, double planned,
+void print_header(const RunConfig& rc, const Placement& p, const TrainData& data, const PlanReport& planned,
                   const std::string& run_path, std::ostream& out) {
   const LlamaConfig& mc = p.model;
   const int64_t B = rc.data.batch_size, T = rc.data.seq_len, accum = rc.data.grad_accum;
@@ -551,10 +520,13 @@ void print_header(const RunConfig& rc, const Placement& p, const TrainData& data
                      data.train.size(), data.split.train.size(), data.split.eval.size(), T);
   const int64_t dp = rc.parallel.dp;
   out << fmt::format("schedule {} (chunk {}, bwd chunk {}), {}{} x {} x {} = {} tokens per step, {} steps, "
-                     "planned memory {}\n",
+                     "planned memory {}{}\n",
                      rc.schedule.name, rc.schedule.chunk, rc.schedule.bwd_chunk,
                      dp > 1 ? fmt::format("{} ranks x ", dp) : "", accum, B, T, dp * B * T * accum, rc.train.steps,
-                     human_bytes(planned));
+                     human_bytes(static_cast<double>(planned.peak_device_bytes)),
+                     planned.peak_host_bytes > 0
+                         ? fmt::format(" (and {} of host memory)", human_bytes(static_cast<double>(planned.peak_host_bytes)))
+                         : "");
   if (dp > 1)
     out << fmt::format("data parallel: {} ranks, zero {}, gradient buckets of {} MiB\n", dp, rc.parallel.zero,
                        rc.parallel.bucket_mb);
@@ -989,7 +961,7 @@ TrainResult run_training(const RunConfig& given, const TrainOptions& opt, std::o
   const TrainData data = load_data(rc, mc, *tokenizer, tokenizer_spec);
   WindowSampler sampler(data.split.train, rc.data.seed);  // the same on every rank (next_rank_batch)
   resolve_auto_lengths(rc, {rank_config, placement.device, placement.dtype, placement.lora}, log);
-  const double planned = check_memory({rank_config, placement.device, placement.dtype, placement.lora}, rc);
+  const PlanReport planned = check_memory({rank_config, placement.device, placement.dtype, placement.lora}, rc);
 
   // The grid (parallel/grid.h): the world split into this rank's TP and DP groups; at world size 1
   // (a launcher with one process) groups of one, through the same path.
