@@ -121,7 +121,7 @@ struct LoraConfig;  // model/lora.h
 void set_fused_qkv(bool on);
 bool fused_qkv();
 // Whether block_forward / block_backward fuse the projections of a model with these adapters and
-// this TP group (the planner's rule: tools/plan.cpp); the weights' adjacency is checked per call.
+// this TP group (the planner's rule: tools/planner); the weights' adjacency is checked per call.
 bool fuses_qkv(const LoraConfig* lora, const TensorParallelGroup* tp);
 
 // The shard count `mlp_shards = 0` (automatic) means: ceil(F / C), so one shard's [rows, F]

@@ -75,7 +75,7 @@ std::unique_ptr<Schedule> Schedule::create(const ScheduleOptions& o) {
   if (o.chunk == kAuto || o.offload_window == kAuto)
     fail(fmt::format("schedule.{} = auto is chosen by the planner before the run (train, bench and plan do it)",
                      o.chunk == kAuto ? "chunk" : "offload_window"),
-         "give a number here, or resolve it with resolve_auto_schedule (tools/plan.h)");
+         "give a number here, or resolve it with resolve_auto_schedule (tools/planner/planner.h)");
   if (o.name == "full" || o.name == "checkpointed") return make_full_schedule(o);
   if (o.name == "seco") return make_seco_schedule(o);
   return make_spaco_schedule(o);

@@ -60,7 +60,7 @@ void set_documents(Batch& batch, std::vector<std::vector<int64_t>> doc_starts, b
 // The options of a schedule. Their TOML keys ([schedule]), CLI flags, accepted values and help are
 // the rows of schedule_option_table() (optim/options.h); the defaults are the ones below.
 // chunk and offload_window take "auto" (this value) in a run's options: the planner chooses them
-// before the schedule is built (tools/plan.h, resolve_auto_schedule); a schedule never sees it.
+// before the schedule is built (tools/planner/planner.h, resolve_auto_schedule); a schedule never sees it.
 inline constexpr int64_t kAuto = -1;
 
 struct ScheduleOptions {
