@@ -83,6 +83,13 @@ inline Worst compare(const Tensor& a, const Tensor& b) {
   return w;
 }
 
+// The last `max_rel_err=` figure a gradcheck printed (a failed check when there is none).
+inline double max_rel_err(const std::string& out) {
+  const auto pos = out.rfind("max_rel_err=");
+  REQUIRE(pos != std::string::npos);
+  return std::stod(out.substr(pos + 12));
+}
+
 // Whether `text` contains `part`.
 inline bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 

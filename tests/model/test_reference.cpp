@@ -180,13 +180,7 @@ TEST_CASE("reference: refuses what it does not compute") {
                        "document starts for 1 sequences, the batch has 2"));
 }
 
-namespace {
-double max_rel_err(const std::string& out) {
-  const auto pos = out.rfind("max_rel_err=");
-  REQUIRE(pos != std::string::npos);
-  return std::stod(out.substr(pos + 12));
-}
-}  // namespace
+using test::max_rel_err;
 
 TEST_CASE("the chunkwise binary: gradcheck --against reference") {
   std::string out;

@@ -19,11 +19,7 @@ namespace {
 
 using test::contains;
 
-double max_rel_err(const std::string& out) {
-  const auto pos = out.rfind("max_rel_err=");
-  REQUIRE(pos != std::string::npos);
-  return std::stod(out.substr(pos + 12));
-}
+using test::max_rel_err;
 
 bool same_bits(const ParamSet& a, const ParamSet& b) {
   return a.bytes() == b.bytes() && std::memcmp(a.flat().data, b.flat().data, a.bytes()) == 0;

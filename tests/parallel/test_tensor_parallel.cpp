@@ -57,11 +57,7 @@ void check_adjoint(double lhs, double rhs, const char* op) {
   CHECK(std::abs(lhs - rhs) <= kAdjointTol * std::max(1.0, std::abs(rhs)));
 }
 
-double max_rel_err(const std::string& out) {
-  const auto pos = out.rfind("max_rel_err=");
-  REQUIRE(pos != std::string::npos);
-  return std::stod(out.substr(pos + 12));
-}
+using test::max_rel_err;
 
 // gradcheck of the tiny TP model, 2 x 16 tokens, over `tp` ranks, with schedule `name` (seco in
 // chunks of 8, backward chunks of 4).

@@ -18,11 +18,7 @@ namespace {
 // Exactness in f64: the schedules reorder sums, nothing more.
 constexpr double kExactTol = 1e-12;
 
-double max_rel_err(const std::string& out) {
-  const auto pos = out.rfind("max_rel_err=");
-  REQUIRE(pos != std::string::npos);
-  return std::stod(out.substr(pos + 12));
-}
+using test::max_rel_err;
 
 struct Case {
   const char* name;

@@ -12,14 +12,7 @@
 using namespace cw;
 using test::run_cli;
 
-namespace {
-double max_rel_err(const std::string& out) {
-  const auto pos = out.rfind("max_rel_err=");
-  REQUIRE(pos != std::string::npos);
-  return std::stod(out.substr(pos + 12));
-}
-
-}  // namespace
+using test::max_rel_err;
 
 TEST_CASE("gradcheck seco against full: the documented command (tiny, chunk 7, backward chunk 5) passes at 1e-12") {
   GradcheckOptions o;
