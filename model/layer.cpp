@@ -1,7 +1,8 @@
 #include "model/layer.h"
 
+#include "model/layer_seams.h"
+
 #include "engine/ops/linear.h"
-#include "engine/ops/lora_linear.h"
 #include "engine/ops/residual.h"
 #include "engine/ops/rope.h"
 #include "engine/ops/swiglu.h"
@@ -10,7 +11,6 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
-#include <optional>
 #include <vector>
 
 namespace cw {
@@ -25,7 +25,7 @@ bool fused_qkv() { return g_fused_qkv.load(); }
 namespace {
 // The rule, stated once: the switch on, no tensor parallelism (each rank holds its own heads' rows of
 // the three weights), no adapter on q, k or v (each adds its own low-rank term to one projection).
-bool qkv_fusable(bool tensor_parallel, bool qkv_adapters) { return fused_qkv() && !tensor_parallel && !qkv_adapters; }
+bool qkv_fusable(const TensorParallelGroup* tp, bool qkv_adapters) { return fused_qkv() && !tp && !qkv_adapters; }
 }  // namespace
 
 bool fuses_qkv(const LoraConfig* lora, const TensorParallelGroup* tp) {
@@ -33,7 +33,7 @@ bool fuses_qkv(const LoraConfig* lora, const TensorParallelGroup* tp) {
   if (lora && lora->enabled())
     for (ParamRole r : lora->target_roles())
       qkv_adapters = qkv_adapters || r == ParamRole::wq || r == ParamRole::wk || r == ParamRole::wv;
-  return qkv_fusable(tp != nullptr, qkv_adapters);
+  return qkv_fusable(tp, qkv_adapters);
 }
 
 int64_t resolve_mlp_shards(int64_t requested, const LlamaConfig& cf, int64_t rows) {
@@ -75,183 +75,6 @@ size_t LayerActivations::bytes(const LlamaConfig& cf, int64_t B, int64_t c, DTyp
          a * (2 * R + N * static_cast<size_t>(cf.num_attention_heads));
 }
 
-namespace {
-// ---- The block's linears: y = x Wᵀ, or with an adapter lora_linear (engine/ops/lora_linear.h) ----
-
-// Where a call of a block linear sits: the layer, and the call's first row within the chunk (a tiled
-// MLP's shard), which with the chunk's shape keys the adapter's dropout mask.
-struct LinearSite {
-  const BlockContext& ctx;
-  int layer;
-  int64_t row0 = 0;
-};
-
-LoraAdapter adapter_call(const LoraPair& p, ParamRole linear, const LinearSite& at) {
-  const LoraRuntime& lr = at.ctx.lora;
-  LoraAdapter a{p.a, p.b, lr.scale, {}};
-  if (lr.dropout > 0) {
-    // A row-parallel linear's input is this TP rank's slice of the columns: the mask is the whole input's.
-    const bool row_parallel = linear == ParamRole::wo || linear == ParamRole::w_down;
-    const int64_t column0 = row_parallel && at.ctx.tp ? at.ctx.tp->rank() * p.a.size(1) : 0;
-    a.dropout = {lr.dropout, lora_dropout_seed(lr.lora_seed, lr.round, at.layer, linear), at.ctx.c, at.ctx.pos0, at.row0,
-                 column0, lr.sequence0};
-  }
-  return a;
-}
-
-// y = x Wᵀ (+ the adapter's term where w has one).
-void linear_fwd(const Tensor& y, const Tensor& x, const Tensor& w, const LoraPair& adapter, ParamRole linear,
-                const LinearSite& at) {
-  if (!adapter.defined()) return linear_forward(y, x, w);
-  lora_linear_forward(y, x, w, adapter_call(adapter, linear, at), at.ctx.scratch);
-}
-
-// Its backward: d_x by `mode`; d_w (a trainable base weight) or d_adapter (an adapted, frozen one)
-// accumulate; an undefined gradient is skipped.
-void linear_bwd(const Tensor& d_x, const Tensor& d_w, const LoraPair& d_adapter, const Tensor& d_y, const Tensor& x,
-                const Tensor& w, const LoraPair& adapter, ParamRole linear, GradMode mode, const LinearSite& at) {
-  if (!adapter.defined()) return linear_backward(d_x, d_w, d_y, x, w, mode);
-  CW_CHECK(!d_w.data, "layer {} {}: a linear with an adapter is frozen (its gradients are the adapter's)", at.layer,
-           lora_target_name(linear));
-  lora_linear_backward(d_x, d_adapter.a, d_adapter.b, d_y, x, w, adapter_call(adapter, linear, at), mode,
-                       at.ctx.scratch);
-}
-
-// [Wq; Wk; Wv] as one [q_dim + 2 kv_dim, C] tensor where the three lie back to back (weights or their
-// gradients); undefined otherwise (model/layer.h, fused_qkv).
-Tensor stacked_qkv(const Tensor& wq, const Tensor& wk, const Tensor& wv) {
-  if (!wq.data || !wk.data || !wv.data || wk.dtype != wq.dtype || wv.dtype != wq.dtype || !wq.contiguous() ||
-      !wk.contiguous() || !wv.contiguous() || wk.size(1) != wq.size(1) || wv.size(1) != wq.size(1))
-    return {};
-  const char* q = static_cast<const char*>(wq.data);
-  const char* k = static_cast<const char*>(wk.data);
-  if (k != q + wq.bytes() || static_cast<const char*>(wv.data) != k + wk.bytes()) return {};
-  return Tensor::packed(wq.data, wq.dtype, wq.device, std::array<int64_t, 2>{wq.size(0) + wk.size(0) + wv.size(0), wq.size(1)});
-}
-
-// The fused projection's weight for this call, or undefined where the three GEMMs run (model/layer.h).
-Tensor fused_qkv_weight(const LayerWeights& w, const BlockContext& ctx) {
-  if (!qkv_fusable(ctx.tp != nullptr, w.lora.q.defined() || w.lora.k.defined() || w.lora.v.defined())) return {};
-  return stacked_qkv(w.wq, w.wk, w.wv);
-}
-
-// Rows [r0, r0 + rows) of the MLP: gate, up and act for those rows into the given [rows, F] tensors.
-void mlp_rows_forward(const Tensor& gate, const Tensor& up, const Tensor& act, const Tensor& h2_rows,
-                      const LayerWeights& w, const LinearSite& at) {
-  linear_fwd(gate, h2_rows, w.w_gate, w.lora.gate, ParamRole::w_gate, at);
-  linear_fwd(up, h2_rows, w.w_up, w.lora.up, ParamRole::w_up, at);
-  swiglu_forward(act, gate, up);
-}
-
-// Backward of the MLP rows given their gate/up/act: d_h rows (overwritten) from d_out rows;
-// weight gradients accumulate. act and h2_rows may be undefined where the linears reading them are
-// frozen without adapters (MlpKept::products): d_x needs only the weights.
-void mlp_rows_backward(const Tensor& d_h_rows, const LayerWeights& g, const Tensor& d_out_rows, const Tensor& gate,
-                       const Tensor& up, const Tensor& act, const Tensor& h2_rows, const LayerWeights& w,
-                       const LinearSite& at) {
-  Arena& s = at.ctx.scratch;
-  ArenaScope scope(s);
-  const int64_t rows = gate.size(0), F = gate.size(1);
-  Tensor d_act = s.alloc(gate.dtype, {rows, F});
-  linear_bwd(d_act, g.w_down, g.lora.down, d_out_rows, act, w.w_down, w.lora.down, ParamRole::w_down,
-             GradMode::overwrite, at);
-  Tensor d_gate = s.alloc(gate.dtype, {rows, F}), d_up = s.alloc(gate.dtype, {rows, F});
-  swiglu_backward(d_gate, d_up, d_act, gate, up, GradMode::overwrite);
-  linear_bwd(d_h_rows, g.w_gate, g.lora.gate, d_gate, h2_rows, w.w_gate, w.lora.gate, ParamRole::w_gate,
-             GradMode::overwrite, at);
-  linear_bwd(d_h_rows, g.w_up, g.lora.up, d_up, h2_rows, w.w_up, w.lora.up, ParamRole::w_up, GradMode::accumulate, at);
-}
-
-// Row shards [bounds[i], bounds[i+1]) of N rows.
-std::vector<int64_t> row_shards(int64_t N, int64_t shards) {
-  std::vector<int64_t> b;
-  for (int64_t i = 0; i <= shards; ++i) b.push_back(N * i / shards);
-  return b;
-}
-
-// ---- The tensor-parallel seams (model/shard.h); with tp == nullptr each is what one process does. ----
-
-// Input seam, forward: rmsnorm of the rank's rows x, and what the column-parallel linears read.
-//   one process, or TP without SP: rmsnorm into `kept` [N, C]; copy_to_tp's forward is the identity.
-//   SP: rmsnorm of the rank's rows, all-gathered (gather_from_sp) into `kept` [N, C]; with regather
-//       `kept` holds the rank's rows [R, C] and the gathered rows go to the buffer's gathered_input
-//       slot, leased for the caller's scope.
-Tensor normed_input_forward(std::optional<TpLease>& lease, const Tensor& kept, const RmsNormSaved& saved,
-                            const Tensor& x, const Tensor& weight, double eps, TensorParallelGroup* tp, Arena& s) {
-  if (!tp || !tp->sequence_parallel()) {
-    rmsnorm_forward(kept, saved, x, weight, eps);
-    return kept;
-  }
-  const int64_t R = x.size(0), C = x.size(1);
-  if (tp->regather()) {
-    rmsnorm_forward(kept, saved, x, weight, eps);
-    const Tensor& all = lease.emplace(*tp, TpSlot::gathered_input, kept.dtype, std::initializer_list<int64_t>{R * tp->size(), C}).tensor;
-    tp->gather_from_sp_forward(all, kept);
-    return all;
-  }
-  const Tensor rows = s.alloc(kept.dtype, {R, C});
-  rmsnorm_forward(rows, saved, x, weight, eps);
-  tp->gather_from_sp_forward(kept, rows);
-  return kept;
-}
-
-// The kept h1 / h2 as the column-parallel linears read them in the backward: regathered into the
-// buffer's gathered_input slot when only the rank's rows were kept.
-Tensor normed_input_backward(std::optional<TpLease>& lease, const Tensor& kept, int64_t N, TensorParallelGroup* tp) {
-  if (!tp_regathers(tp)) return kept;
-  const Tensor& all = lease.emplace(*tp, TpSlot::gathered_input, kept.dtype, std::initializer_list<int64_t>{N, kept.size(1)}).tensor;
-  tp->gather_from_sp_forward(all, kept);
-  return all;
-}
-
-// Where a row-parallel linear writes its [N, C] output: under SP the rank's partial sum lives in the
-// buffer's partial_sum slot until scatter_to_sp; otherwise in scratch.
-Tensor partial_output(std::optional<TpLease>& lease, int64_t N, int64_t C, DType dt, TensorParallelGroup* tp, Arena& s) {
-  if (tp && tp->sequence_parallel())
-    return lease.emplace(*tp, TpSlot::partial_sum, dt, std::initializer_list<int64_t>{N, C}).tensor;
-  return s.alloc(dt, {N, C});
-}
-
-// Output seam, forward: the rank's rows [R, C] of the sum over ranks of `partial` [N, C].
-//   one process: partial itself; TP: reduce_from_tp (all-reduce in place); SP: scatter_to_sp.
-Tensor row_parallel_output(const Tensor& partial, TensorParallelGroup* tp, Arena& s) {
-  if (!tp) return partial;
-  if (!tp->sequence_parallel()) {
-    tp->reduce_from_tp_forward(partial);
-    return partial;
-  }
-  const Tensor rows = s.alloc(partial.dtype, {partial.size(0) / tp->size(), partial.size(1)});
-  tp->scatter_to_sp_forward(rows, partial);
-  return rows;
-}
-
-// Output seam, backward: the gradient of the row-parallel linear's [N, C] output, from d_rows.
-//   one process / TP: d_rows itself (reduce_from_tp's backward is the identity);
-//   SP: scatter_to_sp's backward, the all-gather of every rank's d_rows, in the gathered_grad slot.
-Tensor row_parallel_output_backward(std::optional<TpLease>& lease, const Tensor& d_rows, TensorParallelGroup* tp) {
-  if (!tp || !tp->sequence_parallel()) return d_rows;
-  const Tensor& all = lease.emplace(*tp, TpSlot::gathered_grad, d_rows.dtype,
-                                    std::initializer_list<int64_t>{d_rows.size(0) * tp->size(), d_rows.size(1)}).tensor;
-  tp->scatter_to_sp_backward(all, d_rows);
-  return all;
-}
-
-// Input seam, backward: the rank's rows of d(normed) from the column-parallel linears' d_all
-// [N, C], a partial sum over the rank's heads / FFN columns.
-//   one process: d_all; TP: copy_to_tp's backward, the all-reduce (in place); SP: gather_from_sp's
-//   backward, the reduce-scatter.
-Tensor normed_input_grad(const Tensor& d_all, TensorParallelGroup* tp, Arena& s) {
-  if (!tp) return d_all;
-  if (!tp->sequence_parallel()) {
-    tp->copy_to_tp_backward(d_all);
-    return d_all;
-  }
-  const Tensor rows = s.alloc(d_all.dtype, {d_all.size(0) / tp->size(), d_all.size(1)});
-  tp->gather_from_sp_backward(rows, d_all);
-  return rows;
-}
-}  // namespace
-
 // RoPE over a chunk's [B, c, heads, D] rows: positions [p, p + c) in one call, or with packed documents
 // span by span, each from its position in its document (or in the sequence, with absolute positions).
 void rope_chunk(const Tensor& y, const Tensor& x, const BlockContext& ctx, bool backward) {
@@ -266,201 +89,297 @@ void rope_chunk(const Tensor& y, const Tensor& x, const BlockContext& ctx, bool 
   }
 }
 
-void block_forward(const Tensor& x_out, LayerActivations* keep, const Tensor& x_in, const LayerWeights& w,
-                   KVStore& kv, int layer, const BlockContext& ctx) {
-  const LlamaConfig& cf = ctx.config;
-  const int64_t B = ctx.B, c = ctx.c, p = ctx.pos0, N = B * c, C = cf.hidden_size, F = cf.intermediate_size;
-  const int64_t H = cf.num_attention_heads, Hkv = cf.num_key_value_heads, D = cf.head_dim;
-  TensorParallelGroup* tp = ctx.tp;
-  const int64_t R = tp_rows(tp, N);  // residual-stream rows of this rank
-  const DType dt = x_in.dtype;
-  check_shape(x_in, {R, C}, "block input");
-  const bool output = x_out.data != nullptr;
-  CW_CHECK(output || keep, "layer {}: a block forward that keeps nothing must write its output", layer);
-  if (output) check_shape(x_out, {R, C}, "block output");
-  Arena& s = ctx.scratch;
-  ArenaScope scope(s);
-  const int64_t shards = resolve_mlp_shards(ctx.mlp_shards, cf, N);
-  LayerActivations local;
-  LayerActivations& a =
-      keep ? *keep : (local = LayerActivations::allocate(s, cf, B, c, dt, shards == 1 ? MlpKept::all : MlpKept::input, tp));
-  const LinearSite at{ctx, layer};
+namespace {
+// ---- The fused Q/K/V projection (model/layer.h, fused_qkv) ----
 
-  // Attention half.
-  const bool from_saved = ctx.attention_from_store;
-  {
-    std::optional<TpLease> gathered;  // h1 of all rows, with regather
-    const Tensor h1 = normed_input_forward(gathered, a.h1, a.norm1, x_in, w.attn_norm, cf.rms_norm_eps, tp, s);
-    const Tensor w_qkv = from_saved ? Tensor{} : fused_qkv_weight(w, ctx);  // the recompute needs q only
-    Tensor qkv;
-    if (w_qkv.data) {
-      qkv = s.alloc(dt, {N, cf.q_dim() + 2 * cf.kv_dim()});
-      linear_forward(qkv, h1, w_qkv);
-      rope_chunk(a.q, head_columns(qkv, 0, B, c, H, D), ctx, false);
-    } else {
-      Tensor q_pre = s.alloc(dt, {N, cf.q_dim()});
-      linear_fwd(q_pre, h1, w.wq, w.lora.q, ParamRole::wq, at);
-      rope_chunk(a.q, q_pre.view({B, c, H, D}), ctx, false);
-    }
-    if (from_saved) {
-      CW_CHECK(p + c <= kv.outputs_written(), "layer {}: saved attention outputs of tokens [{}, {}) were not written "
-               "by a prefill (it reached {})", layer, p, p + c, kv.outputs_written());
-      copy_convert(a.attn, kv.outputs(layer, p, p + c));
-      copy_convert(a.attn_saved.lse.view({B * H, c}), kv.output_lse(layer, p, p + c));
-    } else {
-      if (qkv.data) {
-        const Tensor k_rot = head_columns(qkv, cf.q_dim(), B, c, Hkv, D);
-        rope_chunk(k_rot, k_rot, ctx, false);
-        copy_heads(kv.keys(layer, p, p + c), k_rot);
-        copy_heads(kv.values(layer, p, p + c), head_columns(qkv, cf.q_dim() + cf.kv_dim(), B, c, Hkv, D));
-      } else {
-        Tensor k_pre = s.alloc(dt, {N, cf.kv_dim()});
-        linear_fwd(k_pre, h1, w.wk, w.lora.k, ParamRole::wk, at);
-        Tensor k_rot = k_pre.view({B, c, Hkv, D});
-        rope_chunk(k_rot, k_rot, ctx, false);
-        copy_convert(kv.keys(layer, p, p + c), k_rot);
-        Tensor v = s.alloc(dt, {N, cf.kv_dim()});
-        linear_fwd(v, h1, w.wv, w.lora.v, ParamRole::wv, at);
-        copy_convert(kv.values(layer, p, p + c), v.view({B, c, Hkv, D}));
-      }
-      const double scale = 1.0 / std::sqrt(static_cast<double>(D));
-      kv.attend_forward(layer, p, p + c, a.attn, a.attn_saved, a.q, scale, s, ctx.doc_starts);
-      if (kv.has_outputs()) {  // the prefill saves them for the recompute
-        copy_convert(kv.outputs(layer, p, p + c), a.attn);
-        copy_convert(kv.output_lse(layer, p, p + c), a.attn_saved.lse.view({B * H, c}));
-      }
-    }
-  }
-  {
-    std::optional<TpLease> partial;
-    const Tensor o_all = partial_output(partial, N, C, dt, tp, s);
-    linear_fwd(o_all, a.attn.view({N, cf.q_dim()}), w.wo, w.lora.o, ParamRole::wo, at);
-    residual_forward(a.x_mid, x_in, row_parallel_output(o_all, tp, s));
-  }
+// [Wq; Wk; Wv] as one [q_dim + 2 kv_dim, C] tensor where the three lie back to back (weights or their
+// gradients); undefined otherwise.
+Tensor stacked_qkv(const Tensor& wq, const Tensor& wk, const Tensor& wv) {
+  if (!wq.data || !wk.data || !wv.data || wk.dtype != wq.dtype || wv.dtype != wq.dtype || !wq.contiguous() ||
+      !wk.contiguous() || !wv.contiguous() || wk.size(1) != wq.size(1) || wv.size(1) != wq.size(1))
+    return {};
+  const char* q = static_cast<const char*>(wq.data);
+  const char* k = static_cast<const char*>(wk.data);
+  if (k != q + wq.bytes() || static_cast<const char*>(wv.data) != k + wk.bytes()) return {};
+  return Tensor::packed(wq.data, wq.dtype, wq.device, std::array<int64_t, 2>{wq.size(0) + wk.size(0) + wv.size(0), wq.size(1)});
+}
 
-  // MLP half. Kept without h2 and act (MlpKept::products), both are scratch here.
-  std::optional<TpLease> gathered;
-  const Tensor h2_out = a.h2.data ? a.h2 : s.alloc(dt, {tp_regathers(tp) ? R : N, C});
-  const Tensor h2 = normed_input_forward(gathered, h2_out, a.norm2, a.x_mid, w.mlp_norm, cf.rms_norm_eps, tp, s);
-  if (!output) {
-    // A recompute for the backward alone: W_down's product feeds only x_out. Kept gate and up are
-    // computed; kept without them (MlpKept::input), the backward computes them shard by shard.
-    if (a.gate.data) mlp_rows_forward(a.gate, a.up, a.act.data ? a.act : s.alloc(dt, {N, F}), h2, w, at);
+// The fused projection's weight for this call, or undefined where the three GEMMs run.
+Tensor fused_qkv_weight(const BlockCall& b) {
+  const LayerWeights& w = b.w;
+  if (!qkv_fusable(b.tp, w.lora.q.defined() || w.lora.k.defined() || w.lora.v.defined())) return {};
+  return stacked_qkv(w.wq, w.wk, w.wv);
+}
+
+// ---- Attention half: h1 -> q, K, V -> attn -> x_mid ----
+
+double attention_scale(const BlockCall& b) { return 1.0 / std::sqrt(static_cast<double>(b.D)); }
+
+// q = rope(h1 Wqᵀ) into q [B, c, H, D].
+void project_q(const Tensor& q, const Tensor& h1, const BlockCall& b) {
+  const Tensor q_pre = b.scratch.alloc(b.dt, {b.N, b.cf.q_dim()});
+  block_linear_forward(q_pre, h1, ParamRole::wq, b);
+  rope_chunk(q, q_pre.view({b.B, b.c, b.H, b.D}), b.ctx, false);
+}
+
+// q as project_q, and the chunk's K = rope(h1 Wkᵀ), V = h1 Wvᵀ into the store's rows [p, p+c): one
+// GEMM where the weights allow (fused_qkv), RoPE then working on its q and k columns in place.
+void project_qkv(const Tensor& q, const Tensor& h1, const BlockCall& b) {
+  const LlamaConfig& cf = b.cf;
+  const int64_t B = b.B, c = b.c, p = b.p;
+  const Tensor keys = b.kv.keys(b.layer, p, p + c), values = b.kv.values(b.layer, p, p + c);
+  if (const Tensor w_qkv = fused_qkv_weight(b); w_qkv.data) {
+    const Tensor qkv = b.scratch.alloc(b.dt, {b.N, cf.q_dim() + 2 * cf.kv_dim()});
+    linear_forward(qkv, h1, w_qkv);
+    rope_chunk(q, head_columns(qkv, 0, B, c, b.H, b.D), b.ctx, false);
+    const Tensor k = head_columns(qkv, cf.q_dim(), B, c, b.Hkv, b.D);
+    rope_chunk(k, k, b.ctx, false);
+    copy_heads(keys, k);
+    copy_heads(values, head_columns(qkv, cf.q_dim() + cf.kv_dim(), B, c, b.Hkv, b.D));
     return;
   }
-  std::optional<TpLease> partial;
-  const Tensor m = partial_output(partial, N, C, dt, tp, s);
-  if (a.gate.data) {
-    const Tensor act = a.act.data ? a.act : s.alloc(dt, {N, F});
-    mlp_rows_forward(a.gate, a.up, act, h2, w, at);
-    linear_fwd(m, act, w.w_down, w.lora.down, ParamRole::w_down, at);
+  project_q(q, h1, b);
+  const Tensor k_pre = b.scratch.alloc(b.dt, {b.N, cf.kv_dim()});
+  block_linear_forward(k_pre, h1, ParamRole::wk, b);
+  const Tensor k = k_pre.view({B, c, b.Hkv, b.D});
+  rope_chunk(k, k, b.ctx, false);
+  copy_convert(keys, k);
+  const Tensor v = b.scratch.alloc(b.dt, {b.N, cf.kv_dim()});
+  block_linear_forward(v, h1, ParamRole::wv, b);
+  copy_convert(values, v.view({B, c, b.Hkv, b.D}));
+}
+
+// attn, lse = attention(q, K[0, p+c), V[0, p+c)) against the store; a prefill that saves them for the
+// reverse sweep's recompute (kv_store.h, saved attention outputs) writes them there too.
+void attend(LayerActivations& a, const BlockCall& b) {
+  const int64_t p = b.p, c = b.c;
+  b.kv.attend_forward(b.layer, p, p + c, a.attn, a.attn_saved, a.q, attention_scale(b), b.scratch, b.ctx.doc_starts);
+  if (b.kv.has_outputs()) {
+    copy_convert(b.kv.outputs(b.layer, p, p + c), a.attn);
+    copy_convert(b.kv.output_lse(b.layer, p, p + c), a.attn_saved.lse.view({b.B * b.H, c}));
+  }
+}
+
+// attn, lse of the chunk as the prefill saved them (the recompute then needs no K, V).
+void read_saved_attention(LayerActivations& a, const BlockCall& b) {
+  const int64_t p = b.p, c = b.c;
+  CW_CHECK(p + c <= b.kv.outputs_written(), "layer {}: saved attention outputs of tokens [{}, {}) were not written "
+           "by a prefill (it reached {})", b.layer, p, p + c, b.kv.outputs_written());
+  copy_convert(a.attn, b.kv.outputs(b.layer, p, p + c));
+  copy_convert(a.attn_saved.lse.view({b.B * b.H, c}), b.kv.output_lse(b.layer, p, p + c));
+}
+
+// x_mid = x_in + attn Woᵀ.
+void project_out(const Tensor& x_mid, const Tensor& x_in, const Tensor& attn, const BlockCall& b) {
+  PartialOutput o(b);
+  block_linear_forward(o.all(), attn.view({b.N, b.cf.q_dim()}), ParamRole::wo, b);
+  residual_forward(x_mid, x_in, o.sum_rows());
+}
+
+// d_attn = d(x_mid) Wo [N, q_dim]; Wo's gradient accumulates.
+Tensor project_out_backward(const Tensor& d_x, const Tensor& attn, const LayerWeights& g, const BlockCall& b) {
+  const Tensor d_attn = b.scratch.alloc(b.dt, {b.N, b.cf.q_dim()});
+  const OutputGrad d_o(d_x, b);
+  block_linear_backward(d_attn, g, d_o.all(), attn.view({b.N, b.cf.q_dim()}), ParamRole::wo, GradMode::overwrite, b);
+  return d_attn;
+}
+
+// d_q [B, c, H, D] from d_attn; dK, dV of every key attended, [0, p+c), ADDED into the store.
+Tensor attend_backward(const Tensor& d_attn, const LayerActivations& a, const BlockCall& b) {
+  const Tensor d_q = b.scratch.alloc(b.dt, {b.B, b.c, b.H, b.D});
+  b.kv.attend_backward(b.layer, b.p, b.p + b.c, d_q, d_attn.view({b.B, b.c, b.H, b.D}), a.attn_saved, a.q, a.attn,
+                       attention_scale(b), b.scratch, b.ctx.doc_starts);
+  return d_q;
+}
+
+// The gradients of the projections' outputs, before RoPE: of q from d_q, of the chunk's own K and V
+// from the store's accumulators over [p, p+c) (its local part plus what later chunks added). Fused:
+// side by side in one [N, q_dim + 2 kv_dim] tensor, as the fused GEMM's output was.
+struct QkvGrad {
+  Tensor w_qkv, g_qkv;  // the fused weight and its gradient (or undefined: all frozen)
+  Tensor d_qkv;         // fused
+  Tensor d_q, d_k, d_v;  // three GEMMs
+  bool fused() const { return d_qkv.data != nullptr; }
+};
+
+QkvGrad qkv_grad(const Tensor& d_q, const LayerWeights& g, const BlockCall& b) {
+  const LlamaConfig& cf = b.cf;
+  const int64_t B = b.B, c = b.c, p = b.p;
+  QkvGrad d{fused_qkv_weight(b), stacked_qkv(g.wq, g.wk, g.wv), {}, d_q, {}, {}};
+  // Fused where the gradients lie back to back too (or are all frozen); otherwise three GEMMs, which
+  // need nothing from how the forward projected.
+  if (d.w_qkv.data && (d.g_qkv.data || (!g.wq.data && !g.wk.data && !g.wv.data))) {
+    d.d_qkv = b.scratch.alloc(b.dt, {b.N, cf.q_dim() + 2 * cf.kv_dim()});
+    d.d_k = head_columns(d.d_qkv, cf.q_dim(), B, c, b.Hkv, b.D);
+    rope_chunk(head_columns(d.d_qkv, 0, B, c, b.H, b.D), d_q, b.ctx, true);
+    copy_heads(d.d_k, b.kv.d_keys(b.layer, p, p + c));
+    copy_heads(head_columns(d.d_qkv, cf.q_dim() + cf.kv_dim(), B, c, b.Hkv, b.D), b.kv.d_values(b.layer, p, p + c));
   } else {
-    // Tiled: one shard's [rows, F] intermediates at a time.
-    const std::vector<int64_t> b = row_shards(N, shards);
-    for (size_t i = 0; i + 1 < b.size(); ++i) {
-      ArenaScope shard_scope(s);
-      const int64_t r0 = b[i], rows = b[i + 1] - b[i];
-      Tensor gate = s.alloc(dt, {rows, F}), up = s.alloc(dt, {rows, F}), act = s.alloc(dt, {rows, F});
-      const LinearSite shard{ctx, layer, r0};
-      mlp_rows_forward(gate, up, act, h2.slice(0, r0, rows), w, shard);
-      linear_fwd(m.slice(0, r0, rows), act, w.w_down, w.lora.down, ParamRole::w_down, shard);
+    d.d_k = b.scratch.alloc(b.dt, {B, c, b.Hkv, b.D});
+    d.d_v = b.scratch.alloc(b.dt, {B, c, b.Hkv, b.D});
+    copy_convert(d.d_k, b.kv.d_keys(b.layer, p, p + c));
+    copy_convert(d.d_v, b.kv.d_values(b.layer, p, p + c));
+    rope_chunk(d_q, d_q, b.ctx, true);
+  }
+  rope_chunk(d.d_k, d.d_k, b.ctx, true);
+  return d;
+}
+
+// d_h1 [N, C] (overwritten) through the Q/K/V projections; their gradients accumulate. The relayed
+// K/V gradient enters x through W_k, W_v (frozen or not) and their adapters.
+void project_qkv_backward(const Tensor& d_h1, const QkvGrad& d, const Tensor& h1, const LayerWeights& g,
+                          const BlockCall& b) {
+  if (d.fused()) return linear_backward(d_h1, d.g_qkv, d.d_qkv, h1, d.w_qkv, GradMode::overwrite);
+  const int64_t q_dim = b.cf.q_dim(), kv_dim = b.cf.kv_dim();
+  block_linear_backward(d_h1, g, d.d_q.view({b.N, q_dim}), h1, ParamRole::wq, GradMode::overwrite, b);
+  block_linear_backward(d_h1, g, d.d_k.view({b.N, kv_dim}), h1, ParamRole::wk, GradMode::accumulate, b);
+  block_linear_backward(d_h1, g, d.d_v.view({b.N, kv_dim}), h1, ParamRole::wv, GradMode::accumulate, b);
+}
+
+// ---- MLP half: m = (silu(h2 W_gateᵀ) * h2 W_upᵀ) W_downᵀ ----
+
+// Rows [row0, row0 + rows) of the MLP: gate, up and act for those rows into the given [rows, F] tensors.
+void mlp_rows_forward(const Tensor& gate, const Tensor& up, const Tensor& act, const Tensor& h2_rows,
+                      const BlockCall& b, int64_t row0 = 0) {
+  block_linear_forward(gate, h2_rows, ParamRole::w_gate, b, row0);
+  block_linear_forward(up, h2_rows, ParamRole::w_up, b, row0);
+  swiglu_forward(act, gate, up);
+}
+
+// Backward of the MLP rows given their gate/up/act: d_h rows (overwritten) from d_m rows; weight
+// gradients accumulate. act and h2_rows may be undefined where the linears reading them are frozen
+// without adapters (MlpKept::products): d_x needs only the weights.
+void mlp_rows_backward(const Tensor& d_h_rows, const LayerWeights& g, const Tensor& d_m_rows, const Tensor& gate,
+                       const Tensor& up, const Tensor& act, const Tensor& h2_rows, const BlockCall& b,
+                       int64_t row0 = 0) {
+  Arena& s = b.scratch;
+  ArenaScope scope(s);
+  const int64_t rows = gate.size(0), F = gate.size(1);
+  const Tensor d_act = s.alloc(gate.dtype, {rows, F});
+  block_linear_backward(d_act, g, d_m_rows, act, ParamRole::w_down, GradMode::overwrite, b, row0);
+  const Tensor d_gate = s.alloc(gate.dtype, {rows, F}), d_up = s.alloc(gate.dtype, {rows, F});
+  swiglu_backward(d_gate, d_up, d_act, gate, up, GradMode::overwrite);
+  block_linear_backward(d_h_rows, g, d_gate, h2_rows, ParamRole::w_gate, GradMode::overwrite, b, row0);
+  block_linear_backward(d_h_rows, g, d_up, h2_rows, ParamRole::w_up, GradMode::accumulate, b, row0);
+}
+
+// Row shards [bounds[i], bounds[i+1]) of the tiled MLP's N rows.
+std::vector<int64_t> row_shards(const BlockCall& b) {
+  const int64_t shards = resolve_mlp_shards(b.ctx.mlp_shards, b.cf, b.N);
+  std::vector<int64_t> bounds;
+  for (int64_t i = 0; i <= shards; ++i) bounds.push_back(b.N * i / shards);
+  return bounds;
+}
+
+// m [N, C] = the MLP of h2 [N, C]. How it runs follows what the layer keeps of it (MlpKept):
+//   all, products: gate, up (and act) of all rows at once into `a` (act in scratch with products);
+//   input (tiled or selective recompute): shard by shard, one shard's [rows, F] intermediates in
+//   scratch at a time.
+// m undefined: a recompute for the backward alone, which needs only what `a` keeps (W_down's product
+// feeds only x_out; kept without gate and up, the backward computes them shard by shard).
+void mlp_forward(const Tensor& m, const Tensor& h2, LayerActivations& a, const BlockCall& b) {
+  Arena& s = b.scratch;
+  if (a.gate.data) {
+    const Tensor act = a.act.data ? a.act : s.alloc(b.dt, {b.N, b.F});
+    mlp_rows_forward(a.gate, a.up, act, h2, b);
+    if (m.data) block_linear_forward(m, act, ParamRole::w_down, b);
+    return;
+  }
+  if (!m.data) return;
+  const std::vector<int64_t> bounds = row_shards(b);
+  for (size_t i = 0; i + 1 < bounds.size(); ++i) {
+    ArenaScope shard_scope(s);
+    const int64_t r0 = bounds[i], rows = bounds[i + 1] - bounds[i];
+    const Tensor gate = s.alloc(b.dt, {rows, b.F}), up = s.alloc(b.dt, {rows, b.F}), act = s.alloc(b.dt, {rows, b.F});
+    mlp_rows_forward(gate, up, act, h2.slice(0, r0, rows), b, r0);
+    block_linear_forward(m.slice(0, r0, rows), act, ParamRole::w_down, b, r0);
+  }
+}
+
+// d_h2 [N, C] (overwritten) from d_m [N, C]; weight gradients accumulate. Kept without gate and up,
+// each shard's are recomputed from the kept h2 just before its backward.
+void mlp_backward(const Tensor& d_h2, const LayerWeights& g, const Tensor& d_m, const Tensor& h2,
+                  const LayerActivations& a, const BlockCall& b) {
+  if (a.gate.data) return mlp_rows_backward(d_h2, g, d_m, a.gate, a.up, a.act, h2, b);
+  Arena& s = b.scratch;
+  const std::vector<int64_t> bounds = row_shards(b);
+  for (size_t i = 0; i + 1 < bounds.size(); ++i) {
+    ArenaScope shard_scope(s);
+    const int64_t r0 = bounds[i], rows = bounds[i + 1] - bounds[i];
+    const Tensor gate = s.alloc(b.dt, {rows, b.F}), up = s.alloc(b.dt, {rows, b.F}), act = s.alloc(b.dt, {rows, b.F});
+    const Tensor h2_rows = h2.slice(0, r0, rows);
+    mlp_rows_forward(gate, up, act, h2_rows, b, r0);
+    mlp_rows_backward(d_h2.slice(0, r0, rows), g, d_m.slice(0, r0, rows), gate, up, act, h2_rows, b, r0);
+  }
+}
+}  // namespace
+
+void block_forward(const Tensor& x_out, LayerActivations* keep, const Tensor& x_in, const LayerWeights& w,
+                   KVStore& kv, int layer, const BlockContext& ctx) {
+  const BlockCall b(ctx, w, kv, layer, x_in.dtype);
+  check_shape(x_in, {b.R, b.C}, "block input");
+  const bool output = x_out.data != nullptr;
+  CW_CHECK(output || keep, "layer {}: a block forward that keeps nothing must write its output", layer);
+  if (output) check_shape(x_out, {b.R, b.C}, "block output");
+  Arena& s = ctx.scratch;
+  ArenaScope scope(s);
+  // Keeping nothing (a prefill), the activations are scratch for the call; a tiled MLP keeps only h2.
+  LayerActivations local;
+  const MlpKept transient = resolve_mlp_shards(ctx.mlp_shards, b.cf, b.N) == 1 ? MlpKept::all : MlpKept::input;
+  LayerActivations& a = keep ? *keep : (local = LayerActivations::allocate(s, b.cf, b.B, b.c, b.dt, transient, b.tp));
+
+  // Attention half: h1 = rmsnorm(x_in); q, K, V projected, RoPE on q and K, the chunk's K, V into the
+  // store; attn = attention(q, K[0, p+c), V[0, p+c)); x_mid = x_in + attn Woᵀ.
+  {
+    const NormedInput h1(a.h1, a.norm1, x_in, w.attn_norm, b);
+    if (ctx.attention_from_store) {  // the reverse sweep's recompute: the prefill saved attn and lse
+      project_q(a.q, h1.all(), b);
+      read_saved_attention(a, b);
+    } else {
+      project_qkv(a.q, h1.all(), b);
+      attend(a, b);
     }
   }
-  gathered.reset();  // h2 of all rows is not needed any more
-  residual_forward(x_out, a.x_mid, row_parallel_output(m, tp, s));
+  project_out(a.x_mid, x_in, a.attn, b);
+
+  // MLP half: h2 = rmsnorm(x_mid); x_out = x_mid + mlp(h2). Kept without h2 and act
+  // (MlpKept::products), both are scratch here.
+  const Tensor h2_kept = a.h2.data ? a.h2 : s.alloc(b.dt, {tp_regathers(b.tp) ? b.R : b.N, b.C});
+  NormedInput h2(h2_kept, a.norm2, a.x_mid, w.mlp_norm, b);
+  if (!output) return mlp_forward(Tensor{}, h2.all(), a, b);  // a recompute for the backward alone
+  PartialOutput m(b);
+  mlp_forward(m.all(), h2.all(), a, b);
+  h2.release();
+  residual_forward(x_out, a.x_mid, m.sum_rows());
 }
 
 void block_backward(const Tensor& d_x, const LayerWeights& g, const LayerActivations& a, const Tensor& x_in,
                     const LayerWeights& w, KVStore& kv, int layer, const BlockContext& ctx) {
-  const LlamaConfig& cf = ctx.config;
-  const int64_t B = ctx.B, c = ctx.c, p = ctx.pos0, N = B * c, C = cf.hidden_size, F = cf.intermediate_size;
-  const int64_t H = cf.num_attention_heads, Hkv = cf.num_key_value_heads, D = cf.head_dim;
-  TensorParallelGroup* tp = ctx.tp;
-  const DType dt = x_in.dtype;
-  check_shape(d_x, {tp_rows(tp, N), C}, "block d_x");
-  Arena& s = ctx.scratch;
-  ArenaScope scope(s);
-  const LinearSite at{ctx, layer};
+  const BlockCall b(ctx, w, kv, layer, x_in.dtype);
+  check_shape(d_x, {b.R, b.C}, "block d_x");
+  ArenaScope scope(ctx.scratch);
 
-  // MLP half, in reverse. d_x holds d(x_out); the residual passes it to x_mid unchanged.
+  // MLP half, in reverse. d_x holds d(x_out); the residual passes it to x_mid unchanged, and
+  // d(x_mid) += rmsnorm's backward of d(h2) = mlp_backward(d(x_out)).
   {
-    std::optional<TpLease> d_m_lease, h2_lease, d_h_lease;
-    const Tensor d_m = row_parallel_output_backward(d_m_lease, d_x, tp);  // d(W_down output), all rows
-    const Tensor h2 = a.h2.data ? normed_input_backward(h2_lease, a.h2, N, tp) : Tensor{};  // none: frozen MLP
-    const Tensor d_h_all = partial_output(d_h_lease, N, C, dt, tp, s);    // this rank's share of d(h2)
-    if (a.gate.data) {
-      mlp_rows_backward(d_h_all, g, d_m, a.gate, a.up, a.act, h2, w, at);
-    } else {
-      // Tiled: recompute each shard's gate/up/act from the kept h2, then its backward.
-      const std::vector<int64_t> b = row_shards(N, resolve_mlp_shards(ctx.mlp_shards, cf, N));
-      for (size_t i = 0; i + 1 < b.size(); ++i) {
-        ArenaScope shard_scope(s);
-        const int64_t r0 = b[i], rows = b[i + 1] - b[i];
-        Tensor gate = s.alloc(dt, {rows, F}), up = s.alloc(dt, {rows, F}), act = s.alloc(dt, {rows, F});
-        const Tensor h2_rows = h2.slice(0, r0, rows);
-        const LinearSite shard{ctx, layer, r0};
-        mlp_rows_forward(gate, up, act, h2_rows, w, shard);
-        mlp_rows_backward(d_h_all.slice(0, r0, rows), g, d_m.slice(0, r0, rows), gate, up, act, h2_rows, w, shard);
-      }
-    }
-    d_m_lease.reset();
-    h2_lease.reset();
-    const Tensor d_h = normed_input_grad(d_h_all, tp, s);
-    rmsnorm_backward(d_x, g.mlp_norm, d_h, a.norm2, a.x_mid, w.mlp_norm, GradMode::accumulate, s);  // now d(x_mid)
+    OutputGrad d_m(d_x, b);
+    NormedInputGrad h2(a.h2, b);
+    mlp_backward(h2.d_all(), g, d_m.all(), h2.input(), a, b);
+    d_m.release();
+    h2.release_input();
+    rmsnorm_backward(d_x, g.mlp_norm, h2.d_rows(), a.norm2, a.x_mid, w.mlp_norm, GradMode::accumulate, ctx.scratch);
   }
 
-  // Attention half, in reverse.
-  Tensor d_attn = s.alloc(dt, {N, cf.q_dim()});
-  {
-    std::optional<TpLease> d_o_lease;
-    const Tensor d_o = row_parallel_output_backward(d_o_lease, d_x, tp);  // d(Wo output), all rows
-    linear_bwd(d_attn, g.wo, g.lora.o, d_o, a.attn.view({N, cf.q_dim()}), w.wo, w.lora.o, ParamRole::wo,
-               GradMode::overwrite, at);
-  }
-  Tensor d_q = s.alloc(dt, {B, c, H, D});
-  const double scale = 1.0 / std::sqrt(static_cast<double>(D));
-  kv.attend_backward(layer, p, p + c, d_q, d_attn.view({B, c, H, D}), a.attn_saved, a.q, a.attn, scale, s,
-                     ctx.doc_starts);
-  const Tensor w_qkv = fused_qkv_weight(w, ctx);
-  const Tensor g_qkv = stacked_qkv(g.wq, g.wk, g.wv);
-  // Fused where the gradients lie back to back too (or are all frozen); otherwise three GEMMs, which
-  // need nothing from how the forward projected.
-  const bool fused = w_qkv.data && (g_qkv.data || (!g.wq.data && !g.wk.data && !g.wv.data));
-  // The chunk's own K/V gradient: local part plus what later chunks added, all in the accumulator.
-  // Fused: d(q, k, v) before RoPE side by side, as the fused GEMM's output was; RoPE's transpose
-  // writes the q and k columns.
-  Tensor d_qkv, d_k, d_v;
-  if (fused) {
-    d_qkv = s.alloc(dt, {N, cf.q_dim() + 2 * cf.kv_dim()});
-    d_k = head_columns(d_qkv, cf.q_dim(), B, c, Hkv, D);
-    rope_chunk(head_columns(d_qkv, 0, B, c, H, D), d_q, ctx, true);
-    copy_heads(d_k, kv.d_keys(layer, p, p + c));
-    copy_heads(head_columns(d_qkv, cf.q_dim() + cf.kv_dim(), B, c, Hkv, D), kv.d_values(layer, p, p + c));
-  } else {
-    d_k = s.alloc(dt, {B, c, Hkv, D});
-    d_v = s.alloc(dt, {B, c, Hkv, D});
-    copy_convert(d_k, kv.d_keys(layer, p, p + c));
-    copy_convert(d_v, kv.d_values(layer, p, p + c));
-    rope_chunk(d_q, d_q, ctx, true);
-  }
-  rope_chunk(d_k, d_k, ctx, true);
-  std::optional<TpLease> h1_lease, d_h_lease;
-  const Tensor h1 = normed_input_backward(h1_lease, a.h1, N, tp);
-  const Tensor d_h_all = partial_output(d_h_lease, N, C, dt, tp, s);  // this rank's share of d(h1)
-  if (fused) {
-    linear_backward(d_h_all, g_qkv, d_qkv, h1, w_qkv, GradMode::overwrite);
-  } else {
-    linear_bwd(d_h_all, g.wq, g.lora.q, d_q.view({N, cf.q_dim()}), h1, w.wq, w.lora.q, ParamRole::wq,
-               GradMode::overwrite, at);
-    // The relayed K/V gradient enters x through W_k, W_v (frozen or not) and their adapters.
-    linear_bwd(d_h_all, g.wk, g.lora.k, d_k.view({N, cf.kv_dim()}), h1, w.wk, w.lora.k, ParamRole::wk,
-               GradMode::accumulate, at);
-    linear_bwd(d_h_all, g.wv, g.lora.v, d_v.view({N, cf.kv_dim()}), h1, w.wv, w.lora.v, ParamRole::wv,
-               GradMode::accumulate, at);
-  }
-  h1_lease.reset();
-  const Tensor d_h = normed_input_grad(d_h_all, tp, s);
-  rmsnorm_backward(d_x, g.attn_norm, d_h, a.norm1, x_in, w.attn_norm, GradMode::accumulate, s);  // now d(x_in)
+  // Attention half, in reverse: d_attn through Wo, the attention's backward (adding dK, dV of keys
+  // [0, p+c) into the store), the chunk's own K/V gradient read back from the store, all three
+  // through RoPE and the projections into d(h1); d(x_in) = d(x_mid) + rmsnorm's backward of d(h1).
+  const Tensor d_attn = project_out_backward(d_x, a.attn, g, b);
+  const Tensor d_q = attend_backward(d_attn, a, b);
+  const QkvGrad d_qkv = qkv_grad(d_q, g, b);
+  NormedInputGrad h1(a.h1, b);
+  project_qkv_backward(h1.d_all(), d_qkv, h1.input(), g, b);
+  h1.release_input();
+  rmsnorm_backward(d_x, g.attn_norm, h1.d_rows(), a.norm1, x_in, w.attn_norm, GradMode::accumulate, ctx.scratch);
 }
 
 }  // namespace cw

@@ -1,0 +1,148 @@
+#include "model/layer_seams.h"
+
+#include "engine/ops/linear.h"
+#include "engine/ops/lora_linear.h"
+#include "model/lora.h"
+
+namespace cw {
+
+BlockCall::BlockCall(const BlockContext& ctx, const LayerWeights& w, KVStore& kv, int layer, DType dtype)
+    : ctx(ctx), w(w), kv(kv), layer(layer), cf(ctx.config), tp(ctx.tp), scratch(ctx.scratch), dt(dtype), B(ctx.B),
+      c(ctx.c), p(ctx.pos0), N(ctx.B * ctx.c), R(tp_rows(ctx.tp, ctx.B * ctx.c)), C(cf.hidden_size),
+      F(cf.intermediate_size), H(cf.num_attention_heads), Hkv(cf.num_key_value_heads), D(cf.head_dim) {}
+
+// ---- The block's linears ----
+
+namespace {
+const Tensor& base_weight(const LayerWeights& w, ParamRole linear) {
+  switch (linear) {
+    case ParamRole::wq: return w.wq;
+    case ParamRole::wk: return w.wk;
+    case ParamRole::wv: return w.wv;
+    case ParamRole::wo: return w.wo;
+    case ParamRole::w_gate: return w.w_gate;
+    case ParamRole::w_up: return w.w_up;
+    case ParamRole::w_down: return w.w_down;
+    default: break;
+  }
+  fail("a block's linears are its seven: q/k/v/o, gate/up/down");
+}
+
+// The adapter of `linear` as lora_linear takes it: its scale, and its dropout mask's key for this call.
+LoraAdapter adapter_call(const LoraPair& p, ParamRole linear, const BlockCall& b, int64_t row0) {
+  const LoraRuntime& lr = b.ctx.lora;
+  LoraAdapter a{p.a, p.b, lr.scale, {}};
+  if (lr.dropout > 0) {
+    // A row-parallel linear's input is this TP rank's slice of the columns: the mask is the whole input's.
+    const bool row_parallel = linear == ParamRole::wo || linear == ParamRole::w_down;
+    const int64_t column0 = row_parallel && b.tp ? b.tp->rank() * p.a.size(1) : 0;
+    a.dropout = {lr.dropout, lora_dropout_seed(lr.lora_seed, lr.round, b.layer, linear), b.c, b.p, row0, column0,
+                 lr.sequence0};
+  }
+  return a;
+}
+}  // namespace
+
+void block_linear_forward(const Tensor& y, const Tensor& x, ParamRole linear, const BlockCall& b, int64_t row0) {
+  const LoraPair& adapter = b.w.lora.of(linear);
+  if (!adapter.defined()) return linear_forward(y, x, base_weight(b.w, linear));
+  lora_linear_forward(y, x, base_weight(b.w, linear), adapter_call(adapter, linear, b, row0), b.scratch);
+}
+
+void block_linear_backward(const Tensor& d_x, const LayerWeights& g, const Tensor& d_y, const Tensor& x,
+                           ParamRole linear, GradMode mode, const BlockCall& b, int64_t row0) {
+  const LoraPair& adapter = b.w.lora.of(linear);
+  const Tensor& d_w = base_weight(g, linear);
+  if (!adapter.defined()) return linear_backward(d_x, d_w, d_y, x, base_weight(b.w, linear), mode);
+  CW_CHECK(!d_w.data, "layer {} {}: a linear with an adapter is frozen (its gradients are the adapter's)", b.layer,
+           lora_target_name(linear));
+  const LoraPair& d_adapter = g.lora.of(linear);
+  lora_linear_backward(d_x, d_adapter.a, d_adapter.b, d_y, x, base_weight(b.w, linear),
+                       adapter_call(adapter, linear, b, row0), mode, b.scratch);
+}
+
+// ---- Tensor-parallel seams ----
+
+namespace {
+bool sequence_parallel(const TensorParallelGroup* tp) { return tp && tp->sequence_parallel(); }
+
+// Where a row-parallel linear (or the column-parallel linears' backward) writes its [N, C] partial
+// sum: under sequence parallelism the buffer's partial_sum slot until the reduce-scatter; otherwise scratch.
+Tensor partial_sum(std::optional<TpLease>& lease, const BlockCall& b) {
+  if (sequence_parallel(b.tp))
+    return lease.emplace(*b.tp, TpSlot::partial_sum, b.dt, std::initializer_list<int64_t>{b.N, b.C}).tensor;
+  return b.scratch.alloc(b.dt, {b.N, b.C});
+}
+}  // namespace
+
+NormedInput::NormedInput(const Tensor& kept, const RmsNormSaved& saved, const Tensor& x, const Tensor& weight,
+                         const BlockCall& b) {
+  const double eps = b.cf.rms_norm_eps;
+  TensorParallelGroup* tp = b.tp;
+  if (!sequence_parallel(tp)) {
+    rmsnorm_forward(kept, saved, x, weight, eps);
+    all_ = kept;
+    return;
+  }
+  const int64_t R = x.size(0), C = x.size(1);
+  if (tp->regather()) {
+    rmsnorm_forward(kept, saved, x, weight, eps);
+    all_ = lease_.emplace(*tp, TpSlot::gathered_input, kept.dtype, std::initializer_list<int64_t>{R * tp->size(), C})
+               .tensor;
+    tp->gather_from_sp_forward(all_, kept);
+    return;
+  }
+  const Tensor rows = b.scratch.alloc(kept.dtype, {R, C});
+  rmsnorm_forward(rows, saved, x, weight, eps);
+  tp->gather_from_sp_forward(kept, rows);
+  all_ = kept;
+}
+
+NormedInputGrad::NormedInputGrad(const Tensor& kept, const BlockCall& b) : b_(b) {
+  if (kept.data && tp_regathers(b.tp)) {
+    input_ = input_lease_.emplace(*b.tp, TpSlot::gathered_input, kept.dtype,
+                                  std::initializer_list<int64_t>{b.N, kept.size(1)}).tensor;
+    b.tp->gather_from_sp_forward(input_, kept);
+  } else {
+    input_ = kept;
+  }
+  d_all_ = partial_sum(d_lease_, b);
+}
+
+Tensor NormedInputGrad::d_rows() {
+  TensorParallelGroup* tp = b_.tp;
+  if (!tp) return d_all_;
+  if (!tp->sequence_parallel()) {
+    tp->copy_to_tp_backward(d_all_);
+    return d_all_;
+  }
+  const Tensor rows = b_.scratch.alloc(d_all_.dtype, {d_all_.size(0) / tp->size(), d_all_.size(1)});
+  tp->gather_from_sp_backward(rows, d_all_);
+  return rows;
+}
+
+PartialOutput::PartialOutput(const BlockCall& b) : b_(b), all_(partial_sum(lease_, b)) {}
+
+Tensor PartialOutput::sum_rows() {
+  TensorParallelGroup* tp = b_.tp;
+  if (!tp) return all_;
+  if (!tp->sequence_parallel()) {
+    tp->reduce_from_tp_forward(all_);
+    return all_;
+  }
+  const Tensor rows = b_.scratch.alloc(all_.dtype, {all_.size(0) / tp->size(), all_.size(1)});
+  tp->scatter_to_sp_forward(rows, all_);
+  return rows;
+}
+
+OutputGrad::OutputGrad(const Tensor& d_rows, const BlockCall& b) {
+  if (!sequence_parallel(b.tp)) {
+    all_ = d_rows;
+    return;
+  }
+  all_ = lease_.emplace(*b.tp, TpSlot::gathered_grad, d_rows.dtype,
+                        std::initializer_list<int64_t>{d_rows.size(0) * b.tp->size(), d_rows.size(1)}).tensor;
+  b.tp->scatter_to_sp_backward(all_, d_rows);
+}
+
+}  // namespace cw
