@@ -6,12 +6,15 @@
 
 namespace cw {
 
-KVStore::KVStore(const LlamaConfig& c, int64_t batch, int64_t tokens, DType dtype, bool with_grads, Device device,
-                 int64_t offload_window, bool attention_outputs, int64_t stream_block, bool layer_local_grads,
-                 bool layer_inputs)
-    : L_(c.num_hidden_layers), B_(batch), T_(tokens), H_(c.num_attention_heads), Hkv_(c.num_key_value_heads),
-      D_(c.head_dim), C_(c.hidden_size), dtype_(dtype), device_(device), with_grads_(with_grads),
-      with_outputs_(attention_outputs), with_inputs_(layer_inputs), live_end_(tokens) {
+KVStore::KVStore(const LlamaConfig& c, int64_t batch, int64_t tokens, DType dtype, const KVStoreOptions& options)
+    : L_(c.num_hidden_layers), B_(batch), T_(tokens), H_(c.num_attention_heads),
+      Hkv_(c.num_key_value_heads), D_(c.head_dim), C_(c.hidden_size), dtype_(dtype), device_(options.device),
+      with_grads_(options.with_grads), with_outputs_(options.attention_outputs), with_inputs_(options.layer_inputs),
+      live_end_(tokens) {
+  const Device device = options.device;
+  const int64_t offload_window = options.offload_window, stream_block = options.stream_block;
+  const bool with_grads = options.with_grads, attention_outputs = options.attention_outputs;
+  const bool layer_inputs = options.layer_inputs, layer_local_grads = options.layer_local_grads;
   CW_CHECK(batch > 0 && tokens > 0, "K/V store for batch {} and {} tokens", batch, tokens);
   CW_CHECK(offload_window >= 0, "schedule.offload_window must be >= 0 (0: the whole K/V store on the device), got {}",
            offload_window);
@@ -75,14 +78,14 @@ size_t KVStore::row_bytes(Part part) const {
   }
 }
 
-size_t KVStore::host_bytes_needed(const LlamaConfig& c, int64_t batch, int64_t tokens, DType dtype, bool with_grads,
-                                  bool attention_outputs, bool layer_inputs) {
+size_t KVStore::host_bytes_needed(const LlamaConfig& c, int64_t batch, int64_t tokens, DType dtype,
+                                  const KVStoreOptions& options) {
   const size_t row = static_cast<size_t>(c.num_key_value_heads * c.head_dim), acc = dtype_size(accum_dtype(dtype));
-  size_t per_token = 2 * row * dtype_size(dtype) + (with_grads ? 2 * row * acc : 0);
-  if (attention_outputs)
+  size_t per_token = 2 * row * dtype_size(dtype) + (options.with_grads ? 2 * row * acc : 0);
+  if (options.attention_outputs)
     per_token += static_cast<size_t>(c.num_attention_heads * c.head_dim) * dtype_size(dtype) +
                  static_cast<size_t>(c.num_attention_heads) * acc;
-  if (layer_inputs) per_token += static_cast<size_t>(c.hidden_size) * dtype_size(dtype);
+  if (options.layer_inputs) per_token += static_cast<size_t>(c.hidden_size) * dtype_size(dtype);
   return per_token * static_cast<size_t>(c.num_hidden_layers * batch * tokens);
 }
 

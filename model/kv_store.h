@@ -58,17 +58,27 @@
 
 namespace cw {
 
+// What a store holds beside K and V, and where it lives (above). Call sites name what they set:
+// KVStore(config, B, T, dtype, {.with_grads = true, .offload_window = 2}).
+struct KVStoreOptions {
+  bool with_grads = false;          // the accumulators dK, dV (a training step; evaluation needs none)
+  Device device = Device::host();   // where attention reads the store: host memory or one GPU's
+  int64_t offload_window = 0;       // W > 0 (below the layer count): layers in host memory, W on the device
+  int64_t stream_block = 0;         // Kb > 0: streamed in blocks of Kb tokens (not with a window)
+  bool attention_outputs = false;   // saved attention outputs (needs with_grads)
+  bool layer_inputs = false;        // saved layer inputs (needs with_grads; not streamed)
+  bool layer_local_grads = false;   // one layer's dK, dV for all layers (no window, not streamed)
+  bool operator==(const KVStoreOptions&) const = default;
+};
+
 class KVStore {
  public:
-  // device: where attention reads the store (host memory, or one GPU's). offload_window W > 0 (and
-  // below the layer count): every layer's K, V, dK, dV live in host memory (pinned for a GPU),
-  // layer-major, and W device slots hold the layers in use (engine/residency.h); the layer loops
-  // call begin_layer / end_layer around each layer, which move what the layer needs and prefetch the
-  // next layer in the direction of travel. W = 0: everything on `device`, and those calls do nothing.
-  // layer_local_grads: one layer's dK, dV for all layers (above); only without offload and stream.
-  KVStore(const LlamaConfig& config, int64_t batch, int64_t tokens, DType dtype, bool with_grads,
-          Device device = Device::host(), int64_t offload_window = 0, bool attention_outputs = false,
-          int64_t stream_block = 0, bool layer_local_grads = false, bool layer_inputs = false);
+  // offload_window W > 0 (and below the layer count): every layer's K, V, dK, dV live in host memory
+  // (pinned for a GPU), layer-major, and W device slots hold the layers in use (engine/residency.h);
+  // the layer loops call begin_layer / end_layer around each layer, which move what the layer needs
+  // and prefetch the next layer in the direction of travel. W = 0: everything on the device, and
+  // those calls do nothing.
+  KVStore(const LlamaConfig& config, int64_t batch, int64_t tokens, DType dtype, const KVStoreOptions& options = {});
 
   Tensor keys(int layer, int64_t t0, int64_t t1) const { return view(kKeys, layer, t0, t1); }
   Tensor values(int layer, int64_t t0, int64_t t1) const { return view(kValues, layer, t0, t1); }
@@ -127,7 +137,7 @@ class KVStore {
   size_t bytes_moved() const { return res_ ? res_->bytes_moved() : 0; }  // host <-> device so far
   // Host bytes a store of these dimensions needs with offload (for checks before allocating).
   static size_t host_bytes_needed(const LlamaConfig& config, int64_t batch, int64_t tokens, DType dtype,
-                                  bool with_grads, bool attention_outputs = false, bool layer_inputs = false);
+                                  const KVStoreOptions& options);
 
  private:
   enum Part { kKeys = 0, kValues = 1, kDKeys = 2, kDValues = 3, kOut = 4, kLse = 5, kIn = 6, kParts = 7 };

@@ -117,10 +117,8 @@ int64_t effective_window(const LlamaModel& model, int64_t offload_window) {
 
 // Pinned memory cannot be swapped: an offloaded store must leave the system a margin (a clear error,
 // never a swap storm).
-void check_host_memory(const LlamaModel& model, int64_t B, int64_t T, bool attention_outputs, bool with_grads = true,
-                       bool layer_inputs = false) {
-  const size_t need =
-      KVStore::host_bytes_needed(model.config(), B, T, model.dtype(), with_grads, attention_outputs, layer_inputs);
+void check_host_memory(const LlamaModel& model, int64_t B, int64_t T, const KVStoreOptions& store) {
+  const size_t need = KVStore::host_bytes_needed(model.config(), B, T, model.dtype(), store);
   const size_t have = host_memory_available();
   if (have > 0 && double(need) > kPinnableHostShare * double(have))
     fail(fmt::format("the K/V store with offload needs {:.1f} GiB of host memory for {} x {} tokens; {:.1f} GiB are "
@@ -130,31 +128,36 @@ void check_host_memory(const LlamaModel& model, int64_t B, int64_t T, bool atten
 }
 
 // RoPE positions for the batch's T tokens, then the schedule's K/V store for B x T, kept between steps
-// (rebuilt only when the shape, dtype, device, window or saved outputs change) and reset.
-// offload_window > 0 (and below the layer count): the store's layers live in host memory with that
-// many on the device. attention_outputs: the store also keeps the prefill's attention outputs.
-// stream_block > 0: the store streamed in blocks of that many tokens (schedule.stream_kv: the chunk).
-// layer_local: one layer's dK, dV for all layers (ScheduleOptions::layer_local_kv_grads). layer_inputs:
-// the store also keeps the prefill's layer inputs.
-KVStore& step_store(std::optional<KVStore>& store, LlamaModel& model, int64_t B, int64_t T, int64_t offload_window,
-                    bool attention_outputs, int64_t stream_block, bool layer_local, bool layer_inputs) {
+// (rebuilt only when the shape, dtype or options change) and reset. The options place it (an
+// offload window, streamed: the store's modes, model/kv_store.h) and say what else it keeps.
+KVStore& step_store(std::optional<KVStore>& store, LlamaModel& model, int64_t B, int64_t T, KVStoreOptions wanted) {
   model.ensure_positions(T);
-  if (layer_inputs && model.tensor_parallel() && model.tensor_parallel()->sequence_parallel())
+  if (wanted.layer_inputs && model.tensor_parallel() && model.tensor_parallel()->sequence_parallel())
     fail("schedule.save_inputs keeps every row of a chunk's layer inputs; under sequence parallelism a rank holds only "
          "its share of a chunk's rows, which depends on the chunking",
          "set schedule.save_inputs = false, or parallel.sequence_parallel = false");
-  const int64_t window = effective_window(model, offload_window), block = stream_block;
+  wanted.offload_window = effective_window(model, wanted.offload_window);
   if (!store || store->batch() != B || store->tokens() != T || store->dtype() != model.dtype() ||
-      !(store->device() == model.device()) || store->offload_window() != window ||
-      store->has_outputs() != attention_outputs || store->stream_block() != block ||
-      store->layer_local_grads() != layer_local || store->has_inputs() != layer_inputs) {
+      !(store->device() == wanted.device) || store->offload_window() != wanted.offload_window ||
+      store->has_outputs() != wanted.attention_outputs || store->stream_block() != wanted.stream_block ||
+      store->layer_local_grads() != wanted.layer_local_grads || store->has_inputs() != wanted.layer_inputs) {
     store.reset();  // free the old store before allocating the new one
-    if (window > 0 || block > 0) check_host_memory(model, B, T, attention_outputs, true, layer_inputs);
-    store.emplace(model.config(), B, T, model.dtype(), true, model.device(), window, attention_outputs, block,
-                  layer_local, layer_inputs);
+    if (wanted.offload_window > 0 || wanted.stream_block > 0) check_host_memory(model, B, T, wanted);
+    store.emplace(model.config(), B, T, model.dtype(), wanted);
   }
   store->reset();
   return *store;
+}
+
+// The store a step of these options keeps for the batch's B x T tokens, with gradient accumulators.
+KVStoreOptions step_store_options(const ScheduleOptions& o, const LlamaModel& model, int64_t T) {
+  return {.with_grads = true,
+          .device = model.device(),
+          .offload_window = o.offload_window,
+          .stream_block = o.stream_block(T),
+          .attention_outputs = o.save_attention,
+          .layer_inputs = o.save_inputs,
+          .layer_local_grads = o.layer_local_kv_grads(T, model.config().num_hidden_layers)};
 }
 
 // The schedule's arena on the model's device, its high-water mark from now.
@@ -172,9 +175,7 @@ StepFrame::StepFrame(Schedule& schedule, std::optional<KVStore>& store, LlamaMod
       batch(batch),
       supervised(batch.supervised()),
       norm(step_normaliser(normaliser, supervised)),
-      kv(step_store(store, model, batch.B(), batch.T(), options.offload_window, options.save_attention,
-                    options.stream_block(batch.T()),
-                    options.layer_local_kv_grads(batch.T(), model.config().num_hidden_layers), options.save_inputs)),
+      kv(step_store(store, model, batch.B(), batch.T(), step_store_options(options, model, batch.T()))),
       arena(step_arena(schedule, model.device())),
       tokens_scope_(arena),
       tokens(step_tokens(batch, arena)),
@@ -233,9 +234,11 @@ double loss_through_store(const LlamaModel& model, const Batch& batch, int64_t c
                           int64_t offload_window, int64_t stream_block) {
   const double norm = step_normaliser(normaliser, batch.supervised());
   const_cast<LlamaModel&>(model).ensure_positions(batch.T());
-  const int64_t window = effective_window(model, offload_window);
-  if (window > 0 || stream_block > 0) check_host_memory(model, batch.B(), batch.T(), false, /*with_grads=*/false);
-  KVStore kv(model.config(), batch.B(), batch.T(), model.dtype(), false, model.device(), window, false, stream_block);
+  const KVStoreOptions placed{.device = model.device(),
+                              .offload_window = effective_window(model, offload_window),
+                              .stream_block = stream_block};
+  if (placed.offload_window > 0 || placed.stream_block > 0) check_host_memory(model, batch.B(), batch.T(), placed);
+  KVStore kv(model.config(), batch.B(), batch.T(), model.dtype(), placed);
   ArenaScope scope(arena);
   return prefill(kv, model, step_tokens(batch, arena), chunk_bounds(batch.T(), chunk), norm, true, arena, 1);
 }

@@ -18,39 +18,37 @@ ParamSet trained_set(const LlamaModel& model, DType dtype, Device device) {
   return ParamSet(model.config(), model.trainable_table(), dtype, device);
 }
 
-LlamaModel checked_model(const LlamaConfig& config, DType compute, Device device, TensorParallelGroup* tp,
-                         const LoraConfig& lora, bool full_optimizer, bool offload_optimizer, bool cast_layers) {
-  if (cast_layers) {
+LlamaModel checked_model(const LlamaConfig& config, DType compute, Device device, const TrainingStateOptions& o) {
+  if (o.cast_layers) {
     CW_CHECK(compute == DType::bf16 && !device.is_cpu(),
              "schedule.cast_layers rounds bf16 blocks from the f32 master weights: it needs bf16 on a GPU (dtype {} on {})",
              dtype_name(compute), device.is_cpu() ? "the CPU" : "a GPU");
-    CW_CHECK(!offload_optimizer, "schedule.cast_layers casts from master weights on the device; optimizer.offload "
-                                 "keeps them on the host: turn one of them off");
-    CW_CHECK(full_optimizer, "schedule.cast_layers does not combine with parallel.zero > 0: set cast_layers = false");
+    CW_CHECK(!o.offload_optimizer, "schedule.cast_layers casts from master weights on the device; optimizer.offload "
+                                   "keeps them on the host: turn one of them off");
+    CW_CHECK(o.full_optimizer, "schedule.cast_layers does not combine with parallel.zero > 0: set cast_layers = false");
   }
-  return LlamaModel(config, compute, device, tp, lora, cast_layers);
+  return LlamaModel(config, compute, device, o.tp, o.lora, o.cast_layers);
 }
 }  // namespace
 
-TrainingState::TrainingState(const LlamaConfig& config, DType compute, Device device, const AdamWOptions& options,
-                             bool full_optimizer, TensorParallelGroup* tp, const LoraConfig& lora,
-                             bool offload_optimizer, bool cast_layers)
-    : model_(checked_model(config, compute, device, tp, lora, full_optimizer, offload_optimizer, cast_layers)),
+TrainingState::TrainingState(const LlamaConfig& config, DType compute, Device device, const AdamWOptions& adamw,
+                             const TrainingStateOptions& o)
+    : model_(checked_model(config, compute, device, o)),
       // A separate master set: f32 beside bf16 compute weights; offloaded, always (in host memory).
-      master_(compute == DType::bf16 || offload_optimizer
+      master_(compute == DType::bf16 || o.offload_optimizer
                   ? std::optional<ParamSet>(trained_set(model_, master_dtype_for(compute),
-                                                        offload_optimizer ? Device::host() : device))
+                                                        o.offload_optimizer ? Device::host() : device))
                   : std::nullopt),
       grads_(trained_set(model_, master_dtype_for(compute), device)),
-      adamw_options_(options) {
+      adamw_options_(adamw) {
   CW_CHECK(compute != DType::bf16 || !device.is_cpu(), "bf16 training needs the GPU backend");
-  CW_CHECK(!offload_optimizer || full_optimizer,
+  CW_CHECK(!o.offload_optimizer || o.full_optimizer,
            "optimizer.offload keeps the whole AdamW state on the host: it does not combine with parallel.zero > 0");
-  options.validate();
-  if (cast_layers) model_.cast_layers_from(*master_);
+  adamw.validate();
+  if (o.cast_layers) model_.cast_layers_from(*master_);
   sync_master_from_compute();
-  if (offload_optimizer) offloaded_.emplace(master(), device, options);
-  else if (full_optimizer) adamw_.emplace(master(), options);
+  if (o.offload_optimizer) offloaded_.emplace(master(), device, adamw);
+  else if (o.full_optimizer) adamw_.emplace(master(), adamw);
 }
 
 void TrainingState::sync_master_from_compute() {

@@ -32,18 +32,26 @@
 
 namespace cw {
 
+// How a training state is built beside the model's config and the optimizer's settings. Call sites
+// name what they set: TrainingState(config, DType::bf16, gpu, adamw, {.lora = lora, .offload_optimizer = true}).
+struct TrainingStateOptions {
+  bool full_optimizer = true;         // false: no AdamW state here (ZeRO: each rank keeps its shard's)
+  TensorParallelGroup* tp = nullptr;  // this rank's tensor-parallel group (null: the whole model)
+  LoraConfig lora = {};               // adapters (rank > 0) on the targeted linears, the base frozen
+  // The master weights and AdamW's moments in host memory, updated on the host's cores
+  // (optim/adamw_offload.h); the compute weights and gradients stay on the device.
+  bool offload_optimizer = false;
+  // schedule.cast_layers: no resident compute copy of the blocks' weights; each block's is rounded
+  // from the master weights as it runs (model/layer_cast.h). Needs a master apart from the compute
+  // weights on the device: bf16 on a GPU, full parameters, the optimizer neither offloaded nor sharded.
+  bool cast_layers = false;
+};
+
 class TrainingState {
  public:
-  // config: the whole model's; tp: this rank's tensor-parallel group (null: the whole model).
-  // offload_optimizer: the master weights and AdamW's moments in host memory, updated on the host's
-  // cores (optim/adamw_offload.h); the compute weights and gradients stay on the device.
-  // cast_layers (schedule.cast_layers): no resident compute copy of the blocks' weights; each block's
-  // is rounded from the master weights as it runs (model/layer_cast.h). Needs a master apart from
-  // the compute weights on the device: bf16 on a GPU, full parameters, the optimizer neither
-  // offloaded nor sharded.
-  TrainingState(const LlamaConfig& config, DType compute, Device device, const AdamWOptions& options,
-                bool full_optimizer = true, TensorParallelGroup* tp = nullptr, const LoraConfig& lora = {},
-                bool offload_optimizer = false, bool cast_layers = false);
+  // config: the whole model's (with options.tp, the rank holds its shard).
+  TrainingState(const LlamaConfig& config, DType compute, Device device, const AdamWOptions& adamw,
+                const TrainingStateOptions& options = {});
 
   LlamaModel& model() { return model_; }
   const LlamaModel& model() const { return model_; }

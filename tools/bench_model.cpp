@@ -217,7 +217,8 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
                        "not fit {:.1f} GiB of device memory",
                        plan.peak_device_gib(), gib),
            plan.advice + "; or pass --force to run it anyway");
-    TrainingState st(cfg, dt, g, ao, true, nullptr, o.lora, o.optimizer_offload, so.cast_layers);
+    TrainingState st(cfg, dt, g, ao,
+                     {.lora = o.lora, .offload_optimizer = o.optimizer_offload, .cast_layers = so.cast_layers});
     st.init_tiled(1, cfg.initializer_range);
     auto schedule = Schedule::create(so);
     // A step of minutes shows its chunks as it goes (a log: a line every 30 s after the first 10).

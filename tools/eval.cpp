@@ -194,7 +194,7 @@ LossByPositionResult loss_by_position(const LlamaModel& model, const std::vector
   r.dtype = dtype_name(model.dtype());
   r.buckets = position_buckets(edges, T);
   const_cast<LlamaModel&>(model).ensure_positions(T);
-  KVStore kv(model.config(), 1, T, model.dtype(), false, model.device());
+  KVStore kv(model.config(), 1, T, model.dtype(), {.device = model.device()});
   Arena arena(model.device());
   StepProgress progress(log, &log == &std::cout && isatty(STDOUT_FILENO), 10, 30, "window");
   const Clock::time_point t0 = Clock::now();

@@ -171,7 +171,7 @@ void load_initial(TrainingState& st, const LlamaModel& init) {
 // One process on the whole batch: the reference of --against single.
 RunResult single_run(const GradcheckOptions& o, const LlamaConfig& config, DType dtype, Device device,
                      const LlamaModel& init, const Batch& batch) {
-  TrainingState st(config, dtype, device, AdamWOptions{}, true, nullptr, o.lora);
+  TrainingState st(config, dtype, device, AdamWOptions{}, {.lora = o.lora});
   load_initial(st, init);
   auto schedule = Schedule::create(o.schedule);
   RunResult r{0, ParamSet::like(init.trainable(), dtype), ParamSet::like(init.trainable(), dtype)};
@@ -219,7 +219,8 @@ GridRank grid_rank(const GradcheckOptions& o, int64_t zero, Communicator& world,
   std::optional<TensorParallel> tp_group;
   if (TP > 1) tp_group.emplace(grid.tp(), TensorParallelOptions{o.parallel.sequence_parallel, o.parallel.tp_regather});
   TensorParallel* tp = tp_group ? &*tp_group : nullptr;
-  TrainingState st(config, dtype, world.device(), AdamWOptions{}, /*full_optimizer=*/zero == 0, tp, o.lora);
+  TrainingState st(config, dtype, world.device(), AdamWOptions{},
+                   {.full_optimizer = zero == 0, .tp = tp, .lora = o.lora});
   if (TP > 1) {  // the rank's shard of the same initial model, and of its adapters
     ParamSet shard(tp_shard_config(config, TP), dtype);
     shard_parameters(shard, init.params(), grid.tp_rank(), TP);

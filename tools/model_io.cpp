@@ -83,7 +83,7 @@ void write_logits(const LogitsOptions& o) {
   const Batch batch = read_token_batch(o.tokens, o.batch, o.seq, cfg.vocab_size);
   const int64_t B = o.batch, T = o.seq, V = cfg.vocab_size;
   model.ensure_positions(T);
-  KVStore kv(cfg, B, T, dt, false);
+  KVStore kv(cfg, B, T, dt);
   Arena arena;
   OwnedTensor logits(dt, {B * T, V});
   for (const int64_t s : [&] {

@@ -337,9 +337,9 @@ TEST_CASE("cuda: the offloaded K/V store keeps the window's layers on the device
           doctest::skip(!cw::test::gpu_ready())) {
   const LlamaConfig cfg = LlamaConfig::preset("small");
   for (const int64_t T : {1024, 4096}) {
-    KVStore kv(cfg, 1, T, DType::bf16, true, Device::gpu(0), 2);
+    KVStore kv(cfg, 1, T, DType::bf16, {.with_grads = true, .device = Device::gpu(0), .offload_window = 2});
     MESSAGE("T=", T, ": device ", kv.bytes(), " bytes, host ", kv.host_bytes(), " bytes");
-    CHECK(kv.host_bytes() == KVStore::host_bytes_needed(cfg, 1, T, DType::bf16, true));
+    CHECK(kv.host_bytes() == KVStore::host_bytes_needed(cfg, 1, T, DType::bf16, {.with_grads = true}));
     CHECK(kv.bytes() * static_cast<size_t>(cfg.num_hidden_layers) == kv.host_bytes() * 2);
   }
 }
@@ -474,7 +474,7 @@ TEST_CASE("cuda: LoRA training state in bf16: the base frozen in bf16 with no ma
           doctest::skip(!cw::test::gpu_ready())) {
   const LlamaConfig cfg = LlamaConfig::preset("small");
   const LoraConfig l = gpu_lora("all-linear", 0.05);
-  TrainingState st(cfg, DType::bf16, Device::gpu(0), AdamWOptions{}, true, nullptr, l);
+  TrainingState st(cfg, DType::bf16, Device::gpu(0), AdamWOptions{}, {.lora = l});
   st.init(17, cfg.initializer_range);
   const ParamSet& base = st.model().params();
   const ParamSet& adapters = st.model().adapters();
@@ -521,8 +521,8 @@ TEST_CASE("cuda: bf16 training with the blocks cast from the master as they run 
     std::vector<double> losses[2];
     std::optional<TrainingState> states[2];
     for (int cast = 0; cast < 2; ++cast) {
-      states[cast].emplace(cfg, DType::bf16, Device::gpu(0), AdamWOptions{}, true, nullptr, LoraConfig{}, false,
-                           cast == 1);
+      states[cast].emplace(cfg, DType::bf16, Device::gpu(0), AdamWOptions{},
+                           TrainingStateOptions{.cast_layers = cast == 1});
       TrainingState& st = *states[cast];
       st.init(9, 0.2);
       auto schedule = Schedule::create(o);
@@ -546,7 +546,6 @@ TEST_CASE("cuda: bf16 training with the blocks cast from the master as they run 
             cast.model().layer_cast()->casts(), " casts");
     CHECK(m_res.weights - m_cast.weights == (cfg.num_hidden_layers - LayerCast::kSlots) * block);
   }
-  CHECK_THROWS_WITH_AS(TrainingState(cfg, DType::f32, Device::gpu(0), AdamWOptions{}, true, nullptr, LoraConfig{}, false,
-                                     true),
+  CHECK_THROWS_WITH_AS(TrainingState(cfg, DType::f32, Device::gpu(0), AdamWOptions{}, {.cast_layers = true}),
                        doctest::Contains("bf16"), Error);
 }

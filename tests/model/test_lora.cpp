@@ -42,7 +42,7 @@ LoraConfig lora(int64_t rank, const std::string& targets, double alpha = 8.0) {
 OwnedTensor logits_of(const LlamaModel& model, const Batch& batch) {
   const int64_t B = batch.B(), T = batch.T(), V = model.config().vocab_size;
   const_cast<LlamaModel&>(model).ensure_positions(T);
-  KVStore kv(model.config(), B, T, model.dtype(), false);
+  KVStore kv(model.config(), B, T, model.dtype());
   Arena arena;
   const ChunkTokens chunk = slice_chunk(batch, 0, T, arena);
   OwnedTensor out(DType::f64, {B * T, V});

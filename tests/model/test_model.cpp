@@ -61,7 +61,7 @@ TEST_CASE("chunked forward with the K/V store equals the whole-sequence forward"
   const Batch batch = random_batch(B, T, cfg.vocab_size, 8);
   model.ensure_positions(T);
   Arena arena;
-  KVStore kv_full(cfg, B, T, DType::f64, false), kv_chunks(cfg, B, T, DType::f64, false);
+  KVStore kv_full(cfg, B, T, DType::f64), kv_chunks(cfg, B, T, DType::f64);
   OwnedTensor whole(DType::f64, {B * T, cfg.vocab_size});
   chunk_logits(whole, kv_full, model, slice_chunk(batch, 0, T, arena), true, arena);
   const std::vector<int64_t> bounds = chunk_bounds(T, 7);

@@ -87,8 +87,8 @@ TEST_CASE("training state: optimizer offload trains like the state on the device
   for (const bool with_lora : {false, true}) {
     CAPTURE(with_lora);
     const LoraConfig& adapters = with_lora ? lora : LoraConfig{};
-    TrainingState plain(cfg, DType::f64, Device::host(), AdamWOptions{}, true, nullptr, adapters);
-    TrainingState off(cfg, DType::f64, Device::host(), AdamWOptions{}, true, nullptr, adapters, /*offload=*/true);
+    TrainingState plain(cfg, DType::f64, Device::host(), AdamWOptions{}, {.lora = adapters});
+    TrainingState off(cfg, DType::f64, Device::host(), AdamWOptions{}, {.lora = adapters, .offload_optimizer = true});
     plain.init(3, cfg.initializer_range);
     off.init(3, cfg.initializer_range);
     REQUIRE(off.optimizer_offloaded());
@@ -121,7 +121,8 @@ TEST_CASE("training state: optimizer offload trains like the state on the device
     const std::string a = dir.file("plain.safetensors"), b = dir.file("off.safetensors");
     plain.optimizer().save(a);
     off.optimizer().save(b);
-    TrainingState resumed(cfg, DType::f64, Device::host(), AdamWOptions{}, true, nullptr, adapters, true);
+    TrainingState resumed(cfg, DType::f64, Device::host(), AdamWOptions{},
+                          {.lora = adapters, .offload_optimizer = true});
     resumed.optimizer().load(a);
     CHECK(same_bits(resumed.optimizer().exp_avg(), plain.optimizer().exp_avg()));
     CHECK(resumed.optimizer().steps() == 3);
@@ -132,8 +133,8 @@ TEST_CASE("training state: optimizer offload trains like the state on the device
 
 TEST_CASE("training state: optimizer offload refuses ZeRO's sharded state") {
   const LlamaConfig cfg = LlamaConfig::preset("tiny");
-  CHECK_THROWS_WITH_AS(TrainingState(cfg, DType::f32, Device::host(), AdamWOptions{}, /*full_optimizer=*/false, nullptr,
-                                     LoraConfig{}, /*offload=*/true),
+  CHECK_THROWS_WITH_AS(TrainingState(cfg, DType::f32, Device::host(), AdamWOptions{},
+                                     {.full_optimizer = false, .offload_optimizer = true}),
                        doctest::Contains("parallel.zero"), Error);
 }
 
@@ -145,7 +146,7 @@ TEST_CASE("cuda: offloaded AdamW on a GPU run gives the bits of AdamW's GPU kern
   // The GPU state: bf16 compute weights with f32 master and moments on the device (AdamW's kernel);
   // the offloaded one: the same with master and moments on the host (the CPU op) and staging copies.
   TrainingState device_state(cfg, DType::bf16, g, opt);
-  TrainingState offloaded(cfg, DType::bf16, g, opt, true, nullptr, {}, /*offload=*/true);
+  TrainingState offloaded(cfg, DType::bf16, g, opt, {.offload_optimizer = true});
   const ParamSet init = seeded(cfg, DType::f32, 5, 0.02);
   device_state.load_master(init);
   offloaded.load_master(init);

@@ -631,9 +631,10 @@ TEST_CASE("one backward chunk keeps one layer's dK, dV for all layers; the gradi
     CHECK(r.stats.kv_bytes == layers * tokens * row * 2 + tokens * row * 2 + outputs);  // K, V of all; dK, dV of one
   }
   // A store built so refuses a backward that is not one chunk of all the tokens.
-  KVStore kv(cfg, 1, T, DType::f64, true, Device::host(), 0, false, 0, true);
+  KVStore kv(cfg, 1, T, DType::f64, {.with_grads = true, .layer_local_grads = true});
   CHECK_THROWS_WITH_AS(kv.begin_layer(0, KVStore::Use::backward, 12, T), doctest::Contains("one backward chunk"), Error);
-  CHECK_THROWS_AS(KVStore(cfg, 1, T, DType::f64, true, Device::host(), 1, false, 0, true), Error);  // offloaded
+  CHECK_THROWS_AS(KVStore(cfg, 1, T, DType::f64, {.with_grads = true, .offload_window = 1, .layer_local_grads = true}),
+                  Error);  // offloaded
 }
 
 TEST_CASE("checkpointed and tiled-MLP schedules equal full backprop in fp64; they keep less") {

@@ -23,7 +23,7 @@ TEST_CASE("training state: under LoRA only the adapters have master weights, gra
   lora.seed = 5;
   for (const DType dt : {DType::f64, DType::f32}) {
     INFO(dtype_name(dt));
-    TrainingState st(cfg, dt, Device::host(), AdamWOptions{}, true, nullptr, lora);
+    TrainingState st(cfg, dt, Device::host(), AdamWOptions{}, {.lora = lora});
     st.init(3, cfg.initializer_range);
     REQUIRE(st.lora());
     const ParamSet& adapters = st.model().adapters();

@@ -177,7 +177,7 @@ TEST_CASE("data parallel: ZeRO 2 reduces each bucket to its shard's owner from i
   for (const int64_t zero : {0, 2})
     run_thread_ranks(n, [&](Communicator& comm) {
       const int r = comm.rank();
-      TrainingState st(c, DType::f64, Device::host(), AdamWOptions{}, /*full_optimizer=*/zero == 0);
+      TrainingState st(c, DType::f64, Device::host(), AdamWOptions{}, {.full_optimizer = zero == 0});
       st.load_master(init);
       DataParallel dp(comm, st, ParallelOptions{.dp = n, .zero = zero, .bucket_mb = 0.004});
       auto schedule = Schedule::create(so);

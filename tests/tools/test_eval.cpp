@@ -57,7 +57,7 @@ TokenFlags starts_at(const std::vector<uint32_t>& ids, uint32_t marker) {
 std::vector<double> reference_losses(const LlamaModel& model, std::span<const uint32_t> window) {
   const int64_t T = static_cast<int64_t>(window.size()) - 1, V = model.config().vocab_size;
   const_cast<LlamaModel&>(model).ensure_positions(T);
-  KVStore kv(model.config(), 1, T, DType::f64, false);
+  KVStore kv(model.config(), 1, T, DType::f64);
   Arena arena;
   OwnedTensor ids = OwnedTensor::of_shape(DType::i32, std::vector<int64_t>{T});
   for (int64_t t = 0; t < T; ++t) ids.tensor.ptr<int32_t>()[t] = static_cast<int32_t>(window[static_cast<size_t>(t)]);
@@ -163,7 +163,7 @@ TEST_CASE("eval: with documents a window's tokens count at their positions in th
   std::vector<uint32_t> window = random_ids(T + 1, 256, 5);
   const std::vector<int64_t> starts = {0, 13, 30};
   for (const int64_t s : starts) window[static_cast<size_t>(s)] = 256;
-  KVStore kv(cfg, 1, T, DType::f64, false);
+  KVStore kv(cfg, 1, T, DType::f64);
   Arena arena;
   const WindowLosses got = window_losses(model, window, 7, kv, arena, starts_at(window, 256).bits);
   CHECK(got.doc_starts == starts);
@@ -203,7 +203,7 @@ TEST_CASE("eval: loss by position is the mean of the per-position losses of a wh
   for (const int64_t s : starts) reference.push_back(reference_losses(model, std::span(stream).subspan(s, T + 1)));
 
   // One window: every position's loss, whatever the chunk (one chunk, 7 with a short last, 1).
-  KVStore kv(cfg, 1, T, DType::f64, false);
+  KVStore kv(cfg, 1, T, DType::f64);
   Arena arena;
   for (const int64_t chunk : {int64_t{0}, int64_t{7}, int64_t{1}}) {
     CAPTURE(chunk);

@@ -106,7 +106,9 @@ std::string read_prompt_file(const std::string& path) {
 }
 
 Decoder::Decoder(const LlamaModel& model, int64_t capacity)
-    : model_(model), kv_(model.config(), 1, capacity, model.dtype(), false, model.device()), arena_(model.device()) {
+    : model_(model),
+      kv_(model.config(), 1, capacity, model.dtype(), {.device = model.device()}),
+      arena_(model.device()) {
   // The RoPE tables are the model's cache of positions, grown for the longest sequence asked.
   const_cast<LlamaModel&>(model).ensure_positions(capacity);
 }

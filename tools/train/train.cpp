@@ -972,8 +972,11 @@ TrainResult run_training(const RunConfig& given, const TrainOptions& opt, std::o
                                                                                       rc.parallel.tp_regather});
   TensorParallel* tp = tensor_parallel ? &*tensor_parallel : nullptr;
   TrainingState state(mc, placement.dtype, placement.device, adamw_options(rc),
-                      /*full_optimizer=*/rc.parallel.zero == 0 || !comm, tp, placement.lora, rc.optimizer.offload,
-                      rc.schedule.cast_layers);
+                      {.full_optimizer = rc.parallel.zero == 0 || !comm,
+                       .tp = tp,
+                       .lora = placement.lora,
+                       .offload_optimizer = rc.optimizer.offload,
+                       .cast_layers = rc.schedule.cast_layers});
   std::optional<DataParallel> dp;
   if (comm) dp.emplace(grid->dp(), state, rc.parallel, tp);
   const RankGroups groups{comm, grid ? &*grid : nullptr, dp ? &*dp : nullptr, tp};
