@@ -138,9 +138,7 @@ KVStore& step_store(std::optional<KVStore>& store, LlamaModel& model, int64_t B,
          "set schedule.save_inputs = false, or parallel.sequence_parallel = false");
   wanted.offload_window = effective_window(model, wanted.offload_window);
   if (!store || store->batch() != B || store->tokens() != T || store->dtype() != model.dtype() ||
-      !(store->device() == wanted.device) || store->offload_window() != wanted.offload_window ||
-      store->has_outputs() != wanted.attention_outputs || store->stream_block() != wanted.stream_block ||
-      store->layer_local_grads() != wanted.layer_local_grads || store->has_inputs() != wanted.layer_inputs) {
+      !(store->options() == wanted)) {
     store.reset();  // free the old store before allocating the new one
     if (wanted.offload_window > 0 || wanted.stream_block > 0) check_host_memory(model, B, T, wanted);
     store.emplace(model.config(), B, T, model.dtype(), wanted);

@@ -90,6 +90,26 @@ TEST_CASE("chunked forward with the K/V store equals the whole-sequence forward"
   CHECK(batch_loss(model, batch, windowed, arena) == doctest::Approx(batch_loss(model, batch, 0, arena)).epsilon(1e-14));
 }
 
+TEST_CASE("K/V store: its options as applied, the ones a schedule compares to keep its store") {
+  LlamaConfig cfg = LlamaConfig::preset("tiny");
+  cfg.num_hidden_layers = 4;  // a streamed store's three device slots need three (layer, block) items
+  const int64_t L = cfg.num_hidden_layers, T = 12;
+  // A window of every layer is no offload; a stream block longer than the sequence is the sequence.
+  CHECK(KVStore(cfg, 1, T, DType::f64, {.with_grads = true, .offload_window = L}).options().offload_window == 0);
+  CHECK(KVStore(cfg, 1, T, DType::f64, {.with_grads = true, .stream_block = 2 * T}).options().stream_block == T);
+  // Layer-local gradients need gradients.
+  CHECK_FALSE(KVStore(cfg, 1, T, DType::f64, {.layer_local_grads = true}).options().layer_local_grads);
+  const KVStoreOptions saved{.with_grads = true, .offload_window = 1, .attention_outputs = true};
+  CHECK(KVStore(cfg, 2, T, DType::f64, saved).options() == saved);
+  // Each mode's combination that cannot be is one line naming the option.
+  CHECK_THROWS_WITH_AS(KVStore(cfg, 1, T, DType::f64, {.attention_outputs = true}),
+                       doctest::Contains("gradient accumulators"), Error);
+  CHECK_THROWS_WITH_AS(KVStore(cfg, 1, T, DType::f64, {.with_grads = true, .offload_window = 1, .stream_block = 4}),
+                       doctest::Contains("offload_window = 0 with stream_kv"), Error);
+  CHECK_THROWS_WITH_AS(KVStore(cfg, 1, T, DType::f64, {.with_grads = true, .stream_block = 4, .layer_inputs = true}),
+                       doctest::Contains("schedule.save_inputs with stream_kv"), Error);
+}
+
 TEST_CASE("causal-LM labels: shifted by one, last position ignored") {
   const Batch b = causal_lm_batch({5, 6, 7, 8, 1, 2, 3, 4}, 2, 4);
   const int32_t* lab = b.labels.tensor.ptr<int32_t>();
