@@ -60,7 +60,7 @@ ChunkTokens slice_chunk(const Batch& batch, int64_t t0, int64_t t1, Arena& arena
 }
 
 ActivationPolicy activation_policy(const ScheduleOptions& o, const LoraConfig& lora) {
-  const bool checkpointed = o.name == "checkpointed";
+  const bool checkpointed = o.kind() == ScheduleKind::checkpointed;
   ActivationPolicy p;
   const std::string mode = o.recompute_mode();
   p.keep_layers = mode != "full";

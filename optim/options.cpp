@@ -15,7 +15,7 @@ const std::vector<Option<ScheduleOptions>>& schedule_option_table() {
   using S = ScheduleOptions;
   static const std::vector<Option<S>> table = {
     // key             flag               member             values                    help
-    {"name",           "--schedule",      &S::name,          one_of({"full", "checkpointed", "seco", "spaco"}),
+    {"name",           "--schedule",      &S::name,          one_of(schedule_names()),
      "how gradients are computed: full (everything kept) | checkpointed (layer inputs kept, each layer recomputed "
      "before its backward) | seco (exact, chunk by chunk, keeping only K/V) | spaco (seco visiting a sample of the "
      "chunks on the way back)"},
@@ -112,7 +112,7 @@ void ParallelOptions::validate() const {
 }
 
 bool ScheduleOptions::one_backward_chunk(int64_t T) const {
-  if (name != "seco" && name != "spaco") return true;
+  if (!chunked()) return true;
   const int64_t c = bwd_chunk > 0 ? bwd_chunk : chunk;
   return c <= 0 || c >= T;
 }
@@ -124,31 +124,32 @@ bool ScheduleOptions::layer_local_kv_grads(int64_t T, int64_t layers) const {
 
 std::string ScheduleOptions::recompute_mode() const {
   if (recompute != "auto") return recompute;
-  return name == "checkpointed" ? "full" : "none";
+  return kind() == ScheduleKind::checkpointed ? "full" : "none";
 }
 
 void ScheduleOptions::validate() const {
   // The table's rules read through the bound pointers only.
   for (const OptionRef& o : bind_options("schedule", schedule_option_table(), const_cast<ScheduleOptions&>(*this)))
     check_option(o);
-  if (offload && !(name == "checkpointed" && recompute_mode() == "full"))
+  const ScheduleKind k = kind();
+  if (offload && !(k == ScheduleKind::checkpointed && recompute_mode() == "full"))
     fail("schedule.offload applies to schedule checkpointed with recompute = full (the kept layer inputs)",
          "set schedule.name = checkpointed and schedule.recompute = full, or offload = false");
-  if (save_attention && name != "seco" && name != "spaco")
+  if (save_attention && !chunked())
     fail("schedule.save_attention applies to schedules seco and spaco (the prefill saves what their reverse sweep "
          "recomputes)",
          "set schedule.name = seco or spaco, or save_attention = false");
-  if (save_inputs && name != "seco" && name != "spaco")
+  if (save_inputs && !chunked())
     fail("schedule.save_inputs applies to schedules seco and spaco (the prefill saves what their reverse sweep "
          "recomputes)",
          "set schedule.name = seco or spaco, or save_inputs = false");
   if (save_inputs && stream_kv)
     fail("schedule.save_inputs is not kept by a streamed K/V store (stream_kv)",
          "set schedule.stream_kv = false (offload_window keeps a window of layers instead), or save_inputs = false");
-  if ((chunk == kAuto || offload_window == kAuto) && name != "seco" && name != "spaco")
+  if ((chunk == kAuto || offload_window == kAuto) && !chunked())
     fail(fmt::format("schedule.{} = auto applies to schedules seco and spaco", chunk == kAuto ? "chunk" : "offload_window"),
          "set schedule.name = seco or spaco, or give a number");
-  if (stream_kv && name != "seco" && name != "spaco")
+  if (stream_kv && !chunked())
     fail("schedule.stream_kv applies to schedules seco and spaco (their K/V store outlives a chunk)",
          "set schedule.name = seco or spaco, or stream_kv = false");
   if (stream_kv && offload_window != 0)
@@ -158,11 +159,11 @@ void ScheduleOptions::validate() const {
     fail(fmt::format("schedule.stream_kv streams the store in blocks of the chunk: bwd_chunk {} must equal chunk {}",
                      bwd_chunk, chunk),
          "set bwd_chunk = 0 (the chunk) with stream_kv");
-  if (offload_window > 0 && name != "seco" && name != "spaco")
+  if (offload_window > 0 && !chunked())
     fail("schedule.offload_window applies to schedules seco and spaco (their K/V store outlives a chunk)",
          "set schedule.name = seco or spaco, or offload_window = 0");
   // Name the first spaco-only option set on another schedule, rather than the whole group.
-  if (name != "spaco") {
+  if (k != ScheduleKind::spaco) {
     const std::pair<const char*, bool> spaco_only[] = {
         {"keep", keep != 0}, {"stratified", stratified}, {"scale_relay", scale_relay}, {"drop_relay", drop_relay}};
     for (const auto& [key, set] : spaco_only)
@@ -199,7 +200,7 @@ OptionRule between(double min, double max, bool min_open, bool max_open) {
   r.max_open = max_open;
   return r;
 }
-OptionRule one_of(std::initializer_list<std::string_view> words) {
+OptionRule one_of(std::vector<std::string_view> words) {
   OptionRule r;
   r.words = words;
   return r;

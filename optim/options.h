@@ -52,7 +52,7 @@ OptionRule at_least(double min, std::string_view zero = {});  // >= min
 OptionRule at_least_or_auto(double min, std::string_view zero = {});  // >= min, or "auto" (kAuto)
 OptionRule above(double min);                                  // > min
 OptionRule between(double min, double max, bool min_open, bool max_open);
-OptionRule one_of(std::initializer_list<std::string_view> words);
+OptionRule one_of(std::vector<std::string_view> words);
 OptionRule non_empty();
 OptionRule no_empty_path();
 

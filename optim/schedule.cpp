@@ -3,6 +3,7 @@
 #include "engine/ops/lm_head_loss.h"
 #include "engine/random.h"
 #include "optim/chunks.h"
+#include "optim/options.h"
 
 namespace cw {
 
@@ -63,6 +64,19 @@ void set_documents(Batch& batch, std::vector<std::vector<int64_t>> doc_starts, b
   batch.document_positions = document_positions;
 }
 
+std::vector<std::string_view> schedule_names() { return {"full", "checkpointed", "seco", "spaco"}; }
+
+std::string_view schedule_name(ScheduleKind kind) { return schedule_names()[static_cast<size_t>(kind)]; }
+
+ScheduleKind parse_schedule_kind(std::string_view name) {
+  const std::vector<std::string_view> names = schedule_names();
+  for (size_t i = 0; i < names.size(); ++i)
+    if (name == names[i]) return static_cast<ScheduleKind>(i);
+  std::string listed;
+  for (std::string_view n : names) listed += (listed.empty() ? "" : " | ") + std::string(n);
+  fail(fmt::format("schedule.name must be one of {}, got {}", listed, toml_string(name)));
+}
+
 // ScheduleOptions::validate(): optim/options.cpp, beside the table of the options.
 
 Arena& Schedule::arena_on(Device device) {
@@ -76,9 +90,11 @@ std::unique_ptr<Schedule> Schedule::create(const ScheduleOptions& o) {
     fail(fmt::format("schedule.{} = auto is chosen by the planner before the run (train, bench and plan do it)",
                      o.chunk == kAuto ? "chunk" : "offload_window"),
          "give a number here, or resolve it with resolve_auto_schedule (tools/planner/planner.h)");
-  if (o.name == "full" || o.name == "checkpointed") return make_full_schedule(o);
-  if (o.name == "seco") return make_seco_schedule(o);
-  return make_spaco_schedule(o);
+  switch (o.kind()) {
+    case ScheduleKind::seco: return make_seco_schedule(o);
+    case ScheduleKind::spaco: return make_spaco_schedule(o);
+    default: return make_full_schedule(o);  // full and checkpointed: one chunk of the whole sequence
+  }
 }
 
 }  // namespace cw

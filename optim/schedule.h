@@ -21,6 +21,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace cw {
@@ -63,8 +64,21 @@ void set_documents(Batch& batch, std::vector<std::vector<int64_t>> doc_starts, b
 // before the schedule is built (tools/planner/planner.h, resolve_auto_schedule); a schedule never sees it.
 inline constexpr int64_t kAuto = -1;
 
+// The four schedules (above), as the code tells them apart.
+enum class ScheduleKind { full, checkpointed, seco, spaco };
+// Their names in the options (TOML, the command line, JSON), in the enum's order.
+std::vector<std::string_view> schedule_names();
+std::string_view schedule_name(ScheduleKind kind);
+// The kind a name spells; any other name throws one line naming schedule.name and the four names.
+ScheduleKind parse_schedule_kind(std::string_view name);
+
 struct ScheduleOptions {
-  std::string name = "full";    // full | checkpointed | seco | spaco
+  // The schedule as written in the options (full | checkpointed | seco | spaco): the options' readers
+  // and writers are text. The code asks kind(), never compares the text.
+  std::string name = "full";
+  ScheduleKind kind() const { return parse_schedule_kind(name); }
+  // seco and spaco: the sequence runs in chunks, with a K/V store that outlives a chunk.
+  bool chunked() const { return kind() == ScheduleKind::seco || kind() == ScheduleKind::spaco; }
   // What a chunk's backward recomputes (for seco/spaco: inside each reverse-sweep chunk): full (keep
   // layer inputs only, recompute each layer before its backward) | selective (keep every layer's
   // activations but the MLP's [N, F] intermediates) | none (keep everything) | auto (checkpointed:

@@ -460,7 +460,7 @@ int run_gradcheck(const GradcheckOptions& o, std::ostream& out, Communicator* wo
   o.parallel.validate();
   const bool parallel = o.parallel.dp > 1 || o.parallel.tp > 1;
   const std::string against =
-      !o.against.empty() ? o.against : (parallel ? "single" : (o.schedule.name == "full" ? "fd" : "full"));
+      !o.against.empty() ? o.against : (parallel ? "single" : (o.schedule.kind() == ScheduleKind::full ? "fd" : "full"));
   if (against != "fd" && against != "full" && against != "single" && against != "separate" && against != "reference")
     fail(fmt::format("unknown --against '{}'", against), "use fd, full, single, separate or reference");
   if (against == "reference" && o.lora.dropout > 0)

@@ -152,6 +152,25 @@ TEST_CASE("options: the schedule's flags (bench, gradcheck, plan) write every Sc
   CHECK(app.get_option_no_throw("--keep") != nullptr);
 }
 
+TEST_CASE("options: the schedule's name is its kind; an unknown name is one line naming schedule.name") {
+  const std::vector<std::string_view> names = schedule_names();
+  REQUIRE(names.size() == 4);
+  for (size_t i = 0; i < names.size(); ++i) {
+    const ScheduleKind kind = static_cast<ScheduleKind>(i);
+    CHECK(schedule_name(kind) == names[i]);
+    CHECK(parse_schedule_kind(names[i]) == kind);
+    const ScheduleOptions o{.name = std::string(names[i])};
+    CHECK(o.kind() == kind);
+    CHECK(o.chunked() == (kind == ScheduleKind::seco || kind == ScheduleKind::spaco));
+  }
+  CHECK_THROWS_WITH_AS(parse_schedule_kind("SeCO"),
+                       doctest::Contains("schedule.name must be one of full | checkpointed | seco | spaco, got \"SeCO\""),
+                       Error);
+  // The table's rule names the same four.
+  CHECK_THROWS_WITH_AS(ScheduleOptions{.name = "fast"}.validate(),
+                       doctest::Contains("schedule.name must be one of full | checkpointed | seco | spaco"), Error);
+}
+
 TEST_CASE("options: chunk and offload_window take auto in TOML, --set and their flags, and dump it back") {
   RunConfig c = RunConfig::from_toml("[schedule]\nname = \"seco\"\nchunk = \"auto\"\n", "auto.toml");
   CHECK(c.schedule.chunk == kAuto);

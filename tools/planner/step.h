@@ -17,7 +17,7 @@ namespace cw {
 inline constexpr double kGiB = double(size_t(1) << 30);
 
 // The schedules with a prefill and a reverse sweep of chunks.
-inline bool chunked(const ScheduleOptions& o) { return o.name == "seco" || o.name == "spaco"; }
+inline bool chunked(const ScheduleOptions& o) { return o.chunked(); }
 
 // Whether the blocks can be cast from the master as they run (schedule.cast_layers; optim/training.h
 // says why): bf16 compute beside an f32 master on the device, so neither LoRA (no master for the
