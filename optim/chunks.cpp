@@ -228,10 +228,10 @@ StepStats StepFrame::finish(int64_t chunks, int64_t visited) const {
 }
 
 namespace {
-double loss_through_store(const LlamaModel& model, const Batch& batch, int64_t chunk, Arena& arena, double normaliser,
+double loss_through_store(LlamaModel& model, const Batch& batch, int64_t chunk, Arena& arena, double normaliser,
                           int64_t offload_window, int64_t stream_block) {
   const double norm = step_normaliser(normaliser, batch.supervised());
-  const_cast<LlamaModel&>(model).ensure_positions(batch.T());
+  model.ensure_positions(batch.T());
   const KVStoreOptions placed{.device = model.device(),
                               .offload_window = effective_window(model, offload_window),
                               .stream_block = stream_block};
@@ -242,11 +242,11 @@ double loss_through_store(const LlamaModel& model, const Batch& batch, int64_t c
 }
 }  // namespace
 
-double batch_loss(const LlamaModel& model, const Batch& batch, int64_t chunk, Arena& arena, double normaliser) {
+double batch_loss(LlamaModel& model, const Batch& batch, int64_t chunk, Arena& arena, double normaliser) {
   return loss_through_store(model, batch, chunk, arena, normaliser, 0, 0);
 }
 
-double batch_loss(const LlamaModel& model, const Batch& batch, const ScheduleOptions& schedule, Arena& arena) {
+double batch_loss(LlamaModel& model, const Batch& batch, const ScheduleOptions& schedule, Arena& arena) {
   return loss_through_store(model, batch, schedule.chunk, arena, 0, schedule.offload_window,
                             schedule.stream_block(batch.T()));
 }

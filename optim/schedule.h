@@ -203,9 +203,10 @@ ChunkTokens slice_chunk(const Batch& batch, int64_t t0, int64_t t1, Arena& arena
 }  // namespace cw
 
 namespace cw {
-// The batch's mean loss, forward only (chunks of `chunk` tokens; 0: whole sequence). No gradients.
-double batch_loss(const LlamaModel& model, const Batch& batch, int64_t chunk, Arena& arena, double normaliser = 0);
+// The batch's mean loss, forward only (chunks of `chunk` tokens; 0: whole sequence). No gradients; the
+// model's RoPE tables grow to the batch's length (LlamaModel::ensure_positions), as a step's do.
+double batch_loss(LlamaModel& model, const Batch& batch, int64_t chunk, Arena& arena, double normaliser = 0);
 // The same with the schedule's chunk and its K/V store placed as its training step places it (an
 // offload window, or streamed: model/kv_store.h), for an eval at a length whose store may not fit.
-double batch_loss(const LlamaModel& model, const Batch& batch, const ScheduleOptions& schedule, Arena& arena);
+double batch_loss(LlamaModel& model, const Batch& batch, const ScheduleOptions& schedule, Arena& arena);
 }  // namespace cw
