@@ -269,6 +269,10 @@ int main(int argc, char** argv) {
   eval->add_flag("--documents", eo.documents,
                  "loss-by-position: windows start at a document's first token (the tokenizer's BOS)");
   eval->add_option("--bos-token", eo.bos_token, "--documents: the token before each document (default: the BOS)");
+  eval->add_option("--min-document", eo.min_document,
+                   "--documents: count only documents of at least N tokens in their window (--seq: every bucket "
+                   "averages the same documents)")
+      ->capture_default_str();
   eval->add_option("--lengths", eo.lengths, "passkey: prompt lengths in tokens")->capture_default_str();
   eval->add_option("--depths", eo.depths, "passkey: depths of the key, evenly spaced in [0, 1]")->capture_default_str();
   eval->add_option("--trials", eo.trials, "passkey: keys a length and depth")->capture_default_str();

@@ -93,11 +93,12 @@ void add_window(std::vector<PositionBucket>& buckets, std::span<const double> lo
   }
 }
 
-void add_window(std::vector<PositionBucket>& buckets, const WindowLosses& w) {
+void add_window(std::vector<PositionBucket>& buckets, const WindowLosses& w, int64_t min_document) {
   if (w.doc_starts.empty()) return add_window(buckets, w.losses);
   const int64_t T = static_cast<int64_t>(w.losses.size());
   for (size_t d = 0; d < w.doc_starts.size(); ++d) {
     const int64_t begin = w.doc_starts[d], end = d + 1 < w.doc_starts.size() ? w.doc_starts[d + 1] : T;
+    if (end - begin < min_document) continue;
     // A document's last position predicts the next document's first token: no loss there.
     const int64_t counted = end - (d + 1 < w.doc_starts.size() || w.last_target_opens_document ? 1 : 0);
     for (int64_t t = begin; t < counted; ++t) {
@@ -108,7 +109,8 @@ void add_window(std::vector<PositionBucket>& buckets, const WindowLosses& w) {
   }
 }
 
-std::vector<int64_t> window_starts(const TokenDataset& data, int64_t T, bool documents, int64_t limit) {
+std::vector<int64_t> window_starts(const TokenDataset& data, int64_t T, bool documents, int64_t limit,
+                                   int64_t min_document) {
   const int64_t n = data.size();
   std::vector<int64_t> starts;
   const auto full = [&] { return limit > 0 && static_cast<int64_t>(starts.size()) >= limit; };
@@ -129,7 +131,7 @@ std::vector<int64_t> window_starts(const TokenDataset& data, int64_t T, bool doc
     candidates.push_back({s, -1});
   }
   if (!candidates.empty() && candidates.back().second < 0) candidates.back().second = n - candidates.back().first;
-  std::erase_if(candidates, [&](const auto& c) { return c.first + T >= n; });
+  std::erase_if(candidates, [&](const auto& c) { return c.first + T >= n || c.second < min_document; });
   // The longest documents first, so that the deep positions are filled: a document shorter than T
   // leaves the window's rest to the documents after it, each counted at its own positions.
   std::stable_sort(candidates.begin(), candidates.end(), [](const auto& a, const auto& b) { return a.second > b.second; });
@@ -139,6 +141,10 @@ std::vector<int64_t> window_starts(const TokenDataset& data, int64_t T, bool doc
     if (!overlaps) starts.push_back(s);
   }
   std::sort(starts.begin(), starts.end());
+  if (starts.empty() && min_document > 0)
+    fail(fmt::format("{}: no document of --min-document {} tokens with --seq {} + 1 tokens after its start",
+                     data.describe(), min_document, T),
+         "lower --min-document, or give longer documents");
   if (starts.empty())
     fail(fmt::format("{}: no document start with --seq {} + 1 tokens after it", data.describe(), T),
          "lower --seq, or check --bos-token (the token before each document where the data stores no starts)");
@@ -185,9 +191,11 @@ double LossByPositionResult::mean_loss() const {
 
 LossByPositionResult loss_by_position(const LlamaModel& model, const std::vector<uint32_t>& tokens,
                                       const std::vector<int64_t>& starts, int64_t T, const std::vector<int64_t>& edges,
-                                      int64_t chunk, std::ostream& log, const std::vector<uint8_t>* flags) {
+                                      int64_t chunk, std::ostream& log, const std::vector<uint8_t>* flags,
+                                      int64_t min_document) {
   LossByPositionResult r;
   r.seq = T;
+  r.min_document = min_document;
   r.chunk = chunk;
   r.windows = static_cast<int64_t>(starts.size());
   r.device = device_name(model.device());
@@ -212,7 +220,7 @@ LossByPositionResult loss_by_position(const LlamaModel& model, const std::vector
                       [&](int64_t done, int64_t total) { progress.update("prefill", done, total); });
     const std::vector<double>& losses = window.losses;
     progress.finish();
-    add_window(r.buckets, window);
+    add_window(r.buckets, window, min_document);
     const double elapsed = seconds_since(t0);
     // A line for the first window, then one every 10 s, and the last.
     if (last_line < 0 || elapsed - last_line >= 10 || w + 1 == starts.size()) {
@@ -415,8 +423,8 @@ nlohmann::json LossByPositionResult::to_json() const {
     b.push_back({{"lo", x.lo}, {"hi", x.hi}, {"tokens", x.tokens}, {"mean_loss", number_or_null(x.mean_loss())}});
   return {{"task", kLossByPosition}, {"model", model},    {"label", label},   {"data", data},
           {"device", device},        {"dtype", dtype},    {"seq", seq},       {"chunk", chunk},
-          {"windows", windows},      {"documents", documents}, {"mean_loss", number_or_null(mean_loss())},
-          {"buckets", b}};
+          {"windows", windows},      {"documents", documents}, {"min_document", min_document},
+          {"mean_loss", number_or_null(mean_loss())}, {"buckets", b}};
 }
 
 LossByPositionResult LossByPositionResult::from_json(const nlohmann::json& j, const std::string& source) {
@@ -433,6 +441,7 @@ LossByPositionResult LossByPositionResult::from_json(const nlohmann::json& j, co
   r.chunk = field<int64_t>(j, "chunk", source);
   r.windows = field<int64_t>(j, "windows", source);
   r.documents = field<bool>(j, "documents", source);
+  if (j.contains("min_document")) r.min_document = field<int64_t>(j, "min_document", source);  // results before it: 0
   for (const nlohmann::json& b : field<nlohmann::json>(j, "buckets", source)) {
     PositionBucket x{field<int64_t>(b, "lo", source), field<int64_t>(b, "hi", source), field<int64_t>(b, "tokens", source)};
     x.loss_sum = number_from(b, "mean_loss", source) * static_cast<double>(x.tokens);
@@ -600,13 +609,19 @@ int run_loss_by_position(const EvalOptions& o, Device device, DType dtype, std::
   const TokenDataset data =
       open_training_data(o.data, {parse_token_format(o.format, "--format"), m.model->config().vocab_size},
                          {.documents = o.documents}, marker, fmt::format("of {} (or --bos-token)", m.name));
-  const std::vector<int64_t> starts = window_starts(data, o.seq, o.documents, o.windows);
+  if (o.min_document != 0 && !o.documents)
+    fail(fmt::format("--min-document {} without --documents", o.min_document), "add --documents, or drop --min-document");
+  if (o.min_document < 0 || o.min_document > o.seq)
+    fail(fmt::format("--min-document {} is outside [0, --seq {}]", o.min_document, o.seq),
+         "give at most --seq tokens (--seq: every bucket averages the documents that fill a window)");
+  const std::vector<int64_t> starts = window_starts(data, o.seq, o.documents, o.windows, o.min_document);
   out << fmt::format("eval loss-by-position: {} on {} ({}), {} windows of {} tokens from {}, chunks of {}\n", m.name,
                      device_name(device), dtype_name(dtype), starts.size(), o.seq, data.describe(),
                      o.chunk > 0 ? std::min(o.chunk, o.seq) : o.seq)
       << std::flush;
   LossByPositionResult r =
-      loss_by_position(*m.model, data.tokens(), starts, o.seq, edges, o.chunk, out, data.shared_flags().get());
+      loss_by_position(*m.model, data.tokens(), starts, o.seq, edges, o.chunk, out, data.shared_flags().get(),
+                       o.min_document);
   r.model = m.name;
   r.label = o.label.empty() ? m.name : o.label;
   for (const TokenFileInfo& f : data.files()) r.data.push_back(f.path);

@@ -77,8 +77,10 @@ void add_window(std::vector<PositionBucket>& buckets, std::span<const double> lo
 // longest documents' first, each window kept clear of those taken before (the deep positions of a
 // loss-by-position are then the longest documents', not whichever document a window happens to
 // start). limit > 0: at most `limit` windows (the first `limit` of the stream, or with documents the
-// `limit` longest documents'). Fails when there is none.
-std::vector<int64_t> window_starts(const TokenDataset& data, int64_t T, bool documents, int64_t limit);
+// `limit` longest documents'). min_document > 0 (documents only): only documents of at least that
+// many tokens open a window. Fails when there is none.
+std::vector<int64_t> window_starts(const TokenDataset& data, int64_t T, bool documents, int64_t limit,
+                                   int64_t min_document = 0);
 
 // The per-position losses (T values, nats) of one window of T+1 ids through the chunked prefill in
 // chunks of `chunk` tokens (0: one chunk) with `kv`, a store of 1 x T tokens without gradients on
@@ -102,7 +104,9 @@ WindowLosses window_losses(const LlamaModel& model, std::span<const uint32_t> wi
                            const std::function<void(int64_t, int64_t)>& chunk_done = {});
 // Adds a window's losses to the buckets: by position in the window, or with documents by each
 // token's position in its own document, leaving out the positions whose target opens a document.
-void add_window(std::vector<PositionBucket>& buckets, const WindowLosses& window);
+// min_document > 0: only the documents with at least that many tokens in the window count (with
+// min_document = T, every bucket averages the same documents: those that fill their window).
+void add_window(std::vector<PositionBucket>& buckets, const WindowLosses& window, int64_t min_document = 0);
 
 struct LossByPositionResult {
   std::string model, label;        // the model as given; the label a chart gives its line
@@ -110,11 +114,12 @@ struct LossByPositionResult {
   std::string device, dtype;
   int64_t seq = 0, chunk = 0, windows = 0;
   bool documents = false;          // windows started at document starts
+  int64_t min_document = 0;        // only documents of at least this many tokens counted; 0: all
   std::vector<PositionBucket> buckets;
   double mean_loss() const;        // over every position counted
 
   // {"task": "loss-by-position", "model", "label", "data", "device", "dtype", "seq", "chunk",
-  //  "windows", "documents", "mean_loss", "buckets": [{"lo", "hi", "tokens", "mean_loss"}]}
+  //  "windows", "documents", "min_document", "mean_loss", "buckets": [{"lo", "hi", "tokens", "mean_loss"}]}
   nlohmann::json to_json() const;
   // Fails naming `source` and the key that is missing or of the wrong type.
   static LossByPositionResult from_json(const nlohmann::json& j, const std::string& source);
@@ -127,7 +132,7 @@ struct LossByPositionResult {
 LossByPositionResult loss_by_position(const LlamaModel& model, const std::vector<uint32_t>& tokens,
                                       const std::vector<int64_t>& starts, int64_t T, const std::vector<int64_t>& edges,
                                       int64_t chunk, std::ostream& log,
-                                      const std::vector<uint8_t>* flags = nullptr);
+                                      const std::vector<uint8_t>* flags = nullptr, int64_t min_document = 0);
 
 // ---- passkey ----
 
@@ -240,6 +245,7 @@ struct EvalOptions {
   std::string buckets = "1K,4K,16K,64K";
   int64_t windows = 0;            // at most this many; 0: all
   bool documents = false;         // windows start at a document start, documents packed
+  int64_t min_document = 0;       // with documents: only documents of at least this many tokens count
   std::string bos_token;          // where the data stores no starts, the token before each; empty: the BOS
   // passkey
   std::string lengths = "2K,4K,8K,16K,32K,64K";

@@ -148,8 +148,33 @@ TEST_CASE("eval: windows of the stream, or from document starts") {
   CHECK(window_starts(data, 10, true, 0) == std::vector<int64_t>{3, 13, 30});
   CHECK(window_starts(data, 10, true, 1) == std::vector<int64_t>{13});
   CHECK(window_starts(data, 10, true, 2) == std::vector<int64_t>{13, 30});
+  // --min-document: only documents of at least 10 tokens open a window (13 and 30).
+  CHECK(window_starts(data, 10, true, 0, 10) == std::vector<int64_t>{13, 30});
+  CHECK(window_starts(data, 10, true, 0, 17) == std::vector<int64_t>{13});
+  CHECK(contains(error_of([&] { window_starts(data, 10, true, 0, 18); }), "no document of --min-document 18 tokens"));
   CHECK(contains(error_of([&] { window_starts(data, 60, false, 0); }), "not one window of --seq 60 + 1"));
   CHECK(contains(error_of([&] { window_starts(data, 60, true, 0); }), "no document start with --seq 60 + 1"));
+}
+
+TEST_CASE("eval: --min-document counts only the documents of at least N tokens in their window") {
+  // A window of 8 positions: documents at 0 (3 tokens), 3 (5 tokens, the window's end).
+  WindowLosses w;
+  w.losses = {1, 2, 9, 4, 4, 6, 6, 8};
+  w.doc_starts = {0, 3};
+  std::vector<PositionBucket> all = position_buckets({2}, 8), long_only = position_buckets({2}, 8);
+  add_window(all, w);
+  add_window(long_only, w, 4);
+  // All: the first document's positions 0, 1 (its last, 2, predicts the next document's first token)
+  // and the second's 0..4; only the second with --min-document 4.
+  CHECK(all[0].tokens == 4);
+  CHECK(all[0].mean_loss() == (1 + 2 + 4 + 4) / 4.0);
+  CHECK(all[1].tokens == 3);
+  CHECK(long_only[0].tokens == 2);
+  CHECK(long_only[0].mean_loss() == 4.0);
+  CHECK(long_only[1].tokens == 3);
+  CHECK(long_only[1].mean_loss() == (6 + 6 + 8) / 3.0);
+  add_window(long_only, w, 6);  // neither document has 6 tokens here
+  CHECK(long_only[0].tokens == 2);
 }
 
 TEST_CASE("eval: with documents a window's tokens count at their positions in their own documents (f64)") {
@@ -471,6 +496,23 @@ TEST_CASE("chunkwise eval: loss-by-position and passkey on the command line, cha
                 out) == 0);
   CHECK(read_json(dir.file("b.json")).at("windows") == 1);
   CHECK(read_json(dir.file("b.json")).at("documents") == true);
+  CHECK(read_json(dir.file("b.json")).at("min_document") == 0);
+  // --min-document 600: the one document fills its window, so the result is b's.
+  CHECK(run_cli(fmt::format("eval --task loss-by-position --model {} --data {} --seq 600 --buckets 64,256 --windows 1 "
+                            "--documents --min-document 600 --tokenizer bytes --json {}",
+                            ckpt, dir.file("data.bin"), dir.file("c.json")),
+                out) == 0);
+  CHECK(read_json(dir.file("c.json")).at("min_document") == 600);
+  CHECK(read_json(dir.file("c.json")).at("buckets") == read_json(dir.file("b.json")).at("buckets"));
+  CHECK(run_cli(fmt::format("eval --task loss-by-position --model {} --data {} --seq 600 --min-document 100",
+                            ckpt, dir.file("data.bin")),
+                out) == 2);
+  CHECK(contains(out, "--min-document 100 without --documents"));
+  CHECK(run_cli(fmt::format("eval --task loss-by-position --model {} --data {} --seq 600 --documents --tokenizer bytes "
+                            "--min-document 601",
+                            ckpt, dir.file("data.bin")),
+                out) == 2);
+  CHECK(contains(out, "--min-document 601 is outside [0, --seq 600]"));
   CHECK(count_of(read_text(dir.file("b.svg")), "<polyline") == 2);  // with the earlier result
   CHECK(run_cli(fmt::format("chart {} {} --out {} --label x --label y", dir.file("a.json"), dir.file("b.json"),
                             dir.file("ab.svg")),

@@ -1,5 +1,5 @@
-// The long-context demo's small form, end to end: `tools/run longctx` (the Python standard library's
-// packages as documents, tokenized; SmolLM2 evaluated, extended with YaRN, fine-tuned with seco on
+// The long-context demo's small form, end to end: `tools/run longctx` (repository-level code as
+// documents, tokenized; SmolLM2 evaluated, extended with YaRN, fine-tuned with seco on
 // packed documents, evaluated again, charted), each output read back and checked.
 
 #include "tests/support.h"
@@ -65,6 +65,7 @@ TEST_CASE("longctx: tools/run longctx's CPU form runs end to end and writes what
     CHECK(j.at("label") == name);
     CHECK(j.at("documents") == true);
     CHECK(j.at("seq") == 512);
+    CHECK(j.at("min_document") == 512);  // the documents that fill a window: every bucket the same ones
     REQUIRE(j.at("buckets").size() == 4);  // [0,64), [64,128), [128,256), [256,512)
     for (const nlohmann::json& b : j.at("buckets")) {
       CHECK(b.at("tokens").get<int64_t>() > 0);
