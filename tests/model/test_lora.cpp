@@ -38,10 +38,10 @@ LoraConfig lora(int64_t rank, const std::string& targets, double alpha = 8.0) {
   return l;
 }
 
-// All-position logits of `batch` under the model, [B*T, V] f64.
-OwnedTensor logits_of(const LlamaModel& model, const Batch& batch) {
+// All-position logits of `batch` under the model, [B*T, V] f64 (its RoPE tables grown to T).
+OwnedTensor logits_of(LlamaModel& model, const Batch& batch) {
   const int64_t B = batch.B(), T = batch.T(), V = model.config().vocab_size;
-  const_cast<LlamaModel&>(model).ensure_positions(T);
+  model.ensure_positions(T);
   KVStore kv(model.config(), B, T, model.dtype());
   Arena arena;
   const ChunkTokens chunk = slice_chunk(batch, 0, T, arena);

@@ -56,9 +56,9 @@ TokenFlags starts_at(const std::vector<uint32_t>& ids, uint32_t marker) {
   return f;
 }
 
-std::vector<double> reference_losses(const LlamaModel& model, std::span<const uint32_t> window) {
+std::vector<double> reference_losses(LlamaModel& model, std::span<const uint32_t> window) {
   const int64_t T = static_cast<int64_t>(window.size()) - 1, V = model.config().vocab_size;
-  const_cast<LlamaModel&>(model).ensure_positions(T);
+  model.ensure_positions(T);
   KVStore kv(model.config(), 1, T, DType::f64);
   Arena arena;
   OwnedTensor ids = OwnedTensor::of_shape(DType::i32, std::vector<int64_t>{T});
