@@ -10,13 +10,14 @@
 
 namespace cw::test {
 
-// A schedule in one line: its name, chunk, recompute, MLP shards and whether the kept inputs are offloaded.
+// A schedule in one line: its name, chunk, recompute (both as the options spell them), MLP shards and
+// whether the kept inputs are offloaded.
 inline ScheduleOptions sched(const std::string& name, int64_t chunk = 0, const std::string& recompute = "auto",
                              int64_t mlp_shards = 1, bool offload = false) {
   ScheduleOptions o;
-  o.name = name;
+  o.kind = parse_schedule_kind(name);
   o.chunk = chunk;
-  o.recompute = recompute;
+  o.recompute = parse_recompute_mode(recompute);
   o.mlp_shards = mlp_shards;
   o.offload = offload;
   return o;

@@ -260,7 +260,7 @@ TEST_CASE("plan: the CLI's table and JSON") {
   test::TempDir dir("plan");
   PlanOptions o;
   o.seq = 65536;
-  o.schedule.name = "seco";
+  o.schedule.kind = ScheduleKind::seco;
   o.schedule.chunk = kAuto;
   o.device_memory_gib = 80;
   o.json = dir.file("plan.json");
@@ -323,7 +323,7 @@ TEST_CASE("plan: the CLI's table and JSON") {
   o.device_memory_gib = 80;
   o.schedule.offload_window = 0;
   o.schedule.chunk = 4096;
-  o.schedule.name = "full";
+  o.schedule.kind = ScheduleKind::full;
   o.json.clear();
   std::ostringstream refused;
   CHECK(run_plan(o, refused) == 1);  // full backprop at 64K cannot fit in 80 GiB

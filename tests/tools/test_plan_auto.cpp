@@ -121,23 +121,23 @@ TEST_CASE("plan: with recompute = auto, chunk and window = auto also choose the 
   const double t_chosen = plan_step(cf, 1, 65536, chosen, DType::bf16, 24, lora).step_s;
   // Every activation of the chunk kept, no saved inputs, at its own fastest chunk in the same window.
   ScheduleOptions all = chosen;
-  all.recompute = "none";
+  all.recompute = RecomputeMode::none;
   all.save_inputs = false;
   all.bwd_chunk = 0;
   all.chunk = choose_chunk(cf, 1, 65536, all, DType::bf16, 24, chunk_candidates(), lora);
   const double t_all = all.chunk > 0 ? plan_step(cf, 1, 65536, all, DType::bf16, 24, lora).step_s : 0;
   MESSAGE(fmt::format("chosen: recompute {} chunk {} window {} save_inputs {}: {:.1f} s; every activation kept: chunk "
-                      "{}: {:.1f} s", chosen.recompute, chosen.chunk, chosen.offload_window, chosen.save_inputs,
+                      "{}: {:.1f} s", recompute_name(chosen.recompute), chosen.chunk, chosen.offload_window, chosen.save_inputs,
                       t_chosen, all.chunk, t_all));
-  CHECK(chosen.recompute != "auto");
-  CHECK((chosen.recompute != "none" || chosen.save_inputs));
+  CHECK(chosen.recompute != RecomputeMode::automatic);
+  CHECK((chosen.recompute != RecomputeMode::none || chosen.save_inputs));
   CHECK(chosen.chunk > all.chunk);
   if (all.chunk > 0) CHECK(t_chosen < t_all);
   CHECK(plan_step(cf, 1, 65536, chosen, DType::bf16, 24, lora).fits);
   // A given recompute is kept as given.
   ScheduleOptions none = o;
-  none.recompute = "none";
-  CHECK(resolve_auto_schedule(cf, 1, 65536, none, DType::bf16, 24, lora).recompute == "none");
+  none.recompute = RecomputeMode::none;
+  CHECK(resolve_auto_schedule(cf, 1, 65536, none, DType::bf16, 24, lora).recompute == RecomputeMode::none);
 }
 
 TEST_CASE("plan: chunk and window = auto also save the attention outputs where that fits and is clearly faster") {

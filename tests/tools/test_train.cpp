@@ -250,10 +250,10 @@ TEST_CASE("gradient accumulation equals one large batch (f64, 1e-12)") {
   const Batch big = causal_lm_batch(ids, 4, T);
   const Batch half1 = causal_lm_batch(std::vector<int32_t>(ids.begin(), ids.begin() + 2 * T), 2, T);
   const Batch half2 = causal_lm_batch(std::vector<int32_t>(ids.begin() + 2 * T, ids.end()), 2, T);
-  for (const char* name : {"full", "seco"}) {
+  for (const ScheduleKind kind : {ScheduleKind::full, ScheduleKind::seco}) {
     ScheduleOptions so;
-    so.name = name;
-    so.chunk = name == std::string("seco") ? 5 : 0;
+    so.kind = kind;
+    so.chunk = kind == ScheduleKind::seco ? 5 : 0;
     auto s = Schedule::create(so);
     ParamSet g_big(cfg, DType::f64), g_acc(cfg, DType::f64);
     const double l_big = s->step(model, big, g_big).loss;
@@ -333,7 +333,7 @@ TEST_CASE("train: SIGINT finishes the step, saves, and exits with the distinct c
 TEST_CASE("train --trace: a Chrome trace of the first step, every micro-batch's chunks in it") {
   Fixture fx;
   RunConfig rc = fx.config(2);
-  rc.schedule.name = "seco";
+  rc.schedule.kind = ScheduleKind::seco;
   rc.schedule.offload_window = 1;
   rc.eval.every = 0;
   rc.checkpoint.every = 0;

@@ -264,7 +264,7 @@ void print_header(const RunConfig& rc, const Placement& p, const TrainData& data
   const int64_t dp = rc.parallel.dp;
   out << fmt::format("schedule {} (chunk {}, bwd chunk {}), {}{} x {} x {} = {} tokens per step, {} steps, "
                      "planned memory {}{}\n",
-                     rc.schedule.name, rc.schedule.chunk, rc.schedule.bwd_chunk,
+                     schedule_name(rc.schedule.kind), rc.schedule.chunk, rc.schedule.bwd_chunk,
                      dp > 1 ? fmt::format("{} ranks x ", dp) : "", accum, B, T, dp * B * T * accum, rc.train.steps,
                      human_bytes(static_cast<double>(planned.peak_device_bytes)),
                      planned.peak_host_bytes > 0
@@ -754,7 +754,7 @@ TrainResult run_training(const RunConfig& given, const TrainOptions& opt, std::o
   if (lead && rc.log.plot)  // from the metrics log, so a resumed run's picture has its whole history
     write_svg((fs::path(result.run_dir) / "loss.svg").string(),
               run_chart(metrics_path, fmt::format("{} / {}: training against tokens seen", rc.model.source,
-                                                  rc.schedule.name)));
+                                                  schedule_name(rc.schedule.kind))));
   const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
   // Which kernel took the run's attention calls (training and evaluation) and why.
   if (lead && !placement.device.is_cpu()) log << attention_census_text(attention_census(), "over the run");
