@@ -36,7 +36,10 @@ ParamSet& LlamaModel::adapters() {
   CW_CHECK(adapters_, "the model has no LoRA adapters (lora.rank is 0)");
   return *adapters_;
 }
-const ParamSet& LlamaModel::adapters() const { return const_cast<LlamaModel*>(this)->adapters(); }
+const ParamSet& LlamaModel::adapters() const {
+  CW_CHECK(adapters_, "the model has no LoRA adapters (lora.rank is 0)");
+  return *adapters_;
+}
 
 ModelWeights LlamaModel::weights() const {
   ModelWeights w = params_.weights();

@@ -60,12 +60,12 @@ ChunkTokens slice_chunk(const Batch& batch, int64_t t0, int64_t t1, Arena& arena
 }
 
 ActivationPolicy activation_policy(const ScheduleOptions& o, const LoraConfig& lora) {
-  const bool checkpointed = o.kind() == ScheduleKind::checkpointed;
+  const bool checkpointed = o.kind == ScheduleKind::checkpointed;
   ActivationPolicy p;
-  const std::string mode = o.recompute_mode();
-  p.keep_layers = mode != "full";
+  const RecomputeMode mode = o.recompute_mode();
+  p.keep_layers = mode != RecomputeMode::full;
   p.mlp_shards = o.mlp_shards;
-  p.recompute_mlp = mode == "selective";
+  p.recompute_mlp = mode == RecomputeMode::selective;
   p.offload_inputs = checkpointed && o.offload;
   p.mlp_frozen = lora.freezes_mlp();
   return p;

@@ -15,7 +15,7 @@ const std::vector<Option<ScheduleOptions>>& schedule_option_table() {
   using S = ScheduleOptions;
   static const std::vector<Option<S>> table = {
     // key             flag               member             values                    help
-    {"name",           "--schedule",      &S::name,          one_of(schedule_names()),
+    {"name",           "--schedule",      &S::kind,          one_of(schedule_names()),
      "how gradients are computed: full (everything kept) | checkpointed (layer inputs kept, each layer recomputed "
      "before its backward) | seco (exact, chunk by chunk, keeping only K/V) | spaco (seco visiting a sample of the "
      "chunks on the way back)"},
@@ -28,7 +28,7 @@ const std::vector<Option<ScheduleOptions>>& schedule_option_table() {
     {"scale_relay",    "--scale-relay",   &S::scale_relay,   {},                       "spaco: scale relayed dK/dV by k/t per hop, up to relay_cap"},
     {"relay_cap",      "--relay-cap",     &S::relay_cap,     at_least(0),              "spaco: cap of the cumulative relay factor; 0: none"},
     {"drop_relay",     "--drop-relay",    &S::drop_relay,    {},                       "spaco: discard all cross-chunk relay (the chunk-local gradient)"},
-    {"recompute",      "--recompute",     &S::recompute,     one_of({"auto", "full", "selective", "none"}),
+    {"recompute",      "--recompute",     &S::recompute,     one_of(recompute_names()),
      "what each chunk's backward recomputes (seco, spaco: inside every reverse-sweep chunk): full (keep layer "
      "inputs only, recompute each layer) | selective (keep all but the MLP's [tokens, ffn] intermediates, "
      "recomputed in the backward) | none (keep everything) | auto (checkpointed: full; the others: none, or the "
@@ -122,17 +122,16 @@ bool ScheduleOptions::layer_local_kv_grads(int64_t T, int64_t layers) const {
   return one_backward_chunk(T) && !windowed && stream_block(T) == 0;
 }
 
-std::string ScheduleOptions::recompute_mode() const {
-  if (recompute != "auto") return recompute;
-  return kind() == ScheduleKind::checkpointed ? "full" : "none";
+RecomputeMode ScheduleOptions::recompute_mode() const {
+  if (recompute != RecomputeMode::automatic) return recompute;
+  return kind == ScheduleKind::checkpointed ? RecomputeMode::full : RecomputeMode::none;
 }
 
 void ScheduleOptions::validate() const {
   // The table's rules read through the bound pointers only.
   for (const OptionRef& o : bind_options("schedule", schedule_option_table(), const_cast<ScheduleOptions&>(*this)))
     check_option(o);
-  const ScheduleKind k = kind();
-  if (offload && !(k == ScheduleKind::checkpointed && recompute_mode() == "full"))
+  if (offload && !(kind == ScheduleKind::checkpointed && recompute_mode() == RecomputeMode::full))
     fail("schedule.offload applies to schedule checkpointed with recompute = full (the kept layer inputs)",
          "set schedule.name = checkpointed and schedule.recompute = full, or offload = false");
   if (save_attention && !chunked())
@@ -163,12 +162,12 @@ void ScheduleOptions::validate() const {
     fail("schedule.offload_window applies to schedules seco and spaco (their K/V store outlives a chunk)",
          "set schedule.name = seco or spaco, or offload_window = 0");
   // Name the first spaco-only option set on another schedule, rather than the whole group.
-  if (k != ScheduleKind::spaco) {
+  if (kind != ScheduleKind::spaco) {
     const std::pair<const char*, bool> spaco_only[] = {
         {"keep", keep != 0}, {"stratified", stratified}, {"scale_relay", scale_relay}, {"drop_relay", drop_relay}};
     for (const auto& [key, set] : spaco_only)
       if (set)
-        fail(fmt::format("schedule.{} is a spaco option; schedule.name is {}", key, toml_string(name)),
+        fail(fmt::format("schedule.{} is a spaco option; schedule.name is {}", key, toml_string(schedule_name(kind))),
              "set schedule.name = \"spaco\" (--schedule spaco) or remove it");
   }
 }
@@ -274,20 +273,24 @@ void check_option(const OptionRef& o) {
             for (const std::string& item : *p)
               if (item.empty()) fail(fmt::format("{} holds an empty path", o.name()), std::string(o.help));
         }
+        // A word option holds one of its words' values: its readers took no other word.
       },
       o.target);
 }
 
 std::string_view option_type_name(const OptionTarget& target) {
-  switch (target.index()) {
-    case 0: return "integer";
-    case 1: return "unsigned integer";
-    case 2: return "number";
-    case 3: return "boolean";
-    case 4: return "boolean or unset";
-    case 5: return "string";
-    default: return "list of strings";
-  }
+  return std::visit(
+      [](auto* p) -> std::string_view {
+        using T = std::remove_pointer_t<decltype(p)>;
+        if constexpr (std::is_same_v<T, int64_t>) return "integer";
+        else if constexpr (std::is_same_v<T, uint64_t>) return "unsigned integer";
+        else if constexpr (std::is_same_v<T, double>) return "number";
+        else if constexpr (std::is_same_v<T, bool>) return "boolean";
+        else if constexpr (std::is_same_v<T, std::optional<bool>>) return "boolean or unset";
+        else if constexpr (std::is_same_v<T, std::string> || std::is_enum_v<T>) return "string";
+        else return "list of strings";
+      },
+      target);
 }
 
 void copy_option_value(const OptionTarget& to, const OptionTarget& from) {
@@ -356,6 +359,8 @@ std::optional<std::string> toml_value(const OptionRef& option) {
           return **p ? "true" : "false";
         } else if constexpr (std::is_same_v<T, std::string>) {
           return toml_string(*p);
+        } else if constexpr (std::is_enum_v<T>) {
+          return toml_string(option_word(*p));
         } else {
           std::string out = "[";
           for (size_t i = 0; i < p->size(); ++i) out += (i ? ", " : "") + toml_string((*p)[i]);

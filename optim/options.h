@@ -24,18 +24,29 @@
 
 namespace cw {
 
-// Where one option's value lives in one struct; the alternative is the option's type.
+// Where one option's value lives in one struct; the alternative is the option's type. The enums are
+// word options: written as one of a few words (a string in TOML, on the command line and in JSON),
+// held as the value the word names (option_word, read_option_word below).
 using OptionTarget = std::variant<int64_t*, uint64_t*, double*, bool*, std::optional<bool>*, std::string*,
-                                  std::vector<std::string>*>;
+                                  std::vector<std::string>*, ScheduleKind*, RecomputeMode*>;
 
 // The same, as a member of S (a table row is about the struct, not one instance of it).
 template <class S>
 using OptionMember = std::variant<int64_t S::*, uint64_t S::*, double S::*, bool S::*, std::optional<bool> S::*,
-                                  std::string S::*, std::vector<std::string> S::*>;
+                                  std::string S::*, std::vector<std::string> S::*, ScheduleKind S::*,
+                                  RecomputeMode S::*>;
+
+// A word option's word, and the value a word names: any other word throws one line naming the
+// option's key and its words (parse_schedule_kind, parse_recompute_mode).
+inline std::string_view option_word(ScheduleKind kind) { return schedule_name(kind); }
+inline std::string_view option_word(RecomputeMode mode) { return recompute_name(mode); }
+inline void read_option_word(std::string_view word, ScheduleKind& to) { to = parse_schedule_kind(word); }
+inline void read_option_word(std::string_view word, RecomputeMode& to) { to = parse_recompute_mode(word); }
 
 // The values an option accepts beyond its type. Numbers: a range; strings: one of some words, or
 // not empty; lists of paths: no empty path. Always: floats finite, unsigned integers below 2^63 (TOML
-// integers are signed 64-bit).
+// integers are signed 64-bit). A word option's rule lists its words, in the enum's order (for the
+// help and the options table; its readers take no other word).
 struct OptionRule {
   std::optional<double> min, max;
   bool or_auto = false;                     // an integer option: "auto" (kAuto, optim/schedule.h) too
@@ -93,7 +104,8 @@ std::vector<OptionRef> bind_options(std::string_view section, const std::vector<
 // (the hint: the option's help).
 void check_option(const OptionRef& option);
 
-// The type as the options table names it: integer, unsigned integer, number, boolean, string, list of strings.
+// The type as the options table names it: integer, unsigned integer, number, boolean, string (a word
+// option too), list of strings.
 std::string_view option_type_name(const OptionTarget& target);
 // Copies the value of `from` into `to` (the same option of two instances).
 void copy_option_value(const OptionTarget& to, const OptionTarget& from);

@@ -64,17 +64,32 @@ void set_documents(Batch& batch, std::vector<std::vector<int64_t>> doc_starts, b
   batch.document_positions = document_positions;
 }
 
+namespace {
+// The index of `word` in `words` (an enum's words, in its order); any other word throws one line
+// naming the option `key` and the words.
+size_t word_index(std::string_view key, const std::vector<std::string_view>& words, std::string_view word) {
+  for (size_t i = 0; i < words.size(); ++i)
+    if (word == words[i]) return i;
+  std::string listed;
+  for (std::string_view w : words) listed += (listed.empty() ? "" : " | ") + std::string(w);
+  fail(fmt::format("{} must be one of {}, got {}", key, listed, toml_string(word)));
+}
+}  // namespace
+
 std::vector<std::string_view> schedule_names() { return {"full", "checkpointed", "seco", "spaco"}; }
 
 std::string_view schedule_name(ScheduleKind kind) { return schedule_names()[static_cast<size_t>(kind)]; }
 
 ScheduleKind parse_schedule_kind(std::string_view name) {
-  const std::vector<std::string_view> names = schedule_names();
-  for (size_t i = 0; i < names.size(); ++i)
-    if (name == names[i]) return static_cast<ScheduleKind>(i);
-  std::string listed;
-  for (std::string_view n : names) listed += (listed.empty() ? "" : " | ") + std::string(n);
-  fail(fmt::format("schedule.name must be one of {}, got {}", listed, toml_string(name)));
+  return static_cast<ScheduleKind>(word_index("schedule.name", schedule_names(), name));
+}
+
+std::vector<std::string_view> recompute_names() { return {"auto", "full", "selective", "none"}; }
+
+std::string_view recompute_name(RecomputeMode mode) { return recompute_names()[static_cast<size_t>(mode)]; }
+
+RecomputeMode parse_recompute_mode(std::string_view word) {
+  return static_cast<RecomputeMode>(word_index("schedule.recompute", recompute_names(), word));
 }
 
 // ScheduleOptions::validate(): optim/options.cpp, beside the table of the options.
@@ -90,7 +105,7 @@ std::unique_ptr<Schedule> Schedule::create(const ScheduleOptions& o) {
     fail(fmt::format("schedule.{} = auto is chosen by the planner before the run (train, bench and plan do it)",
                      o.chunk == kAuto ? "chunk" : "offload_window"),
          "give a number here, or resolve it with resolve_auto_schedule (tools/planner/planner.h)");
-  switch (o.kind()) {
+  switch (o.kind) {
     case ScheduleKind::seco: return make_seco_schedule(o);
     case ScheduleKind::spaco: return make_spaco_schedule(o);
     default: return make_full_schedule(o);  // full and checkpointed: one chunk of the whole sequence

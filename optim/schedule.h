@@ -72,19 +72,28 @@ std::string_view schedule_name(ScheduleKind kind);
 // The kind a name spells; any other name throws one line naming schedule.name and the four names.
 ScheduleKind parse_schedule_kind(std::string_view name);
 
+// What a chunk's backward recomputes (for seco/spaco: inside each reverse-sweep chunk): full (keep
+// layer inputs only, recompute each layer before its backward) | selective (keep every layer's
+// activations but the MLP's [N, F] intermediates) | none (keep everything) | automatic, written
+// "auto" (checkpointed: full; the others: none; ScheduleOptions::recompute_mode resolves it).
+enum class RecomputeMode { automatic, full, selective, none };
+// Their words in the options (TOML, the command line, JSON), in the enum's order: auto | full |
+// selective | none.
+std::vector<std::string_view> recompute_names();
+std::string_view recompute_name(RecomputeMode mode);
+// The mode a word spells; any other word throws one line naming schedule.recompute and the four words.
+RecomputeMode parse_recompute_mode(std::string_view word);
+
 struct ScheduleOptions {
-  // The schedule as written in the options (full | checkpointed | seco | spaco): the options' readers
-  // and writers are text. The code asks kind(), never compares the text.
-  std::string name = "full";
-  ScheduleKind kind() const { return parse_schedule_kind(name); }
+  // The schedule (schedule.name: the options' readers parse the name once, their writers print
+  // schedule_name(kind)).
+  ScheduleKind kind = ScheduleKind::full;
   // seco and spaco: the sequence runs in chunks, with a K/V store that outlives a chunk.
-  bool chunked() const { return kind() == ScheduleKind::seco || kind() == ScheduleKind::spaco; }
-  // What a chunk's backward recomputes (for seco/spaco: inside each reverse-sweep chunk): full (keep
-  // layer inputs only, recompute each layer before its backward) | selective (keep every layer's
-  // activations but the MLP's [N, F] intermediates) | none (keep everything) | auto (checkpointed:
-  // full; the others: none). recompute_mode() resolves auto.
-  std::string recompute = "auto";
-  std::string recompute_mode() const;
+  bool chunked() const { return kind == ScheduleKind::seco || kind == ScheduleKind::spaco; }
+  // What a chunk's backward recomputes (schedule.recompute; RecomputeMode above).
+  RecomputeMode recompute = RecomputeMode::automatic;
+  // The mode in force: recompute, with automatic resolved for this schedule (never automatic).
+  RecomputeMode recompute_mode() const;
   // schedule.stream_kv's block for T tokens: the chunk (all T for chunk 0); 0 when not streamed.
   int64_t stream_block(int64_t T) const { return stream_kv ? (chunk > 0 ? std::min(chunk, T) : T) : 0; }
   // The reverse sweep is one chunk of all T tokens: full and checkpointed always, seco and spaco with

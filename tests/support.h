@@ -1,5 +1,5 @@
 // Shared helpers for the tests: tolerances, comparisons that report the worst element, the message
-// of an expected error, and temporary directories.
+// of an expected error, files (read whole; the real model's GGUF) and temporary directories.
 #pragma once
 
 #include "engine/engine.h"
@@ -14,6 +14,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <string>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -104,6 +106,18 @@ std::string error_of(F&& f) {
   FAIL_CHECK("expected a cw::Error");
   return "";
 }
+
+// The whole file, its bytes as they are; "" where it cannot be read (the comparison that follows
+// fails then).
+inline std::string read_text(const std::filesystem::path& path) {
+  std::ifstream f(path, std::ios::binary);
+  return {std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
+}
+
+// The real SmolLM2-135M-Instruct, Q4_1, where `tools/run fetch-model` puts it; the tests that read it
+// say they skipped where it is absent.
+inline const std::filesystem::path kSmolLm2Gguf =
+    std::filesystem::path(CW_SOURCE_ROOT) / ".models" / "SmolLM2-135M-Instruct.Q4_1.gguf";
 
 // A fresh empty directory under the system temp dir, removed on destruction.
 struct TempDir {

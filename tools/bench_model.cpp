@@ -154,7 +154,7 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
   } catch (const Error& e) {  // auto found nothing that fits: a result, as running out of memory is
     const std::string status = is_out_of_memory(e.what()) ? "oom" : "error";
     const nlohmann::json r = {{"impl", "chunkwise"}, {"model", o.model}, {"seq", o.seq}, {"batch", o.batch},
-                              {"schedule", so.name}, {"status", status}, {"error", e.what()}};
+                              {"schedule", schedule_name(so.kind)}, {"status", status}, {"error", e.what()}};
     out << "bench: " << status << ": " << e.what() << "\n";
     write_result(o.json, r);
     return status == "oom" ? 0 : 1;
@@ -177,7 +177,7 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
   if (o.device_memory_gib > 0) limit.emplace(g, pool_limit_for(o.device_memory_gib, "bench --device-memory"));
 
   nlohmann::json r = {{"impl", "chunkwise"}, {"model", o.model}, {"seq", o.seq}, {"batch", o.batch},
-                      {"schedule", so.name}, {"recompute", so.recompute}, {"chunk", so.chunk},
+                      {"schedule", schedule_name(so.kind)}, {"recompute", recompute_name(so.recompute)}, {"chunk", so.chunk},
                       {"bwd_chunk", so.bwd_chunk}, {"mlp_shards", so.mlp_shards}, {"offload", so.offload},
                       {"offload_window", so.offload_window}, {"stream_kv", so.stream_kv}, {"save_attention", so.save_attention},
                       {"save_inputs", so.save_inputs}, {"cast_layers", so.cast_layers},
@@ -340,7 +340,7 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
   if (r["status"] == "ok")
     out << fmt::format("{} {} T={} B={}: {:.3f} s/step, {:.0f} tokens/s, MFU {:.1f}% of {:.0f} TFLOP/s, peak {:.2f} GiB "
                        "(the driver counts {:.2f} GiB held at the end)\n",
-                       o.model, so.name, o.seq, o.batch, r["step_s"].get<double>(), r["tokens_per_s"].get<double>(),
+                       o.model, schedule_name(so.kind), o.seq, o.batch, r["step_s"].get<double>(), r["tokens_per_s"].get<double>(),
                        100 * r["mfu"].get<double>(), peak, r["peak_gib"].get<double>(),
                        r["device_held_gib"].get<double>());
   write_result(o.json, r);

@@ -338,6 +338,9 @@ int main(int argc, char** argv) {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     return app.exit(e);
+  } catch (const cw::Error& e) {  // a word a word option does not take (--schedule, --recompute)
+    std::cerr << "chunkwise: error: " << e.what() << "\n";
+    return 2;
   }
   try {
     if (*gradcheck) {

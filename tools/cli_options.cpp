@@ -38,6 +38,12 @@ std::vector<CLI::Option*> add_option_flags(CLI::App& app, const std::vector<Opti
                   },
                   "INT or auto"));
             return opt;
+          } else if constexpr (std::is_enum_v<T>) {
+            // A word option takes its word; any other word is a cw::Error naming the key and the words.
+            return app
+                .add_option_function<std::string>(
+                    flag, [p](const std::string& word) { read_option_word(word, *p); }, help)
+                ->default_str(std::string(option_word(*p)));
           } else {
             return app.add_option(flag, *p, help)->capture_default_str();
           }

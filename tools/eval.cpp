@@ -151,18 +151,18 @@ std::vector<int64_t> window_starts(const TokenDataset& data, int64_t T, bool doc
   return starts;
 }
 
-std::vector<double> window_losses(const LlamaModel& model, std::span<const uint32_t> window, int64_t chunk,
+std::vector<double> window_losses(LlamaModel& model, std::span<const uint32_t> window, int64_t chunk,
                                   KVStore& kv, Arena& arena, const std::function<void(int64_t, int64_t)>& chunk_done) {
   return window_losses(model, window, chunk, kv, arena, {}, chunk_done).losses;
 }
 
-WindowLosses window_losses(const LlamaModel& model, std::span<const uint32_t> window, int64_t chunk, KVStore& kv,
+WindowLosses window_losses(LlamaModel& model, std::span<const uint32_t> window, int64_t chunk, KVStore& kv,
                            Arena& arena, std::span<const uint8_t> flags,
                            const std::function<void(int64_t, int64_t)>& chunk_done) {
   const int64_t T = static_cast<int64_t>(window.size()) - 1;
   CW_CHECK(T > 0 && kv.batch() == 1 && kv.tokens() == T, "window_losses: a window of {} ids for a store of {} x {}",
            window.size(), kv.batch(), kv.tokens());
-  const_cast<LlamaModel&>(model).ensure_positions(T);
+  model.ensure_positions(T);
   Batch batch = window_batch(std::vector<uint32_t>(window.begin(), window.end()), 1, T);
   WindowLosses w;
   if (!flags.empty()) {  // each document attends only itself, its positions from 0 (docs/packed_documents.md)
@@ -189,7 +189,7 @@ double LossByPositionResult::mean_loss() const {
   return tokens > 0 ? sum / static_cast<double>(tokens) : kNaN;
 }
 
-LossByPositionResult loss_by_position(const LlamaModel& model, const std::vector<uint32_t>& tokens,
+LossByPositionResult loss_by_position(LlamaModel& model, const std::vector<uint32_t>& tokens,
                                       const std::vector<int64_t>& starts, int64_t T, const std::vector<int64_t>& edges,
                                       int64_t chunk, std::ostream& log, const std::vector<uint8_t>* flags,
                                       int64_t min_document) {
@@ -201,7 +201,7 @@ LossByPositionResult loss_by_position(const LlamaModel& model, const std::vector
   r.device = device_name(model.device());
   r.dtype = dtype_name(model.dtype());
   r.buckets = position_buckets(edges, T);
-  const_cast<LlamaModel&>(model).ensure_positions(T);
+  model.ensure_positions(T);
   KVStore kv(model.config(), 1, T, model.dtype(), {.device = model.device()});
   Arena arena(model.device());
   StepProgress progress(log, &log == &std::cout && isatty(STDOUT_FILENO), 10, 30, "window");
@@ -326,7 +326,7 @@ double PasskeyResult::accuracy() const {
   return trials_all > 0 ? static_cast<double>(correct_all) / static_cast<double>(trials_all) : 0.0;
 }
 
-PasskeyResult passkey(const LlamaModel& model, const Tokenizer& tokenizer, const PasskeyOptions& o, std::ostream& log) {
+PasskeyResult passkey(LlamaModel& model, const Tokenizer& tokenizer, const PasskeyOptions& o, std::ostream& log) {
   if (o.trials < 1) fail(fmt::format("--trials {}: at least one trial", o.trials), "e.g. --trials 5");
   if (o.answer_tokens < 5)
     fail(fmt::format("--answer-tokens {}: a key of 5 digits needs 5 tokens at least", o.answer_tokens),

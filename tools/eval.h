@@ -84,8 +84,9 @@ std::vector<int64_t> window_starts(const TokenDataset& data, int64_t T, bool doc
 
 // The per-position losses (T values, nats) of one window of T+1 ids through the chunked prefill in
 // chunks of `chunk` tokens (0: one chunk) with `kv`, a store of 1 x T tokens without gradients on
-// the model's device. chunk_done, if set, is told (chunks done, chunks) after each chunk.
-std::vector<double> window_losses(const LlamaModel& model, std::span<const uint32_t> window, int64_t chunk,
+// the model's device. chunk_done, if set, is told (chunks done, chunks) after each chunk. The model's
+// RoPE tables grow to T positions (LlamaModel::ensure_positions), as a training step's do.
+std::vector<double> window_losses(LlamaModel& model, std::span<const uint32_t> window, int64_t chunk,
                                   KVStore& kv, Arena& arena,
                                   const std::function<void(int64_t, int64_t)>& chunk_done = {});
 
@@ -99,7 +100,7 @@ struct WindowLosses {
 // With the window's flags (T+1 bytes, tools/data/tokens.h): its documents packed (each attends only
 // itself, RoPE positions restarting at each: optim/schedule.h set_documents), starting where the
 // flags mark a document start; empty flags: one continuous text.
-WindowLosses window_losses(const LlamaModel& model, std::span<const uint32_t> window, int64_t chunk, KVStore& kv,
+WindowLosses window_losses(LlamaModel& model, std::span<const uint32_t> window, int64_t chunk, KVStore& kv,
                            Arena& arena, std::span<const uint8_t> flags,
                            const std::function<void(int64_t, int64_t)>& chunk_done = {});
 // Adds a window's losses to the buckets: by position in the window, or with documents by each
@@ -128,8 +129,9 @@ struct LossByPositionResult {
 // The loss by position of the model over the windows of `tokens` at `starts` (each T+1 ids), the
 // prefill in chunks of `chunk`. Prints a line per window (when 10 s have passed since the last, and
 // the last window) and, inside a window that runs long, where its prefill is (tools/progress.h).
-// Fills the buckets, seq, chunk, windows, device and dtype of the result.
-LossByPositionResult loss_by_position(const LlamaModel& model, const std::vector<uint32_t>& tokens,
+// Fills the buckets, seq, chunk, windows, device and dtype of the result. The model's RoPE tables
+// grow to T positions.
+LossByPositionResult loss_by_position(LlamaModel& model, const std::vector<uint32_t>& tokens,
                                       const std::vector<int64_t>& starts, int64_t T, const std::vector<int64_t>& edges,
                                       int64_t chunk, std::ostream& log,
                                       const std::vector<uint8_t>* flags = nullptr, int64_t min_document = 0);
@@ -205,8 +207,9 @@ struct PasskeyResult {
 };
 
 // The passkey test of the model with its tokenizer; a line per length x depth as it is done.
-// Fills the cells, lengths, depths and the options' fields of the result.
-PasskeyResult passkey(const LlamaModel& model, const Tokenizer& tokenizer, const PasskeyOptions& options,
+// Fills the cells, lengths, depths and the options' fields of the result. The model's RoPE tables
+// grow to the longest prompt and its answer (generate).
+PasskeyResult passkey(LlamaModel& model, const Tokenizer& tokenizer, const PasskeyOptions& options,
                       std::ostream& log);
 
 // ---- charts ----

@@ -460,7 +460,7 @@ int run_gradcheck(const GradcheckOptions& o, std::ostream& out, Communicator* wo
   o.parallel.validate();
   const bool parallel = o.parallel.dp > 1 || o.parallel.tp > 1;
   const std::string against =
-      !o.against.empty() ? o.against : (parallel ? "single" : (o.schedule.kind() == ScheduleKind::full ? "fd" : "full"));
+      !o.against.empty() ? o.against : (parallel ? "single" : (o.schedule.kind == ScheduleKind::full ? "fd" : "full"));
   if (against != "fd" && against != "full" && against != "single" && against != "separate" && against != "reference")
     fail(fmt::format("unknown --against '{}'", against), "use fd, full, single, separate or reference");
   if (against == "reference" && o.lora.dropout > 0)
@@ -498,7 +498,7 @@ int run_gradcheck(const GradcheckOptions& o, std::ostream& out, Communicator* wo
   out << fmt::format("gradcheck: model {} ({} parameters, {} layers, tied={}), dtype {}, batch {} x {} tokens, "
                      "schedule {} (chunk {}, bwd chunk {}, visited {}/{}), against {}\n",
                      o.model, config.parameter_count(), config.num_hidden_layers, config.tie_word_embeddings, o.dtype,
-                     o.batch, o.seq, o.schedule.name, o.schedule.chunk, o.schedule.bwd_chunk, st.chunks_visited,
+                     o.batch, o.seq, schedule_name(o.schedule.kind), o.schedule.chunk, o.schedule.bwd_chunk, st.chunks_visited,
                      st.chunks, against);
   if (model.has_adapters())
     out << fmt::format("lora: rank {}, alpha {}, dropout {}, targets {}: {} adapter parameters checked, the base "
@@ -557,8 +557,7 @@ int run_gradcheck(const GradcheckOptions& o, std::ostream& out, Communicator* wo
   } else if (against == "separate") {
     // Every document alone, the full schedule, each loss divided by the packed batch's normaliser:
     // the sum over documents is the packed batch's mean loss and gradient.
-    ScheduleOptions ref;
-    ref.name = "full";
+    const ScheduleOptions ref;  // full
     ParamSet ref_grads = ParamSet::like(checked, dtype);
     double ref_loss = 0;
     int64_t documents = 0;
@@ -583,8 +582,7 @@ int run_gradcheck(const GradcheckOptions& o, std::ostream& out, Communicator* wo
     max_rel = compare_sets(grads, ref.grads, "g_ref", "reference", out);
     max_rel = std::max(max_rel, compare_loss(st.loss, ref.loss, grads, out));
   } else {
-    ScheduleOptions ref;
-    ref.name = "full";
+    const ScheduleOptions ref;  // full
     ParamSet ref_grads = ParamSet::like(checked, dtype);
     const StepStats ref_st = gradients(ref, model, batch, ref_grads);
     max_rel = compare_sets(grads, ref_grads, "g_full", "full", out);

@@ -16,7 +16,7 @@ std::string plan_json(const PlanReport& report);   // peak_device_gib, peak_host
 struct PlanOptions {
   std::string model = "llama-3.2-1b";
   int64_t seq = 4096, batch = 1;
-  ScheduleOptions schedule{.name = "seco"};  // chunk and offload_window may be kAuto (--chunk auto)
+  ScheduleOptions schedule{.kind = ScheduleKind::seco};  // chunk and offload_window may be kAuto (--chunk auto)
   LoraConfig lora;                           // rank > 0: LoRA adapters, the base frozen
   std::string dtype = "bf16";
   double device_memory_gib = 0;      // 0: the GPU's when one is present, else 80

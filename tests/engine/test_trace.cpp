@@ -32,7 +32,7 @@ struct Shape {
 // One seco step of `model` recorded from start to stop.
 std::pair<trace::Recording, StepStats> traced_step(LlamaModel& model, const Shape& s, const ParamSet& grads) {
   ScheduleOptions o;
-  o.name = "seco";
+  o.kind = ScheduleKind::seco;
   o.chunk = s.chunk;
   o.bwd_chunk = s.bwd_chunk;
   o.offload_window = s.window;
@@ -195,7 +195,7 @@ TEST_CASE("trace: write() saves the JSON; tracing off records nothing") {
   init_parameters(model.params(), 4, cfg.initializer_range, 0.1);
   ParamSet grads(cfg, DType::f64);
   ScheduleOptions o;
-  o.name = "seco";
+  o.kind = ScheduleKind::seco;
   o.chunk = 8;
   o.offload_window = 1;
   auto schedule = Schedule::create(o);

@@ -69,14 +69,14 @@ Compared compare_sets(const ParamSet& a, const ParamSet& ref) {
 
 ScheduleOptions named(const char* name, int64_t chunk = 0) {
   ScheduleOptions o;
-  o.name = name;
+  o.kind = parse_schedule_kind(name);
   o.chunk = chunk;
   return o;
 }
 
 // `o`, where it is spaco, backpropagating `keep` of the chunks drawn with `seed` (other schedules as given).
 ScheduleOptions sampled(ScheduleOptions o, int64_t keep, uint64_t seed) {
-  if (o.name == "spaco") o.keep = keep, o.seed = seed;
+  if (o.kind == ScheduleKind::spaco) o.keep = keep, o.seed = seed;
   return o;
 }
 
@@ -150,21 +150,22 @@ TEST_CASE("cuda: seco and checkpointed (offload, selective, tiled MLP) equal ful
   ScheduleOptions offload = named("checkpointed");
   offload.offload = true;  // layer inputs through pinned host memory on the side stream
   ScheduleOptions selective = named("checkpointed");
-  selective.recompute = "selective";
+  selective.recompute = RecomputeMode::selective;
   ScheduleOptions saved = seco;  // the reverse sweep re-splits the prefill's saved attention outputs
   saved.save_attention = true;
   ScheduleOptions saved_recompute = saved;  // and recomputes each layer inside the chunk from its input
-  saved_recompute.recompute = "full";
+  saved_recompute.recompute = RecomputeMode::full;
   ScheduleOptions saved_inputs = saved;  // no chunk forward: each layer recomputed from the prefill's input
   saved_inputs.save_inputs = true;
   ScheduleOptions inputs_only = seco;  // the same, attending again
   inputs_only.save_inputs = true;
   for (const ScheduleOptions& o : {seco, saved, saved_recompute, saved_inputs, inputs_only, ckpt, tiled, offload,
                                    selective}) {
-    CAPTURE(o.name);
+    CAPTURE(schedule_name(o.kind));
     gradients(model, batch, other, o, &loss);
     const Compared c = compare_sets(other, full);
-    MESSAGE(o.name, " (chunk ", o.chunk, ", mlp shards ", o.mlp_shards, ", recompute ", o.recompute, ", offload ",
+    MESSAGE(schedule_name(o.kind), " (chunk ", o.chunk, ", mlp shards ", o.mlp_shards, ", recompute ",
+            recompute_name(o.recompute), ", offload ",
             o.offload, ") vs full on the GPU: worst ", c.name, " rel ", c.worst);
     CHECK(c.worst <= kScheduleF32Tol);
     CHECK(std::abs(loss - full_loss) <= 1e-6 * std::abs(full_loss));
@@ -213,7 +214,8 @@ TEST_CASE("cuda: packed documents (every attention family, seco and full) match 
           break;
         }
         const Compared c = compare_sets(grads, ref_grads);
-        MESSAGE(attention_kernel_name(kernel), " ", dtype_name(dt), " ", o.name, " (chunk ", o.chunk, ", saved ",
+        MESSAGE(attention_kernel_name(kernel), " ", dtype_name(dt), " ", schedule_name(o.kind), " (chunk ", o.chunk,
+                ", saved ",
                 o.save_attention, ", window ", o.offload_window, ") with documents vs CPU f64: worst ", c.name, " rel ",
                 c.worst);
         const double tol = dt == DType::f32 ? kModelF32Tol : kModelBf16Tol;
@@ -288,10 +290,10 @@ TEST_CASE("cuda: seco and spaco with saved attention outputs (and layer recomput
       double loss_plain = 0, loss_saved = 0;
       gradients(model, batch, plain, o, &loss_plain);
       o.save_attention = true;
-      for (const char* recompute : {"auto", "full"}) {
+      for (const RecomputeMode recompute : {RecomputeMode::automatic, RecomputeMode::full}) {
         o.recompute = recompute;
         for (int64_t window : {0, 1, 2}) {
-          CAPTURE(recompute);
+          CAPTURE(recompute_name(recompute));
           CAPTURE(window);
           o.offload_window = window;
           gradients(model, batch, saved, o, &loss_saved);
@@ -312,7 +314,7 @@ TEST_CASE("cuda: seco and spaco with saved layer inputs equal them without, bitw
                                 const ParamSet& from_store) {
     for (const char* name : {"seco", "spaco"})
       for (const bool saved : {false, true})
-        for (const char* recompute : {"auto", "selective"}) {
+        for (const RecomputeMode recompute : {RecomputeMode::automatic, RecomputeMode::selective}) {
           ScheduleOptions o = sampled(named(name, 8), 4, 3);
           o.save_attention = saved;
           o.recompute = recompute;
@@ -322,7 +324,7 @@ TEST_CASE("cuda: seco and spaco with saved layer inputs equal them without, bitw
           for (int64_t window : {0, 1, 2}) {
             CAPTURE(name);
             CAPTURE(saved);
-            CAPTURE(recompute);
+            CAPTURE(recompute_name(recompute));
             CAPTURE(window);
             o.offload_window = window;
             gradients(model, batch, from_store, o, &loss_in);
@@ -458,11 +460,11 @@ TEST_CASE("cuda: LoRA adapters' gradients on the GPU (f32, bf16) match the CPU i
         ScheduleOptions ckpt = named("checkpointed");
         ckpt.mlp_shards = 3;
         for (const ScheduleOptions& o : {seco, ckpt}) {
-          CAPTURE(o.name);
+          CAPTURE(schedule_name(o.kind));
           double other_loss = 0;
           gradients(model, batch, other, o, &other_loss);
           const Compared s = compare_sets(other, grads);
-          MESSAGE(o.name, " vs full on the GPU with LoRA: worst ", s.name, " rel ", s.worst);
+          MESSAGE(schedule_name(o.kind), " vs full on the GPU with LoRA: worst ", s.name, " rel ", s.worst);
           CHECK(s.worst <= kScheduleF32Tol);
           CHECK(std::abs(other_loss - loss) <= 1e-6 * std::abs(loss));
         }
@@ -516,8 +518,9 @@ TEST_CASE("cuda: bf16 training with the blocks cast from the master as they run 
   const Batch batch = random_batch(2, 48, cfg.vocab_size, 21);
   for (const char* name : {"seco", "checkpointed", "full"}) {
     CAPTURE(name);
-    ScheduleOptions o = named(name, std::string(name) == "seco" ? 16 : 0);
-    if (o.name == "checkpointed") o.recompute = "full";
+    ScheduleOptions o = named(name);
+    if (o.kind == ScheduleKind::seco) o.chunk = 16;
+    if (o.kind == ScheduleKind::checkpointed) o.recompute = RecomputeMode::full;
     std::vector<double> losses[2];
     std::optional<TrainingState> states[2];
     for (int cast = 0; cast < 2; ++cast) {

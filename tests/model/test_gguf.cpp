@@ -699,7 +699,7 @@ TEST_CASE("gguf: RoPE scaling from the metadata (linear) and from rope_freqs.wei
 // ---- the real file ----
 
 TEST_CASE("gguf: SmolLM2-135M-Instruct Q4_1 (when present in .models/): config, tensors, values as the gguf package reads them") {
-  const std::string path = std::string(CW_SOURCE_ROOT) + "/.models/SmolLM2-135M-Instruct.Q4_1.gguf";
+  const std::string path = test::kSmolLm2Gguf.string();
   if (!fs::exists(path)) {
     MESSAGE("skipped: ", path, " is absent (tools/run fetch-model puts it there)");
     return;

@@ -38,10 +38,10 @@ LoraConfig lora(int64_t rank, const std::string& targets, double alpha = 8.0) {
   return l;
 }
 
-// All-position logits of `batch` under the model, [B*T, V] f64.
-OwnedTensor logits_of(const LlamaModel& model, const Batch& batch) {
+// All-position logits of `batch` under the model, [B*T, V] f64 (its RoPE tables grown to T).
+OwnedTensor logits_of(LlamaModel& model, const Batch& batch) {
   const int64_t B = batch.B(), T = batch.T(), V = model.config().vocab_size;
-  const_cast<LlamaModel&>(model).ensure_positions(T);
+  model.ensure_positions(T);
   KVStore kv(model.config(), B, T, model.dtype());
   Arena arena;
   const ChunkTokens chunk = slice_chunk(batch, 0, T, arena);
@@ -52,11 +52,6 @@ OwnedTensor logits_of(const LlamaModel& model, const Batch& batch) {
 
 bool same_bits(const Tensor& a, const Tensor& b) {
   return a.bytes() == b.bytes() && std::memcmp(a.data, b.data, a.bytes()) == 0;
-}
-
-std::string read_text(const fs::path& p) {
-  std::ifstream f(p);
-  return std::string(std::istreambuf_iterator<char>(f), {});
 }
 }  // namespace
 
@@ -134,7 +129,7 @@ TEST_CASE("lora: PEFT files written and read back bit for bit") {
   init_lora_parameters(m.adapters(), 9, 0.1);  // B random: a zero B would hide a lost tensor
   save_peft_adapter(m.adapters(), m.lora(), dir.path.string(), "some/base", DType::f64);
 
-  const nlohmann::json cfg = nlohmann::json::parse(read_text(dir.path / "adapter_config.json"));
+  const nlohmann::json cfg = nlohmann::json::parse(test::read_text(dir.path / "adapter_config.json"));
   CHECK(cfg["peft_type"] == "LORA");
   CHECK(cfg["task_type"] == "CAUSAL_LM");
   CHECK(cfg["r"] == 3);
@@ -182,12 +177,12 @@ TEST_CASE("lora: adapter files that do not fit are refused in one line naming th
 
   // Configurations this LoRA does not implement, each named with its key.
   const auto config_with = [&](const std::string& key, const nlohmann::json& value) {
-    nlohmann::json j = nlohmann::json::parse(read_text(dir.path / "adapter_config.json"));
+    nlohmann::json j = nlohmann::json::parse(test::read_text(dir.path / "adapter_config.json"));
     j[key] = value;
     std::ofstream(dir.path / "adapter_config.json") << j.dump();
     return [&] { read_peft_config(d); };
   };
-  const std::string saved = read_text(dir.path / "adapter_config.json");
+  const std::string saved = test::read_text(dir.path / "adapter_config.json");
   const auto restore = [&] { std::ofstream(dir.path / "adapter_config.json") << saved; };
   CHECK_THROWS_WITH_AS(config_with("target_modules", {"q_proj", "qkv"})(), doctest::Contains("unknown LoRA target 'qkv'"),
                        Error);

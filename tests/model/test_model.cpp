@@ -80,7 +80,7 @@ TEST_CASE("chunked forward with the K/V store equals the whole-sequence forward"
   CHECK(batch_loss(model, batch, 7, arena) == doctest::Approx(batch_loss(model, batch, 0, arena)).epsilon(1e-14));
   // The store placed as a schedule places it: streamed in blocks of 7, or a window of one layer.
   ScheduleOptions streamed;
-  streamed.name = "seco";
+  streamed.kind = ScheduleKind::seco;
   streamed.chunk = 7;
   streamed.stream_kv = true;
   CHECK(batch_loss(model, batch, streamed, arena) == doctest::Approx(batch_loss(model, batch, 0, arena)).epsilon(1e-14));
@@ -143,15 +143,16 @@ TEST_CASE("cast_layers: blocks rounded from the master as they run give the resi
   CHECK(same_table(cast.trainable_table(), parameter_table(cfg)));
   const Batch batch = random_batch(2, 24, cfg.vocab_size, 5);
   ParamSet g_resident(cfg, DType::f32), g_cast(cfg, cast.trainable_table(), DType::f32);
-  for (const char* name : {"full", "checkpointed", "seco", "spaco"}) {
-    for (const char* recompute : {"none", "full"}) {
+  for (const ScheduleKind kind :
+       {ScheduleKind::full, ScheduleKind::checkpointed, ScheduleKind::seco, ScheduleKind::spaco}) {
+    for (const RecomputeMode recompute : {RecomputeMode::none, RecomputeMode::full}) {
       ScheduleOptions o;
-      o.name = name;
-      o.recompute = std::string(name) == "checkpointed" ? "full" : recompute;
-      if (o.name == "seco" || o.name == "spaco") o.chunk = 8;
-      if (o.name == "spaco") o.keep = 2, o.seed = 4;
-      CAPTURE(name);
-      CAPTURE(recompute);
+      o.kind = kind;
+      o.recompute = kind == ScheduleKind::checkpointed ? RecomputeMode::full : recompute;
+      if (o.kind == ScheduleKind::seco || o.kind == ScheduleKind::spaco) o.chunk = 8;
+      if (o.kind == ScheduleKind::spaco) o.keep = 2, o.seed = 4;
+      CAPTURE(schedule_name(kind));
+      CAPTURE(recompute_name(recompute));
       g_resident.zero();
       g_cast.zero();
       const double loss_resident = Schedule::create(o)->step(resident, batch, g_resident).loss;

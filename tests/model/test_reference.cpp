@@ -132,15 +132,15 @@ TEST_CASE("reference: every schedule's loss and gradients equal it within 1e-12 
   configured[7].documents = kDocuments;
 
   std::vector<ScheduleOptions> schedules(5);
-  schedules[0].name = "full";
-  schedules[1].name = "checkpointed";
-  schedules[2].name = "seco";
+  schedules[0].kind = ScheduleKind::full;
+  schedules[1].kind = ScheduleKind::checkpointed;
+  schedules[2].kind = ScheduleKind::seco;
   schedules[2].chunk = 5;  // chunks of 5, 5, 3; reverse chunks of 3 (4 of 3 and one of 1)
   schedules[2].bwd_chunk = 3;
-  schedules[3].name = "seco";
+  schedules[3].kind = ScheduleKind::seco;
   schedules[3].chunk = 4;
   schedules[3].save_inputs = true;  // the reverse sweep recomputes each layer from its saved input
-  schedules[4].name = "spaco";      // keep 0: every chunk visited, its exact mode
+  schedules[4].kind = ScheduleKind::spaco;  // keep 0: every chunk visited, its exact mode
   schedules[4].chunk = 4;
 
   double worst = 0;
@@ -149,7 +149,7 @@ TEST_CASE("reference: every schedule's loss and gradients equal it within 1e-12 
     const ReferenceResult ref = reference(s);
     for (const ScheduleOptions& so : schedules) {
       CAPTURE(c.name);
-      CAPTURE(so.name);
+      CAPTURE(schedule_name(so.kind));
       CAPTURE(so.chunk);
       ParamSet grads = ParamSet::like(s.model->trainable(), DType::f64);
       const StepStats st = Schedule::create(so)->step(*s.model, s.batch, grads);

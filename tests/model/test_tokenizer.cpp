@@ -22,6 +22,8 @@ namespace {
 
 using test::contains;
 using test::error_of;
+using test::kSmolLm2Gguf;
+using test::read_text;
 
 namespace fs = std::filesystem;
 using Ids = std::vector<uint32_t>;
@@ -30,11 +32,6 @@ void write_text(const std::string& path, const std::string& text) {
   std::ofstream f(path, std::ios::binary);
   f << text;
   REQUIRE(f.good());
-}
-
-std::string read_text(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  return {std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
 }
 
 std::string byte_symbol(uint8_t b) { return bytes_to_byte_level(std::string(1, static_cast<char>(b))); }
@@ -559,8 +556,6 @@ TEST_CASE("tokenizer: SmolLM2's vocabulary gives HF's ids on the corpus (needs .
 }
 
 // The same vocabulary read straight from the model's GGUF metadata (model/gguf.h).
-const fs::path kSmolLm2Gguf = fs::path(CW_SOURCE_ROOT) / ".models" / "SmolLM2-135M-Instruct.Q4_1.gguf";
-
 TEST_CASE("tokenizer: SmolLM2's GGUF gives HF's ids on the corpus (needs .models/SmolLM2-135M-Instruct.Q4_1.gguf)" *
           doctest::skip(!fs::exists(kSmolLm2Gguf))) {
   const std::unique_ptr<Tokenizer> tok = load_tokenizer(kSmolLm2Gguf.string());

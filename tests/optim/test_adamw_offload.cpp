@@ -94,7 +94,7 @@ TEST_CASE("training state: optimizer offload trains like the state on the device
     REQUIRE(off.optimizer_offloaded());
     CHECK(&off.master() != &off.model().trainable());  // a separate master set, on the host
     CHECK(off.master().device().is_cpu());
-    auto schedule = Schedule::create(ScheduleOptions{.name = "seco", .chunk = 5});
+    auto schedule = Schedule::create(ScheduleOptions{.kind = ScheduleKind::seco, .chunk = 5});
     for (int step = 0; step < 3; ++step) {
       const Batch batch = random_batch(2, 12, cfg.vocab_size, 20 + uint64_t(step));
       for (TrainingState* st : {&plain, &off}) {

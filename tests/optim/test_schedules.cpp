@@ -71,10 +71,10 @@ Result run(const ScheduleOptions& o, LlamaModel& model, const Batch& batch, Para
 // bwd_chunk; 0: the same).
 ScheduleOptions chunked(const char* name, int64_t chunk, int64_t bwd_chunk = 0) {
   ScheduleOptions o;
-  o.name = name;
+  o.kind = parse_schedule_kind(name);
   o.chunk = chunk;
   o.bwd_chunk = bwd_chunk;
-  if (o.name == "spaco") o.keep = 4, o.seed = 5;
+  if (o.kind == ScheduleKind::spaco) o.keep = 4, o.seed = 5;
   return o;
 }
 
@@ -135,7 +135,7 @@ TEST_CASE("seco equals full backprop in fp64 across chunkings, batches, GQA rati
     const Batch batch = batch_for(c, cfg, 12);
     ParamSet g_full(cfg, DType::f64), g_seco(cfg, DType::f64);
     ScheduleOptions full, seco;
-    seco.name = "seco";
+    seco.kind = ScheduleKind::seco;
     seco.chunk = c.chunk;
     seco.bwd_chunk = c.bwd_chunk;
     const Result rf = run(full, model, batch, g_full);
@@ -162,7 +162,7 @@ TEST_CASE("the fused Q/K/V projection equals three GEMMs in fp64: full backprop 
     for (const char* name : {"full", "seco"}) {
       INFO("schedule ", name);
       ScheduleOptions o;
-      o.name = name;
+      o.kind = parse_schedule_kind(name);
       o.chunk = c.chunk;
       ParamSet g_fused(cfg, DType::f64), g_three(cfg, DType::f64);
       Result fused{}, three{};
@@ -205,7 +205,7 @@ TEST_CASE("seco and spaco with the K/V store offloaded (window of layers) equal 
       CHECK(st.kv_bytes_moved > 0);
       o.offload_window = 0;
     }
-    if (o.name == "seco") CHECK(max_rel(g_dev, g_full) <= test::kSameMathF64Tol);
+    if (o.kind == ScheduleKind::seco) CHECK(max_rel(g_dev, g_full) <= test::kSameMathF64Tol);
   }
   ScheduleOptions bad;
   bad.offload_window = 2;  // full keeps no store across chunks
@@ -230,11 +230,11 @@ TEST_CASE("seco and spaco with saved attention outputs equal them without; offlo
       o.save_attention = true;
       two_steps_same_bits(o, f.model, f.batch, g_saved, g_plain, plain);
     }
-    if (o.name == "seco") CHECK(max_rel(g_saved, g_full) <= test::kSameMathF64Tol);
+    if (o.kind == ScheduleKind::seco) CHECK(max_rel(g_saved, g_full) <= test::kSameMathF64Tol);
   }
   // Backward chunks other than the prefill's: the saved rows are re-split.
   ScheduleOptions o;
-  o.name = "seco";
+  o.kind = ScheduleKind::seco;
   o.chunk = 7;
   o.bwd_chunk = 5;
   o.save_attention = true;
@@ -281,9 +281,9 @@ TEST_CASE("seco and spaco with saved layer inputs equal them without; offloaded 
   run(full, f.model, f.batch, g_full);
   for (const char* name : {"seco", "spaco"})
     for (const bool saved : {false, true})
-      for (const char* recompute : {"none", "selective"})
+      for (const RecomputeMode recompute : {RecomputeMode::none, RecomputeMode::selective})
         for (int64_t window : {0, 1, 2}) {
-          INFO(name, " save_attention ", saved, " recompute ", recompute, " offload_window ", window);
+          INFO(name, " save_attention ", saved, " recompute ", recompute_name(recompute), " offload_window ", window);
           ScheduleOptions o = chunked(name, c.chunk);
           o.save_attention = saved;
           o.recompute = recompute;
@@ -295,11 +295,11 @@ TEST_CASE("seco and spaco with saved layer inputs equal them without; offloaded 
             CHECK(st.activation_high_water < plain.stats.activation_high_water);
             if (window > 0) CHECK(st.kv_host_bytes > plain.stats.kv_host_bytes);
           }
-          if (o.name == "seco") CHECK(max_rel(g_in, g_full) <= test::kSameMathF64Tol);
+          if (o.kind == ScheduleKind::seco) CHECK(max_rel(g_in, g_full) <= test::kSameMathF64Tol);
         }
   // Backward chunks other than the prefill's: the saved rows are re-split.
   ScheduleOptions o;
-  o.name = "seco";
+  o.kind = ScheduleKind::seco;
   o.chunk = 7;
   o.bwd_chunk = 5;
   o.save_inputs = true;
@@ -319,7 +319,7 @@ TEST_CASE("seco and spaco with saved layer inputs equal them without; offloaded 
   ScheduleOptions bad;
   bad.save_inputs = true;  // full has no prefill
   CHECK_THROWS_WITH_AS(bad.validate(), doctest::Contains("save_inputs applies to schedules seco and spaco"), Error);
-  bad.name = "seco";
+  bad.kind = ScheduleKind::seco;
   bad.stream_kv = true;
   CHECK_THROWS_WITH_AS(bad.validate(), doctest::Contains("streamed K/V store"), Error);
 }
@@ -333,10 +333,10 @@ TEST_CASE("seco and spaco with the K/V store streamed in key blocks equal full b
   ScheduleOptions full;
   const Result rf = run(full, f.model, f.batch, g_full);
   for (const bool saved : {false, true})
-    for (const char* recompute : {"none", "selective", "full"}) {
-      INFO("saved outputs ", saved, ", recompute ", recompute);
+    for (const RecomputeMode recompute : {RecomputeMode::none, RecomputeMode::selective, RecomputeMode::full}) {
+      INFO("saved outputs ", saved, ", recompute ", recompute_name(recompute));
       ScheduleOptions o;
-      o.name = "seco";
+      o.kind = ScheduleKind::seco;
       o.chunk = c.chunk;
       o.stream_kv = true;
       o.save_attention = saved;
@@ -354,7 +354,7 @@ TEST_CASE("seco and spaco with the K/V store streamed in key blocks equal full b
     }
   // spaco visiting some chunks: the same estimate as with the store on the device.
   ScheduleOptions sp;
-  sp.name = "spaco";
+  sp.kind = ScheduleKind::spaco;
   sp.chunk = c.chunk;
   sp.keep = 2;
   sp.seed = 3;
@@ -365,7 +365,7 @@ TEST_CASE("seco and spaco with the K/V store streamed in key blocks equal full b
   CHECK(std::abs(streamed.loss - plain.loss) <= kLossTol * std::abs(plain.loss));
   // One chunk: one block, no prefix.
   ScheduleOptions one;
-  one.name = "seco";
+  one.kind = ScheduleKind::seco;
   one.chunk = 64;
   one.stream_kv = true;
   run(one, f.model, f.batch, g);
@@ -394,23 +394,23 @@ TEST_CASE("seco and spaco with layer recompute inside each chunk equal them with
         o.save_attention = saved;
         o.offload_window = window;
         const Result plain = run(o, f.model, f.batch, g_plain);
-        for (const char* mode : {"full", "selective"}) {
-          INFO(name, " recompute ", mode, " save_attention ", saved, " offload_window ", window);
+        for (const RecomputeMode mode : {RecomputeMode::full, RecomputeMode::selective}) {
+          INFO(name, " recompute ", recompute_name(mode), " save_attention ", saved, " offload_window ", window);
           o.recompute = mode;
           const Result rec = run(o, f.model, f.batch, g_rec);
           CHECK(max_rel(g_rec, g_plain) == 0.0);
           CHECK(rec.loss == plain.loss);
           // Fewer activations kept: a full recompute keeps one layer's at a time.
-          if (std::string(mode) == "full") CHECK(rec.stats.activation_high_water < plain.stats.activation_high_water);
+          if (mode == RecomputeMode::full) CHECK(rec.stats.activation_high_water < plain.stats.activation_high_water);
         }
       }
     }
   }
   ScheduleOptions o;
-  o.name = "seco";
-  CHECK(o.recompute_mode() == "none");
-  o.name = "checkpointed";
-  CHECK(o.recompute_mode() == "full");
+  o.kind = ScheduleKind::seco;
+  CHECK(o.recompute_mode() == RecomputeMode::none);
+  o.kind = ScheduleKind::checkpointed;
+  CHECK(o.recompute_mode() == RecomputeMode::full);
 }
 
 TEST_CASE("checkpointed with offloaded layer inputs equals checkpointed, bitwise") {
@@ -418,7 +418,7 @@ TEST_CASE("checkpointed with offloaded layer inputs equals checkpointed, bitwise
   F64Setup f(c, 5, 23);
   ParamSet g_kept(f.cfg, DType::f64), g_off(f.cfg, DType::f64);
   ScheduleOptions o;
-  o.name = "checkpointed";
+  o.kind = ScheduleKind::checkpointed;
   const Result kept = run(o, f.model, f.batch, g_kept);
   o.offload = true;
   const Result off = run(o, f.model, f.batch, g_off);
@@ -434,11 +434,11 @@ TEST_CASE("spaco with t = k reproduces seco; with t < k it is seeded and inexact
   const Batch batch = batch_for(c, cfg, 14);
   ParamSet g_seco(cfg, DType::f64), g_a(cfg, DType::f64), g_b(cfg, DType::f64), g_c(cfg, DType::f64);
   ScheduleOptions seco;
-  seco.name = "seco";
+  seco.kind = ScheduleKind::seco;
   seco.chunk = 6;
   const Result rs = run(seco, model, batch, g_seco);
   ScheduleOptions all = seco;
-  all.name = "spaco";
+  all.kind = ScheduleKind::spaco;
   all.keep = 4;  // k = 24 / 6
   const Result ra = run(all, model, batch, g_a);
   CHECK(max_rel(g_a, g_seco) <= test::kSameMathF64Tol);
@@ -498,7 +498,7 @@ TEST_CASE("spaco is unbiased for the chunk-local gradient (statistical, many see
   const Batch batch = batch_for(c, cfg, 16);
   // The target: every chunk backpropagated with its relay dropped = sum_i g_i^0.
   ScheduleOptions exact_local;
-  exact_local.name = "spaco";
+  exact_local.kind = ScheduleKind::spaco;
   exact_local.chunk = 4;
   exact_local.drop_relay = true;
   ParamSet local(cfg, DType::f64);
@@ -536,7 +536,7 @@ TEST_CASE("spaco's relay scaling multiplies exactly the relayed term (t = 2: one
   init_parameters(model.params(), 21, cfg.initializer_range, 0.1);
   const Batch batch = batch_for(c, cfg, 22);
   ScheduleOptions kept;
-  kept.name = "spaco";
+  kept.kind = ScheduleKind::spaco;
   kept.chunk = 4;  // k = 6
   kept.keep = 2;
   kept.seed = 3;
@@ -567,7 +567,7 @@ TEST_CASE("seco activation memory is bounded by one chunk, whatever T") {
   LlamaModel model(cfg, DType::f64);
   init_parameters(model.params(), 17, cfg.initializer_range);
   ScheduleOptions seco;
-  seco.name = "seco";
+  seco.kind = ScheduleKind::seco;
   seco.chunk = 8;
   size_t first = 0, kv_prev = 0;
   for (int64_t T : {32, 64, 128, 256}) {
@@ -602,7 +602,7 @@ TEST_CASE("one backward chunk keeps one layer's dK, dV for all layers; the gradi
   const int64_t T = 24;
   const Batch batch = random_batch(2, T, cfg.vocab_size, 24);
   ScheduleOptions chunked;
-  chunked.name = "seco", chunked.chunk = 6;
+  chunked.kind = ScheduleKind::seco, chunked.chunk = 6;
   ParamSet g_ref(cfg, DType::f64);
   const Result ref = run(chunked, model, batch, g_ref);
   const size_t row = size_t(cfg.num_key_value_heads * cfg.head_dim) * 8;  // f64 K or V of one token
@@ -610,8 +610,8 @@ TEST_CASE("one backward chunk keeps one layer's dK, dV for all layers; the gradi
   CHECK(ref.stats.kv_bytes == layers * tokens * row * 4);  // K, V, dK, dV of every layer
   ScheduleOptions full, full_chunk_set, one_chunk, prefill_then_one, one_saved;
   full_chunk_set.chunk = 6;  // chunk is seco's and spaco's: full backprop is one chunk whatever it says
-  one_chunk.name = "seco", one_chunk.chunk = T;
-  prefill_then_one.name = "seco", prefill_then_one.chunk = 6, prefill_then_one.bwd_chunk = T;
+  one_chunk.kind = ScheduleKind::seco, one_chunk.chunk = T;
+  prefill_then_one.kind = ScheduleKind::seco, prefill_then_one.chunk = 6, prefill_then_one.bwd_chunk = T;
   one_saved = one_chunk, one_saved.save_attention = true;  // nothing prefilled: the chunk attends itself
   CHECK_FALSE(chunked.layer_local_kv_grads(T, cfg.num_hidden_layers));
   ScheduleOptions windowed = one_chunk, streamed = one_chunk;
@@ -622,7 +622,7 @@ TEST_CASE("one backward chunk keeps one layer's dK, dV for all layers; the gradi
   CHECK(windowed.layer_local_kv_grads(T, cfg.num_hidden_layers));
   for (const ScheduleOptions& o : {full, full_chunk_set, one_chunk, prefill_then_one, one_saved}) {
     CHECK(o.layer_local_kv_grads(T, cfg.num_hidden_layers));
-    INFO(o.name, " chunk ", o.chunk, " bwd_chunk ", o.bwd_chunk);
+    INFO(schedule_name(o.kind), " chunk ", o.chunk, " bwd_chunk ", o.bwd_chunk);
     ParamSet g(cfg, DType::f64);
     const Result r = run(o, model, batch, g);
     std::string report;
@@ -651,14 +651,14 @@ TEST_CASE("checkpointed and tiled-MLP schedules equal full backprop in fp64; the
   };
   auto opts = [](const char* name, int64_t shards, int64_t chunk = 0) {
     ScheduleOptions o;
-    o.name = name;
+    o.kind = parse_schedule_kind(name);
     o.mlp_shards = shards;
     o.chunk = chunk;
     return o;
   };
   auto selective = [&](int64_t shards) {
     ScheduleOptions o = opts("checkpointed", shards);
-    o.recompute = "selective";
+    o.recompute = RecomputeMode::selective;
     return o;
   };
   const Variant variants[] = {
@@ -697,9 +697,8 @@ TEST_CASE("checkpointed and tiled-MLP schedules equal full backprop in fp64; the
   ScheduleOptions offload_without_checkpointing;
   offload_without_checkpointing.offload = true;
   CHECK_THROWS_AS(offload_without_checkpointing.validate(), Error);
-  ScheduleOptions bad;
-  bad.recompute = "selective-ish";
-  CHECK_THROWS_AS(bad.validate(), Error);
+  CHECK_THROWS_WITH_AS(parse_recompute_mode("selective-ish"),
+                       doctest::Contains("schedule.recompute must be one of auto | full | selective | none"), Error);
 }
 
 // ---- LoRA (model/lora.h): adapters on a frozen base ----
@@ -740,19 +739,19 @@ TEST_CASE("lora: seco, spaco with all chunks and checkpointed equal full backpro
       ScheduleOptions full;
       const Result rf = run(full, model, batch, g_full);
       ScheduleOptions seco, seco_split, spaco, ckpt, tiled, selective, saved;
-      seco.name = "seco", seco.chunk = 7;
+      seco.kind = ScheduleKind::seco, seco.chunk = 7;
       seco_split = seco, seco_split.bwd_chunk = 5;
-      spaco.name = "spaco", spaco.chunk = 7, spaco.keep = 0, spaco.seed = 3;
-      ckpt.name = "checkpointed";
-      tiled.name = "checkpointed", tiled.mlp_shards = 3;  // adapters on a row shard: its dropout keys follow the rows
-      selective = seco, selective.recompute = "selective";
+      spaco.kind = ScheduleKind::spaco, spaco.chunk = 7, spaco.keep = 0, spaco.seed = 3;
+      ckpt.kind = ScheduleKind::checkpointed;
+      tiled.kind = ScheduleKind::checkpointed, tiled.mlp_shards = 3;  // adapters on a row shard: its dropout keys follow the rows
+      selective = seco, selective.recompute = RecomputeMode::selective;
       saved = seco_split, saved.save_attention = true;
       for (const ScheduleOptions& o : {seco, seco_split, spaco, ckpt, tiled, selective, saved}) {
         const Result r = run(o, model, batch, g);
         std::string report;
         const double rel = max_rel(g, g_full, &report);
-        INFO(o.name, " chunk ", o.chunk, " bwd ", o.bwd_chunk, " shards ", o.mlp_shards, " recompute ", o.recompute,
-             " save_attention ", o.save_attention, ": worst ", report);
+        INFO(schedule_name(o.kind), " chunk ", o.chunk, " bwd ", o.bwd_chunk, " shards ", o.mlp_shards, " recompute ",
+             recompute_name(o.recompute), " save_attention ", o.save_attention, ": worst ", report);
         CHECK(rel <= test::kSameMathF64Tol);
         CHECK(std::abs(r.loss - rf.loss) <= kLossTol * std::abs(rf.loss));
       }

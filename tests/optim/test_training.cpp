@@ -37,7 +37,7 @@ TEST_CASE("training state: under LoRA only the adapters have master weights, gra
 
     const ParamSet base_before = st.base_on_host(dt), adapters_before = st.master_on_host();
     const Batch batch = random_batch(2, 12, cfg.vocab_size, 8);
-    auto schedule = Schedule::create(ScheduleOptions{.name = "seco", .chunk = 5});
+    auto schedule = Schedule::create(ScheduleOptions{.kind = ScheduleKind::seco, .chunk = 5});
     st.grads().zero();
     schedule->step(st.model(), batch, st.grads());
     // B starts at 0 (PEFT), so the first step moves B only; a second one moves A too.

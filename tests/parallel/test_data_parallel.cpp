@@ -58,11 +58,11 @@ TEST_CASE("data parallel gradcheck: DP 2 and 3 against one process, every schedu
     const char* name;
     ScheduleOptions schedule;
   };
-  std::vector<Case> cases = {{"full", {.name = "full"}},
-                             {"checkpointed", {.name = "checkpointed"}},
-                             {"seco", {.name = "seco", .chunk = 5, .bwd_chunk = 3}},
-                             {"spaco", {.name = "spaco", .chunk = 4, .keep = 2, .seed = 3}},
-                             {"spaco stratified", {.name = "spaco", .chunk = 4, .keep = 2, .seed = 3, .stratified = true}}};
+  std::vector<Case> cases = {{"full", {.kind = ScheduleKind::full}},
+                             {"checkpointed", {.kind = ScheduleKind::checkpointed}},
+                             {"seco", {.kind = ScheduleKind::seco, .chunk = 5, .bwd_chunk = 3}},
+                             {"spaco", {.kind = ScheduleKind::spaco, .chunk = 4, .keep = 2, .seed = 3}},
+                             {"spaco stratified", {.kind = ScheduleKind::spaco, .chunk = 4, .keep = 2, .seed = 3, .stratified = true}}};
   for (const Case& c : cases)
     for (int64_t dp : {2, 3})
       for (int64_t zero : {0, 1, 2}) {
@@ -90,7 +90,7 @@ TEST_CASE("data parallel gradcheck: tied embeddings, and the errors of its flags
   GradcheckOptions o;
   o.batch = 4;
   o.tie_embeddings = 1;
-  o.schedule = {.name = "seco", .chunk = 4};
+  o.schedule = {.kind = ScheduleKind::seco, .chunk = 4};
   o.parallel.dp = 2;
   o.parallel.zero = 2;
   std::ostringstream out;
@@ -123,7 +123,7 @@ TEST_CASE("data parallel: the loss is normalised by the global label count, micr
   const ParamSet init = initial_params(c);
   const int64_t B = 4, T = 12;
   const Batch global = uneven_batch(B, T, c.vocab_size);
-  ScheduleOptions so{.name = "seco", .chunk = 5};
+  ScheduleOptions so{.kind = ScheduleKind::seco, .chunk = 5};
 
   // One process: two micro-batches of two sequences each, normalised by the step's total.
   TrainingState single(c, DType::f64, Device::host(), AdamWOptions{});
@@ -169,7 +169,7 @@ TEST_CASE("data parallel: ZeRO 2 reduces each bucket to its shard's owner from i
   const LlamaConfig c = tiny();
   const ParamSet init = initial_params(c);
   const Batch global = uneven_batch(10, 12, c.vocab_size);
-  const ScheduleOptions so{.name = "seco", .chunk = 5};
+  const ScheduleOptions so{.kind = ScheduleKind::seco, .chunk = 5};
   const int n = 5;
   std::vector<DataParallelStep> steps(n * 2);
   std::vector<ParamSet> grads(n * 2);
@@ -212,12 +212,12 @@ TEST_CASE("schedules: the last backward reports offsets that only decrease, and 
   LlamaModel model(c, DType::f64);
   copy_params(model.params(), initial_params(c));
   const Batch batch = random_batch(2, 16, c.vocab_size, 8);
-  const std::vector<ScheduleOptions> schedules = {{.name = "full"},
-                                                  {.name = "checkpointed"},
-                                                  {.name = "seco", .chunk = 5, .bwd_chunk = 3},
-                                                  {.name = "spaco", .chunk = 4, .keep = 2, .seed = 1}};
+  const std::vector<ScheduleOptions> schedules = {{.kind = ScheduleKind::full},
+                                                  {.kind = ScheduleKind::checkpointed},
+                                                  {.kind = ScheduleKind::seco, .chunk = 5, .bwd_chunk = 3},
+                                                  {.kind = ScheduleKind::spaco, .chunk = 4, .keep = 2, .seed = 1}};
   for (const ScheduleOptions& so : schedules) {
-    CAPTURE(so.name);
+    CAPTURE(schedule_name(so.kind));
     auto schedule = Schedule::create(so);
     ParamSet grads(c, DType::f64);
     std::vector<int64_t> offsets;

@@ -66,8 +66,8 @@ GradcheckOptions tiny_tp_gradcheck(const char* name, int64_t tp = 2) {
   o.model = "tiny-tp";
   o.seq = 16;
   o.batch = 2;
-  o.schedule.name = name;
-  if (o.schedule.name == "seco") {
+  o.schedule.kind = parse_schedule_kind(name);
+  if (o.schedule.kind == ScheduleKind::seco) {
     o.schedule.chunk = 8;
     o.schedule.bwd_chunk = 4;
   }
@@ -265,16 +265,16 @@ TEST_CASE("tensor parallel: selective recompute, a tiled MLP, saved attention an
   struct Case {
     const char* name;
     const char* schedule;
-    const char* recompute;
+    RecomputeMode recompute;
     int64_t mlp_shards;
     bool save_attention;
     int tie;
   };
   const Case cases[] = {
-      {"selective", "seco", "selective", 1, false, -1},
-      {"tiled MLP", "checkpointed", "auto", 2, false, -1},
-      {"saved attention", "seco", "auto", 1, true, -1},
-      {"tied embeddings", "seco", "auto", 1, false, 1},
+      {"selective", "seco", RecomputeMode::selective, 1, false, -1},
+      {"tiled MLP", "checkpointed", RecomputeMode::automatic, 2, false, -1},
+      {"saved attention", "seco", RecomputeMode::automatic, 1, true, -1},
+      {"tied embeddings", "seco", RecomputeMode::automatic, 1, false, 1},
   };
   for (const Case& c : cases)
     for (const bool regather : {false, true}) {
@@ -310,7 +310,7 @@ TEST_CASE("tensor parallel: seco with saved layer inputs; not with sequence para
 TEST_CASE("tensor parallel: under sequence parallelism each rank's replicated gradients are its rows' share") {
   Reference ref("tiny-tp", 2, 8);
   ScheduleOptions so;
-  so.name = "seco";
+  so.kind = ScheduleKind::seco;
   so.chunk = 4;
   ParamSet single(ref.model.config(), DType::f64);
   const StepStats single_stats = Schedule::create(so)->step(ref.model, ref.batch, single);
@@ -373,7 +373,7 @@ TEST_CASE("tensor parallel: bad input fails with one line naming the option") {
   o.model = "tiny-tp";
   o.seq = 12;
   o.batch = 2;
-  o.schedule.name = "seco";
+  o.schedule.kind = ScheduleKind::seco;
   o.schedule.chunk = 3;
   o.parallel.tp = 4;
   o.parallel.sequence_parallel = true;
@@ -398,7 +398,7 @@ TEST_CASE("tensor parallel x data parallel = 2 x 2 equals one process to 1e-12, 
         o.model = "tiny-tp";
         o.seq = 16;
         o.batch = 4;
-        o.schedule.name = s.name;
+        o.schedule.kind = parse_schedule_kind(s.name);
         o.schedule.chunk = s.chunk;
         o.schedule.bwd_chunk = s.bwd_chunk;
         o.parallel.dp = 2;

@@ -23,6 +23,7 @@ namespace {
 
 using test::contains;
 using test::error_of;
+using test::read_text;
 
 namespace fs = std::filesystem;
 
@@ -540,11 +541,6 @@ std::vector<unsigned char> hand_flags(int32_t magic, int32_t version, int32_t co
   b.resize(1024, 0);
   b.insert(b.end(), bits.begin(), bits.end());
   return b;
-}
-
-std::string read_text(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  return {std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
 }
 
 // The positions of a flags byte stream that have `bit`.

@@ -29,7 +29,7 @@ struct Case {
 
 ScheduleOptions named(const char* name, int64_t chunk = 0, int64_t bwd_chunk = 0) {
   ScheduleOptions s;
-  s.name = name;
+  s.kind = parse_schedule_kind(name);
   s.chunk = chunk;
   s.bwd_chunk = bwd_chunk;
   return s;
@@ -40,7 +40,7 @@ std::vector<Case> cases() {
   std::vector<Case> c;
   c.push_back({"full", mixed, 2, named("full")});
   ScheduleOptions ckpt = named("checkpointed");
-  ckpt.recompute = "full";
+  ckpt.recompute = RecomputeMode::full;
   c.push_back({"checkpointed", mixed, 1, ckpt});
   c.push_back({"seco, chunk 7 / bwd 5 (boundaries inside chunks)", mixed, 2, named("seco", 7, 5)});
   c.push_back({"seco, chunk 8 (a document longer than a chunk)", {40, 24}, 1, named("seco", 8)});
@@ -51,7 +51,7 @@ std::vector<Case> cases() {
   saved.save_inputs = true;
   c.push_back({"seco, saved attention outputs and layer inputs", mixed, 2, saved});
   ScheduleOptions selective = named("seco", 9);
-  selective.recompute = "selective";
+  selective.recompute = RecomputeMode::selective;
   selective.mlp_shards = 3;
   c.push_back({"seco, selective recompute, tiled MLP", mixed, 1, selective});
   ScheduleOptions window = named("seco", 8);

@@ -24,6 +24,8 @@ namespace {
 
 using test::contains;
 using test::error_of;
+using test::kSmolLm2Gguf;
+using test::read_text;
 using test::run_cli;
 namespace fs = std::filesystem;
 using Ids = std::vector<uint32_t>;
@@ -54,9 +56,9 @@ TokenFlags starts_at(const std::vector<uint32_t>& ids, uint32_t marker) {
   return f;
 }
 
-std::vector<double> reference_losses(const LlamaModel& model, std::span<const uint32_t> window) {
+std::vector<double> reference_losses(LlamaModel& model, std::span<const uint32_t> window) {
   const int64_t T = static_cast<int64_t>(window.size()) - 1, V = model.config().vocab_size;
-  const_cast<LlamaModel&>(model).ensure_positions(T);
+  model.ensure_positions(T);
   KVStore kv(model.config(), 1, T, DType::f64);
   Arena arena;
   OwnedTensor ids = OwnedTensor::of_shape(DType::i32, std::vector<int64_t>{T});
@@ -83,13 +85,6 @@ std::vector<double> reference_losses(const LlamaModel& model, std::span<const ui
 nlohmann::json read_json(const std::string& path) {
   std::ifstream in(path);
   return nlohmann::json::parse(in);
-}
-
-std::string read_text(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
 }
 
 size_t count_of(const std::string& text, const std::string& part) {
@@ -542,8 +537,6 @@ TEST_CASE("chunkwise eval: loss-by-position and passkey on the command line, cha
 }
 
 // ---- the real model, when its GGUF is in .models/ ----
-
-const fs::path kSmolLm2Gguf = fs::path(CW_SOURCE_ROOT) / ".models" / "SmolLM2-135M-Instruct.Q4_1.gguf";
 
 TEST_CASE("passkey: SmolLM2 finds the key in the middle of a prompt of 512 tokens (needs the SmolLM2 GGUF)" *
           doctest::skip(!fs::exists(kSmolLm2Gguf))) {

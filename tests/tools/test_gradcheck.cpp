@@ -18,7 +18,7 @@ TEST_CASE("gradcheck seco against full: the documented command (tiny, chunk 7, b
   GradcheckOptions o;
   o.model = "tiny";
   o.seq = 64;
-  o.schedule.name = "seco";
+  o.schedule.kind = ScheduleKind::seco;
   o.schedule.chunk = 7;
   o.schedule.bwd_chunk = 5;
   std::ostringstream out;
@@ -31,7 +31,7 @@ TEST_CASE("gradcheck seco against full: the documented command (tiny, chunk 7, b
 
 TEST_CASE("gradcheck fails (exit 1) when the tolerance is not met") {
   GradcheckOptions o;
-  o.schedule.name = "spaco";
+  o.schedule.kind = ScheduleKind::spaco;
   o.schedule.chunk = 4;
   o.schedule.keep = 1;  // an estimator: far from full
   std::ostringstream out;
@@ -53,7 +53,7 @@ TEST_CASE("gradcheck --tokens and --save-grads") {
   GradcheckOptions o;
   o.seq = 12;
   o.batch = 2;
-  o.schedule.name = "seco";
+  o.schedule.kind = ScheduleKind::seco;
   o.schedule.chunk = 5;
   o.tokens_file = tokens;
   o.save_grads = dir.file("grads.safetensors");
@@ -86,7 +86,7 @@ TEST_CASE("the chunkwise binary: gradcheck output and clear errors") {
 TEST_CASE("gradcheck seco --against fd: the chunked gradient against finite differences") {
   GradcheckOptions o;
   o.seq = 20;
-  o.schedule.name = "seco";
+  o.schedule.kind = ScheduleKind::seco;
   o.schedule.chunk = 6;
   o.schedule.bwd_chunk = 4;
   o.against = "fd";
@@ -103,7 +103,7 @@ GradcheckOptions lora_check(const char* schedule, const char* targets) {
   GradcheckOptions o;
   o.seq = 14;
   o.batch = 2;
-  o.schedule.name = schedule;
+  o.schedule.kind = parse_schedule_kind(schedule);
   o.lora.rank = 3;
   o.lora.alpha = 6.0;
   o.lora.targets = targets;
@@ -143,7 +143,7 @@ TEST_CASE("gradcheck lora: seco, spaco with every chunk and checkpointed against
     ckpt.schedule.mlp_shards = 2;
     for (const GradcheckOptions& o : {seco, spaco, ckpt}) {
       CAPTURE(targets);
-      CAPTURE(o.schedule.name);
+      CAPTURE(schedule_name(o.schedule.kind));
       std::ostringstream out;
       CHECK(run_gradcheck(o, out) == 0);
       INFO(out.str());
@@ -169,7 +169,7 @@ TEST_CASE("gradcheck --dp 2 --tp 2 --gather-dir: the ranks' results through file
   o.model = "tiny";
   o.seq = 12;
   o.batch = 2;
-  o.schedule.name = "seco";
+  o.schedule.kind = ScheduleKind::seco;
   o.schedule.chunk = 5;
   o.parallel.dp = 2;
   o.parallel.tp = 2;

@@ -19,17 +19,10 @@ namespace cw {
 namespace {
 
 namespace fs = std::filesystem;
-
-const fs::path kSmolLm2Gguf = fs::path(CW_SOURCE_ROOT) / ".models" / "SmolLM2-135M-Instruct.Q4_1.gguf";
+using test::kSmolLm2Gguf;
+using test::read_text;
 
 bool have_python3() { return std::system("python3 -c 'import json' >/dev/null 2>&1") == 0; }
-
-std::string read_text(const fs::path& p) {
-  std::ifstream f(p);
-  std::stringstream s;
-  s << f.rdbuf();
-  return s.str();
-}
 
 nlohmann::json read_json(const fs::path& p) { return nlohmann::json::parse(read_text(p)); }
 

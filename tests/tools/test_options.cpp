@@ -40,6 +40,8 @@ void change(const OptionRef& o) {
         } else if constexpr (std::is_same_v<T, std::string>) {
           if (o.rule->words.empty()) *p = *p + " changed";
           else *p = std::string(o.rule->words[0] == *p ? o.rule->words[1] : o.rule->words[0]);
+        } else if constexpr (std::is_enum_v<T>) {
+          read_option_word(o.rule->words[0] == option_word(*p) ? o.rule->words[1] : o.rule->words[0], *p);
         } else {
           *p = {"a.bin", "dir with space/*.bin"};
         }
@@ -57,6 +59,8 @@ std::vector<std::string> cli_args(const OptionRef& o, const OptionTarget& value,
           if (default_value_of_bool) args.push_back(*p ? "true" : "false");  // an option taking a value
         } else if constexpr (std::is_same_v<T, std::string>) {
           args.push_back(*p);
+        } else if constexpr (std::is_enum_v<T>) {
+          args.emplace_back(option_word(*p));
         } else if constexpr (std::is_same_v<T, double> || std::is_same_v<T, int64_t> || std::is_same_v<T, uint64_t>) {
           args.push_back(fmt::format("{}", *p));
         }
@@ -152,23 +156,57 @@ TEST_CASE("options: the schedule's flags (bench, gradcheck, plan) write every Sc
   CHECK(app.get_option_no_throw("--keep") != nullptr);
 }
 
-TEST_CASE("options: the schedule's name is its kind; an unknown name is one line naming schedule.name") {
+TEST_CASE("options: the schedule's name is its kind, recompute its mode; another word is one line naming the key") {
   const std::vector<std::string_view> names = schedule_names();
   REQUIRE(names.size() == 4);
   for (size_t i = 0; i < names.size(); ++i) {
     const ScheduleKind kind = static_cast<ScheduleKind>(i);
     CHECK(schedule_name(kind) == names[i]);
     CHECK(parse_schedule_kind(names[i]) == kind);
-    const ScheduleOptions o{.name = std::string(names[i])};
-    CHECK(o.kind() == kind);
+    const ScheduleOptions o{.kind = kind};
     CHECK(o.chunked() == (kind == ScheduleKind::seco || kind == ScheduleKind::spaco));
   }
+  const std::vector<std::string_view> modes = recompute_names();
+  REQUIRE(modes.size() == 4);
+  for (size_t i = 0; i < modes.size(); ++i) {
+    const RecomputeMode mode = static_cast<RecomputeMode>(i);
+    CHECK(recompute_name(mode) == modes[i]);
+    CHECK(parse_recompute_mode(modes[i]) == mode);
+  }
+  CHECK(recompute_name(RecomputeMode::automatic) == "auto");
+  // automatic resolves by the schedule: checkpointed recomputes every layer, the others keep everything.
+  CHECK(ScheduleOptions{.kind = ScheduleKind::checkpointed}.recompute_mode() == RecomputeMode::full);
+  CHECK(ScheduleOptions{.kind = ScheduleKind::seco}.recompute_mode() == RecomputeMode::none);
   CHECK_THROWS_WITH_AS(parse_schedule_kind("SeCO"),
                        doctest::Contains("schedule.name must be one of full | checkpointed | seco | spaco, got \"SeCO\""),
                        Error);
-  // The table's rule names the same four.
-  CHECK_THROWS_WITH_AS(ScheduleOptions{.name = "fast"}.validate(),
-                       doctest::Contains("schedule.name must be one of full | checkpointed | seco | spaco"), Error);
+  CHECK_THROWS_WITH_AS(parse_recompute_mode("partial"),
+                       doctest::Contains("schedule.recompute must be one of auto | full | selective | none, got "
+                                         "\"partial\""),
+                       Error);
+  // The table's rules list the same words, and every reader refuses another: TOML, --set, the flag.
+  struct Bad {
+    const char* key;
+    const char* flag;
+    const char* word;
+    const char* error;
+  };
+  for (const Bad& b : {Bad{"name", "--schedule", "fast", "schedule.name must be one of full | checkpointed | seco | "
+                                                         "spaco, got \"fast\""},
+                       Bad{"recompute", "--recompute", "partial", "schedule.recompute must be one of auto | full | "
+                                                                  "selective | none, got \"partial\""}}) {
+    INFO(b.key);
+    CHECK_THROWS_WITH_AS(RunConfig::from_toml(fmt::format("[schedule]\n{} = \"{}\"\n", b.key, b.word), "bad.toml"),
+                         doctest::Contains(b.error), Error);
+    RunConfig c = RunConfig::defaults();
+    CHECK_THROWS_WITH_AS(c.apply_override(fmt::format("schedule.{}={}", b.key, b.word)), doctest::Contains(b.error),
+                         Error);
+    ScheduleOptions parsed;
+    CLI::App app;
+    add_schedule_flags(app, parsed);
+    const auto parse_flag = [&] { app.parse(std::vector<std::string>{b.word, b.flag}); };  // argv reversed
+    CHECK_THROWS_WITH_AS(parse_flag(), doctest::Contains(b.error), Error);
+  }
 }
 
 TEST_CASE("options: chunk and offload_window take auto in TOML, --set and their flags, and dump it back") {
@@ -192,7 +230,7 @@ TEST_CASE("options: chunk and offload_window take auto in TOML, --set and their 
   full.apply_override("schedule.name=full");
   full.apply_override("schedule.chunk=auto");
   CHECK_THROWS_WITH_AS(full.validate(), doctest::Contains("seco and spaco"), Error);
-  ScheduleOptions unresolved{.name = "seco", .chunk = kAuto};
+  ScheduleOptions unresolved{.kind = ScheduleKind::seco, .chunk = kAuto};
   CHECK_THROWS_WITH_AS(Schedule::create(unresolved), doctest::Contains("planner"), Error);
 }
 
@@ -300,7 +338,7 @@ TEST_CASE("options: train's flags are applied after --config and --set; flags no
   CHECK(rc.train.device == "cpu");
   CHECK(rc.train.deterministic);
   CHECK(rc.train.steps == 5);
-  CHECK(rc.schedule.name == "seco");
+  CHECK(rc.schedule.kind == ScheduleKind::seco);
 }
 
 }  // namespace

@@ -173,13 +173,6 @@ std::vector<Frame> frames(const std::string& svg) {
   return out;
 }
 
-std::string read_file(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
 }  // namespace
 
 TEST_SUITE("plot") {
@@ -443,7 +436,7 @@ TEST_CASE("write_svg writes the rendered document atomically and names the file 
   const std::string path = dir.file("loss.svg");
   const cw::Chart chart = one_panel({cw::Series{"train", {0, 1, 2}, {3, 2, 1}, kBlue, false}});
   cw::write_svg(path, chart);
-  CHECK(read_file(path) == cw::render_svg(chart));
+  CHECK(cw::test::read_text(path) == cw::render_svg(chart));
   for (const auto& e : std::filesystem::directory_iterator(dir.path)) CHECK(e.path().filename() == "loss.svg");
   const std::string missing = dir.file("no/such/dir/chart.svg");
   CHECK_THROWS_WITH_AS(cw::write_svg(missing, chart), doctest::Contains(missing.c_str()), cw::Error);

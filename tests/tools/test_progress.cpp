@@ -50,14 +50,14 @@ TEST_CASE("progress: seco and spaco tell their hook every prefill and reverse-sw
     return calls;
   };
   ScheduleOptions seco;
-  seco.name = "seco";
+  seco.kind = ScheduleKind::seco;
   seco.chunk = 8;  // 5 chunks; the prefill stops before the last
   const std::vector<Call> expect_seco = {{"prefill", 1, 4},  {"prefill", 2, 4},  {"prefill", 3, 4},
                                          {"prefill", 4, 4},  {"backward", 1, 5}, {"backward", 2, 5},
                                          {"backward", 3, 5}, {"backward", 4, 5}, {"backward", 5, 5}};
   CHECK(run(seco) == expect_seco);
   ScheduleOptions spaco = seco;
-  spaco.name = "spaco";
+  spaco.kind = ScheduleKind::spaco;
   spaco.keep = 2;
   const std::vector<Call> got = run(spaco);
   REQUIRE(got.size() == 7);  // every prefill chunk (spaco reports every chunk's loss), 2 backwards
@@ -95,7 +95,7 @@ TEST_CASE("progress: quiet for short steps; in a log a line per interval; on a t
 TEST_CASE("progress: attach makes StepProgress the schedule's progress hook and keeps its other hooks") {
   TinyStep t(1, 24);
   ScheduleOptions o;
-  o.name = "seco";
+  o.kind = ScheduleKind::seco;
   o.chunk = 8;
   auto s = Schedule::create(o);
   int summed = 0;

@@ -43,10 +43,14 @@ std::string override_error(const std::string& assignment) {
   });
 }
 
+// The error of an assignment: from reading it (a word option takes no other word: schedule.name,
+// schedule.recompute), else from validate.
 std::string validate_error(const std::string& assignment) {
   RunConfig c = RunConfig::defaults();
-  c.apply_override(assignment);
-  return error_of([&] { c.validate(); });
+  return error_of([&] {
+    c.apply_override(assignment);
+    c.validate();
+  });
 }
 
 bool contains(const std::string& text, const std::string& part) {
@@ -63,7 +67,7 @@ TEST_CASE("run config: defaults are valid and convert to schedule options") {
   CHECK(c.optimizer.lr == 3e-3);
   CHECK_FALSE(c.model.tie_embeddings.has_value());
   const ScheduleOptions o = c.schedule_options();
-  CHECK(o.name == "seco");
+  CHECK(o.kind == ScheduleKind::seco);
   CHECK(o.chunk == 64);
   CHECK(o.scale_loss);
   CHECK_NOTHROW(o.validate());
@@ -109,7 +113,7 @@ TEST_CASE("run config: to_toml round-trips exactly") {
     c.optimizer.eps = 1e-300;
     c.optimizer.weight_decay = 1e20;
     c.optimizer.grad_clip = 3.0;
-    c.schedule.name = "spaco";
+    c.schedule.kind = ScheduleKind::spaco;
     c.schedule.keep = 3;
     c.schedule.relay_cap = 2.5;
     c.schedule.stratified = true;

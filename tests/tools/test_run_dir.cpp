@@ -21,14 +21,7 @@ namespace {
 namespace fs = std::filesystem;
 using cw::CheckpointRef;
 using cw::RunDirectory;
-
-std::string read_text(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  REQUIRE(in);
-  std::stringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
+using cw::test::read_text;
 
 void write_text(const fs::path& path, const std::string& text) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);

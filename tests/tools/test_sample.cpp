@@ -32,15 +32,12 @@ namespace {
 
 using test::contains;
 using test::error_of;
+using test::kSmolLm2Gguf;
+using test::read_text;
 using test::run_cli;
 
 namespace fs = std::filesystem;
 using Ids = std::vector<uint32_t>;
-
-std::string read_text(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  return {std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
-}
 
 nlohmann::json read_json(const fs::path& p) { return nlohmann::json::parse(read_text(p)); }
 
@@ -339,8 +336,6 @@ TEST_CASE("train: eval and sample before the first step (eval.at_start, sample.a
 }
 
 // ---- the real model, when its GGUF is in .models/ ----
-
-const fs::path kSmolLm2Gguf = fs::path(CW_SOURCE_ROOT) / ".models" / "SmolLM2-135M-Instruct.Q4_1.gguf";
 
 TEST_CASE("sample: SmolLM2's greedy continuations are HF transformers' (needs the SmolLM2 GGUF)" *
           doctest::skip(!fs::exists(kSmolLm2Gguf))) {

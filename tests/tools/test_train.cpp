@@ -86,11 +86,6 @@ bool stop_and_resume(const RunConfig& rc, const std::string& run_dir, int64_t st
   run_training(rc, part, log);
   return interrupted;
 }
-
-std::string file_bytes(const fs::path& p) {
-  std::ifstream f(p, std::ios::binary);
-  return std::string(std::istreambuf_iterator<char>(f), {});
-}
 }  // namespace
 
 TEST_CASE("train: a stopped and resumed run is bit-identical to an uninterrupted one") {
@@ -118,10 +113,10 @@ TEST_CASE("train: a stopped and resumed run is bit-identical to an uninterrupted
   REQUIRE(la.size() == 8);
   REQUIRE(lb.size() == 8);  // the metrics log holds each step once
   for (size_t i = 0; i < la.size(); ++i) CHECK(la[i] == lb[i]);  // exactly, not approximately
-  CHECK(file_bytes(fs::path(straight.run_dir) / "step-000008" / "model.safetensors") ==
-        file_bytes(fs::path(second.run_dir) / "step-000008" / "model.safetensors"));
-  CHECK(file_bytes(fs::path(straight.run_dir) / "step-000008" / "optimizer.safetensors") ==
-        file_bytes(fs::path(second.run_dir) / "step-000008" / "optimizer.safetensors"));
+  CHECK(test::read_text(fs::path(straight.run_dir) / "step-000008" / "model.safetensors") ==
+        test::read_text(fs::path(second.run_dir) / "step-000008" / "model.safetensors"));
+  CHECK(test::read_text(fs::path(straight.run_dir) / "step-000008" / "optimizer.safetensors") ==
+        test::read_text(fs::path(second.run_dir) / "step-000008" / "optimizer.safetensors"));
   CHECK(fs::exists(fs::path(straight.run_dir) / "loss.svg"));
   CHECK(fs::exists(fs::path(straight.run_dir) / "config.toml"));
   CHECK(la.back() < la.front());  // it learns something
@@ -151,8 +146,8 @@ TEST_CASE("train with optimizer.offload: the bits of the run without it; each re
   REQUIRE(lb.size() == 6);
   for (size_t i = 0; i < la.size(); ++i) CHECK(la[i] == lb[i]);
   for (const char* file : {"model.safetensors", "optimizer.safetensors"})
-    CHECK_MESSAGE(file_bytes(fs::path(plain.run_dir) / "step-000006" / file) ==
-                      file_bytes(fs::path(second.run_dir) / "step-000006" / file),
+    CHECK_MESSAGE(test::read_text(fs::path(plain.run_dir) / "step-000006" / file) ==
+                      test::read_text(fs::path(second.run_dir) / "step-000006" / file),
                   file);
 
   // Data parallel ranks (threads) each with the whole state offloaded: the bits of the plain ranks;
@@ -167,8 +162,8 @@ TEST_CASE("train with optimizer.offload: the bits of the run without it; each re
   ranks.optimizer.offload = true;
   run_training(ranks, dp_off, log);
   CHECK(logged_losses(dp_off.run_dir) == logged_losses(dp_plain.run_dir));
-  CHECK(file_bytes(fs::path(dp_off.run_dir) / "step-000003" / "model.safetensors") ==
-        file_bytes(fs::path(dp_plain.run_dir) / "step-000003" / "model.safetensors"));
+  CHECK(test::read_text(fs::path(dp_off.run_dir) / "step-000003" / "model.safetensors") ==
+        test::read_text(fs::path(dp_plain.run_dir) / "step-000003" / "model.safetensors"));
   ranks.parallel.zero = 1;
   TrainOptions dp_zero;
   dp_zero.run_dir = fx.dir.file("dp-zero-offloaded");
@@ -255,10 +250,10 @@ TEST_CASE("gradient accumulation equals one large batch (f64, 1e-12)") {
   const Batch big = causal_lm_batch(ids, 4, T);
   const Batch half1 = causal_lm_batch(std::vector<int32_t>(ids.begin(), ids.begin() + 2 * T), 2, T);
   const Batch half2 = causal_lm_batch(std::vector<int32_t>(ids.begin() + 2 * T, ids.end()), 2, T);
-  for (const char* name : {"full", "seco"}) {
+  for (const ScheduleKind kind : {ScheduleKind::full, ScheduleKind::seco}) {
     ScheduleOptions so;
-    so.name = name;
-    so.chunk = name == std::string("seco") ? 5 : 0;
+    so.kind = kind;
+    so.chunk = kind == ScheduleKind::seco ? 5 : 0;
     auto s = Schedule::create(so);
     ParamSet g_big(cfg, DType::f64), g_acc(cfg, DType::f64);
     const double l_big = s->step(model, big, g_big).loss;
@@ -338,7 +333,7 @@ TEST_CASE("train: SIGINT finishes the step, saves, and exits with the distinct c
 TEST_CASE("train --trace: a Chrome trace of the first step, every micro-batch's chunks in it") {
   Fixture fx;
   RunConfig rc = fx.config(2);
-  rc.schedule.name = "seco";
+  rc.schedule.kind = ScheduleKind::seco;
   rc.schedule.offload_window = 1;
   rc.eval.every = 0;
   rc.checkpoint.every = 0;
@@ -410,7 +405,7 @@ TEST_CASE("train data parallel: 2 ranks (threads) equal one process with twice t
   REQUIRE(lr.size() == 4);
   for (size_t i = 0; i < lz.size(); ++i) CHECK(lr[i] == lz[i]);
   for (const char* file : {"model.safetensors", "optimizer-rank-00000.safetensors", "optimizer-rank-00001.safetensors"})
-    CHECK(file_bytes(last_checkpoint / file) == file_bytes(fs::path(part.run_dir) / "step-000004" / file));
+    CHECK(test::read_text(last_checkpoint / file) == test::read_text(fs::path(part.run_dir) / "step-000004" / file));
 
   // A sharded state resumes only on its layout.
   part.resume = true;
@@ -463,8 +458,8 @@ TEST_CASE("train with LoRA: checkpoints hold PEFT's files; stop and resume is bi
   REQUIRE(lb.size() == 6);
   for (size_t i = 0; i < la.size(); ++i) CHECK(la[i] == lb[i]);  // dropout masks and all, exactly
   const fs::path other = fs::path(second.run_dir) / "step-000006";
-  CHECK(file_bytes(last / "adapter_model.safetensors") == file_bytes(other / "adapter_model.safetensors"));
-  CHECK(file_bytes(last / "optimizer.safetensors") == file_bytes(other / "optimizer.safetensors"));
+  CHECK(test::read_text(last / "adapter_model.safetensors") == test::read_text(other / "adapter_model.safetensors"));
+  CHECK(test::read_text(last / "optimizer.safetensors") == test::read_text(other / "optimizer.safetensors"));
 
   // The run's sample loads the base from run.toml's model.source and the adapters from the checkpoint.
   SampleOptions so;
@@ -579,8 +574,8 @@ TEST_CASE("train with LoRA, data and tensor parallelism: TP 2 and DP 2 x TP 2 wi
   part.run_dir = fx.dir.file("lora-tp-resumed");
   CHECK(stop_and_resume(rc, part.run_dir, 2, log));
   CHECK(logged_losses(part.run_dir) == logged_losses(straight.run_dir));
-  CHECK(file_bytes(fs::path(part.run_dir) / "step-000004" / "adapter_model.safetensors") ==
-        file_bytes(fs::path(straight.run_dir) / "step-000004" / "adapter_model.safetensors"));
+  CHECK(test::read_text(fs::path(part.run_dir) / "step-000004" / "adapter_model.safetensors") ==
+        test::read_text(fs::path(straight.run_dir) / "step-000004" / "adapter_model.safetensors"));
 }
 
 TEST_CASE("train tensor parallel: TP 2 and DP 2 x TP 2 (threads) equal one process; their checkpoints resume bit-identically") {
@@ -661,7 +656,7 @@ TEST_CASE("train tensor parallel: TP 2 and DP 2 x TP 2 (threads) equal one proce
                            "optimizer-rank-00002.safetensors", "optimizer-rank-00003.safetensors"}) {
     CAPTURE(file);
     CHECK(fs::exists(straight_last / file));
-    CHECK(file_bytes(straight_last / file) == file_bytes(resumed_last / file));
+    CHECK(test::read_text(straight_last / file) == test::read_text(resumed_last / file));
   }
 
   // TP 2 without ZeRO: the same, from the TP shards' optimizer files.
@@ -676,7 +671,7 @@ TEST_CASE("train tensor parallel: TP 2 and DP 2 x TP 2 (threads) equal one proce
   REQUIRE(b.size() == 4);
   for (size_t i = 0; i < a.size(); ++i) CHECK(a[i] == b[i]);
   for (const char* file : {"model.safetensors", "optimizer-tp-00000.safetensors", "optimizer-tp-00001.safetensors"})
-    CHECK(file_bytes(fs::path(o.run_dir) / "step-000004" / file) == file_bytes(fs::path(part.run_dir) / "step-000004" / file));
+    CHECK(test::read_text(fs::path(o.run_dir) / "step-000004" / file) == test::read_text(fs::path(part.run_dir) / "step-000004" / file));
 
   // A checkpoint split by TP shards resumes only on its tp; a tp that does not divide the heads is
   // refused before anything runs.

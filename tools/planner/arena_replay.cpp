@@ -519,12 +519,12 @@ StepArena replay_step_arena(const StepArenaInputs& in) {
     const std::vector<int64_t> sweep = chunk_bounds(T, o.bwd_chunk > 0 ? o.bwd_chunk : o.chunk);
     // The prefill (optim/seco.cpp, spaco.cpp): seco's stops where its last reverse chunk starts,
     // unless it saves layer inputs; spaco's runs all T (it reports every chunk's loss).
-    const int64_t until = o.kind() == ScheduleKind::seco && !o.save_inputs ? sweep[sweep.size() - 2] : T;
+    const int64_t until = o.kind == ScheduleKind::seco && !o.save_inputs ? sweep[sweep.size() - 2] : T;
     const std::vector<int64_t> prefill = until > 0 ? chunk_bounds(until, o.chunk) : std::vector<int64_t>{};
     for (size_t i = 0; i + 1 < prefill.size(); ++i) {
       const Chunk s = chunk(prefill[i], prefill[i + 1]);
       take(form_of(ChunkKind::prefill, s, false), span_of(s, false),
-           [&] { return prefill_chunk(s, o.mlp_shards, o.kind() == ScheduleKind::spaco); });
+           [&] { return prefill_chunk(s, o.mlp_shards, o.kind == ScheduleKind::spaco); });
     }
     for (size_t i = sweep.size() - 1; i-- > 0;) {
       const int64_t t0 = sweep[i], t1 = sweep[i + 1];

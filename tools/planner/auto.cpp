@@ -168,8 +168,9 @@ ScheduleOptions resolve_auto_schedule(const LlamaConfig& cf, int64_t B, int64_t 
   // store is offloaded. Saved attention outputs (save_attention, unless already asked for) spare the
   // reverse sweep its attention forward for store memory. Each alternative that costs memory or
   // recomputes more must be clearly (1%) faster than the one before it.
-  std::vector<std::string> modes{o.recompute};
-  if (o.recompute == "auto") modes = {"none", "selective", "full"};
+  std::vector<RecomputeMode> modes{o.recompute};
+  if (o.recompute == RecomputeMode::automatic)
+    modes = {RecomputeMode::none, RecomputeMode::selective, RecomputeMode::full};
   // Casting the blocks from the master as they run (cast_layers, where it applies) frees their
   // resident copy for a cast per block use.
   std::vector<bool> saves{o.save_attention};
@@ -186,9 +187,9 @@ ScheduleOptions resolve_auto_schedule(const LlamaConfig& cf, int64_t B, int64_t 
   for (const bool cast : casts) {
     for (const bool save : saves) {
       for (const bool in : inputs) {
-        for (const std::string& mode : modes) {
+        for (const RecomputeMode mode : modes) {
           // With saved inputs every layer is recomputed from its input: none and full are the same.
-          if (in && mode == "full" && o.recompute == "auto") continue;
+          if (in && mode == RecomputeMode::full && o.recompute == RecomputeMode::automatic) continue;
           ScheduleOptions m = o;
           m.recompute = mode;
           m.save_attention = save;

@@ -16,9 +16,9 @@ constexpr double kDefaultDeviceGib = 80;
 }  // namespace
 
 std::string describe_schedule(const ScheduleOptions& o) {
-  std::string s = o.name;
-  if (o.kind() == ScheduleKind::checkpointed || o.recompute_mode() != "none")
-    s += " recompute " + o.recompute_mode() + (o.offload ? " offload" : "");
+  std::string s(schedule_name(o.kind));
+  if (o.kind == ScheduleKind::checkpointed || o.recompute_mode() != RecomputeMode::none)
+    s += fmt::format(" recompute {}{}", recompute_name(o.recompute_mode()), o.offload ? " offload" : "");
   if (chunked(o)) s += fmt::format(" chunk {} bwd-chunk {}", o.chunk, o.bwd_chunk > 0 ? o.bwd_chunk : o.chunk);
   if (o.mlp_shards != 1) s += fmt::format(" mlp-shards {}", o.mlp_shards);
   if (o.offload_window > 0) s += fmt::format(" offload-window {}", o.offload_window);
@@ -44,8 +44,6 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
   else
     CW_CHECK(dtype == DType::bf16 || dtype == DType::f32, "plan: --dtype {} (the GPU trains in bf16 or f32)",
              dtype_name(dtype));
-  CW_CHECK(o.kind() == ScheduleKind::full || o.kind() == ScheduleKind::checkpointed || chunked(o),
-           "plan: --schedule {} (want full | checkpointed | seco | spaco)", o.name);
   const int64_t L = cf.num_hidden_layers;
   CW_CHECK(o.offload_window >= 0 && o.offload_window <= L, "plan: --offload-window {} outside [0, {}] layers",
            o.offload_window, L);
@@ -71,7 +69,7 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
   // The prefill's tokens: seco's stops where its last reverse chunk starts (optim/seco.cpp) unless it
   // saves layer inputs; spaco's runs all T (it reports every chunk's loss).
   const int64_t last_reverse_chunk = (T + r.bwd_chunk - 1) / r.bwd_chunk * r.bwd_chunk - r.bwd_chunk;
-  const int64_t prefill_end = o.kind() == ScheduleKind::seco && !inputs ? last_reverse_chunk : chunked(o) ? T : 0;
+  const int64_t prefill_end = o.kind == ScheduleKind::seco && !inputs ? last_reverse_chunk : chunked(o) ? T : 0;
   const bool windowed = chunked(o) && o.offload_window > 0 && o.offload_window < L;
   const StepPlan s{cf,
                    B,
@@ -116,7 +114,7 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
                                "(--optimizer-offload)"
                              : "lower --chunk / --bwd-chunk (activations grow with it), set --offload-window to keep "
                                "only that many layers of the K/V store on the device, or --stream-kv to keep none";
-    else if (o.kind() == ScheduleKind::full)
+    else if (o.kind == ScheduleKind::full)
       r.advice = "use --schedule checkpointed (--recompute selective) or seco with --chunk 4096";
     else
       r.advice = "use --schedule seco with --chunk 4096 (activations O(chunk) instead of O(T))";

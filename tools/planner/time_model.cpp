@@ -125,7 +125,7 @@ void plan_time(const StepPlan& s, PlanReport& r) {
   const ActivationPolicy policy = activation_policy(o, s.lora);
   // Passes of the layers' work over the reverse tokens (spaco visits keep of k chunks).
   double reverse = 1;
-  if (o.kind() == ScheduleKind::spaco && o.keep > 0) {
+  if (o.kind == ScheduleKind::spaco && o.keep > 0) {
     const double k = std::ceil(double(T) / double(s.bwd_chunk));
     reverse = std::min(1.0, double(o.keep) / k);
   }
@@ -163,7 +163,7 @@ void plan_time(const StepPlan& s, PlanReport& r) {
   else
     matmul -= tokens * reverse * extra_forward * double(L) * mlp_down;
   // The fused LM head: logits, dX and dW over the reverse tokens; spaco's prefill also takes the loss.
-  const double spaco = o.kind() == ScheduleKind::spaco ? 1 : 0;
+  const double spaco = o.kind == ScheduleKind::spaco ? 1 : 0;
   const double head = 2.0 * double(V * C) * tokens * ((1 + backward) * reverse + spaco);
   // Attention: 4 H D flops per (query, key) pair and layer forward, 2.5x that backward; a pair is a
   // query and a key of its own document (the query's causal prefix when there are no documents).

@@ -205,14 +205,17 @@ std::string shown(std::string_view s) {
 
 // What a field takes, for "must be ..." messages.
 std::string_view expected(const Target& target) {
-  switch (target.index()) {
-    case 0: return "an integer";
-    case 1: return "a non-negative integer";
-    case 2: return "a number";
-    case 3: case 4: return "true or false";
-    case 5: return "a string";
-    default: return "a list of strings";
-  }
+  return std::visit(
+      [](auto* p) -> std::string_view {
+        using T = std::remove_pointer_t<decltype(p)>;
+        if constexpr (std::is_same_v<T, int64_t>) return "an integer";
+        else if constexpr (std::is_same_v<T, uint64_t>) return "a non-negative integer";
+        else if constexpr (std::is_same_v<T, double>) return "a number";
+        else if constexpr (std::is_same_v<T, bool> || std::is_same_v<T, std::optional<bool>>) return "true or false";
+        else if constexpr (std::is_same_v<T, std::string> || std::is_enum_v<T>) return "a string";
+        else return "a list of strings";
+      },
+      target);
 }
 
 // An example assignment for the hint: the default value, or a made-up one where the default is
@@ -223,8 +226,8 @@ std::string example(const Field& f) {
     if (s.section == f.section && s.key == f.key) d = &s;
   std::optional<std::string> v = d ? toml_value(*d) : std::nullopt;
   if (!v || *v == "\"\"" || *v == "[]") {
-    if (f.target.index() == 4) v = "true";
-    else if (f.target.index() == 6) v = "[\"data/train_*.bin\"]";
+    if (std::holds_alternative<std::optional<bool>*>(f.target)) v = "true";
+    else if (std::holds_alternative<std::vector<std::string>*>(f.target)) v = "[\"data/train_*.bin\"]";
     else v = "\"runs/example\"";
   }
   return fmt::format("e.g. {} = {}", f.key, *v);
@@ -302,6 +305,10 @@ void assign(const Field& f, const toml::node& node, const std::string& where) {
           const auto* s = node.as_string();
           if (!s) wrong_type(f, node, where);
           *p = s->get();
+        } else if constexpr (std::is_enum_v<T>) {
+          const auto* s = node.as_string();
+          if (!s) wrong_type(f, node, where);
+          read_option_word(s->get(), *p);
         } else {
           const auto* a = node.as_array();
           if (!a) wrong_type(f, node, where);
@@ -474,14 +481,19 @@ void RunConfig::apply_override(const std::string& assignment) {
   const std::optional<toml::table> parsed = parse_value(raw);
   const toml::node* node = parsed ? parsed->get("v") : nullptr;
   const bool quoted_or_list = !raw.empty() && (raw[0] == '"' || raw[0] == '\'' || raw[0] == '[');
-  if (auto* s = std::get_if<std::string*>(&f.target)) {
-    // A path or a name given bare on the command line is the string itself.
-    if (node && node->is_string()) **s = node->as_string()->get();
-    else if (quoted_or_list)
+  // A path or a name given bare on the command line is the string itself (a word option's word too).
+  const auto text = [&]() -> std::string {
+    if (node && node->is_string()) return node->as_string()->get();
+    if (quoted_or_list)
       fail(fmt::format("{}: {} is not a valid TOML string: {}", where, f.name(), shown(raw)), example(f));
-    else **s = raw;
+    return raw;
+  };
+  if (auto* s = std::get_if<std::string*>(&f.target)) {
+    **s = text();
     return;
   }
+  if (auto* kind = std::get_if<ScheduleKind*>(&f.target)) return read_option_word(text(), **kind);
+  if (auto* mode = std::get_if<RecomputeMode*>(&f.target)) return read_option_word(text(), **mode);
   if (auto* list = std::get_if<std::vector<std::string>*>(&f.target)) {
     if (node && node->is_array()) assign(f, *node, where);
     else if (node && node->is_string()) **list = {node->as_string()->get()};
@@ -645,6 +657,7 @@ nlohmann::json RunConfig::to_json() const {
           using T = std::remove_pointer_t<decltype(p)>;
           if constexpr (std::is_same_v<T, std::optional<bool>>)
             slot = p->has_value() ? nlohmann::json(**p) : nlohmann::json(nullptr);
+          else if constexpr (std::is_enum_v<T>) slot = std::string(option_word(*p));
           else slot = *p;
         },
         f.target);

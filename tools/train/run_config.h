@@ -137,7 +137,7 @@ struct RunConfig {
   LoraConfig lora;
   Data data;
   // [schedule]: ScheduleOptions (optim/schedule.h), with the two defaults a training run changes.
-  ScheduleOptions schedule{.name = "seco", .chunk = 64};
+  ScheduleOptions schedule{.kind = ScheduleKind::seco, .chunk = 64};
   // [parallel]: ParallelOptions (optim/options.h): data-parallel ranks, ZeRO, buckets; tensor parallelism.
   ParallelOptions parallel;
   Optimizer optimizer;

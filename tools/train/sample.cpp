@@ -105,12 +105,12 @@ std::string read_prompt_file(const std::string& path) {
   return {std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
 }
 
-Decoder::Decoder(const LlamaModel& model, int64_t capacity)
+Decoder::Decoder(LlamaModel& model, int64_t capacity)
     : model_(model),
       kv_(model.config(), 1, capacity, model.dtype(), {.device = model.device()}),
       arena_(model.device()) {
   // The RoPE tables are the model's cache of positions, grown for the longest sequence asked.
-  const_cast<LlamaModel&>(model).ensure_positions(capacity);
+  model.ensure_positions(capacity);
 }
 
 std::vector<double> Decoder::feed(std::span<const uint32_t> ids, int64_t chunk) {
@@ -144,11 +144,11 @@ std::vector<double> Decoder::feed(std::span<const uint32_t> ids, int64_t chunk) 
   return last;
 }
 
-Generation generate(const LlamaModel& model, const Tokenizer& tokenizer, const SampleOptions& o) {
+Generation generate(LlamaModel& model, const Tokenizer& tokenizer, const SampleOptions& o) {
   return generate_from_ids(model, tokenizer, prompt_ids(tokenizer, o), o);
 }
 
-Generation generate_from_ids(const LlamaModel& model, const Tokenizer& tokenizer, std::vector<uint32_t> prompt,
+Generation generate_from_ids(LlamaModel& model, const Tokenizer& tokenizer, std::vector<uint32_t> prompt,
                              const SampleOptions& o) {
   const LlamaConfig& cf = model.config();
   // The callers check the pair with check_tokenizer_fits_model, naming both; here it is an invariant.

@@ -46,10 +46,11 @@ std::string read_prompt_file(const std::string& path);
 // One sequence's decoding state: the model's K/V store for up to `capacity` tokens, filled as ids are
 // fed at the next positions. feed runs the ids in chunks of at most `chunk` tokens (0: one chunk),
 // each attending the store the chunks before it filled, and returns the logits of the last id fed
-// (V values, f64, on the host). The model must outlive the decoder.
+// (V values, f64, on the host). The model must outlive the decoder; its RoPE tables grow to
+// `capacity` positions (LlamaModel::ensure_positions), the model's cache of positions.
 class Decoder {
  public:
-  Decoder(const LlamaModel& model, int64_t capacity);
+  Decoder(LlamaModel& model, int64_t capacity);
   std::vector<double> feed(std::span<const uint32_t> ids, int64_t chunk);
   int64_t position() const { return position_; }  // ids fed so far
 
@@ -74,11 +75,12 @@ struct Generation {
   std::string text;                 // the new ids decoded (BPE: invalid UTF-8 replaced, as HF decodes)
 };
 
-// The caller has checked that the tokenizer fits the model (check_tokenizer_fits_model).
-Generation generate(const LlamaModel& model, const Tokenizer& tokenizer, const SampleOptions& options);
+// The caller has checked that the tokenizer fits the model (check_tokenizer_fits_model). The model's
+// RoPE tables grow to the prompt and the new tokens (Decoder).
+Generation generate(LlamaModel& model, const Tokenizer& tokenizer, const SampleOptions& options);
 // The same from prompt ids made by the caller (options.prompt is not read; options.chat only adds
 // <|im_end|> to the stop ids).
-Generation generate_from_ids(const LlamaModel& model, const Tokenizer& tokenizer, std::vector<uint32_t> prompt,
+Generation generate_from_ids(LlamaModel& model, const Tokenizer& tokenizer, std::vector<uint32_t> prompt,
                              const SampleOptions& options);
 
 // `chunkwise sample --run DIR [--step N]`: the checkpoint (latest complete, or step N) with the

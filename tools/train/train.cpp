@@ -4,7 +4,6 @@
 #include "engine/residency.h"
 #include "engine/trace.h"
 #include "model/checkpoint.h"
-#include "model/gguf_llama.h"
 #include "model/lora.h"
 #include "optim/adamw.h"
 #include "optim/lr_schedule.h"
@@ -25,6 +24,7 @@
 #include "tools/model_io.h"
 #include "tools/planner/planner.h"
 #include "tools/plot.h"
+#include "tools/train/rank_weights.h"
 #include "tools/train/run_dir.h"
 #include "tools/train/sample.h"
 
@@ -72,13 +72,6 @@ struct SignalGuard {
   }
 };
 
-// The optimizer files of a checkpoint: one process's whole AdamW state; with ZeRO world rank w's
-// shard of it; without ZeRO but with tensor parallelism TP rank t's (the moments of its TP shard, the
-// same on every replica).
-constexpr const char* kOptimizerFile = "optimizer.safetensors";
-std::string optimizer_shard_file(int world_rank) { return fmt::format("optimizer-rank-{:05}.safetensors", world_rank); }
-std::string optimizer_tp_file(int tp_rank) { return fmt::format("optimizer-tp-{:05}.safetensors", tp_rank); }
-
 // `batch` with rows of token 0 and no labels appended up to `rows` rows: the loss and the supervised
 // count are the batch's.
 Batch with_unlabelled_rows(const Batch& batch, int64_t rows) {
@@ -95,117 +88,6 @@ Batch with_unlabelled_rows(const Batch& batch, int64_t rows) {
   return padded;
 }
 
-// This rank's place in a parallel run; all null for one process.
-struct RankGroups {
-  Communicator* world = nullptr;  // every rank: barriers, the agreed stop
-  ParallelGrid* grid = nullptr;   // its TP and DP groups
-  DataParallel* dp = nullptr;     // the gradient reduction and the optimizer over the DP group
-  TensorParallel* tp = nullptr;   // tp > 1: the rank's tensor-parallel group, the model's
-
-  int world_rank() const { return world ? world->rank() : 0; }
-  int world_size() const { return world ? world->size() : 1; }
-  int tp_rank() const { return grid ? grid->tp_rank() : 0; }
-  int tp_size() const { return grid ? grid->tp_size() : 1; }
-  bool lead() const { return world_rank() == 0; }  // prints, logs and writes the shared files
-  // The first replica's TP ranks: they hold the model together, so they evaluate, assemble the whole
-  // weights and sample together (collectives of their TP group).
-  bool first_replica() const { return !grid || grid->dp_rank() == 0; }
-  int zero() const { return dp ? dp->zero() : 0; }
-
-  // The optimizer file this rank writes into a checkpoint and reads on resume; "" when it writes none.
-  std::string optimizer_file() const { return optimizer_file_of(world_rank()); }
-  std::string optimizer_file_of(int w) const {
-    if (zero() > 0) return optimizer_shard_file(w);
-    if (tp_size() > 1) return w < tp_size() ? optimizer_tp_file(w) : "";  // replica 0's TP ranks: w = t
-    return w == 0 ? kOptimizerFile : "";
-  }
-  // Which file this rank reads on resume (zero 0 with TP: its TP shard's, whoever wrote it).
-  std::string optimizer_file_to_read() const {
-    if (zero() == 0 && tp_size() > 1) return optimizer_tp_file(tp_rank());
-    return zero() > 0 ? optimizer_shard_file(world_rank()) : kOptimizerFile;
-  }
-};
-
-// A whole model's master weights in host memory: the state's own set where it lives there already
-// (the CPU, an offloaded optimizer: no copy of an 8B model's 32 GB), else a host copy.
-class HostWeights {
- public:
-  HostWeights() = default;
-  static HostWeights borrowed(const ParamSet& own) {
-    HostWeights w;
-    w.set_ = &own;
-    return w;
-  }
-  static HostWeights owned(ParamSet&& copy) {
-    HostWeights w;
-    w.copy_.emplace(std::move(copy));
-    w.set_ = &*w.copy_;
-    return w;
-  }
-  HostWeights(HostWeights&& other) noexcept
-      : copy_(std::move(other.copy_)), set_(copy_ ? &*copy_ : other.set_) {}
-  HostWeights& operator=(HostWeights&&) = delete;
-  explicit operator bool() const { return set_ != nullptr; }
-  const ParamSet& operator*() const { return *set_; }
-
- private:
-  std::optional<ParamSet> copy_;
-  const ParamSet* set_ = nullptr;
-};
-
-// The whole model's master weights on the host: with tensor parallelism assembled from the TP group's
-// shards (a collective of the first replica's TP ranks; the other replicas get nothing), else rank
-// 0's own (the other ranks get nothing).
-HostWeights whole_master(TrainingState& state, const LlamaConfig& full_config, const RankGroups& g) {
-  if (!g.tp) {
-    if (!g.lead()) return {};
-    if (state.master().device().is_cpu()) return HostWeights::borrowed(state.master());
-    return HostWeights::owned(state.master_on_host());
-  }
-  if (!g.first_replica()) return {};
-  ParamSet full = state.lora() ? ParamSet(full_config, lora_parameter_table(full_config, state.model().lora()),
-                                          state.master_dtype())
-                               : ParamSet(full_config, state.master_dtype());
-  gather_parameters(full, state.master(), g.tp->communicator());
-  return HostWeights::owned(std::move(full));
-}
-
-// Under LoRA, the whole frozen base on the host (for a sample): with tensor parallelism gathered from
-// the TP group's shards (a collective of the first replica's TP ranks), else rank 0's own.
-std::optional<ParamSet> whole_base(TrainingState& state, const LlamaConfig& full_config, const RankGroups& g) {
-  const DType dtype = accum_dtype(state.model().dtype());
-  if (!g.tp) return g.lead() ? std::optional<ParamSet>(state.base_on_host(dtype)) : std::nullopt;
-  if (!g.first_replica()) return std::nullopt;
-  ParamSet full(full_config, dtype);
-  gather_parameters(full, state.model().params(), g.tp->communicator());
-  return full;
-}
-
-// This TP rank's shard (the table of `shard_like`) of the whole model's `full` (host).
-ParamSet tp_part(const ParamSet& full, const ParamSet& shard_like, const RankGroups& g) {
-  ParamSet part = ParamSet::like(shard_like, full.dtype(), Device::host());
-  shard_parameters(part, full, g.tp_rank(), g.tp_size());
-  return part;
-}
-
-// The whole model's master weights (host; under LoRA the whole model's adapters) into this rank's
-// state: its TP shard of them with tensor parallelism.
-void load_whole_master(TrainingState& state, const ParamSet& full, const RankGroups& g) {
-  if (!g.tp) return state.load_master(full);
-  state.load_master(tp_part(full, state.master(), g));
-}
-
-// Under LoRA: the whole model's base weights (host) into this rank's frozen compute weights.
-void load_whole_base(TrainingState& state, const ParamSet& full, const RankGroups& g) {
-  if (!g.tp) return state.load_base(full);
-  state.load_base(tp_part(full, state.model().params(), g));
-}
-
-// The adapters' table of the whole model, in `dtype`, on the host.
-ParamSet whole_adapters_like(const TrainingState& state, const LlamaConfig& full_config, DType dtype) {
-  return ParamSet(full_config, lora_parameter_table(full_config, state.model().lora()), dtype);
-}
-
 double rss_mib() {
   std::ifstream f("/proc/self/statm");
   long pages = 0, resident = 0;
@@ -216,39 +98,6 @@ double rss_mib() {
 std::string human_bytes(double b) {
   if (b >= double(1ull << 30)) return fmt::format("{:.2f} GiB", b / double(1ull << 30));
   return fmt::format("{:.1f} MiB", b / double(1 << 20));
-}
-
-// Loads a checkpoint's weights (any stored dtype), or a GGUF file's (dequantized), as the run's
-// base weights: its master weights (the rank's TP shard of them), or under LoRA its frozen compute
-// weights.
-void load_base_from(TrainingState& state, const LlamaConfig& full_config, const std::string& source,
-                    const RankGroups& g) {
-  ParamSet host(full_config, state.lora() ? accum_dtype(state.model().dtype()) : state.master_dtype());
-  if (is_gguf_file(source))
-    load_gguf_weights(host, GgufReader(source));
-  else
-    load_checkpoint_weights(host, source);
-  if (state.lora())
-    load_whole_base(state, host, g);
-  else
-    load_whole_master(state, host, g);
-}
-
-// LoRA: the adapters of a PEFT directory (a checkpoint of this run, or model.adapter) as the master
-// weights. Its adapter_config.json must describe the run's adapters.
-void load_adapter_from(TrainingState& state, const LlamaConfig& full_config, const std::string& dir,
-                       const RankGroups& g) {
-  const LoraConfig file = read_peft_config(dir);
-  const LoraConfig& run = state.model().lora();
-  if (file.rank != run.rank || file.alpha != run.alpha || file.target_roles() != run.target_roles())
-    fail(fmt::format("{}/adapter_config.json: r {}, lora_alpha {}, target_modules {} but the run has lora.rank {}, "
-                     "lora.alpha {}, lora.targets {}",
-                     dir, file.rank, file.alpha, fmt::join(file.target_names(), ","), run.rank, run.alpha,
-                     fmt::join(run.target_names(), ",")),
-         "give the adapter's own r, alpha and targets in [lora] (or lora.rank = 0 to take them from the file)");
-  ParamSet host = whole_adapters_like(state, full_config, state.master_dtype());
-  load_peft_adapter(host, dir);
-  load_whole_master(state, host, g);
 }
 
 std::vector<std::string> resolve_demo(const std::vector<std::string>& specs) {
@@ -390,112 +239,6 @@ AdamWOptions adamw_options(const RunConfig& rc) {
   return aopt;
 }
 
-// Where the loop starts: step 0, or the resumed checkpoint's step and token count.
-struct Progress {
-  int64_t step = 0;
-  int64_t tokens_seen = 0;
-};
-
-// Resume from the run directory's latest complete checkpoint (weights, optimizer moments, step,
-// sampler position, metrics truncated after it), or load the model.source checkpoint, or initialise.
-// In a parallel run every rank reads the same checkpoint (the whole weights, state.json), takes its
-// TP shard of the weights, and reads its own optimizer file; rank 0 alone truncates the metrics.
-// A random initialisation with tensor parallelism draws the whole model and shards it, so the run
-// starts from the weights one process starts from.
-// Under LoRA the base always comes from model.source (a checkpoint, a GGUF file, or the seeded random
-// initialisation of a preset or config), frozen; the adapters from the checkpoint (PEFT files), else
-// model.adapter, else PEFT's initialisation from lora.seed.
-Progress resume_or_initialise(const RunConfig& rc, const LlamaConfig& full_config, bool resume, RunDirectory& run_dir,
-                              const std::string& run_path, const std::string& metrics_path, TrainingState& state,
-                              WindowSampler& sampler, const RankGroups& g, std::ostream& out) {
-  Progress p;
-  const bool lora = state.lora();
-  const bool source_has_weights =
-      is_gguf_file(rc.model.source) ||
-      (fs::is_directory(rc.model.source) && fs::exists(fs::path(rc.model.source) / "config.json") &&
-       (fs::exists(fs::path(rc.model.source) / "model.safetensors") ||
-        fs::exists(fs::path(rc.model.source) / "model.safetensors.index.json")));
-  if (lora) {
-    // With tensor parallelism the seeded base and adapters are drawn whole (in f64, as the draws of
-    // one process are) and sharded, so the run starts where one process starts.
-    if (source_has_weights) {
-      load_base_from(state, full_config, rc.model.source, g);
-    } else if (g.tp) {
-      ParamSet full(full_config, DType::f64);
-      init_parameters(full, rc.model.init_seed, full_config.initializer_range);
-      load_whole_base(state, full, g);
-    } else {
-      state.init(rc.model.init_seed, state.model().config().initializer_range);
-    }
-    if (!resume) {
-      if (!rc.model.adapter.empty()) {
-        load_adapter_from(state, full_config, rc.model.adapter, g);
-      } else if (g.tp) {
-        ParamSet full = whole_adapters_like(state, full_config, DType::f64);
-        init_lora_parameters(full, state.model().lora().seed);
-        load_whole_master(state, full, g);
-      } else {
-        state.init_adapters();
-      }
-    }
-  }
-  if (resume) {
-    std::vector<std::string> skipped;
-    const auto ref = run_dir.latest_complete(&skipped);
-    for (const auto& s : skipped) out << "resume: skipped " << s << "\n";
-    if (!ref)
-      fail(fmt::format("--resume: no complete checkpoint in '{}'", run_path),
-           "start without --resume, or point --run-dir at the run to continue");
-    if (lora) load_adapter_from(state, full_config, ref->path, g);
-    else load_base_from(state, full_config, ref->path, g);
-    std::ifstream sf(fs::path(ref->path) / "state.json");
-    nlohmann::json saved;
-    try {
-      saved = nlohmann::json::parse(sf);
-    } catch (const nlohmann::json::exception& e) {
-      fail(fmt::format("{}/state.json: not valid JSON ({})", ref->path, e.what()), "the checkpoint is damaged");
-    }
-    // A sharded optimizer state resumes only on the layout that wrote it.
-    const int64_t saved_dp = saved.contains("parallel") ? saved["parallel"].value("dp", int64_t{1}) : 1;
-    const int64_t saved_zero = saved.contains("parallel") ? saved["parallel"].value("zero", int64_t{0}) : 0;
-    const int64_t saved_tp = saved.contains("parallel") ? saved["parallel"].value("tp", int64_t{1}) : 1;
-    const int64_t run_dp = g.dp ? g.dp->size() : 1, run_zero = g.zero(), run_tp = g.tp_size();  // one process: whole state
-    const char* keep_hint =
-        "resume with the checkpoint's parallel.dp, parallel.tp and parallel.zero (its weights are a whole HF "
-        "checkpoint: model.source can start a new run from them)";
-    if (saved_tp != run_tp)
-      fail(fmt::format("{}: the checkpoint was written with parallel.tp = {}; this run has {} (its optimizer state is "
-                       "split by TP shards)",
-                       ref->path, saved_tp, run_tp),
-           keep_hint);
-    if ((saved_zero > 0 || run_zero > 0) && (saved_dp != run_dp || saved_zero != run_zero))
-      fail(fmt::format("{}: the checkpoint was written with parallel.dp = {} and parallel.zero = {}; this run has {} and {}",
-                       ref->path, saved_dp, saved_zero, run_dp, run_zero),
-           keep_hint);
-    const std::string optimizer_path = (fs::path(ref->path) / g.optimizer_file_to_read()).string();
-    if (g.dp && g.dp->optimizer_shard())
-      g.dp->optimizer_shard()->load(optimizer_path);
-    else
-      state.optimizer().load(optimizer_path);
-    p.step = saved.at("step").get<int64_t>();
-    p.tokens_seen = saved.at("tokens_seen").get<int64_t>();
-    sampler.restore(SamplerState::from_json(saved.at("sampler"), ref->path + "/state.json"));
-    if (g.lead()) truncate_metrics_after(metrics_path, p.step);
-    out << fmt::format("resumed from {} (step {})\n", ref->path, p.step);
-  } else if (lora) {
-    // done above
-  } else if (source_has_weights) {
-    load_base_from(state, full_config, rc.model.source, g);
-  } else if (g.tp) {
-    ParamSet full(full_config, state.master_dtype());
-    init_parameters(full, rc.model.init_seed, full_config.initializer_range);
-    load_whole_master(state, full, g);
-  } else {
-    state.init(rc.model.init_seed, state.model().config().initializer_range);
-  }
-  return p;
-}
-
 // The lines printed before step 1: the run directory, model, data, schedule, the resolved config.
 void print_header(const RunConfig& rc, const Placement& p, const TrainData& data, const PlanReport& planned,
                   const std::string& run_path, std::ostream& out) {
@@ -521,7 +264,7 @@ void print_header(const RunConfig& rc, const Placement& p, const TrainData& data
   const int64_t dp = rc.parallel.dp;
   out << fmt::format("schedule {} (chunk {}, bwd chunk {}), {}{} x {} x {} = {} tokens per step, {} steps, "
                      "planned memory {}{}\n",
-                     rc.schedule.name, rc.schedule.chunk, rc.schedule.bwd_chunk,
+                     schedule_name(rc.schedule.kind), rc.schedule.chunk, rc.schedule.bwd_chunk,
                      dp > 1 ? fmt::format("{} ranks x ", dp) : "", accum, B, T, dp * B * T * accum, rc.train.steps,
                      human_bytes(static_cast<double>(planned.peak_device_bytes)),
                      planned.peak_host_bytes > 0
@@ -561,7 +304,7 @@ class TrainLoop {
   }
 
   // Runs to the end (or a stop), filling result's last step, loss, eval loss and interrupted.
-  void run(Progress progress, TrainResult& result) {
+  void run(ResumePoint progress, TrainResult& result) {
     // Thread ranks share the process's handlers: train_on_threads installs them once for all.
     std::optional<SignalGuard> signals;
     if (!comm_ || comm_->backend() != "threads") signals.emplace();
@@ -986,7 +729,7 @@ TrainResult run_training(const RunConfig& given, const TrainOptions& opt, std::o
   if (lead) run_dir.remove_stale_temporaries();
   if (comm) comm->barrier();  // before any rank reads the directory or stages into it
   const std::string metrics_path = (fs::path(result.run_dir) / "metrics.jsonl").string();
-  const Progress progress =
+  const ResumePoint progress =
       resume_or_initialise(rc, mc, resume, run_dir, result.run_dir, metrics_path, state, sampler, groups, log);
   std::optional<MetricsLog> metrics;
   if (lead) {
@@ -1011,7 +754,7 @@ TrainResult run_training(const RunConfig& given, const TrainOptions& opt, std::o
   if (lead && rc.log.plot)  // from the metrics log, so a resumed run's picture has its whole history
     write_svg((fs::path(result.run_dir) / "loss.svg").string(),
               run_chart(metrics_path, fmt::format("{} / {}: training against tokens seen", rc.model.source,
-                                                  rc.schedule.name)));
+                                                  schedule_name(rc.schedule.kind))));
   const double total = std::chrono::duration<double>(std::chrono::steady_clock::now() - t_start).count();
   // Which kernel took the run's attention calls (training and evaluation) and why.
   if (lead && !placement.device.is_cpu()) log << attention_census_text(attention_census(), "over the run");

@@ -27,11 +27,12 @@ namespace {
 // the larger ones (the LM head's logits, a layer's [N, F] tensors) take blocks of their own.
 constexpr size_t kSmallBlock = size_t(4) << 10;
 
+// A schedule in one line, its name and recompute mode as the options spell them.
 ScheduleOptions schedule(const std::string& name, int64_t chunk = 0, const std::string& recompute = "auto") {
   ScheduleOptions o;
-  o.name = name;
+  o.kind = parse_schedule_kind(name);
   o.chunk = chunk;
-  o.recompute = recompute;
+  o.recompute = parse_recompute_mode(recompute);
   return o;
 }
 

@@ -1,0 +1,217 @@
+#include "tools/train/rank_weights.h"
+
+#include "model/checkpoint.h"
+#include "model/gguf_llama.h"
+#include "model/lora.h"
+#include "model/shard.h"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+namespace cw {
+
+namespace fs = std::filesystem;
+
+namespace {
+// The optimizer files of a checkpoint: one process's whole AdamW state; with ZeRO world rank w's
+// shard of it; without ZeRO but with tensor parallelism TP rank t's (the moments of its TP shard, the
+// same on every replica).
+constexpr const char* kOptimizerFile = "optimizer.safetensors";
+std::string optimizer_shard_file(int world_rank) { return fmt::format("optimizer-rank-{:05}.safetensors", world_rank); }
+std::string optimizer_tp_file(int tp_rank) { return fmt::format("optimizer-tp-{:05}.safetensors", tp_rank); }
+}  // namespace
+
+std::string RankGroups::optimizer_file_of(int w) const {
+  if (zero() > 0) return optimizer_shard_file(w);
+  if (tp_size() > 1) return w < tp_size() ? optimizer_tp_file(w) : "";  // replica 0's TP ranks: w = t
+  return w == 0 ? kOptimizerFile : "";
+}
+
+std::string RankGroups::optimizer_file_to_read() const {
+  if (zero() == 0 && tp_size() > 1) return optimizer_tp_file(tp_rank());
+  return zero() > 0 ? optimizer_shard_file(world_rank()) : kOptimizerFile;
+}
+
+HostWeights whole_master(TrainingState& state, const LlamaConfig& full_config, const RankGroups& g) {
+  if (!g.tp) {
+    if (!g.lead()) return {};
+    if (state.master().device().is_cpu()) return HostWeights::borrowed(state.master());
+    return HostWeights::owned(state.master_on_host());
+  }
+  if (!g.first_replica()) return {};
+  ParamSet full = state.lora() ? ParamSet(full_config, lora_parameter_table(full_config, state.model().lora()),
+                                          state.master_dtype())
+                               : ParamSet(full_config, state.master_dtype());
+  gather_parameters(full, state.master(), g.tp->communicator());
+  return HostWeights::owned(std::move(full));
+}
+
+std::optional<ParamSet> whole_base(TrainingState& state, const LlamaConfig& full_config, const RankGroups& g) {
+  const DType dtype = accum_dtype(state.model().dtype());
+  if (!g.tp) return g.lead() ? std::optional<ParamSet>(state.base_on_host(dtype)) : std::nullopt;
+  if (!g.first_replica()) return std::nullopt;
+  ParamSet full(full_config, dtype);
+  gather_parameters(full, state.model().params(), g.tp->communicator());
+  return full;
+}
+
+namespace {
+
+// This TP rank's shard (the table of `shard_like`) of the whole model's `full` (host).
+ParamSet tp_part(const ParamSet& full, const ParamSet& shard_like, const RankGroups& g) {
+  ParamSet part = ParamSet::like(shard_like, full.dtype(), Device::host());
+  shard_parameters(part, full, g.tp_rank(), g.tp_size());
+  return part;
+}
+
+// The whole model's master weights (host; under LoRA the whole model's adapters) into this rank's
+// state: its TP shard of them with tensor parallelism.
+void load_whole_master(TrainingState& state, const ParamSet& full, const RankGroups& g) {
+  if (!g.tp) return state.load_master(full);
+  state.load_master(tp_part(full, state.master(), g));
+}
+
+// Under LoRA: the whole model's base weights (host) into this rank's frozen compute weights.
+void load_whole_base(TrainingState& state, const ParamSet& full, const RankGroups& g) {
+  if (!g.tp) return state.load_base(full);
+  state.load_base(tp_part(full, state.model().params(), g));
+}
+
+// The adapters' table of the whole model, in `dtype`, on the host.
+ParamSet whole_adapters_like(const TrainingState& state, const LlamaConfig& full_config, DType dtype) {
+  return ParamSet(full_config, lora_parameter_table(full_config, state.model().lora()), dtype);
+}
+
+// Loads a checkpoint's weights (any stored dtype), or a GGUF file's (dequantized), as the run's
+// base weights: its master weights (the rank's TP shard of them), or under LoRA its frozen compute
+// weights.
+void load_base_from(TrainingState& state, const LlamaConfig& full_config, const std::string& source,
+                    const RankGroups& g) {
+  ParamSet host(full_config, state.lora() ? accum_dtype(state.model().dtype()) : state.master_dtype());
+  if (is_gguf_file(source))
+    load_gguf_weights(host, GgufReader(source));
+  else
+    load_checkpoint_weights(host, source);
+  if (state.lora())
+    load_whole_base(state, host, g);
+  else
+    load_whole_master(state, host, g);
+}
+
+// LoRA: the adapters of a PEFT directory (a checkpoint of this run, or model.adapter) as the master
+// weights. Its adapter_config.json must describe the run's adapters.
+void load_adapter_from(TrainingState& state, const LlamaConfig& full_config, const std::string& dir,
+                       const RankGroups& g) {
+  const LoraConfig file = read_peft_config(dir);
+  const LoraConfig& run = state.model().lora();
+  if (file.rank != run.rank || file.alpha != run.alpha || file.target_roles() != run.target_roles())
+    fail(fmt::format("{}/adapter_config.json: r {}, lora_alpha {}, target_modules {} but the run has lora.rank {}, "
+                     "lora.alpha {}, lora.targets {}",
+                     dir, file.rank, file.alpha, fmt::join(file.target_names(), ","), run.rank, run.alpha,
+                     fmt::join(run.target_names(), ",")),
+         "give the adapter's own r, alpha and targets in [lora] (or lora.rank = 0 to take them from the file)");
+  ParamSet host = whole_adapters_like(state, full_config, state.master_dtype());
+  load_peft_adapter(host, dir);
+  load_whole_master(state, host, g);
+}
+
+}  // namespace
+
+ResumePoint resume_or_initialise(const RunConfig& rc, const LlamaConfig& full_config, bool resume,
+                                 RunDirectory& run_dir, const std::string& run_path, const std::string& metrics_path,
+                                 TrainingState& state, WindowSampler& sampler, const RankGroups& g, std::ostream& out) {
+  ResumePoint p;
+  const bool lora = state.lora();
+  const bool source_has_weights =
+      is_gguf_file(rc.model.source) ||
+      (fs::is_directory(rc.model.source) && fs::exists(fs::path(rc.model.source) / "config.json") &&
+       (fs::exists(fs::path(rc.model.source) / "model.safetensors") ||
+        fs::exists(fs::path(rc.model.source) / "model.safetensors.index.json")));
+  if (lora) {
+    // With tensor parallelism the seeded base and adapters are drawn whole (in f64, as the draws of
+    // one process are) and sharded, so the run starts where one process starts.
+    if (source_has_weights) {
+      load_base_from(state, full_config, rc.model.source, g);
+    } else if (g.tp) {
+      ParamSet full(full_config, DType::f64);
+      init_parameters(full, rc.model.init_seed, full_config.initializer_range);
+      load_whole_base(state, full, g);
+    } else {
+      state.init(rc.model.init_seed, state.model().config().initializer_range);
+    }
+    if (!resume) {
+      if (!rc.model.adapter.empty()) {
+        load_adapter_from(state, full_config, rc.model.adapter, g);
+      } else if (g.tp) {
+        ParamSet full = whole_adapters_like(state, full_config, DType::f64);
+        init_lora_parameters(full, state.model().lora().seed);
+        load_whole_master(state, full, g);
+      } else {
+        state.init_adapters();
+      }
+    }
+  }
+  if (resume) {
+    std::vector<std::string> skipped;
+    const auto ref = run_dir.latest_complete(&skipped);
+    for (const auto& s : skipped) out << "resume: skipped " << s << "\n";
+    if (!ref)
+      fail(fmt::format("--resume: no complete checkpoint in '{}'", run_path),
+           "start without --resume, or point --run-dir at the run to continue");
+    if (lora) load_adapter_from(state, full_config, ref->path, g);
+    else load_base_from(state, full_config, ref->path, g);
+    std::ifstream sf(fs::path(ref->path) / "state.json");
+    nlohmann::json saved;
+    try {
+      saved = nlohmann::json::parse(sf);
+    } catch (const nlohmann::json::exception& e) {
+      fail(fmt::format("{}/state.json: not valid JSON ({})", ref->path, e.what()), "the checkpoint is damaged");
+    }
+    // A sharded optimizer state resumes only on the layout that wrote it.
+    const int64_t saved_dp = saved.contains("parallel") ? saved["parallel"].value("dp", int64_t{1}) : 1;
+    const int64_t saved_zero = saved.contains("parallel") ? saved["parallel"].value("zero", int64_t{0}) : 0;
+    const int64_t saved_tp = saved.contains("parallel") ? saved["parallel"].value("tp", int64_t{1}) : 1;
+    const int64_t run_dp = g.dp ? g.dp->size() : 1, run_zero = g.zero(), run_tp = g.tp_size();  // one process: whole state
+    const char* keep_hint =
+        "resume with the checkpoint's parallel.dp, parallel.tp and parallel.zero (its weights are a whole HF "
+        "checkpoint: model.source can start a new run from them)";
+    if (saved_tp != run_tp)
+      fail(fmt::format("{}: the checkpoint was written with parallel.tp = {}; this run has {} (its optimizer state is "
+                       "split by TP shards)",
+                       ref->path, saved_tp, run_tp),
+           keep_hint);
+    if ((saved_zero > 0 || run_zero > 0) && (saved_dp != run_dp || saved_zero != run_zero))
+      fail(fmt::format("{}: the checkpoint was written with parallel.dp = {} and parallel.zero = {}; this run has {} and {}",
+                       ref->path, saved_dp, saved_zero, run_dp, run_zero),
+           keep_hint);
+    const std::string optimizer_path = (fs::path(ref->path) / g.optimizer_file_to_read()).string();
+    if (g.dp && g.dp->optimizer_shard())
+      g.dp->optimizer_shard()->load(optimizer_path);
+    else
+      state.optimizer().load(optimizer_path);
+    p.step = saved.at("step").get<int64_t>();
+    p.tokens_seen = saved.at("tokens_seen").get<int64_t>();
+    sampler.restore(SamplerState::from_json(saved.at("sampler"), ref->path + "/state.json"));
+    if (g.lead()) truncate_metrics_after(metrics_path, p.step);
+    out << fmt::format("resumed from {} (step {})\n", ref->path, p.step);
+  } else if (lora) {
+    // done above
+  } else if (source_has_weights) {
+    load_base_from(state, full_config, rc.model.source, g);
+  } else if (g.tp) {
+    ParamSet full(full_config, state.master_dtype());
+    init_parameters(full, rc.model.init_seed, full_config.initializer_range);
+    load_whole_master(state, full, g);
+  } else {
+    state.init(rc.model.init_seed, state.model().config().initializer_range);
+  }
+  return p;
+}
+
+}  // namespace cw
