@@ -211,7 +211,7 @@ int main(int argc, char** argv) {
 
   cw::SampleOptions so;
   int64_t sample_step = 0;
-  std::string sample_model, sample_tokenizer, sample_system;
+  std::string sample_model, sample_tokenizer, sample_system, sample_device = "auto", sample_dtype = "auto";
   CLI::App* sample = app.add_subcommand("sample", "generate text from a run's checkpoint or from a model");
   CLI::Option* sample_run = sample->add_option("--run", run_dir, "run directory (its latest complete checkpoint)");
   CLI::Option* sample_model_opt =
@@ -233,6 +233,8 @@ int main(int argc, char** argv) {
   sample->add_flag("--chat", so.chat, "apply the tokenizer's chat template (ChatML) and stop at <|im_end|>");
   CLI::Option* sample_system_opt =
       sample->add_option("--system", sample_system, "--chat: the system message (default: the template's own, if any)");
+  sample->add_option("--device", sample_device, "auto (CUDA when available) | cpu | cuda")->capture_default_str();
+  sample->add_option("--dtype", sample_dtype, "auto (GPU: bf16, CPU: f32) | f64 | f32 | bf16")->capture_default_str();
   sample->add_option("--tokens", so.tokens, "tokens to generate")->capture_default_str();
   sample->add_option("--temperature", so.temperature, "0: greedy")->capture_default_str();
   sample->add_option("--top-k", so.top_k, "0: off")->capture_default_str();
@@ -388,11 +390,13 @@ int main(int argc, char** argv) {
         cw::fail("chunkwise sample needs --run DIR or --model MODEL", "e.g. chunkwise sample --run runs/a --prompt \"The \"");
       if (*sample_system_opt) so.system = sample_system;
       if (!sample_prompt_file.empty()) so.prompt = cw::read_prompt_file(sample_prompt_file);
-      const cw::Generation g = sample_model.empty()
-                                   ? cw::sample_from_run(run_dir, sample_step, so, sample_tokenizer)
-                                   : cw::sample_from_model(sample_model, so,
-                                                           sample_tokenizer.empty() ? cw::kModelTokenizer
-                                                                                    : sample_tokenizer);
+      const cw::Device device = cw::resolve_device(sample_device, "--device");
+      const cw::DType dtype = cw::resolve_compute_dtype(sample_dtype, device, "--dtype", "--device");
+      const cw::Generation g =
+          sample_model.empty()
+              ? cw::sample_from_run(run_dir, sample_step, so, sample_tokenizer, device, dtype)
+              : cw::sample_from_model(sample_model, so, sample_tokenizer.empty() ? cw::kModelTokenizer : sample_tokenizer,
+                                      device, dtype);
       // A plain prompt is continued, so it is printed with its continuation; a chat prints the reply, and
       // a prompt file (pages long, perhaps) only the continuation.
       std::cout << (so.chat || !sample_prompt_file.empty() ? "" : so.prompt) << g.text << "\n";

@@ -188,11 +188,11 @@ TEST_CASE("chunkwise sample: --model, --chat, --tokenizer on the command line; b
   so.tokens = 5;
   so.temperature = 0;
   std::string out;
-  CHECK(run_cli(fmt::format("sample --model {} --prompt 'the fox' --tokens 5 --temperature 0", ckpt), out) == 0);
+  CHECK(run_cli(fmt::format("sample --model {} --prompt 'the fox' --tokens 5 --temperature 0 --device cpu", ckpt), out) == 0);
   CHECK(out == "the fox" + sample_from_model(ckpt, so).text + "\n");  // the prompt, then its continuation
   so.chat = true;
   so.system = "Be brief.";
-  CHECK(run_cli(fmt::format("sample --model {} --chat --system 'Be brief.' --prompt 'the fox' --tokens 5 "
+  CHECK(run_cli(fmt::format("sample --model {} --chat --system 'Be brief.' --prompt 'the fox' --tokens 5 --device cpu "
                             "--temperature 0 --tokenizer {}",
                             ckpt, fx.tokenizer_dir),
                 out) == 0);
@@ -204,7 +204,7 @@ TEST_CASE("chunkwise sample: --model, --chat, --tokenizer on the command line; b
   so.chat = false;
   so.system.reset();
   so.prompt = "the fox\nthe ";
-  CHECK(run_cli(fmt::format("sample --model {} --prompt-file {} --tokens 5 --temperature 0 --prefill-chunk 3", ckpt,
+  CHECK(run_cli(fmt::format("sample --model {} --prompt-file {} --tokens 5 --temperature 0 --prefill-chunk 3 --device cpu", ckpt,
                             prompt_file),
                 out) == 0);
   CHECK(out == sample_from_model(ckpt, so).text + "\n");
@@ -220,6 +220,32 @@ TEST_CASE("chunkwise sample: --model, --chat, --tokenizer on the command line; b
   CHECK(contains(out, "chunkwise: error: the tokenizer 'bytes' has 258 tokens but the model"));
   CHECK(run_cli(fmt::format("sample --model {} --system hi", ckpt), out) == 2);
   CHECK(contains(out, "--system is for a chat"));
+  CHECK(run_cli(fmt::format("sample --model {} --device tpu", ckpt), out) == 2);
+  CHECK(contains(out, "--device"));
+}
+
+TEST_CASE("cuda: sample --device cuda: the prefill and the K/V store on the GPU give the CPU's greedy continuation "
+          "(f32)" *
+          doctest::skip(!gpu_available())) {
+  BpeFixture fx;
+  const std::string ckpt = fx.dir.file("ckpt");
+  LlamaModel model(fx.model, DType::f32);
+  init_parameters(model.params(), 5, fx.model.initializer_range, 0.0);
+  save_checkpoint_weights(model.params(), fx.model, ckpt, DType::f32);
+  write_files(ckpt, hf_tokenizer_files(fx.tokenizer));
+  SampleOptions so;
+  so.prompt = "the fox\nthe lazy dog and the fox";
+  so.tokens = 6;
+  so.temperature = 0;
+  so.prefill_chunk = 4;  // several chunks against the store
+  const Generation cpu = sample_from_model(ckpt, so, kModelTokenizer, Device::host(), DType::f32);
+  const Generation gpu = sample_from_model(ckpt, so, kModelTokenizer, Device::gpu(0), DType::f32);
+  CHECK(gpu.generated == cpu.generated);
+  std::string out;
+  CHECK(run_cli(fmt::format("sample --model {} --prompt 'the fox' --tokens 4 --temperature 0 --device cuda --dtype bf16",
+                            ckpt),
+                out) == 0);
+  CHECK(contains(out, "the fox"));
 }
 
 TEST_CASE("sample: prompt ids, BOS, stop ids and chats") {

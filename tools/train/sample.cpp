@@ -177,15 +177,15 @@ Generation generate_from_ids(LlamaModel& model, const Tokenizer& tokenizer, std:
 }
 
 Generation sample_from_run(const std::string& dir, int64_t step, const SampleOptions& o,
-                           const std::string& tokenizer_spec) {
-  const LoadedModel m = load_model({.run = dir, .step = step, .tokenizer = tokenizer_spec}, Device::host(),
-                                   DType::f32, {}, "sample from");
+                           const std::string& tokenizer_spec, Device device, DType dtype) {
+  const LoadedModel m =
+      load_model({.run = dir, .step = step, .tokenizer = tokenizer_spec}, device, dtype, {}, "sample from");
   return generate(*m.model, *m.tokenizer, o);
 }
 
-Generation sample_from_model(const std::string& spec, const SampleOptions& o, const std::string& tokenizer_spec) {
-  const LoadedModel m =
-      load_model({.model = spec, .tokenizer = tokenizer_spec}, Device::host(), DType::f32, {}, "sample from");
+Generation sample_from_model(const std::string& spec, const SampleOptions& o, const std::string& tokenizer_spec,
+                             Device device, DType dtype) {
+  const LoadedModel m = load_model({.model = spec, .tokenizer = tokenizer_spec}, device, dtype, {}, "sample from");
   return generate(*m.model, *m.tokenizer, o);
 }
 

@@ -84,13 +84,16 @@ Generation generate_from_ids(LlamaModel& model, const Tokenizer& tokenizer, std:
                              const SampleOptions& options);
 
 // `chunkwise sample --run DIR [--step N]`: the checkpoint (latest complete, or step N) with the
-// tokenizer the run recorded in DIR, or `tokenizer_spec` when not empty.
+// tokenizer the run recorded in DIR, or `tokenizer_spec` when not empty, loaded on `device` in
+// `dtype` (the prefill and the K/V store there: a prompt of 64K tokens fits one GPU).
 Generation sample_from_run(const std::string& run_dir, int64_t step, const SampleOptions& options,
-                           const std::string& tokenizer_spec = "");
+                           const std::string& tokenizer_spec = "", Device device = Device::host(),
+                           DType dtype = DType::f32);
 
 // `chunkwise sample --model MODEL`: a model with weights (an HF checkpoint directory or a .gguf
-// file), with `tokenizer_spec` ("model": its own; tools/data/tokenizer.h).
+// file), with `tokenizer_spec` ("model": its own; tools/data/tokenizer.h), on `device` in `dtype`.
 Generation sample_from_model(const std::string& model, const SampleOptions& options,
-                             const std::string& tokenizer_spec = kModelTokenizer);
+                             const std::string& tokenizer_spec = kModelTokenizer, Device device = Device::host(),
+                             DType dtype = DType::f32);
 
 }  // namespace cw
