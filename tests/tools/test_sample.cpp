@@ -175,20 +175,27 @@ TEST_CASE("data.tokenizer: \"model\", and mismatches that fail before step 1 nam
 }
 
 
-TEST_CASE("chunkwise sample: --model, --chat, --tokenizer on the command line; bad combinations fail in one line") {
-  BpeFixture fx;
+// An HF checkpoint directory of the fixture's model (random weights, seed 5) with its tokenizer.
+std::string write_checkpoint(const BpeFixture& fx) {
   const std::string ckpt = fx.dir.file("ckpt");
   LlamaModel model(fx.model, DType::f32);
   init_parameters(model.params(), 5, fx.model.initializer_range, 0.0);
   save_checkpoint_weights(model.params(), fx.model, ckpt, DType::f32);
   write_files(ckpt, hf_tokenizer_files(fx.tokenizer));
+  return ckpt;
+}
+
+TEST_CASE("chunkwise sample: --model, --chat, --tokenizer on the command line; bad combinations fail in one line") {
+  BpeFixture fx;
+  const std::string ckpt = write_checkpoint(fx);
 
   SampleOptions so;
   so.prompt = "the fox";
   so.tokens = 5;
   so.temperature = 0;
   std::string out;
-  CHECK(run_cli(fmt::format("sample --model {} --prompt 'the fox' --tokens 5 --temperature 0 --device cpu", ckpt), out) == 0);
+  CHECK(run_cli(fmt::format("sample --model {} --prompt 'the fox' --tokens 5 --temperature 0 --device cpu", ckpt),
+                out) == 0);
   CHECK(out == "the fox" + sample_from_model(ckpt, so).text + "\n");  // the prompt, then its continuation
   so.chat = true;
   so.system = "Be brief.";
@@ -204,8 +211,9 @@ TEST_CASE("chunkwise sample: --model, --chat, --tokenizer on the command line; b
   so.chat = false;
   so.system.reset();
   so.prompt = "the fox\nthe ";
-  CHECK(run_cli(fmt::format("sample --model {} --prompt-file {} --tokens 5 --temperature 0 --prefill-chunk 3 --device cpu", ckpt,
-                            prompt_file),
+  CHECK(run_cli(fmt::format("sample --model {} --prompt-file {} --tokens 5 --temperature 0 --prefill-chunk 3 "
+                            "--device cpu",
+                            ckpt, prompt_file),
                 out) == 0);
   CHECK(out == sample_from_model(ckpt, so).text + "\n");
   CHECK(run_cli(fmt::format("sample --model {} --prompt-file {} --prompt x", ckpt, prompt_file), out) != 0);
@@ -228,11 +236,7 @@ TEST_CASE("cuda: sample --device cuda: the prefill and the K/V store on the GPU 
           "(f32)" *
           doctest::skip(!gpu_available())) {
   BpeFixture fx;
-  const std::string ckpt = fx.dir.file("ckpt");
-  LlamaModel model(fx.model, DType::f32);
-  init_parameters(model.params(), 5, fx.model.initializer_range, 0.0);
-  save_checkpoint_weights(model.params(), fx.model, ckpt, DType::f32);
-  write_files(ckpt, hf_tokenizer_files(fx.tokenizer));
+  const std::string ckpt = write_checkpoint(fx);
   SampleOptions so;
   so.prompt = "the fox\nthe lazy dog and the fox";
   so.tokens = 6;
