@@ -216,7 +216,13 @@ int main(int argc, char** argv) {
   train->add_option("--config", config_path, "run configuration (TOML)");
   train->add_option("--set", overrides, "override a key: section.key=value (repeatable)");
   train->add_option("--run-dir", run_dir, "run directory (default: runs/<date-time>, printed at start)");
-  train->add_flag("--resume", resume, "continue from the latest complete checkpoint in the run directory");
+  train->add_flag("--resume", resume,
+                  "continue from the latest complete checkpoint in the run directory, with the run's saved "
+                  "config.toml under --config, --set and the flags");
+  bool force_changes = false;
+  train->add_flag("--force-changes", force_changes,
+                  "--resume: accept changes to keys that make the resumed steps differ from the started run's "
+                  "(model, data, batch, schedule, seeds, optimizer)");
   // The flags of the config's rows that name one (--device, --deterministic, the schedule's), written
   // here and applied after --config and --set.
   cw::RunConfig train_flags = cw::RunConfig::defaults();
@@ -384,10 +390,29 @@ int main(int argc, char** argv) {
       return cw::run_gradcheck(gc, launch.rank == 0 ? std::cout : silent.stream, comm.get());
     }
     if (*train) {
-      cw::RunConfig rc = config_path.empty() ? cw::RunConfig::default_run() : cw::RunConfig::from_file(config_path);
-      for (const auto& o : overrides) rc.apply_override(o);
-      cw::copy_given_flags(train_flag_given, train_flag_options, rc.options());
-      rc.validate();
+      // The layers above a base: --config's keys, each --set, the flags.
+      const auto layered = [&](cw::RunConfig base) {
+        if (!config_path.empty()) base.apply_file(config_path);
+        for (const auto& o : overrides) base.apply_override(o);
+        cw::copy_given_flags(train_flag_given, train_flag_options, base.options());
+        return base;
+      };
+      cw::RunConfig rc = layered(config_path.empty() ? cw::RunConfig::default_run() : cw::RunConfig::defaults());
+      // A resumed run is the run as it was started: its saved config.toml, the layers on top of it.
+      const std::string dir = !run_dir.empty() ? run_dir : rc.log.run_dir;
+      const std::filesystem::path saved_path = std::filesystem::path(dir) / "config.toml";
+      if ((resume || rc.checkpoint.resume) && !dir.empty() && std::filesystem::exists(saved_path)) {
+        const cw::RunConfig saved = cw::RunConfig::from_file(saved_path.string());
+        cw::RunConfig resumed = layered(saved);
+        resumed.validate();
+        cw::check_resume_changes(cw::resume_changes(saved, resumed), force_changes, std::cout);
+        rc = resumed;
+      } else if (force_changes) {
+        cw::fail("--force-changes applies to --resume of a run directory that holds its config.toml",
+                 "give --resume and the --run-dir of the run, or leave --force-changes out");
+      } else {
+        rc.validate();
+      }
       cw::TrainOptions topt;
       topt.run_dir = run_dir;
       topt.resume = resume;

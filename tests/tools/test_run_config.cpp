@@ -448,5 +448,51 @@ TEST_CASE("run config: the committed configs/*.toml read and validate") {
   CHECK(files == 4);  // the fine-tune demo and the long-context demo, each in a CPU and a GPU form
 }
 
+
+TEST_CASE("run config: --resume's changes against the saved config, each named, those that break continuation refused") {
+  // (assignment on top of the saved config, whether the run still continues as it started)
+  const std::pair<const char*, bool> cases[] = {
+      {"train.steps=600", true},          {"train.memory_check=false", true}, {"train.device_memory=8", true},
+      {"eval.every=10", true},            {"eval.batches=2", true},           {"checkpoint.every=5", true},
+      {"checkpoint.keep_last=4", true},   {"log.every=10", true},             {"sample.tokens=0", true},
+      {"model.source=tiny", false},       {"data.batch_size=4", false},       {"data.seq_len=128", false},
+      {"data.seed=7", false},             {"data.train=other.bin", false},    {"schedule.chunk=32", false},
+      {"schedule.name=full", false},      {"optimizer.lr=1e-4", false},       {"optimizer.beta2=0.99", false},
+      {"parallel.dp=2", false},           {"lora.rank=8", false},             {"train.deterministic=true", false},
+  };
+  RunConfig saved = RunConfig::default_run();
+  saved.schedule.chunk = 48;  // the planner's number for "auto", as a run directory saves it
+  for (const auto& [assignment, continues] : cases) {
+    INFO(assignment);
+    RunConfig resumed = saved;
+    resumed.apply_override(assignment);
+    const std::vector<ConfigChange> changes = resume_changes(saved, resumed);
+    REQUIRE(changes.size() == 1);
+    CHECK(std::string(assignment).starts_with(changes[0].key + "="));
+    CHECK(changes[0].continues == continues);
+    std::ostringstream printed;
+    if (continues) {
+      check_resume_changes(changes, false, printed);
+    } else {
+      CHECK(contains(error_of([&] { check_resume_changes(changes, false, printed); }),
+                     "config.toml differs in " + changes[0].key + " ("));
+      check_resume_changes(changes, true, printed);  // --force-changes
+    }
+    CHECK(contains(printed.str(), "resume: " + changes[0].key + ": " + changes[0].from + " -> " + changes[0].to));
+  }
+  // "auto" given again is the count the run's start resolved it to: no change.
+  RunConfig resumed = saved;
+  resumed.apply_override("schedule.chunk=auto");
+  CHECK(resume_changes(saved, resumed).empty());
+  CHECK(resumed.schedule.chunk == 48);
+  // A --config given with --resume changes only the keys it names.
+  resumed = saved;
+  resumed.apply_toml("[train]\nsteps = 900\n", "more.toml");
+  const std::vector<ConfigChange> changes = resume_changes(saved, resumed);
+  REQUIRE(changes.size() == 1);
+  CHECK(changes[0].key == "train.steps");
+  CHECK(resumed.data.train == saved.data.train);
+}
+
 }  // namespace
 }  // namespace cw

@@ -420,6 +420,12 @@ void validate_rope(const Rope& r) {
 RunConfig RunConfig::defaults() { return RunConfig{}; }
 
 RunConfig RunConfig::from_toml(const std::string& text, const std::string& source) {
+  RunConfig config = defaults();
+  config.apply_toml(text, source);
+  return config;
+}
+
+void RunConfig::apply_toml(const std::string& text, const std::string& source) {
   toml::table root;
   try {
     root = toml::parse(text, source);
@@ -429,8 +435,7 @@ RunConfig RunConfig::from_toml(const std::string& text, const std::string& sourc
          "see https://toml.io for the syntax");
   }
   const Origin origin{source, true};
-  RunConfig config = defaults();
-  std::vector<Field> fields = fields_of(config);
+  std::vector<Field> fields = fields_of(*this);
   const std::vector<std::string_view> sections = section_names();
   for (const auto& [name, node] : root) {
     const std::string where = origin.at(name.source());
@@ -453,10 +458,15 @@ RunConfig RunConfig::from_toml(const std::string& text, const std::string& sourc
       assign(f, value, origin.at(value.source()));
     }
   }
-  return config;
 }
 
 RunConfig RunConfig::from_file(const std::string& path) {
+  RunConfig config = defaults();
+  config.apply_file(path);
+  return config;
+}
+
+void RunConfig::apply_file(const std::string& path) {
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec))
     fail(fmt::format("{}: is a directory, not a config file", path), "give the path of a .toml file");
@@ -464,7 +474,7 @@ RunConfig RunConfig::from_file(const std::string& path) {
   if (!in) fail(fmt::format("{}: cannot open config file", path), "check the path given to --config");
   std::ostringstream text;
   text << in.rdbuf();
-  return from_toml(text.str(), path);
+  apply_toml(text.str(), path);
 }
 
 void RunConfig::apply_override(const std::string& assignment) {
@@ -668,6 +678,46 @@ std::string RunConfig::options_markdown() {
                        option_type_name(f.target), value, cell(f.rule->describe()), cell(f.help));
   }
   return out;
+}
+
+bool resume_keeps_continuation(std::string_view key) {
+  static const std::string_view keys[] = {"train.steps", "train.memory_check", "train.device_memory"};
+  static const std::string_view sections[] = {"eval.", "checkpoint.", "log.", "sample."};
+  for (std::string_view k : keys)
+    if (key == k) return true;
+  for (std::string_view s : sections)
+    if (key.starts_with(s)) return true;
+  return false;
+}
+
+std::vector<ConfigChange> resume_changes(const RunConfig& saved, RunConfig& resumed) {
+  const std::vector<OptionRef> before = const_cast<RunConfig&>(saved).options();  // read only
+  const std::vector<OptionRef> after = resumed.options();
+  std::vector<ConfigChange> changes;
+  for (size_t i = 0; i < after.size(); ++i) {
+    if (auto* n = std::get_if<int64_t*>(&after[i].target); n && after[i].rule->or_auto && **n == kAuto)
+      copy_option_value(after[i].target, before[i].target);
+    if (option_values_equal(before[i].target, after[i].target)) continue;
+    const std::string name = after[i].name();
+    changes.push_back({name, toml_value(before[i]).value_or("unset"), toml_value(after[i]).value_or("unset"),
+                       resume_keeps_continuation(name)});
+  }
+  return changes;
+}
+
+void check_resume_changes(const std::vector<ConfigChange>& changes, bool force, std::ostream& out) {
+  std::string breaking;
+  for (const ConfigChange& c : changes) {
+    out << fmt::format("resume: {}: {} -> {}{}\n", c.key, c.from, c.to,
+                       c.continues ? "" : force ? " (--force-changes: the run no longer continues as it started)" : "");
+    if (!c.continues) breaking += fmt::format("{}{} ({} -> {})", breaking.empty() ? "" : ", ", c.key, c.from, c.to);
+  }
+  if (!breaking.empty() && !force)
+    fail(fmt::format("--resume: the run directory's config.toml differs in {}: the resumed steps would not be the ones "
+                     "the started run takes",
+                     breaking),
+         "resume without those changes (the saved config.toml is read, so --config and --set are needed only for "
+         "changes), or give --force-changes to continue with them");
 }
 
 nlohmann::json RunConfig::to_json() const {
