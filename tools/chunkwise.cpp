@@ -349,6 +349,10 @@ int main(int argc, char** argv) {
   CLI::Option* split_opt = tokenize->add_flag("--split-paragraphs", to.split_on_blank_lines,
                                               "text files: one document per blank-line separated paragraph");
   CLI::Option* eos_opt = tokenize->add_flag("--eos", to.add_eos, "EOS after each document");
+  bool keep_invalid_utf8 = false;
+  CLI::Option* invalid_utf8_opt = tokenize->add_flag(
+      "--keep-invalid-utf8", keep_invalid_utf8,
+      "text files: tokenize bytes that are not UTF-8 as they are instead of refusing the file");
   CLI::Option* bos_token_opt =
       tokenize->add_option("--bos-token", to.bos_token, "the token before each document (default: the tokenizer's BOS)");
   CLI::Option* eos_token_opt =
@@ -357,6 +361,7 @@ int main(int argc, char** argv) {
   jsonl_opt->excludes(chat_opt);
   field_opt->needs(jsonl_opt);
   split_opt->excludes(jsonl_opt)->excludes(chat_opt);
+  invalid_utf8_opt->excludes(jsonl_opt)->excludes(chat_opt);
   for (CLI::Option* o : {eos_opt, bos_token_opt, eos_token_opt}) o->excludes(chat_opt);
 
   std::string encode_file;
@@ -458,6 +463,7 @@ int main(int argc, char** argv) {
         cw::fail("chunkwise tokenize needs inputs: text files, --jsonl FILE... or --chat-jsonl FILE...",
                  "e.g. chunkwise tokenize --out data.bin notes.txt");
       const std::unique_ptr<cw::Tokenizer> tokenizer = cw::load_tokenizer(tokenizer_spec);
+      to.require_utf8 = !keep_invalid_utf8;
       if (!chat_inputs.empty()) {
         const cw::TokenizeCounts c = cw::tokenize_chat_jsonl(*tokenizer, chat_inputs, shard_out);
         std::cout << fmt::format("tokenize: {} files, {} conversations, {} bytes rendered -> {} tokens ({} the "
