@@ -19,9 +19,9 @@ const std::vector<Option<ScheduleOptions>>& schedule_option_table() {
      "how gradients are computed: full (everything kept) | checkpointed (layer inputs kept, each layer recomputed "
      "before its backward) | seco (exact, chunk by chunk, keeping only K/V) | spaco (seco visiting a sample of the "
      "chunks on the way back)"},
-    {"chunk",          "--chunk",         &S::chunk,         at_least_or_auto(0),      "seco, spaco: prefill chunk length in tokens; 0: the whole sequence; auto: the fastest the planner finds to fit (GPU)"},
-    {"bwd_chunk",      "--bwd-chunk",     &S::bwd_chunk,     at_least(0),              "seco, spaco: reverse-sweep chunk length; 0: same as chunk"},
-    {"keep",           "--keep",          &S::keep,          at_least(0),              "spaco: chunks backpropagated per step (t of k); 0: all"},
+    {"chunk",          "--chunk",         &S::chunk,         in_range_or_auto(0, kMaxTokensOfSequence), "seco, spaco: prefill chunk length in tokens; 0: the whole sequence; auto: the fastest the planner finds to fit (GPU)"},
+    {"bwd_chunk",      "--bwd-chunk",     &S::bwd_chunk,     in_range(0, kMaxTokensOfSequence), "seco, spaco: reverse-sweep chunk length; 0: same as chunk"},
+    {"keep",           "--keep",          &S::keep,          in_range(0, kMaxTokensOfSequence), "spaco: chunks backpropagated per step (t of k); 0: all"},
     {"seed",           "--spaco-seed",    &S::seed,          {},                       "spaco: seed of the chunk sample (step s draws with (seed, s))"},
     {"stratified",     "--stratified",    &S::stratified,    {},                       "spaco: sample chunks with and without labels in proportion"},
     {"scale_loss",     "--scale-loss",    &S::scale_loss,    {},                       "spaco: scale visited chunks' loss gradient by k/t"},
@@ -33,14 +33,14 @@ const std::vector<Option<ScheduleOptions>>& schedule_option_table() {
      "inputs only, recompute each layer) | selective (keep all but the MLP's [tokens, ffn] intermediates, "
      "recomputed in the backward) | none (keep everything) | auto (checkpointed: full; the others: none, or the "
      "planner's choice where chunk or offload_window is auto)"},
-    {"mlp_shards",     "--mlp-shards",    &S::mlp_shards,    at_least(0, "automatic"), "any schedule: tiled MLP row shards; 1: untiled, 0: automatic (ceil(ffn / hidden))"},
+    {"mlp_shards",     "--mlp-shards",    &S::mlp_shards,    in_range(0, kMaxCount, "automatic"), "any schedule: tiled MLP row shards; 1: untiled, 0: automatic (ceil(ffn / hidden))"},
     {"cast_layers",    "--cast-layers",   &S::cast_layers,   {},
      "any schedule, bf16 on a GPU, full parameters: no resident bf16 copy of the blocks' weights; each block's are "
      "rounded from the f32 master into one of two device slots as it runs, as autocast does (1.8 GiB less at 1B, "
      "13 GiB at 8B, for a cast per block use); with chunk or offload_window auto, the planner turns it on where "
      "that is clearly faster"},
     {"offload",        "--offload",       &S::offload,       {},                       "checkpointed, recompute full: the kept layer inputs in pinned host memory (GPU)"},
-    {"offload_window", "--offload-window", &S::offload_window, at_least_or_auto(0, "the whole K/V store on the device"),
+    {"offload_window", "--offload-window", &S::offload_window, in_range_or_auto(0, kMaxCount, "the whole K/V store on the device"),
      "seco, spaco: K/V store layers kept on the device, the rest in pinned host memory; 0: all on the device; auto: "
      "the fastest that fits of the store on the device, a window of 2 or 1 layers, or streamed (stream_kv), as the "
      "planner predicts (GPU)"},
@@ -65,13 +65,13 @@ const std::vector<Option<ParallelOptions>>& parallel_option_table() {
   using P = ParallelOptions;
   static const std::vector<Option<P>> table = {
     // key             flag               member             values                    help
-    {"dp",             "--dp",            &P::dp,            at_least(1),              "data-parallel ranks: each runs its own batch_size sequences per micro-batch (a step sees dp times the tokens); gradients are reduced once per optimizer step"},
+    {"dp",             "--dp",            &P::dp,            in_range(1, kMaxRanks),   "data-parallel ranks: each runs its own batch_size sequences per micro-batch (a step sees dp times the tokens); gradients are reduced once per optimizer step"},
     {"zero",           "--zero",          &P::zero,          between(0, 2, false, false),
      "ZeRO sharding over the data-parallel ranks: 0 (each rank keeps the whole AdamW state) | 1 (each keeps the moments "
      "of its contiguous shard of the parameters, updates it, and the weights are all-gathered) | 2 (also only its shard "
      "of the reduced gradient: each bucket is reduced to the rank whose shard holds it instead of all-reduced)"},
-    {"bucket_mb",      "--bucket-mb",     &P::bucket_mb,     above(0),                 "gradient reduction bucket size in MiB; each bucket is reduced as soon as the step's last backward has finished it (zero 2: also cut at the shards' boundaries)"},
-    {"tp",                "--tp",                &P::tp,               at_least(1),  "tensor-parallel ranks: each holds 1/tp of every block's heads, K/V heads and FFN width (must divide them); a run has dp x tp ranks, a replica's tp ranks adjacent (rank = dp rank x tp + tp rank)"},
+    {"bucket_mb",      "--bucket-mb",     &P::bucket_mb,     between(0, kMaxCount, true, false), "gradient reduction bucket size in MiB; each bucket is reduced as soon as the step's last backward has finished it (zero 2: also cut at the shards' boundaries)"},
+    {"tp",                "--tp",                &P::tp,               in_range(1, kMaxRanks),   "tensor-parallel ranks: each holds 1/tp of every block's heads, K/V heads and FFN width (must divide them); a run has dp x tp ranks, a replica's tp ranks adjacent (rank = dp rank x tp + tp rank)"},
     {"sequence_parallel", "--sequence-parallel", &P::sequence_parallel, {},          "tp: norms, residual stream, embedding and loss on each rank's 1/tp of the tokens (all-gather / reduce-scatter at the linears)"},
     {"tp_regather",       "--tp-regather",       &P::tp_regather,       {},          "tp with sequence_parallel: the backward all-gathers each layer's normed input again instead of keeping it"},
   };
@@ -81,7 +81,7 @@ const std::vector<Option<LoraConfig>>& lora_option_table() {
   using L = LoraConfig;
   static const std::vector<Option<L>> table = {
     // key             flag               member             values                    help
-    {"rank",           "--lora-rank",     &L::rank,          at_least(0, "no adapters"),
+    {"rank",           "--lora-rank",     &L::rank,          in_range(0, kMaxCount, "no adapters"),
      "LoRA: adapters of this rank on lora.targets, the base frozen (no master copy, gradient or optimizer state "
      "for it); 0: full-parameter training"},
     {"alpha",          "--lora-alpha",    &L::alpha,         above(0),                 "LoRA: the adapters' output is scaled by alpha / rank"},
@@ -185,6 +185,16 @@ OptionRule at_least_or_auto(double min, std::string_view zero) {
   r.or_auto = true;
   return r;
 }
+OptionRule in_range(double min, double max, std::string_view zero) {
+  OptionRule r = between(min, max, false, false);
+  r.zero = zero;
+  return r;
+}
+OptionRule in_range_or_auto(double min, double max, std::string_view zero) {
+  OptionRule r = in_range(min, max, zero);
+  r.or_auto = true;
+  return r;
+}
 OptionRule above(double min) {
   OptionRule r;
   r.min = min;
@@ -217,7 +227,8 @@ OptionRule no_empty_path() {
 
 std::string OptionRule::describe() const {
   if (min && max)
-    return fmt::format("in {}{}, {}{}", min_open ? '(' : '[', *min, *max, max_open ? ')' : ']');
+    return fmt::format("in {}{}, {}{}{}", min_open ? '(' : '[', *min, *max, max_open ? ')' : ']',
+                       or_auto ? ", or auto" : "");
   if (min) return fmt::format("{} {}{}", min_open ? ">" : ">=", *min, or_auto ? ", or auto" : "");
   if (max) return fmt::format("{} {}", max_open ? "<" : "<=", *max);
   if (!words.empty()) {

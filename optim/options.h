@@ -49,7 +49,8 @@ inline void read_option_word(std::string_view word, RecomputeMode& to) { to = pa
 // help and the options table; its readers take no other word).
 struct OptionRule {
   std::optional<double> min, max;
-  bool or_auto = false;                     // an integer option: "auto" (kAuto, optim/schedule.h) too
+  bool or_auto = false;                     // an integer option: "auto" (kAuto, optim/schedule.h) too;
+                                            // its readers refuse a negative number (kAuto is -1)
   bool min_open = false, max_open = false;  // > min rather than >= min; < max rather than <= max
   std::vector<std::string_view> words;      // a string option: one of these
   bool non_empty = false;                   // a string: not empty
@@ -61,6 +62,20 @@ struct OptionRule {
 
 OptionRule at_least(double min, std::string_view zero = {});  // >= min
 OptionRule at_least_or_auto(double min, std::string_view zero = {});  // >= min, or "auto" (kAuto)
+OptionRule in_range(double min, double max, std::string_view zero = {});  // in [min, max]
+OptionRule in_range_or_auto(double min, double max, std::string_view zero = {});  // in [min, max], or "auto"
+
+// The upper bounds of counts, so that a mistyped value (2^62 sequences) is refused by name before
+// anything is sized by it, and every product of two bounded counts fits in 64 bits. Each lies far
+// beyond what any machine can run: a sequence of 2^30 tokens holds a K/V store of terabytes even
+// for a small model, and a micro-batch of 2^20 sequences is a million times a large one. Tighter
+// limits that depend on the model and the machine are checked where those are known
+// (tools/train/train.cpp).
+inline constexpr double kMaxTokensOfSequence = 1073741824.0;  // 2^30: seq_len, chunk, bwd_chunk, generated tokens
+inline constexpr double kMaxSequencesOfBatch = 1048576.0;     // 2^20: batch_size, grad_accum, eval batches
+inline constexpr double kMaxSteps = 1099511627776.0;          // 2^40: steps, warmup, every-N-steps periods
+inline constexpr double kMaxRanks = 65536.0;                  // 2^16: dp, tp, and dp x tp
+inline constexpr double kMaxCount = 1048576.0;                // 2^20: shards, layers, kept checkpoints, threads, ranks of adapters
 OptionRule above(double min);                                  // > min
 OptionRule between(double min, double max, bool min_open, bool max_open);
 OptionRule one_of(std::vector<std::string_view> words);

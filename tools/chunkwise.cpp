@@ -23,7 +23,21 @@
 #include <CLI/CLI.hpp>
 #include <fmt/format.h>
 
+#include <cstdint>
+#include <filesystem>
 #include <iostream>
+
+namespace {
+
+// The bounds of the count flags, those of the option tables (optim/options.h): CLI11 refuses a
+// value outside them naming the flag, the value and the range, before anything is sized by it.
+constexpr int64_t kTokens = static_cast<int64_t>(cw::kMaxTokensOfSequence);
+constexpr int64_t kSequences = static_cast<int64_t>(cw::kMaxSequencesOfBatch);
+constexpr int64_t kSteps = static_cast<int64_t>(cw::kMaxSteps);
+constexpr int64_t kCount = static_cast<int64_t>(cw::kMaxCount);
+CLI::Range count_range(int64_t min, int64_t max) { return CLI::Range(min, max); }
+
+}  // namespace
 
 int main(int argc, char** argv) {
   const cw::BackgroundWorkScope background;  // stopped before the static destructors run
@@ -35,8 +49,8 @@ int main(int argc, char** argv) {
   CLI::App* gradcheck =
       app.add_subcommand("gradcheck", "check a schedule's gradients (finite differences, full, the reference step, ...)");
   gradcheck->add_option("--model", gc.model, "preset, config.json, HF checkpoint directory or .gguf file")->capture_default_str();
-  gradcheck->add_option("--seq", gc.seq, "tokens per sequence")->capture_default_str();
-  gradcheck->add_option("--batch", gc.batch, "sequences")->capture_default_str();
+  gradcheck->add_option("--seq", gc.seq, "tokens per sequence")->check(count_range(1, kTokens))->capture_default_str();
+  gradcheck->add_option("--batch", gc.batch, "sequences")->check(count_range(1, kSequences))->capture_default_str();
   gradcheck->add_option("--dtype", gc.dtype, "f64 | f32")->capture_default_str();
   cw::add_schedule_flags(*gradcheck, gc.schedule);
   cw::add_parallel_flags(*gradcheck, gc.parallel);
@@ -54,7 +68,8 @@ int main(int argc, char** argv) {
                         "fd | full | single | separate | reference (default: single with --dp or --tp > 1, else fd "
                         "for full, full otherwise)");
   gradcheck->add_option("--tol", gc.tol, "fail above this max_rel_err (default 1e-7 fd, 1e-12 the others in f64)");
-  gradcheck->add_option("--directions", gc.directions, "random directions per tensor (fd)")->capture_default_str();
+  gradcheck->add_option("--directions", gc.directions, "random directions per tensor (fd)")
+      ->check(count_range(1, kCount))->capture_default_str();
   gradcheck->add_option("--step", gc.step, "finite-difference step along a unit direction")->capture_default_str();
   gradcheck->add_option("--seed", gc.seed, "seed of the init, batch and directions")->capture_default_str();
   gradcheck->add_option("--norm-jitter", gc.norm_jitter, "random init: norm weights 1 + N(0, jitter)")
@@ -81,10 +96,11 @@ int main(int argc, char** argv) {
   CLI::App* logits = app.add_subcommand("logits", "write the logits of a token batch (to compare with other frameworks)");
   logits->add_option("--model", lo.model, "preset, config.json, checkpoint directory or .gguf file")->required();
   logits->add_option("--tokens", lo.tokens, "headerless little-endian uint32 file of batch x seq ids")->required();
-  logits->add_option("--batch", lo.batch, "sequences")->capture_default_str();
-  logits->add_option("--seq", lo.seq, "tokens per sequence")->required();
+  logits->add_option("--batch", lo.batch, "sequences")->check(count_range(1, kSequences))->capture_default_str();
+  logits->add_option("--seq", lo.seq, "tokens per sequence")->check(count_range(1, kTokens))->required();
   logits->add_option("--dtype", lo.dtype, "f64 | f32")->capture_default_str();
-  logits->add_option("--chunk", lo.chunk, "run in chunks against the K/V store (0: whole sequence)")->capture_default_str();
+  logits->add_option("--chunk", lo.chunk, "run in chunks against the K/V store (0: whole sequence)")
+      ->check(count_range(0, kTokens))->capture_default_str();
   logits->add_option("--out", lo.out, "output safetensors (tensor 'logits' [batch*seq, vocab])")->required();
   logits->add_option("--adapter", lo.adapter, "a PEFT LoRA adapter directory put on the model");
 
@@ -99,7 +115,7 @@ int main(int argc, char** argv) {
 
   cw::BenchOpsOptions bo;
   CLI::App* bench_ops = app.add_subcommand("bench-ops", "time the GPU ops on one shape set (a benchmark)");
-  bench_ops->add_option("--tokens", bo.tokens, "rows N")->capture_default_str();
+  bench_ops->add_option("--tokens", bo.tokens, "rows N")->check(count_range(1, kTokens))->capture_default_str();
   bench_ops->add_option("--hidden", bo.hidden, "C")->capture_default_str();
   bench_ops->add_option("--ffn", bo.ffn, "F")->capture_default_str();
   bench_ops->add_option("--heads", bo.heads, "query heads")->capture_default_str();
@@ -108,7 +124,8 @@ int main(int argc, char** argv) {
   bench_ops->add_option("--head-dim", bo.head_dim, "D")->capture_default_str();
   bench_ops->add_option("--vocab", bo.vocab, "embedding rows")->capture_default_str();
   bench_ops->add_option("--dtype", bo.dtype, "bf16 | f32")->capture_default_str();
-  bench_ops->add_option("--repeat", bo.repeat, "timed runs (median)")->capture_default_str();
+  bench_ops->add_option("--repeat", bo.repeat, "timed runs (median)")
+      ->check(count_range(1, kCount))->capture_default_str();
   bench_ops->add_option("--json", bo.json, "also write the results as JSON");
   bench_ops->add_option("--attention-tokens", bo.attention_tokens, "attention rows at these sequence lengths")
       ->capture_default_str();
@@ -124,8 +141,9 @@ int main(int argc, char** argv) {
   cw::BenchModelOptions bm;
   CLI::App* bench = app.add_subcommand("bench", "time training steps of a whole model on the GPU (a benchmark)");
   bench->add_option("--model", bm.model, "preset, config.json, checkpoint directory or .gguf file")->capture_default_str();
-  bench->add_option("--seq", bm.seq, "tokens per sequence")->capture_default_str();
-  bench->add_option("--batch", bm.batch, "sequences per step")->capture_default_str();
+  bench->add_option("--seq", bm.seq, "tokens per sequence")->check(count_range(1, kTokens))->capture_default_str();
+  bench->add_option("--batch", bm.batch, "sequences per step")
+      ->check(count_range(1, kSequences))->capture_default_str();
   cw::add_schedule_flags(*bench, bm.schedule);  // --chunk and --offload-window take auto: the planner chooses
   cw::add_lora_flags(*bench, bm.lora);
   bench->add_flag("--optimizer-offload", bm.optimizer_offload,
@@ -139,8 +157,8 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   bench->add_flag("--deterministic", bm.deterministic, "bitwise-reproducible gradients (deterministic kernels only)");
   bench->add_option("--dtype", bm.dtype, "bf16 | f32")->capture_default_str();
-  bench->add_option("--steps", bm.steps, "timed steps (median)")->capture_default_str();
-  bench->add_option("--warmup", bm.warmup, "untimed steps first")->capture_default_str();
+  bench->add_option("--steps", bm.steps, "timed steps (median)")->check(count_range(1, kCount))->capture_default_str();
+  bench->add_option("--warmup", bm.warmup, "untimed steps first")->check(count_range(0, kCount))->capture_default_str();
   bench->add_option("--peak-tflops", bm.peak_tflops, "bf16 peak for MFU (0: measure)")->capture_default_str();
   bench->add_option("--json", bm.json, "also write the result as JSON");
   bench->add_option("--documents", bm.documents,
@@ -152,8 +170,8 @@ int main(int argc, char** argv) {
   cw::PlanOptions po;  // tools/plan.h
   CLI::App* plan = app.add_subcommand("plan", "predicted peak memory and step time of a training step");
   plan->add_option("--model", po.model)->capture_default_str();
-  plan->add_option("--seq", po.seq)->capture_default_str();
-  plan->add_option("--batch", po.batch)->capture_default_str();
+  plan->add_option("--seq", po.seq)->check(count_range(1, kTokens))->capture_default_str();
+  plan->add_option("--batch", po.batch)->check(count_range(1, kSequences))->capture_default_str();
   cw::add_schedule_flags(*plan, po.schedule);  // --chunk and --offload-window take auto: the planner chooses
   cw::add_lora_flags(*plan, po.lora);
   plan->add_option("--dtype", po.dtype)->capture_default_str();
@@ -198,14 +216,21 @@ int main(int argc, char** argv) {
   train->add_option("--config", config_path, "run configuration (TOML)");
   train->add_option("--set", overrides, "override a key: section.key=value (repeatable)");
   train->add_option("--run-dir", run_dir, "run directory (default: runs/<date-time>, printed at start)");
-  train->add_flag("--resume", resume, "continue from the latest complete checkpoint in the run directory");
+  train->add_flag("--resume", resume,
+                  "continue from the latest complete checkpoint in the run directory, with the run's saved "
+                  "config.toml under --config, --set and the flags");
+  bool force_changes = false;
+  train->add_flag("--force-changes", force_changes,
+                  "--resume: accept changes to keys that make the resumed steps differ from the started run's "
+                  "(model, data, batch, schedule, seeds, optimizer)");
   // The flags of the config's rows that name one (--device, --deterministic, the schedule's), written
   // here and applied after --config and --set.
   cw::RunConfig train_flags = cw::RunConfig::defaults();
   const std::vector<cw::OptionRef> train_flag_options = train_flags.options();
   const std::vector<CLI::Option*> train_flag_given = cw::add_option_flags(*train, train_flag_options);
   int64_t stop_after = 0;
-  train->add_option("--stop-after", stop_after, "stop after N steps of this invocation, saving a checkpoint");
+  train->add_option("--stop-after", stop_after, "stop after N steps of this invocation, saving a checkpoint")
+      ->check(count_range(0, kSteps));
   std::string train_trace;
   train->add_option("--trace", train_trace, "write a Chrome trace (chrome://tracing, Perfetto) of the first step");
 
@@ -229,15 +254,17 @@ int main(int argc, char** argv) {
       ->excludes(sample_prompt);
   sample->add_option("--prefill-chunk", so.prefill_chunk,
                      "prompt tokens a prefill chunk (each attends the K/V store); 0: the whole prompt in one")
+      ->check(count_range(0, kTokens))
       ->capture_default_str();
   sample->add_flag("--chat", so.chat, "apply the tokenizer's chat template (ChatML) and stop at <|im_end|>");
   CLI::Option* sample_system_opt =
       sample->add_option("--system", sample_system, "--chat: the system message (default: the template's own, if any)");
   sample->add_option("--device", sample_device, "auto (CUDA when available) | cpu | cuda")->capture_default_str();
   sample->add_option("--dtype", sample_dtype, "auto (GPU: bf16, CPU: f32) | f64 | f32 | bf16")->capture_default_str();
-  sample->add_option("--tokens", so.tokens, "tokens to generate")->capture_default_str();
+  sample->add_option("--tokens", so.tokens, "tokens to generate")
+      ->check(count_range(0, kTokens))->capture_default_str();
   sample->add_option("--temperature", so.temperature, "0: greedy")->capture_default_str();
-  sample->add_option("--top-k", so.top_k, "0: off")->capture_default_str();
+  sample->add_option("--top-k", so.top_k, "0: off")->check(count_range(0, kTokens))->capture_default_str();
   sample->add_option("--top-p", so.top_p, "1: off")->capture_default_str();
   sample->add_option("--seed", so.seed, "sampling seed")->capture_default_str();
 
@@ -256,6 +283,7 @@ int main(int argc, char** argv) {
   eval->add_option("--device", eo.device, "auto (CUDA when available) | cpu | cuda")->capture_default_str();
   eval->add_option("--dtype", eo.dtype, "auto (GPU: bf16, CPU: f32) | f64 | f32 | bf16")->capture_default_str();
   eval->add_option("--chunk", eo.chunk, "tokens a prefill chunk (each attends the K/V store); 0: one chunk")
+      ->check(count_range(0, kTokens))
       ->capture_default_str();
   eval->add_option("--json", eo.json, "write the result as JSON");
   eval->add_option("--chart", eo.chart, "draw the result (SVG)");
@@ -263,11 +291,13 @@ int main(int argc, char** argv) {
   eval->add_option("--compare", eo.compare, "loss-by-position: earlier results (.json) drawn with this one");
   eval->add_option("--data", eo.data, "loss-by-position: held-out token shards or globs");
   eval->add_option("--format", eo.format, "loss-by-position: shard | u16 | u32")->capture_default_str();
-  eval->add_option("--seq", eo.seq, "loss-by-position: T, the tokens a window feeds the model");
+  eval->add_option("--seq", eo.seq, "loss-by-position: T, the tokens a window feeds the model")
+      ->check(count_range(0, kTokens));
   eval->add_option("--buckets", eo.buckets,
                    "loss-by-position: bucket edges; 1K,4K means positions [0,1K), [1K,4K), then [4K,T)")
       ->capture_default_str();
-  eval->add_option("--windows", eo.windows, "loss-by-position: at most this many windows (0: all)")->capture_default_str();
+  eval->add_option("--windows", eo.windows, "loss-by-position: at most this many windows (0: all)")
+      ->check(count_range(0, kSequences))->capture_default_str();
   eval->add_flag("--documents", eo.documents,
                  "loss-by-position: windows start at a document's first token (the tokenizer's BOS)");
   eval->add_option("--bos-token", eo.bos_token, "--documents: the token before each document (default: the BOS)");
@@ -277,8 +307,10 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   eval->add_option("--lengths", eo.lengths, "passkey: prompt lengths in tokens")->capture_default_str();
   eval->add_option("--depths", eo.depths, "passkey: depths of the key, evenly spaced in [0, 1]")->capture_default_str();
-  eval->add_option("--trials", eo.trials, "passkey: keys a length and depth")->capture_default_str();
-  eval->add_option("--answer-tokens", eo.answer_tokens, "passkey: tokens generated for an answer")->capture_default_str();
+  eval->add_option("--trials", eo.trials, "passkey: keys a length and depth")
+      ->check(count_range(1, kCount))->capture_default_str();
+  eval->add_option("--answer-tokens", eo.answer_tokens, "passkey: tokens generated for an answer")
+      ->check(count_range(1, kTokens))->capture_default_str();
   eval->add_option("--seed", eo.seed, "passkey: the keys' seed")->capture_default_str();
   eval->add_flag("--chat", eo.chat, "passkey: the prompt as the user's message of the tokenizer's chat template");
 
@@ -317,6 +349,10 @@ int main(int argc, char** argv) {
   CLI::Option* split_opt = tokenize->add_flag("--split-paragraphs", to.split_on_blank_lines,
                                               "text files: one document per blank-line separated paragraph");
   CLI::Option* eos_opt = tokenize->add_flag("--eos", to.add_eos, "EOS after each document");
+  bool keep_invalid_utf8 = false;
+  CLI::Option* invalid_utf8_opt = tokenize->add_flag(
+      "--keep-invalid-utf8", keep_invalid_utf8,
+      "text files: tokenize bytes that are not UTF-8 as they are instead of refusing the file");
   CLI::Option* bos_token_opt =
       tokenize->add_option("--bos-token", to.bos_token, "the token before each document (default: the tokenizer's BOS)");
   CLI::Option* eos_token_opt =
@@ -325,6 +361,7 @@ int main(int argc, char** argv) {
   jsonl_opt->excludes(chat_opt);
   field_opt->needs(jsonl_opt);
   split_opt->excludes(jsonl_opt)->excludes(chat_opt);
+  invalid_utf8_opt->excludes(jsonl_opt)->excludes(chat_opt);
   for (CLI::Option* o : {eos_opt, bos_token_opt, eos_token_opt}) o->excludes(chat_opt);
 
   std::string encode_file;
@@ -358,10 +395,29 @@ int main(int argc, char** argv) {
       return cw::run_gradcheck(gc, launch.rank == 0 ? std::cout : silent.stream, comm.get());
     }
     if (*train) {
-      cw::RunConfig rc = config_path.empty() ? cw::RunConfig::default_run() : cw::RunConfig::from_file(config_path);
-      for (const auto& o : overrides) rc.apply_override(o);
-      cw::copy_given_flags(train_flag_given, train_flag_options, rc.options());
-      rc.validate();
+      // The layers above a base: --config's keys, each --set, the flags.
+      const auto layered = [&](cw::RunConfig base) {
+        if (!config_path.empty()) base.apply_file(config_path);
+        for (const auto& o : overrides) base.apply_override(o);
+        cw::copy_given_flags(train_flag_given, train_flag_options, base.options());
+        return base;
+      };
+      cw::RunConfig rc = layered(config_path.empty() ? cw::RunConfig::default_run() : cw::RunConfig::defaults());
+      // A resumed run is the run as it was started: its saved config.toml, the layers on top of it.
+      const std::string dir = !run_dir.empty() ? run_dir : rc.log.run_dir;
+      const std::filesystem::path saved_path = std::filesystem::path(dir) / "config.toml";
+      if ((resume || rc.checkpoint.resume) && !dir.empty() && std::filesystem::exists(saved_path)) {
+        const cw::RunConfig saved = cw::RunConfig::from_file(saved_path.string());
+        cw::RunConfig resumed = layered(saved);
+        resumed.validate();
+        cw::check_resume_changes(cw::resume_changes(saved, resumed), force_changes, std::cout);
+        rc = resumed;
+      } else if (force_changes) {
+        cw::fail("--force-changes applies to --resume of a run directory that holds its config.toml",
+                 "give --resume and the --run-dir of the run, or leave --force-changes out");
+      } else {
+        rc.validate();
+      }
       cw::TrainOptions topt;
       topt.run_dir = run_dir;
       topt.resume = resume;
@@ -407,6 +463,7 @@ int main(int argc, char** argv) {
         cw::fail("chunkwise tokenize needs inputs: text files, --jsonl FILE... or --chat-jsonl FILE...",
                  "e.g. chunkwise tokenize --out data.bin notes.txt");
       const std::unique_ptr<cw::Tokenizer> tokenizer = cw::load_tokenizer(tokenizer_spec);
+      to.require_utf8 = !keep_invalid_utf8;
       if (!chat_inputs.empty()) {
         const cw::TokenizeCounts c = cw::tokenize_chat_jsonl(*tokenizer, chat_inputs, shard_out);
         std::cout << fmt::format("tokenize: {} files, {} conversations, {} bytes rendered -> {} tokens ({} the "

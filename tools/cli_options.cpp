@@ -29,11 +29,18 @@ std::vector<CLI::Option*> add_option_flags(CLI::App& app, const std::vector<Opti
             fail(fmt::format("{}: an unset-able boolean has no command-line flag", o.name()));
           } else if constexpr (std::is_same_v<T, int64_t>) {
             CLI::Option* opt = app.add_option(flag, *p, help)->capture_default_str();
-            // "auto" reads as kAuto where the rule takes it (the planner chooses the value).
+            // "auto" reads as kAuto where the rule takes it (the planner chooses the value); kAuto is
+            // -1, so a negative count is refused rather than read as "auto".
             if (o.rule->or_auto)
               opt->transform(CLI::Validator(
-                  [](std::string& v) {
-                    if (v == "auto") v = std::to_string(kAuto);
+                  [name = o.name(), rule = o.rule](std::string& v) {
+                    if (v == "auto") {
+                      v = std::to_string(kAuto);
+                      return std::string();
+                    }
+                    if (!v.empty() && v[0] == '-')
+                      return fmt::format("{} must be {}, got {} (write auto for the planner's choice)", name,
+                                         rule->describe(), v);
                     return std::string();
                   },
                   "INT or auto"));

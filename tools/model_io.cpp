@@ -13,6 +13,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 
 namespace cw {
 
@@ -136,12 +137,24 @@ LoadedModel load_model(const ModelSource& source, Device device, DType dtype, co
     const std::string& dir = source.run;
     if (!fs::is_directory(dir))
       fail(fmt::format("run directory '{}' does not exist", dir), "pass the --run-dir of a training run");
+    if (source.step < 0)
+      fail(fmt::format("--step must be >= 0 (0: the latest complete checkpoint), got {}", source.step),
+           "give a saved step, or leave --step out");
     RunDirectory rd(dir);
-    const std::optional<CheckpointRef> ref = source.step > 0 ? rd.find(source.step) : rd.latest_complete();
+    // Which checkpoint is read, and every newer one passed over with its reason, go to stderr: a
+    // damaged latest checkpoint must not silently give an older model.
+    std::vector<std::string> skipped;
+    std::string why;
+    const std::optional<CheckpointRef> ref =
+        source.step > 0 ? rd.find(source.step, &why) : rd.latest_complete(&skipped);
+    for (const std::string& s : skipped) std::cerr << "chunkwise: skipped " << s << "\n";
     if (!ref)
-      fail(source.step > 0 ? fmt::format("run '{}' has no complete checkpoint of step {}", dir, source.step)
+      fail(source.step > 0 ? fmt::format("run '{}' has no complete checkpoint of step {}{}", dir, source.step,
+                                         why.empty() ? "" : " (" + why + ")")
                            : fmt::format("run '{}' has no complete checkpoint", dir),
            "train first, or pick a step that was saved");
+    std::cerr << fmt::format("chunkwise: {} step {} ({}{})\n", what, ref->step, ref->path,
+                             source.step > 0 ? "" : ", the latest complete checkpoint");
     out.name = ref->path;
     // The run directory holds a copy of the tokenizer it was trained with (train.cpp writes it).
     tokenizer_spec =

@@ -322,6 +322,20 @@ TEST_CASE("options: every rule rejects a value that breaks it, naming the key") 
       CHECK_THROWS_WITH_AS(c.validate(), doctest::Contains((o.name() + " must be a finite number").c_str()), Error);
     }
   }
+  // One past the upper bound, for every count that has one: every count of a size or a number of
+  // steps, ranks or layers has one (optim/options.h).
+  int bounded = 0;
+  for (size_t i = 0; i < n; ++i) {
+    RunConfig c = RunConfig::defaults();
+    const OptionRef o = c.options()[i];
+    if (auto* p = std::get_if<int64_t*>(&o.target); p && o.rule->max) {
+      INFO(o.name());
+      ++bounded;
+      **p = static_cast<int64_t>(*o.rule->max) + 1;
+      CHECK_THROWS_WITH_AS(c.validate(), doctest::Contains((o.name() + " must be in [").c_str()), Error);
+    }
+  }
+  CHECK(bounded >= 20);
 }
 
 TEST_CASE("options: train's flags are applied after --config and --set; flags not given change nothing") {

@@ -13,7 +13,9 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
+#include <sstream>
 #include <string>
+#include <vector>
 
 namespace cw {
 namespace {
@@ -89,7 +91,7 @@ TEST_CASE("run config: the default run is the defaults with the demo corpus; its
   for (const auto& [section, keys] : defaults.items())
     for (const auto& [key, value] : keys.items())
       if (key != "tie_embeddings") CHECK(contains(text, "\n" + key + " = "));
-  CHECK(contains(text, "# spaco: chunks backpropagated per step (t of k); 0: all (>= 0)\nkeep = 0\n"));
+  CHECK(contains(text, "# spaco: chunks backpropagated per step (t of k); 0: all (in [0, 1073741824])\nkeep = 0\n"));
 }
 
 TEST_CASE("run config: to_toml round-trips exactly") {
@@ -269,9 +271,9 @@ TEST_CASE("run config: malformed overrides name --set and the key") {
 
 TEST_CASE("run config: validate names the key that is out of range") {
   const std::pair<const char*, const char*> cases[] = {
-      {"data.seq_len=1", "data.seq_len must be >= 2"},
-      {"data.batch_size=0", "data.batch_size must be >= 1"},
-      {"data.grad_accum=0", "data.grad_accum must be >= 1"},
+      {"data.seq_len=1", "data.seq_len must be in [2, "},
+      {"data.batch_size=0", "data.batch_size must be in [1, "},
+      {"data.grad_accum=0", "data.grad_accum must be in [1, "},
       {"data.eval_fraction=1", "data.eval_fraction must be in [0, 1)"},
       {"data.eval_fraction=-0.1", "data.eval_fraction"},
       {"data.format=u8", "data.format must be one of shard | u16 | u32, got \"u8\""},
@@ -280,8 +282,8 @@ TEST_CASE("run config: validate names the key that is out of range") {
       {"model.source=\"\"", "model.source must not be empty"},
       {"schedule.name=fast", "schedule.name must be one of full | checkpointed | seco | spaco"},
       {"schedule.recompute=partial", "schedule.recompute must be one of auto | full | selective | none"},
-      {"schedule.mlp_shards=-2", "schedule.mlp_shards must be >= 0"},
-      {"schedule.chunk=-2", "schedule.chunk must be >= 0, or auto"},
+      {"schedule.mlp_shards=-2", "schedule.mlp_shards must be in [0, 1048576]"},
+      {"schedule.chunk=-2", "schedule.chunk must be in [0, 1073741824], or auto, got -2"},
       {"schedule.keep=2", "schedule.keep is a spaco option"},
       {"schedule.drop_relay=true", "schedule.drop_relay is a spaco option"},
       {"schedule.relay_cap=-1", "schedule.relay_cap must be >= 0"},
@@ -293,20 +295,28 @@ TEST_CASE("run config: validate names the key that is out of range") {
       {"optimizer.beta2=-0.5", "optimizer.beta2 must be in [0, 1)"},
       {"optimizer.eps=0", "optimizer.eps must be > 0"},
       {"optimizer.decay=step", "optimizer.decay must be one of cosine | linear | constant"},
-      {"optimizer.warmup_steps=-1", "optimizer.warmup_steps must be >= 0"},
+      {"optimizer.warmup_steps=-1", "optimizer.warmup_steps must be in [0, "},
       {"optimizer.grad_clip=-1", "optimizer.grad_clip must be >= 0"},
-      {"train.steps=0", "train.steps must be >= 1"},
+      {"train.steps=0", "train.steps must be in [1, "},
       {"train.device=tpu", "train.device must be one of auto | cpu | cuda"},
       {"train.nonfinite=ignore", "train.nonfinite must be one of skip | stop"},
-      {"train.threads=-2", "train.threads must be >= 0"},
-      {"eval.batches=0", "eval.batches must be >= 1"},
+      {"train.threads=-2", "train.threads must be in [0, "},
+      {"eval.batches=0", "eval.batches must be in [1, "},
       {"data.eval_fraction=0", "eval.every is 50 but there is no eval data"},
-      {"checkpoint.keep_last=0", "checkpoint.keep_last must be >= 1"},
-      {"checkpoint.every=-1", "checkpoint.every must be >= 0"},
-      {"log.every=0", "log.every must be >= 1"},
+      {"checkpoint.keep_last=0", "checkpoint.keep_last must be in [1, "},
+      {"checkpoint.every=-1", "checkpoint.every must be in [0, "},
+      {"log.every=0", "log.every must be in [1, "},
       {"sample.top_p=0", "sample.top_p must be in (0, 1]"},
       {"sample.temperature=-1", "sample.temperature must be >= 0"},
-      {"sample.top_k=-1", "sample.top_k must be >= 0"},
+      {"sample.top_k=-1", "sample.top_k must be in [0, 1073741824] (0: off), got -1"},
+      // The upper bounds (optim/options.h), and the products of bounded counts.
+      {"data.batch_size=1048577", "data.batch_size must be in [1, 1048576], got 1048577"},
+      {"data.seq_len=1073741825", "data.seq_len must be in [2, 1073741824], got 1073741825"},
+      {"parallel.tp=65537", "parallel.tp must be in [1, 65536], got 65537"},
+      {"schedule.chunk=1073741825", "schedule.chunk must be in [0, 1073741824], or auto, got 1073741825"},
+      {"optimizer.warmup_steps=1099511627777", "optimizer.warmup_steps must be in [0, 1099511627776]"},
+      {"lora.rank=1048577", "lora.rank must be in [0, 1048576] (0: no adapters)"},
+      {"rope.factor=1e9", "rope.factor must be in [0, 1048576] (0: not given)"},
   };
   for (const auto& [assignment, expected] : cases) {
     INFO(assignment);
@@ -388,7 +398,7 @@ TEST_CASE("run config: [rope] mistakes name the key") {
        "rope.original_max_position_embeddings is set but rope.type = dynamic"},
       {{"rope.type=yarn", "rope.factor=2", "rope.beta_slow=40"}, "rope.beta_fast (32) must exceed rope.beta_slow (40)"},
       {{"rope.type=llama3", "rope.factor=2", "rope.low_freq_factor=4"}, "rope.high_freq_factor (4) must exceed"},
-      {{"rope.factor=-1"}, "rope.factor must be >= 0"},
+      {{"rope.factor=-1"}, "rope.factor must be in [0, 1048576]"},
       {{"rope.beta_slow=0"}, "rope.beta_slow must be > 0"},
   };
   for (const auto& [assignments, expected] : cases) {
@@ -436,6 +446,52 @@ TEST_CASE("run config: the committed configs/*.toml read and validate") {
     ++files;
   }
   CHECK(files == 4);  // the fine-tune demo and the long-context demo, each in a CPU and a GPU form
+}
+
+
+TEST_CASE("run config: --resume's changes against the saved config, each named, those that break continuation refused") {
+  // (assignment on top of the saved config, whether the run still continues as it started)
+  const std::pair<const char*, bool> cases[] = {
+      {"train.steps=600", true},          {"train.memory_check=false", true}, {"train.device_memory=8", true},
+      {"eval.every=10", true},            {"eval.batches=2", true},           {"checkpoint.every=5", true},
+      {"checkpoint.keep_last=4", true},   {"log.every=10", true},             {"sample.tokens=0", true},
+      {"model.source=tiny", false},       {"data.batch_size=4", false},       {"data.seq_len=128", false},
+      {"data.seed=7", false},             {"data.train=other.bin", false},    {"schedule.chunk=32", false},
+      {"schedule.name=full", false},      {"optimizer.lr=1e-4", false},       {"optimizer.beta2=0.99", false},
+      {"parallel.dp=2", false},           {"lora.rank=8", false},             {"train.deterministic=true", false},
+  };
+  RunConfig saved = RunConfig::default_run();
+  saved.schedule.chunk = 48;  // the planner's number for "auto", as a run directory saves it
+  for (const auto& [assignment, continues] : cases) {
+    INFO(assignment);
+    RunConfig resumed = saved;
+    resumed.apply_override(assignment);
+    const std::vector<ConfigChange> changes = resume_changes(saved, resumed);
+    REQUIRE(changes.size() == 1);
+    CHECK(std::string(assignment).starts_with(changes[0].key + "="));
+    CHECK(changes[0].continues == continues);
+    std::ostringstream printed;
+    if (continues) {
+      check_resume_changes(changes, false, printed);
+    } else {
+      CHECK(contains(error_of([&] { check_resume_changes(changes, false, printed); }),
+                     "config.toml differs in " + changes[0].key + " ("));
+      check_resume_changes(changes, true, printed);  // --force-changes
+    }
+    CHECK(contains(printed.str(), "resume: " + changes[0].key + ": " + changes[0].from + " -> " + changes[0].to));
+  }
+  // "auto" given again is the count the run's start resolved it to: no change.
+  RunConfig resumed = saved;
+  resumed.apply_override("schedule.chunk=auto");
+  CHECK(resume_changes(saved, resumed).empty());
+  CHECK(resumed.schedule.chunk == 48);
+  // A --config given with --resume changes only the keys it names.
+  resumed = saved;
+  resumed.apply_toml("[train]\nsteps = 900\n", "more.toml");
+  const std::vector<ConfigChange> changes = resume_changes(saved, resumed);
+  REQUIRE(changes.size() == 1);
+  CHECK(changes[0].key == "train.steps");
+  CHECK(resumed.data.train == saved.data.train);
 }
 
 }  // namespace

@@ -334,8 +334,8 @@ TokenizeCounts tokenize_files(const Tokenizer& tokenizer, const std::vector<std:
       if (const auto bad = find_invalid_utf8(text))
         fail(fmt::format("text file '{}': invalid UTF-8 at byte offset {} (byte 0x{:02x})", path, *bad,
                          static_cast<unsigned char>(text[*bad])),
-             "convert the file to UTF-8 (e.g. with iconv), or turn the UTF-8 check off to tokenize its bytes as "
-             "they are");
+             "convert the file to UTF-8 (e.g. with iconv), or give chunkwise tokenize --keep-invalid-utf8 to "
+             "tokenize its bytes as they are");
     }
     ++counts.files;
     for (std::string_view doc : split_documents(text, options.split_on_blank_lines))

@@ -9,9 +9,12 @@
 #include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
+#include <cstdint>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace cw {
@@ -25,6 +28,28 @@ namespace {
 constexpr const char* kOptimizerFile = "optimizer.safetensors";
 std::string optimizer_shard_file(int world_rank) { return fmt::format("optimizer-rank-{:05}.safetensors", world_rank); }
 std::string optimizer_tp_file(int tp_rank) { return fmt::format("optimizer-tp-{:05}.safetensors", tp_rank); }
+
+// One integer of a checkpoint's state.json (`object` is the file's root or one of its sections,
+// `key` its dotted name there), refused naming the file and key when it is missing, not an integer,
+// or outside [min, max]. `absent` is the value of a key older checkpoints do not write.
+int64_t state_integer(const nlohmann::json& object, const std::string& file, std::string_view section,
+                      std::string_view key, int64_t min, int64_t max, std::optional<int64_t> absent = std::nullopt) {
+  const std::string name = section.empty() ? std::string(key) : fmt::format("{}.{}", section, key);
+  const std::string k(key);
+  if (!object.is_object() || !object.contains(k)) {
+    if (absent) return *absent;
+    fail(fmt::format("{}: key '{}' is missing", file, name), "the checkpoint is damaged; resume from another one");
+  }
+  const nlohmann::json& v = object.at(k);
+  if (!v.is_number_integer() || (v.is_number_unsigned() && v.get<uint64_t>() > uint64_t(INT64_MAX)))
+    fail(fmt::format("{}: '{}' must be an integer, got {}", file, name, v.dump()),
+         "the checkpoint is damaged; resume from another one");
+  const int64_t n = v.get<int64_t>();
+  if (n < min || n > max)
+    fail(fmt::format("{}: '{}' must be in [{}, {}] for this run, got {}", file, name, min, max, n),
+         "the checkpoint is damaged or belongs to another run; resume from another one, or start a new run");
+  return n;
+}
 }  // namespace
 
 std::string RankGroups::optimizer_file_of(int w) const {
@@ -164,8 +189,6 @@ ResumePoint resume_or_initialise(const RunConfig& rc, const LlamaConfig& full_co
     if (!ref)
       fail(fmt::format("--resume: no complete checkpoint in '{}'", run_path),
            "start without --resume, or point --run-dir at the run to continue");
-    if (lora) load_adapter_from(state, full_config, ref->path, g);
-    else load_base_from(state, full_config, ref->path, g);
     std::ifstream sf(fs::path(ref->path) / "state.json");
     nlohmann::json saved;
     try {
@@ -173,10 +196,30 @@ ResumePoint resume_or_initialise(const RunConfig& rc, const LlamaConfig& full_co
     } catch (const nlohmann::json::exception& e) {
       fail(fmt::format("{}/state.json: not valid JSON ({})", ref->path, e.what()), "the checkpoint is damaged");
     }
+    // The counters, checked against the run before anything is restored: a step beyond train.steps
+    // would train nothing and report a loss of no step.
+    const std::string state_file = (fs::path(ref->path) / "state.json").string();
+    if (!saved.is_object()) fail(fmt::format("{}: not a JSON object", state_file), "the checkpoint is damaged");
+    p.step = state_integer(saved, state_file, "", "step", 0, rc.train.steps);
+    if (p.step == rc.train.steps)
+      fail(fmt::format("--resume: {} is at step {}, and train.steps = {}: the run is complete", ref->path, p.step,
+                       rc.train.steps),
+           fmt::format("raise train.steps to continue it (e.g. --set train.steps={})", 2 * rc.train.steps));
+    // Every step sees at least one token, and step 0 none.
+    p.tokens_seen = state_integer(saved, state_file, "", "tokens_seen", p.step, INT64_MAX);
+    if (p.step == 0 && p.tokens_seen != 0)
+      fail(fmt::format("{}: 'tokens_seen' must be 0 at step 0, got {}", state_file, p.tokens_seen),
+           "the checkpoint is damaged; resume from another one");
     // A sharded optimizer state resumes only on the layout that wrote it.
-    const int64_t saved_dp = saved.contains("parallel") ? saved["parallel"].value("dp", int64_t{1}) : 1;
-    const int64_t saved_zero = saved.contains("parallel") ? saved["parallel"].value("zero", int64_t{0}) : 0;
-    const int64_t saved_tp = saved.contains("parallel") ? saved["parallel"].value("tp", int64_t{1}) : 1;
+    const nlohmann::json none = nlohmann::json::object();
+    const nlohmann::json& layout = saved.contains("parallel") ? saved.at("parallel") : none;
+    if (!layout.is_object())
+      fail(fmt::format("{}: 'parallel' must be an object, got {}", state_file, layout.dump()),
+           "the checkpoint is damaged; resume from another one");
+    const int64_t ranks = static_cast<int64_t>(kMaxRanks);
+    const int64_t saved_dp = state_integer(layout, state_file, "parallel", "dp", 1, ranks, 1);
+    const int64_t saved_zero = state_integer(layout, state_file, "parallel", "zero", 0, 2, 0);
+    const int64_t saved_tp = state_integer(layout, state_file, "parallel", "tp", 1, ranks, 1);
     const int64_t run_dp = g.dp ? g.dp->size() : 1, run_zero = g.zero(), run_tp = g.tp_size();  // one process: whole state
     const char* keep_hint =
         "resume with the checkpoint's parallel.dp, parallel.tp and parallel.zero (its weights are a whole HF "
@@ -190,16 +233,19 @@ ResumePoint resume_or_initialise(const RunConfig& rc, const LlamaConfig& full_co
       fail(fmt::format("{}: the checkpoint was written with parallel.dp = {} and parallel.zero = {}; this run has {} and {}",
                        ref->path, saved_dp, saved_zero, run_dp, run_zero),
            keep_hint);
+    if (lora) load_adapter_from(state, full_config, ref->path, g);
+    else load_base_from(state, full_config, ref->path, g);
     const std::string optimizer_path = (fs::path(ref->path) / g.optimizer_file_to_read()).string();
     if (g.dp && g.dp->optimizer_shard())
       g.dp->optimizer_shard()->load(optimizer_path);
     else
       state.optimizer().load(optimizer_path);
-    p.step = saved.at("step").get<int64_t>();
-    p.tokens_seen = saved.at("tokens_seen").get<int64_t>();
-    sampler.restore(SamplerState::from_json(saved.at("sampler"), ref->path + "/state.json"));
+    if (!saved.contains("sampler"))
+      fail(fmt::format("{}: key 'sampler' is missing", state_file), "the checkpoint is damaged; resume from another one");
+    sampler.restore(SamplerState::from_json(saved.at("sampler"), state_file));
     if (g.lead()) truncate_metrics_after(metrics_path, p.step);
-    out << fmt::format("resumed from {} (step {})\n", ref->path, p.step);
+    out << fmt::format("resumed from {} (step {} of {}, {} tokens seen)\n", ref->path, p.step, rc.train.steps,
+                       p.tokens_seen);
   } else if (lora) {
     // done above
   } else if (source_has_weights) {

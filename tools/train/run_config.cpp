@@ -22,6 +22,9 @@ namespace cw {
 
 namespace {
 
+// The tokens a whole run may see: the counters that sum them are signed 64-bit, with headroom.
+constexpr int64_t kMaxRunTokens = int64_t(1) << 62;
+
 using Model = RunConfig::Model;
 using Rope = RunConfig::Rope;
 using Data = RunConfig::Data;
@@ -45,8 +48,8 @@ const std::vector<Option<Model>> model_options = {
 };
 const std::vector<Option<Rope>> rope_options = {
   {"type",           "", &Rope::type,             one_of({"model", "default", "linear", "llama3", "yarn", "dynamic"}), "the RoPE scaling the run trains with, replacing the model's (HF's rope_type): model (keep the model's own) | default (none) | linear | llama3 | yarn | dynamic (dynamic NTK: frequencies of each sequence's length; engine/ops/rope.h)"},
-  {"factor",         "", &Rope::factor,           at_least(0, "not given"),             "the context stretch (>= 1), needed by every type but model and default"},
-  {"original_max_position_embeddings", "", &Rope::original_max_position_embeddings, at_least(0, "the model's max_position_embeddings"), "llama3, yarn: the context length the model was trained with (give it when the model already has a scaling); yarn sets max_position_embeddings to factor times it"},
+  {"factor",         "", &Rope::factor,           in_range(0, kMaxCount, "not given"), "the context stretch (>= 1), needed by every type but model and default"},
+  {"original_max_position_embeddings", "", &Rope::original_max_position_embeddings, in_range(0, kMaxTokensOfSequence, "the model's max_position_embeddings"), "llama3, yarn: the context length the model was trained with (give it when the model already has a scaling); yarn sets max_position_embeddings to factor times it"},
   {"beta_fast",      "", &Rope::beta_fast,        above(0),                             "yarn: rotations over the original context above which a frequency is kept (> beta_slow)"},
   {"beta_slow",      "", &Rope::beta_slow,        above(0),                             "yarn: rotations below which a frequency is divided by factor"},
   {"mscale",         "", &Rope::mscale,           at_least(0, "not given"),             "yarn: with mscale_all_dim, the attention factor is get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim)"},
@@ -61,9 +64,9 @@ const std::vector<Option<Data>> data_options = {
   {"eval",           "", &Data::eval,             no_empty_path(),                         "held-out token files; empty: the last eval_fraction of the training stream"},
   {"format",         "", &Data::format,           one_of({"shard", "u16", "u32"}),      "file format: shard (llm.c, with header) | u16 | u32 (headerless ids)"},
   {"eval_fraction",  "", &Data::eval_fraction,    between(0, 1, false, true),           "held out of the training stream when eval is empty; 0: no evaluation data"},
-  {"seq_len",        "", &Data::seq_len,          at_least(2),                          "T: tokens per sequence"},
-  {"batch_size",     "", &Data::batch_size,       at_least(1),                          "B: sequences per micro-batch"},
-  {"grad_accum",     "", &Data::grad_accum,       at_least(1),                          "micro-batches per optimizer step (a step sees seq_len * batch_size * grad_accum tokens)"},
+  {"seq_len",        "", &Data::seq_len,          in_range(2, kMaxTokensOfSequence),    "T: tokens per sequence"},
+  {"batch_size",     "", &Data::batch_size,       in_range(1, kMaxSequencesOfBatch),    "B: sequences per micro-batch"},
+  {"grad_accum",     "", &Data::grad_accum,       in_range(1, kMaxSequencesOfBatch),    "micro-batches per optimizer step (a step sees seq_len * batch_size * grad_accum tokens)"},
   {"seed",           "", &Data::seed,             {},                                   "seed of the shuffle of training windows"},
   {"tokenizer",      "", &Data::tokenizer,        non_empty(),                          "the tokenizer of the samples (prompt in, text out) and, with documents, of the BOS that marks where documents start in files without stored starts: bytes | \"model\" (model.source's own: a .gguf file, or a directory with tokenizer.json) | an HF tokenizer.json, a directory holding one, or a .gguf file; its vocabulary must fit the model's, and the run directory keeps a copy"},
   {"loss",           "--loss", &Data::loss,       one_of({"all", "assistant"}),         "which targets the loss trains on: all | assistant (only the tokens the data's loss mask marks: the assistant's replies of chunkwise tokenize --chat-jsonl; every token file needs its flags file with the mask)"},
@@ -73,7 +76,7 @@ const std::vector<Option<Data>> data_options = {
 const std::vector<Option<Optimizer>> optimizer_options = {
   {"lr",             "", &Optimizer::lr,          above(0),                             "AdamW: the peak learning rate, reached linearly from 0 after warmup_steps"},
   {"min_lr",         "", &Optimizer::min_lr,      at_least(0),                          "where the decay ends, at the last step (<= lr unless decay is constant)"},
-  {"warmup_steps",   "", &Optimizer::warmup_steps, at_least(0),                         "steps of linear warmup from 0"},
+  {"warmup_steps",   "", &Optimizer::warmup_steps, in_range(0, kMaxSteps),              "steps of linear warmup from 0"},
   {"decay",          "", &Optimizer::decay,       one_of({"cosine", "linear", "constant"}), "from lr down to min_lr: cosine | linear | constant (stays at lr)"},
   {"beta1",          "", &Optimizer::beta1,       between(0, 1, false, true),           "AdamW first-moment decay"},
   {"beta2",          "", &Optimizer::beta2,       between(0, 1, false, true),           "AdamW second-moment decay"},
@@ -83,35 +86,35 @@ const std::vector<Option<Optimizer>> optimizer_options = {
   {"offload",        "--optimizer-offload", &Optimizer::offload, {},                    "keep the master weights and AdamW's moments in host memory (ZeRO-Offload; 12 bytes a trained parameter off the device), updated piece by piece on the GPU with the state streamed through it"},
 };
 const std::vector<Option<Train>> train_options = {
-  {"steps",          "",                &Train::steps,         at_least(1),           "optimizer steps"},
+  {"steps",          "",                &Train::steps,         in_range(1, kMaxSteps),  "optimizer steps"},
   {"device",         "--device",        &Train::device,        one_of({"auto", "cpu", "cuda"}), "auto (CUDA when available) | cpu | cuda"},
   {"nonfinite",      "",                &Train::nonfinite,     one_of({"skip", "stop"}), "a step whose loss or gradient is NaN/inf: skip its update, or stop the run"},
   {"deterministic",  "--deterministic", &Train::deterministic, {},                    "GPU: bitwise-reproducible gradients run to run (attention's dQ summed without atomics: slower)"},
-  {"threads",        "",                &Train::threads,       at_least(0, "all cores"), "CPU threads; 0: all cores"},
+  {"threads",        "",                &Train::threads,       in_range(0, kMaxCount, "all cores"), "CPU threads; 0: all cores"},
   {"memory_check",   "",                &Train::memory_check,  {},                    "refuse before step 1 a run whose planned memory (tools/planner) exceeds what the device (or host) has free; false: start it anyway (where the plan is known to be pessimistic)"},
-  {"device_memory",  "--device-memory", &Train::device_memory, at_least(0, "the whole GPU"), "GPU: the device memory the run may use, in GiB (the caching pool's ceiling is this less the CUDA context), as if the GPU had that much; 0: the whole GPU"},
+  {"device_memory",  "--device-memory", &Train::device_memory, in_range(0, kMaxCount, "the whole GPU"), "GPU: the device memory the run may use, in GiB (the caching pool's ceiling is this less the CUDA context), as if the GPU had that much; 0: the whole GPU"},
 };
 const std::vector<Option<Eval>> eval_options = {
-  {"every",          "", &Eval::every,            at_least(0, "never"),                 "evaluate every this many steps and at the end; 0: never"},
-  {"batches",        "", &Eval::batches,          at_least(1),                          "eval batches per evaluation"},
+  {"every",          "", &Eval::every,            in_range(0, kMaxSteps, "never"),    "evaluate every this many steps and at the end; 0: never"},
+  {"batches",        "", &Eval::batches,          in_range(1, kMaxSequencesOfBatch),  "eval batches per evaluation"},
   {"at_start",       "", &Eval::at_start,         {},                                   "also evaluate before the first step (where a fine-tune starts from)"},
 };
 const std::vector<Option<Checkpoint>> checkpoint_options = {
-  {"every",          "", &Checkpoint::every,      at_least(0, "never"),                 "save every this many steps and at the end; 0: only at the end"},
+  {"every",          "", &Checkpoint::every,      in_range(0, kMaxSteps, "never"),      "save every this many steps and at the end; 0: only at the end"},
   {"at_end",         "", &Checkpoint::at_end,     {},                                   "save at the end of the run; false: a run that keeps no state (benchmarks, checks; a stop signal still saves)"},
-  {"keep_last",      "", &Checkpoint::keep_last,  at_least(1),                          "checkpoints kept; older ones are deleted"},
+  {"keep_last",      "", &Checkpoint::keep_last,  in_range(1, kMaxCount),               "checkpoints kept; older ones are deleted"},
   {"resume",         "", &Checkpoint::resume,     {},                                   "continue from the run directory's latest complete checkpoint (as --resume)"},
 };
 const std::vector<Option<Log>> log_options = {
   {"run_dir",        "", &Log::run_dir,           {},                                   "where the run writes its log, config, checkpoints and plots; empty: runs/<date-time> (--run-dir overrides)"},
-  {"every",          "", &Log::every,             at_least(1),                          "steps between log lines"},
+  {"every",          "", &Log::every,             in_range(1, kMaxSteps),               "steps between log lines"},
   {"plot",           "", &Log::plot,              {},                                   "plot the loss curves (loss.png)"},
 };
 const std::vector<Option<Sample>> sample_options = {
   {"prompt",         "", &Sample::prompt,         {},                                   "text the trained model continues at the end of the run"},
-  {"tokens",         "", &Sample::tokens,         at_least(0, "no sample"),             "tokens to generate; 0: no sample"},
+  {"tokens",         "", &Sample::tokens,         in_range(0, kMaxTokensOfSequence, "no sample"), "tokens to generate; 0: no sample"},
   {"temperature",    "", &Sample::temperature,    at_least(0, "greedy"),                "sampling temperature; 0: greedy"},
-  {"top_k",          "", &Sample::top_k,          at_least(0, "off"),                   "keep the k most likely tokens; 0: off"},
+  {"top_k",          "", &Sample::top_k,          in_range(0, kMaxTokensOfSequence, "off"), "keep the k most likely tokens; 0: off"},
   {"top_p",          "", &Sample::top_p,          between(0, 1, true, false),           "nucleus: keep the most likely tokens up to this probability; 1: off"},
   {"seed",           "", &Sample::seed,           {},                                   "sampling seed"},
   {"at_start",       "", &Sample::at_start,       {},                                   "also sample before the first step (the model as the run starts)"},
@@ -290,6 +293,10 @@ void assign(const Field& f, const toml::node& node, const std::string& where) {
             if (i->get() < 0) wrong_type(f, node, where);
             *p = static_cast<uint64_t>(i->get());
           } else {
+            // kAuto is -1, so a negative count would read as "auto": only the word means that.
+            if (f.rule->or_auto && i->get() < 0)
+              fail(fmt::format("{}: {} must be {}, got {}", where, f.name(), f.rule->describe(), i->get()),
+                   fmt::format("write {} = \"auto\" for the planner's choice, or a count", f.key));
             *p = i->get();
           }
         } else if constexpr (std::is_same_v<T, double>) {
@@ -413,6 +420,12 @@ void validate_rope(const Rope& r) {
 RunConfig RunConfig::defaults() { return RunConfig{}; }
 
 RunConfig RunConfig::from_toml(const std::string& text, const std::string& source) {
+  RunConfig config = defaults();
+  config.apply_toml(text, source);
+  return config;
+}
+
+void RunConfig::apply_toml(const std::string& text, const std::string& source) {
   toml::table root;
   try {
     root = toml::parse(text, source);
@@ -422,8 +435,7 @@ RunConfig RunConfig::from_toml(const std::string& text, const std::string& sourc
          "see https://toml.io for the syntax");
   }
   const Origin origin{source, true};
-  RunConfig config = defaults();
-  std::vector<Field> fields = fields_of(config);
+  std::vector<Field> fields = fields_of(*this);
   const std::vector<std::string_view> sections = section_names();
   for (const auto& [name, node] : root) {
     const std::string where = origin.at(name.source());
@@ -446,10 +458,15 @@ RunConfig RunConfig::from_toml(const std::string& text, const std::string& sourc
       assign(f, value, origin.at(value.source()));
     }
   }
-  return config;
 }
 
 RunConfig RunConfig::from_file(const std::string& path) {
+  RunConfig config = defaults();
+  config.apply_file(path);
+  return config;
+}
+
+void RunConfig::apply_file(const std::string& path) {
   std::error_code ec;
   if (std::filesystem::is_directory(path, ec))
     fail(fmt::format("{}: is a directory, not a config file", path), "give the path of a .toml file");
@@ -457,7 +474,7 @@ RunConfig RunConfig::from_file(const std::string& path) {
   if (!in) fail(fmt::format("{}: cannot open config file", path), "check the path given to --config");
   std::ostringstream text;
   text << in.rdbuf();
-  return from_toml(text.str(), path);
+  apply_toml(text.str(), path);
 }
 
 void RunConfig::apply_override(const std::string& assignment) {
@@ -519,6 +536,22 @@ void RunConfig::validate() const {
   schedule.validate();
   parallel.validate();
   lora.validate();
+  // Products of bounded counts: each factor is checked above, so two ranks' counts multiply exactly
+  // in 64 bits, and the run's tokens (up to 2^126) are compared as a double, exact to a part in 2^53.
+  const int64_t ranks = parallel.dp * parallel.tp;
+  if (static_cast<double>(ranks) > kMaxRanks)
+    fail(fmt::format("parallel.dp x parallel.tp must be <= {}, got {} x {} = {} ranks", kMaxRanks, parallel.dp,
+                     parallel.tp, ranks),
+         "lower parallel.dp or parallel.tp");
+  // The run counts its tokens (tokens_seen, the metrics, the checkpoint's state) in 64 bits.
+  const double run_tokens = static_cast<double>(ranks) * static_cast<double>(data.batch_size) *
+                            static_cast<double>(data.seq_len) * static_cast<double>(data.grad_accum) *
+                            static_cast<double>(train.steps);
+  if (run_tokens > static_cast<double>(kMaxRunTokens))
+    fail(fmt::format("train.steps = {} steps of parallel.dp x data.batch_size x data.seq_len x data.grad_accum = "
+                     "{} x {} x {} x {} tokens must be <= 2^62 tokens in all (the run's token count is 64-bit)",
+                     train.steps, parallel.dp, data.batch_size, data.seq_len, data.grad_accum),
+         "lower train.steps, data.batch_size, data.seq_len or data.grad_accum");
   // A constant rate never reaches min_lr, so only a decay makes the pair inconsistent.
   if (optimizer.decay != "constant" && optimizer.min_lr > optimizer.lr)
     fail(fmt::format("optimizer.min_lr must be <= optimizer.lr ({}), got {}", optimizer.lr, optimizer.min_lr),
@@ -645,6 +678,46 @@ std::string RunConfig::options_markdown() {
                        option_type_name(f.target), value, cell(f.rule->describe()), cell(f.help));
   }
   return out;
+}
+
+bool resume_keeps_continuation(std::string_view key) {
+  static const std::string_view keys[] = {"train.steps", "train.memory_check", "train.device_memory"};
+  static const std::string_view sections[] = {"eval.", "checkpoint.", "log.", "sample."};
+  for (std::string_view k : keys)
+    if (key == k) return true;
+  for (std::string_view s : sections)
+    if (key.starts_with(s)) return true;
+  return false;
+}
+
+std::vector<ConfigChange> resume_changes(const RunConfig& saved, RunConfig& resumed) {
+  const std::vector<OptionRef> before = const_cast<RunConfig&>(saved).options();  // read only
+  const std::vector<OptionRef> after = resumed.options();
+  std::vector<ConfigChange> changes;
+  for (size_t i = 0; i < after.size(); ++i) {
+    if (auto* n = std::get_if<int64_t*>(&after[i].target); n && after[i].rule->or_auto && **n == kAuto)
+      copy_option_value(after[i].target, before[i].target);
+    if (option_values_equal(before[i].target, after[i].target)) continue;
+    const std::string name = after[i].name();
+    changes.push_back({name, toml_value(before[i]).value_or("unset"), toml_value(after[i]).value_or("unset"),
+                       resume_keeps_continuation(name)});
+  }
+  return changes;
+}
+
+void check_resume_changes(const std::vector<ConfigChange>& changes, bool force, std::ostream& out) {
+  std::string breaking;
+  for (const ConfigChange& c : changes) {
+    out << fmt::format("resume: {}: {} -> {}{}\n", c.key, c.from, c.to,
+                       c.continues ? "" : force ? " (--force-changes: the run no longer continues as it started)" : "");
+    if (!c.continues) breaking += fmt::format("{}{} ({} -> {})", breaking.empty() ? "" : ", ", c.key, c.from, c.to);
+  }
+  if (!breaking.empty() && !force)
+    fail(fmt::format("--resume: the run directory's config.toml differs in {}: the resumed steps would not be the ones "
+                     "the started run takes",
+                     breaking),
+         "resume without those changes (the saved config.toml is read, so --config and --set are needed only for "
+         "changes), or give --force-changes to continue with them");
 }
 
 nlohmann::json RunConfig::to_json() const {

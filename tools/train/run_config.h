@@ -32,7 +32,9 @@
 
 #include <cstdint>
 #include <optional>
+#include <ostream>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace cw {
@@ -154,6 +156,10 @@ struct RunConfig {
   // Defaults overridden by the keys the text gives. `source` names the text in errors (a path).
   static RunConfig from_toml(const std::string& text, const std::string& source);
   static RunConfig from_file(const std::string& path);
+  // The keys the text (or file) gives, applied on top of this config: a --config given with
+  // --resume changes only the keys it names in the run's saved config.
+  void apply_toml(const std::string& text, const std::string& source);
+  void apply_file(const std::string& path);
 
   // "section.key=value", the value read as TOML (256, 0.5, true, "x", ["a", "b"]). String keys also
   // take the text after '=' verbatim when it is not a quoted TOML string (so model.source=tiny and
@@ -180,5 +186,29 @@ struct RunConfig {
   static std::string options_markdown();
   nlohmann::json to_json() const;  // {"section": {"key": value}}; an unset tie_embeddings is null
 };
+
+// One key a resumed run changes against the config.toml its run directory saved.
+struct ConfigChange {
+  std::string key;       // "section.key"
+  std::string from, to;  // as TOML values
+  bool continues = true; // the run continues as it started (resume_keeps_continuation)
+};
+
+// Whether changing `key` ("section.key") on --resume leaves the run continuing as it started: what
+// it reports, saves, evaluates and samples, and how long it runs. Those are train.steps (the
+// decay of the learning rate then ends at the new last step), train.memory_check,
+// train.device_memory, eval.*, checkpoint.*, log.* and sample.*. Every other key changes the
+// model, the data, the batches, the schedule's arithmetic, a seed or the optimizer, so the resumed
+// steps would not be the ones the started run takes.
+bool resume_keeps_continuation(std::string_view key);
+
+// The keys `resumed` changes against `saved` (the run directory's config.toml), in table order. A
+// schedule.chunk or schedule.offload_window of "auto" in `resumed` where `saved` holds a count takes
+// the count: the saved config holds the planner's choice for "auto" at the run's start.
+std::vector<ConfigChange> resume_changes(const RunConfig& saved, RunConfig& resumed);
+
+// Prints each change as "resume: section.key: from -> to" and refuses, naming every such key, the
+// changes that break continuation unless `force` (--force-changes).
+void check_resume_changes(const std::vector<ConfigChange>& changes, bool force, std::ostream& out);
 
 }  // namespace cw

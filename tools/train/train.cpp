@@ -135,6 +135,39 @@ Placement resolve_placement(const RunConfig& rc) {
   return {mc, device, dtype, resolve_lora(rc)};
 }
 
+// Bytes of host memory the machine has in all (0 if unknown).
+double host_memory_total() {
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && page > 0 ? double(pages) * double(page) : 0.0;
+}
+
+// Sizes no machine of this kind can hold, refused before anything is sized by them, whatever
+// train.memory_check says (the planner's check in check_memory is the precise one; these are lower
+// bounds). The step's micro-batches are built at once in host memory, ids and labels at least 4
+// bytes each; a micro-batch keeps, in any schedule, at least each layer's K/V (seco, spaco) or
+// input (full, checkpointed) for every token, in host or device memory.
+void check_sizes_fit_machine(const RunConfig& rc, const Placement& p, const LlamaConfig& rank_model) {
+  const double host = host_memory_total();
+  if (host <= 0) return;
+  const double device = p.device.is_cpu() ? 0.0 : double(device_memory(p.device).total);
+  const double B = double(rc.data.batch_size), T = double(rc.data.seq_len), accum = double(rc.data.grad_accum);
+  constexpr double kBatchBytesPerToken = 8;  // a 32-bit id and a 32-bit label
+  const double batches = accum * B * T * kBatchBytesPerToken;
+  if (batches > host)
+    fail(fmt::format("data.grad_accum x data.batch_size x data.seq_len = {} x {} x {} tokens are built at once for a "
+                     "step: at least {} of host memory, and this machine has {} in all",
+                     rc.data.grad_accum, rc.data.batch_size, rc.data.seq_len, human_bytes(batches), human_bytes(host)),
+         "lower data.grad_accum, data.batch_size or data.seq_len");
+  const double per_layer = double(std::min(rank_model.hidden_size, 2 * rank_model.kv_dim()));
+  const double kept = B * T * per_layer * double(rank_model.num_hidden_layers) * double(dtype_size(p.dtype));
+  if (kept > host + device)
+    fail(fmt::format("data.batch_size x data.seq_len = {} x {} tokens keep at least {} a micro-batch ({} values a "
+                     "token in each of {} layers), and this machine has {} of host and device memory in all",
+                     rc.data.batch_size, rc.data.seq_len, human_bytes(kept), per_layer, rank_model.num_hidden_layers,
+                     human_bytes(host + device)),
+         "lower data.batch_size or data.seq_len");
+}
+
 struct TrainData {
   TokenDataset train;
   WindowSplit split;  // train and eval windows
@@ -695,6 +728,7 @@ TrainResult run_training(const RunConfig& given, const TrainOptions& opt, std::o
   // What one rank holds: with tensor parallelism 1/tp of every block's heads and FFN (this says at
   // once when tp does not divide them).
   const LlamaConfig rank_config = rc.parallel.tp > 1 ? tp_shard_config(mc, rc.parallel.tp) : mc;
+  check_sizes_fit_machine(rc, placement, rank_config);
   // data.tokenizer: kept in the run directory; where the run turns ids into text (its samples), checked
   // against the model before anything is loaded (a run on token ids alone needs no tokenizer of its size).
   const std::string tokenizer_spec = resolve_tokenizer_spec(rc.data.tokenizer, rc.model.source, "data.tokenizer");
