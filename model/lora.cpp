@@ -294,7 +294,10 @@ void load_peft_adapter(const ParamSet& adapters, const std::string& dir) {
   for (const SafetensorsEntry& e : reader.entries())
     if (!expected.count(e.name))
       fail(fmt::format("{}: tensor '{}' is not an adapter of this model and configuration", path, e.name), hint);
-  for (size_t i = 0; i < adapters.size(); ++i) reader.read_into(adapters.specs()[i].name, adapters[i]);
+  for (size_t i = 0; i < adapters.size(); ++i) {
+    reader.read_into(adapters.specs()[i].name, adapters[i]);
+    require_finite_weights(adapters[i], adapters.specs()[i].name, path);
+  }
 }
 
 void merge_adapters(const ParamSet& base, const ParamSet& adapters, const LoraConfig& lora) {
