@@ -775,6 +775,11 @@ TEST_CASE("gguf: malformed Llama files are refused before allocating, naming the
       {"FFN wider than its tensors", [](GgufBuilder& b) { b.replace("llama.feed_forward_length", 4, raw<uint32_t>(1000)); },
        "tensor 'blk.0.ffn_gate.weight' has shape [40, 32] (GGUF dims [32, 40]), but the metadata gives "
        "model.layers.0.mlp.gate_proj.weight [1000, 32]"},
+      {"an array of 2^40 strings", [](GgufBuilder& b) {
+         b.kv("tokenizer.ggml.merges", 9, raw<uint32_t>(8) + raw<uint64_t>(uint64_t{1} << 40));
+       }, "metadata 'tokenizer.ggml.merges': array of 1099511627776 string elements cannot fit"},
+      {"a string of 2^40 bytes", [](GgufBuilder& b) { b.kv("general.name", 8, raw<uint64_t>(uint64_t{1} << 40)); },
+       "metadata 'general.name' of 1099511627776 bytes"},
       {"2^20 heads", [](GgufBuilder& b) { b.replace("llama.attention.head_count", 4, raw<uint32_t>(1u << 20)); },
        "'llama.attention.head_count' is 1048576, above the limit 65536"},
       {"freq_base inf", [&](GgufBuilder& b) { b.replace("llama.rope.freq_base", 6, raw<float>(inf)); },
