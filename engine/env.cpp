@@ -23,7 +23,7 @@ Variable library(const char* name, const char* by_default, const char* meaning) 
 std::vector<Table> make_tables() {
   return {
       {"Read by chunkwise",
-       {kDeterministic, kAttention, kAttentionWorkspaceMib, kCudnnPlanThreads, kCudnnVerbose, kArenaLog, kDemoData,
+       {kDeterministic, kAttention, kAttentionWorkspaceMib, kCudnnPlanThreads, kCudnnVerbose, kArenaLog, kAllowNonfiniteWeights, kDemoData,
         kBootstrapTimeout, kCommTimeout, kMasterPort}},
       {"Read by the kernel profile (libcw_kernel_profile.so, loaded with CUDA_INJECTION64_PATH)",
        {kKernelProfile, kKernelProfileTop, kKernelProfileApi}},

@@ -71,6 +71,10 @@ inline constexpr Variable kArenaLog{
     "CW_ARENA_LOG", Kind::flag, "0",
     "1: a line on stderr for each block an arena adds (and `chunkwise plan` for each block its replay adds), "
     "to set a run's arena against the planner's"};
+inline constexpr Variable kAllowNonfiniteWeights{
+    "CW_ALLOW_NONFINITE_WEIGHTS", Kind::flag, "0",
+    "1: weights holding NaN or infinity load (for debugging a diverged checkpoint); 0: refused at load, naming the "
+    "tensor and the file"};
 inline constexpr Variable kDemoData{
     "CHUNKWISE_DEMO_DATA", Kind::text, ".cache/demo/jargon.bin",
     "the token file \"@demo\" in data.train stands for (the demo corpus `tools/run train` fetches)"};

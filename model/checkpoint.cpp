@@ -1,12 +1,15 @@
 #include "model/checkpoint.h"
 
+#include "model/json_fields.h"
 #include "model/safetensors.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <memory>
 #include <set>
@@ -15,27 +18,32 @@ namespace cw {
 
 namespace fs = std::filesystem;
 
-std::vector<std::string> load_checkpoint_weights(ParamSet& params, const std::string& dir) {
+namespace {
+
+// The tensor files of a checkpoint directory, their headers read (not their data), and which file
+// holds each tensor.
+struct CheckpointFiles {
+  std::map<std::string, std::string> where;  // tensor name -> file
+  std::map<std::string, std::unique_ptr<SafetensorsReader>> readers;
+};
+
+CheckpointFiles open_checkpoint(const std::string& dir) {
   const fs::path single = fs::path(dir) / "model.safetensors";
   const fs::path index = fs::path(dir) / "model.safetensors.index.json";
-  // Which file holds each tensor.
-  std::map<std::string, std::string> where;
+  CheckpointFiles out;
   std::vector<std::string> files;
   if (fs::exists(index)) {
     std::ifstream in(index);
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(in);
-    } catch (const nlohmann::json::exception& e) {
-      fail(fmt::format("{}: not valid JSON ({})", index.string(), e.what()), "re-download the checkpoint index");
-    }
-    if (!j.is_object() || !j.contains("weight_map") || !j["weight_map"].is_object())
-      fail(fmt::format("{}: no 'weight_map' object", index.string()), "an index maps tensor names to shard files");
+    const std::string text{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+    const nlohmann::json document = json_parse(text, index.string(), "re-download the checkpoint index");
+    const JsonObject weight_map = JsonObject(document, index.string(), "", "an index maps tensor names to shard files")
+                                      .object("weight_map");
     std::set<std::string> seen;
-    for (auto it = j["weight_map"].begin(); it != j["weight_map"].end(); ++it) {
-      if (!it.value().is_string()) fail(fmt::format("{}: weight_map['{}'] must be a file name", index.string(), it.key()));
-      const std::string shard = (fs::path(dir) / it.value().get<std::string>()).string();
-      where[it.key()] = shard;
+    for (const auto& [name, file] : weight_map.value().items()) {
+      const std::string shard = (fs::path(dir) / json_string(file, index.string(), weight_map.path_of(name),
+                                                             "an index maps tensor names to shard files"))
+                                    .string();
+      out.where[name] = shard;
       if (seen.insert(shard).second) files.push_back(shard);
     }
   } else if (fs::exists(single)) {
@@ -44,28 +52,53 @@ std::vector<std::string> load_checkpoint_weights(ParamSet& params, const std::st
     fail(fmt::format("checkpoint directory '{}' has neither model.safetensors nor model.safetensors.index.json", dir),
          "point at an HF checkpoint directory");
   }
-  std::map<std::string, std::unique_ptr<SafetensorsReader>> readers;
   for (const auto& f : files) {
     if (!fs::exists(f)) fail(fmt::format("checkpoint shard '{}' is missing", f), "the index names a file that is not there");
-    readers[f] = std::make_unique<SafetensorsReader>(f);
-    if (where.empty())
-      for (const auto& e : readers[f]->entries()) where[e.name] = f;
+    out.readers[f] = std::make_unique<SafetensorsReader>(f);
+    if (!fs::exists(index))
+      for (const auto& e : out.readers[f]->entries()) out.where[e.name] = f;
   }
+  return out;
+}
+
+// The reader of the file holding `name`; fails naming the directory (or the shard) when none does.
+const SafetensorsReader& reader_of(const CheckpointFiles& files, const std::string& name, const std::string& dir) {
+  const auto it = files.where.find(name);
+  if (it == files.where.end())
+    fail(fmt::format("checkpoint '{}' has no tensor '{}'", dir, name),
+         "the checkpoint does not match config.json (layers, tie_word_embeddings?)");
+  const SafetensorsReader& r = *files.readers.at(it->second);
+  if (!r.find(name))
+    fail(fmt::format("{}: the index says it holds '{}', but it does not", it->second, name), "re-download the shard");
+  return r;
+}
+
+}  // namespace
+
+void check_checkpoint_shapes(const LlamaConfig& config, const std::string& dir) {
+  const CheckpointFiles files = open_checkpoint(dir);
+  for (const ParamSpec& spec : parameter_table(config)) {
+    const SafetensorsReader& r = reader_of(files, spec.name, dir);
+    const SafetensorsEntry& e = *r.find(spec.name);
+    if (e.shape != spec.shape)
+      fail(fmt::format("{}: tensor '{}' has shape [{}], but config.json gives [{}]", r.path(), spec.name,
+                       fmt::join(e.shape, ", "), fmt::join(spec.shape, ", ")),
+           "the checkpoint does not match its config.json (vocab_size, hidden_size, intermediate_size, heads?)");
+  }
+}
+
+std::vector<std::string> load_checkpoint_weights(ParamSet& params, const std::string& dir) {
+  const CheckpointFiles files = open_checkpoint(dir);
   std::set<std::string> used;
   for (size_t i = 0; i < params.size(); ++i) {
     const std::string& name = params.specs()[i].name;
-    auto it = where.find(name);
-    if (it == where.end())
-      fail(fmt::format("checkpoint '{}' has no tensor '{}'", dir, name),
-           "the checkpoint does not match config.json (layers, tie_word_embeddings?)");
-    const SafetensorsReader& r = *readers.at(it->second);
-    if (!r.find(name))
-      fail(fmt::format("{}: the index says it holds '{}', but it does not", it->second, name), "re-download the shard");
+    const SafetensorsReader& r = reader_of(files, name, dir);
     r.read_into(name, params[i]);  // checks the shape and converts the dtype
+    require_finite_weights(params[i], name, r.path());
     used.insert(name);
   }
   std::vector<std::string> skipped;
-  for (const auto& [name, file] : where)
+  for (const auto& [name, file] : files.where)
     if (!used.count(name)) skipped.push_back(name);
   return skipped;
 }

@@ -1,7 +1,9 @@
 #include "model/config.h"
 
 #include "engine/error.h"
+#include "model/checkpoint.h"
 #include "model/gguf_llama.h"
+#include "model/json_fields.h"
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -9,33 +11,13 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <optional>
 
 namespace cw {
 
 namespace {
 using nlohmann::json;
-
-// Reads an integer key; absent -> fallback when one is given, else an error naming file and key.
-int64_t get_int(const json& j, const char* key, const std::string& src, const int64_t* fallback = nullptr) {
-  if (!j.contains(key) || j[key].is_null()) {
-    if (fallback) return *fallback;
-    fail(fmt::format("{}: missing key '{}'", src, key), "is this a Llama config.json? add the key");
-  }
-  const json& v = j[key];
-  if (v.is_number_integer() || v.is_number_unsigned()) return v.get<int64_t>();
-  if (v.is_number_float() && std::floor(v.get<double>()) == v.get<double>()) return static_cast<int64_t>(v.get<double>());
-  fail(fmt::format("{}: key '{}' must be an integer, got {}", src, key, v.dump()), "fix the value in the config");
-}
-
-double get_double(const json& j, const char* key, const std::string& src, double fallback, bool required = false) {
-  if (!j.contains(key) || j[key].is_null()) {
-    if (required) fail(fmt::format("{}: missing key '{}'", src, key), "add the key to the config");
-    return fallback;
-  }
-  if (!j[key].is_number()) fail(fmt::format("{}: key '{}' must be a number, got {}", src, key, j[key].dump()));
-  return j[key].get<double>();
-}
 
 // The range checks of a scaling's values; `where` is the key its values came from (rope_scaling or
 // rope_parameters), so the message names the key as the file spells it.
@@ -45,6 +27,15 @@ void check_rope_scaling(const RopeScaling& r, int64_t max_position_embeddings, c
   auto bad = [&](const std::string& what, const std::string& hint) {
     fail(fmt::format("{}: {}.{} ({} RoPE)", src, where, what, type), hint);
   };
+  // Every factor must be finite: inf or NaN passes the range checks below (NaN fails every
+  // comparison, so `!(x > 0)` catches it, but inf > 0) and turns the rotation into NaN.
+  for (const auto& [name, value] : {std::pair<const char*, double>{"factor", r.factor},
+                                    {"low_freq_factor", r.low_freq_factor}, {"high_freq_factor", r.high_freq_factor},
+                                    {"beta_fast", r.beta_fast}, {"beta_slow", r.beta_slow}})
+    if (!std::isfinite(value)) bad(fmt::format("{} must be finite, got {}", name, value), "fix the value in the config");
+  for (const auto& [name, value] : {std::pair<const char*, std::optional<double>>{"attention_factor", r.attention_factor},
+                                    {"mscale", r.mscale}, {"mscale_all_dim", r.mscale_all_dim}})
+    if (value && !std::isfinite(*value)) bad(fmt::format("{} must be finite, got {}", name, *value), "fix the value in the config");
   const bool has_original = r.type == RopeScaling::Type::llama3 || r.type == RopeScaling::Type::yarn;
   if (has_original && r.original_max_position <= 0)
     bad(fmt::format("original_max_position_embeddings must be positive, got {}", r.original_max_position),
@@ -88,132 +79,113 @@ void check_rope_scaling(const RopeScaling& r, int64_t max_position_embeddings, c
 // original_max_position_embeddings wins over the scaling's own, and without either it is
 // max_position_embeddings; yarn's factor may be null (max_position_embeddings / original); dynamic
 // scales from max_position_embeddings.
-RopeScaling parse_rope_scaling(const json& s, const json& config, int64_t max_position_embeddings,
-                               const std::string& src, const char* where) {
+RopeScaling parse_rope_scaling(const JsonObject& s, const JsonObject& config, int64_t max_position_embeddings,
+                               const std::string& src) {
   RopeScaling r;
-  if (s.is_null()) return r;
-  if (!s.is_object()) fail(fmt::format("{}: '{}' must be an object or null", src, where));
+  const char* where = nullptr;
   std::string type = "default";
   for (const char* key : {"rope_type", "type"})
-    if (s.contains(key) && !s[key].is_null()) {
-      if (!s[key].is_string()) fail(fmt::format("{}: {}.{} must be a string, got {}", src, where, key, s[key].dump()));
-      type = s[key].get<std::string>();
+    if (s.has(key)) {
+      type = s.string(key);
+      where = key;
       break;
     }
   if (type == "default") return r;
-  const std::string ctx = fmt::format("{}: {}", src, where);
   // original_max_position_embeddings as HF resolves it for llama3 and yarn.
   auto original_max = [&] {
     const char* key = "original_max_position_embeddings";
-    if (config.contains(key) && !config[key].is_null()) return get_int(config, key, src);
-    return get_int(s, key, ctx, &max_position_embeddings);
+    if (config.has(key)) return config.integer(key);
+    return s.integer_or(key, max_position_embeddings);
   };
   auto optional_double = [&](const char* key) -> std::optional<double> {
-    if (!s.contains(key) || s[key].is_null()) return std::nullopt;
-    return get_double(s, key, ctx, 0.0);
+    if (!s.has(key)) return std::nullopt;
+    return s.number(key);
   };
   if (type == "linear") {
     r.type = RopeScaling::Type::linear;
-    r.factor = get_double(s, "factor", ctx, 1.0, true);
+    r.factor = s.number("factor");
   } else if (type == "llama3") {
     r.type = RopeScaling::Type::llama3;
-    r.factor = get_double(s, "factor", ctx, 1.0, true);
-    r.low_freq_factor = get_double(s, "low_freq_factor", ctx, 1.0, true);
-    r.high_freq_factor = get_double(s, "high_freq_factor", ctx, 4.0, true);
+    r.factor = s.number("factor");
+    r.low_freq_factor = s.number("low_freq_factor");
+    r.high_freq_factor = s.number("high_freq_factor");
     r.original_max_position = original_max();
   } else if (type == "yarn") {
     r.type = RopeScaling::Type::yarn;
     r.original_max_position = original_max();
-    if (!s.contains("factor")) fail(fmt::format("{}: missing key 'factor'", ctx), "add the key to the config");
+    if (!s.value().contains("factor")) s.fail_key("factor", "is missing", "add the key to the config");
     // null: the ratio of the extended context to the original one, as DeepSeek-V3's configs mean it.
-    r.factor = s["factor"].is_null()
-                   ? static_cast<double>(max_position_embeddings) / static_cast<double>(r.original_max_position)
-                   : get_double(s, "factor", ctx, 1.0);
-    r.beta_fast = get_double(s, "beta_fast", ctx, 32.0);
-    r.beta_slow = get_double(s, "beta_slow", ctx, 1.0);
+    r.factor = s.has("factor") ? s.number("factor")
+                               : static_cast<double>(max_position_embeddings) / static_cast<double>(r.original_max_position);
+    r.beta_fast = s.number_or("beta_fast", 32.0);
+    r.beta_slow = s.number_or("beta_slow", 1.0);
     r.attention_factor = optional_double("attention_factor");
     r.mscale = optional_double("mscale");
     r.mscale_all_dim = optional_double("mscale_all_dim");
-    if (s.contains("truncate")) {
-      // HF tests truthiness: null truncates nothing, like false.
-      if (!s["truncate"].is_null() && !s["truncate"].is_boolean())
-        fail(fmt::format("{}: key 'truncate' must be true or false, got {}", ctx, s["truncate"].dump()));
-      r.truncate = s["truncate"].is_boolean() && s["truncate"].get<bool>();
-    }
+    // HF tests truthiness: null truncates nothing, like false.
+    if (s.value().contains("truncate")) r.truncate = s.boolean_or("truncate", false);
   } else if (type == "dynamic") {
     r.type = RopeScaling::Type::dynamic;
-    r.factor = get_double(s, "factor", ctx, 1.0, true);
+    r.factor = s.number("factor");
     r.original_max_position = max_position_embeddings;
   } else {
-    fail(fmt::format("{}: unknown {}.rope_type '{}'", src, where, type),
-         "chunkwise supports default, linear, llama3, yarn and dynamic RoPE");
+    s.fail_key(where, fmt::format("is '{}', an unknown RoPE type", type),
+               "chunkwise supports default, linear, llama3, yarn and dynamic RoPE");
   }
-  check_rope_scaling(r, max_position_embeddings, src, where);
+  check_rope_scaling(r, max_position_embeddings, src, s.path());
   return r;
 }
 }  // namespace
 
-LlamaConfig LlamaConfig::from_json(const json& j, const std::string& src) {
-  if (!j.is_object()) fail(fmt::format("{}: config must be a JSON object", src));
-  if (j.contains("architectures") && j["architectures"].is_array()) {
+LlamaConfig LlamaConfig::from_json(const json& document, const std::string& src) {
+  const JsonObject j(document, src, "", "compare with a transformers LlamaConfig");
+  if (const json* architectures = j.find("architectures"); architectures && architectures->is_array()) {
     bool llama = false;
-    for (const auto& a : j["architectures"]) llama = llama || (a.is_string() && a.get<std::string>() == "LlamaForCausalLM");
+    for (const auto& a : *architectures) llama = llama || (a.is_string() && a.get<std::string>() == "LlamaForCausalLM");
     if (!llama)
-      fail(fmt::format("{}: architectures {} does not include LlamaForCausalLM", src, j["architectures"].dump()),
+      fail(fmt::format("{}: architectures {} does not include LlamaForCausalLM", src, architectures->dump()),
            "chunkwise trains Llama-architecture models");
   }
   LlamaConfig c;
-  c.vocab_size = get_int(j, "vocab_size", src);
-  c.hidden_size = get_int(j, "hidden_size", src);
-  c.intermediate_size = get_int(j, "intermediate_size", src);
-  c.num_hidden_layers = get_int(j, "num_hidden_layers", src);
-  c.num_attention_heads = get_int(j, "num_attention_heads", src);
-  c.num_key_value_heads = get_int(j, "num_key_value_heads", src, &c.num_attention_heads);
-  if (c.num_attention_heads > 0 && !j.contains("head_dim")) {
+  c.vocab_size = j.integer("vocab_size");
+  c.hidden_size = j.integer("hidden_size");
+  c.intermediate_size = j.integer("intermediate_size");
+  c.num_hidden_layers = j.integer("num_hidden_layers");
+  c.num_attention_heads = j.integer("num_attention_heads");
+  c.num_key_value_heads = j.integer_or("num_key_value_heads", c.num_attention_heads);
+  if (c.num_attention_heads > 0 && !j.has("head_dim")) {
     if (c.hidden_size % c.num_attention_heads != 0)
       fail(fmt::format("{}: hidden_size {} is not divisible by num_attention_heads {} and head_dim is absent", src,
                        c.hidden_size, c.num_attention_heads), "give head_dim explicitly");
   }
-  const int64_t derived_head_dim = c.num_attention_heads > 0 ? c.hidden_size / c.num_attention_heads : 0;
-  c.head_dim = get_int(j, "head_dim", src, &derived_head_dim);
-  const int64_t default_max_pos = 2048;
-  c.max_position_embeddings = get_int(j, "max_position_embeddings", src, &default_max_pos);
-  c.rms_norm_eps = get_double(j, "rms_norm_eps", src, 1e-6);
-  c.initializer_range = get_double(j, "initializer_range", src, 0.02);
-  if (j.contains("tie_word_embeddings") && !j["tie_word_embeddings"].is_null()) {
-    if (!j["tie_word_embeddings"].is_boolean()) fail(fmt::format("{}: key 'tie_word_embeddings' must be true or false", src));
-    c.tie_word_embeddings = j["tie_word_embeddings"].get<bool>();
-  }
+  c.head_dim = j.integer_or("head_dim", c.num_attention_heads > 0 ? c.hidden_size / c.num_attention_heads : 0);
+  c.max_position_embeddings = j.integer_or("max_position_embeddings", 2048);
+  c.rms_norm_eps = j.number_or("rms_norm_eps", 1e-6);
+  c.initializer_range = j.number_or("initializer_range", 0.02);
+  c.tie_word_embeddings = j.boolean_or("tie_word_embeddings", c.tie_word_embeddings);
   // v5 keeps theta and scaling together in rope_parameters; v4 has rope_theta and rope_scaling.
-  if (j.contains("rope_parameters") && !j["rope_parameters"].is_null()) {
-    const json& rp = j["rope_parameters"];
-    if (!rp.is_object()) fail(fmt::format("{}: 'rope_parameters' must be an object", src));
-    c.rope_theta = get_double(rp, "rope_theta", src + ": rope_parameters", 10000.0);
-    c.rope_scaling = parse_rope_scaling(rp, j, c.max_position_embeddings, src, "rope_parameters");
+  if (j.has("rope_parameters")) {
+    const JsonObject rp = j.object("rope_parameters");
+    c.rope_theta = rp.number_or("rope_theta", 10000.0);
+    c.rope_scaling = parse_rope_scaling(rp, j, c.max_position_embeddings, src);
   } else {
-    c.rope_theta = get_double(j, "rope_theta", src, 10000.0);
-    if (j.contains("rope_scaling"))
-      c.rope_scaling = parse_rope_scaling(j["rope_scaling"], j, c.max_position_embeddings, src, "rope_scaling");
+    c.rope_theta = j.number_or("rope_theta", 10000.0);
+    if (j.has("rope_scaling"))
+      c.rope_scaling = parse_rope_scaling(j.object("rope_scaling"), j, c.max_position_embeddings, src);
   }
-  const int64_t none = -1;
-  c.bos_token_id = get_int(j, "bos_token_id", src, &none);
-  c.pad_token_id = get_int(j, "pad_token_id", src, &none);
-  if (j.contains("eos_token_id") && !j["eos_token_id"].is_null()) {
-    const json& e = j["eos_token_id"];
-    if (e.is_array()) {
-      for (const auto& x : e) {
-        if (!x.is_number_integer()) fail(fmt::format("{}: 'eos_token_id' list must hold integers", src));
-        c.eos_token_ids.push_back(x.get<int64_t>());
-      }
-    } else if (e.is_number_integer()) {
-      c.eos_token_ids.push_back(e.get<int64_t>());
+  c.bos_token_id = j.integer_or("bos_token_id", -1);
+  c.pad_token_id = j.integer_or("pad_token_id", -1);
+  if (const json* e = j.find("eos_token_id")) {
+    if (e->is_array()) {
+      for (size_t i = 0; i < e->size(); ++i)
+        c.eos_token_ids.push_back(json_integer((*e)[i], src, fmt::format("eos_token_id[{}]", i)));
     } else {
-      fail(fmt::format("{}: 'eos_token_id' must be an integer or a list of integers", src));
+      c.eos_token_ids.push_back(j.integer("eos_token_id"));
     }
   }
   for (const char* key : {"dtype", "torch_dtype"})
-    if (j.contains(key) && j[key].is_string()) {
-      c.torch_dtype = j[key].get<std::string>();
+    if (const json* v = j.find(key); v && v->is_string()) {
+      c.torch_dtype = v->get<std::string>();
       break;
     }
   c.validate(src);
@@ -223,37 +195,50 @@ LlamaConfig LlamaConfig::from_json(const json& j, const std::string& src) {
 LlamaConfig LlamaConfig::from_file(const std::string& path) {
   std::ifstream in(path);
   if (!in) fail(fmt::format("cannot open model config '{}'", path), "check the path");
-  json j;
-  try {
-    j = json::parse(in);
-  } catch (const json::exception& e) {
-    fail(fmt::format("{}: not valid JSON ({})", path, e.what()), "fix or re-download config.json");
-  }
-  try {
-    return from_json(j, path);
-  } catch (const json::exception& e) {
-    fail(fmt::format("{}: unexpected value type ({})", path, e.what()), "compare with a transformers LlamaConfig");
-  }
+  const std::string text{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  return from_json(json_parse(text, path, "fix or re-download config.json"), path);
 }
 
-void LlamaConfig::validate(const std::string& src) const {
-  auto positive = [&](int64_t v, const char* key) {
-    if (v <= 0) fail(fmt::format("{}: '{}' must be positive, got {}", src, key, v));
+void LlamaConfig::validate(const std::string& src, const ConfigKeyNames& keys) const {
+  auto in_range = [&](int64_t v, const char* key, int64_t limit, const char* why) {
+    if (v <= 0) fail(fmt::format("{}: '{}' must be positive, got {}", src, key, v), "fix the value in the file");
+    if (v > limit)
+      fail(fmt::format("{}: '{}' is {}, above the limit {} ({})", src, key, v, limit, why),
+           "the file is damaged or not a Llama model's: fix the value or re-download the file");
   };
-  positive(vocab_size, "vocab_size");
-  positive(hidden_size, "hidden_size");
-  positive(intermediate_size, "intermediate_size");
-  positive(num_hidden_layers, "num_hidden_layers");
-  positive(num_attention_heads, "num_attention_heads");
-  positive(num_key_value_heads, "num_key_value_heads");
-  positive(head_dim, "head_dim");
-  positive(max_position_embeddings, "max_position_embeddings");
+  in_range(vocab_size, keys.vocab_size, ConfigLimits::kMaxVocab, "token ids are int32");
+  in_range(hidden_size, keys.hidden_size, ConfigLimits::kMaxWidth, "no Llama is a thousandth as wide");
+  in_range(intermediate_size, keys.intermediate_size, ConfigLimits::kMaxWidth, "no Llama is a tenth as wide");
+  in_range(num_hidden_layers, keys.num_hidden_layers, ConfigLimits::kMaxLayers, "no Llama has a hundredth as many");
+  in_range(num_attention_heads, keys.num_attention_heads, ConfigLimits::kMaxHeads, "heads are indexed in int32");
+  in_range(num_key_value_heads, keys.num_key_value_heads, ConfigLimits::kMaxHeads, "heads are indexed in int32");
+  in_range(head_dim, keys.head_dim, ConfigLimits::kMaxHeadDim, "no Llama has a head a hundredth as wide");
+  in_range(max_position_embeddings, keys.max_position_embeddings, ConfigLimits::kMaxPositions,
+           "positions are int32");
+  // Each size is at most 2^31 here, so every product below fits int64; the total is checked with
+  // overflow checks all the same, as the sum of many of them.
+  int64_t total = 0;
+  const int64_t C = hidden_size;
+  const int64_t per_layer = 2 * C + 2 * C * q_dim() + 2 * C * kv_dim() + 3 * C * intermediate_size;
+  bool overflow = __builtin_mul_overflow(per_layer, num_hidden_layers, &total);
+  overflow = overflow || __builtin_add_overflow(total, 2 * vocab_size * C + C, &total);
+  if (overflow || total > ConfigLimits::kMaxParameters)
+    fail(fmt::format("{}: {} = {}, {} = {}, {} = {} and {} = {} make {} parameters, above the limit {} (2^42)", src,
+                     keys.vocab_size, vocab_size, keys.hidden_size, hidden_size, keys.intermediate_size,
+                     intermediate_size, keys.num_hidden_layers, num_hidden_layers,
+                     overflow ? std::string("more than 2^63") : std::to_string(total), ConfigLimits::kMaxParameters),
+         "the file is damaged or not a Llama model's: fix the sizes or re-download the file");
   if (num_attention_heads % num_key_value_heads != 0)
     fail(fmt::format("{}: num_attention_heads {} is not a multiple of num_key_value_heads {}", src,
                      num_attention_heads, num_key_value_heads), "grouped-query attention needs whole groups");
   if (head_dim % 2 != 0) fail(fmt::format("{}: head_dim {} must be even for RoPE", src, head_dim));
-  if (!(rms_norm_eps > 0)) fail(fmt::format("{}: 'rms_norm_eps' must be positive", src));
-  if (!(rope_theta > 0)) fail(fmt::format("{}: 'rope_theta' must be positive", src));
+  // Non-finite values would pass a bare `> 0`; they make every activation NaN.
+  if (!(rms_norm_eps > 0 && std::isfinite(rms_norm_eps)))
+    fail(fmt::format("{}: '{}' must be positive and finite, got {}", src, keys.rms_norm_eps, rms_norm_eps),
+         "fix the value in the file");
+  if (!(rope_theta > 0 && std::isfinite(rope_theta)))
+    fail(fmt::format("{}: '{}' must be positive and finite, got {}", src, keys.rope_theta, rope_theta),
+         "fix the value in the file (Llama 3 uses 500000, Llama 2 10000)");
   if (rope_scaling.type == RopeScaling::Type::dynamic && head_dim <= 2)
     fail(fmt::format("{}: dynamic RoPE needs head_dim > 2, got {}", src, head_dim), "use another RoPE scaling");
   check_rope_scaling(rope_scaling, max_position_embeddings, src, "rope_scaling");
@@ -410,7 +395,10 @@ LlamaConfig LlamaConfig::resolve(const std::string& spec) {
   if (fs::is_directory(spec)) {
     const fs::path p = fs::path(spec) / "config.json";
     if (!fs::exists(p)) fail(fmt::format("model directory '{}' has no config.json", spec), "point at an HF checkpoint directory");
-    return from_file(p.string());
+    LlamaConfig c = from_file(p.string());
+    // With the weights beside it, the config may ask for no more than they hold.
+    if (is_checkpoint_dir(spec)) check_checkpoint_shapes(c, spec);
+    return c;
   }
   if (is_gguf_file(spec)) return llama_config_from_gguf(GgufReader(spec));
   if (fs::exists(spec)) return from_file(spec);

@@ -29,6 +29,45 @@
 
 namespace cw {
 
+// The names a config's keys have in the file it came from, for messages: config.json's by default;
+// a GGUF file's metadata keys name them otherwise (model/gguf_llama.cpp).
+struct ConfigKeyNames {
+  const char* vocab_size = "vocab_size";
+  const char* hidden_size = "hidden_size";
+  const char* intermediate_size = "intermediate_size";
+  const char* num_hidden_layers = "num_hidden_layers";
+  const char* num_attention_heads = "num_attention_heads";
+  const char* num_key_value_heads = "num_key_value_heads";
+  const char* head_dim = "head_dim";
+  const char* max_position_embeddings = "max_position_embeddings";
+  const char* rms_norm_eps = "rms_norm_eps";
+  const char* rope_theta = "rope_theta";
+};
+
+// Plausibility bounds on a config's sizes. A config.json alone gives no file to measure them
+// against (its weights may be absent: `chunkwise init` draws them), so each size has an absolute
+// bound far above every published Llama-architecture model and far below what would make a table
+// sized by it fail to allocate or overflow int64: a damaged or hostile file is refused with a line
+// naming the key before anything is allocated. A file that holds the weights bounds the sizes by
+// its tensors as well (model/gguf_llama.cpp, model/checkpoint.cpp).
+struct ConfigLimits {
+  // Llama 3.1 405B has 126 blocks; per-layer tables (KV stores, schedules) are sized by L.
+  static constexpr int64_t kMaxLayers = int64_t{1} << 14;
+  // Widths: Llama 3.1 405B has C = 16384 and F = 53248.
+  static constexpr int64_t kMaxWidth = int64_t{1} << 20;
+  // Heads and the head dim: 128 heads of 128 at most in published Llamas; the attention kernels
+  // index heads and head dims in int32.
+  static constexpr int64_t kMaxHeads = int64_t{1} << 16;
+  static constexpr int64_t kMaxHeadDim = int64_t{1} << 14;
+  // Token ids are int32 / uint32 in token files and tokenizers; the largest vocabularies hold ~256K.
+  static constexpr int64_t kMaxVocab = (int64_t{1} << 31) - 1;
+  // Positions are int32 in the RoPE tables and the batches.
+  static constexpr int64_t kMaxPositions = (int64_t{1} << 31) - 1;
+  // 2^42 parameters (4.4 trillion, 17.6 TB in f32): above every dense model published, and its
+  // byte count in f64 (2^45) stays far inside int64.
+  static constexpr int64_t kMaxParameters = int64_t{1} << 42;
+};
+
 struct LlamaConfig {
   int64_t vocab_size = 0;            // V
   int64_t hidden_size = 0;           // C
@@ -59,14 +98,15 @@ struct LlamaConfig {
   // file (its metadata: model/gguf_llama.h).
   static LlamaConfig resolve(const std::string& spec);
 
-  // Checks the invariants (positive sizes, heads dividing, head_dim even, ...); throws naming the key.
-  void validate(const std::string& source) const;
+  // Checks the invariants (positive sizes within ConfigLimits, heads dividing, head_dim even, finite
+  // RoPE parameters, ...); throws naming the key as `keys` spell it.
+  void validate(const std::string& source, const ConfigKeyNames& keys = {}) const;
   // The config.json a checkpoint we write carries (v4 keys, which transformers 4.x and 5.x both read).
   nlohmann::json to_json() const;
 
   int64_t q_dim() const { return num_attention_heads * head_dim; }     // H * D
   int64_t kv_dim() const { return num_key_value_heads * head_dim; }    // Hkv * D
-  int64_t parameter_count() const;
+  int64_t parameter_count() const;  // exact; validate() keeps it within ConfigLimits::kMaxParameters
 };
 
 }  // namespace cw

@@ -32,6 +32,13 @@ std::string shape_str(const std::vector<int64_t>& shape) {
   return s + "]";
 }
 
+// The metadata keys a GGUF file gives the config's sizes under, for validate's messages.
+constexpr ConfigKeyNames kGgufKeys{
+    "llama.vocab_size",         "llama.embedding_length",        "llama.feed_forward_length",
+    "llama.block_count",        "llama.attention.head_count",    "llama.attention.head_count_kv",
+    "llama.attention.key_length", "llama.context_length",        "llama.attention.layer_norm_rms_epsilon",
+    "llama.rope.freq_base"};
+
 // Llama 3.1-style scaling from the per-frequency divisors llama.cpp's converter stores.
 RopeScaling rope_scaling_from_freqs(const GgufReader& f, const LlamaConfig& c) {
   const GgufTensorInfo* t = f.find_tensor(kRopeFreqs);
@@ -41,6 +48,12 @@ RopeScaling rope_scaling_from_freqs(const GgufReader& f, const LlamaConfig& c) {
   OwnedTensor divisors(DType::f64, {c.head_dim / 2});
   f.read_into(kRopeFreqs, divisors);
   const double* d = divisors.tensor.ptr<double>();
+  // A divisor that is not a positive finite number makes the rotation NaN or infinite; NaN would also
+  // slip through the comparisons below (every comparison with NaN is false).
+  for (int64_t i = 0; i < c.head_dim / 2; ++i)
+    if (!(std::isfinite(d[i]) && d[i] > 0))
+      bad_model(f, fmt::format("{}[{}] = {} is not a positive finite divisor", kRopeFreqs, i, d[i]),
+                "the file is damaged: re-download or re-convert it");
   RopeScaling s;
   s.type = RopeScaling::Type::llama3;
   s.factor = *std::max_element(d, d + c.head_dim / 2);
@@ -121,7 +134,7 @@ LlamaConfig llama_config_from_gguf(const GgufReader& f) {
   }
   if (c.rope_scaling.type == RopeScaling::Type::linear && !(c.rope_scaling.factor > 0))
     bad_model(f, fmt::format("the linear RoPE scaling factor {} must be positive", c.rope_scaling.factor));
-  c.validate(fmt::format("GGUF file '{}' (its metadata, as a LlamaConfig)", f.path()));
+  c.validate(fmt::format("GGUF file '{}'", f.path()), kGgufKeys);
   if (f.find_tensor(kRopeFreqs)) {
     if (c.rope_scaling.type != RopeScaling::Type::none)
       bad_model(f, fmt::format("both {} and llama.rope.scaling metadata", kRopeFreqs));
@@ -132,6 +145,22 @@ LlamaConfig llama_config_from_gguf(const GgufReader& f) {
     bad_model(f, fmt::format("token_embd.weight has shape {} (GGUF dims {}) but the metadata says vocab {} x hidden {}",
                              shape_str(embedding->shape()), shape_str(embedding->dims), c.vocab_size, c.hidden_size),
               "the file is inconsistent: re-convert it");
+  // The sizes are now bounded (validate) but may still ask for far more than the file holds: each
+  // tensor the config implies must be in the file with its shape, so the model allocated from this
+  // config is no larger than the file's tensors, whatever the metadata says.
+  for (const ParamSpec& spec : parameter_table(c)) {
+    const std::string name = gguf_tensor_name(spec);
+    const GgufTensorInfo* t = f.find_tensor(name);
+    if (!t)
+      bad_model(f, fmt::format("has no tensor '{}' (for {}), which its metadata implies ({} = {}, {} = {})", name,
+                               spec.name, kGgufKeys.num_hidden_layers, c.num_hidden_layers, kGgufKeys.hidden_size,
+                               c.hidden_size),
+                "the file does not describe a complete Llama model: fix the metadata or re-convert it");
+    if (t->shape() != spec.shape)
+      bad_model(f, fmt::format("tensor '{}' has shape {} (GGUF dims {}), but the metadata gives {} {}", name,
+                               shape_str(t->shape()), shape_str(t->dims), spec.name, shape_str(spec.shape)),
+                "the file is inconsistent: re-convert it");
+  }
   return c;
 }
 
@@ -193,6 +222,7 @@ void load_gguf_weights(ParamSet& params, const GgufReader& f) {
       for (int64_t r = 0; r < rows; ++r)
         std::memcpy(out + r * row_bytes, src + gguf_qk_row(r, c.head_dim) * row_bytes, row_bytes);
     }
+    require_finite_weights(dst, name, f.path());
     used.insert(name);
   }
   for (const GgufTensorInfo& t : f.tensors())

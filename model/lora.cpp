@@ -1,6 +1,7 @@
 #include "model/lora.h"
 
 #include "engine/random.h"
+#include "model/json_fields.h"
 #include "model/safetensors.h"
 
 #include <fmt/format.h>
@@ -10,6 +11,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <set>
 
@@ -83,13 +85,10 @@ void write_text_replacing(const std::string& path, const std::string& text) {
 nlohmann::json read_json_file(const std::string& path) {
   std::ifstream in(path);
   if (!in) fail(fmt::format("{}: cannot open (no PEFT adapter here?)", path), "point at a directory holding adapter_config.json");
-  try {
-    nlohmann::json j = nlohmann::json::parse(in);
-    if (!j.is_object()) fail(fmt::format("{}: not a JSON object", path), "a PEFT adapter_config.json is an object");
-    return j;
-  } catch (const nlohmann::json::exception& e) {
-    fail(fmt::format("{}: not valid JSON ({})", path, e.what()), "the adapter config is damaged");
-  }
+  const std::string text{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  nlohmann::json j = json_parse(text, path, "the adapter config is damaged");
+  if (!j.is_object()) fail(fmt::format("{}: not a JSON object", path), "a PEFT adapter_config.json is an object");
+  return j;
 }
 }  // namespace
 
@@ -223,62 +222,55 @@ void save_peft_adapter(const ParamSet& adapters, const LoraConfig& lora, const s
 
 LoraConfig read_peft_config(const std::string& dir) {
   const std::string path = (fs::path(dir) / "adapter_config.json").string();
-  const nlohmann::json j = read_json_file(path);
+  const nlohmann::json document = read_json_file(path);
   const std::string hint = "chunkwise reads PEFT LoRA adapters with bias none, plain alpha / r scaling and "
                            "the same rank and targets in every layer";
-  auto key_error = [&](const std::string& key, const std::string& what) -> void {
-    fail(fmt::format("{}: {} {}", path, key, what), hint);
-  };
-  if (j.value("peft_type", std::string()) != "LORA")
-    key_error("peft_type", fmt::format("is {}, not \"LORA\"", j.contains("peft_type") ? j["peft_type"].dump() : "missing"));
+  const JsonObject j(document, path, "", hint);
+  auto key_error = [&](const std::string& key, const std::string& what) -> void { j.fail_key(key, what); };
+  if (const std::string type = j.string_or("peft_type", ""); type != "LORA")
+    key_error("peft_type", fmt::format("is {}, not \"LORA\"", type.empty() ? "missing" : nlohmann::json(type).dump()));
   LoraConfig c;
-  if (!j.contains("r") || !j["r"].is_number_integer() || j["r"].get<int64_t>() <= 0)
-    key_error("r", fmt::format("must be a positive integer, got {}", j.contains("r") ? j["r"].dump() : "nothing"));
-  c.rank = j["r"].get<int64_t>();
-  if (!j.contains("lora_alpha") || !j["lora_alpha"].is_number())
-    key_error("lora_alpha", fmt::format("must be a number, got {}", j.contains("lora_alpha") ? j["lora_alpha"].dump() : "nothing"));
-  c.alpha = j["lora_alpha"].get<double>();
-  if (j.contains("lora_dropout")) {
-    if (!j["lora_dropout"].is_number()) key_error("lora_dropout", fmt::format("must be a number, got {}", j["lora_dropout"].dump()));
-    c.dropout = j["lora_dropout"].get<double>();
-  }
-  if (!j.contains("target_modules") || j["target_modules"].is_null())
+  c.rank = j.integer("r");
+  if (c.rank <= 0) key_error("r", fmt::format("must be a positive integer, got {}", c.rank));
+  c.alpha = j.number("lora_alpha");
+  c.dropout = j.number_or("lora_dropout", c.dropout);
+  if (!j.has("target_modules"))
     key_error("target_modules", "is missing (PEFT's Llama default would be q_proj, v_proj: write it out)");
-  const nlohmann::json& tm = j["target_modules"];
+  const nlohmann::json& tm = *j.find("target_modules");
   if (tm.is_string()) {
     c.targets = tm.get<std::string>();
   } else if (tm.is_array()) {
-    for (const auto& item : tm) {
-      if (!item.is_string()) key_error("target_modules", fmt::format("must list names, got {}", item.dump()));
+    for (size_t i = 0; i < tm.size(); ++i) {
       // PEFT matches a module by its name's end: "self_attn.q_proj" names q_proj too.
-      std::string name = item.get<std::string>();
+      std::string name = json_string(tm[i], path, fmt::format("target_modules[{}]", i), hint);
       if (const auto dot = name.rfind('.'); dot != std::string::npos) name = name.substr(dot + 1);
       c.targets += (c.targets.empty() ? "" : ",") + name;
     }
   } else {
-    key_error("target_modules", fmt::format("must be a list of module names, got {}", tm.dump()));
+    key_error("target_modules", fmt::format("must be a list of module names, found {}", json_found(tm)));
   }
   try {
     c.validate();
   } catch (const Error& e) {
     fail(fmt::format("{}: {}", path, e.what()), hint);
   }
-  if (j.contains("bias") && j["bias"] != "none") key_error("bias", fmt::format("is {} (only \"none\" is implemented)", j["bias"].dump()));
+  if (const std::string bias = j.string_or("bias", "none"); bias != "none")
+    key_error("bias", fmt::format("is {} (only \"none\" is implemented)", nlohmann::json(bias).dump()));
   for (const char* flag : {"use_rslora", "use_dora", "fan_in_fan_out"})
-    if (j.contains(flag) && j[flag].is_boolean() && j[flag].get<bool>()) key_error(flag, "is true (not implemented)");
+    if (j.boolean_or(flag, false)) key_error(flag, "is true (not implemented)");
   for (const char* pattern : {"rank_pattern", "alpha_pattern"})
-    if (j.contains(pattern) && !j[pattern].is_null() && !j[pattern].empty())
-      key_error(pattern, fmt::format("is {} (per-layer ranks are not implemented)", j[pattern].dump()));
+    if (const nlohmann::json* v = j.find(pattern); v && !v->empty())
+      key_error(pattern, fmt::format("is {} (per-layer ranks are not implemented)", json_found(*v)));
   for (const char* list : {"modules_to_save", "layers_to_transform"})
-    if (j.contains(list) && !j[list].is_null() && !(j[list].is_array() && j[list].empty()))
-      key_error(list, fmt::format("is {} (not implemented)", j[list].dump()));
+    if (const nlohmann::json* v = j.find(list); v && !(v->is_array() && v->empty()))
+      key_error(list, fmt::format("is {} (not implemented)", json_found(*v)));
   return c;
 }
 
 std::string read_peft_base_model(const std::string& dir) {
-  const nlohmann::json j = read_json_file((fs::path(dir) / "adapter_config.json").string());
-  const auto it = j.find("base_model_name_or_path");
-  return it != j.end() && it->is_string() ? it->get<std::string>() : "";
+  const std::string path = (fs::path(dir) / "adapter_config.json").string();
+  const nlohmann::json document = read_json_file(path);
+  return JsonObject(document, path).string_or("base_model_name_or_path", "");
 }
 
 void load_peft_adapter(const ParamSet& adapters, const std::string& dir) {
@@ -302,7 +294,10 @@ void load_peft_adapter(const ParamSet& adapters, const std::string& dir) {
   for (const SafetensorsEntry& e : reader.entries())
     if (!expected.count(e.name))
       fail(fmt::format("{}: tensor '{}' is not an adapter of this model and configuration", path, e.name), hint);
-  for (size_t i = 0; i < adapters.size(); ++i) reader.read_into(adapters.specs()[i].name, adapters[i]);
+  for (size_t i = 0; i < adapters.size(); ++i) {
+    reader.read_into(adapters.specs()[i].name, adapters[i]);
+    require_finite_weights(adapters[i], adapters.specs()[i].name, path);
+  }
 }
 
 void merge_adapters(const ParamSet& base, const ParamSet& adapters, const LoraConfig& lora) {

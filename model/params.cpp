@@ -1,9 +1,11 @@
 #include "model/params.h"
 
+#include "engine/env.h"
 #include "engine/random.h"
 
 #include <fmt/format.h>
 
+#include <cmath>
 #include <cstring>
 
 namespace cw {
@@ -158,6 +160,43 @@ bool same_table(const std::vector<ParamSpec>& a, const std::vector<ParamSpec>& b
   for (size_t i = 0; i < a.size(); ++i)
     if (a[i].name != b[i].name || a[i].shape != b[i].shape) return false;
   return true;
+}
+
+void require_finite_weights(const Tensor& t, const std::string& tensor, const std::string& file) {
+  CW_CHECK(t.device.is_cpu() && t.contiguous(), "require_finite_weights reads a contiguous host tensor, got {}",
+           t.describe());
+  if (env::flag(env::kAllowNonfiniteWeights)) return;
+  const int64_t n = t.numel();
+  auto first_bad = [&]() -> int64_t {
+    switch (t.dtype) {
+      case DType::f64:
+        for (int64_t i = 0; i < n; ++i)
+          if (!std::isfinite(t.ptr<double>()[i])) return i;
+        return -1;
+      case DType::f32:
+        for (int64_t i = 0; i < n; ++i)
+          if (!std::isfinite(t.ptr<float>()[i])) return i;
+        return -1;
+      case DType::bf16: {
+        // bf16 is f32's upper half: all exponent bits set is infinity or NaN.
+        const auto* bits = static_cast<const uint16_t*>(t.data);
+        for (int64_t i = 0; i < n; ++i)
+          if ((bits[i] & 0x7f80u) == 0x7f80u) return i;
+        return -1;
+      }
+      case DType::i32: return -1;
+    }
+    return -1;
+  };
+  if (const int64_t i = first_bad(); i >= 0) {
+    OwnedTensor one(DType::f64, {1});
+    copy_convert(one, t.view({n}).slice(0, i, 1));
+    fail(fmt::format("{}: tensor '{}' holds {} at element {} of {} (shape {})", file, tensor,
+                     one.tensor.ptr<double>()[0], i, n, t.describe()),
+         fmt::format("the weights are damaged (or come from a diverged run): use another file, or set {}=1 to "
+                     "load them anyway for debugging",
+                     env::kAllowNonfiniteWeights.name));
+  }
 }
 
 void init_parameters(ParamSet& params, uint64_t seed, double initializer_range, double norm_jitter) {

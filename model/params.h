@@ -125,6 +125,11 @@ std::vector<ParamSpec> outside_blocks(const std::vector<ParamSpec>& table);
 // Block `layer`'s tensors of a table and its tensors (in table order), by role.
 LayerWeights layer_weights(const std::vector<ParamSpec>& specs, const std::vector<Tensor>& tensors, int layer);
 
+// Fails naming `tensor` and `file` at the first element of `t` (a host tensor) that is NaN or
+// infinite: such a weight makes every output NaN, silently. The loaders (checkpoint, GGUF, adapter)
+// call it on each tensor they read; CW_ALLOW_NONFINITE_WEIGHTS=1 lets them through for debugging.
+void require_finite_weights(const Tensor& t, const std::string& tensor, const std::string& file);
+
 void init_parameters(ParamSet& params, uint64_t seed, double initializer_range, double norm_jitter = 0.0);
 
 }  // namespace cw

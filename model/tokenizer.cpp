@@ -1,6 +1,7 @@
 #include "model/tokenizer.h"
 
 #include "model/gguf.h"
+#include "model/json_fields.h"
 
 #include "engine/error.h"
 
@@ -16,6 +17,7 @@
 #include <mutex>
 #include <cctype>
 #include <sstream>
+#include <unordered_map>
 
 namespace cw {
 
@@ -510,28 +512,21 @@ std::string read_text_file(const std::string& path) {
 }
 
 nlohmann::json parse_json(const std::string& text, const std::string& source) {
-  try {
-    return nlohmann::json::parse(text);
-  } catch (const nlohmann::json::parse_error& e) {
-    fail(fmt::format("{}: not valid JSON at byte offset {}", source, e.byte), "the file is damaged; download it again");
-  }
+  return json_parse(text, source, "the file is damaged; download it again");
 }
 
-bool is_null_or_absent(const nlohmann::json& j, const char* key) { return !j.contains(key) || j.at(key).is_null(); }
+bool is_null_or_absent(const nlohmann::json& j, const char* key) {
+  return !j.is_object() || !j.contains(key) || j.at(key).is_null();
+}
 
+// The typed reads of model/json_fields.h, for the object `j` at key path `where` of `source`.
 bool bool_or(const nlohmann::json& j, const char* key, bool fallback, const std::string& source,
              const std::string& where) {
-  if (is_null_or_absent(j, key)) return fallback;
-  if (!j.at(key).is_boolean())
-    fail(fmt::format("{}: {}.{} is not a boolean", source, where, key), kDamagedJson);
-  return j.at(key).get<bool>();
+  return JsonObject(j, source, where, kDamagedJson).boolean_or(key, fallback);
 }
 
-const std::string& string_at(const nlohmann::json& j, const char* key, const std::string& source,
-                             const std::string& where) {
-  if (!j.is_object() || !j.contains(key) || !j.at(key).is_string())
-    fail(fmt::format("{}: {}.{} is missing or not a string", source, where, key), kDamagedJson);
-  return j.at(key).get_ref<const std::string&>();
+std::string string_at(const nlohmann::json& j, const char* key, const std::string& source, const std::string& where) {
+  return JsonObject(j, source, where, kDamagedJson).string(key);
 }
 
 // A literal string as a PCRE2 pattern: every character outside [A-Za-z0-9_] and the non-ASCII
@@ -549,7 +544,7 @@ std::string escape_regex(std::string_view literal) {
 // Appends the split patterns of an HF pre_tokenizer node; `byte_level` is set by its ByteLevel.
 void parse_pretokenizer(const nlohmann::json& node, std::vector<std::string>& patterns, bool& byte_level,
                         const std::string& source, const std::string& where) {
-  const std::string& type = string_at(node, "type", source, where);
+  const std::string type = string_at(node, "type", source, where);
   if (byte_level)
     fail(fmt::format("{}: {} ('{}') comes after ByteLevel", source, where, type),
          "a split after the byte mapping would see mapped characters; this build supports ByteLevel last only");
@@ -573,7 +568,7 @@ void parse_pretokenizer(const nlohmann::json& node, std::vector<std::string>& pa
       patterns.push_back(string_at(pattern, "Regex", source, where + ".pattern"));
     else
       patterns.push_back(escape_regex(string_at(pattern, "String", source, where + ".pattern")));
-    const std::string& behavior = string_at(node, "behavior", source, where);
+    const std::string behavior = string_at(node, "behavior", source, where);
     if (behavior != "Isolated")
       fail(fmt::format("{}: {}.behavior is '{}'; this build supports 'Isolated' only", source, where, behavior),
            "byte-level BPE tokenizers (GPT-2, Llama 3) split with Isolated");
@@ -669,8 +664,10 @@ BpeTokenizer BpeTokenizer::from_tokenizer_json_text(const std::string& text, con
     if (!is_null_or_absent(model, key) && !(model.at(key).is_string() && model.at(key).get<std::string>().empty()))
       fail(fmt::format("{}: model.{} is set, which byte-level BPE does not use", source, key), kDamagedJson);
   if (!is_null_or_absent(root, "normalizer"))
-    fail(fmt::format("{}: it has a normalizer ('{}'), which this build does not support", source,
-                     root.at("normalizer").value("type", "?")),
+    fail(fmt::format("{}: it has a normalizer ({}), which this build does not support", source,
+                     root.at("normalizer").is_object() && root.at("normalizer").contains("type")
+                         ? json_found(root.at("normalizer").at("type"))
+                         : json_found(root.at("normalizer"))),
          "the GPT-2 / Llama 3 / SmolLM tokenizers have none");
   if (!is_null_or_absent(root, "decoder") && string_at(root.at("decoder"), "type", source, "decoder") != "ByteLevel")
     fail(fmt::format("{}: decoder is '{}', not ByteLevel", source, root.at("decoder").at("type").get<std::string>()),
@@ -685,17 +682,20 @@ BpeTokenizer BpeTokenizer::from_tokenizer_json_text(const std::string& text, con
   if (!model.contains("vocab") || !model.at("vocab").is_object())
     fail(fmt::format("{}: model.vocab is missing or not an object", source), kDamagedJson);
   const auto& vocab = model.at("vocab");
-  std::vector<std::optional<std::string>> by_id;
+  // The tokens by id, in a map: its size is the number of entries the file holds, whatever ids they
+  // claim, so an id like 2^31 - 1 costs no more than any other. The ids must then run 0..N-1.
+  std::unordered_map<uint32_t, std::string> by_id;
+  uint32_t max_id = 0;
   const auto place = [&](uint32_t id, const std::string& token) {
-    if (id >= by_id.size()) by_id.resize(static_cast<size_t>(id) + 1);
     by_id[id] = token;
+    max_id = std::max(max_id, id);
   };
   for (const auto& [token, id] : vocab.items()) {
     if (!id.is_number_integer() || id.get<int64_t>() < 0 || id.get<int64_t>() >= (int64_t{1} << 31))
       fail(fmt::format("{}: model.vocab['{}'] is not an id (an integer in [0, 2^31))", source, token), kDamagedJson);
     const auto i = static_cast<uint32_t>(id.get<int64_t>());
-    if (i < by_id.size() && by_id[i])
-      fail(fmt::format("{}: model.vocab gives id {} to both '{}' and '{}'", source, i, *by_id[i], token), kDamagedJson);
+    if (const auto it = by_id.find(i); it != by_id.end())
+      fail(fmt::format("{}: model.vocab gives id {} to both '{}' and '{}'", source, i, it->second, token), kDamagedJson);
     place(i, token);
   }
 
@@ -716,17 +716,17 @@ BpeTokenizer BpeTokenizer::from_tokenizer_json_text(const std::string& text, con
       AddedToken token{string_at(a, "content", source, where), static_cast<uint32_t>(a.at("id").get<int64_t>()),
                        bool_or(a, "special", false, source, where)};
       // An added token may lie outside model.vocab (ids past it); it then defines that id.
-      if (token.id >= by_id.size() || !by_id[token.id]) place(token.id, token.content);
+      if (!by_id.count(token.id)) place(token.id, token.content);
       def.added.push_back(std::move(token));
     }
   }
 
-  for (size_t id = 0; id < by_id.size(); ++id)
-    if (!by_id[id])
-      fail(fmt::format("{}: no token has id {} (the ids go up to {})", source, id, by_id.size() - 1),
+  for (uint32_t id = 0; id < by_id.size(); ++id)
+    if (!by_id.count(id))
+      fail(fmt::format("{}: no token has id {} (the ids go up to {})", source, id, max_id),
            "the vocabulary's ids must be 0..N-1 without gaps");
   def.tokens.reserve(by_id.size());
-  for (auto& t : by_id) def.tokens.push_back(std::move(*t));
+  for (uint32_t id = 0; id < by_id.size(); ++id) def.tokens.push_back(std::move(by_id.at(id)));
 
   if (!model.contains("merges") || !model.at("merges").is_array())
     fail(fmt::format("{}: model.merges is missing or not a list", source), kDamagedJson);

@@ -95,6 +95,21 @@ inline double max_rel_err(const std::string& out) {
 // Whether `text` contains `part`.
 inline bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
+// What `chunkwise` would print for the exception `f` throws, as main's catch clauses print it: a
+// cw::Error's message, "unexpected error: ..." for any other exception (a bug: the tables of
+// malformed files check that none is), "" when it throws none.
+template <class F>
+std::string message_of(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    return std::string("unexpected error: ") + e.what();
+  }
+  return "";
+}
+
 // The message of the cw::Error that `f` throws; a failed check, and "", when it throws none.
 template <class F>
 std::string error_of(F&& f) {

@@ -6,7 +6,10 @@
 #include <nlohmann/json.hpp>
 
 #include <fstream>
+#include <functional>
+#include <limits>
 #include <string>
+#include <vector>
 
 using namespace cw;
 using nlohmann::json;
@@ -283,4 +286,72 @@ TEST_CASE("config: bad yarn and dynamic values are one-line errors naming the fi
   json tiny_head = with_rope({{"rope_type", "dynamic"}, {"factor", 2.0}});
   tiny_head["head_dim"] = 2;
   expect_error(tiny_head, {"dynamic", "head_dim"});
+}
+
+// One row per malformation of a valid config.json: the value a key is set to and a fragment of the
+// one line that must refuse it (the file, the key, the value and the limit or the type expected).
+TEST_CASE("config.json: malformed values are refused in one line naming the key, as a table") {
+  struct Row {
+    const char* what;
+    std::function<void(json&)> mutate;
+    const char* fragment;
+  };
+  const double inf = std::numeric_limits<double>::infinity(), nan = std::numeric_limits<double>::quiet_NaN();
+  const std::vector<Row> table = {
+      {"vocab 10^12", [](json& j) { j["vocab_size"] = int64_t{1000000000000}; },
+       "'vocab_size' is 1000000000000, above the limit 2147483647 (token ids are int32)"},
+      {"2^40 layers", [](json& j) { j["num_hidden_layers"] = int64_t{1} << 40; },
+       "'num_hidden_layers' is 1099511627776, above the limit 16384"},
+      {"10^6 layers", [](json& j) { j["num_hidden_layers"] = 1000000; }, "'num_hidden_layers' is 1000000, above the limit"},
+      {"FFN 2^40", [](json& j) { j["intermediate_size"] = int64_t{1} << 40; },
+       "'intermediate_size' is 1099511627776, above the limit 1048576"},
+      {"2^40 heads", [](json& j) { j["num_attention_heads"] = int64_t{1} << 40; },
+       "'num_attention_heads' is 1099511627776, above the limit 65536"},
+      {"head dim 2^20", [](json& j) { j["head_dim"] = int64_t{1} << 20; }, "'head_dim' is 1048576, above the limit 16384"},
+      {"every size at its limit", [](json& j) {
+         j["vocab_size"] = (int64_t{1} << 31) - 1;
+         j["hidden_size"] = int64_t{1} << 20;
+       }, "parameters, above the limit 4398046511104 (2^42)"},
+      {"a u64 past int64", [](json& j) { j["vocab_size"] = uint64_t{1} << 63; },
+       "cfg.json: \"vocab_size\" must be an int64, found the integer 9223372036854775808"},
+      {"negative KV heads", [](json& j) { j["num_key_value_heads"] = -8; }, "'num_key_value_heads' must be positive, got -8"},
+      {"theta a string", [](json& j) { j["rope_theta"] = "abc"; },
+       "cfg.json: \"rope_theta\" must be a number, found a string \"abc\""},
+      {"theta infinite", [&](json& j) { j["rope_theta"] = inf; }, "cfg.json: \"rope_theta\" must be a finite number"},
+      {"factor a string", [](json& j) { j["rope_scaling"]["factor"] = "x"; },
+       "cfg.json: \"rope_scaling.factor\" must be a number, found a string \"x\""},
+      {"factor NaN", [&](json& j) { j["rope_scaling"]["factor"] = nan; }, "\"rope_scaling.factor\" must be a finite number"},
+      {"scaling a number", [](json& j) { j["rope_scaling"] = 5; },
+       "cfg.json: \"rope_scaling\" must be an object, found the integer 5"},
+      {"v5 theta a list", [](json& j) { j["rope_parameters"] = {{"rope_theta", json::array({1, 2})}}; },
+       "cfg.json: \"rope_parameters.rope_theta\" must be a number, found an array of 2"},
+      {"eos id a string", [](json& j) { j["eos_token_id"] = {128001, "end"}; },
+       "cfg.json: \"eos_token_id[1]\" must be an integer, found a string \"end\""},
+      {"tie a string", [](json& j) { j["tie_word_embeddings"] = "yes"; },
+       "cfg.json: \"tie_word_embeddings\" must be true or false"},
+      {"eps an object", [](json& j) { j["rms_norm_eps"] = json::object(); },
+       "cfg.json: \"rms_norm_eps\" must be a number, found an object of 0 keys"},
+      {"vocab missing", [](json& j) { j.erase("vocab_size"); }, "cfg.json: \"vocab_size\" is missing"},
+  };
+  for (const Row& row : table) {
+    CAPTURE(row.what);
+    json j = llama32_1b_v4();
+    row.mutate(j);
+    const std::string message = test::message_of([&] { LlamaConfig::from_json(j, "cfg.json"); });
+    INFO("message: ", message);
+    CHECK(test::contains(message, row.fragment));
+    CHECK(!test::contains(message, "unexpected error"));
+    CHECK(!test::contains(message, "json.exception"));
+  }
+}
+
+TEST_CASE("config.json: invalid JSON is refused naming the file, without the parser's tag") {
+  test::TempDir dir("config-json");
+  for (const char* text : {"{\"vocab_size\": 1e400}", "{ not json", "[1, 2"}) {
+    CAPTURE(text);
+    std::ofstream(dir.file("config.json")) << text;
+    const std::string message = test::message_of([&] { LlamaConfig::from_file(dir.file("config.json")); });
+    CHECK(test::contains(message, "config.json: not valid JSON"));
+    CHECK(!test::contains(message, "json.exception"));
+  }
 }

@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <map>
 #include <numbers>
@@ -29,6 +30,20 @@
 
 namespace cw {
 namespace {
+
+// An environment variable set for a scope, unset after it (the registry's flags are read when used,
+// engine/env.h): a test of a debugging escape such as CW_ALLOW_NONFINITE_WEIGHTS.
+class EnvVarScope {
+ public:
+  EnvVarScope(const char* name, const char* value) : name_(name) { ::setenv(name, value, 1); }
+  ~EnvVarScope() { ::unsetenv(name_); }
+  EnvVarScope(const EnvVarScope&) = delete;
+  EnvVarScope& operator=(const EnvVarScope&) = delete;
+
+ private:
+  const char* name_;
+};
+
 
 using test::contains;
 using test::error_of;
@@ -70,6 +85,19 @@ struct GgufBuilder {
   void u32(const std::string& key, uint32_t v) { kv(key, 4, raw(v)); }
   void f32(const std::string& key, float v) { kv(key, 6, raw(v)); }
   void str(const std::string& key, const std::string& v) { kv(key, 8, gguf_string(v)); }
+  // Replaces the value of a u32, f32, u64 or f64 key written earlier, its type too: a metadata value
+  // malformed in place, the rest of the file as it was.
+  void replace(const std::string& key, uint32_t type, const std::string& value) {
+    const std::string head = gguf_string(key);
+    const size_t at = kvs.find(head);
+    REQUIRE(at != std::string::npos);
+    const size_t type_at = at + head.size();
+    uint32_t old_type = 0;
+    std::memcpy(&old_type, kvs.data() + type_at, 4);
+    const size_t old_size = old_type == 4 || old_type == 6 ? 4 : old_type == 10 || old_type == 12 ? 8 : 0;
+    REQUIRE(old_size > 0);
+    kvs.replace(type_at, 4 + old_size, raw(type) + value);
+  }
   void strings(const std::string& key, const std::vector<std::string>& v) {
     std::string bytes = raw<uint32_t>(8) + raw<uint64_t>(v.size());
     for (const auto& s : v) bytes += gguf_string(s);
@@ -694,6 +722,126 @@ TEST_CASE("gguf: RoPE scaling from the metadata (linear) and from rope_freqs.wei
   b.tensors.back().data = bytes_of(divisors);
   const std::string odd = write_file(dir, "odd.gguf", b.bytes());
   check_refused([&] { llama_config_from_gguf(GgufReader(odd)); }, odd, fmt::format("rope_freqs.weight[{}]", moved));
+}
+
+// One row per malformation of a valid Llama GGUF file: the metadata or tensor changed, and a fragment
+// of the one line that must refuse it. Each row runs the load as `chunkwise` does: the config from
+// the metadata, the parameters allocated from it, the weights read.
+TEST_CASE("gguf: malformed Llama files are refused before allocating, naming the key or tensor, as a table") {
+  test::TempDir dir("gguf-table");
+  LlamaConfig c = tiny_for_gguf(false);
+  c.hidden_size = 32;  // a whole Q8_0 block per embedding row
+  ParamSet params(c, DType::f32);
+  init_parameters(params, 5, 0.5);
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  // The float at `index` of tensor `name` set to `value`.
+  const auto poke = [](GgufBuilder& b, const std::string& name, size_t index, float value) {
+    for (TensorSpec& t : b.tensors)
+      if (t.name == name) {
+        REQUIRE((index + 1) * 4 <= t.data.size());
+        std::memcpy(t.data.data() + index * 4, &value, 4);
+        return;
+      }
+    FAIL("no tensor ", name);
+  };
+  // token_embd.weight as Q8_0 (scale 1/64, quants i - 16), row `bad_row`'s scale the f16 `bad_scale`.
+  const auto q8_embedding = [&](GgufBuilder& b, int64_t bad_row, uint16_t bad_scale) {
+    for (TensorSpec& t : b.tensors) {
+      if (t.name != "token_embd.weight") continue;
+      t.type = 8;
+      t.data.clear();
+      for (int64_t row = 0; row < c.vocab_size; ++row) {
+        t.data += raw<uint16_t>(row == bad_row ? bad_scale : uint16_t{0x2400});
+        for (int i = 0; i < 32; ++i) t.data += raw<int8_t>(static_cast<int8_t>(i - 16));
+      }
+    }
+  };
+  struct Row {
+    const char* what;
+    std::function<void(GgufBuilder&)> mutate;
+    std::string fragment;
+  };
+  const std::vector<Row> table = {
+      {"2^40 blocks (u64)", [](GgufBuilder& b) { b.replace("llama.block_count", 10, raw<uint64_t>(uint64_t{1} << 40)); },
+       "'llama.block_count' is 1099511627776, above the limit 16384"},
+      {"2^31 + 1 blocks (u32)", [](GgufBuilder& b) { b.replace("llama.block_count", 4, raw<uint32_t>((1u << 31) + 1)); },
+       "'llama.block_count' is 2147483649, above the limit 16384"},
+      {"10^6 blocks", [](GgufBuilder& b) { b.replace("llama.block_count", 4, raw<uint32_t>(1000000)); },
+       "'llama.block_count' is 1000000, above the limit 16384"},
+      {"3 blocks in a file of 2", [](GgufBuilder& b) { b.replace("llama.block_count", 4, raw<uint32_t>(3)); },
+       "has no tensor 'blk.2.attn_norm.weight' (for model.layers.2.input_layernorm.weight), which its metadata implies"},
+      {"FFN 2^40", [](GgufBuilder& b) { b.replace("llama.feed_forward_length", 10, raw<uint64_t>(uint64_t{1} << 40)); },
+       "'llama.feed_forward_length' is 1099511627776, above the limit 1048576"},
+      {"FFN wider than its tensors", [](GgufBuilder& b) { b.replace("llama.feed_forward_length", 4, raw<uint32_t>(1000)); },
+       "tensor 'blk.0.ffn_gate.weight' has shape [40, 32] (GGUF dims [32, 40]), but the metadata gives "
+       "model.layers.0.mlp.gate_proj.weight [1000, 32]"},
+      {"an array of 2^40 strings", [](GgufBuilder& b) {
+         b.kv("tokenizer.ggml.merges", 9, raw<uint32_t>(8) + raw<uint64_t>(uint64_t{1} << 40));
+       }, "metadata 'tokenizer.ggml.merges': array of 1099511627776 string elements cannot fit"},
+      {"a string of 2^40 bytes", [](GgufBuilder& b) { b.kv("general.name", 8, raw<uint64_t>(uint64_t{1} << 40)); },
+       "metadata 'general.name' of 1099511627776 bytes"},
+      {"2^20 heads", [](GgufBuilder& b) { b.replace("llama.attention.head_count", 4, raw<uint32_t>(1u << 20)); },
+       "'llama.attention.head_count' is 1048576, above the limit 65536"},
+      {"freq_base inf", [&](GgufBuilder& b) { b.replace("llama.rope.freq_base", 6, raw<float>(inf)); },
+       "'llama.rope.freq_base' must be positive and finite, got inf"},
+      {"freq_base NaN", [&](GgufBuilder& b) { b.replace("llama.rope.freq_base", 6, raw<float>(nan)); },
+       "'llama.rope.freq_base' must be positive and finite, got nan"},
+      {"epsilon inf", [&](GgufBuilder& b) { b.replace("llama.attention.layer_norm_rms_epsilon", 6, raw<float>(inf)); },
+       "'llama.attention.layer_norm_rms_epsilon' must be positive and finite"},
+      {"linear factor inf", [&](GgufBuilder& b) {
+         b.str("llama.rope.scaling.type", "linear");
+         b.f32("llama.rope.scaling.factor", inf);
+       }, "factor must be finite, got inf"},
+      {"rope_freqs all NaN", [&](GgufBuilder& b) {
+         b.tensors.push_back({"rope_freqs.weight", {3}, 0, bytes_of(std::vector<float>(3, nan))});
+       }, "rope_freqs.weight[0] = nan is not a positive finite divisor"},
+      {"an F32 weight NaN", [&](GgufBuilder& b) { poke(b, "blk.1.ffn_down.weight", 17, nan); },
+       "tensor 'blk.1.ffn_down.weight' holds nan at element 17 of 1280"},
+      {"an F32 weight inf", [&](GgufBuilder& b) { poke(b, "output_norm.weight", 0, -inf); },
+       "tensor 'output_norm.weight' holds -inf at element 0"},
+      {"a Q8_0 scale NaN", [&](GgufBuilder& b) { q8_embedding(b, 7, 0x7e00); },
+       "tensor 'token_embd.weight' holds nan at element 224"},
+  };
+  for (const Row& row : table) {
+    CAPTURE(row.what);
+    GgufBuilder b = llama_builder(params);
+    row.mutate(b);
+    const std::string path = write_file(dir, "bad.gguf", b.bytes());
+    const std::string message = test::message_of([&] {
+      const GgufReader reader(path);
+      ParamSet loaded(llama_config_from_gguf(reader), DType::f32);
+      load_gguf_weights(loaded, reader);
+    });
+    INFO("message: ", message);
+    CHECK(contains(message, path));
+    CHECK(contains(message, row.fragment));
+    CHECK(!contains(message, "unexpected error"));
+    CHECK(!contains(message, "\n"));
+  }
+  // The Q8_0 file itself is valid: the table's refusals are its malformations alone.
+  GgufBuilder b = llama_builder(params);
+  q8_embedding(b, -1, 0);
+  const std::string path = write_file(dir, "q8.gguf", b.bytes());
+  const GgufReader reader(path);
+  ParamSet loaded(llama_config_from_gguf(reader), DType::f32);
+  load_gguf_weights(loaded, reader);
+  CHECK(loaded.get("model.embed_tokens.weight").ptr<float>()[33] == static_cast<float>((1 - 16) / 64.0));
+}
+
+TEST_CASE("gguf: CW_ALLOW_NONFINITE_WEIGHTS=1 loads a NaN weight for debugging") {
+  test::TempDir dir("gguf-nonfinite");
+  const LlamaConfig c = tiny_for_gguf(true);
+  ParamSet params(c, DType::f32);
+  init_parameters(params, 5, 0.5);
+  params.get("model.norm.weight").ptr<float>()[3] = std::numeric_limits<float>::quiet_NaN();
+  const std::string path = write_file(dir, "nan.gguf", llama_builder(params).bytes());
+  ParamSet loaded(llama_config_from_gguf(GgufReader(path)), DType::f32);
+  CHECK(contains(error_of([&] { load_gguf_weights(loaded, GgufReader(path)); }), "CW_ALLOW_NONFINITE_WEIGHTS=1"));
+  {
+    const EnvVarScope allow("CW_ALLOW_NONFINITE_WEIGHTS", "1");
+    CHECK_NOTHROW(load_gguf_weights(loaded, GgufReader(path)));
+  }
+  CHECK(std::isnan(loaded.get("model.norm.weight").ptr<float>()[3]));
 }
 
 // ---- the real file ----

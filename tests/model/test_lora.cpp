@@ -187,13 +187,13 @@ TEST_CASE("lora: adapter files that do not fit are refused in one line naming th
   CHECK_THROWS_WITH_AS(config_with("target_modules", {"q_proj", "qkv"})(), doctest::Contains("unknown LoRA target 'qkv'"),
                        Error);
   restore();
-  CHECK_THROWS_WITH_AS(config_with("peft_type", "IA3")(), doctest::Contains("adapter_config.json: peft_type"), Error);
+  CHECK_THROWS_WITH_AS(config_with("peft_type", "IA3")(), doctest::Contains("adapter_config.json: \"peft_type\""), Error);
   restore();
-  CHECK_THROWS_WITH_AS(config_with("use_rslora", true)(), doctest::Contains("adapter_config.json: use_rslora is true"), Error);
+  CHECK_THROWS_WITH_AS(config_with("use_rslora", true)(), doctest::Contains("adapter_config.json: \"use_rslora\" is true"), Error);
   restore();
-  CHECK_THROWS_WITH_AS(config_with("bias", "all")(), doctest::Contains("adapter_config.json: bias"), Error);
+  CHECK_THROWS_WITH_AS(config_with("bias", "all")(), doctest::Contains("adapter_config.json: \"bias\""), Error);
   restore();
-  CHECK_THROWS_WITH_AS(config_with("r", 0)(), doctest::Contains("adapter_config.json: r must be a positive integer"), Error);
+  CHECK_THROWS_WITH_AS(config_with("r", 0)(), doctest::Contains("adapter_config.json: \"r\" must be a positive integer"), Error);
   restore();
   CHECK_THROWS_WITH_AS(config_with("rank_pattern", {{"q_proj", 4}})(), doctest::Contains("rank_pattern"), Error);
   restore();

@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <sstream>
 
@@ -404,7 +405,7 @@ TEST_CASE("tokenizer: malformed tokenizer.json files fail with one clear line") 
   CHECK(contains(error_for(j), "byte_fallback is true"));
   j = good;
   j["normalizer"] = {{"type", "NFC"}};
-  CHECK(contains(error_for(j), "it has a normalizer ('NFC')"));
+  CHECK(contains(error_for(j), "it has a normalizer (a string \"NFC\")"));
   j = good;
   j["pre_tokenizer"] = {{"type", "Whitespace"}};
   CHECK(contains(error_for(j), "pre_tokenizer is a 'Whitespace' pre-tokenizer"));
@@ -426,7 +427,7 @@ TEST_CASE("tokenizer: malformed tokenizer.json files fail with one clear line") 
   CHECK(contains(error_for(j), "added_tokens[0].lstrip is true"));
   j = good;
   j["added_tokens"][0].erase("content");
-  CHECK(contains(error_for(j), "added_tokens[0].content is missing or not a string"));
+  CHECK(contains(error_for(j), "tokenizer.json: \"added_tokens[0].content\" is missing"));
   j = good;
   j["decoder"] = {{"type", "Metaspace"}};
   CHECK(contains(error_for(j), "decoder is 'Metaspace', not ByteLevel"));
@@ -438,6 +439,57 @@ TEST_CASE("tokenizer: malformed tokenizer.json files fail with one clear line") 
   write_text(dir.file("broken.json"), "{\"model\": ");
   CHECK(contains(error_of([&] { BpeTokenizer::from_tokenizer_json(dir.file("broken.json")); }), "not valid JSON"));
   CHECK(contains(error_of([&] { BpeTokenizer::from_tokenizer_json(dir.file("absent.json")); }), "cannot open"));
+}
+
+// One row per malformation of a valid tokenizer.json, and a fragment of the one line that must refuse
+// it: an id past what the file defines is a gap, found without sizing a table by the id.
+TEST_CASE("tokenizer: malformed tokenizer.json values are refused naming the key, as a table") {
+  test::TempDir dir("tokenizer-table");
+  struct Row {
+    const char* what;
+    std::function<void(nlohmann::json&)> mutate;
+    const char* fragment;
+  };
+  const std::vector<Row> table = {
+      {"a vocab id 2^31 - 1", [](auto& j) { j["model"]["vocab"]["zz"] = (int64_t{1} << 31) - 1; },
+       "(the ids go up to 2147483647)"},
+      {"a vocab id 2^26", [](auto& j) { j["model"]["vocab"]["zz"] = int64_t{1} << 26; },
+       "(the ids go up to 67108864)"},
+      {"a vocab id 2^31", [](auto& j) { j["model"]["vocab"]["zz"] = int64_t{1} << 31; },
+       "model.vocab['zz'] is not an id"},
+      {"an added id 2^31 - 1", [](auto& j) { j["added_tokens"][0]["id"] = (int64_t{1} << 31) - 1; },
+       "(the ids go up to 2147483647)"},
+      {"a normalizer 5", [](auto& j) { j["normalizer"] = 5; }, "it has a normalizer (the integer 5)"},
+      {"a pre-tokenizer 5", [](auto& j) { j["pre_tokenizer"] = 5; },
+       "tokenizer.json: \"pre_tokenizer\" must be an object, found the integer 5"},
+      {"a step's type a number", [](auto& j) { j["pre_tokenizer"]["pretokenizers"][0]["type"] = 7; },
+       "tokenizer.json: \"pre_tokenizer.pretokenizers[0].type\" must be a string, found the integer 7"},
+      {"byte_fallback a string", [](auto& j) { j["model"]["byte_fallback"] = "no"; },
+       "tokenizer.json: \"model.byte_fallback\" must be true or false, found a string \"no\""},
+      {"a decoder list", [](auto& j) { j["decoder"] = nlohmann::json::array({1}); },
+       "tokenizer.json: \"decoder\" must be an object, found an array of 1"},
+      {"an added token's content a number", [](auto& j) { j["added_tokens"][1]["content"] = 3; },
+       "tokenizer.json: \"added_tokens[1].content\" must be a string, found the integer 3"},
+  };
+  for (const Row& row : table) {
+    CAPTURE(row.what);
+    nlohmann::json j = small_tokenizer_json(false);
+    row.mutate(j);
+    const std::string path = dir.file("tokenizer.json");
+    write_text(path, j.dump());
+    const std::string message = test::message_of([&] { BpeTokenizer::from_tokenizer_json(path); });
+    INFO("message: ", message);
+    CHECK(contains(message, path));
+    CHECK(contains(message, row.fragment));
+    CHECK(!contains(message, "unexpected error"));
+    CHECK(!contains(message, "json.exception"));
+  }
+  // A number out of double's range is invalid JSON to the parser: refused naming the file.
+  const std::string path = dir.file("tokenizer.json");
+  write_text(path, R"({"model": {"vocab": {"a": 1e400}}})");
+  const std::string message = test::message_of([&] { BpeTokenizer::from_tokenizer_json(path); });
+  CHECK(contains(message, "tokenizer.json: not valid JSON"));
+  CHECK(!contains(message, "json.exception"));
 }
 
 TEST_CASE("tokenizer: malformed GGUF metadata fails with one clear line") {

@@ -3,6 +3,7 @@
 #include "engine/error.h"
 #include "model/chat_template.h"
 #include "model/gguf_llama.h"
+#include "model/json_fields.h"
 #include "tools/data/tokens.h"
 
 #include <fmt/format.h>
@@ -105,14 +106,9 @@ ByteTokenizer ByteTokenizer::from_json(const nlohmann::json& j, const std::strin
 
 ByteTokenizer ByteTokenizer::from_file(const std::string& path) {
   const std::string text = read_whole_file(path, "tokenizer description");
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::parse_error& e) {
-    fail(fmt::format("tokenizer description '{}': not valid JSON at byte offset {}", path, e.byte),
-         "the file is damaged; restore it or re-create the run");
-  }
-  return from_json(j, path);
+  return from_json(json_parse(text, fmt::format("tokenizer description '{}'", path),
+                               "the file is damaged; restore it or re-create the run"),
+                   path);
 }
 
 std::optional<size_t> find_invalid_utf8(std::string_view text) {
@@ -190,13 +186,7 @@ std::unique_ptr<Tokenizer> load_tokenizer(const std::string& spec) {
          "pass 'bytes', an HF tokenizer.json, a directory holding one, or a .gguf model");
   // A run directory's record of the byte tokenizer is also named tokenizer.json: tell them apart.
   const std::string text = read_whole_file(spec, "tokenizer");
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(text);
-  } catch (const nlohmann::json::parse_error& e) {
-    fail(fmt::format("tokenizer file '{}': not valid JSON at byte offset {}", spec, e.byte),
-         "the file is damaged; download it again");
-  }
+  const nlohmann::json j = json_parse(text, fmt::format("tokenizer file '{}'", spec), "the file is damaged; download it again");
   if (j.is_object() && j.contains("name") && !j.contains("model"))
     return std::make_unique<ByteTokenizer>(ByteTokenizer::from_json(j, spec));
   return std::make_unique<BpeTokenizer>(BpeTokenizer::from_tokenizer_json(spec));
@@ -384,8 +374,12 @@ void for_each_record(const std::string& path, const char* example, Visit visit) 
     nlohmann::json record;
     try {
       record = nlohmann::json::parse(line);
-    } catch (const nlohmann::json::parse_error& e) {
-      fail(fmt::format("{}: not valid JSON (at column {})", at.where(), e.byte), at.hint());
+    } catch (const nlohmann::json::exception& e) {
+      // parse_error, or out_of_range for a number like 1e400: nlohmann's byte offset when it has one.
+      const auto* parse = dynamic_cast<const nlohmann::json::parse_error*>(&e);
+      fail(parse ? fmt::format("{}: not valid JSON (at column {})", at.where(), parse->byte)
+                 : fmt::format("{}: not valid JSON (a number out of range)", at.where()),
+           at.hint());
     }
     if (!record.is_object())
       fail(fmt::format("{}: a JSON {}, not an object", at.where(), record.type_name()), at.hint());
