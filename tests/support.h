@@ -16,6 +16,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <optional>
 #include <string>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -153,5 +154,28 @@ inline TempDir::~TempDir() {
   std::error_code ec;
   std::filesystem::remove_all(path, ec);
 }
+
+// Sets (or with nullptr unsets) an environment variable for one scope, restoring it after (the
+// registry's variables are read when used, engine/env.h).
+class EnvScope {
+ public:
+  EnvScope(const char* name, const char* value) : name_(name) {
+    if (const char* e = std::getenv(name)) saved_ = e;
+    set(value);
+  }
+  ~EnvScope() { set(saved_ ? saved_->c_str() : nullptr); }
+  EnvScope(const EnvScope&) = delete;
+  EnvScope& operator=(const EnvScope&) = delete;
+  void set(const char* value) {
+    if (value != nullptr)
+      ::setenv(name_, value, 1);
+    else
+      ::unsetenv(name_);
+  }
+
+ private:
+  const char* name_;
+  std::optional<std::string> saved_;
+};
 
 }  // namespace cw::test

@@ -20,28 +20,6 @@ using namespace cw;
 
 namespace {
 
-// Sets (or with nullptr unsets) a variable for one scope, restoring it after.
-class VariableScope {
- public:
-  VariableScope(const char* name, const char* value) : name_(name) {
-    if (const char* e = std::getenv(name)) saved_ = e;
-    set(value);
-  }
-  ~VariableScope() { set(saved_ ? saved_->c_str() : nullptr); }
-  VariableScope(const VariableScope&) = delete;
-  VariableScope& operator=(const VariableScope&) = delete;
-  void set(const char* value) {
-    if (value != nullptr)
-      ::setenv(name_, value, 1);
-    else
-      ::unsetenv(name_);
-  }
-
- private:
-  const char* name_;
-  std::optional<std::string> saved_;
-};
-
 // The test's own variables, of each kind (not in the registry: the readers take any Variable).
 constexpr env::Variable kTestFlagOff{"CW_TEST_ENV_FLAG", env::Kind::flag, "0", "a test's flag, off by default"};
 constexpr env::Variable kTestFlagOn{"CW_TEST_ENV_FLAG", env::Kind::flag, "1", "a test's flag, on by default"};
@@ -51,7 +29,7 @@ constexpr env::Variable kTestText{"CW_TEST_ENV_FLAG", env::Kind::text, "none", "
 }  // namespace
 
 TEST_CASE("env: a flag is its default when unset or empty, 0 or 1 when set, anything else a clear error") {
-  VariableScope scope(kTestFlagOff.name, nullptr);
+  test::EnvScope scope(kTestFlagOff.name, nullptr);
   CHECK_FALSE(env::flag(kTestFlagOff));
   CHECK(env::flag(kTestFlagOn));
   scope.set("");
@@ -69,7 +47,7 @@ TEST_CASE("env: a flag is its default when unset or empty, 0 or 1 when set, anyt
 }
 
 TEST_CASE("env: an integer is nullopt when unset or empty, its digits within the range, anything else a clear error") {
-  VariableScope scope(kTestInteger.name, nullptr);
+  test::EnvScope scope(kTestInteger.name, nullptr);
   CHECK_FALSE(env::integer(kTestInteger).has_value());
   scope.set("");
   CHECK_FALSE(env::integer(kTestInteger).has_value());
@@ -84,7 +62,7 @@ TEST_CASE("env: an integer is nullopt when unset or empty, its digits within the
 }
 
 TEST_CASE("env: text is nullopt when unset or empty, else the value") {
-  VariableScope scope(kTestText.name, nullptr);
+  test::EnvScope scope(kTestText.name, nullptr);
   CHECK_FALSE(env::text(kTestText).has_value());
   scope.set("");
   CHECK_FALSE(env::text(kTestText).has_value());
@@ -101,7 +79,7 @@ TEST_CASE("env: a reader refuses a variable of another kind") {
 }
 
 TEST_CASE("env: lookup reads the registry's launch and test variables, as they are, and no other") {
-  VariableScope scope("CW_TEST_LAUNCH_VARIABLE", "");
+  test::EnvScope scope("CW_TEST_LAUNCH_VARIABLE", "");
   CHECK(env::lookup("CW_TEST_LAUNCH_VARIABLE") == "");  // empty is kept: parallel/ decides what it means
   scope.set(nullptr);
   CHECK_FALSE(env::lookup("CW_TEST_LAUNCH_VARIABLE").has_value());
@@ -110,7 +88,7 @@ TEST_CASE("env: lookup reads the registry's launch and test variables, as they a
 }
 
 TEST_CASE("EnvFlag: the default, the variable's 0 or 1, a set value kept, anything else a clear error") {
-  VariableScope scope(kTestFlagOff.name, nullptr);
+  test::EnvScope scope(kTestFlagOff.name, nullptr);
   for (const env::Variable* variable : {&kTestFlagOff, &kTestFlagOn}) {
     const bool by_default = variable == &kTestFlagOn;
     INFO("by default ", by_default);

@@ -31,20 +31,6 @@
 namespace cw {
 namespace {
 
-// An environment variable set for a scope, unset after it (the registry's flags are read when used,
-// engine/env.h): a test of a debugging escape such as CW_ALLOW_NONFINITE_WEIGHTS.
-class EnvVarScope {
- public:
-  EnvVarScope(const char* name, const char* value) : name_(name) { ::setenv(name, value, 1); }
-  ~EnvVarScope() { ::unsetenv(name_); }
-  EnvVarScope(const EnvVarScope&) = delete;
-  EnvVarScope& operator=(const EnvVarScope&) = delete;
-
- private:
-  const char* name_;
-};
-
-
 using test::contains;
 using test::error_of;
 
@@ -838,7 +824,7 @@ TEST_CASE("gguf: CW_ALLOW_NONFINITE_WEIGHTS=1 loads a NaN weight for debugging")
   ParamSet loaded(llama_config_from_gguf(GgufReader(path)), DType::f32);
   CHECK(contains(error_of([&] { load_gguf_weights(loaded, GgufReader(path)); }), "CW_ALLOW_NONFINITE_WEIGHTS=1"));
   {
-    const EnvVarScope allow("CW_ALLOW_NONFINITE_WEIGHTS", "1");
+    const test::EnvScope allow("CW_ALLOW_NONFINITE_WEIGHTS", "1");
     CHECK_NOTHROW(load_gguf_weights(loaded, GgufReader(path)));
   }
   CHECK(std::isnan(loaded.get("model.norm.weight").ptr<float>()[3]));

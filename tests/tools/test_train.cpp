@@ -25,19 +25,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// An environment variable set for a scope, unset after it (the registry's flags are read when used,
-// engine/env.h): a test of a debugging escape such as CW_ALLOW_NONFINITE_WEIGHTS.
-class EnvVarScope {
- public:
-  EnvVarScope(const char* name, const char* value) : name_(name) { ::setenv(name, value, 1); }
-  ~EnvVarScope() { ::unsetenv(name_); }
-  EnvVarScope(const EnvVarScope&) = delete;
-  EnvVarScope& operator=(const EnvVarScope&) = delete;
-
- private:
-  const char* name_;
-};
-
 // A small byte-level model (vocab 320) written as a config.json, and a corpus shard.
 struct Fixture {
   test::TempDir dir{"train"};
@@ -282,7 +269,7 @@ TEST_CASE("train guards: non-finite loss stops or skips; an oversized run fails 
   Fixture fx;
   // A checkpoint whose weights hold a NaN: every loss is NaN. The loader refuses such weights unless
   // told to load them for debugging, as here.
-  const EnvVarScope allow_nonfinite("CW_ALLOW_NONFINITE_WEIGHTS", "1");
+  const test::EnvScope allow_nonfinite("CW_ALLOW_NONFINITE_WEIGHTS", "1");
   LlamaModel m(LlamaConfig::from_file(fx.model_json), DType::f32);
   init_parameters(m.params(), 1, 0.02);
   m.params()[0].ptr<float>()[5] = std::nanf("");
