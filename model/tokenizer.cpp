@@ -230,7 +230,9 @@ BpeTokenizer::BpeTokenizer(BpeDefinition def)
 
   merges_.reserve(def.merges.size());
   for (size_t rank = 0; rank < def.merges.size(); ++rank) {
-    const auto& [left, right] = def.merges[rank];
+    // Plain references, not a structured binding: clang before 16 cannot capture a binding in a lambda.
+    const std::string& left = def.merges[rank].first;
+    const std::string& right = def.merges[rank].second;
     const auto id_of = [&](const std::string& text, const char* what) {
       const auto it = id_of_text_.find(text);
       if (it == id_of_text_.end())
