@@ -22,14 +22,15 @@ std::string regression_input(const std::string& target, const std::string& name)
 }  // namespace
 
 TEST_CASE("fuzz regression: config.json with an integer key of 1e300 is refused") {
-  // 1e300 is integral as a double, and converting it to int64 is undefined (UBSan: model/config.cpp
-  // get_int); an unsanitized build gets INT64_MIN, which validate() then refuses.
+  // 1e300 is integral as a double, and converting it to int64 was undefined (UBSan: model/config.cpp
+  // get_int, an unsanitized build getting INT64_MIN); the typed reader (model/json_fields.h) now
+  // refuses a double outside int64's range as "not an integer".
   CHECK_THROWS_AS(LlamaConfig::from_file(regression_input("config_json", "hidden_size_1e300.json")), Error);
 }
 
-// Open: validate() accepts sizes whose products overflow int64 (intermediate_size = 2^62 here), and
-// parameter_count() then overflows (UBSan: model/config.cpp). should_fail keeps the suite green while
-// the parser accepts the file; once it refuses it this case fails, and should_fail comes off.
-TEST_CASE("fuzz regression: config.json whose parameter count overflows int64 is refused" * doctest::should_fail()) {
+// validate() accepted sizes whose products overflow int64 (intermediate_size = 2^62 here), and
+// parameter_count() then overflowed (UBSan: model/config.cpp); the size bounds (ConfigLimits) now
+// refuse the file before any product is formed.
+TEST_CASE("fuzz regression: config.json whose parameter count overflows int64 is refused") {
   CHECK_THROWS_AS(LlamaConfig::from_file(regression_input("config_json", "intermediate_size_2e62.json")), Error);
 }
