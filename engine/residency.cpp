@@ -11,6 +11,7 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <unistd.h>
 
 namespace cw {
 
@@ -158,6 +159,11 @@ void Residency::wait_idle() {
 void Residency::evict_all() {
   for (int& i : slot_of_) i = -1;
   for (int& i : slot_item_) i = -1;
+}
+
+size_t host_memory_total() {
+  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && page > 0 ? static_cast<size_t>(pages) * static_cast<size_t>(page) : 0;
 }
 
 size_t host_memory_available() {

@@ -103,6 +103,8 @@ class Residency {
 
 // Bytes of host memory the operating system can still give (MemAvailable), or 0 if unknown.
 size_t host_memory_available();
+// Bytes of host memory the machine has in all (physical pages), or 0 if unknown.
+size_t host_memory_total();
 // The share of that a run may pin: pinned pages cannot be swapped, so the system keeps the rest (a
 // clear error before the step, never a swap storm). The K/V offload's check and the planner use it.
 inline constexpr double kPinnableHostShare = 0.9;

@@ -135,19 +135,13 @@ Placement resolve_placement(const RunConfig& rc) {
   return {mc, device, dtype, resolve_lora(rc)};
 }
 
-// Bytes of host memory the machine has in all (0 if unknown).
-double host_memory_total() {
-  const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
-  return pages > 0 && page > 0 ? double(pages) * double(page) : 0.0;
-}
-
 // Sizes no machine of this kind can hold, refused before anything is sized by them, whatever
 // train.memory_check says (the planner's check in check_memory is the precise one; these are lower
 // bounds). The step's micro-batches are built at once in host memory, ids and labels at least 4
 // bytes each; a micro-batch keeps, in any schedule, at least each layer's K/V (seco, spaco) or
 // input (full, checkpointed) for every token, in host or device memory.
 void check_sizes_fit_machine(const RunConfig& rc, const Placement& p, const LlamaConfig& rank_model) {
-  const double host = host_memory_total();
+  const double host = double(host_memory_total());
   if (host <= 0) return;
   const double device = p.device.is_cpu() ? 0.0 : double(device_memory(p.device).total);
   const double B = double(rc.data.batch_size), T = double(rc.data.seq_len), accum = double(rc.data.grad_accum);
