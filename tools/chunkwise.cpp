@@ -280,6 +280,9 @@ int main(int argc, char** argv) {
                    "'model', 'bytes', an HF tokenizer.json, a directory holding one, or a .gguf file (default: --run: "
                    "the run's; --model: the model's own)");
   eval->add_option("--init-seed", eo.source.seed, "random init of a preset or config.json")->capture_default_str();
+  eval->add_option("--rope", eo.source.rope,
+                   "KEY=VALUE...: replace the model's RoPE scaling, keys as a run's [rope] (e.g. type=yarn factor=8 "
+                   "original_max_position_embeddings=8192): a model extended without training, or type=dynamic");
   eval->add_option("--device", eo.device, "auto (CUDA when available) | cpu | cuda")->capture_default_str();
   eval->add_option("--dtype", eo.dtype, "auto (GPU: bf16, CPU: f32) | f64 | f32 | bf16")->capture_default_str();
   eval->add_option("--chunk", eo.chunk, "tokens a prefill chunk (each attends the K/V store); 0: one chunk")

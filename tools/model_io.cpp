@@ -126,6 +126,15 @@ std::unique_ptr<LlamaModel> placed(LlamaModel host, Device device, DType dtype) 
 }
 }  // namespace
 
+namespace {
+// `cf` with --rope's scaling in place of its own (none given: `cf`).
+LlamaConfig with_rope_flags(const LlamaConfig& cf, const ModelSource& source, const std::string& name) {
+  if (source.rope.empty()) return cf;
+  const RunConfig::Rope rope = rope_from_assignments(source.rope, "--rope");
+  return with_rope(cf, rope, fmt::format("'{}' with --rope type={}", name, rope.type));
+}
+}  // namespace
+
 LoadedModel load_model(const ModelSource& source, Device device, DType dtype, const ModelNeeds& needs,
                        const std::string& what) {
   // Weights are read on the host in the compute dtype when the model stays there, else in f32 (the
@@ -162,13 +171,14 @@ LoadedModel load_model(const ModelSource& source, Device device, DType dtype, co
     if (fs::exists(fs::path(ref->path) / "adapter_config.json")) {
       // A LoRA run: its adapters on the base it trained on (model.source of the checkpoint's run.toml).
       const RunConfig rc = RunConfig::from_file((fs::path(ref->path) / "run.toml").string());
-      const LlamaConfig cf = rc.model_config();  // the run's overrides (tie_embeddings, [rope]) on its base
+      const LlamaConfig cf = with_rope_flags(rc.model_config(), source, ref->path);  // the run's overrides on its base
       out.model = placed(host_model(cf, rc.model.source, ref->path, host_dtype, rc.model.init_seed), device, dtype);
     } else {
       if (!is_checkpoint_dir(ref->path))
         fail(fmt::format("checkpoint '{}' has no weights (model.safetensors)", ref->path),
              "pick another step (--step), or train again");
-      const LlamaConfig cf = LlamaConfig::from_file((fs::path(ref->path) / "config.json").string());
+      const LlamaConfig cf =
+          with_rope_flags(LlamaConfig::from_file((fs::path(ref->path) / "config.json").string()), source, ref->path);
       out.model = placed(host_model(cf, ref->path, "", host_dtype, 0), device, dtype);
     }
   } else {
@@ -180,7 +190,9 @@ LoadedModel load_model(const ModelSource& source, Device device, DType dtype, co
     if (needs.tokenizer)
       tokenizer_spec = resolve_tokenizer_spec(source.tokenizer.empty() ? kModelTokenizer : source.tokenizer, spec,
                                               "--tokenizer");
-    out.model = placed(host_model(LlamaConfig::resolve(spec), spec, "", host_dtype, source.seed), device, dtype);
+    out.model = placed(host_model(with_rope_flags(LlamaConfig::resolve(spec), source, spec), spec, "", host_dtype,
+                                  source.seed),
+                       device, dtype);
   }
   if (needs.tokenizer) {
     out.tokenizer = load_tokenizer(tokenizer_spec);

@@ -9,6 +9,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace cw {
 
@@ -70,6 +71,10 @@ struct ModelSource {
   // (tools/data/tokenizer.h: "model", "bytes", a tokenizer.json, a directory, a .gguf file).
   std::string tokenizer;
   uint64_t seed = 1234;    // random init of a preset or config.json
+  // --rope KEY=VALUE...: the model's RoPE scaling replaced, as a run's [rope] section replaces it
+  // (tools/train/run_config.h; e.g. type=yarn factor=8 original_max_position_embeddings=8192): a
+  // model extended without training, or dynamic NTK at inference. Empty: the model's own.
+  std::vector<std::string> rope;
 };
 
 struct LoadedModel {

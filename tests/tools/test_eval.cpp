@@ -8,6 +8,7 @@
 #include "tests/tools/bpe_fixture.h"
 #include "tools/data/tokenizer.h"
 #include "tools/eval.h"
+#include "tools/train/run_config.h"
 #include "tools/train/sample.h"
 
 #include <doctest/doctest.h>
@@ -534,6 +535,57 @@ TEST_CASE("chunkwise eval: loss-by-position and passkey on the command line, cha
   CHECK(contains(out, "needs --seq T"));
   CHECK(run_cli(fmt::format("chart {} {} --out {}", dir.file("p.json"), dir.file("a.json"), dir.file("x.svg")), out) == 2);
   CHECK(contains(out, "one passkey result a chart"));
+}
+
+TEST_CASE("chunkwise eval --rope: a model's RoPE scaling replaced equals a checkpoint that declares it") {
+  test::TempDir dir("eval-rope");
+  const LlamaConfig cfg = tiny_bytes_config();
+  RunConfig::Rope yarn;
+  yarn.type = "yarn";
+  yarn.factor = 4;
+  yarn.original_max_position_embeddings = 128;
+  {
+    LlamaModel model(cfg, DType::f32);
+    init_parameters(model.params(), 5, cfg.initializer_range, 0.0);
+    save_checkpoint_weights(model.params(), cfg, dir.file("plain"), DType::f32);
+    save_checkpoint_weights(model.params(), with_rope(cfg, yarn, "test"), dir.file("yarn"), DType::f32);
+    LlamaConfig unscaled = cfg;  // the preset's own llama3 scaling taken off
+    unscaled.rope_scaling = RopeScaling{};
+    save_checkpoint_weights(model.params(), unscaled, dir.file("unscaled"), DType::f32);
+  }
+  std::string text;
+  for (int i = 0; i < 30; ++i) text += "The quick brown fox jumps over the lazy dog. ";
+  std::ofstream(dir.file("text.txt")) << text;
+  tokenize_files({dir.file("text.txt")}, dir.file("data.bin"));
+  const auto buckets = [&](const std::string& model, const std::string& rope, const std::string& json) {
+    std::string out;
+    const int rc = run_cli(fmt::format("eval --task loss-by-position --model {} --data {} --seq 500 --buckets 64,256 "
+                                       "--windows 1 --device cpu --dtype f64 --json {}{}",
+                                       dir.file(model), dir.file("data.bin"), dir.file(json), rope),
+                           out);
+    REQUIRE_MESSAGE(rc == 0, out);
+    return read_json(dir.file(json)).at("buckets");
+  };
+  const nlohmann::json declared = buckets("yarn", "", "declared.json");
+  const nlohmann::json replaced =
+      buckets("plain", " --rope type=yarn factor=4 original_max_position_embeddings=128", "replaced.json");
+  CHECK(replaced == declared);
+  CHECK(buckets("plain", "", "plain.json") != declared);  // the scaling changes the losses past 128 positions
+  CHECK(buckets("plain", " --rope type=model", "model.json") == buckets("plain", "", "plain2.json"));
+  CHECK(buckets("plain", " --rope type=default", "default.json") == buckets("unscaled", "", "unscaled.json"));
+  std::string out;
+  CHECK(run_cli(fmt::format("eval --task passkey --model {} --tokenizer bytes --lengths 320 --rope factor",
+                            dir.file("plain")),
+                out) == 2);
+  CHECK(contains(out, "--rope 'factor': not KEY=VALUE"));
+  CHECK(run_cli(fmt::format("eval --task passkey --model {} --tokenizer bytes --lengths 320 --rope type=yarn",
+                            dir.file("plain")),
+                out) == 2);
+  CHECK(contains(out, "needs rope.factor >= 1"));
+  CHECK(run_cli(fmt::format("eval --task passkey --model {} --tokenizer bytes --lengths 320 --rope colour=red",
+                            dir.file("plain")),
+                out) == 2);
+  CHECK(contains(out, "rope.colour"));
 }
 
 // ---- the real model, when its GGUF is in .models/ ----

@@ -572,6 +572,10 @@ void RunConfig::validate() const {
 LlamaConfig RunConfig::model_config() const {
   LlamaConfig mc = LlamaConfig::resolve(model.source);
   if (model.tie_embeddings) mc.tie_word_embeddings = *model.tie_embeddings;
+  return with_rope(mc, rope, fmt::format("model.source '{}' with rope.type = {}", model.source, rope.type));
+}
+
+LlamaConfig with_rope(LlamaConfig mc, const RunConfig::Rope& rope, const std::string& what) {
   if (rope.type == "model") return mc;
   validate_rope(rope);
   const int64_t original =
@@ -603,8 +607,19 @@ LlamaConfig RunConfig::model_config() const {
     s = RopeScaling{};  // default: no scaling
   }
   mc.rope_scaling = s;
-  mc.validate(fmt::format("model.source '{}' with rope.type = {}", model.source, rope.type));
+  mc.validate(what);
   return mc;
+}
+
+RunConfig::Rope rope_from_assignments(const std::vector<std::string>& assignments, const std::string& flag) {
+  RunConfig rc;
+  for (const std::string& a : assignments) {
+    const size_t eq = a.find('=');
+    if (eq == std::string::npos || eq == 0)
+      fail(fmt::format("{} '{}': not KEY=VALUE", flag, a), fmt::format("e.g. {} type=yarn {} factor=8", flag, flag));
+    rc.apply_override("rope." + a);
+  }
+  return rc.rope;
 }
 
 namespace {

@@ -187,6 +187,14 @@ struct RunConfig {
   nlohmann::json to_json() const;  // {"section": {"key": value}}; an unset tie_embeddings is null
 };
 
+// `mc` with the RoPE scaling `rope` describes in place of its own (type "model": `mc` unchanged), as
+// RunConfig::model_config applies [rope]; `what` names the model in the error a refused value gets.
+LlamaConfig with_rope(LlamaConfig mc, const RunConfig::Rope& rope, const std::string& what);
+
+// [rope] from "key=value" assignments (the keys of the run config's [rope] section without the
+// "rope." prefix, e.g. {"type=yarn", "factor=8"}); `flag` names them in errors ("--rope").
+RunConfig::Rope rope_from_assignments(const std::vector<std::string>& assignments, const std::string& flag);
+
 // One key a resumed run changes against the config.toml its run directory saved.
 struct ConfigChange {
   std::string key;       // "section.key"
