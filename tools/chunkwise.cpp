@@ -259,6 +259,10 @@ int main(int argc, char** argv) {
   sample->add_flag("--chat", so.chat, "apply the tokenizer's chat template (ChatML) and stop at <|im_end|>");
   CLI::Option* sample_system_opt =
       sample->add_option("--system", sample_system, "--chat: the system message (default: the template's own, if any)");
+  std::vector<std::string> sample_rope;
+  sample->add_option("--rope", sample_rope,
+                     "KEY=VALUE...: replace the model's RoPE scaling, keys as a run's [rope] (e.g. type=yarn factor=8 "
+                     "original_max_position_embeddings=8192, or type=dynamic factor=4)");
   sample->add_option("--device", sample_device, "auto (CUDA when available) | cpu | cuda")->capture_default_str();
   sample->add_option("--dtype", sample_dtype, "auto (GPU: bf16, CPU: f32) | f64 | f32 | bf16")->capture_default_str();
   sample->add_option("--tokens", so.tokens, "tokens to generate")
@@ -451,11 +455,18 @@ int main(int argc, char** argv) {
       if (!sample_prompt_file.empty()) so.prompt = cw::read_prompt_file(sample_prompt_file);
       const cw::Device device = cw::resolve_device(sample_device, "--device");
       const cw::DType dtype = cw::resolve_compute_dtype(sample_dtype, device, "--dtype", "--device");
-      const cw::Generation g =
-          sample_model.empty()
-              ? cw::sample_from_run(run_dir, sample_step, so, sample_tokenizer, device, dtype)
-              : cw::sample_from_model(sample_model, so, sample_tokenizer.empty() ? cw::kModelTokenizer : sample_tokenizer,
-                                      device, dtype);
+      cw::ModelSource source{.model = sample_model, .run = run_dir, .step = sample_step, .tokenizer = sample_tokenizer};
+      if (!sample_model.empty() && sample_tokenizer.empty()) source.tokenizer = cw::kModelTokenizer;
+      source.rope = sample_rope;
+      const cw::Generation g = cw::sample_from(source, so, device, dtype);
+      // What the prompt cost, on stderr beside the checkpoint line (stdout holds the text alone).
+      std::cerr << fmt::format("chunkwise: prompt of {} tokens through the prefill in {:.2f} s ({:.0f} tokens/s{}), "
+                               "{} tokens generated in {:.2f} s ({:.1f} tokens/s)\n",
+                               g.prompt.size(), g.prefill_seconds,
+                               static_cast<double>(g.prompt.size()) / std::max(g.prefill_seconds, 1e-9),
+                               so.prefill_chunk > 0 ? fmt::format(", chunks of {}", so.prefill_chunk) : "",
+                               g.generated.size(), g.decode_seconds,
+                               static_cast<double>(g.generated.size()) / std::max(g.decode_seconds, 1e-9));
       // A plain prompt is continued, so it is printed with its continuation; a chat prints the reply, and
       // a prompt file (pages long, perhaps) only the continuation.
       std::cout << (so.chat || !sample_prompt_file.empty() ? "" : so.prompt) << g.text << "\n";

@@ -185,6 +185,16 @@ std::string write_checkpoint(const BpeFixture& fx) {
   return ckpt;
 }
 
+// sample's output without the line it writes on stderr of what the prompt and the new tokens cost
+// ("chunkwise: prompt of N tokens through the prefill in ..."): stdout holds the text alone.
+std::string text_of(const std::string& out) {
+  std::string kept;
+  std::istringstream lines(out);
+  for (std::string line; std::getline(lines, line);)
+    if (line.rfind("chunkwise: prompt of ", 0) != 0) kept += line + "\n";
+  return kept;
+}
+
 TEST_CASE("chunkwise sample: --model, --chat, --tokenizer on the command line; bad combinations fail in one line") {
   BpeFixture fx;
   const std::string ckpt = write_checkpoint(fx);
@@ -196,14 +206,17 @@ TEST_CASE("chunkwise sample: --model, --chat, --tokenizer on the command line; b
   std::string out;
   CHECK(run_cli(fmt::format("sample --model {} --prompt 'the fox' --tokens 5 --temperature 0 --device cpu", ckpt),
                 out) == 0);
-  CHECK(out == "the fox" + sample_from_model(ckpt, so).text + "\n");  // the prompt, then its continuation
+  CHECK(text_of(out) == "the fox" + sample_from_model(ckpt, so).text + "\n");  // the prompt, then its continuation
+  CHECK(contains(out, fmt::format("chunkwise: prompt of {} tokens through the prefill in ",
+                                  sample_from_model(ckpt, so).prompt.size())));
+  CHECK(contains(out, "5 tokens generated in "));
   so.chat = true;
   so.system = "Be brief.";
   CHECK(run_cli(fmt::format("sample --model {} --chat --system 'Be brief.' --prompt 'the fox' --tokens 5 --device cpu "
                             "--temperature 0 --tokenizer {}",
                             ckpt, fx.tokenizer_dir),
                 out) == 0);
-  CHECK(out == sample_from_model(ckpt, so).text + "\n");  // a chat prints the reply only
+  CHECK(text_of(out) == sample_from_model(ckpt, so).text + "\n");  // a chat prints the reply only
 
   // --prompt-file: the file's text is the prompt; the continuation alone is printed.
   const std::string prompt_file = fx.dir.file("prompt.txt");
@@ -215,7 +228,8 @@ TEST_CASE("chunkwise sample: --model, --chat, --tokenizer on the command line; b
                             "--device cpu",
                             ckpt, prompt_file),
                 out) == 0);
-  CHECK(out == sample_from_model(ckpt, so).text + "\n");
+  CHECK(text_of(out) == sample_from_model(ckpt, so).text + "\n");
+  CHECK(contains(out, ", chunks of 3), "));
   CHECK(run_cli(fmt::format("sample --model {} --prompt-file {} --prompt x", ckpt, prompt_file), out) != 0);
   CHECK(contains(out, "excludes"));
   CHECK(contains(error_of([&] { read_prompt_file(fx.dir.file("absent.txt")); }), "cannot read the prompt file"));
@@ -228,6 +242,13 @@ TEST_CASE("chunkwise sample: --model, --chat, --tokenizer on the command line; b
   CHECK(contains(out, "chunkwise: error: the tokenizer 'bytes' has 258 tokens but the model"));
   CHECK(run_cli(fmt::format("sample --model {} --system hi", ckpt), out) == 2);
   CHECK(contains(out, "--system is for a chat"));
+  // --rope: the model's RoPE scaling replaced, as for eval (tools/model_io.h); a bad key is named.
+  CHECK(run_cli(fmt::format("sample --model {} --prompt 'the fox' --tokens 5 --temperature 0 --device cpu --rope "
+                            "type=dynamic factor=2",
+                            ckpt),
+                out) == 0);
+  CHECK(run_cli(fmt::format("sample --model {} --prompt 'the fox' --rope type=yarn", ckpt), out) == 2);
+  CHECK(contains(out, "needs rope.factor >= 1"));
   CHECK(run_cli(fmt::format("sample --model {} --device tpu", ckpt), out) == 2);
   CHECK(contains(out, "--device"));
 }

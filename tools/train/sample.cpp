@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <fstream>
 #include <iterator>
@@ -161,7 +162,10 @@ Generation generate_from_ids(LlamaModel& model, const Tokenizer& tokenizer, std:
   Decoder decoder(model, static_cast<int64_t>(g.prompt.size()) + o.tokens);
   Rng rng(o.seed);
   const int64_t usable = std::min<int64_t>(cf.vocab_size, tokenizer.vocab_size());
+  const auto t0 = std::chrono::steady_clock::now();
   std::vector<double> logits = decoder.feed(g.prompt, o.prefill_chunk);
+  const auto t1 = std::chrono::steady_clock::now();
+  g.prefill_seconds = std::chrono::duration<double>(t1 - t0).count();
   for (int64_t n = 0; n < o.tokens; ++n) {
     const auto next = static_cast<uint32_t>(draw(std::move(logits), o, usable, rng));
     if (std::binary_search(stops.begin(), stops.end(), next)) {
@@ -171,22 +175,25 @@ Generation generate_from_ids(LlamaModel& model, const Tokenizer& tokenizer, std:
     g.generated.push_back(next);
     if (n + 1 < o.tokens) logits = decoder.feed(std::span<const uint32_t>(&next, 1), 1);
   }
+  g.decode_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
   g.text = tokenizer.decode(g.generated);
   if (dynamic_cast<const BpeTokenizer*>(&tokenizer)) g.text = replace_invalid_utf8(g.text);
   return g;
 }
 
+Generation sample_from(const ModelSource& source, const SampleOptions& o, Device device, DType dtype) {
+  const LoadedModel m = load_model(source, device, dtype, {}, "sample from");
+  return generate(*m.model, *m.tokenizer, o);
+}
+
 Generation sample_from_run(const std::string& dir, int64_t step, const SampleOptions& o,
                            const std::string& tokenizer_spec, Device device, DType dtype) {
-  const LoadedModel m =
-      load_model({.run = dir, .step = step, .tokenizer = tokenizer_spec}, device, dtype, {}, "sample from");
-  return generate(*m.model, *m.tokenizer, o);
+  return sample_from({.run = dir, .step = step, .tokenizer = tokenizer_spec}, o, device, dtype);
 }
 
 Generation sample_from_model(const std::string& spec, const SampleOptions& o, const std::string& tokenizer_spec,
                              Device device, DType dtype) {
-  const LoadedModel m = load_model({.model = spec, .tokenizer = tokenizer_spec}, device, dtype, {}, "sample from");
-  return generate(*m.model, *m.tokenizer, o);
+  return sample_from({.model = spec, .tokenizer = tokenizer_spec}, o, device, dtype);
 }
 
 }  // namespace cw

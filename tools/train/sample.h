@@ -18,6 +18,7 @@
 
 #include "model/llama.h"
 #include "tools/data/tokenizer.h"
+#include "tools/model_io.h"
 
 #include <optional>
 #include <span>
@@ -73,6 +74,8 @@ struct Generation {
   std::vector<uint32_t> generated;  // the new ids, without the stop id
   bool stopped = false;             // ended at a stop id rather than after options.tokens ids
   std::string text;                 // the new ids decoded (BPE: invalid UTF-8 replaced, as HF decodes)
+  double prefill_seconds = 0;       // the prompt through the model (its logits on the host)
+  double decode_seconds = 0;        // the new ids, one forward each
 };
 
 // The caller has checked that the tokenizer fits the model (check_tokenizer_fits_model). The model's
@@ -83,15 +86,15 @@ Generation generate(LlamaModel& model, const Tokenizer& tokenizer, const SampleO
 Generation generate_from_ids(LlamaModel& model, const Tokenizer& tokenizer, std::vector<uint32_t> prompt,
                              const SampleOptions& options);
 
-// `chunkwise sample --run DIR [--step N]`: the checkpoint (latest complete, or step N) with the
-// tokenizer the run recorded in DIR, or `tokenizer_spec` when not empty, loaded on `device` in
-// `dtype` (the prefill and the K/V store there: a prompt of 64K tokens fits one GPU).
+// `chunkwise sample`: the model of `source` (a run's checkpoint with the tokenizer the run recorded,
+// or a model with weights: an HF checkpoint directory or a .gguf file; tools/model_io.h) loaded on
+// `device` in `dtype` (the prefill and the K/V store there: a prompt of 64K tokens fits one GPU).
+Generation sample_from(const ModelSource& source, const SampleOptions& options, Device device = Device::host(),
+                       DType dtype = DType::f32);
+// The same for `--run DIR [--step N]` (`tokenizer_spec` empty: the run's) and for `--model MODEL`.
 Generation sample_from_run(const std::string& run_dir, int64_t step, const SampleOptions& options,
                            const std::string& tokenizer_spec = "", Device device = Device::host(),
                            DType dtype = DType::f32);
-
-// `chunkwise sample --model MODEL`: a model with weights (an HF checkpoint directory or a .gguf
-// file), with `tokenizer_spec` ("model": its own; tools/data/tokenizer.h), on `device` in `dtype`.
 Generation sample_from_model(const std::string& model, const SampleOptions& options,
                              const std::string& tokenizer_spec = kModelTokenizer, Device device = Device::host(),
                              DType dtype = DType::f32);
