@@ -180,12 +180,7 @@ ModelFamily read_family(const JsonObject& j, const std::string& src) {
 }
 
 // The keys of a config that ask for something chunkwise's blocks do not compute: each refused by name.
-void refuse_unsupported(const JsonObject& j, ModelFamily family) {
-  const std::string name = model_family_name(family);
-  if (family != ModelFamily::qwen2 && j.boolean_or("attention_bias", false))
-    j.fail_key("attention_bias", fmt::format("is true: {} then has biases on q, k, v and o_proj, which chunkwise "
-                                             "does not compute", name),
-               "chunkwise trains attention biases only in Qwen2's form (q, k, v; model_type qwen2)");
+void refuse_unsupported(const JsonObject& j) {
   if (j.boolean_or("mlp_bias", false))
     j.fail_key("mlp_bias", "is true: biases on the MLP's projections are not supported", "use a model without them");
   if (const std::string act = j.string_or("hidden_act", "silu"); act != "silu")
@@ -218,8 +213,10 @@ LlamaConfig LlamaConfig::from_json(const json& document, const std::string& src)
   const JsonObject j(document, src, "", "compare with a transformers LlamaConfig, Qwen2Config or Qwen3Config");
   LlamaConfig c;
   c.family = read_family(j, src);
-  refuse_unsupported(j, c.family);
-  c.attention_bias = c.family == ModelFamily::qwen2;
+  refuse_unsupported(j);
+  // Qwen2's q/k/v biases are its type's; Llama's and Qwen3's attention_bias adds o_proj's too.
+  c.attention_bias = c.family == ModelFamily::qwen2 || j.boolean_or("attention_bias", false);
+  c.o_bias = c.family != ModelFamily::qwen2 && c.attention_bias;
   c.qk_norm = c.family == ModelFamily::qwen3;
   c.vocab_size = j.integer("vocab_size");
   c.hidden_size = j.integer("hidden_size");
@@ -294,7 +291,7 @@ void LlamaConfig::validate(const std::string& src, const ConfigKeyNames& keys) c
   int64_t total = 0;
   const int64_t C = hidden_size;
   const int64_t per_layer = 2 * C + 2 * C * q_dim() + 2 * C * kv_dim() + 3 * C * intermediate_size +
-                            q_dim() + 2 * kv_dim() + 2 * head_dim;  // biases and per-head norms at most
+                            q_dim() + 2 * kv_dim() + C + 2 * head_dim;  // biases and per-head norms at most
   bool overflow = __builtin_mul_overflow(per_layer, num_hidden_layers, &total);
   overflow = overflow || __builtin_add_overflow(total, 2 * vocab_size * C + C, &total);
   if (overflow || total > ConfigLimits::kMaxParameters)
@@ -307,10 +304,11 @@ void LlamaConfig::validate(const std::string& src, const ConfigKeyNames& keys) c
     fail(fmt::format("{}: num_attention_heads {} is not a multiple of num_key_value_heads {}", src,
                      num_attention_heads, num_key_value_heads), "grouped-query attention needs whole groups");
   if (head_dim % 2 != 0) fail(fmt::format("{}: head_dim {} must be even for RoPE", src, head_dim));
-  // config.json has no key for these two apart from the family: to_json could not write them back.
-  if (attention_bias && family != ModelFamily::qwen2)
-    fail(fmt::format("{}: q/k/v biases belong to qwen2, not {}", src, model_family_name(family)),
-         "set model_type to qwen2, or leave the biases out");
+  // config.json says these through the family and attention_bias: anything else could not be written back.
+  if (o_bias != (attention_bias && family != ModelFamily::qwen2))
+    fail(fmt::format("{}: {} has {} o_proj bias {} q/k/v biases", src, model_family_name(family), o_bias ? "an" : "no",
+                     attention_bias ? "with" : "without"),
+         "Qwen2 biases q, k and v; Llama's and Qwen3's attention_bias biases q, k, v and o");
   if (qk_norm && family != ModelFamily::qwen3)
     fail(fmt::format("{}: per-head q/k norms belong to qwen3, not {}", src, model_family_name(family)),
          "set model_type to qwen3, or leave the norms out");
@@ -345,9 +343,8 @@ json LlamaConfig::to_json() const {
       {"hidden_act", "silu"},
       {"torch_dtype", torch_dtype},
   };
-  // Qwen2's biases are implied by its model_type (Qwen2Config has no attention_bias); Llama's and
-  // Qwen3's attention_bias would add an o_proj bias too, so it is false.
-  if (family != ModelFamily::qwen2) j["attention_bias"] = false;
+  // Qwen2's biases are implied by its model_type (Qwen2Config has no attention_bias).
+  if (family != ModelFamily::qwen2) j["attention_bias"] = attention_bias;
   if (family == ModelFamily::llama) j["mlp_bias"] = false;
   if (family != ModelFamily::llama) j["use_sliding_window"] = false;
   switch (rope_scaling.type) {
@@ -389,7 +386,8 @@ json LlamaConfig::to_json() const {
 int64_t LlamaConfig::parameter_count() const {
   const int64_t C = hidden_size, F = intermediate_size;
   const int64_t per_layer = 2 * C + C * q_dim() + 2 * C * kv_dim() + q_dim() * C + 3 * C * F +
-                            (attention_bias ? q_dim() + 2 * kv_dim() : 0) + (qk_norm ? 2 * head_dim : 0);
+                            (attention_bias ? q_dim() + 2 * kv_dim() : 0) + (o_bias ? C : 0) +
+                            (qk_norm ? 2 * head_dim : 0);
   return vocab_size * C * (tie_word_embeddings ? 1 : 2) + num_hidden_layers * per_layer + C;
 }
 

@@ -1,13 +1,14 @@
 // Llama model configuration: what HF's config.json says, validated.
 //
 // The families (config.json's `model_type`, ModelFamily) are Llama's decoder with what each adds:
-//   llama  LlamaForCausalLM: the block of model/layer.h; `attention_bias` and `mlp_bias` must be false.
+//   llama  LlamaForCausalLM: the block of model/layer.h; `attention_bias` puts biases on q_proj,
+//          k_proj, v_proj and o_proj; `mlp_bias` must be false.
 //   qwen2  Qwen2ForCausalLM (Qwen2, Qwen2.5): biases on q_proj, k_proj, v_proj (always; o_proj none).
 //   qwen3  Qwen3ForCausalLM: RMSNorm over each head's q and k after the projection, before RoPE
 //          (q_norm, k_norm: one weight of head_dim shared by the heads); head_dim its own key;
-//          `attention_bias` must be false.
-// Sliding-window attention (`use_sliding_window` true, or `layer_types` other than full_attention)
-// and activations other than silu are refused naming the key.
+//          `attention_bias` as Llama's.
+// Sliding-window attention (`use_sliding_window` true, or `layer_types` other than full_attention),
+// MLP biases and activations other than silu are refused naming the key.
 //
 // Reads both key forms of transformers' LlamaConfig: v4 (`rope_theta`, `rope_scaling`, `torch_dtype`)
 // and v5 (`rope_parameters` holding rope_theta and the scaling, `dtype`). `head_dim` may be absent
@@ -100,7 +101,8 @@ struct LlamaConfig {
   int64_t pad_token_id = -1;         // -1: not given (kept for the config.json a checkpoint carries)
   std::string torch_dtype = "float32";  // the checkpoint's stored dtype, as HF names it
   ModelFamily family = ModelFamily::llama;
-  bool attention_bias = false;       // biases on q_proj, k_proj, v_proj [H*D], [Hkv*D] (qwen2)
+  bool attention_bias = false;       // biases on q_proj, k_proj, v_proj [H*D], [Hkv*D] (qwen2; attention_bias)
+  bool o_bias = false;               // a bias on o_proj [C] (Llama's and Qwen3's attention_bias)
   bool qk_norm = false;              // q_norm, k_norm [D] on each head before RoPE (qwen3)
 
   // Parses a config.json document; `source` names the file in error messages.

@@ -207,6 +207,7 @@ std::string gguf_tensor_name(const ParamSpec& s) {
     case ParamRole::q_bias: return blk + "attn_q.bias";
     case ParamRole::k_bias: return blk + "attn_k.bias";
     case ParamRole::v_bias: return blk + "attn_v.bias";
+    case ParamRole::o_bias: return blk + "attn_output.bias";
     case ParamRole::q_norm: return blk + "attn_q_norm.weight";
     case ParamRole::k_norm: return blk + "attn_k_norm.weight";
     case ParamRole::lora_a:

@@ -222,15 +222,18 @@ void read_saved_attention(LayerActivations& a, const BlockCall& b) {
   copy_convert(a.attn_saved.lse.view({b.B * b.H, c}), b.kv.output_lse(b.layer, p, p + c));
 }
 
-// x_mid = x_in + attn Woᵀ.
+// x_mid = x_in + attn Woᵀ (+ b_o: added once, to the rank's rows of the sum over the ranks).
 void project_out(const Tensor& x_mid, const Tensor& x_in, const Tensor& attn, const BlockCall& b) {
   PartialOutput o(b);
   block_linear_forward(o.all(), attn.view({b.N, b.cf.q_dim()}), ParamRole::wo, b);
   residual_forward(x_mid, x_in, o.sum_rows());
+  if (b.w.o_bias.data) bias_forward(x_mid, x_mid, b.w.o_bias);
 }
 
-// d_attn = d(x_mid) Wo [N, q_dim]; Wo's gradient accumulates.
+// d_attn = d(x_mid) Wo [N, q_dim]; Wo's gradient (and b_o's, the rank's rows' share under sequence
+// parallelism) accumulates.
 Tensor project_out_backward(const Tensor& d_x, const Tensor& attn, const LayerWeights& g, const BlockCall& b) {
+  if (g.o_bias.data) bias_backward(g.o_bias, d_x, b.scratch);
   const Tensor d_attn = b.scratch.alloc(b.dt, {b.N, b.cf.q_dim()});
   const OutputGrad d_o(d_x, b);
   block_linear_backward(d_attn, g, d_o.all(), attn.view({b.N, b.cf.q_dim()}), ParamRole::wo, GradMode::overwrite, b);

@@ -36,6 +36,7 @@ std::vector<ParamSpec> parameter_table(const LlamaConfig& c) {
       t.push_back({p + "self_attn.k_norm.weight", {c.head_dim}, ParamRole::k_norm, l});
     }
     t.push_back({p + "self_attn.o_proj.weight", {C, c.q_dim()}, ParamRole::wo, l});
+    if (c.o_bias) t.push_back({p + "self_attn.o_proj.bias", {C}, ParamRole::o_bias, l});
     t.push_back({p + "post_attention_layernorm.weight", {C}, ParamRole::mlp_norm, l});
     t.push_back({p + "mlp.gate_proj.weight", {F, C}, ParamRole::w_gate, l});
     t.push_back({p + "mlp.up_proj.weight", {F, C}, ParamRole::w_up, l});
@@ -125,6 +126,7 @@ void place(ModelWeights* w, LayerWeights* layer, const ParamSpec& s, const Tenso
     case ParamRole::q_bias: layer->q_bias = t; break;
     case ParamRole::k_bias: layer->k_bias = t; break;
     case ParamRole::v_bias: layer->v_bias = t; break;
+    case ParamRole::o_bias: layer->o_bias = t; break;
     case ParamRole::q_norm: layer->q_norm = t; break;
     case ParamRole::k_norm: layer->k_norm = t; break;
     case ParamRole::lora_a: layer->lora.of(s.adapts).a = t; break;

@@ -8,6 +8,7 @@
 //   model.layers.{l}.input_layernorm.weight        [C]
 //   model.layers.{l}.self_attn.{q,k,v,o}_proj.weight  q [H*D, C], k/v [Hkv*D, C], o [C, H*D]
 //   model.layers.{l}.self_attn.{q,k,v}_proj.bias      q [H*D], k/v [Hkv*D]   (attention_bias: Qwen2)
+//   model.layers.{l}.self_attn.o_proj.bias            [C]                    (o_bias: Llama's, Qwen3's)
 //   model.layers.{l}.self_attn.{q,k}_norm.weight      [D] each               (qk_norm: Qwen3)
 //   model.layers.{l}.post_attention_layernorm.weight  [C]
 //   model.layers.{l}.mlp.{gate,up,down}_proj.weight   gate/up [F, C], down [C, F]
@@ -30,7 +31,8 @@ namespace cw {
 
 enum class ParamRole {
   embedding, attn_norm, wq, wk, wv, wo, mlp_norm, w_gate, w_up, w_down, final_norm, lm_head,
-  q_bias, k_bias, v_bias,  // the q, k, v projections' biases (Qwen2)
+  q_bias, k_bias, v_bias,  // the q, k, v projections' biases (Qwen2; attention_bias)
+  o_bias,                  // o_proj's bias (Llama's and Qwen3's attention_bias)
   q_norm, k_norm,          // the per-head RMSNorm weights of q and k (Qwen3)
   lora_a, lora_b  // a LoRA adapter's matrices (model/lora.h); `adapts` names the linear
 };
@@ -45,7 +47,10 @@ struct ParamSpec {
     return role == ParamRole::attn_norm || role == ParamRole::mlp_norm || role == ParamRole::final_norm ||
            role == ParamRole::q_norm || role == ParamRole::k_norm;
   }
-  bool is_bias() const { return role == ParamRole::q_bias || role == ParamRole::k_bias || role == ParamRole::v_bias; }
+  bool is_bias() const {
+    return role == ParamRole::q_bias || role == ParamRole::k_bias || role == ParamRole::v_bias ||
+           role == ParamRole::o_bias;
+  }
   bool is_adapter() const { return role == ParamRole::lora_a || role == ParamRole::lora_b; }
   int64_t numel() const;
 };
@@ -70,6 +75,7 @@ struct LayerAdapters {
 struct LayerWeights {
   Tensor attn_norm, wq, wk, wv, wo, mlp_norm, w_gate, w_up, w_down;
   Tensor q_bias, k_bias, v_bias;  // undefined without attention_bias
+  Tensor o_bias;                  // undefined without o_bias
   Tensor q_norm, k_norm;          // undefined without qk_norm
   LayerAdapters lora;
 };

@@ -255,6 +255,7 @@ ReferenceResult reference_step(const LlamaModel& model, const Tensor& ids, const
     rope(a.k, hd.Hkv, D, pos, cos, sin, false);
     a.attn = attention(a.q, a.k, a.v, first, hd);
     a.x_mid = a.x + linear(a.attn, lw.wo, lw.lora.o, s);
+    add_bias(a.x_mid, lw.o_bias);
     a.h2 = rms_norm(a.x_mid, lw.mlp_norm, cfg.rms_norm_eps, a.r2);
     a.gate = linear(a.h2, lw.w_gate, lw.lora.gate, s);
     a.up = linear(a.h2, lw.w_up, lw.lora.up, s);
@@ -299,7 +300,8 @@ ReferenceResult reference_step(const LlamaModel& model, const Tensor& ids, const
     const Matrix d_h2 = linear_backward(d_gate, a.h2, lw.w_gate, lw.lora.gate, s, gw.w_gate, gw.lora.gate) +
                         linear_backward(d_up, a.h2, lw.w_up, lw.lora.up, s, gw.w_up, gw.lora.up);
     const Matrix d_mid = dx + rms_norm_backward(d_h2, a.x_mid, lw.mlp_norm, a.r2, gw.mlp_norm);
-    // x_mid = x + lin_o(attn).
+    // x_mid = x + lin_o(attn) + b_o.
+    bias_backward(d_mid, gw.o_bias);
     const Matrix d_attn = linear_backward(d_mid, a.attn, lw.wo, lw.lora.o, s, gw.wo, gw.lora.o);
     Matrix d_q, d_k, d_v;
     attention_backward(d_q, d_k, d_v, d_attn, a.q, a.k, a.v, first, hd);

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Qwen2 and Qwen3 reference cases from HF transformers, for tests/model/test_qwen.cpp.
 
-For each case: a small random Qwen2ForCausalLM / Qwen3ForCausalLM in float64 (seeded; biases and norm
+For each case: a small random Qwen2ForCausalLM / Qwen3ForCausalLM (and a LlamaForCausalLM with
+attention_bias, whose o_proj has a bias too) in float64 (seeded; biases and norm
 weights drawn away from 0 and 1 so every path carries signal), saved with save_pretrained (config.json,
 model.safetensors) into tests/data/qwen_reference/<case>/, and beside it expected.safetensors: the
 token ids [B, T] (i32), transformers' logits [B*T, V], its causal-LM loss [1] and the gradient of that
@@ -23,7 +24,8 @@ import sys
 import torch
 from safetensors.torch import save_file
 import transformers
-from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers.models.llama import modeling_llama
 from transformers.models.qwen2 import modeling_qwen2
 from transformers.models.qwen3 import modeling_qwen3
 
@@ -41,6 +43,11 @@ CASES = {
         vocab_size=48, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8, max_position_embeddings=64, rms_norm_eps=1e-6, rope_theta=1e6,
         tie_word_embeddings=False, attention_bias=False, bos_token_id=1, eos_token_id=2)),
+    # Llama with attention_bias: biases on q, k, v and o_proj.
+    "llama_bias": (LlamaConfig, LlamaForCausalLM, dict(
+        vocab_size=48, hidden_size=16, intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, rms_norm_eps=1e-5, rope_theta=1e4,
+        tie_word_embeddings=False, attention_bias=True, bos_token_id=1, eos_token_id=2)),
 }
 
 
@@ -60,7 +67,8 @@ def rotary_f64(self, x, position_ids):
 
 
 def patch(on):
-    for m, norm, rot in ((modeling_qwen2, "Qwen2RMSNorm", "Qwen2RotaryEmbedding"),
+    for m, norm, rot in ((modeling_llama, "LlamaRMSNorm", "LlamaRotaryEmbedding"),
+                         (modeling_qwen2, "Qwen2RMSNorm", "Qwen2RotaryEmbedding"),
                          (modeling_qwen3, "Qwen3RMSNorm", "Qwen3RotaryEmbedding")):
         for cls_name, fn in ((norm, rmsnorm_f64), (rot, rotary_f64)):
             cls = getattr(m, cls_name)

@@ -1,11 +1,11 @@
 // The Qwen family (model/config.h: qwen2's q/k/v biases, qwen3's per-head q/k norms) at the edges
 // where it meets files:
 //   - transformers' own config.json and checkpoints (tests/data/qwen_reference, made by
-//     tests/data/qwen_reference.py): the logits, the loss and every parameter's gradient equal
-//     transformers' in f64, under full backprop and seco;
+//     tests/data/qwen_reference.py, with a Llama of attention_bias beside them): the logits, the loss
+//     and every parameter's gradient equal transformers' in f64, under full backprop and seco;
 //   - config.json read, written and read back; the presets' parameter counts are transformers';
-//   - what chunkwise does not compute (o_proj biases, sliding windows, other activations) refused
-//     naming the key;
+//   - what chunkwise does not compute (MLP biases, sliding windows, other activations) refused naming
+//     the key; Llama's and Qwen3's attention_bias (q, k, v and o_proj biases) read and written back;
 //   - GGUF files of architecture qwen2 and qwen3 as llama.cpp writes them (Q/K rows unpermuted,
 //     biases and per-head norms by their GGUF names), and the qwen2 pre-tokenizer.
 // The schedules against the reference step with Qwen's blocks: tests/model/test_reference.cpp.
@@ -81,7 +81,7 @@ TEST_CASE("qwen: transformers' config.json of Qwen2 and Qwen3 reads as the model
 
 TEST_CASE("qwen: logits, loss and every gradient equal transformers' in f64 (tests/data/qwen_reference)") {
   double worst = 0;
-  for (const char* name : {"qwen2", "qwen3"}) {
+  for (const char* name : {"qwen2", "qwen3", "llama_bias"}) {
     CAPTURE(name);
     const std::string dir = reference_dir(name).string();
     const SafetensorsReader expected((reference_dir(name) / "expected.safetensors").string());
@@ -132,7 +132,7 @@ TEST_CASE("qwen: logits, loss and every gradient equal transformers' in f64 (tes
       }
     }
   }
-  MESSAGE("qwen2, qwen3 against transformers (f64): max_rel_err=", worst);
+  MESSAGE("qwen2, qwen3, llama with attention_bias against transformers (f64): max_rel_err=", worst);
 }
 
 TEST_CASE("qwen: a checkpoint chunkwise writes carries transformers' config and reads back the same") {
@@ -180,10 +180,6 @@ TEST_CASE("qwen: what chunkwise does not compute is refused, naming the key") {
     const char* message;
   };
   const Case cases[] = {
-      {"o_proj biases (llama)", {{"model_type", "llama"}, {"architectures", {"LlamaForCausalLM"}}, {"attention_bias", true}},
-       "\"attention_bias\" is true"},
-      {"o_proj biases (qwen3)", {{"model_type", "qwen3"}, {"architectures", {"Qwen3ForCausalLM"}}, {"attention_bias", true}},
-       "\"attention_bias\" is true"},
       {"MLP biases", {{"mlp_bias", true}}, "\"mlp_bias\""},
       {"another activation", {{"hidden_act", "gelu"}}, "\"hidden_act\" is 'gelu'"},
       {"sliding windows", {{"use_sliding_window", true}}, "\"use_sliding_window\" is true"},
@@ -200,6 +196,16 @@ TEST_CASE("qwen: what chunkwise does not compute is refused, naming the key") {
     CHECK(test::contains(message, "model/config.json"));
     CHECK(test::contains(message, c.message));
     CHECK(!test::contains(message, "\n"));
+  }
+  // Llama's and Qwen3's attention_bias: biases on q, k, v and o_proj, written back as given.
+  for (const char* family : {"llama", "qwen3"}) {
+    CAPTURE(family);
+    nlohmann::json biased = LlamaConfig::preset(std::string(family) == "llama" ? "tiny" : "tiny-qwen3").to_json();
+    biased["attention_bias"] = true;
+    const LlamaConfig c = LlamaConfig::from_json(biased, "config.json");
+    CHECK((c.attention_bias && c.o_bias));
+    CHECK(c.to_json()["attention_bias"] == true);
+    CHECK(ParamSet(c, DType::f32).find("model.layers.1.self_attn.o_proj.bias") >= 0);
   }
   // Without model_type, the architecture names the family.
   nlohmann::json j = base;

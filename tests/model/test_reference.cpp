@@ -27,6 +27,7 @@ struct Case {
   bool document_positions = true;
   const char* lora_targets = nullptr;  // adapters of rank 2 on these linears; null: none
   const char* preset = "tiny";         // tiny-qwen2 (q/k/v biases, tied), tiny-qwen3 (per-head q/k norms)
+  bool attention_bias = false;         // Llama's / Qwen3's: biases on q, k, v and o_proj
 };
 
 struct Setup {
@@ -40,6 +41,7 @@ constexpr int64_t kBatch = 2, kTokens = 13;  // 13: no chunk length below divide
 Setup setup(const Case& c, uint64_t seed) {
   LlamaConfig cfg = LlamaConfig::preset(c.preset);
   cfg.tie_word_embeddings = cfg.tie_word_embeddings || c.tied;
+  if (c.attention_bias) cfg.attention_bias = cfg.o_bias = true;
   if (c.rope != RopeScaling::Type::llama3)
     cfg.rope_scaling = RopeScaling{.type = c.rope, .factor = 4.0, .original_max_position = 8};
   if (c.rope == RopeScaling::Type::dynamic) cfg.max_position_embeddings = 8;  // dynamic scales from it
@@ -73,6 +75,8 @@ TEST_CASE("reference: its gradients against central finite differences of its lo
       {"qwen2: q/k/v biases, tied", false, RopeScaling::Type::llama3, {}, true, nullptr, "tiny-qwen2"},
       {"qwen3: per-head q/k norms, head_dim apart, documents", false, RopeScaling::Type::llama3, kDocuments, true,
        nullptr, "tiny-qwen3"},
+      {"qwen3 with attention_bias: q, k, v and o_proj biases", false, RopeScaling::Type::llama3, {}, true, nullptr,
+       "tiny-qwen3", true},
   };
   double worst = 0;
   for (const Case& c : cases) {
@@ -127,6 +131,7 @@ TEST_CASE("reference: every schedule's loss and gradients equal it within 1e-12 
       {"qwen3: per-head q/k norms, head_dim apart"},
       {"qwen2, LoRA on every linear (biases frozen), documents"},
       {"qwen3, LoRA on q_proj, k_proj, v_proj"},
+      {"llama with attention_bias: q, k, v and o_proj biases"},
   };
   std::vector<Case> configured = cases;
   configured[1].tied = true;
@@ -144,6 +149,7 @@ TEST_CASE("reference: every schedule's loss and gradients equal it within 1e-12 
   configured[10].lora_targets = "all-linear";
   configured[10].documents = kDocuments;
   configured[11].lora_targets = "q_proj,k_proj,v_proj";
+  configured[12].attention_bias = true;
 
   std::vector<ScheduleOptions> schedules(6);
   schedules[0].kind = ScheduleKind::full;

@@ -12,7 +12,8 @@
 //   - regather keeps 2 (N - N/P) C values per layer fewer until the backward, exactly;
 //   - TP x DP = 2 x 2 (parallel/grid.h: groups split from the world) equals one process under full,
 //     checkpointed and seco, with and without sequence parallelism, ZeRO 0/1/2 (gradcheck --dp 2 --tp 2);
-//   - Qwen2's q/k/v biases split with their rows, Qwen3's replicated per-head norms summed;
+//   - Qwen2's q/k/v biases split with their rows, Qwen3's replicated per-head norms summed, Llama's
+//     replicated o_proj bias;
 //   - bad input fails with one line naming the option.
 #include "engine/random.h"
 #include "model/llama.h"
@@ -265,14 +266,17 @@ TEST_CASE("tensor parallel: TP = 2 and 4 equal one process to 1e-12 (gradcheck -
       }
 }
 
-TEST_CASE("tensor parallel: qwen2's biases split with their rows, qwen3's per-head norms summed over the ranks") {
+TEST_CASE("tensor parallel: qwen2's biases split with their rows, qwen3's per-head norms summed, llama's o_proj bias") {
   // tiny-tp's shape as each family: the q/k/v biases are column-parallel like their weights; q_norm and
   // k_norm are replicated and each rank's gradient is its heads' part, which the step sums.
   test::TempDir dir("tp-qwen");
-  for (const ModelFamily family : {ModelFamily::qwen2, ModelFamily::qwen3}) {
+  // Llama's attention_bias adds o_proj's bias, replicated: whole on every rank, or under sequence
+  // parallelism each rank's rows' share, summed.
+  for (const ModelFamily family : {ModelFamily::qwen2, ModelFamily::qwen3, ModelFamily::llama}) {
     LlamaConfig c = LlamaConfig::preset("tiny-tp");
     c.family = family;
-    c.attention_bias = family == ModelFamily::qwen2;
+    c.attention_bias = family != ModelFamily::qwen3;
+    c.o_bias = family == ModelFamily::llama;
     c.qk_norm = family == ModelFamily::qwen3;
     c.rope_scaling = {};
     const std::string path = dir.file(std::string(model_family_name(family)) + ".json");
