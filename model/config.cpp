@@ -138,17 +138,22 @@ RopeScaling parse_rope_scaling(const JsonObject& s, const JsonObject& config, in
 }  // namespace
 
 namespace {
-// The transformers class of each family, as config.json's `architectures` names it.
-const char* architecture_name(ModelFamily f) {
-  switch (f) {
-    case ModelFamily::llama: return "LlamaForCausalLM";
-    case ModelFamily::qwen2: return "Qwen2ForCausalLM";
-    case ModelFamily::qwen3: return "Qwen3ForCausalLM";
-  }
-  return "";
-}
+// Each family's names in config.json: its model_type and its transformers class (`architectures`).
+struct FamilyNames {
+  ModelFamily family;
+  const char* model_type;
+  const char* architecture;
+};
+constexpr FamilyNames kFamilies[] = {{ModelFamily::llama, "llama", "LlamaForCausalLM"},
+                                     {ModelFamily::qwen2, "qwen2", "Qwen2ForCausalLM"},
+                                     {ModelFamily::qwen3, "qwen3", "Qwen3ForCausalLM"}};
 
-constexpr ModelFamily kFamilies[] = {ModelFamily::llama, ModelFamily::qwen2, ModelFamily::qwen3};
+const FamilyNames& names_of(ModelFamily f) {
+  for (const FamilyNames& n : kFamilies)
+    if (n.family == f) return n;
+  fail(fmt::format("model family {} has no names", static_cast<int>(f)));
+}
+const char* architecture_name(ModelFamily f) { return names_of(f).architecture; }
 
 // The family from `model_type`, or without it from `architectures`, or Llama; `architectures`, when
 // given, must name the family's class.
@@ -163,14 +168,14 @@ ModelFamily read_family(const JsonObject& j, const std::string& src) {
   std::optional<ModelFamily> family;
   if (j.has("model_type")) {
     const std::string type = j.string("model_type");
-    for (ModelFamily f : kFamilies)
-      if (type == model_family_name(f)) family = f;
+    for (const FamilyNames& n : kFamilies)
+      if (type == n.model_type) family = n.family;
     if (!family)
       j.fail_key("model_type", fmt::format("is '{}', a model chunkwise does not train", type.substr(0, 60)),
                  "chunkwise trains llama, qwen2 and qwen3 models");
   } else {
-    for (ModelFamily f : kFamilies)
-      if (names(f)) family = f;
+    for (const FamilyNames& n : kFamilies)
+      if (names(n.family)) family = n.family;
   }
   const ModelFamily f = family.value_or(ModelFamily::llama);
   if (architectures && architectures->is_array() && !names(f))
@@ -200,14 +205,7 @@ void refuse_unsupported(const JsonObject& j) {
 }
 }  // namespace
 
-const char* model_family_name(ModelFamily family) {
-  switch (family) {
-    case ModelFamily::llama: return "llama";
-    case ModelFamily::qwen2: return "qwen2";
-    case ModelFamily::qwen3: return "qwen3";
-  }
-  return "";
-}
+const char* model_family_name(ModelFamily family) { return names_of(family).model_type; }
 
 LlamaConfig LlamaConfig::from_json(const json& document, const std::string& src) {
   const JsonObject j(document, src, "", "compare with a transformers LlamaConfig, Qwen2Config or Qwen3Config");
