@@ -137,16 +137,85 @@ RopeScaling parse_rope_scaling(const JsonObject& s, const JsonObject& config, in
 }
 }  // namespace
 
-LlamaConfig LlamaConfig::from_json(const json& document, const std::string& src) {
-  const JsonObject j(document, src, "", "compare with a transformers LlamaConfig");
-  if (const json* architectures = j.find("architectures"); architectures && architectures->is_array()) {
-    bool llama = false;
-    for (const auto& a : *architectures) llama = llama || (a.is_string() && a.get<std::string>() == "LlamaForCausalLM");
-    if (!llama)
-      fail(fmt::format("{}: architectures {} does not include LlamaForCausalLM", src, architectures->dump()),
-           "chunkwise trains Llama-architecture models");
+namespace {
+// Each family's names in config.json: its model_type and its transformers class (`architectures`).
+struct FamilyNames {
+  ModelFamily family;
+  const char* model_type;
+  const char* architecture;
+};
+constexpr FamilyNames kFamilies[] = {{ModelFamily::llama, "llama", "LlamaForCausalLM"},
+                                     {ModelFamily::qwen2, "qwen2", "Qwen2ForCausalLM"},
+                                     {ModelFamily::qwen3, "qwen3", "Qwen3ForCausalLM"}};
+
+const FamilyNames& names_of(ModelFamily f) {
+  for (const FamilyNames& n : kFamilies)
+    if (n.family == f) return n;
+  fail(fmt::format("model family {} has no names", static_cast<int>(f)));
+}
+const char* architecture_name(ModelFamily f) { return names_of(f).architecture; }
+
+// The family from `model_type`, or without it from `architectures`, or Llama; `architectures`, when
+// given, must name the family's class.
+ModelFamily read_family(const JsonObject& j, const std::string& src) {
+  const json* architectures = j.find("architectures");
+  auto names = [&](ModelFamily f) {
+    if (!architectures || !architectures->is_array()) return false;
+    for (const auto& a : *architectures)
+      if (a.is_string() && a.get<std::string>() == architecture_name(f)) return true;
+    return false;
+  };
+  std::optional<ModelFamily> family;
+  if (j.has("model_type")) {
+    const std::string type = j.string("model_type");
+    for (const FamilyNames& n : kFamilies)
+      if (type == n.model_type) family = n.family;
+    if (!family)
+      j.fail_key("model_type", fmt::format("is '{}', a model chunkwise does not train", type.substr(0, 60)),
+                 "chunkwise trains llama, qwen2 and qwen3 models");
+  } else {
+    for (const FamilyNames& n : kFamilies)
+      if (names(n.family)) family = n.family;
   }
+  const ModelFamily f = family.value_or(ModelFamily::llama);
+  if (architectures && architectures->is_array() && !names(f))
+    fail(fmt::format("{}: architectures {} does not include {}", src, architectures->dump(), architecture_name(f)),
+         "chunkwise trains LlamaForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM models");
+  return f;
+}
+
+// The keys of a config that ask for something chunkwise's blocks do not compute: each refused by name.
+void refuse_unsupported(const JsonObject& j) {
+  if (j.boolean_or("mlp_bias", false))
+    j.fail_key("mlp_bias", "is true: biases on the MLP's projections are not supported", "use a model without them");
+  if (const std::string act = j.string_or("hidden_act", "silu"); act != "silu")
+    j.fail_key("hidden_act", fmt::format("is '{}': chunkwise's MLP is SwiGLU with silu", act.substr(0, 60)),
+               "use a model whose hidden_act is silu");
+  if (j.boolean_or("use_sliding_window", false))
+    j.fail_key("use_sliding_window", "is true: sliding-window attention is not supported",
+               "set it to false (every layer then attends to the whole context, as Qwen's released models do)");
+  if (const json* types = j.find("layer_types"); types) {
+    if (!types->is_array()) j.fail_key("layer_types", "must be a list", "give one entry per layer");
+    for (size_t i = 0; i < types->size(); ++i)
+      if (!(*types)[i].is_string() || (*types)[i].get<std::string>() != "full_attention")
+        j.fail_key("layer_types", fmt::format("[{}] is {}: chunkwise's layers are all full_attention", i,
+                                              (*types)[i].dump().substr(0, 60)),
+                   "use a model without sliding-window layers");
+  }
+}
+}  // namespace
+
+const char* model_family_name(ModelFamily family) { return names_of(family).model_type; }
+
+LlamaConfig LlamaConfig::from_json(const json& document, const std::string& src) {
+  const JsonObject j(document, src, "", "compare with a transformers LlamaConfig, Qwen2Config or Qwen3Config");
   LlamaConfig c;
+  c.family = read_family(j, src);
+  refuse_unsupported(j);
+  // Qwen2's q/k/v biases are its type's; Llama's and Qwen3's attention_bias adds o_proj's too.
+  c.attention_bias = c.family == ModelFamily::qwen2 || j.boolean_or("attention_bias", false);
+  c.o_bias = c.family != ModelFamily::qwen2 && c.attention_bias;
+  c.qk_norm = c.family == ModelFamily::qwen3;
   c.vocab_size = j.integer("vocab_size");
   c.hidden_size = j.integer("hidden_size");
   c.intermediate_size = j.integer("intermediate_size");
@@ -219,7 +288,8 @@ void LlamaConfig::validate(const std::string& src, const ConfigKeyNames& keys) c
   // overflow checks all the same, as the sum of many of them.
   int64_t total = 0;
   const int64_t C = hidden_size;
-  const int64_t per_layer = 2 * C + 2 * C * q_dim() + 2 * C * kv_dim() + 3 * C * intermediate_size;
+  const int64_t per_layer = 2 * C + 2 * C * q_dim() + 2 * C * kv_dim() + 3 * C * intermediate_size +
+                            q_dim() + 2 * kv_dim() + C + 2 * head_dim;  // biases and per-head norms at most
   bool overflow = __builtin_mul_overflow(per_layer, num_hidden_layers, &total);
   overflow = overflow || __builtin_add_overflow(total, 2 * vocab_size * C + C, &total);
   if (overflow || total > ConfigLimits::kMaxParameters)
@@ -232,6 +302,14 @@ void LlamaConfig::validate(const std::string& src, const ConfigKeyNames& keys) c
     fail(fmt::format("{}: num_attention_heads {} is not a multiple of num_key_value_heads {}", src,
                      num_attention_heads, num_key_value_heads), "grouped-query attention needs whole groups");
   if (head_dim % 2 != 0) fail(fmt::format("{}: head_dim {} must be even for RoPE", src, head_dim));
+  // config.json says these through the family and attention_bias: anything else could not be written back.
+  if (o_bias != (attention_bias && family != ModelFamily::qwen2))
+    fail(fmt::format("{}: {} has {} o_proj bias {} q/k/v biases", src, model_family_name(family), o_bias ? "an" : "no",
+                     attention_bias ? "with" : "without"),
+         "Qwen2 biases q, k and v; Llama's and Qwen3's attention_bias biases q, k, v and o");
+  if (qk_norm && family != ModelFamily::qwen3)
+    fail(fmt::format("{}: per-head q/k norms belong to qwen3, not {}", src, model_family_name(family)),
+         "set model_type to qwen3, or leave the norms out");
   // Non-finite values would pass a bare `> 0`; they make every activation NaN.
   if (!(rms_norm_eps > 0 && std::isfinite(rms_norm_eps)))
     fail(fmt::format("{}: '{}' must be positive and finite, got {}", src, keys.rms_norm_eps, rms_norm_eps),
@@ -246,8 +324,8 @@ void LlamaConfig::validate(const std::string& src, const ConfigKeyNames& keys) c
 
 json LlamaConfig::to_json() const {
   json j = {
-      {"architectures", {"LlamaForCausalLM"}},
-      {"model_type", "llama"},
+      {"architectures", {architecture_name(family)}},
+      {"model_type", model_family_name(family)},
       {"vocab_size", vocab_size},
       {"hidden_size", hidden_size},
       {"intermediate_size", intermediate_size},
@@ -261,10 +339,12 @@ json LlamaConfig::to_json() const {
       {"tie_word_embeddings", tie_word_embeddings},
       {"initializer_range", initializer_range},
       {"hidden_act", "silu"},
-      {"attention_bias", false},
-      {"mlp_bias", false},
       {"torch_dtype", torch_dtype},
   };
+  // Qwen2's biases are implied by its model_type (Qwen2Config has no attention_bias).
+  if (family != ModelFamily::qwen2) j["attention_bias"] = attention_bias;
+  if (family == ModelFamily::llama) j["mlp_bias"] = false;
+  if (family != ModelFamily::llama) j["use_sliding_window"] = false;
   switch (rope_scaling.type) {
     case RopeScaling::Type::none: j["rope_scaling"] = nullptr; break;
     case RopeScaling::Type::linear: j["rope_scaling"] = {{"rope_type", "linear"}, {"factor", rope_scaling.factor}}; break;
@@ -303,7 +383,9 @@ json LlamaConfig::to_json() const {
 
 int64_t LlamaConfig::parameter_count() const {
   const int64_t C = hidden_size, F = intermediate_size;
-  const int64_t per_layer = 2 * C + C * q_dim() + 2 * C * kv_dim() + q_dim() * C + 3 * C * F;
+  const int64_t per_layer = 2 * C + C * q_dim() + 2 * C * kv_dim() + q_dim() * C + 3 * C * F +
+                            (attention_bias ? q_dim() + 2 * kv_dim() : 0) + (o_bias ? C : 0) +
+                            (qk_norm ? 2 * head_dim : 0);
   return vocab_size * C * (tie_word_embeddings ? 1 : 2) + num_hidden_layers * per_layer + C;
 }
 
@@ -327,10 +409,35 @@ LlamaConfig llama3_family(int64_t C, int64_t F, int64_t L, int64_t H, int64_t D,
   c.torch_dtype = "bfloat16";
   return c;
 }
+// Qwen2.5 and Qwen3 as their HF config.json give them: vocabulary 151,936 (152,064 for Qwen2.5-7B),
+// RoPE theta 1e6 without scaling, RMSNorm eps 1e-6, <|endoftext|> 151643 as bos.
+LlamaConfig qwen_family(ModelFamily family, int64_t C, int64_t F, int64_t L, int64_t H, int64_t Hkv, int64_t D,
+                        bool tied) {
+  LlamaConfig c;
+  c.family = family;
+  c.attention_bias = family == ModelFamily::qwen2;
+  c.qk_norm = family == ModelFamily::qwen3;
+  c.vocab_size = 151936;
+  c.hidden_size = C;
+  c.intermediate_size = F;
+  c.num_hidden_layers = L;
+  c.num_attention_heads = H;
+  c.num_key_value_heads = Hkv;
+  c.head_dim = D;
+  c.max_position_embeddings = family == ModelFamily::qwen3 ? 40960 : 32768;
+  c.rms_norm_eps = 1e-6;
+  c.rope_theta = 1000000.0;
+  c.tie_word_embeddings = tied;
+  c.bos_token_id = 151643;
+  c.eos_token_ids = {family == ModelFamily::qwen3 ? 151645 : 151643};  // Qwen3's <|im_end|>
+  c.torch_dtype = "bfloat16";
+  return c;
+}
 }  // namespace
 
 std::vector<std::string> LlamaConfig::preset_names() {
-  return {"tiny", "tiny-tp", "small", "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b"};
+  return {"tiny",         "tiny-tp",    "tiny-qwen2", "tiny-qwen3", "small",      "llama-3.2-1b",
+          "llama-3.2-3b", "llama-3.1-8b", "qwen2.5-0.5b", "qwen2.5-7b", "qwen3-0.6b", "qwen3-8b"};
 }
 
 LlamaConfig LlamaConfig::preset(const std::string& name) {
@@ -359,6 +466,22 @@ LlamaConfig LlamaConfig::preset(const std::string& name) {
     c.num_attention_heads = 8;
     c.num_key_value_heads = 4;
     c.head_dim = 4;
+  } else if (name == "tiny-qwen2" || name == "tiny-qwen3") {
+    // For tests: tiny as Qwen2 (q/k/v biases, tied) or Qwen3 (per-head q/k norms, head_dim 8 apart
+    // from hidden / heads = 6, untied), RoPE theta 1e6 without scaling as theirs.
+    c = preset("tiny");
+    c.rope_scaling = {};
+    c.rope_theta = 1000000.0;
+    c.rms_norm_eps = 1e-6;
+    if (name == "tiny-qwen2") {
+      c.family = ModelFamily::qwen2;
+      c.attention_bias = true;
+      c.tie_word_embeddings = true;
+    } else {
+      c.family = ModelFamily::qwen3;
+      c.qk_norm = true;
+      c.head_dim = 8;
+    }
   } else if (name == "small") {
     // The CPU demo: byte-level vocabulary (258 ids padded to 320), trains in minutes on two cores.
     c.vocab_size = 320;
@@ -381,6 +504,16 @@ LlamaConfig LlamaConfig::preset(const std::string& name) {
   } else if (name == "llama-3.1-8b") {
     c = llama3_family(4096, 14336, 32, 32, 128, false, 8.0);
     c.eos_token_ids = {128001, 128008, 128009};
+  } else if (name == "qwen2.5-0.5b") {
+    c = qwen_family(ModelFamily::qwen2, 896, 4864, 24, 14, 2, 64, true);
+  } else if (name == "qwen2.5-7b") {
+    c = qwen_family(ModelFamily::qwen2, 3584, 18944, 28, 28, 4, 128, false);
+    c.vocab_size = 152064;
+    c.max_position_embeddings = 131072;
+  } else if (name == "qwen3-0.6b") {
+    c = qwen_family(ModelFamily::qwen3, 1024, 3072, 28, 16, 8, 128, true);
+  } else if (name == "qwen3-8b") {
+    c = qwen_family(ModelFamily::qwen3, 4096, 12288, 36, 32, 8, 128, false);
   } else {
     std::string names;
     for (const auto& n : preset_names()) names += (names.empty() ? "" : ", ") + n;

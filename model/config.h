@@ -1,5 +1,15 @@
 // Llama model configuration: what HF's config.json says, validated.
 //
+// The families (config.json's `model_type`, ModelFamily) are Llama's decoder with what each adds:
+//   llama  LlamaForCausalLM: the block of model/layer.h; `attention_bias` puts biases on q_proj,
+//          k_proj, v_proj and o_proj; `mlp_bias` must be false.
+//   qwen2  Qwen2ForCausalLM (Qwen2, Qwen2.5): biases on q_proj, k_proj, v_proj (always; o_proj none).
+//   qwen3  Qwen3ForCausalLM: RMSNorm over each head's q and k after the projection, before RoPE
+//          (q_norm, k_norm: one weight of head_dim shared by the heads); head_dim its own key;
+//          `attention_bias` as Llama's.
+// Sliding-window attention (`use_sliding_window` true, or `layer_types` other than full_attention),
+// MLP biases and activations other than silu are refused naming the key.
+//
 // Reads both key forms of transformers' LlamaConfig: v4 (`rope_theta`, `rope_scaling`, `torch_dtype`)
 // and v5 (`rope_parameters` holding rope_theta and the scaling, `dtype`). `head_dim` may be absent
 // (= hidden_size / num_attention_heads); `num_key_value_heads` may be absent (= heads, no grouping);
@@ -68,6 +78,10 @@ struct ConfigLimits {
   static constexpr int64_t kMaxParameters = int64_t{1} << 42;
 };
 
+// The architecture a config describes: HF's model_type.
+enum class ModelFamily { llama, qwen2, qwen3 };
+const char* model_family_name(ModelFamily family);  // "llama", "qwen2", "qwen3"
+
 struct LlamaConfig {
   int64_t vocab_size = 0;            // V
   int64_t hidden_size = 0;           // C
@@ -86,12 +100,17 @@ struct LlamaConfig {
   std::vector<int64_t> eos_token_ids;
   int64_t pad_token_id = -1;         // -1: not given (kept for the config.json a checkpoint carries)
   std::string torch_dtype = "float32";  // the checkpoint's stored dtype, as HF names it
+  ModelFamily family = ModelFamily::llama;
+  bool attention_bias = false;       // biases on q_proj, k_proj, v_proj [H*D], [Hkv*D] (qwen2; attention_bias)
+  bool o_bias = false;               // a bias on o_proj [C] (Llama's and Qwen3's attention_bias)
+  bool qk_norm = false;              // q_norm, k_norm [D] on each head before RoPE (qwen3)
 
   // Parses a config.json document; `source` names the file in error messages.
   static LlamaConfig from_json(const nlohmann::json& j, const std::string& source);
   static LlamaConfig from_file(const std::string& path);
-  // A built-in preset: "tiny" (tests), "small" (the CPU demo), "llama-3.2-1b", "llama-3.2-3b",
-  // "llama-3.1-8b". Throws listing the names for an unknown one.
+  // A built-in preset: "tiny", "tiny-qwen2", "tiny-qwen3" (tests), "small" (the CPU demo),
+  // "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "qwen2.5-0.5b", "qwen2.5-7b", "qwen3-0.6b",
+  // "qwen3-8b". Throws listing the names for an unknown one.
   static LlamaConfig preset(const std::string& name);
   static std::vector<std::string> preset_names();
   // A preset name, a config.json path, an HF checkpoint directory holding config.json, or a GGUF

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <set>
 
 namespace cw {
@@ -22,7 +23,7 @@ constexpr const char* kRopeFreqs = "rope_freqs.weight";
 constexpr double kRopeFreqsTol = 1e-5;
 
 [[noreturn]] void bad_model(const GgufReader& f, const std::string& what,
-                            const std::string& hint = "chunkwise reads GGUF files of Llama models") {
+                            const std::string& hint = "chunkwise reads GGUF files of llama, qwen2 and qwen3 models") {
   fail(fmt::format("GGUF file '{}': {}", f.path(), what), hint);
 }
 
@@ -32,12 +33,30 @@ std::string shape_str(const std::vector<int64_t>& shape) {
   return s + "]";
 }
 
-// The metadata keys a GGUF file gives the config's sizes under, for validate's messages.
-constexpr ConfigKeyNames kGgufKeys{
-    "llama.vocab_size",         "llama.embedding_length",        "llama.feed_forward_length",
-    "llama.block_count",        "llama.attention.head_count",    "llama.attention.head_count_kv",
-    "llama.attention.key_length", "llama.context_length",        "llama.attention.layer_norm_rms_epsilon",
-    "llama.rope.freq_base"};
+// The metadata keys a GGUF file of architecture `arch` gives the config's sizes under (each prefixed
+// with the architecture's name), for validate's messages.
+struct GgufKeys {
+  explicit GgufKeys(const std::string& arch) : prefix(arch + ".") {
+    for (const char* k : {"vocab_size", "embedding_length", "feed_forward_length", "block_count",
+                          "attention.head_count", "attention.head_count_kv", "attention.key_length", "context_length",
+                          "attention.layer_norm_rms_epsilon", "rope.freq_base"})
+      full.push_back(prefix + k);
+    names = {full[0].c_str(), full[1].c_str(), full[2].c_str(), full[3].c_str(), full[4].c_str(),
+             full[5].c_str(), full[6].c_str(), full[7].c_str(), full[8].c_str(), full[9].c_str()};
+  }
+  std::string operator()(const char* key) const { return prefix + key; }
+  std::string prefix;
+  std::vector<std::string> full;
+  ConfigKeyNames names;
+};
+
+// The architectures read, as llama.cpp names them, and the family each is.
+std::optional<ModelFamily> family_of(const std::string& arch) {
+  if (arch == "llama") return ModelFamily::llama;
+  if (arch == "qwen2") return ModelFamily::qwen2;
+  if (arch == "qwen3") return ModelFamily::qwen3;
+  return std::nullopt;
+}
 
 // Llama 3.1-style scaling from the per-frequency divisors llama.cpp's converter stores.
 RopeScaling rope_scaling_from_freqs(const GgufReader& f, const LlamaConfig& c) {
@@ -89,30 +108,35 @@ bool is_gguf_file(const std::string& path) {
 
 LlamaConfig llama_config_from_gguf(const GgufReader& f) {
   const std::string arch = f.get_string("general.architecture");
-  if (arch != "llama")
-    bad_model(f, fmt::format("general.architecture is '{}', not 'llama'", arch.substr(0, 60)));
-  if (f.get_int("llama.expert_count", 0) > 0)
-    bad_model(f, fmt::format("a mixture of experts ({} experts)", f.get_int("llama.expert_count")),
-              "chunkwise trains dense Llama models");
+  const std::optional<ModelFamily> family = family_of(arch);
+  if (!family)
+    bad_model(f, fmt::format("general.architecture is '{}', not 'llama', 'qwen2' or 'qwen3'", arch.substr(0, 60)));
+  const GgufKeys key(arch);
+  if (f.get_int(key("expert_count"), 0) > 0)
+    bad_model(f, fmt::format("a mixture of experts ({} experts)", f.get_int(key("expert_count"))),
+              "chunkwise trains dense models");
   LlamaConfig c;
-  c.num_hidden_layers = f.get_int("llama.block_count");
-  c.hidden_size = f.get_int("llama.embedding_length");
-  c.intermediate_size = f.get_int("llama.feed_forward_length");
-  c.num_attention_heads = f.get_int("llama.attention.head_count");
-  c.num_key_value_heads = f.get_int("llama.attention.head_count_kv", c.num_attention_heads);
-  if (c.num_attention_heads <= 0) bad_model(f, "llama.attention.head_count must be positive");
-  c.head_dim = f.get_int("llama.attention.key_length", c.hidden_size / c.num_attention_heads);
-  for (const char* key : {"llama.attention.value_length", "llama.rope.dimension_count"})
-    if (f.has(key) && f.get_int(key) != c.head_dim)
-      bad_model(f, fmt::format("{} = {} differs from the head dim {}", key, f.get_int(key), c.head_dim),
-                "chunkwise's Llama rotates whole heads with equal K and V head dims");
-  c.max_position_embeddings = f.get_int("llama.context_length");
-  c.rope_theta = f.get_float("llama.rope.freq_base", 10000.0);
-  c.rms_norm_eps = f.get_float("llama.attention.layer_norm_rms_epsilon");
+  c.family = *family;
+  c.attention_bias = c.family == ModelFamily::qwen2;
+  c.qk_norm = c.family == ModelFamily::qwen3;
+  c.num_hidden_layers = f.get_int(key("block_count"));
+  c.hidden_size = f.get_int(key("embedding_length"));
+  c.intermediate_size = f.get_int(key("feed_forward_length"));
+  c.num_attention_heads = f.get_int(key("attention.head_count"));
+  c.num_key_value_heads = f.get_int(key("attention.head_count_kv"), c.num_attention_heads);
+  if (c.num_attention_heads <= 0) bad_model(f, fmt::format("{} must be positive", key("attention.head_count")));
+  c.head_dim = f.get_int(key("attention.key_length"), c.hidden_size / c.num_attention_heads);
+  for (const std::string& k : {key("attention.value_length"), key("rope.dimension_count")})
+    if (f.has(k) && f.get_int(k) != c.head_dim)
+      bad_model(f, fmt::format("{} = {} differs from the head dim {}", k, f.get_int(k), c.head_dim),
+                "chunkwise rotates whole heads with equal K and V head dims");
+  c.max_position_embeddings = f.get_int(key("context_length"));
+  c.rope_theta = f.get_float(key("rope.freq_base"), 10000.0);
+  c.rms_norm_eps = f.get_float(key("attention.layer_norm_rms_epsilon"));
 
   const GgufTensorInfo* embedding = f.find_tensor("token_embd.weight");
-  if (!embedding) bad_model(f, "has no tensor 'token_embd.weight'", "is this a Llama model file?");
-  if (f.has("llama.vocab_size")) c.vocab_size = f.get_int("llama.vocab_size");
+  if (!embedding) bad_model(f, "has no tensor 'token_embd.weight'", "is this a model file?");
+  if (f.has(key("vocab_size"))) c.vocab_size = f.get_int(key("vocab_size"));
   else if (f.has("tokenizer.ggml.tokens")) c.vocab_size = static_cast<int64_t>(f.get_strings("tokenizer.ggml.tokens").size());
   else c.vocab_size = embedding->shape()[0];
   c.tie_word_embeddings = f.find_tensor("output.weight") == nullptr;
@@ -121,21 +145,22 @@ LlamaConfig llama_config_from_gguf(const GgufReader& f) {
   c.pad_token_id = f.get_int("tokenizer.ggml.padding_token_id", -1);
   c.torch_dtype = "float32";  // what the weights are dequantized to
 
-  const std::string scaling = f.get_string("llama.rope.scaling.type", "none");
+  const std::string scaling = f.get_string(key("rope.scaling.type"), "none");
   if (scaling == "linear") {
     c.rope_scaling.type = RopeScaling::Type::linear;
-    c.rope_scaling.factor = f.get_float("llama.rope.scaling.factor");
+    c.rope_scaling.factor = f.get_float(key("rope.scaling.factor"));
   } else if (scaling != "none") {
-    bad_model(f, fmt::format("llama.rope.scaling.type '{}' is not supported", scaling.substr(0, 60)),
-              "chunkwise supports linear and llama3 RoPE scaling");
-  } else if (f.has("llama.rope.scale_linear")) {
+    bad_model(f, fmt::format("{} '{}' is not supported", key("rope.scaling.type"), scaling.substr(0, 60)),
+              "chunkwise supports linear and llama3 RoPE scaling in GGUF files");
+  } else if (f.has(key("rope.scale_linear"))) {
     c.rope_scaling.type = RopeScaling::Type::linear;
-    c.rope_scaling.factor = f.get_float("llama.rope.scale_linear");
+    c.rope_scaling.factor = f.get_float(key("rope.scale_linear"));
   }
   if (c.rope_scaling.type == RopeScaling::Type::linear && !(c.rope_scaling.factor > 0))
     bad_model(f, fmt::format("the linear RoPE scaling factor {} must be positive", c.rope_scaling.factor));
-  c.validate(fmt::format("GGUF file '{}'", f.path()), kGgufKeys);
+  c.validate(fmt::format("GGUF file '{}'", f.path()), key.names);
   if (f.find_tensor(kRopeFreqs)) {
+    if (c.family != ModelFamily::llama) bad_model(f, fmt::format("{} in a {} model", kRopeFreqs, arch));
     if (c.rope_scaling.type != RopeScaling::Type::none)
       bad_model(f, fmt::format("both {} and llama.rope.scaling metadata", kRopeFreqs));
     c.rope_scaling = rope_scaling_from_freqs(f, c);
@@ -153,9 +178,9 @@ LlamaConfig llama_config_from_gguf(const GgufReader& f) {
     const GgufTensorInfo* t = f.find_tensor(name);
     if (!t)
       bad_model(f, fmt::format("has no tensor '{}' (for {}), which its metadata implies ({} = {}, {} = {})", name,
-                               spec.name, kGgufKeys.num_hidden_layers, c.num_hidden_layers, kGgufKeys.hidden_size,
+                               spec.name, key.names.num_hidden_layers, c.num_hidden_layers, key.names.hidden_size,
                                c.hidden_size),
-                "the file does not describe a complete Llama model: fix the metadata or re-convert it");
+                "the file does not describe a complete model: fix the metadata or re-convert it");
     if (t->shape() != spec.shape)
       bad_model(f, fmt::format("tensor '{}' has shape {} (GGUF dims {}), but the metadata gives {} {}", name,
                                shape_str(t->shape()), shape_str(t->dims), spec.name, shape_str(spec.shape)),
@@ -179,6 +204,12 @@ std::string gguf_tensor_name(const ParamSpec& s) {
     case ParamRole::w_down: return blk + "ffn_down.weight";
     case ParamRole::final_norm: return "output_norm.weight";
     case ParamRole::lm_head: return "output.weight";
+    case ParamRole::q_bias: return blk + "attn_q.bias";
+    case ParamRole::k_bias: return blk + "attn_k.bias";
+    case ParamRole::v_bias: return blk + "attn_v.bias";
+    case ParamRole::o_bias: return blk + "attn_output.bias";
+    case ParamRole::q_norm: return blk + "attn_q_norm.weight";
+    case ParamRole::k_norm: return blk + "attn_k_norm.weight";
     case ParamRole::lora_a:
     case ParamRole::lora_b: break;  // adapters are PEFT files, not part of a GGUF model
   }
@@ -203,13 +234,15 @@ void load_gguf_weights(ParamSet& params, const GgufReader& f) {
     const GgufTensorInfo* t = f.find_tensor(name);
     if (!t)
       bad_model(f, fmt::format("has no tensor '{}' (for {})", name, spec.name),
-                "the file does not describe a complete Llama model");
+                "the file does not describe a complete model");
     if (t->shape() != spec.shape)
       bad_model(f, fmt::format("tensor '{}' has shape {} (GGUF dims {}), but the metadata gives {} {}", name,
                                shape_str(t->shape()), shape_str(t->dims), spec.name, shape_str(spec.shape)),
                 "the file is inconsistent: re-convert it");
     const Tensor& dst = params[i];
-    if (spec.role != ParamRole::wq && spec.role != ParamRole::wk) {
+    // llama.cpp permutes Llama's Q/K rows for its rotation of adjacent pairs; Qwen's rotate halves
+    // as HF does (NEOX), unpermuted.
+    if (c.family != ModelFamily::llama || (spec.role != ParamRole::wq && spec.role != ParamRole::wk)) {
       f.read_into(name, dst);
     } else {
       // Read in GGUF row order, then put each row back where HF has it.
@@ -227,8 +260,9 @@ void load_gguf_weights(ParamSet& params, const GgufReader& f) {
   }
   for (const GgufTensorInfo& t : f.tensors())
     if (!used.count(t.name))
-      bad_model(f, fmt::format("tensor '{}' has no place in a Llama model of this configuration", t.name.substr(0, 120)),
-                "chunkwise would ignore it and compute another model: is this a Llama file?");
+      bad_model(f, fmt::format("tensor '{}' has no place in a {} model of this configuration", t.name.substr(0, 120),
+                               model_family_name(c.family)),
+                "chunkwise would ignore it and compute another model: is general.architecture right?");
 }
 
 }  // namespace cw

@@ -1,7 +1,8 @@
 // Llama models from GGUF files: the metadata mapped onto LlamaConfig, the tensors onto the parameter
 // table (model/params.h), dequantized (model/gguf.h) into the model's dtype.
 //
-// Metadata (general.architecture must be "llama"; the other keys carry its prefix):
+// Metadata (general.architecture "llama", "qwen2" or "qwen3", llama.cpp's names; the other keys carry
+// it as their prefix, written `llama.` below):
 //   llama.block_count                       -> num_hidden_layers (L)
 //   llama.embedding_length                  -> hidden_size (C)
 //   llama.feed_forward_length               -> intermediate_size (F)
@@ -34,6 +35,9 @@
 //   blk.{l}.ffn_gate/up/down.weight -> model.layers.{l}.mlp.gate/up/down_proj.weight
 //   output_norm.weight        -> model.norm.weight
 //   output.weight             -> lm_head.weight (absent when tied)
+//   qwen2: blk.{l}.attn_{q,k,v}.bias -> model.layers.{l}.self_attn.{q,k,v}_proj.bias
+//   qwen3: blk.{l}.attn_{q,k}_norm.weight -> model.layers.{l}.self_attn.{q,k}_norm.weight
+// qwen2 and qwen3 rotate as HF does (llama.cpp's NEOX RoPE): their Q/K rows are not permuted.
 // Every tensor of the table must be present with its configured shape; a tensor the table has no
 // place for (a bias, say) is refused rather than ignored, since ignoring it would compute another model.
 //

@@ -2,6 +2,7 @@
 
 #include "model/layer_seams.h"
 
+#include "engine/ops/bias.h"
 #include "engine/ops/linear.h"
 #include "engine/ops/residual.h"
 #include "engine/ops/rope.h"
@@ -51,6 +52,12 @@ LayerActivations LayerActivations::allocate(Arena& arena, const LlamaConfig& cf,
   a.h1 = arena.alloc(dt, {normed_rows, C});
   a.norm1.rstd = arena.alloc(acc, {R});
   a.q = arena.alloc(dt, {B, c, H, D});
+  if (cf.qk_norm) {
+    a.q_raw = arena.alloc(dt, {N, cf.q_dim()});
+    a.k_raw = arena.alloc(dt, {N, cf.kv_dim()});
+    a.q_norm.rstd = arena.alloc(acc, {N * H});
+    a.k_norm.rstd = arena.alloc(acc, {N * cf.num_key_value_heads});
+  }
   a.attn = arena.alloc(dt, {B, c, H, D});
   a.attn_saved.lse = arena.alloc(acc, {B, H, c});
   a.x_mid = arena.alloc(dt, {R, C});
@@ -71,8 +78,11 @@ size_t LayerActivations::bytes(const LlamaConfig& cf, int64_t B, int64_t c, DTyp
   const size_t e = dtype_size(dt), a = dtype_size(accum_dtype(dt)), F = static_cast<size_t>(cf.intermediate_size);
   const size_t normed = mlp == MlpKept::products ? 1 : 2;  // h1, and h2 unless products only
   const size_t ffn = mlp == MlpKept::all ? 3 * F : mlp == MlpKept::products ? 2 * F : 0;
-  return e * (normed * normed_rows * C + R * C + N * (2 * static_cast<size_t>(cf.q_dim()) + ffn)) +
-         a * (2 * R + N * static_cast<size_t>(cf.num_attention_heads));
+  // The per-head norms keep the projections before them and their statistics (qk_norm).
+  const size_t raw = cf.qk_norm ? static_cast<size_t>(cf.q_dim() + cf.kv_dim()) : 0;
+  const size_t raw_stats = cf.qk_norm ? static_cast<size_t>(cf.num_attention_heads + cf.num_key_value_heads) : 0;
+  return e * (normed * normed_rows * C + R * C + N * (2 * static_cast<size_t>(cf.q_dim()) + raw + ffn)) +
+         a * (2 * R + N * (static_cast<size_t>(cf.num_attention_heads) + raw_stats));
 }
 
 // RoPE over a chunk's [B, c, heads, D] rows: positions [p, p + c) in one call, or with packed documents
@@ -93,54 +103,97 @@ namespace {
 // ---- The fused Q/K/V projection (model/layer.h, fused_qkv) ----
 
 // [Wq; Wk; Wv] as one [q_dim + 2 kv_dim, C] tensor where the three lie back to back (weights or their
-// gradients); undefined otherwise.
+// gradients), or [b_q; b_k; b_v] as one [q_dim + 2 kv_dim] (biases); undefined otherwise.
 Tensor stacked_qkv(const Tensor& wq, const Tensor& wk, const Tensor& wv) {
   if (!wq.data || !wk.data || !wv.data || wk.dtype != wq.dtype || wv.dtype != wq.dtype || !wq.contiguous() ||
-      !wk.contiguous() || !wv.contiguous() || wk.size(1) != wq.size(1) || wv.size(1) != wq.size(1))
+      !wk.contiguous() || !wv.contiguous() || wk.ndim != wq.ndim || wv.ndim != wq.ndim)
     return {};
+  if (wq.ndim == 2 && (wk.size(1) != wq.size(1) || wv.size(1) != wq.size(1))) return {};
   const char* q = static_cast<const char*>(wq.data);
   const char* k = static_cast<const char*>(wk.data);
   if (k != q + wq.bytes() || static_cast<const char*>(wv.data) != k + wk.bytes()) return {};
-  return Tensor::packed(wq.data, wq.dtype, wq.device, std::array<int64_t, 2>{wq.size(0) + wk.size(0) + wv.size(0), wq.size(1)});
+  const int64_t rows = wq.size(0) + wk.size(0) + wv.size(0);
+  if (wq.ndim == 1) return Tensor::packed(wq.data, wq.dtype, wq.device, std::array<int64_t, 1>{rows});
+  return Tensor::packed(wq.data, wq.dtype, wq.device, std::array<int64_t, 2>{rows, wq.size(1)});
 }
 
-// The fused projection's weight for this call, or undefined where the three GEMMs run.
+// The fused projection's weight for this call, or undefined where the three GEMMs run (also where
+// the model has biases that do not lie back to back).
 Tensor fused_qkv_weight(const BlockCall& b) {
   const LayerWeights& w = b.w;
   if (!qkv_fusable(b.tp, w.lora.q.defined() || w.lora.k.defined() || w.lora.v.defined())) return {};
+  if (w.q_bias.data && !stacked_qkv(w.q_bias, w.k_bias, w.v_bias).data) return {};
   return stacked_qkv(w.wq, w.wk, w.wv);
+}
+
+// ---- Qwen3's per-head norms: rmsnorm over the D values of each head of each token ----
+
+// out [N, heads D] = rmsnorm_D(raw [N, heads D]; weight [D]), its statistics into saved ([N heads]).
+void norm_heads(const Tensor& out, const RmsNormSaved& saved, const Tensor& raw, const Tensor& weight,
+                const BlockCall& b) {
+  const int64_t rows = raw.numel() / b.D;
+  rmsnorm_forward(out.view({rows, b.D}), saved, raw.view({rows, b.D}), weight, b.cf.rms_norm_eps);
+}
+
+// d [N, heads D]: the gradient of the normed heads in, of the raw projection out (in place); the
+// weight's gradient (when trained) accumulates.
+void norm_heads_backward(const Tensor& d, const Tensor& d_weight, const RmsNormSaved& saved, const Tensor& raw,
+                         const Tensor& weight, const BlockCall& b) {
+  const int64_t rows = raw.numel() / b.D;
+  const Tensor d_rows = d.view({rows, b.D});
+  rmsnorm_backward(d_rows, d_weight, d_rows, saved, raw.view({rows, b.D}), weight, GradMode::overwrite, b.scratch);
 }
 
 // ---- Attention half: h1 -> q, K, V -> attn -> x_mid ----
 
 double attention_scale(const BlockCall& b) { return 1.0 / std::sqrt(static_cast<double>(b.D)); }
 
-// q = rope(h1 Wqᵀ) into q [B, c, H, D].
-void project_q(const Tensor& q, const Tensor& h1, const BlockCall& b) {
+// q = rope(h1 Wqᵀ + b_q) into a.q [B, c, H, D]; with per-head norms rope(rmsnorm_D(h1 Wqᵀ + b_q)),
+// the projection kept in a.q_raw.
+void project_q(LayerActivations& a, const Tensor& h1, const BlockCall& b) {
   const Tensor q_pre = b.scratch.alloc(b.dt, {b.N, b.cf.q_dim()});
-  block_linear_forward(q_pre, h1, ParamRole::wq, b);
-  rope_chunk(q, q_pre.view({b.B, b.c, b.H, b.D}), b.ctx, false);
+  block_linear_forward(b.cf.qk_norm ? a.q_raw : q_pre, h1, ParamRole::wq, b);
+  if (b.cf.qk_norm) norm_heads(q_pre, a.q_norm, a.q_raw, b.w.q_norm, b);
+  rope_chunk(a.q, q_pre.view({b.B, b.c, b.H, b.D}), b.ctx, false);
 }
 
-// q as project_q, and the chunk's K = rope(h1 Wkᵀ), V = h1 Wvᵀ into the store's rows [p, p+c): one
-// GEMM where the weights allow (fused_qkv), RoPE then working on its q and k columns in place.
-void project_qkv(const Tensor& q, const Tensor& h1, const BlockCall& b) {
+// The chunk's k before RoPE: h1 Wkᵀ + b_k into k_pre [N, kv_dim]; with per-head norms normed, the
+// projection kept in a.k_raw.
+void project_k(const Tensor& k_pre, LayerActivations& a, const Tensor& h1, const BlockCall& b) {
+  block_linear_forward(b.cf.qk_norm ? a.k_raw : k_pre, h1, ParamRole::wk, b);
+  if (b.cf.qk_norm) norm_heads(k_pre, a.k_norm, a.k_raw, b.w.k_norm, b);
+}
+
+// q as project_q, and the chunk's K = rope(h1 Wkᵀ + b_k), V = h1 Wvᵀ + b_v into the store's rows
+// [p, p+c): one GEMM where the weights allow (fused_qkv), the biases added to its output, RoPE then
+// working on its q and k columns in place (with per-head norms, on normed copies of them).
+void project_qkv(LayerActivations& a, const Tensor& h1, const BlockCall& b) {
   const LlamaConfig& cf = b.cf;
   const int64_t B = b.B, c = b.c, p = b.p;
   const Tensor keys = b.kv.keys(b.layer, p, p + c), values = b.kv.values(b.layer, p, p + c);
   if (const Tensor w_qkv = fused_qkv_weight(b); w_qkv.data) {
     const Tensor qkv = b.scratch.alloc(b.dt, {b.N, cf.q_dim() + 2 * cf.kv_dim()});
     linear_forward(qkv, h1, w_qkv);
-    rope_chunk(q, head_columns(qkv, 0, B, c, b.H, b.D), b.ctx, false);
-    const Tensor k = head_columns(qkv, cf.q_dim(), B, c, b.Hkv, b.D);
+    if (b.w.q_bias.data) bias_forward(qkv, qkv, stacked_qkv(b.w.q_bias, b.w.k_bias, b.w.v_bias));
+    const Tensor q_cols = head_columns(qkv, 0, B, c, b.H, b.D), k_cols = head_columns(qkv, cf.q_dim(), B, c, b.Hkv, b.D);
+    Tensor q = q_cols, k = k_cols;
+    if (cf.qk_norm) {  // the norm reads packed rows: the raw projections are copied out and kept
+      copy_heads(a.q_raw.view({B, c, b.H, b.D}), q_cols);
+      copy_heads(a.k_raw.view({B, c, b.Hkv, b.D}), k_cols);
+      q = b.scratch.alloc(b.dt, {B, c, b.H, b.D});
+      k = b.scratch.alloc(b.dt, {B, c, b.Hkv, b.D});
+      norm_heads(q, a.q_norm, a.q_raw, b.w.q_norm, b);
+      norm_heads(k, a.k_norm, a.k_raw, b.w.k_norm, b);
+    }
+    rope_chunk(a.q, q, b.ctx, false);
     rope_chunk(k, k, b.ctx, false);
     copy_heads(keys, k);
     copy_heads(values, head_columns(qkv, cf.q_dim() + cf.kv_dim(), B, c, b.Hkv, b.D));
     return;
   }
-  project_q(q, h1, b);
+  project_q(a, h1, b);
   const Tensor k_pre = b.scratch.alloc(b.dt, {b.N, cf.kv_dim()});
-  block_linear_forward(k_pre, h1, ParamRole::wk, b);
+  project_k(k_pre, a, h1, b);
   const Tensor k = k_pre.view({B, c, b.Hkv, b.D});
   rope_chunk(k, k, b.ctx, false);
   copy_convert(keys, k);
@@ -169,15 +222,18 @@ void read_saved_attention(LayerActivations& a, const BlockCall& b) {
   copy_convert(a.attn_saved.lse.view({b.B * b.H, c}), b.kv.output_lse(b.layer, p, p + c));
 }
 
-// x_mid = x_in + attn Woᵀ.
+// x_mid = x_in + attn Woᵀ (+ b_o: added once, to the rank's rows of the sum over the ranks).
 void project_out(const Tensor& x_mid, const Tensor& x_in, const Tensor& attn, const BlockCall& b) {
   PartialOutput o(b);
   block_linear_forward(o.all(), attn.view({b.N, b.cf.q_dim()}), ParamRole::wo, b);
   residual_forward(x_mid, x_in, o.sum_rows());
+  if (b.w.o_bias.data) bias_forward(x_mid, x_mid, b.w.o_bias);
 }
 
-// d_attn = d(x_mid) Wo [N, q_dim]; Wo's gradient accumulates.
+// d_attn = d(x_mid) Wo [N, q_dim]; Wo's gradient (and b_o's, the rank's rows' share under sequence
+// parallelism) accumulates.
 Tensor project_out_backward(const Tensor& d_x, const Tensor& attn, const LayerWeights& g, const BlockCall& b) {
+  if (g.o_bias.data) bias_backward(g.o_bias, d_x, b.scratch);
   const Tensor d_attn = b.scratch.alloc(b.dt, {b.N, b.cf.q_dim()});
   const OutputGrad d_o(d_x, b);
   block_linear_backward(d_attn, g, d_o.all(), attn.view({b.N, b.cf.q_dim()}), ParamRole::wo, GradMode::overwrite, b);
@@ -202,26 +258,52 @@ struct QkvGrad {
   bool fused() const { return d_qkv.data != nullptr; }
 };
 
-QkvGrad qkv_grad(const Tensor& d_q, const LayerWeights& g, const BlockCall& b) {
+// Whether three gradients (or biases' gradients) allow the fused backward: back to back, or all frozen.
+bool fusable_grads(const Tensor& gq, const Tensor& gk, const Tensor& gv) {
+  return stacked_qkv(gq, gk, gv).data || (!gq.data && !gk.data && !gv.data);
+}
+
+QkvGrad qkv_grad(const Tensor& d_q, const LayerWeights& g, const LayerActivations& a, const BlockCall& b) {
   const LlamaConfig& cf = b.cf;
   const int64_t B = b.B, c = b.c, p = b.p;
   QkvGrad d{fused_qkv_weight(b), stacked_qkv(g.wq, g.wk, g.wv), {}, d_q, {}, {}};
+  // With per-head norms, RoPE's backward and then the norm's run in place on packed q and k rows.
+  auto unnorm = [&](const Tensor& d_heads, bool query) {
+    if (!cf.qk_norm) return;
+    norm_heads_backward(d_heads, query ? g.q_norm : g.k_norm, query ? a.q_norm : a.k_norm, query ? a.q_raw : a.k_raw,
+                        query ? b.w.q_norm : b.w.k_norm, b);
+  };
   // Fused where the gradients lie back to back too (or are all frozen); otherwise three GEMMs, which
   // need nothing from how the forward projected.
-  if (d.w_qkv.data && (d.g_qkv.data || (!g.wq.data && !g.wk.data && !g.wv.data))) {
+  if (d.w_qkv.data && fusable_grads(g.wq, g.wk, g.wv) && fusable_grads(g.q_bias, g.k_bias, g.v_bias)) {
     d.d_qkv = b.scratch.alloc(b.dt, {b.N, cf.q_dim() + 2 * cf.kv_dim()});
-    d.d_k = head_columns(d.d_qkv, cf.q_dim(), B, c, b.Hkv, b.D);
-    rope_chunk(head_columns(d.d_qkv, 0, B, c, b.H, b.D), d_q, b.ctx, true);
-    copy_heads(d.d_k, b.kv.d_keys(b.layer, p, p + c));
+    const Tensor q_cols = head_columns(d.d_qkv, 0, B, c, b.H, b.D);
+    const Tensor k_cols = head_columns(d.d_qkv, cf.q_dim(), B, c, b.Hkv, b.D);
     copy_heads(head_columns(d.d_qkv, cf.q_dim() + cf.kv_dim(), B, c, b.Hkv, b.D), b.kv.d_values(b.layer, p, p + c));
-  } else {
-    d.d_k = b.scratch.alloc(b.dt, {B, c, b.Hkv, b.D});
-    d.d_v = b.scratch.alloc(b.dt, {B, c, b.Hkv, b.D});
-    copy_convert(d.d_k, b.kv.d_keys(b.layer, p, p + c));
-    copy_convert(d.d_v, b.kv.d_values(b.layer, p, p + c));
+    if (!cf.qk_norm) {
+      rope_chunk(q_cols, d_q, b.ctx, true);
+      copy_heads(k_cols, b.kv.d_keys(b.layer, p, p + c));
+      rope_chunk(k_cols, k_cols, b.ctx, true);
+      return d;
+    }
+    const Tensor d_k = b.scratch.alloc(b.dt, {B, c, b.Hkv, b.D});
+    copy_convert(d_k, b.kv.d_keys(b.layer, p, p + c));
     rope_chunk(d_q, d_q, b.ctx, true);
+    rope_chunk(d_k, d_k, b.ctx, true);
+    unnorm(d_q, true);
+    unnorm(d_k, false);
+    copy_heads(q_cols, d_q);
+    copy_heads(k_cols, d_k);
+    return d;
   }
+  d.d_k = b.scratch.alloc(b.dt, {B, c, b.Hkv, b.D});
+  d.d_v = b.scratch.alloc(b.dt, {B, c, b.Hkv, b.D});
+  copy_convert(d.d_k, b.kv.d_keys(b.layer, p, p + c));
+  copy_convert(d.d_v, b.kv.d_values(b.layer, p, p + c));
+  rope_chunk(d_q, d_q, b.ctx, true);
   rope_chunk(d.d_k, d.d_k, b.ctx, true);
+  unnorm(d_q, true);
+  unnorm(d.d_k, false);
   return d;
 }
 
@@ -229,7 +311,10 @@ QkvGrad qkv_grad(const Tensor& d_q, const LayerWeights& g, const BlockCall& b) {
 // K/V gradient enters x through W_k, W_v (frozen or not) and their adapters.
 void project_qkv_backward(const Tensor& d_h1, const QkvGrad& d, const Tensor& h1, const LayerWeights& g,
                           const BlockCall& b) {
-  if (d.fused()) return linear_backward(d_h1, d.g_qkv, d.d_qkv, h1, d.w_qkv, GradMode::overwrite);
+  if (d.fused()) {
+    if (g.q_bias.data) bias_backward(stacked_qkv(g.q_bias, g.k_bias, g.v_bias), d.d_qkv, b.scratch);
+    return linear_backward(d_h1, d.g_qkv, d.d_qkv, h1, d.w_qkv, GradMode::overwrite);
+  }
   const int64_t q_dim = b.cf.q_dim(), kv_dim = b.cf.kv_dim();
   block_linear_backward(d_h1, g, d.d_q.view({b.N, q_dim}), h1, ParamRole::wq, GradMode::overwrite, b);
   block_linear_backward(d_h1, g, d.d_k.view({b.N, kv_dim}), h1, ParamRole::wk, GradMode::accumulate, b);
@@ -333,10 +418,12 @@ void block_forward(const Tensor& x_out, LayerActivations* keep, const Tensor& x_
   {
     const NormedInput h1(a.h1, a.norm1, x_in, w.attn_norm, b);
     if (ctx.attention_from_store) {  // the reverse sweep's recompute: the prefill saved attn and lse
-      project_q(a.q, h1.all(), b);
+      project_q(a, h1.all(), b);
+      // The norm's backward of the chunk's own k reads its raw projection and statistics.
+      if (b.cf.qk_norm) project_k(s.alloc(b.dt, {b.N, b.cf.kv_dim()}), a, h1.all(), b);
       read_saved_attention(a, b);
     } else {
-      project_qkv(a.q, h1.all(), b);
+      project_qkv(a, h1.all(), b);
       attend(a, b);
     }
   }
@@ -375,7 +462,7 @@ void block_backward(const Tensor& d_x, const LayerWeights& g, const LayerActivat
   // through RoPE and the projections into d(h1); d(x_in) = d(x_mid) + rmsnorm's backward of d(h1).
   const Tensor d_attn = project_out_backward(d_x, a.attn, g, b);
   const Tensor d_q = attend_backward(d_attn, a, b);
-  const QkvGrad d_qkv = qkv_grad(d_q, g, b);
+  const QkvGrad d_qkv = qkv_grad(d_q, g, a, b);
   NormedInputGrad h1(a.h1, b);
   project_qkv_backward(h1.d_all(), d_qkv, h1.input(), g, b);
   h1.release_input();

@@ -3,6 +3,10 @@
 // A chunk is B sequences x c tokens at positions [p, p+c); rows are n = b*c + t, N = B*c.
 //   h1   = rmsnorm(x_in; attn_norm)
 //   q    = rope(h1 Wqᵀ, p)          k = rope(h1 Wkᵀ, p)        v = h1 Wvᵀ        -> K/V store [p, p+c)
+//          Qwen2 adds the biases: h1 Wqᵀ + b_q, h1 Wkᵀ + b_k, h1 Wvᵀ + b_v (engine/ops/bias.h);
+//          Llama's and Qwen3's attention_bias these and b_o: x_mid = x_in + attn Woᵀ + b_o.
+//          Qwen3 norms each head before RoPE: q = rope(rmsnorm_D(h1 Wqᵀ; q_norm)), the same for k
+//          with k_norm (rmsnorm over the D values of one head of one token, the weight shared).
 //   attn = attention(q, K[0, p+c), V[0, p+c))                 (bottom-right causal, grouped heads)
 //   x_mid = x_in + attn Woᵀ
 //   h2   = rmsnorm(x_mid; mlp_norm)
@@ -55,6 +59,9 @@ struct LayerActivations {
                               //           rows); [R, C], the rank's rows only, when tp->regather()
   RmsNormSaved norm1;         // rstd [R]
   Tensor q;                   // [B, c, H, D] post-RoPE queries
+  Tensor q_raw, k_raw;        // [N, H*D], [N, Hkv*D] the projections before the per-head norm
+                              //           (qk_norm; undefined otherwise)
+  RmsNormSaved q_norm, k_norm;  // rstd [N*H], [N*Hkv] of the per-head norms (qk_norm)
   Tensor attn;                // [B, c, H, D] attention output, before o_proj
   AttentionSaved attn_saved;  // lse [B, H, c]
   Tensor x_mid;               // [R, C]    residual stream after attention

@@ -1,5 +1,6 @@
 #include "model/layer_seams.h"
 
+#include "engine/ops/bias.h"
 #include "engine/ops/linear.h"
 #include "engine/ops/lora_linear.h"
 #include "model/lora.h"
@@ -28,6 +29,17 @@ const Tensor& base_weight(const LayerWeights& w, ParamRole linear) {
   fail("a block's linears are its seven: q/k/v/o, gate/up/down");
 }
 
+// The bias of `linear` (q, k, v of a model with attention_bias), or an undefined tensor.
+const Tensor& bias_of(const LayerWeights& w, ParamRole linear) {
+  static const Tensor none;
+  switch (linear) {
+    case ParamRole::wq: return w.q_bias;
+    case ParamRole::wk: return w.k_bias;
+    case ParamRole::wv: return w.v_bias;
+    default: return none;
+  }
+}
+
 // The adapter of `linear` as lora_linear takes it: its scale, and its dropout mask's key for this call.
 LoraAdapter adapter_call(const LoraPair& p, ParamRole linear, const BlockCall& b, int64_t row0) {
   const LoraRuntime& lr = b.ctx.lora;
@@ -45,14 +57,16 @@ LoraAdapter adapter_call(const LoraPair& p, ParamRole linear, const BlockCall& b
 
 void block_linear_forward(const Tensor& y, const Tensor& x, ParamRole linear, const BlockCall& b, int64_t row0) {
   const LoraPair& adapter = b.w.lora.of(linear);
-  if (!adapter.defined()) return linear_forward(y, x, base_weight(b.w, linear));
-  lora_linear_forward(y, x, base_weight(b.w, linear), adapter_call(adapter, linear, b, row0), b.scratch);
+  if (!adapter.defined()) linear_forward(y, x, base_weight(b.w, linear));
+  else lora_linear_forward(y, x, base_weight(b.w, linear), adapter_call(adapter, linear, b, row0), b.scratch);
+  if (const Tensor& bias = bias_of(b.w, linear); bias.data) bias_forward(y, y, bias);
 }
 
 void block_linear_backward(const Tensor& d_x, const LayerWeights& g, const Tensor& d_y, const Tensor& x,
                            ParamRole linear, GradMode mode, const BlockCall& b, int64_t row0) {
   const LoraPair& adapter = b.w.lora.of(linear);
   const Tensor& d_w = base_weight(g, linear);
+  if (const Tensor& d_bias = bias_of(g, linear); d_bias.data) bias_backward(d_bias, d_y, b.scratch);
   if (!adapter.defined()) return linear_backward(d_x, d_w, d_y, x, base_weight(b.w, linear), mode);
   CW_CHECK(!d_w.data, "layer {} {}: a linear with an adapter is frozen (its gradients are the adapter's)", b.layer,
            lora_target_name(linear));

@@ -33,11 +33,12 @@ struct BlockCall {
 // ---- The block's linears: base weight, and LoRA's adapter where the layer has one ----
 
 // y = x Wᵀ for the block's linear `linear` (wq ... w_down), plus its adapter's term where b.w carries
-// one (engine/ops/lora_linear.h: the base is then frozen). row0: the call's first row within the
+// one (engine/ops/lora_linear.h: the base is then frozen), plus its bias where it has one (Qwen2's
+// q, k, v; a frozen base's bias is frozen with it). row0: the call's first row within the
 // chunk (a tiled MLP's shard), which keys the adapter's dropout mask.
 void block_linear_forward(const Tensor& y, const Tensor& x, ParamRole linear, const BlockCall& b, int64_t row0 = 0);
-// Its backward: d_x by `mode`; the base weight's gradient (trainable) or the adapter's (an adapted
-// linear is frozen) accumulate into g; an undefined gradient is skipped.
+// Its backward: d_x by `mode`; the base weight's and bias's gradients (trainable) or the adapter's
+// (an adapted linear is frozen) accumulate into g; an undefined gradient is skipped.
 void block_linear_backward(const Tensor& d_x, const LayerWeights& g, const Tensor& d_y, const Tensor& x,
                            ParamRole linear, GradMode mode, const BlockCall& b, int64_t row0 = 0);
 

@@ -26,7 +26,17 @@ std::vector<ParamSpec> parameter_table(const LlamaConfig& c) {
     t.push_back({p + "self_attn.q_proj.weight", {c.q_dim(), C}, ParamRole::wq, l});
     t.push_back({p + "self_attn.k_proj.weight", {c.kv_dim(), C}, ParamRole::wk, l});
     t.push_back({p + "self_attn.v_proj.weight", {c.kv_dim(), C}, ParamRole::wv, l});
+    if (c.attention_bias) {
+      t.push_back({p + "self_attn.q_proj.bias", {c.q_dim()}, ParamRole::q_bias, l});
+      t.push_back({p + "self_attn.k_proj.bias", {c.kv_dim()}, ParamRole::k_bias, l});
+      t.push_back({p + "self_attn.v_proj.bias", {c.kv_dim()}, ParamRole::v_bias, l});
+    }
+    if (c.qk_norm) {
+      t.push_back({p + "self_attn.q_norm.weight", {c.head_dim}, ParamRole::q_norm, l});
+      t.push_back({p + "self_attn.k_norm.weight", {c.head_dim}, ParamRole::k_norm, l});
+    }
     t.push_back({p + "self_attn.o_proj.weight", {C, c.q_dim()}, ParamRole::wo, l});
+    if (c.o_bias) t.push_back({p + "self_attn.o_proj.bias", {C}, ParamRole::o_bias, l});
     t.push_back({p + "post_attention_layernorm.weight", {C}, ParamRole::mlp_norm, l});
     t.push_back({p + "mlp.gate_proj.weight", {F, C}, ParamRole::w_gate, l});
     t.push_back({p + "mlp.up_proj.weight", {F, C}, ParamRole::w_up, l});
@@ -113,6 +123,12 @@ void place(ModelWeights* w, LayerWeights* layer, const ParamSpec& s, const Tenso
     case ParamRole::w_down: layer->w_down = t; break;
     case ParamRole::final_norm: w->final_norm = t; break;
     case ParamRole::lm_head: w->lm_head = t; break;
+    case ParamRole::q_bias: layer->q_bias = t; break;
+    case ParamRole::k_bias: layer->k_bias = t; break;
+    case ParamRole::v_bias: layer->v_bias = t; break;
+    case ParamRole::o_bias: layer->o_bias = t; break;
+    case ParamRole::q_norm: layer->q_norm = t; break;
+    case ParamRole::k_norm: layer->k_norm = t; break;
     case ParamRole::lora_a: layer->lora.of(s.adapts).a = t; break;
     case ParamRole::lora_b: layer->lora.of(s.adapts).b = t; break;
   }
@@ -215,6 +231,11 @@ void init_parameters(ParamSet& params, uint64_t seed, double initializer_range, 
         fill_normal(target, seed, i, 1.0, norm_jitter);
       else
         fill(target, 1.0);
+    } else if (s.is_bias()) {
+      if (norm_jitter > 0)
+        fill_normal(target, seed, i, 0.0, norm_jitter);
+      else
+        fill(target, 0.0);
     } else {
       fill_normal(target, seed, i, 0.0, initializer_range);
     }

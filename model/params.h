@@ -2,10 +2,14 @@
 //
 // One declarative table lists every tensor: its HF name, shape, role and layer. It drives
 // allocation, initialisation, checkpoint IO, optimizer state, gradient checks and tests, so there is
-// no second list to keep in sync. Shapes follow HF: linear weights are [out, in].
+// no second list to keep in sync. Shapes follow HF: linear weights are [out, in]. Within a block the
+// q, k, v weights lie back to back, and so do their biases (the fused projection, model/layer.h).
 //   model.embed_tokens.weight                      [V, C]
 //   model.layers.{l}.input_layernorm.weight        [C]
 //   model.layers.{l}.self_attn.{q,k,v,o}_proj.weight  q [H*D, C], k/v [Hkv*D, C], o [C, H*D]
+//   model.layers.{l}.self_attn.{q,k,v}_proj.bias      q [H*D], k/v [Hkv*D]   (attention_bias: Qwen2)
+//   model.layers.{l}.self_attn.o_proj.bias            [C]                    (o_bias: Llama's, Qwen3's)
+//   model.layers.{l}.self_attn.{q,k}_norm.weight      [D] each               (qk_norm: Qwen3)
 //   model.layers.{l}.post_attention_layernorm.weight  [C]
 //   model.layers.{l}.mlp.{gate,up,down}_proj.weight   gate/up [F, C], down [C, F]
 //   model.norm.weight                              [C]
@@ -27,6 +31,9 @@ namespace cw {
 
 enum class ParamRole {
   embedding, attn_norm, wq, wk, wv, wo, mlp_norm, w_gate, w_up, w_down, final_norm, lm_head,
+  q_bias, k_bias, v_bias,  // the q, k, v projections' biases (Qwen2; attention_bias)
+  o_bias,                  // o_proj's bias (Llama's and Qwen3's attention_bias)
+  q_norm, k_norm,          // the per-head RMSNorm weights of q and k (Qwen3)
   lora_a, lora_b  // a LoRA adapter's matrices (model/lora.h); `adapts` names the linear
 };
 
@@ -36,7 +43,14 @@ struct ParamSpec {
   ParamRole role;
   int layer = -1;              // -1 outside the blocks
   ParamRole adapts = ParamRole::wq;  // lora_a / lora_b: the linear the adapter belongs to (wq ... w_down)
-  bool is_norm() const { return role == ParamRole::attn_norm || role == ParamRole::mlp_norm || role == ParamRole::final_norm; }
+  bool is_norm() const {
+    return role == ParamRole::attn_norm || role == ParamRole::mlp_norm || role == ParamRole::final_norm ||
+           role == ParamRole::q_norm || role == ParamRole::k_norm;
+  }
+  bool is_bias() const {
+    return role == ParamRole::q_bias || role == ParamRole::k_bias || role == ParamRole::v_bias ||
+           role == ParamRole::o_bias;
+  }
   bool is_adapter() const { return role == ParamRole::lora_a || role == ParamRole::lora_b; }
   int64_t numel() const;
 };
@@ -60,6 +74,9 @@ struct LayerAdapters {
 // a base set leaves `lora` undefined; LlamaModel::weights() joins the two.
 struct LayerWeights {
   Tensor attn_norm, wq, wk, wv, wo, mlp_norm, w_gate, w_up, w_down;
+  Tensor q_bias, k_bias, v_bias;  // undefined without attention_bias
+  Tensor o_bias;                  // undefined without o_bias
+  Tensor q_norm, k_norm;          // undefined without qk_norm
   LayerAdapters lora;
 };
 
@@ -107,9 +124,10 @@ class ParamSet {
   bool tied_ = false;
 };
 
-// HF's initialisation: linear and embedding weights N(0, initializer_range), norms 1. Device sets are
-// drawn on the host (f64) and copied, so a GPU run starts from the same values as a CPU run.
-// norm_jitter > 0 adds N(0, norm_jitter) to the norm weights (gradient checks want no special point).
+// HF's initialisation: linear and embedding weights N(0, initializer_range), norms 1, biases 0. Device
+// sets are drawn on the host (f64) and copied, so a GPU run starts from the same values as a CPU run.
+// norm_jitter > 0 adds N(0, norm_jitter) to the norm weights and draws the biases N(0, norm_jitter)
+// (gradient checks want no special point).
 // Copies every element of src into dst (same table), converting dtype and crossing devices as needed
 // (bf16 rounded to nearest even): master weights to the compute copy, device to host for a checkpoint.
 void copy_params(const ParamSet& dst, const ParamSet& src);

@@ -15,6 +15,10 @@ const char* const kLlama3SplitRegex =
     R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*)"
     R"(|\s*[\r\n]+|\s+(?!\S)|\s+)";
 const char* const kDigitsSplitRegex = R"(\p{N})";
+// Llama 3's with single digits: Qwen2's tokenizer.json and llama.cpp's qwen2 pre-tokenizer.
+const char* const kQwen2SplitRegex =
+    R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*)"
+    R"(|\s*[\r\n]+|\s+(?!\S)|\s+)";
 
 namespace {
 
@@ -29,6 +33,7 @@ const std::vector<NamedPretokenizer>& named_pretokenizers() {
       {"llama-bpe", {kLlama3SplitRegex}},
       {"llama3", {kLlama3SplitRegex}},
       {"smollm", {kDigitsSplitRegex, kGpt2SplitRegex}},
+      {"qwen2", {kQwen2SplitRegex}},
   };
   return table;
 }

@@ -15,6 +15,8 @@
 //   gpt2       GPT-2's ByteLevel regex: 's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
 //   llama-bpe  Llama 3's Split regex (case-insensitive contractions, digits in groups of up to three,
 //              newlines kept with the whitespace before them); "llama3" is accepted as well
+//   qwen2      Llama 3's regex with every digit a piece of its own (\p{N} for \p{N}{1,3}): Qwen2, Qwen2.5,
+//              Qwen3 (llama.cpp writes "qwen2" for all three)
 //   smollm     every digit a piece of its own (\p{N}: HF's Digits(individual_digits)), then GPT-2's regex
 //              (SmolLM, SmolLM2, StarCoder: HF Sequence[Digits, ByteLevel])
 // Tested in tests/model/test_tokenizer.cpp; agreement with HF on real vocabularies:
@@ -32,6 +34,7 @@ namespace cw {
 extern const char* const kGpt2SplitRegex;
 extern const char* const kLlama3SplitRegex;
 extern const char* const kDigitsSplitRegex;
+extern const char* const kQwen2SplitRegex;
 
 class Pretokenizer {
  public:

@@ -134,10 +134,35 @@ void attention_backward(Matrix& d_q, Matrix& d_k, Matrix& d_v, const Matrix& d_o
 // ---- SwiGLU: act = silu(gate) ⊙ up, silu(z) = z σ(z) ----
 Matrix sigmoid(const Matrix& z) { return (1.0 + (-z.array()).exp()).inverse().matrix(); }
 
+// ---- Qwen2's biases: y_n = lin(x)_n + b ----
+void add_bias(Matrix& y, const Tensor& b) {
+  if (given(b)) y.rowwise() += vec(b).transpose();
+}
+// d_b += sum_n dy_n.
+void bias_backward(const Matrix& dy, const Tensor& d_b) {
+  if (given(d_b)) vec(d_b) += dy.colwise().sum().transpose();
+}
+
+// ---- Qwen3's per-head norms: rmsnorm over each D-wide head of each row, one weight g [D] ----
+// The [N, heads D] rows as [N heads, D] rows (row-major: the same numbers), normed as rms_norm.
+Matrix norm_heads(const Matrix& x, int64_t D, const Tensor& g, double eps, Vector& r) {
+  const Matrix heads = Eigen::Map<const Matrix>(x.data(), x.size() / D, D);
+  const Matrix y = rms_norm(heads, g, eps, r);
+  return Eigen::Map<const Matrix>(y.data(), x.rows(), x.cols());
+}
+Matrix norm_heads_backward(const Matrix& dy, const Matrix& x, int64_t D, const Tensor& g, const Vector& r,
+                           const Tensor& d_g) {
+  const Matrix d_heads = rms_norm_backward(Eigen::Map<const Matrix>(dy.data(), dy.size() / D, D),
+                                           Eigen::Map<const Matrix>(x.data(), x.size() / D, D), g, r, d_g);
+  return Eigen::Map<const Matrix>(d_heads.data(), x.rows(), x.cols());
+}
+
 // What a block's backward reads of its forward.
 struct LayerSaved {
   Matrix x, h1, q, k, v, attn, x_mid, h2, gate, up, act;
-  Vector r1, r2;  // the norms' r_n
+  Matrix q_raw, k_raw;  // q, k before the per-head norms (Qwen3)
+  Vector r1, r2;        // the norms' r_n
+  Vector rq, rk;        // the per-head norms' r, one per row and head
 };
 
 }  // namespace
@@ -217,10 +242,20 @@ ReferenceResult reference_step(const LlamaModel& model, const Tensor& ids, const
     a.q = linear(a.h1, lw.wq, lw.lora.q, s);
     a.k = linear(a.h1, lw.wk, lw.lora.k, s);
     a.v = linear(a.h1, lw.wv, lw.lora.v, s);
+    add_bias(a.q, lw.q_bias);
+    add_bias(a.k, lw.k_bias);
+    add_bias(a.v, lw.v_bias);
+    if (cfg.qk_norm) {
+      a.q_raw = a.q;
+      a.k_raw = a.k;
+      a.q = norm_heads(a.q_raw, D, lw.q_norm, cfg.rms_norm_eps, a.rq);
+      a.k = norm_heads(a.k_raw, D, lw.k_norm, cfg.rms_norm_eps, a.rk);
+    }
     rope(a.q, hd.H, D, pos, cos, sin, false);
     rope(a.k, hd.Hkv, D, pos, cos, sin, false);
     a.attn = attention(a.q, a.k, a.v, first, hd);
     a.x_mid = a.x + linear(a.attn, lw.wo, lw.lora.o, s);
+    add_bias(a.x_mid, lw.o_bias);
     a.h2 = rms_norm(a.x_mid, lw.mlp_norm, cfg.rms_norm_eps, a.r2);
     a.gate = linear(a.h2, lw.w_gate, lw.lora.gate, s);
     a.up = linear(a.h2, lw.w_up, lw.lora.up, s);
@@ -265,12 +300,20 @@ ReferenceResult reference_step(const LlamaModel& model, const Tensor& ids, const
     const Matrix d_h2 = linear_backward(d_gate, a.h2, lw.w_gate, lw.lora.gate, s, gw.w_gate, gw.lora.gate) +
                         linear_backward(d_up, a.h2, lw.w_up, lw.lora.up, s, gw.w_up, gw.lora.up);
     const Matrix d_mid = dx + rms_norm_backward(d_h2, a.x_mid, lw.mlp_norm, a.r2, gw.mlp_norm);
-    // x_mid = x + lin_o(attn).
+    // x_mid = x + lin_o(attn) + b_o.
+    bias_backward(d_mid, gw.o_bias);
     const Matrix d_attn = linear_backward(d_mid, a.attn, lw.wo, lw.lora.o, s, gw.wo, gw.lora.o);
     Matrix d_q, d_k, d_v;
     attention_backward(d_q, d_k, d_v, d_attn, a.q, a.k, a.v, first, hd);
     rope(d_q, hd.H, D, pos, cos, sin, true);
     rope(d_k, hd.Hkv, D, pos, cos, sin, true);
+    if (cfg.qk_norm) {
+      d_q = norm_heads_backward(d_q, a.q_raw, D, lw.q_norm, a.rq, gw.q_norm);
+      d_k = norm_heads_backward(d_k, a.k_raw, D, lw.k_norm, a.rk, gw.k_norm);
+    }
+    bias_backward(d_q, gw.q_bias);
+    bias_backward(d_k, gw.k_bias);
+    bias_backward(d_v, gw.v_bias);
     const Matrix d_h1 = linear_backward(d_q, a.h1, lw.wq, lw.lora.q, s, gw.wq, gw.lora.q) +
                         linear_backward(d_k, a.h1, lw.wk, lw.lora.k, s, gw.wk, gw.lora.k) +
                         linear_backward(d_v, a.h1, lw.wv, lw.lora.v, s, gw.wv, gw.lora.v);

@@ -17,6 +17,9 @@
 //   per layer l = 0 .. L-1:
 //     h1   = rmsnorm(x_l; g1)          rmsnorm(x; g)_i = g_i x_i / sqrt(mean_j x_j² + eps)
 //     q    = rope(lin_q(h1)) [N, H, D]   k = rope(lin_k(h1)) [N, Hkv, D]   v = lin_v(h1) [N, Hkv, D]
+//            Qwen2: lin_q, lin_k, lin_v add their biases b_q, b_k, b_v (Llama's, Qwen3's
+//            attention_bias: and lin_o b_o);
+//            Qwen3: q = rope(rmsnorm_D(lin_q(h1); g_q)), k likewise with g_k, rmsnorm_D over each head
 //     a_t  = sum_{j in keys(t)} softmax_j(q_t . k_j / sqrt(D)) v_j       per head, [N, H D]
 //     x_mid = x_l + lin_o(a)
 //     h2   = rmsnorm(x_mid; g2)

@@ -52,7 +52,7 @@ AdamW::AdamW(const LlamaConfig& config, DType dtype, const AdamWOptions& options
     : AdamW(ParamSet(config, dtype, device), options) {}
 
 bool adamw_decays(const AdamWOptions& options, const ParamSpec& spec) {
-  if (spec.is_norm()) return options.decay_norms;
+  if (spec.is_norm() || spec.is_bias()) return options.decay_norms;
   if (spec.role == ParamRole::embedding) return options.decay_embeddings;
   return true;  // linear weights and an untied lm_head
 }

@@ -12,7 +12,8 @@
 // applied only to the tensors selected for decay, and is 0 for the others:
 //   decayed   the linear weights (q/k/v/o, gate/up/down), an untied lm_head.weight and LoRA's A and B
 //             (as HF's Trainer decays every non-norm, non-bias parameter of a PEFT model)
-//   optional  the norm weights (decay_norms) and model.embed_tokens.weight (decay_embeddings); a tied
+//   optional  the norm weights and the q/k/v biases (decay_norms: HF's Trainer decays neither) and
+//             model.embed_tokens.weight (decay_embeddings); a tied
 //             model's embedding is also its head and follows decay_embeddings
 // Pulling norm gains (which sit at 1) or embedding rows (most of which see no gradient in a step)
 // towards zero is not a regulariser anyone wants by default.
@@ -42,7 +43,7 @@ struct AdamWOptions {
   double beta2 = 0.95;
   double eps = 1e-8;
   double weight_decay = 0.1;
-  bool decay_norms = false;       // also decay the RMSNorm gains
+  bool decay_norms = false;       // also decay the RMSNorm gains and the q/k/v biases
   bool decay_embeddings = false;  // also decay model.embed_tokens.weight (tied: the head too)
 
   void validate() const;  // throws naming the option ("optimizer.beta1", ...)

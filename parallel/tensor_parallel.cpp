@@ -110,9 +110,11 @@ TensorParallel::TensorParallel(Communicator& comm, const TensorParallelOptions& 
 // ---- parameters ----
 
 namespace {
+// A column-parallel linear's bias is split with its rows (Qwen2's q, k, v biases).
 bool column_parallel(ParamRole linear) {
   return linear == ParamRole::wq || linear == ParamRole::wk || linear == ParamRole::wv || linear == ParamRole::w_gate ||
-         linear == ParamRole::w_up;
+         linear == ParamRole::w_up || linear == ParamRole::q_bias || linear == ParamRole::k_bias ||
+         linear == ParamRole::v_bias;
 }
 bool row_parallel(ParamRole linear) { return linear == ParamRole::wo || linear == ParamRole::w_down; }
 }  // namespace
@@ -125,7 +127,9 @@ int tp_split_dim(const ParamSpec& spec) {
   }
 }
 
-bool tp_partial_gradient(const ParamSpec& spec) { return spec.is_adapter() && tp_split_dim(spec) < 0; }
+bool tp_partial_gradient(const ParamSpec& spec) {
+  return (spec.is_adapter() && tp_split_dim(spec) < 0) || spec.role == ParamRole::q_norm || spec.role == ParamRole::k_norm;
+}
 
 namespace {
 // Rank `rank`'s block of a full tensor along the split dimension (the whole tensor when replicated).
@@ -182,9 +186,12 @@ void gather_parameters(const ParamSet& full, const ParamSet& shard, Communicator
     comm.all_gather(gathered, mine.view({n}))->wait();
     OwnedTensor host = OwnedTensor::of_shape(mine.dtype, std::vector<int64_t>{P * n});
     copy_convert(host, gathered);  // after the gather: wait() ordered the device's stream behind it
-    CW_CHECK(mine.ndim == 2, "gather_parameters: {} is not a matrix", full.specs()[i].name);  // split ones are linears
-    for (int r = 0; r < P; ++r)
-      copy_convert(block_of(full[i], spec, r, P), host.tensor.slice(0, r * n, n).view({mine.size(0), mine.size(1)}));
+    // Split ones are linears' weights [out, in] or their biases [out].
+    CW_CHECK(mine.ndim == 1 || mine.ndim == 2, "gather_parameters: {} is not a matrix or a vector", full.specs()[i].name);
+    for (int r = 0; r < P; ++r) {
+      const Tensor block = host.tensor.slice(0, r * n, n);
+      copy_convert(block_of(full[i], spec, r, P), mine.ndim == 1 ? block : block.view({mine.size(0), mine.size(1)}));
+    }
   }
 }
 

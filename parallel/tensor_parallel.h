@@ -24,7 +24,9 @@
 // its capacity (its high-water mark).
 //
 // Parameters: q/k/v/gate/up are split along dimension 0 (rows: heads, FFN columns), o/down along
-// dimension 1, in P equal contiguous blocks; embedding, norms and LM head are replicated.
+// dimension 1, in P equal contiguous blocks, and q/k/v's biases (Qwen2) with their rows; embedding,
+// norms and LM head are replicated. The per-head norms' weights (Qwen3's q_norm, k_norm) are
+// replicated, and each rank's gradient is its heads' part of the whole (tp_partial_gradient).
 // Gradients of replicated parameters: without sequence parallelism every rank computes them from
 // the same replicated values, so they are whole and identical on every rank. With it each rank's
 // norms, embedding and LM head saw only its rows, so each rank holds its rows' share and
@@ -122,8 +124,9 @@ class TensorParallel final : public TensorParallelGroup {
 // linear's A [r, in] along in and its B replicated.
 int tp_split_dim(const ParamSpec& spec);
 // A replicated tensor of which each rank's gradient is a part of the whole: a column-parallel
-// adapter's A (dA sums over the output columns each rank holds) and a row-parallel adapter's B (the
-// adapter's rank-r activation is a sum over the ranks' input slices, as the linear's output is).
+// adapter's A (dA sums over the output columns each rank holds), a row-parallel adapter's B (the
+// adapter's rank-r activation is a sum over the ranks' input slices, as the linear's output is), and
+// the per-head norms q_norm, k_norm (each rank norms only its own heads).
 bool tp_partial_gradient(const ParamSpec& spec);
 // Rank `rank` of `size`: every tensor of `shard` (a ParamSet of tp_shard_config) from its block of
 // `full`'s (any dtypes; converted).

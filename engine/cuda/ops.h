@@ -40,6 +40,9 @@ void residual_forward(const Tensor& out, const Tensor& x, const Tensor& delta);
 void residual_backward(const Tensor& d_x, GradMode mode_x, const Tensor& d_delta, GradMode mode_delta,
                        const Tensor& d_out);
 void accumulate(const Tensor& dst, const Tensor& src);  // dst (f32 or the compute dtype) += src
+// A linear's bias (engine/cuda/bias.cu): out = x + b per row; d_bias (f32) += the column sums of d_out.
+void bias_forward(const Tensor& out, const Tensor& x, const Tensor& bias);
+void bias_backward(const Tensor& d_bias, const Tensor& d_out, Arena& scratch);
 
 // Linear through cuBLASLt (engine/cuda/linear.cu): bf16 or f32 operands, f32 accumulation;
 // d_weight is f32 and accumulated (beta = 1). f32 runs without TF32 (exact-mode checks).

@@ -48,6 +48,7 @@
 #include "engine/ops/lm_head_loss.h"
 #include "engine/ops/lora_linear.h"
 #include "engine/ops/residual.h"
+#include "engine/ops/bias.h"
 #include "engine/ops/rmsnorm.h"
 #include "engine/ops/rope.h"
 #include "engine/ops/swiglu.h"
@@ -275,6 +276,17 @@ Row lora_linear(int64_t N, int64_t I, int64_t O, int64_t rank, double p, bool wi
   return finish(r);
 }
 
+// A linear's bias (Qwen2's q, k, v): out = x + b; d_b added, the column sums of d_out.
+Row bias(int64_t N, int64_t O) {
+  Row r = finish(make_row(fmt::format("bias N={} O={}", N, O),
+                          {in("x", {N, O}), in("b", {O}), out("out", {N, O}), cot("d_out", "out"),
+                           grad("d_b", "b", Acc::adds).tolerance(kF32ResultTol)},
+                          [](const Tensors& t, Arena&) { bias_forward(t("out"), t("x"), t("b")); },
+                          [](const Tensors& t, GradMode, Arena& s) { bias_backward(t("d_b"), t("d_out"), s); }));
+  r.takes_scratch = true;
+  return r;
+}
+
 Row swiglu(int64_t N, int64_t F) {
   Row r = finish(make_row(fmt::format("swiglu N={} F={}", N, F),
                  {in("gate", {N, F}).normal(0.0, 2.0), in("up", {N, F}), out("out", {N, F}), cot("d_out", "out"),
@@ -479,6 +491,10 @@ std::vector<Row> build_table() {
   t.push_back(rmsnorm(5, 8, false));
   t.push_back(gpu_only(rmsnorm(300, 64, false)));
   t.push_back(gpu_only(rmsnorm(512, 2048, false)));
+  // rmsnorm as Qwen3's per-head q/k norm: rows of one head each (tokens x heads), C the head dim
+  t.push_back(rmsnorm(24, 6));
+  t.push_back(gpu_only(rmsnorm(16384, 128)));
+  t.push_back(gpu_only(rmsnorm(6000, 64)));
   // rope: offsets pos0 > 0, an odd half head dim (D = 10), a realistic head
   t.push_back(rope(2, 5, 3, 8, 16, 7));
   t.push_back(rope(2, 5, 3, 8, 16, 7, kRopeYarn));
@@ -505,6 +521,11 @@ std::vector<Row> build_table() {
   t.push_back(gpu_only(lora_linear(1024, 2048, 2048, 8, 0.0)));
   t.push_back(gpu_only(lora_linear(1024, 2048, 512, 16, 0.1)));
   t.push_back(gpu_only(lora_linear(777, 5632, 2048, 8, 0.05)));
+  // bias: one row, odd sizes, several row blocks (the last partial), Qwen2.5-7B's fused q, k, v
+  t.push_back(bias(1, 1));
+  t.push_back(bias(37, 203));
+  t.push_back(gpu_only(bias(1000, 1152)));
+  t.push_back(gpu_only(bias(4096, 4608)));
   // swiglu
   t.push_back(swiglu(3, 7));
   t.push_back(swiglu(37, 203));

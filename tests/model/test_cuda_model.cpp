@@ -132,6 +132,41 @@ TEST_CASE("cuda: one training step of the tiny model on the GPU matches the CPU 
   }
 }
 
+TEST_CASE("cuda: qwen2 (q/k/v biases) and qwen3 (per-head q/k norms) on the GPU match the CPU in f64; seco "
+          "equals full, fused Q/K/V or not" *
+          doctest::skip(!cw::test::gpu_ready())) {
+  for (const char* preset : {"tiny-qwen2", "tiny-qwen3"}) {
+    CAPTURE(preset);
+    const LlamaConfig cfg = LlamaConfig::preset(preset);
+    const Batch batch = random_batch(2, 24, cfg.vocab_size, 13);
+    LlamaModel ref(cfg, DType::f64);
+    init_parameters(ref.params(), 7, 0.2, 0.1);
+    ParamSet ref_grads(cfg, DType::f64);
+    double ref_loss = 0;
+    gradients(ref, batch, ref_grads, named("full"), &ref_loss);
+    for (const DType dt : {DType::f32, DType::bf16})
+      for (const bool fused : {true, false}) {
+        CAPTURE(dtype_name(dt));
+        CAPTURE(fused);
+        const SettingScope<bool> fusion(fused_qkv, set_fused_qkv, fused);
+        LlamaModel model(cfg, dt, Device::gpu(0));
+        copy_params(model.params(), ref.params());
+        const double tol = dt == DType::f32 ? kModelF32Tol : kModelBf16Tol;
+        for (const ScheduleOptions& o : {named("full"), named("seco", 7)}) {
+          CAPTURE(schedule_name(o.kind));
+          ParamSet grads(cfg, DType::f32, Device::gpu(0));
+          double loss = 0;
+          gradients(model, batch, grads, o, &loss);
+          const Compared c = compare_sets(grads, ref_grads);
+          MESSAGE(preset, " ", dtype_name(dt), " ", schedule_name(o.kind), fused ? " fused" : " three GEMMs",
+                  " on the GPU vs CPU f64: worst gradient ", c.name, " rel ", c.worst);
+          CHECK(c.worst <= tol);
+          CHECK(std::abs(loss - ref_loss) <= tol * std::abs(ref_loss));
+        }
+      }
+  }
+}
+
 TEST_CASE("cuda: seco and checkpointed (offload, selective, tiled MLP) equal full on the GPU (f32)" *
           doctest::skip(!cw::test::gpu_ready())) {
   const LlamaConfig cfg = tiny_config();

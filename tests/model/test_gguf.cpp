@@ -12,6 +12,7 @@
 
 #include "model/checkpoint.h"
 #include "model/safetensors.h"
+#include "tests/model/gguf_builder.h"
 #include "tests/support.h"
 #include "tools/model_io.h"
 
@@ -31,102 +32,17 @@
 namespace cw {
 namespace {
 
+using test::bytes_of;
 using test::contains;
+using test::converter_permute;
 using test::error_of;
+using test::gguf_string;
+using test::GgufBuilder;
+using test::raw;
+using test::TensorSpec;
+using test::write_file;
 
 namespace fs = std::filesystem;
-
-// ---- a GGUF writer for tests: every field can be set, so every malformation can be built ----
-
-template <class T> std::string raw(T v) {
-  std::string s(sizeof(T), '\0');
-  std::memcpy(s.data(), &v, sizeof(T));
-  return s;
-}
-std::string gguf_string(const std::string& s) { return raw<uint64_t>(s.size()) + s; }
-
-struct TensorSpec {
-  std::string name;
-  std::vector<uint64_t> dims;  // innermost first, as stored
-  uint32_t type = 0;
-  std::string data;            // the tensor's bytes
-  std::optional<uint64_t> offset = std::nullopt;  // default: packed after the previous tensor, aligned
-  std::optional<uint32_t> n_dims = std::nullopt;  // default: dims.size()
-};
-
-struct GgufBuilder {
-  uint32_t magic = 0x46554747u;
-  uint32_t version = 3;
-  uint64_t alignment = 32;
-  std::optional<uint64_t> tensor_count, kv_count;  // overrides of the true counts
-  std::string kvs;
-  uint64_t n_kv = 0;
-  std::vector<TensorSpec> tensors;
-
-  // One key-value pair; `value` is the value's bytes (the type id comes first).
-  void kv(const std::string& key, uint32_t type, const std::string& value) {
-    kvs += gguf_string(key) + raw<uint32_t>(type) + value;
-    ++n_kv;
-  }
-  void u32(const std::string& key, uint32_t v) { kv(key, 4, raw(v)); }
-  void f32(const std::string& key, float v) { kv(key, 6, raw(v)); }
-  void str(const std::string& key, const std::string& v) { kv(key, 8, gguf_string(v)); }
-  // Replaces the value of a u32, f32, u64 or f64 key written earlier, its type too: a metadata value
-  // malformed in place, the rest of the file as it was.
-  void replace(const std::string& key, uint32_t type, const std::string& value) {
-    const std::string head = gguf_string(key);
-    const size_t at = kvs.find(head);
-    REQUIRE(at != std::string::npos);
-    const size_t type_at = at + head.size();
-    uint32_t old_type = 0;
-    std::memcpy(&old_type, kvs.data() + type_at, 4);
-    const size_t old_size = old_type == 4 || old_type == 6 ? 4 : old_type == 10 || old_type == 12 ? 8 : 0;
-    REQUIRE(old_size > 0);
-    kvs.replace(type_at, 4 + old_size, raw(type) + value);
-  }
-  void strings(const std::string& key, const std::vector<std::string>& v) {
-    std::string bytes = raw<uint32_t>(8) + raw<uint64_t>(v.size());
-    for (const auto& s : v) bytes += gguf_string(s);
-    kv(key, 9, bytes);
-  }
-
-  std::string bytes() const {
-    std::string out = raw(magic) + raw(version) + raw<uint64_t>(tensor_count.value_or(tensors.size())) +
-                      raw<uint64_t>(kv_count.value_or(n_kv)) + kvs;
-    std::vector<uint64_t> offsets;
-    uint64_t next = 0;
-    for (const TensorSpec& t : tensors) {
-      offsets.push_back(t.offset.value_or(next));
-      next = (offsets.back() + t.data.size() + alignment - 1) / alignment * alignment;
-    }
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      const TensorSpec& t = tensors[i];
-      out += gguf_string(t.name) + raw<uint32_t>(t.n_dims.value_or(static_cast<uint32_t>(t.dims.size())));
-      for (uint64_t d : t.dims) out += raw(d);
-      out += raw(t.type) + raw(offsets[i]);
-    }
-    out.resize((out.size() + alignment - 1) / alignment * alignment, '\0');
-    // Data: each tensor at its offset (the last one ends the file: no trailing padding).
-    const size_t start = out.size();
-    for (size_t i = 0; i < tensors.size(); ++i) {
-      if (offsets[i] > (uint64_t(1) << 20)) continue;  // an out-of-range offset: no bytes to place
-      const size_t at = start + offsets[i];
-      if (out.size() < at + tensors[i].data.size()) out.resize(at + tensors[i].data.size(), '\0');
-      std::memcpy(out.data() + at, tensors[i].data.data(), tensors[i].data.size());
-    }
-    return out;
-  }
-};
-
-std::string write_file(const test::TempDir& dir, const std::string& name, const std::string& bytes) {
-  const std::string path = dir.file(name);
-  std::ofstream(path, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  return path;
-}
-
-template <class T> std::string bytes_of(const std::vector<T>& v) {
-  return std::string(reinterpret_cast<const char*>(v.data()), v.size() * sizeof(T));
-}
 
 // `f` must throw cw::Error with one line naming `path` and containing `word`.
 template <class F> void check_refused(F&& f, const std::string& path, const std::string& word) {
@@ -477,52 +393,6 @@ TEST_CASE("gguf: a type that cannot be dequantized, and a file cut after opening
 
 // ---- Llama models ----
 
-// The row permutation llama.cpp's converter applies to q_proj / k_proj (convert_hf_to_gguf.py,
-// LlamaModel.permute: reshape(heads, 2, D/2, C).swapaxes(1, 2)), written out independently of the
-// loader's inverse: GGUF row (h, i, s) holds HF row (h, s, i).
-std::vector<float> converter_permute(const std::vector<float>& w, int64_t heads, int64_t D, int64_t C) {
-  std::vector<float> out(w.size());
-  for (int64_t h = 0; h < heads; ++h)
-    for (int64_t s = 0; s < 2; ++s)
-      for (int64_t i = 0; i < D / 2; ++i)
-        std::copy_n(&w[static_cast<size_t>((h * D + s * (D / 2) + i) * C)], C,
-                    &out[static_cast<size_t>((h * D + 2 * i + s) * C)]);
-  return out;
-}
-
-// A GGUF file of `params` as llama.cpp writes it: Llama metadata, F32 tensors with GGUF names and
-// innermost-first dims, Q/K rows permuted.
-GgufBuilder llama_builder(const ParamSet& params) {
-  const LlamaConfig& c = params.config();
-  GgufBuilder b;
-  b.str("general.architecture", "llama");
-  b.u32("llama.block_count", static_cast<uint32_t>(c.num_hidden_layers));
-  b.u32("llama.context_length", static_cast<uint32_t>(c.max_position_embeddings));
-  b.u32("llama.embedding_length", static_cast<uint32_t>(c.hidden_size));
-  b.u32("llama.feed_forward_length", static_cast<uint32_t>(c.intermediate_size));
-  b.u32("llama.attention.head_count", static_cast<uint32_t>(c.num_attention_heads));
-  b.u32("llama.attention.head_count_kv", static_cast<uint32_t>(c.num_key_value_heads));
-  b.u32("llama.attention.key_length", static_cast<uint32_t>(c.head_dim));
-  b.u32("llama.rope.dimension_count", static_cast<uint32_t>(c.head_dim));
-  b.f32("llama.rope.freq_base", static_cast<float>(c.rope_theta));
-  b.f32("llama.attention.layer_norm_rms_epsilon", static_cast<float>(c.rms_norm_eps));
-  std::vector<std::string> tokens;
-  for (int64_t i = 0; i < c.vocab_size; ++i) tokens.push_back(fmt::format("t{}", i));
-  b.strings("tokenizer.ggml.tokens", tokens);
-  b.u32("tokenizer.ggml.bos_token_id", 1);
-  b.u32("tokenizer.ggml.eos_token_id", 2);
-  for (size_t i = 0; i < params.size(); ++i) {
-    const ParamSpec& s = params.specs()[i];
-    const float* p = params[i].ptr<float>();
-    std::vector<float> values(p, p + params[i].numel());
-    if (s.role == ParamRole::wq) values = converter_permute(values, c.num_attention_heads, c.head_dim, c.hidden_size);
-    if (s.role == ParamRole::wk) values = converter_permute(values, c.num_key_value_heads, c.head_dim, c.hidden_size);
-    std::vector<uint64_t> dims(s.shape.rbegin(), s.shape.rend());
-    b.tensors.push_back({gguf_tensor_name(s), dims, 0, bytes_of(values)});
-  }
-  return b;
-}
-
 LlamaConfig tiny_for_gguf(bool tied) {
   LlamaConfig c = LlamaConfig::preset("tiny");
   c.rope_scaling = {};  // GGUF stores llama3 scaling as rope_freqs (tested below)
@@ -543,7 +413,7 @@ TEST_CASE("gguf: a Llama written as llama.cpp writes it loads back into the same
     const LlamaConfig c = tiny_for_gguf(tied);
     ParamSet original(c, DType::f32);
     init_parameters(original, 11, 0.5, 0.1);
-    const std::string path = write_file(dir, tied ? "tied.gguf" : "untied.gguf", llama_builder(original).bytes());
+    const std::string path = write_file(dir, tied ? "tied.gguf" : "untied.gguf", test::model_gguf_builder(original).bytes());
     CHECK(is_gguf_file(path));
     const LlamaConfig loaded_config = LlamaConfig::resolve(path);
     CHECK(loaded_config.to_json() == c.to_json());
@@ -565,7 +435,7 @@ TEST_CASE("gguf: `--model file.gguf` (chunkwise logits) gives the logits of the 
   const LlamaConfig c = tiny_for_gguf(true);
   ParamSet params(c, DType::f32);
   init_parameters(params, 5, 0.5, 0.1);
-  const std::string gguf = write_file(dir, "tiny.gguf", llama_builder(params).bytes());
+  const std::string gguf = write_file(dir, "tiny.gguf", test::model_gguf_builder(params).bytes());
   save_checkpoint_weights(params, c, dir.file("hf"), DType::f32);
   std::vector<uint32_t> ids;
   for (uint32_t i = 0; i < 2 * 9; ++i) ids.push_back((i * 7 + 3) % 61);
@@ -623,40 +493,40 @@ TEST_CASE("gguf: Llama files that do not match their metadata, or are not plain 
     return b.tensors[0];
   };
 
-  GgufBuilder b = llama_builder(params);
+  GgufBuilder b = test::model_gguf_builder(params);
   b.u32("llama.embedding_length", 30);  // a second copy
   config_refused(b, "duplicate metadata 'llama.embedding_length'");
-  b = llama_builder(params);
+  b = test::model_gguf_builder(params);
   b.kvs = b.kvs.substr(0, 0);
   b.n_kv = 0;
   b.str("general.architecture", "gpt2");
   config_refused(b, "general.architecture is 'gpt2', not 'llama'");
   // token_embd disagreeing with the vocabulary (the token list) or the hidden size.
-  b = llama_builder(params);
+  b = test::model_gguf_builder(params);
   tensor(b, "token_embd.weight").dims = {24, 60};
   tensor(b, "token_embd.weight").data.resize(24 * 60 * 4);
   config_refused(b, "token_embd.weight has shape [60, 24] (GGUF dims [24, 60]) but the metadata says vocab 61 x hidden 24");
   // A layer tensor whose shape is not the metadata's.
-  b = llama_builder(params);
+  b = test::model_gguf_builder(params);
   tensor(b, "blk.1.ffn_up.weight").dims = {24, 39};
   tensor(b, "blk.1.ffn_up.weight").data.resize(24 * 39 * 4);
   weights_refused(b, "tensor 'blk.1.ffn_up.weight' has shape [39, 24] (GGUF dims [24, 39]), but the metadata gives "
                      "model.layers.1.mlp.up_proj.weight [40, 24]");
-  b = llama_builder(params);
+  b = test::model_gguf_builder(params);
   b.tensors.erase(b.tensors.begin() + 3);
   weights_refused(b, "has no tensor 'blk.0.attn_k.weight'");
-  b = llama_builder(params);
+  b = test::model_gguf_builder(params);
   b.tensors.push_back({"blk.0.attn_q.bias", {24}, 0, std::string(96, '\0')});
-  weights_refused(b, "tensor 'blk.0.attn_q.bias' has no place in a Llama model");
-  b = llama_builder(params);
+  weights_refused(b, "tensor 'blk.0.attn_q.bias' has no place in a llama model");
+  b = test::model_gguf_builder(params);
   b.str("llama.rope.scaling.type", "yarn");
   config_refused(b, "llama.rope.scaling.type 'yarn' is not supported");
-  b = llama_builder(params);
+  b = test::model_gguf_builder(params);
   b.u32("llama.attention.value_length", 4);
   config_refused(b, "llama.attention.value_length = 4 differs from the head dim 6");
   LlamaConfig odd_groups = c;
   odd_groups.num_key_value_heads = 3;  // 4 query heads
-  b = llama_builder(ParamSet(odd_groups, DType::f32));
+  b = test::model_gguf_builder(ParamSet(odd_groups, DType::f32));
   config_refused(b, "num_attention_heads 4 is not a multiple of num_key_value_heads 3");
 }
 
@@ -664,7 +534,7 @@ TEST_CASE("gguf: RoPE scaling from the metadata (linear) and from rope_freqs.wei
   test::TempDir dir("gguf-rope");
   LlamaConfig c = tiny_for_gguf(true);
   ParamSet params(c, DType::f32);
-  GgufBuilder b = llama_builder(params);
+  GgufBuilder b = test::model_gguf_builder(params);
   b.str("llama.rope.scaling.type", "linear");
   b.f32("llama.rope.scaling.factor", 4.0f);
   LlamaConfig got = llama_config_from_gguf(GgufReader(write_file(dir, "linear.gguf", b.bytes())));
@@ -691,7 +561,7 @@ TEST_CASE("gguf: RoPE scaling from the metadata (linear) and from rope_freqs.wei
   }
   const auto blended = [](float d) { return d > 1.0f && d < 8.0f; };
   REQUIRE(std::count_if(divisors.begin(), divisors.end(), blended) >= 3);
-  b = llama_builder(big);
+  b = test::model_gguf_builder(big);
   b.tensors.push_back({"rope_freqs.weight", {32}, 0, bytes_of(divisors)});
   const std::string path = write_file(dir, "llama3.gguf", b.bytes());
   got = llama_config_from_gguf(GgufReader(path));
@@ -790,7 +660,7 @@ TEST_CASE("gguf: malformed Llama files are refused before allocating, naming the
   };
   for (const Row& row : table) {
     CAPTURE(row.what);
-    GgufBuilder b = llama_builder(params);
+    GgufBuilder b = test::model_gguf_builder(params);
     row.mutate(b);
     const std::string path = write_file(dir, "bad.gguf", b.bytes());
     const std::string message = test::message_of([&] {
@@ -805,7 +675,7 @@ TEST_CASE("gguf: malformed Llama files are refused before allocating, naming the
     CHECK(!contains(message, "\n"));
   }
   // The Q8_0 file itself is valid: the table's refusals are its malformations alone.
-  GgufBuilder b = llama_builder(params);
+  GgufBuilder b = test::model_gguf_builder(params);
   q8_embedding(b, -1, 0);
   const std::string path = write_file(dir, "q8.gguf", b.bytes());
   const GgufReader reader(path);
@@ -820,7 +690,7 @@ TEST_CASE("gguf: CW_ALLOW_NONFINITE_WEIGHTS=1 loads a NaN weight for debugging")
   ParamSet params(c, DType::f32);
   init_parameters(params, 5, 0.5);
   params.get("model.norm.weight").ptr<float>()[3] = std::numeric_limits<float>::quiet_NaN();
-  const std::string path = write_file(dir, "nan.gguf", llama_builder(params).bytes());
+  const std::string path = write_file(dir, "nan.gguf", test::model_gguf_builder(params).bytes());
   ParamSet loaded(llama_config_from_gguf(GgufReader(path)), DType::f32);
   CHECK(contains(error_of([&] { load_gguf_weights(loaded, GgufReader(path)); }), "CW_ALLOW_NONFINITE_WEIGHTS=1"));
   {

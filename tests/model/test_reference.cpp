@@ -1,6 +1,7 @@
 // The reference step (model/reference.h): first its own gradients against central finite differences
 // of its own loss, which proves it without the engine; then every schedule against it within 1e-12
-// in f64 (GQA, tied and untied embeddings, llama3, yarn and dynamic RoPE, packed documents, LoRA); then the
+// in f64 (GQA, tied and untied embeddings, llama3, yarn and dynamic RoPE, packed documents, LoRA, Qwen2's
+// biases, Qwen3's per-head norms); then the
 // CLI's `gradcheck --against reference`.
 #include "engine/ops/lm_head_loss.h"
 #include "engine/random.h"
@@ -25,6 +26,8 @@ struct Case {
   std::vector<std::vector<int64_t>> documents;  // per sequence; empty: one document each
   bool document_positions = true;
   const char* lora_targets = nullptr;  // adapters of rank 2 on these linears; null: none
+  const char* preset = "tiny";         // tiny-qwen2 (q/k/v biases, tied), tiny-qwen3 (per-head q/k norms)
+  bool attention_bias = false;         // Llama's / Qwen3's: biases on q, k, v and o_proj
 };
 
 struct Setup {
@@ -36,8 +39,9 @@ struct Setup {
 constexpr int64_t kBatch = 2, kTokens = 13;  // 13: no chunk length below divides it
 
 Setup setup(const Case& c, uint64_t seed) {
-  LlamaConfig cfg = LlamaConfig::preset("tiny");
-  cfg.tie_word_embeddings = c.tied;
+  LlamaConfig cfg = LlamaConfig::preset(c.preset);
+  cfg.tie_word_embeddings = cfg.tie_word_embeddings || c.tied;
+  if (c.attention_bias) cfg.attention_bias = cfg.o_bias = true;
   if (c.rope != RopeScaling::Type::llama3)
     cfg.rope_scaling = RopeScaling{.type = c.rope, .factor = 4.0, .original_max_position = 8};
   if (c.rope == RopeScaling::Type::dynamic) cfg.max_position_embeddings = 8;  // dynamic scales from it
@@ -68,6 +72,11 @@ TEST_CASE("reference: its gradients against central finite differences of its lo
       {"tied, yarn, packed documents", true, RopeScaling::Type::yarn, kDocuments},
       {"dynamic NTK, packed documents, absolute positions", false, RopeScaling::Type::dynamic, kDocuments, false},
       {"LoRA on every linear, documents", false, RopeScaling::Type::llama3, kDocuments, true, "all-linear"},
+      {"qwen2: q/k/v biases, tied", false, RopeScaling::Type::llama3, {}, true, nullptr, "tiny-qwen2"},
+      {"qwen3: per-head q/k norms, head_dim apart, documents", false, RopeScaling::Type::llama3, kDocuments, true,
+       nullptr, "tiny-qwen3"},
+      {"qwen3 with attention_bias: q, k, v and o_proj biases", false, RopeScaling::Type::llama3, {}, true, nullptr,
+       "tiny-qwen3", true},
   };
   double worst = 0;
   for (const Case& c : cases) {
@@ -118,6 +127,11 @@ TEST_CASE("reference: every schedule's loss and gradients equal it within 1e-12 
       {"packed documents, absolute positions"},
       {"LoRA on q_proj, v_proj"},
       {"LoRA on every linear, tied, documents"},
+      {"qwen2: q/k/v biases, tied"},
+      {"qwen3: per-head q/k norms, head_dim apart"},
+      {"qwen2, LoRA on every linear (biases frozen), documents"},
+      {"qwen3, LoRA on q_proj, k_proj, v_proj"},
+      {"llama with attention_bias: q, k, v and o_proj biases"},
   };
   std::vector<Case> configured = cases;
   configured[1].tied = true;
@@ -130,8 +144,14 @@ TEST_CASE("reference: every schedule's loss and gradients equal it within 1e-12 
   configured[7].lora_targets = "all-linear";
   configured[7].tied = true;
   configured[7].documents = kDocuments;
+  configured[8].preset = configured[10].preset = "tiny-qwen2";
+  configured[9].preset = configured[11].preset = "tiny-qwen3";
+  configured[10].lora_targets = "all-linear";
+  configured[10].documents = kDocuments;
+  configured[11].lora_targets = "q_proj,k_proj,v_proj";
+  configured[12].attention_bias = true;
 
-  std::vector<ScheduleOptions> schedules(5);
+  std::vector<ScheduleOptions> schedules(6);
   schedules[0].kind = ScheduleKind::full;
   schedules[1].kind = ScheduleKind::checkpointed;
   schedules[2].kind = ScheduleKind::seco;
@@ -142,6 +162,9 @@ TEST_CASE("reference: every schedule's loss and gradients equal it within 1e-12 
   schedules[3].save_inputs = true;  // the reverse sweep recomputes each layer from its saved input
   schedules[4].kind = ScheduleKind::spaco;  // keep 0: every chunk visited, its exact mode
   schedules[4].chunk = 4;
+  schedules[5].kind = ScheduleKind::seco;
+  schedules[5].chunk = 6;
+  schedules[5].save_attention = true;  // the recompute reads attention outputs (and projects k for its norm)
 
   double worst = 0;
   for (const Case& c : configured) {

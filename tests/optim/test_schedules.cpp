@@ -19,10 +19,11 @@ struct Case {
   int64_t B = 1, T = 24, chunk = 8, bwd_chunk = 0, kv_heads = 2;
   bool tied = false;
   int ignore = 0;  // 0 none; 1 scattered -100 labels; 2 scattered plus a whole unsupervised chunk
+  const char* preset = "tiny";  // tiny-qwen2: q/k/v biases; tiny-qwen3: per-head q/k norms
 };
 
 LlamaConfig config_for(const Case& c) {
-  LlamaConfig cfg = LlamaConfig::preset("tiny");
+  LlamaConfig cfg = LlamaConfig::preset(c.preset);
   cfg.num_key_value_heads = c.kv_heads;
   cfg.tie_word_embeddings = c.tied;
   return cfg;
@@ -151,10 +152,14 @@ TEST_CASE("seco equals full backprop in fp64 across chunkings, batches, GQA rati
 
 TEST_CASE("the fused Q/K/V projection equals three GEMMs in fp64: full backprop and seco, loss and gradients") {
   // model/layer.h: with Wq, Wk, Wv back to back one GEMM projects all three and one pair of GEMMs
-  // backprops them; RoPE reads and writes the fused rows' q and k columns in place.
-  for (const int64_t kv_heads : {int64_t{2}, int64_t{4}}) {
+  // backprops them; RoPE reads and writes the fused rows' q and k columns in place. Qwen2's biases are
+  // added to the fused rows and their gradients summed from them; Qwen3's per-head norms work on
+  // packed copies of the q and k columns.
+  for (const auto& [preset, kv_heads] : {std::pair<const char*, int64_t>{"tiny", 2}, {"tiny", 4}, {"tiny-qwen2", 2},
+                                         {"tiny-qwen3", 2}}) {
     Case c{"fused", 2, 24, 7, 0, kv_heads};
-    INFO("kv heads ", kv_heads);
+    c.preset = preset;
+    INFO("preset ", preset, ", kv heads ", kv_heads);
     const LlamaConfig cfg = config_for(c);
     LlamaModel model(cfg, DType::f64);
     init_parameters(model.params(), 21, cfg.initializer_range, 0.1);

@@ -12,6 +12,8 @@
 //   - regather keeps 2 (N - N/P) C values per layer fewer until the backward, exactly;
 //   - TP x DP = 2 x 2 (parallel/grid.h: groups split from the world) equals one process under full,
 //     checkpointed and seco, with and without sequence parallelism, ZeRO 0/1/2 (gradcheck --dp 2 --tp 2);
+//   - Qwen2's q/k/v biases split with their rows, Qwen3's replicated per-head norms summed, Llama's
+//     replicated o_proj bias;
 //   - bad input fails with one line naming the option.
 #include "engine/random.h"
 #include "model/llama.h"
@@ -21,7 +23,10 @@
 #include "tests/support.h"
 #include "tools/gradcheck.h"
 
+#include <nlohmann/json.hpp>
+
 #include <cstring>
+#include <fstream>
 #include <optional>
 #include <sstream>
 #include <vector>
@@ -259,6 +264,38 @@ TEST_CASE("tensor parallel: TP = 2 and 4 equal one process to 1e-12 (gradcheck -
         const std::string out = same_as_one_process(o);
         CHECK(out.find("the replicated tensors on every TP rank): yes") != std::string::npos);
       }
+}
+
+TEST_CASE("tensor parallel: qwen2's biases split with their rows, qwen3's per-head norms summed, llama's o_proj bias") {
+  // tiny-tp's shape as each family: the q/k/v biases are column-parallel like their weights; q_norm and
+  // k_norm are replicated and each rank's gradient is its heads' part, which the step sums.
+  test::TempDir dir("tp-qwen");
+  // Llama's attention_bias adds o_proj's bias, replicated: whole on every rank, or under sequence
+  // parallelism each rank's rows' share, summed.
+  for (const ModelFamily family : {ModelFamily::qwen2, ModelFamily::qwen3, ModelFamily::llama}) {
+    LlamaConfig c = LlamaConfig::preset("tiny-tp");
+    c.family = family;
+    c.attention_bias = family != ModelFamily::qwen3;
+    c.o_bias = family == ModelFamily::llama;
+    c.qk_norm = family == ModelFamily::qwen3;
+    c.rope_scaling = {};
+    const std::string path = dir.file(std::string(model_family_name(family)) + ".json");
+    std::ofstream(path) << c.to_json().dump();
+    for (const int64_t tp : {2, 4})
+      for (const char* schedule : {"full", "seco"})
+        for (const bool sp : {false, true}) {
+          GradcheckOptions o = tiny_tp_gradcheck(schedule, tp);
+          o.model = path;
+          if (o.schedule.kind == ScheduleKind::seco) o.schedule.chunk = 6;
+          o.parallel.sequence_parallel = sp;
+          CAPTURE(model_family_name(family));
+          CAPTURE(tp);
+          CAPTURE(schedule);
+          CAPTURE(sp);
+          const std::string out = same_as_one_process(o);
+          CHECK(out.find("the replicated tensors on every TP rank): yes") != std::string::npos);
+        }
+  }
 }
 
 TEST_CASE("tensor parallel: selective recompute, a tiled MLP, saved attention and tied embeddings") {

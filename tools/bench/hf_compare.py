@@ -2,7 +2,7 @@
 """chunkwise against HF transformers on the same checkpoint and tokens.
 
 For each case: `chunkwise init` writes a random HF checkpoint; transformers loads it
-(LlamaForCausalLM.from_pretrained) and computes logits, the causal-LM loss and its gradients in
+(AutoModelForCausalLM.from_pretrained: Llama, Qwen2 with its q/k/v biases, Qwen3 with its per-head norms) and computes logits, the causal-LM loss and its gradients in
 float64; `chunkwise logits` and `chunkwise gradcheck --save-grads` compute the same on the CPU in f64
 (the gradients through SeCO). Prints one row per case: the worst relative logit and gradient errors.
 The cases cover llama3, yarn (truncated or not, with mscale) and dynamic-NTK RoPE scaling; for dynamic
@@ -22,7 +22,7 @@ import tempfile
 
 import torch
 from safetensors.torch import load_file
-from transformers import LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
 
 def run(cmd):
@@ -57,6 +57,9 @@ def main():
                            "truncate": False, "mscale": 1.0, "mscale_all_dim": 0.5, "beta_fast": 16.0}}),
         ("tiny, dynamic rope", "tiny", 0, 2, 40,
          {"max_position_embeddings": 16, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}),
+        ("qwen2: q/k/v biases, tied", "tiny-qwen2", -1, 2, 40, None),
+        ("qwen3: per-head q/k norms", "tiny-qwen3", -1, 2, 40, None),
+        ("qwen3, tied", "tiny-qwen3", 1, 2, 40, None),
     ]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -85,7 +88,7 @@ def main():
             ours_logits = load_file(lg)["logits"].view(B, T, -1)
             ours_grads = load_file(gr)
 
-            hf = LlamaForCausalLM.from_pretrained(d, dtype=torch.float64, attn_implementation="eager")
+            hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float64, attn_implementation="eager")
             out = hf(input_ids=ids, labels=ids)
             out.loss.backward()
             logit_err = rel(ours_logits, out.logits.detach())

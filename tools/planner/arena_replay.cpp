@@ -199,6 +199,12 @@ void layer_activations(Requests& r, const Chunk& s, MlpKept mlp) {
   r.alloc(s.row(cf.hidden_size));              // h1
   r.alloc(s.stat(1));                          // rstd
   r.alloc(s.row(cf.q_dim()));                  // q
+  if (cf.qk_norm) {
+    r.alloc(s.row(cf.q_dim()));                // q_raw
+    r.alloc(s.row(cf.kv_dim()));               // k_raw
+    r.alloc(s.stat(cf.num_attention_heads));   // the per-head norms' rstd
+    r.alloc(s.stat(cf.num_key_value_heads));
+  }
   r.alloc(s.row(cf.q_dim()));                  // attn
   r.alloc(s.stat(cf.num_attention_heads));     // lse
   r.alloc(s.row(cf.hidden_size));              // x_mid
@@ -251,9 +257,17 @@ void block_forward(Requests& r, const Chunk& s, const BlockRun& run) {
   if (!run.keep) layer_activations(r, s, mlp);
   if (!run.from_saved && s.fused) {
     r.alloc(s.row(cf.q_dim() + 2 * cf.kv_dim()));  // q, k, v side by side
+    if (cf.qk_norm) {
+      r.alloc(s.row(cf.q_dim()));   // q normed
+      r.alloc(s.row(cf.kv_dim()));  // k normed
+    }
   } else {
     r.alloc(s.row(cf.q_dim()));  // q_pre
     linear(r, s, ParamRole::wq, N, false);
+  }
+  if (run.from_saved && cf.qk_norm) {  // the chunk's k and its norm's statistics, for the norm's backward
+    r.alloc(s.row(cf.kv_dim()));
+    linear(r, s, ParamRole::wk, N, false);
   }
   if (!run.from_saved) {
     if (!s.fused) {
@@ -311,6 +325,7 @@ void block_backward(Requests& r, const Chunk& s, MlpKept mlp, int64_t mlp_shards
   attend_backward(r, s);
   if (s.fused) {
     r.alloc(s.row(cf.q_dim() + 2 * cf.kv_dim()));  // d(q, k, v) side by side
+    if (cf.qk_norm) r.alloc(s.row(cf.kv_dim()));    // d_k, packed for the norm's backward
   } else {
     r.alloc(s.row(cf.kv_dim()));  // d_k
     r.alloc(s.row(cf.kv_dim()));  // d_v

@@ -40,7 +40,7 @@ using Sample = RunConfig::Sample;
 // clang-format off
 const std::vector<Option<Model>> model_options = {
   // key            flag  member                  values                                help
-  {"source",         "", &Model::source,          non_empty(),                          "a preset name (tiny, small, llama-3.2-1b, ...), an HF config.json (random initialisation), an HF checkpoint directory or a GGUF file to continue from"},
+  {"source",         "", &Model::source,          non_empty(),                          "a preset name (tiny, small, llama-3.2-1b, qwen3-0.6b, ...), an HF config.json (random initialisation), an HF checkpoint directory or a GGUF file to continue from"},
   {"dtype",          "", &Model::dtype,           one_of({"auto", "f64", "f32", "bf16"}), "compute precision: auto (GPU: bf16 with f32 master weights; CPU: f32) | f64 (CPU) | f32 | bf16 (GPU)"},
   {"init_seed",      "", &Model::init_seed,       {},                                   "seed of the random initialisation (unused for a checkpoint)"},
   {"tie_embeddings", "", &Model::tie_embeddings,  {},                                   "tie the LM head to the embedding; unset: as the model configures it"},

@@ -51,8 +51,9 @@ struct Shape {
   LlamaConfig config;
 };
 
-// The tiny preset (grouped K/V heads 2:1, FFN wider than the model), its multi-head form, and a
-// shape whose FFN is three times the width (automatic MLP shards: 3).
+// The tiny preset (grouped K/V heads 2:1, FFN wider than the model), its multi-head form, a shape
+// whose FFN is three times the width (automatic MLP shards: 3), and the Qwen presets (biases add no
+// scratch; the per-head norms keep the raw q, k and take normed copies when fused).
 std::vector<Shape> shapes() {
   LlamaConfig tiny = LlamaConfig::preset("tiny");
   LlamaConfig mha = tiny;
@@ -60,7 +61,11 @@ std::vector<Shape> shapes() {
   LlamaConfig wide = LlamaConfig::preset("tiny-tp");
   wide.intermediate_size = 3 * wide.hidden_size;
   wide.num_hidden_layers = 3;
-  return {{"tiny", tiny}, {"tiny, multi-head", mha}, {"wide FFN, 3 layers", wide}};
+  return {{"tiny", tiny},
+          {"tiny, multi-head", mha},
+          {"wide FFN, 3 layers", wide},
+          {"qwen2 (q/k/v biases)", LlamaConfig::preset("tiny-qwen2")},
+          {"qwen3 (per-head q/k norms)", LlamaConfig::preset("tiny-qwen3")}};
 }
 
 struct Case {
