@@ -2,6 +2,7 @@
 
 #include "engine/env.h"
 #include "engine/random.h"
+#include "model/memory_need.h"
 
 #include <fmt/format.h>
 
@@ -70,8 +71,9 @@ ParamSet ParamSet::like(const ParamSet& like, DType dtype, Device device) {
 
 ParamSet::ParamSet(const LlamaConfig& config, std::vector<ParamSpec> specs, DType dtype, Device device)
     : config_(config), specs_(std::move(specs)), dtype_(dtype), tied_(config.tie_word_embeddings) {
+  const uint64_t bytes = param_bytes(specs_, dtype);  // first: it refuses a count that wraps
   for (const auto& s : specs_) numel_ += s.numel();
-  buffer_ = Buffer(static_cast<size_t>(numel_) * dtype_size(dtype), device);
+  buffer_ = Buffer(bytes, device);
   size_t offset = 0;
   for (const auto& s : specs_) {
     tensors_.push_back(Tensor::packed(static_cast<char*>(buffer_.data()) + offset, dtype, device, s.shape));

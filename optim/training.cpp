@@ -51,6 +51,32 @@ TrainingState::TrainingState(const LlamaConfig& config, DType compute, Device de
   else if (o.full_optimizer) adamw_.emplace(master(), adamw);
 }
 
+MemoryNeed TrainingState::memory_need(const LlamaConfig& config, DType compute, Device device,
+                                      const TrainingStateOptions& o) {
+  const LlamaConfig cf = o.tp ? tp_shard_config(config, o.tp->size()) : config;
+  const DType master = master_dtype_for(compute);
+  const std::vector<ParamSpec> trained = o.lora.enabled() ? lora_parameter_table(cf, o.lora) : parameter_table(cf);
+  const uint64_t state = param_bytes(trained, master);
+  const std::string m = dtype_name(master);
+  MemoryNeed need;
+  need.add(device, fmt::format("{} weights{}", dtype_name(compute), o.lora.enabled() ? " and adapters" : ""),
+           model_weight_bytes(cf, compute, o.lora, o.cast_layers));
+  if (compute == DType::bf16 || o.offload_optimizer)
+    need.add(o.offload_optimizer ? Device::host() : device, m + " master weights", state);
+  need.add(device, m + " gradients", state);
+  if (o.offload_optimizer || o.full_optimizer)
+    need.add(o.offload_optimizer ? Device::host() : device, m + " AdamW moments",
+             checked_mul(2, state, "AdamW moments"));
+  if (o.offload_optimizer) {
+    const auto numel = static_cast<int64_t>(state / dtype_size(master));
+    if (OffloadedAdamW::streams(device, master))
+      need.add(device, "optimizer staging", OffloadedAdamW::device_staging_bytes_for(numel, master));
+    else
+      need.add(Device::host(), "optimizer staging", OffloadedAdamW::staging_bytes_for(numel, master, compute));
+  }
+  return need;
+}
+
 void TrainingState::sync_master_from_compute() {
   // The model initialised its adapters (PEFT's rule); a separate master starts from the same values.
   if (master_ && model_.has_adapters()) copy_params(*master_, model_.adapters());

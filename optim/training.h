@@ -23,6 +23,7 @@
 #pragma once
 
 #include "model/llama.h"
+#include "model/memory_need.h"
 #include "optim/adamw.h"
 #include "optim/adamw_offload.h"
 
@@ -52,6 +53,12 @@ class TrainingState {
   // config: the whole model's (with options.tp, the rank holds its shard).
   TrainingState(const LlamaConfig& config, DType compute, Device device, const AdamWOptions& adamw,
                 const TrainingStateOptions& options = {});
+  // What a state of these arguments allocates, by part, on the device and in host memory: the rule
+  // of the constructor (and of the offloaded optimizer's staging, allocated at its first step), for
+  // require_memory before anything is allocated. Under ZeRO (full_optimizer = false) the moments of a
+  // rank's shard are the data-parallel group's and not counted here.
+  static MemoryNeed memory_need(const LlamaConfig& config, DType compute, Device device,
+                                const TrainingStateOptions& options = {});
 
   LlamaModel& model() { return model_; }
   const LlamaModel& model() const { return model_; }

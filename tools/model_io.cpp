@@ -4,6 +4,7 @@
 #include "model/checkpoint.h"
 #include "model/gguf_llama.h"
 #include "model/lora.h"
+#include "model/memory_need.h"
 #include "model/safetensors.h"
 #include "tools/data/tokenizer.h"
 #include "tools/train/run_config.h"
@@ -40,6 +41,21 @@ Batch read_token_batch(const std::string& path, int64_t B, int64_t T, int64_t vo
   return causal_lm_batch(ids, B, T);
 }
 
+namespace {
+// The weights of `config` against the host's memory (in `host_dtype`) and on a GPU the device's (in
+// `dtype`) before any is allocated (model/memory_need.h); `name` is the model as the user gave it.
+void require_model_memory(const LlamaConfig& config, const std::string& name, DType host_dtype, Device device,
+                          DType dtype, const std::string& task) {
+  require_memory(model_memory_need(config, host_dtype, device, dtype), device,
+                 {.model = fmt::format("model '{}'", name),
+                  .parameters = config.parameter_count(),
+                  .task = task,
+                  .advice = device.is_cpu() ? "use a smaller model or a machine with more memory"
+                                            : "use a smaller model or a machine with more memory, or the CPU "
+                                              "(--device cpu) where the host holds it"});
+}
+}  // namespace
+
 void load_or_init(LlamaModel& model, const std::string& spec, uint64_t seed, double norm_jitter) {
   if (is_checkpoint_dir(spec))
     load_checkpoint_weights(model.params(), spec);
@@ -53,6 +69,7 @@ void init_checkpoint(const InitOptions& o) {
   if (o.out.empty()) fail("chunkwise init needs --out DIR");
   LlamaConfig cfg = LlamaConfig::resolve(o.model);
   if (o.tie_embeddings >= 0) cfg.tie_word_embeddings = o.tie_embeddings == 1;
+  require_model_memory(cfg, o.model, DType::f64, Device::host(), DType::f64, "to initialise in f64");
   LlamaModel model(cfg, DType::f64);
   init_parameters(model.params(), o.seed, cfg.initializer_range, o.norm_jitter);
   save_checkpoint_weights(model.params(), cfg, o.out, parse_dtype(o.dtype));
@@ -70,6 +87,7 @@ LlamaModel load_with_adapter(const LlamaConfig& config, const std::string& spec,
 void merge_adapter_checkpoint(const MergeOptions& o) {
   if (o.out.empty() || o.adapter.empty()) fail("chunkwise merge needs --adapter DIR and --out DIR");
   const LlamaConfig cfg = LlamaConfig::resolve(o.model);
+  require_model_memory(cfg, o.model, DType::f64, Device::host(), DType::f64, "to merge in f64");
   LlamaModel model = load_with_adapter(cfg, o.model, o.adapter, DType::f64, o.seed);
   merge_adapters(model.params(), model.adapters(), model.lora());
   save_checkpoint_weights(model.params(), cfg, o.out, parse_dtype(o.dtype));
@@ -79,6 +97,7 @@ void write_logits(const LogitsOptions& o) {
   if (o.out.empty()) fail("chunkwise logits needs --out FILE");
   const LlamaConfig cfg = LlamaConfig::resolve(o.model);
   const DType dt = parse_dtype(o.dtype);
+  require_model_memory(cfg, o.model, dt, Device::host(), dt, "to load");
   LlamaModel model = o.adapter.empty() ? LlamaModel(cfg, dt) : load_with_adapter(cfg, o.model, o.adapter, dt, o.seed);
   if (o.adapter.empty()) load_or_init(model, o.model, o.seed, 0.0);
   const Batch batch = read_token_batch(o.tokens, o.batch, o.seq, cfg.vocab_size);
@@ -172,6 +191,7 @@ LoadedModel load_model(const ModelSource& source, Device device, DType dtype, co
       // A LoRA run: its adapters on the base it trained on (model.source of the checkpoint's run.toml).
       const RunConfig rc = RunConfig::from_file((fs::path(ref->path) / "run.toml").string());
       const LlamaConfig cf = with_rope_flags(rc.model_config(), source, ref->path);  // the run's overrides on its base
+      require_model_memory(cf, rc.model.source, host_dtype, device, dtype, "to load");
       out.model = placed(host_model(cf, rc.model.source, ref->path, host_dtype, rc.model.init_seed), device, dtype);
     } else {
       if (!is_checkpoint_dir(ref->path))
@@ -179,6 +199,7 @@ LoadedModel load_model(const ModelSource& source, Device device, DType dtype, co
              "pick another step (--step), or train again");
       const LlamaConfig cf =
           with_rope_flags(LlamaConfig::from_file((fs::path(ref->path) / "config.json").string()), source, ref->path);
+      require_model_memory(cf, ref->path, host_dtype, device, dtype, "to load");
       out.model = placed(host_model(cf, ref->path, "", host_dtype, 0), device, dtype);
     }
   } else {
@@ -190,9 +211,9 @@ LoadedModel load_model(const ModelSource& source, Device device, DType dtype, co
     if (needs.tokenizer)
       tokenizer_spec = resolve_tokenizer_spec(source.tokenizer.empty() ? kModelTokenizer : source.tokenizer, spec,
                                               "--tokenizer");
-    out.model = placed(host_model(with_rope_flags(LlamaConfig::resolve(spec), source, spec), spec, "", host_dtype,
-                                  source.seed),
-                       device, dtype);
+    const LlamaConfig cf = with_rope_flags(LlamaConfig::resolve(spec), source, spec);
+    require_model_memory(cf, spec, host_dtype, device, dtype, "to load");
+    out.model = placed(host_model(cf, spec, "", host_dtype, source.seed), device, dtype);
   }
   if (needs.tokenizer) {
     out.tokenizer = load_tokenizer(tokenizer_spec);

@@ -1,6 +1,7 @@
 // The training state under LoRA (optim/training.h): the base is the model's compute weights and
 // nothing else (no master copy, gradient or AdamW moments), the adapters alone are trained, and the
-// memory report says so.
+// memory report says so. What a state will allocate (TrainingState::memory_need, model/memory_need.h)
+// against what one built allocates, and a model too large for the machine refused before any of it is.
 #include "optim/schedule.h"
 #include "optim/training.h"
 #include "tests/support.h"
@@ -69,4 +70,74 @@ TEST_CASE("training state: full-parameter training is unchanged (every parameter
   const MemoryReport mem = memory_report(st, 0, 0);
   CHECK(mem.gradients == st.model().params().bytes());
   CHECK(mem.optimizer == 2 * st.model().params().bytes());
+}
+
+namespace {
+// The parts of a need summed over both places: on the CPU all of it is host memory.
+uint64_t bytes_of(const MemoryNeed& need) { return need.host_bytes() + need.device_bytes(); }
+}  // namespace
+
+TEST_CASE("training state: memory_need is what a state allocates, by dtype, LoRA and optimizer offload") {
+  const LlamaConfig cfg = LlamaConfig::preset("tiny");
+  LoraConfig lora;
+  lora.rank = 4;
+  lora.targets = "all-linear";
+  for (const DType dt : {DType::f64, DType::f32})
+    for (const bool with_lora : {false, true})
+      for (const bool offload : {false, true}) {
+        INFO(dtype_name(dt) << (with_lora ? " lora" : "") << (offload ? " offload" : ""));
+        const TrainingStateOptions o{.lora = with_lora ? lora : LoraConfig{}, .offload_optimizer = offload};
+        const MemoryNeed need = TrainingState::memory_need(cfg, dt, Device::host(), o);
+        CHECK(need.device.empty());  // the CPU's parts are host memory
+        const TrainingState st(cfg, dt, Device::host(), AdamWOptions{}, o);
+        const MemoryReport mem = memory_report(st, 0, 0);
+        // The offloaded optimizer's staging comes at its first step: what staging_bytes_for says.
+        const uint64_t staging =
+            offload ? OffloadedAdamW::staging_bytes_for(st.master().numel(), st.master().dtype(), dt) : 0;
+        CHECK(bytes_of(need) == mem.weights + mem.master + mem.optimizer + mem.gradients + mem.host_master +
+                                    mem.host_optimizer + staging);
+        CHECK(need.host.front().second == mem.weights);
+        CHECK(model_weight_bytes(cfg, dt, o.lora) == mem.weights);
+      }
+  // Two thread ranks hold two states.
+  MemoryNeed two = TrainingState::memory_need(cfg, DType::f32, Device::host());
+  const uint64_t one = two.host_bytes();
+  two.repeat(2);
+  CHECK(two.host_bytes() == 2 * one);
+}
+
+TEST_CASE("model memory: a model the host cannot hold is refused before allocation, naming it and the bytes") {
+  // Sizes each within ConfigLimits, together 3.2 trillion parameters: 12 TiB of f32 weights.
+  LlamaConfig huge = LlamaConfig::preset("llama-3.1-8b");
+  huge.hidden_size = 16384;
+  huge.intermediate_size = 53248;
+  huge.num_hidden_layers = 1000;
+  huge.num_attention_heads = 128;
+  huge.validate("huge");
+  const MemoryNeed need = model_memory_need(huge, DType::f32, Device::host(), DType::f32);
+  CHECK(need.host_bytes() == param_bytes(parameter_table(huge), DType::f32));
+  CHECK(need.host_bytes() == uint64_t(huge.parameter_count()) * 4);
+  for (const bool against_total : {false, true}) {
+    const MemorySubject subject{.model = "model 'huge.json'", .parameters = huge.parameter_count(),
+                                .task = "to load", .advice = "use a smaller model", .against_total = against_total};
+    const std::string message = test::error_of([&] { require_memory(need, Device::host(), subject); });
+    CHECK(message.find("model 'huge.json': 3.") != std::string::npos);
+    CHECK(message.find("trillion parameters need") != std::string::npos);
+    CHECK(message.find("TiB of host memory to load (f32 weights ") != std::string::npos);
+    CHECK(message.find(against_total ? "in all" : "available (") != std::string::npos);
+    CHECK(message.find("use a smaller model") != std::string::npos);
+  }
+  // The tiny model fits anywhere: nothing is refused.
+  const LlamaConfig tiny = LlamaConfig::preset("tiny");
+  require_memory(model_memory_need(tiny, DType::f64, Device::host(), DType::f64), Device::host(),
+                 {.model = "tiny", .parameters = tiny.parameter_count(), .task = "to load", .advice = ""});
+}
+
+TEST_CASE("model memory: byte counts past 2^64 fail instead of wrapping") {
+  const std::vector<ParamSpec> table = {{"a", {int64_t(1) << 40, int64_t(1) << 22}, ParamRole::embedding}};
+  CHECK_THROWS_AS(param_bytes(table, DType::f64), Error);
+  CHECK_THROWS_AS(checked_add(~uint64_t(0), 1, "x"), Error);
+  MemoryNeed need;
+  need.add(Device::host(), "a", uint64_t(1) << 63);
+  CHECK_THROWS_AS(need.repeat(2), Error);
 }

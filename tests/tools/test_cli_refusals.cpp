@@ -32,7 +32,7 @@ enum class Outcome {
 };
 
 struct Row {
-  const char* args;      // after `chunkwise`; {model}, {data}, {run}, {dir} and {kv_sequences} are replaced
+  const char* args;      // after `chunkwise`; {model}, {huge}, {data}, {run}, {dir} and {kv_sequences} are replaced
   Outcome outcome;
   const char* fragment;  // what the output must hold
 };
@@ -70,6 +70,23 @@ const Row kRows[] = {
   {"train --set model.source={model} --set data.train={data} --device cpu --set data.seq_len=1048576 "
    "--set data.batch_size={kv_sequences}",
                                                                  Outcome::refused, "of host and device memory in all"},
+  // A model too large for this machine, refused before its weights are allocated, naming the file, the
+  // parameters and what to do (each of its sizes is plausible; together 3.19 trillion parameters).
+  {"init --model {huge} --out {dir}/huge-init",                  Outcome::refused, "huge.json': 3.19 trillion parameters need"},
+  {"init --model {huge} --out {dir}/huge-init",                  Outcome::refused, "of host memory to initialise in f64 (f64 weights "},
+  {"logits --model {huge} --tokens {dir}/none.bin --seq 4 --out {dir}/l.safetensors",
+                                                                 Outcome::refused, "of host memory to load (f32 weights "},
+  {"eval --task loss-by-position --model {huge} --data {data} --seq 16 --device cpu",
+                                                                 Outcome::refused, "of host memory to load (f32 weights "},
+  {"train --set model.source={huge} --set data.train={data} --device cpu",
+                                                                 Outcome::refused, "of host memory to train in f32 (f32 weights "},
+  {"train --set model.source={huge} --set data.train={data} --device cpu",
+                                                                 Outcome::refused, "lora.rank = 8 (adapters trained, the base frozen)"},
+  {"train --set model.source={huge} --set data.train={data} --device cpu --set lora.rank=8",
+                                                                 Outcome::refused, "to train in f32 (f32 weights and adapters "},
+  // With the planner's check turned off, still refused: no state of this machine holds it.
+  {"train --set model.source={huge} --set data.train={data} --device cpu --set train.memory_check=false",
+                                                                 Outcome::refused, "of host memory to train in f32"},
   // Checkpoints: which one is read, and why a newer one is not.
   {"sample --run {dir}/damaged --tokens 2",                      Outcome::says,    "step-000002: "},
   {"sample --run {dir}/damaged --tokens 2",                      Outcome::says,    "sample from step 1"},
@@ -131,6 +148,16 @@ TEST_CASE("cli refusals: one table of bad input, each refused in one line naming
   c.head_dim = 8;
   const std::string model = dir.file("model.json");
   std::ofstream(model) << c.to_json().dump(2);
+  // Llama 3.1 405B's widths (C 16384, F 53248, 128 heads of 128, 8 K/V heads) in 1,000 blocks: every
+  // size within ConfigLimits, 3.19 trillion parameters, 11.6 TiB in f32.
+  LlamaConfig h = LlamaConfig::preset("llama-3.1-8b");
+  h.hidden_size = 16384;
+  h.intermediate_size = 53248;
+  h.num_hidden_layers = 1000;
+  h.num_attention_heads = 128;
+  h.vocab_size = c.vocab_size;  // the byte corpus's ids
+  const std::string huge = dir.file("huge.json");
+  std::ofstream(huge) << h.to_json().dump(2);
   std::string text;
   for (int i = 0; i < 60; ++i) text += "the quick brown fox jumps over the lazy dog. ";
   const std::string data = dir.file("corpus.bin");
@@ -165,6 +192,7 @@ TEST_CASE("cli refusals: one table of bad input, each refused in one line naming
   for (const Row& row : kRows) {
     std::string args = row.args;
     replace_all(args, "{model}", model);
+    replace_all(args, "{huge}", huge);
     replace_all(args, "{data}", data);
     replace_all(args, "{run}", run);
     replace_all(args, "{dir}", dir.path.string());

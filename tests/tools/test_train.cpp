@@ -289,7 +289,8 @@ TEST_CASE("train guards: non-finite loss stops or skips; an oversized run fails 
   CHECK(log.str().find("update skipped") != std::string::npos);
 
   // A model no machine holds (5e10 parameters: about 8e11 bytes with gradients and optimizer
-  // state): the guard must refuse it before allocating anything, whatever this machine's memory.
+  // state): the training state's check (model/memory_need.h) must refuse it before allocating
+  // anything, naming its parameters, whatever this machine's memory.
   // (Its vocabulary stays the byte tokenizer's, which data.tokenizer is checked against first.)
   LlamaConfig giant = LlamaConfig::from_file(fx.model_json);
   giant.hidden_size = 65536;
@@ -300,7 +301,7 @@ TEST_CASE("train guards: non-finite loss stops or skips; an oversized run fails 
   RunConfig huge = fx.config(1);
   huge.model.source = giant_json;
   o.run_dir = fx.dir.file("huge");
-  CHECK_THROWS_WITH_AS(run_training(huge, o, log), doctest::Contains("needs about"), Error);
+  CHECK_THROWS_WITH_AS(run_training(huge, o, log), doctest::Contains("51.56 billion parameters need"), Error);
 }
 
 TEST_CASE("train: SIGINT finishes the step, saves, and exits with the distinct code") {

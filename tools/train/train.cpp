@@ -95,11 +95,6 @@ double rss_mib() {
   return static_cast<double>(resident) * static_cast<double>(sysconf(_SC_PAGESIZE)) / (1 << 20);
 }
 
-std::string human_bytes(double b) {
-  if (b >= double(1ull << 30)) return fmt::format("{:.2f} GiB", b / double(1ull << 30));
-  return fmt::format("{:.1f} MiB", b / double(1 << 20));
-}
-
 std::vector<std::string> resolve_demo(const std::vector<std::string>& specs) {
   std::vector<std::string> out;
   for (const auto& s : specs) out.push_back(s == "@demo" ? demo_data_path() : s);
@@ -150,16 +145,52 @@ void check_sizes_fit_machine(const RunConfig& rc, const Placement& p, const Llam
   if (batches > host)
     fail(fmt::format("data.grad_accum x data.batch_size x data.seq_len = {} x {} x {} tokens are built at once for a "
                      "step: at least {} of host memory, and this machine has {} in all",
-                     rc.data.grad_accum, rc.data.batch_size, rc.data.seq_len, human_bytes(batches), human_bytes(host)),
+                     rc.data.grad_accum, rc.data.batch_size, rc.data.seq_len, format_bytes(batches), format_bytes(host)),
          "lower data.grad_accum, data.batch_size or data.seq_len");
   const double per_layer = double(std::min(rank_model.hidden_size, 2 * rank_model.kv_dim()));
   const double kept = B * T * per_layer * double(rank_model.num_hidden_layers) * double(dtype_size(p.dtype));
   if (kept > host + device)
     fail(fmt::format("data.batch_size x data.seq_len = {} x {} tokens keep at least {} a micro-batch ({} values a "
                      "token in each of {} layers), and this machine has {} of host and device memory in all",
-                     rc.data.batch_size, rc.data.seq_len, human_bytes(kept), per_layer, rank_model.num_hidden_layers,
-                     human_bytes(host + device)),
+                     rc.data.batch_size, rc.data.seq_len, format_bytes(kept), per_layer, rank_model.num_hidden_layers,
+                     format_bytes(host + device)),
          "lower data.batch_size or data.seq_len");
+}
+
+// The training state (weights, master weights, gradients, AdamW's moments; optim/training.h) against
+// the device's and the host's memory, before the tokenizer, the data or the state is loaded: a model
+// too large for the machine is refused naming model.source and what to change, not by the allocator.
+// Ranks that are threads of this process (on the CPU) each hold a state. train.memory_check = false
+// holds it to the memory the machine has in all instead of what is available.
+void check_state_fits_machine(const RunConfig& rc, const Placement& p, const LlamaConfig& rank_model,
+                              const Communicator* comm) {
+  const bool zero = comm && rc.parallel.zero > 0;
+  MemoryNeed need = TrainingState::memory_need(rank_model, p.dtype, p.device,
+                                               {.full_optimizer = !zero,
+                                                .lora = p.lora,
+                                                .offload_optimizer = rc.optimizer.offload,
+                                                .cast_layers = rc.schedule.cast_layers});
+  const int64_t thread_ranks = comm && comm->device().is_cpu() ? comm->size() : 1;
+  need.repeat(thread_ranks);
+  std::vector<std::string> advice;
+  if (!p.device.is_cpu() && !rc.optimizer.offload && !zero)
+    advice.push_back("optimizer.offload = true (master weights and moments in host memory)");
+  if (!p.lora.enabled()) advice.push_back("lora.rank = 8 (adapters trained, the base frozen)");
+  if (!p.device.is_cpu())
+    advice.push_back(rc.parallel.tp > 1 ? "a larger parallel.tp" : "parallel.tp = N (the model split over N GPUs)");
+  advice.push_back("a smaller model or a machine with more memory");
+  std::string hint = fmt::format("use {}", fmt::join(advice, ", "));
+  if (rc.train.memory_check)
+    hint += "; train.memory_check = false sets it against the memory the machine has in all instead";
+  std::string task = fmt::format("to train in {}", dtype_name(p.dtype));
+  if (thread_ranks > 1) task += fmt::format(" on {} thread ranks", thread_ranks);
+  else if (rc.parallel.tp > 1) task += fmt::format(" (a 1/{} share on each rank)", rc.parallel.tp);
+  require_memory(need, p.device,
+                 {.model = fmt::format("model.source '{}'", rc.model.source),
+                  .parameters = p.model.parameter_count(),
+                  .task = task,
+                  .advice = hint,
+                  .against_total = !rc.train.memory_check});
 }
 
 struct TrainData {
@@ -194,11 +225,7 @@ TrainData load_data(const RunConfig& rc, const LlamaConfig& mc, const Tokenizer&
 }
 
 // The device memory a run may take: what the driver has free, under train.device_memory's ceiling.
-double usable_device_bytes(Device device) {
-  double have = static_cast<double>(device_memory(device).free);
-  if (device_memory_limit(device) > 0) have = std::min(have, static_cast<double>(device_memory_limit(device)));
-  return have;
-}
+double usable_device_bytes(Device device) { return static_cast<double>(usable_device_memory(device)); }
 
 // The device memory the planner checks against, from the bytes a run may still take: the CUDA
 // context is already among the used ones, and the plan counts it again (tools/planner/planner.h).
@@ -237,8 +264,8 @@ PlanReport check_memory(const Placement& p, const RunConfig& rc) {
   if (!p.device.is_cpu() && !plan.advice.empty())
     advice = plan.advice + " (or schedule.chunk = auto, offload_window = auto)";
   if (rc.train.memory_check && have > 0 && need > have)
-    fail(fmt::format("this run needs about {} of {} memory and the {} has {} available", human_bytes(need),
-                     p.device.is_cpu() ? "host" : "device", device_name(p.device), human_bytes(have)),
+    fail(fmt::format("this run needs about {} of {} memory and the {} has {} available", format_bytes(need),
+                     p.device.is_cpu() ? "host" : "device", device_name(p.device), format_bytes(have)),
          advice + "; train.memory_check = false starts it anyway");
   // Host memory: the offloaded optimizer's master weights, moments and staging, and on a GPU the K/V
   // store's pinned copy; on the CPU beside the step's own.
@@ -248,9 +275,9 @@ PlanReport check_memory(const Placement& p, const RunConfig& rc) {
   if (rc.train.memory_check && host_need > 0 && host_have > 0 && host_total > host_have) {
     std::string parts;
     for (const auto& [name, bytes] : plan.host)
-      parts += fmt::format("{}{} {}", parts.empty() ? "" : ", ", name, human_bytes(static_cast<double>(bytes)));
-    fail(fmt::format("this run keeps {} in host memory ({}) and the host has {} available", human_bytes(host_need),
-                     parts, human_bytes(host_have)),
+      parts += fmt::format("{}{} {}", parts.empty() ? "" : ", ", name, format_bytes(static_cast<double>(bytes)));
+    fail(fmt::format("this run keeps {} in host memory ({}) and the host has {} available", format_bytes(host_need),
+                     parts, format_bytes(host_have)),
          "turn optimizer.offload off, train fewer parameters (lora.rank), keep more of the K/V store on the device "
          "(schedule.offload_window), or use a machine with more memory");
   }
@@ -293,9 +320,9 @@ void print_header(const RunConfig& rc, const Placement& p, const TrainData& data
                      "planned memory {}{}\n",
                      schedule_name(rc.schedule.kind), rc.schedule.chunk, rc.schedule.bwd_chunk,
                      dp > 1 ? fmt::format("{} ranks x ", dp) : "", accum, B, T, dp * B * T * accum, rc.train.steps,
-                     human_bytes(static_cast<double>(planned.peak_device_bytes)),
+                     format_bytes(static_cast<double>(planned.peak_device_bytes)),
                      planned.peak_host_bytes > 0
-                         ? fmt::format(" (and {} of host memory)", human_bytes(static_cast<double>(planned.peak_host_bytes)))
+                         ? fmt::format(" (and {} of host memory)", format_bytes(static_cast<double>(planned.peak_host_bytes)))
                          : "");
   if (dp > 1)
     out << fmt::format("data parallel: {} ranks, zero {}, gradient buckets of {} MiB\n", dp, rc.parallel.zero,
@@ -723,6 +750,7 @@ TrainResult run_training(const RunConfig& given, const TrainOptions& opt, std::o
   // once when tp does not divide them).
   const LlamaConfig rank_config = rc.parallel.tp > 1 ? tp_shard_config(mc, rc.parallel.tp) : mc;
   check_sizes_fit_machine(rc, placement, rank_config);
+  check_state_fits_machine(rc, placement, rank_config, comm);
   // data.tokenizer: kept in the run directory; where the run turns ids into text (its samples), checked
   // against the model before anything is loaded (a run on token ids alone needs no tokenizer of its size).
   const std::string tokenizer_spec = resolve_tokenizer_spec(rc.data.tokenizer, rc.model.source, "data.tokenizer");
