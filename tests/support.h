@@ -6,6 +6,7 @@
 #include "engine/error.h"
 #include "engine/memory.h"
 #include "engine/tensor.h"
+#include "model/config.h"
 
 #include <doctest/doctest.h>
 #include <fmt/format.h>
@@ -128,6 +129,19 @@ std::string error_of(F&& f) {
 inline std::string read_text(const std::filesystem::path& path) {
   std::ifstream f(path, std::ios::binary);
   return {std::istreambuf_iterator<char>(f), std::istreambuf_iterator<char>()};
+}
+
+// The `small` preset cut to 2 blocks of width 32 (4 heads of 8 dims, 2 K/V heads, MLP 48): a model
+// the command-line tests train, or have refused, in seconds.
+inline LlamaConfig small_test_config() {
+  LlamaConfig c = LlamaConfig::preset("small");
+  c.hidden_size = 32;
+  c.intermediate_size = 48;
+  c.num_hidden_layers = 2;
+  c.num_attention_heads = 4;
+  c.num_key_value_heads = 2;
+  c.head_dim = 8;
+  return c;
 }
 
 // The real SmolLM2-135M-Instruct, Q4_1, where `tools/run fetch-model` puts it; the tests that read it

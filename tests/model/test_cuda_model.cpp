@@ -74,6 +74,19 @@ ScheduleOptions named(const char* name, int64_t chunk = 0) {
   return o;
 }
 
+// The oracle of the GPU cases: `cfg` on the CPU in f64 with parameters from init_seed, and its
+// full-backprop gradients and loss on `batch`.
+struct F64Reference {
+  LlamaModel model;
+  ParamSet grads;
+  double loss = 0;
+  F64Reference(const LlamaConfig& cfg, const Batch& batch, uint64_t init_seed)
+      : model(cfg, DType::f64), grads(cfg, DType::f64) {
+    init_parameters(model.params(), init_seed, 0.2, 0.1);
+    gradients(model, batch, grads, named("full"), &loss);
+  }
+};
+
 // `o`, where it is spaco, backpropagating `keep` of the chunks drawn with `seed` (other schedules as given).
 ScheduleOptions sampled(ScheduleOptions o, int64_t keep, uint64_t seed) {
   if (o.kind == ScheduleKind::spaco) o.keep = keep, o.seed = seed;
@@ -110,25 +123,21 @@ TEST_CASE("cuda: one training step of the tiny model on the GPU matches the CPU 
   const LlamaConfig cfg = tiny_config();
   const Batch batch = random_batch(2, 24, cfg.vocab_size, 11);
 
-  LlamaModel ref(cfg, DType::f64);
-  init_parameters(ref.params(), 5, 0.2, 0.1);
-  ParamSet ref_grads(cfg, DType::f64);
-  double ref_loss = 0;
-  gradients(ref, batch, ref_grads, named("full"), &ref_loss);
+  const F64Reference ref(cfg, batch, 5);
 
   for (const DType dt : {DType::f32, DType::bf16}) {
     CAPTURE(dtype_name(dt));
     LlamaModel model(cfg, dt, Device::gpu(0));
-    copy_params(model.params(), ref.params());
+    copy_params(model.params(), ref.model.params());
     ParamSet grads(cfg, DType::f32, Device::gpu(0));
     double loss = 0;
     gradients(model, batch, grads, named("full"), &loss);
-    const Compared c = compare_sets(grads, ref_grads);
+    const Compared c = compare_sets(grads, ref.grads);
     MESSAGE(std::string(dtype_name(dt)), " full on the GPU vs CPU f64: worst gradient ", c.name, " rel ", c.worst, ", loss ", loss,
-            " vs ", ref_loss);
+            " vs ", ref.loss);
     const double tol = dt == DType::f32 ? kModelF32Tol : kModelBf16Tol;
     CHECK(c.worst <= tol);
-    CHECK(std::abs(loss - ref_loss) <= tol * std::abs(ref_loss));
+    CHECK(std::abs(loss - ref.loss) <= tol * std::abs(ref.loss));
   }
 }
 
@@ -139,29 +148,25 @@ TEST_CASE("cuda: qwen2 (q/k/v biases) and qwen3 (per-head q/k norms) on the GPU 
     CAPTURE(preset);
     const LlamaConfig cfg = LlamaConfig::preset(preset);
     const Batch batch = random_batch(2, 24, cfg.vocab_size, 13);
-    LlamaModel ref(cfg, DType::f64);
-    init_parameters(ref.params(), 7, 0.2, 0.1);
-    ParamSet ref_grads(cfg, DType::f64);
-    double ref_loss = 0;
-    gradients(ref, batch, ref_grads, named("full"), &ref_loss);
+    const F64Reference ref(cfg, batch, 7);
     for (const DType dt : {DType::f32, DType::bf16})
       for (const bool fused : {true, false}) {
         CAPTURE(dtype_name(dt));
         CAPTURE(fused);
         const SettingScope<bool> fusion(fused_qkv, set_fused_qkv, fused);
         LlamaModel model(cfg, dt, Device::gpu(0));
-        copy_params(model.params(), ref.params());
+        copy_params(model.params(), ref.model.params());
         const double tol = dt == DType::f32 ? kModelF32Tol : kModelBf16Tol;
         for (const ScheduleOptions& o : {named("full"), named("seco", 7)}) {
           CAPTURE(schedule_name(o.kind));
           ParamSet grads(cfg, DType::f32, Device::gpu(0));
           double loss = 0;
           gradients(model, batch, grads, o, &loss);
-          const Compared c = compare_sets(grads, ref_grads);
+          const Compared c = compare_sets(grads, ref.grads);
           MESSAGE(preset, " ", dtype_name(dt), " ", schedule_name(o.kind), fused ? " fused" : " three GEMMs",
                   " on the GPU vs CPU f64: worst gradient ", c.name, " rel ", c.worst);
           CHECK(c.worst <= tol);
-          CHECK(std::abs(loss - ref_loss) <= tol * std::abs(ref_loss));
+          CHECK(std::abs(loss - ref.loss) <= tol * std::abs(ref.loss));
         }
       }
   }
@@ -214,11 +219,7 @@ TEST_CASE("cuda: packed documents (every attention family, seco and full) match 
   const LlamaConfig cfg = tiny_config();
   Batch batch = random_batch(2, 48, cfg.vocab_size, 19);
   set_documents(batch, {{0, 1, 9, 32, 33}, {0, 23, 40}});
-  LlamaModel ref(cfg, DType::f64);
-  init_parameters(ref.params(), 7, 0.2, 0.1);
-  ParamSet ref_grads(cfg, DType::f64);
-  double ref_loss = 0;
-  gradients(ref, batch, ref_grads, named("full"), &ref_loss);
+  const F64Reference ref(cfg, batch, 7);
   ScheduleOptions seco = named("seco", 12);
   seco.bwd_chunk = 7;
   ScheduleOptions saved = seco;
@@ -232,7 +233,7 @@ TEST_CASE("cuda: packed documents (every attention family, seco and full) match 
       if (dt == DType::f32 && kernel != AttentionKernel::automatic && kernel != AttentionKernel::flash_simt) continue;
       test::AttentionKernelScope forced(kernel);
       LlamaModel model(cfg, dt, Device::gpu(0));
-      copy_params(model.params(), ref.params());
+      copy_params(model.params(), ref.model.params());
       ParamSet grads(cfg, DType::f32, Device::gpu(0));
       for (const ScheduleOptions& o : {named("full"), seco, saved, window}) {
         CAPTURE(attention_kernel_name(kernel));
@@ -248,14 +249,14 @@ TEST_CASE("cuda: packed documents (every attention family, seco and full) match 
           MESSAGE("not run: ", what);
           break;
         }
-        const Compared c = compare_sets(grads, ref_grads);
+        const Compared c = compare_sets(grads, ref.grads);
         MESSAGE(attention_kernel_name(kernel), " ", dtype_name(dt), " ", schedule_name(o.kind), " (chunk ", o.chunk,
                 ", saved ",
                 o.save_attention, ", window ", o.offload_window, ") with documents vs CPU f64: worst ", c.name, " rel ",
                 c.worst);
         const double tol = dt == DType::f32 ? kModelF32Tol : kModelBf16Tol;
         CHECK(c.worst <= tol);
-        CHECK(std::abs(loss - ref_loss) <= tol * std::abs(ref_loss));
+        CHECK(std::abs(loss - ref.loss) <= tol * std::abs(ref.loss));
       }
     }
   }

@@ -139,13 +139,7 @@ void copy_with_state(const fs::path& run, const fs::path& to, const std::functio
 
 TEST_CASE("cli refusals: one table of bad input, each refused in one line naming the key, flag or file") {
   test::TempDir dir("refusals");
-  LlamaConfig c = LlamaConfig::preset("small");
-  c.hidden_size = 32;
-  c.intermediate_size = 48;
-  c.num_hidden_layers = 2;
-  c.num_attention_heads = 4;
-  c.num_key_value_heads = 2;
-  c.head_dim = 8;
+  const LlamaConfig c = test::small_test_config();
   const std::string model = dir.file("model.json");
   std::ofstream(model) << c.to_json().dump(2);
   // Llama 3.1 405B's widths (C 16384, F 53248, 128 heads of 128, 8 K/V heads) in 1,000 blocks: every

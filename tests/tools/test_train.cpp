@@ -30,13 +30,7 @@ struct Fixture {
   test::TempDir dir{"train"};
   std::string model_json, shard;
   Fixture() {
-    LlamaConfig c = LlamaConfig::preset("small");
-    c.hidden_size = 32;
-    c.intermediate_size = 48;
-    c.num_hidden_layers = 2;
-    c.num_attention_heads = 4;
-    c.num_key_value_heads = 2;
-    c.head_dim = 8;
+    const LlamaConfig c = test::small_test_config();
     model_json = dir.file("model.json");
     std::ofstream(model_json) << c.to_json().dump(2);
     std::string text;
