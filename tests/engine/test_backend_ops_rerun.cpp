@@ -6,7 +6,7 @@
 // name escaped for doctest's filter):
 //   rerun: CW_TEST_SEED=<n> CW_TEST_ROW='<row>' CW_TEST_DTYPE=<dt> CW_TEST_VARIANT='<variant>' <binary> -tc='<runner>'
 // The variables, each unset or empty taking everything: CW_TEST_SEED=<n> the seed; CW_TEST_OPS=<text>
-// the rows whose name contains the text; CW_TEST_ROW=<name> the row of exactly this name;
+// the rows whose name contains the text (or any of several, written <text>|<text>|...); CW_TEST_ROW=<name> the row of exactly this name;
 // CW_TEST_DTYPE=f64|f32|bf16 the tested dtype; CW_TEST_VARIANT=<name> the GPU variant of exactly this
 // name; CW_TEST_MAX_ELEMENTS=<n> the rows whose largest operand holds at most n elements.
 // CW_TEST_TRACE=1 prints each run's rerun line as it starts; CW_TEST_POISON_SCRATCH=1 fills a GPU
@@ -28,6 +28,7 @@
 #include <map>
 #include <random>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace cw::test::op_table {
@@ -131,8 +132,20 @@ Selection Selection::from_env() {
   return from([](const char* var) -> const char* { return std::getenv(var); });
 }
 
+// Whether `name` contains `texts` or, where it holds '|', any of the texts between them (no row name
+// holds a '|', so a group of rows can be taken in one run).
+bool contains_any(const std::string& name, const std::string& texts) {
+  for (size_t begin = 0;;) {
+    const size_t end = texts.find('|', begin);
+    const std::string_view text = std::string_view(texts).substr(begin, end == std::string::npos ? end : end - begin);
+    if (!text.empty() && name.find(text) != std::string::npos) return true;
+    if (end == std::string::npos) return false;
+    begin = end + 1;
+  }
+}
+
 bool Selection::takes(const Row& r) const {
-  return (contains.empty() || r.name.find(contains) != std::string::npos) && (row.empty() || r.name == row) &&
+  return (contains.empty() || contains_any(r.name, contains)) && (row.empty() || r.name == row) &&
          (max_elements == 0 || largest_operand(r) <= max_elements);
 }
 bool Selection::takes(DType dt) const { return dtype.empty() || dtype == dtype_name(dt); }
@@ -312,6 +325,14 @@ TEST_CASE("backend ops: a mistyped selection or rerun line is an error naming it
   CHECK(contains(cw::test::error_of([] { parse_rerun("rerun: CW_TEST_SEED=12x CW_TEST_ROW='r' b -tc='t'"); }), kSeedVar));
   CHECK(contains(cw::test::error_of([] { parse_rerun("CW_TEST_ROW='rmsnorm N=5 C=8' b -tc='t'"); }), "no rerun line"));
   CHECK(contains(cw::test::error_of([] { parse_rerun("rerun: CW_TEST_SEED=1 CW_TEST_ROW='r b"); }), "unclosed quote"));
+  // Alternatives in CW_TEST_OPS take the rows of each; an empty alternative takes nothing.
+  Selection either;
+  either.contains = "rmsnorm N=5 C=8|adamw";
+  const std::vector<Row> picked = select_rows(build_table(), either);
+  CHECK(picked.size() >= 2);
+  for (const Row& r : picked) CHECK((contains(r.name, "rmsnorm N=5 C=8") || contains(r.name, "adamw")));
+  either.contains = "no such row|";
+  CHECK(select_rows(build_table(), either).empty());
   // The size bound keeps small rows and leaves the large ones.
   Selection bounded;
   bounded.max_elements = 300000;
