@@ -4,6 +4,7 @@
 // against what one built allocates, and a model too large for the machine refused before any of it is.
 #include "optim/schedule.h"
 #include "optim/training.h"
+#include "tests/gpu_support.h"
 #include "tests/support.h"
 
 #include <cstring>
@@ -131,6 +132,51 @@ TEST_CASE("model memory: a model the host cannot hold is refused before allocati
   const LlamaConfig tiny = LlamaConfig::preset("tiny");
   require_memory(model_memory_need(tiny, DType::f64, Device::host(), DType::f64), Device::host(),
                  {.model = "tiny", .parameters = tiny.parameter_count(), .task = "to load", .advice = ""});
+}
+
+TEST_CASE("cuda: a model the GPU cannot hold is refused before allocation, naming the device and its memory" *
+          doctest::skip(!cw::test::gpu_ready())) {
+  const Device gpu = cw::test::gpu0();
+  const DeviceMemory memory = device_memory(gpu);
+  REQUIRE(memory.total > 0);
+  REQUIRE(usable_device_memory(gpu) <= memory.free);
+  // Llama-3.1-8B in bf16 (16 GB) fits the host's check here only as a count: the GPU side is what
+  // is tested, so the need holds the device's part alone.
+  const LlamaConfig big = LlamaConfig::preset("llama-3.1-8b");
+  MemoryNeed need;
+  need.add(gpu, "bf16 weights", model_weight_bytes(big, DType::bf16));
+  const MemorySubject subject{.model = "model 'llama-3.1-8b'", .parameters = big.parameter_count(),
+                              .task = "to load", .advice = "use a GPU with more memory"};
+  {
+    // Under a pool limit of 1 GiB the usable memory is the limit, and the model is refused naming it.
+    const DeviceMemoryLimitScope limit(gpu, size_t{1} << 30);
+    CHECK(usable_device_memory(gpu) == std::min(memory.free, size_t{1} << 30));
+    const std::string message = test::error_of([&] { require_memory(need, gpu, subject); });
+    CHECK(message.find("model 'llama-3.1-8b': 8.") != std::string::npos);
+    CHECK(message.find("GiB of device memory to load (bf16 weights ") != std::string::npos);
+    CHECK(message.find(device_name(gpu) + " has 1.00 GiB free (") != std::string::npos);
+    CHECK(message.find("use a GPU with more memory") != std::string::npos);
+    // Against the memory in all, a 1 GiB pool limit does not refuse what the GPU could hold.
+    MemorySubject total = subject;
+    total.against_total = true;
+    if (model_weight_bytes(big, DType::bf16) < memory.total) require_memory(need, gpu, total);
+  }
+  // Without the limit the 8B model's 16 GB fit an empty H200-class GPU; 3.2 trillion parameters do not.
+  if (model_weight_bytes(big, DType::bf16) < usable_device_memory(gpu)) require_memory(need, gpu, subject);
+  LlamaConfig huge = big;
+  huge.hidden_size = 16384;
+  huge.intermediate_size = 53248;
+  huge.num_hidden_layers = 1000;
+  huge.num_attention_heads = 128;
+  huge.validate("huge");
+  MemoryNeed huge_need;
+  huge_need.add(gpu, "bf16 weights", model_weight_bytes(huge, DType::bf16));
+  const std::string message = test::error_of([&] {
+    require_memory(huge_need, gpu, {.model = "model 'huge.json'", .parameters = huge.parameter_count(),
+                                    .task = "to load", .advice = "", .against_total = true});
+  });
+  CHECK(message.find("TiB of device memory to load") != std::string::npos);
+  CHECK(message.find("GiB in all") != std::string::npos);
 }
 
 TEST_CASE("model memory: byte counts past 2^64 fail instead of wrapping") {
