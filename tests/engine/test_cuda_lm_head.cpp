@@ -64,7 +64,7 @@ TEST_CASE("cuda: lm_head loss: fused = forward + backward bitwise; ignored rows 
   // 4133 x 96: three GPU row blocks (2048, 2048, 37), the second wholly ignored (see the header).
   const int64_t N = 4133, C = 64, V = 96;
   for (DType dt : kDtypes) {
-    INFO(dtype_name(dt));
+    INFO(std::string(dtype_name(dt)));
     Input x = make_input(dt, {N, C}, 1), w = make_input(dt, {V, C}, 2, 2.0 / std::sqrt(double(C)));
     Labels lab = make_labels(N, V, 2048, 4096);
     const double norm = lab.supervised;
@@ -107,7 +107,7 @@ TEST_CASE("cuda: lm_head loss rejects bad labels with a clear error and leaves t
           doctest::skip(!cw::test::gpu_ready())) {
   const int64_t N = 300, C = 16, V = 50;
   for (DType dt : kDtypes) {
-    INFO(dtype_name(dt));
+    INFO(std::string(dtype_name(dt)));
     Input x = make_input(dt, {N, C}, 11), w = make_input(dt, {V, C}, 12, 0.5);
     Labels lab = make_labels(N, V);
     Arena scratch(gpu0());

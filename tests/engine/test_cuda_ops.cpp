@@ -42,7 +42,7 @@ TEST_CASE("cuda: in-place and aliased operands give the out-of-place bits" * doc
   const int64_t B = 2, T = 37, H = 3, D = 10, P = 64, pos0 = 5, N = 37, C = 203;
   const auto [cos, sin] = gpu_rope_tables(P, D);
   for (DType dt : {DType::f32, DType::bf16}) {
-    INFO(dtype_name(dt));
+    INFO(std::string(dtype_name(dt)));
     GpuInput x = make_input(dt, {B, T, H, D}, 7), xi = make_input(dt, {B, T, H, D}, 7);
     CHECK(compare(fetch(x.dev), x.ref).rel == 0);  // the upload is exact
     // rope forward and backward in place

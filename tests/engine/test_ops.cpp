@@ -266,7 +266,7 @@ TEST_CASE("ops: the aliases the headers allow give the out-of-place bits (cpu)")
   };
   const auto same_bits = [](const Tensor& a, const Tensor& b) { return std::memcmp(a.data, b.data, a.bytes()) == 0; };
   for (const DType dt : {DType::f64, DType::f32}) {
-    INFO(dtype_name(dt));
+    INFO(std::string(dtype_name(dt)));
     const int64_t N = 5, C = 12;
     OwnedTensor x = as(dt, randn({N, C}, 1)), w = as(dt, randn({C}, 2, 0.3, 1.0)), y(dt, {N, C}), rstd(dt, {N});
     rmsnorm_forward(y, {rstd}, x, w, 1e-5);

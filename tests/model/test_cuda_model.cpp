@@ -103,7 +103,7 @@ void deterministic_pairs(uint64_t batch_seed, uint64_t init_seed,
   LlamaConfig cfg = tiny_config();
   cfg.num_hidden_layers = 4;
   for (const DType dt : {DType::f32, DType::bf16}) {
-    CAPTURE(dtype_name(dt));
+    CAPTURE(std::string(dtype_name(dt)));
     const Batch batch = random_batch(2, 56, cfg.vocab_size, batch_seed);
     LlamaModel model(cfg, dt, Device::gpu(0));
     init_parameters(model.params(), init_seed, 0.2, 0.1);
@@ -126,7 +126,7 @@ TEST_CASE("cuda: one training step of the tiny model on the GPU matches the CPU 
   const F64Reference ref(cfg, batch, 5);
 
   for (const DType dt : {DType::f32, DType::bf16}) {
-    CAPTURE(dtype_name(dt));
+    CAPTURE(std::string(dtype_name(dt)));
     LlamaModel model(cfg, dt, Device::gpu(0));
     copy_params(model.params(), ref.model.params());
     ParamSet grads(cfg, DType::f32, Device::gpu(0));
@@ -145,13 +145,13 @@ TEST_CASE("cuda: qwen2 (q/k/v biases) and qwen3 (per-head q/k norms) on the GPU 
           "equals full, fused Q/K/V or not" *
           doctest::skip(!cw::test::gpu_ready())) {
   for (const char* preset : {"tiny-qwen2", "tiny-qwen3"}) {
-    CAPTURE(preset);
+    CAPTURE(std::string(preset));
     const LlamaConfig cfg = LlamaConfig::preset(preset);
     const Batch batch = random_batch(2, 24, cfg.vocab_size, 13);
     const F64Reference ref(cfg, batch, 7);
     for (const DType dt : {DType::f32, DType::bf16})
       for (const bool fused : {true, false}) {
-        CAPTURE(dtype_name(dt));
+        CAPTURE(std::string(dtype_name(dt)));
         CAPTURE(fused);
         const SettingScope<bool> fusion(fused_qkv, set_fused_qkv, fused);
         LlamaModel model(cfg, dt, Device::gpu(0));
@@ -163,7 +163,8 @@ TEST_CASE("cuda: qwen2 (q/k/v biases) and qwen3 (per-head q/k norms) on the GPU 
           double loss = 0;
           gradients(model, batch, grads, o, &loss);
           const Compared c = compare_sets(grads, ref.grads);
-          MESSAGE(preset, " ", dtype_name(dt), " ", schedule_name(o.kind), fused ? " fused" : " three GEMMs",
+          MESSAGE(std::string(preset), " ", std::string(dtype_name(dt)), " ", schedule_name(o.kind),
+                  std::string(fused ? " fused" : " three GEMMs"),
                   " on the GPU vs CPU f64: worst gradient ", c.name, " rel ", c.worst);
           CHECK(c.worst <= tol);
           CHECK(std::abs(loss - ref.loss) <= tol * std::abs(ref.loss));
@@ -236,8 +237,8 @@ TEST_CASE("cuda: packed documents (every attention family, seco and full) match 
       copy_params(model.params(), ref.model.params());
       ParamSet grads(cfg, DType::f32, Device::gpu(0));
       for (const ScheduleOptions& o : {named("full"), seco, saved, window}) {
-        CAPTURE(attention_kernel_name(kernel));
-        CAPTURE(dtype_name(dt));
+        CAPTURE(std::string(attention_kernel_name(kernel)));
+        CAPTURE(std::string(dtype_name(dt)));
         CAPTURE(o.chunk);
         double loss = 0;
         try {
@@ -250,10 +251,9 @@ TEST_CASE("cuda: packed documents (every attention family, seco and full) match 
           break;
         }
         const Compared c = compare_sets(grads, ref.grads);
-        MESSAGE(attention_kernel_name(kernel), " ", dtype_name(dt), " ", schedule_name(o.kind), " (chunk ", o.chunk,
-                ", saved ",
-                o.save_attention, ", window ", o.offload_window, ") with documents vs CPU f64: worst ", c.name, " rel ",
-                c.worst);
+        MESSAGE(std::string(attention_kernel_name(kernel)), " ", std::string(dtype_name(dt)), " ",
+                schedule_name(o.kind), " (chunk ", o.chunk, ", saved ", o.save_attention, ", window ",
+                o.offload_window, ") with documents vs CPU f64: worst ", c.name, " rel ", c.worst);
         const double tol = dt == DType::f32 ? kModelF32Tol : kModelBf16Tol;
         CHECK(c.worst <= tol);
         CHECK(std::abs(loss - ref.loss) <= tol * std::abs(ref.loss));
@@ -291,14 +291,14 @@ TEST_CASE("cuda: seco and spaco with the K/V store streamed in key blocks match 
   LlamaConfig cfg = tiny_config();
   cfg.num_hidden_layers = 4;
   for (const DType dt : {DType::f32, DType::bf16}) {
-    CAPTURE(dtype_name(dt));
+    CAPTURE(std::string(dtype_name(dt)));
     const Batch batch = random_batch(2, 60, cfg.vocab_size, 17);  // 5 blocks of 12 tokens
     LlamaModel model(cfg, dt, Device::gpu(0));
     init_parameters(model.params(), 9, 0.2, 0.1);
     ParamSet on_device(cfg, DType::f32, Device::gpu(0)), streamed(cfg, DType::f32, Device::gpu(0));
     for (const char* name : {"seco", "spaco"}) {
       for (const bool saved : {false, true}) {
-        CAPTURE(name);
+        CAPTURE(std::string(name));
         CAPTURE(saved);
         ScheduleOptions o = sampled(named(name, 12), 3, 4);
         o.save_attention = saved;
@@ -358,7 +358,7 @@ TEST_CASE("cuda: seco and spaco with saved layer inputs equal them without, bitw
           gradients(model, batch, plain, o, &loss_plain);
           o.save_inputs = true;
           for (int64_t window : {0, 1, 2}) {
-            CAPTURE(name);
+            CAPTURE(std::string(name));
             CAPTURE(saved);
             CAPTURE(recompute_name(recompute));
             CAPTURE(window);
@@ -465,7 +465,7 @@ TEST_CASE("cuda: LoRA adapters' gradients on the GPU (f32, bf16) match the CPU i
   const Batch batch = random_batch(2, 24, cfg.vocab_size, 15);
   for (const char* targets : {"q_proj,v_proj", "all-linear"})
     for (const double dropout : {0.0, 0.1}) {
-      CAPTURE(targets);
+      CAPTURE(std::string(targets));
       CAPTURE(dropout);
       const LoraConfig l = gpu_lora(targets, dropout);
       LlamaModel ref(cfg, DType::f64, Device::host(), nullptr, l);
@@ -475,7 +475,7 @@ TEST_CASE("cuda: LoRA adapters' gradients on the GPU (f32, bf16) match the CPU i
       double ref_loss = 0;
       gradients(ref, batch, ref_grads, named("full"), &ref_loss);
       for (const DType dt : {DType::f32, DType::bf16}) {
-        CAPTURE(dtype_name(dt));
+        CAPTURE(std::string(dtype_name(dt)));
         LlamaModel model(cfg, dt, Device::gpu(0), nullptr, l);
         copy_params(model.params(), ref.params());
         copy_params(model.adapters(), ref.adapters());
@@ -553,7 +553,7 @@ TEST_CASE("cuda: bf16 training with the blocks cast from the master as they run 
   cfg.num_hidden_layers = 6;
   const Batch batch = random_batch(2, 48, cfg.vocab_size, 21);
   for (const char* name : {"seco", "checkpointed", "full"}) {
-    CAPTURE(name);
+    CAPTURE(std::string(name));
     ScheduleOptions o = named(name);
     if (o.kind == ScheduleKind::seco) o.chunk = 16;
     if (o.kind == ScheduleKind::checkpointed) o.recompute = RecomputeMode::full;

@@ -204,7 +204,7 @@ TEST_CASE("lora: adapter files that do not fit are refused in one line naming th
 TEST_CASE("lora: the merged base (W + alpha/r B A) gives the adapted model's logits") {
   const LlamaConfig c = tiny();
   for (const char* targets : {"q_proj,v_proj", "all-linear"}) {
-    CAPTURE(targets);
+    CAPTURE(std::string(targets));
     LlamaModel adapted(c, DType::f64, Device::host(), nullptr, lora(4, targets, 12.0));
     init_parameters(adapted.params(), 7, 0.2, 0.1);
     init_lora_parameters(adapted.adapters(), 8, 0.3);

@@ -182,7 +182,7 @@ TEST_CASE("tiny model with yarn and dynamic RoPE: fp64 gradients match finite di
   const RopeScaling dynamic{.type = RopeScaling::Type::dynamic, .factor = 2.0, .original_max_position = 8};
   test::TempDir dir("rope-model");
   for (const auto& [name, scaling, max_positions] : {std::tuple{"yarn", yarn, 32}, std::tuple{"dynamic", dynamic, 8}}) {
-    CAPTURE(name);
+    CAPTURE(std::string(name));
     LlamaConfig cfg = LlamaConfig::preset("tiny");
     cfg.rope_scaling = scaling;
     cfg.max_position_embeddings = max_positions;

@@ -82,7 +82,7 @@ TEST_CASE("qwen: transformers' config.json of Qwen2 and Qwen3 reads as the model
 TEST_CASE("qwen: logits, loss and every gradient equal transformers' in f64 (tests/data/qwen_reference)") {
   double worst = 0;
   for (const char* name : {"qwen2", "qwen3", "llama_bias"}) {
-    CAPTURE(name);
+    CAPTURE(std::string(name));
     const std::string dir = reference_dir(name).string();
     const SafetensorsReader expected((reference_dir(name) / "expected.safetensors").string());
     const OwnedTensor ids = read_tensor(expected, "ids", DType::i32);
@@ -138,7 +138,7 @@ TEST_CASE("qwen: logits, loss and every gradient equal transformers' in f64 (tes
 TEST_CASE("qwen: a checkpoint chunkwise writes carries transformers' config and reads back the same") {
   test::TempDir tmp("qwen-checkpoint");
   for (const char* preset : {"tiny-qwen2", "tiny-qwen3"}) {
-    CAPTURE(preset);
+    CAPTURE(std::string(preset));
     const LlamaConfig c = LlamaConfig::preset(preset);
     ParamSet params(c, DType::f64);
     init_parameters(params, 5, c.initializer_range, 0.1);
@@ -220,7 +220,7 @@ TEST_CASE("qwen: what chunkwise does not compute is refused, naming the key") {
 TEST_CASE("qwen: GGUF files of architecture qwen2 and qwen3 load into the same parameters") {
   test::TempDir tmp("qwen-gguf");
   for (const char* preset : {"tiny-qwen2", "tiny-qwen3"}) {
-    CAPTURE(preset);
+    CAPTURE(std::string(preset));
     LlamaConfig c = LlamaConfig::preset(preset);
     c.rms_norm_eps = static_cast<float>(c.rms_norm_eps);  // stored as f32
     c.bos_token_id = 1;

@@ -34,7 +34,7 @@ TEST_CASE("offloaded AdamW: the bits of AdamW for any piece length, with the com
   for (const DType dt : {DType::f64, DType::f32}) {
     // Pieces: smaller than a tensor, not dividing the vector, one element, and the whole vector.
     for (const int64_t piece : {int64_t(97), int64_t(1000), int64_t(1), int64_t(1) << 30}) {
-      CAPTURE(dtype_name(dt));
+      CAPTURE(std::string(dtype_name(dt)));
       CAPTURE(piece);
       ParamSet reference = seeded(cfg, dt, 1, 0.02), offloaded = seeded(cfg, dt, 1, 0.02);
       ParamSet compute(cfg, dt);

@@ -736,7 +736,7 @@ TEST_CASE("lora: seco, spaco with all chunks and checkpointed equal full backpro
   // dropout the masks follow the tokens' positions, so the prefill, the recompute and full agree.
   for (const char* targets : {"q_proj,v_proj", "all-linear"})
     for (const double dropout : {0.0, 0.2}) {
-      CAPTURE(targets);
+      CAPTURE(std::string(targets));
       CAPTURE(dropout);
       LlamaModel model = lora_model(lora_config(targets, dropout));
       const Batch batch = batch_for(Case{"lora", 2, 24, 7, 0, 2, false, 1}, model.config(), 41);

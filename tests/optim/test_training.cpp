@@ -24,7 +24,7 @@ TEST_CASE("training state: under LoRA only the adapters have master weights, gra
   lora.targets = "q_proj,v_proj,down_proj";
   lora.seed = 5;
   for (const DType dt : {DType::f64, DType::f32}) {
-    INFO(dtype_name(dt));
+    INFO(std::string(dtype_name(dt)));
     TrainingState st(cfg, dt, Device::host(), AdamWOptions{}, {.lora = lora});
     st.init(3, cfg.initializer_range);
     REQUIRE(st.lora());
@@ -86,7 +86,7 @@ TEST_CASE("training state: memory_need is what a state allocates, by dtype, LoRA
   for (const DType dt : {DType::f64, DType::f32})
     for (const bool with_lora : {false, true})
       for (const bool offload : {false, true}) {
-        INFO(dtype_name(dt) << (with_lora ? " lora" : "") << (offload ? " offload" : ""));
+        INFO(std::string(dtype_name(dt)) << (with_lora ? " lora" : "") << (offload ? " offload" : ""));
         const TrainingStateOptions o{.lora = with_lora ? lora : LoraConfig{}, .offload_optimizer = offload};
         const MemoryNeed need = TrainingState::memory_need(cfg, dt, Device::host(), o);
         CHECK(need.device.empty());  // the CPU's parts are host memory

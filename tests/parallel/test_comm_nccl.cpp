@@ -88,7 +88,7 @@ TEST_CASE("nccl: world size 1 from launcher variables, every collective on fresh
   CAPTURE(seed);
   const int64_t n = 4097;  // odd: no vector-width luck
   for (const DType dt : {DType::f32, DType::bf16, DType::f64}) {
-    CAPTURE(dtype_name(dt));
+    CAPTURE(std::string(dtype_name(dt)));
     // all_reduce over one rank: the identity.
     test::GpuInput x = test::make_gpu_input(dt, {n}, seed, 1);
     comm->all_reduce(x.dev)->wait();

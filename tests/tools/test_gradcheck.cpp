@@ -116,7 +116,7 @@ TEST_CASE("gradcheck lora: the adapters' gradients against finite differences in
   // all-linear keeps the MLP's inputs; q_proj,v_proj freezes the MLP, which then keeps gate and up only.
   for (const char* targets : {"all-linear", "q_proj,v_proj"})
   for (const double dropout : {0.0, 0.15}) {
-    CAPTURE(targets);
+    CAPTURE(std::string(targets));
     CAPTURE(dropout);
     GradcheckOptions o = lora_check("full", targets);
     o.lora.dropout = dropout;
@@ -142,7 +142,7 @@ TEST_CASE("gradcheck lora: seco, spaco with every chunk and checkpointed against
     spaco.schedule.chunk = 4;  // keep 0: every chunk, which must be seco
     ckpt.schedule.mlp_shards = 2;
     for (const GradcheckOptions& o : {seco, spaco, ckpt}) {
-      CAPTURE(targets);
+      CAPTURE(std::string(targets));
       CAPTURE(schedule_name(o.schedule.kind));
       std::ostringstream out;
       CHECK(run_gradcheck(o, out) == 0);
