@@ -284,10 +284,10 @@ void KVStream::zero_grads() {
 
 void KVStream::reset() { std::fill(home_kv_.begin(), home_kv_.end(), 0); }
 
-void KVStream::for_prefix_blocks(int layer, int64_t j, bool with_grads,
+void KVStream::for_prefix_blocks(int layer, int64_t first, int64_t j, bool with_grads,
                                  const std::function<void(int item, int64_t k0, int64_t k1)>& visit) {
   const int own = item(layer, j);
-  for (int64_t i = 0; i < j; ++i) {
+  for (int64_t i = first; i < j; ++i) {
     res_.ready(item(layer, i));
     res_.fetch(own, {});  // most recently used: the prefetch below takes the block before this one
     if (i + 1 < j) fetch_block(layer, i + 1, with_grads);
@@ -295,20 +295,59 @@ void KVStream::for_prefix_blocks(int layer, int64_t j, bool with_grads,
   }
 }
 
+int64_t KVStream::first_block(int64_t t0, const std::vector<std::vector<int64_t>>* doc_starts) const {
+  if (doc_starts == nullptr) return 0;
+  int64_t earliest = t0;
+  for (const std::vector<int64_t>& starts : *doc_starts) {
+    // The start of the document that position t0 belongs to: the last start <= t0.
+    const auto after = std::upper_bound(starts.begin(), starts.end(), t0);
+    if (after != starts.begin()) earliest = std::min(earliest, *std::prev(after));
+  }
+  return earliest / block_;
+}
+
+namespace {
+// The document starts inside the chunk [t0, t1), counted from t0 (0 first: a document begun before
+// the chunk is, within it, one that starts at its first query).
+std::vector<std::vector<int64_t>> starts_within(const std::vector<std::vector<int64_t>>& doc_starts, int64_t t0,
+                                                int64_t t1) {
+  std::vector<std::vector<int64_t>> local;
+  local.reserve(doc_starts.size());
+  for (const std::vector<int64_t>& starts : doc_starts) {
+    std::vector<int64_t>& l = local.emplace_back(1, 0);
+    for (const int64_t s : starts)
+      if (s > t0 && s < t1) l.push_back(s - t0);
+  }
+  return local;
+}
+}  // namespace
+
 void KVStream::attend_forward(const KVStore& kv, int layer, int64_t t0, int64_t t1, const Tensor& out,
-                              const AttentionSaved& saved, const Tensor& q, double scale, Arena& scratch) {
+                              const AttentionSaved& saved, const Tensor& q, double scale, Arena& scratch,
+                              const std::vector<std::vector<int64_t>>* doc_starts) {
   // The chunk against its own block (causal), then against each earlier block (unmasked), merged in
-  // the accumulation dtype; the next block comes in while one is attended.
-  const int64_t j = t0 / block_;
-  if (j > 0) fetch_block(layer, 0, false);  // queued first: it comes in while the own block is attended
-  attention_forward(out, saved, q, kv.keys(layer, t0, t1), kv.values(layer, t0, t1), scale, scratch);
-  if (j == 0) return;
+  // the accumulation dtype; the next block comes in while one is attended. With documents, the own
+  // block's queries split at the starts inside it, and an earlier block serves only the queries of a
+  // document begun before the chunk, from that document's start on.
+  const int64_t j = t0 / block_, first = first_block(t0, doc_starts);
+  if (j > first) fetch_block(layer, first, false);  // queued first: it comes in while the own block is attended
+  if (doc_starts)
+    attention_forward_documents(out, saved, q, kv.keys(layer, t0, t1), kv.values(layer, t0, t1),
+                                starts_within(*doc_starts, t0, t1), scale, scratch);
+  else
+    attention_forward(out, saved, q, kv.keys(layer, t0, t1), kv.values(layer, t0, t1), scale, scratch);
+  if (j == first) return;
   ArenaScope scope(scratch);
   const int64_t B = out.size(0), c = out.size(1), H = out.size(2), D = out.size(3);
   const Tensor acc = scratch.alloc(saved.lse.dtype, {B, c, H, D}), block_out = scratch.alloc(out.dtype, {B, c, H, D});
   const Tensor block_lse = scratch.alloc(saved.lse.dtype, {saved.lse.size(0), saved.lse.size(1), saved.lse.size(2)});
   copy_convert(acc, out);
-  for_prefix_blocks(layer, j, false, [&](int, int64_t k0, int64_t k1) {
+  for_prefix_blocks(layer, first, j, false, [&](int, int64_t k0, int64_t k1) {
+    if (doc_starts) {
+      attention_merge_documents_block(acc, saved.lse, q, kv.keys(layer, k0, k1), kv.values(layer, k0, k1), t0, k0,
+                                      *doc_starts, scale, scratch);
+      return;
+    }
     attention_forward(block_out, {block_lse}, q, kv.keys(layer, k0, k1), kv.values(layer, k0, k1), scale, scratch,
                       AttentionMask::none);
     attention_merge(acc, saved.lse, block_out, block_lse);
@@ -318,25 +357,38 @@ void KVStream::attend_forward(const KVStore& kv, int layer, int64_t t0, int64_t 
 
 void KVStream::attend_backward(const KVStore& kv, int layer, int64_t t0, int64_t t1, const Tensor& d_q,
                                const Tensor& d_out, const AttentionSaved& saved, const Tensor& q, const Tensor& out,
-                               double scale, Arena& scratch) {
+                               double scale, Arena& scratch, const std::vector<std::vector<int64_t>>* doc_starts) {
   // Each block's share given the merged out and lse: dQ summed over the blocks in the accumulation
   // dtype (one rounding per block, not a running bf16 sum), each earlier block's dK, dV fetched,
-  // added to and sent home.
-  const int64_t j = t0 / block_;
-  if (j > 0) fetch_block(layer, 0, true);  // comes in while the own block runs
-  attention_backward(d_q, kv.d_keys(layer, t0, t1), kv.d_values(layer, t0, t1), d_out, saved, q,
-                     kv.keys(layer, t0, t1), kv.values(layer, t0, t1), out, scale, GradMode::overwrite, scratch);
-  if (j == 0) return;
+  // added to and sent home. With documents as in attend_forward: a block before the first one the
+  // chunk's documents reach is not fetched, and its dK, dV get nothing (no gradient crosses a start).
+  const int64_t j = t0 / block_, first = first_block(t0, doc_starts);
+  if (j > first) fetch_block(layer, first, true);  // comes in while the own block runs
+  if (doc_starts)
+    attention_backward_documents(d_q, kv.d_keys(layer, t0, t1), kv.d_values(layer, t0, t1), d_out, saved, q,
+                                 kv.keys(layer, t0, t1), kv.values(layer, t0, t1), out,
+                                 starts_within(*doc_starts, t0, t1), scale, GradMode::overwrite, scratch);
+  else
+    attention_backward(d_q, kv.d_keys(layer, t0, t1), kv.d_values(layer, t0, t1), d_out, saved, q,
+                       kv.keys(layer, t0, t1), kv.values(layer, t0, t1), out, scale, GradMode::overwrite, scratch);
+  if (j == first) return;
   ArenaScope scope(scratch);
   const int64_t rows = d_q.size(0) * d_q.size(1), width = d_q.size(2) * d_q.size(3);
   const Tensor dq_sum = scratch.alloc(saved.lse.dtype, {rows, width}), dq_block = scratch.alloc(d_q.dtype, {rows, width});
   copy_convert(dq_sum, d_q.view({rows, width}));
   const Tensor dq_block4 = dq_block.view({d_q.size(0), d_q.size(1), d_q.size(2), d_q.size(3)});
-  for_prefix_blocks(layer, j, true, [&](int it, int64_t k0, int64_t k1) {
-    attention_backward(dq_block4, kv.d_keys(layer, k0, k1), kv.d_values(layer, k0, k1), d_out, saved, q,
-                       kv.keys(layer, k0, k1), kv.values(layer, k0, k1), out, scale, GradMode::overwrite, scratch,
-                       AttentionMask::none);
-    accumulate(dq_sum, dq_block);
+  for_prefix_blocks(layer, first, j, true, [&](int it, int64_t k0, int64_t k1) {
+    if (doc_starts) {
+      attention_backward_documents_block(dq_sum.view({d_q.size(0), d_q.size(1), d_q.size(2), d_q.size(3)}),
+                                         kv.d_keys(layer, k0, k1), kv.d_values(layer, k0, k1), d_out, saved, q,
+                                         kv.keys(layer, k0, k1), kv.values(layer, k0, k1), out, t0, k0, *doc_starts,
+                                         scale, scratch);
+    } else {
+      attention_backward(dq_block4, kv.d_keys(layer, k0, k1), kv.d_values(layer, k0, k1), d_out, saved, q,
+                         kv.keys(layer, k0, k1), kv.values(layer, k0, k1), out, scale, GradMode::overwrite, scratch,
+                         AttentionMask::none);
+      accumulate(dq_sum, dq_block);
+    }
     res_.store(it, spans(kDKeys, kDValues, 0, k1 - k0));
     home_grads_[static_cast<size_t>(it)] = 1;
   });

@@ -161,36 +161,28 @@ size_t KVStore::bytes_moved() const {
 
 size_t KVStore::bytes_per_token() const { return (bytes() + host_bytes()) / static_cast<size_t>(B_ * T_); }
 
-namespace {
-[[noreturn]] void refuse_streamed_documents() {
-  fail("packed documents with a streamed K/V store (schedule.stream_kv) are not implemented",
-       "keep the store in host memory with schedule.offload_window instead");
-}
-}  // namespace
-
 void KVStore::attend_forward(int layer, int64_t t0, int64_t t1, const Tensor& out, const AttentionSaved& saved,
                              const Tensor& q, double scale, Arena& scratch,
                              const std::vector<std::vector<int64_t>>* doc_starts) {
+  if (stream_) return stream_->attend_forward(*this, layer, t0, t1, out, saved, q, scale, scratch, doc_starts);
   if (doc_starts) {
-    if (stream_) refuse_streamed_documents();
     attention_forward_documents(out, saved, q, keys(layer, 0, t1), values(layer, 0, t1), *doc_starts, scale, scratch);
     return;
   }
-  if (stream_) return stream_->attend_forward(*this, layer, t0, t1, out, saved, q, scale, scratch);
   attention_forward(out, saved, q, keys(layer, 0, t1), values(layer, 0, t1), scale, scratch);
 }
 
 void KVStore::attend_backward(int layer, int64_t t0, int64_t t1, const Tensor& d_q, const Tensor& d_out,
                               const AttentionSaved& saved, const Tensor& q, const Tensor& out, double scale,
                               Arena& scratch, const std::vector<std::vector<int64_t>>* doc_starts) {
+  if (stream_)
+    return stream_->attend_backward(*this, layer, t0, t1, d_q, d_out, saved, q, out, scale, scratch, doc_starts);
   if (doc_starts) {
-    if (stream_) refuse_streamed_documents();
     attention_backward_documents(d_q, d_keys(layer, 0, t1), d_values(layer, 0, t1), d_out, saved, q,
                                  keys(layer, 0, t1), values(layer, 0, t1), out, *doc_starts, scale,
                                  GradMode::overwrite, scratch);
     return;
   }
-  if (stream_) return stream_->attend_backward(*this, layer, t0, t1, d_q, d_out, saved, q, out, scale, scratch);
   attention_backward(d_q, d_keys(layer, 0, t1), d_values(layer, 0, t1), d_out, saved, q, keys(layer, 0, t1),
                      values(layer, 0, t1), out, scale, GradMode::overwrite, scratch);
 }

@@ -84,7 +84,7 @@ class KVStore {
   // Shapes and saved values as attention_forward / attention_backward (d_q overwritten; dK, dV of
   // keys [0, t1) added into the accumulators).
   // doc_starts (packed documents, engine/ops/attention.h): each query attends only keys of its own
-  // document; not with a streamed store.
+  // document (streamed: only the blocks its documents reach are fetched).
   void attend_forward(int layer, int64_t t0, int64_t t1, const Tensor& out, const AttentionSaved& saved,
                       const Tensor& q, double scale, Arena& scratch,
                       const std::vector<std::vector<int64_t>>* doc_starts = nullptr);

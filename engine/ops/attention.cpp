@@ -8,6 +8,7 @@
 #include "engine/cuda/runtime.h"
 #include "engine/engine.h"
 #include "engine/env.h"
+#include "engine/ops/residual.h"
 #if CW_HAVE_CUDA
 #include "engine/cuda/ops.h"
 #endif
@@ -502,6 +503,73 @@ void attention_backward_documents(const Tensor& d_q, const Tensor& d_k, const Te
                        sequence_rows(d_v, s.b, s.k0, keys), sequence_rows(d_out, s.b, s.q0, n), {lse},
                        sequence_rows(q, s.b, s.q0, n), sequence_rows(k, s.b, s.k0, keys),
                        sequence_rows(v, s.b, s.k0, keys), sequence_rows(out, s.b, s.q0, n), scale, mode, scratch);
+  }
+}
+
+namespace {
+// The spans of a chunk at [p, p + c) that read keys of the block [k0, k0 + n), with the block rows
+// they read: [first, n) of the block.
+struct BlockSpan {
+  DocumentSpan span;
+  int64_t first;
+};
+std::vector<BlockSpan> block_spans(const std::vector<std::vector<int64_t>>& doc_starts, int64_t B, int64_t p,
+                                   int64_t c, int64_t k0, int64_t n) {
+  CW_CHECK(k0 >= 0 && n >= 1 && k0 + n <= p, "attention: the key block [{}, {}) must precede the chunk at {}", k0,
+           k0 + n, p);
+  std::vector<BlockSpan> out;
+  for (const DocumentSpan& s : document_spans(doc_starts, B, p, c))
+    if (s.k0 < k0 + n) out.push_back({s, std::max(s.k0, k0) - k0});
+  return out;
+}
+}  // namespace
+
+void attention_merge_documents_block(const Tensor& acc, const Tensor& lse_acc, const Tensor& q, const Tensor& k,
+                                     const Tensor& v, int64_t p, int64_t k0,
+                                     const std::vector<std::vector<int64_t>>& doc_starts, double scale,
+                                     Arena& scratch) {
+  const int64_t B = q.size(0), c = q.size(1), H = q.size(2), D = q.size(3), n = k.size(1);
+  check_shape(acc, {B, c, H, D}, "attention_merge_documents_block acc");
+  check_shape(lse_acc, {B, H, c}, "attention_merge_documents_block lse_acc");
+  for (const BlockSpan& bs : block_spans(doc_starts, B, p, c, k0, n)) {
+    const DocumentSpan& s = bs.span;
+    ArenaScope scope(scratch);
+    const int64_t rows = s.q1 - s.q0, keys = n - bs.first;
+    const Tensor out_b = scratch.alloc(q.dtype, {1, rows, H, D}), lse_b = scratch.alloc(lse_acc.dtype, {1, H, rows});
+    attention_forward(out_b, {lse_b}, sequence_rows(q, s.b, s.q0, rows), sequence_rows(k, s.b, bs.first, keys),
+                      sequence_rows(v, s.b, bs.first, keys), scale, scratch, AttentionMask::none);
+    // The span's lse columns are packed only when it is the sequence's whole chunk.
+    const bool whole = whole_rows(s, c);
+    const Tensor lse = whole ? lse_acc.slice(0, s.b, 1) : scratch.alloc(lse_acc.dtype, {1, H, rows});
+    if (!whole) copy_convert(lse.view({H, rows}), lse_columns(lse_acc, s.b, s.q0, s.q1));
+    attention_merge(sequence_rows(acc, s.b, s.q0, rows), lse, out_b, lse_b);
+    if (!whole) copy_convert(lse_columns(lse_acc, s.b, s.q0, s.q1), lse.view({H, rows}));
+  }
+}
+
+void attention_backward_documents_block(const Tensor& dq_acc, const Tensor& d_k, const Tensor& d_v,
+                                        const Tensor& d_out, const AttentionSaved& saved, const Tensor& q,
+                                        const Tensor& k, const Tensor& v, const Tensor& out, int64_t p, int64_t k0,
+                                        const std::vector<std::vector<int64_t>>& doc_starts, double scale,
+                                        Arena& scratch) {
+  const int64_t B = q.size(0), c = q.size(1), H = q.size(2), D = q.size(3), n = k.size(1);
+  check_shape(dq_acc, {B, c, H, D}, "attention_backward_documents_block dq_acc");
+  for (const BlockSpan& bs : block_spans(doc_starts, B, p, c, k0, n)) {
+    const DocumentSpan& s = bs.span;
+    ArenaScope scope(scratch);
+    const int64_t rows = s.q1 - s.q0, keys = n - bs.first;
+    const bool whole = whole_rows(s, c);
+    Tensor lse = saved.lse.slice(0, s.b, 1);
+    if (!whole) {
+      lse = scratch.alloc(saved.lse.dtype, {1, H, rows});
+      copy_convert(lse.view({H, rows}), lse_columns(saved.lse, s.b, s.q0, s.q1));
+    }
+    const Tensor dq_b = scratch.alloc(d_out.dtype, {1, rows, H, D});
+    attention_backward(dq_b, sequence_rows(d_k, s.b, bs.first, keys), sequence_rows(d_v, s.b, bs.first, keys),
+                       sequence_rows(d_out, s.b, s.q0, rows), {lse}, sequence_rows(q, s.b, s.q0, rows),
+                       sequence_rows(k, s.b, bs.first, keys), sequence_rows(v, s.b, bs.first, keys),
+                       sequence_rows(out, s.b, s.q0, rows), scale, GradMode::overwrite, scratch, AttentionMask::none);
+    accumulate(sequence_rows(dq_acc, s.b, s.q0, rows), dq_b);
   }
 }
 

@@ -135,6 +135,28 @@ void attention_backward_documents(const Tensor& d_q, const Tensor& d_k, const Te
                                   const Tensor& out, const std::vector<std::vector<int64_t>>& doc_starts, double scale,
                                   GradMode mode, Arena& scratch);
 
+// Packed documents against one block of earlier keys, for a K/V prefix attended block by block (the
+// streamed store, model/kv_residency.h): the chunk's queries at positions [p, p + c) against keys
+// [k0, k0 + n) of the same sequences, k0 + n <= p, each query only against the keys of its own
+// document (every key precedes every query: no causal mask inside the block). The spans of
+// document_spans whose document starts before k0 + n read keys [max(k0, start), k0 + n); the others
+// read nothing from the block and are left as they are. q, k, v, out, d_out, saved as
+// attention_forward_documents; k, v, d_k, d_v the block's [B, n, Hkv, D].
+// Forward: each span's (out, lse) against its keys merged into acc [B, c, H, D] and lse_acc [B, H, c]
+// (accumulation dtype, updated in place) as attention_merge does. Backward, given the combined out and
+// lse of every block (saved): the block's dK, dV ADDED, the span's dQ share ADDED to dq_acc [B, c, H, D]
+// (accumulation dtype). Tested in tests/engine/test_attention_documents.cpp (merged over blocks, equal
+// to one call over the whole prefix).
+void attention_merge_documents_block(const Tensor& acc, const Tensor& lse_acc, const Tensor& q, const Tensor& k,
+                                     const Tensor& v, int64_t p, int64_t k0,
+                                     const std::vector<std::vector<int64_t>>& doc_starts, double scale,
+                                     Arena& scratch);
+void attention_backward_documents_block(const Tensor& dq_acc, const Tensor& d_k, const Tensor& d_v,
+                                        const Tensor& d_out, const AttentionSaved& saved, const Tensor& q,
+                                        const Tensor& k, const Tensor& v, const Tensor& out, int64_t p, int64_t k0,
+                                        const std::vector<std::vector<int64_t>>& doc_starts, double scale,
+                                        Arena& scratch);
+
 // Combines the attention of the same queries against two disjoint sets of keys (blocks of one row):
 //   lse = log(exp(lse_acc) + exp(lse_b))
 //   acc = exp(lse_acc - lse) acc + exp(lse_b - lse) out_b;  lse_acc = lse

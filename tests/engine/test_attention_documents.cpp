@@ -144,3 +144,56 @@ TEST_CASE("attention documents: one document a sequence is the plain causal call
   CHECK(max_abs_diff(a, b) == 0.0);
   CHECK(max_abs_diff(la, lb) == 0.0);
 }
+
+TEST_CASE("attention documents: the prefix block by block (own keys, then earlier blocks merged) equals one call") {
+  // The streamed store's order (model/kv_residency.h): the chunk against its own keys with the starts
+  // inside it, then each earlier block through attention_merge_documents_block; the backward per
+  // block given the combined out and lse. Chunk [9, 15) of 15 keys in blocks of 3: sequence 0's
+  // documents begin at 0, 4, 10 and 12 (the chunk's first begun in block 1, cut by the block edge at
+  // 6), sequence 1's at 0 and 14 (its first reaches every block); a document of one token at 14.
+  Shape s;
+  s.c = 6;
+  s.p = 9;
+  const int64_t block = 3;
+  const double scale = 0.4;
+  const std::vector<std::vector<int64_t>> starts{{0, 4, 10, 12}, {0, 14}};
+  OwnedTensor q = randn({s.B, s.c, s.H, s.D}, 31), k = randn({s.B, s.S(), s.Hkv, s.D}, 32),
+              v = randn({s.B, s.S(), s.Hkv, s.D}, 33), d_out = randn({s.B, s.c, s.H, s.D}, 34);
+  Arena scratch;
+  // One call over all keys.
+  OwnedTensor out(DType::f64, {s.B, s.c, s.H, s.D}), lse(DType::f64, {s.B, s.H, s.c});
+  attention_forward_documents(out, {lse}, q, k, v, starts, scale, scratch);
+  OwnedTensor d_q(DType::f64, {s.B, s.c, s.H, s.D}), d_k(DType::f64, {s.B, s.S(), s.Hkv, s.D}),
+              d_v(DType::f64, {s.B, s.S(), s.Hkv, s.D});
+  attention_backward_documents(d_q, d_k, d_v, d_out, {lse}, q, k, v, out, starts, scale, GradMode::overwrite,
+                               scratch);
+
+  // Block by block: the own keys [9, 15) first, the starts counted from 9 (0: the documents begun before).
+  const std::vector<std::vector<int64_t>> local{{0, 1, 3}, {0, 5}};
+  const auto keys = [&](const OwnedTensor& t, int64_t k0, int64_t n) { return t.tensor.slice(1, k0, n); };
+  OwnedTensor out_b(DType::f64, {s.B, s.c, s.H, s.D}), lse_b(DType::f64, {s.B, s.H, s.c});
+  attention_forward_documents(out_b, {lse_b}, q, keys(k, s.p, s.c), keys(v, s.p, s.c), local, scale, scratch);
+  for (int64_t k0 = 0; k0 < s.p; k0 += block)
+    attention_merge_documents_block(out_b, lse_b, q, keys(k, k0, block), keys(v, k0, block), s.p, k0, starts, scale,
+                                    scratch);
+  CHECK(max_abs_diff(out_b, out) <= kForwardTol);
+  CHECK(max_abs_diff(lse_b, lse) <= kForwardTol);
+  CHECK(max_abs_diff(out, masked_reference(s, q, k, v, starts, scale)) <= kForwardTol);
+
+  OwnedTensor dq_b(DType::f64, {s.B, s.c, s.H, s.D}), dk_b(DType::f64, {s.B, s.S(), s.Hkv, s.D}),
+              dv_b(DType::f64, {s.B, s.S(), s.Hkv, s.D});
+  attention_backward_documents(dq_b, keys(dk_b, s.p, s.c), keys(dv_b, s.p, s.c), d_out, {lse}, q, keys(k, s.p, s.c),
+                               keys(v, s.p, s.c), out, local, scale, GradMode::overwrite, scratch);
+  for (int64_t k0 = 0; k0 < s.p; k0 += block)
+    attention_backward_documents_block(dq_b, keys(dk_b, k0, block), keys(dv_b, k0, block), d_out, {lse}, q,
+                                       keys(k, k0, block), keys(v, k0, block), out, s.p, k0, starts, scale, scratch);
+  CHECK(max_abs_diff(dq_b, d_q) <= kForwardTol);
+  CHECK(max_abs_diff(dk_b, d_k) <= kForwardTol);
+  CHECK(max_abs_diff(dv_b, d_v) <= kForwardTol);
+  // Sequence 0's keys before its document at 4 get no gradient (sequence 1 reads every block).
+  for (int64_t i = 0; i < 4 * s.Hkv * s.D; ++i) CHECK(dk_b.tensor.ptr<double>()[i] == 0.0);
+  // A block that ends past the chunk's position is refused.
+  CHECK_THROWS_WITH_AS(attention_merge_documents_block(out_b, lse_b, q, keys(k, 8, 3), keys(v, 8, 3), s.p, 8, starts,
+                                                       scale, scratch),
+                       doctest::Contains("must precede the chunk"), Error);
+}

@@ -216,7 +216,8 @@ TEST_CASE("cuda: seco and checkpointed (offload, selective, tiled MLP) equal ful
 TEST_CASE("cuda: packed documents (every attention family, seco and full) match the CPU in f64" *
           doctest::skip(!cw::test::gpu_ready())) {
   // Documents of 1 to 23 tokens, cut differently in the two sequences; seco's chunks of 12 and 7
-  // start, end and straddle them. The reference: full on the CPU in f64 with the same documents.
+  // start, end and straddle them; the streamed store's blocks of 8 too. The reference: full on the
+  // CPU in f64 with the same documents.
   const LlamaConfig cfg = tiny_config();
   Batch batch = random_batch(2, 48, cfg.vocab_size, 19);
   set_documents(batch, {{0, 1, 9, 32, 33}, {0, 23, 40}});
@@ -228,6 +229,8 @@ TEST_CASE("cuda: packed documents (every attention family, seco and full) match 
   saved.save_inputs = true;
   ScheduleOptions window = named("seco", 16);
   window.offload_window = 1;
+  ScheduleOptions streamed = named("seco", 8);  // blocks of 8: the merges of attention_merge_documents_block
+  streamed.stream_kv = true;
   for (const AttentionKernel kernel : {AttentionKernel::automatic, AttentionKernel::cudnn, AttentionKernel::flash_wgmma,
                                        AttentionKernel::flash_mma, AttentionKernel::flash_simt}) {
     for (const DType dt : {DType::f32, DType::bf16}) {
@@ -236,8 +239,9 @@ TEST_CASE("cuda: packed documents (every attention family, seco and full) match 
       LlamaModel model(cfg, dt, Device::gpu(0));
       copy_params(model.params(), ref.model.params());
       ParamSet grads(cfg, DType::f32, Device::gpu(0));
-      for (const ScheduleOptions& o : {named("full"), seco, saved, window}) {
+      for (const ScheduleOptions& o : {named("full"), seco, saved, window, streamed}) {
         CAPTURE(std::string(attention_kernel_name(kernel)));
+        CAPTURE(o.stream_kv);
         CAPTURE(std::string(dtype_name(dt)));
         CAPTURE(o.chunk);
         double loss = 0;

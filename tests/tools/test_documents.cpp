@@ -1,8 +1,8 @@
 // Packed documents through every schedule: `gradcheck --documents L1,... --against separate` (the packed
 // batch's loss and gradients against each document run alone, summed) within 1e-12 in f64, for chunks
 // that start, end and straddle document boundaries, a document longer than the chunk, one-token
-// documents and a batch whose sequences are cut differently; with absolute positions the schedules
-// agree with full, and full agrees with finite differences.
+// documents, a batch whose sequences are cut differently and the K/V store streamed in blocks; with
+// absolute positions the schedules agree with full, and full agrees with finite differences.
 #include "model/llama.h"
 #include "optim/schedule.h"
 #include "tests/support.h"
@@ -58,6 +58,18 @@ std::vector<Case> cases() {
   window.offload_window = 1;
   c.push_back({"seco, K/V store offloaded (window 1)", mixed, 2, window});
   c.push_back({"spaco visiting every chunk", mixed, 1, named("spaco", 8)});
+  // The K/V store streamed in blocks of the chunk: a chunk reads only the blocks its documents reach.
+  ScheduleOptions streamed = named("seco", 8);
+  streamed.stream_kv = true;
+  c.push_back({"seco, K/V store streamed (blocks of 8)", mixed, 2, streamed});
+  c.push_back({"seco, streamed, a document over five blocks", {40, 24}, 1, streamed});
+  ScheduleOptions streamed_saved = streamed;
+  streamed_saved.chunk = streamed_saved.bwd_chunk = 6;
+  streamed_saved.save_attention = true;
+  c.push_back({"seco, streamed blocks of 6, saved attention outputs", {1, 1, 1, 5, 1, 1, 54}, 2, streamed_saved});
+  ScheduleOptions streamed_spaco = named("spaco", 8);
+  streamed_spaco.stream_kv = true;
+  c.push_back({"spaco visiting every chunk, streamed", mixed, 1, streamed_spaco});
   return c;
 }
 }  // namespace
