@@ -284,10 +284,17 @@ void KVStream::zero_grads() {
 
 void KVStream::reset() { std::fill(home_kv_.begin(), home_kv_.end(), 0); }
 
-void KVStream::for_prefix_blocks(int layer, int64_t j, bool with_grads,
+namespace {
+// An unmasked prefix block's window: its queries sit t0 - k0 positions past its first key k0.
+AttentionWindow prefix_window(int64_t window, int64_t t0, int64_t k0) {
+  return window > 0 ? AttentionWindow{window, t0 - k0} : AttentionWindow{};
+}
+}  // namespace
+
+void KVStream::for_prefix_blocks(int layer, int64_t first, int64_t j, bool with_grads,
                                  const std::function<void(int item, int64_t k0, int64_t k1)>& visit) {
   const int own = item(layer, j);
-  for (int64_t i = 0; i < j; ++i) {
+  for (int64_t i = first; i < j; ++i) {
     res_.ready(item(layer, i));
     res_.fetch(own, {});  // most recently used: the prefetch below takes the block before this one
     if (i + 1 < j) fetch_block(layer, i + 1, with_grads);
@@ -296,21 +303,26 @@ void KVStream::for_prefix_blocks(int layer, int64_t j, bool with_grads,
 }
 
 void KVStream::attend_forward(const KVStore& kv, int layer, int64_t t0, int64_t t1, const Tensor& out,
-                              const AttentionSaved& saved, const Tensor& q, double scale, Arena& scratch) {
+                              const AttentionSaved& saved, const Tensor& q, double scale, Arena& scratch,
+                              int64_t window) {
   // The chunk against its own block (causal), then against each earlier block (unmasked), merged in
-  // the accumulation dtype; the next block comes in while one is attended.
-  const int64_t j = t0 / block_;
-  if (j > 0) fetch_block(layer, 0, false);  // queued first: it comes in while the own block is attended
-  attention_forward(out, saved, q, kv.keys(layer, t0, t1), kv.values(layer, t0, t1), scale, scratch);
-  if (j == 0) return;
+  // the accumulation dtype; the next block comes in while one is attended. With a sliding window only
+  // the blocks that hold keys from first_key(t0) on, each from there (its rows past a query's window
+  // masked by the op).
+  const int64_t j = t0 / block_, k_first = kv.first_key(t0), first = k_first / block_;
+  if (first < j) fetch_block(layer, first, false);  // queued first: it comes in while the own block is attended
+  attention_forward(out, saved, q, kv.keys(layer, t0, t1), kv.values(layer, t0, t1), scale, scratch,
+                    AttentionMask::causal, {window});
+  if (first == j) return;
   ArenaScope scope(scratch);
   const int64_t B = out.size(0), c = out.size(1), H = out.size(2), D = out.size(3);
   const Tensor acc = scratch.alloc(saved.lse.dtype, {B, c, H, D}), block_out = scratch.alloc(out.dtype, {B, c, H, D});
   const Tensor block_lse = scratch.alloc(saved.lse.dtype, {saved.lse.size(0), saved.lse.size(1), saved.lse.size(2)});
   copy_convert(acc, out);
-  for_prefix_blocks(layer, j, false, [&](int, int64_t k0, int64_t k1) {
-    attention_forward(block_out, {block_lse}, q, kv.keys(layer, k0, k1), kv.values(layer, k0, k1), scale, scratch,
-                      AttentionMask::none);
+  for_prefix_blocks(layer, first, j, false, [&](int, int64_t k0, int64_t k1) {
+    const int64_t from = std::max(k0, k_first);  // the block's keys inside the window
+    attention_forward(block_out, {block_lse}, q, kv.keys(layer, from, k1), kv.values(layer, from, k1), scale,
+                      scratch, AttentionMask::none, prefix_window(window, t0, from));
     attention_merge(acc, saved.lse, block_out, block_lse);
   });
   copy_convert(out, acc);
@@ -318,24 +330,26 @@ void KVStream::attend_forward(const KVStore& kv, int layer, int64_t t0, int64_t 
 
 void KVStream::attend_backward(const KVStore& kv, int layer, int64_t t0, int64_t t1, const Tensor& d_q,
                                const Tensor& d_out, const AttentionSaved& saved, const Tensor& q, const Tensor& out,
-                               double scale, Arena& scratch) {
+                               double scale, Arena& scratch, int64_t window) {
   // Each block's share given the merged out and lse: dQ summed over the blocks in the accumulation
   // dtype (one rounding per block, not a running bf16 sum), each earlier block's dK, dV fetched,
-  // added to and sent home.
-  const int64_t j = t0 / block_;
-  if (j > 0) fetch_block(layer, 0, true);  // comes in while the own block runs
+  // added to and sent home. With a sliding window, the blocks of the forward (above).
+  const int64_t j = t0 / block_, k_first = kv.first_key(t0), first = k_first / block_;
+  if (first < j) fetch_block(layer, first, true);  // comes in while the own block runs
   attention_backward(d_q, kv.d_keys(layer, t0, t1), kv.d_values(layer, t0, t1), d_out, saved, q,
-                     kv.keys(layer, t0, t1), kv.values(layer, t0, t1), out, scale, GradMode::overwrite, scratch);
-  if (j == 0) return;
+                     kv.keys(layer, t0, t1), kv.values(layer, t0, t1), out, scale, GradMode::overwrite, scratch,
+                     AttentionMask::causal, {window});
+  if (first == j) return;
   ArenaScope scope(scratch);
   const int64_t rows = d_q.size(0) * d_q.size(1), width = d_q.size(2) * d_q.size(3);
   const Tensor dq_sum = scratch.alloc(saved.lse.dtype, {rows, width}), dq_block = scratch.alloc(d_q.dtype, {rows, width});
   copy_convert(dq_sum, d_q.view({rows, width}));
   const Tensor dq_block4 = dq_block.view({d_q.size(0), d_q.size(1), d_q.size(2), d_q.size(3)});
-  for_prefix_blocks(layer, j, true, [&](int it, int64_t k0, int64_t k1) {
-    attention_backward(dq_block4, kv.d_keys(layer, k0, k1), kv.d_values(layer, k0, k1), d_out, saved, q,
-                       kv.keys(layer, k0, k1), kv.values(layer, k0, k1), out, scale, GradMode::overwrite, scratch,
-                       AttentionMask::none);
+  for_prefix_blocks(layer, first, j, true, [&](int it, int64_t k0, int64_t k1) {
+    const int64_t from = std::max(k0, k_first);  // the block's keys inside the window
+    attention_backward(dq_block4, kv.d_keys(layer, from, k1), kv.d_values(layer, from, k1), d_out, saved, q,
+                       kv.keys(layer, from, k1), kv.values(layer, from, k1), out, scale, GradMode::overwrite,
+                       scratch, AttentionMask::none, prefix_window(window, t0, from));
     accumulate(dq_sum, dq_block);
     res_.store(it, spans(kDKeys, kDValues, 0, k1 - k0));
     home_grads_[static_cast<size_t>(it)] = 1;
