@@ -20,7 +20,9 @@
 //   block, and sees keys max(0, o + i - W + 1) <= j <= min(S - 1, o + i); the sums above run over
 //   those. A row of an unmasked block may see none: its lse is -inf and its out 0 (attention_merge
 //   weighs it as nothing). P_ij is 0 off the window, so no dK, dV reaches a key no query sees; a
-//   caller that passes only the keys [p - W + 1, p + c) gets the same result reading less.
+//   caller that passes only the keys [p - W + 1, p + c) gets the same result reading less. Tested in
+//   tests/engine/test_attention_documents.cpp (the windowed softmax written out, finite differences,
+//   blocks merged) and the op table's window rows.
 // Shapes: q, out, d_q, d_out [B, c, H, D]; k, v [B, S, Hkv, D]; d_k, d_v [B, S, Hkv, D] in the
 // accumulation dtype (f32 for f32/bf16, f64 for f64). k, v, d_k, d_v may have any batch stride
 // (a slice of the K/V store); their inner [S, Hkv, D] must be packed. All on q's device (scratch too).
