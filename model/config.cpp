@@ -146,7 +146,8 @@ struct FamilyNames {
 };
 constexpr FamilyNames kFamilies[] = {{ModelFamily::llama, "llama", "LlamaForCausalLM"},
                                      {ModelFamily::qwen2, "qwen2", "Qwen2ForCausalLM"},
-                                     {ModelFamily::qwen3, "qwen3", "Qwen3ForCausalLM"}};
+                                     {ModelFamily::qwen3, "qwen3", "Qwen3ForCausalLM"},
+                                     {ModelFamily::mistral, "mistral", "MistralForCausalLM"}};
 
 const FamilyNames& names_of(ModelFamily f) {
   for (const FamilyNames& n : kFamilies)
@@ -172,7 +173,7 @@ ModelFamily read_family(const JsonObject& j, const std::string& src) {
       if (type == n.model_type) family = n.family;
     if (!family)
       j.fail_key("model_type", fmt::format("is '{}', a model chunkwise does not train", type.substr(0, 60)),
-                 "chunkwise trains llama, qwen2 and qwen3 models");
+                 "chunkwise trains llama, qwen2, qwen3 and mistral models");
   } else {
     for (const FamilyNames& n : kFamilies)
       if (names(n.family)) family = n.family;
@@ -180,7 +181,7 @@ ModelFamily read_family(const JsonObject& j, const std::string& src) {
   const ModelFamily f = family.value_or(ModelFamily::llama);
   if (architectures && architectures->is_array() && !names(f))
     fail(fmt::format("{}: architectures {} does not include {}", src, architectures->dump(), architecture_name(f)),
-         "chunkwise trains LlamaForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM models");
+         "chunkwise trains LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM and MistralForCausalLM models");
   return f;
 }
 
@@ -208,12 +209,15 @@ void refuse_unsupported(const JsonObject& j) {
 const char* model_family_name(ModelFamily family) { return names_of(family).model_type; }
 
 LlamaConfig LlamaConfig::from_json(const json& document, const std::string& src) {
-  const JsonObject j(document, src, "", "compare with a transformers LlamaConfig, Qwen2Config or Qwen3Config");
+  const JsonObject j(document, src, "",
+                     "compare with a transformers LlamaConfig, Qwen2Config, Qwen3Config or MistralConfig");
   LlamaConfig c;
   c.family = read_family(j, src);
   refuse_unsupported(j);
-  // Qwen2's q/k/v biases are its type's; Llama's and Qwen3's attention_bias adds o_proj's too.
-  c.attention_bias = c.family == ModelFamily::qwen2 || j.boolean_or("attention_bias", false);
+  // Qwen2's q/k/v biases are its type's; Llama's and Qwen3's attention_bias adds o_proj's too;
+  // Mistral's projections have none (MistralAttention reads no attention_bias).
+  c.attention_bias = c.family == ModelFamily::qwen2 ||
+                     (c.family != ModelFamily::mistral && j.boolean_or("attention_bias", false));
   c.o_bias = c.family != ModelFamily::qwen2 && c.attention_bias;
   c.qk_norm = c.family == ModelFamily::qwen3;
   c.vocab_size = j.integer("vocab_size");
@@ -230,6 +234,15 @@ LlamaConfig LlamaConfig::from_json(const json& document, const std::string& src)
   c.head_dim = j.integer_or("head_dim", c.num_attention_heads > 0 ? c.hidden_size / c.num_attention_heads : 0);
   c.max_position_embeddings = j.integer_or("max_position_embeddings", 2048);
   c.rms_norm_eps = j.number_or("rms_norm_eps", 1e-6);
+  // Mistral's window: MistralConfig's default 4096 when the key is absent; null, no window. Other
+  // families carry no window (Qwen2's sliding_window counts only with use_sliding_window, refused).
+  if (c.family == ModelFamily::mistral && !j.value().contains("sliding_window")) c.sliding_window = 4096;
+  if (c.family == ModelFamily::mistral && j.has("sliding_window")) {
+    c.sliding_window = j.integer("sliding_window");
+    if (c.sliding_window <= 0)
+      j.fail_key("sliding_window", fmt::format("is {}: a window holds at least one key", c.sliding_window),
+                 "give a positive window, or null for none");
+  }
   c.initializer_range = j.number_or("initializer_range", 0.02);
   c.tie_word_embeddings = j.boolean_or("tie_word_embeddings", c.tie_word_embeddings);
   // v5 keeps theta and scaling together in rope_parameters; v4 has rope_theta and rope_scaling.
@@ -310,6 +323,15 @@ void LlamaConfig::validate(const std::string& src, const ConfigKeyNames& keys) c
   if (qk_norm && family != ModelFamily::qwen3)
     fail(fmt::format("{}: per-head q/k norms belong to qwen3, not {}", src, model_family_name(family)),
          "set model_type to qwen3, or leave the norms out");
+  if (sliding_window < 0)
+    fail(fmt::format("{}: '{}' must be positive (or null: no window), got {}", src, keys.sliding_window,
+                     sliding_window),
+         "fix the value in the file (Mistral 7B v0.1 uses 4096)");
+  if (sliding_window > 0 && family != ModelFamily::mistral)
+    fail(fmt::format("{}: a sliding window belongs to mistral, not {}", src, model_family_name(family)),
+         "set model_type to mistral, or leave the window out");
+  if (family == ModelFamily::mistral && attention_bias)
+    fail(fmt::format("{}: mistral has no attention biases", src), "leave attention_bias out");
   // Non-finite values would pass a bare `> 0`; they make every activation NaN.
   if (!(rms_norm_eps > 0 && std::isfinite(rms_norm_eps)))
     fail(fmt::format("{}: '{}' must be positive and finite, got {}", src, keys.rms_norm_eps, rms_norm_eps),
@@ -344,7 +366,11 @@ json LlamaConfig::to_json() const {
   // Qwen2's biases are implied by its model_type (Qwen2Config has no attention_bias).
   if (family != ModelFamily::qwen2) j["attention_bias"] = attention_bias;
   if (family == ModelFamily::llama) j["mlp_bias"] = false;
-  if (family != ModelFamily::llama) j["use_sliding_window"] = false;
+  if (family == ModelFamily::qwen2 || family == ModelFamily::qwen3) j["use_sliding_window"] = false;
+  if (family == ModelFamily::mistral) {
+    j.erase("attention_bias");  // MistralConfig has none
+    j["sliding_window"] = sliding_window > 0 ? json(sliding_window) : json(nullptr);
+  }
   switch (rope_scaling.type) {
     case RopeScaling::Type::none: j["rope_scaling"] = nullptr; break;
     case RopeScaling::Type::linear: j["rope_scaling"] = {{"rope_type", "linear"}, {"factor", rope_scaling.factor}}; break;
@@ -436,8 +462,8 @@ LlamaConfig qwen_family(ModelFamily family, int64_t C, int64_t F, int64_t L, int
 }  // namespace
 
 std::vector<std::string> LlamaConfig::preset_names() {
-  return {"tiny",         "tiny-tp",    "tiny-qwen2", "tiny-qwen3", "small",      "llama-3.2-1b",
-          "llama-3.2-3b", "llama-3.1-8b", "qwen2.5-0.5b", "qwen2.5-7b", "qwen3-0.6b", "qwen3-8b"};
+  return {"tiny",         "tiny-tp",      "tiny-qwen2",   "tiny-qwen3", "tiny-mistral", "small",    "llama-3.2-1b",
+          "llama-3.2-3b", "llama-3.1-8b", "qwen2.5-0.5b", "qwen2.5-7b", "qwen3-0.6b",   "qwen3-8b", "mistral-7b"};
 }
 
 LlamaConfig LlamaConfig::preset(const std::string& name) {
@@ -482,6 +508,13 @@ LlamaConfig LlamaConfig::preset(const std::string& name) {
       c.qk_norm = true;
       c.head_dim = 8;
     }
+  } else if (name == "tiny-mistral") {
+    // For tests: tiny as Mistral, a window of 5 keys (shorter than the tests' chunks and sequences,
+    // so it cuts inside chunks and the relay stops), RoPE theta 1e4 without scaling as Mistral's.
+    c = preset("tiny");
+    c.family = ModelFamily::mistral;
+    c.rope_scaling = {};
+    c.sliding_window = 5;
   } else if (name == "small") {
     // The CPU demo: byte-level vocabulary (258 ids padded to 320), trains in minutes on two cores.
     c.vocab_size = 320;
@@ -514,6 +547,23 @@ LlamaConfig LlamaConfig::preset(const std::string& name) {
     c = qwen_family(ModelFamily::qwen3, 1024, 3072, 28, 16, 8, 128, true);
   } else if (name == "qwen3-8b") {
     c = qwen_family(ModelFamily::qwen3, 4096, 12288, 36, 32, 8, 128, false);
+  } else if (name == "mistral-7b") {
+    // Mistral-7B-v0.1 as its HF config.json gives it: GQA 32:8, a window of 4096 keys on every layer.
+    c.family = ModelFamily::mistral;
+    c.vocab_size = 32000;
+    c.hidden_size = 4096;
+    c.intermediate_size = 14336;
+    c.num_hidden_layers = 32;
+    c.num_attention_heads = 32;
+    c.num_key_value_heads = 8;
+    c.head_dim = 128;
+    c.max_position_embeddings = 32768;
+    c.rms_norm_eps = 1e-5;
+    c.rope_theta = 10000.0;
+    c.sliding_window = 4096;
+    c.bos_token_id = 1;
+    c.eos_token_ids = {2};
+    c.torch_dtype = "bfloat16";
   } else {
     std::string names;
     for (const auto& n : preset_names()) names += (names.empty() ? "" : ", ") + n;
@@ -521,6 +571,15 @@ LlamaConfig LlamaConfig::preset(const std::string& name) {
   }
   c.validate("preset " + name);
   return c;
+}
+
+const LlamaConfig& check_runs_on(const LlamaConfig& config, Device device, const std::string& cpu_setting) {
+  if (config.sliding_window > 0 && !device.is_cpu())
+    fail(fmt::format("sliding_window = {} ({}): the GPU attention kernels do not honour a sliding window yet",
+                     config.sliding_window, model_family_name(config.family)),
+         fmt::format("run on the CPU ({}), or use a config whose sliding_window is null",
+                     cpu_setting.empty() ? "its f64 or f32 path" : cpu_setting));
+  return config;
 }
 
 LlamaConfig LlamaConfig::resolve(const std::string& spec) {

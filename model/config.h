@@ -7,7 +7,11 @@
 //   qwen3  Qwen3ForCausalLM: RMSNorm over each head's q and k after the projection, before RoPE
 //          (q_norm, k_norm: one weight of head_dim shared by the heads); head_dim its own key;
 //          `attention_bias` as Llama's.
-// Sliding-window attention (`use_sliding_window` true, or `layer_types` other than full_attention),
+//   mistral MistralForCausalLM: Llama's block (no biases) whose every layer attends through a
+//          sliding window of `sliding_window` keys (an integer, or null: no window), as transformers'
+//          sliding-window mask: a query at t sees keys t - W < j <= t (engine/ops/attention.h).
+//          `head_dim` may be given apart from hidden / heads.
+// Qwen's sliding windows (`use_sliding_window` true, or `layer_types` other than full_attention),
 // MLP biases and activations other than silu are refused naming the key.
 //
 // Reads both key forms of transformers' LlamaConfig: v4 (`rope_theta`, `rope_scaling`, `torch_dtype`)
@@ -29,6 +33,7 @@
 // H query heads, Hkv key/value heads, D head dim.
 #pragma once
 
+#include "engine/ops/attention.h"
 #include "engine/ops/rope.h"
 
 #include <nlohmann/json_fwd.hpp>
@@ -52,6 +57,7 @@ struct ConfigKeyNames {
   const char* max_position_embeddings = "max_position_embeddings";
   const char* rms_norm_eps = "rms_norm_eps";
   const char* rope_theta = "rope_theta";
+  const char* sliding_window = "sliding_window";
 };
 
 // Plausibility bounds on a config's sizes. A config.json alone gives no file to measure them
@@ -79,8 +85,8 @@ struct ConfigLimits {
 };
 
 // The architecture a config describes: HF's model_type.
-enum class ModelFamily { llama, qwen2, qwen3 };
-const char* model_family_name(ModelFamily family);  // "llama", "qwen2", "qwen3"
+enum class ModelFamily { llama, qwen2, qwen3, mistral };
+const char* model_family_name(ModelFamily family);  // "llama", "qwen2", "qwen3", "mistral"
 
 struct LlamaConfig {
   int64_t vocab_size = 0;            // V
@@ -104,13 +110,14 @@ struct LlamaConfig {
   bool attention_bias = false;       // biases on q_proj, k_proj, v_proj [H*D], [Hkv*D] (qwen2; attention_bias)
   bool o_bias = false;               // a bias on o_proj [C] (Llama's and Qwen3's attention_bias)
   bool qk_norm = false;              // q_norm, k_norm [D] on each head before RoPE (qwen3)
+  int64_t sliding_window = 0;        // W: a query attends the W newest keys, itself included (mistral); 0: all
 
   // Parses a config.json document; `source` names the file in error messages.
   static LlamaConfig from_json(const nlohmann::json& j, const std::string& source);
   static LlamaConfig from_file(const std::string& path);
-  // A built-in preset: "tiny", "tiny-qwen2", "tiny-qwen3" (tests), "small" (the CPU demo),
-  // "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "qwen2.5-0.5b", "qwen2.5-7b", "qwen3-0.6b",
-  // "qwen3-8b". Throws listing the names for an unknown one.
+  // A built-in preset: "tiny", "tiny-qwen2", "tiny-qwen3", "tiny-mistral" (tests), "small" (the CPU
+  // demo), "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "qwen2.5-0.5b", "qwen2.5-7b", "qwen3-0.6b",
+  // "qwen3-8b", "mistral-7b". Throws listing the names for an unknown one.
   static LlamaConfig preset(const std::string& name);
   static std::vector<std::string> preset_names();
   // A preset name, a config.json path, an HF checkpoint directory holding config.json, or a GGUF
@@ -125,7 +132,16 @@ struct LlamaConfig {
 
   int64_t q_dim() const { return num_attention_heads * head_dim; }     // H * D
   int64_t kv_dim() const { return num_key_value_heads * head_dim; }    // Hkv * D
+  // The first key a query at `position` attends within its sequence (or document, positions counted
+  // in it): position - W + 1 under a sliding window, else 0.
+  int64_t first_visible_key(int64_t position) const { return window_first_key(position, sliding_window); }
   int64_t parameter_count() const;  // exact; validate() keeps it within ConfigLimits::kMaxParameters
 };
+
+// A sliding window runs on the CPU only: the GPU attention families (cuDNN, our flash kernels)
+// mask causally and by document but not by window. On a GPU such a config is refused before any
+// work, in one line naming the key; `cpu_setting` is how the caller picks the CPU ("train.device =
+// cpu"; empty: "the CPU"). Returns the config, so a constructor can check it first.
+const LlamaConfig& check_runs_on(const LlamaConfig& config, Device device, const std::string& cpu_setting = "");
 
 }  // namespace cw

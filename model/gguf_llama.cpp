@@ -133,6 +133,16 @@ LlamaConfig llama_config_from_gguf(const GgufReader& f) {
   c.max_position_embeddings = f.get_int(key("context_length"));
   c.rope_theta = f.get_float(key("rope.freq_base"), 10000.0);
   c.rms_norm_eps = f.get_float(key("attention.layer_norm_rms_epsilon"));
+  if (f.has(key("attention.sliding_window"))) {
+    if (c.family != ModelFamily::llama)
+      bad_model(f, fmt::format("{} in a {} model", key("attention.sliding_window"), arch),
+                "chunkwise reads a sliding window for architecture llama (Mistral) only");
+    c.family = ModelFamily::mistral;
+    c.sliding_window = f.get_int(key("attention.sliding_window"));
+    if (c.sliding_window <= 0)
+      bad_model(f, fmt::format("{} = {}: a window holds at least one key", key("attention.sliding_window"),
+                               c.sliding_window));
+  }
 
   const GgufTensorInfo* embedding = f.find_tensor("token_embd.weight");
   if (!embedding) bad_model(f, "has no tensor 'token_embd.weight'", "is this a model file?");
@@ -240,9 +250,10 @@ void load_gguf_weights(ParamSet& params, const GgufReader& f) {
                                shape_str(t->shape()), shape_str(t->dims), spec.name, shape_str(spec.shape)),
                 "the file is inconsistent: re-convert it");
     const Tensor& dst = params[i];
-    // llama.cpp permutes Llama's Q/K rows for its rotation of adjacent pairs; Qwen's rotate halves
-    // as HF does (NEOX), unpermuted.
-    if (c.family != ModelFamily::llama || (spec.role != ParamRole::wq && spec.role != ParamRole::wk)) {
+    // llama.cpp permutes Llama's (and Mistral's) Q/K rows for its rotation of adjacent pairs; Qwen's
+    // rotate halves as HF does (NEOX), unpermuted.
+    const bool permuted = c.family == ModelFamily::llama || c.family == ModelFamily::mistral;
+    if (!permuted || (spec.role != ParamRole::wq && spec.role != ParamRole::wk)) {
       f.read_into(name, dst);
     } else {
       // Read in GGUF row order, then put each row back where HF has it.

@@ -13,6 +13,11 @@
 //   llama.context_length                    -> max_position_embeddings
 //   llama.rope.freq_base                    -> rope_theta (default 10000)
 //   llama.attention.layer_norm_rms_epsilon  -> rms_norm_eps
+//   llama.attention.sliding_window          -> sliding_window (llama.cpp's key of a window; architecture
+//                                              llama only, where it makes the model mistral: llama.cpp
+//                                              writes Mistral's as llama, and transformers' Llama has
+//                                              no window). Absent, as llama.cpp's converter leaves it for
+//                                              Mistral 7B: no window, a llama model.
 //   llama.vocab_size, else the length of tokenizer.ggml.tokens, else token_embd's rows -> vocab_size
 //   tokenizer.ggml.bos_token_id / eos_token_id / padding_token_id -> bos_token_id / eos_token_ids /
 //                                              pad_token_id (as transformers' GGUF loader maps them)
@@ -37,7 +42,8 @@
 //   output.weight             -> lm_head.weight (absent when tied)
 //   qwen2: blk.{l}.attn_{q,k,v}.bias -> model.layers.{l}.self_attn.{q,k,v}_proj.bias
 //   qwen3: blk.{l}.attn_{q,k}_norm.weight -> model.layers.{l}.self_attn.{q,k}_norm.weight
-// qwen2 and qwen3 rotate as HF does (llama.cpp's NEOX RoPE): their Q/K rows are not permuted.
+// qwen2 and qwen3 rotate as HF does (llama.cpp's NEOX RoPE): their Q/K rows are not permuted;
+// architecture llama's are (mistral's too).
 // Every tensor of the table must be present with its configured shape; a tensor the table has no
 // place for (a bias, say) is refused rather than ignored, since ignoring it would compute another model.
 //

@@ -11,7 +11,7 @@ namespace cw {
 
 LlamaModel::LlamaModel(const LlamaConfig& config, DType dtype, Device device, TensorParallelGroup* tp,
                        const LoraConfig& lora, bool cast_layers)
-    : full_config_(config),
+    : full_config_(check_runs_on(config, device)),  // before anything is allocated
       tp_(tp),
       config_(tp ? tp_shard_config(config, tp->size()) : config),
       dtype_(dtype),

@@ -82,7 +82,7 @@ void rope(Matrix& x, int64_t heads, int64_t D, const std::vector<int64_t>& pos, 
 }
 
 // ---- Causal attention within a document, grouped K/V heads ----
-// Row n's query attends key rows [first[n], n] (its document's tokens up to itself).
+// Row n's query attends key rows [first[n], n] (its document's tokens up to itself, within its window).
 struct Heads {
   int64_t H, Hkv, D;
   int64_t kv_head(int64_t h) const { return h / (H / Hkv); }
@@ -188,7 +188,9 @@ ReferenceResult reference_step(const LlamaModel& model, const Tensor& ids, const
   CW_CHECK(doc_starts.empty() || static_cast<int64_t>(doc_starts.size()) == B,
            "document starts for {} sequences, the batch has {}", doc_starts.size(), B);
 
-  // Per row: its RoPE position and its document's first row (the first key it attends).
+  // Per row: its RoPE position and the first key it attends: its document's first row, or under a
+  // sliding window of W keys the row W - 1 before it when that is later.
+  const int64_t W = cfg.sliding_window;
   std::vector<int64_t> pos(static_cast<size_t>(N)), first(static_cast<size_t>(N));
   for (int64_t b = 0; b < B; ++b) {
     const std::vector<int64_t> starts = doc_starts.empty() ? std::vector<int64_t>{0} : doc_starts[size_t(b)];
@@ -201,7 +203,7 @@ ReferenceResult reference_step(const LlamaModel& model, const Tensor& ids, const
     for (int64_t t = 0; t < T; ++t) {
       while (next < starts.size() && starts[next] <= t) start = starts[next++];
       pos[size_t(b * T + t)] = document_positions ? t - start : t;
-      first[size_t(b * T + t)] = b * T + start;
+      first[size_t(b * T + t)] = b * T + (W > 0 ? std::max(start, t - W + 1) : start);
     }
   }
   OwnedTensor cos_table(DType::f64, {T, D / 2}), sin_table(DType::f64, {T, D / 2});

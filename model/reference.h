@@ -28,7 +28,8 @@
 //   loss   = (1 / S) sum_{n: label_n != -100} (logsumexp(logits_n) - logits_n[label_n])
 // S is the count of supervised labels in the batch (at least 1: a batch without any has loss 0).
 // keys(t) = [start(t), t], start(t) the last document start <= t of the sequence (Batch::doc_starts;
-// none: 0). RoPE rotates each head's halves (HF rotate_half) by the angles of position pos(t) = t,
+// none: 0); under a sliding window of W keys (Mistral's sliding_window) [max(start(t), t - W + 1), t].
+// RoPE rotates each head's halves (HF rotate_half) by the angles of position pos(t) = t,
 // or t - start(t) with packed documents and document positions:
 //   out_i = x_i cos_i - x_{i+D/2} sin_i,   out_{i+D/2} = x_{i+D/2} cos_i + x_i sin_i.
 // The cos / sin tables [T, D/2] are the engine's (engine/ops/rope.h rope_tables, for a sequence of T

@@ -86,6 +86,10 @@ int run_plan(const PlanOptions& po, std::ostream& out) {
     out << fmt::format("tensor parallel: one GPU of {} (1/{} of the heads, K/V heads and FFN; embeddings and norms "
                        "whole; collectives not timed)\n",
                        po.tp, po.tp);
+  if (cf.sliding_window > 0)
+    out << fmt::format("sliding window: {} keys a query, attention planned over the window (W T pairs, not T^2/2); "
+                       "the GPU refuses a window today (docs/model_families.md): run it on the CPU\n",
+                       cf.sliding_window);
   const DType dtype = parse_dtype(po.dtype);
   validate_lora(po.lora);
   const MemoryBudget gib(device_gib_or_gpu(po.device_memory_gib), host_gib_or_machine(po.host_memory_gib));

@@ -1,6 +1,7 @@
 // The attention op on the CPU (math and contract: engine/ops/attention.h), f64 and f32 through Eigen.
-// Query rows go in blocks of kQueryBlock against all visible keys, so scratch is O(block x S) per
-// thread, never c x S. The public entry (engine/ops/attention.cpp) has checked the operands.
+// Query rows go in blocks of kQueryBlock against the keys they see between them (with a sliding
+// window, only those), so scratch is O(block x S) per thread, never c x S. The public entry
+// (engine/ops/attention.cpp) has checked the operands.
 #include "engine/cpu/attention.h"
 
 #include "engine/engine.h"
@@ -9,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 namespace cw::cpu {
@@ -16,33 +18,56 @@ namespace cw::cpu {
 namespace {
 constexpr int64_t kQueryBlock = kCpuAttentionQueryBlock;  // query rows per score block: bounds scratch to 64 x S
 
-// p: the first query's position relative to the first key; unmasked, S (past every key), so the
-// causal rule "key j <= p + i" holds for every pair.
+// p: the first query's position relative to the first key; unmasked, S (past every key) or the
+// window's distance, so the causal rule "key j <= p + i" holds for every pair. W: the sliding window
+// (0: none), the rule "key j > p + i - W" beside it.
 struct Dims {
-  int64_t B, c, H, D, S, Hkv, p;
-  // Keys the query rows [i0, i0 + rows) see between them.
-  int64_t keys_of(int64_t i0, int64_t rows) const { return std::min(S, p + i0 + rows); }
+  int64_t B, c, H, D, S, Hkv, p, W;
+  // Query i sees keys [first_key(i), key_end(i)) (an empty range for a row of an unmasked block
+  // that lies wholly past its window).
+  int64_t key_end(int64_t i) const { return std::min(S, p + i + 1); }
+  int64_t first_key(int64_t i) const { return W > 0 ? std::clamp<int64_t>(p + i - W + 1, 0, S) : 0; }
 };
-Dims dims_of(const Tensor& q, const Tensor& k, bool causal) {
-  return {q.size(0), q.size(1), q.size(2), q.size(3), k.size(1), k.size(2), causal ? k.size(1) - q.size(1) : k.size(1)};
+Dims dims_of(const Tensor& q, const Tensor& k, bool causal, const AttentionWindow& window) {
+  const int64_t p = causal ? k.size(1) - q.size(1) : window.size > 0 ? window.distance : k.size(1);
+  return {q.size(0), q.size(1), q.size(2), q.size(3), k.size(1), k.size(2), p, window.size};
 }
 
-// Scores of query rows [i0, i0+rows) against keys [0, keys) of one (batch, head), masked causally:
-// P holds exp(s - lse) (with lse computed here when `compute_lse`), zero where masked.
-template <class T>
-void probabilities(MatrixMap<T> P, const ConstMatrixMap<T>& Q, const ConstMatrixMap<T>& K, T scale,
-                   int64_t first_query_pos, T* lse, bool compute_lse) {
+// The keys [lo, hi) the query rows [i0, i0 + rows) see between them: every row's range lies inside
+// (both ends grow with the row), so a score block spans hi - lo keys, at most W + rows - 1 with a
+// window.
+struct KeySpan {
+  int64_t lo, hi;
+  int64_t n() const { return hi - lo; }
+};
+KeySpan keys_of(const Dims& d, int64_t i0, int64_t rows) {
+  const int64_t lo = d.first_key(i0), hi = d.key_end(i0 + rows - 1);
+  return {std::min(lo, hi), hi};
+}
+
+// Scores of query rows [i0, i0+rows) against the block's keys [ks.lo, ks.hi) of one (batch, head),
+// K holding those keys: P holds exp(s - lse) (with lse computed here when `compute_lse`), zero where
+// masked. A row that sees no key is all zero, its lse -inf.
+template <class T, class KeyRows>
+void probabilities(MatrixMap<T> P, const ConstMatrixMap<T>& Q, const KeyRows& K, T scale, const Dims& d, int64_t i0,
+                   const KeySpan& ks, T* lse, bool compute_lse) {
   const int64_t rows = P.rows(), keys = P.cols();
-  P.noalias() = (Q * K.topRows(keys).transpose()) * scale;
+  P.noalias() = (Q * K.transpose()) * scale;
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t visible = std::min(keys, first_query_pos + r + 1);  // keys [0, visible) are not masked
-    auto row = P.row(r).head(visible).array();
+    const int64_t lo = d.first_key(i0 + r) - ks.lo, hi = d.key_end(i0 + r) - ks.lo;  // not masked: [lo, hi)
+    if (lo >= hi) {
+      if (compute_lse) lse[r] = -std::numeric_limits<T>::infinity();
+      P.row(r).setZero();
+      continue;
+    }
+    auto row = P.row(r).segment(lo, hi - lo).array();
     if (compute_lse) {
       const T m = row.maxCoeff();
       lse[r] = m + std::log((row - m).exp().sum());  // Eigen's exp is vectorised
     }
     row = (row - lse[r]).exp();
-    P.row(r).tail(keys - visible).setZero();
+    P.row(r).head(lo).setZero();
+    P.row(r).tail(keys - hi).setZero();
   }
 }
 
@@ -74,8 +99,8 @@ size_t attention_scratch_bytes(int64_t c, int64_t S, DType dtype, bool backward)
 }
 
 void attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
-                       const Tensor& v, double scale, Arena& scratch, bool causal) {
-  const Dims d = dims_of(q, k, causal);
+                       const Tensor& v, double scale, Arena& scratch, bool causal, const AttentionWindow& window) {
+  const Dims d = dims_of(q, k, causal, window);
   dispatch_float(q.dtype, "attention_forward", [&](auto zero) {
     using T = decltype(zero);
     ArenaScope scope(scratch);
@@ -91,13 +116,20 @@ void attention_forward(const Tensor& out, const AttentionSaved& saved, const Ten
         const auto K = cmatrix<T>(k.ptr<T>() + b * k.stride[0] + g * d.D, d.S, d.D, kv_row_stride);
         const auto V = cmatrix<T>(v.ptr<T>() + b * v.stride[0] + g * d.D, d.S, d.D, kv_row_stride);
         for (int64_t i0 = 0; i0 < d.c; i0 += kQueryBlock) {
-          const int64_t rows = std::min(kQueryBlock, d.c - i0), keys = d.keys_of(i0, rows);
+          const int64_t rows = std::min(kQueryBlock, d.c - i0);
+          const KeySpan ks = keys_of(d, i0, rows);
           const int64_t q_off = ((b * d.c + i0) * d.H + h) * d.D;
-          const auto Q = cmatrix<T>(q.ptr<T>() + q_off, rows, d.D, row_stride);
-          auto P = matrix<T>(score_block, rows, keys, keys);
           T* lse = saved.lse.ptr<T>() + (b * d.H + h) * d.c + i0;
-          probabilities<T>(P, Q, K, T(scale), d.p + i0, lse, true);
-          matrix<T>(out.ptr<T>() + q_off, rows, d.D, row_stride).noalias() = P * V.topRows(keys);
+          auto O = matrix<T>(out.ptr<T>() + q_off, rows, d.D, row_stride);
+          if (ks.n() == 0) {  // rows of an unmasked block wholly past their windows
+            O.setZero();
+            std::fill(lse, lse + rows, -std::numeric_limits<T>::infinity());
+            continue;
+          }
+          const auto Q = cmatrix<T>(q.ptr<T>() + q_off, rows, d.D, row_stride);
+          auto P = matrix<T>(score_block, rows, ks.n(), ks.n());
+          probabilities<T>(P, Q, K.middleRows(ks.lo, ks.n()), T(scale), d, i0, ks, lse, true);
+          O.noalias() = P * V.middleRows(ks.lo, ks.n());
         }
       }
   });
@@ -105,8 +137,9 @@ void attention_forward(const Tensor& out, const AttentionSaved& saved, const Ten
 
 void attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,
                         const AttentionSaved& saved, const Tensor& q, const Tensor& k, const Tensor& v,
-                        const Tensor& out, double scale, GradMode mode, Arena& scratch, bool causal) {
-  const Dims d = dims_of(q, k, causal);
+                        const Tensor& out, double scale, GradMode mode, Arena& scratch, bool causal,
+                        const AttentionWindow& window) {
+  const Dims d = dims_of(q, k, causal, window);
   dispatch_float(q.dtype, "attention_backward", [&](auto zero) {
     using T = decltype(zero);
     ArenaScope scope(scratch);
@@ -125,27 +158,33 @@ void attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v,
         auto dK = matrix<T>(d_k.ptr<T>() + b * d_k.stride[0] + g * d.D, d.S, d.D, kv_row_stride);
         auto dV = matrix<T>(d_v.ptr<T>() + b * d_v.stride[0] + g * d.D, d.S, d.D, kv_row_stride);
         for (int64_t i0 = 0; i0 < d.c; i0 += kQueryBlock) {
-          const int64_t rows = std::min(kQueryBlock, d.c - i0), keys = d.keys_of(i0, rows);
+          const int64_t rows = std::min(kQueryBlock, d.c - i0);
+          const KeySpan ks = keys_of(d, i0, rows);
           const int64_t q_off = ((b * d.c + i0) * d.H + h) * d.D;
+          auto dQ = matrix<T>(d_q.ptr<T>() + q_off, rows, d.D, row_stride);
+          if (ks.n() == 0) {  // rows that see no key here: no gradient to give or take
+            if (mode == GradMode::overwrite) dQ.setZero();
+            continue;
+          }
           const auto Q = cmatrix<T>(q.ptr<T>() + q_off, rows, d.D, row_stride);
           const auto O = cmatrix<T>(out.ptr<T>() + q_off, rows, d.D, row_stride);
           const auto dO = cmatrix<T>(d_out.ptr<T>() + q_off, rows, d.D, row_stride);
-          auto P = matrix<T>(p_block, rows, keys, keys);
-          auto dS = matrix<T>(dp_block, rows, keys, keys);
+          const auto Kb = K.middleRows(ks.lo, ks.n());
+          auto P = matrix<T>(p_block, rows, ks.n(), ks.n());
+          auto dS = matrix<T>(dp_block, rows, ks.n(), ks.n());
           T* lse = saved.lse.ptr<T>() + (b * d.H + h) * d.c + i0;
-          probabilities<T>(P, Q, K, T(scale), d.p + i0, lse, false);
-          dS.noalias() = dO * V.topRows(keys).transpose();  // dP
+          probabilities<T>(P, Q, Kb, T(scale), d, i0, ks, lse, false);
+          dS.noalias() = dO * V.middleRows(ks.lo, ks.n()).transpose();  // dP
           for (int64_t r = 0; r < rows; ++r) {
             const T delta = dO.row(r).dot(O.row(r));
             dS.row(r) = (P.row(r).array() * (dS.row(r).array() - delta)).matrix();
           }
-          auto dQ = matrix<T>(d_q.ptr<T>() + q_off, rows, d.D, row_stride);
           if (mode == GradMode::accumulate)
-            dQ.noalias() += (dS * K.topRows(keys)) * T(scale);
+            dQ.noalias() += (dS * Kb) * T(scale);
           else
-            dQ.noalias() = (dS * K.topRows(keys)) * T(scale);
-          dK.topRows(keys).noalias() += (dS.transpose() * Q) * T(scale);
-          dV.topRows(keys).noalias() += P.transpose() * dO;
+            dQ.noalias() = (dS * Kb) * T(scale);
+          dK.middleRows(ks.lo, ks.n()).noalias() += (dS.transpose() * Q) * T(scale);
+          dV.middleRows(ks.lo, ks.n()).noalias() += P.transpose() * dO;
         }
       }
   });

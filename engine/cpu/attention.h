@@ -12,12 +12,13 @@ namespace cw::cpu {
 // rows x S forward, two backward).
 size_t attention_scratch_bytes(int64_t c, int64_t S, DType dtype, bool backward);
 
-// causal false: every query sees every key (AttentionMask::none).
+// causal false: every query sees every key (AttentionMask::none) within its window, if any.
 void attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
-                       const Tensor& v, double scale, Arena& scratch, bool causal);
+                       const Tensor& v, double scale, Arena& scratch, bool causal, const AttentionWindow& window);
 void attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,
                         const AttentionSaved& saved, const Tensor& q, const Tensor& k, const Tensor& v,
-                        const Tensor& out, double scale, GradMode mode, Arena& scratch, bool causal);
+                        const Tensor& out, double scale, GradMode mode, Arena& scratch, bool causal,
+                        const AttentionWindow& window);
 void attention_merge(const Tensor& acc, const Tensor& lse_acc, const Tensor& out_b, const Tensor& lse_b);
 
 }  // namespace cw::cpu

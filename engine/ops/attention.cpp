@@ -106,7 +106,8 @@ bool packed_kv(const Tensor& t, int64_t Hkv, int64_t D) {
 }
 
 void check_forward_operands(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-                            const AttentionSaved& saved, const Arena& scratch, AttentionMask mask) {
+                            const AttentionSaved& saved, const Arena& scratch, AttentionMask mask,
+                            AttentionWindow window = {}) {
   CW_CHECK(q.ndim == 4 && k.ndim == 4, "attention q {} and k {} must be [B, c, H, D] and [B, S, Hkv, D]",
            q.describe(), k.describe());
   const int64_t B = q.size(0), c = q.size(1), H = q.size(2), D = q.size(3), S = k.size(1), Hkv = k.size(2);
@@ -114,6 +115,13 @@ void check_forward_operands(const Tensor& q, const Tensor& k, const Tensor& v, c
     CW_CHECK(S >= c, "attention: {} queries but only {} keys (keys must cover [0, p + c))", c, S);
   else
     CW_CHECK(S >= 1, "attention: an unmasked call needs at least one key, got {}", S);
+  CW_CHECK(window.size >= 0, "attention: a sliding window of {} keys (0: none)", window.size);
+  if (mask == AttentionMask::causal)
+    CW_CHECK(window.distance == 0, "attention: a causal call places its queries itself; window distance {} must be 0",
+             window.distance);
+  else if (window.size > 0)
+    CW_CHECK(window.distance >= S, "attention: an unmasked block's queries sit past its {} keys, window distance {}",
+             S, window.distance);
   CW_CHECK(Hkv > 0 && H % Hkv == 0, "attention: {} query heads not a multiple of {} K/V heads", H, Hkv);
   check_shape(k, {B, S, Hkv, D}, "attention k");
   check_same_shape(v, k, "attention v", "attention k");
@@ -255,9 +263,10 @@ bool serves(AttentionKernel kernel, const AttentionCall& call, const AttentionFl
 }  // namespace
 
 AttentionCall attention_call(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor* d_q,
-                             const Tensor* d_out, const Tensor* d_k, const Tensor* d_v, AttentionMask mask) {
+                             const Tensor* d_out, const Tensor* d_k, const Tensor* d_v, AttentionMask mask,
+                             AttentionWindow window) {
   AttentionCall call{q.device, q.dtype, q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3),
-                     d_q != nullptr, false, &q, &k, &v, mask};
+                     d_q != nullptr, false, &q, &k, &v, mask, window};
   // The tensor-core kernels load rows with 16-byte copies and add dK/dV with 8-byte vectors.
   call.tensor_core_operands = aligned(&q, 16) && aligned(&k, 16) && aligned(&v, 16) && aligned(&out, 16) &&
                               aligned(d_q, 16) && aligned(d_out, 16) && aligned(d_k, 8) && aligned(d_v, 8) &&
@@ -270,6 +279,11 @@ AttentionChoice choose_attention_kernel(const AttentionCall& call, const Attenti
   // The CPU has one kernel; the setting chooses among the GPU families (a test may force one and
   // still compute its CPU reference).
   if (call.device.is_cpu()) return {AttentionKernel::cpu, "the operands are on the CPU"};
+  // The GPU families mask causally (and by document, through views) but not by a sliding window.
+  if (call.window.size > 0)
+    fail(fmt::format("attention: a sliding window of {} keys (the model's sliding_window) has no GPU kernel",
+                     call.window.size),
+         "run on the CPU, or use a config without sliding_window");
   std::string why, reasons;
   const AttentionKernel forced = flags.forced;
   const auto try_kernel = [&](AttentionKernel k, bool is_forced) {
@@ -337,11 +351,24 @@ void count_call(const AttentionCall& call, const AttentionChoice& choice) {
 }
 }  // namespace
 
+double attention_pairs(int64_t c, int64_t S, AttentionMask mask, AttentionWindow window) {
+  const bool causal = mask == AttentionMask::causal;
+  if (window.size == 0) {
+    // Bottom-right causal: query i of c sees the S - c earlier keys and i + 1 of its own chunk.
+    const double cd = double(c), Sd = double(S);
+    return causal ? cd * (Sd - cd) + cd * (cd + 1) / 2 : cd * Sd;
+  }
+  // Query i sees keys [max(0, o + i - W + 1), min(S - 1, o + i)].
+  const int64_t o = causal ? S - c : window.distance;
+  double pairs = 0;
+  for (int64_t i = 0; i < c; ++i)
+    pairs += double(std::max<int64_t>(0, std::min(S, o + i + 1) - std::max<int64_t>(0, o + i - window.size + 1)));
+  return pairs;
+}
+
 double attention_call_flops(const AttentionCall& call) {
-  // Bottom-right causal: query i of c sees the S - c earlier keys and i + 1 of its own chunk.
-  const double c = double(call.c), S = double(call.S);
-  const double pairs = call.mask == AttentionMask::causal ? c * (S - c) + c * (c + 1) / 2 : c * S;
-  const double forward = 4.0 * double(call.B) * double(call.H) * double(call.D) * pairs;
+  const double forward =
+      4.0 * double(call.B) * double(call.H) * double(call.D) * attention_pairs(call.c, call.S, call.mask, call.window);
   return call.backward ? 2.5 * forward : forward;
 }
 
@@ -376,14 +403,14 @@ void reset_attention_census() {
 
 // ---- The op ----
 void attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
-                       const Tensor& v, double scale, Arena& scratch, AttentionMask mask) {
-  check_forward_operands(q, k, v, out, saved, scratch, mask);
-  const AttentionCall call = attention_call(q, k, v, out, nullptr, nullptr, nullptr, nullptr, mask);
+                       const Tensor& v, double scale, Arena& scratch, AttentionMask mask, AttentionWindow window) {
+  check_forward_operands(q, k, v, out, saved, scratch, mask, window);
+  const AttentionCall call = attention_call(q, k, v, out, nullptr, nullptr, nullptr, nullptr, mask, window);
   const AttentionChoice choice = choose_attention_kernel(call, attention_flags());
   count_call(call, choice);
   const bool causal = mask == AttentionMask::causal;
   switch (choice.kernel) {
-    case AttentionKernel::cpu: return cpu::attention_forward(out, saved, q, k, v, scale, scratch, causal);
+    case AttentionKernel::cpu: return cpu::attention_forward(out, saved, q, k, v, scale, scratch, causal, window);
 #if CW_HAVE_CUDNN
     case AttentionKernel::cudnn: return gpu::cudnn_attention_forward(out, saved, q, k, v, scale, scratch, causal);
 #endif
@@ -401,17 +428,18 @@ void attention_forward(const Tensor& out, const AttentionSaved& saved, const Ten
 
 void attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,
                         const AttentionSaved& saved, const Tensor& q, const Tensor& k, const Tensor& v,
-                        const Tensor& out, double scale, GradMode mode, Arena& scratch, AttentionMask mask) {
-  check_forward_operands(q, k, v, out, saved, scratch, mask);
+                        const Tensor& out, double scale, GradMode mode, Arena& scratch, AttentionMask mask,
+                        AttentionWindow window) {
+  check_forward_operands(q, k, v, out, saved, scratch, mask, window);
   check_backward_operands(d_q, d_k, d_v, d_out, q, k);
   const AttentionFlags flags = attention_flags();
-  const AttentionCall call = attention_call(q, k, v, out, &d_q, &d_out, &d_k, &d_v, mask);
+  const AttentionCall call = attention_call(q, k, v, out, &d_q, &d_out, &d_k, &d_v, mask, window);
   const AttentionChoice choice = choose_attention_kernel(call, flags);
   count_call(call, choice);
   const bool causal = mask == AttentionMask::causal;
   switch (choice.kernel) {
     case AttentionKernel::cpu:
-      return cpu::attention_backward(d_q, d_k, d_v, d_out, saved, q, k, v, out, scale, mode, scratch, causal);
+      return cpu::attention_backward(d_q, d_k, d_v, d_out, saved, q, k, v, out, scale, mode, scratch, causal, window);
 #if CW_HAVE_CUDNN
     case AttentionKernel::cudnn:
       return gpu::cudnn_attention_backward(d_q, d_k, d_v, d_out, saved, q, k, v, out, scale, mode, scratch, causal);
@@ -464,21 +492,27 @@ Tensor lse_columns(const Tensor& lse, int64_t b, int64_t q0, int64_t q1) {
   return rows;
 }
 bool whole_rows(const DocumentSpan& s, int64_t c) { return s.q0 == 0 && s.q1 == c; }
+// The first key a span's call reads: its document's start, or with a window of W keys its first
+// query's oldest visible key when that is later (p: the chunk's first position).
+int64_t span_first_key(const DocumentSpan& s, int64_t p, int64_t window) {
+  return std::max(s.k0, window_first_key(p + s.q0, window));
+}
 }  // namespace
 
 void attention_forward_documents(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
                                  const Tensor& v, const std::vector<std::vector<int64_t>>& doc_starts, double scale,
-                                 Arena& scratch) {
-  check_forward_operands(q, k, v, out, saved, scratch, AttentionMask::causal);
+                                 Arena& scratch, int64_t window) {
+  check_forward_operands(q, k, v, out, saved, scratch, AttentionMask::causal, {window});
   const int64_t B = q.size(0), c = q.size(1), H = q.size(2), p = k.size(1) - c;
   for (const DocumentSpan& s : document_spans(doc_starts, B, p, c)) {
     ArenaScope scope(scratch);
-    const int64_t n = s.q1 - s.q0, keys = p + s.q1 - s.k0;
+    const int64_t k0 = span_first_key(s, p, window), n = s.q1 - s.q0, keys = p + s.q1 - k0;
     // A span of whole rows reads its lse in place; a part of a row through a packed copy.
     const bool whole = whole_rows(s, c);
     const Tensor lse = whole ? saved.lse.slice(0, s.b, 1) : scratch.alloc(saved.lse.dtype, {1, H, n});
     attention_forward(sequence_rows(out, s.b, s.q0, n), {lse}, sequence_rows(q, s.b, s.q0, n),
-                      sequence_rows(k, s.b, s.k0, keys), sequence_rows(v, s.b, s.k0, keys), scale, scratch);
+                      sequence_rows(k, s.b, k0, keys), sequence_rows(v, s.b, k0, keys), scale, scratch,
+                      AttentionMask::causal, {window});
     if (!whole) copy_convert(lse_columns(saved.lse, s.b, s.q0, s.q1), lse.view({H, n}));
   }
 }
@@ -486,23 +520,24 @@ void attention_forward_documents(const Tensor& out, const AttentionSaved& saved,
 void attention_backward_documents(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,
                                   const AttentionSaved& saved, const Tensor& q, const Tensor& k, const Tensor& v,
                                   const Tensor& out, const std::vector<std::vector<int64_t>>& doc_starts, double scale,
-                                  GradMode mode, Arena& scratch) {
-  check_forward_operands(q, k, v, out, saved, scratch, AttentionMask::causal);
+                                  GradMode mode, Arena& scratch, int64_t window) {
+  check_forward_operands(q, k, v, out, saved, scratch, AttentionMask::causal, {window});
   check_backward_operands(d_q, d_k, d_v, d_out, q, k);
   const int64_t B = q.size(0), c = q.size(1), H = q.size(2), p = k.size(1) - c;
   for (const DocumentSpan& s : document_spans(doc_starts, B, p, c)) {
     ArenaScope scope(scratch);
-    const int64_t n = s.q1 - s.q0, keys = p + s.q1 - s.k0;
+    const int64_t k0 = span_first_key(s, p, window), n = s.q1 - s.q0, keys = p + s.q1 - k0;
     const bool whole = whole_rows(s, c);
     Tensor lse = saved.lse.slice(0, s.b, 1);
     if (!whole) {
       lse = scratch.alloc(saved.lse.dtype, {1, H, n});
       copy_convert(lse.view({H, n}), lse_columns(saved.lse, s.b, s.q0, s.q1));
     }
-    attention_backward(sequence_rows(d_q, s.b, s.q0, n), sequence_rows(d_k, s.b, s.k0, keys),
-                       sequence_rows(d_v, s.b, s.k0, keys), sequence_rows(d_out, s.b, s.q0, n), {lse},
-                       sequence_rows(q, s.b, s.q0, n), sequence_rows(k, s.b, s.k0, keys),
-                       sequence_rows(v, s.b, s.k0, keys), sequence_rows(out, s.b, s.q0, n), scale, mode, scratch);
+    attention_backward(sequence_rows(d_q, s.b, s.q0, n), sequence_rows(d_k, s.b, k0, keys),
+                       sequence_rows(d_v, s.b, k0, keys), sequence_rows(d_out, s.b, s.q0, n), {lse},
+                       sequence_rows(q, s.b, s.q0, n), sequence_rows(k, s.b, k0, keys),
+                       sequence_rows(v, s.b, k0, keys), sequence_rows(out, s.b, s.q0, n), scale, mode, scratch,
+                       AttentionMask::causal, {window});
   }
 }
 

@@ -13,6 +13,16 @@
 //   long prefix can run block by block, each block's (out, lse) combined by attention_merge, and
 //   the backward per block given the combined out and lse (P_ij = exp(s_ij - lse_i) is then each
 //   pair's share of the whole row, so the blocks' dK, dV and summed dQ are the whole call's).
+// Sliding window (AttentionWindow, W > 0; Mistral's sliding_window): a query at position t sees only
+//   the W newest keys, positions t - W < j <= t (itself and the W - 1 before it: transformers'
+//   sliding-window mask, kv_idx > q_idx - sliding_window). Positions count from the call's key 0:
+//   query i sits at o + i, o = S - c for a causal call and o = `distance` (>= S) for an unmasked
+//   block, and sees keys max(0, o + i - W + 1) <= j <= min(S - 1, o + i); the sums above run over
+//   those. A row of an unmasked block may see none: its lse is -inf and its out 0 (attention_merge
+//   weighs it as nothing). P_ij is 0 off the window, so no dK, dV reaches a key no query sees; a
+//   caller that passes only the keys [p - W + 1, p + c) gets the same result reading less. Tested in
+//   tests/engine/test_attention_documents.cpp (the windowed softmax written out, finite differences,
+//   blocks merged) and the op table's window rows.
 // Shapes: q, out, d_q, d_out [B, c, H, D]; k, v [B, S, Hkv, D]; d_k, d_v [B, S, Hkv, D] in the
 // accumulation dtype (f32 for f32/bf16, f64 for f64). k, v, d_k, d_v may have any batch stride
 // (a slice of the K/V store); their inner [S, Hkv, D] must be packed. All on q's device (scratch too).
@@ -36,6 +46,19 @@ struct AttentionSaved {
 };
 
 enum class AttentionMask { causal, none };
+
+// The sliding window of a call (above). Positions are the call's own: a causal call places its
+// queries bottom-right (distance unused, 0); an unmasked block says how far its queries sit past its
+// first key.
+struct AttentionWindow {
+  int64_t size = 0;      // W: keys a query sees at most, itself included; 0: no window
+  int64_t distance = 0;  // unmasked calls: the first query's position minus the first key's (>= S)
+  bool operator==(const AttentionWindow&) const = default;
+};
+// The oldest key position a query at `position` sees under a window of `window` keys (0: none).
+inline int64_t window_first_key(int64_t position, int64_t window) {
+  return window > 0 && position >= window ? position - window + 1 : 0;
+}
 
 // The kernel families that implement this op. Every call goes through choose_attention_kernel,
 // which picks one from the call's shape, device and flags; tests and benchmarks force a family with
@@ -62,11 +85,13 @@ struct AttentionCall {
   const Tensor* k;
   const Tensor* v;
   AttentionMask mask = AttentionMask::causal;
+  AttentionWindow window = {};  // only the CPU family honours a window (the GPU families refuse it)
 };
 // out and, in the backward, d_q, d_out, d_k, d_v take part in the alignment rule.
 AttentionCall attention_call(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                              const Tensor* d_q = nullptr, const Tensor* d_out = nullptr, const Tensor* d_k = nullptr,
-                             const Tensor* d_v = nullptr, AttentionMask mask = AttentionMask::causal);
+                             const Tensor* d_v = nullptr, AttentionMask mask = AttentionMask::causal,
+                             AttentionWindow window = {});
 struct AttentionFlags {
   AttentionKernel forced = AttentionKernel::automatic;  // what set_attention_kernel says, by default
   bool deterministic = false;                           // only bitwise-reproducible kernels
@@ -95,16 +120,19 @@ void reset_attention_census();
 std::string attention_census_text(const std::vector<AttentionCensusEntry>& census, const std::string& when);
 // The model flops of one call (the figure the census adds up).
 double attention_call_flops(const AttentionCall& call);
+// The (query, key) pairs a call's mask and window keep: queries [0, c) against S keys.
+double attention_pairs(int64_t c, int64_t S, AttentionMask mask, AttentionWindow window);
 
 // The flags of the process-wide settings (engine/engine.h: attention_kernel(), deterministic()).
 AttentionFlags attention_flags();
 
 void attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
-                       const Tensor& v, double scale, Arena& scratch, AttentionMask mask = AttentionMask::causal);
+                       const Tensor& v, double scale, Arena& scratch, AttentionMask mask = AttentionMask::causal,
+                       AttentionWindow window = {});
 void attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,
                         const AttentionSaved& saved, const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& out, double scale, GradMode mode, Arena& scratch,
-                        AttentionMask mask = AttentionMask::causal);
+                        AttentionMask mask = AttentionMask::causal, AttentionWindow window = {});
 
 // Packed documents: a document mask on the same call. Each sequence b holds documents starting at
 // doc_starts[b] (positions in the whole sequence, ascending, the first 0; starts at or past p + c are
@@ -117,6 +145,9 @@ void attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v,
 // kernel family serves it unchanged; dK, dV of keys [0, p + c) are ADDED as above (keys of no query's
 // document get nothing), d_q overwritten or accumulated. A span's lse rows are staged through
 // `scratch` where they are not packed in saved.lse. Shapes, dtypes and saved values as above.
+// With a sliding window of W keys (0: none) a query attends keys of its own document within its window,
+// max(start(t), t - W + 1) <= j <= t: each span's call reads keys from max(k0, p + q0 - W + 1) on, the
+// window masking the rest.
 // Tested in tests/engine/test_ops.cpp (against each document run alone) and the op table.
 struct DocumentSpan {
   int64_t b;       // the sequence
@@ -129,11 +160,11 @@ std::vector<DocumentSpan> document_spans(const std::vector<std::vector<int64_t>>
                                          int64_t c);
 void attention_forward_documents(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
                                  const Tensor& v, const std::vector<std::vector<int64_t>>& doc_starts, double scale,
-                                 Arena& scratch);
+                                 Arena& scratch, int64_t window = 0);
 void attention_backward_documents(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,
                                   const AttentionSaved& saved, const Tensor& q, const Tensor& k, const Tensor& v,
                                   const Tensor& out, const std::vector<std::vector<int64_t>>& doc_starts, double scale,
-                                  GradMode mode, Arena& scratch);
+                                  GradMode mode, Arena& scratch, int64_t window = 0);
 
 // Packed documents against one block of earlier keys, for a K/V prefix attended block by block (the
 // streamed store, model/kv_residency.h): the chunk's queries at positions [p, p + c) against keys

@@ -22,12 +22,13 @@ import os
 import sys
 
 import torch
-from safetensors.torch import save_file
 import transformers
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 from transformers.models.llama import modeling_llama
 from transformers.models.qwen2 import modeling_qwen2
 from transformers.models.qwen3 import modeling_qwen3
+
+from hf_reference_common import draw_f64, loss_and_grads, patch, write_case
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 B, T = 2, 12
@@ -51,69 +52,25 @@ CASES = {
 }
 
 
-def rmsnorm_f64(self, x):
-    var = x.pow(2).mean(-1, keepdim=True)
-    return self.weight * (x * torch.rsqrt(var + self.variance_epsilon))
-
-
-def rotary_f64(self, x, position_ids):
-    D = self.config.head_dim if getattr(self.config, "head_dim", None) else \
-        self.config.hidden_size // self.config.num_attention_heads
-    theta = self.config.rope_parameters["rope_theta"]
-    inv = 1.0 / (theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
-    freqs = position_ids[..., None].to(torch.float64) * inv
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
-
-
-def patch(on):
-    for m, norm, rot in ((modeling_llama, "LlamaRMSNorm", "LlamaRotaryEmbedding"),
-                         (modeling_qwen2, "Qwen2RMSNorm", "Qwen2RotaryEmbedding"),
-                         (modeling_qwen3, "Qwen3RMSNorm", "Qwen3RotaryEmbedding")):
-        for cls_name, fn in ((norm, rmsnorm_f64), (rot, rotary_f64)):
-            cls = getattr(m, cls_name)
-            if not hasattr(cls, "_hf_forward"):
-                cls._hf_forward = cls.forward
-            cls.forward = fn if on else cls._hf_forward
+PATCHED = [(modeling_llama.LlamaRMSNorm, modeling_llama.LlamaRotaryEmbedding),
+           (modeling_qwen2.Qwen2RMSNorm, modeling_qwen2.Qwen2RotaryEmbedding),
+           (modeling_qwen3.Qwen3RMSNorm, modeling_qwen3.Qwen3RotaryEmbedding)]
 
 
 def main():
     for name, (config_cls, model_cls, kw) in CASES.items():
         torch.manual_seed(11)
-        config = config_cls(**kw)
-        model = model_cls(config).to(torch.float64)
-        with torch.no_grad():
-            for pname, p in model.named_parameters():
-                if pname.endswith("norm.weight") or "layernorm" in pname:
-                    p.copy_(1.0 + 0.1 * torch.randn_like(p))
-                elif pname.endswith(".bias"):
-                    p.copy_(0.1 * torch.randn_like(p))
-                else:
-                    p.copy_(0.2 * torch.randn_like(p))
+        model = draw_f64(model_cls(config_cls(**kw)))
         out_dir = os.path.join(HERE, "qwen_reference", name)
-        model.save_pretrained(out_dir, safe_serialization=True)
-        os.remove(os.path.join(out_dir, "generation_config.json"))
         ids = torch.randint(0, kw["vocab_size"], (B, T), dtype=torch.int64)
 
-        patch(False)
+        patch(PATCHED, False)
         with torch.no_grad():
             hf_logits = model(input_ids=ids).logits
-        patch(True)
-        model.zero_grad()
-        out = model(input_ids=ids)
-        V = kw["vocab_size"]
-        loss = torch.nn.functional.cross_entropy(out.logits[:, :-1].reshape(-1, V), ids[:, 1:].reshape(-1))
-        loss.backward()
-        logits = out.logits.detach()
+        patch(PATCHED, True)
+        logits, loss = loss_and_grads(model, ids)
+        write_case(model, out_dir, ids, logits, loss)
         drift = float((hf_logits - logits).norm() / logits.norm())
-        tensors = {"ids": ids.to(torch.int32).contiguous(),
-                   "logits": logits.reshape(B * T, -1).contiguous(),
-                   "loss": loss.detach().reshape(1)}
-        for pname, p in model.named_parameters():
-            tensors["grad." + pname] = p.grad.detach().contiguous()
-        save_file(tensors, os.path.join(out_dir, "expected.safetensors"))
-        for f in os.listdir(out_dir):
-            os.chmod(os.path.join(out_dir, f), 0o644)
         print(f"{name}: {sum(p.numel() for p in model.parameters())} parameters, loss {float(loss.detach()):.17g}, "
               f"transformers' own float32 RMSNorm/RoPE move the logits by {drift:.2e} (relative)")
         cfg = json.load(open(os.path.join(out_dir, "config.json")))

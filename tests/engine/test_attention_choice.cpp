@@ -101,3 +101,20 @@ TEST_CASE("attention settings: which cuDNN calls run with their prefix apart") {
   const test::SettingScope<bool> off(cudnn_split_prefix, set_cudnn_split_prefix, false);
   CHECK_FALSE(cudnn_splits_prefix(256, 512));
 }
+
+TEST_CASE("attention: a sliding window on a GPU is refused by every family, naming sliding_window, in one line") {
+  AttentionCall call = gpu_call(DType::bf16, 64);
+  call.window = {4096, 0};
+  for (const AttentionKernel forced : {AttentionKernel::automatic, AttentionKernel::flash, AttentionKernel::cudnn,
+                                       AttentionKernel::flash_mma, AttentionKernel::flash_simt}) {
+    CAPTURE(attention_kernel_name(forced));
+    const std::string message = error_of(call, forced);
+    INFO(message);
+    CHECK(message.find("sliding_window") != std::string::npos);
+    CHECK(message.find("run on the CPU") != std::string::npos);
+    CHECK(message.find('\n') == std::string::npos);
+  }
+  // The CPU takes it.
+  call.device = Device::host();
+  CHECK(choose_attention_kernel(call, {AttentionKernel::automatic, false}).kernel == AttentionKernel::cpu);
+}

@@ -1,12 +1,15 @@
 // Attention with a document mask (engine/ops/attention.h, attention_forward_documents /
-// attention_backward_documents), in f64 on the CPU: the forward against the masked softmax written out
-// here, the backward against finite differences of L = <R, out>, the spans a chunk splits into, and
-// the operand checks. The schedules' packed documents are checked against documents run one by one in
-// tests/optim/test_documents.cpp; the GPU kernels against this in the op table.
+// attention_backward_documents) and with a sliding window (AttentionWindow), in f64 on the CPU: the
+// forward against the masked softmax written out here, the backward against finite differences of
+// L = <R, out>, the spans a chunk splits into, and the operand checks; a window's unmasked blocks
+// whose rows see none of their keys, merged. The schedules' packed documents are checked against
+// documents run one by one in tests/optim/test_documents.cpp, the schedules' windows against full
+// backprop in tests/optim/test_schedules.cpp; the GPU kernels against this in the op table.
 #include "engine/ops/attention.h"
 #include "tests/engine/fd_check.h"
 
 #include <cmath>
+#include <functional>
 #include <limits>
 
 using namespace cw;
@@ -17,15 +20,20 @@ namespace {
 constexpr double kFdTol = 1e-8;
 // Forwards written two ways agree to rounding.
 constexpr double kForwardTol = 1e-13;
+// A gradient that is zero by the math, computed as a difference of two sums of O(1) terms; and the
+// finite differences of a loss of O(10) that does not depend on the input (1e-15 / h per element).
+constexpr double kZeroGradTol = 1e-13;
+constexpr double kFdNoise = 1e-9;
 
 struct Shape {
   int64_t B = 2, c = 6, p = 5, H = 4, Hkv = 2, D = 8;
   int64_t S() const { return p + c; }
 };
 
-// out[b, i, h] = sum_j P v_j over keys j in [start(p + i), p + i] of sequence b, written out.
+// out[b, i, h] = sum_j P v_j over keys j in [start(p + i), p + i] of sequence b, written out; with a
+// sliding window of W keys (0: none) over j in [max(start(p + i), p + i - W + 1), p + i].
 OwnedTensor masked_reference(const Shape& s, const OwnedTensor& q, const OwnedTensor& k, const OwnedTensor& v,
-                             const std::vector<std::vector<int64_t>>& starts, double scale) {
+                             const std::vector<std::vector<int64_t>>& starts, double scale, int64_t window = 0) {
   OwnedTensor out(DType::f64, {s.B, s.c, s.H, s.D});
   const double* Q = q.tensor.ptr<double>();
   const double* K = k.tensor.ptr<double>();
@@ -38,6 +46,7 @@ OwnedTensor masked_reference(const Shape& s, const OwnedTensor& q, const OwnedTe
       int64_t first = 0;
       for (const int64_t st : starts[static_cast<size_t>(b)])
         if (st <= t) first = st;
+      if (window > 0) first = std::max(first, t - window + 1);
       for (int64_t h = 0; h < s.H; ++h) {
         const int64_t g = h / group;
         std::vector<double> score;
@@ -67,6 +76,12 @@ double max_abs_diff(const Tensor& a, const Tensor& b) {
   return m;
 }
 
+double l2(const std::vector<double>& a) {
+  double sum = 0;
+  for (const double x : a) sum += x * x;
+  return std::sqrt(sum);
+}
+
 double rel_l2(const std::vector<double>& a, const std::vector<double>& b) {
   double num = 0, den = 0;
   for (size_t i = 0; i < a.size(); ++i) {
@@ -74,6 +89,38 @@ double rel_l2(const std::vector<double>& a, const std::vector<double>& b) {
     den += b[i] * b[i];
   }
   return std::sqrt(num / std::max(den, 1e-300));
+}
+
+// The backward of L = <r, out> against finite differences of `loss` (which runs the forward): d_q
+// overwritten, d_k and d_v added into a random prefill by `backward(d_q, d_k, d_v)`.
+void check_backward(const Shape& s, OwnedTensor& q, OwnedTensor& k, OwnedTensor& v,
+                    const std::function<double()>& loss,
+                    const std::function<void(const Tensor&, const Tensor&, const Tensor&)>& backward) {
+  loss();
+  OwnedTensor d_q(DType::f64, {s.B, s.c, s.H, s.D}), d_k = randn({s.B, s.S(), s.Hkv, s.D}, 15),
+              d_v = randn({s.B, s.S(), s.Hkv, s.D}, 16);
+  OwnedTensor k_before(DType::f64, {s.B, s.S(), s.Hkv, s.D}), v_before(DType::f64, {s.B, s.S(), s.Hkv, s.D});
+  copy_convert(k_before, d_k);
+  copy_convert(v_before, d_v);
+  backward(d_q, d_k, d_v);
+  auto check = [&](OwnedTensor& x, const Tensor& analytic, const OwnedTensor* before, const char* what) {
+    std::vector<int64_t> offsets(static_cast<size_t>(x.tensor.numel()));
+    for (size_t i = 0; i < offsets.size(); ++i) offsets[i] = static_cast<int64_t>(i);
+    const std::vector<double> fd = numeric_gradient(x.tensor.ptr<double>(), offsets, loss);
+    std::vector<double> got(offsets.size());
+    for (size_t i = 0; i < got.size(); ++i)
+      got[i] = analytic.ptr<double>()[i] - (before ? before->tensor.ptr<double>()[i] : 0.0);
+    INFO(std::string(what));
+    // An input the loss does not depend on (q and k under a window of one key: out_i = v_i) has a
+    // zero gradient: the differences are rounding noise (L's rounding over h) and so is the analytic
+    // gradient (the softmax's Jacobian as a difference of two sums); neither is relative to the other.
+    const bool zero = l2(fd) <= kFdNoise;
+    if (zero) CHECK(l2(got) <= kZeroGradTol);
+    else CHECK(rel_l2(got, fd) <= kFdTol);
+  };
+  check(q, d_q, nullptr, "d_q");
+  check(k, d_k, &k_before, "d_k (added)");
+  check(v, d_v, &v_before, "d_v (added)");
 }
 }  // namespace
 
@@ -108,27 +155,139 @@ TEST_CASE("attention documents: f64 forward against the masked softmax, backward
   };
   forward();
   CHECK(max_abs_diff(out, masked_reference(s, q, k, v, starts, scale)) <= kForwardTol);
+  check_backward(s, q, k, v, forward, [&](const Tensor& d_q, const Tensor& d_k, const Tensor& d_v) {
+    attention_backward_documents(d_q, d_k, d_v, r, {lse}, q, k, v, out, starts, scale, GradMode::overwrite, scratch);
+  });
+}
 
-  // Backward: d_q overwritten, d_k and d_v added into a random prefill.
-  OwnedTensor d_q(DType::f64, {s.B, s.c, s.H, s.D}), d_k = randn({s.B, s.S(), s.Hkv, s.D}, 15),
-              d_v = randn({s.B, s.S(), s.Hkv, s.D}, 16);
-  OwnedTensor k_before(DType::f64, {s.B, s.S(), s.Hkv, s.D}), v_before(DType::f64, {s.B, s.S(), s.Hkv, s.D});
-  copy_convert(k_before, d_k);
-  copy_convert(v_before, d_v);
-  attention_backward_documents(d_q, d_k, d_v, r, {lse}, q, k, v, out, starts, scale, GradMode::overwrite, scratch);
-  auto check = [&](OwnedTensor& x, const Tensor& analytic, const OwnedTensor* before, const char* what) {
-    std::vector<int64_t> offsets(static_cast<size_t>(x.tensor.numel()));
-    for (size_t i = 0; i < offsets.size(); ++i) offsets[i] = static_cast<int64_t>(i);
-    const std::vector<double> fd = numeric_gradient(x.tensor.ptr<double>(), offsets, forward);
-    std::vector<double> got(offsets.size());
-    for (size_t i = 0; i < got.size(); ++i)
-      got[i] = analytic.ptr<double>()[i] - (before ? before->tensor.ptr<double>()[i] : 0.0);
-    INFO(what);
-    CHECK(rel_l2(got, fd) <= kFdTol);
-  };
-  check(q, d_q, nullptr, "d_q");
-  check(k, d_k, &k_before, "d_k (added)");
-  check(v, d_v, &v_before, "d_v (added)");
+TEST_CASE("attention window: f64 forward against the windowed softmax, alone and with documents; backward against "
+          "finite differences") {
+  // Chunk [5, 11) against keys [0, 11): windows shorter than the chunk, as long, longer than the keys.
+  const Shape s;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(s.D));
+  const std::vector<std::vector<int64_t>> one_document{{0}, {0}}, documents{{0, 3, 7, 8, 10}, {0, 2}};
+  for (const int64_t window : {1, 3, 6, 9, 20})
+    for (const bool with_documents : {false, true}) {
+      CAPTURE(window);
+      CAPTURE(with_documents);
+      const auto& starts = with_documents ? documents : one_document;
+      OwnedTensor q = randn({s.B, s.c, s.H, s.D}, 31), k = randn({s.B, s.S(), s.Hkv, s.D}, 32),
+                  v = randn({s.B, s.S(), s.Hkv, s.D}, 33), r = randn({s.B, s.c, s.H, s.D}, 34);
+      Arena scratch;
+      OwnedTensor out(DType::f64, {s.B, s.c, s.H, s.D}), lse(DType::f64, {s.B, s.H, s.c});
+      auto forward = [&] {
+        if (with_documents)
+          attention_forward_documents(out, {lse}, q, k, v, starts, scale, scratch, window);
+        else
+          attention_forward(out, {lse}, q, k, v, scale, scratch, AttentionMask::causal, {window});
+        return inner(out, r);
+      };
+      forward();
+      CHECK(max_abs_diff(out, masked_reference(s, q, k, v, starts, scale, window)) <= kForwardTol);
+      // The window bites: without it the output is another, unless the window holds every query's keys
+      // (at most 9 with these documents: sequence 1's query at 10 in the document from 2).
+      if (window < (with_documents ? 9 : s.S()))
+        CHECK(max_abs_diff(out, masked_reference(s, q, k, v, starts, scale)) > 1e-3);
+      check_backward(s, q, k, v, forward, [&](const Tensor& d_q, const Tensor& d_k, const Tensor& d_v) {
+        if (with_documents)
+          attention_backward_documents(d_q, d_k, d_v, r, {lse}, q, k, v, out, starts, scale, GradMode::overwrite,
+                                       scratch, window);
+        else
+          attention_backward(d_q, d_k, d_v, r, {lse}, q, k, v, out, scale, GradMode::overwrite, scratch,
+                             AttentionMask::causal, {window});
+      });
+    }
+}
+
+TEST_CASE("attention window: keys before the window are neither read nor given gradient; the call on the window's "
+          "keys alone is the same, bit for bit") {
+  // Chunk [5, 11), window 3: the first query sees keys [3, 5], so keys [0, 3) are outside every window.
+  const Shape s;
+  const int64_t window = 3, first = s.p - window + 1;
+  const double scale = 0.4;
+  OwnedTensor q = randn({s.B, s.c, s.H, s.D}, 41), k = randn({s.B, s.S(), s.Hkv, s.D}, 42),
+              v = randn({s.B, s.S(), s.Hkv, s.D}, 43), r = randn({s.B, s.c, s.H, s.D}, 44);
+  Arena scratch;
+  OwnedTensor out(DType::f64, {s.B, s.c, s.H, s.D}), lse(DType::f64, {s.B, s.H, s.c});
+  attention_forward(out, {lse}, q, k, v, scale, scratch, AttentionMask::causal, {window});
+  // The same call on views of keys [first, p + c) (what the K/V store passes under a window).
+  const auto keys_from = [&](const Tensor& t) { return t.slice(1, first, s.S() - first); };
+  OwnedTensor out2(DType::f64, {s.B, s.c, s.H, s.D}), lse2(DType::f64, {s.B, s.H, s.c});
+  attention_forward(out2, {lse2}, q, keys_from(k), keys_from(v), scale, scratch, AttentionMask::causal, {window});
+  CHECK(max_abs_diff(out, out2) == 0.0);
+  CHECK(max_abs_diff(lse, lse2) == 0.0);
+  // Keys outside every window made NaN change nothing; their dK, dV rows stay as they were.
+  for (int64_t b = 0; b < s.B; ++b)
+    for (int64_t x = 0; x < first * s.Hkv * s.D; ++x)
+      k.tensor.ptr<double>()[b * s.S() * s.Hkv * s.D + x] = v.tensor.ptr<double>()[b * s.S() * s.Hkv * s.D + x] =
+          std::numeric_limits<double>::quiet_NaN();
+  attention_forward(out2, {lse2}, q, k, v, scale, scratch, AttentionMask::causal, {window});
+  CHECK(max_abs_diff(out, out2) == 0.0);
+  OwnedTensor d_q(DType::f64, {s.B, s.c, s.H, s.D}), d_k(DType::f64, {s.B, s.S(), s.Hkv, s.D}),
+              d_v(DType::f64, {s.B, s.S(), s.Hkv, s.D});
+  fill(d_k, 7.0);
+  fill(d_v, 7.0);
+  attention_backward(d_q, d_k, d_v, r, {lse}, q, k, v, out, scale, GradMode::overwrite, scratch,
+                     AttentionMask::causal, {window});
+  for (int64_t b = 0; b < s.B; ++b)
+    for (int64_t x = 0; x < s.S() * s.Hkv * s.D; ++x) {
+      const bool before = x < first * s.Hkv * s.D;
+      const double dk = d_k.tensor.ptr<double>()[b * s.S() * s.Hkv * s.D + x];
+      if (before) CHECK(dk == 7.0);
+      else CHECK(std::isfinite(dk));
+    }
+}
+
+TEST_CASE("attention window: an unmasked block some of whose rows see none of its keys merges into the one call") {
+  // Chunk [8, 14) with a window of 6: the block of keys [0, 8) holds the window's older keys of the
+  // first queries only (query 8 sees [3, 8], query 13 sees [8, 13]: none of the block). Those rows
+  // get lse -inf and out 0; merged with the causal call on the chunk's own keys, the result is the
+  // one call's, and the blocks' backwards sum to its gradients.
+  const Shape s{.B = 2, .c = 6, .p = 8, .H = 4, .Hkv = 2, .D = 8};
+  const int64_t window = 6;
+  const double scale = 0.35;
+  OwnedTensor q = randn({s.B, s.c, s.H, s.D}, 51), k = randn({s.B, s.S(), s.Hkv, s.D}, 52),
+              v = randn({s.B, s.S(), s.Hkv, s.D}, 53), r = randn({s.B, s.c, s.H, s.D}, 54);
+  Arena scratch;
+  OwnedTensor out(DType::f64, {s.B, s.c, s.H, s.D}), lse(DType::f64, {s.B, s.H, s.c});
+  attention_forward(out, {lse}, q, k, v, scale, scratch, AttentionMask::causal, {window});
+  const auto rows = [&](const Tensor& t, int64_t r0, int64_t n) { return t.slice(1, r0, n); };
+  OwnedTensor acc(DType::f64, {s.B, s.c, s.H, s.D}), acc_lse(DType::f64, {s.B, s.H, s.c});
+  OwnedTensor block(DType::f64, {s.B, s.c, s.H, s.D}), block_lse(DType::f64, {s.B, s.H, s.c});
+  attention_forward(acc, {acc_lse}, q, rows(k, s.p, s.c), rows(v, s.p, s.c), scale, scratch, AttentionMask::causal,
+                    {window});
+  attention_forward(block, {block_lse}, q, rows(k, 0, s.p), rows(v, 0, s.p), scale, scratch, AttentionMask::none,
+                    {window, s.p});
+  for (int64_t b = 0; b < s.B; ++b)
+    for (int64_t h = 0; h < s.H; ++h) {
+      const double last = block_lse.tensor.ptr<double>()[(b * s.H + h) * s.c + s.c - 1];
+      CHECK((std::isinf(last) && last < 0));
+    }
+  attention_merge(acc, acc_lse, block, block_lse);
+  CHECK(max_abs_diff(acc, out) <= kForwardTol);
+  CHECK(max_abs_diff(acc_lse, lse) <= kForwardTol);
+  // Backward in two blocks with the merged out and lse: dQ summed, dK, dV each block's rows.
+  OwnedTensor d_q(DType::f64, {s.B, s.c, s.H, s.D}), d_k(DType::f64, {s.B, s.S(), s.Hkv, s.D}),
+              d_v(DType::f64, {s.B, s.S(), s.Hkv, s.D});
+  fill(d_k, 0.0);
+  fill(d_v, 0.0);
+  attention_backward(d_q, d_k, d_v, r, {lse}, q, k, v, out, scale, GradMode::overwrite, scratch,
+                     AttentionMask::causal, {window});
+  OwnedTensor e_q(DType::f64, {s.B, s.c, s.H, s.D}), e_k(DType::f64, {s.B, s.S(), s.Hkv, s.D}),
+              e_v(DType::f64, {s.B, s.S(), s.Hkv, s.D});
+  fill(e_k, 0.0);
+  fill(e_v, 0.0);
+  attention_backward(e_q, rows(e_k, s.p, s.c), rows(e_v, s.p, s.c), r, {lse}, q, rows(k, s.p, s.c),
+                     rows(v, s.p, s.c), out, scale, GradMode::overwrite, scratch, AttentionMask::causal, {window});
+  attention_backward(e_q, rows(e_k, 0, s.p), rows(e_v, 0, s.p), r, {lse}, q, rows(k, 0, s.p), rows(v, 0, s.p), out,
+                     scale, GradMode::accumulate, scratch, AttentionMask::none, {window, s.p});
+  CHECK(max_abs_diff(e_q, d_q) <= kForwardTol);
+  CHECK(max_abs_diff(e_k, d_k) <= kForwardTol);
+  CHECK(max_abs_diff(e_v, d_v) <= kForwardTol);
+  // An unmasked block's queries must sit past its keys.
+  CHECK_THROWS_WITH_AS(attention_forward(block, {block_lse}, q, rows(k, 0, s.p), rows(v, 0, s.p), scale, scratch,
+                                         AttentionMask::none, {window, s.p - 1}),
+                       doctest::Contains("window distance"), Error);
 }
 
 TEST_CASE("attention documents: one document a sequence is the plain causal call, bit for bit") {

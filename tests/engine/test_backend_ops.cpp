@@ -328,12 +328,14 @@ Row accumulate_op(int64_t N, int64_t C, bool f32_dst) {
 
 // Chunk against cache: c queries at [p, p + c), p = S - c; K/V (and d_K/d_V) the [0, S) slice of a
 // store of T >= S positions (a larger batch stride when T > S, as the K/V store's). Unmasked: the
-// keys a block wholly before the queries (any S, also below c).
+// keys a block wholly before the queries (any S, also below c). A sliding window (AttentionWindow):
+// each query sees at most `window` keys; an unmasked block's queries sit `distance` past its first key.
 struct AttnShape {
   int64_t B, c, S, H, Hkv, D, T;
   AttentionMask mask = AttentionMask::causal;
   // Packed documents (attention_forward_documents): per sequence its document starts; empty: none.
   std::vector<std::vector<int64_t>> docs = {};
+  int64_t window = 0, distance = 0;
 };
 std::string starts_text(const std::vector<std::vector<int64_t>>& docs) {
   std::string r;
@@ -353,38 +355,45 @@ Row attention(AttnShape a, std::vector<Variant> variants = attention_families())
   const double scale = 1.0 / std::sqrt(static_cast<double>(a.D));
   const bool causal = a.mask == AttentionMask::causal;
   const bool documents = !a.docs.empty();
-  Row r = finish(make_row(documents ? fmt::format("attention documents {} B={} c={} S={} (p={}) H={} Hkv={} D={} T={}",
-                                                  starts_text(a.docs), a.B, a.c, a.S, a.S - a.c, a.H, a.Hkv, a.D, a.T)
-                          : causal ? fmt::format("attention B={} c={} S={} (p={}) H={} Hkv={} D={} T={}", a.B, a.c, a.S,
-                                               a.S - a.c, a.H, a.Hkv, a.D, a.T)
-                                 : fmt::format("attention unmasked B={} c={} S={} H={} Hkv={} D={} T={}", a.B, a.c, a.S,
-                                               a.H, a.Hkv, a.D, a.T),
+  const AttentionWindow window{a.window, causal ? 0 : a.distance};
+  const std::string windowed = a.window == 0 ? ""
+                               : causal      ? fmt::format(" window={}", a.window)
+                                             : fmt::format(" window={} distance={}", a.window, a.distance);
+  Row r = finish(make_row(documents ? fmt::format("attention documents {} B={} c={} S={} (p={}) H={} Hkv={} D={} T={}{}",
+                                                  starts_text(a.docs), a.B, a.c, a.S, a.S - a.c, a.H, a.Hkv, a.D, a.T,
+                                                  windowed)
+                          : causal ? fmt::format("attention B={} c={} S={} (p={}) H={} Hkv={} D={} T={}{}", a.B, a.c, a.S,
+                                               a.S - a.c, a.H, a.Hkv, a.D, a.T, windowed)
+                                 : fmt::format("attention unmasked B={} c={} S={} H={} Hkv={} D={} T={}{}", a.B, a.c,
+                                               a.S, a.H, a.Hkv, a.D, a.T, windowed),
                   {in("q", {a.B, a.c, a.H, a.D}), in("k", {a.B, a.S, a.Hkv, a.D}).in_store(a.T),
                    in("v", {a.B, a.S, a.Hkv, a.D}).in_store(a.T), out("out", {a.B, a.c, a.H, a.D}),
                    saved("lse", {a.B, a.H, a.c}).tolerance(kLseTol), cot("d_out", "out"), grad("d_q", "q"),
                    grad("d_k", "k", Acc::adds), grad("d_v", "v", Acc::adds)},
                   [=](const Tensors& t, Arena& s) {
                     if (documents)
-                      attention_forward_documents(t("out"), {t("lse")}, t("q"), t("k"), t("v"), a.docs, scale, s);
+                      attention_forward_documents(t("out"), {t("lse")}, t("q"), t("k"), t("v"), a.docs, scale, s,
+                                                  a.window);
                     else
-                      attention_forward(t("out"), {t("lse")}, t("q"), t("k"), t("v"), scale, s, a.mask);
+                      attention_forward(t("out"), {t("lse")}, t("q"), t("k"), t("v"), scale, s, a.mask, window);
                   },
                   [=](const Tensors& t, GradMode m, Arena& s) {
                     if (documents)
                       attention_backward_documents(t("d_q"), t("d_k"), t("d_v"), t("d_out"), {t("lse")}, t("q"),
-                                                   t("k"), t("v"), t("out"), a.docs, scale, m, s);
+                                                   t("k"), t("v"), t("out"), a.docs, scale, m, s, a.window);
                     else
                       attention_backward(t("d_q"), t("d_k"), t("d_v"), t("d_out"), {t("lse")}, t("q"), t("k"),
-                                         t("v"), t("out"), scale, m, s, a.mask);
+                                         t("v"), t("out"), scale, m, s, a.mask, window);
                   }));
   r.variants = std::move(variants);
   r.takes_scratch = true;
-  r.unsupported = [mask = a.mask, docs = a.docs](const Tensors& t) -> std::string {
+  r.unsupported = [mask = a.mask, docs = a.docs, window](const Tensors& t) -> std::string {
     // The calls the op makes: one, or with documents one per span (queries and keys of a sequence).
     auto ask = [&](const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& dq,
                    const Tensor& dout, const Tensor& dk, const Tensor& dv) {
-      choose_attention_kernel(attention_call(q, k, v, o, nullptr, nullptr, nullptr, nullptr, mask), attention_flags());
-      choose_attention_kernel(attention_call(q, k, v, o, &dq, &dout, &dk, &dv, mask), attention_flags());
+      choose_attention_kernel(attention_call(q, k, v, o, nullptr, nullptr, nullptr, nullptr, mask, window),
+                              attention_flags());
+      choose_attention_kernel(attention_call(q, k, v, o, &dq, &dout, &dk, &dv, mask, window), attention_flags());
     };
     try {
       if (docs.empty()) {
@@ -583,6 +592,21 @@ std::vector<Row> build_table() {
   }
   t.push_back(gpu_only(attention({1, 520, 700, 4, 2, 128, 701, none})));
   t.push_back(gpu_only(attention({1, 1, 300, 4, 4, 64, 300, none})));
+  // Sliding windows (the CPU's; the GPU families refuse them, which the GPU runner reports): a window
+  // as long as the chunk, one cutting inside the chunk, two keys, one longer than the keys (one key,
+  // whose dQ and dK are zero by the math, is tests/engine/test_attention_documents.cpp's); with
+  // packed documents (a window inside a document begun before the chunk); unmasked blocks whose last
+  // queries see only the block's last keys. Score blocks of 64 query rows whose key ranges slide
+  // (c = 70 against a window of 9).
+  t.push_back(attention({2, 3, 8, 4, 2, 4, 8, causal_mask, {}, 3}));
+  t.push_back(attention({1, 7, 9, 2, 1, 6, 9, causal_mask, {}, 4}));
+  t.push_back(attention({1, 5, 5, 2, 2, 4, 7, causal_mask, {}, 2}));
+  t.push_back(attention({1, 4, 6, 2, 1, 4, 6, causal_mask, {}, 20}));
+  t.push_back(attention({2, 70, 75, 2, 1, 4, 75, causal_mask, {}, 9}));
+  t.push_back(attention({2, 6, 11, 4, 2, 4, 12, causal_mask, {{0, 3, 7, 8, 10}, {0, 5}}, 3}));
+  t.push_back(attention({1, 9, 12, 2, 1, 6, 12, causal_mask, {{0, 2, 6}}, 4}));
+  t.push_back(attention({2, 5, 3, 4, 2, 4, 8, none, {}, 6, 3}));
+  t.push_back(attention({1, 3, 7, 2, 1, 6, 7, none, {}, 8, 9}));
   // LM head: CPU row blocks of 3 with ignored rows; one GPU block with V = 101 (no multiple of the
   // 16-byte vector); three GPU blocks (2048, 2048, 37) with the second wholly ignored; long rows.
   for (const bool fused : {false, true}) {

@@ -3,7 +3,10 @@
 #pragma once
 
 #include "model/gguf_llama.h"
+#include "model/params.h"
 #include "tests/support.h"
+
+#include <nlohmann/json.hpp>
 
 #include <cstring>
 #include <fstream>
@@ -118,11 +121,13 @@ inline std::vector<float> converter_permute(const std::vector<float>& w, int64_t
 
 // A GGUF file of `params` as llama.cpp writes it: the architecture's metadata (llama, qwen2 or qwen3,
 // each key prefixed with it), F32 tensors with GGUF names and innermost-first dims, Llama's Q/K rows
-// permuted (Qwen's rotate halves as HF does: not permuted).
+// permuted (Qwen's rotate halves as HF does: not permuted). Mistral is written as llama.cpp's
+// converter writes it, architecture llama, with its window under llama.attention.sliding_window.
 inline GgufBuilder model_gguf_builder(const ParamSet& params) {
   const LlamaConfig& c = params.config();
-  const std::string arch = model_family_name(c.family);
-  const bool permute = c.family == ModelFamily::llama;
+  const bool llama_arch = c.family == ModelFamily::llama || c.family == ModelFamily::mistral;
+  const std::string arch = llama_arch ? "llama" : model_family_name(c.family);
+  const bool permute = llama_arch;
   GgufBuilder b;
   b.str("general.architecture", arch);
   b.u32(arch + ".block_count", static_cast<uint32_t>(c.num_hidden_layers));
@@ -135,6 +140,7 @@ inline GgufBuilder model_gguf_builder(const ParamSet& params) {
   b.u32(arch + ".rope.dimension_count", static_cast<uint32_t>(c.head_dim));
   b.f32(arch + ".rope.freq_base", static_cast<float>(c.rope_theta));
   b.f32(arch + ".attention.layer_norm_rms_epsilon", static_cast<float>(c.rms_norm_eps));
+  if (c.sliding_window > 0) b.u32(arch + ".attention.sliding_window", static_cast<uint32_t>(c.sliding_window));
   std::vector<std::string> tokens;
   for (int64_t i = 0; i < c.vocab_size; ++i) tokens.push_back(fmt::format("t{}", i));
   b.strings("tokenizer.ggml.tokens", tokens);
@@ -150,6 +156,33 @@ inline GgufBuilder model_gguf_builder(const ParamSet& params) {
       values = converter_permute(values, c.num_key_value_heads, c.head_dim, c.hidden_size);
     std::vector<uint64_t> dims(s.shape.rbegin(), s.shape.rend());
     b.tensors.push_back({gguf_tensor_name(s), dims, 0, bytes_of(values)});
+  }
+  return b;
+}
+
+// A preset as model_gguf_builder's file of it reads back: eps stored in f32, the builder's bos and eos
+// ids, float32, the loader's initializer_range (GGUF stores none).
+inline LlamaConfig as_gguf_reads(LlamaConfig c) {
+  c.rms_norm_eps = static_cast<float>(c.rms_norm_eps);
+  c.bos_token_id = 1;
+  c.eos_token_ids = {2};
+  c.torch_dtype = "float32";
+  c.initializer_range = LlamaConfig{}.initializer_range;
+  return c;
+}
+
+// `original` written as the GGUF file `name` in `dir` reads back as the same config and every tensor
+// bit for bit; the builder, for variations of the file.
+inline GgufBuilder check_gguf_round_trip(const ParamSet& original, const TempDir& dir, const std::string& name) {
+  GgufBuilder b = model_gguf_builder(original);
+  const std::string path = write_file(dir, name, b.bytes());
+  const LlamaConfig loaded_config = LlamaConfig::resolve(path);
+  CHECK(loaded_config.to_json() == original.config().to_json());
+  ParamSet loaded(loaded_config, DType::f64);
+  load_gguf_weights(loaded, GgufReader(path));
+  for (size_t i = 0; i < original.size(); ++i) {
+    CAPTURE(original.specs()[i].name);
+    CHECK(compare(loaded[i], original[i]).max_abs == 0.0);
   }
   return b;
 }

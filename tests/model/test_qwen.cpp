@@ -9,12 +9,12 @@
 //   - GGUF files of architecture qwen2 and qwen3 as llama.cpp writes them (Q/K rows unpermuted,
 //     biases and per-head norms by their GGUF names), and the qwen2 pre-tokenizer.
 // The schedules against the reference step with Qwen's blocks: tests/model/test_reference.cpp.
-#include "model/checkpoint.h"
 #include "model/gguf_llama.h"
 #include "model/pretokenizer.h"
 #include "model/safetensors.h"
 #include "optim/schedule.h"
 #include "tests/model/gguf_builder.h"
+#include "tests/model/hf_reference.h"
 #include "tests/support.h"
 #include "tools/model_io.h"
 
@@ -29,19 +29,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// transformers in f64 with its float32 RMSNorm and RoPE angles patched to f64 (qwen_reference.py)
-// against chunkwise in f64: the same math summed in other orders, through a softmax and 2 layers.
-constexpr double kHfF64Tol = 1e-12;
-
-fs::path reference_dir(const char* name) { return fs::path(CW_SOURCE_ROOT) / "tests" / "data" / "qwen_reference" / name; }
-
-OwnedTensor read_tensor(const SafetensorsReader& r, const std::string& name, DType dtype = DType::f64) {
-  const SafetensorsEntry* e = r.find(name);
-  REQUIRE_MESSAGE(e != nullptr, name);
-  OwnedTensor t = OwnedTensor::of_shape(dtype, e->shape);
-  r.read_into(name, t);
-  return t;
-}
+fs::path reference_dir(const char* name) { return test::hf_reference_dir("qwen_reference", name); }
 
 nlohmann::json read_json(const fs::path& path) { return nlohmann::json::parse(test::read_text(path)); }
 
@@ -80,57 +68,14 @@ TEST_CASE("qwen: transformers' config.json of Qwen2 and Qwen3 reads as the model
 }
 
 TEST_CASE("qwen: logits, loss and every gradient equal transformers' in f64 (tests/data/qwen_reference)") {
+  std::vector<ScheduleOptions> schedules(2);
+  schedules[1].kind = ScheduleKind::seco;
+  schedules[1].chunk = 5;
+  schedules[1].bwd_chunk = 3;
   double worst = 0;
   for (const char* name : {"qwen2", "qwen3", "llama_bias"}) {
     CAPTURE(std::string(name));
-    const std::string dir = reference_dir(name).string();
-    const SafetensorsReader expected((reference_dir(name) / "expected.safetensors").string());
-    const OwnedTensor ids = read_tensor(expected, "ids", DType::i32);
-    const int64_t B = ids.tensor.size(0), T = ids.tensor.size(1);
-    const int32_t* id = ids.tensor.ptr<int32_t>();
-
-    // Logits through `chunkwise logits`' path, the sequence in chunks of 5 against the K/V store.
-    test::TempDir tmp("qwen-logits");
-    std::vector<uint32_t> ids_u32(id, id + B * T);
-    test::write_file(tmp, "ids.u32", test::bytes_of(ids_u32));
-    LogitsOptions lo;
-    lo.model = dir;
-    lo.tokens = tmp.file("ids.u32");
-    lo.batch = B;
-    lo.seq = T;
-    lo.dtype = "f64";
-    lo.chunk = 5;
-    lo.out = tmp.file("logits.safetensors");
-    write_logits(lo);
-    const test::Worst logits =
-        test::compare(read_tensor(SafetensorsReader(lo.out), "logits"), read_tensor(expected, "logits"));
-    INFO("logits: " << logits.str());
-    CHECK(logits.rel <= kHfF64Tol);
-    worst = std::max(worst, logits.rel);
-
-    // The loss and gradients of HF's causal-LM loss (labels = ids shifted) under full and seco.
-    LlamaModel model(LlamaConfig::resolve(dir), DType::f64);
-    CHECK(load_checkpoint_weights(model.params(), dir).empty());
-    const Batch batch = causal_lm_batch(std::vector<int32_t>(id, id + B * T), B, T);
-    const double hf_loss = read_tensor(expected, "loss").tensor.ptr<double>()[0];
-    for (const char* schedule : {"full", "seco"}) {
-      CAPTURE(schedule);
-      ScheduleOptions so;
-      so.kind = parse_schedule_kind(schedule);
-      so.chunk = 5;
-      so.bwd_chunk = 3;
-      ParamSet grads(model.config(), DType::f64);
-      const StepStats st = Schedule::create(so)->step(model, batch, grads);
-      CHECK(std::abs(st.loss - hf_loss) <= kHfF64Tol * hf_loss);
-      for (size_t i = 0; i < grads.size(); ++i) {
-        const std::string& tensor = grads.specs()[i].name;
-        CAPTURE(tensor);
-        const test::Worst w = test::compare(grads[i], read_tensor(expected, "grad." + tensor));
-        INFO(w.str());
-        CHECK(w.rel <= kHfF64Tol);
-        worst = std::max(worst, w.rel);
-      }
-    }
+    worst = std::max(worst, test::compare_with_transformers(reference_dir(name).string(), schedules));
   }
   MESSAGE("qwen2, qwen3, llama with attention_bias against transformers (f64): max_rel_err=", worst);
 }
@@ -173,30 +118,14 @@ TEST_CASE("qwen: the presets have the released models' shapes (transformers' par
 }
 
 TEST_CASE("qwen: what chunkwise does not compute is refused, naming the key") {
-  const nlohmann::json base = LlamaConfig::preset("tiny-qwen2").to_json();
-  struct Case {
-    const char* what;
-    nlohmann::json patch;
-    const char* message;
-  };
-  const Case cases[] = {
+  test::check_config_refusals(LlamaConfig::preset("tiny-qwen2").to_json(), {
       {"MLP biases", {{"mlp_bias", true}}, "\"mlp_bias\""},
       {"another activation", {{"hidden_act", "gelu"}}, "\"hidden_act\" is 'gelu'"},
       {"sliding windows", {{"use_sliding_window", true}}, "\"use_sliding_window\" is true"},
       {"a sliding layer", {{"layer_types", {"full_attention", "sliding_attention"}}}, "\"layer_types\""},
-      {"another model", {{"model_type", "mistral"}}, "\"model_type\" is 'mistral'"},
+      {"another model", {{"model_type", "gemma"}}, "\"model_type\" is 'gemma'"},
       {"another class", {{"architectures", {"LlamaForCausalLM"}}}, "does not include Qwen2ForCausalLM"},
-  };
-  for (const Case& c : cases) {
-    CAPTURE(c.what);
-    nlohmann::json j = base;
-    j.merge_patch(c.patch);
-    const std::string message = test::error_of([&] { LlamaConfig::from_json(j, "model/config.json"); });
-    INFO(message);
-    CHECK(test::contains(message, "model/config.json"));
-    CHECK(test::contains(message, c.message));
-    CHECK(!test::contains(message, "\n"));
-  }
+  });
   // Llama's and Qwen3's attention_bias: biases on q, k, v and o_proj, written back as given.
   for (const char* family : {"llama", "qwen3"}) {
     CAPTURE(family);
@@ -208,7 +137,7 @@ TEST_CASE("qwen: what chunkwise does not compute is refused, naming the key") {
     CHECK(ParamSet(c, DType::f32).find("model.layers.1.self_attn.o_proj.bias") >= 0);
   }
   // Without model_type, the architecture names the family.
-  nlohmann::json j = base;
+  nlohmann::json j = LlamaConfig::preset("tiny-qwen2").to_json();
   j.erase("model_type");
   CHECK(LlamaConfig::from_json(j, "config.json").family == ModelFamily::qwen2);
   // A family's own parts belong to it alone: the config could not be written back.
@@ -221,24 +150,10 @@ TEST_CASE("qwen: GGUF files of architecture qwen2 and qwen3 load into the same p
   test::TempDir tmp("qwen-gguf");
   for (const char* preset : {"tiny-qwen2", "tiny-qwen3"}) {
     CAPTURE(std::string(preset));
-    LlamaConfig c = LlamaConfig::preset(preset);
-    c.rms_norm_eps = static_cast<float>(c.rms_norm_eps);  // stored as f32
-    c.bos_token_id = 1;
-    c.eos_token_ids = {2};
-    c.torch_dtype = "float32";
-    c.initializer_range = LlamaConfig{}.initializer_range;  // not stored in GGUF: the loader's default
+    const LlamaConfig c = test::as_gguf_reads(LlamaConfig::preset(preset));
     ParamSet original(c, DType::f32);
     init_parameters(original, 11, 0.5, 0.1);
-    test::GgufBuilder b = test::model_gguf_builder(original);
-    const std::string path = test::write_file(tmp, std::string(preset) + ".gguf", b.bytes());
-    const LlamaConfig loaded_config = LlamaConfig::resolve(path);
-    CHECK(loaded_config.to_json() == c.to_json());
-    ParamSet loaded(loaded_config, DType::f64);
-    load_gguf_weights(loaded, GgufReader(path));
-    for (size_t i = 0; i < original.size(); ++i) {
-      CAPTURE(original.specs()[i].name);
-      CHECK(test::compare(loaded[i], original[i]).max_abs == 0.0);
-    }
+    const test::GgufBuilder b = test::check_gguf_round_trip(original, tmp, std::string(preset) + ".gguf");
     // A Qwen tensor in a file that says llama has no place there, and a missing one is named.
     const std::string extra = c.family == ModelFamily::qwen2 ? "blk.0.attn_q.bias" : "blk.0.attn_q_norm.weight";
     LlamaConfig llama = c;

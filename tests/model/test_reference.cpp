@@ -1,7 +1,7 @@
 // The reference step (model/reference.h): first its own gradients against central finite differences
 // of its own loss, which proves it without the engine; then every schedule against it within 1e-12
 // in f64 (GQA, tied and untied embeddings, llama3, yarn and dynamic RoPE, packed documents, LoRA, Qwen2's
-// biases, Qwen3's per-head norms); then the
+// biases, Qwen3's per-head norms, Mistral's sliding window); then the
 // CLI's `gradcheck --against reference`.
 #include "engine/ops/lm_head_loss.h"
 #include "engine/random.h"
@@ -26,7 +26,8 @@ struct Case {
   std::vector<std::vector<int64_t>> documents;  // per sequence; empty: one document each
   bool document_positions = true;
   const char* lora_targets = nullptr;  // adapters of rank 2 on these linears; null: none
-  const char* preset = "tiny";         // tiny-qwen2 (q/k/v biases, tied), tiny-qwen3 (per-head q/k norms)
+  const char* preset = "tiny";         // tiny-qwen2 (q/k/v biases, tied), tiny-qwen3 (per-head q/k norms),
+                                       // tiny-mistral (a sliding window of 5 keys)
   bool attention_bias = false;         // Llama's / Qwen3's: biases on q, k, v and o_proj
 };
 
@@ -77,6 +78,8 @@ TEST_CASE("reference: its gradients against central finite differences of its lo
        nullptr, "tiny-qwen3"},
       {"qwen3 with attention_bias: q, k, v and o_proj biases", false, RopeScaling::Type::llama3, {}, true, nullptr,
        "tiny-qwen3", true},
+      {"mistral: a sliding window of 5 keys, documents", false, RopeScaling::Type::llama3, kDocuments, true, nullptr,
+       "tiny-mistral"},
   };
   double worst = 0;
   for (const Case& c : cases) {
@@ -132,6 +135,8 @@ TEST_CASE("reference: every schedule's loss and gradients equal it within 1e-12 
       {"qwen2, LoRA on every linear (biases frozen), documents"},
       {"qwen3, LoRA on q_proj, k_proj, v_proj"},
       {"llama with attention_bias: q, k, v and o_proj biases"},
+      {"mistral: a sliding window of 5 keys (chunks of 3 to 6 against it)"},
+      {"mistral, documents, LoRA on every linear"},
   };
   std::vector<Case> configured = cases;
   configured[1].tied = true;
@@ -150,6 +155,9 @@ TEST_CASE("reference: every schedule's loss and gradients equal it within 1e-12 
   configured[10].documents = kDocuments;
   configured[11].lora_targets = "q_proj,k_proj,v_proj";
   configured[12].attention_bias = true;
+  configured[13].preset = configured[14].preset = "tiny-mistral";
+  configured[14].documents = kDocuments;
+  configured[14].lora_targets = "all-linear";
 
   std::vector<ScheduleOptions> schedules(6);
   schedules[0].kind = ScheduleKind::full;

@@ -770,6 +770,81 @@ TEST_CASE("lora: seco, spaco with all chunks and checkpointed equal full backpro
     }
 }
 
+TEST_CASE("a sliding window: seco, spaco and their stores equal full backprop in fp64 (chunks shorter than, as long "
+          "as and longer than the window; documents; LoRA)") {
+  // tiny-mistral with windows of 2 to 40 keys on 24 tokens (one key, whose q and k get no gradient at
+  // all, is the op's test's): seco's chunks read only each chunk's
+  // window from the store, so its relay stops there; full reads all keys, masked by the op. The
+  // window bites in every case but the one longer than the sequence (checked: full with and without
+  // it differ).
+  struct WindowCase {
+    const char* name;
+    int64_t window, chunk, bwd_chunk;
+    bool documents = false;
+  };
+  const WindowCase cases[] = {
+      {"chunk 3 < window 5", 5, 3, 0},          {"chunk = window", 5, 5, 0},
+      {"chunk 7 > window, cut mid-chunk", 5, 7, 0}, {"forward 7, reverse 3", 5, 7, 3},
+      {"forward 2, reverse 9", 5, 2, 9},        {"window of two keys", 2, 4, 0},
+      {"window longer than T", 40, 7, 5},       {"documents, chunk 7 > window 5", 5, 7, 0, true},
+      {"documents, chunk 4 < window 6", 6, 4, 3, true},
+  };
+  double worst = 0;
+  for (const WindowCase& w : cases) {
+    INFO(std::string(w.name));
+    Case c{"window", 2, 24, w.chunk, w.bwd_chunk, 2, false, 1, "tiny-mistral"};
+    LlamaConfig cfg = config_for(c);
+    cfg.sliding_window = w.window;
+    LlamaModel model(cfg, DType::f64);
+    init_parameters(model.params(), 11, cfg.initializer_range, 0.1);
+    Batch batch = batch_for(c, cfg, 12);
+    if (w.documents) set_documents(batch, {{0, 9, 10, 17}, {0, 13}});
+    ParamSet g_full(cfg, DType::f64), g(cfg, DType::f64);
+    const Result rf = run(ScheduleOptions{}, model, batch, g_full);
+    ScheduleOptions base = chunked("seco", w.chunk, w.bwd_chunk);
+    std::vector<ScheduleOptions> variants(5, base);
+    variants[1].save_attention = true;
+    variants[2].save_inputs = true;
+    variants[3].offload_window = 1;
+    variants[4] = chunked("spaco", w.chunk, w.bwd_chunk), variants[4].keep = 0;  // every chunk: exact
+    if (!w.documents && w.bwd_chunk == 0) variants.push_back(base), variants.back().stream_kv = true;
+    for (const ScheduleOptions& o : variants) {
+      INFO(schedule_name(o.kind), " save_attention ", o.save_attention, " save_inputs ", o.save_inputs,
+           " offload_window ", o.offload_window, " stream_kv ", o.stream_kv);
+      const Result r = run(o, model, batch, g);
+      std::string report;
+      const double rel = max_rel(g, g_full, &report);
+      INFO("worst tensor ", report);
+      CHECK(rel <= test::kSameMathF64Tol);
+      CHECK(std::abs(r.loss - rf.loss) <= kLossTol * std::abs(rf.loss));
+      worst = std::max(worst, rel);
+    }
+    LlamaConfig unwindowed = cfg;
+    unwindowed.sliding_window = 0;
+    unwindowed.family = ModelFamily::llama;
+    LlamaModel plain(unwindowed, DType::f64);
+    init_parameters(plain.params(), 11, cfg.initializer_range, 0.1);
+    ParamSet g_plain(unwindowed, DType::f64);
+    run(ScheduleOptions{}, plain, batch, g_plain);
+    if (w.window < c.T) CHECK(max_rel(g_plain, g_full) > 1e-3);
+  }
+  MESSAGE("sliding window: seco, spaco (every chunk), saved outputs / inputs, offloaded and streamed stores against "
+          "full: max_rel_err=", worst);
+  // LoRA: the adapters' gradients through the windowed relay.
+  LoraConfig l = lora_config("all-linear", 0.0);
+  LlamaModel model(LlamaConfig::preset("tiny-mistral"), DType::f64, Device::host(), nullptr, l);
+  init_parameters(model.params(), 31, model.config().initializer_range, 0.1);
+  init_lora_parameters(model.adapters(), l.seed, 0.1);
+  const Batch batch = batch_for(Case{"lora", 2, 24, 7, 0, 2, false, 1}, model.config(), 41);
+  ParamSet g_full = ParamSet::like(model.adapters(), DType::f64), g = ParamSet::like(model.adapters(), DType::f64);
+  const Result rf = run(ScheduleOptions{}, model, batch, g_full);
+  for (const ScheduleOptions& o : {chunked("seco", 3), chunked("seco", 7, 4)}) {
+    const Result r = run(o, model, batch, g);
+    CHECK(max_rel(g, g_full) <= test::kSameMathF64Tol);
+    CHECK(std::abs(r.loss - rf.loss) <= kLossTol * std::abs(rf.loss));
+  }
+}
+
 TEST_CASE("lora: a frozen MLP keeps gate and up, not h2 and act; the step keeps that much less") {
   // h2 and act feed only the MLP's weight gradients; frozen without adapters it has none. (The
   // gradients themselves are checked above and by gradcheck against finite differences.)

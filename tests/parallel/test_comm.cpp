@@ -58,7 +58,7 @@ TEST_CASE("comm threads: all_reduce, reduce, reduce_scatter, all_gather, broadca
   for (DType dtype : {DType::f64, DType::f32})
     for (int size = 1; size <= kMaxGroup; ++size)
       for (int64_t n : kLengths) {
-        CAPTURE(dtype_name(dtype));
+        CAPTURE(std::string(dtype_name(dtype)));
         CAPTURE(size);
         CAPTURE(n);
         const uint64_t seed = 100 + static_cast<uint64_t>(size * 10 + n);

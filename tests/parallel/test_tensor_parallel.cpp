@@ -298,6 +298,33 @@ TEST_CASE("tensor parallel: qwen2's biases split with their rows, qwen3's per-he
   }
 }
 
+TEST_CASE("tensor parallel and data parallel: mistral's sliding window (gradcheck --tp 2, --dp 2, --dp 2 --tp 2)") {
+  // tiny-tp's shape as Mistral with a window of 5 keys on 16 tokens: each rank attends its heads
+  // through the window (seco in chunks of 8 and 4 against it), and the replicated tensors agree.
+  test::TempDir dir("tp-mistral");
+  LlamaConfig c = LlamaConfig::preset("tiny-tp");
+  c.family = ModelFamily::mistral;
+  c.rope_scaling = {};
+  c.sliding_window = 5;
+  const std::string path = dir.file("mistral.json");
+  std::ofstream(path) << c.to_json().dump();
+  for (const auto& [tp, dp] : {std::pair<int64_t, int64_t>{2, 1}, {1, 2}, {2, 2}})
+    for (const char* schedule : {"full", "seco"})
+      for (const bool sp : {false, true}) {
+        if (sp && tp == 1) continue;
+        GradcheckOptions o = tiny_tp_gradcheck(schedule, tp);
+        o.model = path;
+        o.parallel.dp = dp;
+        o.batch = 2 * dp;
+        o.parallel.sequence_parallel = sp;
+        CAPTURE(tp);
+        CAPTURE(dp);
+        CAPTURE(schedule);
+        CAPTURE(sp);
+        same_as_one_process(o);
+      }
+}
+
 TEST_CASE("tensor parallel: selective recompute, a tiled MLP, saved attention and tied embeddings") {
   struct Case {
     const char* name;

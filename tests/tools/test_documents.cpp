@@ -175,3 +175,18 @@ TEST_CASE("documents: bench --documents cuts sequences as asked") {
   CHECK_THROWS_WITH_AS(bench_document_starts("8k", 1, 16, 1), doctest::Contains("--documents '8k'"), Error);
   CHECK_THROWS_WITH_AS(bench_document_starts("9:4", 1, 16, 1), doctest::Contains("LO <= HI"), Error);
 }
+
+TEST_CASE("documents: a streamed store with a sliding window is refused naming both") {
+  // The streamed store's document blocks (attention_merge_documents_block) take no window: the
+  // combination is refused before a wrong sum, in one line naming the window and the store.
+  GradcheckOptions o;
+  o.model = "tiny-mistral";
+  o.seq = 24;
+  o.documents = {10, 14};
+  o.schedule = named("seco", 8);
+  o.schedule.stream_kv = true;
+  o.against = "separate";
+  std::ostringstream out;
+  CHECK_THROWS_WITH_AS(run_gradcheck(o, out), doctest::Contains("sliding_window"), Error);
+  CHECK_THROWS_WITH_AS(run_gradcheck(o, out), doctest::Contains("schedule.stream_kv"), Error);
+}

@@ -256,6 +256,53 @@ TEST_CASE("plan: packed documents cut attention's work to their causal squares; 
                        doctest::Contains("document starts for 1 sequences, the batch has 2"), Error);
 }
 
+TEST_CASE("plan: a sliding window cuts attention's work to W T pairs; the K/V store and its memory stay") {
+  // mistral-7b (W = 4096) against the same shapes without the window: at 64K full backprop's attention
+  // is in proportion to the pairs, 4096 x 4097 / 2 + (T - 4096) 4096 against T (T + 1) / 2; seco's
+  // K/V store is the same.
+  const int64_t T = 65536, W = 4096;
+  auto seconds = [](const PlanReport& r, const std::string& what) {
+    for (const auto& [name, t] : r.time)
+      if (name == what) return t;
+    return -1.0;
+  };
+  const LlamaConfig mistral = LlamaConfig::preset("mistral-7b");
+  LlamaConfig unwindowed = mistral;
+  unwindowed.sliding_window = 0;
+  unwindowed.family = ModelFamily::llama;
+  const double ratio = (double(W) * double(W + 1) / 2 + double(T - W) * double(W)) / (double(T) * double(T + 1) / 2);
+  const ScheduleOptions full = sched("full");
+  const PlanReport windowed = plan_step(mistral, 1, T, full, DType::bf16, 1000);
+  const PlanReport plain = plan_step(unwindowed, 1, T, full, DType::bf16, 1000);
+  CHECK(seconds(windowed, "attention") == doctest::Approx(seconds(plain, "attention") * ratio));
+  const ScheduleOptions seco = sched("seco", 4096);
+  const PlanReport seco_windowed = plan_step(mistral, 1, T, seco, DType::bf16, 1000);
+  const PlanReport seco_plain = plan_step(unwindowed, 1, T, seco, DType::bf16, 1000);
+  // The store keeps every token's K and V whatever the window; only the attention calls' scratch
+  // (against W + c keys rather than all earlier ones) shrinks.
+  auto kv_bytes = [](const PlanReport& r) {
+    for (const auto& [name, bytes] : r.device)
+      if (name == "kv") return bytes;
+    return size_t{0};
+  };
+  CHECK(kv_bytes(seco_windowed) > 0);
+  CHECK(kv_bytes(seco_windowed) == kv_bytes(seco_plain));
+  CHECK(seco_windowed.peak_device_bytes <= seco_plain.peak_device_bytes);
+  CHECK(seco_windowed.step_s < seco_plain.step_s);
+  // The CLI takes the preset and says what the window means for a GPU run.
+  PlanOptions o;
+  o.model = "mistral-7b";
+  o.seq = 32768;
+  o.schedule.kind = ScheduleKind::seco;
+  o.schedule.chunk = kAuto;
+  o.device_memory_gib = 141;
+  std::ostringstream out;
+  run_plan(o, out);
+  INFO(out.str());
+  CHECK(out.str().find("sliding window: 4096 keys a query") != std::string::npos);
+  CHECK(out.str().find("the GPU refuses a window") != std::string::npos);
+}
+
 TEST_CASE("plan: the CLI's table and JSON") {
   test::TempDir dir("plan");
   PlanOptions o;

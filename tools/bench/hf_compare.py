@@ -2,7 +2,8 @@
 """chunkwise against HF transformers on the same checkpoint and tokens.
 
 For each case: `chunkwise init` writes a random HF checkpoint; transformers loads it
-(AutoModelForCausalLM.from_pretrained: Llama, Qwen2 with its q/k/v biases, Qwen3 with its per-head norms) and computes logits, the causal-LM loss and its gradients in
+(AutoModelForCausalLM.from_pretrained: Llama, Qwen2 with its q/k/v biases, Qwen3 with its per-head norms,
+Mistral with its sliding window) and computes logits, the causal-LM loss and its gradients in
 float64; `chunkwise logits` and `chunkwise gradcheck --save-grads` compute the same on the CPU in f64
 (the gradients through SeCO). Prints one row per case: the worst relative logit and gradient errors.
 The cases cover llama3, yarn (truncated or not, with mscale) and dynamic-NTK RoPE scaling; for dynamic
@@ -60,6 +61,8 @@ def main():
         ("qwen2: q/k/v biases, tied", "tiny-qwen2", -1, 2, 40, None),
         ("qwen3: per-head q/k norms", "tiny-qwen3", -1, 2, 40, None),
         ("qwen3, tied", "tiny-qwen3", 1, 2, 40, None),
+        ("mistral: a window of 5 keys", "tiny-mistral", -1, 2, 40, None),
+        ("mistral, tied", "tiny-mistral", 1, 2, 40, None),
     ]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

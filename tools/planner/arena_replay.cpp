@@ -144,29 +144,33 @@ void lm_head(Requests& r, const Chunk& s) {
 
 // ---- model/kv_store.cpp: a chunk's attention against the store ----
 
-// attend_forward: one call against keys [0, t1); streamed, the chunk's own block causal, then each
-// earlier block unmasked, merged in the accumulation dtype (the blocks' calls take the same scratch:
-// one stands for all).
+// attend_forward: one call against keys [first_visible_key(t0), t1) (a sliding window's; else 0);
+// streamed, the chunk's own block causal, then each earlier block within the window unmasked (the
+// first cut at the window's start), merged in the accumulation dtype (the blocks' calls take the
+// same scratch: the largest, the block just before the chunk's, stands for all).
+int64_t largest_prefix_block(const Chunk& s) {
+  return s.t0 - std::max(s.t0 - s.stream_block, s.cf.first_visible_key(s.t0));
+}
 void attend_forward(Requests& r, const Chunk& s) {
-  if (s.stream_block == 0) return attention_forward(r, s, s.t1, true);
+  if (s.stream_block == 0) return attention_forward(r, s, s.t1 - s.cf.first_visible_key(s.t0), true);
   attention_forward(r, s, s.c(), true);
-  if (s.t0 / s.stream_block == 0) return;
+  if (s.cf.first_visible_key(s.t0) / s.stream_block == s.t0 / s.stream_block) return;
   Scope scope(r);
   r.alloc(s.stat(s.cf.q_dim()));  // the merged output
   r.alloc(s.row(s.cf.q_dim()));   // a block's output
   r.alloc(s.stat(s.cf.num_attention_heads));  // a block's lse
-  attention_forward(r, s, s.stream_block, false);
+  attention_forward(r, s, largest_prefix_block(s), false);
 }
 
 // attend_backward: streamed, dQ summed over the blocks in the accumulation dtype beside a block's dQ.
 void attend_backward(Requests& r, const Chunk& s) {
-  if (s.stream_block == 0) return attention_backward(r, s, s.t1, true);
+  if (s.stream_block == 0) return attention_backward(r, s, s.t1 - s.cf.first_visible_key(s.t0), true);
   attention_backward(r, s, s.c(), true);
-  if (s.t0 / s.stream_block == 0) return;
+  if (s.cf.first_visible_key(s.t0) / s.stream_block == s.t0 / s.stream_block) return;
   Scope scope(r);
   r.alloc(s.stat(s.cf.q_dim()));  // dQ summed
   r.alloc(s.row(s.cf.q_dim()));   // a block's dQ
-  attention_backward(r, s, s.stream_block, false);
+  attention_backward(r, s, largest_prefix_block(s), false);
 }
 
 // ---- model/layer.cpp ----

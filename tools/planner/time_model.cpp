@@ -87,31 +87,28 @@ double kv_offload_bytes(const StepPlan& s, double reverse) {
   return double(cf.num_hidden_layers) * (prefill + reverse * (recompute + backward));
 }
 
-// Causal attention pairs of queries [p, p+c) against keys [0, p+c), summed over chunks of length c.
-double causal_pairs(int64_t T, int64_t c) {
-  double pairs = 0;
-  for (int64_t p = 0; p < T; p += c) {
-    const double n = double(std::min(c, T - p));
-    pairs += n * double(p) + n * (n + 1) / 2;
-  }
-  return pairs;
+// The pairs of the first n queries of a sequence (or document), each attending the keys from the
+// start up to itself: at most W of them under a sliding window (W = 0: none). Whatever the chunking,
+// the chunks' calls keep these pairs.
+double causal_pairs(int64_t n, int64_t W) {
+  const double nd = double(n);
+  if (W <= 0 || n <= W) return nd * (nd + 1) / 2;
+  return double(W) * double(W + 1) / 2 + (nd - double(W)) * double(W);
 }
 // The same over packed documents: per sequence (doc_starts, each row's first 0) the pairs of its
 // queries before `end`, each attending its own document's keys up to itself, averaged over the rows.
-double document_pairs(const std::vector<std::vector<int64_t>>& doc_starts, int64_t T, int64_t end) {
+double document_pairs(const std::vector<std::vector<int64_t>>& doc_starts, int64_t T, int64_t end, int64_t W) {
   double pairs = 0;
   for (const std::vector<int64_t>& row : doc_starts)
-    for (size_t i = 0; i < row.size(); ++i) {
-      const double n = double(std::max<int64_t>(0, std::min(i + 1 < row.size() ? row[i + 1] : T, end) - row[i]));
-      pairs += n * (n + 1) / 2;
-    }
+    for (size_t i = 0; i < row.size(); ++i)
+      pairs += causal_pairs(std::max<int64_t>(0, std::min(i + 1 < row.size() ? row[i + 1] : T, end) - row[i]), W);
   return pairs / double(doc_starts.size());
 }
 // The keys whose dK, dV a backward in chunks of c adds to, summed over the chunks (each chunk's own
-// and every earlier one): T^2 / 2c + T / 2.
-double kv_grad_keys(int64_t T, int64_t c) {
+// and every earlier one within the sliding window W, 0: none): without a window T^2 / 2c + T / 2.
+double kv_grad_keys(int64_t T, int64_t c, int64_t W) {
   double keys = 0;
-  for (int64_t p = 0; p < T; p += c) keys += double(std::min(T, p + c));
+  for (int64_t p = 0; p < T; p += c) keys += double(std::min(T, p + c) - window_first_key(p, W));
   return keys;
 }
 }  // namespace
@@ -166,16 +163,19 @@ void plan_time(const StepPlan& s, PlanReport& r) {
   const double spaco = o.kind == ScheduleKind::spaco ? 1 : 0;
   const double head = 2.0 * double(V * C) * tokens * ((1 + backward) * reverse + spaco);
   // Attention: 4 H D flops per (query, key) pair and layer forward, 2.5x that backward; a pair is a
-  // query and a key of its own document (the query's causal prefix when there are no documents).
+  // query and a key of its own document (the query's causal prefix when there are no documents),
+  // within its sliding window if the model has one.
   const double per_pair = 4.0 * double(H * D) * double(L) * double(B);
-  const auto pairs = [&](int64_t end, int64_t c) {
-    return s.doc_starts.empty() ? causal_pairs(end, c) : document_pairs(s.doc_starts, T, end);
+  // (The chunks' calls keep the same pairs whatever their length.)
+  const auto pairs = [&](int64_t end) {
+    return s.doc_starts.empty() ? causal_pairs(end, cf.sliding_window)
+                                : document_pairs(s.doc_starts, T, end, cf.sliding_window);
   };
   // With saved outputs the reverse sweep's forwards (and a layer recompute) run no attention.
   const double reverse_forward = s.saved ? 0 : 1 + extra_forward;
-  const double unsaved_pairs = s.saved ? pairs(T, s.bwd_chunk) - pairs(s.prefill_end, s.bwd_chunk) : 0;
-  const double attention = per_pair * (pairs(s.prefill_end, s.chunk) +
-                                       reverse * pairs(T, s.bwd_chunk) * (reverse_forward + 2.5) + unsaved_pairs);
+  const double unsaved_pairs = s.saved ? pairs(T) - pairs(s.prefill_end) : 0;
+  const double attention = per_pair * (pairs(s.prefill_end) +
+                                       reverse * pairs(T) * (reverse_forward + 2.5) + unsaved_pairs);
   const double elementwise = tokens * double(L) * passes * double(16 * C + 6 * F) * double(s.e);
   // The optimizer: on the device, its traffic; offloaded, the slowest stage of its pipeline, which
   // overlap one another: streamed through the device (f32 state), master, m and v in on one lane and
@@ -195,7 +195,7 @@ void plan_time(const StepPlan& s, PlanReport& r) {
       (s.streamed ? kStreamedAttentionSlowdown : 1.0);
   // The backward's dK, dV adds: per key and layer, K's and V's bf16 gradient read and the f32
   // accumulator read and written.
-  const double kv_grad_adds = reverse * kv_grad_keys(T, s.bwd_chunk) * double(B * L) * 2.0 * double(Hkv * D) *
+  const double kv_grad_adds = reverse * kv_grad_keys(T, s.bwd_chunk, cf.sliding_window) * double(B * L) * 2.0 * double(Hkv * D) *
                               double(s.e + 2 * s.acc) / kKvGradAddBytesPerS;
   const double matmul_s =
       prefill_matmul / (kMatmulTflops * 1e12 * matmul_row_efficiency(B * s.chunk)) +

@@ -123,6 +123,7 @@ LoraConfig resolve_lora(const RunConfig& rc) {
 Placement resolve_placement(const RunConfig& rc) {
   const LlamaConfig mc = rc.model_config();
   const Device device = resolve_device(rc.train.device, "train.device");
+  check_runs_on(mc, device, "train.device = cpu");
   const DType dtype = resolve_compute_dtype(rc.model.dtype, device, "model.dtype", "train.device");
 #if CW_HAVE_CUDA
   if (!device.is_cpu()) set_deterministic(rc.train.deterministic);

@@ -53,7 +53,8 @@ struct Shape {
 
 // The tiny preset (grouped K/V heads 2:1, FFN wider than the model), its multi-head form, a shape
 // whose FFN is three times the width (automatic MLP shards: 3), and the Qwen presets (biases add no
-// scratch; the per-head norms keep the raw q, k and take normed copies when fused).
+// scratch; the per-head norms keep the raw q, k and take normed copies when fused), and Mistral's
+// window (the attention calls' scratch follows the window's keys, not all earlier ones).
 std::vector<Shape> shapes() {
   LlamaConfig tiny = LlamaConfig::preset("tiny");
   LlamaConfig mha = tiny;
@@ -65,7 +66,8 @@ std::vector<Shape> shapes() {
           {"tiny, multi-head", mha},
           {"wide FFN, 3 layers", wide},
           {"qwen2 (q/k/v biases)", LlamaConfig::preset("tiny-qwen2")},
-          {"qwen3 (per-head q/k norms)", LlamaConfig::preset("tiny-qwen3")}};
+          {"qwen3 (per-head q/k norms)", LlamaConfig::preset("tiny-qwen3")},
+          {"mistral (a window of 5 keys: each chunk's calls against its window's keys)", LlamaConfig::preset("tiny-mistral")}};
 }
 
 struct Case {
