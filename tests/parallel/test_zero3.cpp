@@ -55,6 +55,21 @@ Batch rows(const Batch& batch, int64_t first, int64_t count) {
   return part;
 }
 
+// Every schedule, seco with one prefill chunk per backward chunk, with other lengths and with saved
+// inputs (a reverse sweep without forwards), spaco visiting half of its chunks.
+struct ScheduleCase {
+  const char* name;
+  ScheduleOptions schedule;
+};
+std::vector<ScheduleCase> schedule_cases() {
+  return {{"full", {.kind = ScheduleKind::full}},
+          {"checkpointed", {.kind = ScheduleKind::checkpointed}},
+          {"seco", {.kind = ScheduleKind::seco, .chunk = 4}},
+          {"seco bwd-chunk", {.kind = ScheduleKind::seco, .chunk = 5, .bwd_chunk = 3}},
+          {"seco saved inputs", {.kind = ScheduleKind::seco, .save_inputs = true, .chunk = 4}},
+          {"spaco", {.kind = ScheduleKind::spaco, .chunk = 4, .keep = 2, .seed = 3}}};
+}
+
 // One micro-batch: rank r's sequences of the batch.
 std::vector<Batch> micro(const Batch& batch, int rank) {
   std::vector<Batch> m;
@@ -133,17 +148,8 @@ TEST_CASE("zero 3 layout: every tensor's elements in exactly one rank's shard, u
 TEST_CASE("zero 3 gradcheck: DP 2 and 4 against one process, every schedule (f64, <= 1e-12)") {
   const test::TempDir dir("zero3-gradcheck");
   const std::string model = write_config(dir, deep_tiny());
-  struct Case {
-    const char* name;
-    ScheduleOptions schedule;
-  };
-  const std::vector<Case> cases = {
-      {"full", {.kind = ScheduleKind::full}},
-      {"checkpointed", {.kind = ScheduleKind::checkpointed}},
-      {"seco", {.kind = ScheduleKind::seco, .chunk = 5, .bwd_chunk = 3}},
-      {"seco saved inputs", {.kind = ScheduleKind::seco, .save_inputs = true, .chunk = 4}},
-      {"spaco", {.kind = ScheduleKind::spaco, .chunk = 4, .keep = 2, .seed = 3}}};
-  for (const Case& c : cases)
+  const std::vector<ScheduleCase> cases = schedule_cases();
+  for (const ScheduleCase& c : cases)
     for (int64_t dp : {2, 4}) {
       CAPTURE(c.name);
       CAPTURE(dp);
@@ -166,19 +172,9 @@ TEST_CASE("zero 3 gradcheck: DP 2 and 4 against one process, every schedule (f64
 }
 
 TEST_CASE("zero 3: the planner's gathers, reduce-scatters and bytes are a run's counters") {
-  struct Case {
-    const char* name;
-    ScheduleOptions schedule;
-  };
-  const std::vector<Case> cases = {
-      {"full", {.kind = ScheduleKind::full}},
-      {"checkpointed", {.kind = ScheduleKind::checkpointed}},
-      {"seco", {.kind = ScheduleKind::seco, .chunk = 4}},
-      {"seco bwd-chunk", {.kind = ScheduleKind::seco, .chunk = 5, .bwd_chunk = 3}},
-      {"seco saved inputs", {.kind = ScheduleKind::seco, .save_inputs = true, .chunk = 4}},
-      {"spaco", {.kind = ScheduleKind::spaco, .chunk = 4, .keep = 2, .seed = 3}}};
+  const std::vector<ScheduleCase> cases = schedule_cases();
   for (const LlamaConfig& c : {LlamaConfig::preset("tiny"), deep_tiny()})
-    for (const Case& k : cases)
+    for (const ScheduleCase& k : cases)
       for (int ranks : {2, 3}) {
         CAPTURE(k.name);
         CAPTURE(c.num_hidden_layers);
