@@ -8,6 +8,7 @@
 #include "parallel/zero3.h"
 #include "tests/support.h"
 #include "tools/gradcheck.h"
+#include "tools/plan.h"
 #include "tools/planner/planner.h"
 
 #include <nlohmann/json.hpp>
@@ -311,4 +312,25 @@ TEST_CASE("zero 3 refusals: with tensor parallelism, with LoRA, in train") {
   o.lora.rank = 4;
   std::ostringstream out;
   CHECK_THROWS_WITH_AS(run_gradcheck(o, out), doctest::Contains("--zero 3 shards the model's own parameters"), Error);
+}
+
+TEST_CASE("plan --zero 3: Llama-3.1-8B at 64K tokens in 8K chunks on 8 ranks, the figures of docs/zero3.md") {
+  PlanOptions po;
+  po.model = "llama-3.1-8b";
+  po.seq = 65536;
+  po.schedule = {.kind = ScheduleKind::seco, .chunk = 8192};
+  po.dp = 8;
+  po.zero = 3;
+  po.device_memory_gib = 140;
+  std::ostringstream out;
+  CHECK(run_plan(po, out) == 0);
+  INFO(out.str());
+  // 7 prefill chunks and 8 reverse chunks of 32 blocks, two blocks reused at each of 15 turns.
+  CHECK(contains(out.str(), "per step 706 block all-gathers (30 blocks reused from their buffer), 15 of the outside "
+                            "unit; 256 block and 8 outside reduce-scatters"));
+  CHECK(contains(out.str(), "at NVLink 450 GB/s: 1.160 s"));
+  CHECK(contains(out.str(), "shard               14.96"));
+  CHECK(!contains(out.str(), "gradients"));  // no whole-model gradient
+  po.tp = 2;
+  CHECK_THROWS_WITH_AS(run_plan(po, out), doctest::Contains("not with --tp"), Error);
 }
