@@ -32,6 +32,13 @@ LlamaModel::LlamaModel(const LlamaConfig& config, DType dtype, Device device, Te
   ensure_positions(256);
 }
 
+LlamaModel::LlamaModel(const LlamaConfig& config, DType dtype, Device device, ParameterShards& shards)
+    : full_config_(config), tp_(nullptr), config_(config), dtype_(dtype), device_(device), cast_layers_(false),
+      shards_(&shards) {
+  full_config_.validate("model config");
+  ensure_positions(256);
+}
+
 ParamSet& LlamaModel::adapters() {
   CW_CHECK(adapters_, "the model has no LoRA adapters (lora.rank is 0)");
   return *adapters_;
@@ -42,6 +49,7 @@ const ParamSet& LlamaModel::adapters() const {
 }
 
 ModelWeights LlamaModel::weights() const {
+  if (shards_) return shards_->outside();
   ModelWeights w = params_.weights();
   if (adapters_) {
     const ModelWeights a = adapters_->weights();
@@ -53,6 +61,7 @@ ModelWeights LlamaModel::weights() const {
 LayerWeights LlamaModel::layer(int l) const {
   CW_CHECK(!cast_layers_ || cast_, "the model casts its blocks from master weights it has not been given "
                                    "(LlamaModel::cast_layers_from)");
+  if (shards_) return shards_->block(l);
   LayerWeights w = cast_ ? cast_->layer(l) : params_.layer(l);
   if (adapters_) w.lora = adapters_->layer(l).lora;
   return w;
@@ -60,7 +69,7 @@ LayerWeights LlamaModel::layer(int l) const {
 
 std::vector<ParamSpec> LlamaModel::trainable_table() const {
   if (adapters_) return adapters_->specs();
-  return cast_layers_ ? parameter_table(config_) : params_.specs();
+  return cast_layers_ || shards_ ? parameter_table(config_) : params_.specs();
 }
 
 void LlamaModel::cast_layers_from(const ParamSet& master) {
@@ -199,8 +208,10 @@ void run_blocks(ChunkActivations& a, KVStore& kv, const LlamaModel& model, const
     kv.begin_layer(l, use, t0, t1);
     if (kv.has_inputs() && use == KVStore::Use::forward)  // saved for the reverse sweep (kv_store.h)
       copy_convert(kv.inputs(l, t0, t1), a.input(l).view({chunk.B, chunk.c, cf.hidden_size}));
+    const LayerWeights w_l = model.layer(l);
+    model.prefetch_layer(l + 1);
     block_forward(l + 1 < L ? a.input(l + 1) : a.stream.back(), keep_layers ? &a.layers[li] : nullptr, a.input(l),
-                  model.layer(l), kv, l, ctx);
+                  w_l, kv, l, ctx);
     kv.end_layer(l, use, t0, t1);
   }
   rmsnorm_forward(a.normed, a.final_norm, a.stream.back(), w.final_norm, cf.rms_norm_eps);
@@ -244,6 +255,18 @@ double chunk_loss(const Tensor& row_loss, int64_t N, TensorParallelGroup* tp, Ar
   losses->add(rows, weight);
   return 0.0;
 }
+
+// Hands the sharded model's outside tensors back when a pass ends, also when it throws.
+class OutsideRelease {
+ public:
+  explicit OutsideRelease(const LlamaModel& model) : model_(model) {}
+  ~OutsideRelease() { model_.release_outside(); }
+  OutsideRelease(const OutsideRelease&) = delete;
+  OutsideRelease& operator=(const OutsideRelease&) = delete;
+
+ private:
+  const LlamaModel& model_;
+};
 
 void check_chunk(const LlamaModel& model, const ChunkTokens& chunk, const KVStore& kv) {
   const int64_t N = chunk.B * chunk.c;
@@ -300,6 +323,9 @@ double forward_chunk(ChunkActivations* keep, KVStore& kv, const LlamaModel& mode
   TensorParallelGroup* tp = model.tensor_parallel();
   const int64_t R = tp_rows(tp, N);
   ChunkActivations a = transient_activations(model, R, scratch);
+  // A forward that keeps nothing is a whole pass: sharded outside tensors go back when it ends (one
+  // that keeps its activations is followed by its backward, which reads them too).
+  OutsideRelease release(model);
   run_blocks(a, kv, model, chunk, false, scratch, mlp_shards);
   if (!with_loss) return 0.0;
   CW_CHECK(chunk.labels.data, "forward_chunk with_loss needs labels");
@@ -323,7 +349,7 @@ class ChunkBackward {
       : cf(model.config()), model(model), chunk(chunk), scratch(scratch), normaliser(normaliser),
         loss_weight(loss_weight), grads_final(grads_final), losses(losses), tp(model.tensor_parallel()),
         N(chunk.B * chunk.c), R(tp_rows(tp, N)), t0(chunk.pos0), t1(chunk.pos0 + chunk.c), w(model.weights()),
-        g(grads.weights()),
+        shards(model.shards()), release(model), g(shards ? shards->outside_grads() : grads.weights()),
         ctx{cf, model.rope_cos(), model.rope_sin(), chunk.B, chunk.c, chunk.pos0, scratch, policy.mlp_shards,
             kv.has_outputs(), tp, chunk_lora_runtime(model, chunk), chunk.doc_starts, chunk.document_positions},
         mlp(mlp_kept(policy, cf, N)),
@@ -332,9 +358,10 @@ class ChunkBackward {
     check_chunk(model, chunk, kv);
     CW_CHECK(chunk.labels.data, "backward_chunk needs labels");
     CW_CHECK(loss_weight > 0, "loss weight {} must be positive", loss_weight);
-    CW_CHECK(same_table(grads.specs(), model.trainable_table()),
+    CW_CHECK(shards ? grads.size() == 0 : same_table(grads.specs(), model.trainable_table()),
              "backward_chunk: the gradients must have the table of the model's trainable parameters ({} tensors{}), "
-             "got {} tensors", model.trainable_table().size(), model.has_adapters() ? ": its LoRA adapters" : "",
+             "got {} tensors", shards ? 0 : model.trainable_table().size(),
+             shards ? ": none, the sharded model lends its own" : model.has_adapters() ? ": its LoRA adapters" : "",
              grads.size());
     layer_start_.assign(static_cast<size_t>(cf.num_hidden_layers), -1);
     int64_t offset = 0;
@@ -363,7 +390,11 @@ class ChunkBackward {
     finished_from(after_blocks_);  // the final norm and an untied head (a tied one is the embedding)
   }
 
+  // Block l's gradients, added into by its backward: the whole set's, or a sharded model's buffer.
+  LayerWeights layer_grads(int l) const { return shards ? shards->block_grads(l) : g.layers[static_cast<size_t>(l)]; }
+
   void layer_done(int l) const {
+    if (shards) shards->block_grads_done(l);
     if (layer_start_[static_cast<size_t>(l)] >= 0) finished_from(layer_start_[static_cast<size_t>(l)]);
   }
 
@@ -371,6 +402,7 @@ class ChunkBackward {
   // backward is queued: read after the head, the GPU would idle while the host queues the first layers).
   double finish() {
     if (g.embedding.data) embedding_backward(g.embedding, d_x, tp_local_rows(tp, chunk.ids));
+    if (shards) shards->outside_grads_done();
     finished_from(0);
     return losses ? 0.0 : chunk_loss(row_loss, N, tp, scratch, loss_weight, nullptr);
   }
@@ -385,6 +417,8 @@ class ChunkBackward {
   TensorParallelGroup* const tp;
   const int64_t N, R, t0, t1;
   const ModelWeights w;
+  ParameterShards* const shards;  // a sharded model's (null: the gradients are `grads`)
+  const OutsideRelease release;   // the outside tensors go back when the backward ends
   const ModelWeights g;  // a frozen tensor (every base tensor under LoRA) has an undefined gradient: the ops skip it
   const BlockContext ctx;
   const MlpKept mlp;
@@ -426,8 +460,9 @@ double backward_chunk(const ParamSet& grads, const ChunkActivations& a, KVStore&
     }
     kv.begin_layer(l, KVStore::Use::backward, b.t0, b.t1);
     const LayerWeights w_l = model.layer(l);
+    model.prefetch_layer(l - 1);
     if (!a.layers.empty()) {
-      block_backward(d_x, b.g.layers[li], a.layers[li], a.input(l), w_l, kv, l, b.ctx);
+      block_backward(d_x, b.layer_grads(l), a.layers[li], a.input(l), w_l, kv, l, b.ctx);
     } else {
       // Checkpointed: recompute this layer's activations from its kept input (not its output: only
       // the next layer reads it), then its backward. The recompute rewrites the layer's K/V of this
@@ -435,7 +470,7 @@ double backward_chunk(const ParamSet& grads, const ChunkActivations& a, KVStore&
       ArenaScope layer_scope(scratch);
       LayerActivations la = LayerActivations::allocate(scratch, cf, chunk.B, chunk.c, model.dtype(), b.mlp, b.tp);
       block_forward(Tensor{}, &la, a.input(l), w_l, kv, l, b.ctx);
-      block_backward(d_x, b.g.layers[li], la, a.input(l), w_l, kv, l, b.ctx);
+      block_backward(d_x, b.layer_grads(l), la, a.input(l), w_l, kv, l, b.ctx);
     }
     kv.end_layer(l, KVStore::Use::backward, b.t0, b.t1);
     b.layer_done(l);
@@ -468,9 +503,9 @@ double backward_chunk_from_store(const ParamSet& grads, KVStore& kv, const Llama
     return packed.view({b.N, C});
   };
   for (int l = static_cast<int>(L) - 1; l >= 0; --l) {
-    const size_t li = static_cast<size_t>(l);
     kv.begin_layer(l, KVStore::Use::backward, b.t0, b.t1);
     const LayerWeights w_l = model.layer(l);
+    model.prefetch_layer(l - 1);
     ArenaScope layer_scope(scratch);
     const Tensor x_in = input(l);
     LayerActivations la = LayerActivations::allocate(scratch, cf, chunk.B, chunk.c, model.dtype(), b.mlp, b.tp);
@@ -488,7 +523,7 @@ double backward_chunk_from_store(const ParamSet& grads, KVStore& kv, const Llama
     }
     TraceScope traced("layer {layer} backward", {{"layer", l}, {"t0", b.t0}, {"t1", b.t1}});
     if (l < L - 1) block_forward(Tensor{}, &la, x_in, w_l, kv, l, b.ctx);
-    block_backward(b.d_x, b.g.layers[li], la, x_in, w_l, kv, l, b.ctx);
+    block_backward(b.d_x, b.layer_grads(l), la, x_in, w_l, kv, l, b.ctx);
     kv.end_layer(l, KVStore::Use::backward, b.t0, b.t1);
     b.layer_done(l);
   }
@@ -503,6 +538,7 @@ void chunk_logits(const Tensor& logits, KVStore& kv, const LlamaModel& model, co
   ArenaScope scope(scratch);
   TensorParallelGroup* tp = model.tensor_parallel();
   ChunkActivations a = transient_activations(model, tp_rows(tp, N), scratch);
+  OutsideRelease release(model);
   run_blocks(a, kv, model, chunk, false, scratch, 1);
   if (tp && tp->sequence_parallel()) {  // every rank returns the logits of all rows
     const Tensor all = scratch.alloc(model.dtype(), {N, C});

@@ -39,6 +39,7 @@
 #include "model/layer.h"
 #include "model/layer_cast.h"
 #include "model/lora.h"
+#include "model/parameter_shards.h"
 #include "model/params.h"
 
 #include <functional>
@@ -60,6 +61,11 @@ class LlamaModel {
   // (model/layer_cast.h), which cast_layers_from() gives before the first chunk. Not with adapters.
   LlamaModel(const LlamaConfig& config, DType dtype, Device device = Device::host(), TensorParallelGroup* tp = nullptr,
              const LoraConfig& lora = {}, bool cast_layers = false);
+  // A model whose parameters are sharded over ranks (ZeRO 3, parallel/zero3.h): it allocates none
+  // (params() is empty), every chunk asks `shards` for them as it runs (model/parameter_shards.h),
+  // and backward_chunk adds the gradients into the buffers `shards` lends, not into its `grads`
+  // argument, which must then be an empty set. Full-parameter training, without tensor parallelism.
+  LlamaModel(const LlamaConfig& config, DType dtype, Device device, ParameterShards& shards);
 
   const LlamaConfig& config() const { return config_; }            // what the parameters are shaped by
   const LlamaConfig& full_config() const { return full_config_; }  // the model's (= config() without TP)
@@ -80,6 +86,15 @@ class LlamaModel {
   // cast_layers a slot the master's block l is rounded into (valid until two other blocks are asked
   // for). weights().layers is empty with cast_layers: the blocks run on layer(l).
   LayerWeights layer(int l) const;
+  // Sharded parameters: block l is asked for after the one being run (its gather may start); the
+  // tensors outside the blocks are not needed again by this pass. Nothing otherwise.
+  void prefetch_layer(int l) const {
+    if (shards_) shards_->prefetch(l);
+  }
+  void release_outside() const {
+    if (shards_) shards_->release_outside();
+  }
+  ParameterShards* shards() const { return shards_; }  // null unless sharded
   // The table of what training updates (master weights, gradients, moments): the adapters' under
   // LoRA, else every parameter's (also with cast_layers, where params() holds only a part).
   std::vector<ParamSpec> trainable_table() const;
@@ -117,6 +132,7 @@ class LlamaModel {
   std::optional<ParamSet> adapters_;
   std::optional<uint64_t> dropout_round_;
   OwnedTensor rope_cos_, rope_sin_;
+  ParameterShards* shards_ = nullptr;
 };
 
 // Sets the model's dropout round for a scope and restores the previous one.

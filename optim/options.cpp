@@ -66,10 +66,12 @@ const std::vector<Option<ParallelOptions>>& parallel_option_table() {
   static const std::vector<Option<P>> table = {
     // key             flag               member             values                    help
     {"dp",             "--dp",            &P::dp,            in_range(1, kMaxRanks),   "data-parallel ranks: each runs its own batch_size sequences per micro-batch (a step sees dp times the tokens); gradients are reduced once per optimizer step"},
-    {"zero",           "--zero",          &P::zero,          between(0, 2, false, false),
+    {"zero",           "--zero",          &P::zero,          between(0, 3, false, false),
      "ZeRO sharding over the data-parallel ranks: 0 (each rank keeps the whole AdamW state) | 1 (each keeps the moments "
      "of its contiguous shard of the parameters, updates it, and the weights are all-gathered) | 2 (also only its shard "
-     "of the reduced gradient: each bucket is reduced to the rank whose shard holds it instead of all-reduced)"},
+     "of the reduced gradient: each bucket is reduced to the rank whose shard holds it instead of all-reduced) | 3 (each "
+     "rank holds only its shard of every parameter, gradient and moment: each block is all-gathered just before its "
+     "forward or backward and its gradient reduce-scattered right after)"},
     {"bucket_mb",      "--bucket-mb",     &P::bucket_mb,     between(0, kMaxCount, true, false), "gradient reduction bucket size in MiB; each bucket is reduced as soon as the step's last backward has finished it (zero 2: also cut at the shards' boundaries)"},
     {"tp",                "--tp",                &P::tp,               in_range(1, kMaxRanks),   "tensor-parallel ranks: each holds 1/tp of every block's heads, K/V heads and FFN width (must divide them); a run has dp x tp ranks, a replica's tp ranks adjacent (rank = dp rank x tp + tp rank)"},
     {"sequence_parallel", "--sequence-parallel", &P::sequence_parallel, {},          "tp: norms, residual stream, embedding and loss on each rank's 1/tp of the tokens (all-gather / reduce-scatter at the linears)"},
@@ -105,6 +107,10 @@ void validate_lora(const LoraConfig& lora) {
 void ParallelOptions::validate() const {
   for (const OptionRef& o : bind_options("parallel", parallel_option_table(), const_cast<ParallelOptions&>(*this)))
     check_option(o);
+  if (zero == 3 && tp > 1)
+    fail(fmt::format("parallel.zero = 3 does not combine with parallel.tp = {}: a block's gather would have to split "
+                     "along tensor parallelism's shards", tp),
+         "use --zero 3 with --tp 1, or --zero 1|2 with --tp");
   if (tp_regather && !sequence_parallel)
     fail("parallel.tp_regather needs parallel.sequence_parallel: without it nothing is gathered, so nothing is gathered "
          "again",

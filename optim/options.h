@@ -142,7 +142,8 @@ const std::vector<Option<ScheduleOptions>>& schedule_option_table();
 struct ParallelOptions {
   int64_t dp = 1;           // data-parallel ranks; each takes its own batch_size sequences per micro-batch
   int64_t zero = 0;         // 0: every rank keeps the whole AdamW state; 1: its shard of the moments;
-                            // 2: also only its shard of the reduced gradient (a reduce-scatter)
+                            // 2: also only its shard of the reduced gradient (a reduce-scatter);
+                            // 3: only its shard of every parameter too (parallel/zero3.h; not with tp > 1)
   double bucket_mb = 25.0;  // gradient all-reduce buckets (MiB of gradient), each launched as soon as the
                             // step's last backward has finished it
   int64_t tp = 1;                  // tensor-parallel ranks; must divide heads, K/V heads and FFN width

@@ -178,6 +178,14 @@ int main(int argc, char** argv) {
   plan->add_option("--tp", po.tp,
                    "tensor parallel ranks: plan one GPU's share (its heads, K/V heads and FFN columns; without "
                    "sequence parallelism)")->capture_default_str();
+  plan->add_option("--dp", po.dp, "data-parallel ranks (with --zero 3: the ranks each parameter is sharded over)")
+      ->check(count_range(1, 1 << 20))
+      ->capture_default_str();
+  plan->add_option("--zero", po.zero,
+                   "3: plan one rank of ZeRO 3 (its shard, the gathered block buffers, the collectives' bytes and "
+                   "times); 0-2 plan one process's memory")
+      ->check(CLI::Range(0, 3))
+      ->capture_default_str();
   plan->add_option("--device-memory", po.device_memory_gib, "GiB (default: the GPU's, else 80)");
   plan->add_option("--host-memory", po.host_memory_gib,
                    "GiB of host memory, of which the plan may pin 90% (default: this machine's available memory "

@@ -10,6 +10,7 @@
 #include "parallel/data_parallel.h"
 #include "parallel/grid.h"
 #include "parallel/tensor_parallel.h"
+#include "parallel/zero3.h"
 
 #include <fmt/format.h>
 #include <fmt/ostream.h>
@@ -195,6 +196,7 @@ struct GridRank {
   std::optional<ParamSet> params;  // its TP shard's master weights after the last step
   int64_t begin = 0, end = 0;      // ZeRO 2: its DP shard of the flat vector; else all of it
   DataParallelStep first_step;
+  Zero3Counts zero3;               // ZeRO 3: the first step's gathers and reduce-scatters
   size_t buffer_high_water = 0, buffer_requested = 0, buffer_largest = 0;
   int64_t buffer_requests = 0;
 };
@@ -209,8 +211,36 @@ struct GridResult {
 // One rank of a dp x tp grid (parallel/grid.h) on its communicator's device: DP rank d takes
 // sequences [d B/dp, (d+1) B/dp) of the batch and TP rank t holds shard t of the initial model; every
 // step goes through DataParallel on the DP group with the TP group's replicated-gradient reduction.
+// One rank of a ZeRO 3 run (parallel/zero3.h; no TP): the DP rank's sequences as grid_rank's, the
+// first step's reduced gradient and the final parameters gathered whole from the ranks' shards.
+GridRank zero3_rank(const GradcheckOptions& o, Communicator& world, const LlamaConfig& config, DType dtype,
+                    const LlamaModel& init, const Batch& batch) {
+  const int64_t per_rank = batch.B() / o.parallel.dp;
+  ShardedDataParallel dp(world, config, dtype, AdamWOptions{}, o.parallel);
+  dp.shards().load(init.params());
+  auto schedule = Schedule::create(o.schedule);
+  std::vector<Batch> micro;
+  micro.push_back(batch_rows(batch, dp.rank() * per_rank, per_rank));
+  micro.back().sequence0 = dp.rank() * per_rank;
+  GridRank r;
+  for (int s = 0; s < o.optimizer_steps; ++s) {
+    const DataParallelStep step = dp.compute_gradients(*schedule, micro, static_cast<uint64_t>(s));
+    if (s == 0) {
+      r.first_step = step;
+      r.zero3 = dp.step_counts();
+      r.loss = step.loss;
+      r.grads.emplace(dp.shards().gather_whole(dp.shards().grads()));
+      r.end = r.grads->numel();
+    }
+    dp.optimizer_step(kCheckLearningRate);
+  }
+  r.params.emplace(dp.shards().gather_whole(dp.shards().master()));
+  return r;
+}
+
 GridRank grid_rank(const GradcheckOptions& o, int64_t zero, Communicator& world, const LlamaConfig& config,
                    DType dtype, const LlamaModel& init, const Batch& batch) {
+  if (zero == 3) return zero3_rank(o, world, config, dtype, init, batch);
   const int DP = static_cast<int>(o.parallel.dp), TP = static_cast<int>(o.parallel.tp);
   const int64_t per_rank = batch.B() / DP;
   ParallelOptions po = o.parallel;
@@ -416,6 +446,14 @@ double against_single(const GradcheckOptions& o, const LlamaConfig& config, DTyp
                          r.buffer_requests, r.buffer_requested);
     }
   }
+  if (o.parallel.zero == 3) {
+    const Zero3Counts& z = grid.ranks[0].zero3;
+    out << fmt::format("zero 3: first step, rank 0: {} block gathers ({} prefetched ahead of use), {} blocks reused "
+                       "from their buffer, {} outside-block gathers, {} block and {} outside-block gradient "
+                       "reduce-scatters; {} B gathered, {} B reduce-scattered\n",
+                       z.block_gathers, z.prefetched, z.reuses, z.outside_gathers, z.block_reduce_scatters,
+                       z.outside_reduce_scatters, z.gathered_bytes, z.scattered_bytes);
+  }
   out << "first step: gradients against one process on the whole batch\n";
   double max_rel = compare_sets(grid.run.grads, single.grads, "g_single", "single", out);
   max_rel = std::max(max_rel, compare_loss(grid.run.loss, single.loss, grid.run.grads, out));
@@ -426,7 +464,14 @@ double against_single(const GradcheckOptions& o, const LlamaConfig& config, DTyp
                            (TP > 1 ? " (of each TP shard; the replicated tensors on every TP rank)" : "");
   out << fmt::format("ranks hold bitwise the same {}: {}\n", what, grid.ranks_agree ? "yes" : "NO");
   if (!grid.ranks_agree) max_rel = std::max(max_rel, 1.0);
-  if (plain) {
+  if (plain && o.parallel.zero == 3 && !o.schedule.one_backward_chunk(o.seq)) {
+    // Each backward chunk's gradient is reduce-scattered on its own and the shard sums them: the
+    // chunks' sum is taken after the ranks', not before as ZeRO 0's one all-reduce takes it.
+    out << fmt::format("zero 3 against zero 0 after {} steps (the gradient reduced per backward chunk):\n",
+                       o.optimizer_steps);
+    max_rel = std::max(max_rel, compare_sets(grid.run.params, plain->run.params, "p_zero0", "zero 0", out));
+    if (!plain->ranks_agree) max_rel = std::max(max_rel, 1.0);
+  } else if (plain) {
     const bool identical = same_bits(grid.run.params, plain->run.params);
     out << fmt::format("zero {} against zero 0 after {} steps: parameters {}\n", o.parallel.zero, o.optimizer_steps,
                        identical ? "bitwise identical" : "DIFFER");
@@ -458,6 +503,11 @@ int run_gradcheck(const GradcheckOptions& o, std::ostream& out, Communicator* wo
   }
   if (o.seq < 2 || o.batch < 1) fail(fmt::format("gradcheck needs --seq >= 2 and --batch >= 1 (got {} and {})", o.seq, o.batch));
   o.parallel.validate();
+  if (o.parallel.zero == 3 && o.lora.enabled())
+    fail("--zero 3 shards the model's own parameters; with --lora-rank only the adapters train",
+         "use --zero 1 or 2 with LoRA (the adapters' moments and gradient sharded)");
+  if (o.parallel.zero == 3 && world)
+    fail("--zero 3 runs on the threads backend here; a launched gradcheck checks --zero 0, 1 or 2", "drop --zero 3");
   const bool parallel = o.parallel.dp > 1 || o.parallel.tp > 1;
   const std::string against =
       !o.against.empty() ? o.against : (parallel ? "single" : (o.schedule.kind == ScheduleKind::full ? "fd" : "full"));

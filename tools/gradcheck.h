@@ -19,7 +19,11 @@
 //                each step). The DP ranks of a TP shard must hold bitwise the same parameters (and
 //                gradients, without ZeRO 2), the TP ranks the same replicated tensors, every rank
 //                the same loss; with --zero 1|2 the run is repeated with zero 0 and the parameters
-//                must be bitwise identical to it. With --tp each TP rank's activation high-water
+//                must be bitwise identical to it. --zero 3 (parallel/zero3.h; threads only, no --tp,
+//                no LoRA) gathers the first step's gradient and the final parameters whole from the
+//                ranks' shards, prints rank 0's gathers and reduce-scatters, and against zero 0 is
+//                bitwise identical with one backward chunk (full, checkpointed) and within the
+//                tolerance with several (each chunk's gradient reduced on its own). With --tp each TP rank's activation high-water
 //                mark and reusable-buffer use are printed. spaco: every rank draws the sample one
 //                process draws on the whole batch (optim/spaco.cpp), so the estimators are
 //                compared exactly like the exact schedules.

@@ -77,7 +77,30 @@ std::string plan_json(const PlanReport& r) {
   return j.dump(2);
 }
 
+std::string zero3_table(const Zero3Plan& z, const PlanOptions& po) {
+  // Ring collectives: each GPU sends and receives (n - 1) / n of an all-gather's output (and of a
+  // reduce-scatter's input) over its link.
+  const double n = static_cast<double>(po.dp), bus = (n - 1) / n;
+  const double gathered = double(z.gathered_bytes) * bus, scattered = double(z.scattered_bytes) * bus;
+  std::string s = fmt::format("zero 3 over {} ranks: per step {} block all-gathers ({} blocks reused from their "
+                              "buffer), {} of the outside unit; {} block and {} outside reduce-scatters\n",
+                              po.dp, z.block_gathers, z.reuses, z.outside_gathers, z.block_reduce_scatters,
+                              z.outside_reduce_scatters);
+  s += fmt::format("  all-gathers    {:10.2f} GiB out, {:.2f} GiB over each GPU's link\n", z.gathered_bytes / kGiB,
+                   gathered / kGiB);
+  s += fmt::format("  reduce-scatter {:10.2f} GiB in, {:.2f} GiB over each GPU's link\n", z.scattered_bytes / kGiB,
+                   scattered / kGiB);
+  for (const auto& [name, gbps] : {std::pair<const char*, double>{"NVLink", po.nvlink_gbps}, {"network", po.network_gbps}})
+    s += fmt::format("  at {} {:.0f} GB/s: {:.3f} s of collectives a step (overlapped with compute on NCCL)\n", name,
+                     gbps, (gathered + scattered) / (gbps * 1e9));
+  return s;
+}
+
 int run_plan(const PlanOptions& po, std::ostream& out) {
+  if (po.zero == 3 && (po.tp > 1 || po.lora.enabled()))
+    fail("plan --zero 3 plans full-parameter data parallelism: not with --tp or --lora-rank",
+         "drop --tp / --lora-rank, or plan --zero 0");
+  if (po.zero == 3 && po.dp < 2) fail("plan --zero 3 needs --dp N >= 2 ranks to shard over", "give --dp");
   // With tensor parallelism each GPU holds a Llama of 1/tp of the heads, K/V heads and FFN columns
   // (model/shard.h, as train plans a rank): its plan is the per-GPU plan. The collectives' time is not
   // in the step time.
@@ -113,7 +136,12 @@ int run_plan(const PlanOptions& po, std::ostream& out) {
   if (!documents.empty())
     out << fmt::format("documents: {} ({} in the first sequence); attention planned over their causal squares\n",
                        po.documents, documents[0].size());
-  const PlanReport r = plan_step(cf, po.batch, T, o, dtype, gib, po.lora, po.optimizer_offload, documents);
+  PlanReport r = plan_step(cf, po.batch, T, o, dtype, gib, po.lora, po.optimizer_offload, documents);
+  if (po.zero == 3) {
+    const Zero3Plan z = plan_zero3(cf, T, o, dtype, static_cast<int>(po.dp), po.optimizer_offload);
+    apply_zero3(r, z, gib);
+    out << zero3_table(z, po);
+  }
   out << plan_table(r);
   if (arena_log())
     for (const std::string& line : r.arena_blocks) out << "replay: " << line << "\n";

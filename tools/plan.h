@@ -12,6 +12,9 @@ namespace cw {
 
 std::string plan_table(const PlanReport& report);  // the human table, device and host by category
 std::string plan_json(const PlanReport& report);   // peak_device_gib, peak_host_gib, step_s, categories, ...
+struct PlanOptions;
+// ZeRO 3's collectives a step: counts, bytes and their time at the NVLink and network bandwidths.
+std::string zero3_table(const Zero3Plan& zero3, const PlanOptions& options);
 
 struct PlanOptions {
   std::string model = "llama-3.2-1b";
@@ -25,6 +28,9 @@ struct PlanOptions {
   bool longest = false;              // plan the longest sequence that fits instead of `seq`
   bool explain = false;              // with auto: also list every plan auto compared
   int64_t tp = 1;                    // tensor parallel: plan one rank's shard (model/shard.h), no SP
+  int64_t dp = 1;                    // data-parallel ranks (with zero 3: the ranks the parameters are sharded over)
+  int64_t zero = 0;                  // 3: plan one rank of ZeRO 3 (parallel/zero3.h); 0-2 plan as one process
+  double nvlink_gbps = 450, network_gbps = 50;  // all-gather bus bandwidth per GPU for zero 3's collective times
   std::string documents;             // packed documents as `bench --documents` draws them: L or LO:HI
   std::string json;                  // also write the report as JSON here
 };

@@ -114,8 +114,8 @@ TEST_CASE("data parallel gradcheck: tied embeddings, and the errors of its flags
   against_full.against = "full";
   CHECK(contains(error_of(against_full), "they need --against single"));
   GradcheckOptions bad_zero = o;
-  bad_zero.parallel.zero = 3;
-  CHECK(contains(error_of(bad_zero), "parallel.zero must be in [0, 2]"));
+  bad_zero.parallel.zero = 4;
+  CHECK(contains(error_of(bad_zero), "parallel.zero must be in [0, 3]"));
 }
 
 TEST_CASE("data parallel: the loss is normalised by the global label count, micro-batches accumulate once") {

@@ -94,6 +94,30 @@ PlanReport plan_step(const LlamaConfig& config, int64_t B, int64_t T, const Sche
                      const MemoryBudget& budget, const LoraConfig& lora = {}, bool optimizer_offload = false,
                      const std::vector<std::vector<int64_t>>& doc_starts = {}, Device device = Device::gpu(0));
 
+// ZeRO 3 (parallel/zero3.h) on `ranks` data-parallel ranks: one rank's step, predicted from the
+// shard layout (parallel/zero3_layout.h) and the order in which the schedule visits the blocks. The
+// counts follow the buffer pool's rule (kBlockSlots buffers; a block still held is not gathered
+// again): a pass over the blocks in the direction opposite to the one before it reuses the two it
+// ends with, one in the same direction reuses them only when the model has two blocks; each pass
+// gathers the outside unit once (a forward that keeps activations shares it with its backward), and
+// each backward reduce-scatters every block and the outside unit. tests/parallel/test_zero3.cpp holds
+// them to a CPU run's counters.
+struct Zero3Plan {
+  int64_t block_gathers = 0, reuses = 0, outside_gathers = 0;
+  int64_t block_reduce_scatters = 0, outside_reduce_scatters = 0;
+  int64_t gathered_bytes = 0;   // every all-gather's output (ranks x part x compute bytes)
+  int64_t scattered_bytes = 0;  // every reduce-scatter's input (ranks x part x gradient bytes)
+  size_t shard_bytes = 0;       // this rank's master weights, gradient and moments (and offloaded: compute copy)
+  size_t host_shard_bytes = 0;  // with the optimizer offloaded: its master weights and moments in host memory
+  size_t gathered_buffer_bytes = 0, gradient_buffer_bytes = 0;  // the working buffers
+  size_t largest_shard_elements = 0;  // the largest rank's shard (the last ranks' hold less padding)
+};
+Zero3Plan plan_zero3(const LlamaConfig& config, int64_t T, const ScheduleOptions& schedule, DType dtype, int ranks,
+                     bool optimizer_offload = false, Device device = Device::gpu(0));
+// The report of plan_step with the whole-model weights, master weights, moments and gradients
+// replaced by the rank's shard and the working buffers of plan_zero3 (its peak and fit again).
+void apply_zero3(PlanReport& report, const Zero3Plan& zero3, const MemoryBudget& budget, Device device = Device::gpu(0));
+
 // The default candidates for `--chunk auto` (seco, spaco).
 const std::vector<int64_t>& chunk_candidates();
 // The fastest chunk length of `candidates` (<= T) whose plan fits the budget (the backward chunk

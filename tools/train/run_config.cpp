@@ -556,6 +556,10 @@ void RunConfig::validate() const {
   if (optimizer.decay != "constant" && optimizer.min_lr > optimizer.lr)
     fail(fmt::format("optimizer.min_lr must be <= optimizer.lr ({}), got {}", optimizer.lr, optimizer.min_lr),
          "the decay goes from lr down to min_lr");
+  if (parallel.zero == 3)
+    fail("parallel.zero = 3 runs in `chunkwise gradcheck --zero 3` and the library (parallel/zero3.h); train does not "
+         "run it yet (its eval, samples and checkpoints read a whole model)",
+         "train with parallel.zero = 1 or 2");
   if (optimizer.offload && parallel.zero > 0)
     fail(fmt::format("optimizer.offload keeps the whole AdamW state on each rank's host; parallel.zero = {} shards it",
                      parallel.zero),

@@ -1,0 +1,422 @@
+#include "parallel/zero3.h"
+
+#include "engine/engine.h"
+#include "engine/ops/residual.h"
+#include "model/safetensors.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+
+namespace cw {
+
+namespace {
+// optim/training.h's policy: f32 master weights and gradients beside bf16 compute, else the compute dtype.
+DType master_dtype(DType compute) { return compute == DType::bf16 ? DType::f32 : compute; }
+}  // namespace
+
+Zero3Counts Zero3Counts::operator-(const Zero3Counts& o) const {
+  return {block_gathers - o.block_gathers,
+          outside_gathers - o.outside_gathers,
+          prefetched - o.prefetched,
+          reuses - o.reuses,
+          block_reduce_scatters - o.block_reduce_scatters,
+          outside_reduce_scatters - o.outside_reduce_scatters,
+          gathered_bytes - o.gathered_bytes,
+          scattered_bytes - o.scattered_bytes};
+}
+
+ShardedParameters::ShardedParameters(Communicator& comm, const LlamaConfig& config, DType compute,
+                                     const AdamWOptions& adamw, bool offload_optimizer)
+    : comm_(comm),
+      config_(config),
+      compute_(compute),
+      grad_dtype_(master_dtype(compute)),
+      device_(comm.device()),
+      layout_(parameter_table(config), comm.size()),
+      master_(config, layout_.shard_table(comm.rank()), master_dtype(compute),
+              offload_optimizer ? Device::host() : comm.device()),
+      grads_(config, layout_.shard_table(comm.rank()), grad_dtype_, comm.device()) {
+  adamw.validate();
+  CW_CHECK(compute != DType::bf16 || !device_.is_cpu(), "bf16 training needs the GPU backend");
+  if (offload_optimizer) {
+    compute_copy_.emplace(ParamSet::like(master_, compute, device_));
+    offloaded_.emplace(master_, device_, adamw);
+  } else {
+    adamw_.emplace(master_, adamw);
+  }
+  const int n = comm.size();
+  const int64_t block = layout_.largest_block_part() * n, outside = layout_.outside().part * n;
+  const auto slot = [&](int64_t elements, DType dtype, bool gradient) {
+    Slot s;
+    s.buffer = Buffer(static_cast<size_t>(elements) * dtype_size(dtype), device_);
+    if (gradient) s.reduced = Buffer(static_cast<size_t>(elements / n) * dtype_size(dtype), device_);
+    return s;
+  };
+  for (int i = 0; i < kBlockSlots; ++i) {
+    block_slots_.push_back(slot(block, compute_, false));
+    block_grad_slots_.push_back(slot(block, grad_dtype_, true));
+  }
+  outside_slot_ = slot(outside, compute_, false);
+  outside_grad_slot_ = slot(outside, grad_dtype_, true);
+}
+
+size_t ShardedParameters::shard_bytes() const {
+  size_t moments = optimizer().exp_avg().bytes() + optimizer().exp_avg_sq().bytes();
+  return master_.bytes() + grads_.bytes() + moments + (compute_copy_ ? compute_copy_->bytes() : 0);
+}
+
+size_t ShardedParameters::buffer_bytes() const {
+  size_t bytes = outside_slot_.buffer.bytes() + outside_grad_slot_.buffer.bytes() + outside_grad_slot_.reduced.bytes();
+  for (const Slot& s : block_slots_) bytes += s.buffer.bytes();
+  for (const Slot& s : block_grad_slots_) bytes += s.buffer.bytes() + s.reduced.bytes();
+  return bytes;
+}
+
+void ShardedParameters::load(const ParamSet& whole) {
+  if (master_.device().is_cpu()) {
+    shard_from_whole(master_, layout_, comm_.rank(), whole);
+  } else {
+    ParamSet host = ParamSet::like(master_, master_.dtype(), Device::host());
+    shard_from_whole(host, layout_, comm_.rank(), whole);
+    copy_params(master_, host);
+  }
+  master_changed();
+}
+
+void ShardedParameters::master_changed() {
+  if (compute_copy_) copy_params(*compute_copy_, master_);
+  const auto forget = [this](Slot& s) {
+    wait(s);
+    s.unit = -1;
+    s.asked = false;
+  };
+  forget(outside_slot_);
+  for (Slot& s : block_slots_) forget(s);
+}
+
+Tensor ShardedParameters::whole_of(const Slot& slot, size_t unit, DType dtype) const {
+  const int64_t n = layout_.units()[unit].part * layout_.ranks();
+  CW_CHECK(static_cast<size_t>(n) * dtype_size(dtype) <= slot.buffer.bytes(), "ZeRO 3: unit {} does not fit its buffer",
+           unit);
+  return Tensor::packed(slot.buffer.data(), dtype, device_, std::vector<int64_t>{n});
+}
+
+Tensor ShardedParameters::source_part(size_t unit) const {
+  const ParamSet& from = compute_copy_ ? *compute_copy_ : master_;
+  return from.flat().slice(0, layout_.offset(comm_.rank(), unit), layout_.length(comm_.rank(), unit));
+}
+
+void ShardedParameters::start_gather(Slot& slot, size_t unit, bool prefetched) {
+  wait(slot);  // a gather still in flight into it (a prefetch not asked for)
+  const int64_t part = layout_.units()[unit].part, len = layout_.length(comm_.rank(), unit);
+  const Tensor whole = whole_of(slot, unit, compute_);
+  const Tensor mine = whole.slice(0, comm_.rank() * part, part);
+  // The rank's part, rounded to the compute dtype as a resident copy would be; the padding zero.
+  if (len > 0) copy_convert(mine.slice(0, 0, len), source_part(unit));
+  if (len < part) fill(mine.slice(0, len, part - len), 0.0);
+  slot.pending = comm_.all_gather(whole, mine);
+  slot.unit = static_cast<int>(unit);
+  slot.asked = false;
+  (unit == 0 ? counts_.outside_gathers : counts_.block_gathers) += 1;
+  if (prefetched) ++counts_.prefetched;
+  counts_.gathered_bytes += static_cast<int64_t>(whole.bytes());
+}
+
+void ShardedParameters::wait(Slot& slot) {
+  if (!slot.pending) return;
+  slot.pending->wait();
+  slot.pending.reset();
+}
+
+std::vector<ParamSpec> ShardedParameters::unit_specs(size_t unit) const {
+  std::vector<ParamSpec> specs;
+  for (size_t i : layout_.units()[unit].tensors) specs.push_back(layout_.table()[i]);
+  return specs;
+}
+
+std::vector<Tensor> ShardedParameters::views(const Slot& slot, size_t unit, DType dtype) const {
+  std::vector<Tensor> out;
+  char* at = static_cast<char*>(slot.buffer.data());
+  for (size_t i : layout_.units()[unit].tensors) {
+    const ParamSpec& s = layout_.table()[i];
+    out.push_back(Tensor::packed(at, dtype, device_, s.shape));
+    at += static_cast<size_t>(s.numel()) * dtype_size(dtype);
+  }
+  return out;
+}
+
+ModelWeights ShardedParameters::outside_weights(const std::vector<Tensor>& views) const {
+  ModelWeights w;
+  const std::vector<size_t>& tensors = layout_.outside().tensors;
+  for (size_t k = 0; k < tensors.size(); ++k) {
+    switch (layout_.table()[tensors[k]].role) {
+      case ParamRole::embedding: w.embedding = views[k]; break;
+      case ParamRole::final_norm: w.final_norm = views[k]; break;
+      case ParamRole::lm_head: w.lm_head = views[k]; break;
+      default: CW_CHECK(false, "ZeRO 3: {} outside the blocks", layout_.table()[tensors[k]].name);
+    }
+  }
+  if (config_.tie_word_embeddings) w.lm_head = w.embedding;
+  return w;
+}
+
+ModelWeights ShardedParameters::outside() {
+  if (outside_slot_.unit != 0) start_gather(outside_slot_, 0, false);
+  wait(outside_slot_);
+  return outside_weights(views(outside_slot_, 0, compute_));
+}
+
+void ShardedParameters::release_outside() {
+  wait(outside_slot_);
+  outside_slot_.unit = -1;
+}
+
+ShardedParameters::Slot& ShardedParameters::gathered(size_t unit) {
+  auto held = std::find_if(block_slots_.begin(), block_slots_.end(), [&](const Slot& s) { return s.unit == int(unit); });
+  if (held == block_slots_.end()) {
+    held = std::min_element(block_slots_.begin(), block_slots_.end(),
+                            [](const Slot& a, const Slot& b) { return a.used < b.used; });
+    start_gather(*held, unit, false);
+  } else if (held->asked) {
+    ++counts_.reuses;
+  }
+  wait(*held);
+  return *held;
+}
+
+LayerWeights ShardedParameters::block(int l) {
+  CW_CHECK(l >= 0 && l < layout_.layers(), "ZeRO 3: block {} of {}", l, layout_.layers());
+  const size_t unit = static_cast<size_t>(l) + 1;
+  Slot& s = gathered(unit);
+  s.asked = true;
+  s.used = ++clock_;
+  return layer_weights(unit_specs(unit), views(s, unit, compute_), l);
+}
+
+void ShardedParameters::prefetch(int l) {
+  if (l < 0 || l >= layout_.layers()) return;
+  const int unit = l + 1;
+  if (std::any_of(block_slots_.begin(), block_slots_.end(), [&](const Slot& s) { return s.unit == unit; })) return;
+  // The least recently asked-for buffer: never the block being run, which was asked for last.
+  Slot& victim = *std::min_element(block_slots_.begin(), block_slots_.end(),
+                                   [](const Slot& a, const Slot& b) { return a.used < b.used; });
+  start_gather(victim, static_cast<size_t>(unit), true);
+}
+
+ModelWeights ShardedParameters::outside_grads() {
+  finish_reduction(outside_grad_slot_);
+  const Tensor whole = whole_of(outside_grad_slot_, 0, grad_dtype_);
+  fill(whole, 0.0);
+  outside_grad_slot_.unit = 0;
+  return outside_weights(views(outside_grad_slot_, 0, grad_dtype_));
+}
+
+LayerWeights ShardedParameters::block_grads(int l) {
+  const size_t unit = static_cast<size_t>(l) + 1;
+  // The buffer whose reduction was posted first (the other may still be in flight behind it).
+  Slot& s = *std::min_element(block_grad_slots_.begin(), block_grad_slots_.end(),
+                              [](const Slot& a, const Slot& b) { return a.used < b.used; });
+  finish_reduction(s);
+  fill(whole_of(s, unit, grad_dtype_), 0.0);
+  s.unit = static_cast<int>(unit);
+  s.used = ++clock_;
+  return layer_weights(unit_specs(unit), views(s, unit, grad_dtype_), l);
+}
+
+void ShardedParameters::outside_grads_done() {
+  Slot& s = outside_grad_slot_;
+  const int64_t part = layout_.outside().part;
+  const Tensor whole = whole_of(s, 0, grad_dtype_);
+  s.pending = comm_.reduce_scatter(Tensor::packed(s.reduced.data(), grad_dtype_, device_, std::vector<int64_t>{part}), whole);
+  ++counts_.outside_reduce_scatters;
+  counts_.scattered_bytes += static_cast<int64_t>(whole.bytes());
+}
+
+void ShardedParameters::block_grads_done(int l) {
+  const int unit = l + 1;
+  auto s = std::find_if(block_grad_slots_.begin(), block_grad_slots_.end(),
+                        [&](const Slot& g) { return g.unit == unit && !g.pending; });
+  CW_CHECK(s != block_grad_slots_.end(), "ZeRO 3: block {}'s gradient was handed back without being lent", l);
+  const int64_t part = layout_.units()[static_cast<size_t>(unit)].part;
+  const Tensor whole = whole_of(*s, static_cast<size_t>(unit), grad_dtype_);
+  s->pending = comm_.reduce_scatter(Tensor::packed(s->reduced.data(), grad_dtype_, device_, std::vector<int64_t>{part}), whole);
+  ++counts_.block_reduce_scatters;
+  counts_.scattered_bytes += static_cast<int64_t>(whole.bytes());
+}
+
+void ShardedParameters::finish_reduction(Slot& slot) {
+  if (!slot.pending) return;
+  wait(slot);
+  // The ranks' sum of this rank's part, its real elements added into the gradient shard.
+  const size_t unit = static_cast<size_t>(slot.unit);
+  const int64_t len = layout_.length(comm_.rank(), unit);
+  if (len > 0)
+    accumulate(grads_.flat().slice(0, layout_.offset(comm_.rank(), unit), len),
+               Tensor::packed(slot.reduced.data(), grad_dtype_, device_, std::vector<int64_t>{len}));
+  slot.unit = -1;
+}
+
+void ShardedParameters::finish_reductions() {
+  for (Slot& s : block_grad_slots_) finish_reduction(s);
+  finish_reduction(outside_grad_slot_);
+}
+
+ParamSet ShardedParameters::gather_whole(const ParamSet& shard_set) {
+  CW_CHECK(same_table(shard_set.specs(), master_.specs()), "ZeRO 3: gather_whole takes a set of this rank's shard");
+  const int n = comm_.size();
+  // Every rank's shard, padded to the longest, all-gathered on the communicator's device.
+  int64_t longest = 0;
+  for (int r = 0; r < n; ++r) longest = std::max(longest, layout_.shard_numel(r));
+  const DType dtype = shard_set.dtype();
+  OwnedTensor all = OwnedTensor::of_shape(dtype, std::vector<int64_t>{longest * n});
+  const Tensor mine = all.tensor.slice(0, comm_.rank() * longest, longest);
+  if (shard_set.numel() > 0) copy_convert(mine.slice(0, 0, shard_set.numel()), shard_set.flat());
+  if (device_.is_cpu()) {
+    comm_.all_gather(all.tensor, mine)->wait();
+  } else {
+    Buffer dev(all.tensor.bytes(), device_);
+    const Tensor d = Tensor::packed(dev.data(), dtype, device_, std::vector<int64_t>{longest * n});
+    copy_convert(d, all.tensor);
+    comm_.all_gather(d, d.slice(0, comm_.rank() * longest, longest))->wait();
+    copy_convert(all.tensor, d);
+  }
+  std::vector<ParamSet> shards;
+  std::vector<const ParamSet*> pointers;
+  for (int r = 0; r < n; ++r) {
+    shards.emplace_back(config_, layout_.shard_table(r), dtype, Device::host());
+    if (shards.back().numel() > 0)
+      copy_convert(shards.back().flat(), all.tensor.slice(0, r * longest, shards.back().numel()));
+  }
+  for (const ParamSet& s : shards) pointers.push_back(&s);
+  ParamSet whole(config_, layout_.table(), dtype, Device::host());
+  assemble_from_shards(whole, layout_, pointers);
+  return whole;
+}
+
+void ShardedParameters::optimizer_step(double lr) {
+  finish_reductions();
+  if (offloaded_) offloaded_->step(master_, grads_, lr, *compute_copy_);
+  else adamw_->step(master_, grads_, lr);
+  master_changed();
+}
+
+ShardedDataParallel::ShardedDataParallel(Communicator& comm, const LlamaConfig& config, DType compute,
+                                         const AdamWOptions& adamw, const ParallelOptions& options,
+                                         bool offload_optimizer)
+    : comm_(comm), shards_(comm, config, compute, adamw, offload_optimizer), model_(config, compute, comm.device(), shards_) {
+  options.validate();
+  CW_CHECK(options.zero == 3, "ShardedDataParallel is parallel.zero = 3 (given {})", options.zero);
+  CW_CHECK(options.dp == comm.size(), "data parallel: parallel.dp = {} but the communicator has {} ranks", options.dp,
+           comm.size());
+}
+
+DataParallelStep ShardedDataParallel::compute_gradients(Schedule& schedule, const std::vector<Batch>& micro,
+                                                        uint64_t step_index) {
+  CW_CHECK(!micro.empty(), "data parallel: a step needs at least one micro-batch");
+  const Zero3Counts before = shards_.counts();
+  shards_.finish_reductions();
+  shards_.grads().zero();
+  // The global count of supervised labels: every rank's normaliser (data_parallel.h step 1).
+  std::vector<double> count{0.0};
+  for (const Batch& b : micro) count[0] += static_cast<double>(b.supervised());
+  sum_host_values(comm_, count);
+  DataParallelStep out;
+  out.supervised = static_cast<int64_t>(count[0]);
+  const StepHooks given = schedule.hooks();
+  StepHooks hooks;
+  hooks.progress = given.progress;
+  hooks.sum_over_ranks = [this](std::vector<double>& v) { sum_host_values(comm_, v); };
+  schedule.set_hooks(hooks);
+  const ParamSet none;  // the sharded model lends its gradient buffers (model/parameter_shards.h)
+  double loss = 0;
+  try {
+    for (size_t m = 0; m < micro.size(); ++m) {
+      out.stats = schedule.step(model_, micro[m], none, count[0], step_index + m);
+      loss += out.stats.loss;
+    }
+  } catch (...) {
+    schedule.set_hooks(given);
+    throw;
+  }
+  schedule.set_hooks(given);
+  shards_.finish_reductions();
+  std::vector<double> total{loss};
+  sum_host_values(comm_, total);
+  out.loss = total[0];
+  step_counts_ = shards_.counts() - before;
+  out.buckets = step_counts_.block_reduce_scatters + step_counts_.outside_reduce_scatters;
+  out.buckets_in_backward = out.buckets;
+  return out;
+}
+
+double ShardedDataParallel::gradient_norm() {
+  std::vector<double> squares{shards_.grads().numel() > 0 ? sum_squares(shards_.grads().flat()) : 0.0};
+  sum_host_values(comm_, squares);
+  return std::sqrt(squares[0]);
+}
+
+double ShardedDataParallel::clip_gradients(double max_norm) {
+  const double norm = gradient_norm();
+  if (max_norm > 0.0 && std::isfinite(norm) && norm > max_norm && shards_.grads().numel() > 0)
+    scale_inplace(shards_.grads().flat(), max_norm / norm);
+  return norm;
+}
+
+void ShardedDataParallel::optimizer_step(double lr) { shards_.optimizer_step(lr); }
+
+void ShardedDataParallel::save_shard(const std::string& path) const {
+  const ParamSet& master = shards_.master();
+  ParamSet host = ParamSet::like(master, master.dtype(), Device::host());
+  copy_params(host, master);
+  std::vector<std::pair<std::string, Tensor>> tensors;
+  for (size_t i = 0; i < host.size(); ++i) tensors.emplace_back(host.specs()[i].name, host[i]);
+  write_safetensors(path, tensors, {{"zero", "3"}, {"rank", std::to_string(rank())}, {"ranks", std::to_string(size())}});
+  shards_.optimizer().save(path + ".optimizer");
+}
+
+void ShardedDataParallel::load_shard(const std::string& path) {
+  const SafetensorsReader f(path);
+  const auto meta = [&](const char* key) {
+    const auto it = f.metadata().find(key);
+    CW_CHECK(it != f.metadata().end(), "{}: metadata '{}' is missing (not a ZeRO 3 shard)", path, key);
+    return it->second;
+  };
+  CW_CHECK(meta("zero") == "3" && meta("rank") == std::to_string(rank()) && meta("ranks") == std::to_string(size()),
+           "{}: the shard of rank {} of {} (zero {}), this is rank {} of {}", path, meta("rank"), meta("ranks"),
+           meta("zero"), rank(), size());
+  const ParamSet& master = shards_.master();
+  ParamSet host = ParamSet::like(master, master.dtype(), Device::host());
+  for (size_t i = 0; i < host.size(); ++i) f.read_into(host.specs()[i].name, host[i]);
+  copy_params(master, host);
+  shards_.optimizer().load(path + ".optimizer");
+  shards_.master_changed();
+}
+
+ParamSet consolidate_shards(const LlamaConfig& config, const std::vector<std::string>& paths) {
+  const ShardLayout layout(parameter_table(config), static_cast<int>(paths.size()));
+  std::vector<ParamSet> shards;
+  std::optional<DType> dtype;
+  for (size_t r = 0; r < paths.size(); ++r) {
+    const SafetensorsReader f(paths[r]);
+    const auto it = f.metadata().find("ranks");
+    CW_CHECK(it != f.metadata().end() && it->second == std::to_string(paths.size()),
+             "{}: not one of {} ZeRO 3 shards", paths[r], paths.size());
+    const std::vector<ParamSpec> table = layout.shard_table(static_cast<int>(r));
+    if (!dtype) {  // the master weights' dtype: f64 (CPU checks) or f32
+      const SafetensorsEntry* first = table.empty() ? nullptr : f.find(table[0].name);
+      CW_CHECK(first, "{}: no tensor {}", paths[r], table.empty() ? "" : table[0].name);
+      dtype = first->dtype == "F64" ? DType::f64 : DType::f32;
+    }
+    shards.emplace_back(config, table, *dtype, Device::host());
+    for (size_t i = 0; i < table.size(); ++i) f.read_into(table[i].name, shards.back()[i]);
+  }
+  std::vector<const ParamSet*> pointers;
+  for (const ParamSet& s : shards) pointers.push_back(&s);
+  ParamSet whole(config, layout.table(), dtype.value_or(DType::f32), Device::host());
+  assemble_from_shards(whole, layout, pointers);
+  return whole;
+}
+
+}  // namespace cw

@@ -1,0 +1,336 @@
+// ZeRO 3 (parallel/zero3.h) on the threads backend, in f64: the shard layout tiles every tensor, the
+// ranks against one process (`gradcheck --zero 3 --against single`, every schedule, 2 and 4 ranks, a
+// model of four blocks so the buffer pool must gather again), the planner's counts and bytes against
+// a run's counters, what a skipped gather or a reduce-scatter replaced by a local copy does to the
+// result (the checks fail), the optimizer offloaded on the shard, the shard checkpoints (resume bit
+// for bit, consolidation to the whole model) and the refusals.
+#include "optim/adamw.h"
+#include "parallel/zero3.h"
+#include "tests/support.h"
+#include "tools/gradcheck.h"
+#include "tools/plan.h"
+#include "tools/planner/planner.h"
+
+#include <nlohmann/json.hpp>
+
+#include <cstring>
+#include <fstream>
+#include <sstream>
+
+using namespace cw;
+
+namespace {
+
+using test::contains;
+using test::max_rel_err;
+
+// tiny with four blocks: more blocks than the pool's two buffers, so passes gather again.
+LlamaConfig deep_tiny() {
+  LlamaConfig c = LlamaConfig::preset("tiny");
+  c.num_hidden_layers = 4;
+  return c;
+}
+
+std::string write_config(const test::TempDir& dir, const LlamaConfig& c) {
+  const std::string path = dir.file("config.json");
+  std::ofstream(path) << c.to_json().dump(2);
+  return path;
+}
+
+ParamSet initial_params(const LlamaConfig& c) {
+  ParamSet p(c, DType::f64);
+  init_parameters(p, 11, c.initializer_range, /*norm_jitter=*/0.1);
+  return p;
+}
+
+bool same_bits(const ParamSet& a, const ParamSet& b) {
+  return a.bytes() == b.bytes() && std::memcmp(a.flat().data, b.flat().data, a.bytes()) == 0;
+}
+
+// Sequences [first, first + count) of a batch.
+Batch rows(const Batch& batch, int64_t first, int64_t count) {
+  Batch part{OwnedTensor(DType::i32, {count, batch.T()}), OwnedTensor(DType::i32, {count, batch.T()})};
+  copy_convert(part.ids, batch.ids.tensor.slice(0, first, count));
+  copy_convert(part.labels, batch.labels.tensor.slice(0, first, count));
+  part.sequence0 = first;
+  return part;
+}
+
+// Every schedule, seco with one prefill chunk per backward chunk, with other lengths and with saved
+// inputs (a reverse sweep without forwards), spaco visiting half of its chunks.
+struct ScheduleCase {
+  const char* name;
+  ScheduleOptions schedule;
+};
+std::vector<ScheduleCase> schedule_cases() {
+  return {{"full", {.kind = ScheduleKind::full}},
+          {"checkpointed", {.kind = ScheduleKind::checkpointed}},
+          {"seco", {.kind = ScheduleKind::seco, .chunk = 4}},
+          {"seco bwd-chunk", {.kind = ScheduleKind::seco, .chunk = 5, .bwd_chunk = 3}},
+          {"seco saved inputs", {.kind = ScheduleKind::seco, .save_inputs = true, .chunk = 4}},
+          {"spaco", {.kind = ScheduleKind::spaco, .chunk = 4, .keep = 2, .seed = 3}}};
+}
+
+// One micro-batch: rank r's sequences of the batch.
+std::vector<Batch> micro(const Batch& batch, int rank) {
+  std::vector<Batch> m;
+  m.push_back(rows(batch, rank, 1));
+  return m;
+}
+
+// A communicator that passes every collective through, except the one broken on purpose.
+enum class Fault { none, skipped_gather, local_reduce_scatter };
+class FaultyComm final : public Communicator {
+ public:
+  FaultyComm(Communicator& inner, Fault fault) : inner_(inner), fault_(fault) {}
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  Device device() const override { return inner_.device(); }
+  std::string backend() const override { return inner_.backend(); }
+  std::unique_ptr<CommWork> all_reduce(const Tensor& t) override { return inner_.all_reduce(t); }
+  std::unique_ptr<CommWork> reduce(const Tensor& t, int root) override { return inner_.reduce(t, root); }
+  std::unique_ptr<CommWork> reduce_scatter(const Tensor& out, const Tensor& in) override {
+    if (fault_ != Fault::local_reduce_scatter) return inner_.reduce_scatter(out, in);
+    copy_convert(out, in.slice(0, rank() * out.numel(), out.numel()));  // this rank's part, unsummed
+    return std::make_unique<Done>();
+  }
+  std::unique_ptr<CommWork> all_gather(const Tensor& out, const Tensor& in) override {
+    if (fault_ == Fault::skipped_gather && ++gathers_ % 3 == 0) return std::make_unique<Done>();  // every third
+    return inner_.all_gather(out, in);
+  }
+  std::unique_ptr<CommWork> broadcast(const Tensor& t, int root) override { return inner_.broadcast(t, root); }
+  void barrier() override { inner_.barrier(); }
+  std::unique_ptr<Communicator> split(int color, int key) override { return inner_.split(color, key); }
+
+ private:
+  struct Done final : CommWork {
+    void wait() override {}
+  };
+  Communicator& inner_;
+  Fault fault_;
+  int64_t gathers_ = 0;
+};
+
+}  // namespace
+
+TEST_CASE("zero 3 layout: every tensor's elements in exactly one rank's shard, units split evenly") {
+  for (const char* preset : {"tiny", "tiny-qwen2", "tiny-qwen3"})
+    for (int ranks : {1, 2, 3, 4, 7}) {
+      CAPTURE(preset);
+      CAPTURE(ranks);
+      const LlamaConfig c = LlamaConfig::preset(preset);
+      const ShardLayout layout(parameter_table(c), ranks);
+      CHECK(layout.layers() == c.num_hidden_layers);
+      int64_t total = 0;
+      for (size_t u = 0; u < layout.units().size(); ++u) {
+        int64_t lengths = 0;
+        for (int r = 0; r < ranks; ++r) lengths += layout.length(r, u);
+        CHECK(lengths == layout.units()[u].numel);
+        CHECK(layout.units()[u].part * ranks >= layout.units()[u].numel);
+        CHECK(layout.units()[u].part * (ranks - 1) < layout.units()[u].numel);
+        total += lengths;
+      }
+      CHECK(total == c.parameter_count());
+      // Round trip: sharded and assembled again, every element back in place.
+      const ParamSet whole = initial_params(c);
+      std::vector<ParamSet> shards;
+      for (int r = 0; r < ranks; ++r) {
+        shards.emplace_back(c, layout.shard_table(r), DType::f64);
+        shard_from_whole(shards.back(), layout, r, whole);
+      }
+      std::vector<const ParamSet*> pointers;
+      for (const ParamSet& s : shards) pointers.push_back(&s);
+      ParamSet back(c, DType::f64);
+      assemble_from_shards(back, layout, pointers);
+      CHECK(same_bits(back, whole));
+    }
+}
+
+TEST_CASE("zero 3 gradcheck: DP 2 and 4 against one process, every schedule (f64, <= 1e-12)") {
+  const test::TempDir dir("zero3-gradcheck");
+  const std::string model = write_config(dir, deep_tiny());
+  const std::vector<ScheduleCase> cases = schedule_cases();
+  for (const ScheduleCase& c : cases)
+    for (int64_t dp : {2, 4}) {
+      CAPTURE(c.name);
+      CAPTURE(dp);
+      GradcheckOptions o;
+      o.model = model;
+      o.seq = 16;
+      o.batch = 4;
+      o.schedule = c.schedule;
+      o.parallel.dp = dp;
+      o.parallel.zero = 3;
+      std::ostringstream out;
+      const int code = run_gradcheck(o, out);
+      INFO(out.str());
+      CHECK(code == 0);
+      CHECK(max_rel_err(out.str()) <= test::kSameMathF64Tol);
+      CHECK(contains(out.str(), ": yes\n"));
+      CHECK(contains(out.str(), "zero 3: first step"));
+      if (o.schedule.one_backward_chunk(o.seq)) CHECK(contains(out.str(), "parameters bitwise identical"));
+    }
+}
+
+TEST_CASE("zero 3: the planner's gathers, reduce-scatters and bytes are a run's counters") {
+  const std::vector<ScheduleCase> cases = schedule_cases();
+  for (const LlamaConfig& c : {LlamaConfig::preset("tiny"), deep_tiny()})
+    for (const ScheduleCase& k : cases)
+      for (int ranks : {2, 3}) {
+        CAPTURE(k.name);
+        CAPTURE(c.num_hidden_layers);
+        CAPTURE(ranks);
+        const int64_t T = 16;
+        const Batch batch = random_batch(ranks, T, c.vocab_size, 5);
+        std::vector<Zero3Counts> counts(static_cast<size_t>(ranks));
+        run_thread_ranks(ranks, [&](Communicator& comm) {
+          ParallelOptions po{.dp = ranks, .zero = 3};
+          ShardedDataParallel dp(comm, c, DType::f64, AdamWOptions{}, po);
+          dp.shards().load(initial_params(c));
+          auto schedule = Schedule::create(k.schedule);
+          for (int step = 0; step < 2; ++step) {  // the second step starts after an optimizer step
+            dp.compute_gradients(*schedule, micro(batch, comm.rank()), static_cast<uint64_t>(step));
+            dp.optimizer_step(1e-3);
+          }
+          counts[static_cast<size_t>(comm.rank())] = dp.step_counts();
+        });
+        const Zero3Plan p = plan_zero3(c, T, k.schedule, DType::f64, ranks, false, Device::host());
+        for (const Zero3Counts& z : counts) {
+          CHECK(z.block_gathers == p.block_gathers);
+          CHECK(z.reuses == p.reuses);
+          CHECK(z.outside_gathers == p.outside_gathers);
+          CHECK(z.block_reduce_scatters == p.block_reduce_scatters);
+          CHECK(z.outside_reduce_scatters == p.outside_reduce_scatters);
+          CHECK(z.gathered_bytes == p.gathered_bytes);
+          CHECK(z.scattered_bytes == p.scattered_bytes);
+        }
+      }
+}
+
+TEST_CASE("zero 3: a skipped gather or a reduce-scatter replaced by a local copy changes the result") {
+  const LlamaConfig c = deep_tiny();
+  const Batch batch = random_batch(2, 12, c.vocab_size, 5);
+  const auto run = [&](Fault fault) {
+    std::vector<double> loss(2);
+    std::optional<ParamSet> grads;
+    run_thread_ranks(2, [&](Communicator& inner) {
+      FaultyComm comm(inner, fault);
+      ShardedDataParallel dp(comm, c, DType::f64, AdamWOptions{}, ParallelOptions{.dp = 2, .zero = 3});
+      dp.shards().load(initial_params(c));
+      auto schedule = Schedule::create({.kind = ScheduleKind::seco, .chunk = 4});
+      loss[static_cast<size_t>(comm.rank())] = dp.compute_gradients(*schedule, micro(batch, comm.rank()), 0).loss;
+      ParamSet whole = dp.shards().gather_whole(dp.shards().grads());
+      if (comm.rank() == 0) grads.emplace(std::move(whole));
+    });
+    return std::make_pair(loss[0], std::move(*grads));
+  };
+  const auto [loss, grads] = run(Fault::none);
+  const auto [skipped_loss, skipped_grads] = run(Fault::skipped_gather);
+  CHECK(std::abs(skipped_loss - loss) > 1e-6 * std::abs(loss));
+  const auto [local_loss, local_grads] = run(Fault::local_reduce_scatter);
+  CHECK(local_loss == loss);  // the forward is untouched
+  CHECK(test::compare(local_grads.flat(), grads.flat()).rel > 1e-3);
+}
+
+TEST_CASE("zero 3: the optimizer offloaded on the shard gives the bits of the shard's AdamW") {
+  const LlamaConfig c = deep_tiny();
+  const Batch batch = random_batch(2, 12, c.vocab_size, 5);
+  const auto run = [&](bool offload) {
+    std::optional<ParamSet> params;
+    run_thread_ranks(2, [&](Communicator& comm) {
+      ShardedDataParallel dp(comm, c, DType::f64, AdamWOptions{}, ParallelOptions{.dp = 2, .zero = 3}, offload);
+      CHECK(dp.shards().optimizer_offloaded() == offload);
+      dp.shards().load(initial_params(c));
+      auto schedule = Schedule::create({.kind = ScheduleKind::seco, .chunk = 4});
+      for (int s = 0; s < 3; ++s) {
+        dp.compute_gradients(*schedule, micro(batch, comm.rank()), static_cast<uint64_t>(s));
+        dp.clip_gradients(0.5);
+        dp.optimizer_step(1e-2);
+      }
+      ParamSet whole = dp.shards().gather_whole(dp.shards().master());
+      if (comm.rank() == 0) params.emplace(std::move(whole));
+    });
+    return std::move(*params);
+  };
+  const ParamSet on_device = run(false), offloaded = run(true);
+  CHECK(same_bits(offloaded, on_device));
+  CHECK(!same_bits(on_device, initial_params(c)));
+}
+
+TEST_CASE("zero 3 checkpoints: each rank's shard, a resume bit for bit, the whole model consolidated") {
+  const LlamaConfig c = deep_tiny();
+  const Batch batch = random_batch(3, 12, c.vocab_size, 5);
+  const test::TempDir dir("zero3-checkpoint");
+  const auto shard_path = [&](int r) { return dir.file(fmt::format("zero3-rank-{}.safetensors", r)); };
+  const ScheduleOptions so{.kind = ScheduleKind::seco, .chunk = 4, .bwd_chunk = 5};
+  // Five steps straight, and two steps, a save, a fresh state loading it, three more.
+  const auto run = [&](bool resume) {
+    std::vector<double> losses;
+    std::optional<ParamSet> params, saved;
+    run_thread_ranks(3, [&](Communicator& comm) {
+      const ParallelOptions po{.dp = 3, .zero = 3};
+      auto dp = std::make_unique<ShardedDataParallel>(comm, c, DType::f64, AdamWOptions{}, po);
+      dp->shards().load(initial_params(c));
+      auto schedule = Schedule::create(so);
+      for (int s = 0; s < 5; ++s) {
+        if (resume && s == 2) {
+          dp->save_shard(shard_path(comm.rank()));
+          comm.barrier();
+          ParamSet whole = dp->shards().gather_whole(dp->shards().master());
+          if (comm.rank() == 0) saved.emplace(std::move(whole));
+          dp = std::make_unique<ShardedDataParallel>(comm, c, DType::f64, AdamWOptions{}, po);
+          dp->load_shard(shard_path(comm.rank()));
+        }
+        const double loss = dp->compute_gradients(*schedule, micro(batch, comm.rank()), static_cast<uint64_t>(s)).loss;
+        if (comm.rank() == 0) losses.push_back(loss);
+        dp->optimizer_step(1e-2);
+      }
+      ParamSet whole = dp->shards().gather_whole(dp->shards().master());
+      if (comm.rank() == 0) params.emplace(std::move(whole));
+    });
+    return std::make_tuple(losses, std::move(*params), std::move(saved));
+  };
+  const auto [straight_losses, straight, none] = run(false);
+  const auto [resumed_losses, resumed, saved] = run(true);
+  CHECK(resumed_losses == straight_losses);
+  CHECK(same_bits(resumed, straight));
+  // The three shard files make the whole model the ranks held when they were written.
+  const ParamSet consolidated = consolidate_shards(c, {shard_path(0), shard_path(1), shard_path(2)});
+  REQUIRE(saved.has_value());
+  CHECK(same_bits(consolidated, *saved));
+  // A shard file is one rank's of one world size.
+  CHECK_THROWS_WITH_AS(consolidate_shards(c, {shard_path(0), shard_path(1)}), doctest::Contains("not one of 2"), Error);
+}
+
+TEST_CASE("zero 3 refusals: with tensor parallelism, with LoRA, in train") {
+  ParallelOptions po{.dp = 2, .zero = 3, .tp = 2};
+  CHECK_THROWS_WITH_AS(po.validate(), doctest::Contains("parallel.zero = 3 does not combine with parallel.tp = 2"), Error);
+  GradcheckOptions o;
+  o.batch = 2;
+  o.parallel.dp = 2;
+  o.parallel.zero = 3;
+  o.lora.rank = 4;
+  std::ostringstream out;
+  CHECK_THROWS_WITH_AS(run_gradcheck(o, out), doctest::Contains("--zero 3 shards the model's own parameters"), Error);
+}
+
+TEST_CASE("plan --zero 3: Llama-3.1-8B at 64K tokens in 8K chunks on 8 ranks, the figures of docs/zero3.md") {
+  PlanOptions po;
+  po.model = "llama-3.1-8b";
+  po.seq = 65536;
+  po.schedule = {.kind = ScheduleKind::seco, .chunk = 8192};
+  po.dp = 8;
+  po.zero = 3;
+  po.device_memory_gib = 140;
+  std::ostringstream out;
+  CHECK(run_plan(po, out) == 0);
+  INFO(out.str());
+  // 7 prefill chunks and 8 reverse chunks of 32 blocks, two blocks reused at each of 15 turns.
+  CHECK(contains(out.str(), "per step 706 block all-gathers (30 blocks reused from their buffer), 15 of the outside "
+                            "unit; 256 block and 8 outside reduce-scatters"));
+  CHECK(contains(out.str(), "at NVLink 450 GB/s: 1.160 s"));
+  CHECK(contains(out.str(), "shard               14.96"));
+  CHECK(!contains(out.str(), "gradients"));  // no whole-model gradient
+  po.tp = 2;
+  CHECK_THROWS_WITH_AS(run_plan(po, out), doctest::Contains("not with --tp"), Error);
+}
