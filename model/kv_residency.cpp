@@ -349,8 +349,14 @@ void KVStream::attend_forward(const KVStore& kv, int layer, int64_t t0, int64_t 
   if (first == j) return;
   ArenaScope scope(scratch);
   const int64_t B = out.size(0), c = out.size(1), H = out.size(2), D = out.size(3);
-  const Tensor acc = scratch.alloc(saved.lse.dtype, {B, c, H, D}), block_out = scratch.alloc(out.dtype, {B, c, H, D});
-  const Tensor block_lse = scratch.alloc(saved.lse.dtype, {saved.lse.size(0), saved.lse.size(1), saved.lse.size(2)});
+  const Tensor acc = scratch.alloc(saved.lse.dtype, {B, c, H, D});
+  // Without documents every block's (out, lse) is whole: one pair of buffers serves them all (the
+  // documents' block op stages its spans' own).
+  Tensor block_out, block_lse;
+  if (!doc_starts) {
+    block_out = scratch.alloc(out.dtype, {B, c, H, D});
+    block_lse = scratch.alloc(saved.lse.dtype, {saved.lse.size(0), saved.lse.size(1), saved.lse.size(2)});
+  }
   copy_convert(acc, out);
   for_prefix_blocks(layer, first, j, false, [&](int, int64_t k0, int64_t k1) {
     if (doc_starts) {
@@ -387,9 +393,12 @@ void KVStream::attend_backward(const KVStore& kv, int layer, int64_t t0, int64_t
   if (first == j) return;
   ArenaScope scope(scratch);
   const int64_t rows = d_q.size(0) * d_q.size(1), width = d_q.size(2) * d_q.size(3);
-  const Tensor dq_sum = scratch.alloc(saved.lse.dtype, {rows, width}), dq_block = scratch.alloc(d_q.dtype, {rows, width});
+  const Tensor dq_sum = scratch.alloc(saved.lse.dtype, {rows, width});
   copy_convert(dq_sum, d_q.view({rows, width}));
-  const Tensor dq_block4 = dq_block.view({d_q.size(0), d_q.size(1), d_q.size(2), d_q.size(3)});
+  // Without documents each block's dQ share is whole (one buffer for all); the documents' block op
+  // adds its spans' shares into dq_sum itself.
+  const Tensor dq_block = doc_starts ? Tensor{} : scratch.alloc(d_q.dtype, {rows, width});
+  const Tensor dq_block4 = doc_starts ? Tensor{} : dq_block.view({d_q.size(0), d_q.size(1), d_q.size(2), d_q.size(3)});
   for_prefix_blocks(layer, first, j, true, [&](int it, int64_t k0, int64_t k1) {
     if (doc_starts) {
       attention_backward_documents_block(dq_sum.view({d_q.size(0), d_q.size(1), d_q.size(2), d_q.size(3)}),

@@ -492,6 +492,19 @@ Tensor lse_columns(const Tensor& lse, int64_t b, int64_t q0, int64_t q1) {
   return rows;
 }
 bool whole_rows(const DocumentSpan& s, int64_t c) { return s.q0 == 0 && s.q1 == c; }
+// A span's lse rows [1, H, n] of lse [B, H, c]: the sequence's own rows when the span is its whole
+// chunk, else a packed copy in `scratch` (holding lse's values when `read`; written back by
+// store_span_lse).
+Tensor span_lse(const Tensor& lse, const DocumentSpan& s, int64_t c, Arena& scratch, bool read) {
+  if (whole_rows(s, c)) return lse.slice(0, s.b, 1);
+  const int64_t H = lse.size(1), n = s.q1 - s.q0;
+  const Tensor staged = scratch.alloc(lse.dtype, {1, H, n});
+  if (read) copy_convert(staged.view({H, n}), lse_columns(lse, s.b, s.q0, s.q1));
+  return staged;
+}
+void store_span_lse(const Tensor& lse, const DocumentSpan& s, int64_t c, const Tensor& staged) {
+  if (!whole_rows(s, c)) copy_convert(lse_columns(lse, s.b, s.q0, s.q1), staged.view({lse.size(1), s.q1 - s.q0}));
+}
 // The first key a span's call reads: its document's start, or with a window of W keys its first
 // query's oldest visible key when that is later (p: the chunk's first position).
 int64_t span_first_key(const DocumentSpan& s, int64_t p, int64_t window) {
@@ -503,17 +516,16 @@ void attention_forward_documents(const Tensor& out, const AttentionSaved& saved,
                                  const Tensor& v, const std::vector<std::vector<int64_t>>& doc_starts, double scale,
                                  Arena& scratch, int64_t window) {
   check_forward_operands(q, k, v, out, saved, scratch, AttentionMask::causal, {window});
-  const int64_t B = q.size(0), c = q.size(1), H = q.size(2), p = k.size(1) - c;
+  const int64_t B = q.size(0), c = q.size(1), p = k.size(1) - c;
   for (const DocumentSpan& s : document_spans(doc_starts, B, p, c)) {
     ArenaScope scope(scratch);
     const int64_t k0 = span_first_key(s, p, window), n = s.q1 - s.q0, keys = p + s.q1 - k0;
-    // A span of whole rows reads its lse in place; a part of a row through a packed copy.
-    const bool whole = whole_rows(s, c);
-    const Tensor lse = whole ? saved.lse.slice(0, s.b, 1) : scratch.alloc(saved.lse.dtype, {1, H, n});
+    // A span of whole rows writes its lse in place; a part of a row through a packed copy.
+    const Tensor lse = span_lse(saved.lse, s, c, scratch, false);
     attention_forward(sequence_rows(out, s.b, s.q0, n), {lse}, sequence_rows(q, s.b, s.q0, n),
                       sequence_rows(k, s.b, k0, keys), sequence_rows(v, s.b, k0, keys), scale, scratch,
                       AttentionMask::causal, {window});
-    if (!whole) copy_convert(lse_columns(saved.lse, s.b, s.q0, s.q1), lse.view({H, n}));
+    store_span_lse(saved.lse, s, c, lse);
   }
 }
 
@@ -523,16 +535,11 @@ void attention_backward_documents(const Tensor& d_q, const Tensor& d_k, const Te
                                   GradMode mode, Arena& scratch, int64_t window) {
   check_forward_operands(q, k, v, out, saved, scratch, AttentionMask::causal, {window});
   check_backward_operands(d_q, d_k, d_v, d_out, q, k);
-  const int64_t B = q.size(0), c = q.size(1), H = q.size(2), p = k.size(1) - c;
+  const int64_t B = q.size(0), c = q.size(1), p = k.size(1) - c;
   for (const DocumentSpan& s : document_spans(doc_starts, B, p, c)) {
     ArenaScope scope(scratch);
     const int64_t k0 = span_first_key(s, p, window), n = s.q1 - s.q0, keys = p + s.q1 - k0;
-    const bool whole = whole_rows(s, c);
-    Tensor lse = saved.lse.slice(0, s.b, 1);
-    if (!whole) {
-      lse = scratch.alloc(saved.lse.dtype, {1, H, n});
-      copy_convert(lse.view({H, n}), lse_columns(saved.lse, s.b, s.q0, s.q1));
-    }
+    const Tensor lse = span_lse(saved.lse, s, c, scratch, true);
     attention_backward(sequence_rows(d_q, s.b, s.q0, n), sequence_rows(d_k, s.b, k0, keys),
                        sequence_rows(d_v, s.b, k0, keys), sequence_rows(d_out, s.b, s.q0, n), {lse},
                        sequence_rows(q, s.b, s.q0, n), sequence_rows(k, s.b, k0, keys),
@@ -573,12 +580,9 @@ void attention_merge_documents_block(const Tensor& acc, const Tensor& lse_acc, c
     const Tensor out_b = scratch.alloc(q.dtype, {1, rows, H, D}), lse_b = scratch.alloc(lse_acc.dtype, {1, H, rows});
     attention_forward(out_b, {lse_b}, sequence_rows(q, s.b, s.q0, rows), sequence_rows(k, s.b, bs.first, keys),
                       sequence_rows(v, s.b, bs.first, keys), scale, scratch, AttentionMask::none);
-    // The span's lse columns are packed only when it is the sequence's whole chunk.
-    const bool whole = whole_rows(s, c);
-    const Tensor lse = whole ? lse_acc.slice(0, s.b, 1) : scratch.alloc(lse_acc.dtype, {1, H, rows});
-    if (!whole) copy_convert(lse.view({H, rows}), lse_columns(lse_acc, s.b, s.q0, s.q1));
+    const Tensor lse = span_lse(lse_acc, s, c, scratch, true);
     attention_merge(sequence_rows(acc, s.b, s.q0, rows), lse, out_b, lse_b);
-    if (!whole) copy_convert(lse_columns(lse_acc, s.b, s.q0, s.q1), lse.view({H, rows}));
+    store_span_lse(lse_acc, s, c, lse);
   }
 }
 
@@ -593,12 +597,7 @@ void attention_backward_documents_block(const Tensor& dq_acc, const Tensor& d_k,
     const DocumentSpan& s = bs.span;
     ArenaScope scope(scratch);
     const int64_t rows = s.q1 - s.q0, keys = n - bs.first;
-    const bool whole = whole_rows(s, c);
-    Tensor lse = saved.lse.slice(0, s.b, 1);
-    if (!whole) {
-      lse = scratch.alloc(saved.lse.dtype, {1, H, rows});
-      copy_convert(lse.view({H, rows}), lse_columns(saved.lse, s.b, s.q0, s.q1));
-    }
+    const Tensor lse = span_lse(saved.lse, s, c, scratch, true);
     const Tensor dq_b = scratch.alloc(d_out.dtype, {1, rows, H, D});
     attention_backward(dq_b, sequence_rows(d_k, s.b, bs.first, keys), sequence_rows(d_v, s.b, bs.first, keys),
                        sequence_rows(d_out, s.b, s.q0, rows), {lse}, sequence_rows(q, s.b, s.q0, rows),
