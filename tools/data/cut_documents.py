@@ -14,10 +14,13 @@ most PIECE tokens of context:
         --documents --min-document 8192 --buckets 1K,2K,4K ...
 
 Tokens [START, END) of every document of at least MIN-LENGTH tokens (offsets from the document's
-first token, its BOS) are taken in pieces of PIECE; each piece is written as the BOS and its PIECE
-tokens, which fill one window of `--seq PIECE`, so bucket 4K-8K of the pieces is the text at offsets
-START + k * PIECE + 4K.. with 4K-8K tokens of context, as bucket 4K-8K of the whole document has. The input is a shard with its flags file (`<shard>.flags`, document starts: chunkwise tokenize
-writes both; format in tools/data/tokens.h); the output is the same pair. Standard library only.
+first token, its BOS) are taken in pieces of PIECE, [START + k PIECE, START + (k + 1) PIECE); each
+piece is written as the BOS and its PIECE tokens, which fill one window of `--seq PIECE` (a piece at
+offset 0 begins with the document's own BOS, so it holds one text token less). Bucket 4K-8K of the
+pieces is then the text at offsets START + k PIECE + 4K.. with 4K-8K tokens of context, as bucket
+4K-8K of the whole document has. The input is a shard with its flags file (`<shard>.flags`, document
+starts: chunkwise tokenize writes both; format in tools/data/tokens.h); the output is the same pair.
+Standard library only.
 """
 import argparse
 import array
@@ -109,10 +112,9 @@ def main():
         bos = ids[begin]
         for offset in range(a.start, a.end, a.piece):
             out_starts.append(len(out_ids))
-            out_ids.append(bos)
-            # The document's own BOS opens its first piece; the piece then holds the PIECE after it.
-            first = begin + offset + (1 if offset == 0 else 0)
-            out_ids.extend(ids[first:min(first + a.piece, begin + a.end + (1 if offset == 0 else 0))])
+            if offset > 0:  # offset 0 is the document's own BOS
+                out_ids.append(bos)
+            out_ids.extend(ids[begin + offset:begin + min(offset + a.piece, a.end)])
     if not documents:
         fail(f"{a.shard}: no document of at least {a.min_length} tokens")
     write_pair(a.out, magic, out_ids, out_starts)
