@@ -47,7 +47,7 @@ TEST_CASE("longctx: tools/run longctx's CPU form runs end to end and writes what
   REQUIRE(WEXITSTATUS(status) == 0);
 
   // The documents: one shard each for training and held-out, with the flags that mark their starts.
-  for (const char* f : {"train.bin", "train.bin.flags", "eval.bin", "eval.bin.flags"})
+  for (const char* f : {"train.bin", "train.bin.flags", "eval.bin", "eval.bin.flags", "eval-orders.bin", "eval-orders.bin.flags"})
     CHECK(fs::file_size(dir.path / f) > 0);
   const fs::path out = dir.path / "cpu";
 
@@ -66,6 +66,19 @@ TEST_CASE("longctx: tools/run longctx's CPU form runs end to end and writes what
       CHECK(b.at("mean_loss").get<double>() < 5.0);
     }
   }
+  // The same held-out packages with their files in random orders: four windows (the CPU form's), the
+  // documents that fill them, every bucket counted.
+  for (const char* name : {"before", "after"}) {
+    const nlohmann::json j = read_json(out / fmt::format("loss-orders-{}.json", name));
+    CHECK(j.at("label") == fmt::format("{}, files in random orders", name));
+    CHECK(j.at("windows") == 4);
+    CHECK(j.at("min_document") == 512);
+    REQUIRE(j.at("buckets").size() == 4);
+    for (const nlohmann::json& b : j.at("buckets")) {
+      CHECK(b.at("tokens").get<int64_t>() > 0);
+      CHECK(b.at("mean_loss").get<double>() < 5.0);
+    }
+  }
   // Passkey, before and after: a cell per length and depth; the base model finds every key at 256
   // and 512 tokens (its native context is 8,192).
   for (const char* name : {"before", "after"}) {
@@ -78,7 +91,7 @@ TEST_CASE("longctx: tools/run longctx's CPU form runs end to end and writes what
       if (std::string(name) == "before") CHECK(c.at("correct") == 1);
     }
   }
-  for (const char* svg : {"loss.svg", "passkey-before.svg", "passkey-after.svg"})
+  for (const char* svg : {"loss.svg", "loss-orders.svg", "passkey-before.svg", "passkey-after.svg"})
     CHECK(read_text(out / svg).find("<svg") != std::string::npos);
 
   // The run: its checkpoint carries YaRN into config.json (transformers reads it from there).
@@ -87,9 +100,10 @@ TEST_CASE("longctx: tools/run longctx's CPU form runs end to end and writes what
   const nlohmann::json config = read_json(ckpt / "config.json");
   const nlohmann::json& rope = config.at("rope_scaling");
   CHECK(rope.at("rope_type") == "yarn");
-  CHECK(rope.at("factor") == 8.0);
+  CHECK(rope.at("factor") == 16.0);
   CHECK(rope.at("original_max_position_embeddings") == 8192);
-  CHECK(config.at("max_position_embeddings") == 65536);
+  CHECK(rope.at("attention_factor") == 1.0);
+  CHECK(config.at("max_position_embeddings") == 131072);
   int train_lines = 0;
   std::ifstream metrics(out / "run" / "metrics.jsonl");
   for (std::string line; std::getline(metrics, line);)

@@ -11,7 +11,14 @@ The `encodings` package is left out: nearly all of it is the codecs' generated c
 which a model predicts almost exactly and which teach nothing of long-range use.
 
     python3 tools/data/code_documents.py --train train.jsonl --eval eval.jsonl
+        [--eval-orders orders.jsonl [--orders 8] [--seed 0]]
         [--eval-packages asyncio,email,...] [--headers auto|none|DIR] [--min-chars 20000] [--root DIR]
+
+--eval-orders writes each held-out package again, --orders times, its files in a random order each time
+(drawn from --seed and the package's name). In sorted order a package's position says which of its files
+a token is in (its first files sit at the start, its last ones past 32K tokens), so loss by position
+compares different text as much as different context; over many random orders every position averages
+the same files, and what is left of the difference is the context.
 
 Records: {"text": ..., "source": "python" | "c++", "name": name, "chars": n}; `chunkwise tokenize
 --jsonl FILE --field text` turns them into a shard with one document each.
@@ -20,6 +27,7 @@ import argparse
 import glob
 import json
 import os
+import random
 import re
 import sys
 import sysconfig
@@ -82,12 +90,17 @@ def main():
     ap.add_argument("--eval-packages", default=EVAL_PACKAGES, help="standard-library packages held out, comma-separated")
     ap.add_argument("--headers", default="auto", help="C++ headers to train on: auto (the newest /usr/include/c++/N), "
                     "none, or a directory")
+    ap.add_argument("--eval-orders", help="JSON Lines of the held-out packages, each in --orders random file orders")
+    ap.add_argument("--orders", type=int, default=8, help="random file orders of each held-out package (--eval-orders)")
+    ap.add_argument("--seed", type=int, default=0, help="the seed of the file orders (--eval-orders)")
     ap.add_argument("--min-chars", type=int, default=20000, help="leave out documents shorter than this")
     ap.add_argument("--root", default=sysconfig.get_paths()["stdlib"], help="the Python standard library's directory")
     a = ap.parse_args()
     if not os.path.isdir(a.root):
         sys.exit(f"code_documents.py: '{a.root}' is not a directory: give the standard library with --root")
     held = {p for p in a.eval_packages.split(",") if p}
+    if a.orders < 1:
+        sys.exit(f"code_documents.py: --orders {a.orders}: give one or more orders")
     headers = newest_cxx_headers() if a.headers == "auto" else None if a.headers == "none" else a.headers
     if a.headers == "auto" and headers is None:
         print("code_documents.py: no /usr/include/c++/N here: training on the Python standard library alone")
@@ -104,9 +117,21 @@ def main():
             counts[(which, source)] = (n + 1, chars + len(text))
 
         found = set()
+        orders = open(a.eval_orders, "w", encoding="utf-8") if a.eval_orders else None
         for name, files in python_packages(a.root):
             found.add(name)
-            write("eval" if name in held else "train", "python", name, document(a.root, files, "#"))
+            text = document(a.root, files, "#")
+            write("eval" if name in held else "train", "python", name, text)
+            if orders is not None and name in held and len(text) >= a.min_chars:
+                for i in range(a.orders):
+                    shuffled = list(files)
+                    random.Random(f"{a.seed}:{name}:{i}").shuffle(shuffled)
+                    order = document(a.root, shuffled, "#")
+                    orders.write(json.dumps({"text": order, "source": "python", "name": name, "order": i,
+                                             "chars": len(order)}) + "\n")
+        if orders is not None:
+            orders.close()
+            print(f"eval orders: {a.orders} random file orders of each held-out package in {a.eval_orders}")
         if held - found:
             sys.exit(f"code_documents.py: --eval-packages names {', '.join(sorted(held - found))}, not packages of "
                      f"{a.root}: name packages it has")
