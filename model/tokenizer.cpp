@@ -345,19 +345,31 @@ std::pair<size_t, size_t> BpeTokenizer::AddedMatcher::find(std::string_view text
   return {npos, npos};
 }
 
+namespace {
+
+// The text cut at the added tokens `matcher` finds (leftmost, longest there): `between` encodes each
+// stretch between them (possibly empty) into `out`, and each token found adds its id.
+template <class Matcher, class Between>
+void split_at_added(const Matcher& matcher, std::string_view text, std::vector<uint32_t>& out, Between&& between) {
+  constexpr size_t npos = std::string_view::npos;
+  size_t pos = 0;
+  while (pos <= text.size()) {
+    const auto [at, which] = matcher.find(text, pos);
+    between(text.substr(pos, at == npos ? npos : at - pos));
+    if (which == npos) break;
+    out.push_back(matcher.texts[which].second);
+    pos = at + matcher.texts[which].first.size();
+  }
+}
+
+}  // namespace
+
 // HF's TokenizerImpl::encode_single_sequence through AddedVocabulary::extract_and_normalize: the
 // `normalized: false` added tokens are cut out of the raw text first, then each stretch between them
 // is normalized on its own (so nothing composes across such a token, e.g. "e<|im_end|>\u0301"), and
 // only then are the `normalized: true` ones looked for, in the normalized stretch.
 void BpeTokenizer::encode_into(std::string_view text, std::vector<uint32_t>& out) const {
-  size_t pos = 0;
-  while (pos <= text.size()) {
-    const auto [at, which] = raw_added_.find(text, pos);
-    encode_stretch(text.substr(pos, at == std::string_view::npos ? std::string_view::npos : at - pos), out);
-    if (which == std::string_view::npos) break;
-    out.push_back(raw_added_.texts[which].second);
-    pos = at + raw_added_.texts[which].first.size();
-  }
+  split_at_added(raw_added_, text, out, [&](std::string_view stretch) { encode_stretch(stretch, out); });
 }
 
 void BpeTokenizer::encode_stretch(std::string_view text, std::vector<uint32_t>& out) const {
@@ -366,14 +378,7 @@ void BpeTokenizer::encode_stretch(std::string_view text, std::vector<uint32_t>& 
     normalized = nfc_normalize(text);
     text = normalized;
   }
-  size_t pos = 0;
-  while (pos <= text.size()) {
-    const auto [at, which] = normalized_added_.find(text, pos);
-    encode_pieces(text.substr(pos, at == std::string_view::npos ? std::string_view::npos : at - pos), out);
-    if (which == std::string_view::npos) break;
-    out.push_back(normalized_added_.texts[which].second);
-    pos = at + normalized_added_.texts[which].first.size();
-  }
+  split_at_added(normalized_added_, text, out, [&](std::string_view piece) { encode_pieces(piece, out); });
 }
 
 void BpeTokenizer::encode_pieces(std::string_view text, std::vector<uint32_t>& out) const {

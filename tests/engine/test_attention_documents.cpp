@@ -30,6 +30,16 @@ struct Shape {
   int64_t S() const { return p + c; }
 };
 
+// A call's random operands: queries and d_out [B, c, H, D], keys and values [B, S, Hkv, D], drawn
+// with seeds seed, seed + 1, seed + 2 (k, v) and seed + 3 (d_out).
+struct Draws {
+  OwnedTensor q, k, v, d_out;
+};
+Draws draw(const Shape& s, uint64_t seed) {
+  return {randn({s.B, s.c, s.H, s.D}, seed), randn({s.B, s.S(), s.Hkv, s.D}, seed + 1),
+          randn({s.B, s.S(), s.Hkv, s.D}, seed + 2), randn({s.B, s.c, s.H, s.D}, seed + 3)};
+}
+
 // out[b, i, h] = sum_j P v_j over keys j in [start(p + i), p + i] of sequence b, written out; with a
 // sliding window of W keys (0: none) over j in [max(start(p + i), p + i - W + 1), p + i].
 OwnedTensor masked_reference(const Shape& s, const OwnedTensor& q, const OwnedTensor& k, const OwnedTensor& v,
@@ -145,8 +155,7 @@ TEST_CASE("attention documents: f64 forward against the masked softmax, backward
   const double scale = 1.0 / std::sqrt(static_cast<double>(s.D));
   // One-token documents, a document that began before the chunk, one inside it, one at its last query.
   const std::vector<std::vector<int64_t>> starts{{0, 3, 7, 8, 10}, {0, 5}};
-  OwnedTensor q = randn({s.B, s.c, s.H, s.D}, 11), k = randn({s.B, s.S(), s.Hkv, s.D}, 12),
-              v = randn({s.B, s.S(), s.Hkv, s.D}, 13), r = randn({s.B, s.c, s.H, s.D}, 14);
+  auto [q, k, v, r] = draw(s, 11);
   Arena scratch;
   OwnedTensor out(DType::f64, {s.B, s.c, s.H, s.D}), lse(DType::f64, {s.B, s.H, s.c});
   auto forward = [&] {
@@ -171,8 +180,7 @@ TEST_CASE("attention window: f64 forward against the windowed softmax, alone and
       CAPTURE(window);
       CAPTURE(with_documents);
       const auto& starts = with_documents ? documents : one_document;
-      OwnedTensor q = randn({s.B, s.c, s.H, s.D}, 31), k = randn({s.B, s.S(), s.Hkv, s.D}, 32),
-                  v = randn({s.B, s.S(), s.Hkv, s.D}, 33), r = randn({s.B, s.c, s.H, s.D}, 34);
+      auto [q, k, v, r] = draw(s, 31);
       Arena scratch;
       OwnedTensor out(DType::f64, {s.B, s.c, s.H, s.D}), lse(DType::f64, {s.B, s.H, s.c});
       auto forward = [&] {
@@ -205,8 +213,7 @@ TEST_CASE("attention window: keys before the window are neither read nor given g
   const Shape s;
   const int64_t window = 3, first = s.p - window + 1;
   const double scale = 0.4;
-  OwnedTensor q = randn({s.B, s.c, s.H, s.D}, 41), k = randn({s.B, s.S(), s.Hkv, s.D}, 42),
-              v = randn({s.B, s.S(), s.Hkv, s.D}, 43), r = randn({s.B, s.c, s.H, s.D}, 44);
+  auto [q, k, v, r] = draw(s, 41);
   Arena scratch;
   OwnedTensor out(DType::f64, {s.B, s.c, s.H, s.D}), lse(DType::f64, {s.B, s.H, s.c});
   attention_forward(out, {lse}, q, k, v, scale, scratch, AttentionMask::causal, {window});
@@ -246,8 +253,7 @@ TEST_CASE("attention window: an unmasked block some of whose rows see none of it
   const Shape s{.B = 2, .c = 6, .p = 8, .H = 4, .Hkv = 2, .D = 8};
   const int64_t window = 6;
   const double scale = 0.35;
-  OwnedTensor q = randn({s.B, s.c, s.H, s.D}, 51), k = randn({s.B, s.S(), s.Hkv, s.D}, 52),
-              v = randn({s.B, s.S(), s.Hkv, s.D}, 53), r = randn({s.B, s.c, s.H, s.D}, 54);
+  auto [q, k, v, r] = draw(s, 51);
   Arena scratch;
   OwnedTensor out(DType::f64, {s.B, s.c, s.H, s.D}), lse(DType::f64, {s.B, s.H, s.c});
   attention_forward(out, {lse}, q, k, v, scale, scratch, AttentionMask::causal, {window});
@@ -316,8 +322,7 @@ TEST_CASE("attention documents: the prefix block by block (own keys, then earlie
   const int64_t block = 3;
   const double scale = 0.4;
   const std::vector<std::vector<int64_t>> starts{{0, 4, 10, 12}, {0, 14}};
-  OwnedTensor q = randn({s.B, s.c, s.H, s.D}, 31), k = randn({s.B, s.S(), s.Hkv, s.D}, 32),
-              v = randn({s.B, s.S(), s.Hkv, s.D}, 33), d_out = randn({s.B, s.c, s.H, s.D}, 34);
+  auto [q, k, v, d_out] = draw(s, 31);
   Arena scratch;
   // One call over all keys.
   OwnedTensor out(DType::f64, {s.B, s.c, s.H, s.D}), lse(DType::f64, {s.B, s.H, s.c});

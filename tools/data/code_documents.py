@@ -65,7 +65,8 @@ def header_directories(root):
             yield os.path.relpath(d, os.path.dirname(root)), files
 
 
-def document(root, files, comment):
+def file_parts(root, files, comment):
+    """Each file's text opened by a line naming it, in the order given."""
     parts = []
     for f in files:
         try:
@@ -74,7 +75,11 @@ def document(root, files, comment):
         except (UnicodeDecodeError, OSError):
             continue  # a file that is not UTF-8 text is left out
         parts.append(f"{comment} file: {os.path.relpath(f, root)}\n{text}")
-    return "\n".join(parts)
+    return parts
+
+
+def document(root, files, comment):
+    return "\n".join(file_parts(root, files, comment))
 
 
 def newest_cxx_headers():
@@ -120,13 +125,14 @@ def main():
         orders = open(a.eval_orders, "w", encoding="utf-8") if a.eval_orders else None
         for name, files in python_packages(a.root):
             found.add(name)
-            text = document(a.root, files, "#")
+            parts = file_parts(a.root, files, "#")
+            text = "\n".join(parts)
             write("eval" if name in held else "train", "python", name, text)
             if orders is not None and name in held and len(text) >= a.min_chars:
                 for i in range(a.orders):
-                    shuffled = list(files)
+                    shuffled = list(parts)  # the files read once; only their order is drawn
                     random.Random(f"{a.seed}:{name}:{i}").shuffle(shuffled)
-                    order = document(a.root, shuffled, "#")
+                    order = "\n".join(shuffled)
                     orders.write(json.dumps({"text": order, "source": "python", "name": name, "order": i,
                                              "chars": len(order)}) + "\n")
         if orders is not None:
