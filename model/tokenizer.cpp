@@ -6,11 +6,14 @@
 #include "engine/error.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
+#include <utf8proc.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -157,6 +160,57 @@ std::string replace_invalid_utf8(std::string_view bytes) {
   return out;
 }
 
+// ---- NFC ----
+
+namespace {
+
+// Every code point below U+0300 is NFC and combines with nothing before it (canonical combining
+// class 0, NFC_Quick_Check Yes), and a UTF-8 string holds one at or above U+0300 only where some
+// byte is 0xCC or more: such text (ASCII, Latin-1, most European text) is its own NFC.
+bool below_u0300(std::string_view bytes) {
+  return std::all_of(bytes.begin(), bytes.end(), [](char c) { return static_cast<unsigned char>(c) < 0xcc; });
+}
+
+// NFC of valid UTF-8, appended to out. UTF8PROC_STABLE|UTF8PROC_COMPOSE is utf8proc_NFC without
+// NULLTERM: the length is given, so a NUL byte is a character like any other. utf8proc's Unicode
+// version may be newer than HF's tables; NFC is stable across versions for every character assigned
+// in both, so only characters unassigned in the older one could differ.
+void append_nfc(std::string& out, std::string_view valid) {
+  if (below_u0300(valid)) {
+    out.append(valid);
+    return;
+  }
+  utf8proc_uint8_t* result = nullptr;
+  const utf8proc_ssize_t n =
+      utf8proc_map(reinterpret_cast<const utf8proc_uint8_t*>(valid.data()), static_cast<utf8proc_ssize_t>(valid.size()),
+                   &result, static_cast<utf8proc_option_t>(UTF8PROC_STABLE | UTF8PROC_COMPOSE));
+  if (n < 0)  // valid UTF-8 fails only when memory runs out
+    fail(fmt::format("NFC normalization of {} bytes failed: {}", valid.size(), utf8proc_errmsg(n)));
+  out.append(reinterpret_cast<const char*>(result), static_cast<size_t>(n));
+  std::free(result);
+}
+
+}  // namespace
+
+std::string nfc_normalize(std::string_view bytes) {
+  if (below_u0300(bytes)) return std::string(bytes);
+  std::string out;
+  out.reserve(bytes.size());
+  size_t run = 0;  // the start of the current valid stretch
+  for (size_t i = 0; i < bytes.size();) {
+    bool valid;
+    const size_t len = utf8_sequence(bytes, i, &valid);
+    if (!valid) {
+      append_nfc(out, bytes.substr(run, i - run));
+      out.append(bytes.substr(i, len));
+      run = i + len;
+    }
+    i += len;
+  }
+  append_nfc(out, bytes.substr(run));
+  return out;
+}
+
 // ---- BpeTokenizer ----
 
 // Bounded: cleared when it reaches kEntries; pieces longer than kMaxPieceBytes (rare: long runs of
@@ -248,10 +302,19 @@ BpeTokenizer::BpeTokenizer(BpeDefinition def)
   }
   merge_count_ = def.merges.size();
 
+  // HF's two sets of added tokens (tokenizers' AddedVocabulary::refresh_added_tokens): those with
+  // `normalized` are looked for in normalized text, so by their normalized content.
+  normalizer_ = def.normalizer;
   added_ = std::move(def.added);
-  std::stable_sort(added_.begin(), added_.end(),
-                   [](const AddedToken& a, const AddedToken& b) { return a.content.size() > b.content.size(); });
-  for (const AddedToken& a : added_) added_first_byte_[static_cast<unsigned char>(a.content[0])] = true;
+  for (const AddedToken& a : added_) {
+    AddedMatcher& set = a.normalized ? normalized_added_ : raw_added_;
+    std::string text = a.normalized && normalizer_ == Normalizer::nfc ? nfc_normalize(a.content) : a.content;
+    set.first_byte[static_cast<unsigned char>(text[0])] = true;
+    set.texts.emplace_back(std::move(text), a.id);
+  }
+  for (AddedMatcher* set : {&raw_added_, &normalized_added_})
+    std::stable_sort(set->texts.begin(), set->texts.end(),
+                     [](const auto& a, const auto& b) { return a.first.size() > b.first.size(); });
 
   const auto check_id = [&](const std::optional<uint32_t>& id, const char* what) {
     if (id && *id >= vocab)
@@ -270,31 +333,54 @@ BpeTokenizer::BpeTokenizer(BpeDefinition def)
   chat_template_ = std::move(def.chat_template);
 }
 
-std::pair<size_t, size_t> BpeTokenizer::find_added(std::string_view text, size_t from) const {
+std::pair<size_t, size_t> BpeTokenizer::AddedMatcher::find(std::string_view text, size_t from) const {
   constexpr size_t npos = std::string_view::npos;
-  if (added_.empty()) return {npos, npos};
+  if (texts.empty()) return {npos, npos};
   for (size_t i = from; i < text.size(); ++i) {
-    if (!added_first_byte_[static_cast<unsigned char>(text[i])]) continue;
-    // added_ is sorted longest first, so the first that matches here is the longest.
-    for (size_t k = 0; k < added_.size(); ++k)
-      if (text.compare(i, added_[k].content.size(), added_[k].content) == 0) return {i, k};
+    if (!first_byte[static_cast<unsigned char>(text[i])]) continue;
+    // texts is sorted longest first, so the first that matches here is the longest.
+    for (size_t k = 0; k < texts.size(); ++k)
+      if (text.compare(i, texts[k].first.size(), texts[k].first) == 0) return {i, k};
   }
   return {npos, npos};
 }
 
+// HF's TokenizerImpl::encode_single_sequence through AddedVocabulary::extract_and_normalize: the
+// `normalized: false` added tokens are cut out of the raw text first, then each stretch between them
+// is normalized on its own (so nothing composes across such a token, e.g. "e<|im_end|>\u0301"), and
+// only then are the `normalized: true` ones looked for, in the normalized stretch.
 void BpeTokenizer::encode_into(std::string_view text, std::vector<uint32_t>& out) const {
-  thread_local std::vector<std::string_view> pieces;
   size_t pos = 0;
   while (pos <= text.size()) {
-    const auto [at, which] = find_added(text, pos);
-    const std::string_view segment = text.substr(pos, at == std::string_view::npos ? std::string_view::npos : at - pos);
-    pieces.clear();
-    pretokenizer_.split_into(segment, pieces);
-    for (std::string_view piece : pieces) encode_piece(piece, out);
+    const auto [at, which] = raw_added_.find(text, pos);
+    encode_stretch(text.substr(pos, at == std::string_view::npos ? std::string_view::npos : at - pos), out);
     if (which == std::string_view::npos) break;
-    out.push_back(added_[which].id);
-    pos = at + added_[which].content.size();
+    out.push_back(raw_added_.texts[which].second);
+    pos = at + raw_added_.texts[which].first.size();
   }
+}
+
+void BpeTokenizer::encode_stretch(std::string_view text, std::vector<uint32_t>& out) const {
+  std::string normalized;
+  if (normalizer_ == Normalizer::nfc) {
+    normalized = nfc_normalize(text);
+    text = normalized;
+  }
+  size_t pos = 0;
+  while (pos <= text.size()) {
+    const auto [at, which] = normalized_added_.find(text, pos);
+    encode_pieces(text.substr(pos, at == std::string_view::npos ? std::string_view::npos : at - pos), out);
+    if (which == std::string_view::npos) break;
+    out.push_back(normalized_added_.texts[which].second);
+    pos = at + normalized_added_.texts[which].first.size();
+  }
+}
+
+void BpeTokenizer::encode_pieces(std::string_view text, std::vector<uint32_t>& out) const {
+  thread_local std::vector<std::string_view> pieces;
+  pieces.clear();
+  pretokenizer_.split_into(text, pieces);
+  for (std::string_view piece : pieces) encode_piece(piece, out);
 }
 
 void BpeTokenizer::encode_piece(std::string_view piece, std::vector<uint32_t>& out) const {
@@ -426,6 +512,7 @@ nlohmann::json BpeTokenizer::to_json() const {
           {"eos_token_id", id_or_null(eos_id_)},
           {"pad_token_id", id_or_null(pad_id_)},
           {"add_bos", add_bos_},
+          {"normalizer", normalizer_ == Normalizer::nfc ? "NFC" : "none"},
           {"source", source_},
           {"description", "byte-level BPE (GPT-2 byte map, merges by rank, added tokens split out first)"}};
 }
@@ -443,7 +530,7 @@ nlohmann::json BpeTokenizer::hf_tokenizer_json() const {
   nlohmann::json added_tokens = nlohmann::json::array();
   for (const AddedToken& a : added)
     added_tokens.push_back({{"id", a.id}, {"content", a.content}, {"single_word", false}, {"lstrip", false},
-                            {"rstrip", false}, {"normalized", false}, {"special", a.special}});
+                            {"rstrip", false}, {"normalized", a.normalized}, {"special", a.special}});
   // Each pattern is an Isolated split, which is what ByteLevel's own regex and Digits are in HF too;
   // the ByteLevel step then only maps bytes.
   nlohmann::json steps = nlohmann::json::array();
@@ -475,7 +562,7 @@ nlohmann::json BpeTokenizer::hf_tokenizer_json() const {
           {"truncation", nullptr},
           {"padding", nullptr},
           {"added_tokens", std::move(added_tokens)},
-          {"normalizer", nullptr},
+          {"normalizer", normalizer_ == Normalizer::nfc ? nlohmann::json{{"type", "NFC"}} : nlohmann::json()},
           {"pre_tokenizer", {{"type", "Sequence"}, {"pretokenizers", std::move(steps)}}},
           {"post_processor", std::move(post_processor)},
           {"decoder", {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", true}, {"use_regex", true}}},
@@ -586,6 +673,35 @@ void parse_pretokenizer(const nlohmann::json& node, std::vector<std::string>& pa
   }
 }
 
+// The "normalizer" of a tokenizer.json: none, NFC, or a Sequence of NFC only (NFC of NFC is NFC; an
+// empty Sequence changes nothing). Any other normalizer is refused, naming its type.
+Normalizer parse_normalizer(const nlohmann::json& root, const std::string& source) {
+  if (is_null_or_absent(root, "normalizer")) return Normalizer::none;
+  const char* hint =
+      "this build applies no normalizer (GPT-2, Llama 3, SmolLM) or NFC (Qwen2, Qwen2.5, Qwen3) only; encode this "
+      "model's text with HF tokenizers";
+  const nlohmann::json& node = root.at("normalizer");
+  if (!node.is_object() || !node.contains("type") || !node.at("type").is_string())
+    fail(fmt::format("{}: it has a normalizer ({}), which this build does not support", source, json_found(node)), hint);
+  const std::string type = node.at("type").get<std::string>();
+  if (type == "NFC") return Normalizer::nfc;
+  if (type != "Sequence")
+    fail(fmt::format("{}: normalizer.type is '{}', a normalizer this build does not apply", source, type), hint);
+  if (!node.contains("normalizers") || !node.at("normalizers").is_array())
+    fail(fmt::format("{}: normalizer.normalizers is missing or not a list", source), kDamagedJson);
+  const auto& members = node.at("normalizers");
+  std::vector<std::string> types;
+  for (size_t i = 0; i < members.size(); ++i)
+    types.push_back(string_at(members[i], "type", source, fmt::format("normalizer.normalizers[{}]", i)));
+  for (size_t i = 0; i < types.size(); ++i)
+    if (types[i] != "NFC")
+      fail(fmt::format("{}: normalizer is a Sequence of [{}]; normalizer.normalizers[{}].type '{}' is a normalizer "
+                       "this build does not apply",
+                       source, fmt::join(types, ", "), i, types[i]),
+           hint);
+  return types.empty() ? Normalizer::none : Normalizer::nfc;
+}
+
 // The name of a known pre-tokenizer with exactly these patterns, else "tokenizer.json".
 std::string name_of_patterns(const std::vector<std::string>& patterns, const std::string& source) {
   for (const std::string& name : Pretokenizer::known_names())
@@ -665,18 +781,13 @@ BpeTokenizer BpeTokenizer::from_tokenizer_json_text(const std::string& text, con
   for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"})
     if (!is_null_or_absent(model, key) && !(model.at(key).is_string() && model.at(key).get<std::string>().empty()))
       fail(fmt::format("{}: model.{} is set, which byte-level BPE does not use", source, key), kDamagedJson);
-  if (!is_null_or_absent(root, "normalizer"))
-    fail(fmt::format("{}: it has a normalizer ({}), which this build does not support", source,
-                     root.at("normalizer").is_object() && root.at("normalizer").contains("type")
-                         ? json_found(root.at("normalizer").at("type"))
-                         : json_found(root.at("normalizer"))),
-         "the GPT-2 / Llama 3 / SmolLM tokenizers have none");
   if (!is_null_or_absent(root, "decoder") && string_at(root.at("decoder"), "type", source, "decoder") != "ByteLevel")
     fail(fmt::format("{}: decoder is '{}', not ByteLevel", source, root.at("decoder").at("type").get<std::string>()),
          kDamagedJson);
 
   BpeDefinition def;
   def.source = source;
+  def.normalizer = parse_normalizer(root, source);
   def.ignore_merges = bool_or(model, "ignore_merges", false, source, "model");
   if (!is_null_or_absent(model, "unk_token")) def.unk_token = string_at(model, "unk_token", source, "model");
   def.fuse_unk = bool_or(model, "fuse_unk", false, source, "model");
@@ -717,6 +828,8 @@ BpeTokenizer BpeTokenizer::from_tokenizer_json_text(const std::string& text, con
                "the GPT-2 / Llama 3 / SmolLM tokenizers do not use it");
       AddedToken token{string_at(a, "content", source, where), static_cast<uint32_t>(a.at("id").get<int64_t>()),
                        bool_or(a, "special", false, source, where)};
+      // Absent, HF's default: special tokens are not normalized, other added tokens are.
+      token.normalized = bool_or(a, "normalized", !token.special, source, where);
       // An added token may lie outside model.vocab (ids past it); it then defines that id.
       if (!by_id.count(token.id)) place(token.id, token.content);
       def.added.push_back(std::move(token));

@@ -5,22 +5,28 @@
 // Byte-level BPE, as HF `tokenizers` runs it (ids identical to it: tools/data/tokenizer_vs_hf.py):
 //   1. Added tokens (special ones such as <|im_start|>, and any other added token) are cut out of the
 //      text first: at the leftmost position where one occurs, the longest one there becomes its id.
-//   2. The text between them is cut into pieces by the pre-tokenizer (model/pretokenizer.h).
-//   3. Each piece's UTF-8 bytes become symbols: GPT-2's byte-to-unicode map gives every byte a
+//      As in HF, this is done twice: the tokens marked `normalized: false` (all special tokens in
+//      practice) are matched on the raw text; each stretch between them is then normalized (step 2)
+//      and the tokens marked `normalized: true` are matched on it, by their own normalized text.
+//   2. The normalizer: none (GPT-2, Llama 3, SmolLM) or Unicode NFC (Qwen2, Qwen2.5, Qwen3; applied
+//      with utf8proc, see `nfc_normalize`). A tokenizer.json with any other normalizer (NFD, NFKC,
+//      NFKD, Lowercase, Strip, Replace, Prepend, BertNormalizer, ...) is refused.
+//   3. The text between them is cut into pieces by the pre-tokenizer (model/pretokenizer.h).
+//   4. Each piece's UTF-8 bytes become symbols: GPT-2's byte-to-unicode map gives every byte a
 //      printable character (bytes that are printable themselves map to themselves; the other 68 to
 //      U+0100 upwards). A vocabulary normally holds a token for each of those 256 one-character
 //      strings, so any byte sequence can be encoded; a byte without one is dropped (or becomes the
 //      unknown token where one is set), exactly as HF does. SmolLM2's lacks 21: 0xC0, 0xC1 and
 //      0xF5-0xFF (never in UTF-8), 0xF1, 0xF2 (planes 4-12, unassigned) and six control characters.
-//   4. BPE: while two adjacent symbols form a pair in the merge list, merge the pair of lowest rank
+//   5. BPE: while two adjacent symbols form a pair in the merge list, merge the pair of lowest rank
 //      (the leftmost among equals); the merged symbol is the token of their concatenation. With
 //      `ignore_merges` (Llama 3), a piece that is a token as a whole is that token without merging.
 //   Pieces recur (" the", " of"), so their ids are cached.
 // decode concatenates the tokens' bytes (a token's characters mapped back through the byte map; a
 // token holding a character outside the map, which only an added token can, gives its UTF-8 text),
-// so decode(encode(s)) == s for every byte string s whose bytes all have tokens. A decoded byte
-// string need not be valid UTF-8 (one token may hold half a character); `replace_invalid_utf8` makes
-// text of it as HF's decode does.
+// so decode(encode(s)) == s for every byte string s whose bytes all have tokens (with NFC: and that is
+// already in NFC, as ASCII is). A decoded byte string need not be valid UTF-8 (one token may hold half
+// a character); `replace_invalid_utf8` makes text of it as HF's decode does.
 //
 // Loaders: an HF tokenizer.json (`from_tokenizer_json`) and GGUF metadata (`from_gguf`, a plain
 // struct that the GGUF reader fills). Each checks its file's structure and produces a `BpeDefinition`
@@ -90,13 +96,24 @@ std::optional<std::string> byte_level_to_bytes(std::string_view token);
 // what HF's ByteLevel decoder returns).
 std::string replace_invalid_utf8(std::string_view bytes);
 
+// `bytes` in Unicode Normalization Form C (utf8proc: canonical decomposition, then canonical
+// composition), what HF's NFC normalizer does to a string. HF's input is always valid UTF-8; here each
+// maximal valid stretch is normalized on its own and invalid bytes are kept as they are, so a valid
+// input gives exactly NFC and any byte string still encodes (byte-level BPE takes every byte).
+std::string nfc_normalize(std::string_view bytes);
+
 // ---- the plain inputs of a BPE tokenizer ----
 
 struct AddedToken {
   std::string content;  // the text that stands for the token (not byte-level encoded)
   uint32_t id = 0;
   bool special = true;  // decode(..., skip_special) leaves special tokens out
+  // HF's `normalized`: matched on the normalized text by its normalized content, after the tokens
+  // without it have been matched on the raw text (only differs where there is a normalizer).
+  bool normalized = false;
 };
+
+enum class Normalizer { none, nfc };
 
 struct BpeDefinition {
   std::string source;                  // the file it came from, for messages
@@ -106,6 +123,7 @@ struct BpeDefinition {
   std::vector<std::string> pretokenizer_patterns;
   std::string pretokenizer_name;       // "smollm", or "tokenizer.json" for patterns read from one
   bool ignore_merges = false;
+  Normalizer normalizer = Normalizer::none;  // applied to the text before pre-tokenization
   // The token for a byte the vocabulary has no token for (none: such a byte is dropped, as HF does);
   // with fuse_unk, a run of such bytes gives one.
   std::optional<std::string> unk_token;
@@ -142,7 +160,7 @@ class BpeTokenizer final : public Tokenizer {
   BpeTokenizer& operator=(BpeTokenizer&&) noexcept;
   ~BpeTokenizer() override;
   // An HF tokenizer.json: model.vocab, model.merges ("a b" strings or [a, b] pairs), added_tokens,
-  // pre_tokenizer (ByteLevel, Split with behavior Isolated, Digits, Sequence of them), and whether
+  // normalizer (null, NFC, or a Sequence of NFC only), pre_tokenizer (ByteLevel, Split with behavior Isolated, Digits, Sequence of them), and whether
   // its post_processor (TemplateProcessing, alone or in a Sequence) puts the BOS token first; with
   // tokenizer_config.json beside it, its bos_token, eos_token, pad_token, add_bos_token and
   // chat_template.
@@ -185,6 +203,7 @@ class BpeTokenizer final : public Tokenizer {
   const std::string& source() const { return source_; }
   int64_t num_merges() const { return static_cast<int64_t>(merge_count_); }
   const std::vector<AddedToken>& added_tokens() const { return added_; }
+  Normalizer normalizer() const { return normalizer_; }
   // Whether byte b has a token of its own (if not, encode drops it or gives the unknown token).
   bool has_byte_token(uint8_t b) const { return byte_token_[b] != kNoToken; }
 
@@ -196,8 +215,18 @@ class BpeTokenizer final : public Tokenizer {
   // The ids of one pre-tokenized piece (cached).
   void encode_piece(std::string_view piece, std::vector<uint32_t>& out) const;
   void bpe(std::string_view piece, std::vector<uint32_t>& out) const;
-  // The leftmost-longest added token in text[from..): its position and index in added_, or npos.
-  std::pair<size_t, size_t> find_added(std::string_view text, size_t from) const;
+  // One set of added tokens matched together (HF's split_trie, split_normalized_trie): the texts
+  // with their ids, longest first.
+  struct AddedMatcher {
+    std::vector<std::pair<std::string, uint32_t>> texts;
+    std::array<bool, 256> first_byte{};
+    // The leftmost-longest text in text[from..): its position and index in texts, or npos.
+    std::pair<size_t, size_t> find(std::string_view text, size_t from) const;
+  };
+  // A stretch between raw-matched added tokens: normalize, cut out the normalized-matched added
+  // tokens, pre-tokenize and encode the rest.
+  void encode_stretch(std::string_view text, std::vector<uint32_t>& out) const;
+  void encode_pieces(std::string_view text, std::vector<uint32_t>& out) const;
 
   std::string source_;
   std::vector<std::string> token_text_;   // byte-level spelling, by id
@@ -214,8 +243,10 @@ class BpeTokenizer final : public Tokenizer {
   std::array<uint32_t, 256> byte_token_{};  // the id of each byte's one-character token, or kNoToken
   std::optional<uint32_t> unk_id_;
   bool fuse_unk_ = false;
-  std::vector<AddedToken> added_;           // sorted by content length, longest first
-  std::array<bool, 256> added_first_byte_{};
+  std::vector<AddedToken> added_;           // as given
+  AddedMatcher raw_added_;                  // normalized == false: matched on the raw text
+  AddedMatcher normalized_added_;           // normalized == true: their normalized text
+  Normalizer normalizer_ = Normalizer::none;
   Pretokenizer pretokenizer_;
   bool ignore_merges_ = false;
   std::optional<uint32_t> bos_id_, eos_id_, pad_id_;

@@ -19,12 +19,14 @@
 //                each step). The DP ranks of a TP shard must hold bitwise the same parameters (and
 //                gradients, without ZeRO 2), the TP ranks the same replicated tensors, every rank
 //                the same loss; with --zero 1|2 the run is repeated with zero 0 and the parameters
-//                must be bitwise identical to it. --zero 3 (parallel/zero3.h; threads only, no --tp,
-//                no LoRA) gathers the first step's gradient and the final parameters whole from the
-//                ranks' shards, prints rank 0's gathers and reduce-scatters, and against zero 0 is
-//                bitwise identical with one backward chunk (full, checkpointed) and within the
-//                tolerance with several (each chunk's gradient reduced on its own). With --tp each TP rank's activation high-water
-//                mark and reusable-buffer use are printed. spaco: every rank draws the sample one
+//                must be bitwise identical to it. --zero 3 (parallel/zero3.h; no --tp, no LoRA;
+//                threads or launched) gathers the first step's gradient and the final parameters
+//                whole from the ranks' shards, prints rank 0's gathers and reduce-scatters, and
+//                against zero 0 is bitwise identical with one backward chunk (full, checkpointed)
+//                and within the tolerance with several (each chunk's gradient reduced on its own);
+//                launched, within the tolerance (bitwise or not printed): the GPU's GEMM algorithms
+//                follow the operands' alignment, which the sharded buffers change. With --tp each
+//                TP rank's activation high-water mark and reusable-buffer use are printed. spaco: every rank draws the sample one
 //                process draws on the whole batch (optim/spaco.cpp), so the estimators are
 //                compared exactly like the exact schedules.
 //   against separate (with --documents): the packed batch's loss and gradients under the schedule
@@ -87,7 +89,8 @@ struct GradcheckOptions {
 // world: a launched world (one process per GPU, NCCL; parallel/launch.h): --against single with
 // --dp x --tp = its size, in f32, each process one rank on its GPU; the ranks write their results
 // to gather_dir, and rank 0 assembles them and compares them with one process on its own GPU
-// (default tolerance 1e-4: f32 sums in other orders on the GPU). The other ranks return 0.
+// (default tolerance 1e-4: f32 sums in other orders on the GPU). --zero 3 runs the same way, each
+// process a ZeRO 3 rank over NCCL. The other ranks return 0.
 int run_gradcheck(const GradcheckOptions& options, std::ostream& out, Communicator* world = nullptr);
 
 

@@ -210,6 +210,75 @@ TEST_CASE("tokenizer: ignore_merges takes a piece that is a token as a whole (Ll
   CHECK(BpeTokenizer(def).encode("aaa") == Ids{kAa, 'a'});  // not a token: merged as usual
 }
 
+// The strings below are spelled in bytes: "e\xcc\x81" is e + U+0301 COMBINING ACUTE ACCENT.
+TEST_CASE("tokenizer: NFC composes as HF's NFC normalizer does (utf8proc)") {
+  CHECK(nfc_normalize("e\xcc\x81") == "\xc3\xa9");                                // e + U+0301 -> U+00E9
+  CHECK(nfc_normalize("A\xcc\x8a") == "\xc3\x85");                                // A + U+030A -> U+00C5
+  CHECK(nfc_normalize("\xe2\x84\xab") == "\xc3\x85");                             // U+212B ANGSTROM SIGN -> U+00C5
+  CHECK(nfc_normalize("\xe1\x84\x80\xe1\x85\xa1\xe1\x86\xa8") == "\xea\xb0\x81");  // jamo G A G -> U+AC01
+  CHECK(nfc_normalize("\xe1\x84\x80\xe1\x85\xa1") == "\xea\xb0\x80");              // jamo G A -> U+AC00
+  // Marks put in canonical order: U+0323 (class 220) before U+0302 (class 230), then composed.
+  CHECK(nfc_normalize("a\xcc\x82\xcc\xa3") == "\xe1\xba\xad");                    // -> U+1EAD
+  // Already NFC: unchanged, compatibility characters included (U+FB01 'fi' is NFKC's business).
+  const std::string already = "Caf\xc3\xa9 \xea\xb0\x81 \xef\xac\x81 \xe2\x84\x83 \xd7\xa9\xd7\x9c\xd7\x95\xd7\x9d";
+  CHECK(nfc_normalize(already) == already);
+  CHECK(nfc_normalize("plain ASCII\n") == "plain ASCII\n");
+  CHECK(nfc_normalize(std::string("a\0b", 3)) == std::string("a\0b", 3));
+  CHECK(nfc_normalize("").empty());
+  // Invalid UTF-8: each valid stretch is normalized, invalid bytes stay; nothing composes across them.
+  CHECK(nfc_normalize("\xff" "e\xcc\x81\xfe") == "\xff\xc3\xa9\xfe");
+  CHECK(nfc_normalize("e\xff\xcc\x81") == "e\xff\xcc\x81");
+  CHECK(nfc_normalize("e\xcc") == "e\xcc");
+
+  // The tokenizer: with NFC, decomposed text gives the ids of the same text pre-composed; without a
+  // normalizer (SmolLM2, Llama 3) it gives the decomposed bytes' ids.
+  BpeDefinition def = small_definition();
+  const BpeTokenizer plain(def);
+  def.normalizer = Normalizer::nfc;
+  const BpeTokenizer nfc(def);
+  const std::string decomposed = "Cafe\xcc\x81 \xe1\x84\x80\xe1\x85\xa1\xe1\x86\xa8 \xe2\x84\xab hello";
+  const std::string composed = "Caf\xc3\xa9 \xea\xb0\x81 \xc3\x85 hello";
+  CHECK(nfc.encode(decomposed) == plain.encode(composed));
+  CHECK(nfc.encode(composed) == plain.encode(composed));
+  CHECK(plain.encode(decomposed) != plain.encode(composed));
+  CHECK(nfc.encode("e\xcc\x81") == Ids{0xc3, 0xa9});
+  CHECK(plain.encode("e\xcc\x81") == Ids{'e', 0xcc, 0x81});
+  CHECK(nfc.encode(already) == plain.encode(already));
+  // Invalid UTF-8 still encodes byte for byte around the normalized stretches.
+  CHECK(nfc.encode("\xff" "e\xcc\x81") == Ids{0xff, 0xc3, 0xa9});
+  CHECK(nfc.decode(nfc.encode("x\xf0\x9f\xcc\x81")) == "x\xf0\x9f\xcc\x81");
+}
+
+TEST_CASE("tokenizer: with a normalizer, added tokens are matched as HF matches them") {
+  // HF cuts out the `normalized: false` added tokens (special ones) on the raw text, normalizes each
+  // stretch between them on its own, then finds the `normalized: true` ones in it by their NFC text.
+  constexpr uint32_t kAcute = 273;
+  BpeDefinition def = small_definition();
+  def.normalizer = Normalizer::nfc;
+  AddedToken acute{"e\xcc\x81!", kAcute, false};  // written decomposed
+  acute.normalized = true;
+  def.added.push_back(acute);
+  def.tokens.push_back(acute.content);
+  const BpeTokenizer nfc(def);
+  CHECK(nfc.encode("e<x>\xcc\x81") == Ids{'e', kX, 0xcc, 0x81});  // nothing composes across <x>
+  CHECK(nfc.encode("\xc3\xa9!") == Ids{kAcute});
+  CHECK(nfc.encode("e\xcc\x81!") == Ids{kAcute});
+  CHECK(nfc.encode("<x>e\xcc\x81!hi!") == Ids{kX, kAcute, kHi});
+  def.normalizer = Normalizer::none;
+  const BpeTokenizer plain(def);
+  CHECK(plain.encode("e\xcc\x81!") == Ids{kAcute});
+  CHECK(plain.encode("\xc3\xa9!") == Ids{0xc3, 0xa9, '!'});
+
+  // Written as tokenizer.json and read back: the normalizer and each token's flag survive.
+  const nlohmann::json j = nfc.hf_tokenizer_json();
+  CHECK(j.at("normalizer") == nlohmann::json{{"type", "NFC"}});
+  const BpeTokenizer back = BpeTokenizer::from_tokenizer_json_text(j.dump(), "nfc tokenizer.json");
+  CHECK(back.normalizer() == Normalizer::nfc);
+  for (const std::string text : {"\xc3\xa9!", "e<x>\xcc\x81", "Cafe\xcc\x81 <|endoftext|>\xe2\x84\xab"})
+    CHECK(back.encode(text) == nfc.encode(text));
+  CHECK(plain.hf_tokenizer_json().at("normalizer").is_null());
+}
+
 TEST_CASE("tokenizer: loaded from an HF tokenizer.json and from GGUF metadata, the same ids") {
   const BpeTokenizer reference(small_definition());
   const std::string text = "hello world, <x><y> abc 12 aaa <|endoftext|>hi! \xc3\xa9\xff";
@@ -403,9 +472,33 @@ TEST_CASE("tokenizer: malformed tokenizer.json files fail with one clear line") 
   j = good;
   j["model"]["byte_fallback"] = true;
   CHECK(contains(error_for(j), "byte_fallback is true"));
+  // Normalizers: none or NFC (alone or a Sequence of NFC only) are applied; any other is refused by type.
+  for (const char* type : {"NFD", "NFKC", "NFKD", "Lowercase", "Strip", "Replace", "Prepend", "BertNormalizer"}) {
+    CAPTURE(type);
+    j = good;
+    j["normalizer"] = {{"type", type}};
+    const std::string message = error_for(j);
+    CHECK(contains(message, fmt::format("tokenizer.json: normalizer.type is '{}', a normalizer this build does not "
+                                        "apply", type)));
+    CHECK(contains(message, "encode this model's text with HF tokenizers"));
+  }
   j = good;
-  j["normalizer"] = {{"type", "NFC"}};
-  CHECK(contains(error_for(j), "it has a normalizer (a string \"NFC\")"));
+  j["normalizer"] = nlohmann::json::parse(R"({"type": "Sequence", "normalizers": [{"type": "NFC"}, {"type": "Lowercase"}]})");
+  CHECK(contains(error_for(j), "tokenizer.json: normalizer is a Sequence of [NFC, Lowercase]; "
+                               "normalizer.normalizers[1].type 'Lowercase' is a normalizer this build does not apply"));
+  j = good;
+  j["normalizer"] = {{"type", "Sequence"}};
+  CHECK(contains(error_for(j), "normalizer.normalizers is missing or not a list"));
+  for (const char* accepted : {R"({"type": "NFC"})", R"({"type": "Sequence", "normalizers": [{"type": "NFC"}]})",
+                               R"({"type": "Sequence", "normalizers": []})"}) {
+    CAPTURE(accepted);
+    j = good;
+    j["normalizer"] = nlohmann::json::parse(accepted);
+    const BpeTokenizer tok = BpeTokenizer::from_tokenizer_json_text(j.dump(), "tokenizer.json");
+    CHECK(tok.normalizer() == (j["normalizer"].contains("normalizers") && j["normalizer"]["normalizers"].empty()
+                                   ? Normalizer::none
+                                   : Normalizer::nfc));
+  }
   j = good;
   j["pre_tokenizer"] = {{"type", "Whitespace"}};
   CHECK(contains(error_for(j), "pre_tokenizer is a 'Whitespace' pre-tokenizer"));

@@ -1,5 +1,6 @@
 // parallel/comm_nccl.h on the GPU machine: the whole path from launcher variables to collectives
-// (world size 1 on one GPU, split included), a rank that never joins (rank 0 fails in the bootstrap,
+// (world size 1 on one GPU, split included; a launched gradcheck --zero 3 on that world, its
+// collectives NCCL's, against one process), a rank that never joins (rank 0 fails in the bootstrap,
 // within its timeout), and, where 2 GPUs are visible, real sums across two ranks (integer-valued
 // data, so every sum is exact in bf16 and compared bit for bit), split groups, and a collective one
 // rank never issues (the watchdog fails the other within the collective timeout, naming it).
@@ -7,6 +8,7 @@
 
 #include "tests/gpu_support.h"
 #include "tests/parallel/net_support.h"
+#include "tools/gradcheck.h"
 
 #include <doctest/doctest.h>
 
@@ -14,6 +16,7 @@
 #include <latch>
 #include <limits>
 #include <random>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -154,6 +157,38 @@ TEST_CASE("nccl: world size 1 from launcher variables, every collective on fresh
   own->barrier();
   CHECK(comm->split(-1, 0) == nullptr);
   comm->barrier();
+}
+
+TEST_CASE("nccl: a launched gradcheck --zero 3 in a world of one rank: the NCCL path against one process (f32)" *
+          doctest::skip(!nccl_ready())) {
+  // What a launched gradcheck runs on each of its processes (tools/gradcheck.h): ZeRO 3's block
+  // all-gathers, gradient reduce-scatters and the shards' gathers for the comparison through NCCL,
+  // the result handed over through --gather-dir, against one process on the GPU at the launched
+  // check's default tolerance.
+  const int port = free_tcp_port();
+  const LaunchInfo info = read_launch_info(environment_from(
+      {{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(port)}}));
+  std::unique_ptr<Communicator> comm = make_nccl_communicator(info, 0, test_options());
+  const test::TempDir dir("nccl-zero3-gradcheck");
+  GradcheckOptions o;
+  o.model = "tiny-tp";
+  o.seq = 16;
+  o.batch = 2;
+  o.dtype = "f32";
+  o.schedule.kind = ScheduleKind::seco;
+  o.schedule.chunk = 4;
+  o.parallel.dp = 1;
+  o.parallel.zero = 3;
+  o.gather_dir = dir.path.string();
+  std::ostringstream out;
+  const int code = run_gradcheck(o, out, comm.get());
+  INFO(out.str());
+  CHECK(code == 0);
+  CHECK(out.str().find("processes through NCCL") != std::string::npos);
+  CHECK(out.str().find("zero 3: first step, rank 0:") != std::string::npos);
+  CHECK(out.str().find("zero 3 against zero 0 after 3 steps") != std::string::npos);
+  CHECK(std::filesystem::exists(dir.path / "zero3" / "rank-0.safetensors"));
+  comm->barrier();  // the communicator still works after the check
 }
 
 TEST_CASE("nccl: a world of 2 whose rank 1 never joins fails rank 0 within the bootstrap timeout" *

@@ -3,7 +3,8 @@
 // model of four blocks so the buffer pool must gather again), the planner's counts and bytes against
 // a run's counters, what a skipped gather or a reduce-scatter replaced by a local copy does to the
 // result (the checks fail), the optimizer offloaded on the shard, the shard checkpoints (resume bit
-// for bit, consolidation to the whole model) and the refusals.
+// for bit, consolidation to the whole model), the ranks' results through --gather-dir (a launched
+// gradcheck's path) and the refusals.
 #include "optim/adamw.h"
 #include "parallel/zero3.h"
 #include "tests/support.h"
@@ -169,6 +170,37 @@ TEST_CASE("zero 3 gradcheck: DP 2 and 4 against one process, every schedule (f64
       CHECK(contains(out.str(), ": yes\n"));
       CHECK(contains(out.str(), "zero 3: first step"));
       if (o.schedule.one_backward_chunk(o.seq)) CHECK(contains(out.str(), "parameters bitwise identical"));
+    }
+}
+
+TEST_CASE("zero 3 gradcheck --gather-dir: the ranks' results through files, as a launched world's, give the same check") {
+  // A launched world (one process per GPU, NCCL) hands each rank's gathered gradient, parameters and
+  // counts to rank 0 through --gather-dir; thread ranks given the option take the same path.
+  const test::TempDir dir("zero3-gather");
+  GradcheckOptions o;
+  o.model = write_config(dir, deep_tiny());
+  o.seq = 16;
+  o.batch = 4;
+  o.parallel.zero = 3;
+  o.optimizer_steps = 2;
+  for (const ScheduleCase& c : {schedule_cases()[1], schedule_cases()[2]})  // one backward chunk, and several
+    for (int64_t dp : {1, 2}) {  // 1: a launched world of one rank
+      CAPTURE(c.name);
+      CAPTURE(dp);
+      o.schedule = c.schedule;
+      o.parallel.dp = dp;
+      o.against = "single";
+      o.gather_dir.clear();
+      std::ostringstream direct, gathered;
+      CHECK(run_gradcheck(o, direct) == 0);
+      o.gather_dir = (dir.path / fmt::format("{}-dp{}", c.schedule.chunk, dp)).string();
+      CHECK(run_gradcheck(o, gathered) == 0);
+      INFO(gathered.str());
+      CHECK(gathered.str() == direct.str());  // every figure, the counts of gathers and reduce-scatters too
+      CHECK(contains(gathered.str(), fmt::format("zero 3: first step, rank 0: {} block gathers",
+                                                 c.schedule.one_backward_chunk(o.seq) ? 6 : 30)));  // docs/zero3.md
+      CHECK(std::filesystem::exists(std::filesystem::path(o.gather_dir) / "zero3" / fmt::format("rank-{}.safetensors", dp - 1)));
+      CHECK(std::filesystem::exists(std::filesystem::path(o.gather_dir) / "zero0" / "rank-0.safetensors"));
     }
 }
 
