@@ -138,10 +138,11 @@ struct LlamaConfig {
   int64_t parameter_count() const;  // exact; validate() keeps it within ConfigLimits::kMaxParameters
 };
 
-// A sliding window runs on the CPU only: the GPU attention families (cuDNN, our flash kernels)
-// mask causally and by document but not by window. On a GPU such a config is refused before any
-// work, in one line naming the key; `cpu_setting` is how the caller picks the CPU ("train.device =
-// cpu"; empty: "the CPU"). Returns the config, so a constructor can check it first.
+// Whether `config` runs on `device`, checked before any work (a refusal is one line naming the key;
+// `cpu_setting` is how the caller picks the CPU, "train.device = cpu"; empty: "the CPU"). Every
+// config runs on both today: a sliding window is honoured on the GPU by the flash attention families
+// (cuDNN refuses it and the chooser passes it to them). Returns the config, so a constructor can
+// check it first.
 const LlamaConfig& check_runs_on(const LlamaConfig& config, Device device, const std::string& cpu_setting = "");
 
 }  // namespace cw

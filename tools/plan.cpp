@@ -111,7 +111,7 @@ int run_plan(const PlanOptions& po, std::ostream& out) {
                        po.tp, po.tp);
   if (cf.sliding_window > 0)
     out << fmt::format("sliding window: {} keys a query, attention planned over the window (W T pairs, not T^2/2); "
-                       "the GPU refuses a window today (docs/model_families.md): run it on the CPU\n",
+                       "on the GPU our flash kernels honour it (cuDNN does not; docs/model_families.md)\n",
                        cf.sliding_window);
   const DType dtype = parse_dtype(po.dtype);
   validate_lora(po.lora);

@@ -120,7 +120,8 @@ const char* family_name(FlashFamily f) {
 // The op's contract (shapes, GQA, dtypes, layouts, devices) is checked by the public entry
 // (engine/ops/attention.cpp); what is checked here is the flash kernels' own: f32 or bf16, an even
 // head dim of at most 128, the grid; the tensor-core families' alignment below.
-Problem check_common(const Tensor& q, const Tensor& k, const Tensor& v, double scale, bool causal) {
+Problem check_common(const Tensor& q, const Tensor& k, const Tensor& v, double scale, bool causal,
+                     AttentionWindow window) {
   const int64_t B = q.size(0), c = q.size(1), H = q.size(2), D = q.size(3), S = k.size(1), Hkv = k.size(2);
   CW_CHECK(D > 0 && D % 2 == 0 && D <= 128, "flash attention: head dim {} must be even and at most 128", D);
   CW_CHECK(q.dtype == DType::f32 || q.dtype == DType::bf16, "flash attention: q is {}; the GPU computes in f32 or bf16",
@@ -135,6 +136,14 @@ Problem check_common(const Tensor& q, const Tensor& k, const Tensor& v, double s
   // The first query's position relative to the first key: unmasked, S, past every key, so the
   // kernels' causal rule (key <= p + row) admits every pair and only the key count bounds the tiles.
   pr.p = static_cast<int>(causal ? S - c : S), pr.group = static_cast<int>(H / Hkv);
+  // The window as the kernels apply it, key j > p + i - W. Causal: the call's own positions. An
+  // unmasked block's queries sit `distance` (>= S) past its first key; only distance - W matters
+  // there (the causal rule admits every key), so the kernels see p = S and W' = W - (distance - S),
+  // and W' = 1 when no query sees any key (p - 1 >= S - 1 then masks all, as distance - W does). A
+  // window of p + c keys or more hides nothing: none (which also keeps every sum below in int).
+  int64_t W = window.size;
+  if (W > 0 && !causal) W = std::max<int64_t>(1, W - (window.distance - S));
+  pr.window = W > 0 && W < pr.p + c ? static_cast<int>(W) : 0;
   pr.q_row = H * D, pr.kv_row = Hkv * D;
   pr.k_batch = k.stride[0], pr.v_batch = v.stride[0];
   pr.scale = static_cast<float>(scale), pr.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
@@ -169,8 +178,9 @@ bool flash_wgmma_available(int device) {
 }
 
 void flash_attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
-                             const Tensor& v, double scale, FlashFamily family, bool causal) {
-  const Problem pr = check_common(q, k, v, scale, causal);
+                             const Tensor& v, double scale, FlashFamily family, bool causal,
+                             AttentionWindow window) {
+  const Problem pr = check_common(q, k, v, scale, causal, window);
   if (pr.B == 0 || pr.c == 0 || pr.H == 0) return;
   cudaStream_t stream = current_stream(q.device.index);
   if (family != FlashFamily::simt) {
@@ -196,8 +206,8 @@ void flash_attention_forward(const Tensor& out, const AttentionSaved& saved, con
 void flash_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,
                               const AttentionSaved& saved, const Tensor& q, const Tensor& k, const Tensor& v,
                               const Tensor& out, double scale, GradMode mode, Arena& scratch, FlashFamily family,
-                              bool deterministic, bool causal) {
-  Problem pr = check_common(q, k, v, scale, causal);
+                              bool deterministic, bool causal, AttentionWindow window) {
+  Problem pr = check_common(q, k, v, scale, causal, window);
   if (pr.B == 0 || pr.c == 0 || pr.H == 0) return;
   pr.dk_batch = d_k.stride[0], pr.dv_batch = d_v.stride[0];
   pr.accumulate = mode == GradMode::accumulate;

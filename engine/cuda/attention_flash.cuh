@@ -2,7 +2,8 @@
 // compute the op of engine/ops/attention.h; attention_flash.cu checks the operands and runs the one
 // the chooser named.
 //   Math (batch b, query head h, its K/V head g = h / group; query i at position p + i sees keys
-//   j <= p + i of the S = p + c keys):
+//   j <= p + i of the S = p + c keys, and with a sliding window of W keys only those with
+//   j > p + i - W; an unmasked call has p >= S, so only the window masks it):
 //     s_ij = scale q_i . k_j,  lse_i = log sum_j exp(s_ij),  P_ij = exp(s_ij - lse_i),  out_i = sum_j P_ij v_j;
 //     Delta_i = d_out_i . out_i,  dS_ij = P_ij (d_out_i . v_j - Delta_i),
 //     d_q_i = scale sum_j dS_ij k_j (overwrite or accumulate),
@@ -36,7 +37,30 @@ struct Problem {
   float scale;                       // softmax scale
   float scale_log2;                  // scale * log2(e): scores in the base-2 domain
   bool accumulate;                   // d_q: add into it instead of overwriting
+  int window;                        // W: query i sees keys j > p + i - W as well; 0: no window
 };
+
+// The sliding window (0 < W < p + c, check_common; 0: none). Every family masks per element with
+// key_visible and skips the key blocks left of a query tile's first window (window_first_key), and
+// the query blocks below a key block's last window (window_row_end); a block that holds a key left of
+// its last row's window (window_cuts) takes the per-element mask like a block on the causal diagonal.
+// A row that sees no key at all (only in an unmasked windowed block) ends with l = 0: out 0, lse -inf.
+__device__ __forceinline__ bool key_visible(const Problem& pr, int key, int qpos) {
+  return key <= qpos && (pr.window == 0 || key > qpos - pr.window);
+}
+// The first key the query at position qpos sees.
+__device__ __forceinline__ int window_first_key(const Problem& pr, int qpos) {
+  return pr.window > 0 ? max(0, qpos - pr.window + 1) : 0;
+}
+// One past the last chunk row that sees key `key` (c without a window).
+__device__ __forceinline__ int window_row_end(const Problem& pr, int key) {
+  return pr.window > 0 ? min(pr.c, key - pr.p + pr.window) : pr.c;
+}
+// Whether the key block starting at k0 holds a key left of the window of the query at qpos_last (the
+// tile's last position; earlier rows' windows start no later).
+__device__ __forceinline__ bool window_cuts(const Problem& pr, int k0, int qpos_last) {
+  return pr.window > 0 && k0 <= qpos_last - pr.window;
+}
 
 template <class T> struct Operands {
   const T* q;
@@ -140,7 +164,8 @@ __device__ __forceinline__ void add_key_grads(const Operands<bf16_t>& a, const P
 // S^T and dP^T for its 16 keys (rows key0 + lane / 4, + 8) against the NQ * 8 queries of a block
 // starting at q0, in the accumulator layout of mma.m16n8k16; lse and delta are the block's rows in
 // shared memory. In place: st becomes P^T = exp(scale S^T - lse), dpt becomes
-// dS^T = P^T (dP^T - Delta); entries past the causal diagonal or the ends of the sequence are 0.
+// dS^T = P^T (dP^T - Delta); entries past the causal diagonal, left of the window or past the ends
+// of the sequence are 0 (set, not multiplied: exp of a row's lse -inf is inf).
 template <int NQ>
 __device__ __forceinline__ void probs_and_score_grads_t(float (&st)[NQ][4], float (&dpt)[NQ][4], const float* lse,
                                                         const float* delta, const Problem& pr, int key0, int q0,
@@ -153,7 +178,7 @@ __device__ __forceinline__ void probs_and_score_grads_t(float (&st)[NQ][4], floa
       const int col = nt * 8 + 2 * t + (e & 1);  // query within the block
       const int key = key0 + (lane >> 2) + (e >> 1) * 8;
       float p = fast_exp2(st[nt][e] * pr.scale_log2 - lse[col] * kLog2e);
-      if (masked && (key > pr.p + q0 + col || q0 + col >= pr.c || key >= pr.S)) p = 0.0f;
+      if (masked && (!key_visible(pr, key, pr.p + q0 + col) || q0 + col >= pr.c || key >= pr.S)) p = 0.0f;
       st[nt][e] = p;
       dpt[nt][e] = p * (dpt[nt][e] - delta[col]);
     }

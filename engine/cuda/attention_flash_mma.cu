@@ -161,11 +161,14 @@ __global__ void __launch_bounds__(NW * 32) tc_forward_kernel(const Operands<bf16
   const bf16_t* kg = a.k + b * pr.k_batch + g * D;
   const bf16_t* vg = a.v + b * pr.v_batch + g * D;
 
+  // Key blocks [kb_first, nkb): from the one holding the first row's oldest visible key (window) to
+  // the one holding the last row's position. The stages alternate by step, not by block.
   const int key_end = min(pr.S, pr.p + q0 + BR);  // keys visible to the tile's last row
-  const int nkb = (key_end + BC - 1) / BC;
+  const int nkb = (key_end + BC - 1) / BC, kb_first = window_first_key(pr, pr.p + q0) / BC;
+  const int k_first = kb_first * BC;
   load_tile<D, BR, Cfg::kThreads>(sQ, a.q + q_offset(pr, b, q0, h), pr.q_row, pr.c - q0, a.q);
-  load_tile<D, BC, Cfg::kThreads>(sK, kg, pr.kv_row, pr.S, a.k);
-  load_tile<D, BC, Cfg::kThreads>(sV, vg, pr.kv_row, pr.S, a.v);
+  load_tile<D, BC, Cfg::kThreads>(sK, kg + k_first * pr.kv_row, pr.kv_row, pr.S - k_first, a.k);
+  load_tile<D, BC, Cfg::kThreads>(sV, vg + k_first * pr.kv_row, pr.kv_row, pr.S - k_first, a.v);
   cp_async_commit();
 
   float o[MT][DT][4] = {};
@@ -174,19 +177,20 @@ __global__ void __launch_bounds__(NW * 32) tc_forward_kernel(const Operands<bf16
   for (int mt = 0; mt < MT; ++mt) m[mt][0] = m[mt][1] = -kInf, l[mt][0] = l[mt][1] = 0.0f;
   uint32_t qf[MT][Cfg::kQInRegs ? D / 16 : 1][4];
 
-  for (int kb = 0; kb < nkb; ++kb) {
+  for (int kb = kb_first; kb < nkb; ++kb) {
+    const int step = kb - kb_first;
     cp_async_wait_all();
     __syncthreads();  // block kb has landed for everyone, and nobody still reads block kb - 1's stage
     if (kb + 1 < nkb) {
-      const int k1 = (kb + 1) * BC, st = (kb + 1) & 1;
+      const int k1 = (kb + 1) * BC, st = (step + 1) & 1;
       load_tile<D, BC, Cfg::kThreads>(sK + st * BC * D, kg + k1 * pr.kv_row, pr.kv_row, pr.S - k1, a.k);
       load_tile<D, BC, Cfg::kThreads>(sV + st * BC * D, vg + k1 * pr.kv_row, pr.kv_row, pr.S - k1, a.v);
     }
     cp_async_commit();
-    const bf16_t* cK = sK + (kb & 1) * BC * D;
-    const bf16_t* cV = sV + (kb & 1) * BC * D;
+    const bf16_t* cK = sK + (step & 1) * BC * D;
+    const bf16_t* cV = sV + (step & 1) * BC * D;
     if constexpr (Cfg::kQInRegs) {
-      if (kb == 0)
+      if (step == 0)
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) load_a_frags<D>(qf[mt], sQ, wrow + mt * 16, lane);
     }
@@ -195,9 +199,10 @@ __global__ void __launch_bounds__(NW * 32) tc_forward_kernel(const Operands<bf16
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) mma_abt<D, BC, !Cfg::kQInRegs>(s[mt], qf[mt], sQ, wrow + mt * 16, cK, lane);
 
-    // Only blocks that cross the diagonal of the tile (or the end of the keys) need the mask.
+    // Only blocks that cross the diagonal of the tile, a row's window start (or the end of the keys)
+    // need the mask.
     const int k0 = kb * BC;
-    const bool masked = k0 + BC - 1 > pr.p + q0 || k0 + BC > pr.S;
+    const bool masked = k0 + BC - 1 > pr.p + q0 || k0 + BC > pr.S || window_cuts(pr, k0, pr.p + q0 + BR - 1);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -210,7 +215,7 @@ __global__ void __launch_bounds__(NW * 32) tc_forward_kernel(const Operands<bf16
           for (int e = 0; e < 2; ++e) {
             float x = s[mt][nt][2 * hh + e] * pr.scale_log2;
             const int key = k0 + nt * 8 + 2 * t + e;
-            if (masked && (key > qpos || key >= pr.S)) x = -kInf;
+            if (masked && (!key_visible(pr, key, qpos) || key >= pr.S)) x = -kInf;
             s[mt][nt][2 * hh + e] = x;
             mx = fmaxf(mx, x);
           }
@@ -236,6 +241,7 @@ __global__ void __launch_bounds__(NW * 32) tc_forward_kernel(const Operands<bf16
       mma_xb<D, BC>(o[mt], s[mt], cV, lane);
     }
   }
+  cp_async_wait_all();  // nothing in flight at exit (a tile with no key block to attend loaded one)
 
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
@@ -246,7 +252,7 @@ __global__ void __launch_bounds__(NW * 32) tc_forward_kernel(const Operands<bf16
       sum += __shfl_xor_sync(0xffffffffu, sum, 2);
       const int i = q0 + wrow + mt * 16 + (lane >> 2) + hh * 8;
       if (i >= pr.c) continue;
-      const float inv = 1.0f / sum;
+      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;  // 0: a row that saw no key (out 0, lse -inf)
       bf16_t* out = a.o + q_offset(pr, b, i, h) + 2 * t;
 #pragma unroll
       for (int dt = 0; dt < DT; ++dt)
@@ -331,8 +337,11 @@ __global__ void __launch_bounds__(NW * 32) tc_dkdv_kernel(const Operands<bf16_t>
 
   load_tile<D, BC, Cfg::kThreads>(sK, a.k + b * pr.k_batch + k0 * pr.kv_row + g * D, pr.kv_row, pr.S - k0, a.k);
   load_tile<D, BC, Cfg::kThreads>(sV, a.v + b * pr.v_batch + k0 * pr.kv_row + g * D, pr.kv_row, pr.S - k0, a.v);
-  // Query i sees key j iff i >= j - p; every key block has at least one query (k0 < S = p + c).
-  const int nqb = (pr.c + BR - 1) / BR, qb_first = max(0, k0 - pr.p) / BR, nq = nqb - qb_first;
+  // Query i sees key j iff i >= j - p (and, with a window, i < j - p + W: window_row_end). A causal
+  // call's key block has at least one query (k0 < S = p + c); with a window an unmasked block's
+  // keys may have none (no step: its dK, dV add 0).
+  const int nqb = (window_row_end(pr, k0 + BC - 1) + BR - 1) / BR, qb_first = max(0, k0 - pr.p) / BR;
+  const int nq = max(0, nqb - qb_first);
   const int steps = pr.group * nq;  // (head, query block) pairs, in a fixed order
   auto issue = [&](int step, int stage) {
     const int h = g * pr.group + step / nq, q0 = (qb_first + step % nq) * BR;
@@ -346,7 +355,7 @@ __global__ void __launch_bounds__(NW * 32) tc_dkdv_kernel(const Operands<bf16_t>
       cp_async4(smem_addr(sDelta + stage * BR + r), a.delta + off, ok);
     }
   };
-  issue(0, 0);
+  if (steps > 0) issue(0, 0);
   cp_async_commit();
 
   float dk[DT][4] = {}, dv[DT][4] = {};
@@ -370,7 +379,8 @@ __global__ void __launch_bounds__(NW * 32) tc_dkdv_kernel(const Operands<bf16_t>
     mma_abt<D, BR, !Cfg::kKVInRegs>(st, kf, sK, wkey, cQ, lane);
     mma_abt<D, BR, !Cfg::kKVInRegs>(dpt, vf, sV, wkey, cdO, lane);
 
-    const bool masked = k0 + BC - 1 > pr.p + q0 || q0 + BR > pr.c || k0 + BC > pr.S;
+    const bool masked = k0 + BC - 1 > pr.p + q0 || q0 + BR > pr.c || k0 + BC > pr.S ||
+                        window_cuts(pr, k0, pr.p + q0 + BR - 1);
     probs_and_score_grads_t(st, dpt, sLse + stage * BR, sDelta + stage * BR, pr, k0 + wkey, q0, masked, lane);
     if constexpr (FUSED_DQ) {
       // The warp's 16 rows of dS^T, rounded to bf16 as the dK product rounds them. Free to
@@ -389,6 +399,7 @@ __global__ void __launch_bounds__(NW * 32) tc_dkdv_kernel(const Operands<bf16_t>
       fused_dq_tile<Cfg, D, BR>(a, pr, sdS, sK, b, g * pr.group + step / nq, q0, warp, lane);
     }
   }
+  cp_async_wait_all();  // nothing in flight at exit (a key block no query sees loaded its tiles)
 
   add_key_grads<D>(a, pr, b, g, k0 + wkey, dk, dv, lane);
 }
@@ -419,12 +430,14 @@ __global__ void __launch_bounds__(NW * 32) tc_dq_kernel(const Operands<bf16_t> a
   const bf16_t* kg = a.k + b * pr.k_batch + g * D;
   const bf16_t* vg = a.v + b * pr.v_batch + g * D;
 
+  // Key blocks [kb_first, nkb) as in the forward; the stages alternate by step.
   const int key_end = min(pr.S, pr.p + q0 + BR);
-  const int nkb = (key_end + BC - 1) / BC;
+  const int nkb = (key_end + BC - 1) / BC, kb_first = window_first_key(pr, pr.p + q0) / BC;
+  const int k_first = kb_first * BC;
   load_tile<D, BR, Cfg::kThreads>(sQ, a.q + q_offset(pr, b, q0, h), pr.q_row, pr.c - q0, a.q);
   load_tile<D, BR, Cfg::kThreads>(sdO, a.d_out + q_offset(pr, b, q0, h), pr.q_row, pr.c - q0, a.d_out);
-  load_tile<D, BC, Cfg::kThreads>(sK, kg, pr.kv_row, pr.S, a.k);
-  load_tile<D, BC, Cfg::kThreads>(sV, vg, pr.kv_row, pr.S, a.v);
+  load_tile<D, BC, Cfg::kThreads>(sK, kg + k_first * pr.kv_row, pr.kv_row, pr.S - k_first, a.k);
+  load_tile<D, BC, Cfg::kThreads>(sV, vg + k_first * pr.kv_row, pr.kv_row, pr.S - k_first, a.v);
   cp_async_commit();
 
   float lse2[2], delta[2];
@@ -436,28 +449,29 @@ __global__ void __launch_bounds__(NW * 32) tc_dq_kernel(const Operands<bf16_t> a
   }
   float dq[DT][4] = {};
   uint32_t qf[Cfg::kInRegs ? D / 16 : 1][4], df[Cfg::kInRegs ? D / 16 : 1][4];
-  for (int kb = 0; kb < nkb; ++kb) {
+  for (int kb = kb_first; kb < nkb; ++kb) {
+    const int step = kb - kb_first;
     cp_async_wait_all();
     __syncthreads();
     if (kb + 1 < nkb) {
-      const int k1 = (kb + 1) * BC, st = (kb + 1) & 1;
+      const int k1 = (kb + 1) * BC, st = (step + 1) & 1;
       load_tile<D, BC, Cfg::kThreads>(sK + st * BC * D, kg + k1 * pr.kv_row, pr.kv_row, pr.S - k1, a.k);
       load_tile<D, BC, Cfg::kThreads>(sV + st * BC * D, vg + k1 * pr.kv_row, pr.kv_row, pr.S - k1, a.v);
     }
     cp_async_commit();
     if constexpr (Cfg::kInRegs) {
-      if (kb == 0) {
+      if (step == 0) {
         load_a_frags<D>(qf, sQ, wrow, lane);
         load_a_frags<D>(df, sdO, wrow, lane);
       }
     }
-    const bf16_t* cK = sK + (kb & 1) * BC * D;
-    const bf16_t* cV = sV + (kb & 1) * BC * D;
+    const bf16_t* cK = sK + (step & 1) * BC * D;
+    const bf16_t* cV = sV + (step & 1) * BC * D;
     float s[NT][4] = {}, dp[NT][4] = {};
     mma_abt<D, BC, !Cfg::kInRegs>(s, qf, sQ, wrow, cK, lane);
     mma_abt<D, BC, !Cfg::kInRegs>(dp, df, sdO, wrow, cV, lane);
     const int k0 = kb * BC;
-    const bool masked = k0 + BC - 1 > pr.p + q0 || k0 + BC > pr.S;
+    const bool masked = k0 + BC - 1 > pr.p + q0 || k0 + BC > pr.S || window_cuts(pr, k0, pr.p + q0 + BR - 1);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -465,11 +479,12 @@ __global__ void __launch_bounds__(NW * 32) tc_dq_kernel(const Operands<bf16_t> a
         const int hh = e >> 1, key = k0 + nt * 8 + 2 * t + (e & 1);
         const int qpos = pr.p + q0 + wrow + (lane >> 2) + hh * 8;
         float p = fast_exp2(s[nt][e] * pr.scale_log2 - lse2[hh]);
-        if (masked && (key > qpos || key >= pr.S)) p = 0.0f;
+        if (masked && (!key_visible(pr, key, qpos) || key >= pr.S)) p = 0.0f;
         s[nt][e] = p * (dp[nt][e] - delta[hh]);  // dS
       }
     mma_xb<D, BC>(dq, s, cK, lane);
   }
+  cp_async_wait_all();  // nothing in flight at exit (as in the forward)
 
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {

@@ -212,27 +212,31 @@ __global__ void __launch_bounds__(256, 1) wg_forward_kernel(const Operands<bf16_
   const bf16_t* kg = a.k + b * pr.k_batch + g * D;
   const bf16_t* vg = a.v + b * pr.v_batch + g * D;
 
+  // Key blocks [kb_first, nkb): from the one holding the first row's oldest visible key (window) to
+  // the one holding the last row's position. The stages alternate by step, not by block.
   const int key_end = min(pr.S, pr.p + q0 + BR);
-  const int nkb = (key_end + BC - 1) / BC;
+  const int nkb = (key_end + BC - 1) / BC, kb_first = window_first_key(pr, pr.p + q0) / BC;
+  const int k_first = kb_first * BC;
   load_tile_sw128<D, BR, 256>(sQ, a.q + q_offset(pr, b, q0, h), pr.q_row, pr.c - q0, a.q);
-  load_tile_sw128<D, BC, 256>(sK, kg, pr.kv_row, pr.S, a.k);
-  load_tile_sw128<D, BC, 256>(sV, vg, pr.kv_row, pr.S, a.v);
+  load_tile_sw128<D, BC, 256>(sK, kg + k_first * pr.kv_row, pr.kv_row, pr.S - k_first, a.k);
+  load_tile_sw128<D, BC, 256>(sV, vg + k_first * pr.kv_row, pr.kv_row, pr.S - k_first, a.v);
   cp_async_commit();
 
   float o[DB][8][4] = {};
   float m[2] = {-kInf, -kInf}, l[2] = {0.0f, 0.0f};
-  for (int kb = 0; kb < nkb; ++kb) {
+  for (int kb = kb_first; kb < nkb; ++kb) {
+    const int step = kb - kb_first;
     cp_async_wait_all();
     fence_async_shared();
     __syncthreads();  // block kb has landed for everyone; nobody still reads block kb - 1's stage
     if (kb + 1 < nkb) {
-      const int k1 = (kb + 1) * BC, st = (kb + 1) & 1;
+      const int k1 = (kb + 1) * BC, st = (step + 1) & 1;
       load_tile_sw128<D, BC, 256>(sK + st * BC * D, kg + k1 * pr.kv_row, pr.kv_row, pr.S - k1, a.k);
       load_tile_sw128<D, BC, 256>(sV + st * BC * D, vg + k1 * pr.kv_row, pr.kv_row, pr.S - k1, a.v);
     }
     cp_async_commit();
-    const bf16_t* cK = sK + (kb & 1) * BC * D;
-    const bf16_t* cV = sV + (kb & 1) * BC * D;
+    const bf16_t* cK = sK + (step & 1) * BC * D;
+    const bf16_t* cV = sV + (step & 1) * BC * D;
 
     float s[NT][4];
     wgmma_fence();
@@ -244,7 +248,7 @@ __global__ void __launch_bounds__(256, 1) wg_forward_kernel(const Operands<bf16_
     settle(s);
 
     const int k0 = kb * BC;
-    const bool masked = k0 + BC - 1 > pr.p + q0 || k0 + BC > pr.S;
+    const bool masked = k0 + BC - 1 > pr.p + q0 || k0 + BC > pr.S || window_cuts(pr, k0, pr.p + q0 + BR - 1);
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int qpos = pr.p + q0 + wrow + (lane >> 2) + hh * 8;
@@ -255,7 +259,7 @@ __global__ void __launch_bounds__(256, 1) wg_forward_kernel(const Operands<bf16_
         for (int e = 0; e < 2; ++e) {
           float x = s[nt][2 * hh + e] * pr.scale_log2;
           const int key = k0 + nt * 8 + 2 * t + e;
-          if (masked && (key > qpos || key >= pr.S)) x = -kInf;
+          if (masked && (!key_visible(pr, key, qpos) || key >= pr.S)) x = -kInf;
           s[nt][2 * hh + e] = x;
           mx = fmaxf(mx, x);
         }
@@ -293,6 +297,7 @@ __global__ void __launch_bounds__(256, 1) wg_forward_kernel(const Operands<bf16_
 #pragma unroll
     for (int db = 0; db < DB; ++db) settle(o[db]);
   }
+  cp_async_wait_all();  // nothing in flight at exit (a tile with no key block to attend loaded one)
 
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
@@ -301,7 +306,7 @@ __global__ void __launch_bounds__(256, 1) wg_forward_kernel(const Operands<bf16_
     sum += __shfl_xor_sync(0xffffffffu, sum, 2);
     const int i = q0 + wrow + (lane >> 2) + hh * 8;
     if (i >= pr.c) continue;
-    const float inv = 1.0f / sum;
+    const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;  // 0: a row that saw no key (out 0, lse -inf)
     bf16_t* out = a.o + q_offset(pr, b, i, h) + 2 * t;
 #pragma unroll
     for (int db = 0; db < DB; ++db)
@@ -353,7 +358,10 @@ __global__ void __launch_bounds__(256, 1) wg_backward_kernel(const Operands<bf16
 
   load_tile_sw128<D, BC, 256>(sK, a.k + b * pr.k_batch + k0 * pr.kv_row + g * D, pr.kv_row, pr.S - k0, a.k);
   load_tile_sw128<D, BC, 256>(sV, a.v + b * pr.v_batch + k0 * pr.kv_row + g * D, pr.kv_row, pr.S - k0, a.v);
-  const int nqb = (pr.c + BR - 1) / BR, qb_first = max(0, k0 - pr.p) / BR, nq = nqb - qb_first;
+  // The query blocks that see the key block (window_row_end; with a window an unmasked block's keys
+  // may have none: no step, its dK, dV add 0).
+  const int nqb = (window_row_end(pr, k0 + BC - 1) + BR - 1) / BR, qb_first = max(0, k0 - pr.p) / BR;
+  const int nq = max(0, nqb - qb_first);
   const int steps = pr.group * nq;
   auto issue = [&](int step, int stage) {
     const int h = g * pr.group + step / nq, q0 = (qb_first + step % nq) * BR;
@@ -367,7 +375,7 @@ __global__ void __launch_bounds__(256, 1) wg_backward_kernel(const Operands<bf16
       cp_async4(smem_addr(sDelta + stage * BR + r), a.delta + off, ok);
     }
   };
-  issue(0, 0);
+  if (steps > 0) issue(0, 0);
   cp_async_commit();
 
   float dk[DB][8][4] = {}, dv[DB][8][4] = {};
@@ -395,7 +403,8 @@ __global__ void __launch_bounds__(256, 1) wg_backward_kernel(const Operands<bf16
     settle(st);
     settle(dpt);
 
-    const bool masked = k0 + BC - 1 > pr.p + q0 || q0 + BR > pr.c || k0 + BC > pr.S;
+    const bool masked = k0 + BC - 1 > pr.p + q0 || q0 + BR > pr.c || k0 + BC > pr.S ||
+                        window_cuts(pr, k0, pr.p + q0 + BR - 1);
     probs_and_score_grads_t(st, dpt, sLse + stage * BR, sDelta + stage * BR, pr, k0 + wkey, q0, masked, lane);
     // dS^T rows of this warp into shared memory (bf16, as the products round it) for dQ.
     if constexpr (FUSED_DQ) {
@@ -464,6 +473,7 @@ __global__ void __launch_bounds__(256, 1) wg_backward_kernel(const Operands<bf16
     __syncwarp();  // the staging rows are read before the next step overwrites them
     }
   }
+  cp_async_wait_all();  // nothing in flight at exit (a key block no query sees loaded its tiles)
 
   // dk[DB][8][4] is the accumulator layout of D / 8 column tiles.
   add_key_grads<D>(a, pr, b, g, k0 + wkey, reinterpret_cast<const float(&)[D / 8][4]>(dk),
@@ -500,12 +510,14 @@ __global__ void __launch_bounds__(256, 1) wg_dq_kernel(const Operands<bf16_t> a,
   const bf16_t* kg = a.k + b * pr.k_batch + g * D;
   const bf16_t* vg = a.v + b * pr.v_batch + g * D;
 
+  // Key blocks [kb_first, nkb) as in the forward; the stages alternate by step.
   const int key_end = min(pr.S, pr.p + q0 + BR);
-  const int nkb = (key_end + BC - 1) / BC;
+  const int nkb = (key_end + BC - 1) / BC, kb_first = window_first_key(pr, pr.p + q0) / BC;
+  const int k_first = kb_first * BC;
   load_tile_sw128<D, BR, 256>(sQ, a.q + q_offset(pr, b, q0, h), pr.q_row, pr.c - q0, a.q);
   load_tile_sw128<D, BR, 256>(sdO, a.d_out + q_offset(pr, b, q0, h), pr.q_row, pr.c - q0, a.d_out);
-  load_tile_sw128<D, BC, 256>(sK, kg, pr.kv_row, pr.S, a.k);
-  load_tile_sw128<D, BC, 256>(sV, vg, pr.kv_row, pr.S, a.v);
+  load_tile_sw128<D, BC, 256>(sK, kg + k_first * pr.kv_row, pr.kv_row, pr.S - k_first, a.k);
+  load_tile_sw128<D, BC, 256>(sV, vg + k_first * pr.kv_row, pr.kv_row, pr.S - k_first, a.v);
   cp_async_commit();
 
   float lse2[2], delta[2];
@@ -516,18 +528,19 @@ __global__ void __launch_bounds__(256, 1) wg_dq_kernel(const Operands<bf16_t> a,
     delta[hh] = i < pr.c ? a.delta[stat_offset(pr, b, h, i)] : 0.0f;
   }
   float dq[DB][8][4] = {};
-  for (int kb = 0; kb < nkb; ++kb) {
+  for (int kb = kb_first; kb < nkb; ++kb) {
+    const int step = kb - kb_first;
     cp_async_wait_all();
     fence_async_shared();
     __syncthreads();
     if (kb + 1 < nkb) {
-      const int k1 = (kb + 1) * BC, st = (kb + 1) & 1;
+      const int k1 = (kb + 1) * BC, st = (step + 1) & 1;
       load_tile_sw128<D, BC, 256>(sK + st * BC * D, kg + k1 * pr.kv_row, pr.kv_row, pr.S - k1, a.k);
       load_tile_sw128<D, BC, 256>(sV + st * BC * D, vg + k1 * pr.kv_row, pr.kv_row, pr.S - k1, a.v);
     }
     cp_async_commit();
-    const bf16_t* cK = sK + (kb & 1) * BC * D;
-    const bf16_t* cV = sV + (kb & 1) * BC * D;
+    const bf16_t* cK = sK + (step & 1) * BC * D;
+    const bf16_t* cV = sV + (step & 1) * BC * D;
 
     float s[NT][4], dp[NT][4];
     wgmma_fence();
@@ -542,7 +555,7 @@ __global__ void __launch_bounds__(256, 1) wg_dq_kernel(const Operands<bf16_t> a,
     settle(s);
     settle(dp);
     const int k0 = kb * BC;
-    const bool masked = k0 + BC - 1 > pr.p + q0 || k0 + BC > pr.S;
+    const bool masked = k0 + BC - 1 > pr.p + q0 || k0 + BC > pr.S || window_cuts(pr, k0, pr.p + q0 + BR - 1);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -550,7 +563,7 @@ __global__ void __launch_bounds__(256, 1) wg_dq_kernel(const Operands<bf16_t> a,
         const int hh = e >> 1, key = k0 + nt * 8 + 2 * t + (e & 1);
         const int qpos = pr.p + q0 + wrow + (lane >> 2) + hh * 8;
         float p = fast_exp2(s[nt][e] * pr.scale_log2 - lse2[hh]);
-        if (masked && (key > qpos || key >= pr.S)) p = 0.0f;
+        if (masked && (!key_visible(pr, key, qpos) || key >= pr.S)) p = 0.0f;
         s[nt][e] = p * (dp[nt][e] - delta[hh]);  // dS
       }
     uint32_t sf[BC / 16][4];
@@ -565,6 +578,7 @@ __global__ void __launch_bounds__(256, 1) wg_dq_kernel(const Operands<bf16_t> a,
 #pragma unroll
     for (int db = 0; db < DB; ++db) settle(dq[db]);
   }
+  cp_async_wait_all();  // nothing in flight at exit (as in the forward)
 
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {

@@ -70,13 +70,15 @@ void lora_linear_backward(const Tensor& d_x, const Tensor& d_a, const Tensor& d_
 // the two-kernel form whose every sum has a fixed order.
 enum class FlashFamily { wgmma, mma, simt };
 bool flash_wgmma_available(int device);
-// causal false: every query sees every key (AttentionMask::none), any S >= 1.
+// causal false: every query sees every key (AttentionMask::none), any S >= 1. window: the sliding
+// window of engine/ops/attention.h (size 0: none), honoured by every family.
 void flash_attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
-                             const Tensor& v, double scale, FlashFamily family, bool causal = true);
+                             const Tensor& v, double scale, FlashFamily family, bool causal = true,
+                             AttentionWindow window = {});
 void flash_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,
                               const AttentionSaved& saved, const Tensor& q, const Tensor& k, const Tensor& v,
                               const Tensor& out, double scale, GradMode mode, Arena& scratch, FlashFamily family,
-                              bool deterministic, bool causal = true);
+                              bool deterministic, bool causal = true, AttentionWindow window = {});
 // attention_merge (engine/ops/attention.h): lse_acc, lse_b f32; acc f32 with out_b f32 or bf16, or acc
 // and out_b bf16 (the split cuDNN forward's two outputs, attention_cudnn.cu).
 void attention_merge(const Tensor& acc, const Tensor& lse_acc, const Tensor& out_b, const Tensor& lse_b);

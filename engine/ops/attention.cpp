@@ -207,6 +207,14 @@ bool serves(AttentionKernel kernel, const AttentionCall& call, const AttentionFl
     case AttentionKernel::cudnn:
 #if CW_HAVE_CUDNN
       if (cpu) break;
+      // Our cuDNN graphs (attention_cudnn_graphs.cu) build the causal mask from pointwise nodes and
+      // their plans are keyed by shape and mask; a window would be one more comparison in every
+      // graph, plan key and split-prefix form, and cuDNN would still run the tiles left of the
+      // window. The flash families skip those tiles, so they take every windowed call.
+      if (call.window.size > 0) {
+        *why = "our cuDNN graphs have no sliding-window mask (the flash kernels honour it)";
+        return false;
+      }
       // Automatic, determinism off: a SeCO call whose plan is still being built ahead runs on flash
       // rather than wait for it (the first step; engine.h, cudnn_plan_threads). With determinism
       // on, which kernel runs must not depend on timing, so the call waits.
@@ -279,11 +287,8 @@ AttentionChoice choose_attention_kernel(const AttentionCall& call, const Attenti
   // The CPU has one kernel; the setting chooses among the GPU families (a test may force one and
   // still compute its CPU reference).
   if (call.device.is_cpu()) return {AttentionKernel::cpu, "the operands are on the CPU"};
-  // The GPU families mask causally (and by document, through views) but not by a sliding window.
-  if (call.window.size > 0)
-    fail(fmt::format("attention: a sliding window of {} keys (the model's sliding_window) has no GPU kernel",
-                     call.window.size),
-         "run on the CPU, or use a config without sliding_window");
+  // A sliding window: every flash family honours it; cuDNN refuses it (serves, above), so the
+  // automatic choice goes to the flash families.
   std::string why, reasons;
   const AttentionKernel forced = flags.forced;
   const auto try_kernel = [&](AttentionKernel k, bool is_forced) {
@@ -416,11 +421,11 @@ void attention_forward(const Tensor& out, const AttentionSaved& saved, const Ten
 #endif
 #if CW_HAVE_CUDA
     case AttentionKernel::flash_wgmma:
-      return gpu::flash_attention_forward(out, saved, q, k, v, scale, gpu::FlashFamily::wgmma, causal);
+      return gpu::flash_attention_forward(out, saved, q, k, v, scale, gpu::FlashFamily::wgmma, causal, window);
     case AttentionKernel::flash_mma:
-      return gpu::flash_attention_forward(out, saved, q, k, v, scale, gpu::FlashFamily::mma, causal);
+      return gpu::flash_attention_forward(out, saved, q, k, v, scale, gpu::FlashFamily::mma, causal, window);
     case AttentionKernel::flash_simt:
-      return gpu::flash_attention_forward(out, saved, q, k, v, scale, gpu::FlashFamily::simt, causal);
+      return gpu::flash_attention_forward(out, saved, q, k, v, scale, gpu::FlashFamily::simt, causal, window);
 #endif
     default: fail(std::string("attention: kernel ") + attention_kernel_name(choice.kernel) + " is not in this build");
   }
@@ -452,7 +457,7 @@ void attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v,
                                       : choice.kernel == AttentionKernel::flash_mma ? gpu::FlashFamily::mma
                                                                                     : gpu::FlashFamily::simt;
       return gpu::flash_attention_backward(d_q, d_k, d_v, d_out, saved, q, k, v, out, scale, mode, scratch, family,
-                                           flags.deterministic, causal);
+                                           flags.deterministic, causal, window);
     }
 #endif
     default: fail(std::string("attention: kernel ") + attention_kernel_name(choice.kernel) + " is not in this build");

@@ -20,9 +20,12 @@
 //   block, and sees keys max(0, o + i - W + 1) <= j <= min(S - 1, o + i); the sums above run over
 //   those. A row of an unmasked block may see none: its lse is -inf and its out 0 (attention_merge
 //   weighs it as nothing). P_ij is 0 off the window, so no dK, dV reaches a key no query sees; a
-//   caller that passes only the keys [p - W + 1, p + c) gets the same result reading less. Tested in
+//   caller that passes only the keys [p - W + 1, p + c) gets the same result reading less. On the GPU
+//   every flash family honours the window (masking each pair, skipping the key blocks wholly left of
+//   a query tile's window and the query blocks past a key block's: work ~ W c, not S c); cuDNN does
+//   not, and the chooser never picks it for a windowed call. Tested in
 //   tests/engine/test_attention_documents.cpp (the windowed softmax written out, finite differences,
-//   blocks merged) and the op table's window rows.
+//   blocks merged) and the op table's window rows (the GPU rows: every flash family against the CPU).
 // Shapes: q, out, d_q, d_out [B, c, H, D]; k, v [B, S, Hkv, D]; d_k, d_v [B, S, Hkv, D] in the
 // accumulation dtype (f32 for f32/bf16, f64 for f64). k, v, d_k, d_v may have any batch stride
 // (a slice of the K/V store); their inner [S, Hkv, D] must be packed. All on q's device (scratch too).
@@ -64,7 +67,7 @@ inline int64_t window_first_key(int64_t position, int64_t window) {
 // which picks one from the call's shape, device and flags; tests and benchmarks force a family with
 // set_attention_kernel (engine/engine.h; env CW_ATTENTION).
 //   cpu          Eigen, f64/f32: the reference                       (engine/cpu/attention.cpp)
-//   cudnn        cuDNN's fused attention, bf16                       (engine/cuda/attention_cudnn.cu)
+//   cudnn        cuDNN's fused attention, bf16; no sliding window    (engine/cuda/attention_cudnn.cu)
 //   flash        the best of our flash families for the call (a request, never a result)
 //   flash_wgmma  our flash kernels on Hopper warpgroup MMA, bf16, D 64/128 (attention_flash_wgmma.cu)
 //   flash_mma    our flash kernels on mma.sync tensor cores, bf16, D 64/128 (attention_flash_mma.cu)
@@ -85,7 +88,7 @@ struct AttentionCall {
   const Tensor* k;
   const Tensor* v;
   AttentionMask mask = AttentionMask::causal;
-  AttentionWindow window = {};  // only the CPU family honours a window (the GPU families refuse it)
+  AttentionWindow window = {};  // the CPU and the flash families honour a window; cuDNN refuses it
 };
 // out and, in the backward, d_q, d_out, d_k, d_v take part in the alignment rule.
 AttentionCall attention_call(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,

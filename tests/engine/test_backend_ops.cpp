@@ -592,8 +592,8 @@ std::vector<Row> build_table() {
   }
   t.push_back(gpu_only(attention({1, 520, 700, 4, 2, 128, 701, none})));
   t.push_back(gpu_only(attention({1, 1, 300, 4, 4, 64, 300, none})));
-  // Sliding windows (the CPU's; the GPU families refuse them, which the GPU runner reports): a window
-  // as long as the chunk, one cutting inside the chunk, two keys, one longer than the keys (one key,
+  // Sliding windows (the CPU and every flash family; cuDNN refuses them, which the GPU runner reports):
+  // a window as long as the chunk, one cutting inside the chunk, two keys, one longer than the keys (one key,
   // whose dQ and dK are zero by the math, is tests/engine/test_attention_documents.cpp's); with
   // packed documents (a window inside a document begun before the chunk); unmasked blocks whose last
   // queries see only the block's last keys. Score blocks of 64 query rows whose key ranges slide
@@ -607,6 +607,32 @@ std::vector<Row> build_table() {
   t.push_back(attention({1, 9, 12, 2, 1, 6, 12, causal_mask, {{0, 2, 6}}, 4}));
   t.push_back(attention({2, 5, 3, 4, 2, 4, 8, none, {}, 6, 3}));
   t.push_back(attention({1, 3, 7, 2, 1, 6, 7, none, {}, 8, 9}));
+  // Sliding windows on the GPU, every flash family against the CPU: W = 2 (each query itself and the
+  // key before it; at W = 1 dQ and dK are zero by the math, P = 1 and dP = Delta, and the f64
+  // reference holds only rounding, which a relative comparison cannot weigh); W below a tile (17) and
+  // not a multiple of one (100), with the chunk after a prefix (p = 870) and GQA 4; W a multiple of
+  // the tiles (64) with B = 2 in a padded store; W = 650 cutting only the last rows' oldest keys; W
+  // longer than every position (a no-op); decode; packed documents (the window inside a document
+  // begun before the chunk); head dims only the SIMT family takes. Unmasked blocks whose windows cut
+  // every tile (query i at 64 + i sees keys j > i - 37, the last row one key) and start past the
+  // block's first key. No row sees nothing (its lse is -inf, which the comparison cannot weigh;
+  // tests/engine/test_attention_documents.cpp covers it on the CPU).
+  for (const int64_t D : {64, 128}) {
+    t.push_back(gpu_only(attention({1, 300, 300, 4, 2, D, 300, causal_mask, {}, 2})));
+    t.push_back(gpu_only(attention({1, 300, 300, 4, 1, D, 300, causal_mask, {}, 17})));
+    t.push_back(gpu_only(attention({1, 130, 1000, 4, 1, D, 1000, causal_mask, {}, 100})));
+    t.push_back(gpu_only(attention({2, 200, 450, 4, 2, D, 460, causal_mask, {}, 64})));
+    t.push_back(gpu_only(attention({1, 520, 700, 4, 2, D, 700, causal_mask, {}, 650})));
+    t.push_back(gpu_only(attention({1, 130, 700, 4, 2, D, 700, causal_mask, {}, 5000})));
+    t.push_back(gpu_only(attention({1, 1, 300, 4, 4, D, 300, causal_mask, {}, 33})));
+    t.push_back(gpu_only(attention({2, 200, 700, 4, 2, D, 700, causal_mask, {{0, 130, 520, 521, 600}, {0, 650}}, 50})));
+    t.push_back(gpu_only(attention({1, 100, 64, 4, 2, D, 70, none, {}, 101, 64})));
+    t.push_back(gpu_only(attention({1, 130, 256, 4, 1, D, 256, none, {}, 200, 300})));
+  }
+  for (const int64_t D : {6, 32}) {
+    t.push_back(gpu_only(attention({1, 77, 300, 4, 2, D, 300, causal_mask, {}, 40})));
+    t.push_back(gpu_only(attention({2, 45, 150, 8, 2, D, 200, causal_mask, {}, 7})));
+  }
   // LM head: CPU row blocks of 3 with ignored rows; one GPU block with V = 101 (no multiple of the
   // 16-byte vector); three GPU blocks (2048, 2048, 37) with the second wholly ignored; long rows.
   for (const bool fused : {false, true}) {

@@ -266,6 +266,72 @@ TEST_CASE("cuda: packed documents (every attention family, seco and full) match 
   }
 }
 
+TEST_CASE("cuda: mistral's sliding window (every flash family; seco, streamed and full) matches the CPU in f64; "
+          "cuDNN refuses it" *
+          doctest::skip(!cw::test::gpu_ready())) {
+  // tiny-mistral with a window of 7 keys over sequences of 48 (the window cuts inside every chunk
+  // and key block); seco's chunks of 12 and 7, the streamed store's blocks of 8 (unmasked windowed
+  // blocks merged by attention_merge, rows of a block past their window seeing nothing). Head dim 6
+  // runs on the SIMT family only; 64 on the tensor-core families too. The reference: full on the
+  // CPU in f64 with the same window.
+  for (const int64_t D : {6, 64}) {
+    CAPTURE(D);
+    LlamaConfig cfg = LlamaConfig::preset("tiny-mistral");
+    cfg.sliding_window = 7;
+    cfg.head_dim = D;
+    const Batch batch = random_batch(2, 48, cfg.vocab_size, 23);
+    const F64Reference ref(cfg, batch, 9);
+    ScheduleOptions seco = named("seco", 12);
+    seco.bwd_chunk = 7;
+    ScheduleOptions streamed = named("seco", 8);
+    streamed.stream_kv = true;
+    for (const AttentionKernel kernel : {AttentionKernel::automatic, AttentionKernel::cudnn,
+                                         AttentionKernel::flash_wgmma, AttentionKernel::flash_mma,
+                                         AttentionKernel::flash_simt}) {
+      const bool tensor_cores = kernel == AttentionKernel::flash_wgmma || kernel == AttentionKernel::flash_mma;
+      if (D == 6 && tensor_cores) continue;  // they need head dim 64 or 128
+      for (const DType dt : {DType::f32, DType::bf16}) {
+        if (dt == DType::f32 && kernel != AttentionKernel::automatic && kernel != AttentionKernel::flash_simt) continue;
+        CAPTURE(std::string(attention_kernel_name(kernel)));
+        CAPTURE(std::string(dtype_name(dt)));
+        test::AttentionKernelScope forced(kernel);
+        LlamaModel model(cfg, dt, Device::gpu(0));
+        copy_params(model.params(), ref.model.params());
+        ParamSet grads(cfg, DType::f32, Device::gpu(0));
+        for (const ScheduleOptions& o : {named("full"), seco, streamed}) {
+          CAPTURE(o.stream_kv);
+          CAPTURE(o.chunk);
+          double loss = 0;
+          if (kernel == AttentionKernel::cudnn) {
+            // Forced cuDNN cannot take a windowed call, and says why (without cuDNN: that it is absent).
+            const std::string what = test::error_of([&] { gradients(model, batch, grads, o, &loss); });
+            INFO(what);
+            CHECK(what.find("was requested but cannot take this call") != std::string::npos);
+            CHECK((what.find("sliding-window") != std::string::npos || what.find("no cuDNN") != std::string::npos));
+            break;
+          }
+          try {
+            gradients(model, batch, grads, o, &loss);
+          } catch (const Error& e) {
+            // A forced family this device or build lacks (Hopper's wgmma) says so: reported, not run.
+            const std::string what = e.what();
+            REQUIRE_MESSAGE(what.find("was requested but cannot take this call") != std::string::npos, what);
+            MESSAGE("not run: ", what);
+            break;
+          }
+          const Compared c = compare_sets(grads, ref.grads);
+          MESSAGE("mistral D=", D, " ", std::string(attention_kernel_name(kernel)), " ", std::string(dtype_name(dt)),
+                  " ", schedule_name(o.kind), " (chunk ", o.chunk, ", streamed ", o.stream_kv,
+                  ") with a window of 7 vs CPU f64: worst ", c.name, " rel ", c.worst);
+          const double tol = dt == DType::f32 ? kModelF32Tol : kModelBf16Tol;
+          CHECK(c.worst <= tol);
+          CHECK(std::abs(loss - ref.loss) <= tol * std::abs(ref.loss));
+        }
+      }
+    }
+  }
+}
+
 TEST_CASE("cuda: seco and spaco with the K/V store offloaded equal the store on the device, bitwise (deterministic)" *
           doctest::skip(!cw::test::gpu_ready())) {
   // Moving the store through pinned host memory on the side stream must not change a bit: a missed

@@ -300,7 +300,7 @@ TEST_CASE("plan: a sliding window cuts attention's work to W T pairs; the K/V st
   run_plan(o, out);
   INFO(out.str());
   CHECK(out.str().find("sliding window: 4096 keys a query") != std::string::npos);
-  CHECK(out.str().find("the GPU refuses a window") != std::string::npos);
+  CHECK(out.str().find("on the GPU our flash kernels honour it") != std::string::npos);
 }
 
 TEST_CASE("plan: the CLI's table and JSON") {
