@@ -107,8 +107,9 @@ void attention_forward(Requests& r, const Chunk& s, int64_t S, bool causal) {
   Scope scope(r);
   if (s.device.is_cpu()) {
     for (size_t bytes : cpu_attention_scratch(s.c(), S, s.dtype, false)) r.alloc(bytes);
-  } else if (s.dtype == DType::bf16) {
-    // cuDNN; its forward plans' workspace is not replayed (they ask for none beyond a few bytes).
+  } else if (s.dtype == DType::bf16 && s.cf.sliding_window == 0) {
+    // cuDNN (it takes no sliding window: the flash kernels serve one); its forward plans' workspace
+    // is not replayed (they ask for none beyond a few bytes).
     const bool split = causal && cudnn_splits_prefix(s.c(), S);
     const CudnnForwardScratch f = cudnn_attention_forward_scratch(s.attention(S), split);
     if (f.prefix_out) {
@@ -123,7 +124,7 @@ void attention_backward(Requests& r, const Chunk& s, int64_t S, bool causal) {
   const AttentionDims d = s.attention(S);
   if (s.device.is_cpu()) {
     for (size_t bytes : cpu_attention_scratch(s.c(), S, s.dtype, true)) r.alloc(bytes);
-  } else if (s.dtype == DType::bf16) {
+  } else if (s.dtype == DType::bf16 && s.cf.sliding_window == 0) {
     // cuDNN: the fast form (the default without determinism), exact plans, d_q overwritten.
     const bool split = causal && cudnn_splits_prefix(s.c(), S);
     const bool stacked = causal && cudnn_stacks_gqa(s.c(), S, d.H, d.Hkv);
