@@ -7,12 +7,14 @@
 //   element before writing it). Memory bound: x read once, out written once, b from L1/L2.
 // backward: the column sums of d_out [N, O] in two kernels with a fixed order, as rmsnorm.cu sums
 //   d_weight: partials[blk, o] = the sum of rows [blk * rows_per_block, +rows_per_block) (one thread
-//   per column, consecutive threads on consecutive columns: coalesced), then d_bias[o] += the sum
-//   of the partials over blk in order (one thread per column). rows_per_block = max(64, ceil(N /
-//   kMaxRowBlocks)): a function of N only, so the result is bitwise reproducible; no atomics.
+//   per column, consecutive threads on consecutive columns: coalesced), then d_bias[o] += the
+//   partials' sum over blk by add_partial_sums (engine/cuda/column_sums.cuh). rows_per_block =
+//   max(64, ceil(N / kMaxRowBlocks)): a function of N only, so the result is bitwise reproducible;
+//   no atomics.
 // Scratch: the partials [row_blocks, O] f32 from `scratch` inside an ArenaScope (released when this
 // returns, safe because later users of the arena launch on the same stream).
 // Nothing synchronises; everything runs on current_stream(device) of the operands' device.
+#include "engine/cuda/column_sums.cuh"
 #include "engine/cuda/common.cuh"
 #include "engine/cuda/ops.h"
 
@@ -46,14 +48,6 @@ __global__ void bias_partial_kernel(float* partials, const T* dy, int64_t N, int
   partials[static_cast<int64_t>(blockIdx.y) * O + o] = s;
 }
 
-__global__ void bias_sum_kernel(float* d_bias, const float* partials, int64_t row_blocks, int64_t O) {
-  const int64_t o = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (o >= O) return;
-  float s = 0.0f;
-  for (int64_t b = 0; b < row_blocks; ++b) s += partials[b * O + o];
-  d_bias[o] += s;
-}
-
 }  // namespace
 
 // The op's contract is checked by the public entry (engine/ops/bias.cpp); here only this backend's
@@ -85,9 +79,7 @@ void bias_backward(const Tensor& d_bias, const Tensor& d_out, Arena& scratch) {
                                                          rows_per_block);
     CW_KERNEL_CHECK();
   });
-  bias_sum_kernel<<<blocks_for(O, kThreads), kThreads, 0, stream>>>(dptr<float>(d_bias), dptr<const float>(partials),
-                                                                    row_blocks, O);
-  CW_KERNEL_CHECK();
+  add_partial_sums(dptr<float>(d_bias), dptr<const float>(partials), row_blocks, O, stream);
 }
 
 }  // namespace cw::gpu

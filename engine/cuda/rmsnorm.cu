@@ -37,10 +37,10 @@
 //     twice; the second read mostly hits L1/L2); the d_weight partials by a separate kernel with
 //     one thread per column and rows_per_block = max(64, ceil(N / 65535)) rows per block, run
 //     before the d_x kernel.
-//   Both paths then sum the partials over row blocks with sum_partials_kernel: a block per 32
-//     columns, 16 lanes per column each summing row blocks lane, lane + 16, ... in order, then
-//     lane 0 adding the 16 lane sums in order into d_weight (enough blocks and threads to keep
-//     the loads of a 512 x C array in flight; the order is fixed).
+//   Both paths then add the partials' sums over row blocks into d_weight with add_partial_sums
+//     (engine/cuda/column_sums.cuh: 16 lanes per column, each summing row blocks in order, then
+//     the lanes in order; enough blocks and threads to keep the loads of a 512 x C array in
+//     flight; the order is fixed).
 // rstd = 1 / sqrtf(mean + eps) with IEEE division and square root (not rsqrtf), so f32 results
 // track the CPU to a few ulps.
 // Determinism: every sum has a fixed order that depends only on N, C and the path (not on the GPU or
@@ -57,6 +57,7 @@
 // is handed back when this function returns, while the kernels may still be running. That is safe
 // because everything that later reuses the arena launches on the same stream, after these kernels.
 // Nothing synchronises; everything runs on current_stream(device) of x's device.
+#include "engine/cuda/column_sums.cuh"
 #include "engine/cuda/common.cuh"
 #include "engine/cuda/ops.h"
 
@@ -84,9 +85,6 @@ constexpr int kBwdMaxThreads = 512;
 constexpr int kFwdMaxThreads = 1024;
 constexpr int64_t kVecMinRowsPerBlock = 4;   // backward rows per block: at least this many
 constexpr int64_t kVecTargetRowBlocks = 512; // ... and at most about this many row blocks
-// sum_partials_kernel: kSumCols columns x kSumLanes lanes per block.
-constexpr int kSumCols = 32;
-constexpr int kSumLanes = 16;
 
 // Sum of v over the block (blockDim.x a multiple of 32), returned to every thread. `shared` holds
 // 32 floats. The order of additions is fixed by the thread layout, so the result is deterministic.
@@ -307,27 +305,6 @@ __global__ void __launch_bounds__(kColThreads)
   partials[static_cast<int64_t>(blockIdx.y) * C + c] = s;
 }
 
-// d_weight[c] += sum_b partials[b, c] in a fixed order: lane l (threadIdx.y) sums b = l, l + kSumLanes,
-// ... in order; then lane 0 adds the kSumLanes lane sums in lane order. blockDim = (kSumCols,
-// kSumLanes); each warp reads kSumCols consecutive floats of one partials row (coalesced).
-__global__ void __launch_bounds__(kSumCols * kSumLanes)
-    sum_partials_kernel(float* dw, const float* partials, int64_t row_blocks, int64_t C) {
-  __shared__ float lane_sum[kSumLanes][kSumCols];
-  const int64_t c = static_cast<int64_t>(blockIdx.x) * kSumCols + threadIdx.x;
-  float s = 0.0f;
-  if (c < C) {
-    for (int64_t b = threadIdx.y; b < row_blocks; b += kSumLanes) s += partials[b * C + c];
-  }
-  lane_sum[threadIdx.y][threadIdx.x] = s;
-  __syncthreads();
-  if (threadIdx.y == 0 && c < C) {
-    float t = 0.0f;
-#pragma unroll
-    for (int l = 0; l < kSumLanes; ++l) t += lane_sum[l][threadIdx.x];
-    dw[c] += t;
-  }
-}
-
 bool aligned16(const Tensor& t) { return reinterpret_cast<uintptr_t>(t.data) % 16 == 0; }
 
 // Threads per row block on the vector path for nvec vectors per row and `vecs` per thread: enough
@@ -372,7 +349,6 @@ void rmsnorm_backward(const Tensor& d_x, const Tensor& d_weight, const Tensor& d
   CW_CHECK(N <= 0x7fffffff, "rmsnorm_backward: {} rows exceed the grid", N);
 
   cudaStream_t stream = current_stream(x.device.index);
-  const unsigned sum_blocks = blocks_for(C, kSumCols);
   dispatch_compute(x.dtype, "rmsnorm_backward", [&](auto tag) {
     using T = typename decltype(tag)::type;
     constexpr int kN = Vec16<T>::kN;
@@ -400,9 +376,7 @@ void rmsnorm_backward(const Tensor& d_x, const Tensor& d_weight, const Tensor& d
           mode == GradMode::accumulate);
       CW_KERNEL_CHECK();
       if (d_weight.data) {
-        sum_partials_kernel<<<sum_blocks, dim3(kSumCols, kSumLanes), 0, stream>>>(
-            dptr<float>(d_weight), dptr<const float>(partials), row_blocks, C);
-        CW_KERNEL_CHECK();
+        add_partial_sums(dptr<float>(d_weight), dptr<const float>(partials), row_blocks, C, stream);
       }
     } else {
       const unsigned col_blocks = blocks_for(C, kColThreads);
@@ -412,9 +386,7 @@ void rmsnorm_backward(const Tensor& d_x, const Tensor& d_weight, const Tensor& d
             dptr<float>(partials), dptr<const T>(d_out), dptr<const T>(x), dptr<const float>(saved.rstd), N, C,
             rows_per_block);
         CW_KERNEL_CHECK();
-        sum_partials_kernel<<<sum_blocks, dim3(kSumCols, kSumLanes), 0, stream>>>(
-            dptr<float>(d_weight), dptr<const float>(partials), row_blocks, C);
-        CW_KERNEL_CHECK();
+        add_partial_sums(dptr<float>(d_weight), dptr<const float>(partials), row_blocks, C, stream);
       }
       rmsnorm_backward_dx_kernel<T><<<static_cast<unsigned>(N), kRowThreads, 0, stream>>>(
           dptr<T>(d_x), dptr<const T>(d_out), dptr<const T>(x), dptr<const T>(weight), dptr<const float>(saved.rstd),
