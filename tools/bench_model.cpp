@@ -66,14 +66,18 @@ double flops_per_token(const LlamaConfig& c, double T, const LoraConfig& lora, d
 
 // The mean over tokens of the keys a query attends, times two: T for one causal sequence, the sum of
 // the documents' squared lengths over T when packed (what flops_per_token's attention term takes).
-double attention_extent(const std::vector<std::vector<int64_t>>& starts, int64_t T) {
-  if (starts.empty()) return static_cast<double>(T);
+// Under a sliding window of W keys (0: none) a document of n tokens counts n^2 - (n - W)^2 for
+// n > W: its queries past the first W see W keys each, not all before them.
+double attention_extent(const std::vector<std::vector<int64_t>>& starts, int64_t T, int64_t window) {
+  const auto squares_of = [window](double n) {
+    const double past = window > 0 && n > double(window) ? n - double(window) : 0.0;
+    return n * n - past * past;
+  };
+  if (starts.empty()) return squares_of(static_cast<double>(T)) / static_cast<double>(T);
   double squares = 0;
   for (const auto& row : starts)
-    for (size_t i = 0; i < row.size(); ++i) {
-      const double n = static_cast<double>((i + 1 < row.size() ? row[i + 1] : T) - row[i]);
-      squares += n * n;
-    }
+    for (size_t i = 0; i < row.size(); ++i)
+      squares += squares_of(static_cast<double>((i + 1 < row.size() ? row[i + 1] : T) - row[i]));
   return squares / static_cast<double>(T * static_cast<int64_t>(starts.size()));
 }
 
@@ -196,7 +200,8 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
   r["deterministic"] = deterministic();
 #endif
   const double peak = o.peak_tflops > 0 ? o.peak_tflops : measure_bf16_peak(g);
-  const double fpt = flops_per_token(cfg, attention_extent(documents_of_step(o.warmup), o.seq), o.lora);
+  const double extent = attention_extent(documents_of_step(o.warmup), o.seq, cfg.sliding_window);
+  const double fpt = flops_per_token(cfg, extent, o.lora);
   if (!o.documents.empty()) r["documents"] = o.documents;
   r["peak_tflops"] = peak;
   r["flops_per_token"] = fpt;
@@ -320,8 +325,7 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
     r["tokens_per_s"] = tps;
     // spaco: the model flops of the chunks it backpropagated (the last step's t of k).
     const double visited = stats.chunks > 0 ? double(stats.chunks_visited) / double(stats.chunks) : 1.0;
-    const double fpt_done =
-        visited < 1.0 ? flops_per_token(cfg, attention_extent(documents_of_step(o.warmup), o.seq), o.lora, visited) : fpt;
+    const double fpt_done = visited < 1.0 ? flops_per_token(cfg, extent, o.lora, visited) : fpt;
     r["flops_per_token"] = fpt_done;
     r["mfu"] = tps * fpt_done / (peak * 1e12);
   } catch (const std::exception& e) {

@@ -1,11 +1,16 @@
 #!/usr/bin/env python3
-"""The reference a user would pick instead of chunkwise: HF transformers Llama training steps on one GPU.
+"""The reference a user would pick instead of chunkwise: HF transformers training steps on one GPU.
 
-Setup (../shared/BENCHMARKS.md, "What a user would pick instead"): LlamaForCausalLM built from a
-hard-coded config of the named shape with random init; fp32 master weights, the step under bf16
-autocast; attn_implementation="sdpa"; fused AdamW (torch.optim.AdamW(fused=True)); random token ids
-(never zeros) with labels = input ids (HF shifts them inside the loss); optionally gradient
-checkpointing (gradient_checkpointing_enable, use_reentrant=False).
+Setup (../shared/BENCHMARKS.md, "What a user would pick instead"): the family's transformers class
+(LlamaForCausalLM, Qwen2ForCausalLM for Qwen2 and Qwen2.5, Qwen3ForCausalLM, MistralForCausalLM: the
+families chunkwise trains, by the config's model_type, llama without one) built from a hard-coded
+config of the named shape with random init; fp32 master weights, the step under bf16 autocast;
+attn_implementation="sdpa"; fused AdamW (torch.optim.AdamW(fused=True)); random token ids (never
+zeros) with labels = input ids (HF shifts them inside the loss); optionally gradient checkpointing
+(gradient_checkpointing_enable, use_reentrant=False). Mistral's sliding window is the model's own:
+under SDPA transformers hands it as a [B, 1, T, T] boolean mask once T reaches the window, as a
+Mistral user on SDPA runs it. Qwen's windows stay off (use_sliding_window false, as in the released
+models); a config that turns them on is refused, as chunkwise refuses it.
 
 LoRA (--lora-rank R > 0): what a PEFT user runs instead. The base is built in bf16 (dtype=torch.bfloat16)
 and frozen: no fp32 master copy, no gradients, no optimizer state for it. peft.get_peft_model wraps it
@@ -16,6 +21,11 @@ AdamW holds the adapters only. With --checkpointing, model.enable_input_require_
 recipe does (the embeddings are frozen, so a checkpointed layer's input would not require grad). The
 flags are chunkwise bench's (--lora-rank, --lora-alpha, --lora-dropout, --lora-targets), so both sides
 run the same adapters; with --liger, Liger is applied before the model is built, as without LoRA.
+
+Liger (--liger): the family's patch (apply_liger_kernel_to_llama, _qwen2, _qwen3, _mistral) with RoPE,
+RMSNorm (Qwen3's per-head q/k norms too), SwiGLU and the LM head fused with cross-entropy, applied
+before the model is built; an option the installed function does not take is left out and named in
+the JSON (liger_patch).
 
 One step = forward + backward + optimizer.step() + zero_grad, timed with torch.cuda.synchronize() on
 both sides. The figure is the median of --steps timed steps after --warmup untimed ones (the first
@@ -30,7 +40,9 @@ step, a BlockMask built by torch.nn.attention.flex_attention.create_block_mask f
 is causal and same-document (transformers' create_causal_mask returns a 4-D mask as given), with
 position_ids restarting at 0 at each document start and labels of -100 at each start but the first:
 HF shifts labels inside the loss, so that removes the target of the position before a start, as
-chunkwise's set_documents does (no token is trained to predict across a boundary). The starts are
+chunkwise's set_documents does (no token is trained to predict across a boundary). Mistral's window
+goes into the same mask_mod (a query sees keys of its own document within its window, as chunkwise):
+a BlockMask reaches FlexAttention as given, so the model's own window would not apply. The starts are
 chunkwise bench's, draw for draw (tools/bench_model.cpp bench_document_starts: engine/random.h's Rng,
 splitmix64, seeded 2000 + step, warm-up steps counted), reproduced here by document_starts, so both
 sides train the same documents at every step. The mask is built before a step's clock starts, as
@@ -40,12 +52,17 @@ tools/bench/hf_documents_check.py holds the peer to each document run alone.
 MFU = tokens/s * flops_per_token / peak, with
   flops_per_token = 6 * P_matmul + 12 * L * H * D * (E / 2)
   E = T for one causal sequence; packed, the documents' squared lengths summed over the batch and
-      divided by B * T (attention_extent, chunkwise bench's count), for the first timed step's documents
+      divided by B * T (attention_extent, chunkwise bench's count), for the first timed step's documents;
+      under a sliding window of W keys (Mistral) a sequence or document of n > W tokens counts
+      n^2 - (n - W)^2 instead of n^2 (a query sees min(position + 1, W) keys)
   P_matmul = L * (C*H*D [q] + 2*C*Hkv*D [k, v] + H*D*C [o] + 3*C*F [gate, up, down]) + V*C [LM head]
+  D = head_dim (Qwen3's is its own, not C / H); Qwen2's q/k/v biases and Qwen3's q/k norms are left
+      out (at most a few million FLOPs a token, under 0.1% of the count for every preset)
 6 per matmul parameter: 2 forward + 4 backward. Causal attention: QK^T and PV are 2 * 2 * T * D per
 query head and token over the T/2 keys a causal row sees on average, times 3 for forward + backward
 (12 * H * D * T/2 per layer and token). About 9.0 GFLOP/token for the 1B shape at 8K tokens. Packed, a
 token sees the keys of its own document only: E/2 on average (a 64K sequence of 8K documents: E = 8192).
+Mistral 7B's window of 4096 at 64K tokens: E = 8192 - 4096^2 / 65536 = 7936, not 65536.
 With LoRA (chunkwise's count, tools/bench_model.cpp):
   flops_per_token = 4 * P_matmul + 6 * P_adapter + 12 * L * H * D * (E / 2)
   P_adapter = L * sum over the targeted linears [out, in] of R * (in + out)
@@ -81,10 +98,35 @@ def llama3(hidden, ffn, layers, heads, head_dim, tied, factor):
                 max_position_embeddings=131072, bos_token_id=128000, eos_token_id=128001)
 
 
+def qwen(model_type, hidden, ffn, layers, heads, kv_heads, head_dim, tied, vocab=151936, positions=None):
+    """Qwen2.5 (model_type qwen2: q/k/v biases, which the type implies) and Qwen3 (qwen3: per-head q/k
+    norms, head_dim its own) as chunkwise's qwen_family: RoPE theta 1e6 without scaling, eps 1e-6,
+    no sliding window, <|endoftext|> as bos, Qwen3's <|im_end|> as eos."""
+    qwen3 = model_type == "qwen3"
+    d = dict(model_type=model_type, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+             num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=head_dim, vocab_size=vocab,
+             tie_word_embeddings=tied, rope_theta=1000000.0, rms_norm_eps=1e-6,
+             max_position_embeddings=positions or (40960 if qwen3 else 32768), use_sliding_window=False,
+             bos_token_id=151643, eos_token_id=151645 if qwen3 else 151643)
+    if qwen3:
+        d["attention_bias"] = False
+    return d
+
+
+# A dict without model_type is a Llama's (family_of).
 PRESETS = {
     "llama-3.2-1b": llama3(2048, 8192, 16, 32, 64, True, 32.0),
     "llama-3.2-3b": llama3(3072, 8192, 28, 24, 128, True, 32.0),
     "llama-3.1-8b": llama3(4096, 14336, 32, 32, 128, False, 8.0),
+    "qwen2.5-0.5b": qwen("qwen2", 896, 4864, 24, 14, 2, 64, True),
+    "qwen2.5-7b": qwen("qwen2", 3584, 18944, 28, 28, 4, 128, False, vocab=152064, positions=131072),
+    "qwen3-0.6b": qwen("qwen3", 1024, 3072, 28, 16, 8, 128, True),
+    "qwen3-8b": qwen("qwen3", 4096, 12288, 36, 32, 8, 128, False),
+    # Mistral-7B-v0.1: GQA 32:8, a window of 4096 keys on every layer.
+    "mistral-7b": dict(model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                       num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=32000,
+                       tie_word_embeddings=False, rope_theta=10000.0, rms_norm_eps=1e-5, sliding_window=4096,
+                       max_position_embeddings=32768, bos_token_id=1, eos_token_id=2),
     # chunkwise's test and demo shapes: for trying the script, not for figures.
     "tiny": dict(hidden_size=24, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=6, vocab_size=61, tie_word_embeddings=False, rope_theta=10000.0,
@@ -95,6 +137,26 @@ PRESETS = {
                   num_key_value_heads=2, head_dim=32, vocab_size=320, tie_word_embeddings=True, rope_theta=10000.0,
                   rms_norm_eps=1e-5, max_position_embeddings=4096),
 }
+# tiny as each family, as chunkwise's tiny-qwen2 (q/k/v biases, tied), tiny-qwen3 (q/k norms, head_dim 8
+# apart from hidden / heads = 6) and tiny-mistral (a window of 5 keys), RoPE without scaling.
+_TINY = {k: v for k, v in PRESETS["tiny"].items() if k != "rope_scaling"}
+PRESETS["tiny-qwen2"] = dict(_TINY, model_type="qwen2", rope_theta=1000000.0, rms_norm_eps=1e-6,
+                             tie_word_embeddings=True, use_sliding_window=False)
+PRESETS["tiny-qwen3"] = dict(_TINY, model_type="qwen3", rope_theta=1000000.0, rms_norm_eps=1e-6, head_dim=8,
+                             attention_bias=False, use_sliding_window=False)
+PRESETS["tiny-mistral"] = dict(_TINY, model_type="mistral", sliding_window=5)
+
+# Each family chunkwise trains (model/config.cpp's kFamilies), by model_type: its transformers config
+# and model classes and Liger's patch for it.
+FAMILIES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", "apply_liger_kernel_to_llama"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "apply_liger_kernel_to_qwen2"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "apply_liger_kernel_to_qwen3"),
+    "mistral": ("MistralConfig", "MistralForCausalLM", "apply_liger_kernel_to_mistral"),
+}
+# Liger's options, the same for every family: the LM head fused with cross-entropy (which never
+# materialises the [tokens, vocab] logits) rather than Liger's plain cross-entropy.
+LIGER_OPTIONS = dict(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True)
 
 
 def load_config_dict(spec):
@@ -104,9 +166,41 @@ def load_config_dict(spec):
         return json.load(f)
 
 
+def family_of(d):
+    """A config dict's family as chunkwise reads it: model_type; without it the family whose class
+    `architectures` names; else llama (the Llama presets carry no model_type). ValueError for another."""
+    if "model_type" in d:
+        family = d["model_type"]
+        if family not in FAMILIES:
+            raise ValueError(f"model_type {family!r}: chunkwise trains {', '.join(FAMILIES)} models")
+        return family
+    named = [f for f, (_, cls, _) in FAMILIES.items() if cls in (d.get("architectures") or [])]
+    return named[-1] if named else "llama"
+
+
+def sliding_window_of(d):
+    """The keys a query attends at most under the config's sliding window, 0 for none: Mistral's
+    sliding_window (absent: MistralConfig's 4096; null: none). Other families have none (Qwen's
+    windows are refused by make_config, as chunkwise refuses them)."""
+    if family_of(d) != "mistral":
+        return 0
+    return (d["sliding_window"] or 0) if "sliding_window" in d else 4096
+
+
 def make_config(d):
-    from transformers import LlamaConfig
-    cfg = LlamaConfig.from_dict(d)
+    """The family's transformers config for a config dict (family_of); ValueError for a Qwen config
+    with sliding-window layers, which chunkwise does not train."""
+    import transformers
+    family = family_of(d)
+    if family in ("qwen2", "qwen3"):
+        # Qwen2Config and Qwen3Config keep the window off unless use_sliding_window; chunkwise refuses it.
+        if d.get("use_sliding_window"):
+            raise ValueError("use_sliding_window is true: chunkwise does not train Qwen's sliding-window layers, "
+                             "so there is nothing to compare; set it to false")
+        if any(t != "full_attention" for t in d.get("layer_types") or []):
+            raise ValueError("layer_types has layers other than full_attention: chunkwise's layers are all "
+                             "full_attention; leave layer_types out")
+    cfg = getattr(transformers, FAMILIES[family][0]).from_dict(d)
     # transformers 5 keeps rope settings in config.rope_parameters; set them explicitly so the model
     # gets exactly this RoPE whatever the legacy-field conversion of the installed version does.
     if hasattr(cfg, "rope_parameters"):
@@ -123,7 +217,8 @@ LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 
 
 def linear_shapes(d):
-    """Each block linear's weight shape [out, in] for a config dict."""
+    """Each block linear's weight shape [out, in] for a config dict. The heads are head_dim wide, which
+    Qwen3 sets apart from hidden / heads (Qwen3 0.6B: 128, not 1024 / 16)."""
     C, F, H, Hkv = d["hidden_size"], d["intermediate_size"], d["num_attention_heads"], d["num_key_value_heads"]
     D = d.get("head_dim") or C // H
     return dict(q_proj=(H * D, C), k_proj=(Hkv * D, C), v_proj=(Hkv * D, C), o_proj=(C, H * D), gate_proj=(F, C),
@@ -132,8 +227,11 @@ def linear_shapes(d):
 
 def flops_per_token(d, extent, lora=None):
     """Useful FLOPs per token of a training step (the module docstring's formula); extent: E, the
-    sequence's tokens T for one causal sequence, attention_extent(starts, T) for packed documents;
-    lora: the result's "lora" object (rank, targets) or None for full-parameter training."""
+    sequence's tokens T for one causal sequence, attention_extent(starts, T, sliding_window_of(d)) for
+    packed documents or a sliding window;
+    lora: the result's "lora" object (rank, targets) or None for full-parameter training. Qwen2's
+    q/k/v biases and Qwen3's per-head q/k norms are not counted: elementwise work of at most a few
+    million FLOPs a token, under 0.1% of the count for every preset."""
     C, L, H = d["hidden_size"], d["num_hidden_layers"], d["num_attention_heads"]
     D = d.get("head_dim") or C // H
     shapes = linear_shapes(d)
@@ -245,10 +343,15 @@ def document_starts(spec, batch, seq, seed):
     return starts
 
 
-def attention_extent(starts, seq):
+def attention_extent(starts, seq, window=0):
     """E of the FLOP count: the documents' squared lengths summed over the batch, over batch * seq
-    (seq itself for one document a sequence), as chunkwise bench's attention_extent."""
-    squares = sum((end - start) ** 2 for row in starts for start, end in zip(row, row[1:] + [seq]))
+    (seq itself for one document a sequence, starts [[0]] * batch), as chunkwise bench's
+    attention_extent. Under a sliding window of `window` keys (0: none) a query sees min(its position
+    in its document + 1, window) keys, so a document of n > window tokens counts n^2 - (n - window)^2
+    (twice its query-key pairs, as n^2 is twice a causal document's n^2 / 2)."""
+    def square(n):
+        return n * n - (max(0, n - window) ** 2 if window > 0 else 0)
+    squares = sum(square(end - start) for row in starts for start, end in zip(row, row[1:] + [seq]))
     return squares / (seq * len(starts))
 
 
@@ -277,10 +380,12 @@ def document_inputs(starts, ids):
 _compiled_create_block_mask = None  # torch.compile(create_block_mask), made once at its first use
 
 
-def document_block_mask(document, compiled):
-    """FlexAttention's BlockMask for document [B, T]: query q sees key k when k <= q in q's document.
-    compiled: build it through torch.compile(create_block_mask), tile by tile; otherwise the [B, 1, T, T]
-    boolean mask is made first (4 GiB a sequence at 64K tokens)."""
+def document_block_mask(document, compiled, window=0):
+    """FlexAttention's BlockMask for document [B, T]: query q sees key k when k <= q in q's document,
+    and with a sliding window (window > 0 keys) when q - k < window too: the model's own window does
+    not reach FlexAttention past a given BlockMask. compiled: build it through
+    torch.compile(create_block_mask), tile by tile; otherwise the [B, 1, T, T] boolean mask is made
+    first (4 GiB a sequence at 64K tokens)."""
     from torch.nn.attention.flex_attention import create_block_mask
     global _compiled_create_block_mask
     B, T = document.shape
@@ -288,11 +393,15 @@ def document_block_mask(document, compiled):
     def same_document_causal(b, h, q, k):
         return (k <= q) & (document[b, q] == document[b, k])
 
+    def same_document_window(b, h, q, k):
+        return (k <= q) & (q - k < window) & (document[b, q] == document[b, k])
+
     if compiled and _compiled_create_block_mask is None:
         import torch
         _compiled_create_block_mask = torch.compile(create_block_mask)
     make = _compiled_create_block_mask if compiled else create_block_mask
-    return make(same_document_causal, B, None, T, T, device=document.device)
+    mask_mod = same_document_window if window > 0 else same_document_causal
+    return make(mask_mod, B, None, T, T, device=document.device)
 
 
 def measure_peak_tflops(n=8192, repeat=10):
@@ -335,12 +444,33 @@ def add_lora(model, lora, checkpointing):
     return model
 
 
+def apply_liger(liger_transformers, family):
+    """Liger's patch for the family with LIGER_OPTIONS, those its function takes (all of them in
+    liger-kernel 0.8.5, for every family here); returns what was applied, for the JSON:
+    {function, options, not_taken} (not_taken: the options the function has no parameter for)."""
+    import inspect
+    name = FAMILIES[family][2]
+    apply = getattr(liger_transformers, name, None)
+    if apply is None:
+        raise RuntimeError(f"--liger: liger_kernel.transformers has no {name}; this liger-kernel does not patch "
+                           f"{family} models")
+    params = inspect.signature(apply).parameters
+    takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    options = {k: v for k, v in LIGER_OPTIONS.items() if takes_any or k in params}
+    apply(**options)
+    return dict(function=name, options=options, not_taken=sorted(set(LIGER_OPTIONS) - set(options)))
+
+
 def run(args, res):
     import torch
     import transformers
-    from transformers import LlamaForCausalLM
     res["transformers"] = transformers.__version__
     d = load_config_dict(args.model)
+    family = res["family"] = family_of(d)
+    window = sliding_window_of(d)
+    if window:
+        res["sliding_window"] = window
+    cfg = make_config(d)  # here, so a config chunkwise would refuse fails before any GPU work
     lora = res.get("lora")
     if lora:
         try:
@@ -350,38 +480,37 @@ def run(args, res):
                                "install --no-index --no-deps --target DIR .whl/peft-*.whl .whl/accelerate-*.whl and "
                                "set PYTHONPATH=DIR (tools/bench/model_vs_hf.py --peers peft-liger does it)")
         res["peft"] = peft.__version__
-    extent = args.seq
-    if args.documents:  # the first timed step's documents, as chunkwise bench counts them
-        extent = attention_extent(document_starts(args.documents, args.batch, args.seq, DOCUMENT_SEED + args.warmup),
-                                  args.seq)
+    # The first timed step's documents, as chunkwise bench counts them; without, one a sequence.
+    starts = (document_starts(args.documents, args.batch, args.seq, DOCUMENT_SEED + args.warmup) if args.documents
+              else [[0]] * args.batch)
+    extent = attention_extent(starts, args.seq, window)
+    if args.documents or window:
         res["attention_extent"] = extent
     res["flops_per_token"] = flops_per_token(d, extent, lora)
     res["peak_tflops"] = args.peak_tflops if args.peak_tflops > 0 else measure_peak_tflops()
     torch.manual_seed(args.seed)
     if args.liger:
-        # The long-context peer: Liger's Triton kernels patched into HF's Llama before it is built
-        # (RoPE, RMSNorm, SwiGLU, and the LM head fused with cross-entropy, which never materialises
-        # the [tokens, vocab] logits).
+        # The long-context peer: Liger's Triton kernels patched into the family's HF modules before the
+        # model is built (LIGER_OPTIONS).
         try:
             import liger_kernel
-            from liger_kernel.transformers import apply_liger_kernel_to_llama
+            import liger_kernel.transformers as liger_transformers
         except ImportError as e:
             raise RuntimeError(f"--liger: liger_kernel is not importable ({e}); install the wheel: python3 -m pip "
                                "install --no-index --no-deps --target DIR .whl/liger_kernel-*.whl and set "
                                "PYTHONPATH=DIR (tools/bench/model_vs_hf.py --peers liger does it)")
-        apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                                    fused_linear_cross_entropy=True)
         res["liger"] = getattr(liger_kernel, "__version__", None) or "installed"
-    cfg = make_config(d)
+        res["liger_patch"] = apply_liger(liger_transformers, family)
     res["rope"] = getattr(cfg, "rope_parameters", None) or dict(rope_theta=getattr(cfg, "rope_theta", None),
                                                               rope_scaling=getattr(cfg, "rope_scaling", None))
     # Packed documents need a mask that keeps them apart: FlexAttention's, given per step.
     attention = "flex_attention" if args.documents else "sdpa"
+    model_class = getattr(transformers, FAMILIES[family][1])
     with torch.device("cuda"):  # initialise on the device: the 8B shape would take minutes on the CPU
         if lora:  # the frozen base in bf16, as a PEFT user loads it
-            model = LlamaForCausalLM._from_config(cfg, attn_implementation=attention, dtype=torch.bfloat16)
+            model = model_class._from_config(cfg, attn_implementation=attention, dtype=torch.bfloat16)
         else:
-            model = LlamaForCausalLM._from_config(cfg, attn_implementation=attention)
+            model = model_class._from_config(cfg, attn_implementation=attention)
             model.float()  # fp32 master weights whatever default dtype the installed version picks
     model.train()
     res["attn_implementation"] = model.config._attn_implementation
@@ -404,7 +533,7 @@ def run(args, res):
         t0 = time.perf_counter()
         starts = document_starts(args.documents, args.batch, args.seq, DOCUMENT_SEED + s)
         document, positions, labels = document_inputs(starts, ids)
-        mask = document_block_mask(document, compiled=True)
+        mask = document_block_mask(document, compiled=True, window=window)
         torch.cuda.synchronize()
         mask_s.append(time.perf_counter() - t0)
         return dict(attention_mask=mask, position_ids=positions, labels=labels)
@@ -447,12 +576,14 @@ def run(args, res):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="llama-3.2-1b", help=f"{' | '.join(PRESETS)} or a config.json path")
+    ap.add_argument("--model", default="llama-3.2-1b",
+                    help=f"{' | '.join(PRESETS)} or a config.json path (model_type {', '.join(FAMILIES)}; none: llama)")
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--checkpointing", action="store_true", help="activation checkpointing (use_reentrant=False)")
     ap.add_argument("--liger", action="store_true",
-                    help="apply Liger kernels (apply_liger_kernel_to_llama with the fused linear cross-entropy) first")
+                    help="apply Liger kernels first (the family's apply_liger_kernel_to_llama, _qwen2, _qwen3 or "
+                    "_mistral, with the fused linear cross-entropy)")
     add_lora_args(ap)
     ap.add_argument("--documents", default="", metavar="SPEC",
                     help="packed documents of L tokens (L) or of lengths drawn in [LO, HI] (LO:HI), as chunkwise bench "

@@ -10,6 +10,9 @@ process (so neither sees the other's allocator state):
      what a user would pick for long sequences).
 and prints tokens/s, MFU and peak device memory of each side, with the ratios ours / HF
 (tokens/s: > 1 is faster; memory: < 1 is leaner). Writes model_vs_hf.json and model_vs_hf.md to --out.
+M (--model) is a preset both sides know (hf_reference.py's: Llama 3.x, Qwen2.5, Qwen3, Mistral 7B and
+chunkwise's tiny shapes of each family) or a config.json path; the peer builds the family's
+transformers class (model_type llama, qwen2, qwen3 or mistral) and, with Liger, applies its patch.
 
 Peers (--peers, comma-separated): `hf` (plain HF, as above), `liger` (HF with Liger kernels:
 hf_reference.py --liger, what a user picks today for long context), and for LoRA `peft` (HF + PEFT:
@@ -53,9 +56,10 @@ and longest.md to --out.
 MFU: both sides are divided by the SAME bf16 peak, the one chunkwise measured in this run (its JSON's
 peak_tflops; also handed to hf_reference.py so it does not measure its own), or --peak-tflops; and
 the same FLOP count per token (hf_reference.flops_per_token: 6 per matmul parameter incl. the LM head
-plus causal attention, over the documents' squares when packed; with LoRA 4 per frozen matmul
-parameter and 6 per adapter parameter; recomputation is not counted as useful work). A side whose own
-JSON counted otherwise (chunkwise's for a model this script knows) gets a note under the table.
+plus causal attention, over the documents' squares when packed and within Mistral's sliding window;
+with LoRA 4 per frozen matmul parameter and 6 per adapter parameter; recomputation is not counted as
+useful work). A side whose own JSON counted otherwise (chunkwise's for a model this script knows)
+gets a note under the table.
 
 A side that runs out of memory, fails, or exceeds --timeout becomes a row with that status, never a
 crash. Run on the GPU machine: python3 tools/bench/model_vs_hf.py --out $OUT (HF runs under
@@ -126,13 +130,15 @@ def documents_of(args):
     return spec
 
 
-def attention_extent_of(documents, batch, seq, warmup):
+def attention_extent_of(documents, batch, seq, warmup, window=0):
     """E of hf_reference.flops_per_token at one case: seq for one document a sequence, else the
-    documents' squares of the first timed step (step `warmup`), as both sides count them."""
-    if not documents:
+    documents' squares of the first timed step (step `warmup`), as both sides count them; under a
+    sliding window of `window` keys (Mistral's; 0: none) each within the window."""
+    if not documents and not window:
         return seq
-    starts = hf_reference.document_starts(documents, batch, seq, hf_reference.DOCUMENT_SEED + warmup)
-    return hf_reference.attention_extent(starts, seq)
+    starts = (hf_reference.document_starts(documents, batch, seq, hf_reference.DOCUMENT_SEED + warmup) if documents
+              else [[0]] * batch)
+    return hf_reference.attention_extent(starts, seq, window)
 
 
 def run_side(name, cmd, json_path, log_path, timeout, env=None):
@@ -424,8 +430,9 @@ def main():
         return
     try:
         cfg = hf_reference.load_config_dict(a.model)
-    except OSError:
-        cfg = None  # a model only chunkwise knows: MFU then comes from each side's own JSON
+        window = hf_reference.sliding_window_of(cfg)
+    except (OSError, ValueError):
+        cfg, window = None, 0  # a model only chunkwise knows: MFU then comes from each side's own JSON
 
     rows = []
     peak = a.peak_tflops or None
@@ -471,7 +478,7 @@ def main():
         peak_source = "hf_reference.py" if peak else "nobody"
     counted_otherwise = []  # a side's own FLOP count that is not this script's (for documents: other draws)
     for r in rows:
-        extent = attention_extent_of(r["documents"], a.batch, r["seq"], a.warmup)
+        extent = attention_extent_of(r["documents"], a.batch, r["seq"], a.warmup, window)
         fpt = hf_reference.flops_per_token(cfg, extent, lora) if cfg else None
         for side in ("ours", "hf"):
             s = r[side]
@@ -479,9 +486,10 @@ def main():
             own = s.get("flops_per_token") if side == "hf" or r["schedule"] != "spaco" else None
             if fpt and own and abs(own - fpt) > 1e-6 * fpt:
                 who = "chunkwise" if side == "ours" else PEER_NAMES[r["peer"]]
+                why = [w for w, on in (("its documents were drawn otherwise", r["documents"]),
+                                       (f"it counts the sliding window of {window} keys otherwise", window)) if on]
                 counted_otherwise.append(f"{r['case']} {who}: its own count is {own / 1e9:.4f} GFLOP/token, this "
-                                         f"table's {fpt / 1e9:.4f}" + (" (its documents were drawn otherwise?)"
-                                                                       if r["documents"] else ""))
+                                         f"table's {fpt / 1e9:.4f}" + (f" ({' or '.join(why)}?)" if why else ""))
             f = fpt or s.get("flops_per_token")
             ok = s.get("status") == "ok" and s.get("tokens_per_s")
             s["mfu_common"] = s["tokens_per_s"] * f / (peak * 1e12) if ok and f and peak else None
