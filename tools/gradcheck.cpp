@@ -538,8 +538,11 @@ int run_gradcheck(const GradcheckOptions& o, std::ostream& out, Communicator* wo
     fail("--zero 3 shards the model's own parameters; with --lora-rank only the adapters train",
          "use --zero 1 or 2 with LoRA (the adapters' moments and gradient sharded)");
   const bool parallel = o.parallel.dp > 1 || o.parallel.tp > 1;
-  const std::string against =
-      !o.against.empty() ? o.against : (parallel ? "single" : (o.schedule.kind == ScheduleKind::full ? "fd" : "full"));
+  // Ranks (or ZeRO's shards, or a launched world of one) have one reference: one process.
+  const bool against_one_process = parallel || o.parallel.zero > 0 || world != nullptr;
+  const std::string against = !o.against.empty() ? o.against
+                              : against_one_process ? "single"
+                                                    : (o.schedule.kind == ScheduleKind::full ? "fd" : "full");
   if (against != "fd" && against != "full" && against != "single" && against != "separate" && against != "reference")
     fail(fmt::format("unknown --against '{}'", against), "use fd, full, single, separate or reference");
   if (against == "reference" && o.lora.dropout > 0)
@@ -551,7 +554,7 @@ int run_gradcheck(const GradcheckOptions& o, std::ostream& out, Communicator* wo
          "give --documents L1,L2,... (summing to --seq)");
   if (against != "single" && (parallel || o.parallel.zero > 0))
     fail(fmt::format("--dp / --zero / --tp compare ranks with one process: they need --against single, not {}", against),
-         "use --against single (the default with --dp > 1 or --tp > 1)");
+         "use --against single (the default with --dp > 1, --tp > 1 or --zero)");
   if (against == "single" && o.parallel.tp > 1 && !o.save_grads.empty())
     fail("--save-grads writes the gradients of one process; with --tp it is not supported", "drop --save-grads");
   if (against == "single" && o.batch % o.parallel.dp != 0)

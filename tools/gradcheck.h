@@ -8,10 +8,11 @@
 //   against full (default for seco / spaco): the schedule's gradients against the full schedule's on
 //                the same model and batch; rel_err = ||a - b||_2 / ||b||_2 per tensor (worst element
 //                shown), and a row for the loss.
-//   against single (default with --dp N > 1 or --tp M > 1): N x M ranks as threads of the CPU backend
-//                (parallel/comm.h) on a DP x TP grid (parallel/grid.h): DP rank d takes sequences
-//                [d B/N, (d+1) B/N) of the --batch sequences, TP rank t holds shard t of the same
-//                initial model (parallel/tensor_parallel.h; --sequence-parallel, --tp-regather),
+//   against single (default with --dp N > 1, --tp M > 1, --zero Z > 0 or launched): N x M ranks as
+//                threads of the CPU backend (parallel/comm.h) on a DP x TP grid (parallel/grid.h):
+//                DP rank d takes sequences [d B/N, (d+1) B/N) of the --batch sequences, TP rank t
+//                holds shard t of the same initial model (parallel/tensor_parallel.h;
+//                --sequence-parallel, --tp-regather),
 //                every step through DataParallel on the DP group; against one process on the
 //                whole batch, both under the same schedule: the loss and every gradient of the
 //                first step (assembled from the TP shards, and with ZeRO 2 from the DP ranks'
