@@ -121,7 +121,7 @@ const char* family_name(FlashFamily f) {
 // (engine/ops/attention.cpp); what is checked here is the flash kernels' own: f32 or bf16, an even
 // head dim of at most 128, the grid; the tensor-core families' alignment below.
 Problem check_common(const Tensor& q, const Tensor& k, const Tensor& v, double scale, bool causal,
-                     AttentionWindow window) {
+                     AttentionWindow window, const Tensor& doc_first) {
   const int64_t B = q.size(0), c = q.size(1), H = q.size(2), D = q.size(3), S = k.size(1), Hkv = k.size(2);
   CW_CHECK(D > 0 && D % 2 == 0 && D <= 128, "flash attention: head dim {} must be even and at most 128", D);
   CW_CHECK(q.dtype == DType::f32 || q.dtype == DType::bf16, "flash attention: q is {}; the GPU computes in f32 or bf16",
@@ -144,6 +144,14 @@ Problem check_common(const Tensor& q, const Tensor& k, const Tensor& v, double s
   int64_t W = window.size;
   if (W > 0 && !causal) W = std::max<int64_t>(1, W - (window.distance - S));
   pr.window = W > 0 && W < pr.p + c ? static_cast<int>(W) : 0;
+  // Packed documents: each row's first key, int32 [B, c] on the operands' device (a causal call's).
+  if (doc_first.data != nullptr) {
+    CW_CHECK(causal && doc_first.dtype == DType::i32 && doc_first.ndim == 2 && doc_first.size(0) == B &&
+                 doc_first.size(1) == c && doc_first.contiguous() && doc_first.device == q.device,
+             "flash attention: doc_first must be a causal call's contiguous int32 [{}, {}] on {}, got {}", B, c,
+             device_name(q.device), doc_first.describe());
+    pr.doc_first = static_cast<const int*>(doc_first.data);
+  }
   pr.q_row = H * D, pr.kv_row = Hkv * D;
   pr.k_batch = k.stride[0], pr.v_batch = v.stride[0];
   pr.scale = static_cast<float>(scale), pr.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
@@ -179,8 +187,8 @@ bool flash_wgmma_available(int device) {
 
 void flash_attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
                              const Tensor& v, double scale, FlashFamily family, bool causal,
-                             AttentionWindow window) {
-  const Problem pr = check_common(q, k, v, scale, causal, window);
+                             AttentionWindow window, const Tensor& doc_first) {
+  const Problem pr = check_common(q, k, v, scale, causal, window, doc_first);
   if (pr.B == 0 || pr.c == 0 || pr.H == 0) return;
   cudaStream_t stream = current_stream(q.device.index);
   if (family != FlashFamily::simt) {
@@ -206,8 +214,8 @@ void flash_attention_forward(const Tensor& out, const AttentionSaved& saved, con
 void flash_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,
                               const AttentionSaved& saved, const Tensor& q, const Tensor& k, const Tensor& v,
                               const Tensor& out, double scale, GradMode mode, Arena& scratch, FlashFamily family,
-                              bool deterministic, bool causal, AttentionWindow window) {
-  Problem pr = check_common(q, k, v, scale, causal, window);
+                              bool deterministic, bool causal, AttentionWindow window, const Tensor& doc_first) {
+  Problem pr = check_common(q, k, v, scale, causal, window, doc_first);
   if (pr.B == 0 || pr.c == 0 || pr.H == 0) return;
   pr.dk_batch = d_k.stride[0], pr.dv_batch = d_v.stride[0];
   pr.accumulate = mode == GradMode::accumulate;

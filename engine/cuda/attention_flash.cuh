@@ -3,7 +3,8 @@
 // the chooser named.
 //   Math (batch b, query head h, its K/V head g = h / group; query i at position p + i sees keys
 //   j <= p + i of the S = p + c keys, and with a sliding window of W keys only those with
-//   j > p + i - W; an unmasked call has p >= S, so only the window masks it):
+//   j > p + i - W, and with packed documents only those with j >= first_b(i), the start of its
+//   document; an unmasked call has p >= S, so only the window masks it):
 //     s_ij = scale q_i . k_j,  lse_i = log sum_j exp(s_ij),  P_ij = exp(s_ij - lse_i),  out_i = sum_j P_ij v_j;
 //     Delta_i = d_out_i . out_i,  dS_ij = P_ij (d_out_i . v_j - Delta_i),
 //     d_q_i = scale sum_j dS_ij k_j (overwrite or accumulate),
@@ -38,28 +39,51 @@ struct Problem {
   float scale_log2;                  // scale * log2(e): scores in the base-2 domain
   bool accumulate;                   // d_q: add into it instead of overwriting
   int window;                        // W: query i sees keys j > p + i - W as well; 0: no window
+  // Packed documents (causal calls only): doc_first[b * c + i] is the first key of query i's
+  // document, ascending in i for each b; nullptr: one document. Query i sees keys j >= it as well.
+  const int* doc_first;
 };
 
-// The sliding window (0 < W < p + c, check_common; 0: none). Every family masks per element with
-// key_visible and skips the key blocks left of a query tile's first window (window_first_key), and
-// the query blocks below a key block's last window (window_row_end); a block that holds a key left of
-// its last row's window (window_cuts) takes the per-element mask like a block on the causal diagonal.
-// A row that sees no key at all (only in an unmasked windowed block) ends with l = 0: out 0, lse -inf.
-__device__ __forceinline__ bool key_visible(const Problem& pr, int key, int qpos) {
-  return key <= qpos && (pr.window == 0 || key > qpos - pr.window);
+// The keys a query sees besides causality: the sliding window (0 < W < p + c, check_common; 0:
+// none) and its document (doc_first). Every family masks per element with key_visible and skips the
+// key blocks left of a query tile's first visible key (first_visible_key: the tile's first row has
+// the earliest, as both bounds ascend with the row), and the query blocks past the last row that sees
+// a key block (rows_seeing_end); a block that holds a key left of its last row's first visible key
+// (cuts_block) takes the per-element mask like a block on the causal diagonal. A row that sees no key
+// at all (only in an unmasked windowed block) ends with l = 0: out 0, lse -inf.
+// The first key of the document of chunk row `row` of sequence b (rows past the chunk: its last row's).
+__device__ __forceinline__ int document_first_key(const Problem& pr, int b, int row) {
+  return pr.doc_first[static_cast<int64_t>(b) * pr.c + min(max(row, 0), pr.c - 1)];
+}
+__device__ __forceinline__ bool key_visible(const Problem& pr, int b, int key, int qpos) {
+  return key <= qpos && (pr.window == 0 || key > qpos - pr.window) &&
+         (pr.doc_first == nullptr || key >= document_first_key(pr, b, qpos - pr.p));
 }
 // The first key the query at position qpos sees.
-__device__ __forceinline__ int window_first_key(const Problem& pr, int qpos) {
-  return pr.window > 0 ? max(0, qpos - pr.window + 1) : 0;
+__device__ __forceinline__ int first_visible_key(const Problem& pr, int b, int qpos) {
+  const int in_window = pr.window > 0 ? max(0, qpos - pr.window + 1) : 0;
+  return pr.doc_first ? max(in_window, document_first_key(pr, b, qpos - pr.p)) : in_window;
 }
-// One past the last chunk row that sees key `key` (c without a window).
-__device__ __forceinline__ int window_row_end(const Problem& pr, int key) {
-  return pr.window > 0 ? min(pr.c, key - pr.p + pr.window) : pr.c;
+// One past the last chunk row that sees key `key` (c with neither bound): the window's last row, and
+// the first row of a later document (a binary search of doc_first, which ascends).
+__device__ __forceinline__ int rows_seeing_end(const Problem& pr, int b, int key) {
+  int end = pr.window > 0 ? min(pr.c, key - pr.p + pr.window) : pr.c;
+  if (pr.doc_first) {
+    int lo = 0, hi = end;  // the first row in [0, end) whose document starts past key, else end
+    while (lo < hi) {
+      const int mid = (lo + hi) / 2;
+      if (document_first_key(pr, b, mid) > key) hi = mid;
+      else lo = mid + 1;
+    }
+    end = lo;
+  }
+  return end;
 }
-// Whether the key block starting at k0 holds a key left of the window of the query at qpos_last (the
-// tile's last position; earlier rows' windows start no later).
-__device__ __forceinline__ bool window_cuts(const Problem& pr, int k0, int qpos_last) {
-  return pr.window > 0 && k0 <= qpos_last - pr.window;
+// Whether the key block starting at k0 holds a key left of the first visible key of the query at
+// qpos_last (the tile's last position; earlier rows' first keys are no later).
+__device__ __forceinline__ bool cuts_block(const Problem& pr, int b, int k0, int qpos_last) {
+  return (pr.window > 0 && k0 <= qpos_last - pr.window) ||
+         (pr.doc_first != nullptr && k0 < document_first_key(pr, b, qpos_last - pr.p));
 }
 
 template <class T> struct Operands {
@@ -164,12 +188,12 @@ __device__ __forceinline__ void add_key_grads(const Operands<bf16_t>& a, const P
 // S^T and dP^T for its 16 keys (rows key0 + lane / 4, + 8) against the NQ * 8 queries of a block
 // starting at q0, in the accumulator layout of mma.m16n8k16; lse and delta are the block's rows in
 // shared memory. In place: st becomes P^T = exp(scale S^T - lse), dpt becomes
-// dS^T = P^T (dP^T - Delta); entries past the causal diagonal, left of the window or past the ends
-// of the sequence are 0 (set, not multiplied: exp of a row's lse -inf is inf).
+// dS^T = P^T (dP^T - Delta); entries past the causal diagonal, left of the window or of the query's
+// document, or past the ends of the sequence are 0 (set, not multiplied: exp of a row's lse -inf is inf).
 template <int NQ>
 __device__ __forceinline__ void probs_and_score_grads_t(float (&st)[NQ][4], float (&dpt)[NQ][4], const float* lse,
-                                                        const float* delta, const Problem& pr, int key0, int q0,
-                                                        bool masked, int lane) {
+                                                        const float* delta, const Problem& pr, int b, int key0,
+                                                        int q0, bool masked, int lane) {
   const int t = lane & 3;
 #pragma unroll
   for (int nt = 0; nt < NQ; ++nt)
@@ -178,7 +202,7 @@ __device__ __forceinline__ void probs_and_score_grads_t(float (&st)[NQ][4], floa
       const int col = nt * 8 + 2 * t + (e & 1);  // query within the block
       const int key = key0 + (lane >> 2) + (e >> 1) * 8;
       float p = fast_exp2(st[nt][e] * pr.scale_log2 - lse[col] * kLog2e);
-      if (masked && (!key_visible(pr, key, pr.p + q0 + col) || q0 + col >= pr.c || key >= pr.S)) p = 0.0f;
+      if (masked && (!key_visible(pr, b, key, pr.p + q0 + col) || q0 + col >= pr.c || key >= pr.S)) p = 0.0f;
       st[nt][e] = p;
       dpt[nt][e] = p * (dpt[nt][e] - delta[col]);
     }

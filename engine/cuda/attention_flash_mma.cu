@@ -161,10 +161,10 @@ __global__ void __launch_bounds__(NW * 32) tc_forward_kernel(const Operands<bf16
   const bf16_t* kg = a.k + b * pr.k_batch + g * D;
   const bf16_t* vg = a.v + b * pr.v_batch + g * D;
 
-  // Key blocks [kb_first, nkb): from the one holding the first row's oldest visible key (window) to
+  // Key blocks [kb_first, nkb): from the one holding the first row's oldest visible key (window, document) to
   // the one holding the last row's position. The stages alternate by step, not by block.
   const int key_end = min(pr.S, pr.p + q0 + BR);  // keys visible to the tile's last row
-  const int nkb = (key_end + BC - 1) / BC, kb_first = window_first_key(pr, pr.p + q0) / BC;
+  const int nkb = (key_end + BC - 1) / BC, kb_first = first_visible_key(pr, b, pr.p + q0) / BC;
   const int k_first = kb_first * BC;
   load_tile<D, BR, Cfg::kThreads>(sQ, a.q + q_offset(pr, b, q0, h), pr.q_row, pr.c - q0, a.q);
   load_tile<D, BC, Cfg::kThreads>(sK, kg + k_first * pr.kv_row, pr.kv_row, pr.S - k_first, a.k);
@@ -199,10 +199,10 @@ __global__ void __launch_bounds__(NW * 32) tc_forward_kernel(const Operands<bf16
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) mma_abt<D, BC, !Cfg::kQInRegs>(s[mt], qf[mt], sQ, wrow + mt * 16, cK, lane);
 
-    // Only blocks that cross the diagonal of the tile, a row's window start (or the end of the keys)
-    // need the mask.
+    // Only blocks that cross the diagonal of the tile, a row's window or document start (or the end of
+    // the keys) need the mask.
     const int k0 = kb * BC;
-    const bool masked = k0 + BC - 1 > pr.p + q0 || k0 + BC > pr.S || window_cuts(pr, k0, pr.p + q0 + BR - 1);
+    const bool masked = k0 + BC - 1 > pr.p + q0 || k0 + BC > pr.S || cuts_block(pr, b, k0, pr.p + q0 + BR - 1);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -215,7 +215,7 @@ __global__ void __launch_bounds__(NW * 32) tc_forward_kernel(const Operands<bf16
           for (int e = 0; e < 2; ++e) {
             float x = s[mt][nt][2 * hh + e] * pr.scale_log2;
             const int key = k0 + nt * 8 + 2 * t + e;
-            if (masked && (!key_visible(pr, key, qpos) || key >= pr.S)) x = -kInf;
+            if (masked && (!key_visible(pr, b, key, qpos) || key >= pr.S)) x = -kInf;
             s[mt][nt][2 * hh + e] = x;
             mx = fmaxf(mx, x);
           }
@@ -337,10 +337,10 @@ __global__ void __launch_bounds__(NW * 32) tc_dkdv_kernel(const Operands<bf16_t>
 
   load_tile<D, BC, Cfg::kThreads>(sK, a.k + b * pr.k_batch + k0 * pr.kv_row + g * D, pr.kv_row, pr.S - k0, a.k);
   load_tile<D, BC, Cfg::kThreads>(sV, a.v + b * pr.v_batch + k0 * pr.kv_row + g * D, pr.kv_row, pr.S - k0, a.v);
-  // Query i sees key j iff i >= j - p (and, with a window, i < j - p + W: window_row_end). A causal
+  // Query i sees key j iff i >= j - p (and, with a window or documents, i < rows_seeing_end). A causal
   // call's key block has at least one query (k0 < S = p + c); with a window an unmasked block's
   // keys may have none (no step: its dK, dV add 0).
-  const int nqb = (window_row_end(pr, k0 + BC - 1) + BR - 1) / BR, qb_first = max(0, k0 - pr.p) / BR;
+  const int nqb = (rows_seeing_end(pr, b, k0 + BC - 1) + BR - 1) / BR, qb_first = max(0, k0 - pr.p) / BR;
   const int nq = max(0, nqb - qb_first);
   const int steps = pr.group * nq;  // (head, query block) pairs, in a fixed order
   auto issue = [&](int step, int stage) {
@@ -380,8 +380,9 @@ __global__ void __launch_bounds__(NW * 32) tc_dkdv_kernel(const Operands<bf16_t>
     mma_abt<D, BR, !Cfg::kKVInRegs>(dpt, vf, sV, wkey, cdO, lane);
 
     const bool masked = k0 + BC - 1 > pr.p + q0 || q0 + BR > pr.c || k0 + BC > pr.S ||
-                        window_cuts(pr, k0, pr.p + q0 + BR - 1);
-    probs_and_score_grads_t(st, dpt, sLse + stage * BR, sDelta + stage * BR, pr, k0 + wkey, q0, masked, lane);
+                        cuts_block(pr, b, k0, pr.p + q0 + BR - 1);
+    probs_and_score_grads_t(st, dpt, sLse + stage * BR, sDelta + stage * BR, pr, b, k0 + wkey, q0, masked,
+                            lane);
     if constexpr (FUSED_DQ) {
       // The warp's 16 rows of dS^T, rounded to bf16 as the dK product rounds them. Free to
       // overwrite: every warp finished reading the previous step's tile before the loop's barrier.
@@ -432,7 +433,7 @@ __global__ void __launch_bounds__(NW * 32) tc_dq_kernel(const Operands<bf16_t> a
 
   // Key blocks [kb_first, nkb) as in the forward; the stages alternate by step.
   const int key_end = min(pr.S, pr.p + q0 + BR);
-  const int nkb = (key_end + BC - 1) / BC, kb_first = window_first_key(pr, pr.p + q0) / BC;
+  const int nkb = (key_end + BC - 1) / BC, kb_first = first_visible_key(pr, b, pr.p + q0) / BC;
   const int k_first = kb_first * BC;
   load_tile<D, BR, Cfg::kThreads>(sQ, a.q + q_offset(pr, b, q0, h), pr.q_row, pr.c - q0, a.q);
   load_tile<D, BR, Cfg::kThreads>(sdO, a.d_out + q_offset(pr, b, q0, h), pr.q_row, pr.c - q0, a.d_out);
@@ -471,7 +472,7 @@ __global__ void __launch_bounds__(NW * 32) tc_dq_kernel(const Operands<bf16_t> a
     mma_abt<D, BC, !Cfg::kInRegs>(s, qf, sQ, wrow, cK, lane);
     mma_abt<D, BC, !Cfg::kInRegs>(dp, df, sdO, wrow, cV, lane);
     const int k0 = kb * BC;
-    const bool masked = k0 + BC - 1 > pr.p + q0 || k0 + BC > pr.S || window_cuts(pr, k0, pr.p + q0 + BR - 1);
+    const bool masked = k0 + BC - 1 > pr.p + q0 || k0 + BC > pr.S || cuts_block(pr, b, k0, pr.p + q0 + BR - 1);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -479,7 +480,7 @@ __global__ void __launch_bounds__(NW * 32) tc_dq_kernel(const Operands<bf16_t> a
         const int hh = e >> 1, key = k0 + nt * 8 + 2 * t + (e & 1);
         const int qpos = pr.p + q0 + wrow + (lane >> 2) + hh * 8;
         float p = fast_exp2(s[nt][e] * pr.scale_log2 - lse2[hh]);
-        if (masked && (!key_visible(pr, key, qpos) || key >= pr.S)) p = 0.0f;
+        if (masked && (!key_visible(pr, b, key, qpos) || key >= pr.S)) p = 0.0f;
         s[nt][e] = p * (dp[nt][e] - delta[hh]);  // dS
       }
     mma_xb<D, BC>(dq, s, cK, lane);

@@ -97,20 +97,20 @@ template <class T> __global__ void __launch_bounds__(kGenThreads) generic_forwar
   const T* vb = a.v + b * pr.v_batch + static_cast<int64_t>(g) * D;
   stage_rows(sQ, D, a.q + q_offset(pr, b, i0, h), pr.q_row, kGenRows, pr.c - i0, D);
 
-  // The keys the tile's last valid query sees; later keys are masked for every row. With a window,
-  // the tiles of keys wholly left of the first row's window are skipped.
+  // The keys the tile's last valid query sees; later keys are masked for every row. With a window or
+  // documents, the tiles of keys wholly left of the first row's first visible key are skipped.
   const int key_end = min(pr.S, pr.p + min(i0 + kGenRows, pr.c));
   float o[kGenRowDims] = {};
   float m = -kInf, l = 0.0f;
-  for (int j0 = window_first_key(pr, pr.p + i0) / kGenKeys * kGenKeys; j0 < key_end; j0 += kGenKeys) {
+  for (int j0 = first_visible_key(pr, b, pr.p + i0) / kGenKeys * kGenKeys; j0 < key_end; j0 += kGenKeys) {
     __syncthreads();  // the previous tile's sK, sV, sS are no longer read
     stage_rows(sK, D + 1, kb + j0 * pr.kv_row, pr.kv_row, kGenKeys, pr.S - j0, D);
     stage_rows(sV, D, vb + j0 * pr.kv_row, pr.kv_row, kGenKeys, pr.S - j0, D);
     __syncthreads();
     for (int n = 0; n < kGenEntries; ++n) {
       const int e = tid + n * kGenThreads, r = e / kGenKeys, jj = e % kGenKeys, j = j0 + jj;
-      float s = -kInf;  // masked: key after the query's position, left of its window, or past the end
-      if (key_visible(pr, j, pr.p + i0 + r) && j < pr.S) {
+      float s = -kInf;  // masked: key after the query's position, left of its window or document, or past the end
+      if (key_visible(pr, b, j, pr.p + i0 + r) && j < pr.S) {
         float dot = 0.0f;
         for (int d = 0; d < D; ++d) dot += sQ[r * D + d] * sK[jj * (D + 1) + d];
         s = dot * pr.scale;
@@ -160,7 +160,7 @@ template <class T> __global__ void __launch_bounds__(kGenThreads) generic_dq_ker
 
   const int key_end = min(pr.S, pr.p + min(i0 + kGenRows, pr.c));
   float dq[kGenRowDims] = {};
-  for (int j0 = window_first_key(pr, pr.p + i0) / kGenKeys * kGenKeys; j0 < key_end; j0 += kGenKeys) {
+  for (int j0 = first_visible_key(pr, b, pr.p + i0) / kGenKeys * kGenKeys; j0 < key_end; j0 += kGenKeys) {
     __syncthreads();
     stage_rows(sK, D + 1, kb + j0 * pr.kv_row, pr.kv_row, kGenKeys, pr.S - j0, D);
     stage_rows(sV, D + 1, vb + j0 * pr.kv_row, pr.kv_row, kGenKeys, pr.S - j0, D);
@@ -168,7 +168,7 @@ template <class T> __global__ void __launch_bounds__(kGenThreads) generic_dq_ker
     for (int n = 0; n < kGenEntries; ++n) {
       const int e = tid + n * kGenThreads, r = e / kGenKeys, jj = e % kGenKeys, j = j0 + jj, i = i0 + r;
       float ds = 0.0f;  // masked entries have P = 0, hence dS = 0
-      if (i < pr.c && key_visible(pr, j, pr.p + i) && j < pr.S) {
+      if (i < pr.c && key_visible(pr, b, j, pr.p + i) && j < pr.S) {
         float s = 0.0f, dp = 0.0f;
         for (int d = 0; d < D; ++d) {
           s += sQ[r * D + d] * sK[jj * (D + 1) + d];
@@ -214,10 +214,11 @@ template <class T> __global__ void __launch_bounds__(kGenThreads) generic_dkdv_k
              pr.S - j0, D);
 
   float dk[kGenKeyDims] = {}, dv[kGenKeyDims] = {};
-  // Query i sees key j iff i >= j - p: the first query tile that sees key j0. With a window, the
-  // queries from row_end on see none of the tile's keys (their windows start past its last key).
+  // Query i sees key j iff i >= j - p: the first query tile that sees key j0. With a window or
+  // documents, the queries from row_end on see none of the tile's keys (their windows or documents
+  // start past its last key).
   const int first_tile = max(0, j0 - pr.p) / kGenRows * kGenRows;
-  const int row_end = window_row_end(pr, j0 + kGenKeys - 1);
+  const int row_end = rows_seeing_end(pr, b, j0 + kGenKeys - 1);
   for (int h = g * pr.group; h < (g + 1) * pr.group; ++h) {
     for (int i0 = first_tile; i0 < row_end; i0 += kGenRows) {
       __syncthreads();  // the previous tile is no longer read
@@ -232,7 +233,7 @@ template <class T> __global__ void __launch_bounds__(kGenThreads) generic_dkdv_k
       for (int n = 0; n < kGenEntries; ++n) {
         const int e = tid + n * kGenThreads, r = e / kGenKeys, jj = e % kGenKeys, j = j0 + jj, i = i0 + r;
         float p = 0.0f, ds = 0.0f;
-        if (i < pr.c && key_visible(pr, j, pr.p + i) && j < pr.S) {
+        if (i < pr.c && key_visible(pr, b, j, pr.p + i) && j < pr.S) {
           float s = 0.0f, dp = 0.0f;
           for (int d = 0; d < D; ++d) {
             s += sQ[r * D + d] * sK[jj * (D + 1) + d];

@@ -212,10 +212,10 @@ __global__ void __launch_bounds__(256, 1) wg_forward_kernel(const Operands<bf16_
   const bf16_t* kg = a.k + b * pr.k_batch + g * D;
   const bf16_t* vg = a.v + b * pr.v_batch + g * D;
 
-  // Key blocks [kb_first, nkb): from the one holding the first row's oldest visible key (window) to
+  // Key blocks [kb_first, nkb): from the one holding the first row's oldest visible key (window, document) to
   // the one holding the last row's position. The stages alternate by step, not by block.
   const int key_end = min(pr.S, pr.p + q0 + BR);
-  const int nkb = (key_end + BC - 1) / BC, kb_first = window_first_key(pr, pr.p + q0) / BC;
+  const int nkb = (key_end + BC - 1) / BC, kb_first = first_visible_key(pr, b, pr.p + q0) / BC;
   const int k_first = kb_first * BC;
   load_tile_sw128<D, BR, 256>(sQ, a.q + q_offset(pr, b, q0, h), pr.q_row, pr.c - q0, a.q);
   load_tile_sw128<D, BC, 256>(sK, kg + k_first * pr.kv_row, pr.kv_row, pr.S - k_first, a.k);
@@ -248,7 +248,7 @@ __global__ void __launch_bounds__(256, 1) wg_forward_kernel(const Operands<bf16_
     settle(s);
 
     const int k0 = kb * BC;
-    const bool masked = k0 + BC - 1 > pr.p + q0 || k0 + BC > pr.S || window_cuts(pr, k0, pr.p + q0 + BR - 1);
+    const bool masked = k0 + BC - 1 > pr.p + q0 || k0 + BC > pr.S || cuts_block(pr, b, k0, pr.p + q0 + BR - 1);
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int qpos = pr.p + q0 + wrow + (lane >> 2) + hh * 8;
@@ -259,7 +259,7 @@ __global__ void __launch_bounds__(256, 1) wg_forward_kernel(const Operands<bf16_
         for (int e = 0; e < 2; ++e) {
           float x = s[nt][2 * hh + e] * pr.scale_log2;
           const int key = k0 + nt * 8 + 2 * t + e;
-          if (masked && (!key_visible(pr, key, qpos) || key >= pr.S)) x = -kInf;
+          if (masked && (!key_visible(pr, b, key, qpos) || key >= pr.S)) x = -kInf;
           s[nt][2 * hh + e] = x;
           mx = fmaxf(mx, x);
         }
@@ -358,9 +358,9 @@ __global__ void __launch_bounds__(256, 1) wg_backward_kernel(const Operands<bf16
 
   load_tile_sw128<D, BC, 256>(sK, a.k + b * pr.k_batch + k0 * pr.kv_row + g * D, pr.kv_row, pr.S - k0, a.k);
   load_tile_sw128<D, BC, 256>(sV, a.v + b * pr.v_batch + k0 * pr.kv_row + g * D, pr.kv_row, pr.S - k0, a.v);
-  // The query blocks that see the key block (window_row_end; with a window an unmasked block's keys
+  // The query blocks that see the key block (rows_seeing_end; with a window an unmasked block's keys
   // may have none: no step, its dK, dV add 0).
-  const int nqb = (window_row_end(pr, k0 + BC - 1) + BR - 1) / BR, qb_first = max(0, k0 - pr.p) / BR;
+  const int nqb = (rows_seeing_end(pr, b, k0 + BC - 1) + BR - 1) / BR, qb_first = max(0, k0 - pr.p) / BR;
   const int nq = max(0, nqb - qb_first);
   const int steps = pr.group * nq;
   auto issue = [&](int step, int stage) {
@@ -404,8 +404,9 @@ __global__ void __launch_bounds__(256, 1) wg_backward_kernel(const Operands<bf16
     settle(dpt);
 
     const bool masked = k0 + BC - 1 > pr.p + q0 || q0 + BR > pr.c || k0 + BC > pr.S ||
-                        window_cuts(pr, k0, pr.p + q0 + BR - 1);
-    probs_and_score_grads_t(st, dpt, sLse + stage * BR, sDelta + stage * BR, pr, k0 + wkey, q0, masked, lane);
+                        cuts_block(pr, b, k0, pr.p + q0 + BR - 1);
+    probs_and_score_grads_t(st, dpt, sLse + stage * BR, sDelta + stage * BR, pr, b, k0 + wkey, q0, masked,
+                            lane);
     // dS^T rows of this warp into shared memory (bf16, as the products round it) for dQ.
     if constexpr (FUSED_DQ) {
 #pragma unroll
@@ -512,7 +513,7 @@ __global__ void __launch_bounds__(256, 1) wg_dq_kernel(const Operands<bf16_t> a,
 
   // Key blocks [kb_first, nkb) as in the forward; the stages alternate by step.
   const int key_end = min(pr.S, pr.p + q0 + BR);
-  const int nkb = (key_end + BC - 1) / BC, kb_first = window_first_key(pr, pr.p + q0) / BC;
+  const int nkb = (key_end + BC - 1) / BC, kb_first = first_visible_key(pr, b, pr.p + q0) / BC;
   const int k_first = kb_first * BC;
   load_tile_sw128<D, BR, 256>(sQ, a.q + q_offset(pr, b, q0, h), pr.q_row, pr.c - q0, a.q);
   load_tile_sw128<D, BR, 256>(sdO, a.d_out + q_offset(pr, b, q0, h), pr.q_row, pr.c - q0, a.d_out);
@@ -555,7 +556,7 @@ __global__ void __launch_bounds__(256, 1) wg_dq_kernel(const Operands<bf16_t> a,
     settle(s);
     settle(dp);
     const int k0 = kb * BC;
-    const bool masked = k0 + BC - 1 > pr.p + q0 || k0 + BC > pr.S || window_cuts(pr, k0, pr.p + q0 + BR - 1);
+    const bool masked = k0 + BC - 1 > pr.p + q0 || k0 + BC > pr.S || cuts_block(pr, b, k0, pr.p + q0 + BR - 1);
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
@@ -563,7 +564,7 @@ __global__ void __launch_bounds__(256, 1) wg_dq_kernel(const Operands<bf16_t> a,
         const int hh = e >> 1, key = k0 + nt * 8 + 2 * t + (e & 1);
         const int qpos = pr.p + q0 + wrow + (lane >> 2) + hh * 8;
         float p = fast_exp2(s[nt][e] * pr.scale_log2 - lse2[hh]);
-        if (masked && (!key_visible(pr, key, qpos) || key >= pr.S)) p = 0.0f;
+        if (masked && (!key_visible(pr, b, key, qpos) || key >= pr.S)) p = 0.0f;
         s[nt][e] = p * (dp[nt][e] - delta[hh]);  // dS
       }
     uint32_t sf[BC / 16][4];

@@ -71,14 +71,18 @@ void lora_linear_backward(const Tensor& d_x, const Tensor& d_a, const Tensor& d_
 enum class FlashFamily { wgmma, mma, simt };
 bool flash_wgmma_available(int device);
 // causal false: every query sees every key (AttentionMask::none), any S >= 1. window: the sliding
-// window of engine/ops/attention.h (size 0: none), honoured by every family.
+// window of engine/ops/attention.h (size 0: none), honoured by every family. doc_first (causal calls;
+// none: one document): packed documents in one call, int32 [B, c] on the device, the first key of each
+// query's document (ascending along each sequence); a query sees only keys of its own document, as
+// attention_forward_documents defines.
 void flash_attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
                              const Tensor& v, double scale, FlashFamily family, bool causal = true,
-                             AttentionWindow window = {});
+                             AttentionWindow window = {}, const Tensor& doc_first = {});
 void flash_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,
                               const AttentionSaved& saved, const Tensor& q, const Tensor& k, const Tensor& v,
                               const Tensor& out, double scale, GradMode mode, Arena& scratch, FlashFamily family,
-                              bool deterministic, bool causal = true, AttentionWindow window = {});
+                              bool deterministic, bool causal = true, AttentionWindow window = {},
+                              const Tensor& doc_first = {});
 // attention_merge (engine/ops/attention.h): lse_acc, lse_b f32; acc f32 with out_b f32 or bf16, or acc
 // and out_b bf16 (the split cuDNN forward's two outputs, attention_cudnn.cu).
 void attention_merge(const Tensor& acc, const Tensor& lse_acc, const Tensor& out_b, const Tensor& lse_b);

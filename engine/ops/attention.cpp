@@ -347,12 +347,14 @@ struct CensusKey {
 std::mutex g_census_mutex;
 std::map<CensusKey, std::pair<int64_t, double>> g_census;
 
-void count_call(const AttentionCall& call, const AttentionChoice& choice) {
-  const double flops = attention_call_flops(call);
+void count_call(const AttentionCall& call, const AttentionChoice& choice, double flops) {
   std::lock_guard lock(g_census_mutex);
   auto& [calls, total] = g_census[CensusKey{call.backward, choice.kernel, choice.reason}];
   ++calls;
   total += flops;
+}
+void count_call(const AttentionCall& call, const AttentionChoice& choice) {
+  count_call(call, choice, attention_call_flops(call));
 }
 }  // namespace
 
@@ -515,6 +517,62 @@ void store_span_lse(const Tensor& lse, const DocumentSpan& s, int64_t c, const T
 int64_t span_first_key(const DocumentSpan& s, int64_t p, int64_t window) {
   return std::max(s.k0, window_first_key(p + s.q0, window));
 }
+
+// Packed documents in one call: a flash family takes the whole chunk with each row's document start
+// (doc_first), so the chunk costs one launch whatever its documents; the CPU and cuDNN take the spans
+// one by one. One call pays where spans are short (a call a span launches kernels for little work,
+// and cuDNN builds a plan for each span shape): the automatic choice takes it when the chunk's spans
+// average fewer than kOneCallBelowSpanRows rows (docs/packed_documents.md has the measurements). A
+// forced family decides alone: cuDNN (or the CPU) span by span, a flash family in one call.
+constexpr int64_t kOneCallBelowSpanRows = 2048;
+
+struct OneCall {
+  AttentionKernel kernel;
+  gpu::FlashFamily family;
+};
+std::optional<OneCall> documents_in_one_call(const AttentionCall& whole, size_t spans) {
+#if CW_HAVE_CUDA
+  const int64_t rows = whole.B * whole.c;
+  if (whole.device.is_cpu() || static_cast<int64_t>(spans) <= whole.B) return std::nullopt;  // a call a sequence
+  AttentionFlags flags = attention_flags();
+  if (flags.forced == AttentionKernel::cudnn || flags.forced == AttentionKernel::cpu) return std::nullopt;
+  if (flags.forced == AttentionKernel::automatic) {
+    if (rows / static_cast<int64_t>(spans) >= kOneCallBelowSpanRows) return std::nullopt;
+    flags.forced = AttentionKernel::flash;  // the fastest flash family that takes the whole call
+  }
+  const AttentionKernel k = choose_attention_kernel(whole, flags).kernel;
+  const gpu::FlashFamily family = k == AttentionKernel::flash_wgmma ? gpu::FlashFamily::wgmma
+                                  : k == AttentionKernel::flash_mma ? gpu::FlashFamily::mma
+                                                                    : gpu::FlashFamily::simt;
+  return OneCall{k, family};
+#else
+  (void)whole, (void)spans;
+  return std::nullopt;
+#endif
+}
+
+// doc_first for the flash kernels: int32 [B, c] in `scratch` on the operands' device, row i of
+// sequence b holding the first key (position) of its document, span by span.
+Tensor document_first_keys(const std::vector<DocumentSpan>& spans, int64_t B, int64_t c, Arena& scratch) {
+  std::vector<int32_t> host(static_cast<size_t>(B * c));
+  for (const DocumentSpan& s : spans)
+    std::fill(host.begin() + s.b * c + s.q0, host.begin() + s.b * c + s.q1, static_cast<int32_t>(s.k0));
+  const Tensor dev = scratch.alloc(DType::i32, {B, c});
+  copy_convert(dev, Tensor(host.data(), DType::i32, Device::host(), {B, c}));
+  return dev;
+}
+
+// The census counts a one-call chunk as one call with its spans' flops.
+void count_one_call(const AttentionCall& whole, const OneCall& one, const std::vector<DocumentSpan>& spans,
+                    int64_t p, int64_t window) {
+  double flops = 0;
+  for (const DocumentSpan& s : spans) {
+    AttentionCall span = whole;
+    span.B = 1, span.c = s.q1 - s.q0, span.S = p + s.q1 - span_first_key(s, p, window);
+    flops += attention_call_flops(span);
+  }
+  count_call(whole, {one.kernel, "packed documents in one call"}, flops);
+}
 }  // namespace
 
 void attention_forward_documents(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
@@ -522,7 +580,18 @@ void attention_forward_documents(const Tensor& out, const AttentionSaved& saved,
                                  Arena& scratch, int64_t window) {
   check_forward_operands(q, k, v, out, saved, scratch, AttentionMask::causal, {window});
   const int64_t B = q.size(0), c = q.size(1), p = k.size(1) - c;
-  for (const DocumentSpan& s : document_spans(doc_starts, B, p, c)) {
+  const std::vector<DocumentSpan> spans = document_spans(doc_starts, B, p, c);
+  const AttentionCall whole = attention_call(q, k, v, out, nullptr, nullptr, nullptr, nullptr,
+                                             AttentionMask::causal, {window});
+  if (const std::optional<OneCall> one = documents_in_one_call(whole, spans.size())) {
+#if CW_HAVE_CUDA
+    ArenaScope scope(scratch);
+    count_one_call(whole, *one, spans, p, window);
+    return gpu::flash_attention_forward(out, saved, q, k, v, scale, one->family, true, {window},
+                                        document_first_keys(spans, B, c, scratch));
+#endif
+  }
+  for (const DocumentSpan& s : spans) {
     ArenaScope scope(scratch);
     const int64_t k0 = span_first_key(s, p, window), n = s.q1 - s.q0, keys = p + s.q1 - k0;
     // A span of whole rows writes its lse in place; a part of a row through a packed copy.
@@ -541,7 +610,18 @@ void attention_backward_documents(const Tensor& d_q, const Tensor& d_k, const Te
   check_forward_operands(q, k, v, out, saved, scratch, AttentionMask::causal, {window});
   check_backward_operands(d_q, d_k, d_v, d_out, q, k);
   const int64_t B = q.size(0), c = q.size(1), p = k.size(1) - c;
-  for (const DocumentSpan& s : document_spans(doc_starts, B, p, c)) {
+  const std::vector<DocumentSpan> spans = document_spans(doc_starts, B, p, c);
+  const AttentionCall whole = attention_call(q, k, v, out, &d_q, &d_out, &d_k, &d_v, AttentionMask::causal, {window});
+  if (const std::optional<OneCall> one = documents_in_one_call(whole, spans.size())) {
+#if CW_HAVE_CUDA
+    ArenaScope scope(scratch);
+    count_one_call(whole, *one, spans, p, window);
+    return gpu::flash_attention_backward(d_q, d_k, d_v, d_out, saved, q, k, v, out, scale, mode, scratch, one->family,
+                                         attention_flags().deterministic, true, {window},
+                                         document_first_keys(spans, B, c, scratch));
+#endif
+  }
+  for (const DocumentSpan& s : spans) {
     ArenaScope scope(scratch);
     const int64_t k0 = span_first_key(s, p, window), n = s.q1 - s.q0, keys = p + s.q1 - k0;
     const Tensor lse = span_lse(saved.lse, s, c, scratch, true);

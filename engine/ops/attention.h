@@ -148,6 +148,10 @@ void attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v,
 // kernel family serves it unchanged; dK, dV of keys [0, p + c) are ADDED as above (keys of no query's
 // document get nothing), d_q overwritten or accumulated. A span's lse rows are staged through
 // `scratch` where they are not packed in saved.lse. Shapes, dtypes and saved values as above.
+// On a GPU a flash family may instead take the whole chunk in one call, given each row's document
+// start (int32 [B, c] in `scratch`): the same math, one launch however many documents; it does so
+// when the spans are short (a forced flash family always does; cuDNN and the CPU go span by span).
+// The census names such a call "packed documents in one call".
 // With a sliding window of W keys (0: none) a query attends keys of its own document within its window,
 // max(start(t), t - W + 1) <= j <= t: each span's call reads keys from max(k0, p + q0 - W + 1) on, the
 // window masking the rest.
