@@ -526,29 +526,26 @@ int64_t span_first_key(const DocumentSpan& s, int64_t p, int64_t window) {
 // forced family decides alone: cuDNN (or the CPU) span by span, a flash family in one call.
 constexpr int64_t kOneCallBelowSpanRows = 2048;
 
-struct OneCall {
-  AttentionKernel kernel;
-  gpu::FlashFamily family;
-};
-std::optional<OneCall> documents_in_one_call(const AttentionCall& whole, size_t spans) {
-#if CW_HAVE_CUDA
+// The flash family of a one-call chunk: the chooser's pick among the flash families for the whole
+// chunk's call (or the forced one); nullopt: span by span.
+std::optional<AttentionKernel> documents_in_one_call(const AttentionCall& whole, size_t spans) {
   const int64_t rows = whole.B * whole.c;
-  if (whole.device.is_cpu() || static_cast<int64_t>(spans) <= whole.B) return std::nullopt;  // a call a sequence
+  if (!CW_HAVE_CUDA || whole.device.is_cpu() || static_cast<int64_t>(spans) <= whole.B)
+    return std::nullopt;  // the CPU, or one call a sequence already
   AttentionFlags flags = attention_flags();
   if (flags.forced == AttentionKernel::cudnn || flags.forced == AttentionKernel::cpu) return std::nullopt;
   if (flags.forced == AttentionKernel::automatic) {
     if (rows / static_cast<int64_t>(spans) >= kOneCallBelowSpanRows) return std::nullopt;
     flags.forced = AttentionKernel::flash;  // the fastest flash family that takes the whole call
   }
-  const AttentionKernel k = choose_attention_kernel(whole, flags).kernel;
-  const gpu::FlashFamily family = k == AttentionKernel::flash_wgmma ? gpu::FlashFamily::wgmma
-                                  : k == AttentionKernel::flash_mma ? gpu::FlashFamily::mma
-                                                                    : gpu::FlashFamily::simt;
-  return OneCall{k, family};
-#else
-  (void)whole, (void)spans;
-  return std::nullopt;
-#endif
+  return choose_attention_kernel(whole, flags).kernel;
+}
+
+#if CW_HAVE_CUDA
+gpu::FlashFamily flash_family(AttentionKernel k) {
+  return k == AttentionKernel::flash_wgmma ? gpu::FlashFamily::wgmma
+         : k == AttentionKernel::flash_mma ? gpu::FlashFamily::mma
+                                           : gpu::FlashFamily::simt;
 }
 
 // doc_first for the flash kernels: int32 [B, c] in `scratch` on the operands' device, row i of
@@ -563,7 +560,7 @@ Tensor document_first_keys(const std::vector<DocumentSpan>& spans, int64_t B, in
 }
 
 // The census counts a one-call chunk as one call with its spans' flops.
-void count_one_call(const AttentionCall& whole, const OneCall& one, const std::vector<DocumentSpan>& spans,
+void count_one_call(const AttentionCall& whole, AttentionKernel kernel, const std::vector<DocumentSpan>& spans,
                     int64_t p, int64_t window) {
   double flops = 0;
   for (const DocumentSpan& s : spans) {
@@ -571,8 +568,9 @@ void count_one_call(const AttentionCall& whole, const OneCall& one, const std::v
     span.B = 1, span.c = s.q1 - s.q0, span.S = p + s.q1 - span_first_key(s, p, window);
     flops += attention_call_flops(span);
   }
-  count_call(whole, {one.kernel, "packed documents in one call"}, flops);
+  count_call(whole, {kernel, "packed documents in one call"}, flops);
 }
+#endif
 }  // namespace
 
 void attention_forward_documents(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
@@ -583,11 +581,11 @@ void attention_forward_documents(const Tensor& out, const AttentionSaved& saved,
   const std::vector<DocumentSpan> spans = document_spans(doc_starts, B, p, c);
   const AttentionCall whole = attention_call(q, k, v, out, nullptr, nullptr, nullptr, nullptr,
                                              AttentionMask::causal, {window});
-  if (const std::optional<OneCall> one = documents_in_one_call(whole, spans.size())) {
+  if (const std::optional<AttentionKernel> one = documents_in_one_call(whole, spans.size())) {
 #if CW_HAVE_CUDA
     ArenaScope scope(scratch);
     count_one_call(whole, *one, spans, p, window);
-    return gpu::flash_attention_forward(out, saved, q, k, v, scale, one->family, true, {window},
+    return gpu::flash_attention_forward(out, saved, q, k, v, scale, flash_family(*one), true, {window},
                                         document_first_keys(spans, B, c, scratch));
 #endif
   }
@@ -612,11 +610,12 @@ void attention_backward_documents(const Tensor& d_q, const Tensor& d_k, const Te
   const int64_t B = q.size(0), c = q.size(1), p = k.size(1) - c;
   const std::vector<DocumentSpan> spans = document_spans(doc_starts, B, p, c);
   const AttentionCall whole = attention_call(q, k, v, out, &d_q, &d_out, &d_k, &d_v, AttentionMask::causal, {window});
-  if (const std::optional<OneCall> one = documents_in_one_call(whole, spans.size())) {
+  if (const std::optional<AttentionKernel> one = documents_in_one_call(whole, spans.size())) {
 #if CW_HAVE_CUDA
     ArenaScope scope(scratch);
     count_one_call(whole, *one, spans, p, window);
-    return gpu::flash_attention_backward(d_q, d_k, d_v, d_out, saved, q, k, v, out, scale, mode, scratch, one->family,
+    return gpu::flash_attention_backward(d_q, d_k, d_v, d_out, saved, q, k, v, out, scale, mode, scratch,
+                                         flash_family(*one),
                                          attention_flags().deterministic, true, {window},
                                          document_first_keys(spans, B, c, scratch));
 #endif
