@@ -534,11 +534,16 @@ std::optional<AttentionKernel> documents_in_one_call(const AttentionCall& whole,
     return std::nullopt;  // the CPU, or one call a sequence already
   AttentionFlags flags = attention_flags();
   if (flags.forced == AttentionKernel::cudnn || flags.forced == AttentionKernel::cpu) return std::nullopt;
-  if (flags.forced == AttentionKernel::automatic) {
-    if (rows / static_cast<int64_t>(spans) >= kOneCallBelowSpanRows) return std::nullopt;
-    flags.forced = AttentionKernel::flash;  // the fastest flash family that takes the whole call
+  if (flags.forced != AttentionKernel::automatic) return choose_attention_kernel(whole, flags).kernel;
+  if (rows / static_cast<int64_t>(spans) >= kOneCallBelowSpanRows) return std::nullopt;
+  // The fastest flash family that takes the whole call; where none does (a head dim only cuDNN
+  // takes), the spans go one by one to whatever serves them.
+  flags.forced = AttentionKernel::flash;
+  try {
+    return choose_attention_kernel(whole, flags).kernel;
+  } catch (const Error&) {
+    return std::nullopt;
   }
-  return choose_attention_kernel(whole, flags).kernel;
 }
 
 #if CW_HAVE_CUDA
