@@ -1,7 +1,8 @@
 // The byte-level BPE tokenizer (model/tokenizer.h, model/pretokenizer.h) on a small hand-made
 // vocabulary whose ids are worked out by hand; its loaders and their errors; the tools built on it
 // (load_tokenizer, chunkwise encode, tokenize into shards); and, where the exported SmolLM2
-// tokenizer is present, ids equal to HF tokenizers' on tests/data/tokenizer_corpus.txt.
+// tokenizer is present, ids equal to HF tokenizers' on tests/data/tokenizer_corpus.txt; and a
+// Qwen2-style tokenizer.json (NFC) trained with HF tokenizers, against its ids (tests/data/).
 #include "engine/error.h"
 #include "engine/random.h"
 #include "model/pretokenizer.h"
@@ -13,6 +14,7 @@
 #include <doctest/doctest.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <filesystem>
 #include <functional>
 #include <fstream>
@@ -717,6 +719,88 @@ TEST_CASE("tokenizer: SmolLM2's GGUF gives HF's ids on the corpus (needs .models
   CHECK(dynamic_cast<const BpeTokenizer&>(*back).chat_template() ==
         dynamic_cast<const BpeTokenizer&>(*tok).chat_template());
   check_corpus_against_hf(*back, "GGUF, written as tokenizer.json and read back");
+}
+
+// A tokenizer.json with Qwen2's pipeline (Qwen2, Qwen2.5, Qwen3: normalizer NFC; a Split with Qwen2's
+// regex, then ByteLevel without its regex; <|endoftext|>, <|im_start|>, <|im_end|>) on a small
+// vocabulary trained with HF tokenizers, and HF's ids of the corpus and of lines written decomposed
+// (NFD, conjoining jamo, U+212B, marks out of order, special tokens among combining marks): all made by
+// tests/data/qwen_style_tokenizer.py.
+const fs::path kData = fs::path(CW_SOURCE_ROOT) / "tests" / "data";
+const fs::path kQwenStyleJson = kData / "qwen_style_tokenizer.json";
+const fs::path kDecomposed = kData / "tokenizer_corpus_decomposed.txt";
+
+// The lines of a file as encode_lines cuts them (at '\n' only, a final '\n' ending the last line).
+std::vector<std::string> lines_of(const fs::path& path) {
+  const std::string text = read_text(path);
+  std::vector<std::string> lines;
+  for (size_t pos = 0; pos < text.size();) {
+    const size_t nl = std::min(text.find('\n', pos), text.size());
+    lines.push_back(text.substr(pos, nl - pos));
+    pos = nl + 1;
+  }
+  return lines;
+}
+
+// Ids as a line of an .ids file.
+std::string ids_text(const Ids& ids) {
+  std::string text;
+  for (size_t i = 0; i < ids.size(); ++i) {
+    if (i) text += ' ';
+    text += std::to_string(ids[i]);
+  }
+  return text;
+}
+
+TEST_CASE("tokenizer: a Qwen2-style tokenizer.json (NFC, Qwen2's regex) gives HF's ids, decomposed text included") {
+  const BpeTokenizer tok = BpeTokenizer::from_tokenizer_json(kQwenStyleJson.string());
+  CHECK(tok.normalizer() == Normalizer::nfc);
+  CHECK(tok.pretokenizer().name() == "qwen2");  // its Split regex is the named one
+  CHECK(tok.vocab_size() == 800);
+  CHECK(tok.token_id("<|im_end|>") == std::optional<uint32_t>(2));
+
+  // Every line's ids (as text, so that a failure shows both lists) against HF's.
+  int64_t compared = 0;
+  for (const std::string name : {"tokenizer_corpus", "tokenizer_corpus_decomposed"}) {
+    const std::vector<std::string> lines = lines_of(kData / fmt::format("{}.txt", name));
+    const std::vector<std::string> expected = lines_of(kData / fmt::format("{}.qwen_style.ids", name));
+    REQUIRE(lines.size() == expected.size());
+    for (size_t i = 0; i < lines.size(); ++i) {
+      CAPTURE(name);
+      CAPTURE(i + 1);  // the line number
+      const Ids ids = tok.encode(lines[i]);
+      CHECK(ids_text(ids) == expected[i]);
+      CHECK(tok.decode(ids) == nfc_normalize(lines[i]));  // HF's decode gives NFC(line) (the script checks)
+      ++compared;
+    }
+  }
+  CHECK(compared == 58 + 15);
+
+  // Decomposed lines encode as their NFC forms; the same vocabulary without the normalizer encodes
+  // their raw bytes, which HF's ids are not (so the comparison above can fail).
+  nlohmann::json j = nlohmann::json::parse(read_text(kQwenStyleJson));
+  j["normalizer"] = nullptr;
+  const BpeTokenizer plain = BpeTokenizer::from_tokenizer_json_text(j.dump(), "qwen_style_tokenizer.json without NFC");
+  CHECK(plain.normalizer() == Normalizer::none);
+  const std::vector<std::string> decomposed = lines_of(kDecomposed);
+  const std::vector<std::string> expected = lines_of(kData / "tokenizer_corpus_decomposed.qwen_style.ids");
+  REQUIRE(decomposed.size() == 15);
+  for (size_t i = 0; i < decomposed.size(); ++i) {
+    CAPTURE(i + 1);
+    const std::string composed = nfc_normalize(decomposed[i]);
+    CHECK(composed != decomposed[i]);
+    CHECK(tok.encode(decomposed[i]) == tok.encode(composed));
+    CHECK(plain.encode(composed) == tok.encode(composed));
+    CHECK(ids_text(plain.encode(decomposed[i])) != expected[i]);
+  }
+  // One by hand: "Cafe\u0301 au lait" is "Caf\u00e9 au lait"'s tokens, not those of "e" + U+0301.
+  CHECK(decomposed[0] == "Cafe\xcc\x81 au lait");
+  CHECK(tok.encode(decomposed[0]) == tok.encode("Caf\xc3\xa9 au lait"));
+  CHECK(tok.encode("e\xcc\x81") == tok.encode("\xc3\xa9"));
+  const std::optional<uint32_t> e_acute = tok.token_id("\xc3\x83\xc2\xa9");  // "Ã©": é as one token
+  REQUIRE(e_acute);
+  CHECK(tok.encode("\xc3\xa9") == Ids{*e_acute});
+  MESSAGE("Qwen2-style tokenizer against HF tokenizers: ", compared, " lines compared");
 }
 
 }  // namespace
