@@ -409,6 +409,17 @@ void reset_attention_census() {
 }
 
 // ---- The op ----
+#if CW_HAVE_CUDA
+namespace {
+// The flash family of a flash kernel the chooser named.
+gpu::FlashFamily flash_family(AttentionKernel k) {
+  return k == AttentionKernel::flash_wgmma ? gpu::FlashFamily::wgmma
+         : k == AttentionKernel::flash_mma ? gpu::FlashFamily::mma
+                                           : gpu::FlashFamily::simt;
+}
+}  // namespace
+#endif
+
 void attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
                        const Tensor& v, double scale, Arena& scratch, AttentionMask mask, AttentionWindow window) {
   check_forward_operands(q, k, v, out, saved, scratch, mask, window);
@@ -423,11 +434,9 @@ void attention_forward(const Tensor& out, const AttentionSaved& saved, const Ten
 #endif
 #if CW_HAVE_CUDA
     case AttentionKernel::flash_wgmma:
-      return gpu::flash_attention_forward(out, saved, q, k, v, scale, gpu::FlashFamily::wgmma, causal, window);
     case AttentionKernel::flash_mma:
-      return gpu::flash_attention_forward(out, saved, q, k, v, scale, gpu::FlashFamily::mma, causal, window);
     case AttentionKernel::flash_simt:
-      return gpu::flash_attention_forward(out, saved, q, k, v, scale, gpu::FlashFamily::simt, causal, window);
+      return gpu::flash_attention_forward(out, saved, q, k, v, scale, flash_family(choice.kernel), causal, window);
 #endif
     default: fail(std::string("attention: kernel ") + attention_kernel_name(choice.kernel) + " is not in this build");
   }
@@ -454,13 +463,9 @@ void attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v,
 #if CW_HAVE_CUDA
     case AttentionKernel::flash_wgmma:
     case AttentionKernel::flash_mma:
-    case AttentionKernel::flash_simt: {
-      const gpu::FlashFamily family = choice.kernel == AttentionKernel::flash_wgmma ? gpu::FlashFamily::wgmma
-                                      : choice.kernel == AttentionKernel::flash_mma ? gpu::FlashFamily::mma
-                                                                                    : gpu::FlashFamily::simt;
-      return gpu::flash_attention_backward(d_q, d_k, d_v, d_out, saved, q, k, v, out, scale, mode, scratch, family,
-                                           flags.deterministic, causal, window);
-    }
+    case AttentionKernel::flash_simt:
+      return gpu::flash_attention_backward(d_q, d_k, d_v, d_out, saved, q, k, v, out, scale, mode, scratch,
+                                           flash_family(choice.kernel), flags.deterministic, causal, window);
 #endif
     default: fail(std::string("attention: kernel ") + attention_kernel_name(choice.kernel) + " is not in this build");
   }
@@ -547,12 +552,6 @@ std::optional<AttentionKernel> documents_in_one_call(const AttentionCall& whole,
 }
 
 #if CW_HAVE_CUDA
-gpu::FlashFamily flash_family(AttentionKernel k) {
-  return k == AttentionKernel::flash_wgmma ? gpu::FlashFamily::wgmma
-         : k == AttentionKernel::flash_mma ? gpu::FlashFamily::mma
-                                           : gpu::FlashFamily::simt;
-}
-
 // doc_first for the flash kernels: int32 [B, c] in `scratch` on the operands' device, row i of
 // sequence b holding the first key (position) of its document, span by span.
 Tensor document_first_keys(const std::vector<DocumentSpan>& spans, int64_t B, int64_t c, Arena& scratch) {

@@ -87,6 +87,32 @@ struct F64Reference {
   }
 };
 
+// gradients() under a forced kernel family: false, the refusal reported, where a family this device
+// or build lacks (cuDNN, Hopper's wgmma) says it cannot take the call; any other error fails.
+bool gradients_unless_refused(LlamaModel& model, const Batch& batch, const ParamSet& grads, const ScheduleOptions& o,
+                              double* loss) {
+  try {
+    gradients(model, batch, grads, o, loss);
+    return true;
+  } catch (const Error& e) {
+    const std::string what = e.what();
+    REQUIRE_MESSAGE(what.find("was requested but cannot take this call") != std::string::npos, what);
+    MESSAGE("not run: ", what);
+    return false;
+  }
+}
+
+// The GPU's gradients and loss against the CPU's in f64 at the dtype's tolerance; the log line names
+// what ran (`label`) and the worst tensor.
+void expect_matches_reference(const ParamSet& grads, double loss, const F64Reference& ref, DType dt,
+                              const std::string& label) {
+  const Compared c = compare_sets(grads, ref.grads);
+  MESSAGE(label, ": worst ", c.name, " rel ", c.worst);
+  const double tol = dt == DType::f32 ? kModelF32Tol : kModelBf16Tol;
+  CHECK(c.worst <= tol);
+  CHECK(std::abs(loss - ref.loss) <= tol * std::abs(ref.loss));
+}
+
 // `o`, where it is spaco, backpropagating `keep` of the chunks drawn with `seed` (other schedules as given).
 ScheduleOptions sampled(ScheduleOptions o, int64_t keep, uint64_t seed) {
   if (o.kind == ScheduleKind::spaco) o.keep = keep, o.seed = seed;
@@ -156,18 +182,14 @@ TEST_CASE("cuda: qwen2 (q/k/v biases) and qwen3 (per-head q/k norms) on the GPU 
         const SettingScope<bool> fusion(fused_qkv, set_fused_qkv, fused);
         LlamaModel model(cfg, dt, Device::gpu(0));
         copy_params(model.params(), ref.model.params());
-        const double tol = dt == DType::f32 ? kModelF32Tol : kModelBf16Tol;
         for (const ScheduleOptions& o : {named("full"), named("seco", 7)}) {
           CAPTURE(schedule_name(o.kind));
           ParamSet grads(cfg, DType::f32, Device::gpu(0));
           double loss = 0;
           gradients(model, batch, grads, o, &loss);
-          const Compared c = compare_sets(grads, ref.grads);
-          MESSAGE(std::string(preset), " ", std::string(dtype_name(dt)), " ", schedule_name(o.kind),
-                  std::string(fused ? " fused" : " three GEMMs"),
-                  " on the GPU vs CPU f64: worst gradient ", c.name, " rel ", c.worst);
-          CHECK(c.worst <= tol);
-          CHECK(std::abs(loss - ref.loss) <= tol * std::abs(ref.loss));
+          expect_matches_reference(grads, loss, ref, dt,
+                                   fmt::format("{} {} {} {} on the GPU vs CPU f64", preset, dtype_name(dt),
+                                               schedule_name(o.kind), fused ? "fused" : "three GEMMs"));
         }
       }
   }
@@ -245,22 +267,11 @@ TEST_CASE("cuda: packed documents (every attention family, seco and full) match 
         CAPTURE(std::string(dtype_name(dt)));
         CAPTURE(o.chunk);
         double loss = 0;
-        try {
-          gradients(model, batch, grads, o, &loss);
-        } catch (const Error& e) {
-          // A forced family this device or build lacks (cuDNN, Hopper's wgmma) says so: reported, not run.
-          const std::string what = e.what();
-          REQUIRE_MESSAGE(what.find("was requested but cannot take this call") != std::string::npos, what);
-          MESSAGE("not run: ", what);
-          break;
-        }
-        const Compared c = compare_sets(grads, ref.grads);
-        MESSAGE(std::string(attention_kernel_name(kernel)), " ", std::string(dtype_name(dt)), " ",
-                schedule_name(o.kind), " (chunk ", o.chunk, ", saved ", o.save_attention, ", window ",
-                o.offload_window, ") with documents vs CPU f64: worst ", c.name, " rel ", c.worst);
-        const double tol = dt == DType::f32 ? kModelF32Tol : kModelBf16Tol;
-        CHECK(c.worst <= tol);
-        CHECK(std::abs(loss - ref.loss) <= tol * std::abs(ref.loss));
+        if (!gradients_unless_refused(model, batch, grads, o, &loss)) break;
+        expect_matches_reference(grads, loss, ref, dt,
+                                 fmt::format("{} {} {} (chunk {}, saved {}, window {}) with documents vs CPU f64",
+                                             attention_kernel_name(kernel), dtype_name(dt), schedule_name(o.kind),
+                                             o.chunk, o.save_attention, o.offload_window));
       }
     }
   }
@@ -310,22 +321,12 @@ TEST_CASE("cuda: mistral's sliding window (every flash family; seco, streamed an
             CHECK((what.find("sliding-window") != std::string::npos || what.find("no cuDNN") != std::string::npos));
             break;
           }
-          try {
-            gradients(model, batch, grads, o, &loss);
-          } catch (const Error& e) {
-            // A forced family this device or build lacks (Hopper's wgmma) says so: reported, not run.
-            const std::string what = e.what();
-            REQUIRE_MESSAGE(what.find("was requested but cannot take this call") != std::string::npos, what);
-            MESSAGE("not run: ", what);
-            break;
-          }
-          const Compared c = compare_sets(grads, ref.grads);
-          MESSAGE("mistral D=", D, " ", std::string(attention_kernel_name(kernel)), " ", std::string(dtype_name(dt)),
-                  " ", schedule_name(o.kind), " (chunk ", o.chunk, ", streamed ", o.stream_kv,
-                  ") with a window of 7 vs CPU f64: worst ", c.name, " rel ", c.worst);
-          const double tol = dt == DType::f32 ? kModelF32Tol : kModelBf16Tol;
-          CHECK(c.worst <= tol);
-          CHECK(std::abs(loss - ref.loss) <= tol * std::abs(ref.loss));
+          if (!gradients_unless_refused(model, batch, grads, o, &loss)) break;
+          expect_matches_reference(grads, loss, ref, dt,
+                                   fmt::format("mistral D={} {} {} {} (chunk {}, streamed {}) with a window of 7 "
+                                               "vs CPU f64",
+                                               D, attention_kernel_name(kernel), dtype_name(dt),
+                                               schedule_name(o.kind), o.chunk, o.stream_kv));
         }
       }
     }
