@@ -177,14 +177,14 @@ int64_t KVStore::first_key(int64_t t0) const { return window_first_key(t0, windo
 // relay stops at the window.
 void KVStore::attend_forward(int layer, int64_t t0, int64_t t1, const Tensor& out, const AttentionSaved& saved,
                              const Tensor& q, double scale, Arena& scratch,
-                             const std::vector<std::vector<int64_t>>* doc_starts) {
+                             const std::vector<std::vector<int64_t>>* doc_starts, const Tensor& first_keys) {
   if (stream_) {
     if (doc_starts && window_size_ > 0) refuse_streamed_documents_in_a_window();
     return stream_->attend_forward(*this, layer, t0, t1, out, saved, q, scale, scratch, window_size_, doc_starts);
   }
   if (doc_starts) {
     attention_forward_documents(out, saved, q, keys(layer, 0, t1), values(layer, 0, t1), *doc_starts, scale, scratch,
-                                window_size_);
+                                window_size_, first_keys);
     return;
   }
   const int64_t k0 = first_key(t0);
@@ -194,7 +194,8 @@ void KVStore::attend_forward(int layer, int64_t t0, int64_t t1, const Tensor& ou
 
 void KVStore::attend_backward(int layer, int64_t t0, int64_t t1, const Tensor& d_q, const Tensor& d_out,
                               const AttentionSaved& saved, const Tensor& q, const Tensor& out, double scale,
-                              Arena& scratch, const std::vector<std::vector<int64_t>>* doc_starts) {
+                              Arena& scratch, const std::vector<std::vector<int64_t>>* doc_starts,
+                              const Tensor& first_keys) {
   if (stream_) {
     if (doc_starts && window_size_ > 0) refuse_streamed_documents_in_a_window();
     return stream_->attend_backward(*this, layer, t0, t1, d_q, d_out, saved, q, out, scale, scratch, window_size_,
@@ -203,7 +204,7 @@ void KVStore::attend_backward(int layer, int64_t t0, int64_t t1, const Tensor& d
   if (doc_starts) {
     attention_backward_documents(d_q, d_keys(layer, 0, t1), d_values(layer, 0, t1), d_out, saved, q,
                                  keys(layer, 0, t1), values(layer, 0, t1), out, *doc_starts, scale,
-                                 GradMode::overwrite, scratch, window_size_);
+                                 GradMode::overwrite, scratch, window_size_, first_keys);
     return;
   }
   const int64_t k0 = first_key(t0);

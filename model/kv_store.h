@@ -86,13 +86,14 @@ class KVStore {
   // doc_starts (packed documents, engine/ops/attention.h): each query attends only keys of its own
   // document (streamed: only the blocks its documents reach are fetched). The model's sliding window
   // (config sliding_window, W): the calls read only keys [first_key(t0), t1) (below), each query its
-  // own W; not with documents in a streamed store.
+  // own W; not with documents in a streamed store. first_keys: the step's document starts on the
+  // device for the one-call form (engine/ops/attention.h attention_forward_documents), or empty.
   void attend_forward(int layer, int64_t t0, int64_t t1, const Tensor& out, const AttentionSaved& saved,
                       const Tensor& q, double scale, Arena& scratch,
-                      const std::vector<std::vector<int64_t>>* doc_starts = nullptr);
+                      const std::vector<std::vector<int64_t>>* doc_starts = nullptr, const Tensor& first_keys = {});
   void attend_backward(int layer, int64_t t0, int64_t t1, const Tensor& d_q, const Tensor& d_out,
                        const AttentionSaved& saved, const Tensor& q, const Tensor& out, double scale, Arena& scratch,
-                       const std::vector<std::vector<int64_t>>* doc_starts = nullptr);
+                       const std::vector<std::vector<int64_t>>* doc_starts = nullptr, const Tensor& first_keys = {});
 
   // The first key a chunk starting at t0 attends: t0 - W + 1 under a sliding window of W keys, else 0.
   // The keys before it are neither read nor given gradient by this chunk (the relay stops there).

@@ -206,7 +206,8 @@ void project_qkv(LayerActivations& a, const Tensor& h1, const BlockCall& b) {
 // reverse sweep's recompute (kv_store.h, saved attention outputs) writes them there too.
 void attend(LayerActivations& a, const BlockCall& b) {
   const int64_t p = b.p, c = b.c;
-  b.kv.attend_forward(b.layer, p, p + c, a.attn, a.attn_saved, a.q, attention_scale(b), b.scratch, b.ctx.doc_starts);
+  b.kv.attend_forward(b.layer, p, p + c, a.attn, a.attn_saved, a.q, attention_scale(b), b.scratch, b.ctx.doc_starts,
+                      b.ctx.first_keys);
   if (b.kv.has_outputs()) {
     copy_convert(b.kv.outputs(b.layer, p, p + c), a.attn);
     copy_convert(b.kv.output_lse(b.layer, p, p + c), a.attn_saved.lse.view({b.B * b.H, c}));
@@ -244,7 +245,7 @@ Tensor project_out_backward(const Tensor& d_x, const Tensor& attn, const LayerWe
 Tensor attend_backward(const Tensor& d_attn, const LayerActivations& a, const BlockCall& b) {
   const Tensor d_q = b.scratch.alloc(b.dt, {b.B, b.c, b.H, b.D});
   b.kv.attend_backward(b.layer, b.p, b.p + b.c, d_q, d_attn.view({b.B, b.c, b.H, b.D}), a.attn_saved, a.q, a.attn,
-                       attention_scale(b), b.scratch, b.ctx.doc_starts);
+                       attention_scale(b), b.scratch, b.ctx.doc_starts, b.ctx.first_keys);
   return d_q;
 }
 

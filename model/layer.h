@@ -113,6 +113,9 @@ struct BlockContext {
   // at each start; null: each sequence is one document.
   const std::vector<std::vector<int64_t>>* doc_starts = nullptr;
   bool document_positions = true;
+  // On a GPU, the step's document starts per position, int32 [B, T] (optim/schedule.h StepTokens),
+  // read in place by the one-call attention; empty: built by the op where it needs them.
+  Tensor first_keys = {};
 };
 
 struct LoraConfig;  // model/lora.h

@@ -181,7 +181,7 @@ void run_blocks(ChunkActivations& a, KVStore& kv, const LlamaModel& model, const
   const bool recompute = keep && kv.has_outputs() && chunk.pos0 + chunk.c <= kv.outputs_written();
   const BlockContext ctx{cf, model.rope_cos(), model.rope_sin(), chunk.B, chunk.c, chunk.pos0, scratch, mlp_shards,
                          recompute, model.tensor_parallel(), chunk_lora_runtime(model, chunk), chunk.doc_starts,
-                         chunk.document_positions};
+                         chunk.document_positions, chunk.first_keys};
   // Layer activations are kept only when the policy allocated them; otherwise just the stream is.
   const bool keep_layers = keep && !a.layers.empty();
   Residency* off = keep ? a.offloaded.get() : nullptr;
@@ -351,7 +351,8 @@ class ChunkBackward {
         N(chunk.B * chunk.c), R(tp_rows(tp, N)), t0(chunk.pos0), t1(chunk.pos0 + chunk.c), w(model.weights()),
         shards(model.shards()), release(model), g(shards ? shards->outside_grads() : grads.weights()),
         ctx{cf, model.rope_cos(), model.rope_sin(), chunk.B, chunk.c, chunk.pos0, scratch, policy.mlp_shards,
-            kv.has_outputs(), tp, chunk_lora_runtime(model, chunk), chunk.doc_starts, chunk.document_positions},
+            kv.has_outputs(), tp, chunk_lora_runtime(model, chunk), chunk.doc_starts, chunk.document_positions,
+            chunk.first_keys},
         mlp(mlp_kept(policy, cf, N)),
         row_loss(scratch.alloc(accum_dtype(model.dtype()), {R})),
         d_x(scratch.alloc(model.dtype(), {R, cf.hidden_size})) {

@@ -160,6 +160,7 @@ struct ChunkTokens {
   // (positions in the whole sequence); null: each sequence is one document.
   const std::vector<std::vector<int64_t>>* doc_starts = nullptr;
   bool document_positions = true;  // RoPE positions restart at each document start
+  Tensor first_keys = {};          // on a GPU: the step's [B, T] document starts (model/layer.h)
 };
 
 // What a chunk's forward keeps for its backward.

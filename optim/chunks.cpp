@@ -30,6 +30,7 @@ StepTokens step_tokens(const Batch& batch, Arena& arena) {
   st.labels = arena.alloc(DType::i32, {batch.B(), batch.T()});
   copy_convert(st.ids, batch.ids.tensor);
   copy_convert(st.labels, batch.labels.tensor);
+  if (st.doc_starts) st.first_keys = document_first_keys(batch.doc_starts, batch.T(), arena);
   return st;
 }
 
@@ -42,6 +43,7 @@ ChunkTokens slice_chunk(const StepTokens& tokens, int64_t t0, int64_t t1, Arena&
   ct.sequence0 = tokens.sequence0;
   ct.doc_starts = tokens.doc_starts;
   ct.document_positions = tokens.document_positions;
+  ct.first_keys = tokens.first_keys;
   if (B == 1) {  // one sequence: its tokens [t0, t1) are contiguous
     auto from = [&](const Tensor& t) { return Tensor(t.ptr<int32_t>() + t0, DType::i32, t.device, {c}); };
     ct.ids = from(tokens.ids);

@@ -191,13 +191,16 @@ class Schedule {
 std::vector<int64_t> chunk_bounds(int64_t T, int64_t c);
 
 // A batch's ids and labels where a step's chunks run: on a GPU uploaded once (two copies and a wait
-// a step, not a chunk's), on the CPU the batch's own tensors. Valid while the batch and the arena's
+// a step, not a chunk's; a third with packed documents), on the CPU the batch's own tensors. Valid while the batch and the arena's
 // scope around it are.
 struct StepTokens {
   Tensor ids, labels;  // [B, T] i32
   int64_t sequence0 = 0;
   const std::vector<std::vector<int64_t>>* doc_starts = nullptr;  // the batch's packed documents, if any
   bool document_positions = true;
+  // On a GPU with packed documents: each position's document start, int32 [B, T], uploaded with the
+  // ids so that no layer's attention uploads (and waits for) its own (engine/ops/attention.h).
+  Tensor first_keys = {};
   int64_t B() const { return ids.size(0); }
   int64_t T() const { return ids.size(1); }
 };

@@ -144,13 +144,16 @@ Problem check_common(const Tensor& q, const Tensor& k, const Tensor& v, double s
   int64_t W = window.size;
   if (W > 0 && !causal) W = std::max<int64_t>(1, W - (window.distance - S));
   pr.window = W > 0 && W < pr.p + c ? static_cast<int>(W) : 0;
-  // Packed documents: each row's first key, int32 [B, c] on the operands' device (a causal call's).
+  // Packed documents: each row's first key, int32 [B, c] on the operands' device (a causal call's),
+  // rows contiguous, sequences `stride[0]` apart (a chunk's columns of the step's table).
   if (doc_first.data != nullptr) {
     CW_CHECK(causal && doc_first.dtype == DType::i32 && doc_first.ndim == 2 && doc_first.size(0) == B &&
-                 doc_first.size(1) == c && doc_first.contiguous() && doc_first.device == q.device,
-             "flash attention: doc_first must be a causal call's contiguous int32 [{}, {}] on {}, got {}", B, c,
-             device_name(q.device), doc_first.describe());
+                 doc_first.size(1) == c && doc_first.stride[1] == 1 && doc_first.stride[0] >= c &&
+                 doc_first.device == q.device,
+             "flash attention: doc_first must be a causal call's int32 [{}, {}] with contiguous rows on {}, got {}",
+             B, c, device_name(q.device), doc_first.describe());
     pr.doc_first = static_cast<const int*>(doc_first.data);
+    pr.doc_pitch = doc_first.stride[0];
   }
   pr.q_row = H * D, pr.kv_row = Hkv * D;
   pr.k_batch = k.stride[0], pr.v_batch = v.stride[0];

@@ -39,9 +39,11 @@ struct Problem {
   float scale_log2;                  // scale * log2(e): scores in the base-2 domain
   bool accumulate;                   // d_q: add into it instead of overwriting
   int window;                        // W: query i sees keys j > p + i - W as well; 0: no window
-  // Packed documents (causal calls only): doc_first[b * c + i] is the first key of query i's
+  // Packed documents (causal calls only): doc_first[b * doc_pitch + i] is the first key of query i's
   // document, ascending in i for each b; nullptr: one document. Query i sees keys j >= it as well.
+  // The pitch lets a chunk read its columns of the step's [B, T] table in place.
   const int* doc_first;
+  int64_t doc_pitch;
 };
 
 // The keys a query sees besides causality: the sliding window (0 < W < p + c, check_common; 0:
@@ -53,7 +55,7 @@ struct Problem {
 // at all (only in an unmasked windowed block) ends with l = 0: out 0, lse -inf.
 // The first key of the document of chunk row `row` of sequence b (rows past the chunk: its last row's).
 __device__ __forceinline__ int document_first_key(const Problem& pr, int b, int row) {
-  return pr.doc_first[static_cast<int64_t>(b) * pr.c + min(max(row, 0), pr.c - 1)];
+  return pr.doc_first[b * pr.doc_pitch + min(max(row, 0), pr.c - 1)];
 }
 __device__ __forceinline__ bool key_visible(const Problem& pr, int b, int key, int qpos) {
   return key <= qpos && (pr.window == 0 || key > qpos - pr.window) &&

@@ -72,9 +72,9 @@ enum class FlashFamily { wgmma, mma, simt };
 bool flash_wgmma_available(int device);
 // causal false: every query sees every key (AttentionMask::none), any S >= 1. window: the sliding
 // window of engine/ops/attention.h (size 0: none), honoured by every family. doc_first (causal calls;
-// none: one document): packed documents in one call, int32 [B, c] on the device, the first key of each
-// query's document (ascending along each sequence); a query sees only keys of its own document, as
-// attention_forward_documents defines.
+// none: one document): packed documents in one call, int32 [B, c] on the device (rows contiguous, any
+// pitch between sequences), the first key of each query's document (ascending along each sequence); a
+// query sees only keys of its own document, as attention_forward_documents defines.
 void flash_attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
                              const Tensor& v, double scale, FlashFamily family, bool causal = true,
                              AttentionWindow window = {}, const Tensor& doc_first = {});

@@ -552,9 +552,17 @@ std::optional<AttentionKernel> documents_in_one_call(const AttentionCall& whole,
 }
 
 #if CW_HAVE_CUDA
-// doc_first for the flash kernels: int32 [B, c] in `scratch` on the operands' device, row i of
-// sequence b holding the first key (position) of its document, span by span.
-Tensor document_first_keys(const std::vector<DocumentSpan>& spans, int64_t B, int64_t c, Arena& scratch) {
+// The one-call chunk's doc_first [B, c]: the caller's first_keys columns [p, p + c), or built from the
+// spans and uploaded into `scratch`.
+Tensor chunk_first_keys(const Tensor& first_keys, const std::vector<DocumentSpan>& spans, int64_t B, int64_t p,
+                        int64_t c, const Tensor& q, Arena& scratch) {
+  if (first_keys.data) {
+    CW_CHECK(first_keys.dtype == DType::i32 && first_keys.ndim == 2 && first_keys.size(0) == B &&
+                 first_keys.size(1) >= p + c && first_keys.device == q.device,
+             "attention: first_keys must be int32 [{}, >= {}] on {}, got {}", B, p + c, device_name(q.device),
+             first_keys.describe());
+    return first_keys.slice(1, p, c);
+  }
   std::vector<int32_t> host(static_cast<size_t>(B * c));
   for (const DocumentSpan& s : spans)
     std::fill(host.begin() + s.b * c + s.q0, host.begin() + s.b * c + s.q1, static_cast<int32_t>(s.k0));
@@ -579,7 +587,7 @@ void count_one_call(const AttentionCall& whole, AttentionKernel kernel, const st
 
 void attention_forward_documents(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
                                  const Tensor& v, const std::vector<std::vector<int64_t>>& doc_starts, double scale,
-                                 Arena& scratch, int64_t window) {
+                                 Arena& scratch, int64_t window, const Tensor& first_keys) {
   check_forward_operands(q, k, v, out, saved, scratch, AttentionMask::causal, {window});
   const int64_t B = q.size(0), c = q.size(1), p = k.size(1) - c;
   const std::vector<DocumentSpan> spans = document_spans(doc_starts, B, p, c);
@@ -590,7 +598,7 @@ void attention_forward_documents(const Tensor& out, const AttentionSaved& saved,
     ArenaScope scope(scratch);
     count_one_call(whole, *one, spans, p, window);
     return gpu::flash_attention_forward(out, saved, q, k, v, scale, flash_family(*one), true, {window},
-                                        document_first_keys(spans, B, c, scratch));
+                                        chunk_first_keys(first_keys, spans, B, p, c, q, scratch));
 #endif
   }
   for (const DocumentSpan& s : spans) {
@@ -608,7 +616,7 @@ void attention_forward_documents(const Tensor& out, const AttentionSaved& saved,
 void attention_backward_documents(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,
                                   const AttentionSaved& saved, const Tensor& q, const Tensor& k, const Tensor& v,
                                   const Tensor& out, const std::vector<std::vector<int64_t>>& doc_starts, double scale,
-                                  GradMode mode, Arena& scratch, int64_t window) {
+                                  GradMode mode, Arena& scratch, int64_t window, const Tensor& first_keys) {
   check_forward_operands(q, k, v, out, saved, scratch, AttentionMask::causal, {window});
   check_backward_operands(d_q, d_k, d_v, d_out, q, k);
   const int64_t B = q.size(0), c = q.size(1), p = k.size(1) - c;
@@ -621,7 +629,7 @@ void attention_backward_documents(const Tensor& d_q, const Tensor& d_k, const Te
     return gpu::flash_attention_backward(d_q, d_k, d_v, d_out, saved, q, k, v, out, scale, mode, scratch,
                                          flash_family(*one),
                                          attention_flags().deterministic, true, {window},
-                                         document_first_keys(spans, B, c, scratch));
+                                         chunk_first_keys(first_keys, spans, B, p, c, q, scratch));
 #endif
   }
   for (const DocumentSpan& s : spans) {
@@ -634,6 +642,16 @@ void attention_backward_documents(const Tensor& d_q, const Tensor& d_k, const Te
                        sequence_rows(v, s.b, k0, keys), sequence_rows(out, s.b, s.q0, n), scale, mode, scratch,
                        AttentionMask::causal, {window});
   }
+}
+
+Tensor document_first_keys(const std::vector<std::vector<int64_t>>& doc_starts, int64_t T, Arena& arena) {
+  const int64_t B = static_cast<int64_t>(doc_starts.size());
+  std::vector<int32_t> host(static_cast<size_t>(B * T));
+  for (const DocumentSpan& s : document_spans(doc_starts, B, 0, T))
+    std::fill(host.begin() + s.b * T + s.q0, host.begin() + s.b * T + s.q1, static_cast<int32_t>(s.k0));
+  const Tensor first_keys = arena.alloc(DType::i32, {B, T});
+  copy_convert(first_keys, Tensor(host.data(), DType::i32, Device::host(), {B, T}));
+  return first_keys;
 }
 
 namespace {

@@ -149,9 +149,12 @@ void attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v,
 // document get nothing), d_q overwritten or accumulated. A span's lse rows are staged through
 // `scratch` where they are not packed in saved.lse. Shapes, dtypes and saved values as above.
 // On a GPU a flash family may instead take the whole chunk in one call, given each row's document
-// start (int32 [B, c] in `scratch`): the same math, one launch however many documents; it does so
-// when the spans are short (a forced flash family always does; cuDNN and the CPU go span by span).
-// The census names such a call "packed documents in one call".
+// start: the same math, one launch however many documents; it does so when the spans are short (a
+// forced flash family always does; cuDNN and the CPU go span by span). The census names such a call
+// "packed documents in one call". Each row's start is read from `first_keys` when given: int32
+// [B, >= p + c] on the operands' device, position t's document start (a step uploads it once for all
+// its chunks and layers, optim/schedule.h StepTokens); else it is built here from doc_starts and
+// uploaded (int32 [B, c] in `scratch`, and a wait for the copy).
 // With a sliding window of W keys (0: none) a query attends keys of its own document within its window,
 // max(start(t), t - W + 1) <= j <= t: each span's call reads keys from max(k0, p + q0 - W + 1) on, the
 // window masking the rest.
@@ -167,11 +170,14 @@ std::vector<DocumentSpan> document_spans(const std::vector<std::vector<int64_t>>
                                          int64_t c);
 void attention_forward_documents(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
                                  const Tensor& v, const std::vector<std::vector<int64_t>>& doc_starts, double scale,
-                                 Arena& scratch, int64_t window = 0);
+                                 Arena& scratch, int64_t window = 0, const Tensor& first_keys = {});
 void attention_backward_documents(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,
                                   const AttentionSaved& saved, const Tensor& q, const Tensor& k, const Tensor& v,
                                   const Tensor& out, const std::vector<std::vector<int64_t>>& doc_starts, double scale,
-                                  GradMode mode, Arena& scratch, int64_t window = 0);
+                                  GradMode mode, Arena& scratch, int64_t window = 0, const Tensor& first_keys = {});
+// first_keys for a batch of B = doc_starts.size() sequences of T tokens: int32 [B, T] in `arena` (on
+// its device), position t of sequence b holding the start of its document (doc_starts as above).
+Tensor document_first_keys(const std::vector<std::vector<int64_t>>& doc_starts, int64_t T, Arena& arena);
 
 // Packed documents against one block of earlier keys, for a K/V prefix attended block by block (the
 // streamed store, model/kv_residency.h): the chunk's queries at positions [p, p + c) against keys

@@ -150,6 +150,19 @@ TEST_CASE("attention documents: a chunk splits into spans at the document starts
   CHECK_THROWS_WITH_AS(document_spans({{0}}, 2, 0, 8), doctest::Contains("for 1 sequences"), Error);
 }
 
+TEST_CASE("attention documents: the step's first keys hold each position's document start") {
+  // What a step uploads once for the one-call kernels (optim/schedule.h StepTokens): position t of
+  // sequence b holds the last document start <= t; a start at or past T is ignored.
+  const std::vector<std::vector<int64_t>> starts{{0, 3, 7, 9, 20}, {0, 8}};
+  Arena arena;
+  const Tensor first = document_first_keys(starts, 11, arena);
+  REQUIRE(first.dtype == DType::i32);
+  REQUIRE((first.size(0) == 2 && first.size(1) == 11));
+  const std::vector<int32_t> want{0, 0, 0, 3, 3, 3, 3, 7, 7, 9, 9, 0, 0, 0, 0, 0, 0, 0, 0, 8, 8, 8};
+  const int32_t* got = first.ptr<int32_t>();
+  CHECK(std::vector<int32_t>(got, got + 22) == want);
+}
+
 TEST_CASE("attention documents: f64 forward against the masked softmax, backward against finite differences") {
   const Shape s;
   const double scale = 1.0 / std::sqrt(static_cast<double>(s.D));

@@ -165,10 +165,8 @@ TEST_CASE("nccl: a launched gradcheck --zero 3 in a world of one rank: the NCCL 
   // all-gathers, gradient reduce-scatters and the shards' gathers for the comparison through NCCL,
   // the result handed over through --gather-dir, against one process on the GPU at the launched
   // check's default tolerance.
-  const int port = free_tcp_port();
-  const LaunchInfo info = read_launch_info(environment_from(
-      {{"RANK", "0"}, {"WORLD_SIZE", "1"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(port)}}));
-  std::unique_ptr<Communicator> comm = make_nccl_communicator(info, 0, test_options());
+  std::unique_ptr<Communicator> comm =
+      make_nccl_communicator(test::local_rank_info(0, 1, free_tcp_port()), 0, test_options());
   const test::TempDir dir("nccl-zero3-gradcheck");
   GradcheckOptions o;
   o.model = "tiny-tp";
@@ -194,8 +192,7 @@ TEST_CASE("nccl: a launched gradcheck --zero 3 in a world of one rank: the NCCL 
 TEST_CASE("nccl: a world of 2 whose rank 1 never joins fails rank 0 within the bootstrap timeout" *
           doctest::skip(!nccl_ready())) {
   const int port = free_tcp_port();
-  const LaunchInfo info = read_launch_info(environment_from(
-      {{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(port)}}));
+  const LaunchInfo info = test::local_rank_info(0, 2, port);
   const double timeout = 2;
   const auto start = Clock::now();
   const std::string expected = "rank 0: rank 1 of 2 did not connect to 127.0.0.1:" + std::to_string(port);

@@ -497,11 +497,12 @@ StepArena replay_step_arena(const StepArenaInputs& in) {
   ArenaReplay arena(in.block_bytes != 0 ? in.block_bytes
                                         : in.device.is_cpu() ? kHostArenaBlockBytes : kDeviceArenaBlockBytes);
   arena.log_blocks_to(&out.block_lines);
-  // StepFrame: the batch's ids and labels uploaded once (a GPU's; the CPU reads the batch's own), and
-  // the step's loss rows (model/llama.h LossRows, f64).
+  // StepFrame: the batch's ids and labels (and packed documents' starts) uploaded once (a GPU's; the
+  // CPU reads the batch's own), and the step's loss rows (model/llama.h LossRows, f64).
   if (!in.device.is_cpu()) {
     arena.alloc(static_cast<size_t>(B * T) * 4);
     arena.alloc(static_cast<size_t>(B * T) * 4);
+    if (in.documents) arena.alloc(static_cast<size_t>(B * T) * 4);
   }
   arena.alloc(static_cast<size_t>(B * T) * 8);
 

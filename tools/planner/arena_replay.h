@@ -53,6 +53,7 @@ struct StepArenaInputs {
   const LoraConfig& lora;
   Device device = Device::gpu(0);
   size_t block_bytes = 0;
+  bool documents = false;  // packed documents: on a GPU the step's [B, T] document starts (StepTokens)
 };
 
 struct StepArena {

@@ -80,7 +80,7 @@ void plan_memory(const StepPlan& s, PlanReport& r) {
   }
 
   // Activations: the schedule's arena over the step, and the step's other transient buffers.
-  const StepArena arena = replay_step_arena({cf, B, T, s.o, s.dtype, s.lora, s.device, 0});
+  const StepArena arena = replay_step_arena({cf, B, T, s.o, s.dtype, s.lora, s.device, 0, !s.doc_starts.empty()});
   r.arena_blocks = arena.block_lines;
   r.attention_workspace_bytes = arena.attention_workspace;
   size_t activations = 0;

@@ -87,7 +87,8 @@ struct PlanReport {
 // optimizer_offload: the master weights and moments in host memory (optim/adamw_offload.h).
 // doc_starts: packed documents, per sequence the offsets where its documents start (Batch::doc_starts,
 // the first 0); empty: each sequence one causal document. Attention's work is then the documents'
-// causal squares, not T's (docs/packed_documents.md); the memory does not depend on them.
+// causal squares, not T's (docs/packed_documents.md); memory grows only by the step's int32 [B, T]
+// document starts on a GPU (optim/schedule.h StepTokens).
 // device: where the step runs, whose memory is planned: a GPU (bf16 or f32) or the CPU (f64 or f32,
 // no CUDA context); the step time is an H100's either way.
 PlanReport plan_step(const LlamaConfig& config, int64_t B, int64_t T, const ScheduleOptions& schedule, DType dtype,
