@@ -74,6 +74,10 @@ struct Arg {
   std::optional<Tol> tol;
   bool any_float = false;  // the op takes it in any float dtype its backend computes in (no dtype breach)
   bool implicit = false;   // a cotangent the op assumes rather than reads (no breach: it never sees it)
+  // A saved result the reference's backward takes from its own forward, not the tested side's
+  // (compare_run): where the backward recomputes what the saved value summarised, a tested value
+  // rounded elsewhere makes the reference inconsistent (lm_head's lse, below).
+  bool reference_keeps_own = false;
 
   Arg& normal(double mean, double std) {
     init = [=](const Tensor& t, uint64_t seed, uint64_t stream) { fill_normal(t, seed, stream, mean, std); };
@@ -85,6 +89,7 @@ struct Arg {
   Arg& dtype(Dt d) { dt = d; return *this; }
   Arg& any_float_dtype() { any_float = true; return *this; }
   Arg& implicit_in_op() { implicit = true; return *this; }
+  Arg& own_in_reference() { reference_keeps_own = true; return *this; }
 };
 
 // The tensors of one run, by name (a name no arg has is an error naming it).

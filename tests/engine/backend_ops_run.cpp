@@ -279,9 +279,10 @@ void compare_run(const char* runner, const Row& row, Device device, DType dt, co
     }
   if (!row.backward) return;
 
-  // backward: the reference reads the tested side's forward results
+  // backward: the reference reads the tested side's forward results (the backward is checked given
+  // them; their own errors were checked above), but for those it keeps its own (Arg::reference_keeps_own)
   for (size_t i = 0; i < n; ++i)
-    if (is_fwd_result(row.args[i].role)) copy_convert(ref.store[i], got[i]);
+    if (is_fwd_result(row.args[i].role) && !row.args[i].reference_keeps_own) copy_convert(ref.store[i], got[i]);
   const std::vector<OwnedTensor> G = backward_pass(row, ref, GradMode::overwrite, nullptr, ref_scratch);
   const std::vector<OwnedTensor> P = prefills(row, G, dt, seed);
   for (const GradMode mode : {GradMode::overwrite, GradMode::accumulate}) {
