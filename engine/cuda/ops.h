@@ -25,11 +25,13 @@
 namespace cw::gpu {
 
 // Elementwise and row ops (engine/cuda/elementwise.cu, engine/cuda/rmsnorm.cu, engine/cuda/embedding.cu).
-void embedding_forward(const Tensor& out, const Tensor& ids, const Tensor& table);
-void embedding_backward(const Tensor& d_table, const Tensor& d_out, const Tensor& ids);  // d_table f32
-void rmsnorm_forward(const Tensor& out, const RmsNormSaved& saved, const Tensor& x, const Tensor& weight, double eps);
+void embedding_forward(const Tensor& out, const Tensor& ids, const Tensor& table, double scale);
+void embedding_backward(const Tensor& d_table, const Tensor& d_out, const Tensor& ids, double scale);  // d_table f32
+void rmsnorm_forward(const Tensor& out, const RmsNormSaved& saved, const Tensor& x, const Tensor& weight, double eps,
+                     double weight_offset);
 void rmsnorm_backward(const Tensor& d_x, const Tensor& d_weight, const Tensor& d_out, const RmsNormSaved& saved,
-                      const Tensor& x, const Tensor& weight, GradMode mode, Arena& scratch);  // d_weight f32
+                      const Tensor& x, const Tensor& weight, GradMode mode, Arena& scratch,
+                      double weight_offset);  // d_weight f32
 void rope_forward(const Tensor& out, const Tensor& x, const Tensor& cos, const Tensor& sin, int64_t pos0);
 void rope_backward(const Tensor& d_x, const Tensor& d_out, const Tensor& cos, const Tensor& sin, int64_t pos0,
                    GradMode mode);

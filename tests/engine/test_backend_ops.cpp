@@ -134,28 +134,37 @@ Init ids_in(int64_t V) {  // token ids, half of them from the first 5 (repeats),
   };
 }
 
-Row embedding(int64_t N, int64_t V, int64_t C) {
-  return finish(make_row(fmt::format("embedding N={} V={} C={}", N, V, C),
-                 {in("ids", {N}).dtype(Dt::i32).with(ids_in(V)), in("table", {V, C}), out("out", {N, C}).tolerance(kExact),
-                  cot("d_out", "out"), grad("d_table", "table", Acc::adds).tolerance(kF32ResultTol)},
-                 [](const Tensors& t, Arena&) { embedding_forward(t("out"), t("ids"), t("table")); },
-                 [](const Tensors& t, GradMode, Arena&) { embedding_backward(t("d_table"), t("d_out"), t("ids")); }));
+// scale: Gemma's normaliser (1: the plain lookup, a copy of the rows and exact in every dtype; another
+// value rounds each product once, to the output's dtype).
+Row embedding(int64_t N, int64_t V, int64_t C, double scale = 1.0) {
+  return finish(make_row(fmt::format("embedding N={} V={} C={}{}", N, V, C,
+                                     scale != 1.0 ? fmt::format(" scale={}", scale) : ""),
+                 {in("ids", {N}).dtype(Dt::i32).with(ids_in(V)), in("table", {V, C}),
+                  out("out", {N, C}).tolerance(scale == 1.0 ? kExact : kDefaultTol), cot("d_out", "out"),
+                  grad("d_table", "table", Acc::adds).tolerance(kF32ResultTol)},
+                 [=](const Tensors& t, Arena&) { embedding_forward(t("out"), t("ids"), t("table"), scale); },
+                 [=](const Tensors& t, GradMode, Arena&) {
+                   embedding_backward(t("d_table"), t("d_out"), t("ids"), scale);
+                 }));
 }
 
-// with_dw false: d_w skipped (Tensor{}), a frozen norm.
-Row rmsnorm(int64_t N, int64_t C, bool with_dw = true) {
-  Row r = make_row(fmt::format("rmsnorm N={} C={}{}", N, C, with_dw ? "" : " (no d_w)"),
-                 {in("x", {N, C}), in("w", {C}).normal(1.0, 0.3), out("out", {N, C}),
+// with_dw false: d_w skipped (Tensor{}), a frozen norm. offset: the weight offset (1: Gemma's norm,
+// x r (1 + w), its weights drawn near 0 as Gemma's are stored).
+Row rmsnorm(int64_t N, int64_t C, bool with_dw = true, double offset = 0.0) {
+  Row r = make_row(fmt::format("rmsnorm N={} C={}{}{}", N, C, with_dw ? "" : " (no d_w)",
+                               offset != 0.0 ? fmt::format(" offset={}", offset) : ""),
+                 {in("x", {N, C}), in("w", {C}).normal(1.0 - offset, 0.3), out("out", {N, C}),
                   saved("rstd", {N}).tolerance(kF32ResultTol), cot("d_out", "out"), grad("d_x", "x")},
-                 [](const Tensors& t, Arena&) { rmsnorm_forward(t("out"), {t("rstd")}, t("x"), t("w"), 1e-5); },
+                 [=](const Tensors& t, Arena&) { rmsnorm_forward(t("out"), {t("rstd")}, t("x"), t("w"), 1e-5, offset); },
                  [=](const Tensors& t, GradMode m, Arena& s) {
-                   rmsnorm_backward(t("d_x"), with_dw ? t("d_w") : Tensor{}, t("d_out"), {t("rstd")}, t("x"), t("w"), m, s);
+                   rmsnorm_backward(t("d_x"), with_dw ? t("d_w") : Tensor{}, t("d_out"), {t("rstd")}, t("x"), t("w"), m, s,
+                                    offset);
                  });
   if (with_dw) r.args.push_back(grad("d_w", "w", Acc::adds).tolerance(kF32ResultTol));
   r = finish(r);
   r.takes_scratch = true;
-  r.misuses = {{"out aliases x", [](const Tensors& t, Arena&) {
-                  rmsnorm_forward(t("x"), {t("rstd")}, t("x"), t("w"), 1e-5);
+  r.misuses = {{"out aliases x", [=](const Tensors& t, Arena&) {
+                  rmsnorm_forward(t("x"), {t("rstd")}, t("x"), t("w"), 1e-5, offset);
                 }}};
   return r;
 }
@@ -491,6 +500,10 @@ std::vector<Row> build_table() {
   t.push_back(embedding(9, 7, 5));
   t.push_back(embedding(37, 50, 203));
   t.push_back(gpu_only(embedding(512, 1000, 2048)));
+  // embedding times Gemma's normaliser: sqrt(203) (no power of two: every product rounds), sqrt(2048)
+  // rounded to bf16 on the GPU's vector-width rows
+  t.push_back(embedding(37, 50, 203, std::sqrt(203.0)));
+  t.push_back(gpu_only(embedding(512, 1000, 2048, 45.25)));
   // rmsnorm: C not a multiple of 32 or 4; N = 300: several d_w row blocks, the last partial
   t.push_back(rmsnorm(5, 8));
   t.push_back(rmsnorm(3, 17));
@@ -504,6 +517,12 @@ std::vector<Row> build_table() {
   t.push_back(rmsnorm(24, 6));
   t.push_back(gpu_only(rmsnorm(16384, 128)));
   t.push_back(gpu_only(rmsnorm(6000, 64)));
+  // rmsnorm with Gemma's weight offset, (1 + w): both GPU paths (C = 203 scalar, C = 2048 vector), frozen
+  t.push_back(rmsnorm(5, 8, true, 1.0));
+  t.push_back(rmsnorm(37, 203, true, 1.0));
+  t.push_back(rmsnorm(5, 8, false, 1.0));
+  t.push_back(gpu_only(rmsnorm(512, 2048, true, 1.0)));
+  t.push_back(gpu_only(rmsnorm(300, 64, false, 1.0)));
   // rope: offsets pos0 > 0, an odd half head dim (D = 10), a realistic head
   t.push_back(rope(2, 5, 3, 8, 16, 7));
   t.push_back(rope(2, 5, 3, 8, 16, 7, kRopeYarn));
