@@ -38,6 +38,9 @@ void rope_backward(const Tensor& d_x, const Tensor& d_out, const Tensor& cos, co
 void swiglu_forward(const Tensor& out, const Tensor& gate, const Tensor& up);
 void swiglu_backward(const Tensor& d_gate, const Tensor& d_up, const Tensor& d_out, const Tensor& gate,
                      const Tensor& up, GradMode mode);
+void geglu_forward(const Tensor& out, const Tensor& gate, const Tensor& up);
+void geglu_backward(const Tensor& d_gate, const Tensor& d_up, const Tensor& d_out, const Tensor& gate,
+                    const Tensor& up, GradMode mode);
 void residual_forward(const Tensor& out, const Tensor& x, const Tensor& delta);
 void residual_backward(const Tensor& d_x, GradMode mode_x, const Tensor& d_delta, GradMode mode_delta,
                        const Tensor& d_out);

@@ -44,6 +44,7 @@
 #include "engine/ops/adamw_update.h"
 #include "engine/ops/attention.h"
 #include "engine/ops/embedding.h"
+#include "engine/ops/geglu.h"
 #include "engine/ops/linear.h"
 #include "engine/ops/lm_head_loss.h"
 #include "engine/ops/lora_linear.h"
@@ -310,6 +311,21 @@ Row swiglu(int64_t N, int64_t F) {
   return r;
 }
 
+// Gemma's gate: gelu (tanh approximation) in place of silu; gate drawn wide so the tanh saturates.
+Row geglu(int64_t N, int64_t F) {
+  Row r = finish(make_row(fmt::format("geglu N={} F={}", N, F),
+                 {in("gate", {N, F}).normal(0.0, 2.0), in("up", {N, F}), out("out", {N, F}), cot("d_out", "out"),
+                  grad("d_gate", "gate"), grad("d_up", "up")},
+                 [](const Tensors& t, Arena&) { geglu_forward(t("out"), t("gate"), t("up")); },
+                 [](const Tensors& t, GradMode m, Arena&) {
+                   geglu_backward(t("d_gate"), t("d_up"), t("d_out"), t("gate"), t("up"), m);
+                 }));
+  r.misuses = {{"d_gate and d_up are one buffer", [](const Tensors& t, Arena&) {
+                  geglu_backward(t("d_gate"), t("d_gate"), t("d_out"), t("gate"), t("up"), GradMode::overwrite);
+                }}};
+  return r;
+}
+
 // d_x by the call's mode, d_delta by the opposite one (or skipped).
 Row residual(int64_t N, int64_t C, bool with_d_delta = true) {
   Row r = make_row(fmt::format("residual N={} C={}{}", N, C, with_d_delta ? "" : " (no d_delta)"),
@@ -558,6 +574,10 @@ std::vector<Row> build_table() {
   t.push_back(swiglu(3, 7));
   t.push_back(swiglu(37, 203));
   t.push_back(gpu_only(swiglu(64, 1376)));
+  // geglu: odd sizes (the vector kernels' scalar tail), a realistic row
+  t.push_back(geglu(3, 7));
+  t.push_back(geglu(37, 203));
+  t.push_back(gpu_only(geglu(64, 1376)));
   // residual and accumulate
   t.push_back(residual(2, 3));
   t.push_back(residual(37, 203));
