@@ -361,6 +361,7 @@ struct AttnShape {
   // Packed documents (attention_forward_documents): per sequence its document starts; empty: none.
   std::vector<std::vector<int64_t>> docs = {};
   int64_t window = 0, distance = 0;
+  double softcap = 0.0;  // Gemma 2's score cap (0: none)
 };
 std::string starts_text(const std::vector<std::vector<int64_t>>& docs) {
   std::string r;
@@ -381,9 +382,10 @@ Row attention(AttnShape a, std::vector<Variant> variants = attention_families())
   const bool causal = a.mask == AttentionMask::causal;
   const bool documents = !a.docs.empty();
   const AttentionWindow window{a.window, causal ? 0 : a.distance};
-  const std::string windowed = a.window == 0 ? ""
-                               : causal      ? fmt::format(" window={}", a.window)
-                                             : fmt::format(" window={} distance={}", a.window, a.distance);
+  const std::string windowed = (a.window == 0 ? ""
+                                : causal     ? fmt::format(" window={}", a.window)
+                                             : fmt::format(" window={} distance={}", a.window, a.distance)) +
+                               (a.softcap > 0 ? fmt::format(" softcap={}", a.softcap) : "");
   Row r = finish(make_row(documents ? fmt::format("attention documents {} B={} c={} S={} (p={}) H={} Hkv={} D={} T={}{}",
                                                   starts_text(a.docs), a.B, a.c, a.S, a.S - a.c, a.H, a.Hkv, a.D, a.T,
                                                   windowed)
@@ -398,27 +400,29 @@ Row attention(AttnShape a, std::vector<Variant> variants = attention_families())
                   [=](const Tensors& t, Arena& s) {
                     if (documents)
                       attention_forward_documents(t("out"), {t("lse")}, t("q"), t("k"), t("v"), a.docs, scale, s,
-                                                  a.window);
+                                                  a.window, a.softcap);
                     else
-                      attention_forward(t("out"), {t("lse")}, t("q"), t("k"), t("v"), scale, s, a.mask, window);
+                      attention_forward(t("out"), {t("lse")}, t("q"), t("k"), t("v"), scale, s, a.mask, window,
+                                        a.softcap);
                   },
                   [=](const Tensors& t, GradMode m, Arena& s) {
                     if (documents)
                       attention_backward_documents(t("d_q"), t("d_k"), t("d_v"), t("d_out"), {t("lse")}, t("q"),
-                                                   t("k"), t("v"), t("out"), a.docs, scale, m, s, a.window);
+                                                   t("k"), t("v"), t("out"), a.docs, scale, m, s, a.window, a.softcap);
                     else
                       attention_backward(t("d_q"), t("d_k"), t("d_v"), t("d_out"), {t("lse")}, t("q"), t("k"),
-                                         t("v"), t("out"), scale, m, s, a.mask, window);
+                                         t("v"), t("out"), scale, m, s, a.mask, window, a.softcap);
                   }));
   r.variants = std::move(variants);
   r.takes_scratch = true;
-  r.unsupported = [mask = a.mask, docs = a.docs, window](const Tensors& t) -> std::string {
+  r.unsupported = [mask = a.mask, docs = a.docs, window, softcap = a.softcap](const Tensors& t) -> std::string {
     // The calls the op makes: one, or with documents one per span (queries and keys of a sequence).
     auto ask = [&](const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& dq,
                    const Tensor& dout, const Tensor& dk, const Tensor& dv) {
-      choose_attention_kernel(attention_call(q, k, v, o, nullptr, nullptr, nullptr, nullptr, mask, window),
+      choose_attention_kernel(attention_call(q, k, v, o, nullptr, nullptr, nullptr, nullptr, mask, window, softcap),
                               attention_flags());
-      choose_attention_kernel(attention_call(q, k, v, o, &dq, &dout, &dk, &dv, mask, window), attention_flags());
+      choose_attention_kernel(attention_call(q, k, v, o, &dq, &dout, &dk, &dv, mask, window, softcap),
+                              attention_flags());
     };
     try {
       if (docs.empty()) {
@@ -672,6 +676,18 @@ std::vector<Row> build_table() {
     t.push_back(gpu_only(attention({1, 77, 300, 4, 2, D, 300, causal_mask, {}, 40})));
     t.push_back(gpu_only(attention({2, 45, 150, 8, 2, D, 200, causal_mask, {}, 7})));
   }
+  // Gemma 2's score cap, on the CPU (no GPU family computes it: the GPU runners report these rows
+  // skipped with the chooser's refusal; tests/engine/test_attention_choice.cpp checks it). Caps of 0.7 and 1.5 against scores of about unit size, so
+  // tanh is far from linear: chunk against cache with GQA, p = 0, with a window, with packed
+  // documents (and a window), unmasked blocks (with a window), score blocks of 64 rows.
+  t.push_back(attention({2, 3, 8, 4, 2, 4, 8, causal_mask, {}, 0, 0, 0.7}));
+  t.push_back(attention({1, 5, 5, 2, 1, 6, 7, causal_mask, {}, 0, 0, 1.5}));
+  t.push_back(attention({1, 7, 9, 2, 1, 6, 9, causal_mask, {}, 4, 0, 0.7}));
+  t.push_back(attention({2, 6, 11, 4, 2, 4, 12, causal_mask, {{0, 3, 7, 8, 10}, {0, 5}}, 0, 0, 0.7}));
+  t.push_back(attention({1, 9, 12, 2, 1, 6, 12, causal_mask, {{0, 2, 6}}, 4, 0, 1.5}));
+  t.push_back(attention({2, 5, 3, 4, 2, 4, 8, none, {}, 0, 0, 0.7}));
+  t.push_back(attention({1, 3, 7, 2, 1, 6, 7, none, {}, 8, 9, 1.5}));
+  t.push_back(attention({2, 70, 75, 2, 1, 4, 75, causal_mask, {}, 9, 0, 0.7}));
   // LM head: CPU row blocks of 3 with ignored rows; one GPU block with V = 101 (no multiple of the
   // 16-byte vector); three GPU blocks (2048, 2048, 37) with the second wholly ignored; long rows.
   for (const bool fused : {false, true}) {
