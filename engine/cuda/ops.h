@@ -119,13 +119,17 @@ void cudnn_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor
 // x, weight in the compute dtype (bf16 or f32); row_loss, lse f32; d_weight f32 (accumulated);
 // d_x in the compute dtype. block_rows is the CPU's block; the GPU picks its own, larger row block
 // (bounded logits scratch; see lm_head.cu).
+// softcap: the final-logit cap (0: none), applied to each logit in f32 as the row kernel reads it.
 void lm_head_loss_forward(const Tensor& row_loss, const LmHeadSaved& saved, const Tensor& x, const Tensor& weight,
-                          const Tensor& labels, double normaliser, Arena& scratch, int64_t block_rows);
+                          const Tensor& labels, double normaliser, Arena& scratch, int64_t block_rows,
+                          double softcap);
 void lm_head_loss_backward(const Tensor& d_x, const Tensor& d_weight, const LmHeadSaved& saved, const Tensor& x,
                            const Tensor& weight, const Tensor& labels, double normaliser, GradMode mode,
-                           Arena& scratch, int64_t block_rows);
+                           Arena& scratch, int64_t block_rows, double softcap);
 void lm_head_loss_fused(const Tensor& row_loss, const Tensor& d_x, const Tensor& d_weight, const Tensor& x,
                         const Tensor& weight, const Tensor& labels, double normaliser, GradMode mode, Arena& scratch,
-                        int64_t block_rows);
+                        int64_t block_rows, double softcap);
+// logits = softcap tanh(logits / softcap) in place (lm_head_logits' cap; softcap > 0).
+void softcap_logits(const Tensor& logits, double softcap);
 
 }  // namespace cw::gpu

@@ -463,11 +463,14 @@ Init labels_in(int64_t V, int64_t ignore_from, int64_t ignore_to) {
 // The LM head with cross-entropy; L = sum of row_loss (the cotangent is ones, implicit in the op).
 // fused: the backward is lm_head_loss_fused (loss and gradients in one pass) instead of
 // lm_head_loss_backward. block_rows: the CPU's row blocks (the GPU picks its own: lm_head.cu).
+// softcap: Gemma 2's final-logit cap (0: none).
 Row lm_head(int64_t N, int64_t C, int64_t V, bool fused, int64_t block_rows = 256, int64_t ignore_from = 0,
-            int64_t ignore_to = 0) {
+            int64_t ignore_to = 0, double softcap = 0.0) {
   const double norm = 0.75 * static_cast<double>(N);  // any positive normaliser
-  Row r = make_row(fmt::format("lm_head_loss{} N={} C={} V={} block_rows={}{}", fused ? "_fused" : "", N, C, V, block_rows,
-                    ignore_to > ignore_from ? fmt::format(" ignoring [{}, {})", ignore_from, ignore_to) : ""),
+  Row r = make_row(fmt::format("lm_head_loss{} N={} C={} V={} block_rows={}{}{}", fused ? "_fused" : "", N, C, V,
+                               block_rows,
+                               ignore_to > ignore_from ? fmt::format(" ignoring [{}, {})", ignore_from, ignore_to) : "",
+                               softcap > 0 ? fmt::format(" softcap={}", softcap) : ""),
         {in("x", {N, C}), in("W", {V, C}).normal(0.0, 2.0 / std::sqrt(static_cast<double>(C))),
          in("labels", {N}).dtype(Dt::i32).with(labels_in(V, ignore_from, ignore_to)), out("row_loss", {N}).dtype(Dt::accum),
          saved("lse", {N}),
@@ -475,13 +478,15 @@ Row lm_head(int64_t N, int64_t C, int64_t V, bool fused, int64_t block_rows = 25
              .implicit_in_op(),
          grad("d_x", "x"), grad("d_W", "W", Acc::adds)},
         [=](const Tensors& t, Arena& s) {
-          lm_head_loss_forward(t("row_loss"), {t("lse")}, t("x"), t("W"), t("labels"), norm, s, block_rows);
+          lm_head_loss_forward(t("row_loss"), {t("lse")}, t("x"), t("W"), t("labels"), norm, s, block_rows, softcap);
         },
         [=](const Tensors& t, GradMode m, Arena& s) {
           if (fused)
-            lm_head_loss_fused(t("fused_loss"), t("d_x"), t("d_W"), t("x"), t("W"), t("labels"), norm, m, s, block_rows);
+            lm_head_loss_fused(t("fused_loss"), t("d_x"), t("d_W"), t("x"), t("W"), t("labels"), norm, m, s, block_rows,
+                               softcap);
           else
-            lm_head_loss_backward(t("d_x"), t("d_W"), {t("lse")}, t("x"), t("W"), t("labels"), norm, m, s, block_rows);
+            lm_head_loss_backward(t("d_x"), t("d_W"), {t("lse")}, t("x"), t("W"), t("labels"), norm, m, s, block_rows,
+                                  softcap);
         });
   if (fused) r.args.push_back(arg("fused_loss", Role::grad, {N}, Dt::accum, "", Acc::writes));
   r.op = "lm_head";
@@ -489,11 +494,22 @@ Row lm_head(int64_t N, int64_t C, int64_t V, bool fused, int64_t block_rows = 25
   r.misuses = {{"d_x aliases x", [=](const Tensors& t, Arena& s) {
                   if (fused)
                     lm_head_loss_fused(t("fused_loss"), t("x"), t("d_W"), t("x"), t("W"), t("labels"), norm,
-                                       GradMode::overwrite, s, block_rows);
+                                       GradMode::overwrite, s, block_rows, softcap);
                   else
                     lm_head_loss_backward(t("x"), t("d_W"), {t("lse")}, t("x"), t("W"), t("labels"), norm,
-                                          GradMode::overwrite, s, block_rows);
+                                          GradMode::overwrite, s, block_rows, softcap);
                 }}};
+  return finish(r);
+}
+
+// The logits alone (sampling, comparisons), capped or not: a forward only.
+Row lm_head_logits_row(int64_t N, int64_t C, int64_t V, double softcap) {
+  Row r = make_row(fmt::format("lm_head_logits N={} C={} V={}{}", N, C, V,
+                               softcap > 0 ? fmt::format(" softcap={}", softcap) : ""),
+                   {in("x", {N, C}), in("W", {V, C}).normal(0.0, 2.0 / std::sqrt(static_cast<double>(C))),
+                    out("logits", {N, V})},
+                   [=](const Tensors& t, Arena&) { lm_head_logits(t("logits"), t("x"), t("W"), softcap); });
+  r.op = "lm_head_logits";
   return finish(r);
 }
 
@@ -696,7 +712,16 @@ std::vector<Row> build_table() {
     t.push_back(lm_head(37, 64, 101, fused));
     t.push_back(gpu_only(lm_head(4133, 64, 96, fused, 256, 2048, 4096)));
     t.push_back(gpu_only(lm_head(64, 64, 20011, fused)));
+    // Gemma 2's final-logit cap: 1.5 against logits of about unit size (tanh far from linear), ignored
+    // rows and row blocks on the CPU; the GPU's one and three blocks; a cap of 30 (Gemma 2's)
+    t.push_back(lm_head(7, 5, 11, fused, 3, 0, 0, 1.5));
+    t.push_back(lm_head(37, 64, 101, fused, 256, 0, 0, 1.5));
+    t.push_back(lm_head(9, 6, 13, fused, 4, 0, 0, 30.0));
+    t.push_back(gpu_only(lm_head(4133, 64, 96, fused, 256, 2048, 4096, 1.5)));
   }
+  t.push_back(lm_head_logits_row(7, 5, 11, 0.0));
+  t.push_back(lm_head_logits_row(7, 5, 11, 1.5));
+  t.push_back(gpu_only(lm_head_logits_row(300, 64, 1001, 1.5)));
   // AdamW: an odd tail; more elements than one pass of the GPU grid (4096 blocks x 256 threads)
   t.push_back(adamw(37));
   t.push_back(gpu_only(adamw((int64_t{1} << 21) + 37)));
