@@ -536,8 +536,9 @@ std::vector<Row> build_table() {
   t.push_back(embedding(9, 7, 5));
   t.push_back(embedding(37, 50, 203));
   t.push_back(gpu_only(embedding(512, 1000, 2048)));
-  // embedding times Gemma's normaliser: sqrt(203) (no power of two: every product rounds), sqrt(2048)
-  // rounded to bf16 on the GPU's vector-width rows
+  // embedding times Gemma's normaliser: sqrt(5) and sqrt(203) (no power of two: every product rounds;
+  // the small one under finite differences), sqrt(2048) rounded to bf16 on the GPU's vector-width rows
+  t.push_back(embedding(9, 7, 5, std::sqrt(5.0)));
   t.push_back(embedding(37, 50, 203, std::sqrt(203.0)));
   t.push_back(gpu_only(embedding(512, 1000, 2048, 45.25)));
   // rmsnorm: C not a multiple of 32 or 4; N = 300: several d_w row blocks, the last partial
