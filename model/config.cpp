@@ -147,7 +147,8 @@ struct FamilyNames {
 constexpr FamilyNames kFamilies[] = {{ModelFamily::llama, "llama", "LlamaForCausalLM"},
                                      {ModelFamily::qwen2, "qwen2", "Qwen2ForCausalLM"},
                                      {ModelFamily::qwen3, "qwen3", "Qwen3ForCausalLM"},
-                                     {ModelFamily::mistral, "mistral", "MistralForCausalLM"}};
+                                     {ModelFamily::mistral, "mistral", "MistralForCausalLM"},
+                                     {ModelFamily::gemma2, "gemma2", "Gemma2ForCausalLM"}};
 
 const FamilyNames& names_of(ModelFamily f) {
   for (const FamilyNames& n : kFamilies)
@@ -173,7 +174,7 @@ ModelFamily read_family(const JsonObject& j, const std::string& src) {
       if (type == n.model_type) family = n.family;
     if (!family)
       j.fail_key("model_type", fmt::format("is '{}', a model chunkwise does not train", type.substr(0, 60)),
-                 "chunkwise trains llama, qwen2, qwen3 and mistral models");
+                 "chunkwise trains llama, qwen2, qwen3, mistral and gemma2 models");
   } else {
     for (const FamilyNames& n : kFamilies)
       if (names(n.family)) family = n.family;
@@ -181,14 +182,18 @@ ModelFamily read_family(const JsonObject& j, const std::string& src) {
   const ModelFamily f = family.value_or(ModelFamily::llama);
   if (architectures && architectures->is_array() && !names(f))
     fail(fmt::format("{}: architectures {} does not include {}", src, architectures->dump(), architecture_name(f)),
-         "chunkwise trains LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM and MistralForCausalLM models");
+         "chunkwise trains LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, MistralForCausalLM and "
+         "Gemma2ForCausalLM models");
   return f;
 }
 
 // The keys of a config that ask for something chunkwise's blocks do not compute: each refused by name.
-void refuse_unsupported(const JsonObject& j) {
+// Gemma 2's activation and layer types are its own keys (read_gemma2): Gemma2MLP reads
+// hidden_activation and no hidden_act, whatever the file says of it.
+void refuse_unsupported(const JsonObject& j, ModelFamily family) {
   if (j.boolean_or("mlp_bias", false))
     j.fail_key("mlp_bias", "is true: biases on the MLP's projections are not supported", "use a model without them");
+  if (family == ModelFamily::gemma2) return;
   if (const std::string act = j.string_or("hidden_act", "silu"); act != "silu")
     j.fail_key("hidden_act", fmt::format("is '{}': chunkwise's MLP is SwiGLU with silu", act.substr(0, 60)),
                "use a model whose hidden_act is silu");
@@ -204,18 +209,100 @@ void refuse_unsupported(const JsonObject& j) {
                    "use a model without sliding-window layers");
   }
 }
+
+// A cap of Gemma 2 (attn_logit_softcapping, final_logit_softcapping): absent, Gemma2Config's
+// default; null, none (0); else positive and finite.
+double read_softcap(const JsonObject& j, const char* key, double absent) {
+  if (!j.value().contains(key)) return absent;
+  if (!j.has(key)) return 0.0;
+  const double cap = j.number(key);
+  if (!(cap > 0)) j.fail_key(key, fmt::format("is {}: a cap must be positive", cap), "give a positive cap, or null for none");
+  return cap;
+}
+
+// What Gemma 2 adds to Llama's config (model/config.h), read as transformers 5.24's Gemma2Config:
+// absent keys take its defaults, the 2B's.
+void read_gemma2(const JsonObject& j, LlamaConfig& c) {
+  c.post_norms = true;
+  c.norm_weight_offset = 1.0;
+  c.scale_embeddings = true;
+  if (const std::string act = j.string_or("hidden_activation", "gelu_pytorch_tanh"); act != "gelu_pytorch_tanh")
+    j.fail_key("hidden_activation",
+               fmt::format("is '{}': chunkwise's Gemma 2 MLP gate is gelu with the tanh approximation",
+                           act.substr(0, 60)),
+               "use a model whose hidden_activation is gelu_pytorch_tanh");
+  c.mlp_gate = MlpGate::gelu_tanh;
+  if (j.boolean_or("use_bidirectional_attention", false))
+    j.fail_key("use_bidirectional_attention", "is true: chunkwise's attention is causal",
+               "use a causal language model (use_bidirectional_attention false)");
+  c.query_pre_attn_scalar = j.number_or("query_pre_attn_scalar", 256.0);
+  if (!(c.query_pre_attn_scalar > 0))
+    j.fail_key("query_pre_attn_scalar", fmt::format("is {}: the attention scale is its inverse square root",
+                                                    c.query_pre_attn_scalar),
+               "give a positive value (Gemma 2 uses 256, or hidden_size / num_attention_heads)");
+  c.attn_logit_softcapping = read_softcap(j, "attn_logit_softcapping", 50.0);
+  c.final_logit_softcapping = read_softcap(j, "final_logit_softcapping", 30.0);
+  // The window: Gemma2Config's default 4096 when the key is absent. transformers' Gemma 2 builds its
+  // sliding layers' mask from it whatever the layer types, and refuses null: so does this.
+  if (j.value().contains("sliding_window") && !j.has("sliding_window"))
+    j.fail_key("sliding_window", "is null: Gemma 2's sliding layers need a window",
+               "give a window; layer_types all full_attention make every layer global");
+  c.sliding_window = j.integer_or("sliding_window", 4096);
+  if (c.sliding_window <= 0)
+    j.fail_key("sliding_window", fmt::format("is {}: a window holds at least one key", c.sliding_window),
+               "give a positive window");
+  // Which layers slide: layer_types, or transformers' rule without it (layers 0, 2, 4, ... slide).
+  // A layer count out of bounds is refused by validate() before anything is sized by it.
+  const int64_t L = c.num_hidden_layers;
+  if (L <= 0 || L > ConfigLimits::kMaxLayers) return;
+  if (!j.has("layer_types")) {
+    for (int64_t l = 0; l < L; ++l) c.sliding_layers.push_back(l % 2 == 0);
+    return;
+  }
+  const nlohmann::json& types = j.array("layer_types");
+  if (static_cast<int64_t>(types.size()) != L)
+    j.fail_key("layer_types", fmt::format("has {} entries for {} layers (num_hidden_layers)", types.size(), L),
+               "give one entry per layer");
+  for (size_t i = 0; i < types.size(); ++i) {
+    const std::string type = json_string(types[i], j.file(), j.path_of("layer_types") + fmt::format("[{}]", i));
+    if (type != "sliding_attention" && type != "full_attention")
+      j.fail_key("layer_types", fmt::format("[{}] is '{}': Gemma 2's layers are sliding_attention or full_attention", i,
+                                            type.substr(0, 60)),
+                 "give sliding_attention or full_attention for each layer");
+    c.sliding_layers.push_back(type == "sliding_attention");
+  }
+}
 }  // namespace
 
 const char* model_family_name(ModelFamily family) { return names_of(family).model_type; }
 
+int64_t LlamaConfig::layer_window(int64_t layer) const {
+  if (sliding_window == 0 || sliding_layers.empty()) return sliding_window;
+  CW_CHECK(layer >= 0 && layer < static_cast<int64_t>(sliding_layers.size()), "layer {} of a model of {} layers",
+           layer, sliding_layers.size());
+  return sliding_layers[static_cast<size_t>(layer)] ? sliding_window : 0;
+}
+
+bool LlamaConfig::has_sliding_window() const {
+  for (int64_t l = 0; l < num_hidden_layers; ++l)
+    if (layer_window(l) > 0) return true;
+  return false;
+}
+
+double LlamaConfig::attention_scale() const {
+  return 1.0 / std::sqrt(query_pre_attn_scalar > 0 ? query_pre_attn_scalar : static_cast<double>(head_dim));
+}
+
 LlamaConfig LlamaConfig::from_json(const json& document, const std::string& src) {
   const JsonObject j(document, src, "",
-                     "compare with a transformers LlamaConfig, Qwen2Config, Qwen3Config or MistralConfig");
+                     "compare with a transformers LlamaConfig, Qwen2Config, Qwen3Config, MistralConfig or "
+                     "Gemma2Config");
   LlamaConfig c;
   c.family = read_family(j, src);
-  refuse_unsupported(j);
-  // Qwen2's q/k/v biases are its type's; Llama's and Qwen3's attention_bias adds o_proj's too;
-  // Mistral's projections have none (MistralAttention reads no attention_bias).
+  const bool gemma2 = c.family == ModelFamily::gemma2;
+  refuse_unsupported(j, c.family);
+  // Qwen2's q/k/v biases are its type's; Llama's, Qwen3's and Gemma 2's attention_bias adds o_proj's
+  // too; Mistral's projections have none (MistralAttention reads no attention_bias).
   c.attention_bias = c.family == ModelFamily::qwen2 ||
                      (c.family != ModelFamily::mistral && j.boolean_or("attention_bias", false));
   c.o_bias = c.family != ModelFamily::qwen2 && c.attention_bias;
@@ -225,14 +312,17 @@ LlamaConfig LlamaConfig::from_json(const json& document, const std::string& src)
   c.intermediate_size = j.integer("intermediate_size");
   c.num_hidden_layers = j.integer("num_hidden_layers");
   c.num_attention_heads = j.integer("num_attention_heads");
-  c.num_key_value_heads = j.integer_or("num_key_value_heads", c.num_attention_heads);
-  if (c.num_attention_heads > 0 && !j.has("head_dim")) {
+  // Gemma2Config's defaults are the 2B's: 4 K/V heads of 256.
+  c.num_key_value_heads = j.integer_or("num_key_value_heads", gemma2 ? 4 : c.num_attention_heads);
+  if (c.num_attention_heads > 0 && !j.has("head_dim") && !gemma2) {
     if (c.hidden_size % c.num_attention_heads != 0)
       fail(fmt::format("{}: hidden_size {} is not divisible by num_attention_heads {} and head_dim is absent", src,
                        c.hidden_size, c.num_attention_heads), "give head_dim explicitly");
   }
-  c.head_dim = j.integer_or("head_dim", c.num_attention_heads > 0 ? c.hidden_size / c.num_attention_heads : 0);
-  c.max_position_embeddings = j.integer_or("max_position_embeddings", 2048);
+  c.head_dim = j.integer_or("head_dim", gemma2                    ? 256
+                                       : c.num_attention_heads > 0 ? c.hidden_size / c.num_attention_heads
+                                                                   : 0);
+  c.max_position_embeddings = j.integer_or("max_position_embeddings", gemma2 ? 8192 : 2048);
   c.rms_norm_eps = j.number_or("rms_norm_eps", 1e-6);
   // Mistral's window: MistralConfig's default 4096 when the key is absent; null, no window. Other
   // families carry no window (Qwen2's sliding_window counts only with use_sliding_window, refused).
@@ -243,8 +333,9 @@ LlamaConfig LlamaConfig::from_json(const json& document, const std::string& src)
       j.fail_key("sliding_window", fmt::format("is {}: a window holds at least one key", c.sliding_window),
                  "give a positive window, or null for none");
   }
+  if (gemma2) read_gemma2(j, c);
   c.initializer_range = j.number_or("initializer_range", 0.02);
-  c.tie_word_embeddings = j.boolean_or("tie_word_embeddings", c.tie_word_embeddings);
+  c.tie_word_embeddings = j.boolean_or("tie_word_embeddings", gemma2);
   // v5 keeps theta and scaling together in rope_parameters; v4 has rope_theta and rope_scaling.
   if (j.has("rope_parameters")) {
     const JsonObject rp = j.object("rope_parameters");
@@ -281,6 +372,39 @@ LlamaConfig LlamaConfig::from_file(const std::string& path) {
   return from_json(json_parse(text, path, "fix or re-download config.json"), path);
 }
 
+// Gemma 2's parts come together and with the family alone: config.json says them through
+// model_type gemma2, so no other combination could be written back.
+void LlamaConfig::validate_gemma2(const std::string& src) const {
+  const bool gemma2 = family == ModelFamily::gemma2;
+  const bool parts = mlp_gate == MlpGate::gelu_tanh && post_norms && norm_weight_offset == 1.0 && scale_embeddings;
+  const bool none = mlp_gate == MlpGate::silu && !post_norms && norm_weight_offset == 0.0 && !scale_embeddings &&
+                    query_pre_attn_scalar == 0.0 && attn_logit_softcapping == 0.0 && final_logit_softcapping == 0.0 &&
+                    sliding_layers.empty();
+  if (gemma2 ? !parts : !none)
+    fail(fmt::format("{}: {}", src,
+                     gemma2 ? "gemma2's block has the gelu gate, the post-norms, the (1 + w) norm weights and the "
+                              "scaled embeddings, all of them"
+                            : fmt::format("Gemma 2's gate, post-norms, norm offset, embedding scale, attention scalar, "
+                                          "caps and layer types belong to gemma2, not {}",
+                                          model_family_name(family))),
+         "set model_type to gemma2, or leave Gemma 2's parts out");
+  if (!gemma2) return;
+  auto positive = [&](double v, const char* key, bool zero_allowed) {
+    if (!std::isfinite(v) || v < 0 || (v == 0 && !zero_allowed))
+      fail(fmt::format("{}: '{}' must be positive and finite{}, got {}", src, key, zero_allowed ? " (0: none)" : "", v),
+           "fix the value in the file");
+  };
+  positive(query_pre_attn_scalar, "query_pre_attn_scalar", false);
+  positive(attn_logit_softcapping, "attn_logit_softcapping", true);
+  positive(final_logit_softcapping, "final_logit_softcapping", true);
+  if (sliding_window <= 0)
+    fail(fmt::format("{}: gemma2's 'sliding_window' must be positive, got {}", src, sliding_window),
+         "give a window (transformers' Gemma 2 needs one); layer_types all full_attention make every layer global");
+  if (static_cast<int64_t>(sliding_layers.size()) != num_hidden_layers)
+    fail(fmt::format("{}: 'layer_types' has {} entries for {} layers", src, sliding_layers.size(), num_hidden_layers),
+         "give one entry per layer");
+}
+
 void LlamaConfig::validate(const std::string& src, const ConfigKeyNames& keys) const {
   auto in_range = [&](int64_t v, const char* key, int64_t limit, const char* why) {
     if (v <= 0) fail(fmt::format("{}: '{}' must be positive, got {}", src, key, v), "fix the value in the file");
@@ -301,8 +425,8 @@ void LlamaConfig::validate(const std::string& src, const ConfigKeyNames& keys) c
   // overflow checks all the same, as the sum of many of them.
   int64_t total = 0;
   const int64_t C = hidden_size;
-  const int64_t per_layer = 2 * C + 2 * C * q_dim() + 2 * C * kv_dim() + 3 * C * intermediate_size +
-                            q_dim() + 2 * kv_dim() + C + 2 * head_dim;  // biases and per-head norms at most
+  const int64_t per_layer = 4 * C + 2 * C * q_dim() + 2 * C * kv_dim() + 3 * C * intermediate_size +
+                            q_dim() + 2 * kv_dim() + C + 2 * head_dim;  // norms, biases and per-head norms at most
   bool overflow = __builtin_mul_overflow(per_layer, num_hidden_layers, &total);
   overflow = overflow || __builtin_add_overflow(total, 2 * vocab_size * C + C, &total);
   if (overflow || total > ConfigLimits::kMaxParameters)
@@ -327,11 +451,12 @@ void LlamaConfig::validate(const std::string& src, const ConfigKeyNames& keys) c
     fail(fmt::format("{}: '{}' must be positive (or null: no window), got {}", src, keys.sliding_window,
                      sliding_window),
          "fix the value in the file (Mistral 7B v0.1 uses 4096)");
-  if (sliding_window > 0 && family != ModelFamily::mistral)
-    fail(fmt::format("{}: a sliding window belongs to mistral, not {}", src, model_family_name(family)),
+  if (sliding_window > 0 && family != ModelFamily::mistral && family != ModelFamily::gemma2)
+    fail(fmt::format("{}: a sliding window belongs to mistral and gemma2, not {}", src, model_family_name(family)),
          "set model_type to mistral, or leave the window out");
   if (family == ModelFamily::mistral && attention_bias)
     fail(fmt::format("{}: mistral has no attention biases", src), "leave attention_bias out");
+  validate_gemma2(src);
   // Non-finite values would pass a bare `> 0`; they make every activation NaN.
   if (!(rms_norm_eps > 0 && std::isfinite(rms_norm_eps)))
     fail(fmt::format("{}: '{}' must be positive and finite, got {}", src, keys.rms_norm_eps, rms_norm_eps),
@@ -360,9 +485,11 @@ json LlamaConfig::to_json() const {
       {"rope_theta", rope_theta},
       {"tie_word_embeddings", tie_word_embeddings},
       {"initializer_range", initializer_range},
-      {"hidden_act", "silu"},
       {"torch_dtype", torch_dtype},
   };
+  // Gemma2MLP reads hidden_activation; the others' MLPs hidden_act.
+  if (mlp_gate == MlpGate::gelu_tanh) j["hidden_activation"] = "gelu_pytorch_tanh";
+  else j["hidden_act"] = "silu";
   // Qwen2's biases are implied by its model_type (Qwen2Config has no attention_bias).
   if (family != ModelFamily::qwen2) j["attention_bias"] = attention_bias;
   if (family == ModelFamily::llama) j["mlp_bias"] = false;
@@ -370,6 +497,18 @@ json LlamaConfig::to_json() const {
   if (family == ModelFamily::mistral) {
     j.erase("attention_bias");  // MistralConfig has none
     j["sliding_window"] = sliding_window > 0 ? json(sliding_window) : json(nullptr);
+  }
+  if (family == ModelFamily::gemma2) {
+    j["sliding_window"] = sliding_window;
+    json& types = j["layer_types"] = json::array();
+    for (const bool sliding : sliding_layers) types.push_back(sliding ? "sliding_attention" : "full_attention");
+    // Gemma2Config types the scalar an int: written as one where it is integral.
+    const double scalar = query_pre_attn_scalar;
+    j["query_pre_attn_scalar"] = scalar == std::floor(scalar) && scalar < 9.0e15 ? json(static_cast<int64_t>(scalar))
+                                                                                 : json(scalar);
+    auto cap = [](double c) { return c > 0 ? json(c) : json(nullptr); };
+    j["attn_logit_softcapping"] = cap(attn_logit_softcapping);
+    j["final_logit_softcapping"] = cap(final_logit_softcapping);
   }
   switch (rope_scaling.type) {
     case RopeScaling::Type::none: j["rope_scaling"] = nullptr; break;
@@ -409,7 +548,7 @@ json LlamaConfig::to_json() const {
 
 int64_t LlamaConfig::parameter_count() const {
   const int64_t C = hidden_size, F = intermediate_size;
-  const int64_t per_layer = 2 * C + C * q_dim() + 2 * C * kv_dim() + q_dim() * C + 3 * C * F +
+  const int64_t per_layer = (post_norms ? 4 : 2) * C + C * q_dim() + 2 * C * kv_dim() + q_dim() * C + 3 * C * F +
                             (attention_bias ? q_dim() + 2 * kv_dim() : 0) + (o_bias ? C : 0) +
                             (qk_norm ? 2 * head_dim : 0);
   return vocab_size * C * (tie_word_embeddings ? 1 : 2) + num_hidden_layers * per_layer + C;
@@ -459,11 +598,45 @@ LlamaConfig qwen_family(ModelFamily family, int64_t C, int64_t F, int64_t L, int
   c.torch_dtype = "bfloat16";
   return c;
 }
+// Gemma 2 as transformers' Gemma2Config gives it (its defaults are the 2B's; the 9B's shapes from its
+// released config.json): vocabulary 256,000, head_dim 256 and query_pre_attn_scalar 256, a window of
+// 4096 keys on the even layers, caps 50 (attention) and 30 (logits), RoPE theta 1e4, RMSNorm eps
+// 1e-6, tied embeddings, <bos> 2, <eos> 1, <pad> 0.
+LlamaConfig gemma2_family(int64_t C, int64_t F, int64_t L, int64_t H, int64_t Hkv) {
+  LlamaConfig c;
+  c.family = ModelFamily::gemma2;
+  c.mlp_gate = MlpGate::gelu_tanh;
+  c.post_norms = true;
+  c.norm_weight_offset = 1.0;
+  c.scale_embeddings = true;
+  c.vocab_size = 256000;
+  c.hidden_size = C;
+  c.intermediate_size = F;
+  c.num_hidden_layers = L;
+  c.num_attention_heads = H;
+  c.num_key_value_heads = Hkv;
+  c.head_dim = 256;
+  c.query_pre_attn_scalar = 256;
+  c.max_position_embeddings = 8192;
+  c.rms_norm_eps = 1e-6;
+  c.rope_theta = 10000.0;
+  c.sliding_window = 4096;
+  for (int64_t l = 0; l < L; ++l) c.sliding_layers.push_back(l % 2 == 0);
+  c.attn_logit_softcapping = 50.0;
+  c.final_logit_softcapping = 30.0;
+  c.tie_word_embeddings = true;
+  c.bos_token_id = 2;
+  c.eos_token_ids = {1};
+  c.pad_token_id = 0;
+  c.torch_dtype = "float32";
+  return c;
+}
 }  // namespace
 
 std::vector<std::string> LlamaConfig::preset_names() {
-  return {"tiny",         "tiny-tp",      "tiny-qwen2",   "tiny-qwen3", "tiny-mistral", "small",    "llama-3.2-1b",
-          "llama-3.2-3b", "llama-3.1-8b", "qwen2.5-0.5b", "qwen2.5-7b", "qwen3-0.6b",   "qwen3-8b", "mistral-7b"};
+  return {"tiny",         "tiny-tp",      "tiny-qwen2",   "tiny-qwen3", "tiny-mistral", "tiny-gemma2",
+          "small",        "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "qwen2.5-0.5b", "qwen2.5-7b",
+          "qwen3-0.6b",   "qwen3-8b",     "mistral-7b",   "gemma2-2b",  "gemma2-9b"};
 }
 
 LlamaConfig LlamaConfig::preset(const std::string& name) {
@@ -515,6 +688,26 @@ LlamaConfig LlamaConfig::preset(const std::string& name) {
     c.family = ModelFamily::mistral;
     c.rope_scaling = {};
     c.sliding_window = 5;
+  } else if (name == "tiny-gemma2") {
+    // For tests: tiny as Gemma 2 with every part biting at toy size: layer 0 sliding (a window of 5
+    // keys, shorter than the tests' chunks and sequences) and layer 1 global, head_dim 8 apart from
+    // hidden / heads = 6, query_pre_attn_scalar 10 apart from head_dim, caps 2 (attention) and 3
+    // (logits) against scores and logits of about their size, tied embeddings as Gemma's.
+    const LlamaConfig t = preset("tiny");
+    c = gemma2_family(t.hidden_size, t.intermediate_size, t.num_hidden_layers, t.num_attention_heads,
+                      t.num_key_value_heads);
+    c.vocab_size = t.vocab_size;
+    c.head_dim = 8;
+    c.query_pre_attn_scalar = 10;
+    c.max_position_embeddings = t.max_position_embeddings;
+    c.sliding_window = 5;
+    c.attn_logit_softcapping = 2.0;
+    c.final_logit_softcapping = 3.0;
+    c.initializer_range = t.initializer_range;
+    c.bos_token_id = -1;
+    c.eos_token_ids = {};
+    c.pad_token_id = -1;
+    c.torch_dtype = t.torch_dtype;
   } else if (name == "small") {
     // The CPU demo: byte-level vocabulary (258 ids padded to 320), trains in minutes on two cores.
     c.vocab_size = 320;
@@ -564,6 +757,10 @@ LlamaConfig LlamaConfig::preset(const std::string& name) {
     c.bos_token_id = 1;
     c.eos_token_ids = {2};
     c.torch_dtype = "bfloat16";
+  } else if (name == "gemma2-2b") {
+    c = gemma2_family(2304, 9216, 26, 8, 4);
+  } else if (name == "gemma2-9b") {
+    c = gemma2_family(3584, 14336, 42, 16, 8);
   } else {
     std::string names;
     for (const auto& n : preset_names()) names += (names.empty() ? "" : ", ") + n;
@@ -573,9 +770,16 @@ LlamaConfig LlamaConfig::preset(const std::string& name) {
   return c;
 }
 
-const LlamaConfig& check_runs_on(const LlamaConfig& config, Device /*device*/, const std::string& /*cpu_setting*/) {
+const LlamaConfig& check_runs_on(const LlamaConfig& config, Device device, const std::string& cpu_setting) {
   // A sliding window runs on the GPU too: the flash families honour it and the chooser keeps such
-  // calls off cuDNN (engine/ops/attention.cpp). No family of config is refused by device today.
+  // calls off cuDNN (engine/ops/attention.cpp). A score cap does not: neither our flash kernels nor
+  // our cuDNN graphs cap scores (the op's chooser refuses each call; this refuses the model first,
+  // before anything is allocated). The final-logit cap runs everywhere (the LM head's kernels).
+  if (!device.is_cpu() && config.attn_logit_softcapping > 0)
+    fail(fmt::format("attn_logit_softcapping = {} ({}): no GPU attention kernel caps scores, so this model trains "
+                     "on the CPU only",
+                     config.attn_logit_softcapping, model_family_name(config.family)),
+         cpu_setting.empty() ? std::string("run it on the CPU") : fmt::format("run it on the CPU ({})", cpu_setting));
   return config;
 }
 

@@ -11,6 +11,19 @@
 //          sliding window of `sliding_window` keys (an integer, or null: no window), as transformers'
 //          sliding-window mask: a query at t sees keys t - W < j <= t (engine/ops/attention.h).
 //          `head_dim` may be given apart from hidden / heads.
+//   gemma2 Gemma2ForCausalLM: Llama's block with the embeddings times sqrt(hidden_size); RMSNorm
+//          x r (1 + w) (weights stored as the scale's difference from 1, engine/ops/rmsnorm.h); two
+//          more norms a layer, on the attention's and on the MLP's output before each residual add
+//          (post_attention_layernorm, post_feedforward_layernorm; the MLP's input norm is
+//          pre_feedforward_layernorm); the MLP gate gelu with the tanh approximation
+//          (`hidden_activation` gelu_pytorch_tanh, engine/ops/geglu.h); attention scores scaled by
+//          query_pre_attn_scalar^-1/2 and capped, cap tanh(s / cap) with cap = attn_logit_softcapping
+//          (null: none); layers alternately sliding (`sliding_window` keys) and global, as
+//          `layer_types` says or, without it, transformers' rule (even layers slide); the logits
+//          capped by final_logit_softcapping (null: none). Absent keys take Gemma2Config's defaults
+//          (the 2B's: head_dim 256, num_key_value_heads 4, tied embeddings, window 4096, caps 50 and
+//          30). A GPU refuses a config with attn_logit_softcapping (check_runs_on): no GPU attention
+//          kernel caps scores.
 // Qwen's sliding windows (`use_sliding_window` true, or `layer_types` other than full_attention),
 // MLP biases and activations other than silu are refused naming the key.
 //
@@ -85,8 +98,12 @@ struct ConfigLimits {
 };
 
 // The architecture a config describes: HF's model_type.
-enum class ModelFamily { llama, qwen2, qwen3, mistral };
-const char* model_family_name(ModelFamily family);  // "llama", "qwen2", "qwen3", "mistral"
+enum class ModelFamily { llama, qwen2, qwen3, mistral, gemma2 };
+const char* model_family_name(ModelFamily family);  // "llama", "qwen2", "qwen3", "mistral", "gemma2"
+
+// The MLP's gate: silu (SwiGLU, engine/ops/swiglu.h) or gelu with the tanh approximation (GeGLU,
+// engine/ops/geglu.h; transformers' gelu_pytorch_tanh).
+enum class MlpGate { silu, gelu_tanh };
 
 struct LlamaConfig {
   int64_t vocab_size = 0;            // V
@@ -111,13 +128,25 @@ struct LlamaConfig {
   bool o_bias = false;               // a bias on o_proj [C] (Llama's and Qwen3's attention_bias)
   bool qk_norm = false;              // q_norm, k_norm [D] on each head before RoPE (qwen3)
   int64_t sliding_window = 0;        // W: a query attends the W newest keys, itself included (mistral); 0: all
+  // The layers the window applies to (gemma2's layer_types: true for sliding_attention); empty: every
+  // layer (mistral).
+  std::vector<bool> sliding_layers;
+  // Gemma 2's block (gemma2; each its own field, so the block reads features rather than families):
+  MlpGate mlp_gate = MlpGate::silu;     // hidden_activation gelu_pytorch_tanh: gelu_tanh
+  bool post_norms = false;              // post_attention_layernorm, post_feedforward_layernorm [C] a layer
+  double norm_weight_offset = 0.0;      // every RMSNorm scales by (offset + w): 1 (Gemma), 0 (Llama)
+  bool scale_embeddings = false;        // x_0 = sqrt(C) E[ids], the normaliser rounded to the dtype
+  double query_pre_attn_scalar = 0.0;   // attention scale query_pre_attn_scalar^-1/2; 0: head_dim^-1/2
+  double attn_logit_softcapping = 0.0;  // attention scores capped, cap tanh(s / cap); 0: none
+  double final_logit_softcapping = 0.0; // logits capped likewise before the loss; 0: none
 
   // Parses a config.json document; `source` names the file in error messages.
   static LlamaConfig from_json(const nlohmann::json& j, const std::string& source);
   static LlamaConfig from_file(const std::string& path);
-  // A built-in preset: "tiny", "tiny-qwen2", "tiny-qwen3", "tiny-mistral" (tests), "small" (the CPU
-  // demo), "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "qwen2.5-0.5b", "qwen2.5-7b", "qwen3-0.6b",
-  // "qwen3-8b", "mistral-7b". Throws listing the names for an unknown one.
+  // A built-in preset: "tiny", "tiny-qwen2", "tiny-qwen3", "tiny-mistral", "tiny-gemma2" (tests),
+  // "small" (the CPU demo), "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "qwen2.5-0.5b",
+  // "qwen2.5-7b", "qwen3-0.6b", "qwen3-8b", "mistral-7b", "gemma2-2b", "gemma2-9b". Throws listing the
+  // names for an unknown one.
   static LlamaConfig preset(const std::string& name);
   static std::vector<std::string> preset_names();
   // A preset name, a config.json path, an HF checkpoint directory holding config.json, or a GGUF
@@ -127,22 +156,33 @@ struct LlamaConfig {
   // Checks the invariants (positive sizes within ConfigLimits, heads dividing, head_dim even, finite
   // RoPE parameters, ...); throws naming the key as `keys` spell it.
   void validate(const std::string& source, const ConfigKeyNames& keys = {}) const;
+  void validate_gemma2(const std::string& source) const;  // Gemma 2's parts: validate() calls it
   // The config.json a checkpoint we write carries (v4 keys, which transformers 4.x and 5.x both read).
   nlohmann::json to_json() const;
 
   int64_t q_dim() const { return num_attention_heads * head_dim; }     // H * D
   int64_t kv_dim() const { return num_key_value_heads * head_dim; }    // Hkv * D
+  // The sliding window of layer `layer`: W where the window applies to it (every layer of a Mistral,
+  // Gemma 2's sliding layers), else 0.
+  int64_t layer_window(int64_t layer) const;
   // The first key a query at `position` attends within its sequence (or document, positions counted
-  // in it): position - W + 1 under a sliding window, else 0.
-  int64_t first_visible_key(int64_t position) const { return window_first_key(position, sliding_window); }
+  // in it) in layer `layer`: position - W + 1 under a sliding window, else 0.
+  int64_t first_visible_key(int64_t layer, int64_t position) const {
+    return window_first_key(position, layer_window(layer));
+  }
+  // Whether any layer has a window (the planner's and the store's question).
+  bool has_sliding_window() const;
+  // The attention's score scale: query_pre_attn_scalar^-1/2 (Gemma 2), else head_dim^-1/2.
+  double attention_scale() const;
   int64_t parameter_count() const;  // exact; validate() keeps it within ConfigLimits::kMaxParameters
 };
 
 // Whether `config` runs on `device`, checked before any work (a refusal is one line naming the key;
-// `cpu_setting` is how the caller picks the CPU, "train.device = cpu"; empty: "the CPU"). Every
-// config runs on both today: a sliding window is honoured on the GPU by the flash attention families
-// (cuDNN refuses it and the chooser passes it to them). Returns the config, so a constructor can
-// check it first.
+// `cpu_setting` is how the caller picks the CPU, "train.device = cpu"; empty: "the CPU"). A sliding
+// window runs on the GPU (the flash attention families honour it; cuDNN refuses it and the chooser
+// passes it to them); attention score capping (Gemma 2's attn_logit_softcapping) does not: no GPU
+// attention kernel caps scores, so such a config is refused on a GPU. Returns the config, so a
+// constructor can check it first.
 const LlamaConfig& check_runs_on(const LlamaConfig& config, Device device, const std::string& cpu_setting = "");
 
 }  // namespace cw

@@ -220,6 +220,8 @@ std::string gguf_tensor_name(const ParamSpec& s) {
     case ParamRole::o_bias: return blk + "attn_output.bias";
     case ParamRole::q_norm: return blk + "attn_q_norm.weight";
     case ParamRole::k_norm: return blk + "attn_k_norm.weight";
+    case ParamRole::attn_post_norm:
+    case ParamRole::mlp_post_norm: break;  // Gemma 2's: its GGUF files (architecture gemma2) are not read
     case ParamRole::lora_a:
     case ParamRole::lora_b: break;  // adapters are PEFT files, not part of a GGUF model
   }

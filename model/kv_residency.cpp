@@ -302,8 +302,9 @@ void KVStream::for_prefix_blocks(int layer, int64_t first, int64_t j, bool with_
   }
 }
 
-int64_t KVStream::first_key_read(const KVStore& kv, int64_t t0, const std::vector<std::vector<int64_t>>* doc_starts) {
-  if (doc_starts == nullptr) return kv.first_key(t0);
+int64_t KVStream::first_key_read(const KVStore& kv, int layer, int64_t t0,
+                                 const std::vector<std::vector<int64_t>>* doc_starts) {
+  if (doc_starts == nullptr) return kv.first_key(layer, t0);
   int64_t earliest = t0;
   for (const std::vector<int64_t>& starts : *doc_starts) {
     // The start of the document that position t0 belongs to: the last start <= t0.
@@ -331,21 +332,21 @@ std::vector<std::vector<int64_t>> starts_within(const std::vector<std::vector<in
 
 void KVStream::attend_forward(const KVStore& kv, int layer, int64_t t0, int64_t t1, const Tensor& out,
                               const AttentionSaved& saved, const Tensor& q, double scale, Arena& scratch,
-                              int64_t window, const std::vector<std::vector<int64_t>>* doc_starts) {
+                              int64_t window, double softcap, const std::vector<std::vector<int64_t>>* doc_starts) {
   // The chunk against its own block (causal), then against each earlier block (unmasked), merged in
   // the accumulation dtype; the next block comes in while one is attended. With a sliding window only
-  // the blocks that hold keys from first_key(t0) on, each from there (its rows past a query's window
+  // the blocks that hold keys from first_key(layer, t0) on, each from there (its rows past a query's window
   // masked by the op). With documents, the own block's queries split at the starts inside it, and an
   // earlier block serves only the queries of a document begun before the chunk, from that
   // document's start on.
-  const int64_t j = t0 / block_, k_first = first_key_read(kv, t0, doc_starts), first = k_first / block_;
+  const int64_t j = t0 / block_, k_first = first_key_read(kv, layer, t0, doc_starts), first = k_first / block_;
   if (first < j) fetch_block(layer, first, false);  // queued first: it comes in while the own block is attended
   if (doc_starts)
     attention_forward_documents(out, saved, q, kv.keys(layer, t0, t1), kv.values(layer, t0, t1),
-                                starts_within(*doc_starts, t0, t1), scale, scratch);
+                                starts_within(*doc_starts, t0, t1), scale, scratch, 0, softcap);
   else
     attention_forward(out, saved, q, kv.keys(layer, t0, t1), kv.values(layer, t0, t1), scale, scratch,
-                      AttentionMask::causal, {window});
+                      AttentionMask::causal, {window}, softcap);
   if (first == j) return;
   ArenaScope scope(scratch);
   const int64_t B = out.size(0), c = out.size(1), H = out.size(2), D = out.size(3);
@@ -361,12 +362,12 @@ void KVStream::attend_forward(const KVStore& kv, int layer, int64_t t0, int64_t 
   for_prefix_blocks(layer, first, j, false, [&](int, int64_t k0, int64_t k1) {
     if (doc_starts) {
       attention_merge_documents_block(acc, saved.lse, q, kv.keys(layer, k0, k1), kv.values(layer, k0, k1), t0, k0,
-                                      *doc_starts, scale, scratch);
+                                      *doc_starts, scale, scratch, softcap);
       return;
     }
     const int64_t from = std::max(k0, k_first);  // the block's keys inside the window
     attention_forward(block_out, {block_lse}, q, kv.keys(layer, from, k1), kv.values(layer, from, k1), scale,
-                      scratch, AttentionMask::none, prefix_window(window, t0, from));
+                      scratch, AttentionMask::none, prefix_window(window, t0, from), softcap);
     attention_merge(acc, saved.lse, block_out, block_lse);
   });
   copy_convert(out, acc);
@@ -374,22 +375,22 @@ void KVStream::attend_forward(const KVStore& kv, int layer, int64_t t0, int64_t 
 
 void KVStream::attend_backward(const KVStore& kv, int layer, int64_t t0, int64_t t1, const Tensor& d_q,
                                const Tensor& d_out, const AttentionSaved& saved, const Tensor& q, const Tensor& out,
-                               double scale, Arena& scratch, int64_t window,
+                               double scale, Arena& scratch, int64_t window, double softcap,
                                const std::vector<std::vector<int64_t>>* doc_starts) {
   // Each block's share given the merged out and lse: dQ summed over the blocks in the accumulation
   // dtype (one rounding per block, not a running bf16 sum), each earlier block's dK, dV fetched,
   // added to and sent home. With a sliding window or documents, the blocks of the forward (above):
   // a block before the first one is not fetched, and its dK, dV get nothing.
-  const int64_t j = t0 / block_, k_first = first_key_read(kv, t0, doc_starts), first = k_first / block_;
+  const int64_t j = t0 / block_, k_first = first_key_read(kv, layer, t0, doc_starts), first = k_first / block_;
   if (first < j) fetch_block(layer, first, true);  // comes in while the own block runs
   if (doc_starts)
     attention_backward_documents(d_q, kv.d_keys(layer, t0, t1), kv.d_values(layer, t0, t1), d_out, saved, q,
                                  kv.keys(layer, t0, t1), kv.values(layer, t0, t1), out,
-                                 starts_within(*doc_starts, t0, t1), scale, GradMode::overwrite, scratch);
+                                 starts_within(*doc_starts, t0, t1), scale, GradMode::overwrite, scratch, 0, softcap);
   else
     attention_backward(d_q, kv.d_keys(layer, t0, t1), kv.d_values(layer, t0, t1), d_out, saved, q,
                        kv.keys(layer, t0, t1), kv.values(layer, t0, t1), out, scale, GradMode::overwrite, scratch,
-                       AttentionMask::causal, {window});
+                       AttentionMask::causal, {window}, softcap);
   if (first == j) return;
   ArenaScope scope(scratch);
   const int64_t rows = d_q.size(0) * d_q.size(1), width = d_q.size(2) * d_q.size(3);
@@ -404,12 +405,12 @@ void KVStream::attend_backward(const KVStore& kv, int layer, int64_t t0, int64_t
       attention_backward_documents_block(dq_sum.view({d_q.size(0), d_q.size(1), d_q.size(2), d_q.size(3)}),
                                          kv.d_keys(layer, k0, k1), kv.d_values(layer, k0, k1), d_out, saved, q,
                                          kv.keys(layer, k0, k1), kv.values(layer, k0, k1), out, t0, k0, *doc_starts,
-                                         scale, scratch);
+                                         scale, scratch, softcap);
     } else {
       const int64_t from = std::max(k0, k_first);  // the block's keys inside the window
       attention_backward(dq_block4, kv.d_keys(layer, from, k1), kv.d_values(layer, from, k1), d_out, saved, q,
                          kv.keys(layer, from, k1), kv.values(layer, from, k1), out, scale, GradMode::overwrite,
-                         scratch, AttentionMask::none, prefix_window(window, t0, from));
+                         scratch, AttentionMask::none, prefix_window(window, t0, from), softcap);
       accumulate(dq_sum, dq_block);
     }
     res_.store(it, spans(kDKeys, kDValues, 0, k1 - k0));

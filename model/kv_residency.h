@@ -113,18 +113,19 @@ class KVStream {
   void end_layer(int layer, KVUse use, int64_t t0, int64_t t1);
   void zero_grads();  // every block's dK, dV home becomes logical zeros
   void reset();       // no block's home holds K, V of this step
-  // The chunk [t0, t1)'s attention against the store's keys [kv.first_key(t0), t1), block by block
-  // (kv's views of the resident blocks), as KVStore::attend_forward / attend_backward; `window` the
-  // sliding window (0: none), whose blocks wholly before it are neither fetched nor read. With packed
+  // The chunk [t0, t1)'s attention against the store's keys [kv.first_key(layer, t0), t1), block by
+  // block (kv's views of the resident blocks), as KVStore::attend_forward / attend_backward; `window`
+  // the layer's sliding window (0: none), whose blocks wholly before it are neither fetched nor read;
+  // `softcap` the scores' cap (0: none), which every block's call applies. With packed
   // documents (doc_starts, the step's starts; not with a window) each query reads its own document's
   // keys only, and the blocks before the earliest start the chunk's documents reach are neither
   // fetched nor read.
   void attend_forward(const KVStore& kv, int layer, int64_t t0, int64_t t1, const Tensor& out,
                       const AttentionSaved& saved, const Tensor& q, double scale, Arena& scratch, int64_t window,
-                      const std::vector<std::vector<int64_t>>* doc_starts);
+                      double softcap, const std::vector<std::vector<int64_t>>* doc_starts);
   void attend_backward(const KVStore& kv, int layer, int64_t t0, int64_t t1, const Tensor& d_q, const Tensor& d_out,
                        const AttentionSaved& saved, const Tensor& q, const Tensor& out, double scale, Arena& scratch,
-                       int64_t window, const std::vector<std::vector<int64_t>>* doc_starts);
+                       int64_t window, double softcap, const std::vector<std::vector<int64_t>>* doc_starts);
   size_t device_bytes() const { return res_.device_bytes(); }
   size_t host_bytes() const { return res_.host_bytes(); }
   size_t bytes_moved() const { return res_.bytes_moved(); }
@@ -143,9 +144,10 @@ class KVStream {
   // `first` fetched by the caller) while the next comes in: visit(item, k0, k1) with its token range.
   void for_prefix_blocks(int layer, int64_t first, int64_t j, bool with_grads,
                          const std::function<void(int item, int64_t k0, int64_t k1)>& visit);
-  // The first key a chunk at t0 reads: kv.first_key(t0) (0, or the window's first), or with documents
-  // the earliest start of a document that a sequence's query at t0 belongs to.
-  static int64_t first_key_read(const KVStore& kv, int64_t t0, const std::vector<std::vector<int64_t>>* doc_starts);
+  // The first key a chunk at t0 reads in `layer`: kv.first_key(layer, t0) (0, or the window's first),
+  // or with documents the earliest start of a document that a sequence's query at t0 belongs to.
+  static int64_t first_key_read(const KVStore& kv, int layer, int64_t t0,
+                                const std::vector<std::vector<int64_t>>* doc_starts);
 
   KVLayout layout_;
   int64_t block_, blocks_;  // the block length and blocks per layer

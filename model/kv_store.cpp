@@ -6,8 +6,9 @@ namespace cw {
 
 KVStore::KVStore(const LlamaConfig& c, int64_t batch, int64_t tokens, DType dtype, const KVStoreOptions& options)
     : options_(options), L_(c.num_hidden_layers), B_(batch), T_(tokens), H_(c.num_attention_heads),
-      Hkv_(c.num_key_value_heads), D_(c.head_dim), C_(c.hidden_size), window_size_(c.sliding_window),
+      Hkv_(c.num_key_value_heads), D_(c.head_dim), C_(c.hidden_size), softcap_(c.attn_logit_softcapping),
       dtype_(dtype) {
+  for (int64_t l = 0; l < L_; ++l) windows_.push_back(c.layer_window(l));
   const KVStoreOptions& o = options;
   CW_CHECK(batch > 0 && tokens > 0, "K/V store for batch {} and {} tokens", batch, tokens);
   CW_CHECK(o.offload_window >= 0,
@@ -170,47 +171,49 @@ namespace {
 }
 }  // namespace
 
-int64_t KVStore::first_key(int64_t t0) const { return window_first_key(t0, window_size_); }
+int64_t KVStore::first_key(int layer, int64_t t0) const { return window_first_key(t0, window_size(layer)); }
 
-// With a sliding window the calls read only keys [first_key(t0), t1): the views start there (the
+// With a sliding window the calls read only keys [first_key(layer, t0), t1): the views start there (the
 // documents' calls start each span's there or later), so no dK, dV is added before it and SeCO's
 // relay stops at the window.
 void KVStore::attend_forward(int layer, int64_t t0, int64_t t1, const Tensor& out, const AttentionSaved& saved,
                              const Tensor& q, double scale, Arena& scratch,
                              const std::vector<std::vector<int64_t>>* doc_starts, const Tensor& first_keys) {
+  const int64_t window = window_size(layer);
   if (stream_) {
-    if (doc_starts && window_size_ > 0) refuse_streamed_documents_in_a_window();
-    return stream_->attend_forward(*this, layer, t0, t1, out, saved, q, scale, scratch, window_size_, doc_starts);
+    if (doc_starts && window > 0) refuse_streamed_documents_in_a_window();
+    return stream_->attend_forward(*this, layer, t0, t1, out, saved, q, scale, scratch, window, softcap_, doc_starts);
   }
   if (doc_starts) {
     attention_forward_documents(out, saved, q, keys(layer, 0, t1), values(layer, 0, t1), *doc_starts, scale, scratch,
-                                window_size_, first_keys);
+                                window, softcap_, first_keys);
     return;
   }
-  const int64_t k0 = first_key(t0);
+  const int64_t k0 = first_key(layer, t0);
   attention_forward(out, saved, q, keys(layer, k0, t1), values(layer, k0, t1), scale, scratch, AttentionMask::causal,
-                    {window_size_});
+                    {window}, softcap_);
 }
 
 void KVStore::attend_backward(int layer, int64_t t0, int64_t t1, const Tensor& d_q, const Tensor& d_out,
                               const AttentionSaved& saved, const Tensor& q, const Tensor& out, double scale,
                               Arena& scratch, const std::vector<std::vector<int64_t>>* doc_starts,
                               const Tensor& first_keys) {
+  const int64_t window = window_size(layer);
   if (stream_) {
-    if (doc_starts && window_size_ > 0) refuse_streamed_documents_in_a_window();
-    return stream_->attend_backward(*this, layer, t0, t1, d_q, d_out, saved, q, out, scale, scratch, window_size_,
+    if (doc_starts && window > 0) refuse_streamed_documents_in_a_window();
+    return stream_->attend_backward(*this, layer, t0, t1, d_q, d_out, saved, q, out, scale, scratch, window, softcap_,
                                     doc_starts);
   }
   if (doc_starts) {
     attention_backward_documents(d_q, d_keys(layer, 0, t1), d_values(layer, 0, t1), d_out, saved, q,
                                  keys(layer, 0, t1), values(layer, 0, t1), out, *doc_starts, scale,
-                                 GradMode::overwrite, scratch, window_size_, first_keys);
+                                 GradMode::overwrite, scratch, window, softcap_, first_keys);
     return;
   }
-  const int64_t k0 = first_key(t0);
+  const int64_t k0 = first_key(layer, t0);
   attention_backward(d_q, d_keys(layer, k0, t1), d_values(layer, k0, t1), d_out, saved, q, keys(layer, k0, t1),
                      values(layer, k0, t1), out, scale, GradMode::overwrite, scratch, AttentionMask::causal,
-                     {window_size_});
+                     {window}, softcap_);
 }
 
 }  // namespace cw

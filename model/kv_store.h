@@ -84,10 +84,11 @@ class KVStore {
   // Shapes and saved values as attention_forward / attention_backward (d_q overwritten; dK, dV of
   // keys [0, t1) added into the accumulators).
   // doc_starts (packed documents, engine/ops/attention.h): each query attends only keys of its own
-  // document (streamed: only the blocks its documents reach are fetched). The model's sliding window
-  // (config sliding_window, W): the calls read only keys [first_key(t0), t1) (below), each query its
-  // own W; not with documents in a streamed store. first_keys: the step's document starts on the
-  // device for the one-call form (engine/ops/attention.h attention_forward_documents), or empty.
+  // document (streamed: only the blocks its documents reach are fetched). The layer's sliding window
+  // (config layer_window, W): the calls read only keys [first_key(layer, t0), t1) (below), each query
+  // its own W; not with documents in a streamed store. The model's score cap (config
+  // attn_logit_softcapping) goes to every call. first_keys: the step's document starts on the device
+  // for the one-call form (engine/ops/attention.h attention_forward_documents), or empty.
   void attend_forward(int layer, int64_t t0, int64_t t1, const Tensor& out, const AttentionSaved& saved,
                       const Tensor& q, double scale, Arena& scratch,
                       const std::vector<std::vector<int64_t>>* doc_starts = nullptr, const Tensor& first_keys = {});
@@ -95,10 +96,11 @@ class KVStore {
                        const AttentionSaved& saved, const Tensor& q, const Tensor& out, double scale, Arena& scratch,
                        const std::vector<std::vector<int64_t>>* doc_starts = nullptr, const Tensor& first_keys = {});
 
-  // The first key a chunk starting at t0 attends: t0 - W + 1 under a sliding window of W keys, else 0.
-  // The keys before it are neither read nor given gradient by this chunk (the relay stops there).
-  int64_t first_key(int64_t t0) const;
-  int64_t window_size() const { return window_size_; }
+  // The first key a chunk starting at t0 attends in `layer`: t0 - W + 1 under a sliding window of W
+  // keys, else 0. The keys before it are neither read nor given gradient by this chunk (the relay
+  // stops there).
+  int64_t first_key(int layer, int64_t t0) const;
+  int64_t window_size(int layer) const { return windows_[static_cast<size_t>(layer)]; }
 
   void zero_grads();  // layer-local gradients: each layer's backward zeroes them as it begins
   void release_from(int64_t t);  // tokens [t, T) are no longer readable
@@ -140,7 +142,8 @@ class KVStore {
   KVStoreOptions options_;
   KVLayout layout_;
   int64_t L_, B_, T_, H_, Hkv_, D_, C_;
-  int64_t window_size_;  // the model's sliding window W (0: none)
+  std::vector<int64_t> windows_;  // each layer's sliding window W (0: none)
+  double softcap_;                // the attention scores' cap (0: none)
   DType dtype_;
   KVWritten written_;  // live_end: tokens [0, this) readable
   std::vector<HostBuffer> bufs_[kParts];  // on the device: [part][layer]

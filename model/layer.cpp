@@ -3,6 +3,7 @@
 #include "model/layer_seams.h"
 
 #include "engine/ops/bias.h"
+#include "engine/ops/geglu.h"
 #include "engine/ops/linear.h"
 #include "engine/ops/residual.h"
 #include "engine/ops/rope.h"
@@ -11,7 +12,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cmath>
 #include <vector>
 
 namespace cw {
@@ -68,6 +68,12 @@ LayerActivations LayerActivations::allocate(Arena& arena, const LlamaConfig& cf,
     a.up = arena.alloc(dt, {N, F});
     if (mlp == MlpKept::all) a.act = arena.alloc(dt, {N, F});
   }
+  if (cf.post_norms) {
+    a.attn_out = arena.alloc(dt, {R, C});
+    a.attn_post.rstd = arena.alloc(acc, {R});
+    a.mlp_out = arena.alloc(dt, {R, C});
+    a.mlp_post.rstd = arena.alloc(acc, {R});
+  }
   return a;
 }
 
@@ -81,8 +87,10 @@ size_t LayerActivations::bytes(const LlamaConfig& cf, int64_t B, int64_t c, DTyp
   // The per-head norms keep the projections before them and their statistics (qk_norm).
   const size_t raw = cf.qk_norm ? static_cast<size_t>(cf.q_dim() + cf.kv_dim()) : 0;
   const size_t raw_stats = cf.qk_norm ? static_cast<size_t>(cf.num_attention_heads + cf.num_key_value_heads) : 0;
-  return e * (normed * normed_rows * C + R * C + N * (2 * static_cast<size_t>(cf.q_dim()) + raw + ffn)) +
-         a * (2 * R + N * (static_cast<size_t>(cf.num_attention_heads) + raw_stats));
+  // The post-norms keep the sub-blocks' outputs and their statistics (post_norms).
+  const size_t post = cf.post_norms ? 2 : 0;
+  return e * (normed * normed_rows * C + (1 + post) * R * C + N * (2 * static_cast<size_t>(cf.q_dim()) + raw + ffn)) +
+         a * ((2 + post) * R + N * (static_cast<size_t>(cf.num_attention_heads) + raw_stats));
 }
 
 // RoPE over a chunk's [B, c, heads, D] rows: positions [p, p + c) in one call, or with packed documents
@@ -132,7 +140,8 @@ Tensor fused_qkv_weight(const BlockCall& b) {
 void norm_heads(const Tensor& out, const RmsNormSaved& saved, const Tensor& raw, const Tensor& weight,
                 const BlockCall& b) {
   const int64_t rows = raw.numel() / b.D;
-  rmsnorm_forward(out.view({rows, b.D}), saved, raw.view({rows, b.D}), weight, b.cf.rms_norm_eps);
+  rmsnorm_forward(out.view({rows, b.D}), saved, raw.view({rows, b.D}), weight, b.cf.rms_norm_eps,
+                  b.cf.norm_weight_offset);
 }
 
 // d [N, heads D]: the gradient of the normed heads in, of the raw projection out (in place); the
@@ -141,12 +150,34 @@ void norm_heads_backward(const Tensor& d, const Tensor& d_weight, const RmsNormS
                          const Tensor& weight, const BlockCall& b) {
   const int64_t rows = raw.numel() / b.D;
   const Tensor d_rows = d.view({rows, b.D});
-  rmsnorm_backward(d_rows, d_weight, d_rows, saved, raw.view({rows, b.D}), weight, GradMode::overwrite, b.scratch);
+  rmsnorm_backward(d_rows, d_weight, d_rows, saved, raw.view({rows, b.D}), weight, GradMode::overwrite, b.scratch,
+                   b.cf.norm_weight_offset);
+}
+
+// ---- Gemma 2's post-norms: a sub-block's output normed before its residual add ----
+
+// y [R, C] in scratch = rmsnorm(o; weight), o (the rank's rows of the sub-block's output, summed over
+// the ranks) kept in `kept` with the norm's statistics in `saved` for the backward.
+Tensor post_norm(const Tensor& kept, const RmsNormSaved& saved, const Tensor& o, const Tensor& weight,
+                 const BlockCall& b) {
+  copy_convert(kept, o);
+  const Tensor y = b.scratch.alloc(b.dt, {b.R, b.C});
+  rmsnorm_forward(y, saved, kept, weight, b.cf.rms_norm_eps, b.cf.norm_weight_offset);
+  return y;
+}
+
+// d(o) [R, C] in scratch from d(y) = d_x (the residual stream's gradient, which the add passes to y
+// unchanged); the norm's weight gradient accumulates.
+Tensor post_norm_backward(const Tensor& d_x, const Tensor& d_weight, const RmsNormSaved& saved, const Tensor& kept,
+                          const Tensor& weight, const BlockCall& b) {
+  const Tensor d_o = b.scratch.alloc(b.dt, {b.R, b.C});
+  rmsnorm_backward(d_o, d_weight, d_x, saved, kept, weight, GradMode::overwrite, b.scratch, b.cf.norm_weight_offset);
+  return d_o;
 }
 
 // ---- Attention half: h1 -> q, K, V -> attn -> x_mid ----
 
-double attention_scale(const BlockCall& b) { return 1.0 / std::sqrt(static_cast<double>(b.D)); }
+double attention_scale(const BlockCall& b) { return b.cf.attention_scale(); }
 
 // q = rope(h1 Wqᵀ + b_q) into a.q [B, c, H, D]; with per-head norms rope(rmsnorm_D(h1 Wqᵀ + b_q)),
 // the projection kept in a.q_raw.
@@ -223,21 +254,33 @@ void read_saved_attention(LayerActivations& a, const BlockCall& b) {
   copy_convert(a.attn_saved.lse.view({b.B * b.H, c}), b.kv.output_lse(b.layer, p, p + c));
 }
 
-// x_mid = x_in + attn Woᵀ (+ b_o: added once, to the rank's rows of the sum over the ranks).
-void project_out(const Tensor& x_mid, const Tensor& x_in, const Tensor& attn, const BlockCall& b) {
+// x_mid = x_in + attn Woᵀ (+ b_o: added once, to the rank's rows of the sum over the ranks); with
+// post-norms x_mid = x_in + rmsnorm(attn Woᵀ + b_o; attn_post_norm), its input kept in a.attn_out.
+void project_out(LayerActivations& a, const Tensor& x_in, const BlockCall& b) {
   PartialOutput o(b);
-  block_linear_forward(o.all(), attn.view({b.N, b.cf.q_dim()}), ParamRole::wo, b);
-  residual_forward(x_mid, x_in, o.sum_rows());
-  if (b.w.o_bias.data) bias_forward(x_mid, x_mid, b.w.o_bias);
+  block_linear_forward(o.all(), a.attn.view({b.N, b.cf.q_dim()}), ParamRole::wo, b);
+  if (!b.cf.post_norms) {
+    residual_forward(a.x_mid, x_in, o.sum_rows());
+    if (b.w.o_bias.data) bias_forward(a.x_mid, a.x_mid, b.w.o_bias);
+    return;
+  }
+  const Tensor o_rows = o.sum_rows();
+  if (b.w.o_bias.data) bias_forward(o_rows, o_rows, b.w.o_bias);
+  residual_forward(a.x_mid, x_in, post_norm(a.attn_out, a.attn_post, o_rows, b.w.attn_post_norm, b));
 }
 
-// d_attn = d(x_mid) Wo [N, q_dim]; Wo's gradient (and b_o's, the rank's rows' share under sequence
-// parallelism) accumulates.
-Tensor project_out_backward(const Tensor& d_x, const Tensor& attn, const LayerWeights& g, const BlockCall& b) {
-  if (g.o_bias.data) bias_backward(g.o_bias, d_x, b.scratch);
+// d_attn = d(attn Woᵀ) Wo [N, q_dim], d(attn Woᵀ) being d(x_mid) or, with post-norms, what the
+// norm's backward gives of it; Wo's gradient (and b_o's and the post-norm's, the rank's rows' share
+// under sequence parallelism) accumulates.
+Tensor project_out_backward(const Tensor& d_x, const LayerActivations& a, const LayerWeights& g, const BlockCall& b) {
+  const Tensor d_rows = b.cf.post_norms
+                            ? post_norm_backward(d_x, g.attn_post_norm, a.attn_post, a.attn_out, b.w.attn_post_norm, b)
+                            : d_x;
+  if (g.o_bias.data) bias_backward(g.o_bias, d_rows, b.scratch);
   const Tensor d_attn = b.scratch.alloc(b.dt, {b.N, b.cf.q_dim()});
-  const OutputGrad d_o(d_x, b);
-  block_linear_backward(d_attn, g, d_o.all(), attn.view({b.N, b.cf.q_dim()}), ParamRole::wo, GradMode::overwrite, b);
+  const OutputGrad d_o(d_rows, b);
+  block_linear_backward(d_attn, g, d_o.all(), a.attn.view({b.N, b.cf.q_dim()}), ParamRole::wo, GradMode::overwrite,
+                        b);
   return d_attn;
 }
 
@@ -322,14 +365,15 @@ void project_qkv_backward(const Tensor& d_h1, const QkvGrad& d, const Tensor& h1
   block_linear_backward(d_h1, g, d.d_v.view({b.N, kv_dim}), h1, ParamRole::wv, GradMode::accumulate, b);
 }
 
-// ---- MLP half: m = (silu(h2 W_gateᵀ) * h2 W_upᵀ) W_downᵀ ----
+// ---- MLP half: m = (silu(h2 W_gateᵀ) * h2 W_upᵀ) W_downᵀ (gelu in place of silu: Gemma 2) ----
 
 // Rows [row0, row0 + rows) of the MLP: gate, up and act for those rows into the given [rows, F] tensors.
 void mlp_rows_forward(const Tensor& gate, const Tensor& up, const Tensor& act, const Tensor& h2_rows,
                       const BlockCall& b, int64_t row0 = 0) {
   block_linear_forward(gate, h2_rows, ParamRole::w_gate, b, row0);
   block_linear_forward(up, h2_rows, ParamRole::w_up, b, row0);
-  swiglu_forward(act, gate, up);
+  if (b.cf.mlp_gate == MlpGate::gelu_tanh) geglu_forward(act, gate, up);
+  else swiglu_forward(act, gate, up);
 }
 
 // Backward of the MLP rows given their gate/up/act: d_h rows (overwritten) from d_m rows; weight
@@ -344,7 +388,8 @@ void mlp_rows_backward(const Tensor& d_h_rows, const LayerWeights& g, const Tens
   const Tensor d_act = s.alloc(gate.dtype, {rows, F});
   block_linear_backward(d_act, g, d_m_rows, act, ParamRole::w_down, GradMode::overwrite, b, row0);
   const Tensor d_gate = s.alloc(gate.dtype, {rows, F}), d_up = s.alloc(gate.dtype, {rows, F});
-  swiglu_backward(d_gate, d_up, d_act, gate, up, GradMode::overwrite);
+  if (b.cf.mlp_gate == MlpGate::gelu_tanh) geglu_backward(d_gate, d_up, d_act, gate, up, GradMode::overwrite);
+  else swiglu_backward(d_gate, d_up, d_act, gate, up, GradMode::overwrite);
   block_linear_backward(d_h_rows, g, d_gate, h2_rows, ParamRole::w_gate, GradMode::overwrite, b, row0);
   block_linear_backward(d_h_rows, g, d_up, h2_rows, ParamRole::w_up, GradMode::accumulate, b, row0);
 }
@@ -428,17 +473,21 @@ void block_forward(const Tensor& x_out, LayerActivations* keep, const Tensor& x_
       attend(a, b);
     }
   }
-  project_out(a.x_mid, x_in, a.attn, b);
+  project_out(a, x_in, b);
 
-  // MLP half: h2 = rmsnorm(x_mid); x_out = x_mid + mlp(h2). Kept without h2 and act
-  // (MlpKept::products), both are scratch here.
+  // MLP half: h2 = rmsnorm(x_mid); x_out = x_mid + mlp(h2), or with post-norms
+  // x_mid + rmsnorm(mlp(h2); mlp_post_norm). Kept without h2 and act (MlpKept::products), both are
+  // scratch here.
   const Tensor h2_kept = a.h2.data ? a.h2 : s.alloc(b.dt, {tp_regathers(b.tp) ? b.R : b.N, b.C});
   NormedInput h2(h2_kept, a.norm2, a.x_mid, w.mlp_norm, b);
-  if (!output) return mlp_forward(Tensor{}, h2.all(), a, b);  // a recompute for the backward alone
+  // A recompute for the backward alone: the post-norm's backward reads the MLP's output; else none.
+  if (!output && !b.cf.post_norms) return mlp_forward(Tensor{}, h2.all(), a, b);
   PartialOutput m(b);
   mlp_forward(m.all(), h2.all(), a, b);
   h2.release();
-  residual_forward(x_out, a.x_mid, m.sum_rows());
+  if (!b.cf.post_norms) return residual_forward(x_out, a.x_mid, m.sum_rows());
+  const Tensor normed = post_norm(a.mlp_out, a.mlp_post, m.sum_rows(), w.mlp_post_norm, b);
+  if (output) residual_forward(x_out, a.x_mid, normed);
 }
 
 void block_backward(const Tensor& d_x, const LayerWeights& g, const LayerActivations& a, const Tensor& x_in,
@@ -448,26 +497,33 @@ void block_backward(const Tensor& d_x, const LayerWeights& g, const LayerActivat
   ArenaScope scope(ctx.scratch);
 
   // MLP half, in reverse. d_x holds d(x_out); the residual passes it to x_mid unchanged, and
-  // d(x_mid) += rmsnorm's backward of d(h2) = mlp_backward(d(x_out)).
+  // d(x_mid) += rmsnorm's backward of d(h2) = mlp_backward(d(x_out)) (with post-norms, of the MLP
+  // output's gradient that the post-norm's backward gives).
+  const double offset = b.cf.norm_weight_offset;
   {
-    OutputGrad d_m(d_x, b);
+    const Tensor d_m_rows =
+        b.cf.post_norms ? post_norm_backward(d_x, g.mlp_post_norm, a.mlp_post, a.mlp_out, w.mlp_post_norm, b) : d_x;
+    OutputGrad d_m(d_m_rows, b);
     NormedInputGrad h2(a.h2, b);
     mlp_backward(h2.d_all(), g, d_m.all(), h2.input(), a, b);
     d_m.release();
     h2.release_input();
-    rmsnorm_backward(d_x, g.mlp_norm, h2.d_rows(), a.norm2, a.x_mid, w.mlp_norm, GradMode::accumulate, ctx.scratch);
+    rmsnorm_backward(d_x, g.mlp_norm, h2.d_rows(), a.norm2, a.x_mid, w.mlp_norm, GradMode::accumulate, ctx.scratch,
+                     offset);
   }
 
-  // Attention half, in reverse: d_attn through Wo, the attention's backward (adding dK, dV of keys
-  // [0, p+c) into the store), the chunk's own K/V gradient read back from the store, all three
-  // through RoPE and the projections into d(h1); d(x_in) = d(x_mid) + rmsnorm's backward of d(h1).
-  const Tensor d_attn = project_out_backward(d_x, a.attn, g, b);
+  // Attention half, in reverse: d_attn through Wo (and the post-norm), the attention's backward
+  // (adding dK, dV of keys [0, p+c) into the store), the chunk's own K/V gradient read back from the
+  // store, all three through RoPE and the projections into d(h1); d(x_in) = d(x_mid) + rmsnorm's
+  // backward of d(h1).
+  const Tensor d_attn = project_out_backward(d_x, a, g, b);
   const Tensor d_q = attend_backward(d_attn, a, b);
   const QkvGrad d_qkv = qkv_grad(d_q, g, a, b);
   NormedInputGrad h1(a.h1, b);
   project_qkv_backward(h1.d_all(), d_qkv, h1.input(), g, b);
   h1.release_input();
-  rmsnorm_backward(d_x, g.attn_norm, h1.d_rows(), a.norm1, x_in, w.attn_norm, GradMode::accumulate, ctx.scratch);
+  rmsnorm_backward(d_x, g.attn_norm, h1.d_rows(), a.norm1, x_in, w.attn_norm, GradMode::accumulate, ctx.scratch,
+                   offset);
 }
 
 }  // namespace cw

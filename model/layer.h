@@ -12,6 +12,13 @@
 //   h2   = rmsnorm(x_mid; mlp_norm)
 //   act  = silu(h2 W_gateᵀ) * (h2 W_upᵀ)
 //   x_out = x_mid + act W_downᵀ
+// Gemma 2 (config post_norms, mlp_gate, norm_weight_offset; model/config.h) norms each sub-block's
+// output before its residual add and gates with gelu:
+//   x_mid = x_in + rmsnorm(attn Woᵀ; attn_post_norm)
+//   act   = gelu_tanh(h2 W_gateᵀ) * (h2 W_upᵀ)              (engine/ops/geglu.h)
+//   x_out = x_mid + rmsnorm(act W_downᵀ; mlp_post_norm)
+// every norm of the block scaling by (1 + w), its attention scaled by query_pre_attn_scalar^-1/2 and
+// its scores capped, and the window of its layer (config layer_window) in the store's attention.
 // The backward runs these lines in reverse. Its attention step ADDS dK, dV for all keys [0, p+c) into
 // the store's gradient accumulators; then the chunk's own K/V gradient is read back from the
 // accumulator over [p, p+c) — its local part plus whatever later chunks added before — and carried
@@ -68,8 +75,12 @@ struct LayerActivations {
   Tensor h2;                  // [N, C]    mlp_norm(x_mid), as h1: [R, C] when tp->regather();
                               //           undefined with MlpKept::products
   RmsNormSaved norm2;         // rstd [R]
-  Tensor gate, up, act;       // [N, F]    gate and up projections, silu(gate) * up; none with
-                              //           MlpKept::input, no act with MlpKept::products
+  Tensor gate, up, act;       // [N, F]    gate and up projections, silu(gate) * up (gelu: Gemma 2);
+                              //           none with MlpKept::input, no act with MlpKept::products
+  // Gemma 2's post-norms (post_norms): the attention's output attn Woᵀ (+ b_o) and the MLP's
+  // act W_downᵀ, the rank's rows of the sums over the ranks, as the norms read them, with their rstd.
+  Tensor attn_out, mlp_out;   // [R, C]
+  RmsNormSaved attn_post, mlp_post;  // rstd [R]
 
   // mlp: what is kept of the MLP (above). tp: the rank's group (null: one process), for R and the
   // regathered h1/h2.
@@ -140,7 +151,8 @@ int64_t resolve_mlp_shards(int64_t requested, const LlamaConfig& config, int64_t
 
 // keep == nullptr: nothing is saved (prefill); the activations live in scratch for the call.
 // x_out undefined (with keep): a recompute for the backward alone; what only x_out needs (W_down's
-// product and the residual add) is skipped.
+// product and the residual add) is skipped, but for Gemma 2's post-norm, whose backward reads the
+// MLP's output (W_down's product runs, the residual add does not).
 void block_forward(const Tensor& x_out, LayerActivations* keep, const Tensor& x_in, const LayerWeights& w,
                    KVStore& kv, int layer, const BlockContext& ctx);
 void block_backward(const Tensor& d_x, const LayerWeights& grads, const LayerActivations& act, const Tensor& x_in,

@@ -91,23 +91,23 @@ Tensor partial_sum(std::optional<TpLease>& lease, const BlockCall& b) {
 
 NormedInput::NormedInput(const Tensor& kept, const RmsNormSaved& saved, const Tensor& x, const Tensor& weight,
                          const BlockCall& b) {
-  const double eps = b.cf.rms_norm_eps;
+  const double eps = b.cf.rms_norm_eps, offset = b.cf.norm_weight_offset;
   TensorParallelGroup* tp = b.tp;
   if (!sequence_parallel(tp)) {
-    rmsnorm_forward(kept, saved, x, weight, eps);
+    rmsnorm_forward(kept, saved, x, weight, eps, offset);
     all_ = kept;
     return;
   }
   const int64_t R = x.size(0), C = x.size(1);
   if (tp->regather()) {
-    rmsnorm_forward(kept, saved, x, weight, eps);
+    rmsnorm_forward(kept, saved, x, weight, eps, offset);
     all_ = lease_.emplace(*tp, TpSlot::gathered_input, kept.dtype, std::initializer_list<int64_t>{R * tp->size(), C})
                .tensor;
     tp->gather_from_sp_forward(all_, kept);
     return;
   }
   const Tensor rows = b.scratch.alloc(kept.dtype, {R, C});
-  rmsnorm_forward(rows, saved, x, weight, eps);
+  rmsnorm_forward(rows, saved, x, weight, eps, offset);
   tp->gather_from_sp_forward(kept, rows);
   all_ = kept;
 }

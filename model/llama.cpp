@@ -1,11 +1,12 @@
 #include "model/llama.h"
 
 #include "engine/ops/embedding.h"
-#include "engine/ops/linear.h"
 #include "engine/ops/lm_head_loss.h"
 #include "engine/ops/rmsnorm.h"
 #include "engine/ops/rope.h"
 #include "engine/trace.h"
+
+#include <cmath>
 
 namespace cw {
 
@@ -169,6 +170,20 @@ size_t ChunkActivations::bytes(const LlamaConfig& cf, int64_t B, int64_t c, DTyp
          R * dtype_size(accum_dtype(dt));
 }
 
+double embedding_scale(const LlamaConfig& cf, DType dtype) {
+  if (!cf.scale_embeddings) return 1.0;
+  // transformers' normaliser is a float32 tensor of sqrt(C), cast to the weights' dtype before the
+  // product (Gemma2TextScaledWordEmbedding): sqrt(3584) = 59.87 is 59.75 in bf16. In f64 the exact root.
+  const double root = std::sqrt(static_cast<double>(cf.hidden_size));
+  switch (dtype) {
+    case DType::f64: return root;
+    case DType::f32: return static_cast<float>(root);
+    case DType::bf16: return bf16::from_float(static_cast<float>(root)).to_float();
+    case DType::i32: break;
+  }
+  fail(fmt::format("embedding_scale: {} is no float dtype", dtype_name(dtype)));
+}
+
 namespace {
 // Runs embedding and the blocks, leaving x_L in stream.back(); stream tensors either kept or scratch.
 void run_blocks(ChunkActivations& a, KVStore& kv, const LlamaModel& model, const ChunkTokens& chunk, bool keep,
@@ -196,7 +211,8 @@ void run_blocks(ChunkActivations& a, KVStore& kv, const LlamaModel& model, const
     off->ready(l);
   };
   claim(0);
-  embedding_forward(a.input(0), tp_local_rows(model.tensor_parallel(), chunk.ids), w.embedding);
+  embedding_forward(a.input(0), tp_local_rows(model.tensor_parallel(), chunk.ids), w.embedding,
+                    embedding_scale(cf, model.dtype()));
   for (int l = 0; l < L; ++l) {
     const size_t li = static_cast<size_t>(l);
     TraceScope traced(keep ? "layer {layer} recompute" : "layer {layer} forward",
@@ -214,7 +230,7 @@ void run_blocks(ChunkActivations& a, KVStore& kv, const LlamaModel& model, const
                   w_l, kv, l, ctx);
     kv.end_layer(l, use, t0, t1);
   }
-  rmsnorm_forward(a.normed, a.final_norm, a.stream.back(), w.final_norm, cf.rms_norm_eps);
+  rmsnorm_forward(a.normed, a.final_norm, a.stream.back(), w.final_norm, cf.rms_norm_eps, cf.norm_weight_offset);
 }
 
 // Activations for a forward that keeps nothing, in scratch: the blocks ping-pong between two
@@ -332,7 +348,7 @@ double forward_chunk(ChunkActivations* keep, KVStore& kv, const LlamaModel& mode
   TraceScope traced("lm head + loss", {{"t0", chunk.pos0}, {"t1", chunk.pos0 + chunk.c}});
   Tensor row_loss = scratch.alloc(accum_dtype(model.dtype()), {R});
   lm_head_loss_forward(row_loss, LmHeadSaved{}, a.normed, model.weights().lm_head, tp_local_rows(tp, chunk.labels),
-                       normaliser, scratch, kLmHeadBlockRows);
+                       normaliser, scratch, kLmHeadBlockRows, model.config().final_logit_softcapping);
   return chunk_loss(row_loss, N, tp, scratch, 1.0, losses);
 }
 
@@ -383,10 +399,11 @@ class ChunkBackward {
     Tensor d_normed = scratch.alloc(model.dtype(), {R, cf.hidden_size});
     const double grad_normaliser = normaliser / loss_weight;
     lm_head_loss_fused(row_loss, d_normed, g.lm_head, normed, w.lm_head, tp_local_rows(tp, chunk.labels),
-                       grad_normaliser, GradMode::overwrite, scratch, kLmHeadBlockRows);
+                       grad_normaliser, GradMode::overwrite, scratch, kLmHeadBlockRows, cf.final_logit_softcapping);
     // row_loss was divided by grad_normaliser; the loss reported is the unweighted one.
     if (losses) chunk_loss(row_loss, N, tp, scratch, loss_weight, losses);
-    rmsnorm_backward(d_x, g.final_norm, d_normed, final_norm, x_L, w.final_norm, GradMode::overwrite, scratch);
+    rmsnorm_backward(d_x, g.final_norm, d_normed, final_norm, x_L, w.final_norm, GradMode::overwrite, scratch,
+                     cf.norm_weight_offset);
     traced.end();
     finished_from(after_blocks_);  // the final norm and an untied head (a tied one is the embedding)
   }
@@ -402,7 +419,8 @@ class ChunkBackward {
   // The embedding's backward; the chunk's loss (read back here without `losses`, once the whole
   // backward is queued: read after the head, the GPU would idle while the host queues the first layers).
   double finish() {
-    if (g.embedding.data) embedding_backward(g.embedding, d_x, tp_local_rows(tp, chunk.ids));
+    if (g.embedding.data)
+      embedding_backward(g.embedding, d_x, tp_local_rows(tp, chunk.ids), embedding_scale(cf, model.dtype()));
     if (shards) shards->outside_grads_done();
     finished_from(0);
     return losses ? 0.0 : chunk_loss(row_loss, N, tp, scratch, loss_weight, nullptr);
@@ -518,7 +536,7 @@ double backward_chunk_from_store(const ParamSet& grads, KVStore& kv, const Llama
       block_forward(x_L, &la, x_in, w_l, kv, l, b.ctx);
       const Tensor normed = scratch.alloc(model.dtype(), {b.R, C});
       const RmsNormSaved final_norm{scratch.alloc(accum_dtype(model.dtype()), {b.R})};
-      rmsnorm_forward(normed, final_norm, x_L, b.w.final_norm, cf.rms_norm_eps);
+      rmsnorm_forward(normed, final_norm, x_L, b.w.final_norm, cf.rms_norm_eps, cf.norm_weight_offset);
       traced.end();
       b.head(normed, final_norm, x_L);
     }
@@ -549,14 +567,14 @@ void chunk_logits(const Tensor& logits, KVStore& kv, const LlamaModel& model, co
   const Tensor head = model.weights().lm_head;
   if (all_positions) {
     check_shape(logits, {N, cf.vocab_size}, "logits");
-    linear_forward(logits, a.normed, head);
+    lm_head_logits(logits, a.normed, head, cf.final_logit_softcapping);
     return;
   }
   check_shape(logits, {chunk.B, cf.vocab_size}, "logits");
   Tensor last = scratch.alloc(model.dtype(), {chunk.B, C});
   for (int64_t b = 0; b < chunk.B; ++b)
     copy_convert(last.slice(0, b, 1), a.normed.slice(0, (b + 1) * chunk.c - 1, 1));
-  linear_forward(logits, last, head);
+  lm_head_logits(logits, last, head, cf.final_logit_softcapping);
 }
 
 }  // namespace cw

@@ -1,7 +1,8 @@
 // The Llama model over one chunk of tokens: embedding, L blocks, final norm, LM head + loss.
 //
 // Every schedule is built from two calls on a chunk (B sequences x c tokens at positions [p, p+c)):
-//   forward_chunk:  x_0 = embed(ids); x_{l+1} = block_l(x_l) writing K/V of [p, p+c) into the store;
+//   forward_chunk:  x_0 = embed(ids) (times sqrt(C): Gemma 2); x_{l+1} = block_l(x_l) writing K/V of
+//                   [p, p+c) into the store;
 //                   normed = rmsnorm(x_L); with `keep`, everything the backward needs is saved (and
 //                   the loss is left to backward_chunk, which computes it fused with its gradient);
 //                   without, only the loss (when asked) is computed, and nothing outlives the call.
@@ -277,7 +278,12 @@ double backward_chunk_from_store(const ParamSet& grads, KVStore& kv, const Llama
                                  double loss_weight = 1.0, const GradsFinalFrom& grads_final = {},
                                  LossRows* losses = nullptr);
 
-// Logits of the last position of every sequence of the chunk, [B, V] (sampling, HF comparisons).
+// The embedding's normaliser in `dtype` (engine/ops/embedding.h): sqrt(C) for a model that scales its
+// embeddings (Gemma 2), rounded as transformers rounds it; 1 otherwise.
+double embedding_scale(const LlamaConfig& config, DType dtype);
+
+// Logits of the last position of every sequence of the chunk, [B, V] (sampling, HF comparisons),
+// capped as the loss sees them (Gemma 2's final_logit_softcapping).
 void chunk_logits(const Tensor& logits, KVStore& kv, const LlamaModel& model, const ChunkTokens& chunk,
                   bool all_positions, Arena& scratch);
 

@@ -38,10 +38,16 @@ std::vector<ParamSpec> parameter_table(const LlamaConfig& c) {
     }
     t.push_back({p + "self_attn.o_proj.weight", {C, c.q_dim()}, ParamRole::wo, l});
     if (c.o_bias) t.push_back({p + "self_attn.o_proj.bias", {C}, ParamRole::o_bias, l});
-    t.push_back({p + "post_attention_layernorm.weight", {C}, ParamRole::mlp_norm, l});
+    if (c.post_norms) {
+      t.push_back({p + "post_attention_layernorm.weight", {C}, ParamRole::attn_post_norm, l});
+      t.push_back({p + "pre_feedforward_layernorm.weight", {C}, ParamRole::mlp_norm, l});
+    } else {
+      t.push_back({p + "post_attention_layernorm.weight", {C}, ParamRole::mlp_norm, l});
+    }
     t.push_back({p + "mlp.gate_proj.weight", {F, C}, ParamRole::w_gate, l});
     t.push_back({p + "mlp.up_proj.weight", {F, C}, ParamRole::w_up, l});
     t.push_back({p + "mlp.down_proj.weight", {C, F}, ParamRole::w_down, l});
+    if (c.post_norms) t.push_back({p + "post_feedforward_layernorm.weight", {C}, ParamRole::mlp_post_norm, l});
   }
   t.push_back({"model.norm.weight", {C}, ParamRole::final_norm});
   if (!c.tie_word_embeddings) t.push_back({"lm_head.weight", {V, C}, ParamRole::lm_head});
@@ -131,6 +137,8 @@ void place(ModelWeights* w, LayerWeights* layer, const ParamSpec& s, const Tenso
     case ParamRole::o_bias: layer->o_bias = t; break;
     case ParamRole::q_norm: layer->q_norm = t; break;
     case ParamRole::k_norm: layer->k_norm = t; break;
+    case ParamRole::attn_post_norm: layer->attn_post_norm = t; break;
+    case ParamRole::mlp_post_norm: layer->mlp_post_norm = t; break;
     case ParamRole::lora_a: layer->lora.of(s.adapts).a = t; break;
     case ParamRole::lora_b: layer->lora.of(s.adapts).b = t; break;
   }
@@ -229,10 +237,12 @@ void init_parameters(ParamSet& params, uint64_t seed, double initializer_range, 
     const OwnedTensor drawn = on_host ? OwnedTensor{} : OwnedTensor::of_shape(DType::f64, s.shape);
     const Tensor& target = on_host ? params[i] : drawn.tensor;
     if (s.is_norm()) {
+      // The weight that makes the norm's scale 1: 1, or 0 under Gemma's (1 + w).
+      const double identity = 1.0 - params.config().norm_weight_offset;
       if (norm_jitter > 0)
-        fill_normal(target, seed, i, 1.0, norm_jitter);
+        fill_normal(target, seed, i, identity, norm_jitter);
       else
-        fill(target, 1.0);
+        fill(target, identity);
     } else if (s.is_bias()) {
       if (norm_jitter > 0)
         fill_normal(target, seed, i, 0.0, norm_jitter);

@@ -10,8 +10,11 @@
 //   model.layers.{l}.self_attn.{q,k,v}_proj.bias      q [H*D], k/v [Hkv*D]   (attention_bias: Qwen2)
 //   model.layers.{l}.self_attn.o_proj.bias            [C]                    (o_bias: Llama's, Qwen3's)
 //   model.layers.{l}.self_attn.{q,k}_norm.weight      [D] each               (qk_norm: Qwen3)
-//   model.layers.{l}.post_attention_layernorm.weight  [C]
+//   model.layers.{l}.post_attention_layernorm.weight  [C]   the MLP's input norm (Llama's name)
 //   model.layers.{l}.mlp.{gate,up,down}_proj.weight   gate/up [F, C], down [C, F]
+// Gemma 2 (post_norms) names its four norms by where they sit: input_layernorm (attention's input),
+// post_attention_layernorm [C] on the attention's output (role attn_post_norm), pre_feedforward_layernorm
+// (the MLP's input: role mlp_norm), post_feedforward_layernorm [C] on the MLP's output (mlp_post_norm).
 //   model.norm.weight                              [C]
 //   lm_head.weight                                 [V, C]   (absent when tie_word_embeddings)
 // A ParamSet holds all tensors in one contiguous buffer of one dtype (parameters, gradients,
@@ -34,6 +37,7 @@ enum class ParamRole {
   q_bias, k_bias, v_bias,  // the q, k, v projections' biases (Qwen2; attention_bias)
   o_bias,                  // o_proj's bias (Llama's and Qwen3's attention_bias)
   q_norm, k_norm,          // the per-head RMSNorm weights of q and k (Qwen3)
+  attn_post_norm, mlp_post_norm,  // the norms of the attention's and the MLP's outputs (Gemma 2)
   lora_a, lora_b  // a LoRA adapter's matrices (model/lora.h); `adapts` names the linear
 };
 
@@ -45,7 +49,8 @@ struct ParamSpec {
   ParamRole adapts = ParamRole::wq;  // lora_a / lora_b: the linear the adapter belongs to (wq ... w_down)
   bool is_norm() const {
     return role == ParamRole::attn_norm || role == ParamRole::mlp_norm || role == ParamRole::final_norm ||
-           role == ParamRole::q_norm || role == ParamRole::k_norm;
+           role == ParamRole::q_norm || role == ParamRole::k_norm || role == ParamRole::attn_post_norm ||
+           role == ParamRole::mlp_post_norm;
   }
   bool is_bias() const {
     return role == ParamRole::q_bias || role == ParamRole::k_bias || role == ParamRole::v_bias ||
@@ -77,6 +82,7 @@ struct LayerWeights {
   Tensor q_bias, k_bias, v_bias;  // undefined without attention_bias
   Tensor o_bias;                  // undefined without o_bias
   Tensor q_norm, k_norm;          // undefined without qk_norm
+  Tensor attn_post_norm, mlp_post_norm;  // undefined without post_norms
   LayerAdapters lora;
 };
 
@@ -124,7 +130,8 @@ class ParamSet {
   bool tied_ = false;
 };
 
-// HF's initialisation: linear and embedding weights N(0, initializer_range), norms 1, biases 0. Device
+// HF's initialisation: linear and embedding weights N(0, initializer_range), norms at the identity (1,
+// or 0 where the norm scales by (1 + w): config norm_weight_offset), biases 0. Device
 // sets are drawn on the host (f64) and copied, so a GPU run starts from the same values as a CPU run.
 // norm_jitter > 0 adds N(0, norm_jitter) to the norm weights and draws the biases N(0, norm_jitter)
 // (gradient checks want no special point).

@@ -13,22 +13,29 @@
 // (query head h reads K/V head h / (H / Hkv)), D head dim, F FFN width, V vocab, L layers.
 // Linear weights are [out, in] (HF): lin(x) = x Wᵀ, with a LoRA adapter (model/lora.h)
 // lin(x) = x Wᵀ + s (x Aᵀ) Bᵀ, s = alpha / r, A [r, in], B [out, r] (no dropout).
-//   x_0    = E[ids]                                                 [N, C]
+//   x_0    = E[ids]                                                 [N, C]   (Gemma 2: sqrt(C) E[ids])
 //   per layer l = 0 .. L-1:
 //     h1   = rmsnorm(x_l; g1)          rmsnorm(x; g)_i = g_i x_i / sqrt(mean_j x_j² + eps)
+//                                      (Gemma 2: (1 + g_i) in place of g_i, in every norm)
 //     q    = rope(lin_q(h1)) [N, H, D]   k = rope(lin_k(h1)) [N, Hkv, D]   v = lin_v(h1) [N, Hkv, D]
 //            Qwen2: lin_q, lin_k, lin_v add their biases b_q, b_k, b_v (Llama's, Qwen3's
 //            attention_bias: and lin_o b_o);
 //            Qwen3: q = rope(rmsnorm_D(lin_q(h1); g_q)), k likewise with g_k, rmsnorm_D over each head
 //     a_t  = sum_{j in keys(t)} softmax_j(q_t . k_j / sqrt(D)) v_j       per head, [N, H D]
-//     x_mid = x_l + lin_o(a)
+//            Gemma 2: the score s = q_t . k_j / sqrt(query_pre_attn_scalar), capped c tanh(s / c) with
+//            c = attn_logit_softcapping
+//     x_mid = x_l + lin_o(a)                      (Gemma 2: x_l + rmsnorm(lin_o(a); g_ap))
 //     h2   = rmsnorm(x_mid; g2)
 //     x_{l+1} = x_mid + lin_down(silu(lin_gate(h2)) * lin_up(h2))       silu(z) = z / (1 + e^-z)
+//            Gemma 2: x_mid + rmsnorm(lin_down(gelu(lin_gate(h2)) * lin_up(h2)); g_fp),
+//            gelu(z) = z/2 (1 + tanh(sqrt(2/pi) (z + 0.044715 z³)))
 //   logits = rmsnorm(x_L; g_final) Wᵀ_head                              [N, V]; W_head = E when tied
+//            Gemma 2: capped c tanh(z / c) with c = final_logit_softcapping
 //   loss   = (1 / S) sum_{n: label_n != -100} (logsumexp(logits_n) - logits_n[label_n])
 // S is the count of supervised labels in the batch (at least 1: a batch without any has loss 0).
 // keys(t) = [start(t), t], start(t) the last document start <= t of the sequence (Batch::doc_starts;
-// none: 0); under a sliding window of W keys (Mistral's sliding_window) [max(start(t), t - W + 1), t].
+// none: 0); under a sliding window of W keys (Mistral's sliding_window; Gemma 2's on its sliding
+// layers) [max(start(t), t - W + 1), t].
 // RoPE rotates each head's halves (HF rotate_half) by the angles of position pos(t) = t,
 // or t - start(t) with packed documents and document positions:
 //   out_i = x_i cos_i - x_{i+D/2} sin_i,   out_{i+D/2} = x_{i+D/2} cos_i + x_i sin_i.

@@ -139,7 +139,7 @@ void TrainingState::init_tiled(uint64_t seed, double initializer_range) {
     copy_convert(flat.slice(0, off, n), host.tensor.slice(0, 0, n));
   }
   for (size_t i = 0; i < m.size(); ++i) {
-    if (m.specs()[i].is_norm()) fill(m[i], 1.0);
+    if (m.specs()[i].is_norm()) fill(m[i], 1.0 - m.config().norm_weight_offset);  // the norm's identity
     if (m.specs()[i].is_bias()) fill(m[i], 0.0);  // HF's: a linear's bias starts at 0
   }
   if (lora()) init_adapters();

@@ -200,7 +200,11 @@ int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
   r["deterministic"] = deterministic();
 #endif
   const double peak = o.peak_tflops > 0 ? o.peak_tflops : measure_bf16_peak(g);
-  const double extent = attention_extent(documents_of_step(o.warmup), o.seq, cfg.sliding_window);
+  // The layers' mean extent: each within its own sliding window (Gemma 2's global layers have none).
+  double extent = 0;
+  for (int64_t l = 0; l < cfg.num_hidden_layers; ++l)
+    extent += attention_extent(documents_of_step(o.warmup), o.seq, cfg.layer_window(l));
+  extent /= static_cast<double>(cfg.num_hidden_layers);
   const double fpt = flops_per_token(cfg, extent, o.lora);
   if (!o.documents.empty()) r["documents"] = o.documents;
   r["peak_tflops"] = peak;

@@ -72,7 +72,7 @@ int main(int argc, char** argv) {
       ->check(count_range(1, kCount))->capture_default_str();
   gradcheck->add_option("--step", gc.step, "finite-difference step along a unit direction")->capture_default_str();
   gradcheck->add_option("--seed", gc.seed, "seed of the init, batch and directions")->capture_default_str();
-  gradcheck->add_option("--norm-jitter", gc.norm_jitter, "random init: norm weights 1 + N(0, jitter)")
+  gradcheck->add_option("--norm-jitter", gc.norm_jitter, "random init: norm weights 1 (Gemma's 0) + N(0, jitter)")
       ->capture_default_str();
   gradcheck->add_option("--tie-embeddings", gc.tie_embeddings, "override tie_word_embeddings (0 or 1)");
   gradcheck->add_option("--tokens", gc.tokens_file, "batch from a headerless little-endian uint32 file (B x T ids)");
@@ -89,7 +89,7 @@ int main(int argc, char** argv) {
   init->add_option("--out", io.out, "output directory")->required();
   init->add_option("--dtype", io.dtype, "stored dtype: f32 | bf16 | f64")->capture_default_str();
   init->add_option("--seed", io.seed, "initialisation seed")->capture_default_str();
-  init->add_option("--norm-jitter", io.norm_jitter, "norm weights 1 + N(0, jitter)")->capture_default_str();
+  init->add_option("--norm-jitter", io.norm_jitter, "norm weights 1 (Gemma's 0) + N(0, jitter)")->capture_default_str();
   init->add_option("--tie-embeddings", io.tie_embeddings, "override tie_word_embeddings (0 or 1)");
 
   cw::LogitsOptions lo;

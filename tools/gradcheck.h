@@ -75,7 +75,7 @@ struct GradcheckOptions {
   int directions = 3;              // random directions per tensor (fd)
   double step = 1e-3;              // fd step h along a unit direction
   uint64_t seed = 1234;            // model init, batch, directions
-  double norm_jitter = 0.1;        // random init only: norm weights 1 + N(0, jitter)
+  double norm_jitter = 0.1;        // random init only: norm weights 1 (Gemma's 0) + N(0, jitter)
   int tie_embeddings = -1;         // -1: as configured; 0 / 1: override
   std::string tokens_file;         // headerless little-endian uint32, batch x seq ids
   std::string save_grads;          // write loss and gradients (f64, HF names) as safetensors

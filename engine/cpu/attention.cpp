@@ -1,6 +1,8 @@
 // The attention op on the CPU (math and contract: engine/ops/attention.h), f64 and f32 through Eigen.
 // Query rows go in blocks of kQueryBlock against the keys they see between them (with a sliding
-// window, only those), so scratch is O(block x S) per thread, never c x S. The public entry
+// window, only those), so scratch is O(block x S) per thread, never c x S. A score cap (Gemma 2)
+// goes through the same two score blocks: the backward recomputes the capped scores and turns them
+// into P and dS element by element (capped_score_gradients). The public entry
 // (engine/ops/attention.cpp) has checked the operands.
 #include "engine/cpu/attention.h"
 
@@ -20,17 +22,18 @@ constexpr int64_t kQueryBlock = kCpuAttentionQueryBlock;  // query rows per scor
 
 // p: the first query's position relative to the first key; unmasked, S (past every key) or the
 // window's distance, so the causal rule "key j <= p + i" holds for every pair. W: the sliding window
-// (0: none), the rule "key j > p + i - W" beside it.
+// (0: none), the rule "key j > p + i - W" beside it. softcap: the scores' cap (0: none).
 struct Dims {
   int64_t B, c, H, D, S, Hkv, p, W;
+  double softcap;
   // Query i sees keys [first_key(i), key_end(i)) (an empty range for a row of an unmasked block
   // that lies wholly past its window).
   int64_t key_end(int64_t i) const { return std::min(S, p + i + 1); }
   int64_t first_key(int64_t i) const { return W > 0 ? std::clamp<int64_t>(p + i - W + 1, 0, S) : 0; }
 };
-Dims dims_of(const Tensor& q, const Tensor& k, bool causal, const AttentionWindow& window) {
+Dims dims_of(const Tensor& q, const Tensor& k, bool causal, const AttentionWindow& window, double softcap) {
   const int64_t p = causal ? k.size(1) - q.size(1) : window.size > 0 ? window.distance : k.size(1);
-  return {q.size(0), q.size(1), q.size(2), q.size(3), k.size(1), k.size(2), p, window.size};
+  return {q.size(0), q.size(1), q.size(2), q.size(3), k.size(1), k.size(2), p, window.size, softcap};
 }
 
 // The keys [lo, hi) the query rows [i0, i0 + rows) see between them: every row's range lies inside
@@ -45,6 +48,17 @@ KeySpan keys_of(const Dims& d, int64_t i0, int64_t rows) {
   return {std::min(lo, hi), hi};
 }
 
+// The scores s = scale q . k of a block of query rows against the block's keys (K holding those
+// keys) into S; under a cap, s = cap tanh(scale q . k / cap) (Gemma 2's attn_logit_softcapping).
+template <class T, class KeyRows>
+void scores(MatrixMap<T> S, const ConstMatrixMap<T>& Q, const KeyRows& K, T scale, const Dims& d) {
+  S.noalias() = (Q * K.transpose()) * scale;
+  if (d.softcap > 0) {
+    const T cap = T(d.softcap);
+    S = ((S.array() / cap).tanh() * cap).matrix();
+  }
+}
+
 // Scores of query rows [i0, i0+rows) against the block's keys [ks.lo, ks.hi) of one (batch, head),
 // K holding those keys: P holds exp(s - lse) (with lse computed here when `compute_lse`), zero where
 // masked. A row that sees no key is all zero, its lse -inf.
@@ -52,7 +66,7 @@ template <class T, class KeyRows>
 void probabilities(MatrixMap<T> P, const ConstMatrixMap<T>& Q, const KeyRows& K, T scale, const Dims& d, int64_t i0,
                    const KeySpan& ks, T* lse, bool compute_lse) {
   const int64_t rows = P.rows(), keys = P.cols();
-  P.noalias() = (Q * K.transpose()) * scale;
+  scores<T>(P, Q, K, scale, d);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t lo = d.first_key(i0 + r) - ks.lo, hi = d.key_end(i0 + r) - ks.lo;  // not masked: [lo, hi)
     if (lo >= hi) {
@@ -68,6 +82,38 @@ void probabilities(MatrixMap<T> P, const ConstMatrixMap<T>& Q, const KeyRows& K,
     row = (row - lse[r]).exp();
     P.row(r).head(lo).setZero();
     P.row(r).tail(keys - hi).setZero();
+  }
+}
+
+// The backward's P and dS under a score cap, in the two score blocks the backward has: P first holds
+// the capped scores s = cap tanh(u), u = scale q . k / cap, and dS holds dP = dO Vᵀ; each element then
+// becomes p = exp(s - lse) and dS = p (dP - Delta) (1 - (s / cap)^2): the softmax's gradient with
+// respect to s times the cap's derivative, ds / d(scale q . k) = 1 - tanh(u)^2. Zero where masked.
+template <class T, class KeyRows, class ValueRows>
+void capped_score_gradients(MatrixMap<T> P, MatrixMap<T> dS, const ConstMatrixMap<T>& Q, const KeyRows& K,
+                            const ConstMatrixMap<T>& dO, const ConstMatrixMap<T>& O, const ValueRows& V, T scale,
+                            const Dims& d, int64_t i0, const KeySpan& ks, const T* lse) {
+  const int64_t rows = P.rows(), keys = P.cols();
+  const T cap = T(d.softcap);
+  scores<T>(P, Q, K, scale, d);
+  dS.noalias() = dO * V.transpose();  // dP
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t lo = d.first_key(i0 + r) - ks.lo, hi = d.key_end(i0 + r) - ks.lo;  // not masked: [lo, hi)
+    if (lo >= hi) {
+      P.row(r).setZero();
+      dS.row(r).setZero();
+      continue;
+    }
+    const T delta = dO.row(r).dot(O.row(r));
+    for (int64_t j = lo; j < hi; ++j) {
+      const T s = P(r, j), p = std::exp(s - lse[r]), t = s / cap;
+      dS(r, j) = p * (dS(r, j) - delta) * (T(1) - t * t);
+      P(r, j) = p;
+    }
+    P.row(r).head(lo).setZero();
+    P.row(r).tail(keys - hi).setZero();
+    dS.row(r).head(lo).setZero();
+    dS.row(r).tail(keys - hi).setZero();
   }
 }
 
@@ -99,8 +145,9 @@ size_t attention_scratch_bytes(int64_t c, int64_t S, DType dtype, bool backward)
 }
 
 void attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
-                       const Tensor& v, double scale, Arena& scratch, bool causal, const AttentionWindow& window) {
-  const Dims d = dims_of(q, k, causal, window);
+                       const Tensor& v, double scale, Arena& scratch, bool causal, const AttentionWindow& window,
+                       double softcap) {
+  const Dims d = dims_of(q, k, causal, window, softcap);
   dispatch_float(q.dtype, "attention_forward", [&](auto zero) {
     using T = decltype(zero);
     ArenaScope scope(scratch);
@@ -138,8 +185,8 @@ void attention_forward(const Tensor& out, const AttentionSaved& saved, const Ten
 void attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,
                         const AttentionSaved& saved, const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& out, double scale, GradMode mode, Arena& scratch, bool causal,
-                        const AttentionWindow& window) {
-  const Dims d = dims_of(q, k, causal, window);
+                        const AttentionWindow& window, double softcap) {
+  const Dims d = dims_of(q, k, causal, window, softcap);
   dispatch_float(q.dtype, "attention_backward", [&](auto zero) {
     using T = decltype(zero);
     ArenaScope scope(scratch);
@@ -173,11 +220,15 @@ void attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v,
           auto P = matrix<T>(p_block, rows, ks.n(), ks.n());
           auto dS = matrix<T>(dp_block, rows, ks.n(), ks.n());
           T* lse = saved.lse.ptr<T>() + (b * d.H + h) * d.c + i0;
-          probabilities<T>(P, Q, Kb, T(scale), d, i0, ks, lse, false);
-          dS.noalias() = dO * V.middleRows(ks.lo, ks.n()).transpose();  // dP
-          for (int64_t r = 0; r < rows; ++r) {
-            const T delta = dO.row(r).dot(O.row(r));
-            dS.row(r) = (P.row(r).array() * (dS.row(r).array() - delta)).matrix();
+          if (d.softcap > 0) {
+            capped_score_gradients<T>(P, dS, Q, Kb, dO, O, V.middleRows(ks.lo, ks.n()), T(scale), d, i0, ks, lse);
+          } else {
+            probabilities<T>(P, Q, Kb, T(scale), d, i0, ks, lse, false);
+            dS.noalias() = dO * V.middleRows(ks.lo, ks.n()).transpose();  // dP
+            for (int64_t r = 0; r < rows; ++r) {
+              const T delta = dO.row(r).dot(O.row(r));
+              dS.row(r) = (P.row(r).array() * (dS.row(r).array() - delta)).matrix();
+            }
           }
           if (mode == GradMode::accumulate)
             dQ.noalias() += (dS * Kb) * T(scale);

@@ -1,5 +1,5 @@
-// GPU elementwise ops: rotary position embedding, the SwiGLU gate, the residual connection and
-// gradient accumulation (the math of engine/ops/rope.h, swiglu.h and residual.h).
+// GPU elementwise ops: rotary position embedding, the SwiGLU and GeGLU gates, the residual connection
+// and gradient accumulation (the math of engine/ops/rope.h, swiglu.h, geglu.h and residual.h).
 //
 // Dtypes: activations and gradients in the compute dtype T (f32 or bf16, one per call); the rope
 // cos/sin tables are f32 on the device for either compute dtype; accumulate() also takes an f32
@@ -7,8 +7,8 @@
 // rounded to its dtype once.
 //
 // Memory traffic: every kernel here is memory bound, and each reads its inputs and writes its
-// outputs exactly once (swiglu forward: 2 reads + 1 write per element; backward: 3 reads (+2 in
-// accumulate mode) + 2 writes; residual: 2 + 1; rope: 1 (+1) + 1, plus the f32 cos/sin rows, which
+// outputs exactly once (swiglu and geglu forward: 2 reads + 1 write per element; backward: 3 reads
+// (+2 in accumulate mode) + 2 writes; residual: 2 + 1; rope: 1 (+1) + 1, plus the f32 cos/sin rows, which
 // are shared by all heads of a token and come from L2).
 //
 // Launch shapes: 256 threads per block, a grid-stride loop over int64 indices with at most
@@ -17,7 +17,7 @@
 // chosen on the host per call:
 //   Vector path: every pointer 16-byte aligned. One thread per 16-byte vector of the narrowest
 //     dtype (8 bf16 or 4 f32 elements; an f32 destination of a bf16 source takes two 16-byte
-//     accesses), one 128-bit load or store per access, coalesced. swiglu/residual/accumulate run
+//     accesses), one 128-bit load or store per access, coalesced. The gates, residual and accumulate run
 //     over n / kN vectors and then the n % kN tail elements with scalar accesses in the same kernel
 //     (so any n works). rope also needs half = D / 2 to be a multiple of kN: one thread loads kN
 //     elements of each half of a head (x[j .. j+kN) and x[half+j .. half+j+kN)) and the matching
@@ -187,24 +187,44 @@ void rope_launch(const Tensor& y, const Tensor& x, const Tensor& cos, const Tens
 }
 
 // ---------------------------------------------------------------------------------------------
-// SwiGLU of one element: out = silu(g) u = g sig(g) u; and its gradients d_gate = dy u sig (1 + g
-// (1 - sig)), d_up = dy silu(g). expf (not __expf) keeps f32 results within a few ulps of the CPU.
-__device__ __forceinline__ float swiglu_value(float g, float u) {
-  const float sig = 1.0f / (1.0f + expf(-g));
-  return g * sig * u;
-}
-__device__ __forceinline__ void swiglu_grads(float g, float u, float dy, float& dg, float& du) {
-  const float sig = 1.0f / (1.0f + expf(-g));
-  dg = dy * u * sig * (1.0f + g * (1.0f - sig));
-  du = dy * (g * sig);
-}
+// The gated linear units: out = act(g) u with its gradients d_gate = dy u act'(g), d_up = dy act(g),
+// for the two gates (engine/ops/swiglu.h, geglu.h). One kernel template serves both: the gate is a
+// type with value(g, u) and grads(g, u, dy, dg, du).
+// SwiGLU: act = silu(g) = g sig(g), act' = sig (1 + g (1 - sig)). expf (not __expf) keeps f32
+// results within a few ulps of the CPU.
+struct SiluGate {
+  __device__ __forceinline__ static float value(float g, float u) {
+    const float sig = 1.0f / (1.0f + expf(-g));
+    return g * sig * u;
+  }
+  __device__ __forceinline__ static void grads(float g, float u, float dy, float& dg, float& du) {
+    const float sig = 1.0f / (1.0f + expf(-g));
+    dg = dy * u * sig * (1.0f + g * (1.0f - sig));
+    du = dy * (g * sig);
+  }
+};
+// GeGLU: act = g/2 (1 + tanh(k0 (g + k1 g^3))) (GELU's tanh approximation), act' = (1 + t)/2 +
+// g/2 (1 - t^2) k0 (1 + 3 k1 g^2). tanhf (not a fast approximation) keeps f32 results within a few
+// ulps of the CPU.
+struct GeluTanhGate {
+  static constexpr float kSqrt2OverPi = 0.7978845608028654f;
+  static constexpr float kCubic = 0.044715f;
+  __device__ __forceinline__ static float tanh_of(float g) { return tanhf(kSqrt2OverPi * (g + kCubic * g * g * g)); }
+  __device__ __forceinline__ static float value(float g, float u) { return 0.5f * g * (1.0f + tanh_of(g)) * u; }
+  __device__ __forceinline__ static void grads(float g, float u, float dy, float& dg, float& du) {
+    const float t = tanh_of(g);
+    const float slope = 0.5f * (1.0f + t) + 0.5f * g * (1.0f - t * t) * kSqrt2OverPi * (1.0f + 3.0f * kCubic * g * g);
+    dg = dy * u * slope;
+    du = dy * (0.5f * g * (1.0f + t));
+  }
+};
 
-template <class T> __global__ void swiglu_forward_kernel(T* out, const T* gate, const T* up, int64_t n) {
-  CW_GRID_STRIDE(i, n) out[i] = from_f32<T>(swiglu_value(to_f32(gate[i]), to_f32(up[i])));
+template <class Gate, class T> __global__ void glu_forward_kernel(T* out, const T* gate, const T* up, int64_t n) {
+  CW_GRID_STRIDE(i, n) out[i] = from_f32<T>(Gate::value(to_f32(gate[i]), to_f32(up[i])));
 }
 
 // Vector path: one thread per kN elements (all pointers 16-byte aligned), then the n % kN tail.
-template <class T> __global__ void swiglu_forward_vec_kernel(T* out, const T* gate, const T* up, int64_t n) {
+template <class Gate, class T> __global__ void glu_forward_vec_kernel(T* out, const T* gate, const T* up, int64_t n) {
   constexpr int kN = Vec16<T>::kN;
   const int64_t nv = n / kN;
   CW_GRID_STRIDE(i, nv) {
@@ -212,21 +232,21 @@ template <class T> __global__ void swiglu_forward_vec_kernel(T* out, const T* ga
     load_f32(gate + i * kN, g);
     load_f32(up + i * kN, u);
 #pragma unroll
-    for (int k = 0; k < kN; ++k) o[k] = swiglu_value(g[k], u[k]);
+    for (int k = 0; k < kN; ++k) o[k] = Gate::value(g[k], u[k]);
     store_f32(out + i * kN, o);
   }
   CW_GRID_STRIDE(r, n - nv * kN) {
     const int64_t i = nv * kN + r;
-    out[i] = from_f32<T>(swiglu_value(to_f32(gate[i]), to_f32(up[i])));
+    out[i] = from_f32<T>(Gate::value(to_f32(gate[i]), to_f32(up[i])));
   }
 }
 
 // The backward of element i, one scalar at a time (the unaligned kernel and the vector kernel's tail).
-template <class T>
-__device__ __forceinline__ void swiglu_backward_at(int64_t i, T* d_gate, T* d_up, const T* d_out, const T* gate,
-                                                   const T* up, bool accumulate) {
+template <class Gate, class T>
+__device__ __forceinline__ void glu_backward_at(int64_t i, T* d_gate, T* d_up, const T* d_out, const T* gate,
+                                                const T* up, bool accumulate) {
   float dg, du;
-  swiglu_grads(to_f32(gate[i]), to_f32(up[i]), to_f32(d_out[i]), dg, du);
+  Gate::grads(to_f32(gate[i]), to_f32(up[i]), to_f32(d_out[i]), dg, du);
   if (accumulate) {
     dg = to_f32(d_gate[i]) + dg;
     du = to_f32(d_up[i]) + du;
@@ -235,15 +255,15 @@ __device__ __forceinline__ void swiglu_backward_at(int64_t i, T* d_gate, T* d_up
   d_up[i] = from_f32<T>(du);
 }
 
-template <class T>
-__global__ void swiglu_backward_kernel(T* d_gate, T* d_up, const T* d_out, const T* gate, const T* up, int64_t n,
-                                       bool accumulate) {
-  CW_GRID_STRIDE(i, n) swiglu_backward_at(i, d_gate, d_up, d_out, gate, up, accumulate);
+template <class Gate, class T>
+__global__ void glu_backward_kernel(T* d_gate, T* d_up, const T* d_out, const T* gate, const T* up, int64_t n,
+                                    bool accumulate) {
+  CW_GRID_STRIDE(i, n) glu_backward_at<Gate>(i, d_gate, d_up, d_out, gate, up, accumulate);
 }
 
-template <class T>
-__global__ void swiglu_backward_vec_kernel(T* d_gate, T* d_up, const T* d_out, const T* gate, const T* up, int64_t n,
-                                           bool accumulate) {
+template <class Gate, class T>
+__global__ void glu_backward_vec_kernel(T* d_gate, T* d_up, const T* d_out, const T* gate, const T* up, int64_t n,
+                                        bool accumulate) {
   constexpr int kN = Vec16<T>::kN;
   const int64_t nv = n / kN;
   CW_GRID_STRIDE(i, nv) {
@@ -258,7 +278,7 @@ __global__ void swiglu_backward_vec_kernel(T* d_gate, T* d_up, const T* d_out, c
 #pragma unroll
     for (int k = 0; k < kN; ++k) {
       float a, b;
-      swiglu_grads(g[k], u[k], dy[k], a, b);
+      Gate::grads(g[k], u[k], dy[k], a, b);
       if (accumulate) {
         a = dg[k] + a;
         b = du[k] + b;
@@ -269,7 +289,7 @@ __global__ void swiglu_backward_vec_kernel(T* d_gate, T* d_up, const T* d_out, c
     store_f32(d_gate + i * kN, dg);
     store_f32(d_up + i * kN, du);
   }
-  CW_GRID_STRIDE(r, n - nv * kN) swiglu_backward_at(nv * kN + r, d_gate, d_up, d_out, gate, up, accumulate);
+  CW_GRID_STRIDE(r, n - nv * kN) glu_backward_at<Gate>(nv * kN + r, d_gate, d_up, d_out, gate, up, accumulate);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -352,7 +372,7 @@ void add(const Tensor& dst, bool accumulate, const Tensor& a, const Tensor* b, c
 }  // namespace
 
 // The ops' contracts (shapes, dtypes, layout, device, aliasing) are checked by the public entries
-// (engine/ops/rope.cpp, swiglu.cpp, residual.cpp); what is checked here is this backend's own: f32
+// (engine/ops/rope.cpp, swiglu.cpp, geglu.cpp, residual.cpp); what is checked here is this backend's own: f32
 // or bf16 (dispatch_compute).
 void rope_forward(const Tensor& out, const Tensor& x, const Tensor& cos, const Tensor& sin, int64_t pos0) {
   rope_launch(out, x, cos, sin, pos0, 1.0f, false, "rope_forward");
@@ -363,42 +383,64 @@ void rope_backward(const Tensor& d_x, const Tensor& d_out, const Tensor& cos, co
   rope_launch(d_x, d_out, cos, sin, pos0, -1.0f, mode == GradMode::accumulate, "rope_backward");
 }
 
-void swiglu_forward(const Tensor& out, const Tensor& gate, const Tensor& up) {
+namespace {
+template <class Gate>
+void glu_forward(const Tensor& out, const Tensor& gate, const Tensor& up, const char* what) {
   const int64_t n = gate.numel();
   if (n == 0) return;
   cudaStream_t stream = current_stream(gate.device.index);
-  dispatch_compute(gate.dtype, "swiglu_forward", [&](auto tag) {
+  dispatch_compute(gate.dtype, what, [&](auto tag) {
     using T = typename decltype(tag)::type;
     if (aligned16(out.data) && aligned16(gate.data) && aligned16(up.data)) {
-      swiglu_forward_vec_kernel<T><<<grid_for(std::max<int64_t>(n / Vec16<T>::kN, 1)), kThreads, 0, stream>>>(
+      glu_forward_vec_kernel<Gate, T><<<grid_for(std::max<int64_t>(n / Vec16<T>::kN, 1)), kThreads, 0, stream>>>(
           dptr<T>(out), dptr<const T>(gate), dptr<const T>(up), n);
     } else {
-      swiglu_forward_kernel<T><<<grid_for(n), kThreads, 0, stream>>>(dptr<T>(out), dptr<const T>(gate),
-                                                                     dptr<const T>(up), n);
+      glu_forward_kernel<Gate, T><<<grid_for(n), kThreads, 0, stream>>>(dptr<T>(out), dptr<const T>(gate),
+                                                                        dptr<const T>(up), n);
     }
     CW_KERNEL_CHECK();
   });
 }
 
-void swiglu_backward(const Tensor& d_gate, const Tensor& d_up, const Tensor& d_out, const Tensor& gate,
-                     const Tensor& up, GradMode mode) {
+template <class Gate>
+void glu_backward(const Tensor& d_gate, const Tensor& d_up, const Tensor& d_out, const Tensor& gate, const Tensor& up,
+                  GradMode mode, const char* what) {
   const int64_t n = gate.numel();
   if (n == 0) return;
   cudaStream_t stream = current_stream(gate.device.index);
-  dispatch_compute(gate.dtype, "swiglu_backward", [&](auto tag) {
+  dispatch_compute(gate.dtype, what, [&](auto tag) {
     using T = typename decltype(tag)::type;
     if (aligned16(d_gate.data) && aligned16(d_up.data) && aligned16(d_out.data) && aligned16(gate.data) &&
         aligned16(up.data)) {
-      swiglu_backward_vec_kernel<T><<<grid_for(std::max<int64_t>(n / Vec16<T>::kN, 1)), kThreads, 0, stream>>>(
+      glu_backward_vec_kernel<Gate, T><<<grid_for(std::max<int64_t>(n / Vec16<T>::kN, 1)), kThreads, 0, stream>>>(
           dptr<T>(d_gate), dptr<T>(d_up), dptr<const T>(d_out), dptr<const T>(gate), dptr<const T>(up), n,
           mode == GradMode::accumulate);
     } else {
-      swiglu_backward_kernel<T><<<grid_for(n), kThreads, 0, stream>>>(
+      glu_backward_kernel<Gate, T><<<grid_for(n), kThreads, 0, stream>>>(
           dptr<T>(d_gate), dptr<T>(d_up), dptr<const T>(d_out), dptr<const T>(gate), dptr<const T>(up), n,
           mode == GradMode::accumulate);
     }
     CW_KERNEL_CHECK();
   });
+}
+}  // namespace
+
+void swiglu_forward(const Tensor& out, const Tensor& gate, const Tensor& up) {
+  glu_forward<SiluGate>(out, gate, up, "swiglu_forward");
+}
+
+void swiglu_backward(const Tensor& d_gate, const Tensor& d_up, const Tensor& d_out, const Tensor& gate,
+                     const Tensor& up, GradMode mode) {
+  glu_backward<SiluGate>(d_gate, d_up, d_out, gate, up, mode, "swiglu_backward");
+}
+
+void geglu_forward(const Tensor& out, const Tensor& gate, const Tensor& up) {
+  glu_forward<GeluTanhGate>(out, gate, up, "geglu_forward");
+}
+
+void geglu_backward(const Tensor& d_gate, const Tensor& d_up, const Tensor& d_out, const Tensor& gate,
+                    const Tensor& up, GradMode mode) {
+  glu_backward<GeluTanhGate>(d_gate, d_up, d_out, gate, up, mode, "geglu_backward");
 }
 
 void residual_forward(const Tensor& out, const Tensor& x, const Tensor& delta) {

@@ -9,6 +9,11 @@
 // into that row of out (so a bad id shows up as a NaN loss rather than as silent garbage) and the
 // backward skips that row.
 //
+// Scale (engine/ops/embedding.h, Gemma's normaliser): 1 is the plain copy below; another value runs
+// a grid-stride kernel over the elements, each row element widened to f32, times the scale and
+// rounded once (the scale is the caller's, already rounded to the table's dtype). The backward
+// adds scale * d_out in f32 (a scale of 1 adds d_out itself: the same bits as without one).
+//
 // Forward: a gather of whole rows, i.e. a pure copy (N*C*sizeof(T) read, as much written), so the
 // only thing that matters is bandwidth. When C*sizeof(T) is a multiple of 16 and both pointers are
 // 16-byte aligned, every row starts on a 16-byte boundary and each thread copies 16 bytes at a time
@@ -112,6 +117,19 @@ __global__ void __launch_bounds__(kThreads) embedding_forward_kernel(Vec* __rest
   }
 }
 
+// out[n, c] = s * table[ids[n], c], element by element (a bad id's row NaN, as above).
+template <class T>
+__global__ void __launch_bounds__(kThreads) embedding_scaled_forward_kernel(T* __restrict__ out,
+                                                                            const int32_t* __restrict__ ids,
+                                                                            const T* __restrict__ table, int64_t N,
+                                                                            int64_t C, int64_t V, float s) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < N * C;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t n = i / C, id = ids[n];
+    out[i] = id >= 0 && id < V ? from_f32<T>(to_f32(table[id * C + i % C]) * s) : nan_value<T, T>();
+  }
+}
+
 template <class T, class Vec>
 void launch_forward(T* out, const int32_t* ids, const T* table, int64_t N, int64_t C, int64_t V, cudaStream_t stream) {
   constexpr int64_t kVec = static_cast<int64_t>(sizeof(Vec) / sizeof(T));
@@ -141,23 +159,25 @@ __global__ void embedding_sort_prep_kernel(uint32_t* __restrict__ keys, int32_t*
 // VEC consecutive elements of T as one load: uint4 when VEC > 1 (16 bytes), else T itself.
 template <class T, int VEC> using RawVec = std::conditional_t<VEC == 1, T, uint4>;
 
-// acc[0..VEC) += the VEC values in r, widened to f32 exactly (bf16 -> f32 is a 16-bit shift).
-template <class T, int VEC> __device__ __forceinline__ void add_raw(float (&acc)[VEC], const RawVec<T, VEC>& r) {
+// acc[0..VEC) += s times the VEC values in r, widened to f32 exactly (bf16 -> f32 is a 16-bit
+// shift); s = 1 multiplies exactly.
+template <class T, int VEC>
+__device__ __forceinline__ void add_raw(float (&acc)[VEC], const RawVec<T, VEC>& r, float s) {
   if constexpr (VEC == 1) {
-    acc[0] += to_f32(r);
+    acc[0] += s * to_f32(r);
   } else if constexpr (std::is_same_v<T, float>) {
     static_assert(VEC == 4);
-    acc[0] += __uint_as_float(r.x);
-    acc[1] += __uint_as_float(r.y);
-    acc[2] += __uint_as_float(r.z);
-    acc[3] += __uint_as_float(r.w);
+    acc[0] += s * __uint_as_float(r.x);
+    acc[1] += s * __uint_as_float(r.y);
+    acc[2] += s * __uint_as_float(r.z);
+    acc[3] += s * __uint_as_float(r.w);
   } else {
     static_assert(std::is_same_v<T, __nv_bfloat16> && VEC == 8);
     const unsigned w[4] = {r.x, r.y, r.z, r.w};  // little endian: element 2i is the low half of word i
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      acc[2 * i] += __uint_as_float(w[i] << 16);
-      acc[2 * i + 1] += __uint_as_float(w[i] & 0xffff0000u);
+      acc[2 * i] += s * __uint_as_float(w[i] << 16);
+      acc[2 * i + 1] += s * __uint_as_float(w[i] & 0xffff0000u);
     }
   }
 }
@@ -193,7 +213,7 @@ template <class T, int VEC>
 __global__ void __launch_bounds__(kBwdThreads) embedding_backward_kernel(float* __restrict__ d_table, const T* __restrict__ d_out,
                                                                          const uint32_t* __restrict__ keys,
                                                                          const int32_t* __restrict__ rows, int64_t N,
-                                                                         int64_t C, uint32_t sentinel) {
+                                                                         int64_t C, uint32_t sentinel, float s) {
   using Raw = RawVec<T, VEC>;
   const int64_t Cv = C / VEC;
   for (int64_t s = blockIdx.x; s < N; s += gridDim.x) {
@@ -234,7 +254,7 @@ __global__ void __launch_bounds__(kBwdThreads) embedding_backward_kernel(float* 
         }
 #pragma unroll
         for (int u = 0; u < kBwdBatch; ++u)  // in ascending n: the CPU's order
-          if (ok[u]) add_raw<T, VEC>(acc, v[u]);
+          if (ok[u]) add_raw<T, VEC>(acc, v[u], s);
         if (!more) break;
         j += kBwdBatch;
 #pragma unroll
@@ -247,13 +267,13 @@ __global__ void __launch_bounds__(kBwdThreads) embedding_backward_kernel(float* 
 
 template <class T, int VEC>
 void launch_backward(float* d_table, const T* d_out, const uint32_t* keys, const int32_t* rows, int64_t N, int64_t C,
-                     uint32_t sentinel, int sms, cudaStream_t stream) {
+                     uint32_t sentinel, float s, int sms, cudaStream_t stream) {
   const int64_t Cv = C / VEC;
   const int64_t gy = std::min<int64_t>((Cv + kBwdThreads - 1) / kBwdThreads, kMaxGridY);
   // About 16 blocks of kBwdThreads per SM in all (positions are grid-strided, so any count is correct).
   const int64_t gx = std::min<int64_t>(N, std::max<int64_t>(1, (static_cast<int64_t>(sms) * 16 + gy - 1) / gy));
   const dim3 grid(static_cast<unsigned>(std::min<int64_t>(gx, kMaxBlocks)), static_cast<unsigned>(gy));
-  embedding_backward_kernel<T, VEC><<<grid, kBwdThreads, 0, stream>>>(d_table, d_out, keys, rows, N, C, sentinel);
+  embedding_backward_kernel<T, VEC><<<grid, kBwdThreads, 0, stream>>>(d_table, d_out, keys, rows, N, C, sentinel, s);
   CW_KERNEL_CHECK();
 }
 
@@ -280,7 +300,7 @@ constexpr size_t align256(size_t x) { return (x + 255) / 256 * 256; }
 // The op's contract (shapes, dtypes, layout, device) is checked by the public entry
 // (engine/ops/embedding.cpp); what is checked here is this backend's own: f32 or bf16, the sort's
 // i32 row count.
-void embedding_forward(const Tensor& out, const Tensor& ids, const Tensor& table) {
+void embedding_forward(const Tensor& out, const Tensor& ids, const Tensor& table, double scale) {
   const int64_t N = ids.numel(), C = table.size(1), V = table.size(0);
   const int64_t total = N * C;
   if (total == 0) return;
@@ -291,6 +311,12 @@ void embedding_forward(const Tensor& out, const Tensor& ids, const Tensor& table
     T* o = dptr<T>(out);
     const T* t = dptr<const T>(table);
     const int32_t* id = dptr<const int32_t>(ids);
+    if (scale != 1.0) {
+      const unsigned grid = static_cast<unsigned>(std::min<int64_t>(blocks_for(total, kThreads), kMaxBlocks));
+      embedding_scaled_forward_kernel<T><<<grid, kThreads, 0, stream>>>(o, id, t, N, C, V, static_cast<float>(scale));
+      CW_KERNEL_CHECK();
+      return;
+    }
     // 16-byte copies need every row to start 16-byte aligned in both tensors.
     if (C % kVec == 0 && aligned16(o) && aligned16(t))
       launch_forward<T, uint4>(o, id, t, N, C, V, stream);
@@ -299,7 +325,7 @@ void embedding_forward(const Tensor& out, const Tensor& ids, const Tensor& table
   });
 }
 
-void embedding_backward(const Tensor& d_table, const Tensor& d_out, const Tensor& ids) {
+void embedding_backward(const Tensor& d_table, const Tensor& d_out, const Tensor& ids, double scale) {
   const int64_t N = ids.numel(), C = d_table.size(1), V = d_table.size(0);
   CW_CHECK(d_out.dtype == DType::f32 || d_out.dtype == DType::bf16,
            "embedding_backward on the GPU supports f32 and bf16, not {}", dtype_name(d_out.dtype));
@@ -343,9 +369,9 @@ void embedding_backward(const Tensor& d_table, const Tensor& d_out, const Tensor
     // Vector path: C a multiple of kVec (so every row of d_out and of d_table starts on a 16-byte
     // boundary given aligned base pointers) and both base pointers 16-byte aligned.
     if (C % kVec == 0 && aligned16(dt) && aligned16(dy))
-      launch_backward<T, kVec>(dt, dy, keys_out, rows_out, N, C, sentinel, sms, stream);
+      launch_backward<T, kVec>(dt, dy, keys_out, rows_out, N, C, sentinel, static_cast<float>(scale), sms, stream);
     else
-      launch_backward<T, 1>(dt, dy, keys_out, rows_out, N, C, sentinel, sms, stream);
+      launch_backward<T, 1>(dt, dy, keys_out, rows_out, N, C, sentinel, static_cast<float>(scale), sms, stream);
   });
 }
 

@@ -6,6 +6,9 @@
 //   d_x  = G W     [N, C] T    (GradMode overwrite: beta 0, accumulate: beta 1)
 //   d_W += Gᵀ x    [V, C] f32  (always accumulated: beta 1)
 // labels [N] i32 on the device. Saved for the backward: lse (f32 [N]).
+// A final-logit cap (Gemma 2, cap > 0): the row kernel reads each stored logit as z = cap tanh(z / cap)
+// in f32 (the stored logits stay uncapped) and multiplies G by 1 - (z / cap)^2; softcap_logits caps
+// a logits tensor in place (lm_head_logits).
 //
 // The [N, V] logits never exist in full. Rows go in blocks; per block of R rows:
 //   1. logits_blk [R, V] (T, in scratch) = x_blk Wᵀ                 gpu::matmul, f32 accumulation
@@ -116,6 +119,9 @@ __device__ __forceinline__ void block_max_sum(float& m, float& s, float* sm, flo
   s = ss[0];
 }
 
+// A stored logit as the loss reads it: capped when cap > 0 (tanhf: a few ulps, as the CPU's tanh).
+__device__ __forceinline__ float capped(float z, float cap) { return cap > 0.0f ? cap * tanhf(z / cap) : z; }
+
 // Visits this thread's 16-byte vectors of a row of nvec vectors (tid, tid + nt, ...): kUnroll
 // loads in flight before any is used, then f(vector, index of its first element) for each.
 template <int kUnroll, class Vt, class T, class F>
@@ -144,7 +150,7 @@ __device__ __forceinline__ void for_row_vectors(const T* row, int nvec, int tid,
 template <class T, bool kStats, bool kGrad>
 __global__ void __launch_bounds__(kMaxThreads)
     softmax_xent_kernel(T* logits, int64_t ld, int64_t V, const int32_t* labels, float* row_loss, float* lse_out,
-                        const float* lse_in, float inv_norm) {
+                        const float* lse_in, float inv_norm, float cap) {
   using Vt = Vec16<T>;
   constexpr int kN = Vt::kN;
   __shared__ float red_m[32], red_s[32];
@@ -160,21 +166,21 @@ __global__ void __launch_bounds__(kMaxThreads)
   if constexpr (kStats) {
     if (supervised || lse_out != nullptr) {
       // Read before any thread overwrites the row with G (after the reduction's barriers).
-      const float z_label = (tid == 0 && supervised) ? to_f32(row[label]) : 0.0f;
+      const float z_label = (tid == 0 && supervised) ? capped(to_f32(row[label]), cap) : 0.0f;
       float m = -INFINITY, s = 0.0f;
       for_row_vectors<kUnroll, Vt>(row, nvec, tid, nt, [&](const Vt& v, int64_t e0) {
         const int valid = V - e0 < kN ? static_cast<int>(V - e0) : kN;
         float lm = -INFINITY;
 #pragma unroll
         for (int k = 0; k < kN; ++k)
-          if (k < valid) lm = fmaxf(lm, v.get(k));
+          if (k < valid) lm = fmaxf(lm, capped(v.get(k), cap));
         if (lm > m) {  // rescale the running sum to the new maximum
           s *= exp2f((m - lm) * kLog2e);
           m = lm;
         }
 #pragma unroll
         for (int k = 0; k < kN; ++k)
-          if (k < valid) s += exp2f((v.get(k) - m) * kLog2e);
+          if (k < valid) s += exp2f((capped(v.get(k), cap) - m) * kLog2e);
       });
       block_max_sum(m, s, red_m, red_s);
       lse = m + logf(s);
@@ -201,8 +207,10 @@ __global__ void __launch_bounds__(kMaxThreads)
 #pragma unroll
       for (int k = 0; k < kN; ++k) {
         const int64_t e = e0 + k;
-        g[k] = e < V ? exp2f((v.get(k) - lse) * kLog2e) * inv_norm : 0.0f;
+        const float z = capped(v.get(k), cap);
+        g[k] = e < V ? exp2f((z - lse) * kLog2e) * inv_norm : 0.0f;
         if (e == label) g[k] -= inv_norm;
+        if (cap > 0.0f) g[k] *= 1.0f - (z / cap) * (z / cap);  // dz / d(x Wᵀ)
       }
       Vt::pack(g).store(row + e0);
     });
@@ -251,7 +259,8 @@ void validate_labels(const Tensor& labels, int64_t V, unsigned long long* first_
 // instead of computing the statistics (the backward); d_x / d_w computed when given.
 template <class T>
 void run(const Tensor* row_loss, const Tensor* lse_out, const Tensor* lse_in, const Tensor* d_x, const Tensor* d_w,
-         const Tensor& x, const Tensor& w, const Tensor& labels, double normaliser, GradMode mode, Arena& scratch) {
+         const Tensor& x, const Tensor& w, const Tensor& labels, double normaliser, GradMode mode, Arena& scratch,
+         double softcap) {
   const int device = x.device.index;
   const int64_t N = x.size(0), C = x.size(1), V = w.size(0);
   if (N == 0) return;
@@ -265,7 +274,7 @@ void run(const Tensor* row_loss, const Tensor* lse_out, const Tensor* lse_in, co
   const int64_t ld = cw::lm_head_logits_ld(V, sizeof(T));  // kN elements a 16-byte vector
   const int64_t rows_max = block_rows_for(N, ld, sizeof(T));
   const int threads = row_threads(ld / kN);
-  const float inv_norm = static_cast<float>(1.0 / normaliser);
+  const float inv_norm = static_cast<float>(1.0 / normaliser), cap = static_cast<float>(softcap);
   const float beta_dx = mode == GradMode::accumulate ? 1.0f : 0.0f;
   const size_t elem = sizeof(T);
 
@@ -294,13 +303,13 @@ void run(const Tensor* row_loss, const Tensor* lse_out, const Tensor* lse_in, co
     const float* lse_in_blk = lse_in_p ? lse_in_p + n0 : nullptr;
     if (stats && grad)
       softmax_xent_kernel<T, true, true><<<grid, threads, 0, stream>>>(lp, ld, V, lab, loss_blk, lse_blk, nullptr,
-                                                                       inv_norm);
+                                                                       inv_norm, cap);
     else if (stats)
       softmax_xent_kernel<T, true, false><<<grid, threads, 0, stream>>>(lp, ld, V, lab, loss_blk, lse_blk, nullptr,
-                                                                        inv_norm);
+                                                                        inv_norm, cap);
     else
       softmax_xent_kernel<T, false, true><<<grid, threads, 0, stream>>>(lp, ld, V, lab, nullptr, nullptr, lse_in_blk,
-                                                                        inv_norm);
+                                                                        inv_norm, cap);
     CW_KERNEL_CHECK();
     if (d_w) {
       // dWc[C, V] += Xc · Gcᵀ  (f32)
@@ -316,6 +325,13 @@ void run(const Tensor* row_loss, const Tensor* lse_out, const Tensor* lse_in, co
   }
 }
 
+// z = cap tanh(z / cap) over n logits in place, each rounded once to T.
+template <class T> __global__ void softcap_kernel(T* z, int64_t n, float cap) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    z[i] = from_f32<T>(capped(to_f32(z[i]), cap));
+}
+
 }  // namespace
 
 // The op's contract (shapes, dtypes, layout, device, aliasing) is checked by the public entry
@@ -324,33 +340,46 @@ void run(const Tensor* row_loss, const Tensor* lse_out, const Tensor* lse_in, co
 
 void lm_head_loss_forward(const Tensor& row_loss, const LmHeadSaved& saved, const Tensor& x, const Tensor& weight,
                           const Tensor& labels, double normaliser, Arena& scratch,
-                          int64_t /*block_rows: the CPU's; the GPU picks its own*/) {
+                          int64_t /*block_rows: the CPU's; the GPU picks its own*/, double softcap) {
   const Tensor* lse = saved.lse.data ? &saved.lse : nullptr;
   dispatch_compute(x.dtype, "lm_head_loss_forward", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    run<T>(&row_loss, lse, nullptr, nullptr, nullptr, x, weight, labels, normaliser, GradMode::overwrite, scratch);
+    run<T>(&row_loss, lse, nullptr, nullptr, nullptr, x, weight, labels, normaliser, GradMode::overwrite, scratch,
+           softcap);
   });
 }
 
 void lm_head_loss_backward(const Tensor& d_x, const Tensor& d_weight, const LmHeadSaved& saved, const Tensor& x,
                            const Tensor& weight, const Tensor& labels, double normaliser, GradMode mode,
-                           Arena& scratch, int64_t /*block_rows*/) {
+                           Arena& scratch, int64_t /*block_rows*/, double softcap) {
   const Tensor* dx = d_x.data ? &d_x : nullptr;
   const Tensor* dw = d_weight.data ? &d_weight : nullptr;
   dispatch_compute(x.dtype, "lm_head_loss_backward", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    run<T>(nullptr, nullptr, &saved.lse, dx, dw, x, weight, labels, normaliser, mode, scratch);
+    run<T>(nullptr, nullptr, &saved.lse, dx, dw, x, weight, labels, normaliser, mode, scratch, softcap);
   });
 }
 
 void lm_head_loss_fused(const Tensor& row_loss, const Tensor& d_x, const Tensor& d_weight, const Tensor& x,
                         const Tensor& weight, const Tensor& labels, double normaliser, GradMode mode, Arena& scratch,
-                        int64_t /*block_rows*/) {
+                        int64_t /*block_rows*/, double softcap) {
   const Tensor* dx = d_x.data ? &d_x : nullptr;
   const Tensor* dw = d_weight.data ? &d_weight : nullptr;
   dispatch_compute(x.dtype, "lm_head_loss_fused", [&](auto tag) {
     using T = typename decltype(tag)::type;
-    run<T>(&row_loss, nullptr, nullptr, dx, dw, x, weight, labels, normaliser, mode, scratch);
+    run<T>(&row_loss, nullptr, nullptr, dx, dw, x, weight, labels, normaliser, mode, scratch, softcap);
+  });
+}
+
+void softcap_logits(const Tensor& logits, double softcap) {
+  const int64_t n = logits.numel();
+  if (n == 0) return;
+  cudaStream_t stream = current_stream(logits.device.index);
+  dispatch_compute(logits.dtype, "lm_head_logits", [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    const unsigned grid = static_cast<unsigned>(std::min<int64_t>(blocks_for(n, 256), 65536));
+    softcap_kernel<T><<<grid, 256, 0, stream>>>(dptr<T>(logits), n, static_cast<float>(softcap));
+    CW_KERNEL_CHECK();
   });
 }
 

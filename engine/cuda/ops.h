@@ -25,17 +25,22 @@
 namespace cw::gpu {
 
 // Elementwise and row ops (engine/cuda/elementwise.cu, engine/cuda/rmsnorm.cu, engine/cuda/embedding.cu).
-void embedding_forward(const Tensor& out, const Tensor& ids, const Tensor& table);
-void embedding_backward(const Tensor& d_table, const Tensor& d_out, const Tensor& ids);  // d_table f32
-void rmsnorm_forward(const Tensor& out, const RmsNormSaved& saved, const Tensor& x, const Tensor& weight, double eps);
+void embedding_forward(const Tensor& out, const Tensor& ids, const Tensor& table, double scale);
+void embedding_backward(const Tensor& d_table, const Tensor& d_out, const Tensor& ids, double scale);  // d_table f32
+void rmsnorm_forward(const Tensor& out, const RmsNormSaved& saved, const Tensor& x, const Tensor& weight, double eps,
+                     double weight_offset);
 void rmsnorm_backward(const Tensor& d_x, const Tensor& d_weight, const Tensor& d_out, const RmsNormSaved& saved,
-                      const Tensor& x, const Tensor& weight, GradMode mode, Arena& scratch);  // d_weight f32
+                      const Tensor& x, const Tensor& weight, GradMode mode, Arena& scratch,
+                      double weight_offset);  // d_weight f32
 void rope_forward(const Tensor& out, const Tensor& x, const Tensor& cos, const Tensor& sin, int64_t pos0);
 void rope_backward(const Tensor& d_x, const Tensor& d_out, const Tensor& cos, const Tensor& sin, int64_t pos0,
                    GradMode mode);
 void swiglu_forward(const Tensor& out, const Tensor& gate, const Tensor& up);
 void swiglu_backward(const Tensor& d_gate, const Tensor& d_up, const Tensor& d_out, const Tensor& gate,
                      const Tensor& up, GradMode mode);
+void geglu_forward(const Tensor& out, const Tensor& gate, const Tensor& up);
+void geglu_backward(const Tensor& d_gate, const Tensor& d_up, const Tensor& d_out, const Tensor& gate,
+                    const Tensor& up, GradMode mode);
 void residual_forward(const Tensor& out, const Tensor& x, const Tensor& delta);
 void residual_backward(const Tensor& d_x, GradMode mode_x, const Tensor& d_delta, GradMode mode_delta,
                        const Tensor& d_out);
@@ -114,13 +119,17 @@ void cudnn_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor
 // x, weight in the compute dtype (bf16 or f32); row_loss, lse f32; d_weight f32 (accumulated);
 // d_x in the compute dtype. block_rows is the CPU's block; the GPU picks its own, larger row block
 // (bounded logits scratch; see lm_head.cu).
+// softcap: the final-logit cap (0: none), applied to each logit in f32 as the row kernel reads it.
 void lm_head_loss_forward(const Tensor& row_loss, const LmHeadSaved& saved, const Tensor& x, const Tensor& weight,
-                          const Tensor& labels, double normaliser, Arena& scratch, int64_t block_rows);
+                          const Tensor& labels, double normaliser, Arena& scratch, int64_t block_rows,
+                          double softcap);
 void lm_head_loss_backward(const Tensor& d_x, const Tensor& d_weight, const LmHeadSaved& saved, const Tensor& x,
                            const Tensor& weight, const Tensor& labels, double normaliser, GradMode mode,
-                           Arena& scratch, int64_t block_rows);
+                           Arena& scratch, int64_t block_rows, double softcap);
 void lm_head_loss_fused(const Tensor& row_loss, const Tensor& d_x, const Tensor& d_weight, const Tensor& x,
                         const Tensor& weight, const Tensor& labels, double normaliser, GradMode mode, Arena& scratch,
-                        int64_t block_rows);
+                        int64_t block_rows, double softcap);
+// logits = softcap tanh(logits / softcap) in place (lm_head_logits' cap; softcap > 0).
+void softcap_logits(const Tensor& logits, double softcap);
 
 }  // namespace cw::gpu

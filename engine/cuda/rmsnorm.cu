@@ -1,4 +1,5 @@
 // GPU RMSNorm forward and backward (the math of engine/ops/rmsnorm.h).
+// The weight enters every kernel as (offset + w) in f32: offset 0 for Llama's norm, 1 for Gemma's.
 //
 // Dtypes: x, w, out, d_out, d_x in the compute dtype T (f32 or bf16); saved rstd [N] f32; d_weight
 // [C] f32 and always accumulated, or undefined (a frozen norm: only d_x). Arithmetic is f32; each T
@@ -109,7 +110,8 @@ __device__ __forceinline__ float block_sum(float v, float* shared) {
 // vectors t + j * threads, j < kVecs (those < nvec = C / kN), loaded once into registers.
 template <class T, int kVecs>
 __global__ void __launch_bounds__(kFwdMaxThreads)
-    rmsnorm_forward_vec_kernel(T* y, float* rstd, const T* x, const T* w, int64_t C, int nvec, float eps) {
+    rmsnorm_forward_vec_kernel(T* y, float* rstd, const T* x, const T* w, int64_t C, int nvec, float eps,
+                               float offset) {
   using V = Vec16<T>;
   constexpr int kN = V::kN;
   __shared__ float red[32];
@@ -147,7 +149,7 @@ __global__ void __launch_bounds__(kFwdMaxThreads)
     if (v < nvec) {
       float o[kN];
 #pragma unroll
-      for (int k = 0; k < kN; ++k) o[k] = xv[j].get(k) * r * wv[j].get(k);
+      for (int k = 0; k < kN; ++k) o[k] = xv[j].get(k) * r * (offset + wv[j].get(k));
       V::pack(o).store(yr + static_cast<int64_t>(v) * kN);
     }
   }
@@ -160,7 +162,8 @@ __global__ void __launch_bounds__(kFwdMaxThreads)
 template <class T, int kVecs>
 __global__ void __launch_bounds__(kBwdMaxThreads)
     rmsnorm_backward_vec_kernel(T* dx, float* partials, const T* dy, const T* x, const T* w, const float* rstd,
-                                int64_t N, int64_t C, int nvec, int64_t rows_per_block, bool accumulate) {
+                                int64_t N, int64_t C, int nvec, int64_t rows_per_block, bool accumulate,
+                                float offset) {
   using V = Vec16<T>;
   constexpr int kN = V::kN;
   __shared__ float red[32];
@@ -204,7 +207,7 @@ __global__ void __launch_bounds__(kBwdMaxThreads)
       const int v = tid + j * nthreads;
       if (v < nvec) {
 #pragma unroll
-        for (int k = 0; k < kN; ++k) dot += dc[j].get(k) * wv[j].get(k) * xc[j].get(k);
+        for (int k = 0; k < kN; ++k) dot += dc[j].get(k) * (offset + wv[j].get(k)) * xc[j].get(k);
       }
     }
     dot = block_sum(dot, red);  // also a barrier: the block has read this row of d_out before any d_x write
@@ -221,7 +224,7 @@ __global__ void __launch_bounds__(kBwdMaxThreads)
         for (int k = 0; k < kN; ++k) {
           const float xk = xc[j].get(k), dyk = dc[j].get(k);
           const float xhat = xk * r;
-          float g = r * (dyk * wv[j].get(k) - xhat * mean_dot);
+          float g = r * (dyk * (offset + wv[j].get(k)) - xhat * mean_dot);
           if (accumulate) g = old.get(k) + g;
           o[k] = g;
           acc[j][k] += dyk * (xk * r);
@@ -252,7 +255,7 @@ __global__ void __launch_bounds__(kBwdMaxThreads)
 
 template <class T>
 __global__ void __launch_bounds__(kRowThreads)
-    rmsnorm_forward_kernel(T* y, float* rstd, const T* x, const T* w, int64_t C, float eps) {
+    rmsnorm_forward_kernel(T* y, float* rstd, const T* x, const T* w, int64_t C, float eps, float offset) {
   __shared__ float red[32];
   const int64_t n = blockIdx.x;
   const T* xr = x + n * C;
@@ -265,14 +268,15 @@ __global__ void __launch_bounds__(kRowThreads)
   sum_sq = block_sum(sum_sq, red);
   const float r = 1.0f / sqrtf(sum_sq / static_cast<float>(C) + eps);
   if (threadIdx.x == 0) rstd[n] = r;
-  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) yr[c] = from_f32<T>(to_f32(xr[c]) * r * to_f32(w[c]));
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x)
+    yr[c] = from_f32<T>(to_f32(xr[c]) * r * (offset + to_f32(w[c])));
 }
 
-// d_x[n,:] = r (g - xhat mean_c(g xhat)), g = d_out w, xhat = x r; overwrite or accumulate.
+// d_x[n,:] = r (g - xhat mean_c(g xhat)), g = d_out (offset + w), xhat = x r; overwrite or accumulate.
 template <class T>
 __global__ void __launch_bounds__(kRowThreads)
     rmsnorm_backward_dx_kernel(T* dx, const T* dy, const T* x, const T* w, const float* rstd, int64_t C,
-                               bool accumulate) {
+                               bool accumulate, float offset) {
   __shared__ float red[32];
   const int64_t n = blockIdx.x;
   const T* xr = x + n * C;
@@ -280,12 +284,13 @@ __global__ void __launch_bounds__(kRowThreads)
   T* dxr = dx + n * C;
   const float r = rstd[n];
   float dot = 0.0f;  // sum_c d_out w x; times r / C below gives mean_c(g xhat)
-  for (int64_t c = threadIdx.x; c < C; c += blockDim.x) dot += to_f32(dyr[c]) * to_f32(w[c]) * to_f32(xr[c]);
+  for (int64_t c = threadIdx.x; c < C; c += blockDim.x)
+    dot += to_f32(dyr[c]) * (offset + to_f32(w[c])) * to_f32(xr[c]);
   dot = block_sum(dot, red);  // also a barrier: every thread has read its d_out before any d_x write
   const float mean_dot = dot * r / static_cast<float>(C);
   for (int64_t c = threadIdx.x; c < C; c += blockDim.x) {
     const float xhat = to_f32(xr[c]) * r;
-    float g = r * (to_f32(dyr[c]) * to_f32(w[c]) - xhat * mean_dot);
+    float g = r * (to_f32(dyr[c]) * (offset + to_f32(w[c])) - xhat * mean_dot);
     if (accumulate) g = to_f32(dxr[c]) + g;
     dxr[c] = from_f32<T>(g);
   }
@@ -320,7 +325,8 @@ int vec_threads(int64_t nvec, int vecs, int max_threads) {
 
 // The op's contract (shapes, dtypes, layout, device, aliasing) is checked by the public entry
 // (engine/ops/rmsnorm.cpp); what is checked here is this backend's own: f32 or bf16, the grid.
-void rmsnorm_forward(const Tensor& out, const RmsNormSaved& saved, const Tensor& x, const Tensor& weight, double eps) {
+void rmsnorm_forward(const Tensor& out, const RmsNormSaved& saved, const Tensor& x, const Tensor& weight, double eps,
+                     double weight_offset) {
   const int64_t N = x.size(0), C = x.size(1);
   if (N == 0) return;
   CW_CHECK(N <= 0x7fffffff, "rmsnorm_forward: {} rows exceed the grid", N);
@@ -332,18 +338,18 @@ void rmsnorm_forward(const Tensor& out, const RmsNormSaved& saved, const Tensor&
     if (threads > 0 && aligned16(out) && aligned16(x) && aligned16(weight)) {
       rmsnorm_forward_vec_kernel<T, kFwdVecs><<<static_cast<unsigned>(N), threads, 0, stream>>>(
           dptr<T>(out), dptr<float>(saved.rstd), dptr<const T>(x), dptr<const T>(weight), C,
-          static_cast<int>(C / kN), static_cast<float>(eps));
+          static_cast<int>(C / kN), static_cast<float>(eps), static_cast<float>(weight_offset));
     } else {
       rmsnorm_forward_kernel<T><<<static_cast<unsigned>(N), kRowThreads, 0, stream>>>(
           dptr<T>(out), dptr<float>(saved.rstd), dptr<const T>(x), dptr<const T>(weight), C,
-          static_cast<float>(eps));
+          static_cast<float>(eps), static_cast<float>(weight_offset));
     }
     CW_KERNEL_CHECK();
   });
 }
 
 void rmsnorm_backward(const Tensor& d_x, const Tensor& d_weight, const Tensor& d_out, const RmsNormSaved& saved,
-                      const Tensor& x, const Tensor& weight, GradMode mode, Arena& scratch) {
+                      const Tensor& x, const Tensor& weight, GradMode mode, Arena& scratch, double weight_offset) {
   const int64_t N = x.size(0), C = x.size(1);
   if (N == 0 || C == 0) return;  // nothing to add to d_weight, no d_x rows
   CW_CHECK(N <= 0x7fffffff, "rmsnorm_backward: {} rows exceed the grid", N);
@@ -373,7 +379,7 @@ void rmsnorm_backward(const Tensor& d_x, const Tensor& d_weight, const Tensor& d
       rmsnorm_backward_vec_kernel<T, kBwdVecs><<<static_cast<unsigned>(row_blocks), threads, 0, stream>>>(
           dptr<T>(d_x), dptr<float>(partials), dptr<const T>(d_out), dptr<const T>(x), dptr<const T>(weight),
           dptr<const float>(saved.rstd), N, C, static_cast<int>(C / kN), rows_per_block,
-          mode == GradMode::accumulate);
+          mode == GradMode::accumulate, static_cast<float>(weight_offset));
       CW_KERNEL_CHECK();
       if (d_weight.data) {
         add_partial_sums(dptr<float>(d_weight), dptr<const float>(partials), row_blocks, C, stream);
@@ -390,7 +396,7 @@ void rmsnorm_backward(const Tensor& d_x, const Tensor& d_weight, const Tensor& d
       }
       rmsnorm_backward_dx_kernel<T><<<static_cast<unsigned>(N), kRowThreads, 0, stream>>>(
           dptr<T>(d_x), dptr<const T>(d_out), dptr<const T>(x), dptr<const T>(weight), dptr<const float>(saved.rstd),
-          C, mode == GradMode::accumulate);
+          C, mode == GradMode::accumulate, static_cast<float>(weight_offset));
       CW_KERNEL_CHECK();
     }
   });

@@ -14,6 +14,7 @@
 #endif
 
 #include <algorithm>
+#include <cmath>
 #include <array>
 #include <atomic>
 #include <thread>
@@ -107,7 +108,7 @@ bool packed_kv(const Tensor& t, int64_t Hkv, int64_t D) {
 
 void check_forward_operands(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                             const AttentionSaved& saved, const Arena& scratch, AttentionMask mask,
-                            AttentionWindow window = {}) {
+                            AttentionWindow window = {}, double softcap = 0.0) {
   CW_CHECK(q.ndim == 4 && k.ndim == 4, "attention q {} and k {} must be [B, c, H, D] and [B, S, Hkv, D]",
            q.describe(), k.describe());
   const int64_t B = q.size(0), c = q.size(1), H = q.size(2), D = q.size(3), S = k.size(1), Hkv = k.size(2);
@@ -116,6 +117,8 @@ void check_forward_operands(const Tensor& q, const Tensor& k, const Tensor& v, c
   else
     CW_CHECK(S >= 1, "attention: an unmasked call needs at least one key, got {}", S);
   CW_CHECK(window.size >= 0, "attention: a sliding window of {} keys (0: none)", window.size);
+  CW_CHECK(softcap >= 0 && std::isfinite(softcap), "attention: a score cap of {} (positive and finite; 0: none)",
+           softcap);
   if (mask == AttentionMask::causal)
     CW_CHECK(window.distance == 0, "attention: a causal call places its queries itself; window distance {} must be 0",
              window.distance);
@@ -272,9 +275,9 @@ bool serves(AttentionKernel kernel, const AttentionCall& call, const AttentionFl
 
 AttentionCall attention_call(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out, const Tensor* d_q,
                              const Tensor* d_out, const Tensor* d_k, const Tensor* d_v, AttentionMask mask,
-                             AttentionWindow window) {
+                             AttentionWindow window, double softcap) {
   AttentionCall call{q.device, q.dtype, q.size(0), q.size(1), k.size(1), q.size(2), k.size(2), q.size(3),
-                     d_q != nullptr, false, &q, &k, &v, mask, window};
+                     d_q != nullptr, false, &q, &k, &v, mask, window, softcap};
   // The tensor-core kernels load rows with 16-byte copies and add dK/dV with 8-byte vectors.
   call.tensor_core_operands = aligned(&q, 16) && aligned(&k, 16) && aligned(&v, 16) && aligned(&out, 16) &&
                               aligned(d_q, 16) && aligned(d_out, 16) && aligned(d_k, 8) && aligned(d_v, 8) &&
@@ -287,6 +290,12 @@ AttentionChoice choose_attention_kernel(const AttentionCall& call, const Attenti
   // The CPU has one kernel; the setting chooses among the GPU families (a test may force one and
   // still compute its CPU reference).
   if (call.device.is_cpu()) return {AttentionKernel::cpu, "the operands are on the CPU"};
+  // A score cap is one more transform of every score inside a kernel's softmax and a factor in its
+  // dS; no GPU kernel of ours (flash or cuDNN) has it, so Gemma 2's capped attention runs on the CPU.
+  if (call.softcap > 0)
+    fail(fmt::format("attention: a score cap (attn_logit_softcapping = {}) on {}: no GPU attention kernel computes it",
+                     call.softcap, device_name(call.device)),
+         "run this model on the CPU (train.device = cpu)");
   // A sliding window: every flash family honours it; cuDNN refuses it (serves, above), so the
   // automatic choice goes to the flash families.
   std::string why, reasons;
@@ -421,14 +430,16 @@ gpu::FlashFamily flash_family(AttentionKernel k) {
 #endif
 
 void attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
-                       const Tensor& v, double scale, Arena& scratch, AttentionMask mask, AttentionWindow window) {
-  check_forward_operands(q, k, v, out, saved, scratch, mask, window);
-  const AttentionCall call = attention_call(q, k, v, out, nullptr, nullptr, nullptr, nullptr, mask, window);
+                       const Tensor& v, double scale, Arena& scratch, AttentionMask mask, AttentionWindow window,
+                       double softcap) {
+  check_forward_operands(q, k, v, out, saved, scratch, mask, window, softcap);
+  const AttentionCall call = attention_call(q, k, v, out, nullptr, nullptr, nullptr, nullptr, mask, window, softcap);
   const AttentionChoice choice = choose_attention_kernel(call, attention_flags());
   count_call(call, choice);
   const bool causal = mask == AttentionMask::causal;
   switch (choice.kernel) {
-    case AttentionKernel::cpu: return cpu::attention_forward(out, saved, q, k, v, scale, scratch, causal, window);
+    case AttentionKernel::cpu:
+      return cpu::attention_forward(out, saved, q, k, v, scale, scratch, causal, window, softcap);
 #if CW_HAVE_CUDNN
     case AttentionKernel::cudnn: return gpu::cudnn_attention_forward(out, saved, q, k, v, scale, scratch, causal);
 #endif
@@ -445,17 +456,18 @@ void attention_forward(const Tensor& out, const AttentionSaved& saved, const Ten
 void attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,
                         const AttentionSaved& saved, const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& out, double scale, GradMode mode, Arena& scratch, AttentionMask mask,
-                        AttentionWindow window) {
-  check_forward_operands(q, k, v, out, saved, scratch, mask, window);
+                        AttentionWindow window, double softcap) {
+  check_forward_operands(q, k, v, out, saved, scratch, mask, window, softcap);
   check_backward_operands(d_q, d_k, d_v, d_out, q, k);
   const AttentionFlags flags = attention_flags();
-  const AttentionCall call = attention_call(q, k, v, out, &d_q, &d_out, &d_k, &d_v, mask, window);
+  const AttentionCall call = attention_call(q, k, v, out, &d_q, &d_out, &d_k, &d_v, mask, window, softcap);
   const AttentionChoice choice = choose_attention_kernel(call, flags);
   count_call(call, choice);
   const bool causal = mask == AttentionMask::causal;
   switch (choice.kernel) {
     case AttentionKernel::cpu:
-      return cpu::attention_backward(d_q, d_k, d_v, d_out, saved, q, k, v, out, scale, mode, scratch, causal, window);
+      return cpu::attention_backward(d_q, d_k, d_v, d_out, saved, q, k, v, out, scale, mode, scratch, causal, window,
+                                     softcap);
 #if CW_HAVE_CUDNN
     case AttentionKernel::cudnn:
       return gpu::cudnn_attention_backward(d_q, d_k, d_v, d_out, saved, q, k, v, out, scale, mode, scratch, causal);
@@ -587,12 +599,12 @@ void count_one_call(const AttentionCall& whole, AttentionKernel kernel, const st
 
 void attention_forward_documents(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
                                  const Tensor& v, const std::vector<std::vector<int64_t>>& doc_starts, double scale,
-                                 Arena& scratch, int64_t window, const Tensor& first_keys) {
-  check_forward_operands(q, k, v, out, saved, scratch, AttentionMask::causal, {window});
+                                 Arena& scratch, int64_t window, double softcap, const Tensor& first_keys) {
+  check_forward_operands(q, k, v, out, saved, scratch, AttentionMask::causal, {window}, softcap);
   const int64_t B = q.size(0), c = q.size(1), p = k.size(1) - c;
   const std::vector<DocumentSpan> spans = document_spans(doc_starts, B, p, c);
   const AttentionCall whole = attention_call(q, k, v, out, nullptr, nullptr, nullptr, nullptr,
-                                             AttentionMask::causal, {window});
+                                             AttentionMask::causal, {window}, softcap);
   if (const std::optional<AttentionKernel> one = documents_in_one_call(whole, spans.size())) {
 #if CW_HAVE_CUDA
     ArenaScope scope(scratch);
@@ -608,7 +620,7 @@ void attention_forward_documents(const Tensor& out, const AttentionSaved& saved,
     const Tensor lse = span_lse(saved.lse, s, c, scratch, false);
     attention_forward(sequence_rows(out, s.b, s.q0, n), {lse}, sequence_rows(q, s.b, s.q0, n),
                       sequence_rows(k, s.b, k0, keys), sequence_rows(v, s.b, k0, keys), scale, scratch,
-                      AttentionMask::causal, {window});
+                      AttentionMask::causal, {window}, softcap);
     store_span_lse(saved.lse, s, c, lse);
   }
 }
@@ -616,12 +628,14 @@ void attention_forward_documents(const Tensor& out, const AttentionSaved& saved,
 void attention_backward_documents(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,
                                   const AttentionSaved& saved, const Tensor& q, const Tensor& k, const Tensor& v,
                                   const Tensor& out, const std::vector<std::vector<int64_t>>& doc_starts, double scale,
-                                  GradMode mode, Arena& scratch, int64_t window, const Tensor& first_keys) {
-  check_forward_operands(q, k, v, out, saved, scratch, AttentionMask::causal, {window});
+                                  GradMode mode, Arena& scratch, int64_t window, double softcap,
+                                  const Tensor& first_keys) {
+  check_forward_operands(q, k, v, out, saved, scratch, AttentionMask::causal, {window}, softcap);
   check_backward_operands(d_q, d_k, d_v, d_out, q, k);
   const int64_t B = q.size(0), c = q.size(1), p = k.size(1) - c;
   const std::vector<DocumentSpan> spans = document_spans(doc_starts, B, p, c);
-  const AttentionCall whole = attention_call(q, k, v, out, &d_q, &d_out, &d_k, &d_v, AttentionMask::causal, {window});
+  const AttentionCall whole = attention_call(q, k, v, out, &d_q, &d_out, &d_k, &d_v, AttentionMask::causal, {window},
+                                             softcap);
   if (const std::optional<AttentionKernel> one = documents_in_one_call(whole, spans.size())) {
 #if CW_HAVE_CUDA
     ArenaScope scope(scratch);
@@ -640,7 +654,7 @@ void attention_backward_documents(const Tensor& d_q, const Tensor& d_k, const Te
                        sequence_rows(d_v, s.b, k0, keys), sequence_rows(d_out, s.b, s.q0, n), {lse},
                        sequence_rows(q, s.b, s.q0, n), sequence_rows(k, s.b, k0, keys),
                        sequence_rows(v, s.b, k0, keys), sequence_rows(out, s.b, s.q0, n), scale, mode, scratch,
-                       AttentionMask::causal, {window});
+                       AttentionMask::causal, {window}, softcap);
   }
 }
 
@@ -675,7 +689,7 @@ std::vector<BlockSpan> block_spans(const std::vector<std::vector<int64_t>>& doc_
 void attention_merge_documents_block(const Tensor& acc, const Tensor& lse_acc, const Tensor& q, const Tensor& k,
                                      const Tensor& v, int64_t p, int64_t k0,
                                      const std::vector<std::vector<int64_t>>& doc_starts, double scale,
-                                     Arena& scratch) {
+                                     Arena& scratch, double softcap) {
   const int64_t B = q.size(0), c = q.size(1), H = q.size(2), D = q.size(3), n = k.size(1);
   check_shape(acc, {B, c, H, D}, "attention_merge_documents_block acc");
   check_shape(lse_acc, {B, H, c}, "attention_merge_documents_block lse_acc");
@@ -685,7 +699,7 @@ void attention_merge_documents_block(const Tensor& acc, const Tensor& lse_acc, c
     const int64_t rows = s.q1 - s.q0, keys = n - bs.first;
     const Tensor out_b = scratch.alloc(q.dtype, {1, rows, H, D}), lse_b = scratch.alloc(lse_acc.dtype, {1, H, rows});
     attention_forward(out_b, {lse_b}, sequence_rows(q, s.b, s.q0, rows), sequence_rows(k, s.b, bs.first, keys),
-                      sequence_rows(v, s.b, bs.first, keys), scale, scratch, AttentionMask::none);
+                      sequence_rows(v, s.b, bs.first, keys), scale, scratch, AttentionMask::none, {}, softcap);
     const Tensor lse = span_lse(lse_acc, s, c, scratch, true);
     attention_merge(sequence_rows(acc, s.b, s.q0, rows), lse, out_b, lse_b);
     store_span_lse(lse_acc, s, c, lse);
@@ -696,7 +710,7 @@ void attention_backward_documents_block(const Tensor& dq_acc, const Tensor& d_k,
                                         const Tensor& d_out, const AttentionSaved& saved, const Tensor& q,
                                         const Tensor& k, const Tensor& v, const Tensor& out, int64_t p, int64_t k0,
                                         const std::vector<std::vector<int64_t>>& doc_starts, double scale,
-                                        Arena& scratch) {
+                                        Arena& scratch, double softcap) {
   const int64_t B = q.size(0), c = q.size(1), H = q.size(2), D = q.size(3), n = k.size(1);
   check_shape(dq_acc, {B, c, H, D}, "attention_backward_documents_block dq_acc");
   for (const BlockSpan& bs : block_spans(doc_starts, B, p, c, k0, n)) {
@@ -708,7 +722,8 @@ void attention_backward_documents_block(const Tensor& dq_acc, const Tensor& d_k,
     attention_backward(dq_b, sequence_rows(d_k, s.b, bs.first, keys), sequence_rows(d_v, s.b, bs.first, keys),
                        sequence_rows(d_out, s.b, s.q0, rows), {lse}, sequence_rows(q, s.b, s.q0, rows),
                        sequence_rows(k, s.b, bs.first, keys), sequence_rows(v, s.b, bs.first, keys),
-                       sequence_rows(out, s.b, s.q0, rows), scale, GradMode::overwrite, scratch, AttentionMask::none);
+                       sequence_rows(out, s.b, s.q0, rows), scale, GradMode::overwrite, scratch, AttentionMask::none,
+                       {}, softcap);
     accumulate(sequence_rows(dq_acc, s.b, s.q0, rows), dq_b);
   }
 }

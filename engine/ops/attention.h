@@ -26,6 +26,14 @@
 //   not, and the chooser never picks it for a windowed call. Tested in
 //   tests/engine/test_attention_documents.cpp (the windowed softmax written out, finite differences,
 //   blocks merged) and the op table's window rows (the GPU rows: every flash family against the CPU).
+// Score cap (softcap > 0; Gemma 2's attn_logit_softcapping): every score s_ij above becomes
+//   cap tanh(s_ij / cap) before the mask and the softmax, and the backward multiplies dS_ij by the
+//   cap's derivative 1 - tanh(s_ij / cap)^2 before the products that give d_q and d_k. It applies
+//   to every call form (causal, unmasked blocks merged by attention_merge, windows, documents): a
+//   block's capped scores are the whole row's. Only the CPU kernel computes it: no GPU family
+//   serves a capped call (the chooser says so; a model with a cap is refused on a GPU before any
+//   work, model/config.h check_runs_on). Tested in the op table's softcap rows (finite differences)
+//   and tests/engine/test_attention_documents.cpp (the capped softmax written out).
 // Shapes: q, out, d_q, d_out [B, c, H, D]; k, v [B, S, Hkv, D]; d_k, d_v [B, S, Hkv, D] in the
 // accumulation dtype (f32 for f32/bf16, f64 for f64). k, v, d_k, d_v may have any batch stride
 // (a slice of the K/V store); their inner [S, Hkv, D] must be packed. All on q's device (scratch too).
@@ -72,6 +80,7 @@ inline int64_t window_first_key(int64_t position, int64_t window) {
 //   flash_wgmma  our flash kernels on Hopper warpgroup MMA, bf16, D 64/128 (attention_flash_wgmma.cu)
 //   flash_mma    our flash kernels on mma.sync tensor cores, bf16, D 64/128 (attention_flash_mma.cu)
 //   flash_simt   our flash kernels without tensor cores: f32 or bf16, even D <= 128 (attention_flash_simt.cu)
+// No GPU family takes a score cap (softcap): the CPU kernel alone computes it.
 enum class AttentionKernel { automatic, cpu, cudnn, flash, flash_wgmma, flash_mma, flash_simt };
 const char* attention_kernel_name(AttentionKernel kernel);        // "auto", "cpu", "cudnn", "flash-wgmma", ...
 AttentionKernel parse_attention_kernel(const std::string& name);  // throws naming the choices
@@ -89,12 +98,13 @@ struct AttentionCall {
   const Tensor* v;
   AttentionMask mask = AttentionMask::causal;
   AttentionWindow window = {};  // the CPU and the flash families honour a window; cuDNN refuses it
+  double softcap = 0.0;         // a score cap: the CPU alone computes it
 };
 // out and, in the backward, d_q, d_out, d_k, d_v take part in the alignment rule.
 AttentionCall attention_call(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                              const Tensor* d_q = nullptr, const Tensor* d_out = nullptr, const Tensor* d_k = nullptr,
                              const Tensor* d_v = nullptr, AttentionMask mask = AttentionMask::causal,
-                             AttentionWindow window = {});
+                             AttentionWindow window = {}, double softcap = 0.0);
 struct AttentionFlags {
   AttentionKernel forced = AttentionKernel::automatic;  // what set_attention_kernel says, by default
   bool deterministic = false;                           // only bitwise-reproducible kernels
@@ -129,13 +139,15 @@ double attention_pairs(int64_t c, int64_t S, AttentionMask mask, AttentionWindow
 // The flags of the process-wide settings (engine/engine.h: attention_kernel(), deterministic()).
 AttentionFlags attention_flags();
 
+// softcap: the score cap (above; 0: none).
 void attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
                        const Tensor& v, double scale, Arena& scratch, AttentionMask mask = AttentionMask::causal,
-                       AttentionWindow window = {});
+                       AttentionWindow window = {}, double softcap = 0.0);
 void attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,
                         const AttentionSaved& saved, const Tensor& q, const Tensor& k, const Tensor& v,
                         const Tensor& out, double scale, GradMode mode, Arena& scratch,
-                        AttentionMask mask = AttentionMask::causal, AttentionWindow window = {});
+                        AttentionMask mask = AttentionMask::causal, AttentionWindow window = {},
+                        double softcap = 0.0);
 
 // Packed documents: a document mask on the same call. Each sequence b holds documents starting at
 // doc_starts[b] (positions in the whole sequence, ascending, the first 0; starts at or past p + c are
@@ -170,11 +182,13 @@ std::vector<DocumentSpan> document_spans(const std::vector<std::vector<int64_t>>
                                          int64_t c);
 void attention_forward_documents(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
                                  const Tensor& v, const std::vector<std::vector<int64_t>>& doc_starts, double scale,
-                                 Arena& scratch, int64_t window = 0, const Tensor& first_keys = {});
+                                 Arena& scratch, int64_t window = 0, double softcap = 0.0,
+                                 const Tensor& first_keys = {});
 void attention_backward_documents(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,
                                   const AttentionSaved& saved, const Tensor& q, const Tensor& k, const Tensor& v,
                                   const Tensor& out, const std::vector<std::vector<int64_t>>& doc_starts, double scale,
-                                  GradMode mode, Arena& scratch, int64_t window = 0, const Tensor& first_keys = {});
+                                  GradMode mode, Arena& scratch, int64_t window = 0, double softcap = 0.0,
+                                  const Tensor& first_keys = {});
 // first_keys for a batch of B = doc_starts.size() sequences of T tokens: int32 [B, T] in `arena` (on
 // its device), position t of sequence b holding the start of its document (doc_starts as above).
 Tensor document_first_keys(const std::vector<std::vector<int64_t>>& doc_starts, int64_t T, Arena& arena);
@@ -191,15 +205,16 @@ Tensor document_first_keys(const std::vector<std::vector<int64_t>>& doc_starts, 
 // lse of every block (saved): the block's dK, dV ADDED, the span's dQ share ADDED to dq_acc [B, c, H, D]
 // (accumulation dtype). Tested in tests/engine/test_attention_documents.cpp (merged over blocks, equal
 // to one call over the whole prefix).
+// softcap: the score cap (0: none).
 void attention_merge_documents_block(const Tensor& acc, const Tensor& lse_acc, const Tensor& q, const Tensor& k,
                                      const Tensor& v, int64_t p, int64_t k0,
                                      const std::vector<std::vector<int64_t>>& doc_starts, double scale,
-                                     Arena& scratch);
+                                     Arena& scratch, double softcap = 0.0);
 void attention_backward_documents_block(const Tensor& dq_acc, const Tensor& d_k, const Tensor& d_v,
                                         const Tensor& d_out, const AttentionSaved& saved, const Tensor& q,
                                         const Tensor& k, const Tensor& v, const Tensor& out, int64_t p, int64_t k0,
                                         const std::vector<std::vector<int64_t>>& doc_starts, double scale,
-                                        Arena& scratch);
+                                        Arena& scratch, double softcap = 0.0);
 
 // Combines the attention of the same queries against two disjoint sets of keys (blocks of one row):
 //   lse = log(exp(lse_acc) + exp(lse_b))

@@ -22,10 +22,11 @@ void check_forward_operands(const Tensor& out, const RmsNormSaved& saved, const 
 }
 }  // namespace
 
-void rmsnorm_forward(const Tensor& out, const RmsNormSaved& saved, const Tensor& x, const Tensor& weight, double eps) {
+void rmsnorm_forward(const Tensor& out, const RmsNormSaved& saved, const Tensor& x, const Tensor& weight, double eps,
+                     double weight_offset) {
   check_forward_operands(out, saved, x, weight, "rmsnorm out");
   CW_CHECK(out.data != x.data || out.empty(), "rmsnorm_forward: out must not alias x (the backward reads x)");
-  CW_DISPATCH_GPU(x, rmsnorm_forward(out, saved, x, weight, eps));
+  CW_DISPATCH_GPU(x, rmsnorm_forward(out, saved, x, weight, eps, weight_offset));
   cpu::dispatch_float(x.dtype, "rmsnorm_forward", [&](auto zero) {
     using T = decltype(zero);
     const int64_t N = x.size(0), C = x.size(1);
@@ -33,19 +34,20 @@ void rmsnorm_forward(const Tensor& out, const RmsNormSaved& saved, const Tensor&
     const T* w = weight.ptr<T>();
     T* y = out.ptr<T>();
     T* rstd = saved.rstd.ptr<T>();
+    const T o = T(weight_offset);
     for (int64_t n = 0; n < N; ++n) {
       const T* row = xp + n * C;
       T sum_sq = 0;
       for (int64_t c = 0; c < C; ++c) sum_sq += row[c] * row[c];
       const T r = T(1) / std::sqrt(sum_sq / T(C) + T(eps));
       rstd[n] = r;
-      for (int64_t c = 0; c < C; ++c) y[n * C + c] = row[c] * r * w[c];
+      for (int64_t c = 0; c < C; ++c) y[n * C + c] = row[c] * r * (o + w[c]);
     }
   });
 }
 
 void rmsnorm_backward(const Tensor& d_x, const Tensor& d_weight, const Tensor& d_out, const RmsNormSaved& saved,
-                      const Tensor& x, const Tensor& weight, GradMode mode, Arena& scratch) {
+                      const Tensor& x, const Tensor& weight, GradMode mode, Arena& scratch, double weight_offset) {
   check_forward_operands(d_x, saved, x, weight, "rmsnorm d_x");
   check_same_shape(d_out, x, "rmsnorm d_out", "rmsnorm x");
   check_dtype(d_out, x.dtype, "rmsnorm d_out");
@@ -56,7 +58,7 @@ void rmsnorm_backward(const Tensor& d_x, const Tensor& d_weight, const Tensor& d
   check_packed_same_device({{x, "rmsnorm x"}, {d_out, "rmsnorm d_out"}, NamedTensor::optional(d_weight, "rmsnorm d_weight")});
   CW_CHECK(scratch.device() == x.device, "rmsnorm_backward: the scratch arena is on {} but x is on {}",
            device_name(scratch.device()), device_name(x.device));
-  CW_DISPATCH_GPU(x, rmsnorm_backward(d_x, d_weight, d_out, saved, x, weight, mode, scratch));
+  CW_DISPATCH_GPU(x, rmsnorm_backward(d_x, d_weight, d_out, saved, x, weight, mode, scratch, weight_offset));
   // The CPU needs no scratch. d_x may alias d_out: each element of d_out is read before its d_x is written.
   cpu::dispatch_float(x.dtype, "rmsnorm_backward", [&](auto zero) {
     using T = decltype(zero);
@@ -67,18 +69,19 @@ void rmsnorm_backward(const Tensor& d_x, const Tensor& d_weight, const Tensor& d
     const T* rstd = saved.rstd.ptr<T>();
     T* dx = d_x.ptr<T>();
     T* dw = d_weight.data ? d_weight.ptr<T>() : nullptr;
+    const T o = T(weight_offset);
     for (int64_t n = 0; n < N; ++n) {
       const T r = rstd[n];
       const T* xr = xp + n * C;
       const T* dyr = dy + n * C;
       // mean_c(g * xhat), the projection of g onto xhat that normalisation removes
       T dot = 0;
-      for (int64_t c = 0; c < C; ++c) dot += dyr[c] * w[c] * xr[c] * r;
+      for (int64_t c = 0; c < C; ++c) dot += dyr[c] * (o + w[c]) * xr[c] * r;
       const T mean_dot = dot / T(C);
       T* dxr = dx + n * C;
       for (int64_t c = 0; c < C; ++c) {
         const T xhat = xr[c] * r, dy_c = dyr[c];
-        const T g = r * (dy_c * w[c] - xhat * mean_dot);
+        const T g = r * (dy_c * (o + w[c]) - xhat * mean_dot);
         if (dw) dw[c] += dy_c * xhat;
         dxr[c] = (mode == GradMode::accumulate ? dxr[c] : T(0)) + g;
       }

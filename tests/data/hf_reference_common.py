@@ -1,8 +1,9 @@
-"""What tests/data/qwen_reference.py and mistral_reference.py share: transformers' float32 RMSNorm,
-RoPE angles and eager attention's softmax patched to float64 (the same formulas), a model drawn in float64 with norm weights away
-from 1, and a case written as the C++ tests read it (tests/model/hf_reference.h): save_pretrained's
-config.json and model.safetensors, and expected.safetensors with the ids, the logits, the causal-LM
-loss written out in float64 and every parameter's gradient.
+"""What tests/data/qwen_reference.py, mistral_reference.py and gemma2_reference.py share: transformers'
+float32 RMSNorm, RoPE angles and eager attention's softmax patched to float64 (the same formulas), a
+model drawn in float64 with norm weights away from 1, and a case written as the C++ tests read it
+(tests/model/hf_reference.h): save_pretrained's config.json and model.safetensors, and
+expected.safetensors with the ids, the logits, the causal-LM loss written out in float64 and every
+parameter's gradient.
 """
 import os
 
@@ -35,15 +36,17 @@ def patch(classes, on):
             cls.forward = fn if on else cls._hf_forward
 
 
-def eager_attention_f64(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
-    """transformers' eager_attention_forward (the same lines) with its softmax in the query's dtype
-    (float64) rather than float32."""
+def eager_attention_f64(module, query, key, value, attention_mask, scaling, dropout=0.0, softcap=None, **kwargs):
+    """transformers' eager_attention_forward (the same lines; Gemma 2's with its score cap) with its
+    softmax in the query's dtype (float64) rather than float32."""
     def repeat_kv(x, n_rep):
         b, h, s, d = x.shape
         return x if n_rep == 1 else x[:, :, None, :, :].expand(b, h, n_rep, s, d).reshape(b, h * n_rep, s, d)
     key_states = repeat_kv(key, module.num_key_value_groups)
     value_states = repeat_kv(value, module.num_key_value_groups)
     attn_weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling
+    if softcap is not None:
+        attn_weights = torch.tanh(attn_weights / softcap) * softcap
     if attention_mask is not None:
         attn_weights = attn_weights + attention_mask
     attn_weights = torch.nn.functional.softmax(attn_weights, dim=-1, dtype=query.dtype)

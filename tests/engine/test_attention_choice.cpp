@@ -122,3 +122,21 @@ TEST_CASE("attention: a sliding window on a GPU goes to the flash families; cuDN
   call.device = Device::host();
   CHECK(choose_attention_kernel(call, {AttentionKernel::automatic, false}).kernel == AttentionKernel::cpu);
 }
+
+TEST_CASE("attention: a score cap on a GPU is refused by the chooser in one line naming attn_logit_softcapping; the "
+          "CPU takes it") {
+  // No GPU family computes Gemma 2's cap: every setting, automatic or forced, is refused before any
+  // kernel runs (a model with the cap is refused earlier still: tests/model/test_gemma2.cpp).
+  AttentionCall call = gpu_call(DType::bf16, 64);
+  call.softcap = 50.0;
+  for (const AttentionKernel forced : {AttentionKernel::automatic, AttentionKernel::flash, AttentionKernel::flash_mma,
+                                       AttentionKernel::flash_simt, AttentionKernel::cudnn}) {
+    CAPTURE(std::string(attention_kernel_name(forced)));
+    const std::string message = error_of(call, forced);
+    INFO(message);
+    CHECK(message.find("attn_logit_softcapping") != std::string::npos);
+    CHECK(message.find('\n') == std::string::npos);
+  }
+  call.device = Device::host();
+  CHECK(choose_attention_kernel(call, {AttentionKernel::automatic, false}).kernel == AttentionKernel::cpu);
+}

@@ -2,7 +2,7 @@
 // attention_backward_documents) and with a sliding window (AttentionWindow), in f64 on the CPU: the
 // forward against the masked softmax written out here, the backward against finite differences of
 // L = <R, out>, the spans a chunk splits into, and the operand checks; a window's unmasked blocks
-// whose rows see none of their keys, merged. The schedules' packed documents are checked against
+// whose rows see none of their keys, merged; Gemma 2's score cap with each of these, and block by block. The schedules' packed documents are checked against
 // documents run one by one in tests/optim/test_documents.cpp, the schedules' windows against full
 // backprop in tests/optim/test_schedules.cpp; the GPU kernels against this in the op table.
 #include "engine/ops/attention.h"
@@ -41,9 +41,11 @@ Draws draw(const Shape& s, uint64_t seed) {
 }
 
 // out[b, i, h] = sum_j P v_j over keys j in [start(p + i), p + i] of sequence b, written out; with a
-// sliding window of W keys (0: none) over j in [max(start(p + i), p + i - W + 1), p + i].
+// sliding window of W keys (0: none) over j in [max(start(p + i), p + i - W + 1), p + i]; with a score
+// cap (0: none) each score s becomes cap tanh(s / cap) before the softmax.
 OwnedTensor masked_reference(const Shape& s, const OwnedTensor& q, const OwnedTensor& k, const OwnedTensor& v,
-                             const std::vector<std::vector<int64_t>>& starts, double scale, int64_t window = 0) {
+                             const std::vector<std::vector<int64_t>>& starts, double scale, int64_t window = 0,
+                             double softcap = 0.0) {
   OwnedTensor out(DType::f64, {s.B, s.c, s.H, s.D});
   const double* Q = q.tensor.ptr<double>();
   const double* K = k.tensor.ptr<double>();
@@ -65,7 +67,7 @@ OwnedTensor masked_reference(const Shape& s, const OwnedTensor& q, const OwnedTe
           double dot = 0;
           for (int64_t d = 0; d < s.D; ++d)
             dot += Q[((b * s.c + i) * s.H + h) * s.D + d] * K[((b * S + j) * s.Hkv + g) * s.D + d];
-          score.push_back(scale * dot);
+          score.push_back(softcap > 0 ? softcap * std::tanh(scale * dot / softcap) : scale * dot);
           top = std::max(top, score.back());
         }
         double sum = 0;
@@ -307,6 +309,82 @@ TEST_CASE("attention window: an unmasked block some of whose rows see none of it
   CHECK_THROWS_WITH_AS(attention_forward(block, {block_lse}, q, rows(k, 0, s.p), rows(v, 0, s.p), scale, scratch,
                                          AttentionMask::none, {window, s.p - 1}),
                        doctest::Contains("window distance"), Error);
+}
+
+TEST_CASE("attention softcap: f64 forward against the capped softmax written out, alone, in a window and with "
+          "documents; backward against finite differences; the blocks of a prefix merge into the one call") {
+  // Caps of 0.5 and 2 against scores of about unit size (tanh far from linear), and 50 (Gemma 2's,
+  // nearly the identity here: the cap must still be applied, not dropped).
+  const Shape s;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(s.D));
+  const std::vector<std::vector<int64_t>> one_document{{0}, {0}}, documents{{0, 3, 7, 8, 10}, {0, 2}};
+  for (const double cap : {0.5, 2.0, 50.0})
+    for (const int64_t window : {0, 4})
+      for (const bool with_documents : {false, true}) {
+        CAPTURE(cap);
+        CAPTURE(window);
+        CAPTURE(with_documents);
+        const auto& starts = with_documents ? documents : one_document;
+        auto [q, k, v, r] = draw(s, 61);
+        Arena scratch;
+        OwnedTensor out(DType::f64, {s.B, s.c, s.H, s.D}), lse(DType::f64, {s.B, s.H, s.c});
+        auto forward = [&] {
+          if (with_documents)
+            attention_forward_documents(out, {lse}, q, k, v, starts, scale, scratch, window, cap);
+          else
+            attention_forward(out, {lse}, q, k, v, scale, scratch, AttentionMask::causal, {window}, cap);
+          return inner(out, r);
+        };
+        forward();
+        CHECK(max_abs_diff(out, masked_reference(s, q, k, v, starts, scale, window, cap)) <= kForwardTol);
+        // The cap bites: without it the output is another (by far less at a cap of 50).
+        CHECK(max_abs_diff(out, masked_reference(s, q, k, v, starts, scale, window)) > (cap < 10 ? 1e-2 : 1e-6));
+        check_backward(s, q, k, v, forward, [&](const Tensor& d_q, const Tensor& d_k, const Tensor& d_v) {
+          if (with_documents)
+            attention_backward_documents(d_q, d_k, d_v, r, {lse}, q, k, v, out, starts, scale, GradMode::overwrite,
+                                         scratch, window, cap);
+          else
+            attention_backward(d_q, d_k, d_v, r, {lse}, q, k, v, out, scale, GradMode::overwrite, scratch,
+                               AttentionMask::causal, {window}, cap);
+        });
+      }
+  // The streamed store's order under a cap: the chunk [5, 11) against its own keys, then the unmasked
+  // block [0, 5) merged; the backward of each block with the combined out and lse sums to the one call's.
+  const double cap = 0.5;
+  auto [q, k, v, r] = draw(s, 71);
+  Arena scratch;
+  OwnedTensor out(DType::f64, {s.B, s.c, s.H, s.D}), lse(DType::f64, {s.B, s.H, s.c});
+  attention_forward(out, {lse}, q, k, v, scale, scratch, AttentionMask::causal, {}, cap);
+  const auto rows = [&](const Tensor& t, int64_t r0, int64_t n) { return t.slice(1, r0, n); };
+  OwnedTensor acc(DType::f64, {s.B, s.c, s.H, s.D}), acc_lse(DType::f64, {s.B, s.H, s.c});
+  OwnedTensor block(DType::f64, {s.B, s.c, s.H, s.D}), block_lse(DType::f64, {s.B, s.H, s.c});
+  attention_forward(acc, {acc_lse}, q, rows(k, s.p, s.c), rows(v, s.p, s.c), scale, scratch, AttentionMask::causal, {},
+                    cap);
+  attention_forward(block, {block_lse}, q, rows(k, 0, s.p), rows(v, 0, s.p), scale, scratch, AttentionMask::none, {},
+                    cap);
+  attention_merge(acc, acc_lse, block, block_lse);
+  CHECK(max_abs_diff(acc, out) <= kForwardTol);
+  CHECK(max_abs_diff(acc_lse, lse) <= kForwardTol);
+  OwnedTensor d_q(DType::f64, {s.B, s.c, s.H, s.D}), d_k(DType::f64, {s.B, s.S(), s.Hkv, s.D}),
+              d_v(DType::f64, {s.B, s.S(), s.Hkv, s.D});
+  fill(d_k, 0.0);
+  fill(d_v, 0.0);
+  attention_backward(d_q, d_k, d_v, r, {lse}, q, k, v, out, scale, GradMode::overwrite, scratch,
+                     AttentionMask::causal, {}, cap);
+  OwnedTensor e_q(DType::f64, {s.B, s.c, s.H, s.D}), e_k(DType::f64, {s.B, s.S(), s.Hkv, s.D}),
+              e_v(DType::f64, {s.B, s.S(), s.Hkv, s.D});
+  fill(e_k, 0.0);
+  fill(e_v, 0.0);
+  attention_backward(e_q, rows(e_k, s.p, s.c), rows(e_v, s.p, s.c), r, {lse}, q, rows(k, s.p, s.c),
+                     rows(v, s.p, s.c), out, scale, GradMode::overwrite, scratch, AttentionMask::causal, {}, cap);
+  attention_backward(e_q, rows(e_k, 0, s.p), rows(e_v, 0, s.p), r, {lse}, q, rows(k, 0, s.p), rows(v, 0, s.p), out,
+                     scale, GradMode::accumulate, scratch, AttentionMask::none, {}, cap);
+  CHECK(max_abs_diff(e_q, d_q) <= kForwardTol);
+  CHECK(max_abs_diff(e_k, d_k) <= kForwardTol);
+  CHECK(max_abs_diff(e_v, d_v) <= kForwardTol);
+  // A cap must be positive and finite (0: none).
+  CHECK_THROWS_WITH_AS(attention_forward(out, {lse}, q, k, v, scale, scratch, AttentionMask::causal, {}, -1.0),
+                       doctest::Contains("score cap"), Error);
 }
 
 TEST_CASE("attention documents: one document a sequence is the plain causal call, bit for bit") {

@@ -44,6 +44,7 @@
 #include "engine/ops/adamw_update.h"
 #include "engine/ops/attention.h"
 #include "engine/ops/embedding.h"
+#include "engine/ops/geglu.h"
 #include "engine/ops/linear.h"
 #include "engine/ops/lm_head_loss.h"
 #include "engine/ops/lora_linear.h"
@@ -134,28 +135,37 @@ Init ids_in(int64_t V) {  // token ids, half of them from the first 5 (repeats),
   };
 }
 
-Row embedding(int64_t N, int64_t V, int64_t C) {
-  return finish(make_row(fmt::format("embedding N={} V={} C={}", N, V, C),
-                 {in("ids", {N}).dtype(Dt::i32).with(ids_in(V)), in("table", {V, C}), out("out", {N, C}).tolerance(kExact),
-                  cot("d_out", "out"), grad("d_table", "table", Acc::adds).tolerance(kF32ResultTol)},
-                 [](const Tensors& t, Arena&) { embedding_forward(t("out"), t("ids"), t("table")); },
-                 [](const Tensors& t, GradMode, Arena&) { embedding_backward(t("d_table"), t("d_out"), t("ids")); }));
+// scale: Gemma's normaliser (1: the plain lookup, a copy of the rows and exact in every dtype; another
+// value rounds each product once, to the output's dtype).
+Row embedding(int64_t N, int64_t V, int64_t C, double scale = 1.0) {
+  return finish(make_row(fmt::format("embedding N={} V={} C={}{}", N, V, C,
+                                     scale != 1.0 ? fmt::format(" scale={}", scale) : ""),
+                 {in("ids", {N}).dtype(Dt::i32).with(ids_in(V)), in("table", {V, C}),
+                  out("out", {N, C}).tolerance(scale == 1.0 ? kExact : kDefaultTol), cot("d_out", "out"),
+                  grad("d_table", "table", Acc::adds).tolerance(kF32ResultTol)},
+                 [=](const Tensors& t, Arena&) { embedding_forward(t("out"), t("ids"), t("table"), scale); },
+                 [=](const Tensors& t, GradMode, Arena&) {
+                   embedding_backward(t("d_table"), t("d_out"), t("ids"), scale);
+                 }));
 }
 
-// with_dw false: d_w skipped (Tensor{}), a frozen norm.
-Row rmsnorm(int64_t N, int64_t C, bool with_dw = true) {
-  Row r = make_row(fmt::format("rmsnorm N={} C={}{}", N, C, with_dw ? "" : " (no d_w)"),
-                 {in("x", {N, C}), in("w", {C}).normal(1.0, 0.3), out("out", {N, C}),
+// with_dw false: d_w skipped (Tensor{}), a frozen norm. offset: the weight offset (1: Gemma's norm,
+// x r (1 + w), its weights drawn near 0 as Gemma's are stored).
+Row rmsnorm(int64_t N, int64_t C, bool with_dw = true, double offset = 0.0) {
+  Row r = make_row(fmt::format("rmsnorm N={} C={}{}{}", N, C, with_dw ? "" : " (no d_w)",
+                               offset != 0.0 ? fmt::format(" offset={}", offset) : ""),
+                 {in("x", {N, C}), in("w", {C}).normal(1.0 - offset, 0.3), out("out", {N, C}),
                   saved("rstd", {N}).tolerance(kF32ResultTol), cot("d_out", "out"), grad("d_x", "x")},
-                 [](const Tensors& t, Arena&) { rmsnorm_forward(t("out"), {t("rstd")}, t("x"), t("w"), 1e-5); },
+                 [=](const Tensors& t, Arena&) { rmsnorm_forward(t("out"), {t("rstd")}, t("x"), t("w"), 1e-5, offset); },
                  [=](const Tensors& t, GradMode m, Arena& s) {
-                   rmsnorm_backward(t("d_x"), with_dw ? t("d_w") : Tensor{}, t("d_out"), {t("rstd")}, t("x"), t("w"), m, s);
+                   rmsnorm_backward(t("d_x"), with_dw ? t("d_w") : Tensor{}, t("d_out"), {t("rstd")}, t("x"), t("w"), m, s,
+                                    offset);
                  });
   if (with_dw) r.args.push_back(grad("d_w", "w", Acc::adds).tolerance(kF32ResultTol));
   r = finish(r);
   r.takes_scratch = true;
-  r.misuses = {{"out aliases x", [](const Tensors& t, Arena&) {
-                  rmsnorm_forward(t("x"), {t("rstd")}, t("x"), t("w"), 1e-5);
+  r.misuses = {{"out aliases x", [=](const Tensors& t, Arena&) {
+                  rmsnorm_forward(t("x"), {t("rstd")}, t("x"), t("w"), 1e-5, offset);
                 }}};
   return r;
 }
@@ -301,6 +311,21 @@ Row swiglu(int64_t N, int64_t F) {
   return r;
 }
 
+// Gemma's gate: gelu (tanh approximation) in place of silu; gate drawn wide so the tanh saturates.
+Row geglu(int64_t N, int64_t F) {
+  Row r = finish(make_row(fmt::format("geglu N={} F={}", N, F),
+                 {in("gate", {N, F}).normal(0.0, 2.0), in("up", {N, F}), out("out", {N, F}), cot("d_out", "out"),
+                  grad("d_gate", "gate"), grad("d_up", "up")},
+                 [](const Tensors& t, Arena&) { geglu_forward(t("out"), t("gate"), t("up")); },
+                 [](const Tensors& t, GradMode m, Arena&) {
+                   geglu_backward(t("d_gate"), t("d_up"), t("d_out"), t("gate"), t("up"), m);
+                 }));
+  r.misuses = {{"d_gate and d_up are one buffer", [](const Tensors& t, Arena&) {
+                  geglu_backward(t("d_gate"), t("d_gate"), t("d_out"), t("gate"), t("up"), GradMode::overwrite);
+                }}};
+  return r;
+}
+
 // d_x by the call's mode, d_delta by the opposite one (or skipped).
 Row residual(int64_t N, int64_t C, bool with_d_delta = true) {
   Row r = make_row(fmt::format("residual N={} C={}{}", N, C, with_d_delta ? "" : " (no d_delta)"),
@@ -336,6 +361,7 @@ struct AttnShape {
   // Packed documents (attention_forward_documents): per sequence its document starts; empty: none.
   std::vector<std::vector<int64_t>> docs = {};
   int64_t window = 0, distance = 0;
+  double softcap = 0.0;  // Gemma 2's score cap (0: none)
 };
 std::string starts_text(const std::vector<std::vector<int64_t>>& docs) {
   std::string r;
@@ -356,9 +382,10 @@ Row attention(AttnShape a, std::vector<Variant> variants = attention_families())
   const bool causal = a.mask == AttentionMask::causal;
   const bool documents = !a.docs.empty();
   const AttentionWindow window{a.window, causal ? 0 : a.distance};
-  const std::string windowed = a.window == 0 ? ""
-                               : causal      ? fmt::format(" window={}", a.window)
-                                             : fmt::format(" window={} distance={}", a.window, a.distance);
+  const std::string windowed = (a.window == 0 ? ""
+                                : causal     ? fmt::format(" window={}", a.window)
+                                             : fmt::format(" window={} distance={}", a.window, a.distance)) +
+                               (a.softcap > 0 ? fmt::format(" softcap={}", a.softcap) : "");
   Row r = finish(make_row(documents ? fmt::format("attention documents {} B={} c={} S={} (p={}) H={} Hkv={} D={} T={}{}",
                                                   starts_text(a.docs), a.B, a.c, a.S, a.S - a.c, a.H, a.Hkv, a.D, a.T,
                                                   windowed)
@@ -373,27 +400,29 @@ Row attention(AttnShape a, std::vector<Variant> variants = attention_families())
                   [=](const Tensors& t, Arena& s) {
                     if (documents)
                       attention_forward_documents(t("out"), {t("lse")}, t("q"), t("k"), t("v"), a.docs, scale, s,
-                                                  a.window);
+                                                  a.window, a.softcap);
                     else
-                      attention_forward(t("out"), {t("lse")}, t("q"), t("k"), t("v"), scale, s, a.mask, window);
+                      attention_forward(t("out"), {t("lse")}, t("q"), t("k"), t("v"), scale, s, a.mask, window,
+                                        a.softcap);
                   },
                   [=](const Tensors& t, GradMode m, Arena& s) {
                     if (documents)
                       attention_backward_documents(t("d_q"), t("d_k"), t("d_v"), t("d_out"), {t("lse")}, t("q"),
-                                                   t("k"), t("v"), t("out"), a.docs, scale, m, s, a.window);
+                                                   t("k"), t("v"), t("out"), a.docs, scale, m, s, a.window, a.softcap);
                     else
                       attention_backward(t("d_q"), t("d_k"), t("d_v"), t("d_out"), {t("lse")}, t("q"), t("k"),
-                                         t("v"), t("out"), scale, m, s, a.mask, window);
+                                         t("v"), t("out"), scale, m, s, a.mask, window, a.softcap);
                   }));
   r.variants = std::move(variants);
   r.takes_scratch = true;
-  r.unsupported = [mask = a.mask, docs = a.docs, window](const Tensors& t) -> std::string {
+  r.unsupported = [mask = a.mask, docs = a.docs, window, softcap = a.softcap](const Tensors& t) -> std::string {
     // The calls the op makes: one, or with documents one per span (queries and keys of a sequence).
     auto ask = [&](const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& o, const Tensor& dq,
                    const Tensor& dout, const Tensor& dk, const Tensor& dv) {
-      choose_attention_kernel(attention_call(q, k, v, o, nullptr, nullptr, nullptr, nullptr, mask, window),
+      choose_attention_kernel(attention_call(q, k, v, o, nullptr, nullptr, nullptr, nullptr, mask, window, softcap),
                               attention_flags());
-      choose_attention_kernel(attention_call(q, k, v, o, &dq, &dout, &dk, &dv, mask, window), attention_flags());
+      choose_attention_kernel(attention_call(q, k, v, o, &dq, &dout, &dk, &dv, mask, window, softcap),
+                              attention_flags());
     };
     try {
       if (docs.empty()) {
@@ -439,11 +468,14 @@ Init labels_in(int64_t V, int64_t ignore_from, int64_t ignore_to) {
 // recomputes against it give a softmax that does not sum to one: G = p - 1 at a confident row's
 // label then errs by p times that, which nothing bounds relative to G (about 0.06% of seeds of the
 // N = 7 row failed so in bf16: docs/gpu_op_checks.md). The lse's own error is the forward's check.
+// softcap: Gemma 2's final-logit cap (0: none).
 Row lm_head(int64_t N, int64_t C, int64_t V, bool fused, int64_t block_rows = 256, int64_t ignore_from = 0,
-            int64_t ignore_to = 0) {
+            int64_t ignore_to = 0, double softcap = 0.0) {
   const double norm = 0.75 * static_cast<double>(N);  // any positive normaliser
-  Row r = make_row(fmt::format("lm_head_loss{} N={} C={} V={} block_rows={}{}", fused ? "_fused" : "", N, C, V, block_rows,
-                    ignore_to > ignore_from ? fmt::format(" ignoring [{}, {})", ignore_from, ignore_to) : ""),
+  Row r = make_row(fmt::format("lm_head_loss{} N={} C={} V={} block_rows={}{}{}", fused ? "_fused" : "", N, C, V,
+                               block_rows,
+                               ignore_to > ignore_from ? fmt::format(" ignoring [{}, {})", ignore_from, ignore_to) : "",
+                               softcap > 0 ? fmt::format(" softcap={}", softcap) : ""),
         {in("x", {N, C}), in("W", {V, C}).normal(0.0, 2.0 / std::sqrt(static_cast<double>(C))),
          in("labels", {N}).dtype(Dt::i32).with(labels_in(V, ignore_from, ignore_to)), out("row_loss", {N}).dtype(Dt::accum),
          saved("lse", {N}).own_in_reference(),
@@ -451,13 +483,15 @@ Row lm_head(int64_t N, int64_t C, int64_t V, bool fused, int64_t block_rows = 25
              .implicit_in_op(),
          grad("d_x", "x"), grad("d_W", "W", Acc::adds)},
         [=](const Tensors& t, Arena& s) {
-          lm_head_loss_forward(t("row_loss"), {t("lse")}, t("x"), t("W"), t("labels"), norm, s, block_rows);
+          lm_head_loss_forward(t("row_loss"), {t("lse")}, t("x"), t("W"), t("labels"), norm, s, block_rows, softcap);
         },
         [=](const Tensors& t, GradMode m, Arena& s) {
           if (fused)
-            lm_head_loss_fused(t("fused_loss"), t("d_x"), t("d_W"), t("x"), t("W"), t("labels"), norm, m, s, block_rows);
+            lm_head_loss_fused(t("fused_loss"), t("d_x"), t("d_W"), t("x"), t("W"), t("labels"), norm, m, s, block_rows,
+                               softcap);
           else
-            lm_head_loss_backward(t("d_x"), t("d_W"), {t("lse")}, t("x"), t("W"), t("labels"), norm, m, s, block_rows);
+            lm_head_loss_backward(t("d_x"), t("d_W"), {t("lse")}, t("x"), t("W"), t("labels"), norm, m, s, block_rows,
+                                  softcap);
         });
   if (fused) r.args.push_back(arg("fused_loss", Role::grad, {N}, Dt::accum, "", Acc::writes));
   r.op = "lm_head";
@@ -465,11 +499,22 @@ Row lm_head(int64_t N, int64_t C, int64_t V, bool fused, int64_t block_rows = 25
   r.misuses = {{"d_x aliases x", [=](const Tensors& t, Arena& s) {
                   if (fused)
                     lm_head_loss_fused(t("fused_loss"), t("x"), t("d_W"), t("x"), t("W"), t("labels"), norm,
-                                       GradMode::overwrite, s, block_rows);
+                                       GradMode::overwrite, s, block_rows, softcap);
                   else
                     lm_head_loss_backward(t("x"), t("d_W"), {t("lse")}, t("x"), t("W"), t("labels"), norm,
-                                          GradMode::overwrite, s, block_rows);
+                                          GradMode::overwrite, s, block_rows, softcap);
                 }}};
+  return finish(r);
+}
+
+// The logits alone (sampling, comparisons), capped or not: a forward only.
+Row lm_head_logits_row(int64_t N, int64_t C, int64_t V, double softcap) {
+  Row r = make_row(fmt::format("lm_head_logits N={} C={} V={}{}", N, C, V,
+                               softcap > 0 ? fmt::format(" softcap={}", softcap) : ""),
+                   {in("x", {N, C}), in("W", {V, C}).normal(0.0, 2.0 / std::sqrt(static_cast<double>(C))),
+                    out("logits", {N, V})},
+                   [=](const Tensors& t, Arena&) { lm_head_logits(t("logits"), t("x"), t("W"), softcap); });
+  r.op = "lm_head_logits";
   return finish(r);
 }
 
@@ -496,6 +541,11 @@ std::vector<Row> build_table() {
   t.push_back(embedding(9, 7, 5));
   t.push_back(embedding(37, 50, 203));
   t.push_back(gpu_only(embedding(512, 1000, 2048)));
+  // embedding times Gemma's normaliser: sqrt(5) and sqrt(203) (no power of two: every product rounds;
+  // the small one under finite differences), sqrt(2048) rounded to bf16 on the GPU's vector-width rows
+  t.push_back(embedding(9, 7, 5, std::sqrt(5.0)));
+  t.push_back(embedding(37, 50, 203, std::sqrt(203.0)));
+  t.push_back(gpu_only(embedding(512, 1000, 2048, 45.25)));
   // rmsnorm: C not a multiple of 32 or 4; N = 300: several d_w row blocks, the last partial
   t.push_back(rmsnorm(5, 8));
   t.push_back(rmsnorm(3, 17));
@@ -509,6 +559,12 @@ std::vector<Row> build_table() {
   t.push_back(rmsnorm(24, 6));
   t.push_back(gpu_only(rmsnorm(16384, 128)));
   t.push_back(gpu_only(rmsnorm(6000, 64)));
+  // rmsnorm with Gemma's weight offset, (1 + w): both GPU paths (C = 203 scalar, C = 2048 vector), frozen
+  t.push_back(rmsnorm(5, 8, true, 1.0));
+  t.push_back(rmsnorm(37, 203, true, 1.0));
+  t.push_back(rmsnorm(5, 8, false, 1.0));
+  t.push_back(gpu_only(rmsnorm(512, 2048, true, 1.0)));
+  t.push_back(gpu_only(rmsnorm(300, 64, false, 1.0)));
   // rope: offsets pos0 > 0, an odd half head dim (D = 10), a realistic head
   t.push_back(rope(2, 5, 3, 8, 16, 7));
   t.push_back(rope(2, 5, 3, 8, 16, 7, kRopeYarn));
@@ -544,6 +600,10 @@ std::vector<Row> build_table() {
   t.push_back(swiglu(3, 7));
   t.push_back(swiglu(37, 203));
   t.push_back(gpu_only(swiglu(64, 1376)));
+  // geglu: odd sizes (the vector kernels' scalar tail), a realistic row
+  t.push_back(geglu(3, 7));
+  t.push_back(geglu(37, 203));
+  t.push_back(gpu_only(geglu(64, 1376)));
   // residual and accumulate
   t.push_back(residual(2, 3));
   t.push_back(residual(37, 203));
@@ -638,6 +698,18 @@ std::vector<Row> build_table() {
     t.push_back(gpu_only(attention({1, 77, 300, 4, 2, D, 300, causal_mask, {}, 40})));
     t.push_back(gpu_only(attention({2, 45, 150, 8, 2, D, 200, causal_mask, {}, 7})));
   }
+  // Gemma 2's score cap, on the CPU (no GPU family computes it: the GPU runners report these rows
+  // skipped with the chooser's refusal; tests/engine/test_attention_choice.cpp checks it). Caps of 0.7 and 1.5 against scores of about unit size, so
+  // tanh is far from linear: chunk against cache with GQA, p = 0, with a window, with packed
+  // documents (and a window), unmasked blocks (with a window), score blocks of 64 rows.
+  t.push_back(attention({2, 3, 8, 4, 2, 4, 8, causal_mask, {}, 0, 0, 0.7}));
+  t.push_back(attention({1, 5, 5, 2, 1, 6, 7, causal_mask, {}, 0, 0, 1.5}));
+  t.push_back(attention({1, 7, 9, 2, 1, 6, 9, causal_mask, {}, 4, 0, 0.7}));
+  t.push_back(attention({2, 6, 11, 4, 2, 4, 12, causal_mask, {{0, 3, 7, 8, 10}, {0, 5}}, 0, 0, 0.7}));
+  t.push_back(attention({1, 9, 12, 2, 1, 6, 12, causal_mask, {{0, 2, 6}}, 4, 0, 1.5}));
+  t.push_back(attention({2, 5, 3, 4, 2, 4, 8, none, {}, 0, 0, 0.7}));
+  t.push_back(attention({1, 3, 7, 2, 1, 6, 7, none, {}, 8, 9, 1.5}));
+  t.push_back(attention({2, 70, 75, 2, 1, 4, 75, causal_mask, {}, 9, 0, 0.7}));
   // LM head: CPU row blocks of 3 with ignored rows; one GPU block with V = 101 (no multiple of the
   // 16-byte vector); three GPU blocks (2048, 2048, 37) with the second wholly ignored; long rows.
   for (const bool fused : {false, true}) {
@@ -646,7 +718,16 @@ std::vector<Row> build_table() {
     t.push_back(lm_head(37, 64, 101, fused));
     t.push_back(gpu_only(lm_head(4133, 64, 96, fused, 256, 2048, 4096)));
     t.push_back(gpu_only(lm_head(64, 64, 20011, fused)));
+    // Gemma 2's final-logit cap: 1.5 against logits of about unit size (tanh far from linear), ignored
+    // rows and row blocks on the CPU; the GPU's one and three blocks; a cap of 30 (Gemma 2's)
+    t.push_back(lm_head(7, 5, 11, fused, 3, 0, 0, 1.5));
+    t.push_back(lm_head(37, 64, 101, fused, 256, 0, 0, 1.5));
+    t.push_back(lm_head(9, 6, 13, fused, 4, 0, 0, 30.0));
+    t.push_back(gpu_only(lm_head(4133, 64, 96, fused, 256, 2048, 4096, 1.5)));
   }
+  t.push_back(lm_head_logits_row(7, 5, 11, 0.0));
+  t.push_back(lm_head_logits_row(7, 5, 11, 1.5));
+  t.push_back(gpu_only(lm_head_logits_row(300, 64, 1001, 1.5)));
   // AdamW: an odd tail; more elements than one pass of the GPU grid (4096 blocks x 256 threads)
   t.push_back(adamw(37));
   t.push_back(gpu_only(adamw((int64_t{1} << 21) + 37)));

@@ -61,9 +61,10 @@ TEST_CASE("cuda: in-place and aliased operands give the out-of-place bits" * doc
     GpuInput dy_alias = make_input(dt, {N, C}, 3), dwa = make_input(DType::f32, {C}, 6), dwb = make_input(DType::f32, {C}, 6);
     OwnedTensor out = poisoned(dt, {N, C}), rstd = poisoned(DType::f32, {N}), dx = poisoned(dt, {N, C});
     Arena scratch(gpu0());
-    gpu::rmsnorm_forward(out, {rstd}, a.dev, w.dev, 1e-5);
-    gpu::rmsnorm_backward(dx, dwa.dev, dy.dev, {rstd}, a.dev, w.dev, GradMode::overwrite, scratch);
-    gpu::rmsnorm_backward(dy_alias.dev, dwb.dev, dy_alias.dev, {rstd}, a.dev, w.dev, GradMode::overwrite, scratch);
+    gpu::rmsnorm_forward(out, {rstd}, a.dev, w.dev, 1e-5, 0.0);
+    gpu::rmsnorm_backward(dx, dwa.dev, dy.dev, {rstd}, a.dev, w.dev, GradMode::overwrite, scratch, 0.0);
+    gpu::rmsnorm_backward(dy_alias.dev, dwb.dev, dy_alias.dev, {rstd}, a.dev, w.dev, GradMode::overwrite, scratch,
+                          0.0);
     expect_same_bits(dy_alias.dev, dx, "rmsnorm d_x in place of d_out");
     expect_same_bits(dwb.dev, dwa.dev, "rmsnorm d_w with d_x in place of d_out");
 
@@ -161,7 +162,7 @@ TEST_CASE("cuda: embedding guards against invalid device ids and checks operands
 
   OwnedTensor out = poisoned(DType::f32, {N, C});
   gpu::fill(out, 0.0);
-  gpu::embedding_forward(out, ids, table.dev);
+  gpu::embedding_forward(out, ids, table.dev, 1.0);
   const OwnedTensor got = fetch(out);
   const double* o = got.tensor.ptr<double>();
   const double* t = table.ref.tensor.ptr<double>();
@@ -174,7 +175,7 @@ TEST_CASE("cuda: embedding guards against invalid device ids and checks operands
 
   OwnedTensor dtab = OwnedTensor::on(gpu0(), DType::f32, {V, C});
   gpu::fill(dtab, 0.0);
-  gpu::embedding_backward(dtab, dy.dev, ids);
+  gpu::embedding_backward(dtab, dy.dev, ids, 1.0);
   OwnedTensor expect(DType::f64, {V, C});  // zero-filled
   const double* d = dy.ref.tensor.ptr<double>();
   for (int64_t c = 0; c < C; ++c)

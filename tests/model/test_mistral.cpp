@@ -152,9 +152,9 @@ TEST_CASE("mistral: the presets have Mistral-7B-v0.1's shapes (transformers' par
   const LlamaConfig tiny = LlamaConfig::preset("tiny-mistral");
   CHECK(tiny.family == ModelFamily::mistral);
   CHECK(tiny.sliding_window == 5);
-  CHECK(tiny.first_visible_key(4) == 0);
-  CHECK(tiny.first_visible_key(5) == 1);
-  CHECK(tiny.first_visible_key(12) == 8);
+  CHECK(tiny.first_visible_key(0, 4) == 0);
+  CHECK(tiny.first_visible_key(1, 5) == 1);  // every layer of a Mistral has the window
+  CHECK(tiny.first_visible_key(0, 12) == 8);
 }
 
 TEST_CASE("mistral: the K/V store reads only a chunk's window; keys before it get no dK, dV (the relay stops)") {
@@ -164,7 +164,7 @@ TEST_CASE("mistral: the K/V store reads only a chunk's window; keys before it ge
   Arena scratch;
   for (const auto& [t0, t1] : {std::pair<int64_t, int64_t>{12, 16}, {3, 9}, {0, 20}}) {
     CAPTURE(t0);
-    const int64_t c = t1 - t0, first = kv.first_key(t0);
+    const int64_t c = t1 - t0, first = kv.first_key(0, t0);
     CHECK(first == std::max<int64_t>(0, t0 - 4));
     // Keys [0, first) NaN, the rest drawn; the accumulators filled with a sentinel.
     fill_normal(kv.keys(0, 0, T), 1, 1);

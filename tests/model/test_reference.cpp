@@ -1,8 +1,8 @@
 // The reference step (model/reference.h): first its own gradients against central finite differences
 // of its own loss, which proves it without the engine; then every schedule against it within 1e-12
 // in f64 (GQA, tied and untied embeddings, llama3, yarn and dynamic RoPE, packed documents, LoRA, Qwen2's
-// biases, Qwen3's per-head norms, Mistral's sliding window); then the
-// CLI's `gradcheck --against reference`.
+// biases, Qwen3's per-head norms, Mistral's sliding window, Gemma 2's block); then the CLI's
+// `gradcheck --against reference`.
 #include "engine/ops/lm_head_loss.h"
 #include "engine/random.h"
 #include "model/lora.h"
@@ -27,7 +27,8 @@ struct Case {
   bool document_positions = true;
   const char* lora_targets = nullptr;  // adapters of rank 2 on these linears; null: none
   const char* preset = "tiny";         // tiny-qwen2 (q/k/v biases, tied), tiny-qwen3 (per-head q/k norms),
-                                       // tiny-mistral (a sliding window of 5 keys)
+                                       // tiny-mistral (a sliding window of 5 keys), tiny-gemma2 (Gemma 2's
+                                       // block: a sliding and a global layer, capped scores and logits)
   bool attention_bias = false;         // Llama's / Qwen3's: biases on q, k, v and o_proj
 };
 
@@ -80,6 +81,10 @@ TEST_CASE("reference: its gradients against central finite differences of its lo
        "tiny-qwen3", true},
       {"mistral: a sliding window of 5 keys, documents", false, RopeScaling::Type::llama3, kDocuments, true, nullptr,
        "tiny-mistral"},
+      {"gemma2: post-norms, (1 + w) norms, gelu, sqrt(C) embeddings, capped scores and logits, a sliding and a "
+       "global layer, documents", false, RopeScaling::Type::llama3, kDocuments, true, nullptr, "tiny-gemma2"},
+      {"gemma2 with attention_bias (o_proj's before the post-norm)", false, RopeScaling::Type::llama3, {}, true,
+       nullptr, "tiny-gemma2", true},
   };
   double worst = 0;
   for (const Case& c : cases) {
@@ -137,6 +142,9 @@ TEST_CASE("reference: every schedule's loss and gradients equal it within 1e-12 
       {"llama with attention_bias: q, k, v and o_proj biases"},
       {"mistral: a sliding window of 5 keys (chunks of 3 to 6 against it)"},
       {"mistral, documents, LoRA on every linear"},
+      {"gemma2: a sliding and a global layer, caps, post-norms"},
+      {"gemma2, documents, LoRA on every linear"},
+      {"gemma2 with attention_bias"},
   };
   std::vector<Case> configured = cases;
   configured[1].tied = true;
@@ -158,6 +166,10 @@ TEST_CASE("reference: every schedule's loss and gradients equal it within 1e-12 
   configured[13].preset = configured[14].preset = "tiny-mistral";
   configured[14].documents = kDocuments;
   configured[14].lora_targets = "all-linear";
+  configured[15].preset = configured[16].preset = configured[17].preset = "tiny-gemma2";
+  configured[16].documents = kDocuments;
+  configured[16].lora_targets = "all-linear";
+  configured[17].attention_bias = true;
 
   std::vector<ScheduleOptions> schedules(6);
   schedules[0].kind = ScheduleKind::full;

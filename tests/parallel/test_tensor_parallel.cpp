@@ -325,6 +325,38 @@ TEST_CASE("tensor parallel and data parallel: mistral's sliding window (gradchec
       }
 }
 
+TEST_CASE("tensor parallel and data parallel: gemma 2's block (gradcheck --tp 2, --tp 4, --dp 2 --tp 2)") {
+  // tiny-tp's shape as Gemma 2: the post-norms run on the rank's rows of the sums over the ranks (the
+  // o_proj and down_proj outputs after reduce_from_tp or scatter_to_sp), replicated as the other norms
+  // are; layer 0 slides through a window of 5 keys, both layers cap their scores; the logits capped.
+  test::TempDir dir("tp-gemma2");
+  LlamaConfig c = LlamaConfig::preset("tiny-gemma2");
+  const LlamaConfig shape = LlamaConfig::preset("tiny-tp");
+  c.hidden_size = shape.hidden_size;
+  c.intermediate_size = shape.intermediate_size;
+  c.num_attention_heads = shape.num_attention_heads;
+  c.num_key_value_heads = shape.num_key_value_heads;
+  c.head_dim = shape.head_dim;
+  c.query_pre_attn_scalar = 6;
+  const std::string path = dir.file("gemma2.json");
+  std::ofstream(path) << c.to_json().dump();
+  for (const auto& [tp, dp] : {std::pair<int64_t, int64_t>{2, 1}, {4, 1}, {2, 2}})
+    for (const char* schedule : {"full", "seco"})
+      for (const bool sp : {false, true}) {
+        GradcheckOptions o = tiny_tp_gradcheck(schedule, tp);
+        o.model = path;
+        o.parallel.dp = dp;
+        o.batch = 2 * dp;
+        o.parallel.sequence_parallel = sp;
+        CAPTURE(tp);
+        CAPTURE(dp);
+        CAPTURE(schedule);
+        CAPTURE(sp);
+        const std::string out = same_as_one_process(o);
+        CHECK(out.find("the replicated tensors on every TP rank): yes") != std::string::npos);
+      }
+}
+
 TEST_CASE("tensor parallel: selective recompute, a tiled MLP, saved attention and tied embeddings") {
   struct Case {
     const char* name;

@@ -256,6 +256,49 @@ TEST_CASE("plan: packed documents cut attention's work to their causal squares; 
                        doctest::Contains("document starts for 1 sequences, the batch has 2"), Error);
 }
 
+TEST_CASE("plan: Gemma 2's sliding layers take W T pairs, its global layers T^2 / 2; its post-norms' elementwise "
+          "work is counted") {
+  // gemma2-9b: 42 layers, the even 21 sliding through 4096 keys, the odd 21 global. At 64K full
+  // backprop's attention is the global layers' pairs plus the sliding layers' windowed pairs; the same
+  // model with every layer global takes twice the global layers'.
+  const int64_t T = 65536, W = 4096;
+  auto seconds = [](const PlanReport& r, const std::string& what) {
+    for (const auto& [name, t] : r.time)
+      if (name == what) return t;
+    return -1.0;
+  };
+  const LlamaConfig gemma = LlamaConfig::preset("gemma2-9b");
+  LlamaConfig global = gemma;
+  global.sliding_layers.assign(global.sliding_layers.size(), false);
+  const double ratio = (double(W) * double(W + 1) / 2 + double(T - W) * double(W)) / (double(T) * double(T + 1) / 2);
+  const ScheduleOptions full = sched("full");
+  const PlanReport mixed = plan_step(gemma, 1, T, full, DType::bf16, 1000);
+  const PlanReport all_global = plan_step(global, 1, T, full, DType::bf16, 1000);
+  CHECK(seconds(mixed, "attention") == doctest::Approx(seconds(all_global, "attention") * (1 + ratio) / 2));
+  // seco's reverse chunks add dK, dV only within a sliding layer's window, every earlier key in a global
+  // one: half the layers each way.
+  const ScheduleOptions seco = sched("seco", 4096);
+  LlamaConfig all_sliding = gemma;
+  all_sliding.sliding_layers.assign(all_sliding.sliding_layers.size(), true);
+  const double adds = seconds(plan_step(gemma, 1, T, seco, DType::bf16, 1000), "kv grad adds");
+  const double adds_global = seconds(plan_step(global, 1, T, seco, DType::bf16, 1000), "kv grad adds");
+  const double adds_sliding = seconds(plan_step(all_sliding, 1, T, seco, DType::bf16, 1000), "kv grad adds");
+  CHECK(adds_sliding < 0.25 * adds_global);  // 31 of 136 chunk-lengths of keys: 2 c a chunk against (k + 1) c
+  CHECK(adds == doctest::Approx((adds_global + adds_sliding) / 2));
+  // The post-norms: two more norms a layer (6 C more of its 16 C + 6 F elementwise elements).
+  LlamaConfig llama_block = gemma;
+  llama_block.family = ModelFamily::llama;
+  llama_block.mlp_gate = MlpGate::silu;
+  llama_block.post_norms = llama_block.scale_embeddings = false;
+  llama_block.norm_weight_offset = llama_block.query_pre_attn_scalar = 0.0;
+  llama_block.attn_logit_softcapping = llama_block.final_logit_softcapping = 0.0;
+  llama_block.sliding_window = 0;
+  llama_block.sliding_layers.clear();
+  const PlanReport plain = plan_step(llama_block, 1, T, full, DType::bf16, 1000);
+  const double C = double(gemma.hidden_size), F = double(gemma.intermediate_size);
+  CHECK(seconds(mixed, "elementwise") == doctest::Approx(seconds(plain, "elementwise") * (22 * C + 6 * F) / (16 * C + 6 * F)));
+}
+
 TEST_CASE("plan: a sliding window cuts attention's work to W T pairs; the K/V store and its memory stay") {
   // mistral-7b (W = 4096) against the same shapes without the window: at 64K full backprop's attention
   // is in proportion to the pairs, 4096 x 4097 / 2 + (T - 4096) 4096 against T (T + 1) / 2; seco's

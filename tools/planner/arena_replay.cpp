@@ -80,7 +80,8 @@ void apply(ArenaReplay& arena, const Requests& r) {
   }
 }
 
-// One chunk of the step: B sequences, tokens [t0, t1), on the step's device.
+// One chunk of the step: B sequences, tokens [t0, t1), on the step's device, in a layer whose sliding
+// window is `window` (config layer_window).
 struct Chunk {
   const LlamaConfig& cf;
   int64_t B, t0, t1;
@@ -89,7 +90,14 @@ struct Chunk {
   Device device;
   int64_t stream_block;  // schedule.stream_kv's key block; 0: the store is not streamed
   bool fused;            // model/layer.h fuses_qkv: one Q/K/V GEMM each way
+  int64_t window = 0;    // the layer's sliding window (0: none)
   int64_t c() const { return t1 - t0; }
+  int64_t first_key() const { return window_first_key(t0, window); }  // KVStore::first_key
+  Chunk in_layer_of(int64_t w) const {
+    Chunk s = *this;
+    s.window = w;
+    return s;
+  }
   int64_t N() const { return B * c(); }
   size_t e() const { return dtype_size(dtype); }
   size_t acc() const { return dtype_size(accum_dtype(dtype)); }
@@ -107,7 +115,7 @@ void attention_forward(Requests& r, const Chunk& s, int64_t S, bool causal) {
   Scope scope(r);
   if (s.device.is_cpu()) {
     for (size_t bytes : cpu_attention_scratch(s.c(), S, s.dtype, false)) r.alloc(bytes);
-  } else if (s.dtype == DType::bf16 && s.cf.sliding_window == 0) {
+  } else if (s.dtype == DType::bf16 && s.window == 0) {
     // cuDNN (it takes no sliding window: the flash kernels serve one); its forward plans' workspace
     // is not replayed (they ask for none beyond a few bytes).
     const bool split = causal && cudnn_splits_prefix(s.c(), S);
@@ -124,7 +132,7 @@ void attention_backward(Requests& r, const Chunk& s, int64_t S, bool causal) {
   const AttentionDims d = s.attention(S);
   if (s.device.is_cpu()) {
     for (size_t bytes : cpu_attention_scratch(s.c(), S, s.dtype, true)) r.alloc(bytes);
-  } else if (s.dtype == DType::bf16 && s.cf.sliding_window == 0) {
+  } else if (s.dtype == DType::bf16 && s.window == 0) {
     // cuDNN: the fast form (the default without determinism), exact plans, d_q overwritten.
     const bool split = causal && cudnn_splits_prefix(s.c(), S);
     const bool stacked = causal && cudnn_stacks_gqa(s.c(), S, d.H, d.Hkv);
@@ -145,17 +153,17 @@ void lm_head(Requests& r, const Chunk& s) {
 
 // ---- model/kv_store.cpp: a chunk's attention against the store ----
 
-// attend_forward: one call against keys [first_visible_key(t0), t1) (a sliding window's; else 0);
+// attend_forward: one call against keys [first_key(), t1) (the layer's sliding window's; else 0);
 // streamed, the chunk's own block causal, then each earlier block within the window unmasked (the
 // first cut at the window's start), merged in the accumulation dtype (the blocks' calls take the
 // same scratch: the largest, the block just before the chunk's, stands for all).
 int64_t largest_prefix_block(const Chunk& s) {
-  return s.t0 - std::max(s.t0 - s.stream_block, s.cf.first_visible_key(s.t0));
+  return s.t0 - std::max(s.t0 - s.stream_block, s.first_key());
 }
 void attend_forward(Requests& r, const Chunk& s) {
-  if (s.stream_block == 0) return attention_forward(r, s, s.t1 - s.cf.first_visible_key(s.t0), true);
+  if (s.stream_block == 0) return attention_forward(r, s, s.t1 - s.first_key(), true);
   attention_forward(r, s, s.c(), true);
-  if (s.cf.first_visible_key(s.t0) / s.stream_block == s.t0 / s.stream_block) return;
+  if (s.first_key() / s.stream_block == s.t0 / s.stream_block) return;
   Scope scope(r);
   r.alloc(s.stat(s.cf.q_dim()));  // the merged output
   r.alloc(s.row(s.cf.q_dim()));   // a block's output
@@ -165,9 +173,9 @@ void attend_forward(Requests& r, const Chunk& s) {
 
 // attend_backward: streamed, dQ summed over the blocks in the accumulation dtype beside a block's dQ.
 void attend_backward(Requests& r, const Chunk& s) {
-  if (s.stream_block == 0) return attention_backward(r, s, s.t1 - s.cf.first_visible_key(s.t0), true);
+  if (s.stream_block == 0) return attention_backward(r, s, s.t1 - s.first_key(), true);
   attention_backward(r, s, s.c(), true);
-  if (s.cf.first_visible_key(s.t0) / s.stream_block == s.t0 / s.stream_block) return;
+  if (s.first_key() / s.stream_block == s.t0 / s.stream_block) return;
   Scope scope(r);
   r.alloc(s.stat(s.cf.q_dim()));  // dQ summed
   r.alloc(s.row(s.cf.q_dim()));   // a block's dQ
@@ -215,8 +223,13 @@ void layer_activations(Requests& r, const Chunk& s, MlpKept mlp) {
   r.alloc(s.row(cf.hidden_size));              // x_mid
   if (mlp != MlpKept::products) r.alloc(s.row(cf.hidden_size));  // h2
   r.alloc(s.stat(1));                          // rstd
-  if (mlp == MlpKept::input) return;
-  for (int i = 0; i < (mlp == MlpKept::all ? 3 : 2); ++i) r.alloc(s.row(cf.intermediate_size));  // gate, up, act
+  if (mlp != MlpKept::input)
+    for (int i = 0; i < (mlp == MlpKept::all ? 3 : 2); ++i) r.alloc(s.row(cf.intermediate_size));  // gate, up, act
+  if (!cf.post_norms) return;
+  for (int i = 0; i < 2; ++i) {
+    r.alloc(s.row(cf.hidden_size));  // the attention's, then the MLP's output before its post-norm
+    r.alloc(s.stat(1));              // the post-norm's rstd
+  }
 }
 
 std::vector<int64_t> shard_rows(int64_t N, int64_t shards) {
@@ -285,10 +298,12 @@ void block_forward(Requests& r, const Chunk& s, const BlockRun& run) {
   }
   r.alloc(s.row(cf.hidden_size));  // o
   linear(r, s, ParamRole::wo, N, false);
+  if (cf.post_norms) r.alloc(s.row(cf.hidden_size));  // the post-norm's output
   const size_t ffn = static_cast<size_t>(N * cf.intermediate_size) * s.e();
   if (mlp == MlpKept::products) r.alloc(s.row(cf.hidden_size));  // h2, not kept
   const bool gate = mlp != MlpKept::input;                         // gate and up are in the activations
-  if (!run.output) {
+  // A recompute for the backward alone skips W_down's product, unless the post-norm's backward reads it.
+  if (!run.output && !cf.post_norms) {
     if (!gate) return;
     if (mlp != MlpKept::all) r.alloc(ffn);  // act, not kept
     return mlp_rows_forward(r, s, N);
@@ -297,21 +312,24 @@ void block_forward(Requests& r, const Chunk& s, const BlockRun& run) {
   if (gate) {
     if (mlp != MlpKept::all) r.alloc(ffn);  // act
     mlp_rows_forward(r, s, N);
-    return linear(r, s, ParamRole::w_down, N, false);
+    linear(r, s, ParamRole::w_down, N, false);
+  } else {
+    // Tiled: one shard's [rows, F] gate, up and act at a time.
+    for (const int64_t rows : shard_rows(N, shards)) {
+      Scope shard(r);
+      for (int i = 0; i < 3; ++i) r.alloc(static_cast<size_t>(rows * cf.intermediate_size) * s.e());
+      mlp_rows_forward(r, s, rows);
+      linear(r, s, ParamRole::w_down, rows, false);
+    }
   }
-  // Tiled: one shard's [rows, F] gate, up and act at a time.
-  for (const int64_t rows : shard_rows(N, shards)) {
-    Scope shard(r);
-    for (int i = 0; i < 3; ++i) r.alloc(static_cast<size_t>(rows * cf.intermediate_size) * s.e());
-    mlp_rows_forward(r, s, rows);
-    linear(r, s, ParamRole::w_down, rows, false);
-  }
+  if (cf.post_norms) r.alloc(s.row(cf.hidden_size));  // the post-norm's output
 }
 
 void block_backward(Requests& r, const Chunk& s, MlpKept mlp, int64_t mlp_shards) {
   const LlamaConfig& cf = s.cf;
   const int64_t N = s.N();
   Scope scope(r);
+  if (cf.post_norms) r.alloc(s.row(cf.hidden_size));  // d(m), from the post-norm's backward
   r.alloc(s.row(cf.hidden_size));  // d(h2)
   if (mlp != MlpKept::input) {
     mlp_rows_backward(r, s, N);
@@ -324,6 +342,7 @@ void block_backward(Requests& r, const Chunk& s, MlpKept mlp, int64_t mlp_shards
       mlp_rows_backward(r, s, rows);
     }
   }
+  if (cf.post_norms) r.alloc(s.row(cf.hidden_size));  // d(o), from the post-norm's backward
   r.alloc(s.row(cf.q_dim()));  // d_attn
   linear(r, s, ParamRole::wo, N, true);
   r.alloc(s.row(cf.q_dim()));  // d_q
@@ -344,6 +363,22 @@ void block_backward(Requests& r, const Chunk& s, MlpKept mlp, int64_t mlp_shards
 
 // ---- model/llama.cpp and optim/chunks.cpp: a chunk through the model ----
 
+// The sliding windows of layers [0, L - skip_last) in the order a pass meets them (the forward's from
+// layer 0, the backward's from the last), each once. A layer's requests depend on the chunk and its
+// window alone (the layers of a Llama or a Mistral make the same; Gemma 2's sliding and global layers
+// two kinds), and every layer's start from the same place in the arena: a layer whose window one
+// before it in the pass had makes that layer's requests from there, lands where it did and takes
+// nothing new (replay_step_arena says why), so one layer of each window stands for all of them.
+std::vector<int64_t> pass_windows(const LlamaConfig& cf, bool forward, int64_t skip_last = 0) {
+  std::vector<int64_t> windows;
+  const int64_t n = cf.num_hidden_layers - skip_last;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t w = cf.layer_window(forward ? i : n - 1 - i);
+    if (std::find(windows.begin(), windows.end(), w) == windows.end()) windows.push_back(w);
+  }
+  return windows;
+}
+
 // slice_chunk: one sequence's chunk is a view of the step's tokens; several sequences' are copied.
 void chunk_tokens(Requests& r, const Chunk& s) {
   if (s.B == 1) return;
@@ -363,7 +398,8 @@ Requests prefill_chunk(const Chunk& s, int64_t mlp_shards, bool with_loss) {
   r.alloc(s.row(cf.hidden_size));  // pong
   r.alloc(s.row(cf.hidden_size));  // normed
   r.alloc(s.stat(1));              // rstd
-  block_forward(r, s, {.keep = false, .mlp_shards = mlp_shards});
+  for (const int64_t w : pass_windows(cf, true))
+    block_forward(r, s.in_layer_of(w), {.keep = false, .mlp_shards = mlp_shards});
   if (with_loss) {
     r.alloc(s.stat(1));  // row_loss
     lm_head(r, s);
@@ -405,27 +441,31 @@ Requests backprop_chunk(const Chunk& s, const ReverseChunk& rc, StepArena& out) 
   r.alloc(s.row(cf.hidden_size));  // normed
   r.alloc(s.stat(1));              // rstd
   // run_blocks: a policy that keeps no layer's activations runs its forward as a prefill's.
-  block_forward(r, s, {.keep = p.keep_layers, .kept = mlp, .mlp_shards = p.mlp_shards,
-                       .from_saved = rc.forward_from_saved});
+  for (const int64_t w : pass_windows(cf, true))
+    block_forward(r, s.in_layer_of(w), {.keep = p.keep_layers, .kept = mlp, .mlp_shards = p.mlp_shards,
+                                        .from_saved = rc.forward_from_saved});
   Scope backward(r);
   r.alloc(s.stat(1));              // row_loss
   r.alloc(s.row(cf.hidden_size));  // d_x
   head_backward(r, s);
-  if (p.keep_layers) {
-    block_backward(r, s, mlp, p.mlp_shards);
-    return r;
+  for (const int64_t w : pass_windows(cf, false)) {
+    const Chunk l = s.in_layer_of(w);
+    if (p.keep_layers) {
+      block_backward(r, l, mlp, p.mlp_shards);
+      continue;
+    }
+    Scope layer(r);
+    layer_activations(r, l, mlp);
+    block_forward(r, l, {.keep = true, .kept = mlp, .mlp_shards = p.mlp_shards,
+                         .from_saved = rc.backward_from_saved, .output = false});
+    block_backward(r, l, mlp, p.mlp_shards);
   }
-  Scope layer(r);
-  layer_activations(r, s, mlp);
-  block_forward(r, s, {.keep = true, .kept = mlp, .mlp_shards = p.mlp_shards,
-                       .from_saved = rc.backward_from_saved, .output = false});
-  block_backward(r, s, mlp, p.mlp_shards);
   return r;
 }
 
 // backward_chunk_from_store: per layer its saved input (packed for several sequences) and one
 // layer's activations; the last layer's recompute also gives x_L, its final norm and the LM head;
-// the other layers' recompute skips W_down's product and is the same for each.
+// the other layers' recompute skips W_down's product and is the same for each of one window.
 Requests backprop_chunk_from_store(const Chunk& s, const ReverseChunk& rc) {
   const LlamaConfig& cf = s.cf;
   const ActivationPolicy& p = rc.policy;
@@ -436,23 +476,26 @@ Requests backprop_chunk_from_store(const Chunk& s, const ReverseChunk& rc) {
   Scope backward(r);
   r.alloc(s.stat(1));              // row_loss
   r.alloc(s.row(cf.hidden_size));  // d_x
-  for (const bool last : {true, false}) {
+  std::vector<std::pair<bool, int64_t>> layers{{true, cf.layer_window(cf.num_hidden_layers - 1)}};
+  for (const int64_t w : pass_windows(cf, false, 1)) layers.emplace_back(false, w);
+  for (const auto& [last, w] : layers) {
+    const Chunk l = s.in_layer_of(w);
     Scope layer(r);
-    if (s.B > 1) r.alloc(s.row(cf.hidden_size));  // the input, packed
-    layer_activations(r, s, mlp);
+    if (l.B > 1) r.alloc(l.row(cf.hidden_size));  // the input, packed
+    layer_activations(r, l, mlp);
     if (last) {
       Scope head(r);
-      r.alloc(s.row(cf.hidden_size));  // x_L
-      block_forward(r, s, {.keep = true, .kept = mlp, .mlp_shards = p.mlp_shards,
+      r.alloc(l.row(cf.hidden_size));  // x_L
+      block_forward(r, l, {.keep = true, .kept = mlp, .mlp_shards = p.mlp_shards,
                            .from_saved = rc.backward_from_saved});
-      r.alloc(s.row(cf.hidden_size));  // normed
-      r.alloc(s.stat(1));              // rstd
-      head_backward(r, s);
+      r.alloc(l.row(cf.hidden_size));  // normed
+      r.alloc(l.stat(1));              // rstd
+      head_backward(r, l);
     } else {
-      block_forward(r, s, {.keep = true, .kept = mlp, .mlp_shards = p.mlp_shards,
+      block_forward(r, l, {.keep = true, .kept = mlp, .mlp_shards = p.mlp_shards,
                            .from_saved = rc.backward_from_saved, .output = false});
     }
-    block_backward(r, s, mlp, p.mlp_shards);
+    block_backward(r, l, mlp, p.mlp_shards);
   }
   return r;
 }

@@ -164,19 +164,26 @@ void plan_time(const StepPlan& s, PlanReport& r) {
   const double head = 2.0 * double(V * C) * tokens * ((1 + backward) * reverse + spaco);
   // Attention: 4 H D flops per (query, key) pair and layer forward, 2.5x that backward; a pair is a
   // query and a key of its own document (the query's causal prefix when there are no documents),
-  // within its sliding window if the model has one.
-  const double per_pair = 4.0 * double(H * D) * double(L) * double(B);
+  // within its layer's sliding window if it has one (every layer of a Mistral, Gemma 2's sliding
+  // layers), summed over the layers.
+  const double per_pair = 4.0 * double(H * D) * double(B);
   // (The chunks' calls keep the same pairs whatever their length.)
   const auto pairs = [&](int64_t end) {
-    return s.doc_starts.empty() ? causal_pairs(end, cf.sliding_window)
-                                : document_pairs(s.doc_starts, T, end, cf.sliding_window);
+    double sum = 0;
+    for (int64_t l = 0; l < L; ++l)
+      sum += s.doc_starts.empty() ? causal_pairs(end, cf.layer_window(l))
+                                  : document_pairs(s.doc_starts, T, end, cf.layer_window(l));
+    return sum;
   };
   // With saved outputs the reverse sweep's forwards (and a layer recompute) run no attention.
   const double reverse_forward = s.saved ? 0 : 1 + extra_forward;
   const double unsaved_pairs = s.saved ? pairs(T) - pairs(s.prefill_end) : 0;
   const double attention = per_pair * (pairs(s.prefill_end) +
                                        reverse * pairs(T) * (reverse_forward + 2.5) + unsaved_pairs);
-  const double elementwise = tokens * double(L) * passes * double(16 * C + 6 * F) * double(s.e);
+  // Gemma 2's post-norms: two norms more a layer, each reading its input, keeping a copy and writing
+  // its output.
+  const int64_t post_norm_elements = cf.post_norms ? 6 * C : 0;
+  const double elementwise = tokens * double(L) * passes * double(16 * C + 6 * F + post_norm_elements) * double(s.e);
   // The optimizer: on the device, its traffic; offloaded, the slowest stage of its pipeline, which
   // overlap one another: streamed through the device (f32 state), master, m and v in on one lane and
   // out on the other, and the device's update; else gradients out, the host's update, weights in.
@@ -195,7 +202,9 @@ void plan_time(const StepPlan& s, PlanReport& r) {
       (s.streamed ? kStreamedAttentionSlowdown : 1.0);
   // The backward's dK, dV adds: per key and layer, K's and V's bf16 gradient read and the f32
   // accumulator read and written.
-  const double kv_grad_adds = reverse * kv_grad_keys(T, s.bwd_chunk, cf.sliding_window) * double(B * L) * 2.0 * double(Hkv * D) *
+  double kv_grad_key_layers = 0;  // per layer the keys its backward adds dK, dV to (its window's)
+  for (int64_t l = 0; l < L; ++l) kv_grad_key_layers += kv_grad_keys(T, s.bwd_chunk, cf.layer_window(l));
+  const double kv_grad_adds = reverse * kv_grad_key_layers * double(B) * 2.0 * double(Hkv * D) *
                               double(s.e + 2 * s.acc) / kKvGradAddBytesPerS;
   const double matmul_s =
       prefill_matmul / (kMatmulTflops * 1e12 * matmul_row_efficiency(B * s.chunk)) +

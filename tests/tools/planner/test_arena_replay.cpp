@@ -53,8 +53,9 @@ struct Shape {
 
 // The tiny preset (grouped K/V heads 2:1, FFN wider than the model), its multi-head form, a shape
 // whose FFN is three times the width (automatic MLP shards: 3), and the Qwen presets (biases add no
-// scratch; the per-head norms keep the raw q, k and take normed copies when fused), and Mistral's
-// window (the attention calls' scratch follows the window's keys, not all earlier ones).
+// scratch; the per-head norms keep the raw q, k and take normed copies when fused), Mistral's
+// window (the attention calls' scratch follows the window's keys, not all earlier ones) and Gemma 2
+// (layers of two windows, post-norms).
 std::vector<Shape> shapes() {
   LlamaConfig tiny = LlamaConfig::preset("tiny");
   LlamaConfig mha = tiny;
@@ -67,7 +68,10 @@ std::vector<Shape> shapes() {
           {"wide FFN, 3 layers", wide},
           {"qwen2 (q/k/v biases)", LlamaConfig::preset("tiny-qwen2")},
           {"qwen3 (per-head q/k norms)", LlamaConfig::preset("tiny-qwen3")},
-          {"mistral (a window of 5 keys: each chunk's calls against its window's keys)", LlamaConfig::preset("tiny-mistral")}};
+          {"mistral (a window of 5 keys: each chunk's calls against its window's keys)", LlamaConfig::preset("tiny-mistral")},
+          {"gemma2 (a sliding and a global layer, whose calls' scratch differs; the post-norms' outputs kept, their "
+           "scratch, and the recompute's W_down product)",
+           LlamaConfig::preset("tiny-gemma2")}};
 }
 
 struct Case {
