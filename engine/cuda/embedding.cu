@@ -213,7 +213,7 @@ template <class T, int VEC>
 __global__ void __launch_bounds__(kBwdThreads) embedding_backward_kernel(float* __restrict__ d_table, const T* __restrict__ d_out,
                                                                          const uint32_t* __restrict__ keys,
                                                                          const int32_t* __restrict__ rows, int64_t N,
-                                                                         int64_t C, uint32_t sentinel, float s) {
+                                                                         int64_t C, uint32_t sentinel, float scale) {
   using Raw = RawVec<T, VEC>;
   const int64_t Cv = C / VEC;
   for (int64_t s = blockIdx.x; s < N; s += gridDim.x) {
@@ -254,7 +254,7 @@ __global__ void __launch_bounds__(kBwdThreads) embedding_backward_kernel(float* 
         }
 #pragma unroll
         for (int u = 0; u < kBwdBatch; ++u)  // in ascending n: the CPU's order
-          if (ok[u]) add_raw<T, VEC>(acc, v[u], s);
+          if (ok[u]) add_raw<T, VEC>(acc, v[u], scale);
         if (!more) break;
         j += kBwdBatch;
 #pragma unroll
