@@ -372,7 +372,7 @@ void add(const Tensor& dst, bool accumulate, const Tensor& a, const Tensor* b, c
 }  // namespace
 
 // The ops' contracts (shapes, dtypes, layout, device, aliasing) are checked by the public entries
-// (engine/ops/rope.cpp, swiglu.cpp, geglu.cpp, residual.cpp); what is checked here is this backend's own: f32
+// (engine/ops/rope.cpp, gated_units.cpp, residual.cpp); what is checked here is this backend's own: f32
 // or bf16 (dispatch_compute).
 void rope_forward(const Tensor& out, const Tensor& x, const Tensor& cos, const Tensor& sin, int64_t pos0) {
   rope_launch(out, x, cos, sin, pos0, 1.0f, false, "rope_forward");
