@@ -563,6 +563,17 @@ std::optional<AttentionKernel> documents_in_one_call(const AttentionCall& whole,
   }
 }
 
+// An int32 [B, n] table in `arena` (on its device) whose rows of each span hold its document's start:
+// a chunk's doc_first (n = c, the chunk's spans) or a step's first_keys (n = T, spans from position 0).
+Tensor upload_first_keys(const std::vector<DocumentSpan>& spans, int64_t B, int64_t n, Arena& arena) {
+  std::vector<int32_t> host(static_cast<size_t>(B * n));
+  for (const DocumentSpan& s : spans)
+    std::fill(host.begin() + s.b * n + s.q0, host.begin() + s.b * n + s.q1, static_cast<int32_t>(s.k0));
+  const Tensor table = arena.alloc(DType::i32, {B, n});
+  copy_convert(table, Tensor(host.data(), DType::i32, Device::host(), {B, n}));
+  return table;
+}
+
 #if CW_HAVE_CUDA
 // The one-call chunk's doc_first [B, c]: the caller's first_keys columns [p, p + c), or built from the
 // spans and uploaded into `scratch`.
@@ -575,12 +586,7 @@ Tensor chunk_first_keys(const Tensor& first_keys, const std::vector<DocumentSpan
              first_keys.describe());
     return first_keys.slice(1, p, c);
   }
-  std::vector<int32_t> host(static_cast<size_t>(B * c));
-  for (const DocumentSpan& s : spans)
-    std::fill(host.begin() + s.b * c + s.q0, host.begin() + s.b * c + s.q1, static_cast<int32_t>(s.k0));
-  const Tensor dev = scratch.alloc(DType::i32, {B, c});
-  copy_convert(dev, Tensor(host.data(), DType::i32, Device::host(), {B, c}));
-  return dev;
+  return upload_first_keys(spans, B, c, scratch);
 }
 
 // The census counts a one-call chunk as one call with its spans' flops.
@@ -660,12 +666,7 @@ void attention_backward_documents(const Tensor& d_q, const Tensor& d_k, const Te
 
 Tensor document_first_keys(const std::vector<std::vector<int64_t>>& doc_starts, int64_t T, Arena& arena) {
   const int64_t B = static_cast<int64_t>(doc_starts.size());
-  std::vector<int32_t> host(static_cast<size_t>(B * T));
-  for (const DocumentSpan& s : document_spans(doc_starts, B, 0, T))
-    std::fill(host.begin() + s.b * T + s.q0, host.begin() + s.b * T + s.q1, static_cast<int32_t>(s.k0));
-  const Tensor first_keys = arena.alloc(DType::i32, {B, T});
-  copy_convert(first_keys, Tensor(host.data(), DType::i32, Device::host(), {B, T}));
-  return first_keys;
+  return upload_first_keys(document_spans(doc_starts, B, 0, T), B, T, arena);
 }
 
 namespace {
