@@ -770,19 +770,6 @@ LlamaConfig LlamaConfig::preset(const std::string& name) {
   return c;
 }
 
-const LlamaConfig& check_runs_on(const LlamaConfig& config, Device device, const std::string& cpu_setting) {
-  // A sliding window runs on the GPU too: the flash families honour it and the chooser keeps such
-  // calls off cuDNN (engine/ops/attention.cpp). A score cap does not: neither our flash kernels nor
-  // our cuDNN graphs cap scores (the op's chooser refuses each call; this refuses the model first,
-  // before anything is allocated). The final-logit cap runs everywhere (the LM head's kernels).
-  if (!device.is_cpu() && config.attn_logit_softcapping > 0)
-    fail(fmt::format("attn_logit_softcapping = {} ({}): no GPU attention kernel caps scores, so this model trains "
-                     "on the CPU only",
-                     config.attn_logit_softcapping, model_family_name(config.family)),
-         cpu_setting.empty() ? std::string("run it on the CPU") : fmt::format("run it on the CPU ({})", cpu_setting));
-  return config;
-}
-
 LlamaConfig LlamaConfig::resolve(const std::string& spec) {
   namespace fs = std::filesystem;
   if (fs::is_directory(spec)) {

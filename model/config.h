@@ -22,8 +22,8 @@
 //          `layer_types` says or, without it, transformers' rule (even layers slide); the logits
 //          capped by final_logit_softcapping (null: none). Absent keys take Gemma2Config's defaults
 //          (the 2B's: head_dim 256, num_key_value_heads 4, tied embeddings, window 4096, caps 50 and
-//          30). A GPU refuses a config with attn_logit_softcapping (check_runs_on): no GPU attention
-//          kernel caps scores.
+//          30). On a GPU the capped attention runs on the flash_simt kernels, the only GPU family
+//          with the cap (engine/ops/attention.h).
 // Qwen's sliding windows (`use_sliding_window` true, or `layer_types` other than full_attention),
 // MLP biases and activations other than silu are refused naming the key.
 //
@@ -177,12 +177,5 @@ struct LlamaConfig {
   int64_t parameter_count() const;  // exact; validate() keeps it within ConfigLimits::kMaxParameters
 };
 
-// Whether `config` runs on `device`, checked before any work (a refusal is one line naming the key;
-// `cpu_setting` is how the caller picks the CPU, "train.device = cpu"; empty: "the CPU"). A sliding
-// window runs on the GPU (the flash attention families honour it; cuDNN refuses it and the chooser
-// passes it to them); attention score capping (Gemma 2's attn_logit_softcapping) does not: no GPU
-// attention kernel caps scores, so such a config is refused on a GPU. Returns the config, so a
-// constructor can check it first.
-const LlamaConfig& check_runs_on(const LlamaConfig& config, Device device, const std::string& cpu_setting = "");
 
 }  // namespace cw

@@ -12,7 +12,7 @@ namespace cw {
 
 LlamaModel::LlamaModel(const LlamaConfig& config, DType dtype, Device device, TensorParallelGroup* tp,
                        const LoraConfig& lora, bool cast_layers)
-    : full_config_(check_runs_on(config, device)),  // before anything is allocated
+    : full_config_(config),
       tp_(tp),
       config_(tp ? tp_shard_config(config, tp->size()) : config),
       dtype_(dtype),

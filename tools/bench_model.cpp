@@ -143,7 +143,7 @@ std::vector<std::vector<int64_t>> bench_document_starts(const std::string& spec,
 int run_bench_model(const BenchModelOptions& o, std::ostream& out) {
   if (!gpu_available()) fail("bench needs a GPU", "run it on the GPU machine (tools/gpu-check)");
   const Device g = Device::gpu(0);
-  const LlamaConfig cfg = check_runs_on(LlamaConfig::resolve(o.model), g, "chunkwise train on the CPU; bench is the GPU's");
+  const LlamaConfig cfg = LlamaConfig::resolve(o.model);
   const DType dt = parse_dtype(o.dtype);
   if (dt != DType::bf16 && dt != DType::f32) fail(fmt::format("bench --dtype {}: use bf16 or f32", o.dtype));
   CW_CHECK(o.steps >= 1 && o.warmup >= 0, "bench needs --steps >= 1 and --warmup >= 0");

@@ -20,7 +20,9 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cinttypes>
 #include <cmath>
+#include <cstdio>
 #include <deque>
 #include <exception>
 #include <fstream>
@@ -89,52 +91,57 @@ struct AttentionOperands {
 
 // Times attention forward and backward for one shape and one implementation: "cudnn", "flash"
 // (our kernel as training runs it by default: the wgmma kernels on an H100, the fused backward with
-// atomic dQ), "flash-mma" (the same with the mma.sync kernels forced) or "flash-det" (our kernel
-// with cw::deterministic() on: the two-kernel mma.sync backward). Rows named
-// "attn fwd|bwd H/Hkv/D T impl" (ops_vs_torch.py builds the same names).
+// atomic dQ), "flash-mma" (the same with the mma.sync kernels forced), "flash-det" (our kernel
+// with cw::deterministic() on: the two-kernel mma.sync backward) or "flash-simt" (the SIMT kernels,
+// the only GPU family with a score cap). softcap: the calls' score cap (0: none). Rows named
+// "attn fwd|bwd H/Hkv/D T impl" (ops_vs_torch.py builds the same names), " cap X" after the shape
+// with a cap.
 void bench_attention(std::vector<Row>& rows, DType dt, int64_t T, int64_t H, int64_t Hkv, int64_t D, int repeat,
-                     const std::string& impl) {
-  const std::string shape = fmt::format("{}/{}/{} {}", H, Hkv, D, T);
+                     const std::string& impl, double softcap) {
+  const std::string shape =
+      fmt::format("{}/{}/{} {}{}", H, Hkv, D, T, softcap > 0 ? fmt::format(" cap {:g}", softcap) : "");
   const bool cudnn = impl == "cudnn";
   const double fwd_flops = 4.0 * double(H) * double(T) * double(T) * double(D) / 2.0;
   Row fwd{fmt::format("attn fwd {} {}", shape, impl), 0, 0, fwd_flops};
   Row bwd{fmt::format("attn bwd {} {}", shape, impl), 0, 0, 2.5 * fwd_flops};
   for (Row* r : {&fwd, &bwd}) r->extra = {{"kind", "attention"}, {"impl", impl}, {"tokens", T}, {"heads", H},
-                                          {"kv_heads", Hkv}, {"head_dim", D}};
+                                          {"kv_heads", Hkv}, {"head_dim", D}, {"softcap", softcap}};
 #if CW_HAVE_CUDA
   try {
     Arena scratch(Device::gpu(0));
     const AttentionOperands ops(dt, T, T, H, Hkv, D, 40);
     const auto& [q, k, v, d_out, out, lse, d_q, d_k, d_v] = ops;
+    const AttentionKernel family = cudnn                 ? AttentionKernel::cudnn
+                                   : impl == "flash-mma"  ? AttentionKernel::flash_mma
+                                   : impl == "flash-simt" ? AttentionKernel::flash_simt
+                                                          : AttentionKernel::flash;
     std::string why;
-    if (cudnn) {  // the chooser says whether cuDNN can take both directions (and why not)
-      try {
-        choose_attention_kernel(attention_call(q, k, v, out, &d_q.tensor, &d_out.tensor, &d_k.tensor, &d_v.tensor),
-                                {AttentionKernel::cudnn, false});
-      } catch (const Error& e) {
-        why = first_line(e);
-      }
+    try {  // the chooser says whether the family can take both directions (and why not)
+      choose_attention_kernel(attention_call(q, k, v, out, &d_q.tensor, &d_out.tensor, &d_k.tensor, &d_v.tensor,
+                                             AttentionMask::causal, {}, softcap),
+                              {family, impl == "flash-det"});
+    } catch (const Error& e) {
+      why = first_line(e);
     }
     if (!why.empty()) {
-      for (Row* r : {&fwd, &bwd}) r->status = "unsupported", r->note = "cudnn unsupported: " + why;
+      for (Row* r : {&fwd, &bwd}) r->status = "unsupported", r->note = impl + " unsupported: " + why;
     } else {
       // The family and the determinism switch for these rows, restored however the timing ends.
-      const SettingScope<AttentionKernel> kernel(
-          attention_kernel, set_attention_kernel,
-          cudnn ? AttentionKernel::cudnn : impl == "flash-mma" ? AttentionKernel::flash_mma : AttentionKernel::flash);
+      const SettingScope<AttentionKernel> kernel(attention_kernel, set_attention_kernel, family);
       const SettingScope<bool> determinism(deterministic, set_deterministic, impl == "flash-det");
       const double scale = 1.0 / std::sqrt(double(D));
       const AttentionSaved saved{lse};
       auto forward = [&] {
         ArenaScope s(scratch);
-        attention_forward(out, saved, q, k, v, scale, scratch);
+        attention_forward(out, saved, q, k, v, scale, scratch, AttentionMask::causal, {}, softcap);
       };
       fwd.ms = median_ms(forward, Device::gpu(0), 3, repeat);
       forward();  // out and lse of these inputs for the backward
       // d_k, d_v keep accumulating over the repeats (the op adds): values grow by ~repeat x, harmless.
       bwd.ms = median_ms([&] {
         ArenaScope s(scratch);
-        attention_backward(d_q, d_k, d_v, d_out, saved, q, k, v, out, scale, GradMode::overwrite, scratch);
+        attention_backward(d_q, d_k, d_v, d_out, saved, q, k, v, out, scale, GradMode::overwrite, scratch,
+                           AttentionMask::causal, {}, softcap);
       }, Device::gpu(0), 3, repeat);
       fwd.note = bwd.note = impl;
     }
@@ -175,6 +182,20 @@ std::pair<int64_t, int64_t> parse_linear(const std::string& spec) {
     fail(fmt::format("bench-ops --linears '{}': expected OUT:IN", spec),
          "give the linear's output and input features, e.g. 512:2048 (Llama-3.2-1B's k_proj)");
   return {O, I};
+}
+
+// "H:HKV:D" of --attention-shapes: query heads, K/V heads dividing them, an even head dim.
+struct AttentionShape {
+  int64_t H, Hkv, D;
+};
+AttentionShape parse_attention_shape(const std::string& spec) {
+  int64_t H = 0, Hkv = 0, D = 0;
+  char extra = 0;
+  const int read = std::sscanf(spec.c_str(), "%" SCNd64 ":%" SCNd64 ":%" SCNd64 "%c", &H, &Hkv, &D, &extra);
+  if (read != 3 || H <= 0 || Hkv <= 0 || H % Hkv != 0 || D <= 0 || D % 2 != 0)
+    fail(fmt::format("bench-ops --attention-shapes '{}': expected HEADS:KV_HEADS:HEAD_DIM", spec),
+         "give query heads, K/V heads dividing them and an even head dim, e.g. 8:4:256 (Gemma 2 2B's)");
+  return {H, Hkv, D};
 }
 
 // A linear of O outputs and I inputs at N rows: forward, d_x (overwrite) and d_W (f32, accumulated),
@@ -361,6 +382,11 @@ std::vector<Row> bench_lm_head(std::vector<int64_t> tokens, DType dt, int64_t C,
 void run_bench_ops(const BenchOpsOptions& o, std::ostream& out) {
   std::vector<std::pair<int64_t, int64_t>> chunk_shapes;  // checked first: a bad flag is an error on any machine
   for (const std::string& spec : o.chunk_attention) chunk_shapes.push_back(parse_chunk_attention(spec));
+  std::vector<AttentionShape> attention_shapes;
+  for (const std::string& spec : o.attention_shapes) attention_shapes.push_back(parse_attention_shape(spec));
+  if (!(o.attention_softcap >= 0 && std::isfinite(o.attention_softcap)))
+    fail(fmt::format("bench-ops --attention-softcap {}: must be finite and >= 0", o.attention_softcap),
+         "give Gemma 2's 50, or 0 for none");
   if (o.kv_heads <= 0 || o.heads % o.kv_heads != 0)
     fail(fmt::format("bench-ops --kv-heads {}: must divide --heads {}", o.kv_heads, o.heads),
          "give a K/V head count that divides the query heads (8 of 32 is Llama-3.2-1B's)");
@@ -412,12 +438,15 @@ void run_bench_ops(const BenchOpsOptions& o, std::ostream& out) {
   bench("linear bwd NxCxC", 0, 4.0 * nc * C, [&] { linear_backward(dx, dwsq, dy, x, wsq, GradMode::overwrite); });
   bench("linear fwd NxCxF", 0, 2.0 * nf * C, [&] { linear_forward(hup, x, wup); });
 
-  // The two attention shapes of BENCHMARKS.md's op table (1B and 3B): cuDNN, then our flash kernel
-  // with its default (fused) backward, then with the deterministic backward.
+  // The attention shapes (by default BENCHMARKS.md's op table's, 1B and 3B): cuDNN, then our flash
+  // kernel with its default (fused) backward, with the mma.sync kernels, with the deterministic
+  // backward, and the SIMT kernels. A family that cannot take a shape (a cap, a head dim) gives an
+  // "unsupported" row saying why.
   for (const int64_t T : o.attention_tokens) {
     if (T <= 0) continue;
-    for (const auto& [ah, akv, ad] : {std::tuple<int64_t, int64_t, int64_t>{32, 8, 64}, {24, 8, 128}})
-      for (const char* impl : {"cudnn", "flash", "flash-mma", "flash-det"}) bench_attention(rows, dt, T, ah, akv, ad, o.repeat, impl);
+    for (const AttentionShape& a : attention_shapes)
+      for (const char* impl : {"cudnn", "flash", "flash-mma", "flash-det", "flash-simt"})
+        bench_attention(rows, dt, T, a.H, a.Hkv, a.D, o.repeat, impl, o.attention_softcap);
   }
   for (const auto& [c, S] : chunk_shapes) bench_chunk_attention(rows, dt, c, S, H, o.kv_heads, D, o.repeat);
   for (const std::string& spec : o.linears) {

@@ -45,6 +45,8 @@ struct BenchOpsOptions {
   std::string dtype = "bf16";
   int repeat = 20;
   std::vector<int64_t> attention_tokens{8192};  // attention rows at these T (empty: none)
+  std::vector<std::string> attention_shapes{"32:8:64", "24:8:128"};  // their "H:HKV:D" (1B's and 3B's)
+  double attention_softcap = 0;                 // their score cap (Gemma 2's; 0: none)
   std::vector<int64_t> lm_head_tokens{8192};    // LM head rows at these N (empty: none), e.g. {8192, 32768}
   std::vector<std::string> chunk_attention;     // "C:S": a chunk of C queries against S keys, one call and in
                                                 // C-key blocks as the streamed K/V store runs it (none by default)

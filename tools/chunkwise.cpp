@@ -129,6 +129,12 @@ int main(int argc, char** argv) {
   bench_ops->add_option("--json", bo.json, "also write the results as JSON");
   bench_ops->add_option("--attention-tokens", bo.attention_tokens, "attention rows at these sequence lengths")
       ->capture_default_str();
+  bench_ops->add_option("--attention-shapes", bo.attention_shapes,
+                        "the attention rows' HEADS:KV_HEADS:HEAD_DIM, e.g. 8:4:256 (Gemma 2 2B's)")
+      ->capture_default_str();
+  bench_ops->add_option("--attention-softcap", bo.attention_softcap,
+                        "the attention rows' score cap (Gemma 2's attn_logit_softcapping, 50; 0: none)")
+      ->capture_default_str();
   bench_ops->add_option("--lm-head-tokens", bo.lm_head_tokens, "LM head rows at these token counts, e.g. 8192 32768")
       ->capture_default_str();
   bench_ops->add_option("--chunk-attention", bo.chunk_attention,

@@ -109,8 +109,6 @@ int run_plan(const PlanOptions& po, std::ostream& out) {
     out << fmt::format("tensor parallel: one GPU of {} (1/{} of the heads, K/V heads and FFN; embeddings and norms "
                        "whole; collectives not timed)\n",
                        po.tp, po.tp);
-  // A GPU does not run attention score caps (Gemma 2): the plan of such a step is refused as its run would be.
-  check_runs_on(cf, Device::gpu(0), "chunkwise train with train.device = cpu");
   if (cf.has_sliding_window())
     out << fmt::format("sliding window: {} keys a query{}, attention planned over the window (W T pairs, not T^2/2); "
                        "on the GPU our flash kernels honour it (cuDNN does not; docs/model_families.md)\n",

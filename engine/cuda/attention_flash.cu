@@ -1,6 +1,6 @@
 // Flash attention, host side: the entry points gpu::flash_attention_forward/backward (engine/cuda/ops.h)
 // check the kernels' own limits, build the Problem and run the family the chooser named (FlashFamily):
-//   simt   attention_flash_simt.cu    f32/bf16, even D <= 128
+//   simt   attention_flash_simt.cu    f32/bf16, even D <= 256, the score cap
 //   mma    attention_flash_mma.cu     bf16, D 64/128, mma.sync (sm_80+)
 //   wgmma  attention_flash_wgmma.cu   bf16, D 64/128, warpgroup MMA (sm_90a builds on CC 9.0)
 // The two tensor-core families share the passes around their backward kernels, defined here:
@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <mutex>
 
@@ -119,11 +120,13 @@ const char* family_name(FlashFamily f) {
 
 // The op's contract (shapes, GQA, dtypes, layouts, devices) is checked by the public entry
 // (engine/ops/attention.cpp); what is checked here is the flash kernels' own: f32 or bf16, an even
-// head dim of at most 128, the grid; the tensor-core families' alignment below.
+// head dim of at most 256, the grid; the tensor-core families' head dims, alignment and no cap below.
 Problem check_common(const Tensor& q, const Tensor& k, const Tensor& v, double scale, bool causal,
-                     AttentionWindow window, const Tensor& doc_first) {
+                     AttentionWindow window, const Tensor& doc_first, double softcap) {
   const int64_t B = q.size(0), c = q.size(1), H = q.size(2), D = q.size(3), S = k.size(1), Hkv = k.size(2);
-  CW_CHECK(D > 0 && D % 2 == 0 && D <= 128, "flash attention: head dim {} must be even and at most 128", D);
+  CW_CHECK(D > 0 && D % 2 == 0 && D <= 256, "flash attention: head dim {} must be even and at most 256", D);
+  CW_CHECK(softcap >= 0 && std::isfinite(softcap), "flash attention: a score cap of {} (positive and finite; 0: none)",
+           softcap);
   CW_CHECK(q.dtype == DType::f32 || q.dtype == DType::bf16, "flash attention: q is {}; the GPU computes in f32 or bf16",
            dtype_name(q.dtype));
   // Grids: (query or key blocks of at least 16) x heads x batch CTAs in one dimension (tensor-core
@@ -158,14 +161,18 @@ Problem check_common(const Tensor& q, const Tensor& k, const Tensor& v, double s
   pr.q_row = H * D, pr.kv_row = Hkv * D;
   pr.k_batch = k.stride[0], pr.v_batch = v.stride[0];
   pr.scale = static_cast<float>(scale), pr.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+  pr.softcap = static_cast<float>(softcap);
   return pr;
 }
 
 bool aligned(const Tensor& t, size_t bytes) { return reinterpret_cast<uintptr_t>(t.data) % bytes == 0; }
 
-// The tensor-core path needs bf16, D = 64 or 128, and 16-byte aligned rows for cp.async.
+// The tensor-core path needs bf16, D = 64 or 128, 16-byte aligned rows for cp.async, and no score
+// cap (its kernels have none).
 bool tensor_core_path(const Problem& pr, DType dtype, std::initializer_list<const Tensor*> bf16_operands) {
-  if (dtype != DType::bf16 || (pr.D != 64 && pr.D != 128) || pr.k_batch % 8 != 0 || pr.v_batch % 8 != 0) return false;
+  if (dtype != DType::bf16 || (pr.D != 64 && pr.D != 128) || pr.k_batch % 8 != 0 || pr.v_batch % 8 != 0 ||
+      pr.softcap != 0.0f)
+    return false;
   for (const Tensor* t : bf16_operands)
     if (!aligned(*t, 16)) return false;
   return true;
@@ -190,13 +197,14 @@ bool flash_wgmma_available(int device) {
 
 void flash_attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
                              const Tensor& v, double scale, FlashFamily family, bool causal,
-                             AttentionWindow window, const Tensor& doc_first) {
-  const Problem pr = check_common(q, k, v, scale, causal, window, doc_first);
+                             AttentionWindow window, const Tensor& doc_first, double softcap) {
+  const Problem pr = check_common(q, k, v, scale, causal, window, doc_first, softcap);
   if (pr.B == 0 || pr.c == 0 || pr.H == 0) return;
   cudaStream_t stream = current_stream(q.device.index);
   if (family != FlashFamily::simt) {
     CW_CHECK(tensor_core_path(pr, q.dtype, {&q, &k, &v, &out}),
-             "flash attention ({}): needs bf16, head dim 64 or 128 and 16-byte aligned operands", family_name(family));
+             "flash attention ({}): needs bf16, head dim 64 or 128, 16-byte aligned operands and no score cap",
+             family_name(family));
     const Operands<bf16_t> a{static_cast<const bf16_t*>(q.data), static_cast<const bf16_t*>(k.data),
                              static_cast<const bf16_t*>(v.data), nullptr, nullptr, static_cast<bf16_t*>(out.data),
                              static_cast<float*>(saved.lse.data), nullptr, nullptr, nullptr};
@@ -217,8 +225,9 @@ void flash_attention_forward(const Tensor& out, const AttentionSaved& saved, con
 void flash_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,
                               const AttentionSaved& saved, const Tensor& q, const Tensor& k, const Tensor& v,
                               const Tensor& out, double scale, GradMode mode, Arena& scratch, FlashFamily family,
-                              bool deterministic, bool causal, AttentionWindow window, const Tensor& doc_first) {
-  Problem pr = check_common(q, k, v, scale, causal, window, doc_first);
+                              bool deterministic, bool causal, AttentionWindow window, const Tensor& doc_first,
+                              double softcap) {
+  Problem pr = check_common(q, k, v, scale, causal, window, doc_first, softcap);
   if (pr.B == 0 || pr.c == 0 || pr.H == 0) return;
   pr.dk_batch = d_k.stride[0], pr.dv_batch = d_v.stride[0];
   pr.accumulate = mode == GradMode::accumulate;
@@ -232,7 +241,8 @@ void flash_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor
 
   CW_CHECK(!tc || (tensor_core_path(pr, q.dtype, {&q, &k, &v, &out, &d_out, &d_q}) && aligned(d_k, 8) &&
                    aligned(d_v, 8) && pr.dk_batch % 2 == 0 && pr.dv_batch % 2 == 0),
-           "flash attention ({}): needs bf16, head dim 64 or 128 and aligned operands", family_name(family));
+           "flash attention ({}): needs bf16, head dim 64 or 128, aligned operands and no score cap",
+           family_name(family));
   auto operands = [&](auto tag) {
     using T = decltype(tag);
     return Operands<T>{static_cast<const T*>(q.data), static_cast<const T*>(k.data), static_cast<const T*>(v.data),

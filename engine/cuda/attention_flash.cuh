@@ -7,6 +7,8 @@
 //   document; an unmasked call has p >= S, so only the window masks it):
 //     s_ij = scale q_i . k_j,  lse_i = log sum_j exp(s_ij),  P_ij = exp(s_ij - lse_i),  out_i = sum_j P_ij v_j;
 //     Delta_i = d_out_i . out_i,  dS_ij = P_ij (d_out_i . v_j - Delta_i),
+//   (with a score cap, the SIMT family's only: s_ij = cap tanh(scale q_i . k_j / cap), and dS_ij is
+//   multiplied by that map's slope 1 - tanh^2 before the two products below),
 //     d_q_i = scale sum_j dS_ij k_j (overwrite or accumulate),
 //     d_k_j += scale sum_{h in group, i} dS_ij q_i,  d_v_j += sum_{h in group, i} P_ij d_out_i.
 //   Layouts: q, out, d_q, d_out [B, c, H, D] contiguous; k, v [B, S, Hkv, D] and d_k, d_v (f32) with
@@ -44,7 +46,19 @@ struct Problem {
   // The pitch lets a chunk read its columns of the step's [B, T] table in place.
   const int* doc_first;
   int64_t doc_pitch;
+  float softcap;                     // the score cap (SIMT family only); 0: none
 };
+
+// A scaled score through the score cap: cap tanh(s / cap) and the map's slope 1 - tanh(s / cap)^2
+// (the factor of dS). Without a cap, s and 1.
+struct CappedScore {
+  float s, slope;
+};
+__device__ __forceinline__ CappedScore cap_score(const Problem& pr, float s) {
+  if (pr.softcap == 0.0f) return {s, 1.0f};
+  const float t = tanhf(s / pr.softcap);
+  return {pr.softcap * t, 1.0f - t * t};
+}
 
 // The keys a query sees besides causality: the sliding window (0 < W < p + c, check_common; 0:
 // none) and its document (doc_first). Every family masks per element with key_visible and skips the

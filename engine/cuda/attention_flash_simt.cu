@@ -1,13 +1,20 @@
 // Flash attention, SIMT family (flash_simt): the op of engine/ops/attention.h without tensor cores.
 //   Computes: out, lse (forward); Delta, then d_q (overwrite or accumulate) and d_k, d_v (always
 //   added) (backward), by the online softmax stated in attention_flash.cuh.
-//   Operands: f32 or bf16, any even head dim D <= 128, no alignment needs beyond the element's.
-//   Arithmetic: f32 throughout with expf/logf (the f32 exactness path and the readable reference
-//   of the algorithm); no atomics: every sum has a fixed order, so results are bitwise repeatable.
+//   Operands: f32 or bf16, any even head dim D <= 256, no alignment needs beyond the element's.
+//   Score cap (Problem::softcap, Gemma 2's attn_logit_softcapping): each scaled score passes through
+//   cap tanh(s / cap) before the mask and softmax; the backward multiplies dS by 1 - tanh^2. This
+//   family alone computes it.
+//   Arithmetic: f32 throughout with expf/logf/tanhf (the f32 exactness path and the readable
+//   reference of the algorithm); no atomics: every sum has a fixed order, so results are bitwise
+//   repeatable.
 //   Kernels: delta_kernel (one warp per row), forward (query tiles of 16), dK/dV (key tiles of 32,
-//   one writer per d_k/d_v element), dQ (query tiles of 16); 128 threads a CTA.
+//   one writer per d_k/d_v element), dQ (query tiles of 16); 128 threads a CTA. Each thread keeps
+//   its share of a row (or key) in registers sized for the largest head dim it serves: kernels
+//   instantiated for D <= 128 and for D <= 256, so that the common head dims do not pay the large
+//   ones' registers.
 //   Chosen by the chooser when no tensor-core family takes the call (f32, head dims other than 64
-//   and 128, unaligned operands) or when forced (CW_ATTENTION=flash-simt).
+//   and 128, unaligned operands, a score cap) or when forced (CW_ATTENTION=flash-simt).
 #include "engine/cuda/attention_flash.cuh"
 
 namespace cw::gpu::flash {
@@ -47,19 +54,20 @@ constexpr int kGenThreads = 128;
 constexpr int kGenRows = 16;                              // query rows per tile
 constexpr int kGenKeys = 32;                              // keys per tile
 constexpr int kGenRowThreads = kGenThreads / kGenRows;    // 8 threads share a query row
-constexpr int kGenRowDims = 128 / kGenRowThreads;         // dims per thread (D <= 128)
+constexpr int kGenKeyThreads = kGenThreads / kGenKeys;    // 4 threads share a key (dK/dV)
+// Dims per thread for head dims up to kMaxD: of a query row, of a key.
+template <int kMaxD> constexpr int kRowDims = kMaxD / kGenRowThreads;
+template <int kMaxD> constexpr int kKeyDims = kMaxD / kGenKeyThreads;
 
 // f(n, d) for the head dims d this thread owns in its row (d = part + n kGenRowThreads < D; n
 // indexes the thread's register array).
-template <class F> __device__ __forceinline__ void for_row_dims(int part, int D, F&& f) {
+template <int kMaxD, class F> __device__ __forceinline__ void for_row_dims(int part, int D, F&& f) {
 #pragma unroll
-  for (int n = 0; n < kGenRowDims; ++n) {
+  for (int n = 0; n < kRowDims<kMaxD>; ++n) {
     const int d = part + n * kGenRowThreads;
     if (d < D) f(n, d);
   }
 }
-constexpr int kGenKeyThreads = kGenThreads / kGenKeys;    // 4 threads share a key (dK/dV)
-constexpr int kGenKeyDims = 128 / kGenKeyThreads;
 constexpr int kGenScoreStride = kGenKeys + 1;
 constexpr int kGenEntries = kGenRows * kGenKeys / kGenThreads;  // score entries per thread
 
@@ -84,7 +92,8 @@ __device__ void stage_rows(float* dst, int ld, const T* src, int64_t src_row, in
 }
 
 // Forward: grid (query tiles, H, B).
-template <class T> __global__ void __launch_bounds__(kGenThreads) generic_forward_kernel(const Operands<T> a, const Problem pr) {
+template <class T, int kMaxD>
+__global__ void __launch_bounds__(kGenThreads) generic_forward_kernel(const Operands<T> a, const Problem pr) {
   extern __shared__ float smem[];
   const int D = pr.D;
   float* sQ = smem;                          // [kGenRows][D]
@@ -100,7 +109,7 @@ template <class T> __global__ void __launch_bounds__(kGenThreads) generic_forwar
   // The keys the tile's last valid query sees; later keys are masked for every row. With a window or
   // documents, the tiles of keys wholly left of the first row's first visible key are skipped.
   const int key_end = min(pr.S, pr.p + min(i0 + kGenRows, pr.c));
-  float o[kGenRowDims] = {};
+  float o[kRowDims<kMaxD>] = {};
   float m = -kInf, l = 0.0f;
   for (int j0 = first_visible_key(pr, b, pr.p + i0) / kGenKeys * kGenKeys; j0 < key_end; j0 += kGenKeys) {
     __syncthreads();  // the previous tile's sK, sV, sS are no longer read
@@ -113,7 +122,7 @@ template <class T> __global__ void __launch_bounds__(kGenThreads) generic_forwar
       if (key_visible(pr, b, j, pr.p + i0 + r) && j < pr.S) {
         float dot = 0.0f;
         for (int d = 0; d < D; ++d) dot += sQ[r * D + d] * sK[jj * (D + 1) + d];
-        s = dot * pr.scale;
+        s = cap_score(pr, dot * pr.scale).s;
       }
       sS[r * kGenScoreStride + jj] = s;
     }
@@ -126,11 +135,11 @@ template <class T> __global__ void __launch_bounds__(kGenThreads) generic_forwar
     const float correction = expf(m - m_use);          // exp(-inf) = 0 on the first visible block
     l *= correction;
 #pragma unroll
-    for (int n = 0; n < kGenRowDims; ++n) o[n] *= correction;
+    for (int n = 0; n < kRowDims<kMaxD>; ++n) o[n] *= correction;
     for (int jj = 0; jj < kGenKeys; ++jj) {
       const float pj = expf(srow[jj] - m_use);
       l += pj;
-      for_row_dims(part, D, [&](int n, int d) { o[n] += pj * sV[jj * D + d]; });
+      for_row_dims<kMaxD>(part, D, [&](int n, int d) { o[n] += pj * sV[jj * D + d]; });
     }
     m = m_new;
   }
@@ -138,12 +147,13 @@ template <class T> __global__ void __launch_bounds__(kGenThreads) generic_forwar
   if (i >= pr.c) return;
   T* out = a.o + q_offset(pr, b, i, h);
   // l = 0: a row that saw no key (an unmasked block left of its window): out 0, lse -inf.
-  for_row_dims(part, D, [&](int n, int d) { out[d] = from_f32<T>(l > 0.0f ? o[n] / l : 0.0f); });
+  for_row_dims<kMaxD>(part, D, [&](int n, int d) { out[d] = from_f32<T>(l > 0.0f ? o[n] / l : 0.0f); });
   if (part == 0) a.lse[stat_offset(pr, b, h, i)] = m + logf(l);
 }
 
-// dQ: grid (query tiles, H, B). dq_i = scale sum_j P_ij (dP_ij - Delta_i) k_j.
-template <class T> __global__ void __launch_bounds__(kGenThreads) generic_dq_kernel(const Operands<T> a, const Problem pr) {
+// dQ: grid (query tiles, H, B). dq_i = scale sum_j P_ij (dP_ij - Delta_i) k_j (times the cap's slope).
+template <class T, int kMaxD>
+__global__ void __launch_bounds__(kGenThreads) generic_dq_kernel(const Operands<T> a, const Problem pr) {
   extern __shared__ float smem[];
   const int D = pr.D;
   float* sQ = smem;                          // [kGenRows][D]
@@ -159,7 +169,7 @@ template <class T> __global__ void __launch_bounds__(kGenThreads) generic_dq_ker
   stage_rows(sdO, D, a.d_out + q_offset(pr, b, i0, h), pr.q_row, kGenRows, pr.c - i0, D);
 
   const int key_end = min(pr.S, pr.p + min(i0 + kGenRows, pr.c));
-  float dq[kGenRowDims] = {};
+  float dq[kRowDims<kMaxD>] = {};
   for (int j0 = first_visible_key(pr, b, pr.p + i0) / kGenKeys * kGenKeys; j0 < key_end; j0 += kGenKeys) {
     __syncthreads();
     stage_rows(sK, D + 1, kb + j0 * pr.kv_row, pr.kv_row, kGenKeys, pr.S - j0, D);
@@ -174,28 +184,30 @@ template <class T> __global__ void __launch_bounds__(kGenThreads) generic_dq_ker
           s += sQ[r * D + d] * sK[jj * (D + 1) + d];
           dp += sdO[r * D + d] * sV[jj * (D + 1) + d];
         }
-        const float p = expf(s * pr.scale - a.lse[stat_offset(pr, b, h, i)]);
-        ds = p * (dp - a.delta[stat_offset(pr, b, h, i)]);
+        const CappedScore cs = cap_score(pr, s * pr.scale);
+        const float p = expf(cs.s - a.lse[stat_offset(pr, b, h, i)]);
+        ds = p * (dp - a.delta[stat_offset(pr, b, h, i)]) * cs.slope;
       }
       sdS[r * kGenScoreStride + jj] = ds;
     }
     __syncthreads();
     for (int jj = 0; jj < kGenKeys; ++jj) {
       const float ds = sdS[row * kGenScoreStride + jj];
-      for_row_dims(part, D, [&](int n, int d) { dq[n] += ds * sK[jj * (D + 1) + d]; });
+      for_row_dims<kMaxD>(part, D, [&](int n, int d) { dq[n] += ds * sK[jj * (D + 1) + d]; });
     }
   }
   const int i = i0 + row;
   if (i >= pr.c) return;
   T* d_q = a.o + q_offset(pr, b, i, h);
-  for_row_dims(part, D, [&](int n, int d) {
+  for_row_dims<kMaxD>(part, D, [&](int n, int d) {
     d_q[d] = from_f32<T>((pr.accumulate ? to_f32(d_q[d]) : 0.0f) + pr.scale * dq[n]);
   });
 }
 
 // dK/dV: grid (key tiles, Hkv, B). Thread (key = tid / 4, dims part, part + 4, ...) owns its dK and
 // dV elements over every (head of the group, query tile) that can see the key tile, in a fixed order.
-template <class T> __global__ void __launch_bounds__(kGenThreads) generic_dkdv_kernel(const Operands<T> a, const Problem pr) {
+template <class T, int kMaxD>
+__global__ void __launch_bounds__(kGenThreads) generic_dkdv_kernel(const Operands<T> a, const Problem pr) {
   extern __shared__ float smem[];
   const int D = pr.D;
   float* sK = smem;                          // [kGenKeys][D + 1]
@@ -213,7 +225,7 @@ template <class T> __global__ void __launch_bounds__(kGenThreads) generic_dkdv_k
   stage_rows(sV, D + 1, a.v + b * pr.v_batch + j0 * pr.kv_row + static_cast<int64_t>(g) * D, pr.kv_row, kGenKeys,
              pr.S - j0, D);
 
-  float dk[kGenKeyDims] = {}, dv[kGenKeyDims] = {};
+  float dk[kKeyDims<kMaxD>] = {}, dv[kKeyDims<kMaxD>] = {};
   // Query i sees key j iff i >= j - p: the first query tile that sees key j0. With a window or
   // documents, the queries from row_end on see none of the tile's keys (their windows or documents
   // start past its last key).
@@ -239,8 +251,9 @@ template <class T> __global__ void __launch_bounds__(kGenThreads) generic_dkdv_k
             s += sQ[r * D + d] * sK[jj * (D + 1) + d];
             dp += sdO[r * D + d] * sV[jj * (D + 1) + d];
           }
-          p = expf(s * pr.scale - sLse[r]);
-          ds = p * (dp - sDelta[r]);
+          const CappedScore cs = cap_score(pr, s * pr.scale);
+          p = expf(cs.s - sLse[r]);
+          ds = p * (dp - sDelta[r]) * cs.slope;
         }
         sP[r * kGenScoreStride + jj] = p;
         sdS[r * kGenScoreStride + jj] = ds;
@@ -249,7 +262,7 @@ template <class T> __global__ void __launch_bounds__(kGenThreads) generic_dkdv_k
       for (int r = 0; r < kGenRows; ++r) {
         const float p = sP[r * kGenScoreStride + key], ds = sdS[r * kGenScoreStride + key];
 #pragma unroll
-        for (int n = 0; n < kGenKeyDims; ++n) {
+        for (int n = 0; n < kKeyDims<kMaxD>; ++n) {
           const int d = part + n * kGenKeyThreads;
           if (d < D) {
             dv[n] += p * sdO[r * D + d];
@@ -264,7 +277,7 @@ template <class T> __global__ void __launch_bounds__(kGenThreads) generic_dkdv_k
   float* d_k = a.d_k + b * pr.dk_batch + j * pr.kv_row + static_cast<int64_t>(g) * D;
   float* d_v = a.d_v + b * pr.dv_batch + j * pr.kv_row + static_cast<int64_t>(g) * D;
 #pragma unroll
-  for (int n = 0; n < kGenKeyDims; ++n) {
+  for (int n = 0; n < kKeyDims<kMaxD>; ++n) {
     const int d = part + n * kGenKeyThreads;
     if (d < D) {
       d_k[d] += pr.scale * dk[n];
@@ -273,28 +286,41 @@ template <class T> __global__ void __launch_bounds__(kGenThreads) generic_dkdv_k
   }
 }
 
-}  // namespace
-
-template <class T> void simt_forward(const Operands<T>& a, const Problem& pr, cudaStream_t stream) {
+template <class T, int kMaxD> void simt_forward_at(const Operands<T>& a, const Problem& pr, cudaStream_t stream) {
   const size_t smem = generic_forward_smem(pr.D);
-  set_smem(generic_forward_kernel<T>, smem);
+  set_smem(generic_forward_kernel<T, kMaxD>, smem);
   const dim3 grid((pr.c + kGenRows - 1) / kGenRows, pr.H, pr.B);
-  generic_forward_kernel<T><<<grid, kGenThreads, smem, stream>>>(a, pr);
+  generic_forward_kernel<T, kMaxD><<<grid, kGenThreads, smem, stream>>>(a, pr);
   CW_KERNEL_CHECK();
 }
 
-template <class T> void simt_backward(const Operands<T>& a, const Problem& pr, cudaStream_t stream) {
+template <class T, int kMaxD> void simt_backward_at(const Operands<T>& a, const Problem& pr, cudaStream_t stream) {
   const int64_t rows = static_cast<int64_t>(pr.B) * pr.c * pr.H;
   delta_kernel<T><<<blocks_for(rows, kDeltaWarps), kDeltaWarps * 32, 0, stream>>>(a, pr);
   CW_KERNEL_CHECK();
   const size_t dkdv_smem = generic_dkdv_smem(pr.D), dq_smem = generic_dq_smem(pr.D);
-  set_smem(generic_dkdv_kernel<T>, dkdv_smem);
-  set_smem(generic_dq_kernel<T>, dq_smem);
-  generic_dkdv_kernel<T><<<dim3((pr.S + kGenKeys - 1) / kGenKeys, pr.Hkv, pr.B), kGenThreads, dkdv_smem, stream>>>(
+  set_smem(generic_dkdv_kernel<T, kMaxD>, dkdv_smem);
+  set_smem(generic_dq_kernel<T, kMaxD>, dq_smem);
+  generic_dkdv_kernel<T, kMaxD>
+      <<<dim3((pr.S + kGenKeys - 1) / kGenKeys, pr.Hkv, pr.B), kGenThreads, dkdv_smem, stream>>>(a, pr);
+  CW_KERNEL_CHECK();
+  generic_dq_kernel<T, kMaxD><<<dim3((pr.c + kGenRows - 1) / kGenRows, pr.H, pr.B), kGenThreads, dq_smem, stream>>>(
       a, pr);
   CW_KERNEL_CHECK();
-  generic_dq_kernel<T><<<dim3((pr.c + kGenRows - 1) / kGenRows, pr.H, pr.B), kGenThreads, dq_smem, stream>>>(a, pr);
-  CW_KERNEL_CHECK();
+}
+
+}  // namespace
+
+// Head dims up to 128 take the kernels sized for 128 (the registers of most models' heads); up to
+// 256 (Gemma 2's), the larger ones.
+template <class T> void simt_forward(const Operands<T>& a, const Problem& pr, cudaStream_t stream) {
+  if (pr.D <= 128) simt_forward_at<T, 128>(a, pr, stream);
+  else simt_forward_at<T, 256>(a, pr, stream);
+}
+
+template <class T> void simt_backward(const Operands<T>& a, const Problem& pr, cudaStream_t stream) {
+  if (pr.D <= 128) simt_backward_at<T, 128>(a, pr, stream);
+  else simt_backward_at<T, 256>(a, pr, stream);
 }
 
 template void simt_forward<float>(const Operands<float>&, const Problem&, cudaStream_t);

@@ -70,7 +70,8 @@ void lora_linear_backward(const Tensor& d_x, const Tensor& d_a, const Tensor& d_
 // Our flash kernels (engine/cuda/attention_flash*.cu): one entry per direction, the family named.
 //   wgmma: Hopper warpgroup MMA (sm_90a build, compute capability 9.0), bf16, D 64/128, 16-byte aligned
 //   mma:   mma.sync tensor cores (any GPU we build for), bf16, D 64/128, 16-byte aligned
-//   simt:  no tensor cores: f32 or bf16, any even D <= 128 (the readable reference and the f32 path)
+//   simt:  no tensor cores: f32 or bf16, any even D <= 256 (the readable reference, the f32 path and
+//          the only family with the score cap)
 // The tensor-core backward is fused (dQ summed with f32 atomics) unless `deterministic`, which runs
 // the two-kernel form whose every sum has a fixed order.
 enum class FlashFamily { wgmma, mma, simt };
@@ -79,15 +80,16 @@ bool flash_wgmma_available(int device);
 // window of engine/ops/attention.h (size 0: none), honoured by every family. doc_first (causal calls;
 // none: one document): packed documents in one call, int32 [B, c] on the device (rows contiguous, any
 // pitch between sequences), the first key of each query's document (ascending along each sequence); a
-// query sees only keys of its own document, as attention_forward_documents defines.
+// query sees only keys of its own document, as attention_forward_documents defines. softcap: the
+// score cap of engine/ops/attention.h (0: none; the simt family only).
 void flash_attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
                              const Tensor& v, double scale, FlashFamily family, bool causal = true,
-                             AttentionWindow window = {}, const Tensor& doc_first = {});
+                             AttentionWindow window = {}, const Tensor& doc_first = {}, double softcap = 0.0);
 void flash_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v, const Tensor& d_out,
                               const AttentionSaved& saved, const Tensor& q, const Tensor& k, const Tensor& v,
                               const Tensor& out, double scale, GradMode mode, Arena& scratch, FlashFamily family,
                               bool deterministic, bool causal = true, AttentionWindow window = {},
-                              const Tensor& doc_first = {});
+                              const Tensor& doc_first = {}, double softcap = 0.0);
 // attention_merge (engine/ops/attention.h): lse_acc, lse_b f32; acc f32 with out_b f32 or bf16, or acc
 // and out_b bf16 (the split cuDNN forward's two outputs, attention_cudnn.cu).
 void attention_merge(const Tensor& acc, const Tensor& lse_acc, const Tensor& out_b, const Tensor& lse_b);

@@ -203,6 +203,9 @@ bool serves(AttentionKernel kernel, const AttentionCall& call, const AttentionFl
   const bool cpu = call.device.is_cpu();
   [[maybe_unused]] const bool causal = call.mask == AttentionMask::causal;
   const bool tensor_cores = call.dtype == DType::bf16 && (call.D == 64 || call.D == 128) && call.tensor_core_operands;
+  // A score cap is one more map of every score inside the softmax and a factor in dS: the SIMT flash
+  // kernels compute it; our cuDNN graphs and the tensor-core kernels do not.
+  const bool capped = call.softcap > 0;
   switch (kernel) {
     case AttentionKernel::cpu:
       *why = "the operands are on a GPU";
@@ -210,6 +213,10 @@ bool serves(AttentionKernel kernel, const AttentionCall& call, const AttentionFl
     case AttentionKernel::cudnn:
 #if CW_HAVE_CUDNN
       if (cpu) break;
+      if (capped) {
+        *why = "our cuDNN graphs have no score cap (flash-simt computes it)";
+        return false;
+      }
       // Our cuDNN graphs (attention_cudnn_graphs.cu) build the causal mask from pointwise nodes and
       // their plans are keyed by shape and mask; a window would be one more comparison in every
       // graph, plan key and split-prefix form, and cuDNN would still run the tiles left of the
@@ -246,8 +253,9 @@ bool serves(AttentionKernel kernel, const AttentionCall& call, const AttentionFl
     case AttentionKernel::flash_wgmma:
 #if CW_HAVE_CUDA
       if (cpu) break;
-      if (!tensor_cores) {
-        *why = "needs bf16, head dim 64 or 128 and 16-byte aligned operands";
+      if (!tensor_cores || capped) {
+        *why = capped ? "no score cap in its kernels (flash-simt computes it)"
+                      : "needs bf16, head dim 64 or 128 and 16-byte aligned operands";
         return false;
       }
       if (!gpu::flash_wgmma_available(call.device.index)) {
@@ -259,12 +267,13 @@ bool serves(AttentionKernel kernel, const AttentionCall& call, const AttentionFl
       break;
     case AttentionKernel::flash_mma:
       if (cpu) break;
-      *why = "needs bf16, head dim 64 or 128 and 16-byte aligned operands";
-      return tensor_cores;
+      *why = capped ? "no score cap in its kernels (flash-simt computes it)"
+                    : "needs bf16, head dim 64 or 128 and 16-byte aligned operands";
+      return tensor_cores && !capped;
     case AttentionKernel::flash_simt:
       if (cpu) break;
-      *why = "needs an even head dim of at most 128";
-      return call.D % 2 == 0 && call.D <= 128;
+      *why = "needs an even head dim of at most 256";
+      return call.D % 2 == 0 && call.D <= 256;
     case AttentionKernel::automatic:
     case AttentionKernel::flash: break;
   }
@@ -290,13 +299,7 @@ AttentionChoice choose_attention_kernel(const AttentionCall& call, const Attenti
   // The CPU has one kernel; the setting chooses among the GPU families (a test may force one and
   // still compute its CPU reference).
   if (call.device.is_cpu()) return {AttentionKernel::cpu, "the operands are on the CPU"};
-  // A score cap is one more transform of every score inside a kernel's softmax and a factor in its
-  // dS; no GPU kernel of ours (flash or cuDNN) has it, so Gemma 2's capped attention runs on the CPU.
-  if (call.softcap > 0)
-    fail(fmt::format("attention: a score cap (attn_logit_softcapping = {}) on {}: no GPU attention kernel computes it",
-                     call.softcap, device_name(call.device)),
-         "run this model on the CPU (train.device = cpu)");
-  // A sliding window: every flash family honours it; cuDNN refuses it (serves, above), so the
+  // A score cap: only flash-simt serves it (serves, above). A sliding window: every flash family honours it; cuDNN refuses it (serves, above), so the
   // automatic choice goes to the flash families.
   std::string why, reasons;
   const AttentionKernel forced = flags.forced;
@@ -320,7 +323,7 @@ AttentionChoice choose_attention_kernel(const AttentionCall& call, const Attenti
     if (try_kernel(k, false)) return {k, reasons.empty() ? "the fastest flash family here" : reasons};
   fail(fmt::format("attention: no kernel can take {} q [{}, {}, {}, {}] against {} keys: {}", device_name(call.device),
                    call.B, call.c, call.H, call.D, call.S, reasons),
-       "use head dims that are even and at most 128, f32 or bf16 on a GPU");
+       "use head dims that are even and at most 256, f32 or bf16 on a GPU");
 }
 
 // ---- The workspace budget (engine/engine.h) ----
@@ -447,7 +450,8 @@ void attention_forward(const Tensor& out, const AttentionSaved& saved, const Ten
     case AttentionKernel::flash_wgmma:
     case AttentionKernel::flash_mma:
     case AttentionKernel::flash_simt:
-      return gpu::flash_attention_forward(out, saved, q, k, v, scale, flash_family(choice.kernel), causal, window);
+      return gpu::flash_attention_forward(out, saved, q, k, v, scale, flash_family(choice.kernel), causal, window, {},
+                                          softcap);
 #endif
     default: fail(std::string("attention: kernel ") + attention_kernel_name(choice.kernel) + " is not in this build");
   }
@@ -477,7 +481,8 @@ void attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor& d_v,
     case AttentionKernel::flash_mma:
     case AttentionKernel::flash_simt:
       return gpu::flash_attention_backward(d_q, d_k, d_v, d_out, saved, q, k, v, out, scale, mode, scratch,
-                                           flash_family(choice.kernel), flags.deterministic, causal, window);
+                                           flash_family(choice.kernel), flags.deterministic, causal, window, {},
+                                           softcap);
 #endif
     default: fail(std::string("attention: kernel ") + attention_kernel_name(choice.kernel) + " is not in this build");
   }
@@ -616,7 +621,7 @@ void attention_forward_documents(const Tensor& out, const AttentionSaved& saved,
     ArenaScope scope(scratch);
     count_one_call(whole, *one, spans, p, window);
     return gpu::flash_attention_forward(out, saved, q, k, v, scale, flash_family(*one), true, {window},
-                                        chunk_first_keys(first_keys, spans, B, p, c, q, scratch));
+                                        chunk_first_keys(first_keys, spans, B, p, c, q, scratch), softcap);
 #endif
   }
   for (const DocumentSpan& s : spans) {
@@ -649,7 +654,7 @@ void attention_backward_documents(const Tensor& d_q, const Tensor& d_k, const Te
     return gpu::flash_attention_backward(d_q, d_k, d_v, d_out, saved, q, k, v, out, scale, mode, scratch,
                                          flash_family(*one),
                                          attention_flags().deterministic, true, {window},
-                                         chunk_first_keys(first_keys, spans, B, p, c, q, scratch));
+                                         chunk_first_keys(first_keys, spans, B, p, c, q, scratch), softcap);
 #endif
   }
   for (const DocumentSpan& s : spans) {

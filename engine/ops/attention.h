@@ -30,9 +30,9 @@
 //   cap tanh(s_ij / cap) before the mask and the softmax, and the backward multiplies dS_ij by the
 //   cap's derivative 1 - tanh(s_ij / cap)^2 before the products that give d_q and d_k. It applies
 //   to every call form (causal, unmasked blocks merged by attention_merge, windows, documents): a
-//   block's capped scores are the whole row's. Only the CPU kernel computes it: no GPU family
-//   serves a capped call (the chooser says so; a model with a cap is refused on a GPU before any
-//   work, model/config.h check_runs_on). Tested in the op table's softcap rows (finite differences)
+//   block's capped scores are the whole row's. The CPU and the GPU's flash_simt family compute it
+//   (the chooser keeps capped calls off cuDNN and the tensor-core families, whose kernels have no
+//   cap). Tested in the op table's softcap rows (finite differences; the GPU rows against the CPU)
 //   and tests/engine/test_attention_documents.cpp (the capped softmax written out).
 // Shapes: q, out, d_q, d_out [B, c, H, D]; k, v [B, S, Hkv, D]; d_k, d_v [B, S, Hkv, D] in the
 // accumulation dtype (f32 for f32/bf16, f64 for f64). k, v, d_k, d_v may have any batch stride
@@ -79,8 +79,8 @@ inline int64_t window_first_key(int64_t position, int64_t window) {
 //   flash        the best of our flash families for the call (a request, never a result)
 //   flash_wgmma  our flash kernels on Hopper warpgroup MMA, bf16, D 64/128 (attention_flash_wgmma.cu)
 //   flash_mma    our flash kernels on mma.sync tensor cores, bf16, D 64/128 (attention_flash_mma.cu)
-//   flash_simt   our flash kernels without tensor cores: f32 or bf16, even D <= 128 (attention_flash_simt.cu)
-// No GPU family takes a score cap (softcap): the CPU kernel alone computes it.
+//   flash_simt   our flash kernels without tensor cores: f32 or bf16, even D <= 256 (attention_flash_simt.cu)
+// A score cap (softcap) runs on the CPU and flash_simt only.
 enum class AttentionKernel { automatic, cpu, cudnn, flash, flash_wgmma, flash_mma, flash_simt };
 const char* attention_kernel_name(AttentionKernel kernel);        // "auto", "cpu", "cudnn", "flash-wgmma", ...
 AttentionKernel parse_attention_kernel(const std::string& name);  // throws naming the choices
@@ -98,7 +98,7 @@ struct AttentionCall {
   const Tensor* v;
   AttentionMask mask = AttentionMask::causal;
   AttentionWindow window = {};  // the CPU and the flash families honour a window; cuDNN refuses it
-  double softcap = 0.0;         // a score cap: the CPU alone computes it
+  double softcap = 0.0;         // a score cap: the CPU and flash_simt compute it
 };
 // out and, in the backward, d_q, d_out, d_k, d_v take part in the alignment rule.
 AttentionCall attention_call(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,

@@ -65,11 +65,11 @@ TEST_CASE("attention chooser: a forced family that cannot take the call names wh
   CHECK_FALSE(error_of(gpu_call(DType::bf16, 64, false), AttentionKernel::flash_mma).empty());
   CHECK(choose_attention_kernel(gpu_call(DType::bf16, 128), {AttentionKernel::flash_mma, false}).kernel ==
         AttentionKernel::flash_mma);
-  // The SIMT kernels take any even head dim up to 128, f32 or bf16.
+  // The SIMT kernels take any even head dim up to 256, f32 or bf16.
   CHECK(choose_attention_kernel(gpu_call(DType::f32, 6), {AttentionKernel::flash_simt, false}).kernel ==
         AttentionKernel::flash_simt);
   CHECK(error_of(gpu_call(DType::f32, 7), AttentionKernel::flash_simt).find("even head dim") != std::string::npos);
-  CHECK_FALSE(error_of(gpu_call(DType::bf16, 256), AttentionKernel::flash_simt).empty());
+  CHECK_FALSE(error_of(gpu_call(DType::bf16, 258), AttentionKernel::flash_simt).empty());
 }
 
 TEST_CASE("attention settings: set_attention_kernel and set_deterministic are read back") {
@@ -123,20 +123,41 @@ TEST_CASE("attention: a sliding window on a GPU goes to the flash families; cuDN
   CHECK(choose_attention_kernel(call, {AttentionKernel::automatic, false}).kernel == AttentionKernel::cpu);
 }
 
-TEST_CASE("attention: a score cap on a GPU is refused by the chooser in one line naming attn_logit_softcapping; the "
-          "CPU takes it") {
-  // No GPU family computes Gemma 2's cap: every setting, automatic or forced, is refused before any
-  // kernel runs (a model with the cap is refused earlier still: tests/model/test_gemma2.cpp).
+TEST_CASE("attention: a score cap goes to flash-simt, the GPU's only family that computes it; a family forced "
+          "without it is refused in one line naming the cap; the CPU takes it") {
+  // Gemma 2's attn_logit_softcapping: cuDNN's graphs and the tensor-core kernels have no cap, so the
+  // automatic choice and a flash request land on flash_simt (the chooser never asks cuDNN or the
+  // device about a capped call, so this runs without a GPU).
   AttentionCall call = gpu_call(DType::bf16, 64);
   call.softcap = 50.0;
-  for (const AttentionKernel forced : {AttentionKernel::automatic, AttentionKernel::flash, AttentionKernel::flash_mma,
-                                       AttentionKernel::flash_simt, AttentionKernel::cudnn}) {
+  for (const AttentionKernel setting : {AttentionKernel::automatic, AttentionKernel::flash, AttentionKernel::flash_simt}) {
+    CAPTURE(std::string(attention_kernel_name(setting)));
+    CHECK(choose_attention_kernel(call, {setting, false}).kernel == AttentionKernel::flash_simt);
+  }
+  const AttentionChoice automatic = choose_attention_kernel(call, {AttentionKernel::automatic, false});
+  CHECK(automatic.reason.find("no score cap") != std::string::npos);
+  for (const AttentionKernel forced : {AttentionKernel::flash_mma, AttentionKernel::flash_wgmma, AttentionKernel::cudnn}) {
     CAPTURE(std::string(attention_kernel_name(forced)));
     const std::string message = error_of(call, forced);
     INFO(message);
-    CHECK(message.find("attn_logit_softcapping") != std::string::npos);
+    CHECK(message.find("no score cap") != std::string::npos);
     CHECK(message.find('\n') == std::string::npos);
   }
+  call.dtype = DType::f32;
+  CHECK(choose_attention_kernel(call, {AttentionKernel::flash, false}).kernel == AttentionKernel::flash_simt);
   call.device = Device::host();
   CHECK(choose_attention_kernel(call, {AttentionKernel::automatic, false}).kernel == AttentionKernel::cpu);
+}
+
+TEST_CASE("attention: head dims above 128 go to flash-simt up to 256 (Gemma 2's); beyond, every GPU family refuses") {
+  for (const int64_t D : {136, 256}) {
+    CAPTURE(D);
+    CHECK(choose_attention_kernel(gpu_call(DType::bf16, D), {AttentionKernel::flash, false}).kernel ==
+          AttentionKernel::flash_simt);
+    CHECK(error_of(gpu_call(DType::bf16, D), AttentionKernel::flash_mma).find("head dim 64 or 128") != std::string::npos);
+  }
+  const std::string message = error_of(gpu_call(DType::bf16, 258), AttentionKernel::flash);
+  INFO(message);
+  CHECK(message.find("at most 256") != std::string::npos);
+  CHECK(message.find('\n') == std::string::npos);
 }

@@ -624,6 +624,12 @@ std::vector<Row> build_table() {
     t.push_back(gpu_only(attention({1, 1, 300, 4, 4, D, 300})));
     t.push_back(gpu_only(attention({2, 45, 150, 8, 2, D, 200})));
   }
+  // Head dims past 128 (flash-simt's larger kernels; Gemma 2's 256): c < S, a window, unmasked.
+  for (const int64_t D : {136, 256}) {
+    t.push_back(gpu_only(attention({1, 130, 1000, 4, 1, D, 1000})));
+    t.push_back(gpu_only(attention({2, 45, 150, 8, 2, D, 200, causal_mask, {}, 40})));
+    t.push_back(gpu_only(attention({1, 130, 256, 4, 1, D, 256, AttentionMask::none, {}, 200, 300})));
+  }
   // Several tensor-core query and key blocks, the last partial; query blocks starting inside a key block.
   t.push_back(gpu_only(attention({1, 300, 300, 2, 2, 64, 300})));
   t.push_back(gpu_only(attention({1, 300, 300, 2, 1, 128, 300})));
@@ -698,10 +704,11 @@ std::vector<Row> build_table() {
     t.push_back(gpu_only(attention({1, 77, 300, 4, 2, D, 300, causal_mask, {}, 40})));
     t.push_back(gpu_only(attention({2, 45, 150, 8, 2, D, 200, causal_mask, {}, 7})));
   }
-  // Gemma 2's score cap, on the CPU (no GPU family computes it: the GPU runners report these rows
-  // skipped with the chooser's refusal; tests/engine/test_attention_choice.cpp checks it). Caps of 0.7 and 1.5 against scores of about unit size, so
-  // tanh is far from linear: chunk against cache with GQA, p = 0, with a window, with packed
-  // documents (and a window), unmasked blocks (with a window), score blocks of 64 rows.
+  // Gemma 2's score cap (the CPU and flash-simt; the other GPU families report these rows skipped
+  // with the chooser's refusal, tests/engine/test_attention_choice.cpp). Caps of 0.7 and 1.5
+  // against scores of about unit size, so tanh is far from linear: chunk against cache with GQA,
+  // p = 0, with a window, with packed documents (and a window), unmasked blocks (with a window),
+  // score blocks of 64 rows.
   t.push_back(attention({2, 3, 8, 4, 2, 4, 8, causal_mask, {}, 0, 0, 0.7}));
   t.push_back(attention({1, 5, 5, 2, 1, 6, 7, causal_mask, {}, 0, 0, 1.5}));
   t.push_back(attention({1, 7, 9, 2, 1, 6, 9, causal_mask, {}, 4, 0, 0.7}));
@@ -710,6 +717,16 @@ std::vector<Row> build_table() {
   t.push_back(attention({2, 5, 3, 4, 2, 4, 8, none, {}, 0, 0, 0.7}));
   t.push_back(attention({1, 3, 7, 2, 1, 6, 7, none, {}, 8, 9, 1.5}));
   t.push_back(attention({2, 70, 75, 2, 1, 4, 75, causal_mask, {}, 9, 0, 0.7}));
+  // The cap on the GPU shapes (flash-simt), head dims 64, 128 and Gemma 2's 256: c < S with GQA 4,
+  // packed documents with a window, unmasked blocks, decode; Gemma 2's own cap of 50 at D 256.
+  for (const int64_t D : {64, 128, 256}) {
+    t.push_back(gpu_only(attention({1, 130, 1000, 4, 1, D, 1000, causal_mask, {}, 0, 0, 1.5})));
+    t.push_back(gpu_only(attention({2, 200, 700, 4, 2, D, 700, causal_mask, {{0, 130, 520, 521, 600}, {0, 650}}, 50, 0,
+                                    1.5})));
+    t.push_back(gpu_only(attention({2, 300, 64, 8, 2, D, 70, none, {}, 0, 0, 1.5})));
+    t.push_back(gpu_only(attention({1, 1, 300, 4, 4, D, 300, causal_mask, {}, 0, 0, 0.7})));
+  }
+  t.push_back(gpu_only(attention({2, 45, 150, 8, 4, 256, 200, causal_mask, {}, 0, 0, 50.0})));
   // LM head: CPU row blocks of 3 with ignored rows; one GPU block with V = 101 (no multiple of the
   // 16-byte vector); three GPU blocks (2048, 2048, 37) with the second wholly ignored; long rows.
   for (const bool fused : {false, true}) {

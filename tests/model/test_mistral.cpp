@@ -200,16 +200,6 @@ TEST_CASE("mistral: the K/V store reads only a chunk's window; keys before it ge
   }
 }
 
-TEST_CASE("mistral: a GPU run is not refused: the flash kernels honour sliding_window") {
-  // The model and train check a config with check_runs_on before any work; a window no longer stops
-  // a GPU run (tests/model/test_cuda_model.cpp trains tiny Mistral on the GPU against the CPU).
-  const LlamaConfig cfg = LlamaConfig::preset("tiny-mistral");
-  CHECK(cfg.sliding_window == 5);
-  CHECK_NOTHROW(check_runs_on(cfg, Device::gpu(0), "train.device = cpu"));
-  CHECK_NOTHROW(check_runs_on(cfg, Device::host()));
-  CHECK_NOTHROW(check_runs_on(LlamaConfig::preset("tiny"), Device::gpu(0)));
-}
-
 TEST_CASE("mistral: GGUF of architecture llama with llama.attention.sliding_window loads as Mistral") {
   test::TempDir tmp("mistral-gguf");
   const LlamaConfig c = test::as_gguf_reads(LlamaConfig::preset("tiny-mistral"));

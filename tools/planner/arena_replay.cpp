@@ -99,6 +99,12 @@ struct Chunk {
     return s;
   }
   int64_t N() const { return B * c(); }
+  // Whether cuDNN takes this chunk's attention (the chooser, engine/ops/attention.cpp): bf16, no
+  // window, no score cap, a head dim it serves; else a flash family does.
+  bool cudnn_attention() const {
+    return dtype == DType::bf16 && window == 0 && cf.attn_logit_softcapping == 0 && cf.head_dim % 8 == 0 &&
+           cf.head_dim <= 128;
+  }
   size_t e() const { return dtype_size(dtype); }
   size_t acc() const { return dtype_size(accum_dtype(dtype)); }
   size_t row(int64_t width) const { return static_cast<size_t>(N() * width) * e(); }  // [N, width]
@@ -115,7 +121,7 @@ void attention_forward(Requests& r, const Chunk& s, int64_t S, bool causal) {
   Scope scope(r);
   if (s.device.is_cpu()) {
     for (size_t bytes : cpu_attention_scratch(s.c(), S, s.dtype, false)) r.alloc(bytes);
-  } else if (s.dtype == DType::bf16 && s.window == 0) {
+  } else if (s.cudnn_attention()) {
     // cuDNN (it takes no sliding window: the flash kernels serve one); its forward plans' workspace
     // is not replayed (they ask for none beyond a few bytes).
     const bool split = causal && cudnn_splits_prefix(s.c(), S);
@@ -132,7 +138,7 @@ void attention_backward(Requests& r, const Chunk& s, int64_t S, bool causal) {
   const AttentionDims d = s.attention(S);
   if (s.device.is_cpu()) {
     for (size_t bytes : cpu_attention_scratch(s.c(), S, s.dtype, true)) r.alloc(bytes);
-  } else if (s.dtype == DType::bf16 && s.window == 0) {
+  } else if (s.cudnn_attention()) {
     // cuDNN: the fast form (the default without determinism), exact plans, d_q overwritten.
     const bool split = causal && cudnn_splits_prefix(s.c(), S);
     const bool stacked = causal && cudnn_stacks_gqa(s.c(), S, d.H, d.Hkv);

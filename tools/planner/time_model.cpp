@@ -34,6 +34,15 @@ double attention_tflops(int64_t head_dim, bool split) {
   const double d64 = split ? 460 : 410;
   return d64 + (510 - d64) * (d - 64) / 64;
 }
+// The SIMT flash kernels (no tensor cores), one forward and a backward together: the attention of
+// calls no tensor-core family takes, a score cap (Gemma 2's) or a head dim past 128 (record:
+// kSimtAttentionTflops).
+constexpr double kSimtAttentionTflops = 3.0;
+// Whether the step's attention runs on the tensor-core families or cuDNN (engine/ops/attention.cpp's
+// chooser), else on the SIMT kernels.
+bool tensor_core_attention(const LlamaConfig& cf, DType dtype) {
+  return dtype == DType::bf16 && cf.attn_logit_softcapping == 0 && (cf.head_dim == 64 || cf.head_dim == 128);
+}
 // The same attention run block by block against a streamed K/V store (chunk-sized unmasked blocks,
 // merged; dK, dV sent home per block): the blocks cost about what one call does, and the step waits
 // for some copies (record: kStreamedAttentionSlowdown). Applied to one masked graph's rate: the
@@ -198,8 +207,10 @@ void plan_time(const StepPlan& s, PlanReport& r) {
   // blocks each run as one unmasked or square graph: one masked graph's rate, then its measured
   // slowdown.
   const double attention_s =
-      attention / (attention_tflops(D, !s.streamed && cudnn_splits_prefix(s.bwd_chunk, T)) * 1e12) *
-      (s.streamed ? kStreamedAttentionSlowdown : 1.0);
+      !tensor_core_attention(cf, s.dtype)
+          ? attention / (kSimtAttentionTflops * 1e12)
+          : attention / (attention_tflops(D, !s.streamed && cudnn_splits_prefix(s.bwd_chunk, T)) * 1e12) *
+                (s.streamed ? kStreamedAttentionSlowdown : 1.0);
   // The backward's dK, dV adds: per key and layer, K's and V's bf16 gradient read and the f32
   // accumulator read and written.
   double kv_grad_key_layers = 0;  // per layer the keys its backward adds dK, dV to (its window's)

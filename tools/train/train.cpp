@@ -121,14 +121,12 @@ LoraConfig resolve_lora(const RunConfig& rc) {
 }
 
 Placement resolve_placement(const RunConfig& rc) {
-  const LlamaConfig mc = rc.model_config();
   const Device device = resolve_device(rc.train.device, "train.device");
-  check_runs_on(mc, device, "train.device = cpu");
   const DType dtype = resolve_compute_dtype(rc.model.dtype, device, "model.dtype", "train.device");
 #if CW_HAVE_CUDA
   if (!device.is_cpu()) set_deterministic(rc.train.deterministic);
 #endif
-  return {mc, device, dtype, resolve_lora(rc)};
+  return {rc.model_config(), device, dtype, resolve_lora(rc)};
 }
 
 // Sizes no machine of this kind can hold, refused before anything is sized by them, whatever

@@ -205,14 +205,17 @@ TEST_CASE("planner: the replayed arena is a CPU step's own, byte for byte, over 
 
 TEST_CASE("planner: the replay takes the device's scratch: the GPU's differs from the CPU's where their ops do") {
   // The same step planned for a GPU adds the batch's upload (ids and labels), takes cuDNN's attention
-  // scratch instead of the CPU's score blocks, and the GPU LM head's block of up to 2048 rows
-  // instead of the CPU's 256.
+  // scratch instead of the CPU's score blocks (at a head dim cuDNN takes, a multiple of 8; tiny's 6
+  // goes to the flash kernels, which need no workspace), and the GPU LM head's block of up to 2048
+  // rows instead of the CPU's 256.
   LlamaConfig cf = LlamaConfig::preset("tiny");
   const ScheduleOptions o = schedule("seco", 64);
+  CHECK(replay_step_arena({cf, 1, 256, o, DType::bf16, {}, Device::gpu(0), 0}).attention_workspace == 0);
+  cf.head_dim = 8;
   const StepArena cpu = replay_step_arena({cf, 1, 256, o, DType::f32, {}, Device::host(), 0});
   const StepArena gpu = replay_step_arena({cf, 1, 256, o, DType::bf16, {}, Device::gpu(0), 0});
   CHECK(cpu.attention_workspace == 0);
-  CHECK(gpu.attention_workspace == size_t(2 * 256 * 4 * 6) * 2 + 256);  // B H S D staged twice in bf16, and 256
+  CHECK(gpu.attention_workspace == size_t(2 * 256 * 4 * 8) * 2 + 256);  // B H S D staged twice in bf16, and 256
   CHECK(gpu.blocks.front() == kDeviceArenaBlockBytes);
   CHECK(cpu.blocks.front() == kHostArenaBlockBytes);
 }
