@@ -555,15 +555,25 @@ int64_t LlamaConfig::parameter_count() const {
 }
 
 namespace {
-LlamaConfig llama3_family(int64_t C, int64_t F, int64_t L, int64_t H, int64_t D, bool tied, double factor) {
+// The six numbers that size a preset's transformer; each family's builder below adds the rest.
+struct Shape {
+  int64_t hidden, ffn, layers, heads, kv_heads, head_dim;
+};
+LlamaConfig shaped(const Shape& s) {
   LlamaConfig c;
+  c.hidden_size = s.hidden;
+  c.intermediate_size = s.ffn;
+  c.num_hidden_layers = s.layers;
+  c.num_attention_heads = s.heads;
+  c.num_key_value_heads = s.kv_heads;
+  c.head_dim = s.head_dim;
+  return c;
+}
+// Llama 3.x as Meta's config.json gives it: vocabulary 128,256, RoPE theta 5e5 with llama3 scaling
+// of `factor` over 8,192, RMSNorm eps 1e-5, <|begin_of_text|> 128000 as bos.
+LlamaConfig llama3_family(const Shape& s, bool tied, double factor) {
+  LlamaConfig c = shaped(s);
   c.vocab_size = 128256;
-  c.hidden_size = C;
-  c.intermediate_size = F;
-  c.num_hidden_layers = L;
-  c.num_attention_heads = H;
-  c.num_key_value_heads = 8;
-  c.head_dim = D;
   c.max_position_embeddings = 131072;
   c.rms_norm_eps = 1e-5;
   c.rope_theta = 500000.0;
@@ -576,19 +586,12 @@ LlamaConfig llama3_family(int64_t C, int64_t F, int64_t L, int64_t H, int64_t D,
 }
 // Qwen2.5 and Qwen3 as their HF config.json give them: vocabulary 151,936 (152,064 for Qwen2.5-7B),
 // RoPE theta 1e6 without scaling, RMSNorm eps 1e-6, <|endoftext|> 151643 as bos.
-LlamaConfig qwen_family(ModelFamily family, int64_t C, int64_t F, int64_t L, int64_t H, int64_t Hkv, int64_t D,
-                        bool tied) {
-  LlamaConfig c;
+LlamaConfig qwen_family(ModelFamily family, const Shape& s, bool tied) {
+  LlamaConfig c = shaped(s);
   c.family = family;
   c.attention_bias = family == ModelFamily::qwen2;
   c.qk_norm = family == ModelFamily::qwen3;
   c.vocab_size = 151936;
-  c.hidden_size = C;
-  c.intermediate_size = F;
-  c.num_hidden_layers = L;
-  c.num_attention_heads = H;
-  c.num_key_value_heads = Hkv;
-  c.head_dim = D;
   c.max_position_embeddings = family == ModelFamily::qwen3 ? 40960 : 32768;
   c.rms_norm_eps = 1e-6;
   c.rope_theta = 1000000.0;
@@ -602,26 +605,20 @@ LlamaConfig qwen_family(ModelFamily family, int64_t C, int64_t F, int64_t L, int
 // released config.json): vocabulary 256,000, head_dim 256 and query_pre_attn_scalar 256, a window of
 // 4096 keys on the even layers, caps 50 (attention) and 30 (logits), RoPE theta 1e4, RMSNorm eps
 // 1e-6, tied embeddings, <bos> 2, <eos> 1, <pad> 0.
-LlamaConfig gemma2_family(int64_t C, int64_t F, int64_t L, int64_t H, int64_t Hkv) {
-  LlamaConfig c;
+LlamaConfig gemma2_family(const Shape& s) {
+  LlamaConfig c = shaped(s);
   c.family = ModelFamily::gemma2;
   c.mlp_gate = MlpGate::gelu_tanh;
   c.post_norms = true;
   c.norm_weight_offset = 1.0;
   c.scale_embeddings = true;
   c.vocab_size = 256000;
-  c.hidden_size = C;
-  c.intermediate_size = F;
-  c.num_hidden_layers = L;
-  c.num_attention_heads = H;
-  c.num_key_value_heads = Hkv;
-  c.head_dim = 256;
   c.query_pre_attn_scalar = 256;
   c.max_position_embeddings = 8192;
   c.rms_norm_eps = 1e-6;
   c.rope_theta = 10000.0;
   c.sliding_window = 4096;
-  for (int64_t l = 0; l < L; ++l) c.sliding_layers.push_back(l % 2 == 0);
+  for (int64_t l = 0; l < s.layers; ++l) c.sliding_layers.push_back(l % 2 == 0);
   c.attn_logit_softcapping = 50.0;
   c.final_logit_softcapping = 30.0;
   c.tie_word_embeddings = true;
@@ -644,13 +641,8 @@ LlamaConfig LlamaConfig::preset(const std::string& name) {
   if (name == "tiny") {
     // For tests: every feature at toy size. GQA 2:1, llama3 RoPE scaling that bites at these lengths
     // (original context 32), untied (tests flip tie_word_embeddings).
+    c = shaped({24, 40, 2, 4, 2, 6});
     c.vocab_size = 61;
-    c.hidden_size = 24;
-    c.intermediate_size = 40;
-    c.num_hidden_layers = 2;
-    c.num_attention_heads = 4;
-    c.num_key_value_heads = 2;
-    c.head_dim = 6;
     c.max_position_embeddings = 4096;
     c.rms_norm_eps = 1e-5;
     c.rope_theta = 10000.0;
@@ -694,10 +686,9 @@ LlamaConfig LlamaConfig::preset(const std::string& name) {
     // hidden / heads = 6, query_pre_attn_scalar 10 apart from head_dim, caps 2 (attention) and 3
     // (logits) against scores and logits of about their size, tied embeddings as Gemma's.
     const LlamaConfig t = preset("tiny");
-    c = gemma2_family(t.hidden_size, t.intermediate_size, t.num_hidden_layers, t.num_attention_heads,
-                      t.num_key_value_heads);
+    c = gemma2_family({t.hidden_size, t.intermediate_size, t.num_hidden_layers, t.num_attention_heads,
+                       t.num_key_value_heads, 8});
     c.vocab_size = t.vocab_size;
-    c.head_dim = 8;
     c.query_pre_attn_scalar = 10;
     c.max_position_embeddings = t.max_position_embeddings;
     c.sliding_window = 5;
@@ -710,13 +701,8 @@ LlamaConfig LlamaConfig::preset(const std::string& name) {
     c.torch_dtype = t.torch_dtype;
   } else if (name == "small") {
     // The CPU demo: byte-level vocabulary (258 ids padded to 320), trains in minutes on two cores.
+    c = shaped({192, 512, 4, 6, 2, 32});
     c.vocab_size = 320;
-    c.hidden_size = 192;
-    c.intermediate_size = 512;
-    c.num_hidden_layers = 4;
-    c.num_attention_heads = 6;
-    c.num_key_value_heads = 2;
-    c.head_dim = 32;
     c.max_position_embeddings = 4096;
     c.rms_norm_eps = 1e-5;
     c.rope_theta = 10000.0;
@@ -724,32 +710,27 @@ LlamaConfig LlamaConfig::preset(const std::string& name) {
     c.bos_token_id = 256;
     c.eos_token_ids = {257};
   } else if (name == "llama-3.2-1b") {
-    c = llama3_family(2048, 8192, 16, 32, 64, true, 32.0);
+    c = llama3_family({2048, 8192, 16, 32, 8, 64}, true, 32.0);
   } else if (name == "llama-3.2-3b") {
-    c = llama3_family(3072, 8192, 28, 24, 128, true, 32.0);
+    c = llama3_family({3072, 8192, 28, 24, 8, 128}, true, 32.0);
   } else if (name == "llama-3.1-8b") {
-    c = llama3_family(4096, 14336, 32, 32, 128, false, 8.0);
+    c = llama3_family({4096, 14336, 32, 32, 8, 128}, false, 8.0);
     c.eos_token_ids = {128001, 128008, 128009};
   } else if (name == "qwen2.5-0.5b") {
-    c = qwen_family(ModelFamily::qwen2, 896, 4864, 24, 14, 2, 64, true);
+    c = qwen_family(ModelFamily::qwen2, {896, 4864, 24, 14, 2, 64}, true);
   } else if (name == "qwen2.5-7b") {
-    c = qwen_family(ModelFamily::qwen2, 3584, 18944, 28, 28, 4, 128, false);
+    c = qwen_family(ModelFamily::qwen2, {3584, 18944, 28, 28, 4, 128}, false);
     c.vocab_size = 152064;
     c.max_position_embeddings = 131072;
   } else if (name == "qwen3-0.6b") {
-    c = qwen_family(ModelFamily::qwen3, 1024, 3072, 28, 16, 8, 128, true);
+    c = qwen_family(ModelFamily::qwen3, {1024, 3072, 28, 16, 8, 128}, true);
   } else if (name == "qwen3-8b") {
-    c = qwen_family(ModelFamily::qwen3, 4096, 12288, 36, 32, 8, 128, false);
+    c = qwen_family(ModelFamily::qwen3, {4096, 12288, 36, 32, 8, 128}, false);
   } else if (name == "mistral-7b") {
     // Mistral-7B-v0.1 as its HF config.json gives it: GQA 32:8, a window of 4096 keys on every layer.
+    c = shaped({4096, 14336, 32, 32, 8, 128});
     c.family = ModelFamily::mistral;
     c.vocab_size = 32000;
-    c.hidden_size = 4096;
-    c.intermediate_size = 14336;
-    c.num_hidden_layers = 32;
-    c.num_attention_heads = 32;
-    c.num_key_value_heads = 8;
-    c.head_dim = 128;
     c.max_position_embeddings = 32768;
     c.rms_norm_eps = 1e-5;
     c.rope_theta = 10000.0;
@@ -758,9 +739,9 @@ LlamaConfig LlamaConfig::preset(const std::string& name) {
     c.eos_token_ids = {2};
     c.torch_dtype = "bfloat16";
   } else if (name == "gemma2-2b") {
-    c = gemma2_family(2304, 9216, 26, 8, 4);
+    c = gemma2_family({2304, 9216, 26, 8, 4, 256});
   } else if (name == "gemma2-9b") {
-    c = gemma2_family(3584, 14336, 42, 16, 8);
+    c = gemma2_family({3584, 14336, 42, 16, 8, 256});
   } else {
     std::string names;
     for (const auto& n : preset_names()) names += (names.empty() ? "" : ", ") + n;

@@ -254,19 +254,16 @@ void read_saved_attention(LayerActivations& a, const BlockCall& b) {
   copy_convert(a.attn_saved.lse.view({b.B * b.H, c}), b.kv.output_lse(b.layer, p, p + c));
 }
 
-// x_mid = x_in + attn Woᵀ (+ b_o: added once, to the rank's rows of the sum over the ranks); with
-// post-norms x_mid = x_in + rmsnorm(attn Woᵀ + b_o; attn_post_norm), its input kept in a.attn_out.
+// x_mid = x_in + (attn Woᵀ + b_o), the bias added once, to the rank's rows of the sum over the
+// ranks; with post-norms x_mid = x_in + rmsnorm(attn Woᵀ + b_o; attn_post_norm), its input kept in
+// a.attn_out.
 void project_out(LayerActivations& a, const Tensor& x_in, const BlockCall& b) {
   PartialOutput o(b);
   block_linear_forward(o.all(), a.attn.view({b.N, b.cf.q_dim()}), ParamRole::wo, b);
-  if (!b.cf.post_norms) {
-    residual_forward(a.x_mid, x_in, o.sum_rows());
-    if (b.w.o_bias.data) bias_forward(a.x_mid, a.x_mid, b.w.o_bias);
-    return;
-  }
   const Tensor o_rows = o.sum_rows();
   if (b.w.o_bias.data) bias_forward(o_rows, o_rows, b.w.o_bias);
-  residual_forward(a.x_mid, x_in, post_norm(a.attn_out, a.attn_post, o_rows, b.w.attn_post_norm, b));
+  residual_forward(a.x_mid, x_in,
+                   b.cf.post_norms ? post_norm(a.attn_out, a.attn_post, o_rows, b.w.attn_post_norm, b) : o_rows);
 }
 
 // d_attn = d(attn Woᵀ) Wo [N, q_dim], d(attn Woᵀ) being d(x_mid) or, with post-norms, what the
