@@ -23,7 +23,8 @@ constexpr const char* kRopeFreqs = "rope_freqs.weight";
 constexpr double kRopeFreqsTol = 1e-5;
 
 [[noreturn]] void bad_model(const GgufReader& f, const std::string& what,
-                            const std::string& hint = "chunkwise reads GGUF files of llama, qwen2 and qwen3 models") {
+                            const std::string& hint = "chunkwise reads GGUF files of llama, qwen2, qwen3 and gemma2 "
+                                                      "models") {
   fail(fmt::format("GGUF file '{}': {}", f.path(), what), hint);
 }
 
@@ -55,6 +56,7 @@ std::optional<ModelFamily> family_of(const std::string& arch) {
   if (arch == "llama") return ModelFamily::llama;
   if (arch == "qwen2") return ModelFamily::qwen2;
   if (arch == "qwen3") return ModelFamily::qwen3;
+  if (arch == "gemma2") return ModelFamily::gemma2;
   return std::nullopt;
 }
 
@@ -110,7 +112,8 @@ LlamaConfig llama_config_from_gguf(const GgufReader& f) {
   const std::string arch = f.get_string("general.architecture");
   const std::optional<ModelFamily> family = family_of(arch);
   if (!family)
-    bad_model(f, fmt::format("general.architecture is '{}', not 'llama', 'qwen2' or 'qwen3'", arch.substr(0, 60)));
+    bad_model(f, fmt::format("general.architecture is '{}', not 'llama', 'qwen2', 'qwen3' or 'gemma2'",
+                             arch.substr(0, 60)));
   const GgufKeys key(arch);
   if (f.get_int(key("expert_count"), 0) > 0)
     bad_model(f, fmt::format("a mixture of experts ({} experts)", f.get_int(key("expert_count"))),
@@ -133,16 +136,32 @@ LlamaConfig llama_config_from_gguf(const GgufReader& f) {
   c.max_position_embeddings = f.get_int(key("context_length"));
   c.rope_theta = f.get_float(key("rope.freq_base"), 10000.0);
   c.rms_norm_eps = f.get_float(key("attention.layer_norm_rms_epsilon"));
-  if (f.has(key("attention.sliding_window"))) {
+  if (c.family == ModelFamily::gemma2) {
+    // Gemma 2 as llama.cpp reads it (LLM_ARCH_GEMMA2): the gelu gate, (1 + w) norms and the two
+    // post-norms, sqrt(C) embeddings; the even layers sliding through attention.sliding_window keys
+    // (4096 absent), the others global; the caps (50 and 30 absent); the attention scale
+    // 1/sqrt(head_dim), but 1/sqrt(C / H) for the 46-layer 27B (llama.cpp tells the sizes apart by
+    // their layer counts; HF's configs say the same through query_pre_attn_scalar).
+    c.mlp_gate = MlpGate::gelu_tanh;
+    c.post_norms = true;
+    c.norm_weight_offset = 1.0;
+    c.scale_embeddings = true;
+    c.sliding_window = f.get_int(key("attention.sliding_window"), 4096);
+    for (int64_t l = 0; l < std::clamp<int64_t>(c.num_hidden_layers, 0, ConfigLimits::kMaxLayers); ++l)
+      c.sliding_layers.push_back(l % 2 == 0);
+    c.attn_logit_softcapping = f.get_float(key("attn_logit_softcapping"), 50.0);
+    c.final_logit_softcapping = f.get_float(key("final_logit_softcapping"), 30.0);
+    c.query_pre_attn_scalar = double(c.num_hidden_layers == 46 ? c.hidden_size / c.num_attention_heads : c.head_dim);
+  } else if (f.has(key("attention.sliding_window"))) {
     if (c.family != ModelFamily::llama)
       bad_model(f, fmt::format("{} in a {} model", key("attention.sliding_window"), arch),
-                "chunkwise reads a sliding window for architecture llama (Mistral) only");
+                "chunkwise reads a sliding window for architectures llama (Mistral) and gemma2 only");
     c.family = ModelFamily::mistral;
     c.sliding_window = f.get_int(key("attention.sliding_window"));
-    if (c.sliding_window <= 0)
-      bad_model(f, fmt::format("{} = {}: a window holds at least one key", key("attention.sliding_window"),
-                               c.sliding_window));
   }
+  if (c.sliding_window <= 0 && (c.family == ModelFamily::mistral || c.family == ModelFamily::gemma2))
+    bad_model(f, fmt::format("{} = {}: a window holds at least one key", key("attention.sliding_window"),
+                             c.sliding_window));
 
   const GgufTensorInfo* embedding = f.find_tensor("token_embd.weight");
   if (!embedding) bad_model(f, "has no tensor 'token_embd.weight'", "is this a model file?");
@@ -220,8 +239,8 @@ std::string gguf_tensor_name(const ParamSpec& s) {
     case ParamRole::o_bias: return blk + "attn_output.bias";
     case ParamRole::q_norm: return blk + "attn_q_norm.weight";
     case ParamRole::k_norm: return blk + "attn_k_norm.weight";
-    case ParamRole::attn_post_norm:
-    case ParamRole::mlp_post_norm: break;  // Gemma 2's: its GGUF files (architecture gemma2) are not read
+    case ParamRole::attn_post_norm: return blk + "post_attention_norm.weight";
+    case ParamRole::mlp_post_norm: return blk + "post_ffw_norm.weight";
     case ParamRole::lora_a:
     case ParamRole::lora_b: break;  // adapters are PEFT files, not part of a GGUF model
   }
@@ -255,7 +274,15 @@ void load_gguf_weights(ParamSet& params, const GgufReader& f) {
     // llama.cpp permutes Llama's (and Mistral's) Q/K rows for its rotation of adjacent pairs; Qwen's
     // rotate halves as HF does (NEOX), unpermuted.
     const bool permuted = c.family == ModelFamily::llama || c.family == ModelFamily::mistral;
-    if (!permuted || (spec.role != ParamRole::wq && spec.role != ParamRole::wk)) {
+    if (c.norm_weight_offset != 0 && spec.is_norm()) {
+      // Gemma's norms scale by (1 + w); llama.cpp's converter stores 1 + w. Subtracted in f64 before
+      // the model's dtype rounds it, so a bf16 model keeps w's own precision, not 1 + w's.
+      OwnedTensor stored = OwnedTensor::of_shape(DType::f64, spec.shape);
+      f.read_into(name, stored);
+      double* v = stored.tensor.ptr<double>();
+      for (int64_t e = 0; e < stored.tensor.numel(); ++e) v[e] -= c.norm_weight_offset;
+      copy_convert(dst, stored.tensor);
+    } else if (!permuted || (spec.role != ParamRole::wq && spec.role != ParamRole::wk)) {
       f.read_into(name, dst);
     } else {
       // Read in GGUF row order, then put each row back where HF has it.

@@ -1,8 +1,8 @@
 // Llama models from GGUF files: the metadata mapped onto LlamaConfig, the tensors onto the parameter
 // table (model/params.h), dequantized (model/gguf.h) into the model's dtype.
 //
-// Metadata (general.architecture "llama", "qwen2" or "qwen3", llama.cpp's names; the other keys carry
-// it as their prefix, written `llama.` below):
+// Metadata (general.architecture "llama", "qwen2", "qwen3" or "gemma2", llama.cpp's names; the other
+// keys carry it as their prefix, written `llama.` below):
 //   llama.block_count                       -> num_hidden_layers (L)
 //   llama.embedding_length                  -> hidden_size (C)
 //   llama.feed_forward_length               -> intermediate_size (F)
@@ -18,6 +18,11 @@
 //                                              writes Mistral's as llama, and transformers' Llama has
 //                                              no window). Absent, as llama.cpp's converter leaves it for
 //                                              Mistral 7B: no window, a llama model.
+//   gemma2: Gemma 2's blocks (gelu gate, (1 + w) norms, post-norms, sqrt(C) embeddings); the even
+//   layers slide through gemma2.attention.sliding_window keys (4096 when absent), the odd ones are
+//   global; gemma2.attn_logit_softcapping and final_logit_softcapping (50 and 30 when absent, as
+//   llama.cpp reads them); query_pre_attn_scalar = head_dim, but C / H for the 46-layer 27B
+//   (llama.cpp's rule: GGUF does not store the scale).
 //   llama.vocab_size, else the length of tokenizer.ggml.tokens, else token_embd's rows -> vocab_size
 //   tokenizer.ggml.bos_token_id / eos_token_id / padding_token_id -> bos_token_id / eos_token_ids /
 //                                              pad_token_id (as transformers' GGUF loader maps them)
@@ -42,7 +47,12 @@
 //   output.weight             -> lm_head.weight (absent when tied)
 //   qwen2: blk.{l}.attn_{q,k,v}.bias -> model.layers.{l}.self_attn.{q,k,v}_proj.bias
 //   qwen3: blk.{l}.attn_{q,k}_norm.weight -> model.layers.{l}.self_attn.{q,k}_norm.weight
-// qwen2 and qwen3 rotate as HF does (llama.cpp's NEOX RoPE): their Q/K rows are not permuted;
+//   gemma2: blk.{l}.ffn_norm.weight -> model.layers.{l}.pre_feedforward_layernorm.weight;
+//           blk.{l}.post_attention_norm.weight, post_ffw_norm.weight ->
+//           model.layers.{l}.post_attention_layernorm.weight, post_feedforward_layernorm.weight;
+//           every norm weight stored as 1 + w (llama.cpp's converter adds the 1 Gemma's RMSNorm
+//           applies), read back as w; no output.weight (tied)
+// qwen2, qwen3 and gemma2 rotate as HF does (llama.cpp's NEOX RoPE): their Q/K rows are not permuted;
 // architecture llama's are (mistral's too).
 // Every tensor of the table must be present with its configured shape; a tensor the table has no
 // place for (a bias, say) is refused rather than ignored, since ignoring it would compute another model.

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <fstream>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -40,9 +41,11 @@ struct GgufBuilder {
   std::string kvs;
   uint64_t n_kv = 0;
   std::vector<TensorSpec> tensors;
+  std::set<std::string> omit;  // keys left out when written (a file without an optional key)
 
   // One key-value pair; `value` is the value's bytes (the type id comes first).
   void kv(const std::string& key, uint32_t type, const std::string& value) {
+    if (omit.count(key)) return;
     kvs += gguf_string(key) + raw<uint32_t>(type) + value;
     ++n_kv;
   }
@@ -119,16 +122,20 @@ inline std::vector<float> converter_permute(const std::vector<float>& w, int64_t
   return out;
 }
 
-// A GGUF file of `params` as llama.cpp writes it: the architecture's metadata (llama, qwen2 or qwen3,
-// each key prefixed with it), F32 tensors with GGUF names and innermost-first dims, Llama's Q/K rows
-// permuted (Qwen's rotate halves as HF does: not permuted). Mistral is written as llama.cpp's
-// converter writes it, architecture llama, with its window under llama.attention.sliding_window.
-inline GgufBuilder model_gguf_builder(const ParamSet& params) {
+// A GGUF file of `params` as llama.cpp writes it: the architecture's metadata (llama, qwen2, qwen3 or
+// gemma2, each key prefixed with it), F32 tensors with GGUF names and innermost-first dims, Llama's
+// Q/K rows permuted (Qwen's and Gemma's rotate halves as HF does: not permuted). Mistral is written
+// as llama.cpp's converter writes it, architecture llama, with its window under
+// llama.attention.sliding_window; Gemma 2 with its window and caps, and every norm weight as 1 + w
+// (Gemma2Model.modify_tensors: data_torch + 1, in f32).
+// `omit`: metadata keys to leave out.
+inline GgufBuilder model_gguf_builder(const ParamSet& params, const std::set<std::string>& omit = {}) {
   const LlamaConfig& c = params.config();
   const bool llama_arch = c.family == ModelFamily::llama || c.family == ModelFamily::mistral;
   const std::string arch = llama_arch ? "llama" : model_family_name(c.family);
   const bool permute = llama_arch;
   GgufBuilder b;
+  b.omit = omit;
   b.str("general.architecture", arch);
   b.u32(arch + ".block_count", static_cast<uint32_t>(c.num_hidden_layers));
   b.u32(arch + ".context_length", static_cast<uint32_t>(c.max_position_embeddings));
@@ -141,6 +148,10 @@ inline GgufBuilder model_gguf_builder(const ParamSet& params) {
   b.f32(arch + ".rope.freq_base", static_cast<float>(c.rope_theta));
   b.f32(arch + ".attention.layer_norm_rms_epsilon", static_cast<float>(c.rms_norm_eps));
   if (c.sliding_window > 0) b.u32(arch + ".attention.sliding_window", static_cast<uint32_t>(c.sliding_window));
+  if (c.family == ModelFamily::gemma2) {
+    b.f32(arch + ".attn_logit_softcapping", static_cast<float>(c.attn_logit_softcapping));
+    b.f32(arch + ".final_logit_softcapping", static_cast<float>(c.final_logit_softcapping));
+  }
   std::vector<std::string> tokens;
   for (int64_t i = 0; i < c.vocab_size; ++i) tokens.push_back(fmt::format("t{}", i));
   b.strings("tokenizer.ggml.tokens", tokens);
@@ -154,6 +165,8 @@ inline GgufBuilder model_gguf_builder(const ParamSet& params) {
       values = converter_permute(values, c.num_attention_heads, c.head_dim, c.hidden_size);
     if (permute && s.role == ParamRole::wk)
       values = converter_permute(values, c.num_key_value_heads, c.head_dim, c.hidden_size);
+    if (c.family == ModelFamily::gemma2 && s.name.ends_with("norm.weight"))
+      for (float& v : values) v += 1.0f;
     std::vector<uint64_t> dims(s.shape.rbegin(), s.shape.rend());
     b.tensors.push_back({gguf_tensor_name(s), dims, 0, bytes_of(values)});
   }

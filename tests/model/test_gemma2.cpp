@@ -17,9 +17,11 @@
 // tests/model/test_reference.cpp; the ops: the op table's geglu, rmsnorm offset, embedding scale,
 // attention softcap and lm_head softcap rows (tests/engine/test_backend_ops.cpp).
 #include "engine/random.h"
+#include "model/gguf_llama.h"
 #include "model/kv_store.h"
 #include "model/safetensors.h"
 #include "optim/schedule.h"
+#include "tests/model/gguf_builder.h"
 #include "tests/model/hf_reference.h"
 #include "tests/support.h"
 #include "tools/plan.h"
@@ -297,6 +299,67 @@ TEST_CASE("gemma2: a checkpoint chunkwise writes carries transformers' names and
   init_parameters(fresh, 5, c.initializer_range);
   CHECK(fresh.get("model.layers.0.post_feedforward_layernorm.weight").ptr<double>()[0] == 0.0);
   CHECK(fresh.get("model.norm.weight").ptr<double>()[3] == 0.0);
+}
+
+TEST_CASE("gemma2: a GGUF file of architecture gemma2, as llama.cpp's converter writes it, reads as the model") {
+  // The converter stores every norm weight as 1 + w in f32 (Gemma2Model.modify_tensors) and no
+  // lm_head (tied); the loader subtracts the 1 in f64. Q/K rows unpermuted (NEOX rotation).
+  test::TempDir tmp("gemma2-gguf");
+  LlamaConfig c = test::as_gguf_reads(LlamaConfig::preset("tiny-gemma2"));
+  c.query_pre_attn_scalar = double(c.head_dim);  // GGUF stores no scale: head_dim's (llama.cpp's rule)
+  ParamSet original(c, DType::f32);
+  init_parameters(original, 13, 0.5, 0.1);
+  const std::string path = test::write_file(tmp, "gemma2.gguf", test::model_gguf_builder(original).bytes());
+  const LlamaConfig loaded_config = LlamaConfig::resolve(path);
+  CHECK(loaded_config.to_json() == c.to_json());
+  ParamSet loaded(loaded_config, DType::f64);
+  load_gguf_weights(loaded, GgufReader(path));
+  int norms = 0;
+  for (size_t i = 0; i < original.size(); ++i) {
+    const ParamSpec& spec = original.specs()[i];
+    CAPTURE(spec.name);
+    const float* w = original[i].ptr<float>();
+    const double* got = loaded[i].ptr<double>();
+    bool same = true;
+    for (int64_t e = 0; e < original[i].numel(); ++e) {
+      // The converter's f32 1 + w, read back less 1 in f64; every other tensor bit for bit.
+      const double expected = spec.is_norm() ? double(w[e] + 1.0f) - 1.0 : double(w[e]);
+      same = same && got[e] == expected;
+    }
+    CHECK(same);
+    norms += spec.is_norm() ? 1 : 0;
+  }
+  CHECK(norms == 4 * c.num_hidden_layers + 1);  // input, post-attention, pre- and post-feedforward; final
+
+  // Without the optional keys, llama.cpp's defaults: a window of 4096, caps 50 and 30.
+  const std::string bare = test::write_file(
+      tmp, "bare.gguf",
+      test::model_gguf_builder(original, {"gemma2.attention.sliding_window", "gemma2.attn_logit_softcapping",
+                                          "gemma2.final_logit_softcapping"})
+          .bytes());
+  const LlamaConfig defaults = LlamaConfig::resolve(bare);
+  CHECK(defaults.sliding_window == 4096);
+  CHECK(defaults.attn_logit_softcapping == 50.0);
+  CHECK(defaults.final_logit_softcapping == 30.0);
+  CHECK(defaults.sliding_layers == std::vector<bool>{true, false});
+
+  // 46 layers (the 27B's count): the scale is C / H's, as llama.cpp reads it, not head_dim's.
+  LlamaConfig deep = c;
+  deep.num_hidden_layers = 46;
+  deep.sliding_layers.clear();
+  for (int64_t l = 0; l < 46; ++l) deep.sliding_layers.push_back(l % 2 == 0);
+  const std::string deep_path =
+      test::write_file(tmp, "deep.gguf", test::model_gguf_builder(ParamSet(deep, DType::f32)).bytes());
+  CHECK(LlamaConfig::resolve(deep_path).query_pre_attn_scalar == double(c.hidden_size / c.num_attention_heads));
+
+  // A Gemma 2 file is not read as another architecture's tensors: a window in a qwen2 file is refused.
+  LlamaConfig qwen = test::as_gguf_reads(LlamaConfig::preset("tiny-qwen2"));
+  ParamSet qwen_params(qwen, DType::f32);
+  test::GgufBuilder windowed = test::model_gguf_builder(qwen_params);
+  windowed.u32("qwen2.attention.sliding_window", 5);
+  const std::string message =
+      test::error_of([&] { LlamaConfig::resolve(test::write_file(tmp, "qwen2-window.gguf", windowed.bytes())); });
+  CHECK(test::contains(message, "qwen2.attention.sliding_window in a qwen2 model"));
 }
 
 TEST_CASE("gemma2: the K/V store reads a window in the sliding layers only; the global layers read every key") {
