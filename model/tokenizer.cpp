@@ -116,6 +116,28 @@ uint32_t decode_utf8(std::string_view s, size_t i, size_t len) {
   return cp;
 }
 
+// SentencePiece's stand-in for the space, U+2581 LOWER ONE EIGHTH BLOCK, in UTF-8.
+constexpr const char* kMetaspace = "\xE2\x96\x81";
+
+// What a SentencePiece-style token decodes to: a byte token <0xXX> its byte (HF's ByteFallback
+// decoder, which reads the two digits in either case), any other token its text with "▁" as the
+// space (the Replace decoder).
+std::string sentencepiece_token_bytes(const std::string& token) {
+  if (token.size() == 6 && token.starts_with("<0x") && token.back() == '>' &&
+      std::isxdigit(static_cast<unsigned char>(token[3])) && std::isxdigit(static_cast<unsigned char>(token[4])))
+    return std::string(1, static_cast<char>(std::stoi(token.substr(3, 2), nullptr, 16)));
+  std::string out;
+  for (size_t i = 0; i < token.size();) {
+    if (token.compare(i, 3, kMetaspace) == 0) {
+      out += ' ';
+      i += 3;
+    } else {
+      out += token[i++];
+    }
+  }
+  return out;
+}
+
 }  // namespace
 
 uint32_t byte_to_unicode(uint8_t byte) { return byte_map().to_unicode[byte]; }
@@ -249,6 +271,9 @@ BpeTokenizer::BpeTokenizer(BpeDefinition def)
     special_[a.id] = a.special;
   }
 
+  byte_fallback_ = def.byte_fallback;
+  prepend_metaspace_ = def.prepend_metaspace;
+  strip_leading_space_ = def.strip_leading_space;
   token_text_ = std::move(def.tokens);
   token_bytes_.resize(vocab);
   id_of_text_.reserve(vocab);
@@ -258,21 +283,25 @@ BpeTokenizer::BpeTokenizer(BpeDefinition def)
       fail(fmt::format("{}: token '{}' appears twice, as ids {} and {}", src, token_text_[id], it->second, id),
            damaged);
     // HF's ByteLevel decoder: a token all of whose characters stand for bytes gives those bytes;
-    // any other token (only an added one can be such) gives its own text.
-    token_bytes_[id] = byte_level_to_bytes(token_text_[id]).value_or(token_text_[id]);
+    // any other token (only an added one can be such) gives its own text. SentencePiece-style: its
+    // byte (ByteFallback), or its text with "▁" as the space (Replace).
+    token_bytes_[id] = byte_fallback_ ? sentencepiece_token_bytes(token_text_[id])
+                                      : byte_level_to_bytes(token_text_[id]).value_or(token_text_[id]);
   }
 
   int missing_bytes = 0;
   for (unsigned b = 0; b < 256; ++b) {
     std::string symbol;
-    append_utf8(symbol, byte_to_unicode(static_cast<uint8_t>(b)));
+    if (byte_fallback_) symbol = fmt::format("<0x{:02X}>", b);
+    else append_utf8(symbol, byte_to_unicode(static_cast<uint8_t>(b)));
     const auto it = id_of_text_.find(symbol);
     byte_token_[b] = it == id_of_text_.end() ? kNoToken : it->second;
     missing_bytes += it == id_of_text_.end();
   }
   // Real vocabularies may lack a few (SmolLM2 lacks 21: bytes that never occur in UTF-8 and rare
-  // control characters), but one that lacks most is not byte-level.
-  if (missing_bytes > 128)
+  // control characters), but one that lacks most is not byte-level. (With byte fallback a missing
+  // byte token only sends its characters to the unknown token.)
+  if (!byte_fallback_ && missing_bytes > 128)
     fail(fmt::format("{}: the vocabulary has tokens for only {} of the 256 byte characters", src, 256 - missing_bytes),
          "this is not a byte-level BPE vocabulary (GPT-2's byte-to-unicode map)");
   if (def.unk_token) {
@@ -308,7 +337,8 @@ BpeTokenizer::BpeTokenizer(BpeDefinition def)
   added_ = std::move(def.added);
   for (const AddedToken& a : added_) {
     AddedMatcher& set = a.normalized ? normalized_added_ : raw_added_;
-    std::string text = a.normalized && normalizer_ == Normalizer::nfc ? nfc_normalize(a.content) : a.content;
+    std::string storage;
+    std::string text(a.normalized ? normalize(a.content, storage) : std::string_view(a.content));
     set.first_byte[static_cast<unsigned char>(text[0])] = true;
     set.texts.emplace_back(std::move(text), a.id);
   }
@@ -372,12 +402,25 @@ void BpeTokenizer::encode_into(std::string_view text, std::vector<uint32_t>& out
   split_at_added(raw_added_, text, out, [&](std::string_view stretch) { encode_stretch(stretch, out); });
 }
 
+std::string_view BpeTokenizer::normalize(std::string_view text, std::string& storage) const {
+  storage.clear();
+  if (normalizer_ == Normalizer::nfc) {
+    storage = nfc_normalize(text);
+    return storage;
+  }
+  if (!byte_fallback_) return text;
+  // HF's Prepend adds to a non-empty string only; Replace then writes "▁" for each space.
+  if (prepend_metaspace_ && !text.empty()) storage += kMetaspace;
+  for (const char c : text) {
+    if (c == ' ') storage += kMetaspace;
+    else storage += c;
+  }
+  return storage;
+}
+
 void BpeTokenizer::encode_stretch(std::string_view text, std::vector<uint32_t>& out) const {
   std::string normalized;
-  if (normalizer_ == Normalizer::nfc) {
-    normalized = nfc_normalize(text);
-    text = normalized;
-  }
+  text = normalize(text, normalized);
   split_at_added(normalized_added_, text, out, [&](std::string_view piece) { encode_pieces(piece, out); });
 }
 
@@ -409,7 +452,7 @@ void BpeTokenizer::encode_piece(std::string_view piece, std::vector<uint32_t>& o
 
 void BpeTokenizer::bpe(std::string_view piece, std::vector<uint32_t>& out) const {
   if (ignore_merges_) {
-    const auto it = id_of_text_.find(bytes_to_byte_level(piece));
+    const auto it = id_of_text_.find(byte_fallback_ ? std::string(piece) : bytes_to_byte_level(piece));
     if (it != id_of_text_.end()) {
       out.push_back(it->second);
       return;
@@ -432,20 +475,40 @@ void BpeTokenizer::bpe(std::string_view piece, std::vector<uint32_t>& out) const
   };
   thread_local std::vector<Symbol> symbols;
   thread_local std::vector<Candidate> heap;
-  // One symbol per byte. A byte the vocabulary has no token for becomes the unknown token where
-  // there is one (consecutive ones fused into one with fuse_unk) and is dropped otherwise, its
-  // neighbours becoming adjacent: what HF's BPE does.
+  // Byte-level: one symbol per byte. SentencePiece-style: one per character, a character without a
+  // token of its own falling back to its bytes' tokens (all of them, or none: HF's byte_fallback).
+  // A symbol without a token becomes the unknown token where there is one (consecutive ones fused
+  // into one with fuse_unk) and is dropped otherwise, its neighbours becoming adjacent: what HF's BPE
+  // does. (Invalid UTF-8 is a character of one byte here; HF's input is always valid.)
   symbols.clear();
-  for (char c : piece) {
-    uint32_t id = byte_token_[static_cast<unsigned char>(c)];
+  const auto push = [&](uint32_t id) {
     if (id == kNoToken) {
-      if (!unk_id_) continue;
-      if (fuse_unk_ && !symbols.empty() && symbols.back().id == *unk_id_) continue;
+      if (!unk_id_) return;
+      if (fuse_unk_ && !symbols.empty() && symbols.back().id == *unk_id_) return;
       id = *unk_id_;
     }
     const auto i = static_cast<int32_t>(symbols.size());
     symbols.push_back({id, i - 1, -1, true});
     if (i > 0) symbols[static_cast<size_t>(i - 1)].next = i;
+  };
+  if (!byte_fallback_) {
+    for (const char c : piece) push(byte_token_[static_cast<unsigned char>(c)]);
+  } else {
+    for (size_t i = 0; i < piece.size();) {
+      bool valid = true;
+      const size_t len = utf8_sequence(piece, i, &valid);
+      const std::string_view character = piece.substr(i, len);
+      const auto it = valid ? id_of_text_.find(character) : id_of_text_.end();
+      if (it != id_of_text_.end()) {
+        push(it->second);
+      } else if (std::all_of(character.begin(), character.end(),
+                             [&](char c) { return byte_token_[static_cast<unsigned char>(c)] != kNoToken; })) {
+        for (const char c : character) push(byte_token_[static_cast<unsigned char>(c)]);
+      } else {
+        push(kNoToken);
+      }
+      i += len;
+    }
   }
   const auto n = static_cast<int32_t>(symbols.size());
   if (n == 0) return;
@@ -491,6 +554,7 @@ std::string BpeTokenizer::decode(std::span<const uint32_t> ids, bool skip_specia
     if (skip_special && special_[id]) continue;
     text += token_bytes_[id];
   }
+  if (strip_leading_space_ && !text.empty() && text.front() == ' ') text.erase(0, 1);
   return text;
 }
 
@@ -517,9 +581,14 @@ nlohmann::json BpeTokenizer::to_json() const {
           {"eos_token_id", id_or_null(eos_id_)},
           {"pad_token_id", id_or_null(pad_id_)},
           {"add_bos", add_bos_},
-          {"normalizer", normalizer_ == Normalizer::nfc ? "NFC" : "none"},
+          {"normalizer", normalizer_ == Normalizer::nfc ? "NFC"
+                         : byte_fallback_           ? (prepend_metaspace_ ? "Prepend + Replace" : "Replace")
+                                                    : "none"},
           {"source", source_},
-          {"description", "byte-level BPE (GPT-2 byte map, merges by rank, added tokens split out first)"}};
+          {"description", byte_fallback_ ? "SentencePiece-style BPE (spaces as U+2581, byte fallback, merges by rank, "
+                                           "added tokens split out first)"
+                                         : "byte-level BPE (GPT-2 byte map, merges by rank, added tokens split out "
+                                           "first)"}};
 }
 
 nlohmann::json BpeTokenizer::hf_tokenizer_json() const {
@@ -542,6 +611,22 @@ nlohmann::json BpeTokenizer::hf_tokenizer_json() const {
   for (const std::string& pattern : pretokenizer_.patterns())
     steps.push_back({{"type", "Split"}, {"pattern", {{"Regex", pattern}}}, {"behavior", "Isolated"}, {"invert", false}});
   steps.push_back({{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", false}});
+  nlohmann::json normalizer = normalizer_ == Normalizer::nfc ? nlohmann::json{{"type", "NFC"}} : nlohmann::json();
+  nlohmann::json pre_tokenizer = {{"type", "Sequence"}, {"pretokenizers", std::move(steps)}};
+  nlohmann::json decoder = {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", true}, {"use_regex", true}};
+  if (byte_fallback_) {  // the SentencePiece pipeline of Gemma's and Llama 2's files
+    const nlohmann::json replace = {{"type", "Replace"}, {"pattern", {{"String", " "}}}, {"content", kMetaspace}};
+    normalizer = prepend_metaspace_ ? nlohmann::json{{"type", "Sequence"},
+                                                     {"normalizers", {{{"type", "Prepend"}, {"prepend", kMetaspace}},
+                                                                      replace}}}
+                                    : replace;
+    pre_tokenizer = nullptr;
+    nlohmann::json decoders = {{{"type", "Replace"}, {"pattern", {{"String", kMetaspace}}}, {"content", " "}},
+                               {{"type", "ByteFallback"}},
+                               {{"type", "Fuse"}}};
+    if (strip_leading_space_) decoders.push_back({{"type", "Strip"}, {"content", " "}, {"start", 1}, {"stop", 0}});
+    decoder = {{"type", "Sequence"}, {"decoders", std::move(decoders)}};
+  }
   nlohmann::json post_processor = nullptr;
   if (add_bos_) {
     const std::string& bos = token_text_[*bos_id_];
@@ -559,7 +644,7 @@ nlohmann::json BpeTokenizer::hf_tokenizer_json() const {
                           {"continuing_subword_prefix", nullptr},
                           {"end_of_word_suffix", nullptr},
                           {"fuse_unk", fuse_unk_},
-                          {"byte_fallback", false},
+                          {"byte_fallback", byte_fallback_},
                           {"ignore_merges", ignore_merges_},
                           {"vocab", std::move(vocab)},
                           {"merges", std::move(by_rank)}};
@@ -567,10 +652,10 @@ nlohmann::json BpeTokenizer::hf_tokenizer_json() const {
           {"truncation", nullptr},
           {"padding", nullptr},
           {"added_tokens", std::move(added_tokens)},
-          {"normalizer", normalizer_ == Normalizer::nfc ? nlohmann::json{{"type", "NFC"}} : nlohmann::json()},
-          {"pre_tokenizer", {{"type", "Sequence"}, {"pretokenizers", std::move(steps)}}},
+          {"normalizer", std::move(normalizer)},
+          {"pre_tokenizer", std::move(pre_tokenizer)},
           {"post_processor", std::move(post_processor)},
-          {"decoder", {{"type", "ByteLevel"}, {"add_prefix_space", true}, {"trim_offsets", true}, {"use_regex", true}}},
+          {"decoder", std::move(decoder)},
           {"model", std::move(model)}};
 }
 
@@ -707,6 +792,58 @@ Normalizer parse_normalizer(const nlohmann::json& root, const std::string& sourc
   return types.empty() ? Normalizer::none : Normalizer::nfc;
 }
 
+// SentencePiece-style tokenizer.json (model.byte_fallback): the normalizer must be Replace(" ", "▁"),
+// alone (Gemma) or after Prepend("▁") (Llama 2, Mistral 7B v0.1); returns whether the Prepend is there.
+bool parse_sentencepiece_normalizer(const nlohmann::json& root, const std::string& source) {
+  const char* hint =
+      "this build reads the SentencePiece pipeline of Gemma's and Llama 2's tokenizer.json: the normalizer "
+      "Replace(\" \", \"\u2581\") after an optional Prepend(\"\u2581\"); encode this model's text with HF tokenizers";
+  if (is_null_or_absent(root, "normalizer"))
+    fail(fmt::format("{}: model.byte_fallback without a normalizer: the spaces would not become U+2581", source), hint);
+  const nlohmann::json& node = root.at("normalizer");
+  const auto is_replace = [&](const nlohmann::json& n, const std::string& where) {
+    return string_at(n, "type", source, where) == "Replace" && n.contains("pattern") && n.at("pattern").is_object() &&
+           n.at("pattern").contains("String") && n.at("pattern").at("String") == " " && n.contains("content") &&
+           n.at("content") == kMetaspace;
+  };
+  if (is_replace(node, "normalizer")) return false;
+  if (string_at(node, "type", source, "normalizer") == "Sequence" && node.contains("normalizers") &&
+      node.at("normalizers").is_array() && node.at("normalizers").size() == 2) {
+    const auto& first = node.at("normalizers")[0];
+    if (string_at(first, "type", source, "normalizer.normalizers[0]") == "Prepend" && first.contains("prepend") &&
+        first.at("prepend") == kMetaspace && is_replace(node.at("normalizers")[1], "normalizer.normalizers[1]"))
+      return true;
+  }
+  fail(fmt::format("{}: with model.byte_fallback the normalizer is {}, not the SentencePiece one", source,
+                   node.dump().substr(0, 200)),
+       hint);
+}
+
+// SentencePiece-style tokenizer.json: the decoder must be Replace("▁", " "), ByteFallback, Fuse and
+// an optional Strip(" ", 1, 0), in that order; returns whether the Strip is there.
+bool parse_sentencepiece_decoder(const nlohmann::json& root, const std::string& source) {
+  const char* hint = "this build decodes as Gemma's and Llama 2's tokenizer.json do: Replace(\"\u2581\", \" \"), "
+                     "ByteFallback, Fuse, and optionally Strip(\" \", 1, 0)";
+  if (is_null_or_absent(root, "decoder"))
+    fail(fmt::format("{}: model.byte_fallback without a decoder", source), hint);
+  const nlohmann::json& node = root.at("decoder");
+  const std::vector<nlohmann::json> expected = {
+      {{"type", "Replace"}, {"pattern", {{"String", kMetaspace}}}, {"content", " "}},
+      {{"type", "ByteFallback"}},
+      {{"type", "Fuse"}},
+      {{"type", "Strip"}, {"content", " "}, {"start", 1}, {"stop", 0}}};
+  if (node.is_object() && node.value("type", "") == "Sequence" && node.contains("decoders") &&
+      node.at("decoders").is_array()) {
+    const auto& steps = node.at("decoders");
+    if ((steps.size() == 3 || steps.size() == 4) &&
+        std::equal(steps.begin(), steps.end(), expected.begin()))
+      return steps.size() == 4;
+  }
+  fail(fmt::format("{}: with model.byte_fallback the decoder is {}, not the SentencePiece one", source,
+                   node.dump().substr(0, 200)),
+       hint);
+}
+
 // The name of a known pre-tokenizer with exactly these patterns, else "tokenizer.json".
 std::string name_of_patterns(const std::vector<std::string>& patterns, const std::string& source) {
   for (const std::string& name : Pretokenizer::known_names())
@@ -775,9 +912,9 @@ BpeTokenizer BpeTokenizer::from_tokenizer_json_text(const std::string& text, con
   if (model.contains("type") && string_at(model, "type", source, "model") != "BPE")
     fail(fmt::format("{}: model.type is '{}', not 'BPE'", source, model.at("type").get<std::string>()),
          "only byte-level BPE tokenizers are supported (not WordPiece, Unigram or WordLevel)");
-  if (bool_or(model, "byte_fallback", false, source, "model"))
-    fail(fmt::format("{}: model.byte_fallback is true: a SentencePiece-style BPE, not byte-level", source),
-         "only byte-level BPE tokenizers (GPT-2, Llama 3, SmolLM) are supported");
+  // SentencePiece-style BPE (Gemma, Llama 2, Mistral 7B v0.1): its own normalizer and decoder, no
+  // pre-tokenizer (model/tokenizer.h).
+  const bool sentencepiece = bool_or(model, "byte_fallback", false, source, "model");
   const bool no_dropout = is_null_or_absent(model, "dropout") ||
                           (model.at("dropout").is_number() && model.at("dropout").get<double>() == 0);
   if (!no_dropout)
@@ -786,13 +923,20 @@ BpeTokenizer BpeTokenizer::from_tokenizer_json_text(const std::string& text, con
   for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"})
     if (!is_null_or_absent(model, key) && !(model.at(key).is_string() && model.at(key).get<std::string>().empty()))
       fail(fmt::format("{}: model.{} is set, which byte-level BPE does not use", source, key), kDamagedJson);
-  if (!is_null_or_absent(root, "decoder") && string_at(root.at("decoder"), "type", source, "decoder") != "ByteLevel")
+  if (!sentencepiece && !is_null_or_absent(root, "decoder") &&
+      string_at(root.at("decoder"), "type", source, "decoder") != "ByteLevel")
     fail(fmt::format("{}: decoder is '{}', not ByteLevel", source, root.at("decoder").at("type").get<std::string>()),
          kDamagedJson);
 
   BpeDefinition def;
   def.source = source;
-  def.normalizer = parse_normalizer(root, source);
+  if (sentencepiece) {
+    def.byte_fallback = true;
+    def.prepend_metaspace = parse_sentencepiece_normalizer(root, source);
+    def.strip_leading_space = parse_sentencepiece_decoder(root, source);
+  } else {
+    def.normalizer = parse_normalizer(root, source);
+  }
   def.ignore_merges = bool_or(model, "ignore_merges", false, source, "model");
   if (!is_null_or_absent(model, "unk_token")) def.unk_token = string_at(model, "unk_token", source, "model");
   def.fuse_unk = bool_or(model, "fuse_unk", false, source, "model");
@@ -864,14 +1008,24 @@ BpeTokenizer BpeTokenizer::from_tokenizer_json_text(const std::string& text, con
   }
 
   bool byte_level = false;
-  if (is_null_or_absent(root, "pre_tokenizer"))
-    fail(fmt::format("{}: key 'pre_tokenizer' is missing", source),
-         "byte-level BPE needs a ByteLevel pre-tokenizer; this is not such a tokenizer");
-  parse_pretokenizer(root.at("pre_tokenizer"), def.pretokenizer_patterns, byte_level, source, "pre_tokenizer");
-  if (!byte_level)
-    fail(fmt::format("{}: the pre-tokenizer has no ByteLevel step", source),
-         "only byte-level BPE tokenizers (GPT-2, Llama 3, SmolLM) are supported");
-  def.pretokenizer_name = name_of_patterns(def.pretokenizer_patterns, source);
+  if (sentencepiece) {
+    // Each stretch between added tokens is one piece (Metaspace's splitting is not read).
+    if (!is_null_or_absent(root, "pre_tokenizer"))
+      fail(fmt::format("{}: with model.byte_fallback the pre_tokenizer is '{}'; this build reads the SentencePiece "
+                       "pipeline without one (Gemma's, Llama 2's)",
+                       source, root.at("pre_tokenizer").is_object() ? root.at("pre_tokenizer").value("type", "?") : "?"),
+           "encode this model's text with HF tokenizers");
+    def.pretokenizer_name = "none";
+  } else {
+    if (is_null_or_absent(root, "pre_tokenizer"))
+      fail(fmt::format("{}: key 'pre_tokenizer' is missing", source),
+           "byte-level BPE needs a ByteLevel pre-tokenizer; this is not such a tokenizer");
+    parse_pretokenizer(root.at("pre_tokenizer"), def.pretokenizer_patterns, byte_level, source, "pre_tokenizer");
+    if (!byte_level)
+      fail(fmt::format("{}: the pre-tokenizer has no ByteLevel step", source),
+           "byte-level BPE (GPT-2, Llama 3, SmolLM, Qwen) needs one; SentencePiece-style BPE sets model.byte_fallback");
+    def.pretokenizer_name = name_of_patterns(def.pretokenizer_patterns, source);
+  }
   const std::optional<std::string> first_special = is_null_or_absent(root, "post_processor")
                                                        ? std::nullopt
                                                        : template_first_special(root.at("post_processor"));

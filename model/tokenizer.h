@@ -1,5 +1,6 @@
-// Tokenizers: text <-> token ids. One small interface (`Tokenizer`) and the byte-level BPE of the
-// GPT-2 / Llama 3 / SmolLM families (`BpeTokenizer`); the demo's byte tokenizer implements the same
+// Tokenizers: text <-> token ids. One small interface (`Tokenizer`) and BPE (`BpeTokenizer`), in the
+// byte-level form of the GPT-2 / Llama 3 / SmolLM / Qwen families and the SentencePiece form of
+// Gemma 2, Llama 2 and Mistral 7B v0.1 (below); the demo's byte tokenizer implements the same
 // interface in tools/data/tokenizer.h.
 //
 // Byte-level BPE, as HF `tokenizers` runs it (ids identical to it: tools/data/tokenizer_vs_hf.py):
@@ -27,6 +28,17 @@
 // so decode(encode(s)) == s for every byte string s whose bytes all have tokens (with NFC: and that is
 // already in NFC, as ASCII is). A decoded byte string need not be valid UTF-8 (one token may hold half
 // a character); `replace_invalid_utf8` makes text of it as HF's decode does.
+//
+// SentencePiece-style BPE (tokenizer.json's model.byte_fallback, as HF `tokenizers` runs it; ids
+// identical to it: tests/data/spm_style_tokenizers.py). The same steps with three differences:
+//   - the normalizer writes "▁" (U+2581) for every space (Replace), and with Prepend (Llama 2,
+//     Mistral) one more "▁" in front of each stretch between added tokens that is not empty; there is
+//     no pre-tokenizer, so a stretch is one piece;
+//   - the symbols BPE starts from are the piece's characters, each its own token; a character
+//     without one falls back to the tokens of its UTF-8 bytes, <0x00> ... <0xFF> (byte_fallback),
+//     and to the unknown token where one of those is missing;
+//   - decode writes a token's text with "▁" as a space and a byte token as its byte; with the
+//     decoder's Strip(" ", 1, 0) (Llama 2, Mistral) the text's first space goes (the prepended one).
 //
 // Loaders: an HF tokenizer.json (`from_tokenizer_json`) and GGUF metadata (`from_gguf`, a plain
 // struct that the GGUF reader fills). Each checks its file's structure and produces a `BpeDefinition`
@@ -128,6 +140,12 @@ struct BpeDefinition {
   // with fuse_unk, a run of such bytes gives one.
   std::optional<std::string> unk_token;
   bool fuse_unk = false;
+  // SentencePiece-style BPE (see the top of this file): tokens spelled as text with "▁" for the space,
+  // the byte tokens <0x00> ... <0xFF>; spaces become "▁" before encoding, with prepend_metaspace a
+  // "▁" goes in front of each stretch; decoding drops the text's first space with strip_leading_space.
+  bool byte_fallback = false;
+  bool prepend_metaspace = false;
+  bool strip_leading_space = false;
   std::optional<uint32_t> bos_id, eos_id, pad_id;
   bool add_bos = false;       // a prompt starts with BOS (see Tokenizer::add_bos)
   std::string chat_template;  // the model's Jinja chat template, kept for tools that format chats
@@ -160,7 +178,10 @@ class BpeTokenizer final : public Tokenizer {
   BpeTokenizer& operator=(BpeTokenizer&&) noexcept;
   ~BpeTokenizer() override;
   // An HF tokenizer.json: model.vocab, model.merges ("a b" strings or [a, b] pairs), added_tokens,
-  // normalizer (null, NFC, or a Sequence of NFC only), pre_tokenizer (ByteLevel, Split with behavior Isolated, Digits, Sequence of them), and whether
+  // normalizer (null, NFC, or a Sequence of NFC only), pre_tokenizer (ByteLevel, Split with behavior
+  // Isolated, Digits, Sequence of them); or, with model.byte_fallback, the SentencePiece pipeline
+  // (normalizer Replace(" ", "▁") after an optional Prepend("▁"), no pre_tokenizer, the decoder
+  // Replace("▁", " "), ByteFallback, Fuse and an optional Strip(" ", 1, 0)); and whether
   // its post_processor (TemplateProcessing, alone or in a Sequence) puts the BOS token first; with
   // tokenizer_config.json beside it, its bos_token, eos_token, pad_token, add_bos_token and
   // chat_template.
@@ -206,6 +227,7 @@ class BpeTokenizer final : public Tokenizer {
   Normalizer normalizer() const { return normalizer_; }
   // Whether byte b has a token of its own (if not, encode drops it or gives the unknown token).
   bool has_byte_token(uint8_t b) const { return byte_token_[b] != kNoToken; }
+  bool byte_fallback() const { return byte_fallback_; }
 
  private:
   struct Merge {
@@ -226,6 +248,11 @@ class BpeTokenizer final : public Tokenizer {
   // A stretch between raw-matched added tokens: normalize, cut out the normalized-matched added
   // tokens, pre-tokenize and encode the rest.
   void encode_stretch(std::string_view text, std::vector<uint32_t>& out) const;
+  // The normalizer's output for a stretch (NFC, or SentencePiece's "▁" for the space); `text` itself
+  // when there is none (then `storage` is left empty).
+  std::string_view normalize(std::string_view text, std::string& storage) const;
+  // The symbols BPE starts from: one per byte (byte-level) or per character with byte fallback.
+  template <class Push> void initial_symbols(std::string_view piece, Push&& push) const;
   void encode_pieces(std::string_view text, std::vector<uint32_t>& out) const;
 
   std::string source_;
@@ -240,7 +267,10 @@ class BpeTokenizer final : public Tokenizer {
   std::unordered_map<uint64_t, Merge> merges_;
   size_t merge_count_ = 0;
   static constexpr uint32_t kNoToken = UINT32_MAX;
-  std::array<uint32_t, 256> byte_token_{};  // the id of each byte's one-character token, or kNoToken
+  // The id of each byte's token, or kNoToken: byte-level, its one-character token; SentencePiece-style,
+  // <0xXX>.
+  std::array<uint32_t, 256> byte_token_{};
+  bool byte_fallback_ = false, prepend_metaspace_ = false, strip_leading_space_ = false;
   std::optional<uint32_t> unk_id_;
   bool fuse_unk_ = false;
   std::vector<AddedToken> added_;           // as given

@@ -471,9 +471,18 @@ TEST_CASE("tokenizer: malformed tokenizer.json files fail with one clear line") 
   j = good;
   j["model"]["type"] = "WordPiece";
   CHECK(contains(error_for(j), "model.type is 'WordPiece', not 'BPE'"));
+  // byte_fallback (SentencePiece-style) with the byte-level file's normalizer, pre-tokenizer or decoder.
   j = good;
   j["model"]["byte_fallback"] = true;
-  CHECK(contains(error_for(j), "byte_fallback is true"));
+  CHECK(contains(error_for(j), "model.byte_fallback without a normalizer: the spaces would not become U+2581"));
+  j["normalizer"] = nlohmann::json::parse(R"({"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"})");
+  CHECK(contains(error_for(j), "with model.byte_fallback the decoder is {\"type\":\"ByteLevel\"}, not the SentencePiece "
+                               "one"));
+  j["decoder"] = nlohmann::json::parse(R"({"type": "Sequence", "decoders": [{"type": "Replace", "pattern":
+      {"String": "\u2581"}, "content": " "}, {"type": "ByteFallback"}, {"type": "Fuse"}]})");
+  CHECK(contains(error_for(j), "with model.byte_fallback the pre_tokenizer is 'Sequence'"));
+  j["normalizer"] = nlohmann::json::parse(R"({"type": "Replace", "pattern": {"String": " "}, "content": "_"})");
+  CHECK(contains(error_for(j), "with model.byte_fallback the normalizer is {"));
   // Normalizers: none or NFC (alone or a Sequence of NFC only) are applied; any other is refused by type.
   for (const char* type : {"NFD", "NFKC", "NFKD", "Lowercase", "Strip", "Replace", "Prepend", "BertNormalizer"}) {
     CAPTURE(type);
@@ -750,6 +759,62 @@ std::string ids_text(const Ids& ids) {
     text += std::to_string(ids[i]);
   }
   return text;
+}
+
+TEST_CASE("tokenizer: SentencePiece-style tokenizer.json files (Gemma's, Llama 2's pipelines) give HF's ids") {
+  // tests/data/spm_style_tokenizers.py: byte fallback, spaces as U+2581, no pre-tokenizer; the Llama 2
+  // style prepends U+2581 to every stretch between added tokens and strips the first space when
+  // decoding. Vocabularies trained on the corpus with a limited alphabet: rarer characters go through
+  // the byte tokens.
+  struct Style {
+    const char* name;
+    bool prepend;
+    const char* bos;
+  };
+  for (const Style style : {Style{"gemma_style", false, "<bos>"}, Style{"llama2_style", true, "<s>"}}) {
+    CAPTURE(style.name);
+    const std::string json_path = (kData / fmt::format("{}_tokenizer.json", style.name)).string();
+    const BpeTokenizer tok = BpeTokenizer::from_tokenizer_json(json_path);
+    CHECK(tok.byte_fallback());
+    CHECK(tok.pretokenizer().name() == "none");
+    REQUIRE(tok.token_id("<0x0A>").has_value());
+    CHECK(tok.decode(Ids{*tok.token_id("<0x0A>")}) == "\n");
+    CHECK(tok.token_id(style.bos).has_value());
+    // The written files read back as the same tokenizer (a checkpoint carries them).
+    const BpeTokenizer back =
+        BpeTokenizer::from_tokenizer_json_text(tok.hf_tokenizer_json().dump(), "written tokenizer.json");
+    CHECK(back.byte_fallback());
+    int64_t compared = 0, fallback = 0;
+    for (const std::string name : {"tokenizer_corpus", "tokenizer_special_lines"}) {
+      const std::vector<std::string> lines = lines_of(kData / fmt::format("{}.txt", name));
+      const std::vector<std::string> expected = lines_of(kData / fmt::format("{}.{}.ids", name, style.name));
+      REQUIRE(lines.size() == expected.size());
+      std::vector<std::string> decoded;
+      if (name == std::string("tokenizer_special_lines"))
+        decoded = lines_of(kData / fmt::format("{}.{}.decoded", name, style.name));
+      for (size_t i = 0; i < lines.size(); ++i) {
+        CAPTURE(name);
+        CAPTURE(i + 1);  // the line number
+        const Ids ids = tok.encode(lines[i]);
+        CHECK(ids_text(ids) == expected[i]);
+        CHECK(back.encode(lines[i]) == ids);
+        // HF's decode: the line itself for the corpus (the script checks), its recorded text for the
+        // lines with special tokens (where the Llama 2 style's prepended U+2581 come back as spaces).
+        CHECK(tok.decode(ids) == (decoded.empty() ? lines[i] : decoded[i]));
+        for (uint32_t id : ids) fallback += tok.token_text(id).starts_with("<0x");
+        ++compared;
+      }
+    }
+    CHECK(compared == 58 + 6);
+    CHECK(fallback > 100);  // the byte fallback is exercised
+    // By hand: a space and a character without a token of its own. "a ☃": U+2581 for the space (with
+    // Prepend one more in front), then the snowman's three UTF-8 bytes as byte tokens.
+    const Ids snow = tok.encode("a \xe2\x98\x83");
+    REQUIRE(snow.size() >= 3);
+    const Ids tail(snow.end() - 3, snow.end());
+    CHECK(tail == Ids{*tok.token_id("<0xE2>"), *tok.token_id("<0x98>"), *tok.token_id("<0x83>")});
+    CHECK(tok.token_text(snow.front()).starts_with(style.prepend ? "\xe2\x96\x81" : "a"));
+  }
 }
 
 TEST_CASE("tokenizer: a Qwen2-style tokenizer.json (NFC, Qwen2's regex) gives HF's ids, decomposed text included") {
