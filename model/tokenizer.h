@@ -228,6 +228,10 @@ class BpeTokenizer final : public Tokenizer {
   // Whether byte b has a token of its own (if not, encode drops it or gives the unknown token).
   bool has_byte_token(uint8_t b) const { return byte_token_[b] != kNoToken; }
   bool byte_fallback() const { return byte_fallback_; }
+  // SentencePiece's Prepend (a U+2581 in front of each stretch) or the decoder's Strip: then a
+  // token's decoded bytes do not line up with the text's (the prepended U+2581 stands for no
+  // character of it).
+  bool shifts_text() const { return prepend_metaspace_ || strip_leading_space_; }
 
  private:
   struct Merge {

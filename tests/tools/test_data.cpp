@@ -734,6 +734,26 @@ TEST_CASE("tokenize --jsonl and --chat-jsonl: every malformed record fails namin
   }
   CHECK(contains(error_of([&] { tokenize_chat_jsonl(tok, {dir.file("chat.jsonl")}, dir.file("out.bin")); }),
                  "the bytes tokenizer has no chat template"));
+  // A SentencePiece tokenizer that prepends U+2581 to each stretch (Llama 2's, Mistral's): its
+  // tokens' bytes would not line up with the text, so the assistant's cannot be marked.
+  const BpeTokenizer prepending = [] {
+    BpeDefinition def;
+    def.source = "prepending vocabulary";
+    def.byte_fallback = true;
+    def.prepend_metaspace = true;
+    def.strip_leading_space = true;
+    for (int b = 0; b < 256; ++b) def.tokens.push_back(fmt::format("<0x{:02X}>", b));
+    def.added = {{"<|im_start|>", 256, true}, {"<|im_end|>", 257, true}};
+    for (const AddedToken& a : def.added) def.tokens.push_back(a.content);
+    def.pretokenizer_name = "none";
+    def.chat_template = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
+                        "'<|im_end|>' + '\n'}}{% endfor %}";
+    return BpeTokenizer(def);
+  }();
+  write_text(dir.file("chat.jsonl"), chat_good + "\n");
+  CHECK(contains(error_of([&] { tokenize_chat_jsonl(prepending, {dir.file("chat.jsonl")}, dir.file("out.bin")); }),
+                 "puts a U+2581 in front of each stretch of text"));
+  CHECK(!fs::exists(dir.file("out.bin")));
   write_text(dir.file("empty.jsonl"), "\n\n");
   CHECK(contains(error_of([&] { tokenize_jsonl(tok, {dir.file("empty.jsonl")}, dir.file("out.bin")); }),
                  "hold no document: 0 records"));

@@ -530,6 +530,15 @@ std::vector<ChatMessage> chat_messages(const nlohmann::json& record, const Recor
 TokenizeCounts tokenize_chat_jsonl(const Tokenizer& tokenizer, const std::vector<std::string>& inputs,
                                    const std::string& output_shard) {
   const ChatMlTemplate chat = chat_template_for(tokenizer);
+  // The assistant's tokens are found by laying each token's decoded bytes end to end over the text
+  // (assistant_mask): a tokenizer that prepends a U+2581 to each stretch (Llama 2's, Mistral's) would
+  // shift them.
+  if (const auto* bpe = dynamic_cast<const BpeTokenizer*>(&tokenizer); bpe && bpe->shifts_text())
+    fail(fmt::format("tokenize --chat-jsonl: the tokenizer '{}' puts a U+2581 in front of each stretch of text (the "
+                     "SentencePiece Prepend of Llama 2 and Mistral), so its tokens cannot be lined up with the "
+                     "conversation's characters to mark the assistant's",
+                     bpe->source()),
+         "mark the assistant's tokens with HF's apply_chat_template(..., return_assistant_tokens_mask=True)");
   const char* example = R"({"messages": [{"role": "user", "content": "..."}, {"role": "assistant", "content": "..."}]})";
   TokenizeCounts counts;
   ShardBuilder shard(kFlagDocStart | kFlagLoss);
