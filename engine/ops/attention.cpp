@@ -197,15 +197,13 @@ int64_t workspace_budget(int device) {
 }
 #endif
 
-// Whether `kernel` (a concrete family) can take the call; if not, *why says so.
+// Whether `kernel` (a concrete family) can take the call; if not, *why says so. The shape's rules
+// first (cudnn_takes_shape and the others, below), then what depends on the operands and the device.
 bool serves(AttentionKernel kernel, const AttentionCall& call, const AttentionFlags& flags, bool forced,
             std::string* why) {
   const bool cpu = call.device.is_cpu();
   [[maybe_unused]] const bool causal = call.mask == AttentionMask::causal;
-  const bool tensor_cores = call.dtype == DType::bf16 && (call.D == 64 || call.D == 128) && call.tensor_core_operands;
-  // A score cap is one more map of every score inside the softmax and a factor in dS: the SIMT flash
-  // kernels compute it; our cuDNN graphs and the tensor-core kernels do not.
-  const bool capped = call.softcap > 0;
+  const AttentionShape shape{call.dtype, call.D, call.window.size > 0, call.softcap > 0};
   switch (kernel) {
     case AttentionKernel::cpu:
       *why = "the operands are on a GPU";
@@ -213,18 +211,7 @@ bool serves(AttentionKernel kernel, const AttentionCall& call, const AttentionFl
     case AttentionKernel::cudnn:
 #if CW_HAVE_CUDNN
       if (cpu) break;
-      if (capped) {
-        *why = "our cuDNN graphs have no score cap (flash-simt computes it)";
-        return false;
-      }
-      // Our cuDNN graphs (attention_cudnn_graphs.cu) build the causal mask from pointwise nodes and
-      // their plans are keyed by shape and mask; a window would be one more comparison in every
-      // graph, plan key and split-prefix form, and cuDNN would still run the tiles left of the
-      // window. The flash families skip those tiles, so they take every windowed call.
-      if (call.window.size > 0) {
-        *why = "our cuDNN graphs have no sliding-window mask (the flash kernels honour it)";
-        return false;
-      }
+      if (!cudnn_takes_shape(shape, why)) return false;
       // Automatic, determinism off: a SeCO call whose plan is still being built ahead runs on flash
       // rather than wait for it (the first step; engine.h, cudnn_plan_threads). With determinism
       // on, which kernel runs must not depend on timing, so the call waits.
@@ -253,9 +240,9 @@ bool serves(AttentionKernel kernel, const AttentionCall& call, const AttentionFl
     case AttentionKernel::flash_wgmma:
 #if CW_HAVE_CUDA
       if (cpu) break;
-      if (!tensor_cores || capped) {
-        *why = capped ? "no score cap in its kernels (flash-simt computes it)"
-                      : "needs bf16, head dim 64 or 128 and 16-byte aligned operands";
+      if (!tensor_core_flash_takes_shape(shape, why)) return false;
+      if (!call.tensor_core_operands) {
+        *why = "needs 16-byte aligned operands";
         return false;
       }
       if (!gpu::flash_wgmma_available(call.device.index)) {
@@ -267,13 +254,12 @@ bool serves(AttentionKernel kernel, const AttentionCall& call, const AttentionFl
       break;
     case AttentionKernel::flash_mma:
       if (cpu) break;
-      *why = capped ? "no score cap in its kernels (flash-simt computes it)"
-                    : "needs bf16, head dim 64 or 128 and 16-byte aligned operands";
-      return tensor_cores && !capped;
+      if (!tensor_core_flash_takes_shape(shape, why)) return false;
+      *why = "needs 16-byte aligned operands";
+      return call.tensor_core_operands;
     case AttentionKernel::flash_simt:
       if (cpu) break;
-      *why = "needs an even head dim of at most 256";
-      return call.D % 2 == 0 && call.D <= 256;
+      return simt_flash_takes_shape(shape, why);
     case AttentionKernel::automatic:
     case AttentionKernel::flash: break;
   }
@@ -324,6 +310,42 @@ AttentionChoice choose_attention_kernel(const AttentionCall& call, const Attenti
   fail(fmt::format("attention: no kernel can take {} q [{}, {}, {}, {}] against {} keys: {}", device_name(call.device),
                    call.B, call.c, call.H, call.D, call.S, reasons),
        "use head dims that are even and at most 256, f32 or bf16 on a GPU");
+}
+
+// ---- The shape's rules (attention.h) ----
+bool cudnn_takes_shape(const AttentionShape& shape, std::string* why) {
+  std::string reason;
+  // A score cap is one more map of every score inside the softmax and a factor in dS: our cuDNN
+  // graphs do not build it.
+  if (shape.capped) reason = "our cuDNN graphs have no score cap (flash-simt computes it)";
+  // Our cuDNN graphs (attention_cudnn_graphs.cu) build the causal mask from pointwise nodes and
+  // their plans are keyed by shape and mask; a window would be one more comparison in every graph,
+  // plan key and split-prefix form, and cuDNN would still run the tiles left of the window. The
+  // flash families skip those tiles, so they take every windowed call.
+  else if (shape.windowed) reason = "our cuDNN graphs have no sliding-window mask (the flash kernels honour it)";
+  else if (shape.dtype != DType::bf16) reason = fmt::format("dtype {} (the cuDNN path takes bf16 only)", dtype_name(shape.dtype));
+  // cuDNN's fused attention (attention_cudnn.cuh's kMaxHeadDim).
+  else if (shape.head_dim <= 0 || shape.head_dim % 8 != 0 || shape.head_dim > 128)
+    reason = fmt::format("head dim {} (cuDNN needs a multiple of 8 up to 128)", shape.head_dim);
+  if (why) *why = reason;
+  return reason.empty();
+}
+
+bool tensor_core_flash_takes_shape(const AttentionShape& shape, std::string* why) {
+  // Their tiles are instantiated for head dims 64 and 128, on bf16 MMA; the cap is not in them.
+  std::string reason;
+  if (shape.capped) reason = "no score cap in its kernels (flash-simt computes it)";
+  else if (shape.dtype != DType::bf16 || (shape.head_dim != 64 && shape.head_dim != 128))
+    reason = "needs bf16, head dim 64 or 128";
+  if (why) *why = reason;
+  return reason.empty();
+}
+
+bool simt_flash_takes_shape(const AttentionShape& shape, std::string* why) {
+  // Instantiated for head dims up to 128 and up to 256 (attention_flash.cuh's kMaxD), two elements a thread.
+  const bool ok = shape.head_dim > 0 && shape.head_dim % 2 == 0 && shape.head_dim <= 256;
+  if (why) *why = ok ? "" : "needs an even head dim of at most 256";
+  return ok;
 }
 
 // ---- The workspace budget (engine/engine.h) ----

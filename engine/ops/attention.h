@@ -116,6 +116,22 @@ struct AttentionChoice {
 // The one place that decides which kernel runs an attention call. A forced family that cannot take
 // the call is an error naming the reason.
 AttentionChoice choose_attention_kernel(const AttentionCall& call, const AttentionFlags& flags);
+// The part of the chooser's rules that the shape alone decides: dtype, head dim, window and cap. The
+// chooser applies them first; the operands' alignment, the device, cuDNN's plans and its workspace
+// budget come after, per call. Code that plans without operands (tools/planner: which family's
+// scratch a step replays, which rate it is timed at) asks these, so that the rule is stated once.
+struct AttentionShape {
+  DType dtype;
+  int64_t head_dim;
+  bool windowed = false;  // a sliding window
+  bool capped = false;    // a score cap
+};
+// cuDNN (when the build has it): bf16, a head dim that is a multiple of 8 up to 128, no window, no cap.
+bool cudnn_takes_shape(const AttentionShape& shape, std::string* why = nullptr);
+// flash_wgmma and flash_mma: bf16, head dim 64 or 128, no cap (a window they honour).
+bool tensor_core_flash_takes_shape(const AttentionShape& shape, std::string* why = nullptr);
+// flash_simt: an even head dim of at most 256, f32 or bf16, window and cap included.
+bool simt_flash_takes_shape(const AttentionShape& shape, std::string* why = nullptr);
 // The census: how many calls each kernel family took, by direction and the chooser's reason, with
 // their model flops (forward 4 B H D per query-key pair the mask keeps; backward 2.5x that), since
 // the last reset. A run reads it to see which kernel served its attention (bench prints it).

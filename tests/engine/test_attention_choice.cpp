@@ -161,3 +161,50 @@ TEST_CASE("attention: head dims above 128 go to flash-simt up to 256 (Gemma 2's)
   CHECK(message.find("at most 256") != std::string::npos);
   CHECK(message.find('\n') == std::string::npos);
 }
+
+// The shape's rules (attention.h), which the chooser applies first and the planner asks: one table of
+// shapes and which families their shape allows.
+TEST_CASE("attention shape rules: which families a dtype, head dim, window and cap allow") {
+  struct Case {
+    AttentionShape shape;
+    bool cudnn, tensor_core_flash, simt_flash;
+    const char* cudnn_why;  // a fragment of cuDNN's refusal, where it refuses
+  };
+  const Case cases[] = {
+      {{DType::bf16, 64}, true, true, true, ""},
+      {{DType::bf16, 128}, true, true, true, ""},
+      {{DType::bf16, 96}, true, false, true, ""},  // cuDNN's multiples of 8; the flash tiles' 64 and 128 only
+      {{DType::bf16, 8}, true, false, true, ""},
+      {{DType::f32, 64}, false, false, true, "takes bf16 only"},
+      {{DType::bf16, 128, true}, false, true, true, "sliding-window"},
+      {{DType::bf16, 64, false, true}, false, false, true, "no score cap"},
+      {{DType::bf16, 256, true, true}, false, false, true, "no score cap"},  // Gemma 2's local layers
+      {{DType::bf16, 136}, false, false, true, "multiple of 8 up to 128"},
+      {{DType::bf16, 6}, false, false, true, "multiple of 8 up to 128"},
+      {{DType::bf16, 258}, false, false, false, "multiple of 8 up to 128"},
+      {{DType::f32, 7}, false, false, false, "takes bf16 only"},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(dtype_name(c.shape.dtype));
+    CAPTURE(c.shape.head_dim);
+    CAPTURE(c.shape.windowed);
+    CAPTURE(c.shape.capped);
+    std::string why;
+    CHECK(cudnn_takes_shape(c.shape, &why) == c.cudnn);
+    CHECK(why.find(c.cudnn_why) != std::string::npos);
+    CHECK(tensor_core_flash_takes_shape(c.shape, &why) == c.tensor_core_flash);
+    CHECK(why.empty() == c.tensor_core_flash);
+    CHECK(simt_flash_takes_shape(c.shape, &why) == c.simt_flash);
+    CHECK(why.empty() == c.simt_flash);
+  }
+}
+
+TEST_CASE("attention chooser: a call the shape rules refuse to a family is refused by the chooser for the same reason") {
+  // flash-mma forced on a capped bf16 call at head dim 64: the rule's words reach the error.
+  AttentionCall call = gpu_call(DType::bf16, 64);
+  call.softcap = 50.0;
+  std::string why;
+  CHECK_FALSE(tensor_core_flash_takes_shape({DType::bf16, 64, false, true}, &why));
+  CHECK(error_of(call, AttentionKernel::flash_mma).find(why) != std::string::npos);
+  CHECK(choose_attention_kernel(call, {AttentionKernel::flash_simt, false}).kernel == AttentionKernel::flash_simt);
+}

@@ -2,6 +2,7 @@
 
 #include "engine/engine.h"
 #include "engine/memory.h"
+#include "engine/ops/attention.h"
 #include "engine/scratch.h"
 #include "model/layer.h"
 #include "model/llama.h"
@@ -99,11 +100,10 @@ struct Chunk {
     return s;
   }
   int64_t N() const { return B * c(); }
-  // Whether cuDNN takes this chunk's attention (the chooser, engine/ops/attention.cpp): bf16, no
-  // window, no score cap, a head dim it serves; else a flash family does.
+  // Whether cuDNN takes this chunk's attention (the chooser's shape rule, engine/ops/attention.h);
+  // else a flash family does.
   bool cudnn_attention() const {
-    return dtype == DType::bf16 && window == 0 && cf.attn_logit_softcapping == 0 && cf.head_dim % 8 == 0 &&
-           cf.head_dim <= 128;
+    return cudnn_takes_shape({dtype, cf.head_dim, window > 0, cf.attn_logit_softcapping > 0});
   }
   size_t e() const { return dtype_size(dtype); }
   size_t acc() const { return dtype_size(accum_dtype(dtype)); }

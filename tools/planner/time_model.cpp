@@ -5,6 +5,7 @@
 #include "model/layer.h"
 #include "model/llama.h"
 #include "engine/engine.h"
+#include "engine/ops/attention.h"
 #include "optim/chunks.h"
 #include "tools/planner/step.h"
 
@@ -38,10 +39,12 @@ double attention_tflops(int64_t head_dim, bool split) {
 // calls no tensor-core family takes, a score cap (Gemma 2's) or a head dim past 128 (record:
 // kSimtAttentionTflops).
 constexpr double kSimtAttentionTflops = 3.0;
-// Whether the step's attention runs on the tensor-core families or cuDNN (engine/ops/attention.cpp's
-// chooser), else on the SIMT kernels.
+// Whether the step's attention runs on cuDNN or a tensor-core flash family, else on the SIMT kernels
+// (the chooser's shape rules, engine/ops/attention.h). The step's layers share the head dim, dtype
+// and cap; a window (on some layers) keeps cuDNN off them, not the tensor-core flash families.
 bool tensor_core_attention(const LlamaConfig& cf, DType dtype) {
-  return dtype == DType::bf16 && cf.attn_logit_softcapping == 0 && (cf.head_dim == 64 || cf.head_dim == 128);
+  const AttentionShape shape{dtype, cf.head_dim, cf.sliding_window > 0, cf.attn_logit_softcapping > 0};
+  return cudnn_takes_shape(shape) || tensor_core_flash_takes_shape(shape);
 }
 // The same attention run block by block against a streamed K/V store (chunk-sized unmasked blocks,
 // merged; dK, dV sent home per block): the blocks cost about what one call does, and the step waits
