@@ -20,12 +20,11 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
-#include <cinttypes>
 #include <cmath>
-#include <cstdio>
 #include <deque>
 #include <exception>
 #include <fstream>
+#include <sstream>
 #include <ostream>
 #include <utility>
 
@@ -156,14 +155,29 @@ void bench_attention(std::vector<Row>& rows, DType dt, int64_t T, int64_t H, int
   rows.push_back(std::move(bwd));
 }
 
-// "A:B" of a row option: two integers, (0, 0) where the text is not two integers.
-std::pair<int64_t, int64_t> parse_pair(const std::string& spec) {
-  const size_t colon = spec.find(':');
-  try {
-    if (colon != std::string::npos) return {std::stoll(spec.substr(0, colon)), std::stoll(spec.substr(colon + 1))};
-  } catch (const std::exception&) {
+// "A:B:..." of a row option: `count` integers separated by colons; empty where the text is not that.
+std::vector<int64_t> parse_colon_integers(const std::string& spec, size_t count) {
+  std::vector<int64_t> values;
+  std::istringstream parts(spec);
+  std::string part;
+  while (std::getline(parts, part, ':')) {
+    size_t used = 0;
+    try {
+      values.push_back(std::stoll(part, &used));
+    } catch (const std::exception&) {
+      return {};
+    }
+    if (used != part.size()) return {};
   }
-  return {0, 0};
+  // getline drops a trailing empty part ("512:2048:"): a colon at the end is one part too many.
+  if (values.size() != count || (!spec.empty() && spec.back() == ':')) return {};
+  return values;
+}
+
+// "A:B" of a row option: (0, 0) where the text is not two integers.
+std::pair<int64_t, int64_t> parse_pair(const std::string& spec) {
+  const std::vector<int64_t> v = parse_colon_integers(spec, 2);
+  return v.empty() ? std::pair<int64_t, int64_t>{0, 0} : std::pair{v[0], v[1]};
 }
 
 // "C:S" of --chunk-attention: a chunk of C queries against S keys, S a multiple of C.
@@ -185,17 +199,15 @@ std::pair<int64_t, int64_t> parse_linear(const std::string& spec) {
 }
 
 // "H:HKV:D" of --attention-shapes: query heads, K/V heads dividing them, an even head dim.
-struct AttentionShape {
+struct HeadShape {
   int64_t H, Hkv, D;
 };
-AttentionShape parse_attention_shape(const std::string& spec) {
-  int64_t H = 0, Hkv = 0, D = 0;
-  char extra = 0;
-  const int read = std::sscanf(spec.c_str(), "%" SCNd64 ":%" SCNd64 ":%" SCNd64 "%c", &H, &Hkv, &D, &extra);
-  if (read != 3 || H <= 0 || Hkv <= 0 || H % Hkv != 0 || D <= 0 || D % 2 != 0)
+HeadShape parse_head_shape(const std::string& spec) {
+  const std::vector<int64_t> v = parse_colon_integers(spec, 3);
+  if (v.empty() || v[0] <= 0 || v[1] <= 0 || v[0] % v[1] != 0 || v[2] <= 0 || v[2] % 2 != 0)
     fail(fmt::format("bench-ops --attention-shapes '{}': expected HEADS:KV_HEADS:HEAD_DIM", spec),
          "give query heads, K/V heads dividing them and an even head dim, e.g. 8:4:256 (Gemma 2 2B's)");
-  return {H, Hkv, D};
+  return {v[0], v[1], v[2]};
 }
 
 // A linear of O outputs and I inputs at N rows: forward, d_x (overwrite) and d_W (f32, accumulated),
@@ -382,8 +394,10 @@ std::vector<Row> bench_lm_head(std::vector<int64_t> tokens, DType dt, int64_t C,
 void run_bench_ops(const BenchOpsOptions& o, std::ostream& out) {
   std::vector<std::pair<int64_t, int64_t>> chunk_shapes;  // checked first: a bad flag is an error on any machine
   for (const std::string& spec : o.chunk_attention) chunk_shapes.push_back(parse_chunk_attention(spec));
-  std::vector<AttentionShape> attention_shapes;
-  for (const std::string& spec : o.attention_shapes) attention_shapes.push_back(parse_attention_shape(spec));
+  std::vector<HeadShape> attention_shapes;
+  for (const std::string& spec : o.attention_shapes) attention_shapes.push_back(parse_head_shape(spec));
+  std::vector<std::pair<int64_t, int64_t>> linear_shapes;
+  for (const std::string& spec : o.linears) linear_shapes.push_back(parse_linear(spec));
   if (!(o.attention_softcap >= 0 && std::isfinite(o.attention_softcap)))
     fail(fmt::format("bench-ops --attention-softcap {}: must be finite and >= 0", o.attention_softcap),
          "give Gemma 2's 50, or 0 for none");
@@ -444,15 +458,12 @@ void run_bench_ops(const BenchOpsOptions& o, std::ostream& out) {
   // "unsupported" row saying why.
   for (const int64_t T : o.attention_tokens) {
     if (T <= 0) continue;
-    for (const AttentionShape& a : attention_shapes)
+    for (const HeadShape& a : attention_shapes)
       for (const char* impl : {"cudnn", "flash", "flash-mma", "flash-det", "flash-simt"})
         bench_attention(rows, dt, T, a.H, a.Hkv, a.D, o.repeat, impl, o.attention_softcap);
   }
   for (const auto& [c, S] : chunk_shapes) bench_chunk_attention(rows, dt, c, S, H, o.kv_heads, D, o.repeat);
-  for (const std::string& spec : o.linears) {
-    const auto [lo, li] = parse_linear(spec);
-    bench_linear(rows, dt, N, lo, li, o.repeat);
-  }
+  for (const auto& [lo, li] : linear_shapes) bench_linear(rows, dt, N, lo, li, o.repeat);
   for (Row& r : lm_rows) rows.push_back(std::move(r));
 
   const double copy_gbs = rows[0].bytes / (rows[0].ms * 1e-3) / 1e9;

@@ -18,6 +18,44 @@ TEST_CASE("bench-ops --chunk-attention refuses a shape whose keys are not whole 
   CHECK_THROWS_WITH_AS(run_bench_ops(o, out), doctest::Contains("expected CHUNK:KEYS"), Error);
 }
 
+// Each "A:B[:C]" option, malformed, refused before anything runs: the option and what it expects named.
+TEST_CASE("bench-ops refuses a malformed shape of each row option, on any machine") {
+  struct Case {
+    const char* option;
+    std::string spec;
+    const char* expected;
+  };
+  const Case cases[] = {
+      {"--chunk-attention", "4096", "expected CHUNK:KEYS"},
+      {"--chunk-attention", "4096:x", "expected CHUNK:KEYS"},
+      {"--chunk-attention", "4096:8192:1", "expected CHUNK:KEYS"},
+      {"--chunk-attention", "4096:8192x", "expected CHUNK:KEYS"},
+      {"--linears", "512", "expected OUT:IN"},
+      {"--linears", ":2048", "expected OUT:IN"},
+      {"--linears", "512:2048:", "expected OUT:IN"},
+      {"--linears", "0:2048", "expected OUT:IN"},
+      {"--attention-shapes", "8:4", "expected HEADS:KV_HEADS:HEAD_DIM"},
+      {"--attention-shapes", "8:4:256:1", "expected HEADS:KV_HEADS:HEAD_DIM"},
+      {"--attention-shapes", "8:x:256", "expected HEADS:KV_HEADS:HEAD_DIM"},
+      {"--attention-shapes", "8:3:64", "expected HEADS:KV_HEADS:HEAD_DIM"},
+      {"--attention-shapes", "8:4:255", "expected HEADS:KV_HEADS:HEAD_DIM"},
+      {"--attention-shapes", "8:4:256 ", "expected HEADS:KV_HEADS:HEAD_DIM"},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.option);
+    CAPTURE(c.spec);
+    BenchOpsOptions o;
+    const std::string option = c.option;
+    if (option == "--chunk-attention") o.chunk_attention = {c.spec};
+    if (option == "--linears") o.linears = {c.spec};
+    if (option == "--attention-shapes") o.attention_shapes = {c.spec};
+    std::ostringstream out;
+    const std::string message = test::error_of([&] { run_bench_ops(o, out); });
+    CHECK(message.find(option + " '" + c.spec + "'") != std::string::npos);
+    CHECK(message.find(c.expected) != std::string::npos);
+  }
+}
+
 TEST_CASE("bench-ops --kv-heads refuses a count that does not divide the query heads, on any machine") {
   BenchOpsOptions o;
   o.heads = 32, o.kv_heads = 5;
