@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -311,23 +312,30 @@ BpeTokenizer::BpeTokenizer(BpeDefinition def)
   }
   fuse_unk_ = def.fuse_unk;
 
+  if (!def.merge_ranks.empty() && def.merge_ranks.size() != def.merges.size())
+    fail(fmt::format("{}: {} merge ranks for {} merges", src, def.merge_ranks.size(), def.merges.size()), damaged);
   merges_.reserve(def.merges.size());
-  for (size_t rank = 0; rank < def.merges.size(); ++rank) {
+  for (size_t order = 0; order < def.merges.size(); ++order) {
+    const uint32_t rank = def.merge_ranks.empty() ? static_cast<uint32_t>(order) : def.merge_ranks[order];
+    if (order > 0 && !def.merge_ranks.empty() && rank < def.merge_ranks[order - 1])
+      fail(fmt::format("{}: merge {} has rank {}, below the rank {} of the merge before it", src, order, rank,
+                       def.merge_ranks[order - 1]),
+           damaged);
     // Plain references, not a structured binding: clang before 16 cannot capture a binding in a lambda.
-    const std::string& left = def.merges[rank].first;
-    const std::string& right = def.merges[rank].second;
+    const std::string& left = def.merges[order].first;
+    const std::string& right = def.merges[order].second;
     const auto id_of = [&](const std::string& text, const char* what) {
       const auto it = id_of_text_.find(text);
       if (it == id_of_text_.end())
-        fail(fmt::format("{}: merge {} ('{} {}'): its {} '{}' is not in the vocabulary", src, rank, left, right, what,
+        fail(fmt::format("{}: merge {} ('{} {}'): its {} '{}' is not in the vocabulary", src, order, left, right, what,
                          text),
              damaged);
       return it->second;
     };
     const uint32_t l = id_of(left, "left part"), r = id_of(right, "right part");
     const uint32_t merged = id_of(left + right, "result");
-    if (!merges_.emplace(pair_key(l, r), Merge{static_cast<uint32_t>(rank), merged}).second)
-      fail(fmt::format("{}: merge {} ('{} {}') repeats an earlier merge", src, rank, left, right), damaged);
+    if (!merges_.emplace(pair_key(l, r), Merge{rank, merged, static_cast<uint32_t>(order)}).second)
+      fail(fmt::format("{}: merge {} ('{} {}') repeats an earlier merge", src, order, left, right), damaged);
   }
   merge_count_ = def.merges.size();
 
@@ -594,10 +602,12 @@ nlohmann::json BpeTokenizer::to_json() const {
 nlohmann::json BpeTokenizer::hf_tokenizer_json() const {
   nlohmann::json vocab = nlohmann::json::object();
   for (uint32_t id = 0; id < token_text_.size(); ++id) vocab[token_text_[id]] = id;
-  // merges_ holds each merge once under its rank (the constructor refuses repeats): lay them out by rank.
+  // merges_ holds each merge once (the constructor refuses repeats): lay them out in their order, which
+  // is by rank. Merges of one rank (a SentencePiece vocabulary's equal scores) get HF's ranks in that
+  // order: HF then applies them by that order where chunkwise and llama.cpp take the leftmost.
   std::vector<nlohmann::json> by_rank(merge_count_);
   for (const auto& [key, merge] : merges_)
-    by_rank[merge.rank] = nlohmann::json::array(
+    by_rank[merge.order] = nlohmann::json::array(
         {token_text_[static_cast<uint32_t>(key >> 32)], token_text_[static_cast<uint32_t>(key & 0xffffffffu)]});
   std::vector<AddedToken> added = added_;
   std::sort(added.begin(), added.end(), [](const AddedToken& a, const AddedToken& b) { return a.id < b.id; });
@@ -1055,15 +1065,60 @@ BpeTokenizer BpeTokenizer::from_tokenizer_json_text(const std::string& text, con
   return BpeTokenizer(std::move(def));
 }
 
+namespace {
+// A SentencePiece vocabulary's scores as merges (model/tokenizer.h): every split of a token, at a
+// character boundary, into two tokens is a merge into it (llama.cpp looks the joined text up among all
+// tokens, whatever their type); merges ranked by the token's score, highest first, equal scores
+// sharing a rank. Splits of one token are listed by where they cut.
+void merges_from_scores(const GgufTokenizerMetadata& meta, BpeDefinition& def) {
+  std::unordered_map<std::string_view, uint32_t> id_of;
+  id_of.reserve(meta.tokens.size());
+  size_t longest = 0;
+  for (size_t id = 0; id < meta.tokens.size(); ++id) {
+    id_of.emplace(meta.tokens[id], static_cast<uint32_t>(id));
+    longest = std::max(longest, meta.tokens[id].size());
+  }
+  // The byte lengths some token has: a cut is only looked up where both parts could be tokens.
+  std::vector<bool> is_length(longest + 1, false);
+  for (const std::string& t : meta.tokens) is_length[t.size()] = true;
+  std::vector<uint32_t> formed;  // the tokens of two or more bytes, by score
+  for (size_t id = 0; id < meta.tokens.size(); ++id) {
+    if (!std::isfinite(meta.scores[id]))
+      fail(fmt::format("{}: tokenizer.ggml.scores[{}] (token '{}') is {}", meta.source, id, meta.tokens[id],
+                       meta.scores[id]),
+           "the GGUF file's tokenizer metadata is damaged; every score must be a finite number");
+    if (meta.tokens[id].size() > 1) formed.push_back(static_cast<uint32_t>(id));
+  }
+  // Highest score first; among equal scores by id, so that the list (and a tokenizer.json written
+  // from it) does not depend on the sort.
+  std::stable_sort(formed.begin(), formed.end(),
+                   [&](uint32_t a, uint32_t b) { return meta.scores[a] > meta.scores[b]; });
+  uint32_t rank = 0;
+  for (size_t i = 0; i < formed.size(); ++i) {
+    if (i > 0 && meta.scores[formed[i]] != meta.scores[formed[i - 1]]) ++rank;
+    const std::string& text = meta.tokens[formed[i]];
+    for (size_t cut = 1; cut < text.size(); ++cut) {
+      if (!is_length[cut] || !is_length[text.size() - cut]) continue;
+      if ((static_cast<unsigned char>(text[cut]) & 0xC0) == 0x80) continue;  // inside a character
+      const std::string_view left(text.data(), cut), right(text.data() + cut, text.size() - cut);
+      if (!id_of.count(left) || !id_of.count(right)) continue;
+      def.merges.emplace_back(std::string(left), std::string(right));
+      def.merge_ranks.push_back(rank);
+    }
+  }
+}
+}  // namespace
+
 BpeTokenizer BpeTokenizer::from_gguf(const GgufTokenizerMetadata& meta) {
   const std::string& src = meta.source;
   const char* damaged = "the GGUF file's tokenizer metadata is damaged";
-  if (meta.model != "gpt2")
-    fail(fmt::format("{}: tokenizer.ggml.model is '{}'; this build reads byte-level BPE ('gpt2') only", src,
-                     meta.model),
-         meta.model == "llama" ? "'llama' is a SentencePiece tokenizer (Llama 2), which is not supported"
-                               : "use a model with a GPT-2 / Llama 3 / SmolLM style tokenizer");
-  if (meta.pre.empty())
+  const bool sentencepiece = meta.model == "llama";
+  if (meta.model != "gpt2" && !sentencepiece)
+    fail(fmt::format("{}: tokenizer.ggml.model is '{}'; this build reads byte-level BPE ('gpt2') and SentencePiece "
+                     "('llama') vocabularies",
+                     src, meta.model),
+         "use a model with a GPT-2 / Llama 3 / SmolLM / Qwen or a Llama 2 / Mistral / Gemma style tokenizer");
+  if (!sentencepiece && meta.pre.empty())
     fail(fmt::format("{}: tokenizer.ggml.pre is missing, so the pre-tokenizer is unknown", src),
          "convert the model with a recent llama.cpp, which records it");
   if (meta.tokens.empty()) fail(fmt::format("{}: tokenizer.ggml.tokens is missing or empty", src), damaged);
@@ -1071,26 +1126,55 @@ BpeTokenizer BpeTokenizer::from_gguf(const GgufTokenizerMetadata& meta) {
     fail(fmt::format("{}: tokenizer.ggml.token_type has {} entries for {} tokens", src, meta.token_type.size(),
                      meta.tokens.size()),
          damaged);
+  if (sentencepiece && meta.scores.size() != meta.tokens.size())
+    fail(fmt::format("{}: tokenizer.ggml.scores has {} entries for {} tokens", src, meta.scores.size(),
+                     meta.tokens.size()),
+         meta.scores.empty() ? "a SentencePiece vocabulary ('llama') needs its scores; convert the model with llama.cpp"
+                             : damaged);
 
   BpeDefinition def;
   def.source = src;
   def.tokens = meta.tokens;
-  constexpr int32_t kControl = 3, kUserDefined = 4;
-  for (size_t id = 0; id < meta.token_type.size(); ++id)
-    if (meta.token_type[id] == kControl || meta.token_type[id] == kUserDefined)
-      def.added.push_back({meta.tokens[id], static_cast<uint32_t>(id), meta.token_type[id] == kControl});
-  def.merges.reserve(meta.merges.size());
-  for (size_t rank = 0; rank < meta.merges.size(); ++rank)
-    def.merges.push_back(split_merge(meta.merges[rank], rank, src, "tokenizer.ggml.merges"));
-  Pretokenizer named = Pretokenizer::named(meta.pre, src + " (tokenizer.ggml.pre)");
-  def.pretokenizer_patterns = named.patterns();
-  def.pretokenizer_name = meta.pre;
-  // Llama 3's tokenizer.json sets ignore_merges; GGUF does not record it, llama.cpp applies it by name.
-  def.ignore_merges = meta.pre == "llama-bpe" || meta.pre == "llama3";
+  // Added tokens (matched in the text first, llama.cpp's special-token cache): the unknown, control
+  // and user-defined ones, the first two special.
+  constexpr int32_t kUnknown = 2, kControl = 3, kUserDefined = 4;
+  for (size_t id = 0; id < meta.token_type.size(); ++id) {
+    const int32_t type = meta.token_type[id];
+    if (type == kUnknown || type == kControl || type == kUserDefined)
+      def.added.push_back({meta.tokens[id], static_cast<uint32_t>(id), type != kUserDefined});
+  }
+  if (sentencepiece) {
+    if (!meta.merges.empty())
+      fail(fmt::format("{}: tokenizer.ggml.model is 'llama' (SentencePiece, merges from scores) but the file also "
+                       "has {} tokenizer.ggml.merges",
+                       src, meta.merges.size()),
+           damaged);
+    merges_from_scores(meta, def);
+    def.pretokenizer_name = "none";
+    def.byte_fallback = true;
+    def.prepend_metaspace = def.strip_leading_space = meta.add_space_prefix.value_or(true);
+    if (meta.unknown_token_id) {
+      if (*meta.unknown_token_id >= meta.tokens.size())
+        fail(fmt::format("{}: tokenizer.ggml.unknown_token_id = {} is outside the vocabulary of {}", src,
+                         *meta.unknown_token_id, meta.tokens.size()),
+             damaged);
+      def.unk_token = meta.tokens[*meta.unknown_token_id];
+    }
+  } else {
+    def.merges.reserve(meta.merges.size());
+    for (size_t rank = 0; rank < meta.merges.size(); ++rank)
+      def.merges.push_back(split_merge(meta.merges[rank], rank, src, "tokenizer.ggml.merges"));
+    Pretokenizer named = Pretokenizer::named(meta.pre, src + " (tokenizer.ggml.pre)");
+    def.pretokenizer_patterns = named.patterns();
+    def.pretokenizer_name = meta.pre;
+    // Llama 3's tokenizer.json sets ignore_merges; GGUF does not record it, llama.cpp applies it by name.
+    def.ignore_merges = meta.pre == "llama-bpe" || meta.pre == "llama3";
+  }
   def.bos_id = meta.bos_token_id;
   def.eos_id = meta.eos_token_id;
   def.pad_id = meta.padding_token_id;
-  def.add_bos = meta.add_bos_token;
+  // llama.cpp puts BOS first by default for a SentencePiece vocabulary (which has one).
+  def.add_bos = meta.add_bos_token.value_or(sentencepiece && meta.bos_token_id.has_value());
   def.chat_template = meta.chat_template;
   return BpeTokenizer(std::move(def));
 }
@@ -1114,7 +1198,11 @@ BpeTokenizer BpeTokenizer::from_gguf_file(const std::string& path) {
   meta.bos_token_id = id("tokenizer.ggml.bos_token_id");
   meta.eos_token_id = id("tokenizer.ggml.eos_token_id");
   meta.padding_token_id = id("tokenizer.ggml.padding_token_id");
-  meta.add_bos_token = gguf.get_bool("tokenizer.ggml.add_bos_token", false);
+  if (gguf.has("tokenizer.ggml.add_bos_token")) meta.add_bos_token = gguf.get_bool("tokenizer.ggml.add_bos_token");
+  if (gguf.has("tokenizer.ggml.add_space_prefix"))
+    meta.add_space_prefix = gguf.get_bool("tokenizer.ggml.add_space_prefix");
+  if (gguf.has("tokenizer.ggml.scores")) meta.scores = gguf.get_floats("tokenizer.ggml.scores");
+  meta.unknown_token_id = id("tokenizer.ggml.unknown_token_id");
   meta.chat_template = gguf.get_string("tokenizer.chat_template", "");
   return from_gguf(meta);
 }

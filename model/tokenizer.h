@@ -40,6 +40,16 @@
 //   - decode writes a token's text with "▁" as a space and a byte token as its byte; with the
 //     decoder's Strip(" ", 1, 0) (Llama 2, Mistral) the text's first space goes (the prepended one).
 //
+// A SentencePiece vocabulary in a GGUF file (tokenizer.ggml.model "llama": Llama 2, Mistral, Gemma)
+// has scores, not merges; llama.cpp merges, at each step, the adjacent pair whose joined text is the
+// token of the highest score, the leftmost among equal scores. `from_gguf` states that as merges:
+// every split of a token into two tokens is a merge into it, ranked by the token's score, equal
+// scores sharing a rank (BpeDefinition::merge_ranks), which the BPE loop applies leftmost first. One
+// difference remains: a character without a token falls back to its bytes before merging (HF's rule,
+// above), where llama.cpp keeps it and lets it merge by text; no vocabulary SentencePiece trains
+// lacks the characters of its own pieces, so the ids are the same (tests/data/spm_gguf_reference.py,
+// an independent implementation of llama.cpp's loop).
+//
 // Loaders: an HF tokenizer.json (`from_tokenizer_json`) and GGUF metadata (`from_gguf`, a plain
 // struct that the GGUF reader fills). Each checks its file's structure and produces a `BpeDefinition`
 // (plain vocabulary, merges, added tokens, pre-tokenizer); the constructor checks the vocabulary
@@ -131,6 +141,9 @@ struct BpeDefinition {
   std::string source;                  // the file it came from, for messages
   std::vector<std::string> tokens;     // by id: byte-level spelling (GPT-2 map) of each token
   std::vector<std::pair<std::string, std::string>> merges;  // by rank: the two tokens merged
+  // Empty: merge i has rank i. Else merge i's rank, never decreasing: merges of one rank apply
+  // leftmost first (a SentencePiece vocabulary's equal scores).
+  std::vector<uint32_t> merge_ranks;
   std::vector<AddedToken> added;       // each also in `tokens` at its id, with the same text
   std::vector<std::string> pretokenizer_patterns;
   std::string pretokenizer_name;       // "smollm", or "tokenizer.json" for patterns read from one
@@ -155,16 +168,22 @@ struct BpeDefinition {
 // it, `BpeTokenizer::from_gguf` checks it.
 struct GgufTokenizerMetadata {
   std::string source;                       // the .gguf path, for messages
-  std::string model;                        // tokenizer.ggml.model: "gpt2" for byte-level BPE
+  std::string model;                        // tokenizer.ggml.model: "gpt2" for byte-level BPE,
+                                            // "llama" for a SentencePiece vocabulary
   std::string pre;                          // tokenizer.ggml.pre: the pre-tokenizer's name
   std::vector<std::string> tokens;          // tokenizer.ggml.tokens
   std::vector<std::string> merges;          // tokenizer.ggml.merges: "left right"
   std::vector<int32_t> token_type;          // tokenizer.ggml.token_type (may be empty): 1 normal,
                                             // 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte
+  std::vector<double> scores;               // tokenizer.ggml.scores ("llama": each token's score)
+  std::optional<uint32_t> unknown_token_id; // tokenizer.ggml.unknown_token_id
   std::optional<uint32_t> bos_token_id;     // tokenizer.ggml.bos_token_id
   std::optional<uint32_t> eos_token_id;     // tokenizer.ggml.eos_token_id
   std::optional<uint32_t> padding_token_id; // tokenizer.ggml.padding_token_id
-  bool add_bos_token = false;               // tokenizer.ggml.add_bos_token (llama.cpp's default: false)
+  std::optional<bool> add_bos_token;        // tokenizer.ggml.add_bos_token (llama.cpp's default: true
+                                            // for "llama", false for "gpt2")
+  std::optional<bool> add_space_prefix;     // tokenizer.ggml.add_space_prefix ("llama"; default true):
+                                            // a U+2581 in front of each stretch, dropped in decoding
   std::string chat_template;                // tokenizer.chat_template
 };
 
@@ -188,7 +207,8 @@ class BpeTokenizer final : public Tokenizer {
   static BpeTokenizer from_tokenizer_json(const std::string& path);
   static BpeTokenizer from_tokenizer_json_text(const std::string& text, const std::string& source,
                                                const nlohmann::json* tokenizer_config = nullptr);
-  // GGUF metadata; control (3) and user-defined (4) tokens are the added tokens.
+  // GGUF metadata; unknown (2), control (3) and user-defined (4) tokens are the added tokens. "gpt2": byte-level
+  // BPE with its merges and pre-tokenizer; "llama": a SentencePiece vocabulary with scores (above).
   static BpeTokenizer from_gguf(const GgufTokenizerMetadata& meta);
   // A .gguf file's tokenizer.* metadata (model/gguf.h reads it) through from_gguf.
   static BpeTokenizer from_gguf_file(const std::string& path);
@@ -236,6 +256,7 @@ class BpeTokenizer final : public Tokenizer {
  private:
   struct Merge {
     uint32_t rank, merged_id;
+    uint32_t order;  // its place in the definition's list (ranks may repeat), for writing it back
   };
   static uint64_t pair_key(uint32_t left, uint32_t right) { return uint64_t{left} << 32 | right; }
   // The ids of one pre-tokenized piece (cached).

@@ -7,6 +7,7 @@
 #include "engine/random.h"
 #include "model/pretokenizer.h"
 #include "model/tokenizer.h"
+#include "tests/model/gguf_builder.h"
 #include "tests/support.h"
 #include "tools/data/tokenizer.h"
 #include "tools/data/tokens.h"
@@ -604,8 +605,23 @@ TEST_CASE("tokenizer: malformed GGUF metadata fails with one clear line") {
   good.tokens = small_definition().tokens;
   for (const auto& [l, r] : kMerges) good.merges.push_back(l + " " + r);
   auto m = good;
+  m.model = "t5";
+  CHECK(contains(error_of([&] { BpeTokenizer::from_gguf(m); }), "m.gguf: tokenizer.ggml.model is 't5'"));
+  // A SentencePiece vocabulary ("llama"): scores, one a token, finite; no merges of its own.
+  m = good;
   m.model = "llama";
-  CHECK(contains(error_of([&] { BpeTokenizer::from_gguf(m); }), "m.gguf: tokenizer.ggml.model is 'llama'"));
+  m.merges.clear();
+  CHECK(contains(error_of([&] { BpeTokenizer::from_gguf(m); }), "tokenizer.ggml.scores has 0 entries for 273 tokens"));
+  m.scores.assign(m.tokens.size(), -1.0);
+  CHECK_NOTHROW(BpeTokenizer::from_gguf(m));
+  m.scores[7] = std::nan("");
+  CHECK(contains(error_of([&] { BpeTokenizer::from_gguf(m); }), "tokenizer.ggml.scores[7]"));
+  m.scores[7] = -1.0;
+  m.unknown_token_id = 273;
+  CHECK(contains(error_of([&] { BpeTokenizer::from_gguf(m); }), "unknown_token_id = 273 is outside the vocabulary"));
+  m.unknown_token_id.reset();
+  m.merges = {"a b"};
+  CHECK(contains(error_of([&] { BpeTokenizer::from_gguf(m); }), "also has 1 tokenizer.ggml.merges"));
   m = good;
   m.pre = "";
   CHECK(contains(error_of([&] { BpeTokenizer::from_gguf(m); }), "tokenizer.ggml.pre is missing"));
@@ -814,6 +830,102 @@ TEST_CASE("tokenizer: SentencePiece-style tokenizer.json files (Gemma's, Llama 2
     const Ids tail(snow.end() - 3, snow.end());
     CHECK(tail == Ids{*tok.token_id("<0xE2>"), *tok.token_id("<0x98>"), *tok.token_id("<0x83>")});
     CHECK(tok.token_text(snow.front()).starts_with(style.prepend ? "\xe2\x96\x81" : "a"));
+  }
+}
+
+// tests/data/spm_gguf_vocab.<style>.g<G>.json: GGUF metadata of a SentencePiece vocabulary (tokens,
+// scores, types; no merges), as tests/data/spm_gguf_reference.py writes it.
+GgufTokenizerMetadata sentencepiece_metadata(const std::string& style, int group) {
+  std::ifstream in(kData / fmt::format("spm_gguf_vocab.{}.g{}.json", style, group));
+  REQUIRE(in.good());
+  const nlohmann::json j = nlohmann::json::parse(in);
+  GgufTokenizerMetadata meta;
+  meta.source = fmt::format("{} (g{})", style, group);
+  meta.model = "llama";
+  meta.tokens = j.at("tokens").get<std::vector<std::string>>();
+  meta.scores = j.at("scores").get<std::vector<double>>();
+  meta.token_type = j.at("token_type").get<std::vector<int32_t>>();
+  meta.add_space_prefix = j.at("add_space_prefix").get<bool>();
+  meta.unknown_token_id = j.at("unknown_token_id").get<uint32_t>();
+  meta.bos_token_id = j.at("bos_token_id").get<uint32_t>();
+  meta.eos_token_id = j.at("eos_token_id").get<uint32_t>();
+  return meta;
+}
+
+TEST_CASE("tokenizer: a SentencePiece vocabulary from GGUF metadata (scores, no merges) gives llama.cpp's ids") {
+  // The ids of tests/data/spm_gguf_reference.py's implementation of llama.cpp's loop (the pair whose
+  // joined text is the token of the highest score, the leftmost among equal scores). With distinct
+  // scores they are HF's ids of the same vocabulary's tokenizer.json; with scores shared by groups of
+  // 64 tokens the leftmost rule decides, and 12 and 14 lines of them differ from HF's.
+  for (const char* style : {"gemma_style", "llama2_style"}) {
+    for (const int group : {1, 64}) {
+      CAPTURE(style);
+      CAPTURE(group);
+      const GgufTokenizerMetadata meta = sentencepiece_metadata(style, group);
+      const BpeTokenizer tok = BpeTokenizer::from_gguf(meta);
+      CHECK(tok.byte_fallback());
+      CHECK(tok.add_bos());  // llama.cpp's default for a SentencePiece vocabulary with a BOS token
+      CHECK(tok.bos_id() == meta.bos_token_id);
+      CHECK(tok.shifts_text() == *meta.add_space_prefix);
+      int64_t compared = 0, differ_from_hf = 0;
+      for (const std::string name : {"tokenizer_corpus", "tokenizer_special_lines"}) {
+        const std::vector<std::string> lines = lines_of(kData / fmt::format("{}.txt", name));
+        const std::vector<std::string> expected = lines_of(kData / fmt::format("{}.{}.gguf-g{}.ids", name, style, group));
+        const std::vector<std::string> hf = lines_of(kData / fmt::format("{}.{}.ids", name, style));
+        REQUIRE(lines.size() == expected.size());
+        for (size_t i = 0; i < lines.size(); ++i) {
+          CAPTURE(name);
+          CAPTURE(i + 1);
+          const Ids ids = tok.encode(lines[i]);
+          CHECK(ids_text(ids) == expected[i]);
+          if (name == std::string("tokenizer_corpus")) CHECK(tok.decode(ids) == lines[i]);
+          differ_from_hf += expected[i] != hf[i];
+          ++compared;
+        }
+      }
+      CHECK(compared == 58 + 6);
+      CHECK(differ_from_hf == (group == 1 ? 0 : std::string(style) == "gemma_style" ? 12 : 14));
+    }
+  }
+}
+
+TEST_CASE("tokenizer: SentencePiece merges by score, equal scores leftmost first, from a .gguf file") {
+  // By hand: "abc" with the tokens ab and bc. ab's score above bc's: ab, then c; below: a, then bc;
+  // equal: the leftmost pair, ab. Written as a .gguf file and read back (tokenizer.ggml.scores,
+  // token_type, add_space_prefix false, add_bos_token false).
+  struct Case {
+    float ab, bc;
+    std::vector<std::string> pieces;
+  };
+  const std::vector<std::string> tokens = {"<unk>", "a", "b", "c", "ab", "bc"};
+  test::TempDir dir("spm-gguf");
+  for (const Case& c : {Case{-1, -2, {"ab", "c"}}, Case{-2, -1, {"a", "bc"}}, Case{-1, -1, {"ab", "c"}}}) {
+    CAPTURE(c.ab);
+    CAPTURE(c.bc);
+    test::GgufBuilder b;
+    b.str("general.architecture", "llama");
+    b.str("tokenizer.ggml.model", "llama");
+    b.strings("tokenizer.ggml.tokens", tokens);
+    std::string scores = test::raw<uint32_t>(6) + test::raw<uint64_t>(tokens.size());
+    for (const float score : {0.0f, 0.0f, 0.0f, 0.0f, c.ab, c.bc}) scores += test::raw(score);
+    b.kv("tokenizer.ggml.scores", 9, scores);
+    std::string types = test::raw<uint32_t>(5) + test::raw<uint64_t>(tokens.size());
+    for (const int32_t type : {2, 1, 1, 1, 1, 1}) types += test::raw(type);
+    b.kv("tokenizer.ggml.token_type", 9, types);
+    b.kv("tokenizer.ggml.add_space_prefix", 7, test::raw<uint8_t>(0));
+    b.kv("tokenizer.ggml.add_bos_token", 7, test::raw<uint8_t>(0));
+    b.u32("tokenizer.ggml.unknown_token_id", 0);
+    const std::string path = test::write_file(dir, "spm.gguf", b.bytes());
+    const BpeTokenizer tok = BpeTokenizer::from_gguf_file(path);
+    CHECK_FALSE(tok.add_bos());
+    CHECK_FALSE(tok.shifts_text());
+    std::vector<std::string> pieces;
+    for (uint32_t id : tok.encode("abc")) pieces.push_back(tok.token_text(id));
+    CHECK(pieces == c.pieces);
+    CHECK(tok.encode("<unk>") == Ids{0});  // the unknown token, matched in the text
+    // A tokenizer.json written from it keeps the merges in rank order (HF then breaks the tie by it).
+    const BpeTokenizer back = BpeTokenizer::from_tokenizer_json_text(tok.hf_tokenizer_json().dump(), "written");
+    CHECK(back.encode("abc") == tok.encode("abc"));
   }
 }
 
