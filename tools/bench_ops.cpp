@@ -174,28 +174,22 @@ std::vector<int64_t> parse_colon_integers(const std::string& spec, size_t count)
   return values;
 }
 
-// "A:B" of a row option: (0, 0) where the text is not two integers.
-std::pair<int64_t, int64_t> parse_pair(const std::string& spec) {
-  const std::vector<int64_t> v = parse_colon_integers(spec, 2);
-  return v.empty() ? std::pair<int64_t, int64_t>{0, 0} : std::pair{v[0], v[1]};
-}
-
 // "C:S" of --chunk-attention: a chunk of C queries against S keys, S a multiple of C.
 std::pair<int64_t, int64_t> parse_chunk_attention(const std::string& spec) {
-  const auto [c, S] = parse_pair(spec);
-  if (c <= 0 || S < c || S % c != 0)
+  const std::vector<int64_t> v = parse_colon_integers(spec, 2);
+  if (v.empty() || v[0] <= 0 || v[1] < v[0] || v[1] % v[0] != 0)
     fail(fmt::format("bench-ops --chunk-attention '{}': expected CHUNK:KEYS", spec),
          "give the chunk's queries and the keys it sees, KEYS a multiple of CHUNK (e.g. 4096:131072)");
-  return {c, S};
+  return {v[0], v[1]};
 }
 
 // "O:I" of --linears.
 std::pair<int64_t, int64_t> parse_linear(const std::string& spec) {
-  const auto [O, I] = parse_pair(spec);
-  if (O <= 0 || I <= 0)
+  const std::vector<int64_t> v = parse_colon_integers(spec, 2);
+  if (v.empty() || v[0] <= 0 || v[1] <= 0)
     fail(fmt::format("bench-ops --linears '{}': expected OUT:IN", spec),
          "give the linear's output and input features, e.g. 512:2048 (Llama-3.2-1B's k_proj)");
-  return {O, I};
+  return {v[0], v[1]};
 }
 
 // "H:HKV:D" of --attention-shapes: query heads, K/V heads dividing them, an even head dim.
