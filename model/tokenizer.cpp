@@ -312,32 +312,36 @@ BpeTokenizer::BpeTokenizer(BpeDefinition def)
   }
   fuse_unk_ = def.fuse_unk;
 
-  if (!def.merge_ranks.empty() && def.merge_ranks.size() != def.merges.size())
-    fail(fmt::format("{}: {} merge ranks for {} merges", src, def.merge_ranks.size(), def.merges.size()), damaged);
-  merges_.reserve(def.merges.size());
-  for (size_t order = 0; order < def.merges.size(); ++order) {
-    const uint32_t rank = def.merge_ranks.empty() ? static_cast<uint32_t>(order) : def.merge_ranks[order];
-    if (order > 0 && !def.merge_ranks.empty() && rank < def.merge_ranks[order - 1])
-      fail(fmt::format("{}: merge {} has rank {}, below the rank {} of the merge before it", src, order, rank,
-                       def.merge_ranks[order - 1]),
+  if (!def.scores.empty()) {
+    if (!def.merges.empty())
+      fail(fmt::format("{}: the vocabulary has scores, from which the merges come, and {} merges besides", src,
+                       def.merges.size()),
            damaged);
-    // Plain references, not a structured binding: clang before 16 cannot capture a binding in a lambda.
-    const std::string& left = def.merges[order].first;
-    const std::string& right = def.merges[order].second;
-    const auto id_of = [&](const std::string& text, const char* what) {
-      const auto it = id_of_text_.find(text);
-      if (it == id_of_text_.end())
-        fail(fmt::format("{}: merge {} ('{} {}'): its {} '{}' is not in the vocabulary", src, order, left, right, what,
-                         text),
-             damaged);
-      return it->second;
-    };
-    const uint32_t l = id_of(left, "left part"), r = id_of(right, "right part");
-    const uint32_t merged = id_of(left + right, "result");
-    if (!merges_.emplace(pair_key(l, r), Merge{rank, merged, static_cast<uint32_t>(order)}).second)
-      fail(fmt::format("{}: merge {} ('{} {}') repeats an earlier merge", src, order, left, right), damaged);
+    if (def.scores.size() != vocab)
+      fail(fmt::format("{}: {} scores for {} tokens", src, def.scores.size(), vocab), damaged);
+    merges_from_scores(def.scores);
+  } else {
+    merges_.reserve(def.merges.size());
+    for (size_t order = 0; order < def.merges.size(); ++order) {
+      // Plain references, not a structured binding: clang before 16 cannot capture a binding in a lambda.
+      const std::string& left = def.merges[order].first;
+      const std::string& right = def.merges[order].second;
+      const auto id_of = [&](const std::string& text, const char* what) {
+        const auto it = id_of_text_.find(text);
+        if (it == id_of_text_.end())
+          fail(fmt::format("{}: merge {} ('{} {}'): its {} '{}' is not in the vocabulary", src, order, left, right,
+                           what, text),
+               damaged);
+        return it->second;
+      };
+      const uint32_t l = id_of(left, "left part"), r = id_of(right, "right part");
+      const uint32_t merged = id_of(left + right, "result");
+      const auto rank = static_cast<uint32_t>(order);
+      if (!merges_.emplace(pair_key(l, r), Merge{rank, merged, rank}).second)
+        fail(fmt::format("{}: merge {} ('{} {}') repeats an earlier merge", src, order, left, right), damaged);
+    }
+    merge_count_ = def.merges.size();
   }
-  merge_count_ = def.merges.size();
 
   // HF's two sets of added tokens (tokenizers' AddedVocabulary::refresh_added_tokens): those with
   // `normalized` are looked for in normalized text, so by their normalized content.
@@ -1065,49 +1069,39 @@ BpeTokenizer BpeTokenizer::from_tokenizer_json_text(const std::string& text, con
   return BpeTokenizer(std::move(def));
 }
 
-namespace {
 // A SentencePiece vocabulary's scores as merges (model/tokenizer.h): every split of a token, at a
 // character boundary, into two tokens is a merge into it (llama.cpp looks the joined text up among all
 // tokens, whatever their type); merges ranked by the token's score, highest first, equal scores
-// sharing a rank. Splits of one token are listed by where they cut.
-void merges_from_scores(const GgufTokenizerMetadata& meta, BpeDefinition& def) {
-  std::unordered_map<std::string_view, uint32_t> id_of;
-  id_of.reserve(meta.tokens.size());
+// sharing a rank, which the BPE loop applies leftmost first. A token's splits are listed by where they
+// cut.
+void BpeTokenizer::merges_from_scores(const std::vector<double>& scores) {
   size_t longest = 0;
-  for (size_t id = 0; id < meta.tokens.size(); ++id) {
-    id_of.emplace(meta.tokens[id], static_cast<uint32_t>(id));
-    longest = std::max(longest, meta.tokens[id].size());
-  }
+  for (const std::string& t : token_text_) longest = std::max(longest, t.size());
   // The byte lengths some token has: a cut is only looked up where both parts could be tokens.
   std::vector<bool> is_length(longest + 1, false);
-  for (const std::string& t : meta.tokens) is_length[t.size()] = true;
+  for (const std::string& t : token_text_) is_length[t.size()] = true;
   std::vector<uint32_t> formed;  // the tokens of two or more bytes, by score
-  for (size_t id = 0; id < meta.tokens.size(); ++id) {
-    if (!std::isfinite(meta.scores[id]))
-      fail(fmt::format("{}: tokenizer.ggml.scores[{}] (token '{}') is {}", meta.source, id, meta.tokens[id],
-                       meta.scores[id]),
-           "the GGUF file's tokenizer metadata is damaged; every score must be a finite number");
-    if (meta.tokens[id].size() > 1) formed.push_back(static_cast<uint32_t>(id));
-  }
-  // Highest score first; among equal scores by id, so that the list (and a tokenizer.json written
+  for (uint32_t id = 0; id < token_text_.size(); ++id)
+    if (token_text_[id].size() > 1) formed.push_back(id);
+  // Highest score first; among equal scores by id, so that the order (and a tokenizer.json written
   // from it) does not depend on the sort.
-  std::stable_sort(formed.begin(), formed.end(),
-                   [&](uint32_t a, uint32_t b) { return meta.scores[a] > meta.scores[b]; });
-  uint32_t rank = 0;
+  std::stable_sort(formed.begin(), formed.end(), [&](uint32_t a, uint32_t b) { return scores[a] > scores[b]; });
+  uint32_t rank = 0, order = 0;
   for (size_t i = 0; i < formed.size(); ++i) {
-    if (i > 0 && meta.scores[formed[i]] != meta.scores[formed[i - 1]]) ++rank;
-    const std::string& text = meta.tokens[formed[i]];
+    if (i > 0 && scores[formed[i]] != scores[formed[i - 1]]) ++rank;
+    const std::string& text = token_text_[formed[i]];
     for (size_t cut = 1; cut < text.size(); ++cut) {
       if (!is_length[cut] || !is_length[text.size() - cut]) continue;
       if ((static_cast<unsigned char>(text[cut]) & 0xC0) == 0x80) continue;  // inside a character
-      const std::string_view left(text.data(), cut), right(text.data() + cut, text.size() - cut);
-      if (!id_of.count(left) || !id_of.count(right)) continue;
-      def.merges.emplace_back(std::string(left), std::string(right));
-      def.merge_ranks.push_back(rank);
+      const auto left = id_of_text_.find(std::string_view(text.data(), cut));
+      const auto right = id_of_text_.find(std::string_view(text.data() + cut, text.size() - cut));
+      if (left == id_of_text_.end() || right == id_of_text_.end()) continue;
+      // The joined text names one token, so no pair is listed twice.
+      merges_.emplace(pair_key(left->second, right->second), Merge{rank, formed[i], order++});
     }
   }
+  merge_count_ = order;
 }
-}  // namespace
 
 BpeTokenizer BpeTokenizer::from_gguf(const GgufTokenizerMetadata& meta) {
   const std::string& src = meta.source;
@@ -1149,7 +1143,11 @@ BpeTokenizer BpeTokenizer::from_gguf(const GgufTokenizerMetadata& meta) {
                        "has {} tokenizer.ggml.merges",
                        src, meta.merges.size()),
            damaged);
-    merges_from_scores(meta, def);
+    for (size_t id = 0; id < meta.scores.size(); ++id)
+      if (!std::isfinite(meta.scores[id]))
+        fail(fmt::format("{}: tokenizer.ggml.scores[{}] (token '{}') is {}", src, id, meta.tokens[id], meta.scores[id]),
+             "the GGUF file's tokenizer metadata is damaged; every score must be a finite number");
+    def.scores = meta.scores;
     def.pretokenizer_name = "none";
     def.byte_fallback = true;
     def.prepend_metaspace = def.strip_leading_space = meta.add_space_prefix.value_or(true);

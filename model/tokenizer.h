@@ -44,7 +44,7 @@
 // has scores, not merges; llama.cpp merges, at each step, the adjacent pair whose joined text is the
 // token of the highest score, the leftmost among equal scores. `from_gguf` states that as merges:
 // every split of a token into two tokens is a merge into it, ranked by the token's score, equal
-// scores sharing a rank (BpeDefinition::merge_ranks), which the BPE loop applies leftmost first. One
+// scores sharing a rank (BpeDefinition::scores), which the BPE loop applies leftmost first. One
 // difference remains: a character without a token falls back to its bytes before merging (HF's rule,
 // above), where llama.cpp keeps it and lets it merge by text; no vocabulary SentencePiece trains
 // lacks the characters of its own pieces, so the ids are the same (tests/data/spm_gguf_reference.py,
@@ -141,9 +141,9 @@ struct BpeDefinition {
   std::string source;                  // the file it came from, for messages
   std::vector<std::string> tokens;     // by id: byte-level spelling (GPT-2 map) of each token
   std::vector<std::pair<std::string, std::string>> merges;  // by rank: the two tokens merged
-  // Empty: merge i has rank i. Else merge i's rank, never decreasing: merges of one rank apply
-  // leftmost first (a SentencePiece vocabulary's equal scores).
-  std::vector<uint32_t> merge_ranks;
+  // A SentencePiece-style vocabulary's scores, by id (then `merges` is empty): the constructor derives
+  // the merges from them (above). Empty: merge i has rank i.
+  std::vector<double> scores;
   std::vector<AddedToken> added;       // each also in `tokens` at its id, with the same text
   std::vector<std::string> pretokenizer_patterns;
   std::string pretokenizer_name;       // "smollm", or "tokenizer.json" for patterns read from one
@@ -279,6 +279,8 @@ class BpeTokenizer final : public Tokenizer {
   // The symbols BPE starts from: one per byte (byte-level) or per character with byte fallback.
   template <class Push> void initial_symbols(std::string_view piece, Push&& push) const;
   void encode_pieces(std::string_view text, std::vector<uint32_t>& out) const;
+  // The merges of a SentencePiece-style vocabulary, from its scores (by id).
+  void merges_from_scores(const std::vector<double>& scores);
 
   std::string source_;
   std::vector<std::string> token_text_;   // byte-level spelling, by id
