@@ -34,6 +34,9 @@ import tokenizers
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "tools", "data"))
+from text_lines import read_lines  # noqa: E402  (the corpus's lines as chunkwise cuts them)
+
 CORPUS = os.path.join(HERE, "tokenizer_corpus.txt")
 DECOMPOSED = os.path.join(HERE, "tokenizer_corpus_decomposed.txt")
 OUT_JSON = os.path.join(HERE, "qwen_style_tokenizer.json")
@@ -78,17 +81,6 @@ DECOMPOSED_LINES = [
     unicodedata.normalize("NFD", "Accents: café naïve résumé façade Ångström Øresund Đakovo Łódź İstanbul"),
     unicodedata.normalize("NFD", "한국어 텍스트입니다."),
 ]
-
-
-def read_lines(path):
-    """The lines of `path` as chunkwise's encode_lines cuts them: at '\\n' only (not at \\r, U+0085,
-    U+2028, which str.splitlines would take), a final '\\n' ending the last line."""
-    with open(path, encoding="utf-8", newline="") as f:
-        text = f.read()
-    lines = text.split("\n")
-    if text.endswith("\n"):
-        lines.pop()
-    return lines
 
 
 def build(corpus_lines):

@@ -35,21 +35,15 @@ tokenizer.json (tests/data/<corpus>.<style>.ids). Needs only the Python standard
 import heapq
 import json
 import os
+import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "tools", "data"))
+from text_lines import read_lines  # noqa: E402  (the lines of a text file as chunkwise cuts them)
+
 STYLES = {"gemma_style": False, "llama2_style": True}  # add_space_prefix
 GROUPS = (1, 64)  # tokens sharing a score
 UNKNOWN, NORMAL, CONTROL, USER_DEFINED, BYTE = 2, 1, 3, 4, 6
-
-
-def read_lines(path):
-    """The lines of a text file as chunkwise cuts them: at '\\n', which is not part of a line."""
-    with open(path, encoding="utf-8", newline="") as f:
-        text = f.read()
-    lines = text.split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()
-    return lines
 
 
 def gguf_vocabulary(style, group):

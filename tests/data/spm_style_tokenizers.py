@@ -35,8 +35,8 @@ import sys
 
 from tokenizers import Tokenizer, decoders, models, normalizers, trainers
 
-# The corpus's lines as chunkwise cuts them, and HF's ids written one line per line: as for the
-# Qwen-style tokenizer.
+# The corpus's lines as chunkwise cuts them (tools/data/text_lines.py, which qwen_style_tokenizer puts
+# on the path), and HF's ids written one line per line: as for the Qwen-style tokenizer.
 from qwen_style_tokenizer import read_lines, write_ids
 
 HERE = os.path.dirname(os.path.abspath(__file__))

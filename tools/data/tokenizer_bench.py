@@ -20,6 +20,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import text_lines  # noqa: E402
 import tokenizer_vs_hf  # noqa: E402  (its corpus)
 
 HF_CHILD = r"""
@@ -54,8 +55,7 @@ def main():
 
     lines = []
     for path in args.corpus:
-        text = open(path, encoding="utf-8", newline="").read()
-        lines += text[:-1].split("\n") if text.endswith("\n") else text.split("\n")
+        lines += text_lines.read_lines(path)
     if args.debian:
         lines += tokenizer_vs_hf.debian_lines()
     n_bytes = sum(len(line.encode("utf-8")) for line in lines)

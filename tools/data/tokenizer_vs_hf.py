@@ -32,6 +32,9 @@ import sys
 import tempfile
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import text_lines  # noqa: E402  (the corpus's lines as chunkwise cuts them)
+
 LLAMA3_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 VARIANTS = {
@@ -86,8 +89,7 @@ def main():
 
     lines = []
     for path in args.corpus:
-        text = open(path, encoding="utf-8", newline="").read()
-        lines += text[:-1].split("\n") if text.endswith("\n") else text.split("\n")
+        lines += text_lines.read_lines(path)
     if args.debian:
         lines += debian_lines()
     if args.unicode_sweep:
