@@ -28,12 +28,27 @@ struct NamedPretokenizer {
 };
 
 const std::vector<NamedPretokenizer>& named_pretokenizers() {
+  // Every name llama.cpp's converter writes for one of these regexes (llama.cpp groups them into
+  // pre-tokenizer types, each with one set of regexes); "gpt2" is GPT-2's HF name.
   static const std::vector<NamedPretokenizer> table = {
       {"gpt2", {kGpt2SplitRegex}},
+      {"gpt-2", {kGpt2SplitRegex}},
+      {"phi-2", {kGpt2SplitRegex}},
+      {"mpt", {kGpt2SplitRegex}},
+      {"olmo", {kGpt2SplitRegex}},
       {"llama-bpe", {kLlama3SplitRegex}},
       {"llama3", {kLlama3SplitRegex}},
+      {"llama-v3", {kLlama3SplitRegex}},
+      {"falcon3", {kLlama3SplitRegex}},
+      {"dbrx", {kLlama3SplitRegex}},
+      {"smaug-bpe", {kLlama3SplitRegex}},
       {"smollm", {kDigitsSplitRegex, kGpt2SplitRegex}},
+      {"starcoder", {kDigitsSplitRegex, kGpt2SplitRegex}},
+      {"refact", {kDigitsSplitRegex, kGpt2SplitRegex}},
+      {"codeshell", {kDigitsSplitRegex, kGpt2SplitRegex}},
       {"qwen2", {kQwen2SplitRegex}},
+      {"deepseek-r1-qwen", {kQwen2SplitRegex}},
+      {"stablelm2", {kQwen2SplitRegex}},
   };
   return table;
 }

@@ -11,14 +11,20 @@
 // (PCRE2_MATCH_INVALID_UTF), so it lands in a gap piece of its own and is still encoded, byte by byte.
 //
 // Named pre-tokenizers (the values of GGUF's `tokenizer.ggml.pre` that this build knows; the regexes
-// are those of the HF tokenizer.json files of these models):
+// are those of the HF tokenizer.json files of these models; the other names on a line are those
+// llama.cpp gives the same regexes):
 //   gpt2       GPT-2's ByteLevel regex: 's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
+//              (also gpt-2, phi-2, mpt, olmo)
 //   llama-bpe  Llama 3's Split regex (case-insensitive contractions, digits in groups of up to three,
-//              newlines kept with the whitespace before them); "llama3" is accepted as well
+//              newlines kept with the whitespace before them) (also llama3, llama-v3, falcon3, dbrx,
+//              smaug-bpe)
 //   qwen2      Llama 3's regex with every digit a piece of its own (\p{N} for \p{N}{1,3}): Qwen2, Qwen2.5,
-//              Qwen3 (llama.cpp writes "qwen2" for all three)
+//              Qwen3 (llama.cpp writes "qwen2" for all three) (also deepseek-r1-qwen, stablelm2)
 //   smollm     every digit a piece of its own (\p{N}: HF's Digits(individual_digits)), then GPT-2's regex
-//              (SmolLM, SmolLM2, StarCoder: HF Sequence[Digits, ByteLevel])
+//              (SmolLM, SmolLM2, StarCoder: HF Sequence[Digits, ByteLevel]) (also starcoder, refact,
+//              codeshell)
+// llama.cpp's vocabulary tests (its models/ggml-vocab-*.gguf with their .inp and .out) check these
+// against llama.cpp's ids: tools/data/llama_cpp_vocab_check.py.
 // Tested in tests/model/test_tokenizer.cpp; agreement with HF on real vocabularies:
 // tools/data/tokenizer_vs_hf.py.
 #pragma once

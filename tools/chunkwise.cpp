@@ -390,9 +390,15 @@ int main(int argc, char** argv) {
   encode->add_option("--tokenizer", tokenizer_spec, tokenizer_help)->required();
   encode->add_option("--text-file", encode_file, "the text: each line encoded without its newline, no BOS/EOS")
       ->required();
+  std::string encode_separator = "\n";
+  CLI::Option* separator_opt = encode->add_option(
+      "--separator", encode_separator,
+      "encode the pieces of the file between occurrences of this text instead of its lines (each piece keeps its "
+      "newlines; the text as given, e.g. $'\\n__ggml_vocab_test__\\n' in bash)");
   int encode_bench_passes = 0;
   encode->add_option("--bench", encode_bench_passes,
-                     "a benchmark instead: encode the lines N times, print the timings as JSON (not the ids)");
+                     "a benchmark instead: encode the lines N times, print the timings as JSON (not the ids)")
+      ->excludes(separator_opt);
 
   try {
     app.parse(argc, argv);
@@ -514,7 +520,7 @@ int main(int argc, char** argv) {
       if (encode_bench_passes > 0)
         cw::bench_encode(*tokenizer, encode_file, encode_bench_passes, std::cout);
       else
-        cw::encode_lines(*tokenizer, encode_file, std::cout);
+        cw::encode_lines(*tokenizer, encode_file, std::cout, encode_separator);
       return 0;
     }
     if (*init) {

@@ -138,6 +138,18 @@ TEST_CASE("tokenizer: named pre-tokenizers split as HF's regexes do") {
   CHECK(gpt2.split("ab\xff" "cd \xc3") == Pieces{"ab", "\xff", "cd", " ", "\xc3"});
   CHECK(gpt2.split("").empty());
   CHECK(contains(error_of([] { Pretokenizer::named("qwen9", "m.gguf"); }), "m.gguf: pre-tokenizer 'qwen9' is not one"));
+  // llama.cpp's other names for the same regexes (its pre-tokenizer types).
+  const std::vector<std::pair<const char*, std::vector<const char*>>> aliases = {
+      {"gpt2", {"gpt-2", "phi-2", "mpt", "olmo"}},
+      {"llama-bpe", {"llama3", "llama-v3", "falcon3", "dbrx", "smaug-bpe"}},
+      {"smollm", {"starcoder", "refact", "codeshell"}},
+      {"qwen2", {"deepseek-r1-qwen", "stablelm2"}},
+  };
+  for (const auto& [name, others] : aliases)
+    for (const char* other : others) {
+      CAPTURE(other);
+      CHECK(Pretokenizer::named(other, "test").patterns() == Pretokenizer::named(name, "test").patterns());
+    }
   CHECK(contains(error_of([] { Pretokenizer({"(a"}, "x", "t.json"); }),
             "t.json: pre-tokenizer regex '(a' does not compile"));
 }
@@ -328,6 +340,16 @@ TEST_CASE("tokenizer: loaded from an HF tokenizer.json and from GGUF metadata, t
   CHECK(from_gguf.encode(text) == reference.encode(text));
   CHECK(from_gguf.decode(Ids{kX, kHi}, true) == "hi!");  // control tokens are special, user-defined not
   CHECK(from_gguf.bos_id() == std::optional<uint32_t>(kEnd));
+  // ignore_merges by the pre-tokenizer's name, as llama.cpp sets it (its llama3 type only).
+  const std::vector<std::pair<const char*, bool>> ignores = {{"llama-bpe", true}, {"llama3", true},
+                                                             {"llama-v3", true},  {"falcon3", true},
+                                                             {"dbrx", false},     {"smaug-bpe", false},
+                                                             {"gpt-2", false}};
+  for (const auto& [pre, ignore] : ignores) {
+    CAPTURE(pre);
+    meta.pre = pre;
+    CHECK(BpeTokenizer::from_gguf(meta).hf_tokenizer_json().at("model").at("ignore_merges") == ignore);
+  }
 }
 
 // Writes `files` (name, content) into `dir`.
@@ -664,6 +686,24 @@ TEST_CASE("tokenizer: load_tokenizer, chunkwise encode and tokenize with a BPE t
   std::ostringstream out;
   CHECK(encode_lines(*tok, dir.file("lines.txt"), out) == 4);
   CHECK(out.str() == fmt::format("{} {}\n\n97 {} {}\n49 50\n", kHello, kSpaceWorld, kBc, kX));
+  // --separator: the pieces between its occurrences, each keeping its newlines; a final one ends the
+  // last piece rather than starting an empty one.
+  write_text(dir.file("pieces.txt"), "hello world\n==\n\nabc<x>\n12\n==\n");
+  const auto ids_line = [&](std::string_view piece) {
+    std::vector<uint32_t> ids;
+    tok->encode_into(piece, ids);
+    std::string line;
+    for (size_t i = 0; i < ids.size(); ++i) line += fmt::format("{}{}", i ? " " : "", ids[i]);
+    return line + "\n";
+  };
+  std::ostringstream pieces;
+  CHECK(encode_lines(*tok, dir.file("pieces.txt"), pieces, "\n==\n") == 2);
+  CHECK(pieces.str() == ids_line("hello world") + ids_line("\nabc<x>\n12"));
+  CHECK(contains(error_of([&] {
+                   std::ostringstream o;
+                   encode_lines(*tok, dir.file("pieces.txt"), o, "");
+                 }),
+                 "the separator is empty"));
 
   // Shards: BOS (named, since this tokenizer.json has no config beside it) before each document.
   write_text(dir.file("a.txt"), "hello world");

@@ -564,21 +564,24 @@ TokenizeCounts tokenize_chat_jsonl(const Tokenizer& tokenizer, const std::vector
   return counts;
 }
 
-int64_t encode_lines(const Tokenizer& tokenizer, const std::string& text_file, std::ostream& out) {
+int64_t encode_lines(const Tokenizer& tokenizer, const std::string& text_file, std::ostream& out,
+                     std::string_view separator) {
+  if (separator.empty())
+    fail("encode --separator '': the separator is empty", "give the text that ends each piece, or leave it out for lines");
   const std::string text = read_whole_file(text_file, "text");
   int64_t lines = 0;
   std::vector<uint32_t> ids;
   std::string line_out;
   for (size_t pos = 0; pos < text.size(); ++lines) {
-    const size_t nl = text.find('\n', pos);
-    const size_t end = nl == std::string::npos ? text.size() : nl;
+    const size_t found = text.find(separator, pos);
+    const size_t end = found == std::string::npos ? text.size() : found;
     ids.clear();
     tokenizer.encode_into(std::string_view(text).substr(pos, end - pos), ids);
     line_out.clear();
     for (size_t i = 0; i < ids.size(); ++i) fmt::format_to(std::back_inserter(line_out), "{}{}", i ? " " : "", ids[i]);
     line_out.push_back('\n');
     out << line_out;
-    pos = end + 1;
+    pos = end + separator.size();
   }
   if (!out) fail(fmt::format("encode: writing the ids of '{}' failed", text_file), "check the output's disk space");
   return lines;

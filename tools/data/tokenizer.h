@@ -167,8 +167,11 @@ TokenizeCounts tokenize_chat_jsonl(const Tokenizer& tokenizer, const std::vector
 
 // `chunkwise encode`: the ids of each line of a text file, one line of space-separated ids per
 // input line (lines end at '\n', which is not encoded; a last line without one counts; no BOS/EOS).
-// Returns the number of lines.
-int64_t encode_lines(const Tokenizer& tokenizer, const std::string& text_file, std::ostream& out);
+// With another `separator` (`--separator`), the pieces between its occurrences instead, each with its
+// own newlines (a file of test texts such as llama.cpp's vocabulary tests, where one ends every text).
+// Returns the number of lines (pieces).
+int64_t encode_lines(const Tokenizer& tokenizer, const std::string& text_file, std::ostream& out,
+                     std::string_view separator = "\n");
 
 // `chunkwise encode --bench N` (a benchmark, not a test): encodes the lines of the file as
 // encode_lines does, `passes` times on this thread, timing only the encoding (not reading, not
