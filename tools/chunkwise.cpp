@@ -475,9 +475,12 @@ int main(int argc, char** argv) {
       if (!sample_prompt_file.empty()) so.prompt = cw::read_prompt_file(sample_prompt_file);
       const cw::Device device = cw::resolve_device(sample_device, "--device");
       const cw::DType dtype = cw::resolve_compute_dtype(sample_dtype, device, "--dtype", "--device");
-      cw::ModelSource source{.model = sample_model, .run = run_dir, .step = sample_step, .tokenizer = sample_tokenizer};
+      cw::ModelSource source{.model = sample_model,
+                             .run = run_dir,
+                             .step = sample_step,
+                             .tokenizer = sample_tokenizer,
+                             .rope = sample_rope};
       if (!sample_model.empty() && sample_tokenizer.empty()) source.tokenizer = cw::kModelTokenizer;
-      source.rope = sample_rope;
       const cw::Generation g = cw::sample_from(source, so, device, dtype);
       // What the prompt cost, on stderr beside the checkpoint line (stdout holds the text alone).
       std::cerr << fmt::format("chunkwise: prompt of {} tokens through the prefill in {:.2f} s ({:.0f} tokens/s{}), "
