@@ -19,6 +19,11 @@ const char* const kDigitsSplitRegex = R"(\p{N})";
 const char* const kQwen2SplitRegex =
     R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*)"
     R"(|\s*[\r\n]+|\s+(?!\S)|\s+)";
+// DeepSeek Coder's tokenizer.json: line breaks, letter runs, punctuation runs (each with the space
+// before it), CJK and Hangul runs, then every digit alone.
+const std::vector<const char*> kDeepseekCoderSplitRegexes = {R"([\r\n])", R"(\s?\p{L}+)", R"(\s?\p{P}+)",
+                                                             R"([\x{4e00}-\x{9fa5}\x{0800}-\x{4e00}\x{ac00}-\x{d7ff}]+)",
+                                                             R"(\p{N})"};
 
 namespace {
 
@@ -49,6 +54,7 @@ const std::vector<NamedPretokenizer>& named_pretokenizers() {
       {"qwen2", {kQwen2SplitRegex}},
       {"deepseek-r1-qwen", {kQwen2SplitRegex}},
       {"stablelm2", {kQwen2SplitRegex}},
+      {"deepseek-coder", kDeepseekCoderSplitRegexes},
   };
   return table;
 }

@@ -23,6 +23,8 @@
 //   smollm     every digit a piece of its own (\p{N}: HF's Digits(individual_digits)), then GPT-2's regex
 //              (SmolLM, SmolLM2, StarCoder: HF Sequence[Digits, ByteLevel]) (also starcoder, refact,
 //              codeshell)
+//   deepseek-coder  DeepSeek Coder's steps: line breaks, letter runs and punctuation runs (each with
+//              the whitespace character before it), CJK and Hangul runs, then every digit alone
 // llama.cpp's vocabulary tests (its models/ggml-vocab-*.gguf with their .inp and .out) check these
 // against llama.cpp's ids: tools/data/llama_cpp_vocab_check.py.
 // Tested in tests/model/test_tokenizer.cpp; agreement with HF on real vocabularies:

@@ -138,6 +138,9 @@ TEST_CASE("tokenizer: named pre-tokenizers split as HF's regexes do") {
   CHECK(gpt2.split("ab\xff" "cd \xc3") == Pieces{"ab", "\xff", "cd", " ", "\xc3"});
   CHECK(gpt2.split("").empty());
   CHECK(contains(error_of([] { Pretokenizer::named("qwen9", "m.gguf"); }), "m.gguf: pre-tokenizer 'qwen9' is not one"));
+  // DeepSeek Coder's: line breaks, letters and punctuation with the space before them, CJK runs, digits.
+  CHECK(Pretokenizer::named("deepseek-coder", "test").split("Hi 12 \u4e16\u754c\n!!") ==
+        Pieces{"Hi", " ", "1", "2", " ", "\u4e16\u754c", "\n", "!!"});
   // llama.cpp's other names for the same regexes (its pre-tokenizer types).
   const std::vector<std::pair<const char*, std::vector<const char*>>> aliases = {
       {"gpt2", {"gpt-2", "phi-2", "mpt", "olmo"}},
@@ -648,9 +651,9 @@ TEST_CASE("tokenizer: malformed GGUF metadata fails with one clear line") {
   m.pre = "";
   CHECK(contains(error_of([&] { BpeTokenizer::from_gguf(m); }), "tokenizer.ggml.pre is missing"));
   m = good;
-  m.pre = "deepseek-coder";
+  m.pre = "deepseek-llm";
   CHECK(contains(error_of([&] { BpeTokenizer::from_gguf(m); }),
-            "pre-tokenizer 'deepseek-coder' is not one this build knows"));
+            "pre-tokenizer 'deepseek-llm' is not one this build knows"));
   m = good;
   m.token_type = {1, 1};
   CHECK(contains(error_of([&] { BpeTokenizer::from_gguf(m); }), "token_type has 2 entries for 273 tokens"));
