@@ -319,6 +319,10 @@ BpeTokenizer::BpeTokenizer(BpeDefinition def)
            damaged);
     if (def.scores.size() != vocab)
       fail(fmt::format("{}: {} scores for {} tokens", src, def.scores.size(), vocab), damaged);
+    // Ranked by a sort, which a NaN would leave without an order.
+    for (uint32_t id = 0; id < vocab; ++id)
+      if (!std::isfinite(def.scores[id]))
+        fail(fmt::format("{}: the score of token {} ('{}') is {}", src, id, token_text_[id], def.scores[id]), damaged);
     merges_from_scores(def.scores);
   } else {
     merges_.reserve(def.merges.size());

@@ -622,6 +622,26 @@ TEST_CASE("tokenizer: malformed tokenizer.json values are refused naming the key
   CHECK(!contains(message, "json.exception"));
 }
 
+TEST_CASE("tokenizer: a definition with scores derives its merges; scores beside merges, of another count or not finite are refused") {
+  BpeDefinition def = small_definition();
+  def.merges.clear();
+  def.scores.assign(def.tokens.size(), 0.0);
+  for (size_t id = 256; id < def.tokens.size(); ++id) def.scores[id] = -double(id);  // the list's order
+  const BpeTokenizer from_scores(def);
+  CHECK(from_scores.num_merges() >= static_cast<int64_t>(kMerges.size()));
+  CHECK(from_scores.encode("hello world") == BpeTokenizer(small_definition()).encode("hello world"));
+  const auto refusal = [](BpeDefinition d) { return error_of([&] { BpeTokenizer{std::move(d)}; }); };
+  BpeDefinition both = def;
+  both.merges = kMerges;
+  CHECK(contains(refusal(both), "small vocabulary: the vocabulary has scores, from which the merges come, and 13 merges besides"));
+  BpeDefinition short_scores = def;
+  short_scores.scores.pop_back();
+  CHECK(contains(refusal(short_scores), "small vocabulary: 272 scores for 273 tokens"));
+  BpeDefinition nan_score = def;
+  nan_score.scores[260] = std::nan("");
+  CHECK(contains(refusal(nan_score), "small vocabulary: the score of token 260"));
+}
+
 TEST_CASE("tokenizer: malformed GGUF metadata fails with one clear line") {
   GgufTokenizerMetadata good;
   good.source = "m.gguf";
