@@ -33,10 +33,16 @@ LlamaModel::LlamaModel(const LlamaConfig& config, DType dtype, Device device, Te
   ensure_positions(256);
 }
 
-LlamaModel::LlamaModel(const LlamaConfig& config, DType dtype, Device device, ParameterShards& shards)
-    : full_config_(config), tp_(nullptr), config_(config), dtype_(dtype), device_(device), cast_layers_(false),
-      shards_(&shards) {
+LlamaModel::LlamaModel(const LlamaConfig& config, DType dtype, Device device, ParameterShards& shards,
+                       const LoraConfig& lora)
+    : full_config_(config), tp_(nullptr), config_(config), dtype_(dtype), device_(device), lora_(lora),
+      cast_layers_(false), shards_(&shards) {
   full_config_.validate("model config");
+  lora_.validate();
+  if (lora_.enabled()) {
+    adapters_.emplace(config_, lora_parameter_table(config_, lora_), dtype, device);
+    init_lora_parameters(*adapters_, lora_.seed);
+  }
   ensure_positions(256);
 }
 
@@ -50,7 +56,7 @@ const ParamSet& LlamaModel::adapters() const {
 }
 
 ModelWeights LlamaModel::weights() const {
-  if (shards_) return shards_->outside();
+  if (shards_) return shards_->outside();  // its blocks come one at a time, through layer(l)
   ModelWeights w = params_.weights();
   if (adapters_) {
     const ModelWeights a = adapters_->weights();
@@ -62,8 +68,7 @@ ModelWeights LlamaModel::weights() const {
 LayerWeights LlamaModel::layer(int l) const {
   CW_CHECK(!cast_layers_ || cast_, "the model casts its blocks from master weights it has not been given "
                                    "(LlamaModel::cast_layers_from)");
-  if (shards_) return shards_->block(l);
-  LayerWeights w = cast_ ? cast_->layer(l) : params_.layer(l);
+  LayerWeights w = shards_ ? shards_->block(l) : cast_ ? cast_->layer(l) : params_.layer(l);
   if (adapters_) w.lora = adapters_->layer(l).lora;
   return w;
 }
@@ -365,7 +370,7 @@ class ChunkBackward {
       : cf(model.config()), model(model), chunk(chunk), scratch(scratch), normaliser(normaliser),
         loss_weight(loss_weight), grads_final(grads_final), losses(losses), tp(model.tensor_parallel()),
         N(chunk.B * chunk.c), R(tp_rows(tp, N)), t0(chunk.pos0), t1(chunk.pos0 + chunk.c), w(model.weights()),
-        shards(model.shards()), release(model), g(shards ? shards->outside_grads() : grads.weights()),
+        shards(model.gradient_shards()), release(model), g(shards ? shards->outside_grads() : grads.weights()),
         ctx{cf, model.rope_cos(), model.rope_sin(), chunk.B, chunk.c, chunk.pos0, scratch, policy.mlp_shards,
             kv.has_outputs(), tp, chunk_lora_runtime(model, chunk), chunk.doc_starts, chunk.document_positions,
             chunk.first_keys},
@@ -436,7 +441,7 @@ class ChunkBackward {
   TensorParallelGroup* const tp;
   const int64_t N, R, t0, t1;
   const ModelWeights w;
-  ParameterShards* const shards;  // a sharded model's (null: the gradients are `grads`)
+  ParameterShards* const shards;  // a sharded full-parameter model's (null: the gradients are `grads`)
   const OutsideRelease release;   // the outside tensors go back when the backward ends
   const ModelWeights g;  // a frozen tensor (every base tensor under LoRA) has an undefined gradient: the ops skip it
   const BlockContext ctx;

@@ -65,8 +65,11 @@ class LlamaModel {
   // A model whose parameters are sharded over ranks (ZeRO 3, parallel/zero3.h): it allocates none
   // (params() is empty), every chunk asks `shards` for them as it runs (model/parameter_shards.h),
   // and backward_chunk adds the gradients into the buffers `shards` lends, not into its `grads`
-  // argument, which must then be an empty set. Full-parameter training, without tensor parallelism.
-  LlamaModel(const LlamaConfig& config, DType dtype, Device device, ParameterShards& shards);
+  // argument, which must then be an empty set. With lora the sharded parameters are the frozen base:
+  // the model owns its adapters, as above, and backward_chunk adds their gradient into `grads` (the
+  // adapters' table), asking `shards` for no gradient buffer. Without tensor parallelism.
+  LlamaModel(const LlamaConfig& config, DType dtype, Device device, ParameterShards& shards,
+             const LoraConfig& lora = {});
 
   const LlamaConfig& config() const { return config_; }            // what the parameters are shaped by
   const LlamaConfig& full_config() const { return full_config_; }  // the model's (= config() without TP)
@@ -96,6 +99,9 @@ class LlamaModel {
     if (shards_) shards_->release_outside();
   }
   ParameterShards* shards() const { return shards_; }  // null unless sharded
+  // Where backward_chunk's gradients go: the shards' buffers (sharded, full-parameter), else null:
+  // its `grads` argument (one process; the adapters of a sharded LoRA model).
+  ParameterShards* gradient_shards() const { return adapters_ ? nullptr : shards_; }
   // The table of what training updates (master weights, gradients, moments): the adapters' under
   // LoRA, else every parameter's (also with cast_layers, where params() holds only a part).
   std::vector<ParamSpec> trainable_table() const;

@@ -28,18 +28,28 @@ Zero3Counts Zero3Counts::operator-(const Zero3Counts& o) const {
 }
 
 ShardedParameters::ShardedParameters(Communicator& comm, const LlamaConfig& config, DType compute,
-                                     const AdamWOptions& adamw, bool offload_optimizer)
+                                     const AdamWOptions& adamw, bool offload_optimizer, bool frozen)
     : comm_(comm),
       config_(config),
       compute_(compute),
       grad_dtype_(master_dtype(compute)),
       device_(comm.device()),
       layout_(parameter_table(config), comm.size()),
-      master_(config, layout_.shard_table(comm.rank()), master_dtype(compute),
+      master_(config, layout_.shard_table(comm.rank()), frozen ? compute : master_dtype(compute),
               offload_optimizer ? Device::host() : comm.device()),
-      grads_(config, layout_.shard_table(comm.rank()), grad_dtype_, comm.device()) {
+      grads_(frozen ? ParamSet() : ParamSet(config, layout_.shard_table(comm.rank()), grad_dtype_, comm.device())),
+      frozen_(frozen) {
   adamw.validate();
   CW_CHECK(compute != DType::bf16 || !device_.is_cpu(), "bf16 training needs the GPU backend");
+  CW_CHECK(!(frozen && offload_optimizer), "ZeRO 3: a frozen base has no optimizer to offload");
+  if (frozen) {
+    // The gathers' buffers only: a frozen base has no gradient to reduce.
+    const int64_t block = layout_.largest_block_part() * comm.size(), outside = layout_.outside().part * comm.size();
+    for (int i = 0; i < kBlockSlots; ++i)
+      block_slots_.push_back(Slot{Buffer(static_cast<size_t>(block) * dtype_size(compute_), device_)});
+    outside_slot_.buffer = Buffer(static_cast<size_t>(outside) * dtype_size(compute_), device_);
+    return;
+  }
   if (offload_optimizer) {
     compute_copy_.emplace(ParamSet::like(master_, compute, device_));
     offloaded_.emplace(master_, device_, adamw);
@@ -62,7 +72,17 @@ ShardedParameters::ShardedParameters(Communicator& comm, const LlamaConfig& conf
   outside_grad_slot_ = slot(outside, grad_dtype_, true);
 }
 
+AdamW& ShardedParameters::optimizer() {
+  CW_CHECK(!frozen_, "ZeRO 3: a frozen base (LoRA) has no optimizer state");
+  return offloaded_ ? offloaded_->state() : *adamw_;
+}
+const AdamW& ShardedParameters::optimizer() const {
+  CW_CHECK(!frozen_, "ZeRO 3: a frozen base (LoRA) has no optimizer state");
+  return offloaded_ ? offloaded_->state() : *adamw_;
+}
+
 size_t ShardedParameters::shard_bytes() const {
+  if (frozen_) return master_.bytes();
   size_t moments = optimizer().exp_avg().bytes() + optimizer().exp_avg_sq().bytes();
   return master_.bytes() + grads_.bytes() + moments + (compute_copy_ ? compute_copy_->bytes() : 0);
 }
@@ -206,6 +226,7 @@ void ShardedParameters::prefetch(int l) {
 }
 
 ModelWeights ShardedParameters::outside_grads() {
+  CW_CHECK(!frozen_, "ZeRO 3: a frozen base (LoRA) lends no gradient buffers");
   finish_reduction(outside_grad_slot_);
   const Tensor whole = whole_of(outside_grad_slot_, 0, grad_dtype_);
   fill(whole, 0.0);
@@ -214,6 +235,7 @@ ModelWeights ShardedParameters::outside_grads() {
 }
 
 LayerWeights ShardedParameters::block_grads(int l) {
+  CW_CHECK(!frozen_, "ZeRO 3: a frozen base (LoRA) lends no gradient buffers");
   const size_t unit = static_cast<size_t>(l) + 1;
   // The buffer whose reduction was posted first (the other may still be in flight behind it).
   Slot& s = *std::min_element(block_grad_slots_.begin(), block_grad_slots_.end(),
@@ -296,6 +318,7 @@ ParamSet ShardedParameters::gather_whole(const ParamSet& shard_set) {
 }
 
 void ShardedParameters::optimizer_step(double lr) {
+  CW_CHECK(!frozen_, "ZeRO 3: a frozen base (LoRA) takes no optimizer step");
   finish_reductions();
   if (offloaded_) offloaded_->step(master_, grads_, lr, *compute_copy_);
   else adamw_->step(master_, grads_, lr);
@@ -304,12 +327,40 @@ void ShardedParameters::optimizer_step(double lr) {
 
 ShardedDataParallel::ShardedDataParallel(Communicator& comm, const LlamaConfig& config, DType compute,
                                          const AdamWOptions& adamw, const ParallelOptions& options,
-                                         bool offload_optimizer)
-    : comm_(comm), shards_(comm, config, compute, adamw, offload_optimizer), model_(config, compute, comm.device(), shards_) {
+                                         bool offload_optimizer, const LoraConfig& lora)
+    : comm_(comm),
+      shards_(comm, config, compute, adamw, offload_optimizer, /*frozen=*/lora.enabled()),
+      model_(config, compute, comm.device(), shards_, lora) {
   options.validate();
   CW_CHECK(options.zero == 3, "ShardedDataParallel is parallel.zero = 3 (given {})", options.zero);
   CW_CHECK(options.dp == comm.size(), "data parallel: parallel.dp = {} but the communicator has {} ranks", options.dp,
            comm.size());
+  if (lora.enabled()) {
+    CW_CHECK(!offload_optimizer, "ZeRO 3 with LoRA keeps the adapters' optimizer on the device (optimizer.offload off)");
+    // The adapters' master weights and gradient in optimizer/training.h's dtypes; the model's adapters
+    // are their compute copy.
+    adapter_master_.emplace(ParamSet::like(model_.adapters(), master_dtype(compute)));
+    copy_convert(adapter_master_->flat(), model_.adapters().flat());
+    adapter_grads_.emplace(ParamSet::like(model_.adapters(), master_dtype(compute)));
+    adapter_adamw_.emplace(*adapter_master_, adamw);
+  }
+}
+
+const ParamSet& ShardedDataParallel::adapter_master() const {
+  CW_CHECK(adapter_master_, "ZeRO 3: the model has no LoRA adapters");
+  return *adapter_master_;
+}
+
+const ParamSet& ShardedDataParallel::adapter_grads() const {
+  CW_CHECK(adapter_grads_, "ZeRO 3: the model has no LoRA adapters");
+  return *adapter_grads_;
+}
+
+void ShardedDataParallel::load_adapters(const ParamSet& adapters) {
+  CW_CHECK(adapter_master_ && same_table(adapters.specs(), adapter_master_->specs()),
+           "ZeRO 3: load_adapters takes the model's LoRA adapters' table");
+  copy_convert(adapter_master_->flat(), adapters.flat());
+  copy_convert(model_.adapters().flat(), adapter_master_->flat());
 }
 
 DataParallelStep ShardedDataParallel::compute_gradients(Schedule& schedule, const std::vector<Batch>& micro,
@@ -317,7 +368,8 @@ DataParallelStep ShardedDataParallel::compute_gradients(Schedule& schedule, cons
   CW_CHECK(!micro.empty(), "data parallel: a step needs at least one micro-batch");
   const Zero3Counts before = shards_.counts();
   shards_.finish_reductions();
-  shards_.grads().zero();
+  if (lora()) adapter_grads_->zero();
+  else shards_.grads().zero();
   // The global count of supervised labels: every rank's normaliser (data_parallel.h step 1).
   std::vector<double> count{0.0};
   for (const Batch& b : micro) count[0] += static_cast<double>(b.supervised());
@@ -329,11 +381,14 @@ DataParallelStep ShardedDataParallel::compute_gradients(Schedule& schedule, cons
   hooks.progress = given.progress;
   hooks.sum_over_ranks = [this](std::vector<double>& v) { sum_host_values(comm_, v); };
   schedule.set_hooks(hooks);
-  const ParamSet none;  // the sharded model lends its gradient buffers (model/parameter_shards.h)
+  // The sharded model lends its gradient buffers (model/parameter_shards.h); under LoRA the backward
+  // adds the adapters' gradient into this rank's set.
+  const ParamSet none;
+  const ParamSet& grads = lora() ? *adapter_grads_ : none;
   double loss = 0;
   try {
     for (size_t m = 0; m < micro.size(); ++m) {
-      out.stats = schedule.step(model_, micro[m], none, count[0], step_index + m);
+      out.stats = schedule.step(model_, micro[m], grads, count[0], step_index + m);
       loss += out.stats.loss;
     }
   } catch (...) {
@@ -342,16 +397,18 @@ DataParallelStep ShardedDataParallel::compute_gradients(Schedule& schedule, cons
   }
   schedule.set_hooks(given);
   shards_.finish_reductions();
+  if (lora()) comm_.all_reduce(adapter_grads_->flat())->wait();  // the ranks' sum, in rank order on threads
   std::vector<double> total{loss};
   sum_host_values(comm_, total);
   out.loss = total[0];
   step_counts_ = shards_.counts() - before;
-  out.buckets = step_counts_.block_reduce_scatters + step_counts_.outside_reduce_scatters;
-  out.buckets_in_backward = out.buckets;
+  out.buckets_in_backward = step_counts_.block_reduce_scatters + step_counts_.outside_reduce_scatters;
+  out.buckets = out.buckets_in_backward + (lora() ? 1 : 0);  // LoRA: the adapters' all-reduce, after the step
   return out;
 }
 
 double ShardedDataParallel::gradient_norm() {
+  if (lora()) return std::sqrt(sum_squares(adapter_grads_->flat()));  // the same reduced gradient on every rank
   std::vector<double> squares{shards_.grads().numel() > 0 ? sum_squares(shards_.grads().flat()) : 0.0};
   sum_host_values(comm_, squares);
   return std::sqrt(squares[0]);
@@ -359,14 +416,20 @@ double ShardedDataParallel::gradient_norm() {
 
 double ShardedDataParallel::clip_gradients(double max_norm) {
   const double norm = gradient_norm();
-  if (max_norm > 0.0 && std::isfinite(norm) && norm > max_norm && shards_.grads().numel() > 0)
-    scale_inplace(shards_.grads().flat(), max_norm / norm);
+  const ParamSet& grads = lora() ? *adapter_grads_ : shards_.grads();
+  if (max_norm > 0.0 && std::isfinite(norm) && norm > max_norm && grads.numel() > 0)
+    scale_inplace(grads.flat(), max_norm / norm);
   return norm;
 }
 
-void ShardedDataParallel::optimizer_step(double lr) { shards_.optimizer_step(lr); }
+void ShardedDataParallel::optimizer_step(double lr) {
+  if (!lora()) return shards_.optimizer_step(lr);
+  adapter_adamw_->step(*adapter_master_, *adapter_grads_, lr);
+  copy_convert(model_.adapters().flat(), adapter_master_->flat());  // the compute copy
+}
 
 void ShardedDataParallel::save_shard(const std::string& path) const {
+  CW_CHECK(!lora(), "ZeRO 3 shard checkpoints hold full-parameter training; LoRA's adapters are written as PEFT files");
   const ParamSet& master = shards_.master();
   ParamSet host = ParamSet::like(master, master.dtype(), Device::host());
   copy_params(host, master);
@@ -377,6 +440,7 @@ void ShardedDataParallel::save_shard(const std::string& path) const {
 }
 
 void ShardedDataParallel::load_shard(const std::string& path) {
+  CW_CHECK(!lora(), "ZeRO 3 shard checkpoints hold full-parameter training; LoRA's adapters are read from PEFT files");
   const SafetensorsReader f(path);
   const auto meta = [&](const char* key) {
     const auto it = f.metadata().find(key);

@@ -37,7 +37,11 @@
 // the turn and the block kept from the previous chunk), and k' L reduce-scatters; the outside unit
 // is gathered once per pass (k + k') and reduce-scattered k' times. Zero3Counts counts what a run
 // does; the planner (tools/planner) predicts the same numbers and the bytes, tested against them.
-// Not with tensor parallelism or LoRA (refused with one line naming the options).
+// With LoRA the sharded parameters are the frozen base: each rank keeps its shard of the base in the
+// compute dtype and gathers blocks as above, with no gradient, reduce-scatter or optimizer state for
+// it; the adapters, a small fraction of the model, are replicated on every rank like ZeRO 0's
+// parameters (master weights, AdamW), their gradient all-reduced once per step.
+// Not with tensor parallelism (refused with one line naming the options).
 #pragma once
 
 #include "optim/adamw.h"
@@ -73,15 +77,17 @@ class ShardedParameters final : public ParameterShards {
   static constexpr int kBlockSlots = 2;
 
   // config: the whole model; compute: the blocks' dtype; the master and gradient dtypes follow
-  // optim/training.h (f32 master and gradients under bf16, else the compute dtype).
+  // optim/training.h (f32 master and gradients under bf16, else the compute dtype). frozen (LoRA's
+  // base): the shard is kept in the compute dtype, with no gradient, gradient buffers or optimizer.
   ShardedParameters(Communicator& comm, const LlamaConfig& config, DType compute, const AdamWOptions& adamw,
-                    bool offload_optimizer);
+                    bool offload_optimizer, bool frozen = false);
 
   const ShardLayout& layout() const { return layout_; }
+  bool frozen() const { return frozen_; }
   const ParamSet& master() const { return master_; }  // this rank's shard (its shard_table)
-  const ParamSet& grads() const { return grads_; }
-  AdamW& optimizer() { return offloaded_ ? offloaded_->state() : *adamw_; }
-  const AdamW& optimizer() const { return offloaded_ ? offloaded_->state() : *adamw_; }
+  const ParamSet& grads() const { return grads_; }    // empty when frozen
+  AdamW& optimizer();                                 // not when frozen
+  const AdamW& optimizer() const;
   bool optimizer_offloaded() const { return offloaded_.has_value(); }
   const Zero3Counts& counts() const { return counts_; }
   // Bytes this rank holds: the shard's master, gradient and moments, and the working buffers.
@@ -141,6 +147,7 @@ class ShardedParameters final : public ParameterShards {
   ParamSet grads_;
   std::optional<AdamW> adamw_;
   std::optional<OffloadedAdamW> offloaded_;
+  bool frozen_;
   std::vector<Slot> block_slots_, block_grad_slots_;
   Slot outside_slot_, outside_grad_slot_;
   uint64_t clock_ = 0;
@@ -149,17 +156,26 @@ class ShardedParameters final : public ParameterShards {
 
 // A ZeRO 3 rank: its ShardedParameters and the model that runs on them, stepped as DataParallel
 // steps (the global normaliser, the loss summed over the ranks; parallel/data_parallel.h steps 1, 2
-// and 4), the gradients reduce-scattered block by block as above instead of bucketed.
+// and 4), the gradients reduce-scattered block by block as above instead of bucketed. With LoRA
+// (lora.rank > 0) the shards are the frozen base and the adapters train replicated: their gradient
+// (the model's backward adds into adapter_grads()) is all-reduced after the step's last micro-batch,
+// and every rank applies the same AdamW step to its master copy.
 class ShardedDataParallel {
  public:
   ShardedDataParallel(Communicator& comm, const LlamaConfig& config, DType compute, const AdamWOptions& adamw,
-                      const ParallelOptions& options, bool offload_optimizer = false);
+                      const ParallelOptions& options, bool offload_optimizer = false, const LoraConfig& lora = {});
 
   int rank() const { return comm_.rank(); }
   int size() const { return comm_.size(); }
   LlamaModel& model() { return model_; }
   ShardedParameters& shards() { return shards_; }
   const ShardedParameters& shards() const { return shards_; }
+  // LoRA: the adapters' master weights (every rank the same) and their reduced gradient.
+  bool lora() const { return adapter_master_.has_value(); }
+  const ParamSet& adapter_master() const;
+  const ParamSet& adapter_grads() const;
+  // LoRA: the adapters from a whole host set of their table (every rank passes the same).
+  void load_adapters(const ParamSet& adapters);
 
   DataParallelStep compute_gradients(Schedule& schedule, const std::vector<Batch>& micro, uint64_t step_index);
   // The last compute_gradients' collectives.
@@ -178,6 +194,8 @@ class ShardedDataParallel {
   ShardedParameters shards_;
   LlamaModel model_;
   Zero3Counts step_counts_;
+  std::optional<ParamSet> adapter_master_, adapter_grads_;  // LoRA
+  std::optional<AdamW> adapter_adamw_;
 };
 
 // The whole model's master weights from the n shard files save_shard wrote (rank r's at paths[r]),

@@ -211,12 +211,19 @@ struct GridResult {
 // One rank of a ZeRO 3 run (parallel/zero3.h; no TP) on its communicator's device (a thread's host
 // memory, or a launched process's GPU over NCCL): the DP rank's sequences as grid_rank's, the first
 // step's reduced gradient and the final parameters gathered whole from the ranks' shards
-// (ShardedParameters::gather_whole, a collective every rank joins) into host sets.
+// (ShardedParameters::gather_whole, a collective every rank joins) into host sets. With LoRA the
+// shards are the frozen base and the adapters, replicated, are what is compared.
 GridRank zero3_rank(const GradcheckOptions& o, Communicator& world, const LlamaConfig& config, DType dtype,
                     const LlamaModel& init, const Batch& batch) {
   const int64_t per_rank = batch.B() / o.parallel.dp;
-  ShardedDataParallel dp(world, config, dtype, AdamWOptions{}, o.parallel);
+  ShardedDataParallel dp(world, config, dtype, AdamWOptions{}, o.parallel, false, o.lora);
   dp.shards().load(init.params());
+  if (dp.lora()) dp.load_adapters(init.adapters());
+  const auto host_copy = [](const ParamSet& set) {
+    ParamSet copy = ParamSet::like(set, set.dtype(), Device::host());
+    copy_params(copy, set);
+    return copy;
+  };
   auto schedule = Schedule::create(o.schedule);
   std::vector<Batch> micro;
   micro.push_back(batch_rows(batch, dp.rank() * per_rank, per_rank));
@@ -228,12 +235,12 @@ GridRank zero3_rank(const GradcheckOptions& o, Communicator& world, const LlamaC
       r.first_step = step;
       r.zero3 = dp.step_counts();
       r.loss = step.loss;
-      r.grads.emplace(dp.shards().gather_whole(dp.shards().grads()));
+      r.grads.emplace(dp.lora() ? host_copy(dp.adapter_grads()) : dp.shards().gather_whole(dp.shards().grads()));
       r.end = r.grads->numel();
     }
     dp.optimizer_step(kCheckLearningRate);
   }
-  r.params.emplace(dp.shards().gather_whole(dp.shards().master()));
+  r.params.emplace(dp.lora() ? host_copy(dp.adapter_master()) : dp.shards().gather_whole(dp.shards().master()));
   return r;
 }
 
@@ -484,9 +491,12 @@ double against_single(const GradcheckOptions& o, const LlamaConfig& config, DTyp
                            (TP > 1 ? " (of each TP shard; the replicated tensors on every TP rank)" : "");
   out << fmt::format("ranks hold bitwise the same {}: {}\n", what, grid.ranks_agree ? "yes" : "NO");
   if (!grid.ranks_agree) max_rel = std::max(max_rel, 1.0);
-  if (plain && o.parallel.zero == 3 && !o.schedule.one_backward_chunk(o.seq)) {
-    // Each backward chunk's gradient is reduce-scattered on its own and the shard sums them: the
-    // chunks' sum is taken after the ranks', not before as ZeRO 0's one all-reduce takes it.
+  // Each backward chunk's gradient is reduce-scattered on its own and the shard sums them: the chunks'
+  // sum is taken after the ranks', not before as ZeRO 0's one all-reduce takes it. (Under LoRA the
+  // adapters' gradient is summed over the chunks first and reduced once, as ZeRO 0 does.)
+  const bool reduced_per_chunk =
+      o.parallel.zero == 3 && !o.lora.enabled() && !o.schedule.one_backward_chunk(o.seq);
+  if (plain && reduced_per_chunk) {
     out << fmt::format("zero 3 against zero 0 after {} steps (the gradient reduced per backward chunk):\n",
                        o.optimizer_steps);
     max_rel = std::max(max_rel, compare_sets(grid.run.params, plain->run.params, "p_zero0", "zero 0", out));
@@ -534,9 +544,6 @@ int run_gradcheck(const GradcheckOptions& o, std::ostream& out, Communicator* wo
   }
   if (o.seq < 2 || o.batch < 1) fail(fmt::format("gradcheck needs --seq >= 2 and --batch >= 1 (got {} and {})", o.seq, o.batch));
   o.parallel.validate();
-  if (o.parallel.zero == 3 && o.lora.enabled())
-    fail("--zero 3 shards the model's own parameters; with --lora-rank only the adapters train",
-         "use --zero 1 or 2 with LoRA (the adapters' moments and gradient sharded)");
   const bool parallel = o.parallel.dp > 1 || o.parallel.tp > 1;
   // Ranks (or ZeRO's shards, or a launched world of one) have one reference: one process.
   const bool against_one_process = parallel || o.parallel.zero > 0 || world != nullptr;

@@ -20,9 +20,10 @@
 //                each step). The DP ranks of a TP shard must hold bitwise the same parameters (and
 //                gradients, without ZeRO 2), the TP ranks the same replicated tensors, every rank
 //                the same loss; with --zero 1|2 the run is repeated with zero 0 and the parameters
-//                must be bitwise identical to it. --zero 3 (parallel/zero3.h; no --tp, no LoRA;
-//                threads or launched) gathers the first step's gradient and the final parameters
-//                whole from the ranks' shards, prints rank 0's gathers and reduce-scatters, and
+//                must be bitwise identical to it. --zero 3 (parallel/zero3.h; no --tp; threads or
+//                launched) gathers the first step's gradient and the final parameters whole from
+//                the ranks' shards (with LoRA: the shards are the frozen base, the adapters are
+//                replicated and compared), prints rank 0's gathers and reduce-scatters, and
 //                against zero 0 is bitwise identical with one backward chunk (full, checkpointed)
 //                and within the tolerance with several (each chunk's gradient reduced on its own);
 //                launched, within the tolerance (bitwise or not printed): the GPU's GEMM algorithms
