@@ -97,9 +97,11 @@ std::string zero3_table(const Zero3Plan& z, const PlanOptions& po) {
 }
 
 int run_plan(const PlanOptions& po, std::ostream& out) {
-  if (po.zero == 3 && (po.tp > 1 || po.lora.enabled()))
-    fail("plan --zero 3 plans full-parameter data parallelism: not with --tp or --lora-rank",
-         "drop --tp / --lora-rank, or plan --zero 0");
+  if (po.zero == 3 && po.tp > 1)
+    fail("plan --zero 3 plans data parallelism with sharded parameters: not with --tp", "drop --tp, or plan --zero 0");
+  if (po.zero == 3 && po.lora.enabled() && po.optimizer_offload)
+    fail("plan --zero 3 --lora-rank: the adapters' optimizer stays on the device under ZeRO 3",
+         "drop --optimizer-offload");
   if (po.zero == 3 && po.dp < 2) fail("plan --zero 3 needs --dp N >= 2 ranks to shard over", "give --dp");
   // With tensor parallelism each GPU holds a Llama of 1/tp of the heads, K/V heads and FFN columns
   // (model/shard.h, as train plans a rank): its plan is the per-GPU plan. The collectives' time is not
@@ -138,7 +140,8 @@ int run_plan(const PlanOptions& po, std::ostream& out) {
                        po.documents, documents[0].size());
   PlanReport r = plan_step(cf, po.batch, T, o, dtype, gib, po.lora, po.optimizer_offload, documents);
   if (po.zero == 3) {
-    const Zero3Plan z = plan_zero3(cf, T, o, dtype, static_cast<int>(po.dp), po.optimizer_offload);
+    const Zero3Plan z = plan_zero3(cf, T, o, dtype, static_cast<int>(po.dp), po.optimizer_offload, Device::gpu(0),
+                                   po.lora);
     apply_zero3(r, z, gib);
     out << zero3_table(z, po);
   }

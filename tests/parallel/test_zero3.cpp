@@ -237,20 +237,24 @@ TEST_CASE("zero 3 gradcheck --gather-dir: the ranks' results through files, as a
     }
 }
 
-TEST_CASE("zero 3: the planner's gathers, reduce-scatters and bytes are a run's counters") {
+TEST_CASE("zero 3: the planner's gathers, reduce-scatters and bytes are a run's counters (full-parameter and LoRA)") {
   const std::vector<ScheduleCase> cases = schedule_cases();
   for (const LlamaConfig& c : {LlamaConfig::preset("tiny"), deep_tiny()})
     for (const ScheduleCase& k : cases)
-      for (int ranks : {2, 3}) {
+      for (int ranks : {2, 3})
+        for (const int64_t lora_rank : {0, 2}) {
         CAPTURE(k.name);
         CAPTURE(c.num_hidden_layers);
         CAPTURE(ranks);
+        CAPTURE(lora_rank);
+        const LoraConfig lora{.rank = lora_rank};
         const int64_t T = 16;
         const Batch batch = random_batch(ranks, T, c.vocab_size, 5);
         std::vector<Zero3Counts> counts(static_cast<size_t>(ranks));
+        size_t shard_bytes = 0, buffer_bytes = 0;  // rank 0's, the largest shard
         run_thread_ranks(ranks, [&](Communicator& comm) {
           ParallelOptions po{.dp = ranks, .zero = 3};
-          ShardedDataParallel dp(comm, c, DType::f64, AdamWOptions{}, po);
+          ShardedDataParallel dp(comm, c, DType::f64, AdamWOptions{}, po, false, lora);
           dp.shards().load(initial_params(c));
           auto schedule = Schedule::create(k.schedule);
           for (int step = 0; step < 2; ++step) {  // the second step starts after an optimizer step
@@ -258,8 +262,12 @@ TEST_CASE("zero 3: the planner's gathers, reduce-scatters and bytes are a run's 
             dp.optimizer_step(1e-3);
           }
           counts[static_cast<size_t>(comm.rank())] = dp.step_counts();
+          if (comm.rank() == 0) shard_bytes = dp.shards().shard_bytes(), buffer_bytes = dp.shards().buffer_bytes();
         });
-        const Zero3Plan p = plan_zero3(c, T, k.schedule, DType::f64, ranks, false, Device::host());
+        const Zero3Plan p = plan_zero3(c, T, k.schedule, DType::f64, ranks, false, Device::host(), lora);
+        if (lora.enabled()) CHECK(p.block_reduce_scatters + p.outside_reduce_scatters == 0);
+        CHECK(shard_bytes == p.shard_bytes);
+        CHECK(buffer_bytes == p.gathered_buffer_bytes + p.gradient_buffer_bytes);
         for (const Zero3Counts& z : counts) {
           CHECK(z.block_gathers == p.block_gathers);
           CHECK(z.reuses == p.reuses);
@@ -389,6 +397,21 @@ TEST_CASE("plan --zero 3: Llama-3.1-8B at 64K tokens in 8K chunks on 8 ranks, th
   CHECK(contains(out.str(), "at NVLink 450 GB/s: 1.160 s"));
   CHECK(contains(out.str(), "shard               14.96"));
   CHECK(!contains(out.str(), "gradients"));  // no whole-model gradient
+  // With LoRA on every linear: the frozen base's shard, the same gathers less the blocks a step's
+  // first pass still finds from the step before, no reduce-scatter, the adapters' state whole.
+  po.lora = {.rank = 16, .targets = "all-linear"};
+  std::ostringstream lora_out;
+  CHECK(run_plan(po, lora_out) == 0);
+  INFO(lora_out.str());
+  CHECK(contains(lora_out.str(), "per step 704 block all-gathers (32 blocks reused from their buffer), 15 of the "
+                                 "outside unit; 0 block and 0 outside reduce-scatters"));
+  CHECK(contains(lora_out.str(), "shard                1.87"));
+  CHECK(contains(lora_out.str(), "adapters             0.08"));
+  CHECK(!contains(lora_out.str(), "grad buffers"));
+  po.optimizer_offload = true;
+  CHECK_THROWS_WITH_AS(run_plan(po, out), doctest::Contains("the adapters' optimizer stays on the device"), Error);
+  po.optimizer_offload = false;
+  po.lora = {};
   po.tp = 2;
   CHECK_THROWS_WITH_AS(run_plan(po, out), doctest::Contains("not with --tp"), Error);
 }

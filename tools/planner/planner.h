@@ -112,11 +112,17 @@ struct Zero3Plan {
   size_t host_shard_bytes = 0;  // with the optimizer offloaded: its master weights and moments in host memory
   size_t gathered_buffer_bytes = 0, gradient_buffer_bytes = 0;  // the working buffers
   size_t largest_shard_elements = 0;  // the largest rank's shard (the last ranks' hold less padding)
+  // LoRA: the shards are the frozen base (the compute dtype, no gradient or moments, no reduce-
+  // scatter); the adapters' compute copy, which plan_step counts among the weights, stays whole.
+  bool frozen = false;
+  size_t adapter_bytes = 0;
 };
 Zero3Plan plan_zero3(const LlamaConfig& config, int64_t T, const ScheduleOptions& schedule, DType dtype, int ranks,
-                     bool optimizer_offload = false, Device device = Device::gpu(0));
+                     bool optimizer_offload = false, Device device = Device::gpu(0), const LoraConfig& lora = {});
 // The report of plan_step with the whole-model weights, master weights, moments and gradients
-// replaced by the rank's shard and the working buffers of plan_zero3 (its peak and fit again).
+// replaced by the rank's shard and the working buffers of plan_zero3 (its peak and fit again); under
+// LoRA the weights by the frozen shard and the adapters, the adapters' master, moments and gradient
+// kept (replicated on every rank).
 void apply_zero3(PlanReport& report, const Zero3Plan& zero3, const MemoryBudget& budget, Device device = Device::gpu(0));
 
 // The default candidates for `--chunk auto` (seco, spaco).

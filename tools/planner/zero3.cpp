@@ -37,21 +37,26 @@ std::vector<Pass> block_passes(const ScheduleOptions& o, int64_t T) {
 }  // namespace
 
 Zero3Plan plan_zero3(const LlamaConfig& config, int64_t T, const ScheduleOptions& o, DType dtype, int ranks,
-                     bool optimizer_offload, Device device) {
+                     bool optimizer_offload, Device device, const LoraConfig& lora) {
   const ShardLayout layout(parameter_table(config), ranks);
   const int64_t L = layout.layers(), held = std::min<int64_t>(L, ShardedParameters::kBlockSlots);
   const size_t e = dtype_size(dtype), acc = dtype_size(accum_dtype(dtype));
   Zero3Plan p;
+  p.frozen = lora.enabled();
   const std::vector<Pass> passes = block_passes(o, T);
   for (size_t i = 0; i < passes.size(); ++i) {
-    // The first pass finds no block held; one opposite to the pass before it starts with the blocks
-    // that pass ended with; one in the same direction finds them only when they are all the blocks.
+    // A pass opposite to the pass before it starts with the blocks that pass ended with; one in the
+    // same direction finds them only when they are all the blocks. The step's first pass finds none:
+    // the optimizer step changed every block, unless the base is frozen (LoRA), when it finds those
+    // the previous step's last backward ended with (a step, after the first, as the planner counts).
     const bool forward = passes[i] != Pass::backward;
-    const int64_t reused = i == 0 ? 0 : forward != (passes[i - 1] != Pass::backward) ? held : (L <= held ? L : 0);
+    const int64_t reused = i == 0                                               ? (p.frozen ? held : 0)
+                           : forward != (passes[i - 1] != Pass::backward) ? held
+                                                                          : (L <= held ? L : 0);
     p.block_gathers += L - reused;
     p.reuses += reused;
     if (passes[i] != Pass::recompute) ++p.outside_gathers;  // a recompute's gather is its backward's
-    if (!forward) {
+    if (!forward && !p.frozen) {
       p.block_reduce_scatters += L;
       ++p.outside_reduce_scatters;
     }
@@ -63,6 +68,13 @@ Zero3Plan plan_zero3(const LlamaConfig& config, int64_t T, const ScheduleOptions
     p.largest_shard_elements = std::max(p.largest_shard_elements, static_cast<size_t>(layout.shard_numel(r)));
   const size_t shard = p.largest_shard_elements;
   const size_t master = shard * acc, moments = 2 * shard * acc, grads = shard * acc;
+  const size_t slots = ShardedParameters::kBlockSlots;
+  p.gathered_buffer_bytes = (slots * static_cast<size_t>(block) + static_cast<size_t>(outside)) * e;
+  if (p.frozen) {  // the base's shard in the compute dtype; the adapters' copy beside it
+    p.shard_bytes = shard * e;
+    p.adapter_bytes = static_cast<size_t>(lora_parameter_count(config, lora)) * e;
+    return p;
+  }
   if (optimizer_offload) {  // the optimizer offload of one process, on the shard (optim/adamw_offload.h)
     const DType state = accum_dtype(dtype);
     p.host_shard_bytes = master + moments;
@@ -74,16 +86,16 @@ Zero3Plan plan_zero3(const LlamaConfig& config, int64_t T, const ScheduleOptions
   } else {
     p.shard_bytes = master + moments + grads;
   }
-  const size_t slots = ShardedParameters::kBlockSlots;
-  p.gathered_buffer_bytes = (slots * static_cast<size_t>(block) + static_cast<size_t>(outside)) * e;
   p.gradient_buffer_bytes = (slots * static_cast<size_t>(block + block / ranks) +
                              static_cast<size_t>(outside + outside / ranks)) * acc;
   return p;
 }
 
 void apply_zero3(PlanReport& r, const Zero3Plan& z, const MemoryBudget& budget, Device device) {
-  const auto whole = [](const std::string& name) {
-    return name == "weights" || name == "master" || name == "optimizer" || name == "gradients" || name == "staging";
+  // Under LoRA the master, moments and gradient are the adapters' and stay; the weights go either way.
+  const auto whole = [&](const std::string& name) {
+    return name == "weights" ||
+           (!z.frozen && (name == "master" || name == "optimizer" || name == "gradients" || name == "staging"));
   };
   const auto drop = [&](std::vector<std::pair<std::string, size_t>>& list) {
     list.erase(std::remove_if(list.begin(), list.end(), [&](const auto& c) { return whole(c.first); }), list.end());
@@ -91,9 +103,14 @@ void apply_zero3(PlanReport& r, const Zero3Plan& z, const MemoryBudget& budget, 
   drop(r.device);
   drop(r.host);
   const auto pool = [&](size_t bytes) { return device.is_cpu() ? bytes : device_pool_block(bytes); };
-  r.device.insert(r.device.begin(), {{"shard", pool(z.shard_bytes)},
-                                     {"gathered", pool(z.gathered_buffer_bytes)},
-                                     {"grad buffers", pool(z.gradient_buffer_bytes)}});
+  if (z.frozen)
+    r.device.insert(r.device.begin(), {{"shard", pool(z.shard_bytes)},
+                                       {"gathered", pool(z.gathered_buffer_bytes)},
+                                       {"adapters", pool(z.adapter_bytes)}});
+  else
+    r.device.insert(r.device.begin(), {{"shard", pool(z.shard_bytes)},
+                                       {"gathered", pool(z.gathered_buffer_bytes)},
+                                       {"grad buffers", pool(z.gradient_buffer_bytes)}});
   if (z.host_shard_bytes > 0) r.host.insert(r.host.begin(), {"shard", z.host_shard_bytes});
   r.peak_device_bytes = 0;
   r.peak_host_bytes = 0;
