@@ -42,18 +42,11 @@ ShardedParameters::ShardedParameters(Communicator& comm, const LlamaConfig& conf
   adamw.validate();
   CW_CHECK(compute != DType::bf16 || !device_.is_cpu(), "bf16 training needs the GPU backend");
   CW_CHECK(!(frozen && offload_optimizer), "ZeRO 3: a frozen base has no optimizer to offload");
-  if (frozen) {
-    // The gathers' buffers only: a frozen base has no gradient to reduce.
-    const int64_t block = layout_.largest_block_part() * comm.size(), outside = layout_.outside().part * comm.size();
-    for (int i = 0; i < kBlockSlots; ++i)
-      block_slots_.push_back(Slot{Buffer(static_cast<size_t>(block) * dtype_size(compute_), device_)});
-    outside_slot_.buffer = Buffer(static_cast<size_t>(outside) * dtype_size(compute_), device_);
-    return;
-  }
-  if (offload_optimizer) {
+  // A frozen base (LoRA) has no optimizer, gradient or gradient buffers: the gathers' buffers only.
+  if (!frozen && offload_optimizer) {
     compute_copy_.emplace(ParamSet::like(master_, compute, device_));
     offloaded_.emplace(master_, device_, adamw);
-  } else {
+  } else if (!frozen) {
     adamw_.emplace(master_, adamw);
   }
   const int n = comm.size();
@@ -66,10 +59,10 @@ ShardedParameters::ShardedParameters(Communicator& comm, const LlamaConfig& conf
   };
   for (int i = 0; i < kBlockSlots; ++i) {
     block_slots_.push_back(slot(block, compute_, false));
-    block_grad_slots_.push_back(slot(block, grad_dtype_, true));
+    if (!frozen) block_grad_slots_.push_back(slot(block, grad_dtype_, true));
   }
   outside_slot_ = slot(outside, compute_, false);
-  outside_grad_slot_ = slot(outside, grad_dtype_, true);
+  if (!frozen) outside_grad_slot_ = slot(outside, grad_dtype_, true);
 }
 
 AdamW& ShardedParameters::optimizer() {
