@@ -437,12 +437,15 @@ void ShardedDataParallel::load_shard(const std::string& path) {
   const SafetensorsReader f(path);
   const auto meta = [&](const char* key) {
     const auto it = f.metadata().find(key);
-    CW_CHECK(it != f.metadata().end(), "{}: metadata '{}' is missing (not a ZeRO 3 shard)", path, key);
+    if (it == f.metadata().end())
+      fail(fmt::format("{}: metadata '{}' is missing: not a ZeRO 3 shard", path, key),
+           "give the file save_shard wrote for this rank");
     return it->second;
   };
-  CW_CHECK(meta("zero") == "3" && meta("rank") == std::to_string(rank()) && meta("ranks") == std::to_string(size()),
-           "{}: the shard of rank {} of {} (zero {}), this is rank {} of {}", path, meta("rank"), meta("ranks"),
-           meta("zero"), rank(), size());
+  if (meta("zero") != "3" || meta("rank") != std::to_string(rank()) || meta("ranks") != std::to_string(size()))
+    fail(fmt::format("{}: the shard of rank {} of {} (zero {}), but this is rank {} of {}", path, meta("rank"),
+                     meta("ranks"), meta("zero"), rank(), size()),
+         "resume with the ranks the shards were written by, each rank reading its own shard");
   const ParamSet& master = shards_.master();
   ParamSet host = ParamSet::like(master, master.dtype(), Device::host());
   for (size_t i = 0; i < host.size(); ++i) f.read_into(host.specs()[i].name, host[i]);
@@ -458,12 +461,16 @@ ParamSet consolidate_shards(const LlamaConfig& config, const std::vector<std::st
   for (size_t r = 0; r < paths.size(); ++r) {
     const SafetensorsReader f(paths[r]);
     const auto it = f.metadata().find("ranks");
-    CW_CHECK(it != f.metadata().end() && it->second == std::to_string(paths.size()),
-             "{}: not one of {} ZeRO 3 shards", paths[r], paths.size());
+    if (it == f.metadata().end() || it->second != std::to_string(paths.size()))
+      fail(fmt::format("{}: not one of {} ZeRO 3 shards (its metadata says {} ranks)", paths[r], paths.size(),
+                       it == f.metadata().end() ? "nothing of" : it->second),
+           "give every rank's shard of one checkpoint, in rank order");
     const std::vector<ParamSpec> table = layout.shard_table(static_cast<int>(r));
     if (!dtype) {  // the master weights' dtype: f64 (CPU checks) or f32
       const SafetensorsEntry* first = table.empty() ? nullptr : f.find(table[0].name);
-      CW_CHECK(first, "{}: no tensor {}", paths[r], table.empty() ? "" : table[0].name);
+      if (!first)
+        fail(fmt::format("{}: no tensor {}", paths[r], table.empty() ? "" : table[0].name),
+             "the file is damaged or not a ZeRO 3 shard of this model");
       dtype = first->dtype == "F64" ? DType::f64 : DType::f32;
     }
     shards.emplace_back(config, table, *dtype, Device::host());

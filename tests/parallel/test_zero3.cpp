@@ -372,7 +372,16 @@ TEST_CASE("zero 3 checkpoints: each rank's shard, a resume bit for bit, the whol
   REQUIRE(saved.has_value());
   CHECK(same_bits(consolidated, *saved));
   // A shard file is one rank's of one world size.
-  CHECK_THROWS_WITH_AS(consolidate_shards(c, {shard_path(0), shard_path(1)}), doctest::Contains("not one of 2"), Error);
+  CHECK_THROWS_WITH_AS(consolidate_shards(c, {shard_path(0), shard_path(1)}),
+                       doctest::Contains("not one of 2 ZeRO 3 shards (its metadata says 3 ranks)"), Error);
+  // A rank given another rank's shard is refused in one line naming both.
+  CHECK_THROWS_WITH_AS(run_thread_ranks(3,
+                                        [&](Communicator& comm) {
+                                          ShardedDataParallel dp(comm, c, DType::f64, AdamWOptions{},
+                                                                 ParallelOptions{.dp = 3, .zero = 3});
+                                          dp.load_shard(shard_path((comm.rank() + 1) % 3));
+                                        }),
+                       doctest::Contains("of 3 (zero 3), but this is rank"), Error);
 }
 
 TEST_CASE("zero 3 refusals: with tensor parallelism") {
