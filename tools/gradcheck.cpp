@@ -208,6 +208,13 @@ struct GridResult {
   std::vector<GridRank> ranks;  // by world rank
 };
 
+// A rank's set copied into host memory (its table and dtype): what it leaves for the comparison.
+ParamSet host_copy(const ParamSet& set) {
+  ParamSet copy = ParamSet::like(set, set.dtype(), Device::host());
+  copy_params(copy, set);
+  return copy;
+}
+
 // One rank of a ZeRO 3 run (parallel/zero3.h; no TP) on its communicator's device (a thread's host
 // memory, or a launched process's GPU over NCCL): the DP rank's sequences as grid_rank's, the first
 // step's reduced gradient and the final parameters gathered whole from the ranks' shards
@@ -219,11 +226,6 @@ GridRank zero3_rank(const GradcheckOptions& o, Communicator& world, const LlamaC
   ShardedDataParallel dp(world, config, dtype, AdamWOptions{}, o.parallel, false, o.lora);
   dp.shards().load(init.params());
   if (dp.lora()) dp.load_adapters(init.adapters());
-  const auto host_copy = [](const ParamSet& set) {
-    ParamSet copy = ParamSet::like(set, set.dtype(), Device::host());
-    copy_params(copy, set);
-    return copy;
-  };
   auto schedule = Schedule::create(o.schedule);
   std::vector<Batch> micro;
   micro.push_back(batch_rows(batch, dp.rank() * per_rank, per_rank));
@@ -284,15 +286,13 @@ GridRank grid_rank(const GradcheckOptions& o, int64_t zero, Communicator& world,
     if (s == 0) {
       r.first_step = step;
       r.loss = step.loss;
-      r.grads.emplace(ParamSet::like(st.grads(), dtype, Device::host()));
-      copy_params(*r.grads, st.grads());
+      r.grads.emplace(host_copy(st.grads()));
       r.begin = zero == 2 ? dp.shard_begin(dp.rank()) : 0;
       r.end = zero == 2 ? dp.shard_end(dp.rank()) : st.grads().numel();
     }
     dp.optimizer_step(kCheckLearningRate);
   }
-  r.params.emplace(ParamSet::like(st.master(), dtype, Device::host()));
-  copy_params(*r.params, st.master());
+  r.params.emplace(host_copy(st.master()));
   if (tp) {
     r.buffer_high_water = tp->buffer().capacity_bytes();
     r.buffer_requested = tp->buffer().requested_bytes();
