@@ -30,6 +30,7 @@ namespace {
 struct NamedPretokenizer {
   const char* name;
   std::vector<const char*> patterns;
+  bool ignore_merges = false;  // llama.cpp's llama3 type: a piece that is a token is taken whole
 };
 
 const std::vector<NamedPretokenizer>& named_pretokenizers() {
@@ -41,10 +42,10 @@ const std::vector<NamedPretokenizer>& named_pretokenizers() {
       {"phi-2", {kGpt2SplitRegex}},
       {"mpt", {kGpt2SplitRegex}},
       {"olmo", {kGpt2SplitRegex}},
-      {"llama-bpe", {kLlama3SplitRegex}},
-      {"llama3", {kLlama3SplitRegex}},
-      {"llama-v3", {kLlama3SplitRegex}},
-      {"falcon3", {kLlama3SplitRegex}},
+      {"llama-bpe", {kLlama3SplitRegex}, true},
+      {"llama3", {kLlama3SplitRegex}, true},
+      {"llama-v3", {kLlama3SplitRegex}, true},
+      {"falcon3", {kLlama3SplitRegex}, true},
       {"dbrx", {kLlama3SplitRegex}},
       {"smaug-bpe", {kLlama3SplitRegex}},
       {"smollm", {kDigitsSplitRegex, kGpt2SplitRegex}},
@@ -126,6 +127,12 @@ Pretokenizer Pretokenizer::named(const std::string& name, const std::string& sou
   for (const std::string& n : known_names()) known += (known.empty() ? "" : ", ") + n;
   fail(fmt::format("{}: pre-tokenizer '{}' is not one this build knows ({})", source, name, known),
        "add its regexes to model/pretokenizer.cpp, or use the model's HF tokenizer.json, which spells them out");
+}
+
+bool Pretokenizer::named_ignores_merges(const std::string& name) {
+  for (const NamedPretokenizer& entry : named_pretokenizers())
+    if (name == entry.name) return entry.ignore_merges;
+  return false;
 }
 
 std::vector<std::string> Pretokenizer::known_names() {

@@ -51,6 +51,9 @@ class Pretokenizer {
   // A named pre-tokenizer (see the header comment); an unknown name fails naming `source` and the
   // names this build knows.
   static Pretokenizer named(const std::string& name, const std::string& source);
+  // Whether a BPE vocabulary with this named pre-tokenizer takes a piece that is a token whole
+  // (ignore_merges): llama.cpp's rule for its llama3 type, which a GGUF file does not record.
+  static bool named_ignores_merges(const std::string& name);
   static std::vector<std::string> known_names();
 
   Pretokenizer(Pretokenizer&&) noexcept;

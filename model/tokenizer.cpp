@@ -1169,10 +1169,8 @@ BpeTokenizer BpeTokenizer::from_gguf(const GgufTokenizerMetadata& meta) {
     Pretokenizer named = Pretokenizer::named(meta.pre, src + " (tokenizer.ggml.pre)");
     def.pretokenizer_patterns = named.patterns();
     def.pretokenizer_name = meta.pre;
-    // Llama 3's tokenizer.json sets ignore_merges; GGUF does not record it, llama.cpp applies it by name
-    // (to its llama3 pre-tokenizer type and Tekken's).
-    def.ignore_merges = meta.pre == "llama-bpe" || meta.pre == "llama3" || meta.pre == "llama-v3" ||
-                        meta.pre == "falcon3";
+    // Llama 3's tokenizer.json sets ignore_merges; GGUF does not record it, llama.cpp applies it by name.
+    def.ignore_merges = Pretokenizer::named_ignores_merges(meta.pre);
   }
   def.bos_id = meta.bos_token_id;
   def.eos_id = meta.eos_token_id;
