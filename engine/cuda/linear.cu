@@ -255,6 +255,13 @@ void matmul(int device, int64_t m, int64_t n, int64_t k, bool trans_a, bool tran
                                  &plan.algo, ctx.workspace, plan.workspace_bytes, current_stream(device)));
 }
 
+Tensor cublas_workspace(int device) {
+  DeviceGuard guard(device);
+  std::lock_guard<std::mutex> lock(g_mutex);
+  return Tensor(device_context(device).workspace, DType::i32, Device::gpu(device),
+                {static_cast<int64_t>(kWorkspaceBytes / 4)});
+}
+
 namespace {
 // The op's contract (shapes, dtypes, layout, device, aliasing) is checked by the public entry
 // (engine/ops/linear.cpp); what is checked here is this backend's own: cuBLASLt runs bf16 or f32.

@@ -165,6 +165,7 @@ constexpr const char* kRowVar = "CW_TEST_ROW";
 constexpr const char* kDtypeVar = "CW_TEST_DTYPE";
 constexpr const char* kVariantVar = "CW_TEST_VARIANT";
 constexpr const char* kMaxElementsVar = "CW_TEST_MAX_ELEMENTS";
+constexpr const char* kMinElementsVar = "CW_TEST_MIN_ELEMENTS";
 constexpr const char* kTraceVar = "CW_TEST_TRACE";
 constexpr const char* kPoisonVar = "CW_TEST_POISON_SCRATCH";
 
@@ -185,6 +186,7 @@ struct Selection {
   std::string dtype;     // CW_TEST_DTYPE: f64, f32 or bf16 (the dtype the runner tests)
   std::string variant;   // CW_TEST_VARIANT: the GPU variant of exactly this name (the GPU runner only)
   int64_t max_elements = 0;  // CW_TEST_MAX_ELEMENTS: rows whose largest operand holds at most this many
+  int64_t min_elements = 0;  // CW_TEST_MIN_ELEMENTS: rows whose largest operand holds more than this many
 
   // Read through `get`; a value that is no dtype or no number is an error naming its variable.
   static Selection from(const VarLookup& get);

@@ -4,6 +4,8 @@
 // differences, and the contract every op checks before any backend runs.
 #include "tests/engine/backend_ops.h"
 
+#include "chunkwise_config.h"
+
 #include "engine/random.h"
 #include "tests/engine/fd_check.h"
 #include "tests/gpu_support.h"
@@ -139,12 +141,16 @@ void poison_results(const Row& row, Instance& in) {
 }
 
 // With CW_TEST_POISON_SCRATCH=1, a GPU arena's first block (the 256 MiB a GPU arena adds first, where
-// the next call's scratch starts) all 0xff bytes; queued on the stream the op runs on.
+// the next call's scratch starts) and cuBLASLt's workspace all 0xff bytes; queued on the stream the
+// op runs on.
 void poison_scratch(Arena& scratch) {
   if (!poison_scratch_on() || scratch.device().is_cpu()) return;
   constexpr int64_t kFirstBlockWords = (int64_t{256} << 20) / 4;
   ArenaScope scope(scratch);
   fill(scratch.alloc(DType::i32, {kFirstBlockWords}), -1.0);
+#if CW_HAVE_CUDA
+  fill(gpu::cublas_workspace(scratch.device().index), -1.0);
+#endif
 }
 
 // The backward in `mode`: the buffers it overwrites poisoned, those it adds to set to `prefill`

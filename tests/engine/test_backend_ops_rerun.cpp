@@ -8,10 +8,11 @@
 // The variables, each unset or empty taking everything: CW_TEST_SEED=<n> the seed; CW_TEST_OPS=<text>
 // the rows whose name contains the text (or any of several, written <text>|<text>|...); CW_TEST_ROW=<name> the row of exactly this name;
 // CW_TEST_DTYPE=f64|f32|bf16 the tested dtype; CW_TEST_VARIANT=<name> the GPU variant of exactly this
-// name; CW_TEST_MAX_ELEMENTS=<n> the rows whose largest operand holds at most n elements.
+// name; CW_TEST_MAX_ELEMENTS=<n> the rows whose largest operand holds at most n elements,
+// CW_TEST_MIN_ELEMENTS=<n> those whose largest holds more (the two at one n split the table in two).
 // CW_TEST_TRACE=1 prints each run's rerun line as it starts; CW_TEST_POISON_SCRATCH=1 fills a GPU
-// run's scratch arena with NaN bytes before every call (an op reading scratch it did not write then
-// fails every time). tools/op-check-loop runs the GPU runner many times, under compute-sanitizer, or
+// run's scratch arena and cuBLASLt's workspace with NaN bytes before every call (an op reading scratch
+// it did not write then fails every time). tools/op-check-loop runs the GPU runner many times, under compute-sanitizer, or
 // one rerun line many times (tests/README.md).
 #include "tests/engine/backend_ops.h"
 
@@ -126,6 +127,8 @@ Selection Selection::from(const VarLookup& get) {
              "test_backend_ops: {}='{}' is no tested dtype: give f64, f32 or bf16", kDtypeVar, s.dtype);
   if (const std::string m = text(kMaxElementsVar); !m.empty())
     s.max_elements = static_cast<int64_t>(parse_count(kMaxElementsVar, m.c_str()));
+  if (const std::string m = text(kMinElementsVar); !m.empty())
+    s.min_elements = static_cast<int64_t>(parse_count(kMinElementsVar, m.c_str()));
   return s;
 }
 Selection Selection::from_env() {
@@ -146,7 +149,7 @@ bool contains_any(const std::string& name, const std::string& texts) {
 
 bool Selection::takes(const Row& r) const {
   return (contains.empty() || contains_any(r.name, contains)) && (row.empty() || r.name == row) &&
-         (max_elements == 0 || largest_operand(r) <= max_elements);
+         (max_elements == 0 || largest_operand(r) <= max_elements) && (min_elements == 0 || largest_operand(r) > min_elements);
 }
 bool Selection::takes(DType dt) const { return dtype.empty() || dtype == dtype_name(dt); }
 bool Selection::takes(const Variant& v) const { return variant.empty() || variant == v.name; }
@@ -160,7 +163,7 @@ std::vector<Row> select_rows(std::vector<Row> all, const Selection& s) {
   CW_CHECK(s.row.empty() || !picked.empty(),
            "test_backend_ops: {}='{}' names no row of the op table{}: copy the name from a rerun line, or take the "
            "rows whose name contains a text with {}=<text>",
-           kRowVar, s.row, s.contains.empty() && s.max_elements == 0 ? "" : " that the other variables leave", kOpsVar);
+           kRowVar, s.row, s.contains.empty() && s.max_elements == 0 && s.min_elements == 0 ? "" : " that the other variables leave", kOpsVar);
   if (!s.variant.empty()) {
     bool known = false;
     for (const Row& r : picked)
@@ -322,6 +325,7 @@ TEST_CASE("backend ops: a mistyped selection or rerun line is an error naming it
   CHECK(contains(select({{kRowVar, "rmsnorm N=5 C=8"}, {kVariantVar, "flash"}}), kVariantVar));
   CHECK(contains(select({{kDtypeVar, "fp16"}}), kDtypeVar));
   CHECK(contains(select({{kMaxElementsVar, "many"}}), kMaxElementsVar));
+  CHECK(contains(select({{kMinElementsVar, "-3"}}), kMinElementsVar));
   CHECK(contains(cw::test::error_of([] { parse_rerun("rerun: CW_TEST_SEED=12x CW_TEST_ROW='r' b -tc='t'"); }), kSeedVar));
   CHECK(contains(cw::test::error_of([] { parse_rerun("CW_TEST_ROW='rmsnorm N=5 C=8' b -tc='t'"); }), "no rerun line"));
   CHECK(contains(cw::test::error_of([] { parse_rerun("rerun: CW_TEST_SEED=1 CW_TEST_ROW='r b"); }), "unclosed quote"));
@@ -340,6 +344,13 @@ TEST_CASE("backend ops: a mistyped selection or rerun line is an error naming it
   CHECK_FALSE(small.empty());
   CHECK(small.size() < build_table().size());
   for (const Row& r : small) CHECK(largest_operand(r) <= 300000);
+  // ... and the lower bound at the same size takes exactly the rows it left.
+  Selection large;
+  large.min_elements = 300000;
+  const std::vector<Row> big = select_rows(build_table(), large);
+  CHECK_FALSE(big.empty());
+  CHECK(small.size() + big.size() == build_table().size());
+  for (const Row& r : big) CHECK(largest_operand(r) > 300000);
 }
 
 TEST_CASE("backend ops: a row rerun from its line draws the very inputs of the whole-table run") {
