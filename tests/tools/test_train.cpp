@@ -781,3 +781,85 @@ TEST_CASE("train with packed documents and data.loss = assistant: the mask shape
   const std::string refused = "data.loss = assistant, but token file '" + fx.shard + "' has no loss mask";
   CHECK_THROWS_WITH_AS(run_training(no_mask, o, log), doctest::Contains(refused.c_str()), Error);
 }
+
+TEST_CASE("train with ZeRO 3: 2 ranks (threads) equal ZeRO 0 (f64); the checkpoint is the whole model and each rank's shard; resumed bit for bit") {
+  // ZeRO 3 reduce-scatters each block's gradient once per backward chunk, ZeRO 0 all-reduces the
+  // step's sum: the same sum in another order, a few AdamW steps amplifying its rounding.
+  constexpr double kStepsOfRoundingTol = 1e-10;
+  Fixture fx;
+  std::ostringstream log;
+  RunConfig zero0 = fx.config(4);
+  zero0.model.dtype = "f64";
+  zero0.parallel.dp = 2;
+  TrainOptions o;
+  o.run_dir = fx.dir.file("zero0");
+  const TrainResult r0 = run_training(zero0, o, log);
+
+  RunConfig zero3 = zero0;
+  zero3.parallel.zero = 3;
+  o.run_dir = fx.dir.file("zero3");
+  std::ostringstream zlog;
+  const TrainResult r3 = run_training(zero3, o, zlog);
+  CHECK(zlog.str().find("data parallel: 2 ranks, zero 3") != std::string::npos);
+  const std::vector<double> l0 = logged_losses(fx.dir.file("zero0")), l3 = logged_losses(fx.dir.file("zero3"));
+  REQUIRE(l0.size() == 4);
+  REQUIRE(l3.size() == 4);
+  for (size_t i = 0; i < l0.size(); ++i) CHECK(std::abs(l3[i] - l0[i]) <= kStepsOfRoundingTol * std::abs(l0[i]));
+  REQUIRE(r3.last_eval_loss.has_value());  // every rank evaluates together; rank 0 reports
+  CHECK(std::abs(*r3.last_eval_loss - *r0.last_eval_loss) <= kStepsOfRoundingTol * *r0.last_eval_loss);
+
+  // The checkpoint: the whole model as an HF checkpoint (gathered from the shards), equal to ZeRO 0's;
+  // each rank's shard of the master weights and its moments beside it.
+  const fs::path last = fs::path(fx.dir.file("zero3")) / "step-000004";
+  const ParamSet w0 = checkpoint_weights(fx.model_json, fs::path(fx.dir.file("zero0")) / "step-000004");
+  const ParamSet w3 = checkpoint_weights(fx.model_json, last);
+  const test::Worst w = test::compare(w3.flat(), w0.flat());
+  INFO(w.str());
+  CHECK(w.rel <= kStepsOfRoundingTol);
+  for (const char* file : {"zero3-rank-00000.safetensors", "zero3-rank-00000.safetensors.optimizer",
+                           "zero3-rank-00001.safetensors", "zero3-rank-00001.safetensors.optimizer"})
+    CHECK_MESSAGE(fs::exists(last / file), file);
+  CHECK(!fs::exists(last / "optimizer.safetensors"));
+  const nlohmann::json state = nlohmann::json::parse(test::read_text(last / "state.json"));
+  CHECK(state["parallel"]["zero"] == 3);
+
+  // Stopped after step 2 and resumed from the shards: the same bits.
+  TrainOptions part;
+  part.run_dir = fx.dir.file("zero3-resumed");
+  CHECK(stop_and_resume(zero3, part.run_dir, 2, log));
+  const std::vector<double> lr = logged_losses(part.run_dir);
+  REQUIRE(lr.size() == 4);
+  for (size_t i = 0; i < l3.size(); ++i) CHECK(lr[i] == l3[i]);
+  for (const char* file : {"model.safetensors", "zero3-rank-00000.safetensors", "zero3-rank-00001.safetensors"})
+    CHECK_MESSAGE(test::read_text(last / file) == test::read_text(fs::path(part.run_dir) / "step-000004" / file), file);
+
+  // Its shards resume only on their layout; LoRA over a sharded base is refused in one line.
+  part.resume = true;
+  RunConfig other = zero3;
+  other.parallel.zero = 2;
+  other.train.steps = 6;
+  CHECK_THROWS_WITH_AS(run_training(other, part, log),
+                       doctest::Contains("written with parallel.dp = 2 and parallel.zero = 3; this run has 2 and 2"), Error);
+  // The closing sample, from the whole weights gathered from the shards, and a sample from the
+  // checkpoint (a whole HF model directory).
+  RunConfig sampled = zero3;
+  sampled.train.steps = 2;
+  sampled.sample.tokens = 6;
+  sampled.sample.temperature = 0;
+  TrainOptions sampled_run;
+  sampled_run.run_dir = fx.dir.file("zero3-sampled");
+  std::ostringstream sampled_log;
+  run_training(sampled, sampled_run, sampled_log);
+  CHECK(sampled_log.str().find("\nsample:\n") != std::string::npos);
+  SampleOptions so;
+  so.prompt = "the ";
+  so.tokens = 6;
+  so.temperature = 0;
+  so.stop_at_eos = false;
+  CHECK(!sample_from_run(sampled_run.run_dir, 0, so).text.empty());
+
+  RunConfig lora = zero3;
+  lora.lora.rank = 2;
+  CHECK_THROWS_WITH_AS(run_training(lora, o, log), doctest::Contains("parallel.zero = 3 in train shards full-parameter"),
+                       Error);
+}

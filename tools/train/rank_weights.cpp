@@ -28,6 +28,8 @@ namespace {
 constexpr const char* kOptimizerFile = "optimizer.safetensors";
 std::string optimizer_shard_file(int world_rank) { return fmt::format("optimizer-rank-{:05}.safetensors", world_rank); }
 std::string optimizer_tp_file(int tp_rank) { return fmt::format("optimizer-tp-{:05}.safetensors", tp_rank); }
+// Under ZeRO 3 world rank w's shard of the master weights, its moments in the file beside it.
+std::string zero3_shard_file(int world_rank) { return fmt::format("zero3-rank-{:05}.safetensors", world_rank); }
 
 // One integer of a checkpoint's state.json (`object` is the file's root or one of its sections,
 // `key` its dotted name there), refused naming the file and key when it is missing, not an integer,
@@ -53,12 +55,21 @@ int64_t state_integer(const nlohmann::json& object, const std::string& file, std
 }  // namespace
 
 std::string RankGroups::optimizer_file_of(int w) const {
+  if (zero3) return zero3_shard_file(w);
   if (zero() > 0) return optimizer_shard_file(w);
   if (tp_size() > 1) return w < tp_size() ? optimizer_tp_file(w) : "";  // replica 0's TP ranks: w = t
   return w == 0 ? kOptimizerFile : "";
 }
 
+std::vector<std::string> RankGroups::optimizer_files_of(int w) const {
+  const std::string file = optimizer_file_of(w);
+  if (file.empty()) return {};
+  if (zero3) return {file, file + ".optimizer"};
+  return {file};
+}
+
 std::string RankGroups::optimizer_file_to_read() const {
+  if (zero3) return optimizer_file();
   if (zero() == 0 && tp_size() > 1) return optimizer_tp_file(tp_rank());
   return zero() > 0 ? optimizer_shard_file(world_rank()) : kOptimizerFile;
 }
@@ -75,6 +86,12 @@ HostWeights whole_master(TrainingState& state, const LlamaConfig& full_config, c
                                : ParamSet(full_config, state.master_dtype());
   gather_parameters(full, state.master(), g.tp->communicator());
   return HostWeights::owned(std::move(full));
+}
+
+HostWeights whole_master(ShardedDataParallel& zero3, const RankGroups& g) {
+  ParamSet whole = zero3.shards().gather_whole(zero3.shards().master());
+  if (!g.lead()) return {};
+  return HostWeights::owned(std::move(whole));
 }
 
 std::optional<ParamSet> whole_base(TrainingState& state, const LlamaConfig& full_config, const RankGroups& g) {
@@ -146,6 +163,96 @@ void load_adapter_from(TrainingState& state, const LlamaConfig& full_config, con
   load_whole_master(state, host, g);
 }
 
+
+// A checkpoint a run resumes from: its directory, state.json, and where the loop continues.
+struct ResumedCheckpoint {
+  std::string path, state_file;
+  nlohmann::json saved;
+  ResumePoint point;
+};
+
+// The run directory's latest complete checkpoint, its state.json read and its counters and parallel
+// layout checked against the run before anything is restored.
+ResumedCheckpoint open_resume(const RunConfig& rc, RunDirectory& run_dir, const std::string& run_path,
+                              const RankGroups& g, std::ostream& out) {
+  std::vector<std::string> skipped;
+  const auto ref = run_dir.latest_complete(&skipped);
+  for (const auto& s : skipped) out << "resume: skipped " << s << "\n";
+  if (!ref)
+    fail(fmt::format("--resume: no complete checkpoint in '{}'", run_path),
+         "start without --resume, or point --run-dir at the run to continue");
+  ResumedCheckpoint r;
+  r.path = ref->path;
+  r.state_file = (fs::path(ref->path) / "state.json").string();
+  std::ifstream sf(r.state_file);
+  try {
+    r.saved = nlohmann::json::parse(sf);
+  } catch (const nlohmann::json::exception& e) {
+    fail(fmt::format("{}/state.json: not valid JSON ({})", ref->path, e.what()), "the checkpoint is damaged");
+  }
+  // The counters, checked against the run before anything is restored: a step beyond train.steps
+  // would train nothing and report a loss of no step.
+  const nlohmann::json& saved = r.saved;
+  const std::string& state_file = r.state_file;
+  ResumePoint& p = r.point;
+  if (!saved.is_object()) fail(fmt::format("{}: not a JSON object", state_file), "the checkpoint is damaged");
+  p.step = state_integer(saved, state_file, "", "step", 0, rc.train.steps);
+  if (p.step == rc.train.steps)
+    fail(fmt::format("--resume: {} is at step {}, and train.steps = {}: the run is complete", ref->path, p.step,
+                     rc.train.steps),
+         fmt::format("raise train.steps to continue it (e.g. --set train.steps={})", 2 * rc.train.steps));
+  // Every step sees at least one token, and step 0 none.
+  p.tokens_seen = state_integer(saved, state_file, "", "tokens_seen", p.step, INT64_MAX);
+  if (p.step == 0 && p.tokens_seen != 0)
+    fail(fmt::format("{}: 'tokens_seen' must be 0 at step 0, got {}", state_file, p.tokens_seen),
+         "the checkpoint is damaged; resume from another one");
+  // A sharded optimizer state resumes only on the layout that wrote it.
+  const nlohmann::json none = nlohmann::json::object();
+  const nlohmann::json& layout = saved.contains("parallel") ? saved.at("parallel") : none;
+  if (!layout.is_object())
+    fail(fmt::format("{}: 'parallel' must be an object, got {}", state_file, layout.dump()),
+         "the checkpoint is damaged; resume from another one");
+  const int64_t ranks = static_cast<int64_t>(kMaxRanks);
+  const int64_t saved_dp = state_integer(layout, state_file, "parallel", "dp", 1, ranks, 1);
+  const int64_t saved_zero = state_integer(layout, state_file, "parallel", "zero", 0, 3, 0);
+  const int64_t saved_tp = state_integer(layout, state_file, "parallel", "tp", 1, ranks, 1);
+  const int64_t run_dp = g.dp ? g.dp->size() : g.zero3 ? g.zero3->size() : 1;  // one process: whole state
+  const int64_t run_zero = g.zero(), run_tp = g.tp_size();
+  const char* keep_hint =
+      "resume with the checkpoint's parallel.dp, parallel.tp and parallel.zero (its weights are a whole HF "
+      "checkpoint: model.source can start a new run from them)";
+  if (saved_tp != run_tp)
+    fail(fmt::format("{}: the checkpoint was written with parallel.tp = {}; this run has {} (its optimizer state is "
+                     "split by TP shards)",
+                     ref->path, saved_tp, run_tp),
+         keep_hint);
+  if ((saved_zero > 0 || run_zero > 0) && (saved_dp != run_dp || saved_zero != run_zero))
+    fail(fmt::format("{}: the checkpoint was written with parallel.dp = {} and parallel.zero = {}; this run has {} and {}",
+                     ref->path, saved_dp, saved_zero, run_dp, run_zero),
+         keep_hint);
+  return r;
+}
+
+// After the weights and the optimizer state: the sampler's position, the metrics cut after the
+// checkpoint's step (rank 0), and the line that says where the run continues.
+void finish_resume(const ResumedCheckpoint& r, const RunConfig& rc, const std::string& metrics_path,
+                   WindowSampler& sampler, const RankGroups& g, std::ostream& out) {
+  if (!r.saved.contains("sampler"))
+    fail(fmt::format("{}: key 'sampler' is missing", r.state_file), "the checkpoint is damaged; resume from another one");
+  sampler.restore(SamplerState::from_json(r.saved.at("sampler"), r.state_file));
+  if (g.lead()) truncate_metrics_after(metrics_path, r.point.step);
+  out << fmt::format("resumed from {} (step {} of {}, {} tokens seen)\n", r.path, r.point.step, rc.train.steps,
+                     r.point.tokens_seen);
+}
+
+// Whether model.source holds weights (a GGUF file, or an HF directory with its safetensors) rather
+// than only a config or a preset to initialise.
+bool has_weights(const std::string& source) {
+  return is_gguf_file(source) ||
+         (fs::is_directory(source) && fs::exists(fs::path(source) / "config.json") &&
+          (fs::exists(fs::path(source) / "model.safetensors") ||
+           fs::exists(fs::path(source) / "model.safetensors.index.json")));
+}
 }  // namespace
 
 ResumePoint resume_or_initialise(const RunConfig& rc, const LlamaConfig& full_config, bool resume,
@@ -153,11 +260,7 @@ ResumePoint resume_or_initialise(const RunConfig& rc, const LlamaConfig& full_co
                                  TrainingState& state, WindowSampler& sampler, const RankGroups& g, std::ostream& out) {
   ResumePoint p;
   const bool lora = state.lora();
-  const bool source_has_weights =
-      is_gguf_file(rc.model.source) ||
-      (fs::is_directory(rc.model.source) && fs::exists(fs::path(rc.model.source) / "config.json") &&
-       (fs::exists(fs::path(rc.model.source) / "model.safetensors") ||
-        fs::exists(fs::path(rc.model.source) / "model.safetensors.index.json")));
+  const bool source_has_weights = has_weights(rc.model.source);
   if (lora) {
     // With tensor parallelism the seeded base and adapters are drawn whole (in f64, as the draws of
     // one process are) and sharded, so the run starts where one process starts.
@@ -183,69 +286,16 @@ ResumePoint resume_or_initialise(const RunConfig& rc, const LlamaConfig& full_co
     }
   }
   if (resume) {
-    std::vector<std::string> skipped;
-    const auto ref = run_dir.latest_complete(&skipped);
-    for (const auto& s : skipped) out << "resume: skipped " << s << "\n";
-    if (!ref)
-      fail(fmt::format("--resume: no complete checkpoint in '{}'", run_path),
-           "start without --resume, or point --run-dir at the run to continue");
-    std::ifstream sf(fs::path(ref->path) / "state.json");
-    nlohmann::json saved;
-    try {
-      saved = nlohmann::json::parse(sf);
-    } catch (const nlohmann::json::exception& e) {
-      fail(fmt::format("{}/state.json: not valid JSON ({})", ref->path, e.what()), "the checkpoint is damaged");
-    }
-    // The counters, checked against the run before anything is restored: a step beyond train.steps
-    // would train nothing and report a loss of no step.
-    const std::string state_file = (fs::path(ref->path) / "state.json").string();
-    if (!saved.is_object()) fail(fmt::format("{}: not a JSON object", state_file), "the checkpoint is damaged");
-    p.step = state_integer(saved, state_file, "", "step", 0, rc.train.steps);
-    if (p.step == rc.train.steps)
-      fail(fmt::format("--resume: {} is at step {}, and train.steps = {}: the run is complete", ref->path, p.step,
-                       rc.train.steps),
-           fmt::format("raise train.steps to continue it (e.g. --set train.steps={})", 2 * rc.train.steps));
-    // Every step sees at least one token, and step 0 none.
-    p.tokens_seen = state_integer(saved, state_file, "", "tokens_seen", p.step, INT64_MAX);
-    if (p.step == 0 && p.tokens_seen != 0)
-      fail(fmt::format("{}: 'tokens_seen' must be 0 at step 0, got {}", state_file, p.tokens_seen),
-           "the checkpoint is damaged; resume from another one");
-    // A sharded optimizer state resumes only on the layout that wrote it.
-    const nlohmann::json none = nlohmann::json::object();
-    const nlohmann::json& layout = saved.contains("parallel") ? saved.at("parallel") : none;
-    if (!layout.is_object())
-      fail(fmt::format("{}: 'parallel' must be an object, got {}", state_file, layout.dump()),
-           "the checkpoint is damaged; resume from another one");
-    const int64_t ranks = static_cast<int64_t>(kMaxRanks);
-    const int64_t saved_dp = state_integer(layout, state_file, "parallel", "dp", 1, ranks, 1);
-    const int64_t saved_zero = state_integer(layout, state_file, "parallel", "zero", 0, 2, 0);
-    const int64_t saved_tp = state_integer(layout, state_file, "parallel", "tp", 1, ranks, 1);
-    const int64_t run_dp = g.dp ? g.dp->size() : 1, run_zero = g.zero(), run_tp = g.tp_size();  // one process: whole state
-    const char* keep_hint =
-        "resume with the checkpoint's parallel.dp, parallel.tp and parallel.zero (its weights are a whole HF "
-        "checkpoint: model.source can start a new run from them)";
-    if (saved_tp != run_tp)
-      fail(fmt::format("{}: the checkpoint was written with parallel.tp = {}; this run has {} (its optimizer state is "
-                       "split by TP shards)",
-                       ref->path, saved_tp, run_tp),
-           keep_hint);
-    if ((saved_zero > 0 || run_zero > 0) && (saved_dp != run_dp || saved_zero != run_zero))
-      fail(fmt::format("{}: the checkpoint was written with parallel.dp = {} and parallel.zero = {}; this run has {} and {}",
-                       ref->path, saved_dp, saved_zero, run_dp, run_zero),
-           keep_hint);
-    if (lora) load_adapter_from(state, full_config, ref->path, g);
-    else load_base_from(state, full_config, ref->path, g);
-    const std::string optimizer_path = (fs::path(ref->path) / g.optimizer_file_to_read()).string();
+    const ResumedCheckpoint r = open_resume(rc, run_dir, run_path, g, out);
+    p = r.point;
+    if (lora) load_adapter_from(state, full_config, r.path, g);
+    else load_base_from(state, full_config, r.path, g);
+    const std::string optimizer_path = (fs::path(r.path) / g.optimizer_file_to_read()).string();
     if (g.dp && g.dp->optimizer_shard())
       g.dp->optimizer_shard()->load(optimizer_path);
     else
       state.optimizer().load(optimizer_path);
-    if (!saved.contains("sampler"))
-      fail(fmt::format("{}: key 'sampler' is missing", state_file), "the checkpoint is damaged; resume from another one");
-    sampler.restore(SamplerState::from_json(saved.at("sampler"), state_file));
-    if (g.lead()) truncate_metrics_after(metrics_path, p.step);
-    out << fmt::format("resumed from {} (step {} of {}, {} tokens seen)\n", ref->path, p.step, rc.train.steps,
-                       p.tokens_seen);
+    finish_resume(r, rc, metrics_path, sampler, g, out);
   } else if (lora) {
     // done above
   } else if (source_has_weights) {
@@ -258,6 +308,32 @@ ResumePoint resume_or_initialise(const RunConfig& rc, const LlamaConfig& full_co
     state.init(rc.model.init_seed, state.model().config().initializer_range);
   }
   return p;
+}
+
+
+ResumePoint resume_or_initialise(const RunConfig& rc, const LlamaConfig& full_config, bool resume,
+                                 RunDirectory& run_dir, const std::string& run_path, const std::string& metrics_path,
+                                 ShardedDataParallel& zero3, WindowSampler& sampler, const RankGroups& g,
+                                 std::ostream& out) {
+  if (resume) {
+    const ResumedCheckpoint r = open_resume(rc, run_dir, run_path, g, out);
+    zero3.load_shard((fs::path(r.path) / g.optimizer_file_to_read()).string());
+    finish_resume(r, rc, metrics_path, sampler, g, out);
+    return r.point;
+  }
+  // Every rank reads or draws the same whole model (in the master dtype, as one process does) and
+  // keeps its shard.
+  ParamSet whole(full_config, zero3.shards().master().dtype());
+  if (has_weights(rc.model.source)) {
+    if (is_gguf_file(rc.model.source))
+      load_gguf_weights(whole, GgufReader(rc.model.source));
+    else
+      load_checkpoint_weights(whole, rc.model.source);
+  } else {
+    init_parameters(whole, rc.model.init_seed, full_config.initializer_range);
+  }
+  zero3.shards().load(whole);
+  return {};
 }
 
 }  // namespace cw

@@ -1,9 +1,10 @@
 // A rank's place in a training run and the whole model's weights through it (tools/train/train.h's
 // parallel runs). RankGroups names the groups a rank belongs to and the optimizer file it writes and
 // reads; whole_master and whole_base assemble the whole model on the host from the TP group's shards
-// (for a checkpoint or a sample); resume_or_initialise is where a run's weights, optimizer state and
-// sampler position come from: a checkpoint of the run, model.source, or a seeded initialisation,
-// the whole model loaded and each rank given its TP shard of it.
+// or, under ZeRO 3, from every rank's shard (for a checkpoint or a sample); resume_or_initialise is
+// where a run's weights, optimizer state and sampler position come from: a checkpoint of the run,
+// model.source, or a seeded initialisation, the whole model loaded and each rank given its TP shard
+// (or ZeRO 3 shard) of it.
 #pragma once
 
 #include "model/config.h"
@@ -13,6 +14,7 @@
 #include "parallel/data_parallel.h"
 #include "parallel/grid.h"
 #include "parallel/tensor_parallel.h"
+#include "parallel/zero3.h"
 #include "tools/data/tokens.h"
 #include "tools/train/run_config.h"
 #include "tools/train/run_dir.h"
@@ -31,6 +33,7 @@ struct RankGroups {
   ParallelGrid* grid = nullptr;   // its TP and DP groups
   DataParallel* dp = nullptr;     // the gradient reduction and the optimizer over the DP group
   TensorParallel* tp = nullptr;   // tp > 1: the rank's tensor-parallel group, the model's
+  ShardedDataParallel* zero3 = nullptr;  // parallel.zero = 3: the rank's shards and the model on them
 
   int world_rank() const { return world ? world->rank() : 0; }
   int world_size() const { return world ? world->size() : 1; }
@@ -40,10 +43,16 @@ struct RankGroups {
   // The first replica's TP ranks: they hold the model together, so they evaluate, assemble the whole
   // weights and sample together (collectives of their TP group).
   bool first_replica() const { return !grid || grid->dp_rank() == 0; }
-  int zero() const { return dp ? dp->zero() : 0; }
+  // The ranks that run an evaluation or assemble the whole weights together: the first replica's, or
+  // under ZeRO 3 every rank (each block is gathered from all of them).
+  bool holds_model_together() const { return zero3 != nullptr || first_replica(); }
+  int zero() const { return zero3 ? 3 : dp ? dp->zero() : 0; }
 
   // The optimizer file this rank writes into a checkpoint and reads on resume; "" when it writes none.
+  // Under ZeRO 3 it holds the rank's shard of the master weights too, its moments beside it
+  // (ShardedDataParallel::save_shard: FILE and FILE.optimizer; optimizer_files_of lists both).
   std::string optimizer_file() const { return optimizer_file_of(world_rank()); }
+  std::vector<std::string> optimizer_files_of(int w) const;
   // The optimizer file world rank w writes ("" for none): its ZeRO shard, its TP shard's moments
   // (replica 0's TP ranks), or the whole state (rank 0).
   std::string optimizer_file_of(int w) const;
@@ -83,6 +92,11 @@ class HostWeights {
 // 0's own (the other ranks get nothing).
 HostWeights whole_master(TrainingState& state, const LlamaConfig& full_config, const RankGroups& g);
 
+// Under ZeRO 3, the whole model's master weights gathered from every rank's shard (a collective of
+// all ranks: each holds the whole set while it is gathered) for rank 0 (the other ranks get nothing).
+// For a sample; a checkpoint assembles the whole weights from the shard files on rank 0 alone.
+HostWeights whole_master(ShardedDataParallel& zero3, const RankGroups& g);
+
 // Under LoRA, the whole frozen base on the host (for a sample): with tensor parallelism gathered from
 // the TP group's shards (a collective of the first replica's TP ranks), else rank 0's own.
 std::optional<ParamSet> whole_base(TrainingState& state, const LlamaConfig& full_config, const RankGroups& g);
@@ -105,5 +119,12 @@ struct ResumePoint {
 ResumePoint resume_or_initialise(const RunConfig& rc, const LlamaConfig& full_config, bool resume,
                                  RunDirectory& run_dir, const std::string& run_path, const std::string& metrics_path,
                                  TrainingState& state, WindowSampler& sampler, const RankGroups& g, std::ostream& out);
+// The same under ZeRO 3: the whole model (model.source or the seeded initialisation, drawn as one
+// process draws it) loaded by every rank and cut to its shard; or on resume each rank's own shard
+// file (its master weights and moments, exact) and the checkpoint's step and sampler.
+ResumePoint resume_or_initialise(const RunConfig& rc, const LlamaConfig& full_config, bool resume,
+                                 RunDirectory& run_dir, const std::string& run_path, const std::string& metrics_path,
+                                 ShardedDataParallel& zero3, WindowSampler& sampler, const RankGroups& g,
+                                 std::ostream& out);
 
 }  // namespace cw

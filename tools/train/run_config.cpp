@@ -556,10 +556,14 @@ void RunConfig::validate() const {
   if (optimizer.decay != "constant" && optimizer.min_lr > optimizer.lr)
     fail(fmt::format("optimizer.min_lr must be <= optimizer.lr ({}), got {}", optimizer.lr, optimizer.min_lr),
          "the decay goes from lr down to min_lr");
-  if (parallel.zero == 3)
-    fail("parallel.zero = 3 runs in `chunkwise gradcheck --zero 3` and the library (parallel/zero3.h); train does not "
-         "run it yet (its eval, samples and checkpoints read a whole model)",
-         "train with parallel.zero = 1 or 2");
+  if (parallel.zero == 3 && (lora.enabled() || !model.adapter.empty()))
+    fail("parallel.zero = 3 in train shards full-parameter training; LoRA over a sharded base runs in `chunkwise "
+         "gradcheck --zero 3 --lora-rank` and the library (parallel/zero3.h), not yet in train",
+         "train LoRA with parallel.zero = 0, 1 or 2, or set lora.rank = 0");
+  if (parallel.zero == 3 && schedule.cast_layers)
+    fail("schedule.cast_layers rounds each block's weights from the whole master weights; parallel.zero = 3 gathers "
+         "each block in the compute dtype from the ranks' shards instead",
+         "turn schedule.cast_layers off with parallel.zero = 3");
   if (optimizer.offload && parallel.zero > 0)
     fail(fmt::format("optimizer.offload keeps the whole AdamW state on each rank's host; parallel.zero = {} shards it",
                      parallel.zero),

@@ -14,6 +14,7 @@
 #include "parallel/grid.h"
 #include "parallel/launch.h"
 #include "parallel/tensor_parallel.h"
+#include "parallel/zero3.h"
 #include "chunkwise_config.h"
 #include "engine/engine.h"
 #include "engine/env.h"
@@ -163,6 +164,8 @@ void check_sizes_fit_machine(const RunConfig& rc, const Placement& p, const Llam
 // holds it to the memory the machine has in all instead of what is available.
 void check_state_fits_machine(const RunConfig& rc, const Placement& p, const LlamaConfig& rank_model,
                               const Communicator* comm) {
+  // ZeRO 3 holds no whole model: the planner's check (check_memory) counts the rank's shard and buffers.
+  if (comm && rc.parallel.zero == 3) return;
   const bool zero = comm && rc.parallel.zero > 0;
   MemoryNeed need = TrainingState::memory_need(rank_model, p.dtype, p.device,
                                                {.full_optimizer = !zero,
@@ -249,11 +252,18 @@ void resolve_auto_lengths(RunConfig& rc, const Placement& p, std::ostream& log) 
 // Memory guard: fail before step 1, not in the middle of it. Returns the planner's plan of a step
 // (tools/planner/planner.h) on the run's device: on a GPU the caching pool's peak, on the CPU the
 // buffers' bytes and the arena's blocks; and the host memory it pins.
-PlanReport check_memory(const Placement& p, const RunConfig& rc) {
+PlanReport check_memory(const Placement& p, const RunConfig& rc, bool zero3) {
   const double have = p.device.is_cpu() ? double(host_memory_available()) : usable_device_bytes(p.device);
-  const PlanReport plan = plan_step(p.model, rc.data.batch_size, rc.data.seq_len, rc.schedule_options(), p.dtype,
-                                    p.device.is_cpu() ? have / double(1ull << 30) : plan_gib(have), p.lora,
-                                    rc.optimizer.offload, {}, p.device);
+  const double gib = p.device.is_cpu() ? have / double(1ull << 30) : plan_gib(have);
+  PlanReport plan = plan_step(p.model, rc.data.batch_size, rc.data.seq_len, rc.schedule_options(), p.dtype, gib,
+                              p.lora, rc.optimizer.offload, {}, p.device);
+  // ZeRO 3: the whole model's weights, master, moments and gradient become the rank's shard and the
+  // gathered blocks' buffers.
+  if (zero3)
+    apply_zero3(plan,
+                plan_zero3(p.model, rc.data.seq_len, rc.schedule_options(), p.dtype, static_cast<int>(rc.parallel.dp),
+                           rc.optimizer.offload, p.device, p.lora),
+                MemoryBudget(gib), p.device);
   const double need = static_cast<double>(plan.peak_device_bytes);
   // The plan counts cuDNN's backward workspace for its largest call: let every call have it.
   if (!p.device.is_cpu())
@@ -323,7 +333,11 @@ void print_header(const RunConfig& rc, const Placement& p, const TrainData& data
                      planned.peak_host_bytes > 0
                          ? fmt::format(" (and {} of host memory)", format_bytes(static_cast<double>(planned.peak_host_bytes)))
                          : "");
-  if (dp > 1)
+  if (dp > 1 && rc.parallel.zero == 3)
+    out << fmt::format("data parallel: {} ranks, zero 3 (each rank holds 1/{} of every parameter, gradient and moment; "
+                       "each block gathered as it runs, its gradient reduce-scattered)\n",
+                       dp, dp);
+  else if (dp > 1)
     out << fmt::format("data parallel: {} ranks, zero {}, gradient buckets of {} MiB\n", dp, rc.parallel.zero,
                        rc.parallel.bucket_mb);
   if (rc.parallel.tp > 1)
@@ -337,15 +351,32 @@ void print_header(const RunConfig& rc, const Placement& p, const TrainData& data
 // The optimizer steps from progress.step + 1 to train.steps: micro-batches through the schedule,
 // the non-finite guard, clipping, AdamW; logging, the first step's memory report, evaluation,
 // checkpoints, and stopping on a signal or --stop-after.
+// Where a ZeRO 3 rank's memory goes: the weights are the working buffers the blocks are gathered
+// into (and their gradients reduce-scattered from), the master weights, moments and gradient its
+// shard's.
+MemoryReport zero3_memory_report(const ShardedParameters& shards, const StepStats& stats) {
+  MemoryReport r;
+  r.weights = shards.buffer_bytes();
+  r.master = shards.master().bytes();
+  r.optimizer = shards.optimizer().exp_avg().bytes() + shards.optimizer().exp_avg_sq().bytes();
+  r.gradients = shards.grads().bytes();
+  r.activations = stats.activation_high_water;
+  r.kv = stats.kv_bytes;
+  r.host_kv = stats.kv_host_bytes;
+  if (!shards.master().device().is_cpu()) r.device_peak = pool_stats(shards.master().device()).peak_in_use;
+  return r;
+}
+
 class TrainLoop {
  public:
-  // groups: this rank's place (all null: one process); metrics: null on ranks other than 0.
+  // groups: this rank's place (all null: one process); state: null under ZeRO 3 (groups.zero3 holds
+  // the rank's shards and the model); metrics: null on ranks other than 0.
   TrainLoop(const RunConfig& rc, const TrainOptions& opt, const Placement& placement, const WindowSplit& split,
-            TrainingState& state, Schedule& schedule, WindowSampler& sampler, RunDirectory& run_dir,
+            TrainingState* state, Schedule& schedule, WindowSampler& sampler, RunDirectory& run_dir,
             MetricsLog* metrics, const Tokenizer& tokenizer, const RankGroups& groups, std::ostream& out)
       : rc_(rc), opt_(opt), placement_(placement), split_(split), state_(state), schedule_(schedule),
         sampler_(sampler), run_dir_(run_dir), metrics_(metrics), tokenizer_(tokenizer), groups_(groups),
-        dp_(groups.dp), comm_(groups.world), lead_(groups.lead()), out_(out),
+        dp_(groups.dp), zero3_(groups.zero3), comm_(groups.world), lead_(groups.lead()), out_(out),
         lr_schedule_{rc.optimizer.lr, rc.optimizer.min_lr, rc.optimizer.warmup_steps, rc.train.steps,
                      LrSchedule::parse(rc.optimizer.decay)},
         eval_arena_(placement.device),
@@ -366,8 +397,8 @@ class TrainLoop {
     const auto t_loop = std::chrono::steady_clock::now();
     int64_t step = start_step_;
     double last_loss = std::nan("");
-    // Where a fine-tune starts from (the first replica's TP ranks evaluate together).
-    if (groups_.first_replica() && step == 0 && rc_.eval.at_start) {
+    // Where a fine-tune starts from (the first replica's TP ranks evaluate together, under ZeRO 3 all).
+    if (groups_.holds_model_together() && step == 0 && rc_.eval.at_start) {
       const double el = evaluate();
       if (metrics_) {
         metrics_->append({{"step", 0}, {"eval_loss", el}, {"tokens", 0}});
@@ -395,9 +426,10 @@ class TrainLoop {
                std::chrono::duration<double>(t1 - t_loop).count());
       if (step == start_step_ + 1) report_memory(step, o.stats);
       const bool last = step == rc_.train.steps;
-      // Every replica holds the same weights: the first one evaluates (its TP ranks together).
-      // eval.every = 0: never (not even at the end; there may be no eval data then).
-      if (groups_.first_replica() && rc_.eval.every > 0 && (step % rc_.eval.every == 0 || last)) {
+      // Every replica holds the same weights: the first one evaluates (its TP ranks together; under
+      // ZeRO 3 every rank, each block gathered from all). eval.every = 0: never (not even at the end;
+      // there may be no eval data then).
+      if (groups_.holds_model_together() && rc_.eval.every > 0 && (step % rc_.eval.every == 0 || last)) {
         const double el = evaluate();
         result.last_eval_loss = el;
         if (metrics_) {
@@ -439,13 +471,15 @@ class TrainLoop {
     return flag[0] > 0;
   }
   const char* clear_line() const { return tty_ ? "\r\033[K" : ""; }
+  LlamaModel& model() { return zero3_ ? zero3_->model() : state_->model(); }
 
   // One optimizer step: the micro-batches' gradients summed (the loss normalised by the step's
   // supervised count), then the guard, clipping and the update.
   StepOutcome train_step(int64_t step) {
-    if (dp_) return data_parallel_step(step);
+    if (dp_) return data_parallel_step(*dp_, step);
+    if (zero3_) return data_parallel_step(*zero3_, step);
     const int64_t B = rc_.data.batch_size, accum = rc_.data.grad_accum;
-    const ParamSet& grads = state_.grads();
+    const ParamSet& grads = state_->grads();
     grads.zero();
     std::vector<Batch> micro;
     double normaliser = 0;
@@ -455,7 +489,7 @@ class TrainLoop {
     }
     StepOutcome o;
     for (int64_t m = 0; m < accum; ++m) {
-      o.stats = schedule_.step(state_.model(), micro[static_cast<size_t>(m)], grads, normaliser,
+      o.stats = schedule_.step(state_->model(), micro[static_cast<size_t>(m)], grads, normaliser,
                                static_cast<uint64_t>(step * accum + m));
       o.loss += o.stats.loss;
     }
@@ -464,7 +498,7 @@ class TrainLoop {
     o.skipped = skip_nonfinite(o, step, accum);
     if (!o.skipped) {
       clip_grad_norm(grads, rc_.optimizer.grad_clip);
-      state_.optimizer_step(o.lr);
+      state_->optimizer_step(o.lr);
     }
     return o;
   }
@@ -483,24 +517,26 @@ class TrainLoop {
 
   // train_step with data parallelism: this rank's slice of every global micro-batch, one reduction,
   // the global loss and norm (the same on every rank, so every rank takes the same decisions).
-  StepOutcome data_parallel_step(int64_t step) {
+  // Parallel is DataParallel (ZeRO 0-2) or ShardedDataParallel (ZeRO 3): the same four steps.
+  template <class Parallel>
+  StepOutcome data_parallel_step(Parallel& dp, int64_t step) {
     const int64_t B = rc_.data.batch_size, accum = rc_.data.grad_accum;
     std::vector<Batch> micro;
     for (int64_t m = 0; m < accum; ++m) {
-      micro.push_back(batch_of_windows(sampler_.windows(), sampler_.next_rank_batch_windows(B, dp_->rank(), dp_->size()),
+      micro.push_back(batch_of_windows(sampler_.windows(), sampler_.next_rank_batch_windows(B, dp.rank(), dp.size()),
                                        batch_options_));
-      micro.back().sequence0 = dp_->rank() * B;  // its slice of the global batch (LoRA's dropout masks)
+      micro.back().sequence0 = dp.rank() * B;  // its slice of the global batch (LoRA's dropout masks)
     }
     StepOutcome o;
-    const DataParallelStep d = dp_->compute_gradients(schedule_, micro, static_cast<uint64_t>(step * accum));
+    const DataParallelStep d = dp.compute_gradients(schedule_, micro, static_cast<uint64_t>(step * accum));
     o.loss = d.loss;
     o.stats = d.stats;
-    o.grad_norm = dp_->gradient_norm();
+    o.grad_norm = dp.gradient_norm();
     o.lr = lr_schedule_.at(step);
     o.skipped = skip_nonfinite(o, step, accum);
     if (!o.skipped) {
-      dp_->clip_gradients(rc_.optimizer.grad_clip);
-      dp_->optimizer_step(o.lr);
+      dp.clip_gradients(rc_.optimizer.grad_clip);
+      dp.optimizer_step(o.lr);
     }
     return o;
   }
@@ -536,8 +572,9 @@ class TrainLoop {
   // Where the memory goes, once the first step has shown the activation and K/V peaks.
   void report_memory(int64_t step, const StepStats& stats) {
     if (!metrics_) return;
-    MemoryReport mem = memory_report(state_, stats.activation_high_water, stats.kv_bytes, stats.kv_host_bytes);
-    if (dp_ && !state_.optimizer_offloaded()) mem.optimizer = dp_->optimizer_bytes();  // ZeRO: this rank's shard
+    MemoryReport mem = zero3_ ? zero3_memory_report(zero3_->shards(), stats)
+                              : memory_report(*state_, stats.activation_high_water, stats.kv_bytes, stats.kv_host_bytes);
+    if (dp_ && !state_->optimizer_offloaded()) mem.optimizer = dp_->optimizer_bytes();  // ZeRO: this rank's shard
     out_ << clear_line() << fmt::format("memory ({}): {}\n", device_name(placement_.device), mem.line());
     nlohmann::json mj = {{"step", step}};
     for (const auto& [name, bytes] : mem.categories()) mj["memory_" + name] = bytes;
@@ -549,8 +586,8 @@ class TrainLoop {
   }
 
   // The mean loss over eval.batches batches of the eval windows, in order.
-  // Parallel: the first replica alone (its TP ranks together), with batches of the global batch size
-  // (as one process would).
+  // Parallel: the first replica alone (its TP ranks together; under ZeRO 3 every rank, the same
+  // batches), with batches of the global batch size (as one process would).
   double evaluate() {
     const int64_t B = rc_.data.batch_size * rc_.parallel.dp;
     double sum = 0;
@@ -564,7 +601,7 @@ class TrainLoop {
       if (groups_.tp && groups_.tp->sequence_parallel() && rows % groups_.tp_size() != 0)
         batch = with_unlabelled_rows(batch, (rows / groups_.tp_size() + 1) * groups_.tp_size());
       // The eval store placed as training places it (its K/V may not fit the device either).
-      sum += batch_loss(state_.model(), batch, rc_.schedule, eval_arena_) * static_cast<double>(batch.supervised());
+      sum += batch_loss(model(), batch, rc_.schedule, eval_arena_) * static_cast<double>(batch.supervised());
       count += batch.supervised();
     }
     return count > 0 ? sum / static_cast<double>(count) : std::nan("");
@@ -578,22 +615,29 @@ class TrainLoop {
   // (RankGroups::optimizer_file): the others first into a staging directory named like a checkpoint
   // temporary (so a crash leaves nothing a resume reads, and remove_stale_temporaries deletes it),
   // and rank 0 moves them into the checkpoint before its manifest is written. Barriers order the
-  // three phases.
+  // three phases. Under ZeRO 3 every rank's file (rank 0's too) is staged: its shard of the master
+  // weights with its moments beside it, from which it resumes exactly; rank 0 then assembles the
+  // whole model's weights from the staged shards (consolidate_shards), so that no rank's memory
+  // ever holds more than its shard and the one whole copy rank 0 writes.
   void save(int64_t step) {
     const SamplerState ss = sampler_.state();
-    const HostWeights weights = whole_master(state_, placement_.model, groups_);
+    const HostWeights weights = zero3_ ? HostWeights{} : whole_master(*state_, placement_.model, groups_);
     const AdamWShard* shard = dp_ ? dp_->optimizer_shard() : nullptr;
     const fs::path staging = fs::path(run_dir_.path()) / fmt::format(".{}.tmp-shards", checkpoint_dir_name(step));
     const auto save_optimizer = [&](const fs::path& path) {
-      if (shard)
+      if (zero3_)
+        zero3_->save_shard(path.string());
+      else if (shard)
         shard->save(path.string());
       else
-        std::as_const(state_).optimizer().save(path.string());
+        std::as_const(*state_).optimizer().save(path.string());
     };
     const std::string mine = groups_.optimizer_file();
+    const int first_staged = zero3_ ? 0 : 1;  // the ranks whose files go through the staging directory
     bool staged_any = false;
-    for (int w = 1; w < groups_.world_size(); ++w) staged_any = staged_any || !groups_.optimizer_file_of(w).empty();
-    if (!mine.empty() && !lead_) {
+    for (int w = first_staged; w < groups_.world_size(); ++w)
+      staged_any = staged_any || !groups_.optimizer_file_of(w).empty();
+    if (!mine.empty() && groups_.world_rank() >= first_staged) {
       fs::create_directories(staging);
       save_optimizer(staging / mine);
     }
@@ -602,20 +646,27 @@ class TrainLoop {
       run_dir_.save_checkpoint(
           step,
           [&](const std::string& dir) {
-            // Under LoRA the checkpoint holds the adapters (PEFT's files), the base staying model.source.
-            if (state_.lora())
-              save_peft_adapter(*weights, placement_.lora, dir, rc_.model.source, state_.master_dtype());
-            else
-              save_checkpoint_weights(*weights, placement_.model, dir, state_.master_dtype());
-            save_optimizer(fs::path(dir) / mine);
-            for (int w = 1; w < groups_.world_size(); ++w)
-              if (const std::string file = groups_.optimizer_file_of(w); !file.empty())
+            if (zero3_) {
+              std::vector<std::string> shards;
+              for (int w = 0; w < groups_.world_size(); ++w) shards.push_back((staging / groups_.optimizer_file_of(w)).string());
+              const ParamSet whole = consolidate_shards(placement_.model, shards);
+              save_checkpoint_weights(whole, placement_.model, dir, whole.dtype());
+            } else if (state_->lora()) {
+              // Under LoRA the checkpoint holds the adapters (PEFT's files), the base staying model.source.
+              save_peft_adapter(*weights, placement_.lora, dir, rc_.model.source, state_->master_dtype());
+            } else {
+              save_checkpoint_weights(*weights, placement_.model, dir, state_->master_dtype());
+            }
+            if (first_staged > 0) save_optimizer(fs::path(dir) / mine);
+            for (int w = first_staged; w < groups_.world_size(); ++w)
+              for (const std::string& file : groups_.optimizer_files_of(w))
                 fs::rename(staging / file, fs::path(dir) / file);
             nlohmann::json saved = {{"step", step},
                                     {"tokens_seen", tokens_seen_},
                                     {"sampler", ss.to_json()},
                                     {"tokenizer", tokenizer_.to_json()}};
             if (dp_) saved["parallel"] = {{"dp", dp_->size()}, {"zero", dp_->zero()}, {"tp", groups_.tp_size()}};
+            if (zero3_) saved["parallel"] = {{"dp", zero3_->size()}, {"zero", 3}, {"tp", 1}};
             write_text_atomic((fs::path(dir) / "state.json").string(), saved.dump(2) + "\n");
             write_text_atomic((fs::path(dir) / "run.toml").string(), rc_.to_toml());
             // With a BPE tokenizer the checkpoint is a whole HF model directory (AutoTokenizer loads it too).
@@ -631,7 +682,7 @@ class TrainLoop {
   const TrainOptions& opt_;
   const Placement& placement_;
   const WindowSplit& split_;
-  TrainingState& state_;
+  TrainingState* state_;  // null under ZeRO 3
   Schedule& schedule_;
   WindowSampler& sampler_;
   RunDirectory& run_dir_;
@@ -639,6 +690,7 @@ class TrainLoop {
   const Tokenizer& tokenizer_;
   const RankGroups& groups_;
   DataParallel* dp_;
+  ShardedDataParallel* zero3_;
   Communicator* comm_;
   const bool lead_;
   std::ostream& out_;
@@ -652,7 +704,7 @@ class TrainLoop {
 
 // The text the model continues from sample.prompt (on the host, from the whole master weights;
 // under LoRA the frozen base's compute weights and the adapters' master weights), under `title`.
-void print_sample(const RunConfig& rc, const LlamaConfig& mc, TrainingState& state, const ParamSet& weights,
+void print_sample(const RunConfig& rc, const LlamaConfig& mc, const LoraConfig& lora, const ParamSet& weights,
                   const ParamSet* base, const Tokenizer& tokenizer, const char* title, std::ostream& out) {
   SampleOptions so;
   so.prompt = rc.sample.prompt;
@@ -661,8 +713,8 @@ void print_sample(const RunConfig& rc, const LlamaConfig& mc, TrainingState& sta
   so.top_k = rc.sample.top_k;
   so.top_p = rc.sample.top_p;
   so.seed = rc.sample.seed;
-  LlamaModel host_model(mc, weights.dtype(), Device::host(), nullptr, state.model().lora());
-  if (state.lora()) {
+  LlamaModel host_model(mc, weights.dtype(), Device::host(), nullptr, lora);
+  if (lora.enabled()) {
     copy_params(host_model.params(), *base);
     copy_params(host_model.adapters(), weights);
   } else {
@@ -759,7 +811,9 @@ TrainResult run_training(const RunConfig& given, const TrainOptions& opt, std::o
   const TrainData data = load_data(rc, mc, *tokenizer, tokenizer_spec);
   WindowSampler sampler(data.split.train, rc.data.seed);  // the same on every rank (next_rank_batch)
   resolve_auto_lengths(rc, {rank_config, placement.device, placement.dtype, placement.lora}, log);
-  const PlanReport planned = check_memory({rank_config, placement.device, placement.dtype, placement.lora}, rc);
+  // ZeRO 3 needs ranks (a launcher, or threads on the CPU); one process holds the whole model anyway.
+  const bool sharded = comm && rc.parallel.zero == 3;
+  const PlanReport planned = check_memory({rank_config, placement.device, placement.dtype, placement.lora}, rc, sharded);
 
   // The grid (parallel/grid.h): the world split into this rank's TP and DP groups; at world size 1
   // (a launcher with one process) groups of one, through the same path.
@@ -769,15 +823,23 @@ TrainResult run_training(const RunConfig& given, const TrainOptions& opt, std::o
   if (rc.parallel.tp > 1) tensor_parallel.emplace(grid->tp(), TensorParallelOptions{rc.parallel.sequence_parallel,
                                                                                       rc.parallel.tp_regather});
   TensorParallel* tp = tensor_parallel ? &*tensor_parallel : nullptr;
-  TrainingState state(mc, placement.dtype, placement.device, adamw_options(rc),
-                      {.full_optimizer = rc.parallel.zero == 0 || !comm,
-                       .tp = tp,
-                       .lora = placement.lora,
-                       .offload_optimizer = rc.optimizer.offload,
-                       .cast_layers = rc.schedule.cast_layers});
+  // The rank's state: the whole model's (TrainingState, with DataParallel over the ranks), or under
+  // ZeRO 3 its shards and the model that gathers its blocks from them.
+  std::optional<TrainingState> state;
   std::optional<DataParallel> dp;
-  if (comm) dp.emplace(grid->dp(), state, rc.parallel, tp);
-  const RankGroups groups{comm, grid ? &*grid : nullptr, dp ? &*dp : nullptr, tp};
+  std::optional<ShardedDataParallel> zero3;
+  if (sharded) {
+    zero3.emplace(grid->dp(), mc, placement.dtype, adamw_options(rc), rc.parallel, rc.optimizer.offload);
+  } else {
+    state.emplace(mc, placement.dtype, placement.device, adamw_options(rc),
+                  TrainingStateOptions{.full_optimizer = rc.parallel.zero == 0 || !comm,
+                                  .tp = tp,
+                                  .lora = placement.lora,
+                                  .offload_optimizer = rc.optimizer.offload,
+                                  .cast_layers = rc.schedule.cast_layers});
+    if (comm) dp.emplace(grid->dp(), *state, rc.parallel, tp);
+  }
+  const RankGroups groups{comm, grid ? &*grid : nullptr, dp ? &*dp : nullptr, tp, zero3 ? &*zero3 : nullptr};
   auto schedule = Schedule::create(rc.schedule_options());
 
   RunDirectory run_dir(result.run_dir);
@@ -785,7 +847,8 @@ TrainResult run_training(const RunConfig& given, const TrainOptions& opt, std::o
   if (comm) comm->barrier();  // before any rank reads the directory or stages into it
   const std::string metrics_path = (fs::path(result.run_dir) / "metrics.jsonl").string();
   const ResumePoint progress =
-      resume_or_initialise(rc, mc, resume, run_dir, result.run_dir, metrics_path, state, sampler, groups, log);
+      zero3 ? resume_or_initialise(rc, mc, resume, run_dir, result.run_dir, metrics_path, *zero3, sampler, groups, log)
+            : resume_or_initialise(rc, mc, resume, run_dir, result.run_dir, metrics_path, *state, sampler, groups, log);
   std::optional<MetricsLog> metrics;
   if (lead) {
     write_text_atomic((fs::path(result.run_dir) / "config.toml").string(), rc.to_toml());
@@ -794,14 +857,19 @@ TrainResult run_training(const RunConfig& given, const TrainOptions& opt, std::o
     metrics.emplace(metrics_path);
   }
   print_header(rc, placement, data, planned, result.run_dir, log);
-  if (opt.print_sample && progress.step == 0 && rc.sample.at_start && rc.sample.tokens > 0) {
-    const HostWeights weights = whole_master(state, mc, groups);  // TP: the first replica's ranks together
-    const std::optional<ParamSet> base = state.lora() ? whole_base(state, mc, groups) : std::nullopt;
-    if (lead) print_sample(rc, mc, state, *weights, base ? &*base : nullptr, *tokenizer, "sample before training", log);
-  }
+  // The sample: from the whole weights on rank 0 (TP: the first replica's ranks assemble them
+  // together; ZeRO 3: every rank's shard gathered).
+  const auto sample = [&](const char* title) {
+    const HostWeights weights = zero3 ? whole_master(*zero3, groups) : whole_master(*state, mc, groups);
+    const std::optional<ParamSet> base = state && state->lora() ? whole_base(*state, mc, groups) : std::nullopt;
+    if (lead)
+      print_sample(rc, mc, state ? state->model().lora() : LoraConfig{}, *weights, base ? &*base : nullptr, *tokenizer,
+                   title, log);
+  };
+  if (opt.print_sample && progress.step == 0 && rc.sample.at_start && rc.sample.tokens > 0) sample("sample before training");
 
-  TrainLoop(rc, opt, placement, data.split, state, *schedule, sampler, run_dir, metrics ? &*metrics : nullptr,
-            *tokenizer, groups, log)
+  TrainLoop(rc, opt, placement, data.split, state ? &*state : nullptr, *schedule, sampler, run_dir,
+            metrics ? &*metrics : nullptr, *tokenizer, groups, log)
       .run(progress, result);
 
   const int64_t step = result.last_step;
@@ -816,11 +884,7 @@ TrainResult run_training(const RunConfig& given, const TrainOptions& opt, std::o
   log << fmt::format("done: step {}, loss {:.4f}{}, {} in {}\n", step, last_loss,
                      result.last_eval_loss ? fmt::format(", eval loss {:.4f}", *result.last_eval_loss) : "",
                      result.interrupted ? "interrupted" : "finished", short_duration(total));
-  if (opt.print_sample && !result.interrupted && rc.sample.tokens > 0) {
-    const HostWeights weights = whole_master(state, mc, groups);  // TP: the first replica's ranks together
-    const std::optional<ParamSet> base = state.lora() ? whole_base(state, mc, groups) : std::nullopt;
-    if (lead) print_sample(rc, mc, state, *weights, base ? &*base : nullptr, *tokenizer, "sample", log);
-  }
+  if (opt.print_sample && !result.interrupted && rc.sample.tokens > 0) sample("sample");
   return result;
 }
 

@@ -29,7 +29,11 @@
 // as optimizer-rank-<w>.safetensors; without ZeRO but with TP each TP shard's moments as
 // optimizer-tp-<t>.safetensors (written by the first replica). The other ranks stage theirs in a
 // temporary that rank 0 moves in before the manifest. Resume needs the same tp, and with ZeRO the
-// same dp and zero. The first replica evaluates and samples (its TP ranks together). A stop
+// same dp and zero. The first replica evaluates and samples (its TP ranks together). Under ZeRO 3
+// (parallel.zero = 3, full-parameter, ranks needed) a rank holds only its shards (parallel/zero3.h):
+// every rank evaluates, each rank's checkpoint file is its shard of the master weights with its
+// moments (zero3-rank-<w>.safetensors and .optimizer), and rank 0 assembles the whole HF checkpoint
+// from the shard files. A stop
 // (signal, --stop-after) is agreed by all ranks at the end of a step.
 // Without a communicator, parallel.dp x parallel.tp = n > 1 on the CPU runs the n ranks as threads
 // of this process (the threads backend); on GPUs, one process per GPU passes its communicator
