@@ -349,6 +349,15 @@ const ParamSet& ShardedDataParallel::adapter_grads() const {
   return *adapter_grads_;
 }
 
+AdamW& ShardedDataParallel::adapter_optimizer() {
+  CW_CHECK(adapter_adamw_, "ZeRO 3: the model has no LoRA adapters");
+  return *adapter_adamw_;
+}
+const AdamW& ShardedDataParallel::adapter_optimizer() const {
+  CW_CHECK(adapter_adamw_, "ZeRO 3: the model has no LoRA adapters");
+  return *adapter_adamw_;
+}
+
 void ShardedDataParallel::load_adapters(const ParamSet& adapters) {
   CW_CHECK(adapter_master_ && same_table(adapters.specs(), adapter_master_->specs()),
            "ZeRO 3: load_adapters takes the model's LoRA adapters' table");

@@ -176,6 +176,9 @@ class ShardedDataParallel {
   const ParamSet& adapter_grads() const;
   // LoRA: the adapters from a whole host set of their table (every rank passes the same).
   void load_adapters(const ParamSet& adapters);
+  // LoRA: the adapters' AdamW (every rank's the same: a checkpoint keeps rank 0's, every rank reads it).
+  AdamW& adapter_optimizer();
+  const AdamW& adapter_optimizer() const;
 
   DataParallelStep compute_gradients(Schedule& schedule, const std::vector<Batch>& micro, uint64_t step_index);
   // The last compute_gradients' collectives.

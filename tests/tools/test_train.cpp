@@ -782,6 +782,33 @@ TEST_CASE("train with packed documents and data.loss = assistant: the mask shape
   CHECK_THROWS_WITH_AS(run_training(no_mask, o, log), doctest::Contains(refused.c_str()), Error);
 }
 
+namespace {
+// `zero0` (a data-parallel run) and the same with parallel.zero = 3, into <name>-zero0 and
+// <name>-zero3 of the fixture's directory; the ZeRO 3 run's log names it, and its losses and eval
+// loss are ZeRO 0's within `tol`. Returns the ZeRO 3 run's log.
+std::string run_zero0_then_zero3(const Fixture& fx, const RunConfig& zero0, const std::string& name, double tol) {
+  std::ostringstream log0, log3;
+  TrainOptions o;
+  o.run_dir = fx.dir.file(name + "-zero0");
+  const TrainResult r0 = run_training(zero0, o, log0);
+  RunConfig zero3 = zero0;
+  zero3.parallel.zero = 3;
+  o.run_dir = fx.dir.file(name + "-zero3");
+  const TrainResult r3 = run_training(zero3, o, log3);
+  INFO(log3.str());
+  CHECK(log3.str().find("data parallel: " + std::to_string(zero0.parallel.dp) + " ranks, zero 3") != std::string::npos);
+  const std::vector<double> l0 = logged_losses(fx.dir.file(name + "-zero0"));
+  const std::vector<double> l3 = logged_losses(fx.dir.file(name + "-zero3"));
+  REQUIRE(l0.size() == static_cast<size_t>(zero0.train.steps));
+  REQUIRE(l3.size() == l0.size());  // rank 0 alone logs
+  for (size_t i = 0; i < l0.size(); ++i) CHECK(std::abs(l3[i] - l0[i]) <= tol * std::abs(l0[i]));
+  REQUIRE(r0.last_eval_loss.has_value());
+  REQUIRE(r3.last_eval_loss.has_value());  // every rank evaluates together; rank 0 reports
+  CHECK(std::abs(*r3.last_eval_loss - *r0.last_eval_loss) <= tol * *r0.last_eval_loss);
+  return log3.str();
+}
+}  // namespace
+
 TEST_CASE("train with ZeRO 3: 2 ranks (threads) equal ZeRO 0 (f64); the checkpoint is the whole model and each rank's shard; resumed bit for bit") {
   // ZeRO 3 reduce-scatters each block's gradient once per backward chunk, ZeRO 0 all-reduces the
   // step's sum: the same sum in another order, a few AdamW steps amplifying its rounding.
@@ -791,27 +818,16 @@ TEST_CASE("train with ZeRO 3: 2 ranks (threads) equal ZeRO 0 (f64); the checkpoi
   RunConfig zero0 = fx.config(4);
   zero0.model.dtype = "f64";
   zero0.parallel.dp = 2;
-  TrainOptions o;
-  o.run_dir = fx.dir.file("zero0");
-  const TrainResult r0 = run_training(zero0, o, log);
-
+  run_zero0_then_zero3(fx, zero0, "full", kStepsOfRoundingTol);
   RunConfig zero3 = zero0;
   zero3.parallel.zero = 3;
-  o.run_dir = fx.dir.file("zero3");
-  std::ostringstream zlog;
-  const TrainResult r3 = run_training(zero3, o, zlog);
-  CHECK(zlog.str().find("data parallel: 2 ranks, zero 3") != std::string::npos);
-  const std::vector<double> l0 = logged_losses(fx.dir.file("zero0")), l3 = logged_losses(fx.dir.file("zero3"));
-  REQUIRE(l0.size() == 4);
-  REQUIRE(l3.size() == 4);
-  for (size_t i = 0; i < l0.size(); ++i) CHECK(std::abs(l3[i] - l0[i]) <= kStepsOfRoundingTol * std::abs(l0[i]));
-  REQUIRE(r3.last_eval_loss.has_value());  // every rank evaluates together; rank 0 reports
-  CHECK(std::abs(*r3.last_eval_loss - *r0.last_eval_loss) <= kStepsOfRoundingTol * *r0.last_eval_loss);
+  const std::vector<double> l3 = logged_losses(fx.dir.file("full-zero3"));
+  TrainOptions o;
 
   // The checkpoint: the whole model as an HF checkpoint (gathered from the shards), equal to ZeRO 0's;
   // each rank's shard of the master weights and its moments beside it.
-  const fs::path last = fs::path(fx.dir.file("zero3")) / "step-000004";
-  const ParamSet w0 = checkpoint_weights(fx.model_json, fs::path(fx.dir.file("zero0")) / "step-000004");
+  const fs::path last = fs::path(fx.dir.file("full-zero3")) / "step-000004";
+  const ParamSet w0 = checkpoint_weights(fx.model_json, fs::path(fx.dir.file("full-zero0")) / "step-000004");
   const ParamSet w3 = checkpoint_weights(fx.model_json, last);
   const test::Worst w = test::compare(w3.flat(), w0.flat());
   INFO(w.str());
@@ -825,7 +841,7 @@ TEST_CASE("train with ZeRO 3: 2 ranks (threads) equal ZeRO 0 (f64); the checkpoi
 
   // Stopped after step 2 and resumed from the shards: the same bits.
   TrainOptions part;
-  part.run_dir = fx.dir.file("zero3-resumed");
+  part.run_dir = fx.dir.file("full-zero3-resumed");
   CHECK(stop_and_resume(zero3, part.run_dir, 2, log));
   const std::vector<double> lr = logged_losses(part.run_dir);
   REQUIRE(lr.size() == 4);
@@ -858,8 +874,57 @@ TEST_CASE("train with ZeRO 3: 2 ranks (threads) equal ZeRO 0 (f64); the checkpoi
   so.stop_at_eos = false;
   CHECK(!sample_from_run(sampled_run.run_dir, 0, so).text.empty());
 
-  RunConfig lora = zero3;
-  lora.lora.rank = 2;
-  CHECK_THROWS_WITH_AS(run_training(lora, o, log), doctest::Contains("parallel.zero = 3 in train shards full-parameter"),
-                       Error);
+  RunConfig cast = zero3;
+  cast.schedule.cast_layers = true;
+  CHECK_THROWS_WITH_AS(run_training(cast, o, log), doctest::Contains("schedule.cast_layers"), Error);
+}
+
+TEST_CASE("train with LoRA and ZeRO 3: the frozen base sharded over 2 ranks (threads) equals ZeRO 0 with dropout (f64); PEFT files; resumed bit for bit") {
+  constexpr double kStepsOfRoundingTol = 1e-10;  // as for the full-parameter case
+  Fixture fx;
+  RunConfig zero0 = fx.config(4);
+  zero0.model.dtype = "f64";
+  zero0.parallel.dp = 2;
+  zero0.lora.rank = 2;
+  zero0.lora.alpha = 4;
+  zero0.lora.targets = "all-linear";
+  zero0.lora.dropout = 0.1;  // masks keyed by the global batch's sequence: every layout draws the same
+  zero0.lora.seed = 5;
+  zero0.optimizer.lr = 2e-2;
+  zero0.sample.tokens = 4;  // the sample gathers the base from the shards
+  const std::string zlog = run_zero0_then_zero3(fx, zero0, "lora", kStepsOfRoundingTol);
+  CHECK(zlog.find("\nsample:\n") != std::string::npos);
+  RunConfig zero3 = zero0;
+  zero3.parallel.zero = 3;
+  const std::vector<double> l3 = logged_losses(fx.dir.file("lora-zero3"));
+  std::ostringstream log;
+
+  // The checkpoint: PEFT's files (the adapters, whole: they are replicated) and rank 0's optimizer
+  // file for them; no shard of the frozen base (model.source is the base).
+  const fs::path last = fs::path(fx.dir.file("lora-zero3")) / "step-000004";
+  CHECK(fs::exists(last / "adapter_config.json"));
+  CHECK(!fs::exists(last / "model.safetensors"));
+  CHECK(fs::exists(last / "optimizer.safetensors"));
+  CHECK(!fs::exists(last / "zero3-rank-00000.safetensors"));
+  const LlamaConfig mc = LlamaConfig::from_file(fx.model_json);
+  LoraConfig lc;
+  lc.rank = 2;
+  lc.alpha = 4;
+  lc.targets = "all-linear";
+  ParamSet a0(mc, lora_parameter_table(mc, lc), DType::f64), a3(mc, lora_parameter_table(mc, lc), DType::f64);
+  load_peft_adapter(a0, (fs::path(fx.dir.file("lora-zero0")) / "step-000004").string());
+  load_peft_adapter(a3, last.string());
+  const test::Worst w = test::compare(a3.flat(), a0.flat());
+  INFO(w.str());
+  CHECK(w.rel <= kStepsOfRoundingTol);
+
+  // Stopped after step 2 and resumed: the same bits.
+  TrainOptions part;
+  part.run_dir = fx.dir.file("lora-zero3-resumed");
+  CHECK(stop_and_resume(zero3, part.run_dir, 2, log));
+  const std::vector<double> lr = logged_losses(part.run_dir);
+  REQUIRE(lr.size() == 4);
+  for (size_t i = 0; i < l3.size(); ++i) CHECK(lr[i] == l3[i]);
+  for (const char* file : {"adapter_model.safetensors", "optimizer.safetensors"})
+    CHECK_MESSAGE(test::read_text(last / file) == test::read_text(fs::path(part.run_dir) / "step-000004" / file), file);
 }

@@ -55,6 +55,7 @@ int64_t state_integer(const nlohmann::json& object, const std::string& file, std
 }  // namespace
 
 std::string RankGroups::optimizer_file_of(int w) const {
+  if (zero3 && zero3->lora()) return w == 0 ? kOptimizerFile : "";  // the adapters' state, replicated
   if (zero3) return zero3_shard_file(w);
   if (zero() > 0) return optimizer_shard_file(w);
   if (tp_size() > 1) return w < tp_size() ? optimizer_tp_file(w) : "";  // replica 0's TP ranks: w = t
@@ -64,12 +65,12 @@ std::string RankGroups::optimizer_file_of(int w) const {
 std::vector<std::string> RankGroups::optimizer_files_of(int w) const {
   const std::string file = optimizer_file_of(w);
   if (file.empty()) return {};
-  if (zero3) return {file, file + ".optimizer"};
+  if (zero3 && !zero3->lora()) return {file, file + ".optimizer"};
   return {file};
 }
 
 std::string RankGroups::optimizer_file_to_read() const {
-  if (zero3) return optimizer_file();
+  if (zero3) return zero3->lora() ? optimizer_file_of(0) : optimizer_file();  // LoRA: rank 0's, the same on every rank
   if (zero() == 0 && tp_size() > 1) return optimizer_tp_file(tp_rank());
   return zero() > 0 ? optimizer_shard_file(world_rank()) : kOptimizerFile;
 }
@@ -89,9 +90,21 @@ HostWeights whole_master(TrainingState& state, const LlamaConfig& full_config, c
 }
 
 HostWeights whole_master(ShardedDataParallel& zero3, const RankGroups& g) {
+  if (zero3.lora()) {  // the adapters, replicated: rank 0's own
+    if (!g.lead()) return {};
+    ParamSet host = ParamSet::like(zero3.adapter_master(), zero3.adapter_master().dtype(), Device::host());
+    copy_params(host, zero3.adapter_master());
+    return HostWeights::owned(std::move(host));
+  }
   ParamSet whole = zero3.shards().gather_whole(zero3.shards().master());
   if (!g.lead()) return {};
   return HostWeights::owned(std::move(whole));
+}
+
+std::optional<ParamSet> whole_base(ShardedDataParallel& zero3, const RankGroups& g) {
+  ParamSet whole = zero3.shards().gather_whole(zero3.shards().master());
+  if (!g.lead()) return std::nullopt;
+  return whole;
 }
 
 std::optional<ParamSet> whole_base(TrainingState& state, const LlamaConfig& full_config, const RankGroups& g) {
@@ -146,21 +159,25 @@ void load_base_from(TrainingState& state, const LlamaConfig& full_config, const 
     load_whole_master(state, host, g);
 }
 
-// LoRA: the adapters of a PEFT directory (a checkpoint of this run, or model.adapter) as the master
-// weights. Its adapter_config.json must describe the run's adapters.
-void load_adapter_from(TrainingState& state, const LlamaConfig& full_config, const std::string& dir,
-                       const RankGroups& g) {
+// LoRA: the adapters of a PEFT directory (a checkpoint of this run, or model.adapter), the whole
+// model's, in `dtype` on the host. Its adapter_config.json must describe the run's adapters.
+ParamSet read_adapter_dir(const LlamaConfig& full_config, const LoraConfig& run, const std::string& dir, DType dtype) {
   const LoraConfig file = read_peft_config(dir);
-  const LoraConfig& run = state.model().lora();
   if (file.rank != run.rank || file.alpha != run.alpha || file.target_roles() != run.target_roles())
     fail(fmt::format("{}/adapter_config.json: r {}, lora_alpha {}, target_modules {} but the run has lora.rank {}, "
                      "lora.alpha {}, lora.targets {}",
                      dir, file.rank, file.alpha, fmt::join(file.target_names(), ","), run.rank, run.alpha,
                      fmt::join(run.target_names(), ",")),
          "give the adapter's own r, alpha and targets in [lora] (or lora.rank = 0 to take them from the file)");
-  ParamSet host = whole_adapters_like(state, full_config, state.master_dtype());
+  ParamSet host(full_config, lora_parameter_table(full_config, run), dtype);
   load_peft_adapter(host, dir);
-  load_whole_master(state, host, g);
+  return host;
+}
+
+// ... as the master weights of the rank's state (its TP shard of them).
+void load_adapter_from(TrainingState& state, const LlamaConfig& full_config, const std::string& dir,
+                       const RankGroups& g) {
+  load_whole_master(state, read_adapter_dir(full_config, state.model().lora(), dir, state.master_dtype()), g);
 }
 
 
@@ -315,24 +332,49 @@ ResumePoint resume_or_initialise(const RunConfig& rc, const LlamaConfig& full_co
                                  RunDirectory& run_dir, const std::string& run_path, const std::string& metrics_path,
                                  ShardedDataParallel& zero3, WindowSampler& sampler, const RankGroups& g,
                                  std::ostream& out) {
+  // Every rank reads or draws the same whole model (in the master dtype, as one process does; under
+  // LoRA the frozen base in f64, as one process draws it) and keeps its shard.
+  const auto load_source = [&](DType drawn) {
+    ParamSet whole(full_config, drawn);
+    if (has_weights(rc.model.source)) {
+      if (is_gguf_file(rc.model.source))
+        load_gguf_weights(whole, GgufReader(rc.model.source));
+      else
+        load_checkpoint_weights(whole, rc.model.source);
+    } else {
+      init_parameters(whole, rc.model.init_seed, full_config.initializer_range);
+    }
+    zero3.shards().load(whole);
+  };
+  if (zero3.lora()) {
+    // The base always comes from model.source; the adapters (replicated) from the checkpoint,
+    // model.adapter, or PEFT's initialisation from lora.seed, as one process's.
+    load_source(has_weights(rc.model.source) ? accum_dtype(zero3.model().dtype()) : DType::f64);
+    const LoraConfig& lora = zero3.model().lora();
+    const DType master = zero3.adapter_master().dtype();
+    if (resume) {
+      const ResumedCheckpoint r = open_resume(rc, run_dir, run_path, g, out);
+      zero3.load_adapters(read_adapter_dir(full_config, lora, r.path, master));
+      zero3.adapter_optimizer().load((fs::path(r.path) / g.optimizer_file_to_read()).string());
+      finish_resume(r, rc, metrics_path, sampler, g, out);
+      return r.point;
+    }
+    if (!rc.model.adapter.empty()) {
+      zero3.load_adapters(read_adapter_dir(full_config, lora, rc.model.adapter, master));
+    } else {
+      ParamSet drawn(full_config, lora_parameter_table(full_config, lora), DType::f64);
+      init_lora_parameters(drawn, lora.seed);
+      zero3.load_adapters(drawn);
+    }
+    return {};
+  }
   if (resume) {
     const ResumedCheckpoint r = open_resume(rc, run_dir, run_path, g, out);
     zero3.load_shard((fs::path(r.path) / g.optimizer_file_to_read()).string());
     finish_resume(r, rc, metrics_path, sampler, g, out);
     return r.point;
   }
-  // Every rank reads or draws the same whole model (in the master dtype, as one process does) and
-  // keeps its shard.
-  ParamSet whole(full_config, zero3.shards().master().dtype());
-  if (has_weights(rc.model.source)) {
-    if (is_gguf_file(rc.model.source))
-      load_gguf_weights(whole, GgufReader(rc.model.source));
-    else
-      load_checkpoint_weights(whole, rc.model.source);
-  } else {
-    init_parameters(whole, rc.model.init_seed, full_config.initializer_range);
-  }
-  zero3.shards().load(whole);
+  load_source(zero3.shards().master().dtype());
   return {};
 }
 

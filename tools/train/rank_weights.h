@@ -50,7 +50,8 @@ struct RankGroups {
 
   // The optimizer file this rank writes into a checkpoint and reads on resume; "" when it writes none.
   // Under ZeRO 3 it holds the rank's shard of the master weights too, its moments beside it
-  // (ShardedDataParallel::save_shard: FILE and FILE.optimizer; optimizer_files_of lists both).
+  // (ShardedDataParallel::save_shard: FILE and FILE.optimizer; optimizer_files_of lists both); with
+  // LoRA the adapters' state, the same on every rank, is rank 0's optimizer.safetensors.
   std::string optimizer_file() const { return optimizer_file_of(world_rank()); }
   std::vector<std::string> optimizer_files_of(int w) const;
   // The optimizer file world rank w writes ("" for none): its ZeRO shard, its TP shard's moments
@@ -95,7 +96,11 @@ HostWeights whole_master(TrainingState& state, const LlamaConfig& full_config, c
 // Under ZeRO 3, the whole model's master weights gathered from every rank's shard (a collective of
 // all ranks: each holds the whole set while it is gathered) for rank 0 (the other ranks get nothing).
 // For a sample; a checkpoint assembles the whole weights from the shard files on rank 0 alone.
+// Under LoRA the adapters (replicated): rank 0's own, no collective.
 HostWeights whole_master(ShardedDataParallel& zero3, const RankGroups& g);
+// Under ZeRO 3 with LoRA, the whole frozen base gathered from the ranks' shards (a collective of all
+// ranks) for rank 0, for a sample.
+std::optional<ParamSet> whole_base(ShardedDataParallel& zero3, const RankGroups& g);
 
 // Under LoRA, the whole frozen base on the host (for a sample): with tensor parallelism gathered from
 // the TP group's shards (a collective of the first replica's TP ranks), else rank 0's own.

@@ -556,10 +556,6 @@ void RunConfig::validate() const {
   if (optimizer.decay != "constant" && optimizer.min_lr > optimizer.lr)
     fail(fmt::format("optimizer.min_lr must be <= optimizer.lr ({}), got {}", optimizer.lr, optimizer.min_lr),
          "the decay goes from lr down to min_lr");
-  if (parallel.zero == 3 && (lora.enabled() || !model.adapter.empty()))
-    fail("parallel.zero = 3 in train shards full-parameter training; LoRA over a sharded base runs in `chunkwise "
-         "gradcheck --zero 3 --lora-rank` and the library (parallel/zero3.h), not yet in train",
-         "train LoRA with parallel.zero = 0, 1 or 2, or set lora.rank = 0");
   if (parallel.zero == 3 && schedule.cast_layers)
     fail("schedule.cast_layers rounds each block's weights from the whole master weights; parallel.zero = 3 gathers "
          "each block in the compute dtype from the ranks' shards instead",

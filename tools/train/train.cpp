@@ -353,13 +353,21 @@ void print_header(const RunConfig& rc, const Placement& p, const TrainData& data
 // checkpoints, and stopping on a signal or --stop-after.
 // Where a ZeRO 3 rank's memory goes: the weights are the working buffers the blocks are gathered
 // into (and their gradients reduce-scattered from), the master weights, moments and gradient its
-// shard's.
-MemoryReport zero3_memory_report(const ShardedParameters& shards, const StepStats& stats) {
+// shard's; under LoRA the weights also the frozen base's shard, the rest the adapters'.
+MemoryReport zero3_memory_report(const ShardedDataParallel& zero3, const StepStats& stats) {
+  const ShardedParameters& shards = zero3.shards();
   MemoryReport r;
   r.weights = shards.buffer_bytes();
-  r.master = shards.master().bytes();
-  r.optimizer = shards.optimizer().exp_avg().bytes() + shards.optimizer().exp_avg_sq().bytes();
-  r.gradients = shards.grads().bytes();
+  if (zero3.lora()) {  // the frozen base's shard, and the adapters' master, moments and gradient (replicated)
+    r.weights += shards.master().bytes();
+    r.master = zero3.adapter_master().bytes();
+    r.optimizer = 2 * zero3.adapter_master().bytes();
+    r.gradients = zero3.adapter_grads().bytes();
+  } else {
+    r.master = shards.master().bytes();
+    r.optimizer = shards.optimizer().exp_avg().bytes() + shards.optimizer().exp_avg_sq().bytes();
+    r.gradients = shards.grads().bytes();
+  }
   r.activations = stats.activation_high_water;
   r.kv = stats.kv_bytes;
   r.host_kv = stats.kv_host_bytes;
@@ -572,7 +580,7 @@ class TrainLoop {
   // Where the memory goes, once the first step has shown the activation and K/V peaks.
   void report_memory(int64_t step, const StepStats& stats) {
     if (!metrics_) return;
-    MemoryReport mem = zero3_ ? zero3_memory_report(zero3_->shards(), stats)
+    MemoryReport mem = zero3_ ? zero3_memory_report(*zero3_, stats)
                               : memory_report(*state_, stats.activation_high_water, stats.kv_bytes, stats.kv_host_bytes);
     if (dp_ && !state_->optimizer_offloaded()) mem.optimizer = dp_->optimizer_bytes();  // ZeRO: this rank's shard
     out_ << clear_line() << fmt::format("memory ({}): {}\n", device_name(placement_.device), mem.line());
@@ -621,19 +629,24 @@ class TrainLoop {
   // ever holds more than its shard and the one whole copy rank 0 writes.
   void save(int64_t step) {
     const SamplerState ss = sampler_.state();
-    const HostWeights weights = zero3_ ? HostWeights{} : whole_master(*state_, placement_.model, groups_);
+    const bool sharded_master = zero3_ && !zero3_->lora();  // the whole weights come from the shard files
+    const HostWeights weights = sharded_master ? HostWeights{}
+                                : zero3_       ? whole_master(*zero3_, groups_)
+                                               : whole_master(*state_, placement_.model, groups_);
     const AdamWShard* shard = dp_ ? dp_->optimizer_shard() : nullptr;
     const fs::path staging = fs::path(run_dir_.path()) / fmt::format(".{}.tmp-shards", checkpoint_dir_name(step));
     const auto save_optimizer = [&](const fs::path& path) {
-      if (zero3_)
+      if (sharded_master)
         zero3_->save_shard(path.string());
+      else if (zero3_)
+        zero3_->adapter_optimizer().save(path.string());
       else if (shard)
         shard->save(path.string());
       else
         std::as_const(*state_).optimizer().save(path.string());
     };
     const std::string mine = groups_.optimizer_file();
-    const int first_staged = zero3_ ? 0 : 1;  // the ranks whose files go through the staging directory
+    const int first_staged = sharded_master ? 0 : 1;  // the ranks whose files go through the staging directory
     bool staged_any = false;
     for (int w = first_staged; w < groups_.world_size(); ++w)
       staged_any = staged_any || !groups_.optimizer_file_of(w).empty();
@@ -646,14 +659,14 @@ class TrainLoop {
       run_dir_.save_checkpoint(
           step,
           [&](const std::string& dir) {
-            if (zero3_) {
+            if (sharded_master) {
               std::vector<std::string> shards;
               for (int w = 0; w < groups_.world_size(); ++w) shards.push_back((staging / groups_.optimizer_file_of(w)).string());
               const ParamSet whole = consolidate_shards(placement_.model, shards);
               save_checkpoint_weights(whole, placement_.model, dir, whole.dtype());
-            } else if (state_->lora()) {
+            } else if (placement_.lora.enabled()) {
               // Under LoRA the checkpoint holds the adapters (PEFT's files), the base staying model.source.
-              save_peft_adapter(*weights, placement_.lora, dir, rc_.model.source, state_->master_dtype());
+              save_peft_adapter(*weights, placement_.lora, dir, rc_.model.source, (*weights).dtype());
             } else {
               save_checkpoint_weights(*weights, placement_.model, dir, state_->master_dtype());
             }
@@ -829,7 +842,8 @@ TrainResult run_training(const RunConfig& given, const TrainOptions& opt, std::o
   std::optional<DataParallel> dp;
   std::optional<ShardedDataParallel> zero3;
   if (sharded) {
-    zero3.emplace(grid->dp(), mc, placement.dtype, adamw_options(rc), rc.parallel, rc.optimizer.offload);
+    zero3.emplace(grid->dp(), mc, placement.dtype, adamw_options(rc), rc.parallel, rc.optimizer.offload,
+                  placement.lora);
   } else {
     state.emplace(mc, placement.dtype, placement.device, adamw_options(rc),
                   TrainingStateOptions{.full_optimizer = rc.parallel.zero == 0 || !comm,
@@ -861,10 +875,10 @@ TrainResult run_training(const RunConfig& given, const TrainOptions& opt, std::o
   // together; ZeRO 3: every rank's shard gathered).
   const auto sample = [&](const char* title) {
     const HostWeights weights = zero3 ? whole_master(*zero3, groups) : whole_master(*state, mc, groups);
-    const std::optional<ParamSet> base = state && state->lora() ? whole_base(*state, mc, groups) : std::nullopt;
-    if (lead)
-      print_sample(rc, mc, state ? state->model().lora() : LoraConfig{}, *weights, base ? &*base : nullptr, *tokenizer,
-                   title, log);
+    const std::optional<ParamSet> base = !placement.lora.enabled() ? std::nullopt
+                                         : zero3                 ? whole_base(*zero3, groups)
+                                                                 : whole_base(*state, mc, groups);
+    if (lead) print_sample(rc, mc, placement.lora, *weights, base ? &*base : nullptr, *tokenizer, title, log);
   };
   if (opt.print_sample && progress.step == 0 && rc.sample.at_start && rc.sample.tokens > 0) sample("sample before training");
 

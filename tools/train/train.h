@@ -30,10 +30,11 @@
 // optimizer-tp-<t>.safetensors (written by the first replica). The other ranks stage theirs in a
 // temporary that rank 0 moves in before the manifest. Resume needs the same tp, and with ZeRO the
 // same dp and zero. The first replica evaluates and samples (its TP ranks together). Under ZeRO 3
-// (parallel.zero = 3, full-parameter, ranks needed) a rank holds only its shards (parallel/zero3.h):
-// every rank evaluates, each rank's checkpoint file is its shard of the master weights with its
-// moments (zero3-rank-<w>.safetensors and .optimizer), and rank 0 assembles the whole HF checkpoint
-// from the shard files. A stop
+// (parallel.zero = 3, ranks needed) a rank holds only its shards (parallel/zero3.h): every rank
+// evaluates, each rank's checkpoint file is its shard of the master weights with its moments
+// (zero3-rank-<w>.safetensors and .optimizer), and rank 0 assembles the whole HF checkpoint from the
+// shard files; with LoRA the shards are the frozen base and the checkpoint is one process's (PEFT's
+// files, rank 0's optimizer file: the adapters are replicated). A stop
 // (signal, --stop-after) is agreed by all ranks at the end of a step.
 // Without a communicator, parallel.dp x parallel.tp = n > 1 on the CPU runs the n ranks as threads
 // of this process (the threads backend); on GPUs, one process per GPU passes its communicator
