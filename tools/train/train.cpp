@@ -348,9 +348,6 @@ void print_header(const RunConfig& rc, const Placement& p, const TrainData& data
   out.flush();
 }
 
-// The optimizer steps from progress.step + 1 to train.steps: micro-batches through the schedule,
-// the non-finite guard, clipping, AdamW; logging, the first step's memory report, evaluation,
-// checkpoints, and stopping on a signal or --stop-after.
 // Where a ZeRO 3 rank's memory goes: the weights are the working buffers the blocks are gathered
 // into (and their gradients reduce-scattered from), the master weights, moments and gradient its
 // shard's; under LoRA the weights also the frozen base's shard, the rest the adapters'.
@@ -375,6 +372,9 @@ MemoryReport zero3_memory_report(const ShardedDataParallel& zero3, const StepSta
   return r;
 }
 
+// The optimizer steps from progress.step + 1 to train.steps: micro-batches through the schedule,
+// the non-finite guard, clipping, AdamW; logging, the first step's memory report, evaluation,
+// checkpoints, and stopping on a signal or --stop-after.
 class TrainLoop {
  public:
   // groups: this rank's place (all null: one process); state: null under ZeRO 3 (groups.zero3 holds
@@ -625,8 +625,8 @@ class TrainLoop {
   // and rank 0 moves them into the checkpoint before its manifest is written. Barriers order the
   // three phases. Under ZeRO 3 every rank's file (rank 0's too) is staged: its shard of the master
   // weights with its moments beside it, from which it resumes exactly; rank 0 then assembles the
-  // whole model's weights from the staged shards (consolidate_shards), so that no rank's memory
-  // ever holds more than its shard and the one whole copy rank 0 writes.
+  // whole model's weights from the staged shard files (consolidate_shards): only rank 0 ever holds
+  // the whole model, and only while it writes it.
   void save(int64_t step) {
     const SamplerState ss = sampler_.state();
     const bool sharded_master = zero3_ && !zero3_->lora();  // the whole weights come from the shard files
