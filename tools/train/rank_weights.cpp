@@ -327,7 +327,6 @@ ResumePoint resume_or_initialise(const RunConfig& rc, const LlamaConfig& full_co
   return p;
 }
 
-
 ResumePoint resume_or_initialise(const RunConfig& rc, const LlamaConfig& full_config, bool resume,
                                  RunDirectory& run_dir, const std::string& run_path, const std::string& metrics_path,
                                  ShardedDataParallel& zero3, WindowSampler& sampler, const RankGroups& g,
