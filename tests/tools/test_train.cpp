@@ -874,6 +874,18 @@ TEST_CASE("train with ZeRO 3: 2 ranks (threads) equal ZeRO 0 (f64); the checkpoi
   so.stop_at_eos = false;
   CHECK(!sample_from_run(sampled_run.run_dir, 0, so).text.empty());
 
+  // optimizer.offload: each rank's shard of the master weights and moments in host memory, updated
+  // there; the bits of the run without it.
+  RunConfig offload = zero3;
+  offload.optimizer.offload = true;
+  TrainOptions offloaded;
+  offloaded.run_dir = fx.dir.file("full-zero3-offloaded");
+  run_training(offload, offloaded, log);
+  CHECK(logged_losses(offloaded.run_dir) == l3);
+  for (const char* file : {"model.safetensors", "zero3-rank-00000.safetensors", "zero3-rank-00001.safetensors"})
+    CHECK_MESSAGE(test::read_text(last / file) == test::read_text(fs::path(offloaded.run_dir) / "step-000004" / file),
+                  file);
+
   RunConfig cast = zero3;
   cast.schedule.cast_layers = true;
   CHECK_THROWS_WITH_AS(run_training(cast, o, log), doctest::Contains("schedule.cast_layers"), Error);
@@ -927,4 +939,8 @@ TEST_CASE("train with LoRA and ZeRO 3: the frozen base sharded over 2 ranks (thr
   for (size_t i = 0; i < l3.size(); ++i) CHECK(lr[i] == l3[i]);
   for (const char* file : {"adapter_model.safetensors", "optimizer.safetensors"})
     CHECK_MESSAGE(test::read_text(last / file) == test::read_text(fs::path(part.run_dir) / "step-000004" / file), file);
+
+  RunConfig offload = zero3;
+  offload.optimizer.offload = true;
+  CHECK_THROWS_WITH_AS(run_training(offload, part, log), doctest::Contains("under LoRA the base is frozen"), Error);
 }

@@ -560,10 +560,15 @@ void RunConfig::validate() const {
     fail("schedule.cast_layers rounds each block's weights from the whole master weights; parallel.zero = 3 gathers "
          "each block in the compute dtype from the ranks' shards instead",
          "turn schedule.cast_layers off with parallel.zero = 3");
-  if (optimizer.offload && parallel.zero > 0)
+  if (optimizer.offload && (parallel.zero == 1 || parallel.zero == 2))
     fail(fmt::format("optimizer.offload keeps the whole AdamW state on each rank's host; parallel.zero = {} shards it",
                      parallel.zero),
-         "set parallel.zero = 0 with optimizer.offload, or turn optimizer.offload off");
+         "set parallel.zero = 0 or 3 with optimizer.offload (ZeRO 3 offloads each rank's shard), or turn "
+         "optimizer.offload off");
+  if (optimizer.offload && parallel.zero == 3 && (lora.enabled() || !model.adapter.empty()))
+    fail("optimizer.offload with parallel.zero = 3 offloads the sharded master weights; under LoRA the base is frozen "
+         "and the adapters' small state stays on the device",
+         "turn optimizer.offload off with LoRA and parallel.zero = 3");
   if (eval.at_start && data.eval.empty() && data.eval_fraction <= 0)
     fail("eval.at_start is true but there is no eval data (data.eval is empty and data.eval_fraction is 0)",
          "set eval.at_start = false, give data.eval, or set data.eval_fraction > 0");
