@@ -103,6 +103,11 @@ int run_plan(const PlanOptions& po, std::ostream& out) {
     fail("plan --zero 3 --lora-rank: the adapters' optimizer stays on the device under ZeRO 3",
          "drop --optimizer-offload");
   if (po.zero == 3 && po.dp < 2) fail("plan --zero 3 needs --dp N >= 2 ranks to shard over", "give --dp");
+  // auto and --longest compare whole-model plans; ZeRO 3's share is applied to the plan of fixed settings.
+  if (po.zero == 3 && (po.longest || po.schedule.chunk == kAuto || po.schedule.offload_window == kAuto))
+    fail("plan --zero 3 plans given settings: --chunk auto, --offload-window auto and --longest choose them by "
+         "whole-model plans",
+         "give --chunk N and --offload-window N (and --seq) with --zero 3");
   // With tensor parallelism each GPU holds a Llama of 1/tp of the heads, K/V heads and FFN columns
   // (model/shard.h, as train plans a rank): its plan is the per-GPU plan. The collectives' time is not
   // in the step time.

@@ -423,4 +423,7 @@ TEST_CASE("plan --zero 3: Llama-3.1-8B at 64K tokens in 8K chunks on 8 ranks, th
   po.lora = {};
   po.tp = 2;
   CHECK_THROWS_WITH_AS(run_plan(po, out), doctest::Contains("not with --tp"), Error);
+  po.tp = 1;
+  po.schedule.chunk = kAuto;  // auto compares whole-model plans
+  CHECK_THROWS_WITH_AS(run_plan(po, out), doctest::Contains("plan --zero 3 plans given settings"), Error);
 }
