@@ -318,6 +318,43 @@ void ShardedParameters::optimizer_step(double lr) {
   master_changed();
 }
 
+std::optional<ParamSet> ShardedParameters::gather_whole_to(const ParamSet& shard_set, int root) {
+  CW_CHECK(same_table(shard_set.specs(), master_.specs()), "ZeRO 3: gather_whole_to takes a set of this rank's shard");
+  const int n = comm_.size(), me = comm_.rank();
+  const DType dtype = shard_set.dtype();
+  int64_t largest = 0;
+  for (const ShardUnit& u : layout_.units()) largest = std::max(largest, u.part);
+  // One unit's parts of every rank, on the communicator's device; on the host for root's copy.
+  Buffer gathered(static_cast<size_t>(largest * n) * dtype_size(dtype), device_);
+  OwnedTensor staged = OwnedTensor::of_shape(dtype, std::vector<int64_t>{largest * n});
+  std::optional<ParamSet> whole;
+  if (me == root) whole.emplace(config_, layout_.table(), dtype, Device::host());
+  const Tensor shard = shard_set.numel() > 0 ? shard_set.flat() : Tensor{};
+  for (size_t u = 0; u < layout_.units().size(); ++u) {
+    const ShardUnit& unit = layout_.units()[u];
+    if (unit.numel == 0) continue;
+    const Tensor all = Tensor::packed(gathered.data(), dtype, device_, std::vector<int64_t>{unit.part * n});
+    const Tensor mine = all.slice(0, me * unit.part, unit.part);
+    const int64_t length = layout_.length(me, u);
+    if (length < unit.part) fill(mine, 0.0);  // the last ranks' padding
+    if (length > 0) copy_convert(mine.slice(0, 0, length), shard.slice(0, layout_.offset(me, u), length));
+    comm_.all_gather(all, mine)->wait();
+    if (me != root) continue;
+    // The parts in rank order are the unit's tensors in table order, then the padding.
+    const Tensor host = staged.tensor.slice(0, 0, unit.part * n);
+    copy_convert(host, all);
+    int64_t at = 0;
+    for (size_t t : unit.tensors) {
+      const Tensor& dst = (*whole)[t];
+      const Tensor src = host.slice(0, at, dst.numel());
+      copy_convert(dst, Tensor::packed(src.data, dtype, Device::host(),
+                                       std::vector<int64_t>(dst.shape.begin(), dst.shape.begin() + dst.ndim)));
+      at += dst.numel();
+    }
+  }
+  return whole;
+}
+
 ShardedDataParallel::ShardedDataParallel(Communicator& comm, const LlamaConfig& config, DType compute,
                                          const AdamWOptions& adamw, const ParallelOptions& options,
                                          bool offload_optimizer, const LoraConfig& lora)

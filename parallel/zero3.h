@@ -102,6 +102,10 @@ class ShardedParameters final : public ParameterShards {
   // Every rank's shard of `set` (the master or the gradient) gathered into a whole host set of the
   // table (a collective: checks and the consolidation of checkpoints).
   ParamSet gather_whole(const ParamSet& shard_set);
+  // The same into `root`'s host memory alone (the other ranks get nothing), one unit at a time through
+  // a device buffer of one unit: no rank holds the whole model but root, and root only on the host
+  // (a collective: a sample of a model no GPU holds).
+  std::optional<ParamSet> gather_whole_to(const ParamSet& shard_set, int root);
   // Waits for every reduce-scatter in flight and adds its sum into the gradient shard.
   void finish_reductions();
   // One AdamW step on the shard (clipping is the caller's).

@@ -14,6 +14,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <array>
 #include <cstring>
 #include <fstream>
 #include <sstream>
@@ -371,6 +372,21 @@ TEST_CASE("zero 3 checkpoints: each rank's shard, a resume bit for bit, the whol
   const ParamSet consolidated = consolidate_shards(c, {shard_path(0), shard_path(1), shard_path(2)});
   REQUIRE(saved.has_value());
   CHECK(same_bits(consolidated, *saved));
+  // Gathered unit by unit onto one rank (a sample's path): that rank gets the whole set's bits, the
+  // others nothing.
+  std::optional<ParamSet> rooted;
+  std::array<bool, 3> others_nothing{};
+  run_thread_ranks(3, [&](Communicator& comm) {
+    ShardedDataParallel dp(comm, c, DType::f64, AdamWOptions{}, ParallelOptions{.dp = 3, .zero = 3});
+    dp.shards().load(straight);
+    std::optional<ParamSet> mine = dp.shards().gather_whole_to(dp.shards().master(), /*root=*/1);
+    if (comm.rank() == 1) rooted = std::move(mine);
+    else others_nothing[static_cast<size_t>(comm.rank())] = !mine.has_value();
+  });
+  REQUIRE(rooted.has_value());
+  CHECK(same_bits(*rooted, straight));
+  CHECK(others_nothing[0]);
+  CHECK(others_nothing[2]);
   // A shard file is one rank's of one world size.
   CHECK_THROWS_WITH_AS(consolidate_shards(c, {shard_path(0), shard_path(1)}),
                        doctest::Contains("not one of 2 ZeRO 3 shards (its metadata says 3 ranks)"), Error);

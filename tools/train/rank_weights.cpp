@@ -96,15 +96,13 @@ HostWeights whole_master(ShardedDataParallel& zero3, const RankGroups& g) {
     copy_params(host, zero3.adapter_master());
     return HostWeights::owned(std::move(host));
   }
-  ParamSet whole = zero3.shards().gather_whole(zero3.shards().master());
-  if (!g.lead()) return {};
-  return HostWeights::owned(std::move(whole));
+  std::optional<ParamSet> whole = zero3.shards().gather_whole_to(zero3.shards().master(), /*root=*/0);
+  if (!whole) return {};
+  return HostWeights::owned(std::move(*whole));
 }
 
-std::optional<ParamSet> whole_base(ShardedDataParallel& zero3, const RankGroups& g) {
-  ParamSet whole = zero3.shards().gather_whole(zero3.shards().master());
-  if (!g.lead()) return std::nullopt;
-  return whole;
+std::optional<ParamSet> whole_base(ShardedDataParallel& zero3, const RankGroups&) {
+  return zero3.shards().gather_whole_to(zero3.shards().master(), /*root=*/0);
 }
 
 std::optional<ParamSet> whole_base(TrainingState& state, const LlamaConfig& full_config, const RankGroups& g) {

@@ -93,13 +93,13 @@ class HostWeights {
 // 0's own (the other ranks get nothing).
 HostWeights whole_master(TrainingState& state, const LlamaConfig& full_config, const RankGroups& g);
 
-// Under ZeRO 3, the whole model's master weights gathered from every rank's shard (a collective of
-// all ranks: each holds the whole set while it is gathered) for rank 0 (the other ranks get nothing).
-// For a sample; a checkpoint assembles the whole weights from the shard files on rank 0 alone.
+// Under ZeRO 3, the whole model's master weights gathered from every rank's shard, unit by unit, into
+// rank 0's host memory (a collective of all ranks; the other ranks get nothing). For a sample; a
+// checkpoint assembles the whole weights from the shard files on rank 0.
 // Under LoRA the adapters (replicated): rank 0's own, no collective.
 HostWeights whole_master(ShardedDataParallel& zero3, const RankGroups& g);
-// Under ZeRO 3 with LoRA, the whole frozen base gathered from the ranks' shards (a collective of all
-// ranks) for rank 0, for a sample.
+// Under ZeRO 3 with LoRA, the whole frozen base gathered from the ranks' shards, unit by unit, into
+// rank 0's host memory (a collective of all ranks), for a sample.
 std::optional<ParamSet> whole_base(ShardedDataParallel& zero3, const RankGroups& g);
 
 // Under LoRA, the whole frozen base on the host (for a sample): with tensor parallelism gathered from
