@@ -103,11 +103,6 @@ int run_plan(const PlanOptions& po, std::ostream& out) {
     fail("plan --zero 3 --lora-rank: the adapters' optimizer stays on the device under ZeRO 3",
          "drop --optimizer-offload");
   if (po.zero == 3 && po.dp < 2) fail("plan --zero 3 needs --dp N >= 2 ranks to shard over", "give --dp");
-  // auto and --longest compare whole-model plans; ZeRO 3's share is applied to the plan of fixed settings.
-  if (po.zero == 3 && (po.longest || po.schedule.chunk == kAuto || po.schedule.offload_window == kAuto))
-    fail("plan --zero 3 plans given settings: --chunk auto, --offload-window auto and --longest choose them by "
-         "whole-model plans",
-         "give --chunk N and --offload-window N (and --seq) with --zero 3");
   // With tensor parallelism each GPU holds a Llama of 1/tp of the heads, K/V heads and FFN columns
   // (model/shard.h, as train plans a rank): its plan is the per-GPU plan. The collectives' time is not
   // in the step time.
@@ -122,7 +117,9 @@ int run_plan(const PlanOptions& po, std::ostream& out) {
                        cf.sliding_window, cf.sliding_layers.empty() ? "" : " on the sliding layers");
   const DType dtype = parse_dtype(po.dtype);
   validate_lora(po.lora);
-  const MemoryBudget gib(device_gib_or_gpu(po.device_memory_gib), host_gib_or_machine(po.host_memory_gib));
+  // Under ZeRO 3 every plan below (auto's candidates, --longest's lengths) is one rank's.
+  const MemoryBudget gib(device_gib_or_gpu(po.device_memory_gib), host_gib_or_machine(po.host_memory_gib),
+                         po.zero == 3 ? static_cast<int>(po.dp) : 0);
   int64_t T = po.seq;
   ScheduleOptions o;
   std::vector<AutoCandidate> weighed;
@@ -144,12 +141,10 @@ int run_plan(const PlanOptions& po, std::ostream& out) {
     out << fmt::format("documents: {} ({} in the first sequence); attention planned over their causal squares\n",
                        po.documents, documents[0].size());
   PlanReport r = plan_step(cf, po.batch, T, o, dtype, gib, po.lora, po.optimizer_offload, documents);
-  if (po.zero == 3) {
-    const Zero3Plan z = plan_zero3(cf, T, o, dtype, static_cast<int>(po.dp), po.optimizer_offload, Device::gpu(0),
-                                   po.lora);
-    apply_zero3(r, z, gib);
-    out << zero3_table(z, po);
-  }
+  if (po.zero == 3)  // the plan is the rank's already (the budget's zero3_ranks); its collectives:
+    out << zero3_table(plan_zero3(cf, T, o, dtype, static_cast<int>(po.dp), po.optimizer_offload, Device::gpu(0),
+                                  po.lora),
+                       po);
   out << plan_table(r);
   if (arena_log())
     for (const std::string& line : r.arena_blocks) out << "replay: " << line << "\n";

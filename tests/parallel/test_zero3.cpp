@@ -439,7 +439,31 @@ TEST_CASE("plan --zero 3: Llama-3.1-8B at 64K tokens in 8K chunks on 8 ranks, th
   po.lora = {};
   po.tp = 2;
   CHECK_THROWS_WITH_AS(run_plan(po, out), doctest::Contains("not with --tp"), Error);
-  po.tp = 1;
-  po.schedule.chunk = kAuto;  // auto compares whole-model plans
-  CHECK_THROWS_WITH_AS(run_plan(po, out), doctest::Contains("plan --zero 3 plans given settings"), Error);
+}
+
+TEST_CASE("plan --zero 3 --chunk auto: the choice is made for one rank, where the whole model's state would not fit") {
+  // Llama-3.1-8B's whole state (bf16 weights, f32 master, moments and gradient) is 16 bytes a
+  // parameter, more than 140 GiB: no chunk fits one process; on 8 ZeRO 3 ranks auto finds one.
+  PlanOptions po;
+  po.model = "llama-3.1-8b";
+  po.seq = 65536;
+  po.schedule = {.kind = ScheduleKind::seco, .chunk = kAuto};
+  po.device_memory_gib = 140;
+  po.host_memory_gib = 1024;
+  std::ostringstream whole;
+  CHECK_THROWS_WITH_AS(run_plan(po, whole), doctest::Contains("out of memory at every chunk length"), Error);
+  po.dp = 8;
+  po.zero = 3;
+  std::ostringstream rank;
+  CHECK(run_plan(po, rank) == 0);
+  INFO(rank.str());
+  CHECK(contains(rank.str(), "zero 3 over 8 ranks"));
+  CHECK(contains(rank.str(), "shard "));
+  CHECK(!contains(rank.str(), "cast-layers"));  // a sharded model has no whole master to cast from
+  // --longest too: the lengths are tried for one rank.
+  po.longest = true;
+  po.schedule.chunk = 8192;
+  std::ostringstream longest;
+  CHECK(run_plan(po, longest) == 0);
+  CHECK(contains(longest.str(), "longest: "));
 }

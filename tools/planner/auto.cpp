@@ -180,7 +180,7 @@ ScheduleOptions resolve_auto_schedule(const LlamaConfig& cf, int64_t B, int64_t 
   std::vector<bool> inputs{o.save_inputs};
   if (!o.save_inputs && !o.stream_kv) inputs = {false, true};
   std::vector<bool> casts{o.cast_layers};
-  if (!o.cast_layers && can_cast_layers(dtype, lora, optimizer_offload)) casts = {false, true};
+  if (!o.cast_layers && can_cast_layers(dtype, lora, optimizer_offload) && gib.zero3_ranks == 0) casts = {false, true};
   std::optional<Resolved> best;
   double best_s = 0;
   std::optional<Error> first_error;

@@ -49,9 +49,10 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
            o.offload_window, L);
   const bool inputs = chunked(o) && o.save_inputs;
   CW_CHECK(!(inputs && o.stream_kv), "plan: --save-inputs is not kept by a streamed store (--stream-kv)");
-  CW_CHECK(!o.cast_layers || (can_cast_layers(dtype, lora, optimizer_offload) && !device.is_cpu()),
+  CW_CHECK(!o.cast_layers || (can_cast_layers(dtype, lora, optimizer_offload) && !device.is_cpu() &&
+                               budget.zero3_ranks == 0),
            "plan: --cast-layers rounds bf16 blocks from the f32 master on the device: it needs --dtype bf16 on a GPU, "
-           "no LoRA and the optimizer on the device");
+           "no LoRA, the optimizer on the device and no ZeRO 3");
 
   PlanReport r;
   r.schedule = describe_schedule(o);
@@ -103,6 +104,8 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
   r.host_fits = budget.host_gib <= 0 || double(r.peak_host_bytes) <= kPinnableHostShare * budget.host_gib * kGiB;
   r.fits = r.device_fits && r.host_fits;
   plan_time(s, r);
+  if (budget.zero3_ranks > 0)
+    apply_zero3(r, plan_zero3(cf, T, o, dtype, budget.zero3_ranks, optimizer_offload, device, lora), budget, device);
 
   if (!r.host_fits) {
     r.advice = "keep more of the K/V store on the device (a larger --offload-window, not --stream-kv), drop "
@@ -119,7 +122,8 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
     else
       r.advice = "use --schedule seco with --chunk 4096 (activations O(chunk) instead of O(T))";
     // bf16 full-parameter training on the device can also drop the blocks' resident compute copy.
-    if (!o.cast_layers && can_cast_layers(dtype, lora, optimizer_offload) && !device.is_cpu()) {
+    if (!o.cast_layers && can_cast_layers(dtype, lora, optimizer_offload) && !device.is_cpu() &&
+        budget.zero3_ranks == 0) {
       const size_t block_bytes = LayerCast::slot_bytes_for(cf, dtype);
       r.advice += fmt::format("; --cast-layers frees {:.1f} GiB of resident bf16 block weights",
                               double((size_t(L) - LayerCast::kSlots) * block_bytes) / kGiB);

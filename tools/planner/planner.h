@@ -46,10 +46,14 @@ inline constexpr size_t kCudaContextBytes = size_t(512) << 20;
 // What a plan must fit: device_gib of device memory (the pool's peak and the CUDA context) and,
 // when host_gib > 0, host_gib of host memory for its pinned part, of which it may take 90%
 // (kPinnableHostShare, engine/residency.h). A GiB count alone means the device's.
+// zero3_ranks > 0: the budget is one rank's of ZeRO 3 over that many ranks, and a plan holds the
+// rank's shard and gathered buffers instead of the whole model's state (plan_zero3, apply_zero3), so
+// that every choice made against the budget (auto, --longest) is made for a ZeRO 3 rank.
 struct MemoryBudget {
   double device_gib = 0;
   double host_gib = 0;  // 0: not checked
-  MemoryBudget(double device, double host = 0) : device_gib(device), host_gib(host) {}
+  int zero3_ranks = 0;  // 0: no ZeRO 3
+  MemoryBudget(double device, double host = 0, int zero3 = 0) : device_gib(device), host_gib(host), zero3_ranks(zero3) {}
 };
 
 // A schedule's settings as one line ("seco recompute full chunk 4096 bwd-chunk 4096 offload-window 2
@@ -91,6 +95,7 @@ struct PlanReport {
 // document starts on a GPU (optim/schedule.h StepTokens).
 // device: where the step runs, whose memory is planned: a GPU (bf16 or f32) or the CPU (f64 or f32,
 // no CUDA context); the step time is an H100's either way.
+// With budget.zero3_ranks the plan is a ZeRO 3 rank's (apply_zero3).
 PlanReport plan_step(const LlamaConfig& config, int64_t B, int64_t T, const ScheduleOptions& schedule, DType dtype,
                      const MemoryBudget& budget, const LoraConfig& lora = {}, bool optimizer_offload = false,
                      const std::vector<std::vector<int64_t>>& doc_starts = {}, Device device = Device::gpu(0));

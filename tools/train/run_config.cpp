@@ -556,11 +556,6 @@ void RunConfig::validate() const {
   if (optimizer.decay != "constant" && optimizer.min_lr > optimizer.lr)
     fail(fmt::format("optimizer.min_lr must be <= optimizer.lr ({}), got {}", optimizer.lr, optimizer.min_lr),
          "the decay goes from lr down to min_lr");
-  if (parallel.zero == 3 && (schedule.chunk == kAuto || schedule.offload_window == kAuto))
-    fail("schedule.chunk / schedule.offload_window = auto choose by whole-model plans; with parallel.zero = 3 a rank "
-         "holds its shard and the gathered blocks",
-         "give schedule.chunk and schedule.offload_window with parallel.zero = 3 (`chunkwise plan --zero 3 --dp N "
-         "--chunk C` plans a rank)");
   if (parallel.zero == 3 && schedule.cast_layers)
     fail("schedule.cast_layers rounds each block's weights from the whole master weights; parallel.zero = 3 gathers "
          "each block in the compute dtype from the ranks' shards instead",

@@ -235,7 +235,7 @@ double plan_gib(double usable_bytes) { return (usable_bytes + double(kCudaContex
 
 // schedule.chunk / offload_window = auto: the planner's choice for this GPU's free memory
 // (tools/planner/planner.h).
-void resolve_auto_lengths(RunConfig& rc, const Placement& p, std::ostream& log) {
+void resolve_auto_lengths(RunConfig& rc, const Placement& p, int zero3_ranks, std::ostream& log) {
   ScheduleOptions& s = rc.schedule;
   if (s.chunk != kAuto && s.offload_window != kAuto) return;
   if (p.device.is_cpu())
@@ -243,7 +243,7 @@ void resolve_auto_lengths(RunConfig& rc, const Placement& p, std::ostream& log) 
          "give numbers on the CPU (e.g. schedule.chunk = 1024, offload_window = 0)");
   const double gib = plan_gib(usable_device_bytes(p.device));
   // The host's memory too: the planner may offload the store (and its saved outputs) there.
-  const MemoryBudget budget(gib, double(host_memory_available()) / double(1ull << 30));
+  const MemoryBudget budget(gib, double(host_memory_available()) / double(1ull << 30), zero3_ranks);
   s = resolve_auto_schedule(p.model, rc.data.batch_size, rc.data.seq_len, s, p.dtype, budget, p.lora,
                             rc.optimizer.offload);
   log << fmt::format("schedule: the planner chose {} for {:.1f} GiB of device memory\n", describe_schedule(s), gib);
@@ -252,18 +252,13 @@ void resolve_auto_lengths(RunConfig& rc, const Placement& p, std::ostream& log) 
 // Memory guard: fail before step 1, not in the middle of it. Returns the planner's plan of a step
 // (tools/planner/planner.h) on the run's device: on a GPU the caching pool's peak, on the CPU the
 // buffers' bytes and the arena's blocks; and the host memory it pins.
-PlanReport check_memory(const Placement& p, const RunConfig& rc, bool zero3) {
+PlanReport check_memory(const Placement& p, const RunConfig& rc, int zero3_ranks) {
   const double have = p.device.is_cpu() ? double(host_memory_available()) : usable_device_bytes(p.device);
-  const double gib = p.device.is_cpu() ? have / double(1ull << 30) : plan_gib(have);
-  PlanReport plan = plan_step(p.model, rc.data.batch_size, rc.data.seq_len, rc.schedule_options(), p.dtype, gib,
-                              p.lora, rc.optimizer.offload, {}, p.device);
-  // ZeRO 3: the whole model's weights, master, moments and gradient become the rank's shard and the
-  // gathered blocks' buffers.
-  if (zero3)
-    apply_zero3(plan,
-                plan_zero3(p.model, rc.data.seq_len, rc.schedule_options(), p.dtype, static_cast<int>(rc.parallel.dp),
-                           rc.optimizer.offload, p.device, p.lora),
-                MemoryBudget(gib), p.device);
+  // ZeRO 3 (zero3_ranks > 0): the plan holds the rank's shard and the gathered blocks' buffers instead
+  // of the whole model's weights, master, moments and gradient.
+  const MemoryBudget budget(p.device.is_cpu() ? have / double(1ull << 30) : plan_gib(have), 0, zero3_ranks);
+  const PlanReport plan = plan_step(p.model, rc.data.batch_size, rc.data.seq_len, rc.schedule_options(), p.dtype,
+                                    budget, p.lora, rc.optimizer.offload, {}, p.device);
   const double need = static_cast<double>(plan.peak_device_bytes);
   // The plan counts cuDNN's backward workspace for its largest call: let every call have it.
   if (!p.device.is_cpu())
@@ -823,10 +818,12 @@ TrainResult run_training(const RunConfig& given, const TrainOptions& opt, std::o
     check_tokenizer_fits_model(*tokenizer, tokenizer_spec, mc.vocab_size, rc.model.source, "data.tokenizer");
   const TrainData data = load_data(rc, mc, *tokenizer, tokenizer_spec);
   WindowSampler sampler(data.split.train, rc.data.seed);  // the same on every rank (next_rank_batch)
-  resolve_auto_lengths(rc, {rank_config, placement.device, placement.dtype, placement.lora}, log);
   // ZeRO 3 needs ranks (a launcher, or threads on the CPU); one process holds the whole model anyway.
   const bool sharded = comm && rc.parallel.zero == 3;
-  const PlanReport planned = check_memory({rank_config, placement.device, placement.dtype, placement.lora}, rc, sharded);
+  const int zero3_ranks = sharded ? static_cast<int>(rc.parallel.dp) : 0;
+  resolve_auto_lengths(rc, {rank_config, placement.device, placement.dtype, placement.lora}, zero3_ranks, log);
+  const PlanReport planned =
+      check_memory({rank_config, placement.device, placement.dtype, placement.lora}, rc, zero3_ranks);
 
   // The grid (parallel/grid.h): the world split into this rank's TP and DP groups; at world size 1
   // (a launcher with one process) groups of one, through the same path.
