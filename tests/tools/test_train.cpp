@@ -818,6 +818,8 @@ TEST_CASE("train with ZeRO 3: 2 ranks (threads) equal ZeRO 0 (f64); the checkpoi
   RunConfig zero0 = fx.config(4);
   zero0.model.dtype = "f64";
   zero0.parallel.dp = 2;
+  zero0.data.batch_size = 1;  // 8 eval windows: 4 batches of the global 2
+  zero0.eval.batches = 3;     // dealt to 2 ranks: rank 1 runs a fourth, uncounted, for rank 0's gathers
   run_zero0_then_zero3(fx, zero0, "full", kStepsOfRoundingTol);
   RunConfig zero3 = zero0;
   zero3.parallel.zero = 3;

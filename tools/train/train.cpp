@@ -589,23 +589,37 @@ class TrainLoop {
   }
 
   // The mean loss over eval.batches batches of the eval windows, in order.
-  // Parallel: the first replica alone (its TP ranks together; under ZeRO 3 every rank, the same
-  // batches), with batches of the global batch size (as one process would).
+  // Parallel: the first replica alone (its TP ranks together; under ZeRO 3 every rank, each its share
+  // of the batches), with batches of the global batch size (as one process would).
   double evaluate() {
     const int64_t B = rc_.data.batch_size * rc_.parallel.dp;
     double sum = 0;
     int64_t count = 0;
     const int64_t n = std::min<int64_t>(rc_.eval.batches, split_.eval.num_batches(B));
-    for (int64_t i = 0; i < n; ++i) {
-      Batch batch = batch_of_windows(split_.eval, split_.eval.batch_windows(i, B), batch_options_);
+    // Under ZeRO 3 every rank evaluates (each block's gather needs all of them), so the batches are
+    // dealt out: rank r takes batches r, r + ranks, ...; a rank left one batch short runs batch 0
+    // again uncounted, so that every rank asks for the same blocks; the sums are added over the ranks.
+    const int ranks = zero3_ ? zero3_->size() : 1, rank = zero3_ ? zero3_->rank() : 0;
+    for (int64_t k = 0; k < (n + ranks - 1) / ranks; ++k) {
+      const int64_t i = k * ranks + rank;
+      const bool counted = i < n;
+      Batch batch = batch_of_windows(split_.eval, split_.eval.batch_windows(counted ? i : 0, B), batch_options_);
       const int64_t rows = batch.B();
       // Sequence parallelism splits a chunk's rows x tokens over the TP ranks: a last, shorter batch
       // gets rows without labels up to a multiple of tp (they add nothing to the loss or the count).
       if (groups_.tp && groups_.tp->sequence_parallel() && rows % groups_.tp_size() != 0)
         batch = with_unlabelled_rows(batch, (rows / groups_.tp_size() + 1) * groups_.tp_size());
       // The eval store placed as training places it (its K/V may not fit the device either).
-      sum += batch_loss(model(), batch, rc_.schedule, eval_arena_) * static_cast<double>(batch.supervised());
+      const double loss = batch_loss(model(), batch, rc_.schedule, eval_arena_);
+      if (!counted) continue;
+      sum += loss * static_cast<double>(batch.supervised());
       count += batch.supervised();
+    }
+    if (zero3_) {
+      std::vector<double> totals{sum, static_cast<double>(count)};
+      sum_host_values(*comm_, totals);
+      sum = totals[0];
+      count = static_cast<int64_t>(totals[1]);
     }
     return count > 0 ? sum / static_cast<double>(count) : std::nan("");
   }
