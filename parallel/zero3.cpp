@@ -324,11 +324,14 @@ std::optional<ParamSet> ShardedParameters::gather_whole_to(const ParamSet& shard
   const DType dtype = shard_set.dtype();
   int64_t largest = 0;
   for (const ShardUnit& u : layout_.units()) largest = std::max(largest, u.part);
-  // One unit's parts of every rank, on the communicator's device; on the host for root's copy.
+  // One unit's parts of every rank, on the communicator's device; root's copy of them on the host.
   Buffer gathered(static_cast<size_t>(largest * n) * dtype_size(dtype), device_);
-  OwnedTensor staged = OwnedTensor::of_shape(dtype, std::vector<int64_t>{largest * n});
+  OwnedTensor staged;
   std::optional<ParamSet> whole;
-  if (me == root) whole.emplace(config_, layout_.table(), dtype, Device::host());
+  if (me == root) {
+    staged = OwnedTensor::of_shape(dtype, std::vector<int64_t>{largest * n});
+    whole.emplace(config_, layout_.table(), dtype, Device::host());
+  }
   const Tensor shard = shard_set.numel() > 0 ? shard_set.flat() : Tensor{};
   for (size_t u = 0; u < layout_.units().size(); ++u) {
     const ShardUnit& unit = layout_.units()[u];
