@@ -279,35 +279,12 @@ void ShardedParameters::finish_reductions() {
 }
 
 ParamSet ShardedParameters::gather_whole(const ParamSet& shard_set) {
-  CW_CHECK(same_table(shard_set.specs(), master_.specs()), "ZeRO 3: gather_whole takes a set of this rank's shard");
-  const int n = comm_.size();
-  // Every rank's shard, padded to the longest, all-gathered on the communicator's device.
-  int64_t longest = 0;
-  for (int r = 0; r < n; ++r) longest = std::max(longest, layout_.shard_numel(r));
-  const DType dtype = shard_set.dtype();
-  OwnedTensor all = OwnedTensor::of_shape(dtype, std::vector<int64_t>{longest * n});
-  const Tensor mine = all.tensor.slice(0, comm_.rank() * longest, longest);
-  if (shard_set.numel() > 0) copy_convert(mine.slice(0, 0, shard_set.numel()), shard_set.flat());
-  if (device_.is_cpu()) {
-    comm_.all_gather(all.tensor, mine)->wait();
-  } else {
-    Buffer dev(all.tensor.bytes(), device_);
-    const Tensor d = Tensor::packed(dev.data(), dtype, device_, std::vector<int64_t>{longest * n});
-    copy_convert(d, all.tensor);
-    comm_.all_gather(d, d.slice(0, comm_.rank() * longest, longest))->wait();
-    copy_convert(all.tensor, d);
-  }
-  std::vector<ParamSet> shards;
-  std::vector<const ParamSet*> pointers;
-  for (int r = 0; r < n; ++r) {
-    shards.emplace_back(config_, layout_.shard_table(r), dtype, Device::host());
-    if (shards.back().numel() > 0)
-      copy_convert(shards.back().flat(), all.tensor.slice(0, r * longest, shards.back().numel()));
-  }
-  for (const ParamSet& s : shards) pointers.push_back(&s);
-  ParamSet whole(config_, layout_.table(), dtype, Device::host());
-  assemble_from_shards(whole, layout_, pointers);
-  return whole;
+  return std::move(*gather_units(shard_set, kEveryRank));
+}
+
+std::optional<ParamSet> ShardedParameters::gather_whole_to(const ParamSet& shard_set, int root) {
+  CW_CHECK(root >= 0 && root < comm_.size(), "ZeRO 3: gather_whole_to: no rank {} of {}", root, comm_.size());
+  return gather_units(shard_set, root);
 }
 
 void ShardedParameters::optimizer_step(double lr) {
@@ -318,17 +295,18 @@ void ShardedParameters::optimizer_step(double lr) {
   master_changed();
 }
 
-std::optional<ParamSet> ShardedParameters::gather_whole_to(const ParamSet& shard_set, int root) {
-  CW_CHECK(same_table(shard_set.specs(), master_.specs()), "ZeRO 3: gather_whole_to takes a set of this rank's shard");
+std::optional<ParamSet> ShardedParameters::gather_units(const ParamSet& shard_set, int root) {
+  CW_CHECK(same_table(shard_set.specs(), master_.specs()), "ZeRO 3: gathering takes a set of this rank's shard");
   const int n = comm_.size(), me = comm_.rank();
   const DType dtype = shard_set.dtype();
   int64_t largest = 0;
   for (const ShardUnit& u : layout_.units()) largest = std::max(largest, u.part);
-  // One unit's parts of every rank, on the communicator's device; root's copy of them on the host.
+  // One unit's parts of every rank, on the communicator's device; the keeping ranks' copy on the host.
+  const bool keeps = root == kEveryRank || me == root;
   Buffer gathered(static_cast<size_t>(largest * n) * dtype_size(dtype), device_);
   OwnedTensor staged;
   std::optional<ParamSet> whole;
-  if (me == root) {
+  if (keeps) {
     staged = OwnedTensor::of_shape(dtype, std::vector<int64_t>{largest * n});
     whole.emplace(config_, layout_.table(), dtype, Device::host());
   }
@@ -342,7 +320,7 @@ std::optional<ParamSet> ShardedParameters::gather_whole_to(const ParamSet& shard
     if (length < unit.part) fill(mine, 0.0);  // the last ranks' padding
     if (length > 0) copy_convert(mine.slice(0, 0, length), shard.slice(0, layout_.offset(me, u), length));
     comm_.all_gather(all, mine)->wait();
-    if (me != root) continue;
+    if (!keeps) continue;
     // The parts in rank order are the unit's tensors in table order, then the padding.
     const Tensor host = staged.tensor.slice(0, 0, unit.part * n);
     copy_convert(host, all);

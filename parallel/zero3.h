@@ -100,11 +100,10 @@ class ShardedParameters final : public ParameterShards {
   // holds a current unit.
   void master_changed();
   // Every rank's shard of `set` (the master or the gradient) gathered into a whole host set of the
-  // table (a collective: checks and the consolidation of checkpoints).
+  // table on every rank (a collective: checks), one unit at a time through a device buffer of one unit.
   ParamSet gather_whole(const ParamSet& shard_set);
-  // The same into `root`'s host memory alone (the other ranks get nothing), one unit at a time through
-  // a device buffer of one unit: no rank holds the whole model but root, and root only on the host
-  // (a collective: a sample of a model no GPU holds).
+  // The same into `root`'s host memory alone (the other ranks get nothing): no rank holds the whole
+  // model but root, and root only on the host (a collective: a sample of a model no GPU holds).
   std::optional<ParamSet> gather_whole_to(const ParamSet& shard_set, int root);
   // Waits for every reduce-scatter in flight and adds its sum into the gradient shard.
   void finish_reductions();
@@ -135,6 +134,9 @@ class ShardedParameters final : public ParameterShards {
   void wait(Slot& slot);
   void finish_reduction(Slot& slot);
   Slot& gathered(size_t unit);  // the block slot holding `unit`, gathered (and waited for) if none does
+  // gather_whole and gather_whole_to: unit by unit, kept on `root` or on every rank (kEveryRank).
+  static constexpr int kEveryRank = -1;
+  std::optional<ParamSet> gather_units(const ParamSet& shard_set, int root);
   // The unit's tensors as views of a slot's buffer, in its table order.
   std::vector<Tensor> views(const Slot& slot, size_t unit, DType dtype) const;
   std::vector<ParamSpec> unit_specs(size_t unit) const;

@@ -81,6 +81,20 @@ bool stop_and_resume(const RunConfig& rc, const std::string& run_dir, int64_t st
   run_training(rc, part, log);
   return interrupted;
 }
+
+// A stopped and resumed run in `resumed` against the straight run in `straight`: both logged
+// `steps` losses, the same bits, and step `steps`'s checkpoint `files` are the same bytes.
+void check_resumed_as_straight(const std::string& straight, const std::string& resumed, size_t steps,
+                               std::initializer_list<const char*> files) {
+  const std::vector<double> a = logged_losses(straight), b = logged_losses(resumed);
+  REQUIRE(a.size() == steps);
+  REQUIRE(b.size() == steps);
+  for (size_t i = 0; i < a.size(); ++i) CHECK(b[i] == a[i]);
+  const std::string step = fmt::format("step-{:06}", steps);
+  for (const char* file : files)
+    CHECK_MESSAGE(test::read_text(fs::path(straight) / step / file) == test::read_text(fs::path(resumed) / step / file),
+                  file);
+}
 }  // namespace
 
 TEST_CASE("train: a stopped and resumed run is bit-identical to an uninterrupted one") {
@@ -399,11 +413,8 @@ TEST_CASE("train data parallel: 2 ranks (threads) equal one process with twice t
   TrainOptions part;
   part.run_dir = fx.dir.file("zero-resumed");
   CHECK(stop_and_resume(zero, part.run_dir, 2, log));
-  const std::vector<double> lr = logged_losses(part.run_dir);
-  REQUIRE(lr.size() == 4);
-  for (size_t i = 0; i < lz.size(); ++i) CHECK(lr[i] == lz[i]);
-  for (const char* file : {"model.safetensors", "optimizer-rank-00000.safetensors", "optimizer-rank-00001.safetensors"})
-    CHECK(test::read_text(last_checkpoint / file) == test::read_text(fs::path(part.run_dir) / "step-000004" / file));
+  check_resumed_as_straight(o.run_dir, part.run_dir, 4,
+                            {"model.safetensors", "optimizer-rank-00000.safetensors", "optimizer-rank-00001.safetensors"});
 
   // A sharded state resumes only on its layout.
   part.resume = true;
@@ -664,12 +675,8 @@ TEST_CASE("train tensor parallel: TP 2 and DP 2 x TP 2 (threads) equal one proce
   run_training(tp_only, o, log);
   part.run_dir = fx.dir.file("tp-resumed");
   CHECK(stop_and_resume(tp_only, part.run_dir, 3, log));
-  const std::vector<double> a = logged_losses(o.run_dir), b = logged_losses(part.run_dir);
-  REQUIRE(a.size() == 4);
-  REQUIRE(b.size() == 4);
-  for (size_t i = 0; i < a.size(); ++i) CHECK(a[i] == b[i]);
-  for (const char* file : {"model.safetensors", "optimizer-tp-00000.safetensors", "optimizer-tp-00001.safetensors"})
-    CHECK(test::read_text(fs::path(o.run_dir) / "step-000004" / file) == test::read_text(fs::path(part.run_dir) / "step-000004" / file));
+  check_resumed_as_straight(o.run_dir, part.run_dir, 4,
+                            {"model.safetensors", "optimizer-tp-00000.safetensors", "optimizer-tp-00001.safetensors"});
 
   // A checkpoint split by TP shards resumes only on its tp; a tp that does not divide the heads is
   // refused before anything runs.
@@ -845,11 +852,8 @@ TEST_CASE("train with ZeRO 3: 2 ranks (threads) equal ZeRO 0 (f64); the checkpoi
   TrainOptions part;
   part.run_dir = fx.dir.file("full-zero3-resumed");
   CHECK(stop_and_resume(zero3, part.run_dir, 2, log));
-  const std::vector<double> lr = logged_losses(part.run_dir);
-  REQUIRE(lr.size() == 4);
-  for (size_t i = 0; i < l3.size(); ++i) CHECK(lr[i] == l3[i]);
-  for (const char* file : {"model.safetensors", "zero3-rank-00000.safetensors", "zero3-rank-00001.safetensors"})
-    CHECK_MESSAGE(test::read_text(last / file) == test::read_text(fs::path(part.run_dir) / "step-000004" / file), file);
+  check_resumed_as_straight(fx.dir.file("full-zero3"), part.run_dir, 4,
+                            {"model.safetensors", "zero3-rank-00000.safetensors", "zero3-rank-00001.safetensors"});
 
   // Its shards resume only on their layout; LoRA over a sharded base is refused in one line.
   part.resume = true;
@@ -910,7 +914,6 @@ TEST_CASE("train with LoRA and ZeRO 3: the frozen base sharded over 2 ranks (thr
   CHECK(zlog.find("\nsample:\n") != std::string::npos);
   RunConfig zero3 = zero0;
   zero3.parallel.zero = 3;
-  const std::vector<double> l3 = logged_losses(fx.dir.file("lora-zero3"));
   std::ostringstream log;
 
   // The checkpoint: PEFT's files (the adapters, whole: they are replicated) and rank 0's optimizer
@@ -936,11 +939,7 @@ TEST_CASE("train with LoRA and ZeRO 3: the frozen base sharded over 2 ranks (thr
   TrainOptions part;
   part.run_dir = fx.dir.file("lora-zero3-resumed");
   CHECK(stop_and_resume(zero3, part.run_dir, 2, log));
-  const std::vector<double> lr = logged_losses(part.run_dir);
-  REQUIRE(lr.size() == 4);
-  for (size_t i = 0; i < l3.size(); ++i) CHECK(lr[i] == l3[i]);
-  for (const char* file : {"adapter_model.safetensors", "optimizer.safetensors"})
-    CHECK_MESSAGE(test::read_text(last / file) == test::read_text(fs::path(part.run_dir) / "step-000004" / file), file);
+  check_resumed_as_straight(fx.dir.file("lora-zero3"), part.run_dir, 4, {"adapter_model.safetensors", "optimizer.safetensors"});
 
   RunConfig offload = zero3;
   offload.optimizer.offload = true;

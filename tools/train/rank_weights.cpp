@@ -141,16 +141,21 @@ ParamSet whole_adapters_like(const TrainingState& state, const LlamaConfig& full
   return ParamSet(full_config, lora_parameter_table(full_config, state.model().lora()), dtype);
 }
 
+// A checkpoint's weights (any stored dtype), or a GGUF file's (dequantized), into `host`.
+void read_source_weights(ParamSet& host, const std::string& source) {
+  if (is_gguf_file(source))
+    load_gguf_weights(host, GgufReader(source));
+  else
+    load_checkpoint_weights(host, source);
+}
+
 // Loads a checkpoint's weights (any stored dtype), or a GGUF file's (dequantized), as the run's
 // base weights: its master weights (the rank's TP shard of them), or under LoRA its frozen compute
 // weights.
 void load_base_from(TrainingState& state, const LlamaConfig& full_config, const std::string& source,
                     const RankGroups& g) {
   ParamSet host(full_config, state.lora() ? accum_dtype(state.model().dtype()) : state.master_dtype());
-  if (is_gguf_file(source))
-    load_gguf_weights(host, GgufReader(source));
-  else
-    load_checkpoint_weights(host, source);
+  read_source_weights(host, source);
   if (state.lora())
     load_whole_base(state, host, g);
   else
@@ -333,14 +338,10 @@ ResumePoint resume_or_initialise(const RunConfig& rc, const LlamaConfig& full_co
   // LoRA the frozen base in f64, as one process draws it) and keeps its shard.
   const auto load_source = [&](DType drawn) {
     ParamSet whole(full_config, drawn);
-    if (has_weights(rc.model.source)) {
-      if (is_gguf_file(rc.model.source))
-        load_gguf_weights(whole, GgufReader(rc.model.source));
-      else
-        load_checkpoint_weights(whole, rc.model.source);
-    } else {
+    if (has_weights(rc.model.source))
+      read_source_weights(whole, rc.model.source);
+    else
       init_parameters(whole, rc.model.init_seed, full_config.initializer_range);
-    }
     zero3.shards().load(whole);
   };
   if (zero3.lora()) {
