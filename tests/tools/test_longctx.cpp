@@ -13,7 +13,10 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <sstream>
+#include <string>
+#include <vector>
 
 namespace cw {
 namespace {
@@ -113,6 +116,73 @@ TEST_CASE("longctx: tools/run longctx's CPU form runs end to end and writes what
   // Each phase's seconds.
   const std::string times = read_text(out / "times.txt");
   for (const char* phase : {"data ", "eval before ", "train ", "eval after "}) CHECK(times.find(phase) != std::string::npos);
+}
+
+TEST_CASE("longctx: code_documents.py joins a package's files in dependency order, each after the files it "
+          "imports, and a directory of headers each after the headers it includes (needs python3)" *
+          doctest::skip(!have_python3())) {
+  test::TempDir dir("code-documents");
+  const auto write = [&](const std::string& rel, const std::string& text) {
+    fs::create_directories((dir.path / rel).parent_path());
+    std::ofstream(dir.path / rel) << text << std::string(400, '#') << "\n";  // past --min-chars below
+  };
+  // A package whose sorted order is the reverse of its imports: a uses b (absolutely), b uses c
+  // (relatively, from inside a function), sub/d uses a (two levels up); __init__ imports them all.
+  // c and e import each other: the cycle is broken where the sorted order enters it: c is reached
+  // first, so e, its import, goes before it.
+  write("lib/pkg/__init__.py", "from . import a, b, c\nfrom .sub import d\n");
+  write("lib/pkg/a.py", "import pkg.b\n");
+  write("lib/pkg/b.py", "def f():\n    from .c import g\n");
+  write("lib/pkg/c.py", "from pkg import e\n");
+  write("lib/pkg/e.py", "from . import c\n");
+  write("lib/pkg/sub/d.py", "from ..a import x\nimport os\n");
+  write("lib/held/x.py", "import json\n");
+  write("headers/12/a.h", "#include <bits/z.h>\n#include \"b.h\"\n");
+  write("headers/12/b.h", "#include <vector>\n");
+  write("headers/12/bits/z.h", "\n");
+  const auto run = [&](const std::string& order) {
+    const std::string cmd = fmt::format(
+        "python3 '{}/tools/data/code_documents.py' --root '{}' --headers '{}' --eval-packages held --min-chars 100 "
+        "{} --train '{}' --eval '{}' >'{}' 2>&1",
+        CW_SOURCE_ROOT, dir.file("lib"), dir.file("headers/12"), order, dir.file("train.jsonl"), dir.file("eval.jsonl"),
+        dir.file("log"));
+    const int status = std::system(cmd.c_str());
+    INFO(read_text(dir.file("log")));
+    REQUIRE(status == 0);
+    // The files of each training document, in the order they were joined.
+    std::map<std::string, std::vector<std::string>> files;
+    std::istringstream lines(read_text(dir.file("train.jsonl")));
+    for (std::string line; std::getline(lines, line);) {
+      const nlohmann::json r = nlohmann::json::parse(line);
+      std::istringstream text(r.at("text").get<std::string>());
+      for (std::string l; std::getline(text, l);)
+        for (const char* opener : {"# file: ", "// file: "})
+          if (l.rfind(opener, 0) == 0) files[r.at("name")].push_back(l.substr(std::string(opener).size()));
+    }
+    return files;
+  };
+  auto files = run("--order dependency");
+  CHECK(files["pkg"] == std::vector<std::string>{"pkg/e.py", "pkg/c.py", "pkg/b.py", "pkg/a.py", "pkg/sub/d.py",
+                                                 "pkg/__init__.py"});
+  CHECK(files["12"] == std::vector<std::string>{"12/b.h", "12/a.h"});  // bits/z.h is another directory's
+  CHECK(files["12/bits"] == std::vector<std::string>{"12/bits/z.h"});
+  files = run("");  // sorted, the default
+  CHECK(files["pkg"] == std::vector<std::string>{"pkg/__init__.py", "pkg/a.py", "pkg/b.py", "pkg/c.py", "pkg/e.py",
+                                                 "pkg/sub/d.py"});
+  CHECK(files["12"] == std::vector<std::string>{"12/a.h", "12/b.h"});
+}
+
+TEST_CASE("longctx: tools/run longctx refuses an --order it does not know, in one line") {
+  test::TempDir dir("longctx-order");
+  const fs::path binaries = fs::path(test::chunkwise_exe()).parent_path().parent_path();
+  const std::string log = dir.file("log");
+  const std::string cmd = fmt::format("CHUNKWISE_PREBUILT='{}' LONGCTX_DIR='{}' '{}/tools/run' longctx --order random >'{}' 2>&1",
+                                      binaries.string(), dir.path.string(), CW_SOURCE_ROOT, log);
+  const int status = std::system(cmd.c_str());
+  CHECK(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 2);
+  CHECK(read_text(log) == "tools/run longctx: --order 'random': give sorted or dependency\n");
+  CHECK(!fs::exists(dir.path / "random"));  // nothing made
 }
 
 }  // TEST_SUITE
