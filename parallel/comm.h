@@ -11,6 +11,10 @@
 //                              unspecified afterwards (threads: unchanged; NCCL may use it)
 //   reduce_scatter(out, in)    in [size * n] on every rank; out [n] <- sum over ranks of in[rank * n, +n)
 //   all_gather(out, in)        in [n] on every rank; out [size * n], rank r's in at [r * n, +n)
+//   all_to_all(out, in)        in and out [size * n] on every rank; out[src * n, +n) <- rank src's
+//                              in[rank * n, +n): rank r's block for every rank delivered, in rank
+//                              order (context parallelism's exchange of tokens for heads); out and
+//                              in must not overlap
 //   broadcast(t, root)         t <- root's t                                                (in place)
 //   barrier()                  returns once every rank has entered it
 //   split(color, key)          a new communicator per color: the ranks that passed the same color
@@ -52,6 +56,7 @@ class Communicator {
   virtual std::unique_ptr<CommWork> reduce(const Tensor& t, int root) = 0;
   virtual std::unique_ptr<CommWork> reduce_scatter(const Tensor& out, const Tensor& in) = 0;
   virtual std::unique_ptr<CommWork> all_gather(const Tensor& out, const Tensor& in) = 0;
+  virtual std::unique_ptr<CommWork> all_to_all(const Tensor& out, const Tensor& in) = 0;
   virtual std::unique_ptr<CommWork> broadcast(const Tensor& t, int root) = 0;
   virtual void barrier() = 0;
   virtual std::unique_ptr<Communicator> split(int color, int key) = 0;

@@ -339,6 +339,27 @@ class NcclCommunicator final : public Communicator {
     });
   }
 
+  // NCCL has no all-to-all of its own: one send and one receive per peer, grouped into one operation.
+  std::unique_ptr<CommWork> all_to_all(const Tensor& out, const Tensor& in) override {
+    check_operand(out, "all_to_all", "out");
+    check_operand(in, "all_to_all", "in");
+    check_pair(out, in, "all_to_all", out.numel() == in.numel() && in.numel() % size_ == 0,
+               "out and in have the same elements, a multiple of the group's size");
+    check_alias(out, in, "all_to_all", false, "not allowed");
+    const ncclDataType_t dtype = nccl_dtype(in.dtype, "all_to_all");
+    const size_t n = static_cast<size_t>(in.numel() / size_);
+    const size_t block = n * dtype_size(in.dtype);
+    return issue(describe("all_to_all", in), n, [&](ncclComm_t comm, cudaStream_t stream) {
+      ncclResult_t r = ncclGroupStart();
+      for (int peer = 0; peer < size_ && r == ncclSuccess; ++peer) {
+        r = ncclSend(static_cast<const char*>(in.data) + block * peer, n, dtype, peer, comm, stream);
+        if (r == ncclSuccess) r = ncclRecv(static_cast<char*>(out.data) + block * peer, n, dtype, peer, comm, stream);
+      }
+      const ncclResult_t end = ncclGroupEnd();  // always closes the group, even after a failed call in it
+      return r != ncclSuccess ? r : end;
+    });
+  }
+
   std::unique_ptr<CommWork> broadcast(const Tensor& t, int root) override {
     check_operand(t, "broadcast", "t");
     CW_CHECK(root >= 0 && root < size_, "broadcast: root {} is not a rank of {}", root, size_);

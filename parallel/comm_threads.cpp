@@ -37,7 +37,7 @@
 namespace cw {
 namespace {
 
-enum class Op { all_reduce, reduce, reduce_scatter, all_gather, broadcast, barrier, split };
+enum class Op { all_reduce, reduce, reduce_scatter, all_gather, all_to_all, broadcast, barrier, split };
 
 const char* op_name(Op op) {
   switch (op) {
@@ -45,6 +45,7 @@ const char* op_name(Op op) {
     case Op::reduce: return "reduce";
     case Op::reduce_scatter: return "reduce_scatter";
     case Op::all_gather: return "all_gather";
+    case Op::all_to_all: return "all_to_all";
     case Op::broadcast: return "broadcast";
     case Op::barrier: return "barrier";
     case Op::split: return "split";
@@ -67,6 +68,7 @@ struct Post {
       case Op::broadcast: return fmt::format("broadcast {} [{}] from rank {}", dtype_name(out.dtype), out.numel(), root);
       case Op::reduce_scatter:
       case Op::all_gather:
+      case Op::all_to_all:
         return fmt::format("{} {} out [{}] in [{}]", op_name(op), dtype_name(out.dtype), out.numel(), in.numel());
       case Op::barrier: return "barrier";
       case Op::split: return "split";
@@ -167,6 +169,15 @@ void perform(const std::vector<std::optional<Post>>& posts) {
         if (shard_bytes) std::memcpy(gathered.data() + shard_bytes * src, posts[src]->in.data, shard_bytes);
       for (const auto& p : posts)
         if (!gathered.empty()) std::memcpy(p->out.data, gathered.data(), gathered.size());
+      return;
+    }
+    case Op::all_to_all: {  // rank dst's out[src * n, +n) <- rank src's in[dst * n, +n)
+      const size_t block = static_cast<size_t>(first.in.numel() / size) * elem;
+      for (int dst = 0; dst < size; ++dst)
+        for (int src = 0; src < size; ++src)
+          if (block)
+            std::memcpy(static_cast<char*>(posts[dst]->out.data) + block * src,
+                        static_cast<const char*>(posts[src]->in.data) + block * dst, block);
       return;
     }
     case Op::broadcast: {
@@ -389,6 +400,17 @@ class ThreadCommunicator final : public Communicator {
     check_tensor(in, "all_gather", "in", false);
     check_pair(out, in, "all_gather", out.numel() == in.numel() * size(), "out must hold size x in's elements");
     return start({Op::all_gather, out, in, 0});
+  }
+  std::unique_ptr<CommWork> all_to_all(const Tensor& out, const Tensor& in) override {
+    check_tensor(out, "all_to_all", "out", false);
+    check_tensor(in, "all_to_all", "in", false);
+    check_pair(out, in, "all_to_all", out.numel() == in.numel() && in.numel() % size() == 0,
+               "out and in must hold the same elements, a multiple of the group's size");
+    const char* o = static_cast<const char*>(out.data);
+    const char* i = static_cast<const char*>(in.data);
+    CW_CHECK(!(o < i + in.bytes() && i < o + out.bytes()), "all_to_all: out and in overlap (out {}, in {})",
+             out.describe(), in.describe());
+    return start({Op::all_to_all, out, in, 0});
   }
   std::unique_ptr<CommWork> broadcast(const Tensor& t, int root) override {
     check_tensor(t, "broadcast", "tensor", false);

@@ -139,6 +139,42 @@ TEST_CASE("comm threads: several collectives in flight, waited in reverse, and i
   }
 }
 
+TEST_CASE("comm threads: all_to_all delivers rank src's block for rank dst to dst's block src, in every dtype") {
+  for (DType dtype : {DType::f64, DType::f32, DType::bf16})
+    for (int size = 1; size <= kMaxGroup; ++size)
+      for (int64_t n : kLengths) {
+        CAPTURE(std::string(dtype_name(dtype)));
+        CAPTURE(size);
+        CAPTURE(n);
+        std::vector<OwnedTensor> inputs;  // rank r's [size * n]: its block for rank q at [q * n, +n)
+        for (int r = 0; r < size; ++r) inputs.push_back(rank_input(dtype, size * n, r, 300 + size));
+        std::vector<OwnedTensor> outputs(static_cast<size_t>(size));
+        run_thread_ranks(size, [&](Communicator& comm) {
+          const int r = comm.rank();
+          outputs[r] = OwnedTensor::of_shape(dtype, std::vector<int64_t>{size * n});
+          jitter(r, 4);
+          comm.all_to_all(outputs[r], inputs[r])->wait();
+        });
+        for (int dst = 0; dst < size; ++dst)
+          for (int src = 0; src < size; ++src) {
+            CAPTURE(dst);
+            CAPTURE(src);
+            CHECK(same_bytes(outputs[dst].tensor.slice(0, src * n, n), inputs[src].tensor.slice(0, dst * n, n).data));
+          }
+      }
+  // Refused in one line, on the rank that called it: sizes that do not split into the group's blocks,
+  // outputs of another size or dtype, and an output overlapping its input.
+  run_thread_ranks(2, [&](Communicator& comm) {
+    OwnedTensor in = OwnedTensor::of_shape(DType::f32, std::vector<int64_t>{6});
+    OwnedTensor odd = OwnedTensor::of_shape(DType::f32, std::vector<int64_t>{5});
+    OwnedTensor other = OwnedTensor::of_shape(DType::f64, std::vector<int64_t>{6});
+    CHECK(contains(error_of([&] { comm.all_to_all(odd, odd); }), "out and in must hold the same elements, a multiple"));
+    CHECK(contains(error_of([&] { comm.all_to_all(odd, in); }), "out and in must hold the same elements"));
+    CHECK(contains(error_of([&] { comm.all_to_all(other, in); }), "all_to_all: out is"));
+    CHECK(contains(error_of([&] { comm.all_to_all(in, in); }), "all_to_all: out and in overlap"));
+  });
+}
+
 TEST_CASE("comm threads: a rank that throws releases the others, and its error is the one rethrown") {
   std::vector<std::string> released(3);
   const std::string err = error_of([&] {

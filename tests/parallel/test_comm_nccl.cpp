@@ -112,6 +112,12 @@ TEST_CASE("nccl: world size 1 from launcher variables, every collective on fresh
     comm->all_gather(y.dev, y.dev)->wait();
     expect_bits(y.dev, y.ref, "in-place reduce_scatter and all_gather");
 
+    // all_to_all over one rank: its one block, copied into a poisoned output.
+    test::GpuInput blocks = test::make_gpu_input(dt, {n}, seed, 5);
+    OwnedTensor exchanged = poisoned(dt, n, 0);
+    comm->all_to_all(exchanged, blocks.dev)->wait();
+    expect_bits(exchanged, blocks.ref, "all_to_all");
+
     test::GpuInput b = test::make_gpu_input(dt, {n}, seed, 4);
     comm->broadcast(b.dev, 0)->wait();
     expect_bits(b.dev, b.ref, "broadcast");
@@ -140,6 +146,8 @@ TEST_CASE("nccl: world size 1 from launcher variables, every collective on fresh
   CHECK_THROWS_WITH_AS(comm->reduce(f32, 1), doctest::Contains("reduce: root 1 is not a rank of 1"), Error);
   const Tensor shifted = f32.tensor.slice(0, 1, 7), head = f32.tensor.slice(0, 0, 7);
   CHECK_THROWS_WITH_AS(comm->all_gather(shifted, head), doctest::Contains("out and in overlap"), Error);
+  CHECK_THROWS_WITH_AS(comm->all_to_all(f32, f32), doctest::Contains("all_to_all: out and in overlap"), Error);
+  CHECK_THROWS_WITH_AS(comm->all_to_all(f32_small, f32), doctest::Contains("out has 7 elements, in 8"), Error);
   // The communicator still works after refusing them.
   comm->barrier();
 
@@ -203,7 +211,7 @@ TEST_CASE("nccl: a world of 2 whose rank 1 never joins fails rank 0 within the b
   CHECK(elapsed < timeout + kLateSeconds);
 }
 
-TEST_CASE("nccl: two ranks on 2 GPUs sum, scatter, gather and broadcast exactly (skipped with fewer GPUs)" *
+TEST_CASE("nccl: two ranks on 2 GPUs sum, scatter, gather, exchange and broadcast exactly (skipped with fewer GPUs)" *
           doctest::skip(!two_gpus_ready())) {
   const int port = free_tcp_port();
   const uint64_t seed = std::random_device()();
@@ -247,6 +255,17 @@ TEST_CASE("nccl: two ranks on 2 GPUs sum, scatter, gather and broadcast exactly 
             for (int64_t i = 0; i < n; ++i) both.tensor.ptr<double>()[q * n + i] = p.tensor.ptr<double>()[i];
           }
           if (!same_bits(fetch(gathered), both)) errors[r] += tag + "all_gather differs; ";
+
+          // all_to_all: in [2n] per rank; rank r gets [rank 0's block r, rank 1's block r].
+          OwnedTensor blocks = upload(input(r, 6, 2 * n), dt, r);
+          OwnedTensor exchanged = poisoned(dt, 2 * n, r);
+          comm->all_to_all(exchanged, blocks)->wait();
+          OwnedTensor mine = OwnedTensor::of_shape(DType::f64, std::vector<int64_t>{2 * n});
+          for (int q = 0; q < 2; ++q) {
+            const OwnedTensor p = input(q, 6, 2 * n);
+            for (int64_t i = 0; i < n; ++i) mine.tensor.ptr<double>()[q * n + i] = p.tensor.ptr<double>()[r * n + i];
+          }
+          if (!same_bits(fetch(exchanged), mine)) errors[r] += tag + "all_to_all differs; ";
 
           // broadcast from rank 1.
           OwnedTensor b = upload(input(r, 3, n), dt, r);

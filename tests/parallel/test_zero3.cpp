@@ -100,6 +100,9 @@ class FaultyComm final : public Communicator {
     if (fault_ == Fault::skipped_gather && ++gathers_ % 3 == 0) return std::make_unique<Done>();  // every third
     return inner_.all_gather(out, in);
   }
+  std::unique_ptr<CommWork> all_to_all(const Tensor& out, const Tensor& in) override {
+    return inner_.all_to_all(out, in);
+  }
   std::unique_ptr<CommWork> broadcast(const Tensor& t, int root) override { return inner_.broadcast(t, root); }
   void barrier() override { inner_.barrier(); }
   std::unique_ptr<Communicator> split(int color, int key) override { return inner_.split(color, key); }
