@@ -5,6 +5,7 @@
 // data, so every sum is exact in bf16 and compared bit for bit), split groups, and a collective one
 // rank never issues (the watchdog fails the other within the collective timeout, naming it).
 #include "parallel/comm_nccl.h"
+#include "parallel/context_parallel.h"
 
 #include "tests/gpu_support.h"
 #include "tests/parallel/net_support.h"
@@ -211,7 +212,7 @@ TEST_CASE("nccl: a world of 2 whose rank 1 never joins fails rank 0 within the b
   CHECK(elapsed < timeout + kLateSeconds);
 }
 
-TEST_CASE("nccl: two ranks on 2 GPUs sum, scatter, gather, exchange and broadcast exactly (skipped with fewer GPUs)" *
+TEST_CASE("nccl: two ranks on 2 GPUs sum, scatter, gather, exchange and broadcast exactly, and exchange tokens for heads (skipped with fewer GPUs)" *
           doctest::skip(!two_gpus_ready())) {
   const int port = free_tcp_port();
   const uint64_t seed = std::random_device()();
@@ -293,6 +294,37 @@ TEST_CASE("nccl: two ranks on 2 GPUs sum, scatter, gather, exchange and broadcas
         OwnedTensor own = upload(input(r, 5, n), DType::f32, r);
         alone->all_reduce(own)->wait();
         if (!same_bits(fetch(own), input(r, 5, n))) errors[r] += "split: a group of one's all_reduce differs; ";
+
+        // Context parallelism's exchange (parallel/context_parallel.h) on the device: each rank's 3
+        // tokens of 4 heads become both ranks' 6 tokens of 2 heads; one K/V head goes to both ranks,
+        // and its gradient comes back summed over the two.
+        const int64_t B = 2, tn = 3, G = 4, D = 5;
+        const auto tokens_of = [&](int q, int which, int64_t heads) { return input(q, 7 + which, B * tn * heads * D); };
+        OwnedTensor x = upload(tokens_of(r, 0, G), DType::f32, r);
+        OwnedTensor y = poisoned(DType::f32, B * 2 * tn * 2 * D, r);
+        cp_to_heads_forward(*comm, x.tensor.view({B, tn, G, D}), y.tensor.view({B, 2 * tn, 2, D}));
+        OwnedTensor want = OwnedTensor::of_shape(DType::f64, std::vector<int64_t>{B * 2 * tn * 2 * D});
+        for (int q = 0; q < 2; ++q) {
+          const OwnedTensor xq = tokens_of(q, 0, G);
+          for (int64_t b = 0; b < B; ++b)
+            for (int64_t i = 0; i < tn; ++i)
+              for (int64_t h = 0; h < 2; ++h)
+                for (int64_t d = 0; d < D; ++d)
+                  want.tensor.ptr<double>()[((b * 2 * tn + q * tn + i) * 2 + h) * D + d] =
+                      xq.tensor.ptr<double>()[((b * tn + i) * G + 2 * r + h) * D + d];
+        }
+        if (!same_bits(fetch(y), want)) errors[r] += "cp_to_heads_forward differs; ";
+        OwnedTensor d_y = upload(input(r, 9, B * 2 * tn * D), DType::f32, r);  // the one K/V head's gradient
+        OwnedTensor d_x = poisoned(DType::f32, B * tn * D, r);
+        cp_to_heads_backward(*comm, d_y.tensor.view({B, 2 * tn, 1, D}), d_x.tensor.view({B, tn, 1, D}));
+        OwnedTensor summed = OwnedTensor::of_shape(DType::f64, std::vector<int64_t>{B * tn * D});
+        const OwnedTensor d_y0 = input(0, 9, B * 2 * tn * D), d_y1 = input(1, 9, B * 2 * tn * D);
+        for (int64_t b = 0; b < B; ++b)
+          for (int64_t i = 0; i < tn * D; ++i) {
+            const int64_t at = (b * 2 * tn + r * tn) * D + i;
+            summed.tensor.ptr<double>()[b * tn * D + i] = d_y0.tensor.ptr<double>()[at] + d_y1.tensor.ptr<double>()[at];
+          }
+        if (!same_bits(fetch(d_x), summed)) errors[r] += "cp_to_heads_backward's replica sum differs; ";
         comm->barrier();
       } catch (const std::exception& e) {
         errors[r] += e.what();

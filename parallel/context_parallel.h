@@ -1,0 +1,54 @@
+// Context parallelism's exchange of tokens for heads (DeepSpeed-Ulysses) over a Communicator.
+//
+// P ranks share every sequence of a batch: rank r holds the tokens [r n, (r + 1) n) of each (n = T / P)
+// for everything but attention, and attention runs on all T tokens of some of the heads. Before
+// attention one all-to-all turns a rank's tokens of every head into every token of its heads; after
+// it the inverse all-to-all turns the attention output back into the rank's tokens of every head.
+//
+// Heads. With H query heads, rank r attends heads [r H / P, (r + 1) H / P) (P divides H). Query head
+// h reads K/V head h / (H / Hkv), so rank r needs the Hr = max(1, Hkv / P) K/V heads from
+// first(r) = r Hkv / P (rounded down): its own share when P divides Hkv, and when Hkv divides P one
+// head that P / Hkv ranks hold alike (replicated: each K/V head goes to every rank whose query heads
+// read it). Any other P is refused (`check_context_parallel`).
+//
+// The maps, for a tensor of G heads (H for queries and outputs, Hkv for keys and values), each rank's
+// part of the heads [first(r), first(r) + Hr) with first and Hr as above for G (G = H: Hr = H / P):
+//   to_heads      forward   y_r[b, s n + i, g] = x_s[b, i, first(r) + g]          (a scatter of copies)
+//   [x_r: [B, n, G, D],     backward  d_x_s[b, i, j] = sum over the ranks r with first(r) <= j <
+//    y_r: [B, P n, Hr, D]]            first(r) + Hr of d_y_r[b, s n + i, j - first(r)], in rank order
+//   to_tokens     forward   the inverse of to_heads for G = H (no replicas): out back to its tokens
+//   [x_r: [B, P n, H/P, D], backward  the forward of to_heads (a permutation's adjoint is its inverse)
+//    y_r: [B, n, H, D]]
+// Each is one all_to_all of equal blocks (rank r's block for rank q: [B, n, Hq, D]), packed and
+// unpacked by strided copies, so the values move unchanged in any dtype; only to_heads' backward with
+// replicas adds (the replicas' gradients, in rank order: every rank gets the same bits whatever the
+// timing). The backward of each map is the adjoint of its forward over the whole group:
+// sum_r <f(x)_r, y_r> = sum_r <x_r, f*(y)_r> (tests/parallel/test_context_parallel.cpp).
+// Outputs are overwritten; every operand is contiguous and on the communicator's device.
+// Scratch: each call allocates a send and a receive buffer of P blocks on that device (the token-side
+// tensor's elements each, P / G times that for K/V heads with replicas). Saves nothing.
+#pragma once
+
+#include "engine/tensor.h"
+#include "parallel/comm.h"
+
+#include <cstdint>
+
+namespace cw {
+
+// Refuses, in one line naming the numbers, a P that does not split the heads as above (P must divide
+// H, and P divide Hkv or Hkv divide P) or the tokens (P must divide T).
+void check_context_parallel(int64_t ranks, int64_t heads, int64_t kv_heads, int64_t tokens);
+
+// The heads of G that rank r of P holds after to_heads: [first, first + count).
+struct HeadRange {
+  int64_t first = 0, count = 0;
+};
+HeadRange cp_heads_of_rank(int64_t heads, int64_t ranks, int64_t rank);
+
+void cp_to_heads_forward(Communicator& comm, const Tensor& x_tokens, const Tensor& y_heads);
+void cp_to_heads_backward(Communicator& comm, const Tensor& d_y_heads, const Tensor& d_x_tokens);
+void cp_to_tokens_forward(Communicator& comm, const Tensor& x_heads, const Tensor& y_tokens);
+void cp_to_tokens_backward(Communicator& comm, const Tensor& d_y_tokens, const Tensor& d_x_heads);
+
+}  // namespace cw
