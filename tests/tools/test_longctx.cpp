@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <filesystem>
@@ -143,9 +144,9 @@ TEST_CASE("longctx: code_documents.py joins a package's files in dependency orde
   const auto run = [&](const std::string& order) {
     const std::string cmd = fmt::format(
         "python3 '{}/tools/data/code_documents.py' --root '{}' --headers '{}' --eval-packages held --min-chars 100 "
-        "{} --train '{}' --eval '{}' >'{}' 2>&1",
+        "{} --train '{}' --eval '{}' --eval-orders '{}' --orders 3 >'{}' 2>&1",
         CW_SOURCE_ROOT, dir.file("lib"), dir.file("headers/12"), order, dir.file("train.jsonl"), dir.file("eval.jsonl"),
-        dir.file("log"));
+        dir.file(order.empty() ? "orders-sorted.jsonl" : "orders-dependency.jsonl"), dir.file("log"));
     const int status = std::system(cmd.c_str());
     INFO(read_text(dir.file("log")));
     REQUIRE(status == 0);
@@ -170,6 +171,11 @@ TEST_CASE("longctx: code_documents.py joins a package's files in dependency orde
   CHECK(files["pkg"] == std::vector<std::string>{"pkg/__init__.py", "pkg/a.py", "pkg/b.py", "pkg/c.py", "pkg/e.py",
                                                  "pkg/sub/d.py"});
   CHECK(files["12"] == std::vector<std::string>{"12/a.h", "12/b.h"});
+  // The held-out package's random orders are drawn from the sorted order whatever --order is: the
+  // same three documents either way.
+  const std::string orders = read_text(dir.file("orders-sorted.jsonl"));
+  CHECK(std::count(orders.begin(), orders.end(), '\n') == 3);
+  CHECK(orders == read_text(dir.file("orders-dependency.jsonl")));
 }
 
 TEST_CASE("longctx: tools/run longctx refuses an --order it does not know, in one line") {

@@ -92,8 +92,9 @@ def python_imports(root, path, modules):
             names = [alias.name for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             if node.level:  # relative: `from ..a import b` climbs level - 1 packages from this one
-                base = package.split(".")[:len(package.split(".")) - (node.level - 1)]
-                base = ".".join(base + ([node.module] if node.module else []))
+                outer = package.split(".")
+                outer = outer[:max(0, len(outer) - (node.level - 1))]
+                base = ".".join(outer + ([node.module] if node.module else []))
             else:
                 base = node.module or ""
             names = [base] + [f"{base}.{alias.name}" for alias in node.names]  # `from p import m`: m may be a module
@@ -223,8 +224,11 @@ def main():
             text = "\n".join(parts)
             write("eval" if name in held else "train", "python", name, text)
             if orders is not None and name in held and len(text) >= a.min_chars:
+                # Drawn from the sorted order whatever --order is, so every --order evaluates the same
+                # random orders.
+                in_sorted = parts if a.order == "sorted" else file_parts(a.root, files, "#")
                 for i in range(a.orders):
-                    shuffled = list(parts)  # the files read once; only their order is drawn
+                    shuffled = list(in_sorted)  # the files read once; only their order is drawn
                     random.Random(f"{a.seed}:{name}:{i}").shuffle(shuffled)
                     order = "\n".join(shuffled)
                     orders.write(json.dumps({"text": order, "source": "python", "name": name, "order": i,
