@@ -25,16 +25,20 @@ bool fused_qkv() { return g_fused_qkv.load(); }
 
 namespace {
 // The rule, stated once: the switch on, no tensor parallelism (each rank holds its own heads' rows of
-// the three weights), no adapter on q, k or v (each adds its own low-rank term to one projection).
-bool qkv_fusable(const TensorParallelGroup* tp, bool qkv_adapters) { return fused_qkv() && !tp && !qkv_adapters; }
+// the three weights), no context parallelism, no adapter on q, k or v (each adds its own low-rank term
+// to one projection).
+// Context parallelism exchanges q, k and v separately (each its own heads).
+bool qkv_fusable(const TensorParallelGroup* tp, const ContextParallelGroup* cp, bool qkv_adapters) {
+  return fused_qkv() && !tp && !cp && !qkv_adapters;
+}
 }  // namespace
 
-bool fuses_qkv(const LoraConfig* lora, const TensorParallelGroup* tp) {
+bool fuses_qkv(const LoraConfig* lora, const TensorParallelGroup* tp, const ContextParallelGroup* cp) {
   bool qkv_adapters = false;
   if (lora && lora->enabled())
     for (ParamRole r : lora->target_roles())
       qkv_adapters = qkv_adapters || r == ParamRole::wq || r == ParamRole::wk || r == ParamRole::wv;
-  return qkv_fusable(tp, qkv_adapters);
+  return qkv_fusable(tp, cp, qkv_adapters);
 }
 
 int64_t resolve_mlp_shards(int64_t requested, const LlamaConfig& cf, int64_t rows) {
@@ -44,22 +48,27 @@ int64_t resolve_mlp_shards(int64_t requested, const LlamaConfig& cf, int64_t row
 }
 
 LayerActivations LayerActivations::allocate(Arena& arena, const LlamaConfig& cf, int64_t B, int64_t c, DType dt,
-                                            MlpKept mlp, const TensorParallelGroup* tp) {
-  const int64_t N = B * c, C = cf.hidden_size, F = cf.intermediate_size, H = cf.num_attention_heads, D = cf.head_dim;
+                                            MlpKept mlp, const TensorParallelGroup* tp, const ContextParallelGroup* cp) {
+  // Under context parallelism the rank's rows are its c/P tokens of each sequence, and attention's
+  // tensors the whole chunk's of its H/P heads.
+  const int64_t P = cp ? cp->size() : 1;
+  const int64_t N = B * (c / P), C = cf.hidden_size, F = cf.intermediate_size, H = cf.num_attention_heads,
+                D = cf.head_dim, Ha = H / P;
   const int64_t R = tp_rows(tp, N), normed_rows = tp_regathers(tp) ? R : N;
   const DType acc = accum_dtype(dt);
   LayerActivations a;
   a.h1 = arena.alloc(dt, {normed_rows, C});
   a.norm1.rstd = arena.alloc(acc, {R});
-  a.q = arena.alloc(dt, {B, c, H, D});
+  a.q = arena.alloc(dt, {B, c, Ha, D});
   if (cf.qk_norm) {
     a.q_raw = arena.alloc(dt, {N, cf.q_dim()});
     a.k_raw = arena.alloc(dt, {N, cf.kv_dim()});
     a.q_norm.rstd = arena.alloc(acc, {N * H});
     a.k_norm.rstd = arena.alloc(acc, {N * cf.num_key_value_heads});
   }
-  a.attn = arena.alloc(dt, {B, c, H, D});
-  a.attn_saved.lse = arena.alloc(acc, {B, H, c});
+  a.attn = arena.alloc(dt, {B, c, Ha, D});
+  a.attn_rows = cp ? arena.alloc(dt, {N, cf.q_dim()}) : a.attn.view({N, cf.q_dim()});
+  a.attn_saved.lse = arena.alloc(acc, {B, Ha, c});
   a.x_mid = arena.alloc(dt, {R, C});
   if (mlp != MlpKept::products) a.h2 = arena.alloc(dt, {normed_rows, C});
   a.norm2.rstd = arena.alloc(acc, {R});
@@ -78,8 +87,12 @@ LayerActivations LayerActivations::allocate(Arena& arena, const LlamaConfig& cf,
 }
 
 size_t LayerActivations::bytes(const LlamaConfig& cf, int64_t B, int64_t c, DType dt, MlpKept mlp,
-                               const TensorParallelGroup* tp) {
-  const size_t N = static_cast<size_t>(B * c), R = static_cast<size_t>(tp_rows(tp, B * c));
+                               const TensorParallelGroup* tp, const ContextParallelGroup* cp) {
+  // Under context parallelism N counts the rank's tokens; q, attn and lse (the chunk's tokens of H/P
+  // heads) are as many values as for N tokens of every head, and attn_rows adds one more [N, q_dim].
+  const int64_t rows = B * (c / (cp ? cp->size() : 1));
+  const size_t N = static_cast<size_t>(rows), R = static_cast<size_t>(tp_rows(tp, rows));
+  const size_t attention = cp ? 3 : 2;  // q and attn; attn_rows
   const size_t normed_rows = tp_regathers(tp) ? R : N, C = static_cast<size_t>(cf.hidden_size);
   const size_t e = dtype_size(dt), a = dtype_size(accum_dtype(dt)), F = static_cast<size_t>(cf.intermediate_size);
   const size_t normed = mlp == MlpKept::products ? 1 : 2;  // h1, and h2 unless products only
@@ -89,7 +102,8 @@ size_t LayerActivations::bytes(const LlamaConfig& cf, int64_t B, int64_t c, DTyp
   const size_t raw_stats = cf.qk_norm ? static_cast<size_t>(cf.num_attention_heads + cf.num_key_value_heads) : 0;
   // The post-norms keep the sub-blocks' outputs and their statistics (post_norms).
   const size_t post = cf.post_norms ? 2 : 0;
-  return e * (normed * normed_rows * C + (1 + post) * R * C + N * (2 * static_cast<size_t>(cf.q_dim()) + raw + ffn)) +
+  return e * (normed * normed_rows * C + (1 + post) * R * C +
+              N * (attention * static_cast<size_t>(cf.q_dim()) + raw + ffn)) +
          a * ((2 + post) * R + N * (static_cast<size_t>(cf.num_attention_heads) + raw_stats));
 }
 
@@ -108,6 +122,14 @@ void rope_chunk(const Tensor& y, const Tensor& x, const BlockContext& ctx, bool 
 }
 
 namespace {
+// RoPE over the rank's [B, ct, heads, D] rows: rope_chunk's, or under context parallelism at the
+// positions of the rank's tokens (no packed documents there).
+void rope_rows(const Tensor& y, const Tensor& x, const BlockCall& b, bool backward) {
+  if (!b.cp) return rope_chunk(y, x, b.ctx, backward);
+  if (backward) rope_backward(y, x, b.ctx.rope_cos, b.ctx.rope_sin, b.pt, GradMode::overwrite);
+  else rope_forward(y, x, b.ctx.rope_cos, b.ctx.rope_sin, b.pt);
+}
+
 // ---- The fused Q/K/V projection (model/layer.h, fused_qkv) ----
 
 // [Wq; Wk; Wv] as one [q_dim + 2 kv_dim, C] tensor where the three lie back to back (weights or their
@@ -129,7 +151,7 @@ Tensor stacked_qkv(const Tensor& wq, const Tensor& wk, const Tensor& wv) {
 // the model has biases that do not lie back to back).
 Tensor fused_qkv_weight(const BlockCall& b) {
   const LayerWeights& w = b.w;
-  if (!qkv_fusable(b.tp, w.lora.q.defined() || w.lora.k.defined() || w.lora.v.defined())) return {};
+  if (!qkv_fusable(b.tp, b.cp, w.lora.q.defined() || w.lora.k.defined() || w.lora.v.defined())) return {};
   if (w.q_bias.data && !stacked_qkv(w.q_bias, w.k_bias, w.v_bias).data) return {};
   return stacked_qkv(w.wq, w.wk, w.wv);
 }
@@ -179,13 +201,26 @@ Tensor post_norm_backward(const Tensor& d_x, const Tensor& d_weight, const RmsNo
 
 double attention_scale(const BlockCall& b) { return b.cf.attention_scale(); }
 
-// q = rope(h1 Wqᵀ + b_q) into a.q [B, c, H, D]; with per-head norms rope(rmsnorm_D(h1 Wqᵀ + b_q)),
-// the projection kept in a.q_raw.
+// q = rope(h1 Wqᵀ + b_q) into a.q [B, c, Ha, D]; with per-head norms rope(rmsnorm_D(h1 Wqᵀ + b_q)),
+// the projection kept in a.q_raw. Under context parallelism the rank's tokens of every head, then
+// to_heads.
 void project_q(LayerActivations& a, const Tensor& h1, const BlockCall& b) {
   const Tensor q_pre = b.scratch.alloc(b.dt, {b.N, b.cf.q_dim()});
   block_linear_forward(b.cf.qk_norm ? a.q_raw : q_pre, h1, ParamRole::wq, b);
   if (b.cf.qk_norm) norm_heads(q_pre, a.q_norm, a.q_raw, b.w.q_norm, b);
-  rope_chunk(a.q, q_pre.view({b.B, b.c, b.H, b.D}), b.ctx, false);
+  const Tensor q_rows = q_pre.view({b.B, b.ct, b.H, b.D});
+  if (!b.cp) return rope_rows(a.q, q_rows, b, false);
+  rope_rows(q_rows, q_rows, b, false);
+  b.cp->to_heads_forward(q_rows, a.q);
+}
+
+// The rank's K or V rows [B, ct, Hkv, D] into the store's rows [p, p+c) (`store`): as they are, or
+// under context parallelism every token of the rank's K/V heads (to_heads).
+void store_rows(const Tensor& store, const Tensor& rows, const BlockCall& b) {
+  if (!b.cp) return copy_convert(store, rows);
+  const Tensor heads = b.scratch.alloc(b.dt, {b.B, b.c, b.Hkva, b.D});
+  b.cp->to_heads_forward(rows, heads);
+  copy_convert(store, heads);
 }
 
 // The chunk's k before RoPE: h1 Wkᵀ + b_k into k_pre [N, kv_dim]; with per-head norms normed, the
@@ -225,12 +260,12 @@ void project_qkv(LayerActivations& a, const Tensor& h1, const BlockCall& b) {
   project_q(a, h1, b);
   const Tensor k_pre = b.scratch.alloc(b.dt, {b.N, cf.kv_dim()});
   project_k(k_pre, a, h1, b);
-  const Tensor k = k_pre.view({B, c, b.Hkv, b.D});
-  rope_chunk(k, k, b.ctx, false);
-  copy_convert(keys, k);
+  const Tensor k = k_pre.view({B, b.ct, b.Hkv, b.D});
+  rope_rows(k, k, b, false);
+  store_rows(keys, k, b);
   const Tensor v = b.scratch.alloc(b.dt, {b.N, cf.kv_dim()});
   block_linear_forward(v, h1, ParamRole::wv, b);
-  copy_convert(values, v.view({B, c, b.Hkv, b.D}));
+  store_rows(values, v.view({B, b.ct, b.Hkv, b.D}), b);
 }
 
 // attn, lse = attention(q, K[0, p+c), V[0, p+c)) against the store; a prefill that saves them for the
@@ -241,7 +276,7 @@ void attend(LayerActivations& a, const BlockCall& b) {
                       b.ctx.first_keys);
   if (b.kv.has_outputs()) {
     copy_convert(b.kv.outputs(b.layer, p, p + c), a.attn);
-    copy_convert(b.kv.output_lse(b.layer, p, p + c), a.attn_saved.lse.view({b.B * b.H, c}));
+    copy_convert(b.kv.output_lse(b.layer, p, p + c), a.attn_saved.lse.view({b.B * b.Ha, c}));
   }
 }
 
@@ -251,15 +286,17 @@ void read_saved_attention(LayerActivations& a, const BlockCall& b) {
   CW_CHECK(p + c <= b.kv.outputs_written(), "layer {}: saved attention outputs of tokens [{}, {}) were not written "
            "by a prefill (it reached {})", b.layer, p, p + c, b.kv.outputs_written());
   copy_convert(a.attn, b.kv.outputs(b.layer, p, p + c));
-  copy_convert(a.attn_saved.lse.view({b.B * b.H, c}), b.kv.output_lse(b.layer, p, p + c));
+  copy_convert(a.attn_saved.lse.view({b.B * b.Ha, c}), b.kv.output_lse(b.layer, p, p + c));
 }
 
 // x_mid = x_in + (attn Woᵀ + b_o), the bias added once, to the rank's rows of the sum over the
 // ranks; with post-norms x_mid = x_in + rmsnorm(attn Woᵀ + b_o; attn_post_norm), its input kept in
 // a.attn_out.
+// Under context parallelism attn first comes back to the rank's tokens (to_tokens) into a.attn_rows.
 void project_out(LayerActivations& a, const Tensor& x_in, const BlockCall& b) {
+  if (b.cp) b.cp->to_tokens_forward(a.attn, a.attn_rows.view({b.B, b.ct, b.H, b.D}));
   PartialOutput o(b);
-  block_linear_forward(o.all(), a.attn.view({b.N, b.cf.q_dim()}), ParamRole::wo, b);
+  block_linear_forward(o.all(), a.attn_rows, ParamRole::wo, b);
   const Tensor o_rows = o.sum_rows();
   if (b.w.o_bias.data) bias_forward(o_rows, o_rows, b.w.o_bias);
   residual_forward(a.x_mid, x_in,
@@ -276,17 +313,37 @@ Tensor project_out_backward(const Tensor& d_x, const LayerActivations& a, const 
   if (g.o_bias.data) bias_backward(g.o_bias, d_rows, b.scratch);
   const Tensor d_attn = b.scratch.alloc(b.dt, {b.N, b.cf.q_dim()});
   const OutputGrad d_o(d_rows, b);
-  block_linear_backward(d_attn, g, d_o.all(), a.attn.view({b.N, b.cf.q_dim()}), ParamRole::wo, GradMode::overwrite,
-                        b);
+  block_linear_backward(d_attn, g, d_o.all(), a.attn_rows, ParamRole::wo, GradMode::overwrite, b);
   return d_attn;
 }
 
-// d_q [B, c, H, D] from d_attn; dK, dV of every key attended, [0, p+c), ADDED into the store.
-Tensor attend_backward(const Tensor& d_attn, const LayerActivations& a, const BlockCall& b) {
-  const Tensor d_q = b.scratch.alloc(b.dt, {b.B, b.c, b.H, b.D});
-  b.kv.attend_backward(b.layer, b.p, b.p + b.c, d_q, d_attn.view({b.B, b.c, b.H, b.D}), a.attn_saved, a.q, a.attn,
-                       attention_scale(b), b.scratch, b.ctx.doc_starts, b.ctx.first_keys);
-  return d_q;
+// d_q [B, ct, H, D] (the rank's rows) from d_attn [N, q_dim]; dK, dV of every key attended, [0, p+c),
+// ADDED into the store. Under context parallelism d_attn goes to the rank's heads first and d_q comes
+// back to its tokens (the adjoints of to_tokens and to_heads).
+Tensor attend_backward(const Tensor& d_attn_rows, const LayerActivations& a, const BlockCall& b) {
+  const Tensor d_attn_tokens = d_attn_rows.view({b.B, b.ct, b.H, b.D});
+  Tensor d_attn = d_attn_tokens;
+  if (b.cp) {
+    d_attn = b.scratch.alloc(b.dt, {b.B, b.c, b.Ha, b.D});
+    b.cp->to_tokens_backward(d_attn_tokens, d_attn);
+  }
+  const Tensor d_q = b.scratch.alloc(b.dt, {b.B, b.c, b.Ha, b.D});
+  b.kv.attend_backward(b.layer, b.p, b.p + b.c, d_q, d_attn, a.attn_saved, a.q, a.attn, attention_scale(b), b.scratch,
+                       b.ctx.doc_starts, b.ctx.first_keys);
+  if (!b.cp) return d_q;
+  const Tensor d_q_rows = b.scratch.alloc(b.dt, {b.B, b.ct, b.H, b.D});
+  b.cp->to_heads_backward(d_q, d_q_rows);
+  return d_q_rows;
+}
+
+// The store's K or V gradient of the chunk's own rows [p, p+c) (`store`) as the rank's rows
+// [B, ct, Hkv, D]: as they are, or under context parallelism back from the rank's heads to its
+// tokens (to_heads' adjoint, which sums the K/V heads that several ranks hold).
+void read_store_grad(const Tensor& rows, const Tensor& store, const BlockCall& b) {
+  if (!b.cp) return copy_convert(rows, store);
+  const Tensor heads = b.scratch.alloc(b.dt, {b.B, b.c, b.Hkva, b.D});
+  copy_convert(heads, store);
+  b.cp->to_heads_backward(heads, rows);
 }
 
 // The gradients of the projections' outputs, before RoPE: of q from d_q, of the chunk's own K and V
@@ -337,12 +394,12 @@ QkvGrad qkv_grad(const Tensor& d_q, const LayerWeights& g, const LayerActivation
     copy_heads(k_cols, d_k);
     return d;
   }
-  d.d_k = b.scratch.alloc(b.dt, {B, c, b.Hkv, b.D});
-  d.d_v = b.scratch.alloc(b.dt, {B, c, b.Hkv, b.D});
-  copy_convert(d.d_k, b.kv.d_keys(b.layer, p, p + c));
-  copy_convert(d.d_v, b.kv.d_values(b.layer, p, p + c));
-  rope_chunk(d_q, d_q, b.ctx, true);
-  rope_chunk(d.d_k, d.d_k, b.ctx, true);
+  d.d_k = b.scratch.alloc(b.dt, {B, b.ct, b.Hkv, b.D});
+  d.d_v = b.scratch.alloc(b.dt, {B, b.ct, b.Hkv, b.D});
+  read_store_grad(d.d_k, b.kv.d_keys(b.layer, p, p + c), b);
+  read_store_grad(d.d_v, b.kv.d_values(b.layer, p, p + c), b);
+  rope_rows(d_q, d_q, b, true);
+  rope_rows(d.d_k, d.d_k, b, true);
   unnorm(d_q, true);
   unnorm(d.d_k, false);
   return d;
@@ -454,7 +511,8 @@ void block_forward(const Tensor& x_out, LayerActivations* keep, const Tensor& x_
   // Keeping nothing (a prefill), the activations are scratch for the call; a tiled MLP keeps only h2.
   LayerActivations local;
   const MlpKept transient = resolve_mlp_shards(ctx.mlp_shards, b.cf, b.N) == 1 ? MlpKept::all : MlpKept::input;
-  LayerActivations& a = keep ? *keep : (local = LayerActivations::allocate(s, b.cf, b.B, b.c, b.dt, transient, b.tp));
+  LayerActivations& a =
+      keep ? *keep : (local = LayerActivations::allocate(s, b.cf, b.B, b.c, b.dt, transient, b.tp, b.cp));
 
   // Attention half: h1 = rmsnorm(x_in); q, K, V projected, RoPE on q and K, the chunk's K, V into the
   // store; attn = attention(q, K[0, p+c), V[0, p+c)); x_mid = x_in + attn Woᵀ.

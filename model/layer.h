@@ -37,12 +37,22 @@
 // the outputs of Wo and W_down, partial sums over the rank's heads / FFN columns, leave through
 // reduce_from_tp (or scatter_to_sp). With sequence parallelism x_in, x_mid, x_out and d_x are the
 // rank's rows [N/P, C]; the norms and residual adds run on them only.
+//
+// Context parallel (ctx.cp set; model/cp_group.h): the chunk's c tokens at [p, p+c) are shared by P
+// ranks, rank r holding tokens [p + r c/P, p + (r+1) c/P) of each sequence, so x_in, x_out, d_x and
+// every row-wise step above (norms, projections, RoPE at those positions, the MLP) work on its
+// N = B c/P rows with the whole model's weights. Only attention sees the whole chunk: q, k and v go
+// through to_heads (every token of the rank's H/P heads, the K/V store holding its K/V heads), attn
+// comes back through to_tokens before Wo; the backward runs the adjoints in reverse (d_attn to the
+// heads, d_q, dK and dV of the chunk's own tokens back to the rank's tokens). Not with tensor
+// parallelism, packed documents or the fused Q/K/V projection.
 #pragma once
 
 #include "engine/memory.h"
 #include "engine/ops/attention.h"
 #include "engine/ops/rmsnorm.h"
 #include "model/config.h"
+#include "model/cp_group.h"
 #include "model/kv_store.h"
 #include "model/params.h"
 #include "model/shard.h"
@@ -60,17 +70,21 @@ enum class MlpKept {
 };
 
 // What a block's backward reads, for one chunk. Shapes with N = B*c; under tensor parallelism H, F are
-// the rank's (config is the shard's) and R = N/P with sequence parallelism, else R = N.
+// the rank's (config is the shard's) and R = N/P with sequence parallelism, else R = N. Under context
+// parallelism N = R = B c/P (the rank's tokens) and the attention's tensors (q, attn, lse) are of the
+// whole chunk's c tokens and the rank's Ha = H/P heads; elsewhere Ha = H.
 struct LayerActivations {
   Tensor h1;                  // [N, C]    attn_norm(x_in) as the column-parallel linears read it (all
                               //           rows); [R, C], the rank's rows only, when tp->regather()
   RmsNormSaved norm1;         // rstd [R]
-  Tensor q;                   // [B, c, H, D] post-RoPE queries
+  Tensor q;                   // [B, c, Ha, D] post-RoPE queries
   Tensor q_raw, k_raw;        // [N, H*D], [N, Hkv*D] the projections before the per-head norm
                               //           (qk_norm; undefined otherwise)
   RmsNormSaved q_norm, k_norm;  // rstd [N*H], [N*Hkv] of the per-head norms (qk_norm)
-  Tensor attn;                // [B, c, H, D] attention output, before o_proj
-  AttentionSaved attn_saved;  // lse [B, H, c]
+  Tensor attn;                // [B, c, Ha, D] attention output
+  Tensor attn_rows;           // [N, H*D]  the same as o_proj reads it: attn itself, or under context
+                              //           parallelism the rank's tokens of every head (to_tokens)
+  AttentionSaved attn_saved;  // lse [B, Ha, c]
   Tensor x_mid;               // [R, C]    residual stream after attention
   Tensor h2;                  // [N, C]    mlp_norm(x_mid), as h1: [R, C] when tp->regather();
                               //           undefined with MlpKept::products
@@ -83,11 +97,13 @@ struct LayerActivations {
   RmsNormSaved attn_post, mlp_post;  // rstd [R]
 
   // mlp: what is kept of the MLP (above). tp: the rank's group (null: one process), for R and the
-  // regathered h1/h2.
+  // regathered h1/h2. cp: the context-parallel group, for the rank's tokens and heads (c stays the
+  // chunk's).
   static LayerActivations allocate(Arena& arena, const LlamaConfig& config, int64_t B, int64_t c, DType dtype,
-                                   MlpKept mlp = MlpKept::all, const TensorParallelGroup* tp = nullptr);
+                                   MlpKept mlp = MlpKept::all, const TensorParallelGroup* tp = nullptr,
+                                   const ContextParallelGroup* cp = nullptr);
   static size_t bytes(const LlamaConfig& config, int64_t B, int64_t c, DType dtype, MlpKept mlp = MlpKept::all,
-                      const TensorParallelGroup* tp = nullptr);
+                      const TensorParallelGroup* tp = nullptr, const ContextParallelGroup* cp = nullptr);
 };
 
 // The adapters' settings for the chunks of a call (model/lora.h, LlamaModel::lora_runtime): the scale
@@ -127,6 +143,9 @@ struct BlockContext {
   // On a GPU, the step's document starts per position, int32 [B, T] (optim/schedule.h StepTokens),
   // read in place by the one-call attention; empty: built by the op where it needs them.
   Tensor first_keys = {};
+  // Context parallelism: the rank's group (model/cp_group.h); B, c and pos0 are then the whole
+  // chunk's, of which the rank holds tokens [pos0 + r c/P, pos0 + (r+1) c/P) of each sequence.
+  ContextParallelGroup* cp = nullptr;
 };
 
 struct LoraConfig;  // model/lora.h
@@ -142,8 +161,8 @@ struct LoraConfig;  // model/lora.h
 void set_fused_qkv(bool on);
 bool fused_qkv();
 // Whether block_forward / block_backward fuse the projections of a model with these adapters and
-// this TP group (the planner's rule: tools/planner); the weights' adjacency is checked per call.
-bool fuses_qkv(const LoraConfig* lora, const TensorParallelGroup* tp);
+// this TP (or context-parallel) group (the planner's rule: tools/planner); the weights' adjacency is checked per call.
+bool fuses_qkv(const LoraConfig* lora, const TensorParallelGroup* tp, const ContextParallelGroup* cp = nullptr);
 
 // The shard count `mlp_shards = 0` (automatic) means: ceil(F / C), so one shard's [rows, F]
 // intermediates are about the size of one [N, C] residual-stream tensor.

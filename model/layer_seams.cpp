@@ -7,10 +7,28 @@
 
 namespace cw {
 
+namespace {
+// The rank's tokens per sequence under context parallelism (checked: P divides the chunk), else c.
+int64_t rank_tokens(const BlockContext& ctx) {
+  if (!ctx.cp) return ctx.c;
+  CW_CHECK_HINT(!ctx.tp, "run context parallelism without tensor parallelism",
+                "context parallelism with tensor parallelism is not implemented");
+  CW_CHECK_HINT(!ctx.doc_starts, "run context parallelism without data.documents",
+                "context parallelism with packed documents is not implemented");
+  CW_CHECK_HINT(ctx.c % ctx.cp->size() == 0, "give a chunk length (and sequence length) that parallel.cp divides",
+                "context parallelism over {} ranks: a chunk of {} tokens does not split into {} equal parts",
+                ctx.cp->size(), ctx.c, ctx.cp->size());
+  return ctx.c / ctx.cp->size();
+}
+}  // namespace
+
 BlockCall::BlockCall(const BlockContext& ctx, const LayerWeights& w, KVStore& kv, int layer, DType dtype)
-    : ctx(ctx), w(w), kv(kv), layer(layer), cf(ctx.config), tp(ctx.tp), scratch(ctx.scratch), dt(dtype), B(ctx.B),
-      c(ctx.c), p(ctx.pos0), N(ctx.B * ctx.c), R(tp_rows(ctx.tp, ctx.B * ctx.c)), C(cf.hidden_size),
-      F(cf.intermediate_size), H(cf.num_attention_heads), Hkv(cf.num_key_value_heads), D(cf.head_dim) {}
+    : ctx(ctx), w(w), kv(kv), layer(layer), cf(ctx.config), tp(ctx.tp), scratch(ctx.scratch), dt(dtype),
+      cp(ctx.cp), B(ctx.B), c(ctx.c), p(ctx.pos0), ct(rank_tokens(ctx)), pt(ctx.pos0 + (cp ? cp->rank() * ct : 0)),
+      N(ctx.B * ct), R(tp_rows(ctx.tp, N)), C(cf.hidden_size), F(cf.intermediate_size), H(cf.num_attention_heads),
+      Hkv(cf.num_key_value_heads), D(cf.head_dim),
+      Ha(cp ? cp_attention_config(cf, cp->size()).num_attention_heads : H),
+      Hkva(cp ? cp_attention_config(cf, cp->size()).num_key_value_heads : Hkv) {}
 
 // ---- The block's linears ----
 
@@ -48,7 +66,8 @@ LoraAdapter adapter_call(const LoraPair& p, ParamRole linear, const BlockCall& b
     // A row-parallel linear's input is this TP rank's slice of the columns: the mask is the whole input's.
     const bool row_parallel = linear == ParamRole::wo || linear == ParamRole::w_down;
     const int64_t column0 = row_parallel && b.tp ? b.tp->rank() * p.a.size(1) : 0;
-    a.dropout = {lr.dropout, lora_dropout_seed(lr.lora_seed, lr.round, b.layer, linear), b.c, b.p, row0, column0,
+    // Rows n = b ct + t at positions pt + t: the rank's tokens under context parallelism.
+    a.dropout = {lr.dropout, lora_dropout_seed(lr.lora_seed, lr.round, b.layer, linear), b.ct, b.pt, row0, column0,
                  lr.sequence0};
   }
   return a;

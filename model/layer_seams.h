@@ -25,9 +25,15 @@ struct BlockCall {
   TensorParallelGroup* const tp;  // null: one process
   Arena& scratch;
   const DType dt;                 // the compute dtype
-  const int64_t B, c, p, N;       // sequences, tokens each, the first token's position, rows N = B*c
+  ContextParallelGroup* const cp;  // null: the rank holds every token of the chunk
+  const int64_t B, c, p;          // sequences, tokens each, the first token's position (the chunk's)
+  const int64_t ct, pt;           // the tokens of each sequence in this rank's rows, the first one's
+                                  // position: c and p, or under context parallelism c/P and p + r c/P
+  const int64_t N;                // rows N = B*ct
   const int64_t R;                // residual-stream rows of this rank: N, or N/P with sequence parallelism
   const int64_t C, F, H, Hkv, D;  // model width, FFN width, heads, K/V heads, head dim (the rank's)
+  const int64_t Ha, Hkva;         // the heads and K/V heads attention runs on: H, Hkv, or under
+                                  // context parallelism the rank's (cp_attention_config)
 };
 
 // ---- The block's linears: base weight, and LoRA's adapter where the layer has one ----

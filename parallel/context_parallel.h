@@ -30,6 +30,7 @@
 #pragma once
 
 #include "engine/tensor.h"
+#include "model/cp_group.h"
 #include "parallel/comm.h"
 
 #include <cstdint>
@@ -50,5 +51,30 @@ void cp_to_heads_forward(Communicator& comm, const Tensor& x_tokens, const Tenso
 void cp_to_heads_backward(Communicator& comm, const Tensor& d_y_heads, const Tensor& d_x_tokens);
 void cp_to_tokens_forward(Communicator& comm, const Tensor& x_heads, const Tensor& y_tokens);
 void cp_to_tokens_backward(Communicator& comm, const Tensor& d_y_tokens, const Tensor& d_x_heads);
+
+// A rank's context-parallel group as the model's blocks see it (model/cp_group.h): the exchanges
+// above over the group's communicator (not owned; it outlives the group).
+class ContextParallel final : public ContextParallelGroup {
+ public:
+  explicit ContextParallel(Communicator& comm) : comm_(comm) {}
+  int rank() const override { return comm_.rank(); }
+  int size() const override { return comm_.size(); }
+  Communicator& communicator() const { return comm_; }
+  void to_heads_forward(const Tensor& x_tokens, const Tensor& y_heads) override {
+    cp_to_heads_forward(comm_, x_tokens, y_heads);
+  }
+  void to_heads_backward(const Tensor& d_y_heads, const Tensor& d_x_tokens) override {
+    cp_to_heads_backward(comm_, d_y_heads, d_x_tokens);
+  }
+  void to_tokens_forward(const Tensor& x_heads, const Tensor& y_tokens) override {
+    cp_to_tokens_forward(comm_, x_heads, y_tokens);
+  }
+  void to_tokens_backward(const Tensor& d_y_tokens, const Tensor& d_x_heads) override {
+    cp_to_tokens_backward(comm_, d_y_tokens, d_x_heads);
+  }
+
+ private:
+  Communicator& comm_;
+};
 
 }  // namespace cw
