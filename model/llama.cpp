@@ -89,6 +89,16 @@ void LlamaModel::master_changed() {
   if (cast_) cast_->invalidate();
 }
 
+void LlamaModel::set_context_parallel(ContextParallelGroup* cp) {
+  CW_CHECK_HINT(!cp || !tp_, "give parallel.cp or parallel.tp", "context parallelism with tensor parallelism is not implemented");
+  CW_CHECK_HINT(!cp || !shards_, "give parallel.cp without parallel.zero = 3",
+                "context parallelism with sharded parameters (ZeRO 3) is not implemented");
+  if (cp) cp_attention_config(config_, cp->size());  // the heads must split over the group: says so here
+  cp_ = cp;
+}
+
+LlamaConfig LlamaModel::store_config() const { return cp_ ? cp_attention_config(config_, cp_->size()) : config_; }
+
 LoraRuntime LlamaModel::lora_runtime() const {
   if (!adapters_) return {};
   LoraRuntime r;
@@ -143,10 +153,11 @@ MlpKept mlp_kept(const ActivationPolicy& policy, const LlamaConfig& cf, int64_t 
 }
 
 ChunkActivations ChunkActivations::allocate(Arena& arena, const LlamaConfig& cf, int64_t B, int64_t c, DType dt,
-                                            const ActivationPolicy& policy, const TensorParallelGroup* tp) {
+                                            const ActivationPolicy& policy, const TensorParallelGroup* tp,
+                                            const ContextParallelGroup* cp) {
   ChunkActivations a;
   a.policy = policy;
-  const int64_t N = B * c, R = tp_rows(tp, N), C = cf.hidden_size, L = cf.num_hidden_layers;
+  const int64_t N = B * (c / (cp ? cp->size() : 1)), R = tp_rows(tp, N), C = cf.hidden_size, L = cf.num_hidden_layers;
   const MlpKept mlp = mlp_kept(policy, cf, N);
   if (policy.offload_inputs) {
     CW_CHECK(!policy.keep_layers, "offloading layer inputs needs a policy that keeps only layer inputs");
@@ -158,20 +169,21 @@ ChunkActivations ChunkActivations::allocate(Arena& arena, const LlamaConfig& cf,
     for (int64_t l = 0; l <= L; ++l) a.stream.push_back(arena.alloc(dt, {R, C}));
   }
   if (policy.keep_layers)
-    for (int64_t l = 0; l < L; ++l) a.layers.push_back(LayerActivations::allocate(arena, cf, B, c, dt, mlp, tp));
+    for (int64_t l = 0; l < L; ++l) a.layers.push_back(LayerActivations::allocate(arena, cf, B, c, dt, mlp, tp, cp));
   a.normed = arena.alloc(dt, {R, C});
   a.final_norm.rstd = arena.alloc(accum_dtype(dt), {R});
   return a;
 }
 
 size_t ChunkActivations::bytes(const LlamaConfig& cf, int64_t B, int64_t c, DType dt, const ActivationPolicy& policy,
-                               const TensorParallelGroup* tp) {
-  const size_t R = static_cast<size_t>(tp_rows(tp, B * c)), C = static_cast<size_t>(cf.hidden_size);
-  const MlpKept mlp = mlp_kept(policy, cf, B * c);
+                               const TensorParallelGroup* tp, const ContextParallelGroup* cp) {
+  const int64_t rows = B * (c / (cp ? cp->size() : 1));
+  const size_t R = static_cast<size_t>(tp_rows(tp, rows)), C = static_cast<size_t>(cf.hidden_size);
+  const MlpKept mlp = mlp_kept(policy, cf, rows);
   // Recomputing layers still needs one layer's activations at a time.
   const size_t layers = policy.keep_layers ? static_cast<size_t>(cf.num_hidden_layers) : 1;
   const size_t streams = policy.offload_inputs ? 3 : static_cast<size_t>(cf.num_hidden_layers) + 1;
-  return layers * LayerActivations::bytes(cf, B, c, dt, mlp, tp) + (streams + 1) * R * C * dtype_size(dt) +
+  return layers * LayerActivations::bytes(cf, B, c, dt, mlp, tp, cp) + (streams + 1) * R * C * dtype_size(dt) +
          R * dtype_size(accum_dtype(dt));
 }
 
@@ -201,7 +213,7 @@ void run_blocks(ChunkActivations& a, KVStore& kv, const LlamaModel& model, const
   const bool recompute = keep && kv.has_outputs() && chunk.pos0 + chunk.c <= kv.outputs_written();
   const BlockContext ctx{cf, model.rope_cos(), model.rope_sin(), chunk.B, chunk.c, chunk.pos0, scratch, mlp_shards,
                          recompute, model.tensor_parallel(), chunk_lora_runtime(model, chunk), chunk.doc_starts,
-                         chunk.document_positions, chunk.first_keys};
+                         chunk.document_positions, chunk.first_keys, model.context_parallel()};
   // Layer activations are kept only when the policy allocated them; otherwise just the stream is.
   const bool keep_layers = keep && !a.layers.empty();
   Residency* off = keep ? a.offloaded.get() : nullptr;
@@ -227,7 +239,7 @@ void run_blocks(ChunkActivations& a, KVStore& kv, const LlamaModel& model, const
       if (l + 1 < L) claim(l + 1);
     }
     kv.begin_layer(l, use, t0, t1);
-    if (kv.has_inputs() && use == KVStore::Use::forward)  // saved for the reverse sweep (kv_store.h)
+    if (kv.has_inputs() && use == KVStore::Use::forward)  // saved for the reverse sweep (kv_store.h); not under CP
       copy_convert(kv.inputs(l, t0, t1), a.input(l).view({chunk.B, chunk.c, cf.hidden_size}));
     const LayerWeights w_l = model.layer(l);
     model.prefetch_layer(l + 1);
@@ -289,8 +301,20 @@ class OutsideRelease {
   const LlamaModel& model_;
 };
 
+// The rows a rank holds of a chunk: B c, or under context parallelism its c/P tokens of each sequence.
+int64_t chunk_rows(const LlamaModel& model, const ChunkTokens& chunk) {
+  const ContextParallelGroup* cp = model.context_parallel();
+  if (!cp) return chunk.B * chunk.c;
+  CW_CHECK_HINT(chunk.c % cp->size() == 0, "give a chunk length (and sequence length) that parallel.cp divides",
+                "context parallelism over {} ranks: a chunk of {} tokens does not split into {} equal parts",
+                cp->size(), chunk.c, cp->size());
+  return chunk.B * (chunk.c / cp->size());
+}
+
 void check_chunk(const LlamaModel& model, const ChunkTokens& chunk, const KVStore& kv) {
-  const int64_t N = chunk.B * chunk.c;
+  const int64_t N = chunk_rows(model, chunk);
+  CW_CHECK(!(model.context_parallel() && kv.has_inputs()),
+           "saved layer inputs hold every token of a chunk, not a context-parallel rank's share");
   check_shape(chunk.ids, {N}, "chunk ids");
   if (chunk.labels.data) check_shape(chunk.labels, {N}, "chunk labels");
   CW_CHECK(chunk.pos0 + chunk.c <= kv.tokens(), "chunk [{}, {}) beyond the K/V store's {} tokens", chunk.pos0,
@@ -335,7 +359,7 @@ std::vector<double> LossRows::values() const {
 double forward_chunk(ChunkActivations* keep, KVStore& kv, const LlamaModel& model, const ChunkTokens& chunk,
                      double normaliser, bool with_loss, Arena& scratch, int64_t mlp_shards, LossRows* losses) {
   check_chunk(model, chunk, kv);
-  const int64_t N = chunk.B * chunk.c;
+  const int64_t N = chunk_rows(model, chunk);
   if (keep) {
     run_blocks(*keep, kv, model, chunk, true, scratch, keep->policy.mlp_shards);
     return 0.0;
@@ -369,11 +393,11 @@ class ChunkBackward {
                 const GradsFinalFrom& grads_final, LossRows* losses)
       : cf(model.config()), model(model), chunk(chunk), scratch(scratch), normaliser(normaliser),
         loss_weight(loss_weight), grads_final(grads_final), losses(losses), tp(model.tensor_parallel()),
-        N(chunk.B * chunk.c), R(tp_rows(tp, N)), t0(chunk.pos0), t1(chunk.pos0 + chunk.c), w(model.weights()),
+        N(chunk_rows(model, chunk)), R(tp_rows(tp, N)), t0(chunk.pos0), t1(chunk.pos0 + chunk.c), w(model.weights()),
         shards(model.gradient_shards()), release(model), g(shards ? shards->outside_grads() : grads.weights()),
         ctx{cf, model.rope_cos(), model.rope_sin(), chunk.B, chunk.c, chunk.pos0, scratch, policy.mlp_shards,
             kv.has_outputs(), tp, chunk_lora_runtime(model, chunk), chunk.doc_starts, chunk.document_positions,
-            chunk.first_keys},
+            chunk.first_keys, model.context_parallel()},
         mlp(mlp_kept(policy, cf, N)),
         row_loss(scratch.alloc(accum_dtype(model.dtype()), {R})),
         d_x(scratch.alloc(model.dtype(), {R, cf.hidden_size})) {
@@ -492,7 +516,8 @@ double backward_chunk(const ParamSet& grads, const ChunkActivations& a, KVStore&
       // the next layer reads it), then its backward. The recompute rewrites the layer's K/V of this
       // chunk in the store with the same values.
       ArenaScope layer_scope(scratch);
-      LayerActivations la = LayerActivations::allocate(scratch, cf, chunk.B, chunk.c, model.dtype(), b.mlp, b.tp);
+      LayerActivations la = LayerActivations::allocate(scratch, cf, chunk.B, chunk.c, model.dtype(), b.mlp, b.tp,
+                                                       model.context_parallel());
       block_forward(Tensor{}, &la, a.input(l), w_l, kv, l, b.ctx);
       block_backward(d_x, b.layer_grads(l), la, a.input(l), w_l, kv, l, b.ctx);
     }
@@ -556,6 +581,7 @@ double backward_chunk_from_store(const ParamSet& grads, KVStore& kv, const Llama
 
 void chunk_logits(const Tensor& logits, KVStore& kv, const LlamaModel& model, const ChunkTokens& chunk,
                   bool all_positions, Arena& scratch) {
+  CW_CHECK(!model.context_parallel(), "chunk_logits: a context-parallel rank holds only its share of the chunk's tokens");
   check_chunk(model, chunk, kv);
   const LlamaConfig& cf = model.config();
   const int64_t N = chunk.B * chunk.c, C = cf.hidden_size;

@@ -22,6 +22,14 @@
 // gradients of the replicated parameters are each rank's rows' share: parallel/tensor_parallel.h's
 // reduce_replicated_gradients sums them over the group once per optimizer step.
 //
+// Context parallel (set_context_parallel; model/cp_group.h): P ranks share each chunk, every rank
+// holding the whole model and c/P tokens of each sequence of it (ChunkTokens' ids and labels are
+// those tokens, B, c and pos0 the whole chunk's): the embedding, the blocks' row-wise steps, the final
+// norm and the LM head + loss run on the rank's rows, attention on the rank's heads of the whole
+// chunk, and the K/V store a schedule builds from store_config() holds those heads. Each rank's loss
+// and gradients are its tokens' share; summed over the group they are one process's. Not with
+// tensor parallelism or sharded parameters; not with saved layer inputs.
+//
 // LoRA (a model built with a LoraConfig of rank > 0; model/lora.h): the model holds its base
 // parameters, frozen, and the adapters' set; weights() joins them, so every targeted linear runs
 // lora_linear (engine/ops/lora_linear.h). trainable() is the adapters' set, and the `grads` a
@@ -74,6 +82,14 @@ class LlamaModel {
   const LlamaConfig& config() const { return config_; }            // what the parameters are shaped by
   const LlamaConfig& full_config() const { return full_config_; }  // the model's (= config() without TP)
   TensorParallelGroup* tensor_parallel() const { return tp_; }
+  // Context parallelism (above): the rank's group (not owned; it outlives the model's use of it), or
+  // null: every rank of the chunk. Throws when the heads do not split over the group, or with tensor
+  // parallelism or sharded parameters.
+  void set_context_parallel(ContextParallelGroup* cp);
+  ContextParallelGroup* context_parallel() const { return cp_; }
+  // The config a K/V store of this model is built from: config(), or under context parallelism the
+  // rank's heads of it (cp_attention_config).
+  LlamaConfig store_config() const;
   DType dtype() const { return dtype_; }
   Device device() const { return device_; }
   ParamSet& params() { return params_; }              // the base parameters (frozen under LoRA)
@@ -140,6 +156,7 @@ class LlamaModel {
   std::optional<uint64_t> dropout_round_;
   OwnedTensor rope_cos_, rope_sin_;
   ParameterShards* shards_ = nullptr;
+  ContextParallelGroup* cp_ = nullptr;
 };
 
 // Sets the model's dropout round for a scope and restores the previous one.
@@ -211,11 +228,13 @@ struct ChunkActivations {
 
   Tensor input(int layer) const;           // the device view of layer `layer`'s input
 
-  // tp: the model's tensor-parallel group (LlamaModel::tensor_parallel()), null for one process.
+  // tp: the model's tensor-parallel group (LlamaModel::tensor_parallel()), null for one process;
+  // cp: its context-parallel group (R is then the rank's B c/P rows).
   static ChunkActivations allocate(Arena& arena, const LlamaConfig& config, int64_t B, int64_t c, DType dtype,
-                                   const ActivationPolicy& policy = {}, const TensorParallelGroup* tp = nullptr);
+                                   const ActivationPolicy& policy = {}, const TensorParallelGroup* tp = nullptr,
+                                   const ContextParallelGroup* cp = nullptr);
   static size_t bytes(const LlamaConfig& config, int64_t B, int64_t c, DType dtype, const ActivationPolicy& policy = {},
-                      const TensorParallelGroup* tp = nullptr);
+                      const TensorParallelGroup* tp = nullptr, const ContextParallelGroup* cp = nullptr);
 };
 
 // Rows per LM-head block: bounds the logits scratch to kLmHeadBlockRows x V.

@@ -34,8 +34,14 @@ StepTokens step_tokens(const Batch& batch, Arena& arena) {
   return st;
 }
 
-ChunkTokens slice_chunk(const StepTokens& tokens, int64_t t0, int64_t t1, Arena& arena) {
+ChunkTokens slice_chunk(const StepTokens& tokens, int64_t t0, int64_t t1, Arena& arena,
+                        const ContextParallelGroup* cp) {
   const int64_t B = tokens.B(), c = t1 - t0;
+  // The ids and labels of the rank's tokens: all c of each sequence, or under context parallelism its
+  // n = c/P from t0 + r n (ChunkTokens' B, c and pos0 stay the chunk's).
+  const int64_t n = cp ? c / cp->size() : c, first = t0 + (cp ? cp->rank() * n : 0);
+  CW_CHECK(!cp || c % cp->size() == 0, "context parallelism over {} ranks: a chunk of {} tokens does not split into {} "
+           "equal parts", cp ? cp->size() : 1, c, cp ? cp->size() : 1);
   ChunkTokens ct;
   ct.B = B;
   ct.c = c;
@@ -44,16 +50,16 @@ ChunkTokens slice_chunk(const StepTokens& tokens, int64_t t0, int64_t t1, Arena&
   ct.doc_starts = tokens.doc_starts;
   ct.document_positions = tokens.document_positions;
   ct.first_keys = tokens.first_keys;
-  if (B == 1) {  // one sequence: its tokens [t0, t1) are contiguous
-    auto from = [&](const Tensor& t) { return Tensor(t.ptr<int32_t>() + t0, DType::i32, t.device, {c}); };
+  if (B == 1) {  // one sequence: its tokens [first, first + n) are contiguous
+    auto from = [&](const Tensor& t) { return Tensor(t.ptr<int32_t>() + first, DType::i32, t.device, {n}); };
     ct.ids = from(tokens.ids);
     ct.labels = from(tokens.labels);
     return ct;
   }
-  ct.ids = arena.alloc(DType::i32, {B * c});
-  ct.labels = arena.alloc(DType::i32, {B * c});
-  copy_convert(ct.ids.view({B, c}), tokens.ids.slice(1, t0, c));
-  copy_convert(ct.labels.view({B, c}), tokens.labels.slice(1, t0, c));
+  ct.ids = arena.alloc(DType::i32, {B * n});
+  ct.labels = arena.alloc(DType::i32, {B * n});
+  copy_convert(ct.ids.view({B, n}), tokens.ids.slice(1, first, n));
+  copy_convert(ct.labels.view({B, n}), tokens.labels.slice(1, first, n));
   return ct;
 }
 
@@ -83,7 +89,7 @@ double prefill(KVStore& kv, const LlamaModel& model, const StepTokens& tokens, c
       TraceScope traced("prefill chunk {chunk}",
                         {{"chunk", static_cast<int64_t>(i)}, {"t0", bounds[i]}, {"t1", bounds[i + 1]}});
       ArenaScope scope(arena);
-      const ChunkTokens chunk = slice_chunk(tokens, bounds[i], bounds[i + 1], arena);
+      const ChunkTokens chunk = slice_chunk(tokens, bounds[i], bounds[i + 1], arena, model.context_parallel());
       loss += forward_chunk(nullptr, kv, model, chunk, normaliser, with_loss, arena, mlp_shards, losses);
     }
     if (chunk_done) chunk_done(static_cast<int64_t>(i) + 1, chunks);
@@ -95,12 +101,12 @@ double backprop_chunk(KVStore& kv, const LlamaModel& model, const StepTokens& to
                       const ParamSet& grads, double normaliser, Arena& arena, const ActivationPolicy& policy,
                       double loss_weight, const GradsFinalFrom& grads_final, LossRows* losses) {
   ArenaScope scope(arena);
-  const ChunkTokens chunk = slice_chunk(tokens, t0, t1, arena);
+  const ChunkTokens chunk = slice_chunk(tokens, t0, t1, arena, model.context_parallel());
   if (has_saved_inputs(kv, chunk))
     return backward_chunk_from_store(grads, kv, model, chunk, normaliser, arena, policy, loss_weight, grads_final,
                                      losses);
   ChunkActivations act = ChunkActivations::allocate(arena, model.config(), tokens.B(), chunk.c, model.dtype(), policy,
-                                                    model.tensor_parallel());
+                                                    model.tensor_parallel(), model.context_parallel());
   forward_chunk(&act, kv, model, chunk, normaliser, false, arena);
   return backward_chunk(grads, act, kv, model, chunk, normaliser, arena, loss_weight, grads_final, losses);
 }
@@ -120,7 +126,7 @@ int64_t effective_window(const LlamaModel& model, int64_t offload_window) {
 // Pinned memory cannot be swapped: an offloaded store must leave the system a margin (a clear error,
 // never a swap storm).
 void check_host_memory(const LlamaModel& model, int64_t B, int64_t T, const KVStoreOptions& store) {
-  const size_t need = KVStore::host_bytes_needed(model.config(), B, T, model.dtype(), store);
+  const size_t need = KVStore::host_bytes_needed(model.store_config(), B, T, model.dtype(), store);
   const size_t have = host_memory_available();
   if (have > 0 && double(need) > kPinnableHostShare * double(have))
     fail(fmt::format("the K/V store with offload needs {:.1f} GiB of host memory for {} x {} tokens; {:.1f} GiB are "
@@ -134,6 +140,10 @@ void check_host_memory(const LlamaModel& model, int64_t B, int64_t T, const KVSt
 // offload window, streamed: the store's modes, model/kv_store.h) and say what else it keeps.
 KVStore& step_store(std::optional<KVStore>& store, LlamaModel& model, int64_t B, int64_t T, KVStoreOptions wanted) {
   model.ensure_positions(T);
+  if (wanted.layer_inputs && model.context_parallel())
+    fail("schedule.save_inputs keeps every token of a chunk's layer inputs; a context-parallel rank holds only its "
+         "share of a chunk's tokens",
+         "set schedule.save_inputs = false, or run without context parallelism");
   if (wanted.layer_inputs && model.tensor_parallel() && model.tensor_parallel()->sequence_parallel())
     fail("schedule.save_inputs keeps every row of a chunk's layer inputs; under sequence parallelism a rank holds only "
          "its share of a chunk's rows, which depends on the chunking",
@@ -143,7 +153,7 @@ KVStore& step_store(std::optional<KVStore>& store, LlamaModel& model, int64_t B,
       !(store->options() == wanted)) {
     store.reset();  // free the old store before allocating the new one
     if (wanted.offload_window > 0 || wanted.stream_block > 0) check_host_memory(model, B, T, wanted);
-    store.emplace(model.config(), B, T, model.dtype(), wanted);
+    store.emplace(model.store_config(), B, T, model.dtype(), wanted);
   }
   store->reset();
   return *store;
@@ -238,7 +248,7 @@ double loss_through_store(LlamaModel& model, const Batch& batch, int64_t chunk, 
                               .offload_window = effective_window(model, offload_window),
                               .stream_block = stream_block};
   if (placed.offload_window > 0 || placed.stream_block > 0) check_host_memory(model, batch.B(), batch.T(), placed);
-  KVStore kv(model.config(), batch.B(), batch.T(), model.dtype(), placed);
+  KVStore kv(model.store_config(), batch.B(), batch.T(), model.dtype(), placed);
   ArenaScope scope(arena);
   return prefill(kv, model, step_tokens(batch, arena), chunk_bounds(batch.T(), chunk), norm, true, arena, 1);
 }

@@ -207,7 +207,8 @@ struct StepTokens {
 StepTokens step_tokens(const Batch& batch, Arena& arena);
 // Tokens [t0, t1) of every sequence: a view of one sequence's tokens, else copies in the arena (on the
 // device, with no wait).
-ChunkTokens slice_chunk(const StepTokens& tokens, int64_t t0, int64_t t1, Arena& arena);
+ChunkTokens slice_chunk(const StepTokens& tokens, int64_t t0, int64_t t1, Arena& arena,
+                        const ContextParallelGroup* cp = nullptr);
 // The same from a batch (its step_tokens: on a device arena the whole batch is uploaded each call, so
 // a loop over a step's chunks takes step_tokens once instead).
 ChunkTokens slice_chunk(const Batch& batch, int64_t t0, int64_t t1, Arena& arena);

@@ -54,6 +54,11 @@ int main(int argc, char** argv) {
   gradcheck->add_option("--dtype", gc.dtype, "f64 | f32")->capture_default_str();
   cw::add_schedule_flags(*gradcheck, gc.schedule);
   cw::add_parallel_flags(*gradcheck, gc.parallel);
+  gradcheck->add_option("--cp", gc.cp,
+                        "context-parallel ranks (threads; against single): each holds 1/cp of every chunk's tokens "
+                        "and attends 1/cp of the heads")
+      ->check(count_range(1, kCount))
+      ->capture_default_str();
   cw::add_lora_flags(*gradcheck, gc.lora);
   gradcheck->add_option("--documents", gc.documents,
                         "packed documents: lengths summing to --seq (sequence b takes them rotated by b)")
@@ -65,8 +70,8 @@ int main(int argc, char** argv) {
   gradcheck->add_option("--optimizer-steps", gc.optimizer_steps, "against single: AdamW steps before the parameters are compared")
       ->capture_default_str();
   gradcheck->add_option("--against", gc.against,
-                        "fd | full | single | separate | reference (default: single with --dp or --tp > 1, else fd "
-                        "for full, full otherwise)");
+                        "fd | full | single | separate | reference (default: single with --dp, --tp or --cp > 1, "
+                        "else fd for full, full otherwise)");
   gradcheck->add_option("--tol", gc.tol, "fail above this max_rel_err (default 1e-7 fd, 1e-12 the others in f64)");
   gradcheck->add_option("--directions", gc.directions, "random directions per tensor (fd)")
       ->check(count_range(1, kCount))->capture_default_str();

@@ -7,6 +7,7 @@
 #include "model/safetensors.h"
 #include "optim/training.h"
 #include "parallel/comm.h"
+#include "parallel/context_parallel.h"
 #include "parallel/data_parallel.h"
 #include "parallel/grid.h"
 #include "parallel/tensor_parallel.h"
@@ -443,6 +444,60 @@ std::optional<GridResult> grid_run(const GradcheckOptions& o, int64_t zero, cons
   return assemble_grid(o, zero, std::move(by_rank), dtype, init);
 }
 
+// --cp P against single (see the header): P thread ranks of one context-parallel group on the whole
+// batch, each step's gradient summed over the group before the optimizer step; rank 0's run, and
+// whether every rank ended with bitwise the same parameters.
+std::pair<RunResult, bool> context_parallel_run(const GradcheckOptions& o, const LlamaConfig& config, DType dtype,
+                                                const LlamaModel& init, const Batch& batch) {
+  const int P = static_cast<int>(o.cp);
+  std::vector<std::optional<RunResult>> by_rank(static_cast<size_t>(P));
+  run_thread_ranks(P, [&](Communicator& comm) {
+    TrainingState st(config, dtype, Device::host(), AdamWOptions{}, {.lora = o.lora});
+    load_initial(st, init);
+    ContextParallel group(comm);
+    st.model().set_context_parallel(&group);
+    auto schedule = Schedule::create(o.schedule);
+    RunResult r{0, ParamSet::like(init.trainable(), dtype), ParamSet::like(init.trainable(), dtype)};
+    for (int s = 0; s < o.optimizer_steps; ++s) {
+      st.grads().zero();
+      const StepStats stats = schedule->step(st.model(), batch, st.grads(), 0, static_cast<uint64_t>(s));
+      comm.all_reduce(st.grads().flat())->wait();  // each rank's tokens' share, summed: the whole gradient
+      std::vector<double> loss{stats.loss};
+      sum_host_values(comm, loss);
+      if (s == 0) {
+        r.loss = loss[0];
+        copy_params(r.grads, st.grads());
+      }
+      st.optimizer_step(kCheckLearningRate);
+    }
+    copy_params(r.params, st.master());
+    by_rank[static_cast<size_t>(comm.rank())] = std::move(r);
+  });
+  bool agree = true;
+  for (int r = 1; r < P; ++r) agree = agree && same_bits(by_rank[static_cast<size_t>(r)]->params, by_rank[0]->params);
+  return {std::move(*by_rank[0]), agree};
+}
+
+double against_single_cp(const GradcheckOptions& o, const LlamaConfig& config, DType dtype, const LlamaModel& init,
+                         const Batch& batch, std::ostream& out) {
+  const auto [cp, agree] = context_parallel_run(o, config, dtype, init, batch);
+  const RunResult single = single_run(o, config, dtype, Device::host(), init, batch);
+  const LlamaConfig heads = cp_attention_config(config, o.cp);
+  out << fmt::format("context parallel: {} ranks (threads), each {} of every chunk's tokens and {} of {} heads ({} of "
+                     "{} K/V heads in its store)\n",
+                     o.cp, fmt::format("1/{}", o.cp), heads.num_attention_heads, config.num_attention_heads,
+                     heads.num_key_value_heads, config.num_key_value_heads);
+  out << "first step: gradients against one process on the whole batch\n";
+  double max_rel = compare_sets(cp.grads, single.grads, "g_single", "single", out);
+  max_rel = std::max(max_rel, compare_loss(cp.loss, single.loss, cp.grads, out));
+  out << fmt::format("after {} AdamW steps (lr {}): parameters against one process\n", o.optimizer_steps,
+                     kCheckLearningRate);
+  max_rel = std::max(max_rel, compare_sets(cp.params, single.params, "p_single", "single", out));
+  out << fmt::format("ranks hold bitwise the same parameters: {}\n", agree ? "yes" : "NO");
+  if (!agree) max_rel = std::max(max_rel, 1.0);
+  return max_rel;
+}
+
 // --against single: see the header.
 // world: null for thread ranks; a launched world's communicator (every process calls this, rank 0
 // prints and compares, the others return 0 after the collective runs).
@@ -546,7 +601,7 @@ int run_gradcheck(const GradcheckOptions& o, std::ostream& out, Communicator* wo
   o.parallel.validate();
   const bool parallel = o.parallel.dp > 1 || o.parallel.tp > 1;
   // Ranks (or ZeRO's shards, or a launched world of one) have one reference: one process.
-  const bool against_one_process = parallel || o.parallel.zero > 0 || world != nullptr;
+  const bool against_one_process = parallel || o.parallel.zero > 0 || world != nullptr || o.cp > 1;
   const std::string against = !o.against.empty() ? o.against
                               : against_one_process ? "single"
                                                     : (o.schedule.kind == ScheduleKind::full ? "fd" : "full");
@@ -569,6 +624,20 @@ int run_gradcheck(const GradcheckOptions& o, std::ostream& out, Communicator* wo
                      o.parallel.dp),
          "give --batch a multiple of --dp");
   if (o.parallel.tp > 1) tp_shard_config(config, o.parallel.tp);  // tp must divide the heads and FFN: say so here
+  if (o.cp < 1) fail(fmt::format("--cp must be >= 1, got {}", o.cp));
+  if (o.cp > 1) {
+    if (parallel || o.parallel.zero > 0 || world)
+      fail("--cp with --dp, --tp, --zero or a launched world is not implemented", "give --cp alone");
+    if (!o.documents.empty()) fail("--cp with --documents is not implemented", "drop --documents");
+    if (against != "single") fail(fmt::format("--cp compares its ranks with one process: --against single, not {}", against));
+    cp_attention_config(config, o.cp);  // the heads must split over the ranks: say so here
+    if (o.seq % o.cp != 0 || (o.schedule.chunk > 0 && o.schedule.chunk < o.seq && o.schedule.chunk % o.cp != 0) ||
+        (o.schedule.bwd_chunk > 0 && o.schedule.bwd_chunk < o.seq && o.schedule.bwd_chunk % o.cp != 0))
+      fail(fmt::format("--cp {} splits every chunk's tokens into equal parts: --seq {}, --chunk {} and --bwd-chunk {} "
+                       "must be multiples of it",
+                       o.cp, o.seq, o.schedule.chunk, o.schedule.bwd_chunk),
+           "give --seq and the chunk lengths as multiples of --cp");
+  }
   if (against == "single" && o.optimizer_steps < 1)
     fail(fmt::format("--optimizer-steps must be >= 1, got {}", o.optimizer_steps));
   const double tol = o.tol >= 0 ? o.tol
@@ -598,7 +667,9 @@ int run_gradcheck(const GradcheckOptions& o, std::ostream& out, Communicator* wo
   DropoutRoundScope masks(model, 0);
   double max_rel = 0;
   Arena arena;
-  if (against == "single") {
+  if (against == "single" && o.cp > 1) {
+    max_rel = against_single_cp(o, config, dtype, model, batch, out);
+  } else if (against == "single") {
     max_rel = against_single(o, config, dtype, model, batch, out, world);
     if (world) {
       world->barrier();  // every process ends together, after rank 0 has compared

@@ -31,6 +31,13 @@
 //                TP rank's activation high-water mark and reusable-buffer use are printed. spaco: every rank draws the sample one
 //                process draws on the whole batch (optim/spaco.cpp), so the estimators are
 //                compared exactly like the exact schedules.
+//                --cp P (context parallelism, parallel/context_parallel.h; threads, without --dp, --tp,
+//                --zero or --documents): P ranks of one context-parallel group, each holding the same
+//                initial model and c/P tokens of every chunk of every sequence (attention on its
+//                H/P heads of the whole chunk), each step's gradient summed over the group (each
+//                rank's is its tokens' share) before the AdamW step; the loss, the first step's
+//                gradients and the parameters after the steps against one process, and every rank
+//                must hold bitwise the same parameters.
 //   against separate (with --documents): the packed batch's loss and gradients under the schedule
 //                against every document run alone as a sequence of its own (the full schedule, the
 //                packed batch's normaliser), summed: what the document mask and restarted RoPE
@@ -68,6 +75,7 @@ struct GradcheckOptions {
   std::string dtype = "f64";
   ScheduleOptions schedule;        // name, chunk, bwd_chunk, keep, ...
   ParallelOptions parallel;        // dp, zero, bucket_mb; tp, sequence_parallel, tp_regather (against single)
+  int64_t cp = 1;                  // context-parallel ranks (against single; threads)
   LoraConfig lora;                 // rank > 0: check the LoRA adapters' gradients, the base frozen
   int optimizer_steps = 3;         // against single: AdamW steps before the parameters are compared
   std::string against;             // "fd" | "full" | "single" | "separate" | "reference"; empty: single with

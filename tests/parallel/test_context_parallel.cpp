@@ -12,7 +12,10 @@
 //     backpropagated from the last): outputs, input gradients and the parameter gradients summed
 //     over the ranks, within 1e-12 in f64, for Llama (K/V heads shared out and replicated), Qwen2's
 //     biases, Qwen3's per-head norms, Gemma 2's caps, window and post-norms, and LoRA with dropout on
-//     every linear (the masks keyed by each token's position, so every rank draws one process's).
+//     every linear (the masks keyed by each token's position, so every rank draws one process's);
+//   - `gradcheck --cp P` (the model's chunks, every schedule): the loss, the first step's gradients
+//     and the parameters after three AdamW steps against one process within 1e-12, every rank
+//     holding bitwise the same parameters; and the combinations not implemented refused in one line.
 #include "engine/ops/rope.h"
 #include "engine/random.h"
 #include "model/kv_store.h"
@@ -22,6 +25,7 @@
 #include "model/params.h"
 #include "parallel/context_parallel.h"
 #include "tests/support.h"
+#include "tools/gradcheck.h"
 
 #include <doctest/doctest.h>
 #include <fmt/format.h>
@@ -29,6 +33,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <sstream>
 #include <vector>
 
 using namespace cw;
@@ -331,5 +336,80 @@ TEST_CASE("context parallel: a block over P ranks equals one process's block, Se
     CHECK(grad_err <= 1e-12);
     const Tensor flat = grads.flat();  // the gradients carry signal
     CHECK(dot(flat, flat) > 0);
+  }
+}
+
+namespace {
+
+GradcheckOptions cp_gradcheck(const char* model, int64_t cp, ScheduleKind kind, int64_t chunk = 0, int64_t bwd_chunk = 0) {
+  GradcheckOptions o;
+  o.model = model;
+  o.seq = 16;
+  o.batch = 2;
+  o.cp = cp;
+  o.schedule.kind = kind;
+  o.schedule.chunk = chunk;
+  o.schedule.bwd_chunk = bwd_chunk;
+  return o;
+}
+
+}  // namespace
+
+TEST_CASE("context parallel: gradcheck --cp P equals one process under every schedule, f64") {
+  std::vector<GradcheckOptions> cases;
+  for (int64_t cp : {2, 4, 8}) {  // tiny-tp: 8 heads, 4 K/V heads (at 8 ranks two ranks hold each)
+    cases.push_back(cp_gradcheck("tiny-tp", cp, ScheduleKind::full));
+    cases.push_back(cp_gradcheck("tiny-tp", cp, ScheduleKind::seco, 8, cp == 8 ? 8 : 4));
+  }
+  cases.push_back(cp_gradcheck("tiny", 2, ScheduleKind::checkpointed));
+  cases.back().schedule.recompute = RecomputeMode::selective;
+  cases.push_back(cp_gradcheck("tiny", 2, ScheduleKind::spaco, 4));
+  cases.back().schedule.keep = 2;
+  cases.push_back(cp_gradcheck("tiny", 2, ScheduleKind::seco, 8, 4));
+  cases.back().schedule.save_attention = true;
+  cases.back().schedule.mlp_shards = 3;
+  cases.push_back(cp_gradcheck("tiny-qwen2", 2, ScheduleKind::seco, 8, 4));
+  cases.push_back(cp_gradcheck("tiny-qwen3", 4, ScheduleKind::seco, 8, 4));
+  cases.push_back(cp_gradcheck("tiny-gemma2", 2, ScheduleKind::seco, 8, 4));
+  cases.push_back(cp_gradcheck("tiny-mistral", 2, ScheduleKind::seco, 8, 4));
+  cases.push_back(cp_gradcheck("tiny-tp", 4, ScheduleKind::seco, 8, 4));  // LoRA, dropout on every linear
+  cases.back().lora = {.rank = 4, .alpha = 8.0, .dropout = 0.1, .targets = "all-linear", .seed = 3};
+  for (const GradcheckOptions& o : cases) {
+    CAPTURE(o.model);
+    CAPTURE(o.cp);
+    CAPTURE(std::string(schedule_name(o.schedule.kind)));
+    CAPTURE(o.lora.rank);
+    std::ostringstream out;
+    const int rc = run_gradcheck(o, out);
+    INFO(out.str());
+    CHECK(rc == 0);
+    CHECK(test::max_rel_err(out.str()) <= test::kSameMathF64Tol);
+    CHECK(test::contains(out.str(), "ranks hold bitwise the same parameters: yes"));
+    CHECK(test::contains(out.str(), fmt::format("context parallel: {} ranks (threads)", o.cp)));
+  }
+}
+
+TEST_CASE("context parallel: gradcheck --cp refuses what it does not implement, in one line") {
+  struct Refused {
+    GradcheckOptions options;
+    const char* message;
+  };
+  std::vector<Refused> table;
+  table.push_back({cp_gradcheck("tiny", 3, ScheduleKind::full), "parallel.cp = 3 does not divide num_attention_heads = 4"});
+  table.push_back({cp_gradcheck("tiny", 2, ScheduleKind::seco, 5), "--cp 2 splits every chunk's tokens into equal parts"});
+  table.push_back({cp_gradcheck("tiny", 2, ScheduleKind::full), "--cp with --dp, --tp, --zero or a launched world"});
+  table.back().options.parallel.dp = 2;
+  table.push_back({cp_gradcheck("tiny", 2, ScheduleKind::full), "--cp with --documents is not implemented"});
+  table.back().options.documents = {8, 8};
+  table.push_back({cp_gradcheck("tiny", 2, ScheduleKind::full), "--cp compares its ranks with one process"});
+  table.back().options.against = "full";
+  table.push_back({cp_gradcheck("tiny", 2, ScheduleKind::seco, 8), "a context-parallel rank holds only its share"});
+  table.back().options.schedule.save_inputs = true;
+  for (const Refused& r : table) {
+    CAPTURE(r.message);
+    std::ostringstream out;
+    const std::string error = test::message_of([&] { run_gradcheck(r.options, out); });
+    CHECK(test::contains(error, r.message));
+    CHECK(error.find('\n') == std::string::npos);
   }
 }
