@@ -444,49 +444,70 @@ std::optional<GridResult> grid_run(const GradcheckOptions& o, int64_t zero, cons
   return assemble_grid(o, zero, std::move(by_rank), dtype, init);
 }
 
-// --cp P against single (see the header): P thread ranks of one context-parallel group on the whole
-// batch, each step's gradient summed over the group before the optimizer step; rank 0's run, and
-// whether every rank ended with bitwise the same parameters.
-std::pair<RunResult, bool> context_parallel_run(const GradcheckOptions& o, const LlamaConfig& config, DType dtype,
-                                                const LlamaModel& init, const Batch& batch) {
-  const int P = static_cast<int>(o.cp);
-  std::vector<std::optional<RunResult>> by_rank(static_cast<size_t>(P));
-  run_thread_ranks(P, [&](Communicator& comm) {
-    TrainingState st(config, dtype, Device::host(), AdamWOptions{}, {.lora = o.lora});
-    load_initial(st, init);
-    ContextParallel group(comm);
-    st.model().set_context_parallel(&group);
-    auto schedule = Schedule::create(o.schedule);
-    RunResult r{0, ParamSet::like(init.trainable(), dtype), ParamSet::like(init.trainable(), dtype)};
-    for (int s = 0; s < o.optimizer_steps; ++s) {
-      st.grads().zero();
-      const StepStats stats = schedule->step(st.model(), batch, st.grads(), 0, static_cast<uint64_t>(s));
-      comm.all_reduce(st.grads().flat())->wait();  // each rank's tokens' share, summed: the whole gradient
-      std::vector<double> loss{stats.loss};
-      sum_host_values(comm, loss);
-      if (s == 0) {
-        r.loss = loss[0];
-        copy_params(r.grads, st.grads());
-      }
-      st.optimizer_step(kCheckLearningRate);
+// --cp P against single (see the header): one rank of a context-parallel group on the whole batch,
+// on its communicator's device (a thread's host memory, or a launched process's GPU over NCCL), each
+// step's gradient summed over the group before the optimizer step. Its run, in host sets; and
+// whether every rank ended with rank 0's parameters bitwise (a collective every rank joins).
+std::pair<RunResult, bool> context_parallel_rank(const GradcheckOptions& o, Communicator& comm,
+                                                 const LlamaConfig& config, DType dtype, const LlamaModel& init,
+                                                 const Batch& batch) {
+  TrainingState st(config, dtype, comm.device(), AdamWOptions{}, {.lora = o.lora});
+  load_initial(st, init);
+  ContextParallel group(comm);
+  st.model().set_context_parallel(&group);
+  auto schedule = Schedule::create(o.schedule);
+  RunResult r{0, ParamSet::like(init.trainable(), dtype), ParamSet::like(init.trainable(), dtype)};
+  for (int s = 0; s < o.optimizer_steps; ++s) {
+    st.grads().zero();
+    const StepStats stats = schedule->step(st.model(), batch, st.grads(), 0, static_cast<uint64_t>(s));
+    comm.all_reduce(st.grads().flat())->wait();  // each rank's tokens' share, summed: the whole gradient
+    std::vector<double> loss{stats.loss};
+    sum_host_values(comm, loss);
+    if (s == 0) {
+      r.loss = loss[0];
+      copy_params(r.grads, st.grads());
     }
-    copy_params(r.params, st.master());
-    by_rank[static_cast<size_t>(comm.rank())] = std::move(r);
+    st.optimizer_step(kCheckLearningRate);
+  }
+  copy_params(r.params, st.master());
+  // Rank 0's parameters to every rank, compared there; the ranks that differ counted.
+  const ParamSet rank0 = ParamSet::like(st.master(), st.master().dtype());
+  copy_params(rank0, st.master());
+  comm.broadcast(rank0.flat(), 0)->wait();
+  std::vector<double> differ{same_bits(host_copy(rank0), r.params) ? 0.0 : 1.0};
+  sum_host_values(comm, differ);
+  return {std::move(r), differ[0] == 0};
+}
+
+// The ranks as threads (world null) or as the launched world's processes: rank 0's result (the other
+// processes of a launched world get nullopt).
+std::optional<std::pair<RunResult, bool>> context_parallel_run(const GradcheckOptions& o, const LlamaConfig& config,
+                                                               DType dtype, const LlamaModel& init, const Batch& batch,
+                                                               Communicator* world) {
+  if (world) {
+    auto mine = context_parallel_rank(o, *world, config, dtype, init, batch);
+    if (world->rank() != 0) return std::nullopt;
+    return mine;
+  }
+  std::optional<std::pair<RunResult, bool>> first;
+  run_thread_ranks(static_cast<int>(o.cp), [&](Communicator& comm) {
+    auto mine = context_parallel_rank(o, comm, config, dtype, init, batch);
+    if (comm.rank() == 0) first = std::move(mine);
   });
-  bool agree = true;
-  for (int r = 1; r < P; ++r) agree = agree && same_bits(by_rank[static_cast<size_t>(r)]->params, by_rank[0]->params);
-  return {std::move(*by_rank[0]), agree};
+  return first;
 }
 
 double against_single_cp(const GradcheckOptions& o, const LlamaConfig& config, DType dtype, const LlamaModel& init,
-                         const Batch& batch, std::ostream& out) {
-  const auto [cp, agree] = context_parallel_run(o, config, dtype, init, batch);
-  const RunResult single = single_run(o, config, dtype, Device::host(), init, batch);
+                         const Batch& batch, std::ostream& out, Communicator* world) {
+  const auto result = context_parallel_run(o, config, dtype, init, batch, world);
+  if (!result) return 0;  // a launched rank other than 0: rank 0 compares
+  const auto& [cp, agree] = *result;
+  const RunResult single = single_run(o, config, dtype, world ? world->device() : Device::host(), init, batch);
   const LlamaConfig heads = cp_attention_config(config, o.cp);
-  out << fmt::format("context parallel: {} ranks (threads), each {} of every chunk's tokens and {} of {} heads ({} of "
+  out << fmt::format("context parallel: {} ranks ({}), each 1/{} of every chunk's tokens and {} of {} heads ({} of "
                      "{} K/V heads in its store)\n",
-                     o.cp, fmt::format("1/{}", o.cp), heads.num_attention_heads, config.num_attention_heads,
-                     heads.num_key_value_heads, config.num_key_value_heads);
+                     o.cp, world ? "processes through NCCL" : "threads", o.cp, heads.num_attention_heads,
+                     config.num_attention_heads, heads.num_key_value_heads, config.num_key_value_heads);
   out << "first step: gradients against one process on the whole batch\n";
   double max_rel = compare_sets(cp.grads, single.grads, "g_single", "single", out);
   max_rel = std::max(max_rel, compare_loss(cp.loss, single.loss, cp.grads, out));
@@ -587,7 +608,10 @@ int run_gradcheck(const GradcheckOptions& o, std::ostream& out, Communicator* wo
   if (world) {  // launched: one rank of the grid per process, on its GPU
     if (dtype != DType::f32 || world->device().is_cpu())
       fail("a launched gradcheck runs its ranks on GPUs in f32", "give --dtype f32 (and launch one process per GPU)");
-    if (o.parallel.dp * o.parallel.tp != world->size())
+    if (o.cp > 1 && o.cp != world->size())
+      fail(fmt::format("--cp {} is {} ranks, but {} were launched", o.cp, o.cp, world->size()),
+           "launch cp processes");
+    if (o.cp == 1 && o.parallel.dp * o.parallel.tp != world->size())
       fail(fmt::format("--dp {} x --tp {} is {} ranks, but {} were launched", o.parallel.dp, o.parallel.tp,
                        o.parallel.dp * o.parallel.tp, world->size()),
            "launch dp x tp processes");
@@ -626,8 +650,8 @@ int run_gradcheck(const GradcheckOptions& o, std::ostream& out, Communicator* wo
   if (o.parallel.tp > 1) tp_shard_config(config, o.parallel.tp);  // tp must divide the heads and FFN: say so here
   if (o.cp < 1) fail(fmt::format("--cp must be >= 1, got {}", o.cp));
   if (o.cp > 1) {
-    if (parallel || o.parallel.zero > 0 || world)
-      fail("--cp with --dp, --tp, --zero or a launched world is not implemented", "give --cp alone");
+    if (parallel || o.parallel.zero > 0)
+      fail("--cp with --dp, --tp or --zero is not implemented", "give --cp alone");
     if (!o.documents.empty()) fail("--cp with --documents is not implemented", "drop --documents");
     if (against != "single") fail(fmt::format("--cp compares its ranks with one process: --against single, not {}", against));
     cp_attention_config(config, o.cp);  // the heads must split over the ranks: say so here
@@ -667,10 +691,9 @@ int run_gradcheck(const GradcheckOptions& o, std::ostream& out, Communicator* wo
   DropoutRoundScope masks(model, 0);
   double max_rel = 0;
   Arena arena;
-  if (against == "single" && o.cp > 1) {
-    max_rel = against_single_cp(o, config, dtype, model, batch, out);
-  } else if (against == "single") {
-    max_rel = against_single(o, config, dtype, model, batch, out, world);
+  if (against == "single") {
+    max_rel = o.cp > 1 ? against_single_cp(o, config, dtype, model, batch, out, world)
+                       : against_single(o, config, dtype, model, batch, out, world);
     if (world) {
       world->barrier();  // every process ends together, after rank 0 has compared
       if (world->rank() != 0) return 0;  // rank 0 says the verdict

@@ -31,8 +31,8 @@
 //                TP rank's activation high-water mark and reusable-buffer use are printed. spaco: every rank draws the sample one
 //                process draws on the whole batch (optim/spaco.cpp), so the estimators are
 //                compared exactly like the exact schedules.
-//                --cp P (context parallelism, parallel/context_parallel.h; threads, without --dp, --tp,
-//                --zero or --documents): P ranks of one context-parallel group, each holding the same
+//                --cp P (context parallelism, parallel/context_parallel.h; threads or launched, without
+//                --dp, --tp, --zero or --documents): P ranks of one context-parallel group, each holding the same
 //                initial model and c/P tokens of every chunk of every sequence (attention on its
 //                H/P heads of the whole chunk), each step's gradient summed over the group (each
 //                rank's is its tokens' share) before the AdamW step; the loss, the first step's
@@ -97,7 +97,7 @@ struct GradcheckOptions {
 
 // Runs the check, printing the table to out; returns the process exit code (0 pass, 1 fail).
 // world: a launched world (one process per GPU, NCCL; parallel/launch.h): --against single with
-// --dp x --tp = its size, in f32, each process one rank on its GPU; the ranks write their results
+// --dp x --tp (or --cp) = its size, in f32, each process one rank on its GPU; the ranks write their results
 // to gather_dir, and rank 0 assembles them and compares them with one process on its own GPU
 // (default tolerance 1e-4: f32 sums in other orders on the GPU). --zero 3 runs the same way, each
 // process a ZeRO 3 rank over NCCL. The other ranks return 0.
