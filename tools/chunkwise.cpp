@@ -192,6 +192,11 @@ int main(int argc, char** argv) {
   plan->add_option("--dp", po.dp, "data-parallel ranks (with --zero 3: the ranks each parameter is sharded over)")
       ->check(count_range(1, 1 << 20))
       ->capture_default_str();
+  plan->add_option("--cp", po.cp,
+                   "context-parallel ranks: plan one rank (1/cp of every chunk's tokens and of the heads, the whole "
+                   "model) and its all-to-alls' bytes and times")
+      ->check(count_range(1, 1 << 20))
+      ->capture_default_str();
   plan->add_option("--zero", po.zero,
                    "3: plan one rank of ZeRO 3 (its shard, the gathered block buffers, the collectives' bytes and "
                    "times); 0-2 plan one process's memory")

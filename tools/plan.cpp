@@ -65,6 +65,12 @@ std::string plan_json(const PlanReport& r) {
   j["attention_workspace_gib"] = double(r.attention_workspace_bytes) / kGiB;
   j["tokens_per_s"] = r.tokens_per_s();
   j["flops"] = r.flops;
+  if (r.cp > 1) {
+    j["cp"] = r.cp;
+    j["cp_all_to_alls"] = r.cp_all_to_alls;
+    j["cp_exchange_gib"] = r.cp_exchange_bytes / kGiB;
+    j["cp_all_reduce_gib"] = r.cp_all_reduce_bytes / kGiB;
+  }
   j["device_memory_gib"] = r.device_gib;
   j["host_memory_gib"] = r.host_gib;
   j["fits"] = r.fits;
@@ -96,7 +102,22 @@ std::string zero3_table(const Zero3Plan& z, const PlanOptions& po) {
   return s;
 }
 
+std::string context_parallel_table(const PlanReport& r, const PlanOptions& po) {
+  std::string s = fmt::format("context parallel over {} ranks: per step {} all-to-alls (tokens to heads and back), "
+                              "and one all-reduce of the gradient\n",
+                              r.cp, r.cp_all_to_alls);
+  s += fmt::format("  all-to-alls    {:10.2f} GiB out of each GPU\n", r.cp_exchange_bytes / kGiB);
+  s += fmt::format("  all-reduce     {:10.2f} GiB over each GPU's link\n", r.cp_all_reduce_bytes / kGiB);
+  for (const auto& [name, gbps] : {std::pair<const char*, double>{"NVLink", po.nvlink_gbps}, {"network", po.network_gbps}})
+    s += fmt::format("  at {} {:.0f} GB/s: {:.3f} s of collectives a step (the exchanges wait on the compute stream: "
+                     "not overlapped)\n",
+                     name, gbps, (r.cp_exchange_bytes + r.cp_all_reduce_bytes) / (gbps * 1e9));
+  return s;
+}
+
 int run_plan(const PlanOptions& po, std::ostream& out) {
+  if (po.cp > 1 && (po.tp > 1 || po.zero == 3))
+    fail("plan --cp: context parallelism with --tp or --zero 3 is not implemented", "plan --cp alone");
   if (po.zero == 3 && po.tp > 1)
     fail("plan --zero 3 plans data parallelism with sharded parameters: not with --tp", "drop --tp, or plan --zero 0");
   if (po.zero == 3 && po.lora.enabled() && po.optimizer_offload)
@@ -118,8 +139,13 @@ int run_plan(const PlanOptions& po, std::ostream& out) {
   const DType dtype = parse_dtype(po.dtype);
   validate_lora(po.lora);
   // Under ZeRO 3 every plan below (auto's candidates, --longest's lengths) is one rank's.
-  const MemoryBudget gib(device_gib_or_gpu(po.device_memory_gib), host_gib_or_machine(po.host_memory_gib),
-                         po.zero == 3 ? static_cast<int>(po.dp) : 0);
+  MemoryBudget gib(device_gib_or_gpu(po.device_memory_gib), host_gib_or_machine(po.host_memory_gib),
+                   po.zero == 3 ? static_cast<int>(po.dp) : 0);
+  gib.cp_ranks = static_cast<int>(po.cp);  // every plan below is one context-parallel rank's
+  if (po.cp > 1)
+    out << fmt::format("context parallel: one GPU of {} (1/{} of every chunk's tokens, 1/{} of the heads and its "
+                       "share of the K/V heads; the whole model)\n",
+                       po.cp, po.cp, po.cp);
   int64_t T = po.seq;
   ScheduleOptions o;
   std::vector<AutoCandidate> weighed;
@@ -145,6 +171,7 @@ int run_plan(const PlanOptions& po, std::ostream& out) {
     out << zero3_table(plan_zero3(cf, T, o, dtype, static_cast<int>(po.dp), po.optimizer_offload, Device::gpu(0),
                                   po.lora),
                        po);
+  if (po.cp > 1) out << context_parallel_table(r, po);
   out << plan_table(r);
   if (arena_log())
     for (const std::string& line : r.arena_blocks) out << "replay: " << line << "\n";

@@ -15,6 +15,8 @@ std::string plan_json(const PlanReport& report);   // peak_device_gib, peak_host
 struct PlanOptions;
 // ZeRO 3's collectives a step: counts, bytes and their time at the NVLink and network bandwidths.
 std::string zero3_table(const Zero3Plan& zero3, const PlanOptions& options);
+// Context parallelism's collectives a step (PlanReport's cp fields), the same way.
+std::string context_parallel_table(const PlanReport& report, const PlanOptions& options);
 
 struct PlanOptions {
   std::string model = "llama-3.2-1b";
@@ -30,6 +32,7 @@ struct PlanOptions {
   int64_t tp = 1;                    // tensor parallel: plan one rank's shard (model/shard.h), no SP
   int64_t dp = 1;                    // data-parallel ranks (with zero 3: the ranks the parameters are sharded over)
   int64_t zero = 0;                  // 3: plan one rank of ZeRO 3 (parallel/zero3.h); 0-2 plan as one process
+  int64_t cp = 1;                    // context parallel: plan one rank of cp (model/cp_group.h), its all-to-alls
   double nvlink_gbps = 450, network_gbps = 50;  // all-gather bus bandwidth per GPU for zero 3's collective times
   std::string documents;             // packed documents as `bench --documents` draws them: L or LO:HI
   std::string json;                  // also write the report as JSON here

@@ -92,14 +92,19 @@ struct Chunk {
   int64_t stream_block;  // schedule.stream_kv's key block; 0: the store is not streamed
   bool fused;            // model/layer.h fuses_qkv: one Q/K/V GEMM each way
   int64_t window = 0;    // the layer's sliding window (0: none)
+  int64_t cp = 1;        // context-parallel ranks: the rank holds ct() tokens of each sequence
   int64_t c() const { return t1 - t0; }
+  int64_t ct() const { return c() / cp; }
+  // The heads attention runs on: all, or under context parallelism the rank's (cp_attention_config).
+  int64_t heads() const { return cf.num_attention_heads / cp; }
+  int64_t kv_heads() const { return std::max<int64_t>(1, cf.num_key_value_heads / cp); }
   int64_t first_key() const { return window_first_key(t0, window); }  // KVStore::first_key
   Chunk in_layer_of(int64_t w) const {
     Chunk s = *this;
     s.window = w;
     return s;
   }
-  int64_t N() const { return B * c(); }
+  int64_t N() const { return B * ct(); }  // the rank's rows
   // Whether cuDNN takes this chunk's attention (the chooser's shape rule, engine/ops/attention.h);
   // else a flash family does.
   bool cudnn_attention() const {
@@ -109,8 +114,10 @@ struct Chunk {
   size_t acc() const { return dtype_size(accum_dtype(dtype)); }
   size_t row(int64_t width) const { return static_cast<size_t>(N() * width) * e(); }  // [N, width]
   size_t stat(int64_t width) const { return static_cast<size_t>(N() * width) * acc(); }  // f32 or f64
+  // The chunk's K (or V) of the rank's heads, [B, c, kv_heads, D] (context parallelism).
+  size_t kv_heads_bytes() const { return static_cast<size_t>(B * c() * kv_heads() * cf.head_dim) * e(); }
   AttentionDims attention(int64_t S) const {
-    return {B, c(), S, cf.num_attention_heads, cf.num_key_value_heads, cf.head_dim};
+    return {B, c(), S, heads(), kv_heads(), cf.head_dim};
   }
 };
 
@@ -224,7 +231,8 @@ void layer_activations(Requests& r, const Chunk& s, MlpKept mlp) {
     r.alloc(s.stat(cf.num_attention_heads));   // the per-head norms' rstd
     r.alloc(s.stat(cf.num_key_value_heads));
   }
-  r.alloc(s.row(cf.q_dim()));                  // attn
+  r.alloc(s.row(cf.q_dim()));                  // attn (under CP the chunk's tokens of H/cp heads: as many values)
+  if (s.cp > 1) r.alloc(s.row(cf.q_dim()));    // attn_rows, the rank's tokens of every head
   r.alloc(s.stat(cf.num_attention_heads));     // lse
   r.alloc(s.row(cf.hidden_size));              // x_mid
   if (mlp != MlpKept::products) r.alloc(s.row(cf.hidden_size));  // h2
@@ -297,8 +305,10 @@ void block_forward(Requests& r, const Chunk& s, const BlockRun& run) {
     if (!s.fused) {
       r.alloc(s.row(cf.kv_dim()));  // k_pre
       linear(r, s, ParamRole::wk, N, false);
+      if (s.cp > 1) r.alloc(s.kv_heads_bytes());  // store_rows: k of the rank's heads
       r.alloc(s.row(cf.kv_dim()));  // v
       linear(r, s, ParamRole::wv, N, false);
+      if (s.cp > 1) r.alloc(s.kv_heads_bytes());  // store_rows: v of the rank's heads
     }
     attend_forward(r, s);
   }
@@ -351,14 +361,18 @@ void block_backward(Requests& r, const Chunk& s, MlpKept mlp, int64_t mlp_shards
   if (cf.post_norms) r.alloc(s.row(cf.hidden_size));  // d(o), from the post-norm's backward
   r.alloc(s.row(cf.q_dim()));  // d_attn
   linear(r, s, ParamRole::wo, N, true);
+  if (s.cp > 1) r.alloc(s.row(cf.q_dim()));  // d_attn of the rank's heads
   r.alloc(s.row(cf.q_dim()));  // d_q
   attend_backward(r, s);
+  if (s.cp > 1) r.alloc(s.row(cf.q_dim()));  // d_q of the rank's tokens
   if (s.fused) {
     r.alloc(s.row(cf.q_dim() + 2 * cf.kv_dim()));  // d(q, k, v) side by side
     if (cf.qk_norm) r.alloc(s.row(cf.kv_dim()));    // d_k, packed for the norm's backward
   } else {
     r.alloc(s.row(cf.kv_dim()));  // d_k
     r.alloc(s.row(cf.kv_dim()));  // d_v
+    if (s.cp > 1)
+      for (int i = 0; i < 2; ++i) r.alloc(s.kv_heads_bytes());  // read_store_grad: dK, dV of the rank's heads
   }
   r.alloc(s.row(cf.hidden_size));  // d(h1)
   if (s.fused) return;
@@ -558,11 +572,11 @@ StepArena replay_step_arena(const StepArenaInputs& in) {
   const LoraConfig* lora = in.lora.enabled() ? &in.lora : nullptr;
   // A tensor-parallel rank (plan --tp, its shard's config) does not fuse (model/layer.h); counted as
   // fused, its d(q, k, v) is one [N, q_dim] more than its d_k and d_v: an over-estimate.
-  const bool fused = fuses_qkv(lora, nullptr);
+  const bool fused = fuses_qkv(lora, nullptr) && in.cp == 1;
   const bool is_chunked = chunked(o);
   const int64_t stream_block = is_chunked ? o.stream_block(T) : 0;
   const auto chunk = [&](int64_t t0, int64_t t1) {
-    return Chunk{cf, B, t0, t1, in.dtype, lora, in.device, stream_block, fused};
+    return Chunk{cf, B, t0, t1, in.dtype, lora, in.device, stream_block, fused, 0, in.cp};
   };
   // Each chunk's requests reach the arena unless a chunk of its form already did with at least its
   // span: then each of its requests is at most the other's, and replayed from any later state it

@@ -54,6 +54,9 @@ struct StepArenaInputs {
   Device device = Device::gpu(0);
   size_t block_bytes = 0;
   bool documents = false;  // packed documents: on a GPU the step's [B, T] document starts (StepTokens)
+  // Context parallelism (model/cp_group.h): one rank of cp, holding c/cp tokens of each chunk and
+  // attending H/cp of the heads.
+  int64_t cp = 1;
 };
 
 struct StepArena {

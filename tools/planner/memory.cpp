@@ -25,7 +25,8 @@ size_t buffer(const StepPlan& s, size_t bytes) {
 void plan_memory(const StepPlan& s, PlanReport& r) {
   const LlamaConfig& cf = s.cf;
   const int64_t B = s.B, T = s.T, L = cf.num_hidden_layers, C = cf.hidden_size;
-  const int64_t H = cf.num_attention_heads, Hkv = cf.num_key_value_heads, D = cf.head_dim;
+  // The store's heads (under context parallelism the rank's: StepPlan::store).
+  const int64_t H = s.store.num_attention_heads, Hkv = s.store.num_key_value_heads, D = cf.head_dim;
   const size_t e = s.e, acc = s.acc;
 
   // Fixed: one buffer per parameter set (model/params.cpp), the RoPE tables. What is trained
@@ -80,7 +81,8 @@ void plan_memory(const StepPlan& s, PlanReport& r) {
   }
 
   // Activations: the schedule's arena over the step, and the step's other transient buffers.
-  const StepArena arena = replay_step_arena({cf, B, T, s.o, s.dtype, s.lora, s.device, 0, !s.doc_starts.empty()});
+  const StepArena arena =
+      replay_step_arena({cf, B, T, s.o, s.dtype, s.lora, s.device, 0, !s.doc_starts.empty(), s.cp});
   r.arena_blocks = arena.block_lines;
   r.attention_workspace_bytes = arena.attention_workspace;
   size_t activations = 0;
@@ -91,6 +93,13 @@ void plan_memory(const StepPlan& s, PlanReport& r) {
   // The RoPE tables (f32 on a GPU, the compute dtype on the CPU) and, on a GPU, cuBLASLt's workspace.
   const size_t rope = size_t(T) * size_t(D / 2) * (s.device.is_cpu() ? e : 4);
   r.device.emplace_back("other", 2 * buffer(s, rope) + (s.device.is_cpu() ? 0 : kCublasWorkspaceBytes));
+  // Context parallelism: an exchange's send and receive buffers (parallel/context_parallel.cpp), each
+  // P blocks of the rank's tokens of the heads exchanged, while the exchange runs: the queries' are
+  // the widest (H heads; the keys' are Hkv, or P <= H where the ranks outnumber the K/V heads).
+  if (s.cp > 1) {
+    const int64_t rows = B * std::max(s.chunk, s.bwd_chunk) / s.cp;
+    r.device.emplace_back("cp exchange", 2 * buffer(s, size_t(rows * cf.num_attention_heads * D) * e));
+  }
 }
 
 }  // namespace cw

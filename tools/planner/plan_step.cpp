@@ -2,6 +2,7 @@
 // (time_model.cpp) against the budget, and what to turn when it does not fit.
 #include "engine/engine.h"
 #include "engine/residency.h"
+#include "model/cp_group.h"
 #include "model/layer_cast.h"
 #include "optim/adamw_offload.h"
 #include "tools/planner/step.h"
@@ -54,8 +55,24 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
            "plan: --cast-layers rounds bf16 blocks from the f32 master on the device: it needs --dtype bf16 on a GPU, "
            "no LoRA, the optimizer on the device and no ZeRO 3");
 
+  // Context parallelism: the plan is one rank's (model/cp_group.h), its store of the rank's heads.
+  const int64_t cp = std::max(1, budget.cp_ranks);
+  if (cp > 1) {
+    CW_CHECK_HINT(budget.zero3_ranks == 0 && !inputs && doc_starts.empty(),
+                  "plan --cp without --zero 3, --save-inputs and --documents",
+                  "plan: context parallelism with ZeRO 3, saved layer inputs or packed documents is not implemented");
+    const int64_t chunk = chunked(o) && o.chunk > 0 ? std::min(o.chunk, T) : T;
+    const int64_t bwd = chunked(o) && o.bwd_chunk > 0 ? std::min(o.bwd_chunk, T) : chunk;
+    CW_CHECK_HINT(T % cp == 0 && chunk % cp == 0 && bwd % cp == 0, "give --seq and the chunk lengths as multiples of --cp",
+                  "plan: --cp {} splits every chunk's tokens into equal parts: --seq {}, chunk {} and bwd-chunk {} "
+                  "must be multiples of it", cp, T, chunk, bwd);
+  }
+  const LlamaConfig store = cp > 1 ? cp_attention_config(cf, cp) : cf;
+
   PlanReport r;
   r.schedule = describe_schedule(o);
+  if (cp > 1) r.schedule += fmt::format(" context parallel {}", cp);
+  r.cp = cp;
   if (lora.enabled())
     r.schedule += fmt::format(" lora rank {} on {}{}", lora.rank, fmt::join(lora.target_names(), ","),
                               lora.dropout > 0 ? fmt::format(" dropout {}", lora.dropout) : "");
@@ -95,7 +112,9 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
                    windowed && o.offload_window == 1,
                    o.cast_layers,
                    // An offloaded f32 state streams through the device; else the host's cores update it.
-                   optimizer_offload && OffloadedAdamW::streams(device, accum_dtype(dtype))};
+                   optimizer_offload && OffloadedAdamW::streams(device, accum_dtype(dtype)),
+                   cp,
+                   store};
   plan_memory(s, r);
   for (const auto& [name, bytes] : r.device) r.peak_device_bytes += bytes;
   for (const auto& [name, bytes] : r.host) r.peak_host_bytes += bytes;
@@ -104,6 +123,7 @@ PlanReport plan_step(const LlamaConfig& cf, int64_t B, int64_t T, const Schedule
   r.host_fits = budget.host_gib <= 0 || double(r.peak_host_bytes) <= kPinnableHostShare * budget.host_gib * kGiB;
   r.fits = r.device_fits && r.host_fits;
   plan_time(s, r);
+  if (cp > 1) plan_context_parallel(s, r);
   if (budget.zero3_ranks > 0)
     apply_zero3(r, plan_zero3(cf, T, o, dtype, budget.zero3_ranks, optimizer_offload, device, lora), budget, device);
 

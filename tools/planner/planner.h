@@ -49,10 +49,13 @@ inline constexpr size_t kCudaContextBytes = size_t(512) << 20;
 // zero3_ranks > 0: the budget is one rank's of ZeRO 3 over that many ranks, and a plan holds the
 // rank's shard and gathered buffers instead of the whole model's state (plan_zero3, apply_zero3), so
 // that every choice made against the budget (auto, --longest) is made for a ZeRO 3 rank.
+// cp_ranks > 1: the budget is one rank's of context parallelism over that many ranks (model/cp_group.h):
+// a plan holds the whole model, the rank's c/cp tokens of each chunk and a K/V store of its heads.
 struct MemoryBudget {
   double device_gib = 0;
   double host_gib = 0;  // 0: not checked
   int zero3_ranks = 0;  // 0: no ZeRO 3
+  int cp_ranks = 0;     // 0 or 1: no context parallelism
   MemoryBudget(double device, double host = 0, int zero3 = 0) : device_gib(device), host_gib(host), zero3_ranks(zero3) {}
 };
 
@@ -76,6 +79,11 @@ struct PlanReport {
   // reduction of GQA): bench and train raise the engine's workspace budget to it
   // (raise_attention_workspace_budget), so no call the plan fits runs a slower kernel for want of it.
   size_t attention_workspace_bytes = 0;
+  // Context parallelism (budget.cp_ranks): the rank's all-to-alls a step (count, and the bytes out of
+  // its GPU: (cp - 1) / cp of each exchange's buffer), and its gradient all-reduce's bytes; not in
+  // step_s, which is the rank's compute.
+  int64_t cp = 1, cp_all_to_alls = 0;
+  double cp_exchange_bytes = 0, cp_all_reduce_bytes = 0;
   double device_gib = 0, host_gib = 0;                  // the budget it was checked against (host 0: none)
   bool device_fits = false, host_fits = true;
   bool fits = false;                                     // both

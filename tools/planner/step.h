@@ -43,11 +43,16 @@ struct StepPlan {
   bool serial_copies;          // a window of one layer: its copies cannot run ahead of the compute
   bool cast;                   // the blocks cast from the master as they run
   bool streamed_optimizer;     // the offloaded optimizer's state streams through the device
+  int64_t cp;                  // context-parallel ranks (1: none): the plan is one rank's
+  LlamaConfig store;           // the K/V store's config: cf, or under context parallelism the rank's heads
 };
 
 // Fills the report's device and host memory by category (memory.cpp).
 void plan_memory(const StepPlan& s, PlanReport& r);
 // Fills the report's time by category, its step time, FLOPs, K/V bytes moved and casts (time_model.cpp).
 void plan_time(const StepPlan& s, PlanReport& r);
+// Context parallelism (s.cp > 1): the rank's all-to-alls and the bytes they and the gradient's
+// all-reduce move a step (context_parallel.cpp).
+void plan_context_parallel(const StepPlan& s, PlanReport& r);
 
 }  // namespace cw

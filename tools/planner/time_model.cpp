@@ -75,7 +75,7 @@ constexpr double kHostAdamWElemsPerS = 2.3e9;
 // recomputing them. Checked against the recorded runs and a CPU step's own count in
 // tests/tools/test_plan.cpp.
 double kv_offload_bytes(const StepPlan& s, double reverse) {
-  const LlamaConfig& cf = s.cf;
+  const LlamaConfig& cf = s.store;  // the heads the store holds
   const int64_t B = s.B, T = s.T, c = s.chunk, c2 = s.bwd_chunk, prefill_end = s.prefill_end;
   const double kv = double(2 * B * cf.num_key_value_heads * cf.head_dim) * double(s.e);
   const double g = double(2 * B * cf.num_key_value_heads * cf.head_dim) * double(s.acc);
@@ -223,11 +223,17 @@ void plan_time(const StepPlan& s, PlanReport& r) {
   const double matmul_s =
       prefill_matmul / (kMatmulTflops * 1e12 * matmul_row_efficiency(B * s.chunk)) +
       (matmul - prefill_matmul) / (kMatmulTflops * 1e12 * matmul_row_efficiency(B * s.bwd_chunk));
-  r.time = {{"matmul", matmul_s},
-            {"lm_head", head / (kMatmulTflops * 1e12)},
-            {"attention", attention_s},
-            {"kv grad adds", kv_grad_adds},
-            {"elementwise", elementwise / kElementwiseBytesPerS},
+  // Context parallelism: a rank runs 1/cp of every chunk's rows through the linears, the LM head and
+  // the elementwise work, and attention (and its store's dK, dV adds) on 1/cp of the heads; the
+  // optimizer updates the whole model on every rank. (The GEMMs' rate is kept at the chunk's rows.)
+  const double share = 1.0 / double(s.cp);
+  const double kv_share = double(s.store.num_key_value_heads) / double(Hkv);
+  r.flops = r.flops * share;
+  r.time = {{"matmul", matmul_s * share},
+            {"lm_head", head / (kMatmulTflops * 1e12) * share},
+            {"attention", attention_s * share},
+            {"kv grad adds", kv_grad_adds * kv_share},
+            {"elementwise", elementwise / kElementwiseBytesPerS * share},
             {"optimizer", optimizer_s}};
   // cast_layers: a block is cast each time a chunk's pass reaches it, except where a slot still holds
   // it: every prefill chunk casts all L blocks; a reverse chunk's backward finds its forward's last

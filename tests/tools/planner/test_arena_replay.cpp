@@ -13,10 +13,16 @@
 #include "tools/planner/arena_replay.h"
 #include "tools/planner/planner.h"
 
+#include "parallel/comm.h"
+#include "parallel/context_parallel.h"
+#include "model/cp_group.h"
+
+#include "engine/engine.h"
 #include "model/llama.h"
 #include "model/lora.h"
 #include "optim/schedule.h"
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -201,6 +207,96 @@ TEST_CASE("planner: the replayed arena is a CPU step's own, byte for byte, over 
             }
           }
   MESSAGE(steps, " steps checked");
+}
+
+namespace {
+// A rank's context-parallel group that counts its exchanges and the bytes each puts on the link: of
+// its buffer (P blocks, the heads-side tensor's size) all but the rank's own block.
+class CountingGroup final : public ContextParallelGroup {
+ public:
+  explicit CountingGroup(Communicator& comm) : inner_(comm) {}
+  int rank() const override { return inner_.rank(); }
+  int size() const override { return inner_.size(); }
+  void to_heads_forward(const Tensor& x, const Tensor& y) override { count(y), inner_.to_heads_forward(x, y); }
+  void to_heads_backward(const Tensor& dy, const Tensor& dx) override { count(dy), inner_.to_heads_backward(dy, dx); }
+  void to_tokens_forward(const Tensor& x, const Tensor& y) override { count(x), inner_.to_tokens_forward(x, y); }
+  void to_tokens_backward(const Tensor& dy, const Tensor& dx) override { count(dx), inner_.to_tokens_backward(dy, dx); }
+  int64_t calls = 0;
+  double bytes = 0;
+
+ private:
+  void count(const Tensor& heads) {
+    ++calls;
+    bytes += double(heads.bytes()) * double(size() - 1) / double(size());
+  }
+  ContextParallel inner_;
+};
+}  // namespace
+
+TEST_CASE("planner: under context parallelism the replayed arena is each rank's own, byte for byte, the plan's K/V "
+          "store its heads', and its all-to-alls the step's") {
+  struct CpCase {
+    const char* name;
+    const char* preset;
+    int cp;
+    ScheduleOptions schedule;
+    LoraConfig lora;
+  };
+  ScheduleOptions saved = schedule("seco", 8);
+  saved.save_attention = true;
+  saved.bwd_chunk = 4;
+  ScheduleOptions tiled = schedule("checkpointed", 0, "selective");
+  tiled.mlp_shards = 3;
+  const std::vector<CpCase> cases = {
+      {"tiny-tp, 2 ranks, seco chunk 8", "tiny-tp", 2, schedule("seco", 8), {}},
+      {"tiny-tp, 8 ranks (K/V heads replicated), full", "tiny-tp", 8, schedule("full"), {}},
+      {"tiny, 4 ranks, seco recompute full", "tiny", 4, schedule("seco", 8, "full"), {}},
+      {"tiny, 2 ranks, seco saved attention, bwd chunk 4", "tiny", 2, saved, {}},
+      {"tiny, 2 ranks, checkpointed selective, tiled MLP", "tiny", 2, tiled, {}},
+      {"tiny-qwen3, 2 ranks, seco, LoRA with dropout", "tiny-qwen3", 2, schedule("seco", 8), adapters("all-linear", 0.1)},
+      {"tiny-gemma2, 2 ranks, spaco", "tiny-gemma2", 2, schedule("spaco", 8), {}},
+  };
+  const int64_t B = 2, T = 24;
+  for (const CpCase& c : cases) {
+    CAPTURE(std::string(c.name));
+    const LlamaConfig cf = LlamaConfig::preset(c.preset);
+    std::vector<StepStats> stats(static_cast<size_t>(c.cp));
+    std::vector<size_t> reserved(static_cast<size_t>(c.cp));
+    std::vector<int64_t> calls(static_cast<size_t>(c.cp));
+    std::vector<double> bytes(static_cast<size_t>(c.cp));
+    run_thread_ranks(c.cp, [&](Communicator& comm) {
+      LlamaModel model(cf, DType::f32, Device::host(), nullptr, c.lora);
+      init_parameters(model.params(), 3, cf.initializer_range);
+      CountingGroup group(comm);
+      model.set_context_parallel(&group);
+      ParamSet grads(cf, model.trainable_table(), DType::f32);
+      const std::unique_ptr<Schedule> s = Schedule::create(c.schedule);
+      stats[comm.rank()] = s->step(model, random_batch(B, T, cf.vocab_size, 11), grads);
+      reserved[comm.rank()] = s->arena().reserved();
+      calls[comm.rank()] = group.calls;
+      bytes[comm.rank()] = group.bytes;
+    });
+    StepArenaInputs in{cf, B, T, c.schedule, DType::f32, c.lora, Device::host()};
+    in.cp = c.cp;
+    // The CPU attention's scratch is per kernel thread: a rank's share of the cores (run_thread_ranks).
+    const CpuThreadsScope rank_threads(std::max(1, cpu_threads() / c.cp));
+    const StepArena replay = replay_step_arena(in);
+    MemoryBudget budget(1024);
+    budget.cp_ranks = c.cp;
+    const PlanReport plan = plan_step(cf, B, T, c.schedule, DType::f32, budget, c.lora, false, {}, Device::host());
+    size_t kv = 0;
+    for (const auto& [name, bytes] : plan.device)
+      if (name == "kv") kv = bytes;
+    for (int r = 0; r < c.cp; ++r) {
+      CAPTURE(r);
+      CHECK(replay.high_water == stats[r].activation_high_water);
+      CHECK(replay.reserved() == reserved[r]);
+      CHECK(kv == stats[r].kv_bytes);
+      CHECK(plan.cp_all_to_alls == calls[r]);
+      CHECK(plan.cp_exchange_bytes == doctest::Approx(bytes[r]).epsilon(1e-12));
+    }
+    CHECK(plan.cp == c.cp);
+  }
 }
 
 TEST_CASE("planner: the replay takes the device's scratch: the GPU's differs from the CPU's where their ops do") {
