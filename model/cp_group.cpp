@@ -27,4 +27,12 @@ LlamaConfig cp_attention_config(const LlamaConfig& c, int64_t cp) {
   return s;
 }
 
+int64_t cp_rank_tokens(const ContextParallelGroup* cp, int64_t c) {
+  if (!cp) return c;
+  CW_CHECK_HINT(c % cp->size() == 0, "give a chunk length (and sequence length) that parallel.cp divides",
+                "context parallelism over {} ranks: a chunk of {} tokens does not split into {} equal parts",
+                cp->size(), c, cp->size());
+  return c / cp->size();
+}
+
 }  // namespace cw

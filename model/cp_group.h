@@ -26,6 +26,12 @@ namespace cw {
 // heads, the rest as the model's. Throws naming the numbers when P splits neither (and parallel.cp).
 LlamaConfig cp_attention_config(const LlamaConfig& config, int64_t cp);
 
+class ContextParallelGroup;
+
+// The tokens of each sequence a rank holds of a chunk of c: c, or under context parallelism (cp set)
+// c/P. Throws, naming the numbers, when P does not divide c.
+int64_t cp_rank_tokens(const ContextParallelGroup* cp, int64_t c);
+
 class ContextParallelGroup {
  public:
   virtual ~ContextParallelGroup() = default;

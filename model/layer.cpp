@@ -25,9 +25,8 @@ bool fused_qkv() { return g_fused_qkv.load(); }
 
 namespace {
 // The rule, stated once: the switch on, no tensor parallelism (each rank holds its own heads' rows of
-// the three weights), no context parallelism, no adapter on q, k or v (each adds its own low-rank term
-// to one projection).
-// Context parallelism exchanges q, k and v separately (each its own heads).
+// the three weights), no context parallelism (it exchanges q, k and v apart, each of its own heads), no
+// adapter on q, k or v (each adds its own low-rank term to one projection).
 bool qkv_fusable(const TensorParallelGroup* tp, const ContextParallelGroup* cp, bool qkv_adapters) {
   return fused_qkv() && !tp && !cp && !qkv_adapters;
 }
@@ -52,7 +51,7 @@ LayerActivations LayerActivations::allocate(Arena& arena, const LlamaConfig& cf,
   // Under context parallelism the rank's rows are its c/P tokens of each sequence, and attention's
   // tensors the whole chunk's of its H/P heads.
   const int64_t P = cp ? cp->size() : 1;
-  const int64_t N = B * (c / P), C = cf.hidden_size, F = cf.intermediate_size, H = cf.num_attention_heads,
+  const int64_t N = B * cp_rank_tokens(cp, c), C = cf.hidden_size, F = cf.intermediate_size, H = cf.num_attention_heads,
                 D = cf.head_dim, Ha = H / P;
   const int64_t R = tp_rows(tp, N), normed_rows = tp_regathers(tp) ? R : N;
   const DType acc = accum_dtype(dt);
@@ -90,7 +89,7 @@ size_t LayerActivations::bytes(const LlamaConfig& cf, int64_t B, int64_t c, DTyp
                                const TensorParallelGroup* tp, const ContextParallelGroup* cp) {
   // Under context parallelism N counts the rank's tokens; q, attn and lse (the chunk's tokens of H/P
   // heads) are as many values as for N tokens of every head, and attn_rows adds one more [N, q_dim].
-  const int64_t rows = B * (c / (cp ? cp->size() : 1));
+  const int64_t rows = B * cp_rank_tokens(cp, c);
   const size_t N = static_cast<size_t>(rows), R = static_cast<size_t>(tp_rows(tp, rows));
   const size_t attention = cp ? 3 : 2;  // q and attn; attn_rows
   const size_t normed_rows = tp_regathers(tp) ? R : N, C = static_cast<size_t>(cf.hidden_size);

@@ -15,10 +15,7 @@ int64_t rank_tokens(const BlockContext& ctx) {
                 "context parallelism with tensor parallelism is not implemented");
   CW_CHECK_HINT(!ctx.doc_starts, "run context parallelism without data.documents",
                 "context parallelism with packed documents is not implemented");
-  CW_CHECK_HINT(ctx.c % ctx.cp->size() == 0, "give a chunk length (and sequence length) that parallel.cp divides",
-                "context parallelism over {} ranks: a chunk of {} tokens does not split into {} equal parts",
-                ctx.cp->size(), ctx.c, ctx.cp->size());
-  return ctx.c / ctx.cp->size();
+  return cp_rank_tokens(ctx.cp, ctx.c);
 }
 }  // namespace
 

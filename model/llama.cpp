@@ -157,7 +157,7 @@ ChunkActivations ChunkActivations::allocate(Arena& arena, const LlamaConfig& cf,
                                             const ContextParallelGroup* cp) {
   ChunkActivations a;
   a.policy = policy;
-  const int64_t N = B * (c / (cp ? cp->size() : 1)), R = tp_rows(tp, N), C = cf.hidden_size, L = cf.num_hidden_layers;
+  const int64_t N = B * cp_rank_tokens(cp, c), R = tp_rows(tp, N), C = cf.hidden_size, L = cf.num_hidden_layers;
   const MlpKept mlp = mlp_kept(policy, cf, N);
   if (policy.offload_inputs) {
     CW_CHECK(!policy.keep_layers, "offloading layer inputs needs a policy that keeps only layer inputs");
@@ -177,7 +177,7 @@ ChunkActivations ChunkActivations::allocate(Arena& arena, const LlamaConfig& cf,
 
 size_t ChunkActivations::bytes(const LlamaConfig& cf, int64_t B, int64_t c, DType dt, const ActivationPolicy& policy,
                                const TensorParallelGroup* tp, const ContextParallelGroup* cp) {
-  const int64_t rows = B * (c / (cp ? cp->size() : 1));
+  const int64_t rows = B * cp_rank_tokens(cp, c);
   const size_t R = static_cast<size_t>(tp_rows(tp, rows)), C = static_cast<size_t>(cf.hidden_size);
   const MlpKept mlp = mlp_kept(policy, cf, rows);
   // Recomputing layers still needs one layer's activations at a time.
@@ -303,12 +303,7 @@ class OutsideRelease {
 
 // The rows a rank holds of a chunk: B c, or under context parallelism its c/P tokens of each sequence.
 int64_t chunk_rows(const LlamaModel& model, const ChunkTokens& chunk) {
-  const ContextParallelGroup* cp = model.context_parallel();
-  if (!cp) return chunk.B * chunk.c;
-  CW_CHECK_HINT(chunk.c % cp->size() == 0, "give a chunk length (and sequence length) that parallel.cp divides",
-                "context parallelism over {} ranks: a chunk of {} tokens does not split into {} equal parts",
-                cp->size(), chunk.c, cp->size());
-  return chunk.B * (chunk.c / cp->size());
+  return chunk.B * cp_rank_tokens(model.context_parallel(), chunk.c);
 }
 
 void check_chunk(const LlamaModel& model, const ChunkTokens& chunk, const KVStore& kv) {

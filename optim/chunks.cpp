@@ -39,9 +39,7 @@ ChunkTokens slice_chunk(const StepTokens& tokens, int64_t t0, int64_t t1, Arena&
   const int64_t B = tokens.B(), c = t1 - t0;
   // The ids and labels of the rank's tokens: all c of each sequence, or under context parallelism its
   // n = c/P from t0 + r n (ChunkTokens' B, c and pos0 stay the chunk's).
-  const int64_t n = cp ? c / cp->size() : c, first = t0 + (cp ? cp->rank() * n : 0);
-  CW_CHECK(!cp || c % cp->size() == 0, "context parallelism over {} ranks: a chunk of {} tokens does not split into {} "
-           "equal parts", cp ? cp->size() : 1, c, cp ? cp->size() : 1);
+  const int64_t n = cp_rank_tokens(cp, c), first = t0 + (cp ? cp->rank() * n : 0);
   ChunkTokens ct;
   ct.B = B;
   ct.c = c;

@@ -96,18 +96,6 @@ void heads_to_tokens(Communicator& comm, const Tensor& heads, const Tensor& toke
 
 }  // namespace
 
-void check_context_parallel(int64_t ranks, int64_t heads, int64_t kv_heads, int64_t tokens) {
-  CW_CHECK(ranks >= 1, "context parallelism needs at least one rank, got {}", ranks);
-  CW_CHECK_HINT(heads % ranks == 0, "give a cp that divides the query heads", "context parallelism over {} ranks: {} query heads do not split into {} equal parts",
-                ranks, heads, ranks);
-  CW_CHECK_HINT(kv_heads % ranks == 0 || ranks % kv_heads == 0,
-                "give a cp that divides the K/V heads or that they divide (each K/V head then on cp / heads ranks)",
-                "context parallelism over {} ranks: {} K/V heads neither split into {} equal parts nor divide {}", ranks,
-                kv_heads, ranks, ranks);
-  CW_CHECK_HINT(tokens % ranks == 0, "give a sequence (or chunk) length that cp divides",
-                "context parallelism over {} ranks: {} tokens do not split into {} equal parts", ranks, tokens, ranks);
-}
-
 HeadRange cp_heads_of_rank(int64_t heads, int64_t ranks, int64_t rank) {
   CW_CHECK(ranks >= 1 && rank >= 0 && rank < ranks, "cp_heads_of_rank: rank {} of {}", rank, ranks);
   CW_CHECK(heads >= 1 && (heads % ranks == 0 || ranks % heads == 0),

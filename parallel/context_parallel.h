@@ -9,7 +9,7 @@
 // h reads K/V head h / (H / Hkv), so rank r needs the Hr = max(1, Hkv / P) K/V heads from
 // first(r) = r Hkv / P (rounded down): its own share when P divides Hkv, and when Hkv divides P one
 // head that P / Hkv ranks hold alike (replicated: each K/V head goes to every rank whose query heads
-// read it). Any other P is refused (`check_context_parallel`).
+// read it). Any other P is refused (model/cp_group.h's cp_attention_config says which key).
 //
 // The maps, for a tensor of G heads (H for queries and outputs, Hkv for keys and values), each rank's
 // part of the heads [first(r), first(r) + Hr) with first and Hr as above for G (G = H: Hr = H / P):
@@ -36,10 +36,6 @@
 #include <cstdint>
 
 namespace cw {
-
-// Refuses, in one line naming the numbers, a P that does not split the heads as above (P must divide
-// H, and P divide Hkv or Hkv divide P) or the tokens (P must divide T).
-void check_context_parallel(int64_t ranks, int64_t heads, int64_t kv_heads, int64_t tokens);
 
 // The heads of G that rank r of P holds after to_heads: [first, first + count).
 struct HeadRange {

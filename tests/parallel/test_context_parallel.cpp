@@ -1,7 +1,8 @@
 // Context parallelism's exchange of tokens for heads (parallel/context_parallel.h), on the threads
 // backend in f64:
 //   - each rank's heads (cp_heads_of_rank): shares when the ranks divide the heads, one head on
-//     several ranks when the heads divide the ranks; check_context_parallel refuses any other split;
+//     several ranks when the heads divide the ranks; cp_attention_config and cp_rank_tokens refuse any
+//     other split, naming the key;
 //   - cp_to_heads' forward gives rank r every token of its heads, bitwise, for query heads and K/V
 //     heads with and without replicas; cp_to_tokens is its inverse, bitwise;
 //   - each map's backward is the adjoint of its forward over the group, and to_heads' backward sums
@@ -89,15 +90,24 @@ TEST_CASE("context parallel: each rank's heads, and the splits refused") {
     CHECK(cp_heads_of_rank(2, 4, r).first == first[r]);
     CHECK(cp_heads_of_rank(2, 4, r).count == 1);
   }
-  check_context_parallel(4, 8, 2, 64);
-  check_context_parallel(2, 8, 8, 64);
-  check_context_parallel(1, 3, 1, 7);
-  CHECK(test::contains(test::error_of([] { check_context_parallel(3, 8, 2, 63); }),
-                       "context parallelism over 3 ranks: 8 query heads do not split into 3 equal parts"));
-  CHECK(test::contains(test::error_of([] { check_context_parallel(4, 12, 6, 64); }),
-                       "context parallelism over 4 ranks: 6 K/V heads neither split into 4 equal parts nor divide 4"));
-  CHECK(test::contains(test::error_of([] { check_context_parallel(4, 8, 4, 30); }),
-                       "context parallelism over 4 ranks: 30 tokens do not split into 4 equal parts"));
+  LlamaConfig cf = LlamaConfig::preset("tiny-tp");  // 8 heads, 4 K/V heads
+  CHECK(cp_attention_config(cf, 4).num_attention_heads == 2);
+  CHECK(cp_attention_config(cf, 4).num_key_value_heads == 1);
+  CHECK(cp_attention_config(cf, 8).num_key_value_heads == 1);  // each K/V head on two ranks
+  CHECK(cp_attention_config(cf, 2).num_key_value_heads == 2);
+  CHECK(test::contains(test::error_of([&] { cp_attention_config(cf, 3); }),
+                       "parallel.cp = 3 does not divide num_attention_heads = 8"));
+  cf.num_attention_heads = 12;
+  cf.num_key_value_heads = 6;
+  CHECK(test::contains(test::error_of([&] { cp_attention_config(cf, 4); }),
+                       "parallel.cp = 4 neither divides num_key_value_heads = 6 nor is a multiple of it"));
+  run_thread_ranks(4, [](Communicator& comm) {
+    ContextParallel group(comm);
+    CHECK(cp_rank_tokens(&group, 32) == 8);
+    CHECK(cp_rank_tokens(nullptr, 30) == 30);
+    CHECK(test::contains(test::error_of([&] { cp_rank_tokens(&group, 30); }),
+                         "context parallelism over 4 ranks: a chunk of 30 tokens does not split into 4 equal parts"));
+  });
 }
 
 TEST_CASE("context parallel: to_heads gives each rank every token of its heads, to_tokens undoes it, bitwise") {
