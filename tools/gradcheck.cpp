@@ -444,22 +444,32 @@ std::optional<GridResult> grid_run(const GradcheckOptions& o, int64_t zero, cons
   return assemble_grid(o, zero, std::move(by_rank), dtype, init);
 }
 
-// --cp P against single (see the header): one rank of a context-parallel group on the whole batch,
-// on its communicator's device (a thread's host memory, or a launched process's GPU over NCCL), each
-// step's gradient summed over the group before the optimizer step. Its run, in host sets; and
-// whether every rank ended with rank 0's parameters bitwise (a collective every rank joins).
-std::pair<RunResult, bool> context_parallel_rank(const GradcheckOptions& o, Communicator& comm,
+// --cp P against single (see the header): one rank of a context-parallel group, on its
+// communicator's device (a thread's host memory, or a launched process's GPU over NCCL). With --dp D
+// the world is D x P ranks, rank w in DP rank w / P (its B/D sequences) and CP rank w % P (c/P tokens
+// of their every chunk); every rank's gradient is its tokens' share of the whole batch's (the loss
+// divided by the whole batch's count of labels), and one all-reduce over the world sums them before
+// each optimizer step. Its run, in host sets; and whether every rank ended with rank 0's parameters
+// bitwise (a collective every rank joins).
+std::pair<RunResult, bool> context_parallel_rank(const GradcheckOptions& o, Communicator& world,
                                                  const LlamaConfig& config, DType dtype, const LlamaModel& init,
                                                  const Batch& batch) {
-  TrainingState st(config, dtype, comm.device(), AdamWOptions{}, {.lora = o.lora});
+  const int P = static_cast<int>(o.cp), D = static_cast<int>(o.parallel.dp), d = world.rank() / P;
+  const std::unique_ptr<Communicator> cp_comm = world.split(d, world.rank() % P);  // the ranks of DP rank d
+  const int64_t per_rank = batch.B() / D;
+  Batch mine = batch_rows(batch, d * per_rank, per_rank);
+  mine.sequence0 = d * per_rank;
+  const double normaliser = static_cast<double>(std::max<int64_t>(1, batch.supervised()));
+  TrainingState st(config, dtype, world.device(), AdamWOptions{}, {.lora = o.lora});
   load_initial(st, init);
-  ContextParallel group(comm);
+  ContextParallel group(*cp_comm);
   st.model().set_context_parallel(&group);
   auto schedule = Schedule::create(o.schedule);
   RunResult r{0, ParamSet::like(init.trainable(), dtype), ParamSet::like(init.trainable(), dtype)};
+  Communicator& comm = world;
   for (int s = 0; s < o.optimizer_steps; ++s) {
     st.grads().zero();
-    const StepStats stats = schedule->step(st.model(), batch, st.grads(), 0, static_cast<uint64_t>(s));
+    const StepStats stats = schedule->step(st.model(), mine, st.grads(), normaliser, static_cast<uint64_t>(s));
     comm.all_reduce(st.grads().flat())->wait();  // each rank's tokens' share, summed: the whole gradient
     std::vector<double> loss{stats.loss};
     sum_host_values(comm, loss);
@@ -490,7 +500,7 @@ std::optional<std::pair<RunResult, bool>> context_parallel_run(const GradcheckOp
     return mine;
   }
   std::optional<std::pair<RunResult, bool>> first;
-  run_thread_ranks(static_cast<int>(o.cp), [&](Communicator& comm) {
+  run_thread_ranks(static_cast<int>(o.cp * o.parallel.dp), [&](Communicator& comm) {
     auto mine = context_parallel_rank(o, comm, config, dtype, init, batch);
     if (comm.rank() == 0) first = std::move(mine);
   });
@@ -505,9 +515,12 @@ double against_single_cp(const GradcheckOptions& o, const LlamaConfig& config, D
   const RunResult single = single_run(o, config, dtype, world ? world->device() : Device::host(), init, batch);
   const LlamaConfig heads = cp_attention_config(config, o.cp);
   out << fmt::format("context parallel: {} ranks ({}), each 1/{} of every chunk's tokens and {} of {} heads ({} of "
-                     "{} K/V heads in its store)\n",
+                     "{} K/V heads in its store){}\n",
                      o.cp, world ? "processes through NCCL" : "threads", o.cp, heads.num_attention_heads,
-                     config.num_attention_heads, heads.num_key_value_heads, config.num_key_value_heads);
+                     config.num_attention_heads, heads.num_key_value_heads, config.num_key_value_heads,
+                     o.parallel.dp > 1 ? fmt::format(", in each of {} data-parallel ranks of {} sequences",
+                                                     o.parallel.dp, batch.B() / o.parallel.dp)
+                                       : "");
   out << "first step: gradients against one process on the whole batch\n";
   double max_rel = compare_sets(cp.grads, single.grads, "g_single", "single", out);
   max_rel = std::max(max_rel, compare_loss(cp.loss, single.loss, cp.grads, out));
@@ -608,9 +621,10 @@ int run_gradcheck(const GradcheckOptions& o, std::ostream& out, Communicator* wo
   if (world) {  // launched: one rank of the grid per process, on its GPU
     if (dtype != DType::f32 || world->device().is_cpu())
       fail("a launched gradcheck runs its ranks on GPUs in f32", "give --dtype f32 (and launch one process per GPU)");
-    if (o.cp > 1 && o.cp != world->size())
-      fail(fmt::format("--cp {} is {} ranks, but {} were launched", o.cp, o.cp, world->size()),
-           "launch cp processes");
+    if (o.cp > 1 && o.cp * o.parallel.dp != world->size())
+      fail(fmt::format("--cp {} x --dp {} is {} ranks, but {} were launched", o.cp, o.parallel.dp,
+                       o.cp * o.parallel.dp, world->size()),
+           "launch cp x dp processes");
     if (o.cp == 1 && o.parallel.dp * o.parallel.tp != world->size())
       fail(fmt::format("--dp {} x --tp {} is {} ranks, but {} were launched", o.parallel.dp, o.parallel.tp,
                        o.parallel.dp * o.parallel.tp, world->size()),
@@ -650,8 +664,8 @@ int run_gradcheck(const GradcheckOptions& o, std::ostream& out, Communicator* wo
   if (o.parallel.tp > 1) tp_shard_config(config, o.parallel.tp);  // tp must divide the heads and FFN: say so here
   if (o.cp < 1) fail(fmt::format("--cp must be >= 1, got {}", o.cp));
   if (o.cp > 1) {
-    if (parallel || o.parallel.zero > 0)
-      fail("--cp with --dp, --tp or --zero is not implemented", "give --cp alone");
+    if (o.parallel.tp > 1 || o.parallel.zero > 0)
+      fail("--cp with --tp or --zero is not implemented", "give --cp alone, or with --dp");
     if (!o.documents.empty()) fail("--cp with --documents is not implemented", "drop --documents");
     if (against != "single") fail(fmt::format("--cp compares its ranks with one process: --against single, not {}", against));
     cp_attention_config(config, o.cp);  // the heads must split over the ranks: say so here

@@ -32,10 +32,11 @@
 //                process draws on the whole batch (optim/spaco.cpp), so the estimators are
 //                compared exactly like the exact schedules.
 //                --cp P (context parallelism, parallel/context_parallel.h; threads or launched, without
-//                --dp, --tp, --zero or --documents): P ranks of one context-parallel group, each holding the same
-//                initial model and c/P tokens of every chunk of every sequence (attention on its
-//                H/P heads of the whole chunk), each step's gradient summed over the group (each
-//                rank's is its tokens' share) before the AdamW step; the loss, the first step's
+//                --tp, --zero or --documents): P ranks of one context-parallel group, each holding the
+//                same initial model and c/P tokens of every chunk of every sequence (attention on its
+//                H/P heads of the whole chunk); with --dp D, D such groups, DP rank d taking sequences
+//                [d B/D, (d+1) B/D). Every rank's gradient is its tokens' share of the whole batch's,
+//                summed over all D x P ranks before the AdamW step; the loss, the first step's
 //                gradients and the parameters after the steps against one process, and every rank
 //                must hold bitwise the same parameters.
 //   against separate (with --documents): the packed batch's loss and gradients under the schedule

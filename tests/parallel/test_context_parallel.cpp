@@ -384,6 +384,15 @@ TEST_CASE("context parallel: gradcheck --cp P equals one process under every sch
   cases.push_back(cp_gradcheck("tiny-mistral", 2, ScheduleKind::seco, 8, 4));
   cases.push_back(cp_gradcheck("tiny-tp", 4, ScheduleKind::seco, 8, 4));  // LoRA, dropout on every linear
   cases.back().lora = {.rank = 4, .alpha = 8.0, .dropout = 0.1, .targets = "all-linear", .seed = 3};
+  for (ScheduleKind kind : {ScheduleKind::full, ScheduleKind::seco}) {  // with data parallelism: 2 x 2 ranks
+    cases.push_back(cp_gradcheck("tiny-tp", 2, kind, kind == ScheduleKind::seco ? 8 : 0, kind == ScheduleKind::seco ? 4 : 0));
+    cases.back().parallel.dp = 2;
+    cases.back().batch = 4;
+  }
+  cases.push_back(cp_gradcheck("tiny-tp", 2, ScheduleKind::seco, 8, 4));  // LoRA with dropout, 3 x 2 ranks
+  cases.back().parallel.dp = 3;
+  cases.back().batch = 3;
+  cases.back().lora = {.rank = 4, .alpha = 8.0, .dropout = 0.1, .targets = "all-linear", .seed = 3};
   for (const GradcheckOptions& o : cases) {
     CAPTURE(o.model);
     CAPTURE(o.cp);
@@ -407,7 +416,8 @@ TEST_CASE("context parallel: gradcheck --cp refuses what it does not implement, 
   std::vector<Refused> table;
   table.push_back({cp_gradcheck("tiny", 3, ScheduleKind::full), "parallel.cp = 3 does not divide num_attention_heads = 4"});
   table.push_back({cp_gradcheck("tiny", 2, ScheduleKind::seco, 5), "--cp 2 splits every chunk's tokens into equal parts"});
-  table.push_back({cp_gradcheck("tiny", 2, ScheduleKind::full), "--cp with --dp, --tp or --zero is not implemented"});
+  table.push_back({cp_gradcheck("tiny", 2, ScheduleKind::full), "--cp with --tp or --zero is not implemented"});
+  table.back().options.parallel.zero = 1;
   table.back().options.parallel.dp = 2;
   table.push_back({cp_gradcheck("tiny", 2, ScheduleKind::full), "--cp with --documents is not implemented"});
   table.back().options.documents = {8, 8};
