@@ -337,12 +337,19 @@ Tensor attend_backward(const Tensor& d_attn_rows, const LayerActivations& a, con
 
 // The store's K or V gradient of the chunk's own rows [p, p+c) (`store`) as the rank's rows
 // [B, ct, Hkv, D]: as they are, or under context parallelism back from the rank's heads to its
-// tokens (to_heads' adjoint, which sums the K/V heads that several ranks hold).
+// tokens (to_heads' adjoint). Where several ranks hold a K/V head (replicas) the adjoint sums their
+// gradients: that runs in the store's accumulation dtype, so the sum is rounded to the compute dtype
+// once, as one process rounds its accumulator.
 void read_store_grad(const Tensor& rows, const Tensor& store, const BlockCall& b) {
   if (!b.cp) return copy_convert(rows, store);
-  const Tensor heads = b.scratch.alloc(b.dt, {b.B, b.c, b.Hkva, b.D});
+  const bool replicas = b.Hkva * b.cp->size() > b.Hkv;
+  const DType exchanged = replicas ? store.dtype : b.dt;
+  const Tensor heads = b.scratch.alloc(exchanged, {b.B, b.c, b.Hkva, b.D});
   copy_convert(heads, store);
-  b.cp->to_heads_backward(heads, rows);
+  if (!replicas) return b.cp->to_heads_backward(heads, rows);
+  const Tensor summed = b.scratch.alloc(exchanged, {b.B, b.ct, b.Hkv, b.D});
+  b.cp->to_heads_backward(heads, summed);
+  copy_convert(rows, summed);
 }
 
 // The gradients of the projections' outputs, before RoPE: of q from d_q, of the chunk's own K and V

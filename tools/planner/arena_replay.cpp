@@ -116,6 +116,8 @@ struct Chunk {
   size_t stat(int64_t width) const { return static_cast<size_t>(N() * width) * acc(); }  // f32 or f64
   // The chunk's K (or V) of the rank's heads, [B, c, kv_heads, D] (context parallelism).
   size_t kv_heads_bytes() const { return static_cast<size_t>(B * c() * kv_heads() * cf.head_dim) * e(); }
+  // Whether several ranks hold each K/V head (context parallelism over more ranks than K/V heads).
+  bool kv_replicated() const { return kv_heads() * cp > cf.num_key_value_heads; }
   AttentionDims attention(int64_t S) const {
     return {B, c(), S, heads(), kv_heads(), cf.head_dim};
   }
@@ -372,7 +374,14 @@ void block_backward(Requests& r, const Chunk& s, MlpKept mlp, int64_t mlp_shards
     r.alloc(s.row(cf.kv_dim()));  // d_k
     r.alloc(s.row(cf.kv_dim()));  // d_v
     if (s.cp > 1)
-      for (int i = 0; i < 2; ++i) r.alloc(s.kv_heads_bytes());  // read_store_grad: dK, dV of the rank's heads
+      for (int i = 0; i < 2; ++i) {  // read_store_grad: dK, dV of the rank's heads (replicas: summed in acc)
+        if (!s.kv_replicated()) {
+          r.alloc(s.kv_heads_bytes());
+        } else {
+          r.alloc(s.kv_heads_bytes() / s.e() * s.acc());
+          r.alloc(s.stat(s.cf.kv_dim()));  // the replicas' sum, the rank's tokens
+        }
+      }
   }
   r.alloc(s.row(cf.hidden_size));  // d(h1)
   if (s.fused) return;

@@ -22,7 +22,11 @@ void plan_context_parallel(const StepPlan& s, PlanReport& r) {
   // Bytes per token of the rank in one exchange of queries (or the output), and of keys (or values).
   const double q = double(cf.num_attention_heads) * D * e;
   const double kv = P * double(s.store.num_key_value_heads) * D * e;
-  const double attend = 2 * q + 2 * kv, from_saved = 2 * q, backward = 2 * q + 2 * kv;
+  // Replicated K/V heads' gradients are exchanged in the accumulation dtype (model/layer.cpp
+  // read_store_grad), to be summed before they are rounded.
+  const bool replicated = s.store.num_key_value_heads * s.cp > cf.num_key_value_heads;
+  const double d_kv = replicated ? kv / e * double(s.acc) : kv;
+  const double attend = 2 * q + 2 * kv, from_saved = 2 * q, backward = 2 * q + 2 * d_kv;
   // spaco visits keep of the reverse chunks.
   const double reverse_chunks = std::ceil(double(s.T) / double(s.bwd_chunk));
   const double reverse = o.kind == ScheduleKind::spaco && o.keep > 0 ? std::min(1.0, double(o.keep) / reverse_chunks) : 1;
