@@ -1,5 +1,6 @@
 // The seams of a decoder block: where LoRA adapters and tensor parallelism join the math of
-// model/layer.h. block_forward / block_backward (model/layer.cpp) state the math; they reach the
+// model/layer.h (context parallelism's two exchanges are named steps of layer.cpp itself, around
+// attention; BlockCall holds the rank's tokens and heads for them). block_forward / block_backward (model/layer.cpp) state the math; they reach the
 // block's linears and the other ranks only through what is declared here. With one process (no
 // tensor-parallel group) and no adapters every seam is the plain step: a linear is y = x Wᵀ, the
 // normed input the linears read is rmsnorm's output itself, a partial sum is the whole sum.
