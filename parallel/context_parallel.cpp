@@ -54,17 +54,17 @@ void tokens_to_heads(Communicator& comm, const Tensor& tokens, const Tensor& hea
   const int64_t blk = e.block_elems();
   OwnedTensor send = OwnedTensor::on(comm.device(), tokens.dtype, {e.P * blk});
   OwnedTensor recv = OwnedTensor::on(comm.device(), tokens.dtype, {e.P * blk});
-  for (int64_t q = 0; q < e.P; ++q) {  // rank q's block: its heads of this rank's tokens
+  // The B n token rows lie G D apart in `tokens`: rank q's block is their columns of its heads.
+  for (int64_t q = 0; q < e.P; ++q) {
     const HeadRange theirs = cp_heads_of_rank(e.G, e.P, q);
-    for (int64_t b = 0; b < e.B; ++b)
-      copy_convert(block(send, q * blk + b * e.n * theirs.count * e.D, e.n, theirs.count * e.D, theirs.count * e.D),
-                   block(tokens, (b * e.n * e.G + theirs.first) * e.D, e.n, theirs.count * e.D, e.G * e.D));
+    const int64_t cols = theirs.count * e.D;
+    copy_convert(block(send, q * blk, e.B * e.n, cols, cols), block(tokens, theirs.first * e.D, e.B * e.n, cols, e.G * e.D));
   }
   comm.all_to_all(recv, send)->wait();
-  const int64_t run = e.n * e.mine.count * e.D;  // one sequence's tokens of rank s, contiguous on both sides
+  // Rank s's block: each sequence's run of its n tokens, at tokens [s n, (s+1) n) of that sequence here.
+  const int64_t run = e.n * e.mine.count * e.D;
   for (int64_t s = 0; s < e.P; ++s)
-    for (int64_t b = 0; b < e.B; ++b)
-      copy_convert(block(heads, (b * e.P + s) * run, 1, run, run), block(recv, s * blk + b * run, 1, run, run));
+    copy_convert(block(heads, s * run, e.B, run, e.P * run), block(recv, s * blk, e.B, run, run));
 }
 
 // heads [B, P n, Hr, D] -> tokens [B, n, G, D]: each rank's tokens sent back to it; where ranks hold
@@ -75,9 +75,8 @@ void heads_to_tokens(Communicator& comm, const Tensor& heads, const Tensor& toke
   const int64_t run = e.n * e.mine.count * e.D;
   OwnedTensor send = OwnedTensor::on(comm.device(), tokens.dtype, {e.P * blk});
   OwnedTensor recv = OwnedTensor::on(comm.device(), tokens.dtype, {e.P * blk});
-  for (int64_t s = 0; s < e.P; ++s)  // rank s's block: its tokens of this rank's heads
-    for (int64_t b = 0; b < e.B; ++b)
-      copy_convert(block(send, s * blk + b * run, 1, run, run), block(heads, (b * e.P + s) * run, 1, run, run));
+  for (int64_t s = 0; s < e.P; ++s)  // rank s's block: its tokens of this rank's heads, each sequence's run
+    copy_convert(block(send, s * blk, e.B, run, run), block(heads, s * run, e.B, run, e.P * run));
   comm.all_to_all(recv, send)->wait();
   // Block q of recv: rank q's heads of this rank's tokens. Replicas are adjacent ranks (first(q) is
   // monotone in q): the first of a run takes the later ones' sums, then goes to its heads' columns.
@@ -87,9 +86,8 @@ void heads_to_tokens(Communicator& comm, const Tensor& heads, const Tensor& toke
     int64_t next = q + 1;
     for (; next < e.P && cp_heads_of_rank(e.G, e.P, next).first == heads_q.first; ++next)
       accumulate(sum, block(recv, next * blk, 1, blk, blk).view({blk}));
-    for (int64_t b = 0; b < e.B; ++b)
-      copy_convert(block(tokens, (b * e.n * e.G + heads_q.first) * e.D, e.n, heads_q.count * e.D, e.G * e.D),
-                   block(recv, q * blk + b * e.n * heads_q.count * e.D, e.n, heads_q.count * e.D, heads_q.count * e.D));
+    const int64_t cols = heads_q.count * e.D;
+    copy_convert(block(tokens, heads_q.first * e.D, e.B * e.n, cols, e.G * e.D), block(recv, q * blk, e.B * e.n, cols, cols));
     q = next;
   }
 }

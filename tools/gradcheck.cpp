@@ -444,6 +444,21 @@ std::optional<GridResult> grid_run(const GradcheckOptions& o, int64_t zero, cons
   return assemble_grid(o, zero, std::move(by_rank), dtype, init);
 }
 
+// The ranks' run against one process's: the first step's loss and gradients, the parameters after
+// the optimizer steps, and whether the ranks agreed bitwise on `what`; the worst relative error
+// (1 when they did not agree).
+double compare_with_single(const GradcheckOptions& o, const RunResult& ranks, const RunResult& single,
+                           bool agree, const std::string& what, std::ostream& out) {
+  out << "first step: gradients against one process on the whole batch\n";
+  double max_rel = compare_sets(ranks.grads, single.grads, "g_single", "single", out);
+  max_rel = std::max(max_rel, compare_loss(ranks.loss, single.loss, ranks.grads, out));
+  out << fmt::format("after {} AdamW steps (lr {}): parameters against one process\n", o.optimizer_steps,
+                     kCheckLearningRate);
+  max_rel = std::max(max_rel, compare_sets(ranks.params, single.params, "p_single", "single", out));
+  out << fmt::format("ranks hold bitwise the same {}: {}\n", what, agree ? "yes" : "NO");
+  return agree ? max_rel : std::max(max_rel, 1.0);
+}
+
 // --cp P against single (see the header): one rank of a context-parallel group, on its
 // communicator's device (a thread's host memory, or a launched process's GPU over NCCL). With --dp D
 // the world is D x P ranks, rank w in DP rank w / P (its B/D sequences) and CP rank w % P (c/P tokens
@@ -466,13 +481,12 @@ std::pair<RunResult, bool> context_parallel_rank(const GradcheckOptions& o, Comm
   st.model().set_context_parallel(&group);
   auto schedule = Schedule::create(o.schedule);
   RunResult r{0, ParamSet::like(init.trainable(), dtype), ParamSet::like(init.trainable(), dtype)};
-  Communicator& comm = world;
   for (int s = 0; s < o.optimizer_steps; ++s) {
     st.grads().zero();
     const StepStats stats = schedule->step(st.model(), mine, st.grads(), normaliser, static_cast<uint64_t>(s));
-    comm.all_reduce(st.grads().flat())->wait();  // each rank's tokens' share, summed: the whole gradient
+    world.all_reduce(st.grads().flat())->wait();  // each rank's tokens' share, summed: the whole gradient
     std::vector<double> loss{stats.loss};
-    sum_host_values(comm, loss);
+    sum_host_values(world, loss);
     if (s == 0) {
       r.loss = loss[0];
       copy_params(r.grads, st.grads());
@@ -483,9 +497,9 @@ std::pair<RunResult, bool> context_parallel_rank(const GradcheckOptions& o, Comm
   // Rank 0's parameters to every rank, compared there; the ranks that differ counted.
   const ParamSet rank0 = ParamSet::like(st.master(), st.master().dtype());
   copy_params(rank0, st.master());
-  comm.broadcast(rank0.flat(), 0)->wait();
+  world.broadcast(rank0.flat(), 0)->wait();
   std::vector<double> differ{same_bits(host_copy(rank0), r.params) ? 0.0 : 1.0};
-  sum_host_values(comm, differ);
+  sum_host_values(world, differ);
   return {std::move(r), differ[0] == 0};
 }
 
@@ -521,15 +535,7 @@ double against_single_cp(const GradcheckOptions& o, const LlamaConfig& config, D
                      o.parallel.dp > 1 ? fmt::format(", in each of {} data-parallel ranks of {} sequences",
                                                      o.parallel.dp, batch.B() / o.parallel.dp)
                                        : "");
-  out << "first step: gradients against one process on the whole batch\n";
-  double max_rel = compare_sets(cp.grads, single.grads, "g_single", "single", out);
-  max_rel = std::max(max_rel, compare_loss(cp.loss, single.loss, cp.grads, out));
-  out << fmt::format("after {} AdamW steps (lr {}): parameters against one process\n", o.optimizer_steps,
-                     kCheckLearningRate);
-  max_rel = std::max(max_rel, compare_sets(cp.params, single.params, "p_single", "single", out));
-  out << fmt::format("ranks hold bitwise the same parameters: {}\n", agree ? "yes" : "NO");
-  if (!agree) max_rel = std::max(max_rel, 1.0);
-  return max_rel;
+  return compare_with_single(o, cp, single, agree, "parameters", out);
 }
 
 // --against single: see the header.
@@ -570,16 +576,9 @@ double against_single(const GradcheckOptions& o, const LlamaConfig& config, DTyp
                        z.block_gathers, z.prefetched, z.reuses, z.outside_gathers, z.block_reduce_scatters,
                        z.outside_reduce_scatters, z.gathered_bytes, z.scattered_bytes);
   }
-  out << "first step: gradients against one process on the whole batch\n";
-  double max_rel = compare_sets(grid.run.grads, single.grads, "g_single", "single", out);
-  max_rel = std::max(max_rel, compare_loss(grid.run.loss, single.loss, grid.run.grads, out));
-  out << fmt::format("after {} AdamW steps (lr {}): parameters against one process\n", o.optimizer_steps,
-                     kCheckLearningRate);
-  max_rel = std::max(max_rel, compare_sets(grid.run.params, single.params, "p_single", "single", out));
   const std::string what = std::string("loss and parameters") + (o.parallel.zero == 2 ? "" : ", gradients") +
                            (TP > 1 ? " (of each TP shard; the replicated tensors on every TP rank)" : "");
-  out << fmt::format("ranks hold bitwise the same {}: {}\n", what, grid.ranks_agree ? "yes" : "NO");
-  if (!grid.ranks_agree) max_rel = std::max(max_rel, 1.0);
+  double max_rel = compare_with_single(o, grid.run, single, grid.ranks_agree, what, out);
   // Each backward chunk's gradient is reduce-scattered on its own and the shard sums them: the chunks'
   // sum is taken after the ranks', not before as ZeRO 0's one all-reduce takes it. (Under LoRA the
   // adapters' gradient is summed over the chunks first and reduced once, as ZeRO 0 does.)
