@@ -52,8 +52,8 @@ TEST_CASE("longctx: tools/run longctx's CPU form runs end to end and writes what
 
   // The documents: one shard each for training and held-out, with the flags that mark their starts.
   for (const char* f : {"train.bin", "train.bin.flags", "eval.bin", "eval.bin.flags", "eval-orders.bin", "eval-orders.bin.flags"})
-    CHECK(fs::file_size(dir.path / f) > 0);
-  const fs::path out = dir.path / "cpu";
+    CHECK(fs::file_size(dir.path / "dependency" / f) > 0);  // the default order's folder
+  const fs::path out = dir.path / "dependency" / "cpu";
 
   // Loss by position, before (SmolLM2 as shipped) and after: every bucket counted and finite; the
   // real model predicts held-out code far better than chance (ln 49,152 = 10.8 nats).
@@ -187,7 +187,7 @@ TEST_CASE("longctx: tools/run longctx refuses an --order it does not know, in on
   const int status = std::system(cmd.c_str());
   CHECK(WIFEXITED(status));
   CHECK(WEXITSTATUS(status) == 2);
-  CHECK(read_text(log) == "tools/run longctx: --order 'random': give sorted or dependency\n");
+  CHECK(read_text(log) == "tools/run longctx: --order 'random': give dependency or sorted\n");
   CHECK(!fs::exists(dir.path / "random"));  // nothing made
 }
 

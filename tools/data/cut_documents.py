@@ -8,9 +8,9 @@ cut into pieces of PIECE tokens, each opened by the document's first token (its 
 starts the document has it already), so that evaluating it gives the loss of the same tokens with at
 most PIECE tokens of context:
 
-    cut_documents.py .cache/longctx/eval.bin --min-length 65536 --start 32768 --end 65536 \\
-        --piece 8192 --out .cache/longctx/eval-32k-64k-cut8k.bin
-    chunkwise eval --task loss-by-position --data .cache/longctx/eval-32k-64k-cut8k.bin --seq 8192 \\
+    cut_documents.py .cache/longctx/sorted/eval.bin --min-length 65536 --start 32768 --end 65536 \\
+        --piece 8192 --out .cache/longctx/sorted/eval-32k-64k-cut8k.bin
+    chunkwise eval --task loss-by-position --data .cache/longctx/sorted/eval-32k-64k-cut8k.bin --seq 8192 \\
         --documents --min-document 8192 --buckets 1K,2K,4K ...
 
 Tokens [START, END) of every document of at least MIN-LENGTH tokens (offsets from the document's
