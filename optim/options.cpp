@@ -76,6 +76,10 @@ const std::vector<Option<ParallelOptions>>& parallel_option_table() {
     {"tp",                "--tp",                &P::tp,               in_range(1, kMaxRanks),   "tensor-parallel ranks: each holds 1/tp of every block's heads, K/V heads and FFN width (must divide them); a run has dp x tp ranks, a replica's tp ranks adjacent (rank = dp rank x tp + tp rank)"},
     {"sequence_parallel", "--sequence-parallel", &P::sequence_parallel, {},          "tp: norms, residual stream, embedding and loss on each rank's 1/tp of the tokens (all-gather / reduce-scatter at the linears)"},
     {"tp_regather",       "--tp-regather",       &P::tp_regather,       {},          "tp with sequence_parallel: the backward all-gathers each layer's normed input again instead of keeping it"},
+    {"cp",                "--cp",                &P::cp,                in_range(1, kMaxRanks),
+     "context-parallel ranks of each data-parallel rank: each holds 1/cp of every chunk's tokens and attends 1/cp of "
+     "the heads (must divide the heads; seq_len and the chunks multiples of cp); a run has dp x cp ranks, a data-parallel "
+     "rank's cp ranks adjacent (rank = dp rank x cp + cp rank); not with tp or zero 3"},
   };
   return table;
 }
@@ -111,6 +115,11 @@ void ParallelOptions::validate() const {
     fail(fmt::format("parallel.zero = 3 does not combine with parallel.tp = {}: a block's gather would have to split "
                      "along tensor parallelism's shards", tp),
          "use --zero 3 with --tp 1, or --zero 1|2 with --tp");
+  if (cp > 1 && (tp > 1 || zero == 3))
+    fail(fmt::format("parallel.cp = {} does not combine with {}: context parallelism runs with data parallelism and "
+                     "ZeRO 0-2 only",
+                     cp, tp > 1 ? fmt::format("parallel.tp = {}", tp) : std::string("parallel.zero = 3")),
+         tp > 1 ? "set parallel.tp = 1 with parallel.cp" : "use parallel.zero = 0, 1 or 2 with parallel.cp");
   if (tp_regather && !sequence_parallel)
     fail("parallel.tp_regather needs parallel.sequence_parallel: without it nothing is gathered, so nothing is gathered "
          "again",

@@ -138,7 +138,8 @@ const std::vector<Option<ScheduleOptions>>& schedule_option_table();
 
 // How a run is spread over ranks (processes, one per GPU; or threads of one process on the CPU).
 // Data parallelism and ZeRO are parallel/data_parallel.h's, tensor parallelism (every block's heads
-// and FFN split over tp ranks) parallel/tensor_parallel.h's; the rows are parallel_option_table().
+// and FFN split over tp ranks) parallel/tensor_parallel.h's, context parallelism (every chunk's tokens
+// split over cp ranks) parallel/context_parallel.h's; the rows are parallel_option_table().
 struct ParallelOptions {
   int64_t dp = 1;           // data-parallel ranks; each takes its own batch_size sequences per micro-batch
   int64_t zero = 0;         // 0: every rank keeps the whole AdamW state; 1: its shard of the moments;
@@ -150,6 +151,8 @@ struct ParallelOptions {
   bool sequence_parallel = false;  // norms, residual stream, embedding and loss on each rank's tokens only
   bool tp_regather = false;        // with sequence_parallel: the backward all-gathers the normed input
                                    // again instead of keeping it (memory for communication)
+  int64_t cp = 1;  // context-parallel ranks of each data-parallel rank: each holds 1/cp of every chunk's
+                   // tokens and attends 1/cp of the heads (parallel/context_parallel.h; not with tp > 1 or zero 3)
 
   bool operator==(const ParallelOptions&) const = default;
   void validate() const;    // the table's rules and the rules between options; throws naming the option

@@ -14,13 +14,15 @@ DataParallel::DataParallel(Communicator& comm, TrainingState& state, const Paral
       state_(state),
       tp_(tp),
       zero_(static_cast<int>(options.zero)),
+      cp_(static_cast<int>(options.cp)),
       numel_(state.grads().numel()),
       shard_len_(state.grads().numel() / comm.size()) {
   options.validate();
   CW_CHECK(comm.device() == state.device(), "data parallel: the communicator's tensors live on {} but the model is on {}",
            device_name(comm.device()), device_name(state.device()));
-  CW_CHECK(options.dp == comm.size(), "data parallel: parallel.dp = {} but the communicator has {} ranks", options.dp,
-           comm.size());
+  CW_CHECK(options.dp * options.cp == comm.size(),
+           "data parallel: parallel.dp x parallel.cp = {} x {} but the communicator has {} ranks", options.dp,
+           options.cp, comm.size());
   CW_CHECK(!tp || state.model().tensor_parallel() == tp,
            "data parallel: the model must be built with the tensor-parallel group it is given");
   CW_CHECK(shard_len_ >= 1, "data parallel: {} parameters cannot be sharded over {} ranks", numel_, comm.size());
@@ -81,9 +83,11 @@ DataParallelStep DataParallel::compute_gradients(Schedule& schedule, const std::
                                                  uint64_t step_index) {
   CW_CHECK(!micro.empty(), "data parallel: a step needs at least one micro-batch");
   state_.grads().zero();
-  // 1. The global count of supervised labels: every rank's normaliser.
+  // 1. The global count of supervised labels: every rank's normaliser (a context-parallel group's
+  // shared micro-batches counted by its first rank).
   std::vector<double> count{0.0};
-  for (const Batch& b : micro) count[0] += static_cast<double>(b.supervised());
+  if (rank() % cp_ == 0)
+    for (const Batch& b : micro) count[0] += static_cast<double>(b.supervised());
   sum_over_ranks(count);
 
   DataParallelStep out;

@@ -47,6 +47,11 @@
 // reduce_replicated_gradients; only with sequence parallelism, and under ZeRO 2 only the rank's
 // shard of them). The gradient norm adds each TP rank's split tensors' squares over the TP group and
 // counts the replicated ones once; the loss is already whole on every TP rank.
+// With context parallelism (parallel.cp > 1; parallel/context_parallel.h) `comm` is the whole world
+// of dp x cp ranks, the cp ranks of a data-parallel rank adjacent and sharing its micro-batches, each
+// computing the share of its tokens (c/cp of every chunk) in the gradient and the loss: the reduction
+// over all of them sums the shares as above, and the labels of a shared micro-batch are counted once,
+// by the first of its cp ranks. ZeRO's shards are then the world's.
 // Every rank's sums are taken in rank order by the threads backend, so all-reduce and reduce
 // give the same bits, and zero 1 / zero 2 give exactly the parameters of zero 0
 // (without clipping; with it, zero 2's norm sums the shards' partial sums, equal to rounding).
@@ -128,6 +133,7 @@ class DataParallel {
   TrainingState& state_;
   TensorParallel* tp_;
   const int zero_;
+  const int cp_;  // parallel.cp: the adjacent ranks that share a micro-batch (its labels counted once)
   const int64_t numel_, shard_len_;  // P, S = floor(P / n)
   std::vector<Bucket> buckets_;  // in launch order: from the end of the vector to its start
   size_t next_bucket_ = 0;

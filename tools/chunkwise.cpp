@@ -54,11 +54,6 @@ int main(int argc, char** argv) {
   gradcheck->add_option("--dtype", gc.dtype, "f64 | f32")->capture_default_str();
   cw::add_schedule_flags(*gradcheck, gc.schedule);
   cw::add_parallel_flags(*gradcheck, gc.parallel);
-  gradcheck->add_option("--cp", gc.cp,
-                        "context-parallel ranks (threads; against single): each holds 1/cp of every chunk's tokens "
-                        "and attends 1/cp of the heads")
-      ->check(count_range(1, kCount))
-      ->capture_default_str();
   cw::add_lora_flags(*gradcheck, gc.lora);
   gradcheck->add_option("--documents", gc.documents,
                         "packed documents: lengths summing to --seq (sequence b takes them rotated by b)")

@@ -469,7 +469,7 @@ double compare_with_single(const GradcheckOptions& o, const RunResult& ranks, co
 std::pair<RunResult, bool> context_parallel_rank(const GradcheckOptions& o, Communicator& world,
                                                  const LlamaConfig& config, DType dtype, const LlamaModel& init,
                                                  const Batch& batch) {
-  const int P = static_cast<int>(o.cp), D = static_cast<int>(o.parallel.dp), d = world.rank() / P;
+  const int P = static_cast<int>(o.parallel.cp), D = static_cast<int>(o.parallel.dp), d = world.rank() / P;
   const std::unique_ptr<Communicator> cp_comm = world.split(d, world.rank() % P);  // the ranks of DP rank d
   const int64_t per_rank = batch.B() / D;
   Batch mine = batch_rows(batch, d * per_rank, per_rank);
@@ -514,7 +514,7 @@ std::optional<std::pair<RunResult, bool>> context_parallel_run(const GradcheckOp
     return mine;
   }
   std::optional<std::pair<RunResult, bool>> first;
-  run_thread_ranks(static_cast<int>(o.cp * o.parallel.dp), [&](Communicator& comm) {
+  run_thread_ranks(static_cast<int>(o.parallel.cp * o.parallel.dp), [&](Communicator& comm) {
     auto mine = context_parallel_rank(o, comm, config, dtype, init, batch);
     if (comm.rank() == 0) first = std::move(mine);
   });
@@ -527,10 +527,10 @@ double against_single_cp(const GradcheckOptions& o, const LlamaConfig& config, D
   if (!result) return 0;  // a launched rank other than 0: rank 0 compares
   const auto& [cp, agree] = *result;
   const RunResult single = single_run(o, config, dtype, world ? world->device() : Device::host(), init, batch);
-  const LlamaConfig heads = cp_attention_config(config, o.cp);
+  const LlamaConfig heads = cp_attention_config(config, o.parallel.cp);
   out << fmt::format("context parallel: {} ranks ({}), each 1/{} of every chunk's tokens and {} of {} heads ({} of "
                      "{} K/V heads in its store){}\n",
-                     o.cp, world ? "processes through NCCL" : "threads", o.cp, heads.num_attention_heads,
+                     o.parallel.cp, world ? "processes through NCCL" : "threads", o.parallel.cp, heads.num_attention_heads,
                      config.num_attention_heads, heads.num_key_value_heads, config.num_key_value_heads,
                      o.parallel.dp > 1 ? fmt::format(", in each of {} data-parallel ranks of {} sequences",
                                                      o.parallel.dp, batch.B() / o.parallel.dp)
@@ -620,11 +620,11 @@ int run_gradcheck(const GradcheckOptions& o, std::ostream& out, Communicator* wo
   if (world) {  // launched: one rank of the grid per process, on its GPU
     if (dtype != DType::f32 || world->device().is_cpu())
       fail("a launched gradcheck runs its ranks on GPUs in f32", "give --dtype f32 (and launch one process per GPU)");
-    if (o.cp > 1 && o.cp * o.parallel.dp != world->size())
-      fail(fmt::format("--cp {} x --dp {} is {} ranks, but {} were launched", o.cp, o.parallel.dp,
-                       o.cp * o.parallel.dp, world->size()),
+    if (o.parallel.cp > 1 && o.parallel.cp * o.parallel.dp != world->size())
+      fail(fmt::format("--cp {} x --dp {} is {} ranks, but {} were launched", o.parallel.cp, o.parallel.dp,
+                       o.parallel.cp * o.parallel.dp, world->size()),
            "launch cp x dp processes");
-    if (o.cp == 1 && o.parallel.dp * o.parallel.tp != world->size())
+    if (o.parallel.cp == 1 && o.parallel.dp * o.parallel.tp != world->size())
       fail(fmt::format("--dp {} x --tp {} is {} ranks, but {} were launched", o.parallel.dp, o.parallel.tp,
                        o.parallel.dp * o.parallel.tp, world->size()),
            "launch dp x tp processes");
@@ -638,7 +638,7 @@ int run_gradcheck(const GradcheckOptions& o, std::ostream& out, Communicator* wo
   o.parallel.validate();
   const bool parallel = o.parallel.dp > 1 || o.parallel.tp > 1;
   // Ranks (or ZeRO's shards, or a launched world of one) have one reference: one process.
-  const bool against_one_process = parallel || o.parallel.zero > 0 || world != nullptr || o.cp > 1;
+  const bool against_one_process = parallel || o.parallel.zero > 0 || world != nullptr || o.parallel.cp > 1;
   const std::string against = !o.against.empty() ? o.against
                               : against_one_process ? "single"
                                                     : (o.schedule.kind == ScheduleKind::full ? "fd" : "full");
@@ -661,18 +661,18 @@ int run_gradcheck(const GradcheckOptions& o, std::ostream& out, Communicator* wo
                      o.parallel.dp),
          "give --batch a multiple of --dp");
   if (o.parallel.tp > 1) tp_shard_config(config, o.parallel.tp);  // tp must divide the heads and FFN: say so here
-  if (o.cp < 1) fail(fmt::format("--cp must be >= 1, got {}", o.cp));
-  if (o.cp > 1) {
+  if (o.parallel.cp < 1) fail(fmt::format("--cp must be >= 1, got {}", o.parallel.cp));
+  if (o.parallel.cp > 1) {
     if (o.parallel.tp > 1 || o.parallel.zero > 0)
       fail("--cp with --tp or --zero is not implemented", "give --cp alone, or with --dp");
     if (!o.documents.empty()) fail("--cp with --documents is not implemented", "drop --documents");
     if (against != "single") fail(fmt::format("--cp compares its ranks with one process: --against single, not {}", against));
-    cp_attention_config(config, o.cp);  // the heads must split over the ranks: say so here
-    if (o.seq % o.cp != 0 || (o.schedule.chunk > 0 && o.schedule.chunk < o.seq && o.schedule.chunk % o.cp != 0) ||
-        (o.schedule.bwd_chunk > 0 && o.schedule.bwd_chunk < o.seq && o.schedule.bwd_chunk % o.cp != 0))
+    cp_attention_config(config, o.parallel.cp);  // the heads must split over the ranks: say so here
+    if (o.seq % o.parallel.cp != 0 || (o.schedule.chunk > 0 && o.schedule.chunk < o.seq && o.schedule.chunk % o.parallel.cp != 0) ||
+        (o.schedule.bwd_chunk > 0 && o.schedule.bwd_chunk < o.seq && o.schedule.bwd_chunk % o.parallel.cp != 0))
       fail(fmt::format("--cp {} splits every chunk's tokens into equal parts: --seq {}, --chunk {} and --bwd-chunk {} "
                        "must be multiples of it",
-                       o.cp, o.seq, o.schedule.chunk, o.schedule.bwd_chunk),
+                       o.parallel.cp, o.seq, o.schedule.chunk, o.schedule.bwd_chunk),
            "give --seq and the chunk lengths as multiples of --cp");
   }
   if (against == "single" && o.optimizer_steps < 1)
@@ -705,7 +705,7 @@ int run_gradcheck(const GradcheckOptions& o, std::ostream& out, Communicator* wo
   double max_rel = 0;
   Arena arena;
   if (against == "single") {
-    max_rel = o.cp > 1 ? against_single_cp(o, config, dtype, model, batch, out, world)
+    max_rel = o.parallel.cp > 1 ? against_single_cp(o, config, dtype, model, batch, out, world)
                        : against_single(o, config, dtype, model, batch, out, world);
     if (world) {
       world->barrier();  // every process ends together, after rank 0 has compared

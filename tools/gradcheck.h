@@ -75,8 +75,7 @@ struct GradcheckOptions {
   int64_t batch = 1;
   std::string dtype = "f64";
   ScheduleOptions schedule;        // name, chunk, bwd_chunk, keep, ...
-  ParallelOptions parallel;        // dp, zero, bucket_mb; tp, sequence_parallel, tp_regather (against single)
-  int64_t cp = 1;                  // context-parallel ranks (against single; threads)
+  ParallelOptions parallel;        // dp, zero, bucket_mb; tp, sequence_parallel, tp_regather; cp (against single)
   LoraConfig lora;                 // rank > 0: check the LoRA adapters' gradients, the base frozen
   int optimizer_steps = 3;         // against single: AdamW steps before the parameters are compared
   std::string against;             // "fd" | "full" | "single" | "separate" | "reference"; empty: single with

@@ -356,7 +356,7 @@ GradcheckOptions cp_gradcheck(const char* model, int64_t cp, ScheduleKind kind, 
   o.model = model;
   o.seq = 16;
   o.batch = 2;
-  o.cp = cp;
+  o.parallel.cp = cp;
   o.schedule.kind = kind;
   o.schedule.chunk = chunk;
   o.schedule.bwd_chunk = bwd_chunk;
@@ -395,7 +395,7 @@ TEST_CASE("context parallel: gradcheck --cp P equals one process under every sch
   cases.back().lora = {.rank = 4, .alpha = 8.0, .dropout = 0.1, .targets = "all-linear", .seed = 3};
   for (const GradcheckOptions& o : cases) {
     CAPTURE(o.model);
-    CAPTURE(o.cp);
+    CAPTURE(o.parallel.cp);
     CAPTURE(std::string(schedule_name(o.schedule.kind)));
     CAPTURE(o.lora.rank);
     std::ostringstream out;
@@ -404,7 +404,7 @@ TEST_CASE("context parallel: gradcheck --cp P equals one process under every sch
     CHECK(rc == 0);
     CHECK(test::max_rel_err(out.str()) <= test::kSameMathF64Tol);
     CHECK(test::contains(out.str(), "ranks hold bitwise the same parameters: yes"));
-    CHECK(test::contains(out.str(), fmt::format("context parallel: {} ranks (threads)", o.cp)));
+    CHECK(test::contains(out.str(), fmt::format("context parallel: {} ranks (threads)", o.parallel.cp)));
   }
 }
 

@@ -10,6 +10,7 @@
 #include "tools/train/sample.h"
 #include "tools/train/train.h"
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include <sys/wait.h>
@@ -18,6 +19,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <sstream>
 
 using namespace cw;
@@ -54,6 +56,13 @@ struct Fixture {
     rc.checkpoint.every = 2;
     rc.sample.tokens = 0;
     rc.train.device = "cpu";  // the cases below are the CPU's (f64, ranks as threads), also on a GPU machine
+    return rc;
+  }
+  // What the parallel layouts are checked against: one process, f64, 4 steps of a global batch of 4.
+  RunConfig parallel_reference() const {
+    RunConfig rc = config(4);
+    rc.model.dtype = "f64";
+    rc.data.batch_size = 4;
     return rc;
   }
 };
@@ -508,6 +517,28 @@ ParamSet checkpoint_weights(const std::string& model_json, const fs::path& dir) 
   load_checkpoint_weights(p, dir.string());
   return p;
 }
+
+// A run of ranks against one process on the same global batch: every logged loss, the last held-out
+// loss and the last checkpoint's weights (step-<steps>) within tol relative.
+void check_ranks_as_single(const TrainResult& ranks, const std::string& ranks_dir, const TrainResult& single,
+                           const std::string& single_dir, const std::string& model_json, int steps, double tol) {
+  const std::vector<double> ls = logged_losses(single_dir), lr = logged_losses(ranks_dir);
+  REQUIRE(ls.size() == static_cast<size_t>(steps));
+  REQUIRE(lr.size() == ls.size());  // rank 0 alone logs
+  for (size_t i = 0; i < ls.size(); ++i) CHECK(std::abs(lr[i] - ls[i]) <= tol * std::abs(ls[i]));
+  REQUIRE(single.last_eval_loss.has_value());
+  REQUIRE(ranks.last_eval_loss.has_value());
+  CHECK(std::abs(*ranks.last_eval_loss - *single.last_eval_loss) <= tol * *single.last_eval_loss);
+  const std::string last = fmt::format("step-{:06d}", steps);
+  const ParamSet a = checkpoint_weights(model_json, fs::path(ranks_dir) / last),
+                 b = checkpoint_weights(model_json, fs::path(single_dir) / last);
+  for (size_t i = 0; i < a.size(); ++i) {
+    CAPTURE(a.specs()[i].name);
+    const test::Worst e = test::compare(a[i], b[i]);
+    INFO(e.str());
+    CHECK(e.rel <= tol);
+  }
+}
 }  // namespace
 
 TEST_CASE("train with LoRA, data and tensor parallelism: TP 2 and DP 2 x TP 2 with dropout equal one process; the PEFT files are whole; resumed bit for bit") {
@@ -593,15 +624,12 @@ TEST_CASE("train tensor parallel: TP 2 and DP 2 x TP 2 (threads) equal one proce
   constexpr double kStepsOfRoundingTol = 1e-10;
   Fixture fx;
   std::ostringstream log;
-  RunConfig single = fx.config(4);
-  single.model.dtype = "f64";
-  single.data.batch_size = 4;
+  const RunConfig single = fx.parallel_reference();
   TrainOptions o;
-  o.run_dir = fx.dir.file("single");
+  const std::string single_dir = fx.dir.file("single");
+  o.run_dir = single_dir;
   const TrainResult s = run_training(single, o, log);
   const std::vector<double> ls = logged_losses(o.run_dir);
-  REQUIRE(ls.size() == 4);
-  const ParamSet single_weights = checkpoint_weights(fx.model_json, fs::path(o.run_dir) / "step-000004");
 
   struct Layout {
     const char* name;
@@ -620,21 +648,10 @@ TEST_CASE("train tensor parallel: TP 2 and DP 2 x TP 2 (threads) equal one proce
     std::ostringstream grid_log;
     const TrainResult t = run_training(rc, o, grid_log);
     CHECK(grid_log.str().find("tensor parallel: 2 ranks per data-parallel rank") != std::string::npos);
-    const std::vector<double> lt = logged_losses(o.run_dir);
-    REQUIRE(lt.size() == 4);  // rank 0 alone logs
-    for (size_t i = 0; i < ls.size(); ++i) CHECK(std::abs(lt[i] - ls[i]) <= kStepsOfRoundingTol * std::abs(ls[i]));
-    REQUIRE(t.last_eval_loss.has_value());
-    CHECK(std::abs(*t.last_eval_loss - *s.last_eval_loss) <= kStepsOfRoundingTol * *s.last_eval_loss);
     // The checkpoint is one whole HF checkpoint, assembled from the TP shards; the optimizer state
     // one file per TP shard.
+    check_ranks_as_single(t, o.run_dir, s, single_dir, fx.model_json, 4, kStepsOfRoundingTol);
     const fs::path last = fs::path(o.run_dir) / "step-000004";
-    const ParamSet weights = checkpoint_weights(fx.model_json, last);
-    for (size_t i = 0; i < weights.size(); ++i) {
-      CAPTURE(weights.specs()[i].name);
-      const test::Worst e = test::compare(weights[i], single_weights[i]);
-      INFO(e.str());
-      CHECK(e.rel <= kStepsOfRoundingTol);
-    }
     CHECK(fs::exists(last / "optimizer-tp-00000.safetensors"));
     CHECK(fs::exists(last / "optimizer-tp-00001.safetensors"));
     CHECK(!fs::exists(last / "optimizer.safetensors"));
@@ -692,6 +709,130 @@ TEST_CASE("train tensor parallel: TP 2 and DP 2 x TP 2 (threads) equal one proce
   fresh.run_dir = fx.dir.file("three");
   CHECK_THROWS_WITH_AS(run_training(three, fresh, log), doctest::Contains("parallel.tp = 3 does not divide num_attention_heads = 4"),
                        Error);
+}
+
+TEST_CASE("train context parallel: CP 2 and DP 2 x CP 2 (threads) equal one process, LoRA's dropout too; ZeRO 1 "
+          "over the grid resumes bit-identically; what it refuses") {
+  // As for data and tensor parallelism: the ranks' shares are summed in another order than one
+  // process's sums, and a few AdamW steps amplify the rounding; far below any real difference.
+  constexpr double kStepsOfRoundingTol = 1e-10;
+  Fixture fx;
+  std::ostringstream log;
+  const RunConfig single = fx.parallel_reference();  // chunks 10, 10, 10, 2 of 32 tokens, each split in two
+  TrainOptions o;
+  const std::string single_dir = fx.dir.file("cp-single");
+  o.run_dir = single_dir;
+  const TrainResult s = run_training(single, o, log);
+  const std::vector<double> ls = logged_losses(o.run_dir);
+
+  for (const int64_t dp : {int64_t{1}, int64_t{2}}) {
+    CAPTURE(dp);
+    RunConfig rc = single;
+    rc.data.batch_size = single.data.batch_size / dp;
+    rc.parallel.dp = dp;
+    rc.parallel.cp = 2;
+    rc.parallel.bucket_mb = 0.01;
+    o.run_dir = fx.dir.file(fmt::format("cp-grid-{}x2", dp));
+    std::ostringstream grid_log;
+    const TrainResult t = run_training(rc, o, grid_log);
+    INFO(grid_log.str());
+    CHECK(test::contains(grid_log.str(), fmt::format("context parallel: 2 ranks per data-parallel rank ({} ranks in "
+                                                     "all), each 1/2 of every chunk's tokens and 2 of 4 heads",
+                                                     2 * dp)));
+    // The held-out loss: the first data-parallel rank's group evaluates, its ranks' shares summed.
+    // One whole HF checkpoint (rank 0's replica) and one optimizer file: every rank holds the same.
+    check_ranks_as_single(t, o.run_dir, s, single_dir, fx.model_json, 4, kStepsOfRoundingTol);
+    const fs::path last = fs::path(o.run_dir) / "step-000004";
+    CHECK(fs::exists(last / "optimizer.safetensors"));
+    const nlohmann::json state = nlohmann::json::parse(test::read_text(last / "state.json"));
+    CHECK(state.at("parallel").at("dp") == dp);
+    CHECK(state.at("parallel").at("cp") == 2);
+  }
+
+  // LoRA with dropout: the masks are keyed by each token's own sequence and position, so the ranks
+  // holding a sequence's halves draw one process's masks.
+  RunConfig lora = single;
+  lora.lora.rank = 2;
+  lora.lora.alpha = 4;
+  lora.lora.targets = "all-linear";
+  lora.lora.dropout = 0.1;
+  lora.lora.seed = 5;
+  lora.optimizer.lr = 2e-2;
+  o.run_dir = fx.dir.file("cp-lora-single");
+  run_training(lora, o, log);
+  const std::vector<double> lora_single = logged_losses(o.run_dir);
+  RunConfig lora_grid = lora;
+  lora_grid.data.batch_size = 2;
+  lora_grid.parallel.dp = 2;
+  lora_grid.parallel.cp = 2;
+  o.run_dir = fx.dir.file("cp-lora-grid");
+  run_training(lora_grid, o, log);
+  const std::vector<double> lora_ranks = logged_losses(o.run_dir);
+  REQUIRE(lora_single.size() == 4);
+  REQUIRE(lora_ranks.size() == 4);
+  for (size_t i = 0; i < lora_single.size(); ++i)
+    CHECK(std::abs(lora_ranks[i] - lora_single[i]) <= kStepsOfRoundingTol * std::abs(lora_single[i]));
+
+  // DP 2 x CP 2 with ZeRO 1: the moments sharded over the four ranks; stopped at step 2 and resumed,
+  // the same bits as straight through.
+  RunConfig zero = single;
+  zero.data.batch_size = 2;
+  zero.parallel.dp = 2;
+  zero.parallel.cp = 2;
+  zero.parallel.zero = 1;
+  o.run_dir = fx.dir.file("cp-zero-straight");
+  run_training(zero, o, log);
+  const std::vector<double> lz = logged_losses(o.run_dir);
+  REQUIRE(lz.size() == 4);
+  for (size_t i = 0; i < ls.size(); ++i) CHECK(std::abs(lz[i] - ls[i]) <= kStepsOfRoundingTol * std::abs(ls[i]));
+  TrainOptions part;
+  part.run_dir = fx.dir.file("cp-zero-resumed");
+  CHECK(stop_and_resume(zero, part.run_dir, 2, log));
+  check_resumed_as_straight(o.run_dir, part.run_dir, 4,
+                            {"model.safetensors", "optimizer-rank-00000.safetensors", "optimizer-rank-00001.safetensors",
+                             "optimizer-rank-00002.safetensors", "optimizer-rank-00003.safetensors"});
+  // Its shards resume only over the same dp x cp ranks.
+  part.resume = true;
+  RunConfig other = zero;
+  other.parallel.cp = 1;
+  other.parallel.dp = 4;
+  other.data.batch_size = 1;
+  other.train.steps = 6;
+  CHECK_THROWS_WITH_AS(run_training(other, part, log),
+                       doctest::Contains("written with parallel.cp = 2 and parallel.zero = 1; this run has "
+                                         "parallel.cp = 1"),
+                       Error);
+
+  // Refused before anything runs, in one line naming the option.
+  struct Refused {
+    const char* what;
+    std::function<void(RunConfig&)> change;
+    const char* message;
+  };
+  const std::vector<Refused> refusals = {
+      {"cp not dividing the heads", [](RunConfig& r) { r.parallel.cp = 3; r.data.seq_len = 30; r.schedule.chunk = 6; },
+       "parallel.cp = 3 does not divide num_attention_heads = 4"},
+      {"a chunk that does not split", [](RunConfig& r) { r.parallel.cp = 2; r.schedule.chunk = 5; },
+       "parallel.cp = 2 splits every chunk's tokens into equal shares"},
+      {"with tensor parallelism", [](RunConfig& r) { r.parallel.cp = 2; r.parallel.tp = 2; },
+       "parallel.cp = 2 does not combine with parallel.tp = 2"},
+      {"with ZeRO 3", [](RunConfig& r) { r.parallel.cp = 2; r.parallel.dp = 2; r.parallel.zero = 3; },
+       "parallel.cp = 2 does not combine with parallel.zero = 3"},
+      {"packed documents", [](RunConfig& r) { r.parallel.cp = 2; r.data.documents = true; },
+       "data.documents with parallel.cp = 2 is not implemented"},
+      {"saved layer inputs", [](RunConfig& r) { r.parallel.cp = 2; r.schedule.save_inputs = true; },
+       "schedule.save_inputs keeps every token of a chunk"},
+  };
+  for (const Refused& r : refusals) {
+    CAPTURE(r.what);
+    RunConfig rc = single;
+    r.change(rc);
+    TrainOptions fresh;
+    fresh.run_dir = fx.dir.file(std::string("cp-refused-") + std::to_string(&r - refusals.data()));
+    const std::string error = test::message_of([&] { run_training(rc, fresh, log); });
+    CHECK(test::contains(error, r.message));
+    CHECK(error.find('\n') == std::string::npos);
+  }
 }
 
 TEST_CASE("train with [rope]: the override is the model trained, and its checkpoints' config.json carries it") {

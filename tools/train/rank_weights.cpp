@@ -236,15 +236,22 @@ ResumedCheckpoint open_resume(const RunConfig& rc, RunDirectory& run_dir, const 
   const int64_t saved_dp = state_integer(layout, state_file, "parallel", "dp", 1, ranks, 1);
   const int64_t saved_zero = state_integer(layout, state_file, "parallel", "zero", 0, 3, 0);
   const int64_t saved_tp = state_integer(layout, state_file, "parallel", "tp", 1, ranks, 1);
-  const int64_t run_dp = g.dp ? g.dp->size() : g.zero3 ? g.zero3->size() : 1;  // one process: whole state
-  const int64_t run_zero = g.zero(), run_tp = g.tp_size();
+  const int64_t saved_cp = state_integer(layout, state_file, "parallel", "cp", 1, ranks, 1);
+  // One process: the whole state. Under context parallelism the DP group is the world of dp x cp ranks.
+  const int64_t run_dp = g.dp ? g.dp->size() / g.cp_size() : g.zero3 ? g.zero3->size() : 1;
+  const int64_t run_zero = g.zero(), run_tp = g.tp_size(), run_cp = g.cp_size();
   const char* keep_hint =
-      "resume with the checkpoint's parallel.dp, parallel.tp and parallel.zero (its weights are a whole HF "
-      "checkpoint: model.source can start a new run from them)";
+      "resume with the checkpoint's parallel.dp, parallel.tp, parallel.cp and parallel.zero (its weights are a whole "
+      "HF checkpoint: model.source can start a new run from them)";
   if (saved_tp != run_tp)
     fail(fmt::format("{}: the checkpoint was written with parallel.tp = {}; this run has {} (its optimizer state is "
                      "split by TP shards)",
                      ref->path, saved_tp, run_tp),
+         keep_hint);
+  if ((saved_zero > 0 || run_zero > 0) && saved_cp != run_cp)
+    fail(fmt::format("{}: the checkpoint was written with parallel.cp = {} and parallel.zero = {}; this run has "
+                     "parallel.cp = {} (its optimizer state is sharded over the dp x cp ranks)",
+                     ref->path, saved_cp, saved_zero, run_cp),
          keep_hint);
   if ((saved_zero > 0 || run_zero > 0) && (saved_dp != run_dp || saved_zero != run_zero))
     fail(fmt::format("{}: the checkpoint was written with parallel.dp = {} and parallel.zero = {}; this run has {} and {}",

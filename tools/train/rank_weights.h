@@ -34,15 +34,23 @@ struct RankGroups {
   DataParallel* dp = nullptr;     // the gradient reduction and the optimizer over the DP group
   TensorParallel* tp = nullptr;   // tp > 1: the rank's tensor-parallel group, the model's
   ShardedDataParallel* zero3 = nullptr;  // parallel.zero = 3: the rank's shards and the model on them
+  // parallel.cp > 1: the rank's context-parallel group (its data-parallel rank's cp adjacent ranks),
+  // whose exchanges the model makes; `dp` and `grid`'s DP group are then the whole world.
+  Communicator* cp = nullptr;
 
   int world_rank() const { return world ? world->rank() : 0; }
   int world_size() const { return world ? world->size() : 1; }
   int tp_rank() const { return grid ? grid->tp_rank() : 0; }
   int tp_size() const { return grid ? grid->tp_size() : 1; }
+  int cp_size() const { return cp ? cp->size() : 1; }
   bool lead() const { return world_rank() == 0; }  // prints, logs and writes the shared files
-  // The first replica's TP ranks: they hold the model together, so they evaluate, assemble the whole
-  // weights and sample together (collectives of their TP group).
-  bool first_replica() const { return !grid || grid->dp_rank() == 0; }
+  // Which slice of the global batch the rank takes (its data-parallel rank), of how many: a
+  // context-parallel group's ranks take the same one.
+  int batch_slot() const { return grid ? grid->dp_rank() / cp_size() : 0; }
+  int batch_slots() const { return grid ? grid->dp_size() / cp_size() : 1; }
+  // The first replica's TP (or CP) ranks: they hold the model together, so they evaluate, assemble
+  // the whole weights and sample together (collectives of their TP or CP group).
+  bool first_replica() const { return batch_slot() == 0; }
   // The ranks that run an evaluation or assemble the whole weights together: the first replica's, or
   // under ZeRO 3 every rank (each block is gathered from all of them).
   bool holds_model_together() const { return zero3 != nullptr || first_replica(); }

@@ -538,13 +538,31 @@ void RunConfig::validate() const {
   lora.validate();
   // Products of bounded counts: each factor is checked above, so two ranks' counts multiply exactly
   // in 64 bits, and the run's tokens (up to 2^126) are compared as a double, exact to a part in 2^53.
-  const int64_t ranks = parallel.dp * parallel.tp;
+  const int64_t ranks = parallel.dp * parallel.tp * parallel.cp;  // tp or cp is 1 (parallel.validate)
   if (static_cast<double>(ranks) > kMaxRanks)
-    fail(fmt::format("parallel.dp x parallel.tp must be <= {}, got {} x {} = {} ranks", kMaxRanks, parallel.dp,
-                     parallel.tp, ranks),
-         "lower parallel.dp or parallel.tp");
+    fail(fmt::format("parallel.dp x parallel.tp x parallel.cp must be <= {}, got {} x {} x {} = {} ranks", kMaxRanks,
+                     parallel.dp, parallel.tp, parallel.cp, ranks),
+         "lower parallel.dp, parallel.tp or parallel.cp");
+  if (parallel.cp > 1) {
+    const int64_t P = parallel.cp;
+    if (data.documents)
+      fail(fmt::format("data.documents with parallel.cp = {} is not implemented: a rank's share of a chunk would cut "
+                       "its documents",
+                       P),
+           "set data.documents = false, or parallel.cp = 1");
+    if (schedule.save_inputs)
+      fail("schedule.save_inputs keeps every token of a chunk; parallel.cp splits them over ranks",
+           "set schedule.save_inputs = false with parallel.cp");
+    // Every chunk (the last one's remainder too) splits into cp equal shares.
+    const auto splits = [&](int64_t c) { return c <= 0 || c >= data.seq_len || c % P == 0; };
+    if (data.seq_len % P != 0 || !splits(schedule.chunk) || !splits(schedule.bwd_chunk))
+      fail(fmt::format("parallel.cp = {} splits every chunk's tokens into equal shares: data.seq_len = {}, "
+                       "schedule.chunk = {} and schedule.bwd_chunk = {} must be multiples of it",
+                       P, data.seq_len, schedule.chunk, schedule.bwd_chunk),
+           "give data.seq_len and the chunk lengths as multiples of parallel.cp");
+  }
   // The run counts its tokens (tokens_seen, the metrics, the checkpoint's state) in 64 bits.
-  const double run_tokens = static_cast<double>(ranks) * static_cast<double>(data.batch_size) *
+  const double run_tokens = static_cast<double>(parallel.dp) * static_cast<double>(data.batch_size) *
                             static_cast<double>(data.seq_len) * static_cast<double>(data.grad_accum) *
                             static_cast<double>(train.steps);
   if (run_tokens > static_cast<double>(kMaxRunTokens))

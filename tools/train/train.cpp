@@ -10,6 +10,7 @@
 #include "optim/schedule.h"
 #include "tools/progress.h"
 #include "optim/training.h"
+#include "parallel/context_parallel.h"
 #include "parallel/data_parallel.h"
 #include "parallel/grid.h"
 #include "parallel/launch.h"
@@ -243,7 +244,8 @@ void resolve_auto_lengths(RunConfig& rc, const Placement& p, int zero3_ranks, st
          "give numbers on the CPU (e.g. schedule.chunk = 1024, offload_window = 0)");
   const double gib = plan_gib(usable_device_bytes(p.device));
   // The host's memory too: the planner may offload the store (and its saved outputs) there.
-  const MemoryBudget budget(gib, double(host_memory_available()) / double(1ull << 30), zero3_ranks);
+  MemoryBudget budget(gib, double(host_memory_available()) / double(1ull << 30), zero3_ranks);
+  budget.cp_ranks = static_cast<int>(rc.parallel.cp);  // a plan of one context-parallel rank
   s = resolve_auto_schedule(p.model, rc.data.batch_size, rc.data.seq_len, s, p.dtype, budget, p.lora,
                             rc.optimizer.offload);
   log << fmt::format("schedule: the planner chose {} for {:.1f} GiB of device memory\n", describe_schedule(s), gib);
@@ -256,7 +258,8 @@ PlanReport check_memory(const Placement& p, const RunConfig& rc, int zero3_ranks
   const double have = p.device.is_cpu() ? double(host_memory_available()) : usable_device_bytes(p.device);
   // ZeRO 3 (zero3_ranks > 0): the plan holds the rank's shard and the gathered blocks' buffers instead
   // of the whole model's weights, master, moments and gradient.
-  const MemoryBudget budget(p.device.is_cpu() ? have / double(1ull << 30) : plan_gib(have), 0, zero3_ranks);
+  MemoryBudget budget(p.device.is_cpu() ? have / double(1ull << 30) : plan_gib(have), 0, zero3_ranks);
+  budget.cp_ranks = static_cast<int>(rc.parallel.cp);
   const PlanReport plan = plan_step(p.model, rc.data.batch_size, rc.data.seq_len, rc.schedule_options(), p.dtype,
                                     budget, p.lora, rc.optimizer.offload, {}, p.device);
   const double need = static_cast<double>(plan.peak_device_bytes);
@@ -339,6 +342,14 @@ void print_header(const RunConfig& rc, const Placement& p, const TrainData& data
     out << fmt::format("tensor parallel: {} ranks per data-parallel rank ({} ranks in all), sequence parallel {}, "
                        "regather {}\n",
                        rc.parallel.tp, dp * rc.parallel.tp, rc.parallel.sequence_parallel, rc.parallel.tp_regather);
+  if (rc.parallel.cp > 1) {
+    const LlamaConfig heads = cp_attention_config(mc, rc.parallel.cp);
+    out << fmt::format("context parallel: {} ranks per data-parallel rank ({} ranks in all), each 1/{} of every "
+                       "chunk's tokens and {} of {} heads ({} of {} K/V heads in its store)\n",
+                       rc.parallel.cp, dp * rc.parallel.cp, rc.parallel.cp, heads.num_attention_heads,
+                       mc.num_attention_heads, heads.num_key_value_heads,
+                       mc.num_key_value_heads);
+  }
   out << "config:\n" << rc.to_toml() << "\n";
   out.flush();
 }
@@ -526,9 +537,11 @@ class TrainLoop {
     const int64_t B = rc_.data.batch_size, accum = rc_.data.grad_accum;
     std::vector<Batch> micro;
     for (int64_t m = 0; m < accum; ++m) {
-      micro.push_back(batch_of_windows(sampler_.windows(), sampler_.next_rank_batch_windows(B, dp.rank(), dp.size()),
-                                       batch_options_));
-      micro.back().sequence0 = dp.rank() * B;  // its slice of the global batch (LoRA's dropout masks)
+      // Its slice of the global batch (a context-parallel group's ranks share theirs).
+      const int slot = groups_.batch_slot(), slots = groups_.batch_slots();
+      micro.push_back(
+          batch_of_windows(sampler_.windows(), sampler_.next_rank_batch_windows(B, slot, slots), batch_options_));
+      micro.back().sequence0 = slot * B;  // where its sequences sit in the global batch (LoRA's dropout masks)
     }
     StepOutcome o;
     const DataParallelStep d = dp.compute_gradients(schedule_, micro, static_cast<uint64_t>(step * accum));
@@ -621,6 +634,13 @@ class TrainLoop {
       sum = totals[0];
       count = static_cast<int64_t>(totals[1]);
     }
+    // Context parallelism: each rank's loss is its tokens' share of the batch's (the whole batch's
+    // count divides it), so the shares add up over the group; the count is the batch's on every rank.
+    if (groups_.cp) {
+      std::vector<double> shares{sum};
+      sum_host_values(*groups_.cp, shares);
+      sum = shares[0];
+    }
     return count > 0 ? sum / static_cast<double>(count) : std::nan("");
   }
 
@@ -687,7 +707,11 @@ class TrainLoop {
                                     {"tokens_seen", tokens_seen_},
                                     {"sampler", ss.to_json()},
                                     {"tokenizer", tokenizer_.to_json()}};
-            if (dp_) saved["parallel"] = {{"dp", dp_->size()}, {"zero", dp_->zero()}, {"tp", groups_.tp_size()}};
+            if (dp_)
+              saved["parallel"] = {{"dp", dp_->size() / groups_.cp_size()},
+                                   {"zero", dp_->zero()},
+                                   {"tp", groups_.tp_size()},
+                                   {"cp", groups_.cp_size()}};
             if (zero3_) saved["parallel"] = {{"dp", zero3_->size()}, {"zero", 3}, {"tp", 1}};
             write_text_atomic((fs::path(dir) / "state.json").string(), saved.dump(2) + "\n");
             write_text_atomic((fs::path(dir) / "run.toml").string(), rc_.to_toml());
@@ -761,10 +785,10 @@ namespace {
 // CPU's threads backend), rank 0 printing to `out`. They must agree on the run directory, so it is
 // fixed here.
 TrainResult train_on_threads(const RunConfig& rc, const TrainOptions& opt, std::ostream& out) {
-  const int64_t ranks = rc.parallel.dp * rc.parallel.tp;
+  const int64_t ranks = rc.parallel.dp * rc.parallel.tp * rc.parallel.cp;
   if (!resolve_device(rc.train.device, "train.device").is_cpu())
-    fail(fmt::format("parallel.dp = {} x parallel.tp = {} on GPUs needs one process per GPU", rc.parallel.dp,
-                     rc.parallel.tp),
+    fail(fmt::format("{} ranks (parallel.dp x tp x cp = {} x {} x {}) on GPUs need one process per GPU", ranks,
+                     rc.parallel.dp, rc.parallel.tp, rc.parallel.cp),
          fmt::format("launch {} ranks with torchrun, mpirun or srun (one per GPU), or set train.device = cpu to run "
                      "them as threads",
                      ranks));
@@ -783,13 +807,13 @@ TrainResult train_on_threads(const RunConfig& rc, const TrainOptions& opt, std::
 TrainResult run_training(const RunConfig& given, const TrainOptions& opt, std::ostream& out, Communicator* comm) {
   given.validate();
   RunConfig rc = given;  // schedule.chunk / offload_window = auto become the planner's numbers below
-  const int64_t ranks = rc.parallel.dp * rc.parallel.tp;
+  const int64_t ranks = rc.parallel.dp * rc.parallel.tp * rc.parallel.cp;
   if (!comm && ranks > 1) return train_on_threads(rc, opt, out);
   if (comm && comm->size() != ranks)
-    fail(fmt::format("parallel.dp = {} x parallel.tp = {} is {} ranks, but {} were launched", rc.parallel.dp,
-                     rc.parallel.tp, ranks, comm->size()),
-         "set parallel.dp and parallel.tp (--set parallel.dp=N --set parallel.tp=M) so that dp x tp is the number of "
-         "ranks launched");
+    fail(fmt::format("parallel.dp x tp x cp = {} x {} x {} is {} ranks, but {} were launched", rc.parallel.dp,
+                     rc.parallel.tp, rc.parallel.cp, ranks, comm->size()),
+         "set parallel.dp, parallel.tp and parallel.cp (--set parallel.dp=N ...) so that dp x tp x cp is the number "
+         "of ranks launched");
   const bool lead = !comm || comm->rank() == 0;
   NullStream silent;  // parallel/launch.h
   std::ostream& log = lead ? out : silent.stream;
@@ -822,6 +846,7 @@ TrainResult run_training(const RunConfig& given, const TrainOptions& opt, std::o
   // What one rank holds: with tensor parallelism 1/tp of every block's heads and FFN (this says at
   // once when tp does not divide them).
   const LlamaConfig rank_config = rc.parallel.tp > 1 ? tp_shard_config(mc, rc.parallel.tp) : mc;
+  if (rc.parallel.cp > 1) cp_attention_config(mc, rc.parallel.cp);  // cp must split the heads: say so here
   check_sizes_fit_machine(rc, placement, rank_config);
   check_state_fits_machine(rc, placement, rank_config, comm);
   // data.tokenizer: kept in the run directory; where the run turns ids into text (its samples), checked
@@ -836,13 +861,24 @@ TrainResult run_training(const RunConfig& given, const TrainOptions& opt, std::o
   const bool sharded = comm && rc.parallel.zero == 3;
   const int zero3_ranks = sharded ? static_cast<int>(rc.parallel.dp) : 0;
   resolve_auto_lengths(rc, {rank_config, placement.device, placement.dtype, placement.lora}, zero3_ranks, log);
+  if (rc.parallel.cp > 1) rc.validate();  // the chunks auto chose must split into cp shares too
   const PlanReport planned =
       check_memory({rank_config, placement.device, placement.dtype, placement.lora}, rc, zero3_ranks);
 
   // The grid (parallel/grid.h): the world split into this rank's TP and DP groups; at world size 1
   // (a launcher with one process) groups of one, through the same path.
+  // Context parallelism: the DP group is the whole world (every rank's gradient is its tokens' share,
+  // summed over all of them: parallel/data_parallel.h), and each data-parallel rank's cp adjacent
+  // ranks form the group whose exchanges the model makes.
   std::optional<ParallelGrid> grid;
-  if (comm) grid.emplace(*comm, rc.parallel.dp, rc.parallel.tp);
+  if (comm) grid.emplace(*comm, rc.parallel.dp * rc.parallel.cp, rc.parallel.tp);
+  std::unique_ptr<Communicator> cp_comm;
+  std::optional<ContextParallel> context_parallel;
+  if (rc.parallel.cp > 1) {
+    const int P = static_cast<int>(rc.parallel.cp);
+    cp_comm = comm->split(comm->rank() / P, comm->rank() % P);
+    context_parallel.emplace(*cp_comm);
+  }
   std::optional<TensorParallel> tensor_parallel;
   if (rc.parallel.tp > 1) tensor_parallel.emplace(grid->tp(), TensorParallelOptions{rc.parallel.sequence_parallel,
                                                                                       rc.parallel.tp_regather});
@@ -862,9 +898,11 @@ TrainResult run_training(const RunConfig& given, const TrainOptions& opt, std::o
                                   .lora = placement.lora,
                                   .offload_optimizer = rc.optimizer.offload,
                                   .cast_layers = rc.schedule.cast_layers});
+    if (context_parallel) state->model().set_context_parallel(&*context_parallel);
     if (comm) dp.emplace(grid->dp(), *state, rc.parallel, tp);
   }
-  const RankGroups groups{comm, grid ? &*grid : nullptr, dp ? &*dp : nullptr, tp, zero3 ? &*zero3 : nullptr};
+  const RankGroups groups{comm, grid ? &*grid : nullptr, dp ? &*dp : nullptr, tp, zero3 ? &*zero3 : nullptr,
+                          cp_comm.get()};
   auto schedule = Schedule::create(rc.schedule_options());
 
   RunDirectory run_dir(result.run_dir);
