@@ -416,7 +416,7 @@ TEST_CASE("context parallel: gradcheck --cp refuses what it does not implement, 
   std::vector<Refused> table;
   table.push_back({cp_gradcheck("tiny", 3, ScheduleKind::full), "parallel.cp = 3 does not divide num_attention_heads = 4"});
   table.push_back({cp_gradcheck("tiny", 2, ScheduleKind::seco, 5), "--cp 2 splits every chunk's tokens into equal parts"});
-  table.push_back({cp_gradcheck("tiny", 2, ScheduleKind::full), "--cp with --tp or --zero is not implemented"});
+  table.push_back({cp_gradcheck("tiny", 2, ScheduleKind::full), "gradcheck --cp with --zero is not implemented"});
   table.back().options.parallel.zero = 1;
   table.back().options.parallel.dp = 2;
   table.push_back({cp_gradcheck("tiny", 2, ScheduleKind::full), "--cp with --documents is not implemented"});
