@@ -106,17 +106,21 @@ size_t LayerActivations::bytes(const LlamaConfig& cf, int64_t B, int64_t c, DTyp
          a * ((2 + post) * R + N * (static_cast<size_t>(cf.num_attention_heads) + raw_stats));
 }
 
+namespace {
+// RoPE over [B, n, heads, D] rows at positions [pos0, pos0 + n), forward or backward (overwriting y).
+void rope_at(const Tensor& y, const Tensor& x, const BlockContext& ctx, int64_t pos0, bool backward) {
+  if (backward) rope_backward(y, x, ctx.rope_cos, ctx.rope_sin, pos0, GradMode::overwrite);
+  else rope_forward(y, x, ctx.rope_cos, ctx.rope_sin, pos0);
+}
+}  // namespace
+
 // RoPE over a chunk's [B, c, heads, D] rows: positions [p, p + c) in one call, or with packed documents
 // span by span, each from its position in its document (or in the sequence, with absolute positions).
 void rope_chunk(const Tensor& y, const Tensor& x, const BlockContext& ctx, bool backward) {
-  auto run = [&](const Tensor& yr, const Tensor& xr, int64_t pos0) {
-    if (backward) rope_backward(yr, xr, ctx.rope_cos, ctx.rope_sin, pos0, GradMode::overwrite);
-    else rope_forward(yr, xr, ctx.rope_cos, ctx.rope_sin, pos0);
-  };
-  if (!ctx.doc_starts || !ctx.document_positions) return run(y, x, ctx.pos0);
+  if (!ctx.doc_starts || !ctx.document_positions) return rope_at(y, x, ctx, ctx.pos0, backward);
   for (const DocumentSpan& s : document_spans(*ctx.doc_starts, ctx.B, ctx.pos0, ctx.c)) {
     auto rows = [&](const Tensor& t) { return t.slice(0, s.b, 1).slice(1, s.q0, s.q1 - s.q0); };
-    run(rows(y), rows(x), ctx.pos0 + s.q0 - s.k0);
+    rope_at(rows(y), rows(x), ctx, ctx.pos0 + s.q0 - s.k0, backward);
   }
 }
 
@@ -125,8 +129,7 @@ namespace {
 // positions of the rank's tokens (no packed documents there).
 void rope_rows(const Tensor& y, const Tensor& x, const BlockCall& b, bool backward) {
   if (!b.cp) return rope_chunk(y, x, b.ctx, backward);
-  if (backward) rope_backward(y, x, b.ctx.rope_cos, b.ctx.rope_sin, b.pt, GradMode::overwrite);
-  else rope_forward(y, x, b.ctx.rope_cos, b.ctx.rope_sin, b.pt);
+  rope_at(y, x, b.ctx, b.pt, backward);
 }
 
 // ---- The fused Q/K/V projection (model/layer.h, fused_qkv) ----
