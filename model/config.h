@@ -22,8 +22,8 @@
 //          `layer_types` says or, without it, transformers' rule (even layers slide); the logits
 //          capped by final_logit_softcapping (null: none). Absent keys take Gemma2Config's defaults
 //          (the 2B's: head_dim 256, num_key_value_heads 4, tied embeddings, window 4096, caps 50 and
-//          30). On a GPU the capped attention runs on the flash_simt kernels, the only GPU family
-//          with the cap (engine/ops/attention.h).
+//          30). On a GPU the capped attention runs on the flash_mma kernels in bf16 (head dims 64,
+//          128 and 256) and on flash_simt otherwise (engine/ops/attention.h).
 // Qwen's sliding windows (`use_sliding_window` true, or `layer_types` other than full_attention),
 // MLP biases and activations other than silu are refused naming the key.
 //

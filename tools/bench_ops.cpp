@@ -91,8 +91,8 @@ struct AttentionOperands {
 // Times attention forward and backward for one shape and one implementation: "cudnn", "flash"
 // (our kernel as training runs it by default: the wgmma kernels on an H100, the fused backward with
 // atomic dQ), "flash-mma" (the same with the mma.sync kernels forced), "flash-det" (our kernel
-// with cw::deterministic() on: the two-kernel mma.sync backward) or "flash-simt" (the SIMT kernels,
-// the only GPU family with a score cap). softcap: the calls' score cap (0: none). Rows named
+// with cw::deterministic() on: the two-kernel mma.sync backward) or "flash-simt" (the SIMT kernels;
+// with mma.sync the families that take a score cap). softcap: the calls' score cap (0: none). Rows named
 // "attn fwd|bwd H/Hkv/D T impl" (ops_vs_torch.py builds the same names), " cap X" after the shape
 // with a cap.
 void bench_attention(std::vector<Row>& rows, DType dt, int64_t T, int64_t H, int64_t Hkv, int64_t D, int repeat,

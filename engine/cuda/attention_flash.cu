@@ -1,7 +1,7 @@
 // Flash attention, host side: the entry points gpu::flash_attention_forward/backward (engine/cuda/ops.h)
 // check the kernels' own limits, build the Problem and run the family the chooser named (FlashFamily):
 //   simt   attention_flash_simt.cu    f32/bf16, even D <= 256, the score cap
-//   mma    attention_flash_mma.cu     bf16, D 64/128, mma.sync (sm_80+)
+//   mma    attention_flash_mma.cu     bf16, D 64/128/256, the score cap, mma.sync (sm_80+)
 //   wgmma  attention_flash_wgmma.cu   bf16, D 64/128, warpgroup MMA (sm_90a builds on CC 9.0)
 // The two tensor-core families share the passes around their backward kernels, defined here:
 // Delta = rowsum(d_out * out) first (which also zeroes the f32 dQ accumulator when determinism is
@@ -24,7 +24,7 @@ namespace cw::gpu {
 namespace {
 using namespace flash;
 
-// The tensor-core path's Delta (bf16, D = 64 or 128, 16-byte aligned rows): D / 8 threads per row,
+// The tensor-core path's Delta (bf16, D = 64, 128 or 256, 16-byte aligned rows): D / 8 threads per row,
 // one 16-byte load of out and of d_out each, summed in a fixed shuffle order; the same threads zero
 // the row of the fused backward's dQ accumulator.
 template <int D> __global__ void delta_tc_kernel(const Operands<__nv_bfloat16> a, const Problem pr) {
@@ -107,7 +107,8 @@ __global__ void attention_merge_kernel(Acc* __restrict__ acc, float* __restrict_
 void launch_delta_tc(const Operands<bf16_t>& a, const Problem& pr, cudaStream_t stream) {
   const int64_t threads = static_cast<int64_t>(pr.B) * pr.c * pr.H * (pr.D / 8);
   if (pr.D == 64) delta_tc_kernel<64><<<blocks_for(threads, 256), 256, 0, stream>>>(a, pr);
-  else delta_tc_kernel<128><<<blocks_for(threads, 256), 256, 0, stream>>>(a, pr);
+  else if (pr.D == 128) delta_tc_kernel<128><<<blocks_for(threads, 256), 256, 0, stream>>>(a, pr);
+  else delta_tc_kernel<256><<<blocks_for(threads, 256), 256, 0, stream>>>(a, pr);
   CW_KERNEL_CHECK();
 }
 
@@ -120,7 +121,7 @@ const char* family_name(FlashFamily f) {
 
 // The op's contract (shapes, GQA, dtypes, layouts, devices) is checked by the public entry
 // (engine/ops/attention.cpp); what is checked here is the flash kernels' own: f32 or bf16, an even
-// head dim of at most 256, the grid; the tensor-core families' head dims, alignment and no cap below.
+// head dim of at most 256, the grid; the tensor-core families' head dims, alignment and cap below.
 Problem check_common(const Tensor& q, const Tensor& k, const Tensor& v, double scale, bool causal,
                      AttentionWindow window, const Tensor& doc_first, double softcap) {
   const int64_t B = q.size(0), c = q.size(1), H = q.size(2), D = q.size(3), S = k.size(1), Hkv = k.size(2);
@@ -162,17 +163,22 @@ Problem check_common(const Tensor& q, const Tensor& k, const Tensor& v, double s
   pr.k_batch = k.stride[0], pr.v_batch = v.stride[0];
   pr.scale = static_cast<float>(scale), pr.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   pr.softcap = static_cast<float>(softcap);
+  if (softcap > 0) {
+    pr.scale_over_cap = static_cast<float>(scale / softcap);
+    pr.cap_log2 = static_cast<float>(softcap * 1.4426950408889634);
+  }
   return pr;
 }
 
 bool aligned(const Tensor& t, size_t bytes) { return reinterpret_cast<uintptr_t>(t.data) % bytes == 0; }
 
-// The tensor-core path needs bf16, D = 64 or 128, 16-byte aligned rows for cp.async, and no score
-// cap (its kernels have none).
-bool tensor_core_path(const Problem& pr, DType dtype, std::initializer_list<const Tensor*> bf16_operands) {
-  if (dtype != DType::bf16 || (pr.D != 64 && pr.D != 128) || pr.k_batch % 8 != 0 || pr.v_batch % 8 != 0 ||
-      pr.softcap != 0.0f)
-    return false;
+// The tensor-core families need bf16 and 16-byte aligned rows for cp.async; mma takes D = 64, 128
+// or 256 and the score cap, wgmma D = 64 or 128 without it.
+bool tensor_core_path(FlashFamily family, const Problem& pr, DType dtype,
+                      std::initializer_list<const Tensor*> bf16_operands) {
+  const bool shape = family == FlashFamily::mma ? pr.D == 64 || pr.D == 128 || pr.D == 256
+                                                : (pr.D == 64 || pr.D == 128) && pr.softcap == 0.0f;
+  if (dtype != DType::bf16 || !shape || pr.k_batch % 8 != 0 || pr.v_batch % 8 != 0) return false;
   for (const Tensor* t : bf16_operands)
     if (!aligned(*t, 16)) return false;
   return true;
@@ -202,8 +208,9 @@ void flash_attention_forward(const Tensor& out, const AttentionSaved& saved, con
   if (pr.B == 0 || pr.c == 0 || pr.H == 0) return;
   cudaStream_t stream = current_stream(q.device.index);
   if (family != FlashFamily::simt) {
-    CW_CHECK(tensor_core_path(pr, q.dtype, {&q, &k, &v, &out}),
-             "flash attention ({}): needs bf16, head dim 64 or 128, 16-byte aligned operands and no score cap",
+    CW_CHECK(tensor_core_path(family, pr, q.dtype, {&q, &k, &v, &out}),
+             "flash attention ({}): needs bf16, 16-byte aligned operands and head dim 64 or 128 (mma: also 256; "
+             "wgmma: no score cap)",
              family_name(family));
     const Operands<bf16_t> a{static_cast<const bf16_t*>(q.data), static_cast<const bf16_t*>(k.data),
                              static_cast<const bf16_t*>(v.data), nullptr, nullptr, static_cast<bf16_t*>(out.data),
@@ -239,9 +246,10 @@ void flash_attention_backward(const Tensor& d_q, const Tensor& d_k, const Tensor
       cw::flash_attention_backward_scratch({pr.B, pr.c, pr.S, pr.H, pr.Hkv, pr.D}, tc, deterministic);
   float* delta = static_cast<float*>(scratch.alloc_bytes(bytes[0]));
 
-  CW_CHECK(!tc || (tensor_core_path(pr, q.dtype, {&q, &k, &v, &out, &d_out, &d_q}) && aligned(d_k, 8) &&
+  CW_CHECK(!tc || (tensor_core_path(family, pr, q.dtype, {&q, &k, &v, &out, &d_out, &d_q}) && aligned(d_k, 8) &&
                    aligned(d_v, 8) && pr.dk_batch % 2 == 0 && pr.dv_batch % 2 == 0),
-           "flash attention ({}): needs bf16, head dim 64 or 128, aligned operands and no score cap",
+           "flash attention ({}): needs bf16, aligned operands and head dim 64 or 128 (mma: also 256; wgmma: no "
+           "score cap)",
            family_name(family));
   auto operands = [&](auto tag) {
     using T = decltype(tag);

@@ -7,8 +7,8 @@
 //   document; an unmasked call has p >= S, so only the window masks it):
 //     s_ij = scale q_i . k_j,  lse_i = log sum_j exp(s_ij),  P_ij = exp(s_ij - lse_i),  out_i = sum_j P_ij v_j;
 //     Delta_i = d_out_i . out_i,  dS_ij = P_ij (d_out_i . v_j - Delta_i),
-//   (with a score cap, the SIMT family's only: s_ij = cap tanh(scale q_i . k_j / cap), and dS_ij is
-//   multiplied by that map's slope 1 - tanh^2 before the two products below),
+//   (with a score cap, which the SIMT and mma families take: s_ij = cap tanh(scale q_i . k_j / cap),
+//   and dS_ij is multiplied by that map's slope 1 - tanh^2 before the two products below),
 //     d_q_i = scale sum_j dS_ij k_j (overwrite or accumulate),
 //     d_k_j += scale sum_{h in group, i} dS_ij q_i,  d_v_j += sum_{h in group, i} P_ij d_out_i.
 //   Layouts: q, out, d_q, d_out [B, c, H, D] contiguous; k, v [B, S, Hkv, D] and d_k, d_v (f32) with
@@ -46,7 +46,9 @@ struct Problem {
   // The pitch lets a chunk read its columns of the step's [B, T] table in place.
   const int* doc_first;
   int64_t doc_pitch;
-  float softcap;                     // the score cap (SIMT family only); 0: none
+  float softcap;                     // the score cap (SIMT and mma families); 0: none
+  float scale_over_cap;              // scale / softcap: the tensor-core kernels' tanh argument per raw score
+  float cap_log2;                    // softcap * log2(e): their capped score in the base-2 domain
 };
 
 // A scaled score through the score cap: cap tanh(s / cap) and the map's slope 1 - tanh(s / cap)^2
@@ -147,6 +149,25 @@ __device__ __forceinline__ float fast_exp2(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
 }
+// tanh x = 1 - 2 / (e^2x + 1) through fast_exp2: within about 1e-7 of tanh absolutely. The hardware's
+// tanh.approx is off by up to 2^-11 relatively, which a cap of 50 would turn into 0.03 of a score.
+// The argument is clamped at 40 (tanh is 1 in f32 long before), so e^2x stays finite.
+__device__ __forceinline__ float fast_tanh(float x) {
+  return 1.0f - __fdividef(2.0f, fast_exp2(fminf(x, 40.0f) * (2.0f * kLog2e)) + 1.0f);
+}
+// A tensor-core kernel's raw score q . k in the base-2 domain of its softmax: scale log2(e) s, or
+// with the cap (CAP) cap log2(e) tanh(scale s / cap), `slope` then the cap's 1 - tanh^2 (the factor of
+// dS; 1 without the cap).
+template <bool CAP> __device__ __forceinline__ float score_log2(const Problem& pr, float s, float& slope) {
+  if constexpr (CAP) {
+    const float t = fast_tanh(s * pr.scale_over_cap);
+    slope = 1.0f - t * t;
+    return pr.cap_log2 * t;
+  } else {
+    slope = 1.0f;
+    return s * pr.scale_log2;
+  }
+}
 
 // dQ accumulator += X, two neighbouring f32 (one 8-byte vector atomic on sm_90).
 __device__ __forceinline__ void atomic_add2(float* dst, float x, float y) {
@@ -175,21 +196,22 @@ __device__ __forceinline__ void write_d_q_pair(bf16_t* d_q, const Problem& pr, f
   *dst = pack_bf16(x, y);
 }
 
-// The end of a dK/dV kernel: a warp's 16 keys (rows key0 + lane / 4, + 8; columns in the
-// accumulator layout over the head dim D) are added into the caller's f32 d_k (times the softmax
+// The end of a dK/dV kernel: a warp's 16 keys (rows key0 + lane / 4, + 8; COLS columns of the head
+// dim D from col0, in the accumulator layout) are added into the caller's f32 d_k (times the softmax
 // scale) and d_v. One writer per element: the add is deterministic.
-template <int D>
+template <int D, int COLS = D>
 __device__ __forceinline__ void add_key_grads(const Operands<bf16_t>& a, const Problem& pr, int b, int g, int key0,
-                                              const float (&dk)[D / 8][4], const float (&dv)[D / 8][4], int lane) {
+                                              const float (&dk)[COLS / 8][4], const float (&dv)[COLS / 8][4], int lane,
+                                              int col0 = 0) {
   const int t = lane & 3;
 #pragma unroll
   for (int hh = 0; hh < 2; ++hh) {
     const int key = key0 + (lane >> 2) + hh * 8;
     if (key >= pr.S) continue;
-    float* d_k = a.d_k + b * pr.dk_batch + key * pr.kv_row + g * D + 2 * t;
-    float* d_v = a.d_v + b * pr.dv_batch + key * pr.kv_row + g * D + 2 * t;
+    float* d_k = a.d_k + b * pr.dk_batch + key * pr.kv_row + g * D + col0 + 2 * t;
+    float* d_v = a.d_v + b * pr.dv_batch + key * pr.kv_row + g * D + col0 + 2 * t;
 #pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt) {
+    for (int dt = 0; dt < COLS / 8; ++dt) {
       float2 x = *reinterpret_cast<float2*>(d_k + dt * 8);
       x.x += pr.scale * dk[dt][2 * hh], x.y += pr.scale * dk[dt][2 * hh + 1];
       *reinterpret_cast<float2*>(d_k + dt * 8) = x;
@@ -204,9 +226,10 @@ __device__ __forceinline__ void add_key_grads(const Operands<bf16_t>& a, const P
 // S^T and dP^T for its 16 keys (rows key0 + lane / 4, + 8) against the NQ * 8 queries of a block
 // starting at q0, in the accumulator layout of mma.m16n8k16; lse and delta are the block's rows in
 // shared memory. In place: st becomes P^T = exp(scale S^T - lse), dpt becomes
-// dS^T = P^T (dP^T - Delta); entries past the causal diagonal, left of the window or of the query's
-// document, or past the ends of the sequence are 0 (set, not multiplied: exp of a row's lse -inf is inf).
-template <int NQ>
+// dS^T = P^T (dP^T - Delta) (with the cap, P^T = exp(cap tanh(scale S^T / cap) - lse) and dS^T times
+// the cap's slope); entries past the causal diagonal, left of the window or of the query's document,
+// or past the ends of the sequence are 0 (set, not multiplied: exp of a row's lse -inf is inf).
+template <int NQ, bool CAP = false>
 __device__ __forceinline__ void probs_and_score_grads_t(float (&st)[NQ][4], float (&dpt)[NQ][4], const float* lse,
                                                         const float* delta, const Problem& pr, int b, int key0,
                                                         int q0, bool masked, int lane) {
@@ -217,10 +240,11 @@ __device__ __forceinline__ void probs_and_score_grads_t(float (&st)[NQ][4], floa
     for (int e = 0; e < 4; ++e) {
       const int col = nt * 8 + 2 * t + (e & 1);  // query within the block
       const int key = key0 + (lane >> 2) + (e >> 1) * 8;
-      float p = fast_exp2(st[nt][e] * pr.scale_log2 - lse[col] * kLog2e);
+      float slope;
+      float p = fast_exp2(score_log2<CAP>(pr, st[nt][e], slope) - lse[col] * kLog2e);
       if (masked && (!key_visible(pr, b, key, pr.p + q0 + col) || q0 + col >= pr.c || key >= pr.S)) p = 0.0f;
       st[nt][e] = p;
-      dpt[nt][e] = p * (dpt[nt][e] - delta[col]);
+      dpt[nt][e] = p * (dpt[nt][e] - delta[col]) * slope;
     }
 }
 
@@ -265,10 +289,11 @@ template <class T> void simt_backward(const Operands<T>& a, const Problem& pr, c
 // The tensor-core backwards run after the shared Delta pass (attention_flash.cu) and write d_k,
 // d_v; with a.dq_accum (zeroed by that pass) they add dS K into it by atomics and the caller
 // converts it to d_q; without, they write d_q themselves in a fixed order (bitwise repeatable).
-// mma.sync (attention_flash_mma.cu): bf16, D 64 or 128.
+// mma.sync (attention_flash_mma.cu): bf16, D 64, 128 or 256, with or without the score cap.
 void mma_forward(const Operands<bf16_t>& a, const Problem& pr, cudaStream_t stream);
 void mma_backward(const Operands<bf16_t>& a, const Problem& pr, cudaStream_t stream);
-// wgmma (attention_flash_wgmma.cu): the same operands and results on Hopper's warpgroup MMA.
+// wgmma (attention_flash_wgmma.cu): the same operands and results on Hopper's warpgroup MMA, D 64
+// or 128, no score cap.
 // wgmma_built(): this build compiled them (gpu_arch 90a); the caller checks that the device is
 // compute capability 9.0.
 bool wgmma_built();

@@ -2,8 +2,9 @@
 // mma.sync.m16n8k16 tensor cores (bf16 inputs, f32 accumulation), for any GPU of sm_80 or newer.
 //   Computes: out, lse (forward); after the Delta pass of attention_flash.cu, d_k, d_v (always
 //   added, one writer per element) and d_q (backward), by the algorithm in attention_flash.cuh.
-//   Operands: bf16, head dim 64 or 128, 16-byte aligned rows (K/V batch strides multiples of 8);
-//   d_k/d_v f32, 8-byte aligned.
+//   Operands: bf16, head dim 64, 128 or 256, 16-byte aligned rows (K/V batch strides multiples of
+//   8); d_k/d_v f32, 8-byte aligned. With the score cap (Gemma 2's) every kernel is instantiated a
+//   second time (CAP): the scores go through score_log2's tanh and dS takes its slope.
 //   Tiles: ldmatrix from XOR-swizzled shared memory (16-byte chunk c of row r at chunk c ^ (r & 7),
 //   so the 8 rows of one ldmatrix phase hit 8 bank groups), cp.async double buffering.
 //     forward:  a CTA owns BR queries of one head; each warp keeps MT x 16 rows' scores, softmax
@@ -15,15 +16,18 @@
 //   Backward forms (mma_backward): with a.dq_accum (determinism off) one fused dK/dV/dQ kernel of
 //   8 warps that adds each tile's dS K into the f32 accumulator with 8-byte atomics (d_q then varies
 //   in its last bits run to run); without, the two-kernel form (dK/dV, then dQ), bitwise repeatable.
+//     At D 256 the dK/dV kernel is tc_dkdv_wide_kernel (below): P^T and dS^T go through shared
+//     memory so that each warp holds dK and dV for half the head dim.
 //   Chosen by the chooser for bf16 at D 64/128 where wgmma is not available (not an sm_90a build or
-//   not a compute capability 9.0 GPU), or when forced (CW_ATTENTION=flash-mma).
+//   not a compute capability 9.0 GPU), for every capped call and D 256 (wgmma has neither), or when
+//   forced (CW_ATTENTION=flash-mma).
 #include "engine/cuda/attention_flash.cuh"
 
 namespace cw::gpu::flash {
 namespace {
 
 // ------------------------------------------------------------------------------------------------
-// Tensor-core path (bf16, D = 64 or 128): PTX wrappers.
+// Tensor-core path (bf16, D = 64, 128 or 256): PTX wrappers.
 // ------------------------------------------------------------------------------------------------
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
@@ -146,7 +150,7 @@ template <int D, int NW, int MT, int BC> struct TcForward {
   static constexpr bool kQInRegs = MT * D <= 128;
 };
 
-template <int D, int NW, int MT, int BC>
+template <int D, int NW, int MT, int BC, bool CAP>
 __global__ void __launch_bounds__(NW * 32) tc_forward_kernel(const Operands<bf16_t> a, const Problem pr) {
   using Cfg = TcForward<D, NW, MT, BC>;
   constexpr int BR = Cfg::kRows, NT = BC / 8, DT = D / 8;
@@ -213,7 +217,8 @@ __global__ void __launch_bounds__(NW * 32) tc_forward_kernel(const Operands<bf16
         for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            float x = s[mt][nt][2 * hh + e] * pr.scale_log2;
+            float slope;  // the backward's; unused here
+            float x = score_log2<CAP>(pr, s[mt][nt][2 * hh + e], slope);
             const int key = k0 + nt * 8 + 2 * t + e;
             if (masked && (!key_visible(pr, b, key, qpos) || key >= pr.S)) x = -kInf;
             s[mt][nt][2 * hh + e] = x;
@@ -318,7 +323,7 @@ __device__ __forceinline__ void fused_dq_tile(const Operands<bf16_t>& a, const P
   }
 }
 
-template <int D, int NW, int BR, bool FUSED_DQ>
+template <int D, int NW, int BR, bool FUSED_DQ, bool CAP>
 __global__ void __launch_bounds__(NW * 32) tc_dkdv_kernel(const Operands<bf16_t> a, const Problem pr) {
   using Cfg = TcDkdv<D, NW, BR, FUSED_DQ>;
   constexpr int BC = Cfg::kKeys, NQ = BR / 8, DT = D / 8;
@@ -381,8 +386,8 @@ __global__ void __launch_bounds__(NW * 32) tc_dkdv_kernel(const Operands<bf16_t>
 
     const bool masked = k0 + BC - 1 > pr.p + q0 || q0 + BR > pr.c || k0 + BC > pr.S ||
                         cuts_block(pr, b, k0, pr.p + q0 + BR - 1);
-    probs_and_score_grads_t(st, dpt, sLse + stage * BR, sDelta + stage * BR, pr, b, k0 + wkey, q0, masked,
-                            lane);
+    probs_and_score_grads_t<NQ, CAP>(st, dpt, sLse + stage * BR, sDelta + stage * BR, pr, b, k0 + wkey, q0,
+                                     masked, lane);
     if constexpr (FUSED_DQ) {
       // The warp's 16 rows of dS^T, rounded to bf16 as the dK product rounds them. Free to
       // overwrite: every warp finished reading the previous step's tile before the loop's barrier.
@@ -415,7 +420,7 @@ template <int D, int NW, int BC> struct TcDq {
   static constexpr bool kInRegs = D <= 64;  // Q and dO fragments in registers
 };
 
-template <int D, int NW, int BC>
+template <int D, int NW, int BC, bool CAP>
 __global__ void __launch_bounds__(NW * 32) tc_dq_kernel(const Operands<bf16_t> a, const Problem pr) {
   using Cfg = TcDq<D, NW, BC>;
   constexpr int BR = Cfg::kRows, NT = BC / 8, DT = D / 8;
@@ -479,9 +484,10 @@ __global__ void __launch_bounds__(NW * 32) tc_dq_kernel(const Operands<bf16_t> a
       for (int e = 0; e < 4; ++e) {
         const int hh = e >> 1, key = k0 + nt * 8 + 2 * t + (e & 1);
         const int qpos = pr.p + q0 + wrow + (lane >> 2) + hh * 8;
-        float p = fast_exp2(s[nt][e] * pr.scale_log2 - lse2[hh]);
+        float slope;
+        float p = fast_exp2(score_log2<CAP>(pr, s[nt][e], slope) - lse2[hh]);
         if (masked && (!key_visible(pr, b, key, qpos) || key >= pr.S)) p = 0.0f;
-        s[nt][e] = p * (dp[nt][e] - delta[hh]);  // dS
+        s[nt][e] = p * (dp[nt][e] - delta[hh]) * slope;  // dS
       }
     mma_xb<D, BC>(dq, s, cK, lane);
   }
@@ -496,46 +502,189 @@ __global__ void __launch_bounds__(NW * 32) tc_dq_kernel(const Operands<bf16_t> a
     for (int dt = 0; dt < DT; ++dt) write_d_q_pair(d_q + dt * 8, pr, dq[dt][2 * hh], dq[dt][2 * hh + 1]);
   }
 }
-template <int D, int NW, int MT, int BC>
+
+// ------------------------------------------------------------------------------------------------
+// Tensor-core dK/dV at head dim 256 (and, when FUSED_DQ, dQ by atomics). A warp's 16 keys over all
+// 256 columns would hold 256 accumulators of dK and dV a thread, more than the register file gives,
+// so each product is cut among the warps its own way. CTA: 8 warps, 64 keys of one (b, g); query
+// blocks of BR = 64, double buffered (Q, dO, lse, Delta). Per step:
+//   1. S^T = K Q^T and dP^T = V dO^T (64 keys x 64 queries, over the whole head dim): warp w takes
+//      keys 16 (w % 4) .. + 16 against queries 32 (w / 4) .. + 32;
+//   2. P^T and dS^T from them (probs_and_score_grads_t), rounded to bf16 into shared memory
+//      (keys-major, swizzled), as the products round them;
+//   3. after a barrier, dV += P^T dO and dK += dS^T Q: warp w takes keys 16 (w % 4) .. + 16 and
+//      head-dim columns 128 (w / 4) .. + 128 (64 accumulators of each a thread), its A operand read
+//      back from shared memory;
+//   4. FUSED_DQ: dQ += dS K for the block (fused_dq_tile, as the narrower kernel does).
+// ------------------------------------------------------------------------------------------------
+template <int D, int BR, bool FUSED_DQ> struct TcDkdvWide {
+  static constexpr int kWarps = 8, kThreads = kWarps * 32, kKeys = 64, kCols = D / 2;
+  static constexpr int kSmem = (2 * kKeys + 4 * BR) * D * static_cast<int>(sizeof(bf16_t)) +
+                               2 * kKeys * BR * static_cast<int>(sizeof(bf16_t)) + 4 * BR * 4;
+  static_assert(BR == 64, "a step's S^T is cut into 4 x 2 warp tiles of 16 keys x 32 queries");
+};
+
+// acc[16 x N] += A[16 x K] B, A rows a_row0 .. + 16 of a K-wide tile in shared memory (P^T or dS^T,
+// keys x queries), B columns col0 .. + N of a K x D tile (rows = k: dO or Q).
+template <int D, int K, int N>
+__device__ __forceinline__ void mma_sb(float (&acc)[N / 8][4], const bf16_t* a_tile, int a_row0, const bf16_t* bk,
+                                       int col0, int lane) {
+#pragma unroll
+  for (int kk = 0; kk < K / 16; ++kk) {
+    uint32_t af[4];
+    ldsm_x4(af, a_addr<K>(a_tile, a_row0, kk, lane));
+#pragma unroll
+    for (int dp = 0; dp < N / 16; ++dp) {
+      uint32_t bf[4];
+      ldsm_x4_trans(bf, bk_addr<D>(bk, kk * 16, col0 / 16 + dp, lane));
+      mma(acc[2 * dp], af, bf[0], bf[1]);
+      mma(acc[2 * dp + 1], af, bf[2], bf[3]);
+    }
+  }
+}
+
+template <int D, int BR, bool FUSED_DQ, bool CAP>
+__global__ void __launch_bounds__(256) tc_dkdv_wide_kernel(const Operands<bf16_t> a, const Problem pr) {
+  using Cfg = TcDkdvWide<D, BR, FUSED_DQ>;
+  constexpr int BC = Cfg::kKeys, COLS = Cfg::kCols;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  bf16_t* sK = reinterpret_cast<bf16_t*>(smem_raw);
+  bf16_t* sV = sK + BC * D;
+  bf16_t* sQ = sV + BC * D;       // [2][BR * D]
+  bf16_t* sdO = sQ + 2 * BR * D;  // [2][BR * D]
+  bf16_t* sP = sdO + 2 * BR * D;  // P^T [BC keys][BR queries], swizzled
+  bf16_t* sdS = sP + BC * BR;     // dS^T, the same
+  float* sLse = reinterpret_cast<float*>(sdS + BC * BR);  // [2][BR]
+  float* sDelta = sLse + 2 * BR;                          // [2][BR]
+  const Block blk = key_block_of(pr);
+  const int kb = blk.block, g = blk.head, b = blk.b;
+  const int k0 = kb * BC, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
+  const int wkey = (warp & 3) * 16;        // the warp's 16 keys in every product
+  const int wq = (warp >> 2) * 32;         // its 32 queries of S^T and dP^T
+  const int wcol = (warp >> 2) * COLS;     // its head-dim columns of dK and dV
+
+  load_tile<D, BC, Cfg::kThreads>(sK, a.k + b * pr.k_batch + k0 * pr.kv_row + g * D, pr.kv_row, pr.S - k0, a.k);
+  load_tile<D, BC, Cfg::kThreads>(sV, a.v + b * pr.v_batch + k0 * pr.kv_row + g * D, pr.kv_row, pr.S - k0, a.v);
+  // The query blocks that see the key block, as in tc_dkdv_kernel.
+  const int nqb = (rows_seeing_end(pr, b, k0 + BC - 1) + BR - 1) / BR, qb_first = max(0, k0 - pr.p) / BR;
+  const int nq = max(0, nqb - qb_first);
+  const int steps = pr.group * nq;
+  auto issue = [&](int step, int stage) {
+    const int h = g * pr.group + step / nq, q0 = (qb_first + step % nq) * BR;
+    load_tile<D, BR, Cfg::kThreads>(sQ + stage * BR * D, a.q + q_offset(pr, b, q0, h), pr.q_row, pr.c - q0, a.q);
+    load_tile<D, BR, Cfg::kThreads>(sdO + stage * BR * D, a.d_out + q_offset(pr, b, q0, h), pr.q_row, pr.c - q0,
+                                    a.d_out);
+    for (int r = threadIdx.x; r < BR; r += Cfg::kThreads) {
+      const bool ok = q0 + r < pr.c;
+      const int64_t off = ok ? stat_offset(pr, b, h, q0 + r) : 0;
+      cp_async4(smem_addr(sLse + stage * BR + r), a.lse + off, ok);
+      cp_async4(smem_addr(sDelta + stage * BR + r), a.delta + off, ok);
+    }
+  };
+  if (steps > 0) issue(0, 0);
+  cp_async_commit();
+
+  float dk[COLS / 8][4] = {}, dv[COLS / 8][4] = {};
+  const uint32_t no_regs[1][4] = {};  // mma_abt's register operand, unused: A comes from shared memory
+  for (int step = 0; step < steps; ++step) {
+    cp_async_wait_all();
+    __syncthreads();  // this step's tiles have landed; last step's P^T, dS^T and stage are no longer read
+    if (step + 1 < steps) issue(step + 1, (step + 1) & 1);
+    cp_async_commit();
+    const int stage = step & 1, q0 = (qb_first + step % nq) * BR;
+    const bf16_t* cQ = sQ + stage * BR * D;
+    const bf16_t* cdO = sdO + stage * BR * D;
+
+    float st[4][4] = {}, dpt[4][4] = {};  // S^T and dP^T: the warp's 16 keys x 32 queries
+    mma_abt<D, 32, true>(st, no_regs, sK, wkey, cQ + wq * D, lane);
+    mma_abt<D, 32, true>(dpt, no_regs, sV, wkey, cdO + wq * D, lane);
+    const bool masked = k0 + BC - 1 > pr.p + q0 || q0 + BR > pr.c || k0 + BC > pr.S ||
+                        cuts_block(pr, b, k0, pr.p + q0 + BR - 1);
+    probs_and_score_grads_t<4, CAP>(st, dpt, sLse + stage * BR + wq, sDelta + stage * BR + wq, pr, b, k0 + wkey,
+                                    q0 + wq, masked, lane);
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int off = swz<BR>(wkey + (lane >> 2) + hh * 8, wq / 8 + nt) + 2 * t;
+        *reinterpret_cast<uint32_t*>(sP + off) = pack_bf16(st[nt][2 * hh], st[nt][2 * hh + 1]);
+        *reinterpret_cast<uint32_t*>(sdS + off) = pack_bf16(dpt[nt][2 * hh], dpt[nt][2 * hh + 1]);
+      }
+    __syncthreads();  // the whole 64 x 64 P^T and dS^T are in shared memory
+    mma_sb<D, BR, COLS>(dv, sP, wkey, cdO, wcol, lane);
+    mma_sb<D, BR, COLS>(dk, sdS, wkey, cQ, wcol, lane);
+    if constexpr (FUSED_DQ) fused_dq_tile<Cfg, D, BR>(a, pr, sdS, sK, b, g * pr.group + step / nq, q0, warp, lane);
+  }
+  cp_async_wait_all();  // nothing in flight at exit (a key block no query sees loaded its tiles)
+
+  add_key_grads<D, COLS>(a, pr, b, g, k0 + wkey, dk, dv, lane, wcol);
+}
+
+template <int D, int NW, int MT, int BC, bool CAP>
 void launch_tc_forward(const Operands<bf16_t>& a, const Problem& pr, cudaStream_t stream) {
   using Cfg = TcForward<D, NW, MT, BC>;
-  launch_tiled<Cfg>(tc_forward_kernel<D, NW, MT, BC>, pr.c, Cfg::kRows, pr.H, a, pr, stream);
+  launch_tiled<Cfg>(tc_forward_kernel<D, NW, MT, BC, CAP>, pr.c, Cfg::kRows, pr.H, a, pr, stream);
 }
 
-template <int D, int NW, int BR, bool FUSED_DQ>
+template <int D, int NW, int BR, bool FUSED_DQ, bool CAP>
 void launch_tc_dkdv(const Operands<bf16_t>& a, const Problem& pr, cudaStream_t stream) {
   using Cfg = TcDkdv<D, NW, BR, FUSED_DQ>;
-  launch_tiled<Cfg>(tc_dkdv_kernel<D, NW, BR, FUSED_DQ>, pr.S, Cfg::kKeys, pr.Hkv, a, pr, stream);
+  launch_tiled<Cfg>(tc_dkdv_kernel<D, NW, BR, FUSED_DQ, CAP>, pr.S, Cfg::kKeys, pr.Hkv, a, pr, stream);
 }
 
-template <int D, int NW, int BC>
+template <int D, int BR, bool FUSED_DQ, bool CAP>
+void launch_tc_dkdv_wide(const Operands<bf16_t>& a, const Problem& pr, cudaStream_t stream) {
+  using Cfg = TcDkdvWide<D, BR, FUSED_DQ>;
+  launch_tiled<Cfg>(tc_dkdv_wide_kernel<D, BR, FUSED_DQ, CAP>, pr.S, Cfg::kKeys, pr.Hkv, a, pr, stream);
+}
+
+template <int D, int NW, int BC, bool CAP>
 void launch_tc_dq(const Operands<bf16_t>& a, const Problem& pr, cudaStream_t stream) {
   using Cfg = TcDq<D, NW, BC>;
-  launch_tiled<Cfg>(tc_dq_kernel<D, NW, BC>, pr.c, Cfg::kRows, pr.H, a, pr, stream);
+  launch_tiled<Cfg>(tc_dq_kernel<D, NW, BC, CAP>, pr.c, Cfg::kRows, pr.H, a, pr, stream);
 }
 
-}  // namespace
-
-// The tile shapes, chosen by timing the candidates on an H100 at B = 1, S = c = 8192.
+// The tile shapes. D 64 and 128: chosen by timing the candidates on an H100 at B = 1, S = c = 8192.
 //   forward D = 64:  4 warps x 16 rows (BR 64), BC 64    D = 128: 4 warps x 32 rows (BR 128), BC 64
 //   dK/dV:           4 warps x 16 keys (BC 64), BR 64    dQ:      4 warps x 16 rows (BR 64), BC 64
 //   fused dK/dV/dQ:  8 warps x 16 keys (BC 128), BR 64, dQ inline after a second barrier, 8-byte atomics
-void mma_forward(const Operands<bf16_t>& a, const Problem& pr, cudaStream_t stream) {
-  if (pr.D == 64) return launch_tc_forward<64, 4, 1, 64>(a, pr, stream);
-  launch_tc_forward<128, 4, 2, 64>(a, pr, stream);
+// D 256 (Gemma 2), where a warp's O, dQ or dK/dV rows over the whole head dim take 128 registers:
+//   forward:         8 warps x 16 rows (BR 128), BC 32 (128 KiB of shared memory; BC 64 spills)
+//   dK/dV:           tc_dkdv_wide_kernel, 8 warps, 64 keys, BR 64 (209 KiB), dQ fused as above
+//   dQ:              4 warps x 16 rows (BR 64), BC 32
+template <bool CAP> void mma_forward_at(const Operands<bf16_t>& a, const Problem& pr, cudaStream_t stream) {
+  if (pr.D == 64) return launch_tc_forward<64, 4, 1, 64, CAP>(a, pr, stream);
+  if (pr.D == 128) return launch_tc_forward<128, 4, 2, 64, CAP>(a, pr, stream);
+  launch_tc_forward<256, 8, 1, 32, CAP>(a, pr, stream);
 }
 
-namespace {
-template <int D> void mma_backward_at(const Operands<bf16_t>& a, const Problem& pr, cudaStream_t stream) {
-  if (a.dq_accum != nullptr) return launch_tc_dkdv<D, 8, 64, true>(a, pr, stream);  // fused, dQ by atomics
-  launch_tc_dkdv<D, 4, 64, false>(a, pr, stream);
-  launch_tc_dq<D, 4, 64>(a, pr, stream);
+template <int D, bool CAP> void mma_backward_at(const Operands<bf16_t>& a, const Problem& pr, cudaStream_t stream) {
+  if constexpr (D == 256) {
+    if (a.dq_accum != nullptr) return launch_tc_dkdv_wide<D, 64, true, CAP>(a, pr, stream);  // fused, dQ by atomics
+    launch_tc_dkdv_wide<D, 64, false, CAP>(a, pr, stream);
+    launch_tc_dq<D, 4, 32, CAP>(a, pr, stream);
+  } else {
+    if (a.dq_accum != nullptr) return launch_tc_dkdv<D, 8, 64, true, CAP>(a, pr, stream);  // fused, dQ by atomics
+    launch_tc_dkdv<D, 4, 64, false, CAP>(a, pr, stream);
+    launch_tc_dq<D, 4, 64, CAP>(a, pr, stream);
+  }
 }
+template <bool CAP> void mma_backward_cap(const Operands<bf16_t>& a, const Problem& pr, cudaStream_t stream) {
+  if (pr.D == 64) mma_backward_at<64, CAP>(a, pr, stream);
+  else if (pr.D == 128) mma_backward_at<128, CAP>(a, pr, stream);
+  else mma_backward_at<256, CAP>(a, pr, stream);
+}
+
 }  // namespace
 
+void mma_forward(const Operands<bf16_t>& a, const Problem& pr, cudaStream_t stream) {
+  if (pr.softcap > 0.0f) mma_forward_at<true>(a, pr, stream);
+  else mma_forward_at<false>(a, pr, stream);
+}
+
 void mma_backward(const Operands<bf16_t>& a, const Problem& pr, cudaStream_t stream) {
-  if (pr.D == 64) mma_backward_at<64>(a, pr, stream);
-  else mma_backward_at<128>(a, pr, stream);
+  if (pr.softcap > 0.0f) mma_backward_cap<true>(a, pr, stream);
+  else mma_backward_cap<false>(a, pr, stream);
 }
 
 }  // namespace cw::gpu::flash

@@ -3,8 +3,8 @@
 //   added) (backward), by the online softmax stated in attention_flash.cuh.
 //   Operands: f32 or bf16, any even head dim D <= 256, no alignment needs beyond the element's.
 //   Score cap (Problem::softcap, Gemma 2's attn_logit_softcapping): each scaled score passes through
-//   cap tanh(s / cap) before the mask and softmax; the backward multiplies dS by 1 - tanh^2. This
-//   family alone computes it.
+//   cap tanh(s / cap) before the mask and softmax; the backward multiplies dS by 1 - tanh^2 (tanhf
+//   here; the mma family computes the same map through its exponential, score_log2).
 //   Arithmetic: f32 throughout with expf/logf/tanhf (the f32 exactness path and the readable
 //   reference of the algorithm); no atomics: every sum has a fixed order, so results are bitwise
 //   repeatable.
@@ -13,8 +13,8 @@
 //   its share of a row (or key) in registers sized for the largest head dim it serves: kernels
 //   instantiated for D <= 128 and for D <= 256, so that the common head dims do not pay the large
 //   ones' registers.
-//   Chosen by the chooser when no tensor-core family takes the call (f32, head dims other than 64
-//   and 128, unaligned operands, a score cap) or when forced (CW_ATTENTION=flash-simt).
+//   Chosen by the chooser when no tensor-core family takes the call (f32, head dims other than 64,
+//   128 and 256, unaligned operands) or when forced (CW_ATTENTION=flash-simt).
 #include "engine/cuda/attention_flash.cuh"
 
 namespace cw::gpu::flash {

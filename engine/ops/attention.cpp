@@ -240,7 +240,7 @@ bool serves(AttentionKernel kernel, const AttentionCall& call, const AttentionFl
     case AttentionKernel::flash_wgmma:
 #if CW_HAVE_CUDA
       if (cpu) break;
-      if (!tensor_core_flash_takes_shape(shape, why)) return false;
+      if (!wgmma_flash_takes_shape(shape, why)) return false;
       if (!call.tensor_core_operands) {
         *why = "needs 16-byte aligned operands";
         return false;
@@ -254,7 +254,7 @@ bool serves(AttentionKernel kernel, const AttentionCall& call, const AttentionFl
       break;
     case AttentionKernel::flash_mma:
       if (cpu) break;
-      if (!tensor_core_flash_takes_shape(shape, why)) return false;
+      if (!mma_flash_takes_shape(shape, why)) return false;
       *why = "needs 16-byte aligned operands";
       return call.tensor_core_operands;
     case AttentionKernel::flash_simt:
@@ -285,8 +285,9 @@ AttentionChoice choose_attention_kernel(const AttentionCall& call, const Attenti
   // The CPU has one kernel; the setting chooses among the GPU families (a test may force one and
   // still compute its CPU reference).
   if (call.device.is_cpu()) return {AttentionKernel::cpu, "the operands are on the CPU"};
-  // A score cap: only flash-simt serves it (serves, above). A sliding window: every flash family honours it; cuDNN refuses it (serves, above), so the
-  // automatic choice goes to the flash families.
+  // A score cap or a head dim of 256: flash-mma and flash-simt serve them; a sliding window: every
+  // flash family honours it. cuDNN refuses all three (serves, above), so the automatic choice goes to
+  // the fastest flash family that takes the call.
   std::string why, reasons;
   const AttentionKernel forced = flags.forced;
   const auto try_kernel = [&](AttentionKernel k, bool is_forced) {
@@ -317,7 +318,7 @@ bool cudnn_takes_shape(const AttentionShape& shape, std::string* why) {
   std::string reason;
   // A score cap is one more map of every score inside the softmax and a factor in dS: our cuDNN
   // graphs do not build it.
-  if (shape.capped) reason = "our cuDNN graphs have no score cap (flash-simt computes it)";
+  if (shape.capped) reason = "our cuDNN graphs have no score cap (flash-mma and flash-simt compute it)";
   // Our cuDNN graphs (attention_cudnn_graphs.cu) build the causal mask from pointwise nodes and
   // their plans are keyed by shape and mask; a window would be one more comparison in every graph,
   // plan key and split-prefix form, and cuDNN would still run the tiles left of the window. The
@@ -331,14 +332,21 @@ bool cudnn_takes_shape(const AttentionShape& shape, std::string* why) {
   return reason.empty();
 }
 
-bool tensor_core_flash_takes_shape(const AttentionShape& shape, std::string* why) {
-  // Their tiles are instantiated for head dims 64 and 128, on bf16 MMA; the cap is not in them.
+bool wgmma_flash_takes_shape(const AttentionShape& shape, std::string* why) {
+  // Its tiles are instantiated for head dims 64 and 128, on bf16 MMA; the cap is not in them.
   std::string reason;
-  if (shape.capped) reason = "no score cap in its kernels (flash-simt computes it)";
+  if (shape.capped) reason = "no score cap in its kernels (flash-mma and flash-simt compute it)";
   else if (shape.dtype != DType::bf16 || (shape.head_dim != 64 && shape.head_dim != 128))
     reason = "needs bf16, head dim 64 or 128";
   if (why) *why = reason;
   return reason.empty();
+}
+
+bool mma_flash_takes_shape(const AttentionShape& shape, std::string* why) {
+  // Its tiles are instantiated for head dims 64, 128 and 256 (Gemma 2's), each with and without the cap.
+  const bool ok = shape.dtype == DType::bf16 && (shape.head_dim == 64 || shape.head_dim == 128 || shape.head_dim == 256);
+  if (why) *why = ok ? "" : "needs bf16, head dim 64, 128 or 256";
+  return ok;
 }
 
 bool simt_flash_takes_shape(const AttentionShape& shape, std::string* why) {

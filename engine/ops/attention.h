@@ -30,9 +30,9 @@
 //   cap tanh(s_ij / cap) before the mask and the softmax, and the backward multiplies dS_ij by the
 //   cap's derivative 1 - tanh(s_ij / cap)^2 before the products that give d_q and d_k. It applies
 //   to every call form (causal, unmasked blocks merged by attention_merge, windows, documents): a
-//   block's capped scores are the whole row's. The CPU and the GPU's flash_simt family compute it
-//   (the chooser keeps capped calls off cuDNN and the tensor-core families, whose kernels have no
-//   cap). Tested in the op table's softcap rows (finite differences; the GPU rows against the CPU)
+//   block's capped scores are the whole row's. The CPU and the GPU's flash_mma and flash_simt
+//   families compute it (the chooser keeps capped calls off cuDNN and flash_wgmma, whose kernels have
+//   no cap). Tested in the op table's softcap rows (finite differences; the GPU rows against the CPU)
 //   and tests/engine/test_attention_documents.cpp (the capped softmax written out).
 // Shapes: q, out, d_q, d_out [B, c, H, D]; k, v [B, S, Hkv, D]; d_k, d_v [B, S, Hkv, D] in the
 // accumulation dtype (f32 for f32/bf16, f64 for f64). k, v, d_k, d_v may have any batch stride
@@ -78,9 +78,9 @@ inline int64_t window_first_key(int64_t position, int64_t window) {
 //   cudnn        cuDNN's fused attention, bf16; no sliding window    (engine/cuda/attention_cudnn.cu)
 //   flash        the best of our flash families for the call (a request, never a result)
 //   flash_wgmma  our flash kernels on Hopper warpgroup MMA, bf16, D 64/128 (attention_flash_wgmma.cu)
-//   flash_mma    our flash kernels on mma.sync tensor cores, bf16, D 64/128 (attention_flash_mma.cu)
+//   flash_mma    our flash kernels on mma.sync tensor cores, bf16, D 64/128/256 (attention_flash_mma.cu)
 //   flash_simt   our flash kernels without tensor cores: f32 or bf16, even D <= 256 (attention_flash_simt.cu)
-// A score cap (softcap) runs on the CPU and flash_simt only.
+// A score cap (softcap) runs on the CPU, flash_mma and flash_simt.
 enum class AttentionKernel { automatic, cpu, cudnn, flash, flash_wgmma, flash_mma, flash_simt };
 const char* attention_kernel_name(AttentionKernel kernel);        // "auto", "cpu", "cudnn", "flash-wgmma", ...
 AttentionKernel parse_attention_kernel(const std::string& name);  // throws naming the choices
@@ -98,7 +98,7 @@ struct AttentionCall {
   const Tensor* v;
   AttentionMask mask = AttentionMask::causal;
   AttentionWindow window = {};  // the CPU and the flash families honour a window; cuDNN refuses it
-  double softcap = 0.0;         // a score cap: the CPU and flash_simt compute it
+  double softcap = 0.0;         // a score cap: the CPU, flash_mma and flash_simt compute it
 };
 // out and, in the backward, d_q, d_out, d_k, d_v take part in the alignment rule.
 AttentionCall attention_call(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
@@ -128,8 +128,10 @@ struct AttentionShape {
 };
 // cuDNN (when the build has it): bf16, a head dim that is a multiple of 8 up to 128, no window, no cap.
 bool cudnn_takes_shape(const AttentionShape& shape, std::string* why = nullptr);
-// flash_wgmma and flash_mma: bf16, head dim 64 or 128, no cap (a window they honour).
-bool tensor_core_flash_takes_shape(const AttentionShape& shape, std::string* why = nullptr);
+// flash_wgmma: bf16, head dim 64 or 128, no cap (a window it honours).
+bool wgmma_flash_takes_shape(const AttentionShape& shape, std::string* why = nullptr);
+// flash_mma: bf16, head dim 64, 128 or 256, window and cap included.
+bool mma_flash_takes_shape(const AttentionShape& shape, std::string* why = nullptr);
 // flash_simt: an even head dim of at most 256, f32 or bf16, window and cap included.
 bool simt_flash_takes_shape(const AttentionShape& shape, std::string* why = nullptr);
 // The census: how many calls each kernel family took, by direction and the chooser's reason, with

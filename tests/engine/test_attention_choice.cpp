@@ -56,15 +56,18 @@ TEST_CASE("attention chooser: CPU operands run the CPU kernel whatever the setti
 }
 
 TEST_CASE("attention chooser: a forced family that cannot take the call names why") {
-  // mma.sync tensor cores: bf16 at head dim 64 or 128 with aligned operands only.
+  // mma.sync tensor cores: bf16 at head dim 64, 128 or 256 with aligned operands only.
   const std::string f32 = error_of(gpu_call(DType::f32, 64), AttentionKernel::flash_mma);
   CHECK(f32.find("flash-mma was requested") != std::string::npos);
-  CHECK(f32.find("needs bf16, head dim 64 or 128") != std::string::npos);
+  CHECK(f32.find("needs bf16, head dim 64, 128 or 256") != std::string::npos);
   CHECK(f32.find("CW_ATTENTION=auto") != std::string::npos);
   CHECK_FALSE(error_of(gpu_call(DType::bf16, 32), AttentionKernel::flash_mma).empty());
   CHECK_FALSE(error_of(gpu_call(DType::bf16, 64, false), AttentionKernel::flash_mma).empty());
   CHECK(choose_attention_kernel(gpu_call(DType::bf16, 128), {AttentionKernel::flash_mma, false}).kernel ==
         AttentionKernel::flash_mma);
+  CHECK(choose_attention_kernel(gpu_call(DType::bf16, 256), {AttentionKernel::flash_mma, false}).kernel ==
+        AttentionKernel::flash_mma);
+  CHECK_FALSE(error_of(gpu_call(DType::bf16, 192), AttentionKernel::flash_mma).empty());
   // The SIMT kernels take any even head dim up to 256, f32 or bf16.
   CHECK(choose_attention_kernel(gpu_call(DType::f32, 6), {AttentionKernel::flash_simt, false}).kernel ==
         AttentionKernel::flash_simt);
@@ -123,39 +126,50 @@ TEST_CASE("attention: a sliding window on a GPU goes to the flash families; cuDN
   CHECK(choose_attention_kernel(call, {AttentionKernel::automatic, false}).kernel == AttentionKernel::cpu);
 }
 
-TEST_CASE("attention: a score cap goes to flash-simt, the GPU's only family that computes it; a family forced "
-          "without it is refused in one line naming the cap; the CPU takes it") {
-  // Gemma 2's attn_logit_softcapping: cuDNN's graphs and the tensor-core kernels have no cap, so the
-  // automatic choice and a flash request land on flash_simt (the chooser never asks cuDNN or the
-  // device about a capped call, so this runs without a GPU).
-  AttentionCall call = gpu_call(DType::bf16, 64);
+TEST_CASE("attention: a score cap goes to flash-mma in bf16 (to flash-simt in f32 or with unaligned operands); "
+          "wgmma and cuDNN forced are refused in one line naming the cap; the CPU takes it") {
+  // Gemma 2's attn_logit_softcapping: cuDNN's graphs and the wgmma kernels have no cap, the mma.sync
+  // kernels and the SIMT kernels do, so the automatic choice and a flash request land on flash_mma
+  // (the chooser never asks cuDNN or the device about a capped call, so this runs without a GPU).
+  for (const int64_t D : {64, 128, 256}) {
+    CAPTURE(D);
+    AttentionCall call = gpu_call(DType::bf16, D);
+    call.softcap = 50.0;
+    for (const AttentionKernel setting : {AttentionKernel::automatic, AttentionKernel::flash, AttentionKernel::flash_mma}) {
+      CAPTURE(std::string(attention_kernel_name(setting)));
+      CHECK(choose_attention_kernel(call, {setting, false}).kernel == AttentionKernel::flash_mma);
+    }
+    const AttentionChoice automatic = choose_attention_kernel(call, {AttentionKernel::automatic, false});
+    CHECK(automatic.reason.find("no score cap") != std::string::npos);
+    CHECK(choose_attention_kernel(call, {AttentionKernel::flash_simt, false}).kernel == AttentionKernel::flash_simt);
+    for (const AttentionKernel forced : {AttentionKernel::flash_wgmma, AttentionKernel::cudnn}) {
+      CAPTURE(std::string(attention_kernel_name(forced)));
+      const std::string message = error_of(call, forced);
+      INFO(message);
+      CHECK(message.find("no score cap") != std::string::npos);
+      CHECK(message.find('\n') == std::string::npos);
+    }
+  }
+  AttentionCall call = gpu_call(DType::bf16, 256, false);  // operands the tensor-core kernels cannot load
   call.softcap = 50.0;
-  for (const AttentionKernel setting : {AttentionKernel::automatic, AttentionKernel::flash, AttentionKernel::flash_simt}) {
-    CAPTURE(std::string(attention_kernel_name(setting)));
-    CHECK(choose_attention_kernel(call, {setting, false}).kernel == AttentionKernel::flash_simt);
-  }
-  const AttentionChoice automatic = choose_attention_kernel(call, {AttentionKernel::automatic, false});
-  CHECK(automatic.reason.find("no score cap") != std::string::npos);
-  for (const AttentionKernel forced : {AttentionKernel::flash_mma, AttentionKernel::flash_wgmma, AttentionKernel::cudnn}) {
-    CAPTURE(std::string(attention_kernel_name(forced)));
-    const std::string message = error_of(call, forced);
-    INFO(message);
-    CHECK(message.find("no score cap") != std::string::npos);
-    CHECK(message.find('\n') == std::string::npos);
-  }
-  call.dtype = DType::f32;
+  CHECK(choose_attention_kernel(call, {AttentionKernel::flash, false}).kernel == AttentionKernel::flash_simt);
+  call = gpu_call(DType::f32, 64);
+  call.softcap = 50.0;
   CHECK(choose_attention_kernel(call, {AttentionKernel::flash, false}).kernel == AttentionKernel::flash_simt);
   call.device = Device::host();
   CHECK(choose_attention_kernel(call, {AttentionKernel::automatic, false}).kernel == AttentionKernel::cpu);
 }
 
-TEST_CASE("attention: head dims above 128 go to flash-simt up to 256 (Gemma 2's); beyond, every GPU family refuses") {
-  for (const int64_t D : {136, 256}) {
-    CAPTURE(D);
-    CHECK(choose_attention_kernel(gpu_call(DType::bf16, D), {AttentionKernel::flash, false}).kernel ==
-          AttentionKernel::flash_simt);
-    CHECK(error_of(gpu_call(DType::bf16, D), AttentionKernel::flash_mma).find("head dim 64 or 128") != std::string::npos);
-  }
+TEST_CASE("attention: head dim 256 (Gemma 2's) goes to flash-mma, other head dims above 128 to flash-simt; "
+          "beyond 256 every GPU family refuses") {
+  CHECK(choose_attention_kernel(gpu_call(DType::bf16, 256), {AttentionKernel::flash, false}).kernel ==
+        AttentionKernel::flash_mma);
+  CHECK(error_of(gpu_call(DType::bf16, 256), AttentionKernel::flash_wgmma).find("head dim 64 or 128") !=
+        std::string::npos);
+  CHECK(choose_attention_kernel(gpu_call(DType::bf16, 136), {AttentionKernel::flash, false}).kernel ==
+        AttentionKernel::flash_simt);
+  CHECK(error_of(gpu_call(DType::bf16, 136), AttentionKernel::flash_mma).find("head dim 64, 128 or 256") !=
+        std::string::npos);
   const std::string message = error_of(gpu_call(DType::bf16, 258), AttentionKernel::flash);
   INFO(message);
   CHECK(message.find("at most 256") != std::string::npos);
@@ -167,22 +181,24 @@ TEST_CASE("attention: head dims above 128 go to flash-simt up to 256 (Gemma 2's)
 TEST_CASE("attention shape rules: which families a dtype, head dim, window and cap allow") {
   struct Case {
     AttentionShape shape;
-    bool cudnn, tensor_core_flash, simt_flash;
+    bool cudnn, wgmma_flash, mma_flash, simt_flash;
     const char* cudnn_why;  // a fragment of cuDNN's refusal, where it refuses
   };
   const Case cases[] = {
-      {{DType::bf16, 64}, true, true, true, ""},
-      {{DType::bf16, 128}, true, true, true, ""},
-      {{DType::bf16, 96}, true, false, true, ""},  // cuDNN's multiples of 8; the flash tiles' 64 and 128 only
-      {{DType::bf16, 8}, true, false, true, ""},
-      {{DType::f32, 64}, false, false, true, "takes bf16 only"},
-      {{DType::bf16, 128, true}, false, true, true, "sliding-window"},
-      {{DType::bf16, 64, false, true}, false, false, true, "no score cap"},
-      {{DType::bf16, 256, true, true}, false, false, true, "no score cap"},  // Gemma 2's local layers
-      {{DType::bf16, 136}, false, false, true, "multiple of 8 up to 128"},
-      {{DType::bf16, 6}, false, false, true, "multiple of 8 up to 128"},
-      {{DType::bf16, 258}, false, false, false, "multiple of 8 up to 128"},
-      {{DType::f32, 7}, false, false, false, "takes bf16 only"},
+      {{DType::bf16, 64}, true, true, true, true, ""},
+      {{DType::bf16, 128}, true, true, true, true, ""},
+      {{DType::bf16, 96}, true, false, false, true, ""},  // cuDNN's multiples of 8; the flash tiles' 64, 128, 256 only
+      {{DType::bf16, 8}, true, false, false, true, ""},
+      {{DType::f32, 64}, false, false, false, true, "takes bf16 only"},
+      {{DType::bf16, 128, true}, false, true, true, true, "sliding-window"},
+      {{DType::bf16, 64, false, true}, false, false, true, true, "no score cap"},
+      {{DType::bf16, 256, true, true}, false, false, true, true, "no score cap"},  // Gemma 2's local layers
+      {{DType::bf16, 256}, false, false, true, true, "multiple of 8 up to 128"},
+      {{DType::f32, 256, false, true}, false, false, false, true, "no score cap"},
+      {{DType::bf16, 136}, false, false, false, true, "multiple of 8 up to 128"},
+      {{DType::bf16, 6}, false, false, false, true, "multiple of 8 up to 128"},
+      {{DType::bf16, 258}, false, false, false, false, "multiple of 8 up to 128"},
+      {{DType::f32, 7}, false, false, false, false, "takes bf16 only"},
   };
   for (const Case& c : cases) {
     CAPTURE(dtype_name(c.shape.dtype));
@@ -192,19 +208,25 @@ TEST_CASE("attention shape rules: which families a dtype, head dim, window and c
     std::string why;
     CHECK(cudnn_takes_shape(c.shape, &why) == c.cudnn);
     CHECK(why.find(c.cudnn_why) != std::string::npos);
-    CHECK(tensor_core_flash_takes_shape(c.shape, &why) == c.tensor_core_flash);
-    CHECK(why.empty() == c.tensor_core_flash);
+    CHECK(wgmma_flash_takes_shape(c.shape, &why) == c.wgmma_flash);
+    CHECK(why.empty() == c.wgmma_flash);
+    CHECK(mma_flash_takes_shape(c.shape, &why) == c.mma_flash);
+    CHECK(why.empty() == c.mma_flash);
     CHECK(simt_flash_takes_shape(c.shape, &why) == c.simt_flash);
     CHECK(why.empty() == c.simt_flash);
   }
 }
 
 TEST_CASE("attention chooser: a call the shape rules refuse to a family is refused by the chooser for the same reason") {
-  // flash-mma forced on a capped bf16 call at head dim 64: the rule's words reach the error.
+  // flash-wgmma forced on a capped bf16 call at head dim 64, flash-mma on f32: the rules' words
+  // reach the error.
   AttentionCall call = gpu_call(DType::bf16, 64);
   call.softcap = 50.0;
   std::string why;
-  CHECK_FALSE(tensor_core_flash_takes_shape({DType::bf16, 64, false, true}, &why));
+  CHECK_FALSE(wgmma_flash_takes_shape({DType::bf16, 64, false, true}, &why));
+  CHECK(error_of(call, AttentionKernel::flash_wgmma).find(why) != std::string::npos);
+  call.dtype = DType::f32;
+  CHECK_FALSE(mma_flash_takes_shape({DType::f32, 64, false, true}, &why));
   CHECK(error_of(call, AttentionKernel::flash_mma).find(why) != std::string::npos);
   CHECK(choose_attention_kernel(call, {AttentionKernel::flash_simt, false}).kernel == AttentionKernel::flash_simt);
 }

@@ -624,7 +624,8 @@ std::vector<Row> build_table() {
     t.push_back(gpu_only(attention({1, 1, 300, 4, 4, D, 300})));
     t.push_back(gpu_only(attention({2, 45, 150, 8, 2, D, 200})));
   }
-  // Head dims past 128 (flash-simt's larger kernels; Gemma 2's 256): c < S, a window, unmasked.
+  // Head dims past 128 (flash-simt's larger kernels; at Gemma 2's 256 flash-mma's too): c < S, a
+  // window, unmasked.
   for (const int64_t D : {136, 256}) {
     t.push_back(gpu_only(attention({1, 130, 1000, 4, 1, D, 1000})));
     t.push_back(gpu_only(attention({2, 45, 150, 8, 2, D, 200, causal_mask, {}, 40})));
@@ -635,6 +636,8 @@ std::vector<Row> build_table() {
   t.push_back(gpu_only(attention({1, 300, 300, 2, 1, 128, 300})));
   t.push_back(gpu_only(attention({1, 520, 700, 4, 2, 128, 700})));
   t.push_back(gpu_only(attention({1, 520, 700, 4, 2, 64, 700})));
+  t.push_back(gpu_only(attention({1, 300, 300, 2, 1, 256, 300})));
+  t.push_back(gpu_only(attention({1, 520, 700, 4, 2, 256, 700})));
   // cuDNN's cases: bottom-right causal masks at p = 123, 136, 200, a single query at 129, padded stores.
   t.push_back(gpu_only(attention({1, 96, 96, 4, 4, 64, 96})));
   t.push_back(gpu_only(attention({2, 77, 77, 8, 2, 128, 80})));
@@ -684,11 +687,12 @@ std::vector<Row> build_table() {
   // not a multiple of one (100), with the chunk after a prefix (p = 870) and GQA 4; W a multiple of
   // the tiles (64) with B = 2 in a padded store; W = 650 cutting only the last rows' oldest keys; W
   // longer than every position (a no-op); decode; packed documents (the window inside a document
-  // begun before the chunk); head dims only the SIMT family takes. Unmasked blocks whose windows cut
+  // begun before the chunk); head dims only the SIMT family takes; at 256 (Gemma 2's sliding layers)
+  // the SIMT and mma families. Unmasked blocks whose windows cut
   // every tile (query i at 64 + i sees keys j > i - 37, the last row one key) and start past the
   // block's first key. No row sees nothing (its lse is -inf, which the comparison cannot weigh;
   // tests/engine/test_attention_documents.cpp covers it on the CPU).
-  for (const int64_t D : {64, 128}) {
+  for (const int64_t D : {64, 128, 256}) {
     t.push_back(gpu_only(attention({1, 300, 300, 4, 2, D, 300, causal_mask, {}, 2})));
     t.push_back(gpu_only(attention({1, 300, 300, 4, 1, D, 300, causal_mask, {}, 17})));
     t.push_back(gpu_only(attention({1, 130, 1000, 4, 1, D, 1000, causal_mask, {}, 100})));
@@ -704,8 +708,8 @@ std::vector<Row> build_table() {
     t.push_back(gpu_only(attention({1, 77, 300, 4, 2, D, 300, causal_mask, {}, 40})));
     t.push_back(gpu_only(attention({2, 45, 150, 8, 2, D, 200, causal_mask, {}, 7})));
   }
-  // Gemma 2's score cap (the CPU and flash-simt; the other GPU families report these rows skipped
-  // with the chooser's refusal, tests/engine/test_attention_choice.cpp). Caps of 0.7 and 1.5
+  // Gemma 2's score cap (the CPU, flash-simt and, at head dims 64, 128 and 256, flash-mma; cuDNN and
+  // flash-wgmma report these rows skipped with the chooser's refusal, test_attention_choice.cpp). Caps of 0.7 and 1.5
   // against scores of about unit size, so tanh is far from linear: chunk against cache with GQA,
   // p = 0, with a window, with packed documents (and a window), unmasked blocks (with a window),
   // score blocks of 64 rows.
@@ -717,14 +721,16 @@ std::vector<Row> build_table() {
   t.push_back(attention({2, 5, 3, 4, 2, 4, 8, none, {}, 0, 0, 0.7}));
   t.push_back(attention({1, 3, 7, 2, 1, 6, 7, none, {}, 8, 9, 1.5}));
   t.push_back(attention({2, 70, 75, 2, 1, 4, 75, causal_mask, {}, 9, 0, 0.7}));
-  // The cap on the GPU shapes (flash-simt), head dims 64, 128 and Gemma 2's 256: c < S with GQA 4,
-  // packed documents with a window, unmasked blocks, decode; Gemma 2's own cap of 50 at D 256.
+  // The cap on the GPU shapes (flash-mma and flash-simt), head dims 64, 128 and Gemma 2's 256: c < S
+  // with GQA 4, packed documents with a window, unmasked blocks, decode, several tensor-core blocks
+  // each way with a window; Gemma 2's own cap of 50 at D 256.
   for (const int64_t D : {64, 128, 256}) {
     t.push_back(gpu_only(attention({1, 130, 1000, 4, 1, D, 1000, causal_mask, {}, 0, 0, 1.5})));
     t.push_back(gpu_only(attention({2, 200, 700, 4, 2, D, 700, causal_mask, {{0, 130, 520, 521, 600}, {0, 650}}, 50, 0,
                                     1.5})));
     t.push_back(gpu_only(attention({2, 300, 64, 8, 2, D, 70, none, {}, 0, 0, 1.5})));
     t.push_back(gpu_only(attention({1, 1, 300, 4, 4, D, 300, causal_mask, {}, 0, 0, 0.7})));
+    t.push_back(gpu_only(attention({1, 520, 700, 4, 2, D, 700, causal_mask, {}, 300, 0, 1.5})));
   }
   t.push_back(gpu_only(attention({2, 45, 150, 8, 4, 256, 200, causal_mask, {}, 0, 0, 50.0})));
   // LM head: CPU row blocks of 3 with ignored rows; one GPU block with V = 101 (no multiple of the

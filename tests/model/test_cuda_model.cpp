@@ -338,9 +338,10 @@ TEST_CASE("cuda: gemma 2 (capped scores, gelu, (1 + w) and post-norms, sqrt(C) e
           doctest::skip(!cw::test::gpu_ready())) {
   // tiny-gemma2 over sequences of 48: layer 0 through a window of 7 keys, layer 1 every key; every op
   // of Gemma 2 on the device (the geglu, rmsnorm-offset, embedding-scale and lm_head-cap kernels, the
-  // capped attention on flash_simt, the only GPU family with the cap). Head dims 6, 64 and Gemma 2's
-  // 256 (the SIMT kernels' larger instantiation); at 64 also without the score cap, where cuDNN and
-  // the tensor-core families take the attention. The reference: full on the CPU in f64.
+  // capped attention on flash_mma in bf16 and flash_simt in f32 and at head dim 6). Head dims 6, 64
+  // and Gemma 2's 256 (the mma kernels' widest tiles, the SIMT kernels' larger instantiation); at 64
+  // also without the score cap, where cuDNN and the tensor-core families take the attention. The
+  // reference: full on the CPU in f64.
   struct Variant {
     int64_t D;
     bool capped;
@@ -371,9 +372,13 @@ TEST_CASE("cuda: gemma 2 (capped scores, gelu, (1 + w) and post-norms, sqrt(C) e
                                  fmt::format("gemma2 D={} {} {} {} (chunk {}) vs CPU f64", var.D,
                                              var.capped ? "capped" : "uncapped", dtype_name(dt),
                                              schedule_name(o.kind), o.chunk));
-        // Capped, every call ran on flash_simt.
-        if (var.capped)
-          for (const AttentionCensusEntry& e : attention_census()) CHECK(e.kernel == AttentionKernel::flash_simt);
+        // Capped, every call ran on the chooser's family for the cap: flash_mma where it takes the
+        // shape (bf16, head dim 64 or 256), else flash_simt.
+        if (var.capped) {
+          const AttentionKernel expected =
+              dt == DType::bf16 && var.D != 6 ? AttentionKernel::flash_mma : AttentionKernel::flash_simt;
+          for (const AttentionCensusEntry& e : attention_census()) CHECK(e.kernel == expected);
+        }
       }
     }
   }

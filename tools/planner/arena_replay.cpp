@@ -110,6 +110,11 @@ struct Chunk {
   bool cudnn_attention() const {
     return cudnn_takes_shape({dtype, cf.head_dim, window > 0, cf.attn_logit_softcapping > 0});
   }
+  // Whether, cuDNN aside, a tensor-core flash family takes it (flash_mma takes every shape flash_wgmma
+  // does): its backward's scratch holds the fused dQ accumulator.
+  bool tensor_core_flash() const {
+    return mma_flash_takes_shape({dtype, cf.head_dim, window > 0, cf.attn_logit_softcapping > 0});
+  }
   size_t e() const { return dtype_size(dtype); }
   size_t acc() const { return dtype_size(accum_dtype(dtype)); }
   size_t row(int64_t width) const { return static_cast<size_t>(N() * width) * e(); }  // [N, width]
@@ -156,7 +161,7 @@ void attention_backward(Requests& r, const Chunk& s, int64_t S, bool causal) {
     for (size_t bytes : cudnn_attention_backward_scratch(d, S, true, false, split, stacked).requests(workspace))
       r.alloc(bytes);
   } else {
-    for (size_t bytes : flash_attention_backward_scratch(d, false, false)) r.alloc(bytes);
+    for (size_t bytes : flash_attention_backward_scratch(d, s.tensor_core_flash(), false)) r.alloc(bytes);
   }
 }
 

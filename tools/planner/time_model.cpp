@@ -36,15 +36,19 @@ double attention_tflops(int64_t head_dim, bool split) {
   return d64 + (510 - d64) * (d - 64) / 64;
 }
 // The SIMT flash kernels (no tensor cores), one forward and a backward together: the attention of
-// calls no tensor-core family takes, a score cap (Gemma 2's) or a head dim past 128 (record:
+// calls no tensor-core family takes, f32 or a head dim other than 64, 128 or 256 past 128 (record:
 // kSimtAttentionTflops).
 constexpr double kSimtAttentionTflops = 3.0;
+// The mma.sync flash kernels at head dim 256 (Gemma 2's), one forward and a backward together, with
+// the score cap or without (record: kMmaHeadDim256AttentionTflops).
+constexpr double kMmaHeadDim256AttentionTflops = 200.0;
 // Whether the step's attention runs on cuDNN or a tensor-core flash family, else on the SIMT kernels
-// (the chooser's shape rules, engine/ops/attention.h). The step's layers share the head dim, dtype
-// and cap; a window (on some layers) keeps cuDNN off them, not the tensor-core flash families.
+// (the chooser's shape rules, engine/ops/attention.h; flash_mma takes every shape flash_wgmma takes).
+// The step's layers share the head dim, dtype and cap; a window (on some layers) keeps cuDNN off them,
+// not the tensor-core flash families.
 bool tensor_core_attention(const LlamaConfig& cf, DType dtype) {
   const AttentionShape shape{dtype, cf.head_dim, cf.sliding_window > 0, cf.attn_logit_softcapping > 0};
-  return cudnn_takes_shape(shape) || tensor_core_flash_takes_shape(shape);
+  return cudnn_takes_shape(shape) || mma_flash_takes_shape(shape);
 }
 // The same attention run block by block against a streamed K/V store (chunk-sized unmasked blocks,
 // merged; dK, dV sent home per block): the blocks cost about what one call does, and the step waits
@@ -209,11 +213,11 @@ void plan_time(const StepPlan& s, PlanReport& r) {
   // The rate of the calls that dominate: the reverse chunks' against all T keys. A streamed store's
   // blocks each run as one unmasked or square graph: one masked graph's rate, then its measured
   // slowdown.
+  const double tflops = !tensor_core_attention(cf, s.dtype) ? kSimtAttentionTflops
+                        : D > 128 ? kMmaHeadDim256AttentionTflops
+                                  : attention_tflops(D, !s.streamed && cudnn_splits_prefix(s.bwd_chunk, T));
   const double attention_s =
-      !tensor_core_attention(cf, s.dtype)
-          ? attention / (kSimtAttentionTflops * 1e12)
-          : attention / (attention_tflops(D, !s.streamed && cudnn_splits_prefix(s.bwd_chunk, T)) * 1e12) *
-                (s.streamed ? kStreamedAttentionSlowdown : 1.0);
+      attention / (tflops * 1e12) * (s.streamed && tensor_core_attention(cf, s.dtype) ? kStreamedAttentionSlowdown : 1.0);
   // The backward's dK, dV adds: per key and layer, K's and V's bf16 gradient read and the f32
   // accumulator read and written.
   double kv_grad_key_layers = 0;  // per layer the keys its backward adds dK, dV to (its window's)
