@@ -2,10 +2,11 @@
 """The reference a user would pick instead of chunkwise: HF transformers training steps on one GPU.
 
 Setup (../shared/BENCHMARKS.md, "What a user would pick instead"): the family's transformers class
-(LlamaForCausalLM, Qwen2ForCausalLM for Qwen2 and Qwen2.5, Qwen3ForCausalLM, MistralForCausalLM: the
-families chunkwise trains, by the config's model_type, llama without one) built from a hard-coded
-config of the named shape with random init; fp32 master weights, the step under bf16 autocast;
-attn_implementation="sdpa"; fused AdamW (torch.optim.AdamW(fused=True)); random token ids (never
+(LlamaForCausalLM, Qwen2ForCausalLM for Qwen2 and Qwen2.5, Qwen3ForCausalLM, MistralForCausalLM,
+Gemma2ForCausalLM: the families chunkwise trains, by the config's model_type, llama without one) built
+from a hard-coded config of the named shape with random init; fp32 master weights, the step under bf16
+autocast; attn_implementation="sdpa" (Gemma 2: "flex_attention", the one fast path of transformers
+that applies its score cap; SDPA drops it, eager keeps T x T scores); fused AdamW (torch.optim.AdamW(fused=True)); random token ids (never
 zeros) with labels = input ids (HF shifts them inside the loss); optionally gradient checkpointing
 (gradient_checkpointing_enable, use_reentrant=False). Mistral's sliding window is the model's own:
 under SDPA transformers hands it as a [B, 1, T, T] boolean mask once T reaches the window, as a
@@ -22,8 +23,9 @@ recipe does (the embeddings are frozen, so a checkpointed layer's input would no
 flags are chunkwise bench's (--lora-rank, --lora-alpha, --lora-dropout, --lora-targets), so both sides
 run the same adapters; with --liger, Liger is applied before the model is built, as without LoRA.
 
-Liger (--liger): the family's patch (apply_liger_kernel_to_llama, _qwen2, _qwen3, _mistral) with RoPE,
-RMSNorm (Qwen3's per-head q/k norms too), SwiGLU and the LM head fused with cross-entropy, applied
+Liger (--liger): the family's patch (apply_liger_kernel_to_llama, _qwen2, _qwen3, _mistral, _gemma2)
+with RoPE, RMSNorm (Qwen3's per-head q/k norms too), SwiGLU (Gemma 2: GeGLU) and the LM head fused
+with cross-entropy (Gemma 2: with its logit cap), applied
 before the model is built; an option the installed function does not take is left out and named in
 the JSON (liger_patch).
 
@@ -62,7 +64,8 @@ MFU = tokens/s * flops_per_token / peak, with
 query head and token over the T/2 keys a causal row sees on average, times 3 for forward + backward
 (12 * H * D * T/2 per layer and token). About 9.0 GFLOP/token for the 1B shape at 8K tokens. Packed, a
 token sees the keys of its own document only: E/2 on average (a 64K sequence of 8K documents: E = 8192).
-Mistral 7B's window of 4096 at 64K tokens: E = 8192 - 4096^2 / 65536 = 7936, not 65536.
+Mistral 7B's window of 4096 at 64K tokens: E = 8192 - 4096^2 / 65536 = 7936, not 65536. Layers of
+different windows (Gemma 2's sliding and global layers): E is the layers' mean (mean_attention_extent).
 With LoRA (chunkwise's count, tools/bench_model.cpp):
   flops_per_token = 4 * P_matmul + 6 * P_adapter + 12 * L * H * D * (E / 2)
   P_adapter = L * sum over the targeted linears [out, in] of R * (in + out)
@@ -146,6 +149,23 @@ PRESETS["tiny-qwen3"] = dict(_TINY, model_type="qwen3", rope_theta=1000000.0, rm
                              attention_bias=False, use_sliding_window=False)
 PRESETS["tiny-mistral"] = dict(_TINY, model_type="mistral", sliding_window=5)
 
+
+def gemma2(hidden, ffn, layers, heads, kv_heads):
+    """Gemma 2 as chunkwise's gemma2_family (model/config.cpp): head_dim 256, scores scaled by
+    256^-1/2 and capped at 50, logits capped at 30, the even layers sliding over 4096 keys, gelu (tanh)
+    gate, tied embeddings."""
+    return dict(model_type="gemma2", hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers,
+                num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=256, vocab_size=256000,
+                tie_word_embeddings=True, rope_theta=10000.0, rms_norm_eps=1e-6, sliding_window=4096,
+                query_pre_attn_scalar=256, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                hidden_activation="gelu_pytorch_tanh", max_position_embeddings=8192, bos_token_id=2,
+                eos_token_id=1, pad_token_id=0,
+                layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)])
+
+
+PRESETS["gemma2-2b"] = gemma2(2304, 9216, 26, 8, 4)
+PRESETS["gemma2-9b"] = gemma2(3584, 14336, 42, 16, 8)
+
 # Each family chunkwise trains (model/config.cpp's kFamilies), by model_type: its transformers config
 # and model classes and Liger's patch for it.
 FAMILIES = {
@@ -153,10 +173,13 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", "apply_liger_kernel_to_qwen2"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", "apply_liger_kernel_to_qwen3"),
     "mistral": ("MistralConfig", "MistralForCausalLM", "apply_liger_kernel_to_mistral"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", "apply_liger_kernel_to_gemma2"),
 }
-# Liger's options, the same for every family: the LM head fused with cross-entropy (which never
-# materialises the [tokens, vocab] logits) rather than Liger's plain cross-entropy.
+# Liger's options: the LM head fused with cross-entropy (which never materialises the [tokens, vocab]
+# logits) rather than Liger's plain cross-entropy; the gated MLP's kernel, SwiGLU or Gemma's GeGLU.
 LIGER_OPTIONS = dict(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True)
+LIGER_OPTIONS_OF = {"gemma2": dict(rope=True, rms_norm=True, geglu=True, cross_entropy=False,
+                                   fused_linear_cross_entropy=True)}
 
 
 def load_config_dict(spec):
@@ -180,11 +203,28 @@ def family_of(d):
 
 def sliding_window_of(d):
     """The keys a query attends at most under the config's sliding window, 0 for none: Mistral's
-    sliding_window (absent: MistralConfig's 4096; null: none). Other families have none (Qwen's
-    windows are refused by make_config, as chunkwise refuses them)."""
-    if family_of(d) != "mistral":
+    sliding_window (absent: MistralConfig's 4096; null: none), Gemma 2's sliding layers' (absent:
+    4096). Other families have none (Qwen's windows are refused by make_config, as chunkwise refuses
+    them)."""
+    if family_of(d) not in ("mistral", "gemma2"):
         return 0
     return (d["sliding_window"] or 0) if "sliding_window" in d else 4096
+
+
+def layer_windows(d):
+    """Each layer's sliding window (0: none): Mistral's on every layer; Gemma 2's on its sliding
+    layers (layer_types, else the even ones, transformers' rule); none elsewhere."""
+    L, window = d["num_hidden_layers"], sliding_window_of(d)
+    if family_of(d) != "gemma2":
+        return [window] * L
+    types = d.get("layer_types") or ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(L)]
+    return [window if t == "sliding_attention" else 0 for t in types]
+
+
+def mean_attention_extent(starts, seq, windows):
+    """E of flops_per_token for layers of different windows: the layers' attention_extent averaged
+    (the attention term is linear in E, so the mean counts every layer's own pairs)."""
+    return sum(attention_extent(starts, seq, w) for w in windows) / len(windows)
 
 
 def make_config(d):
@@ -445,20 +485,21 @@ def add_lora(model, lora, checkpointing):
 
 
 def apply_liger(liger_transformers, family):
-    """Liger's patch for the family with LIGER_OPTIONS, those its function takes (all of them in
-    liger-kernel 0.8.5, for every family here); returns what was applied, for the JSON:
+    """Liger's patch for the family with its options (LIGER_OPTIONS_OF, else LIGER_OPTIONS), those its
+    function takes (all of them in liger-kernel 0.8.5, for every family here); returns what was applied, for the JSON:
     {function, options, not_taken} (not_taken: the options the function has no parameter for)."""
     import inspect
     name = FAMILIES[family][2]
+    wanted = LIGER_OPTIONS_OF.get(family, LIGER_OPTIONS)
     apply = getattr(liger_transformers, name, None)
     if apply is None:
         raise RuntimeError(f"--liger: liger_kernel.transformers has no {name}; this liger-kernel does not patch "
                            f"{family} models")
     params = inspect.signature(apply).parameters
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
-    options = {k: v for k, v in LIGER_OPTIONS.items() if takes_any or k in params}
+    options = {k: v for k, v in wanted.items() if takes_any or k in params}
     apply(**options)
-    return dict(function=name, options=options, not_taken=sorted(set(LIGER_OPTIONS) - set(options)))
+    return dict(function=name, options=options, not_taken=sorted(set(wanted) - set(options)))
 
 
 def run(args, res):
@@ -470,6 +511,9 @@ def run(args, res):
     window = sliding_window_of(d)
     if window:
         res["sliding_window"] = window
+    if family == "gemma2" and args.documents:
+        raise ValueError("--documents with gemma2: the document mask here is one for every layer, and Gemma 2's "
+                         "sliding and global layers need two; compare Gemma 2 without --documents")
     cfg = make_config(d)  # here, so a config chunkwise would refuse fails before any GPU work
     lora = res.get("lora")
     if lora:
@@ -483,7 +527,7 @@ def run(args, res):
     # The first timed step's documents, as chunkwise bench counts them; without, one a sequence.
     starts = (document_starts(args.documents, args.batch, args.seq, DOCUMENT_SEED + args.warmup) if args.documents
               else [[0]] * args.batch)
-    extent = attention_extent(starts, args.seq, window)
+    extent = mean_attention_extent(starts, args.seq, layer_windows(d))
     if args.documents or window:
         res["attention_extent"] = extent
     res["flops_per_token"] = flops_per_token(d, extent, lora)
@@ -503,8 +547,10 @@ def run(args, res):
         res["liger_patch"] = apply_liger(liger_transformers, family)
     res["rope"] = getattr(cfg, "rope_parameters", None) or dict(rope_theta=getattr(cfg, "rope_theta", None),
                                                               rope_scaling=getattr(cfg, "rope_scaling", None))
-    # Packed documents need a mask that keeps them apart: FlexAttention's, given per step.
-    attention = "flex_attention" if args.documents else "sdpa"
+    # Packed documents need a mask that keeps them apart: FlexAttention's, given per step. Gemma 2's
+    # score cap: transformers' SDPA path drops it (only eager and FlexAttention apply it), and eager
+    # materialises every layer's T x T scores, so FlexAttention, as transformers advises for Gemma 2.
+    attention = "flex_attention" if args.documents or family == "gemma2" else "sdpa"
     model_class = getattr(transformers, FAMILIES[family][1])
     with torch.device("cuda"):  # initialise on the device: the 8B shape would take minutes on the CPU
         if lora:  # the frozen base in bf16, as a PEFT user loads it

@@ -10,9 +10,10 @@ process (so neither sees the other's allocator state):
      what a user would pick for long sequences).
 and prints tokens/s, MFU and peak device memory of each side, with the ratios ours / HF
 (tokens/s: > 1 is faster; memory: < 1 is leaner). Writes model_vs_hf.json and model_vs_hf.md to --out.
-M (--model) is a preset both sides know (hf_reference.py's: Llama 3.x, Qwen2.5, Qwen3, Mistral 7B and
-chunkwise's tiny shapes of each family) or a config.json path; the peer builds the family's
-transformers class (model_type llama, qwen2, qwen3 or mistral) and, with Liger, applies its patch.
+M (--model) is a preset both sides know (hf_reference.py's: Llama 3.x, Qwen2.5, Qwen3, Mistral 7B,
+Gemma 2 and chunkwise's tiny shapes of each family) or a config.json path; the peer builds the
+family's transformers class (model_type llama, qwen2, qwen3, mistral or gemma2) and, with Liger,
+applies its patch.
 
 Peers (--peers, comma-separated): `hf` (plain HF, as above), `liger` (HF with Liger kernels:
 hf_reference.py --liger, what a user picks today for long context), and for LoRA `peft` (HF + PEFT:
@@ -56,7 +57,8 @@ and longest.md to --out.
 MFU: both sides are divided by the SAME bf16 peak, the one chunkwise measured in this run (its JSON's
 peak_tflops; also handed to hf_reference.py so it does not measure its own), or --peak-tflops; and
 the same FLOP count per token (hf_reference.flops_per_token: 6 per matmul parameter incl. the LM head
-plus causal attention, over the documents' squares when packed and within Mistral's sliding window;
+plus causal attention, over the documents' squares when packed and within each layer's sliding
+window (Mistral's, Gemma 2's sliding layers');
 with LoRA 4 per frozen matmul parameter and 6 per adapter parameter; recomputation is not counted as
 useful work). A side whose own JSON counted otherwise (chunkwise's for a model this script knows)
 gets a note under the table.
@@ -130,15 +132,16 @@ def documents_of(args):
     return spec
 
 
-def attention_extent_of(documents, batch, seq, warmup, window=0):
+def attention_extent_of(documents, batch, seq, warmup, windows=()):
     """E of hf_reference.flops_per_token at one case: seq for one document a sequence, else the
-    documents' squares of the first timed step (step `warmup`), as both sides count them; under a
-    sliding window of `window` keys (Mistral's; 0: none) each within the window."""
-    if not documents and not window:
+    documents' squares of the first timed step (step `warmup`), as both sides count them; under the
+    layers' sliding windows (`windows`, one a layer, 0: none; Mistral's and Gemma 2's) each layer's
+    within its window, averaged over the layers."""
+    if not documents and not any(windows):
         return seq
     starts = (hf_reference.document_starts(documents, batch, seq, hf_reference.DOCUMENT_SEED + warmup) if documents
               else [[0]] * batch)
-    return hf_reference.attention_extent(starts, seq, window)
+    return hf_reference.mean_attention_extent(starts, seq, windows or [0])
 
 
 def run_side(name, cmd, json_path, log_path, timeout, env=None):
@@ -431,8 +434,9 @@ def main():
     try:
         cfg = hf_reference.load_config_dict(a.model)
         window = hf_reference.sliding_window_of(cfg)
+        windows = hf_reference.layer_windows(cfg)
     except (OSError, ValueError):
-        cfg, window = None, 0  # a model only chunkwise knows: MFU then comes from each side's own JSON
+        cfg, window, windows = None, 0, ()  # a model only chunkwise knows: MFU then from each side's own JSON
 
     rows = []
     peak = a.peak_tflops or None
@@ -478,7 +482,7 @@ def main():
         peak_source = "hf_reference.py" if peak else "nobody"
     counted_otherwise = []  # a side's own FLOP count that is not this script's (for documents: other draws)
     for r in rows:
-        extent = attention_extent_of(r["documents"], a.batch, r["seq"], a.warmup, window)
+        extent = attention_extent_of(r["documents"], a.batch, r["seq"], a.warmup, windows)
         fpt = hf_reference.flops_per_token(cfg, extent, lora) if cfg else None
         for side in ("ours", "hf"):
             s = r[side]
