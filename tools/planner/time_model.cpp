@@ -36,8 +36,8 @@ double attention_tflops(int64_t head_dim, bool split) {
   return d64 + (510 - d64) * (d - 64) / 64;
 }
 // The SIMT flash kernels (no tensor cores), one forward and a backward together: the attention of
-// calls no tensor-core family takes, f32 or a head dim other than 64, 128 or 256 past 128 (record:
-// kSimtAttentionTflops).
+// calls no tensor-core family takes, f32, or bf16 at a head dim neither cuDNN (multiples of 8 up to
+// 128) nor flash-mma (64, 128, 256) takes (record: kSimtAttentionTflops).
 constexpr double kSimtAttentionTflops = 3.0;
 // The mma.sync flash kernels at head dim 256 (Gemma 2's), one forward and a backward together, with
 // the score cap or without (record: kMmaHeadDim256AttentionTflops).
@@ -216,8 +216,8 @@ void plan_time(const StepPlan& s, PlanReport& r) {
   const double tflops = !tensor_core_attention(cf, s.dtype) ? kSimtAttentionTflops
                         : D > 128 ? kMmaHeadDim256AttentionTflops
                                   : attention_tflops(D, !s.streamed && cudnn_splits_prefix(s.bwd_chunk, T));
-  const double attention_s =
-      attention / (tflops * 1e12) * (s.streamed && tensor_core_attention(cf, s.dtype) ? kStreamedAttentionSlowdown : 1.0);
+  const bool streamed_blocks = s.streamed && tensor_core_attention(cf, s.dtype);  // the slowdown measured on cuDNN
+  const double attention_s = attention / (tflops * 1e12) * (streamed_blocks ? kStreamedAttentionSlowdown : 1.0);
   // The backward's dK, dV adds: per key and layer, K's and V's bf16 gradient read and the f32
   // accumulator read and written.
   double kv_grad_key_layers = 0;  // per layer the keys its backward adds dK, dV to (its window's)
