@@ -17,7 +17,8 @@
 //   o rescaled by exp(m - m') when the max grows; out = o / l, lse = m + log l); the backward
 //   recomputes P from q, k and lse, so nothing of size c x S is ever stored.
 // This header: the problem description, the operand pointers, the PTX and fragment helpers the two
-// tensor-core families share, the CTA-to-block mapping, the launch helper and each family's entry points.
+// tensor-core families share, the CTA-to-block mapping, a dK/dV CTA's steps and their row statistics'
+// loads, the launch helper and each family's entry points.
 #pragma once
 
 #include "engine/cuda/common.cuh"
@@ -104,6 +105,22 @@ __device__ __forceinline__ bool cuts_block(const Problem& pr, int b, int k0, int
          (pr.doc_first != nullptr && k0 < document_first_key(pr, b, qpos_last - pr.p));
 }
 
+// The steps of a dK/dV CTA over the keys [k0, k0 + BC): every (head of the K/V group, block of BR
+// queries seeing one of the keys) in a fixed order, step s at head g group + s / nq and query block
+// qb_first + s % nq. Query i sees key j iff i >= j - p (and, with a window or documents, i <
+// rows_seeing_end): a causal call's key block has at least one query (k0 < S = p + c); with a window
+// an unmasked block's keys may have none (no step: its dK, dV add 0).
+struct KeyBlockSteps {
+  int qb_first, nq, count;
+  __device__ __forceinline__ int head(const Problem& pr, int g, int step) const { return g * pr.group + step / nq; }
+  __device__ __forceinline__ int q0(int step, int BR) const { return (qb_first + step % nq) * BR; }
+};
+__device__ __forceinline__ KeyBlockSteps key_block_steps(const Problem& pr, int b, int k0, int BC, int BR) {
+  const int nqb = (rows_seeing_end(pr, b, k0 + BC - 1) + BR - 1) / BR, qb_first = max(0, k0 - pr.p) / BR;
+  const int nq = max(0, nqb - qb_first);
+  return {qb_first, nq, pr.group * nq};
+}
+
 template <class T> struct Operands {
   const T* q;
   const T* k;
@@ -138,6 +155,18 @@ __device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, bool va
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 4 : 0));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// A dK/dV step's lse and Delta of head h's rows [q0, q0 + BR) into shared memory (rows past the chunk
+// read nothing and are zeroed), THREADS threads taking a row each in turn.
+template <int BR, int THREADS>
+__device__ __forceinline__ void load_row_stats(float* sLse, float* sDelta, const float* lse, const float* delta,
+                                               const Problem& pr, int b, int h, int q0) {
+  for (int r = threadIdx.x; r < BR; r += THREADS) {
+    const bool ok = q0 + r < pr.c;
+    const int64_t off = ok ? stat_offset(pr, b, h, q0 + r) : 0;
+    cp_async4(smem_addr(sLse + r), lse + off, ok);
+    cp_async4(smem_addr(sDelta + r), delta + off, ok);
+  }
+}
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);

@@ -274,6 +274,25 @@ __global__ void __launch_bounds__(NW * 32) tc_forward_kernel(const Operands<bf16
 // contribution dS (BR x BC) K (BC x D) together (fused_dq_tile) and add it into the f32
 // accumulator with 8-byte atomics.
 // ------------------------------------------------------------------------------------------------
+// A dK/dV CTA's keys [k0, k0 + BC) of K/V head g: its K and V tiles (rows past the keys zeroed).
+template <int D, int BC, int THREADS>
+__device__ __forceinline__ void load_key_block(bf16_t* sK, bf16_t* sV, const Operands<bf16_t>& a, const Problem& pr,
+                                               int b, int g, int k0) {
+  load_tile<D, BC, THREADS>(sK, a.k + b * pr.k_batch + k0 * pr.kv_row + g * D, pr.kv_row, pr.S - k0, a.k);
+  load_tile<D, BC, THREADS>(sV, a.v + b * pr.v_batch + k0 * pr.kv_row + g * D, pr.kv_row, pr.S - k0, a.v);
+}
+
+// A dK/dV step's query rows into shared-memory stage `stage`: the Q and dO tiles of head h's rows
+// [q0, q0 + BR) (rows past the chunk zeroed) and their lse and Delta.
+template <int D, int BR, int THREADS>
+__device__ __forceinline__ void load_query_step(bf16_t* sQ, bf16_t* sdO, float* sLse, float* sDelta,
+                                                const Operands<bf16_t>& a, const Problem& pr, int b, int h, int q0,
+                                                int stage) {
+  load_tile<D, BR, THREADS>(sQ + stage * BR * D, a.q + q_offset(pr, b, q0, h), pr.q_row, pr.c - q0, a.q);
+  load_tile<D, BR, THREADS>(sdO + stage * BR * D, a.d_out + q_offset(pr, b, q0, h), pr.q_row, pr.c - q0, a.d_out);
+  load_row_stats<BR, THREADS>(sLse + stage * BR, sDelta + stage * BR, a.lse, a.delta, pr, b, h, q0);
+}
+
 template <int D, int NW, int BR, bool FUSED_DQ> struct TcDkdv {
   static constexpr int kThreads = NW * 32, kKeys = NW * 16;
   static constexpr int kDsBytes = FUSED_DQ ? kKeys * BR * static_cast<int>(sizeof(bf16_t)) : 0;
@@ -340,35 +359,21 @@ __global__ void __launch_bounds__(NW * 32) tc_dkdv_kernel(const Operands<bf16_t>
   const int k0 = kb * BC, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
   const int wkey = warp * 16;
 
-  load_tile<D, BC, Cfg::kThreads>(sK, a.k + b * pr.k_batch + k0 * pr.kv_row + g * D, pr.kv_row, pr.S - k0, a.k);
-  load_tile<D, BC, Cfg::kThreads>(sV, a.v + b * pr.v_batch + k0 * pr.kv_row + g * D, pr.kv_row, pr.S - k0, a.v);
-  // Query i sees key j iff i >= j - p (and, with a window or documents, i < rows_seeing_end). A causal
-  // call's key block has at least one query (k0 < S = p + c); with a window an unmasked block's
-  // keys may have none (no step: its dK, dV add 0).
-  const int nqb = (rows_seeing_end(pr, b, k0 + BC - 1) + BR - 1) / BR, qb_first = max(0, k0 - pr.p) / BR;
-  const int nq = max(0, nqb - qb_first);
-  const int steps = pr.group * nq;  // (head, query block) pairs, in a fixed order
-  auto issue = [&](int step, int stage) {
-    const int h = g * pr.group + step / nq, q0 = (qb_first + step % nq) * BR;
-    load_tile<D, BR, Cfg::kThreads>(sQ + stage * BR * D, a.q + q_offset(pr, b, q0, h), pr.q_row, pr.c - q0, a.q);
-    load_tile<D, BR, Cfg::kThreads>(sdO + stage * BR * D, a.d_out + q_offset(pr, b, q0, h), pr.q_row, pr.c - q0,
-                                    a.d_out);
-    for (int r = threadIdx.x; r < BR; r += Cfg::kThreads) {
-      const bool ok = q0 + r < pr.c;
-      const int64_t off = ok ? stat_offset(pr, b, h, q0 + r) : 0;
-      cp_async4(smem_addr(sLse + stage * BR + r), a.lse + off, ok);
-      cp_async4(smem_addr(sDelta + stage * BR + r), a.delta + off, ok);
-    }
+  load_key_block<D, BC, Cfg::kThreads>(sK, sV, a, pr, b, g, k0);
+  const KeyBlockSteps steps = key_block_steps(pr, b, k0, BC, BR);
+  auto issue = [&](int step) {  // the step's query rows into stage step & 1
+    load_query_step<D, BR, Cfg::kThreads>(sQ, sdO, sLse, sDelta, a, pr, b, steps.head(pr, g, step), steps.q0(step, BR),
+                                          step & 1);
   };
-  if (steps > 0) issue(0, 0);
+  if (steps.count > 0) issue(0);
   cp_async_commit();
 
   float dk[DT][4] = {}, dv[DT][4] = {};
   uint32_t kf[Cfg::kKVInRegs ? D / 16 : 1][4], vf[Cfg::kKVInRegs ? D / 16 : 1][4];
-  for (int step = 0; step < steps; ++step) {
+  for (int step = 0; step < steps.count; ++step) {
     cp_async_wait_all();
     __syncthreads();
-    if (step + 1 < steps) issue(step + 1, (step + 1) & 1);
+    if (step + 1 < steps.count) issue(step + 1);
     cp_async_commit();
     if constexpr (Cfg::kKVInRegs) {
       if (step == 0) {
@@ -376,7 +381,7 @@ __global__ void __launch_bounds__(NW * 32) tc_dkdv_kernel(const Operands<bf16_t>
         load_a_frags<D>(vf, sV, wkey, lane);
       }
     }
-    const int stage = step & 1, q0 = (qb_first + step % nq) * BR;
+    const int stage = step & 1, q0 = steps.q0(step, BR);
     const bf16_t* cQ = sQ + stage * BR * D;
     const bf16_t* cdO = sdO + stage * BR * D;
 
@@ -402,7 +407,7 @@ __global__ void __launch_bounds__(NW * 32) tc_dkdv_kernel(const Operands<bf16_t>
     mma_xb<D, BR>(dk, dpt, cQ, lane);
     if constexpr (FUSED_DQ) {
       __syncthreads();  // the whole BC x BR dS^T tile is in shared memory
-      fused_dq_tile<Cfg, D, BR>(a, pr, sdS, sK, b, g * pr.group + step / nq, q0, warp, lane);
+      fused_dq_tile<Cfg, D, BR>(a, pr, sdS, sK, b, steps.head(pr, g, step), q0, warp, lane);
     }
   }
   cp_async_wait_all();  // nothing in flight at exit (a key block no query sees loaded its tiles)
@@ -563,35 +568,23 @@ __global__ void __launch_bounds__(256) tc_dkdv_wide_kernel(const Operands<bf16_t
   const int wq = (warp >> 2) * 32;         // its 32 queries of S^T and dP^T
   const int wcol = (warp >> 2) * COLS;     // its head-dim columns of dK and dV
 
-  load_tile<D, BC, Cfg::kThreads>(sK, a.k + b * pr.k_batch + k0 * pr.kv_row + g * D, pr.kv_row, pr.S - k0, a.k);
-  load_tile<D, BC, Cfg::kThreads>(sV, a.v + b * pr.v_batch + k0 * pr.kv_row + g * D, pr.kv_row, pr.S - k0, a.v);
-  // The query blocks that see the key block, as in tc_dkdv_kernel.
-  const int nqb = (rows_seeing_end(pr, b, k0 + BC - 1) + BR - 1) / BR, qb_first = max(0, k0 - pr.p) / BR;
-  const int nq = max(0, nqb - qb_first);
-  const int steps = pr.group * nq;
-  auto issue = [&](int step, int stage) {
-    const int h = g * pr.group + step / nq, q0 = (qb_first + step % nq) * BR;
-    load_tile<D, BR, Cfg::kThreads>(sQ + stage * BR * D, a.q + q_offset(pr, b, q0, h), pr.q_row, pr.c - q0, a.q);
-    load_tile<D, BR, Cfg::kThreads>(sdO + stage * BR * D, a.d_out + q_offset(pr, b, q0, h), pr.q_row, pr.c - q0,
-                                    a.d_out);
-    for (int r = threadIdx.x; r < BR; r += Cfg::kThreads) {
-      const bool ok = q0 + r < pr.c;
-      const int64_t off = ok ? stat_offset(pr, b, h, q0 + r) : 0;
-      cp_async4(smem_addr(sLse + stage * BR + r), a.lse + off, ok);
-      cp_async4(smem_addr(sDelta + stage * BR + r), a.delta + off, ok);
-    }
+  load_key_block<D, BC, Cfg::kThreads>(sK, sV, a, pr, b, g, k0);
+  const KeyBlockSteps steps = key_block_steps(pr, b, k0, BC, BR);
+  auto issue = [&](int step) {  // the step's query rows into stage step & 1
+    load_query_step<D, BR, Cfg::kThreads>(sQ, sdO, sLse, sDelta, a, pr, b, steps.head(pr, g, step), steps.q0(step, BR),
+                                          step & 1);
   };
-  if (steps > 0) issue(0, 0);
+  if (steps.count > 0) issue(0);
   cp_async_commit();
 
   float dk[COLS / 8][4] = {}, dv[COLS / 8][4] = {};
   const uint32_t no_regs[1][4] = {};  // mma_abt's register operand, unused: A comes from shared memory
-  for (int step = 0; step < steps; ++step) {
+  for (int step = 0; step < steps.count; ++step) {
     cp_async_wait_all();
     __syncthreads();  // this step's tiles have landed; last step's P^T, dS^T and stage are no longer read
-    if (step + 1 < steps) issue(step + 1, (step + 1) & 1);
+    if (step + 1 < steps.count) issue(step + 1);
     cp_async_commit();
-    const int stage = step & 1, q0 = (qb_first + step % nq) * BR;
+    const int stage = step & 1, q0 = steps.q0(step, BR);
     const bf16_t* cQ = sQ + stage * BR * D;
     const bf16_t* cdO = sdO + stage * BR * D;
 
@@ -613,7 +606,7 @@ __global__ void __launch_bounds__(256) tc_dkdv_wide_kernel(const Operands<bf16_t
     __syncthreads();  // the whole 64 x 64 P^T and dS^T are in shared memory
     mma_sb<D, BR, COLS>(dv, sP, wkey, cdO, wcol, lane);
     mma_sb<D, BR, COLS>(dk, sdS, wkey, cQ, wcol, lane);
-    if constexpr (FUSED_DQ) fused_dq_tile<Cfg, D, BR>(a, pr, sdS, sK, b, g * pr.group + step / nq, q0, warp, lane);
+    if constexpr (FUSED_DQ) fused_dq_tile<Cfg, D, BR>(a, pr, sdS, sK, b, steps.head(pr, g, step), q0, warp, lane);
   }
   cp_async_wait_all();  // nothing in flight at exit (a key block no query sees loaded its tiles)
 

@@ -358,34 +358,25 @@ __global__ void __launch_bounds__(256, 1) wg_backward_kernel(const Operands<bf16
 
   load_tile_sw128<D, BC, 256>(sK, a.k + b * pr.k_batch + k0 * pr.kv_row + g * D, pr.kv_row, pr.S - k0, a.k);
   load_tile_sw128<D, BC, 256>(sV, a.v + b * pr.v_batch + k0 * pr.kv_row + g * D, pr.kv_row, pr.S - k0, a.v);
-  // The query blocks that see the key block (rows_seeing_end; with a window an unmasked block's keys
-  // may have none: no step, its dK, dV add 0).
-  const int nqb = (rows_seeing_end(pr, b, k0 + BC - 1) + BR - 1) / BR, qb_first = max(0, k0 - pr.p) / BR;
-  const int nq = max(0, nqb - qb_first);
-  const int steps = pr.group * nq;
-  auto issue = [&](int step, int stage) {
-    const int h = g * pr.group + step / nq, q0 = (qb_first + step % nq) * BR;
+  const KeyBlockSteps steps = key_block_steps(pr, b, k0, BC, BR);
+  auto issue = [&](int step, int stage) {  // a step's Q and dO tiles, lse and Delta into stage `stage`
+    const int h = steps.head(pr, g, step), q0 = steps.q0(step, BR);
     load_tile_sw128<D, BR, 256>(sQ + stage * BR * D, a.q + q_offset(pr, b, q0, h), pr.q_row, pr.c - q0, a.q);
     load_tile_sw128<D, BR, 256>(sdO + stage * BR * D, a.d_out + q_offset(pr, b, q0, h), pr.q_row, pr.c - q0,
                                 a.d_out);
-    for (int r = threadIdx.x; r < BR; r += 256) {
-      const bool ok = q0 + r < pr.c;
-      const int64_t off = ok ? stat_offset(pr, b, h, q0 + r) : 0;
-      cp_async4(smem_addr(sLse + stage * BR + r), a.lse + off, ok);
-      cp_async4(smem_addr(sDelta + stage * BR + r), a.delta + off, ok);
-    }
+    load_row_stats<BR, 256>(sLse + stage * BR, sDelta + stage * BR, a.lse, a.delta, pr, b, h, q0);
   };
-  if (steps > 0) issue(0, 0);
+  if (steps.count > 0) issue(0, 0);
   cp_async_commit();
 
   float dk[DB][8][4] = {}, dv[DB][8][4] = {};
-  for (int step = 0; step < steps; ++step) {
+  for (int step = 0; step < steps.count; ++step) {
     cp_async_wait_all();
     fence_async_shared();
     __syncthreads();  // this step's tiles have landed; last step's dS^T and stage are no longer read
-    if (step + 1 < steps) issue(step + 1, (step + 1) & 1);
+    if (step + 1 < steps.count) issue(step + 1, (step + 1) & 1);
     cp_async_commit();
-    const int stage = step & 1, h = g * pr.group + step / nq, q0 = (qb_first + step % nq) * BR;
+    const int stage = step & 1, h = steps.head(pr, g, step), q0 = steps.q0(step, BR);
     const bf16_t* cQ = sQ + stage * BR * D;
     const bf16_t* cdO = sdO + stage * BR * D;
 
