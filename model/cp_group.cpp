@@ -8,6 +8,11 @@
 
 namespace cw {
 
+bool cp_splits_chunks(int64_t cp, int64_t seq, int64_t chunk, int64_t bwd_chunk) {
+  const auto splits = [&](int64_t c) { return c <= 0 || c >= seq || c % cp == 0; };
+  return seq % cp == 0 && splits(chunk) && splits(bwd_chunk);
+}
+
 LlamaConfig cp_attention_config(const LlamaConfig& c, int64_t cp) {
   if (cp < 1) fail(fmt::format("parallel.cp must be >= 1, got {}", cp));
   const char* hint = "pick a parallel.cp (--cp) that divides num_attention_heads, and that divides "

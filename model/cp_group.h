@@ -26,6 +26,11 @@ namespace cw {
 // heads, the rest as the model's. Throws naming the numbers when P splits neither (and parallel.cp).
 LlamaConfig cp_attention_config(const LlamaConfig& config, int64_t cp);
 
+// Whether every chunk of a `seq`-token sequence splits into cp equal shares: seq, the chunk and the
+// backward chunk (each <= 0 or >= seq meaning one chunk of the whole) multiples of cp, so that the
+// last chunk's remainder is one too. The run's and gradcheck's rule; each caller words its refusal.
+bool cp_splits_chunks(int64_t cp, int64_t seq, int64_t chunk, int64_t bwd_chunk);
+
 class ContextParallelGroup;
 
 // The tokens of each sequence a rank holds of a chunk of c: c, or under context parallelism (cp set)

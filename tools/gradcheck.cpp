@@ -667,8 +667,7 @@ int run_gradcheck(const GradcheckOptions& o, std::ostream& out, Communicator* wo
     if (!o.documents.empty()) fail("--cp with --documents is not implemented", "drop --documents");
     if (against != "single") fail(fmt::format("--cp compares its ranks with one process: --against single, not {}", against));
     cp_attention_config(config, o.parallel.cp);  // the heads must split over the ranks: say so here
-    if (o.seq % o.parallel.cp != 0 || (o.schedule.chunk > 0 && o.schedule.chunk < o.seq && o.schedule.chunk % o.parallel.cp != 0) ||
-        (o.schedule.bwd_chunk > 0 && o.schedule.bwd_chunk < o.seq && o.schedule.bwd_chunk % o.parallel.cp != 0))
+    if (!cp_splits_chunks(o.parallel.cp, o.seq, o.schedule.chunk, o.schedule.bwd_chunk))
       fail(fmt::format("--cp {} splits every chunk's tokens into equal parts: --seq {}, --chunk {} and --bwd-chunk {} "
                        "must be multiples of it",
                        o.parallel.cp, o.seq, o.schedule.chunk, o.schedule.bwd_chunk),

@@ -78,6 +78,20 @@ std::vector<double> logged_losses(const std::string& run_dir) {
   return losses;
 }
 
+// How far a parallel run's losses, eval loss and weights may sit from one process's (f64): the ranks'
+// partial sums are added in another order (data, tensor and context parallelism's shares; ZeRO 3's
+// reduce-scatter per backward chunk against ZeRO 0's one all-reduce), and a few AdamW steps amplify
+// the rounding; still far below any real difference.
+constexpr double kStepsOfRoundingTol = 1e-10;
+
+// A run's logged losses (`got`) against its reference's (`want`): `steps` of each, every one within
+// `tol` relative (parallel ranks add their sums in another order).
+void check_losses_close(const std::vector<double>& got, const std::vector<double>& want, size_t steps, double tol) {
+  REQUIRE(want.size() == steps);
+  REQUIRE(got.size() == steps);
+  for (size_t i = 0; i < want.size(); ++i) CHECK(std::abs(got[i] - want[i]) <= tol * std::abs(want[i]));
+}
+
 // Runs rc into run_dir, stopping after `stop_after` steps (which must interrupt it), then resumes
 // it to the end; returns whether the first part was interrupted.
 bool stop_and_resume(const RunConfig& rc, const std::string& run_dir, int64_t stop_after, std::ostream& log) {
@@ -100,9 +114,26 @@ void check_resumed_as_straight(const std::string& straight, const std::string& r
   REQUIRE(b.size() == steps);
   for (size_t i = 0; i < a.size(); ++i) CHECK(b[i] == a[i]);
   const std::string step = fmt::format("step-{:06}", steps);
-  for (const char* file : files)
-    CHECK_MESSAGE(test::read_text(fs::path(straight) / step / file) == test::read_text(fs::path(resumed) / step / file),
-                  file);
+  for (const char* file : files) {
+    CAPTURE(file);
+    CHECK(fs::exists(fs::path(straight) / step / file));
+    CHECK(test::read_text(fs::path(straight) / step / file) == test::read_text(fs::path(resumed) / step / file));
+  }
+}
+
+// A run of four ranks with ZeRO 1 (`rc`, into `straight`): every loss within rounding of one
+// process's (`single`); stopped after step 2 and resumed into `resumed`, the same losses and the same
+// bytes of the model and of every rank's optimizer shard as straight through.
+void check_four_ranks_zero1(const RunConfig& rc, const std::string& straight, const std::string& resumed,
+                            const std::vector<double>& single, std::ostream& log) {
+  TrainOptions o;
+  o.run_dir = straight;
+  run_training(rc, o, log);
+  check_losses_close(logged_losses(straight), single, 4, kStepsOfRoundingTol);
+  CHECK(stop_and_resume(rc, resumed, 2, log));
+  check_resumed_as_straight(straight, resumed, 4,
+                            {"model.safetensors", "optimizer-rank-00000.safetensors", "optimizer-rank-00001.safetensors",
+                             "optimizer-rank-00002.safetensors", "optimizer-rank-00003.safetensors"});
 }
 }  // namespace
 
@@ -379,9 +410,6 @@ TEST_CASE("train --trace: a Chrome trace of the first step, every micro-batch's 
 }
 
 TEST_CASE("train data parallel: 2 ranks (threads) equal one process with twice the batch; ZeRO resumes from its shards") {
-  // A few AdamW steps amplify the rounding differences of a different summation order (the ranks'
-  // partial gradients are summed, not one batch's): still far below any real difference.
-  constexpr double kStepsOfRoundingTol = 1e-10;
   Fixture fx;
   std::ostringstream log;
   RunConfig single = fx.config(4);
@@ -400,9 +428,7 @@ TEST_CASE("train data parallel: 2 ranks (threads) equal one process with twice t
   const TrainResult d = run_training(ranks, o, dp_log);
   CHECK(dp_log.str().find("data parallel: 2 ranks, zero 0") != std::string::npos);
   const std::vector<double> ls = logged_losses(fx.dir.file("single")), ld = logged_losses(fx.dir.file("dp"));
-  REQUIRE(ls.size() == 4);
-  REQUIRE(ld.size() == 4);  // rank 0 alone logs
-  for (size_t i = 0; i < ls.size(); ++i) CHECK(std::abs(ld[i] - ls[i]) <= kStepsOfRoundingTol * std::abs(ls[i]));
+  check_losses_close(ld, ls, 4, kStepsOfRoundingTol);  // rank 0 alone logs
   REQUIRE(d.last_eval_loss.has_value());
   CHECK(std::abs(*d.last_eval_loss - *s.last_eval_loss) <= kStepsOfRoundingTol * *s.last_eval_loss);
 
@@ -522,10 +548,7 @@ ParamSet checkpoint_weights(const std::string& model_json, const fs::path& dir) 
 // loss and the last checkpoint's weights (step-<steps>) within tol relative.
 void check_ranks_as_single(const TrainResult& ranks, const std::string& ranks_dir, const TrainResult& single,
                            const std::string& single_dir, const std::string& model_json, int steps, double tol) {
-  const std::vector<double> ls = logged_losses(single_dir), lr = logged_losses(ranks_dir);
-  REQUIRE(ls.size() == static_cast<size_t>(steps));
-  REQUIRE(lr.size() == ls.size());  // rank 0 alone logs
-  for (size_t i = 0; i < ls.size(); ++i) CHECK(std::abs(lr[i] - ls[i]) <= tol * std::abs(ls[i]));
+  check_losses_close(logged_losses(ranks_dir), logged_losses(single_dir), static_cast<size_t>(steps), tol);  // rank 0 alone logs
   REQUIRE(single.last_eval_loss.has_value());
   REQUIRE(ranks.last_eval_loss.has_value());
   CHECK(std::abs(*ranks.last_eval_loss - *single.last_eval_loss) <= tol * *single.last_eval_loss);
@@ -542,7 +565,6 @@ void check_ranks_as_single(const TrainResult& ranks, const std::string& ranks_di
 }  // namespace
 
 TEST_CASE("train with LoRA, data and tensor parallelism: TP 2 and DP 2 x TP 2 with dropout equal one process; the PEFT files are whole; resumed bit for bit") {
-  constexpr double kStepsOfRoundingTol = 1e-10;  // as for the full-parameter grids below
   Fixture fx;
   const auto lora_config = [&](const char* targets, double dropout) {
     RunConfig rc = fx.config(4);
@@ -586,9 +608,7 @@ TEST_CASE("train with LoRA, data and tensor parallelism: TP 2 and DP 2 x TP 2 wi
     INFO(grid_log.str());
     CHECK(grid_log.str().find("sample:") != std::string::npos);
     const std::vector<double> ls = logged_losses(single.run_dir), lt = logged_losses(grid.run_dir);
-    REQUIRE(ls.size() == 4);
-    REQUIRE(lt.size() == 4);
-    for (size_t i = 0; i < ls.size(); ++i) CHECK(std::abs(lt[i] - ls[i]) <= kStepsOfRoundingTol * std::abs(ls[i]));
+    check_losses_close(lt, ls, 4, kStepsOfRoundingTol);
     // The adapters' PEFT file: whole tensors, assembled from the TP shards.
     const fs::path a = fs::path(single.run_dir) / "step-000004", b = fs::path(grid.run_dir) / "step-000004";
     const SafetensorsReader fa((a / "adapter_model.safetensors").string()), fb((b / "adapter_model.safetensors").string());
@@ -619,9 +639,6 @@ TEST_CASE("train with LoRA, data and tensor parallelism: TP 2 and DP 2 x TP 2 wi
 }
 
 TEST_CASE("train tensor parallel: TP 2 and DP 2 x TP 2 (threads) equal one process; their checkpoints resume bit-identically") {
-  // As for data parallelism: the ranks' partial sums are added in another order than one process's
-  // sums, and a few AdamW steps amplify the rounding differences; far below any real difference.
-  constexpr double kStepsOfRoundingTol = 1e-10;
   Fixture fx;
   std::ostringstream log;
   const RunConfig single = fx.parallel_reference();
@@ -666,30 +683,14 @@ TEST_CASE("train tensor parallel: TP 2 and DP 2 x TP 2 (threads) equal one proce
   zero.parallel.zero = 1;
   zero.parallel.sequence_parallel = true;
   zero.parallel.tp_regather = true;
-  o.run_dir = fx.dir.file("zero-straight");
-  run_training(zero, o, log);
-  const std::vector<double> lz = logged_losses(o.run_dir);
-  REQUIRE(lz.size() == 4);
-  for (size_t i = 0; i < ls.size(); ++i) CHECK(std::abs(lz[i] - ls[i]) <= kStepsOfRoundingTol * std::abs(ls[i]));
-  TrainOptions part;
-  part.run_dir = fx.dir.file("zero-resumed");
-  CHECK(stop_and_resume(zero, part.run_dir, 2, log));
-  const std::vector<double> lr = logged_losses(part.run_dir);
-  REQUIRE(lr.size() == 4);
-  for (size_t i = 0; i < lz.size(); ++i) CHECK(lr[i] == lz[i]);
-  const fs::path straight_last = fs::path(o.run_dir) / "step-000004", resumed_last = fs::path(part.run_dir) / "step-000004";
-  for (const char* file : {"model.safetensors", "optimizer-rank-00000.safetensors", "optimizer-rank-00001.safetensors",
-                           "optimizer-rank-00002.safetensors", "optimizer-rank-00003.safetensors"}) {
-    CAPTURE(file);
-    CHECK(fs::exists(straight_last / file));
-    CHECK(test::read_text(straight_last / file) == test::read_text(resumed_last / file));
-  }
+  check_four_ranks_zero1(zero, fx.dir.file("zero-straight"), fx.dir.file("zero-resumed"), ls, log);
 
   // TP 2 without ZeRO: the same, from the TP shards' optimizer files.
   RunConfig tp_only = single;
   tp_only.parallel.tp = 2;
   o.run_dir = fx.dir.file("tp-straight");
   run_training(tp_only, o, log);
+  TrainOptions part;
   part.run_dir = fx.dir.file("tp-resumed");
   CHECK(stop_and_resume(tp_only, part.run_dir, 3, log));
   check_resumed_as_straight(o.run_dir, part.run_dir, 4,
@@ -713,9 +714,6 @@ TEST_CASE("train tensor parallel: TP 2 and DP 2 x TP 2 (threads) equal one proce
 
 TEST_CASE("train context parallel: CP 2 and DP 2 x CP 2 (threads) equal one process, LoRA's dropout too; ZeRO 1 "
           "over the grid resumes bit-identically; what it refuses") {
-  // As for data and tensor parallelism: the ranks' shares are summed in another order than one
-  // process's sums, and a few AdamW steps amplify the rounding; far below any real difference.
-  constexpr double kStepsOfRoundingTol = 1e-10;
   Fixture fx;
   std::ostringstream log;
   const RunConfig single = fx.parallel_reference();  // chunks 10, 10, 10, 2 of 32 tokens, each split in two
@@ -768,10 +766,7 @@ TEST_CASE("train context parallel: CP 2 and DP 2 x CP 2 (threads) equal one proc
   o.run_dir = fx.dir.file("cp-lora-grid");
   run_training(lora_grid, o, log);
   const std::vector<double> lora_ranks = logged_losses(o.run_dir);
-  REQUIRE(lora_single.size() == 4);
-  REQUIRE(lora_ranks.size() == 4);
-  for (size_t i = 0; i < lora_single.size(); ++i)
-    CHECK(std::abs(lora_ranks[i] - lora_single[i]) <= kStepsOfRoundingTol * std::abs(lora_single[i]));
+  check_losses_close(lora_ranks, lora_single, 4, kStepsOfRoundingTol);
 
   // DP 2 x CP 2 with ZeRO 1: the moments sharded over the four ranks; stopped at step 2 and resumed,
   // the same bits as straight through.
@@ -780,17 +775,9 @@ TEST_CASE("train context parallel: CP 2 and DP 2 x CP 2 (threads) equal one proc
   zero.parallel.dp = 2;
   zero.parallel.cp = 2;
   zero.parallel.zero = 1;
-  o.run_dir = fx.dir.file("cp-zero-straight");
-  run_training(zero, o, log);
-  const std::vector<double> lz = logged_losses(o.run_dir);
-  REQUIRE(lz.size() == 4);
-  for (size_t i = 0; i < ls.size(); ++i) CHECK(std::abs(lz[i] - ls[i]) <= kStepsOfRoundingTol * std::abs(ls[i]));
   TrainOptions part;
   part.run_dir = fx.dir.file("cp-zero-resumed");
-  CHECK(stop_and_resume(zero, part.run_dir, 2, log));
-  check_resumed_as_straight(o.run_dir, part.run_dir, 4,
-                            {"model.safetensors", "optimizer-rank-00000.safetensors", "optimizer-rank-00001.safetensors",
-                             "optimizer-rank-00002.safetensors", "optimizer-rank-00003.safetensors"});
+  check_four_ranks_zero1(zero, fx.dir.file("cp-zero-straight"), part.run_dir, ls, log);
   // Its shards resume only over the same dp x cp ranks.
   part.resume = true;
   RunConfig other = zero;
@@ -862,7 +849,6 @@ TEST_CASE("train with [rope]: the override is the model trained, and its checkpo
 }
 
 TEST_CASE("train with packed documents and data.loss = assistant: the mask shapes the loss; 2 ranks equal one process; resume is bit-identical") {
-  constexpr double kStepsOfRoundingTol = 1e-10;  // as the data-parallel case above
   Fixture fx;
   // Chat-like data: documents of 9 to 40 byte tokens, each BOS first; the second half of each is the
   // "assistant's" (the loss mask), as chunkwise tokenize --chat-jsonl would mark it.
@@ -909,9 +895,7 @@ TEST_CASE("train with packed documents and data.loss = assistant: the mask shape
   ranks.parallel.dp = 2;
   o.run_dir = fx.dir.file("dp");
   const TrainResult d = run_training(ranks, o, log);
-  const std::vector<double> ld = logged_losses(o.run_dir);
-  REQUIRE(ld.size() == 4);
-  for (size_t i = 0; i < la.size(); ++i) CHECK(std::abs(ld[i] - la[i]) <= kStepsOfRoundingTol * std::abs(la[i]));
+  check_losses_close(logged_losses(o.run_dir), la, 4, kStepsOfRoundingTol);
   REQUIRE(d.last_eval_loss.has_value());
   CHECK(std::abs(*d.last_eval_loss - *a.last_eval_loss) <= kStepsOfRoundingTol * *a.last_eval_loss);
 
@@ -958,9 +942,6 @@ std::string run_zero0_then_zero3(const Fixture& fx, const RunConfig& zero0, cons
 }  // namespace
 
 TEST_CASE("train with ZeRO 3: 2 ranks (threads) equal ZeRO 0 (f64); the checkpoint is the whole model and each rank's shard; resumed bit for bit") {
-  // ZeRO 3 reduce-scatters each block's gradient once per backward chunk, ZeRO 0 all-reduces the
-  // step's sum: the same sum in another order, a few AdamW steps amplifying its rounding.
-  constexpr double kStepsOfRoundingTol = 1e-10;
   Fixture fx;
   std::ostringstream log;
   RunConfig zero0 = fx.config(4);
@@ -1039,7 +1020,6 @@ TEST_CASE("train with ZeRO 3: 2 ranks (threads) equal ZeRO 0 (f64); the checkpoi
 }
 
 TEST_CASE("train with LoRA and ZeRO 3: the frozen base sharded over 2 ranks (threads) equals ZeRO 0 with dropout (f64); PEFT files; resumed bit for bit") {
-  constexpr double kStepsOfRoundingTol = 1e-10;  // as for the full-parameter case
   Fixture fx;
   RunConfig zero0 = fx.config(4);
   zero0.model.dtype = "f64";

@@ -4,6 +4,7 @@
 #include "tools/train/run_config.h"
 
 #include "engine/error.h"
+#include "model/cp_group.h"
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -553,9 +554,7 @@ void RunConfig::validate() const {
     if (schedule.save_inputs)
       fail("schedule.save_inputs keeps every token of a chunk; parallel.cp splits them over ranks",
            "set schedule.save_inputs = false with parallel.cp");
-    // Every chunk (the last one's remainder too) splits into cp equal shares.
-    const auto splits = [&](int64_t c) { return c <= 0 || c >= data.seq_len || c % P == 0; };
-    if (data.seq_len % P != 0 || !splits(schedule.chunk) || !splits(schedule.bwd_chunk))
+    if (!cp_splits_chunks(P, data.seq_len, schedule.chunk, schedule.bwd_chunk))
       fail(fmt::format("parallel.cp = {} splits every chunk's tokens into equal shares: data.seq_len = {}, "
                        "schedule.chunk = {} and schedule.bwd_chunk = {} must be multiples of it",
                        P, data.seq_len, schedule.chunk, schedule.bwd_chunk),
