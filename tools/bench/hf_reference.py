@@ -6,11 +6,14 @@ Setup (../shared/BENCHMARKS.md, "What a user would pick instead"): the family's 
 Gemma2ForCausalLM: the families chunkwise trains, by the config's model_type, llama without one) built
 from a hard-coded config of the named shape with random init; fp32 master weights, the step under bf16
 autocast; attn_implementation="sdpa" (Gemma 2: "flex_attention", the one fast path of transformers
-that applies its score cap; SDPA drops it, eager keeps T x T scores); fused AdamW (torch.optim.AdamW(fused=True)); random token ids (never
+that applies its score cap; SDPA drops it, eager keeps T x T scores; Mistral past its window:
+"flex_attention", below); fused AdamW (torch.optim.AdamW(fused=True)); random token ids (never
 zeros) with labels = input ids (HF shifts them inside the loss); optionally gradient checkpointing
-(gradient_checkpointing_enable, use_reentrant=False). Mistral's sliding window is the model's own:
-under SDPA transformers hands it as a [B, 1, T, T] boolean mask once T reaches the window, as a
-Mistral user on SDPA runs it. Qwen's windows stay off (use_sliding_window false, as in the released
+(gradient_checkpointing_enable, use_reentrant=False). Mistral's sliding window is the model's own;
+once T passes the window the model runs on "flex_attention": transformers' SDPA path would hand the
+window as a [B, 1, T, T] boolean mask (4 GiB at 64K), which sends SDPA to a kernel that visits every
+one of the T^2 pairs, while FlexAttention gets the window as a
+BlockMask and skips the blocks outside it, as flash-attn's window would. Qwen's windows stay off (use_sliding_window false, as in the released
 models); a config that turns them on is refused, as chunkwise refuses it.
 
 LoRA (--lora-rank R > 0): what a PEFT user runs instead. The base is built in bf16 (dtype=torch.bfloat16)
@@ -550,7 +553,10 @@ def run(args, res):
     # Packed documents need a mask that keeps them apart: FlexAttention's, given per step. Gemma 2's
     # score cap: transformers' SDPA path drops it (only eager and FlexAttention apply it), and eager
     # materialises every layer's T x T scores, so FlexAttention, as transformers advises for Gemma 2.
-    attention = "flex_attention" if args.documents or family == "gemma2" else "sdpa"
+    # Mistral past its window: SDPA would get a T x T mask and visit every pair; FlexAttention skips
+    # the blocks outside the window.
+    windowed = family == "mistral" and 0 < window < args.seq
+    attention = "flex_attention" if args.documents or family == "gemma2" or windowed else "sdpa"
     model_class = getattr(transformers, FAMILIES[family][1])
     with torch.device("cuda"):  # initialise on the device: the 8B shape would take minutes on the CPU
         if lora:  # the frozen base in bf16, as a PEFT user loads it
