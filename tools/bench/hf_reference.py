@@ -12,9 +12,9 @@ zeros) with labels = input ids (HF shifts them inside the loss); optionally grad
 (gradient_checkpointing_enable, use_reentrant=False). Mistral's sliding window is the model's own;
 once T passes the window the model runs on "flex_attention": transformers' SDPA path would hand the
 window as a [B, 1, T, T] boolean mask (4 GiB at 64K), which sends SDPA to a kernel that visits every
-one of the T^2 pairs, while FlexAttention gets the window as a
-BlockMask and skips the blocks outside it, as flash-attn's window would. Qwen's windows stay off (use_sliding_window false, as in the released
-models); a config that turns them on is refused, as chunkwise refuses it.
+one of the T^2 pairs, while FlexAttention gets the window as a BlockMask and skips the blocks outside
+it, as flash-attn's window would. Qwen's windows stay off (use_sliding_window false, as in the
+released models); a config that turns them on is refused, as chunkwise refuses it.
 
 LoRA (--lora-rank R > 0): what a PEFT user runs instead. The base is built in bf16 (dtype=torch.bfloat16)
 and frozen: no fp32 master copy, no gradients, no optimizer state for it. peft.get_peft_model wraps it
