@@ -274,24 +274,46 @@ __global__ void __launch_bounds__(NW * 32) tc_forward_kernel(const Operands<bf16
 // contribution dS (BR x BC) K (BC x D) together (fused_dq_tile) and add it into the f32
 // accumulator with 8-byte atomics.
 // ------------------------------------------------------------------------------------------------
-// A dK/dV CTA's keys [k0, k0 + BC) of K/V head g: its K and V tiles (rows past the keys zeroed).
-template <int D, int BC, int THREADS>
-__device__ __forceinline__ void load_key_block(bf16_t* sK, bf16_t* sV, const Operands<bf16_t>& a, const Problem& pr,
-                                               int b, int g, int k0) {
-  load_tile<D, BC, THREADS>(sK, a.k + b * pr.k_batch + k0 * pr.kv_row + g * D, pr.kv_row, pr.S - k0, a.k);
-  load_tile<D, BC, THREADS>(sV, a.v + b * pr.v_batch + k0 * pr.kv_row + g * D, pr.kv_row, pr.S - k0, a.v);
-}
+// A dK/dV CTA's loads. Its keys [k0, k0 + BC) of K/V head g: the K and V tiles, once (rows past
+// the keys zeroed). Then per step of key_block_steps the Q and dO tiles of the step's head and query
+// rows [q0, q0 + BR) (rows past the chunk zeroed) and their lse and Delta, double buffered by
+// cp.async: step s lands in stage s & 1 while step s - 1 computes. Construction issues the K/V tiles
+// and step 0's rows; begin_step(s) starts step s.
+template <int D, int BC, int BR, int THREADS> struct DkdvLoads {
+  bf16_t* sQ;  // [2][BR * D]
+  bf16_t* sdO;  // [2][BR * D]
+  float* sLse;  // [2][BR]
+  float* sDelta;  // [2][BR]
+  const Operands<bf16_t>& a;
+  const Problem& pr;
+  int b, g;
+  KeyBlockSteps steps;
 
-// A dK/dV step's query rows into shared-memory stage `stage`: the Q and dO tiles of head h's rows
-// [q0, q0 + BR) (rows past the chunk zeroed) and their lse and Delta.
-template <int D, int BR, int THREADS>
-__device__ __forceinline__ void load_query_step(bf16_t* sQ, bf16_t* sdO, float* sLse, float* sDelta,
-                                                const Operands<bf16_t>& a, const Problem& pr, int b, int h, int q0,
-                                                int stage) {
-  load_tile<D, BR, THREADS>(sQ + stage * BR * D, a.q + q_offset(pr, b, q0, h), pr.q_row, pr.c - q0, a.q);
-  load_tile<D, BR, THREADS>(sdO + stage * BR * D, a.d_out + q_offset(pr, b, q0, h), pr.q_row, pr.c - q0, a.d_out);
-  load_row_stats<BR, THREADS>(sLse + stage * BR, sDelta + stage * BR, a.lse, a.delta, pr, b, h, q0);
-}
+  __device__ __forceinline__ DkdvLoads(bf16_t* sK, bf16_t* sV, bf16_t* sQ_, bf16_t* sdO_, float* sLse_,
+                                       float* sDelta_, const Operands<bf16_t>& a_, const Problem& pr_, int b_,
+                                       int g_, int k0)
+      : sQ(sQ_), sdO(sdO_), sLse(sLse_), sDelta(sDelta_), a(a_), pr(pr_), b(b_), g(g_) {
+    load_tile<D, BC, THREADS>(sK, a.k + b * pr.k_batch + k0 * pr.kv_row + g * D, pr.kv_row, pr.S - k0, a.k);
+    load_tile<D, BC, THREADS>(sV, a.v + b * pr.v_batch + k0 * pr.kv_row + g * D, pr.kv_row, pr.S - k0, a.v);
+    steps = key_block_steps(pr, b, k0, BC, BR);
+    if (steps.count > 0) issue(0);
+    cp_async_commit();
+  }
+  // The top of step `step`: its rows have landed and every thread is past step - 1 (its stage, and
+  // any shared tile the step wrote, are free again); step + 1's rows go into the other stage.
+  __device__ __forceinline__ void begin_step(int step) const {
+    cp_async_wait_all();
+    __syncthreads();
+    if (step + 1 < steps.count) issue(step + 1);
+    cp_async_commit();
+  }
+  __device__ __forceinline__ void issue(int step) const {
+    const int h = steps.head(pr, g, step), q0 = steps.q0(step, BR), stage = step & 1;
+    load_tile<D, BR, THREADS>(sQ + stage * BR * D, a.q + q_offset(pr, b, q0, h), pr.q_row, pr.c - q0, a.q);
+    load_tile<D, BR, THREADS>(sdO + stage * BR * D, a.d_out + q_offset(pr, b, q0, h), pr.q_row, pr.c - q0, a.d_out);
+    load_row_stats<BR, THREADS>(sLse + stage * BR, sDelta + stage * BR, a.lse, a.delta, pr, b, h, q0);
+  }
+};
 
 template <int D, int NW, int BR, bool FUSED_DQ> struct TcDkdv {
   static constexpr int kThreads = NW * 32, kKeys = NW * 16;
@@ -359,22 +381,13 @@ __global__ void __launch_bounds__(NW * 32) tc_dkdv_kernel(const Operands<bf16_t>
   const int k0 = kb * BC, warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = lane & 3;
   const int wkey = warp * 16;
 
-  load_key_block<D, BC, Cfg::kThreads>(sK, sV, a, pr, b, g, k0);
-  const KeyBlockSteps steps = key_block_steps(pr, b, k0, BC, BR);
-  auto issue = [&](int step) {  // the step's query rows into stage step & 1
-    load_query_step<D, BR, Cfg::kThreads>(sQ, sdO, sLse, sDelta, a, pr, b, steps.head(pr, g, step), steps.q0(step, BR),
-                                          step & 1);
-  };
-  if (steps.count > 0) issue(0);
-  cp_async_commit();
+  const DkdvLoads<D, BC, BR, Cfg::kThreads> loads(sK, sV, sQ, sdO, sLse, sDelta, a, pr, b, g, k0);
+  const KeyBlockSteps& steps = loads.steps;
 
   float dk[DT][4] = {}, dv[DT][4] = {};
   uint32_t kf[Cfg::kKVInRegs ? D / 16 : 1][4], vf[Cfg::kKVInRegs ? D / 16 : 1][4];
   for (int step = 0; step < steps.count; ++step) {
-    cp_async_wait_all();
-    __syncthreads();
-    if (step + 1 < steps.count) issue(step + 1);
-    cp_async_commit();
+    loads.begin_step(step);
     if constexpr (Cfg::kKVInRegs) {
       if (step == 0) {
         load_a_frags<D>(kf, sK, wkey, lane);
@@ -568,22 +581,13 @@ __global__ void __launch_bounds__(256) tc_dkdv_wide_kernel(const Operands<bf16_t
   const int wq = (warp >> 2) * 32;         // its 32 queries of S^T and dP^T
   const int wcol = (warp >> 2) * COLS;     // its head-dim columns of dK and dV
 
-  load_key_block<D, BC, Cfg::kThreads>(sK, sV, a, pr, b, g, k0);
-  const KeyBlockSteps steps = key_block_steps(pr, b, k0, BC, BR);
-  auto issue = [&](int step) {  // the step's query rows into stage step & 1
-    load_query_step<D, BR, Cfg::kThreads>(sQ, sdO, sLse, sDelta, a, pr, b, steps.head(pr, g, step), steps.q0(step, BR),
-                                          step & 1);
-  };
-  if (steps.count > 0) issue(0);
-  cp_async_commit();
+  const DkdvLoads<D, BC, BR, Cfg::kThreads> loads(sK, sV, sQ, sdO, sLse, sDelta, a, pr, b, g, k0);
+  const KeyBlockSteps& steps = loads.steps;
 
   float dk[COLS / 8][4] = {}, dv[COLS / 8][4] = {};
   const uint32_t no_regs[1][4] = {};  // mma_abt's register operand, unused: A comes from shared memory
   for (int step = 0; step < steps.count; ++step) {
-    cp_async_wait_all();
-    __syncthreads();  // this step's tiles have landed; last step's P^T, dS^T and stage are no longer read
-    if (step + 1 < steps.count) issue(step + 1);
-    cp_async_commit();
+    loads.begin_step(step);  // past it, last step's P^T and dS^T are no longer read
     const int stage = step & 1, q0 = steps.q0(step, BR);
     const bf16_t* cQ = sQ + stage * BR * D;
     const bf16_t* cdO = sdO + stage * BR * D;
