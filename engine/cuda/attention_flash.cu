@@ -172,13 +172,14 @@ Problem check_common(const Tensor& q, const Tensor& k, const Tensor& v, double s
 
 bool aligned(const Tensor& t, size_t bytes) { return reinterpret_cast<uintptr_t>(t.data) % bytes == 0; }
 
-// The tensor-core families need bf16 and 16-byte aligned rows for cp.async; mma takes D = 64, 128
-// or 256 and the score cap, wgmma D = 64 or 128 without it.
+// The tensor-core families need a shape their kernels are instantiated for (the chooser's rules,
+// engine/ops/attention.h: mma bf16 at D = 64, 128 or 256 with the score cap or without, wgmma bf16
+// at D = 64 or 128 without it) and 16-byte aligned rows for cp.async.
 bool tensor_core_path(FlashFamily family, const Problem& pr, DType dtype,
                       std::initializer_list<const Tensor*> bf16_operands) {
-  const bool shape = family == FlashFamily::mma ? pr.D == 64 || pr.D == 128 || pr.D == 256
-                                                : (pr.D == 64 || pr.D == 128) && pr.softcap == 0.0f;
-  if (dtype != DType::bf16 || !shape || pr.k_batch % 8 != 0 || pr.v_batch % 8 != 0) return false;
+  const AttentionShape shape{dtype, pr.D, pr.window > 0, pr.softcap > 0.0f};
+  const bool takes = family == FlashFamily::mma ? mma_flash_takes_shape(shape) : wgmma_flash_takes_shape(shape);
+  if (!takes || pr.k_batch % 8 != 0 || pr.v_batch % 8 != 0) return false;
   for (const Tensor* t : bf16_operands)
     if (!aligned(*t, 16)) return false;
   return true;

@@ -85,7 +85,7 @@ bool flash_wgmma_available(int device);
 // none: one document): packed documents in one call, int32 [B, c] on the device (rows contiguous, any
 // pitch between sequences), the first key of each query's document (ascending along each sequence); a
 // query sees only keys of its own document, as attention_forward_documents defines. softcap: the
-// score cap of engine/ops/attention.h (0: none; the simt family only).
+// score cap of engine/ops/attention.h (0: none; the mma and simt families).
 void flash_attention_forward(const Tensor& out, const AttentionSaved& saved, const Tensor& q, const Tensor& k,
                              const Tensor& v, double scale, FlashFamily family, bool causal = true,
                              AttentionWindow window = {}, const Tensor& doc_first = {}, double softcap = 0.0);

@@ -213,10 +213,11 @@ void plan_time(const StepPlan& s, PlanReport& r) {
   // The rate of the calls that dominate: the reverse chunks' against all T keys. A streamed store's
   // blocks each run as one unmasked or square graph: one masked graph's rate, then its measured
   // slowdown.
-  const double tflops = !tensor_core_attention(cf, s.dtype) ? kSimtAttentionTflops
-                        : D > 128 ? kMmaHeadDim256AttentionTflops
-                                  : attention_tflops(D, !s.streamed && cudnn_splits_prefix(s.bwd_chunk, T));
-  const bool streamed_blocks = s.streamed && tensor_core_attention(cf, s.dtype);  // the slowdown measured on cuDNN
+  const bool tensor_cores = tensor_core_attention(cf, s.dtype);
+  const double tflops = !tensor_cores ? kSimtAttentionTflops
+                        : D > 128     ? kMmaHeadDim256AttentionTflops
+                                      : attention_tflops(D, !s.streamed && cudnn_splits_prefix(s.bwd_chunk, T));
+  const bool streamed_blocks = s.streamed && tensor_cores;  // the slowdown measured on cuDNN
   const double attention_s = attention / (tflops * 1e12) * (streamed_blocks ? kStreamedAttentionSlowdown : 1.0);
   // The backward's dK, dV adds: per key and layer, K's and V's bf16 gradient read and the f32
   // accumulator read and written.
