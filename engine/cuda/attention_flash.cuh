@@ -198,9 +198,15 @@ template <bool CAP> __device__ __forceinline__ float score_log2(const Problem& p
   }
 }
 
-// dQ accumulator += X, two neighbouring f32 (one 8-byte vector atomic on sm_90).
+// dQ accumulator += X, two neighbouring f32: one 8-byte vector atomic where the GPU has it (sm_90
+// on), two 4-byte atomics before.
 __device__ __forceinline__ void atomic_add2(float* dst, float x, float y) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  atomicAdd(dst, x);
+  atomicAdd(dst + 1, y);
+#else
   atomicAdd(reinterpret_cast<float2*>(dst), make_float2(x, y));
+#endif
 }
 
 // The bf16 A fragment (mma.m16n8k16 layout, which wgmma's register A shares) of k-step kk of a
