@@ -73,9 +73,9 @@ void lora_linear_backward(const Tensor& d_x, const Tensor& d_a, const Tensor& d_
 
 // Our flash kernels (engine/cuda/attention_flash*.cu): one entry per direction, the family named.
 //   wgmma: Hopper warpgroup MMA (sm_90a build, compute capability 9.0), bf16, D 64/128, 16-byte aligned
-//   mma:   mma.sync tensor cores (any GPU we build for), bf16, D 64/128, 16-byte aligned
-//   simt:  no tensor cores: f32 or bf16, any even D <= 256 (the readable reference, the f32 path and
-//          the only family with the score cap)
+//   mma:   mma.sync tensor cores (any GPU we build for), bf16, D 64/128/256, 16-byte aligned, score cap
+//   simt:  no tensor cores: f32 or bf16, any even D <= 256 (the readable reference and the f32 path),
+//          score cap
 // The tensor-core backward is fused (dQ summed with f32 atomics) unless `deterministic`, which runs
 // the two-kernel form whose every sum has a fixed order.
 enum class FlashFamily { wgmma, mma, simt };
