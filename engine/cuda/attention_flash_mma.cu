@@ -121,6 +121,21 @@ __device__ __forceinline__ void mma_abt(float (&acc)[N / 8][4], const uint32_t (
   }
 }
 
+// One k-step of a product by a K x D tile Bk (rows = k) in shared memory: acc[16 x N] += A[16 x 16]
+// Bk[k0 .. k0 + 16, col0 .. col0 + N), A one k-step's fragment (mma.m16n8k16's A layout), for the
+// products by Bk whose A is read from shared memory (fused_dq_tile's dS, mma_sb's P^T and dS^T).
+template <int D, int N>
+__device__ __forceinline__ void mma_kstep_bk(float (&acc)[N / 8][4], const uint32_t (&a)[4], const bf16_t* bk, int k0,
+                                             int col0, int lane) {
+#pragma unroll
+  for (int dp = 0; dp < N / 16; ++dp) {
+    uint32_t b[4];
+    ldsm_x4_trans(b, bk_addr<D>(bk, k0, col0 / 16 + dp, lane));
+    mma(acc[2 * dp], a, b[0], b[1]);
+    mma(acc[2 * dp + 1], a, b[2], b[3]);
+  }
+}
+
 // acc[16 x D] += X[16 x K] * Bk where X is given as f32 accumulators of K / 8 n-tiles (packed to
 // bf16 here) and Bk is a K x D tile (rows = k): O += P V, dQ += dS K, dV += P^T dO, dK += dS^T Q.
 template <int D, int K>
@@ -345,13 +360,7 @@ __device__ __forceinline__ void fused_dq_tile(const Operands<bf16_t>& a, const P
       uint32_t af[4];
       ldsm_x4_trans(af, smem_addr(sdS + swz<BR>(kk * 16 + ((lane >> 4) & 1) * 8 + (lane & 7),
                                                 row0 / 8 + ((lane >> 3) & 1))));
-#pragma unroll
-      for (int dp = 0; dp < DQN / 16; ++dp) {
-        uint32_t bf[4];
-        ldsm_x4_trans(bf, bk_addr<D>(sK, kk * 16, col0 / 16 + dp, lane));
-        mma(dq[2 * dp], af, bf[0], bf[1]);
-        mma(dq[2 * dp + 1], af, bf[2], bf[3]);
-      }
+      mma_kstep_bk<D, DQN>(dq, af, sK, kk * 16, col0, lane);
     }
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
@@ -551,13 +560,7 @@ __device__ __forceinline__ void mma_sb(float (&acc)[N / 8][4], const bf16_t* a_t
   for (int kk = 0; kk < K / 16; ++kk) {
     uint32_t af[4];
     ldsm_x4(af, a_addr<K>(a_tile, a_row0, kk, lane));
-#pragma unroll
-    for (int dp = 0; dp < N / 16; ++dp) {
-      uint32_t bf[4];
-      ldsm_x4_trans(bf, bk_addr<D>(bk, kk * 16, col0 / 16 + dp, lane));
-      mma(acc[2 * dp], af, bf[0], bf[1]);
-      mma(acc[2 * dp + 1], af, bf[2], bf[3]);
-    }
+    mma_kstep_bk<D, N>(acc, af, bk, kk * 16, col0, lane);
   }
 }
 

@@ -183,8 +183,7 @@ def main():
         if device.type != "cuda":
             ap.error("--liger: Liger's kernels are Triton's and need --device cuda")
         from liger_kernel.transformers import apply_liger_kernel_to_llama
-        apply_liger_kernel_to_llama(rope=True, rms_norm=True, swiglu=True, cross_entropy=False,
-                                    fused_linear_cross_entropy=True)
+        apply_liger_kernel_to_llama(**hf_reference.liger_options("llama"))
     torch.manual_seed(args.seed)
     with torch.device(device):  # a config each: a model keeps its config object, attention choice included
         packed_model = LlamaForCausalLM._from_config(hf_reference.make_config(CHECK_MODEL),

@@ -179,10 +179,14 @@ FAMILIES = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", "apply_liger_kernel_to_gemma2"),
 }
 # Liger's options: the LM head fused with cross-entropy (which never materialises the [tokens, vocab]
-# logits) rather than Liger's plain cross-entropy; the gated MLP's kernel, SwiGLU or Gemma's GeGLU.
-LIGER_OPTIONS = dict(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True)
-LIGER_OPTIONS_OF = {"gemma2": dict(rope=True, rms_norm=True, geglu=True, cross_entropy=False,
-                                   fused_linear_cross_entropy=True)}
+# logits) rather than Liger's plain cross-entropy, and the gated MLP's kernel: SwiGLU, or Gemma's GeGLU.
+LIGER_OPTIONS = dict(rope=True, rms_norm=True, cross_entropy=False, fused_linear_cross_entropy=True)
+GATED_MLP_OPTION = {"gemma2": "geglu"}  # else "swiglu"
+
+
+def liger_options(family):
+    """The options Liger's patch for the family is asked for: LIGER_OPTIONS and its gated MLP's."""
+    return dict(LIGER_OPTIONS, **{GATED_MLP_OPTION.get(family, "swiglu"): True})
 
 
 def load_config_dict(spec):
@@ -488,12 +492,12 @@ def add_lora(model, lora, checkpointing):
 
 
 def apply_liger(liger_transformers, family):
-    """Liger's patch for the family with its options (LIGER_OPTIONS_OF, else LIGER_OPTIONS), those its
-    function takes (all of them in liger-kernel 0.8.5, for every family here); returns what was applied, for the JSON:
+    """Liger's patch for the family with its options (liger_options), those its function takes (all of
+    them in liger-kernel 0.8.5, for every family here); returns what was applied, for the JSON:
     {function, options, not_taken} (not_taken: the options the function has no parameter for)."""
     import inspect
     name = FAMILIES[family][2]
-    wanted = LIGER_OPTIONS_OF.get(family, LIGER_OPTIONS)
+    wanted = liger_options(family)
     apply = getattr(liger_transformers, name, None)
     if apply is None:
         raise RuntimeError(f"--liger: liger_kernel.transformers has no {name}; this liger-kernel does not patch "
@@ -538,7 +542,7 @@ def run(args, res):
     torch.manual_seed(args.seed)
     if args.liger:
         # The long-context peer: Liger's Triton kernels patched into the family's HF modules before the
-        # model is built (LIGER_OPTIONS).
+        # model is built (liger_options).
         try:
             import liger_kernel
             import liger_kernel.transformers as liger_transformers
